@@ -1,0 +1,24 @@
+"""flash_attention: exact attention for PyTorch, computed tile by tile with an online softmax.
+
+Public entry points:
+
+* :func:`attention` -- softmax(Q K^T * scale) V in the (batch, seqlen, heads, head_dim) layout, on our CUDA
+  kernels when they can run and through PyTorch (same semantics) otherwise;
+* :func:`forward` / :func:`forward_timed` -- run one named :class:`KernelConfig`;
+* :class:`KernelConfig` / :func:`parse_config` -- kernel configurations.
+"""
+
+from .configs import KernelConfig, default_config, parse_config
+from .interface import attention, forward, forward_timed
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "attention",
+    "forward",
+    "forward_timed",
+    "KernelConfig",
+    "parse_config",
+    "default_config",
+    "__version__",
+]

@@ -1,0 +1,354 @@
+"""Kernel configurations: the one source of truth for a forward kernel's compile-time shape.
+
+A :class:`KernelConfig` names one instantiation of the forward kernel family. From it come
+
+* a canonical short name (``str(cfg)`` / :meth:`KernelConfig.name`) that :func:`parse_config` turns back
+  into an equal object, e.g. ``(BF16, 128, 64, 64, 4): async+eager+swizzled+load_0_2_2_tiles+buffer+opt_softmax``;
+* the C identifier used as the kernel's symbol (:meth:`KernelConfig.symbol`), which also parses back;
+* the C++ ``struct`` of named compile-time constants the kernel template is instantiated with
+  (:meth:`KernelConfig.cpp_struct`), never positional template arguments;
+* the validity rules (:func:`validity_errors`), mirrored one for one by ``static_assert`` in
+  ``csrc/kernels/sm80/fwd/fwd_kernel.cuh``;
+* the part of the JIT cache key that depends on the configuration (:meth:`KernelConfig.key`).
+
+Nothing about the problem shape (batch, heads, sequence lengths) is compiled in: only the padded head
+dimension and the tile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+__all__ = [
+    "KernelConfig",
+    "parse_config",
+    "validity_errors",
+    "HEAD_DIMS",
+    "padded_head_dim",
+    "default_config",
+    "smem_bytes",
+    "estimated_registers",
+    "SMEM_LIMIT_SM80",
+]
+
+#: Head dimensions a kernel is instantiated for. Any other multiple of 8 up to 256 runs on the next size up
+#: with the tail masked: loads zero-fill the missing columns and stores skip them. All are multiples of 64
+#: so a shared-memory row holds whole groups of eight 16-byte chunks, which the XOR swizzle needs.
+HEAD_DIMS = (64, 128, 192, 256)
+
+DTYPES = ("fp16", "bf16")
+
+#: The largest dynamic shared memory one block may opt into on sm_80 (A100: 163 KB); sm_90 allows 227 KB.
+#: Shipped configs must fit the smaller so one config list serves both architectures.
+SMEM_LIMIT_SM80 = 163 * 1024
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """The instantiated head dimension a problem of ``head_dim`` runs on."""
+    for d in HEAD_DIMS:
+        if head_dim <= d:
+            return d
+    raise ValueError(f"head_dim must be at most {HEAD_DIMS[-1]}; got {head_dim}")
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """One forward-kernel instantiation.
+
+    Attributes:
+        dtype: ``"fp16"`` or ``"bf16"`` (inputs and output; the softmax is always fp32).
+        head_dim: instantiated head dimension, one of :data:`HEAD_DIMS`.
+        block_q: B_r, query rows per thread block.
+        block_kv: B_c, keys per K/V tile.
+        num_warps: warps per block; query rows are split evenly over them (``block_q / num_warps`` each).
+        async_copy: global->shared copies with ``cp.async`` (else plain loads and stores through registers).
+        eager: issue the load of V_j before computing S_j and of K_{j+1} before computing P_j V_j, so copies
+            overlap the matrix work (needs ``async_copy``).
+        swizzle: XOR-swizzle 16-byte chunks in shared memory so ``ldmatrix`` is free of bank conflicts.
+        q_frags: 16-wide slices of head_dim of Q loaded from shared memory per step; 0 keeps all of Q in
+            registers for the whole kernel.
+        k_frags: 16-wide slices of head_dim of K loaded per step (0: all of them at once).
+        v_frags: 16-key slices of V loaded per step (0: all of them at once).
+        double_buffer: load the next group of fragments into a second register buffer while the mma
+            instructions consume the current one.
+        opt_softmax: fold the softmax scale and log2(e) into one FMA feeding ``ex2`` (else scale S, then exp).
+        reverse_kv: visit K/V blocks from last to first (causal: the masked diagonal blocks come first).
+    """
+
+    dtype: str
+    head_dim: int
+    block_q: int
+    block_kv: int
+    num_warps: int
+    async_copy: bool = True
+    eager: bool = True
+    swizzle: bool = True
+    q_frags: int = 0
+    k_frags: int = 2
+    v_frags: int = 2
+    double_buffer: bool = True
+    opt_softmax: bool = True
+    reverse_kv: bool = False
+
+    def __post_init__(self) -> None:
+        errors = validity_errors(self)
+        if errors:
+            raise ValueError(f"invalid kernel config {self.name()}: " + "; ".join(errors))
+
+    # ----------------------------------------------------------------------------------------------
+    # Derived quantities
+    @property
+    def threads(self) -> int:
+        return 32 * self.num_warps
+
+    @property
+    def rows_per_warp(self) -> int:
+        return self.block_q // self.num_warps
+
+    @property
+    def smem_bytes(self) -> int:
+        return smem_bytes(self)
+
+    # ----------------------------------------------------------------------------------------------
+    # Names
+    def flags(self) -> list[str]:
+        out = ["async" if self.async_copy else "sync"]
+        if self.eager:
+            out.append("eager")
+        if self.swizzle:
+            out.append("swizzled")
+        out.append(f"load_{self.q_frags}_{self.k_frags}_{self.v_frags}_tiles")
+        if self.double_buffer:
+            out.append("buffer")
+        if self.opt_softmax:
+            out.append("opt_softmax")
+        if self.reverse_kv:
+            out.append("reverse")
+        return out
+
+    def name(self) -> str:
+        head = f"({self.dtype.upper()}, {self.head_dim}, {self.block_q}, {self.block_kv}, {self.num_warps})"
+        return f"{head}: " + "+".join(self.flags())
+
+    def __str__(self) -> str:
+        return self.name()
+
+    def symbol(self, causal: bool = False) -> str:
+        """C identifier of the kernel entry point (what a profiler shows)."""
+        parts = [
+            "flash_fwd",
+            self.dtype,
+            f"d{self.head_dim}",
+            f"q{self.block_q}",
+            f"kv{self.block_kv}",
+            f"w{self.num_warps}",
+            *self.flags(),
+        ]
+        if causal:
+            parts.append("causal")
+        return "__".join(parts)
+
+    def key(self) -> str:
+        """Stable text used in the JIT cache key."""
+        return self.symbol()
+
+    def replace(self, **changes) -> KernelConfig:
+        return dataclasses.replace(self, **changes)
+
+    def cpp_struct(self, struct_name: str = "Cfg") -> str:
+        """The C++ struct of named constants the kernel template is instantiated with."""
+        fields = [
+            ("kIsBF16", "bool", _b(self.dtype == "bf16")),
+            ("kHeadDim", "int", str(self.head_dim)),
+            ("kBlockQ", "int", str(self.block_q)),
+            ("kBlockKV", "int", str(self.block_kv)),
+            ("kNumWarps", "int", str(self.num_warps)),
+            ("kAsyncCopy", "bool", _b(self.async_copy)),
+            ("kEager", "bool", _b(self.eager)),
+            ("kSwizzle", "bool", _b(self.swizzle)),
+            ("kQFrags", "int", str(self.q_frags)),
+            ("kKFrags", "int", str(self.k_frags)),
+            ("kVFrags", "int", str(self.v_frags)),
+            ("kDoubleBuffer", "bool", _b(self.double_buffer)),
+            ("kOptSoftmax", "bool", _b(self.opt_softmax)),
+            ("kReverseKV", "bool", _b(self.reverse_kv)),
+        ]
+        body = "\n".join(f"  static constexpr {t} {n} = {v};" for n, t, v in fields)
+        return f"struct {struct_name} {{\n{body}\n}};\n"
+
+
+def _b(x: bool) -> str:
+    return "true" if x else "false"
+
+
+# --------------------------------------------------------------------------------------------------
+# Validity rules. Each rule has a twin static_assert in fwd_kernel.cuh (same wording); the test
+# tests/test_configs.py compiles the kernel for every candidate and checks both sides agree.
+
+
+def validity_errors(cfg: KernelConfig) -> list[str]:
+    """Every rule ``cfg`` breaks, as readable sentences (empty when valid)."""
+    e: list[str] = []
+    if cfg.dtype not in DTYPES:
+        e.append(f"dtype must be one of {DTYPES}")
+    if cfg.head_dim not in HEAD_DIMS:
+        e.append(f"head_dim must be one of {HEAD_DIMS}")
+    if cfg.num_warps not in (1, 2, 4, 8):
+        e.append("num_warps must be 1, 2, 4 or 8")
+        return e
+    if cfg.block_q % (16 * cfg.num_warps) != 0:
+        e.append("block_q must be a multiple of 16 * num_warps (each warp owns whole 16-row mma tiles)")
+    elif cfg.block_q // cfg.num_warps > 64:
+        e.append("block_q / num_warps must be at most 64 (the accumulators of more rows exceed the registers)")
+    if cfg.block_kv not in (16, 32, 64, 128, 256):
+        e.append("block_kv must be 16, 32, 64, 128 or 256")
+    if cfg.eager and not cfg.async_copy:
+        e.append("eager loading needs async_copy (a plain load would stall the warp that issues it)")
+    if cfg.head_dim in HEAD_DIMS:
+        dk = cfg.head_dim // 16
+        if cfg.q_frags < 0 or (cfg.q_frags and dk % cfg.q_frags):
+            e.append("q_frags must be 0 or divide head_dim / 16")
+        if cfg.k_frags < 0 or (cfg.k_frags and dk % cfg.k_frags):
+            e.append("k_frags must be 0 or divide head_dim / 16")
+    if cfg.block_kv in (16, 32, 64, 128, 256):
+        ks = cfg.block_kv // 16
+        if cfg.v_frags < 0 or (cfg.v_frags and ks % cfg.v_frags):
+            e.append("v_frags must be 0 or divide block_kv / 16")
+    if not e and cfg.double_buffer and not _has_fragment_groups(cfg):
+        e.append("double_buffer needs more than one fragment group of K or V (k_frags or v_frags smaller than all)")
+    if not e and smem_bytes(cfg) > SMEM_LIMIT_SM80:
+        e.append(f"shared memory ({smem_bytes(cfg)} bytes) exceeds the sm_80 limit of {SMEM_LIMIT_SM80}")
+    return e
+
+
+def _has_fragment_groups(cfg: KernelConfig) -> bool:
+    k_groups = (cfg.head_dim // 16) // cfg.k_frags if cfg.k_frags else 1
+    v_groups = (cfg.block_kv // 16) // cfg.v_frags if cfg.v_frags else 1
+    return k_groups > 1 or v_groups > 1
+
+
+def smem_bytes(cfg: KernelConfig) -> int:
+    """Dynamic shared memory of one block: one Q tile, one K tile and one V tile (2-byte elements).
+
+    One K and one V buffer suffice even with eager loading: V_j lands while S_j = Q K_j^T is computed,
+    and K_{j+1} lands in K's buffer (free once S_j is done) while P_j V_j is computed.
+    """
+    return 2 * cfg.head_dim * (cfg.block_q + 2 * cfg.block_kv)
+
+
+def estimated_registers(cfg: KernelConfig) -> int:
+    """32-bit registers per thread the arrays of one warp need, plus a fixed allowance for addresses.
+
+    Used to prune candidates that cannot fit in 255 registers; the compiler's report is the final word.
+    """
+    rows = cfg.rows_per_warp
+    o_acc = rows * cfg.head_dim // 32
+    s_acc = rows * cfg.block_kv // 32
+    q = rows * cfg.head_dim // 64 if cfg.q_frags == 0 else rows * 16 * cfg.q_frags // 64
+    kf = (cfg.k_frags or cfg.head_dim // 16) * cfg.block_kv // 4 // 2  # 16 x block_kv bf16 per slice, / 32 lanes
+    vf = (cfg.v_frags or cfg.block_kv // 16) * cfg.head_dim // 4 // 2
+    buffers = 2 if cfg.double_buffer else 1
+    return o_acc + s_acc + q + buffers * max(kf, vf) + 40
+
+
+# --------------------------------------------------------------------------------------------------
+# Parsing
+
+_NAME_RE = re.compile(
+    r"^\(\s*(?P<dtype>FP16|BF16)\s*,\s*(?P<d>\d+)\s*,\s*(?P<bq>\d+)\s*,\s*(?P<bkv>\d+)\s*,\s*(?P<w>\d+)\s*\)\s*:\s*"
+    r"(?P<flags>[A-Za-z0-9_+]+)\s*$",
+    re.IGNORECASE,
+)
+_LOAD_RE = re.compile(r"^load_(\d+)_(\d+)_(\d+)_tiles$")
+
+
+def _from_flags(dtype: str, d: int, bq: int, bkv: int, w: int, flags: list[str], text: str) -> KernelConfig:
+    kw: dict = dict(
+        async_copy=False,
+        eager=False,
+        swizzle=False,
+        q_frags=0,
+        k_frags=0,
+        v_frags=0,
+        double_buffer=False,
+        opt_softmax=False,
+        reverse_kv=False,
+    )
+    simple = {
+        "eager": "eager",
+        "swizzled": "swizzle",
+        "buffer": "double_buffer",
+        "opt_softmax": "opt_softmax",
+        "reverse": "reverse_kv",
+    }
+    seen_copy = False
+    for f in flags:
+        m = _LOAD_RE.match(f)
+        if f in ("async", "sync"):
+            kw["async_copy"] = f == "async"
+            seen_copy = True
+        elif f in simple:
+            kw[simple[f]] = True
+        elif m:
+            kw["q_frags"], kw["k_frags"], kw["v_frags"] = (int(x) for x in m.groups())
+        else:
+            raise ValueError(f"unknown flag {f!r} in kernel config name {text!r}")
+    if not seen_copy:
+        raise ValueError(f"kernel config name {text!r} must say 'async' or 'sync'")
+    return KernelConfig(dtype.lower(), d, bq, bkv, w, **kw)
+
+
+def parse_config(text: str | KernelConfig) -> KernelConfig:
+    """Parse a canonical name or a kernel symbol back into a :class:`KernelConfig`."""
+    if isinstance(text, KernelConfig):
+        return text
+    s = text.strip()
+    m = _NAME_RE.match(s)
+    if m:
+        return _from_flags(
+            m["dtype"], int(m["d"]), int(m["bq"]), int(m["bkv"]), int(m["w"]), m["flags"].split("+"), text
+        )
+    if s.startswith("flash_fwd__"):
+        parts = s.split("__")[1:]
+        if parts and parts[-1] == "causal":
+            parts = parts[:-1]
+        try:
+            dtype, d, bq, bkv, w = parts[:5]
+            return _from_flags(dtype, int(d[1:]), int(bq[1:]), int(bkv[2:]), int(w[1:]), parts[5:], text)
+        except (ValueError, IndexError) as exc:
+            if "unknown flag" in str(exc) or "invalid kernel config" in str(exc):
+                raise
+            raise ValueError(f"cannot parse kernel symbol {text!r}") from exc
+    raise ValueError(
+        f"cannot parse kernel config {text!r}; expected e.g. "
+        "'(BF16, 128, 64, 64, 4): async+eager+swizzled+load_0_2_2_tiles+buffer+opt_softmax'"
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Defaults
+
+
+def default_config(dtype: str, head_dim: int, causal: bool, seqlen_q: int, seqlen_k: int) -> KernelConfig:
+    """The configuration used when the caller names none.
+
+    Rules, from measurements on H100/H200 recorded in docs/kernel-log.md:
+    * 128 query rows per block keep enough independent mma work per SM; with 4 warps each warp owns two
+      16-row tiles, so every K/V fragment read from shared memory feeds two mma instructions (half the
+      shared-memory traffic of one tile per warp, which is what limits mma.sync on Hopper).
+    * The K/V tile shrinks as head_dim grows so the O accumulator (rows x head_dim fp32) and S (rows x B_c
+      fp32) fit in 255 registers; at head_dim 256 the rows are spread over 8 warps instead.
+    * Short query sequences use 64-row blocks so the grid still covers all SMs.
+    """
+    d = padded_head_dim(head_dim)
+    if d == 64:
+        cfg = KernelConfig(dtype, 64, 128, 128 if not causal else 64, 4, q_frags=0, k_frags=0, v_frags=2)
+    elif d == 128:
+        cfg = KernelConfig(dtype, 128, 128, 64, 4, q_frags=2, k_frags=2, v_frags=2)
+    elif d == 192:
+        cfg = KernelConfig(dtype, 192, 128, 64, 8, q_frags=2, k_frags=2, v_frags=2)
+    else:
+        cfg = KernelConfig(dtype, 256, 128, 64, 8, q_frags=2, k_frags=2, v_frags=2)
+    return cfg
