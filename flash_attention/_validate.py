@@ -1,0 +1,146 @@
+"""Argument checks shared by every public entry point, run before anything is allocated or launched.
+
+Each error names the argument and what was expected, so a user can fix the call without reading our code.
+Checks that depend on the kernel (dtype support, the GPU's shared memory) live in ``ops``; this module only
+enforces what every path (kernel and PyTorch fallback) requires.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Problem", "validate", "MAX_HEAD_DIM", "SUPPORTED_DTYPES"]
+
+#: Largest head dimension any kernel is instantiated for; the fallback enforces the same limit so that
+#: code tested on CPU does not fail later on a GPU.
+MAX_HEAD_DIM = 256
+
+#: Dtypes accepted at the API. fp16/bf16 may run on the kernel; float32/float64 always use the fallback.
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+_SHAPES = {
+    "q": "(batch, seqlen_q, heads_q, head_dim)",
+    "k": "(batch, seqlen_k, heads_kv, head_dim)",
+    "v": "(batch, seqlen_k, heads_kv, head_dim)",
+    "out": "(batch, seqlen_q, heads_q, head_dim)",
+}
+
+
+@dataclass(frozen=True)
+class Problem:
+    """The shape of one attention call, with the softmax scale resolved to a float."""
+
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    scale: float
+    causal: bool
+
+    @property
+    def group(self) -> int:
+        """Query heads per kv head (1: multi-head, heads_q: multi-query)."""
+        return self.heads_q // self.heads_kv
+
+    @property
+    def is_empty(self) -> bool:
+        """True when there is nothing to launch: no output element, or no key to attend to."""
+        return self.batch == 0 or self.seqlen_q == 0 or self.heads_q == 0 or self.seqlen_k == 0
+
+
+def _shape(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+def _check_tensor(name: str, t: object) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape {_SHAPES[name]}; got {type(t).__name__}")
+
+
+def _resolve_scale(softmax_scale: object, head_dim: int) -> float:
+    if softmax_scale is None:
+        # head_dim is validated positive before this is called.
+        return 1.0 / math.sqrt(head_dim)
+    # bool is an int subclass; True as a scale is almost certainly a mistaken argument.
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"softmax_scale must be a float or None; got {type(softmax_scale).__name__}")
+    scale = float(softmax_scale)
+    if not math.isfinite(scale) or scale == 0.0:
+        raise ValueError(f"softmax_scale must be a finite nonzero number; got {softmax_scale!r}")
+    return scale
+
+
+def validate(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    softmax_scale: float | None,
+    out: torch.Tensor | None,
+) -> Problem:
+    """Check the arguments of an attention call; return its :class:`Problem` or raise TypeError/ValueError."""
+    named = {"q": q, "k": k, "v": v}
+    if out is not None:
+        named["out"] = out
+    for name, t in named.items():
+        _check_tensor(name, t)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool; got {type(causal).__name__}")
+
+    for name, t in named.items():
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have shape {_SHAPES[name]}; got {_shape(t)}")
+
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"q must be float16, bfloat16, float32 or float64; got {q.dtype}")
+    for name in ("k", "v"):
+        if named[name].dtype != q.dtype:
+            raise TypeError(f"{name} must have the dtype of q ({q.dtype}); got {named[name].dtype}")
+    if out is not None and out.dtype != q.dtype:
+        raise TypeError(f"out must have the dtype of q ({q.dtype}); got {out.dtype}")
+
+    for name, t in named.items():
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on the device of q ({q.device}); got {t.device}")
+
+    batch, seqlen_q, heads_q, head_dim = _shape(q)
+    _, seqlen_k, heads_kv, _ = _shape(k)
+    if k.shape[0] != batch:
+        raise ValueError(f"k must have the batch size of q ({batch}); got shape {_shape(k)}")
+    if k.shape[3] != head_dim:
+        raise ValueError(f"k must have the head_dim of q ({head_dim}); got shape {_shape(k)}")
+    if v.shape != k.shape:
+        raise ValueError(f"v must have the shape of k {_shape(k)}; got {_shape(v)}")
+    if heads_kv == 0:
+        raise ValueError(f"k must have at least one head (heads_kv >= 1); got shape {_shape(k)}")
+    if heads_q % heads_kv:
+        raise ValueError(
+            f"q's heads ({heads_q}) must be a multiple of k's and v's heads ({heads_kv}): "
+            f"query head h reads kv head h // (heads_q // heads_kv); got q {_shape(q)}, k {_shape(k)}"
+        )
+    if head_dim <= 0 or head_dim % 8 or head_dim > MAX_HEAD_DIM:
+        raise ValueError(
+            f"head_dim (q.shape[3]) must be a positive multiple of 8 and at most {MAX_HEAD_DIM}; "
+            f"got {head_dim}"
+        )
+    if out is not None and out.shape != q.shape:
+        raise ValueError(f"out must have the shape of q {_shape(q)}; got {_shape(out)}")
+
+    for name, t in named.items():
+        # Kernels read and write whole 16-byte vectors along head_dim; other strides are free, so a
+        # (batch, heads, seqlen, head_dim) tensor transposed to our layout needs no copy.
+        if t.stride(-1) != 1 and t.shape[-1] > 1:
+            raise ValueError(
+                f"{name} must have a contiguous last dimension ({name}.stride(-1) == 1); "
+                f"got strides {tuple(t.stride())} for shape {_shape(t)}"
+            )
+
+    scale = _resolve_scale(softmax_scale, head_dim)
+    return Problem(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, scale, causal)

@@ -1,0 +1,258 @@
+"""The public API: :func:`attention`, and the low-level :func:`forward` / :func:`forward_timed`.
+
+Everything here validates first (``_validate``), handles empty problems without launching anything, then
+hands the work to ``ops`` (our CUDA kernels) or to :func:`flash_attention.reference.attention_torch` (the
+PyTorch fallback, same semantics). ``ops`` is imported lazily: it pulls in the JIT machinery, which a CPU
+user never needs, and an environment where it cannot be imported still gets the fallback.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from types import ModuleType
+from typing import Literal, overload
+
+import torch
+
+from ._validate import Problem, validate
+from .configs import KernelConfig, parse_config
+from .reference import attention_torch
+
+__all__ = ["attention", "forward", "forward_timed"]
+
+# Reasons already reported by the fallback warning; one warning per distinct reason per process.
+_warned_reasons: set[str] = set()
+_warn_lock = threading.Lock()
+
+
+def _load_ops() -> tuple[ModuleType | None, str | None]:
+    """(ops module, None), or (None, why it cannot be imported)."""
+    try:
+        from . import ops
+    except ImportError as exc:
+        return None, f"flash_attention.ops could not be imported ({exc})"
+    return ops, None
+
+
+def _wants_kernel(q: torch.Tensor) -> bool:
+    """Whether our CUDA kernels are the intended path for ``q`` (a seam the CPU tests replace)."""
+    return q.is_cuda
+
+
+def _kernel_unavailable_reason(q: torch.Tensor) -> tuple[ModuleType | None, str | None]:
+    """(ops, None) when our kernel can run on ``q``; otherwise (ops or None, a human-readable reason)."""
+    ops, reason = _load_ops()
+    if ops is None:
+        return None, reason
+    return ops, ops.cuda_unavailable_reason(q)
+
+
+def _warn_fallback(reason: str) -> None:
+    with _warn_lock:
+        if reason in _warned_reasons:
+            return
+        _warned_reasons.add(reason)
+    # stacklevel 3: the user's call to attention(), not this helper.
+    warnings.warn(
+        f"flash_attention: using the PyTorch fallback (same results, slower, memory-bounded by chunking) "
+        f"because {reason}",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def _empty_result(
+    q: torch.Tensor, problem: Problem, out: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The result of a problem with no output element or no key: out 0, lse -inf (no launch)."""
+    if out is None:
+        out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    else:
+        out.zero_()
+    lse = torch.full(
+        (problem.batch, problem.heads_q, problem.seqlen_q),
+        float("-inf"),
+        dtype=torch.float32,
+        device=q.device,
+    )
+    return out, lse
+
+
+def _result(
+    out: torch.Tensor, lse: torch.Tensor | None, return_lse: bool
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    if not return_lse:
+        return out
+    assert lse is not None, "the op was asked for the LSE and returned none"
+    return out, lse
+
+
+@overload
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = ...,
+    softmax_scale: float | None = ...,
+    return_lse: Literal[False] = ...,
+    out: torch.Tensor | None = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = ...,
+    softmax_scale: float | None = ...,
+    return_lse: Literal[True],
+    out: torch.Tensor | None = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention ``softmax(q kᵀ · softmax_scale) v``, computed tile by tile on CUDA.
+
+    Args:
+        q: queries, shape (batch, seqlen_q, heads_q, head_dim) -- the layout of the FlashAttention library.
+        k: keys, shape (batch, seqlen_k, heads_kv, head_dim).
+        v: values, shape (batch, seqlen_k, heads_kv, head_dim).
+            q, k and v share one dtype (float16, bfloat16, float32 or float64) and one device. head_dim is a
+            multiple of 8, at most 256. Any other stride is allowed as long as the last dimension is
+            contiguous, so (batch, heads, seqlen, head_dim) tensors passed as ``x.transpose(1, 2)`` need no
+            copy. heads_q must be a multiple of heads_kv: query head ``h`` attends with kv head
+            ``h // (heads_q // heads_kv)`` (grouped-query attention; heads_kv == 1 is multi-query), and K/V
+            are never copied to expand the heads.
+        causal: mask out keys "in the future", aligned to the bottom-right corner as in FlashAttention
+            2.1+: query ``i`` attends key ``j`` iff ``j <= i + seqlen_k - seqlen_q``. When seqlen_q >
+            seqlen_k the first ``seqlen_q - seqlen_k`` query rows see no key at all.
+        softmax_scale: multiplier of the scores before the softmax; default ``1 / sqrt(head_dim)``. Any
+            finite nonzero float.
+        return_lse: also return the log-sum-exp of each row's scaled scores.
+        out: optional preallocated output of q's shape and dtype (last dimension contiguous), written in
+            place and returned.
+
+    Returns:
+        ``out`` of q's shape and dtype; with ``return_lse=True``, ``(out, lse)`` where ``lse`` is float32 of
+        shape (batch, heads_q, seqlen_q), the natural logarithm of ``sum_j exp(scale * q_i · k_j)`` over the
+        keys row i attends. A row with no key to attend to (causal with seqlen_q > seqlen_k, or seqlen_k ==
+        0) gets an output of 0 and an LSE of -inf, never NaN. Empty inputs give empty results.
+
+    The softmax and accumulation are float32 on every path. float16/bfloat16 CUDA tensors run on our
+    kernels (compiled on first use and cached on disk). Everything else -- CPU tensors, float32/float64
+    inputs, or a GPU/toolchain the kernels cannot use -- computes the same result through PyTorch in chunks
+    of query rows (bounded memory), with a one-time warning on CUDA saying why.
+
+    Raises:
+        TypeError, ValueError: on invalid arguments, naming the argument and what was expected, before
+            anything is launched.
+    """
+    problem = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out)
+    if problem.is_empty:
+        o, lse = _empty_result(q, problem, out)
+        return _result(o, lse, return_lse)
+
+    if _wants_kernel(q):
+        ops, reason = _kernel_unavailable_reason(q)
+        if reason is None:
+            o, lse = ops.cuda_forward(
+                q,
+                k,
+                v,
+                causal=causal,
+                softmax_scale=problem.scale,
+                return_lse=return_lse,
+                out=out,
+                config=None,
+            )
+            return _result(o, lse, return_lse)
+        _warn_fallback(reason)
+
+    o, lse = attention_torch(
+        q, k, v, causal=causal, softmax_scale=problem.scale, return_lse=return_lse, out=out
+    )
+    return _result(o, lse, return_lse)
+
+
+def _kernel_path(config: KernelConfig | str, q: torch.Tensor, caller: str) -> tuple[ModuleType, KernelConfig]:
+    """The ops module and parsed config for a call that must run our kernel, or RuntimeError why not."""
+    cfg = parse_config(config)
+    if not _wants_kernel(q):
+        raise RuntimeError(f"{caller}() runs a CUDA kernel and needs CUDA tensors; got q on {q.device}")
+    ops, reason = _kernel_unavailable_reason(q)
+    if reason is not None:
+        raise RuntimeError(f"{caller}() cannot run kernel config {cfg}: {reason}")
+    return ops, cfg
+
+
+def forward(
+    config: KernelConfig | str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Run one named kernel configuration (a :class:`KernelConfig` or its name) on CUDA tensors.
+
+    Arguments and results are those of :func:`attention`; there is no fallback: if the kernel cannot run,
+    RuntimeError says why.
+    """
+    problem = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, out=None)
+    ops, cfg = _kernel_path(config, q, "forward")
+    if problem.is_empty:
+        o, lse = _empty_result(q, problem, None)
+        return _result(o, lse, return_lse)
+    o, lse = ops.cuda_forward(
+        q, k, v, causal=causal, softmax_scale=problem.scale, return_lse=return_lse, out=None, config=cfg
+    )
+    return _result(o, lse, return_lse)
+
+
+def forward_timed(
+    config: KernelConfig | str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+) -> tuple[torch.Tensor, float]:
+    """Run one kernel configuration once and return ``(out, milliseconds)`` measured with CUDA events.
+
+    The kernel is compiled/loaded first (``ops.prepare``) so the time covers only the launch and the
+    kernel itself, on the current stream of q's device. This is the only place in the package that times.
+    One call is one sample: benchmarks warm up and take the median of many calls.
+    """
+    problem = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, out=None)
+    ops, cfg = _kernel_path(config, q, "forward_timed")
+    if problem.is_empty:
+        o, _ = _empty_result(q, problem, None)
+        return o, 0.0
+    ops.prepare(cfg, causal=causal, device=q.device)
+    with torch.cuda.device(q.device):
+        stream = torch.cuda.current_stream(q.device)
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        o, _ = ops.cuda_forward(
+            q, k, v, causal=causal, softmax_scale=problem.scale, return_lse=False, out=None, config=cfg
+        )
+        end.record(stream)
+        end.synchronize()
+        return o, start.elapsed_time(end)

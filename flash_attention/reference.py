@@ -1,0 +1,243 @@
+"""Attention computed through PyTorch: the float64 truth the kernels are tested against, and the fallback.
+
+Both functions take the layout of the FlashAttention library:
+
+* ``q``: (batch, seqlen_q, heads_q, head_dim)
+* ``k``, ``v``: (batch, seqlen_k, heads_kv, head_dim), with heads_q a multiple of heads_kv; query head ``h``
+  reads key/value head ``h // (heads_q // heads_kv)`` (MQA when heads_kv == 1, GQA otherwise).
+
+Causal masking is aligned to the bottom-right corner of the score matrix, as in FlashAttention 2.1+: query
+``i`` attends key ``j`` iff ``j <= i + seqlen_k - seqlen_q``. A query row with no key to attend to (seqlen_q >
+seqlen_k under causal, or seqlen_k == 0) has output 0 and log-sum-exp -inf, never NaN.
+
+:func:`attention_reference` is written to be obviously correct, not fast: it materialises the full score
+matrix in float64. :func:`attention_torch` is the fallback with the kernel's exact semantics (float32
+softmax, output in the input dtype, float32 LSE) and bounded memory.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["attention_reference", "attention_torch", "causal_allowed"]
+
+#: Upper bound on the bytes of one block of scores the fallback materialises. The fallback walks over
+#: (batch, kv head, query row) in chunks so that long sequences do not need seqlen_q x seqlen_k memory.
+#: Read at every call (not bound as a default argument) so tests can shrink it to force chunking.
+_SCORE_BUDGET_BYTES = 256 * 1024 * 1024
+
+
+def causal_allowed(seqlen_q: int, seqlen_k: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Boolean (seqlen_q, seqlen_k) matrix, True where query ``i`` may attend key ``j`` (bottom-right)."""
+    return _causal_allowed_rows(0, seqlen_q, seqlen_q, seqlen_k, device)
+
+
+def _causal_allowed_rows(
+    row_start: int, row_end: int, seqlen_q: int, seqlen_k: int, device: torch.device | str | None
+) -> torch.Tensor:
+    rows = torch.arange(row_start, row_end, device=device).unsqueeze(1)
+    cols = torch.arange(seqlen_k, device=device).unsqueeze(0)
+    return cols <= rows + (seqlen_k - seqlen_q)
+
+
+def _resolve_scale(softmax_scale: float | None, head_dim: int) -> float:
+    if softmax_scale is not None:
+        return float(softmax_scale)
+    # With head_dim 0 every score is 0 whatever the scale; 1.0 avoids dividing by zero.
+    return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+
+
+def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int]:
+    """Minimal shape checks (full validation lives in _validate); returns (heads_kv, group)."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(
+            "q, k and v must have rank 4 (batch, seqlen, heads, head_dim); "
+            f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    heads_q, heads_kv = q.shape[2], k.shape[2]
+    if heads_kv == 0:
+        if heads_q != 0:
+            raise ValueError(
+                f"k must have at least one head when q has {heads_q}; got shape {tuple(k.shape)}"
+            )
+        return 0, 1
+    if heads_q % heads_kv:
+        raise ValueError(f"heads_q ({heads_q}) must be a multiple of heads_kv ({heads_kv})")
+    return heads_kv, heads_q // heads_kv
+
+
+def attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    compute_dtype: torch.dtype = torch.float64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention in ``compute_dtype`` (float64 by default), materialising every score.
+
+    Returns:
+        ``(out, lse)``: ``out`` of q's shape (batch, seqlen_q, heads_q, head_dim) and ``lse`` of shape
+        (batch, heads_q, seqlen_q), the natural-log log-sum-exp of the scaled, masked scores; both in
+        ``compute_dtype``.
+    """
+    _, group = _check_shapes(q, k, v)
+    head_dim = q.shape[-1]
+    scale = _resolve_scale(softmax_scale, head_dim)
+
+    qf = q.to(compute_dtype)
+    # GQA by explicit repetition: the reference values obviousness over memory.
+    kf = k.to(compute_dtype).repeat_interleave(group, dim=2)
+    vf = v.to(compute_dtype).repeat_interleave(group, dim=2)
+
+    scores = torch.einsum("bqhd,bkhd->bhqk", qf, kf) * scale
+    if causal:
+        allowed = causal_allowed(q.shape[1], k.shape[1], device=q.device)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+
+    lse = torch.logsumexp(scores, dim=-1)  # -inf for rows with no key (including seqlen_k == 0)
+    # exp(-inf - -inf) is NaN; subtracting 0 instead for empty rows makes their probabilities exactly 0.
+    lse_finite = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    probs = torch.exp(scores - lse_finite.unsqueeze(-1))
+    out = torch.einsum("bhqk,bkhd->bqhd", probs, vf)
+    return out, lse
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    # The kernels keep the softmax and accumulators in fp32; float64 inputs deserve float64 arithmetic.
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _chunk_sizes(batch: int, heads_kv: int, group: int, seqlen_q: int, seqlen_k: int, elem: int) -> tuple:
+    """(batch, kv-head, query-row) chunk sizes whose score block stays within the budget.
+
+    One unit is one query row of one kv head's whole query group: ``group * seqlen_k`` scores. Chunks grow
+    query rows first (long contiguous matmuls), then kv heads, then batch.
+    """
+    unit = max(1, group * seqlen_k * elem)
+    n = max(1, _SCORE_BUDGET_BYTES // unit)
+    if n < seqlen_q:
+        return 1, 1, n
+    if n < seqlen_q * heads_kv:
+        return 1, n // seqlen_q, seqlen_q
+    return max(1, n // (seqlen_q * heads_kv)), heads_kv, seqlen_q
+
+
+def attention_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention through PyTorch with the kernel's semantics, on any device PyTorch supports.
+
+    Scores, softmax and accumulation are float32 (float64 for float64 inputs); ``out`` has q's dtype and is
+    written in place when given; the LSE is float32 of shape (batch, heads_q, seqlen_q). At most about
+    ``_SCORE_BUDGET_BYTES`` of scores exist at once (without autograd; when gradients are recorded, every
+    chunk's intermediates are kept for the backward pass). K and V are never repeated across the query
+    heads of a GQA group: each group's queries are stacked into one matmul against its kv head.
+
+    Returns:
+        ``(out, lse)`` with ``lse`` None unless ``return_lse``.
+    """
+    heads_kv, group = _check_shapes(q, k, v)
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    seqlen_k = k.shape[1]
+    scale = _resolve_scale(softmax_scale, head_dim)
+    cdtype = _compute_dtype(q.dtype)
+
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = (
+        torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device) if return_lse else None
+    )
+
+    if batch == 0 or seqlen_q == 0 or heads_q == 0:
+        return out, lse
+    if seqlen_k == 0:
+        # No keys at all: every row is empty. Written explicitly so no matmul over an empty dim is needed.
+        out.zero_()
+        if lse is not None:
+            lse.fill_(float("-inf"))
+        return out, lse
+
+    # In-place softmax halves the peak memory of a chunk but would corrupt tensors autograd saved.
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    elem = torch.finfo(cdtype).bits // 8
+    b_step, h_step, q_step = _chunk_sizes(batch, heads_kv, group, seqlen_q, seqlen_k, elem)
+
+    for b0 in range(0, batch, b_step):
+        b1 = min(batch, b0 + b_step)
+        for h0 in range(0, heads_kv, h_step):
+            h1 = min(heads_kv, h0 + h_step)
+            # (b, h, seqlen_k, d), contiguous, in the compute dtype: one copy per (batch, head) chunk, reused
+            # by every query chunk (a strided view would make matmul copy it again for each query chunk).
+            # K enters the matmul as a transposed view, which BLAS reads without a copy.
+            kc = k[b0:b1, :, h0:h1].permute(0, 2, 1, 3).to(cdtype).contiguous()
+            vc = v[b0:b1, :, h0:h1].permute(0, 2, 1, 3).to(cdtype).contiguous()
+            for i0 in range(0, seqlen_q, q_step):
+                i1 = min(seqlen_q, i0 + q_step)
+                _attend_chunk(
+                    q, kc, vc, out, lse, b0, b1, h0, h1, i0, i1, group, scale, causal, cdtype, needs_grad
+                )
+    return out, lse
+
+
+def _attend_chunk(
+    q: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    b0: int,
+    b1: int,
+    h0: int,
+    h1: int,
+    i0: int,
+    i1: int,
+    group: int,
+    scale: float,
+    causal: bool,
+    cdtype: torch.dtype,
+    needs_grad: bool,
+) -> None:
+    nb, nh, rows = b1 - b0, h1 - h0, i1 - i0
+    seqlen_q, head_dim = q.shape[1], q.shape[3]
+    seqlen_k = kc.shape[2]
+    # Query heads h0*group .. h1*group belong to kv heads h0 .. h1, `group` consecutive ones each.
+    qc = q[b0:b1, i0:i1, h0 * group : h1 * group].reshape(nb, rows, nh, group, head_dim)
+    # -> (b, h_kv, group * rows, d): all queries sharing a kv head form one matmul operand.
+    qc = qc.permute(0, 2, 3, 1, 4).to(cdtype).reshape(nb, nh, group * rows, head_dim)
+
+    s = torch.matmul(qc, kc.transpose(-1, -2)).view(nb, nh, group, rows, seqlen_k)
+    # Scale before masking (a negative scale would turn a -inf mask into +inf) and before the row max.
+    s = s * scale if needs_grad else s.mul_(scale)
+    if causal:
+        allowed = _causal_allowed_rows(i0, i1, seqlen_q, seqlen_k, q.device)
+        s = s.masked_fill(~allowed, float("-inf")) if needs_grad else s.masked_fill_(~allowed, float("-inf"))
+    m = s.amax(dim=-1, keepdim=True)
+    # Rows with every score -inf (no key allowed) would give -inf - -inf = NaN; use 0 there so their
+    # probabilities are exp(-inf) = 0 and their LSE is 0 + log(0) = -inf.
+    m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    if needs_grad:
+        p = torch.exp(s - m)
+    else:
+        p = s.sub_(m).exp_()
+    denom = p.sum(dim=-1, keepdim=True)
+    row_lse = m + torch.log(denom)
+    # Empty rows have denom 0: divide by 1 instead so they stay exactly 0.
+    safe = torch.where(denom == 0, torch.ones_like(denom), denom)
+    p = p / safe if needs_grad else p.div_(safe)
+
+    o = torch.matmul(p.view(nb, nh, group * rows, seqlen_k), vc)  # (b, h_kv, group * rows, d)
+    o = o.view(nb, nh, group, rows, head_dim).permute(0, 3, 1, 2, 4).reshape(nb, rows, nh * group, head_dim)
+    out[b0:b1, i0:i1, h0 * group : h1 * group] = o.to(out.dtype)
+    if lse is not None:
+        lse[b0:b1, h0 * group : h1 * group, i0:i1] = row_lse.view(nb, nh * group, rows).to(torch.float32)

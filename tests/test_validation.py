@@ -1,0 +1,294 @@
+"""Every bad argument gets a TypeError/ValueError naming it, before anything runs; empty inputs work."""
+
+from __future__ import annotations
+
+import math
+import re
+import zlib
+from unittest import mock
+
+import pytest
+import torch
+
+import flash_attention
+from flash_attention import interface
+from flash_attention._validate import Problem, validate
+
+
+@pytest.fixture(autouse=True)
+def _seed(request: pytest.FixtureRequest) -> None:
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+def _qkv(q_shape=(2, 16, 4, 64), kv_shape=(2, 24, 2, 64), dtype=torch.float16):
+    return (
+        torch.randn(q_shape).to(dtype),
+        torch.randn(kv_shape).to(dtype),
+        torch.randn(kv_shape).to(dtype),
+    )
+
+
+def _raises(exc, match, **overrides):
+    q, k, v = _qkv()
+    args = dict(q=q, k=k, v=v)
+    kwargs = {}
+    for name, value in overrides.items():
+        (args if name in ("q", "k", "v") else kwargs)[name] = value
+    # Validation must fire before any attention is computed: make the fallback fail loudly if reached.
+    with mock.patch.object(interface, "attention_torch", side_effect=AssertionError("computed")):
+        with pytest.raises(exc, match=match):
+            flash_attention.attention(args["q"], args["k"], args["v"], **kwargs)
+    # validate() itself raises the same error (forward/forward_timed call it first too).
+    with pytest.raises(exc, match=match):
+        validate(
+            args["q"],
+            args["k"],
+            args["v"],
+            causal=kwargs.get("causal", False),
+            softmax_scale=kwargs.get("softmax_scale"),
+            out=kwargs.get("out"),
+        )
+
+
+def test_valid_problem():
+    q, k, v = _qkv()
+    p = validate(q, k, v, causal=True, softmax_scale=None, out=None)
+    assert p == Problem(2, 16, 24, 4, 2, 64, 0.125, True)
+    assert p.group == 2 and not p.is_empty
+    assert validate(q, k, v, causal=False, softmax_scale=2, out=torch.empty_like(q)).scale == 2.0
+    with pytest.raises(AttributeError):
+        p.batch = 3  # frozen
+
+
+# ---- TypeError ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+def test_not_a_tensor(name):
+    q, k, v = _qkv()
+    bad = {"q": q, "k": k, "v": v}
+    bad[name] = bad[name].tolist()
+    _raises(TypeError, rf"^{name} must be a torch.Tensor.*got list", **bad)
+
+
+def test_out_not_a_tensor():
+    _raises(TypeError, r"^out must be a torch.Tensor.*got ndarray", out=torch.randn(2, 16, 4, 64).numpy())
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int8, torch.bool, torch.complex64])
+def test_dtype_not_floating(dtype):
+    q, k, v = _qkv()
+    q, k, v = (torch.ones(t.shape, dtype=dtype) for t in (q, k, v))
+    _raises(TypeError, r"^q must be float16, bfloat16, float32 or float64; got torch\.", q=q, k=k, v=v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_accepted_dtypes(dtype):
+    q, k, v = _qkv(dtype=dtype)
+    assert validate(q, k, v, causal=False, softmax_scale=None, out=None).head_dim == 64
+
+
+@pytest.mark.parametrize("name", ["k", "v"])
+def test_mixed_dtypes(name):
+    q, k, v = _qkv()
+    bad = {name: (k if name == "k" else v).to(torch.bfloat16)}
+    _raises(TypeError, rf"^{name} must have the dtype of q \(torch.float16\); got torch.bfloat16", **bad)
+
+
+def test_out_dtype():
+    _raises(
+        TypeError,
+        r"^out must have the dtype of q \(torch.float16\); got torch.float32",
+        out=torch.empty(2, 16, 4, 64),
+    )
+
+
+@pytest.mark.parametrize("causal", [1, 0, None, "yes", torch.tensor(True)])
+def test_causal_not_bool(causal):
+    _raises(TypeError, r"^causal must be a bool", causal=causal)
+
+
+@pytest.mark.parametrize("scale", ["0.1", True, [0.1], torch.tensor(0.1)])
+def test_softmax_scale_not_a_number(scale):
+    _raises(TypeError, r"^softmax_scale must be a float or None", softmax_scale=scale)
+
+
+# ---- ValueError -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+@pytest.mark.parametrize("shape", [(2, 16, 64), (2, 16, 4, 64, 1), (64,)])
+def test_rank(name, shape):
+    q, k, v = _qkv()
+    bad = {name: torch.randn(shape).half()}
+    expected = (
+        "(batch, seqlen_q, heads_q, head_dim)" if name == "q" else "(batch, seqlen_k, heads_kv, head_dim)"
+    )
+    _raises(ValueError, "^" + re.escape(f"{name} must have shape {expected}; got {shape}"), **bad)
+
+
+def test_out_rank():
+    _raises(
+        ValueError,
+        r"^out must have shape \(batch, seqlen_q, heads_q, head_dim\)",
+        out=torch.randn(2, 16, 256).half(),
+    )
+
+
+def test_batch_mismatch():
+    q, k, v = _qkv(kv_shape=(3, 24, 2, 64))
+    _raises(ValueError, r"^k must have the batch size of q \(2\)", q=q, k=k, v=v)
+
+
+def test_head_dim_mismatch_k():
+    q, k, v = _qkv(kv_shape=(2, 24, 2, 32))
+    _raises(ValueError, r"^k must have the head_dim of q \(64\)", q=q, k=k, v=v)
+
+
+@pytest.mark.parametrize("v_shape", [(2, 24, 2, 32), (2, 25, 2, 64), (2, 24, 1, 64), (1, 24, 2, 64)])
+def test_v_shape_differs_from_k(v_shape):
+    q, k, _ = _qkv()
+    _raises(
+        ValueError, r"^v must have the shape of k \(2, 24, 2, 64\)", q=q, k=k, v=torch.randn(v_shape).half()
+    )
+
+
+@pytest.mark.parametrize("heads_q,heads_kv", [(6, 4), (4, 3), (1, 2)])
+def test_heads_not_multiple(heads_q, heads_kv):
+    q, k, v = _qkv((2, 16, heads_q, 64), (2, 24, heads_kv, 64))
+    _raises(
+        ValueError,
+        rf"^q's heads \({heads_q}\) must be a multiple of k's and v's heads \({heads_kv}\)",
+        q=q,
+        k=k,
+        v=v,
+    )
+
+
+def test_zero_kv_heads():
+    q, k, v = _qkv((2, 16, 4, 64), (2, 24, 0, 64))
+    _raises(ValueError, r"^k must have at least one head", q=q, k=k, v=v)
+
+
+@pytest.mark.parametrize("head_dim", [0, 4, 12, 100, 264, 512])
+def test_bad_head_dim(head_dim):
+    q, k, v = _qkv((2, 16, 4, head_dim), (2, 24, 2, head_dim))
+    _raises(
+        ValueError,
+        rf"^head_dim \(q.shape\[3\]\) must be a positive multiple of 8 and at most 256; got {head_dim}",
+        q=q,
+        k=k,
+        v=v,
+    )
+
+
+@pytest.mark.parametrize("head_dim", [8, 24, 40, 136, 256])
+def test_good_head_dims(head_dim):
+    q, k, v = _qkv((1, 3, 2, head_dim), (1, 5, 1, head_dim), dtype=torch.float32)
+    out = flash_attention.attention(q, k, v)
+    assert out.shape == q.shape and not out.isnan().any()
+
+
+def test_devices_differ():
+    # Only CPU exists here, so use the meta device as the "other" device: the check must fire first.
+    q, k, v = _qkv()
+    for name in ("k", "v"):
+        bad = {name: torch.empty(k.shape, dtype=k.dtype, device="meta")}
+        _raises(ValueError, rf"^{name} must be on the device of q \(cpu\); got meta", **bad)
+    _raises(
+        ValueError,
+        r"^out must be on the device of q \(cpu\); got meta",
+        out=torch.empty(q.shape, dtype=q.dtype, device="meta"),
+    )
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v", "out"])
+def test_last_dim_not_contiguous(name):
+    q, k, v = _qkv()
+    shapes = {"q": q.shape, "k": k.shape, "v": k.shape, "out": q.shape}
+    b, s, h, d = shapes[name]
+    strided = torch.randn(b, s, h, d, 2).half()[..., 0]  # stride(-1) == 2
+    assert strided.stride(-1) == 2
+    _raises(
+        ValueError,
+        rf"^{name} must have a contiguous last dimension \({name}.stride\(-1\) == 1\)",
+        **{name: strided},
+    )
+
+
+def test_out_wrong_shape():
+    _raises(
+        ValueError,
+        r"^out must have the shape of q \(2, 16, 4, 64\); got \(2, 16, 2, 64\)",
+        out=torch.empty(2, 16, 2, 64).half(),
+    )
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), float("-inf"), 0.0, 0])
+def test_bad_softmax_scale(scale):
+    _raises(ValueError, r"^softmax_scale must be a finite nonzero number", softmax_scale=scale)
+
+
+def test_negative_and_integer_scales_accepted():
+    q, k, v = _qkv()
+    assert validate(q, k, v, causal=False, softmax_scale=-0.5, out=None).scale == -0.5
+    assert validate(q, k, v, causal=False, softmax_scale=3, out=None).scale == 3.0
+
+
+def test_validation_runs_before_kernel_dispatch(monkeypatch):
+    # Even on the kernel path, a bad argument is rejected before ops is consulted.
+    monkeypatch.setattr(interface, "_wants_kernel", lambda q: True)
+
+    def boom():
+        raise AssertionError("ops consulted before validation")
+
+    monkeypatch.setattr(interface, "_load_ops", boom)
+    q, k, v = _qkv(kv_shape=(2, 24, 3, 64))
+    with pytest.raises(ValueError, match="multiple"):
+        flash_attention.attention(q, k, v)
+    with pytest.raises(ValueError, match="multiple"):
+        flash_attention.forward(
+            "(BF16, 64, 64, 64, 4): async+eager+swizzled+load_0_2_2_tiles+buffer", q, k, v
+        )
+
+
+# ---- empty inputs ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "q_shape,kv_shape",
+    [
+        ((0, 16, 4, 64), (0, 24, 2, 64)),  # batch 0
+        ((2, 0, 4, 64), (2, 24, 2, 64)),  # seqlen_q 0
+        ((2, 0, 4, 64), (2, 0, 2, 64)),  # both lengths 0
+        ((2, 16, 0, 64), (2, 24, 2, 64)),  # no query heads
+    ],
+)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_empty_outputs(q_shape, kv_shape, causal, dtype):
+    q, k, v = _qkv(q_shape, kv_shape, dtype)
+    out, lse = flash_attention.attention(q, k, v, causal=causal, return_lse=True)
+    assert out.shape == q_shape and out.dtype == dtype
+    assert lse.shape == (q_shape[0], q_shape[2], q_shape[1]) and lse.dtype == torch.float32
+    assert flash_attention.attention(q, k, v, causal=causal).shape == q_shape
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_no_keys(causal, dtype):
+    # seqlen_k == 0: every row attends nothing, so out is 0 and lse is -inf (not NaN), also into `out`.
+    q, k, v = _qkv((2, 5, 4, 64), (2, 0, 2, 64), dtype)
+    out, lse = flash_attention.attention(q, k, v, causal=causal, return_lse=True)
+    assert torch.equal(out, torch.zeros_like(q))
+    assert lse.shape == (2, 4, 5) and torch.isneginf(lse).all()
+    buf = torch.full_like(q, float("nan"))
+    res = flash_attention.attention(q, k, v, causal=causal, out=buf)
+    assert res is buf and torch.equal(buf, torch.zeros_like(q))
+
+
+def test_empty_scale_default_resolved():
+    q, k, v = _qkv((0, 5, 4, 72), (0, 6, 2, 72))
+    assert validate(q, k, v, causal=False, softmax_scale=None, out=None).scale == pytest.approx(
+        1 / math.sqrt(72)
+    )
