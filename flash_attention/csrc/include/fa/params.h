@@ -1,0 +1,31 @@
+// The forward kernel's parameters: raw pointers, strides and sizes, no torch.
+//
+// Passed by value as the kernel's only argument. flash_attention/jit/launch.py mirrors this layout with a
+// ctypes.Structure; the JIT emits static_asserts on every field's offset (from the Python side) into each
+// translation unit, so the two cannot drift apart without the compile failing.
+#pragma once
+
+namespace fa {
+
+struct FwdParams {
+  const void* q;  // (batch, seqlen_q, heads_q, head_dim), element strides below, last dim contiguous
+  const void* k;  // (batch, seqlen_k, heads_kv, head_dim)
+  const void* v;  // (batch, seqlen_k, heads_kv, head_dim)
+  void* o;        // (batch, seqlen_q, heads_q, head_dim)
+  float* lse;     // (batch, heads_q, seqlen_q) or null when the caller does not want it
+
+  long long q_batch_stride, q_row_stride, q_head_stride;
+  long long k_batch_stride, k_row_stride, k_head_stride;
+  long long v_batch_stride, v_row_stride, v_head_stride;
+  long long o_batch_stride, o_row_stride, o_head_stride;
+  long long lse_batch_stride, lse_head_stride;  // lse's row stride is 1
+
+  int batch, heads_q, heads_kv, seqlen_q, seqlen_k;
+  int head_dim;      // the problem's head_dim (<= the kernel's compiled kHeadDim; the tail is masked)
+  int group;         // heads_q / heads_kv: query head h reads K/V head h / group (GQA/MQA, no copy)
+  int num_m_blocks;  // ceil(seqlen_q / kBlockQ)
+  float scale;       // softmax scale
+  float scale_log2;  // scale * log2(e), for the exp2 form of the softmax
+};
+
+}  // namespace fa

@@ -1,0 +1,126 @@
+// PTX wrappers for the sm_80 instruction set (they also run on sm_90).
+//
+// Header-free on purpose: the same source compiles under nvcc and NVRTC, and NVRTC has no standard
+// library headers. Every wrapper cites the PTX ISA section that defines its instruction.
+#pragma once
+
+namespace fa {
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef long long i64;
+typedef unsigned long long u64;
+
+// Shared-memory address of a generic pointer (cvta.to.shared, PTX ISA 9.7.9.18), as the 32-bit operand that
+// ldmatrix / cp.async / st.shared expect.
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+  return static_cast<u32>(__cvta_generic_to_shared(p));
+}
+
+// cp.async.cg.shared.global with an explicit source size (PTX ISA 9.7.9.25.3.1). 16 bytes land in shared
+// memory; the last 16 - src_bytes of them are zero-filled. src_bytes = 0 fills a tile row that lies past the
+// end of the sequence (or past head_dim) with zeros without touching global memory, so the tail needs no
+// separate code path. .cg bypasses L1: K/V are reused across blocks through L2 only.
+__device__ __forceinline__ void cp_async_16(u32 dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+
+// cp.async.commit_group / cp.async.wait_group (PTX ISA 9.7.9.25.3.2-3).
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// 16-byte global load / shared store for the synchronous copy path (PTX ISA 9.7.9.8 ld, 9.7.9.10 st).
+__device__ __forceinline__ uint4 ld_global_16(const void* src) {
+  uint4 r;
+  asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(src));
+  return r;
+}
+
+__device__ __forceinline__ void st_shared_16(u32 dst, uint4 v) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(v.x), "r"(v.y), "r"(v.z),
+               "r"(v.w));
+}
+
+__device__ __forceinline__ void st_shared_32(u32 dst, u32 v) {
+  asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(dst), "r"(v));
+}
+
+__device__ __forceinline__ uint4 ld_shared_16(u32 src) {
+  uint4 r;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "r"(src));
+  return r;
+}
+
+__device__ __forceinline__ void st_global_16(void* dst, uint4 v) {
+  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "r"(v.x), "r"(v.y), "r"(v.z),
+               "r"(v.w));
+}
+
+// ldmatrix.sync.aligned.m8n8.x4.shared.b16 (PTX ISA 9.7.14.5.15): four 8x8 b16 matrices; lanes 8i..8i+7
+// supply the row addresses of matrix i, and every lane receives one 32-bit register per matrix.
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// The .trans form delivers each 8x8 matrix transposed: used for V, which is stored key-major but is the
+// k-major B operand of O += P V.
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32 (PTX ISA 9.7.14.5.14): D = A B + C with
+// fp32 accumulation. A: 4 registers (16x16), B: 2 registers (16x8), C/D: 4 fp32 (16x8).
+template <bool kIsBF16>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+  if constexpr (kIsBF16) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+// Two fp32 -> one packed pair of bf16/fp16, round to nearest even (cvt.rn.{bf16x2,f16x2}.f32, PTX ISA
+// 9.7.9.21). The first operand of the instruction goes to the upper half, so `hi` is the element at the
+// higher column.
+template <bool kIsBF16>
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+  u32 r;
+  if constexpr (kIsBF16) {
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  } else {
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  }
+  return r;
+}
+
+// 2^x with the SFU (ex2.approx.ftz.f32, PTX ISA 9.7.4.9): one MUFU.EX2. ex2(-inf) = +0, which the masked
+// softmax relies on.
+__device__ __forceinline__ float exp2_approx(float x) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(x));
+  return r;
+}
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
+
+}  // namespace fa

@@ -1,0 +1,133 @@
+"""The few CUDA driver API calls needed to load a cubin and launch a kernel, through ctypes.
+
+Kernels are loaded with the context-independent library API (cuLibraryLoadData, CUDA 12.0+), so one loaded
+cubin serves whichever context (PyTorch's primary context of the tensor's device) is current at launch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import lru_cache
+
+CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK = 0
+CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES = 1
+CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES = 3
+CU_FUNC_ATTRIBUTE_NUM_REGS = 4
+CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = 97
+
+
+class DriverError(RuntimeError):
+    pass
+
+
+@lru_cache(maxsize=None)
+def libcuda() -> ctypes.CDLL:
+    for name in ("libcuda.so.1", "libcuda.so"):
+        try:
+            lib = ctypes.CDLL(name)
+            break
+        except OSError:
+            continue
+    else:
+        raise DriverError("the CUDA driver (libcuda.so.1) was not found")
+    check(lib.cuInit(0), "cuInit")
+    return lib
+
+
+def check(status: int, what: str) -> None:
+    if status != 0:
+        lib = _raw()
+        msg = ctypes.c_char_p()
+        if lib is not None:
+            lib.cuGetErrorString(status, ctypes.byref(msg))
+        text = msg.value.decode() if msg.value else f"error {status}"
+        raise DriverError(f"{what} failed: {text} ({status})")
+
+
+@lru_cache(maxsize=None)
+def _raw() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+
+
+class Kernel:
+    """One entry point of a loaded cubin."""
+
+    def __init__(self, library: ctypes.c_void_p, handle: ctypes.c_void_p, name: str):
+        self._library = library  # keeps the library alive as long as the kernel
+        self.handle = handle
+        self.name = name
+        self._smem_set: dict[int, int] = {}
+
+    def attribute(self, attr: int, device: int) -> int:
+        lib = libcuda()
+        value = ctypes.c_int()
+        check(
+            lib.cuKernelGetAttribute(ctypes.byref(value), attr, self.handle, cu_device(device)),
+            "cuKernelGetAttribute",
+        )
+        return value.value
+
+    def ensure_dynamic_smem(self, nbytes: int, device: int) -> None:
+        # More than 48 KB of dynamic shared memory needs an explicit opt-in per kernel (and per device).
+        if self._smem_set.get(device, -1) >= nbytes:
+            return
+        lib = libcuda()
+        check(
+            lib.cuKernelSetAttribute(
+                CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes, self.handle, cu_device(device)
+            ),
+            f"setting {nbytes} bytes of dynamic shared memory on {self.name}",
+        )
+        self._smem_set[device] = nbytes
+
+    def launch(self, grid, block, smem: int, stream: int, params: ctypes.Structure) -> None:
+        lib = libcuda()
+        args = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(params), ctypes.c_void_p))
+        check(
+            lib.cuLaunchKernel(
+                self.handle,
+                grid[0],
+                grid[1],
+                grid[2],
+                block[0],
+                block[1],
+                block[2],
+                smem,
+                ctypes.c_void_p(stream),
+                args,
+                None,
+            ),
+            f"launching {self.name}",
+        )
+
+
+def load_library(cubin: bytes) -> ctypes.c_void_p:
+    lib = libcuda()
+    handle = ctypes.c_void_p()
+    buf = ctypes.create_string_buffer(cubin, len(cubin))
+    check(lib.cuLibraryLoadData(ctypes.byref(handle), buf, None, None, 0, None, None, 0), "cuLibraryLoadData")
+    return handle
+
+
+def get_kernel(library: ctypes.c_void_p, name: str) -> Kernel:
+    lib = libcuda()
+    handle = ctypes.c_void_p()
+    check(lib.cuLibraryGetKernel(ctypes.byref(handle), library, name.encode()), f"cuLibraryGetKernel({name})")
+    return Kernel(library, handle, name)
+
+
+@lru_cache(maxsize=None)
+def cu_device(ordinal: int) -> int:
+    dev = ctypes.c_int()
+    check(libcuda().cuDeviceGet(ctypes.byref(dev), ordinal), "cuDeviceGet")
+    return dev.value
+
+
+def device_attribute(attr: int, device: int) -> int:
+    value = ctypes.c_int()
+    check(libcuda().cuDeviceGetAttribute(ctypes.byref(value), attr, cu_device(device)), "cuDeviceGetAttribute")
+    return value.value

@@ -1,0 +1,188 @@
+"""The only layer that touches tensors and launches kernels.
+
+It re-checks, at run time, every assumption the compiled kernel makes (dtype, head_dim within the compiled
+size, 16-byte aligned rows, strides in range, shared memory that fits this GPU), allocates outputs, picks the
+stream and launches through the driver API (flash_attention.jit). Shape and argument validation that the
+user sees first lives in flash_attention._validate; this module trusts nothing it could check cheaply.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+
+from .configs import KernelConfig, default_config, parse_config
+from .jit import compiler as _compiler
+from .jit.params import FwdParams
+
+_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+_LOG2E = 1.4426950408889634
+_MAX_GRID_YZ = 65535
+
+
+@lru_cache(maxsize=None)
+def _device_problem(index: int) -> str | None:
+    major, minor = torch.cuda.get_device_capability(index)
+    if major < 8:
+        name = torch.cuda.get_device_name(index)
+        return f"{name} (sm_{major}{minor}) is older than sm_80, which the kernels' instructions need"
+    try:
+        from .jit import driver
+
+        driver.libcuda()
+    except Exception as exc:  # noqa: BLE001 - any driver failure means the PyTorch path
+        return f"the CUDA driver API is unusable: {exc}"
+    return None
+
+
+@lru_cache(maxsize=None)
+def _compiler_problem() -> str | None:
+    if _compiler.choose_compiler() is None:
+        return "no CUDA compiler was found (NVRTC from PyTorch's CUDA wheels, or nvcc from a CUDA toolkit)"
+    return None
+
+
+def cuda_unavailable_reason(q: torch.Tensor) -> str | None:
+    """None when our kernel can run on ``q``'s device and dtype; otherwise why not, in words."""
+    if not q.is_cuda:
+        return "the tensors are on the CPU"
+    if q.dtype not in _DTYPES:
+        return f"the kernels take float16 or bfloat16, not {q.dtype}"
+    return _device_problem(q.device.index if q.device.index is not None else torch.cuda.current_device()) or (
+        _compiler_problem()
+    )
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return _DTYPES[t.dtype]
+
+
+def smem_limit(device_index: int) -> int:
+    from .jit import driver
+
+    return driver.device_attribute(driver.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, device_index)
+
+
+def check_config(cfg: KernelConfig, q: torch.Tensor, head_dim: int) -> None:
+    """Raise ValueError when ``cfg`` cannot compute this problem on this GPU."""
+    if cfg.dtype != _dtype_name(q):
+        raise ValueError(f"config {cfg.name()} is for {cfg.dtype}, but q is {q.dtype}")
+    if head_dim > cfg.head_dim:
+        raise ValueError(f"config {cfg.name()} is compiled for head_dim <= {cfg.head_dim}; got {head_dim}")
+    limit = smem_limit(q.device.index)
+    if cfg.smem_bytes > limit:
+        raise ValueError(
+            f"config {cfg.name()} needs {cfg.smem_bytes} bytes of shared memory per block; "
+            f"{torch.cuda.get_device_name(q.device)} allows {limit}"
+        )
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    # cp.async and the vector stores move 16 bytes: the base and every row/head/batch start must be
+    # 16-byte aligned, i.e. strides multiples of 8 elements.
+    return t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:3])
+
+
+def _kernel_ready(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when the kernel can read it in place, else a contiguous copy (correct, one extra pass)."""
+    if t.stride(-1) == 1 and _aligned(t) and max(t.stride()[:3]) < 2**62:
+        return t
+    return t.contiguous()
+
+
+def _fill_strides(params: FwdParams, prefix: str, t: torch.Tensor) -> None:
+    setattr(params, f"{prefix}_batch_stride", t.stride(0))
+    setattr(params, f"{prefix}_row_stride", t.stride(1))
+    setattr(params, f"{prefix}_head_stride", t.stride(2))
+
+
+def resolve_config(config, q: torch.Tensor, causal: bool, seqlen_k: int, scale: float) -> KernelConfig:
+    head_dim = q.shape[-1]
+    if config is None:
+        cfg = default_config(_dtype_name(q), head_dim, causal, q.shape[1], seqlen_k)
+        if scale < 0 and cfg.opt_softmax:
+            # The folded softmax takes the row max of the unscaled scores, which is the scaled scores'
+            # max only for a positive scale.
+            cfg = cfg.replace(opt_softmax=False)
+        return cfg
+    cfg = parse_config(config)
+    if scale < 0 and cfg.opt_softmax:
+        raise ValueError(
+            f"softmax_scale must be positive for config {cfg.name()} (opt_softmax folds the scale into the "
+            "exponent after taking the max); use a config without opt_softmax"
+        )
+    return cfg
+
+
+def prepare(cfg, causal: bool, device) -> None:
+    """Compile (or load from the cache) ``cfg`` for ``device`` ahead of a timed call."""
+    from .jit.kernels import get_kernel
+
+    device = torch.device(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    get_kernel(parse_config(cfg), bool(causal), index)
+
+
+def cuda_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    softmax_scale: float,
+    return_lse: bool,
+    out: torch.Tensor | None,
+    config=None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run the forward kernel. Inputs were validated by flash_attention._validate."""
+    from .jit.kernels import get_kernel
+
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    seqlen_k, heads_kv = k.shape[1], k.shape[2]
+    cfg = resolve_config(config, q, causal, seqlen_k, softmax_scale)
+    if heads_q > _MAX_GRID_YZ or batch > _MAX_GRID_YZ:
+        raise ValueError(f"batch and heads must be at most {_MAX_GRID_YZ}; got batch={batch}, heads={heads_q}")
+    if seqlen_q >= 2**31 or seqlen_k >= 2**31:
+        raise ValueError("sequence lengths must be below 2**31")
+    device = q.device
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    check_config(cfg, q, head_dim)
+
+    q_, k_, v_ = _kernel_ready(q), _kernel_ready(k), _kernel_ready(v)
+    if out is None:
+        o = torch.empty_like(q, memory_format=torch.contiguous_format)
+    else:
+        o = out if (out.stride(-1) == 1 and _aligned(out)) else torch.empty_like(q)
+    lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=device) if return_lse else None
+    if o.numel() == 0:
+        if out is not None and o is not out:
+            out.copy_(o)
+        return (out if out is not None else o), lse
+
+    p = FwdParams()
+    p.q, p.k, p.v, p.o = q_.data_ptr(), k_.data_ptr(), v_.data_ptr(), o.data_ptr()
+    p.lse = lse.data_ptr() if lse is not None else None
+    _fill_strides(p, "q", q_)
+    _fill_strides(p, "k", k_)
+    _fill_strides(p, "v", v_)
+    _fill_strides(p, "o", o)
+    if lse is not None:
+        p.lse_batch_stride, p.lse_head_stride = lse.stride(0), lse.stride(1)
+    p.batch, p.heads_q, p.heads_kv = batch, heads_q, heads_kv
+    p.seqlen_q, p.seqlen_k, p.head_dim = seqlen_q, seqlen_k, head_dim
+    p.group = heads_q // heads_kv
+    p.num_m_blocks = math.ceil(seqlen_q / cfg.block_q)
+    p.scale = softmax_scale
+    p.scale_log2 = softmax_scale * _LOG2E
+
+    with torch.cuda.device(index):
+        kernel = get_kernel(cfg, bool(causal), index)
+        kernel.ensure_dynamic_smem(cfg.smem_bytes, index)
+        stream = torch.cuda.current_stream(device).cuda_stream
+        kernel.launch((p.num_m_blocks, heads_q, batch), (cfg.threads, 1, 1), cfg.smem_bytes, stream, p)
+    if out is not None and o is not out:
+        out.copy_(o)
+        o = out
+    return o, lse
