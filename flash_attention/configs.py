@@ -344,11 +344,9 @@ def default_config(dtype: str, head_dim: int, causal: bool, seqlen_q: int, seqle
     """
     d = padded_head_dim(head_dim)
     if d == 64:
-        cfg = KernelConfig(dtype, 64, 128, 128 if not causal else 64, 4, q_frags=0, k_frags=0, v_frags=2)
+        cfg = KernelConfig(dtype, 64, 128, 64, 4, q_frags=0, k_frags=0, v_frags=1)
     elif d == 128:
-        cfg = KernelConfig(dtype, 128, 128, 64, 4, q_frags=2, k_frags=2, v_frags=2)
-    elif d == 192:
-        cfg = KernelConfig(dtype, 192, 128, 64, 8, q_frags=2, k_frags=2, v_frags=2)
+        cfg = KernelConfig(dtype, 128, 128, 64, 4, q_frags=2, k_frags=2, v_frags=1)
     else:
-        cfg = KernelConfig(dtype, 256, 128, 64, 8, q_frags=2, k_frags=2, v_frags=2)
+        cfg = KernelConfig(dtype, d, 128, 64, 8, q_frags=2, k_frags=2, v_frags=1)
     return cfg

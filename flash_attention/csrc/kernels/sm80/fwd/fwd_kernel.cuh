@@ -88,10 +88,12 @@ __device__ __forceinline__ void load_tile(u32 s_tile, const u16* g, i64 row_stri
   constexpr int C = D / 8;
   constexpr int kTotal = R * C;
   constexpr int kThreads = Cfg::kNumWarps * 32;
-  // Thread tid copies chunk tid % C of rows tid / C, tid / C + kRowStep, ...: consecutive threads read
-  // consecutive 16-byte chunks of a row (coalesced), and the source pointer advances by a fixed step.
-  constexpr int kRowStep = kThreads / C > 0 ? kThreads / C : 1;
-  static_assert(kThreads % C == 0 || C % kThreads == 0, "threads and chunks per row must nest");
+  // When the block's threads cover whole rows (kNested), thread tid copies chunk tid % C of rows tid / C,
+  // tid / C + kRowStep, ...: consecutive threads read consecutive 16-byte chunks of a row (coalesced) and
+  // the source pointer advances by a fixed step. Otherwise (head_dim 192 with 8 warps) each copy's
+  // coordinates are computed afresh.
+  constexpr bool kNested = kThreads % C == 0;
+  constexpr int kRowStep = kNested ? kThreads / C : 1;
   const int chunk0 = tid % C;
   const int row0 = tid / C;
   const bool col_ok = chunk0 * 8 < head_dim;
@@ -99,12 +101,11 @@ __device__ __forceinline__ void load_tile(u32 s_tile, const u16* g, i64 row_stri
   const i64 step = kRowStep * row_stride;
 #pragma unroll
   for (int i = 0; i < (kTotal + kThreads - 1) / kThreads; ++i) {
-    // When a row has more chunks than the block has threads, iteration i covers chunks kThreads * i on.
-    const int row = kThreads >= C ? row0 + i * kRowStep : (tid + i * kThreads) / C;
-    const int chunk = kThreads >= C ? chunk0 : (tid + i * kThreads) % C;
     if (kTotal % kThreads != 0 && tid + i * kThreads >= kTotal) break;
-    const bool ok = row < rows_valid && (kThreads >= C ? col_ok : chunk * 8 < head_dim);
-    const u16* p = kThreads >= C ? src + i * step : g + row * row_stride + chunk * 8;
+    const int row = kNested ? row0 + i * kRowStep : (tid + i * kThreads) / C;
+    const int chunk = kNested ? chunk0 : (tid + i * kThreads) % C;
+    const bool ok = row < rows_valid && (kNested ? col_ok : chunk * 8 < head_dim);
+    const u16* p = kNested ? src + i * step : g + row * row_stride + chunk * 8;
     const u32 dst = s_tile + 2 * tile_offset<D, Cfg::kSwizzle>(row, chunk);
     if constexpr (Cfg::kAsyncCopy) {
       cp_async_16(dst, ok ? p : g, ok ? 16 : 0);
