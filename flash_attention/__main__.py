@@ -1,0 +1,66 @@
+"""``python -m flash_attention [command]``.
+
+Without a command: the main job (our attention against PyTorch's on a default shape, or the CPU path when
+there is no GPU). Commands hand the rest of the command line to their own parser, so ``--help`` after a
+command is that command's help.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+
+def _bench(argv: list[str]) -> int:
+    from flash_attention.bench import main as bench_main
+
+    return bench_main(argv)
+
+
+def _build(argv: list[str]) -> int:
+    from flash_attention.jit.build import main as build_main
+
+    return build_main(argv)
+
+
+# name -> (one-line help, handler). Handlers import their module only when chosen: `bench --update-readme`
+# and `build` must work on machines where other tools' imports (CUDA, Triton) would fail or be slow.
+COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
+    "bench": ("benchmark against PyTorch's attention backends; write benchmarks/results/*.json", _bench),
+    "build": ("pre-compile kernels ahead of time (--arch sm_80,sm_90 [--configs ...])", _build),
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    lines = "\n".join(f"  {name:<8} {help_}" for name, (help_, _) in COMMANDS.items())
+    return argparse.ArgumentParser(
+        prog="python -m flash_attention",
+        description=(
+            "Without a command: run flash_attention.attention against PyTorch's attention on a default shape "
+            "and print time, TFLOP/s and max error against a float64 reference (on a machine without a CUDA "
+            "GPU, the CPU path runs)."
+        ),
+        epilog=f"commands:\n{lines}\n\n`python -m flash_attention COMMAND --help` explains each.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    # Dispatch on the first word by hand rather than through argparse subparsers: argparse would try to
+    # parse the command's own options (and its --help) before the command sees them.
+    if args and args[0] in COMMANDS:
+        return int(COMMANDS[args[0]][1](args[1:]) or 0)
+    parser = _parser()
+    if args and not args[0].startswith("-"):
+        parser.error(f"unknown command {args[0]!r}; choose from {', '.join(COMMANDS)}")
+    parser.parse_args(args)
+
+    from flash_attention.bench import run_main_job
+
+    return run_main_job()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,349 @@
+"""CPU tests of the benchmark's pure parts: FLOP counts, result files, README tables, and the main job."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from flash_attention import bench
+from flash_attention.bench import (
+    README_BEGIN,
+    README_END,
+    flops,
+    gpu_slug,
+    input_sets_needed,
+    load_results,
+    newest_results,
+    ratio_summary,
+    results_to_markdown,
+    results_to_text,
+    update_readme,
+    write_results,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ------------------------------------------------------------------------------------------------
+# FLOPs
+
+
+def test_flops_forward_known_value():
+    # The DESIGN.md sweep point d=128, seqlen 4096: batch 4, heads 16 -> 4 * 4 * 16 * 4096^2 * 128.
+    assert flops(4, 16, 4096, 4096, 128, False) == 4 * 4 * 16 * 4096 * 4096 * 128
+    assert flops(1, 1, 1, 1, 1, False) == 4
+
+
+def test_flops_causal_halves_equal_lengths():
+    for n in (512, 1000, 16384):
+        assert flops(2, 8, n, n, 64, True) == flops(2, 8, n, n, 64, False) / 2
+
+
+def test_flops_causal_unequal_lengths_bottom_right():
+    # Queries are the last 1024 of 4096 keys: the full 1024 x 3072 rectangle plus half the 1024 square.
+    assert flops(1, 1, 1024, 4096, 64, True) == 4 * 64 * (1024 * 3072 + 1024 * 1024 / 2)
+    # More queries than keys: the first rows see nothing, the rest form a triangle of the keys.
+    assert flops(1, 1, 4096, 1024, 64, True) == 4 * 64 * (1024 * 1024 / 2)
+
+
+def test_flops_modes():
+    f = flops(2, 4, 512, 512, 64, True)
+    assert flops(2, 4, 512, 512, 64, True, "bwd") == 2.5 * f
+    assert flops(2, 4, 512, 512, 64, True, "fwd_bwd") == 3.5 * f
+    with pytest.raises(ValueError, match="mode"):
+        flops(2, 4, 512, 512, 64, True, "backward")
+
+
+def test_gpu_slug_and_input_sets():
+    assert gpu_slug("NVIDIA H100 80GB HBM3") == "h100-80gb-hbm3"
+    assert gpu_slug("NVIDIA H200") == "h200"
+    assert gpu_slug("") == "unknown-gpu"
+    mb = 2**20
+    assert input_sets_needed(256 * mb, 50 * mb) == 1  # the sweep's sets are far larger than L2
+    assert input_sets_needed(25 * mb, 50 * mb) == 4
+    assert input_sets_needed(1, 50 * mb) == 8  # capped
+
+
+def test_sweep_shapes_follow_the_convention():
+    s = bench.SweepSettings(
+        impls=bench.DEFAULT_IMPLS,
+        seqlens=bench.DEFAULT_SEQLENS,
+        head_dims=(64, 128, 256),
+        causal=(False, True),
+    )
+    shapes = bench.sweep_shapes(s)
+    assert len(shapes) == 36
+    for sh in shapes:
+        assert sh.batch * sh.seqlen == 16384 and sh.heads * sh.head_dim == 2048 and sh.dtype == "bf16"
+    assert {(sh.head_dim, sh.causal, sh.seqlen) for sh in shapes} == {
+        (d, c, n) for d in (64, 128, 256) for c in (False, True) for n in bench.DEFAULT_SEQLENS
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# A synthetic result
+
+
+def _row(impl, d, causal, n, tflops, mode="fwd", **extra):
+    return {
+        "impl": impl,
+        "mode": mode,
+        "dtype": "bf16",
+        "head_dim": d,
+        "causal": causal,
+        "seqlen": n,
+        "batch": 16384 // n,
+        "heads": 2048 // d,
+        "ms": 1.0,
+        "tflops": tflops,
+        **extra,
+    }
+
+
+CFG = "(BF16, 128, 128, 64, 4): async+eager+swizzled+load_2_2_2_tiles+buffer+opt_softmax"
+
+
+def _result():
+    rows = [
+        _row("flash_attention", 128, False, 512, 300.0, config=CFG),
+        _row("flash_attention", 128, False, 1024, 360.0, config=CFG),
+        _row("sdpa_flash", 128, False, 512, 250.0),
+        _row("sdpa_flash", 128, False, 1024, 400.0),
+        _row("sdpa_cudnn", 128, False, 512, 600.0),
+        _row("sdpa_cudnn", 128, False, 1024, 720.0),
+        _row("flex", 128, False, 1024, 470.4),
+        _row("flash_attention", 128, True, 1024, 200.0, config=CFG),
+        _row("sdpa_flash", 128, True, 1024, 100.0),
+        _row("sdpa_flash", 64, True, 512, 7.25),
+    ]
+    return {
+        "gpu": "NVIDIA H200",
+        "driver": "580.00",
+        "cuda": "13.0",
+        "torch": "2.11.0+cu130",
+        "commit": "abc1234",
+        "matmul_tflops": 700.4,
+        "date": "2026-11-22",
+        "timestamp": "2026-11-22T10:00:00+00:00",
+        "rows": rows,
+    }
+
+
+def _table_rows(md: str) -> dict[tuple[str, str, str], list[str]]:
+    out = {}
+    for line in md.splitlines():
+        if line.startswith("| ") and not line.startswith("| d |"):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            out[tuple(cells[:3])] = cells[3:]
+    return out
+
+
+def test_markdown_tables_hold_the_numbers_and_ratios():
+    md = results_to_markdown(_result())
+    assert md.count("### fwd (TFLOP/s, bf16)") == 1
+    assert "| d | causal | impl | 512 | 1k |" in md
+    rows = _table_rows(md)
+    assert rows[("128", "no", "flash_attention")] == ["300", "360"]
+    assert rows[("128", "no", "sdpa_cudnn")] == ["600", "720"]
+    assert rows[("128", "no", "flex")] == ["–", "470"]
+    assert rows[("64", "yes", "sdpa_flash")] == ["7.2", "–"]  # small values keep a decimal
+    assert rows[("128", "no", "flash_attention / sdpa_flash")] == ["1.20×", "0.90×"]
+    assert rows[("128", "no", "flash_attention / sdpa_cudnn")] == ["0.50×", "0.50×"]
+    assert rows[("128", "yes", "flash_attention / sdpa_flash")] == ["–", "2.00×"]
+    # No ratio rows where ours was not measured.
+    assert ("64", "yes", "flash_attention / sdpa_flash") not in rows
+    # Row order: head_dim, then non-causal before causal; ours first within a block.
+    keys = list(rows)
+    assert keys.index(("64", "yes", "sdpa_flash")) < keys.index(("128", "no", "flash_attention"))
+    assert keys.index(("128", "no", "flash_attention")) < keys.index(("128", "no", "sdpa_flash"))
+    assert keys.index(("128", "no", "flex")) < keys.index(("128", "yes", "flash_attention"))
+    # The summary lines and the config list.
+    assert (
+        "flash_attention / sdpa_flash: min 0.90× (d=128, non-causal, seqlen 1k), median 1.20×, max 2.00×"
+        in md
+    )
+    assert "over 3 points" in md
+    assert CFG in md
+
+
+def test_markdown_one_table_per_mode():
+    r = _result()
+    r["rows"] = r["rows"] + [_row("sdpa_flash", 128, False, 512, 200.0, mode="fwd_bwd")]
+    md = results_to_markdown(r)
+    assert md.index("### fwd (TFLOP/s") < md.index("### fwd_bwd (TFLOP/s")
+    fwd_bwd = md[md.index("### fwd_bwd") :]
+    assert "| 128 | no | sdpa_flash | 200 |" in fwd_bwd
+
+
+def test_ratio_summary_and_text():
+    s = ratio_summary(_result()["rows"], "sdpa_flash")
+    assert s["points"] == 3 and s["min"] == pytest.approx(0.9) and s["max"] == pytest.approx(2.0)
+    assert s["median"] == pytest.approx(1.2) and s["worst"] == (128, False, 1024)
+    assert ratio_summary(_result()["rows"], "sdpa_efficient") is None
+    assert ratio_summary(_result()["rows"], "sdpa_flash", mode="fwd_bwd") is None
+    text = results_to_text(_result())
+    assert "flash_attention / sdpa_cudnn" in text and "|" not in text
+
+
+def test_later_row_of_the_same_point_wins():
+    r = _result()
+    r["rows"].append(_row("sdpa_flash", 128, False, 512, 150.0))
+    rows = _table_rows(results_to_markdown(r))
+    assert rows[("128", "no", "sdpa_flash")] == ["150", "400"]
+    assert rows[("128", "no", "flash_attention / sdpa_flash")] == ["2.00×", "0.90×"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Files
+
+
+def test_write_load_round_trip(tmp_path):
+    r = _result()
+    r["rows"][0]["max_diff_vs_sdpa"] = float("nan")  # JSON has no NaN: written as null
+    path = write_results(r, tmp_path / "sub" / "h200-2026-11-22.json")
+    loaded = load_results(path)
+    assert loaded["rows"][0]["max_diff_vs_sdpa"] is None
+    del r["rows"][0]["max_diff_vs_sdpa"], loaded["rows"][0]["max_diff_vs_sdpa"]
+    assert loaded == r
+    json.loads(path.read_text())  # strict JSON
+    assert len(path.read_text().splitlines()) < 20 + len(r["rows"])  # one row per line
+    assert not [p for p in path.parent.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_write_and_load_reject_incomplete(tmp_path):
+    r = _result()
+    del r["matmul_tflops"]
+    with pytest.raises(ValueError, match="matmul_tflops"):
+        write_results(r, tmp_path / "x.json")
+    r = _result()
+    del r["rows"][3]["tflops"]
+    (tmp_path / "y.json").write_text(json.dumps(r))
+    with pytest.raises(ValueError, match="row 3.*tflops"):
+        load_results(tmp_path / "y.json")
+
+
+def test_newest_results_prefers_full_sweeps(tmp_path):
+    old, new, quick = _result(), _result(), _result()
+    old["timestamp"] = "2026-11-20T10:00:00+00:00"
+    new["timestamp"] = "2026-11-21T10:00:00+00:00"
+    quick["timestamp"] = "2026-11-23T10:00:00+00:00"
+    quick["settings"] = {"quick": True}
+    write_results(new, tmp_path / "b.json")
+    write_results(old, tmp_path / "c.json")
+    write_results(quick, tmp_path / "a-quick.json")
+    (tmp_path / "notes.json").write_text("[1, 2]")
+    assert newest_results(tmp_path).name == "b.json"
+    with pytest.raises(FileNotFoundError):
+        newest_results(tmp_path / "empty")
+
+
+README = f"""# Title
+
+Intro text.
+
+{README_BEGIN}
+old table
+| stale | numbers |
+{README_END}
+
+## After
+More text with {{braces}}.
+"""
+
+
+def test_update_readme_replaces_only_the_marked_region(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(README)
+    results = write_results(_result(), tmp_path / "benchmarks" / "results" / "h200-2026-11-22.json")
+    update_readme(readme, results)
+    text = readme.read_text()
+    before, rest = text.split(README_BEGIN)
+    block, after = rest.split(README_END)
+    assert before == README.split(README_BEGIN)[0]
+    assert after == README.split(README_END)[1]
+    assert "stale" not in block
+    assert (
+        "NVIDIA H200" in block and "2.11.0+cu130" in block and "abc1234" in block and "700 TFLOP/s" in block
+    )
+    assert "benchmarks/results/h200-2026-11-22.json" in block
+    assert "| 128 | no | flash_attention | 300 | 360 |" in block
+    # Idempotent: a second run gives the same file.
+    update_readme(readme, results)
+    assert readme.read_text() == text
+
+
+def test_update_readme_needs_markers(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("# no markers\n")
+    results = write_results(_result(), tmp_path / "r.json")
+    with pytest.raises(ValueError, match="bench:begin"):
+        update_readme(readme, results)
+    assert readme.read_text() == "# no markers\n"
+
+
+def test_update_readme_cli(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(README)
+    results = write_results(_result(), tmp_path / "r.json")
+    assert bench.main(["--update-readme", str(results), "--readme", str(readme)]) == 0
+    assert "| 128 | yes | flash_attention / sdpa_flash | – | 2.00× |" in readme.read_text()
+
+
+# ------------------------------------------------------------------------------------------------
+# CLI without a GPU
+
+
+def test_backward_modes_say_they_need_a_backward(capsys):
+    from flash_attention import ops
+
+    if getattr(ops, "cuda_backward", None) is not None:
+        pytest.skip("a backward exists")
+    assert bench.main(["--mode", "fwd_bwd"]) == 2
+    assert "backward" in capsys.readouterr().err
+
+
+def test_bad_arguments_exit_2():
+    for argv in (["--impls", "sdpa_flash,nope"], ["--seqlens", "512,abc"], ["--seqlens", "0"]):
+        with pytest.raises(SystemExit) as e:
+            bench.main(argv)
+        assert e.value.code == 2
+    assert bench._int_list("512,1k,16K") == (512, 1024, 16384)
+
+
+def _run_module(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    return subprocess.run(
+        [sys.executable, "-m", "flash_attention", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path of the main job runs without a GPU")
+def test_main_job_runs_cpu_path():
+    p = _run_module()
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "No CUDA GPU found" in p.stdout and "CPU (PyTorch) path" in p.stdout
+    errors = [
+        float(line.split()[-1])
+        for line in p.stdout.splitlines()
+        if line.startswith(("flash_attention ", "torch"))
+    ]
+    assert len(errors) == 4 and all(math.isfinite(e) and e < 1e-4 for e in errors)
+
+
+def test_module_help_and_unknown_command():
+    p = _run_module("--help")
+    assert p.returncode == 0 and "bench" in p.stdout and "build" in p.stdout
+    p = _run_module("no-such-command")
+    assert p.returncode == 2 and "unknown command" in p.stderr
