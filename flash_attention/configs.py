@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
+from functools import lru_cache
 
 __all__ = [
     "KernelConfig",
@@ -331,6 +332,7 @@ def parse_config(text: str | KernelConfig) -> KernelConfig:
 # Defaults
 
 
+@lru_cache(maxsize=4096)
 def default_config(dtype: str, head_dim: int, causal: bool, seqlen_q: int, seqlen_k: int) -> KernelConfig:
     """The configuration used when the caller names none.
 

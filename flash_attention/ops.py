@@ -50,28 +50,27 @@ def cuda_unavailable_reason(q: torch.Tensor) -> str | None:
         return "the tensors are on the CPU"
     if q.dtype not in _DTYPES:
         return f"the kernels take float16 or bfloat16, not {q.dtype}"
-    return _device_problem(q.device.index if q.device.index is not None else torch.cuda.current_device()) or (
-        _compiler_problem()
-    )
+    return _device_problem(q.get_device()) or _compiler_problem()
 
 
 def _dtype_name(t: torch.Tensor) -> str:
     return _DTYPES[t.dtype]
 
 
+@lru_cache(maxsize=None)
 def smem_limit(device_index: int) -> int:
     from .jit import driver
 
     return driver.device_attribute(driver.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, device_index)
 
 
-def check_config(cfg: KernelConfig, q: torch.Tensor, head_dim: int) -> None:
+def check_config(cfg: KernelConfig, q: torch.Tensor, head_dim: int, index: int) -> None:
     """Raise ValueError when ``cfg`` cannot compute this problem on this GPU."""
     if cfg.dtype != _dtype_name(q):
         raise ValueError(f"config {cfg.name()} is for {cfg.dtype}, but q is {q.dtype}")
     if head_dim > cfg.head_dim:
         raise ValueError(f"config {cfg.name()} is compiled for head_dim <= {cfg.head_dim}; got {head_dim}")
-    limit = smem_limit(q.device.index)
+    limit = smem_limit(index)
     if cfg.smem_bytes > limit:
         raise ValueError(
             f"config {cfg.name()} needs {cfg.smem_bytes} bytes of shared memory per block; "
@@ -147,8 +146,8 @@ def cuda_forward(
     if seqlen_q >= 2**31 or seqlen_k >= 2**31:
         raise ValueError("sequence lengths must be below 2**31")
     device = q.device
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    check_config(cfg, q, head_dim)
+    index = q.get_device()
+    check_config(cfg, q, head_dim, index)
 
     q_, k_, v_ = _kernel_ready(q), _kernel_ready(k), _kernel_ready(v)
     if out is None:
@@ -177,11 +176,16 @@ def cuda_forward(
     p.scale = softmax_scale
     p.scale_log2 = softmax_scale * _LOG2E
 
-    with torch.cuda.device(index):
-        kernel = get_kernel(cfg, bool(causal), index)
-        kernel.ensure_dynamic_smem(cfg.smem_bytes, index)
-        stream = torch.cuda.current_stream(device).cuda_stream
-        kernel.launch((p.num_m_blocks, heads_q, batch), (cfg.threads, 1, 1), cfg.smem_bytes, stream, p)
+    kernel = get_kernel(cfg, bool(causal), index)
+    kernel.ensure_dynamic_smem(cfg.smem_bytes, index)
+    stream = torch.cuda.current_stream(device).cuda_stream
+    grid = (p.num_m_blocks, heads_q, batch)
+    if index == torch.cuda.current_device():
+        kernel.launch(grid, (cfg.threads, 1, 1), cfg.smem_bytes, stream, p)
+    else:
+        # The launch goes to the current context: make it q's device's (PyTorch's primary context).
+        with torch.cuda.device(index):
+            kernel.launch(grid, (cfg.threads, 1, 1), cfg.smem_bytes, stream, p)
     if out is not None and o is not out:
         out.copy_(o)
         o = out

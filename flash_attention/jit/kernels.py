@@ -171,6 +171,7 @@ _loaded: dict[tuple, object] = {}
 _lock = threading.Lock()
 
 
+@lru_cache(maxsize=None)
 def device_arch(device: int) -> str:
     import torch  # only the ops layer passes CUDA devices in here; torch is its dependency
 

@@ -300,6 +300,16 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
       }
     }
 
+    if constexpr (!Cfg::kOptSoftmax) {
+      // Scale before masking: a negative scale would turn a masked -inf into +inf.
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int n = 0; n < NS; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[mt][n][e] *= p.scale;
+    }
+
     // ---- mask: sequence tail and causal diagonal (warp-uniform test, so unmasked blocks pay nothing) --
     const bool tail = kv_start + BC > p.seqlen_k;
     const bool diag = kCausal && kv_start + BC - 1 > q_start + warp_row0 + shift;
@@ -325,13 +335,6 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        if constexpr (!Cfg::kOptSoftmax) {
-#pragma unroll
-          for (int n = 0; n < NS; ++n) {
-            s[mt][n][2 * r] *= p.scale;
-            s[mt][n][2 * r + 1] *= p.scale;
-          }
-        }
         float mx = row_max[mt][r];
 #pragma unroll
         for (int n = 0; n < NS; ++n) mx = fmaxf(mx, fmaxf(s[mt][n][2 * r], s[mt][n][2 * r + 1]));
