@@ -336,19 +336,25 @@ def parse_config(text: str | KernelConfig) -> KernelConfig:
 def default_config(dtype: str, head_dim: int, causal: bool, seqlen_q: int, seqlen_k: int) -> KernelConfig:
     """The configuration used when the caller names none.
 
-    Rules, from measurements on H100/H200 recorded in docs/kernel-log.md:
-    * 128 query rows per block keep enough independent mma work per SM; with 4 warps each warp owns two
-      16-row tiles, so every K/V fragment read from shared memory feeds two mma instructions (half the
-      shared-memory traffic of one tile per warp, which is what limits mma.sync on Hopper).
-    * The K/V tile shrinks as head_dim grows so the O accumulator (rows x head_dim fp32) and S (rows x B_c
-      fp32) fit in 255 registers; at head_dim 256 the rows are spread over 8 warps instead.
-    * Short query sequences use 64-row blocks so the grid still covers all SMs.
+    Chosen from timings on an H200 (docs/kernel-log.md has the table); the reasons:
+    * head_dim 128: 128 query rows over 4 warps, so each warp owns two 16-row mma tiles and every K/V
+      fragment read from shared memory feeds two mma instructions (shared-memory bandwidth is what limits
+      mma.sync on Hopper). The O accumulator (32 x 128 fp32) and S (32 x 64) then need 252 of the 255
+      registers, which is why the K/V tile stops at 64 keys.
+    * head_dim 64: O is half as large, so one 16-row tile per warp with a 128-key K/V tile keeps more
+      independent mma work per warp and still fits 4 blocks' worth of warps per SM.
+    * head_dim 256: O alone is 128 registers for 16 rows; 64 x 64 tiles with single-slice fragment loads
+      are what fits without spilling.
+    * head_dim 192 (not a tuned size): its 24-chunk rows do not nest with 128 threads, so the copy loops
+      need more registers; 32-key tiles keep it spill-free.
+    The configuration does not depend on the sequence lengths yet: at every benchmark length the same
+    tile won or tied (within 2%).
     """
     d = padded_head_dim(head_dim)
     if d == 64:
-        cfg = KernelConfig(dtype, 64, 128, 64, 4, q_frags=0, k_frags=0, v_frags=1)
-    elif d == 128:
-        cfg = KernelConfig(dtype, 128, 128, 64, 4, q_frags=2, k_frags=2, v_frags=1)
-    else:
-        cfg = KernelConfig(dtype, d, 128, 64, 8, q_frags=2, k_frags=2, v_frags=1)
-    return cfg
+        return KernelConfig(dtype, 64, 64, 128, 4, q_frags=0, k_frags=0, v_frags=1)
+    if d == 128:
+        return KernelConfig(dtype, 128, 128, 64, 4, q_frags=2, k_frags=2, v_frags=1)
+    if d == 192:
+        return KernelConfig(dtype, 192, 64, 32, 4, q_frags=1, k_frags=1, v_frags=1)
+    return KernelConfig(dtype, 256, 64, 64, 4, q_frags=1, k_frags=1, v_frags=1)
