@@ -3,7 +3,8 @@
 A :class:`KernelConfig` names one instantiation of the forward kernel family. From it come
 
 * a canonical short name (``str(cfg)`` / :meth:`KernelConfig.name`) that :func:`parse_config` turns back
-  into an equal object, e.g. ``(BF16, 128, 64, 64, 4): async+eager+swizzled+load_0_2_2_tiles+buffer+opt_softmax``;
+  into an equal object, e.g.
+  ``(BF16, 128, 64, 64, 4): async+eager+swizzled+load_0_2_2_tiles+buffer+opt_softmax``;
 * the C identifier used as the kernel's symbol (:meth:`KernelConfig.symbol`), which also parses back;
 * the C++ ``struct`` of named compile-time constants the kernel template is instantiated with
   (:meth:`KernelConfig.cpp_struct`), never positional template arguments;
@@ -97,6 +98,18 @@ class KernelConfig:
         errors = validity_errors(self)
         if errors:
             raise ValueError(f"invalid kernel config {self.name()}: " + "; ".join(errors))
+
+    @classmethod
+    def unchecked(cls, *args, **kwargs) -> KernelConfig:
+        """Build a config without the validity check (tests use it to feed invalid ones to the compiler)."""
+        obj = object.__new__(cls)
+        names = [f.name for f in dataclasses.fields(cls)]
+        values = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+        values.update(zip(names[: len(args)], args, strict=True))
+        values.update(kwargs)
+        for name in names:
+            object.__setattr__(obj, name, values[name])
+        return obj
 
     # ----------------------------------------------------------------------------------------------
     # Derived quantities
@@ -202,7 +215,9 @@ def validity_errors(cfg: KernelConfig) -> list[str]:
     if cfg.block_q % (16 * cfg.num_warps) != 0:
         e.append("block_q must be a multiple of 16 * num_warps (each warp owns whole 16-row mma tiles)")
     elif cfg.block_q // cfg.num_warps > 64:
-        e.append("block_q / num_warps must be at most 64 (the accumulators of more rows exceed the registers)")
+        e.append(
+            "block_q / num_warps must be at most 64 (the accumulators of more rows exceed the registers)"
+        )
     if cfg.block_kv not in (16, 32, 64, 128, 256):
         e.append("block_kv must be 16, 32, 64, 128 or 256")
     if cfg.eager and not cfg.async_copy:
@@ -217,16 +232,18 @@ def validity_errors(cfg: KernelConfig) -> list[str]:
         ks = cfg.block_kv // 16
         if cfg.v_frags < 0 or (cfg.v_frags and ks % cfg.v_frags):
             e.append("v_frags must be 0 or divide block_kv / 16")
-    if not e and cfg.double_buffer and not _has_fragment_groups(cfg):
-        e.append("double_buffer needs more than one fragment group of K or V (k_frags or v_frags smaller than all)")
-    if not e and smem_bytes(cfg) > SMEM_LIMIT_SM80:
+    if cfg.double_buffer and not _has_fragment_groups(cfg):
+        e.append(
+            "double_buffer needs more than one fragment group of K or V (k_frags or v_frags smaller than all)"
+        )
+    if smem_bytes(cfg) > SMEM_LIMIT_SM80:
         e.append(f"shared memory ({smem_bytes(cfg)} bytes) exceeds the sm_80 limit of {SMEM_LIMIT_SM80}")
     return e
 
 
 def _has_fragment_groups(cfg: KernelConfig) -> bool:
-    k_groups = (cfg.head_dim // 16) // cfg.k_frags if cfg.k_frags else 1
-    v_groups = (cfg.block_kv // 16) // cfg.v_frags if cfg.v_frags else 1
+    k_groups = (cfg.head_dim // 16) // cfg.k_frags if cfg.k_frags > 0 else 1
+    v_groups = (cfg.block_kv // 16) // cfg.v_frags if cfg.v_frags > 0 else 1
     return k_groups > 1 or v_groups > 1
 
 
@@ -248,7 +265,9 @@ def estimated_registers(cfg: KernelConfig) -> int:
     o_acc = rows * cfg.head_dim // 32
     s_acc = rows * cfg.block_kv // 32
     q = rows * cfg.head_dim // 64 if cfg.q_frags == 0 else rows * 16 * cfg.q_frags // 64
-    kf = (cfg.k_frags or cfg.head_dim // 16) * cfg.block_kv // 4 // 2  # 16 x block_kv bf16 per slice, / 32 lanes
+    kf = (
+        (cfg.k_frags or cfg.head_dim // 16) * cfg.block_kv // 4 // 2
+    )  # 16 x block_kv bf16 per slice, / 32 lanes
     vf = (cfg.v_frags or cfg.block_kv // 16) * cfg.head_dim // 4 // 2
     buffers = 2 if cfg.double_buffer else 1
     return o_acc + s_acc + q + buffers * max(kf, vf) + 40
@@ -354,7 +373,7 @@ def default_config(dtype: str, head_dim: int, causal: bool, seqlen_q: int, seqle
     if d == 64:
         return KernelConfig(dtype, 64, 64, 128, 4, q_frags=0, k_frags=0, v_frags=1)
     if d == 128:
-        return KernelConfig(dtype, 128, 128, 64, 4, q_frags=2, k_frags=2, v_frags=1)
+        return KernelConfig(dtype, 128, 128, 64, 4, q_frags=4, k_frags=4, v_frags=1)
     if d == 192:
         return KernelConfig(dtype, 192, 64, 32, 4, q_frags=1, k_frags=1, v_frags=1)
     return KernelConfig(dtype, 256, 64, 64, 4, q_frags=1, k_frags=1, v_frags=1)

@@ -9,7 +9,7 @@ user sees first lives in flash_attention._validate; this module trusts nothing i
 from __future__ import annotations
 
 import math
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -22,7 +22,7 @@ _LOG2E = 1.4426950408889634
 _MAX_GRID_YZ = 65535
 
 
-@lru_cache(maxsize=None)
+@cache
 def _device_problem(index: int) -> str | None:
     major, minor = torch.cuda.get_device_capability(index)
     if major < 8:
@@ -37,7 +37,7 @@ def _device_problem(index: int) -> str | None:
     return None
 
 
-@lru_cache(maxsize=None)
+@cache
 def _compiler_problem() -> str | None:
     if _compiler.choose_compiler() is None:
         return "no CUDA compiler was found (NVRTC from PyTorch's CUDA wheels, or nvcc from a CUDA toolkit)"
@@ -57,7 +57,7 @@ def _dtype_name(t: torch.Tensor) -> str:
     return _DTYPES[t.dtype]
 
 
-@lru_cache(maxsize=None)
+@cache
 def smem_limit(device_index: int) -> int:
     from .jit import driver
 
@@ -142,7 +142,9 @@ def cuda_forward(
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     cfg = resolve_config(config, q, causal, seqlen_k, softmax_scale)
     if heads_q > _MAX_GRID_YZ or batch > _MAX_GRID_YZ:
-        raise ValueError(f"batch and heads must be at most {_MAX_GRID_YZ}; got batch={batch}, heads={heads_q}")
+        raise ValueError(
+            f"batch and heads must be at most {_MAX_GRID_YZ}; got batch={batch}, heads={heads_q}"
+        )
     if seqlen_q >= 2**31 or seqlen_k >= 2**31:
         raise ValueError("sequence lengths must be below 2**31")
     device = q.device

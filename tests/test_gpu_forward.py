@@ -74,7 +74,9 @@ def check_case(b, sq, sk, hq, hkv, d, dtype, causal, layout="bshd", config=None,
         assert (o[:, ~has_key] == 0).all(), case
         assert torch.isneginf(lse[:, :, ~has_key]).all(), case
     # LSE in fp32 of exactly-computed scores: tight against float64.
-    lse_err = (lse[:, :, has_key].double() - ref_lse[:, :, has_key]).abs().max().item() if has_key.any() else 0
+    lse_err = (
+        (lse[:, :, has_key].double() - ref_lse[:, :, has_key]).abs().max().item() if has_key.any() else 0
+    )
     assert lse_err < 2e-3, f"lse error {lse_err:.3g} for {case}"
 
 
@@ -127,7 +129,12 @@ _VARIANTS = [
 @pytest.mark.parametrize("name", _VARIANTS)
 @pytest.mark.parametrize(
     "shape",
-    [(2, 200, 200, 4, 2, False), (1, 333, 517, 4, 1, True), (2, 517, 129, 2, 2, True), (1, 65, 65, 2, 1, True)],
+    [
+        (2, 200, 200, 4, 2, False),
+        (1, 333, 517, 4, 1, True),
+        (2, 517, 129, 2, 2, True),
+        (1, 65, 65, 2, 1, True),
+    ],
 )
 def test_config_variants(name, shape):
     cfg = parse_config(name)
@@ -182,3 +189,21 @@ def test_fp32_on_cuda_falls_back_with_warning():
         o = fa.attention(q, q, q)
     ref, _ = attention_reference(q, q, q)
     assert (o.double() - ref).abs().max().item() < 1e-4
+
+
+def test_config_too_large_for_this_gpu_is_a_clear_error(monkeypatch):
+    from flash_attention import ops
+
+    q = torch.randn(1, 64, 2, 128, device="cuda", dtype=torch.bfloat16)
+    cfg = fa.default_config("bf16", 128, False, 64, 64)
+    monkeypatch.setattr(ops, "smem_limit", lambda index: cfg.smem_bytes - 1)
+    with pytest.raises(ValueError, match="shared memory"):
+        fa.forward(cfg, q, q, q)
+
+
+def test_config_for_another_dtype_or_smaller_head_dim_is_rejected():
+    q = torch.randn(1, 64, 2, 128, device="cuda", dtype=torch.float16)
+    with pytest.raises(ValueError, match="is for bf16"):
+        fa.forward(fa.default_config("bf16", 128, False, 64, 64), q, q, q)
+    with pytest.raises(ValueError, match="head_dim <= 64"):
+        fa.forward(fa.default_config("fp16", 64, False, 64, 64), q, q, q)

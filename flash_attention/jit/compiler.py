@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import asdict, dataclass
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
@@ -90,7 +90,7 @@ def parse_ptxas_log(log: str) -> list[ResourceUsage]:
 # nvcc
 
 
-@lru_cache(maxsize=None)
+@cache
 def find_nvcc() -> str | None:
     env = os.environ.get("FLASH_ATTENTION_NVCC")
     if env:
@@ -101,7 +101,7 @@ def find_nvcc() -> str | None:
     return shutil.which("nvcc")
 
 
-@lru_cache(maxsize=None)
+@cache
 def nvcc_version(nvcc: str) -> str:
     out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=False).stdout
     m = re.search(r"release ([\d.]+), V([\d.]+)", out)
@@ -158,7 +158,7 @@ def _nvrtc_candidates() -> list[str]:
     return [f for f in found if "builtins" not in f and "alt" not in os.path.basename(f)]
 
 
-@lru_cache(maxsize=None)
+@cache
 def load_nvrtc() -> ctypes.CDLL | None:
     for cand in _nvrtc_candidates():
         try:

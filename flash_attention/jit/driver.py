@@ -7,7 +7,7 @@ cubin serves whichever context (PyTorch's primary context of the tensor's device
 from __future__ import annotations
 
 import ctypes
-from functools import lru_cache
+from functools import cache
 
 CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK = 0
 CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES = 1
@@ -21,7 +21,7 @@ class DriverError(RuntimeError):
     pass
 
 
-@lru_cache(maxsize=None)
+@cache
 def libcuda() -> ctypes.CDLL:
     for name in ("libcuda.so.1", "libcuda.so"):
         try:
@@ -45,7 +45,7 @@ def check(status: int, what: str) -> None:
         raise DriverError(f"{what} failed: {text} ({status})")
 
 
-@lru_cache(maxsize=None)
+@cache
 def _raw() -> ctypes.CDLL | None:
     try:
         return ctypes.CDLL("libcuda.so.1")
@@ -120,7 +120,7 @@ def get_kernel(library: ctypes.c_void_p, name: str) -> Kernel:
     return Kernel(library, handle, name)
 
 
-@lru_cache(maxsize=None)
+@cache
 def cu_device(ordinal: int) -> int:
     dev = ctypes.c_int()
     check(libcuda().cuDeviceGet(ctypes.byref(dev), ordinal), "cuDeviceGet")
@@ -129,5 +129,7 @@ def cu_device(ordinal: int) -> int:
 
 def device_attribute(attr: int, device: int) -> int:
     value = ctypes.c_int()
-    check(libcuda().cuDeviceGetAttribute(ctypes.byref(value), attr, cu_device(device)), "cuDeviceGetAttribute")
+    check(
+        libcuda().cuDeviceGetAttribute(ctypes.byref(value), attr, cu_device(device)), "cuDeviceGetAttribute"
+    )
     return value.value

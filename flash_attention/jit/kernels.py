@@ -18,7 +18,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 from ..configs import KernelConfig
@@ -56,7 +56,7 @@ def kernel_source(cfg: KernelConfig) -> str:
     )
 
 
-@lru_cache(maxsize=None)
+@cache
 def sources_digest() -> str:
     """Hash of every shipped kernel source file (headers included)."""
     h = hashlib.sha256()
@@ -132,7 +132,9 @@ class _Ticker:
         self._stop.set()
         self.elapsed = time.perf_counter() - self.t0
         if not _quiet() and exc[0] is None:
-            print(f"flash_attention: compiled {self.what} in {self.elapsed:.1f} s", file=sys.stderr, flush=True)
+            print(
+                f"flash_attention: compiled {self.what} in {self.elapsed:.1f} s", file=sys.stderr, flush=True
+            )
 
 
 def build(cfg: KernelConfig, arch: str, compiler: str | None = None, *, force: bool = False) -> BuiltKernel:
@@ -148,7 +150,9 @@ def build(cfg: KernelConfig, arch: str, compiler: str | None = None, *, force: b
     cubin_path, meta_path = root / f"{key}.cubin", root / f"{key}.json"
     if not force and cubin_path.exists() and meta_path.exists():
         try:
-            return BuiltKernel(cfg, arch, cid, cubin_path.read_bytes(), json.loads(meta_path.read_text()), True)
+            return BuiltKernel(
+                cfg, arch, cid, cubin_path.read_bytes(), json.loads(meta_path.read_text()), True
+            )
         except (OSError, ValueError):
             pass  # a damaged entry is rebuilt below
     with _Ticker(f"{cfg.name()} for {arch} with {cid}") as tick:
@@ -171,7 +175,7 @@ _loaded: dict[tuple, object] = {}
 _lock = threading.Lock()
 
 
-@lru_cache(maxsize=None)
+@cache
 def device_arch(device: int) -> str:
     import torch  # only the ops layer passes CUDA devices in here; torch is its dependency
 

@@ -54,9 +54,10 @@ def offset_asserts(struct: type[ctypes.Structure], cpp_name: str) -> str:
     NVRTC's front end rejects ``__builtin_offsetof``, so the asserts are compiled by nvcc only; the layout is
     the same under both (same ABI), and CI compiles every shipped kernel with nvcc.
     """
-    lines = ["#ifndef __CUDACC_RTC__",
+    lines = [
+        "#ifndef __CUDACC_RTC__",
         f"static_assert(sizeof({cpp_name}) == {ctypes.sizeof(struct)}, "
-        f'"{cpp_name} size differs from flash_attention/jit/params.py");'
+        f'"{cpp_name} size differs from flash_attention/jit/params.py");',
     ]
     for name, _ in struct._fields_:
         off = getattr(struct, name).offset

@@ -1,0 +1,41 @@
+// Validity rules of a forward-kernel configuration, as static_asserts.
+//
+// Mirrors flash_attention/configs.py validity_errors() rule for rule (same wording). Plain C++ with no device
+// code, so tests/test_configs.py can compile it with the host compiler for thousands of candidate configs
+// at once and check that both sides accept and reject exactly the same ones.
+#pragma once
+
+namespace fa {
+
+template <class Cfg>
+struct check_config {
+  static constexpr int D = Cfg::kHeadDim;
+  static_assert(D == 64 || D == 128 || D == 192 || D == 256, "head_dim must be one of (64, 128, 192, 256)");
+  static_assert(Cfg::kNumWarps == 1 || Cfg::kNumWarps == 2 || Cfg::kNumWarps == 4 || Cfg::kNumWarps == 8,
+                "num_warps must be 1, 2, 4 or 8");
+  static_assert(Cfg::kBlockQ % (16 * Cfg::kNumWarps) == 0,
+                "block_q must be a multiple of 16 * num_warps (each warp owns whole 16-row mma tiles)");
+  static_assert(Cfg::kBlockQ / Cfg::kNumWarps <= 64,
+                "block_q / num_warps must be at most 64 (the accumulators of more rows exceed the registers)");
+  static_assert(Cfg::kBlockKV == 16 || Cfg::kBlockKV == 32 || Cfg::kBlockKV == 64 || Cfg::kBlockKV == 128 ||
+                    Cfg::kBlockKV == 256,
+                "block_kv must be 16, 32, 64, 128 or 256");
+  static_assert(!Cfg::kEager || Cfg::kAsyncCopy,
+                "eager loading needs async_copy (a plain load would stall the warp that issues it)");
+  static_assert(Cfg::kQFrags >= 0 && (Cfg::kQFrags == 0 || (D / 16) % Cfg::kQFrags == 0),
+                "q_frags must be 0 or divide head_dim / 16");
+  static_assert(Cfg::kKFrags >= 0 && (Cfg::kKFrags == 0 || (D / 16) % Cfg::kKFrags == 0),
+                "k_frags must be 0 or divide head_dim / 16");
+  static_assert(Cfg::kVFrags >= 0 && (Cfg::kVFrags == 0 || (Cfg::kBlockKV / 16) % Cfg::kVFrags == 0),
+                "v_frags must be 0 or divide block_kv / 16");
+  static constexpr int kKGroups = Cfg::kKFrags == 0 ? 1 : (D / 16) / Cfg::kKFrags;
+  static constexpr int kVGroups = Cfg::kVFrags == 0 ? 1 : (Cfg::kBlockKV / 16) / Cfg::kVFrags;
+  static_assert(!Cfg::kDoubleBuffer || kKGroups > 1 || kVGroups > 1,
+                "double_buffer needs more than one fragment group of K or V (k_frags or v_frags smaller than "
+                "all)");
+  static constexpr int kSmemBytes = 2 * D * (Cfg::kBlockQ + 2 * Cfg::kBlockKV);
+  static_assert(kSmemBytes <= 163 * 1024, "shared memory exceeds the sm_80 limit of 166912");
+  static constexpr bool ok = true;
+};
+
+}  // namespace fa

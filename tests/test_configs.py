@@ -1,0 +1,166 @@
+"""KernelConfig: names that parse back, validity rules that agree with the kernel's static_asserts."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from flash_attention.configs import (
+    HEAD_DIMS,
+    KernelConfig,
+    default_config,
+    padded_head_dim,
+    parse_config,
+    validity_errors,
+)
+from flash_attention.jit.compiler import CSRC
+
+
+def _space(n_random: int = 2500, seed: int = 0) -> list[KernelConfig]:
+    """Candidate configs, valid and invalid: a structured grid plus random draws off the edges."""
+    rng = random.Random(seed)
+    out = []
+    for dtype, d, bq, bkv, w in itertools.product(
+        ("fp16", "bf16"), HEAD_DIMS, (16, 32, 64, 128, 256), (16, 32, 64, 128, 256), (1, 2, 4, 8)
+    ):
+        out.append(KernelConfig.unchecked(dtype, d, bq, bkv, w, q_frags=0, k_frags=1, v_frags=1))
+    for _ in range(n_random):
+        out.append(
+            KernelConfig.unchecked(
+                rng.choice(["fp16", "bf16"]),
+                rng.choice([32, 64, 96, 128, 192, 256, 320]),
+                rng.choice([16, 32, 48, 64, 96, 128, 256, 512]),
+                rng.choice([8, 16, 32, 48, 64, 128, 256]),
+                rng.choice([1, 2, 3, 4, 8, 16]),
+                async_copy=rng.random() < 0.7,
+                eager=rng.random() < 0.6,
+                swizzle=rng.random() < 0.7,
+                q_frags=rng.choice([0, 1, 2, 3, 4, 8]),
+                k_frags=rng.choice([0, 1, 2, 3, 4, 8]),
+                v_frags=rng.choice([0, 1, 2, 3, 4]),
+                double_buffer=rng.random() < 0.5,
+                opt_softmax=rng.random() < 0.5,
+                reverse_kv=rng.random() < 0.3,
+            )
+        )
+    return out
+
+
+def _valid(space):
+    return [c for c in space if not validity_errors(c)]
+
+
+def test_space_has_both_valid_and_invalid():
+    space = _space()
+    n_valid = len(_valid(space))
+    assert 300 < n_valid < len(space) - 300
+
+
+@pytest.mark.parametrize("cfg", _valid(_space(3000, seed=1))[:300], ids=str)
+def test_name_and_symbol_round_trip(cfg):
+    assert parse_config(cfg.name()) == cfg
+    assert parse_config(str(cfg)) == cfg
+    for causal in (False, True):
+        sym = cfg.symbol(causal)
+        assert re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", sym), sym
+        assert parse_config(sym) == cfg
+
+
+def test_name_format_of_the_ancestor():
+    cfg = KernelConfig("bf16", 128, 64, 64, 4, q_frags=0, k_frags=2, v_frags=2)
+    assert cfg.name() == "(BF16, 128, 64, 64, 4): async+eager+swizzled+load_0_2_2_tiles+buffer+opt_softmax"
+    plain = parse_config("(FP16, 64, 64, 64, 4): sync+load_0_0_0_tiles")
+    assert (plain.async_copy, plain.eager, plain.swizzle, plain.double_buffer, plain.opt_softmax) == (
+        False,
+        False,
+        False,
+        False,
+        False,
+    )
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("(BF16, 128, 64, 64, 4): async+warp_specialized", "unknown flag 'warp_specialized'"),
+        ("(BF16, 128, 64, 64, 4): eager+swizzled", "must say 'async' or 'sync'"),
+        ("(BF16, 128, 48, 64, 4): async", "block_q must be a multiple of 16 \\* num_warps"),
+        ("(BF16, 100, 64, 64, 4): async", "head_dim must be one of"),
+        ("(BF16, 128, 64, 64, 4): sync+eager", "eager loading needs async_copy"),
+        ("(FP32, 128, 64, 64, 4): async", "cannot parse kernel config"),
+        ("flash_fwd__bf16__d128", "cannot parse kernel symbol"),
+        ("nonsense", "cannot parse kernel config"),
+    ],
+)
+def test_parse_errors_are_clear(text, match):
+    with pytest.raises(ValueError, match=match):
+        parse_config(text)
+
+
+def test_invalid_config_error_lists_every_rule():
+    with pytest.raises(ValueError) as exc:
+        KernelConfig("bf16", 128, 256, 256, 1, q_frags=3)
+    msg = str(exc.value)
+    assert "block_q / num_warps must be at most 64" in msg
+    assert "q_frags must be 0 or divide head_dim / 16" in msg
+    assert "shared memory" in msg
+
+
+def test_cpp_struct_uses_named_fields():
+    src = KernelConfig("fp16", 64, 64, 128, 4, q_frags=0, k_frags=0, v_frags=1).cpp_struct("X")
+    assert "static constexpr bool kIsBF16 = false;" in src
+    assert "static constexpr int kBlockKV = 128;" in src
+    assert "static constexpr int kVFrags = 1;" in src
+    assert src.count("static constexpr") == len(KernelConfig.__dataclass_fields__)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_default_config_covers_every_head_dim(dtype, causal):
+    for head_dim in range(8, 257, 8):
+        cfg = default_config(dtype, head_dim, causal, 1000, 1000)
+        assert cfg.dtype == dtype
+        assert cfg.head_dim == padded_head_dim(head_dim) >= head_dim
+        assert not validity_errors(cfg)
+    with pytest.raises(ValueError, match="head_dim must be at most 256"):
+        padded_head_dim(264)
+
+
+def _host_compiler() -> str | None:
+    return shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+
+
+@pytest.mark.skipif(_host_compiler() is None, reason="needs a C++ compiler")
+def test_python_rules_agree_with_static_asserts(tmp_path):
+    """Compile fa::check_config for every candidate; exactly the Python-invalid ones must fail."""
+    space = _space()
+    lines = ['#include "fa/config_check.h"']
+    for i, cfg in enumerate(space):
+        lines.append(cfg.cpp_struct(f"C{i}").replace("\n", " "))
+        lines.append(f"template struct fa::check_config<C{i}>;")
+    src = tmp_path / "check.cpp"
+    src.write_text("\n".join(lines) + "\n")
+    proc = subprocess.run(
+        [
+            _host_compiler(),
+            "-std=c++17",
+            "-fsyntax-only",
+            "-fmax-errors=0",
+            f"-I{CSRC / 'include'}",
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    rejected = {int(m) for m in re.findall(r"check_config<C(\d+)>", proc.stdout + proc.stderr)}
+    expected = {i for i, cfg in enumerate(space) if validity_errors(cfg)}
+    assert expected, "the candidate space must contain invalid configs"
+    assert rejected == expected, (
+        f"C++ rejects but Python accepts: {sorted(rejected - expected)[:5]}; "
+        f"Python rejects but C++ accepts: {sorted(expected - rejected)[:5]}"
+    )
