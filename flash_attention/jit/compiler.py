@@ -165,8 +165,18 @@ def load_nvrtc() -> ctypes.CDLL | None:
             lib = ctypes.CDLL(cand)
         except OSError:
             continue
-        if hasattr(lib, "nvrtcGetCUBIN"):
-            return lib
+        if not hasattr(lib, "nvrtcGetCUBIN"):
+            continue
+        # NVRTC dlopens libnvrtc-builtins by soname at the first compile; a pip wheel's lib folder is not on
+        # the loader's path, so load the one beside libnvrtc first (a loaded soname satisfies the dlopen).
+        folder = os.path.dirname(cand)
+        for builtins in sorted(glob.glob(os.path.join(folder, "libnvrtc-builtins.so*")), reverse=True):
+            try:
+                ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
+                break
+            except OSError:
+                continue
+        return lib
     return None
 
 

@@ -69,7 +69,8 @@ __device__ __forceinline__ void load_tile(u32 s_tile, const u16* g, i64 row_stri
   const int chunk0 = tid % C;
   const int row0 = tid / C;
   const bool col_ok = chunk0 * 8 < head_dim;
-  // (unsigned) row0: a zero-extended 64-bit product needs no register for its high half.
+  // (unsigned) row0: a zero-extended 64-bit product needs no register for its high half, which is what
+  // keeps the causal 128x64 head_dim-128 tile spill-free.
   const u16* src = g + (i64)(unsigned)row0 * row_stride + chunk0 * 8;
   const i64 step = kRowStep * row_stride;
 #pragma unroll
@@ -134,14 +135,9 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
                   q_start * p.q_row_stride;
   const u16* gK = static_cast<const u16*>(p.k) + batch * p.k_batch_stride + kv_head * p.k_head_stride;
   const u16* gV = static_cast<const u16*>(p.v) + batch * p.v_batch_stride + kv_head * p.v_head_stride;
-  // Output pointers are rebuilt from the (constant-bank) params when needed rather than kept live through
-  // the main loop: four registers fewer, which is what keeps the causal 128x64 head_dim-128 tile spill-free.
-  auto out_ptr = [&]() {
-    return static_cast<u16*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride + q_start * p.o_row_stride;
-  };
-  auto lse_ptr = [&]() {
-    return p.lse ? p.lse + batch * p.lse_batch_stride + head * p.lse_head_stride + q_start : nullptr;
-  };
+  u16* gO = static_cast<u16*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride +
+            q_start * p.o_row_stride;
+  float* gL = p.lse ? p.lse + batch * p.lse_batch_stride + head * p.lse_head_stride + q_start : nullptr;
 
   // Query row i sees key j iff j <= i + shift (causal, aligned to the bottom-right corner).
   const int shift = p.seqlen_k - p.seqlen_q;
@@ -160,8 +156,6 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
   if (n_blocks == 0) {
     // No key is visible to any row of this block: out = 0, lse = -inf.
     constexpr int C = D / 8;
-    u16* gO = out_ptr();
-    float* gL = lse_ptr();
     for (int idx = tid; idx < BR * C; idx += NW * 32) {
       const int row = idx / C, chunk = idx % C;
       if (row < q_valid && chunk * 8 < p.head_dim)
@@ -216,11 +210,6 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
   };
 
   const float sl2 = p.scale_log2;
-  // Mask bounds with every loop-invariant part folded in (three registers through the loop instead of the
-  // six values they come from): the warp's first row's last visible key, and the per-lane limits.
-  const int diag_row0 = q_start + warp_row0 + shift;
-  const int diag_limit0 = diag_row0 + g - 2 * t;
-  const int col_limit0 = p.seqlen_k - 2 * t;
   for (int it = 0; it < n_blocks; ++it) {
     const int j = Cfg::kReverseKV ? n_blocks - 1 - it : it;
     const int kv_start = j * BC;
@@ -297,29 +286,21 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
 
     // ---- mask: sequence tail and causal diagonal (warp-uniform test, so unmasked blocks pay nothing) --
     const bool tail = kv_start + BC > p.seqlen_k;
-    const bool diag = kCausal && kv_start + BC - 1 > diag_row0;
-    if (tail) {
-      // Column 8 n + 2 t + e1 of the tile is past the sequence when 8 n + e1 >= col_limit.
-      const int col_limit = col_limit0 - kv_start;
+    const bool diag = kCausal && kv_start + BC - 1 > q_start + warp_row0 + shift;
+    if (tail || diag) {
+      // Column 8 n + 2 t + e1 of the tile against row 16 mt + g + 8 e2 of the warp, with the per-lane parts
+      // folded into two integers so each element costs one compare against a constant.
+      const int col_limit = p.seqlen_k - kv_start - 2 * t;                       // masked if 8n + e1 >= this
+      const int diag_limit = q_start + warp_row0 + g + shift - kv_start - 2 * t;  // masked if 8n+e1-16mt-8e2 > this
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int n = 0; n < NS; ++n)
 #pragma unroll
-          for (int e = 0; e < 4; ++e)
-            if (8 * n + (e & 1) >= col_limit) s[mt][n][e] = neg_inf();
-    }
-    if (diag) {
-      // Column 8 n + 2 t + e1 against row 16 mt + g + 8 e2 of the warp: masked when
-      // 8 n + e1 - 16 mt - 8 e2 > diag_limit, one compare against a constant per element.
-      const int diag_limit = diag_limit0 - kv_start;
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int n = 0; n < NS; ++n)
-#pragma unroll
-          for (int e = 0; e < 4; ++e)
-            if (8 * n + (e & 1) - 16 * mt - 8 * (e >> 1) > diag_limit) s[mt][n][e] = neg_inf();
+          for (int e = 0; e < 4; ++e) {
+            const int c = 8 * n + (e & 1);
+            if (c >= col_limit || (kCausal && c - 16 * mt - 8 * (e >> 1) > diag_limit)) s[mt][n][e] = neg_inf();
+          }
     }
 
     // ---- online softmax ------------------------------------------------------------------------------
@@ -439,8 +420,6 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
   // ---- epilogue: O / L, LSE, and a coalesced store through shared memory ----------------------------------
   // Every warp must be done with its last ldmatrix of Q/V before the Q tile is reused for O.
   __syncthreads();
-  u16* gO = out_ptr();
-  float* gL = lse_ptr();
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
