@@ -18,7 +18,18 @@ from flash_attention.jit import compiler, kernels
 from flash_attention.jit.build import SMEM_LIMITS, shipped_configs
 from flash_attention.jit.params import FwdParams
 
-pytestmark = pytest.mark.skipif(compiler.find_nvcc() is None, reason="needs nvcc (CUDA toolkit)")
+COMPILERS = [
+    pytest.param(
+        "nvrtc",
+        marks=pytest.mark.skipif(
+            compiler.load_nvrtc() is None, reason="needs NVRTC (pip: nvidia-cuda-nvrtc)"
+        ),
+    ),
+    pytest.param(
+        "nvcc", marks=pytest.mark.skipif(compiler.find_nvcc() is None, reason="needs nvcc (CUDA toolkit)")
+    ),
+]
+needs_nvcc = pytest.mark.skipif(compiler.find_nvcc() is None, reason="needs nvcc (CUDA toolkit)")
 
 
 @pytest.fixture()
@@ -28,10 +39,10 @@ def cache(tmp_path, monkeypatch):
     return tmp_path / "cache"
 
 
-@pytest.fixture(scope="module")
-def shipped_builds(tmp_path_factory):
-    """Every shipped config compiled for sm_80 and sm_90 (the build command, run once for the module)."""
-    root = tmp_path_factory.mktemp("shipped")
+@pytest.fixture(scope="module", params=COMPILERS)
+def shipped_builds(request, tmp_path_factory):
+    """Every shipped config compiled for sm_80 and sm_90 by one compiler (the build command, run once)."""
+    root = tmp_path_factory.mktemp(f"shipped-{request.param}")
     env = dict(os.environ, FLASH_ATTENTION_CACHE_DIR=str(root), FLASH_ATTENTION_QUIET="1")
     proc = subprocess.run(
         [
@@ -42,7 +53,7 @@ def shipped_builds(tmp_path_factory):
             "--arch",
             "sm_80,sm_90",
             "--compiler",
-            "nvcc",
+            request.param,
             "--strict",
         ],
         capture_output=True,
@@ -98,6 +109,7 @@ ptxas info    : Used 254 registers, used 1 barriers, 16 bytes smem, 592 bytes cm
     )
 
 
+@needs_nvcc
 def test_cache_hit_and_key(cache):
     cfg = parse_config("(BF16, 64, 64, 64, 4): async+eager+swizzled+load_0_1_1_tiles+buffer+opt_softmax")
     first = kernels.build(cfg, "sm_90", "nvcc")
@@ -123,6 +135,7 @@ def test_cache_key_follows_kernel_sources(monkeypatch):
     assert kernels.cache_key(cfg, "sm_90", "nvcc x") != before
 
 
+@needs_nvcc
 def test_compile_error_names_config_and_shows_compiler_message(cache):
     bad = KernelConfig.unchecked("bf16", 128, 48, 64, 4)
     with pytest.raises(compiler.CompileError) as exc:
@@ -151,6 +164,7 @@ def _build_in_child(args):
     return len(built.cubin)
 
 
+@needs_nvcc
 def test_two_processes_compiling_the_same_kernel(cache):
     name = "(FP16, 64, 64, 64, 4): async+eager+swizzled+load_0_1_1_tiles+buffer+opt_softmax"
     ctx = mp.get_context("spawn")

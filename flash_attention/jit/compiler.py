@@ -147,15 +147,25 @@ def _nvrtc_candidates() -> list[str]:
     if env:
         return [env]
     found: list[str] = []
-    # pip's nvidia-* wheels: nvidia/cu13/lib (CUDA 13) or nvidia/cuda_nvrtc/lib (CUDA 12).
-    for entry in sys.path:
-        for pattern in ("nvidia/cu*/lib/libnvrtc.so*", "nvidia/cuda_nvrtc/lib/libnvrtc.so*"):
+    # pip's nvidia-* wheels: nvidia/cu13/lib (CUDA 13) or nvidia/cuda_nvrtc/lib (CUDA 12). The one of the
+    # installed torch's CUDA major version comes first: its cubins are known to load on this driver.
+    major = _torch_cuda_major()
+    patterns = [f"nvidia/cu{major}/lib/libnvrtc.so*"] if major else []
+    patterns += ["nvidia/cu*/lib/libnvrtc.so*", "nvidia/cuda_nvrtc/lib/libnvrtc.so*"]
+    for pattern in patterns:
+        for entry in sys.path:
             found += sorted(glob.glob(os.path.join(entry, pattern)), reverse=True)
     for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
         if home:
             found += sorted(glob.glob(os.path.join(home, "lib64", "libnvrtc.so*")), reverse=True)
     found += ["libnvrtc.so", "libnvrtc.so.13", "libnvrtc.so.12"]
     return [f for f in found if "builtins" not in f and "alt" not in os.path.basename(f)]
+
+
+def _torch_cuda_major() -> str | None:
+    torch = sys.modules.get("torch")
+    version = getattr(getattr(torch, "version", None), "cuda", None) if torch is not None else None
+    return version.split(".")[0] if version else None
 
 
 @cache

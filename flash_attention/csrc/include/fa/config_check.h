@@ -15,8 +15,9 @@ struct check_config {
                 "num_warps must be 1, 2, 4 or 8");
   static_assert(Cfg::kBlockQ % (16 * Cfg::kNumWarps) == 0,
                 "block_q must be a multiple of 16 * num_warps (each warp owns whole 16-row mma tiles)");
-  static_assert(Cfg::kBlockQ / Cfg::kNumWarps <= 64,
-                "block_q / num_warps must be at most 64 (the accumulators of more rows exceed the registers)");
+  static_assert(
+      Cfg::kBlockQ / Cfg::kNumWarps <= 64,
+      "block_q / num_warps must be at most 64 (the accumulators of more rows exceed the registers)");
   static_assert(Cfg::kBlockKV == 16 || Cfg::kBlockKV == 32 || Cfg::kBlockKV == 64 || Cfg::kBlockKV == 128 ||
                     Cfg::kBlockKV == 256,
                 "block_kv must be 16, 32, 64, 128 or 256");

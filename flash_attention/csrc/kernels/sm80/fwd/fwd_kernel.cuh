@@ -18,7 +18,6 @@
 
 namespace fa {
 
-
 // Element offset of 16-byte chunk `chunk` of row `row` in a shared-memory tile with rows of D elements.
 // Swizzled: the chunk index is XORed with the row's low three bits, so the eight rows an ldmatrix phase
 // reads at one logical chunk land in eight different 16-byte bank groups (D is a multiple of 64, so each
@@ -135,8 +134,8 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
                   q_start * p.q_row_stride;
   const u16* gK = static_cast<const u16*>(p.k) + batch * p.k_batch_stride + kv_head * p.k_head_stride;
   const u16* gV = static_cast<const u16*>(p.v) + batch * p.v_batch_stride + kv_head * p.v_head_stride;
-  u16* gO = static_cast<u16*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride +
-            q_start * p.o_row_stride;
+  u16* gO =
+      static_cast<u16*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride + q_start * p.o_row_stride;
   float* gL = p.lse ? p.lse + batch * p.lse_batch_stride + head * p.lse_head_stride + q_start : nullptr;
 
   // Query row i sees key j iff j <= i + shift (causal, aligned to the bottom-right corner).
@@ -290,8 +289,9 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
     if (tail || diag) {
       // Column 8 n + 2 t + e1 of the tile against row 16 mt + g + 8 e2 of the warp, with the per-lane parts
       // folded into two integers so each element costs one compare against a constant.
-      const int col_limit = p.seqlen_k - kv_start - 2 * t;                       // masked if 8n + e1 >= this
-      const int diag_limit = q_start + warp_row0 + g + shift - kv_start - 2 * t;  // masked if 8n+e1-16mt-8e2 > this
+      const int col_limit = p.seqlen_k - kv_start - 2 * t;  // masked if 8n + e1 >= this
+      const int diag_limit =
+          q_start + warp_row0 + g + shift - kv_start - 2 * t;  // masked if 8n+e1-16mt-8e2 > this
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -299,7 +299,8 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int c = 8 * n + (e & 1);
-            if (c >= col_limit || (kCausal && c - 16 * mt - 8 * (e >> 1) > diag_limit)) s[mt][n][e] = neg_inf();
+            if (c >= col_limit || (kCausal && c - 16 * mt - 8 * (e >> 1) > diag_limit))
+              s[mt][n][e] = neg_inf();
           }
     }
 
