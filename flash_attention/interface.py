@@ -207,19 +207,20 @@ def forward(
     causal: bool = False,
     softmax_scale: float | None = None,
     return_lse: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Run one named kernel configuration (a :class:`KernelConfig` or its name) on CUDA tensors.
 
     Arguments and results are those of :func:`attention`; there is no fallback: if the kernel cannot run,
     RuntimeError says why.
     """
-    problem = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, out=None)
+    problem = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out)
     ops, cfg = _kernel_path(config, q, "forward")
     if problem.is_empty:
-        o, lse = _empty_result(q, problem, None)
+        o, lse = _empty_result(q, problem, out)
         return _result(o, lse, return_lse)
     o, lse = ops.cuda_forward(
-        q, k, v, causal=causal, softmax_scale=problem.scale, return_lse=return_lse, out=None, config=cfg
+        q, k, v, causal=causal, softmax_scale=problem.scale, return_lse=return_lse, out=out, config=cfg
     )
     return _result(o, lse, return_lse)
 

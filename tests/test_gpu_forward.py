@@ -54,12 +54,13 @@ def check_case(b, sq, sk, hq, hkv, d, dtype, causal, layout="bshd", config=None,
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v = _inputs(b, sq, sk, hq, hkv, d, DTYPES[dtype], layout, gen)
     scale = 1.0 / math.sqrt(d)
+    # NaN-poisoned output: an element the kernel fails to write stays NaN and fails the check below.
+    out = torch.full_like(q, float("nan"))
     if config is None:
-        out = torch.full_like(q, float("nan"))
         o, lse = fa.attention(q, k, v, causal=causal, return_lse=True, out=out)
-        assert o is out
     else:
-        o, lse = fa.forward(config, q, k, v, causal=causal, return_lse=True)
+        o, lse = fa.forward(config, q, k, v, causal=causal, return_lse=True, out=out)
+    assert o is out
     torch.cuda.synchronize()
     ref_o, ref_lse = attention_reference(q, k, v, causal=causal)
     assert not torch.isnan(o).any(), "NaN in output (unwritten element or bad masking)"
@@ -207,3 +208,14 @@ def test_config_for_another_dtype_or_smaller_head_dim_is_rejected():
         fa.forward(fa.default_config("bf16", 128, False, 64, 64), q, q, q)
     with pytest.raises(ValueError, match="head_dim <= 64"):
         fa.forward(fa.default_config("fp16", 64, False, 64, 64), q, q, q)
+
+
+def test_forward_timed_returns_the_output_and_a_time():
+    q, k, v = _inputs(
+        2, 1024, 1024, 8, 8, 128, torch.bfloat16, "bshd", torch.Generator(device="cuda").manual_seed(5)
+    )
+    cfg = fa.default_config("bf16", 128, True, 1024, 1024)
+    o, ms = fa.forward_timed(cfg, q, k, v, causal=True)
+    assert 0 < ms < 1000
+    ref, _ = attention_reference(q, k, v, causal=True)
+    assert (o.double() - ref).abs().max().item() < 2e-2
