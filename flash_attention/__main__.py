@@ -24,11 +24,25 @@ def _build(argv: list[str]) -> int:
     return build_main(argv)
 
 
+def _autotune(argv: list[str]) -> int:
+    from flash_attention.autotune import main as autotune_main
+
+    return autotune_main(argv)
+
+
+def _report(argv: list[str]) -> int:
+    from flash_attention.report import main as report_main
+
+    return report_main(argv)
+
+
 # name -> (one-line help, handler). Handlers import their module only when chosen: `bench --update-readme`
 # and `build` must work on machines where other tools' imports (CUDA, Triton) would fail or be slow.
 COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
     "bench": ("benchmark against PyTorch's attention backends; write benchmarks/results/*.json", _bench),
     "build": ("pre-compile kernels ahead of time (--arch sm_80,sm_90 [--configs ...])", _build),
+    "autotune": ("time every surviving kernel config per shape class and cache the winners", _autotune),
+    "report": ("registers, shared memory, spills, occupancy and (--sass) instruction counts", _report),
 }
 
 

@@ -97,10 +97,35 @@ def _fill_strides(params: FwdParams, prefix: str, t: torch.Tensor) -> None:
     setattr(params, f"{prefix}_head_stride", t.stride(2))
 
 
-def resolve_config(config, q: torch.Tensor, causal: bool, seqlen_k: int, scale: float) -> KernelConfig:
+@cache
+def _gpu_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def choose_config(
+    dtype: str,
+    head_dim: int,
+    causal: bool,
+    seqlen_q: int,
+    seqlen_k: int,
+    group: int = 1,
+    device: int | None = None,
+) -> KernelConfig:
+    """The tuned winner for this problem on this GPU if the autotune cache has one, else the heuristic."""
+    from . import autotune
+
+    index = torch.cuda.current_device() if device is None else device
+    cfg = autotune.lookup(_gpu_name(index), dtype, head_dim, causal, seqlen_q, seqlen_k, group)
+    return cfg if cfg is not None else default_config(dtype, head_dim, causal, seqlen_q, seqlen_k)
+
+
+def resolve_config(
+    config, q: torch.Tensor, causal: bool, seqlen_k: int, scale: float, group: int = 1
+) -> KernelConfig:
+    """The configuration a call runs: ``config`` if given, else the tuned winner, else the heuristic."""
     head_dim = q.shape[-1]
     if config is None:
-        cfg = default_config(_dtype_name(q), head_dim, causal, q.shape[1], seqlen_k)
+        cfg = choose_config(_dtype_name(q), head_dim, causal, q.shape[1], seqlen_k, group, q.get_device())
         if scale < 0 and cfg.opt_softmax:
             # The folded softmax takes the row max of the unscaled scores, which is the scaled scores'
             # max only for a positive scale.
@@ -140,7 +165,7 @@ def cuda_forward(
 
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
-    cfg = resolve_config(config, q, causal, seqlen_k, softmax_scale)
+    cfg = resolve_config(config, q, causal, seqlen_k, softmax_scale, heads_q // heads_kv)
     if heads_q > _MAX_GRID_YZ or batch > _MAX_GRID_YZ:
         raise ValueError(
             f"batch and heads must be at most {_MAX_GRID_YZ}; got batch={batch}, heads={heads_q}"

@@ -1,0 +1,80 @@
+"""PNG plots of a benchmark result file: TFLOP/s against sequence length, one figure per head_dim.
+
+Each figure has a non-causal and a causal panel, one line per implementation, and the matmul ceiling
+measured in the same run as a dashed line. Needs matplotlib (``pip install matplotlib``); works from the
+JSON alone, so plots can be remade on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+_STYLE = {
+    "flash_attention": dict(color="#d62728", linewidth=2.6, marker="o"),
+    "sdpa_flash": dict(color="#1f77b4", marker="s"),
+    "sdpa_cudnn": dict(color="#2ca02c", marker="^"),
+    "sdpa_efficient": dict(color="#9467bd", marker="v"),
+    "flex": dict(color="#ff7f0e", marker="D"),
+}
+
+
+def plot_paths(results_path: str | Path, head_dims) -> list[Path]:
+    p = Path(results_path)
+    return [p.with_name(f"{p.stem}-d{d}.png") for d in head_dims]
+
+
+def plot_results(result: dict, results_path: str | Path, mode: str = "fwd") -> list[Path]:
+    """Write ``<results stem>-d<head_dim>.png`` beside the result file; returns the paths written."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise RuntimeError("plots need matplotlib: pip install matplotlib") from exc
+
+    rows = [r for r in result["rows"] if r.get("mode") == mode and r.get("tflops")]
+    head_dims = sorted({r["head_dim"] for r in rows})
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    written = []
+    for d, path in zip(head_dims, plot_paths(results_path, head_dims), strict=True):
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+        for ax, causal in zip(axes, (False, True), strict=True):
+            for impl in impls:
+                pts = sorted(
+                    (r["seqlen"], r["tflops"])
+                    for r in rows
+                    if r["head_dim"] == d and r["causal"] == causal and r["impl"] == impl
+                )
+                if pts:
+                    xs, ys = zip(*pts, strict=True)
+                    ax.plot(xs, ys, label=impl, **_STYLE.get(impl, {}))
+            if result.get("matmul_tflops"):
+                ax.axhline(result["matmul_tflops"], color="gray", linestyle="--", linewidth=1)
+                ax.text(
+                    0.01,
+                    result["matmul_tflops"],
+                    " bf16 matmul ceiling",
+                    transform=ax.get_yaxis_transform(),
+                    va="bottom",
+                    fontsize=8,
+                    color="gray",
+                )
+            ax.set_xscale("log", base=2)
+            seqlens = sorted({r["seqlen"] for r in rows})
+            ax.set_xticks(seqlens)
+            ax.set_xticklabels([f"{n // 1024}k" if n >= 1024 else str(n) for n in seqlens])
+            ax.set_title(f"head_dim {d}, {'causal' if causal else 'non-causal'}")
+            ax.set_xlabel("sequence length")
+            ax.grid(True, alpha=0.3)
+        axes[0].set_ylabel(f"{mode} TFLOP/s")
+        axes[0].set_ylim(bottom=0)
+        axes[1].legend(fontsize=8, loc="lower right")
+        fig.suptitle(
+            f"{result.get('gpu', '?')}, {rows[0]['dtype'] if rows else ''}, commit {result.get('commit')}"
+        )
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written

@@ -1,0 +1,110 @@
+"""``bench --progression``: what each optimisation step of the kernel buys on the GPU at hand.
+
+The steps follow the project this one descends from, as far as our configuration knobs express them. Each
+step changes one thing from the previous one, so a row's gain is that change's.
+"""
+
+from __future__ import annotations
+
+from .configs import KernelConfig, padded_head_dim
+
+
+def progression_configs(
+    dtype: str, head_dim: int, causal: bool, seqlen: int
+) -> list[tuple[str, KernelConfig]]:
+    d = padded_head_dim(head_dim)
+    # The ancestor's tile: 64 query rows over 4 warps, 64 keys per K/V block, Q held in registers, K and V
+    # fed to the tensor cores one 16-wide slice at a time.
+    base = KernelConfig(
+        dtype,
+        d,
+        64,
+        64,
+        4,
+        async_copy=False,
+        eager=False,
+        swizzle=False,
+        q_frags=0 if d <= 128 else 1,
+        k_frags=1,
+        v_frags=1,
+        double_buffer=False,
+        opt_softmax=False,
+    )
+    steps = [("plain: sync copies, no swizzle", base)]
+    steps.append(("swizzled shared memory", steps[-1][1].replace(swizzle=True)))
+    steps.append(("cp.async copies", steps[-1][1].replace(async_copy=True)))
+    steps.append(("eager K/V loading", steps[-1][1].replace(eager=True)))
+    steps.append(("fragment interleaving (2 slices per load)", steps[-1][1].replace(k_frags=2, v_frags=2)))
+    steps.append(("double-buffered fragment loads", steps[-1][1].replace(double_buffer=True)))
+    steps.append(("exp2-folded softmax", steps[-1][1].replace(opt_softmax=True)))
+    from . import ops
+
+    tuned = ops.choose_config(dtype, head_dim, causal, seqlen, seqlen)
+    steps.append(("tuned (what attention() runs)", tuned))
+    return steps
+
+
+def run_progression(dtype: str, head_dims, seqlens, causals, timing: dict) -> list[dict]:
+    import torch
+
+    from . import interface
+    from .bench import flops, time_cuda
+
+    rows = []
+    for d in head_dims:
+        for causal in causals:
+            for n in seqlens:
+                batch, heads = max(1, 16384 // n), max(1, 2048 // d)
+                dt = torch.bfloat16 if dtype == "bf16" else torch.float16
+                q = torch.randn(batch, n, heads, d, device="cuda", dtype=dt)
+                k, v = torch.randn_like(q), torch.randn_like(q)
+                fl = flops(batch, heads, n, n, d, causal, "fwd")
+                prev = first = None
+                print(
+                    f"\nprogression: {dtype} head_dim {d} {'causal' if causal else 'non-causal'} seqlen {n}"
+                )
+                print(f"  {'step':44} {'TFLOP/s':>8} {'step gain':>9} {'total':>7}  config")
+                for label, cfg in progression_configs(dtype, d, causal, n):
+                    t = time_cuda(
+                        lambda i, cfg=cfg, q=q, k=k, v=v, c=causal: interface.forward(cfg, q, k, v, causal=c),
+                        1,
+                        **timing,
+                    )
+                    tf = fl / (t.median_ms * 1e9)
+                    first = first or tf
+                    gain = f"{tf / prev:.2f}x" if prev else ""
+                    print(f"  {label:44} {tf:8.1f} {gain:>9} {tf / first:6.2f}x  {cfg.name()}", flush=True)
+                    rows.append(
+                        dict(
+                            step=label,
+                            config=cfg.name(),
+                            dtype=dtype,
+                            head_dim=d,
+                            causal=causal,
+                            seqlen=n,
+                            ms=t.median_ms,
+                            tflops=round(tf, 2),
+                        )
+                    )
+                    prev = tf
+                with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+                    qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+                    f = torch.nn.functional.scaled_dot_product_attention
+                    t = time_cuda(
+                        lambda i, f=f, qt=qt, kt=kt, vt=vt, c=causal: f(qt, kt, vt, is_causal=c), 1, **timing
+                    )
+                tf = fl / (t.median_ms * 1e9)
+                print(f"  {'(reference) sdpa_flash':44} {tf:8.1f}")
+                rows.append(
+                    dict(
+                        step="sdpa_flash",
+                        config=None,
+                        dtype=dtype,
+                        head_dim=d,
+                        causal=causal,
+                        seqlen=n,
+                        ms=t.median_ms,
+                        tflops=round(tf, 2),
+                    )
+                )
+    return rows

@@ -1,0 +1,250 @@
+"""``python -m flash_attention report``: what the compiler made of each kernel.
+
+Per kernel: registers, shared memory, spill bytes, stack frame and the theoretical occupancy they allow; with
+``--sass`` the instruction histogram of the machine code (HMMA, LDSM, LDGSTS, FFMA, MUFU.EX2, IMAD, ...),
+read with cuobjdump; with ``--compare A B`` the same for two configurations side by side. This is how the
+project this one descends from found its integer-overhead wins. Needs no GPU: it compiles for ``--arch``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from dataclasses import dataclass
+
+from .configs import KernelConfig, parse_config
+
+# Per-SM limits by architecture: registers, max resident threads, max resident blocks, shared memory
+# available to blocks (bytes), and the shared memory the system reserves per block.
+_SM_LIMITS = {
+    "sm_80": dict(regs=65536, threads=2048, blocks=32, smem=167936, reserved=1024),
+    "sm_86": dict(regs=65536, threads=1536, blocks=16, smem=102400, reserved=1024),
+    "sm_89": dict(regs=65536, threads=1536, blocks=24, smem=102400, reserved=1024),
+    "sm_90": dict(regs=65536, threads=2048, blocks=32, smem=233472, reserved=1024),
+}
+
+
+@dataclass
+class Occupancy:
+    blocks: int
+    warps: int
+    max_warps: int
+    limiter: str
+
+    @property
+    def fraction(self) -> float:
+        return self.warps / self.max_warps
+
+
+def occupancy(arch: str, threads: int, registers: int, smem_bytes: int) -> Occupancy:
+    """Theoretical resident blocks per SM and what limits them (CUDA occupancy rules)."""
+    lim = _SM_LIMITS.get(arch, _SM_LIMITS["sm_80"])
+    warps = -(-threads // 32)
+    # Registers are allocated per warp in units of 256 (8 per thread).
+    regs_per_warp = -(-max(registers, 1) * 32 // 256) * 256
+    by = {
+        "registers": lim["regs"] // (regs_per_warp * warps),
+        "shared memory": lim["smem"] // (smem_bytes + lim["reserved"]),
+        "threads": lim["threads"] // (warps * 32),
+        "blocks": lim["blocks"],
+    }
+    limiter = min(by, key=by.get)
+    blocks = by[limiter]
+    return Occupancy(blocks, blocks * warps, lim["threads"] // 32, limiter)
+
+
+# --------------------------------------------------------------------------------------------------
+# SASS
+
+
+def find_cuobjdump() -> tuple[str, dict] | None:
+    """cuobjdump and the environment it needs (it calls nvdisasm), from PATH, a toolkit or a pip wheel."""
+    cands = [shutil.which("cuobjdump")]
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if home:
+            cands.append(os.path.join(home, "bin", "cuobjdump"))
+    for entry in sys.path:
+        cands += glob.glob(os.path.join(entry, "nvidia", "cu*", "bin", "cuobjdump"))
+        cands += glob.glob(os.path.join(entry, "nvidia", "cuda_cuobjdump", "bin", "cuobjdump"))
+    for c in cands:
+        if c and os.path.isfile(c):
+            env = dict(os.environ)
+            here = os.path.dirname(c)
+            if not shutil.which("nvdisasm") and os.path.isfile(os.path.join(here, "nvdisasm")):
+                env["PATH"] = here + os.pathsep + env.get("PATH", "")
+            return c, env
+    return None
+
+
+_INSTR = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)((?:\.[A-Z0-9_]+)*)")
+
+
+def sass_histograms(cubin: bytes) -> dict[str, Counter]:
+    """Instruction counts per kernel (opcode; MUFU keeps its function, e.g. MUFU.EX2)."""
+    found = find_cuobjdump()
+    if found is None:
+        raise RuntimeError(
+            "cuobjdump was not found: install a CUDA toolkit, or `pip install nvidia-cuda-cuobjdump "
+            "nvidia-cuda-nvdisasm`"
+        )
+    tool, env = found
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        proc = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"cuobjdump failed: {proc.stderr.strip()}")
+    out: dict[str, Counter] = {}
+    current: Counter | None = None
+    for line in proc.stdout.splitlines():
+        m = re.search(r"Function : (\S+)", line)
+        if m:
+            current = out.setdefault(m[1], Counter())
+            continue
+        if current is None:
+            continue
+        m = _INSTR.search(line)
+        if m:
+            op = m[1]
+            if op == "MUFU" and m[2]:
+                op += "." + m[2].split(".")[1]
+            current[op] += 1
+    return out
+
+
+# Shown first, in this order: the instructions the kernel's design is about.
+KEY_OPS = (
+    "HMMA",
+    "LDSM",
+    "LDGSTS",
+    "LDG",
+    "STG",
+    "STS",
+    "LDS",
+    "FFMA",
+    "FMUL",
+    "FADD",
+    "FMNMX",
+    "MUFU.EX2",
+    "F2FP",
+    "SHFL",
+    "IMAD",
+    "IADD3",
+    "LOP3",
+    "SHF",
+    "LEA",
+    "ISETP",
+    "FSEL",
+    "SEL",
+    "BAR",
+    "BRA",
+    "STL",
+    "LDL",
+)
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def _build(cfg: KernelConfig, arch: str, compiler: str | None):
+    from .jit.kernels import build
+
+    return build(cfg, arch, compiler)
+
+
+def resource_lines(cfg: KernelConfig, arch: str, compiler: str | None) -> list[str]:
+    built = _build(cfg, arch, compiler)
+    lines = []
+    for r in sorted(built.meta["resources"], key=lambda r: r["kernel"]):
+        smem = cfg.smem_bytes + r["static_smem"]
+        occ = occupancy(arch, cfg.threads, r["registers"], smem)
+        lines.append(
+            f"{arch:6} {r['registers']:4d} {smem:7d} {r['spill_stores']:5d}/{r['spill_loads']:<5d} "
+            f"{r['stack_frame']:5d}  {occ.blocks:2d} blk {occ.warps:2d}/{occ.max_warps} warps "
+            f"({occ.fraction:4.0%}, {occ.limiter:13})  {r['kernel']}"
+        )
+    return lines
+
+
+def _hist_table(hists: list[tuple[str, Counter]]) -> str:
+    ops = [o for o in KEY_OPS if any(h[o] for _, h in hists)]
+    others = sorted({o for _, h in hists for o in h} - set(ops), key=lambda o: -max(h[o] for _, h in hists))
+    ops += others
+    width = max(12, *(len(n) for n, _ in hists)) if len(hists) > 1 else 12
+    head = f"{'instruction':12}" + "".join(f" {n[-width:]:>{width}}" for n, _ in hists)
+    if len(hists) == 2:
+        head += f" {'B - A':>8}"
+    rows = [head]
+    for o in ops:
+        row = f"{o:12}" + "".join(f" {h[o]:>{width}d}" for _, h in hists)
+        if len(hists) == 2:
+            row += f" {hists[1][1][o] - hists[0][1][o]:>+8d}"
+        rows.append(row)
+    rows.append(f"{'total':12}" + "".join(f" {sum(h.values()):>{width}d}" for _, h in hists))
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m flash_attention report",
+        description="Registers, shared memory, spills, occupancy and (--sass) instruction counts per kernel.",
+    )
+    ap.add_argument("--configs", nargs="*", default=None, help="config names (default: shipped configs)")
+    ap.add_argument("--arch", default="sm_90", help="target architecture (default sm_90)")
+    ap.add_argument("--compiler", choices=["nvrtc", "nvcc"], default=None)
+    ap.add_argument("--sass", action="store_true", help="instruction histogram of each kernel (cuobjdump)")
+    ap.add_argument("--causal", action="store_true", help="with --sass/--compare: the causal entry point")
+    ap.add_argument(
+        "--compare", nargs=2, metavar=("A", "B"), help="two configs side by side (implies --sass)"
+    )
+    args = ap.parse_args(argv)
+    try:
+        if args.compare:
+            cfgs = [parse_config(c) for c in args.compare]
+        elif args.configs:
+            cfgs = [parse_config(c) for c in args.configs]
+        else:
+            from .jit.build import shipped_configs
+
+            cfgs = shipped_configs()
+    except ValueError as exc:
+        print(f"config: {exc}", file=sys.stderr)
+        return 2
+
+    print(f"{'arch':6} {'regs':>4} {'smem':>7} {'spill st/ld':>11} {'stack':>5}  occupancy{'':31}kernel")
+    try:
+        for cfg in cfgs:
+            for line in resource_lines(cfg, args.arch, args.compiler):
+                print(line)
+        if args.sass or args.compare:
+            hists = []
+            for cfg in cfgs:
+                h = sass_histograms(_build(cfg, args.arch, args.compiler).cubin)
+                hists.append((cfg.name(), h[cfg.symbol(args.causal)]))
+            print()
+            if args.compare:
+                print(
+                    f"A = {hists[0][0]}\nB = {hists[1][0]}  ({'causal' if args.causal else 'non-causal'} "
+                    f"entry point, {args.arch})"
+                )
+                print(_hist_table([("A", hists[0][1]), ("B", hists[1][1])]))
+            else:
+                for name, h in hists:
+                    print(f"{name} ({'causal' if args.causal else 'non-causal'}, {args.arch})")
+                    print(_hist_table([("count", h)]))
+                    print()
+    except RuntimeError as exc:
+        print(str(exc), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

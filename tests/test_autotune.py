@@ -1,0 +1,114 @@
+"""Autotuner pieces that need no GPU: the space, the pruning rules, the cache and its validity checks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flash_attention import autotune
+from flash_attention.configs import default_config, estimated_registers, parse_config, validity_errors
+
+
+@pytest.mark.parametrize(
+    "n, bucket",
+    [(1, 512), (600, 512), (800, 1024), (1500, 2048), (4097, 4096), (12000, 16384), (10**6, 16384)],
+)
+def test_seqlen_bucket(n, bucket):
+    assert autotune.seqlen_bucket(n) == bucket
+
+
+def test_entry_key_pads_head_dim_and_classes_groups():
+    assert autotune.entry_key("bf16", 96, True, 2500, 1) == "bf16/d128/causal/2048/mha"
+    assert autotune.entry_key("fp16", 64, False, 9000, 4) == "fp16/d64/full/8192/gqa"
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_pruned_space_is_valid_and_obeys_every_rule(d, causal):
+    space = autotune.candidate_space("bf16", d, causal)
+    kept, rejected = autotune.prune(space)
+    assert kept and len(kept) + sum(rejected.values()) == len(space)
+    for cfg in kept:
+        assert not validity_errors(cfg)
+        assert cfg.rows_per_warp in (16, 32)
+        assert cfg.q_frags in (0, cfg.k_frags)
+        assert estimated_registers(cfg) <= 255
+        assert cfg.async_copy and cfg.eager and cfg.swizzle and cfg.opt_softmax
+    # Every rejected candidate is rejected by some rule (no silent drops).
+    kept_set = set(kept)
+    for cfg in space:
+        if cfg not in kept_set:
+            assert any(rule(cfg) for rule in autotune.PRUNING_RULES)
+
+
+def test_search_space_contains_the_heuristic():
+    for d in (64, 128, 256):
+        for causal in (False, True):
+            assert default_config("bf16", d, causal, 4096, 4096) in autotune.search_space("bf16", d, causal)
+
+
+@pytest.fixture()
+def env(monkeypatch, tmp_path):
+    monkeypatch.setenv("FLASH_ATTENTION_CACHE_DIR", str(tmp_path))
+    state = {"compiler": "nvrtc 13.0", "sources": "abc"}
+    monkeypatch.setattr(
+        autotune, "_environment_key", lambda gpu=None: dict(state, **({"gpu": gpu} if gpu else {}))
+    )
+    monkeypatch.setattr(autotune, "TUNED_DIR", tmp_path / "shipped")
+    autotune.clear_memo()
+    yield state
+    autotune.clear_memo()
+
+
+WINNER = "(BF16, 128, 64, 64, 4): async+eager+swizzled+load_2_2_1_tiles+buffer+opt_softmax"
+
+
+def test_cache_round_trip_and_lookup(env):
+    autotune.write_cache(
+        autotune.user_cache_path(),
+        "GPU X",
+        {autotune.entry_key("bf16", 128, True, 4096, 1): {"config": WINNER}},
+    )
+    assert autotune.lookup("GPU X", "bf16", 128, True, 4000, 4000, 1) == parse_config(WINNER)
+    # Another bucket, mask or GPU has no entry.
+    assert autotune.lookup("GPU X", "bf16", 128, True, 512, 512, 1) is None
+    assert autotune.lookup("GPU X", "bf16", 128, False, 4000, 4000, 1) is None
+    assert autotune.lookup("GPU Y", "bf16", 128, True, 4000, 4000, 1) is None
+    # fp16 borrows the bf16 winner with its own dtype; GQA falls back to the multi-head entry.
+    assert autotune.lookup("GPU X", "fp16", 128, True, 4000, 4000, 1) == parse_config(WINNER).replace(
+        dtype="fp16"
+    )
+    assert autotune.lookup("GPU X", "bf16", 120, True, 4000, 4000, 4) == parse_config(WINNER)
+
+
+def test_cache_from_other_kernel_sources_or_compiler_is_ignored(env):
+    path = autotune.user_cache_path()
+    autotune.write_cache(path, "GPU X", {autotune.entry_key("bf16", 128, True, 4096, 1): {"config": WINNER}})
+    env["sources"] = "edited kernel"
+    autotune.clear_memo()
+    assert autotune.lookup("GPU X", "bf16", 128, True, 4096, 4096, 1) is None
+    env["sources"] = "abc"
+    env["compiler"] = "nvcc 12.8"
+    autotune.clear_memo()
+    assert autotune.lookup("GPU X", "bf16", 128, True, 4096, 4096, 1) is None
+    assert json.loads(path.read_text())["sources"] == "abc"
+
+
+def test_user_cache_overrides_shipped(env):
+    key = autotune.entry_key("bf16", 64, False, 1024, 1)
+    other = "(BF16, 64, 64, 128, 4): async+eager+swizzled+load_0_1_1_tiles+buffer+opt_softmax"
+    autotune.TUNED_DIR.mkdir()
+    autotune.write_cache(autotune.shipped_cache_path("GPU X"), "GPU X", {key: {"config": other}})
+    assert autotune.lookup("GPU X", "bf16", 64, False, 1024, 1024, 1) == parse_config(other)
+    autotune.write_cache(
+        autotune.user_cache_path(), "GPU X", {key: {"config": WINNER.replace("128, 64, 64", "64, 64, 64")}}
+    )
+    autotune.clear_memo()
+    assert autotune.lookup("GPU X", "bf16", 64, False, 1024, 1024, 1).head_dim == 64
+
+
+def test_space_command_runs_without_gpu(capsys):
+    assert autotune.main(["--space", "--head-dim", "128", "--causal", "no"]) == 0
+    out = capsys.readouterr().out
+    assert "bf16 d=128 full:" in out and "pruned" in out

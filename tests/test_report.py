@@ -1,0 +1,125 @@
+"""report (occupancy, SASS histogram), plot and progression: the parts that need no GPU."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+
+from flash_attention import report
+from flash_attention.configs import parse_config
+from flash_attention.jit import compiler
+from flash_attention.progression import progression_configs
+
+
+def test_occupancy_rules():
+    # 128 threads at 255 registers: 8 KB of registers per warp, 4 warps -> 2 blocks by registers on sm_90.
+    o = report.occupancy("sm_90", 128, 255, 65536)
+    assert (o.blocks, o.warps, o.limiter) == (2, 8, "registers")
+    # 168 registers -> 176 per thread allocated -> 3 blocks; 40 KB of shared memory would allow 5.
+    o = report.occupancy("sm_90", 128, 168, 40960)
+    assert (o.blocks, o.limiter) == (3, "registers")
+    # Shared memory bound: 100 KB tiles, two fit in 228 KB with the 1 KB reservation, three don't.
+    assert report.occupancy("sm_90", 128, 64, 100 * 1024).blocks == 2
+    assert report.occupancy("sm_90", 128, 64, 100 * 1024).limiter == "shared memory"
+    assert report.occupancy("sm_86", 128, 64, 60 * 1024).blocks == 1
+
+
+def test_progression_steps_change_one_thing_each(monkeypatch):
+    from flash_attention import ops
+
+    monkeypatch.setattr(
+        ops,
+        "choose_config",
+        lambda *a, **k: parse_config(
+            "(BF16, 128, 128, 64, 4): async+eager+swizzled+load_4_4_1_tiles+buffer+opt_softmax"
+        ),
+    )
+    steps = progression_configs("bf16", 128, False, 4096)
+    assert steps[0][1].async_copy is False and steps[0][1].swizzle is False and not steps[0][1].opt_softmax
+    for (_, a), (_, b) in zip(steps[:-2], steps[1:-1], strict=True):
+        changed = {f.name for f in dataclasses.fields(a) if getattr(a, f.name) != getattr(b, f.name)}
+        assert 1 <= len(changed) <= 2, changed  # fragment interleaving moves K and V together
+    assert steps[-1][1].name().startswith("(BF16, 128, 128, 64, 4)")
+
+
+needs_cuobjdump = pytest.mark.skipif(report.find_cuobjdump() is None, reason="needs cuobjdump")
+needs_compiler = pytest.mark.skipif(compiler.choose_compiler() is None, reason="needs NVRTC or nvcc")
+
+
+@needs_compiler
+@needs_cuobjdump
+def test_sass_histogram_counts_the_mma_instructions(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASH_ATTENTION_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("FLASH_ATTENTION_QUIET", "1")
+    cfg = parse_config("(BF16, 64, 64, 64, 4): async+eager+swizzled+load_0_1_1_tiles+buffer+opt_softmax")
+    from flash_attention.jit.kernels import build
+
+    hists = report.sass_histograms(build(cfg, "sm_90").cubin)
+    h = hists[cfg.symbol(False)]
+    # Main loop per warp: S = Q K^T is (16/16) * (64/8) * (64/16) = 32 HMMA, P V another 32.
+    assert h["HMMA"] == 64
+    assert h["MUFU.EX2"] >= 32 and h["LDSM"] > 0 and h["LDGSTS"] > 0 and h["BAR"] > 0
+    assert h["STL"] == 0 and h["LDL"] == 0
+
+
+@needs_compiler
+@needs_cuobjdump
+def test_report_compare_command(tmp_path):
+    env = {"FLASH_ATTENTION_CACHE_DIR": str(tmp_path), "FLASH_ATTENTION_QUIET": "1"}
+    import os
+
+    a = "(BF16, 64, 64, 64, 4): async+eager+swizzled+load_0_1_1_tiles+buffer+opt_softmax"
+    b = "(BF16, 64, 64, 64, 4): async+eager+swizzled+load_0_1_1_tiles+buffer"
+    proc = subprocess.run(
+        [sys.executable, "-m", "flash_attention", "report", "--compare", a, b],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "B - A" in proc.stdout and "HMMA" in proc.stdout and "occupancy" in proc.stdout
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("HMMA"))
+    assert line.split()[-1] == "+0"  # the softmax variant changes no mma instruction
+
+
+def test_plot_from_results_file(tmp_path):
+    pytest.importorskip("matplotlib")
+    from flash_attention.plot import plot_results
+
+    rows = [
+        {
+            "impl": impl,
+            "mode": "fwd",
+            "dtype": "bf16",
+            "head_dim": d,
+            "causal": c,
+            "seqlen": n,
+            "batch": 1,
+            "heads": 1,
+            "ms": 1.0,
+            "tflops": tf * n / 512,
+        }
+        for impl, tf in (("flash_attention", 300.0), ("sdpa_flash", 280.0))
+        for d in (64, 128)
+        for c in (False, True)
+        for n in (512, 1024, 2048)
+    ]
+    result = {
+        "gpu": "G",
+        "driver": "d",
+        "cuda": "c",
+        "torch": "t",
+        "commit": "x",
+        "matmul_tflops": 700.0,
+        "rows": rows,
+    }
+    path = tmp_path / "g-2026-01-01.json"
+    path.write_text(json.dumps(result))
+    written = plot_results(result, path)
+    assert [p.name for p in written] == ["g-2026-01-01-d64.png", "g-2026-01-01-d128.png"]
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in written)
