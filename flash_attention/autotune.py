@@ -369,7 +369,7 @@ def tune_shape(
             min_reps=5,
             min_time_s=budget,
         )
-        return t.median_ms
+        return t.ms
 
     results = []
     for cfg in cands:
@@ -490,6 +490,11 @@ def main(argv: list[str] | None = None) -> int:
                 prog.step(r.tflops, r.cfg.name())
             best = results[0]
             if best.ms is None:
+                print(
+                    f"    every candidate failed at n={seqlen}; first error: {results[0].error}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 continue
             heur = next((r for r in results if r.cfg == heuristic), None)
             key = entry_key(dtype, d, causal, seqlen, group)

@@ -70,7 +70,7 @@ def run_progression(dtype: str, head_dims, seqlens, causals, timing: dict) -> li
                         1,
                         **timing,
                     )
-                    tf = fl / (t.median_ms * 1e9)
+                    tf = fl / (t.ms * 1e9)
                     first = first or tf
                     gain = f"{tf / prev:.2f}x" if prev else ""
                     print(f"  {label:44} {tf:8.1f} {gain:>9} {tf / first:6.2f}x  {cfg.name()}", flush=True)
@@ -82,7 +82,7 @@ def run_progression(dtype: str, head_dims, seqlens, causals, timing: dict) -> li
                             head_dim=d,
                             causal=causal,
                             seqlen=n,
-                            ms=t.median_ms,
+                            ms=t.ms,
                             tflops=round(tf, 2),
                         )
                     )
@@ -93,7 +93,7 @@ def run_progression(dtype: str, head_dims, seqlens, causals, timing: dict) -> li
                     t = time_cuda(
                         lambda i, f=f, qt=qt, kt=kt, vt=vt, c=causal: f(qt, kt, vt, is_causal=c), 1, **timing
                     )
-                tf = fl / (t.median_ms * 1e9)
+                tf = fl / (t.ms * 1e9)
                 print(f"  {'(reference) sdpa_flash':44} {tf:8.1f}")
                 rows.append(
                     dict(
@@ -103,7 +103,7 @@ def run_progression(dtype: str, head_dims, seqlens, causals, timing: dict) -> li
                         head_dim=d,
                         causal=causal,
                         seqlen=n,
-                        ms=t.median_ms,
+                        ms=t.ms,
                         tflops=round(tf, 2),
                     )
                 )
