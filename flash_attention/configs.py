@@ -353,27 +353,34 @@ def parse_config(text: str | KernelConfig) -> KernelConfig:
 
 @lru_cache(maxsize=4096)
 def default_config(dtype: str, head_dim: int, causal: bool, seqlen_q: int, seqlen_k: int) -> KernelConfig:
-    """The configuration used when the caller names none.
+    """The configuration used when the caller names none and no autotuned winner exists.
 
-    Chosen from timings on an H200 (docs/kernel-log.md has the table); the reasons:
+    Chosen from the H200 autotuning sweep (docs/kernel-log.md); every choice is within 5% of the sweep's
+    winner at every benchmark shape. The reasons:
     * head_dim 128: 128 query rows over 4 warps, so each warp owns two 16-row mma tiles and every K/V
       fragment read from shared memory feeds two mma instructions (shared-memory bandwidth is what limits
       mma.sync on Hopper). The O accumulator (32 x 128 fp32) and S (32 x 64) then need 252 of the 255
-      registers, which is why the K/V tile stops at 64 keys.
-    * head_dim 64: O is half as large, so one 16-row tile per warp with a 128-key K/V tile keeps more
-      independent mma work per warp and still fits 4 blocks' worth of warps per SM.
+      registers, which is why the K/V tile stops at 64 keys. It won all 12 shapes.
+    * head_dim 64: O is half as large, so one 16-row tile per warp with a 128-key K/V tile and Q resident
+      in registers keeps the most independent mma work per warp at medium lengths. Long sequences (where
+      the per-block prologue is amortised) prefer two tiles per warp, 128 x 64; short causal ones prefer
+      64 x 64 tiles, whose finer diagonal wastes less work on masked keys.
     * head_dim 256: O alone is 128 registers for 16 rows; 64 x 64 tiles with single-slice fragment loads
-      are what fits without spilling.
+      are what fits without spilling, and without the second fragment buffer the compiler schedules the
+      loads as well at fewer registers.
     * head_dim 192 (not a tuned size): its 24-chunk rows do not nest with 128 threads, so the copy loops
       need more registers; 32-key tiles keep it spill-free.
-    The configuration does not depend on the sequence lengths yet: at every benchmark length the same
-    tile won or tied (within 2%).
     """
     d = padded_head_dim(head_dim)
+    n = max(seqlen_q, seqlen_k)
     if d == 64:
+        if n >= 12288 or (not causal and n >= 6144):
+            return KernelConfig(dtype, 64, 128, 64, 4, q_frags=0, k_frags=1, v_frags=1, double_buffer=False)
+        if causal and n <= 1536:
+            return KernelConfig(dtype, 64, 64, 64, 4, q_frags=0, k_frags=1, v_frags=1, double_buffer=False)
         return KernelConfig(dtype, 64, 64, 128, 4, q_frags=0, k_frags=0, v_frags=1)
     if d == 128:
         return KernelConfig(dtype, 128, 128, 64, 4, q_frags=4, k_frags=4, v_frags=1)
     if d == 192:
         return KernelConfig(dtype, 192, 64, 32, 4, q_frags=1, k_frags=1, v_frags=1)
-    return KernelConfig(dtype, 256, 64, 64, 4, q_frags=1, k_frags=1, v_frags=1)
+    return KernelConfig(dtype, 256, 64, 64, 4, q_frags=1, k_frags=1, v_frags=1, double_buffer=False)

@@ -112,3 +112,18 @@ def test_space_command_runs_without_gpu(capsys):
     assert autotune.main(["--space", "--head-dim", "128", "--causal", "no"]) == 0
     out = capsys.readouterr().out
     assert "bf16 d=128 full:" in out and "pruned" in out
+
+
+def test_heuristic_is_within_5_percent_of_the_committed_autotune_winners():
+    """The H200 sweep in benchmarks/results: the heuristic's pick must be among the fastest, within 5%."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "h200-2026-11-22-autotune.json"
+    data = json.loads(path.read_text())
+    assert len(data["tuned"]) == 36
+    for key, ranked in data["tuned"].items():
+        dtype, d, mask, n, _ = key.split("/")
+        pick = default_config(dtype, int(d[1:]), mask == "causal", int(n), int(n)).name()
+        times = dict(ranked)
+        assert pick in times, f"{key}: heuristic {pick} is not among the sweep's 12 fastest"
+        assert times[pick] >= 0.95 * ranked[0][1], f"{key}: {times[pick]} vs winner {ranked[0]}"

@@ -21,14 +21,15 @@ SMEM_LIMITS = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024, "sm_
 
 
 def shipped_configs() -> list[KernelConfig]:
-    """Every configuration attention() can pick by default: one per dtype and instantiated head_dim."""
+    """Every configuration the heuristic can pick: per dtype, instantiated head_dim, mask and length."""
     out: list[KernelConfig] = []
     for dtype in DTYPES:
         for d in HEAD_DIMS:
             for causal in (False, True):
-                cfg = default_config(dtype, d, causal, 4096, 4096)
-                if cfg not in out:
-                    out.append(cfg)
+                for n in (512, 1024, 2048, 4096, 8192, 16384):
+                    cfg = default_config(dtype, d, causal, n, n)
+                    if cfg not in out:
+                        out.append(cfg)
     return out
 
 
