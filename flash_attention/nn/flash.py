@@ -1,0 +1,216 @@
+"""``FlashAttention``: a multi-head attention layer with its own projections, on our kernel."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .._validate import MAX_HEAD_DIM
+from ..reference import causal_allowed
+from . import functional as fn
+
+__all__ = ["FlashAttention"]
+
+
+class FlashAttention(nn.Module):
+    """Multi-head (or grouped-query) attention with Q/K/V/output projections, computed by flash_attention.
+
+    Args:
+        d_model: width of the inputs and of the output.
+        num_heads: query heads; ``head_dim = d_model // num_heads`` must be a multiple of 8, at most 256 (what
+            the kernels are built for; the PyTorch path keeps the same rule so a model that runs on the CPU
+            also runs on the GPU).
+        num_kv_heads: key/value heads (grouped-query attention; 1 is multi-query). Default ``num_heads``.
+            K/V are never copied per query head on the kernel path.
+        dropout: dropout on the attention probabilities, in training mode only.
+        bias: whether the four projections have a bias.
+        causal: mask out future keys, aligned to the bottom-right corner (query ``i`` sees key ``j`` iff
+            ``j <= i + seqlen_k - seqlen_q``): for self-attention, the usual ``j <= i``.
+        device, dtype: of the parameters.
+
+    Parameters: ``q_proj`` (d_model -> d_model), ``k_proj`` and ``v_proj`` (d_model -> num_kv_heads *
+    head_dim), ``out_proj`` (d_model -> d_model), all ``nn.Linear``.
+
+    Which computation runs (:mod:`flash_attention.nn.functional`):
+
+    * inference (no gradient recorded, or ``dropout`` 0 / eval mode) on fp16/bf16 CUDA tensors: our kernel;
+    * a ``key_padding_mask`` whose valid keys are one run per row (right or left padding): the kernel on
+      slices of K/V when the cost model expects that to win, otherwise PyTorch's SDPA with the mask (the
+      kernel has no per-batch key lengths yet);
+    * when gradients are needed, or with attention dropout in training: PyTorch's
+      ``scaled_dot_product_attention`` (the kernel has no backward pass and no dropout yet), with a one-time
+      warning on CUDA;
+    * ``need_weights=True``: an explicit softmax that materialises the (seqlen_q, seqlen_k) weights -- slow
+      and quadratic in memory, for inspection only;
+    * CPU or float32/float64: PyTorch, the same function.
+
+    A query row that sees no key (all its keys padded, or causal with seqlen_q > seqlen_k) gets an attention
+    output of 0, so its layer output is ``out_proj.bias``.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        *,
+        num_kv_heads: int | None = None,
+        dropout: float = 0.0,
+        bias: bool = True,
+        causal: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        for name, value in (("d_model", d_model), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int; got {value!r}")
+        if d_model % num_heads:
+            raise ValueError(f"d_model ({d_model}) must be a multiple of num_heads ({num_heads})")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        head_dim = d_model // num_heads
+        if head_dim % 8 or head_dim > MAX_HEAD_DIM:
+            raise ValueError(
+                f"d_model // num_heads (head_dim) must be a multiple of 8 and at most {MAX_HEAD_DIM}; got "
+                f"{head_dim} (d_model={d_model}, num_heads={num_heads})"
+            )
+        if not (isinstance(dropout, int | float) and 0.0 <= dropout <= 1.0):
+            raise ValueError(f"dropout must be a probability in [0, 1]; got {dropout!r}")
+        if not isinstance(causal, bool):
+            raise TypeError(f"causal must be a bool; got {type(causal).__name__}")
+
+        self.d_model, self.num_heads, self.num_kv_heads, self.head_dim = (
+            d_model,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+        )
+        self.dropout = float(dropout)
+        self.causal = causal
+        factory = {"device": device, "dtype": dtype}
+        self.q_proj = nn.Linear(d_model, d_model, bias=bias, **factory)
+        self.k_proj = nn.Linear(d_model, num_kv_heads * head_dim, bias=bias, **factory)
+        self.v_proj = nn.Linear(d_model, num_kv_heads * head_dim, bias=bias, **factory)
+        self.out_proj = nn.Linear(d_model, d_model, bias=bias, **factory)
+
+    def extra_repr(self) -> str:
+        return (
+            f"d_model={self.d_model}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+            f"dropout={self.dropout}, causal={self.causal}"
+        )
+
+    def _check_input(self, name: str, x: object, batch: int | None = None) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(
+                f"{name} must be a torch.Tensor of shape (batch, seqlen, {self.d_model}); "
+                f"got {type(x).__name__}"
+            )
+        if x.dim() != 3 or x.shape[-1] != self.d_model or (batch is not None and x.shape[0] != batch):
+            b = "batch" if batch is None else str(batch)
+            raise ValueError(
+                f"{name} must have shape ({b}, seqlen, d_model={self.d_model}); got {tuple(x.shape)}"
+            )
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
+        *,
+        key_padding_mask: torch.Tensor | None = None,
+        need_weights: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Attend from ``query`` to ``key``/``value``.
+
+        Args:
+            query: (batch, seqlen_q, d_model).
+            key: (batch, seqlen_k, d_model); default ``query`` (self-attention).
+            value: (batch, seqlen_k, d_model); default ``key``.
+            key_padding_mask: optional (batch, seqlen_k) bool, True for keys to ignore (PyTorch's convention,
+                as in ``nn.MultiheadAttention``; the opposite of SDPA's boolean ``attn_mask``).
+            need_weights: also return the attention probabilities (slow: materialised; see the class doc).
+
+        Returns:
+            ``(output, weights)``: output (batch, seqlen_q, d_model); weights None, or (batch, num_heads,
+            seqlen_q, seqlen_k) in the output's dtype when ``need_weights`` (before dropout).
+        """
+        self._check_input("query", query)
+        key = query if key is None else key
+        value = key if value is None else value
+        batch = query.shape[0]
+        self._check_input("key", key, batch)
+        self._check_input("value", value, batch)
+        if value.shape[1] != key.shape[1]:
+            raise ValueError(
+                f"value must have the seqlen of key ({key.shape[1]}); got shape {tuple(value.shape)}"
+            )
+        seqlen_q, seqlen_k = query.shape[1], key.shape[1]
+        if key_padding_mask is not None:
+            if not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.dtype != torch.bool:
+                got = (
+                    key_padding_mask.dtype
+                    if isinstance(key_padding_mask, torch.Tensor)
+                    else type(key_padding_mask).__name__
+                )
+                raise TypeError(f"key_padding_mask must be a bool tensor (True = ignore that key); got {got}")
+            if key_padding_mask.shape != (batch, seqlen_k):
+                raise ValueError(
+                    f"key_padding_mask must have shape (batch, seqlen_k) = {(batch, seqlen_k)}; "
+                    f"got {tuple(key_padding_mask.shape)}"
+                )
+            if key_padding_mask.device != query.device:
+                raise ValueError(
+                    f"key_padding_mask must be on the device of query ({query.device}); "
+                    f"got {key_padding_mask.device}"
+                )
+
+        q = self.q_proj(query).unflatten(-1, (self.num_heads, self.head_dim))
+        k = self.k_proj(key).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        v = self.v_proj(value).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        dropout_p = self.dropout if self.training else 0.0
+
+        weights = None
+        if need_weights:
+            o, weights = _attention_with_weights(
+                q, k, v, causal=self.causal, key_padding_mask=key_padding_mask, dropout_p=dropout_p
+            )
+        else:
+            o = fn.attend(q, k, v, causal=self.causal, key_padding_mask=key_padding_mask, dropout_p=dropout_p)
+        out = self.out_proj(o.reshape(batch, seqlen_q, self.d_model))
+        return out, weights
+
+
+def _attention_with_weights(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    key_padding_mask: torch.Tensor | None,
+    dropout_p: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention that materialises the probabilities, same semantics as the other routes. fp32 softmax."""
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    seqlen_k, group = k.shape[1], heads_q // k.shape[2]
+    cdtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qt = q.transpose(1, 2).to(cdtype)
+    kt = k.transpose(1, 2).to(cdtype).repeat_interleave(group, dim=1)
+    vt = v.transpose(1, 2).to(cdtype).repeat_interleave(group, dim=1)
+    scores = torch.matmul(qt, kt.transpose(-1, -2)) / math.sqrt(head_dim)
+    allowed = torch.ones((1, 1, seqlen_q, seqlen_k), dtype=torch.bool, device=q.device)
+    if causal:
+        allowed = allowed & causal_allowed(seqlen_q, seqlen_k, device=q.device)
+    if key_padding_mask is not None:
+        allowed = allowed & ~key_padding_mask[:, None, None, :]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    # Rows with no visible key: softmax of all -inf is NaN; their weights and output are 0.
+    probs = torch.where(
+        allowed.any(dim=-1, keepdim=True), probs, torch.zeros((), dtype=cdtype, device=q.device)
+    )
+    o = torch.matmul(F.dropout(probs, p=dropout_p) if dropout_p > 0 else probs, vt)
+    return o.transpose(1, 2).to(q.dtype), probs.to(q.dtype)
