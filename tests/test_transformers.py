@@ -1,0 +1,350 @@
+"""The transformers integration on the CPU: small random Llama-style (GQA) and GPT-2-style models.
+
+On the CPU our attention function computes through flash_attention's PyTorch path (float32), so these tests
+check the integration's semantics -- masks, padding, caches, GQA, the mask function's decisions -- against
+``attn_implementation="sdpa"`` with the accuracy rule (float64 ``"sdpa"`` as the exact answer), and that
+``generate()`` picks the same greedy tokens. The ranged route (padding run as attention() calls over K/V
+slices), which only CUDA chooses, is forced through the two seams of flash_attention.nn.functional.
+
+Skipped when transformers is not installed (it is an optional dependency).
+"""
+
+from __future__ import annotations
+
+import copy
+import zlib
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from flash_attention.integrations import transformers as integration  # noqa: E402
+from flash_attention.nn import functional as fn  # noqa: E402
+
+NAME = integration.register()
+VOCAB = 256
+
+
+@pytest.fixture(autouse=True)
+def _seed(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+    monkeypatch.setattr(fn, "_warned", set())
+
+
+@pytest.fixture
+def force_ranged(monkeypatch: pytest.MonkeyPatch) -> dict:
+    monkeypatch.setattr(fn, "kernel_expected", lambda t: True)
+    monkeypatch.setattr(fn, "ranged_is_faster", lambda *a, **k: True)
+    calls = {"ranged": 0}
+    real = fn.ranged_attention
+
+    def spy(*args, **kwargs):
+        calls["ranged"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fn, "ranged_attention", spy)
+    return calls
+
+
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> dict:
+    """Which path our attention function took: kernel route (attention()) or transformers' SDPA."""
+    seen = {"kernel": 0, "sdpa": 0, "masks": []}
+    real_attention, real_forward = integration.attention, integration.attention_forward
+
+    def attention_spy(*args, **kwargs):
+        seen["kernel"] += 1
+        return real_attention(*args, **kwargs)
+
+    monkeypatch.setattr(integration, "attention", attention_spy)
+    from transformers.integrations import sdpa_attention
+
+    real_sdpa = sdpa_attention.sdpa_attention_forward
+
+    def sdpa_spy(*args, **kwargs):
+        seen["sdpa"] += 1
+        return real_sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(sdpa_attention, "sdpa_attention_forward", sdpa_spy)
+
+    def forward_spy(module, query, key, value, attention_mask, **kwargs):
+        seen["masks"].append(None if attention_mask is None else tuple(attention_mask.shape))
+        return real_forward(module, query, key, value, attention_mask, **kwargs)
+
+    transformers.AttentionInterface.register(NAME, forward_spy)
+    yield seen
+    transformers.AttentionInterface.register(NAME, real_forward)
+
+
+def _config(kind: str):
+    # initializer_range 0.2 (not the default 0.02): with tiny weights attention barely moves the logits,
+    # and a comparison of logits could not tell a wrong mask from a right one.
+    if kind == "llama":
+        return transformers.LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            initializer_range=0.2,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+    return transformers.GPT2Config(
+        vocab_size=VOCAB,
+        n_embd=128,
+        n_layer=2,
+        n_head=4,
+        n_positions=256,
+        initializer_range=0.2,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+
+
+def _models(kind: str):
+    """(ours, sdpa, float64 sdpa) with the same random weights. Each gets its own config: from_config
+    writes the implementation into the config object it is given."""
+    cfg = _config(kind)
+    ref = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="sdpa").eval()
+    ours = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=NAME).eval()
+    # float64 "sdpa" as the exact answer ("eager" in float64 turns padded rows into NaN: its mask adds the
+    # dtype's minimum to the scores, which overflows to -inf).
+    exact = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="sdpa")
+    ours.load_state_dict(ref.state_dict())
+    exact.load_state_dict(ref.state_dict())
+    assert ours.config._attn_implementation == NAME and ref.config._attn_implementation == "sdpa"
+    return ours, ref, exact.double().eval()
+
+
+def _padding_mask(batch: int, seqlen: int, side: str) -> torch.Tensor:
+    """A 2-D attention mask (1 = token, 0 = padding) with a different length per row, one row unpadded."""
+    mask = torch.ones(batch, seqlen, dtype=torch.long)
+    for b in range(1, batch):
+        pad = int(torch.randint(1, seqlen - 2, ()))
+        if side == "left":
+            mask[b, :pad] = 0
+        else:
+            mask[b, seqlen - pad :] = 0
+    return mask
+
+
+def _check_logits(ours, ref, exact, ids, mask=None):
+    with torch.no_grad():
+        o = ours(ids, attention_mask=mask).logits
+        s = ref(ids, attention_mask=mask).logits
+        e = exact(ids, attention_mask=mask).logits
+    keep = torch.ones(ids.shape, dtype=torch.bool) if mask is None else mask.bool()
+    assert not o[keep].isnan().any()
+    err = (o[keep].double() - e[keep]).abs().max().item()
+    bound = 2 * (s[keep].double() - e[keep]).abs().max().item() + 1e-5
+    assert err <= bound, f"max logit error {err:.3g} > bound {bound:.3g}"
+    return o
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize("padding", [None, "left", "right"])
+def test_logits_match_sdpa(kind, padding, calls):
+    ours, ref, exact = _models(kind)
+    ids = torch.randint(3, VOCAB, (3, 21))
+    mask = None if padding is None else _padding_mask(3, 21, padding)
+    _check_logits(ours, ref, exact, ids, mask)
+    n_layers = 2
+    if padding is None:
+        # No padding: the mask function returns None and every layer takes the kernel route.
+        assert calls["masks"] == [None] * n_layers and calls["kernel"] == n_layers and calls["sdpa"] == 0
+    else:
+        # Padding: a 2-D key mask; off CUDA the ranged route is never worth it, so transformers' SDPA runs.
+        assert calls["masks"] == [(3, 21)] * n_layers and calls["kernel"] == 0 and calls["sdpa"] == n_layers
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize("padding", ["left", "right"])
+def test_logits_match_sdpa_on_the_ranged_route(kind, padding, force_ranged):
+    ours, ref, exact = _models(kind)
+    ids = torch.randint(3, VOCAB, (4, 19))
+    _check_logits(ours, ref, exact, ids, _padding_mask(4, 19, padding))
+    assert force_ranged["ranged"] == 2
+
+
+def test_wrong_attention_is_detected():
+    # The comparisons above can fail: attention without its causal mask gives clearly different logits.
+    ours, ref, exact = _models("llama")
+    ids = torch.randint(3, VOCAB, (2, 16))
+    for layer in ours.model.layers:
+        layer.self_attn.is_causal = False
+    with torch.no_grad():
+        o, s = ours(ids).logits, ref(ids).logits
+    assert (o - s).abs().max() > 100 * (s.double() - exact(ids).logits).abs().max()
+
+
+def _greedy(model, ids, mask, n=12):
+    with torch.no_grad():
+        return model.generate(
+            ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=0, min_new_tokens=n
+        )[:, ids.shape[1] :]
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize("padding", [None, "left"])
+def test_generate_same_greedy_tokens(kind, padding, calls):
+    ours, ref, _ = _models(kind)
+    ids = torch.randint(3, VOCAB, (3, 10))
+    mask = _padding_mask(3, 10, "left") if padding else torch.ones_like(ids)
+    a, b = _greedy(ours, ids, mask), _greedy(ref, ids, mask)
+    assert a.shape == (3, 12)
+    assert torch.equal(a, b)
+    if padding is None:
+        # Prefill and every decoding step with the DynamicCache: no mask needed, the kernel route throughout.
+        assert calls["sdpa"] == 0 and calls["kernel"] == 2 * 12
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_generate_same_greedy_tokens_ranged(kind, force_ranged):
+    ours, ref, _ = _models(kind)
+    ids = torch.randint(3, VOCAB, (3, 10))
+    mask = _padding_mask(3, 10, "left")
+    assert torch.equal(_greedy(ours, ids, mask), _greedy(ref, ids, mask))
+    assert force_ranged["ranged"] == 2 * 12
+
+
+def test_generate_with_static_cache_matches_sdpa(calls):
+    # Static caches have key slots past the current position: the mask function hands over a 4-D mask.
+    ours, ref, _ = _models("llama")
+    ids = torch.randint(3, VOCAB, (2, 8))
+    mask = torch.ones_like(ids)
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, cache_implementation="static")
+    with torch.no_grad():
+        a = ours.generate(ids, attention_mask=mask, **kwargs)
+        b = ref.generate(ids, attention_mask=mask, **kwargs)
+    assert torch.equal(a, b)
+    assert all(m is None or len(m) == 4 for m in calls["masks"])
+
+
+def test_training_goes_through_sdpa_with_the_same_gradients(calls, monkeypatch):
+    monkeypatch.setattr(fn, "kernel_expected", lambda t: True)
+    ours, ref, _ = _models("llama")
+    ours.train(), ref.train()
+    ids = torch.randint(3, VOCAB, (2, 12))
+    with pytest.warns(RuntimeWarning, match="no backward pass"):
+        loss_o = ours(ids, labels=ids).loss
+    loss_s = ref(ids, labels=ids).loss
+    loss_o.backward()
+    loss_s.backward()
+    assert calls["kernel"] == 0
+    assert torch.allclose(loss_o, loss_s)
+    for (name, p), q in zip(ours.named_parameters(), ref.parameters(), strict=True):
+        assert torch.allclose(p.grad, q.grad, atol=1e-6, rtol=1e-4), name
+
+
+# ------------------------------------------------------------------------------------------------------
+# The mask function's decisions
+
+
+def _versioned(kwargs: dict) -> dict:
+    """Mask-function arguments in the installed transformers' form: since 5.x a query count and offset,
+    before that the query positions themselves (``cache_position``)."""
+    import inspect
+
+    from transformers.masking_utils import sdpa_mask
+
+    if "q_length" in inspect.signature(sdpa_mask).parameters:
+        return kwargs
+    kwargs = dict(kwargs)
+    q_length, q_offset = kwargs.pop("q_length"), kwargs.pop("q_offset", 0)
+    if isinstance(q_offset, torch.Tensor):
+        pytest.skip("tensor query offsets came with the q_length form of the mask functions")
+    kwargs["cache_position"] = torch.arange(q_offset, q_offset + q_length)
+    return kwargs
+
+
+def _mask_call(**overrides):
+    from transformers.masking_utils import causal_mask_function
+
+    kwargs = dict(
+        batch_size=2,
+        q_length=5,
+        kv_length=5,
+        q_offset=0,
+        kv_offset=0,
+        mask_function=causal_mask_function,
+        attention_mask=None,
+        allow_is_causal_skip=True,
+        dtype=torch.float32,
+        config=None,
+        use_vmap=False,
+        device="cpu",
+    )
+    kwargs.update(overrides)
+    return integration.attention_mask(**_versioned(kwargs))
+
+
+def test_mask_function_plain_causal_is_none():
+    assert _mask_call() is None
+    assert _mask_call(q_length=1, kv_length=9, q_offset=8) is None  # decoding with a DynamicCache
+    assert _mask_call(q_length=3, kv_length=9, q_offset=6) is None  # a chunk of prefill after a cache
+    assert _mask_call(attention_mask=torch.ones(2, 5, dtype=torch.bool)) is None  # no padding at all
+
+
+def test_mask_function_padding_is_a_2d_key_mask():
+    pad = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]])
+    got = _mask_call(q_length=2, kv_length=7, q_offset=5, attention_mask=pad)
+    assert got.dtype == torch.bool and torch.equal(got, pad.bool())
+    # A mask shorter than the keys: the missing positions are not attendable.
+    got = _mask_call(q_length=1, kv_length=8, q_offset=7, attention_mask=pad[:, :5])
+    assert got.shape == (2, 8) and not got[:, 5:].any()
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"q_length": 5, "kv_length": 9, "q_offset": 0},  # static-cache prefill: keys past the queries
+        {"allow_is_causal_skip": False},  # the caller wants a materialised mask
+        {"local_size": 3},  # sliding window
+        {"q_offset": torch.tensor(0)},  # static caches pass tensor offsets
+    ],
+)
+def test_mask_function_other_cases_are_sdpa_masks(overrides):
+    from transformers.masking_utils import sdpa_mask
+
+    got = _mask_call(**overrides)
+    kwargs = dict(
+        batch_size=2,
+        q_length=5,
+        kv_length=5,
+        q_offset=0,
+        kv_offset=0,
+        allow_is_causal_skip=False,
+        device="cpu",
+    )
+    kwargs.update({k: v for k, v in overrides.items() if k != "allow_is_causal_skip"})
+    assert got is not None and got.dim() == 4
+    assert torch.equal(got, sdpa_mask(**_versioned(kwargs)))
+
+
+def test_mask_function_custom_pattern_is_sdpa_mask():
+    from transformers.masking_utils import and_masks, causal_mask_function, sdpa_mask
+
+    def even_keys(b, h, q, kv):
+        return kv % 2 == 0
+
+    fn_ = and_masks(causal_mask_function, even_keys)
+    got = _mask_call(mask_function=fn_)
+    expected = sdpa_mask(
+        **_versioned(
+            dict(batch_size=2, q_length=5, kv_length=5, mask_function=fn_, allow_is_causal_skip=False)
+        )
+    )
+    assert torch.equal(got, expected)
+
+
+def test_register_rejects_flash_names():
+    with pytest.raises(ValueError, match="without 'flash'"):
+        integration.register("flash_attention_fs")
+    assert integration.register() == NAME
+    assert NAME in transformers.AttentionInterface().valid_keys()
