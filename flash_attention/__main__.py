@@ -36,11 +36,18 @@ def _report(argv: list[str]) -> int:
     return report_main(argv)
 
 
+def _demo(argv: list[str]) -> int:
+    from flash_attention.demo import main as demo_main
+
+    return demo_main(argv)
+
+
 # name -> (one-line help, handler). Handlers import their module only when chosen: `bench --update-readme`
 # and `build` must work on machines where other tools' imports (CUDA, Triton) would fail or be slow.
 COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
     "bench": ("benchmark against PyTorch's attention backends; write benchmarks/results/*.json", _bench),
     "build": ("pre-compile kernels ahead of time (--arch sm_80,sm_90 [--configs ...])", _build),
+    "demo": ("Transformer encoder with stock vs our attention: time and GPU memory by seqlen", _demo),
     "autotune": ("time every surviving kernel config per shape class and cache the winners", _autotune),
     "report": ("registers, shared memory, spills, occupancy and (--sass) instruction counts", _report),
 }

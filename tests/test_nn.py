@@ -793,3 +793,35 @@ def test_replace_attention_bare_module_and_shared_module():
     model = nn.ModuleDict({"a": shared, "b": nn.Sequential(shared)})
     replace_attention(model)
     assert model["a"] is model["b"][0] and type(model["a"]) is MultiheadAttention
+
+
+# ======================================================================================================
+# Demo (CPU path)
+
+
+def test_demo_cpu_runs_and_renders(tmp_path, capsys):
+    from flash_attention import demo
+
+    out = tmp_path / "demo.json"
+    assert (
+        demo.main(
+            ["--seqlens", "32,64", "--d-model", "64", "--heads", "4", "--layers", "1", "--out", str(out)]
+        )
+        == 0
+    )
+    printed = capsys.readouterr().out
+    assert "No CUDA GPU found" in printed
+    result = __import__("json").loads(out.read_text())
+    assert {r["impl"] for r in result["rows"]} == {"stock", "flash_attention"}
+    assert all(r["ms"] > 0 for r in result["rows"])
+    ours = [r for r in result["rows"] if r["impl"] == "flash_attention"]
+    assert all(r["max_abs_diff_vs_stock"] < 1e-4 for r in ours)
+    readme = tmp_path / "README.md"
+    readme.write_text("# x\n\n<!-- demo:begin -->\nold\n<!-- demo:end -->\n\n## after\n")
+    demo.update_readme(readme, out)
+    text = readme.read_text()
+    assert (
+        "old" not in text
+        and "| flash_attention |" in text
+        and text.endswith("<!-- demo:end -->\n\n## after\n")
+    )
