@@ -9,13 +9,15 @@ user sees first lives in flash_attention._validate; this module trusts nothing i
 from __future__ import annotations
 
 import math
+import os
 from functools import cache
+from typing import NamedTuple
 
 import torch
 
 from .configs import KernelConfig, default_config, parse_config
 from .jit import compiler as _compiler
-from .jit.params import FwdParams
+from .jit.params import TRACE_FAULTS, FwdParams, TraceLayout
 
 _DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 _LOG2E = 1.4426950408889634
@@ -149,6 +151,57 @@ def prepare(cfg, causal: bool, device) -> None:
     get_kernel(parse_config(cfg), bool(causal), index)
 
 
+class TraceTarget(NamedTuple):
+    """Which warp the debug build traces (flash_attention.sim.TraceSpec has the same fields)."""
+
+    batch: int
+    head: int
+    row_block: int
+    warp: int
+
+
+#: The raw trace of the last traced launch (flash_attention.debug decodes it), or None.
+_last_trace: dict | None = None
+
+
+def last_trace() -> dict | None:
+    """The last traced launch: its device buffer and everything needed to decode it (see debug.py)."""
+    return _last_trace
+
+
+def trace_from_env() -> tuple[TraceTarget, str] | None:
+    """``FLASH_ATTENTION_TRACE=batch,head,row_block,warp`` (and ``FLASH_ATTENTION_TRACE_FAULT``), parsed."""
+    text = os.environ.get("FLASH_ATTENTION_TRACE")
+    if not text:
+        return None
+    try:
+        target = TraceTarget(*(int(x) for x in text.split(",")))
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"FLASH_ATTENTION_TRACE must be 'batch,head,row_block,warp' (four integers); got {text!r}"
+        ) from None
+    return target, os.environ.get("FLASH_ATTENTION_TRACE_FAULT", "none")
+
+
+def _trace_buffer(cfg: KernelConfig, target, fault: str, shape: tuple, device) -> tuple[torch.Tensor, int]:
+    """A NaN-filled trace buffer for the debug build (unwritten entries stay NaN), and the fault's code."""
+    batch, heads_q, seqlen_q, seqlen_k = shape
+    checks = [
+        ("batch", target.batch, batch),
+        ("head", target.head, heads_q),
+        ("row_block", target.row_block, math.ceil(seqlen_q / cfg.block_q)),
+        ("warp", target.warp, cfg.num_warps),
+    ]
+    for name, value, limit in checks:
+        if not 0 <= value < limit:
+            raise ValueError(f"trace {name} must be in [0, {limit}) for this problem and config; got {value}")
+    if fault not in TRACE_FAULTS:
+        raise ValueError(f"trace fault must be one of {sorted(TRACE_FAULTS)}; got {fault!r}")
+    steps = max(1, math.ceil(seqlen_k / cfg.block_kv))
+    buf = torch.full((TraceLayout.of(cfg).size(steps),), float("nan"), dtype=torch.float32, device=device)
+    return buf, TRACE_FAULTS[fault]
+
+
 def cuda_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -159,9 +212,23 @@ def cuda_forward(
     return_lse: bool,
     out: torch.Tensor | None,
     config=None,
+    trace=None,
+    trace_fault: str = "none",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Run the forward kernel. Inputs were validated by flash_attention._validate."""
+    """Run the forward kernel. Inputs were validated by flash_attention._validate.
+
+    ``trace`` (an object with ``batch``, ``head``, ``row_block``, ``warp``, e.g. a
+    :class:`flash_attention.sim.TraceSpec`), or the environment variable ``FLASH_ATTENTION_TRACE``, runs
+    the debug build instead: that warp's intermediates land in a buffer kept in :func:`last_trace`, and
+    ``trace_fault`` (or ``FLASH_ATTENTION_TRACE_FAULT``) plants a known bug. Debugging only: it
+    synchronizes and allocates.
+    """
     from .jit.kernels import get_kernel
+
+    if trace is None and "FLASH_ATTENTION_TRACE" in os.environ:
+        env = trace_from_env()
+        if env is not None:
+            trace, trace_fault = env
 
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
@@ -202,8 +269,16 @@ def cuda_forward(
     p.num_m_blocks = math.ceil(seqlen_q / cfg.block_q)
     p.scale = softmax_scale
     p.scale_log2 = softmax_scale * _LOG2E
+    trace_buf = None
+    if trace is not None:
+        trace_buf, p.trace_fault = _trace_buffer(
+            cfg, trace, trace_fault, (batch, heads_q, seqlen_q, seqlen_k), device
+        )
+        p.trace = trace_buf.data_ptr()
+        p.trace_batch, p.trace_head = trace.batch, trace.head
+        p.trace_m_block, p.trace_warp = trace.row_block, trace.warp
 
-    kernel = get_kernel(cfg, bool(causal), index)
+    kernel = get_kernel(cfg, bool(causal), index, trace=trace is not None)
     kernel.ensure_dynamic_smem(cfg.smem_bytes, index)
     stream = torch.cuda.current_stream(device).cuda_stream
     grid = (p.num_m_blocks, heads_q, batch)
@@ -213,6 +288,17 @@ def cuda_forward(
         # The launch goes to the current context: make it q's device's (PyTorch's primary context).
         with torch.cuda.device(index):
             kernel.launch(grid, (cfg.threads, 1, 1), cfg.smem_bytes, stream, p)
+    if trace_buf is not None:
+        global _last_trace
+        _last_trace = {
+            "buffer": trace_buf,
+            "config": cfg,
+            "target": TraceTarget(trace.batch, trace.head, trace.row_block, trace.warp),
+            "fault": trace_fault,
+            "causal": bool(causal),
+            "shape": (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim),
+            "scale": softmax_scale,
+        }
     if out is not None and o is not out:
         out.copy_(o)
         o = out

@@ -7,6 +7,8 @@ The generated translation unit static_asserts every field offset and the struct 
 from __future__ import annotations
 
 import ctypes
+import math
+from dataclasses import dataclass
 
 _I64 = ctypes.c_longlong
 _I32 = ctypes.c_int
@@ -45,6 +47,13 @@ class FwdParams(ctypes.Structure):
         ("num_m_blocks", _I32),
         ("scale", _F32),
         ("scale_log2", _F32),
+        # Debug build only (csrc/include/fa/trace.cuh); null / 0 for the normal build.
+        ("trace", _PTR),
+        ("trace_batch", _I32),
+        ("trace_head", _I32),
+        ("trace_m_block", _I32),
+        ("trace_warp", _I32),
+        ("trace_fault", _I32),
     ]
 
 
@@ -67,3 +76,94 @@ def offset_asserts(struct: type[ctypes.Structure], cpp_name: str) -> str:
         )
     lines.append("#endif")
     return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------------------------------
+# The trace buffer of the debug build: the twin of fa::trace::Layout in csrc/include/fa/trace.cuh.
+
+#: Planted faults of the debug build (fa::trace::Fault).
+TRACE_FAULTS = {"none": 0, "skip_rescale": 1, "wrong_swizzle": 2}
+
+#: Written by a trace build into the buffer's first float, so an untraced buffer is recognised.
+TRACE_MAGIC = 20241122.0
+
+#: Per-step quantities in the order the kernel computes them, with their shapes in units of
+#: (rows of the warp WM, keys of the tile BC, head_dim D).
+TRACE_STEP_FIELDS = (
+    ("Q", ("WM", "D")),
+    ("K", ("BC", "D")),
+    ("S", ("WM", "BC")),
+    ("M", ("WM",)),
+    ("alpha", ("WM",)),
+    ("P", ("WM", "BC")),
+    ("L", ("WM",)),
+    ("V", ("BC", "D")),
+    ("O", ("WM", "D")),
+)
+
+
+@dataclass(frozen=True)
+class TraceLayout:
+    """Float offsets in the trace buffer of one config (see fa::trace::Layout)."""
+
+    wm: int
+    bc: int
+    d: int
+
+    @classmethod
+    def of(cls, cfg) -> TraceLayout:
+        return cls(cfg.block_q // cfg.num_warps, cfg.block_kv, cfg.head_dim)
+
+    def shape(self, dims: tuple[str, ...]) -> tuple[int, ...]:
+        return tuple({"WM": self.wm, "BC": self.bc, "D": self.d}[x] for x in dims)
+
+    header = 4  # magic, number of K/V blocks, steps written, spare
+    magic, num_blocks, steps_done = 0, 1, 2
+
+    @property
+    def final_o(self) -> int:
+        return self.header
+
+    @property
+    def final_lse(self) -> int:
+        return self.final_o + self.wm * self.d
+
+    @property
+    def first_step(self) -> int:
+        return self.final_lse + self.wm
+
+    @property
+    def step_offsets(self) -> dict[str, int]:
+        """Offset of each per-step quantity within a step (after the step's K/V block index at 0)."""
+        out, off = {}, 1
+        for name, dims in TRACE_STEP_FIELDS:
+            out[name] = off
+            off += math.prod(self.shape(dims))
+        out["_step"] = off
+        return out
+
+    @property
+    def step_size(self) -> int:
+        return self.step_offsets["_step"]
+
+    def size(self, steps: int) -> int:
+        return self.first_step + steps * self.step_size
+
+
+def trace_layout_asserts(cfg, cpp_cfg: str = "Cfg") -> str:
+    """static_asserts pinning fa::trace::Layout<Cfg> to :class:`TraceLayout` (both compilers accept them)."""
+    lay = TraceLayout.of(cfg)
+    cpp = f"fa::trace::Layout<{cpp_cfg}>"
+    pairs = [
+        ("kFinalO", lay.final_o),
+        ("kFinalLse", lay.final_lse),
+        ("kFirstStep", lay.first_step),
+        ("kStep", lay.step_size),
+    ]
+    cpp_names = {"Q": "kQ", "K": "kK", "S": "kS", "M": "kM", "alpha": "kAlpha", "P": "kP", "L": "kL"}
+    cpp_names.update({"V": "kV", "O": "kO"})
+    pairs += [(cpp_names[n], off) for n, off in lay.step_offsets.items() if n != "_step"]
+    return "".join(
+        f'static_assert({cpp}::{name} == {value}, "trace layout {name} differs from jit/params.py");\n'
+        for name, value in pairs
+    )

@@ -26,6 +26,12 @@ struct FwdParams {
   int num_m_blocks;  // ceil(seqlen_q / kBlockQ)
   float scale;       // softmax scale
   float scale_log2;  // scale * log2(e), for the exp2 form of the softmax
+
+  // Debug build only (FA_TRACE, fa/trace.cuh): the buffer the chosen warp writes its intermediates to, which
+  // warp that is, and a planted fault. The normal build never reads them (null / 0 from ops).
+  float* trace;
+  int trace_batch, trace_head, trace_m_block, trace_warp;
+  int trace_fault;
 };
 
 }  // namespace fa

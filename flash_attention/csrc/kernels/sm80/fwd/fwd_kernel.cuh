@@ -15,6 +15,7 @@
 #include "fa/config_check.h"
 #include "fa/params.h"
 #include "fa/ptx.cuh"
+#include "fa/trace.cuh"
 
 namespace fa {
 
@@ -151,8 +152,20 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
   const int g = lane / 4;  // row within an 8-row group of the accumulator
   const int t = lane % 4;  // column pair within an 8-column n-tile
   const int warp_row0 = warp * WM;
+#if FA_TRACE
+  // Debug build: the chosen warp records its intermediates (fa/trace.cuh); `trace_tiles` / `trace_offset`
+  // read shared memory back through the kernel's own swizzle.
+  using TL = trace::Layout<Cfg>;
+  trace::Tracer<Cfg> tr(p, batch, head, m_block, warp, lane);
+  tr.begin(n_blocks);
+  const u16* trace_tiles = reinterpret_cast<const u16*>(smem);
+  auto trace_offset = [](int row, int chunk) { return tile_offset<D, Cfg::kSwizzle>(row, chunk); };
+#endif
 
   if (n_blocks == 0) {
+#if FA_TRACE
+    tr.empty_block();
+#endif
     // No key is visible to any row of this block: out = 0, lse = -inf.
     constexpr int C = D / 8;
     for (int idx = tid; idx < BR * C; idx += NW * 32) {
@@ -191,7 +204,12 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
   // n-tile 2 np then of 2 np + 1. B operand from V (keys x head_dim, transposed on load): lane l supplies
   // key 16 * ks + 8 * ((l / 8) % 2) + l % 8 at chunk 2 * dp + l / 16.
   const FragAddr<D, Cfg::kSwizzle> q_addr(sQ, warp_row0 + lane % 16, lane / 16);
+#if FA_TRACE
+  FragAddr<D, Cfg::kSwizzle> k_addr(sK, 8 * (lane / 16) + lane % 8, (lane / 8) % 2);
+  trace::plant_swizzle_fault<D>(k_addr, sK, 8 * (lane / 16) + lane % 8, (lane / 8) % 2, tr.fault);
+#else
   const FragAddr<D, Cfg::kSwizzle> k_addr(sK, 8 * (lane / 16) + lane % 8, (lane / 8) % 2);
+#endif
   const FragAddr<D, Cfg::kSwizzle> v_addr(sV, 8 * ((lane / 8) % 2) + lane % 8, lane / 16);
 
   auto load_q = [&](u32(&dst)[4], int mt, int kk) { ldmatrix_x4(dst, q_addr(16 * mt, kk)); };
@@ -224,6 +242,13 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
           for (int kk = 0; kk < DK; ++kk) load_q(qf[mt][kk], mt, kk);
       }
     }
+#if FA_TRACE
+    // Q and K_j are in shared memory and stay there until the next barrier (the eager V_j copy below goes
+    // to V's buffer).
+    tr.begin_step(it, j);
+    tr.smem_tile(TL::kQ, trace_tiles, warp_row0, WM, trace_offset);
+    tr.smem_tile(TL::kK, trace_tiles + BR * D, 0, BC, trace_offset);
+#endif
     if constexpr (Cfg::kEager) {
       // V_j streams in while the tensor cores compute S_j.
       load_tile<Cfg, BC>(sV, gV + (i64)kv_start * p.v_row_stride, p.v_row_stride, p.seqlen_k - kv_start,
@@ -273,6 +298,9 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
       }
     }
 
+#if FA_TRACE
+    tr.acc(TL::kS, s);
+#endif
     if constexpr (!Cfg::kOptSoftmax) {
       // Scale before masking: a negative scale would turn a masked -inf into +inf.
 #pragma unroll
@@ -341,12 +369,21 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
         }
         row_max[mt][r] = mx;
         row_sum[mt][r] = row_sum[mt][r] * alpha + sum;
+#if FA_TRACE
+        tr.row_value(TL::kM, mt, r, mx);
+        tr.row_value(TL::kAlpha, mt, r, alpha);
+        tr.row_sum(TL::kL, mt, r, row_sum[mt][r]);
+        if (tr.skip_rescale()) alpha = 1.f;  // planted fault: O keeps its old scale
+#endif
 #pragma unroll
         for (int n = 0; n < NO; ++n) {
           o[mt][n][2 * r] *= alpha;
           o[mt][n][2 * r + 1] *= alpha;
         }
       }
+#if FA_TRACE
+      tr.acc_tile(TL::kP, mt, s[mt]);
+#endif
       // The accumulator layout of two adjacent S n-tiles is exactly the A layout of one k-step of P V.
 #pragma unroll
       for (int ks = 0; ks < KS; ++ks) {
@@ -381,6 +418,10 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
       __syncthreads();
     }
 
+#if FA_TRACE
+    // V_j is visible to every warp (the barrier above) and is overwritten only after the next loop-top one.
+    tr.smem_tile(TL::kV, trace_tiles + (BR + BC) * D, 0, BC, trace_offset);
+#endif
     // ---- O += P V_j --------------------------------------------------------------------------------------
     {
       u32 vb[kDB ? 2 : 1][VG][NO / 2][4];
@@ -407,6 +448,9 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
       }
     }
 
+#if FA_TRACE
+    tr.acc(TL::kO, o);
+#endif
     if constexpr (!Cfg::kEager) {
       // K's buffer has been free since the barrier before V_j's load; the next loop-top barrier orders
       // this copy before anyone reads it.
@@ -434,12 +478,21 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
       for (int n = 0; n < NO; ++n) {
         const u32 v = pack2<BF>(o[mt][n][2 * r] * inv, o[mt][n][2 * r + 1] * inv);
         st_shared_32(sQ + 2 * tile_offset<D, Cfg::kSwizzle>(row, n) + 4 * t, v);
+#if FA_TRACE
+        tr.final_pair(16 * mt + g + 8 * r, 8 * n + 2 * t, v);
+#endif
       }
       if (gL && t == 0 && row < q_valid) {
         // Natural-log LSE of the scaled scores; the opt path's max is of the unscaled scores.
         const float m = Cfg::kOptSoftmax ? row_max[mt][r] * p.scale : row_max[mt][r];
         gL[row] = l > 0.f ? m + logf(l) : neg_inf();
       }
+#if FA_TRACE
+      if (t == 0) {
+        const float m = Cfg::kOptSoftmax ? row_max[mt][r] * p.scale : row_max[mt][r];
+        tr.final_lse(16 * mt + g + 8 * r, l > 0.f ? m + logf(l) : neg_inf());
+      }
+#endif
     }
   }
   __syncthreads();
