@@ -1,0 +1,197 @@
+"""The kernels against the tile simulator, and the debug build's traces (run through the device tool).
+
+Bound: the simulator rounds at the kernel's rounding points, so the two can differ only by what the
+tensor cores' summation order and the hardware's ex2/logf change in fp32 -- a few ulps of fp32 -- and by
+where that moves a value across a rounding boundary of the output dtype. ``simulate(error_bound=True)``
+propagates that fp32 uncertainty through the same steps and returns, per element, 0 where no rounding
+boundary is within reach (the kernel must be bit-identical there) and one, rarely two, units in the last
+place of the output where one is. That is far tighter than the reference rule of test_gpu_forward.py
+(2x PyTorch's error over the whole tensor); each case prints both for comparison.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_gpu_forward import _VARIANTS
+
+import flash_attention as fa
+from flash_attention import debug, ops, sanity
+from flash_attention.configs import default_config, parse_config
+from flash_attention.jit.build import shipped_configs
+from flash_attention.reference import attention_reference, causal_allowed
+from flash_attention.sim import TraceSpec, simulate
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+CONFIGS = [c.name() for c in shipped_configs()] + list(_VARIANTS)
+
+
+def _inputs(b, sq, sk, hq, hkv, d, dtype, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return tuple(
+        torch.randn(b, s, h, d, generator=gen, device="cuda").to(dtype)
+        for s, h in ((sq, hq), (sk, hkv), (sk, hkv))
+    )
+
+
+def _reference_tolerance(q, k, v, causal):
+    """The accuracy rule's bound (2x PyTorch's own error + 1e-5), for comparison with ours."""
+    ref, _ = attention_reference(q, k, v, causal=causal)
+    group = q.shape[2] // k.shape[2]
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    kt, vt = kt.repeat_interleave(group, 1), vt.repeat_interleave(group, 1)
+    mask = causal_allowed(q.shape[1], k.shape[1], device=q.device) if causal else None
+    o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask).transpose(1, 2)
+    return 2 * (o.double() - ref).abs().nan_to_num(0.0).max().item() + 1e-5
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("name", CONFIGS)
+def test_kernel_equals_simulator(name, causal):
+    cfg = parse_config(name)
+    seed = CONFIGS.index(name) * 2 + causal
+    d = cfg.head_dim if seed % 4 < 2 else cfg.head_dim - 24
+    sq, sk = (459, 300) if causal else (300, 459)  # causal: 159 rows see no key
+    q, k, v = _inputs(2, sq, sk, 4, 2, d, DTYPES[cfg.dtype], seed)
+    out = torch.full_like(q, float("nan"))
+    o, lse = fa.forward(cfg, q, k, v, causal=causal, return_lse=True, out=out)
+    torch.cuda.synchronize()
+    s_out, s_lse, bound, lse_bound = simulate(q, k, v, cfg, causal=causal, error_bound=True)
+    o, lse = o.cpu(), lse.cpu()
+
+    diff = (o.double() - s_out.double()).abs()
+    outside = diff > bound
+    same = (o == s_out).double().mean().item()
+    reachable = (bound > 0).double().mean().item()
+    ulp = torch.finfo(o.dtype).eps * torch.exp2(
+        torch.floor(torch.log2(s_out.double().abs().clamp_min(1e-30)))
+    )
+    worst_ulps = (diff / ulp).max().item()
+    fin = torch.isfinite(s_lse)
+    lse_diff = (lse.double() - s_lse.double()).abs()
+    ref_tol = _reference_tolerance(q, k, v, causal)
+    print(
+        f"\nSIMSTAT {name} causal={causal} d={d}: {same * 100:.3f}% bit-identical, bound > 0 on "
+        f"{reachable * 100:.1f}%, max diff {diff.max().item():.3g} ({worst_ulps:.2f} ulp), max bound "
+        f"{bound.max().item():.3g} vs reference tolerance {ref_tol:.3g}; lse max diff "
+        f"{lse_diff[fin].max().item():.3g} (bound max {lse_bound[fin].max().item():.3g})"
+    )
+    assert not torch.isnan(o).any()
+    if outside.any():
+        i = tuple(torch.nonzero(outside)[0].tolist())
+        pytest.fail(
+            f"{int(outside.sum())} elements outside the bound; first {i}: kernel {o[i].item()} simulator "
+            f"{s_out[i].item()} bound {bound[i].item():.3g}"
+        )
+    assert torch.equal(torch.isfinite(lse), fin) and torch.equal(lse[~fin], s_lse[~fin])
+    assert (lse_diff[fin] <= lse_bound[fin]).all(), (lse_diff - lse_bound)[fin].max().item()
+    assert same > 0.5, "the simulator should reproduce most elements bit for bit"
+
+
+def _ratios(tr_s, tr_k) -> str:
+    """How much of each bound the kernel used (max over steps and elements): the bound's margin."""
+    out = []
+    for name in ("S", "M", "alpha", "P", "L", "O"):
+        worst = 0.0
+        for ss, ks, bs in zip(tr_s.steps, tr_k.steps, tr_s.bounds, strict=True):
+            diff = (ks[name].double() - ss[name].double()).abs().nan_to_num(0.0, posinf=0.0)
+            used = torch.where(diff > 0, diff / bs[name].clamp_min(1e-300), torch.zeros_like(diff))
+            worst = max(worst, used.max().item())
+        out.append(f"{name} {worst:.2g}")
+    return ", ".join(out)
+
+
+TRACE_CONFIGS = [
+    default_config("bf16", 64, False, 1, 1).name(),
+    default_config("bf16", 128, False, 1, 1).name(),
+    default_config("fp16", 256, False, 1, 1).name(),
+    "(BF16, 128, 64, 64, 4): sync+load_0_0_0_tiles",
+    "(BF16, 128, 64, 64, 4): async+eager+swizzled+load_0_1_1_tiles+buffer+opt_softmax+reverse",
+    "(FP16, 256, 64, 32, 4): async+eager+load_1_1_1_tiles+buffer",
+    "(BF16, 256, 128, 64, 8): async+eager+swizzled+load_2_2_1_tiles+buffer+opt_softmax",
+    "(BF16, 64, 16, 256, 1): async+eager+swizzled+load_0_1_2_tiles+buffer+opt_softmax",
+]
+
+
+@pytest.mark.parametrize("name", TRACE_CONFIGS)
+def test_kernel_trace_matches_the_simulator(name):
+    cfg = parse_config(name)
+    d = cfg.head_dim - 8
+    q, k, v = _inputs(1, 300, 333, 4, 2, d, DTYPES[cfg.dtype], 17)
+    for causal in (False, True):
+        # The last warp of the last row block: rows past seqlen_q, the tail of K/V, and (causal) the diagonal.
+        spec = TraceSpec(0, 3, -1, cfg.num_warps - 1)
+        out_t, lse_t, tr_k = debug.run_kernel(q, k, v, cfg, causal=causal, trace=spec)
+        out_n, lse_n = fa.forward(cfg, q, k, v, causal=causal, return_lse=True)
+        # The debug build computes bit for bit what the normal build computes.
+        assert torch.equal(out_t, out_n) and torch.equal(lse_t, lse_n)
+        *_, tr_s = simulate(q, k, v, cfg, causal=causal, trace=spec)
+        assert tr_k.kv_blocks == tr_s.kv_blocks and len(tr_k.steps) > 1
+        print(f"\nTRACESTAT {name} causal={causal}: max |kernel - simulator| / bound: {_ratios(tr_s, tr_k)}")
+        mismatch = debug.compare(tr_s, tr_k)
+        assert mismatch is None, f"{name} causal={causal}: {mismatch.describe()}"
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        default_config("bf16", 128, False, 1, 1).name(),
+        "(BF16, 128, 64, 64, 4): async+eager+swizzled+load_0_1_1_tiles+buffer+opt_softmax+reverse",
+        "(FP16, 256, 64, 32, 4): async+eager+load_1_1_1_tiles+buffer",
+    ],
+)
+def test_planted_faults_are_located(name, tmp_path, capsys):
+    cfg = parse_config(name)
+    q, k, v = _inputs(1, 300, 300, 2, 2, cfg.head_dim, DTYPES[cfg.dtype], 23)
+    spec = TraceSpec(0, 1, 1, cfg.num_warps - 1)
+    *_, tr_s = simulate(q, k, v, cfg, trace=spec)
+
+    # Skipped rescale: O goes wrong at the first step where some row's max grew (alpha < 1), not before.
+    _, _, tr_k = debug.run_kernel(q, k, v, cfg, trace=spec, fault="skip_rescale")
+    m = debug.compare(tr_s, tr_k)
+    first = next(i for i, st in enumerate(tr_s.steps) if i > 0 and (st["alpha"] < 1).any())
+    assert m is not None and (m.step, m.name) == (first, "O"), m.describe() if m else None
+    assert tr_s.steps[m.step]["alpha"][m.index[0]] < 1
+
+    # Wrong swizzle of K's fragments: Q and K in shared memory are right, S of the first step is not.
+    _, _, tr_k = debug.run_kernel(q, k, v, cfg, trace=spec, fault="wrong_swizzle")
+    m = debug.compare(tr_s, tr_k)
+    assert m is not None and (m.step, m.name) == (0, "S"), m.describe() if m else None
+
+    # The command names the same place and writes both traces.
+    args = ["--config", name, "--seqlen", "300", "--trace", f"0,1,1,{cfg.num_warps - 1}"]
+    args += ["--seed", "5", "--out", str(tmp_path)]
+    assert debug.main(args) == 0
+    out = capsys.readouterr().out
+    assert "\nmatch: every traced intermediate" in out and "; 0 of " in out and " and 0 of " in out, out
+    assert debug.main(args + ["--fault", "skip_rescale"]) == 1
+    out = capsys.readouterr().out
+    assert "first difference: step " in out and ", O[row " in out, out
+    kernel_txt = (tmp_path / "kernel.txt").read_text()
+    assert kernel_txt.startswith("# flash_attention trace (kernel)")
+    assert kernel_txt.count("\n## step ") == (tmp_path / "sim.txt").read_text().count("\n## step ")
+
+
+def test_trace_from_the_environment_variable(monkeypatch):
+    q, k, v = _inputs(1, 200, 200, 4, 4, 64, torch.bfloat16, 29)
+    monkeypatch.setenv("FLASH_ATTENTION_TRACE", "0,2,1,0")
+    out = fa.attention(q, k, v, causal=True)
+    tr_k = debug.last_kernel_trace()
+    assert tr_k is not None and tr_k.spec == TraceSpec(0, 2, 1, 0)
+    *_, tr_s = simulate(q, k, v, tr_k.config, causal=True, trace=tr_k.spec)
+    assert debug.compare(tr_s, tr_k) is None
+    monkeypatch.delenv("FLASH_ATTENTION_TRACE")
+    assert torch.equal(out, fa.attention(q, k, v, causal=True))
+    assert ops.last_trace()["config"] == tr_k.config
+
+
+def test_sanity_passes_on_this_gpu(capsys):
+    assert sanity.main([]) == 0
+    out = capsys.readouterr().out
+    assert "\nPASS" in out and "compute capability" in out and "run:       PASS" in out, out
+    assert math.isfinite(float(out.split("max error ")[-1].split()[0]))
