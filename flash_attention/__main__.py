@@ -42,6 +42,18 @@ def _demo(argv: list[str]) -> int:
     return demo_main(argv)
 
 
+def _debug(argv: list[str]) -> int:
+    from flash_attention.debug import main as debug_main
+
+    return debug_main(argv)
+
+
+def _sanity(argv: list[str]) -> int:
+    from flash_attention.sanity import main as sanity_main
+
+    return sanity_main(argv)
+
+
 # name -> (one-line help, handler). Handlers import their module only when chosen: `bench --update-readme`
 # and `build` must work on machines where other tools' imports (CUDA, Triton) would fail or be slow.
 COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
@@ -50,6 +62,8 @@ COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
     "demo": ("Transformer encoder with stock vs our attention: time and GPU memory by seqlen", _demo),
     "autotune": ("time every surviving kernel config per shape class and cache the winners", _autotune),
     "report": ("registers, shared memory, spills, occupancy and (--sass) instruction counts", _report),
+    "debug": ("trace one warp of a kernel and of the tile simulator; name the first difference", _debug),
+    "sanity": ("check GPU, compiler and cache; compile and run one kernel against the reference", _sanity),
 }
 
 
