@@ -5,8 +5,9 @@ tensor cores' summation order and the hardware's ex2/logf change in fp32 -- a fe
 where that moves a value across a rounding boundary of the output dtype. ``simulate(error_bound=True)``
 propagates that fp32 uncertainty through the same steps and returns, per element, 0 where no rounding
 boundary is within reach (the kernel must be bit-identical there) and one, rarely two, units in the last
-place of the output where one is. That is far tighter than the reference rule of test_gpu_forward.py
-(2x PyTorch's error over the whole tensor); each case prints both for comparison.
+place of the output where one is: per element, far tighter than the reference rule of test_gpu_forward.py
+(2x PyTorch's error, one number for the whole tensor); each case prints both. On top of the bound, at least
+90% of the output must be bit-identical (an H200 gave 96.9-99.98%).
 """
 
 from __future__ import annotations
@@ -68,16 +69,16 @@ def test_kernel_equals_simulator(name, causal):
     outside = diff > bound
     same = (o == s_out).double().mean().item()
     reachable = (bound > 0).double().mean().item()
-    ulp = torch.finfo(o.dtype).eps * torch.exp2(
-        torch.floor(torch.log2(s_out.double().abs().clamp_min(1e-30)))
-    )
-    worst_ulps = (diff / ulp).max().item()
+    # In units in the last place of each row's largest value (an element's own ulp means nothing near 0).
+    row_max = s_out.double().abs().amax(-1, keepdim=True).clamp_min(1e-30)
+    row_ulp = torch.finfo(o.dtype).eps * torch.exp2(torch.floor(torch.log2(row_max)))
+    worst_ulps = (diff / row_ulp).max().item()
     fin = torch.isfinite(s_lse)
     lse_diff = (lse.double() - s_lse.double()).abs()
     ref_tol = _reference_tolerance(q, k, v, causal)
     print(
         f"\nSIMSTAT {name} causal={causal} d={d}: {same * 100:.3f}% bit-identical, bound > 0 on "
-        f"{reachable * 100:.1f}%, max diff {diff.max().item():.3g} ({worst_ulps:.2f} ulp), max bound "
+        f"{reachable * 100:.1f}%, max diff {diff.max().item():.3g} ({worst_ulps:.2f} row ulp), max bound "
         f"{bound.max().item():.3g} vs reference tolerance {ref_tol:.3g}; lse max diff "
         f"{lse_diff[fin].max().item():.3g} (bound max {lse_bound[fin].max().item():.3g})"
     )
@@ -90,7 +91,8 @@ def test_kernel_equals_simulator(name, causal):
         )
     assert torch.equal(torch.isfinite(lse), fin) and torch.equal(lse[~fin], s_lse[~fin])
     assert (lse_diff[fin] <= lse_bound[fin]).all(), (lse_diff - lse_bound)[fin].max().item()
-    assert same > 0.5, "the simulator should reproduce most elements bit for bit"
+    # Measured on an H200 at these seeds: 96.9% (fp16, non-causal) to 99.98% bit-identical.
+    assert same > 0.9, "the simulator should reproduce almost every element bit for bit"
 
 
 def _ratios(tr_s, tr_k) -> str:
