@@ -48,15 +48,14 @@ def test_simulator_meets_the_accuracy_rule(name, causal):
     seed = CONFIGS.index(name) * 2 + causal
     sq, sk = (131, 197) if seed % 2 else (203, 77)
     d = cfg.head_dim if seed % 3 else cfg.head_dim - 24
-    q, k, v = _inputs(2, sq, sk, 4, 2, d, DTYPES[cfg.dtype], seed)
+    q, k, v = _inputs(1, sq, sk, 4, 2, d, DTYPES[cfg.dtype], seed)
     out, lse = simulate(q, k, v, cfg, causal=causal)
     ref, ref_lse = attention_reference(q, k, v, causal=causal)
-    assert out.dtype == q.dtype and out.shape == q.shape and lse.shape == (2, 4, sq)
+    assert out.dtype == q.dtype and out.shape == q.shape and lse.shape == (1, 4, sq)
     has_key = torch.arange(sq) + (sk - sq) >= 0 if causal else torch.ones(sq, dtype=torch.bool)
     err = (out.double() - ref)[:, has_key].abs().max().item()
-    bound = 2 * _sdpa_cpu_error(q[:, has_key], k, v, False, ref[:, has_key]) if not causal else None
-    if causal:
-        bound = 2 * _sdpa_cpu_error(q, k, v, True, ref.nan_to_num(0.0))
+    # PyTorch gives NaN for rows that see no key; _sdpa_cpu_error leaves them out.
+    bound = 2 * _sdpa_cpu_error(q, k, v, causal, ref)
     assert err <= bound + 1e-5, f"{name} causal={causal}: error {err:.3g} > {bound + 1e-5:.3g}"
     assert torch.isfinite(out).all()
     lse_err = (lse[:, :, has_key].double() - ref_lse[:, :, has_key]).abs().max().item()
@@ -92,8 +91,8 @@ def _expected_blocks(cfg, row_block, sq, sk, causal):
     "name",
     [
         "(BF16, 64, 64, 128, 4): async+eager+swizzled+load_0_0_1_tiles+buffer+opt_softmax",
-        "(BF16, 128, 64, 64, 4): async+eager+swizzled+load_0_1_1_tiles+buffer+opt_softmax+reverse",
-        "(FP16, 256, 64, 32, 4): async+eager+load_1_1_1_tiles+buffer",
+        "(BF16, 64, 64, 128, 4): async+eager+swizzled+load_0_2_2_tiles+buffer+opt_softmax+reverse",
+        "(BF16, 64, 16, 256, 1): async+eager+swizzled+load_0_1_2_tiles+buffer+opt_softmax",
     ],
 )
 @pytest.mark.parametrize("sq,sk", [(150, 150), (100, 230), (230, 100)])
