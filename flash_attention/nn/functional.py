@@ -305,31 +305,52 @@ def ranged_attention(
     """
     seqlen_q = q.shape[1]
     offset = k.shape[1] - seqlen_q
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    # Without autograd every group writes into one output buffer (attention(out=) on views, no extra
+    # copy). A kernel's autograd function cannot differentiate into a caller's out= buffer, so with
+    # autograd recording (once attention() is differentiable) each group is computed out of place.
+    track = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    out = (torch.zeros if track else torch.empty)(q.shape, dtype=q.dtype, device=q.device)
     if out.numel() == 0:
         return out
     for (start, end), rows in ranges.groups().items():
+        # Query rows [0, causal_rows) see only part of the slice: causal on it; the rest see all of it.
+        causal_rows = min(max(end - offset, 0), seqlen_q) if causal else 0
         consecutive = rows[-1] - rows[0] == len(rows) - 1
-        if consecutive:
-            sel = slice(rows[0], rows[-1] + 1)
-            qg, kg, vg, og = q[sel], k[sel, start:end], v[sel, start:end], out[sel]
+        # Consecutive rows are views (no copies); others are gathered.
+        sel = slice(rows[0], rows[-1] + 1) if consecutive else torch.tensor(rows, device=q.device)
+        qg, kg, vg = q[sel], k[sel, start:end], v[sel, start:end]
+        if track:
+            index = torch.arange(rows[0], rows[-1] + 1, device=q.device) if consecutive else sel
+            out = out.index_copy(0, index, _group_attention(qg, kg, vg, None, causal_rows, scale))
+        elif consecutive:
+            _group_attention(qg, kg, vg, out[sel], causal_rows, scale)
         else:
-            index = torch.tensor(rows, device=q.device)
-            qg, kg, vg = q[index], k[index, start:end], v[index, start:end]
-            og = torch.empty(qg.shape, dtype=q.dtype, device=q.device)
-        if end <= start:
-            og.zero_()  # no key at all
-        elif not causal:
-            attention(qg, kg, vg, softmax_scale=scale, out=og)
-        else:
-            r = max(end - offset, 0)  # <= seqlen_q, as end <= seqlen_k
-            if r > 0:
-                attention(qg[:, :r], kg, vg, causal=True, softmax_scale=scale, out=og[:, :r])
-            if r < seqlen_q:
-                attention(qg[:, r:], kg, vg, causal=False, softmax_scale=scale, out=og[:, r:])
-        if not consecutive:
-            out.index_copy_(0, index, og)
+            out.index_copy_(0, sel, _group_attention(qg, kg, vg, torch.empty_like(qg), causal_rows, scale))
     return out
+
+
+def _group_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor | None,
+    causal_rows: int,
+    scale: float | None,
+) -> torch.Tensor:
+    """One group of :func:`ranged_attention` on its key slice: query rows ``[0, causal_rows)`` causal (the
+    kernel's bottom-right alignment on the slice), the others non-causal. Writes into ``out`` when given,
+    else returns a new tensor (differentiable when attention() is)."""
+    seqlen_q = q.shape[1]
+    if k.shape[1] == 0:  # no key at all
+        return out.zero_() if out is not None else torch.zeros_like(q)
+    parts = []
+    for lo, hi, causal in ((0, causal_rows, True), (causal_rows, seqlen_q, False)):
+        if hi > lo:
+            part_out = None if out is None else out[:, lo:hi]
+            parts.append(attention(q[:, lo:hi], k, v, causal=causal, softmax_scale=scale, out=part_out))
+    if out is not None:
+        return out
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
 # ------------------------------------------------------------------------------------------------------
