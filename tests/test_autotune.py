@@ -127,3 +127,16 @@ def test_heuristic_is_within_5_percent_of_the_committed_autotune_winners():
         times = dict(ranked)
         assert pick in times, f"{key}: heuristic {pick} is not among the sweep's 12 fastest"
         assert times[pick] >= 0.95 * ranked[0][1], f"{key}: {times[pick]} vs winner {ranked[0]}"
+
+
+def test_shipped_tables_are_well_formed():
+    """Every shipped winner parses to a valid config of its key's head_dim; the table names its GPU."""
+    tables = sorted(autotune.TUNED_DIR.glob("*.json"))
+    assert tables, "no tuned table shipped"
+    for path in tables:
+        data = json.loads(path.read_text())
+        assert data["format"] == autotune.FORMAT_VERSION and data["gpu"] and data["sources"]
+        for key, entry in data["entries"].items():
+            dtype, d, _, _, _ = key.split("/")
+            cfg = parse_config(entry["config"])
+            assert cfg.dtype == dtype and cfg.head_dim == int(d[1:]) and not validity_errors(cfg)
