@@ -354,26 +354,35 @@ def parse_config(text: str | KernelConfig) -> KernelConfig:
 def default_config(dtype: str, head_dim: int, causal: bool, seqlen_q: int, seqlen_k: int) -> KernelConfig:
     """The configuration used when the caller names none and no autotuned winner exists.
 
-    Chosen from the H200 autotuning sweep (docs/kernel-log.md, benchmarks/results/*-autotune.json): at
-    every benchmark shape each choice is within 4% of that shape's winner (2% at head_dim 64 and 128), and
-    none depends on the sequence length. The reasons:
-    * 128 query rows over 4 warps at head_dim 64 and 128: each warp owns two 16-row mma tiles, so every
-      K/V fragment read from shared memory feeds two mma instructions (shared-memory bandwidth is what
-      limits mma.sync on Hopper; one tile per warp was 3-9% slower in the sweep).
-    * The K/V tile is as long as the registers allow: the O (32 x head_dim) and S (32 x block_kv) fp32
-      accumulators of two tiles take 64 + 128 registers at head_dim 64 with 128 keys, 128 + 64 at head_dim
-      128 with 64 keys; both compile to 250-255 registers without spilling.
-    * Fragments are loaded one or two 16-wide slices at a time without the second buffer: at this register
-      pressure ptxas already schedules the loads ahead, and a buffer only adds live registers.
-    * head_dim 256: O alone is 128 registers for 16 rows, so one tile per warp, 64 x 64, single slices.
+    Chosen from two H200 autotuning sweeps on different machines (docs/kernel-log.md,
+    benchmarks/results/h200-2026-11-22-autotune*.json). The tile shape is what carries from one machine to
+    the next; the fragment-loading variants rank differently on different machines of the same model
+    (within about 5%), so the choices below are the ones that held up on both sweeps and in the full
+    benchmark runs. The reasons:
+    * head_dim 128: 128 query rows over 4 warps, so each warp owns two 16-row mma tiles and every K/V
+      fragment read from shared memory feeds two mma instructions (shared-memory bandwidth is what limits
+      mma.sync on Hopper). The O accumulator (32 x 128 fp32) and S (32 x 64) then need 252 of the 255
+      registers, which is why the K/V tile stops at 64 keys. It won all 12 shapes.
+    * head_dim 64: O is half as large, so one 16-row tile per warp with a 128-key K/V tile and Q resident
+      in registers keeps the most independent mma work per warp at medium lengths. Long sequences (where
+      the per-block prologue is amortised) prefer two tiles per warp, 128 x 64; short causal ones prefer
+      64 x 64 tiles, whose finer diagonal wastes less work on masked keys.
+    * head_dim 256: O alone is 128 registers for 16 rows; 64 x 64 tiles with single-slice fragment loads
+      are what fits without spilling, and without the second fragment buffer the compiler schedules the
+      loads as well at fewer registers.
     * head_dim 192 (not a tuned size): its 24-chunk rows do not nest with 128 threads, so the copy loops
       need more registers; 32-key tiles keep it spill-free.
     """
     d = padded_head_dim(head_dim)
+    n = max(seqlen_q, seqlen_k)
     if d == 64:
-        return KernelConfig(dtype, 64, 128, 128, 4, q_frags=2, k_frags=2, v_frags=1, double_buffer=False)
+        if n >= 12288 or (not causal and n >= 6144):
+            return KernelConfig(dtype, 64, 128, 64, 4, q_frags=0, k_frags=1, v_frags=1, double_buffer=False)
+        if causal and n <= 1536:
+            return KernelConfig(dtype, 64, 64, 64, 4, q_frags=0, k_frags=1, v_frags=1, double_buffer=False)
+        return KernelConfig(dtype, 64, 64, 128, 4, q_frags=0, k_frags=0, v_frags=1)
     if d == 128:
-        return KernelConfig(dtype, 128, 128, 64, 4, q_frags=1, k_frags=1, v_frags=2, double_buffer=False)
+        return KernelConfig(dtype, 128, 128, 64, 4, q_frags=4, k_frags=4, v_frags=1)
     if d == 192:
         return KernelConfig(dtype, 192, 64, 32, 4, q_frags=1, k_frags=1, v_frags=1)
     return KernelConfig(dtype, 256, 64, 64, 4, q_frags=1, k_frags=1, v_frags=1, double_buffer=False)
