@@ -45,19 +45,6 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> list:
     return seen
 
 
-@pytest.fixture
-def ranged_calls(monkeypatch: pytest.MonkeyPatch) -> dict:
-    calls = {"ranged": 0}
-    real = fn.ranged_attention
-
-    def spy(*args, **kwargs):
-        calls["ranged"] += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(fn, "ranged_attention", spy)
-    return calls
-
-
 def _check_rule(ours, stock, exact, what=""):
     assert not ours.isnan().any(), f"NaN in output: {what}"
     err = (ours.double() - exact).abs().max().item()

@@ -33,22 +33,6 @@ def _seed(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> No
 
 
 @pytest.fixture
-def force_ranged(monkeypatch: pytest.MonkeyPatch) -> dict:
-    """Make the CPU take the ranged route for padded calls, and count its calls."""
-    monkeypatch.setattr(fn, "kernel_expected", lambda t: True)
-    monkeypatch.setattr(fn, "ranged_is_faster", lambda *a, **k: True)
-    calls = {"ranged": 0}
-    real = fn.ranged_attention
-
-    def spy(*args, **kwargs):
-        calls["ranged"] += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(fn, "ranged_attention", spy)
-    return calls
-
-
-@pytest.fixture
 def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list:
     """Record every call of flash_attention.attention made by the modules (the kernel route)."""
     calls: list = []

@@ -33,21 +33,6 @@ def _seed(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> No
 
 
 @pytest.fixture
-def force_ranged(monkeypatch: pytest.MonkeyPatch) -> dict:
-    monkeypatch.setattr(fn, "kernel_expected", lambda t: True)
-    monkeypatch.setattr(fn, "ranged_is_faster", lambda *a, **k: True)
-    calls = {"ranged": 0}
-    real = fn.ranged_attention
-
-    def spy(*args, **kwargs):
-        calls["ranged"] += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(fn, "ranged_attention", spy)
-    return calls
-
-
-@pytest.fixture
 def calls(monkeypatch: pytest.MonkeyPatch) -> dict:
     """Which path our attention function took: kernel route (attention()) or transformers' SDPA."""
     seen = {"kernel": 0, "sdpa": 0, "masks": []}
