@@ -380,6 +380,16 @@ def newest_results(directory: str | os.PathLike | None = None) -> Path:
     return max(candidates)[-1]
 
 
+def replace_marked_region(readme_path: Path, begin_marker: str, end_marker: str, block: str) -> None:
+    """Rewrite the text between two marker lines of a README; everything outside stays byte for byte."""
+    text = readme_path.read_text(encoding="utf-8")
+    begin, end = text.find(begin_marker), text.find(end_marker)
+    if begin < 0 or end < 0 or end < begin:
+        raise ValueError(f"{readme_path} must contain {begin_marker!r} followed by {end_marker!r}")
+    new_text = text[: begin + len(begin_marker)] + "\n" + block + "\n" + text[end:]
+    readme_path.write_text(new_text, encoding="utf-8")
+
+
 def update_readme(readme_path: str | os.PathLike, results_path: str | os.PathLike) -> str:
     """Replace the text between ``<!-- bench:begin -->`` and ``<!-- bench:end -->`` with a result's tables.
 
@@ -387,10 +397,6 @@ def update_readme(readme_path: str | os.PathLike, results_path: str | os.PathLik
     the result file's name next to it (``--plot``) is embedded when present.
     """
     readme_path, results_path = Path(readme_path), Path(results_path)
-    text = readme_path.read_text(encoding="utf-8")
-    begin, end = text.find(README_BEGIN), text.find(README_END)
-    if begin < 0 or end < 0 or end < begin:
-        raise ValueError(f"{readme_path} must contain {README_BEGIN!r} followed by {README_END!r}")
     result = load_results(results_path)
     rel = os.path.relpath(results_path.resolve(), readme_path.resolve().parent).replace(os.sep, "/")
     block = [
@@ -407,8 +413,7 @@ def update_readme(readme_path: str | os.PathLike, results_path: str | os.PathLik
         block += [f"![TFLOP/s by sequence length, {plot.stem.rsplit('-', 1)[1]}]({plot_rel})", ""]
     block.append(results_to_markdown(result).rstrip("\n"))
     new_block = "\n".join(block)
-    new_text = text[: begin + len(README_BEGIN)] + "\n" + new_block + "\n" + text[end:]
-    readme_path.write_text(new_text, encoding="utf-8")
+    replace_marked_region(readme_path, README_BEGIN, README_END, new_block)
     return new_block
 
 

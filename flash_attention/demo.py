@@ -312,11 +312,9 @@ def _header(result: dict, rel: str) -> str:
 
 def update_readme(readme_path: str | os.PathLike, result_path: str | os.PathLike) -> str:
     """Replace the text between ``<!-- demo:begin -->`` and ``<!-- demo:end -->`` with a result's tables."""
+    from .bench import replace_marked_region
+
     readme_path, result_path = Path(readme_path), Path(result_path)
-    text = readme_path.read_text(encoding="utf-8")
-    begin, end = text.find(README_BEGIN), text.find(README_END)
-    if begin < 0 or end < begin:
-        raise ValueError(f"{readme_path} must contain {README_BEGIN!r} followed by {README_END!r}")
     result = json.loads(result_path.read_text(encoding="utf-8"))
     rel = os.path.relpath(result_path.resolve(), readme_path.resolve().parent).replace(os.sep, "/")
     block = "\n".join(
@@ -328,9 +326,7 @@ def update_readme(readme_path: str | os.PathLike, result_path: str | os.PathLike
             results_to_markdown(result).rstrip("\n"),
         ]
     )
-    readme_path.write_text(
-        text[: begin + len(README_BEGIN)] + "\n" + block + "\n" + text[end:], encoding="utf-8"
-    )
+    replace_marked_region(readme_path, README_BEGIN, README_END, block)
     return block
 
 
