@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Problem", "validate", "MAX_HEAD_DIM", "SUPPORTED_DTYPES"]
+__all__ = ["Problem", "check_key_range", "validate", "MAX_HEAD_DIM", "SUPPORTED_DTYPES"]
 
 #: Largest head dimension any kernel is instantiated for; the fallback enforces the same limit so that
 #: code tested on CPU does not fail later on a GPU.
@@ -84,6 +84,7 @@ def validate(
     causal: bool,
     softmax_scale: float | None,
     out: torch.Tensor | None,
+    key_range: torch.Tensor | None = None,
 ) -> Problem:
     """Check the arguments of an attention call; return its :class:`Problem` or raise TypeError/ValueError."""
     named = {"q": q, "k": k, "v": v}
@@ -143,4 +144,22 @@ def validate(
             )
 
     scale = _resolve_scale(softmax_scale, head_dim)
+    if key_range is not None:
+        check_key_range(key_range, batch, q.device)
     return Problem(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, scale, causal)
+
+
+def check_key_range(key_range: object, batch: int, device: torch.device) -> None:
+    """``key_range`` must be an integer tensor of shape (batch, 2) on ``device``: per batch row, the
+    [start, end) of the keys it attends. Its values are not read here (that would synchronise with the GPU):
+    the kernel clamps them to [0, seqlen_k] and end to at least start."""
+    if not isinstance(key_range, torch.Tensor):
+        raise TypeError(
+            f"key_range must be a torch.Tensor of shape (batch, 2) or None; got {type(key_range).__name__}"
+        )
+    if key_range.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"key_range must be int32 or int64; got {key_range.dtype}")
+    if tuple(key_range.shape) != (batch, 2):
+        raise ValueError(f"key_range must have shape (batch, 2) = ({batch}, 2); got {tuple(key_range.shape)}")
+    if key_range.device != device:
+        raise ValueError(f"key_range must be on the device of q ({device}); got {key_range.device}")

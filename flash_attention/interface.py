@@ -98,6 +98,7 @@ def attention(
     softmax_scale: float | None = ...,
     return_lse: Literal[False] = ...,
     out: torch.Tensor | None = ...,
+    key_range: torch.Tensor | None = ...,
 ) -> torch.Tensor: ...
 
 
@@ -111,6 +112,7 @@ def attention(
     softmax_scale: float | None = ...,
     return_lse: Literal[True],
     out: torch.Tensor | None = ...,
+    key_range: torch.Tensor | None = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -123,6 +125,7 @@ def attention(
     softmax_scale: float | None = None,
     return_lse: bool = False,
     out: torch.Tensor | None = None,
+    key_range: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention ``softmax(q kᵀ · softmax_scale) v``, computed tile by tile on CUDA.
 
@@ -144,6 +147,12 @@ def attention(
         return_lse: also return the log-sum-exp of each row's scaled scores.
         out: optional preallocated output of q's shape and dtype (last dimension contiguous), written in
             place and returned.
+        key_range: optional integer tensor of shape (batch, 2) on q's device: batch row ``b`` attends only
+            keys ``key_range[b, 0] <= j < key_range[b, 1]`` -- key padding on the right, the left or both,
+            handled inside the kernel (no mask is materialised, nothing is read back to the host). It
+            combines with ``causal``, whose alignment stays on the full key axis. Values are clamped to
+            [0, seqlen_k] (and end to at least start); a row whose range is empty gets 0, like any row
+            with no visible key.
 
     Returns:
         ``out`` of q's shape and dtype; with ``return_lse=True``, ``(out, lse)`` where ``lse`` is float32 of
@@ -160,7 +169,7 @@ def attention(
         TypeError, ValueError: on invalid arguments, naming the argument and what was expected, before
             anything is launched.
     """
-    problem = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out)
+    problem = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, key_range=key_range)
     if problem.is_empty:
         o, lse = _empty_result(q, problem, out)
         return _result(o, lse, return_lse)
@@ -177,12 +186,20 @@ def attention(
                 return_lse=return_lse,
                 out=out,
                 config=None,
+                key_range=key_range,
             )
             return _result(o, lse, return_lse)
         _warn_fallback(reason)
 
     o, lse = attention_torch(
-        q, k, v, causal=causal, softmax_scale=problem.scale, return_lse=return_lse, out=out
+        q,
+        k,
+        v,
+        causal=causal,
+        softmax_scale=problem.scale,
+        return_lse=return_lse,
+        out=out,
+        key_range=key_range,
     )
     return _result(o, lse, return_lse)
 
@@ -208,19 +225,28 @@ def forward(
     softmax_scale: float | None = None,
     return_lse: bool = False,
     out: torch.Tensor | None = None,
+    key_range: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Run one named kernel configuration (a :class:`KernelConfig` or its name) on CUDA tensors.
 
     Arguments and results are those of :func:`attention`; there is no fallback: if the kernel cannot run,
     RuntimeError says why.
     """
-    problem = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out)
+    problem = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, key_range=key_range)
     ops, cfg = _kernel_path(config, q, "forward")
     if problem.is_empty:
         o, lse = _empty_result(q, problem, out)
         return _result(o, lse, return_lse)
     o, lse = ops.cuda_forward(
-        q, k, v, causal=causal, softmax_scale=problem.scale, return_lse=return_lse, out=out, config=cfg
+        q,
+        k,
+        v,
+        causal=causal,
+        softmax_scale=problem.scale,
+        return_lse=return_lse,
+        out=out,
+        config=cfg,
+        key_range=key_range,
     )
     return _result(o, lse, return_lse)
 

@@ -214,8 +214,12 @@ def cuda_forward(
     config=None,
     trace=None,
     trace_fault: str = "none",
+    key_range: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the forward kernel. Inputs were validated by flash_attention._validate.
+
+    ``key_range`` (batch, 2) integers runs the key-padding build: batch row b attends only keys
+    ``key_range[b, 0] <= j < key_range[b, 1]`` (clamped in the kernel, so any values are safe).
 
     ``trace`` (an object with ``batch``, ``head``, ``row_block``, ``warp``, e.g. a
     :class:`flash_attention.sim.TraceSpec`), or the environment variable ``FLASH_ATTENTION_TRACE``, runs
@@ -257,6 +261,12 @@ def cuda_forward(
     p = FwdParams()
     p.q, p.k, p.v, p.o = q_.data_ptr(), k_.data_ptr(), v_.data_ptr(), o.data_ptr()
     p.lse = lse.data_ptr() if lse is not None else None
+    if key_range is not None:
+        if trace is not None:
+            raise ValueError("the debug (trace) build does not take key_range")
+        # The kernel reads two int32 per batch row, contiguous; kept alive until the launch is queued.
+        key_range = key_range.to(device=device, dtype=torch.int32).contiguous()
+        p.key_range = key_range.data_ptr()
     _fill_strides(p, "q", q_)
     _fill_strides(p, "k", k_)
     _fill_strides(p, "v", v_)
@@ -278,7 +288,7 @@ def cuda_forward(
         p.trace_batch, p.trace_head = trace.batch, trace.head
         p.trace_m_block, p.trace_warp = trace.row_block, trace.warp
 
-    kernel = get_kernel(cfg, bool(causal), index, trace=trace is not None)
+    kernel = get_kernel(cfg, bool(causal), index, trace=trace is not None, ranged=key_range is not None)
     kernel.ensure_dynamic_smem(cfg.smem_bytes, index)
     stream = torch.cuda.current_stream(device).cuda_stream
     grid = (p.num_m_blocks, heads_q, batch)

@@ -21,7 +21,7 @@ import math
 
 import torch
 
-__all__ = ["attention_reference", "attention_torch", "causal_allowed"]
+__all__ = ["attention_reference", "attention_torch", "causal_allowed", "key_range_allowed"]
 
 #: Upper bound on the bytes of one block of scores the fallback materialises. The fallback walks over
 #: (batch, kv head, query row) in chunks so that long sequences do not need seqlen_q x seqlen_k memory.
@@ -32,6 +32,16 @@ _SCORE_BUDGET_BYTES = 256 * 1024 * 1024
 def causal_allowed(seqlen_q: int, seqlen_k: int, device: torch.device | str | None = None) -> torch.Tensor:
     """Boolean (seqlen_q, seqlen_k) matrix, True where query ``i`` may attend key ``j`` (bottom-right)."""
     return _causal_allowed_rows(0, seqlen_q, seqlen_q, seqlen_k, device)
+
+
+def key_range_allowed(key_range: torch.Tensor, seqlen_k: int) -> torch.Tensor:
+    """(batch, seqlen_k) boolean, True where batch row b may attend key j: ``start <= j < end`` for
+    ``key_range[b] = (start, end)``, clamped as the kernel clamps them (start to [0, seqlen_k], end to
+    [start, seqlen_k])."""
+    start = key_range[:, 0:1].clamp(0, seqlen_k)
+    end = torch.maximum(key_range[:, 1:2].clamp(max=seqlen_k), start)
+    j = torch.arange(seqlen_k, device=key_range.device)
+    return (j >= start) & (j < end)
 
 
 def _causal_allowed_rows(
@@ -76,8 +86,11 @@ def attention_reference(
     causal: bool = False,
     softmax_scale: float | None = None,
     compute_dtype: torch.dtype = torch.float64,
+    key_range: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention in ``compute_dtype`` (float64 by default), materialising every score.
+
+    ``key_range`` (batch, 2): batch row b attends only keys ``key_range[b, 0] <= j < key_range[b, 1]``.
 
     Returns:
         ``(out, lse)``: ``out`` of q's shape (batch, seqlen_q, heads_q, head_dim) and ``lse`` of shape
@@ -96,6 +109,9 @@ def attention_reference(
     scores = torch.einsum("bqhd,bkhd->bhqk", qf, kf) * scale
     if causal:
         allowed = causal_allowed(q.shape[1], k.shape[1], device=q.device)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    if key_range is not None:
+        allowed = key_range_allowed(key_range, k.shape[1])[:, None, None, :]
         scores = scores.masked_fill(~allowed, float("-inf"))
 
     lse = torch.logsumexp(scores, dim=-1)  # -inf for rows with no key (including seqlen_k == 0)
@@ -135,8 +151,11 @@ def attention_torch(
     softmax_scale: float | None = None,
     return_lse: bool = False,
     out: torch.Tensor | None = None,
+    key_range: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention through PyTorch with the kernel's semantics, on any device PyTorch supports.
+
+    ``key_range`` (batch, 2): batch row b attends only keys ``key_range[b, 0] <= j < key_range[b, 1]``.
 
     Scores, softmax and accumulation are float32 (float64 for float64 inputs); ``out`` has q's dtype and is
     written in place when given; the LSE is float32 of shape (batch, heads_q, seqlen_q). At most about
@@ -172,6 +191,7 @@ def attention_torch(
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     elem = torch.finfo(cdtype).bits // 8
     b_step, h_step, q_step = _chunk_sizes(batch, heads_kv, group, seqlen_q, seqlen_k, elem)
+    keys_allowed = None if key_range is None else key_range_allowed(key_range, seqlen_k)
 
     for b0 in range(0, batch, b_step):
         b1 = min(batch, b0 + b_step)
@@ -185,7 +205,23 @@ def attention_torch(
             for i0 in range(0, seqlen_q, q_step):
                 i1 = min(seqlen_q, i0 + q_step)
                 _attend_chunk(
-                    q, kc, vc, out, lse, b0, b1, h0, h1, i0, i1, group, scale, causal, cdtype, needs_grad
+                    q,
+                    kc,
+                    vc,
+                    out,
+                    lse,
+                    b0,
+                    b1,
+                    h0,
+                    h1,
+                    i0,
+                    i1,
+                    group,
+                    scale,
+                    causal,
+                    cdtype,
+                    needs_grad,
+                    None if keys_allowed is None else keys_allowed[b0:b1],
                 )
     return out, lse
 
@@ -207,6 +243,7 @@ def _attend_chunk(
     causal: bool,
     cdtype: torch.dtype,
     needs_grad: bool,
+    keys_allowed: torch.Tensor | None = None,
 ) -> None:
     nb, nh, rows = b1 - b0, h1 - h0, i1 - i0
     seqlen_q, head_dim = q.shape[1], q.shape[3]
@@ -221,6 +258,9 @@ def _attend_chunk(
     s = s * scale if needs_grad else s.mul_(scale)
     if causal:
         allowed = _causal_allowed_rows(i0, i1, seqlen_q, seqlen_k, q.device)
+        s = s.masked_fill(~allowed, float("-inf")) if needs_grad else s.masked_fill_(~allowed, float("-inf"))
+    if keys_allowed is not None:
+        allowed = keys_allowed[:, None, None, None, :]  # (b, 1, 1, 1, seqlen_k)
         s = s.masked_fill(~allowed, float("-inf")) if needs_grad else s.masked_fill_(~allowed, float("-inf"))
     m = s.amax(dim=-1, keepdim=True)
     # Rows with every score -inf (no key allowed) would give -inf - -inf = NaN; use 0 there so their

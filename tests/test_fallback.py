@@ -231,9 +231,16 @@ class FakeOps(types.SimpleNamespace):
     def cuda_unavailable_reason(self, q):
         return self.reason
 
-    def cuda_forward(self, q, k, v, *, causal, softmax_scale, return_lse, out, config):
+    def cuda_forward(self, q, k, v, *, causal, softmax_scale, return_lse, out, config, key_range=None):
         self.calls.append(
-            dict(causal=causal, softmax_scale=softmax_scale, return_lse=return_lse, out=out, config=config)
+            dict(
+                causal=causal,
+                softmax_scale=softmax_scale,
+                return_lse=return_lse,
+                out=out,
+                config=config,
+                key_range=key_range,
+            )
         )
         o = out if out is not None else torch.full_like(q, 7.0)
         lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), 3.0) if return_lse else None
@@ -261,12 +268,16 @@ def test_dispatch_to_kernel(fake_cuda):
     q, k, v = _inputs(2, 5, 6, 4, 2, 64, torch.bfloat16)
     out = flash_attention.attention(q, k, v, causal=True)
     assert torch.equal(out, torch.full_like(q, 7.0))
-    assert ops.calls == [dict(causal=True, softmax_scale=0.125, return_lse=False, out=None, config=None)]
+    assert ops.calls == [
+        dict(causal=True, softmax_scale=0.125, return_lse=False, out=None, config=None, key_range=None)
+    ]
 
     buf = torch.empty_like(q)
     res = flash_attention.attention(q, k, v, softmax_scale=0.3, return_lse=True, out=buf)
     assert res[0] is buf and torch.equal(res[1], torch.full((2, 4, 5), 3.0))
-    assert ops.calls[-1] == dict(causal=False, softmax_scale=0.3, return_lse=True, out=buf, config=None)
+    assert ops.calls[-1] == dict(
+        causal=False, softmax_scale=0.3, return_lse=True, out=buf, config=None, key_range=None
+    )
 
 
 def test_empty_problem_never_reaches_kernel(fake_cuda):

@@ -23,6 +23,7 @@ class FwdParams(ctypes.Structure):
         ("v", _PTR),
         ("o", _PTR),
         ("lse", _PTR),
+        ("key_range", _PTR),
         ("q_batch_stride", _I64),
         ("q_row_stride", _I64),
         ("q_head_stride", _I64),

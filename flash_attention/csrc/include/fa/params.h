@@ -13,6 +13,9 @@ struct FwdParams {
   const void* v;  // (batch, seqlen_k, heads_kv, head_dim)
   void* o;        // (batch, seqlen_q, heads_q, head_dim)
   float* lse;     // (batch, heads_q, seqlen_q) or null when the caller does not want it
+  // (batch, 2) int32 [start, end) of the keys each batch row attends (key padding); read only by the kRanged
+  // instantiation, null otherwise.
+  const int* key_range;
 
   long long q_batch_stride, q_row_stride, q_head_stride;
   long long k_batch_stride, k_row_stride, k_head_stride;

@@ -92,7 +92,10 @@ __device__ __forceinline__ void load_tile(u32 s_tile, const u16* g, i64 row_stri
 }
 
 // The forward kernel body. kCausal: mask key j > query i + (seqlen_k - seqlen_q) (bottom-right alignment).
-template <class Cfg, bool kCausal>
+// kRanged: batch row b attends only keys key_range[2 b] <= j < key_range[2 b + 1] (key padding, left or
+// right), on top of the causal mask, whose alignment stays on the full key axis. A separate instantiation,
+// so the unpadded kernels (at 252-255 registers for the large head dims) carry none of its registers.
+template <class Cfg, bool kCausal, bool kRanged = false>
 __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
   static_assert(check_config<Cfg>::ok, "");
   constexpr bool BF = Cfg::kIsBF16;
@@ -139,9 +142,19 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
       static_cast<u16*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride + q_start * p.o_row_stride;
   float* gL = p.lse ? p.lse + batch * p.lse_batch_stride + head * p.lse_head_stride + q_start : nullptr;
 
+  // The keys this batch row may attend: [kv_lo, kv_hi). Out-of-range values are clamped, so a bad range can
+  // mask too much but never make the kernel read outside K/V.
+  int kv_lo = 0, kv_hi = p.seqlen_k;
+  if constexpr (kRanged) {
+    kv_lo = min(max(p.key_range[2 * batch], 0), p.seqlen_k);
+    kv_hi = min(max(p.key_range[2 * batch + 1], kv_lo), p.seqlen_k);
+  }
   // Query row i sees key j iff j <= i + shift (causal, aligned to the bottom-right corner).
   const int shift = p.seqlen_k - p.seqlen_q;
-  int n_blocks = (p.seqlen_k + BC - 1) / BC;
+  int n_blocks = (kv_hi + BC - 1) / BC;
+  // The first K/V block with a visible key (blocks wholly before kv_lo are skipped like those above the
+  // diagonal).
+  const int j_lo = kRanged ? kv_lo / BC : 0;
   if (kCausal) {
     const int max_key = q_start + q_valid - 1 + shift;
     // Blocks wholly above the diagonal are never loaded or computed.
@@ -162,7 +175,9 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
   auto trace_offset = [](int row, int chunk) { return tile_offset<D, Cfg::kSwizzle>(row, chunk); };
 #endif
 
-  if (n_blocks == 0) {
+  // (`n_blocks == 0` when unranged: the equivalent `<= 0` changes the register allocation of the
+  // 252-255-register tiles enough to spill.)
+  if (kRanged ? n_blocks <= j_lo : n_blocks == 0) {
 #if FA_TRACE
     tr.empty_block();
 #endif
@@ -179,9 +194,9 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
   }
 
   // Prologue: Q and the first K block in flight together.
-  const int first = Cfg::kReverseKV ? n_blocks - 1 : 0;
+  const int first = Cfg::kReverseKV ? n_blocks - 1 : j_lo;
   load_tile<Cfg, BR>(sQ, gQ, p.q_row_stride, q_valid, p.head_dim, tid);
-  load_tile<Cfg, BC>(sK, gK + (i64)first * BC * p.k_row_stride, p.k_row_stride, p.seqlen_k - first * BC,
+  load_tile<Cfg, BC>(sK, gK + (i64)first * BC * p.k_row_stride, p.k_row_stride, kv_hi - first * BC,
                      p.head_dim, tid);
   if constexpr (Cfg::kAsyncCopy) cp_async_commit();
 
@@ -227,8 +242,9 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
   };
 
   const float sl2 = p.scale_log2;
-  for (int it = 0; it < n_blocks; ++it) {
-    const int j = Cfg::kReverseKV ? n_blocks - 1 - it : it;
+  // it counts the visited blocks (the trace build's step index); j is the block.
+  for (int it = 0; it < n_blocks - j_lo; ++it) {
+    const int j = Cfg::kReverseKV ? n_blocks - 1 - it : j_lo + it;
     const int kv_start = j * BC;
     // K_j (and Q on the first pass) has landed for this thread; the barrier makes every thread's copies
     // visible and also tells us all warps finished P_{j-1} V_{j-1}, so V's buffer may be refilled.
@@ -251,7 +267,7 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
 #endif
     if constexpr (Cfg::kEager) {
       // V_j streams in while the tensor cores compute S_j.
-      load_tile<Cfg, BC>(sV, gV + (i64)kv_start * p.v_row_stride, p.v_row_stride, p.seqlen_k - kv_start,
+      load_tile<Cfg, BC>(sV, gV + (i64)kv_start * p.v_row_stride, p.v_row_stride, kv_hi - kv_start,
                          p.head_dim, tid);
       cp_async_commit();
     }
@@ -312,12 +328,14 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
     }
 
     // ---- mask: sequence tail and causal diagonal (warp-uniform test, so unmasked blocks pay nothing) --
-    const bool tail = kv_start + BC > p.seqlen_k;
+    const bool tail = kv_start + BC > kv_hi;
+    const bool lead = kRanged && kv_start < kv_lo;
     const bool diag = kCausal && kv_start + BC - 1 > q_start + warp_row0 + shift;
-    if (tail || diag) {
+    if (tail || lead || diag) {
       // Column 8 n + 2 t + e1 of the tile against row 16 mt + g + 8 e2 of the warp, with the per-lane parts
       // folded into two integers so each element costs one compare against a constant.
-      const int col_limit = p.seqlen_k - kv_start - 2 * t;  // masked if 8n + e1 >= this
+      const int col_limit = kv_hi - kv_start - 2 * t;  // masked if 8n + e1 >= this
+      const int col_first = kv_lo - kv_start - 2 * t;  // masked if 8n + e1 < this (kRanged only)
       const int diag_limit =
           q_start + warp_row0 + g + shift - kv_start - 2 * t;  // masked if 8n+e1-16mt-8e2 > this
 #pragma unroll
@@ -327,7 +345,8 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int c = 8 * n + (e & 1);
-            if (c >= col_limit || (kCausal && c - 16 * mt - 8 * (e >> 1) > diag_limit))
+            if (c >= col_limit || (kRanged && c < col_first) ||
+                (kCausal && c - 16 * mt - 8 * (e >> 1) > diag_limit))
               s[mt][n][e] = neg_inf();
           }
     }
@@ -395,21 +414,21 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
     }
 
     // ---- V_j in shared memory; K_{j+1} in flight -------------------------------------------------------
-    const bool has_next = it + 1 < n_blocks;
+    const bool has_next = it + 1 < n_blocks - j_lo;
     const int next_start = (Cfg::kReverseKV ? j - 1 : j + 1) * BC;
     if constexpr (Cfg::kEager) {
       cp_async_wait<0>();
       // V_j visible to all; every warp is past S_j, so K's buffer is free for K_{j+1}.
       __syncthreads();
       if (has_next) {
-        load_tile<Cfg, BC>(sK, gK + (i64)next_start * p.k_row_stride, p.k_row_stride, p.seqlen_k - next_start,
+        load_tile<Cfg, BC>(sK, gK + (i64)next_start * p.k_row_stride, p.k_row_stride, kv_hi - next_start,
                            p.head_dim, tid);
         cp_async_commit();
       }
     } else {
       // Serial schedule: every warp is past S_j and past P_{j-1} V_{j-1} (loop-top barrier) before V_j
       // overwrites the V buffer.
-      load_tile<Cfg, BC>(sV, gV + (i64)kv_start * p.v_row_stride, p.v_row_stride, p.seqlen_k - kv_start,
+      load_tile<Cfg, BC>(sV, gV + (i64)kv_start * p.v_row_stride, p.v_row_stride, kv_hi - kv_start,
                          p.head_dim, tid);
       if constexpr (Cfg::kAsyncCopy) {
         cp_async_commit();
@@ -455,7 +474,7 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
       // K's buffer has been free since the barrier before V_j's load; the next loop-top barrier orders
       // this copy before anyone reads it.
       if (has_next) {
-        load_tile<Cfg, BC>(sK, gK + (i64)next_start * p.k_row_stride, p.k_row_stride, p.seqlen_k - next_start,
+        load_tile<Cfg, BC>(sK, gK + (i64)next_start * p.k_row_stride, p.k_row_stride, kv_hi - next_start,
                            p.head_dim, tid);
         if constexpr (Cfg::kAsyncCopy) cp_async_commit();
       }
