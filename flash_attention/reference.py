@@ -21,7 +21,13 @@ import math
 
 import torch
 
-__all__ = ["attention_reference", "attention_torch", "causal_allowed", "key_range_allowed"]
+__all__ = [
+    "attention_backward_torch",
+    "attention_reference",
+    "attention_torch",
+    "causal_allowed",
+    "key_range_allowed",
+]
 
 #: Upper bound on the bytes of one block of scores the fallback materialises. The fallback walks over
 #: (batch, kv head, query row) in chunks so that long sequences do not need seqlen_q x seqlen_k memory.
@@ -281,3 +287,142 @@ def _attend_chunk(
     out[b0:b1, i0:i1, h0 * group : h1 * group] = o.to(out.dtype)
     if lse is not None:
         lse[b0:b1, h0 * group : h1 * group, i0:i1] = row_lse.view(nb, nh * group, rows).to(torch.float32)
+
+
+def attention_backward_torch(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    key_range: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients ``(dq, dk, dv)`` of :func:`attention_torch` from its saved ``out`` and ``lse``.
+
+    The FlashAttention-2 backward, with P recomputed from the LSE instead of stored::
+
+        P  = exp(S * scale - lse)        D  = rowsum(dO * O)
+        dV = P^T dO                      dP = dO V^T
+        dS = P * (dP - D)                dQ = scale * dS K,   dK = scale * dS^T Q
+
+    ``dout`` and ``out`` have q's shape, ``lse`` is (batch, heads_q, seqlen_q) as :func:`attention_torch`
+    returns it; ``causal``, ``softmax_scale`` and ``key_range`` must be those of the forward call. The
+    arithmetic is float32 (float64 for float64 inputs) in the same (batch, kv head, query row) chunks as
+    the forward, sized so that the two score-sized blocks alive at once (P and dP, which becomes dS in
+    place) stay within ``_SCORE_BUDGET_BYTES`` together. dK and dV of a kv head sum its whole query
+    group's contributions through one matmul (the group's queries are stacked), so K and V are never
+    repeated. A row whose LSE is -inf (it attended no key) has P = 0: it contributes nothing and gets
+    dQ = 0, never NaN.
+
+    float64 inputs: the LSE is stored in float32, whose rounding (about 6e-8 relative) would cap the
+    gradients' precision far above float64's; each recomputed row of P is therefore divided by its own sum,
+    which restores P's float64 accuracy and changes nothing else.
+
+    Returns new contiguous tensors with the shapes and dtypes of q, k and v. Not differentiable itself (it
+    is a backward pass): it runs without recording autograd.
+    """
+    heads_kv, group = _check_shapes(q, k, v)
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    seqlen_k = k.shape[1]
+    scale = _resolve_scale(softmax_scale, head_dim)
+    cdtype = _compute_dtype(q.dtype)
+
+    if batch == 0 or seqlen_q == 0 or heads_q == 0 or seqlen_k == 0 or head_dim == 0:
+        # No (query, key) pair at all: every gradient is zero (and no matmul over an empty dim is needed).
+        return tuple(torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+
+    # Every element is written below: dq per query chunk, dk/dv per (batch, kv head) chunk.
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    elem = torch.finfo(cdtype).bits // 8
+    b_step, h_step, q_step = _chunk_sizes(batch, heads_kv, group, seqlen_q, seqlen_k, 2 * elem)
+    keys_allowed = None if key_range is None else key_range_allowed(key_range, seqlen_k)
+
+    with torch.no_grad():
+        for b0 in range(0, batch, b_step):
+            b1 = min(batch, b0 + b_step)
+            for h0 in range(0, heads_kv, h_step):
+                h1 = min(heads_kv, h0 + h_step)
+                # (b, h_kv, seqlen_k, d) in the compute dtype, shared by every query chunk, as in the forward.
+                kc = k[b0:b1, :, h0:h1].permute(0, 2, 1, 3).to(cdtype).contiguous()
+                vc = v[b0:b1, :, h0:h1].permute(0, 2, 1, 3).to(cdtype).contiguous()
+                # dK/dV accumulate over the query chunks in the compute dtype, rounded once at the end.
+                dkc = torch.zeros_like(kc)
+                dvc = torch.zeros_like(vc)
+                for i0 in range(0, seqlen_q, q_step):
+                    i1 = min(seqlen_q, i0 + q_step)
+                    _backward_chunk(
+                        (dout, q, out, lse),
+                        kc,
+                        vc,
+                        dq,
+                        dkc,
+                        dvc,
+                        (b0, b1, h0, h1, i0, i1),
+                        group,
+                        scale,
+                        causal,
+                        cdtype,
+                        None if keys_allowed is None else keys_allowed[b0:b1],
+                    )
+                dk[b0:b1, :, h0:h1] = dkc.permute(0, 2, 1, 3).to(dk.dtype)
+                dv[b0:b1, :, h0:h1] = dvc.permute(0, 2, 1, 3).to(dv.dtype)
+    return dq, dk, dv
+
+
+def _backward_chunk(
+    row_tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    dq: torch.Tensor,
+    dkc: torch.Tensor,
+    dvc: torch.Tensor,
+    bounds: tuple[int, int, int, int, int, int],
+    group: int,
+    scale: float,
+    causal: bool,
+    cdtype: torch.dtype,
+    keys_allowed: torch.Tensor | None,
+) -> None:
+    """One (batch, kv head, query row) chunk of :func:`attention_backward_torch`: writes its rows of dq and
+    adds its contributions to the chunk's dK/dV accumulators ``dkc``/``dvc`` (b, h_kv, seqlen_k, d)."""
+    dout, q, out, lse = row_tensors
+    b0, b1, h0, h1, i0, i1 = bounds
+    nb, nh, rows = b1 - b0, h1 - h0, i1 - i0
+    seqlen_q, head_dim = q.shape[1], q.shape[3]
+    seqlen_k = kc.shape[2]
+
+    def stacked(t: torch.Tensor) -> torch.Tensor:
+        # (b, rows, h_kv * group, d) -> (b, h_kv, group * rows, d): a kv head's queries form one operand.
+        t = t[b0:b1, i0:i1, h0 * group : h1 * group].reshape(nb, rows, nh, group, head_dim)
+        return t.permute(0, 2, 3, 1, 4).to(cdtype).reshape(nb, nh, group * rows, head_dim)
+
+    qc, doc, oc = stacked(q), stacked(dout), stacked(out)
+    row_lse = lse[b0:b1, h0 * group : h1 * group, i0:i1].to(cdtype).reshape(nb, nh, group * rows, 1)
+    # A row with no visible key has LSE -inf and every score -inf; -inf - -inf would be NaN. Subtracting
+    # +inf instead gives exp(-inf) = 0 for every score, so the row contributes nothing.
+    row_lse = torch.where(torch.isneginf(row_lse), torch.full_like(row_lse, float("inf")), row_lse)
+
+    s = torch.matmul(qc, kc.transpose(-1, -2)).mul_(scale)  # scale before masking, as in the forward
+    masked = s.view(nb, nh, group, rows, seqlen_k)
+    if causal:
+        masked.masked_fill_(~_causal_allowed_rows(i0, i1, seqlen_q, seqlen_k, q.device), float("-inf"))
+    if keys_allowed is not None:
+        masked.masked_fill_(~keys_allowed[:, None, None, None, :], float("-inf"))
+    p = s.sub_(row_lse).exp_()
+    if cdtype == torch.float64:
+        denom = p.sum(dim=-1, keepdim=True)
+        p.div_(torch.where(denom == 0, torch.ones_like(denom), denom))
+
+    d = (doc * oc).sum(dim=-1, keepdim=True)  # D = rowsum(dO * O), (b, h_kv, group * rows, 1)
+    dvc.add_(torch.matmul(p.transpose(-1, -2), doc))
+    ds = torch.matmul(doc, vc.transpose(-1, -2)).sub_(d).mul_(p)  # dS = P * (dP - D), in dP's memory
+    dkc.add_(torch.matmul(ds.transpose(-1, -2), qc), alpha=scale)
+    dqc = torch.matmul(ds, kc).mul_(scale).view(nb, nh, group, rows, head_dim)
+    dqc = dqc.permute(0, 3, 1, 2, 4).reshape(nb, rows, nh * group, head_dim)
+    dq[b0:b1, i0:i1, h0 * group : h1 * group] = dqc.to(dq.dtype)
