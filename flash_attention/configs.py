@@ -33,6 +33,10 @@ __all__ = [
     "smem_bytes",
     "estimated_registers",
     "SMEM_LIMIT_SM80",
+    "BwdConfig",
+    "bwd_validity_errors",
+    "default_bwd_config",
+    "parse_bwd_config",
 ]
 
 #: Head dimensions a kernel is instantiated for. Any other multiple of 8 up to 256 runs on the next size up
@@ -386,3 +390,143 @@ def default_config(dtype: str, head_dim: int, causal: bool, seqlen_q: int, seqle
     if d == 192:
         return KernelConfig(dtype, 192, 64, 32, 4, q_frags=1, k_frags=1, v_frags=1)
     return KernelConfig(dtype, 256, 64, 64, 4, q_frags=1, k_frags=1, v_frags=1, double_buffer=False)
+
+
+# --------------------------------------------------------------------------------------------------
+# The backward kernel family (csrc/kernels/sm80/bwd/bwd_kernel.cuh)
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    """Compile-time shape of the backward kernels.
+
+    The dK/dV kernel gives each thread block ``block_kv`` keys (``block_kv / num_warps`` per warp, whole
+    16-row mma tiles) and walks the queries ``block_q`` at a time. ``split`` > 1 divides the dK/dV/dQ
+    columns among that many blocks, each recomputing S and dP over the whole head_dim: for head dims whose
+    two accumulators would not fit the registers. ``double_buffer`` prefetches the next Q/dO tile during the
+    current step. The deterministic dQ kernel uses ``block_q`` rows with one warp per 16 of them.
+    """
+
+    dtype: str
+    head_dim: int
+    block_q: int
+    block_kv: int
+    num_warps: int
+    split: int = 1
+    double_buffer: bool = False
+
+    def __post_init__(self) -> None:
+        errors = bwd_validity_errors(self)
+        if errors:
+            raise ValueError(f"invalid backward config {self.name()}: " + "; ".join(errors))
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.num_warps
+
+    @property
+    def dq_threads(self) -> int:
+        return 32 * (self.block_q // 16)
+
+    @property
+    def dq_block_kv(self) -> int:
+        """K/V rows per step of the deterministic dQ kernel (DqCfg in the kernel)."""
+        return 32 if self.head_dim > 128 else min(self.block_kv, 64)
+
+    @property
+    def smem_bytes(self) -> int:
+        nb = 2 if self.double_buffer else 1
+        d, bq, bkv = self.head_dim, self.block_q, self.block_kv
+        return 4 * bkv * d + 4 * nb * bq * d + 2 * bkv * bq + 8 * nb * bq
+
+    @property
+    def dq_smem_bytes(self) -> int:
+        return 4 * self.block_q * self.head_dim + 4 * self.dq_block_kv * self.head_dim
+
+    def name(self) -> str:
+        return (
+            f"bwd_{self.dtype}_d{self.head_dim}_q{self.block_q}_kv{self.block_kv}_w{self.num_warps}"
+            f"_s{self.split}" + ("_buffer" if self.double_buffer else "")
+        )
+
+    def __str__(self) -> str:
+        return self.name()
+
+    def symbol(self, kernel: str, causal: bool = False, ranged: bool = False) -> str:
+        """Entry point of one kernel of the family: ``pre``, ``dkdv`` (atomic dQ), ``dkdv_det`` or ``dq``."""
+        if kernel not in ("pre", "dkdv", "dkdv_det", "dq"):
+            raise ValueError(f"kernel must be pre, dkdv, dkdv_det or dq; got {kernel!r}")
+        base = "flash_" + self.name() + "__" + kernel
+        if kernel == "pre":
+            return base
+        return base + ("__causal" if causal else "") + ("__ranged" if ranged else "")
+
+    def replace(self, **changes) -> BwdConfig:
+        return dataclasses.replace(self, **changes)
+
+    def cpp_struct(self, struct_name: str = "Cfg") -> str:
+        fields = [
+            ("kIsBF16", "bool", _b(self.dtype == "bf16")),
+            ("kHeadDim", "int", str(self.head_dim)),
+            ("kBlockQ", "int", str(self.block_q)),
+            ("kBlockKV", "int", str(self.block_kv)),
+            ("kNumWarps", "int", str(self.num_warps)),
+            ("kSplit", "int", str(self.split)),
+            ("kDoubleBuffer", "bool", _b(self.double_buffer)),
+            # load_tile (shared with the forward) reads these two.
+            ("kSwizzle", "bool", "true"),
+            ("kAsyncCopy", "bool", "true"),
+        ]
+        body = "\n".join(f"  static constexpr {t} {n} = {v};" for n, t, v in fields)
+        return f"struct {struct_name} {{\n{body}\n}};\n"
+
+
+def bwd_validity_errors(cfg: BwdConfig) -> list[str]:
+    """Why ``cfg`` cannot be compiled (empty when it can); the kernel static_asserts the tile rules too."""
+    errors = []
+    if cfg.dtype not in DTYPES:
+        errors.append(f"dtype must be one of {DTYPES}")
+    if cfg.head_dim not in HEAD_DIMS:
+        errors.append(f"head_dim must be one of {HEAD_DIMS}")
+    if cfg.block_q not in (64, 128):
+        errors.append("block_q must be 64 or 128 (the dS tile's swizzle needs rows of 64 elements or more)")
+    if cfg.num_warps not in (2, 4, 8):
+        errors.append("num_warps must be 2, 4 or 8")
+    elif cfg.block_kv % (16 * cfg.num_warps) or cfg.block_kv > 128:
+        errors.append("block_kv must be a multiple of 16 * num_warps, at most 128")
+    if cfg.split < 1 or cfg.head_dim % cfg.split or (cfg.head_dim // cfg.split) % 64:
+        errors.append("head_dim / split must be a whole multiple of 64 (slices move whole swizzle groups)")
+    elif cfg.num_warps in (2, 4, 8) and cfg.block_q in (64, 128):
+        wqm = min(cfg.num_warps, cfg.block_q // 16)
+        if (cfg.head_dim // cfg.split // (cfg.num_warps // wqm)) % 64:
+            errors.append(
+                "each warp's dQ columns (head_dim / split / column groups) must be a multiple of 64"
+            )
+    if not errors and cfg.smem_bytes > 227 * 1024:
+        errors.append("shared memory exceeds the sm_90 limit of 232448")
+    return errors
+
+
+#: The backward configs by head dim: the largest tiles that compile without spilling (docs/kernel-log.md).
+_BWD_DEFAULTS = {
+    64: dict(block_q=64, block_kv=64, num_warps=4, split=1, double_buffer=True),
+    128: dict(block_q=64, block_kv=128, num_warps=8, split=1, double_buffer=False),
+    192: dict(block_q=64, block_kv=64, num_warps=4, split=3, double_buffer=False),
+    256: dict(block_q=64, block_kv=64, num_warps=4, split=2, double_buffer=False),
+}
+
+
+def default_bwd_config(dtype: str, head_dim: int) -> BwdConfig:
+    """The backward config for a problem's dtype and head_dim (padded up to a compiled size)."""
+    return BwdConfig(dtype, padded_head_dim(head_dim), **_BWD_DEFAULTS[padded_head_dim(head_dim)])
+
+
+def parse_bwd_config(text: str | BwdConfig) -> BwdConfig:
+    """The inverse of :meth:`BwdConfig.name`."""
+    if isinstance(text, BwdConfig):
+        return text
+    m = re.fullmatch(r"bwd_(fp16|bf16)_d(\d+)_q(\d+)_kv(\d+)_w(\d+)_s(\d+)(_buffer)?", str(text))
+    if not m:
+        raise ValueError(f"not a backward config name: {text!r}")
+    dt, d, bq, bkv, w, s, buf = m.groups()
+    return BwdConfig(dt, int(d), int(bq), int(bkv), int(w), int(s), buf is not None)

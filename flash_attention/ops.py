@@ -313,3 +313,121 @@ def cuda_forward(
         out.copy_(o)
         o = out
     return o, lse
+
+
+# ------------------------------------------------------------------------------------------------------
+# Backward
+
+
+def _bwd_ready(t: torch.Tensor) -> torch.Tensor:
+    return _kernel_ready(t)
+
+
+def cuda_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    causal: bool,
+    softmax_scale: float,
+    deterministic: bool = False,
+    key_range: torch.Tensor | None = None,
+    config=None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (dq, dk, dv) of :func:`cuda_forward`'s output, from its output ``out`` and LSE ``lse``.
+
+    Three launches: the preprocessing kernel (delta = rowsum(dout * out), LSE in base 2), the dK/dV kernel
+    (with atomic fp32 dQ accumulation, or without in ``deterministic`` mode), then either one cast of the
+    dQ workspace or the deterministic dQ kernel. dq/dk/dv are new contiguous tensors of q/k/v's dtype.
+    """
+    from .configs import default_bwd_config, parse_bwd_config
+    from .jit.kernels import get_bwd_kernels
+    from .jit.params import BwdParams
+
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    seqlen_k, heads_kv = k.shape[1], k.shape[2]
+    if heads_q > _MAX_GRID_YZ or batch > _MAX_GRID_YZ:
+        raise ValueError(
+            f"batch and heads must be at most {_MAX_GRID_YZ}; got batch={batch}, heads={heads_q}"
+        )
+    if seqlen_q >= 2**31 or seqlen_k >= 2**31:
+        raise ValueError("sequence lengths must be below 2**31")
+    cfg = default_bwd_config(_dtype_name(q), head_dim) if config is None else parse_bwd_config(config)
+    if cfg.dtype != _dtype_name(q) or head_dim > cfg.head_dim:
+        raise ValueError(f"backward config {cfg.name()} cannot run {q.dtype} head_dim {head_dim}")
+    device, index = q.device, q.get_device()
+    limit = smem_limit(index)
+    if max(cfg.smem_bytes, cfg.dq_smem_bytes) > limit:
+        raise ValueError(
+            f"backward config {cfg.name()} needs more shared memory than this GPU allows ({limit})"
+        )
+
+    dq = torch.empty(q.shape, dtype=q.dtype, device=device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=device)
+    if dq.numel() == 0 and dk.numel() == 0:
+        return dq, dk, dv
+    if seqlen_q == 0 or seqlen_k == 0 or heads_q == 0 or batch == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+
+    q_, k_, v_, o_, do_ = (_bwd_ready(t) for t in (q, k, v, out, dout))
+    lse_ = lse if lse.stride(-1) == 1 else lse.contiguous()
+    seqlen_q_pad = -(-seqlen_q // 128) * 128
+    lse_log2 = torch.empty((batch, heads_q, seqlen_q_pad), dtype=torch.float32, device=device)
+    delta = torch.empty_like(lse_log2)
+    dq_accum = None
+    if not deterministic:
+        dq_accum = torch.zeros(
+            (batch, heads_q, seqlen_q_pad, cfg.head_dim), dtype=torch.float32, device=device
+        )
+
+    p = BwdParams()
+    p.q, p.k, p.v, p.o, p.dout = (t.data_ptr() for t in (q_, k_, v_, o_, do_))
+    p.lse, p.lse_log2, p.delta = lse_.data_ptr(), lse_log2.data_ptr(), delta.data_ptr()
+    p.dq_accum = dq_accum.data_ptr() if dq_accum is not None else None
+    p.dq, p.dk, p.dv = dq.data_ptr(), dk.data_ptr(), dv.data_ptr()
+    for prefix, t in (
+        ("q", q_),
+        ("k", k_),
+        ("v", v_),
+        ("o", o_),
+        ("do", do_),
+        ("dq", dq),
+        ("dk", dk),
+        ("dv", dv),
+    ):
+        _fill_strides(p, prefix, t)
+    p.lse_batch_stride, p.lse_head_stride = lse_.stride(0), lse_.stride(1)
+    if key_range is not None:
+        key_range = key_range.to(device=device, dtype=torch.int32).contiguous()
+        p.key_range = key_range.data_ptr()
+    p.batch, p.heads_q, p.heads_kv = batch, heads_q, heads_kv
+    p.seqlen_q, p.seqlen_k, p.head_dim = seqlen_q, seqlen_k, head_dim
+    p.group = heads_q // heads_kv
+    p.seqlen_q_pad = seqlen_q_pad
+    p.num_m_blocks = math.ceil(seqlen_q / cfg.block_q)
+    p.num_n_blocks = math.ceil(seqlen_k / cfg.block_kv)
+    p.scale, p.scale_log2 = softmax_scale, softmax_scale * _LOG2E
+
+    ranged = key_range is not None
+    kerns = get_bwd_kernels(cfg, index, ranged=ranged)
+    stream = torch.cuda.current_stream(device).cuda_stream
+    kind = "dkdv_det" if deterministic else "dkdv"
+    dkdv = kerns[cfg.symbol(kind, causal, ranged)]
+    with torch.cuda.device(index):
+        kerns["pre"].launch((seqlen_q_pad // 64, heads_q, batch), (128, 1, 1), 0, stream, p)
+        dkdv.ensure_dynamic_smem(cfg.smem_bytes, index)
+        grid = (p.num_n_blocks * cfg.split, heads_kv, batch)
+        dkdv.launch(grid, (cfg.threads, 1, 1), cfg.smem_bytes, stream, p)
+        if deterministic:
+            dqk = kerns[cfg.symbol("dq", causal, ranged)]
+            dqk.ensure_dynamic_smem(cfg.dq_smem_bytes, index)
+            grid = (p.num_m_blocks * cfg.split, heads_q, batch)
+            dqk.launch(grid, (cfg.dq_threads, 1, 1), cfg.dq_smem_bytes, stream, p)
+    if dq_accum is not None:
+        # The workspace holds scale * dS K already; one cast into q's layout.
+        dq.copy_(dq_accum[:, :, :seqlen_q, :head_dim].transpose(1, 2))
+    return dq, dk, dv

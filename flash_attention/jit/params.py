@@ -58,6 +58,53 @@ class FwdParams(ctypes.Structure):
     ]
 
 
+class BwdParams(ctypes.Structure):
+    """The twin of ``fa::BwdParams`` (csrc/include/fa/bwd_params.h)."""
+
+    _fields_ = (
+        [
+            (name, _PTR)
+            for name in (
+                "q",
+                "k",
+                "v",
+                "o",
+                "dout",
+                "lse",
+                "lse_log2",
+                "delta",
+                "dq_accum",
+                "dq",
+                "dk",
+                "dv",
+                "key_range",
+            )
+        ]
+        + [
+            (f"{t}_{s}_stride", _I64)
+            for t in ("q", "k", "v", "o", "do", "dq", "dk", "dv")
+            for s in ("batch", "row", "head")
+        ]
+        + [("lse_batch_stride", _I64), ("lse_head_stride", _I64)]
+        + [
+            (name, _I32)
+            for name in (
+                "batch",
+                "heads_q",
+                "heads_kv",
+                "seqlen_q",
+                "seqlen_k",
+                "head_dim",
+                "group",
+                "seqlen_q_pad",
+                "num_m_blocks",
+                "num_n_blocks",
+            )
+        ]
+        + [("scale", _F32), ("scale_log2", _F32)]
+    )
+
+
 def offset_asserts(struct: type[ctypes.Structure], cpp_name: str) -> str:
     """static_asserts pinning the C++ struct's layout to the ctypes one.
 

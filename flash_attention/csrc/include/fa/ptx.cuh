@@ -122,5 +122,23 @@ __device__ __forceinline__ float exp2_approx(float x) {
 }
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
+__device__ __forceinline__ float pos_inf() { return __int_as_float(0x7f800000u); }
+
+// Atomic fp32 add without a return value (red.global.add.f32, PTX ISA 9.7.13.6): the backward's dQ
+// accumulation. The sm_90 form adds two adjacent floats in one instruction (red.global.v2.f32.add, PTX ISA
+// 8.1+), halving the atomics of a tile; the address must be 8-byte aligned.
+__device__ __forceinline__ void red_add_f32x2(float* addr, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(addr), "f"(a), "f"(b) : "memory");
+#else
+  asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(addr), "f"(a) : "memory");
+  asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(addr + 1), "f"(b) : "memory");
+#endif
+}
+
+// 32-bit global store (a packed pair of bf16/fp16).
+__device__ __forceinline__ void st_global_32(void* dst, u32 v) {
+  asm volatile("st.global.u32 [%0], %1;\n" ::"l"(dst), "r"(v));
+}
 
 }  // namespace fa

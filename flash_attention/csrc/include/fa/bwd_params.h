@@ -1,0 +1,49 @@
+// The backward kernels' parameters: raw pointers, strides and sizes, no torch.
+//
+// Mirrored by flash_attention/jit/params.py (BwdParams); the generated translation unit static_asserts every
+// field offset, as for FwdParams.
+#pragma once
+
+namespace fa {
+
+struct BwdParams {
+  const void* q;     // (batch, seqlen_q, heads_q, head_dim), last dim contiguous
+  const void* k;     // (batch, seqlen_k, heads_kv, head_dim)
+  const void* v;     // (batch, seqlen_k, heads_kv, head_dim)
+  const void* o;     // the forward's output, q's layout
+  const void* dout;  // dL/dO, q's layout
+  const float* lse;  // the forward's LSE (batch, heads_q, seqlen_q), natural log, rows contiguous
+  // Workspaces of (batch, heads_q, seqlen_q_pad) floats written by the preprocessing kernel: the LSE in base 2
+  // (+inf where a row sees no key, and in the padding rows, so their probabilities come out 0 rather than
+  // NaN) and delta = rowsum(dO * O) (0 in the padding rows).
+  float* lse_log2;
+  float* delta;
+  // (batch, heads_q, seqlen_q_pad, kHeadDim) fp32, zeroed: dQ (already scaled) accumulated atomically by the
+  // dK/dV kernel. Padded rows and columns absorb the tile's tails, so the atomics need no bounds checks.
+  float* dq_accum;
+  void* dq;  // q's layout: written by the deterministic dQ kernel
+  void* dk;  // k's layout
+  void* dv;  // v's layout
+  const int* key_range;  // (batch, 2) [start, end) per batch row; read only by the kRanged instantiations
+
+  long long q_batch_stride, q_row_stride, q_head_stride;
+  long long k_batch_stride, k_row_stride, k_head_stride;
+  long long v_batch_stride, v_row_stride, v_head_stride;
+  long long o_batch_stride, o_row_stride, o_head_stride;
+  long long do_batch_stride, do_row_stride, do_head_stride;
+  long long dq_batch_stride, dq_row_stride, dq_head_stride;
+  long long dk_batch_stride, dk_row_stride, dk_head_stride;
+  long long dv_batch_stride, dv_row_stride, dv_head_stride;
+  long long lse_batch_stride, lse_head_stride;
+
+  int batch, heads_q, heads_kv, seqlen_q, seqlen_k;
+  int head_dim;     // the problem's head_dim (<= the compiled kHeadDim)
+  int group;        // heads_q / heads_kv
+  int seqlen_q_pad;  // seqlen_q rounded up to a multiple of 128 (every block_q divides it)
+  int num_m_blocks;  // ceil(seqlen_q / kBlockQ)
+  int num_n_blocks;  // ceil(seqlen_k / kBlockKV)
+  float scale;       // softmax scale
+  float scale_log2;  // scale * log2(e)
+};
+
+}  // namespace fa
