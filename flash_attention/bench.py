@@ -391,13 +391,15 @@ def replace_marked_region(readme_path: Path, begin_marker: str, end_marker: str,
 
 
 def update_readme(readme_path: str | os.PathLike, results_path: str | os.PathLike) -> str:
-    """Replace the text between ``<!-- bench:begin -->`` and ``<!-- bench:end -->`` with a result's tables.
+    """Replace the text between ``<!-- bench:begin -->`` and ``<!-- bench:end -->`` (for a training-mode
+    result, its own markers: :func:`readme_markers`) with a result's tables.
 
     Returns the new block. The markers stay; everything outside them is left byte for byte. A PNG plot with
     the result file's name next to it (``--plot``) is embedded when present.
     """
     readme_path, results_path = Path(readme_path), Path(results_path)
     result = load_results(results_path)
+    begin, end = readme_markers(result)
     rel = os.path.relpath(results_path.resolve(), readme_path.resolve().parent).replace(os.sep, "/")
     block = [
         results_header(result, rel),
@@ -413,8 +415,19 @@ def update_readme(readme_path: str | os.PathLike, results_path: str | os.PathLik
         block += [f"![TFLOP/s by sequence length, {plot.stem.rsplit('-', 1)[1]}]({plot_rel})", ""]
     block.append(results_to_markdown(result).rstrip("\n"))
     new_block = "\n".join(block)
-    replace_marked_region(readme_path, README_BEGIN, README_END, new_block)
+    replace_marked_region(readme_path, begin, end, new_block)
     return new_block
+
+
+def readme_markers(result: dict) -> tuple[str, str]:
+    """The README region a result file's tables go to: ``<!-- bench:begin -->`` for a file with forward
+    rows, ``<!-- bench-<mode>:begin -->`` for one that measured only a training mode (fwd_bwd or bwd), so the
+    forward and training tables are generated from their own runs side by side."""
+    modes = {r.get("mode", "fwd") for r in result.get("rows", [])}
+    if not modes or "fwd" in modes:
+        return README_BEGIN, README_END
+    mode = "fwd_bwd" if "fwd_bwd" in modes else sorted(modes)[0]
+    return f"<!-- bench-{mode}:begin -->", f"<!-- bench-{mode}:end -->"
 
 
 # ================================================================================================
@@ -1317,25 +1330,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     min_time = args.min_time if args.min_time is not None else (0.05 if args.quick else 0.2)
     tag = args.tag if args.tag is not None else ("quick" if args.quick else None)
 
-    if args.mode != "fwd" and OURS in args.impls:
-        # The hook for the backward: once ops exposes cuda_backward, attention() has autograd through our
-        # kernels and the backward modes time it like the baselines (see _autograd_call).
-        try:
-            from flash_attention import ops
-        except ImportError:
-            ops = None
-        if getattr(ops, "cuda_backward", None) is None:
-            print(
-                f"--mode {args.mode} needs a backward kernel, and flash_attention has none yet "
-                "(flash_attention.ops.cuda_backward does not exist). Only --mode fwd can measure "
-                "flash_attention; "
-                f"the baselines alone can be measured with --impls {','.join(DEFAULT_IMPLS[1:])}.",
-                file=sys.stderr,
-            )
-            return 2
-        if cfg is not None:
-            print("--config applies to --mode fwd only (backward modes run attention())", file=sys.stderr)
-            return 2
+    if args.mode != "fwd" and OURS in args.impls and cfg is not None:
+        # Backward modes time attention() through autograd (forward + our backward kernels), whose configs
+        # are chosen per call.
+        print("--config applies to --mode fwd only (backward modes run attention())", file=sys.stderr)
+        return 2
 
     import torch
 

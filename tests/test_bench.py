@@ -27,6 +27,7 @@ from flash_attention.bench import (
     update_readme,
     write_results,
 )
+from flash_attention.configs import default_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -300,13 +301,10 @@ def test_update_readme_cli(tmp_path):
 # CLI without a GPU
 
 
-def test_backward_modes_say_they_need_a_backward(capsys):
-    from flash_attention import ops
-
-    if getattr(ops, "cuda_backward", None) is not None:
-        pytest.skip("a backward exists")
-    assert bench.main(["--mode", "fwd_bwd"]) == 2
-    assert "backward" in capsys.readouterr().err
+def test_config_is_refused_in_backward_modes(capsys):
+    name = default_config("bf16", 128, False, 4096, 4096).name()
+    assert bench.main(["--mode", "fwd_bwd", "--config", name]) == 2
+    assert "--config applies to --mode fwd only" in capsys.readouterr().err
 
 
 def test_bad_arguments_exit_2():
@@ -347,3 +345,21 @@ def test_module_help_and_unknown_command():
     assert p.returncode == 0 and "bench" in p.stdout and "build" in p.stdout
     p = _run_module("no-such-command")
     assert p.returncode == 2 and "unknown command" in p.stderr
+
+
+def test_training_results_go_to_their_own_readme_region(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(README + "\n<!-- bench-fwd_bwd:begin -->\nold\n<!-- bench-fwd_bwd:end -->\ntail\n")
+    fwd = write_results(_result(), tmp_path / "fwd.json")
+    train = _result()
+    train["rows"] = [dict(r, mode="fwd_bwd") for r in train["rows"]]
+    train_path = write_results(train, tmp_path / "train.json")
+    assert bench.readme_markers(train) == ("<!-- bench-fwd_bwd:begin -->", "<!-- bench-fwd_bwd:end -->")
+    update_readme(readme, fwd)
+    update_readme(readme, train_path)
+    text = readme.read_text()
+    fwd_block = text.split(README_BEGIN)[1].split(README_END)[0]
+    train_block = text.split("<!-- bench-fwd_bwd:begin -->")[1].split("<!-- bench-fwd_bwd:end -->")[0]
+    assert "fwd (TFLOP/s" in fwd_block and "fwd_bwd" not in fwd_block
+    assert "fwd_bwd (TFLOP/s" in train_block and "old" not in train_block
+    assert text.endswith("tail\n")
