@@ -3,7 +3,9 @@
 The modules in fp16/bf16 on CUDA against PyTorch's own modules in the same precision, with the accuracy rule
 of DESIGN.md at module level: against the same module computed in float64, our max error is at most 2x the
 stock module's, plus 1e-5. Each test also checks that our kernel actually ran (a spy on
-``ops.cuda_forward``): a test that silently fell back to PyTorch would prove nothing.
+``ops.cuda_forward``): a test that silently fell back to PyTorch would prove nothing. Key padding whose valid
+keys are one run per row (right or left padding) must reach the kernel as one launch with ``key_range``
+(per-batch key ranges computed inside the kernel), with the mask's ranges.
 """
 
 from __future__ import annotations
@@ -33,12 +35,13 @@ def _seed(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> No
 
 @pytest.fixture
 def launches(monkeypatch: pytest.MonkeyPatch) -> list:
-    """Every launch of our forward kernel: (q shape, k shape, causal)."""
+    """Every launch of our forward kernel: (q shape, k shape, causal, key_range on the CPU or None)."""
     seen: list = []
     real = ops.cuda_forward
 
     def spy(q, k, v, **kwargs):
-        seen.append((tuple(q.shape), tuple(k.shape), kwargs["causal"]))
+        kr = kwargs.get("key_range")
+        seen.append((tuple(q.shape), tuple(k.shape), kwargs["causal"], None if kr is None else kr.cpu()))
         return real(q, k, v, **kwargs)
 
     monkeypatch.setattr(ops, "cuda_forward", spy)
@@ -52,11 +55,36 @@ def _check_rule(ours, stock, exact, what=""):
     assert err <= bound, f"max error {err:.3g} > bound {bound:.3g}: {what}"
 
 
-def _right_padding(batch, seqlen):
+def _padding(batch, seqlen, side):
+    """(batch, seqlen) bool key_padding_mask, True = padded: row 0 unpadded, the others padded on ``side``
+    (right or left) to a random length of at least one key."""
     mask = torch.zeros(batch, seqlen, dtype=torch.bool, device="cuda")
     for b in range(1, batch):
-        mask[b, int(torch.randint(1, seqlen, ())) :] = True
+        n = int(torch.randint(1, seqlen, ()))  # keys kept
+        if side == "right":
+            mask[b, n:] = True
+        else:
+            mask[b, : seqlen - n] = True
     return mask
+
+
+def _key_range_of(key_padding_mask):
+    """[start, end) of each row's valid keys, read off the mask on the host (rows are one run here)."""
+    rows = []
+    for row in key_padding_mask.tolist():
+        valid = [j for j, padded in enumerate(row) if not padded]
+        assert valid == list(range(valid[0], valid[-1] + 1))
+        rows.append((valid[0], valid[-1] + 1))
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+def _assert_key_range_launches(launches, key_padding_mask, n):
+    """``n`` launches in all, each with the mask's key ranges: padding handled inside the kernel."""
+    assert len(launches) == n, launches
+    expected = _key_range_of(key_padding_mask)
+    for *_, kr in launches:
+        assert kr is not None, "a padded call launched without key_range"
+        assert torch.equal(kr.to(torch.int32), expected)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -64,23 +92,24 @@ def _right_padding(batch, seqlen):
 
 
 MHA_CASES = [
-    # (dtype, batch_first, kind, causal, padding, seqlen)
-    ("bf16", True, "self", False, False, 1000),
-    ("fp16", False, "self", False, False, 777),
-    ("bf16", True, "self", True, False, 1025),
-    ("fp16", True, "cross", False, False, 513),
-    ("bf16", False, "kv_shared", False, False, 300),
-    ("bf16", True, "self", False, True, 1500),
-    ("fp16", True, "self", True, True, 1300),
-    ("bf16", True, "unbatched", True, False, 999),
+    # (dtype, batch_first, kind, causal, padding side or None, seqlen)
+    ("bf16", True, "self", False, None, 1000),
+    ("fp16", False, "self", False, None, 777),
+    ("bf16", True, "self", True, None, 1025),
+    ("fp16", True, "cross", False, None, 513),
+    ("bf16", False, "kv_shared", False, None, 300),
+    ("bf16", True, "self", False, "right", 1500),
+    ("fp16", True, "self", True, "right", 1300),
+    ("bf16", True, "self", True, "left", 1100),
+    ("fp16", False, "self", False, "left", 999),
+    ("fp16", True, "cross", False, "left", 900),
+    ("bf16", True, "unbatched", True, None, 999),
 ]
 
 
 @pytest.mark.parametrize("case", MHA_CASES, ids=lambda c: "-".join(map(str, c)))
-def test_mha_matches_stock(case, launches, ranged_calls, monkeypatch):
+def test_mha_matches_stock(case, launches):
     dtype, batch_first, kind, causal, padding, L = case
-    if padding:  # make the padded route deterministic: the cost model's choice is tested below
-        monkeypatch.setattr(fn, "ranged_is_faster", lambda *a, **k: True)
     E, H, B = 512, 8, 3
     S = L if kind in ("self", "unbatched") else L // 2 + 17
     stock = nn.MultiheadAttention(E, H, batch_first=batch_first, device="cuda", dtype=DTYPES[dtype]).eval()
@@ -103,8 +132,9 @@ def test_mha_matches_stock(case, launches, ranged_calls, monkeypatch):
     kwargs = {"need_weights": False}
     if causal:
         kwargs.update(attn_mask=torch.ones(L, L, dtype=torch.bool, device="cuda").triu(1), is_causal=True)
+    kpm = None
     if padding:
-        kwargs["key_padding_mask"] = _right_padding(B, S)
+        kpm = kwargs["key_padding_mask"] = _padding(B, S, padding)
 
     def cast(a, dt):
         out, seen = [], {}
@@ -119,34 +149,52 @@ def test_mha_matches_stock(case, launches, ranged_calls, monkeypatch):
         s, _ = stock(*low, **kwargs)
         e, _ = exact_m(*cast(low, torch.float64), **kwargs)
     assert o.dtype == DTYPES[dtype] and o.shape == s.shape
+    rows = torch.ones(o.shape[:-1], dtype=torch.bool, device="cuda")
     if padding:
-        # PyTorch's fused path gives NaN for rows of a fully padded batch entry; none here (row 0 unpadded
-        # and every other row keeps >= 1 key), so all rows compare.
-        assert ranged_calls["ranged"] == 1
-    _check_rule(o, s, e, str(case))
-    assert launches, "our kernel did not run"
+        # One launch, with the padding as key ranges. Every batch row keeps >= 1 key, so no row is fully
+        # padded; but under causal, left padding leaves the padded query positions without any key:
+        # PyTorch gives NaN there, ours an attention output of 0 (out_proj's bias). The others compare.
+        _assert_key_range_launches(launches, kpm, 1)
+        if causal:
+            has_key = (~kpm).cumsum(1) > 0  # (batch, query): query i sees the valid keys j <= i
+            rows = has_key if batch_first else has_key.T
+            assert torch.equal(o[~rows], ours.out_proj.bias.expand_as(o[~rows]))
+            assert padding == "right" or not rows.all()
+    else:
+        assert len(launches) == 1 and launches[0][3] is None
+    _check_rule(o[rows], s[rows], e[rows], str(case))
 
 
-def test_mha_cost_model_picks_the_route(launches, ranged_calls):
+@pytest.mark.parametrize("side", ["right", "left", "many_lengths", "holes"])
+def test_mha_padding_is_one_kernel_launch(side, launches):
+    # Right and left padding, and 32 rows of 32 distinct lengths, all run as ONE launch with key ranges (no
+    # per-length launches, no cost model). A mask with holes has no key range: PyTorch's implementation.
     E, H = 1024, 16
     stock = nn.MultiheadAttention(E, H, batch_first=True, device="cuda", dtype=torch.bfloat16).eval()
     ours = replace_attention(copy.deepcopy(stock))
+    exact_m = copy.deepcopy(stock).double()
+    if side == "many_lengths":
+        B, L = 32, 128
+        kpm = torch.arange(L, device="cuda")[None, :] >= torch.arange(96, 128, device="cuda")[:, None]
+    else:
+        B, L = 2, 3072
+        kpm = torch.zeros(B, L, dtype=torch.bool, device="cuda")
+        if side == "right":
+            kpm[1, 2000:] = True
+        elif side == "left":
+            kpm[1, :1071] = True
+        else:
+            kpm[1, 1000:1100] = True
+    x = torch.randn(B, L, E, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
-        # Long sequences, two lengths: the kernel on slices wins.
-        x = torch.randn(2, 3072, E, device="cuda", dtype=torch.bfloat16)
-        kpm = torch.zeros(2, 3072, dtype=torch.bool, device="cuda")
-        kpm[1, 2000:] = True
         o, _ = ours(x, x, x, key_padding_mask=kpm, need_weights=False)
         s, _ = stock(x, x, x, key_padding_mask=kpm, need_weights=False)
-        assert ranged_calls["ranged"] == 1 and len(launches) == 2
-        assert (o.float() - s.float()).abs().max() < 0.05
-        # 32 short rows of distinct lengths: PyTorch's masked attention wins; ours hands the call to it.
-        x = torch.randn(32, 128, E, device="cuda", dtype=torch.bfloat16)
-        kpm = torch.arange(128, device="cuda")[None, :] >= torch.arange(96, 128, device="cuda")[:, None]
-        o, _ = ours(x, x, x, key_padding_mask=kpm, need_weights=False)
-        s, _ = stock(x, x, x, key_padding_mask=kpm, need_weights=False)
-        assert ranged_calls["ranged"] == 1 and len(launches) == 2
-        assert torch.equal(o, s)
+        e, _ = exact_m(x.double(), x.double(), x.double(), key_padding_mask=kpm, need_weights=False)
+    if side == "holes":
+        assert launches == [] and torch.equal(o, s)
+    else:
+        _assert_key_range_launches(launches, kpm, 1)
+        _check_rule(o, s, e, side)
 
 
 def test_mha_training_falls_back_with_a_warning(launches):
@@ -165,18 +213,20 @@ def test_mha_training_falls_back_with_a_warning(launches):
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize(
     "heads, kv_heads, causal, L, S, padding",
-    [(16, 4, True, 1537, 1537, False), (8, 1, False, 700, 1234, False), (16, 2, True, 2048, 2048, True)],
+    [
+        (16, 4, True, 1537, 1537, None),
+        (8, 1, False, 700, 1234, None),
+        (16, 2, True, 2048, 2048, "right"),
+        (16, 4, True, 1200, 1200, "left"),  # the padded query positions see no key: output = bias
+        (8, 2, False, 1000, 1500, "left"),
+    ],
 )
-def test_flash_attention_matches_reference(
-    dtype, heads, kv_heads, causal, L, S, padding, launches, monkeypatch
-):
-    if padding:
-        monkeypatch.setattr(fn, "ranged_is_faster", lambda *a, **k: True)
+def test_flash_attention_matches_reference(dtype, heads, kv_heads, causal, L, S, padding, launches):
     d_model, B = 1024, 2
     m = FlashAttention(d_model, heads, num_kv_heads=kv_heads, causal=causal, device="cuda").eval()
     x = torch.randn(B, L, d_model, device="cuda", dtype=DTYPES[dtype])
     y = x if S == L else torch.randn(B, S, d_model, device="cuda", dtype=DTYPES[dtype])
-    kpm = _right_padding(B, S) if padding else None
+    kpm = _padding(B, S, padding) if padding else None
     low = m.to(DTYPES[dtype])
     with torch.no_grad():
         o, _ = low(x, y, key_padding_mask=kpm)
@@ -204,12 +254,15 @@ def test_flash_attention_matches_reference(
         )
         if kpm is not None:
             allowed = allowed & ~kpm[:, None, None, :]
-        p = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1)
+        # A query row without any visible key: attention output 0 (softmax over nothing is NaN; made 0).
+        p = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1).nan_to_num(0.0)
         e = m64.out_proj(torch.einsum("bhqk,bkhd->bqhd", p, v.repeat_interleave(group, 2)).reshape(B, L, -1))
     _check_rule(o, s, e)
-    assert launches and all(k_[2] == kv_heads for _, k_, _ in launches), (
-        "K/V must reach the kernel unrepeated"
-    )
+    assert all(k_[2] == kv_heads for _, k_, _, _ in launches), "K/V must reach the kernel unrepeated"
+    if kpm is None:
+        assert len(launches) == 1 and launches[0][3] is None
+    else:
+        _assert_key_range_launches(launches, kpm, 1)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -217,9 +270,8 @@ def test_flash_attention_matches_reference(
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-@pytest.mark.parametrize("mask", [None, "causal", "padding"])
-def test_encoder_replaced_matches_stock(dtype, mask, launches, monkeypatch):
-    monkeypatch.setattr(fn, "ranged_is_faster", lambda *a, **k: True)
+@pytest.mark.parametrize("mask", [None, "causal", "padding-right", "padding-left"])
+def test_encoder_replaced_matches_stock(dtype, mask, launches):
     d, H, n_layers, B, L = 512, 8, 3, 2, 1200
     layer = nn.TransformerEncoderLayer(d, H, 4 * d, dropout=0.0, batch_first=True, device="cuda")
     stock32 = nn.TransformerEncoder(layer, n_layers, enable_nested_tensor=False).eval()
@@ -235,15 +287,18 @@ def test_encoder_replaced_matches_stock(dtype, mask, launches, monkeypatch):
         m = nn.Transformer.generate_square_subsequent_mask(L, device="cuda")
         kw = {"mask": m.to(DTYPES[dtype]), "is_causal": True}
         kw64 = {"mask": m.double(), "is_causal": True}
-    elif mask == "padding":
-        kpm = _right_padding(B, L)
+    elif mask is not None:
+        kpm = _padding(B, L, mask.split("-")[1])
         kw, kw64 = {"src_key_padding_mask": kpm}, {"src_key_padding_mask": kpm}
     with torch.no_grad():
         o = ours(x, **kw)
         s = stock(x, **kw)
         e = exact_m(x.double(), **kw64)
     _check_rule(o, s, e, f"{dtype} {mask}")
-    assert len(launches) >= n_layers
+    if mask is not None and mask.startswith("padding"):
+        _assert_key_range_launches(launches, kpm, n_layers)  # one launch per layer, padding in the kernel
+    else:
+        assert len(launches) == n_layers and all(kr is None for *_, kr in launches)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -293,9 +348,7 @@ def _hf_models(kind, dtype):
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("padding", [False, True])
-def test_transformers_logits_match_sdpa(kind, dtype, padding, launches, monkeypatch):
-    if padding:
-        monkeypatch.setattr(fn, "ranged_is_faster", lambda *a, **k: True)
+def test_transformers_logits_match_sdpa(kind, dtype, padding, launches):
     ours, ref, exact = _hf_models(kind, dtype)
     ids = torch.randint(3, 512, (3, 700), device="cuda")
     mask = torch.ones_like(ids)
@@ -308,7 +361,11 @@ def test_transformers_logits_match_sdpa(kind, dtype, padding, launches, monkeypa
         e = exact(ids, attention_mask=mask).logits
     keep = mask.bool()
     _check_rule(o[keep], s[keep], e[keep], f"{kind} {dtype} padding={padding}")
-    assert launches
+    if padding:
+        # One launch per layer with the left padding as key ranges: [first real token, 700).
+        _assert_key_range_launches(launches, ~keep, 2)
+    else:
+        assert len(launches) == 2 and all(kr is None for *_, kr in launches)
 
 
 def _first_divergence_is_a_tie(ours_tokens, ref_tokens, prompt, mask, ref, exact):
@@ -347,5 +404,10 @@ def test_transformers_generate_greedy(kind, padding, launches):
     assert a.shape == b.shape == (4, 24)
     same = (a == b).all(dim=1)
     assert _first_divergence_is_a_tie(a, b, prompt, mask, ref, exact), f"rows equal: {same.tolist()}"
-    if not padding:
-        assert len(launches) >= 2 * 24  # prefill and every decoding step of both layers on the kernel
+    # Prefill and every decoding step of both layers on the kernel; with padding, each with key ranges from
+    # the row's first real token to the current length.
+    assert len(launches) >= 2 * 24
+    if padding:
+        for _, k_shape, causal, kr in launches:
+            assert causal and kr is not None
+            assert kr[:, 0].tolist() == [0, 50, 0, 120] and kr[:, 1].tolist() == [k_shape[1]] * 4

@@ -2,9 +2,10 @@
 
 On the CPU every route computes through PyTorch, so these tests check the semantics of each route (the
 kernel route's attention() fallback has the kernel's semantics), the dispatch decisions, state_dict
-compatibility, masks, errors and warnings. The ranged route (padding run as attention() calls over K/V
-slices) is only chosen on CUDA; tests force it by replacing the two seams ``kernel_expected`` and
-``ranged_is_faster``.
+compatibility, masks, errors and warnings. The key-range route (key padding with one run of valid keys per
+batch row, run as one attention() call with ``key_range``) is only chosen on CUDA; tests force it by
+replacing the seam ``kernel_expected`` (the ``force_key_range`` fixture of conftest.py), and the fallback
+of attention() then computes the key ranges exactly as the kernel does.
 
 Accuracy rule at module level: against the same module computed in float64, our max error is at most 2x the
 error of PyTorch's module in the same precision, plus 1e-5.
@@ -129,6 +130,36 @@ def _padding(batch: int, seqlen: int, kind: str) -> torch.Tensor:
     return mask
 
 
+def _expected_key_range(key_padding_mask: torch.Tensor) -> torch.Tensor | None:
+    """(batch, 2) [start, end) of each row's valid keys, read off the mask key by key; None when a row's
+    valid keys are not one run. (0, 0) for a row without any."""
+    rows = []
+    rows2d = key_padding_mask if key_padding_mask.dim() == 2 else key_padding_mask[None]  # unbatched: (S,)
+    for row in rows2d.tolist():
+        valid = [j for j, padded in enumerate(row) if not padded]
+        if not valid:
+            rows.append((0, 0))
+        elif valid != list(range(valid[0], valid[-1] + 1)):
+            return None
+        else:
+            rows.append((valid[0], valid[-1] + 1))
+    return torch.tensor(rows, dtype=torch.int32).reshape(-1, 2)
+
+
+def _assert_key_range_route(calls: dict, key_padding_mask: torch.Tensor, n_calls: int = 1) -> None:
+    """The padded calls took the route the mask calls for: ``n_calls`` attention() calls with the mask's
+    key ranges when its valid keys are one run per row (plain calls when nothing is padded), none else."""
+    expected = _expected_key_range(key_padding_mask)
+    if expected is None:
+        assert calls["key_range"] == [], "a mask with holes must go to PyTorch"
+    elif not key_padding_mask.any():
+        assert calls["key_range"] == [] and calls["plain"] == n_calls
+    else:
+        assert len(calls["key_range"]) == n_calls, calls["key_range"]
+        for _, _, _, kr in calls["key_range"]:
+            assert kr.dtype == torch.int32 and torch.equal(kr, expected)
+
+
 FA_CASES = [
     # (d_model, heads, kv_heads, causal, seqlen_q, seqlen_k, padding)
     (64, 4, 4, False, 13, 13, None),
@@ -145,13 +176,13 @@ FA_CASES = [
 
 @pytest.mark.parametrize(
     "case, route",
-    [(c, "default") for c in FA_CASES] + [(c, "ranged") for c in FA_CASES if c[-1] is not None],
+    [(c, "default") for c in FA_CASES] + [(c, "key_range") for c in FA_CASES if c[-1] is not None],
     ids=lambda x: x if isinstance(x, str) else "-".join(map(str, x)),
 )
 def test_flash_attention_matches_reference(case, route, request):
     d_model, heads, kv_heads, causal, L, S, padding = case
-    if route == "ranged":
-        calls = request.getfixturevalue("force_ranged")
+    if route == "key_range":
+        calls = request.getfixturevalue("force_key_range")
     m = FlashAttention(d_model, heads, num_kv_heads=kv_heads, causal=causal).eval()
     query = torch.randn(3, L, d_model)
     key = torch.randn(3, S, d_model) if S != L else query
@@ -163,8 +194,9 @@ def test_flash_attention_matches_reference(case, route, request):
     assert weights is None
     assert out.shape == (3, L, d_model) and out.dtype == query.dtype
     _assert_close_rule(out, stock, exact, str(case))
-    if route == "ranged":
-        assert calls["ranged"] == (0 if padding == "holes" else 1)
+    if route == "key_range":
+        assert (_expected_key_range(kpm) is None) == (padding == "holes")
+        _assert_key_range_route(calls, kpm)
 
 
 def test_flash_attention_need_weights():
@@ -311,52 +343,104 @@ def test_key_ranges(rows, expected):
     valid = torch.tensor(rows, dtype=torch.bool)
     got = fn.key_ranges(valid)
     assert got == (None if expected is None else fn.KeyRanges(*expected))
+    if got is not None:
+        # The tensor attention(key_range=) takes, built with the ranges on the mask's device.
+        assert got.key_range.dtype == torch.int32 and got.key_range.device == valid.device
+        starts, ends = expected
+        assert got.key_range.tolist() == [[s, e] for s, e in zip(starts, ends, strict=True)]
+        assert torch.equal(got.key_range, _expected_key_range(~valid))
 
 
-def test_key_ranges_cache_follows_in_place_changes():
+def test_key_ranges_random_masks_against_a_scan():
+    # Random masks of every kind against the key-by-key scan of _expected_key_range.
+    for trial in range(200):
+        batch, seqlen = int(torch.randint(1, 6, ())), int(torch.randint(0, 12, ()))
+        starts = torch.randint(0, seqlen + 1, (batch,))
+        ends = torch.minimum(starts + torch.randint(0, seqlen + 1, (batch,)), torch.tensor(seqlen))
+        j = torch.arange(seqlen)
+        valid = (j >= starts[:, None]) & (j < ends[:, None])
+        if trial % 3 == 0 and seqlen:
+            valid ^= torch.rand(batch, seqlen) < 0.2  # holes, usually
+        expected = _expected_key_range(~valid)
+        got = fn.key_ranges(valid)
+        if expected is None:
+            assert got is None, valid
+        else:
+            assert got is not None and torch.equal(got.key_range, expected), valid
+            assert got == fn.KeyRanges(tuple(expected[:, 0].tolist()), tuple(expected[:, 1].tolist()))
+
+
+def test_key_ranges_cache_follows_in_place_changes(monkeypatch):
+    reads = []
+    real = fn._key_ranges
+    monkeypatch.setattr(fn, "_key_ranges", lambda m: reads.append(1) or real(m))
     valid = torch.ones(2, 6, dtype=torch.bool)
-    assert fn.key_ranges(valid).is_full(6)
-    assert fn.key_ranges(valid).is_full(6)  # served from the memo
+    first = fn.key_ranges(valid)
+    assert first.is_full(6)
+    again = fn.key_ranges(valid)  # served from the memo: no second read, the same device tensor
+    assert again is first and again.key_range is first.key_range and len(reads) == 1
     valid[1, 4:] = False  # in place: bumps the version counter
     assert fn.key_ranges(valid) == fn.KeyRanges((0, 0), (6, 4))
+    assert torch.equal(fn.key_ranges(valid).key_range, torch.tensor([[0, 6], [0, 4]], dtype=torch.int32))
+    assert len(reads) == 2
 
 
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("L, S", [(7, 7), (5, 12), (12, 5), (1, 9)])
-def test_ranged_attention_matches_masked_reference(causal, L, S):
-    B, H, Hkv, D = 7, 4, 2, 16
-    q, k, v = torch.randn(B, L, H, D), torch.randn(B, S, Hkv, D), torch.randn(B, S, Hkv, D)
-    # Full, right-padded, left-padded, both, and empty ranges; a repeat on adjacent rows (run on slices)
-    # and one on rows apart (gathered).
+def _ranges_case(S: int) -> fn.KeyRanges:
+    # Full, right-padded, left-padded, both, empty, the middle, and one row repeated.
     starts = (0, 0, 2, 2, 0, S // 2, 0)
-    ends = (S, S - 2, S, S, 0, S - 1, S - 2)
-    ranges = fn.KeyRanges(starts, ends)
-    out = fn.ranged_attention(q, k, v, ranges, causal=causal)
-    j = torch.arange(S)
-    valid = torch.stack([(j >= s) & (j < e) for s, e in zip(starts, ends, strict=True)])
-    allowed = valid[:, None, None, :]
-    if causal:
-        allowed = allowed & flash_attention.reference.causal_allowed(L, S)
-    exact, _ = _naive_attention(q.double(), k.double(), v.double(), allowed)
-    assert (out.double() - exact).abs().max() < 1e-5
-    via_sdpa = fn.sdpa_attention(q, k, v, causal=causal, key_valid=valid)
-    assert (via_sdpa.double() - exact).abs().max() < 1e-5
+    ends = (S, S - 2, S, S - 1, 0, S - 1, S - 2)
+    return fn.KeyRanges(starts, ends)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_ranged_attention_is_differentiable(causal):
-    # Ready for a differentiable attention() (the backward issue): with autograd recording, groups are
-    # assembled out of place. On the CPU attention() is PyTorch, so gradients can be checked now.
-    B, L, S, H, D = 5, 6, 9, 2, 8
-    q, k, v = (torch.randn(B, n, H, D, dtype=torch.float64, requires_grad=True) for n in (L, S, S))
-    ranges = fn.KeyRanges((0, 2, 0, 0, 2), (9, 9, 0, 5, 9))  # rows 1 and 4 share a range, apart
-    out = fn.ranged_attention(q, k, v, ranges, causal=causal)
+def _masked_reference(q, k, v, ranges: fn.KeyRanges, causal: bool):
+    S = k.shape[1]
     j = torch.arange(S)
     valid = torch.stack([(j >= s) & (j < e) for s, e in zip(ranges.starts, ranges.ends, strict=True)])
     allowed = valid[:, None, None, :]
     if causal:
-        allowed = allowed & flash_attention.reference.causal_allowed(L, S)
-    exact, _ = _naive_attention(q, k, v, allowed)
+        i = torch.arange(q.shape[1])[:, None]
+        allowed = allowed & (j[None, :] <= i + S - q.shape[1])
+    return _naive_attention(q, k, v, allowed)[0], valid
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("L, S", [(7, 7), (5, 12), (12, 5), (1, 9)])
+@pytest.mark.parametrize("made", ["by_hand", "from_mask"])
+def test_key_range_attention_matches_masked_reference(causal, L, S, made, key_range_calls):
+    B, H, Hkv, D = 7, 4, 2, 16
+    q, k, v = torch.randn(B, L, H, D), torch.randn(B, S, Hkv, D), torch.randn(B, S, Hkv, D)
+    ranges = _ranges_case(S)
+    exact, valid = _masked_reference(q.double(), k.double(), v.double(), ranges, causal)
+    if made == "from_mask":
+        ranges = fn.key_ranges(valid)
+        assert ranges is not None and ranges.key_range is not None
+    out = fn.key_range_attention(q, k, v, ranges, causal=causal)
+    assert (out.double() - exact).abs().max() < 1e-5
+    # One call for the whole batch, with the ranges as a (batch, 2) int32 tensor.
+    [(q_shape, k_shape, causal_arg, kr)] = key_range_calls["key_range"]
+    assert q_shape == (B, L, H, D) and k_shape == (B, S, Hkv, D) and causal_arg == causal
+    assert torch.equal(kr, _expected_key_range(~valid))
+    via_sdpa = fn.sdpa_attention(q, k, v, causal=causal, key_valid=valid)
+    assert (via_sdpa.double() - exact).abs().max() < 1e-5
+
+
+def test_key_range_attention_without_padding_is_the_plain_call(key_range_calls):
+    q, k, v = torch.randn(2, 5, 2, 8), torch.randn(2, 6, 2, 8), torch.randn(2, 6, 2, 8)
+    ranges = fn.key_ranges(torch.ones(2, 6, dtype=torch.bool))
+    out = fn.key_range_attention(q, k, v, ranges, causal=True)
+    assert key_range_calls == {"key_range": [], "plain": 1}
+    assert torch.equal(out, flash_attention.attention(q, k, v, causal=True))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_key_range_attention_is_differentiable(causal):
+    # Ready for a differentiable attention() (the backward issue): the route is one attention() call, so it
+    # is differentiable exactly when attention() is. On the CPU attention() is PyTorch: checked now.
+    B, L, S, H, D = 5, 6, 9, 2, 8
+    q, k, v = (torch.randn(B, n, H, D, dtype=torch.float64, requires_grad=True) for n in (L, S, S))
+    ranges = fn.KeyRanges((0, 2, 0, 0, 2), (9, 9, 0, 5, 7))
+    out = fn.key_range_attention(q, k, v, ranges, causal=causal)
+    exact, _ = _masked_reference(q, k, v, ranges, causal)
     g = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), g)
     expected = torch.autograd.grad(exact, (q, k, v), g)
@@ -365,27 +449,57 @@ def test_ranged_attention_is_differentiable(causal):
         assert (got - want).abs().max() < 1e-10
 
 
-def test_ranged_is_faster_cost_model():
-    # Long rows sharing one length: the kernel on slices wins.
-    long = fn.KeyRanges((0,) * 4, (8000,) * 4)
-    assert fn.ranged_is_faster(4, 8192, 8192, 16, 64, long, causal=False)
-    # 64 distinct short rows: 64 launches cost more than masked SDPA saves.
-    short = fn.KeyRanges((0,) * 64, tuple(range(100, 164)))
-    assert not fn.ranged_is_faster(64, 256, 256, 8, 64, short, causal=False)
-    # A tiny call cannot win even in the best case: no need to read the mask.
-    assert not fn.ranged_is_faster(1, 64, 64, 4, 64, None, causal=False)
-    assert fn.ranged_is_faster(4, 8192, 8192, 16, 64, None, causal=False)
-
-
 def test_plan_padded_reads_no_mask_off_cuda(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("the mask was read")
 
     monkeypatch.setattr(fn, "_key_ranges", boom)
-    assert (
-        fn.plan_padded(torch.ones(2, 8, dtype=torch.bool), seqlen_q=8, heads=4, head_dim=64, causal=False)
-        is None
-    )
+    assert fn.plan_padded(torch.ones(2, 8, dtype=torch.bool)) is None
+
+
+def test_plan_padded_on_cuda_takes_every_one_run_mask(monkeypatch):
+    # No cost model: any mask whose valid keys are one run per row goes to the kernel, however many
+    # distinct lengths it has; only holes go to PyTorch.
+    monkeypatch.setattr(fn, "kernel_expected", lambda t: True)
+    lengths = torch.arange(64)
+    valid = torch.arange(256)[None, :] < 100 + lengths[:, None]
+    plan = fn.plan_padded(valid)
+    assert plan is not None and plan.ends == tuple(range(100, 164)) and set(plan.starts) == {0}
+    valid[3, 10] = False
+    assert fn.plan_padded(valid) is None
+
+
+@pytest.mark.parametrize("padding", ["right", "left"])
+def test_flash_attention_key_range_route_under_autograd(padding, force_key_range, monkeypatch):
+    # When the backward pass lands, KERNEL_HAS_BACKWARD = True is the only change: training with padding
+    # then takes the key-range route too. The CPU fallback of attention() is differentiable, so gradients
+    # are checked now: the input's against the float64 reference, the parameters' against the PyTorch route.
+    m = FlashAttention(64, 4, num_kv_heads=2, causal=True)
+    x = torch.randn(3, 10, 64, requires_grad=True)
+    kpm = _padding(3, 10, padding)
+    kpm[1] = torch.arange(10) < 4 if padding == "left" else torch.arange(10) >= 6  # padded whatever the draw
+    g = torch.randn(3, 10, 64)
+    params = list(m.parameters())
+
+    with pytest.warns(RuntimeWarning, match="no backward pass"):  # KERNEL_HAS_BACKWARD False: PyTorch route
+        out_pt, _ = m(x, key_padding_mask=kpm)
+    assert force_key_range["key_range"] == []
+    grads_pt = torch.autograd.grad(out_pt, [x, *params], g)
+
+    monkeypatch.setattr(fn, "KERNEL_HAS_BACKWARD", True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "runs through PyTorch" warning
+        out, _ = m(x, key_padding_mask=kpm)
+    _assert_key_range_route(force_key_range, kpm)
+    grads = torch.autograd.grad(out, [x, *params], g)
+
+    x64 = x.detach().double().requires_grad_(True)
+    exact, _ = _fa_reference(m, x64, x64, x64, kpm)
+    (gx64,) = torch.autograd.grad(exact, x64, g.double())
+    assert (out.double() - exact).abs().max() < 1e-5
+    assert (grads[0].double() - gx64).abs().max() < 1e-4
+    for got, want in zip(grads, grads_pt, strict=True):
+        assert (got - want).abs().max() < 1e-4
 
 
 # ======================================================================================================
@@ -438,7 +552,8 @@ def test_state_dict_keys_match_stock():
 
 
 MHA_CASES = [
-    # (batch_first, attention kind, causal, key_padding_mask kind)
+    # (batch_first, attention kind, causal, key_padding_mask kind: bool/float, right-padded unless -left or
+    # -holes)
     (True, "self", False, None),
     (False, "self", False, None),
     (True, "self", True, None),
@@ -451,11 +566,18 @@ MHA_CASES = [
     (True, "cross", False, "bool"),
     (True, "unbatched", False, None),
     (True, "unbatched", True, "bool"),
+    (True, "self", True, "bool-left"),
+    (False, "self", False, "float-left"),
+    (True, "cross", False, "bool-left"),
+    (True, "unbatched", False, "bool-left"),
+    (True, "self", False, "bool-holes"),
+    (False, "self", True, "float-holes"),
 ]
 
 
 def _mha_inputs(case, E=64):
     batch_first, kind, causal, kpm_kind = case
+    kpm_dtype, _, side = (kpm_kind or "").partition("-")
     B, L, S = 3, 14, 14 if kind == "self" or kind == "unbatched" else 9
 
     def t(n):
@@ -474,18 +596,19 @@ def _mha_inputs(case, E=64):
     if causal:
         # The causal mask in the dtype of the padding mask (PyTorch deprecates mixing them).
         kwargs["attn_mask"] = torch.ones(L, L, dtype=torch.bool).triu(1)
-        if kpm_kind != "bool":
+        if kpm_dtype != "bool":
             kwargs["attn_mask"] = torch.zeros(L, L).masked_fill(kwargs["attn_mask"], float("-inf"))
         kwargs["is_causal"] = True
     if kpm_kind:
-        kpm = _padding(B, S, "right")
-        kpm[0, -3:] = True  # the first row (otherwise unpadded) gets padding too
-        kpm[-1, :2] = (
-            False  # and the last (otherwise all padding) two keys: fully padded rows are tested apart
-        )
+        kpm = _padding(B, S, side or "right")
+        if not side:
+            kpm[0, -3:] = True  # the first row (otherwise unpadded) gets padding too
+            kpm[-1, :2] = False  # and the last (otherwise all padding) two keys: fully padded rows apart
+        elif side == "left":
+            kpm[0, :3] = True  # at least one row padded whatever the random lengths
         if kind == "unbatched":
             kpm = kpm[1]
-        if kpm_kind == "float":
+        if kpm_dtype == "float":
             kpm = torch.zeros(kpm.shape).masked_fill(kpm, float("-inf"))
         kwargs["key_padding_mask"] = kpm
     return (query, key, value), kwargs
@@ -493,27 +616,46 @@ def _mha_inputs(case, E=64):
 
 @pytest.mark.parametrize(
     "case, route",
-    [(c, "default") for c in MHA_CASES] + [(c, "ranged") for c in MHA_CASES if c[3] is not None],
+    [(c, "default") for c in MHA_CASES] + [(c, "key_range") for c in MHA_CASES if c[3] is not None],
     ids=lambda x: x if isinstance(x, str) else "-".join(map(str, x)),
 )
 def test_mha_matches_stock(case, route, kernel_calls, request):
-    calls = request.getfixturevalue("force_ranged") if route == "ranged" else None
+    calls = request.getfixturevalue("force_key_range") if route == "key_range" else None
     stock, ours = _pair(64, 4, batch_first=case[0])
     args, kwargs = _mha_inputs(case)
     (o, ow), (s, sw), (e, _) = _run_all(stock, ours, args, kwargs)
     assert ow is None and sw is None
     assert o.shape == s.shape
-    _assert_close_rule(o, s, e, str(case))
-    padded = case[3] is not None
-    if not padded or route == "ranged":
-        assert len(kernel_calls) >= 1, "the kernel route was not taken"
-    else:
+    kpm = kwargs.get("key_padding_mask")
+    # Query rows that see no key (left padding under causal: the padded positions) are NaN in PyTorch's
+    # module; ours gives them an attention output of 0 on the kernel routes, so out_proj's bias.
+    has_key = torch.ones(o.shape[:-1], dtype=torch.bool)
+    if kpm is not None and case[2]:  # causal (square): query i sees the valid keys j <= i
+        pad = kpm.isneginf() if kpm.is_floating_point() else kpm
+        pad = pad[None] if pad.dim() == 1 else pad  # (batch, seqlen)
+        has_key = (~pad).cumsum(1) > 0  # (batch, query)
+        has_key = has_key[0] if case[1] == "unbatched" else has_key if case[0] else has_key.T
+    if case[3] == "bool-left" and case[2]:
+        assert not has_key.all(), "the case meant to have query rows without keys has none"
+    _assert_close_rule(o[has_key], s[has_key], e[has_key], str(case))
+    if route == "key_range" and not case[3].endswith("-holes"):
+        assert torch.equal(o[~has_key], ours.out_proj.bias.expand_as(o[~has_key]))
+    if kpm is None:
+        assert len(kernel_calls) == 1, "the kernel route was not taken"
+    elif route == "default":
         assert kernel_calls == [], "a padded call off CUDA goes to PyTorch's implementation"
-    if calls is not None:
-        assert calls["ranged"] == 1
+    else:
+        kpm = kpm.isneginf() if kpm.is_floating_point() else kpm
+        holes = _expected_key_range(kpm) is None
+        assert holes == case[3].endswith("-holes")
+        # One kernel call with the mask's key ranges; a mask with holes goes to PyTorch's implementation.
+        assert len(kernel_calls) == (0 if holes else 1)
+        _assert_key_range_route(calls, kpm)
+        if holes:
+            assert torch.equal(o, s)
 
 
-def test_mha_fully_padded_row(force_ranged):
+def test_mha_fully_padded_row(force_key_range):
     # PyTorch disagrees with itself on a batch row whose keys are all padding: its fused fast path gives NaN,
     # its SDPA path 0. Ours gives an attention output of 0, so the row's output is out_proj's bias.
     stock, ours = _pair(32, 4, batch_first=True)
@@ -526,7 +668,8 @@ def test_mha_fully_padded_row(force_ranged):
     (o, _), (s, _), (e, _) = _run_all(
         stock, ours, (x, x, x), {"key_padding_mask": kpm, "need_weights": False}
     )
-    assert force_ranged["ranged"] == 1
+    _assert_key_range_route(force_key_range, kpm)
+    assert force_key_range["key_range"][0][3].tolist() == [[0, 7], [0, 0], [0, 4]]
     keep = torch.tensor([True, False, True])
     _assert_close_rule(o[keep], s[keep], e[keep])
     assert torch.allclose(o[1], ours.out_proj.bias.expand(7, -1))
@@ -588,7 +731,7 @@ def test_mha_float_attn_mask_warns_once():
         ours(x, x, x, attn_mask=bias, need_weights=False)
 
 
-def test_mha_float_padding_with_bias_values_goes_to_parent(force_ranged):
+def test_mha_float_padding_with_bias_values_goes_to_parent(force_key_range):
     stock, ours = _pair(32, 4, batch_first=True)
     x = torch.randn(2, 6, 32)
     kpm = torch.randn(2, 6)  # an additive key bias, not padding
@@ -597,7 +740,7 @@ def test_mha_float_padding_with_bias_values_goes_to_parent(force_ranged):
             stock, ours, (x, x, x), {"key_padding_mask": kpm, "need_weights": False}
         )
     assert torch.equal(o, s)
-    assert force_ranged["ranged"] == 0
+    assert force_key_range == {"key_range": [], "plain": 0}
 
 
 def test_mha_training_matches_stock_including_gradients_and_dropout(kernel_calls, monkeypatch):
@@ -616,6 +759,27 @@ def test_mha_training_matches_stock_including_gradients_and_dropout(kernel_calls
     (go,) = torch.autograd.grad(o, x, g)
     assert torch.equal(gs, go)
     assert kernel_calls == []
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_mha_key_range_route_under_autograd_matches_stock_gradients(side, force_key_range, monkeypatch):
+    # With a backward pass in the kernel (KERNEL_HAS_BACKWARD = True, the only change it will need), a
+    # padded training call takes the key-range route; its gradients are those of PyTorch's module.
+    monkeypatch.setattr(fn, "KERNEL_HAS_BACKWARD", True)
+    stock, ours = _pair(64, 4, batch_first=True)
+    stock.train(), ours.train()
+    x = torch.randn(3, 9, 64, requires_grad=True)
+    kpm = _padding(3, 9, side)
+    kpm[0] = torch.arange(9) >= 5 if side == "right" else torch.arange(9) < 4
+    o, _ = ours(x, x, x, key_padding_mask=kpm, need_weights=False)
+    s, _ = stock(x, x, x, key_padding_mask=kpm, need_weights=False)
+    _assert_key_range_route(force_key_range, kpm)
+    assert (o - s).abs().max() < 1e-5
+    g = torch.randn_like(o)
+    got = torch.autograd.grad(o, [x, *ours.parameters()], g)
+    want = torch.autograd.grad(s, [x, *stock.parameters()], g)
+    for a, b in zip(got, want, strict=True):
+        assert (a - b).abs().max() < 1e-4
 
 
 def test_mha_eval_with_grad_enabled_parameters_goes_to_parent(kernel_calls):
@@ -726,18 +890,24 @@ def _encoder(num_layers=2, d=64, heads=4, **layer_kwargs):
 
 
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
-@pytest.mark.parametrize("mask", [None, "padding", "causal"])
-def test_replace_attention_transformer_encoder(mask, kernel_calls, force_ranged):
+@pytest.mark.parametrize("mask", [None, "padding-right", "padding-left", "causal"])
+def test_replace_attention_transformer_encoder(mask, kernel_calls, force_key_range, monkeypatch):
+    reads = []
+    real_read = fn._key_ranges
+    monkeypatch.setattr(fn, "_key_ranges", lambda m: reads.append(1) or real_read(m))
     stock = _encoder(3)
     ours = replace_attention(copy.deepcopy(stock))
     assert all(isinstance(layer.self_attn, MultiheadAttention) for layer in ours.layers)
     assert ours.use_nested_tensor is False
     x = torch.randn(3, 11, 64)
     kwargs = {}
-    if mask == "padding":
+    if mask == "padding-right":
         kwargs["src_key_padding_mask"] = _padding(3, 11, "right")
         kwargs["src_key_padding_mask"][0, -2:] = True
         kwargs["src_key_padding_mask"][-1, :3] = False  # no fully padded row: the nested path would drop it
+    elif mask == "padding-left":
+        kwargs["src_key_padding_mask"] = _padding(3, 11, "left")
+        kwargs["src_key_padding_mask"][0, :2] = True
     elif mask == "causal":
         kwargs["mask"] = nn.Transformer.generate_square_subsequent_mask(11)
         kwargs["is_causal"] = True
@@ -746,16 +916,19 @@ def test_replace_attention_transformer_encoder(mask, kernel_calls, force_ranged)
         s = stock(x, **kwargs)
         o = ours(x, **kwargs)
         e = exact_m(x.double(), **{k: v.double() if k == "mask" else v for k, v in kwargs.items()})
-    valid = slice(None) if mask != "padding" else ~kwargs["src_key_padding_mask"]
+    kpm = kwargs.get("src_key_padding_mask")
+    valid = slice(None) if kpm is None else ~kpm
     # Stock's nested-tensor path returns 0 at padded positions; ours computes them (as without nesting).
     _assert_close_rule(o[valid], s[valid], e[valid], str(mask))
     # Our forward ran in every layer (the fused fast paths were bypassed), on the kernel route.
-    if mask == "padding":
-        lengths = (~kwargs["src_key_padding_mask"]).sum(1).unique()
-        assert force_ranged["ranged"] == 3
-        assert len(kernel_calls) == 3 * len(lengths)  # one call per distinct key length in each layer
+    assert len(kernel_calls) == 3
+    if kpm is not None:
+        # Every layer: one call with the mask's key ranges. The mask was read on the host once for the
+        # forward pass, not once per layer (the encoder hands every layer the same mask tensor).
+        _assert_key_range_route(force_key_range, kpm, n_calls=3)
+        assert len(reads) == 1
     else:
-        assert len(kernel_calls) == 3
+        assert force_key_range["key_range"] == [] and reads == []
 
 
 def test_replace_attention_keeps_parameters_and_settings():

@@ -3,8 +3,9 @@
 On the CPU our attention function computes through flash_attention's PyTorch path (float32), so these tests
 check the integration's semantics -- masks, padding, caches, GQA, the mask function's decisions -- against
 ``attn_implementation="sdpa"`` with the accuracy rule (float64 ``"sdpa"`` as the exact answer), and that
-``generate()`` picks the same greedy tokens. The ranged route (padding run as attention() calls over K/V
-slices), which only CUDA chooses, is forced through the two seams of flash_attention.nn.functional.
+``generate()`` picks the same greedy tokens. The key-range route (padding whose valid keys are one run per
+row, run as one attention() call with ``key_range``), which only CUDA chooses, is forced through the seam
+``kernel_expected`` of flash_attention.nn.functional (the ``force_key_range`` fixture of conftest.py).
 
 Skipped when transformers is not installed (it is an optional dependency).
 """
@@ -144,17 +145,55 @@ def test_logits_match_sdpa(kind, padding, calls):
         # No padding: the mask function returns None and every layer takes the kernel route.
         assert calls["masks"] == [None] * n_layers and calls["kernel"] == n_layers and calls["sdpa"] == 0
     else:
-        # Padding: a 2-D key mask; off CUDA the ranged route is never worth it, so transformers' SDPA runs.
+        # Padding: a 2-D key mask; off CUDA there is no kernel to run it, so transformers' SDPA runs.
         assert calls["masks"] == [(3, 21)] * n_layers and calls["kernel"] == 0 and calls["sdpa"] == n_layers
+
+
+def _key_range_of(mask: torch.Tensor, kv_length: int) -> torch.Tensor:
+    """[start, end) of each row's real tokens among the first kv_length positions, found token by token."""
+    rows = []
+    for row in mask[:, :kv_length].tolist():
+        real = [j for j, m in enumerate(row) if m]
+        assert real == list(range(real[0], real[-1] + 1)), "not one run"
+        rows.append((real[0], real[-1] + 1))
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+@pytest.fixture
+def mask_reads(monkeypatch: pytest.MonkeyPatch) -> list:
+    """Each host read of a 2-D mask (flash_attention.nn.functional._key_ranges)."""
+    reads: list = []
+    real = fn._key_ranges
+    monkeypatch.setattr(fn, "_key_ranges", lambda m: reads.append(tuple(m.shape)) or real(m))
+    return reads
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 @pytest.mark.parametrize("padding", ["left", "right"])
-def test_logits_match_sdpa_on_the_ranged_route(kind, padding, force_ranged):
+def test_logits_match_sdpa_on_the_key_range_route(kind, padding, force_key_range, mask_reads):
     ours, ref, exact = _models(kind)
     ids = torch.randint(3, VOCAB, (4, 19))
-    _check_logits(ours, ref, exact, ids, _padding_mask(4, 19, padding))
-    assert force_ranged["ranged"] == 2
+    mask = _padding_mask(4, 19, padding)
+    _check_logits(ours, ref, exact, ids, mask)
+    # Every layer: one attention() call with the padding as key ranges (causal on the full key axis).
+    assert len(force_key_range["key_range"]) == 2 and force_key_range["plain"] == 0
+    for q_shape, k_shape, causal, kr in force_key_range["key_range"]:
+        assert causal and q_shape[:2] == k_shape[:2] == (4, 19)
+        assert torch.equal(kr, _key_range_of(mask, 19))
+    # One host read of the mask for the forward pass (the mask function's), shared by the layers.
+    assert mask_reads == [(4, 19)]
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_mask_with_holes_goes_to_sdpa(kind, calls, force_key_range):
+    # Valid keys that are not one run per row (a padding token inside the sequence): no key range fits,
+    # transformers' SDPA function runs with the equivalent mask.
+    ours, ref, exact = _models(kind)
+    ids = torch.randint(3, VOCAB, (3, 15))
+    mask = _padding_mask(3, 15, "left")
+    mask[0, 7] = 0
+    _check_logits(ours, ref, exact, ids, mask)
+    assert force_key_range["key_range"] == [] and calls["sdpa"] == 2 and calls["masks"] == [(3, 15)] * 2
 
 
 def test_wrong_attention_is_detected():
@@ -190,12 +229,21 @@ def test_generate_same_greedy_tokens(kind, padding, calls):
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
-def test_generate_same_greedy_tokens_ranged(kind, force_ranged):
+def test_generate_same_greedy_tokens_key_range(kind, force_key_range, mask_reads):
+    # Batched generation with left padding: the prefill and every decoding step run as one attention()
+    # call per layer with key ranges (from each row's first real token to the current position).
     ours, ref, _ = _models(kind)
     ids = torch.randint(3, VOCAB, (3, 10))
     mask = _padding_mask(3, 10, "left")
     assert torch.equal(_greedy(ours, ids, mask), _greedy(ref, ids, mask))
-    assert force_ranged["ranged"] == 2 * 12
+    got = force_key_range["key_range"]
+    assert len(got) == 2 * 12 and force_key_range["plain"] == 0
+    full = torch.cat([mask, torch.ones(3, 12, dtype=mask.dtype)], dim=1)
+    for step, (q_shape, k_shape, causal, kr) in enumerate(got):
+        kv_length = 10 + step // 2
+        assert causal and q_shape[1] == (10 if step < 2 else 1) and k_shape[1] == kv_length
+        assert torch.equal(kr, _key_range_of(full, kv_length))
+    assert len(mask_reads) == 12  # one per forward pass, not one per layer
 
 
 def test_generate_with_static_cache_matches_sdpa(calls):

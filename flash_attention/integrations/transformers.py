@@ -24,10 +24,13 @@ What the attention function receives as ``attention_mask``, and what it does wit
   This covers training-free prefill, decoding with the default ``DynamicCache``, and any batch without
   padding.
 * a 2-D boolean (batch, kv_length) tensor, True = real token -- plain causal or bidirectional attention
-  with padding. Valid keys that form one run per row (left padding, as generation uses, or right padding)
-  run on the kernel over slices of K/V when the cost model of
-  :func:`flash_attention.nn.functional.ranged_is_faster` expects that to pay (the kernel has no per-batch key
-  lengths yet), otherwise through transformers' own SDPA function with the equivalent 4-D mask.
+  with padding. Valid keys that form one run per row (left padding, as batched generation uses, or right
+  padding) run on the kernel in one call with per-batch key ranges (``attention(..., key_range=)``, the
+  kernel skips the padding itself; causal stays aligned to the last key, which is where the queries are).
+  Other 2-D masks (holes in the middle) go through transformers' own SDPA function with the equivalent
+  4-D mask. The mask function reads the 2-D mask on the host once per forward pass
+  (:func:`flash_attention.nn.functional.key_ranges`); the ranges and their device tensor are remembered on
+  the mask, which every layer receives, so the layers read nothing more.
 * a 4-D mask -- everything else (sliding windows, static caches whose offsets break the alignment, packed
   sequences, custom mask functions, a 4-D mask passed by the user): transformers' SDPA function with it,
   exactly as ``attn_implementation="sdpa"`` would compute it.
@@ -141,7 +144,10 @@ def attention_mask(**kwargs: Any) -> torch.Tensor | None:
     if missing > 0:
         padding = torch.nn.functional.pad(padding, (0, missing), value=False)
     valid = padding[:, kv_offset : kv_offset + kv_length]
-    if bool(valid.all()):
+    # The one host read of the mask per forward pass: whether there is padding at all, and if so the key
+    # ranges the layers' calls will use, remembered on `valid` (which every layer receives).
+    ranges = fn.key_ranges(valid)
+    if ranges is not None and ranges.is_full(kv_length):
         return None
     return valid
 
@@ -206,13 +212,16 @@ def attention_forward(
     if kernel_ok:
         if attention_mask is None:
             return attention(q, k, v, causal=causal, softmax_scale=scaling), None
-        ranges = fn.plan_padded(
-            attention_mask, seqlen_q=q_length, heads=q.shape[2], head_dim=head_dim, causal=causal
+        # A 2-D key mask: one kernel call with per-batch key ranges when each row's valid keys are one run.
+        ranges = (
+            fn.plan_padded(attention_mask)
+            if attention_mask.dtype == torch.bool
+            and attention_mask.shape == (query.shape[0], kv_length)
+            and attention_mask.device == query.device
+            else None
         )
         if ranges is not None:
-            if ranges.is_full(kv_length):
-                return attention(q, k, v, causal=causal, softmax_scale=scaling), None
-            return fn.ranged_attention(q, k, v, ranges, causal=causal, scale=scaling), None
+            return fn.key_range_attention(q, k, v, ranges, causal=causal, scale=scaling), None
 
     mask = _sdpa_equivalent_mask(attention_mask, q_length, kv_length, causal, query.device)
     return sdpa_attention_forward(

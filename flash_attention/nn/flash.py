@@ -37,9 +37,10 @@ class FlashAttention(nn.Module):
     Which computation runs (:mod:`flash_attention.nn.functional`):
 
     * inference (no gradient recorded, or ``dropout`` 0 / eval mode) on fp16/bf16 CUDA tensors: our kernel;
-    * a ``key_padding_mask`` whose valid keys are one run per row (right or left padding): the kernel on
-      slices of K/V when the cost model expects that to win, otherwise PyTorch's SDPA with the mask (the
-      kernel has no per-batch key lengths yet);
+    * a ``key_padding_mask`` whose valid keys are one run per row (right or left padding): the kernel, which
+      applies it as per-batch key ranges (one call with ``key_range``; the mask is read on the host once
+      and remembered on the mask tensor, so layers sharing it pay once); a mask with holes: PyTorch's SDPA
+      with the mask;
     * when gradients are needed, or with attention dropout in training: PyTorch's
       ``scaled_dot_product_attention`` (the kernel has no backward pass and no dropout yet), with a one-time
       warning on CUDA;

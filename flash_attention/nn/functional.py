@@ -5,14 +5,17 @@ seqlen_k, heads_kv, head_dim). A call takes one of three routes:
 
 1. **kernel** -- :func:`flash_attention.attention` (our CUDA kernel for fp16/bf16 CUDA tensors; its own
    chunked PyTorch fallback elsewhere): no mask, or bottom-right causal.
-2. **ranged kernel** -- key padding whose valid keys form one contiguous range per batch row (right padding,
-   left padding): rows that share a range are run as :func:`~flash_attention.attention` calls over slices
-   of K/V (:func:`ranged_attention`), because the kernel has no per-batch key lengths yet. Each distinct
-   range costs a launch, so this route is taken only when the cost model in :func:`ranged_is_faster`
-   expects it to beat route 3.
+2. **kernel with key ranges** -- key padding whose valid keys form one contiguous run per batch row (right
+   padding, left padding, or both): one :func:`~flash_attention.attention` call with ``key_range`` (a
+   (batch, 2) int32 tensor of [start, end) per row), which the kernel applies itself (per-batch key
+   ranges; no mask is materialised). Deciding needs one device-to-host read of the mask
+   (:func:`key_ranges`); it and the ``key_range`` tensor are memoised on the mask tensor (:func:`memo`), so
+   the layers of a model that share one mask pay that read once per forward pass.
 3. **PyTorch** -- :func:`sdpa_attention` (``torch.nn.functional.scaled_dot_product_attention`` with an
-   explicit boolean mask): whatever the kernel cannot do yet -- gradients (the kernel has no backward pass),
-   attention dropout, padding that is not worth splitting, and, in the modules, arbitrary masks.
+   explicit boolean mask): whatever the kernel cannot do yet -- gradients (the kernel has no backward pass
+   yet; routes 1 and 2 take them as they are once :data:`KERNEL_HAS_BACKWARD` is True), attention dropout,
+   padding whose valid keys are not one run per row (holes in the middle), and, in the modules, arbitrary
+   masks.
 
 Every route computes the same function: bottom-right causal alignment (query ``i`` sees key ``j`` iff
 ``j <= i + seqlen_k - seqlen_q``), padding masks applied on top of it without shifting it, and a query row
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import threading
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -34,12 +37,11 @@ from ..reference import causal_allowed
 __all__ = [
     "KERNEL_HAS_BACKWARD",
     "KeyRanges",
+    "key_range_attention",
     "key_ranges",
     "memo",
     "needs_pytorch_path",
     "plan_padded",
-    "ranged_attention",
-    "ranged_is_faster",
     "sdpa_attention",
     "warn_once",
 ]
@@ -150,33 +152,39 @@ def sdpa_attention(
 
 
 # ------------------------------------------------------------------------------------------------------
-# Route 2: key padding as one range of valid keys per batch row
+# Route 2: key padding as one range of valid keys per batch row, computed by the kernel (key_range=)
 
 
 @dataclass(frozen=True)
 class KeyRanges:
-    """For each batch row ``b``, the keys it may attend are exactly ``starts[b] <= j < ends[b]``."""
+    """For each batch row ``b``, the keys it may attend are exactly ``starts[b] <= j < ends[b]``.
+
+    ``key_range`` is the same as the (batch, 2) int32 tensor :func:`flash_attention.attention` takes,
+    on the mask's device (built with the ranges, from the mask on its device: no host-to-device copy); None
+    only for ranges written by hand, which :meth:`tensor` then builds.
+    """
 
     starts: tuple[int, ...]
     ends: tuple[int, ...]
-
-    def groups(self) -> dict[tuple[int, int], list[int]]:
-        """Batch rows by range, in first-seen order: each group is computed by one set of launches."""
-        out: dict[tuple[int, int], list[int]] = {}
-        for b, r in enumerate(zip(self.starts, self.ends, strict=True)):
-            out.setdefault(r, []).append(b)
-        return out
+    key_range: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     def is_full(self, seqlen_k: int) -> bool:
         """True when no key is masked at all (the mask can be ignored)."""
         return all(s == 0 and e == seqlen_k for s, e in zip(self.starts, self.ends, strict=True))
 
+    def tensor(self, device: torch.device) -> torch.Tensor:
+        """The (batch, 2) int32 ``key_range`` argument of :func:`flash_attention.attention` on ``device``."""
+        if self.key_range is not None and self.key_range.device == device:
+            return self.key_range
+        rows = list(zip(self.starts, self.ends, strict=True))
+        return torch.tensor(rows, dtype=torch.int32, device=device).reshape(len(rows), 2)
+
 
 def memo(owner: torch.Tensor, tag: str, compute):
     """``compute()``, remembered on the tensor ``owner`` until it is modified in place (its version counter).
 
-    Used for facts read from a mask on the host (a device-to-host copy, a synchronisation on CUDA): the
-    layers of a model share one mask tensor, so they pay for the copy once per forward pass.
+    Used for facts read from a mask on the host (a device-to-host copy, a synchronisation on CUDA) and for
+    what is built from them: the layers of a model share one mask tensor, so they pay once per forward pass.
     """
     memos = getattr(owner, "_flash_attention_memo", None)
     if memos is not None and tag in memos and memos[tag][0] == owner._version:
@@ -194,10 +202,10 @@ def memo(owner: torch.Tensor, tag: str, compute):
 
 def key_ranges(key_valid: torch.Tensor, *, cache_on: torch.Tensor | None = None) -> KeyRanges | None:
     """The range of valid keys of each row of a (batch, seqlen_k) boolean mask, or None when a row's valid
-    keys are not one contiguous run.
+    keys are not one contiguous run. A row without any valid key gets the empty range (0, 0).
 
-    Reads the mask on the host (one device-to-host copy); the result is remembered on ``cache_on``
-    (default: the mask itself) by :func:`memo`.
+    Reads the mask on the host (one device-to-host copy); the result, with its device tensor
+    (``KeyRanges.key_range``), is remembered on ``cache_on`` (default: the mask itself) by :func:`memo`.
     """
     return memo(key_valid if cache_on is None else cache_on, "key_ranges", lambda: _key_ranges(key_valid))
 
@@ -205,86 +213,36 @@ def key_ranges(key_valid: torch.Tensor, *, cache_on: torch.Tensor | None = None)
 def _key_ranges(key_valid: torch.Tensor) -> KeyRanges | None:
     batch, seqlen_k = key_valid.shape
     if seqlen_k == 0:
-        return KeyRanges((0,) * batch, (0,) * batch)
+        zeros = torch.zeros((batch, 2), dtype=torch.int32, device=key_valid.device)
+        return KeyRanges((0,) * batch, (0,) * batch, zeros)
     # +1 where a run of valid keys starts, -1 one past where it ends (zero-padded at both sides).
     edges = torch.diff(F.pad(key_valid.to(torch.int8), (1, 1)), dim=1)
     starts_at, ends_at = (edges == 1).to(torch.int32), (edges == -1).to(torch.int32)
-    # argmax returns the first maximum: the first start and the first end of each row.
-    runs, starts, ends = torch.stack([starts_at.sum(1), starts_at.argmax(1), ends_at.argmax(1)]).tolist()
-    if any(n > 1 for n in runs):
+    # argmax returns the first maximum: the first start and the first end of each row; 0 and 0 (an empty
+    # range) for a row without any valid key.
+    device_ranges = torch.stack([starts_at.argmax(1), ends_at.argmax(1)], dim=1).to(torch.int32)
+    runs = starts_at.sum(1, dtype=torch.int32)
+    # The one device-to-host copy: per row, the number of runs and the range.
+    host = torch.cat([runs[:, None], device_ranges], dim=1).tolist()
+    if any(n > 1 for n, _, _ in host):
         return None
-    starts = [s if n else 0 for n, s in zip(runs, starts, strict=True)]
-    ends = [e if n else 0 for n, e in zip(runs, ends, strict=True)]
-    return KeyRanges(tuple(starts), tuple(ends))
+    return KeyRanges(tuple(s for _, s, _ in host), tuple(e for _, _, e in host), device_ranges)
 
 
-#: Host cost of one attention() call (validation, config lookup, launch through ctypes; docs/design.md
-#: measures 20-40 us) plus the slicing around it. Each distinct key range costs one or two of them.
-_LAUNCH_SECONDS = 40e-6
-#: Forward throughput of our kernel and of PyTorch's masked SDPA (its memory-efficient backend: the flash
-#: backends take no mask) at long sequences, bf16, from the README's benchmark table on H200
-#: (flash_attention 270-370 TFLOP/s, sdpa_efficient 120-175). Only their ratio and the launch cost decide.
-_KERNEL_FLOPS = 300e12
-_SDPA_MASKED_FLOPS = 150e12
-
-
-def _attention_flops(rows: int, seqlen_q: int, keys: int, heads: int, head_dim: int) -> float:
-    return 4.0 * rows * heads * seqlen_q * keys * head_dim
-
-
-def ranged_is_faster(
-    batch: int,
-    seqlen_q: int,
-    seqlen_k: int,
-    heads: int,
-    head_dim: int,
-    ranges: KeyRanges | None,
-    *,
-    causal: bool,
-) -> bool:
-    """Whether the ranged kernel route is expected to beat masked SDPA for this call.
-
-    With ``ranges`` None, the best case (one launch, no key skipped) is judged: False then means no ranges
-    need to be read at all. The model: SDPA computes every (query, key) pair at its masked speed; the ranged
-    route computes only the valid keys at the kernel's speed but pays a host launch per distinct range (two
-    when causal). Causal halving applies to both alike and is left out.
-    """
-    sdpa_s = _attention_flops(batch, seqlen_q, seqlen_k, heads, head_dim) / _SDPA_MASKED_FLOPS
-    if ranges is None:
-        return _LAUNCH_SECONDS + sdpa_s * _SDPA_MASKED_FLOPS / _KERNEL_FLOPS < sdpa_s
-    groups = ranges.groups()
-    launches = len(groups) * (2 if causal else 1)
-    work = sum(
-        _attention_flops(len(rows), seqlen_q, e - s, heads, head_dim) for (s, e), rows in groups.items()
-    )
-    return launches * _LAUNCH_SECONDS + work / _KERNEL_FLOPS < sdpa_s
-
-
-def plan_padded(
-    key_valid: torch.Tensor,
-    *,
-    seqlen_q: int,
-    heads: int,
-    head_dim: int,
-    causal: bool,
-    cache_on: torch.Tensor | None = None,
-) -> KeyRanges | None:
+def plan_padded(key_valid: torch.Tensor, *, cache_on: torch.Tensor | None = None) -> KeyRanges | None:
     """The key ranges to run a padded call on the kernel (route 2), or None for the PyTorch route.
 
     ``key_valid`` is (batch, seqlen_k) boolean, True where a key may be attended. Off CUDA there is no
-    kernel to win with, so the answer is None without reading the mask.
+    kernel to run, so the answer is None without reading the mask; on CUDA it is None only when some row's
+    valid keys are not one contiguous run (holes in the middle). Memoised on ``cache_on`` (default: the
+    mask), see :func:`key_ranges`.
     """
-    batch, seqlen_k = key_valid.shape
-    shape = (batch, seqlen_q, seqlen_k, heads, head_dim)
-    if not kernel_expected(key_valid) or not ranged_is_faster(*shape, None, causal=causal):
+    if not kernel_expected(key_valid):
         return None
-    ranges = key_ranges(key_valid, cache_on=cache_on)
-    if ranges is None or not ranged_is_faster(*shape, ranges, causal=causal):
-        return None
-    return ranges
+    return key_ranges(key_valid, cache_on=cache_on)
 
 
-def ranged_attention(
+def key_range_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -293,64 +251,15 @@ def ranged_attention(
     causal: bool,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Attention where batch row ``b`` attends only keys ``ranges.starts[b] <= j < ranges.ends[b]``.
-
-    Runs :func:`flash_attention.attention` on slices of K/V, one group of batch rows per distinct range
-    (views when the rows are consecutive, gathered copies otherwise). Causal alignment stays bottom-right
-    on the *full* key axis: query ``i`` sees key ``j`` iff ``j <= i + off`` with ``off = seqlen_k -
-    seqlen_q``. On a slice ``[s, e)`` the kernel aligns to the slice's end instead, so a group is split:
-    the first ``r = e - off`` query rows (whose last visible key lies inside the slice) run causal on it,
-    where the kernel's alignment ``i + (e - s) - r`` is exactly ``i + off - s``; the rows below see the
-    whole slice and run non-causal. Returns a new (batch, seqlen_q, heads_q, head_dim) tensor.
+    """Attention where batch row ``b`` attends only keys ``ranges.starts[b] <= j < ranges.ends[b]``: one
+    :func:`flash_attention.attention` call with ``key_range`` (the kernel skips the keys outside each
+    row's range; nothing is sliced, copied or materialised). Causal alignment stays bottom-right on the
+    *full* key axis. Differentiable whenever :func:`flash_attention.attention` is. Without padding at all,
+    the plain kernel runs. Returns a new (batch, seqlen_q, heads_q, head_dim) tensor.
     """
-    seqlen_q = q.shape[1]
-    offset = k.shape[1] - seqlen_q
-    # Without autograd every group writes into one output buffer (attention(out=) on views, no extra
-    # copy). A kernel's autograd function cannot differentiate into a caller's out= buffer, so with
-    # autograd recording (once attention() is differentiable) each group is computed out of place.
-    track = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    out = (torch.zeros if track else torch.empty)(q.shape, dtype=q.dtype, device=q.device)
-    if out.numel() == 0:
-        return out
-    for (start, end), rows in ranges.groups().items():
-        # Query rows [0, causal_rows) see only part of the slice: causal on it; the rest see all of it.
-        causal_rows = min(max(end - offset, 0), seqlen_q) if causal else 0
-        consecutive = rows[-1] - rows[0] == len(rows) - 1
-        # Consecutive rows are views (no copies); others are gathered.
-        sel = slice(rows[0], rows[-1] + 1) if consecutive else torch.tensor(rows, device=q.device)
-        qg, kg, vg = q[sel], k[sel, start:end], v[sel, start:end]
-        if track:
-            index = torch.arange(rows[0], rows[-1] + 1, device=q.device) if consecutive else sel
-            out = out.index_copy(0, index, _group_attention(qg, kg, vg, None, causal_rows, scale))
-        elif consecutive:
-            _group_attention(qg, kg, vg, out[sel], causal_rows, scale)
-        else:
-            out.index_copy_(0, sel, _group_attention(qg, kg, vg, torch.empty_like(qg), causal_rows, scale))
-    return out
-
-
-def _group_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor | None,
-    causal_rows: int,
-    scale: float | None,
-) -> torch.Tensor:
-    """One group of :func:`ranged_attention` on its key slice: query rows ``[0, causal_rows)`` causal (the
-    kernel's bottom-right alignment on the slice), the others non-causal. Writes into ``out`` when given,
-    else returns a new tensor (differentiable when attention() is)."""
-    seqlen_q = q.shape[1]
-    if k.shape[1] == 0:  # no key at all
-        return out.zero_() if out is not None else torch.zeros_like(q)
-    parts = []
-    for lo, hi, causal in ((0, causal_rows, True), (causal_rows, seqlen_q, False)):
-        if hi > lo:
-            part_out = None if out is None else out[:, lo:hi]
-            parts.append(attention(q[:, lo:hi], k, v, causal=causal, softmax_scale=scale, out=part_out))
-    if out is not None:
-        return out
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    if ranges.is_full(k.shape[1]):
+        return attention(q, k, v, causal=causal, softmax_scale=scale)
+    return attention(q, k, v, causal=causal, softmax_scale=scale, key_range=ranges.tensor(q.device))
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -374,16 +283,7 @@ def attend(
         return sdpa_attention(q, k, v, causal=causal, key_valid=key_valid, dropout_p=dropout_p, scale=scale)
     if key_valid is None:
         return attention(q, k, v, causal=causal, softmax_scale=scale)
-    ranges = plan_padded(
-        key_valid,
-        seqlen_q=q.shape[1],
-        heads=q.shape[2],
-        head_dim=q.shape[3],
-        causal=causal,
-        cache_on=key_padding_mask,
-    )
+    ranges = plan_padded(key_valid, cache_on=key_padding_mask)
     if ranges is None:
         return sdpa_attention(q, k, v, causal=causal, key_valid=key_valid, scale=scale)
-    if ranges.is_full(k.shape[1]):
-        return attention(q, k, v, causal=causal, softmax_scale=scale)
-    return ranged_attention(q, k, v, ranges, causal=causal, scale=scale)
+    return key_range_attention(q, k, v, ranges, causal=causal, scale=scale)

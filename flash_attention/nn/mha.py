@@ -38,9 +38,10 @@ class MultiheadAttention(nn.MultiheadAttention):
       mask. Any other mask is an arbitrary mask or bias: PyTorch path, with a one-time warning;
     * ``key_padding_mask`` is None, or boolean (True = ignore that key, PyTorch's convention) or a float mask
       of 0 and -inf (what ``nn.TransformerEncoder`` passes down), whose valid keys form one run per batch row
-      (right or left padding) -- and the cost model of ``flash_attention.nn.functional.ranged_is_faster``
-      expects the kernel on slices of K/V to beat PyTorch's masked attention (the kernel has no per-batch
-      key lengths yet, so each distinct length costs a launch).
+      (right or left padding): the kernel then applies it itself, as per-batch key ranges (one call with
+      ``key_range``; no mask is materialised). Deciding reads the mask once on the host; that and the key
+      range tensor are remembered on the mask, so the layers of a model sharing it pay once per forward.
+      A mask with holes (valid keys not one run) goes to PyTorch's implementation.
 
     Wrong shapes or mask types reach PyTorch's implementation, so they raise exactly PyTorch's errors.
 
@@ -216,10 +217,8 @@ class MultiheadAttention(nn.MultiheadAttention):
         else:
             return None  # PyTorch raises: only bool and float masks are supported
         key_valid = key_valid.reshape(batch, seqlen_k)
-        shape = (batch, seqlen_q, seqlen_k, self.num_heads, self.head_dim)
-        # Decide from shapes alone first: reading the mask costs a device-to-host copy.
-        if not fn.kernel_expected(query) or not fn.ranged_is_faster(*shape, None, causal=causal):
-            return None
+        if not fn.kernel_expected(query):
+            return None  # no kernel to win with: PyTorch's implementation, without reading the mask
         if torch.is_floating_point(key_padding_mask) and not fn.memo(
             key_padding_mask,
             "zero_or_neg_inf",
@@ -232,14 +231,7 @@ class MultiheadAttention(nn.MultiheadAttention):
                 stacklevel=4,
             )
             return None
-        ranges = fn.plan_padded(
-            key_valid,
-            seqlen_q=seqlen_q,
-            heads=self.num_heads,
-            head_dim=self.head_dim,
-            causal=causal,
-            cache_on=key_padding_mask,
-        )
+        ranges = fn.plan_padded(key_valid, cache_on=key_padding_mask)
         if ranges is None:
             return None
         return causal, ranges
@@ -319,10 +311,10 @@ class MultiheadAttention(nn.MultiheadAttention):
             k = heads(proj(key, slice(e, 2 * e)), 1)[:, :, 0]
             v = heads(proj(value, slice(2 * e, None)), 1)[:, :, 0]
 
-        if ranges is None or ranges.is_full(k.shape[1]):
+        if ranges is None:
             o = fn.attention(q, k, v, causal=causal)
         else:
-            o = fn.ranged_attention(q, k, v, ranges, causal=causal)
+            o = fn.key_range_attention(q, k, v, ranges, causal=causal)
         if seq_first:
             o = o.transpose(0, 1)  # the layout PyTorch returns: contiguous (seqlen, batch, embed_dim)
         out = self.out_proj(o.reshape(*o.shape[:2], e))
