@@ -15,6 +15,7 @@ from typing import Literal, overload
 
 import torch
 
+from . import _custom_ops  # noqa: F401 - registers the flash_attention::fwd/bwd custom ops
 from ._validate import Problem, validate
 from .configs import KernelConfig, parse_config
 from .reference import attention_torch
@@ -99,6 +100,7 @@ def attention(
     return_lse: Literal[False] = ...,
     out: torch.Tensor | None = ...,
     key_range: torch.Tensor | None = ...,
+    deterministic: bool = ...,
 ) -> torch.Tensor: ...
 
 
@@ -113,6 +115,7 @@ def attention(
     return_lse: Literal[True],
     out: torch.Tensor | None = ...,
     key_range: torch.Tensor | None = ...,
+    deterministic: bool = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -126,6 +129,7 @@ def attention(
     return_lse: bool = False,
     out: torch.Tensor | None = None,
     key_range: torch.Tensor | None = None,
+    deterministic: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention ``softmax(q kᵀ · softmax_scale) v``, computed tile by tile on CUDA.
 
@@ -146,13 +150,20 @@ def attention(
             finite nonzero float.
         return_lse: also return the log-sum-exp of each row's scaled scores.
         out: optional preallocated output of q's shape and dtype (last dimension contiguous), written in
-            place and returned.
+            place and returned. Not allowed while autograd records the call (grad mode on and q, k or v
+            requiring grad): as with PyTorch's own ``out=`` variants, that raises RuntimeError, because a
+            gradient cannot flow through a caller's buffer.
         key_range: optional integer tensor of shape (batch, 2) on q's device: batch row ``b`` attends only
             keys ``key_range[b, 0] <= j < key_range[b, 1]`` -- key padding on the right, the left or both,
             handled inside the kernel (no mask is materialised, nothing is read back to the host). It
             combines with ``causal``, whose alignment stays on the full key axis. Values are clamped to
             [0, seqlen_k] (and end to at least start); a row whose range is empty gets 0, like any row
             with no visible key.
+        deterministic: only affects the backward pass. True makes the gradients bitwise identical from
+            run to run (same inputs, same GPU), at a cost in speed; the default may accumulate dQ with
+            atomic additions, whose order varies, so repeated backward passes can differ in the last bits.
+            ``torch.use_deterministic_algorithms(True)`` selects it too. The PyTorch fallback is
+            deterministic either way.
 
     Returns:
         ``out`` of q's shape and dtype; with ``return_lse=True``, ``(out, lse)`` where ``lse`` is float32 of
@@ -165,11 +176,25 @@ def attention(
     inputs, or a GPU/toolchain the kernels cannot use -- computes the same result through PyTorch in chunks
     of query rows (bounded memory), with a one-time warning on CUDA saying why.
 
+    Gradients: the result is differentiable with respect to q, k and v (``key_range`` gets none, and the
+    LSE is returned as a non-differentiable tensor: a loss that uses it gets no gradient through it). When
+    autograd records the call, or under ``torch.compile``, it runs as the custom op ``flash_attention::fwd``
+    whose backward is ``flash_attention::bwd`` (the FlashAttention-2 backward, recomputing the
+    probabilities from the saved LSE; on the same kernel-or-fallback choice as the forward), so
+    ``torch.compile(fullgraph=True)`` sees one node, without a graph break. Plain inference calls skip the
+    op's dispatch and call the kernel directly.
+
     Raises:
         TypeError, ValueError: on invalid arguments, naming the argument and what was expected, before
             anything is launched.
     """
     problem = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, key_range=key_range)
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool; got {type(deterministic).__name__}")
+    records = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if records or torch.compiler.is_compiling():
+        return _attention_op(q, k, v, problem, return_lse, out, key_range, deterministic, records)
+
     if problem.is_empty:
         o, lse = _empty_result(q, problem, out)
         return _result(o, lse, return_lse)
@@ -201,6 +226,34 @@ def attention(
         out=out,
         key_range=key_range,
     )
+    return _result(o, lse, return_lse)
+
+
+def _attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    problem: Problem,
+    return_lse: bool,
+    out: torch.Tensor | None,
+    key_range: torch.Tensor | None,
+    deterministic: bool,
+    records: bool,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attention` through the custom op ``flash_attention::fwd``: differentiable, and one opaque
+    node for torch.compile. The op makes the same kernel-or-fallback choice as the direct path."""
+    if out is not None and records:
+        raise RuntimeError(
+            "attention(): out= does not support automatic differentiation, but q, k or v requires grad; "
+            "call attention() without out= (it returns a new tensor), or under torch.no_grad()"
+        )
+    deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
+    o, lse = torch.ops.flash_attention.fwd(q, k, v, problem.causal, problem.scale, deterministic, key_range)
+    if out is not None:
+        # Only without autograd (torch.compile tracing an inference call): the op cannot write into a
+        # caller's buffer (custom ops return new tensors), so the result is copied.
+        out.copy_(o)
+        o = out
     return _result(o, lse, return_lse)
 
 

@@ -1,0 +1,220 @@
+"""The ``torch.library`` custom ops that make :func:`flash_attention.attention` differentiable and compilable.
+
+* ``flash_attention::fwd(q, k, v, causal, scale, deterministic, key_range?) -> (out, lse)``
+* ``flash_attention::bwd(dout, q, k, v, out, lse, causal, scale, deterministic, key_range?) -> (dq, dk, dv)``
+
+Each has a fake (meta) implementation, so ``torch.compile`` traces a call as one opaque node without running
+it; a CUDA implementation that runs our kernels (``ops.cuda_forward`` / ``ops.cuda_backward``) and falls back
+to PyTorch when they cannot run on the inputs (float32, an old GPU, no compiler); and an implementation for
+every other device that is the PyTorch fallback (:func:`~flash_attention.reference.attention_torch` and
+:func:`~flash_attention.reference.attention_backward_torch`). ``fwd`` has an autograd formula that calls
+``bwd``.
+
+Conventions of both ops: the arguments were validated by :func:`flash_attention._validate.validate` (shapes,
+dtypes, last dimension contiguous); ``scale`` is resolved (never None). ``deterministic`` changes nothing in
+the forward: it rides on ``fwd`` so that autograd's saved context carries it to ``bwd``. Outputs are new
+contiguous tensors (``out`` and dq/dk/dv with the shapes and dtypes of q, k, v; ``lse`` float32 (batch,
+heads_q, seqlen_q)), never views of an input, as custom ops require. ``lse`` is not differentiable:
+gradients flow through ``out`` only (as in the FlashAttention library); a loss that uses the LSE gets no
+gradient from it.
+
+``ops`` (the JIT machinery) is imported only when a CUDA tensor reaches a CUDA implementation, as in
+:mod:`flash_attention.interface`, which this module imports lazily for the same reason (and to share its
+once-per-reason fallback warning).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .reference import attention_backward_torch, attention_torch
+
+__all__ = ["fwd", "bwd"]
+
+# Schemas are spelled out rather than inferred from annotations: inference of ``Tensor | None`` and of
+# postponed (string) annotations differs between the torch versions we support.
+_FWD_SCHEMA = (
+    "(Tensor q, Tensor k, Tensor v, bool causal, float scale, bool deterministic, Tensor? key_range)"
+    " -> (Tensor, Tensor)"
+)
+_BWD_SCHEMA = (
+    "(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, float scale,"
+    " bool deterministic, Tensor? key_range) -> (Tensor, Tensor, Tensor)"
+)
+
+
+def _has_no_pair(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """True when no (query, key) pair exists: nothing to launch, the fallback returns the answer at once."""
+    return q.numel() == 0 or k.shape[1] == 0
+
+
+def _kernel_ops(q: torch.Tensor):
+    """The ``ops`` module when our kernels can run on ``q``, else None (after the once-per-reason warning)."""
+    from . import interface
+
+    ops, reason = interface._kernel_unavailable_reason(q)
+    if reason is None:
+        return ops
+    interface._warn_fallback(reason)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# flash_attention::fwd
+
+
+@torch.library.custom_op("flash_attention::fwd", mutates_args=(), schema=_FWD_SCHEMA)
+def fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    deterministic: bool,
+    key_range: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Any device but CUDA: the PyTorch fallback."""
+    out, lse = attention_torch(
+        q, k, v, causal=causal, softmax_scale=scale, return_lse=True, key_range=key_range
+    )
+    return out, lse
+
+
+@fwd.register_kernel("cuda")
+def _fwd_cuda(q, k, v, causal, scale, deterministic, key_range):
+    return forward_impl(q, k, v, causal, scale, key_range)
+
+
+def forward_impl(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    key_range: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fwd`` on CUDA: our kernel when it can run on these inputs, else the PyTorch fallback."""
+    ops = None if _has_no_pair(q, k) else _kernel_ops(q)
+    if ops is None:
+        out, lse = attention_torch(
+            q, k, v, causal=causal, softmax_scale=scale, return_lse=True, key_range=key_range
+        )
+        return out, lse
+    out, lse = ops.cuda_forward(
+        q,
+        k,
+        v,
+        causal=causal,
+        softmax_scale=scale,
+        return_lse=True,
+        out=None,
+        config=None,
+        key_range=key_range,
+    )
+    return out, lse
+
+
+@fwd.register_fake
+def _fwd_fake(q, k, v, causal, scale, deterministic, key_range):
+    batch, seqlen_q, heads_q, _ = q.shape
+    out = q.new_empty(q.shape)  # contiguous, like the kernel's and the fallback's output
+    lse = q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
+    return out, lse
+
+
+def _fwd_setup_context(ctx, inputs, output) -> None:
+    q, k, v, causal, scale, deterministic, key_range = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, key_range)
+    ctx.causal, ctx.scale, ctx.deterministic = causal, scale, deterministic
+    ctx.mark_non_differentiable(lse)
+
+
+def _fwd_backward(ctx, dout, dlse):
+    # dlse is ignored: lse is marked non-differentiable, so it never carries a gradient.
+    q, k, v, out, lse, key_range = ctx.saved_tensors
+    dq, dk, dv = torch.ops.flash_attention.bwd(
+        dout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.deterministic, key_range
+    )
+    return dq, dk, dv, None, None, None, None
+
+
+fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# flash_attention::bwd
+
+
+@torch.library.custom_op("flash_attention::bwd", mutates_args=(), schema=_BWD_SCHEMA)
+def bwd(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
+    deterministic: bool,
+    key_range: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Any device but CUDA: the PyTorch fallback (deterministic by construction)."""
+    return attention_backward_torch(
+        dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, key_range=key_range
+    )
+
+
+@bwd.register_kernel("cuda")
+def _bwd_cuda(dout, q, k, v, out, lse, causal, scale, deterministic, key_range):
+    return backward_impl(dout, q, k, v, out, lse, causal, scale, deterministic, key_range)
+
+
+def backward_impl(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
+    deterministic: bool,
+    key_range: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``bwd`` on CUDA: our backward kernels when they can run on these inputs, else the PyTorch fallback."""
+    ops = None if _has_no_pair(q, k) else _kernel_ops(q)
+    if ops is None:
+        return attention_backward_torch(
+            dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, key_range=key_range
+        )
+    cuda_backward = getattr(ops, "cuda_backward", None)
+    if cuda_backward is None:
+        raise NotImplementedError(
+            "flash_attention: the CUDA backward kernel is not available yet (flash_attention.ops has no "
+            f"cuda_backward), so gradients of {q.dtype} CUDA inputs cannot be computed by this version. "
+            "Use float32 inputs (PyTorch fallback, differentiable) or "
+            "torch.nn.functional.scaled_dot_product_attention for training until it lands."
+        )
+    # Autograd hands over whatever layout the next op produced, e.g. a stride-0 expand for out.sum();
+    # the kernels read dO in 16-byte vectors along head_dim, as they read q.
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    dq, dk, dv = cuda_backward(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        causal=causal,
+        softmax_scale=scale,
+        deterministic=deterministic,
+        key_range=key_range,
+    )
+    return dq, dk, dv
+
+
+@bwd.register_fake
+def _bwd_fake(dout, q, k, v, out, lse, causal, scale, deterministic, key_range):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
