@@ -236,8 +236,27 @@ def test_flash_attention_inference_uses_kernel_route(kernel_calls):
     assert kernel_calls == [((2, 16, 8, 8), (2, 16, 2, 8), True)]
 
 
-def test_flash_attention_training_goes_through_pytorch_and_matches_gradients(kernel_calls, monkeypatch):
+def test_flash_attention_training_uses_the_kernel_route_and_matches_gradients(kernel_calls, monkeypatch):
     monkeypatch.setattr(fn, "kernel_expected", lambda t: True)  # warnings are for CUDA users
+    m = FlashAttention(64, 4, num_kv_heads=2, causal=True)
+    x = torch.randn(2, 12, 64, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "runs through PyTorch" warning: attention() has a backward
+        out, _ = m(x)
+    assert kernel_calls == [((2, 12, 4, 16), (2, 12, 2, 16), True)]
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    # The same gradients from the float64 reference (autograd through the naive computation).
+    ref_m = copy.deepcopy(m).double()
+    x64 = x.detach().double().requires_grad_(True)
+    exact, _ = _fa_reference(ref_m, x64, x64, x64)
+    exact.backward(grad_out.double())
+    assert (x.grad.double() - x64.grad).abs().max() < 1e-4
+
+
+def test_flash_attention_training_without_kernel_backward_goes_through_pytorch(kernel_calls, monkeypatch):
+    monkeypatch.setattr(fn, "kernel_expected", lambda t: True)
+    monkeypatch.setattr(fn, "KERNEL_HAS_BACKWARD", False)
     m = FlashAttention(64, 4, num_kv_heads=2, causal=True)
     x = torch.randn(2, 12, 64, requires_grad=True)
     with pytest.warns(RuntimeWarning, match="no backward pass"):
@@ -245,15 +264,11 @@ def test_flash_attention_training_goes_through_pytorch_and_matches_gradients(ker
     assert kernel_calls == []
     grad_out = torch.randn_like(out)
     out.backward(grad_out)
-    # The same gradients from the float64 reference (autograd through the naive computation).
-    ref_m = copy.deepcopy(m).double()
     x64 = x.detach().double().requires_grad_(True)
-    exact, _ = _fa_reference(ref_m, x64, x64, x64)
-    # _fa_reference deep-copies again; differentiate w.r.t. its input instead.
+    exact, _ = _fa_reference(copy.deepcopy(m).double(), x64, x64, x64)
     exact.backward(grad_out.double())
     assert (x.grad.double() - x64.grad).abs().max() < 1e-4
-    # Warned once only.
-    with warnings.catch_warnings():
+    with warnings.catch_warnings():  # warned once only
         warnings.simplefilter("error")
         m(x)
 
@@ -471,9 +486,9 @@ def test_plan_padded_on_cuda_takes_every_one_run_mask(monkeypatch):
 
 @pytest.mark.parametrize("padding", ["right", "left"])
 def test_flash_attention_key_range_route_under_autograd(padding, force_key_range, monkeypatch):
-    # When the backward pass lands, KERNEL_HAS_BACKWARD = True is the only change: training with padding
-    # then takes the key-range route too. The CPU fallback of attention() is differentiable, so gradients
-    # are checked now: the input's against the float64 reference, the parameters' against the PyTorch route.
+    # Training with padding takes the key-range route (attention() is differentiable); with
+    # KERNEL_HAS_BACKWARD switched off it takes the PyTorch route. Gradients: the input's against the
+    # float64 reference, the parameters' against the PyTorch route.
     m = FlashAttention(64, 4, num_kv_heads=2, causal=True)
     x = torch.randn(3, 10, 64, requires_grad=True)
     kpm = _padding(3, 10, padding)
@@ -481,12 +496,13 @@ def test_flash_attention_key_range_route_under_autograd(padding, force_key_range
     g = torch.randn(3, 10, 64)
     params = list(m.parameters())
 
-    with pytest.warns(RuntimeWarning, match="no backward pass"):  # KERNEL_HAS_BACKWARD False: PyTorch route
+    monkeypatch.setattr(fn, "KERNEL_HAS_BACKWARD", False)  # the switch off: PyTorch route, with a warning
+    with pytest.warns(RuntimeWarning, match="no backward pass"):
         out_pt, _ = m(x, key_padding_mask=kpm)
     assert force_key_range["key_range"] == []
     grads_pt = torch.autograd.grad(out_pt, [x, *params], g)
 
-    monkeypatch.setattr(fn, "KERNEL_HAS_BACKWARD", True)
+    monkeypatch.setattr(fn, "KERNEL_HAS_BACKWARD", True)  # the default: the kernel's backward
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "runs through PyTorch" warning
         out, _ = m(x, key_padding_mask=kpm)
@@ -782,15 +798,21 @@ def test_mha_key_range_route_under_autograd_matches_stock_gradients(side, force_
         assert (a - b).abs().max() < 1e-4
 
 
-def test_mha_eval_with_grad_enabled_parameters_goes_to_parent(kernel_calls):
-    # Inference without torch.no_grad(): the parameters require grad, so autograd records the call.
+def test_mha_eval_with_grad_enabled_parameters_uses_the_kernel_route(kernel_calls, monkeypatch):
+    # Inference without torch.no_grad(): the parameters require grad, so autograd records the call, which
+    # the kernel route (differentiable) takes; with KERNEL_HAS_BACKWARD off it goes to the parent.
     stock, ours = _pair(32, 4, batch_first=True)
     x = torch.randn(2, 5, 32)
     o, _ = ours(x, x, x, need_weights=False)
-    assert o.requires_grad and kernel_calls == []
+    assert o.requires_grad and len(kernel_calls) == 1
+    s, _ = stock(x, x, x, need_weights=False)
+    assert (o - s).abs().max() < 1e-5
+    monkeypatch.setattr(fn, "KERNEL_HAS_BACKWARD", False)
+    ours(x, x, x, need_weights=False)
+    assert len(kernel_calls) == 1
     with torch.no_grad():
         ours(x, x, x, need_weights=False)
-    assert len(kernel_calls) == 1
+    assert len(kernel_calls) == 2
 
 
 def _error_of(fn_call):

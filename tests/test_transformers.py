@@ -13,6 +13,7 @@ Skipped when transformers is not installed (it is an optional dependency).
 from __future__ import annotations
 
 import copy
+import warnings
 import zlib
 
 import pytest
@@ -259,8 +260,26 @@ def test_generate_with_static_cache_matches_sdpa(calls):
     assert all(m is None or len(m) == 4 for m in calls["masks"])
 
 
-def test_training_goes_through_sdpa_with_the_same_gradients(calls, monkeypatch):
+def test_training_uses_our_attention_with_the_same_gradients(calls, monkeypatch):
     monkeypatch.setattr(fn, "kernel_expected", lambda t: True)
+    ours, ref, _ = _models("llama")
+    ours.train(), ref.train()
+    ids = torch.randint(3, VOCAB, (2, 12))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no "runs through SDPA" warning
+        loss_o = ours(ids, labels=ids).loss
+    loss_s = ref(ids, labels=ids).loss
+    loss_o.backward()
+    loss_s.backward()
+    assert calls["kernel"] > 0
+    assert torch.allclose(loss_o, loss_s)
+    for (name, p), q in zip(ours.named_parameters(), ref.parameters(), strict=True):
+        assert torch.allclose(p.grad, q.grad, atol=1e-6, rtol=1e-4), name
+
+
+def test_training_without_kernel_backward_goes_through_sdpa(calls, monkeypatch):
+    monkeypatch.setattr(fn, "kernel_expected", lambda t: True)
+    monkeypatch.setattr(fn, "KERNEL_HAS_BACKWARD", False)
     ours, ref, _ = _models("llama")
     ours.train(), ref.train()
     ids = torch.randint(3, VOCAB, (2, 12))
@@ -271,8 +290,6 @@ def test_training_goes_through_sdpa_with_the_same_gradients(calls, monkeypatch):
     loss_s.backward()
     assert calls["kernel"] == 0
     assert torch.allclose(loss_o, loss_s)
-    for (name, p), q in zip(ours.named_parameters(), ref.parameters(), strict=True):
-        assert torch.allclose(p.grad, q.grad, atol=1e-6, rtol=1e-4), name
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -12,8 +12,8 @@ seqlen_k, heads_kv, head_dim). A call takes one of three routes:
    (:func:`key_ranges`); it and the ``key_range`` tensor are memoised on the mask tensor (:func:`memo`), so
    the layers of a model that share one mask pay that read once per forward pass.
 3. **PyTorch** -- :func:`sdpa_attention` (``torch.nn.functional.scaled_dot_product_attention`` with an
-   explicit boolean mask): whatever the kernel cannot do yet -- gradients (the kernel has no backward pass
-   yet; routes 1 and 2 take them as they are once :data:`KERNEL_HAS_BACKWARD` is True), attention dropout,
+   explicit boolean mask): whatever the kernel cannot do yet -- attention dropout (the kernels have no
+   dropout; gradients go through routes 1 and 2, see :data:`KERNEL_HAS_BACKWARD`),
    padding whose valid keys are not one run per row (holes in the middle), and, in the modules, arbitrary
    masks.
 
@@ -46,10 +46,10 @@ __all__ = [
     "warn_once",
 ]
 
-#: Whether :func:`flash_attention.attention` is differentiable on the kernel path. It is not yet (the
-#: backward pass is the next issue), so a call that must record gradients runs through PyTorch (route 3).
-#: When the backward lands, setting this to True is the one change the modules need.
-KERNEL_HAS_BACKWARD = False
+#: Whether :func:`flash_attention.attention` is differentiable on the kernel path: it is (the backward
+#: kernels, through the ``flash_attention::fwd``/``bwd`` custom ops), so training runs routes 1 and 2 as
+#: they are. Set to False to send every call that records gradients to PyTorch (route 3) instead.
+KERNEL_HAS_BACKWARD = True
 
 _warned: set[str] = set()
 _warn_lock = threading.Lock()
