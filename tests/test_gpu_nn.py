@@ -216,7 +216,7 @@ def test_mha_training_runs_our_backward_and_matches_stock(side, launches):
         ("stock", stock, torch.bfloat16),
         ("exact", exact_m, torch.float64),
     ):
-        xi = x.to(dt).requires_grad_(True)
+        xi = x.detach().to(dt).clone().requires_grad_(True)
         o, _ = m(xi, xi, xi, key_padding_mask=kpm, need_weights=False)
         o.backward(g.to(dt))
         grads[name] = [xi.grad] + [p.grad for p in m.parameters()]
