@@ -23,7 +23,7 @@ def plot_paths(results_path: str | Path, head_dims) -> list[Path]:
     return [p.with_name(f"{p.stem}-d{d}.png") for d in head_dims]
 
 
-def plot_results(result: dict, results_path: str | Path, mode: str = "fwd") -> list[Path]:
+def plot_results(result: dict, results_path: str | Path, mode: str | None = None) -> list[Path]:
     """Write ``<results stem>-d<head_dim>.png`` beside the result file; returns the paths written."""
     try:
         import matplotlib
@@ -33,6 +33,12 @@ def plot_results(result: dict, results_path: str | Path, mode: str = "fwd") -> l
     except ImportError as exc:
         raise RuntimeError("plots need matplotlib: pip install matplotlib") from exc
 
+    if mode is None:
+        # The file's forward rows, or its training rows when it measured only a training mode.
+        modes = {r.get("mode", "fwd") for r in result["rows"]}
+        mode = (
+            "fwd" if "fwd" in modes or not modes else ("fwd_bwd" if "fwd_bwd" in modes else sorted(modes)[0])
+        )
     rows = [r for r in result["rows"] if r.get("mode") == mode and r.get("tflops")]
     head_dims = sorted({r["head_dim"] for r in rows})
     impls = list(dict.fromkeys(r["impl"] for r in rows))
