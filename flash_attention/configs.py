@@ -510,7 +510,7 @@ def bwd_validity_errors(cfg: BwdConfig) -> list[str]:
 #: The backward configs by head dim: the largest tiles that compile without spilling (docs/kernel-log.md).
 _BWD_DEFAULTS = {
     64: dict(block_q=128, block_kv=128, num_warps=8, split=1, double_buffer=False),
-    128: dict(block_q=64, block_kv=128, num_warps=8, split=1, double_buffer=False),
+    128: dict(block_q=64, block_kv=128, num_warps=8, split=1, double_buffer=True),
     192: dict(block_q=64, block_kv=64, num_warps=4, split=3, double_buffer=False),
     256: dict(block_q=64, block_kv=64, num_warps=4, split=2, double_buffer=False),
 }

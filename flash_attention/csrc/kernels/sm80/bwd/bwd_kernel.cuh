@@ -111,7 +111,10 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
   constexpr int WQN = NW / WQM;
   constexpr int MQ = BR / 16 / WQM;  // 16-row tiles per warp
   constexpr int DOW = DO / WQN;      // columns per warp
-  constexpr int QC = DOW % 32 == 0 ? 32 : 16;  // columns per atomic pass (bounds the accumulator registers)
+  // Columns per atomic pass: one swizzle group, so a pass's column offset is a plain byte offset. (With
+  // 32-column passes the loop index reached FragAddr's per-lane base array at run time, which put that array
+  // in local memory: the first profile showed local loads as the kernel's top stall.)
+  constexpr int QC = 64;
   static_assert(WN % 16 == 0 && BR % 64 == 0 && DO % 64 == 0 && DOW % 64 == 0, "bad backward tile");
 
   extern __shared__ __align__(128) unsigned char smem[];
@@ -394,7 +397,7 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
           for (int dq = 0; dq < QC / 16; ++dq) {
             u32 b[4];
             // K transposed: the same lane pattern as Q/dO transposed, on K's tile.
-            ldmatrix_x4_trans(b, bt_qd(16 * ks, c * (QC / 16) + dq) - (sQ - sK) + 2 * wq_col);
+            ldmatrix_x4_trans(b, bt_qd(16 * ks, dq) - (sQ - sK) + 2 * (wq_col + c * QC));
 #pragma unroll
             for (int mq = 0; mq < MQ; ++mq) {
               mma_16816<BF>(acc[mq][2 * dq], a[mq], b[0], b[1]);
