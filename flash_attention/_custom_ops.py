@@ -1,7 +1,12 @@
 """The ``torch.library`` custom ops that make :func:`flash_attention.attention` differentiable and compilable.
 
-* ``flash_attention::fwd(q, k, v, causal, scale, deterministic, key_range?) -> (out, lse)``
-* ``flash_attention::bwd(dout, q, k, v, out, lse, causal, scale, deterministic, key_range?) -> (dq, dk, dv)``
+* ``flash_attention::fwd(q, k, v, causal, scale, deterministic, key_range?, dropout_p, dropout_seed?)
+  -> (out, lse)``
+* ``flash_attention::bwd(dout, q, k, v, out, lse, causal, scale, deterministic, key_range?, dropout_p,
+  dropout_seed?) -> (dq, dk, dv)``
+
+``dropout_seed`` is the 2-element int64 CPU tensor of :func:`flash_attention.dropout.draw_seed`; the forward
+saves it, so the backward regenerates the forward's keep mask.
 
 Each has a fake (meta) implementation, so ``torch.compile`` traces a call as one opaque node without running
 it; a CUDA implementation that runs our kernels (``ops.cuda_forward`` / ``ops.cuda_backward``) and falls back
@@ -34,12 +39,13 @@ __all__ = ["fwd", "bwd"]
 # Schemas are spelled out rather than inferred from annotations: inference of ``Tensor | None`` and of
 # postponed (string) annotations differs between the torch versions we support.
 _FWD_SCHEMA = (
-    "(Tensor q, Tensor k, Tensor v, bool causal, float scale, bool deterministic, Tensor? key_range)"
-    " -> (Tensor, Tensor)"
+    "(Tensor q, Tensor k, Tensor v, bool causal, float scale, bool deterministic, Tensor? key_range,"
+    " float dropout_p=0., Tensor? dropout_seed=None) -> (Tensor, Tensor)"
 )
 _BWD_SCHEMA = (
     "(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, float scale,"
-    " bool deterministic, Tensor? key_range) -> (Tensor, Tensor, Tensor)"
+    " bool deterministic, Tensor? key_range, float dropout_p=0., Tensor? dropout_seed=None)"
+    " -> (Tensor, Tensor, Tensor)"
 )
 
 
@@ -72,17 +78,27 @@ def fwd(
     scale: float,
     deterministic: bool,
     key_range: torch.Tensor | None,
+    dropout_p: float = 0.0,
+    dropout_seed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Any device but CUDA: the PyTorch fallback."""
     out, lse = attention_torch(
-        q, k, v, causal=causal, softmax_scale=scale, return_lse=True, key_range=key_range
+        q,
+        k,
+        v,
+        causal=causal,
+        softmax_scale=scale,
+        return_lse=True,
+        key_range=key_range,
+        dropout_p=dropout_p,
+        dropout_seed=dropout_seed,
     )
     return out, lse
 
 
 @fwd.register_kernel("cuda")
-def _fwd_cuda(q, k, v, causal, scale, deterministic, key_range):
-    return forward_impl(q, k, v, causal, scale, key_range)
+def _fwd_cuda(q, k, v, causal, scale, deterministic, key_range, dropout_p=0.0, dropout_seed=None):
+    return forward_impl(q, k, v, causal, scale, key_range, dropout_p, dropout_seed)
 
 
 def forward_impl(
@@ -92,12 +108,22 @@ def forward_impl(
     causal: bool,
     scale: float,
     key_range: torch.Tensor | None,
+    dropout_p: float = 0.0,
+    dropout_seed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``fwd`` on CUDA: our kernel when it can run on these inputs, else the PyTorch fallback."""
     ops = None if _has_no_pair(q, k) else _kernel_ops(q)
     if ops is None:
         out, lse = attention_torch(
-            q, k, v, causal=causal, softmax_scale=scale, return_lse=True, key_range=key_range
+            q,
+            k,
+            v,
+            causal=causal,
+            softmax_scale=scale,
+            return_lse=True,
+            key_range=key_range,
+            dropout_p=dropout_p,
+            dropout_seed=dropout_seed,
         )
         return out, lse
     out, lse = ops.cuda_forward(
@@ -110,12 +136,14 @@ def forward_impl(
         out=None,
         config=None,
         key_range=key_range,
+        dropout_p=dropout_p,
+        dropout_seed=dropout_seed,
     )
     return out, lse
 
 
 @fwd.register_fake
-def _fwd_fake(q, k, v, causal, scale, deterministic, key_range):
+def _fwd_fake(q, k, v, causal, scale, deterministic, key_range, dropout_p=0.0, dropout_seed=None):
     batch, seqlen_q, heads_q, _ = q.shape
     out = q.new_empty(q.shape)  # contiguous, like the kernel's and the fallback's output
     lse = q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
@@ -123,20 +151,31 @@ def _fwd_fake(q, k, v, causal, scale, deterministic, key_range):
 
 
 def _fwd_setup_context(ctx, inputs, output) -> None:
-    q, k, v, causal, scale, deterministic, key_range = inputs
+    q, k, v, causal, scale, deterministic, key_range, dropout_p, dropout_seed = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, key_range)
-    ctx.causal, ctx.scale, ctx.deterministic = causal, scale, deterministic
+    ctx.save_for_backward(q, k, v, out, lse, key_range, dropout_seed)
+    ctx.causal, ctx.scale, ctx.deterministic, ctx.dropout_p = causal, scale, deterministic, dropout_p
     ctx.mark_non_differentiable(lse)
 
 
 def _fwd_backward(ctx, dout, dlse):
     # dlse is ignored: lse is marked non-differentiable, so it never carries a gradient.
-    q, k, v, out, lse, key_range = ctx.saved_tensors
+    q, k, v, out, lse, key_range, dropout_seed = ctx.saved_tensors
     dq, dk, dv = torch.ops.flash_attention.bwd(
-        dout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.deterministic, key_range
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        ctx.causal,
+        ctx.scale,
+        ctx.deterministic,
+        key_range,
+        ctx.dropout_p,
+        dropout_seed,
     )
-    return dq, dk, dv, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
@@ -158,16 +197,32 @@ def bwd(
     scale: float,
     deterministic: bool,
     key_range: torch.Tensor | None,
+    dropout_p: float = 0.0,
+    dropout_seed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Any device but CUDA: the PyTorch fallback (deterministic by construction)."""
     return attention_backward_torch(
-        dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, key_range=key_range
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        causal=causal,
+        softmax_scale=scale,
+        key_range=key_range,
+        dropout_p=dropout_p,
+        dropout_seed=dropout_seed,
     )
 
 
 @bwd.register_kernel("cuda")
-def _bwd_cuda(dout, q, k, v, out, lse, causal, scale, deterministic, key_range):
-    return backward_impl(dout, q, k, v, out, lse, causal, scale, deterministic, key_range)
+def _bwd_cuda(
+    dout, q, k, v, out, lse, causal, scale, deterministic, key_range, dropout_p=0.0, dropout_seed=None
+):
+    return backward_impl(
+        dout, q, k, v, out, lse, causal, scale, deterministic, key_range, dropout_p, dropout_seed
+    )
 
 
 def backward_impl(
@@ -181,12 +236,24 @@ def backward_impl(
     scale: float,
     deterministic: bool,
     key_range: torch.Tensor | None,
+    dropout_p: float = 0.0,
+    dropout_seed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``bwd`` on CUDA: our backward kernels when they can run on these inputs, else the PyTorch fallback."""
     ops = None if _has_no_pair(q, k) else _kernel_ops(q)
     if ops is None:
         return attention_backward_torch(
-            dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, key_range=key_range
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            causal=causal,
+            softmax_scale=scale,
+            key_range=key_range,
+            dropout_p=dropout_p,
+            dropout_seed=dropout_seed,
         )
     cuda_backward = getattr(ops, "cuda_backward", None)
     if cuda_backward is None:
@@ -211,10 +278,14 @@ def backward_impl(
         softmax_scale=scale,
         deterministic=deterministic,
         key_range=key_range,
+        dropout_p=dropout_p,
+        dropout_seed=dropout_seed,
     )
     return dq, dk, dv
 
 
 @bwd.register_fake
-def _bwd_fake(dout, q, k, v, out, lse, causal, scale, deterministic, key_range):
+def _bwd_fake(
+    dout, q, k, v, out, lse, causal, scale, deterministic, key_range, dropout_p=0.0, dropout_seed=None
+):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)

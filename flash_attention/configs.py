@@ -452,14 +452,19 @@ class BwdConfig:
     def __str__(self) -> str:
         return self.name()
 
-    def symbol(self, kernel: str, causal: bool = False, ranged: bool = False) -> str:
+    def symbol(self, kernel: str, causal: bool = False, ranged: bool = False, dropout: bool = False) -> str:
         """Entry point of one kernel of the family: ``pre``, ``dkdv`` (atomic dQ), ``dkdv_det`` or ``dq``."""
         if kernel not in ("pre", "dkdv", "dkdv_det", "dq"):
             raise ValueError(f"kernel must be pre, dkdv, dkdv_det or dq; got {kernel!r}")
         base = "flash_" + self.name() + "__" + kernel
         if kernel == "pre":
             return base
-        return base + ("__causal" if causal else "") + ("__ranged" if ranged else "")
+        return (
+            base
+            + ("__causal" if causal else "")
+            + ("__ranged" if ranged else "")
+            + ("__dropout" if dropout else "")
+        )
 
     def replace(self, **changes) -> BwdConfig:
         return dataclasses.replace(self, **changes)

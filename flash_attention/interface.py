@@ -101,6 +101,8 @@ def attention(
     out: torch.Tensor | None = ...,
     key_range: torch.Tensor | None = ...,
     deterministic: bool = ...,
+    dropout_p: float = ...,
+    dropout_seed: int | None = ...,
 ) -> torch.Tensor: ...
 
 
@@ -116,6 +118,8 @@ def attention(
     out: torch.Tensor | None = ...,
     key_range: torch.Tensor | None = ...,
     deterministic: bool = ...,
+    dropout_p: float = ...,
+    dropout_seed: int | None = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -130,6 +134,8 @@ def attention(
     out: torch.Tensor | None = None,
     key_range: torch.Tensor | None = None,
     deterministic: bool = False,
+    dropout_p: float = 0.0,
+    dropout_seed: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention ``softmax(q kᵀ · softmax_scale) v``, computed tile by tile on CUDA.
 
@@ -164,6 +170,14 @@ def attention(
             atomic additions, whose order varies, so repeated backward passes can differ in the last bits.
             ``torch.use_deterministic_algorithms(True)`` selects it too. The PyTorch fallback is
             deterministic either way.
+        dropout_p: attention dropout: each probability is dropped with probability ``dropout_p`` (in
+            [0, 1)) and the kept ones are scaled by ``1 / (1 - dropout_p)``; the LSE stays that of the
+            full softmax. The kernels draw the decisions from a counter-based hash of (seed, batch, head,
+            query, key), so nothing is stored: the backward regenerates the forward's mask, and the CPU
+            fallback drops exactly the same elements for the same seed. 0 (the default) runs kernels
+            without any dropout code.
+        dropout_seed: the seed of the mask (reproducible calls); default: drawn from PyTorch's CPU
+            generator, so ``torch.manual_seed`` makes runs reproducible.
 
     Returns:
         ``out`` of q's shape and dtype; with ``return_lse=True``, ``(out, lse)`` where ``lse`` is float32 of
@@ -191,9 +205,12 @@ def attention(
     problem = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, key_range=key_range)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool; got {type(deterministic).__name__}")
+    seed = _dropout_seed(dropout_p, dropout_seed)
     records = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if records or torch.compiler.is_compiling():
-        return _attention_op(q, k, v, problem, return_lse, out, key_range, deterministic, records)
+        return _attention_op(
+            q, k, v, problem, return_lse, out, key_range, deterministic, records, float(dropout_p), seed
+        )
 
     if problem.is_empty:
         o, lse = _empty_result(q, problem, out)
@@ -212,6 +229,8 @@ def attention(
                 out=out,
                 config=None,
                 key_range=key_range,
+                dropout_p=float(dropout_p),
+                dropout_seed=seed,
             )
             return _result(o, lse, return_lse)
         _warn_fallback(reason)
@@ -225,8 +244,25 @@ def attention(
         return_lse=return_lse,
         out=out,
         key_range=key_range,
+        dropout_p=float(dropout_p),
+        dropout_seed=seed,
     )
     return _result(o, lse, return_lse)
+
+
+def _dropout_seed(dropout_p: object, dropout_seed: object) -> torch.Tensor | None:
+    """Validate the dropout arguments; the call's (seed, offset) tensor, or None without dropout."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"dropout_p must be a float in [0, 1); got {type(dropout_p).__name__}")
+    if not 0.0 <= float(dropout_p) < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1); got {dropout_p!r}")
+    if dropout_seed is not None and (isinstance(dropout_seed, bool) or not isinstance(dropout_seed, int)):
+        raise TypeError(f"dropout_seed must be an int or None; got {type(dropout_seed).__name__}")
+    if not dropout_p:
+        return None
+    from .dropout import draw_seed
+
+    return draw_seed(dropout_seed)
 
 
 def _attention_op(
@@ -239,6 +275,8 @@ def _attention_op(
     key_range: torch.Tensor | None,
     deterministic: bool,
     records: bool,
+    dropout_p: float = 0.0,
+    dropout_seed: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`attention` through the custom op ``flash_attention::fwd``: differentiable, and one opaque
     node for torch.compile. The op makes the same kernel-or-fallback choice as the direct path."""
@@ -248,7 +286,9 @@ def _attention_op(
             "call attention() without out= (it returns a new tensor), or under torch.no_grad()"
         )
     deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
-    o, lse = torch.ops.flash_attention.fwd(q, k, v, problem.causal, problem.scale, deterministic, key_range)
+    o, lse = torch.ops.flash_attention.fwd(
+        q, k, v, problem.causal, problem.scale, deterministic, key_range, dropout_p, dropout_seed
+    )
     if out is not None:
         # Only without autograd (torch.compile tracing an inference call): the op cannot write into a
         # caller's buffer (custom ops return new tensors), so the result is copied.

@@ -215,8 +215,13 @@ def cuda_forward(
     trace=None,
     trace_fault: str = "none",
     key_range: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the forward kernel. Inputs were validated by flash_attention._validate.
+
+    ``dropout_p`` > 0 runs the dropout build with the keep mask of ``dropout_seed``
+    (:mod:`flash_attention.dropout`).
 
     ``key_range`` (batch, 2) integers runs the key-padding build: batch row b attends only keys
     ``key_range[b, 0] <= j < key_range[b, 1]`` (clamped in the kernel, so any values are safe).
@@ -237,6 +242,8 @@ def cuda_forward(
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     cfg = resolve_config(config, q, causal, seqlen_k, softmax_scale, heads_q // heads_kv)
+    if dropout_p and config is None:
+        cfg = dropout_config(cfg)
     if heads_q > _MAX_GRID_YZ or batch > _MAX_GRID_YZ:
         raise ValueError(
             f"batch and heads must be at most {_MAX_GRID_YZ}; got batch={batch}, heads={heads_q}"
@@ -279,6 +286,9 @@ def cuda_forward(
     p.num_m_blocks = math.ceil(seqlen_q / cfg.block_q)
     p.scale = softmax_scale
     p.scale_log2 = softmax_scale * _LOG2E
+    _fill_dropout(p, dropout_p, dropout_seed)
+    if dropout_p and trace is not None:
+        raise ValueError("the debug (trace) build does not take dropout")
     trace_buf = None
     if trace is not None:
         trace_buf, p.trace_fault = _trace_buffer(
@@ -288,7 +298,14 @@ def cuda_forward(
         p.trace_batch, p.trace_head = trace.batch, trace.head
         p.trace_m_block, p.trace_warp = trace.row_block, trace.warp
 
-    kernel = get_kernel(cfg, bool(causal), index, trace=trace is not None, ranged=key_range is not None)
+    kernel = get_kernel(
+        cfg,
+        bool(causal),
+        index,
+        trace=trace is not None,
+        ranged=key_range is not None,
+        dropout=bool(dropout_p),
+    )
     kernel.ensure_dynamic_smem(cfg.smem_bytes, index)
     stream = torch.cuda.current_stream(device).cuda_stream
     grid = (p.num_m_blocks, heads_q, batch)
@@ -323,6 +340,26 @@ def _bwd_ready(t: torch.Tensor) -> torch.Tensor:
     return _kernel_ready(t)
 
 
+def dropout_config(cfg: KernelConfig) -> KernelConfig:
+    """The forward config of a dropout call: the hash adds registers, so a tile with two 16-row mma tiles
+    per warp (up to 255 registers without dropout) runs with one, instead of spilling."""
+    if cfg.block_q // cfg.num_warps > 16:
+        return cfg.replace(block_q=cfg.block_q // 2)
+    return cfg
+
+
+def _fill_dropout(p, dropout_p: float, dropout_seed) -> None:
+    if not dropout_p:
+        return
+    from .dropout import dropout_key, dropout_threshold, seed_pair
+
+    if dropout_seed is None:
+        raise ValueError("dropout_p > 0 needs dropout_seed (flash_attention.dropout.draw_seed())")
+    p.dropout_key = dropout_key(*seed_pair(dropout_seed))
+    p.dropout_threshold = dropout_threshold(dropout_p)
+    p.dropout_rp = 1.0 / (1.0 - dropout_p)
+
+
 def cuda_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -336,6 +373,8 @@ def cuda_backward(
     deterministic: bool = False,
     key_range: torch.Tensor | None = None,
     config=None,
+    dropout_p: float = 0.0,
+    dropout_seed=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of :func:`cuda_forward`'s output, from its output ``out`` and LSE ``lse``.
 
@@ -411,19 +450,20 @@ def cuda_backward(
     p.num_m_blocks = math.ceil(seqlen_q / cfg.block_q)
     p.num_n_blocks = math.ceil(seqlen_k / cfg.block_kv)
     p.scale, p.scale_log2 = softmax_scale, softmax_scale * _LOG2E
+    _fill_dropout(p, dropout_p, dropout_seed)
 
-    ranged = key_range is not None
-    kerns = get_bwd_kernels(cfg, index, ranged=ranged)
+    ranged, dropout = key_range is not None, bool(dropout_p)
+    kerns = get_bwd_kernels(cfg, index, ranged=ranged, dropout=dropout)
     stream = torch.cuda.current_stream(device).cuda_stream
     kind = "dkdv_det" if deterministic else "dkdv"
-    dkdv = kerns[cfg.symbol(kind, causal, ranged)]
+    dkdv = kerns[cfg.symbol(kind, causal, ranged, dropout)]
     with torch.cuda.device(index):
         kerns["pre"].launch((seqlen_q_pad // 64, heads_q, batch), (128, 1, 1), 0, stream, p)
         dkdv.ensure_dynamic_smem(cfg.smem_bytes, index)
         grid = (p.num_n_blocks * cfg.split, heads_kv, batch)
         dkdv.launch(grid, (cfg.threads, 1, 1), cfg.smem_bytes, stream, p)
         if deterministic:
-            dqk = kerns[cfg.symbol("dq", causal, ranged)]
+            dqk = kerns[cfg.symbol("dq", causal, ranged, dropout)]
             dqk.ensure_dynamic_smem(cfg.dq_smem_bytes, index)
             grid = (p.num_m_blocks * cfg.split, heads_q, batch)
             dqk.launch(grid, (cfg.dq_threads, 1, 1), cfg.dq_smem_bytes, stream, p)

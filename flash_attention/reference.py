@@ -158,8 +158,14 @@ def attention_torch(
     return_lse: bool = False,
     out: torch.Tensor | None = None,
     key_range: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention through PyTorch with the kernel's semantics, on any device PyTorch supports.
+
+    ``dropout_p`` > 0 drops attention probabilities exactly as the kernels do for the same ``dropout_seed``
+    (a :func:`flash_attention.dropout.draw_seed` pair; the same elements on every device), scaling the kept
+    ones by 1 / (1 - p); the LSE is that of the undropped softmax.
 
     ``key_range`` (batch, 2): batch row b attends only keys ``key_range[b, 0] <= j < key_range[b, 1]``.
 
@@ -198,6 +204,7 @@ def attention_torch(
     elem = torch.finfo(cdtype).bits // 8
     b_step, h_step, q_step = _chunk_sizes(batch, heads_kv, group, seqlen_q, seqlen_k, elem)
     keys_allowed = None if key_range is None else key_range_allowed(key_range, seqlen_k)
+    drop = _dropout_args(dropout_p, dropout_seed, heads_q)
 
     for b0 in range(0, batch, b_step):
         b1 = min(batch, b0 + b_step)
@@ -228,6 +235,7 @@ def attention_torch(
                     cdtype,
                     needs_grad,
                     None if keys_allowed is None else keys_allowed[b0:b1],
+                    drop,
                 )
     return out, lse
 
@@ -250,6 +258,7 @@ def _attend_chunk(
     cdtype: torch.dtype,
     needs_grad: bool,
     keys_allowed: torch.Tensor | None = None,
+    drop: tuple | None = None,
 ) -> None:
     nb, nh, rows = b1 - b0, h1 - h0, i1 - i0
     seqlen_q, head_dim = q.shape[1], q.shape[3]
@@ -281,6 +290,9 @@ def _attend_chunk(
     # Empty rows have denom 0: divide by 1 instead so they stay exactly 0.
     safe = torch.where(denom == 0, torch.ones_like(denom), denom)
     p = p / safe if needs_grad else p.div_(safe)
+    if drop is not None:
+        keep = _chunk_keep(drop, (b0, b1, h0, h1, i0, i1), group, seqlen_k, q.device)
+        p = p * keep * drop[2] if needs_grad else p.mul_(keep).mul_(drop[2])
 
     o = torch.matmul(p.view(nb, nh, group * rows, seqlen_k), vc)  # (b, h_kv, group * rows, d)
     o = o.view(nb, nh, group, rows, head_dim).permute(0, 3, 1, 2, 4).reshape(nb, rows, nh * group, head_dim)
@@ -300,8 +312,13 @@ def attention_backward_torch(
     causal: bool = False,
     softmax_scale: float | None = None,
     key_range: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dq, dk, dv)`` of :func:`attention_torch` from its saved ``out`` and ``lse``.
+
+    With dropout (mask Z from ``dropout_seed``, rp = 1 / (1 - p)): dV = (P Z rp)^T dO and
+    dS = P * (dP Z rp - D); D = rowsum(dO * O) as without it.
 
     The FlashAttention-2 backward, with P recomputed from the LSE instead of stored::
 
@@ -342,6 +359,7 @@ def attention_backward_torch(
     elem = torch.finfo(cdtype).bits // 8
     b_step, h_step, q_step = _chunk_sizes(batch, heads_kv, group, seqlen_q, seqlen_k, 2 * elem)
     keys_allowed = None if key_range is None else key_range_allowed(key_range, seqlen_k)
+    drop = _dropout_args(dropout_p, dropout_seed, heads_q)
 
     with torch.no_grad():
         for b0 in range(0, batch, b_step):
@@ -369,6 +387,7 @@ def attention_backward_torch(
                         causal,
                         cdtype,
                         None if keys_allowed is None else keys_allowed[b0:b1],
+                        drop,
                     )
                 dk[b0:b1, :, h0:h1] = dkc.permute(0, 2, 1, 3).to(dk.dtype)
                 dv[b0:b1, :, h0:h1] = dvc.permute(0, 2, 1, 3).to(dv.dtype)
@@ -388,6 +407,7 @@ def _backward_chunk(
     causal: bool,
     cdtype: torch.dtype,
     keys_allowed: torch.Tensor | None,
+    drop: tuple | None = None,
 ) -> None:
     """One (batch, kv head, query row) chunk of :func:`attention_backward_torch`: writes its rows of dq and
     adds its contributions to the chunk's dK/dV accumulators ``dkc``/``dvc`` (b, h_kv, seqlen_k, d)."""
@@ -420,9 +440,40 @@ def _backward_chunk(
         p.div_(torch.where(denom == 0, torch.ones_like(denom), denom))
 
     d = (doc * oc).sum(dim=-1, keepdim=True)  # D = rowsum(dO * O), (b, h_kv, group * rows, 1)
-    dvc.add_(torch.matmul(p.transpose(-1, -2), doc))
-    ds = torch.matmul(doc, vc.transpose(-1, -2)).sub_(d).mul_(p)  # dS = P * (dP - D), in dP's memory
+    if drop is None:
+        dvc.add_(torch.matmul(p.transpose(-1, -2), doc))
+        ds = torch.matmul(doc, vc.transpose(-1, -2)).sub_(d).mul_(p)  # dS = P * (dP - D), in dP's memory
+    else:
+        zr = _chunk_keep(drop, bounds, group, seqlen_k, q.device).to(cdtype).mul_(drop[2])
+        zr = zr.view(nb, nh, group * rows, seqlen_k)
+        dvc.add_(torch.matmul((p * zr).transpose(-1, -2), doc))
+        ds = torch.matmul(doc, vc.transpose(-1, -2)).mul_(zr).sub_(d).mul_(p)
     dkc.add_(torch.matmul(ds.transpose(-1, -2), qc), alpha=scale)
     dqc = torch.matmul(ds, kc).mul_(scale).view(nb, nh, group, rows, head_dim)
     dqc = dqc.permute(0, 3, 1, 2, 4).reshape(nb, rows, nh * group, head_dim)
     dq[b0:b1, i0:i1, h0 * group : h1 * group] = dqc.to(dq.dtype)
+
+
+def _dropout_args(dropout_p: float, dropout_seed, heads_q: int) -> tuple | None:
+    """(key, threshold, 1 / (1 - p), heads_q) of a dropout call, or None without dropout."""
+    if not dropout_p:
+        return None
+    from .dropout import dropout_key, dropout_threshold, seed_pair
+
+    if dropout_seed is None:
+        raise ValueError("dropout_p > 0 needs dropout_seed (flash_attention.dropout.draw_seed())")
+    key = dropout_key(*seed_pair(dropout_seed))
+    return key, dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p), heads_q
+
+
+def _chunk_keep(drop: tuple, bounds: tuple, group: int, seqlen_k: int, device) -> torch.Tensor:
+    """The kernels' keep mask of one chunk, shaped (b, h_kv, group, rows, seqlen_k)."""
+    from .dropout import keep_elements
+
+    key, threshold, _, heads_q = drop
+    b0, b1, h0, h1, i0, i1 = bounds
+    b = torch.arange(b0, b1, device=device, dtype=torch.int64).view(-1, 1, 1, 1, 1)
+    qh = torch.arange(h0 * group, h1 * group, device=device, dtype=torch.int64).view(1, h1 - h0, group, 1, 1)
+    i = torch.arange(i0, i1, device=device, dtype=torch.int64).view(1, 1, 1, -1, 1)
+    j = torch.arange(seqlen_k, device=device, dtype=torch.int64).view(1, 1, 1, 1, -1)
+    return keep_elements(key, threshold, b * heads_q + qh, i, j)

@@ -256,7 +256,7 @@ def test_inference_calls_skip_the_custom_op(monkeypatch):
     real = interface._attention_op
 
     def spy(*args, **kwargs):
-        calls.append(args[-1])  # `records`
+        calls.append(args[8])  # `records`
         return real(*args, **kwargs)
 
     monkeypatch.setattr(interface, "_attention_op", spy)
@@ -345,7 +345,16 @@ def test_cuda_forward_impl_calls_the_kernel_with_lse(fake_ops):
     assert ops.calls == [
         (
             "forward",
-            dict(causal=True, softmax_scale=0.25, return_lse=True, out=None, config=None, key_range=kr),
+            dict(
+                causal=True,
+                softmax_scale=0.25,
+                return_lse=True,
+                out=None,
+                config=None,
+                key_range=kr,
+                dropout_p=0.0,
+                dropout_seed=None,
+            ),
         )
     ]
 
@@ -356,7 +365,9 @@ def test_cuda_backward_impl_calls_cuda_backward_by_its_signature(fake_ops):
     dout = torch.randn(q.shape[:-1] + (2 * q.shape[-1],)).to(q.dtype)[..., ::2]  # stride(-1) == 2
     dq, dk, dv = _custom_ops.backward_impl(dout, q, k, v, out, lse, True, 0.25, True, None)
     assert (dq == 1).all() and (dk == 2).all() and (dv == 3).all()
-    kwargs = dict(causal=True, softmax_scale=0.25, deterministic=True, key_range=None)
+    kwargs = dict(
+        causal=True, softmax_scale=0.25, deterministic=True, key_range=None, dropout_p=0.0, dropout_seed=None
+    )
     assert ops.calls == [("backward", kwargs, 1)]  # dout handed over with a contiguous last dimension
 
 

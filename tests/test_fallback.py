@@ -231,7 +231,21 @@ class FakeOps(types.SimpleNamespace):
     def cuda_unavailable_reason(self, q):
         return self.reason
 
-    def cuda_forward(self, q, k, v, *, causal, softmax_scale, return_lse, out, config, key_range=None):
+    def cuda_forward(
+        self,
+        q,
+        k,
+        v,
+        *,
+        causal,
+        softmax_scale,
+        return_lse,
+        out,
+        config,
+        key_range=None,
+        dropout_p=0.0,
+        dropout_seed=None,
+    ):
         self.calls.append(
             dict(
                 causal=causal,

@@ -48,6 +48,9 @@ class FwdParams(ctypes.Structure):
         ("num_m_blocks", _I32),
         ("scale", _F32),
         ("scale_log2", _F32),
+        ("dropout_key", ctypes.c_uint),
+        ("dropout_threshold", ctypes.c_uint),
+        ("dropout_rp", _F32),
         # Debug build only (csrc/include/fa/trace.cuh); null / 0 for the normal build.
         ("trace", _PTR),
         ("trace_batch", _I32),
@@ -102,6 +105,7 @@ class BwdParams(ctypes.Structure):
             )
         ]
         + [("scale", _F32), ("scale_log2", _F32)]
+        + [("dropout_key", ctypes.c_uint), ("dropout_threshold", ctypes.c_uint), ("dropout_rp", _F32)]
     )
 
 

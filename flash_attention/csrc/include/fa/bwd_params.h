@@ -44,6 +44,9 @@ struct BwdParams {
   int num_n_blocks;  // ceil(seqlen_k / kBlockKV)
   float scale;       // softmax scale
   float scale_log2;  // scale * log2(e)
+  unsigned dropout_key;        // as in FwdParams (kDropout instantiations only)
+  unsigned dropout_threshold;
+  float dropout_rp;
 };
 
 }  // namespace fa

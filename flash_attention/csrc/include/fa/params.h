@@ -30,6 +30,12 @@ struct FwdParams {
   float scale;       // softmax scale
   float scale_log2;  // scale * log2(e), for the exp2 form of the softmax
 
+  // Attention dropout (read only by the kDropout instantiation; fa/dropout.cuh): the call's hash key,
+  // elements whose hash is below the threshold are dropped, the kept ones are scaled by 1 / (1 - p).
+  unsigned dropout_key;
+  unsigned dropout_threshold;
+  float dropout_rp;
+
   // Debug build only (FA_TRACE, fa/trace.cuh): the buffer the chosen warp writes its intermediates to, which
   // warp that is, and a planted fault. The normal build never reads them (null / 0 from ops).
   float* trace;

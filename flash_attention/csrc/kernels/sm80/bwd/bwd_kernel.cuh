@@ -90,7 +90,7 @@ __device__ __forceinline__ void bwd_preprocess_body(const BwdParams& p) {
 }
 
 // ---- 2. dK, dV (and atomic dQ) --------------------------------------------------------------------------
-template <class Cfg, bool kCausal, bool kRanged, bool kAtomicDQ>
+template <class Cfg, bool kCausal, bool kRanged, bool kAtomicDQ, bool kDropout = false>
 __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
   constexpr bool BF = Cfg::kIsBF16;
   constexpr int D = Cfg::kHeadDim;
@@ -288,17 +288,33 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
     const float* lse_s = sL + buf * BR;
     const float* del_s = sDelta + buf * BR;
     const float scale = p.scale;
+    // With dropout (mask Z, kept elements scaled by rp = 1 / (1 - p)): dV takes P Z rp, and dS = P (dP Z rp
+    // - delta), where dP = dO V^T and delta = rowsum(dO O) as without dropout.
+    u32 hh = 0;
+    if constexpr (kDropout) hh = dropout_head_hash(p.dropout_key, batch * p.heads_q + head);
 #pragma unroll
     for (int n = 0; n < NQ; ++n) {
       const float2 l2 = *reinterpret_cast<const float2*>(lse_s + 8 * n + 2 * t);
       const float2 dl = *reinterpret_cast<const float2*>(del_s + 8 * n + 2 * t);
+      u32 hr[2] = {0, 0};
+      if constexpr (kDropout) {
+        hr[0] = dropout_row_hash(hh, q_start + 8 * n + 2 * t);
+        hr[1] = dropout_row_hash(hh, q_start + 8 * n + 2 * t + 1);
+      }
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const float pr = exp2_approx(fmaf(s[mt][n][e], sl2, -((e & 1) ? l2.y : l2.x)));
-          s[mt][n][e] = pr;
-          dp[mt][n][e] = pr * (dp[mt][n][e] - ((e & 1) ? dl.y : dl.x)) * scale;
+          if constexpr (kDropout) {
+            const int key = kv_start + warp_row0 + 16 * mt + g + 8 * (e >> 1);
+            const bool keep = dropout_keep(hr[e & 1], key, p.dropout_threshold);
+            s[mt][n][e] = keep ? pr * p.dropout_rp : 0.f;
+            dp[mt][n][e] = pr * ((keep ? dp[mt][n][e] * p.dropout_rp : 0.f) - ((e & 1) ? dl.y : dl.x)) * scale;
+          } else {
+            s[mt][n][e] = pr;
+            dp[mt][n][e] = pr * (dp[mt][n][e] - ((e & 1) ? dl.y : dl.x)) * scale;
+          }
         }
     }
     u32 pf[MT][KQ][4], sf[MT][KQ][4];
@@ -449,7 +465,7 @@ struct DqCfg : Cfg {
   static constexpr int kBlockKV = Cfg::kHeadDim > 128 ? 32 : (Cfg::kBlockKV < 64 ? Cfg::kBlockKV : 64);
 };
 
-template <class Cfg, bool kCausal, bool kRanged>
+template <class Cfg, bool kCausal, bool kRanged, bool kDropout = false>
 __device__ __forceinline__ void bwd_dq_body(const BwdParams& p) {
   using QCfg = DqCfg<Cfg>;
   constexpr bool BF = Cfg::kIsBF16;
@@ -513,6 +529,12 @@ __device__ __forceinline__ void bwd_dq_body(const BwdParams& p) {
     lse2[1] = p.lse_log2[row0 + 8];
     del[0] = p.delta[row0];
     del[1] = p.delta[row0 + 8];
+  }
+  u32 hr[2] = {0, 0};
+  if constexpr (kDropout) {
+    const u32 hh = dropout_head_hash(p.dropout_key, batch * p.heads_q + head);
+    hr[0] = dropout_row_hash(hh, q_start + warp_row0 + g);
+    hr[1] = dropout_row_hash(hh, q_start + warp_row0 + g + 8);
   }
 
   float acc[NO][4];
@@ -583,7 +605,12 @@ __device__ __forceinline__ void bwd_dq_body(const BwdParams& p) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const float pr = exp2_approx(fmaf(s[n][e], sl2, -lse2[e >> 1]));
-        dp[n][e] = pr * (dp[n][e] - del[e >> 1]) * p.scale;
+        float dpv = dp[n][e];
+        if constexpr (kDropout)
+          dpv = dropout_keep(hr[e >> 1], kv_start + 8 * n + 2 * t + (e & 1), p.dropout_threshold)
+                    ? dpv * p.dropout_rp
+                    : 0.f;
+        dp[n][e] = pr * (dpv - del[e >> 1]) * p.scale;
       }
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {

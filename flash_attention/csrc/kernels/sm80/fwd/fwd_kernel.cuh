@@ -13,6 +13,7 @@
 #pragma once
 
 #include "fa/config_check.h"
+#include "fa/dropout.cuh"
 #include "fa/params.h"
 #include "fa/ptx.cuh"
 #include "fa/trace.cuh"
@@ -95,7 +96,9 @@ __device__ __forceinline__ void load_tile(u32 s_tile, const u16* g, i64 row_stri
 // kRanged: batch row b attends only keys key_range[2 b] <= j < key_range[2 b + 1] (key padding, left or
 // right), on top of the causal mask, whose alignment stays on the full key axis. A separate instantiation,
 // so the unpadded kernels (at 252-255 registers for the large head dims) carry none of its registers.
-template <class Cfg, bool kCausal, bool kRanged = false>
+// kDropout: attention dropout on P after the row sums (fa/dropout.cuh); the LSE stays that of the full
+// softmax, as the backward expects.
+template <class Cfg, bool kCausal, bool kRanged = false, bool kDropout = false>
 __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
   static_assert(check_config<Cfg>::ok, "");
   constexpr bool BF = Cfg::kIsBF16;
@@ -403,6 +406,22 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
 #if FA_TRACE
       tr.acc_tile(TL::kP, mt, s[mt]);
 #endif
+      if constexpr (kDropout) {
+        // Row sums above are of the undropped P (the softmax normaliser); only the P V product sees the
+        // mask. Kept elements are scaled by 1 / (1 - p).
+        const u32 hh = dropout_head_hash(p.dropout_key, batch * p.heads_q + head);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const u32 hr = dropout_row_hash(hh, q_start + warp_row0 + 16 * mt + g + 8 * r);
+#pragma unroll
+          for (int n = 0; n < NS; ++n)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const bool keep = dropout_keep(hr, kv_start + 8 * n + 2 * t + e, p.dropout_threshold);
+              s[mt][n][2 * r + e] = keep ? s[mt][n][2 * r + e] * p.dropout_rp : 0.f;
+            }
+        }
+      }
       // The accumulator layout of two adjacent S n-tiles is exactly the A layout of one k-step of P V.
 #pragma unroll
       for (int ks = 0; ks < KS; ++ks) {

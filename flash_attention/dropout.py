@@ -1,0 +1,89 @@
+"""Attention dropout's random numbers, shared by the CUDA kernels and the PyTorch paths.
+
+The kernels decide keep/drop for element (batch, head, query i, key j) with a counter-based hash
+(``csrc/include/fa/dropout.cuh``): nothing is stored between the forward and the backward, and every
+kernel regenerates the same decision in its own register layout. :func:`keep_mask` is the same function in
+PyTorch (uint32 arithmetic emulated in int64): the CPU fallback uses it, so a seeded call drops the same
+elements on every device, and the tests compare the kernels against it bit for bit.
+
+A call's ``(seed, offset)`` pair travels as a small CPU tensor (:func:`draw_seed`) from the forward to the
+backward, which regenerates the forward's decisions from it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["draw_seed", "dropout_key", "dropout_threshold", "keep_elements", "keep_mask", "seed_pair"]
+
+_M32 = 0xFFFFFFFF
+_C0, _C1, _C2 = 0x9E3779B9, 0x85EBCA6B, 0xC2B2AE35
+
+
+def _mix_int(x: int) -> int:
+    x &= _M32
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & _M32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & _M32
+    x ^= x >> 16
+    return x
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    # int64 holding uint32 values; products wrap modulo 2^64 and keep their low 32 bits right.
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def dropout_key(seed: int, offset: int) -> int:
+    """The per-call 32-bit key the kernels hash with (``FwdParams::dropout_key``)."""
+    s = seed & ((1 << 64) - 1)
+    o = offset & ((1 << 64) - 1)
+    k = _mix_int((s & _M32) ^ _mix_int(s >> 32))
+    return _mix_int(k ^ _mix_int((o & _M32) ^ _C0) ^ _mix_int(o >> 32))
+
+
+def dropout_threshold(p: float) -> int:
+    """Elements whose hash is below this are dropped: ``round(p * 2^32)``; ``p`` in [0, 1)."""
+    return min(int(round(p * 2.0**32)), _M32)
+
+
+def keep_mask(
+    seed: int, offset: int, p: float, batch: int, heads: int, seqlen_q: int, seqlen_k: int, device=None
+) -> torch.Tensor:
+    """(batch, heads, seqlen_q, seqlen_k) bool, True where the kernels keep the element."""
+    bh = torch.arange(batch * heads, device=device, dtype=torch.int64).view(batch, heads, 1, 1)
+    i = torch.arange(seqlen_q, device=device, dtype=torch.int64).view(1, 1, seqlen_q, 1)
+    j = torch.arange(seqlen_k, device=device, dtype=torch.int64).view(1, 1, 1, seqlen_k)
+    return keep_elements(dropout_key(seed, offset), dropout_threshold(p), bh, i, j)
+
+
+def draw_seed(seed: int | None = None) -> torch.Tensor:
+    """A call's (seed, offset) as a 2-element int64 CPU tensor: the caller's seed with offset 0, or two
+    draws from PyTorch's default CPU generator (so ``torch.manual_seed`` makes runs reproducible; a CPU
+    tensor keeps it free of GPU synchronisation and traceable by ``torch.compile``)."""
+    if seed is not None:
+        return torch.tensor([int(seed), 0], dtype=torch.int64)
+    return torch.randint(0, 2**62, (2,), dtype=torch.int64)
+
+
+def keep_elements(
+    key: int, threshold: int, bh: torch.Tensor, i: torch.Tensor, j: torch.Tensor
+) -> torch.Tensor:
+    """The kernels' keep decision for broadcastable int64 index tensors ``bh`` (batch * heads_q + head),
+    ``i`` (query row) and ``j`` (key)."""
+    head_hash = _mix(key ^ ((bh * _C0) & _M32))
+    row_hash = _mix(head_hash ^ ((i * _C1) & _M32))
+    return _mix(row_hash ^ ((j * _C2) & _M32)) >= threshold
+
+
+def seed_pair(dropout_seed) -> tuple[int, int]:
+    """(seed, offset) from a :func:`draw_seed` tensor (or any 2-sequence)."""
+    seed, offset = (
+        int(x) for x in (dropout_seed.tolist() if torch.is_tensor(dropout_seed) else dropout_seed)
+    )
+    return seed, offset
