@@ -143,4 +143,4 @@ def test_one_key_gradient_is_rounding_only():
     out.backward(dout)
     eps = torch.finfo(torch.bfloat16).eps
     allowance = eps * (dout.double().abs() * out.double().abs()).sum(-1).max() * k.double().abs().max() / 8
-    assert q.grad.double().abs().max() <= 4 * allowance * 64
+    assert q.grad.double().abs().max() <= 4 * allowance
