@@ -36,14 +36,13 @@ class FlashAttention(nn.Module):
 
     Which computation runs (:mod:`flash_attention.nn.functional`):
 
-    * inference (no gradient recorded, or ``dropout`` 0 / eval mode) on fp16/bf16 CUDA tensors: our kernel;
+    * fp16/bf16 CUDA tensors, inference or training: our kernels;
     * a ``key_padding_mask`` whose valid keys are one run per row (right or left padding): the kernel, which
       applies it as per-batch key ranges (one call with ``key_range``; the mask is read on the host once
       and remembered on the mask tensor, so layers sharing it pay once); a mask with holes: PyTorch's SDPA
       with the mask;
-    * when gradients are needed, or with attention dropout in training: PyTorch's
-      ``scaled_dot_product_attention`` (the kernel has no backward pass and no dropout yet), with a one-time
-      warning on CUDA;
+    * training (gradients, and attention dropout in training mode) runs the same kernel routes: the backward
+      kernels and the kernels' own dropout (a counter-based mask, so it is not PyTorch's random stream);
     * ``need_weights=True``: an explicit softmax that materialises the (seqlen_q, seqlen_k) weights -- slow
       and quadratic in memory, for inspection only;
     * CPU or float32/float64: PyTorch, the same function.

@@ -12,10 +12,9 @@ seqlen_k, heads_kv, head_dim). A call takes one of three routes:
    (:func:`key_ranges`); it and the ``key_range`` tensor are memoised on the mask tensor (:func:`memo`), so
    the layers of a model that share one mask pay that read once per forward pass.
 3. **PyTorch** -- :func:`sdpa_attention` (``torch.nn.functional.scaled_dot_product_attention`` with an
-   explicit boolean mask): whatever the kernel cannot do yet -- attention dropout (the kernels have no
-   dropout; gradients go through routes 1 and 2, see :data:`KERNEL_HAS_BACKWARD`),
-   padding whose valid keys are not one run per row (holes in the middle), and, in the modules, arbitrary
-   masks.
+   explicit boolean mask): what the kernel cannot do -- padding whose valid keys are not one run per row
+   (holes in the middle) and, in the modules, arbitrary masks. Gradients and attention dropout take
+   routes 1 and 2 (the backward kernels and the kernels' own dropout; see :data:`KERNEL_HAS_BACKWARD`).
 
 Every route computes the same function: bottom-right causal alignment (query ``i`` sees key ``j`` iff
 ``j <= i + seqlen_k - seqlen_q``), padding masks applied on top of it without shifting it, and a query row
@@ -76,19 +75,12 @@ def kernel_expected(t: torch.Tensor) -> bool:
 def needs_pytorch_path(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout_p: float, stacklevel: int = 4
 ) -> bool:
-    """True (with a one-time warning on CUDA) when this call cannot use the kernel: gradients or dropout.
+    """True (with a one-time warning on CUDA) when this call cannot use the kernel: gradients with
+    :data:`KERNEL_HAS_BACKWARD` switched off. (Attention dropout runs in the kernels: ``dropout_p`` is
+    accepted for the signature's sake and needs no other route.)
 
     ``q``, ``k`` and ``v`` are the projected tensors, so they require grad when any input or parameter does.
     """
-    if dropout_p > 0.0:
-        if kernel_expected(q):
-            warn_once(
-                "dropout",
-                "attention dropout runs through PyTorch's scaled_dot_product_attention: the CUDA kernel has "
-                "no dropout yet (set dropout=0.0 or call .eval() to use the kernel)",
-                stacklevel=stacklevel,
-            )
-        return True
     if (
         not KERNEL_HAS_BACKWARD
         and torch.is_grad_enabled()
@@ -250,6 +242,7 @@ def key_range_attention(
     *,
     causal: bool,
     scale: float | None = None,
+    dropout_p: float = 0.0,
 ) -> torch.Tensor:
     """Attention where batch row ``b`` attends only keys ``ranges.starts[b] <= j < ranges.ends[b]``: one
     :func:`flash_attention.attention` call with ``key_range`` (the kernel skips the keys outside each
@@ -258,8 +251,9 @@ def key_range_attention(
     the plain kernel runs. Returns a new (batch, seqlen_q, heads_q, head_dim) tensor.
     """
     if ranges.is_full(k.shape[1]):
-        return attention(q, k, v, causal=causal, softmax_scale=scale)
-    return attention(q, k, v, causal=causal, softmax_scale=scale, key_range=ranges.tensor(q.device))
+        return attention(q, k, v, causal=causal, softmax_scale=scale, dropout_p=dropout_p)
+    key_range = ranges.tensor(q.device)
+    return attention(q, k, v, causal=causal, softmax_scale=scale, key_range=key_range, dropout_p=dropout_p)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -282,8 +276,8 @@ def attend(
     if needs_pytorch_path(q, k, v, dropout_p=dropout_p, stacklevel=5):
         return sdpa_attention(q, k, v, causal=causal, key_valid=key_valid, dropout_p=dropout_p, scale=scale)
     if key_valid is None:
-        return attention(q, k, v, causal=causal, softmax_scale=scale)
+        return attention(q, k, v, causal=causal, softmax_scale=scale, dropout_p=dropout_p)
     ranges = plan_padded(key_valid, cache_on=key_padding_mask)
     if ranges is None:
-        return sdpa_attention(q, k, v, causal=causal, key_valid=key_valid, scale=scale)
-    return key_range_attention(q, k, v, ranges, causal=causal, scale=scale)
+        return sdpa_attention(q, k, v, causal=causal, key_valid=key_valid, dropout_p=dropout_p, scale=scale)
+    return key_range_attention(q, k, v, ranges, causal=causal, scale=scale, dropout_p=dropout_p)

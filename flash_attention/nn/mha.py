@@ -196,8 +196,9 @@ class MultiheadAttention(nn.MultiheadAttention):
             if fn.kernel_expected(query):
                 fn.warn_once(
                     "dropout",
-                    "attention dropout runs through PyTorch's MultiheadAttention: the CUDA kernel has no "
-                    "dropout yet (call .eval() or set dropout=0.0 to use the kernel)",
+                    "attention dropout runs through PyTorch's MultiheadAttention, so a drop-in replacement "
+                    "draws the same random masks as the stock module (the kernels' own dropout uses a "
+                    "different generator; flash_attention.nn.FlashAttention uses it)",
                     stacklevel=4,
                 )
             return None
