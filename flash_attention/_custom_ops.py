@@ -54,6 +54,39 @@ def _has_no_pair(q: torch.Tensor, k: torch.Tensor) -> bool:
     return q.numel() == 0 or k.shape[1] == 0
 
 
+def _fallback_forward(q, k, v, causal, scale, key_range, dropout_p, dropout_seed):
+    """The forward op's PyTorch path (every device, and CUDA inputs the kernels cannot take)."""
+    out, lse = attention_torch(
+        q,
+        k,
+        v,
+        causal=causal,
+        softmax_scale=scale,
+        return_lse=True,
+        key_range=key_range,
+        dropout_p=dropout_p,
+        dropout_seed=dropout_seed,
+    )
+    return out, lse
+
+
+def _fallback_backward(dout, q, k, v, out, lse, causal, scale, key_range, dropout_p, dropout_seed):
+    """The backward op's PyTorch path."""
+    return attention_backward_torch(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        causal=causal,
+        softmax_scale=scale,
+        key_range=key_range,
+        dropout_p=dropout_p,
+        dropout_seed=dropout_seed,
+    )
+
+
 def _kernel_ops(q: torch.Tensor):
     """The ``ops`` module when our kernels can run on ``q``, else None (after the once-per-reason warning)."""
     from . import interface
@@ -82,18 +115,7 @@ def fwd(
     dropout_seed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Any device but CUDA: the PyTorch fallback."""
-    out, lse = attention_torch(
-        q,
-        k,
-        v,
-        causal=causal,
-        softmax_scale=scale,
-        return_lse=True,
-        key_range=key_range,
-        dropout_p=dropout_p,
-        dropout_seed=dropout_seed,
-    )
-    return out, lse
+    return _fallback_forward(q, k, v, causal, scale, key_range, dropout_p, dropout_seed)
 
 
 @fwd.register_kernel("cuda")
@@ -114,18 +136,7 @@ def forward_impl(
     """``fwd`` on CUDA: our kernel when it can run on these inputs, else the PyTorch fallback."""
     ops = None if _has_no_pair(q, k) else _kernel_ops(q)
     if ops is None:
-        out, lse = attention_torch(
-            q,
-            k,
-            v,
-            causal=causal,
-            softmax_scale=scale,
-            return_lse=True,
-            key_range=key_range,
-            dropout_p=dropout_p,
-            dropout_seed=dropout_seed,
-        )
-        return out, lse
+        return _fallback_forward(q, k, v, causal, scale, key_range, dropout_p, dropout_seed)
     out, lse = ops.cuda_forward(
         q,
         k,
@@ -201,19 +212,7 @@ def bwd(
     dropout_seed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Any device but CUDA: the PyTorch fallback (deterministic by construction)."""
-    return attention_backward_torch(
-        dout,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        causal=causal,
-        softmax_scale=scale,
-        key_range=key_range,
-        dropout_p=dropout_p,
-        dropout_seed=dropout_seed,
-    )
+    return _fallback_backward(dout, q, k, v, out, lse, causal, scale, key_range, dropout_p, dropout_seed)
 
 
 @bwd.register_kernel("cuda")
@@ -242,19 +241,7 @@ def backward_impl(
     """``bwd`` on CUDA: our backward kernels when they can run on these inputs, else the PyTorch fallback."""
     ops = None if _has_no_pair(q, k) else _kernel_ops(q)
     if ops is None:
-        return attention_backward_torch(
-            dout,
-            q,
-            k,
-            v,
-            out,
-            lse,
-            causal=causal,
-            softmax_scale=scale,
-            key_range=key_range,
-            dropout_p=dropout_p,
-            dropout_seed=dropout_seed,
-        )
+        return _fallback_backward(dout, q, k, v, out, lse, causal, scale, key_range, dropout_p, dropout_seed)
     cuda_backward = getattr(ops, "cuda_backward", None)
     if cuda_backward is None:
         raise NotImplementedError(
