@@ -423,11 +423,19 @@ def readme_markers(result: dict) -> tuple[str, str]:
     """The README region a result file's tables go to: ``<!-- bench:begin -->`` for a file with forward
     rows, ``<!-- bench-<mode>:begin -->`` for one that measured only a training mode (fwd_bwd or bwd), so the
     forward and training tables are generated from their own runs side by side."""
+    mode = result_mode(result)
+    if mode == "fwd":
+        return README_BEGIN, README_END
+    return f"<!-- bench-{mode}:begin -->", f"<!-- bench-{mode}:end -->"
+
+
+def result_mode(result: dict) -> str:
+    """The mode a result file is about: ``fwd`` when it has forward rows (or none), else its training mode
+    (``fwd_bwd`` before ``bwd``)."""
     modes = {r.get("mode", "fwd") for r in result.get("rows", [])}
     if not modes or "fwd" in modes:
-        return README_BEGIN, README_END
-    mode = "fwd_bwd" if "fwd_bwd" in modes else sorted(modes)[0]
-    return f"<!-- bench-{mode}:begin -->", f"<!-- bench-{mode}:end -->"
+        return "fwd"
+    return "fwd_bwd" if "fwd_bwd" in modes else sorted(modes)[0]
 
 
 # ================================================================================================

@@ -20,18 +20,9 @@ _M32 = 0xFFFFFFFF
 _C0, _C1, _C2 = 0x9E3779B9, 0x85EBCA6B, 0xC2B2AE35
 
 
-def _mix_int(x: int) -> int:
-    x &= _M32
-    x ^= x >> 16
-    x = (x * 0x7FEB352D) & _M32
-    x ^= x >> 15
-    x = (x * 0x846CA68B) & _M32
-    x ^= x >> 16
-    return x
-
-
-def _mix(x: torch.Tensor) -> torch.Tensor:
-    # int64 holding uint32 values; products wrap modulo 2^64 and keep their low 32 bits right.
+def _mix(x):
+    # uint32 values in a Python int or an int64 tensor (whose products wrap modulo 2^64 and keep their low
+    # 32 bits right).
     x = x ^ (x >> 16)
     x = (x * 0x7FEB352D) & _M32
     x = x ^ (x >> 15)
@@ -43,8 +34,8 @@ def dropout_key(seed: int, offset: int) -> int:
     """The per-call 32-bit key the kernels hash with (``FwdParams::dropout_key``)."""
     s = seed & ((1 << 64) - 1)
     o = offset & ((1 << 64) - 1)
-    k = _mix_int((s & _M32) ^ _mix_int(s >> 32))
-    return _mix_int(k ^ _mix_int((o & _M32) ^ _C0) ^ _mix_int(o >> 32))
+    k = _mix((s & _M32) ^ _mix(s >> 32))
+    return _mix(k ^ _mix((o & _M32) ^ _C0) ^ _mix(o >> 32))
 
 
 def dropout_threshold(p: float) -> int:

@@ -336,10 +336,6 @@ def cuda_forward(
 # Backward
 
 
-def _bwd_ready(t: torch.Tensor) -> torch.Tensor:
-    return _kernel_ready(t)
-
-
 def dropout_config(cfg: KernelConfig) -> KernelConfig:
     """The forward config of a dropout call: the hash adds registers, so a tile with two 16-row mma tiles
     per warp (up to 255 registers without dropout) runs with one, instead of spilling."""
@@ -407,12 +403,10 @@ def cuda_backward(
     dq = torch.empty(q.shape, dtype=q.dtype, device=device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=device)
-    if dq.numel() == 0 and dk.numel() == 0:
-        return dq, dk, dv
     if seqlen_q == 0 or seqlen_k == 0 or heads_q == 0 or batch == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
 
-    q_, k_, v_, o_, do_ = (_bwd_ready(t) for t in (q, k, v, out, dout))
+    q_, k_, v_, o_, do_ = (_kernel_ready(t) for t in (q, k, v, out, dout))
     lse_ = lse if lse.stride(-1) == 1 else lse.contiguous()
     seqlen_q_pad = -(-seqlen_q // 128) * 128
     lse_log2 = torch.empty((batch, heads_q, seqlen_q_pad), dtype=torch.float32, device=device)

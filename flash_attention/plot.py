@@ -34,11 +34,9 @@ def plot_results(result: dict, results_path: str | Path, mode: str | None = None
         raise RuntimeError("plots need matplotlib: pip install matplotlib") from exc
 
     if mode is None:
-        # The file's forward rows, or its training rows when it measured only a training mode.
-        modes = {r.get("mode", "fwd") for r in result["rows"]}
-        mode = (
-            "fwd" if "fwd" in modes or not modes else ("fwd_bwd" if "fwd_bwd" in modes else sorted(modes)[0])
-        )
+        from .bench import result_mode  # forward rows, or the training rows of a training-only file
+
+        mode = result_mode(result)
     rows = [r for r in result["rows"] if r.get("mode") == mode and r.get("tflops")]
     head_dims = sorted({r["head_dim"] for r in rows})
     impls = list(dict.fromkeys(r["impl"] for r in rows))
