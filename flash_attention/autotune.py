@@ -25,7 +25,14 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from .configs import KernelConfig, default_config, estimated_registers, padded_head_dim, validity_errors
+from .configs import (
+    KernelConfig,
+    default_config,
+    estimated_registers,
+    padded_head_dim,
+    validity_errors,
+    wgmma_config,
+)
 
 SEQLEN_BUCKETS = (512, 1024, 2048, 4096, 8192, 16384)
 TUNED_DIR = Path(__file__).resolve().parent / "tuned"
@@ -57,7 +64,7 @@ def entry_key(dtype: str, head_dim: int, causal: bool, seqlen: int, group: int) 
 # The space and its pruning rules
 
 
-def candidate_space(dtype: str, head_dim: int, causal: bool) -> list[KernelConfig]:
+def candidate_space(dtype: str, head_dim: int, causal: bool, arch: str = "sm_80") -> list[KernelConfig]:
     """Every structurally valid combination of the knobs the tuner varies, before pruning.
 
     Fixed on: cp.async, eager K/V loading, swizzled shared memory and the exp2-folded softmax. Each is a
@@ -66,6 +73,9 @@ def candidate_space(dtype: str, head_dim: int, causal: bool) -> list[KernelConfi
     measured within 1% of forward order for causal at head_dim 128 (kernel-log, step 4), so not worth
     doubling the causal space for. K/V fragment groups of 1, 2 or 4 slices: 4 already spans all of
     head_dim 64 and half of 128, and longer groups only hold more registers for the same loads.
+
+    On sm_90 (``arch``) the wgmma kernel's configs join: one or two warpgroups per block, 32- to 128-key
+    tiles and a K/V ring 1 to 3 deep (its other knobs are fixed by the kernel).
     """
     d = padded_head_dim(head_dim)
     dk = d // 16
@@ -91,6 +101,10 @@ def candidate_space(dtype: str, head_dim: int, causal: bool) -> list[KernelConfi
                 )
                 if not validity_errors(cfg):
                     out.append(KernelConfig(**{f: getattr(cfg, f) for f in cfg.__dataclass_fields__}))
+    if arch in ("sm_90", "sm_90a"):
+        for block_q, block_kv, stages in itertools.product((64, 128), (32, 64, 128), (1, 2, 3)):
+            if not validity_errors(wgmma_config(dtype, d, block_q, block_kv, stages, check=False)):
+                out.append(wgmma_config(dtype, d, block_q, block_kv, stages))
     return out
 
 
@@ -113,11 +127,17 @@ def _rule_registers(cfg: KernelConfig) -> str | None:
 def _rule_occupancy(cfg: KernelConfig) -> str | None:
     # A block must leave room for a second block on the SM: with a single resident block, its softmax
     # phase leaves the tensor cores idle (measured: 128x128x8 at head_dim 64 ran 20% slower than 128x64x4).
-    # Checked here against the shared memory of Hopper (227 KB) and the estimated registers; after the
-    # build, again against the compiler's actual register count (prepare_candidates).
-    if blocks_per_sm(cfg, estimated_registers(cfg)) < 2:
-        return "fewer than 2 blocks per SM"
-    return None
+    # A wgmma block of two warpgroups is the exception: its second warpgroup is that other party. Checked
+    # here against the shared memory of Hopper (227 KB) and the estimated registers; after the build, again
+    # against the compiler's actual register count (prepare_candidates).
+    return occupancy_problem(cfg, estimated_registers(cfg))
+
+
+def occupancy_problem(cfg: KernelConfig, registers: int) -> str | None:
+    blocks = blocks_per_sm(cfg, registers)
+    if cfg.wgmma:
+        return None if blocks * cfg.num_warps >= 8 else "fewer than 2 warpgroups per SM"
+    return None if blocks >= 2 else "fewer than 2 blocks per SM"
 
 
 def blocks_per_sm(cfg: KernelConfig, registers: int) -> int:
@@ -137,7 +157,7 @@ def _rule_fragment_order(cfg: KernelConfig) -> str | None:
 def _rule_resident_q(cfg: KernelConfig) -> str | None:
     # Q resident in registers costs rows x head_dim / 64 registers for the whole kernel: worth it only when
     # that is small next to the accumulators (head_dim 64 with 16 rows per warp: 16 registers).
-    if cfg.q_frags == 0 and cfg.rows_per_warp * cfg.head_dim // 64 > 32:
+    if not cfg.wgmma and cfg.q_frags == 0 and cfg.rows_per_warp * cfg.head_dim // 64 > 32:
         return "resident Q would take more than 32 registers"
     return None
 
@@ -166,12 +186,13 @@ def prune(cands: Iterable[KernelConfig]) -> tuple[list[KernelConfig], dict[str, 
     return kept, rejected
 
 
-def search_space(dtype: str, head_dim: int, causal: bool) -> list[KernelConfig]:
-    """The surviving candidates, with the heuristic's choice always among them."""
-    kept, _ = prune(candidate_space(dtype, head_dim, causal))
-    heuristic = default_config(dtype, head_dim, causal, 4096, 4096)
-    if heuristic not in kept:
-        kept.append(heuristic)
+def search_space(dtype: str, head_dim: int, causal: bool, arch: str = "sm_80") -> list[KernelConfig]:
+    """The surviving candidates, with the heuristic's choices (at every length bucket) always among them."""
+    kept, _ = prune(candidate_space(dtype, head_dim, causal, arch))
+    for n in SEQLEN_BUCKETS:
+        heuristic = default_config(dtype, head_dim, causal, n, n, arch)
+        if heuristic not in kept:
+            kept.append(heuristic)
     return kept
 
 
@@ -411,8 +432,8 @@ def prepare_candidates(cands: list[KernelConfig], causal: bool, jobs: int = 16) 
         # A spilling kernel moves registers through local memory inside its main loop: never a winner.
         if spills:
             return cfg, f"spills {spills} bytes"
-        if blocks_per_sm(cfg, regs) < 2:
-            return cfg, f"{regs} registers leave room for one block per SM"
+        if occupancy_problem(cfg, regs):
+            return cfg, f"{regs} registers: {occupancy_problem(cfg, regs)}"
         return cfg, None
 
     with ThreadPoolExecutor(jobs) as ex:
@@ -446,6 +467,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", default=None, help=f"cache file (default: <cache dir>/{CACHE_FILE})")
     ap.add_argument("--report", default=None, help="also write every timing to this JSON file")
     ap.add_argument("--space", action="store_true", help="print the search space and pruning, time nothing")
+    ap.add_argument(
+        "--arch", default="sm_90", help="the architecture whose space --space prints (default sm_90)"
+    )
     return ap.parse_args(argv)
 
 
@@ -459,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.space:
         for dtype, d, causal in itertools.product(dtypes, head_dims, causals):
-            all_c = candidate_space(dtype, d, causal)
+            all_c = candidate_space(dtype, d, causal, args.arch)
             kept, rejected = prune(all_c)
             print(
                 f"{dtype} d={d} {'causal' if causal else 'full'}: {len(all_c)} candidates, {len(kept)} kept"
@@ -476,13 +500,16 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    from .jit.kernels import device_arch
+
     gpu = torch.cuda.get_device_name()
+    arch = device_arch(torch.cuda.current_device())
     out_path = Path(args.out) if args.out else user_cache_path()
     report: list[dict] = []
     entries: dict[str, dict] = {}
     t0 = time.perf_counter()
     for dtype, d, causal in itertools.product(dtypes, head_dims, causals):
-        cands = search_space(dtype, d, causal)
+        cands = search_space(dtype, d, causal, arch)
         ok, skipped = prepare_candidates(cands, causal)
         print(
             f"{dtype} d={d} {'causal' if causal else 'full'}: {len(ok)} of {len(cands)} candidates ready "
@@ -492,8 +519,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         for name, why in skipped.items():
             print(f"    skipped {name}: {why}", file=sys.stderr)
-        heuristic = default_config(dtype, d, causal, 4096, 4096)
         for seqlen, group in itertools.product(seqlens, groups):
+            heuristic = default_config(dtype, d, causal, seqlen, seqlen, arch)
             prog = Progress(len(ok), f"  n={seqlen:5d} g={group}")
             results = tune_shape(ok, dtype, d, causal, seqlen, group, budget_s=args.budget)
             for r in results:

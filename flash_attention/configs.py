@@ -33,6 +33,8 @@ __all__ = [
     "smem_bytes",
     "estimated_registers",
     "SMEM_LIMIT_SM80",
+    "SMEM_LIMIT_SM90",
+    "wgmma_config",
     "BwdConfig",
     "bwd_validity_errors",
     "default_bwd_config",
@@ -49,6 +51,22 @@ DTYPES = ("fp16", "bf16")
 #: The largest dynamic shared memory one block may opt into on sm_80 (A100: 163 KB); sm_90 allows 227 KB.
 #: Shipped configs must fit the smaller so one config list serves both architectures.
 SMEM_LIMIT_SM80 = 163 * 1024
+#: The sm_90 opt-in limit, which bounds the wgmma configs (they run on sm_90a only).
+SMEM_LIMIT_SM90 = 227 * 1024
+
+#: The only flags a wgmma config has: its kernel copies with cp.async, loads V_j and K_{j+1} eagerly into
+#: swizzled tiles and uses the folded softmax; the fragment knobs are the sm80 kernel's.
+_WGMMA_FIXED = dict(
+    async_copy=True,
+    eager=True,
+    swizzle=True,
+    q_frags=0,
+    k_frags=0,
+    v_frags=0,
+    double_buffer=False,
+    opt_softmax=True,
+    reverse_kv=False,
+)
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -81,6 +99,12 @@ class KernelConfig:
             instructions consume the current one.
         opt_softmax: fold the softmax scale and log2(e) into one FMA feeding ``ex2`` (else scale S, then exp).
         reverse_kv: visit K/V blocks from last to first (causal: the masked diagonal blocks come first).
+        wgmma: the Hopper kernel (csrc/kernels/sm90/fwd, sm_90a only): the matrix products on wgmma, which
+            reads K and V from shared memory itself, so the fragment-loading knobs do not apply. Each
+            warpgroup (4 warps) owns 64 query rows. Its canonical name is ``(...): wgmma``.
+        stages: wgmma only: K/V buffers in the copy ring (1: one K and one V buffer loaded eagerly, as the
+            sm80 kernel does; S >= 2: block j + S - 1 is requested while block j is computed). Named
+            ``wgmma+stages_S`` when S > 1.
     """
 
     dtype: str
@@ -97,6 +121,8 @@ class KernelConfig:
     double_buffer: bool = True
     opt_softmax: bool = True
     reverse_kv: bool = False
+    wgmma: bool = False
+    stages: int = 1
 
     def __post_init__(self) -> None:
         errors = validity_errors(self)
@@ -132,6 +158,8 @@ class KernelConfig:
     # ----------------------------------------------------------------------------------------------
     # Names
     def flags(self) -> list[str]:
+        if self.wgmma:
+            return ["wgmma"] + ([f"stages_{self.stages}"] if self.stages != 1 else [])
         out = ["async" if self.async_copy else "sync"]
         if self.eager:
             out.append("eager")
@@ -192,9 +220,20 @@ class KernelConfig:
             ("kDoubleBuffer", "bool", _b(self.double_buffer)),
             ("kOptSoftmax", "bool", _b(self.opt_softmax)),
             ("kReverseKV", "bool", _b(self.reverse_kv)),
+            ("kWgmma", "bool", _b(self.wgmma)),
+            ("kStages", "int", str(self.stages)),
         ]
         body = "\n".join(f"  static constexpr {t} {n} = {v};" for n, t, v in fields)
         return f"struct {struct_name} {{\n{body}\n}};\n"
+
+
+def wgmma_config(
+    dtype: str, head_dim: int, block_q: int, block_kv: int, stages: int = 1, *, check: bool = True
+) -> KernelConfig:
+    """The Hopper (wgmma) config with ``block_q / 64`` warpgroups and a ``stages``-deep K/V copy ring
+    (``check=False``: without the validity check, as :meth:`KernelConfig.unchecked`)."""
+    make = KernelConfig if check else KernelConfig.unchecked
+    return make(dtype, head_dim, block_q, block_kv, block_q // 16, wgmma=True, stages=stages, **_WGMMA_FIXED)
 
 
 def _b(x: bool) -> str:
@@ -216,6 +255,21 @@ def validity_errors(cfg: KernelConfig) -> list[str]:
     if cfg.num_warps not in (1, 2, 4, 8):
         e.append("num_warps must be 1, 2, 4 or 8")
         return e
+    if cfg.wgmma:
+        if cfg.num_warps not in (4, 8) or cfg.block_q != 16 * cfg.num_warps:
+            e.append(
+                "wgmma needs num_warps 4 or 8 and block_q = 16 * num_warps (each warpgroup of 4 warps owns "
+                "64 query rows)"
+            )
+        if cfg.stages not in (1, 2, 3, 4):
+            e.append("stages must be 1, 2, 3 or 4")
+        if any(getattr(cfg, k) != v for k, v in _WGMMA_FIXED.items()):
+            e.append(
+                "wgmma fixes async+eager+swizzled+opt_softmax with no fragment loads, double buffer "
+                "or reverse"
+            )
+    elif cfg.stages != 1:
+        e.append("stages other than 1 need wgmma (the sm80 kernel has one K and one V buffer)")
     if cfg.block_q % (16 * cfg.num_warps) != 0:
         e.append("block_q must be a multiple of 16 * num_warps (each warp owns whole 16-row mma tiles)")
     elif cfg.block_q // cfg.num_warps > 64:
@@ -240,7 +294,10 @@ def validity_errors(cfg: KernelConfig) -> list[str]:
         e.append(
             "double_buffer needs more than one fragment group of K or V (k_frags or v_frags smaller than all)"
         )
-    if smem_bytes(cfg) > SMEM_LIMIT_SM80:
+    if cfg.wgmma:
+        if smem_bytes(cfg) > SMEM_LIMIT_SM90:
+            e.append(f"shared memory ({smem_bytes(cfg)} bytes) exceeds the sm_90 limit of {SMEM_LIMIT_SM90}")
+    elif smem_bytes(cfg) > SMEM_LIMIT_SM80:
         e.append(f"shared memory ({smem_bytes(cfg)} bytes) exceeds the sm_80 limit of {SMEM_LIMIT_SM80}")
     return e
 
@@ -255,9 +312,12 @@ def smem_bytes(cfg: KernelConfig) -> int:
     """Dynamic shared memory of one block: one Q tile, one K tile and one V tile (2-byte elements).
 
     One K and one V buffer suffice even with eager loading: V_j lands while S_j = Q K_j^T is computed,
-    and K_{j+1} lands in K's buffer (free once S_j is done) while P_j V_j is computed.
+    and K_{j+1} lands in K's buffer (free once S_j is done) while P_j V_j is computed. A wgmma config
+    asks for 1 KB more: its tiles must start on a 1024-byte boundary (where the 128-byte swizzle repeats)
+    and the dynamic shared memory window is only guaranteed 16-byte alignment.
     """
-    return 2 * cfg.head_dim * (cfg.block_q + 2 * cfg.block_kv)
+    kv = 2 * cfg.block_kv * cfg.stages
+    return 2 * cfg.head_dim * (cfg.block_q + kv) + (1024 if cfg.wgmma else 0)
 
 
 def estimated_registers(cfg: KernelConfig) -> int:
@@ -270,6 +330,9 @@ def estimated_registers(cfg: KernelConfig) -> int:
     and the ones below that still spill are caught by the compiler's report after the build.
     """
     rows = cfg.rows_per_warp
+    if cfg.wgmma:
+        # One 16-row slice per warp; P (16-bit pairs) lives beside S while O += P V is issued.
+        return (cfg.head_dim + cfg.block_kv) // 2 + cfg.block_kv // 4 + 24
     o_acc = rows * cfg.head_dim // 32
     s_acc = rows * cfg.block_kv // 32
     q_resident = rows * cfg.head_dim // 64 if cfg.q_frags == 0 else 0
@@ -306,6 +369,14 @@ def _from_flags(dtype: str, d: int, bq: int, bkv: int, w: int, flags: list[str],
         "opt_softmax": "opt_softmax",
         "reverse": "reverse_kv",
     }
+    if flags and flags[0] == "wgmma":
+        stages = 1
+        for f in flags[1:]:
+            m = re.fullmatch(r"stages_(\d+)", f)
+            if not m:
+                raise ValueError(f"unknown flag {f!r} in kernel config name {text!r}")
+            stages = int(m[1])
+        return KernelConfig(dtype.lower(), d, bq, bkv, w, wgmma=True, stages=stages, **_WGMMA_FIXED)
     seen_copy = False
     for f in flags:
         m = _LOAD_RE.match(f)
@@ -355,8 +426,13 @@ def parse_config(text: str | KernelConfig) -> KernelConfig:
 
 
 @lru_cache(maxsize=4096)
-def default_config(dtype: str, head_dim: int, causal: bool, seqlen_q: int, seqlen_k: int) -> KernelConfig:
+def default_config(
+    dtype: str, head_dim: int, causal: bool, seqlen_q: int, seqlen_k: int, arch: str = "sm_80"
+) -> KernelConfig:
     """The configuration used when the caller names none and no autotuned winner exists.
+
+    On Hopper (``arch`` sm_90 / sm_90a) that is a wgmma config (:func:`_hopper_default`); on any other GPU
+    the portable sm80 kernel, chosen as follows.
 
     Chosen from two H200 autotuning sweeps on different machines (docs/kernel-log.md,
     benchmarks/results/h200-2026-11-22-autotune*.json). The tile shape is what carries from one machine to
@@ -379,6 +455,8 @@ def default_config(dtype: str, head_dim: int, causal: bool, seqlen_q: int, seqle
     """
     d = padded_head_dim(head_dim)
     n = max(seqlen_q, seqlen_k)
+    if arch in ("sm_90", "sm_90a"):
+        return _hopper_default(dtype, d, n)
     if d == 64:
         if n >= 12288 or (not causal and n >= 6144):
             return KernelConfig(dtype, 64, 128, 64, 4, q_frags=0, k_frags=1, v_frags=1, double_buffer=False)
@@ -390,6 +468,30 @@ def default_config(dtype: str, head_dim: int, causal: bool, seqlen_q: int, seqle
     if d == 192:
         return KernelConfig(dtype, 192, 64, 32, 4, q_frags=1, k_frags=1, v_frags=1)
     return KernelConfig(dtype, 256, 64, 64, 4, q_frags=1, k_frags=1, v_frags=1, double_buffer=False)
+
+
+def _hopper_default(dtype: str, d: int, n: int) -> KernelConfig:
+    """The wgmma config for head_dim ``d`` at sequence length ``n`` (the longer of q and k).
+
+    From the H100 sweeps of docs/kernel-log.md (step 17). One warpgroup (64 query rows) per block and two
+    or more blocks per multiprocessor beat two warpgroups sharing one block's K/V tiles: a block's
+    warpgroups meet at every barrier, so they cannot hide each other's softmax, while separate blocks can.
+    * head_dim 64: S and O are small (32 + 32 registers), so a 2-deep ring of 64-key tiles fits three
+      blocks per SM and hides the copy latency that dominates short sequences; from 4k on, 128-key tiles
+      with one buffer each halve the barriers per key and win.
+    * head_dim 128: 128-key tiles, one K and one V buffer: the 64 x 128 S accumulator is 64 registers,
+      and anything deeper costs a block per SM (measured 20-25% slower with two stages).
+    * head_dim 256: 64-key tiles (O alone is 128 registers), one buffer each.
+    * head_dim 192 (not a tuned size): its 24-chunk rows do not nest with 128 threads, so the copy loops
+      need more registers and 64-key tiles spill; 32-key tiles in a 2-deep ring fit.
+    """
+    if d == 64:
+        return wgmma_config(dtype, 64, 64, 64, 2) if n <= 2048 else wgmma_config(dtype, 64, 64, 128, 1)
+    if d == 128:
+        return wgmma_config(dtype, 128, 64, 128, 1)
+    if d == 192:
+        return wgmma_config(dtype, 192, 64, 32, 2)
+    return wgmma_config(dtype, 256, 64, 64, 1)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -118,7 +118,15 @@ def choose_config(
 
     index = torch.cuda.current_device() if device is None else device
     cfg = autotune.lookup(_gpu_name(index), dtype, head_dim, causal, seqlen_q, seqlen_k, group)
-    return cfg if cfg is not None else default_config(dtype, head_dim, causal, seqlen_q, seqlen_k)
+    if cfg is not None:
+        return cfg
+    return default_config(dtype, head_dim, causal, seqlen_q, seqlen_k, device_arch(index))
+
+
+def device_arch(index: int) -> str:
+    from .jit.kernels import device_arch as _arch
+
+    return _arch(index)
 
 
 def resolve_config(
@@ -130,7 +138,9 @@ def resolve_config(
         cfg = choose_config(_dtype_name(q), head_dim, causal, q.shape[1], seqlen_k, group, q.get_device())
         if scale < 0 and cfg.opt_softmax:
             # The folded softmax takes the row max of the unscaled scores, which is the scaled scores'
-            # max only for a positive scale.
+            # max only for a positive scale. The wgmma kernel has only the folded form: the sm80 one runs.
+            if cfg.wgmma:
+                cfg = default_config(cfg.dtype, head_dim, causal, q.shape[1], seqlen_k)
             cfg = cfg.replace(opt_softmax=False)
         return cfg
     cfg = parse_config(config)
@@ -242,6 +252,9 @@ def cuda_forward(
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     cfg = resolve_config(config, q, causal, seqlen_k, softmax_scale, heads_q // heads_kv)
+    if trace is not None and cfg.wgmma and config is None:
+        # The debug build instruments the sm80 kernel only.
+        cfg = default_config(cfg.dtype, head_dim, causal, seqlen_q, seqlen_k)
     if dropout_p and config is None:
         cfg = dropout_config(cfg)
     if heads_q > _MAX_GRID_YZ or batch > _MAX_GRID_YZ:

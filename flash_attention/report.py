@@ -28,6 +28,7 @@ _SM_LIMITS = {
     "sm_86": dict(regs=65536, threads=1536, blocks=16, smem=102400, reserved=1024),
     "sm_89": dict(regs=65536, threads=1536, blocks=24, smem=102400, reserved=1024),
     "sm_90": dict(regs=65536, threads=2048, blocks=32, smem=233472, reserved=1024),
+    "sm_90a": dict(regs=65536, threads=2048, blocks=32, smem=233472, reserved=1024),
 }
 
 
@@ -121,6 +122,7 @@ def sass_histograms(cubin: bytes) -> dict[str, Counter]:
 
 # Shown first, in this order: the instructions the kernel's design is about.
 KEY_OPS = (
+    "HGMMA",
     "HMMA",
     "LDSM",
     "LDGSTS",
@@ -213,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             from .jit.build import shipped_configs
 
-            cfgs = shipped_configs()
+            cfgs = shipped_configs(args.arch)
     except ValueError as exc:
         print(f"config: {exc}", file=sys.stderr)
         return 2

@@ -17,6 +17,7 @@ from flash_attention.configs import (
     padded_head_dim,
     parse_config,
     validity_errors,
+    wgmma_config,
 )
 from flash_attention.jit.compiler import CSRC
 
@@ -46,6 +47,17 @@ def _space(n_random: int = 2500, seed: int = 0) -> list[KernelConfig]:
                 double_buffer=rng.random() < 0.5,
                 opt_softmax=rng.random() < 0.5,
                 reverse_kv=rng.random() < 0.3,
+                wgmma=rng.random() < 0.1,
+                stages=rng.choice([1, 1, 1, 2, 5]),
+            )
+        )
+    # The wgmma family: its fixed flags, tile shapes and ring depths, on and off the valid edges.
+    for dtype, d, bq, bkv, w, stages in itertools.product(
+        ("fp16", "bf16"), HEAD_DIMS, (64, 128, 192), (32, 64, 128, 256), (4, 8, 12), (0, 1, 2, 3, 4, 5)
+    ):
+        out.append(
+            KernelConfig.unchecked(
+                dtype, d, bq, bkv, w, wgmma=True, stages=stages, k_frags=0, v_frags=0, double_buffer=False
             )
         )
     return out
@@ -61,7 +73,9 @@ def test_space_has_both_valid_and_invalid():
     assert 300 < n_valid < len(space) - 300
 
 
-@pytest.mark.parametrize("cfg", _valid(_space(3000, seed=1))[:300], ids=str)
+@pytest.mark.parametrize(
+    "cfg", _valid(_space(3000, seed=1))[:300] + [c for c in _valid(_space(0)) if c.wgmma][::7], ids=str
+)
 def test_name_and_symbol_round_trip(cfg):
     assert parse_config(cfg.name()) == cfg
     assert parse_config(str(cfg)) == cfg
@@ -164,3 +178,30 @@ def test_python_rules_agree_with_static_asserts(tmp_path):
         f"C++ rejects but Python accepts: {sorted(rejected - expected)[:5]}; "
         f"Python rejects but C++ accepts: {sorted(expected - rejected)[:5]}"
     )
+
+
+def test_wgmma_names_and_rules():
+    cfg = wgmma_config("bf16", 128, 64, 128)
+    assert cfg.name() == "(BF16, 128, 64, 128, 4): wgmma"
+    deep = wgmma_config("fp16", 64, 128, 64, stages=2)
+    assert deep.name() == "(FP16, 64, 128, 64, 8): wgmma+stages_2"
+    assert parse_config(deep.symbol(True)) == deep
+    # 1 KB of alignment slack on top of Q and the K/V ring.
+    assert deep.smem_bytes == 2 * 64 * (128 + 2 * 64 * 2) + 1024
+    with pytest.raises(ValueError, match="block_q = 16 \\* num_warps"):
+        parse_config("(BF16, 128, 64, 128, 8): wgmma")
+    with pytest.raises(ValueError, match="unknown flag 'buffer'"):
+        parse_config("(BF16, 128, 64, 128, 4): wgmma+buffer")
+    with pytest.raises(ValueError, match="stages other than 1 need wgmma"):
+        KernelConfig("bf16", 128, 64, 64, 4, stages=2)
+    with pytest.raises(ValueError, match="sm_90 limit"):
+        wgmma_config("bf16", 256, 128, 128, stages=2)
+
+
+def test_hopper_defaults_are_wgmma_and_others_are_not():
+    for d in (64, 128, 192, 256):
+        for causal in (False, True):
+            for n in (512, 4096, 16384):
+                assert default_config("bf16", d, causal, n, n, "sm_90").wgmma
+                assert not default_config("bf16", d, causal, n, n, "sm_80").wgmma
+                assert not default_config("bf16", d, causal, n, n).wgmma

@@ -17,19 +17,29 @@ from . import compiler as _compiler
 from .kernels import build, cache_dir
 
 #: Dynamic shared memory a block may opt into, per architecture (the per-block limit, in bytes).
-SMEM_LIMITS = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024, "sm_90": 227 * 1024}
+SMEM_LIMITS = {
+    "sm_80": 163 * 1024,
+    "sm_86": 99 * 1024,
+    "sm_89": 99 * 1024,
+    "sm_90": 227 * 1024,
+    "sm_90a": 227 * 1024,
+}
 
 
-def shipped_configs() -> list[KernelConfig]:
-    """Every configuration the heuristic can pick: per dtype, instantiated head_dim, mask and length."""
+def shipped_configs(arch: str = "sm_80") -> list[KernelConfig]:
+    """Every configuration the heuristic can pick on ``arch``: per dtype, instantiated head_dim, mask and
+    length. On sm_90 that is the wgmma configs and also the portable ones, which Hopper still runs for the
+    debug build and for a negative softmax scale."""
+    archs = ["sm_80"] + ([arch] if arch in ("sm_90", "sm_90a") else [])
     out: list[KernelConfig] = []
-    for dtype in DTYPES:
-        for d in HEAD_DIMS:
-            for causal in (False, True):
-                for n in (512, 1024, 2048, 4096, 8192, 16384):
-                    cfg = default_config(dtype, d, causal, n, n)
-                    if cfg not in out:
-                        out.append(cfg)
+    for a in archs:
+        for dtype in DTYPES:
+            for d in HEAD_DIMS:
+                for causal in (False, True):
+                    for n in (512, 1024, 2048, 4096, 8192, 16384):
+                        cfg = default_config(dtype, d, causal, n, n, a)
+                        if cfg not in out:
+                            out.append(cfg)
     return out
 
 
@@ -62,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"--arch takes targets like sm_80,sm_90; got {a!r}", file=sys.stderr)
             return 2
     try:
-        cfgs = [parse_config(c) for c in args.configs] if args.configs else shipped_configs()
+        cfgs = [parse_config(c) for c in args.configs] if args.configs else []
     except ValueError as exc:
         print(f"--configs: {exc}", file=sys.stderr)
         return 2
@@ -73,7 +83,11 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
-    jobs = [(c, a) for c in cfgs for a in archs]
+    if args.configs:
+        # A wgmma config compiles for sm_90 only (its instructions have no other target).
+        jobs = [(c, a) for c in cfgs for a in archs if not c.wgmma or a in ("sm_90", "sm_90a")]
+    else:
+        jobs = [(c, a) for a in archs for c in shipped_configs(a)]
     print(f"building {len(jobs)} kernels with {_compiler.compiler_id(kind)} into {cache_dir()}", flush=True)
     t0 = time.perf_counter()
     done = 0

@@ -1,0 +1,48 @@
+// Hopper (sm_90a) primitives for the wgmma kernels: shared-memory matrix descriptors, the warpgroup
+// fences, commit and wait, and the proxy fence between ordinary shared-memory writes and the tensor cores'
+// reads. The instruction wrappers themselves are generated (fa/wgmma_mma.cuh).
+#pragma once
+
+#include "fa/ptx.cuh"
+#include "fa/wgmma_mma.cuh"
+
+namespace fa {
+
+// Shared-memory matrix descriptor (PTX ISA 9.7.15.5.1.2.2, "Matrix Descriptor Format"): bits 0-13 the start
+// address, 16-29 the leading dimension byte offset, 32-45 the stride dimension byte offset (each >> 4),
+// 62-63 the swizzle mode (1 = 128-byte swizzle). The base-offset field stays 0: every tile starts on a
+// 1024-byte boundary, where the 128-byte swizzle pattern repeats.
+__device__ __forceinline__ u64 smem_desc_sw128(u32 addr, u32 lead_bytes, u32 stride_bytes) {
+  return (u64)((addr & 0x3FFFFu) >> 4) | ((u64)(lead_bytes >> 4) << 16) | ((u64)(stride_bytes >> 4) << 32) |
+         (1ull << 62);
+}
+
+// wgmma.fence.sync.aligned (PTX ISA 9.7.15.5.3): orders this warpgroup's earlier register writes (the
+// rescaled O, the packed P) before the asynchronous matrix instructions that read them.
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+
+// wgmma.commit_group / wgmma.wait_group (PTX ISA 9.7.15.5.4-5): close the group of instructions issued so
+// far; wait until at most N groups are pending.
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+// After wgmma_wait, tie every accumulator register to an empty volatile asm: the compiler may not move a
+// read of them above the wait (to it, the wgmma asm already produced them).
+template <int N>
+__device__ __forceinline__ void wgmma_hold(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// fence.proxy.async.shared::cta (PTX ISA 9.7.13.4.18): shared memory written through the generic proxy
+// (cp.async, st.shared) becomes visible to the async proxy, through which wgmma reads its operands. Each
+// writing thread runs it after its copies land and before the barrier that publishes them.
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+}  // namespace fa
