@@ -94,7 +94,7 @@ def test_wgmma_negative_scale_and_key_range():
 def test_wgmma_dropout_matches_reference_mask(d):
     from test_gpu_dropout import _explicit
 
-    from flash_attention.dropout import keep_mask
+    from flash_attention.dropout import draw_seed, keep_mask
 
     gen = torch.Generator(device="cuda").manual_seed(d)
     q, k, v = (torch.randn(2, 200, 2, d, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(3))
@@ -110,7 +110,7 @@ def test_wgmma_dropout_matches_reference_mask(d):
         out=None,
         config=cfg,
         dropout_p=p,
-        dropout_seed=seed,
+        dropout_seed=draw_seed(seed),
     )
     keep = keep_mask(seed, 0, p, 2, 2, 200, 200, device="cuda")
     ref = _explicit(q.double(), k.double(), v.double(), True, keep, p)
