@@ -144,3 +144,12 @@ def test_shipped_tables_are_well_formed():
             dtype, d, _, _, _ = key.split("/")
             cfg = parse_config(entry["config"])
             assert cfg.dtype == dtype and cfg.head_dim == int(d[1:]) and not validity_errors(cfg)
+
+
+def test_hopper_space_is_the_wgmma_kernel_and_holds_every_heuristic_pick():
+    for d in (64, 128, 256):
+        for causal in (False, True):
+            space = autotune.search_space("bf16", d, causal, "sm_90")
+            assert space and all(c.wgmma for c in space)
+            for n in autotune.SEQLEN_BUCKETS:
+                assert default_config("bf16", d, causal, n, n, "sm_90") in space
