@@ -456,7 +456,7 @@ def default_config(
     d = padded_head_dim(head_dim)
     n = max(seqlen_q, seqlen_k)
     if arch in ("sm_90", "sm_90a"):
-        return _hopper_default(dtype, d, n)
+        return _hopper_default(dtype, d, n, causal)
     if d == 64:
         if n >= 12288 or (not causal and n >= 6144):
             return KernelConfig(dtype, 64, 128, 64, 4, q_frags=0, k_frags=1, v_frags=1, double_buffer=False)
@@ -470,28 +470,34 @@ def default_config(
     return KernelConfig(dtype, 256, 64, 64, 4, q_frags=1, k_frags=1, v_frags=1, double_buffer=False)
 
 
-def _hopper_default(dtype: str, d: int, n: int) -> KernelConfig:
+def _hopper_default(dtype: str, d: int, n: int, causal: bool) -> KernelConfig:
     """The wgmma config for head_dim ``d`` at sequence length ``n`` (the longer of q and k).
 
-    From the H100 sweeps of docs/kernel-log.md (step 17). One warpgroup (64 query rows) per block and two
-    or more blocks per multiprocessor beat two warpgroups sharing one block's K/V tiles: a block's
-    warpgroups meet at every barrier, so they cannot hide each other's softmax, while separate blocks can.
-    * head_dim 64: S and O are small (32 + 32 registers), so a 2-deep ring of 64-key tiles fits three
-      blocks per SM and hides the copy latency that dominates short sequences; from 4k on, 128-key tiles
-      with one buffer each halve the barriers per key and win.
-    * head_dim 128: 128-key tiles, one K and one V buffer: the 64 x 128 S accumulator is 64 registers,
-      and anything deeper costs a block per SM (measured 20-25% slower with two stages).
-    * head_dim 256: 64-key tiles (O alone is 128 registers), one buffer each.
+    From the H100 autotuning sweep of docs/kernel-log.md (step 17, every point within 5% of the sweep's
+    winner). Two shapes of block compete: one warpgroup (64 query rows, two or three blocks per SM) and
+    two warpgroups sharing each K/V tile (128 rows, one block of 8 warps per SM), which halves the K/V
+    copies per query row but makes both warpgroups meet at every barrier.
+    * head_dim 256: two warpgroups and a 2-deep ring of 64-key tiles everywhere: its K/V tiles are the
+      largest, so sharing them pays most (5-10% over one warpgroup from 2k on).
+    * head_dim 64: the same 128 x 64 two-stage block, except causal up to 4k, where one warpgroup of
+      64 x 64 tiles wastes less work on the diagonal and keeps more blocks in flight.
+    * head_dim 128: one warpgroup with 128-key tiles and one K and one V buffer (the 64 x 128 S
+      accumulator is 64 registers; a ring costs a block per SM); at 512 keys, and causal up to 1k, the
+      blocks are so short that 32-key tiles in a 2-deep ring start computing sooner and win by 5-13%.
     * head_dim 192 (not a tuned size): its 24-chunk rows do not nest with 128 threads, so the copy loops
       need more registers and 64-key tiles spill; 32-key tiles in a 2-deep ring fit.
     """
     if d == 64:
-        return wgmma_config(dtype, 64, 64, 64, 2) if n <= 2048 else wgmma_config(dtype, 64, 64, 128, 1)
+        if causal and n <= 4096:
+            return wgmma_config(dtype, 64, 64, 64, 2)
+        return wgmma_config(dtype, 64, 128, 64, 2)
     if d == 128:
+        if n <= 512 or (causal and n <= 1024):
+            return wgmma_config(dtype, 128, 64, 32, 2)
         return wgmma_config(dtype, 128, 64, 128, 1)
     if d == 192:
         return wgmma_config(dtype, 192, 64, 32, 2)
-    return wgmma_config(dtype, 256, 64, 64, 1)
+    return wgmma_config(dtype, 256, 128, 64, 2)
 
 
 # --------------------------------------------------------------------------------------------------
