@@ -513,6 +513,9 @@ class BwdConfig:
     columns among that many blocks, each recomputing S and dP over the whole head_dim: for head dims whose
     two accumulators would not fit the registers. ``double_buffer`` prefetches the next Q/dO tile during the
     current step. The deterministic dQ kernel uses ``block_q`` rows with one warp per 16 of them.
+
+    ``wgmma``: the Hopper dK/dV kernel (csrc/kernels/sm90/bwd, sm_90a): two warpgroups of 64 keys, Q/dO
+    double-buffered, atomic dQ only (deterministic mode, key ranges and dropout run the sm80 kernels).
     """
 
     dtype: str
@@ -522,6 +525,7 @@ class BwdConfig:
     num_warps: int
     split: int = 1
     double_buffer: bool = False
+    wgmma: bool = False
 
     def __post_init__(self) -> None:
         errors = bwd_validity_errors(self)
@@ -545,7 +549,8 @@ class BwdConfig:
     def smem_bytes(self) -> int:
         nb = 2 if self.double_buffer else 1
         d, bq, bkv = self.head_dim, self.block_q, self.block_kv
-        return 4 * bkv * d + 4 * nb * bq * d + 2 * bkv * bq + 8 * nb * bq
+        # K, V; Q and dO per buffer; the dS tile; LSE and delta per buffer (+1 KB to align the wgmma tiles).
+        return 4 * bkv * d + 4 * nb * bq * d + 2 * bkv * bq + 8 * nb * bq + (1024 if self.wgmma else 0)
 
     @property
     def dq_smem_bytes(self) -> int:
@@ -554,7 +559,7 @@ class BwdConfig:
     def name(self) -> str:
         return (
             f"bwd_{self.dtype}_d{self.head_dim}_q{self.block_q}_kv{self.block_kv}_w{self.num_warps}"
-            f"_s{self.split}" + ("_buffer" if self.double_buffer else "")
+            f"_s{self.split}" + ("_buffer" if self.double_buffer else "") + ("_wgmma" if self.wgmma else "")
         )
 
     def __str__(self) -> str:
@@ -589,6 +594,7 @@ class BwdConfig:
             # load_tile (shared with the forward) reads these two.
             ("kSwizzle", "bool", "true"),
             ("kAsyncCopy", "bool", "true"),
+            ("kWgmma", "bool", _b(self.wgmma)),
         ]
         body = "\n".join(f"  static constexpr {t} {n} = {v};" for n, t, v in fields)
         return f"struct {struct_name} {{\n{body}\n}};\n"
@@ -615,6 +621,17 @@ def bwd_validity_errors(cfg: BwdConfig) -> list[str]:
             errors.append(
                 "each warp's dQ columns (head_dim / split / column groups) must be a multiple of 64"
             )
+    if cfg.wgmma and (
+        cfg.num_warps != 8
+        or cfg.block_kv != 128
+        or (cfg.block_q, cfg.head_dim) not in ((128, 64), (64, 128))
+        or cfg.split != 1
+        or not cfg.double_buffer
+    ):
+        errors.append(
+            "wgmma backward configs are two warpgroups of 64 keys (num_warps 8, block_kv 128), double "
+            "buffered, unsplit, with block_q 128 at head_dim 64 or 64 at head_dim 128 (dQ's split)"
+        )
     if not errors and cfg.smem_bytes > 227 * 1024:
         errors.append("shared memory exceeds the sm_90 limit of 232448")
     return errors
@@ -629,17 +646,22 @@ _BWD_DEFAULTS = {
 }
 
 
-def default_bwd_config(dtype: str, head_dim: int) -> BwdConfig:
-    """The backward config for a problem's dtype and head_dim (padded up to a compiled size)."""
-    return BwdConfig(dtype, padded_head_dim(head_dim), **_BWD_DEFAULTS[padded_head_dim(head_dim)])
+def default_bwd_config(dtype: str, head_dim: int, arch: str = "sm_80") -> BwdConfig:
+    """The backward config for a problem's dtype and head_dim (padded up to a compiled size). On Hopper
+    (``arch`` sm_90) head dims 64 and 128 get the wgmma dK/dV kernel; the larger ones keep the sm80 kernel
+    (two head_dim-wide fp32 accumulators of 64 key rows would not fit a warpgroup's registers)."""
+    d = padded_head_dim(head_dim)
+    if arch in ("sm_90", "sm_90a") and d in (64, 128):
+        return BwdConfig(dtype, d, 128 if d == 64 else 64, 128, 8, 1, True, wgmma=True)
+    return BwdConfig(dtype, d, **_BWD_DEFAULTS[d])
 
 
 def parse_bwd_config(text: str | BwdConfig) -> BwdConfig:
     """The inverse of :meth:`BwdConfig.name`."""
     if isinstance(text, BwdConfig):
         return text
-    m = re.fullmatch(r"bwd_(fp16|bf16)_d(\d+)_q(\d+)_kv(\d+)_w(\d+)_s(\d+)(_buffer)?", str(text))
+    m = re.fullmatch(r"bwd_(fp16|bf16)_d(\d+)_q(\d+)_kv(\d+)_w(\d+)_s(\d+)(_buffer)?(_wgmma)?", str(text))
     if not m:
         raise ValueError(f"not a backward config name: {text!r}")
-    dt, d, bq, bkv, w, s, buf = m.groups()
-    return BwdConfig(dt, int(d), int(bq), int(bkv), int(w), int(s), buf is not None)
+    dt, d, bq, bkv, w, s, buf, wg = m.groups()
+    return BwdConfig(dt, int(d), int(bq), int(bkv), int(w), int(s), buf is not None, wg is not None)

@@ -403,7 +403,17 @@ def cuda_backward(
         )
     if seqlen_q >= 2**31 or seqlen_k >= 2**31:
         raise ValueError("sequence lengths must be below 2**31")
-    cfg = default_bwd_config(_dtype_name(q), head_dim) if config is None else parse_bwd_config(config)
+    if config is None:
+        cfg = default_bwd_config(_dtype_name(q), head_dim, device_arch(q.get_device()))
+        if cfg.wgmma and (deterministic or key_range is not None or dropout_p):
+            # The Hopper kernel has the atomic-dQ, unpadded, dropout-free instantiation only.
+            cfg = default_bwd_config(_dtype_name(q), head_dim)
+    else:
+        cfg = parse_bwd_config(config)
+        if cfg.wgmma and (deterministic or key_range is not None or dropout_p):
+            raise ValueError(
+                f"backward config {cfg.name()} (wgmma) has no deterministic, key-range or dropout build"
+            )
     if cfg.dtype != _dtype_name(q) or head_dim > cfg.head_dim:
         raise ValueError(f"backward config {cfg.name()} cannot run {q.dtype} head_dim {head_dim}")
     device, index = q.device, q.get_device()

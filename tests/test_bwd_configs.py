@@ -98,3 +98,38 @@ def test_default_backward_configs_compile(tmp_path, monkeypatch, comp, arch, d):
     for name, r in res.items():
         assert r["registers"] <= 255
         assert r["spill_stores"] <= MAX_BWD_SPILL_BYTES, f"{name} spills {r['spill_stores']} bytes"
+
+
+def test_hopper_backward_configs():
+    for d in (64, 128):
+        cfg = default_bwd_config("bf16", d, "sm_90")
+        assert cfg.wgmma and cfg.name().endswith("_wgmma")
+        assert parse_bwd_config(cfg.name()) == cfg
+        assert cfg.smem_bytes <= 227 * 1024
+    # Head dims whose dK and dV accumulators do not fit a warpgroup keep the sm80 kernel on Hopper.
+    for d in (192, 256):
+        assert not default_bwd_config("bf16", d, "sm_90").wgmma
+    with pytest.raises(ValueError, match="wgmma backward configs are two warpgroups"):
+        BwdConfig("bf16", 64, 64, 128, 8, 1, True, wgmma=True)
+    src = kernels.kernel_source(default_bwd_config("bf16", 128, "sm_90"))
+    assert '#include "sm90/bwd/bwd_kernel.cuh"' in src and "__dkdv_det" not in src
+    with pytest.raises(ValueError, match="no key-range or dropout build"):
+        kernels.kernel_source(default_bwd_config("bf16", 128, "sm_90"), ranged=True)
+    with pytest.raises(ValueError, match="needs an sm_90 GPU"):
+        kernels.build(default_bwd_config("bf16", 64, "sm_90"), "sm_80")
+
+
+@pytest.mark.parametrize("comp", COMPILERS)
+@pytest.mark.parametrize("d", [64, 128])
+def test_hopper_backward_compiles_to_wgmma(tmp_path, monkeypatch, comp, d):
+    monkeypatch.setenv("FLASH_ATTENTION_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("FLASH_ATTENTION_QUIET", "1")
+    cfg = default_bwd_config("bf16", d, "sm_90")
+    built = kernels.build(cfg, "sm_90", comp)
+    assert built.arch == "sm_90a"
+    res = {r["kernel"]: r for r in built.meta["resources"]}
+    assert set(res) == {cfg.symbol("pre"), cfg.symbol("dkdv"), cfg.symbol("dkdv", True)}
+    for name, r in res.items():
+        assert r["registers"] <= 255
+        assert r["spill_stores"] <= MAX_BWD_SPILL_BYTES, f"{name} spills {r['spill_stores']} bytes"
+    assert "serializ" not in built.meta["log"].lower()

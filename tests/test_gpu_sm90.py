@@ -115,3 +115,42 @@ def test_wgmma_dropout_matches_reference_mask(d):
     keep = keep_mask(seed, 0, p, 2, 2, 200, 200, device="cuda")
     ref = _explicit(q.double(), k.double(), v.double(), True, keep, p)
     assert (o.double() - ref).abs().max().item() < 0.03
+
+
+@needs_hopper
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_wgmma_backward_against_float64_and_sm80(d, causal):
+    from flash_attention.configs import default_bwd_config
+
+    assert default_bwd_config("bf16", d, "sm_90").wgmma
+    gen = torch.Generator(device="cuda").manual_seed(d + causal)
+    q = torch.randn(2, 333, 6, d, generator=gen, device="cuda").to(torch.bfloat16)
+    k, v = (torch.randn(2, 517, 2, d, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(2))
+    do = torch.randn_like(q)
+    o, lse = ops.cuda_forward(q, k, v, causal=causal, softmax_scale=d**-0.5, return_lse=True, out=None)
+    got = ops.cuda_backward(do, q, k, v, o, lse, causal=causal, softmax_scale=d**-0.5)
+    portable = ops.cuda_backward(
+        do, q, k, v, o, lse, causal=causal, softmax_scale=d**-0.5, config=default_bwd_config("bf16", d)
+    )
+    leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    ref_o, _ = attention_reference(*leaves, causal=causal)
+    ref = torch.autograd.grad(ref_o, leaves, do.double())
+    for name, a, b, r in zip(("dq", "dk", "dv"), got, portable, ref):
+        assert not torch.isnan(a).any(), name
+        err, err_sm80 = (a.double() - r).abs().max().item(), (b.double() - r).abs().max().item()
+        assert err <= 1.5 * err_sm80 + 1e-4, f"{name}: {err:.3g} vs the sm80 kernel's {err_sm80:.3g}"
+
+
+@needs_hopper
+def test_deterministic_backward_runs_the_sm80_kernel_bitwise():
+    q, k, v = (torch.randn(1, 300, 4, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    do = torch.randn_like(q)
+    o, lse = ops.cuda_forward(q, k, v, causal=True, softmax_scale=128**-0.5, return_lse=True, out=None)
+    runs = [
+        ops.cuda_backward(do, q, k, v, o, lse, causal=True, softmax_scale=128**-0.5, deterministic=True)
+        for _ in range(3)
+    ]
+    for r in runs[1:]:
+        for a, b in zip(runs[0], r):
+            assert torch.equal(a, b)

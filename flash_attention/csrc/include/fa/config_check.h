@@ -34,14 +34,15 @@ struct check_config {
   static_assert(!Cfg::kDoubleBuffer || kKGroups > 1 || kVGroups > 1,
                 "double_buffer needs more than one fragment group of K or V (k_frags or v_frags smaller than "
                 "all)");
-  static_assert(!Cfg::kWgmma || ((Cfg::kNumWarps == 4 || Cfg::kNumWarps == 8) &&
-                                  Cfg::kBlockQ == 16 * Cfg::kNumWarps),
-                "wgmma needs num_warps 4 or 8 and block_q = 16 * num_warps (each warpgroup of 4 warps owns 64 "
-                "query rows)");
-  static_assert(!Cfg::kWgmma || (Cfg::kAsyncCopy && Cfg::kEager && Cfg::kSwizzle && Cfg::kOptSoftmax &&
-                                  Cfg::kQFrags == 0 && Cfg::kKFrags == 0 && Cfg::kVFrags == 0 &&
-                                  !Cfg::kDoubleBuffer && !Cfg::kReverseKV),
-                "wgmma fixes async+eager+swizzled+opt_softmax with no fragment loads, double buffer or reverse");
+  static_assert(
+      !Cfg::kWgmma || ((Cfg::kNumWarps == 4 || Cfg::kNumWarps == 8) && Cfg::kBlockQ == 16 * Cfg::kNumWarps),
+      "wgmma needs num_warps 4 or 8 and block_q = 16 * num_warps (each warpgroup of 4 warps owns 64 "
+      "query rows)");
+  static_assert(
+      !Cfg::kWgmma ||
+          (Cfg::kAsyncCopy && Cfg::kEager && Cfg::kSwizzle && Cfg::kOptSoftmax && Cfg::kQFrags == 0 &&
+           Cfg::kKFrags == 0 && Cfg::kVFrags == 0 && !Cfg::kDoubleBuffer && !Cfg::kReverseKV),
+      "wgmma fixes async+eager+swizzled+opt_softmax with no fragment loads, double buffer or reverse");
   static_assert(!Cfg::kWgmma || (Cfg::kStages >= 1 && Cfg::kStages <= 4), "stages must be 1, 2, 3 or 4");
   static_assert(Cfg::kWgmma || Cfg::kStages == 1,
                 "stages other than 1 need wgmma (the sm80 kernel has one K and one V buffer)");

@@ -23,7 +23,9 @@ __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.a
 
 // wgmma.commit_group / wgmma.wait_group (PTX ISA 9.7.15.5.4-5): close the group of instructions issued so
 // far; wait until at most N groups are pending.
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
 
 template <int N>
 __device__ __forceinline__ void wgmma_wait() {

@@ -83,7 +83,7 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
   const u32 sQ = (smem_addr(smem) + 1023u) & ~1023u;
   constexpr int NST = Cfg::kStages;
   constexpr u32 kTile = 2 * BC * D;  // bytes of one K or V tile
-  const u32 sK = sQ + 2 * BR * D;     // NST K tiles, then NST V tiles
+  const u32 sK = sQ + 2 * BR * D;    // NST K tiles, then NST V tiles
   const u32 sV = sK + NST * kTile;
 
   const int tid = threadIdx.x;

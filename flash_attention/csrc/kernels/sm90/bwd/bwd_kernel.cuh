@@ -1,0 +1,284 @@
+// FlashAttention-2 backward's dK/dV kernel (with atomic dQ) for Hopper (sm_90a), on wgmma.
+//
+// The structure is the sm80 kernel's (csrc/kernels/sm80/bwd/bwd_kernel.cuh, whose preprocessing kernel
+// this one reuses): one thread block per (K/V block, kv head, batch) keeps K_j and V_j in shared memory and
+// walks every query block of every query head of its GQA group, so dK and dV are summed over the group in
+// registers. Warpgroup w owns keys [64 w, 64 w + 64) of the block, and the whole chain stays transposed:
+//   S^T  = K Q^T     wgmma SS, A = K rows (K-major), B = Q (K-major), N = block_q
+//   dP^T = V dO^T    wgmma SS, A = V rows, B = dO, N = block_q
+//   P^T  = exp2(S^T scale log2e - LSE2),  dS^T = scale P^T (dP^T - delta)   (registers)
+//   dV  += P^T dO    wgmma RS, A = P^T from the S^T accumulator packed to 16 bits, B = dO MN-major
+//   dK  += dS^T Q    wgmma RS, A = dS^T, B = Q MN-major
+//   dQ  += dS K      wgmma SS with both operands transposed: A = dS (stored as dS^T, keys x queries, which
+//                    is dS in M-major form), B = K (MN-major); added to the fp32 dQ workspace with atomics.
+// dQ's 64 x head_dim products are shared between the two warpgroups: with block_q 128 each takes 64 query
+// rows (head_dim 64), with block_q 64 each takes half of head_dim's columns (head_dim 128), so neither idles.
+// Tiles are 64-column panels with the 128-byte swizzle (fa::sm90::panel_offset); Q/dO are double-buffered.
+#pragma once
+
+#include "fa/bwd_params.h"
+#include "fa/wgmma.cuh"
+#include "sm80/bwd/bwd_kernel.cuh"
+#include "sm90/fwd/fwd_kernel.cuh"
+
+namespace fa {
+namespace sm90 {
+
+template <class Cfg, bool kCausal>
+__device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
+  constexpr bool BF = Cfg::kIsBF16;
+  constexpr int D = Cfg::kHeadDim;
+  constexpr int BR = Cfg::kBlockQ;   // query rows per step
+  constexpr int BC = Cfg::kBlockKV;  // key rows of the block: 64 per warpgroup
+  constexpr int NT = Cfg::kNumWarps * 32;
+  constexpr int NQ = BR / 8;   // query n-tiles of S^T / dP^T
+  constexpr int KQ = BR / 16;  // k-steps of dV / dK
+  constexpr int DK = D / 16;   // k-steps of S^T / dP^T
+  constexpr int NO = D / 8;    // n-tiles of dK / dV
+  // dQ per warpgroup: 64 query rows x DQN columns, at row DQ_ROW * wg and column DQ_COL * wg.
+  constexpr int DQN = BR == 128 ? D : D / 2;
+  constexpr int DQ_ROW = BR == 128 ? 64 : 0;
+  constexpr int DQ_COL = BR == 128 ? 0 : D / 2;
+  static_assert(Cfg::kNumWarps == 8 && BC == 128, "two warpgroups of 64 keys");
+  static_assert((BR == 128 && D == 64) || (BR == 64 && D == 128), "dQ split between the warpgroups");
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  const u32 base = (smem_addr(smem) + 1023u) & ~1023u;
+  const u32 sK = base;
+  const u32 sV = sK + 2 * BC * D;
+  const u32 sQ = sV + 2 * BC * D;  // two buffers
+  const u32 sdO = sQ + 2 * 2 * BR * D;
+  const u32 sdS = sdO + 2 * 2 * BR * D;  // dS^T: BC rows (keys) of BR queries, panels of 64 queries
+  const u32 sStats = sdS + 2 * BC * BR;  // [buffer][LSE2 (BR floats), delta (BR floats)]
+  float* const stats = reinterpret_cast<float*>(smem + (sStats - smem_addr(smem)));
+
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const int wg = warp / 4;
+  const int g = lane / 4;
+  const int t = lane % 4;
+  const int n_block = blockIdx.x;
+  const int kv_head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const int kv_start = n_block * BC;
+  const int row0 = 64 * wg + 16 * (warp % 4);  // the warp's first key row in the block
+
+  const int shift = p.seqlen_k - p.seqlen_q;
+  // Query blocks that see some key of this block: with causal masking, query q sees key kv_start iff
+  // q >= kv_start - shift.
+  const int m_begin = kCausal ? max(0, kv_start - shift) / BR : 0;
+  const int m_count = max(0, p.num_m_blocks - m_begin);
+  const int n_iter = p.group * m_count;
+
+  float dv[D / 2], dk[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) dv[i] = dk[i] = 0.f;
+
+  const u16* gK = static_cast<const u16*>(p.k) + batch * p.k_batch_stride + kv_head * p.k_head_stride +
+                  (i64)kv_start * p.k_row_stride;
+  const u16* gV = static_cast<const u16*>(p.v) + batch * p.v_batch_stride + kv_head * p.v_head_stride +
+                  (i64)kv_start * p.v_row_stride;
+
+  auto load_q_step = [&](int it, int buf) {
+    const int head = kv_head * p.group + it / m_count;
+    const int q_start = (m_begin + it % m_count) * BR;
+    const u16* gQ = static_cast<const u16*>(p.q) + batch * p.q_batch_stride + head * p.q_head_stride +
+                    (i64)q_start * p.q_row_stride;
+    const u16* gdO = static_cast<const u16*>(p.dout) + batch * p.do_batch_stride + head * p.do_head_stride +
+                     (i64)q_start * p.do_row_stride;
+    load_panels<BR, D, NT>(sQ + buf * 2 * BR * D, gQ, p.q_row_stride, p.seqlen_q - q_start, p.head_dim, tid);
+    load_panels<BR, D, NT>(sdO + buf * 2 * BR * D, gdO, p.do_row_stride, p.seqlen_q - q_start, p.head_dim,
+                           tid);
+    // The workspaces are padded to whole 128-row blocks: no bounds check.
+    const i64 r0 = ((i64)batch * p.heads_q + head) * p.seqlen_q_pad + q_start;
+    if (tid < BR / 4) {
+      cp_async_16(sStats + buf * 8 * BR + 16 * tid, p.lse_log2 + r0 + 4 * tid, 16);
+    } else if (tid < BR / 2) {
+      const int c = tid - BR / 4;
+      cp_async_16(sStats + buf * 8 * BR + 4 * BR + 16 * c, p.delta + r0 + 4 * c, 16);
+    }
+  };
+
+  if (n_iter > 0) {
+    load_panels<BC, D, NT>(sK, gK, p.k_row_stride, p.seqlen_k - kv_start, p.head_dim, tid);
+    load_panels<BC, D, NT>(sV, gV, p.v_row_stride, p.seqlen_k - kv_start, p.head_dim, tid);
+    load_q_step(0, 0);
+    cp_async_commit();
+  }
+
+  // Descriptors (fa/wgmma.cuh; the forward kernel explains the byte offsets). K-major tiles: 8-row groups
+  // 1024 bytes apart. MN-major tiles: 64-column panels R * 128 bytes apart (the leading byte offset).
+  const u64 k_desc = smem_desc_sw128(sK + wg * 64 * 128, 16, 1024);  // A of S^T: this warpgroup's keys
+  const u64 v_desc = smem_desc_sw128(sV + wg * 64 * 128, 16, 1024);
+  const u64 q_desc = smem_desc_sw128(sQ, 16, 1024);         // B of S^T (K-major)
+  const u64 qt_desc = smem_desc_sw128(sQ, BR * 128, 1024);  // B of dK (MN-major)
+  const u64 ds_desc = smem_desc_sw128(sdS + wg * (DQ_ROW / 64) * BC * 128, BC * 128, 1024);
+  const u64 kt_desc = smem_desc_sw128(sK + wg * (DQ_COL / 64) * BC * 128, BC * 128, 1024);
+  constexpr u32 kDOOff = 2 * 2 * BR * D;  // dO's buffers after Q's
+  const float sl2 = p.scale_log2;
+  const float scale = p.scale;
+
+#pragma unroll 1
+  for (int it = 0; it < n_iter; ++it) {
+    const int buf = it & 1;
+    const u32 qoff = buf * 2 * BR * D;
+    const int head = kv_head * p.group + it / m_count;
+    const int q_start = (m_begin + it % m_count) * BR;
+    // This step's Q, dO and statistics (and K, V on the first) landed; after the barrier every warpgroup is
+    // also done with the previous step (it waited for all its wgmma), so the other buffer and the dS tile
+    // may be rewritten.
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();
+    if (it + 1 < n_iter) {
+      load_q_step(it + 1, buf ^ 1);
+      cp_async_commit();
+    }
+
+    // ---- S^T = K Q^T, dP^T = V dO^T -------------------------------------------------------------------
+    float s[BR / 2], dp[BR / 2];
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < DK; ++kk) {
+      const u32 a_off = (kk / 4) * BC * 128 + (kk % 4) * 32;
+      const u32 b_off = qoff + (kk / 4) * BR * 128 + (kk % 4) * 32;
+      Wgmma<BR, BF>::ss(s, k_desc + (a_off >> 4), q_desc + (b_off >> 4), kk > 0);
+    }
+#pragma unroll
+    for (int kk = 0; kk < DK; ++kk) {
+      const u32 a_off = (kk / 4) * BC * 128 + (kk % 4) * 32;
+      const u32 b_off = kDOOff + qoff + (kk / 4) * BR * 128 + (kk % 4) * 32;
+      Wgmma<BR, BF>::ss(dp, v_desc + (a_off >> 4), q_desc + (b_off >> 4), kk > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_hold(s);
+    wgmma_hold(dp);
+
+    // ---- mask: keys past seqlen_k and the causal diagonal ------------------------------------------------
+    // Register 4 n + e is key kv_start + row0 + g + 8 (e / 2) against query q_start + 8 n + 2 t + e % 2.
+    // Queries past seqlen_q need no mask: their base-2 LSE is +inf, so their P is 0.
+    {
+      const int key0 = kv_start + row0;
+      const bool tail = key0 + 16 > p.seqlen_k;
+      const bool diag = kCausal && key0 + 15 > q_start + shift;
+      if (tail || diag) {
+        const int key_l = key0 + g;
+        const int dlim = q_start + 2 * t + shift - key_l;  // masked if 8 e2 - 8 n - e1 > dlim
+#pragma unroll
+        for (int n = 0; n < NQ; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            if (key_l + 8 * (e >> 1) >= p.seqlen_k || (kCausal && 8 * (e >> 1) - 8 * n - (e & 1) > dlim))
+              s[4 * n + e] = neg_inf();
+          }
+      }
+    }
+
+    // ---- P^T, dS^T
+    // -------------------------------------------------------------------------------------------
+    const float* lse_s = stats + buf * 2 * BR;
+    const float* del_s = lse_s + BR;
+#pragma unroll
+    for (int n = 0; n < NQ; ++n) {
+      const float2 l2 = *reinterpret_cast<const float2*>(lse_s + 8 * n + 2 * t);
+      const float2 dl = *reinterpret_cast<const float2*>(del_s + 8 * n + 2 * t);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float pr = exp2_approx(fmaf(s[4 * n + e], sl2, -((e & 1) ? l2.y : l2.x)));
+        s[4 * n + e] = pr;
+        dp[4 * n + e] = pr * (dp[4 * n + e] - ((e & 1) ? dl.y : dl.x)) * scale;
+      }
+    }
+    u32 pf[KQ][4], sf[KQ][4];
+#pragma unroll
+    for (int ks = 0; ks < KQ; ++ks)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        pf[ks][r] = pack2<BF>(s[8 * ks + 2 * r], s[8 * ks + 2 * r + 1]);
+        sf[ks][r] = pack2<BF>(dp[8 * ks + 2 * r], dp[8 * ks + 2 * r + 1]);
+      }
+
+    // dS^T to shared memory for dQ: register pair r of k-step ks is key row g + 8 (r % 2) of the warp at
+    // queries 16 ks + 8 (r / 2) + 2 t (+1), i.e. 16-byte chunk 2 ks + r / 2 of the key's row.
+#pragma unroll
+    for (int ks = 0; ks < KQ; ++ks)
+#pragma unroll
+      for (int r = 0; r < 4; ++r)
+        st_shared_32(sdS + panel_offset<BC>(row0 + g + 8 * (r & 1), 2 * ks + (r >> 1)) + 4 * t, sf[ks][r]);
+
+    // ---- dV += P^T dO, dK += dS^T Q
+    // --------------------------------------------------------------------------
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < KQ; ++ks) {
+      const u32 off = qoff + ks * 16 * 128;
+      Wgmma<D, BF>::rs_bt(dv, pf[ks], qt_desc + ((kDOOff + off) >> 4), 1);
+      Wgmma<D, BF>::rs_bt(dk, sf[ks], qt_desc + (off >> 4), 1);
+    }
+    wgmma_commit();
+
+    // Every warpgroup's dS^T is written (and visible to the tensor cores).
+    fence_proxy_async();
+    __syncthreads();
+    if constexpr (BR == 128) {
+      // The 64-query S^T / dP^T fragments (pf, sf: 64 registers) stay live while dV / dK read them; with
+      // the dQ accumulator on top that spills, so dQ waits for them here.
+      wgmma_wait<0>();
+      wgmma_hold(dv);
+      wgmma_hold(dk);
+    }
+
+    // ---- dQ += dS K (this warpgroup's 64 x DQN part)
+    // --------------------------------------------------------
+    float dq[DQN / 2];
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BC / 16; ++kk)
+      Wgmma<DQN, BF>::ss_tt(dq, ds_desc + ((kk * 16 * 128) >> 4), kt_desc + ((kk * 16 * 128) >> 4), kk > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_hold(dq);
+    wgmma_hold(dv);
+    wgmma_hold(dk);
+    {
+      // Register 4 n + e: query row 16 (warp % 4) + g + 8 (e / 2) of the warpgroup's 64, column 8 n + 2 t.
+      float* const gdq =
+          p.dq_accum +
+          (((i64)batch * p.heads_q + head) * p.seqlen_q_pad + q_start + DQ_ROW * wg + 16 * (warp % 4) + g) *
+              D +
+          DQ_COL * wg + 2 * t;
+#pragma unroll
+      for (int n = 0; n < DQN / 8; ++n)
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+          red_add_f32x2(gdq + 8 * r * D + 8 * n, dq[4 * n + 2 * r], dq[4 * n + 2 * r + 1]);
+    }
+  }
+
+  // ---- epilogue: dK, dV (scale already folded into dS) ---------------------------------------------------
+  u16* gdK = static_cast<u16*>(p.dk) + batch * p.dk_batch_stride + kv_head * p.dk_head_stride +
+             (i64)kv_start * p.dk_row_stride;
+  u16* gdV = static_cast<u16*>(p.dv) + batch * p.dv_batch_stride + kv_head * p.dv_head_stride +
+             (i64)kv_start * p.dv_row_stride;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row0 + g + 8 * r;
+    if (kv_start + row < p.seqlen_k) {
+#pragma unroll
+      for (int n = 0; n < NO; ++n) {
+        const int col = 8 * n + 2 * t;
+        if (col < p.head_dim) {
+          st_global_32(gdK + (i64)row * p.dk_row_stride + col,
+                       pack2<BF>(dk[4 * n + 2 * r], dk[4 * n + 2 * r + 1]));
+          st_global_32(gdV + (i64)row * p.dv_row_stride + col,
+                       pack2<BF>(dv[4 * n + 2 * r], dv[4 * n + 2 * r + 1]));
+        }
+      }
+    }
+  }
+}
+
+}  // namespace sm90
+}  // namespace fa
