@@ -136,7 +136,7 @@ def test_wgmma_backward_against_float64_and_sm80(d, causal):
     leaves = [x.double().requires_grad_() for x in (q, k, v)]
     ref_o, _ = attention_reference(*leaves, causal=causal)
     ref = torch.autograd.grad(ref_o, leaves, do.double())
-    for name, a, b, r in zip(("dq", "dk", "dv"), got, portable, ref):
+    for name, a, b, r in zip(("dq", "dk", "dv"), got, portable, ref, strict=True):
         assert not torch.isnan(a).any(), name
         err, err_sm80 = (a.double() - r).abs().max().item(), (b.double() - r).abs().max().item()
         assert err <= 1.5 * err_sm80 + 1e-4, f"{name}: {err:.3g} vs the sm80 kernel's {err_sm80:.3g}"
@@ -152,5 +152,5 @@ def test_deterministic_backward_runs_the_sm80_kernel_bitwise():
         for _ in range(3)
     ]
     for r in runs[1:]:
-        for a, b in zip(runs[0], r):
+        for a, b in zip(runs[0], r, strict=True):
             assert torch.equal(a, b)
