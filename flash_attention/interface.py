@@ -286,9 +286,14 @@ def _attention_op(
             "call attention() without out= (it returns a new tensor), or under torch.no_grad()"
         )
     deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
-    o, lse = torch.ops.flash_attention.fwd(
-        q, k, v, problem.causal, problem.scale, deterministic, key_range, dropout_p, dropout_seed
-    )
+    args = (q, k, v, problem.causal, problem.scale, deterministic, key_range, dropout_p, dropout_seed)
+    if records and not torch.compiler.is_compiling():
+        # Eager training: the ops' implementations without the custom-op dispatch (_custom_ops says why).
+        from ._custom_ops import EagerAttention
+
+        o, lse = EagerAttention.apply(*args)
+    else:
+        o, lse = torch.ops.flash_attention.fwd(*args)
     if out is not None:
         # Only without autograd (torch.compile tracing an inference call): the op cannot write into a
         # caller's buffer (custom ops return new tensors), so the result is copied.
