@@ -479,8 +479,9 @@ def _hopper_default(dtype: str, d: int, n: int, causal: bool) -> KernelConfig:
     copies per query row but makes both warpgroups meet at every barrier.
     * head_dim 256: two warpgroups and a 2-deep ring of 64-key tiles everywhere: its K/V tiles are the
       largest, so sharing them pays most (5-10% over one warpgroup from 2k on).
-    * head_dim 64: the same 128 x 64 two-stage block, except causal up to 4k, where one warpgroup of
-      64 x 64 tiles wastes less work on the diagonal and keeps more blocks in flight.
+    * head_dim 64: the same 128 x 64 two-stage block without a mask. Causal blocks differ in length, and
+      one warpgroup per block balances them better: 64 x 64 tiles in a 2-deep ring up to 4k (less work
+      wasted on the diagonal), 128-key tiles with one buffer each beyond (half the barriers per key).
     * head_dim 128: one warpgroup with 128-key tiles and one K and one V buffer (the 64 x 128 S
       accumulator is 64 registers; a ring costs a block per SM); at 512 keys, and causal up to 1k, the
       blocks are so short that 32-key tiles in a 2-deep ring start computing sooner and win by 5-13%.
@@ -488,8 +489,8 @@ def _hopper_default(dtype: str, d: int, n: int, causal: bool) -> KernelConfig:
       need more registers and 64-key tiles spill; 32-key tiles in a 2-deep ring fit.
     """
     if d == 64:
-        if causal and n <= 4096:
-            return wgmma_config(dtype, 64, 64, 64, 2)
+        if causal:
+            return wgmma_config(dtype, 64, 64, 64, 2) if n <= 4096 else wgmma_config(dtype, 64, 64, 128, 1)
         return wgmma_config(dtype, 64, 128, 64, 2)
     if d == 128:
         if n <= 512 or (causal and n <= 1024):

@@ -153,3 +153,25 @@ def test_hopper_space_is_the_wgmma_kernel_and_holds_every_heuristic_pick():
             assert space and all(c.wgmma for c in space)
             for n in autotune.SEQLEN_BUCKETS:
                 assert default_config("bf16", d, causal, n, n, "sm_90") in space
+
+
+def test_hopper_heuristic_within_5_percent_of_the_committed_h100_sweep():
+    """The H100 sweep of the wgmma space (benchmarks/results/h100-2026-11-22-autotune.json, the report of
+    ``autotune --report``): at every benchmark shape the heuristic's pick runs within 5% of the winner."""
+    from collections import defaultdict
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "h100-2026-11-22-autotune.json"
+    report = json.loads(path.read_text())
+    assert "H100" in report["gpu"]
+    by_key: dict[str, dict[str, float]] = defaultdict(dict)
+    for row in report["rows"]:
+        if row["tflops"]:
+            by_key[row["key"]][row["config"]] = row["tflops"]
+    assert len(by_key) == 36
+    for key, timed in by_key.items():
+        dtype, d, mask, n, _ = key.split("/")
+        pick = default_config(dtype, int(d[1:]), mask == "causal", int(n), int(n), "sm_90").name()
+        assert pick in timed, f"{key}: {pick} was not timed"
+        ratio = timed[pick] / max(timed.values())
+        assert ratio >= 0.95, f"{key}: {pick} at {ratio:.3f} of the winner"

@@ -123,3 +123,16 @@ def test_plot_from_results_file(tmp_path):
     written = plot_results(result, path)
     assert [p.name for p in written] == ["g-2026-01-01-d64.png", "g-2026-01-01-d128.png"]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in written)
+
+
+def test_progression_ends_with_the_wgmma_kernel_on_hopper(monkeypatch):
+    from flash_attention import ops
+    from flash_attention.configs import wgmma_config
+
+    monkeypatch.setattr(ops, "choose_config", lambda *a, **k: wgmma_config("bf16", 128, 64, 128))
+    steps = progression_configs("bf16", 128, False, 4096)
+    assert [label for label, _ in steps[-2:]] == [
+        "tuned sm80 kernel",
+        "wgmma kernel, tuned (what attention() runs)",
+    ]
+    assert not steps[-2][1].wgmma and steps[-1][1].wgmma
