@@ -257,6 +257,9 @@ def _table(gpu: str) -> dict[str, dict]:
 def clear_memo() -> None:
     _tables.clear()
     _lookup.cache_clear()
+    from .autotune_bwd import _lookup_bwd
+
+    _lookup_bwd.cache_clear()
 
 
 def lookup(
@@ -471,6 +474,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--report", default=None, help="also write every timing to this JSON file")
     ap.add_argument("--space", action="store_true", help="print the search space and pruning, time nothing")
     ap.add_argument(
+        "--backward",
+        action="store_true",
+        help="tune the backward kernels (BwdConfig) instead of the forward (flash_attention.autotune_bwd)",
+    )
+    ap.add_argument(
         "--arch", default="sm_90", help="the architecture whose space --space prints (default sm_90)"
     )
     return ap.parse_args(argv)
@@ -484,6 +492,15 @@ def main(argv: list[str] | None = None) -> int:
     seqlens = [int(x) for x in args.seqlens.split(",")]
     groups = [int(x) for x in args.groups.split(",")]
 
+    if args.space and args.backward:
+        from .autotune_bwd import bwd_candidate_space
+
+        for dtype, d in itertools.product(dtypes, head_dims):
+            cands = bwd_candidate_space(dtype, d, args.arch)
+            print(f"backward {dtype} d={d}: {len(cands)} candidates")
+            for c in cands:
+                print(f"    {c.name()}")
+        return 0
     if args.space:
         for dtype, d, causal in itertools.product(dtypes, head_dims, causals):
             all_c = candidate_space(dtype, d, causal, args.arch)
@@ -511,7 +528,13 @@ def main(argv: list[str] | None = None) -> int:
     report: list[dict] = []
     entries: dict[str, dict] = {}
     t0 = time.perf_counter()
+    if args.backward:
+        from . import autotune_bwd
+
+        entries, report = autotune_bwd.run(args, out_path, gpu, arch)
     for dtype, d, causal in itertools.product(dtypes, head_dims, causals):
+        if args.backward:
+            break
         cands = search_space(dtype, d, causal, arch)
         ok, skipped = prepare_candidates(cands, causal)
         print(

@@ -404,7 +404,14 @@ def cuda_backward(
     if seqlen_q >= 2**31 or seqlen_k >= 2**31:
         raise ValueError("sequence lengths must be below 2**31")
     if config is None:
-        cfg = default_bwd_config(_dtype_name(q), head_dim, device_arch(q.get_device()))
+        from .autotune_bwd import lookup_bwd
+
+        index = q.get_device()
+        cfg = lookup_bwd(
+            _gpu_name(index), _dtype_name(q), head_dim, causal, seqlen_q, seqlen_k, heads_q // heads_kv
+        )
+        if cfg is None:
+            cfg = default_bwd_config(_dtype_name(q), head_dim, device_arch(index))
         if cfg.wgmma and (deterministic or key_range is not None or dropout_p):
             # The Hopper kernel has the atomic-dQ, unpadded, dropout-free instantiation only.
             cfg = default_bwd_config(_dtype_name(q), head_dim)

@@ -19,7 +19,7 @@ import tempfile
 from collections import Counter
 from dataclasses import dataclass
 
-from .configs import KernelConfig, parse_config
+from .configs import BwdConfig, KernelConfig, parse_bwd_config, parse_config
 
 # Per-SM limits by architecture: registers, max resident threads, max resident blocks, shared memory
 # available to blocks (bytes), and the shared memory the system reserves per block.
@@ -161,12 +161,28 @@ def _build(cfg: KernelConfig, arch: str, compiler: str | None):
     return build(cfg, arch, compiler)
 
 
-def resource_lines(cfg: KernelConfig, arch: str, compiler: str | None) -> list[str]:
+def _launch_shape(cfg, kernel: str) -> tuple[int, int]:
+    """Threads and dynamic shared memory of one entry point (the backward family has three kernels)."""
+    if isinstance(cfg, BwdConfig):
+        if kernel.endswith("__pre"):
+            return 128, 0
+        if "__dq" in kernel:
+            return cfg.dq_threads, cfg.dq_smem_bytes
+    return cfg.threads, cfg.smem_bytes
+
+
+def parse_any(text: str) -> KernelConfig | BwdConfig:
+    """A forward config name or symbol, or a backward config name (``bwd_...``)."""
+    return parse_bwd_config(text) if text.strip().startswith("bwd_") else parse_config(text)
+
+
+def resource_lines(cfg, arch: str, compiler: str | None) -> list[str]:
     built = _build(cfg, arch, compiler)
     lines = []
     for r in sorted(built.meta["resources"], key=lambda r: r["kernel"]):
-        smem = cfg.smem_bytes + r["static_smem"]
-        occ = occupancy(arch, cfg.threads, r["registers"], smem)
+        threads, dyn_smem = _launch_shape(cfg, r["kernel"])
+        smem = dyn_smem + r["static_smem"]
+        occ = occupancy(arch, threads, r["registers"], smem)
         lines.append(
             f"{arch:6} {r['registers']:4d} {smem:7d} {r['spill_stores']:5d}/{r['spill_loads']:<5d} "
             f"{r['stack_frame']:5d}  {occ.blocks:2d} blk {occ.warps:2d}/{occ.max_warps} warps "
@@ -209,13 +225,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         if args.compare:
-            cfgs = [parse_config(c) for c in args.compare]
+            cfgs = [parse_any(c) for c in args.compare]
         elif args.configs:
-            cfgs = [parse_config(c) for c in args.configs]
+            cfgs = [parse_any(c) for c in args.configs]
         else:
-            from .jit.build import shipped_configs
+            from .jit.build import shipped_bwd_configs, shipped_configs
 
-            cfgs = shipped_configs(args.arch)
+            cfgs = shipped_configs(args.arch) + shipped_bwd_configs(args.arch)
     except ValueError as exc:
         print(f"config: {exc}", file=sys.stderr)
         return 2
@@ -229,7 +245,11 @@ def main(argv: list[str] | None = None) -> int:
             hists = []
             for cfg in cfgs:
                 h = sass_histograms(_build(cfg, args.arch, args.compiler).cubin)
-                hists.append((cfg.name(), h[cfg.symbol(args.causal)]))
+                # A backward config's main kernel is its dK/dV kernel.
+                sym = (
+                    cfg.symbol("dkdv", args.causal) if isinstance(cfg, BwdConfig) else cfg.symbol(args.causal)
+                )
+                hists.append((cfg.name(), h[sym]))
             print()
             if args.compare:
                 print(

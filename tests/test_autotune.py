@@ -175,3 +175,42 @@ def test_hopper_heuristic_within_5_percent_of_the_committed_h100_sweep():
         assert pick in timed, f"{key}: {pick} was not timed"
         ratio = timed[pick] / max(timed.values())
         assert ratio >= 0.95, f"{key}: {pick} at {ratio:.3f} of the winner"
+
+
+def test_backward_space_is_valid_and_holds_the_defaults():
+    from flash_attention import autotune_bwd
+    from flash_attention.configs import bwd_validity_errors, default_bwd_config, parse_bwd_config
+
+    for d in (64, 128, 256):
+        for arch in ("sm_80", "sm_90"):
+            space = autotune_bwd.bwd_candidate_space("bf16", d, arch)
+            assert len(space) == len(set(space)) > 2
+            assert default_bwd_config("bf16", d) in space and default_bwd_config("bf16", d, arch) in space
+            for cfg in space:
+                assert not bwd_validity_errors(cfg) and parse_bwd_config(cfg.name()) == cfg
+            assert any(c.wgmma for c in space) == (arch == "sm_90" and d <= 128)
+
+
+def test_backward_cache_round_trip(env):
+    from flash_attention import autotune_bwd
+    from flash_attention.configs import parse_bwd_config
+
+    name = "bwd_bf16_d128_q64_kv128_w8_s1_buffer_wgmma"
+    autotune.write_cache(
+        autotune.user_cache_path(),
+        "GPU X",
+        {
+            autotune_bwd.bwd_entry_key("bf16", 128, False, 4096, 1): {"config": name},
+            autotune.entry_key("bf16", 128, False, 4096, 1): {"config": WINNER},
+        },
+    )
+    assert autotune_bwd.lookup_bwd("GPU X", "bf16", 128, False, 4000, 4000, 2) == parse_bwd_config(name)
+    assert autotune.lookup("GPU X", "bf16", 128, False, 4000, 4000, 1) == parse_config(WINNER)
+    assert autotune_bwd.lookup_bwd("GPU X", "bf16", 128, True, 4000, 4000, 1) is None
+    assert autotune_bwd.lookup_bwd("GPU X", "fp16", 128, False, 4000, 4000, 1) is None
+
+
+def test_backward_space_command_runs_without_gpu(capsys):
+    assert autotune.main(["--space", "--backward", "--head-dim", "128"]) == 0
+    out = capsys.readouterr().out
+    assert "backward bf16 d=128:" in out and "_wgmma" in out

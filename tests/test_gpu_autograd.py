@@ -329,3 +329,23 @@ def test_cuda_graph_replays_forward_and_backward():
             assert c.isfinite().all(), f"replay {trial}: {name} not finite"
             # Same kernels, deterministic mode: the replay equals an eager run bit for bit.
             assert torch.equal(c, e), f"replay {trial}: {name} differs from eager"
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_backward_autotune_check_accepts_defaults_and_rejects_a_broken_kernel(d, monkeypatch):
+    """The tuner's gradient check passes the shipped configs and catches wrong gradients."""
+    from flash_attention import autotune_bwd, ops
+    from flash_attention.configs import default_bwd_config
+    from flash_attention.jit.kernels import device_arch
+
+    arch = device_arch(torch.cuda.current_device())
+    for cfg in {default_bwd_config("bf16", d), default_bwd_config("bf16", d, arch)}:
+        assert autotune_bwd.check_bwd_candidate(cfg, causal=True) is None, cfg.name()
+    real = ops.cuda_backward
+
+    def broken(*args, **kwargs):
+        dq, dk, dv = real(*args, **kwargs)
+        return dq, dk.flip(1), dv
+
+    monkeypatch.setattr(ops, "cuda_backward", broken)
+    assert "wrong dk" in autotune_bwd.check_bwd_candidate(default_bwd_config("bf16", d), causal=False)

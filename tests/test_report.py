@@ -136,3 +136,21 @@ def test_progression_ends_with_the_wgmma_kernel_on_hopper(monkeypatch):
         "wgmma kernel, tuned (what attention() runs)",
     ]
     assert not steps[-2][1].wgmma and steps[-1][1].wgmma
+
+
+@needs_compiler
+def test_report_covers_backward_configs(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FLASH_ATTENTION_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("FLASH_ATTENTION_QUIET", "1")
+    from flash_attention.configs import default_bwd_config
+
+    cfg = default_bwd_config("bf16", 128, "sm_90")
+    assert report.parse_any(cfg.name()) == cfg
+    assert report.main(["--configs", cfg.name(), "--arch", "sm_90"]) == 0
+    out = capsys.readouterr().out
+    for kind in ("pre", "dkdv"):
+        assert cfg.symbol(kind) in out
+    # Each entry point is reported at its own launch shape: the preprocessing kernel has no dynamic smem.
+    lines = {line.split()[-1]: line.split() for line in out.splitlines() if line.startswith("sm_90")}
+    assert int(lines[cfg.symbol("pre")][2]) == 0
+    assert int(lines[cfg.symbol("dkdv")][2]) == cfg.smem_bytes

@@ -43,6 +43,20 @@ def shipped_configs(arch: str = "sm_80") -> list[KernelConfig]:
     return out
 
 
+def shipped_bwd_configs(arch: str = "sm_80") -> list:
+    """The backward configs the defaults pick on ``arch`` (the portable ones always, as on sm_90 they run
+    the deterministic, key-range, dropout and head_dim 192/256 backward)."""
+    from ..configs import default_bwd_config
+
+    out = []
+    for dtype in DTYPES:
+        for d in HEAD_DIMS:
+            for cfg in (default_bwd_config(dtype, d), default_bwd_config(dtype, d, arch)):
+                if cfg not in out:
+                    out.append(cfg)
+    return out
+
+
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="python -m flash_attention build",
