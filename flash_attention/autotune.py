@@ -275,18 +275,25 @@ def lookup(
 def _lookup(gpu: str, dtype: str, d: int, causal: bool, bucket: int, gqa: bool) -> KernelConfig | None:
     from .configs import parse_config
 
-    table = _table(gpu)
     # fp16 and bf16 kernels differ only in the mma and convert instructions' type suffix, so a winner
     # tuned for one dtype stands in for the other when that one was not tuned.
     other = "fp16" if dtype == "bf16" else "bf16"
-    for dt in (dtype, other):
-        for g in (2, 1) if gqa else (1,):
-            entry = table.get(entry_key(dt, d, causal, bucket, g))
-            if entry:
-                try:
-                    return parse_config(entry["config"]).replace(dtype=dtype)
-                except ValueError:
-                    return None
+    keys = [entry_key(dt, d, causal, bucket, g) for dt in (dtype, other) for g in ((2, 1) if gqa else (1,))]
+    found = table_entry(gpu, keys)
+    try:
+        return parse_config(found).replace(dtype=dtype) if found else None
+    except ValueError:
+        return None
+
+
+def table_entry(gpu: str, keys: list[str]) -> str | None:
+    """The config name of the first of ``keys`` this GPU's tables have a winner for (GQA classes fall back
+    to the multi-head entry, one dtype to the other, by the order of ``keys``), or None."""
+    table = _table(gpu)
+    for key in keys:
+        entry = table.get(key)
+        if entry:
+            return entry["config"]
     return None
 
 

@@ -14,7 +14,7 @@ import sys
 import time
 from functools import cache
 
-from .autotune import Progress, Result, _table, entry_key, seqlen_bucket, write_cache
+from .autotune import Progress, Result, entry_key, seqlen_bucket, table_entry, write_cache
 from .configs import BwdConfig, default_bwd_config, padded_head_dim
 
 #: Spill bytes a backward candidate may have and still be timed: the shipped defaults sit at the 255-register
@@ -62,15 +62,12 @@ def lookup_bwd(
 def _lookup_bwd(gpu: str, dtype: str, d: int, causal: bool, bucket: int, gqa: bool) -> BwdConfig | None:
     from .configs import parse_bwd_config
 
-    table = _table(gpu)
-    for g in (2, 1) if gqa else (1,):
-        entry = table.get(bwd_entry_key(dtype, d, causal, bucket, g))
-        if entry:
-            try:
-                return parse_bwd_config(entry["config"])
-            except ValueError:
-                return None
-    return None
+    # No dtype stand-in here: a backward config names its dtype and is compiled for it.
+    found = table_entry(gpu, [bwd_entry_key(dtype, d, causal, bucket, g) for g in ((2, 1) if gqa else (1,))])
+    try:
+        return parse_bwd_config(found) if found else None
+    except ValueError:
+        return None
 
 
 def check_bwd_candidate(cfg: BwdConfig, causal: bool) -> str | None:

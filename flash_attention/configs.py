@@ -223,8 +223,7 @@ class KernelConfig:
             ("kWgmma", "bool", _b(self.wgmma)),
             ("kStages", "int", str(self.stages)),
         ]
-        body = "\n".join(f"  static constexpr {t} {n} = {v};" for n, t, v in fields)
-        return f"struct {struct_name} {{\n{body}\n}};\n"
+        return _cpp_struct(struct_name, fields)
 
 
 def wgmma_config(
@@ -234,6 +233,12 @@ def wgmma_config(
     (``check=False``: without the validity check, as :meth:`KernelConfig.unchecked`)."""
     make = KernelConfig if check else KernelConfig.unchecked
     return make(dtype, head_dim, block_q, block_kv, block_q // 16, wgmma=True, stages=stages, **_WGMMA_FIXED)
+
+
+def _cpp_struct(struct_name: str, fields: list[tuple[str, str, str]]) -> str:
+    """A C++ struct of named compile-time constants: (name, type, value) per field."""
+    body = "\n".join(f"  static constexpr {t} {n} = {v};" for n, t, v in fields)
+    return f"struct {struct_name} {{\n{body}\n}};\n"
 
 
 def _b(x: bool) -> str:
@@ -597,8 +602,7 @@ class BwdConfig:
             ("kAsyncCopy", "bool", "true"),
             ("kWgmma", "bool", _b(self.wgmma)),
         ]
-        body = "\n".join(f"  static constexpr {t} {n} = {v};" for n, t, v in fields)
-        return f"struct {struct_name} {{\n{body}\n}};\n"
+        return _cpp_struct(struct_name, fields)
 
 
 def bwd_validity_errors(cfg: BwdConfig) -> list[str]:
