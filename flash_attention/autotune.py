@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 from .configs import (
     KernelConfig,
@@ -76,8 +77,8 @@ def candidate_space(dtype: str, head_dim: int, causal: bool, arch: str = "sm_80"
 
     On sm_90 (``arch``) the space is the wgmma kernel's configs instead: one or two warpgroups per block,
     32- to 128-key tiles and a K/V ring 1 to 3 deep (its other knobs are fixed by the kernel). The sm80
-    kernel's configs cannot win there: its tuned defaults measured 12-40% below the wgmma defaults at every
-    point of the benchmark sweep on an H100 (docs/kernel-log.md, step 17), so timing them is wasted.
+    kernel's configs cannot win there: its tuned defaults measured 11-42% below the best wgmma config at every
+    point of a scratch sweep on an H100 (docs/kernel-log.md, steps 17-18), so timing them is wasted.
     """
     d = padded_head_dim(head_dim)
     dk = d // 16
@@ -410,6 +411,15 @@ def tune_shape(
         )
         return t.ms
 
+    return time_candidates(cands, measure, budget_s, finalists, fl)
+
+
+def time_candidates(
+    cands: list, measure: Callable[[Any, float], float], budget_s: float, finalists: int, flop: float
+) -> list[Result]:
+    """Successive halving in two rounds, for either kernel family: ``measure(cfg, budget)`` (ms) for
+    everyone, then the ``finalists`` fastest again with 4x the budget. A candidate that raises is reported
+    and ranked last; the rest fastest first."""
     results = []
     for cfg in cands:
         try:
@@ -420,46 +430,62 @@ def tune_shape(
     for r in timed[:finalists]:
         r.ms = min(r.ms, measure(r.cfg, 4 * budget_s))
     for r in results:
-        r.tflops = fl / (r.ms * 1e9) if r.ms else None
+        r.tflops = flop / (r.ms * 1e9) if r.ms else None
     return sorted(results, key=lambda r: (r.ms is None, r.ms or 0))
 
 
-def prepare_candidates(cands: list[KernelConfig], causal: bool, jobs: int = 16) -> tuple[list, dict]:
-    """Compile all candidates in parallel; drop those that fail, spill, or compute a wrong result."""
+def screen_candidates(
+    cands: list, build_problem: Callable[[Any], str | None], check: Callable[[Any], str | None], jobs: int
+) -> tuple[list, dict[str, str]]:
+    """Compile in parallel (``build_problem`` builds one config and says why it cannot win, or None), then
+    run the correctness ``check`` of every survivor in turn. Returns the survivors and, by name, why each
+    other candidate was skipped."""
     from concurrent.futures import ThreadPoolExecutor
 
-    import torch
-
-    from .jit.kernels import build, device_arch
-
-    arch = device_arch(torch.cuda.current_device())
-    skipped: dict[str, str] = {}
-
-    def compile_one(cfg: KernelConfig):
+    def compile_one(cfg):
         try:
-            built = build(cfg, arch)
-        except Exception as exc:  # noqa: BLE001
+            return cfg, build_problem(cfg)
+        except Exception as exc:  # noqa: BLE001 - reported and skipped
             return cfg, f"compile failed: {str(exc).splitlines()[0]}"
-        spills = sum(r["spill_stores"] + r["spill_loads"] for r in built.meta["resources"])
-        regs = max(r["registers"] for r in built.meta["resources"])
-        # A spilling kernel moves registers through local memory inside its main loop: never a winner.
-        if spills:
-            return cfg, f"spills {spills} bytes"
-        if occupancy_problem(cfg, regs):
-            return cfg, f"{regs} registers: {occupancy_problem(cfg, regs)}"
-        return cfg, None
 
     with ThreadPoolExecutor(jobs) as ex:
         compiled = list(ex.map(compile_one, cands))
-    ok = []
+    ok, skipped = [], {}
     for cfg, why in compiled:
         if why is None:
-            why = check_candidate(cfg, causal, torch.device("cuda"))
+            try:
+                why = check(cfg)
+            except Exception as exc:  # noqa: BLE001
+                why = f"failed to run: {str(exc).splitlines()[0]}"
         if why:
             skipped[cfg.name()] = why
         else:
             ok.append(cfg)
     return ok, skipped
+
+
+def prepare_candidates(cands: list[KernelConfig], causal: bool, jobs: int = 16) -> tuple[list, dict]:
+    """Compile all candidates in parallel; drop those that fail, spill, or compute a wrong result."""
+    import torch
+
+    from .jit.kernels import build, device_arch
+
+    arch = device_arch(torch.cuda.current_device())
+
+    def build_problem(cfg: KernelConfig) -> str | None:
+        built = build(cfg, arch)
+        spills = sum(r["spill_stores"] + r["spill_loads"] for r in built.meta["resources"])
+        regs = max(r["registers"] for r in built.meta["resources"])
+        # A spilling kernel moves registers through local memory inside its main loop: never a winner.
+        if spills:
+            return f"spills {spills} bytes"
+        if occupancy_problem(cfg, regs):
+            return f"{regs} registers: {occupancy_problem(cfg, regs)}"
+        return None
+
+    return screen_candidates(
+        cands, build_problem, lambda cfg: check_candidate(cfg, causal, torch.device("cuda")), jobs
+    )
 
 
 # --------------------------------------------------------------------------------------------------

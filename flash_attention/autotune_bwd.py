@@ -14,7 +14,16 @@ import sys
 import time
 from functools import cache
 
-from .autotune import Progress, Result, entry_key, seqlen_bucket, table_entry, write_cache
+from .autotune import (
+    Progress,
+    Result,
+    entry_key,
+    screen_candidates,
+    seqlen_bucket,
+    table_entry,
+    time_candidates,
+    write_cache,
+)
 from .configs import BwdConfig, default_bwd_config, padded_head_dim
 
 #: Spill bytes a backward candidate may have and still be timed: the shipped defaults sit at the 255-register
@@ -100,37 +109,17 @@ def check_bwd_candidate(cfg: BwdConfig, causal: bool) -> str | None:
 
 def prepare_bwd_candidates(cands: list[BwdConfig], causal: bool, jobs: int = 16) -> tuple[list, dict]:
     """Compile in parallel; keep those that compile, spill at most MAX_SPILL_BYTES and compute right."""
-    from concurrent.futures import ThreadPoolExecutor
-
     import torch
 
     from .jit.kernels import build, device_arch
 
     arch = device_arch(torch.cuda.current_device())
-    skipped: dict[str, str] = {}
 
-    def compile_one(cfg: BwdConfig):
-        try:
-            built = build(cfg, arch)
-        except Exception as exc:  # noqa: BLE001 - reported and skipped
-            return cfg, f"compile failed: {str(exc).splitlines()[0]}"
-        spill = max(r["spill_stores"] for r in built.meta["resources"])
-        return cfg, (f"spills {spill} bytes" if spill > MAX_SPILL_BYTES else None)
+    def build_problem(cfg: BwdConfig) -> str | None:
+        spill = max(r["spill_stores"] for r in build(cfg, arch).meta["resources"])
+        return f"spills {spill} bytes" if spill > MAX_SPILL_BYTES else None
 
-    with ThreadPoolExecutor(jobs) as ex:
-        compiled = list(ex.map(compile_one, cands))
-    ok = []
-    for cfg, why in compiled:
-        if why is None:
-            try:
-                why = check_bwd_candidate(cfg, causal)
-            except Exception as exc:  # noqa: BLE001
-                why = f"failed to run: {str(exc).splitlines()[0]}"
-        if why:
-            skipped[cfg.name()] = why
-        else:
-            ok.append(cfg)
-    return ok, skipped
+    return screen_candidates(cands, build_problem, lambda cfg: check_bwd_candidate(cfg, causal), jobs)
 
 
 def tune_bwd_shape(
@@ -160,17 +149,7 @@ def tune_bwd_shape(
 
         return time_cuda(call, 1, warmup=2, min_reps=5, min_time_s=budget).ms
 
-    results = []
-    for cfg in cands:
-        try:
-            results.append(Result(cfg, measure(cfg, budget_s)))
-        except Exception as exc:  # noqa: BLE001
-            results.append(Result(cfg, None, str(exc).splitlines()[0]))
-    for r in sorted((r for r in results if r.ms is not None), key=lambda r: r.ms)[:4]:
-        r.ms = min(r.ms, measure(r.cfg, 4 * budget_s))
-    for r in results:
-        r.tflops = fl / (r.ms * 1e9) if r.ms else None
-    return sorted(results, key=lambda r: (r.ms is None, r.ms or 0))
+    return time_candidates(cands, measure, budget_s, 4, fl)
 
 
 def run(args, out_path, gpu: str, arch: str) -> tuple[dict[str, dict], list[dict]]:

@@ -214,3 +214,48 @@ def test_backward_space_command_runs_without_gpu(capsys):
     assert autotune.main(["--space", "--backward", "--head-dim", "128"]) == 0
     out = capsys.readouterr().out
     assert "backward bf16 d=128:" in out and "_wgmma" in out
+
+
+class _Named(str):
+    def name(self) -> str:
+        return str(self)
+
+
+def test_time_candidates_retimes_finalists_and_ranks_failures_last():
+    calls = []
+    base = {"a": 3.0, "b": 1.0, "c": 2.0, "d": 5.0}
+
+    def measure(cfg, budget):
+        calls.append((cfg, budget))
+        if cfg == "x":
+            raise RuntimeError("launch failed\nmore")
+        return base[cfg] * (0.5 if budget > 0.1 else 1.0)  # the longer timing of a finalist is faster
+
+    results = autotune.time_candidates(["a", "x", "b", "c", "d"], measure, 0.1, 2, 1e9)
+    assert [r.cfg for r in results] == ["b", "c", "a", "d", "x"]
+    assert [r.ms for r in results[:4]] == [0.5, 1.0, 3.0, 5.0]
+    assert results[0].tflops == pytest.approx(1e9 / (0.5 * 1e9))
+    assert results[-1].ms is None and results[-1].error == "launch failed" and results[-1].tflops is None
+    assert sorted(c for c, b in calls if b > 0.1) == ["b", "c"]  # only the finalists, once each
+
+
+def test_screen_candidates_reports_every_reason():
+    def build_problem(cfg):
+        if cfg == "broken":
+            raise RuntimeError("ptxas error\ndetails")
+        return "spills 8 bytes" if cfg == "spilly" else None
+
+    def check(cfg):
+        if cfg == "crashes":
+            raise ValueError("bad launch")
+        return "wrong result" if cfg == "wrong" else None
+
+    names = [_Named(n) for n in ("good", "broken", "spilly", "wrong", "crashes", "fine")]
+    ok, skipped = autotune.screen_candidates(names, build_problem, check, jobs=2)
+    assert ok == ["good", "fine"]
+    assert skipped == {
+        "broken": "compile failed: ptxas error",
+        "spilly": "spills 8 bytes",
+        "wrong": "wrong result",
+        "crashes": "failed to run: bad launch",
+    }
