@@ -2,7 +2,8 @@
 
 Without a command: the main job (our attention against PyTorch's on a default shape, or the CPU path when
 there is no GPU). Commands hand the rest of the command line to their own parser, so ``--help`` after a
-command is that command's help.
+command is that command's help. Each command is a module of :mod:`flash_attention.tools`, imported only when
+chosen (so ``bench --update-readme`` and ``build`` need nothing a GPU machine has).
 """
 
 from __future__ import annotations
@@ -13,43 +14,43 @@ from collections.abc import Callable, Sequence
 
 
 def _bench(argv: list[str]) -> int:
-    from flash_attention.bench import main as bench_main
+    from flash_attention.tools.bench import main as bench_main
 
     return bench_main(argv)
 
 
 def _build(argv: list[str]) -> int:
-    from flash_attention.jit.build import main as build_main
+    from flash_attention.tools.build import main as build_main
 
     return build_main(argv)
 
 
 def _autotune(argv: list[str]) -> int:
-    from flash_attention.autotune import main as autotune_main
+    from flash_attention.tools.autotune import main as autotune_main
 
     return autotune_main(argv)
 
 
 def _report(argv: list[str]) -> int:
-    from flash_attention.report import main as report_main
+    from flash_attention.tools.report import main as report_main
 
     return report_main(argv)
 
 
 def _demo(argv: list[str]) -> int:
-    from flash_attention.demo import main as demo_main
+    from flash_attention.tools.demo import main as demo_main
 
     return demo_main(argv)
 
 
 def _debug(argv: list[str]) -> int:
-    from flash_attention.debug import main as debug_main
+    from flash_attention.tools.debug import main as debug_main
 
     return debug_main(argv)
 
 
 def _sanity(argv: list[str]) -> int:
-    from flash_attention.sanity import main as sanity_main
+    from flash_attention.tools.sanity import main as sanity_main
 
     return sanity_main(argv)
 
@@ -58,7 +59,7 @@ def _sanity(argv: list[str]) -> int:
 # and `build` must work on machines where other tools' imports (CUDA, Triton) would fail or be slow.
 COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
     "bench": ("benchmark against PyTorch's attention backends; write benchmarks/results/*.json", _bench),
-    "build": ("pre-compile kernels ahead of time (--arch sm_80,sm_90 [--configs ...])", _build),
+    "build": ("pre-compile every kernel a model can need (--arch sm_80,sm_90; --list)", _build),
     "demo": ("Transformer encoder with stock vs our attention: time and GPU memory by seqlen", _demo),
     "autotune": ("time every surviving kernel config per shape class and cache the winners", _autotune),
     "report": ("registers, shared memory, spills, occupancy and (--sass) instruction counts", _report),
@@ -92,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unknown command {args[0]!r}; choose from {', '.join(COMMANDS)}")
     parser.parse_args(args)
 
-    from flash_attention.bench import run_main_job
+    from flash_attention.tools.bench.main_job import run_main_job
 
     return run_main_job()
 

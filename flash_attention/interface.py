@@ -1,66 +1,26 @@
 """The public API: :func:`attention`, and the low-level :func:`forward` / :func:`forward_timed`.
 
 Everything here validates first (``_validate``), handles empty problems without launching anything, then
-hands the work to ``ops`` (our CUDA kernels) or to :func:`flash_attention.reference.attention_torch` (the
-PyTorch fallback, same semantics). ``ops`` is imported lazily: it pulls in the JIT machinery, which a CPU
-user never needs, and an environment where it cannot be imported still gets the fallback.
+hands the work to our CUDA kernels (:mod:`flash_attention.ops`) or to
+:func:`flash_attention.reference.attention_torch` (the PyTorch fallback, same semantics); the choice is
+:mod:`flash_attention.dispatch`'s.
 """
 
 from __future__ import annotations
 
-import threading
-import warnings
 from types import ModuleType
 from typing import Literal, overload
 
 import torch
 
-from . import _custom_ops  # noqa: F401 - registers the flash_attention::fwd/bwd custom ops
+from . import dispatch
 from ._validate import Problem, validate
 from .configs import KernelConfig, parse_config
+from .custom_ops import EagerAttention
+from .dropout import draw_seed
 from .reference import attention_torch
 
 __all__ = ["attention", "forward", "forward_timed"]
-
-# Reasons already reported by the fallback warning; one warning per distinct reason per process.
-_warned_reasons: set[str] = set()
-_warn_lock = threading.Lock()
-
-
-def _load_ops() -> tuple[ModuleType | None, str | None]:
-    """(ops module, None), or (None, why it cannot be imported)."""
-    try:
-        from . import ops
-    except ImportError as exc:
-        return None, f"flash_attention.ops could not be imported ({exc})"
-    return ops, None
-
-
-def _wants_kernel(q: torch.Tensor) -> bool:
-    """Whether our CUDA kernels are the intended path for ``q`` (a seam the CPU tests replace)."""
-    return q.is_cuda
-
-
-def _kernel_unavailable_reason(q: torch.Tensor) -> tuple[ModuleType | None, str | None]:
-    """(ops, None) when our kernel can run on ``q``; otherwise (ops or None, a human-readable reason)."""
-    ops, reason = _load_ops()
-    if ops is None:
-        return None, reason
-    return ops, ops.cuda_unavailable_reason(q)
-
-
-def _warn_fallback(reason: str) -> None:
-    with _warn_lock:
-        if reason in _warned_reasons:
-            return
-        _warned_reasons.add(reason)
-    # stacklevel 3: the user's call to attention(), not this helper.
-    warnings.warn(
-        f"flash_attention: using the PyTorch fallback (same results, slower, memory-bounded by chunking) "
-        f"because {reason}",
-        RuntimeWarning,
-        stacklevel=3,
-    )
 
 
 def _empty_result(
@@ -216,10 +176,26 @@ def attention(
         o, lse = _empty_result(q, problem, out)
         return _result(o, lse, return_lse)
 
-    if _wants_kernel(q):
-        ops, reason = _kernel_unavailable_reason(q)
-        if reason is None:
-            o, lse = ops.cuda_forward(
+    def fallback() -> tuple[torch.Tensor, torch.Tensor | None]:
+        return attention_torch(
+            q,
+            k,
+            v,
+            causal=causal,
+            softmax_scale=problem.scale,
+            return_lse=return_lse,
+            out=out,
+            key_range=key_range,
+            dropout_p=float(dropout_p),
+            dropout_seed=seed,
+        )
+
+    ops = dispatch.kernel_backend(q)
+    if ops is None:
+        o, lse = fallback()
+    else:
+        o, lse = dispatch.run_or_fallback(
+            lambda: ops.cuda_forward(
                 q,
                 k,
                 v,
@@ -231,22 +207,9 @@ def attention(
                 key_range=key_range,
                 dropout_p=float(dropout_p),
                 dropout_seed=seed,
-            )
-            return _result(o, lse, return_lse)
-        _warn_fallback(reason)
-
-    o, lse = attention_torch(
-        q,
-        k,
-        v,
-        causal=causal,
-        softmax_scale=problem.scale,
-        return_lse=return_lse,
-        out=out,
-        key_range=key_range,
-        dropout_p=float(dropout_p),
-        dropout_seed=seed,
-    )
+            ),
+            fallback,
+        )
     return _result(o, lse, return_lse)
 
 
@@ -260,8 +223,6 @@ def _dropout_seed(dropout_p: object, dropout_seed: object) -> torch.Tensor | Non
         raise TypeError(f"dropout_seed must be an int or None; got {type(dropout_seed).__name__}")
     if not dropout_p:
         return None
-    from .dropout import draw_seed
-
     return draw_seed(dropout_seed)
 
 
@@ -288,9 +249,7 @@ def _attention_op(
     deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
     args = (q, k, v, problem.causal, problem.scale, deterministic, key_range, dropout_p, dropout_seed)
     if records and not torch.compiler.is_compiling():
-        # Eager training: the ops' implementations without the custom-op dispatch (_custom_ops says why).
-        from ._custom_ops import EagerAttention
-
+        # Eager training: the ops' implementations without the custom-op dispatch (custom_ops says why).
         o, lse = EagerAttention.apply(*args)
     else:
         o, lse = torch.ops.flash_attention.fwd(*args)
@@ -305,9 +264,10 @@ def _attention_op(
 def _kernel_path(config: KernelConfig | str, q: torch.Tensor, caller: str) -> tuple[ModuleType, KernelConfig]:
     """The ops module and parsed config for a call that must run our kernel, or RuntimeError why not."""
     cfg = parse_config(config)
-    if not _wants_kernel(q):
+    if not dispatch.wants_kernel(q):
         raise RuntimeError(f"{caller}() runs a CUDA kernel and needs CUDA tensors; got q on {q.device}")
-    ops, reason = _kernel_unavailable_reason(q)
+    ops = dispatch.backend()
+    reason = ops.cuda_unavailable_reason(q)
     if reason is not None:
         raise RuntimeError(f"{caller}() cannot run kernel config {cfg}: {reason}")
     return ops, cfg

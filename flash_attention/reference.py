@@ -21,6 +21,8 @@ import math
 
 import torch
 
+from .dropout import dropout_key, dropout_threshold, keep_elements, seed_pair
+
 __all__ = [
     "attention_backward_torch",
     "attention_reference",
@@ -458,8 +460,6 @@ def _dropout_args(dropout_p: float, dropout_seed, heads_q: int) -> tuple | None:
     """(key, threshold, 1 / (1 - p), heads_q) of a dropout call, or None without dropout."""
     if not dropout_p:
         return None
-    from .dropout import dropout_key, dropout_threshold, seed_pair
-
     if dropout_seed is None:
         raise ValueError("dropout_p > 0 needs dropout_seed (flash_attention.dropout.draw_seed())")
     key = dropout_key(*seed_pair(dropout_seed))
@@ -468,8 +468,6 @@ def _dropout_args(dropout_p: float, dropout_seed, heads_q: int) -> tuple | None:
 
 def _chunk_keep(drop: tuple, bounds: tuple, group: int, seqlen_k: int, device) -> torch.Tensor:
     """The kernels' keep mask of one chunk, shaped (b, h_kv, group, rows, seqlen_k)."""
-    from .dropout import keep_elements
-
     key, threshold, _, heads_q = drop
     b0, b1, h0, h1, i0, i1 = bounds
     b = torch.arange(b0, b1, device=device, dtype=torch.int64).view(-1, 1, 1, 1, 1)

@@ -1,3 +1,8 @@
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -5,7 +10,7 @@ import torch
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (run these through the device tool)")
+    skip = pytest.mark.skip(reason="needs a CUDA GPU with compute capability 8.0 or newer")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
@@ -48,3 +53,36 @@ def force_key_range(monkeypatch, key_range_calls):
 
     monkeypatch.setattr(fn, "kernel_expected", lambda t: True)
     return key_range_calls
+
+
+@pytest.fixture(scope="session")
+def catalog_builds(tmp_path_factory):
+    """``python -m flash_attention build --strict`` for sm_80 and sm_90, once per session: every kernel a
+    model can need, compiled by NVRTC (what users compile with) or, without it, nvcc. Returns the process
+    and the cache's metadata files."""
+    from flash_attention.jit import compiler
+
+    kind = "nvrtc" if compiler.load_nvrtc() is not None else "nvcc" if compiler.find_nvcc() else None
+    if kind is None:
+        pytest.skip("needs NVRTC (pip: nvidia-cuda-nvrtc) or nvcc")
+    root = tmp_path_factory.mktemp("catalog")
+    env = dict(os.environ, FLASH_ATTENTION_CACHE_DIR=str(root), FLASH_ATTENTION_QUIET="1")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flash_attention",
+            "build",
+            "--arch",
+            "sm_80,sm_90",
+            "--compiler",
+            kind,
+            "--strict",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1800,
+    )
+    metas = [json.loads(p.read_text()) for p in root.glob("*.json")]
+    return proc, metas

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import flash_attention
-from flash_attention import _custom_ops, interface, reference
+from flash_attention import custom_ops, dispatch, interface, reference
+from flash_attention.ops import NoKernel
 from flash_attention.reference import attention_backward_torch, attention_reference, attention_torch
 
 FWD = torch.ops.flash_attention.fwd.default
@@ -321,10 +322,11 @@ class _FakeOps:
 
 @pytest.fixture
 def fake_ops(monkeypatch):
-    monkeypatch.setattr(interface, "_warned_reasons", set())
+    monkeypatch.setattr(dispatch, "_warned_reasons", set())
+    monkeypatch.setattr(dispatch, "wants_kernel", lambda q: True)
 
     def install(ops):
-        monkeypatch.setattr(interface, "_load_ops", lambda: (ops, None))
+        monkeypatch.setattr(dispatch, "backend", lambda: ops)
         return ops
 
     return install
@@ -340,7 +342,7 @@ def test_cuda_forward_impl_calls_the_kernel_with_lse(fake_ops):
     ops = fake_ops(_FakeOps())
     q, k, v, _, _ = _saved()
     kr = torch.tensor([[0, 3], [1, 6]])
-    out, lse = _custom_ops.forward_impl(q, k, v, True, 0.25, kr)
+    out, lse = custom_ops.forward_impl(q, k, v, True, 0.25, kr)
     assert (out == 7).all() and (lse == 3).all()
     assert ops.calls == [
         (
@@ -363,7 +365,7 @@ def test_cuda_backward_impl_calls_cuda_backward_by_its_signature(fake_ops):
     ops = fake_ops(_FakeOps())
     q, k, v, out, lse = _saved()
     dout = torch.randn(q.shape[:-1] + (2 * q.shape[-1],)).to(q.dtype)[..., ::2]  # stride(-1) == 2
-    dq, dk, dv = _custom_ops.backward_impl(dout, q, k, v, out, lse, True, 0.25, True, None)
+    dq, dk, dv = custom_ops.backward_impl(dout, q, k, v, out, lse, True, 0.25, True, None)
     assert (dq == 1).all() and (dk == 2).all() and (dv == 3).all()
     kwargs = dict(
         causal=True, softmax_scale=0.25, deterministic=True, key_range=None, dropout_p=0.0, dropout_seed=None
@@ -371,11 +373,23 @@ def test_cuda_backward_impl_calls_cuda_backward_by_its_signature(fake_ops):
     assert ops.calls == [("backward", kwargs, 1)]  # dout handed over with a contiguous last dimension
 
 
-def test_cuda_backward_impl_without_kernel_raises_not_implemented(fake_ops):
-    fake_ops(_FakeOps(backward=False))
+def test_cuda_impls_fall_back_when_no_kernel_fits_this_gpu(fake_ops):
+    ops = fake_ops(_FakeOps())
+
+    def no_backward(*args, **kwargs):
+        raise NoKernel("no backward kernel for head_dim 256 fits the 101376 bytes of shared memory (sm_86)")
+
+    ops.cuda_backward = no_backward
     q, k, v, out, lse = _saved()
-    with pytest.raises(NotImplementedError, match=r"ops has no cuda_backward"):
-        _custom_ops.backward_impl(torch.randn_like(q), q, k, v, out, lse, False, 0.25, False, None)
+    dout = torch.randn(q.shape).to(q.dtype)
+    with pytest.warns(RuntimeWarning, match="PyTorch fallback.*no backward kernel for head_dim 256"):
+        got = custom_ops.backward_impl(dout, q, k, v, out, lse, False, 0.25, False, None)
+    want = attention_backward_torch(dout, q, k, v, out, lse, softmax_scale=0.25)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per reason
+        custom_ops.backward_impl(dout, q, k, v, out, lse, False, 0.25, False, None)
 
 
 def test_cuda_impls_fall_back_with_one_warning_when_the_kernel_cannot_run(fake_ops):
@@ -383,11 +397,11 @@ def test_cuda_impls_fall_back_with_one_warning_when_the_kernel_cannot_run(fake_o
     q, k, v, out, lse = _saved(dtype=torch.float32)
     dout = torch.randn(q.shape)
     with pytest.warns(RuntimeWarning, match="PyTorch fallback.*float32"):
-        got_out, got_lse = _custom_ops.forward_impl(q, k, v, False, 0.25, None)
+        got_out, got_lse = custom_ops.forward_impl(q, k, v, False, 0.25, None)
     assert torch.equal(got_out, attention_torch(q, k, v, softmax_scale=0.25)[0])
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # same reason: silent; and no NotImplementedError on the fallback
-        got = _custom_ops.backward_impl(dout, q, k, v, out, lse, False, None, False, None)
+        got = custom_ops.backward_impl(dout, q, k, v, out, lse, False, None, False, None)
     want = attention_backward_torch(dout, q, k, v, out, lse)
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w)
@@ -396,9 +410,9 @@ def test_cuda_impls_fall_back_with_one_warning_when_the_kernel_cannot_run(fake_o
 def test_cuda_impls_launch_nothing_for_empty_problems(fake_ops):
     ops = fake_ops(_FakeOps())
     q, k, v, out, lse = _saved(sk=0)
-    o, lse = _custom_ops.forward_impl(q, k, v, False, 0.25, None)
+    o, lse = custom_ops.forward_impl(q, k, v, False, 0.25, None)
     assert (o == 0).all() and torch.isneginf(lse).all()
-    grads = _custom_ops.backward_impl(torch.randn_like(q), q, k, v, o, lse, False, 0.25, False, None)
+    grads = custom_ops.backward_impl(torch.randn_like(q), q, k, v, o, lse, False, 0.25, False, None)
     assert all((g == 0).all() for g in grads) and ops.calls == []
 
 

@@ -6,8 +6,11 @@ import json
 
 import pytest
 
-from flash_attention import autotune
+from flash_attention import winners
 from flash_attention.configs import default_config, estimated_registers, parse_config, validity_errors
+from flash_attention.tools import autotune
+from flash_attention.tools.autotune import loop
+from flash_attention.tools.autotune import space as search
 
 
 @pytest.mark.parametrize(
@@ -15,19 +18,19 @@ from flash_attention.configs import default_config, estimated_registers, parse_c
     [(1, 512), (600, 512), (800, 1024), (1500, 2048), (4097, 4096), (12000, 16384), (10**6, 16384)],
 )
 def test_seqlen_bucket(n, bucket):
-    assert autotune.seqlen_bucket(n) == bucket
+    assert winners.seqlen_bucket(n) == bucket
 
 
 def test_entry_key_pads_head_dim_and_classes_groups():
-    assert autotune.entry_key("bf16", 96, True, 2500, 1) == "bf16/d128/causal/2048/mha"
-    assert autotune.entry_key("fp16", 64, False, 9000, 4) == "fp16/d64/full/8192/gqa"
+    assert winners.entry_key("bf16", 96, True, 2500, 1) == "bf16/d128/causal/2048/mha"
+    assert winners.entry_key("fp16", 64, False, 9000, 4) == "fp16/d64/full/8192/gqa"
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_pruned_space_is_valid_and_obeys_every_rule(d, causal):
-    space = autotune.candidate_space("bf16", d, causal)
-    kept, rejected = autotune.prune(space)
+    space = search.candidate_space("bf16", d, causal)
+    kept, rejected = search.prune(space)
     assert kept and len(kept) + sum(rejected.values()) == len(space)
     for cfg in kept:
         assert not validity_errors(cfg)
@@ -39,13 +42,13 @@ def test_pruned_space_is_valid_and_obeys_every_rule(d, causal):
     kept_set = set(kept)
     for cfg in space:
         if cfg not in kept_set:
-            assert any(rule(cfg) for rule in autotune.PRUNING_RULES)
+            assert any(rule(cfg) for rule in search.PRUNING_RULES)
 
 
 def test_search_space_contains_the_heuristic():
     for d in (64, 128, 256):
         for causal in (False, True):
-            assert default_config("bf16", d, causal, 4096, 4096) in autotune.search_space("bf16", d, causal)
+            assert default_config("bf16", d, causal, 4096, 4096) in search.search_space("bf16", d, causal)
 
 
 @pytest.fixture()
@@ -53,59 +56,59 @@ def env(monkeypatch, tmp_path):
     monkeypatch.setenv("FLASH_ATTENTION_CACHE_DIR", str(tmp_path))
     state = {"compiler": "nvrtc 13.0", "sources": "abc"}
     monkeypatch.setattr(
-        autotune, "_environment_key", lambda gpu=None: dict(state, **({"gpu": gpu} if gpu else {}))
+        winners, "environment_key", lambda gpu=None: dict(state, **({"gpu": gpu} if gpu else {}))
     )
-    monkeypatch.setattr(autotune, "TUNED_DIR", tmp_path / "shipped")
-    autotune.clear_memo()
+    monkeypatch.setattr(winners, "TUNED_DIR", tmp_path / "shipped")
+    winners.clear_memo()
     yield state
-    autotune.clear_memo()
+    winners.clear_memo()
 
 
 WINNER = "(BF16, 128, 64, 64, 4): async+eager+swizzled+load_2_2_1_tiles+buffer+opt_softmax"
 
 
 def test_cache_round_trip_and_lookup(env):
-    autotune.write_cache(
-        autotune.user_cache_path(),
+    winners.write_cache(
+        winners.user_cache_path(),
         "GPU X",
-        {autotune.entry_key("bf16", 128, True, 4096, 1): {"config": WINNER}},
+        {winners.entry_key("bf16", 128, True, 4096, 1): {"config": WINNER}},
     )
-    assert autotune.lookup("GPU X", "bf16", 128, True, 4000, 4000, 1) == parse_config(WINNER)
+    assert winners.lookup("GPU X", "bf16", 128, True, 4000, 4000, 1) == parse_config(WINNER)
     # Another bucket, mask or GPU has no entry.
-    assert autotune.lookup("GPU X", "bf16", 128, True, 512, 512, 1) is None
-    assert autotune.lookup("GPU X", "bf16", 128, False, 4000, 4000, 1) is None
-    assert autotune.lookup("GPU Y", "bf16", 128, True, 4000, 4000, 1) is None
+    assert winners.lookup("GPU X", "bf16", 128, True, 512, 512, 1) is None
+    assert winners.lookup("GPU X", "bf16", 128, False, 4000, 4000, 1) is None
+    assert winners.lookup("GPU Y", "bf16", 128, True, 4000, 4000, 1) is None
     # fp16 borrows the bf16 winner with its own dtype; GQA falls back to the multi-head entry.
-    assert autotune.lookup("GPU X", "fp16", 128, True, 4000, 4000, 1) == parse_config(WINNER).replace(
+    assert winners.lookup("GPU X", "fp16", 128, True, 4000, 4000, 1) == parse_config(WINNER).replace(
         dtype="fp16"
     )
-    assert autotune.lookup("GPU X", "bf16", 120, True, 4000, 4000, 4) == parse_config(WINNER)
+    assert winners.lookup("GPU X", "bf16", 120, True, 4000, 4000, 4) == parse_config(WINNER)
 
 
 def test_cache_from_other_kernel_sources_or_compiler_is_ignored(env):
-    path = autotune.user_cache_path()
-    autotune.write_cache(path, "GPU X", {autotune.entry_key("bf16", 128, True, 4096, 1): {"config": WINNER}})
+    path = winners.user_cache_path()
+    winners.write_cache(path, "GPU X", {winners.entry_key("bf16", 128, True, 4096, 1): {"config": WINNER}})
     env["sources"] = "edited kernel"
-    autotune.clear_memo()
-    assert autotune.lookup("GPU X", "bf16", 128, True, 4096, 4096, 1) is None
+    winners.clear_memo()
+    assert winners.lookup("GPU X", "bf16", 128, True, 4096, 4096, 1) is None
     env["sources"] = "abc"
     env["compiler"] = "nvcc 12.8"
-    autotune.clear_memo()
-    assert autotune.lookup("GPU X", "bf16", 128, True, 4096, 4096, 1) is None
+    winners.clear_memo()
+    assert winners.lookup("GPU X", "bf16", 128, True, 4096, 4096, 1) is None
     assert json.loads(path.read_text())["sources"] == "abc"
 
 
 def test_user_cache_overrides_shipped(env):
-    key = autotune.entry_key("bf16", 64, False, 1024, 1)
+    key = winners.entry_key("bf16", 64, False, 1024, 1)
     other = "(BF16, 64, 64, 128, 4): async+eager+swizzled+load_0_1_1_tiles+buffer+opt_softmax"
-    autotune.TUNED_DIR.mkdir()
-    autotune.write_cache(autotune.shipped_cache_path("GPU X"), "GPU X", {key: {"config": other}})
-    assert autotune.lookup("GPU X", "bf16", 64, False, 1024, 1024, 1) == parse_config(other)
-    autotune.write_cache(
-        autotune.user_cache_path(), "GPU X", {key: {"config": WINNER.replace("128, 64, 64", "64, 64, 64")}}
+    winners.TUNED_DIR.mkdir()
+    winners.write_cache(winners.shipped_cache_path("GPU X"), "GPU X", {key: {"config": other}})
+    assert winners.lookup("GPU X", "bf16", 64, False, 1024, 1024, 1) == parse_config(other)
+    winners.write_cache(
+        winners.user_cache_path(), "GPU X", {key: {"config": WINNER.replace("128, 64, 64", "64, 64, 64")}}
     )
-    autotune.clear_memo()
-    assert autotune.lookup("GPU X", "bf16", 64, False, 1024, 1024, 1).head_dim == 64
+    winners.clear_memo()
+    assert winners.lookup("GPU X", "bf16", 64, False, 1024, 1024, 1).head_dim == 64
 
 
 def test_space_command_runs_without_gpu(capsys):
@@ -137,9 +140,9 @@ def test_heuristic_holds_up_against_both_committed_sweeps():
 
 def test_shipped_tables_are_well_formed():
     """Every shipped winner parses to a valid config of its key's head_dim; the table names its GPU."""
-    for path in sorted(autotune.TUNED_DIR.glob("*.json")):
+    for path in sorted(winners.TUNED_DIR.glob("*.json")):
         data = json.loads(path.read_text())
-        assert data["format"] == autotune.FORMAT_VERSION and data["gpu"] and data["sources"]
+        assert data["format"] == winners.FORMAT_VERSION and data["gpu"] and data["sources"]
         for key, entry in data["entries"].items():
             dtype, d, _, _, _ = key.split("/")
             cfg = parse_config(entry["config"])
@@ -149,9 +152,9 @@ def test_shipped_tables_are_well_formed():
 def test_hopper_space_is_the_wgmma_kernel_and_holds_every_heuristic_pick():
     for d in (64, 128, 256):
         for causal in (False, True):
-            space = autotune.search_space("bf16", d, causal, "sm_90")
+            space = search.search_space("bf16", d, causal, "sm_90")
             assert space and all(c.wgmma for c in space)
-            for n in autotune.SEQLEN_BUCKETS:
+            for n in winners.SEQLEN_BUCKETS:
                 assert default_config("bf16", d, causal, n, n, "sm_90") in space
 
 
@@ -178,12 +181,11 @@ def test_hopper_heuristic_within_5_percent_of_the_committed_h100_sweep():
 
 
 def test_backward_space_is_valid_and_holds_the_defaults():
-    from flash_attention import autotune_bwd
     from flash_attention.configs import bwd_validity_errors, default_bwd_config, parse_bwd_config
 
     for d in (64, 128, 256):
         for arch in ("sm_80", "sm_90"):
-            space = autotune_bwd.bwd_candidate_space("bf16", d, arch)
+            space = search.bwd_candidate_space("bf16", d, arch)
             assert len(space) == len(set(space)) > 2
             assert default_bwd_config("bf16", d) in space and default_bwd_config("bf16", d, arch) in space
             for cfg in space:
@@ -192,22 +194,21 @@ def test_backward_space_is_valid_and_holds_the_defaults():
 
 
 def test_backward_cache_round_trip(env):
-    from flash_attention import autotune_bwd
     from flash_attention.configs import parse_bwd_config
 
     name = "bwd_bf16_d128_q64_kv128_w8_s1_buffer_wgmma"
-    autotune.write_cache(
-        autotune.user_cache_path(),
+    winners.write_cache(
+        winners.user_cache_path(),
         "GPU X",
         {
-            autotune_bwd.bwd_entry_key("bf16", 128, False, 4096, 1): {"config": name},
-            autotune.entry_key("bf16", 128, False, 4096, 1): {"config": WINNER},
+            winners.bwd_entry_key("bf16", 128, False, 4096, 1): {"config": name},
+            winners.entry_key("bf16", 128, False, 4096, 1): {"config": WINNER},
         },
     )
-    assert autotune_bwd.lookup_bwd("GPU X", "bf16", 128, False, 4000, 4000, 2) == parse_bwd_config(name)
-    assert autotune.lookup("GPU X", "bf16", 128, False, 4000, 4000, 1) == parse_config(WINNER)
-    assert autotune_bwd.lookup_bwd("GPU X", "bf16", 128, True, 4000, 4000, 1) is None
-    assert autotune_bwd.lookup_bwd("GPU X", "fp16", 128, False, 4000, 4000, 1) is None
+    assert winners.lookup_bwd("GPU X", "bf16", 128, False, 4000, 4000, 2) == parse_bwd_config(name)
+    assert winners.lookup("GPU X", "bf16", 128, False, 4000, 4000, 1) == parse_config(WINNER)
+    assert winners.lookup_bwd("GPU X", "bf16", 128, True, 4000, 4000, 1) is None
+    assert winners.lookup_bwd("GPU X", "fp16", 128, False, 4000, 4000, 1) is None
 
 
 def test_backward_space_command_runs_without_gpu(capsys):
@@ -231,7 +232,7 @@ def test_time_candidates_retimes_finalists_and_ranks_failures_last():
             raise RuntimeError("launch failed\nmore")
         return base[cfg] * (0.5 if budget > 0.1 else 1.0)  # the longer timing of a finalist is faster
 
-    results = autotune.time_candidates(["a", "x", "b", "c", "d"], measure, 0.1, 2, 1e9)
+    results = loop.time_candidates(["a", "x", "b", "c", "d"], measure, 0.1, 2, 1e9)
     assert [r.cfg for r in results] == ["b", "c", "a", "d", "x"]
     assert [r.ms for r in results[:4]] == [0.5, 1.0, 3.0, 5.0]
     assert results[0].tflops == pytest.approx(1e9 / (0.5 * 1e9))
@@ -251,7 +252,7 @@ def test_screen_candidates_reports_every_reason():
         return "wrong result" if cfg == "wrong" else None
 
     names = [_Named(n) for n in ("good", "broken", "spilly", "wrong", "crashes", "fine")]
-    ok, skipped = autotune.screen_candidates(names, build_problem, check, jobs=2)
+    ok, skipped = loop.screen_candidates(names, build_problem, check, jobs=2)
     assert ok == ["good", "fine"]
     assert skipped == {
         "broken": "compile failed: ptxas error",

@@ -12,22 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from flash_attention import bench
-from flash_attention.bench import (
-    README_BEGIN,
-    README_END,
-    flops,
-    gpu_slug,
-    input_sets_needed,
-    load_results,
-    newest_results,
-    ratio_summary,
-    results_to_markdown,
-    results_to_text,
-    update_readme,
-    write_results,
-)
 from flash_attention.configs import default_config
+from flash_attention.tools import bench, provenance
+from flash_attention.tools.bench.cli import _int_list
+from flash_attention.tools.bench.readme import README_BEGIN, README_END, readme_markers, update_readme
+from flash_attention.tools.bench.results import load_results, newest_results, write_results
+from flash_attention.tools.bench.sweep import DEFAULT_SEQLENS, SweepSettings, sweep_shapes
+from flash_attention.tools.bench.tables import ratio_summary, results_to_markdown, results_to_text
+from flash_attention.tools.bench.tiny import TINY_SHAPES
+from flash_attention.tools.common import flops, input_sets_needed, record_provenance
+from flash_attention.winners import gpu_slug
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -73,18 +67,18 @@ def test_gpu_slug_and_input_sets():
 
 
 def test_sweep_shapes_follow_the_convention():
-    s = bench.SweepSettings(
-        impls=bench.DEFAULT_IMPLS,
-        seqlens=bench.DEFAULT_SEQLENS,
+    s = SweepSettings(
+        impls=("flash_attention", "sdpa_cudnn"),
+        seqlens=DEFAULT_SEQLENS,
         head_dims=(64, 128, 256),
         causal=(False, True),
     )
-    shapes = bench.sweep_shapes(s)
+    shapes = sweep_shapes(s)
     assert len(shapes) == 36
     for sh in shapes:
         assert sh.batch * sh.seqlen == 16384 and sh.heads * sh.head_dim == 2048 and sh.dtype == "bf16"
     assert {(sh.head_dim, sh.causal, sh.seqlen) for sh in shapes} == {
-        (d, c, n) for d in (64, 128, 256) for c in (False, True) for n in bench.DEFAULT_SEQLENS
+        (d, c, n) for d in (64, 128, 256) for c in (False, True) for n in DEFAULT_SEQLENS
     }
 
 
@@ -245,6 +239,13 @@ def test_newest_results_prefers_full_sweeps(tmp_path):
         newest_results(tmp_path / "empty")
 
 
+@pytest.fixture
+def any_provenance(monkeypatch):
+    """README tests of the tables themselves: the synthetic results name no real commit, so the provenance
+    check (tested on its own below) is switched off."""
+    monkeypatch.setattr(provenance, "check_result", lambda result, repo, what: None)
+
+
 README = f"""# Title
 
 Intro text.
@@ -259,7 +260,7 @@ More text with {{braces}}.
 """
 
 
-def test_update_readme_replaces_only_the_marked_region(tmp_path):
+def test_update_readme_replaces_only_the_marked_region(tmp_path, any_provenance):
     readme = tmp_path / "README.md"
     readme.write_text(README)
     results = write_results(_result(), tmp_path / "benchmarks" / "results" / "h200-2026-11-22.json")
@@ -280,7 +281,7 @@ def test_update_readme_replaces_only_the_marked_region(tmp_path):
     assert readme.read_text() == text
 
 
-def test_update_readme_needs_markers(tmp_path):
+def test_update_readme_needs_markers(tmp_path, any_provenance):
     readme = tmp_path / "README.md"
     readme.write_text("# no markers\n")
     results = write_results(_result(), tmp_path / "r.json")
@@ -289,7 +290,7 @@ def test_update_readme_needs_markers(tmp_path):
     assert readme.read_text() == "# no markers\n"
 
 
-def test_update_readme_cli(tmp_path):
+def test_update_readme_cli(tmp_path, any_provenance):
     readme = tmp_path / "README.md"
     readme.write_text(README)
     results = write_results(_result(), tmp_path / "r.json")
@@ -312,7 +313,7 @@ def test_bad_arguments_exit_2():
         with pytest.raises(SystemExit) as e:
             bench.main(argv)
         assert e.value.code == 2
-    assert bench._int_list("512,1k,16K") == (512, 1024, 16384)
+    assert _int_list("512,1k,16K") == (512, 1024, 16384)
 
 
 def _run_module(*args: str) -> subprocess.CompletedProcess:
@@ -347,14 +348,14 @@ def test_module_help_and_unknown_command():
     assert p.returncode == 2 and "unknown command" in p.stderr
 
 
-def test_training_results_go_to_their_own_readme_region(tmp_path):
+def test_training_results_go_to_their_own_readme_region(tmp_path, any_provenance):
     readme = tmp_path / "README.md"
     readme.write_text(README + "\n<!-- bench-fwd_bwd:begin -->\nold\n<!-- bench-fwd_bwd:end -->\ntail\n")
     fwd = write_results(_result(), tmp_path / "fwd.json")
     train = _result()
     train["rows"] = [dict(r, mode="fwd_bwd") for r in train["rows"]]
     train_path = write_results(train, tmp_path / "train.json")
-    assert bench.readme_markers(train) == ("<!-- bench-fwd_bwd:begin -->", "<!-- bench-fwd_bwd:end -->")
+    assert readme_markers(train) == ("<!-- bench-fwd_bwd:begin -->", "<!-- bench-fwd_bwd:end -->")
     update_readme(readme, fwd)
     update_readme(readme, train_path)
     text = readme.read_text()
@@ -363,3 +364,100 @@ def test_training_results_go_to_their_own_readme_region(tmp_path):
     assert "fwd (TFLOP/s" in fwd_block and "fwd_bwd" not in fwd_block
     assert "fwd_bwd (TFLOP/s" in train_block and "old" not in train_block
     assert text.endswith("tail\n")
+
+
+# ------------------------------------------------------------------------------------------------
+# Provenance: a README table only from a result whose code was exactly its commit's
+
+
+def _git(repo, *args):
+    return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, check=True).stdout.strip()
+
+
+@pytest.fixture
+def tiny_repo(tmp_path):
+    """A git checkout holding a package named like ours, with one commit."""
+    repo = tmp_path / "repo"
+    pkg = repo / provenance.PACKAGE_DIR.name
+    (pkg / "csrc").mkdir(parents=True)
+    (pkg / "a.py").write_text("x = 1\n")
+    (pkg / "csrc" / "k.cuh").write_text("// kernel\n")
+    (pkg / "notes.txt").write_text("not a source\n")
+    _git(repo, "init", "-q")
+    _git(repo, "add", ".")
+    _git(repo, "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "one")
+    return repo, pkg, _git(repo, "rev-parse", "--short", "HEAD")
+
+
+def test_digest_at_commit_equals_the_digest_of_the_committed_files(tiny_repo):
+    repo, pkg, commit = tiny_repo
+    assert provenance.digest_at_commit(commit, repo) == provenance.source_digest(pkg)
+    (pkg / "a.py").write_text("x = 2\n")
+    assert provenance.digest_at_commit(commit, repo) != provenance.source_digest(pkg)
+    (pkg / "a.py").write_text("x = 1\n")
+    (pkg / "notes.txt").write_text("edited, but not a source\n")
+    assert provenance.digest_at_commit(commit, repo) == provenance.source_digest(pkg)
+
+
+def test_check_result_accepts_only_the_code_of_the_commit(tiny_repo):
+    repo, pkg, commit = tiny_repo
+    good = {"commit": commit, "source_digest": provenance.source_digest(pkg)}
+    provenance.check_result(good, repo, "r.json")
+    with pytest.raises(provenance.ProvenanceError, match="differs from that commit"):
+        provenance.check_result(dict(good, source_digest="0" * 64), repo, "r.json")
+    with pytest.raises(provenance.ProvenanceError, match="differed from its commit"):
+        provenance.check_result(dict(good, dirty=True), repo, "r.json")
+    with pytest.raises(provenance.ProvenanceError, match="no source_digest"):
+        provenance.check_result({"commit": commit}, repo, "r.json")
+    with pytest.raises(provenance.ProvenanceError, match="does not know commit"):
+        provenance.check_result(dict(good, commit="deadbeef"), repo, "r.json")
+
+
+def test_update_readme_refuses_a_result_without_provenance(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(README)
+    results = write_results(_result(), tmp_path / "r.json")  # a commit git knows nothing of, no digest
+    with pytest.raises(ValueError, match="source_digest"):
+        update_readme(readme, results)
+    assert readme.read_text() == README
+    assert bench.main(["--update-readme", str(results), "--readme", str(readme)]) == 2
+
+
+def test_uncommitted_sources_are_refused_unless_allowed(monkeypatch):
+    monkeypatch.setattr(provenance, "git_commit", lambda: "abc1234")
+    monkeypatch.setattr(provenance, "dirty_sources", lambda: ["flash_attention/ops/forward.py"])
+    with pytest.raises(SystemExit, match="uncommitted code.*ops/forward.py"):
+        record_provenance()
+    block = record_provenance(allow_dirty=True)
+    assert block["dirty"] and block["commit"] == "abc1234-dirty" and len(block["source_digest"]) == 64
+    monkeypatch.setattr(provenance, "dirty_sources", lambda: [])
+    assert record_provenance() == {"commit": "abc1234", "source_digest": provenance.source_digest()}
+    # A copy without git metadata (the GPU machines): the caller names the commit.
+    monkeypatch.setattr(provenance, "git_commit", lambda: None)
+    monkeypatch.setattr(provenance, "dirty_sources", lambda: None)
+    assert record_provenance("def5678")["commit"] == "def5678"
+
+
+def test_this_checkout_is_its_own_provenance():
+    commit, dirty = provenance.git_commit(), provenance.dirty_sources()
+    if commit is None or dirty:
+        pytest.skip("needs a git checkout whose package sources are committed (CI's fresh clone is)")
+    assert provenance.digest_at_commit(commit, REPO) == provenance.source_digest()
+
+
+# ------------------------------------------------------------------------------------------------
+# --tiny
+
+
+def test_tiny_rows_get_their_own_table(any_provenance, tmp_path):
+    r = _result()
+    r["settings"] = {"tiny": True}
+    r["rows"] = []
+    for s in TINY_SHAPES:
+        for impl, us in (("flash_attention", 180.0), ("sdpa_cudnn", 150.0)):
+            row = _row(impl, s.head_dim, s.causal, s.seqlen, 1.0, mode="fwd_bwd", tiny=True)
+            r["rows"].append(dict(row, batch=s.batch, heads=s.heads, ms=us / 1e3))
+    md = results_to_markdown(r)
+    assert "### fwd_bwd, tiny calls" in md and "TFLOP/s, bf16)" not in md
+    assert "| (1, 128, 16, 64) | no | 180.0 | 150.0 | 1.20× |" in md
+    assert readme_markers(r) == ("<!-- bench-tiny:begin -->", "<!-- bench-tiny:end -->")

@@ -9,11 +9,13 @@ import math
 import pytest
 import torch
 
-from flash_attention import debug, ops, sanity
+from flash_attention import ops
 from flash_attention.configs import parse_config
-from flash_attention.jit import compiler, kernels
+from flash_attention.jit import cache, compiler, sources
 from flash_attention.jit.params import TRACE_MAGIC, TRACE_STEP_FIELDS, TraceLayout
-from flash_attention.sim import TraceSpec, simulate
+from flash_attention.ops import trace as ops_trace
+from flash_attention.tools import debug, sanity
+from flash_attention.tools.sim import TraceSpec, simulate
 
 CFG = parse_config("(BF16, 128, 64, 64, 4): async+eager+swizzled+load_0_1_1_tiles+buffer+opt_softmax+reverse")
 
@@ -124,12 +126,12 @@ def test_ranges_inputs_name_their_position():
 
 
 def test_debug_build_source_and_cache_key(tmp_path):
-    normal, traced = kernels.kernel_source(CFG), kernels.kernel_source(CFG, trace=True)
+    normal, traced = sources.kernel_source(CFG), sources.kernel_source(CFG, trace=True)
     assert "FA_TRACE" not in normal
     assert "#define FA_TRACE 1" in traced and "fa::trace::Layout<Cfg>::kStep ==" in traced
-    assert kernels.kernel_symbol(CFG, True, trace=True) == CFG.symbol(True) + "__trace"
-    assert kernels.kernel_symbol(CFG, False) in normal
-    assert kernels.cache_key(CFG, "sm_90", "x") != kernels.cache_key(CFG, "sm_90", "x", trace=True)
+    assert sources.kernel_symbol(CFG, True, trace=True) == CFG.symbol(True) + "__trace"
+    assert sources.kernel_symbol(CFG, False) in normal
+    assert cache.cache_key(CFG, "sm_90", "x") != cache.cache_key(CFG, "sm_90", "x", trace=True)
 
 
 @pytest.mark.skipif(compiler.choose_compiler() is None, reason="needs NVRTC or nvcc")
@@ -137,7 +139,7 @@ def test_debug_build_compiles_and_its_layout_matches_python(tmp_path, monkeypatc
     """The generated static_asserts pin fa::trace::Layout to jit/params.py: a compile is the check."""
     monkeypatch.setenv("FLASH_ATTENTION_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("FLASH_ATTENTION_QUIET", "1")
-    built = kernels.build(CFG, "sm_90", trace=True)
+    built = cache.build(CFG, "sm_90", trace=True)
     names = {r["kernel"] for r in built.meta["resources"]}
     assert names == {CFG.symbol(False) + "__trace", CFG.symbol(True) + "__trace"}
     assert built.meta["trace"] is True
@@ -156,15 +158,15 @@ def test_trace_target_from_the_environment(monkeypatch):
 
 def test_trace_buffer_checks_the_target():
     shape = (2, 8, 150, 220)  # batch, heads_q, seqlen_q, seqlen_k
-    buf, code = ops._trace_buffer(CFG, ops.TraceTarget(1, 7, 2, 3), "wrong_swizzle", shape, "cpu")
+    buf, code = ops_trace.trace_buffer(CFG, ops.TraceTarget(1, 7, 2, 3), "wrong_swizzle", shape, "cpu")
     assert code == 2 and buf.numel() == TraceLayout.of(CFG).size(4) and torch.isnan(buf).all()
     for target, what in [((2, 0, 0, 0), "batch"), ((0, 8, 0, 0), "head"), ((0, 0, 3, 0), "row_block")]:
         with pytest.raises(ValueError, match=f"trace {what} must be in"):
-            ops._trace_buffer(CFG, ops.TraceTarget(*target), "none", shape, "cpu")
+            ops_trace.trace_buffer(CFG, ops.TraceTarget(*target), "none", shape, "cpu")
     with pytest.raises(ValueError, match="trace warp must be in \\[0, 4\\)"):
-        ops._trace_buffer(CFG, ops.TraceTarget(0, 0, 0, 4), "none", shape, "cpu")
+        ops_trace.trace_buffer(CFG, ops.TraceTarget(0, 0, 0, 4), "none", shape, "cpu")
     with pytest.raises(ValueError, match="trace fault must be one of"):
-        ops._trace_buffer(CFG, ops.TraceTarget(0, 0, 0, 0), "typo", shape, "cpu")
+        ops_trace.trace_buffer(CFG, ops.TraceTarget(0, 0, 0, 0), "typo", shape, "cpu")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU path of the command")

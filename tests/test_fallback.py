@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import sys
 import types
 import warnings
 import zlib
@@ -13,8 +12,9 @@ import torch
 import torch.nn.functional as F
 
 import flash_attention
-from flash_attention import interface, reference
+from flash_attention import dispatch, reference
 from flash_attention.configs import KernelConfig, default_config
+from flash_attention.ops import NoKernel
 from flash_attention.reference import attention_reference, attention_torch, causal_allowed
 
 LOW_PRECISION = [torch.float16, torch.bfloat16]
@@ -267,11 +267,11 @@ class FakeOps(types.SimpleNamespace):
 @pytest.fixture
 def fake_cuda(monkeypatch):
     """Pretend q is a CUDA tensor and install a fake ops module; returns a setter for the fake."""
-    monkeypatch.setattr(interface, "_wants_kernel", lambda q: True)
-    monkeypatch.setattr(interface, "_warned_reasons", set())
+    monkeypatch.setattr(dispatch, "wants_kernel", lambda q: True)
+    monkeypatch.setattr(dispatch, "_warned_reasons", set())
 
     def install(ops):
-        monkeypatch.setattr(interface, "_load_ops", lambda: (ops, None))
+        monkeypatch.setattr(dispatch, "backend", lambda: ops)
         return ops
 
     return install
@@ -316,23 +316,25 @@ def test_fallback_warns_once_per_reason(fake_cuda):
         flash_attention.attention(q, k, v)
 
 
-def test_ops_import_failure_falls_back(monkeypatch):
-    monkeypatch.setattr(interface, "_wants_kernel", lambda q: True)
-    monkeypatch.setattr(interface, "_warned_reasons", set())
-    # A None entry in sys.modules makes the import raise ImportError, as a broken ops module would.
-    monkeypatch.setitem(sys.modules, "flash_attention.ops", None)
-    monkeypatch.delattr(flash_attention, "ops", raising=False)
+def test_no_kernel_for_this_gpu_falls_back(fake_cuda):
+    class NoFit(FakeOps):
+        def cuda_forward(self, q, k, v, **kwargs):
+            raise NoKernel(
+                "the forward kernel needs 232448 bytes of shared memory per block and this GPU allows 1"
+            )
+
+    fake_cuda(NoFit())
     q, k, v = _inputs(1, 5, 6, 2, 1, 32, torch.bfloat16)
-    with pytest.warns(RuntimeWarning, match="ops could not be imported"):
-        out = flash_attention.attention(q, k, v)
-    assert out.shape == q.shape and not out.isnan().any()
+    with pytest.warns(RuntimeWarning, match="PyTorch fallback.*shared memory"):
+        out = flash_attention.attention(q, k, v, causal=True)
+    torch.testing.assert_close(out, attention_torch(q, k, v, causal=True)[0], rtol=0, atol=0)
 
 
-def test_cpu_never_imports_kernel_path(monkeypatch):
+def test_cpu_never_consults_the_kernel_path(monkeypatch):
     def boom():
         raise AssertionError("CPU tensors must not consult ops")
 
-    monkeypatch.setattr(interface, "_load_ops", boom)
+    monkeypatch.setattr(dispatch, "backend", boom)
     q, k, v = _inputs(1, 5, 6, 2, 1, 32, torch.bfloat16)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # and no warning on CPU

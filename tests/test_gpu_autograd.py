@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from test_autograd import _Block, _train
 
 import flash_attention as fa
-from flash_attention import interface, ops
+from flash_attention import dispatch, ops
 from flash_attention.reference import attention_reference, causal_allowed, key_range_allowed
 
 pytestmark = pytest.mark.gpu
@@ -186,7 +186,7 @@ def test_gradients_within_twice_sdpa_error(case):
 
 
 def test_fp32_cuda_gradients_use_the_fallback(monkeypatch):
-    monkeypatch.setattr(interface, "_warned_reasons", set())  # the warning is once per process
+    monkeypatch.setattr(dispatch, "_warned_reasons", set())  # the warning is once per process
     # float32 on CUDA: the op's CUDA implementation takes the PyTorch fallback, forward and backward.
     gen = torch.Generator(device="cuda").manual_seed(7)
     q, k, v = (_make(2, n, h, 64, torch.float32, "bshd", gen) for n, h in ((77, 4), (91, 2), (91, 2)))
@@ -334,9 +334,9 @@ def test_cuda_graph_replays_forward_and_backward():
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_backward_autotune_check_accepts_defaults_and_rejects_a_broken_kernel(d, monkeypatch):
     """The tuner's gradient check passes the shipped configs and catches wrong gradients."""
-    from flash_attention import autotune_bwd, ops
     from flash_attention.configs import default_bwd_config
-    from flash_attention.jit.kernels import device_arch
+    from flash_attention.ops import device_arch
+    from flash_attention.tools.autotune import backward as autotune_bwd
 
     arch = device_arch(torch.cuda.current_device())
     for cfg in {default_bwd_config("bf16", d), default_bwd_config("bf16", d, arch)}:

@@ -193,13 +193,33 @@ def test_fp32_on_cuda_falls_back_with_warning():
 
 
 def test_config_too_large_for_this_gpu_is_a_clear_error(monkeypatch):
-    from flash_attention import ops
+    from flash_attention.ops import forward as launch
 
     q = torch.randn(1, 64, 2, 128, device="cuda", dtype=torch.bfloat16)
     cfg = fa.default_config("bf16", 128, False, 64, 64)
-    monkeypatch.setattr(ops, "smem_limit", lambda index: cfg.smem_bytes - 1)
+    monkeypatch.setattr(launch, "smem_limit", lambda index: cfg.smem_bytes - 1)
+    launch.clear_plans()
     with pytest.raises(ValueError, match="shared memory"):
         fa.forward(cfg, q, q, q)
+    launch.clear_plans()
+
+
+def test_a_gpu_too_small_for_every_kernel_falls_back_with_a_warning(monkeypatch):
+    # What a GPU whose shared memory fits none of our configs sees (head_dim 256 training on sm_86/sm_89 is
+    # the real case, backward): the PyTorch fallback computes the call, after a once-per-reason warning.
+    from flash_attention import dispatch
+    from flash_attention.ops import forward as launch
+
+    monkeypatch.setattr(launch, "smem_limit", lambda index: 1024)
+    monkeypatch.setattr(dispatch, "_warned_reasons", set())
+    launch.clear_plans()
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (torch.randn(2, 77, 4, 64, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(3))
+    with pytest.warns(RuntimeWarning, match="PyTorch fallback.*shared memory"):
+        out = fa.attention(q, k, v, causal=True)
+    ref, _ = attention_reference(q, k, v, causal=True)
+    assert (out.double() - ref).abs().max().item() < 0.02
+    launch.clear_plans()
 
 
 def test_config_for_another_dtype_or_smaller_head_dim_is_rejected():

@@ -20,16 +20,27 @@ import torch.nn.functional as F
 from test_gpu_forward import _VARIANTS
 
 import flash_attention as fa
-from flash_attention import debug, ops, sanity
-from flash_attention.configs import default_config, parse_config
-from flash_attention.jit.build import shipped_configs
+from flash_attention import ops
+from flash_attention.configs import HEAD_DIMS, default_config, parse_config, portable_config
 from flash_attention.reference import attention_reference, causal_allowed
-from flash_attention.sim import TraceSpec, simulate
+from flash_attention.tools import debug, sanity
+from flash_attention.tools.sim import TraceSpec, simulate
+from flash_attention.winners import SEQLEN_BUCKETS
 
 pytestmark = pytest.mark.gpu
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-CONFIGS = [c.name() for c in shipped_configs()] + list(_VARIANTS)
+# Every portable default (the debug build and the simulator model the sm80 kernel), and the variants.
+CONFIGS = [
+    c.name()
+    for c in dict.fromkeys(
+        portable_config(dt, d, causal, n, n)
+        for dt in DTYPES
+        for d in HEAD_DIMS
+        for causal in (False, True)
+        for n in SEQLEN_BUCKETS
+    )
+] + list(_VARIANTS)
 
 
 def _inputs(b, sq, sk, hq, hkv, d, dtype, seed):

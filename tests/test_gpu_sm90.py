@@ -9,9 +9,10 @@ import torch
 from test_gpu_forward import check_case
 
 import flash_attention as fa
-from flash_attention import autotune, ops
+from flash_attention import ops
 from flash_attention.configs import default_config, wgmma_config
 from flash_attention.reference import attention_reference
+from flash_attention.tools.autotune.space import search_space
 
 pytestmark = pytest.mark.gpu
 
@@ -24,12 +25,7 @@ needs_hopper = pytest.mark.skipif(not _hopper(), reason="the wgmma kernel needs 
 
 # Every wgmma config in the sm_90 tuning space at head_dim 64/128/256 (bf16; fp16 for a sample).
 _SPACE = sorted(
-    {
-        c.name()
-        for d in (64, 128, 192, 256)
-        for c in autotune.search_space("bf16", d, False, "sm_90")
-        if c.wgmma
-    }
+    {c.name() for d in (64, 128, 192, 256) for c in search_space("bf16", d, False, "sm_90") if c.wgmma}
 )
 _SHAPES = [
     (2, 200, 200, 4, 2, False),
@@ -65,10 +61,10 @@ def test_fp16_defaults(d, n):
 @needs_hopper
 def test_attention_picks_wgmma_on_hopper():
     q = torch.randn(2, 300, 4, 128, device="cuda", dtype=torch.bfloat16)
-    cfg = ops.resolve_config(None, q, True, 300, 128**-0.5)
+    cfg = ops.chosen_config(q, q, causal=True, softmax_scale=128**-0.5)
     assert cfg.wgmma
     # A negative scale needs the unfolded softmax, which only the sm80 kernel has.
-    assert not ops.resolve_config(None, q, True, 300, -0.1).wgmma
+    assert not ops.chosen_config(q, q, causal=True, softmax_scale=-0.1).wgmma
 
 
 @needs_hopper

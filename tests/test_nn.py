@@ -1000,8 +1000,8 @@ def test_replace_attention_bare_module_and_shared_module():
 # Demo (CPU path)
 
 
-def test_demo_cpu_runs_and_renders(tmp_path, capsys):
-    from flash_attention import demo
+def test_demo_cpu_runs_and_renders(tmp_path, capsys, monkeypatch):
+    from flash_attention.tools import demo, provenance
 
     out = tmp_path / "demo.json"
     assert (
@@ -1017,8 +1017,11 @@ def test_demo_cpu_runs_and_renders(tmp_path, capsys):
     assert all(r["ms"] > 0 for r in result["rows"])
     ours = [r for r in result["rows"] if r["impl"] == "flash_attention"]
     assert all(r["max_abs_diff_vs_stock"] < 1e-4 for r in ours)
+    assert result["source_digest"] == provenance.source_digest() and result["commit"]
     readme = tmp_path / "README.md"
     readme.write_text("# x\n\n<!-- demo:begin -->\nold\n<!-- demo:end -->\n\n## after\n")
+    # The README check of provenance has its own tests (test_bench.py); here the tables are the subject.
+    monkeypatch.setattr(provenance, "check_result", lambda result, repo, what: None)
     demo.update_readme(readme, out)
     text = readme.read_text()
     assert (

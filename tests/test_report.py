@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from flash_attention import report
 from flash_attention.configs import parse_config
 from flash_attention.jit import compiler
-from flash_attention.progression import progression_configs
+from flash_attention.tools import report
+from flash_attention.tools.bench.progression import progression_configs
 
 
 def test_occupancy_rules():
@@ -28,17 +28,9 @@ def test_occupancy_rules():
     assert report.occupancy("sm_86", 128, 64, 60 * 1024).blocks == 1
 
 
-def test_progression_steps_change_one_thing_each(monkeypatch):
-    from flash_attention import ops
-
-    monkeypatch.setattr(
-        ops,
-        "choose_config",
-        lambda *a, **k: parse_config(
-            "(BF16, 128, 128, 64, 4): async+eager+swizzled+load_4_4_1_tiles+buffer+opt_softmax"
-        ),
-    )
-    steps = progression_configs("bf16", 128, False, 4096)
+def test_progression_steps_change_one_thing_each():
+    tuned = parse_config("(BF16, 128, 128, 64, 4): async+eager+swizzled+load_4_4_1_tiles+buffer+opt_softmax")
+    steps = progression_configs("bf16", 128, False, 4096, tuned)
     assert steps[0][1].async_copy is False and steps[0][1].swizzle is False and not steps[0][1].opt_softmax
     for (_, a), (_, b) in zip(steps[:-2], steps[1:-1], strict=True):
         changed = {f.name for f in dataclasses.fields(a) if getattr(a, f.name) != getattr(b, f.name)}
@@ -56,7 +48,7 @@ def test_sass_histogram_counts_the_mma_instructions(tmp_path, monkeypatch):
     monkeypatch.setenv("FLASH_ATTENTION_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("FLASH_ATTENTION_QUIET", "1")
     cfg = parse_config("(BF16, 64, 64, 64, 4): async+eager+swizzled+load_0_1_1_tiles+buffer+opt_softmax")
-    from flash_attention.jit.kernels import build
+    from flash_attention.jit.cache import build
 
     hists = report.sass_histograms(build(cfg, "sm_90").cubin)
     h = hists[cfg.symbol(False)]
@@ -89,7 +81,7 @@ def test_report_compare_command(tmp_path):
 
 def test_plot_from_results_file(tmp_path):
     pytest.importorskip("matplotlib")
-    from flash_attention.plot import plot_results
+    from flash_attention.tools.bench.plot import plot_results
 
     rows = [
         {
@@ -125,12 +117,10 @@ def test_plot_from_results_file(tmp_path):
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in written)
 
 
-def test_progression_ends_with_the_wgmma_kernel_on_hopper(monkeypatch):
-    from flash_attention import ops
+def test_progression_ends_with_the_wgmma_kernel_on_hopper():
     from flash_attention.configs import wgmma_config
 
-    monkeypatch.setattr(ops, "choose_config", lambda *a, **k: wgmma_config("bf16", 128, 64, 128))
-    steps = progression_configs("bf16", 128, False, 4096)
+    steps = progression_configs("bf16", 128, False, 4096, wgmma_config("bf16", 128, 64, 128))
     assert [label for label, _ in steps[-2:]] == [
         "tuned sm80 kernel",
         "wgmma kernel, tuned (what attention() runs)",

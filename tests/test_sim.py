@@ -13,14 +13,24 @@ import torch
 import torch.nn.functional as F
 from test_gpu_forward import _VARIANTS  # the variant list the GPU tests run: one list for both tiers
 
-import flash_attention.sim as sim
-from flash_attention.configs import default_config, parse_config
-from flash_attention.jit.build import shipped_configs
+import flash_attention.tools.sim as sim
+from flash_attention.configs import HEAD_DIMS, default_config, parse_config, portable_config
 from flash_attention.reference import attention_reference, causal_allowed
-from flash_attention.sim import STEP_NAMES, TraceSpec, n_blocks_per_row_block, simulate
+from flash_attention.tools.sim import STEP_NAMES, TraceSpec, n_blocks_per_row_block, simulate
+from flash_attention.winners import SEQLEN_BUCKETS
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-CONFIGS = [c.name() for c in shipped_configs()] + list(_VARIANTS)
+# Every portable default (the simulator models the sm80 kernel), and the variants.
+CONFIGS = [
+    c.name()
+    for c in dict.fromkeys(
+        portable_config(dt, d, causal, n, n)
+        for dt in ("fp16", "bf16")
+        for d in HEAD_DIMS
+        for causal in (False, True)
+        for n in SEQLEN_BUCKETS
+    )
+] + list(_VARIANTS)
 
 
 def _inputs(b, sq, sk, hq, hkv, d, dtype, seed):
@@ -238,7 +248,7 @@ def _sloppy_ex2(x):
 def test_error_bound_covers_other_rounding_of_the_same_steps(name, monkeypatch):
     """What the bound promises for the kernel, checked against a simulated 'other hardware': mma steps that
     truncate and an ex2 that is off by 2^-22 must stay within it, in the output and in every traced entry."""
-    from flash_attention.debug import compare
+    from flash_attention.tools.debug import compare
 
     cfg = parse_config(name)
     q, k, v = _inputs(1, 197, 150, 2, 2, cfg.head_dim, DTYPES[cfg.dtype], 3)

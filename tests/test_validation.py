@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import flash_attention
-from flash_attention import interface
+from flash_attention import dispatch, interface
 from flash_attention._validate import Problem, validate
 
 
@@ -237,12 +237,12 @@ def test_negative_and_integer_scales_accepted():
 
 def test_validation_runs_before_kernel_dispatch(monkeypatch):
     # Even on the kernel path, a bad argument is rejected before ops is consulted.
-    monkeypatch.setattr(interface, "_wants_kernel", lambda q: True)
+    monkeypatch.setattr(dispatch, "wants_kernel", lambda q: True)
 
     def boom():
         raise AssertionError("ops consulted before validation")
 
-    monkeypatch.setattr(interface, "_load_ops", boom)
+    monkeypatch.setattr(dispatch, "backend", boom)
     q, k, v = _qkv(kv_shape=(2, 24, 3, 64))
     with pytest.raises(ValueError, match="multiple"):
         flash_attention.attention(q, k, v)

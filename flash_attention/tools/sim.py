@@ -36,8 +36,8 @@ from pathlib import Path
 
 import torch
 
-from .configs import KernelConfig, parse_config
-from .jit.params import TRACE_STEP_FIELDS
+from flash_attention.configs import KernelConfig, parse_config
+from flash_attention.jit.params import TRACE_STEP_FIELDS
 
 __all__ = ["simulate", "TraceSpec", "Trace", "STEP_NAMES", "FINAL_NAMES", "n_blocks_per_row_block"]
 

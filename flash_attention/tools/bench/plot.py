@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .results import result_mode
+
 _STYLE = {
     "flash_attention": dict(color="#d62728", linewidth=2.6, marker="o"),
     "sdpa_flash": dict(color="#1f77b4", marker="s"),
@@ -34,8 +36,6 @@ def plot_results(result: dict, results_path: str | Path, mode: str | None = None
         raise RuntimeError("plots need matplotlib: pip install matplotlib") from exc
 
     if mode is None:
-        from .bench import result_mode  # forward rows, or the training rows of a training-only file
-
         mode = result_mode(result)
     rows = [r for r in result["rows"] if r.get("mode") == mode and r.get("tflops")]
     head_dims = sorted({r["head_dim"] for r in rows})

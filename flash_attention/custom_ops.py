@@ -23,15 +23,15 @@ heads_q, seqlen_q)), never views of an input, as custom ops require. ``lse`` is 
 gradients flow through ``out`` only (as in the FlashAttention library); a loss that uses the LSE gets no
 gradient from it.
 
-``ops`` (the JIT machinery) is imported only when a CUDA tensor reaches a CUDA implementation, as in
-:mod:`flash_attention.interface`, which this module imports lazily for the same reason (and to share its
-once-per-reason fallback warning).
+The CUDA implementations take the kernel-or-fallback decision of :mod:`flash_attention.dispatch`, with its
+once-per-reason warning.
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import dispatch
 from .reference import attention_backward_torch, attention_torch
 
 __all__ = ["fwd", "bwd", "EagerAttention"]
@@ -87,17 +87,6 @@ def _fallback_backward(dout, q, k, v, out, lse, causal, scale, key_range, dropou
     )
 
 
-def _kernel_ops(q: torch.Tensor):
-    """The ``ops`` module when our kernels can run on ``q``, else None (after the once-per-reason warning)."""
-    from . import interface
-
-    ops, reason = interface._kernel_unavailable_reason(q)
-    if reason is None:
-        return ops
-    interface._warn_fallback(reason)
-    return None
-
-
 # ---------------------------------------------------------------------------------------------------------
 # flash_attention::fwd
 
@@ -134,23 +123,25 @@ def forward_impl(
     dropout_seed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``fwd`` on CUDA: our kernel when it can run on these inputs, else the PyTorch fallback."""
-    ops = None if _has_no_pair(q, k) else _kernel_ops(q)
+    ops = None if _has_no_pair(q, k) else dispatch.kernel_backend(q)
     if ops is None:
         return _fallback_forward(q, k, v, causal, scale, key_range, dropout_p, dropout_seed)
-    out, lse = ops.cuda_forward(
-        q,
-        k,
-        v,
-        causal=causal,
-        softmax_scale=scale,
-        return_lse=True,
-        out=None,
-        config=None,
-        key_range=key_range,
-        dropout_p=dropout_p,
-        dropout_seed=dropout_seed,
+    return dispatch.run_or_fallback(
+        lambda: ops.cuda_forward(
+            q,
+            k,
+            v,
+            causal=causal,
+            softmax_scale=scale,
+            return_lse=True,
+            out=None,
+            config=None,
+            key_range=key_range,
+            dropout_p=dropout_p,
+            dropout_seed=dropout_seed,
+        ),
+        lambda: _fallback_forward(q, k, v, causal, scale, key_range, dropout_p, dropout_seed),
     )
-    return out, lse
 
 
 @fwd.register_fake
@@ -239,36 +230,32 @@ def backward_impl(
     dropout_seed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``bwd`` on CUDA: our backward kernels when they can run on these inputs, else the PyTorch fallback."""
-    ops = None if _has_no_pair(q, k) else _kernel_ops(q)
+    ops = None if _has_no_pair(q, k) else dispatch.kernel_backend(q)
     if ops is None:
         return _fallback_backward(dout, q, k, v, out, lse, causal, scale, key_range, dropout_p, dropout_seed)
-    cuda_backward = getattr(ops, "cuda_backward", None)
-    if cuda_backward is None:
-        raise NotImplementedError(
-            "flash_attention: the CUDA backward kernel is not available yet (flash_attention.ops has no "
-            f"cuda_backward), so gradients of {q.dtype} CUDA inputs cannot be computed by this version. "
-            "Use float32 inputs (PyTorch fallback, differentiable) or "
-            "torch.nn.functional.scaled_dot_product_attention for training until it lands."
-        )
     # Autograd hands over whatever layout the next op produced, e.g. a stride-0 expand for out.sum();
     # the kernels read dO in 16-byte vectors along head_dim, as they read q.
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
-    dq, dk, dv = cuda_backward(
-        dout,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        causal=causal,
-        softmax_scale=scale,
-        deterministic=deterministic,
-        key_range=key_range,
-        dropout_p=dropout_p,
-        dropout_seed=dropout_seed,
+    return dispatch.run_or_fallback(
+        lambda: ops.cuda_backward(
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            causal=causal,
+            softmax_scale=scale,
+            deterministic=deterministic,
+            key_range=key_range,
+            dropout_p=dropout_p,
+            dropout_seed=dropout_seed,
+        ),
+        lambda: _fallback_backward(
+            dout, q, k, v, out, lse, causal, scale, key_range, dropout_p, dropout_seed
+        ),
     )
-    return dq, dk, dv
 
 
 @bwd.register_fake
@@ -294,25 +281,32 @@ class EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, deterministic, key_range, dropout_p, dropout_seed):
-        if q.is_cuda:
-            out, lse = forward_impl(q, k, v, causal, scale, key_range, dropout_p, dropout_seed)
-        else:
-            out, lse = _fallback_forward(q, k, v, causal, scale, key_range, dropout_p, dropout_seed)
+        out, lse = forward_impl(q, k, v, causal, scale, key_range, dropout_p, dropout_seed)
         ctx.save_for_backward(q, k, v, out, lse, key_range, dropout_seed)
         ctx.causal, ctx.scale, ctx.deterministic, ctx.dropout_p = causal, scale, deterministic, dropout_p
         ctx.mark_non_differentiable(lse)
+        # The LSE never carries a gradient: without this autograd would fill a zero tensor for it on every
+        # backward (an allocation and a fill kernel per call, for nothing).
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, key_range, dropout_seed = ctx.saved_tensors
-        args = (ctx.causal, ctx.scale)
-        if q.is_cuda:
-            dq, dk, dv = backward_impl(
-                dout, q, k, v, out, lse, *args, ctx.deterministic, key_range, ctx.dropout_p, dropout_seed
-            )
-        else:
-            dq, dk, dv = _fallback_backward(
-                dout, q, k, v, out, lse, *args, key_range, ctx.dropout_p, dropout_seed
-            )
+        if dout is None:  # only reachable if autograd ever calls us without a gradient for out
+            dout = torch.zeros_like(out)
+        dq, dk, dv = backward_impl(
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            ctx.causal,
+            ctx.scale,
+            ctx.deterministic,
+            key_range,
+            ctx.dropout_p,
+            dropout_seed,
+        )
         return dq, dk, dv, None, None, None, None, None, None

@@ -20,8 +20,11 @@ from pathlib import Path
 
 import torch
 
-from .configs import KernelConfig, default_config, parse_config
-from .jit.params import TRACE_FAULTS, TRACE_MAGIC, TRACE_STEP_FIELDS, TraceLayout
+from flash_attention import ops
+from flash_attention._validate import validate
+from flash_attention.configs import KernelConfig, parse_config, portable_config
+from flash_attention.jit.params import TRACE_FAULTS, TRACE_MAGIC, TRACE_STEP_FIELDS, TraceLayout
+
 from .sim import FINAL_NAMES, STEP_NAMES, Trace, TraceSpec, simulate
 
 __all__ = ["kernel_trace", "last_kernel_trace", "run_kernel", "compare", "Mismatch", "ranges_inputs", "main"]
@@ -63,8 +66,6 @@ def kernel_trace(raw: dict) -> Trace:
 
 def last_kernel_trace() -> Trace | None:
     """The trace of the last traced launch (e.g. one made under ``FLASH_ATTENTION_TRACE``), or None."""
-    from . import ops
-
     raw = ops.last_trace()
     return kernel_trace(raw) if raw is not None else None
 
@@ -81,9 +82,6 @@ def run_kernel(
     fault: str = "none",
 ) -> tuple[torch.Tensor, torch.Tensor, Trace]:
     """Run the debug build of ``config`` on CUDA tensors: ``(out, lse, kernel trace)``."""
-    from . import ops
-    from ._validate import validate
-
     cfg = parse_config(config)
     problem = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, out=None)
     reason = ops.cuda_unavailable_reason(q)
@@ -268,15 +266,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 def _config(args) -> KernelConfig:
     if args.config.strip().lower() == "default":
         d = args.head_dim or 128
-        return default_config(args.dtype, d, args.causal, args.seqlen, args.seqlen_k or args.seqlen)
+        return portable_config(args.dtype, d, args.causal, args.seqlen, args.seqlen_k or args.seqlen)
     return parse_config(args.config)
 
 
 def _kernel_unavailable() -> str | None:
     if not torch.cuda.is_available():
         return "no CUDA GPU is visible to PyTorch"
-    from . import ops
-
     probe = torch.empty(1, 1, 1, 8, dtype=torch.float16, device="cuda")
     return ops.cuda_unavailable_reason(probe)
 

@@ -1,6 +1,7 @@
-"""Kernel configurations: the one source of truth for a forward kernel's compile-time shape.
+"""The forward kernel family's configuration: the one source of truth for a forward kernel's shape.
 
-A :class:`KernelConfig` names one instantiation of the forward kernel family. From it come
+A :class:`KernelConfig` names one instantiation of a forward kernel (the portable sm80 kernel, or the
+Hopper wgmma kernel when ``wgmma`` is set). From it come
 
 * a canonical short name (``str(cfg)`` / :meth:`KernelConfig.name`) that :func:`parse_config` turns back
   into an equal object, e.g.
@@ -9,7 +10,7 @@ A :class:`KernelConfig` names one instantiation of the forward kernel family. Fr
 * the C++ ``struct`` of named compile-time constants the kernel template is instantiated with
   (:meth:`KernelConfig.cpp_struct`), never positional template arguments;
 * the validity rules (:func:`validity_errors`), mirrored one for one by ``static_assert`` in
-  ``csrc/kernels/sm80/fwd/fwd_kernel.cuh``;
+  ``csrc/include/fa/config_check.h``;
 * the part of the JIT cache key that depends on the configuration (:meth:`KernelConfig.key`).
 
 Nothing about the problem shape (batch, heads, sequence lengths) is compiled in: only the padded head
@@ -21,38 +22,17 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
-from functools import lru_cache
+
+from .common import DTYPES, HEAD_DIMS, SMEM_LIMIT_SM80, SMEM_LIMIT_SM90, cpp_struct
 
 __all__ = [
     "KernelConfig",
-    "parse_config",
-    "validity_errors",
-    "HEAD_DIMS",
-    "padded_head_dim",
-    "default_config",
-    "smem_bytes",
     "estimated_registers",
-    "SMEM_LIMIT_SM80",
-    "SMEM_LIMIT_SM90",
+    "parse_config",
+    "smem_bytes",
+    "validity_errors",
     "wgmma_config",
-    "BwdConfig",
-    "bwd_validity_errors",
-    "default_bwd_config",
-    "parse_bwd_config",
 ]
-
-#: Head dimensions a kernel is instantiated for. Any other multiple of 8 up to 256 runs on the next size up
-#: with the tail masked: loads zero-fill the missing columns and stores skip them. All are multiples of 64
-#: so a shared-memory row holds whole groups of eight 16-byte chunks, which the XOR swizzle needs.
-HEAD_DIMS = (64, 128, 192, 256)
-
-DTYPES = ("fp16", "bf16")
-
-#: The largest dynamic shared memory one block may opt into on sm_80 (A100: 163 KB); sm_90 allows 227 KB.
-#: Shipped configs must fit the smaller so one config list serves both architectures.
-SMEM_LIMIT_SM80 = 163 * 1024
-#: The sm_90 opt-in limit, which bounds the wgmma configs (they run on sm_90a only).
-SMEM_LIMIT_SM90 = 227 * 1024
 
 #: The only flags a wgmma config has: its kernel copies with cp.async, loads V_j and K_{j+1} eagerly into
 #: swizzled tiles and uses the folded softmax; the fragment knobs are the sm80 kernel's.
@@ -67,14 +47,6 @@ _WGMMA_FIXED = dict(
     opt_softmax=True,
     reverse_kv=False,
 )
-
-
-def padded_head_dim(head_dim: int) -> int:
-    """The instantiated head dimension a problem of ``head_dim`` runs on."""
-    for d in HEAD_DIMS:
-        if head_dim <= d:
-            return d
-    raise ValueError(f"head_dim must be at most {HEAD_DIMS[-1]}; got {head_dim}")
 
 
 @dataclass(frozen=True)
@@ -206,24 +178,24 @@ class KernelConfig:
     def cpp_struct(self, struct_name: str = "Cfg") -> str:
         """The C++ struct of named constants the kernel template is instantiated with."""
         fields = [
-            ("kIsBF16", "bool", _b(self.dtype == "bf16")),
-            ("kHeadDim", "int", str(self.head_dim)),
-            ("kBlockQ", "int", str(self.block_q)),
-            ("kBlockKV", "int", str(self.block_kv)),
-            ("kNumWarps", "int", str(self.num_warps)),
-            ("kAsyncCopy", "bool", _b(self.async_copy)),
-            ("kEager", "bool", _b(self.eager)),
-            ("kSwizzle", "bool", _b(self.swizzle)),
-            ("kQFrags", "int", str(self.q_frags)),
-            ("kKFrags", "int", str(self.k_frags)),
-            ("kVFrags", "int", str(self.v_frags)),
-            ("kDoubleBuffer", "bool", _b(self.double_buffer)),
-            ("kOptSoftmax", "bool", _b(self.opt_softmax)),
-            ("kReverseKV", "bool", _b(self.reverse_kv)),
-            ("kWgmma", "bool", _b(self.wgmma)),
-            ("kStages", "int", str(self.stages)),
+            ("kIsBF16", "bool", self.dtype == "bf16"),
+            ("kHeadDim", "int", self.head_dim),
+            ("kBlockQ", "int", self.block_q),
+            ("kBlockKV", "int", self.block_kv),
+            ("kNumWarps", "int", self.num_warps),
+            ("kAsyncCopy", "bool", self.async_copy),
+            ("kEager", "bool", self.eager),
+            ("kSwizzle", "bool", self.swizzle),
+            ("kQFrags", "int", self.q_frags),
+            ("kKFrags", "int", self.k_frags),
+            ("kVFrags", "int", self.v_frags),
+            ("kDoubleBuffer", "bool", self.double_buffer),
+            ("kOptSoftmax", "bool", self.opt_softmax),
+            ("kReverseKV", "bool", self.reverse_kv),
+            ("kWgmma", "bool", self.wgmma),
+            ("kStages", "int", self.stages),
         ]
-        return _cpp_struct(struct_name, fields)
+        return cpp_struct(struct_name, fields)
 
 
 def wgmma_config(
@@ -233,16 +205,6 @@ def wgmma_config(
     (``check=False``: without the validity check, as :meth:`KernelConfig.unchecked`)."""
     make = KernelConfig if check else KernelConfig.unchecked
     return make(dtype, head_dim, block_q, block_kv, block_q // 16, wgmma=True, stages=stages, **_WGMMA_FIXED)
-
-
-def _cpp_struct(struct_name: str, fields: list[tuple[str, str, str]]) -> str:
-    """A C++ struct of named compile-time constants: (name, type, value) per field."""
-    body = "\n".join(f"  static constexpr {t} {n} = {v};" for n, t, v in fields)
-    return f"struct {struct_name} {{\n{body}\n}};\n"
-
-
-def _b(x: bool) -> str:
-    return "true" if x else "false"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -424,249 +386,3 @@ def parse_config(text: str | KernelConfig) -> KernelConfig:
         f"cannot parse kernel config {text!r}; expected e.g. "
         "'(BF16, 128, 64, 64, 4): async+eager+swizzled+load_0_2_2_tiles+buffer+opt_softmax'"
     )
-
-
-# --------------------------------------------------------------------------------------------------
-# Defaults
-
-
-@lru_cache(maxsize=4096)
-def default_config(
-    dtype: str, head_dim: int, causal: bool, seqlen_q: int, seqlen_k: int, arch: str = "sm_80"
-) -> KernelConfig:
-    """The configuration used when the caller names none and no autotuned winner exists.
-
-    On Hopper (``arch`` sm_90 / sm_90a) that is a wgmma config (:func:`_hopper_default`); on any other GPU
-    the portable sm80 kernel, chosen as follows.
-
-    Chosen from two H200 autotuning sweeps on different machines (docs/kernel-log.md,
-    benchmarks/results/h200-2026-11-22-autotune*.json). The tile shape is what carries from one machine to
-    the next; the fragment-loading variants rank differently on different machines of the same model
-    (within about 5%), so the choices below are the ones that held up on both sweeps and in the full
-    benchmark runs. The reasons:
-    * head_dim 128: 128 query rows over 4 warps, so each warp owns two 16-row mma tiles and every K/V
-      fragment read from shared memory feeds two mma instructions (shared-memory bandwidth is what limits
-      mma.sync on Hopper). The O accumulator (32 x 128 fp32) and S (32 x 64) then need 252 of the 255
-      registers, which is why the K/V tile stops at 64 keys. It won all 12 shapes.
-    * head_dim 64: O is half as large, so one 16-row tile per warp with a 128-key K/V tile and Q resident
-      in registers keeps the most independent mma work per warp at medium lengths. Long sequences (where
-      the per-block prologue is amortised) prefer two tiles per warp, 128 x 64; short causal ones prefer
-      64 x 64 tiles, whose finer diagonal wastes less work on masked keys.
-    * head_dim 256: O alone is 128 registers for 16 rows; 64 x 64 tiles with single-slice fragment loads
-      are what fits without spilling, and without the second fragment buffer the compiler schedules the
-      loads as well at fewer registers.
-    * head_dim 192 (not a tuned size): its 24-chunk rows do not nest with 128 threads, so the copy loops
-      need more registers; 32-key tiles keep it spill-free.
-    """
-    d = padded_head_dim(head_dim)
-    n = max(seqlen_q, seqlen_k)
-    if arch in ("sm_90", "sm_90a"):
-        return _hopper_default(dtype, d, n, causal)
-    if d == 64:
-        if n >= 12288 or (not causal and n >= 6144):
-            return KernelConfig(dtype, 64, 128, 64, 4, q_frags=0, k_frags=1, v_frags=1, double_buffer=False)
-        if causal and n <= 1536:
-            return KernelConfig(dtype, 64, 64, 64, 4, q_frags=0, k_frags=1, v_frags=1, double_buffer=False)
-        return KernelConfig(dtype, 64, 64, 128, 4, q_frags=0, k_frags=0, v_frags=1)
-    if d == 128:
-        return KernelConfig(dtype, 128, 128, 64, 4, q_frags=4, k_frags=4, v_frags=1)
-    if d == 192:
-        return KernelConfig(dtype, 192, 64, 32, 4, q_frags=1, k_frags=1, v_frags=1)
-    return KernelConfig(dtype, 256, 64, 64, 4, q_frags=1, k_frags=1, v_frags=1, double_buffer=False)
-
-
-def _hopper_default(dtype: str, d: int, n: int, causal: bool) -> KernelConfig:
-    """The wgmma config for head_dim ``d`` at sequence length ``n`` (the longer of q and k).
-
-    From the H100 autotuning sweep of docs/kernel-log.md (step 17, every point within 5% of the sweep's
-    winner). Two shapes of block compete: one warpgroup (64 query rows, two or three blocks per SM) and
-    two warpgroups sharing each K/V tile (128 rows, one block of 8 warps per SM), which halves the K/V
-    copies per query row but makes both warpgroups meet at every barrier.
-    * head_dim 256: two warpgroups and a 2-deep ring of 64-key tiles everywhere: its K/V tiles are the
-      largest, so sharing them pays most (5-10% over one warpgroup from 2k on).
-    * head_dim 64: the same 128 x 64 two-stage block without a mask. Causal blocks differ in length, and
-      one warpgroup per block balances them better: 64 x 64 tiles in a 2-deep ring up to 4k (less work
-      wasted on the diagonal), 128-key tiles with one buffer each beyond (half the barriers per key).
-    * head_dim 128: one warpgroup with 128-key tiles and one K and one V buffer (the 64 x 128 S
-      accumulator is 64 registers; a ring costs a block per SM); at 512 keys, and causal up to 1k, the
-      blocks are so short that 32-key tiles in a 2-deep ring start computing sooner and win by 5-13%.
-    * head_dim 192 (not a tuned size): its 24-chunk rows do not nest with 128 threads, so the copy loops
-      need more registers and 64-key tiles spill; 32-key tiles in a 2-deep ring fit.
-    """
-    if d == 64:
-        if causal:
-            return wgmma_config(dtype, 64, 64, 64, 2) if n <= 4096 else wgmma_config(dtype, 64, 64, 128, 1)
-        return wgmma_config(dtype, 64, 128, 64, 2)
-    if d == 128:
-        if n <= 512 or (causal and n <= 1024):
-            return wgmma_config(dtype, 128, 64, 32, 2)
-        return wgmma_config(dtype, 128, 64, 128, 1)
-    if d == 192:
-        return wgmma_config(dtype, 192, 64, 32, 2)
-    return wgmma_config(dtype, 256, 128, 64, 2)
-
-
-# --------------------------------------------------------------------------------------------------
-# The backward kernel family (csrc/kernels/sm80/bwd/bwd_kernel.cuh)
-
-
-@dataclass(frozen=True)
-class BwdConfig:
-    """Compile-time shape of the backward kernels.
-
-    The dK/dV kernel gives each thread block ``block_kv`` keys (``block_kv / num_warps`` per warp, whole
-    16-row mma tiles) and walks the queries ``block_q`` at a time. ``split`` > 1 divides the dK/dV/dQ
-    columns among that many blocks, each recomputing S and dP over the whole head_dim: for head dims whose
-    two accumulators would not fit the registers. ``double_buffer`` prefetches the next Q/dO tile during the
-    current step. The deterministic dQ kernel uses ``block_q`` rows with one warp per 16 of them.
-
-    ``wgmma``: the Hopper dK/dV kernel (csrc/kernels/sm90/bwd, sm_90a): two warpgroups of 64 keys, Q/dO
-    double-buffered, atomic dQ only (deterministic mode, key ranges and dropout run the sm80 kernels).
-    """
-
-    dtype: str
-    head_dim: int
-    block_q: int
-    block_kv: int
-    num_warps: int
-    split: int = 1
-    double_buffer: bool = False
-    wgmma: bool = False
-
-    def __post_init__(self) -> None:
-        errors = bwd_validity_errors(self)
-        if errors:
-            raise ValueError(f"invalid backward config {self.name()}: " + "; ".join(errors))
-
-    @property
-    def threads(self) -> int:
-        return 32 * self.num_warps
-
-    @property
-    def dq_threads(self) -> int:
-        return 32 * (self.block_q // 16)
-
-    @property
-    def dq_block_kv(self) -> int:
-        """K/V rows per step of the deterministic dQ kernel (DqCfg in the kernel)."""
-        return 32 if self.head_dim > 128 else min(self.block_kv, 64)
-
-    @property
-    def smem_bytes(self) -> int:
-        nb = 2 if self.double_buffer else 1
-        d, bq, bkv = self.head_dim, self.block_q, self.block_kv
-        # K, V; Q and dO per buffer; the dS tile; LSE and delta per buffer (+1 KB to align the wgmma tiles).
-        return 4 * bkv * d + 4 * nb * bq * d + 2 * bkv * bq + 8 * nb * bq + (1024 if self.wgmma else 0)
-
-    @property
-    def dq_smem_bytes(self) -> int:
-        return 4 * self.block_q * self.head_dim + 4 * self.dq_block_kv * self.head_dim
-
-    def name(self) -> str:
-        return (
-            f"bwd_{self.dtype}_d{self.head_dim}_q{self.block_q}_kv{self.block_kv}_w{self.num_warps}"
-            f"_s{self.split}" + ("_buffer" if self.double_buffer else "") + ("_wgmma" if self.wgmma else "")
-        )
-
-    def __str__(self) -> str:
-        return self.name()
-
-    def symbol(self, kernel: str, causal: bool = False, ranged: bool = False, dropout: bool = False) -> str:
-        """Entry point of one kernel of the family: ``pre``, ``dkdv`` (atomic dQ), ``dkdv_det`` or ``dq``."""
-        if kernel not in ("pre", "dkdv", "dkdv_det", "dq"):
-            raise ValueError(f"kernel must be pre, dkdv, dkdv_det or dq; got {kernel!r}")
-        base = "flash_" + self.name() + "__" + kernel
-        if kernel == "pre":
-            return base
-        return (
-            base
-            + ("__causal" if causal else "")
-            + ("__ranged" if ranged else "")
-            + ("__dropout" if dropout else "")
-        )
-
-    def replace(self, **changes) -> BwdConfig:
-        return dataclasses.replace(self, **changes)
-
-    def cpp_struct(self, struct_name: str = "Cfg") -> str:
-        fields = [
-            ("kIsBF16", "bool", _b(self.dtype == "bf16")),
-            ("kHeadDim", "int", str(self.head_dim)),
-            ("kBlockQ", "int", str(self.block_q)),
-            ("kBlockKV", "int", str(self.block_kv)),
-            ("kNumWarps", "int", str(self.num_warps)),
-            ("kSplit", "int", str(self.split)),
-            ("kDoubleBuffer", "bool", _b(self.double_buffer)),
-            # load_tile (shared with the forward) reads these two.
-            ("kSwizzle", "bool", "true"),
-            ("kAsyncCopy", "bool", "true"),
-            ("kWgmma", "bool", _b(self.wgmma)),
-        ]
-        return _cpp_struct(struct_name, fields)
-
-
-def bwd_validity_errors(cfg: BwdConfig) -> list[str]:
-    """Why ``cfg`` cannot be compiled (empty when it can); the kernel static_asserts the tile rules too."""
-    errors = []
-    if cfg.dtype not in DTYPES:
-        errors.append(f"dtype must be one of {DTYPES}")
-    if cfg.head_dim not in HEAD_DIMS:
-        errors.append(f"head_dim must be one of {HEAD_DIMS}")
-    if cfg.block_q not in (64, 128):
-        errors.append("block_q must be 64 or 128 (the dS tile's swizzle needs rows of 64 elements or more)")
-    if cfg.num_warps not in (2, 4, 8):
-        errors.append("num_warps must be 2, 4 or 8")
-    elif cfg.block_kv % (16 * cfg.num_warps) or cfg.block_kv > 128:
-        errors.append("block_kv must be a multiple of 16 * num_warps, at most 128")
-    if cfg.split < 1 or cfg.head_dim % cfg.split or (cfg.head_dim // cfg.split) % 64:
-        errors.append("head_dim / split must be a whole multiple of 64 (slices move whole swizzle groups)")
-    elif cfg.num_warps in (2, 4, 8) and cfg.block_q in (64, 128):
-        wqm = min(cfg.num_warps, cfg.block_q // 16)
-        if (cfg.head_dim // cfg.split // (cfg.num_warps // wqm)) % 64:
-            errors.append(
-                "each warp's dQ columns (head_dim / split / column groups) must be a multiple of 64"
-            )
-    if cfg.wgmma and (
-        cfg.num_warps != 8
-        or cfg.block_kv != 128
-        or (cfg.block_q, cfg.head_dim) not in ((128, 64), (64, 128))
-        or cfg.split != 1
-        or not cfg.double_buffer
-    ):
-        errors.append(
-            "wgmma backward configs are two warpgroups of 64 keys (num_warps 8, block_kv 128), double "
-            "buffered, unsplit, with block_q 128 at head_dim 64 or 64 at head_dim 128 (dQ's split)"
-        )
-    if not errors and cfg.smem_bytes > 227 * 1024:
-        errors.append("shared memory exceeds the sm_90 limit of 232448")
-    return errors
-
-
-#: The backward configs by head dim: the largest tiles that compile without spilling (docs/kernel-log.md).
-_BWD_DEFAULTS = {
-    64: dict(block_q=128, block_kv=128, num_warps=8, split=1, double_buffer=False),
-    128: dict(block_q=64, block_kv=128, num_warps=8, split=1, double_buffer=True),
-    192: dict(block_q=64, block_kv=64, num_warps=4, split=3, double_buffer=False),
-    256: dict(block_q=64, block_kv=64, num_warps=4, split=2, double_buffer=False),
-}
-
-
-def default_bwd_config(dtype: str, head_dim: int, arch: str = "sm_80") -> BwdConfig:
-    """The backward config for a problem's dtype and head_dim (padded up to a compiled size). On Hopper
-    (``arch`` sm_90) head dims 64 and 128 get the wgmma dK/dV kernel; the larger ones keep the sm80 kernel
-    (two head_dim-wide fp32 accumulators of 64 key rows would not fit a warpgroup's registers)."""
-    d = padded_head_dim(head_dim)
-    if arch in ("sm_90", "sm_90a") and d in (64, 128):
-        return BwdConfig(dtype, d, 128 if d == 64 else 64, 128, 8, 1, True, wgmma=True)
-    return BwdConfig(dtype, d, **_BWD_DEFAULTS[d])
-
-
-def parse_bwd_config(text: str | BwdConfig) -> BwdConfig:
-    """The inverse of :meth:`BwdConfig.name`."""
-    if isinstance(text, BwdConfig):
-        return text
-    m = re.fullmatch(r"bwd_(fp16|bf16)_d(\d+)_q(\d+)_kv(\d+)_w(\d+)_s(\d+)(_buffer)?(_wgmma)?", str(text))
-    if not m:
-        raise ValueError(f"not a backward config name: {text!r}")
-    dt, d, bq, bkv, w, s, buf, wg = m.groups()
-    return BwdConfig(dt, int(d), int(bq), int(bkv), int(w), int(s), buf is not None, wg is not None)

@@ -19,7 +19,9 @@ import tempfile
 from collections import Counter
 from dataclasses import dataclass
 
-from .configs import BwdConfig, KernelConfig, parse_bwd_config, parse_config
+from flash_attention import ops
+from flash_attention.configs import BwdConfig, KernelConfig, parse_bwd_config, parse_config
+from flash_attention.jit.cache import build
 
 # Per-SM limits by architecture: registers, max resident threads, max resident blocks, shared memory
 # available to blocks (bytes), and the shared memory the system reserves per block.
@@ -155,9 +157,7 @@ KEY_OPS = (
 # --------------------------------------------------------------------------------------------------
 
 
-def _build(cfg: KernelConfig, arch: str, compiler: str | None):
-    from .jit.kernels import build
-
+def _build(cfg: KernelConfig | BwdConfig, arch: str, compiler: str | None):
     return build(cfg, arch, compiler)
 
 
@@ -169,6 +169,12 @@ def _launch_shape(cfg, kernel: str) -> tuple[int, int]:
         if "__dq" in kernel:
             return cfg.dq_threads, cfg.dq_smem_bytes
     return cfg.threads, cfg.smem_bytes
+
+
+def shipped_configs(arch: str) -> list[KernelConfig | BwdConfig]:
+    """Every configuration a default call can run on ``arch``, forward then backward (ops.catalog)."""
+    cfgs = list(dict.fromkeys(job.cfg for job in ops.catalog(arch)))
+    return [c for c in cfgs if isinstance(c, KernelConfig)] + [c for c in cfgs if isinstance(c, BwdConfig)]
 
 
 def parse_any(text: str) -> KernelConfig | BwdConfig:
@@ -229,9 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.configs:
             cfgs = [parse_any(c) for c in args.configs]
         else:
-            from .jit.build import shipped_bwd_configs, shipped_configs
-
-            cfgs = shipped_configs(args.arch) + shipped_bwd_configs(args.arch)
+            cfgs = shipped_configs(args.arch)
     except ValueError as exc:
         print(f"config: {exc}", file=sys.stderr)
         return 2

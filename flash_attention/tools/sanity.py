@@ -19,6 +19,18 @@ import tempfile
 import time
 
 import torch
+import torch.nn.functional as F
+
+from flash_attention import __version__
+from flash_attention.configs import default_config
+from flash_attention.interface import attention, forward
+from flash_attention.jit import compiler as _compiler
+from flash_attention.jit import driver as _driver
+from flash_attention.jit.cache import build, cache_dir
+from flash_attention.jit.compiler import CompileError
+from flash_attention.reference import attention_reference, causal_allowed
+
+from .sim import simulate
 
 __all__ = ["main", "missing_gpu_reason"]
 
@@ -82,7 +94,6 @@ def missing_gpu_reason() -> tuple[str, str] | None:
 
 
 def _versions(rep: _Report) -> None:
-    from . import __version__
 
     cuda = torch.version.cuda or "none (CPU-only build)"
     rep.line(
@@ -92,10 +103,7 @@ def _versions(rep: _Report) -> None:
     )
 
 
-def _compiler(rep: _Report) -> str | None:
-    from .jit import compiler as _compiler
-    from .jit.kernels import cache_dir
-
+def _compiler_line(rep: _Report) -> str | None:
     kind = _compiler.choose_compiler()
     if kind is None:
         rep.fail(
@@ -126,9 +134,6 @@ def _compiler(rep: _Report) -> str | None:
 
 def _cpu_check(rep: _Report) -> None:
     """The PyTorch path of attention() on CPU tensors against the float64 reference."""
-    from .interface import attention
-    from .reference import attention_reference
-
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 100, 2, 64, generator=gen) for _ in range(3))
     out = attention(q, k, v, causal=True)
@@ -138,9 +143,6 @@ def _cpu_check(rep: _Report) -> None:
         rep.line("CPU path", f"PASS: attention() on CPU float32 tensors, max error {err:.2g} against float64")
     else:
         rep.fail("CPU path", f"max error {err:.3g} against float64 (expected <= 1e-5)", _SUPPORT)
-
-    from .configs import default_config
-    from .sim import simulate
 
     qb, kb, vb = (x.to(torch.bfloat16) for x in (q, k, v))
     sim, _ = simulate(qb, kb, vb, default_config("bf16", 64, True, 100, 100), causal=True)
@@ -156,9 +158,6 @@ def _cpu_check(rep: _Report) -> None:
 
 def _accuracy_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ref: torch.Tensor) -> float:
     """The tests' accuracy rule for causal attention: 2x the error of PyTorch's own attention + 1e-5."""
-    import torch.nn.functional as F
-
-    from .reference import causal_allowed
 
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
     mask = causal_allowed(q.shape[1], k.shape[1], device=q.device)
@@ -171,8 +170,6 @@ def _gpu(rep: _Report, index: int) -> str | None:
     major, minor = props.major, props.minor
     driver = ""
     try:
-        from .jit import driver as _driver
-
         version = ctypes.c_int()
         _driver.libcuda().cuDriverGetVersion(ctypes.byref(version))
         driver = f", driver API {version.value // 1000}.{version.value % 1000 // 10}"
@@ -196,12 +193,6 @@ def _gpu(rep: _Report, index: int) -> str | None:
 
 
 def _kernel_check(rep: _Report, index: int, arch: str, kind: str, recompile: bool) -> None:
-    from .configs import default_config
-    from .interface import forward
-    from .jit.compiler import CompileError
-    from .jit.kernels import build
-    from .reference import attention_reference
-
     cfg = default_config("bf16", 128, True, 1000, 1000)
     t0 = time.perf_counter()
     try:
@@ -267,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'':<10} next: {todo}")
     else:
         arch = _gpu(rep, args.device)
-    kind = _compiler(rep)
+    kind = _compiler_line(rep)
     _cpu_check(rep)
     if arch is not None and kind is not None:
         _kernel_check(rep, args.device, arch, kind, args.recompile)

@@ -6,12 +6,18 @@ step changes one thing from the previous one, so a row's gain is that change's.
 
 from __future__ import annotations
 
-from .configs import KernelConfig, default_config, padded_head_dim
+import torch
+
+from flash_attention import interface, ops
+from flash_attention.configs import KernelConfig, padded_head_dim, portable_config
+
+from ..common import flops, time_cuda
 
 
 def progression_configs(
-    dtype: str, head_dim: int, causal: bool, seqlen: int
+    dtype: str, head_dim: int, causal: bool, seqlen: int, tuned: KernelConfig
 ) -> list[tuple[str, KernelConfig]]:
+    """The steps, each a (label, config) pair; ``tuned`` is what ``attention()`` runs at this shape."""
     d = padded_head_dim(head_dim)
     # The ancestor's tile: 64 query rows over 4 warps, 64 keys per K/V block, Q held in registers, K and V
     # fed to the tensor cores one 16-wide slice at a time.
@@ -37,12 +43,9 @@ def progression_configs(
     steps.append(("fragment interleaving (2 slices per load)", steps[-1][1].replace(k_frags=2, v_frags=2)))
     steps.append(("double-buffered fragment loads", steps[-1][1].replace(double_buffer=True)))
     steps.append(("exp2-folded softmax", steps[-1][1].replace(opt_softmax=True)))
-    from . import ops
-
-    tuned = ops.choose_config(dtype, head_dim, causal, seqlen, seqlen)
     if tuned.wgmma:
         # On Hopper the last step is a different kernel: first the sm80 one as tuned, then wgmma.
-        steps.append(("tuned sm80 kernel", default_config(dtype, head_dim, causal, seqlen, seqlen)))
+        steps.append(("tuned sm80 kernel", portable_config(dtype, head_dim, causal, seqlen, seqlen)))
         steps.append(("wgmma kernel, tuned (what attention() runs)", tuned))
     else:
         steps.append(("tuned (what attention() runs)", tuned))
@@ -50,11 +53,6 @@ def progression_configs(
 
 
 def run_progression(dtype: str, head_dims, seqlens, causals, timing: dict) -> list[dict]:
-    import torch
-
-    from . import interface
-    from .bench import flops, time_cuda
-
     rows = []
     for d in head_dims:
         for causal in causals:
@@ -69,7 +67,8 @@ def run_progression(dtype: str, head_dims, seqlens, causals, timing: dict) -> li
                     f"\nprogression: {dtype} head_dim {d} {'causal' if causal else 'non-causal'} seqlen {n}"
                 )
                 print(f"  {'step':44} {'TFLOP/s':>8} {'step gain':>9} {'total':>7}  config")
-                for label, cfg in progression_configs(dtype, d, causal, n):
+                tuned = ops.chosen_config(q, k, causal=causal, softmax_scale=d**-0.5)
+                for label, cfg in progression_configs(dtype, d, causal, n, tuned):
                     t = time_cuda(
                         lambda i, cfg=cfg, q=q, k=k, v=v, c=causal: interface.forward(cfg, q, k, v, causal=c),
                         1,

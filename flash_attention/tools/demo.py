@@ -33,6 +33,24 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from flash_attention.nn import replace_attention
+from flash_attention.winners import gpu_slug
+
+from . import provenance
+from .common import (
+    default_results_dir,
+    environment,
+    record_provenance,
+    replace_marked_region,
+    repo_root,
+    time_cuda,
+    write_json,
+)
+
 __all__ = ["IMPLS", "main", "run_demo", "results_to_markdown", "update_readme"]
 
 IMPLS = ("stock", "stock_math", "flash_attention")
@@ -57,9 +75,6 @@ def _seqlen_label(n: int) -> str:
 
 def build_encoder(d_model: int, heads: int, layers: int, *, device: Any, dtype: Any) -> Any:
     """The stock encoder every implementation starts from (random weights, eval mode)."""
-    import torch
-    from torch import nn
-
     layer = nn.TransformerEncoderLayer(
         d_model, heads, dim_feedforward=4 * d_model, dropout=0.0, batch_first=True, device=device, dtype=dtype
     )
@@ -96,12 +111,11 @@ def run_demo(
     causal: bool = False,
     impls: Sequence[str] = IMPLS,
     log: Callable[[str], None] = print,
+    commit: str | None = None,
+    allow_dirty: bool = False,
 ) -> dict:
-    """Run the comparison and return the result dict (also what the JSON file holds)."""
-    import torch
-
-    from .nn import replace_attention
-
+    """Run the comparison and return the result dict (also what the JSON file holds). ``commit`` and
+    ``allow_dirty`` are the provenance of the run (tools/common.record_provenance)."""
     on_gpu = torch.cuda.is_available()
     defaults = GPU_DEFAULTS if on_gpu else CPU_DEFAULTS
     d_model = d_model or defaults["d_model"]
@@ -119,14 +133,12 @@ def run_demo(
     tdtype = getattr(torch, _DTYPES[dtype])
 
     if on_gpu:
-        from .bench import environment
-
-        env = environment(device)
+        env = environment(device, commit, allow_dirty)
     else:
         impls = [i for i in impls if i != "stock_math"]  # on the CPU, stock SDPA is the math backend anyway
-        from .bench import git_commit
-
-        env = {"gpu": None, "driver": None, "cuda": None, "torch": torch.__version__, "commit": git_commit()}
+        # A CPU run measures PyTorch only and feeds no README table: its provenance is recorded, not enforced.
+        env = {"gpu": None, "driver": None, "cuda": None, "torch": torch.__version__}
+        env.update(record_provenance(commit, allow_dirty=True))
         env["date"] = _dt.date.today().isoformat()
         log(
             "No CUDA GPU found: running the CPU path at a small size (PyTorch computes every implementation "
@@ -183,8 +195,6 @@ def run_demo(
 
 
 def _measure(impl: str, model: Any, x: Any, kwargs: dict, on_gpu: bool) -> dict:
-    import torch
-
     row: dict[str, Any] = {"impl": impl, "ms": None, "peak_mib": None, "oom": False, "output": None}
 
     def step() -> Any:
@@ -199,8 +209,6 @@ def _measure(impl: str, model: Any, x: Any, kwargs: dict, on_gpu: bool) -> dict:
             row["output"] = step()
             row["ms"] = _time_cpu(step)
             return row
-        from .bench import time_cuda
-
         # A warm-up step first: it compiles our kernel on first use and makes cuBLAS/cuDNN allocate their
         # workspaces, which stay for the whole process and are no cost of the step being measured.
         step()
@@ -223,9 +231,6 @@ def _measure(impl: str, model: Any, x: Any, kwargs: dict, on_gpu: bool) -> dict:
 def _standard_attention() -> Iterator[None]:
     """PyTorch's attention as the textbook computes it: SDPA's MATH backend, and no fused layer fast path
     (``torch._transformer_encoder_layer_fwd`` would otherwise pick its own attention kernel)."""
-    import torch
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     enabled = torch.backends.mha.get_fastpath_enabled()
     torch.backends.mha.set_fastpath_enabled(False)
     try:
@@ -240,20 +245,13 @@ def _standard_attention() -> Iterator[None]:
 
 
 def default_result_path(result: dict) -> Path:
-    from .bench import default_results_dir, gpu_slug
-
     name = gpu_slug(result["gpu"]) if result.get("gpu") else "cpu"
     # A folder of its own: benchmarks/results/*.json are the bench's sweeps, which its tools glob.
     return default_results_dir() / "demo" / f"{name}-{result.get('date', _dt.date.today().isoformat())}.json"
 
 
 def write_result(result: dict, path: str | os.PathLike) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-    return path
+    return write_json(result, path)
 
 
 def results_to_markdown(result: dict) -> str:
@@ -312,10 +310,9 @@ def _header(result: dict, rel: str) -> str:
 
 def update_readme(readme_path: str | os.PathLike, result_path: str | os.PathLike) -> str:
     """Replace the text between ``<!-- demo:begin -->`` and ``<!-- demo:end -->`` with a result's tables."""
-    from .bench import replace_marked_region
-
     readme_path, result_path = Path(readme_path), Path(result_path)
     result = json.loads(result_path.read_text(encoding="utf-8"))
+    provenance.check_result(result, repo_root(), str(result_path))
     rel = os.path.relpath(result_path.resolve(), readme_path.resolve().parent).replace(os.sep, "/")
     block = "\n".join(
         [
@@ -356,6 +353,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--commit", help="commit to record (for a copy of the checkout without .git)")
     p.add_argument("--no-save", action="store_true", help="do not write a result file")
+    p.add_argument(
+        "--allow-dirty",
+        action="store_true",
+        help="record a run of uncommitted code (marked dirty; the README generator refuses such a file)",
+    )
     p.add_argument("--markdown", metavar="RESULT", help="print the README tables of a result file and exit")
     p.add_argument(
         "--update-readme", metavar="RESULT", help="regenerate the README's demo section from a result file"
@@ -370,9 +372,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(results_to_markdown(json.loads(Path(args.markdown).read_text(encoding="utf-8"))), end="")
         return 0
     if args.update_readme:
-        from .bench import _repo_root
-
-        readme = Path(args.readme) if args.readme else _repo_root() / "README.md"
+        readme = Path(args.readme) if args.readme else repo_root() / "README.md"
         update_readme(readme, args.update_readme)
         print(f"updated {readme} from {args.update_readme}")
         return 0
@@ -388,9 +388,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         dtype=args.dtype,
         causal=args.causal,
         impls=impls,
+        commit=args.commit,
+        allow_dirty=args.allow_dirty,
     )
-    if args.commit:
-        result["commit"] = args.commit
     if not args.no_save and (args.out or result.get("gpu")):
         path = write_result(result, args.out or default_result_path(result))
         print(f"wrote {path}")

@@ -1,0 +1,47 @@
+"""Which kernel family computes which feature: the one table the launch layer consults.
+
+A family is (direction, Hopper or portable): the portable sm80-instruction kernels run on every GPU from
+sm_80 on; the wgmma kernels run on sm_90 only and do not (yet) have every instantiation. When a call needs a
+feature its config's family lacks, the launch layer runs the portable family instead (never a wrong or
+missing result); with an explicitly named config it raises, naming the feature.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from .backward import BwdConfig
+from .forward import KernelConfig
+
+__all__ = ["FEATURES", "is_wgmma", "supports", "unsupported"]
+
+#: Every feature a call can ask of a kernel.
+#: causal: the bottom-right causal mask; key_range: per-batch key ranges (key padding); dropout: attention
+#: dropout; deterministic: a backward without atomics; trace: the debug build (fa/trace.cuh);
+#: negative_scale: a softmax scale below zero (the folded exp2 softmax assumes a positive one).
+FEATURES = ("causal", "key_range", "dropout", "deterministic", "trace", "negative_scale")
+
+_SUPPORTED = {
+    # (backward?, wgmma?) -> features
+    (False, False): frozenset({"causal", "key_range", "dropout", "trace", "negative_scale"}),
+    (False, True): frozenset({"causal", "key_range", "dropout"}),
+    (True, False): frozenset({"causal", "key_range", "dropout", "deterministic"}),
+    (True, True): frozenset({"causal"}),
+}
+
+
+def is_wgmma(cfg: KernelConfig | BwdConfig) -> bool:
+    """Whether ``cfg`` belongs to a Hopper (wgmma, sm_90a) family."""
+    return bool(getattr(cfg, "wgmma", False))
+
+
+def supports(cfg: KernelConfig | BwdConfig, feature: str) -> bool:
+    """Whether the family of ``cfg`` has an instantiation for ``feature``."""
+    if feature not in FEATURES:
+        raise ValueError(f"feature must be one of {FEATURES}; got {feature!r}")
+    return feature in _SUPPORTED[(isinstance(cfg, BwdConfig), is_wgmma(cfg))]
+
+
+def unsupported(cfg: KernelConfig | BwdConfig, features: Iterable[str]) -> list[str]:
+    """The ``features`` the family of ``cfg`` lacks, in order."""
+    return [f for f in features if not supports(cfg, f)]

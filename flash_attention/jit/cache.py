@@ -1,0 +1,191 @@
+"""Compile a translation unit once per (sources, config, arch, compiler), and keep the cubin on disk.
+
+The cache lives in ``$FLASH_ATTENTION_CACHE_DIR`` (default ``$XDG_CACHE_HOME/flash_attention`` or
+``~/.cache/flash_attention``). An entry is keyed by a hash of the kernel sources, the generated translation
+unit (which contains the config), the target architecture and the compiler's name and version, so editing a
+kernel, upgrading the compiler or changing a config can never load a stale binary. Entries are written to a
+temporary file and renamed into place: a concurrent reader sees either nothing or a whole file, and two
+processes compiling the same kernel at once both succeed, the second rename replacing an identical file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+from ..configs import BwdConfig, KernelConfig, is_wgmma
+from . import compiler as _compiler
+from .sources import kernel_source, variant_name
+
+__all__ = ["BuiltKernel", "atomic_write", "build", "cache_dir", "cache_key", "sources_digest", "target_arch"]
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("FLASH_ATTENTION_CACHE_DIR")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "flash_attention"
+
+
+@cache
+def sources_digest() -> str:
+    """Hash of every shipped kernel source file (headers included)."""
+    h = hashlib.sha256()
+    for path in sorted(_compiler.CSRC.rglob("*")):
+        if path.is_file() and path.suffix in (".cuh", ".h", ".cu"):
+            h.update(str(path.relative_to(_compiler.CSRC)).encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def cache_key(
+    cfg: KernelConfig | BwdConfig,
+    arch: str,
+    compiler_id: str,
+    trace: bool = False,
+    *,
+    ranged: bool = False,
+    dropout: bool = False,
+) -> str:
+    h = hashlib.sha256()
+    source = kernel_source(cfg, trace, ranged=ranged, dropout=dropout)
+    for part in (sources_digest(), source, arch, compiler_id, " ".join(_compiler.COMMON_FLAGS)):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()[:32]
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file in the same folder and a rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+@dataclass
+class BuiltKernel:
+    cfg: KernelConfig | BwdConfig
+    arch: str
+    compiler: str
+    cubin: bytes
+    meta: dict  # resources, compile time, log
+    from_cache: bool
+
+
+def _quiet() -> bool:
+    return os.environ.get("FLASH_ATTENTION_QUIET", "") not in ("", "0")
+
+
+class _Ticker:
+    """Tells the person waiting that a compile is running, and for how long."""
+
+    def __init__(self, what: str, every: float = 10.0):
+        self.what, self.every = what, every
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+        if not _quiet():
+            print(f"flash_attention: compiling {self.what} ...", file=sys.stderr, flush=True)
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
+        return self
+
+    def _run(self):
+        while not self._stop.wait(self.every):
+            print(
+                f"flash_attention: still compiling {self.what} ({time.perf_counter() - self.t0:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self.elapsed = time.perf_counter() - self.t0
+        if not _quiet() and exc[0] is None:
+            print(
+                f"flash_attention: compiled {self.what} in {self.elapsed:.1f} s", file=sys.stderr, flush=True
+            )
+
+
+def target_arch(cfg: KernelConfig | BwdConfig, arch: str) -> str:
+    """The architecture ``cfg`` compiles for on a GPU of ``arch``: wgmma configs need the sm_90a target
+    (wgmma has no portable form), and run on sm_90 only."""
+    if not is_wgmma(cfg):
+        return arch
+    if arch not in ("sm_90", "sm_90a"):
+        raise ValueError(f"config {cfg.name()} uses wgmma, which needs an sm_90 GPU (H100/H200); got {arch}")
+    return "sm_90a"
+
+
+def build(
+    cfg: KernelConfig | BwdConfig,
+    arch: str,
+    compiler: str | None = None,
+    *,
+    force: bool = False,
+    trace: bool = False,
+    ranged: bool = False,
+    dropout: bool = False,
+) -> BuiltKernel:
+    """Compile ``cfg`` for ``arch`` (e.g. 'sm_90'), or take it from the disk cache.
+
+    ``trace=True`` builds the debug variant (csrc/include/fa/trace.cuh), ``ranged=True`` the key-padding
+    variant, ``dropout=True`` the dropout variant; each is cached under its own key.
+    """
+    arch = target_arch(cfg, arch)
+    kind = compiler or _compiler.choose_compiler()
+    if kind is None:
+        raise _compiler.CompileError(
+            "no CUDA compiler found: install PyTorch's CUDA build (it ships NVRTC) or a CUDA toolkit (nvcc)"
+        )
+    cid = _compiler.compiler_id(kind)
+    key = cache_key(cfg, arch, cid, trace, ranged=ranged, dropout=dropout)
+    root = cache_dir()
+    cubin_path, meta_path = root / f"{key}.cubin", root / f"{key}.json"
+    if not force and cubin_path.exists() and meta_path.exists():
+        try:
+            return BuiltKernel(
+                cfg, arch, cid, cubin_path.read_bytes(), json.loads(meta_path.read_text()), True
+            )
+        except (OSError, ValueError):
+            pass  # a damaged entry is rebuilt below
+    variant = variant_name(trace, ranged, dropout)
+    what = f"{cfg.name()}{f' ({variant} build)' if variant else ''}"
+    with _Ticker(f"{what} for {arch} with {cid}") as tick:
+        source = kernel_source(cfg, trace, ranged=ranged, dropout=dropout)
+        result = _compiler.compile_source(source, arch, what, kind)
+    meta = {
+        "config": cfg.name(),
+        "trace": trace,
+        "ranged": ranged,
+        "dropout": dropout,
+        "arch": arch,
+        "compiler": result.compiler,
+        "compile_seconds": round(tick.elapsed, 2),
+        "resources": [r.to_dict() for r in result.resources],
+        "log": result.log,
+    }
+    # Metadata first: a cubin on disk always has its metadata beside it.
+    atomic_write(meta_path, json.dumps(meta, indent=1).encode())
+    atomic_write(cubin_path, result.cubin)
+    return BuiltKernel(cfg, arch, cid, result.cubin, meta, False)

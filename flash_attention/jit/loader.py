@@ -1,0 +1,72 @@
+"""Loaded entry points: each built cubin is loaded once per process and its kernels kept by key.
+
+Torch-free like the rest of the JIT: callers name the GPU's architecture (``"sm_90"``), which the launch
+layer reads off the device.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from ..configs import BwdConfig, KernelConfig
+from . import driver
+from .cache import build
+from .sources import kernel_symbol, variant_name
+
+__all__ = ["get_bwd_kernels", "get_kernel"]
+
+_loaded: dict[tuple, object] = {}
+_lock = threading.Lock()
+
+
+def get_kernel(
+    cfg: KernelConfig,
+    causal: bool,
+    arch: str,
+    trace: bool = False,
+    *,
+    ranged: bool = False,
+    dropout: bool = False,
+) -> driver.Kernel:
+    """The loaded entry point of ``cfg`` for a GPU of ``arch`` (compiling or reading the cache on first use).
+
+    ``trace=True`` loads the debug build (flash_attention.tools.debug), ``ranged=True`` the key-padding
+    build, ``dropout=True`` the dropout build; each is cached apart from the normal one.
+    """
+    variant = variant_name(trace, ranged, dropout)
+    k = (cfg, causal, arch, variant)
+    kern = _loaded.get(k)
+    if kern is not None:
+        return kern
+    with _lock:
+        kern = _loaded.get(k)
+        if kern is None:
+            built = build(cfg, arch, trace=trace, ranged=ranged, dropout=dropout)
+            library = driver.load_library(built.cubin)
+            for c in (False, True):
+                symbol = kernel_symbol(cfg, c, trace, ranged=ranged, dropout=dropout)
+                _loaded[(cfg, c, arch, variant)] = driver.get_kernel(library, symbol)
+            kern = _loaded[k]
+    return kern
+
+
+def get_bwd_kernels(
+    cfg: BwdConfig, arch: str, *, ranged: bool = False, dropout: bool = False
+) -> dict[str, driver.Kernel]:
+    """The loaded entry points of a backward config, by symbol (compiling or reading the cache once)."""
+    k = (cfg, arch, variant_name(False, ranged, dropout))
+    kerns = _loaded.get(k)
+    if kerns is not None:
+        return kerns
+    with _lock:
+        kerns = _loaded.get(k)
+        if kerns is None:
+            built = build(cfg, arch, ranged=ranged, dropout=dropout)
+            library = driver.load_library(built.cubin)
+            kerns = {"pre": driver.get_kernel(library, cfg.symbol("pre"))}
+            for causal in (False, True):
+                for kind in cfg.entry_kinds():
+                    sym = cfg.symbol(kind, causal, ranged, dropout)
+                    kerns[sym] = driver.get_kernel(library, sym)
+            _loaded[k] = kerns
+    return kerns

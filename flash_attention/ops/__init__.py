@@ -1,0 +1,48 @@
+"""The launch layer: the only code that turns tensors into kernel launches.
+
+It re-checks, at run time, every assumption a compiled kernel makes (dtype, head_dim within the compiled size,
+16-byte aligned rows, strides in range, shared memory that fits this GPU), allocates outputs, picks the
+stream and launches through the driver API (:mod:`flash_attention.jit`). The user-facing argument checks come
+first, in :mod:`flash_attention._validate`; the choice between these kernels and the PyTorch fallback is
+:mod:`flash_attention.dispatch`'s.
+
+* :mod:`.device` -- facts about a GPU, and why the kernels cannot run on it;
+* :mod:`.select` -- which configuration a call runs (and the catalog of every kernel a model can need);
+* :mod:`.forward` / :mod:`.backward` -- the launches;
+* :mod:`.tensors` -- layout rules shared by both; :mod:`.trace` -- the debug build's launch state.
+"""
+
+from . import backward as _backward
+from . import forward as _forward
+from .backward import cuda_backward
+from .device import cuda_unavailable_reason, device_arch, gpu_name, smem_limit
+from .forward import chosen_config, cuda_forward, prepare
+from .select import NoKernel, backward_config, catalog, dropout_config, forward_config
+from .trace import TraceTarget, last_trace, trace_from_env
+
+
+def clear_plans() -> None:
+    """Forget the launch plans of both directions (after a tuned-winners table changed)."""
+    _forward.clear_plans()
+    _backward.clear_plans()
+
+
+__all__ = [
+    "clear_plans",
+    "NoKernel",
+    "TraceTarget",
+    "backward_config",
+    "catalog",
+    "chosen_config",
+    "cuda_backward",
+    "cuda_forward",
+    "cuda_unavailable_reason",
+    "device_arch",
+    "dropout_config",
+    "forward_config",
+    "gpu_name",
+    "last_trace",
+    "prepare",
+    "smem_limit",
+    "trace_from_env",
+]

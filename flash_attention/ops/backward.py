@@ -1,0 +1,238 @@
+"""The backward launch: gradients (dq, dk, dv) of the forward's output from that output and its LSE.
+
+Three launches on PyTorch's current stream: the preprocessing kernel (delta = rowsum(dO * O), the LSE in
+base 2), the dK/dV kernel (dQ added atomically into an fp32 workspace, or in ``deterministic`` mode without
+atomics), then either one cast of the dQ workspace into q's layout or the deterministic dQ kernel. As for the
+forward, everything a signature decides is worked out once and kept in a plan.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from ..configs import BwdConfig
+from ..dropout import dropout_key, dropout_threshold, seed_pair
+from ..jit import driver
+from ..jit.loader import get_bwd_kernels
+from ..jit.params import BwdParams
+from .device import device_arch, dtype_name, gpu_name, smem_limit
+from .forward import launch
+from .select import backward_config
+from .tensors import check_grid, kernel_ready, pad_head_dim, padded_to_8
+
+__all__ = ["cuda_backward"]
+
+_LOG2E = 1.4426950408889634
+_MAX_PLANS = 512
+
+
+@dataclass(frozen=True)
+class _Plan:
+    cfg: BwdConfig
+    pre: driver.Kernel
+    dkdv: driver.Kernel
+    dq: driver.Kernel | None  # the deterministic dQ kernel
+    pre_grid: tuple[int, int, int]
+    dkdv_grid: tuple[int, int, int]
+    dq_grid: tuple[int, int, int]
+    seqlen_q_pad: int
+    index: int
+    template: bytes  # BwdParams with every field but the pointers and the dropout key
+
+
+_plans: OrderedDict[tuple, _Plan] = OrderedDict()
+
+
+def clear_plans() -> None:
+    """Forget every plan (after something a plan was derived from changed: a tuned-winners table, or a
+    test's stand-in for a device fact)."""
+    _plans.clear()
+
+
+def _fill_strides(params: BwdParams, prefix: str, t: torch.Tensor) -> None:
+    s = t.stride()
+    setattr(params, f"{prefix}_batch_stride", s[0])
+    setattr(params, f"{prefix}_row_stride", s[1])
+    setattr(params, f"{prefix}_head_stride", s[2])
+
+
+def _make_plan(q, k, v, o, do, lse, causal, scale, deterministic, ranged, dropout_p, config) -> _Plan:
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    seqlen_k, heads_kv = k.shape[1], k.shape[2]
+    check_grid(batch, heads_q, seqlen_q, seqlen_k)
+    index = q.get_device()
+    arch = device_arch(index)
+    features = [
+        f for f, on in (("key_range", ranged), ("dropout", dropout_p), ("deterministic", deterministic)) if on
+    ]
+    cfg = backward_config(
+        dtype_name(q),
+        head_dim,
+        causal,
+        seqlen_q,
+        seqlen_k,
+        heads_q // heads_kv,
+        arch=arch,
+        gpu=gpu_name(index),
+        smem_limit=smem_limit(index),
+        features=features,
+        config=config,
+    )
+    kerns = get_bwd_kernels(cfg, arch, ranged=ranged, dropout=bool(dropout_p))
+    dkdv = kerns[cfg.symbol("dkdv_det" if deterministic else "dkdv", causal, ranged, bool(dropout_p))]
+    dkdv.ensure_dynamic_smem(cfg.smem_bytes, index)
+    dq = None
+    if deterministic:
+        dq = kerns[cfg.symbol("dq", causal, ranged, bool(dropout_p))]
+        dq.ensure_dynamic_smem(cfg.dq_smem_bytes, index)
+
+    p = BwdParams()
+    # dq, dk and dv are new contiguous tensors of q's, k's and v's shapes.
+    for prefix, t in (("q", q), ("k", k), ("v", v), ("o", o), ("do", do)):
+        _fill_strides(p, prefix, t)
+    for prefix, shape in (("dq", q.shape), ("dk", k.shape), ("dv", k.shape)):
+        setattr(p, f"{prefix}_batch_stride", shape[1] * shape[2] * shape[3])
+        setattr(p, f"{prefix}_row_stride", shape[2] * shape[3])
+        setattr(p, f"{prefix}_head_stride", shape[3])
+    p.lse_batch_stride, p.lse_head_stride = lse.stride(0), lse.stride(1)
+    p.batch, p.heads_q, p.heads_kv = batch, heads_q, heads_kv
+    p.seqlen_q, p.seqlen_k, p.head_dim = seqlen_q, seqlen_k, head_dim
+    p.group = heads_q // heads_kv
+    p.seqlen_q_pad = -(-seqlen_q // 128) * 128
+    p.num_m_blocks = math.ceil(seqlen_q / cfg.block_q)
+    p.num_n_blocks = math.ceil(seqlen_k / cfg.block_kv)
+    p.scale, p.scale_log2 = scale, scale * _LOG2E
+    if dropout_p:
+        p.dropout_threshold = dropout_threshold(dropout_p)
+        p.dropout_rp = 1.0 / (1.0 - dropout_p)
+    return _Plan(
+        cfg,
+        kerns["pre"],
+        dkdv,
+        dq,
+        (p.seqlen_q_pad // 64, heads_q, batch),
+        (p.num_n_blocks * cfg.split, heads_kv, batch),
+        (p.num_m_blocks * cfg.split, heads_q, batch),
+        p.seqlen_q_pad,
+        index,
+        bytes(p),
+    )
+
+
+def cuda_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    causal: bool,
+    softmax_scale: float,
+    deterministic: bool = False,
+    key_range: torch.Tensor | None = None,
+    config: BwdConfig | str | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed=None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (dq, dk, dv) of :func:`flash_attention.ops.cuda_forward`'s output ``out`` with LSE ``lse``,
+    for the output gradient ``dout``: new contiguous tensors of q's, k's and v's shapes and dtype.
+
+    ``config`` names a backward configuration (else the tuned winner or the heuristic:
+    :func:`flash_attention.ops.select.backward_config`); ``key_range``, ``dropout_p`` / ``dropout_seed``
+    must be the forward's. A head_dim that is not a multiple of 8 runs zero-padded, as the forward does.
+    """
+    if dropout_p and dropout_seed is None:
+        raise ValueError("dropout_p > 0 needs dropout_seed (flash_attention.dropout.draw_seed())")
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    seqlen_k = k.shape[1]
+    if head_dim % 8:
+        d8 = padded_to_8(head_dim)
+        grads = cuda_backward(
+            *(pad_head_dim(t, d8) for t in (dout, q, k, v, out)),
+            lse,
+            causal=causal,
+            softmax_scale=softmax_scale,
+            deterministic=deterministic,
+            key_range=key_range,
+            config=config,
+            dropout_p=dropout_p,
+            dropout_seed=dropout_seed,
+        )
+        return tuple(g[..., :head_dim].contiguous() for g in grads)
+
+    device = q.device
+    dq = torch.empty(q.shape, dtype=q.dtype, device=device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=device)
+    if seqlen_q == 0 or seqlen_k == 0 or heads_q == 0 or batch == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+
+    q_, k_, v_, o_, do_ = (kernel_ready(t) for t in (q, k, v, out, dout))
+    lse_ = lse if lse.stride(-1) == 1 else lse.contiguous()
+    ranged = key_range is not None
+    key = (
+        q_.shape,
+        q_.stride(),
+        k_.shape,
+        k_.stride(),
+        v_.stride(),
+        o_.stride(),
+        do_.stride(),
+        lse_.stride(),
+        q.dtype,
+        device,
+        causal,
+        softmax_scale,
+        deterministic,
+        ranged,
+        dropout_p,
+        config,
+    )
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _make_plan(
+            q_, k_, v_, o_, do_, lse_, causal, softmax_scale, deterministic, ranged, dropout_p, config
+        )
+        _plans[key] = plan
+        if len(_plans) > _MAX_PLANS:
+            _plans.popitem(last=False)
+
+    cfg, rows = plan.cfg, plan.seqlen_q_pad
+    # One fp32 workspace: the base-2 LSE and delta rows (written by the preprocessing kernel), then the dQ
+    # accumulator of the atomic mode (padded to whole 128-row blocks and the compiled head_dim, so the
+    # atomics need no bounds checks).
+    stats = batch * heads_q * rows
+    accum = 0 if deterministic else stats * cfg.head_dim
+    ws = torch.empty(2 * stats + accum, dtype=torch.float32, device=device)
+    dq_accum = None
+    if accum:
+        dq_accum = ws[2 * stats :]
+        dq_accum.zero_()
+
+    p = BwdParams.from_buffer_copy(plan.template)
+    p.q, p.k, p.v, p.o, p.dout = (t.data_ptr() for t in (q_, k_, v_, o_, do_))
+    p.lse = lse_.data_ptr()
+    p.lse_log2 = ws.data_ptr()
+    p.delta = ws.data_ptr() + 4 * stats
+    p.dq_accum = dq_accum.data_ptr() if dq_accum is not None else None
+    p.dq, p.dk, p.dv = dq.data_ptr(), dk.data_ptr(), dv.data_ptr()
+    if ranged:
+        key_range = key_range.to(device=device, dtype=torch.int32).contiguous()
+        p.key_range = key_range.data_ptr()
+    if dropout_p:
+        p.dropout_key = dropout_key(*seed_pair(dropout_seed))
+
+    launch(plan.pre, plan.pre_grid, 128, 0, plan.index, p)
+    launch(plan.dkdv, plan.dkdv_grid, cfg.threads, cfg.smem_bytes, plan.index, p)
+    if plan.dq is not None:
+        launch(plan.dq, plan.dq_grid, cfg.dq_threads, cfg.dq_smem_bytes, plan.index, p)
+    else:
+        # The workspace holds scale * dS K already; one cast into q's layout.
+        acc = dq_accum.view(batch, heads_q, rows, cfg.head_dim)
+        dq.copy_(acc[:, :, :seqlen_q, :head_dim].transpose(1, 2))
+    return dq, dk, dv

@@ -1,0 +1,351 @@
+"""The forward launch: tensors -> :class:`~flash_attention.jit.params.FwdParams` -> one kernel launch.
+
+Everything a call's shape, strides and options decide (the configuration, the loaded kernel, the grid, the
+shared memory, every size and stride field of the params struct) is worked out once per signature and kept
+in a small plan cache; a call then only fills in its pointers (and its dropout key) and launches. Working all
+of it out per call cost more host time than a short kernel runs (docs/kernel-log.md, step 23).
+
+Inputs were validated by :func:`flash_attention._validate.validate`; this layer re-checks every assumption
+the compiled kernel makes (dtype, head_dim within the compiled size, 16-byte aligned rows, grid limits,
+shared memory that fits this GPU).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from ..configs import KernelConfig, parse_config
+from ..dropout import dropout_key, dropout_threshold, seed_pair
+from ..jit import driver
+from ..jit.loader import get_kernel
+from ..jit.params import FwdParams
+from . import trace as _trace
+from .device import current_stream, device_arch, dtype_name, gpu_name, smem_limit
+from .select import forward_config
+from .tensors import check_grid, kernel_ready, pad_head_dim, padded_to_8, usable_in_place
+
+__all__ = ["chosen_config", "cuda_forward", "prepare"]
+
+_LOG2E = 1.4426950408889634
+
+#: Plans kept per process; beyond that the least recently used goes (decoding with a growing cache makes a
+#: new signature per step, so the cache must not grow without bound).
+_MAX_PLANS = 512
+
+
+@dataclass(frozen=True)
+class _Plan:
+    cfg: KernelConfig
+    kernel: driver.Kernel
+    grid: tuple[int, int, int]
+    threads: int
+    smem: int
+    index: int
+    template: bytes  # FwdParams with every field but the pointers and the dropout key
+
+
+_plans: OrderedDict[tuple, _Plan] = OrderedDict()
+
+
+def clear_plans() -> None:
+    """Forget every plan (after something a plan was derived from changed: a tuned-winners table, or a
+    test's stand-in for a device fact)."""
+    _plans.clear()
+
+
+def _fill_strides(params: ctypes.Structure, prefix: str, t: torch.Tensor) -> None:
+    s = t.stride()
+    setattr(params, f"{prefix}_batch_stride", s[0])
+    setattr(params, f"{prefix}_row_stride", s[1])
+    setattr(params, f"{prefix}_head_stride", s[2])
+
+
+def _make_plan(q, k, v, o, causal, scale, ranged, dropout_p, config, features) -> _Plan:
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    seqlen_k, heads_kv = k.shape[1], k.shape[2]
+    check_grid(batch, heads_q, seqlen_q, seqlen_k)
+    index = q.get_device()
+    arch = device_arch(index)
+    cfg = forward_config(
+        dtype_name(q),
+        head_dim,
+        causal,
+        seqlen_q,
+        seqlen_k,
+        heads_q // heads_kv,
+        arch=arch,
+        gpu=gpu_name(index),
+        smem_limit=smem_limit(index),
+        features=features,
+        config=config,
+    )
+    kernel = get_kernel(cfg, bool(causal), arch, ranged=ranged, dropout=bool(dropout_p))
+    kernel.ensure_dynamic_smem(cfg.smem_bytes, index)
+    p = FwdParams()
+    for prefix, t in (("q", q), ("k", k), ("v", v), ("o", o)):
+        _fill_strides(p, prefix, t)
+    # The LSE is a new contiguous (batch, heads_q, seqlen_q) tensor whenever one is asked for.
+    p.lse_batch_stride, p.lse_head_stride = heads_q * seqlen_q, seqlen_q
+    p.batch, p.heads_q, p.heads_kv = batch, heads_q, heads_kv
+    p.seqlen_q, p.seqlen_k, p.head_dim = seqlen_q, seqlen_k, head_dim
+    p.group = heads_q // heads_kv
+    p.num_m_blocks = math.ceil(seqlen_q / cfg.block_q)
+    p.scale = scale
+    p.scale_log2 = scale * _LOG2E
+    if dropout_p:
+        p.dropout_threshold = dropout_threshold(dropout_p)
+        p.dropout_rp = 1.0 / (1.0 - dropout_p)
+    grid = (p.num_m_blocks, heads_q, batch)
+    return _Plan(cfg, kernel, grid, cfg.threads, cfg.smem_bytes, index, bytes(p))
+
+
+def chosen_config(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    causal: bool,
+    softmax_scale: float,
+    ranged: bool = False,
+    dropout: bool = False,
+) -> KernelConfig:
+    """The configuration :func:`cuda_forward` runs for these inputs when none is named: what ``attention()``
+    runs (the tools name it in their output)."""
+    features = [
+        f
+        for f, on in (("key_range", ranged), ("dropout", dropout), ("negative_scale", softmax_scale < 0))
+        if on
+    ]
+    index = q.get_device()
+    return forward_config(
+        dtype_name(q),
+        padded_to_8(q.shape[3]),
+        causal,
+        q.shape[1],
+        k.shape[1],
+        q.shape[2] // k.shape[2],
+        arch=device_arch(index),
+        gpu=gpu_name(index),
+        smem_limit=smem_limit(index),
+        features=features,
+    )
+
+
+def _plan(q, k, v, o, causal, scale, ranged, dropout_p, config, negative) -> _Plan:
+    key = (
+        q.shape,
+        q.stride(),
+        k.shape,
+        k.stride(),
+        v.stride(),
+        o.stride(),
+        q.dtype,
+        q.device,
+        causal,
+        scale,
+        ranged,
+        dropout_p,
+        config,
+    )
+    plan = _plans.get(key)
+    if plan is None:
+        features = [
+            f for f, on in (("key_range", ranged), ("dropout", dropout_p), ("negative_scale", negative)) if on
+        ]
+        plan = _make_plan(q, k, v, o, causal, scale, ranged, dropout_p, config, features)
+        _plans[key] = plan
+        if len(_plans) > _MAX_PLANS:
+            _plans.popitem(last=False)
+    return plan
+
+
+def launch(kernel: driver.Kernel, grid, threads: int, smem: int, index: int, params) -> None:
+    """Launch on PyTorch's current stream of device ``index`` (whose context must be current)."""
+    if index == torch.cuda.current_device():
+        kernel.launch(grid, (threads, 1, 1), smem, current_stream(index), params)
+    else:
+        with torch.cuda.device(index):
+            kernel.launch(grid, (threads, 1, 1), smem, current_stream(index), params)
+
+
+def cuda_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    softmax_scale: float,
+    return_lse: bool,
+    out: torch.Tensor | None,
+    config: KernelConfig | str | None = None,
+    trace=None,
+    trace_fault: str = "none",
+    key_range: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed=None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run the forward kernel; returns ``(out, lse)`` (``lse`` None unless ``return_lse``).
+
+    ``config`` names the configuration (else the tuned winner or the heuristic:
+    :func:`flash_attention.ops.select.forward_config`). ``key_range`` (batch, 2) integers runs the
+    key-padding build: batch row b attends only keys ``key_range[b, 0] <= j < key_range[b, 1]`` (clamped in
+    the kernel, so any values are safe). ``dropout_p`` > 0 runs the dropout build with the keep mask of
+    ``dropout_seed`` (:mod:`flash_attention.dropout`). A head_dim that is not a multiple of 8 runs on inputs
+    zero-padded to the next one (a copy; multiples of 8 are read in place).
+
+    ``trace`` (an object with ``batch``, ``head``, ``row_block``, ``warp``, e.g. a
+    :class:`flash_attention.tools.sim.TraceSpec`), or the environment variable ``FLASH_ATTENTION_TRACE``,
+    runs the debug build instead: that warp's intermediates land in a buffer kept in
+    :func:`flash_attention.ops.trace.last_trace`, and ``trace_fault`` (or ``FLASH_ATTENTION_TRACE_FAULT``)
+    plants a known bug. Debugging only: it synchronizes and allocates.
+    """
+    if trace is None and _trace.ENV in os.environ:
+        env = _trace.trace_from_env()
+        if env is not None:
+            trace, trace_fault = env
+    if dropout_p and dropout_seed is None:
+        raise ValueError("dropout_p > 0 needs dropout_seed (flash_attention.dropout.draw_seed())")
+    head_dim = q.shape[3]
+    if head_dim % 8:
+        return _padded_forward(
+            q, k, v, causal, softmax_scale, return_lse, out, config, trace, trace_fault, key_range, dropout_p,
+            dropout_seed,
+        )  # fmt: skip
+    if trace is not None:
+        if key_range is not None or dropout_p:
+            raise ValueError("the debug (trace) build takes neither key_range nor dropout")
+        return _traced_forward(q, k, v, causal, softmax_scale, return_lse, out, config, trace, trace_fault)
+
+    q_, k_, v_ = kernel_ready(q), kernel_ready(k), kernel_ready(v)
+    if out is not None and usable_in_place(out):
+        o = out
+    else:
+        o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    batch, seqlen_q, heads_q = q.shape[0], q.shape[1], q.shape[2]
+    lse = (
+        torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device) if return_lse else None
+    )
+    if o.numel() == 0:
+        if out is not None and o is not out:
+            out.copy_(o)
+        return (out if out is not None else o), lse
+
+    ranged = key_range is not None
+    plan = _plan(q_, k_, v_, o, causal, softmax_scale, ranged, dropout_p, config, softmax_scale < 0)
+    p = FwdParams.from_buffer_copy(plan.template)
+    p.q, p.k, p.v, p.o = q_.data_ptr(), k_.data_ptr(), v_.data_ptr(), o.data_ptr()
+    if lse is not None:
+        p.lse = lse.data_ptr()
+    if ranged:
+        # The kernel reads two int32 per batch row, contiguous; kept alive until the launch is queued.
+        key_range = key_range.to(device=q.device, dtype=torch.int32).contiguous()
+        p.key_range = key_range.data_ptr()
+    if dropout_p:
+        p.dropout_key = dropout_key(*seed_pair(dropout_seed))
+    launch(plan.kernel, plan.grid, plan.threads, plan.smem, plan.index, p)
+    if out is not None and o is not out:
+        out.copy_(o)
+        o = out
+    return o, lse
+
+
+def _padded_forward(
+    q, k, v, causal, scale, return_lse, out, config, trace, trace_fault, key_range, dropout_p, dropout_seed
+):
+    """A head_dim that is not a multiple of 8: the kernels read whole 16-byte chunks of a row, so q, k and v
+    are zero-padded to the next multiple of 8 (the scale stays the caller's) and the output sliced back."""
+    d8 = padded_to_8(q.shape[3])
+    o, lse = cuda_forward(
+        pad_head_dim(q, d8),
+        pad_head_dim(k, d8),
+        pad_head_dim(v, d8),
+        causal=causal,
+        softmax_scale=scale,
+        return_lse=return_lse,
+        out=None,
+        config=config,
+        trace=trace,
+        trace_fault=trace_fault,
+        key_range=key_range,
+        dropout_p=dropout_p,
+        dropout_seed=dropout_seed,
+    )
+    o = o[..., : q.shape[3]]
+    if out is not None:
+        return out.copy_(o), lse
+    return o.contiguous(), lse
+
+
+def _traced_forward(q, k, v, causal, scale, return_lse, out, config, trace, trace_fault):
+    """The debug build (fa/trace.cuh) of the portable kernel: the traced warp's intermediates land in a
+    buffer kept for :func:`flash_attention.ops.trace.last_trace`."""
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    seqlen_k, heads_kv = k.shape[1], k.shape[2]
+    check_grid(batch, heads_q, seqlen_q, seqlen_k)
+    index = q.get_device()
+    arch = device_arch(index)
+    cfg = forward_config(
+        dtype_name(q),
+        head_dim,
+        causal,
+        seqlen_q,
+        seqlen_k,
+        heads_q // heads_kv,
+        arch=arch,
+        gpu=gpu_name(index),
+        smem_limit=smem_limit(index),
+        features=["trace"] + (["negative_scale"] if scale < 0 else []),
+        config=config,
+    )
+    q_, k_, v_ = kernel_ready(q), kernel_ready(k), kernel_ready(v)
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = (
+        torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device) if return_lse else None
+    )
+    p = FwdParams()
+    p.q, p.k, p.v, p.o = q_.data_ptr(), k_.data_ptr(), v_.data_ptr(), o.data_ptr()
+    p.lse = lse.data_ptr() if lse is not None else None
+    for prefix, t in (("q", q_), ("k", k_), ("v", v_), ("o", o)):
+        _fill_strides(p, prefix, t)
+    p.lse_batch_stride, p.lse_head_stride = heads_q * seqlen_q, seqlen_q
+    p.batch, p.heads_q, p.heads_kv = batch, heads_q, heads_kv
+    p.seqlen_q, p.seqlen_k, p.head_dim = seqlen_q, seqlen_k, head_dim
+    p.group = heads_q // heads_kv
+    p.num_m_blocks = math.ceil(seqlen_q / cfg.block_q)
+    p.scale, p.scale_log2 = scale, scale * _LOG2E
+    buf, p.trace_fault = _trace.trace_buffer(
+        cfg, trace, trace_fault, (batch, heads_q, seqlen_q, seqlen_k), q.device
+    )
+    p.trace = buf.data_ptr()
+    p.trace_batch, p.trace_head = trace.batch, trace.head
+    p.trace_m_block, p.trace_warp = trace.row_block, trace.warp
+    kernel = get_kernel(cfg, bool(causal), arch, trace=True)
+    kernel.ensure_dynamic_smem(cfg.smem_bytes, index)
+    launch(kernel, (p.num_m_blocks, heads_q, batch), cfg.threads, cfg.smem_bytes, index, p)
+    _trace.record(
+        {
+            "buffer": buf,
+            "config": cfg,
+            "target": _trace.TraceTarget(trace.batch, trace.head, trace.row_block, trace.warp),
+            "fault": trace_fault,
+            "causal": bool(causal),
+            "shape": (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim),
+            "scale": scale,
+        }
+    )
+    if out is not None:
+        out.copy_(o)
+        o = out
+    return o, lse
+
+
+def prepare(cfg: KernelConfig | str, causal: bool, device) -> None:
+    """Compile (or load from the cache) ``cfg`` for ``device`` ahead of a timed call."""
+    device = torch.device(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    get_kernel(parse_config(cfg), bool(causal), device_arch(index))

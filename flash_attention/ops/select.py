@@ -1,0 +1,208 @@
+"""Which kernel configuration a call runs: the caller's, else this GPU's tuned winner, else the heuristic;
+adjusted for what the call needs (configs.families), and checked against the GPU's shared memory.
+
+Torch-free: the launch layer passes the problem's sizes and the device's facts in. The catalog of every kernel
+a model can need (``python -m flash_attention build``) is derived from the same choices, so the two cannot
+drift apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from .. import winners
+from ..configs import (
+    DTYPES,
+    HEAD_DIMS,
+    BwdConfig,
+    KernelConfig,
+    default_bwd_config,
+    default_config,
+    padded_head_dim,
+    parse_bwd_config,
+    parse_config,
+    portable_config,
+    unsupported,
+)
+
+__all__ = ["BuildJob", "NoKernel", "backward_config", "catalog", "dropout_config", "forward_config"]
+
+
+class NoKernel(RuntimeError):
+    """No kernel of ours can compute this call on this GPU (the message says why): the caller computes it
+    with the PyTorch fallback instead, after a once-per-reason warning."""
+
+
+def dropout_config(cfg: KernelConfig) -> KernelConfig:
+    """The forward config of a dropout call: the hash adds registers, so an sm80 tile with two 16-row mma
+    tiles per warp (up to 255 registers without dropout) runs with one, instead of spilling 112-128 bytes
+    (docs/kernel-log.md, step 16). wgmma tiles have one 16-row slice per warp already."""
+    if cfg.block_q // cfg.num_warps > 16:
+        return cfg.replace(block_q=cfg.block_q // 2)
+    return cfg
+
+
+def _check_explicit(cfg, dtype: str, head_dim: int, missing: list[str], smem: int, limit: int) -> None:
+    if cfg.dtype != dtype:
+        raise ValueError(f"config {cfg.name()} is for {cfg.dtype}, but q is {dtype}")
+    if head_dim > cfg.head_dim:
+        raise ValueError(f"config {cfg.name()} is compiled for head_dim <= {cfg.head_dim}; got {head_dim}")
+    if missing:
+        raise ValueError(f"config {cfg.name()} has no build for {', '.join(missing)}; name another config")
+    if smem > limit:
+        raise ValueError(
+            f"config {cfg.name()} needs {smem} bytes of shared memory per block; this GPU allows {limit}"
+        )
+
+
+def forward_config(
+    dtype: str,
+    head_dim: int,
+    causal: bool,
+    seqlen_q: int,
+    seqlen_k: int,
+    group: int,
+    *,
+    arch: str,
+    gpu: str,
+    smem_limit: int,
+    features: Iterable[str] = (),
+    config: KernelConfig | str | None = None,
+) -> KernelConfig:
+    """The forward configuration of a call.
+
+    ``features`` are what the call needs beyond plain attention (``key_range``, ``dropout``, ``trace``,
+    ``negative_scale``: configs.families). A named ``config`` runs as named, or raises ValueError saying why
+    it cannot; otherwise the tuned winner or the heuristic, moved to the portable family when its own lacks
+    a feature. Raises :class:`NoKernel` when nothing of ours fits this GPU.
+    """
+    features = tuple(features)
+    if config is not None:
+        cfg = parse_config(config)
+        missing = unsupported(cfg, features)
+        if "negative_scale" in missing and not cfg.wgmma:
+            # The folded softmax takes the row max of the unscaled scores, which is the scaled scores' max
+            # only for a positive scale; the other softmax of the same kernel handles any sign.
+            raise ValueError(
+                f"softmax_scale must be positive for config {cfg.name()} (opt_softmax folds the scale into "
+                "the exponent after taking the max); use a config without opt_softmax"
+            )
+        _check_explicit(cfg, dtype, head_dim, missing, cfg.smem_bytes, smem_limit)
+        return cfg
+    cfg = winners.lookup(gpu, dtype, head_dim, causal, seqlen_q, seqlen_k, group) or default_config(
+        dtype, head_dim, causal, seqlen_q, seqlen_k, arch
+    )
+    if unsupported(cfg, features):
+        cfg = portable_config(dtype, head_dim, causal, seqlen_q, seqlen_k)
+    if "negative_scale" in features and cfg.opt_softmax:
+        cfg = cfg.replace(opt_softmax=False)
+    if "dropout" in features:
+        cfg = dropout_config(cfg)
+    if cfg.smem_bytes > smem_limit:
+        raise NoKernel(
+            f"the forward kernel {cfg.name()} needs {cfg.smem_bytes} bytes of shared memory per block and "
+            f"this GPU ({arch}) allows {smem_limit}"
+        )
+    return cfg
+
+
+def backward_config(
+    dtype: str,
+    head_dim: int,
+    causal: bool,
+    seqlen_q: int,
+    seqlen_k: int,
+    group: int,
+    *,
+    arch: str,
+    gpu: str,
+    smem_limit: int,
+    features: Iterable[str] = (),
+    config: BwdConfig | str | None = None,
+) -> BwdConfig:
+    """The backward configuration of a call (``features``: ``key_range``, ``dropout``, ``deterministic``),
+    by the rules of :func:`forward_config`."""
+    features = tuple(features)
+    if config is not None:
+        cfg = parse_bwd_config(config)
+        smem = max(cfg.smem_bytes, cfg.dq_smem_bytes)
+        _check_explicit(cfg, dtype, head_dim, unsupported(cfg, features), smem, smem_limit)
+        return cfg
+    cfg = winners.lookup_bwd(gpu, dtype, head_dim, causal, seqlen_q, seqlen_k, group) or default_bwd_config(
+        dtype, head_dim, arch
+    )
+    if cfg is not None and unsupported(cfg, features):
+        cfg = default_bwd_config(dtype, head_dim, arch, portable=True)
+    if cfg is None or max(cfg.smem_bytes, cfg.dq_smem_bytes) > smem_limit:
+        need = "" if cfg is None else f" ({cfg.name()} needs {max(cfg.smem_bytes, cfg.dq_smem_bytes)} bytes)"
+        raise NoKernel(
+            f"no backward kernel for head_dim {padded_head_dim(head_dim)} fits the {smem_limit} bytes of "
+            f"shared memory per block of this GPU ({arch}){need}"
+        )
+    return cfg
+
+
+# ------------------------------------------------------------------------------------------------------
+# The catalog: every kernel a model can need, for ahead-of-time builds
+
+
+@dataclass(frozen=True)
+class BuildJob:
+    """One translation unit to compile: a config, the GPU architecture, and its variant."""
+
+    cfg: KernelConfig | BwdConfig
+    arch: str
+    ranged: bool = False
+    dropout: bool = False
+
+    def describe(self) -> str:
+        variant = "+".join(x for x, on in (("key_range", self.ranged), ("dropout", self.dropout)) if on)
+        return f"{self.arch} {self.cfg.name()}" + (f" [{variant}]" if variant else "")
+
+
+#: The lengths the heuristics distinguish (the benchmark's; winners.SEQLEN_BUCKETS).
+_LENGTHS = winners.SEQLEN_BUCKETS
+_VARIANTS = ((False, False), (True, False), (False, True), (True, True))  # (key_range, dropout)
+
+
+def catalog(
+    arch: str, dtypes: Iterable[str] = DTYPES, head_dims: Iterable[int] = HEAD_DIMS
+) -> list[BuildJob]:
+    """Every translation unit a default ``attention()`` call and its backward can run on a GPU of ``arch``:
+    for each dtype, compiled head_dim, mask and length, the forward and backward configs of plain calls,
+    key-padded calls (``key_range``), dropout and both, in both gradient modes (the deterministic kernels
+    share the backward's translation unit). Debug (trace) builds and negative softmax scales are not
+    included: no model needs them."""
+    jobs: list[BuildJob] = []
+    limit = 1 << 30  # the choice below is the heuristic's; fitting the GPU is checked per job by the caller
+    for dtype in dtypes:
+        for d in head_dims:
+            for causal in (False, True):
+                for n in _LENGTHS:
+                    for ranged, dropout in _VARIANTS:
+                        features = [f for f, on in (("key_range", ranged), ("dropout", dropout)) if on]
+                        cfg = _heuristic_forward(dtype, d, causal, n, arch, features, limit)
+                        jobs.append(BuildJob(cfg, arch, ranged, dropout))
+                        for det in (False, True):
+                            bwd = _heuristic_backward(dtype, d, causal, n, arch, features, det, limit)
+                            if bwd is not None:
+                                jobs.append(BuildJob(bwd, arch, ranged, dropout))
+    return list(dict.fromkeys(jobs))
+
+
+def _heuristic_forward(dtype, d, causal, n, arch, features, limit) -> KernelConfig:
+    return forward_config(
+        dtype, d, causal, n, n, 1, arch=arch, gpu="", smem_limit=limit, features=features, config=None
+    )
+
+
+def _heuristic_backward(dtype, d, causal, n, arch, features, deterministic, limit) -> BwdConfig | None:
+    if deterministic:
+        features = [*features, "deterministic"]
+    try:
+        return backward_config(
+            dtype, d, causal, n, n, 1, arch=arch, gpu="", smem_limit=limit, features=features, config=None
+        )
+    except NoKernel:
+        return None

@@ -1,0 +1,272 @@
+"""``python -m flash_attention bench``: the command line of the benchmark.
+
+Without options: the DESIGN.md forward sweep (16k tokens per batch, model width 2048, seqlen 512..16k,
+head_dim 64/128/256, causal both, bf16) of ours against every PyTorch backend, written to
+``benchmarks/results/<gpu>-<date>.json``. ``--mode fwd_bwd`` times training steps, ``--tiny`` the small,
+latency-bound calls where host overhead shows, ``--progression`` the optimisation steps, ``--plot`` and
+``--update-readme`` turn a result file into plots and README tables without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from flash_attention.configs import parse_config
+from flash_attention.winners import gpu_slug
+
+from ..common import MODES, default_results_dir, repo_root
+from .plot import plot_results
+from .progression import run_progression
+from .readme import update_readme
+from .results import DEFAULT_IMPLS, OURS, load_results, newest_results
+from .sweep import DEFAULT_HEAD_DIMS, DEFAULT_SEQLENS, SweepSettings, run_sweep
+from .tables import results_to_markdown, results_to_text
+from .tiny import TINY_SHAPES
+
+__all__ = ["build_parser", "main"]
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    """``"512,1k,16k"`` -> (512, 1024, 16384)."""
+    out = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        try:
+            out.append(int(part[:-1]) * 1024 if part.endswith("k") else int(part))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated integers (1k = 1024); got {text!r}"
+            ) from None
+    if not out or any(x <= 0 for x in out):
+        raise argparse.ArgumentTypeError(f"expected positive integers; got {text!r}")
+    return tuple(out)
+
+
+def _impl_list(text: str) -> tuple[str, ...]:
+    impls = tuple(x.strip() for x in text.split(",") if x.strip())
+    unknown = [i for i in impls if i not in DEFAULT_IMPLS]
+    if unknown or not impls:
+        raise argparse.ArgumentTypeError(f"unknown impls {unknown}; choose from {','.join(DEFAULT_IMPLS)}")
+    return impls
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m flash_attention bench",
+        description=(
+            "Benchmark flash_attention against PyTorch's attention backends on the DESIGN.md sweep "
+            "(16k tokens per batch, model width 2048) and write the result JSON."
+        ),
+    )
+    # Options whose default depends on --quick or --config default to None and are resolved in main().
+    p.add_argument("--dtype", choices=("bf16", "fp16"), default=None, help="input dtype (default bf16)")
+    p.add_argument(
+        "--mode", choices=MODES, default="fwd", help="fwd (default); bwd and fwd_bwd need a backward"
+    )
+    p.add_argument(
+        "--seqlens", type=_int_list, default=None, help="comma-separated, 1k = 1024 (default 512,...,16k)"
+    )
+    p.add_argument("--head-dims", type=_int_list, default=None, help="comma-separated (default 64,128,256)")
+    p.add_argument("--causal", choices=("both", "yes", "no"), default="both", help="default both")
+    p.add_argument(
+        "--impls",
+        type=_impl_list,
+        default=DEFAULT_IMPLS,
+        help=f"comma-separated (default {','.join(DEFAULT_IMPLS)})",
+    )
+    p.add_argument(
+        "--config",
+        default=None,
+        help="time this kernel config (name or symbol) for our rows instead of the default choice; "
+        "--dtype and --head-dims then default to the config's",
+    )
+    p.add_argument(
+        "--tokens", type=int, default=16384, help="tokens per batch: batch = tokens // seqlen (16384)"
+    )
+    p.add_argument("--width", type=int, default=2048, help="model width: heads = width // head_dim (2048)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed calls before timing (3)")
+    p.add_argument("--reps", type=int, default=None, help="minimum timed calls per point (25; --quick 10)")
+    p.add_argument(
+        "--min-time",
+        type=float,
+        default=None,
+        help="minimum seconds of timed calls per point (0.2; --quick 0.05)",
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="smoke test: seqlens 512,2048, head_dim 128, fewer reps"
+    )
+    p.add_argument(
+        "--tiny",
+        action="store_true",
+        help="instead of the sweep, the small latency-bound calls where host overhead shows: "
+        + ", ".join(s.label() for s in TINY_SHAPES)
+        + " (time per call; file tag 'tiny')",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="result file (default benchmarks/results/<gpu>-<date>[-<tag>].json)",
+    )
+    p.add_argument("--tag", default=None, help="suffix of the default result file name (--quick: 'quick')")
+    p.add_argument(
+        "--commit",
+        default=None,
+        help="commit to record when the checkout has no git metadata (e.g. a copy on a GPU machine); "
+        "default: git rev-parse --short HEAD, -dirty when tracked files changed",
+    )
+    p.add_argument("--no-save", action="store_true", help="don't write a result file")
+    p.add_argument(
+        "--allow-dirty",
+        action="store_true",
+        help="record a run of uncommitted code (marked dirty; no README table accepts such a file)",
+    )
+    p.add_argument(
+        "--merge", action="store_true", help="keep the rows of an existing --out that this run does not redo"
+    )
+    p.add_argument("--markdown", action="store_true", help="also print the README table (markdown)")
+    p.add_argument(
+        "--plot",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="RESULTS.json",
+        help="write a PNG per head_dim beside the result file (TFLOP/s vs seqlen, one line per impl); with a "
+        "file, plot that file and measure nothing (needs no GPU)",
+    )
+    p.add_argument(
+        "--progression",
+        action="store_true",
+        help="time the sequence of optimisation steps (plain -> swizzled -> ... -> tuned) instead of the "
+        "sweep; default shape: head_dim 128, seqlen 4096 (--head-dims, --seqlens, --causal choose others)",
+    )
+    p.add_argument(
+        "--update-readme",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="RESULTS.json",
+        help="measure nothing: regenerate the README table from RESULTS.json (default: newest in "
+        "benchmarks/results); needs no GPU",
+    )
+    p.add_argument(
+        "--readme", type=Path, default=None, help="README to update (default: the checkout's README.md)"
+    )
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+
+    if args.update_readme is not None:
+        try:
+            results = Path(args.update_readme) if args.update_readme else newest_results()
+            readme = args.readme or (repo_root() / "README.md")
+            update_readme(readme, results)
+        except (OSError, ValueError) as exc:
+            print(f"--update-readme: {exc}", file=sys.stderr)
+            return 2
+        print(f"updated {readme} from {results}")
+        return 0
+
+    if args.plot:
+        try:
+            for path in plot_results(load_results(args.plot), args.plot):
+                print(f"wrote {path}")
+        except (OSError, ValueError, RuntimeError) as exc:
+            print(f"--plot: {exc}", file=sys.stderr)
+            return 2
+        return 0
+
+    cfg = None
+    if args.config is not None:
+        try:
+            cfg = parse_config(args.config)
+        except ValueError as exc:
+            print(f"--config: {exc}", file=sys.stderr)
+            return 2
+    dtype = args.dtype or (cfg.dtype if cfg is not None else "bf16")
+    head_dims = args.head_dims or (
+        (cfg.head_dim,) if cfg is not None else (128,) if args.quick else DEFAULT_HEAD_DIMS
+    )
+    seqlens = args.seqlens or ((512, 2048) if args.quick else DEFAULT_SEQLENS)
+    reps = args.reps if args.reps is not None else (10 if args.quick else 25)
+    min_time = args.min_time if args.min_time is not None else (0.05 if args.quick else 0.2)
+    tag = args.tag if args.tag is not None else ("quick" if args.quick else "tiny" if args.tiny else None)
+
+    if args.mode != "fwd" and OURS in args.impls and cfg is not None:
+        # Backward modes time attention() through autograd (forward + our backward kernels), whose configs
+        # are chosen per call.
+        print("--config applies to --mode fwd only (backward modes run attention())", file=sys.stderr)
+        return 2
+
+    if not torch.cuda.is_available():
+        print(
+            "bench times CUDA kernels and needs a CUDA GPU; none was found. "
+            "(--update-readme works without one.)",
+            file=sys.stderr,
+        )
+        return 2
+
+    if args.progression:
+        run_progression(
+            dtype,
+            args.head_dims or (128,),
+            args.seqlens or (4096,),
+            {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal],
+            dict(warmup=args.warmup, min_reps=reps, min_time_s=min_time),
+        )
+        return 0
+
+    settings = SweepSettings(
+        impls=args.impls,
+        seqlens=seqlens,
+        head_dims=head_dims,
+        causal={"both": (False, True), "yes": (True,), "no": (False,)}[args.causal],
+        dtype=dtype,
+        mode=args.mode,
+        tokens=args.tokens,
+        width=args.width,
+        config=args.config,
+        warmup=args.warmup,
+        min_reps=reps,
+        min_time_s=min_time,
+        quick=args.quick,
+        shapes=tuple(s.shape(dtype) for s in TINY_SHAPES) if args.tiny else None,
+    )
+    out_path = None
+    if not args.no_save:
+        if args.out is not None:
+            out_path = args.out
+        else:
+            name = gpu_slug(torch.cuda.get_device_name()) + "-" + _dt.date.today().isoformat()
+            out_path = default_results_dir() / (name + (f"-{tag}" if tag else "") + ".json")
+        if out_path.exists() and not args.merge:
+            print(f"note: {out_path} exists and will be overwritten (--merge keeps its other rows)")
+
+    result, status = run_sweep(
+        settings, out_path, merge=args.merge, commit=args.commit, allow_dirty=args.allow_dirty
+    )
+    print()
+    print(results_to_text(result))
+    if result.get("skipped"):
+        print(f"{len(result['skipped'])} points skipped (reasons in the result file under 'skipped').")
+    if args.markdown:
+        print(results_to_markdown(result))
+    if out_path is not None:
+        print(f"wrote {out_path}")
+        if args.plot is not None:
+            try:
+                for path in plot_results(result, out_path):
+                    print(f"wrote {path}")
+            except RuntimeError as exc:
+                print(f"--plot: {exc}", file=sys.stderr)
+    return status

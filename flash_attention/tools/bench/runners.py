@@ -1,0 +1,222 @@
+"""Each implementation at one shape, ready to time: ours (the very choice ``attention()`` makes), SDPA held
+to each of its backends, and ``torch.compile(flex_attention)``."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import flash_attention
+from flash_attention import configs, ops
+
+from .results import DEFAULT_IMPLS, OURS
+
+__all__ = ["Runner", "Shape", "Skip", "make_inputs", "make_runner", "one_line"]
+
+
+class Skip(Exception):
+    """An implementation cannot run this point; the message says why."""
+
+
+#: (config name, causal) -> why its compile failed, so a sweep tries each failing kernel once.
+_COMPILE_FAILURES: dict[tuple[str, bool], str] = {}
+
+
+def one_line(exc: BaseException, limit: int = 600) -> str:
+    """An exception as one line: compiler errors span lines, and the second line is the useful one."""
+    text = " / ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    return (text or type(exc).__name__)[:limit]
+
+
+_SDPA_BACKENDS = {
+    "sdpa_flash": "FLASH_ATTENTION",
+    "sdpa_cudnn": "CUDNN_ATTENTION",
+    "sdpa_efficient": "EFFICIENT_ATTENTION",
+}
+
+
+@dataclass
+class Shape:
+    dtype: str
+    batch: int
+    heads: int
+    seqlen: int
+    head_dim: int
+    causal: bool
+
+
+def _torch_dtype(name: str) -> Any:
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
+def _sdpa_backend(impl: str) -> Any:
+    from torch.nn.attention import SDPBackend
+
+    return getattr(SDPBackend, _SDPA_BACKENDS[impl])
+
+
+_FLEX_COMPILED: Any = None
+
+
+def _flex() -> Any:
+    """``torch.compile(flex_attention)``, compiled once per process, with room for a recompile per shape."""
+    global _FLEX_COMPILED
+    if _FLEX_COMPILED is None:
+        import torch._dynamo.config as dynamo_config
+        from torch.nn.attention.flex_attention import flex_attention
+
+        # Each sweep point is a new static shape (dynamic=False: the papers' numbers are for specialised
+        # kernels). Dynamo's default limit of 8 recompiles would silently drop the later shapes to eager
+        # flex_attention, which is an order of magnitude slower and would be reported as flex's speed.
+        for name in ("recompile_limit", "cache_size_limit"):
+            if hasattr(dynamo_config, name):
+                setattr(dynamo_config, name, max(getattr(dynamo_config, name), 256))
+        for name in ("accumulated_recompile_limit", "accumulated_cache_size_limit"):
+            if hasattr(dynamo_config, name):
+                setattr(dynamo_config, name, max(getattr(dynamo_config, name), 4096))
+        _FLEX_COMPILED = torch.compile(flex_attention, dynamic=False)
+    return _FLEX_COMPILED
+
+
+@dataclass
+class Runner:
+    """One implementation at one shape, ready to time.
+
+    ``call(i)`` runs it on input set ``i``; ``context`` is entered around warm-up and timing (``sdpa_kernel``
+    costs host time, so it is entered once, not per call); ``output(i)`` returns the output of set ``i`` in
+    (batch, seqlen, heads, head_dim) layout for the correctness check; ``config`` is our kernel's name.
+    """
+
+    call: Callable[[int], Any]
+    output: Callable[[int], Any]
+    context: Callable[[], Any] = contextlib.nullcontext
+    config: str | None = None
+
+
+def make_inputs(shape: Shape, n_sets: int, device: Any) -> list[tuple[Any, Any, Any]]:
+    dt = _torch_dtype(shape.dtype)
+    size = (shape.batch, shape.seqlen, shape.heads, shape.head_dim)
+    # Fresh random data for every shape: zeros or constants would let a kernel skip work or hide errors.
+    return [tuple(torch.randn(size, device=device, dtype=dt) for _ in range(3)) for _ in range(n_sets)]
+
+
+def _autograd_call(
+    f: Callable[[Any, Any, Any], Any], inputs: list[tuple[Any, Any, Any]], mode: str
+) -> Callable[[int], Any]:
+    """Wrap a forward ``f`` into the timed call of a backward mode (fwd_bwd: both; bwd: backward alone)."""
+    leaves = [tuple(t.detach().requires_grad_(True) for t in s) for s in inputs]
+    if mode == "fwd_bwd":
+
+        def call(i: int) -> Any:
+            out = f(*leaves[i])
+            return torch.autograd.grad(out, leaves[i], torch.ones_like(out))
+
+        return call
+    # bwd: the forward (and its saved tensors) is built once per set; only the backward is timed.
+    outs = [f(*s) for s in leaves]
+    grads = [torch.randn_like(o) for o in outs]
+    return lambda i: torch.autograd.grad(outs[i], leaves[i], grads[i], retain_graph=True)
+
+
+def make_runner(
+    impl: str, shape: Shape, inputs: list[tuple[Any, Any, Any]], mode: str, config: Any = None
+) -> Runner:
+    """The runner of ``impl`` on ``inputs`` (given in our (B, S, H, D) layout), or raise :class:`Skip`."""
+    if impl == OURS:
+        q0 = inputs[0][0]
+        reason = ops.cuda_unavailable_reason(q0)
+        if reason is not None:
+            # Timing the PyTorch fallback under our name would be a lie; the row is skipped with the reason.
+            raise Skip(f"our CUDA kernel cannot run: {reason}")
+        if config is not None:
+            cfg = configs.parse_config(config)
+            if cfg.dtype != shape.dtype or cfg.head_dim != configs.padded_head_dim(shape.head_dim):
+                raise Skip(f"--config {cfg.name()} is not for {shape.dtype} head_dim {shape.head_dim}")
+        else:
+            # The very choice attention() makes for this call (defaults, and tuned winners once they exist),
+            # so our rows time what a user gets; forward() then runs it without any fallback.
+            cfg = ops.chosen_config(q0, inputs[0][1], causal=shape.causal, softmax_scale=shape.head_dim**-0.5)
+        if mode == "fwd":
+            key = (cfg.name(), shape.causal)
+            if key in _COMPILE_FAILURES:
+                raise Skip(_COMPILE_FAILURES[key])  # the same source fails the same way; don't compile again
+            try:
+                # Compile/load now, with the JIT's progress, so no compile lands inside warm-up or timing.
+                ops.prepare(cfg, shape.causal, q0.device)
+            except Exception as exc:
+                _COMPILE_FAILURES[key] = f"compile of {cfg.name()} failed: {one_line(exc)}"
+                raise Skip(_COMPILE_FAILURES[key]) from exc
+            outs: dict[int, Any] = {}
+
+            def call(i: int) -> Any:
+                q, k, v = inputs[i]
+                return flash_attention.forward(cfg, q, k, v, causal=shape.causal)
+
+            def output(i: int) -> Any:
+                return outs.setdefault(i, call(i))
+
+            return Runner(call, output, config=cfg.name())
+        # Backward modes go through attention() and its autograd; the config is the one it picks.
+        f = lambda q, k, v: flash_attention.attention(q, k, v, causal=shape.causal)  # noqa: E731
+        return Runner(_autograd_call(f, inputs, mode), lambda i: f(*inputs[i]), config=cfg.name())
+
+    if impl in _SDPA_BACKENDS:
+        import torch.nn.functional as F
+        from torch.nn.attention import sdpa_kernel
+
+        backend = _sdpa_backend(impl)
+        # SDPA's native layout is (B, H, S, D) contiguous; giving it a transposed view would time a copy or a
+        # slower strided path, so each set is laid out for it once, outside the timing.
+        native = [tuple(t.transpose(1, 2).contiguous() for t in s) for s in inputs]
+
+        def f(q: Any, k: Any, v: Any) -> Any:
+            # seqlen_q == seqlen_k in the sweep, so SDPA's top-left causal mask equals our bottom-right one.
+            return F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal)
+
+        def context() -> Any:
+            return sdpa_kernel(backend)
+
+        call = (lambda i: f(*native[i])) if mode == "fwd" else None
+
+        def output(i: int) -> Any:
+            with context():
+                return f(*native[i]).transpose(1, 2)
+
+        if call is None:
+            with context():
+                call = _autograd_call(f, native, mode)
+        return Runner(call, output, context)
+
+    if impl == "flex":
+        try:
+            from torch.nn.attention.flex_attention import create_block_mask
+        except ImportError as exc:
+            raise Skip(f"FlexAttention is not in torch {torch.__version__}") from exc
+        flex = _flex()
+        native = [tuple(t.transpose(1, 2).contiguous() for t in s) for s in inputs]
+        block_mask = None
+        if shape.causal:
+
+            def causal_mask(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+                return q_idx >= kv_idx
+
+            block_mask = create_block_mask(
+                causal_mask,
+                B=None,
+                H=None,
+                Q_LEN=shape.seqlen,
+                KV_LEN=shape.seqlen,
+                device=inputs[0][0].device,
+            )
+
+        def f(q: Any, k: Any, v: Any) -> Any:
+            return flex(q, k, v, block_mask=block_mask)
+
+        call = (lambda i: f(*native[i])) if mode == "fwd" else _autograd_call(f, native, mode)
+        return Runner(call, lambda i: f(*native[i]).transpose(1, 2))
+
+    raise Skip(f"unknown implementation {impl!r}; known: {', '.join(DEFAULT_IMPLS)}")
