@@ -433,6 +433,65 @@ def test_transformers_generate_greedy(kind, padding, launches):
             assert kr[:, 0].tolist() == [0, 50, 0, 120] and kr[:, 1].tolist() == [k_shape[1]] * 4
 
 
+@pytest.mark.parametrize("padding", [False, True])
+def test_transformers_training_with_attention_dropout_runs_the_kernels(padding, monkeypatch):
+    # A Llama-style model trained with attention_dropout: every layer's attention runs on our kernels with
+    # the model's dropout probability (one launch per layer, with key ranges when padded); two passes
+    # draw different masks, torch.manual_seed repeats one (outputs and gradients); eval mode is exact.
+    transformers = pytest.importorskip("transformers")
+    from flash_attention.integrations.transformers import register
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.2,
+        attention_dropout=0.5,
+        pad_token_id=0,
+    )
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=register())
+    model = model.to("cuda", torch.bfloat16).train()
+    launched: list = []
+    real = ops.cuda_forward
+
+    def spy(q, k, v, **kwargs):
+        launched.append((kwargs["dropout_p"], kwargs.get("key_range") is not None))
+        return real(q, k, v, **kwargs)
+
+    monkeypatch.setattr(ops, "cuda_forward", spy)
+    ids = torch.randint(3, 512, (2, 300), device="cuda")
+    mask = torch.ones_like(ids)
+    if padding:
+        mask[1, :77] = 0
+    keep = mask.bool()
+
+    def step(seed=None):
+        if seed is not None:
+            torch.manual_seed(seed)
+        model.zero_grad()
+        out = model(ids, attention_mask=mask, labels=ids)
+        out.loss.backward()
+        return out.logits.detach(), [p.grad.clone() for p in model.parameters()]
+
+    a, grads_a = step(3)
+    b, _ = step()
+    c, grads_c = step(3)
+    assert launched == [(0.5, padding)] * 6
+    assert (a[keep].float() - b[keep].float()).abs().max() > 0.1
+    assert torch.equal(a, c)
+    for ga, gc in zip(grads_a, grads_c, strict=True):
+        assert torch.isfinite(ga).all()
+        # The dQ of the default backward is accumulated with atomics: repeatable up to their order.
+        assert torch.allclose(ga.float(), gc.float(), rtol=1e-2, atol=1e-3)
+    model.eval()
+    with torch.no_grad():
+        e, f = model(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits
+    assert torch.equal(e, f) and launched[6:] == [(0.0, padding)] * 4
+
+
 def test_flash_attention_training_with_dropout_runs_the_kernels(launches):
     # Dropout in training mode stays on our kernels (their own counter-based mask): finite outputs and
     # gradients, reproducible under torch.manual_seed, different masks for different seeds, and eval mode

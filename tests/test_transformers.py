@@ -36,12 +36,14 @@ def _seed(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> No
 
 @pytest.fixture
 def calls(monkeypatch: pytest.MonkeyPatch) -> dict:
-    """Which path our attention function took: kernel route (attention()) or transformers' SDPA."""
-    seen = {"kernel": 0, "sdpa": 0, "masks": []}
+    """Which path our attention function took: kernel route (attention(), with the dropout_p of each call)
+    or transformers' SDPA."""
+    seen = {"kernel": 0, "sdpa": 0, "masks": [], "dropout_p": []}
     real_attention, real_forward = integration.attention, integration.attention_forward
 
     def attention_spy(*args, **kwargs):
         seen["kernel"] += 1
+        seen["dropout_p"].append(kwargs.get("dropout_p", 0.0))
         return real_attention(*args, **kwargs)
 
     monkeypatch.setattr(integration, "attention", attention_spy)
@@ -64,7 +66,7 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> dict:
     transformers.AttentionInterface.register(NAME, real_forward)
 
 
-def _config(kind: str):
+def _config(kind: str, **overrides):
     # initializer_range 0.2 (not the default 0.02): with tiny weights attention barely moves the logits,
     # and a comparison of logits could not tell a wrong mask from a right one.
     if kind == "llama":
@@ -80,6 +82,7 @@ def _config(kind: str):
             pad_token_id=0,
             bos_token_id=1,
             eos_token_id=2,
+            **overrides,
         )
     return transformers.GPT2Config(
         vocab_size=VOCAB,
@@ -91,13 +94,14 @@ def _config(kind: str):
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
+        **overrides,
     )
 
 
-def _models(kind: str):
+def _models(kind: str, **overrides):
     """(ours, sdpa, float64 sdpa) with the same random weights. Each gets its own config: from_config
     writes the implementation into the config object it is given."""
-    cfg = _config(kind)
+    cfg = _config(kind, **overrides)
     ref = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="sdpa").eval()
     ours = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=NAME).eval()
     # float64 "sdpa" as the exact answer ("eager" in float64 turns padded rows into NaN: its mask adds the
@@ -290,6 +294,105 @@ def test_training_without_kernel_backward_goes_through_sdpa(calls, monkeypatch):
     loss_s.backward()
     assert calls["kernel"] == 0
     assert torch.allclose(loss_o, loss_s)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Attention dropout (training mode) on the kernel routes
+
+
+class _Attention(torch.nn.Module):
+    """The attributes transformers' attention functions read from the calling attention module."""
+
+    def __init__(self, heads: int, kv_heads: int, causal: bool = True):
+        super().__init__()
+        self.num_key_value_groups = heads // kv_heads
+        self.is_causal = causal
+
+
+@pytest.mark.parametrize("route", ["plain", "key_range"])
+def test_dropout_drops_probabilities_at_rate_p(route, monkeypatch, calls, key_range_calls):
+    # With V the identity (head_dim == kv_length), the output row of query i is its row of dropped
+    # probabilities: every element is 0 (dropped) or P/(1-p) (kept), where P is the softmax computed here
+    # independently in float64, and about a fraction p of the attended elements is dropped.
+    monkeypatch.setattr(fn, "kernel_expected", lambda t: True)  # key ranges as on CUDA
+    batch, heads, kv_heads, n, p = 2, 4, 2, 16, 0.5
+    q = torch.randn(batch, heads, n, n)
+    k = torch.randn(batch, kv_heads, n, n)
+    v = torch.eye(n).expand(batch, kv_heads, n, n)
+    allowed = torch.ones(batch, 1, n, n, dtype=torch.bool).tril()
+    mask = None
+    if route == "key_range":
+        mask = torch.ones(batch, n, dtype=torch.bool)
+        mask[1, :5] = False  # left padding
+        allowed = allowed & mask[:, None, None, :]
+    module = _Attention(heads, kv_heads).train()
+    out, _ = integration.attention_forward(module, q, k, v, mask, dropout=p, scaling=0.3)
+    got = out.transpose(1, 2).double()  # (batch, heads, n, n)
+
+    s = q.double() @ k.double().repeat_interleave(2, 1).transpose(-1, -2) * 0.3
+    probs = torch.softmax(s.masked_fill(~allowed, float("-inf")), -1).nan_to_num(0.0)
+    seen = allowed.expand_as(probs) & (probs > 0)
+    kept = (got - probs / (1 - p)).abs() <= 1e-5 * probs / (1 - p)
+    dropped = got == 0
+    assert (kept | dropped)[seen].all()
+    assert (got[~seen] == 0).all()
+    rate = dropped[seen].double().mean().item()
+    assert abs(rate - p) < 4 * (p * (1 - p) / seen.sum().item()) ** 0.5, rate
+    # The route: one attention() call, with key ranges for the padded batch.
+    assert calls["kernel"] == (route == "plain") and calls["sdpa"] == 0
+    assert len(key_range_calls["key_range"]) == (route == "key_range")
+
+
+def test_training_dropout_runs_on_our_attention(calls):
+    # attention_dropout in training mode: each pass draws a new mask (seeded from PyTorch's CPU generator,
+    # so torch.manual_seed repeats it), on the kernel route, with the model's dropout probability.
+    ours, ref, exact = _models("llama", attention_dropout=0.5)
+    ours.train()
+    ids = torch.randint(3, VOCAB, (2, 12))
+    torch.manual_seed(1)
+    a = ours(ids, labels=ids)
+    b = ours(ids, labels=ids)
+    torch.manual_seed(1)
+    c = ours(ids, labels=ids)
+    assert (a.logits - b.logits).abs().max() > 0.1
+    assert torch.equal(a.logits, c.logits)
+    assert calls["sdpa"] == 0 and calls["dropout_p"] == [0.5] * 6
+    # The gradients of a seeded pass repeat too (the backward regenerates the forward's mask).
+    a.loss.backward()
+    grads = [p.grad.clone() for p in ours.parameters()]
+    ours.zero_grad()
+    c.loss.backward()
+    for g, p in zip(grads, ours.parameters(), strict=True):
+        assert torch.equal(g, p.grad)
+    # Evaluation mode: transformers passes dropout=0.0, deterministic and equal to "sdpa" by the rule.
+    ours.eval()
+    first = _check_logits(ours, ref, exact, ids)
+    assert torch.equal(first, _check_logits(ours, ref, exact, ids))
+    assert calls["dropout_p"][6:] == [0.0] * 4
+
+
+def test_training_dropout_on_the_key_range_route(force_key_range):
+    ours, _, _ = _models("llama", attention_dropout=0.5)
+    ours.train()
+    ids = torch.randint(3, VOCAB, (3, 14))
+    mask = _padding_mask(3, 14, "left")
+    torch.manual_seed(2)
+    a = ours(ids, attention_mask=mask).logits
+    b = ours(ids, attention_mask=mask).logits
+    torch.manual_seed(2)
+    c = ours(ids, attention_mask=mask).logits
+    keep = mask.bool()
+    assert (a[keep] - b[keep]).abs().max() > 0.1 and torch.equal(a, c)
+    assert len(force_key_range["key_range"]) == 6 and force_key_range["plain"] == 0
+
+
+def test_dropout_argument_is_checked():
+    q = torch.randn(1, 2, 8, 16)
+    module = _Attention(2, 2)
+    with pytest.raises(ValueError, match="dropout must be"):
+        integration.attention_forward(module, q, q, q, None, dropout=1.5)
+    with pytest.raises(TypeError, match="dropout must be"):
+        integration.attention_forward(module, q, q, q, None, dropout="0.1")
 
 
 # ------------------------------------------------------------------------------------------------------

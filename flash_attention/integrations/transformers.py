@@ -173,6 +173,14 @@ def _sdpa_equivalent_mask(
     return allowed
 
 
+def _check_dropout(dropout: object) -> None:
+    # The kernel would reject a bad value too, but under the name of its own argument (dropout_p).
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)):
+        raise TypeError(f"dropout must be a float in [0, 1]; got {type(dropout).__name__}")
+    if not 0.0 <= dropout <= 1.0:
+        raise ValueError(f"dropout must be a float in [0, 1]; got {dropout!r}")
+
+
 def attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -193,6 +201,7 @@ def attention_forward(
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    _check_dropout(dropout)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     q_length, kv_length = query.shape[2], key.shape[2]
     head_dim = query.shape[-1]
@@ -207,11 +216,12 @@ def attention_forward(
         and head_dim <= MAX_HEAD_DIM
         and value.shape[-1] == head_dim
         and query.dtype == key.dtype == value.dtype
+        and dropout < 1.0  # the kernels take p in [0, 1); p == 1 (everything dropped) goes to SDPA
         and not fn.needs_pytorch_path(q, k, v, dropout_p=dropout, stacklevel=5)
     )
     if kernel_ok:
         if attention_mask is None:
-            return attention(q, k, v, causal=causal, softmax_scale=scaling), None
+            return attention(q, k, v, causal=causal, softmax_scale=scaling, dropout_p=dropout), None
         # A 2-D key mask: one kernel call with per-batch key ranges when each row's valid keys are one run.
         ranges = (
             fn.plan_padded(attention_mask)
@@ -221,7 +231,8 @@ def attention_forward(
             else None
         )
         if ranges is not None:
-            return fn.key_range_attention(q, k, v, ranges, causal=causal, scale=scaling), None
+            out = fn.key_range_attention(q, k, v, ranges, causal=causal, scale=scaling, dropout_p=dropout)
+            return out, None
 
     mask = _sdpa_equivalent_mask(attention_mask, q_length, kv_length, causal, query.device)
     return sdpa_attention_forward(
