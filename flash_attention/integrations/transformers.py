@@ -51,7 +51,7 @@ of the modeling module that defines the attention module's class (or a base clas
 ``attn_implementation="eager"`` runs; a private generic one only when that module has none. It gets the
 mask as ``"eager"`` would (additive, with the bottom-right causal mask and the padding made explicit), and
 the first such call per reason warns once (a ``RuntimeWarning``). transformers' SDPA function cannot take
-these calls: 5.23 raises on ``softcap``, earlier 5.x versions drop it without a word, and it has no sinks.
+these calls: 5.23 raises on ``softcap``, 5.0 and 5.17 drop it without a word, and none computes sinks.
 Sparse attention's ``indices``/``block_indices`` raise ``NotImplementedError``: the models that pass them
 build the equivalent mask only for ``"eager"``/``"sdpa"``.
 
@@ -83,7 +83,7 @@ NAME = "fa_scratch"
 # Keyword arguments of transformers' attention functions that change the function computed in ways our
 # kernel cannot (yet), with what they are: logit soft-capping (Gemma 2), attention sinks (gpt-oss passes
 # them as s_aux, others as sinks), additive position biases (T5 and relatives). transformers' SDPA function
-# does not compute them either (5.23 raises on softcap, earlier 5.x silently drop it), so such calls run
+# does not compute them either (5.23 raises on softcap, 5.0 and 5.17 silently drop it), so such calls run
 # through the calling model's own eager attention function, which does.
 _EAGER_KWARGS = {
     "softcap": "logit soft-capping (softcap)",
