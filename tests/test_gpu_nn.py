@@ -11,6 +11,7 @@ keys are one run per row (right or left padding) must reach the kernel as one la
 from __future__ import annotations
 
 import copy
+import warnings
 import zlib
 
 import pytest
@@ -431,6 +432,110 @@ def test_transformers_generate_greedy(kind, padding, launches):
         for _, k_shape, causal, kr in launches:
             assert causal and kr is not None
             assert kr[:, 0].tolist() == [0, 50, 0, 120] and kr[:, 1].tolist() == [k_shape[1]] * 4
+
+
+@pytest.mark.parametrize("padding", [False, True])
+def test_transformers_training_with_attention_dropout_runs_the_kernels(padding, monkeypatch):
+    # A Llama-style model trained with attention_dropout: every layer's attention runs on our kernels with
+    # the model's dropout probability (one launch per layer, with key ranges when padded); two passes
+    # draw different masks, torch.manual_seed repeats one (outputs and gradients); eval mode is exact.
+    transformers = pytest.importorskip("transformers")
+    from flash_attention.integrations.transformers import register
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.2,
+        attention_dropout=0.5,
+        pad_token_id=0,
+    )
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=register())
+    model = model.to("cuda", torch.bfloat16).train()
+    launched: list = []
+    real = ops.cuda_forward
+
+    def spy(q, k, v, **kwargs):
+        launched.append((kwargs["dropout_p"], kwargs.get("key_range") is not None))
+        return real(q, k, v, **kwargs)
+
+    monkeypatch.setattr(ops, "cuda_forward", spy)
+    ids = torch.randint(3, 512, (2, 300), device="cuda")
+    mask = torch.ones_like(ids)
+    if padding:
+        mask[1, :77] = 0
+    keep = mask.bool()
+
+    def step(seed=None):
+        if seed is not None:
+            torch.manual_seed(seed)
+        model.zero_grad()
+        out = model(ids, attention_mask=mask, labels=ids)
+        out.loss.backward()
+        return out.logits.detach(), [p.grad.clone() for p in model.parameters()]
+
+    a, grads_a = step(3)
+    b, _ = step()
+    c, grads_c = step(3)
+    assert launched == [(0.5, padding)] * 6
+    assert (a[keep].float() - b[keep].float()).abs().max() > 0.1
+    assert torch.equal(a, c)
+    for ga, gc in zip(grads_a, grads_c, strict=True):
+        assert torch.isfinite(ga).all()
+        # Repeatable up to the order of atomic additions (our dQ, the embedding's backward), which moves a
+        # bf16 gradient by an ulp here and there; another dropout mask would change it by tens of percent.
+        assert (ga.float() - gc.float()).norm() <= 1e-2 * gc.float().norm() + 1e-6
+    model.eval()
+    with torch.no_grad():
+        e, f = model(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits
+    assert torch.equal(e, f) and launched[6:] == [(0.0, padding)] * 4
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "mistral"])
+def test_transformers_sliding_window_and_softcap_families_match_eager(family, launches):
+    # bf16 Gemma 2 (softcap: its own eager function), Gemma 3 (sliding layers: SDPA with the 4-D mask; the
+    # full-attention layer: our kernel) and Mistral (every layer sliding: SDPA) against "eager" in bf16,
+    # with float32 "eager" on the same rounded weights as the exact answer: the accuracy rule.
+    transformers = pytest.importorskip("transformers")
+    from flash_attention.integrations.transformers import register
+
+    name = register()
+    classes = {"gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig", "mistral": "MistralConfig"}
+    config_class = classes[family]
+    if not hasattr(transformers, config_class):
+        pytest.skip(f"transformers {transformers.__version__} has no {config_class}")
+    kwargs = dict(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=1024,
+        initializer_range=0.2,
+        sliding_window=128,  # < the 300 tokens
+        pad_token_id=0,
+    )
+    if family != "mistral":
+        kwargs.update(layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=64)
+    if family == "gemma2":
+        kwargs.update(attn_logit_softcapping=2.0, final_logit_softcapping=None)
+    cfg = getattr(transformers, config_class)(**kwargs)
+    make = transformers.AutoModelForCausalLM.from_config
+    eager = make(copy.deepcopy(cfg), attn_implementation="eager").eval().to("cuda", torch.bfloat16)
+    ours = make(copy.deepcopy(cfg), attn_implementation=name).eval().to("cuda", torch.bfloat16)
+    ours.load_state_dict(eager.state_dict())
+    exact = copy.deepcopy(eager).to(torch.float32)
+    ids = torch.randint(3, 512, (2, 300), device="cuda")
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # Gemma 2's one-time eager-route notice
+        o, e, x = ours(ids).logits, eager(ids).logits, exact(ids).logits
+    _check_rule(o, e, x, family)
+    assert len(launches) == (1 if family == "gemma3" else 0)
 
 
 def test_flash_attention_training_with_dropout_runs_the_kernels(launches):

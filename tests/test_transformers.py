@@ -1,11 +1,14 @@
-"""The transformers integration on the CPU: small random Llama-style (GQA) and GPT-2-style models.
+"""The transformers integration on the CPU: small random Llama-style (GQA) and GPT-2-style models, and
+Gemma 2, Gemma 3, Mistral and gpt-oss ones (sliding windows, logit soft-capping, attention sinks).
 
 On the CPU our attention function computes through flash_attention's PyTorch path (float32), so these tests
-check the integration's semantics -- masks, padding, caches, GQA, the mask function's decisions -- against
-``attn_implementation="sdpa"`` with the accuracy rule (float64 ``"sdpa"`` as the exact answer), and that
-``generate()`` picks the same greedy tokens. The key-range route (padding whose valid keys are one run per
-row, run as one attention() call with ``key_range``), which only CUDA chooses, is forced through the seam
-``kernel_expected`` of flash_attention.nn.functional (the ``force_key_range`` fixture of conftest.py).
+check the integration's semantics -- masks, padding, caches, GQA, dropout, the routes, the mask function's
+decisions -- against ``attn_implementation="sdpa"`` with the accuracy rule (float64 ``"sdpa"`` as the exact
+answer) or, for the other families, against ``attn_implementation="eager"`` (the rule is stated above
+those tests), and that ``generate()`` picks the same greedy tokens. The key-range route (padding whose
+valid keys are one run per row, run as one attention() call with ``key_range``), which only CUDA chooses,
+is forced through the seam ``kernel_expected`` of flash_attention.nn.functional (the ``force_key_range``
+fixture of conftest.py).
 
 Skipped when transformers is not installed (it is an optional dependency).
 """
@@ -36,12 +39,14 @@ def _seed(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> No
 
 @pytest.fixture
 def calls(monkeypatch: pytest.MonkeyPatch) -> dict:
-    """Which path our attention function took: kernel route (attention()) or transformers' SDPA."""
-    seen = {"kernel": 0, "sdpa": 0, "masks": []}
+    """Which path our attention function took: kernel route (attention(), with the dropout_p of each call)
+    or transformers' SDPA."""
+    seen = {"kernel": 0, "sdpa": 0, "masks": [], "dropout_p": []}
     real_attention, real_forward = integration.attention, integration.attention_forward
 
     def attention_spy(*args, **kwargs):
         seen["kernel"] += 1
+        seen["dropout_p"].append(kwargs.get("dropout_p", 0.0))
         return real_attention(*args, **kwargs)
 
     monkeypatch.setattr(integration, "attention", attention_spy)
@@ -64,7 +69,7 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> dict:
     transformers.AttentionInterface.register(NAME, real_forward)
 
 
-def _config(kind: str):
+def _config(kind: str, **overrides):
     # initializer_range 0.2 (not the default 0.02): with tiny weights attention barely moves the logits,
     # and a comparison of logits could not tell a wrong mask from a right one.
     if kind == "llama":
@@ -80,6 +85,7 @@ def _config(kind: str):
             pad_token_id=0,
             bos_token_id=1,
             eos_token_id=2,
+            **overrides,
         )
     return transformers.GPT2Config(
         vocab_size=VOCAB,
@@ -91,13 +97,14 @@ def _config(kind: str):
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
+        **overrides,
     )
 
 
-def _models(kind: str):
+def _models(kind: str, **overrides):
     """(ours, sdpa, float64 sdpa) with the same random weights. Each gets its own config: from_config
     writes the implementation into the config object it is given."""
-    cfg = _config(kind)
+    cfg = _config(kind, **overrides)
     ref = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="sdpa").eval()
     ours = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=NAME).eval()
     # float64 "sdpa" as the exact answer ("eager" in float64 turns padded rows into NaN: its mask adds the
@@ -290,6 +297,372 @@ def test_training_without_kernel_backward_goes_through_sdpa(calls, monkeypatch):
     loss_s.backward()
     assert calls["kernel"] == 0
     assert torch.allclose(loss_o, loss_s)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Attention dropout (training mode) on the kernel routes
+
+
+class _Attention(torch.nn.Module):
+    """The attributes transformers' attention functions read from the calling attention module."""
+
+    def __init__(self, heads: int, kv_heads: int, causal: bool = True):
+        super().__init__()
+        self.num_key_value_groups = heads // kv_heads
+        self.is_causal = causal
+
+
+@pytest.mark.parametrize("route", ["plain", "key_range"])
+def test_dropout_drops_probabilities_at_rate_p(route, monkeypatch, calls, key_range_calls):
+    # With V the identity (head_dim == kv_length), the output row of query i is its row of dropped
+    # probabilities: every element is 0 (dropped) or P/(1-p) (kept), where P is the softmax computed here
+    # independently in float64, and about a fraction p of the attended elements is dropped.
+    monkeypatch.setattr(fn, "kernel_expected", lambda t: True)  # key ranges as on CUDA
+    batch, heads, kv_heads, n, p = 2, 4, 2, 16, 0.5
+    q = torch.randn(batch, heads, n, n)
+    k = torch.randn(batch, kv_heads, n, n)
+    v = torch.eye(n).expand(batch, kv_heads, n, n)
+    allowed = torch.ones(batch, 1, n, n, dtype=torch.bool).tril()
+    mask = None
+    if route == "key_range":
+        mask = torch.ones(batch, n, dtype=torch.bool)
+        mask[1, :5] = False  # left padding
+        allowed = allowed & mask[:, None, None, :]
+    module = _Attention(heads, kv_heads).train()
+    out, _ = integration.attention_forward(module, q, k, v, mask, dropout=p, scaling=0.3)
+    got = out.transpose(1, 2).double()  # (batch, heads, n, n)
+
+    s = q.double() @ k.double().repeat_interleave(2, 1).transpose(-1, -2) * 0.3
+    probs = torch.softmax(s.masked_fill(~allowed, float("-inf")), -1).nan_to_num(0.0)
+    seen = allowed.expand_as(probs) & (probs > 0)
+    kept = (got - probs / (1 - p)).abs() <= 1e-5 * probs / (1 - p)
+    dropped = got == 0
+    assert (kept | dropped)[seen].all()
+    assert (got[~seen] == 0).all()
+    rate = dropped[seen].double().mean().item()
+    assert abs(rate - p) < 4 * (p * (1 - p) / seen.sum().item()) ** 0.5, rate
+    # The route: one attention() call, with key ranges for the padded batch.
+    assert calls["kernel"] == (route == "plain") and calls["sdpa"] == 0
+    assert len(key_range_calls["key_range"]) == (route == "key_range")
+
+
+def test_training_dropout_runs_on_our_attention(calls):
+    # attention_dropout in training mode: each pass draws a new mask (seeded from PyTorch's CPU generator,
+    # so torch.manual_seed repeats it), on the kernel route, with the model's dropout probability.
+    ours, ref, exact = _models("llama", attention_dropout=0.5)
+    ours.train()
+    ids = torch.randint(3, VOCAB, (2, 12))
+    torch.manual_seed(1)
+    a = ours(ids, labels=ids)
+    b = ours(ids, labels=ids)
+    torch.manual_seed(1)
+    c = ours(ids, labels=ids)
+    assert (a.logits - b.logits).abs().max() > 0.1
+    assert torch.equal(a.logits, c.logits)
+    assert calls["sdpa"] == 0 and calls["dropout_p"] == [0.5] * 6
+    # The gradients of a seeded pass repeat too (the backward regenerates the forward's mask).
+    a.loss.backward()
+    grads = [p.grad.clone() for p in ours.parameters()]
+    ours.zero_grad()
+    c.loss.backward()
+    for g, p in zip(grads, ours.parameters(), strict=True):
+        assert torch.equal(g, p.grad)
+    # Evaluation mode: transformers passes dropout=0.0, deterministic and equal to "sdpa" by the rule.
+    ours.eval()
+    first = _check_logits(ours, ref, exact, ids)
+    assert torch.equal(first, _check_logits(ours, ref, exact, ids))
+    assert calls["dropout_p"][6:] == [0.0] * 4
+
+
+def test_training_dropout_on_the_key_range_route(force_key_range):
+    ours, _, _ = _models("llama", attention_dropout=0.5)
+    ours.train()
+    ids = torch.randint(3, VOCAB, (3, 14))
+    mask = _padding_mask(3, 14, "left")
+    torch.manual_seed(2)
+    a = ours(ids, attention_mask=mask).logits
+    b = ours(ids, attention_mask=mask).logits
+    torch.manual_seed(2)
+    c = ours(ids, attention_mask=mask).logits
+    keep = mask.bool()
+    assert (a[keep] - b[keep]).abs().max() > 0.1 and torch.equal(a, c)
+    assert len(force_key_range["key_range"]) == 6 and force_key_range["plain"] == 0
+
+
+def test_dropout_argument_is_checked():
+    q = torch.randn(1, 2, 8, 16)
+    module = _Attention(2, 2)
+    with pytest.raises(ValueError, match="dropout must be"):
+        integration.attention_forward(module, q, q, q, None, dropout=1.5)
+    with pytest.raises(TypeError, match="dropout must be"):
+        integration.attention_forward(module, q, q, q, None, dropout="0.1")
+
+
+# ------------------------------------------------------------------------------------------------------
+# Model families with sliding windows, logit soft-capping and attention sinks, against "eager"
+#
+# Which route each layer takes (the module docstring of the integration says why):
+#   Mistral      every layer sliding: a 4-D mask, transformers' SDPA function
+#   Gemma 3      sliding layers: SDPA with the 4-D mask; full-attention layers: the kernel routes
+#   Gemma 2      softcap on every layer: Gemma 2's own eager attention function
+#   gpt-oss      attention sinks (s_aux) on every layer: gpt-oss's own eager attention function
+# The reference is attn_implementation="eager" of the same model with the same weights. Accuracy (CPU
+# float32): where SDPA computes the model exactly (Mistral, Gemma 3), the rule -- max |ours - eager| <= 2 *
+# max |sdpa - eager| + 1e-5 on the same inputs; where it cannot (Gemma 2's softcap, gpt-oss's sinks: no
+# "sdpa" yardstick exists), 1e-5 relative to the largest logit: those layers run the very eager function
+# with the same mask values, so only the order of float32 operations could differ (it does not: they agree
+# bit for bit here).
+
+FAMILIES = ["gemma2", "gemma3", "mistral", "gpt_oss"]
+SLIDING_ROUTE = {"gemma2": "eager", "gemma3": "sdpa", "mistral": "sdpa", "gpt_oss": "eager"}
+FULL_ROUTE = {"gemma2": "eager", "gemma3": "kernel", "gpt_oss": "eager"}  # Mistral has no full layer
+EXACT_IN_SDPA = {"gemma3", "mistral"}
+
+
+def _family_config(family: str, **overrides):
+    config_class = {
+        "gemma2": "Gemma2Config",
+        "gemma3": "Gemma3TextConfig",
+        "mistral": "MistralConfig",
+        "gpt_oss": "GptOssConfig",
+    }[family]
+    if not hasattr(transformers, config_class):
+        pytest.skip(f"transformers {transformers.__version__} has no {config_class}")
+    # Sliding window 4 < the sequences' lengths (12 and more), so the window changes the result.
+    kwargs = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+        initializer_range=0.2,
+        sliding_window=4,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    if family != "mistral":
+        kwargs["layer_types"] = ["sliding_attention", "full_attention"]
+    if family.startswith("gemma"):
+        kwargs["query_pre_attn_scalar"] = 16
+    if family == "gemma2":
+        kwargs.update(attn_logit_softcapping=2.0, final_logit_softcapping=None)  # 2.0: the cap bites
+    if family == "gpt_oss":
+        kwargs.update(
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
+    kwargs.update(overrides)
+    return getattr(transformers, config_class)(**kwargs)
+
+
+def _family_models(family: str, *implementations: str, **overrides):
+    """One model per implementation (the first one's random weights in all of them)."""
+    cfg = _family_config(family, **overrides)
+    make = transformers.AutoModelForCausalLM.from_config
+    models = [make(copy.deepcopy(cfg), attn_implementation=impl).eval() for impl in implementations]
+    for m in models[1:]:
+        m.load_state_dict(models[0].state_dict())
+    if family == "gpt_oss":
+        # The sinks are initialised to 0 (hardly there); larger ones make the comparison see them.
+        with torch.no_grad():
+            for m in models:
+                for layer in m.model.layers:
+                    layer.self_attn.sinks.copy_(torch.linspace(-1.0, 2.0, 4))
+    return models
+
+
+def _assert_matches_eager(family, ours, eager, sdpa, keep):
+    o, e = ours[keep].double(), eager[keep].double()
+    assert not o.isnan().any()
+    err = (o - e).abs().max().item()
+    if sdpa is not None:
+        bound = 2 * (sdpa[keep].double() - e).abs().max().item() + 1e-5
+    else:
+        bound = 1e-5 * e.abs().max().item()
+    assert err <= bound, f"{family}: max logit error against eager {err:.3g} > bound {bound:.3g}"
+
+
+@pytest.fixture
+def routes(monkeypatch: pytest.MonkeyPatch, calls: dict, force_key_range: dict) -> dict:
+    """Per route, how many calls took it: kernel (plain attention() or with key ranges, padded batches
+    taking the key-range route as on CUDA), transformers' SDPA function, or an eager function."""
+    seen = {"eager": 0}
+    real = integration._eager_attention
+
+    def spy(*args, **kwargs):
+        seen["eager"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(integration, "_eager_attention", spy)
+
+    def counts():
+        kernel = calls["kernel"] + len(force_key_range["key_range"])
+        return {"kernel": kernel, "sdpa": calls["sdpa"], "eager": seen["eager"]}
+
+    return counts
+
+
+def _expected_routes(family: str, passes: int = 1) -> dict:
+    cfg = _family_config(family)
+    kinds = getattr(cfg, "layer_types", None) or ["sliding_attention"] * cfg.num_hidden_layers
+    want = {"kernel": 0, "sdpa": 0, "eager": 0}
+    for kind in kinds:
+        want[SLIDING_ROUTE[family] if kind == "sliding_attention" else FULL_ROUTE[family]] += passes
+    return want
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("padding", [False, True])
+def test_family_prefill_matches_eager(family, padding, routes):
+    impls = (NAME, "eager", "sdpa") if family in EXACT_IN_SDPA else (NAME, "eager")
+    models = _family_models(family, *impls)
+    ids = torch.randint(3, VOCAB, (3, 13))
+    mask = _padding_mask(3, 13, "left") if padding else None
+    keep = torch.ones(ids.shape, dtype=torch.bool) if mask is None else mask.bool()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the eager route's one-time notice
+        with torch.no_grad():
+            ours = models[0](ids, attention_mask=mask).logits
+        assert routes() == _expected_routes(family)
+        with torch.no_grad():
+            logits = [m(ids, attention_mask=mask).logits for m in models[1:]]
+    _assert_matches_eager(family, ours, logits[0], logits[1] if len(logits) > 1 else None, keep)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_generate_same_greedy_tokens_as_eager(family):
+    ours, eager = _family_models(family, NAME, "eager")
+    ids = torch.randint(3, VOCAB, (2, 8))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding, as batched generation uses
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        a = _greedy(ours, ids, mask, n=6)
+    assert a.shape == (2, 6) and torch.equal(a, _greedy(eager, ids, mask, n=6))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_training_step_matches_eager(family):
+    # Loss and gradients of one training step on a left-padded batch. The loss ignores the padding and the
+    # first real token of the padded row: its predictor is the last padding position, a query that sees no
+    # key, which every implementation fills differently (eager: the mean of all values; SDPA and ours: 0).
+    ours, eager = _family_models(family, NAME, "eager")
+    ours.train(), eager.train()
+    ids = torch.randint(3, VOCAB, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[1, 4] = -100
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        loss_o = ours(ids, attention_mask=mask, labels=labels).loss
+    loss_e = eager(ids, attention_mask=mask, labels=labels).loss
+    loss_o.backward()
+    loss_e.backward()
+    assert torch.allclose(loss_o, loss_e, rtol=1e-5, atol=0)
+    for (name, p), q in zip(ours.named_parameters(), eager.parameters(), strict=True):
+        if q.grad is None:  # e.g. an expert no token was routed to
+            assert p.grad is None or not p.grad.any(), name
+            continue
+        scale = q.grad.abs().max().item()
+        assert (p.grad - q.grad).abs().max().item() <= 1e-4 * scale + 1e-7, name
+
+
+@pytest.mark.parametrize(
+    "family, change",
+    [("gemma2", "softcap"), ("gpt_oss", "sinks"), ("mistral", "window")],
+)
+def test_family_comparisons_see_the_feature(family, change):
+    # The comparisons above can fail: dropping the soft-capping, the sinks or the window moves eager's
+    # own logits by far more than their tolerance.
+    (base,) = _family_models(family, "eager")
+    overrides = {"window": {"sliding_window": 64}, "softcap": {"attn_logit_softcapping": None}}
+    (changed,) = _family_models(family, "eager", **overrides.get(change, {}))
+    changed.load_state_dict(base.state_dict())
+    if change == "sinks":
+        with torch.no_grad():
+            for layer in changed.model.layers:
+                layer.self_attn.sinks.fill_(-1e4)
+    ids = torch.randint(3, VOCAB, (2, 13))
+    with torch.no_grad():
+        a, b = base(ids).logits, changed(ids).logits
+    assert (a - b).abs().max() > 1e3 * 1e-5 * a.abs().max()
+
+
+def test_eager_route_warns_once_naming_the_reason_and_the_function():
+    ours, _ = _family_models("gemma2", NAME, "eager")
+    ids = torch.randint(3, VOCAB, (1, 9))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            ours(ids)
+            ours(ids)
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1, messages
+    assert "softcap" in messages[0] and "modeling_gemma2.eager_attention_forward" in messages[0]
+
+
+class _PlainAttention(torch.nn.Module):
+    """An attention module whose Python module (this test file) defines no eager_attention_forward."""
+
+    def __init__(self, heads: int, kv_heads: int, sinks: torch.Tensor | None = None):
+        super().__init__()
+        self.num_key_value_groups = heads // kv_heads
+        self.head_dim = 16
+        self.is_causal = True
+        if sinks is not None:
+            self.sinks = torch.nn.Parameter(sinks)
+
+
+@pytest.mark.parametrize("feature", ["softcap", "s_aux", "position_bias"])
+def test_generic_eager_fallback_matches_the_models_own(feature):
+    # A module without an eager function of its own gets the generic one: it computes what transformers'
+    # model-specific eager functions compute (Gemma 2's softcap, gpt-oss's sinks, T5's position bias),
+    # on random inputs with a causal mask and left padding, and warns (once) that it took over.
+    import importlib
+
+    model = {"softcap": "gemma2", "s_aux": "gpt_oss", "position_bias": "t5"}[feature]
+    reference = getattr(
+        importlib.import_module(f"transformers.models.{model}.modeling_{model}"),
+        "eager_attention_forward",
+        None,
+    )
+    if reference is None:  # T5 took the attention interface (and position_bias) after 5.0
+        pytest.skip(f"transformers {transformers.__version__}: {model} has no eager_attention_forward")
+    heads, kv_heads = (4, 4) if feature == "position_bias" else (4, 2)  # T5's function has no GQA
+    q = torch.randn(2, heads, 7, 16)
+    k, v = torch.randn(2, kv_heads, 7, 16), torch.randn(2, kv_heads, 7, 16)
+    module = _PlainAttention(heads, kv_heads, sinks=torch.randn(heads)).eval()
+    extra = {
+        "softcap": {"softcap": 1.5},
+        "s_aux": {"s_aux": module.sinks},
+        "position_bias": {"position_bias": torch.randn(1, heads, 7, 7)},
+    }[feature]
+    valid = torch.ones(2, 7, dtype=torch.bool)
+    valid[1, :2] = False
+    with pytest.warns(RuntimeWarning, match="generic eager attention"):
+        out, _ = integration.attention_forward(module, q, k, v, valid, scaling=0.25, **extra)
+    allowed = torch.ones(7, 7, dtype=torch.bool).tril() & valid[:, None, None, :]
+    additive = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    want, _ = reference(module, q, k, v, additive, scaling=0.25, **extra)
+    real = valid[:, :, None, None].expand_as(want)  # padded query rows see no key: not compared
+    torch.testing.assert_close(out[real], want[real], rtol=1e-5, atol=1e-6)
+
+
+def test_sparse_indices_and_bad_masks_are_refused():
+    module = _PlainAttention(2, 2)
+    q = torch.randn(1, 2, 8, 16)
+    with pytest.raises(NotImplementedError, match="indices"):
+        integration.attention_forward(module, q, q, q, None, indices=torch.zeros(1, 8, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match="attention_mask"):
+        integration.attention_forward(module, q, q, q, torch.ones(1, 8, dtype=torch.long))
+    with pytest.raises(ValueError, match="attention_mask"):
+        integration.attention_forward(module, q, q, q, torch.ones(1, 8, 8, dtype=torch.bool))
 
 
 # ------------------------------------------------------------------------------------------------------

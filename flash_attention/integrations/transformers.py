@@ -17,12 +17,15 @@ The name has no "flash" in it on purpose: transformers treats any implementation
 as its FlashAttention-2/3 integration (``is_flash_attention_requested``) and changes how models prepare
 masks and positions for it.
 
-What the attention function receives as ``attention_mask``, and what it does with it:
+What the attention function receives as ``attention_mask``, and what it does with it (the same in
+inference and in training: the kernels have a backward pass, and attention dropout runs in them; with
+:data:`flash_attention.nn.functional.KERNEL_HAS_BACKWARD` switched off, calls that record gradients go to
+transformers' SDPA function instead):
 
 * ``None`` -- no padding, and (for causal models) the queries are the last ``q_length`` of the keys, which
   is exactly the kernel's bottom-right causal alignment: ``flash_attention.attention`` on the whole batch.
-  This covers training-free prefill, decoding with the default ``DynamicCache``, and any batch without
-  padding.
+  This covers prefill, training on unpadded batches, decoding with the default ``DynamicCache``, and any
+  batch without padding.
 * a 2-D boolean (batch, kv_length) tensor, True = real token -- plain causal or bidirectional attention
   with padding. Valid keys that form one run per row (left padding, as batched generation uses, or right
   padding) run on the kernel in one call with per-batch key ranges (``attention(..., key_range=)``, the
@@ -33,15 +36,35 @@ What the attention function receives as ``attention_mask``, and what it does wit
   the mask, which every layer receives, so the layers read nothing more.
 * a 4-D mask -- everything else (sliding windows, static caches whose offsets break the alignment, packed
   sequences, custom mask functions, a 4-D mask passed by the user): transformers' SDPA function with it,
-  exactly as ``attn_implementation="sdpa"`` would compute it.
+  which computes that mask exactly. A sliding window is in the mask (the mask function materialises every
+  mask with a window); the ``sliding_window`` argument models also pass is informational, as it is for
+  ``"eager"`` and ``"sdpa"``.
 
-Gradients (the kernel has no backward pass yet), attention dropout, ``softcap``, attention sinks and
-position biases also go to transformers' SDPA function (with the equivalent mask). The results match
-``"sdpa"`` within the accuracy rule on every route.
+Attention dropout (``dropout``, which transformers' models pass only in training mode) runs on every
+route: in the kernels (their mask drawn from PyTorch's CPU generator, so ``torch.manual_seed`` repeats
+it), in SDPA, in the eager functions.
+
+Calls with something the kernel does not compute yet -- logit soft-capping (``softcap``: Gemma 2),
+attention sinks (``s_aux``: gpt-oss; ``sinks``), additive position biases (``position_bias``: T5 and
+relatives) -- run through the calling model's own eager attention function: the ``eager_attention_forward``
+of the modeling module that defines the attention module's class (or a base class), which is what
+``attn_implementation="eager"`` runs; a private generic one only when that module has none. It gets the
+mask as ``"eager"`` would (additive, with the bottom-right causal mask and the padding made explicit), and
+the first such call per reason warns once (a ``RuntimeWarning``). transformers' SDPA function cannot take
+these calls: 5.23 raises on ``softcap``, 5.0 and 5.17 drop it without a word, and none computes sinks.
+Sparse attention's ``indices``/``block_indices`` raise ``NotImplementedError``: the models that pass them
+build the equivalent mask only for ``"eager"``/``"sdpa"``.
+
+Every route computes what ``attn_implementation="eager"`` computes for the model, within floating-point
+rounding (tests: Llama and GPT-2 against ``"sdpa"``; Gemma 2, Gemma 3, Mistral and gpt-oss, with sliding
+windows, soft-capping and sinks, against ``"eager"``: logits, greedy ``generate()``, a training step).
+The one difference is in query rows that may attend no key at all (padding before a row's first token,
+whose outputs predict nothing): eager fills them with the mean of all values, the kernel with 0.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -57,9 +80,20 @@ __all__ = ["NAME", "attention_forward", "attention_mask", "register"]
 #: The ``attn_implementation`` name :func:`register` uses by default.
 NAME = "fa_scratch"
 
-# Keyword arguments of transformers' attention functions that change the function computed; we leave
-# such calls to SDPA.
-_UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks", "position_bias", "sliding_window")
+# Keyword arguments of transformers' attention functions that change the function computed in ways our
+# kernel cannot (yet), with what they are: logit soft-capping (Gemma 2), attention sinks (gpt-oss passes
+# them as s_aux, others as sinks), additive position biases (T5 and relatives). transformers' SDPA function
+# does not compute them either (5.23 raises on softcap, 5.0 and 5.17 silently drop it), so such calls run
+# through the calling model's own eager attention function, which does.
+_EAGER_KWARGS = {
+    "softcap": "logit soft-capping (softcap)",
+    "s_aux": "attention sinks (s_aux)",
+    "sinks": "attention sinks (sinks)",
+    "position_bias": "an additive position bias (position_bias)",
+}
+# Sparse attention's selected keys: the models add them to the mask only for "eager"/"sdpa" and otherwise
+# hand them to a kernel that reads them; no route here does.
+_UNSUPPORTED_KWARGS = ("indices", "block_indices")
 
 
 def register(name: str = NAME) -> str:
@@ -156,21 +190,158 @@ def attention_mask(**kwargs: Any) -> torch.Tensor | None:
 # The attention function
 
 
-def _sdpa_equivalent_mask(
-    mask: torch.Tensor | None, q_length: int, kv_length: int, causal: bool, device: torch.device
+def _explicit_mask(
+    mask: torch.Tensor | None,
+    q_length: int,
+    kv_length: int,
+    causal: bool,
+    device: torch.device,
+    *,
+    square_causal_flag: bool,
 ) -> torch.Tensor | None:
-    """What transformers' SDPA function needs to compute what our function computes for ``mask``."""
+    """What our function computes for ``mask``, as the 4-D boolean mask (True = attend) or None that a
+    function taking transformers' 4-D masks needs: a 4-D mask as it is; for None or a 2-D key mask, the
+    bottom-right causal mask and the key mask. ``square_causal_flag``: the function applies ``is_causal``
+    itself when there is no mask and q_length == kv_length (SDPA does; eager functions have no such flag)."""
     if mask is not None and mask.dim() != 2:
         return mask
     allowed = None
-    if causal and q_length > 1 and (mask is not None or q_length != kv_length):
-        # transformers' SDPA function aligns is_causal to the top-left (and crops the keys): say bottom-right
-        # explicitly.
+    if causal and q_length > 1 and not (square_causal_flag and mask is None and q_length == kv_length):
+        # transformers' SDPA function aligns is_causal to the top-left (and crops the keys), and eager
+        # functions know no causality but the mask's: say bottom-right explicitly.
         allowed = causal_allowed(q_length, kv_length, device=device)[None, None]
     if mask is not None:
         valid = mask[:, None, None, :]
         allowed = valid if allowed is None else allowed & valid
     return allowed
+
+
+def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A boolean mask as the additive one eager functions add to the scores: 0 where True, the dtype's
+    minimum elsewhere (exactly transformers' ``eager_mask``). Float masks are additive already."""
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    return torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device), torch.finfo(dtype).min)
+
+
+def _eager_function(module: torch.nn.Module) -> Callable | None:
+    """The ``eager_attention_forward`` of the modeling module that defines the attention module's class (or
+    one of its bases): what ``attn_implementation="eager"`` runs for this module. None if there is none."""
+    for cls in type(module).__mro__:
+        found = getattr(sys.modules.get(cls.__module__), "eager_attention_forward", None)
+        if callable(found):
+            return found
+    return None
+
+
+def _generic_eager_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    softcap: float | None = None,
+    position_bias: torch.Tensor | None = None,
+    s_aux: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eager attention with everything transformers' attention functions pass: the fallback for attention
+    modules whose modeling module defines no ``eager_attention_forward``.
+
+    Scores ``query @ key^T * scaling`` (GQA: query head ``h`` uses kv head ``h // group``), soft-capped to
+    ``softcap * tanh(scores / softcap)``, plus ``position_bias``, plus the additive ``attention_mask``; the
+    sinks (``s_aux`` of shape (heads,) as gpt-oss passes them, or ``sinks`` broadcastable to (batch, heads,
+    q_length, 1)) as one extra logit per row that takes part in the softmax and is then dropped; softmax in
+    float32, dropout when the module is training, times ``value``. Returns ``(output of shape (batch,
+    q_length, heads, head_dim), the attention weights)``, like the modeling modules' eager functions.
+    """
+    group = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if position_bias is not None:
+        scores = scores + position_bias
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    sink = s_aux if s_aux is not None else sinks
+    if sink is not None:
+        sink = sink.reshape(1, -1, 1, 1) if sink.dim() == 1 else sink
+        sink = sink.to(scores.dtype).expand(*scores.shape[:-1], 1)
+        weights = torch.softmax(torch.cat([scores, sink], dim=-1).float(), dim=-1)[..., :-1]
+    else:
+        weights = torch.softmax(scores.float(), dim=-1)
+    weights = torch.nn.functional.dropout(weights.to(query.dtype), p=dropout, training=module.training)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
+def _eager_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    needs: list[str],
+    *,
+    dropout: float,
+    scaling: float | None,
+    causal: bool,
+    kwargs: dict[str, Any],
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The call through the model's own eager attention function, with the mask it expects."""
+    eager = _eager_function(module)
+    if eager is not None:
+        which = f"the model's eager attention function ({eager.__module__}.{eager.__qualname__})"
+    else:
+        eager = _generic_eager_attention
+        which = (
+            f"flash_attention's generic eager attention ({type(module).__module__} defines no "
+            "eager_attention_forward)"
+        )
+    what = ", ".join(_EAGER_KWARGS[name] for name in needs)
+    fn.warn_once(
+        f"transformers-eager:{','.join(needs)}",
+        f"our attention kernel does not compute {what} yet: such calls run through {which}, which computes "
+        "it exactly but materialises the attention scores (slower, more memory)",
+        stacklevel=4,
+        source="flash_attention.integrations.transformers",
+    )
+    mask = _explicit_mask(
+        attention_mask, query.shape[2], key.shape[2], causal, query.device, square_causal_flag=False
+    )
+    if scaling is None:  # not every eager function has a default (gpt-oss's requires it)
+        scaling = query.shape[-1] ** -0.5
+    return eager(
+        module, query, key, value, _additive(mask, query.dtype), dropout=dropout, scaling=scaling, **kwargs
+    )
+
+
+def _check_dropout(dropout: object) -> None:
+    # The kernel would reject a bad value too, but under the name of its own argument (dropout_p).
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)):
+        raise TypeError(f"dropout must be a float in [0, 1]; got {type(dropout).__name__}")
+    if not 0.0 <= dropout <= 1.0:
+        raise ValueError(f"dropout must be a float in [0, 1]; got {dropout!r}")
+
+
+def _check_mask(mask: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor) -> None:
+    if mask is None:
+        return
+    if not isinstance(mask, torch.Tensor) or mask.dim() not in (2, 4):
+        got = f"a {mask.dim()}-D tensor" if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(
+            "attention_mask must be None, a 2-D boolean (batch, kv_length) key mask (our mask function's) "
+            f"or a 4-D mask (transformers'); got {got}"
+        )
+    if mask.dim() == 2 and (mask.dtype != torch.bool or tuple(mask.shape) != (query.shape[0], key.shape[2])):
+        raise ValueError(
+            f"a 2-D attention_mask must be boolean of shape (batch, kv_length) = "
+            f"{(query.shape[0], key.shape[2])}, True = attend; got {mask.dtype} of shape {tuple(mask.shape)}"
+        )
 
 
 def attention_forward(
@@ -183,17 +354,54 @@ def attention_forward(
     scaling: float | None = None,
     is_causal: bool | None = None,
     **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The attention function registered with ``AttentionInterface``.
 
     Same signature and result as transformers' ``sdpa_attention_forward``: ``query`` (batch, heads,
     q_length, head_dim), ``key``/``value`` (batch, kv_heads, kv_length, head_dim) with ``module.
     num_key_value_groups`` query heads per kv head (read in place, never repeated, on the kernel path);
-    returns ``(output of shape (batch, q_length, heads, head_dim), None)``.
+    returns ``(output of shape (batch, q_length, heads, head_dim), None)`` -- or, on the eager route, the
+    eager function's ``(output, attention weights)``. ``attention_mask`` is what our mask function made
+    (None, a 2-D boolean key mask, a 4-D mask) or a 4-D mask the caller passed. ``dropout`` (in [0, 1]) is
+    applied as given: transformers' models pass 0.0 outside training. The module docstring says which
+    route each call takes.
+
+    Raises:
+        ValueError, TypeError: ``dropout`` or ``attention_mask`` of the wrong kind, naming it.
+        NotImplementedError: sparse-attention ``indices``/``block_indices`` (no route here computes them).
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    _check_dropout(dropout)
+    _check_mask(attention_mask, query, key)
+    unsupported = [name for name in _UNSUPPORTED_KWARGS if kwargs.get(name) is not None]
+    if unsupported:
+        raise NotImplementedError(
+            f"attention_forward got {', '.join(unsupported)} (sparse attention: the keys each query may "
+            "attend), which neither our kernel nor transformers' eager/SDPA functions compute; such models "
+            "add them to the mask only for attn_implementation='eager' or 'sdpa': use one of those"
+        )
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    needs_eager = [name for name in _EAGER_KWARGS if kwargs.get(name) is not None]
+    if needs_eager:
+        if kwargs.get("cache") is not None:
+            raise NotImplementedError(
+                f"attention_forward got {', '.join(needs_eager)} with a paged cache (cache=): the eager "
+                "route that computes them cannot update a paged cache; use attn_implementation='paged|eager'"
+            )
+        return _eager_attention(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            needs_eager,
+            dropout=dropout,
+            scaling=scaling,
+            causal=causal,
+            kwargs=kwargs,
+        )
+
     q_length, kv_length = query.shape[2], key.shape[2]
     head_dim = query.shape[-1]
     # The library's layout, as views: (batch, seqlen, heads, head_dim); the kernel takes these strides.
@@ -201,29 +409,27 @@ def attention_forward(
 
     kernel_ok = (
         (attention_mask is None or attention_mask.dim() == 2)
-        and not any(kwargs.get(name) is not None for name in _UNSUPPORTED_KWARGS)
         and kwargs.get("cache") is None  # a paged cache: transformers' function updates it
         and head_dim % 8 == 0
         and head_dim <= MAX_HEAD_DIM
         and value.shape[-1] == head_dim
         and query.dtype == key.dtype == value.dtype
+        and dropout < 1.0  # the kernels take p in [0, 1); p == 1 (everything dropped) goes to SDPA
         and not fn.needs_pytorch_path(q, k, v, dropout_p=dropout, stacklevel=5)
     )
     if kernel_ok:
         if attention_mask is None:
-            return attention(q, k, v, causal=causal, softmax_scale=scaling), None
+            return attention(q, k, v, causal=causal, softmax_scale=scaling, dropout_p=dropout), None
         # A 2-D key mask: one kernel call with per-batch key ranges when each row's valid keys are one run.
-        ranges = (
-            fn.plan_padded(attention_mask)
-            if attention_mask.dtype == torch.bool
-            and attention_mask.shape == (query.shape[0], kv_length)
-            and attention_mask.device == query.device
-            else None
-        )
+        ranges = fn.plan_padded(attention_mask) if attention_mask.device == query.device else None
         if ranges is not None:
-            return fn.key_range_attention(q, k, v, ranges, causal=causal, scale=scaling), None
+            out = fn.key_range_attention(q, k, v, ranges, causal=causal, scale=scaling, dropout_p=dropout)
+            return out, None
 
-    mask = _sdpa_equivalent_mask(attention_mask, q_length, kv_length, causal, query.device)
+    # A 4-D mask (sliding windows among others: the window is in it, as it is for "eager" and "sdpa",
+    # which also ignore the sliding_window argument), key padding with holes, or what the kernel cannot
+    # take: transformers' SDPA function, which computes exactly that mask.
+    mask = _explicit_mask(attention_mask, q_length, kv_length, causal, query.device, square_causal_flag=True)
     return sdpa_attention_forward(
         module, query, key, value, mask, dropout=dropout, scaling=scaling, is_causal=causal, **kwargs
     )

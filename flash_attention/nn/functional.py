@@ -54,13 +54,13 @@ _warned: set[str] = set()
 _warn_lock = threading.Lock()
 
 
-def warn_once(key: str, message: str, *, stacklevel: int = 3) -> None:
-    """Emit ``message`` as a RuntimeWarning the first time ``key`` is seen in this process."""
+def warn_once(key: str, message: str, *, stacklevel: int = 3, source: str = "flash_attention.nn") -> None:
+    """Emit ``f"{source}: {message}"`` as a RuntimeWarning the first time ``key`` is seen in this process."""
     with _warn_lock:
         if key in _warned:
             return
         _warned.add(key)
-    warnings.warn(f"flash_attention.nn: {message}", RuntimeWarning, stacklevel=stacklevel)
+    warnings.warn(f"{source}: {message}", RuntimeWarning, stacklevel=stacklevel)
 
 
 def kernel_expected(t: torch.Tensor) -> bool:
