@@ -126,11 +126,8 @@ def validate(
             f"q's heads ({heads_q}) must be a multiple of k's and v's heads ({heads_kv}): "
             f"query head h reads kv head h // (heads_q // heads_kv); got q {_shape(q)}, k {_shape(k)}"
         )
-    if head_dim <= 0 or head_dim % 8 or head_dim > MAX_HEAD_DIM:
-        raise ValueError(
-            f"head_dim (q.shape[3]) must be a positive multiple of 8 and at most {MAX_HEAD_DIM}; "
-            f"got {head_dim}"
-        )
+    if head_dim < 1 or head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim (q.shape[3]) must be between 1 and {MAX_HEAD_DIM}; got {head_dim}")
     if out is not None and out.shape != q.shape:
         raise ValueError(f"out must have the shape of q {_shape(q)}; got {_shape(out)}")
 

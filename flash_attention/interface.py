@@ -103,12 +103,13 @@ def attention(
         q: queries, shape (batch, seqlen_q, heads_q, head_dim) -- the layout of the FlashAttention library.
         k: keys, shape (batch, seqlen_k, heads_kv, head_dim).
         v: values, shape (batch, seqlen_k, heads_kv, head_dim).
-            q, k and v share one dtype (float16, bfloat16, float32 or float64) and one device. head_dim is a
-            multiple of 8, at most 256. Any other stride is allowed as long as the last dimension is
-            contiguous, so (batch, heads, seqlen, head_dim) tensors passed as ``x.transpose(1, 2)`` need no
-            copy. heads_q must be a multiple of heads_kv: query head ``h`` attends with kv head
-            ``h // (heads_q // heads_kv)`` (grouped-query attention; heads_kv == 1 is multi-query), and K/V
-            are never copied to expand the heads.
+            q, k and v share one dtype (float16, bfloat16, float32 or float64) and one device. head_dim is
+            any size from 1 to 256 (on the kernels, one that is not a multiple of 8 runs zero-padded to
+            the next multiple, at the cost of a copy of q, k and v). Any other stride is allowed as long as
+            the last dimension is contiguous, so (batch, heads, seqlen, head_dim) tensors passed as
+            ``x.transpose(1, 2)`` need no copy. heads_q must be a multiple of heads_kv: query head ``h``
+            attends with kv head ``h // (heads_q // heads_kv)`` (grouped-query attention; heads_kv == 1 is
+            multi-query), and K/V are never copied to expand the heads.
         causal: mask out keys "in the future", aligned to the bottom-right corner as in FlashAttention
             2.1+: query ``i`` attends key ``j`` iff ``j <= i + seqlen_k - seqlen_q``. When seqlen_q >
             seqlen_k the first ``seqlen_q - seqlen_k`` query rows see no key at all.

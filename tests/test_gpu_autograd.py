@@ -172,6 +172,16 @@ for _i in range(40):
             _i,  # seed
         )
     )
+# Head dims that are not a multiple of 8 (zero-padded to the next one inside the op), every family of
+# kernels below them, with GQA, causal, key ranges and a transposed layout.
+_CASES += [
+    (2, 77, 91, 4, 2, 1, "bf16", True, "bshd", False, 200),
+    (1, 130, 130, 2, 1, 3, "fp16", False, "bhsd", True, 201),
+    (2, 65, 200, 6, 3, 36, "bf16", True, "bshd", False, 202),
+    (1, 300, 257, 4, 4, 100, "fp16", True, "padded", True, 203),
+    (1, 129, 129, 2, 2, 129, "bf16", False, "bshd", False, 204),
+    (2, 200, 150, 4, 1, 250, "bf16", True, "bhsd", False, 205),
+]
 # Longer ones, where many K/V blocks accumulate into one dQ row and many query blocks into one dK/dV row.
 _CASES += [
     (1, 4097, 4097, 4, 2, 128, "bf16", True, "bshd", False, 100),

@@ -410,7 +410,6 @@ def attention_forward(
     kernel_ok = (
         (attention_mask is None or attention_mask.dim() == 2)
         and kwargs.get("cache") is None  # a paged cache: transformers' function updates it
-        and head_dim % 8 == 0
         and head_dim <= MAX_HEAD_DIM
         and value.shape[-1] == head_dim
         and query.dtype == key.dtype == value.dtype

@@ -4,9 +4,10 @@
 * :class:`MultiheadAttention` -- a drop-in subclass of ``torch.nn.MultiheadAttention``;
 * :func:`replace_attention` -- convert the ``nn.MultiheadAttention`` modules of an existing model.
 
-They use our CUDA kernel for inference (fp16/bf16 on CUDA) and PyTorch for what the kernel does not do yet
-(gradients, attention dropout, arbitrary masks), computing the same function either way;
-:mod:`flash_attention.nn.functional` holds that dispatch.
+They run on our CUDA kernels (fp16/bf16 on CUDA), for inference and training alike, and on PyTorch for
+what the kernels do not do (arbitrary masks and biases, ``need_weights=True``, and in
+:class:`MultiheadAttention` the dropout of the stock module's random stream), computing the same function
+either way; :mod:`flash_attention.nn.functional` holds that dispatch.
 """
 
 from .convert import replace_attention

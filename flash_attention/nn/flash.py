@@ -20,9 +20,9 @@ class FlashAttention(nn.Module):
 
     Args:
         d_model: width of the inputs and of the output.
-        num_heads: query heads; ``head_dim = d_model // num_heads`` must be a multiple of 8, at most 256 (what
-            the kernels are built for; the PyTorch path keeps the same rule so a model that runs on the CPU
-            also runs on the GPU).
+        num_heads: query heads; ``head_dim = d_model // num_heads`` must be at most 256 (the largest the
+            kernels are built for; the PyTorch path keeps the same rule so a model that runs on the CPU also
+            runs on the GPU). A head_dim that is not a multiple of 8 runs on the kernels zero-padded.
         num_kv_heads: key/value heads (grouped-query attention; 1 is multi-query). Default ``num_heads``.
             K/V are never copied per query head on the kernel path.
         dropout: dropout on the attention probabilities, in training mode only.
@@ -73,10 +73,10 @@ class FlashAttention(nn.Module):
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         head_dim = d_model // num_heads
-        if head_dim % 8 or head_dim > MAX_HEAD_DIM:
+        if head_dim > MAX_HEAD_DIM:
             raise ValueError(
-                f"d_model // num_heads (head_dim) must be a multiple of 8 and at most {MAX_HEAD_DIM}; got "
-                f"{head_dim} (d_model={d_model}, num_heads={num_heads})"
+                f"d_model // num_heads (head_dim) must be at most {MAX_HEAD_DIM}; got {head_dim} "
+                f"(d_model={d_model}, num_heads={num_heads})"
             )
         if not (isinstance(dropout, int | float) and 0.0 <= dropout <= 1.0):
             raise ValueError(f"dropout must be a probability in [0, 1]; got {dropout!r}")

@@ -89,7 +89,8 @@ def needs_pytorch_path(
         if kernel_expected(q):
             warn_once(
                 "grad",
-                "gradients are needed, and the CUDA kernel has no backward pass yet: this call runs through "
+                "gradients are needed and the kernels' backward pass is switched off "
+                "(flash_attention.nn.functional.KERNEL_HAS_BACKWARD = False): this call runs through "
                 "PyTorch's scaled_dot_product_attention (inference under torch.no_grad() or "
                 "torch.inference_mode() uses the kernel)",
                 stacklevel=stacklevel,

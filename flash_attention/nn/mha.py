@@ -29,10 +29,11 @@ class MultiheadAttention(nn.MultiheadAttention):
 
     * ``need_weights=False`` (note: PyTorch's default is True; ``nn.TransformerEncoderLayer`` and
       ``nn.TransformerDecoderLayer`` pass False);
-    * no gradient is recorded (the kernel has no backward pass yet: training runs through PyTorch, with a
-      one-time warning on CUDA), and no attention dropout is active (``dropout > 0`` in training mode);
-    * ``kdim == vdim == embed_dim``, no ``add_bias_kv``, no ``add_zero_attn``, ``head_dim`` a multiple of 8
-      and at most 256, the inputs' dtype that of the parameters;
+    * no attention dropout is active (``dropout > 0`` in training mode runs PyTorch's module, so that a
+      drop-in replacement draws the same random masks as the module it replaces; a one-time warning on
+      CUDA says so). Training without dropout runs on the kernels, the backward pass included;
+    * ``kdim == vdim == embed_dim``, no ``add_bias_kv``, no ``add_zero_attn``, ``head_dim`` at most 256
+      (one that is not a multiple of 8 runs zero-padded), the inputs' dtype that of the parameters;
     * ``attn_mask`` is None, or is declared causal with ``is_causal=True`` on a square (seqlen_q ==
       seqlen_k) problem -- PyTorch's own contract: ``is_causal`` is a hint that ``attn_mask`` *is* the causal
       mask. Any other mask is an arbitrary mask or bias: PyTorch path, with a one-time warning;
@@ -186,8 +187,9 @@ class MultiheadAttention(nn.MultiheadAttention):
             if fn.kernel_expected(query):
                 fn.warn_once(
                     "grad",
-                    "gradients are needed, and the CUDA kernel has no backward pass yet: this call runs "
-                    "through PyTorch's MultiheadAttention (inference under torch.no_grad() or "
+                    "gradients are needed and the kernels' backward pass is switched off "
+                    "(flash_attention.nn.functional.KERNEL_HAS_BACKWARD = False): this call runs through "
+                    "PyTorch's MultiheadAttention (inference under torch.no_grad() or "
                     "torch.inference_mode() uses the kernel)",
                     stacklevel=4,
                 )
@@ -244,7 +246,6 @@ class MultiheadAttention(nn.MultiheadAttention):
             and self.bias_v is None
             and not self.add_zero_attn
             and self.in_proj_weight is not None
-            and self.head_dim % 8 == 0
             and self.head_dim <= MAX_HEAD_DIM
             and self.head_dim * self.num_heads == self.embed_dim
         )

@@ -1,0 +1,113 @@
+"""Every GPU from sm_80 to sm_90 gets default forward and backward configs that fit it.
+
+Checked against a per-architecture table of the opt-in shared memory per block (A100 and Jetson Orin 163 KB,
+RTX 30xx/40xx-class 99 KB, Hopper 227 KB) and by compiling each default for its own architecture: registers,
+spills and stack frame from ptxas. Where no backward config can fit (head_dim 256 on 99 KB), the call falls
+back to PyTorch with a warning: the selection raises NoKernel, which the dispatch turns into the fallback
+(test_fallback.py and test_autograd.py check that half with stand-in kernels).
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from flash_attention.configs import (
+    DTYPES,
+    HEAD_DIMS,
+    SMEM_OPTIN,
+    BwdConfig,
+    default_bwd_config,
+    default_config,
+)
+from flash_attention.jit import compiler
+from flash_attention.jit.cache import build
+from flash_attention.ops.select import NoKernel, backward_config, forward_config
+from flash_attention.tools.build import MAX_BWD_SPILL_BYTES
+from flash_attention.winners import SEQLEN_BUCKETS
+
+#: The architectures the issue names, with the limits their vendor documents (bytes per block, opt-in).
+LIMITS = {
+    "sm_80": 163 * 1024,
+    "sm_86": 99 * 1024,
+    "sm_87": 163 * 1024,
+    "sm_89": 99 * 1024,
+    "sm_90": 227 * 1024,
+}
+
+
+def _defaults(arch: str) -> list:
+    """Every default config of ``arch``: forward for each dtype, compiled head_dim, mask and length; backward
+    for each dtype and head_dim (None where nothing fits)."""
+    out: list = []
+    for dtype in DTYPES:
+        for d in HEAD_DIMS:
+            for causal in (False, True):
+                for n in SEQLEN_BUCKETS:
+                    out.append(default_config(dtype, d, causal, n, n, arch))
+            out.append(default_bwd_config(dtype, d, arch))
+    return list(dict.fromkeys(out))
+
+
+def test_the_table_agrees_with_the_vendors_limits():
+    for arch, limit in LIMITS.items():
+        assert SMEM_OPTIN[arch] == limit
+
+
+@pytest.mark.parametrize("arch", sorted(LIMITS))
+def test_every_default_fits_the_shared_memory_of_its_architecture(arch):
+    for cfg in _defaults(arch):
+        if cfg is None:
+            continue
+        smem = max(cfg.smem_bytes, getattr(cfg, "dq_smem_bytes", 0))
+        assert smem <= LIMITS[arch], f"{cfg.name()} needs {smem} bytes; {arch} allows {LIMITS[arch]}"
+
+
+def test_only_head_dim_256_training_on_99_kb_has_no_backward_kernel():
+    for arch in LIMITS:
+        for dtype in DTYPES:
+            for d in HEAD_DIMS:
+                cfg = default_bwd_config(dtype, d, arch)
+                assert (cfg is None) == (d == 256 and LIMITS[arch] < 100 * 1024), (arch, d, cfg)
+                if cfg is None:
+                    with pytest.raises(NoKernel, match="no backward kernel for head_dim 256 fits"):
+                        backward_config(
+                            dtype, d, True, 512, 512, 1, arch=arch, gpu="", smem_limit=LIMITS[arch]
+                        )
+    # The smaller tiles the 99 KB GPUs get, by name: the forward choice is the portable one everywhere.
+    assert default_bwd_config("bf16", 128, "sm_86").name() == "bwd_bf16_d128_q64_kv64_w4_s1"
+    assert default_bwd_config("bf16", 192, "sm_89").name() == "bwd_bf16_d192_q64_kv32_w2_s3"
+    assert default_config("bf16", 256, True, 4096, 4096, "sm_86") == default_config(
+        "bf16", 256, True, 4096, 4096
+    )
+
+
+def test_a_forward_that_does_not_fit_the_gpu_is_no_kernel_not_an_error():
+    with pytest.raises(NoKernel, match="shared memory"):
+        forward_config("bf16", 128, False, 4096, 4096, 1, arch="sm_86", gpu="", smem_limit=32 * 1024)
+    # A named config that does not fit is the caller's mistake: a ValueError naming the config.
+    cfg = default_config("bf16", 128, False, 4096, 4096)
+    with pytest.raises(ValueError, match="shared memory per block"):
+        forward_config("bf16", 128, False, 4096, 4096, 1, arch="sm_86", gpu="", smem_limit=1024, config=cfg)
+
+
+@pytest.mark.skipif(compiler.choose_compiler() is None, reason="needs NVRTC or nvcc")
+@pytest.mark.parametrize("arch", ["sm_86", "sm_89"])
+def test_defaults_of_the_99_kb_architectures_compile_without_spills(arch, tmp_path, monkeypatch):
+    # sm_80 and sm_90 are compiled by the catalog build (test_build.py); these two only here.
+    monkeypatch.setenv("FLASH_ATTENTION_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("FLASH_ATTENTION_QUIET", "1")
+    cfgs = [c for c in _defaults(arch) if c is not None]
+    with ThreadPoolExecutor(min(2, os.cpu_count() or 1)) as ex:
+        built = list(ex.map(lambda c: build(c, arch), cfgs))
+    for cfg, b in zip(cfgs, built, strict=True):
+        assert b.arch == arch
+        bound = MAX_BWD_SPILL_BYTES if isinstance(cfg, BwdConfig) else 0
+        for r in b.meta["resources"]:
+            assert 0 < r["registers"] <= 255, r
+            spill = max(r["spill_stores"], r["spill_loads"])
+            assert spill <= bound, f"{r['kernel']} on {arch} spills {spill} bytes"
+            if not isinstance(cfg, BwdConfig):
+                assert r["stack_frame"] == 0, r
