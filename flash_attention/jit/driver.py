@@ -53,6 +53,16 @@ def _raw() -> ctypes.CDLL | None:
         return None
 
 
+@cache
+def _launch_kernel():
+    """cuLaunchKernel with its argument types declared, so ctypes converts the Python ints without guessing
+    (and a stream handle above 2**31 is passed as a pointer, not truncated to an int)."""
+    fn = libcuda().cuLaunchKernel
+    fn.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+    fn.restype = ctypes.c_int
+    return fn
+
+
 class Kernel:
     """One entry point of a loaded cubin."""
 
@@ -85,24 +95,14 @@ class Kernel:
         self._smem_set[device] = nbytes
 
     def launch(self, grid, block, smem: int, stream: int, params: ctypes.Structure) -> None:
-        lib = libcuda()
-        args = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(params), ctypes.c_void_p))
-        check(
-            lib.cuLaunchKernel(
-                self.handle,
-                grid[0],
-                grid[1],
-                grid[2],
-                block[0],
-                block[1],
-                block[2],
-                smem,
-                ctypes.c_void_p(stream),
-                args,
-                None,
-            ),
-            f"launching {self.name}",
+        """Queue the kernel on ``stream`` with ``params`` (the kernel's one by-value argument). The driver
+        copies the argument at the call, so ``params`` may be reused or freed as soon as this returns."""
+        args = (ctypes.c_void_p * 1)(ctypes.addressof(params))
+        status = _launch_kernel()(
+            self.handle, grid[0], grid[1], grid[2], block[0], block[1], block[2], smem, stream, args, None
         )
+        if status != 0:
+            check(status, f"launching {self.name}")
 
 
 def load_library(cubin: bytes) -> ctypes.c_void_p:
