@@ -187,3 +187,16 @@ def test_two_processes_compiling_the_same_kernel(cache):
     assert len(cubins) == 1 and len(list(cache.glob("*.json"))) == 1
     assert not list(cache.glob("*.tmp"))
     assert cubins[0].read_bytes()[:4] == b"\x7fELF"
+
+
+@needs_nvcc
+def test_an_unwritable_cache_warns_and_still_returns_the_kernel(tmp_path, monkeypatch):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the cache folder should be")
+    monkeypatch.setenv("FLASH_ATTENTION_CACHE_DIR", str(blocker / "cache"))
+    monkeypatch.setenv("FLASH_ATTENTION_QUIET", "1")
+    monkeypatch.setattr(kernels, "_unwritable_warned", set())
+    cfg = parse_config("(BF16, 64, 64, 64, 4): async+eager+swizzled+load_0_1_1_tiles+buffer+opt_softmax")
+    with pytest.warns(RuntimeWarning, match="kernel cache .* is not writable.*FLASH_ATTENTION_CACHE_DIR"):
+        built = kernels.build(cfg, "sm_80", "nvcc")
+    assert built.cubin[:4] == b"\x7fELF" and not built.from_cache

@@ -17,6 +17,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -185,7 +186,26 @@ def build(
         "resources": [r.to_dict() for r in result.resources],
         "log": result.log,
     }
-    # Metadata first: a cubin on disk always has its metadata beside it.
-    atomic_write(meta_path, json.dumps(meta, indent=1).encode())
-    atomic_write(cubin_path, result.cubin)
+    try:
+        # Metadata first: a cubin on disk always has its metadata beside it.
+        atomic_write(meta_path, json.dumps(meta, indent=1).encode())
+        atomic_write(cubin_path, result.cubin)
+    except OSError as exc:
+        # A read-only or full cache costs a compile per process, never the call itself.
+        _warn_unwritable(root, exc)
     return BuiltKernel(cfg, arch, cid, result.cubin, meta, False)
+
+
+_unwritable_warned: set[str] = set()
+
+
+def _warn_unwritable(root: Path, exc: OSError) -> None:
+    if str(root) in _unwritable_warned:
+        return
+    _unwritable_warned.add(str(root))
+    warnings.warn(
+        f"flash_attention: the kernel cache {root} is not writable ({exc}); compiled kernels are kept in this "
+        "process only and compiled again in the next. Set FLASH_ATTENTION_CACHE_DIR to a writable folder.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
