@@ -78,7 +78,7 @@ def test_every_backward_unit_of_the_catalog_compiles_with_its_entries(catalog_bu
     for cfg, m in found:
         ranged, dropout = m["ranged"], m["dropout"]
         res = {r["kernel"]: r for r in m["resources"]}
-        expected = {cfg.symbol("pre")} | {
+        expected = {cfg.symbol(kind) for kind in cfg.MASK_FREE_KINDS} | {
             cfg.symbol(k, c, ranged, dropout) for k, c in itertools.product(cfg.entry_kinds(), (False, True))
         }
         assert set(res) == expected, m["config"]

@@ -81,6 +81,28 @@ def _reference_grads(q, k, v, dout, causal, scale, key_range):
     return torch.autograd.grad(out, (q64, k64, v64), dout.double())
 
 
+def _delta_term(q, k, v, out, dout, causal, scale, key_range):
+    """What the FlashAttention backward's D = rowsum(dO * O) adds to dq and dk when O is the rounded
+    forward output rather than the exact one: dS gains -P * dD with dD = rowsum(dO * (O - O_exact)), so dq
+    gains -scale * dD * (P K) and dk gains -scale * P^T (dD * Q), in float64. Every FlashAttention backward
+    (ours, the FlashAttention library's, cuDNN's dot_do_o) computes D this way; with head_dim of 8 or more
+    the term averages out below the output's own rounding, but at head_dim 1-7 it is a few units in the last
+    place of dq, where PyTorch's math path (the only one of its backends that takes such head dims) derives D
+    from its own P and dP instead."""
+    group = q.shape[2] // k.shape[2]
+    q64, k64, v64, o, do = (t.detach().double().transpose(1, 2) for t in (q, k, v, out, dout))
+    k64, v64 = k64.repeat_interleave(group, 1), v64.repeat_interleave(group, 1)
+    s = q64 @ k64.transpose(-1, -2) * scale
+    allowed = _allowed(q.shape[0], q.shape[1], k.shape[1], causal, key_range)
+    p = torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1).nan_to_num(0.0)
+    d_delta = (do * (o - p @ v64)).sum(-1, keepdim=True)  # (b, h, sq, 1)
+    dq = -scale * d_delta * (p @ k64)
+    dk = -scale * (p.transpose(-1, -2) @ (d_delta * q64))
+    b, hkv = k.shape[0], k.shape[2]
+    dk = dk.reshape(b, hkv, group, *dk.shape[2:]).sum(2)
+    return dq.transpose(1, 2), dk.transpose(1, 2)
+
+
 def _sdpa_grads(q, k, v, dout, allowed, has_key, scale):
     """SDPA's (dq, dk, dv) on the same low-precision tensors, in our layout.
 
@@ -132,6 +154,11 @@ def check_grads(b, sq, sk, hq, hkv, d, dtype, causal, layout, ranged, seed, dete
     allowed = _allowed(b, sq, sk, causal, kr)
     has_key = allowed.any(-1)  # (b, 1, sq)
     ref = _reference_grads(q, k, v, dout, causal, scale, kr)
+    if d < 8:
+        # The algorithm's own term (see _delta_term): the reference becomes the FlashAttention backward
+        # evaluated in float64 on our rounded forward output.
+        dq_t, dk_t = _delta_term(q, k, v, out, dout, causal, scale, kr)
+        ref = (ref[0] + dq_t, ref[1] + dk_t, ref[2])
     sdpa = _sdpa_grads(q, k, v, dout, allowed, has_key, scale)
     rows = has_key[:, 0, :, None, None]  # (b, sq, 1, 1), broadcast over heads and dims of dq
     for name, g, s, r, t in zip("qkv", grads, sdpa, ref, (q, k, v), strict=True):

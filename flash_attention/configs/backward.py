@@ -72,17 +72,22 @@ class BwdConfig:
     def __str__(self) -> str:
         return self.name()
 
+    #: The kernels of a translation unit that do not depend on the mask: the preprocessing kernel (delta, the
+    #: base-2 LSE, and zeroing the dQ workspace) and the cast of the dQ workspace into q's layout.
+    MASK_FREE_KINDS = ("pre", "convert")
+
     def entry_kinds(self) -> tuple[str, ...]:
-        """The per-mask kernels of this config's translation unit besides ``pre``: the dK/dV kernel with
-        atomic dQ, and (sm80 family only) the deterministic pair of dK/dV without atomics and dQ."""
+        """The per-mask kernels of this config's translation unit: the dK/dV kernel with atomic dQ, and
+        (sm80 family only) the deterministic pair of dK/dV without atomics and dQ."""
         return ("dkdv",) if self.wgmma else ("dkdv", "dkdv_det", "dq")
 
     def symbol(self, kernel: str, causal: bool = False, ranged: bool = False, dropout: bool = False) -> str:
-        """Entry point of one kernel of the family: ``pre``, ``dkdv`` (atomic dQ), ``dkdv_det`` or ``dq``."""
-        if kernel not in ("pre", "dkdv", "dkdv_det", "dq"):
-            raise ValueError(f"kernel must be pre, dkdv, dkdv_det or dq; got {kernel!r}")
+        """Entry point of one kernel of the family: ``pre``, ``convert``, ``dkdv`` (atomic dQ), ``dkdv_det``
+        or ``dq``."""
+        if kernel not in ("pre", "convert", "dkdv", "dkdv_det", "dq"):
+            raise ValueError(f"kernel must be pre, convert, dkdv, dkdv_det or dq; got {kernel!r}")
         base = "flash_" + self.name() + "__" + kernel
-        if kernel == "pre":
+        if kernel in self.MASK_FREE_KINDS:
             return base
         return (
             base

@@ -204,8 +204,9 @@ def _warn_unwritable(root: Path, exc: OSError) -> None:
         return
     _unwritable_warned.add(str(root))
     warnings.warn(
-        f"flash_attention: the kernel cache {root} is not writable ({exc}); compiled kernels are kept in this "
-        "process only and compiled again in the next. Set FLASH_ATTENTION_CACHE_DIR to a writable folder.",
+        f"flash_attention: the kernel cache {root} is not writable ({exc}); compiled kernels are kept in "
+        "this process only and compiled again in the next. Set FLASH_ATTENTION_CACHE_DIR to a writable "
+        "folder.",
         RuntimeWarning,
         stacklevel=3,
     )

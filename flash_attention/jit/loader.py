@@ -63,7 +63,7 @@ def get_bwd_kernels(
         if kerns is None:
             built = build(cfg, arch, ranged=ranged, dropout=dropout)
             library = driver.load_library(built.cubin)
-            kerns = {"pre": driver.get_kernel(library, cfg.symbol("pre"))}
+            kerns = {kind: driver.get_kernel(library, cfg.symbol(kind)) for kind in cfg.MASK_FREE_KINDS}
             for causal in (False, True):
                 for kind in cfg.entry_kinds():
                     sym = cfg.symbol(kind, causal, ranged, dropout)

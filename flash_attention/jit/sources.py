@@ -80,16 +80,19 @@ def kernel_source(
 
 
 def bwd_kernel_source(cfg: BwdConfig, *, ranged: bool = False, dropout: bool = False) -> str:
-    """The translation unit of one backward config: the preprocessing kernel and, for causal and not, the
-    dK/dV kernel with atomic dQ, the one without (deterministic mode) and the deterministic dQ kernel.
-    ``ranged=True``: the per-batch key-range instantiations instead (key padding)."""
+    """The translation unit of one backward config: the preprocessing kernel, the cast of the dQ workspace
+    and, for causal and not, the dK/dV kernel with atomic dQ, the one without (deterministic mode) and the
+    deterministic dQ kernel. ``ranged=True``: the per-batch key-range instantiations instead (key padding)."""
     entries = [
         f'extern "C" __global__ void __launch_bounds__(128)\n'
         f"{cfg.symbol('pre')}(const __grid_constant__ fa::BwdParams p) {{\n"
-        "  fa::bwd_preprocess_body<Cfg>(p);\n}\n"
+        "  fa::bwd_preprocess_body<Cfg>(p);\n}\n",
+        f'extern "C" __global__ void __launch_bounds__(128)\n'
+        f"{cfg.symbol('convert')}(const __grid_constant__ fa::BwdParams p) {{\n"
+        "  fa::bwd_convert_dq_body<Cfg>(p);\n}\n",
     ]
     if cfg.wgmma:
-        # The Hopper family: the preprocessing kernel and the atomic-dQ dK/dV kernel, nothing else.
+        # The Hopper family: the mask-free kernels and the atomic-dQ dK/dV kernel, nothing else.
         if ranged or dropout:
             raise ValueError("the wgmma backward has no key-range or dropout build; use an sm80 config")
         for causal in (False, True):

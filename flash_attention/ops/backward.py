@@ -1,9 +1,10 @@
 """The backward launch: gradients (dq, dk, dv) of the forward's output from that output and its LSE.
 
 Three launches on PyTorch's current stream: the preprocessing kernel (delta = rowsum(dO * O), the LSE in
-base 2), the dK/dV kernel (dQ added atomically into an fp32 workspace, or in ``deterministic`` mode without
-atomics), then either one cast of the dQ workspace into q's layout or the deterministic dQ kernel. As for the
-forward, everything a signature decides is worked out once and kept in a plan.
+base 2, and zeroing the fp32 dQ workspace), the dK/dV kernel (dQ added atomically into that workspace, or in
+``deterministic`` mode without atomics), then either the cast of the workspace into q's layout and dtype or
+the deterministic dQ kernel. As for the forward, everything a signature decides is worked out once and kept
+in a plan.
 """
 
 from __future__ import annotations
@@ -34,9 +35,11 @@ _MAX_PLANS = 512
 class _Plan:
     cfg: BwdConfig
     pre: driver.Kernel
+    convert: driver.Kernel
     dkdv: driver.Kernel
     dq: driver.Kernel | None  # the deterministic dQ kernel
     pre_grid: tuple[int, int, int]
+    convert_grid: tuple[int, int, int]
     dkdv_grid: tuple[int, int, int]
     dq_grid: tuple[int, int, int]
     seqlen_q_pad: int
@@ -112,9 +115,11 @@ def _make_plan(q, k, v, o, do, lse, causal, scale, deterministic, ranged, dropou
     return _Plan(
         cfg,
         kerns["pre"],
+        kerns["convert"],
         dkdv,
         dq,
         (p.seqlen_q_pad // 64, heads_q, batch),
+        (math.ceil(seqlen_q / 64), heads_q, batch),
         (p.num_n_blocks * cfg.split, heads_kv, batch),
         (p.num_m_blocks * cfg.split, heads_q, batch),
         p.seqlen_q_pad,
@@ -205,21 +210,17 @@ def cuda_backward(
     cfg, rows = plan.cfg, plan.seqlen_q_pad
     # One fp32 workspace: the base-2 LSE and delta rows (written by the preprocessing kernel), then the dQ
     # accumulator of the atomic mode (padded to whole 128-row blocks and the compiled head_dim, so the
-    # atomics need no bounds checks).
+    # atomics need no bounds checks; zeroed by the preprocessing kernel).
     stats = batch * heads_q * rows
     accum = 0 if deterministic else stats * cfg.head_dim
     ws = torch.empty(2 * stats + accum, dtype=torch.float32, device=device)
-    dq_accum = None
-    if accum:
-        dq_accum = ws[2 * stats :]
-        dq_accum.zero_()
 
     p = BwdParams.from_buffer_copy(plan.template)
     p.q, p.k, p.v, p.o, p.dout = (t.data_ptr() for t in (q_, k_, v_, o_, do_))
     p.lse = lse_.data_ptr()
     p.lse_log2 = ws.data_ptr()
     p.delta = ws.data_ptr() + 4 * stats
-    p.dq_accum = dq_accum.data_ptr() if dq_accum is not None else None
+    p.dq_accum = ws.data_ptr() + 8 * stats if accum else None
     p.dq, p.dk, p.dv = dq.data_ptr(), dk.data_ptr(), dv.data_ptr()
     if ranged:
         key_range = key_range.to(device=device, dtype=torch.int32).contiguous()
@@ -232,7 +233,6 @@ def cuda_backward(
     if plan.dq is not None:
         launch(plan.dq, plan.dq_grid, cfg.dq_threads, cfg.dq_smem_bytes, plan.index, p)
     else:
-        # The workspace holds scale * dS K already; one cast into q's layout.
-        acc = dq_accum.view(batch, heads_q, rows, cfg.head_dim)
-        dq.copy_(acc[:, :, :seqlen_q, :head_dim].transpose(1, 2))
+        # The workspace holds scale * dS K already: one cast into q's layout.
+        launch(plan.convert, plan.convert_grid, 128, 0, plan.index, p)
     return dq, dk, dv

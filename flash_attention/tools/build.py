@@ -29,6 +29,8 @@ from flash_attention.jit import compiler as _compiler
 from flash_attention.jit.cache import build, cache_dir
 from flash_attention.ops.select import BuildJob, catalog
 
+from .report import launch_shape
+
 __all__ = ["MAX_BWD_SPILL_BYTES", "jobs_for", "main"]
 
 #: Spill bytes (stores or loads) the backward kernels may have. Their tiles sit at the 255-register limit and
@@ -143,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             done += 1
             when = "cached" if built.from_cache else f"{built.meta.get('compile_seconds', 0):.1f}s"
             for r in built.meta["resources"]:
-                smem = job.cfg.smem_bytes + r["static_smem"]
+                smem = launch_shape(job.cfg, r["kernel"])[1] + r["static_smem"]
                 line = (
                     f"{built.arch:6} {r['registers']:4d} {smem:7d} "
                     f"{r['spill_stores']:5d}/{r['spill_loads']:<5d} "

@@ -161,10 +161,10 @@ def _build(cfg: KernelConfig | BwdConfig, arch: str, compiler: str | None):
     return build(cfg, arch, compiler)
 
 
-def _launch_shape(cfg, kernel: str) -> tuple[int, int]:
+def launch_shape(cfg, kernel: str) -> tuple[int, int]:
     """Threads and dynamic shared memory of one entry point (the backward family has three kernels)."""
     if isinstance(cfg, BwdConfig):
-        if kernel.endswith("__pre"):
+        if kernel.endswith(("__pre", "__convert")):
             return 128, 0
         if "__dq" in kernel:
             return cfg.dq_threads, cfg.dq_smem_bytes
@@ -186,7 +186,7 @@ def resource_lines(cfg, arch: str, compiler: str | None) -> list[str]:
     built = _build(cfg, arch, compiler)
     lines = []
     for r in sorted(built.meta["resources"], key=lambda r: r["kernel"]):
-        threads, dyn_smem = _launch_shape(cfg, r["kernel"])
+        threads, dyn_smem = launch_shape(cfg, r["kernel"])
         smem = dyn_smem + r["static_smem"]
         occ = occupancy(arch, threads, r["registers"], smem)
         lines.append(

@@ -21,6 +21,7 @@
 
 #include "../fwd/fwd_kernel.cuh"
 #include "fa/bwd_params.h"
+#include "fa/dq_accum.cuh"
 
 namespace fa {
 
@@ -76,6 +77,10 @@ __device__ __forceinline__ void bwd_preprocess_body(const BwdParams& p) {
     acc += __shfl_xor_sync(0xffffffffu, acc, 1);
     acc += __shfl_xor_sync(0xffffffffu, acc, 2);
     acc += __shfl_xor_sync(0xffffffffu, acc, 4);
+    // The atomic mode's dQ workspace starts at zero: each row is cleared here, before the dK/dV kernel (next
+    // on the stream) adds into it. Null in deterministic mode, which writes dQ directly.
+    if (p.dq_accum != nullptr && row < p.seqlen_q_pad)
+      zero_dq_accum_row<Cfg::kHeadDim>(p.dq_accum, ((i64)batch * p.heads_q + head) * p.seqlen_q_pad + row, lane8);
     if (lane8 == 0 && row < p.seqlen_q_pad) {
       const i64 idx = ((i64)batch * p.heads_q + head) * p.seqlen_q_pad + row;
       float lse2 = pos_inf();  // padding rows and rows that see no key: probabilities exp2(s - inf) = 0
