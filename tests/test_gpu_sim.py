@@ -203,8 +203,14 @@ def test_trace_from_the_environment_variable(monkeypatch):
     assert ops.last_trace()["config"] == tr_k.config
 
 
-def test_sanity_passes_on_this_gpu(capsys):
+def test_sanity_runs_what_attention_runs_on_this_gpu(capsys):
     assert sanity.main([]) == 0
     out = capsys.readouterr().out
     assert "\nPASS" in out and "compute capability" in out and "run:       PASS" in out, out
     assert math.isfinite(float(out.split("max error ")[-1].split()[0]))
+    # The forward and backward configurations named are the ones a default call picks here.
+    q = torch.randn(2, 1000, 8, 128, device="cuda", dtype=torch.bfloat16)
+    assert ops.chosen_config(q, q, causal=True, softmax_scale=128**-0.5).name() in out
+    if torch.cuda.get_device_capability() == (9, 0):
+        assert "wgmma" in out.split("forward:")[1].splitlines()[0]
+        assert "_wgmma" in out.split("backward:")[1].splitlines()[0]

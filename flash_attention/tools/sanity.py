@@ -1,8 +1,10 @@
 """``python -m flash_attention sanity``: can this machine run the kernels, and are they right?
 
 Prints the GPU (name, compute capability, SMs, memory), the torch and CUDA versions, which compiler the JIT
-will use and where its cache is, compiles (or loads) one kernel and shows the time, runs it against the
-float64 reference with the accuracy rule of the GPU tests, and ends with PASS or FAIL. On a machine without a
+will use and where its cache is, compiles (or loads) the forward and backward kernels a default
+``attention()`` call picks on this GPU (on Hopper the wgmma ones) and shows the time, runs a causal training
+step against float64 output and gradients with the accuracy rule of the GPU tests, and ends with PASS or
+FAIL. On a machine without a
 usable GPU it says exactly what is missing, checks that the CPU path works, and says what to do to get the
 kernels. Every failure line says what to do next.
 """
@@ -21,9 +23,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from flash_attention import __version__
+from flash_attention import __version__, ops
 from flash_attention.configs import default_config
-from flash_attention.interface import attention, forward
+from flash_attention.interface import attention
 from flash_attention.jit import compiler as _compiler
 from flash_attention.jit import driver as _driver
 from flash_attention.jit.cache import build, cache_dir
@@ -192,49 +194,89 @@ def _gpu(rep: _Report, index: int) -> str | None:
     return f"sm_{major}{minor}"
 
 
-def _kernel_check(rep: _Report, index: int, arch: str, kind: str, recompile: bool) -> None:
-    cfg = default_config("bf16", 128, True, 1000, 1000)
+def _build_line(rep: _Report, label: str, cfg, arch: str, kind: str, recompile: bool) -> bool:
+    """Compile (or load) one configuration and report it; False after a compile failure."""
     t0 = time.perf_counter()
     try:
         built = build(cfg, arch, kind, force=recompile)
     except CompileError as exc:
         head = "\n".join(str(exc).splitlines()[:12])
         rep.fail(
-            "compile",
+            label,
             f"{cfg.name()} for {arch} with {kind}:\n{head}",
             "try the other compiler (FLASH_ATTENTION_COMPILER=nvcc or nvrtc); " + _SUPPORT,
         )
-        return
+        return False
     dt = time.perf_counter() - t0
     how = f"loaded from the cache in {dt * 1000:.0f} ms" if built.from_cache else f"compiled in {dt:.1f} s"
-    regs = ", ".join(
-        f"{r['registers']} registers, {r['spill_stores']} B spilled" for r in built.meta["resources"][:1]
-    )
-    rep.line("compile", f"{cfg.name()} for {arch}: {how} ({regs}; --recompile times a fresh compile)")
+    regs = max(r["registers"] for r in built.meta["resources"])
+    spill = max(r["spill_stores"] for r in built.meta["resources"])
+    rep.line(label, f"{cfg.name()} for {built.arch}: {how} (up to {regs} registers, {spill} B spilled)")
+    return True
 
+
+def _sdpa_grads(q, k, v, dout):
+    """PyTorch's own causal attention and its gradients, in q's precision (the accuracy rule's yardstick)."""
+    qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_(True) for x in (q, k, v))
+    o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=causal_allowed(q.shape[1], k.shape[1], q.device))
+    grads = torch.autograd.grad(o, (qt, kt, vt), dout.transpose(1, 2))
+    return o.transpose(1, 2), [g.transpose(1, 2) for g in grads]
+
+
+def _kernel_check(rep: _Report, index: int, arch: str, kind: str, recompile: bool) -> None:
+    """Exactly what a default ``attention()`` call and its backward run on this GPU: the configurations the
+    launch layer picks, compiled, then a causal training step checked against float64 gradients."""
     device = torch.device("cuda", index)
     gen = torch.Generator(device=device).manual_seed(0)
     b, s, h, d = 2, 1000, 8, 128
-    q, k, v = (torch.randn(b, s, h, d, generator=gen, device=device).to(torch.bfloat16) for _ in range(3))
+    q, k, v, dout = (
+        torch.randn(b, s, h, d, generator=gen, device=device).to(torch.bfloat16) for _ in range(4)
+    )
+    fwd_cfg = ops.chosen_config(q, k, causal=True, softmax_scale=d**-0.5)
+    if not _build_line(rep, "forward", fwd_cfg, arch, kind, recompile):
+        return
     try:
-        out = forward(cfg, q, k, v, causal=True)
+        bwd_cfg = ops.backward_config(
+            "bf16", d, True, s, s, 1, arch=arch, gpu=ops.gpu_name(index), smem_limit=ops.smem_limit(index)
+        )
+    except ops.NoKernel as exc:
+        bwd_cfg = None
+        rep.line("backward", f"the PyTorch fallback on this GPU: {exc}")
+    if bwd_cfg is not None and not _build_line(rep, "backward", bwd_cfg, arch, kind, recompile):
+        return
+
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    try:
+        out = attention(*leaves, causal=True)
+        grads = torch.autograd.grad(out, leaves, dout)
         torch.cuda.synchronize(device)
     except Exception as exc:  # noqa: BLE001 - any launch failure ends the check with advice
-        rep.fail("run", f"the kernel failed to run: {exc}", _SUPPORT)
+        rep.fail("run", f"the kernels failed to run: {exc}", _SUPPORT)
         return
-    ref, _ = attention_reference(q, k, v, causal=True)
-    err = (out.double() - ref).abs().max().item()
-    bound = _accuracy_bound(q, k, v, ref)
-    what = f"causal attention on ({b}, {s}, {h}, {d}) bf16: max error {err:.3g} against float64"
-    rule = f"(bound {bound:.3g}: 2x PyTorch's own error + 1e-5)"
-    if math.isfinite(err) and err <= bound:
-        rep.line("run", f"PASS: {what} {rule}")
+    q64, k64, v64 = (t.double().requires_grad_(True) for t in (q, k, v))
+    ref, _ = attention_reference(q64, k64, v64, causal=True)
+    ref_grads = torch.autograd.grad(ref, (q64, k64, v64), dout.double())
+    sdpa, sdpa_grads = _sdpa_grads(q, k, v, dout)
+    checks = [("out", out, sdpa, ref)] + list(
+        zip(("dq", "dk", "dv"), grads, sdpa_grads, ref_grads, strict=True)
+    )
+    worst = []
+    for name, got, theirs, exact in checks:
+        err = (got.double() - exact).abs().max().item()
+        bound = 2 * (theirs.double() - exact).abs().max().item() + 1e-5
+        worst.append((err / bound if math.isfinite(err) else math.inf, name, err, bound))
+    ratio, name, err, bound = max(worst)
+    what = f"causal training step on ({b}, {s}, {h}, {d}) bf16, output and gradients against float64"
+    detail = f"worst: {name} max error {err:.3g} (bound {bound:.3g}: 2x PyTorch's own error + 1e-5)"
+    if ratio <= 1.0:
+        rep.line("run", f"PASS: {what}; {detail}")
     else:
         rep.fail(
             "run",
-            f"{what} {rule}",
-            "run `python -m pytest -m gpu tests/test_gpu_forward.py` and `python -m flash_attention debug "
-            "--config default --seqlen 256` to locate the fault; " + _SUPPORT,
+            f"{what}; {detail}",
+            "run `python -m pytest -m gpu tests/test_gpu_forward.py tests/test_gpu_autograd.py` and "
+            "`python -m flash_attention debug --config default --seqlen 256` to locate the fault; "
+            + _SUPPORT,
         )
 
 
