@@ -61,6 +61,12 @@ def _shape(t: torch.Tensor) -> tuple[int, ...]:
 def _check_tensor(name: str, t: object) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of shape {_SHAPES[name]}; got {type(t).__name__}")
+    if t.is_nested or t.layout != torch.strided:
+        raise TypeError(
+            f"{name} must be a dense (strided) tensor of shape {_SHAPES[name]}; got a "
+            f"{'nested' if t.is_nested else str(t.layout)} tensor (pad the sequences to one length, with "
+            "key_range for the padding)"
+        )
 
 
 def _resolve_scale(softmax_scale: object, head_dim: int) -> float:

@@ -222,6 +222,9 @@ def _dropout_seed(dropout_p: object, dropout_seed: object) -> torch.Tensor | Non
         raise ValueError(f"dropout_p must be in [0, 1); got {dropout_p!r}")
     if dropout_seed is not None and (isinstance(dropout_seed, bool) or not isinstance(dropout_seed, int)):
         raise TypeError(f"dropout_seed must be an int or None; got {type(dropout_seed).__name__}")
+    if dropout_seed is not None and not -(2**63) <= dropout_seed < 2**63:
+        # It travels as an int64 tensor (saved for the backward, traced by torch.compile).
+        raise ValueError(f"dropout_seed must be in [-2**63, 2**63) (a 64-bit integer); got {dropout_seed}")
     if not dropout_p:
         return None
     return draw_seed(dropout_seed)

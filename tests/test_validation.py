@@ -290,3 +290,32 @@ def test_empty_scale_default_resolved():
     assert validate(q, k, v, causal=False, softmax_scale=None, out=None).scale == pytest.approx(
         1 / math.sqrt(72)
     )
+
+
+# ---- rough edges --------------------------------------------------------------------------------------
+
+
+def test_meta_tensors_propagate_shapes():
+    # Shape propagation (model tracing, init on the meta device) must not read any value.
+    q = torch.empty(2, 8, 4, 64, device="meta", dtype=torch.bfloat16)
+    k = torch.empty(2, 9, 2, 64, device="meta", dtype=torch.bfloat16)
+    out, lse = flash_attention.attention(q, k, k, causal=True, return_lse=True)
+    assert out.shape == q.shape and out.device.type == "meta" and lse.shape == (2, 4, 8)
+    kr = torch.zeros(2, 2, dtype=torch.int32, device="meta")
+    assert flash_attention.attention(q, k, k, key_range=kr, dropout_p=0.1).shape == q.shape
+    qg = q.clone().requires_grad_(True)
+    (g,) = torch.autograd.grad(flash_attention.attention(qg, k, k).sum(), qg)
+    assert g.shape == q.shape and g.device.type == "meta"
+
+
+def test_dropout_seed_out_of_range_names_the_argument():
+    q, k, v = _qkv(dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"^dropout_seed must be in \[-2\*\*63, 2\*\*63\)"):
+        flash_attention.attention(q, k, v, dropout_p=0.1, dropout_seed=2**70)
+    assert flash_attention.attention(q, k, v, dropout_p=0.1, dropout_seed=-(2**63)).shape == q.shape
+
+
+def test_nested_tensors_get_our_error():
+    nt = torch.nested.nested_tensor([torch.randn(3, 4, 64), torch.randn(5, 4, 64)], layout=torch.jagged)
+    with pytest.raises(TypeError, match=r"^q must be a dense \(strided\) tensor .* got a nested tensor"):
+        flash_attention.attention(nt, nt, nt)

@@ -47,7 +47,9 @@ def replace_attention(model: nn.Module) -> nn.Module:
     * ``nn.TransformerEncoder`` with ``enable_nested_tensor`` turns a padded batch into a nested tensor
       (when given ``src_key_padding_mask`` in inference), which the layers then hand to ``self_attn`` only
       through that fused path. Its ``use_nested_tensor`` is set to False, so the padding reaches our module
-      as a mask.
+      as a mask. The encoder's output at padded positions is then what its layers compute for those rows
+      (as PyTorch's own encoder gives in training mode or without nested tensors), not the 0.0 of the
+      nested-tensor path; the valid positions agree.
     """
     if isinstance(model, nn.MultiheadAttention) and not isinstance(model, MultiheadAttention):
         return _convert(model)

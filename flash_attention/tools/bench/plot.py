@@ -72,7 +72,9 @@ def plot_results(result: dict, results_path: str | Path, mode: str | None = None
             ax.set_xlabel("sequence length")
             ax.grid(True, alpha=0.3)
         axes[0].set_ylabel(f"{mode} TFLOP/s")
-        axes[0].set_ylim(bottom=0)
+        # Room above the highest of the data and the ceiling, so the ceiling's label is never clipped.
+        top = max([r["tflops"] for r in rows] + [result.get("matmul_tflops") or 0])
+        axes[0].set_ylim(bottom=0, top=1.12 * top)
         axes[1].legend(fontsize=8, loc="lower right")
         fig.suptitle(
             f"{result.get('gpu', '?')}, {rows[0]['dtype'] if rows else ''}, commit {result.get('commit')}"
