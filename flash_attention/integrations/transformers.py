@@ -101,14 +101,15 @@ def register(name: str = NAME) -> str:
 
     Afterwards ``from_pretrained``/``from_config(..., attn_implementation=name)`` and
     ``model.set_attn_implementation(name)`` work. Idempotent. Raises ImportError when transformers is not
-    installed (it is an optional dependency: ``pip install flash_attention[transformers]``).
+    installed (it is an optional dependency: ``pip install "fa-scratch[transformers]"``, or
+    ``pip install -e ".[transformers]"`` in a checkout).
     """
     try:
         from transformers import AttentionInterface, AttentionMaskInterface
     except ImportError as exc:
         raise ImportError(
             "flash_attention.integrations.transformers needs the transformers package "
-            "(pip install 'flash_attention[transformers]')"
+            "(pip install transformers, or the extra: pip install 'fa-scratch[transformers]')"
         ) from exc
     if not isinstance(name, str) or not name or "flash" in name:
         raise ValueError(

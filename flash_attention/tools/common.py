@@ -92,7 +92,7 @@ def _package_version() -> str:
     try:
         from importlib.metadata import version
 
-        return version("flash_attention")
+        return version("fa-scratch")
     except Exception:
         return getattr(sys.modules.get("flash_attention"), "__version__", "unknown")
 

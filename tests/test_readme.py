@@ -1,0 +1,34 @@
+"""The README's examples run as written (on this machine's device)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+README = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+
+
+def _section_code(heading: str) -> str:
+    section = README.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    return re.search(r"```python\n(.*?)```", section, re.S)[1]
+
+
+def test_the_use_example_runs_as_written():
+    scope: dict = {}
+    exec(compile(_section_code("Use"), "README.md (Use)", "exec"), scope)  # noqa: S102 - our own README
+    q, out, lse = scope["q"], scope["out"], scope["lse"]
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (2, 32, 1024)
+    assert out.isfinite().all()
+
+
+def test_the_install_commands_are_the_ones_ci_runs():
+    ci = (Path(__file__).resolve().parents[1] / ".ci" / "run").read_text()
+    assert "pip install -e . && python -m flash_attention" in README
+    assert 'pip install -e ".[test]" && pytest' in README
+    assert "--index-url https://download.pytorch.org/whl/cpu" in README
+    for line in (
+        "python -m pip install --quiet -e .",
+        "python -m flash_attention",
+        'pip install --quiet -e ".[test]"',
+    ):
+        assert line in ci
