@@ -121,6 +121,49 @@ def get_kernel(library: ctypes.c_void_p, name: str) -> Kernel:
 
 
 @cache
+def _ctx_functions():
+    lib = libcuda()
+    get, set_ = lib.cuCtxGetCurrent, lib.cuCtxSetCurrent
+    get.argtypes, get.restype = [ctypes.POINTER(ctypes.c_void_p)], ctypes.c_int
+    set_.argtypes, set_.restype = [ctypes.c_void_p], ctypes.c_int
+    return get, set_
+
+
+@cache
+def primary_context(ordinal: int) -> int:
+    """The primary context of device ``ordinal``: the one PyTorch's runtime API uses. Retained once for the
+    life of the process (PyTorch holds it just as long)."""
+    ctx = ctypes.c_void_p()
+    check(
+        libcuda().cuDevicePrimaryCtxRetain(ctypes.byref(ctx), cu_device(ordinal)), "cuDevicePrimaryCtxRetain"
+    )
+    return ctx.value
+
+
+def make_primary_current(ordinal: int) -> int | None:
+    """Make device ``ordinal``'s primary context current on this thread; return the context that was current
+    before if it was another one (for :func:`set_current` to restore), else None.
+
+    A launch goes to whatever context is current on the calling thread, and a thread PyTorch has not yet
+    made a runtime call on has none: the autograd engine runs a backward on a thread of its own, and
+    PyTorch skips setting the device there when it already reads as the wanted ordinal (cudaGetDevice
+    answers 0 before any context is current), so our first launch on it failed with "invalid device
+    context". One cuCtxGetCurrent (well under a microsecond) per launch settles it for every thread."""
+    get, set_ = _ctx_functions()
+    current = ctypes.c_void_p()
+    check(get(ctypes.byref(current)), "cuCtxGetCurrent")
+    wanted = primary_context(ordinal)
+    if current.value == wanted:
+        return None
+    check(set_(wanted), "cuCtxSetCurrent")
+    return current.value  # None when no context was current: leaving ours current is what PyTorch would do
+
+
+def set_current(ctx: int) -> None:
+    check(_ctx_functions()[1](ctx), "cuCtxSetCurrent")
+
+
+@cache
 def cu_device(ordinal: int) -> int:
     dev = ctypes.c_int()
     check(libcuda().cuDeviceGet(ctypes.byref(dev), ordinal), "cuDeviceGet")

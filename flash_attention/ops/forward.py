@@ -165,12 +165,14 @@ def _plan(q, k, v, o, causal, scale, ranged, dropout_p, config, negative) -> _Pl
 
 
 def launch(kernel: driver.Kernel, grid, threads: int, smem: int, index: int, params) -> None:
-    """Launch on PyTorch's current stream of device ``index`` (whose context must be current)."""
-    if index == torch.cuda.current_device():
+    """Launch on PyTorch's current stream of device ``index``, in that device's primary context (made
+    current for the launch and the caller's context put back after, see driver.make_primary_current)."""
+    previous = driver.make_primary_current(index)
+    try:
         kernel.launch(grid, (threads, 1, 1), smem, current_stream(index), params)
-    else:
-        with torch.cuda.device(index):
-            kernel.launch(grid, (threads, 1, 1), smem, current_stream(index), params)
+    finally:
+        if previous is not None:
+            driver.set_current(previous)
 
 
 def cuda_forward(
