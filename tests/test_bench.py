@@ -460,4 +460,4 @@ def test_tiny_rows_get_their_own_table(any_provenance, tmp_path):
     md = results_to_markdown(r)
     assert "### fwd_bwd, tiny calls" in md and "TFLOP/s, bf16)" not in md
     assert "| (1, 128, 16, 64) | no | 180.0 | 150.0 | 1.20× |" in md
-    assert readme_markers(r) == ("<!-- bench-tiny:begin -->", "<!-- bench-tiny:end -->")
+    assert readme_markers(r) == ("<!-- bench-tiny-fwd_bwd:begin -->", "<!-- bench-tiny-fwd_bwd:end -->")

@@ -1,4 +1,4 @@
-"""GPU tests of the backward pass: gradients of flash_attention.attention on CUDA (via the device tool).
+"""GPU tests of the backward pass: gradients of flash_attention.attention on CUDA (marked gpu; need sm_80+).
 
 Accuracy rule of DESIGN.md applied to each gradient: against float64 autograd of the reference, the max
 error of dq, dk and dv must each be at most 2x the error PyTorch's own SDPA backward makes on the same

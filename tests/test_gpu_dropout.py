@@ -1,4 +1,4 @@
-"""GPU tests of attention dropout in the kernels (run through the device tool).
+"""GPU tests of attention dropout in the kernels (marked gpu; need sm_80+).
 
 The kernels' keep mask is a pure function of (seed, batch, head, query, key) that
 :func:`flash_attention.dropout.keep_mask` computes in PyTorch; the tests read the mask back out of the kernel

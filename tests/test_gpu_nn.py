@@ -1,4 +1,4 @@
-"""GPU tests of flash_attention.nn and the transformers integration (run through the device tool).
+"""GPU tests of flash_attention.nn and the transformers integration (marked gpu; need sm_80+).
 
 The modules in fp16/bf16 on CUDA against PyTorch's own modules in the same precision, with the accuracy rule
 of DESIGN.md at module level: against the same module computed in float64, our max error is at most 2x the

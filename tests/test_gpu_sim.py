@@ -1,4 +1,4 @@
-"""The kernels against the tile simulator, and the debug build's traces (run through the device tool).
+"""The kernels against the tile simulator, and the debug build's traces (marked gpu; need sm_80+).
 
 Bound: the simulator rounds at the kernel's rounding points, so the two can differ only by what the
 tensor cores' summation order and the hardware's ex2/logf change in fp32 -- a few ulps of fp32 -- and by

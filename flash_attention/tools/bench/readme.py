@@ -53,11 +53,11 @@ def update_readme(readme_path: str | os.PathLike, results_path: str | os.PathLik
 def readme_markers(result: dict) -> tuple[str, str]:
     """The README region a result file's tables go to: ``<!-- bench:begin -->`` for a file with forward
     rows, ``<!-- bench-<mode>:begin -->`` for one that measured only a training mode (fwd_bwd or bwd), so the
-    forward and training tables are generated from their own runs side by side; ``<!-- bench-tiny:begin -->``
-    for a ``--tiny`` run."""
-    if (result.get("settings") or {}).get("tiny"):
-        return "<!-- bench-tiny:begin -->", "<!-- bench-tiny:end -->"
+    forward and training tables are generated from their own runs side by side;
+    ``<!-- bench-tiny-<mode>:begin -->`` for a ``--tiny`` run of that mode."""
     mode = result_mode(result)
+    if (result.get("settings") or {}).get("tiny"):
+        return f"<!-- bench-tiny-{mode}:begin -->", f"<!-- bench-tiny-{mode}:end -->"
     if mode == "fwd":
         return README_BEGIN, README_END
     return f"<!-- bench-{mode}:begin -->", f"<!-- bench-{mode}:end -->"
