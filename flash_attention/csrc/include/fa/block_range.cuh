@@ -26,9 +26,9 @@ struct KVBlocks<false> {
   int end;
 };
 
-// The first K/V block (BC keys each) holding a key >= kv_lo (ranged only; without a key range it is 0).
-template <int BC, bool kCausal>
-__device__ __forceinline__ int first_kv_block(const VisibleKeys<kCausal, true>& keys) {
+// The first K/V block (BC keys each) holding a key >= kv_lo (0 without a key range).
+template <int BC, bool kCausal, bool kRanged>
+__device__ __forceinline__ int first_kv_block(const VisibleKeys<kCausal, kRanged>& keys) {
   return keys.kv_lo / BC;
 }
 
