@@ -48,9 +48,10 @@ __device__ __forceinline__ void bwd_preprocess_body(const BwdParams& p) {
     acc += __shfl_xor_sync(0xffffffffu, acc, 4);
     // The atomic mode's dQ workspace starts at zero: each row is cleared here, before the dK/dV kernel (next
     // on the stream) adds into it. Null in deterministic mode, which writes dQ directly.
-    const i64 idx = workspace_row(p, batch, head, row);
-    if (p.dq_accum != nullptr && row < p.seqlen_q_pad) zero_dq_accum_row<Cfg::kHeadDim>(p.dq_accum, idx, lane8);
+    if (p.dq_accum != nullptr && row < p.seqlen_q_pad)
+      zero_dq_accum_row<Cfg::kHeadDim>(p.dq_accum, workspace_row(p, batch, head, row), lane8);
     if (lane8 == 0 && row < p.seqlen_q_pad) {
+      const i64 idx = workspace_row(p, batch, head, row);
       float lse2 = pos_inf();  // padding rows and rows that see no key: probabilities exp2(s - inf) = 0
       if (row < p.seqlen_q) {
         const float l = p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + row];
