@@ -8,6 +8,7 @@
 
 #include "fa/bwd_params.h"
 #include "fa/ptx.cuh"
+#include "fa/tile_ptrs.cuh"
 
 namespace fa {
 
@@ -34,7 +35,7 @@ __device__ __forceinline__ void bwd_convert_dq_body(const BwdParams& p) {
   const int head = blockIdx.y;
   const int batch = blockIdx.z;
   const int row0 = blockIdx.x * kRows;
-  const i64 ws_row0 = ((i64)batch * p.heads_q + head) * p.seqlen_q_pad + row0;
+  const i64 ws_row0 = workspace_row(p, batch, head, row0);
   u16* dq = static_cast<u16*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride;
 #pragma unroll 1
   for (int idx = threadIdx.x; idx < kRows * C; idx += kThreads) {

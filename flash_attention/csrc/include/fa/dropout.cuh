@@ -36,4 +36,27 @@ __device__ __forceinline__ bool dropout_keep(u32 row_hash, int key, u32 threshol
   return dropout_mix(row_hash ^ (u32)key * 0xc2b2ae35u) >= threshold;
 }
 
+// Dropout of the probabilities of 16-row tile mt of one warp's tile in the query-row orientation
+// (fa/frag.cuh layout; the forward's P) of (batch, head): element (mt, n, e) is query
+// q_row0 + 16 mt + g + 8 (e / 2) against key kv_start + 8 n + 2 t + e % 2. The key, threshold and scale are
+// read from the params (FwdParams) here, in the order the expressions name them: passed in as arguments they
+// are loaded in another order, which changes the kernels' machine code. A dropped element becomes 0, a kept
+// one is scaled by 1 / (1 - p).
+template <class Acc, class Params>
+__device__ __forceinline__ void dropout_query_rows(const Acc& s, int mt, const Params& p, int batch, int head,
+                                                   int q_row0, int kv_start, int g, int t) {
+  const u32 hh = dropout_head_hash(p.dropout_key, batch * p.heads_q + head);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const u32 hr = dropout_row_hash(hh, q_row0 + 16 * mt + g + 8 * r);
+#pragma unroll
+    for (int n = 0; n < Acc::kN; ++n)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const bool keep = dropout_keep(hr, kv_start + 8 * n + 2 * t + e, p.dropout_threshold);
+        s(mt, n, 2 * r + e) = keep ? s(mt, n, 2 * r + e) * p.dropout_rp : 0.f;
+      }
+  }
+}
+
 }  // namespace fa

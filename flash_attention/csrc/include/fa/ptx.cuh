@@ -113,6 +113,20 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
   return r;
 }
 
+// One packed pair of bf16/fp16 -> two fp32 (`lo` from the lower half, the element at the lower column):
+// exact. bf16 is the high half of an fp32; fp16 converts with cvt.f32.f16 (PTX ISA 9.7.9.21).
+template <bool kIsBF16>
+__device__ __forceinline__ void unpack2(u32 x, float& lo, float& hi) {
+  if constexpr (kIsBF16) {
+    lo = __uint_as_float(x << 16);
+    hi = __uint_as_float(x & 0xffff0000u);
+  } else {
+    const unsigned short l = x & 0xffffu, h = x >> 16;
+    asm("cvt.f32.f16 %0, %1;\n" : "=f"(lo) : "h"(l));
+    asm("cvt.f32.f16 %0, %1;\n" : "=f"(hi) : "h"(h));
+  }
+}
+
 // 2^x with the SFU (ex2.approx.ftz.f32, PTX ISA 9.7.4.9): one MUFU.EX2. ex2(-inf) = +0, which the masked
 // softmax relies on.
 __device__ __forceinline__ float exp2_approx(float x) {

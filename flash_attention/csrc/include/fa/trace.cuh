@@ -160,13 +160,7 @@ struct Tracer {
   __device__ __forceinline__ void final_pair(int row, int col, u32 packed) const {
     if (!on()) return;
     float lo, hi;
-    if constexpr (Cfg::kIsBF16) {
-      lo = __uint_as_float(packed << 16);
-      hi = __uint_as_float(packed & 0xffff0000u);
-    } else {
-      lo = to_float<false>(static_cast<u16>(packed & 0xffffu));
-      hi = to_float<false>(static_cast<u16>(packed >> 16));
-    }
+    unpack2<Cfg::kIsBF16>(packed, lo, hi);
     base[L::kFinalO + row * L::D + col] = lo;
     base[L::kFinalO + row * L::D + col + 1] = hi;
   }

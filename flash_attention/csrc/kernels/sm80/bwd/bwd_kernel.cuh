@@ -19,80 +19,21 @@
 // columns of dK, dV and dQ.
 #pragma once
 
-#include "../fwd/fwd_kernel.cuh"
+#include "fa/block_range.cuh"
 #include "fa/bwd_params.h"
-#include "fa/dq_accum.cuh"
+#include "fa/bwd_preprocess.cuh"
+#include "fa/copy.cuh"
+#include "fa/dropout.cuh"
+#include "fa/frag.cuh"
+#include "fa/mask.cuh"
+#include "fa/ptx.cuh"
+#include "fa/smem_layout.cuh"
+#include "fa/tile_ptrs.cuh"
+#include "fa/visible_keys.cuh"
 
 namespace fa {
 
-// Two packed bf16/fp16 -> two floats.
-template <bool kIsBF16>
-__device__ __forceinline__ void unpack2(u32 x, float& lo, float& hi) {
-  if constexpr (kIsBF16) {
-    lo = __uint_as_float(x << 16);
-    hi = __uint_as_float(x & 0xffff0000u);
-  } else {
-    // cvt.f32.f16 (PTX ISA 9.7.9.21): exact.
-    const unsigned short l = x & 0xffffu, h = x >> 16;
-    asm("cvt.f32.f16 %0, %1;\n" : "=f"(lo) : "h"(l));
-    asm("cvt.f32.f16 %0, %1;\n" : "=f"(hi) : "h"(h));
-  }
-}
-
-// ---- 1. preprocessing -----------------------------------------------------------------------------------
-// 128 threads, 64 query rows per block; eight lanes share a row so each 16-byte load of a row is part of a
-// 128-byte coalesced segment. Grid: (seqlen_q_pad / 64, heads_q, batch).
-template <class Cfg>
-__device__ __forceinline__ void bwd_preprocess_body(const BwdParams& p) {
-  constexpr bool BF = Cfg::kIsBF16;
-  constexpr int C = Cfg::kHeadDim / 8;
-  const int tid = threadIdx.x;
-  const int head = blockIdx.y;
-  const int batch = blockIdx.z;
-  const int lane8 = tid % 8;
-#pragma unroll 1
-  for (int pass = 0; pass < 4; ++pass) {
-    const int row = blockIdx.x * 64 + pass * 16 + tid / 8;
-    float acc = 0.f;
-    if (row < p.seqlen_q) {
-      const u16* o = static_cast<const u16*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride +
-                     (i64)row * p.o_row_stride;
-      const u16* d = static_cast<const u16*>(p.dout) + batch * p.do_batch_stride + head * p.do_head_stride +
-                     (i64)row * p.do_row_stride;
-#pragma unroll
-      for (int c = lane8; c < C; c += 8) {
-        if (c * 8 < p.head_dim) {
-          const uint4 a = ld_global_16(o + c * 8), b = ld_global_16(d + c * 8);
-          const u32 av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            float a0, a1, b0, b1;
-            unpack2<BF>(av[e], a0, a1);
-            unpack2<BF>(bv[e], b0, b1);
-            acc = fmaf(a0, b0, fmaf(a1, b1, acc));
-          }
-        }
-      }
-    }
-    acc += __shfl_xor_sync(0xffffffffu, acc, 1);
-    acc += __shfl_xor_sync(0xffffffffu, acc, 2);
-    acc += __shfl_xor_sync(0xffffffffu, acc, 4);
-    // The atomic mode's dQ workspace starts at zero: each row is cleared here, before the dK/dV kernel (next
-    // on the stream) adds into it. Null in deterministic mode, which writes dQ directly.
-    if (p.dq_accum != nullptr && row < p.seqlen_q_pad)
-      zero_dq_accum_row<Cfg::kHeadDim>(p.dq_accum, ((i64)batch * p.heads_q + head) * p.seqlen_q_pad + row, lane8);
-    if (lane8 == 0 && row < p.seqlen_q_pad) {
-      const i64 idx = ((i64)batch * p.heads_q + head) * p.seqlen_q_pad + row;
-      float lse2 = pos_inf();  // padding rows and rows that see no key: probabilities exp2(s - inf) = 0
-      if (row < p.seqlen_q) {
-        const float l = p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + row];
-        if (l != neg_inf()) lse2 = l * 1.4426950408889634f;
-      }
-      p.lse_log2[idx] = lse2;
-      p.delta[idx] = row < p.seqlen_q ? acc : 0.f;
-    }
-  }
-}
+// ---- 1. preprocessing: fa/bwd_preprocess.cuh (shared with the wgmma backward) -----------------------------
 
 // ---- 2. dK, dV (and atomic dQ) --------------------------------------------------------------------------
 template <class Cfg, bool kCausal, bool kRanged, bool kAtomicDQ, bool kDropout = false>
@@ -121,6 +62,8 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
   // in local memory: the first profile showed local loads as the kernel's top stall.)
   constexpr int QC = 64;
   static_assert(WN % 16 == 0 && BR % 64 == 0 && DO % 64 == 0 && DOW % 64 == 0, "bad backward tile");
+  constexpr int kThreads = NW * 32;
+  using Tile = RowMajorTile<D, true>;  // K, V, Q and dO in shared memory, swizzled
 
   extern __shared__ __align__(128) unsigned char smem[];
   const u32 sK = smem_addr(smem);
@@ -143,17 +86,13 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
   const int kv_start = n_block * BC;
   const int warp_row0 = warp * WN;
 
-  int kv_lo = 0, kv_hi = p.seqlen_k;
-  if constexpr (kRanged) {
-    kv_lo = min(max(p.key_range[2 * batch], 0), p.seqlen_k);
-    kv_hi = min(max(p.key_range[2 * batch + 1], kv_lo), p.seqlen_k);
-  }
-  const int shift = p.seqlen_k - p.seqlen_q;
-  // Query blocks that see some key of this block: with causal masking, query q sees key kv_start iff
-  // q >= kv_start - shift.
-  const int m_begin = kCausal ? max(0, kv_start - shift) / BR : 0;
-  int m_count = max(0, p.num_m_blocks - m_begin);
-  if (kRanged && (kv_start >= kv_hi || kv_start + BC <= kv_lo)) m_count = 0;
+  // The keys this block's queries see (fa/visible_keys.cuh), and the query blocks
+  // [m_begin, m_begin + m_count) that see some key of this block.
+  const VisibleKeys<kCausal, kRanged> keys(p, batch);
+  const QBlocks<kCausal> blocks = q_blocks<BR, BC>(keys, p, kv_start);
+  const int m_begin = blocks.begin;
+  const int m_count = blocks.count;
+  const int kv_hi = keys.kv_hi;
   const int n_iter = p.group * m_count;
 
   float dv[MT][NO][4], dk[MT][NO][4];
@@ -164,23 +103,21 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) dv[mt][n][e] = dk[mt][n][e] = 0.f;
 
-  const u16* gK = static_cast<const u16*>(p.k) + batch * p.k_batch_stride + kv_head * p.k_head_stride +
-                  (i64)kv_start * p.k_row_stride;
-  const u16* gV = static_cast<const u16*>(p.v) + batch * p.v_batch_stride + kv_head * p.v_head_stride +
-                  (i64)kv_start * p.v_row_stride;
+  const u16* gK = static_cast<const u16*>(p.k) + k_offset(p, batch, kv_head, kv_start);
+  const u16* gV = static_cast<const u16*>(p.v) + v_offset(p, batch, kv_head, kv_start);
 
   // Query block `it` of the flattened (query head of the group, query block) walk, into buffer `buf`.
   auto load_q_step = [&](int it, int buf) {
     const int head = kv_head * p.group + it / m_count;
     const int q_start = (m_begin + it % m_count) * BR;
-    const u16* gQ = static_cast<const u16*>(p.q) + batch * p.q_batch_stride + head * p.q_head_stride +
-                    (i64)q_start * p.q_row_stride;
-    const u16* gdO = static_cast<const u16*>(p.dout) + batch * p.do_batch_stride +
-                     head * p.do_head_stride + (i64)q_start * p.do_row_stride;
-    load_tile<Cfg, BR>(sQ + buf * 2 * BR * D, gQ, p.q_row_stride, p.seqlen_q - q_start, p.head_dim, tid);
-    load_tile<Cfg, BR>(sdO + buf * 2 * BR * D, gdO, p.do_row_stride, p.seqlen_q - q_start, p.head_dim, tid);
+    const u16* gQ = static_cast<const u16*>(p.q) + q_offset(p, batch, head, q_start);
+    const u16* gdO = static_cast<const u16*>(p.dout) + do_offset(p, batch, head, q_start);
+    load_tile<BR, D, kThreads, Tile, true>(sQ + buf * 2 * BR * D, gQ, p.q_row_stride, p.seqlen_q - q_start,
+                                           p.head_dim, tid);
+    load_tile<BR, D, kThreads, Tile, true>(sdO + buf * 2 * BR * D, gdO, p.do_row_stride, p.seqlen_q - q_start,
+                                           p.head_dim, tid);
     // The workspaces are padded to whole blocks: no bounds check.
-    const i64 row0 = ((i64)batch * p.heads_q + head) * p.seqlen_q_pad + q_start;
+    const i64 row0 = workspace_row(p, batch, head, q_start);
     if (tid < BR / 4) {
       cp_async_16(smem_addr(sL + buf * BR + 4 * tid), p.lse_log2 + row0 + 4 * tid, 16);
     } else if (tid < BR / 2) {
@@ -190,8 +127,8 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
   };
 
   if (n_iter > 0) {
-    load_tile<Cfg, BC>(sK, gK, p.k_row_stride, kv_hi - kv_start, p.head_dim, tid);
-    load_tile<Cfg, BC>(sV, gV, p.v_row_stride, kv_hi - kv_start, p.head_dim, tid);
+    load_tile<BC, D, kThreads, Tile, true>(sK, gK, p.k_row_stride, kv_hi - kv_start, p.head_dim, tid);
+    load_tile<BC, D, kThreads, Tile, true>(sV, gV, p.v_row_stride, kv_hi - kv_start, p.head_dim, tid);
     load_q_step(0, 0);
     cp_async_commit();
   }
@@ -202,7 +139,7 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
   const FragAddr<D, true> a_kv(sK, lane % 16, lane / 16);
   const FragAddr<D, true> b_qd(sQ, 8 * (lane / 16) + lane % 8, (lane / 8) % 2);
   const FragAddr<D, true> bt_qd(sQ, 8 * ((lane / 8) % 2) + lane % 8, lane / 16);
-  constexpr u32 kVOff = 2 * BC * D;       // V's tile after K's
+  constexpr u32 kVOff = 2 * BC * D;        // V's tile after K's
   constexpr u32 kDOOff = NB * 2 * BR * D;  // dO's tiles after Q's
   const float sl2 = p.scale_log2;
 
@@ -264,32 +201,11 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
       }
     }
 
-    // ---- mask (warp-uniform test) ---------------------------------------------------------------------
-    // Element (mt, n, e) is key kv_start + warp_row0 + 16 mt + g + 8 (e / 2) against query q_start + 8 n +
-    // 2 t + e % 2. Queries past seqlen_q need no mask: their base-2 LSE is +inf, so their P is 0.
-    {
-      const int key0 = kv_start + warp_row0;
-      const bool tail = key0 + WN > kv_hi;
-      const bool lead = kRanged && key0 < kv_lo;
-      const bool diag = kCausal && key0 + WN - 1 > q_start + shift;
-      if (tail || lead || diag) {
-        const int key_l = key0 + g;
-        const int dlim = q_start + 2 * t + shift - key_l;  // masked if 16 mt + 8 e2 - 8 n - e1 > dlim
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-          for (int n = 0; n < NQ; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int key = key_l + 16 * mt + 8 * (e >> 1);
-              if (key >= kv_hi || (kRanged && key < kv_lo) ||
-                  (kCausal && 16 * mt + 8 * (e >> 1) - 8 * n - (e & 1) > dlim))
-                s[mt][n][e] = neg_inf();
-            }
-      }
-    }
+    // ---- mask: key range and causal diagonal, keys as rows (fa/mask.cuh) --------------------------------
+    mask_key_rows(acc_tile(s), keys, kv_start, warp_row0, q_start, g, t);
 
-    // ---- P^T = exp2(S^T scale log2e - LSE2), dS^T = scale P^T (dP^T - delta) --------------------------------
+    // ---- P^T = exp2(S^T scale log2e - LSE2), dS^T = scale P^T (dP^T - delta)
+    // --------------------------------
     const float* lse_s = sL + buf * BR;
     const float* del_s = sDelta + buf * BR;
     const float scale = p.scale;
@@ -315,7 +231,8 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
             const int key = kv_start + warp_row0 + 16 * mt + g + 8 * (e >> 1);
             const bool keep = dropout_keep(hr[e & 1], key, p.dropout_threshold);
             s[mt][n][e] = keep ? pr * p.dropout_rp : 0.f;
-            dp[mt][n][e] = pr * ((keep ? dp[mt][n][e] * p.dropout_rp : 0.f) - ((e & 1) ? dl.y : dl.x)) * scale;
+            dp[mt][n][e] =
+                pr * ((keep ? dp[mt][n][e] * p.dropout_rp : 0.f) - ((e & 1) ? dl.y : dl.x)) * scale;
           } else {
             s[mt][n][e] = pr;
             dp[mt][n][e] = pr * (dp[mt][n][e] - ((e & 1) ? dl.y : dl.x)) * scale;
@@ -327,14 +244,8 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
       for (int ks = 0; ks < KQ; ++ks) {
-        pf[mt][ks][0] = pack2<BF>(s[mt][2 * ks][0], s[mt][2 * ks][1]);
-        pf[mt][ks][1] = pack2<BF>(s[mt][2 * ks][2], s[mt][2 * ks][3]);
-        pf[mt][ks][2] = pack2<BF>(s[mt][2 * ks + 1][0], s[mt][2 * ks + 1][1]);
-        pf[mt][ks][3] = pack2<BF>(s[mt][2 * ks + 1][2], s[mt][2 * ks + 1][3]);
-        sf[mt][ks][0] = pack2<BF>(dp[mt][2 * ks][0], dp[mt][2 * ks][1]);
-        sf[mt][ks][1] = pack2<BF>(dp[mt][2 * ks][2], dp[mt][2 * ks][3]);
-        sf[mt][ks][2] = pack2<BF>(dp[mt][2 * ks + 1][0], dp[mt][2 * ks + 1][1]);
-        sf[mt][ks][3] = pack2<BF>(dp[mt][2 * ks + 1][2], dp[mt][2 * ks + 1][3]);
+        acc_to_a_frag<BF>(pf[mt][ks], acc_tile(s), mt, ks);
+        acc_to_a_frag<BF>(sf[mt][ks], acc_tile(dp), mt, ks);
       }
 
     if constexpr (kAtomicDQ) {
@@ -349,12 +260,13 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int row = warp_row0 + 16 * mt + g + 8 * (e & 1);
-            st_shared_32(sdS + 2 * tile_offset<BR, true>(row, 2 * ks + (e >> 1)) + 4 * t, sf[mt][ks][e]);
+            st_shared_32(sdS + RowMajorTile<BR, true>::bytes(row, 2 * ks + (e >> 1)) + 4 * t, sf[mt][ks][e]);
           }
     }
 
-    // ---- dV += P^T dO, dK += dS^T Q (this block's DO columns, starting at d0) ------------------------------
-    // d0 is a multiple of 64 elements, so the column offset moves whole swizzle groups: a byte offset.
+    // ---- dV += P^T dO, dK += dS^T Q (this block's DO columns, starting at d0)
+    // ------------------------------ d0 is a multiple of 64 elements, so the column offset moves whole
+    // swizzle groups: a byte offset.
     const u32 col_off = 2 * d0;
 #pragma unroll
     for (int ks = 0; ks < KQ; ++ks) {
@@ -398,9 +310,8 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
         }
       }
       // This lane's two rows of the warp's first 16-row tile; every other offset is a compile-time constant.
-      float* const gdq = p.dq_accum +
-                         (((i64)batch * p.heads_q + head) * p.seqlen_q_pad + q_start + wq_row + g) * D + wq_col +
-                         2 * t;
+      float* const gdq =
+          p.dq_accum + (workspace_row(p, batch, head, q_start) + wq_row + g) * D + wq_col + 2 * t;
       // Not unrolled: unrolled, the compiler keeps every pass's atomic addresses live at once.
 #pragma unroll 1
       for (int c = 0; c < DOW / QC; ++c) {
@@ -408,7 +319,8 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
 #pragma unroll
         for (int mq = 0; mq < MQ; ++mq)
 #pragma unroll
-          for (int n = 0; n < QC / 8; ++n) acc[mq][n][0] = acc[mq][n][1] = acc[mq][n][2] = acc[mq][n][3] = 0.f;
+          for (int n = 0; n < QC / 8; ++n)
+            acc[mq][n][0] = acc[mq][n][1] = acc[mq][n][2] = acc[mq][n][3] = 0.f;
 #pragma unroll
         for (int ks = 0; ks < BC / 16; ++ks) {
           u32 a[MQ][4];
@@ -432,16 +344,15 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
           for (int n = 0; n < QC / 8; ++n)
 #pragma unroll
             for (int r = 0; r < 2; ++r)
-              red_add_f32x2(gdq + (16 * mq + 8 * r) * D + c * QC + 8 * n, acc[mq][n][2 * r], acc[mq][n][2 * r + 1]);
+              red_add_f32x2(gdq + (16 * mq + 8 * r) * D + c * QC + 8 * n, acc[mq][n][2 * r],
+                            acc[mq][n][2 * r + 1]);
       }
     }
   }
 
   // ---- epilogue: dK, dV (scale already folded into dS) ---------------------------------------------------
-  u16* gdK = static_cast<u16*>(p.dk) + batch * p.dk_batch_stride + kv_head * p.dk_head_stride +
-             (i64)kv_start * p.dk_row_stride;
-  u16* gdV = static_cast<u16*>(p.dv) + batch * p.dv_batch_stride + kv_head * p.dv_head_stride +
-             (i64)kv_start * p.dv_row_stride;
+  u16* gdK = static_cast<u16*>(p.dk) + dk_offset(p, batch, kv_head, kv_start);
+  u16* gdV = static_cast<u16*>(p.dv) + dv_offset(p, batch, kv_head, kv_start);
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -452,8 +363,10 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
         for (int n = 0; n < NO; ++n) {
           const int col = d0 + 8 * n + 2 * t;
           if (col < p.head_dim) {
-            st_global_32(gdK + (i64)row * p.dk_row_stride + col, pack2<BF>(dk[mt][n][2 * r], dk[mt][n][2 * r + 1]));
-            st_global_32(gdV + (i64)row * p.dv_row_stride + col, pack2<BF>(dv[mt][n][2 * r], dv[mt][n][2 * r + 1]));
+            st_global_32(gdK + (i64)row * p.dk_row_stride + col,
+                         pack2<BF>(dk[mt][n][2 * r], dk[mt][n][2 * r + 1]));
+            st_global_32(gdV + (i64)row * p.dv_row_stride + col,
+                         pack2<BF>(dv[mt][n][2 * r], dv[mt][n][2 * r + 1]));
           }
         }
       }
@@ -483,6 +396,8 @@ __device__ __forceinline__ void bwd_dq_body(const BwdParams& p) {
   constexpr int KS = BC / 16;
   constexpr int DK = D / 16;
   constexpr int NO = DO / 8;
+  constexpr int kThreads = QCfg::kNumWarps * 32;
+  using Tile = RowMajorTile<D, true>;  // Q, dO, K and V in shared memory, swizzled
 
   extern __shared__ __align__(128) unsigned char smem[];
   const u32 sQ = smem_addr(smem);
@@ -503,33 +418,27 @@ __device__ __forceinline__ void bwd_dq_body(const BwdParams& p) {
   const int q_start = m_block * BR;
   const int warp_row0 = 16 * warp;
 
-  int kv_lo = 0, kv_hi = p.seqlen_k;
-  if constexpr (kRanged) {
-    kv_lo = min(max(p.key_range[2 * batch], 0), p.seqlen_k);
-    kv_hi = min(max(p.key_range[2 * batch + 1], kv_lo), p.seqlen_k);
-  }
-  const int shift = p.seqlen_k - p.seqlen_q;
-  int n_end = (kv_hi + BC - 1) / BC;
-  if (kCausal) {
-    const int max_key = q_start + BR - 1 + shift;
-    n_end = max_key < 0 ? 0 : min(n_end, max_key / BC + 1);
-  }
-  const int n_begin = kRanged ? kv_lo / BC : 0;
+  // The keys this block's rows see (fa/visible_keys.cuh) and the K/V blocks [n_begin, n_end) holding any
+  // of them (for all BR rows: rows past seqlen_q only add blocks, their P is 0).
+  const VisibleKeys<kCausal, kRanged> keys(p, batch);
+  const int n_end = kv_blocks<BC>(keys, q_start, BR).end;
+  // (The first block is computed after the last: the order this kernel's code was tuned with.)
+  int n_begin = 0;
+  if constexpr (kRanged) n_begin = first_kv_block<BC>(keys);
+  const int kv_hi = keys.kv_hi;
 
-  const u16* gQ = static_cast<const u16*>(p.q) + batch * p.q_batch_stride + head * p.q_head_stride +
-                  (i64)q_start * p.q_row_stride;
-  const u16* gdO = static_cast<const u16*>(p.dout) + batch * p.do_batch_stride + head * p.do_head_stride +
-                   (i64)q_start * p.do_row_stride;
-  const u16* gK = static_cast<const u16*>(p.k) + batch * p.k_batch_stride + kv_head * p.k_head_stride;
-  const u16* gV = static_cast<const u16*>(p.v) + batch * p.v_batch_stride + kv_head * p.v_head_stride;
-  load_tile<QCfg, BR>(sQ, gQ, p.q_row_stride, p.seqlen_q - q_start, p.head_dim, tid);
-  load_tile<QCfg, BR>(sdO, gdO, p.do_row_stride, p.seqlen_q - q_start, p.head_dim, tid);
+  const u16* gQ = static_cast<const u16*>(p.q) + q_offset(p, batch, head, q_start);
+  const u16* gdO = static_cast<const u16*>(p.dout) + do_offset(p, batch, head, q_start);
+  const u16* gK = static_cast<const u16*>(p.k) + k_offset(p, batch, kv_head, 0);
+  const u16* gV = static_cast<const u16*>(p.v) + v_offset(p, batch, kv_head, 0);
+  load_tile<BR, D, kThreads, Tile, true>(sQ, gQ, p.q_row_stride, p.seqlen_q - q_start, p.head_dim, tid);
+  load_tile<BR, D, kThreads, Tile, true>(sdO, gdO, p.do_row_stride, p.seqlen_q - q_start, p.head_dim, tid);
   cp_async_commit();
 
   // Per-thread rows g and g + 8 of the warp's tile: their base-2 LSE and delta.
   float lse2[2], del[2];
   {
-    const i64 row0 = ((i64)batch * p.heads_q + head) * p.seqlen_q_pad + q_start + warp_row0 + g;
+    const i64 row0 = workspace_row(p, batch, head, q_start) + warp_row0 + g;
     lse2[0] = p.lse_log2[row0];
     lse2[1] = p.lse_log2[row0 + 8];
     del[0] = p.delta[row0];
@@ -559,10 +468,10 @@ __device__ __forceinline__ void bwd_dq_body(const BwdParams& p) {
     const int kv_start = j * BC;
     // Every warp is done with the previous K/V block.
     __syncthreads();
-    load_tile<QCfg, BC>(sK, gK + (i64)kv_start * p.k_row_stride, p.k_row_stride, kv_hi - kv_start, p.head_dim,
-                        tid);
-    load_tile<QCfg, BC>(sV, gV + (i64)kv_start * p.v_row_stride, p.v_row_stride, kv_hi - kv_start, p.head_dim,
-                        tid);
+    load_tile<BC, D, kThreads, Tile, true>(sK, gK + (i64)kv_start * p.k_row_stride, p.k_row_stride,
+                                           kv_hi - kv_start, p.head_dim, tid);
+    load_tile<BC, D, kThreads, Tile, true>(sV, gV + (i64)kv_start * p.v_row_stride, p.v_row_stride,
+                                           kv_hi - kv_start, p.head_dim, tid);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
@@ -589,22 +498,7 @@ __device__ __forceinline__ void bwd_dq_body(const BwdParams& p) {
       }
     }
 
-    const bool tail = kv_start + BC > kv_hi;
-    const bool lead = kRanged && kv_start < kv_lo;
-    const bool diag = kCausal && kv_start + BC - 1 > q_start + warp_row0 + shift;
-    if (tail || lead || diag) {
-      const int col_limit = kv_hi - kv_start - 2 * t;
-      const int col_first = kv_lo - kv_start - 2 * t;
-      const int diag_limit = q_start + warp_row0 + g + shift - kv_start - 2 * t;
-#pragma unroll
-      for (int n = 0; n < NS; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int c = 8 * n + (e & 1);
-          if (c >= col_limit || (kRanged && c < col_first) || (kCausal && c - 8 * (e >> 1) > diag_limit))
-            s[n][e] = neg_inf();
-        }
-    }
+    mask_query_rows(acc_tile(s), keys, q_start + warp_row0, kv_start, g, t);
 #pragma unroll
     for (int n = 0; n < NS; ++n)
 #pragma unroll
@@ -620,10 +514,7 @@ __device__ __forceinline__ void bwd_dq_body(const BwdParams& p) {
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {
       u32 a[4];
-      a[0] = pack2<BF>(dp[2 * ks][0], dp[2 * ks][1]);
-      a[1] = pack2<BF>(dp[2 * ks][2], dp[2 * ks][3]);
-      a[2] = pack2<BF>(dp[2 * ks + 1][0], dp[2 * ks + 1][1]);
-      a[3] = pack2<BF>(dp[2 * ks + 1][2], dp[2 * ks + 1][3]);
+      acc_to_a_frag<BF>(a, acc_tile(dp), 0, ks);
 #pragma unroll
       for (int dq = 0; dq < NO / 2; ++dq) {
         u32 b[4];
@@ -634,8 +525,7 @@ __device__ __forceinline__ void bwd_dq_body(const BwdParams& p) {
     }
   }
 
-  u16* gdQ = static_cast<u16*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride +
-             (i64)q_start * p.dq_row_stride;
+  u16* gdQ = static_cast<u16*>(p.dq) + dq_offset(p, batch, head, q_start);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = warp_row0 + g + 8 * r;

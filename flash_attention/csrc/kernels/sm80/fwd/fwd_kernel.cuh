@@ -12,85 +12,22 @@
 // configs.validity_errors one for one.
 #pragma once
 
+#include "fa/block_range.cuh"
 #include "fa/config_check.h"
+#include "fa/copy.cuh"
 #include "fa/dropout.cuh"
+#include "fa/epilogue.cuh"
+#include "fa/frag.cuh"
+#include "fa/mask.cuh"
 #include "fa/params.h"
 #include "fa/ptx.cuh"
+#include "fa/smem_layout.cuh"
+#include "fa/softmax.cuh"
+#include "fa/tile_ptrs.cuh"
 #include "fa/trace.cuh"
+#include "fa/visible_keys.cuh"
 
 namespace fa {
-
-// Element offset of 16-byte chunk `chunk` of row `row` in a shared-memory tile with rows of D elements.
-// Swizzled: the chunk index is XORed with the row's low three bits, so the eight rows an ldmatrix phase
-// reads at one logical chunk land in eight different 16-byte bank groups (D is a multiple of 64, so each
-// row holds whole groups of eight chunks and the XOR never leaves the group). Unswizzled, those eight
-// reads hit the same banks (row pitch is a multiple of 128 bytes): an 8-way conflict.
-template <int D, bool kSwizzle>
-__device__ __forceinline__ int tile_offset(int row, int chunk) {
-  return row * D + (kSwizzle ? (chunk ^ (row & 7)) : chunk) * 8;
-}
-
-// Shared-memory byte addresses of the 16x16 fragments one ldmatrix.x4 reads, for one lane.
-//
-// The lane reads row `row0 + lane_row` (row0 a multiple of 8, so the row's low three bits are the lane's
-// own) at 16-byte chunk 2 i + b, where b is the lane's half of the chunk pair. Swizzled, the physical chunk
-// is (2 i + b) ^ (row & 7) = 8 (i / 4) + ((2 (i % 4) + b) ^ (lane_row & 7)): only four distinct per-lane
-// values, precomputed here, plus a compile-time offset. Without this the compiler hoists one address
-// register per (row, chunk) fragment out of the main loop -- dozens of registers, and spills.
-template <int D, bool kSwizzle>
-struct FragAddr {
-  u32 base[4];
-  __device__ __forceinline__ FragAddr(u32 tile, int lane_row, int b) {
-#pragma unroll
-    for (int c = 0; c < 4; ++c)
-      base[c] = tile + 2 * D * lane_row + 16 * (kSwizzle ? ((2 * c + b) ^ (lane_row & 7)) : (2 * c + b));
-  }
-  __device__ __forceinline__ u32 operator()(int row0, int i) const {
-    return base[i % 4] + 2 * D * row0 + 128 * (i / 4);
-  }
-};
-
-// Copy a tile of R rows x D elements from global memory (rows `row_stride` elements apart) to shared
-// memory. Rows at or past `rows_valid` and chunks at or past `head_dim` are zero-filled: zero K rows give
-// scores that are masked anyway, zero V rows keep NaN-free products with the masked (zero) probabilities,
-// and zero head_dim columns add nothing to Q K^T.
-template <class Cfg, int R>
-__device__ __forceinline__ void load_tile(u32 s_tile, const u16* g, i64 row_stride, int rows_valid,
-                                          int head_dim, int tid) {
-  constexpr int D = Cfg::kHeadDim;
-  constexpr int C = D / 8;
-  constexpr int kTotal = R * C;
-  constexpr int kThreads = Cfg::kNumWarps * 32;
-  // When the block's threads cover whole rows (kNested), thread tid copies chunk tid % C of rows tid / C,
-  // tid / C + kRowStep, ...: consecutive threads read consecutive 16-byte chunks of a row (coalesced) and
-  // the source pointer advances by a fixed step. Otherwise (head_dim 192 with 8 warps) each copy's
-  // coordinates are computed afresh.
-  constexpr bool kNested = kThreads % C == 0;
-  constexpr int kRowStep = kNested ? kThreads / C : 1;
-  const int chunk0 = tid % C;
-  const int row0 = tid / C;
-  const bool col_ok = chunk0 * 8 < head_dim;
-  // (unsigned) row0: a zero-extended 64-bit product needs no register for its high half, which is what
-  // keeps the causal 128x64 head_dim-128 tile spill-free.
-  const u16* src = g + (i64)(unsigned)row0 * row_stride + chunk0 * 8;
-  const i64 step = kRowStep * row_stride;
-#pragma unroll
-  for (int i = 0; i < (kTotal + kThreads - 1) / kThreads; ++i) {
-    if (kTotal % kThreads != 0 && tid + i * kThreads >= kTotal) break;
-    const int row = kNested ? row0 + i * kRowStep : (tid + i * kThreads) / C;
-    const int chunk = kNested ? chunk0 : (tid + i * kThreads) % C;
-    const bool ok = row < rows_valid && (kNested ? col_ok : chunk * 8 < head_dim);
-    const u16* p = kNested ? src + i * step : g + row * row_stride + chunk * 8;
-    const u32 dst = s_tile + 2 * tile_offset<D, Cfg::kSwizzle>(row, chunk);
-    if constexpr (Cfg::kAsyncCopy) {
-      cp_async_16(dst, ok ? p : g, ok ? 16 : 0);
-    } else {
-      uint4 v = make_uint4(0, 0, 0, 0);
-      if (ok) v = ld_global_16(p);
-      st_shared_16(dst, v);
-    }
-  }
-}
 
 // The forward kernel body. kCausal: mask key j > query i + (seqlen_k - seqlen_q) (bottom-right alignment).
 // kRanged: batch row b attends only keys key_range[2 b] <= j < key_range[2 b + 1] (key padding, left or
@@ -119,6 +56,8 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
   constexpr int NKG = DK / KG;
   constexpr int NVG = KS / VG;
   constexpr bool kDB = Cfg::kDoubleBuffer;
+  constexpr int kThreads = NW * 32;
+  using Tile = RowMajorTile<D, Cfg::kSwizzle>;  // Q, K and V in shared memory
 
   extern __shared__ __align__(128) unsigned char smem[];
   const u32 sQ = smem_addr(smem);
@@ -137,32 +76,19 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
   const int q_start = m_block * BR;
   const int q_valid = min(BR, p.seqlen_q - q_start);
 
-  const u16* gQ = static_cast<const u16*>(p.q) + batch * p.q_batch_stride + head * p.q_head_stride +
-                  q_start * p.q_row_stride;
-  const u16* gK = static_cast<const u16*>(p.k) + batch * p.k_batch_stride + kv_head * p.k_head_stride;
-  const u16* gV = static_cast<const u16*>(p.v) + batch * p.v_batch_stride + kv_head * p.v_head_stride;
-  u16* gO =
-      static_cast<u16*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride + q_start * p.o_row_stride;
-  float* gL = p.lse ? p.lse + batch * p.lse_batch_stride + head * p.lse_head_stride + q_start : nullptr;
+  const u16* gQ = static_cast<const u16*>(p.q) + q_offset(p, batch, head, q_start);
+  const u16* gK = static_cast<const u16*>(p.k) + k_offset(p, batch, kv_head, 0);
+  const u16* gV = static_cast<const u16*>(p.v) + v_offset(p, batch, kv_head, 0);
+  u16* gO = static_cast<u16*>(p.o) + o_offset(p, batch, head, q_start);
+  float* gL = p.lse ? p.lse + lse_offset(p, batch, head, q_start) : nullptr;
 
-  // The keys this batch row may attend: [kv_lo, kv_hi). Out-of-range values are clamped, so a bad range can
-  // mask too much but never make the kernel read outside K/V.
-  int kv_lo = 0, kv_hi = p.seqlen_k;
-  if constexpr (kRanged) {
-    kv_lo = min(max(p.key_range[2 * batch], 0), p.seqlen_k);
-    kv_hi = min(max(p.key_range[2 * batch + 1], kv_lo), p.seqlen_k);
-  }
-  // Query row i sees key j iff j <= i + shift (causal, aligned to the bottom-right corner).
-  const int shift = p.seqlen_k - p.seqlen_q;
-  int n_blocks = (kv_hi + BC - 1) / BC;
-  // The first K/V block with a visible key (blocks wholly before kv_lo are skipped like those above the
-  // diagonal).
-  const int j_lo = kRanged ? kv_lo / BC : 0;
-  if (kCausal) {
-    const int max_key = q_start + q_valid - 1 + shift;
-    // Blocks wholly above the diagonal are never loaded or computed.
-    n_blocks = max_key < 0 ? 0 : min(n_blocks, max_key / BC + 1);
-  }
+  // The keys this block's rows see (fa/visible_keys.cuh) and the K/V blocks [j_lo, n_blocks) holding any
+  // of them: blocks wholly above the causal diagonal or outside the key range are never loaded or computed.
+  const VisibleKeys<kCausal, kRanged> keys(p, batch);
+  const KVBlocks<kRanged> blocks = kv_blocks<BC>(keys, q_start, q_valid);
+  const int j_lo = blocks.begin;
+  const int n_blocks = blocks.end;
+  const int kv_hi = keys.kv_hi;
 
   // Per-lane fragment coordinates (PTX ISA 9.7.14.5.14, m16n8k16 fragment layouts).
   const int g = lane / 4;  // row within an 8-row group of the accumulator
@@ -178,29 +104,20 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
   auto trace_offset = [](int row, int chunk) { return tile_offset<D, Cfg::kSwizzle>(row, chunk); };
 #endif
 
-  // (`n_blocks == 0` when unranged: the equivalent `<= 0` changes the register allocation of the
-  // 252-255-register tiles enough to spill.)
-  if (kRanged ? n_blocks <= j_lo : n_blocks == 0) {
+  // No key is visible to any row of this block (the test is spelled out: fa/block_range.cuh says why).
+  if (kRanged ? blocks.end <= blocks.begin : blocks.end == 0) {
 #if FA_TRACE
     tr.empty_block();
 #endif
-    // No key is visible to any row of this block: out = 0, lse = -inf.
-    constexpr int C = D / 8;
-    for (int idx = tid; idx < BR * C; idx += NW * 32) {
-      const int row = idx / C, chunk = idx % C;
-      if (row < q_valid && chunk * 8 < p.head_dim)
-        st_global_16(gO + row * p.o_row_stride + chunk * 8, make_uint4(0, 0, 0, 0));
-    }
-    if (gL)
-      for (int row = tid; row < q_valid; row += NW * 32) gL[row] = neg_inf();
+    store_empty_block<BR, D, kThreads>(p, gO, gL, q_valid, tid);
     return;
   }
 
   // Prologue: Q and the first K block in flight together.
   const int first = Cfg::kReverseKV ? n_blocks - 1 : j_lo;
-  load_tile<Cfg, BR>(sQ, gQ, p.q_row_stride, q_valid, p.head_dim, tid);
-  load_tile<Cfg, BC>(sK, gK + (i64)first * BC * p.k_row_stride, p.k_row_stride, kv_hi - first * BC,
-                     p.head_dim, tid);
+  load_tile<BR, D, kThreads, Tile, Cfg::kAsyncCopy>(sQ, gQ, p.q_row_stride, q_valid, p.head_dim, tid);
+  load_tile<BC, D, kThreads, Tile, Cfg::kAsyncCopy>(sK, gK + (i64)first * BC * p.k_row_stride, p.k_row_stride,
+                                                    kv_hi - first * BC, p.head_dim, tid);
   if constexpr (Cfg::kAsyncCopy) cp_async_commit();
 
   float o[MT][NO][4];
@@ -244,6 +161,16 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
       for (int dp = 0; dp < NO / 2; ++dp) ldmatrix_x4_trans(dst[i][dp], v_addr(16 * (ks0 + i), dp));
   };
 
+  // K or V rows [start, start + BC) into their tile.
+  auto load_k = [&](int start) {
+    load_tile<BC, D, kThreads, Tile, Cfg::kAsyncCopy>(sK, gK + (i64)start * p.k_row_stride, p.k_row_stride,
+                                                      kv_hi - start, p.head_dim, tid);
+  };
+  auto load_v = [&](int start) {
+    load_tile<BC, D, kThreads, Tile, Cfg::kAsyncCopy>(sV, gV + (i64)start * p.v_row_stride, p.v_row_stride,
+                                                      kv_hi - start, p.head_dim, tid);
+  };
+
   const float sl2 = p.scale_log2;
   // it counts the visited blocks (the trace build's step index); j is the block.
   for (int it = 0; it < n_blocks - j_lo; ++it) {
@@ -270,8 +197,7 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
 #endif
     if constexpr (Cfg::kEager) {
       // V_j streams in while the tensor cores compute S_j.
-      load_tile<Cfg, BC>(sV, gV + (i64)kv_start * p.v_row_stride, p.v_row_stride, kv_hi - kv_start,
-                         p.head_dim, tid);
+      load_v(kv_start);
       cp_async_commit();
     }
 
@@ -320,39 +246,11 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
 #if FA_TRACE
     tr.acc(TL::kS, s);
 #endif
-    if constexpr (!Cfg::kOptSoftmax) {
-      // Scale before masking: a negative scale would turn a masked -inf into +inf.
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int n = 0; n < NS; ++n)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) s[mt][n][e] *= p.scale;
-    }
+    // The unfolded softmax scales before masking: a negative scale would turn a masked -inf into +inf.
+    if constexpr (!Cfg::kOptSoftmax) scale_scores(acc_tile(s), p.scale);
 
-    // ---- mask: sequence tail and causal diagonal (warp-uniform test, so unmasked blocks pay nothing) --
-    const bool tail = kv_start + BC > kv_hi;
-    const bool lead = kRanged && kv_start < kv_lo;
-    const bool diag = kCausal && kv_start + BC - 1 > q_start + warp_row0 + shift;
-    if (tail || lead || diag) {
-      // Column 8 n + 2 t + e1 of the tile against row 16 mt + g + 8 e2 of the warp, with the per-lane parts
-      // folded into two integers so each element costs one compare against a constant.
-      const int col_limit = kv_hi - kv_start - 2 * t;  // masked if 8n + e1 >= this
-      const int col_first = kv_lo - kv_start - 2 * t;  // masked if 8n + e1 < this (kRanged only)
-      const int diag_limit =
-          q_start + warp_row0 + g + shift - kv_start - 2 * t;  // masked if 8n+e1-16mt-8e2 > this
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int n = 0; n < NS; ++n)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int c = 8 * n + (e & 1);
-            if (c >= col_limit || (kRanged && c < col_first) ||
-                (kCausal && c - 16 * mt - 8 * (e >> 1) > diag_limit))
-              s[mt][n][e] = neg_inf();
-          }
-    }
+    // ---- mask: key range and causal diagonal (fa/mask.cuh) ------------------------------------------
+    mask_query_rows(acc_tile(s), keys, q_start + warp_row0, kv_start, g, t);
 
     // ---- online softmax ------------------------------------------------------------------------------
     u32 pf[MT][KS][4];  // P in bf16/fp16, already in the A-operand layout of the P V mma
@@ -360,76 +258,26 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        float mx = row_max[mt][r];
-#pragma unroll
-        for (int n = 0; n < NS; ++n) mx = fmaxf(mx, fmaxf(s[mt][n][2 * r], s[mt][n][2 * r + 1]));
-        // The four lanes of a quad hold the same two rows.
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        // A row that has seen only masked keys keeps max -inf; subtracting 0 instead keeps exp(-inf) = 0
-        // rather than exp(-inf - -inf) = NaN.
-        float alpha, sum = 0.f;
-        if constexpr (Cfg::kOptSoftmax) {
-          // exp(scale * (s - m)) = 2^(s * scale*log2e - m * scale*log2e): one FFMA and one MUFU.EX2.
-          const float m_scaled = mx == neg_inf() ? 0.f : mx * sl2;
-          alpha = exp2_approx(row_max[mt][r] * sl2 - m_scaled);
-#pragma unroll
-          for (int n = 0; n < NS; ++n) {
-            s[mt][n][2 * r] = exp2_approx(fmaf(s[mt][n][2 * r], sl2, -m_scaled));
-            s[mt][n][2 * r + 1] = exp2_approx(fmaf(s[mt][n][2 * r + 1], sl2, -m_scaled));
-            sum += s[mt][n][2 * r] + s[mt][n][2 * r + 1];
-          }
-        } else {
-          const float m_use = mx == neg_inf() ? 0.f : mx;
-          alpha = __expf(row_max[mt][r] - m_use);
-#pragma unroll
-          for (int n = 0; n < NS; ++n) {
-            s[mt][n][2 * r] = __expf(s[mt][n][2 * r] - m_use);
-            s[mt][n][2 * r + 1] = __expf(s[mt][n][2 * r + 1] - m_use);
-            sum += s[mt][n][2 * r] + s[mt][n][2 * r + 1];
-          }
-        }
-        row_max[mt][r] = mx;
-        row_sum[mt][r] = row_sum[mt][r] * alpha + sum;
+        float alpha =
+            online_softmax_row<Cfg::kOptSoftmax>(acc_tile(s), mt, r, row_max[mt][r], row_sum[mt][r], sl2);
 #if FA_TRACE
-        tr.row_value(TL::kM, mt, r, mx);
+        tr.row_value(TL::kM, mt, r, row_max[mt][r]);
         tr.row_value(TL::kAlpha, mt, r, alpha);
         tr.row_sum(TL::kL, mt, r, row_sum[mt][r]);
         if (tr.skip_rescale()) alpha = 1.f;  // planted fault: O keeps its old scale
 #endif
-#pragma unroll
-        for (int n = 0; n < NO; ++n) {
-          o[mt][n][2 * r] *= alpha;
-          o[mt][n][2 * r + 1] *= alpha;
-        }
+        rescale_row(acc_tile(o), mt, r, alpha);
       }
 #if FA_TRACE
       tr.acc_tile(TL::kP, mt, s[mt]);
 #endif
       if constexpr (kDropout) {
         // Row sums above are of the undropped P (the softmax normaliser); only the P V product sees the
-        // mask. Kept elements are scaled by 1 / (1 - p).
-        const u32 hh = dropout_head_hash(p.dropout_key, batch * p.heads_q + head);
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const u32 hr = dropout_row_hash(hh, q_start + warp_row0 + 16 * mt + g + 8 * r);
-#pragma unroll
-          for (int n = 0; n < NS; ++n)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const bool keep = dropout_keep(hr, kv_start + 8 * n + 2 * t + e, p.dropout_threshold);
-              s[mt][n][2 * r + e] = keep ? s[mt][n][2 * r + e] * p.dropout_rp : 0.f;
-            }
-        }
+        // mask.
+        dropout_query_rows(acc_tile(s), mt, p, batch, head, q_start + warp_row0, kv_start, g, t);
       }
-      // The accumulator layout of two adjacent S n-tiles is exactly the A layout of one k-step of P V.
 #pragma unroll
-      for (int ks = 0; ks < KS; ++ks) {
-        pf[mt][ks][0] = pack2<BF>(s[mt][2 * ks][0], s[mt][2 * ks][1]);
-        pf[mt][ks][1] = pack2<BF>(s[mt][2 * ks][2], s[mt][2 * ks][3]);
-        pf[mt][ks][2] = pack2<BF>(s[mt][2 * ks + 1][0], s[mt][2 * ks + 1][1]);
-        pf[mt][ks][3] = pack2<BF>(s[mt][2 * ks + 1][2], s[mt][2 * ks + 1][3]);
-      }
+      for (int ks = 0; ks < KS; ++ks) acc_to_a_frag<BF>(pf[mt][ks], acc_tile(s), mt, ks);
     }
 
     // ---- V_j in shared memory; K_{j+1} in flight -------------------------------------------------------
@@ -440,15 +288,13 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
       // V_j visible to all; every warp is past S_j, so K's buffer is free for K_{j+1}.
       __syncthreads();
       if (has_next) {
-        load_tile<Cfg, BC>(sK, gK + (i64)next_start * p.k_row_stride, p.k_row_stride, kv_hi - next_start,
-                           p.head_dim, tid);
+        load_k(next_start);
         cp_async_commit();
       }
     } else {
       // Serial schedule: every warp is past S_j and past P_{j-1} V_{j-1} (loop-top barrier) before V_j
       // overwrites the V buffer.
-      load_tile<Cfg, BC>(sV, gV + (i64)kv_start * p.v_row_stride, p.v_row_stride, kv_hi - kv_start,
-                         p.head_dim, tid);
+      load_v(kv_start);
       if constexpr (Cfg::kAsyncCopy) {
         cp_async_commit();
         cp_async_wait<0>();
@@ -493,8 +339,7 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
       // K's buffer has been free since the barrier before V_j's load; the next loop-top barrier orders
       // this copy before anyone reads it.
       if (has_next) {
-        load_tile<Cfg, BC>(sK, gK + (i64)next_start * p.k_row_stride, p.k_row_stride, kv_hi - next_start,
-                           p.head_dim, tid);
+        load_k(next_start);
         if constexpr (Cfg::kAsyncCopy) cp_async_commit();
       }
     }
@@ -507,46 +352,26 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
   for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      float l = row_sum[mt][r];
-      l += __shfl_xor_sync(0xffffffffu, l, 1);
-      l += __shfl_xor_sync(0xffffffffu, l, 2);
-      const float inv = l > 0.f ? 1.f / l : 0.f;
+      const float l = quad_sum(row_sum[mt][r]);
+      const float inv = inv_row_sum(l);
       const int row = warp_row0 + 16 * mt + g + 8 * r;
 #pragma unroll
       for (int n = 0; n < NO; ++n) {
         const u32 v = pack2<BF>(o[mt][n][2 * r] * inv, o[mt][n][2 * r + 1] * inv);
-        st_shared_32(sQ + 2 * tile_offset<D, Cfg::kSwizzle>(row, n) + 4 * t, v);
+        st_shared_32(sQ + Tile::bytes(row, n) + 4 * t, v);
 #if FA_TRACE
         tr.final_pair(16 * mt + g + 8 * r, 8 * n + 2 * t, v);
 #endif
       }
-      if (gL && t == 0 && row < q_valid) {
-        // Natural-log LSE of the scaled scores; the opt path's max is of the unscaled scores.
-        const float m = Cfg::kOptSoftmax ? row_max[mt][r] * p.scale : row_max[mt][r];
-        gL[row] = l > 0.f ? m + logf(l) : neg_inf();
-      }
+      if (gL && t == 0 && row < q_valid) gL[row] = row_lse<Cfg::kOptSoftmax>(p, row_max[mt][r], l);
 #if FA_TRACE
-      if (t == 0) {
-        const float m = Cfg::kOptSoftmax ? row_max[mt][r] * p.scale : row_max[mt][r];
-        tr.final_lse(16 * mt + g + 8 * r, l > 0.f ? m + logf(l) : neg_inf());
-      }
+      if (t == 0) tr.final_lse(16 * mt + g + 8 * r, row_lse<Cfg::kOptSoftmax>(p, row_max[mt][r], l));
 #endif
     }
   }
+  // Every warp's rows of O are staged before any thread copies whole rows out.
   __syncthreads();
-  {
-    constexpr int C = D / 8;
-    constexpr int kThreads = NW * 32;
-#pragma unroll
-    for (int i = 0; i < (BR * C + kThreads - 1) / kThreads; ++i) {
-      const int idx = tid + i * kThreads;
-      if ((BR * C) % kThreads != 0 && idx >= BR * C) break;
-      const int row = idx / C, chunk = idx % C;
-      if (row < q_valid && chunk * 8 < p.head_dim)
-        st_global_16(gO + row * p.o_row_stride + chunk * 8,
-                     ld_shared_16(sQ + 2 * tile_offset<D, Cfg::kSwizzle>(row, chunk)));
-    }
-  }
+  store_o_tile<BR, D, kThreads, Tile>(p, gO, sQ, q_valid, tid);
 }
 
 }  // namespace fa

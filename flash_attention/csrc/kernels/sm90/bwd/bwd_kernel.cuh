@@ -16,10 +16,17 @@
 // Tiles are 64-column panels with the 128-byte swizzle (fa::sm90::panel_offset); Q/dO are double-buffered.
 #pragma once
 
+#include "fa/block_range.cuh"
 #include "fa/bwd_params.h"
+#include "fa/bwd_preprocess.cuh"
+#include "fa/copy.cuh"
+#include "fa/frag.cuh"
+#include "fa/mask.cuh"
+#include "fa/ptx.cuh"
+#include "fa/smem_layout.cuh"
+#include "fa/tile_ptrs.cuh"
+#include "fa/visible_keys.cuh"
 #include "fa/wgmma.cuh"
-#include "sm80/bwd/bwd_kernel.cuh"
-#include "sm90/fwd/fwd_kernel.cuh"
 
 namespace fa {
 namespace sm90 {
@@ -41,6 +48,8 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
   constexpr int DQ_COL = BR == 128 ? 0 : D / 2;
   static_assert(Cfg::kNumWarps == 8 && BC == 128, "two warpgroups of 64 keys");
   static_assert((BR == 128 && D == 64) || (BR == 64 && D == 128), "dQ split between the warpgroups");
+  using QTile = PanelTile<BR>;   // Q and dO in shared memory
+  using KVTile = PanelTile<BC>;  // K, V and dS^T
 
   extern __shared__ __align__(16) unsigned char smem[];
   const u32 base = (smem_addr(smem) + 1023u) & ~1023u;
@@ -64,34 +73,33 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
   const int kv_start = n_block * BC;
   const int row0 = 64 * wg + 16 * (warp % 4);  // the warp's first key row in the block
 
-  const int shift = p.seqlen_k - p.seqlen_q;
-  // Query blocks that see some key of this block: with causal masking, query q sees key kv_start iff
-  // q >= kv_start - shift.
-  const int m_begin = kCausal ? max(0, kv_start - shift) / BR : 0;
-  const int m_count = max(0, p.num_m_blocks - m_begin);
+  // The keys this block's queries see (fa/visible_keys.cuh; no key range in this kernel), and the query
+  // blocks [m_begin, m_begin + m_count) that see some key of this block.
+  const VisibleKeys<kCausal, false> keys(p, batch);
+  const QBlocks<kCausal> blocks = q_blocks<BR, BC>(keys, p, kv_start);
+  const int m_begin = blocks.begin;
+  const int m_count = blocks.count;
+  const int shift = keys.shift;
   const int n_iter = p.group * m_count;
 
   float dv[D / 2], dk[D / 2];
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) dv[i] = dk[i] = 0.f;
 
-  const u16* gK = static_cast<const u16*>(p.k) + batch * p.k_batch_stride + kv_head * p.k_head_stride +
-                  (i64)kv_start * p.k_row_stride;
-  const u16* gV = static_cast<const u16*>(p.v) + batch * p.v_batch_stride + kv_head * p.v_head_stride +
-                  (i64)kv_start * p.v_row_stride;
+  const u16* gK = static_cast<const u16*>(p.k) + k_offset(p, batch, kv_head, kv_start);
+  const u16* gV = static_cast<const u16*>(p.v) + v_offset(p, batch, kv_head, kv_start);
 
   auto load_q_step = [&](int it, int buf) {
     const int head = kv_head * p.group + it / m_count;
     const int q_start = (m_begin + it % m_count) * BR;
-    const u16* gQ = static_cast<const u16*>(p.q) + batch * p.q_batch_stride + head * p.q_head_stride +
-                    (i64)q_start * p.q_row_stride;
-    const u16* gdO = static_cast<const u16*>(p.dout) + batch * p.do_batch_stride + head * p.do_head_stride +
-                     (i64)q_start * p.do_row_stride;
-    load_panels<BR, D, NT>(sQ + buf * 2 * BR * D, gQ, p.q_row_stride, p.seqlen_q - q_start, p.head_dim, tid);
-    load_panels<BR, D, NT>(sdO + buf * 2 * BR * D, gdO, p.do_row_stride, p.seqlen_q - q_start, p.head_dim,
-                           tid);
+    const u16* gQ = static_cast<const u16*>(p.q) + q_offset(p, batch, head, q_start);
+    const u16* gdO = static_cast<const u16*>(p.dout) + do_offset(p, batch, head, q_start);
+    load_tile<BR, D, NT, QTile, true>(sQ + buf * 2 * BR * D, gQ, p.q_row_stride, p.seqlen_q - q_start,
+                                      p.head_dim, tid);
+    load_tile<BR, D, NT, QTile, true>(sdO + buf * 2 * BR * D, gdO, p.do_row_stride, p.seqlen_q - q_start,
+                                      p.head_dim, tid);
     // The workspaces are padded to whole 128-row blocks: no bounds check.
-    const i64 r0 = ((i64)batch * p.heads_q + head) * p.seqlen_q_pad + q_start;
+    const i64 r0 = workspace_row(p, batch, head, q_start);
     if (tid < BR / 4) {
       cp_async_16(sStats + buf * 8 * BR + 16 * tid, p.lse_log2 + r0 + 4 * tid, 16);
     } else if (tid < BR / 2) {
@@ -101,8 +109,8 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
   };
 
   if (n_iter > 0) {
-    load_panels<BC, D, NT>(sK, gK, p.k_row_stride, p.seqlen_k - kv_start, p.head_dim, tid);
-    load_panels<BC, D, NT>(sV, gV, p.v_row_stride, p.seqlen_k - kv_start, p.head_dim, tid);
+    load_tile<BC, D, NT, KVTile, true>(sK, gK, p.k_row_stride, p.seqlen_k - kv_start, p.head_dim, tid);
+    load_tile<BC, D, NT, KVTile, true>(sV, gV, p.v_row_stride, p.seqlen_k - kv_start, p.head_dim, tid);
     load_q_step(0, 0);
     cp_async_commit();
   }
@@ -159,22 +167,7 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
     // ---- mask: keys past seqlen_k and the causal diagonal ------------------------------------------------
     // Register 4 n + e is key kv_start + row0 + g + 8 (e / 2) against query q_start + 8 n + 2 t + e % 2.
     // Queries past seqlen_q need no mask: their base-2 LSE is +inf, so their P is 0.
-    {
-      const int key0 = kv_start + row0;
-      const bool tail = key0 + 16 > p.seqlen_k;
-      const bool diag = kCausal && key0 + 15 > q_start + shift;
-      if (tail || diag) {
-        const int key_l = key0 + g;
-        const int dlim = q_start + 2 * t + shift - key_l;  // masked if 8 e2 - 8 n - e1 > dlim
-#pragma unroll
-        for (int n = 0; n < NQ; ++n)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            if (key_l + 8 * (e >> 1) >= p.seqlen_k || (kCausal && 8 * (e >> 1) - 8 * n - (e & 1) > dlim))
-              s[4 * n + e] = neg_inf();
-          }
-      }
-    }
+    mask_key_rows(acc_tile(s), keys, kv_start, row0, q_start, g, t);
 
     // ---- P^T, dS^T
     // -------------------------------------------------------------------------------------------
@@ -206,7 +199,7 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
     for (int ks = 0; ks < KQ; ++ks)
 #pragma unroll
       for (int r = 0; r < 4; ++r)
-        st_shared_32(sdS + panel_offset<BC>(row0 + g + 8 * (r & 1), 2 * ks + (r >> 1)) + 4 * t, sf[ks][r]);
+        st_shared_32(sdS + KVTile::bytes(row0 + g + 8 * (r & 1), 2 * ks + (r >> 1)) + 4 * t, sf[ks][r]);
 
     // ---- dV += P^T dO, dK += dS^T Q
     // --------------------------------------------------------------------------
@@ -245,9 +238,7 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
     {
       // Register 4 n + e: query row 16 (warp % 4) + g + 8 (e / 2) of the warpgroup's 64, column 8 n + 2 t.
       float* const gdq =
-          p.dq_accum +
-          (((i64)batch * p.heads_q + head) * p.seqlen_q_pad + q_start + DQ_ROW * wg + 16 * (warp % 4) + g) *
-              D +
+          p.dq_accum + (workspace_row(p, batch, head, q_start) + DQ_ROW * wg + 16 * (warp % 4) + g) * D +
           DQ_COL * wg + 2 * t;
 #pragma unroll
       for (int n = 0; n < DQN / 8; ++n)
@@ -258,10 +249,8 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
   }
 
   // ---- epilogue: dK, dV (scale already folded into dS) ---------------------------------------------------
-  u16* gdK = static_cast<u16*>(p.dk) + batch * p.dk_batch_stride + kv_head * p.dk_head_stride +
-             (i64)kv_start * p.dk_row_stride;
-  u16* gdV = static_cast<u16*>(p.dv) + batch * p.dv_batch_stride + kv_head * p.dv_head_stride +
-             (i64)kv_start * p.dv_row_stride;
+  u16* gdK = static_cast<u16*>(p.dk) + dk_offset(p, batch, kv_head, kv_start);
+  u16* gdV = static_cast<u16*>(p.dv) + dv_offset(p, batch, kv_head, kv_start);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = row0 + g + 8 * r;

@@ -23,45 +23,23 @@
 // block's softmax with another's matrix products.
 #pragma once
 
+#include "fa/block_range.cuh"
 #include "fa/config_check.h"
+#include "fa/copy.cuh"
 #include "fa/dropout.cuh"
+#include "fa/epilogue.cuh"
+#include "fa/frag.cuh"
+#include "fa/mask.cuh"
 #include "fa/params.h"
 #include "fa/ptx.cuh"
+#include "fa/smem_layout.cuh"
+#include "fa/softmax.cuh"
+#include "fa/tile_ptrs.cuh"
+#include "fa/visible_keys.cuh"
 #include "fa/wgmma.cuh"
 
 namespace fa {
 namespace sm90 {
-
-// Byte offset of 16-byte chunk `chunk` of row `row` in an R-row tile of 64-column panels, 128-byte swizzle.
-template <int R>
-__device__ __forceinline__ u32 panel_offset(int row, int chunk) {
-  return (u32)((chunk >> 3) * (R * 128) + row * 128 + (((chunk & 7) ^ (row & 7)) << 4));
-}
-
-// Copy R rows x D columns from global memory (rows `row_stride` elements apart) into the panel layout.
-// Rows at or past `rows_valid` and columns at or past `head_dim` are zero-filled (the sm80 kernel's
-// load_tile says why zeros are the right filler).
-template <int R, int D, int kThreads>
-__device__ __forceinline__ void load_panels(u32 s_tile, const u16* g, i64 row_stride, int rows_valid,
-                                            int head_dim, int tid) {
-  constexpr int C = D / 8;
-  constexpr int kTotal = R * C;
-  constexpr bool kNested = kThreads % C == 0;
-  constexpr int kRowStep = kNested ? kThreads / C : 1;
-  const int chunk0 = tid % C;
-  const int row0 = tid / C;
-  const bool col_ok = chunk0 * 8 < head_dim;
-  const u16* src = g + (i64)(unsigned)row0 * row_stride + chunk0 * 8;
-#pragma unroll
-  for (int i = 0; i < (kTotal + kThreads - 1) / kThreads; ++i) {
-    if (kTotal % kThreads != 0 && tid + i * kThreads >= kTotal) break;
-    const int row = kNested ? row0 + i * kRowStep : (tid + i * kThreads) / C;
-    const int chunk = kNested ? chunk0 : (tid + i * kThreads) % C;
-    const bool ok = row < rows_valid && (kNested ? col_ok : chunk * 8 < head_dim);
-    const u16* p = kNested ? src + i * kRowStep * row_stride : g + row * row_stride + chunk * 8;
-    cp_async_16(s_tile + panel_offset<R>(row, chunk), ok ? p : g, ok ? 16 : 0);
-  }
-}
 
 template <class Cfg, bool kCausal, bool kRanged = false, bool kDropout = false>
 __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
@@ -72,10 +50,12 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
   constexpr int BR = Cfg::kBlockQ;
   constexpr int BC = Cfg::kBlockKV;
   constexpr int NT = Cfg::kNumWarps * 32;
-  constexpr int NS = BC / 8;   // 8-column n-tiles of S
-  constexpr int KS = BC / 16;  // k-steps of O += P V
-  constexpr int NO = D / 8;    // 8-column n-tiles of O
-  constexpr int DK = D / 16;   // k-steps of S = Q K^T
+  constexpr int NS = BC / 8;    // 8-column n-tiles of S
+  constexpr int KS = BC / 16;   // k-steps of O += P V
+  constexpr int NO = D / 8;     // 8-column n-tiles of O
+  constexpr int DK = D / 16;    // k-steps of S = Q K^T
+  using QTile = PanelTile<BR>;  // Q (and O, staged for the store) in shared memory
+  using KVTile = PanelTile<BC>;
 
   // The 128-byte swizzle repeats every 1024 bytes and the descriptors assume tiles start on that boundary;
   // the dynamic shared memory window is only 16-byte aligned, so the block asks for 1 KB more and rounds up.
@@ -97,26 +77,19 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
   const int q_start = m_block * BR;
   const int q_valid = min(BR, p.seqlen_q - q_start);
 
-  const u16* gQ = static_cast<const u16*>(p.q) + batch * p.q_batch_stride + head * p.q_head_stride +
-                  q_start * p.q_row_stride;
-  const u16* gK = static_cast<const u16*>(p.k) + batch * p.k_batch_stride + kv_head * p.k_head_stride;
-  const u16* gV = static_cast<const u16*>(p.v) + batch * p.v_batch_stride + kv_head * p.v_head_stride;
-  u16* gO =
-      static_cast<u16*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride + q_start * p.o_row_stride;
-  float* gL = p.lse ? p.lse + batch * p.lse_batch_stride + head * p.lse_head_stride + q_start : nullptr;
+  const u16* gQ = static_cast<const u16*>(p.q) + q_offset(p, batch, head, q_start);
+  const u16* gK = static_cast<const u16*>(p.k) + k_offset(p, batch, kv_head, 0);
+  const u16* gV = static_cast<const u16*>(p.v) + v_offset(p, batch, kv_head, 0);
+  u16* gO = static_cast<u16*>(p.o) + o_offset(p, batch, head, q_start);
+  float* gL = p.lse ? p.lse + lse_offset(p, batch, head, q_start) : nullptr;
 
-  int kv_lo = 0, kv_hi = p.seqlen_k;
-  if constexpr (kRanged) {
-    kv_lo = min(max(p.key_range[2 * batch], 0), p.seqlen_k);
-    kv_hi = min(max(p.key_range[2 * batch + 1], kv_lo), p.seqlen_k);
-  }
-  const int shift = p.seqlen_k - p.seqlen_q;
-  int n_blocks = (kv_hi + BC - 1) / BC;
-  const int j_lo = kRanged ? kv_lo / BC : 0;
-  if (kCausal) {
-    const int max_key = q_start + q_valid - 1 + shift;
-    n_blocks = max_key < 0 ? 0 : min(n_blocks, max_key / BC + 1);
-  }
+  // The keys this block's rows see (fa/visible_keys.cuh) and the K/V blocks [j_lo, n_blocks) holding any
+  // of them.
+  const VisibleKeys<kCausal, kRanged> keys(p, batch);
+  const KVBlocks<kRanged> blocks = kv_blocks<BC>(keys, q_start, q_valid);
+  const int j_lo = blocks.begin;
+  const int n_blocks = blocks.end;
+  const int kv_hi = keys.kv_hi;
 
   // Accumulator coordinates (PTX ISA 9.7.15.5.1.1.1, m64nNk16 D fragment): register 4 n + e of a thread holds
   // row 16 (warp % 4) + g + 8 (e / 2) of its warpgroup's 64, column 8 n + 2 t + e % 2.
@@ -124,29 +97,23 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
   const int t = lane % 4;
   const int warp_row0 = 16 * warp;  // = 64 wg + 16 (warp % 4): the block row of the warp's first row
 
+  // No key is visible to any row of this block: out = 0, lse = -inf. (This kernel's test is `<=` for both
+  // variants; the sm80 kernel's own spelling is explained in fa/block_range.cuh.)
   if (n_blocks <= j_lo) {
-    // No key is visible to any row of this block: out = 0, lse = -inf.
-    constexpr int C = D / 8;
-    for (int idx = tid; idx < BR * C; idx += NT) {
-      const int row = idx / C, chunk = idx % C;
-      if (row < q_valid && chunk * 8 < p.head_dim)
-        st_global_16(gO + row * p.o_row_stride + chunk * 8, make_uint4(0, 0, 0, 0));
-    }
-    if (gL)
-      for (int row = tid; row < q_valid; row += NT) gL[row] = neg_inf();
+    store_empty_block<BR, D, NT>(p, gO, gL, q_valid, tid);
     return;
   }
 
   const int n_iter = n_blocks - j_lo;
   auto load_k = [&](int buf, int blk) {
-    load_panels<BC, D, NT>(sK + buf * kTile, gK + (i64)blk * BC * p.k_row_stride, p.k_row_stride,
-                           kv_hi - blk * BC, p.head_dim, tid);
+    load_tile<BC, D, NT, KVTile, true>(sK + buf * kTile, gK + (i64)blk * BC * p.k_row_stride, p.k_row_stride,
+                                       kv_hi - blk * BC, p.head_dim, tid);
   };
   auto load_v = [&](int buf, int blk) {
-    load_panels<BC, D, NT>(sV + buf * kTile, gV + (i64)blk * BC * p.v_row_stride, p.v_row_stride,
-                           kv_hi - blk * BC, p.head_dim, tid);
+    load_tile<BC, D, NT, KVTile, true>(sV + buf * kTile, gV + (i64)blk * BC * p.v_row_stride, p.v_row_stride,
+                                       kv_hi - blk * BC, p.head_dim, tid);
   };
-  load_panels<BR, D, NT>(sQ, gQ, p.q_row_stride, q_valid, p.head_dim, tid);
+  load_tile<BR, D, NT, QTile, true>(sQ, gQ, p.q_row_stride, q_valid, p.head_dim, tid);
   load_k(0, j_lo);
   if constexpr (NST > 1) {
     // Blocks 0 .. NST - 2 in flight, one copy group each (an empty group past the end keeps the count).
@@ -223,71 +190,20 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
     wgmma_hold(s);
 
     // ---- mask -------------------------------------------------------------------------------------------
-    const bool tail = kv_start + BC > kv_hi;
-    const bool lead = kRanged && kv_start < kv_lo;
-    const bool diag = kCausal && kv_start + BC - 1 > q_start + warp_row0 + shift;
-    if (tail || lead || diag) {
-      const int col_limit = kv_hi - kv_start - 2 * t;
-      const int col_first = kv_lo - kv_start - 2 * t;
-      const int diag_limit = q_start + warp_row0 + g + shift - kv_start - 2 * t;
-#pragma unroll
-      for (int n = 0; n < NS; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int c = 8 * n + (e & 1);
-          if (c >= col_limit || (kRanged && c < col_first) || (kCausal && c - 8 * (e >> 1) > diag_limit))
-            s[4 * n + e] = neg_inf();
-        }
-    }
+    mask_query_rows(acc_tile(s), keys, q_start + warp_row0, kv_start, g, t);
 
     // ---- online softmax (exp2 form, scale folded into one FMA) ---------------------------------------
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      float mx = row_max[r];
-#pragma unroll
-      for (int n = 0; n < NS; ++n) mx = fmaxf(mx, fmaxf(s[4 * n + 2 * r], s[4 * n + 2 * r + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_scaled = mx == neg_inf() ? 0.f : mx * sl2;
-      const float alpha = exp2_approx(row_max[r] * sl2 - m_scaled);
-      float sum = 0.f;
-#pragma unroll
-      for (int n = 0; n < NS; ++n) {
-        s[4 * n + 2 * r] = exp2_approx(fmaf(s[4 * n + 2 * r], sl2, -m_scaled));
-        s[4 * n + 2 * r + 1] = exp2_approx(fmaf(s[4 * n + 2 * r + 1], sl2, -m_scaled));
-        sum += s[4 * n + 2 * r] + s[4 * n + 2 * r + 1];
-      }
-      row_max[r] = mx;
-      row_sum[r] = row_sum[r] * alpha + sum;
-#pragma unroll
-      for (int n = 0; n < NO; ++n) {
-        o[4 * n + 2 * r] *= alpha;
-        o[4 * n + 2 * r + 1] *= alpha;
-      }
+      const float alpha = online_softmax_row<true>(acc_tile(s), 0, r, row_max[r], row_sum[r], sl2);
+      rescale_row(acc_tile(o), 0, r, alpha);
     }
-    if constexpr (kDropout) {
-      const u32 hh = dropout_head_hash(p.dropout_key, batch * p.heads_q + head);
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const u32 hr = dropout_row_hash(hh, q_start + warp_row0 + g + 8 * r);
-#pragma unroll
-        for (int n = 0; n < NS; ++n)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const bool keep = dropout_keep(hr, kv_start + 8 * n + 2 * t + e, p.dropout_threshold);
-            s[4 * n + 2 * r + e] = keep ? s[4 * n + 2 * r + e] * p.dropout_rp : 0.f;
-          }
-      }
-    }
+    if constexpr (kDropout)
+      dropout_query_rows(acc_tile(s), 0, p, batch, head, q_start + warp_row0, kv_start, g, t);
     // Two adjacent 8-column n-tiles of the S accumulator are one k-step's A fragment of P V.
     u32 pf[KS][4];
 #pragma unroll
-    for (int ks = 0; ks < KS; ++ks) {
-      pf[ks][0] = pack2<BF>(s[8 * ks + 0], s[8 * ks + 1]);
-      pf[ks][1] = pack2<BF>(s[8 * ks + 2], s[8 * ks + 3]);
-      pf[ks][2] = pack2<BF>(s[8 * ks + 4], s[8 * ks + 5]);
-      pf[ks][3] = pack2<BF>(s[8 * ks + 6], s[8 * ks + 7]);
-    }
+    for (int ks = 0; ks < KS; ++ks) acc_to_a_frag<BF>(pf[ks], acc_tile(s), 0, ks);
 
     if constexpr (NST == 1) {
       // V_j landed; every warpgroup's S_j wgmma has completed (each waited before its softmax), so K's
@@ -319,30 +235,19 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
   // Each warpgroup read only its own 64 rows of Q, and its last wgmma has completed.
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    float l = row_sum[r];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const float l = quad_sum(row_sum[r]);
+    const float inv = inv_row_sum(l);
     const int row = warp_row0 + g + 8 * r;
 #pragma unroll
     for (int n = 0; n < NO; ++n) {
       const u32 v = pack2<BF>(o[4 * n + 2 * r] * inv, o[4 * n + 2 * r + 1] * inv);
-      st_shared_32(sQ + panel_offset<BR>(row, n) + 4 * t, v);
+      st_shared_32(sQ + QTile::bytes(row, n) + 4 * t, v);
     }
-    if (gL && t == 0 && row < q_valid) gL[row] = l > 0.f ? row_max[r] * p.scale + logf(l) : neg_inf();
+    if (gL && t == 0 && row < q_valid) gL[row] = row_lse<true>(p, row_max[r], l);
   }
+  // Every warpgroup's rows of O are staged before any thread copies whole rows out.
   __syncthreads();
-  {
-    constexpr int C = D / 8;
-#pragma unroll
-    for (int i = 0; i < (BR * C + NT - 1) / NT; ++i) {
-      const int idx = tid + i * NT;
-      if ((BR * C) % NT != 0 && idx >= BR * C) break;
-      const int row = idx / C, chunk = idx % C;
-      if (row < q_valid && chunk * 8 < p.head_dim)
-        st_global_16(gO + row * p.o_row_stride + chunk * 8, ld_shared_16(sQ + panel_offset<BR>(row, chunk)));
-    }
-  }
+  store_o_tile<BR, D, NT, QTile>(p, gO, sQ, q_valid, tid);
 }
 
 }  // namespace sm90

@@ -1,0 +1,79 @@
+// Which blocks a tile visits, from the rule of fa/visible_keys.cuh: the K/V blocks of a query tile (the
+// forward kernels, the dQ kernel) and the query blocks of a key tile (the dK/dV kernels). Blocks holding
+// no visible key are never loaded or computed.
+#pragma once
+
+#include "fa/visible_keys.cuh"
+
+namespace fa {
+
+// K/V blocks [begin, end) of kBlockKV keys. Unranged, begin is the compile-time constant 0, so that
+// expressions of it fold before the optimiser sees them (a run-time 0 changed the loop code of the sm80
+// forward).
+//
+// A kernel tests for "no block" itself, as `kRanged ? end <= begin : end == 0`, written out in the if: the
+// equivalent `end <= begin` with begin 0 changed the register allocation of the 252-255-register sm80
+// forward tiles enough to spill (docs/kernel-log.md, step 13), and so does the same test behind a function
+// call (the compiler then lays out the kernel's branches differently).
+template <bool kRanged>
+struct KVBlocks {
+  int begin, end;
+};
+
+template <>
+struct KVBlocks<false> {
+  static constexpr int begin = 0;
+  int end;
+};
+
+// The first K/V block (BC keys each) holding a key >= kv_lo (0 without a key range).
+template <int BC, bool kCausal, bool kRanged>
+__device__ __forceinline__ int first_kv_block(const VisibleKeys<kCausal, kRanged>& keys) {
+  return keys.kv_lo / BC;
+}
+
+// The K/V blocks (BC keys each) that query rows [q_start, q_start + q_rows) see some key of: from the
+// first block holding a key >= kv_lo to the last holding a key < kv_hi and, causal, <= the last row's
+// diagonal.
+template <int BC, bool kCausal, bool kRanged>
+__device__ __forceinline__ KVBlocks<kRanged> kv_blocks(const VisibleKeys<kCausal, kRanged>& keys, int q_start,
+                                                       int q_rows) {
+  KVBlocks<kRanged> blocks;
+  blocks.end = (keys.kv_hi + BC - 1) / BC;
+  if constexpr (kRanged) blocks.begin = first_kv_block<BC>(keys);
+  if (kCausal) {
+    const int max_key = q_start + q_rows - 1 + keys.shift;
+    blocks.end = max_key < 0 ? 0 : min(blocks.end, max_key / BC + 1);
+  }
+  return blocks;
+}
+
+// Query blocks [begin, begin + count) of BR rows. Without the causal mask, begin is the compile-time
+// constant 0 (as KVBlocks' begin without a key range).
+template <bool kCausal>
+struct QBlocks {
+  int begin, count;
+};
+
+template <>
+struct QBlocks<false> {
+  static constexpr int begin = 0;
+  int count;
+};
+
+// The query blocks (BR rows each, p.num_m_blocks in the sequence) that see some key of keys
+// [kv_start, kv_start + BC): causal, query q sees key kv_start iff q >= kv_start - shift; ranged, none
+// when the block lies wholly outside [kv_lo, kv_hi). (The two range tests are combined with `|`, both
+// evaluated: with `||` the compiler shaped the dK/dV kernels' prologue differently than when this code was
+// written in them.)
+template <int BR, int BC, bool kCausal, bool kRanged, class Params>
+__device__ __forceinline__ QBlocks<kCausal> q_blocks(const VisibleKeys<kCausal, kRanged>& keys,
+                                                     const Params& p, int kv_start) {
+  QBlocks<kCausal> blocks;
+  if constexpr (kCausal) blocks.begin = max(0, kv_start - keys.shift) / BR;
+  blocks.count = max(0, p.num_m_blocks - blocks.begin);
+  if (kRanged && ((kv_start >= keys.kv_hi) | (kv_start + BC <= keys.kv_lo))) blocks.count = 0;
+  return blocks;
+}
+
+}  // namespace fa

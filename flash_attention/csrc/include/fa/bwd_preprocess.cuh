@@ -1,0 +1,66 @@
+// The backward's first kernel, shared by both backward families (sm80 and wgmma): per query row,
+// delta = rowsum(dO * O) and the LSE in base 2, into the (batch, heads_q, seqlen_q_pad) workspaces that the
+// dK/dV and dQ kernels read; in the atomic mode it also clears the row's dQ accumulator (fa/dq_accum.cuh).
+#pragma once
+
+#include "fa/bwd_params.h"
+#include "fa/dq_accum.cuh"
+#include "fa/ptx.cuh"
+#include "fa/tile_ptrs.cuh"
+
+namespace fa {
+
+// 128 threads, 64 query rows per block; eight lanes share a row so each 16-byte load of a row is part of a
+// 128-byte coalesced segment. Grid: (seqlen_q_pad / 64, heads_q, batch).
+template <class Cfg>
+__device__ __forceinline__ void bwd_preprocess_body(const BwdParams& p) {
+  constexpr bool BF = Cfg::kIsBF16;
+  constexpr int C = Cfg::kHeadDim / 8;
+  const int tid = threadIdx.x;
+  const int head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const int lane8 = tid % 8;
+#pragma unroll 1
+  for (int pass = 0; pass < 4; ++pass) {
+    const int row = blockIdx.x * 64 + pass * 16 + tid / 8;
+    float acc = 0.f;
+    if (row < p.seqlen_q) {
+      const u16* o = static_cast<const u16*>(p.o) + o_offset(p, batch, head, row);
+      const u16* d = static_cast<const u16*>(p.dout) + do_offset(p, batch, head, row);
+#pragma unroll
+      for (int c = lane8; c < C; c += 8) {
+        if (c * 8 < p.head_dim) {
+          const uint4 a = ld_global_16(o + c * 8), b = ld_global_16(d + c * 8);
+          const u32 av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            float a0, a1, b0, b1;
+            unpack2<BF>(av[e], a0, a1);
+            unpack2<BF>(bv[e], b0, b1);
+            acc = fmaf(a0, b0, fmaf(a1, b1, acc));
+          }
+        }
+      }
+    }
+    // The eight lanes of the row hold its partial sums.
+    acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+    acc += __shfl_xor_sync(0xffffffffu, acc, 2);
+    acc += __shfl_xor_sync(0xffffffffu, acc, 4);
+    // The atomic mode's dQ workspace starts at zero: each row is cleared here, before the dK/dV kernel (next
+    // on the stream) adds into it. Null in deterministic mode, which writes dQ directly.
+    if (p.dq_accum != nullptr && row < p.seqlen_q_pad)
+      zero_dq_accum_row<Cfg::kHeadDim>(p.dq_accum, workspace_row(p, batch, head, row), lane8);
+    if (lane8 == 0 && row < p.seqlen_q_pad) {
+      const i64 idx = workspace_row(p, batch, head, row);
+      float lse2 = pos_inf();  // padding rows and rows that see no key: probabilities exp2(s - inf) = 0
+      if (row < p.seqlen_q) {
+        const float l = p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + row];
+        if (l != neg_inf()) lse2 = l * 1.4426950408889634f;
+      }
+      p.lse_log2[idx] = lse2;
+      p.delta[idx] = row < p.seqlen_q ? acc : 0.f;
+    }
+  }
+}
+
+}  // namespace fa

@@ -1,0 +1,51 @@
+// Global -> shared copies of whole tiles, written once for every kernel and both shared-memory layouts.
+#pragma once
+
+#include "fa/ptx.cuh"
+#include "fa/smem_layout.cuh"
+
+namespace fa {
+
+// Copy a tile of R rows x D elements from global memory (rows `row_stride` elements apart) into shared
+// memory at `s_tile`, laid out by `Layout` (fa/smem_layout.cuh: RowMajorTile or PanelTile), by the block's
+// kThreads threads. Rows at or past `rows_valid` and chunks at or past `head_dim` are zero-filled: zero K
+// rows give scores that are masked anyway, zero V rows keep NaN-free products with the masked (zero)
+// probabilities, and zero head_dim columns add nothing to Q K^T. kAsync: cp.async (the caller commits and
+// waits); otherwise plain 16-byte loads and shared stores through registers.
+template <int R, int D, int kThreads, class Layout, bool kAsync>
+__device__ __forceinline__ void load_tile(u32 s_tile, const u16* g, i64 row_stride, int rows_valid,
+                                          int head_dim, int tid) {
+  constexpr int C = D / 8;
+  constexpr int kTotal = R * C;
+  // When the block's threads cover whole rows (kNested), thread tid copies chunk tid % C of rows tid / C,
+  // tid / C + kRowStep, ...: consecutive threads read consecutive 16-byte chunks of a row (coalesced) and
+  // the source pointer advances by a fixed step. Otherwise (head_dim 192 with 8 warps) each copy's
+  // coordinates are computed afresh.
+  constexpr bool kNested = kThreads % C == 0;
+  constexpr int kRowStep = kNested ? kThreads / C : 1;
+  const int chunk0 = tid % C;
+  const int row0 = tid / C;
+  const bool col_ok = chunk0 * 8 < head_dim;
+  // (unsigned) row0: a zero-extended 64-bit product needs no register for its high half, which is what
+  // keeps the causal 128x64 head_dim-128 forward tile spill-free (docs/kernel-log.md, step 5).
+  const u16* src = g + (i64)(unsigned)row0 * row_stride + chunk0 * 8;
+  const i64 step = kRowStep * row_stride;
+#pragma unroll
+  for (int i = 0; i < (kTotal + kThreads - 1) / kThreads; ++i) {
+    if (kTotal % kThreads != 0 && tid + i * kThreads >= kTotal) break;
+    const int row = kNested ? row0 + i * kRowStep : (tid + i * kThreads) / C;
+    const int chunk = kNested ? chunk0 : (tid + i * kThreads) % C;
+    const bool ok = row < rows_valid && (kNested ? col_ok : chunk * 8 < head_dim);
+    const u16* p = kNested ? src + i * step : g + row * row_stride + chunk * 8;
+    const u32 dst = s_tile + Layout::bytes(row, chunk);
+    if constexpr (kAsync) {
+      cp_async_16(dst, ok ? p : g, ok ? 16 : 0);
+    } else {
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (ok) v = ld_global_16(p);
+      st_shared_16(dst, v);
+    }
+  }
+}
+
+}  // namespace fa

@@ -1,0 +1,75 @@
+// The element mask of one warp's accumulator tile (fa/frag.cuh layout), from the rule of
+// fa/visible_keys.cuh, in both orientations the kernels hold scores in:
+//  * query rows (the forward's S, the dQ kernel's S): rows are queries, columns keys;
+//  * key rows (the dK/dV kernels' transposed chain S^T): rows are keys, columns queries.
+// Masked scores become -inf (their probability exp2(-inf) = 0). Each function first makes a warp-uniform
+// test of the whole tile, so tiles wholly inside the visible region pay one comparison per condition.
+#pragma once
+
+#include "fa/ptx.cuh"
+#include "fa/visible_keys.cuh"
+
+namespace fa {
+
+// Query-row orientation. Element (mt, n, e) is query q_row0 + 16 mt + g + 8 (e / 2) against key
+// kv_start + 8 n + 2 t + e % 2; q_row0 is the warp's first query row (in the sequence), the tile holds
+// 8 * Acc::kN keys.
+template <class Acc, bool kCausal, bool kRanged>
+__device__ __forceinline__ void mask_query_rows(const Acc& s, const VisibleKeys<kCausal, kRanged>& keys,
+                                                int q_row0, int kv_start, int g, int t) {
+  constexpr int BC = 8 * Acc::kN;
+  const bool tail = kv_start + BC > keys.kv_hi;
+  const bool lead = kRanged && kv_start < keys.kv_lo;
+  const bool diag = kCausal && kv_start + BC - 1 > q_row0 + keys.shift;
+  if (tail || lead || diag) {
+    // Column 8 n + 2 t + e1 of the tile against row 16 mt + g + 8 e2 of the warp, with the per-lane parts
+    // folded into two integers so each element costs one compare against a constant.
+    const int col_limit = keys.kv_hi - kv_start - 2 * t;  // masked if 8n + e1 >= this
+    const int col_first = keys.kv_lo - kv_start - 2 * t;  // masked if 8n + e1 < this (kRanged only)
+    const int diag_limit = q_row0 + g + keys.shift - kv_start - 2 * t;  // masked if 8n+e1-16mt-8e2 > this
+#pragma unroll
+    for (int mt = 0; mt < Acc::kMT; ++mt)
+#pragma unroll
+      for (int n = 0; n < Acc::kN; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int c = 8 * n + (e & 1);
+          if (c >= col_limit || (kRanged && c < col_first) ||
+              (kCausal && c - 16 * mt - 8 * (e >> 1) > diag_limit))
+            s(mt, n, e) = neg_inf();
+        }
+  }
+}
+
+// Key-row orientation. Element (mt, n, e) is key kv_start + warp_row0 + 16 mt + g + 8 (e / 2) against
+// query q_start + 8 n + 2 t + e % 2; the warp holds 16 * Acc::kMT keys from row warp_row0 of the key block
+// at kv_start. Queries past seqlen_q need no mask: the backward's base-2 LSE of such a row is +inf, so its
+// P is 0.
+template <class Acc, bool kCausal, bool kRanged>
+__device__ __forceinline__ void mask_key_rows(const Acc& s, const VisibleKeys<kCausal, kRanged>& keys,
+                                              int kv_start, int warp_row0, int q_start, int g, int t) {
+  constexpr int WN = 16 * Acc::kMT;
+  const int key0 = kv_start + warp_row0;  // the warp's first key
+  const bool tail = key0 + WN > keys.kv_hi;
+  const bool lead = kRanged && key0 < keys.kv_lo;
+  const bool diag = kCausal && key0 + WN - 1 > q_start + keys.shift;
+  if (tail || lead || diag) {
+    const int key_l = key0 + g;
+    const int dlim = q_start + 2 * t + keys.shift - key_l;  // masked if 16 mt + 8 e2 - 8 n - e1 > dlim
+#pragma unroll
+    for (int mt = 0; mt < Acc::kMT; ++mt)
+#pragma unroll
+      for (int n = 0; n < Acc::kN; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = key_l + 16 * mt + 8 * (e >> 1);
+          // (`|` between the two key-range tests: with `||` the compiler ordered them the other way round
+          // than when this code was written in the dK/dV kernel.)
+          if ((key >= keys.kv_hi) | (kRanged && key < keys.kv_lo) ||
+              (kCausal && 16 * mt + 8 * (e >> 1) - 8 * n - (e & 1) > dlim))
+            s(mt, n, e) = neg_inf();
+        }
+  }
+}
+
+}  // namespace fa

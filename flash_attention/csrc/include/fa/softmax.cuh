@@ -1,0 +1,95 @@
+// The online softmax of the forward kernels, on one warp's accumulator tile (fa/frag.cuh layout): the
+// running row max M and sum L, the rescale of O whenever M grows, and the final 1 / L and log-sum-exp.
+//
+// Two forms. Folded (kFolded, the sm80 opt_softmax knob; the only form of the wgmma kernel): the scores
+// stay unscaled and exp(scale (s - m)) = 2^(s * scale log2e - m * scale log2e) is one FFMA and one MUFU.EX2
+// per score; M is then a max of unscaled scores, which is right for a positive scale only. Unfolded: the
+// scores are scaled first (scale_scores, before masking: a negative scale would turn a masked -inf into
+// +inf) and exponentiated with __expf; ops picks it for negative scales.
+#pragma once
+
+#include "fa/ptx.cuh"
+
+namespace fa {
+
+// s *= scale, the unfolded form's first step.
+template <class Acc>
+__device__ __forceinline__ void scale_scores(const Acc& s, float scale) {
+#pragma unroll
+  for (int mt = 0; mt < Acc::kMT; ++mt)
+#pragma unroll
+    for (int n = 0; n < Acc::kN; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s(mt, n, e) *= scale;
+}
+
+// One row's step: row r (0: g, 1: g + 8) of 16-row tile mt. The row's scores become its unnormalised
+// probabilities, M and L (this thread's partial: its quad's four partials are added once, at the end)
+// are updated, and the factor O's row must be multiplied by (rescale_row) is returned.
+template <bool kFolded, class Acc>
+__device__ __forceinline__ float online_softmax_row(const Acc& s, int mt, int r, float& row_max,
+                                                    float& row_sum, float scale_log2) {
+  float mx = row_max;
+#pragma unroll
+  for (int n = 0; n < Acc::kN; ++n) mx = fmaxf(mx, fmaxf(s(mt, n, 2 * r), s(mt, n, 2 * r + 1)));
+  // The four lanes of a quad hold the same two rows.
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+  // A row that has seen only masked keys keeps max -inf; subtracting 0 instead keeps exp(-inf) = 0 rather
+  // than exp(-inf - -inf) = NaN.
+  float alpha, sum = 0.f;
+  if constexpr (kFolded) {
+    const float m_scaled = mx == neg_inf() ? 0.f : mx * scale_log2;
+    alpha = exp2_approx(row_max * scale_log2 - m_scaled);
+#pragma unroll
+    for (int n = 0; n < Acc::kN; ++n) {
+      s(mt, n, 2 * r) = exp2_approx(fmaf(s(mt, n, 2 * r), scale_log2, -m_scaled));
+      s(mt, n, 2 * r + 1) = exp2_approx(fmaf(s(mt, n, 2 * r + 1), scale_log2, -m_scaled));
+      sum += s(mt, n, 2 * r) + s(mt, n, 2 * r + 1);
+    }
+  } else {
+    const float m_use = mx == neg_inf() ? 0.f : mx;
+    alpha = __expf(row_max - m_use);
+#pragma unroll
+    for (int n = 0; n < Acc::kN; ++n) {
+      s(mt, n, 2 * r) = __expf(s(mt, n, 2 * r) - m_use);
+      s(mt, n, 2 * r + 1) = __expf(s(mt, n, 2 * r + 1) - m_use);
+      sum += s(mt, n, 2 * r) + s(mt, n, 2 * r + 1);
+    }
+  }
+  row_max = mx;
+  row_sum = row_sum * alpha + sum;
+  return alpha;
+}
+
+// O's row r of 16-row tile mt *= alpha.
+template <class Acc>
+__device__ __forceinline__ void rescale_row(const Acc& o, int mt, int r, float alpha) {
+#pragma unroll
+  for (int n = 0; n < Acc::kN; ++n) {
+    o(mt, n, 2 * r) *= alpha;
+    o(mt, n, 2 * r + 1) *= alpha;
+  }
+}
+
+// A row's L from this thread's partial sum: the quad's four lanes hold the row's columns.
+__device__ __forceinline__ float quad_sum(float partial) {
+  float l = partial;
+  l += __shfl_xor_sync(0xffffffffu, l, 1);
+  l += __shfl_xor_sync(0xffffffffu, l, 2);
+  return l;
+}
+
+// The factor that normalises O's row: 1 / L, or 0 for a row that saw no key (its O is 0 too).
+__device__ __forceinline__ float inv_row_sum(float l) { return l > 0.f ? 1.f / l : 0.f; }
+
+// The row's natural-log LSE of the scaled scores (-inf for a row that saw no key); the folded form's max
+// is of the unscaled scores. (The scale is read from the params here: an argument is loaded at the call,
+// which moved the load in the sm80 forward's code.)
+template <bool kFolded, class Params>
+__device__ __forceinline__ float row_lse(const Params& p, float row_max, float l) {
+  const float m = kFolded ? row_max * p.scale : row_max;
+  return l > 0.f ? m + logf(l) : neg_inf();
+}
+
+}  // namespace fa

@@ -1,0 +1,35 @@
+// Which keys a query may see: the one rule every kernel's block ranges (fa/block_range.cuh) and element
+// masks (fa/mask.cuh) are derived from. A feature that changes what a query sees (a sliding window, a
+// per-sequence length, ...) is a field here plus its term in those two headers, and every kernel family
+// has it.
+#pragma once
+
+#include "fa/ptx.cuh"
+
+namespace fa {
+
+// Query row i (0-based in its sequence) of batch row b sees key j iff
+//   kv_lo <= j < kv_hi                     (the sequence's keys; kRanged: the batch row's key_range), and
+//   j <= i + shift, shift = seqlen_k - seqlen_q   (kCausal: the diagonal aligned to the bottom-right corner).
+// kRanged: batch row b attends only keys key_range[2 b] <= j < key_range[2 b + 1] (key padding, left or
+// right); the causal alignment stays on the full key axis. Out-of-range values are clamped, so a bad range
+// can mask too much but never make a kernel read outside K/V. Params: FwdParams or BwdParams (the fields
+// read here have the same names in both).
+template <bool kCausal, bool kRanged>
+struct VisibleKeys {
+  static constexpr bool kIsCausal = kCausal;
+  static constexpr bool kIsRanged = kRanged;
+  int kv_lo, kv_hi;
+  int shift;
+
+  template <class Params>
+  __device__ __forceinline__ VisibleKeys(const Params& p, int batch) : kv_lo(0), kv_hi(p.seqlen_k) {
+    if constexpr (kRanged) {
+      kv_lo = min(max(p.key_range[2 * batch], 0), p.seqlen_k);
+      kv_hi = min(max(p.key_range[2 * batch + 1], kv_lo), p.seqlen_k);
+    }
+    shift = p.seqlen_k - p.seqlen_q;
+  }
+};
+
+}  // namespace fa
