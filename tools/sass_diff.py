@@ -1,0 +1,234 @@
+"""Did a source change move the machine code? Compile every kernel of two checkouts and compare the SASS.
+
+    python tools/sass_diff.py dump  CHECKOUT OUT [--arch sm_80,sm_86,sm_90] [--compilers nvrtc] [--jobs 2]
+                                    [--family all|sm80|wgmma] [--trace]
+    python tools/sass_diff.py diff  BASE_OUT NEW_OUT [--subset]
+
+`dump` imports the package of CHECKOUT (not the installed one), compiles the translation units of
+``ops.catalog(arch)`` -- every kernel a default call and its backward can run, key-range and dropout
+variants included -- into OUT/cache (its own kernel cache, so two checkouts never share entries), and writes
+each entry point's SASS (cuobjdump -sass) and ptxas resources to OUT/<compiler>/<arch>/<symbol>.{sass,json}.
+``--trace`` adds the debug build of the first eight portable forward configs.
+
+`diff` compares two dumps entry point by entry point: byte-identical, or different with the registers, spills,
+instruction histogram and loop-body histogram (instructions between a backward branch and its target) side
+by side, and "worse" when any of those grew. Refactors of csrc/include/fa are held to "identical, or
+different and nowhere worse" (docs/kernel-log.md, step 24). Exit status 1 when an entry point is worse or
+missing.
+
+Needs cuobjdump (a CUDA toolkit); a full dump of three architectures with NVRTC takes about 15 minutes on
+2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+
+def _jobs(archs: list[str], family: str, trace: bool) -> list[tuple]:
+    from flash_attention.configs import KernelConfig
+    from flash_attention.configs.families import is_wgmma
+    from flash_attention.ops.select import catalog
+
+    jobs = []
+    for arch in archs:
+        cat = catalog(arch)
+        for job in cat:
+            if family == "all" or (family == "wgmma") == is_wgmma(job.cfg):
+                jobs.append((job.cfg, arch, False, job.ranged, job.dropout))
+        if trace and family != "wgmma":
+            portable = [j.cfg for j in cat if isinstance(j.cfg, KernelConfig) and not is_wgmma(j.cfg)]
+            jobs += [(cfg, arch, True, False, False) for cfg in list(dict.fromkeys(portable))[:8]]
+    return list(dict.fromkeys(jobs))
+
+
+def _sass_by_function(cubin: bytes) -> dict[str, str]:
+    from flash_attention.tools.report import find_cuobjdump
+
+    found = find_cuobjdump()
+    if found is None:
+        raise SystemExit("cuobjdump not found: install a CUDA toolkit or set CUDA_HOME")
+    tool, env = found
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run(
+            [tool, "-sass", f.name], capture_output=True, text=True, env=env, check=True
+        ).stdout
+    out: dict[str, list[str]] = {}
+    cur = None
+    for line in text.splitlines():
+        m = re.search(r"Function : (\S+)", line)
+        if m:
+            cur = out.setdefault(m[1], [])
+        elif cur is not None and line.strip():
+            cur.append(line.rstrip())
+    return {name: "\n".join(lines) + "\n" for name, lines in out.items()}
+
+
+def dump(
+    checkout: Path, out: Path, archs: list[str], compilers: list[str], jobs_n: int, family: str, trace: bool
+) -> int:
+    # The cache directory is read when the package compiles, so it is set before the import.
+    os.environ["FLASH_ATTENTION_CACHE_DIR"] = str(out / "cache")
+    os.environ["FLASH_ATTENTION_QUIET"] = "1"
+    sys.path.insert(0, str(checkout))
+    import flash_attention
+
+    if not Path(flash_attention.__file__).resolve().is_relative_to(checkout.resolve()):
+        raise SystemExit(f"imported {flash_attention.__file__}, not the checkout {checkout}")
+    from flash_attention.jit import cache
+
+    todo = [(comp, *job) for comp in compilers for job in _jobs(archs, family, trace)]
+
+    def one(item):
+        comp, cfg, arch, trace_build, ranged, dropout = item
+        built = cache.build(cfg, arch, comp, trace=trace_build, ranged=ranged, dropout=dropout)
+        sass = _sass_by_function(built.cubin)
+        folder = out / comp / built.arch
+        folder.mkdir(parents=True, exist_ok=True)
+        for res in built.meta["resources"]:
+            (folder / f"{res['kernel']}.sass").write_text(sass[res["kernel"]])
+            (folder / f"{res['kernel']}.json").write_text(json.dumps(res))
+
+    failed = 0
+    with ThreadPoolExecutor(jobs_n) as ex:
+        for item, fut in [(item, ex.submit(one, item)) for item in todo]:
+            try:
+                fut.result()
+            except Exception as exc:  # noqa: BLE001 - report every failure, then fail
+                failed += 1
+                print(f"FAILED {item[0]} {item[2]} {item[1].name()}: {str(exc)[:2000]}", flush=True)
+    print(f"{len(todo) - failed}/{len(todo)} translation units", flush=True)
+    return 1 if failed else 0
+
+
+_INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)((?:\.[A-Z0-9_]+)*)([^;]*);")
+#: Opcodes whose growth marks an entry point "worse" (the ones that carry the inner loops' cost).
+WATCHED = ("HMMA", "HGMMA", "LDSM", "LDGSTS", "FFMA", "MUFU.EX2", "IMAD")
+
+
+def histograms(sass: str) -> tuple[Counter, Counter]:
+    """Opcode counts of the whole function and of its loop bodies."""
+    ins = []
+    for line in sass.splitlines():
+        m = _INSTR.search(line)
+        if m:
+            op = m[3] + ("." + m[4].split(".")[1] if m[3] == "MUFU" and m[4] else "")
+            ins.append((int(m[1], 16), op, m[5]))
+    index = {addr: i for i, (addr, _, _) in enumerate(ins)}
+    in_loop = [False] * len(ins)
+    for i, (addr, op, rest) in enumerate(ins):
+        target = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
+        if target and int(target[1], 16) <= addr and int(target[1], 16) in index:
+            for j in range(index[int(target[1], 16)], i + 1):
+                in_loop[j] = True
+    looped = [op for (_, op, _), loop in zip(ins, in_loop, strict=True) if loop]
+    return Counter(op for _, op, _ in ins), Counter(looped)
+
+
+def diff(base: Path, new: Path, subset: bool) -> int:
+    stats: Counter = Counter()
+    rows, missing = [], []
+    for base_json in sorted((new if subset else base).glob("*/*/*.json")):
+        rel = base_json.relative_to(new if subset else base)
+        comp, arch = rel.parts[0], rel.parts[1]
+        if not (new / rel).exists():
+            missing.append(str(rel))
+            continue
+        b_sass, n_sass = (
+            (base / rel).with_suffix(".sass").read_text(),
+            (new / rel).with_suffix(".sass").read_text(),
+        )
+        if b_sass == n_sass:
+            stats[(comp, arch, "identical")] += 1
+            continue
+        stats[(comp, arch, "different")] += 1
+        b_res, n_res = json.loads((base / rel).read_text()), json.loads((new / rel).read_text())
+        (bt, bl), (nt, nl) = histograms(b_sass), histograms(n_sass)
+        worse = [
+            f"{k} {b_res[k]}->{n_res[k]}"
+            for k in ("registers", "spill_stores", "spill_loads", "stack_frame")
+            if n_res[k] > b_res[k]
+        ]
+        if sum(nt.values()) > sum(bt.values()):
+            worse.append(f"instructions {sum(bt.values())}->{sum(nt.values())}")
+        if sum(nl.values()) > sum(bl.values()):
+            worse.append(f"loop instructions {sum(bl.values())}->{sum(nl.values())}")
+        worse += [f"{k} {bt[k]}->{nt[k]}" for k in WATCHED if nt[k] > bt[k]]
+        worse += [f"loop {k} {bl[k]}->{nl[k]}" for k in WATCHED if nl[k] > bl[k]]
+        stats[(comp, arch, "worse")] += bool(worse)
+        rows.append((comp, arch, rel.stem, b_res, n_res, bt, nt, bl, nl, worse))
+    for comp, arch in sorted({k[:2] for k in stats}):
+        print(
+            f"{comp:6} {arch:7} identical {stats[(comp, arch, 'identical')]:4d}  different "
+            f"{stats[(comp, arch, 'different')]:4d}  (worse on some count: {stats[(comp, arch, 'worse')]})"
+        )
+    for comp, arch, name, b_res, n_res, bt, nt, bl, nl, worse in rows:
+        print(f"\n{'WORSE' if worse else 'DIFF '} {comp} {arch} {name}")
+        print(
+            f"   registers {b_res['registers']}->{n_res['registers']}, spills "
+            f"{b_res['spill_stores']}/{b_res['spill_loads']}->"
+            f"{n_res['spill_stores']}/{n_res['spill_loads']}, instructions "
+            f"{sum(bt.values())}->{sum(nt.values())}, in loops {sum(bl.values())}->{sum(nl.values())}"
+        )
+        print(
+            "   total: "
+            + ", ".join(f"{k} {bt[k]}->{nt[k]}" for k in sorted(set(bt) | set(nt)) if bt[k] != nt[k])
+        )
+        print(
+            "   loops: "
+            + ", ".join(f"{k} {bl[k]}->{nl[k]}" for k in sorted(set(bl) | set(nl)) if bl[k] != nl[k])
+        )
+        if worse:
+            print("   worse: " + "; ".join(worse))
+    if missing:
+        print(f"\nmissing in {new}: {len(missing)}: " + " ".join(missing[:20]))
+    n_worse = sum(1 for row in rows if row[-1])
+    n_same = sum(v for k, v in stats.items() if k[2] == "identical")
+    print(
+        f"\n{n_same} identical, {len(rows)} different ({n_worse} worse on some count), {len(missing)} missing"
+    )
+    return 1 if n_worse or missing else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("dump", help="compile a checkout's kernels and write their SASS")
+    d.add_argument("checkout", type=Path)
+    d.add_argument("out", type=Path)
+    d.add_argument("--arch", default="sm_80,sm_86,sm_90")
+    d.add_argument("--compilers", default="nvrtc", help="nvrtc, nvcc or both (comma-separated)")
+    d.add_argument("--jobs", type=int, default=2)
+    d.add_argument("--family", choices=("all", "sm80", "wgmma"), default="all")
+    d.add_argument("--trace", action="store_true", help="also the debug build of eight portable configs")
+    c = sub.add_parser("diff", help="compare two dumps")
+    c.add_argument("base", type=Path)
+    c.add_argument("new", type=Path)
+    c.add_argument("--subset", action="store_true", help="compare only the entry points NEW has")
+    args = ap.parse_args(argv)
+    if args.cmd == "dump":
+        return dump(
+            args.checkout,
+            args.out,
+            args.arch.split(","),
+            args.compilers.split(","),
+            args.jobs,
+            args.family,
+            args.trace,
+        )
+    return diff(args.base, args.new, args.subset)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
