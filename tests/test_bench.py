@@ -461,3 +461,20 @@ def test_tiny_rows_get_their_own_table(any_provenance, tmp_path):
     assert "### fwd_bwd, tiny calls" in md and "TFLOP/s, bf16)" not in md
     assert "| (1, 128, 16, 64) | no | 180.0 | 150.0 | 1.20× |" in md
     assert readme_markers(r) == ("<!-- bench-tiny-fwd_bwd:begin -->", "<!-- bench-tiny-fwd_bwd:end -->")
+
+
+def test_dirty_sources_names_whole_paths(tmp_path):
+    """A modified file's porcelain line starts with a space; its path must come back whole."""
+    import subprocess
+
+    from flash_attention.tools import provenance
+
+    pkg = tmp_path / "flash_attention"
+    pkg.mkdir()
+    (pkg / "a.py").write_text("x = 1\n")
+    (pkg / "b.py").write_text("y = 1\n")
+    who = ["-c", "user.name=t", "-c", "user.email=t@t"]
+    for cmd in (["init", "-q"], ["add", "."], ["commit", "-qm", "x"]):
+        subprocess.run(["git", *who, *cmd], cwd=tmp_path, check=True)
+    (pkg / "b.py").write_text("y = 2\n")
+    assert provenance.dirty_sources(pkg) == ["flash_attention/b.py"]

@@ -57,11 +57,13 @@ def source_digest(package_dir: Path = PACKAGE_DIR) -> str:
 
 
 def _git(args: list[str], cwd: Path) -> str | None:
+    """git's stdout without trailing whitespace (leading spaces are kept: porcelain status lines start with
+    their column of status letters), or None when git is missing or fails."""
     try:
         p = subprocess.run(["git", *args], cwd=cwd, capture_output=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return None
-    return p.stdout.decode(errors="replace").strip() if p.returncode == 0 else None
+    return p.stdout.decode(errors="replace").rstrip() if p.returncode == 0 else None
 
 
 def git_commit(cwd: Path = PACKAGE_DIR) -> str | None:
