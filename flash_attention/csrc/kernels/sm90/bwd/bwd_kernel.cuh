@@ -1,9 +1,10 @@
 // FlashAttention-2 backward's dK/dV kernel (with atomic dQ) for Hopper (sm_90a), on wgmma.
 //
-// The structure is the sm80 kernel's (csrc/kernels/sm80/bwd/bwd_kernel.cuh, whose preprocessing kernel
-// this one reuses): one thread block per (K/V block, kv head, batch) keeps K_j and V_j in shared memory and
-// walks every query block of every query head of its GQA group, so dK and dV are summed over the group in
-// registers. Warpgroup w owns keys [64 w, 64 w + 64) of the block, and the whole chain stays transposed:
+// The structure is the sm80 kernel's (csrc/kernels/sm80/bwd/bwd_kernel.cuh; both run the preprocessing
+// of fa/bwd_preprocess.cuh): one thread block per (K/V block, kv head, batch) keeps K_j and V_j in shared
+// memory and walks every query block of every query head of its GQA group, so dK and dV are summed over
+// the group in registers. Warpgroup w owns keys [64 w, 64 w + 64) of the block, and the whole chain stays
+// transposed:
 //   S^T  = K Q^T     wgmma SS, A = K rows (K-major), B = Q (K-major), N = block_q
 //   dP^T = V dO^T    wgmma SS, A = V rows, B = dO, N = block_q
 //   P^T  = exp2(S^T scale log2e - LSE2),  dS^T = scale P^T (dP^T - delta)   (registers)
@@ -13,7 +14,7 @@
 //                    is dS in M-major form), B = K (MN-major); added to the fp32 dQ workspace with atomics.
 // dQ's 64 x head_dim products are shared between the two warpgroups: with block_q 128 each takes 64 query
 // rows (head_dim 64), with block_q 64 each takes half of head_dim's columns (head_dim 128), so neither idles.
-// Tiles are 64-column panels with the 128-byte swizzle (fa::sm90::panel_offset); Q/dO are double-buffered.
+// Tiles are 64-column panels with the 128-byte swizzle (fa/smem_layout.cuh, PanelTile); Q/dO are double-buffered.
 #pragma once
 
 #include "fa/block_range.cuh"
