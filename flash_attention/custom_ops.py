@@ -160,23 +160,16 @@ def _fwd_setup_context(ctx, inputs, output) -> None:
     ctx.mark_non_differentiable(lse)
 
 
+def _backward_args(ctx, dout) -> tuple:
+    """The arguments of ``bwd`` / :func:`backward_impl` from what :func:`_fwd_setup_context` saved."""
+    q, k, v, out, lse, key_range, dropout_seed = ctx.saved_tensors
+    return (dout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.deterministic, key_range, ctx.dropout_p,
+            dropout_seed)  # fmt: skip
+
+
 def _fwd_backward(ctx, dout, dlse):
     # dlse is ignored: lse is marked non-differentiable, so it never carries a gradient.
-    q, k, v, out, lse, key_range, dropout_seed = ctx.saved_tensors
-    dq, dk, dv = torch.ops.flash_attention.bwd(
-        dout,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        ctx.causal,
-        ctx.scale,
-        ctx.deterministic,
-        key_range,
-        ctx.dropout_p,
-        dropout_seed,
-    )
+    dq, dk, dv = torch.ops.flash_attention.bwd(*_backward_args(ctx, dout))
     return dq, dk, dv, None, None, None, None, None, None
 
 
@@ -282,9 +275,8 @@ class EagerAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, deterministic, key_range, dropout_p, dropout_seed):
         out, lse = forward_impl(q, k, v, causal, scale, key_range, dropout_p, dropout_seed)
-        ctx.save_for_backward(q, k, v, out, lse, key_range, dropout_seed)
-        ctx.causal, ctx.scale, ctx.deterministic, ctx.dropout_p = causal, scale, deterministic, dropout_p
-        ctx.mark_non_differentiable(lse)
+        inputs = (q, k, v, causal, scale, deterministic, key_range, dropout_p, dropout_seed)
+        _fwd_setup_context(ctx, inputs, (out, lse))
         # The LSE never carries a gradient: without this autograd would fill a zero tensor for it on every
         # backward (an allocation and a fill kernel per call, for nothing).
         ctx.set_materialize_grads(False)
@@ -292,21 +284,7 @@ class EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, key_range, dropout_seed = ctx.saved_tensors
         if dout is None:  # only reachable if autograd ever calls us without a gradient for out
-            dout = torch.zeros_like(out)
-        dq, dk, dv = backward_impl(
-            dout,
-            q,
-            k,
-            v,
-            out,
-            lse,
-            ctx.causal,
-            ctx.scale,
-            ctx.deterministic,
-            key_range,
-            ctx.dropout_p,
-            dropout_seed,
-        )
+            dout = torch.zeros_like(ctx.saved_tensors[3])
+        dq, dk, dv = backward_impl(*_backward_args(ctx, dout))
         return dq, dk, dv, None, None, None, None, None, None

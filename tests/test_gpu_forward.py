@@ -206,10 +206,11 @@ def test_fp32_on_cuda_falls_back_with_warning():
 
 def test_config_too_large_for_this_gpu_is_a_clear_error(monkeypatch):
     from flash_attention.ops import forward as launch
+    from flash_attention.ops import plans
 
     q = torch.randn(1, 64, 2, 128, device="cuda", dtype=torch.bfloat16)
     cfg = fa.default_config("bf16", 128, False, 64, 64)
-    monkeypatch.setattr(launch, "smem_limit", lambda index: cfg.smem_bytes - 1)
+    monkeypatch.setattr(plans, "smem_limit", lambda index: cfg.smem_bytes - 1)
     launch.clear_plans()
     with pytest.raises(ValueError, match="shared memory"):
         fa.forward(cfg, q, q, q)
@@ -221,8 +222,10 @@ def test_a_gpu_too_small_for_every_kernel_falls_back_with_a_warning(monkeypatch)
     # the real case, backward): the PyTorch fallback computes the call, after a once-per-reason warning.
     from flash_attention import dispatch
     from flash_attention.ops import forward as launch
+    from flash_attention.ops import plans
 
-    monkeypatch.setattr(launch, "smem_limit", lambda index: 1024)
+    # Both launches read the device's shared memory through plans.device_facts.
+    monkeypatch.setattr(plans, "smem_limit", lambda index: 1024)
     monkeypatch.setattr(dispatch, "_warned_reasons", set())
     launch.clear_plans()
     gen = torch.Generator(device="cuda").manual_seed(3)

@@ -26,9 +26,7 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -51,30 +49,6 @@ def _jobs(archs: list[str], family: str, trace: bool) -> list[tuple]:
     return list(dict.fromkeys(jobs))
 
 
-def _sass_by_function(cubin: bytes) -> dict[str, str]:
-    from flash_attention.tools.report import find_cuobjdump
-
-    found = find_cuobjdump()
-    if found is None:
-        raise SystemExit("cuobjdump not found: install a CUDA toolkit or set CUDA_HOME")
-    tool, env = found
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        text = subprocess.run(
-            [tool, "-sass", f.name], capture_output=True, text=True, env=env, check=True
-        ).stdout
-    out: dict[str, list[str]] = {}
-    cur = None
-    for line in text.splitlines():
-        m = re.search(r"Function : (\S+)", line)
-        if m:
-            cur = out.setdefault(m[1], [])
-        elif cur is not None and line.strip():
-            cur.append(line.rstrip())
-    return {name: "\n".join(lines) + "\n" for name, lines in out.items()}
-
-
 def dump(
     checkout: Path, out: Path, archs: list[str], compilers: list[str], jobs_n: int, family: str, trace: bool
 ) -> int:
@@ -87,13 +61,17 @@ def dump(
     if not Path(flash_attention.__file__).resolve().is_relative_to(checkout.resolve()):
         raise SystemExit(f"imported {flash_attention.__file__}, not the checkout {checkout}")
     from flash_attention.jit import cache
+    from flash_attention.tools.report import find_cuobjdump, sass_by_function
+
+    if find_cuobjdump() is None:
+        raise SystemExit("cuobjdump not found: install a CUDA toolkit or set CUDA_HOME")
 
     todo = [(comp, *job) for comp in compilers for job in _jobs(archs, family, trace)]
 
     def one(item):
         comp, cfg, arch, trace_build, ranged, dropout = item
         built = cache.build(cfg, arch, comp, trace=trace_build, ranged=ranged, dropout=dropout)
-        sass = _sass_by_function(built.cubin)
+        sass = sass_by_function(built.cubin)
         folder = out / comp / built.arch
         folder.mkdir(parents=True, exist_ok=True)
         for res in built.meta["resources"]:
@@ -112,19 +90,15 @@ def dump(
     return 1 if failed else 0
 
 
-_INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)((?:\.[A-Z0-9_]+)*)([^;]*);")
 #: Opcodes whose growth marks an entry point "worse" (the ones that carry the inner loops' cost).
 WATCHED = ("HMMA", "HGMMA", "LDSM", "LDGSTS", "FFMA", "MUFU.EX2", "IMAD")
 
 
 def histograms(sass: str) -> tuple[Counter, Counter]:
     """Opcode counts of the whole function and of its loop bodies."""
-    ins = []
-    for line in sass.splitlines():
-        m = _INSTR.search(line)
-        if m:
-            op = m[3] + ("." + m[4].split(".")[1] if m[3] == "MUFU" and m[4] else "")
-            ins.append((int(m[1], 16), op, m[5]))
+    from flash_attention.tools.report import instructions
+
+    ins = instructions(sass)
     index = {addr: i for i, (addr, _, _) in enumerate(ins)}
     in_loop = [False] * len(ins)
     for i, (addr, op, rest) in enumerate(ins):
@@ -227,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
             args.family,
             args.trace,
         )
+    # The opcode parser is the report command's: this checkout's package.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     return diff(args.base, args.new, args.subset)
 
 

@@ -7,6 +7,7 @@ layer reads off the device.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 from ..configs import BwdConfig, KernelConfig
 from . import driver
@@ -17,6 +18,19 @@ __all__ = ["get_bwd_kernels", "get_kernel"]
 
 _loaded: dict[tuple, object] = {}
 _lock = threading.Lock()
+
+
+def _once(key: tuple, load: Callable[[], None]):
+    """``_loaded[key]``, running ``load`` (which fills it, and possibly its siblings) the first time: a
+    lock-free read for the common case, and one compile per module even when threads race for it."""
+    value = _loaded.get(key)
+    if value is None:
+        with _lock:
+            value = _loaded.get(key)
+            if value is None:
+                load()
+                value = _loaded[key]
+    return value
 
 
 def get_kernel(
@@ -34,20 +48,15 @@ def get_kernel(
     build, ``dropout=True`` the dropout build; each is cached apart from the normal one.
     """
     variant = variant_name(trace, ranged, dropout)
-    k = (cfg, causal, arch, variant)
-    kern = _loaded.get(k)
-    if kern is not None:
-        return kern
-    with _lock:
-        kern = _loaded.get(k)
-        if kern is None:
-            built = build(cfg, arch, trace=trace, ranged=ranged, dropout=dropout)
-            library = driver.load_library(built.cubin)
-            for c in (False, True):
-                symbol = kernel_symbol(cfg, c, trace, ranged=ranged, dropout=dropout)
-                _loaded[(cfg, c, arch, variant)] = driver.get_kernel(library, symbol)
-            kern = _loaded[k]
-    return kern
+
+    def load() -> None:
+        built = build(cfg, arch, trace=trace, ranged=ranged, dropout=dropout)
+        library = driver.load_library(built.cubin)
+        for c in (False, True):
+            symbol = kernel_symbol(cfg, c, trace, ranged=ranged, dropout=dropout)
+            _loaded[(cfg, c, arch, variant)] = driver.get_kernel(library, symbol)
+
+    return _once((cfg, causal, arch, variant), load)
 
 
 def get_bwd_kernels(
@@ -55,18 +64,15 @@ def get_bwd_kernels(
 ) -> dict[str, driver.Kernel]:
     """The loaded entry points of a backward config, by symbol (compiling or reading the cache once)."""
     k = (cfg, arch, variant_name(False, ranged, dropout))
-    kerns = _loaded.get(k)
-    if kerns is not None:
-        return kerns
-    with _lock:
-        kerns = _loaded.get(k)
-        if kerns is None:
-            built = build(cfg, arch, ranged=ranged, dropout=dropout)
-            library = driver.load_library(built.cubin)
-            kerns = {kind: driver.get_kernel(library, cfg.symbol(kind)) for kind in cfg.MASK_FREE_KINDS}
-            for causal in (False, True):
-                for kind in cfg.entry_kinds():
-                    sym = cfg.symbol(kind, causal, ranged, dropout)
-                    kerns[sym] = driver.get_kernel(library, sym)
-            _loaded[k] = kerns
-    return kerns
+
+    def load() -> None:
+        built = build(cfg, arch, ranged=ranged, dropout=dropout)
+        library = driver.load_library(built.cubin)
+        kerns = {kind: driver.get_kernel(library, cfg.symbol(kind)) for kind in cfg.MASK_FREE_KINDS}
+        for causal in (False, True):
+            for kind in cfg.entry_kinds():
+                sym = cfg.symbol(kind, causal, ranged, dropout)
+                kerns[sym] = driver.get_kernel(library, sym)
+        _loaded[k] = kerns
+
+    return _once(k, load)

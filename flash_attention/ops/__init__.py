@@ -8,7 +8,8 @@ first, in :mod:`flash_attention._validate`; the choice between these kernels and
 
 * :mod:`.device` -- facts about a GPU, and why the kernels cannot run on it;
 * :mod:`.select` -- which configuration a call runs (and the catalog of every kernel a model can need);
-* :mod:`.forward` / :mod:`.backward` -- the launches;
+* :mod:`.forward` / :mod:`.backward` -- the launches; :mod:`.plans` -- what both share (the plan cache,
+  the params fields filled alike, the launch in the device's primary context);
 * :mod:`.tensors` -- layout rules shared by both; :mod:`.trace` -- the debug build's launch state.
 """
 

@@ -10,25 +10,21 @@ in a plan.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
 from ..configs import BwdConfig
-from ..dropout import dropout_key, dropout_threshold, seed_pair
+from ..dropout import dropout_key, seed_pair
 from ..jit import driver
 from ..jit.loader import get_bwd_kernels
 from ..jit.params import BwdParams
-from .device import device_arch, dtype_name, gpu_name, smem_limit
-from .forward import launch
+from .device import device_arch, dtype_name
+from .plans import PlanCache, device_facts, feature_list, fill_common, fill_strides, launch
 from .select import backward_config
 from .tensors import check_grid, kernel_ready, pad_head_dim, padded_to_8
 
 __all__ = ["cuda_backward"]
-
-_LOG2E = 1.4426950408889634
-_MAX_PLANS = 512
 
 
 @dataclass(frozen=True)
@@ -47,7 +43,7 @@ class _Plan:
     template: bytes  # BwdParams with every field but the pointers and the dropout key
 
 
-_plans: OrderedDict[tuple, _Plan] = OrderedDict()
+_plans: PlanCache[_Plan] = PlanCache()
 
 
 def clear_plans() -> None:
@@ -56,22 +52,12 @@ def clear_plans() -> None:
     _plans.clear()
 
 
-def _fill_strides(params: BwdParams, prefix: str, t: torch.Tensor) -> None:
-    s = t.stride()
-    setattr(params, f"{prefix}_batch_stride", s[0])
-    setattr(params, f"{prefix}_row_stride", s[1])
-    setattr(params, f"{prefix}_head_stride", s[2])
-
-
 def _make_plan(q, k, v, o, do, lse, causal, scale, deterministic, ranged, dropout_p, config) -> _Plan:
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     check_grid(batch, heads_q, seqlen_q, seqlen_k)
     index = q.get_device()
     arch = device_arch(index)
-    features = [
-        f for f, on in (("key_range", ranged), ("dropout", dropout_p), ("deterministic", deterministic)) if on
-    ]
     cfg = backward_config(
         dtype_name(q),
         head_dim,
@@ -79,10 +65,8 @@ def _make_plan(q, k, v, o, do, lse, causal, scale, deterministic, ranged, dropou
         seqlen_q,
         seqlen_k,
         heads_q // heads_kv,
-        arch=arch,
-        gpu=gpu_name(index),
-        smem_limit=smem_limit(index),
-        features=features,
+        **device_facts(index),
+        features=feature_list(key_range=ranged, dropout=dropout_p, deterministic=deterministic),
         config=config,
     )
     kerns = get_bwd_kernels(cfg, arch, ranged=ranged, dropout=bool(dropout_p))
@@ -96,22 +80,15 @@ def _make_plan(q, k, v, o, do, lse, causal, scale, deterministic, ranged, dropou
     p = BwdParams()
     # dq, dk and dv are new contiguous tensors of q's, k's and v's shapes.
     for prefix, t in (("q", q), ("k", k), ("v", v), ("o", o), ("do", do)):
-        _fill_strides(p, prefix, t)
+        fill_strides(p, prefix, t)
     for prefix, shape in (("dq", q.shape), ("dk", k.shape), ("dv", k.shape)):
         setattr(p, f"{prefix}_batch_stride", shape[1] * shape[2] * shape[3])
         setattr(p, f"{prefix}_row_stride", shape[2] * shape[3])
         setattr(p, f"{prefix}_head_stride", shape[3])
     p.lse_batch_stride, p.lse_head_stride = lse.stride(0), lse.stride(1)
-    p.batch, p.heads_q, p.heads_kv = batch, heads_q, heads_kv
-    p.seqlen_q, p.seqlen_k, p.head_dim = seqlen_q, seqlen_k, head_dim
-    p.group = heads_q // heads_kv
+    fill_common(p, q, k, cfg.block_q, scale, dropout_p)
     p.seqlen_q_pad = -(-seqlen_q // 128) * 128
-    p.num_m_blocks = math.ceil(seqlen_q / cfg.block_q)
     p.num_n_blocks = math.ceil(seqlen_k / cfg.block_kv)
-    p.scale, p.scale_log2 = scale, scale * _LOG2E
-    if dropout_p:
-        p.dropout_threshold = dropout_threshold(dropout_p)
-        p.dropout_rp = 1.0 / (1.0 - dropout_p)
     return _Plan(
         cfg,
         kerns["pre"],
@@ -198,14 +175,12 @@ def cuda_backward(
         dropout_p,
         config,
     )
-    plan = _plans.get(key)
-    if plan is None:
-        plan = _make_plan(
+    plan = _plans.get(
+        key,
+        lambda: _make_plan(
             q_, k_, v_, o_, do_, lse_, causal, softmax_scale, deterministic, ranged, dropout_p, config
-        )
-        _plans[key] = plan
-        if len(_plans) > _MAX_PLANS:
-            _plans.popitem(last=False)
+        ),
+    )
 
     cfg, rows = plan.cfg, plan.seqlen_q_pad
     # One fp32 workspace: the base-2 LSE and delta rows (written by the preprocessing kernel), then the dQ

@@ -2,8 +2,7 @@
 
 Everything a call's shape, strides and options decide (the configuration, the loaded kernel, the grid, the
 shared memory, every size and stride field of the params struct) is worked out once per signature and kept
-in a small plan cache; a call then only fills in its pointers (and its dropout key) and launches. Working all
-of it out per call cost more host time than a short kernel runs (docs/kernel-log.md, step 23).
+in a plan (:mod:`.plans`); a call then only fills in its pointers (and its dropout key) and launches.
 
 Inputs were validated by :func:`flash_attention._validate.validate`; this layer re-checks every assumption
 the compiled kernel makes (dtype, head_dim within the compiled size, 16-byte aligned rows, grid limits,
@@ -12,31 +11,23 @@ shared memory that fits this GPU).
 
 from __future__ import annotations
 
-import ctypes
-import math
 import os
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
 from ..configs import KernelConfig, parse_config
-from ..dropout import dropout_key, dropout_threshold, seed_pair
+from ..dropout import dropout_key, seed_pair
 from ..jit import driver
 from ..jit.loader import get_kernel
 from ..jit.params import FwdParams
 from . import trace as _trace
-from .device import current_stream, device_arch, dtype_name, gpu_name, smem_limit
+from .device import device_arch, dtype_name
+from .plans import PlanCache, device_facts, feature_list, fill_common, fill_strides, launch
 from .select import forward_config
 from .tensors import check_grid, kernel_ready, pad_head_dim, padded_to_8, usable_in_place
 
 __all__ = ["chosen_config", "cuda_forward", "prepare"]
-
-_LOG2E = 1.4426950408889634
-
-#: Plans kept per process; beyond that the least recently used goes (decoding with a growing cache makes a
-#: new signature per step, so the cache must not grow without bound).
-_MAX_PLANS = 512
 
 
 @dataclass(frozen=True)
@@ -50,7 +41,7 @@ class _Plan:
     template: bytes  # FwdParams with every field but the pointers and the dropout key
 
 
-_plans: OrderedDict[tuple, _Plan] = OrderedDict()
+_plans: PlanCache[_Plan] = PlanCache()
 
 
 def clear_plans() -> None:
@@ -59,48 +50,40 @@ def clear_plans() -> None:
     _plans.clear()
 
 
-def _fill_strides(params: ctypes.Structure, prefix: str, t: torch.Tensor) -> None:
-    s = t.stride()
-    setattr(params, f"{prefix}_batch_stride", s[0])
-    setattr(params, f"{prefix}_row_stride", s[1])
-    setattr(params, f"{prefix}_head_stride", s[2])
-
-
-def _make_plan(q, k, v, o, causal, scale, ranged, dropout_p, config, features) -> _Plan:
-    batch, seqlen_q, heads_q, head_dim = q.shape
-    seqlen_k, heads_kv = k.shape[1], k.shape[2]
-    check_grid(batch, heads_q, seqlen_q, seqlen_k)
-    index = q.get_device()
-    arch = device_arch(index)
-    cfg = forward_config(
+def _config(q, k, causal, needs, config=None) -> KernelConfig:
+    """The forward config of a call on q's GPU (named, tuned or the heuristic's: select.forward_config)."""
+    return forward_config(
         dtype_name(q),
-        head_dim,
+        padded_to_8(q.shape[3]),
         causal,
-        seqlen_q,
-        seqlen_k,
-        heads_q // heads_kv,
-        arch=arch,
-        gpu=gpu_name(index),
-        smem_limit=smem_limit(index),
-        features=features,
+        q.shape[1],
+        k.shape[1],
+        q.shape[2] // k.shape[2],
+        **device_facts(q.get_device()),
+        features=needs,
         config=config,
     )
-    kernel = get_kernel(cfg, bool(causal), arch, ranged=ranged, dropout=bool(dropout_p))
-    kernel.ensure_dynamic_smem(cfg.smem_bytes, index)
+
+
+def _params(q, k, v, o, cfg: KernelConfig, scale: float, dropout_p: float) -> FwdParams:
+    """FwdParams with every field but the pointers, the dropout key and the trace fields."""
     p = FwdParams()
     for prefix, t in (("q", q), ("k", k), ("v", v), ("o", o)):
-        _fill_strides(p, prefix, t)
+        fill_strides(p, prefix, t)
     # The LSE is a new contiguous (batch, heads_q, seqlen_q) tensor whenever one is asked for.
-    p.lse_batch_stride, p.lse_head_stride = heads_q * seqlen_q, seqlen_q
-    p.batch, p.heads_q, p.heads_kv = batch, heads_q, heads_kv
-    p.seqlen_q, p.seqlen_k, p.head_dim = seqlen_q, seqlen_k, head_dim
-    p.group = heads_q // heads_kv
-    p.num_m_blocks = math.ceil(seqlen_q / cfg.block_q)
-    p.scale = scale
-    p.scale_log2 = scale * _LOG2E
-    if dropout_p:
-        p.dropout_threshold = dropout_threshold(dropout_p)
-        p.dropout_rp = 1.0 / (1.0 - dropout_p)
+    p.lse_batch_stride, p.lse_head_stride = q.shape[2] * q.shape[1], q.shape[1]
+    fill_common(p, q, k, cfg.block_q, scale, dropout_p)
+    return p
+
+
+def _make_plan(q, k, v, o, causal, scale, ranged, dropout_p, config, needs) -> _Plan:
+    batch, seqlen_q, heads_q = q.shape[:3]
+    check_grid(batch, heads_q, seqlen_q, k.shape[1])
+    index = q.get_device()
+    cfg = _config(q, k, causal, needs, config)
+    kernel = get_kernel(cfg, bool(causal), device_arch(index), ranged=ranged, dropout=bool(dropout_p))
+    kernel.ensure_dynamic_smem(cfg.smem_bytes, index)
+    p = _params(q, k, v, o, cfg, scale, dropout_p)
     grid = (p.num_m_blocks, heads_q, batch)
     return _Plan(cfg, kernel, grid, cfg.threads, cfg.smem_bytes, index, bytes(p))
 
@@ -116,24 +99,8 @@ def chosen_config(
 ) -> KernelConfig:
     """The configuration :func:`cuda_forward` runs for these inputs when none is named: what ``attention()``
     runs (the tools name it in their output)."""
-    features = [
-        f
-        for f, on in (("key_range", ranged), ("dropout", dropout), ("negative_scale", softmax_scale < 0))
-        if on
-    ]
-    index = q.get_device()
-    return forward_config(
-        dtype_name(q),
-        padded_to_8(q.shape[3]),
-        causal,
-        q.shape[1],
-        k.shape[1],
-        q.shape[2] // k.shape[2],
-        arch=device_arch(index),
-        gpu=gpu_name(index),
-        smem_limit=smem_limit(index),
-        features=features,
-    )
+    needs = feature_list(key_range=ranged, dropout=dropout, negative_scale=softmax_scale < 0)
+    return _config(q, k, causal, needs)
 
 
 def _plan(q, k, v, o, causal, scale, ranged, dropout_p, config, negative) -> _Plan:
@@ -152,27 +119,8 @@ def _plan(q, k, v, o, causal, scale, ranged, dropout_p, config, negative) -> _Pl
         dropout_p,
         config,
     )
-    plan = _plans.get(key)
-    if plan is None:
-        features = [
-            f for f, on in (("key_range", ranged), ("dropout", dropout_p), ("negative_scale", negative)) if on
-        ]
-        plan = _make_plan(q, k, v, o, causal, scale, ranged, dropout_p, config, features)
-        _plans[key] = plan
-        if len(_plans) > _MAX_PLANS:
-            _plans.popitem(last=False)
-    return plan
-
-
-def launch(kernel: driver.Kernel, grid, threads: int, smem: int, index: int, params) -> None:
-    """Launch on PyTorch's current stream of device ``index``, in that device's primary context (made
-    current for the launch and the caller's context put back after, see driver.make_primary_current)."""
-    previous = driver.make_primary_current(index)
-    try:
-        kernel.launch(grid, (threads, 1, 1), smem, current_stream(index), params)
-    finally:
-        if previous is not None:
-            driver.set_current(previous)
+    needs = feature_list(key_range=ranged, dropout=dropout_p, negative_scale=negative)
+    return _plans.get(key, lambda: _make_plan(q, k, v, o, causal, scale, ranged, dropout_p, config, needs))
 
 
 def cuda_forward(
@@ -290,43 +238,22 @@ def _traced_forward(q, k, v, causal, scale, return_lse, out, config, trace, trac
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     check_grid(batch, heads_q, seqlen_q, seqlen_k)
     index = q.get_device()
-    arch = device_arch(index)
-    cfg = forward_config(
-        dtype_name(q),
-        head_dim,
-        causal,
-        seqlen_q,
-        seqlen_k,
-        heads_q // heads_kv,
-        arch=arch,
-        gpu=gpu_name(index),
-        smem_limit=smem_limit(index),
-        features=["trace"] + (["negative_scale"] if scale < 0 else []),
-        config=config,
-    )
+    cfg = _config(q, k, causal, ["trace", *feature_list(negative_scale=scale < 0)], config)
     q_, k_, v_ = kernel_ready(q), kernel_ready(k), kernel_ready(v)
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = (
         torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device) if return_lse else None
     )
-    p = FwdParams()
+    p = _params(q_, k_, v_, o, cfg, scale, 0.0)
     p.q, p.k, p.v, p.o = q_.data_ptr(), k_.data_ptr(), v_.data_ptr(), o.data_ptr()
     p.lse = lse.data_ptr() if lse is not None else None
-    for prefix, t in (("q", q_), ("k", k_), ("v", v_), ("o", o)):
-        _fill_strides(p, prefix, t)
-    p.lse_batch_stride, p.lse_head_stride = heads_q * seqlen_q, seqlen_q
-    p.batch, p.heads_q, p.heads_kv = batch, heads_q, heads_kv
-    p.seqlen_q, p.seqlen_k, p.head_dim = seqlen_q, seqlen_k, head_dim
-    p.group = heads_q // heads_kv
-    p.num_m_blocks = math.ceil(seqlen_q / cfg.block_q)
-    p.scale, p.scale_log2 = scale, scale * _LOG2E
     buf, p.trace_fault = _trace.trace_buffer(
         cfg, trace, trace_fault, (batch, heads_q, seqlen_q, seqlen_k), q.device
     )
     p.trace = buf.data_ptr()
     p.trace_batch, p.trace_head = trace.batch, trace.head
     p.trace_m_block, p.trace_warp = trace.row_block, trace.warp
-    kernel = get_kernel(cfg, bool(causal), arch, trace=True)
+    kernel = get_kernel(cfg, bool(causal), device_arch(index), trace=True)
     kernel.ensure_dynamic_smem(cfg.smem_bytes, index)
     launch(kernel, (p.num_m_blocks, heads_q, batch), cfg.threads, cfg.smem_bytes, index, p)
     _trace.record(

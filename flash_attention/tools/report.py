@@ -86,11 +86,14 @@ def find_cuobjdump() -> tuple[str, dict] | None:
     return None
 
 
-_INSTR = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)((?:\.[A-Z0-9_]+)*)")
+# One SASS instruction line: address, optional predicate, opcode, its modifiers, the operands.
+_INSTR = re.compile(
+    r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)((?:\.[A-Z0-9_]+)*)([^;]*)"
+)
 
 
-def sass_histograms(cubin: bytes) -> dict[str, Counter]:
-    """Instruction counts per kernel (opcode; MUFU keeps its function, e.g. MUFU.EX2)."""
+def sass_by_function(cubin: bytes) -> dict[str, str]:
+    """The SASS text (cuobjdump -sass) of each kernel in ``cubin``, by symbol."""
     found = find_cuobjdump()
     if found is None:
         raise RuntimeError(
@@ -104,22 +107,34 @@ def sass_histograms(cubin: bytes) -> dict[str, Counter]:
         proc = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"cuobjdump failed: {proc.stderr.strip()}")
-    out: dict[str, Counter] = {}
-    current: Counter | None = None
+    out: dict[str, list[str]] = {}
+    current: list[str] | None = None
     for line in proc.stdout.splitlines():
         m = re.search(r"Function : (\S+)", line)
         if m:
-            current = out.setdefault(m[1], Counter())
-            continue
-        if current is None:
-            continue
+            current = out.setdefault(m[1], [])
+        elif current is not None and line.strip():
+            current.append(line.rstrip())
+    return {name: "\n".join(lines) + "\n" for name, lines in out.items()}
+
+
+def instructions(sass: str) -> list[tuple[int, str, str]]:
+    """(address, opcode, operands) of each instruction of one kernel's SASS; MUFU keeps its function
+    (MUFU.EX2), other opcodes drop their modifiers."""
+    out = []
+    for line in sass.splitlines():
         m = _INSTR.search(line)
         if m:
-            op = m[1]
-            if op == "MUFU" and m[2]:
-                op += "." + m[2].split(".")[1]
-            current[op] += 1
+            op = m[2] + ("." + m[3].split(".")[1] if m[2] == "MUFU" and m[3] else "")
+            out.append((int(m[1], 16), op, m[4]))
     return out
+
+
+def sass_histograms(cubin: bytes) -> dict[str, Counter]:
+    """Instruction counts per kernel (opcode; MUFU keeps its function, e.g. MUFU.EX2)."""
+    return {
+        name: Counter(op for _, op, _ in instructions(text)) for name, text in sass_by_function(cubin).items()
+    }
 
 
 # Shown first, in this order: the instructions the kernel's design is about.

@@ -68,6 +68,11 @@ def run_progression(dtype: str, head_dims, seqlens, causals, timing: dict) -> li
                 )
                 print(f"  {'step':44} {'TFLOP/s':>8} {'step gain':>9} {'total':>7}  config")
                 tuned = ops.chosen_config(q, k, causal=causal, softmax_scale=d**-0.5)
+
+                def row(step, config, ms, tf, d=d, causal=causal, n=n):
+                    return dict(step=step, config=config, dtype=dtype, head_dim=d, causal=causal, seqlen=n,
+                                ms=ms, tflops=round(tf, 2))  # fmt: skip
+
                 for label, cfg in progression_configs(dtype, d, causal, n, tuned):
                     t = time_cuda(
                         lambda i, cfg=cfg, q=q, k=k, v=v, c=causal: interface.forward(cfg, q, k, v, causal=c),
@@ -78,18 +83,7 @@ def run_progression(dtype: str, head_dims, seqlens, causals, timing: dict) -> li
                     first = first or tf
                     gain = f"{tf / prev:.2f}x" if prev else ""
                     print(f"  {label:44} {tf:8.1f} {gain:>9} {tf / first:6.2f}x  {cfg.name()}", flush=True)
-                    rows.append(
-                        dict(
-                            step=label,
-                            config=cfg.name(),
-                            dtype=dtype,
-                            head_dim=d,
-                            causal=causal,
-                            seqlen=n,
-                            ms=t.ms,
-                            tflops=round(tf, 2),
-                        )
-                    )
+                    rows.append(row(label, cfg.name(), t.ms, tf))
                     prev = tf
                 with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
                     qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
@@ -99,16 +93,5 @@ def run_progression(dtype: str, head_dims, seqlens, causals, timing: dict) -> li
                     )
                 tf = fl / (t.ms * 1e9)
                 print(f"  {'(reference) sdpa_flash':44} {tf:8.1f}")
-                rows.append(
-                    dict(
-                        step="sdpa_flash",
-                        config=None,
-                        dtype=dtype,
-                        head_dim=d,
-                        causal=causal,
-                        seqlen=n,
-                        ms=t.ms,
-                        tflops=round(tf, 2),
-                    )
-                )
+                rows.append(row("sdpa_flash", None, t.ms, tf))
     return rows

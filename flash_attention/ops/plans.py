@@ -1,0 +1,95 @@
+"""What the forward and backward launches share: the plan cache, the launch itself, and the parts of the
+params structs both fill the same way (strides, scale, dropout) from the same device facts.
+
+A plan holds everything a call's signature decides (configuration, loaded kernels, grids, shared memory,
+a params struct with every field but the pointers); a call then fills in its pointers and launches. Working
+all of that out per call cost more host time than a short kernel runs (docs/kernel-log.md, step 23).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+import torch
+
+from ..dropout import dropout_threshold
+from ..jit import driver
+from .device import current_stream, device_arch, gpu_name, smem_limit
+
+__all__ = ["LOG2E", "PlanCache", "device_facts", "feature_list", "fill_common", "fill_strides", "launch"]
+
+LOG2E = 1.4426950408889634
+
+P = TypeVar("P")
+
+
+class PlanCache(Generic[P]):
+    """Plans by call signature, least recently used dropped beyond ``limit`` (decoding with a growing cache
+    makes a new signature per step, so the cache must not grow without bound)."""
+
+    def __init__(self, limit: int = 512) -> None:
+        self._plans: OrderedDict[tuple, P] = OrderedDict()
+        self._limit = limit
+
+    def get(self, key: tuple, make: Callable[[], P]) -> P:
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = make()
+            if len(self._plans) > self._limit:
+                self._plans.popitem(last=False)
+        else:
+            self._plans.move_to_end(key)
+        return plan
+
+    def clear(self) -> None:
+        self._plans.clear()
+
+
+def feature_list(**flags: object) -> list[str]:
+    """The names of the features a call needs (configs.families) from keyword flags:
+    ``feature_list(key_range=False, dropout=0.1)`` is ``["dropout"]``."""
+    return [name for name, on in flags.items() if on]
+
+
+def device_facts(index: int) -> dict:
+    """The device arguments of select.forward_config / backward_config for GPU ``index``."""
+    return {"arch": device_arch(index), "gpu": gpu_name(index), "smem_limit": smem_limit(index)}
+
+
+def fill_strides(params: ctypes.Structure, prefix: str, t: torch.Tensor) -> None:
+    """``<prefix>_{batch,row,head}_stride`` of a (batch, seqlen, heads, head_dim) tensor."""
+    s = t.stride()
+    setattr(params, f"{prefix}_batch_stride", s[0])
+    setattr(params, f"{prefix}_row_stride", s[1])
+    setattr(params, f"{prefix}_head_stride", s[2])
+
+
+def fill_common(
+    params: ctypes.Structure, q: torch.Tensor, k: torch.Tensor, block_q: int, scale: float, dropout_p: float
+) -> None:
+    """The fields FwdParams and BwdParams share: problem sizes, the query block count, the scale (also as
+    scale * log2(e), the kernels' exp2 form) and the dropout threshold and rescale."""
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    seqlen_k, heads_kv = k.shape[1], k.shape[2]
+    params.batch, params.heads_q, params.heads_kv = batch, heads_q, heads_kv
+    params.seqlen_q, params.seqlen_k, params.head_dim = seqlen_q, seqlen_k, head_dim
+    params.group = heads_q // heads_kv
+    params.num_m_blocks = -(-seqlen_q // block_q)
+    params.scale, params.scale_log2 = scale, scale * LOG2E
+    if dropout_p:
+        params.dropout_threshold = dropout_threshold(dropout_p)
+        params.dropout_rp = 1.0 / (1.0 - dropout_p)
+
+
+def launch(kernel: driver.Kernel, grid, threads: int, smem: int, index: int, params) -> None:
+    """Launch on PyTorch's current stream of device ``index``, in that device's primary context (made
+    current for the launch and the caller's context put back after, see driver.make_primary_current)."""
+    previous = driver.make_primary_current(index)
+    try:
+        kernel.launch(grid, (threads, 1, 1), smem, current_stream(index), params)
+    finally:
+        if previous is not None:
+            driver.set_current(previous)
