@@ -148,9 +148,9 @@ def cuda_backward(
         return tuple(g[..., :head_dim].contiguous() for g in grads)
 
     device = q.device
-    dq = torch.empty(q.shape, dtype=q.dtype, device=device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=device)
+    # Contiguous whatever the inputs' strides (the plan's dq/dk/dv strides assume it); empty_like costs
+    # about half the host time of torch.empty(shape, dtype=, device=).
+    dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     if seqlen_q == 0 or seqlen_k == 0 or heads_q == 0 or batch == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
 

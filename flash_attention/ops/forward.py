@@ -119,8 +119,14 @@ def _plan(q, k, v, o, causal, scale, ranged, dropout_p, config, negative) -> _Pl
         dropout_p,
         config,
     )
-    needs = feature_list(key_range=ranged, dropout=dropout_p, negative_scale=negative)
-    return _plans.get(key, lambda: _make_plan(q, k, v, o, causal, scale, ranged, dropout_p, config, needs))
+    # The feature list is built only on a miss: a hit is the hot path of every call.
+    return _plans.get(
+        key,
+        lambda: _make_plan(
+            q, k, v, o, causal, scale, ranged, dropout_p, config,
+            feature_list(key_range=ranged, dropout=dropout_p, negative_scale=negative),
+        ),
+    )  # fmt: skip
 
 
 def cuda_forward(
@@ -175,11 +181,11 @@ def cuda_forward(
     if out is not None and usable_in_place(out):
         o = out
     else:
-        o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        # empty_like with an explicit format: a contiguous tensor of q's shape whatever q's strides, and
+        # about half the host time of torch.empty(shape, dtype=, device=) (measured on an H100 host).
+        o = torch.empty_like(q, memory_format=torch.contiguous_format)
     batch, seqlen_q, heads_q = q.shape[0], q.shape[1], q.shape[2]
-    lse = (
-        torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device) if return_lse else None
-    )
+    lse = q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32) if return_lse else None
     if o.numel() == 0:
         if out is not None and o is not out:
             out.copy_(o)
