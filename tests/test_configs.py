@@ -18,8 +18,11 @@ from flash_attention.configs import (
     parse_config,
     validity_errors,
     wgmma_config,
+    ws_config,
 )
+from flash_attention.configs.forward import block_registers, register_split
 from flash_attention.jit.compiler import CSRC
+from flash_attention.jit.sources import kernel_source
 
 
 def _space(n_random: int = 2500, seed: int = 0) -> list[KernelConfig]:
@@ -59,6 +62,25 @@ def _space(n_random: int = 2500, seed: int = 0) -> list[KernelConfig]:
             KernelConfig.unchecked(
                 dtype, d, bq, bkv, w, wgmma=True, stages=stages, k_frags=0, v_frags=0, double_buffer=False
             )
+        )
+    # The warp-specialized family: producer + consumer warp counts on and off the rule, rings 1 to 4 deep.
+    for dtype, d, bq, bkv, w, stages, wgmma in itertools.product(
+        ("bf16",), HEAD_DIMS, (64, 128, 192), (64, 128), (8, 12, 16), (1, 2, 3, 4), (True, False)
+    ):
+        out.append(
+            KernelConfig.unchecked(
+                dtype,
+                d,
+                bq,
+                bkv,
+                w,
+                wgmma=wgmma,
+                stages=stages,
+                warp_specialized=True,
+                k_frags=0,
+                v_frags=0,
+                double_buffer=False,
+            )  # fmt: skip
         )
     return out
 
@@ -130,7 +152,9 @@ def test_cpp_struct_uses_named_fields():
     assert "static constexpr bool kIsBF16 = false;" in src
     assert "static constexpr int kBlockKV = 128;" in src
     assert "static constexpr int kVFrags = 1;" in src
-    assert src.count("static constexpr") == len(KernelConfig.__dataclass_fields__)
+    # One constant per field, plus the derived register split of a warp-specialized block.
+    assert src.count("static constexpr") == len(KernelConfig.__dataclass_fields__) + 2
+    assert "static constexpr int kProducerRegs = 0;" in src
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
@@ -196,6 +220,24 @@ def test_wgmma_names_and_rules():
         KernelConfig("bf16", 128, 64, 64, 4, stages=2)
     with pytest.raises(ValueError, match="sm_90 limit"):
         wgmma_config("bf16", 256, 128, 128, stages=2)
+
+
+def test_warp_specialized_names_rules_and_register_split():
+    cfg = ws_config("bf16", 128, 128, 128, 2)
+    assert cfg.name() == "(BF16, 128, 128, 128, 12): wgmma+ws+stages_2"
+    assert parse_config(cfg.name()) == cfg and parse_config(cfg.symbol(True)) == cfg
+    assert (cfg.compute_warps, cfg.rows_per_warp) == (8, 16)
+    # Two consumer warpgroups take what the producer gives back, within the 64K registers of an SM.
+    producer, consumer = register_split(cfg)
+    assert 128 * producer + 256 * consumer <= 65536 and consumer > block_registers(cfg)
+    assert register_split(ws_config("bf16", 128, 64, 128, 2)) == (0, 0)
+    with pytest.raises(ValueError, match="warp_specialized needs wgmma, stages >= 2"):
+        ws_config("bf16", 128, 128, 128, 1)
+    with pytest.raises(ValueError, match="warp_specialized needs"):
+        parse_config("(BF16, 128, 128, 128, 8): wgmma+ws+stages_2")
+    src = kernel_source(cfg)
+    assert "fa::FwdTmaParams p" in src and "__launch_bounds__(384, 1)" in src
+    assert "kProducerRegs = 24" in src and "kConsumerRegs = 240" in src
 
 
 def test_hopper_defaults_are_wgmma_and_others_are_not():

@@ -28,6 +28,7 @@ from .forward import (
     smem_bytes,
     validity_errors,
     wgmma_config,
+    ws_config,
 )
 from .heuristics import default_bwd_config, default_config, portable_config
 
@@ -56,4 +57,5 @@ __all__ = [
     "unsupported",
     "validity_errors",
     "wgmma_config",
+    "ws_config",
 ]

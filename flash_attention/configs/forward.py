@@ -32,6 +32,7 @@ __all__ = [
     "smem_bytes",
     "validity_errors",
     "wgmma_config",
+    "ws_config",
 ]
 
 #: The only flags a wgmma config has: its kernel copies with cp.async, loads V_j and K_{j+1} eagerly into
@@ -77,6 +78,9 @@ class KernelConfig:
         stages: wgmma only: K/V buffers in the copy ring (1: one K and one V buffer loaded eagerly, as the
             sm80 kernel does; S >= 2: block j + S - 1 is requested while block j is computed). Named
             ``wgmma+stages_S`` when S > 1.
+        warp_specialized: wgmma only: the warp-specialized Hopper kernel (csrc/kernels/sm90/fwd_ws): a
+            producer warpgroup issues TMA loads into the ``stages``-deep K/V ring while ``block_q / 64``
+            consumer warpgroups compute, so ``num_warps`` is ``4 + block_q / 16``. Named ``wgmma+ws+...``.
     """
 
     dtype: str
@@ -95,6 +99,7 @@ class KernelConfig:
     reverse_kv: bool = False
     wgmma: bool = False
     stages: int = 1
+    warp_specialized: bool = False
 
     def __post_init__(self) -> None:
         errors = validity_errors(self)
@@ -120,8 +125,13 @@ class KernelConfig:
         return 32 * self.num_warps
 
     @property
+    def compute_warps(self) -> int:
+        """The warps that own query rows: all but a warp-specialized block's producer warpgroup."""
+        return self.num_warps - 4 if self.warp_specialized else self.num_warps
+
+    @property
     def rows_per_warp(self) -> int:
-        return self.block_q // self.num_warps
+        return self.block_q // self.compute_warps
 
     @property
     def smem_bytes(self) -> int:
@@ -131,7 +141,11 @@ class KernelConfig:
     # Names
     def flags(self) -> list[str]:
         if self.wgmma:
-            return ["wgmma"] + ([f"stages_{self.stages}"] if self.stages != 1 else [])
+            return (
+                ["wgmma"]
+                + (["ws"] if self.warp_specialized else [])
+                + ([f"stages_{self.stages}"] if self.stages != 1 else [])
+            )
         out = ["async" if self.async_copy else "sync"]
         if self.eager:
             out.append("eager")
@@ -194,6 +208,9 @@ class KernelConfig:
             ("kReverseKV", "bool", self.reverse_kv),
             ("kWgmma", "bool", self.wgmma),
             ("kStages", "int", self.stages),
+            ("kWarpSpecialized", "bool", self.warp_specialized),
+            ("kProducerRegs", "int", register_split(self)[0]),
+            ("kConsumerRegs", "int", register_split(self)[1]),
         ]
         return cpp_struct(struct_name, fields)
 
@@ -205,6 +222,43 @@ def wgmma_config(
     (``check=False``: without the validity check, as :meth:`KernelConfig.unchecked`)."""
     make = KernelConfig if check else KernelConfig.unchecked
     return make(dtype, head_dim, block_q, block_kv, block_q // 16, wgmma=True, stages=stages, **_WGMMA_FIXED)
+
+
+def register_split(cfg: KernelConfig) -> tuple[int, int]:
+    """The registers per thread of a warp-specialized block's producer and consumer warpgroups after
+    ``setmaxnreg``; (0, 0) where the block keeps its even split. The block is compiled for
+    65536 / threads registers per thread; the producer holds only addresses and counters, so it gives
+    most of them to the consumers' accumulators (multiples of 8 in [24, 256], 128 producer + 128 NC
+    consumer registers per thread within 65536). One consumer warpgroup already gets 255 at 256 threads."""
+    if not cfg.warp_specialized or cfg.block_q <= 64:
+        return (0, 0)
+    return (24, 240)  # two consumer warpgroups: 128 * 24 + 256 * 240 = 64512
+
+
+def block_registers(cfg: KernelConfig) -> int:
+    """The registers per thread a warp-specialized block is compiled for (launch bounds of one block per
+    multiprocessor), and the most its consumers may use when there is no reallocation."""
+    return min(255, 65536 // cfg.threads // 8 * 8)
+
+
+def ws_config(
+    dtype: str, head_dim: int, block_q: int, block_kv: int, stages: int = 2, *, check: bool = True
+) -> KernelConfig:
+    """The warp-specialized Hopper config: a producer warpgroup and ``block_q / 64`` consumer warpgroups
+    around a ``stages``-deep TMA ring of ``block_kv``-key tiles (``check=False``: unchecked)."""
+    make = KernelConfig if check else KernelConfig.unchecked
+    warps = 4 + block_q // 16
+    return make(
+        dtype,
+        head_dim,
+        block_q,
+        block_kv,
+        warps,
+        wgmma=True,
+        stages=stages,
+        warp_specialized=True,
+        **_WGMMA_FIXED,
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -219,11 +273,18 @@ def validity_errors(cfg: KernelConfig) -> list[str]:
         e.append(f"dtype must be one of {DTYPES}")
     if cfg.head_dim not in HEAD_DIMS:
         e.append(f"head_dim must be one of {HEAD_DIMS}")
-    if cfg.num_warps not in (1, 2, 4, 8):
+    if cfg.warp_specialized:
+        if not cfg.wgmma or cfg.stages < 2 or cfg.num_warps != 4 + cfg.block_q // 16:
+            e.append(
+                "warp_specialized needs wgmma, stages >= 2 and num_warps = 4 + block_q / 16 (a producer "
+                "warpgroup besides the consumers)"
+            )
+    warps = cfg.compute_warps
+    if warps not in (1, 2, 4, 8):
         e.append("num_warps must be 1, 2, 4 or 8")
         return e
     if cfg.wgmma:
-        if cfg.num_warps not in (4, 8) or cfg.block_q != 16 * cfg.num_warps:
+        if warps not in (4, 8) or cfg.block_q != 16 * warps:
             e.append(
                 "wgmma needs num_warps 4 or 8 and block_q = 16 * num_warps (each warpgroup of 4 warps owns "
                 "64 query rows)"
@@ -237,9 +298,9 @@ def validity_errors(cfg: KernelConfig) -> list[str]:
             )
     elif cfg.stages != 1:
         e.append("stages other than 1 need wgmma (the sm80 kernel has one K and one V buffer)")
-    if cfg.block_q % (16 * cfg.num_warps) != 0:
+    if cfg.block_q % (16 * warps) != 0:
         e.append("block_q must be a multiple of 16 * num_warps (each warp owns whole 16-row mma tiles)")
-    elif cfg.block_q // cfg.num_warps > 64:
+    elif cfg.block_q // warps > 64:
         e.append(
             "block_q / num_warps must be at most 64 (the accumulators of more rows exceed the registers)"
         )
@@ -284,7 +345,8 @@ def smem_bytes(cfg: KernelConfig) -> int:
     and the dynamic shared memory window is only guaranteed 16-byte alignment.
     """
     kv = 2 * cfg.block_kv * cfg.stages
-    return 2 * cfg.head_dim * (cfg.block_q + kv) + (1024 if cfg.wgmma else 0)
+    barriers = 128 if cfg.warp_specialized else 0  # the ring's mbarriers (fwd_ws: 8 bytes each)
+    return 2 * cfg.head_dim * (cfg.block_q + kv) + (1024 if cfg.wgmma else 0) + barriers
 
 
 def estimated_registers(cfg: KernelConfig) -> int:
@@ -298,7 +360,8 @@ def estimated_registers(cfg: KernelConfig) -> int:
     """
     rows = cfg.rows_per_warp
     if cfg.wgmma:
-        # One 16-row slice per warp; P (16-bit pairs) lives beside S while O += P V is issued.
+        # One 16-row slice per warp; P (16-bit pairs) lives beside S while O += P V is issued. (For a
+        # warp-specialized block: a consumer thread's.)
         return (cfg.head_dim + cfg.block_kv) // 2 + cfg.block_kv // 4 + 24
     o_acc = rows * cfg.head_dim // 32
     s_acc = rows * cfg.block_kv // 32
@@ -337,13 +400,18 @@ def _from_flags(dtype: str, d: int, bq: int, bkv: int, w: int, flags: list[str],
         "reverse": "reverse_kv",
     }
     if flags and flags[0] == "wgmma":
-        stages = 1
+        stages, ws = 1, False
         for f in flags[1:]:
             m = re.fullmatch(r"stages_(\d+)", f)
-            if not m:
+            if f == "ws":
+                ws = True
+            elif m:
+                stages = int(m[1])
+            else:
                 raise ValueError(f"unknown flag {f!r} in kernel config name {text!r}")
-            stages = int(m[1])
-        return KernelConfig(dtype.lower(), d, bq, bkv, w, wgmma=True, stages=stages, **_WGMMA_FIXED)
+        return KernelConfig(
+            dtype.lower(), d, bq, bkv, w, wgmma=True, stages=stages, warp_specialized=ws, **_WGMMA_FIXED
+        )
     seen_copy = False
     for f in flags:
         m = _LOAD_RE.match(f)

@@ -176,3 +176,49 @@ def device_attribute(attr: int, device: int) -> int:
         libcuda().cuDeviceGetAttribute(ctypes.byref(value), attr, cu_device(device)), "cuDeviceGetAttribute"
     )
     return value.value
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tensor maps (the TMA unit's descriptors of a global tensor, cuTensorMapEncodeTiled, CUDA 12.0+)
+
+CU_TENSOR_MAP_DATA_TYPE_UINT16 = 1  # 2-byte elements copied as bits: fp16 and bf16 alike
+CU_TENSOR_MAP_INTERLEAVE_NONE = 0
+CU_TENSOR_MAP_SWIZZLE_128B = 3
+CU_TENSOR_MAP_L2_PROMOTION_256B = 3
+CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE = 0  # out-of-bounds elements read as zeros
+
+
+@cache
+def _encode_tiled():
+    fn = libcuda().cuTensorMapEncodeTiled
+    fn.argtypes = (
+        [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p]
+        + [ctypes.c_void_p] * 4
+        + [ctypes.c_int] * 4
+    )
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_ONES = (ctypes.c_uint32 * 5)(1, 1, 1, 1, 1)
+
+
+def encode_tiled_2byte(dest: int, address: int, dims, strides, box) -> int:
+    """Encode a tiled tensor map of 2-byte elements with the 128-byte swizzle into the 128 bytes at
+    ``dest`` (64-byte aligned); return the driver's status (0: success). ``dims`` (ctypes uint64 array,
+    innermost first) and ``box`` (uint32, same rank) in elements, ``strides`` (uint64, rank - 1) in bytes
+    for every dimension but the innermost; elements outside ``dims`` load as zeros."""
+    return _encode_tiled()(
+        dest,
+        CU_TENSOR_MAP_DATA_TYPE_UINT16,
+        len(dims),
+        address,
+        dims,
+        strides,
+        box,
+        _ONES,
+        CU_TENSOR_MAP_INTERLEAVE_NONE,
+        CU_TENSOR_MAP_SWIZZLE_128B,
+        CU_TENSOR_MAP_L2_PROMOTION_256B,
+        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+    )

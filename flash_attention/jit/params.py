@@ -61,6 +61,28 @@ class FwdParams(ctypes.Structure):
     ]
 
 
+#: Bytes of a CUtensorMap (cuTensorMapEncodeTiled's output), which the kernels align to 64.
+TENSOR_MAP_BYTES = 128
+
+
+def _tma_padding() -> int:
+    return -ctypes.sizeof(FwdParams) % 64
+
+
+class FwdTmaParams(ctypes.Structure):
+    """The twin of ``fa::FwdTmaParams`` (csrc/include/fa/tma_params.h): FwdParams, then the tensor maps of
+    q, k and v at the next 64-byte boundary (the driver copies the bytes into the kernel's parameter space,
+    which is aligned there; this buffer itself need not be)."""
+
+    _fields_ = [
+        ("p", FwdParams),
+        ("_pad", ctypes.c_ubyte * _tma_padding()),
+        ("q_map", ctypes.c_ubyte * TENSOR_MAP_BYTES),
+        ("k_map", ctypes.c_ubyte * TENSOR_MAP_BYTES),
+        ("v_map", ctypes.c_ubyte * TENSOR_MAP_BYTES),
+    ]
+
+
 class BwdParams(ctypes.Structure):
     """The twin of ``fa::BwdParams`` (csrc/include/fa/bwd_params.h)."""
 
@@ -121,6 +143,8 @@ def offset_asserts(struct: type[ctypes.Structure], cpp_name: str) -> str:
         f'"{cpp_name} size differs from flash_attention/jit/params.py");',
     ]
     for name, _ in struct._fields_:
+        if name.startswith("_"):  # padding the C++ side gets from alignas
+            continue
         off = getattr(struct, name).offset
         lines.append(
             f"static_assert(__builtin_offsetof({cpp_name}, {name}) == {off}, "

@@ -11,6 +11,7 @@ shared memory that fits this GPU).
 
 from __future__ import annotations
 
+import ctypes
 import os
 from dataclasses import dataclass
 
@@ -20,7 +21,8 @@ from ..configs import KernelConfig, parse_config
 from ..dropout import dropout_key, seed_pair
 from ..jit import driver
 from ..jit.loader import get_kernel
-from ..jit.params import FwdParams
+from ..jit.params import TENSOR_MAP_BYTES, FwdParams, FwdTmaParams
+from . import tma
 from . import trace as _trace
 from .device import device_arch, dtype_name
 from .plans import PlanCache, device_facts, feature_list, fill_common, fill_strides, launch
@@ -38,7 +40,8 @@ class _Plan:
     threads: int
     smem: int
     index: int
-    template: bytes  # FwdParams with every field but the pointers and the dropout key
+    template: bytes  # FwdParams (FwdTmaParams for a TMA kernel) with all but the pointers and dropout key
+    maps: tuple[tma.MapLayout, tma.MapLayout, tma.MapLayout] | None = None  # q, k, v: TMA kernels only
 
 
 _plans: PlanCache[_Plan] = PlanCache()
@@ -85,7 +88,30 @@ def _make_plan(q, k, v, o, causal, scale, ranged, dropout_p, config, needs) -> _
     kernel.ensure_dynamic_smem(cfg.smem_bytes, index)
     p = _params(q, k, v, o, cfg, scale, dropout_p)
     grid = (p.num_m_blocks, heads_q, batch)
-    return _Plan(cfg, kernel, grid, cfg.threads, cfg.smem_bytes, index, bytes(p))
+    if not cfg.warp_specialized:
+        return _Plan(cfg, kernel, grid, cfg.threads, cfg.smem_bytes, index, bytes(p))
+    maps = _map_layouts(q, k, v, cfg)
+    tp = FwdTmaParams()
+    tp.p = p
+    return _Plan(cfg, kernel, grid, cfg.threads, cfg.smem_bytes, index, bytes(tp), maps)
+
+
+def _map_layouts(q, k, v, cfg: KernelConfig) -> tuple[tma.MapLayout, tma.MapLayout, tma.MapLayout]:
+    """The tensor map layouts of q (boxes of block_q rows), k and v (block_kv rows), tried once on these
+    tensors' own addresses, so a layout the TMA unit refuses is known before anything launches."""
+    layouts = []
+    for name, t, rows in (("q", q, cfg.block_q), ("k", k, cfg.block_kv), ("v", v, cfg.block_kv)):
+        layout = tma.map_layout(t, rows)
+        if isinstance(layout, str):
+            raise ValueError(f"config {cfg.name()} loads {name} with TMA, but {layout}; name another config")
+        status = tma.encode_into((ctypes.c_ubyte * TENSOR_MAP_BYTES)(), layout, t.data_ptr())
+        if status != 0:
+            raise ValueError(
+                f"config {cfg.name()} loads {name} with TMA, but the driver refuses a tensor map of its "
+                f"layout (shape {tuple(t.shape)}, strides {t.stride()}; status {status}); name another config"
+            )
+        layouts.append(layout)
+    return tuple(layouts)
 
 
 def chosen_config(
@@ -193,7 +219,17 @@ def cuda_forward(
 
     ranged = key_range is not None
     plan = _plan(q_, k_, v_, o, causal, softmax_scale, ranged, dropout_p, config, softmax_scale < 0)
-    p = FwdParams.from_buffer_copy(plan.template)
+    if plan.maps is None:
+        args = p = FwdParams.from_buffer_copy(plan.template)
+    else:
+        args = FwdTmaParams.from_buffer_copy(plan.template)
+        p = args.p
+        for field, layout, t in zip(
+            (args.q_map, args.k_map, args.v_map), plan.maps, (q_, k_, v_), strict=True
+        ):
+            status = tma.encode_into(field, layout, t.data_ptr())
+            if status != 0:  # the plan encoded this layout once; only an address could differ, and
+                driver.check(status, "cuTensorMapEncodeTiled")  # kernel_ready keeps those 16-byte aligned
     p.q, p.k, p.v, p.o = q_.data_ptr(), k_.data_ptr(), v_.data_ptr(), o.data_ptr()
     if lse is not None:
         p.lse = lse.data_ptr()
@@ -203,7 +239,7 @@ def cuda_forward(
         p.key_range = key_range.data_ptr()
     if dropout_p:
         p.dropout_key = dropout_key(*seed_pair(dropout_seed))
-    launch(plan.kernel, plan.grid, plan.threads, plan.smem, plan.index, p)
+    launch(plan.kernel, plan.grid, plan.threads, plan.smem, plan.index, args)
     if out is not None and o is not out:
         out.copy_(o)
         o = out

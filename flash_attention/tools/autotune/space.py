@@ -16,7 +16,9 @@ from flash_attention.configs import (
     padded_head_dim,
     validity_errors,
     wgmma_config,
+    ws_config,
 )
+from flash_attention.configs.forward import block_registers, register_split
 from flash_attention.winners import SEQLEN_BUCKETS
 
 from ..report import occupancy
@@ -45,6 +47,8 @@ def candidate_space(dtype: str, head_dim: int, causal: bool, arch: str = "sm_80"
     32- to 128-key tiles and a K/V ring 1 to 3 deep (its other knobs are fixed by the kernel). The sm80
     kernel's configs cannot win there: its tuned defaults measured 11-42% below the best wgmma config at every
     point of a scratch sweep on an H100 (docs/kernel-log.md, steps 17-18), so timing them is wasted.
+    The warp-specialized kernel's configs join them: one or two consumer warpgroups, 64- or 128-key tiles,
+    a TMA ring 2 or 3 deep.
     """
     d = padded_head_dim(head_dim)
     dk = d // 16
@@ -53,6 +57,9 @@ def candidate_space(dtype: str, head_dim: int, causal: bool, arch: str = "sm_80"
         for block_q, block_kv, stages in itertools.product((64, 128), (32, 64, 128), (1, 2, 3)):
             if not validity_errors(wgmma_config(dtype, d, block_q, block_kv, stages, check=False)):
                 out.append(wgmma_config(dtype, d, block_q, block_kv, stages))
+        for block_q, block_kv, stages in itertools.product((64, 128), (64, 128), (2, 3)):
+            if not validity_errors(ws_config(dtype, d, block_q, block_kv, stages, check=False)):
+                out.append(ws_config(dtype, d, block_q, block_kv, stages))
         return out
     for block_q, warps, block_kv in itertools.product((64, 128, 256), (4, 8), (32, 64, 128)):
         for q_frags, k_frags, v_frags, buffered in itertools.product(
@@ -86,10 +93,17 @@ def _rule_rows_per_warp(cfg: KernelConfig) -> str | None:
     return None
 
 
+def _register_budget(cfg: KernelConfig) -> int:
+    # A warp-specialized consumer thread gets what setmaxnreg grants it (or the block's even split).
+    if cfg.warp_specialized:
+        return register_split(cfg)[1] or block_registers(cfg)
+    return 255
+
+
 def _rule_registers(cfg: KernelConfig) -> str | None:
     # The accumulators, Q (if resident) and the K/V fragment buffers must fit in 255 registers; a config
     # that does not would spill in its inner loop. (The compiler's report is checked again after the build.)
-    if estimated_registers(cfg) > 255:
+    if estimated_registers(cfg) > _register_budget(cfg):
         return "estimated registers above 255"
     return None
 
@@ -111,6 +125,9 @@ def occupancy_problem(cfg: KernelConfig, registers: int) -> str | None:
 
 
 def blocks_per_sm(cfg: KernelConfig, registers: int) -> int:
+    if cfg.warp_specialized:
+        # Compiled for one block per SM whatever its consumers hold (setmaxnreg redistributes that budget).
+        registers = block_registers(cfg)
     return occupancy("sm_90", cfg.threads, registers, cfg.smem_bytes).blocks
 
 

@@ -10,13 +10,18 @@ namespace fa {
 template <class Cfg>
 struct check_config {
   static constexpr int D = Cfg::kHeadDim;
+  // The warps that own query rows: a warp-specialized block's producer warpgroup owns none.
+  static constexpr int W = Cfg::kWarpSpecialized ? Cfg::kNumWarps - 4 : Cfg::kNumWarps;
   static_assert(D == 64 || D == 128 || D == 192 || D == 256, "head_dim must be one of (64, 128, 192, 256)");
-  static_assert(Cfg::kNumWarps == 1 || Cfg::kNumWarps == 2 || Cfg::kNumWarps == 4 || Cfg::kNumWarps == 8,
-                "num_warps must be 1, 2, 4 or 8");
-  static_assert(Cfg::kBlockQ % (16 * Cfg::kNumWarps) == 0,
+  static_assert(!Cfg::kWarpSpecialized ||
+                    (Cfg::kWgmma && Cfg::kStages >= 2 && Cfg::kNumWarps == 4 + Cfg::kBlockQ / 16),
+                "warp_specialized needs wgmma, stages >= 2 and num_warps = 4 + block_q / 16 (a producer "
+                "warpgroup besides the consumers)");
+  static_assert(W == 1 || W == 2 || W == 4 || W == 8, "num_warps must be 1, 2, 4 or 8");
+  static_assert(Cfg::kBlockQ % (16 * W) == 0,
                 "block_q must be a multiple of 16 * num_warps (each warp owns whole 16-row mma tiles)");
   static_assert(
-      Cfg::kBlockQ / Cfg::kNumWarps <= 64,
+      Cfg::kBlockQ / W <= 64,
       "block_q / num_warps must be at most 64 (the accumulators of more rows exceed the registers)");
   static_assert(Cfg::kBlockKV == 16 || Cfg::kBlockKV == 32 || Cfg::kBlockKV == 64 || Cfg::kBlockKV == 128 ||
                     Cfg::kBlockKV == 256,
@@ -35,7 +40,7 @@ struct check_config {
                 "double_buffer needs more than one fragment group of K or V (k_frags or v_frags smaller than "
                 "all)");
   static_assert(
-      !Cfg::kWgmma || ((Cfg::kNumWarps == 4 || Cfg::kNumWarps == 8) && Cfg::kBlockQ == 16 * Cfg::kNumWarps),
+      !Cfg::kWgmma || ((W == 4 || W == 8) && Cfg::kBlockQ == 16 * W),
       "wgmma needs num_warps 4 or 8 and block_q = 16 * num_warps (each warpgroup of 4 warps owns 64 "
       "query rows)");
   static_assert(
@@ -46,9 +51,10 @@ struct check_config {
   static_assert(!Cfg::kWgmma || (Cfg::kStages >= 1 && Cfg::kStages <= 4), "stages must be 1, 2, 3 or 4");
   static_assert(Cfg::kWgmma || Cfg::kStages == 1,
                 "stages other than 1 need wgmma (the sm80 kernel has one K and one V buffer)");
-  // A wgmma config's tiles start on a 1024-byte boundary: 1 KB more for rounding the window up.
-  static constexpr int kSmemBytes =
-      2 * D * (Cfg::kBlockQ + 2 * Cfg::kBlockKV * Cfg::kStages) + (Cfg::kWgmma ? 1024 : 0);
+  // A wgmma config's tiles start on a 1024-byte boundary: 1 KB more for rounding the window up; a
+  // warp-specialized one keeps its ring's mbarriers after the tiles (128 bytes).
+  static constexpr int kSmemBytes = 2 * D * (Cfg::kBlockQ + 2 * Cfg::kBlockKV * Cfg::kStages) +
+                                    (Cfg::kWgmma ? 1024 : 0) + (Cfg::kWarpSpecialized ? 128 : 0);
   static_assert(Cfg::kWgmma || kSmemBytes <= 163 * 1024, "shared memory exceeds the sm_80 limit of 166912");
   static_assert(!Cfg::kWgmma || kSmemBytes <= 227 * 1024, "shared memory exceeds the sm_90 limit of 232448");
   static constexpr bool ok = true;

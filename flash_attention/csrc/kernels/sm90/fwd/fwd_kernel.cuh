@@ -45,6 +45,7 @@ template <class Cfg, bool kCausal, bool kRanged = false, bool kDropout = false>
 __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
   static_assert(check_config<Cfg>::ok, "");
   static_assert(Cfg::kWgmma, "the sm90 kernel runs wgmma configs only");
+  static_assert(!Cfg::kWarpSpecialized, "ws configs run the warp-specialized kernel (sm90/fwd_ws)");
   constexpr bool BF = Cfg::kIsBF16;
   constexpr int D = Cfg::kHeadDim;
   constexpr int BR = Cfg::kBlockQ;

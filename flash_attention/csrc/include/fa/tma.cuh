@@ -1,0 +1,95 @@
+// Hopper (sm_90a) primitives of the warp-specialized kernels: tensor-memory-accelerator (TMA) tile loads,
+// the shared-memory mbarriers that say when they landed and when a buffer may be refilled, named barriers
+// for a subset of the block's warps, and the register reallocation between warpgroups.
+//
+// Header-free like fa/ptx.cuh (NVRTC has no CUDA headers): the tensor map is an opaque 128-byte,
+// 64-byte-aligned blob encoded on the host (cuTensorMapEncodeTiled, flash_attention/jit/driver.py) and
+// passed inside a __grid_constant__ kernel parameter, whose generic address the TMA instruction takes.
+#pragma once
+
+#include "fa/ptx.cuh"
+#include "fa/tma_params.h"
+
+namespace fa {
+
+// ---- mbarrier (PTX ISA, "Parallel Synchronization and Communication Instructions: mbarrier") --------------
+// A 64-bit shared-memory object with an arrival count and a transaction (byte) count per phase. A phase
+// completes when the expected arrivals have arrived and the expected bytes have landed; waiting names the
+// parity (0/1) of the phase waited for, so a ring slot used for the n-th time waits on parity n & 1.
+
+__device__ __forceinline__ void mbar_init(u32 bar, int arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(arrivals));
+}
+
+// Make the initialised barriers visible to the async proxy (the TMA unit completes transactions on them)
+// and to the other threads (fence.mbarrier_init); a block-wide barrier follows it.
+__device__ __forceinline__ void mbar_init_fence() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+// One arrival that also raises the phase's expected byte count by `bytes` (the producer, before it issues
+// the TMA loads that will complete them).
+__device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+// One plain arrival (a consumer releasing a buffer it has finished reading).
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
+// Block until the phase of parity `parity` has completed. try_wait suspends the thread for a
+// hardware-chosen time before it returns false, so the loop does not spin hot.
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n"
+      "}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+
+// ---- TMA (PTX ISA cp.async.bulk.tensor) -------------------------------------------------------------------
+// One box of a 4-dimensional tensor (innermost first: column, row, head, batch) into shared memory, laid
+// out and swizzled as the tensor map says; completion adds the box's bytes to `bar`'s transaction count.
+// Rows past the tensor's extent land as zeros (and still count), so tails need no code of their own.
+__device__ __forceinline__ void tma_load_4d(u32 dst, const TensorMap* map, u32 bar, int c0, int c1, int c2,
+                                            int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, "
+      "%5}], [%6];\n" ::"r"(dst),
+      "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+      : "memory");
+}
+
+// Fetch the tensor map into the TMA unit's descriptor cache ahead of the first load (prefetch.tensormap).
+__device__ __forceinline__ void tma_prefetch_map(const TensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<u64>(map)) : "memory");
+}
+
+// ---- named barriers (PTX ISA bar.sync) --------------------------------------------------------------------
+// bar.sync with an explicit thread count: only the `threads` threads that name barrier `id` meet there
+// (the consumers of a warp-specialized block, without the producer that has left its loop). Barrier 0 is
+// __syncthreads'.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// ---- register reallocation (PTX ISA setmaxnreg) -----------------------------------------------------------
+// A warpgroup gives registers back (dec) or claims freed ones (inc); every warp of the warpgroup executes
+// it. The block is compiled for an even split (launch bounds); the producer, which holds only addresses
+// and loop counters, drops to a few dozen so the consumers' accumulators fit without spilling.
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+
+}  // namespace fa

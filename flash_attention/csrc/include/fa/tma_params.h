@@ -1,0 +1,23 @@
+// The parameters of the TMA (warp-specialized) kernels: the forward's FwdParams plus one tensor map per
+// operand the TMA unit loads. Passed by value as the kernel's only argument (__grid_constant__), so the maps
+// sit in the parameter space the TMA instruction may address; flash_attention/jit/params.py mirrors the
+// layout (FwdTmaParams) and the JIT pins every offset with static_asserts.
+#pragma once
+
+#include "fa/params.h"
+
+namespace fa {
+
+// A CUtensorMap (cuTensorMapEncodeTiled): opaque, 128 bytes, 64-byte aligned. Only the TMA unit reads it.
+struct alignas(64) TensorMap {
+  unsigned long long opaque[16];
+};
+
+struct FwdTmaParams {
+  FwdParams p;
+  // (head_dim, seqlen, heads, batch) views of q, k and v, innermost first; boxes of 64 columns (one
+  // 128-byte swizzle panel) by a tile's rows.
+  TensorMap q_map, k_map, v_map;
+};
+
+}  // namespace fa

@@ -1,0 +1,229 @@
+// FlashAttention forward for Hopper (sm_90a), warp-specialized: one warpgroup only loads, the others only
+// compute. The matrix products, masks and online softmax are those of the sm90 wgmma kernel
+// (csrc/kernels/sm90/fwd/fwd_kernel.cuh), whose comments on the wgmma operand layouts apply here.
+//
+// Roles (Cfg::kNumWarps = 4 + 4 * NC, NC = kBlockQ / 64 consumer warpgroups):
+// * warpgroup 0, the producer: one thread issues every TMA load (Q once, then K_j and V_j into a ring of
+//   kStages buffers) and waits only for buffers to come free. It gives its registers back (setmaxnreg.dec)
+//   and its other 127 threads leave at once.
+// * warpgroups 1..NC, the consumers: warpgroup c owns query rows [64 (c - 1), 64 c) of the block. Each
+//   waits for a tile to land, computes S = Q K_j^T, the mask and the softmax step, then O += P V_j, and
+//   releases the ring slot when its matrix products have read it. They take the producer's registers
+//   (setmaxnreg.inc): the 64 x kHeadDim O and 64 x kBlockKV S accumulators of a thread are 128 of its
+//   registers at head_dim 128.
+// Loads no longer come from the computing warps (the sm90 kernel's cp.async needed every thread to
+// issue, fence and meet at a block barrier per tile): a TMA load is one instruction per 64-column panel,
+// its completion a transaction count on an mbarrier, and the only block-wide barrier is the one after
+// the barriers' initialisation.
+//
+// Shared memory: Q (kBlockQ rows), kStages K tiles, kStages V tiles, each in 64-column panels with the
+// 128-byte swizzle (the TMA unit writes that layout itself), then the mbarriers. Per ring slot s:
+// k_full[s] and v_full[s] complete when the producer's expected bytes landed (one arrival, its own), and
+// empty[s] when every consumer warp has finished reading the slot (4 NC arrivals).
+#pragma once
+
+#include "fa/block_range.cuh"
+#include "fa/config_check.h"
+#include "fa/dropout.cuh"
+#include "fa/epilogue.cuh"
+#include "fa/frag.cuh"
+#include "fa/mask.cuh"
+#include "fa/params.h"
+#include "fa/ptx.cuh"
+#include "fa/smem_layout.cuh"
+#include "fa/softmax.cuh"
+#include "fa/tile_ptrs.cuh"
+#include "fa/tma.cuh"
+#include "fa/visible_keys.cuh"
+#include "fa/wgmma.cuh"
+
+namespace fa {
+namespace sm90 {
+
+template <class Cfg, bool kCausal, bool kRanged = false, bool kDropout = false>
+__device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
+  static_assert(check_config<Cfg>::ok, "");
+  static_assert(Cfg::kWgmma && Cfg::kWarpSpecialized, "the warp-specialized kernel runs ws configs only");
+  const FwdParams& p = tp.p;
+  constexpr bool BF = Cfg::kIsBF16;
+  constexpr int D = Cfg::kHeadDim;
+  constexpr int BR = Cfg::kBlockQ;
+  constexpr int BC = Cfg::kBlockKV;
+  constexpr int NST = Cfg::kStages;
+  constexpr int NC = BR / 64;        // consumer warpgroups
+  constexpr int NT = Cfg::kNumWarps * 32;
+  constexpr int NCT = NC * 128;      // consumer threads
+  constexpr int NS = BC / 8;         // 8-column n-tiles of S
+  constexpr int KS = BC / 16;        // k-steps of O += P V
+  constexpr int NO = D / 8;          // 8-column n-tiles of O
+  constexpr int DK = D / 16;         // k-steps of S = Q K^T
+  constexpr int NP = D / 64;         // 64-column panels of a tile
+  using QTile = PanelTile<BR>;
+  static_assert(NT == 128 * (NC + 1), "a producer warpgroup and one consumer warpgroup per 64 query rows");
+
+  // Tiles start on 1024-byte boundaries (the 128-byte swizzle's period, assumed by TMA and the wgmma
+  // descriptors alike); the dynamic window is only 16-byte aligned, so the block asks for 1 KB more.
+  extern __shared__ __align__(16) unsigned char smem[];
+  const u32 sQ = (smem_addr(smem) + 1023u) & ~1023u;
+  constexpr u32 kTile = 2 * BC * D;  // bytes of one K or V tile
+  const u32 sK = sQ + 2 * BR * D;
+  const u32 sV = sK + NST * kTile;
+  const u32 bar_q = sV + NST * kTile;  // 8 bytes each: q_full, k_full[NST], v_full[NST], empty[NST]
+  auto k_full = [&](int s) { return bar_q + 8 * (1 + s); };
+  auto v_full = [&](int s) { return bar_q + 8 * (1 + NST + s); };
+  auto empty = [&](int s) { return bar_q + 8 * (1 + 2 * NST + s); };
+
+  const int tid = threadIdx.x;
+  const int m_block = kCausal ? (p.num_m_blocks - 1 - (int)blockIdx.x) : (int)blockIdx.x;
+  const int head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const int kv_head = head / p.group;
+  const int q_start = m_block * BR;
+  const int q_valid = min(BR, p.seqlen_q - q_start);
+  u16* gO = static_cast<u16*>(p.o) + o_offset(p, batch, head, q_start);
+  float* gL = p.lse ? p.lse + lse_offset(p, batch, head, q_start) : nullptr;
+
+  const VisibleKeys<kCausal, kRanged> keys(p, batch);
+  const KVBlocks<kRanged> blocks = kv_blocks<BC>(keys, q_start, q_valid);
+  const int j_lo = blocks.begin;
+  const int n_iter = blocks.end - j_lo;
+  if (n_iter <= 0) {  // no key visible to any row: out = 0, lse = -inf (every thread, before any role)
+    store_empty_block<BR, D, NT>(p, gO, gL, q_valid, tid);
+    return;
+  }
+
+  if (tid == 0) {
+    mbar_init(bar_q, 1);
+    for (int s = 0; s < NST; ++s) {
+      mbar_init(k_full(s), 1);
+      mbar_init(v_full(s), 1);
+      mbar_init(empty(s), 4 * NC);
+    }
+    mbar_init_fence();
+  }
+  // The only block-wide barrier: the mbarriers are initialised before anyone waits on or completes them.
+  __syncthreads();
+
+  const int wg = tid / 128;
+  if (wg == 0) {
+    // ---- producer --------------------------------------------------------------------------------------
+    // The producer keeps a few dozen registers and the consumers take the rest (Cfg::kProducerRegs /
+    // kConsumerRegs: configs.forward.register_split says why these numbers).
+    if constexpr (Cfg::kProducerRegs > 0) setmaxnreg_dec<Cfg::kProducerRegs>();
+    if (tid != 0) return;
+    tma_prefetch_map(&tp.k_map);
+    tma_prefetch_map(&tp.v_map);
+    mbar_arrive_expect_tx(bar_q, 2 * BR * D);
+#pragma unroll
+    for (int pn = 0; pn < NP; ++pn) tma_load_4d(sQ + pn * BR * 128, &tp.q_map, bar_q, 64 * pn, q_start, head, batch);
+    for (int it = 0; it < n_iter; ++it) {
+      const int s = it % NST;
+      // The slot's previous tile (iteration it - NST) must have been read by every consumer warp: that
+      // was the (it / NST - 1)-th completion of empty[s].
+      if (it >= NST) mbar_wait(empty(s), (it / NST - 1) & 1);
+      const int row = (j_lo + it) * BC;
+      mbar_arrive_expect_tx(k_full(s), kTile);
+#pragma unroll
+      for (int pn = 0; pn < NP; ++pn)
+        tma_load_4d(sK + s * kTile + pn * BC * 128, &tp.k_map, k_full(s), 64 * pn, row, kv_head, batch);
+      mbar_arrive_expect_tx(v_full(s), kTile);
+#pragma unroll
+      for (int pn = 0; pn < NP; ++pn)
+        tma_load_4d(sV + s * kTile + pn * BC * 128, &tp.v_map, v_full(s), 64 * pn, row, kv_head, batch);
+    }
+    return;
+  }
+
+  // ---- consumers ------------------------------------------------------------------------------------------
+  if constexpr (Cfg::kConsumerRegs > 0) setmaxnreg_inc<Cfg::kConsumerRegs>();
+  const int ctid = tid - 128;  // thread index among the consumers
+  const int cwg = ctid / 128;  // this warpgroup's 64 rows of the block
+  const int lane = tid % 32;
+  const int g = lane / 4;
+  const int t = lane % 4;
+  const int warp_row0 = 16 * (ctid / 32);  // the block row of this warp's first row
+
+  // Descriptors as in the sm90 kernel: Q and K K-major, V MN-major, 64-column panels of 128-byte rows.
+  const u64 q_desc = smem_desc_sw128(sQ + cwg * 64 * 128, 16, 1024);
+  const u64 k_desc = smem_desc_sw128(sK, 16, 1024);
+  const u64 v_desc = smem_desc_sw128(sV, BC * 128, 1024);
+
+  float o[NO * 4];
+#pragma unroll
+  for (int i = 0; i < NO * 4; ++i) o[i] = 0.f;
+  float row_max[2] = {neg_inf(), neg_inf()};
+  float row_sum[2] = {0.f, 0.f};
+  const float sl2 = p.scale_log2;
+
+  mbar_wait(bar_q, 0);
+  for (int it = 0; it < n_iter; ++it) {
+    const int j = j_lo + it;
+    const int kv_start = j * BC;
+    const int s = it % NST;
+    const u32 parity = (it / NST) & 1;
+    const u64 kd = k_desc + ((s * kTile) >> 4);
+    const u64 vd = v_desc + ((s * kTile) >> 4);
+
+    // ---- S = Q K_j^T ---------------------------------------------------------------------------------------
+    mbar_wait(k_full(s), parity);
+    float sacc[NS * 4];
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < DK; ++kk) {
+      const u32 q_off = (kk / 4) * BR * 128 + (kk % 4) * 32;
+      const u32 k_off = (kk / 4) * BC * 128 + (kk % 4) * 32;
+      Wgmma<BC, BF>::ss(sacc, q_desc + (q_off >> 4), kd + (k_off >> 4), kk > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_hold(sacc);
+
+    // ---- mask, online softmax, dropout (fa/mask.cuh, fa/softmax.cuh, fa/dropout.cuh) --------------------
+    mask_query_rows(acc_tile(sacc), keys, q_start + warp_row0, kv_start, g, t);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float alpha = online_softmax_row<true>(acc_tile(sacc), 0, r, row_max[r], row_sum[r], sl2);
+      rescale_row(acc_tile(o), 0, r, alpha);
+    }
+    if constexpr (kDropout)
+      dropout_query_rows(acc_tile(sacc), 0, p, batch, head, q_start + warp_row0, kv_start, g, t);
+    u32 pf[KS][4];
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) acc_to_a_frag<BF>(pf[ks], acc_tile(sacc), 0, ks);
+
+    // ---- O += P V_j ----------------------------------------------------------------------------------------
+    mbar_wait(v_full(s), parity);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) Wgmma<D, BF>::rs_bt(o, pf[ks], vd + ((ks * 16 * 128) >> 4), 1);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_hold(o);
+    // This warp's matrix products have read K_j and V_j: one arrival per warp frees the slot once all
+    // 4 NC consumer warps are past this point.
+    __syncwarp();
+    if (lane == 0) mbar_arrive(empty(s));
+  }
+
+  // ---- epilogue: O / L and the LSE; O staged in this warpgroup's own rows of the Q tile -------------------
+  // Each consumer warpgroup's wgmma read only its own 64 rows of Q, and its last one has completed.
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float l = quad_sum(row_sum[r]);
+    const float inv = inv_row_sum(l);
+    const int row = warp_row0 + g + 8 * r;
+#pragma unroll
+    for (int n = 0; n < NO; ++n) {
+      const u32 v = pack2<BF>(o[4 * n + 2 * r] * inv, o[4 * n + 2 * r + 1] * inv);
+      st_shared_32(sQ + QTile::bytes(row, n) + 4 * t, v);
+    }
+    if (gL && t == 0 && row < q_valid) gL[row] = row_lse<true>(p, row_max[r], l);
+  }
+  // Every consumer's rows of O are staged before any of them copies whole rows out (named barrier 1: the
+  // producer warpgroup has left).
+  named_barrier_sync(1, NCT);
+  store_o_tile<BR, D, NCT, QTile>(p, gO, sQ, q_valid, ctid);
+}
+
+}  // namespace sm90
+}  // namespace fa

@@ -1,0 +1,89 @@
+"""GPU tests of the warp-specialized Hopper forward kernel (TMA loads, a producer warpgroup, consumer
+warpgroups): the axes the TMA path changes (tails past the sequence, GQA through the K/V tensor maps,
+strided layouts, one-row problems, key ranges and dropout) against the float64 reference, NaN-poisoned
+outputs and fresh inputs (tests/test_gpu_forward.py's check_case). Every ws config of the sm_90 tuning space
+also runs test_gpu_sm90.py's candidate test."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_gpu_forward import check_case
+from test_gpu_sm90 import needs_hopper
+
+from flash_attention import ops
+from flash_attention.configs import ws_config
+from flash_attention.reference import attention_reference
+
+pytestmark = pytest.mark.gpu
+
+_CONFIGS = [
+    ws_config("bf16", 128, 128, 128, 2),
+    ws_config("bf16", 128, 128, 64, 3),
+    ws_config("bf16", 64, 128, 128, 2),
+    ws_config("bf16", 256, 128, 64, 2),
+    ws_config("bf16", 192, 64, 64, 2),
+    ws_config("fp16", 128, 64, 128, 2),
+]
+_SHAPES = [
+    # b, sq, sk, hq, hkv, causal, layout
+    (2, 333, 517, 8, 2, True, "bshd"),
+    (1, 517, 333, 4, 4, True, "bhsd"),
+    (3, 129, 4097, 4, 1, False, "padded"),
+    (1, 1, 700, 2, 2, True, "bshd"),
+    (2, 700, 1, 2, 1, False, "bshd"),
+    (1, 64, 64, 1, 1, False, "bshd"),
+]
+
+
+@needs_hopper
+@pytest.mark.parametrize("cfg", _CONFIGS, ids=str)
+@pytest.mark.parametrize("shape", _SHAPES, ids=str)
+def test_ws_against_float64(cfg, shape):
+    b, sq, sk, hq, hkv, causal, layout = shape
+    for d in sorted({cfg.head_dim, cfg.head_dim - 40}):
+        check_case(b, sq, sk, hq, hkv, d, cfg.dtype, causal, layout, cfg, seed=sq + d)
+
+
+@needs_hopper
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_ws_key_range_and_dropout(d):
+    from test_gpu_dropout import _explicit
+
+    from flash_attention.dropout import draw_seed, keep_mask
+
+    gen = torch.Generator(device="cuda").manual_seed(d)
+    q, k, v = (torch.randn(3, 300, 2, d, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(3))
+    cfg = ws_config("bf16", d, 128, 64 if d == 256 else 128, 2)
+    kr = torch.tensor([[5, 250], [0, 0], [100, 300]], dtype=torch.int32, device="cuda")
+    out = torch.full_like(q, float("nan"))
+    o, lse = ops.cuda_forward(
+        q, k, v, causal=True, softmax_scale=d**-0.5, return_lse=True, out=out, config=cfg, key_range=kr
+    )
+    ref, ref_lse = attention_reference(q, k, v, causal=True, key_range=kr)
+    assert o is out and not torch.isnan(o).any()
+    assert (o.double() - ref).abs().max().item() < 0.02
+    seen = torch.isfinite(ref_lse)
+    assert (lse[seen].double() - ref_lse[seen]).abs().max().item() < 2e-3
+    assert torch.isneginf(lse[~seen]).all() and (o[1] == 0).all()
+
+    p, seed = 0.3, 4321
+    o, _ = ops.cuda_forward(
+        q, k, v, causal=True, softmax_scale=d**-0.5, return_lse=True, out=None, config=cfg, dropout_p=p,
+        dropout_seed=draw_seed(seed),
+    )  # fmt: skip
+    keep = keep_mask(seed, 0, p, 3, 2, 300, 300, device="cuda")
+    want = _explicit(q.double(), k.double(), v.double(), True, keep, p)
+    assert (o.double() - want).abs().max().item() < 0.03
+
+
+@needs_hopper
+def test_ws_refuses_a_layout_tma_cannot_address():
+    # K/V heads broadcast with a zero stride: the kernels read that in place, a tensor map cannot.
+    q = torch.randn(1, 100, 4, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 100, 1, 128, device="cuda", dtype=torch.bfloat16).expand(1, 100, 4, 128)
+    with pytest.raises(ValueError, match="loads k with TMA, but its head stride"):
+        ops.cuda_forward(
+            q, k, k, causal=False, softmax_scale=0.1, return_lse=False, out=None,
+            config=ws_config("bf16", 128, 128, 128, 2),
+        )  # fmt: skip
