@@ -81,6 +81,9 @@ class KernelConfig:
         warp_specialized: wgmma only: the warp-specialized Hopper kernel (csrc/kernels/sm90/fwd_ws): a
             producer warpgroup issues TMA loads into the ``stages``-deep K/V ring while ``block_q / 64``
             consumer warpgroups compute, so ``num_warps`` is ``4 + block_q / 16``. Named ``wgmma+ws+...``.
+        overlap: warp_specialized only: intra-warpgroup overlap, S_{j+1} = Q K_{j+1}^T and O += P_j V_j are
+            issued together and the softmax of S_{j+1} runs while P_j V_j occupies the tensor cores.
+            Named ``...+overlap``.
     """
 
     dtype: str
@@ -100,6 +103,7 @@ class KernelConfig:
     wgmma: bool = False
     stages: int = 1
     warp_specialized: bool = False
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         errors = validity_errors(self)
@@ -144,6 +148,7 @@ class KernelConfig:
             return (
                 ["wgmma"]
                 + (["ws"] if self.warp_specialized else [])
+                + (["overlap"] if self.overlap else [])
                 + ([f"stages_{self.stages}"] if self.stages != 1 else [])
             )
         out = ["async" if self.async_copy else "sync"]
@@ -209,6 +214,7 @@ class KernelConfig:
             ("kWgmma", "bool", self.wgmma),
             ("kStages", "int", self.stages),
             ("kWarpSpecialized", "bool", self.warp_specialized),
+            ("kOverlap", "bool", self.overlap),
             ("kProducerRegs", "int", register_split(self)[0]),
             ("kConsumerRegs", "int", register_split(self)[1]),
         ]
@@ -242,10 +248,18 @@ def block_registers(cfg: KernelConfig) -> int:
 
 
 def ws_config(
-    dtype: str, head_dim: int, block_q: int, block_kv: int, stages: int = 2, *, check: bool = True
+    dtype: str,
+    head_dim: int,
+    block_q: int,
+    block_kv: int,
+    stages: int = 2,
+    *,
+    overlap: bool = False,
+    check: bool = True,
 ) -> KernelConfig:
     """The warp-specialized Hopper config: a producer warpgroup and ``block_q / 64`` consumer warpgroups
-    around a ``stages``-deep TMA ring of ``block_kv``-key tiles (``check=False``: unchecked)."""
+    around a ``stages``-deep TMA ring of ``block_kv``-key tiles, with or without intra-warpgroup
+    ``overlap`` (``check=False``: unchecked)."""
     make = KernelConfig if check else KernelConfig.unchecked
     warps = 4 + block_q // 16
     return make(
@@ -257,6 +271,7 @@ def ws_config(
         wgmma=True,
         stages=stages,
         warp_specialized=True,
+        overlap=overlap,
         **_WGMMA_FIXED,
     )
 
@@ -279,6 +294,8 @@ def validity_errors(cfg: KernelConfig) -> list[str]:
                 "warp_specialized needs wgmma, stages >= 2 and num_warps = 4 + block_q / 16 (a producer "
                 "warpgroup besides the consumers)"
             )
+    if cfg.overlap and not cfg.warp_specialized:
+        e.append("overlap needs warp_specialized")
     warps = cfg.compute_warps
     if warps not in (1, 2, 4, 8):
         e.append("num_warps must be 1, 2, 4 or 8")
@@ -400,17 +417,28 @@ def _from_flags(dtype: str, d: int, bq: int, bkv: int, w: int, flags: list[str],
         "reverse": "reverse_kv",
     }
     if flags and flags[0] == "wgmma":
-        stages, ws = 1, False
+        stages, ws, overlap = 1, False, False
         for f in flags[1:]:
             m = re.fullmatch(r"stages_(\d+)", f)
             if f == "ws":
                 ws = True
+            elif f == "overlap":
+                overlap = True
             elif m:
                 stages = int(m[1])
             else:
                 raise ValueError(f"unknown flag {f!r} in kernel config name {text!r}")
         return KernelConfig(
-            dtype.lower(), d, bq, bkv, w, wgmma=True, stages=stages, warp_specialized=ws, **_WGMMA_FIXED
+            dtype.lower(),
+            d,
+            bq,
+            bkv,
+            w,
+            wgmma=True,
+            stages=stages,
+            warp_specialized=ws,
+            overlap=overlap,
+            **_WGMMA_FIXED,
         )
     seen_copy = False
     for f in flags:

@@ -17,6 +17,7 @@ struct check_config {
                     (Cfg::kWgmma && Cfg::kStages >= 2 && Cfg::kNumWarps == 4 + Cfg::kBlockQ / 16),
                 "warp_specialized needs wgmma, stages >= 2 and num_warps = 4 + block_q / 16 (a producer "
                 "warpgroup besides the consumers)");
+  static_assert(!Cfg::kOverlap || Cfg::kWarpSpecialized, "overlap needs warp_specialized");
   static_assert(W == 1 || W == 2 || W == 4 || W == 8, "num_warps must be 1, 2, 4 or 8");
   static_assert(Cfg::kBlockQ % (16 * W) == 0,
                 "block_q must be a multiple of 16 * num_warps (each warp owns whole 16-row mma tiles)");

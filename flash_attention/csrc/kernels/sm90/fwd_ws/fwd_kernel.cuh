@@ -155,18 +155,9 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
   float row_sum[2] = {0.f, 0.f};
   const float sl2 = p.scale_log2;
 
-  mbar_wait(bar_q, 0);
-  for (int it = 0; it < n_iter; ++it) {
-    const int j = j_lo + it;
-    const int kv_start = j * BC;
-    const int s = it % NST;
-    const u32 parity = (it / NST) & 1;
-    const u64 kd = k_desc + ((s * kTile) >> 4);
-    const u64 vd = v_desc + ((s * kTile) >> 4);
-
-    // ---- S = Q K_j^T ---------------------------------------------------------------------------------------
-    mbar_wait(k_full(s), parity);
-    float sacc[NS * 4];
+  // The pieces of one K/V block, shared by both schedules below.
+  auto issue_s = [&](float(&sacc)[NS * 4], int slot) {  // S = Q K^T of the tile in `slot`
+    const u64 kd = k_desc + ((slot * kTile) >> 4);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < DK; ++kk) {
@@ -175,34 +166,101 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
       Wgmma<BC, BF>::ss(sacc, q_desc + (q_off >> 4), kd + (k_off >> 4), kk > 0);
     }
     wgmma_commit();
-    wgmma_wait<0>();
-    wgmma_hold(sacc);
-
-    // ---- mask, online softmax, dropout (fa/mask.cuh, fa/softmax.cuh, fa/dropout.cuh) --------------------
-    mask_query_rows(acc_tile(sacc), keys, q_start + warp_row0, kv_start, g, t);
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const float alpha = online_softmax_row<true>(acc_tile(sacc), 0, r, row_max[r], row_sum[r], sl2);
-      rescale_row(acc_tile(o), 0, r, alpha);
-    }
-    if constexpr (kDropout)
-      dropout_query_rows(acc_tile(sacc), 0, p, batch, head, q_start + warp_row0, kv_start, g, t);
-    u32 pf[KS][4];
-#pragma unroll
-    for (int ks = 0; ks < KS; ++ks) acc_to_a_frag<BF>(pf[ks], acc_tile(sacc), 0, ks);
-
-    // ---- O += P V_j ----------------------------------------------------------------------------------------
-    mbar_wait(v_full(s), parity);
+  };
+  auto issue_pv = [&](const u32(&pf)[KS][4], int slot) {  // O += P V of the tile in `slot`
+    const u64 vd = v_desc + ((slot * kTile) >> 4);
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) Wgmma<D, BF>::rs_bt(o, pf[ks], vd + ((ks * 16 * 128) >> 4), 1);
     wgmma_commit();
+  };
+  // Mask, online softmax step and dropout of S in place (fa/mask.cuh, fa/softmax.cuh, fa/dropout.cuh);
+  // alpha gets the factors O's two rows must be rescaled by.
+  auto softmax_step = [&](float(&sacc)[NS * 4], int kv_start, float(&alpha)[2]) {
+    mask_query_rows(acc_tile(sacc), keys, q_start + warp_row0, kv_start, g, t);
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+      alpha[r] = online_softmax_row<true>(acc_tile(sacc), 0, r, row_max[r], row_sum[r], sl2);
+    if constexpr (kDropout)
+      dropout_query_rows(acc_tile(sacc), 0, p, batch, head, q_start + warp_row0, kv_start, g, t);
+  };
+  auto rescale_o = [&](const float(&alpha)[2]) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) rescale_row(acc_tile(o), 0, r, alpha[r]);
+  };
+  // Two adjacent 8-column n-tiles of the S accumulator are one k-step's A fragment of P V.
+  auto to_p = [&](u32(&pf)[KS][4], float(&sacc)[NS * 4]) {
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) acc_to_a_frag<BF>(pf[ks], acc_tile(sacc), 0, ks);
+  };
+  // This warp's matrix products have read the slot's K and V: one arrival per warp frees it once all 4 NC
+  // consumer warps are past this point.
+  auto release = [&](int slot) {
+    __syncwarp();
+    if (lane == 0) mbar_arrive(empty(slot));
+  };
+  auto phase = [&](int it) { return (u32)((it / NST) & 1); };  // the ring's use of slot it % NST
+
+  mbar_wait(bar_q, 0);
+  if constexpr (!Cfg::kOverlap) {
+    // In order: S_j, its softmax, then P_j V_j; the tensor cores idle while the softmax runs.
+    for (int it = 0; it < n_iter; ++it) {
+      const int slot = it % NST;
+      mbar_wait(k_full(slot), phase(it));
+      float sacc[NS * 4];
+      issue_s(sacc, slot);
+      wgmma_wait<0>();
+      wgmma_hold(sacc);
+      float alpha[2];
+      softmax_step(sacc, (j_lo + it) * BC, alpha);
+      rescale_o(alpha);
+      u32 pf[KS][4];
+      to_p(pf, sacc);
+      mbar_wait(v_full(slot), phase(it));
+      issue_pv(pf, slot);
+      wgmma_wait<0>();
+      wgmma_hold(o);
+      release(slot);
+    }
+  } else {
+    // Intra-warpgroup overlap: iteration j issues S_j and then P_{j-1} V_{j-1}, waits for S_j only
+    // (wgmma groups complete in order) and runs S_j's softmax while P_{j-1} V_{j-1} occupies the tensor
+    // cores. O may be rescaled by S_j's factors, and P_j written over P_{j-1}, only once that product
+    // has completed. Costs the registers of P_{j-1} beside S_j (32 more at 128 keys).
+    u32 pf[KS][4];
+    {
+      mbar_wait(k_full(0), 0);
+      float sacc[NS * 4];
+      issue_s(sacc, 0);
+      wgmma_wait<0>();
+      wgmma_hold(sacc);
+      float alpha[2];  // O is still zero: nothing to rescale
+      softmax_step(sacc, j_lo * BC, alpha);
+      to_p(pf, sacc);
+    }
+    for (int it = 1; it < n_iter; ++it) {
+      const int slot = it % NST, prev = (it - 1) % NST;
+      mbar_wait(k_full(slot), phase(it));
+      float sacc[NS * 4];
+      issue_s(sacc, slot);
+      mbar_wait(v_full(prev), phase(it - 1));
+      issue_pv(pf, prev);
+      wgmma_wait<1>();  // S_j has landed; P_{j-1} V_{j-1} may still run
+      wgmma_hold(sacc);
+      float alpha[2];
+      softmax_step(sacc, (j_lo + it) * BC, alpha);
+      wgmma_wait<0>();
+      wgmma_hold(o);
+      release(prev);
+      rescale_o(alpha);
+      to_p(pf, sacc);
+    }
+    const int last = (n_iter - 1) % NST;
+    mbar_wait(v_full(last), phase(n_iter - 1));
+    issue_pv(pf, last);
     wgmma_wait<0>();
     wgmma_hold(o);
-    // This warp's matrix products have read K_j and V_j: one arrival per warp frees the slot once all
-    // 4 NC consumer warps are past this point.
-    __syncwarp();
-    if (lane == 0) mbar_arrive(empty(s));
+    release(last);
   }
 
   // ---- epilogue: O / L and the LSE; O staged in this warpgroup's own rows of the Q tile -------------------
