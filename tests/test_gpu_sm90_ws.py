@@ -83,12 +83,17 @@ def test_ws_key_range_and_dropout(d, overlap):
 
 
 @needs_hopper
-def test_ws_refuses_a_layout_tma_cannot_address():
+def test_a_layout_tma_cannot_address_runs_the_sm90_kernel():
     # K/V heads broadcast with a zero stride: the kernels read that in place, a tensor map cannot.
     q = torch.randn(1, 100, 4, 128, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(1, 100, 1, 128, device="cuda", dtype=torch.bfloat16).expand(1, 100, 4, 128)
-    with pytest.raises(ValueError, match="loads k with TMA, but its head stride"):
+    with pytest.raises(ValueError, match="has no build for untileable"):
         ops.cuda_forward(
             q, k, k, causal=False, softmax_scale=0.1, return_lse=False, out=None,
             config=ws_config("bf16", 128, 128, 128, 2),
         )  # fmt: skip
+    # Without a named config the same call runs the sm90 kernel, which reads the broadcast in place.
+    assert ops.chosen_config(q, k, causal=False, softmax_scale=0.1).warp_specialized
+    o = ops.cuda_forward(q, k, k, causal=False, softmax_scale=0.1, return_lse=False, out=None)[0]
+    ref, _ = attention_reference(q, k, k, softmax_scale=0.1)
+    assert (o.double() - ref).abs().max().item() < 0.02

@@ -30,9 +30,10 @@ from .forward import (
     wgmma_config,
     ws_config,
 )
-from .heuristics import default_bwd_config, default_config, portable_config
+from .heuristics import classic_hopper_config, default_bwd_config, default_config, portable_config
 
 __all__ = [
+    "classic_hopper_config",
     "BwdConfig",
     "DTYPES",
     "FEATURES",

@@ -1,7 +1,8 @@
 """Which kernel family computes which feature: the one table the launch layer consults.
 
-A family is (direction, Hopper or portable): the portable sm80-instruction kernels run on every GPU from
-sm_80 on; the wgmma kernels run on sm_90 only and do not (yet) have every instantiation. When a call needs a
+A family is (direction, kernel kind): the portable sm80-instruction kernels run on every GPU from sm_80 on;
+the wgmma kernels (the sm90 kernel, and the warp-specialized one whose TMA loads need tensor-map-addressable
+layouts) run on sm_90 only and do not (yet) have every instantiation. When a call needs a
 feature its config's family lacks, the launch layer runs the portable family instead (never a wrong or
 missing result); with an explicitly named config it raises, naming the feature.
 """
@@ -18,16 +19,26 @@ __all__ = ["FEATURES", "is_wgmma", "supports", "unsupported"]
 #: Every feature a call can ask of a kernel.
 #: causal: the bottom-right causal mask; key_range: per-batch key ranges (key padding); dropout: attention
 #: dropout; deterministic: a backward without atomics; trace: the debug build (fa/trace.cuh);
-#: negative_scale: a softmax scale below zero (the folded exp2 softmax assumes a positive one).
-FEATURES = ("causal", "key_range", "dropout", "deterministic", "trace", "negative_scale")
+#: negative_scale: a softmax scale below zero (the folded exp2 softmax assumes a positive one);
+#: untileable: a q/k/v layout a TMA tensor map cannot describe (e.g. a zero stride from ``expand``).
+FEATURES = ("causal", "key_range", "dropout", "deterministic", "trace", "negative_scale", "untileable")
 
 _SUPPORTED = {
-    # (backward?, wgmma?) -> features
-    (False, False): frozenset({"causal", "key_range", "dropout", "trace", "negative_scale"}),
-    (False, True): frozenset({"causal", "key_range", "dropout"}),
-    (True, False): frozenset({"causal", "key_range", "dropout", "deterministic"}),
-    (True, True): frozenset({"causal"}),
+    # (backward?, kind) -> features
+    (False, "portable"): frozenset(
+        {"causal", "key_range", "dropout", "trace", "negative_scale", "untileable"}
+    ),
+    (False, "wgmma"): frozenset({"causal", "key_range", "dropout", "untileable"}),
+    (False, "ws"): frozenset({"causal", "key_range", "dropout"}),
+    (True, "portable"): frozenset({"causal", "key_range", "dropout", "deterministic", "untileable"}),
+    (True, "wgmma"): frozenset({"causal", "untileable"}),
 }
+
+
+def _kind(cfg: KernelConfig | BwdConfig) -> str:
+    if getattr(cfg, "warp_specialized", False):
+        return "ws"
+    return "wgmma" if is_wgmma(cfg) else "portable"
 
 
 def is_wgmma(cfg: KernelConfig | BwdConfig) -> bool:
@@ -39,7 +50,7 @@ def supports(cfg: KernelConfig | BwdConfig, feature: str) -> bool:
     """Whether the family of ``cfg`` has an instantiation for ``feature``."""
     if feature not in FEATURES:
         raise ValueError(f"feature must be one of {FEATURES}; got {feature!r}")
-    return feature in _SUPPORTED[(isinstance(cfg, BwdConfig), is_wgmma(cfg))]
+    return feature in _SUPPORTED[(isinstance(cfg, BwdConfig), _kind(cfg))]
 
 
 def unsupported(cfg: KernelConfig | BwdConfig, features: Iterable[str]) -> list[str]:

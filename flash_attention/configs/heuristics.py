@@ -7,9 +7,9 @@ from functools import lru_cache
 
 from .backward import BwdConfig
 from .common import is_hopper, padded_head_dim, smem_optin
-from .forward import KernelConfig, wgmma_config
+from .forward import KernelConfig, wgmma_config, ws_config
 
-__all__ = ["default_bwd_config", "default_config", "portable_config"]
+__all__ = ["classic_hopper_config", "default_bwd_config", "default_config", "portable_config"]
 
 
 @lru_cache(maxsize=4096)
@@ -18,8 +18,9 @@ def default_config(
 ) -> KernelConfig:
     """The configuration used when the caller names none and no autotuned winner exists.
 
-    On Hopper (``arch`` sm_90 / sm_90a) that is a wgmma config (:func:`_hopper_default`); on any other GPU
-    the portable sm80 kernel's (:func:`portable_config`). Every choice fits the shared memory of ``arch``
+    On Hopper (``arch`` sm_90 / sm_90a) that is a warp-specialized config (:func:`_hopper_default`) or, where
+    that is not ahead, the sm90 kernel's (:func:`classic_hopper_config`); on any other GPU the portable sm80
+    kernel's (:func:`portable_config`). Every choice fits the shared memory of ``arch``
     (tests/test_arch_defaults.py compiles each one for its architecture).
     """
     if is_hopper(arch):
@@ -69,7 +70,37 @@ def portable_config(dtype: str, head_dim: int, causal: bool, seqlen_q: int, seql
 
 
 def _hopper_default(dtype: str, d: int, n: int, causal: bool) -> KernelConfig:
-    """The wgmma config for head_dim ``d`` at sequence length ``n`` (the longer of q and k).
+    """The Hopper config for head_dim ``d`` at sequence length ``n`` (the longer of q and k).
+
+    From the H100 autotuning sweep of the sm90 and warp-specialized kernels together
+    (benchmarks/results/h100-2026-11-23-autotune-ws-*.json; docs/kernel-log.md, step 28): every pick is
+    within 5% of the sweep's winner at every length from 512 to 16k, causal or not.
+    * head_dim 128 and 192: the warp-specialized kernel with two consumer warpgroups, intra-warpgroup
+      overlap and a 3-deep ring (128-key tiles at 128, 64-key at 192: what fits 227 KB). With overlap a
+      2-deep ring loses 20-35%: a slot comes free one softmax later, so the next load has too little time.
+      (Non-causal 512 at head_dim 128 runs the same block without overlap.)
+    * head_dim 256: two consumer warpgroups, 64-key tiles, a 2-deep ring and no overlap (a third stage does
+      not fit, and overlap on two stages loses).
+    * head_dim 64: from 2k keys on, 128 x 128 tiles in a 2-deep ring without overlap (its blocks are short,
+      so the overlap's extra latency outweighs what it hides); below 2k the sm90 kernel's one-warpgroup
+      blocks balance better (:func:`classic_hopper_config`).
+    """
+    if d == 64:
+        if n < 2048:
+            return classic_hopper_config(dtype, d, n, causal)
+        return ws_config(dtype, 64, 128, 128, 2)
+    if d == 256:
+        return ws_config(dtype, 256, 128, 64, 2)
+    if d == 192:
+        return ws_config(dtype, 192, 128, 64, 3, overlap=True)
+    # At 512 keys a non-causal block is four tiles long: too short for the overlap's pipeline to pay.
+    return ws_config(dtype, 128, 128, 128, 3, overlap=causal or n > 512)
+
+
+@lru_cache(maxsize=4096)
+def classic_hopper_config(dtype: str, d: int, n: int, causal: bool) -> KernelConfig:
+    """The sm90 (wgmma, cp.async) kernel's config for head_dim ``d`` at sequence length ``n``: where the
+    warp-specialized kernel is not (yet) ahead, and for layouts its TMA loads cannot address.
 
     From the H100 autotuning sweep of docs/kernel-log.md (step 17, every point within 5% of the sweep's
     winner). Two shapes of block compete: one warpgroup (64 query rows, two or three blocks per SM) and

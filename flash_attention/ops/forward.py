@@ -150,7 +150,12 @@ def _plan(q, k, v, o, causal, scale, ranged, dropout_p, config, negative) -> _Pl
         key,
         lambda: _make_plan(
             q, k, v, o, causal, scale, ranged, dropout_p, config,
-            feature_list(key_range=ranged, dropout=dropout_p, negative_scale=negative),
+            feature_list(
+                key_range=ranged,
+                dropout=dropout_p,
+                negative_scale=negative,
+                untileable=tma.untileable(q, k, v),
+            ),
         ),
     )  # fmt: skip
 

@@ -17,6 +17,7 @@ from ..configs import (
     HEAD_DIMS,
     BwdConfig,
     KernelConfig,
+    classic_hopper_config,
     default_bwd_config,
     default_config,
     padded_head_dim,
@@ -93,6 +94,9 @@ def forward_config(
     cfg = winners.lookup(gpu, dtype, head_dim, causal, seqlen_q, seqlen_k, group) or default_config(
         dtype, head_dim, causal, seqlen_q, seqlen_k, arch
     )
+    if cfg.warp_specialized and unsupported(cfg, features):
+        # The sm90 kernel of the same call: it reads any layout the kernels accept (cp.async).
+        cfg = classic_hopper_config(dtype, padded_head_dim(head_dim), max(seqlen_q, seqlen_k), causal)
     if unsupported(cfg, features):
         cfg = portable_config(dtype, head_dim, causal, seqlen_q, seqlen_k)
     if "negative_scale" in features and cfg.opt_softmax:

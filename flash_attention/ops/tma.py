@@ -18,7 +18,7 @@ import torch
 from ..jit import driver
 from ..jit.params import TENSOR_MAP_BYTES
 
-__all__ = ["MapLayout", "encode_into", "map_layout"]
+__all__ = ["MapLayout", "encode_into", "map_layout", "untileable"]
 
 #: Columns of one box: a 64-element row of 2-byte elements is the 128 bytes the swizzle permutes.
 BOX_COLUMNS = 64
@@ -60,6 +60,12 @@ def map_layout(t: torch.Tensor, box_rows: int) -> MapLayout | str:
         (ctypes.c_uint64 * 3)(sr, sh, sb),
         (ctypes.c_uint32 * 4)(BOX_COLUMNS, box_rows, 1, 1),
     )
+
+
+def untileable(*tensors: torch.Tensor) -> bool:
+    """Whether any of ``tensors`` has a layout no tensor map can describe (the call then runs a kernel
+    that loads with cp.async)."""
+    return any(isinstance(map_layout(t, 64), str) for t in tensors)
 
 
 _scratch = threading.local()
