@@ -158,28 +158,39 @@ def test_hopper_space_is_the_wgmma_kernel_and_holds_every_heuristic_pick():
                 assert default_config("bf16", d, causal, n, n, "sm_90") in space
 
 
-def test_hopper_heuristic_within_5_percent_of_the_committed_h100_sweep():
-    """The H100 sweep of the sm_90 space, sm90 and warp-specialized kernels together
-    (benchmarks/results/h100-2026-11-23-autotune-ws-{1,2}.json, the reports of ``autotune --report``): at
-    every benchmark shape the heuristic's pick runs within 5% of the winner."""
+def test_hopper_heuristic_within_5_percent_of_the_committed_h100_sweeps():
+    """Two H100 sweeps of the sm_90 space, sm90 and warp-specialized kernels together (the reports of
+    ``autotune --report``: benchmarks/results/h100-2026-11-23-autotune-ws-{1,2}.json, one run, and
+    h100-2026-11-23-autotune-ws-pingpong.json, a later run whose space also has the ping-pong knob): at every
+    benchmark shape the heuristic's pick runs, on average over the two runs, within 5% of each run's
+    winner. One run alone moves single points by up to 5% (kernel-log step 29), so a pick is held to what
+    two runs agree on."""
     from collections import defaultdict
     from pathlib import Path
 
     results = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
-    by_key: dict[str, dict[str, float]] = defaultdict(dict)
-    for part in (1, 2):
-        report = json.loads((results / f"h100-2026-11-23-autotune-ws-{part}.json").read_text())
-        assert "H100" in report["gpu"]
-        for row in report["rows"]:
-            if row["tflops"]:
-                by_key[row["key"]][row["config"]] = row["tflops"]
-    assert len(by_key) == 48  # bf16, head_dim 64/128/192/256, causal and not, 512 to 16k
-    for key, timed in by_key.items():
+    sweeps = [
+        ["h100-2026-11-23-autotune-ws-1.json", "h100-2026-11-23-autotune-ws-2.json"],
+        ["h100-2026-11-23-autotune-ws-pingpong.json"],
+    ]
+    runs = []
+    for files in sweeps:
+        by_key: dict[str, dict[str, float]] = defaultdict(dict)
+        for name in files:
+            report = json.loads((results / name).read_text())
+            assert "H100" in report["gpu"]
+            for row in report["rows"]:
+                if row["tflops"]:
+                    by_key[row["key"]][row["config"]] = row["tflops"]
+        assert len(by_key) == 48  # bf16, head_dim 64/128/192/256, causal and not, 512 to 16k
+        runs.append(by_key)
+    for key in runs[0]:
         dtype, d, mask, n, _ = key.split("/")
         pick = default_config(dtype, int(d[1:]), mask == "causal", int(n), int(n), "sm_90").name()
-        assert pick in timed, f"{key}: {pick} was not timed"
-        ratio = timed[pick] / max(timed.values())
-        assert ratio >= 0.95, f"{key}: {pick} at {ratio:.3f} of the winner"
+        ratios = [run[key][pick] / max(run[key].values()) for run in runs if pick in run[key]]
+        assert len(ratios) == 2, f"{key}: {pick} was not timed in both runs"
+        mean = sum(ratios) / 2
+        assert mean >= 0.95, f"{key}: {pick} at {mean:.3f} of the winner (runs: {ratios})"
 
 
 def test_backward_space_is_valid_and_holds_the_defaults():

@@ -84,6 +84,9 @@ class KernelConfig:
         overlap: warp_specialized only: intra-warpgroup overlap, S_{j+1} = Q K_{j+1}^T and O += P_j V_j are
             issued together and the softmax of S_{j+1} runs while P_j V_j occupies the tensor cores.
             Named ``...+overlap``.
+        pingpong: warp_specialized with two consumer warpgroups only: the two take turns issuing their
+            matrix products (named barriers), so one's softmax runs while the other's products occupy the
+            tensor cores instead of both softmaxes falling together. Named ``...+pingpong``.
     """
 
     dtype: str
@@ -104,6 +107,7 @@ class KernelConfig:
     stages: int = 1
     warp_specialized: bool = False
     overlap: bool = False
+    pingpong: bool = False
 
     def __post_init__(self) -> None:
         errors = validity_errors(self)
@@ -149,6 +153,7 @@ class KernelConfig:
                 ["wgmma"]
                 + (["ws"] if self.warp_specialized else [])
                 + (["overlap"] if self.overlap else [])
+                + (["pingpong"] if self.pingpong else [])
                 + ([f"stages_{self.stages}"] if self.stages != 1 else [])
             )
         out = ["async" if self.async_copy else "sync"]
@@ -215,6 +220,7 @@ class KernelConfig:
             ("kStages", "int", self.stages),
             ("kWarpSpecialized", "bool", self.warp_specialized),
             ("kOverlap", "bool", self.overlap),
+            ("kPingpong", "bool", self.pingpong),
             ("kProducerRegs", "int", register_split(self)[0]),
             ("kConsumerRegs", "int", register_split(self)[1]),
         ]
@@ -255,6 +261,7 @@ def ws_config(
     stages: int = 2,
     *,
     overlap: bool = False,
+    pingpong: bool = False,
     check: bool = True,
 ) -> KernelConfig:
     """The warp-specialized Hopper config: a producer warpgroup and ``block_q / 64`` consumer warpgroups
@@ -272,6 +279,7 @@ def ws_config(
         stages=stages,
         warp_specialized=True,
         overlap=overlap,
+        pingpong=pingpong,
         **_WGMMA_FIXED,
     )
 
@@ -296,6 +304,8 @@ def validity_errors(cfg: KernelConfig) -> list[str]:
             )
     if cfg.overlap and not cfg.warp_specialized:
         e.append("overlap needs warp_specialized")
+    if cfg.pingpong and not (cfg.warp_specialized and cfg.block_q == 128):
+        e.append("pingpong needs warp_specialized with two consumer warpgroups (block_q 128)")
     warps = cfg.compute_warps
     if warps not in (1, 2, 4, 8):
         e.append("num_warps must be 1, 2, 4 or 8")
@@ -417,13 +427,15 @@ def _from_flags(dtype: str, d: int, bq: int, bkv: int, w: int, flags: list[str],
         "reverse": "reverse_kv",
     }
     if flags and flags[0] == "wgmma":
-        stages, ws, overlap = 1, False, False
+        stages, ws, overlap, pingpong = 1, False, False, False
         for f in flags[1:]:
             m = re.fullmatch(r"stages_(\d+)", f)
             if f == "ws":
                 ws = True
             elif f == "overlap":
                 overlap = True
+            elif f == "pingpong":
+                pingpong = True
             elif m:
                 stages = int(m[1])
             else:
@@ -438,6 +450,7 @@ def _from_flags(dtype: str, d: int, bq: int, bkv: int, w: int, flags: list[str],
             stages=stages,
             warp_specialized=ws,
             overlap=overlap,
+            pingpong=pingpong,
             **_WGMMA_FIXED,
         )
     seen_copy = False

@@ -72,23 +72,24 @@ def portable_config(dtype: str, head_dim: int, causal: bool, seqlen_q: int, seql
 def _hopper_default(dtype: str, d: int, n: int, causal: bool) -> KernelConfig:
     """The Hopper config for head_dim ``d`` at sequence length ``n`` (the longer of q and k).
 
-    From the H100 autotuning sweep of the sm90 and warp-specialized kernels together
-    (benchmarks/results/h100-2026-11-23-autotune-ws-*.json; docs/kernel-log.md, step 28): every pick is
-    within 5% of the sweep's winner at every length from 512 to 16k, causal or not.
+    From the H100 autotuning sweeps of the sm90 and warp-specialized kernels together
+    (benchmarks/results/h100-2026-11-23-autotune-ws-*.json; docs/kernel-log.md, steps 28-29): every pick is
+    within 5% of the winner of the last sweep at every length from 512 to 16k, causal or not. Ping-pong
+    between the consumers is in that space and wins nowhere by more than the run-to-run noise.
     * head_dim 128 and 192: the warp-specialized kernel with two consumer warpgroups, intra-warpgroup
       overlap and a 3-deep ring (128-key tiles at 128, 64-key at 192: what fits 227 KB). With overlap a
       2-deep ring loses 20-35%: a slot comes free one softmax later, so the next load has too little time.
       (Non-causal 512 at head_dim 128 runs the same block without overlap.)
     * head_dim 256: two consumer warpgroups, 64-key tiles, a 2-deep ring and no overlap (a third stage does
       not fit, and overlap on two stages loses).
-    * head_dim 64: from 2k keys on, 128 x 128 tiles in a 2-deep ring without overlap (its blocks are short,
-      so the overlap's extra latency outweighs what it hides); below 2k the sm90 kernel's one-warpgroup
-      blocks balance better (:func:`classic_hopper_config`).
+    * head_dim 64: from 2k keys on, the head_dim-128 block (128 x 128 tiles, 3-deep ring, overlap; the
+      2-deep ring without overlap is within 3% of it in both sweeps); below 2k the sm90 kernel's
+      one-warpgroup blocks balance better (:func:`classic_hopper_config`).
     """
     if d == 64:
         if n < 2048:
             return classic_hopper_config(dtype, d, n, causal)
-        return ws_config(dtype, 64, 128, 128, 2)
+        return ws_config(dtype, 64, 128, 128, 3, overlap=True)
     if d == 256:
         return ws_config(dtype, 256, 128, 64, 2)
     if d == 192:

@@ -78,6 +78,12 @@ __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+// Arrive at named barrier `id` without waiting (bar.arrive): the other party of a producer/consumer
+// hand-off waits there with named_barrier_sync and the same thread count.
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 // ---- register reallocation (PTX ISA setmaxnreg) -----------------------------------------------------------
 // A warpgroup gives registers back (dec) or claims freed ones (inc); every warp of the warpgroup executes
 // it. The block is compiled for an even split (launch bounds); the producer, which holds only addresses

@@ -201,6 +201,22 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
   };
   auto phase = [&](int it) { return (u32)((it / NST) & 1); };  // the ring's use of slot it % NST
 
+  // Ping-pong (Cfg::kPingpong, two consumer warpgroups): the warpgroups take turns at every point where
+  // they issue matrix products. Warpgroup c waits at named barrier kTurn + c for the other to have passed
+  // it the turn (bar.arrive at the same barrier, 256 threads in all), issues, and passes the turn back. The
+  // tensor cores then run one warpgroup's products while the other runs its softmax, instead of both
+  // softmaxes falling in the same window. Warpgroup 1 passes first, so warpgroup 0 starts; both issue the
+  // same number of times (same K/V blocks), and warpgroup 0 takes the one turn left over at the end, so no
+  // arrival is pending when the block exits.
+  constexpr int kTurn = 2;  // named barriers 2 and 3 (0: __syncthreads, 1: the epilogue's)
+  auto take_turn = [&] {
+    if constexpr (Cfg::kPingpong) named_barrier_sync(kTurn + cwg, 256);
+  };
+  auto pass_turn = [&] {
+    if constexpr (Cfg::kPingpong) named_barrier_arrive(kTurn + (1 - cwg), 256);
+  };
+  if (cwg == 1) pass_turn();
+
   mbar_wait(bar_q, 0);
   if constexpr (!Cfg::kOverlap) {
     // In order: S_j, its softmax, then P_j V_j; the tensor cores idle while the softmax runs.
@@ -208,6 +224,7 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
       const int slot = it % NST;
       mbar_wait(k_full(slot), phase(it));
       float sacc[NS * 4];
+      take_turn();  // (ping-pong: this warpgroup's softmax below runs under the other's P V)
       issue_s(sacc, slot);
       wgmma_wait<0>();
       wgmma_hold(sacc);
@@ -218,6 +235,7 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
       to_p(pf, sacc);
       mbar_wait(v_full(slot), phase(it));
       issue_pv(pf, slot);
+      pass_turn();
       wgmma_wait<0>();
       wgmma_hold(o);
       release(slot);
@@ -231,7 +249,9 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
     {
       mbar_wait(k_full(0), 0);
       float sacc[NS * 4];
+      take_turn();
       issue_s(sacc, 0);
+      pass_turn();
       wgmma_wait<0>();
       wgmma_hold(sacc);
       float alpha[2];  // O is still zero: nothing to rescale
@@ -242,9 +262,11 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
       const int slot = it % NST, prev = (it - 1) % NST;
       mbar_wait(k_full(slot), phase(it));
       float sacc[NS * 4];
-      issue_s(sacc, slot);
       mbar_wait(v_full(prev), phase(it - 1));
+      take_turn();
+      issue_s(sacc, slot);
       issue_pv(pf, prev);
+      pass_turn();
       wgmma_wait<1>();  // S_j has landed; P_{j-1} V_{j-1} may still run
       wgmma_hold(sacc);
       float alpha[2];
@@ -257,11 +279,15 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
     }
     const int last = (n_iter - 1) % NST;
     mbar_wait(v_full(last), phase(n_iter - 1));
+    take_turn();
     issue_pv(pf, last);
+    pass_turn();
     wgmma_wait<0>();
     wgmma_hold(o);
     release(last);
   }
+
+  if (cwg == 0) take_turn();  // the turn warpgroup 1 passed after its last issue
 
   // ---- epilogue: O / L and the LSE; O staged in this warpgroup's own rows of the Q tile -------------------
   // Each consumer warpgroup's wgmma read only its own 64 rows of Q, and its last one has completed.
