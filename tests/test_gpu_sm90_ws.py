@@ -31,6 +31,10 @@ _CONFIGS = [
     ws_config("bf16", 128, 128, 128, 3, overlap=True, pingpong=True),
     ws_config("bf16", 64, 128, 128, 2, pingpong=True),
     ws_config("fp16", 256, 128, 64, 2, pingpong=True),
+    ws_config("bf16", 128, 128, 128, 3, overlap=True, persistent=True),
+    ws_config("bf16", 64, 128, 128, 3, overlap=True, pingpong=True, persistent=True),
+    ws_config("bf16", 256, 128, 64, 2, persistent=True),
+    ws_config("fp16", 128, 64, 128, 2, persistent=True),
 ]
 _SHAPES = [
     # b, sq, sk, hq, hkv, causal, layout
@@ -53,16 +57,19 @@ def test_ws_against_float64(cfg, shape):
 
 
 @needs_hopper
-@pytest.mark.parametrize("overlap, pingpong", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize(
+    "overlap, pingpong, persistent", [(False, False, False), (True, False, False), (True, True, True)]
+)
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_ws_key_range_and_dropout(d, overlap, pingpong):
+def test_ws_key_range_and_dropout(d, overlap, pingpong, persistent):
     from test_gpu_dropout import _explicit
 
     from flash_attention.dropout import draw_seed, keep_mask
 
     gen = torch.Generator(device="cuda").manual_seed(d)
     q, k, v = (torch.randn(3, 300, 2, d, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(3))
-    cfg = ws_config("bf16", d, 128, 64 if d == 256 else 128, 2, overlap=overlap, pingpong=pingpong)
+    knobs = dict(overlap=overlap, pingpong=pingpong, persistent=persistent)
+    cfg = ws_config("bf16", d, 128, 64 if d == 256 else 128, 2, **knobs)
     kr = torch.tensor([[5, 250], [0, 0], [100, 300]], dtype=torch.int32, device="cuda")
     out = torch.full_like(q, float("nan"))
     o, lse = ops.cuda_forward(

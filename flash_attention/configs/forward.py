@@ -87,6 +87,8 @@ class KernelConfig:
         pingpong: warp_specialized with two consumer warpgroups only: the two take turns issuing their
             matrix products (named barriers), so one's softmax runs while the other's products occupy the
             tensor cores instead of both softmaxes falling together. Named ``...+pingpong``.
+        persistent: warp_specialized only: one block per multiprocessor, each looping over query tiles,
+            its K/V ring running on from one tile to the next. Named ``...+persistent``.
     """
 
     dtype: str
@@ -108,6 +110,7 @@ class KernelConfig:
     warp_specialized: bool = False
     overlap: bool = False
     pingpong: bool = False
+    persistent: bool = False
 
     def __post_init__(self) -> None:
         errors = validity_errors(self)
@@ -154,6 +157,7 @@ class KernelConfig:
                 + (["ws"] if self.warp_specialized else [])
                 + (["overlap"] if self.overlap else [])
                 + (["pingpong"] if self.pingpong else [])
+                + (["persistent"] if self.persistent else [])
                 + ([f"stages_{self.stages}"] if self.stages != 1 else [])
             )
         out = ["async" if self.async_copy else "sync"]
@@ -221,6 +225,7 @@ class KernelConfig:
             ("kWarpSpecialized", "bool", self.warp_specialized),
             ("kOverlap", "bool", self.overlap),
             ("kPingpong", "bool", self.pingpong),
+            ("kPersistent", "bool", self.persistent),
             ("kProducerRegs", "int", register_split(self)[0]),
             ("kConsumerRegs", "int", register_split(self)[1]),
         ]
@@ -262,6 +267,7 @@ def ws_config(
     *,
     overlap: bool = False,
     pingpong: bool = False,
+    persistent: bool = False,
     check: bool = True,
 ) -> KernelConfig:
     """The warp-specialized Hopper config: a producer warpgroup and ``block_q / 64`` consumer warpgroups
@@ -280,6 +286,7 @@ def ws_config(
         warp_specialized=True,
         overlap=overlap,
         pingpong=pingpong,
+        persistent=persistent,
         **_WGMMA_FIXED,
     )
 
@@ -306,6 +313,8 @@ def validity_errors(cfg: KernelConfig) -> list[str]:
         e.append("overlap needs warp_specialized")
     if cfg.pingpong and not (cfg.warp_specialized and cfg.block_q == 128):
         e.append("pingpong needs warp_specialized with two consumer warpgroups (block_q 128)")
+    if cfg.persistent and not cfg.warp_specialized:
+        e.append("persistent needs warp_specialized")
     warps = cfg.compute_warps
     if warps not in (1, 2, 4, 8):
         e.append("num_warps must be 1, 2, 4 or 8")
@@ -427,7 +436,7 @@ def _from_flags(dtype: str, d: int, bq: int, bkv: int, w: int, flags: list[str],
         "reverse": "reverse_kv",
     }
     if flags and flags[0] == "wgmma":
-        stages, ws, overlap, pingpong = 1, False, False, False
+        stages, ws, overlap, pingpong, persistent = 1, False, False, False, False
         for f in flags[1:]:
             m = re.fullmatch(r"stages_(\d+)", f)
             if f == "ws":
@@ -436,6 +445,8 @@ def _from_flags(dtype: str, d: int, bq: int, bkv: int, w: int, flags: list[str],
                 overlap = True
             elif f == "pingpong":
                 pingpong = True
+            elif f == "persistent":
+                persistent = True
             elif m:
                 stages = int(m[1])
             else:
@@ -451,6 +462,7 @@ def _from_flags(dtype: str, d: int, bq: int, bkv: int, w: int, flags: list[str],
             warp_specialized=ws,
             overlap=overlap,
             pingpong=pingpong,
+            persistent=persistent,
             **_WGMMA_FIXED,
         )
     seen_copy = False

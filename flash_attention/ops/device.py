@@ -17,6 +17,7 @@ __all__ = [
     "device_arch",
     "dtype_name",
     "gpu_name",
+    "sm_count",
     "smem_limit",
 ]
 
@@ -34,6 +35,12 @@ def device_arch(index: int) -> str:
 @cache
 def gpu_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
+
+
+@cache
+def sm_count(index: int) -> int:
+    """The multiprocessors of device ``index`` (a persistent grid launches one block on each)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 @cache

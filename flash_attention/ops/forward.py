@@ -24,7 +24,7 @@ from ..jit.loader import get_kernel
 from ..jit.params import TENSOR_MAP_BYTES, FwdParams, FwdTmaParams
 from . import tma
 from . import trace as _trace
-from .device import device_arch, dtype_name
+from .device import device_arch, dtype_name, sm_count
 from .plans import PlanCache, device_facts, feature_list, fill_common, fill_strides, launch
 from .select import forward_config
 from .tensors import check_grid, kernel_ready, pad_head_dim, padded_to_8, usable_in_place
@@ -88,6 +88,9 @@ def _make_plan(q, k, v, o, causal, scale, ranged, dropout_p, config, needs) -> _
     kernel.ensure_dynamic_smem(cfg.smem_bytes, index)
     p = _params(q, k, v, o, cfg, scale, dropout_p)
     grid = (p.num_m_blocks, heads_q, batch)
+    if cfg.persistent:
+        # One block per multiprocessor (the kernel runs one per SM), each looping over query tiles.
+        grid = (min(p.num_m_blocks * heads_q * batch, sm_count(index)), 1, 1)
     if not cfg.warp_specialized:
         return _Plan(cfg, kernel, grid, cfg.threads, cfg.smem_bytes, index, bytes(p))
     maps = _map_layouts(q, k, v, cfg)

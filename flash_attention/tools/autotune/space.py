@@ -48,7 +48,7 @@ def candidate_space(dtype: str, head_dim: int, causal: bool, arch: str = "sm_80"
     kernel's configs cannot win there: its tuned defaults measured 11-42% below the best wgmma config at every
     point of a scratch sweep on an H100 (docs/kernel-log.md, steps 17-18), so timing them is wasted.
     The warp-specialized kernel's configs join them: one or two consumer warpgroups, 64- or 128-key tiles,
-    a TMA ring 2 or 3 deep, with and without intra-warpgroup overlap and ping-pong.
+    a TMA ring 2 or 3 deep, with and without intra-warpgroup overlap, ping-pong and a persistent grid.
     """
     d = padded_head_dim(head_dim)
     dk = d // 16
@@ -57,9 +57,11 @@ def candidate_space(dtype: str, head_dim: int, causal: bool, arch: str = "sm_80"
         for block_q, block_kv, stages in itertools.product((64, 128), (32, 64, 128), (1, 2, 3)):
             if not validity_errors(wgmma_config(dtype, d, block_q, block_kv, stages, check=False)):
                 out.append(wgmma_config(dtype, d, block_q, block_kv, stages))
-        ws_knobs = itertools.product((64, 128), (64, 128), (2, 3), (False, True), (False, True))
-        for block_q, block_kv, stages, overlap, pingpong in ws_knobs:
-            knobs = dict(overlap=overlap, pingpong=pingpong)
+        ws_knobs = itertools.product(
+            (64, 128), (64, 128), (2, 3), (False, True), (False, True), (False, True)
+        )
+        for block_q, block_kv, stages, overlap, pingpong, persistent in ws_knobs:
+            knobs = dict(overlap=overlap, pingpong=pingpong, persistent=persistent)
             if not validity_errors(ws_config(dtype, d, block_q, block_kv, stages, **knobs, check=False)):
                 out.append(ws_config(dtype, d, block_q, block_kv, stages, **knobs))
         return out

@@ -20,6 +20,7 @@ struct check_config {
   static_assert(!Cfg::kOverlap || Cfg::kWarpSpecialized, "overlap needs warp_specialized");
   static_assert(!Cfg::kPingpong || (Cfg::kWarpSpecialized && Cfg::kBlockQ == 128),
                 "pingpong needs warp_specialized with two consumer warpgroups (block_q 128)");
+  static_assert(!Cfg::kPersistent || Cfg::kWarpSpecialized, "persistent needs warp_specialized");
   static_assert(W == 1 || W == 2 || W == 4 || W == 8, "num_warps must be 1, 2, 4 or 8");
   static_assert(Cfg::kBlockQ % (16 * W) == 0,
                 "block_q must be a multiple of 16 * num_warps (each warp owns whole 16-row mma tiles)");

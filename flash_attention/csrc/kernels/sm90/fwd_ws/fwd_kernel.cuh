@@ -19,7 +19,15 @@
 // Shared memory: Q (kBlockQ rows), kStages K tiles, kStages V tiles, each in 64-column panels with the
 // 128-byte swizzle (the TMA unit writes that layout itself), then the mbarriers. Per ring slot s:
 // k_full[s] and v_full[s] complete when the producer's expected bytes landed (one arrival, its own), and
-// empty[s] when every consumer warp has finished reading the slot (4 NC arrivals).
+// empty[s] when every consumer warp has finished reading the slot (4 NC arrivals). q_full completes when
+// a query tile landed, q_empty when every consumer warp has copied out the output staged over it.
+//
+// Tiles (Cfg::kPersistent): one query tile per block as the grid says, or a persistent grid of one block
+// per multiprocessor whose block b handles tiles b, b + gridDim.x, ... in the order of the non-persistent
+// grid (query blocks fastest, longest first when causal, then heads, then batch rows: the blocks running
+// at once share K/V heads in L2). The K/V ring runs on across tiles, so the producer loads the next tile's
+// first K/V blocks while the consumers finish the current one; only the next Q waits for the output
+// staged in its buffer to be copied out.
 #pragma once
 
 #include "fa/block_range.cuh"
@@ -68,32 +76,18 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
   constexpr u32 kTile = 2 * BC * D;  // bytes of one K or V tile
   const u32 sK = sQ + 2 * BR * D;
   const u32 sV = sK + NST * kTile;
-  const u32 bar_q = sV + NST * kTile;  // 8 bytes each: q_full, k_full[NST], v_full[NST], empty[NST]
-  auto k_full = [&](int s) { return bar_q + 8 * (1 + s); };
-  auto v_full = [&](int s) { return bar_q + 8 * (1 + NST + s); };
-  auto empty = [&](int s) { return bar_q + 8 * (1 + 2 * NST + s); };
+  // 8 bytes each: q_full, q_empty, k_full[NST], v_full[NST], empty[NST] (at most 14: 112 of the 128 bytes
+  // configs.forward.smem_bytes reserves)
+  const u32 q_full = sV + NST * kTile;
+  const u32 q_empty = q_full + 8;
+  auto k_full = [&](int s) { return q_full + 8 * (2 + s); };
+  auto v_full = [&](int s) { return q_full + 8 * (2 + NST + s); };
+  auto empty = [&](int s) { return q_full + 8 * (2 + 2 * NST + s); };
 
   const int tid = threadIdx.x;
-  const int m_block = kCausal ? (p.num_m_blocks - 1 - (int)blockIdx.x) : (int)blockIdx.x;
-  const int head = blockIdx.y;
-  const int batch = blockIdx.z;
-  const int kv_head = head / p.group;
-  const int q_start = m_block * BR;
-  const int q_valid = min(BR, p.seqlen_q - q_start);
-  u16* gO = static_cast<u16*>(p.o) + o_offset(p, batch, head, q_start);
-  float* gL = p.lse ? p.lse + lse_offset(p, batch, head, q_start) : nullptr;
-
-  const VisibleKeys<kCausal, kRanged> keys(p, batch);
-  const KVBlocks<kRanged> blocks = kv_blocks<BC>(keys, q_start, q_valid);
-  const int j_lo = blocks.begin;
-  const int n_iter = blocks.end - j_lo;
-  if (n_iter <= 0) {  // no key visible to any row: out = 0, lse = -inf (every thread, before any role)
-    store_empty_block<BR, D, NT>(p, gO, gL, q_valid, tid);
-    return;
-  }
-
   if (tid == 0) {
-    mbar_init(bar_q, 1);
+    mbar_init(q_full, 1);
+    mbar_init(q_empty, 4 * NC);
     for (int s = 0; s < NST; ++s) {
       mbar_init(k_full(s), 1);
       mbar_init(v_full(s), 1);
@@ -104,6 +98,21 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
   // The only block-wide barrier: the mbarriers are initialised before anyone waits on or completes them.
   __syncthreads();
 
+  // The tile schedule, the same sequence for both roles.
+  const int num_tiles = Cfg::kPersistent ? p.num_m_blocks * p.heads_q * p.batch : 1;
+  const int first_tile = Cfg::kPersistent ? (int)blockIdx.x : 0;
+  const int tile_step = Cfg::kPersistent ? (int)gridDim.x : 1;
+  struct Tile {
+    int m_block, head, batch;
+  };
+  auto tile_at = [&](int tile) -> Tile {
+    if constexpr (!Cfg::kPersistent) return {(int)blockIdx.x, (int)blockIdx.y, (int)blockIdx.z};
+    const int bh = tile / p.num_m_blocks;
+    return {tile - bh * p.num_m_blocks, bh % p.heads_q, bh / p.heads_q};
+  };
+  // (Causal: the longest query blocks, the last ones, first.)
+  auto m_block_of = [&](const Tile& x) { return kCausal ? p.num_m_blocks - 1 - x.m_block : x.m_block; };
+
   const int wg = tid / 128;
   if (wg == 0) {
     // ---- producer --------------------------------------------------------------------------------------
@@ -113,23 +122,38 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
     if (tid != 0) return;
     tma_prefetch_map(&tp.k_map);
     tma_prefetch_map(&tp.v_map);
-    mbar_arrive_expect_tx(bar_q, 2 * BR * D);
-#pragma unroll
-    for (int pn = 0; pn < NP; ++pn) tma_load_4d(sQ + pn * BR * 128, &tp.q_map, bar_q, 64 * pn, q_start, head, batch);
-    for (int it = 0; it < n_iter; ++it) {
-      const int s = it % NST;
-      // The slot's previous tile (iteration it - NST) must have been read by every consumer warp: that
-      // was the (it / NST - 1)-th completion of empty[s].
-      if (it >= NST) mbar_wait(empty(s), (it / NST - 1) & 1);
-      const int row = (j_lo + it) * BC;
-      mbar_arrive_expect_tx(k_full(s), kTile);
-#pragma unroll
-      for (int pn = 0; pn < NP; ++pn)
-        tma_load_4d(sK + s * kTile + pn * BC * 128, &tp.k_map, k_full(s), 64 * pn, row, kv_head, batch);
-      mbar_arrive_expect_tx(v_full(s), kTile);
+    int ring = 0;     // K/V blocks loaded so far (slot ring % NST, its use ring / NST)
+    int q_loads = 0;  // query tiles loaded so far
+    for (int tile = first_tile; tile < num_tiles; tile += tile_step) {
+      const Tile x = tile_at(tile);
+      const int q_start = m_block_of(x) * BR;
+      const VisibleKeys<kCausal, kRanged> keys(p, x.batch);
+      const KVBlocks<kRanged> blocks = kv_blocks<BC>(keys, q_start, min(BR, p.seqlen_q - q_start));
+      const int n_iter = blocks.end - blocks.begin;
+      if (n_iter <= 0) continue;  // the consumers write its empty output without any load
+      // The Q buffer holds the previous tile's staged output until every consumer warp has copied it out.
+      if (q_loads > 0) mbar_wait(q_empty, (q_loads - 1) & 1);
+      mbar_arrive_expect_tx(q_full, 2 * BR * D);
 #pragma unroll
       for (int pn = 0; pn < NP; ++pn)
-        tma_load_4d(sV + s * kTile + pn * BC * 128, &tp.v_map, v_full(s), 64 * pn, row, kv_head, batch);
+        tma_load_4d(sQ + pn * BR * 128, &tp.q_map, q_full, 64 * pn, q_start, x.head, x.batch);
+      ++q_loads;
+      const int kv_head = x.head / p.group;
+      for (int it = 0; it < n_iter; ++it, ++ring) {
+        const int s = ring % NST;
+        // The slot's previous tile (load ring - NST) must have been read by every consumer warp: that was
+        // the (ring / NST - 1)-th completion of empty[s].
+        if (ring >= NST) mbar_wait(empty(s), (ring / NST - 1) & 1);
+        const int row = (blocks.begin + it) * BC;
+        mbar_arrive_expect_tx(k_full(s), kTile);
+#pragma unroll
+        for (int pn = 0; pn < NP; ++pn)
+          tma_load_4d(sK + s * kTile + pn * BC * 128, &tp.k_map, k_full(s), 64 * pn, row, kv_head, x.batch);
+        mbar_arrive_expect_tx(v_full(s), kTile);
+#pragma unroll
+        for (int pn = 0; pn < NP; ++pn)
+          tma_load_4d(sV + s * kTile + pn * BC * 128, &tp.v_map, v_full(s), 64 * pn, row, kv_head, x.batch);
+      }
     }
     return;
   }
@@ -147,67 +171,15 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
   const u64 q_desc = smem_desc_sw128(sQ + cwg * 64 * 128, 16, 1024);
   const u64 k_desc = smem_desc_sw128(sK, 16, 1024);
   const u64 v_desc = smem_desc_sw128(sV, BC * 128, 1024);
-
-  float o[NO * 4];
-#pragma unroll
-  for (int i = 0; i < NO * 4; ++i) o[i] = 0.f;
-  float row_max[2] = {neg_inf(), neg_inf()};
-  float row_sum[2] = {0.f, 0.f};
   const float sl2 = p.scale_log2;
-
-  // The pieces of one K/V block, shared by both schedules below.
-  auto issue_s = [&](float(&sacc)[NS * 4], int slot) {  // S = Q K^T of the tile in `slot`
-    const u64 kd = k_desc + ((slot * kTile) >> 4);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < DK; ++kk) {
-      const u32 q_off = (kk / 4) * BR * 128 + (kk % 4) * 32;
-      const u32 k_off = (kk / 4) * BC * 128 + (kk % 4) * 32;
-      Wgmma<BC, BF>::ss(sacc, q_desc + (q_off >> 4), kd + (k_off >> 4), kk > 0);
-    }
-    wgmma_commit();
-  };
-  auto issue_pv = [&](const u32(&pf)[KS][4], int slot) {  // O += P V of the tile in `slot`
-    const u64 vd = v_desc + ((slot * kTile) >> 4);
-    wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < KS; ++ks) Wgmma<D, BF>::rs_bt(o, pf[ks], vd + ((ks * 16 * 128) >> 4), 1);
-    wgmma_commit();
-  };
-  // Mask, online softmax step and dropout of S in place (fa/mask.cuh, fa/softmax.cuh, fa/dropout.cuh);
-  // alpha gets the factors O's two rows must be rescaled by.
-  auto softmax_step = [&](float(&sacc)[NS * 4], int kv_start, float(&alpha)[2]) {
-    mask_query_rows(acc_tile(sacc), keys, q_start + warp_row0, kv_start, g, t);
-#pragma unroll
-    for (int r = 0; r < 2; ++r)
-      alpha[r] = online_softmax_row<true>(acc_tile(sacc), 0, r, row_max[r], row_sum[r], sl2);
-    if constexpr (kDropout)
-      dropout_query_rows(acc_tile(sacc), 0, p, batch, head, q_start + warp_row0, kv_start, g, t);
-  };
-  auto rescale_o = [&](const float(&alpha)[2]) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) rescale_row(acc_tile(o), 0, r, alpha[r]);
-  };
-  // Two adjacent 8-column n-tiles of the S accumulator are one k-step's A fragment of P V.
-  auto to_p = [&](u32(&pf)[KS][4], float(&sacc)[NS * 4]) {
-#pragma unroll
-    for (int ks = 0; ks < KS; ++ks) acc_to_a_frag<BF>(pf[ks], acc_tile(sacc), 0, ks);
-  };
-  // This warp's matrix products have read the slot's K and V: one arrival per warp frees it once all 4 NC
-  // consumer warps are past this point.
-  auto release = [&](int slot) {
-    __syncwarp();
-    if (lane == 0) mbar_arrive(empty(slot));
-  };
-  auto phase = [&](int it) { return (u32)((it / NST) & 1); };  // the ring's use of slot it % NST
 
   // Ping-pong (Cfg::kPingpong, two consumer warpgroups): the warpgroups take turns at every point where
   // they issue matrix products. Warpgroup c waits at named barrier kTurn + c for the other to have passed
   // it the turn (bar.arrive at the same barrier, 256 threads in all), issues, and passes the turn back. The
   // tensor cores then run one warpgroup's products while the other runs its softmax, instead of both
-  // softmaxes falling in the same window. Warpgroup 1 passes first, so warpgroup 0 starts; both issue the
-  // same number of times (same K/V blocks), and warpgroup 0 takes the one turn left over at the end, so no
-  // arrival is pending when the block exits.
+  // softmaxes falling in the same window. Per tile, warpgroup 1 passes first, so warpgroup 0 starts; both
+  // issue the same number of times (same K/V blocks), and warpgroup 0 takes the one turn left over at the
+  // end, so no arrival is pending when the tile ends.
   constexpr int kTurn = 2;  // named barriers 2 and 3 (0: __syncthreads, 1: the epilogue's)
   auto take_turn = [&] {
     if constexpr (Cfg::kPingpong) named_barrier_sync(kTurn + cwg, 256);
@@ -215,98 +187,172 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
   auto pass_turn = [&] {
     if constexpr (Cfg::kPingpong) named_barrier_arrive(kTurn + (1 - cwg), 256);
   };
-  if (cwg == 1) pass_turn();
+  // This warp's matrix products have read the slot's K and V: one arrival per warp frees it once all 4 NC
+  // consumer warps are past this point.
+  auto release = [&](u32 bar) {
+    __syncwarp();
+    if (lane == 0) mbar_arrive(bar);
+  };
 
-  mbar_wait(bar_q, 0);
-  if constexpr (!Cfg::kOverlap) {
-    // In order: S_j, its softmax, then P_j V_j; the tensor cores idle while the softmax runs.
-    for (int it = 0; it < n_iter; ++it) {
-      const int slot = it % NST;
-      mbar_wait(k_full(slot), phase(it));
-      float sacc[NS * 4];
-      take_turn();  // (ping-pong: this warpgroup's softmax below runs under the other's P V)
-      issue_s(sacc, slot);
-      wgmma_wait<0>();
-      wgmma_hold(sacc);
-      float alpha[2];
-      softmax_step(sacc, (j_lo + it) * BC, alpha);
-      rescale_o(alpha);
+  int ring = 0;     // K/V blocks consumed so far, as the producer counts them
+  int q_loads = 0;  // query tiles consumed so far
+  for (int tile = first_tile; tile < num_tiles; tile += tile_step) {
+    const Tile x = tile_at(tile);
+    const int batch = x.batch, head = x.head;
+    const int q_start = m_block_of(x) * BR;
+    const int q_valid = min(BR, p.seqlen_q - q_start);
+    u16* gO = static_cast<u16*>(p.o) + o_offset(p, batch, head, q_start);
+    float* gL = p.lse ? p.lse + lse_offset(p, batch, head, q_start) : nullptr;
+    const VisibleKeys<kCausal, kRanged> keys(p, batch);
+    const KVBlocks<kRanged> blocks = kv_blocks<BC>(keys, q_start, q_valid);
+    const int j_lo = blocks.begin;
+    const int n_iter = blocks.end - j_lo;
+    if (n_iter <= 0) {  // no key visible to any row: out = 0, lse = -inf
+      store_empty_block<BR, D, NCT>(p, gO, gL, q_valid, ctid);
+      continue;
+    }
+
+    float o[NO * 4];
+#pragma unroll
+    for (int i = 0; i < NO * 4; ++i) o[i] = 0.f;
+    float row_max[2] = {neg_inf(), neg_inf()};
+    float row_sum[2] = {0.f, 0.f};
+
+    // The pieces of one K/V block, shared by both schedules below.
+    auto slot = [&](int it) { return (ring + it) % NST; };
+    auto phase = [&](int it) { return (u32)(((ring + it) / NST) & 1); };  // the slot's use, mod 2
+    auto issue_s = [&](float(&sacc)[NS * 4], int it) {  // S = Q K^T of block it
+      const u64 kd = k_desc + ((slot(it) * kTile) >> 4);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < DK; ++kk) {
+        const u32 q_off = (kk / 4) * BR * 128 + (kk % 4) * 32;
+        const u32 k_off = (kk / 4) * BC * 128 + (kk % 4) * 32;
+        Wgmma<BC, BF>::ss(sacc, q_desc + (q_off >> 4), kd + (k_off >> 4), kk > 0);
+      }
+      wgmma_commit();
+    };
+    auto issue_pv = [&](const u32(&pf)[KS][4], int it) {  // O += P V of block it
+      const u64 vd = v_desc + ((slot(it) * kTile) >> 4);
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks) Wgmma<D, BF>::rs_bt(o, pf[ks], vd + ((ks * 16 * 128) >> 4), 1);
+      wgmma_commit();
+    };
+    // Mask, online softmax step and dropout of S in place (fa/mask.cuh, fa/softmax.cuh, fa/dropout.cuh);
+    // alpha gets the factors O's two rows must be rescaled by.
+    auto softmax_step = [&](float(&sacc)[NS * 4], int it, float(&alpha)[2]) {
+      const int kv_start = (j_lo + it) * BC;
+      mask_query_rows(acc_tile(sacc), keys, q_start + warp_row0, kv_start, g, t);
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+        alpha[r] = online_softmax_row<true>(acc_tile(sacc), 0, r, row_max[r], row_sum[r], sl2);
+      if constexpr (kDropout)
+        dropout_query_rows(acc_tile(sacc), 0, p, batch, head, q_start + warp_row0, kv_start, g, t);
+    };
+    auto rescale_o = [&](const float(&alpha)[2]) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) rescale_row(acc_tile(o), 0, r, alpha[r]);
+    };
+    // Two adjacent 8-column n-tiles of the S accumulator are one k-step's A fragment of P V.
+    auto to_p = [&](u32(&pf)[KS][4], float(&sacc)[NS * 4]) {
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks) acc_to_a_frag<BF>(pf[ks], acc_tile(sacc), 0, ks);
+    };
+
+    if (cwg == 1) pass_turn();
+    mbar_wait(q_full, q_loads & 1);
+    if constexpr (!Cfg::kOverlap) {
+      // In order: S_j, its softmax, then P_j V_j; the tensor cores idle while the softmax runs.
+      for (int it = 0; it < n_iter; ++it) {
+        mbar_wait(k_full(slot(it)), phase(it));
+        float sacc[NS * 4];
+        take_turn();  // (ping-pong: this warpgroup's softmax below runs under the other's P V)
+        issue_s(sacc, it);
+        wgmma_wait<0>();
+        wgmma_hold(sacc);
+        float alpha[2];
+        softmax_step(sacc, it, alpha);
+        rescale_o(alpha);
+        u32 pf[KS][4];
+        to_p(pf, sacc);
+        mbar_wait(v_full(slot(it)), phase(it));
+        issue_pv(pf, it);
+        pass_turn();
+        wgmma_wait<0>();
+        wgmma_hold(o);
+        release(empty(slot(it)));
+      }
+    } else {
+      // Intra-warpgroup overlap: iteration j issues S_j and then P_{j-1} V_{j-1}, waits for S_j only
+      // (wgmma groups complete in order) and runs S_j's softmax while P_{j-1} V_{j-1} occupies the tensor
+      // cores. O may be rescaled by S_j's factors, and P_j written over P_{j-1}, only once that product
+      // has completed. Costs the registers of P_{j-1} beside S_j (32 more at 128 keys).
       u32 pf[KS][4];
-      to_p(pf, sacc);
-      mbar_wait(v_full(slot), phase(it));
-      issue_pv(pf, slot);
+      {
+        mbar_wait(k_full(slot(0)), phase(0));
+        float sacc[NS * 4];
+        take_turn();
+        issue_s(sacc, 0);
+        pass_turn();
+        wgmma_wait<0>();
+        wgmma_hold(sacc);
+        float alpha[2];  // O is still zero: nothing to rescale
+        softmax_step(sacc, 0, alpha);
+        to_p(pf, sacc);
+      }
+      for (int it = 1; it < n_iter; ++it) {
+        mbar_wait(k_full(slot(it)), phase(it));
+        float sacc[NS * 4];
+        mbar_wait(v_full(slot(it - 1)), phase(it - 1));
+        take_turn();
+        issue_s(sacc, it);
+        issue_pv(pf, it - 1);
+        pass_turn();
+        wgmma_wait<1>();  // S_j has landed; P_{j-1} V_{j-1} may still run
+        wgmma_hold(sacc);
+        float alpha[2];
+        softmax_step(sacc, it, alpha);
+        wgmma_wait<0>();
+        wgmma_hold(o);
+        release(empty(slot(it - 1)));
+        rescale_o(alpha);
+        to_p(pf, sacc);
+      }
+      mbar_wait(v_full(slot(n_iter - 1)), phase(n_iter - 1));
+      take_turn();
+      issue_pv(pf, n_iter - 1);
       pass_turn();
       wgmma_wait<0>();
       wgmma_hold(o);
-      release(slot);
+      release(empty(slot(n_iter - 1)));
     }
-  } else {
-    // Intra-warpgroup overlap: iteration j issues S_j and then P_{j-1} V_{j-1}, waits for S_j only
-    // (wgmma groups complete in order) and runs S_j's softmax while P_{j-1} V_{j-1} occupies the tensor
-    // cores. O may be rescaled by S_j's factors, and P_j written over P_{j-1}, only once that product
-    // has completed. Costs the registers of P_{j-1} beside S_j (32 more at 128 keys).
-    u32 pf[KS][4];
-    {
-      mbar_wait(k_full(0), 0);
-      float sacc[NS * 4];
-      take_turn();
-      issue_s(sacc, 0);
-      pass_turn();
-      wgmma_wait<0>();
-      wgmma_hold(sacc);
-      float alpha[2];  // O is still zero: nothing to rescale
-      softmax_step(sacc, j_lo * BC, alpha);
-      to_p(pf, sacc);
-    }
-    for (int it = 1; it < n_iter; ++it) {
-      const int slot = it % NST, prev = (it - 1) % NST;
-      mbar_wait(k_full(slot), phase(it));
-      float sacc[NS * 4];
-      mbar_wait(v_full(prev), phase(it - 1));
-      take_turn();
-      issue_s(sacc, slot);
-      issue_pv(pf, prev);
-      pass_turn();
-      wgmma_wait<1>();  // S_j has landed; P_{j-1} V_{j-1} may still run
-      wgmma_hold(sacc);
-      float alpha[2];
-      softmax_step(sacc, (j_lo + it) * BC, alpha);
-      wgmma_wait<0>();
-      wgmma_hold(o);
-      release(prev);
-      rescale_o(alpha);
-      to_p(pf, sacc);
-    }
-    const int last = (n_iter - 1) % NST;
-    mbar_wait(v_full(last), phase(n_iter - 1));
-    take_turn();
-    issue_pv(pf, last);
-    pass_turn();
-    wgmma_wait<0>();
-    wgmma_hold(o);
-    release(last);
-  }
+    if (cwg == 0) take_turn();  // the turn warpgroup 1 passed after its last issue
+    ring += n_iter;
+    ++q_loads;
 
-  if (cwg == 0) take_turn();  // the turn warpgroup 1 passed after its last issue
-
-  // ---- epilogue: O / L and the LSE; O staged in this warpgroup's own rows of the Q tile -------------------
-  // Each consumer warpgroup's wgmma read only its own 64 rows of Q, and its last one has completed.
+    // ---- epilogue: O / L and the LSE; O staged in this warpgroup's own rows of the Q tile -----------------
+    // Each consumer warpgroup's wgmma read only its own 64 rows of Q, and its last one has completed.
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float l = quad_sum(row_sum[r]);
-    const float inv = inv_row_sum(l);
-    const int row = warp_row0 + g + 8 * r;
+    for (int r = 0; r < 2; ++r) {
+      const float l = quad_sum(row_sum[r]);
+      const float inv = inv_row_sum(l);
+      const int row = warp_row0 + g + 8 * r;
 #pragma unroll
-    for (int n = 0; n < NO; ++n) {
-      const u32 v = pack2<BF>(o[4 * n + 2 * r] * inv, o[4 * n + 2 * r + 1] * inv);
-      st_shared_32(sQ + QTile::bytes(row, n) + 4 * t, v);
+      for (int n = 0; n < NO; ++n) {
+        const u32 v = pack2<BF>(o[4 * n + 2 * r] * inv, o[4 * n + 2 * r + 1] * inv);
+        st_shared_32(sQ + QTile::bytes(row, n) + 4 * t, v);
+      }
+      if (gL && t == 0 && row < q_valid) gL[row] = row_lse<true>(p, row_max[r], l);
     }
-    if (gL && t == 0 && row < q_valid) gL[row] = row_lse<true>(p, row_max[r], l);
+    // Every consumer's rows of O are staged before any of them copies whole rows out (named barrier 1: the
+    // producer warpgroup does not take part).
+    named_barrier_sync(1, NCT);
+    store_o_tile<BR, D, NCT, QTile>(p, gO, sQ, q_valid, ctid);
+    // This warp has read its share of the staged output: the producer may load the next Q over it once
+    // every consumer warp has arrived.
+    release(q_empty);
   }
-  // Every consumer's rows of O are staged before any of them copies whole rows out (named barrier 1: the
-  // producer warpgroup has left).
-  named_barrier_sync(1, NCT);
-  store_o_tile<BR, D, NCT, QTile>(p, gO, sQ, q_valid, ctid);
 }
 
 }  // namespace sm90
