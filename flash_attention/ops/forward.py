@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import ctypes
 import os
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 
 import torch
 
@@ -42,6 +43,14 @@ class _Plan:
     index: int
     template: bytes  # FwdParams (FwdTmaParams for a TMA kernel) with all but the pointers and dropout key
     maps: tuple[tma.MapLayout, tma.MapLayout, tma.MapLayout] | None = None  # q, k, v: TMA kernels only
+    # TMA kernels: the template with q's, k's and v's maps encoded, by their addresses. A training loop
+    # or a decoder hands the same few addresses back (PyTorch's caching allocator), and three encodes
+    # cost more host time than the rest of the launch.
+    encoded: OrderedDict = field(default_factory=OrderedDict)
+
+
+#: Encoded map triples kept per plan (the oldest dropped).
+_ENCODED_PER_PLAN = 16
 
 
 _plans: PlanCache[_Plan] = PlanCache()
@@ -97,6 +106,23 @@ def _make_plan(q, k, v, o, causal, scale, ranged, dropout_p, config, needs) -> _
     tp = FwdTmaParams()
     tp.p = p
     return _Plan(cfg, kernel, grid, cfg.threads, cfg.smem_bytes, index, bytes(tp), maps)
+
+
+def _tma_args(plan: _Plan, q_ptr: int, k_ptr: int, v_ptr: int) -> FwdTmaParams:
+    """The plan's FwdTmaParams with the tensor maps of these addresses (encoded once per address triple)."""
+    key = (q_ptr, k_ptr, v_ptr)
+    ready = plan.encoded.get(key)
+    if ready is not None:
+        return FwdTmaParams.from_buffer_copy(ready)
+    args = FwdTmaParams.from_buffer_copy(plan.template)
+    for map_field, layout, ptr in zip((args.q_map, args.k_map, args.v_map), plan.maps, key, strict=True):
+        status = tma.encode_into(map_field, layout, ptr)
+        if status != 0:  # the plan encoded this layout once; only an address could differ, and
+            driver.check(status, "cuTensorMapEncodeTiled")  # kernel_ready keeps those 16-byte aligned
+    plan.encoded[key] = bytes(args)
+    if len(plan.encoded) > _ENCODED_PER_PLAN:  # oldest first (no reordering on a hit: safe for threads)
+        plan.encoded.popitem(last=False)
+    return args
 
 
 def _map_layouts(q, k, v, cfg: KernelConfig) -> tuple[tma.MapLayout, tma.MapLayout, tma.MapLayout]:
@@ -230,14 +256,8 @@ def cuda_forward(
     if plan.maps is None:
         args = p = FwdParams.from_buffer_copy(plan.template)
     else:
-        args = FwdTmaParams.from_buffer_copy(plan.template)
+        args = _tma_args(plan, q_.data_ptr(), k_.data_ptr(), v_.data_ptr())
         p = args.p
-        for field, layout, t in zip(
-            (args.q_map, args.k_map, args.v_map), plan.maps, (q_, k_, v_), strict=True
-        ):
-            status = tma.encode_into(field, layout, t.data_ptr())
-            if status != 0:  # the plan encoded this layout once; only an address could differ, and
-                driver.check(status, "cuTensorMapEncodeTiled")  # kernel_ready keeps those 16-byte aligned
     p.q, p.k, p.v, p.o = q_.data_ptr(), k_.data_ptr(), v_.data_ptr(), o.data_ptr()
     if lse is not None:
         p.lse = lse.data_ptr()
