@@ -82,6 +82,22 @@ def test_sweep_shapes_follow_the_convention():
     }
 
 
+def test_grouped_query_sweep_gives_k_and_v_their_own_heads():
+    from flash_attention.tools.bench.runners import make_inputs
+
+    s = SweepSettings(
+        impls=("flash_attention",), seqlens=(1024,), head_dims=(128,), causal=(True,), width=4096, kv_heads=8
+    )
+    (shape,) = sweep_shapes(s)
+    assert (shape.heads, shape.kv, shape.batch) == (32, 8, 16)
+    small = type(shape)("bf16", 2, 4, 16, 8, True, kv_heads=2)
+    ((q, k, v),) = make_inputs(small, 1, "cpu")
+    assert q.shape == (2, 16, 4, 8) and k.shape == v.shape == (2, 16, 2, 8)
+    assert not torch.equal(k, v)  # fresh random data for each operand
+    # Without kv_heads a shape has as many K/V heads as query heads.
+    assert sweep_shapes(SweepSettings(impls=(), seqlens=(512,), head_dims=(64,), causal=(False,)))[0].kv == 32
+
+
 # ------------------------------------------------------------------------------------------------
 # A synthetic result
 

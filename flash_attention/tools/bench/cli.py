@@ -92,6 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--tokens", type=int, default=16384, help="tokens per batch: batch = tokens // seqlen (16384)"
     )
     p.add_argument("--width", type=int, default=2048, help="model width: heads = width // head_dim (2048)")
+    p.add_argument(
+        "--kv-heads",
+        type=int,
+        default=0,
+        help="K/V heads of every shape (grouped-query attention, e.g. Llama-style: --width 4096 "
+        "--kv-heads 8); default: as many as query heads",
+    )
     p.add_argument("--warmup", type=int, default=3, help="untimed calls before timing (3)")
     p.add_argument("--reps", type=int, default=None, help="minimum timed calls per point (25; --quick 10)")
     p.add_argument(
@@ -235,6 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         mode=args.mode,
         tokens=args.tokens,
         width=args.width,
+        kv_heads=args.kv_heads,
         config=args.config,
         warmup=args.warmup,
         min_reps=reps,

@@ -47,6 +47,12 @@ class Shape:
     seqlen: int
     head_dim: int
     causal: bool
+    #: K/V heads (grouped-query attention: query head h reads kv head h // (heads // kv_heads)); 0: heads.
+    kv_heads: int = 0
+
+    @property
+    def kv(self) -> int:
+        return self.kv_heads or self.heads
 
 
 def _torch_dtype(name: str) -> Any:
@@ -99,9 +105,13 @@ class Runner:
 
 def make_inputs(shape: Shape, n_sets: int, device: Any) -> list[tuple[Any, Any, Any]]:
     dt = _torch_dtype(shape.dtype)
-    size = (shape.batch, shape.seqlen, shape.heads, shape.head_dim)
+    q_size = (shape.batch, shape.seqlen, shape.heads, shape.head_dim)
+    kv_size = (shape.batch, shape.seqlen, shape.kv, shape.head_dim)
     # Fresh random data for every shape: zeros or constants would let a kernel skip work or hide errors.
-    return [tuple(torch.randn(size, device=device, dtype=dt) for _ in range(3)) for _ in range(n_sets)]
+    return [
+        tuple(torch.randn(size, device=device, dtype=dt) for size in (q_size, kv_size, kv_size))
+        for _ in range(n_sets)
+    ]
 
 
 def _autograd_call(
@@ -173,8 +183,13 @@ def make_runner(
         # slower strided path, so each set is laid out for it once, outside the timing.
         native = [tuple(t.transpose(1, 2).contiguous() for t in s) for s in inputs]
 
+        gqa = shape.kv != shape.heads
+
         def f(q: Any, k: Any, v: Any) -> Any:
             # seqlen_q == seqlen_k in the sweep, so SDPA's top-left causal mask equals our bottom-right one.
+            # Grouped-query shapes pass K/V with their own head count (enable_gqa), as a model would.
+            if gqa:
+                return F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal, enable_gqa=True)
             return F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal)
 
         def context() -> Any:
@@ -213,8 +228,10 @@ def make_runner(
                 device=inputs[0][0].device,
             )
 
+        gqa = shape.kv != shape.heads
+
         def f(q: Any, k: Any, v: Any) -> Any:
-            return flex(q, k, v, block_mask=block_mask)
+            return flex(q, k, v, block_mask=block_mask, enable_gqa=gqa)
 
         call = (lambda i: f(*native[i])) if mode == "fwd" else _autograd_call(f, native, mode)
         return Runner(call, lambda i: f(*native[i]).transpose(1, 2))

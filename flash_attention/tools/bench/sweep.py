@@ -31,6 +31,8 @@ class SweepSettings:
     mode: str = "fwd"
     tokens: int = 16384
     width: int = 2048
+    #: K/V heads of every shape (grouped-query attention); 0: as many as query heads.
+    kv_heads: int = 0
     config: str | None = None
     warmup: int = 3
     min_reps: int = 25
@@ -45,7 +47,8 @@ def sweep_shapes(s: SweepSettings) -> list[Shape]:
     for d in s.head_dims:
         for causal in s.causal:
             for n in s.seqlens:
-                shapes.append(Shape(s.dtype, max(1, s.tokens // n), max(1, s.width // d), n, d, causal))
+                heads = max(1, s.width // d)
+                shapes.append(Shape(s.dtype, max(1, s.tokens // n), heads, n, d, causal, s.kv_heads))
     return shapes
 
 
@@ -53,6 +56,7 @@ def _describe(shape: Shape) -> str:
     return (
         f"{shape.dtype} d={shape.head_dim:<3} {'causal    ' if shape.causal else 'non-causal'} "
         f"seqlen={shape.seqlen:<5} batch={shape.batch:<2} heads={shape.heads:<2}"
+        + (f" kv_heads={shape.kv}" if shape.kv != shape.heads else "")
     )
 
 
@@ -124,6 +128,7 @@ def run_sweep(
         "mode": s.mode,
         "tokens": s.tokens,
         "width": s.width,
+        "kv_heads": s.kv_heads,
         "config": s.config,
         "warmup": s.warmup,
         "min_reps": s.min_reps,
@@ -140,7 +145,8 @@ def run_sweep(
     t_start = time.perf_counter()
     try:
         for si, shape in enumerate(shapes):
-            set_bytes = 4 * shape.batch * shape.seqlen * shape.heads * shape.head_dim * 2  # q, k, v, out
+            # q and out with the query heads, k and v with the kv heads, 2 bytes an element
+            set_bytes = 2 * shape.batch * shape.seqlen * (shape.heads + shape.kv) * shape.head_dim * 2
             n_sets = input_sets_needed(set_bytes, l2)
             inputs = make_inputs(shape, n_sets, device)
             anchor, anchor_impl = _anchor_output(shape, inputs)
@@ -159,6 +165,7 @@ def run_sweep(
                     "seqlen": shape.seqlen,
                     "batch": shape.batch,
                     "heads": shape.heads,
+                    "kv_heads": shape.kv,
                 }
                 if s.shapes:
                     row_base["tiny"] = True
