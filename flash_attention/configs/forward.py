@@ -252,6 +252,17 @@ def register_split(cfg: KernelConfig) -> tuple[int, int]:
     return (24, 240)  # two consumer warpgroups: 128 * 24 + 256 * 240 = 64512
 
 
+def register_roles(cfg: KernelConfig) -> str:
+    """What a block's register count means per role, for the report and ``sanity``: "" for a kernel without
+    roles, else the warp-specialized split (the compiler reports only the launch-time allocation)."""
+    if not cfg.warp_specialized:
+        return ""
+    producer, consumer = register_split(cfg)
+    if not producer:
+        return "producer and consumer warpgroups share the launch allocation"
+    return f"setmaxnreg: producer warpgroup {producer}, consumer warpgroups up to {consumer}"
+
+
 def block_registers(cfg: KernelConfig) -> int:
     """The registers per thread a warp-specialized block is compiled for (launch bounds of one block per
     multiprocessor), and the most its consumers may use when there is no reallocation."""

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from flash_attention import ops
 from flash_attention.configs import BwdConfig, KernelConfig, parse_bwd_config, parse_config
+from flash_attention.configs.forward import register_roles
 from flash_attention.jit.cache import build
 
 # Per-SM limits by architecture: registers, max resident threads, max resident blocks, shared memory
@@ -209,6 +210,9 @@ def resource_lines(cfg, arch: str, compiler: str | None) -> list[str]:
             f"{r['stack_frame']:5d}  {occ.blocks:2d} blk {occ.warps:2d}/{occ.max_warps} warps "
             f"({occ.fraction:4.0%}, {occ.limiter:13})  {r['kernel']}"
         )
+    roles = register_roles(cfg) if isinstance(cfg, KernelConfig) else ""
+    if roles:
+        lines.append(f"{'':6} registers by role: {roles}")
     return lines
 
 

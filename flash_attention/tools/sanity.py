@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from flash_attention import __version__, ops
-from flash_attention.configs import default_config
+from flash_attention.configs import KernelConfig, default_config
+from flash_attention.configs.forward import register_roles
 from flash_attention.interface import attention
 from flash_attention.jit import compiler as _compiler
 from flash_attention.jit import driver as _driver
@@ -211,7 +212,9 @@ def _build_line(rep: _Report, label: str, cfg, arch: str, kind: str, recompile: 
     how = f"loaded from the cache in {dt * 1000:.0f} ms" if built.from_cache else f"compiled in {dt:.1f} s"
     regs = max(r["registers"] for r in built.meta["resources"])
     spill = max(r["spill_stores"] for r in built.meta["resources"])
-    rep.line(label, f"{cfg.name()} for {built.arch}: {how} (up to {regs} registers, {spill} B spilled)")
+    roles = register_roles(cfg) if isinstance(cfg, KernelConfig) else ""
+    regs_text = f"{regs} registers at launch; {roles}" if roles else f"up to {regs} registers"
+    rep.line(label, f"{cfg.name()} for {built.arch}: {how} ({regs_text}, {spill} B spilled)")
     return True
 
 
