@@ -29,6 +29,7 @@
 #include "fa/dropout.cuh"
 #include "fa/epilogue.cuh"
 #include "fa/frag.cuh"
+#include "fa/fwd_wgmma.cuh"
 #include "fa/mask.cuh"
 #include "fa/params.h"
 #include "fa/ptx.cuh"
@@ -54,7 +55,6 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
   constexpr int NS = BC / 8;    // 8-column n-tiles of S
   constexpr int KS = BC / 16;   // k-steps of O += P V
   constexpr int NO = D / 8;     // 8-column n-tiles of O
-  constexpr int DK = D / 16;    // k-steps of S = Q K^T
   using QTile = PanelTile<BR>;  // Q (and O, staged for the store) in shared memory
   using KVTile = PanelTile<BC>;
 
@@ -180,12 +180,7 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
     // ---- S = Q K_j^T -----------------------------------------------------------------------------------
     float s[NS * 4];
     wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < DK; ++kk) {
-      const u32 q_off = (kk / 4) * BR * 128 + (kk % 4) * 32;
-      const u32 k_off = (kk / 4) * BC * 128 + (kk % 4) * 32;
-      Wgmma<BC, BF>::ss(s, q_desc + (q_off >> 4), kd + (k_off >> 4), kk > 0);
-    }
+    issue_qk<BR, BC, D, BF>(s, q_desc, kd);
     wgmma_commit();
     wgmma_wait<0>();
     wgmma_hold(s);
@@ -201,10 +196,8 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
     }
     if constexpr (kDropout)
       dropout_query_rows(acc_tile(s), 0, p, batch, head, q_start + warp_row0, kv_start, g, t);
-    // Two adjacent 8-column n-tiles of the S accumulator are one k-step's A fragment of P V.
     u32 pf[KS][4];
-#pragma unroll
-    for (int ks = 0; ks < KS; ++ks) acc_to_a_frag<BF>(pf[ks], acc_tile(s), 0, ks);
+    s_to_p<BC, BF>(pf, s);
 
     if constexpr (NST == 1) {
       // V_j landed; every warpgroup's S_j wgmma has completed (each waited before its softmax), so K's
@@ -220,8 +213,7 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
 
     // ---- O += P V_j --------------------------------------------------------------------------------------
     wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < KS; ++ks) Wgmma<D, BF>::rs_bt(o, pf[ks], vd + ((ks * 16 * 128) >> 4), 1);
+    issue_pv<BC, D, BF>(o, pf, vd);
     wgmma_commit();
     if constexpr (NST == 1) {
       wgmma_wait<0>();
@@ -234,18 +226,7 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
 
   // ---- epilogue: O / L and LSE; O staged in the warpgroup's own rows of the Q tile for coalesced stores --
   // Each warpgroup read only its own 64 rows of Q, and its last wgmma has completed.
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float l = quad_sum(row_sum[r]);
-    const float inv = inv_row_sum(l);
-    const int row = warp_row0 + g + 8 * r;
-#pragma unroll
-    for (int n = 0; n < NO; ++n) {
-      const u32 v = pack2<BF>(o[4 * n + 2 * r] * inv, o[4 * n + 2 * r + 1] * inv);
-      st_shared_32(sQ + QTile::bytes(row, n) + 4 * t, v);
-    }
-    if (gL && t == 0 && row < q_valid) gL[row] = row_lse<true>(p, row_max[r], l);
-  }
+  stage_o_and_lse<D, QTile, BF>(p, o, row_max, row_sum, sQ, gL, warp_row0, g, t, q_valid);
   // Every warpgroup's rows of O are staged before any thread copies whole rows out.
   __syncthreads();
   store_o_tile<BR, D, NT, QTile>(p, gO, sQ, q_valid, tid);

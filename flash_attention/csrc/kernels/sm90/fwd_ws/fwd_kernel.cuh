@@ -35,6 +35,7 @@
 #include "fa/dropout.cuh"
 #include "fa/epilogue.cuh"
 #include "fa/frag.cuh"
+#include "fa/fwd_wgmma.cuh"
 #include "fa/mask.cuh"
 #include "fa/params.h"
 #include "fa/ptx.cuh"
@@ -58,14 +59,13 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
   constexpr int BR = Cfg::kBlockQ;
   constexpr int BC = Cfg::kBlockKV;
   constexpr int NST = Cfg::kStages;
-  constexpr int NC = BR / 64;        // consumer warpgroups
+  constexpr int NC = BR / 64;  // consumer warpgroups
   constexpr int NT = Cfg::kNumWarps * 32;
-  constexpr int NCT = NC * 128;      // consumer threads
-  constexpr int NS = BC / 8;         // 8-column n-tiles of S
-  constexpr int KS = BC / 16;        // k-steps of O += P V
-  constexpr int NO = D / 8;          // 8-column n-tiles of O
-  constexpr int DK = D / 16;         // k-steps of S = Q K^T
-  constexpr int NP = D / 64;         // 64-column panels of a tile
+  constexpr int NCT = NC * 128;  // consumer threads
+  constexpr int NS = BC / 8;     // 8-column n-tiles of S
+  constexpr int KS = BC / 16;    // k-steps of O += P V
+  constexpr int NO = D / 8;      // 8-column n-tiles of O
+  constexpr int NP = D / 64;     // 64-column panels of a tile
   using QTile = PanelTile<BR>;
   static_assert(NT == 128 * (NC + 1), "a producer warpgroup and one consumer warpgroup per 64 query rows");
 
@@ -221,27 +221,19 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
     // The pieces of one K/V block, shared by both schedules below.
     auto slot = [&](int it) { return (ring + it) % NST; };
     auto phase = [&](int it) { return (u32)(((ring + it) / NST) & 1); };  // the slot's use, mod 2
-    auto issue_s = [&](float(&sacc)[NS * 4], int it) {  // S = Q K^T of block it
-      const u64 kd = k_desc + ((slot(it) * kTile) >> 4);
+    auto issue_s_at = [&](float (&sacc)[NS* 4], int it) {                    // S = Q K^T of block it
       wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < DK; ++kk) {
-        const u32 q_off = (kk / 4) * BR * 128 + (kk % 4) * 32;
-        const u32 k_off = (kk / 4) * BC * 128 + (kk % 4) * 32;
-        Wgmma<BC, BF>::ss(sacc, q_desc + (q_off >> 4), kd + (k_off >> 4), kk > 0);
-      }
+      issue_qk<BR, BC, D, BF>(sacc, q_desc, k_desc + ((slot(it) * kTile) >> 4));
       wgmma_commit();
     };
-    auto issue_pv = [&](const u32(&pf)[KS][4], int it) {  // O += P V of block it
-      const u64 vd = v_desc + ((slot(it) * kTile) >> 4);
+    auto issue_pv_at = [&](const u32(&pf)[KS][4], int it) {  // O += P V of block it
       wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < KS; ++ks) Wgmma<D, BF>::rs_bt(o, pf[ks], vd + ((ks * 16 * 128) >> 4), 1);
+      issue_pv<BC, D, BF>(o, pf, v_desc + ((slot(it) * kTile) >> 4));
       wgmma_commit();
     };
     // Mask, online softmax step and dropout of S in place (fa/mask.cuh, fa/softmax.cuh, fa/dropout.cuh);
     // alpha gets the factors O's two rows must be rescaled by.
-    auto softmax_step = [&](float(&sacc)[NS * 4], int it, float(&alpha)[2]) {
+    auto softmax_step = [&](float (&sacc)[NS* 4], int it, float (&alpha)[2]) {
       const int kv_start = (j_lo + it) * BC;
       mask_query_rows(acc_tile(sacc), keys, q_start + warp_row0, kv_start, g, t);
 #pragma unroll
@@ -250,14 +242,9 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
       if constexpr (kDropout)
         dropout_query_rows(acc_tile(sacc), 0, p, batch, head, q_start + warp_row0, kv_start, g, t);
     };
-    auto rescale_o = [&](const float(&alpha)[2]) {
+    auto rescale_o = [&](const float (&alpha)[2]) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) rescale_row(acc_tile(o), 0, r, alpha[r]);
-    };
-    // Two adjacent 8-column n-tiles of the S accumulator are one k-step's A fragment of P V.
-    auto to_p = [&](u32(&pf)[KS][4], float(&sacc)[NS * 4]) {
-#pragma unroll
-      for (int ks = 0; ks < KS; ++ks) acc_to_a_frag<BF>(pf[ks], acc_tile(sacc), 0, ks);
     };
 
     if (cwg == 1) pass_turn();
@@ -268,16 +255,16 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
         mbar_wait(k_full(slot(it)), phase(it));
         float sacc[NS * 4];
         take_turn();  // (ping-pong: this warpgroup's softmax below runs under the other's P V)
-        issue_s(sacc, it);
+        issue_s_at(sacc, it);
         wgmma_wait<0>();
         wgmma_hold(sacc);
         float alpha[2];
         softmax_step(sacc, it, alpha);
         rescale_o(alpha);
         u32 pf[KS][4];
-        to_p(pf, sacc);
+        s_to_p<BC, BF>(pf, sacc);
         mbar_wait(v_full(slot(it)), phase(it));
-        issue_pv(pf, it);
+        issue_pv_at(pf, it);
         pass_turn();
         wgmma_wait<0>();
         wgmma_hold(o);
@@ -293,21 +280,21 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
         mbar_wait(k_full(slot(0)), phase(0));
         float sacc[NS * 4];
         take_turn();
-        issue_s(sacc, 0);
+        issue_s_at(sacc, 0);
         pass_turn();
         wgmma_wait<0>();
         wgmma_hold(sacc);
         float alpha[2];  // O is still zero: nothing to rescale
         softmax_step(sacc, 0, alpha);
-        to_p(pf, sacc);
+        s_to_p<BC, BF>(pf, sacc);
       }
       for (int it = 1; it < n_iter; ++it) {
         mbar_wait(k_full(slot(it)), phase(it));
         float sacc[NS * 4];
         mbar_wait(v_full(slot(it - 1)), phase(it - 1));
         take_turn();
-        issue_s(sacc, it);
-        issue_pv(pf, it - 1);
+        issue_s_at(sacc, it);
+        issue_pv_at(pf, it - 1);
         pass_turn();
         wgmma_wait<1>();  // S_j has landed; P_{j-1} V_{j-1} may still run
         wgmma_hold(sacc);
@@ -317,11 +304,11 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
         wgmma_hold(o);
         release(empty(slot(it - 1)));
         rescale_o(alpha);
-        to_p(pf, sacc);
+        s_to_p<BC, BF>(pf, sacc);
       }
       mbar_wait(v_full(slot(n_iter - 1)), phase(n_iter - 1));
       take_turn();
-      issue_pv(pf, n_iter - 1);
+      issue_pv_at(pf, n_iter - 1);
       pass_turn();
       wgmma_wait<0>();
       wgmma_hold(o);
@@ -333,18 +320,7 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
 
     // ---- epilogue: O / L and the LSE; O staged in this warpgroup's own rows of the Q tile -----------------
     // Each consumer warpgroup's wgmma read only its own 64 rows of Q, and its last one has completed.
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const float l = quad_sum(row_sum[r]);
-      const float inv = inv_row_sum(l);
-      const int row = warp_row0 + g + 8 * r;
-#pragma unroll
-      for (int n = 0; n < NO; ++n) {
-        const u32 v = pack2<BF>(o[4 * n + 2 * r] * inv, o[4 * n + 2 * r + 1] * inv);
-        st_shared_32(sQ + QTile::bytes(row, n) + 4 * t, v);
-      }
-      if (gL && t == 0 && row < q_valid) gL[row] = row_lse<true>(p, row_max[r], l);
-    }
+    stage_o_and_lse<D, QTile, BF>(p, o, row_max, row_sum, sQ, gL, warp_row0, g, t, q_valid);
     // Every consumer's rows of O are staged before any of them copies whole rows out (named barrier 1: the
     // producer warpgroup does not take part).
     named_barrier_sync(1, NCT);

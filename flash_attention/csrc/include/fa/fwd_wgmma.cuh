@@ -1,0 +1,67 @@
+// The steps of one K/V block that both Hopper forwards (csrc/kernels/sm90/fwd: cp.async, and
+// csrc/kernels/sm90/fwd_ws: warp-specialized) run the same way on a warpgroup's 64 query rows: the two
+// matrix products, S to P fragments, and the staging of the normalised output with its LSE.
+//
+// Operand layouts (the sm90 kernel's header says more): tiles in shared memory as 64-column panels of
+// 128-byte rows with the 128-byte swizzle; Q and K read K-major, V MN-major. The callers bracket each product
+// with wgmma_fence / wgmma_commit and wait for it themselves, since when they wait is what their schedules
+// differ in.
+#pragma once
+
+#include "fa/frag.cuh"
+#include "fa/params.h"
+#include "fa/ptx.cuh"
+#include "fa/softmax.cuh"
+#include "fa/wgmma.cuh"
+
+namespace fa {
+
+// S (64 x BC) = Q K^T over head_dim D: D / 16 k-steps of 16 columns, 32 bytes along a row, every fourth
+// starting the next panel (BR * 128 bytes on in Q's tile, BC * 128 in K's).
+template <int BR, int BC, int D, bool BF>
+__device__ __forceinline__ void issue_qk(float (&s)[BC / 2], u64 q_desc, u64 k_desc) {
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const u32 q_off = (kk / 4) * BR * 128 + (kk % 4) * 32;
+    const u32 k_off = (kk / 4) * BC * 128 + (kk % 4) * 32;
+    Wgmma<BC, BF>::ss(s, q_desc + (q_off >> 4), k_desc + (k_off >> 4), kk > 0);
+  }
+}
+
+// O (64 x D) += P V: BC / 16 k-steps of 16 keys, P from registers, V's 16 keys two 8-row groups on.
+template <int BC, int D, bool BF>
+__device__ __forceinline__ void issue_pv(float (&o)[D / 2], const u32 (&pf)[BC / 16][4], u64 v_desc) {
+#pragma unroll
+  for (int ks = 0; ks < BC / 16; ++ks) Wgmma<D, BF>::rs_bt(o, pf[ks], v_desc + ((ks * 16 * 128) >> 4), 1);
+}
+
+// Two adjacent 8-column n-tiles of the S accumulator are one k-step's A fragment of P V.
+template <int BC, bool BF>
+__device__ __forceinline__ void s_to_p(u32 (&pf)[BC / 16][4], float (&s)[BC / 2]) {
+#pragma unroll
+  for (int ks = 0; ks < BC / 16; ++ks) acc_to_a_frag<BF>(pf[ks], acc_tile(s), 0, ks);
+}
+
+// O / L of this thread's two rows, packed and stored into the rows' place in the staging tile `s_tile`
+// (laid out by Tile, fa/smem_layout.cuh), and the rows' LSE when the caller wants it (gL not null). The
+// caller synchronises its warps before the tile is copied out (fa/epilogue.cuh, store_o_tile).
+template <int D, class Tile, bool BF>
+__device__ __forceinline__ void stage_o_and_lse(const FwdParams& p, const float (&o)[D / 2],
+                                                const float (&row_max)[2], const float (&row_sum)[2],
+                                                u32 s_tile, float* gL, int warp_row0, int g, int t,
+                                                int q_valid) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float l = quad_sum(row_sum[r]);
+    const float inv = inv_row_sum(l);
+    const int row = warp_row0 + g + 8 * r;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      const u32 v = pack2<BF>(o[4 * n + 2 * r] * inv, o[4 * n + 2 * r + 1] * inv);
+      st_shared_32(s_tile + Tile::bytes(row, n) + 4 * t, v);
+    }
+    if (gL && t == 0 && row < q_valid) gL[row] = row_lse<true>(p, row_max[r], l);
+  }
+}
+
+}  // namespace fa
