@@ -31,10 +31,18 @@ _CONFIGS = [
     ws_config("bf16", 128, 128, 128, 3, overlap=True, pingpong=True),
     ws_config("bf16", 64, 128, 128, 2, pingpong=True),
     ws_config("fp16", 256, 128, 64, 2, pingpong=True),
-    ws_config("bf16", 128, 128, 128, 3, overlap=True, persistent=True),
+    ws_config("bf16", 128, 128, 128, 2, overlap=True, persistent=True),
     ws_config("bf16", 64, 128, 128, 3, overlap=True, pingpong=True, persistent=True),
-    ws_config("bf16", 256, 128, 64, 2, persistent=True),
+    ws_config("bf16", 256, 64, 64, 2, persistent=True),
+    ws_config("bf16", 128, 128, 112, 2, overlap=True, pingpong=True, persistent=True),
     ws_config("fp16", 128, 64, 128, 2, persistent=True),
+    # Three consumer warpgroups, and key tiles that are not a power of two (wgmma N of 80, 96, 112, 176).
+    ws_config("bf16", 64, 192, 128, 2, overlap=True),
+    ws_config("fp16", 64, 192, 64, 3, persistent=True),
+    ws_config("bf16", 256, 128, 80, 2, overlap=True),
+    ws_config("bf16", 192, 128, 112, 2, overlap=True),
+    ws_config("bf16", 128, 128, 176, 2, overlap=True, pingpong=True),
+    ws_config("fp16", 128, 128, 96, 2),
 ]
 _SHAPES = [
     # b, sq, sk, hq, hkv, causal, layout
@@ -69,7 +77,12 @@ def test_ws_key_range_and_dropout(d, overlap, pingpong, persistent):
     gen = torch.Generator(device="cuda").manual_seed(d)
     q, k, v = (torch.randn(3, 300, 2, d, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(3))
     knobs = dict(overlap=overlap, pingpong=pingpong, persistent=persistent)
-    cfg = ws_config("bf16", d, 128, 64 if d == 256 else 128, 2, **knobs)
+    if persistent and d == 256:  # two consumer warpgroups and an output tile of their own exceed smem
+        cfg = ws_config("bf16", d, 64, 64, 2, overlap=True, persistent=True)
+    elif overlap and not pingpong:  # the three-consumer block at 64, tiles of 176 and 80 keys at 128 and 256
+        cfg = ws_config("bf16", d, 192 if d == 64 else 128, {64: 128, 128: 176, 256: 80}[d], 2, **knobs)
+    else:
+        cfg = ws_config("bf16", d, 128, 64 if d == 256 else 128, 2, **knobs)
     kr = torch.tensor([[5, 250], [0, 0], [100, 300]], dtype=torch.int32, device="cuda")
     out = torch.full_like(q, float("nan"))
     o, lse = ops.cuda_forward(
@@ -102,8 +115,11 @@ def test_a_layout_tma_cannot_address_runs_the_sm90_kernel():
             q, k, k, causal=False, softmax_scale=0.1, return_lse=False, out=None,
             config=ws_config("bf16", 128, 128, 128, 2),
         )  # fmt: skip
-    # Without a named config the same call runs the sm90 kernel, which reads the broadcast in place.
-    assert ops.chosen_config(q, k, causal=False, softmax_scale=0.1).warp_specialized
+    # Without a named config the same call runs the sm90 kernel, which reads the broadcast in place, and
+    # chosen_config (what the tools report) names that kernel.
+    assert ops.chosen_config(q, q, causal=False, softmax_scale=0.1).warp_specialized
+    picked = ops.chosen_config(q, k, k, causal=False, softmax_scale=0.1)
+    assert picked.wgmma and not picked.warp_specialized
     o = ops.cuda_forward(q, k, k, causal=False, softmax_scale=0.1, return_lse=False, out=None)[0]
     ref, _ = attention_reference(q, k, k, softmax_scale=0.1)
     assert (o.double() - ref).abs().max().item() < 0.02

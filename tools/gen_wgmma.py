@@ -12,8 +12,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-#: Every N the sm90 forward kernel uses: block_kv for S = Q K^T, head_dim for O += P V.
-NS = (16, 32, 64, 128, 192, 256)
+#: Every N a Hopper kernel may use: block_kv for S = Q K^T (any multiple of 16 in the warp-specialized
+#: forward), head_dim for O += P V.
+NS = tuple(range(16, 257, 16))
 
 HEADER = Path(__file__).resolve().parents[1] / "flash_attention/csrc/include/fa/wgmma_mma.cuh"
 

@@ -243,13 +243,22 @@ def wgmma_config(
 
 def register_split(cfg: KernelConfig) -> tuple[int, int]:
     """The registers per thread of a warp-specialized block's producer and consumer warpgroups after
-    ``setmaxnreg``; (0, 0) where the block keeps its even split. The block is compiled for
-    65536 / threads registers per thread; the producer holds only addresses and counters, so it gives
-    most of them to the consumers' accumulators (multiples of 8 in [24, 256], 128 producer + 128 NC
-    consumer registers per thread within 65536). One consumer warpgroup already gets 255 at 256 threads."""
+    ``setmaxnreg``; (0, 0) where the block keeps its even split.
+
+    The block is compiled for R = 65536 / threads registers per thread (one block per SM) and launched
+    with threads x R of them: that allocation is the pool ``setmaxnreg.inc`` draws from, not the SM's 64K
+    (at 384 threads R = 168, a pool of 64512). A split asking for more than the pool hangs the block: its
+    consumers wait forever for registers nobody frees (measured: 32 + 240 at 384 threads). So 128 producer
+    + 128 NC consumer registers per thread must fit threads x R, in multiples of 8 within [24, 256]. The
+    producer holds only addresses and counters and gives the rest to the consumers' accumulators; a
+    persistent producer's tile loop needs 32 (at 24 ptxas spilled 16 bytes of it), which leaves its
+    consumers 232 at two warpgroups. One consumer warpgroup already gets 255 at 256 threads."""
     if not cfg.warp_specialized or cfg.block_q <= 64:
         return (0, 0)
-    return (24, 240)  # two consumer warpgroups: 128 * 24 + 256 * 240 = 64512
+    if cfg.block_q == 128:
+        # pool 384 x 168 = 64512: 128 * 24 + 256 * 240 = 64512, 128 * 32 + 256 * 232 = 63488
+        return (32, 232) if cfg.persistent else (24, 240)
+    return (32, 160)  # three: pool 512 x 128 = 65536 = 128 * 32 + 384 * 160
 
 
 def register_roles(cfg: KernelConfig) -> str:
@@ -327,14 +336,14 @@ def validity_errors(cfg: KernelConfig) -> list[str]:
     if cfg.persistent and not cfg.warp_specialized:
         e.append("persistent needs warp_specialized")
     warps = cfg.compute_warps
-    if warps not in (1, 2, 4, 8):
-        e.append("num_warps must be 1, 2, 4 or 8")
+    if warps not in (1, 2, 4, 8) and not (cfg.warp_specialized and warps == 12):
+        e.append("num_warps must be 1, 2, 4 or 8 (12 consumer warps beside a warp-specialized producer)")
         return e
     if cfg.wgmma:
-        if warps not in (4, 8) or cfg.block_q != 16 * warps:
+        if warps not in (4, 8, 12) or cfg.block_q != 16 * warps:
             e.append(
-                "wgmma needs num_warps 4 or 8 and block_q = 16 * num_warps (each warpgroup of 4 warps owns "
-                "64 query rows)"
+                "wgmma needs num_warps 4 or 8 (12 warp-specialized) and block_q = 16 * num_warps (each "
+                "warpgroup of 4 warps owns 64 query rows)"
             )
         if cfg.stages not in (1, 2, 3, 4):
             e.append("stages must be 1, 2, 3 or 4")
@@ -351,7 +360,10 @@ def validity_errors(cfg: KernelConfig) -> list[str]:
         e.append(
             "block_q / num_warps must be at most 64 (the accumulators of more rows exceed the registers)"
         )
-    if cfg.block_kv not in (16, 32, 64, 128, 256):
+    if cfg.warp_specialized:
+        if cfg.block_kv % 16 or not 16 <= cfg.block_kv <= 256:
+            e.append("block_kv of a warp-specialized config must be a multiple of 16 from 16 to 256")
+    elif cfg.block_kv not in (16, 32, 64, 128, 256):
         e.append("block_kv must be 16, 32, 64, 128 or 256")
     if cfg.eager and not cfg.async_copy:
         e.append("eager loading needs async_copy (a plain load would stall the warp that issues it)")
@@ -361,7 +373,7 @@ def validity_errors(cfg: KernelConfig) -> list[str]:
             e.append("q_frags must be 0 or divide head_dim / 16")
         if cfg.k_frags < 0 or (cfg.k_frags and dk % cfg.k_frags):
             e.append("k_frags must be 0 or divide head_dim / 16")
-    if cfg.block_kv in (16, 32, 64, 128, 256):
+    if cfg.block_kv % 16 == 0 and cfg.block_kv > 0:
         ks = cfg.block_kv // 16
         if cfg.v_frags < 0 or (cfg.v_frags and ks % cfg.v_frags):
             e.append("v_frags must be 0 or divide block_kv / 16")
@@ -392,8 +404,9 @@ def smem_bytes(cfg: KernelConfig) -> int:
     and the dynamic shared memory window is only guaranteed 16-byte alignment.
     """
     kv = 2 * cfg.block_kv * cfg.stages
-    barriers = 128 if cfg.warp_specialized else 0  # the ring's mbarriers (fwd_ws: 8 bytes each)
-    return 2 * cfg.head_dim * (cfg.block_q + kv) + (1024 if cfg.wgmma else 0) + barriers
+    barriers = 256 if cfg.warp_specialized else 0  # the ring's mbarriers (fwd_ws: 8 bytes each)
+    staging = cfg.block_q if cfg.persistent else 0  # a persistent block's output tile (fwd_ws)
+    return 2 * cfg.head_dim * (cfg.block_q + kv + staging) + (1024 if cfg.wgmma else 0) + barriers
 
 
 def estimated_registers(cfg: KernelConfig) -> int:

@@ -47,6 +47,8 @@ class _Plan:
     # or a decoder hands the same few addresses back (PyTorch's caching allocator), and three encodes
     # cost more host time than the rest of the launch.
     encoded: OrderedDict = field(default_factory=OrderedDict)
+    # A persistent grid with fewer blocks than tiles: its blocks take tiles from a counter zeroed per call.
+    tile_counter: bool = False
 
 
 #: Encoded map triples kept per plan (the oldest dropped).
@@ -105,7 +107,8 @@ def _make_plan(q, k, v, o, causal, scale, ranged, dropout_p, config, needs) -> _
     maps = _map_layouts(q, k, v, cfg)
     tp = FwdTmaParams()
     tp.p = p
-    return _Plan(cfg, kernel, grid, cfg.threads, cfg.smem_bytes, index, bytes(tp), maps)
+    counted = cfg.persistent and grid[0] < p.num_m_blocks * heads_q * batch
+    return _Plan(cfg, kernel, grid, cfg.threads, cfg.smem_bytes, index, bytes(tp), maps, tile_counter=counted)
 
 
 def _tma_args(plan: _Plan, q_ptr: int, k_ptr: int, v_ptr: int) -> FwdTmaParams:
@@ -146,6 +149,7 @@ def _map_layouts(q, k, v, cfg: KernelConfig) -> tuple[tma.MapLayout, tma.MapLayo
 def chosen_config(
     q: torch.Tensor,
     k: torch.Tensor,
+    v: torch.Tensor | None = None,
     *,
     causal: bool,
     softmax_scale: float,
@@ -153,8 +157,14 @@ def chosen_config(
     dropout: bool = False,
 ) -> KernelConfig:
     """The configuration :func:`cuda_forward` runs for these inputs when none is named: what ``attention()``
-    runs (the tools name it in their output)."""
-    needs = feature_list(key_range=ranged, dropout=dropout, negative_scale=softmax_scale < 0)
+    runs (the tools name it in their output). ``v`` defaults to ``k``'s layout; its strides count, as
+    ``q``'s and ``k``'s, when a TMA kernel could not address them (feature ``untileable``)."""
+    needs = feature_list(
+        key_range=ranged,
+        dropout=dropout,
+        negative_scale=softmax_scale < 0,
+        untileable=tma.untileable(q, k, k if v is None else v),
+    )
     return _config(q, k, causal, needs)
 
 
@@ -258,6 +268,13 @@ def cuda_forward(
     else:
         args = _tma_args(plan, q_.data_ptr(), k_.data_ptr(), v_.data_ptr())
         p = args.p
+        if plan.tile_counter:
+            # The persistent grid's tile counter, zeroed in stream order before the launch. A buffer of
+            # its own per call: one shared between calls would mix the tiles of kernels running at once
+            # on two streams. (Only where there are more tiles than blocks: problems of a few hundred
+            # microseconds, next to which the fill is noise.)
+            tile_counter = torch.zeros(1, dtype=torch.int32, device=q.device)
+            args.tile_counter = tile_counter.data_ptr()
     p.q, p.k, p.v, p.o = q_.data_ptr(), k_.data_ptr(), v_.data_ptr(), o.data_ptr()
     if lse is not None:
         p.lse = lse.data_ptr()

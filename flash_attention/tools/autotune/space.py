@@ -33,6 +33,25 @@ __all__ = [
 ]
 
 
+#: The warp-specialized kernel's (block_q, block_kv) tiles the tuner tries. One consumer warpgroup only with
+#: 128-key tiles (it lost to two at every shape of the step-28 sweep); two with key tiles from 64 to 176
+#: (any multiple of 16 is valid; these bracket what fits beside a 3- or 2-deep ring at head_dim 64-256);
+#: three (head_dim 64, 160 registers per consumer thread) with up to 128 keys, whose S and P beside O
+#: already reach that budget.
+_WS_TILES = ((64, 128), (128, 64), (128, 80), (128, 112), (128, 128), (128, 176), (192, 64), (192, 128))
+
+#: Consumer schedules: in order, overlapped, and overlapped with ping-pong and/or the persistent grid.
+#: Ping-pong or a persistent grid without overlap is left out: both measured 10-35% below the in-order
+#: or overlapped schedule at every shape (docs/kernel-log.md, steps 29-30).
+_WS_SCHEDULES = (
+    dict(),
+    dict(overlap=True),
+    dict(overlap=True, pingpong=True),
+    dict(overlap=True, persistent=True),
+    dict(overlap=True, pingpong=True, persistent=True),
+)
+
+
 def candidate_space(dtype: str, head_dim: int, causal: bool, arch: str = "sm_80") -> list[KernelConfig]:
     """Every structurally valid combination of the knobs the tuner varies, before pruning.
 
@@ -47,8 +66,8 @@ def candidate_space(dtype: str, head_dim: int, causal: bool, arch: str = "sm_80"
     32- to 128-key tiles and a K/V ring 1 to 3 deep (its other knobs are fixed by the kernel). The sm80
     kernel's configs cannot win there: its tuned defaults measured 11-42% below the best wgmma config at every
     point of a scratch sweep on an H100 (docs/kernel-log.md, steps 17-18), so timing them is wasted.
-    The warp-specialized kernel's configs join them: one or two consumer warpgroups, 64- or 128-key tiles,
-    a TMA ring 2 or 3 deep, with and without intra-warpgroup overlap, ping-pong and a persistent grid.
+    The warp-specialized kernel's configs join them: the tiles of ``_WS_TILES`` (one to three consumer
+    warpgroups), a TMA ring 2 or 3 deep, and the schedules of ``_WS_SCHEDULES``.
     """
     d = padded_head_dim(head_dim)
     dk = d // 16
@@ -57,13 +76,10 @@ def candidate_space(dtype: str, head_dim: int, causal: bool, arch: str = "sm_80"
         for block_q, block_kv, stages in itertools.product((64, 128), (32, 64, 128), (1, 2, 3)):
             if not validity_errors(wgmma_config(dtype, d, block_q, block_kv, stages, check=False)):
                 out.append(wgmma_config(dtype, d, block_q, block_kv, stages))
-        ws_knobs = itertools.product(
-            (64, 128), (64, 128), (2, 3), (False, True), (False, True), (False, True)
-        )
-        for block_q, block_kv, stages, overlap, pingpong, persistent in ws_knobs:
-            knobs = dict(overlap=overlap, pingpong=pingpong, persistent=persistent)
-            if not validity_errors(ws_config(dtype, d, block_q, block_kv, stages, **knobs, check=False)):
-                out.append(ws_config(dtype, d, block_q, block_kv, stages, **knobs))
+        for block_q, block_kv in _WS_TILES:
+            for stages, knobs in itertools.product((2, 3), _WS_SCHEDULES):
+                if not validity_errors(ws_config(dtype, d, block_q, block_kv, stages, **knobs, check=False)):
+                    out.append(ws_config(dtype, d, block_q, block_kv, stages, **knobs))
         return out
     for block_q, warps, block_kv in itertools.product((64, 128, 256), (4, 8), (32, 64, 128)):
         for q_frags, k_frags, v_frags, buffered in itertools.product(

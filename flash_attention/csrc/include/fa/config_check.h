@@ -21,14 +21,18 @@ struct check_config {
   static_assert(!Cfg::kPingpong || (Cfg::kWarpSpecialized && Cfg::kBlockQ == 128),
                 "pingpong needs warp_specialized with two consumer warpgroups (block_q 128)");
   static_assert(!Cfg::kPersistent || Cfg::kWarpSpecialized, "persistent needs warp_specialized");
-  static_assert(W == 1 || W == 2 || W == 4 || W == 8, "num_warps must be 1, 2, 4 or 8");
+  static_assert(W == 1 || W == 2 || W == 4 || W == 8 || (Cfg::kWarpSpecialized && W == 12),
+                "num_warps must be 1, 2, 4 or 8 (12 consumer warps beside a warp-specialized producer)");
   static_assert(Cfg::kBlockQ % (16 * W) == 0,
                 "block_q must be a multiple of 16 * num_warps (each warp owns whole 16-row mma tiles)");
   static_assert(
       Cfg::kBlockQ / W <= 64,
       "block_q / num_warps must be at most 64 (the accumulators of more rows exceed the registers)");
-  static_assert(Cfg::kBlockKV == 16 || Cfg::kBlockKV == 32 || Cfg::kBlockKV == 64 || Cfg::kBlockKV == 128 ||
-                    Cfg::kBlockKV == 256,
+  static_assert(!Cfg::kWarpSpecialized ||
+                    (Cfg::kBlockKV % 16 == 0 && Cfg::kBlockKV >= 16 && Cfg::kBlockKV <= 256),
+                "block_kv of a warp-specialized config must be a multiple of 16 from 16 to 256");
+  static_assert(Cfg::kWarpSpecialized || Cfg::kBlockKV == 16 || Cfg::kBlockKV == 32 || Cfg::kBlockKV == 64 ||
+                    Cfg::kBlockKV == 128 || Cfg::kBlockKV == 256,
                 "block_kv must be 16, 32, 64, 128 or 256");
   static_assert(!Cfg::kEager || Cfg::kAsyncCopy,
                 "eager loading needs async_copy (a plain load would stall the warp that issues it)");
@@ -44,9 +48,9 @@ struct check_config {
                 "double_buffer needs more than one fragment group of K or V (k_frags or v_frags smaller than "
                 "all)");
   static_assert(
-      !Cfg::kWgmma || ((W == 4 || W == 8) && Cfg::kBlockQ == 16 * W),
-      "wgmma needs num_warps 4 or 8 and block_q = 16 * num_warps (each warpgroup of 4 warps owns 64 "
-      "query rows)");
+      !Cfg::kWgmma || ((W == 4 || W == 8 || W == 12) && Cfg::kBlockQ == 16 * W),
+      "wgmma needs num_warps 4 or 8 (12 warp-specialized) and block_q = 16 * num_warps (each warpgroup of 4 "
+      "warps owns 64 query rows)");
   static_assert(
       !Cfg::kWgmma ||
           (Cfg::kAsyncCopy && Cfg::kEager && Cfg::kSwizzle && Cfg::kOptSoftmax && Cfg::kQFrags == 0 &&
@@ -56,9 +60,11 @@ struct check_config {
   static_assert(Cfg::kWgmma || Cfg::kStages == 1,
                 "stages other than 1 need wgmma (the sm80 kernel has one K and one V buffer)");
   // A wgmma config's tiles start on a 1024-byte boundary: 1 KB more for rounding the window up; a
-  // warp-specialized one keeps its ring's mbarriers after the tiles (128 bytes).
-  static constexpr int kSmemBytes = 2 * D * (Cfg::kBlockQ + 2 * Cfg::kBlockKV * Cfg::kStages) +
-                                    (Cfg::kWgmma ? 1024 : 0) + (Cfg::kWarpSpecialized ? 128 : 0);
+  // warp-specialized one keeps its ring's mbarriers after the tiles (256 bytes), and a persistent one stages
+  // its output in a tile of its own.
+  static constexpr int kSmemBytes =
+      2 * D * (Cfg::kBlockQ + 2 * Cfg::kBlockKV * Cfg::kStages + (Cfg::kPersistent ? Cfg::kBlockQ : 0)) +
+                                    (Cfg::kWgmma ? 1024 : 0) + (Cfg::kWarpSpecialized ? 256 : 0);
   static_assert(Cfg::kWgmma || kSmemBytes <= 163 * 1024, "shared memory exceeds the sm_80 limit of 166912");
   static_assert(!Cfg::kWgmma || kSmemBytes <= 227 * 1024, "shared memory exceeds the sm_90 limit of 232448");
   static constexpr bool ok = true;

@@ -51,6 +51,12 @@ __device__ __forceinline__ void st_shared_32(u32 dst, u32 v) {
   asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(dst), "r"(v));
 }
 
+__device__ __forceinline__ u32 ld_shared_32(u32 src) {
+  u32 r;
+  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(r) : "r"(src) : "memory");
+  return r;
+}
+
 __device__ __forceinline__ uint4 ld_shared_16(u32 src) {
   uint4 r;
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"

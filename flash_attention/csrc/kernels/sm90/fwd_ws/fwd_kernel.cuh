@@ -17,17 +17,20 @@
 // the barriers' initialisation.
 //
 // Shared memory: Q (kBlockQ rows), kStages K tiles, kStages V tiles, each in 64-column panels with the
-// 128-byte swizzle (the TMA unit writes that layout itself), then the mbarriers. Per ring slot s:
-// k_full[s] and v_full[s] complete when the producer's expected bytes landed (one arrival, its own), and
-// empty[s] when every consumer warp has finished reading the slot (4 NC arrivals). q_full completes when
-// a query tile landed, q_empty when every consumer warp has copied out the output staged over it.
+// 128-byte swizzle (the TMA unit writes that layout itself), persistent an output staging tile, then the
+// mbarriers. Per ring slot s: k_full[s] and v_full[s] complete when the producer's expected bytes landed
+// (one arrival, its own), and k_empty[s] / v_empty[s] when every consumer warp has finished reading the
+// slot's K / V (4 NC arrivals). K and V are freed apart: a slot's K is read by S = Q K^T, which completes
+// a softmax before the P V that reads its V, so the producer can refill K early. With the overlapped
+// schedule (one slot's V is read while the next slot's S is computed) this lets a two-deep ring keep the
+// next K in flight; one barrier for both made the producer wait for the later of the two reads
+// (docs/kernel-log.md, step 34). q_full completes when a query tile landed; q_empty (persistent) when
+// every consumer thread is past the tile's last S = Q K^T, so the next Q may land over it.
 //
 // Tiles (Cfg::kPersistent): one query tile per block as the grid says, or a persistent grid of one block
-// per multiprocessor whose block b handles tiles b, b + gridDim.x, ... in the order of the non-persistent
-// grid (query blocks fastest, longest first when causal, then heads, then batch rows: the blocks running
-// at once share K/V heads in L2). The K/V ring runs on across tiles, so the producer loads the next tile's
-// first K/V blocks while the consumers finish the current one; only the next Q waits for the output
-// staged in its buffer to be copied out.
+// per multiprocessor taking tiles dynamically (below, "The tile schedule"). The K/V ring runs on across
+// tiles, so the producer loads the next tile's Q and first K/V blocks while the consumers finish the
+// current one, whose output goes through its own staging buffer.
 #pragma once
 
 #include "fa/block_range.cuh"
@@ -68,6 +71,10 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
   constexpr int NP = D / 64;     // 64-column panels of a tile
   using QTile = PanelTile<BR>;
   static_assert(NT == 128 * (NC + 1), "a producer warpgroup and one consumer warpgroup per 64 query rows");
+  // setmaxnreg moves registers within the block's launch allocation (NT x the launch bound's per-thread
+  // count): a split asking for more than that makes the consumers wait forever (configs.register_split).
+  static_assert(128 * Cfg::kProducerRegs + (NT - 128) * Cfg::kConsumerRegs <= NT * (65536 / NT / 8 * 8),
+                "the register split exceeds the block's allocation");
 
   // Tiles start on 1024-byte boundaries (the 128-byte swizzle's period, assumed by TMA and the wgmma
   // descriptors alike); the dynamic window is only 16-byte aligned, so the block asks for 1 KB more.
@@ -76,32 +83,44 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
   constexpr u32 kTile = 2 * BC * D;  // bytes of one K or V tile
   const u32 sK = sQ + 2 * BR * D;
   const u32 sV = sK + NST * kTile;
-  // 8 bytes each: q_full, q_empty, k_full[NST], v_full[NST], empty[NST] (at most 14: 112 of the 128 bytes
-  // configs.forward.smem_bytes reserves)
-  const u32 q_full = sV + NST * kTile;
+  // Persistent: the output is staged in a buffer of its own (each consumer warpgroup its 64 rows as a
+  // PanelTile<64>), so the next tile's Q can land while this one's output is written out.
+  const u32 sO = sV + NST * kTile;
+  constexpr u32 kOBytes = Cfg::kPersistent ? 2 * BR * D : 0;
+  // 8 bytes each: q_full, q_empty, k_full[NST], v_full[NST], k_empty[NST], v_empty[NST] (at most 18: 144
+  // of the 256 bytes configs.forward.smem_bytes reserves), then (persistent) the next tile's index.
+  const u32 q_full = sO + kOBytes;
   const u32 q_empty = q_full + 8;
   auto k_full = [&](int s) { return q_full + 8 * (2 + s); };
   auto v_full = [&](int s) { return q_full + 8 * (2 + NST + s); };
-  auto empty = [&](int s) { return q_full + 8 * (2 + 2 * NST + s); };
+  auto k_empty = [&](int s) { return q_full + 8 * (2 + 2 * NST + s); };
+  auto v_empty = [&](int s) { return q_full + 8 * (2 + 3 * NST + s); };
+  const u32 s_tile = q_full + 8 * (2 + 4 * NST);
 
   const int tid = threadIdx.x;
   if (tid == 0) {
     mbar_init(q_full, 1);
-    mbar_init(q_empty, 4 * NC);
+    mbar_init(q_empty, NCT);
     for (int s = 0; s < NST; ++s) {
       mbar_init(k_full(s), 1);
       mbar_init(v_full(s), 1);
-      mbar_init(empty(s), 4 * NC);
+      mbar_init(k_empty(s), 4 * NC);
+      mbar_init(v_empty(s), 4 * NC);
     }
     mbar_init_fence();
   }
   // The only block-wide barrier: the mbarriers are initialised before anyone waits on or completes them.
   __syncthreads();
 
-  // The tile schedule, the same sequence for both roles.
-  const int num_tiles = Cfg::kPersistent ? p.num_m_blocks * p.heads_q * p.batch : 1;
-  const int first_tile = Cfg::kPersistent ? (int)blockIdx.x : 0;
-  const int tile_step = Cfg::kPersistent ? (int)gridDim.x : 1;
+  // The tile schedule. Non-persistent: the block's one tile, from blockIdx. Persistent: block b starts
+  // with tile b and then takes the next tile nobody has taken (tp.tile_counter, zeroed per launch: an
+  // atomic add by the producer), in the non-persistent grid's order. The tiles in flight at any time are
+  // then a window of consecutive tiles, as the hardware's own block scheduler would run them: the K/V
+  // heads they read stay in L2, and a block that drew short causal tiles takes more of them. (A static
+  // stride, block b taking b, b + gridDim.x, ..., lost 3-35% on causal shapes: kernel-log step 30.)
+  // The producer decides and tells the consumers through shared memory (s_tile), published by its arrival
+  // on q_full; an index past the last tile tells them to stop.
+  const int num_tiles = p.num_m_blocks * p.heads_q * p.batch;
   struct Tile {
     int m_block, head, batch;
   };
@@ -123,37 +142,60 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
     tma_prefetch_map(&tp.k_map);
     tma_prefetch_map(&tp.v_map);
     int ring = 0;     // K/V blocks loaded so far (slot ring % NST, its use ring / NST)
-    int q_loads = 0;  // query tiles loaded so far
-    for (int tile = first_tile; tile < num_tiles; tile += tile_step) {
+    int q_loads = 0;  // q_full completions so far (persistent: one per tile, empty tiles included)
+    int tile = Cfg::kPersistent ? (int)blockIdx.x : 0;
+    for (;;) {
+      if constexpr (Cfg::kPersistent) {
+        // The Q buffer (and s_tile) are free once every consumer thread is past the previous tile's last
+        // S = Q K^T (which also means it has read that tile's index).
+        if (q_loads > 0) mbar_wait(q_empty, (q_loads - 1) & 1);
+        st_shared_32(s_tile, (u32)tile);
+        if (tile >= num_tiles) {
+          mbar_arrive(q_full);  // no bytes: the consumers read the stop sign and leave
+          break;
+        }
+      }
+      // The tile after this one, asked for now so the atomic's round trip hides behind this tile's loads.
+      // (With no more tiles than blocks there is no counter: ops passes none.)
+      const int next = Cfg::kPersistent && (int)gridDim.x < num_tiles
+                           ? (int)gridDim.x + atomicAdd(tp.tile_counter, 1)
+                           : num_tiles;
       const Tile x = tile_at(tile);
       const int q_start = m_block_of(x) * BR;
       const VisibleKeys<kCausal, kRanged> keys(p, x.batch);
       const KVBlocks<kRanged> blocks = kv_blocks<BC>(keys, q_start, min(BR, p.seqlen_q - q_start));
       const int n_iter = blocks.end - blocks.begin;
-      if (n_iter <= 0) continue;  // the consumers write its empty output without any load
-      // The Q buffer holds the previous tile's staged output until every consumer warp has copied it out.
-      if (q_loads > 0) mbar_wait(q_empty, (q_loads - 1) & 1);
-      mbar_arrive_expect_tx(q_full, 2 * BR * D);
-#pragma unroll
-      for (int pn = 0; pn < NP; ++pn)
-        tma_load_4d(sQ + pn * BR * 128, &tp.q_map, q_full, 64 * pn, q_start, x.head, x.batch);
-      ++q_loads;
-      const int kv_head = x.head / p.group;
-      for (int it = 0; it < n_iter; ++it, ++ring) {
-        const int s = ring % NST;
-        // The slot's previous tile (load ring - NST) must have been read by every consumer warp: that was
-        // the (ring / NST - 1)-th completion of empty[s].
-        if (ring >= NST) mbar_wait(empty(s), (ring / NST - 1) & 1);
-        const int row = (blocks.begin + it) * BC;
-        mbar_arrive_expect_tx(k_full(s), kTile);
+      if (n_iter <= 0) {
+        // The consumers write its empty output without any load; persistent, they still need the index.
+        if constexpr (Cfg::kPersistent) mbar_arrive(q_full);
+        ++q_loads;
+      } else {
+        mbar_arrive_expect_tx(q_full, 2 * BR * D);
 #pragma unroll
         for (int pn = 0; pn < NP; ++pn)
-          tma_load_4d(sK + s * kTile + pn * BC * 128, &tp.k_map, k_full(s), 64 * pn, row, kv_head, x.batch);
-        mbar_arrive_expect_tx(v_full(s), kTile);
+          tma_load_4d(sQ + pn * BR * 128, &tp.q_map, q_full, 64 * pn, q_start, x.head, x.batch);
+        ++q_loads;
+        const int kv_head = x.head / p.group;
+        for (int it = 0; it < n_iter; ++it, ++ring) {
+          const int s = ring % NST;
+          // The slot's previous K (load ring - NST) must have been read by every consumer warp: that was
+          // the (ring / NST - 1)-th completion of k_empty[s]; the same for V below.
+          const u32 reuse = (ring / NST - 1) & 1;
+          if (ring >= NST) mbar_wait(k_empty(s), reuse);
+          const int row = (blocks.begin + it) * BC;
+          mbar_arrive_expect_tx(k_full(s), kTile);
 #pragma unroll
-        for (int pn = 0; pn < NP; ++pn)
-          tma_load_4d(sV + s * kTile + pn * BC * 128, &tp.v_map, v_full(s), 64 * pn, row, kv_head, x.batch);
+          for (int pn = 0; pn < NP; ++pn)
+            tma_load_4d(sK + s * kTile + pn * BC * 128, &tp.k_map, k_full(s), 64 * pn, row, kv_head, x.batch);
+          if (ring >= NST) mbar_wait(v_empty(s), reuse);
+          mbar_arrive_expect_tx(v_full(s), kTile);
+#pragma unroll
+          for (int pn = 0; pn < NP; ++pn)
+            tma_load_4d(sV + s * kTile + pn * BC * 128, &tp.v_map, v_full(s), 64 * pn, row, kv_head, x.batch);
+        }
       }
+      if constexpr (!Cfg::kPersistent) break;
+      tile = next;
     }
     return;
   }
@@ -187,16 +229,23 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
   auto pass_turn = [&] {
     if constexpr (Cfg::kPingpong) named_barrier_arrive(kTurn + (1 - cwg), 256);
   };
-  // This warp's matrix products have read the slot's K and V: one arrival per warp frees it once all 4 NC
-  // consumer warps are past this point.
+  // This warp's matrix products have read the slot's K (or V): one arrival per warp frees it once all
+  // 4 NC consumer warps are past this point.
   auto release = [&](u32 bar) {
     __syncwarp();
     if (lane == 0) mbar_arrive(bar);
   };
 
   int ring = 0;     // K/V blocks consumed so far, as the producer counts them
-  int q_loads = 0;  // query tiles consumed so far
-  for (int tile = first_tile; tile < num_tiles; tile += tile_step) {
+  int q_loads = 0;  // q_full completions consumed so far
+  for (int tile = 0;; ++q_loads) {
+    if constexpr (Cfg::kPersistent) {
+      mbar_wait(q_full, q_loads & 1);  // the producer's index of this tile, and its Q if it has keys
+      tile = (int)ld_shared_32(s_tile);
+      if (tile >= num_tiles) break;
+    } else if (q_loads > 0) {
+      break;  // the block's one tile is done
+    }
     const Tile x = tile_at(tile);
     const int batch = x.batch, head = x.head;
     const int q_start = m_block_of(x) * BR;
@@ -209,6 +258,7 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
     const int n_iter = blocks.end - j_lo;
     if (n_iter <= 0) {  // no key visible to any row: out = 0, lse = -inf
       store_empty_block<BR, D, NCT>(p, gO, gL, q_valid, ctid);
+      if constexpr (Cfg::kPersistent) mbar_arrive(q_empty);  // this thread has read s_tile
       continue;
     }
 
@@ -247,8 +297,19 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
       for (int r = 0; r < 2; ++r) rescale_row(acc_tile(o), 0, r, alpha[r]);
     };
 
+    // S_j = Q K_j^T has completed in this warp: K_j's slot may be refilled, and after the tile's last one
+    // (persistent) the Q buffer too, so the next tile's Q lands under this tile's last P V and epilogue.
+    // Every consumer thread arrives on q_empty itself (NCT arrivals), not one lane per warp: each thread
+    // read s_tile, and a per-thread release orders that read before the producer's next write without
+    // relying on __syncwarp (compute-sanitizer's racecheck does not follow that chain and reported it).
+    auto s_done = [&](int it) {
+      release(k_empty(slot(it)));
+      if constexpr (Cfg::kPersistent)
+        if (it == n_iter - 1) mbar_arrive(q_empty);
+    };
+
     if (cwg == 1) pass_turn();
-    mbar_wait(q_full, q_loads & 1);
+    if constexpr (!Cfg::kPersistent) mbar_wait(q_full, 0);  // (persistent: waited for with the index)
     if constexpr (!Cfg::kOverlap) {
       // In order: S_j, its softmax, then P_j V_j; the tensor cores idle while the softmax runs.
       for (int it = 0; it < n_iter; ++it) {
@@ -258,6 +319,7 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
         issue_s_at(sacc, it);
         wgmma_wait<0>();
         wgmma_hold(sacc);
+        s_done(it);
         float alpha[2];
         softmax_step(sacc, it, alpha);
         rescale_o(alpha);
@@ -268,7 +330,7 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
         pass_turn();
         wgmma_wait<0>();
         wgmma_hold(o);
-        release(empty(slot(it)));
+        release(v_empty(slot(it)));
       }
     } else {
       // Intra-warpgroup overlap: iteration j issues S_j and then P_{j-1} V_{j-1}, waits for S_j only
@@ -284,6 +346,7 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
         pass_turn();
         wgmma_wait<0>();
         wgmma_hold(sacc);
+        s_done(0);
         float alpha[2];  // O is still zero: nothing to rescale
         softmax_step(sacc, 0, alpha);
         s_to_p<BC, BF>(pf, sacc);
@@ -298,11 +361,12 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
         pass_turn();
         wgmma_wait<1>();  // S_j has landed; P_{j-1} V_{j-1} may still run
         wgmma_hold(sacc);
+        s_done(it);
         float alpha[2];
         softmax_step(sacc, it, alpha);
         wgmma_wait<0>();
         wgmma_hold(o);
-        release(empty(slot(it - 1)));
+        release(v_empty(slot(it - 1)));
         rescale_o(alpha);
         s_to_p<BC, BF>(pf, sacc);
       }
@@ -312,22 +376,34 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
       pass_turn();
       wgmma_wait<0>();
       wgmma_hold(o);
-      release(empty(slot(n_iter - 1)));
+      release(v_empty(slot(n_iter - 1)));
     }
     if (cwg == 0) take_turn();  // the turn warpgroup 1 passed after its last issue
     ring += n_iter;
-    ++q_loads;
 
-    // ---- epilogue: O / L and the LSE; O staged in this warpgroup's own rows of the Q tile -----------------
-    // Each consumer warpgroup's wgmma read only its own 64 rows of Q, and its last one has completed.
-    stage_o_and_lse<D, QTile, BF>(p, o, row_max, row_sum, sQ, gL, warp_row0, g, t, q_valid);
-    // Every consumer's rows of O are staged before any of them copies whole rows out (named barrier 1: the
-    // producer warpgroup does not take part).
-    named_barrier_sync(1, NCT);
-    store_o_tile<BR, D, NCT, QTile>(p, gO, sQ, q_valid, ctid);
-    // This warp has read its share of the staged output: the producer may load the next Q over it once
-    // every consumer warp has arrived.
-    release(q_empty);
+    // ---- epilogue: O / L and the LSE ------------------------------------------------------------------------
+    if constexpr (!Cfg::kPersistent) {
+      // O staged in this warpgroup's own rows of the Q tile: each consumer warpgroup's wgmma read only its
+      // own 64 rows of Q, and its last one has completed.
+      stage_o_and_lse<D, QTile, BF>(p, o, row_max, row_sum, sQ, gL, warp_row0, g, t, q_valid);
+      // Every consumer's rows of O are staged before any of them copies whole rows out (named barrier 1:
+      // the producer warpgroup does not take part).
+      named_barrier_sync(1, NCT);
+      store_o_tile<BR, D, NCT, QTile>(p, gO, sQ, q_valid, ctid);
+    } else {
+      // Each warpgroup stages and copies out its own 64 rows in its own part of sO, meeting only its own
+      // warps (named barrier 4 + cwg, 128 threads): the warpgroups drift apart (ping-pong makes them) and
+      // need not wait for each other. The first barrier keeps a fast warp from staging over rows another
+      // warp of the warpgroup is still copying out from the previous tile; the second orders the staging
+      // before the copy, which reads other warps' rows.
+      const u32 sOw = sO + cwg * 64 * D * 2;
+      const int rows = q_valid - 64 * cwg;
+      named_barrier_sync(4 + cwg, 128);
+      stage_o_and_lse<D, PanelTile<64>, BF>(p, o, row_max, row_sum, sOw, gL ? gL + 64 * cwg : nullptr,
+                                            warp_row0 - 64 * cwg, g, t, rows);
+      named_barrier_sync(4 + cwg, 128);
+      store_o_tile<64, D, 128, PanelTile<64>>(p, gO + 64 * cwg * p.o_row_stride, sOw, rows, ctid % 128);
+    }
   }
 }
 
