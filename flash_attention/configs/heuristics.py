@@ -72,30 +72,42 @@ def portable_config(dtype: str, head_dim: int, causal: bool, seqlen_q: int, seql
 def _hopper_default(dtype: str, d: int, n: int, causal: bool) -> KernelConfig:
     """The Hopper config for head_dim ``d`` at sequence length ``n`` (the longer of q and k).
 
-    From the H100 autotuning sweeps of the sm90 and warp-specialized kernels together
-    (benchmarks/results/h100-2026-11-23-autotune-ws-*.json; docs/kernel-log.md, steps 28-29): every pick is
-    within 5% of the winner of the last sweep at every length from 512 to 16k, causal or not. Ping-pong
-    between the consumers is in that space and wins nowhere by more than the run-to-run noise.
-    * head_dim 128 and 192: the warp-specialized kernel with two consumer warpgroups, intra-warpgroup
-      overlap and a 3-deep ring (128-key tiles at 128, 64-key at 192: what fits 227 KB). With overlap a
-      2-deep ring loses 20-35%: a slot comes free one softmax later, so the next load has too little time.
-      (Non-causal 512 at head_dim 128 runs the same block without overlap.)
-    * head_dim 256: two consumer warpgroups, 64-key tiles, a 2-deep ring and no overlap (a third stage does
-      not fit, and overlap on two stages loses).
-    * head_dim 64: from 2k keys on, the head_dim-128 block (128 x 128 tiles, 3-deep ring, overlap; the
-      2-deep ring without overlap is within 3% of it in both sweeps); below 2k the sm90 kernel's
-      one-warpgroup blocks balance better (:func:`classic_hopper_config`).
+    From two H100 autotuning sweeps of the sm90 and warp-specialized kernels together
+    (benchmarks/results/h100-2026-11-23-autotune-ws-{3,4}.json; docs/kernel-log.md, step 35): on average over
+    the two, every pick is within 5% of the winner at every length from 512 to 16k, causal or not. All picks
+    are warp-specialized with intra-warpgroup overlap (K and V slots freed apart, so a 2-deep ring suffices
+    and leaves room for larger tiles) except at head_dim 256 and 512 keys.
+    * Up to 2k keys at head_dim 64, up to 1k (2k causal) at 128, the persistent grid: one block per SM takes query tiles from an
+      atomic counter, and loads the next tile's Q and K/V while the current one finishes. Short blocks are
+      where the launch and prologue of a new block cost most: +12% at head_dim 128, 512 keys.
+    * Beyond, one block per tile, and key tiles as large as a 2-deep ring allows: 128 x 128 at head_dim 128
+      (176 keys from 4k non-causal and 8k causal, where the longer tile's fewer barriers pay), three
+      consumer warpgroups of 64 rows over 128-key tiles at head_dim 64 (160 registers each), 112 keys at
+      head_dim 192, 80 at 256 (what fits 227 KB beside a 128-row Q tile).
+    * Ping-pong between the consumer warpgroups wins a few points at some shapes (head_dim 256 causal 2k)
+      but is not a default: racecheck reports a hazard on its output staging that is not yet explained.
     """
+    short = n < 3072  # the 512, 1k and 2k buckets
     if d == 64:
-        if n < 2048:
-            return classic_hopper_config(dtype, d, n, causal)
-        return ws_config(dtype, 64, 128, 128, 3, overlap=True)
-    if d == 256:
-        return ws_config(dtype, 256, 128, 64, 2)
+        if short:
+            if causal:
+                return ws_config(dtype, 64, 128, 128, 2, overlap=True, persistent=True)
+            return ws_config(dtype, 64, 128, 176, 3, overlap=True, persistent=True)
+        return ws_config(dtype, 64, 192, 128, 2, overlap=True)
+    if d == 128:
+        if n < 1536 or (short and causal):
+            return ws_config(dtype, 128, 128, 128, 2, overlap=True, persistent=True)
+        wide = n >= 12288 if causal else n >= 3072  # causal from 16k, non-causal from 4k
+        return ws_config(dtype, 128, 128, 176 if wide else 128, 2, overlap=True)
     if d == 192:
-        return ws_config(dtype, 192, 128, 64, 3, overlap=True)
-    # At 512 keys a non-causal block is four tiles long: too short for the overlap's pipeline to pay.
-    return ws_config(dtype, 128, 128, 128, 3, overlap=causal or n > 512)
+        if n < 1536:
+            return ws_config(dtype, 192, 128, 64, 3, overlap=True)
+        if n < 3072 and not causal:
+            return ws_config(dtype, 192, 128, 64, 2, overlap=True)
+        return ws_config(dtype, 192, 128, 112, 2, overlap=True)
+    if n < 768:
+        return ws_config(dtype, 256, 128, 64, 2)
+    return ws_config(dtype, 256, 128, 80, 2, overlap=True)
 
 
 @lru_cache(maxsize=4096)
