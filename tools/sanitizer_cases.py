@@ -46,15 +46,20 @@ WS_CASES = [
 ]
 
 
+def _inputs(seed: int, b: int, sq: int, sk: int, hq: int, hkv: int, d: int):
+    """Fresh random bf16 q, k, v of a case."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return tuple(
+        torch.randn(b, n, h, d, generator=gen, device="cuda").to(torch.bfloat16)
+        for n, h in ((sq, hq), (sk, hkv), (sk, hkv))
+    )
+
+
 def run_case(case, seed: int, small: bool) -> float:
     b, sq, sk, hq, hkv, d, causal, ranged, p, det = case
     if small:
         sq, sk = min(sq, SMALL[1]), min(sk, SMALL[2])
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    q, k, v = (
-        torch.randn(b, n, h, d, generator=gen, device="cuda").to(torch.bfloat16).requires_grad_()
-        for n, h in ((sq, hq), (sk, hkv), (sk, hkv))
-    )
+    q, k, v = (t.requires_grad_() for t in _inputs(seed, b, sq, sk, hq, hkv, d))
     kr = None
     if ranged:
         kr = torch.tensor([[sk // 4, sk], [0, max(1, sk // 2)]][:b], dtype=torch.int32, device="cuda")
@@ -77,11 +82,7 @@ def run_ws_case(case, seed: int, small: bool) -> float:
     name, b, sq, sk, hq, hkv, d = case
     if small:
         sq, sk = min(sq, 3 * SMALL[1]), min(sk, 3 * SMALL[2])
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    q, k, v = (
-        torch.randn(b, n, h, d, generator=gen, device="cuda").to(torch.bfloat16)
-        for n, h in ((sq, hq), (sk, hkv), (sk, hkv))
-    )
+    q, k, v = _inputs(seed, b, sq, sk, hq, hkv, d)
     out = torch.full_like(q, float("nan"))
     o, lse = ops.cuda_forward(
         q, k, v, causal=True, softmax_scale=d**-0.5, return_lse=True, out=out, config=parse_config(name)

@@ -11,7 +11,6 @@ shared memory that fits this GPU).
 
 from __future__ import annotations
 
-import ctypes
 import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ from ..configs import KernelConfig, parse_config
 from ..dropout import dropout_key, seed_pair
 from ..jit import driver
 from ..jit.loader import get_kernel
-from ..jit.params import TENSOR_MAP_BYTES, FwdParams, FwdTmaParams
+from ..jit.params import FwdParams, FwdTmaParams
 from . import tma
 from . import trace as _trace
 from .device import device_arch, dtype_name, sm_count
@@ -104,11 +103,14 @@ def _make_plan(q, k, v, o, causal, scale, ranged, dropout_p, config, needs) -> _
         grid = (min(p.num_m_blocks * heads_q * batch, sm_count(index)), 1, 1)
     if not cfg.warp_specialized:
         return _Plan(cfg, kernel, grid, cfg.threads, cfg.smem_bytes, index, bytes(p))
-    maps = _map_layouts(q, k, v, cfg)
     tp = FwdTmaParams()
     tp.p = p
+    maps = _map_layouts(q, k, v, cfg, tp)
     counted = cfg.persistent and grid[0] < p.num_m_blocks * heads_q * batch
-    return _Plan(cfg, kernel, grid, cfg.threads, cfg.smem_bytes, index, bytes(tp), maps, tile_counter=counted)
+    plan = _Plan(cfg, kernel, grid, cfg.threads, cfg.smem_bytes, index, bytes(tp), maps, tile_counter=counted)
+    # The trial encode was of these tensors' own addresses: the call that made the plan reuses it.
+    plan.encoded[(q.data_ptr(), k.data_ptr(), v.data_ptr())] = plan.template
+    return plan
 
 
 def _tma_args(plan: _Plan, q_ptr: int, k_ptr: int, v_ptr: int) -> FwdTmaParams:
@@ -128,15 +130,22 @@ def _tma_args(plan: _Plan, q_ptr: int, k_ptr: int, v_ptr: int) -> FwdTmaParams:
     return args
 
 
-def _map_layouts(q, k, v, cfg: KernelConfig) -> tuple[tma.MapLayout, tma.MapLayout, tma.MapLayout]:
-    """The tensor map layouts of q (boxes of block_q rows), k and v (block_kv rows), tried once on these
-    tensors' own addresses, so a layout the TMA unit refuses is known before anything launches."""
+def _map_layouts(
+    q, k, v, cfg: KernelConfig, into: FwdTmaParams
+) -> tuple[tma.MapLayout, tma.MapLayout, tma.MapLayout]:
+    """The tensor map layouts of q (boxes of block_q rows), k and v (block_kv rows), encoded once on these
+    tensors' own addresses into ``into``'s maps, so a layout the TMA unit refuses is known before anything
+    launches."""
     layouts = []
-    for name, t, rows in (("q", q, cfg.block_q), ("k", k, cfg.block_kv), ("v", v, cfg.block_kv)):
+    for name, t, rows, map_field in (
+        ("q", q, cfg.block_q, into.q_map),
+        ("k", k, cfg.block_kv, into.k_map),
+        ("v", v, cfg.block_kv, into.v_map),
+    ):
         layout = tma.map_layout(t, rows)
         if isinstance(layout, str):
             raise ValueError(f"config {cfg.name()} loads {name} with TMA, but {layout}; name another config")
-        status = tma.encode_into((ctypes.c_ubyte * TENSOR_MAP_BYTES)(), layout, t.data_ptr())
+        status = tma.encode_into(map_field, layout, t.data_ptr())
         if status != 0:
             raise ValueError(
                 f"config {cfg.name()} loads {name} with TMA, but the driver refuses a tensor map of its "

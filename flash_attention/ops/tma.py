@@ -41,6 +41,20 @@ class MapLayout:
 def map_layout(t: torch.Tensor, box_rows: int) -> MapLayout | str:
     """The tensor map layout of a (batch, seqlen, heads, head_dim) tensor with 2-byte elements, loaded in
     boxes of ``box_rows`` rows; or a sentence saying why the TMA unit cannot address it."""
+    strides = _byte_strides(t)
+    problem = _problem(t, strides)
+    if problem is not None:
+        return problem
+    batch, seqlen, heads, head_dim = t.shape
+    return MapLayout(
+        (ctypes.c_uint64 * 4)(head_dim, seqlen, heads, batch),
+        (ctypes.c_uint64 * 3)(*strides),
+        (ctypes.c_uint32 * 4)(BOX_COLUMNS, box_rows, 1, 1),
+    )
+
+
+def _byte_strides(t: torch.Tensor) -> tuple[int, int, int]:
+    """The row, head and batch strides of ``t`` in bytes, as the tensor map gives them."""
     batch, seqlen, heads, head_dim = t.shape
     sb, sr, sh = (2 * s for s in t.stride()[:3])
     # A dimension of extent 1 is never stepped along: any valid stride describes it.
@@ -50,22 +64,23 @@ def map_layout(t: torch.Tensor, box_rows: int) -> MapLayout | str:
         sh = sr * seqlen
     if batch == 1:
         sb = sh * heads
-    for name, stride in (("row", sr), ("head", sh), ("batch", sb)):
+    return sr, sh, sb
+
+
+def _problem(t: torch.Tensor, strides: tuple[int, int, int]) -> str | None:
+    """Why the TMA unit cannot address ``t`` with these byte strides, or None."""
+    for name, stride in zip(("row", "head", "batch"), strides, strict=True):
         if stride % _STRIDE_ALIGN or not 0 < stride < _STRIDE_LIMIT:
             return f"its {name} stride ({stride} bytes) is not a positive multiple of 16 below 2**40"
-    if max(batch, seqlen, heads, head_dim) > _DIM_LIMIT:
+    if max(t.shape) > _DIM_LIMIT:
         return "a dimension exceeds 2**32"
-    return MapLayout(
-        (ctypes.c_uint64 * 4)(head_dim, seqlen, heads, batch),
-        (ctypes.c_uint64 * 3)(sr, sh, sb),
-        (ctypes.c_uint32 * 4)(BOX_COLUMNS, box_rows, 1, 1),
-    )
+    return None
 
 
 def untileable(*tensors: torch.Tensor) -> bool:
     """Whether any of ``tensors`` has a layout no tensor map can describe (the call then runs a kernel
     that loads with cp.async)."""
-    return any(isinstance(map_layout(t, 64), str) for t in tensors)
+    return any(_problem(t, _byte_strides(t)) is not None for t in tensors)
 
 
 _scratch = threading.local()
