@@ -43,9 +43,10 @@ __device__ __forceinline__ void s_to_p(u32 (&pf)[BC / 16][4], float (&s)[BC / 2]
 }
 
 // O / L of this thread's two rows, packed and stored into the rows' place in the staging tile `s_tile`
-// (laid out by Tile, fa/smem_layout.cuh), and the rows' LSE when the caller wants it (gL not null). The
-// caller synchronises its warps before the tile is copied out (fa/epilogue.cuh, store_o_tile).
-template <int D, class Tile, bool BF>
+// (laid out by Tile, fa/smem_layout.cuh), and the rows' LSE when the caller wants it (gL not null; kFolded:
+// the softmax's form, fa/softmax.cuh). The caller synchronises its warps before the tile is copied out
+// (fa/epilogue.cuh, store_o_tile).
+template <int D, class Tile, bool BF, bool kFolded = true>
 __device__ __forceinline__ void stage_o_and_lse(const FwdParams& p, const float (&o)[D / 2],
                                                 const float (&row_max)[2], const float (&row_sum)[2],
                                                 u32 s_tile, float* gL, int warp_row0, int g, int t,
@@ -60,7 +61,7 @@ __device__ __forceinline__ void stage_o_and_lse(const FwdParams& p, const float 
       const u32 v = pack2<BF>(o[4 * n + 2 * r] * inv, o[4 * n + 2 * r + 1] * inv);
       st_shared_32(s_tile + Tile::bytes(row, n) + 4 * t, v);
     }
-    if (gL && t == 0 && row < q_valid) gL[row] = row_lse<true>(p, row_max[r], l);
+    if (gL && t == 0 && row < q_valid) gL[row] = row_lse<kFolded>(p, row_max[r], l);
   }
 }
 

@@ -1,7 +1,7 @@
-// Which keys a query may see: the one rule every kernel's block ranges (fa/block_range.cuh) and element
-// masks (fa/mask.cuh) are derived from. A feature that changes what a query sees (a sliding window, a
-// per-sequence length, ...) is a field here plus its term in those two headers, and every kernel family
-// has it.
+// Which keys a query may see under the library's own mask policy (fa/variant.cuh, CausalRangeMask): the
+// rule its block ranges (fa/block_range.cuh) and element masks (fa/mask.cuh) are derived from. Another rule
+// (a sliding window, per-sequence lengths, ...) is another mask policy (docs/design.md, "Adding an attention
+// variant"); a term that only widens this one may be a field here plus its term in those two headers.
 #pragma once
 
 #include "fa/ptx.cuh"

@@ -29,15 +29,17 @@
 #include "fa/ptx.cuh"
 #include "fa/smem_layout.cuh"
 #include "fa/tile_ptrs.cuh"
-#include "fa/visible_keys.cuh"
+#include "fa/variant.cuh"
 
 namespace fa {
 
 // ---- 1. preprocessing: fa/bwd_preprocess.cuh (shared with the wgmma backward) -----------------------------
 
 // ---- 2. dK, dV (and atomic dQ) --------------------------------------------------------------------------
-template <class Cfg, bool kCausal, bool kRanged, bool kAtomicDQ, bool kDropout = false>
+template <class Cfg, class V, bool kAtomicDQ, bool kDropout = false>
 __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
+  using Mask = typename V::Mask;  // the variant (fa/variant.cuh); no score function has a gradient here yet
+  static_assert(V::ScoreMod::kIdentity, "the backward does not differentiate a score function yet");
   constexpr bool BF = Cfg::kIsBF16;
   constexpr int D = Cfg::kHeadDim;
   constexpr int BR = Cfg::kBlockQ;   // query rows per step
@@ -86,13 +88,13 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
   const int kv_start = n_block * BC;
   const int warp_row0 = warp * WN;
 
-  // The keys this block's queries see (fa/visible_keys.cuh), and the query blocks
+  // The keys this block's queries see (the variant's mask), and the query blocks
   // [m_begin, m_begin + m_count) that see some key of this block.
-  const VisibleKeys<kCausal, kRanged> keys(p, batch);
-  const QBlocks<kCausal> blocks = q_blocks<BR, BC>(keys, p, kv_start);
+  const Mask mask(p, batch, kv_head);
+  const auto blocks = mask.template q_blocks<BR, BC>(p, kv_start);
   const int m_begin = blocks.begin;
   const int m_count = blocks.count;
-  const int kv_hi = keys.kv_hi;
+  const int kv_hi = mask.key_end();
   const int n_iter = p.group * m_count;
 
   float dv[MT][NO][4], dk[MT][NO][4];
@@ -201,8 +203,8 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
       }
     }
 
-    // ---- mask: key range and causal diagonal, keys as rows (fa/mask.cuh) --------------------------------
-    mask_key_rows(acc_tile(s), keys, kv_start, warp_row0, q_start, g, t);
+    // ---- mask: the variant's, keys as rows (fa/variant.cuh) ---------------------------------------------
+    mask.mask_key_rows(acc_tile(s), kv_start, warp_row0, q_start, g, t);
 
     // ---- P^T = exp2(S^T scale log2e - LSE2), dS^T = scale P^T (dP^T - delta)
     // --------------------------------
@@ -383,8 +385,10 @@ struct DqCfg : Cfg {
   static constexpr int kBlockKV = Cfg::kHeadDim > 128 ? 32 : (Cfg::kBlockKV < 64 ? Cfg::kBlockKV : 64);
 };
 
-template <class Cfg, bool kCausal, bool kRanged, bool kDropout = false>
+template <class Cfg, class V, bool kDropout = false>
 __device__ __forceinline__ void bwd_dq_body(const BwdParams& p) {
+  using Mask = typename V::Mask;
+  static_assert(V::ScoreMod::kIdentity, "the backward does not differentiate a score function yet");
   using QCfg = DqCfg<Cfg>;
   constexpr bool BF = Cfg::kIsBF16;
   constexpr int D = Cfg::kHeadDim;
@@ -418,14 +422,14 @@ __device__ __forceinline__ void bwd_dq_body(const BwdParams& p) {
   const int q_start = m_block * BR;
   const int warp_row0 = 16 * warp;
 
-  // The keys this block's rows see (fa/visible_keys.cuh) and the K/V blocks [n_begin, n_end) holding any
+  // The keys this block's rows see (the variant's mask) and the K/V blocks [n_begin, n_end) holding any
   // of them (for all BR rows: rows past seqlen_q only add blocks, their P is 0).
-  const VisibleKeys<kCausal, kRanged> keys(p, batch);
-  const int n_end = kv_blocks<BC>(keys, q_start, BR).end;
-  // (The first block is computed after the last: the order this kernel's code was tuned with.)
+  const Mask mask(p, batch, head);
+  const auto blocks = mask.template kv_blocks<BC>(q_start, BR);
+  const int n_end = blocks.end;
   int n_begin = 0;
-  if constexpr (kRanged) n_begin = first_kv_block<BC>(keys);
-  const int kv_hi = keys.kv_hi;
+  if constexpr (Mask::kLowerBound) n_begin = blocks.begin;
+  const int kv_hi = mask.key_end();
 
   const u16* gQ = static_cast<const u16*>(p.q) + q_offset(p, batch, head, q_start);
   const u16* gdO = static_cast<const u16*>(p.dout) + do_offset(p, batch, head, q_start);
@@ -498,7 +502,7 @@ __device__ __forceinline__ void bwd_dq_body(const BwdParams& p) {
       }
     }
 
-    mask_query_rows(acc_tile(s), keys, q_start + warp_row0, kv_start, g, t);
+    mask.mask_query_rows(acc_tile(s), q_start + warp_row0, kv_start, g, t);
 #pragma unroll
     for (int n = 0; n < NS; ++n)
 #pragma unroll

@@ -25,19 +25,23 @@
 #include "fa/softmax.cuh"
 #include "fa/tile_ptrs.cuh"
 #include "fa/trace.cuh"
-#include "fa/visible_keys.cuh"
+#include "fa/variant.cuh"
 
 namespace fa {
 
-// The forward kernel body. kCausal: mask key j > query i + (seqlen_k - seqlen_q) (bottom-right alignment).
-// kRanged: batch row b attends only keys key_range[2 b] <= j < key_range[2 b + 1] (key padding, left or
-// right), on top of the causal mask, whose alignment stays on the full key axis. A separate instantiation,
-// so the unpadded kernels (at 252-255 registers for the large head dims) carry none of its registers.
+// The forward kernel body. V: the variant (fa/variant.cuh), its Mask policy saying which keys a query sees
+// (the library's: causal and/or per-batch key ranges) and its ScoreMod what happens to the scores before
+// the softmax. Each variant is its own instantiation, so the plain kernels (at 252-255 registers for the
+// large head dims) carry none of another variant's registers.
 // kDropout: attention dropout on P after the row sums (fa/dropout.cuh); the LSE stays that of the full
 // softmax, as the backward expects.
-template <class Cfg, bool kCausal, bool kRanged = false, bool kDropout = false>
+template <class Cfg, class V, bool kDropout = false>
 __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
   static_assert(check_config<Cfg>::ok, "");
+  using Mask = typename V::Mask;
+  // The scale stays folded into exp2's multiplier unless the config unfolds it or a score function needs
+  // the scaled scores (fa/softmax.cuh).
+  constexpr bool kFold = kFoldsScale<V, Cfg::kOptSoftmax>;
   constexpr bool BF = Cfg::kIsBF16;
   constexpr int D = Cfg::kHeadDim;
   constexpr int BR = Cfg::kBlockQ;
@@ -67,9 +71,9 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
   const int tid = threadIdx.x;
   const int warp = tid / 32;
   const int lane = tid % 32;
-  // Causal blocks near the end of the sequence have the most K/V blocks; launching them first shortens
-  // the tail of the grid.
-  const int m_block = kCausal ? (p.num_m_blocks - 1 - (int)blockIdx.x) : (int)blockIdx.x;
+  // Where later query blocks see more K/V blocks (causal), launching them first shortens the tail of the
+  // grid.
+  const int m_block = Mask::kRowDependent ? (p.num_m_blocks - 1 - (int)blockIdx.x) : (int)blockIdx.x;
   const int head = blockIdx.y;
   const int batch = blockIdx.z;
   const int kv_head = head / p.group;
@@ -82,13 +86,14 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
   u16* gO = static_cast<u16*>(p.o) + o_offset(p, batch, head, q_start);
   float* gL = p.lse ? p.lse + lse_offset(p, batch, head, q_start) : nullptr;
 
-  // The keys this block's rows see (fa/visible_keys.cuh) and the K/V blocks [j_lo, n_blocks) holding any
+  // The keys this block's rows see (the variant's mask) and the K/V blocks [j_lo, n_blocks) holding any
   // of them: blocks wholly above the causal diagonal or outside the key range are never loaded or computed.
-  const VisibleKeys<kCausal, kRanged> keys(p, batch);
-  const KVBlocks<kRanged> blocks = kv_blocks<BC>(keys, q_start, q_valid);
+  const Mask mask(p, batch, head);
+  const typename V::ScoreMod score_mod(p, batch, head);
+  const auto blocks = mask.template kv_blocks<BC>(q_start, q_valid);
   const int j_lo = blocks.begin;
   const int n_blocks = blocks.end;
-  const int kv_hi = keys.kv_hi;
+  const int kv_hi = mask.key_end();  // keys from here on are never read (they may hold anything)
 
   // Per-lane fragment coordinates (PTX ISA 9.7.14.5.14, m16n8k16 fragment layouts).
   const int g = lane / 4;  // row within an 8-row group of the accumulator
@@ -105,7 +110,7 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
 #endif
 
   // No key is visible to any row of this block (the test is spelled out: fa/block_range.cuh says why).
-  if (kRanged ? blocks.end <= blocks.begin : blocks.end == 0) {
+  if (Mask::kLowerBound ? blocks.end <= blocks.begin : blocks.end == 0) {
 #if FA_TRACE
     tr.empty_block();
 #endif
@@ -246,11 +251,15 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
 #if FA_TRACE
     tr.acc(TL::kS, s);
 #endif
-    // The unfolded softmax scales before masking: a negative scale would turn a masked -inf into +inf.
-    if constexpr (!Cfg::kOptSoftmax) scale_scores(acc_tile(s), p.scale);
+    // The unfolded softmax scales before masking: a negative scale would turn a masked -inf into +inf. A
+    // score function gets the scaled scores, also before the mask (fa/variant.cuh).
+    if constexpr (!V::ScoreMod::kIdentity)
+      score_mod_query_rows(acc_tile(s), score_mod, p.scale, q_start + warp_row0, kv_start, g, t);
+    else if constexpr (!Cfg::kOptSoftmax)
+      scale_scores(acc_tile(s), p.scale);
 
-    // ---- mask: key range and causal diagonal (fa/mask.cuh) ------------------------------------------
-    mask_query_rows(acc_tile(s), keys, q_start + warp_row0, kv_start, g, t);
+    // ---- mask: the variant's (fa/variant.cuh) -------------------------------------------------------
+    mask.mask_query_rows(acc_tile(s), q_start + warp_row0, kv_start, g, t);
 
     // ---- online softmax ------------------------------------------------------------------------------
     u32 pf[MT][KS][4];  // P in bf16/fp16, already in the A-operand layout of the P V mma
@@ -259,7 +268,7 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         float alpha =
-            online_softmax_row<Cfg::kOptSoftmax>(acc_tile(s), mt, r, row_max[mt][r], row_sum[mt][r], sl2);
+            online_softmax_row<kFold>(acc_tile(s), mt, r, row_max[mt][r], row_sum[mt][r], sl2);
 #if FA_TRACE
         tr.row_value(TL::kM, mt, r, row_max[mt][r]);
         tr.row_value(TL::kAlpha, mt, r, alpha);
@@ -363,9 +372,9 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
         tr.final_pair(16 * mt + g + 8 * r, 8 * n + 2 * t, v);
 #endif
       }
-      if (gL && t == 0 && row < q_valid) gL[row] = row_lse<Cfg::kOptSoftmax>(p, row_max[mt][r], l);
+      if (gL && t == 0 && row < q_valid) gL[row] = row_lse<kFold>(p, row_max[mt][r], l);
 #if FA_TRACE
-      if (t == 0) tr.final_lse(16 * mt + g + 8 * r, row_lse<Cfg::kOptSoftmax>(p, row_max[mt][r], l));
+      if (t == 0) tr.final_lse(16 * mt + g + 8 * r, row_lse<kFold>(p, row_max[mt][r], l));
 #endif
     }
   }

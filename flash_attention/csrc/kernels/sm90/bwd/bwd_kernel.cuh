@@ -26,14 +26,16 @@
 #include "fa/ptx.cuh"
 #include "fa/smem_layout.cuh"
 #include "fa/tile_ptrs.cuh"
-#include "fa/visible_keys.cuh"
+#include "fa/variant.cuh"
 #include "fa/wgmma.cuh"
 
 namespace fa {
 namespace sm90 {
 
-template <class Cfg, bool kCausal>
+template <class Cfg, class V>
 __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
+  using Mask = typename V::Mask;  // the variant (fa/variant.cuh)
+  static_assert(V::ScoreMod::kIdentity, "the backward does not differentiate a score function yet");
   constexpr bool BF = Cfg::kIsBF16;
   constexpr int D = Cfg::kHeadDim;
   constexpr int BR = Cfg::kBlockQ;   // query rows per step
@@ -74,13 +76,12 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
   const int kv_start = n_block * BC;
   const int row0 = 64 * wg + 16 * (warp % 4);  // the warp's first key row in the block
 
-  // The keys this block's queries see (fa/visible_keys.cuh; no key range in this kernel), and the query
-  // blocks [m_begin, m_begin + m_count) that see some key of this block.
-  const VisibleKeys<kCausal, false> keys(p, batch);
-  const QBlocks<kCausal> blocks = q_blocks<BR, BC>(keys, p, kv_start);
+  // The keys this block's queries see (the variant's mask), and the query blocks
+  // [m_begin, m_begin + m_count) that see some key of this block.
+  const Mask mask(p, batch, kv_head);
+  const auto blocks = mask.template q_blocks<BR, BC>(p, kv_start);
   const int m_begin = blocks.begin;
   const int m_count = blocks.count;
-  const int shift = keys.shift;
   const int n_iter = p.group * m_count;
 
   float dv[D / 2], dk[D / 2];
@@ -168,7 +169,7 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
     // ---- mask: keys past seqlen_k and the causal diagonal ------------------------------------------------
     // Register 4 n + e is key kv_start + row0 + g + 8 (e / 2) against query q_start + 8 n + 2 t + e % 2.
     // Queries past seqlen_q need no mask: their base-2 LSE is +inf, so their P is 0.
-    mask_key_rows(acc_tile(s), keys, kv_start, row0, q_start, g, t);
+    mask.mask_key_rows(acc_tile(s), kv_start, row0, q_start, g, t);
 
     // ---- P^T, dS^T
     // -------------------------------------------------------------------------------------------

@@ -36,17 +36,19 @@
 #include "fa/smem_layout.cuh"
 #include "fa/softmax.cuh"
 #include "fa/tile_ptrs.cuh"
-#include "fa/visible_keys.cuh"
+#include "fa/variant.cuh"
 #include "fa/wgmma.cuh"
 
 namespace fa {
 namespace sm90 {
 
-template <class Cfg, bool kCausal, bool kRanged = false, bool kDropout = false>
+template <class Cfg, class V, bool kDropout = false>
 __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
   static_assert(check_config<Cfg>::ok, "");
   static_assert(Cfg::kWgmma, "the sm90 kernel runs wgmma configs only");
   static_assert(!Cfg::kWarpSpecialized, "ws configs run the warp-specialized kernel (sm90/fwd_ws)");
+  using Mask = typename V::Mask;  // the variant's policies (fa/variant.cuh)
+  constexpr bool kFold = kFoldsScale<V, true>;
   constexpr bool BF = Cfg::kIsBF16;
   constexpr int D = Cfg::kHeadDim;
   constexpr int BR = Cfg::kBlockQ;
@@ -71,7 +73,7 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
   const int warp = tid / 32;
   const int lane = tid % 32;
   const int wg = warp / 4;
-  const int m_block = kCausal ? (p.num_m_blocks - 1 - (int)blockIdx.x) : (int)blockIdx.x;
+  const int m_block = Mask::kRowDependent ? (p.num_m_blocks - 1 - (int)blockIdx.x) : (int)blockIdx.x;
   const int head = blockIdx.y;
   const int batch = blockIdx.z;
   const int kv_head = head / p.group;
@@ -84,13 +86,14 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
   u16* gO = static_cast<u16*>(p.o) + o_offset(p, batch, head, q_start);
   float* gL = p.lse ? p.lse + lse_offset(p, batch, head, q_start) : nullptr;
 
-  // The keys this block's rows see (fa/visible_keys.cuh) and the K/V blocks [j_lo, n_blocks) holding any
+  // The keys this block's rows see (the variant's mask) and the K/V blocks [j_lo, n_blocks) holding any
   // of them.
-  const VisibleKeys<kCausal, kRanged> keys(p, batch);
-  const KVBlocks<kRanged> blocks = kv_blocks<BC>(keys, q_start, q_valid);
+  const Mask mask(p, batch, head);
+  const typename V::ScoreMod score_mod(p, batch, head);
+  const auto blocks = mask.template kv_blocks<BC>(q_start, q_valid);
   const int j_lo = blocks.begin;
   const int n_blocks = blocks.end;
-  const int kv_hi = keys.kv_hi;
+  const int kv_hi = mask.key_end();  // keys from here on are never read
 
   // Accumulator coordinates (PTX ISA 9.7.15.5.1.1.1, m64nNk16 D fragment): register 4 n + e of a thread holds
   // row 16 (warp % 4) + g + 8 (e / 2) of its warpgroup's 64, column 8 n + 2 t + e % 2.
@@ -185,13 +188,14 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
     wgmma_wait<0>();
     wgmma_hold(s);
 
-    // ---- mask -------------------------------------------------------------------------------------------
-    mask_query_rows(acc_tile(s), keys, q_start + warp_row0, kv_start, g, t);
+    // ---- score function and mask: the variant's (fa/variant.cuh) ----------------------------------------
+    score_mod_query_rows(acc_tile(s), score_mod, p.scale, q_start + warp_row0, kv_start, g, t);
+    mask.mask_query_rows(acc_tile(s), q_start + warp_row0, kv_start, g, t);
 
-    // ---- online softmax (exp2 form, scale folded into one FMA) ---------------------------------------
+    // ---- online softmax (exp2 form, scale folded into one FMA unless a score function needs it) ------
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const float alpha = online_softmax_row<true>(acc_tile(s), 0, r, row_max[r], row_sum[r], sl2);
+      const float alpha = online_softmax_row<kFold>(acc_tile(s), 0, r, row_max[r], row_sum[r], sl2);
       rescale_row(acc_tile(o), 0, r, alpha);
     }
     if constexpr (kDropout)
@@ -226,7 +230,7 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
 
   // ---- epilogue: O / L and LSE; O staged in the warpgroup's own rows of the Q tile for coalesced stores --
   // Each warpgroup read only its own 64 rows of Q, and its last wgmma has completed.
-  stage_o_and_lse<D, QTile, BF>(p, o, row_max, row_sum, sQ, gL, warp_row0, g, t, q_valid);
+  stage_o_and_lse<D, QTile, BF, kFold>(p, o, row_max, row_sum, sQ, gL, warp_row0, g, t, q_valid);
   // Every warpgroup's rows of O are staged before any thread copies whole rows out.
   __syncthreads();
   store_o_tile<BR, D, NT, QTile>(p, gO, sQ, q_valid, tid);

@@ -46,16 +46,18 @@
 #include "fa/softmax.cuh"
 #include "fa/tile_ptrs.cuh"
 #include "fa/tma.cuh"
-#include "fa/visible_keys.cuh"
+#include "fa/variant.cuh"
 #include "fa/wgmma.cuh"
 
 namespace fa {
 namespace sm90 {
 
-template <class Cfg, bool kCausal, bool kRanged = false, bool kDropout = false>
+template <class Cfg, class V, bool kDropout = false>
 __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
   static_assert(check_config<Cfg>::ok, "");
   static_assert(Cfg::kWgmma && Cfg::kWarpSpecialized, "the warp-specialized kernel runs ws configs only");
+  using Mask = typename V::Mask;  // the variant's policies (fa/variant.cuh)
+  constexpr bool kFold = kFoldsScale<V, true>;
   const FwdParams& p = tp.p;
   constexpr bool BF = Cfg::kIsBF16;
   constexpr int D = Cfg::kHeadDim;
@@ -69,7 +71,6 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
   constexpr int KS = BC / 16;    // k-steps of O += P V
   constexpr int NO = D / 8;      // 8-column n-tiles of O
   constexpr int NP = D / 64;     // 64-column panels of a tile
-  using QTile = PanelTile<BR>;
   static_assert(NT == 128 * (NC + 1), "a producer warpgroup and one consumer warpgroup per 64 query rows");
   // setmaxnreg moves registers within the block's launch allocation (NT x the launch bound's per-thread
   // count): a split asking for more than that makes the consumers wait forever (configs.register_split).
@@ -129,8 +130,8 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
     const int bh = tile / p.num_m_blocks;
     return {tile - bh * p.num_m_blocks, bh % p.heads_q, bh / p.heads_q};
   };
-  // (Causal: the longest query blocks, the last ones, first.)
-  auto m_block_of = [&](const Tile& x) { return kCausal ? p.num_m_blocks - 1 - x.m_block : x.m_block; };
+  // (Where later query blocks see more keys, causal: the longest, the last ones, first.)
+  auto m_block_of = [&](const Tile& x) { return Mask::kRowDependent ? p.num_m_blocks - 1 - x.m_block : x.m_block; };
 
   const int wg = tid / 128;
   if (wg == 0) {
@@ -162,8 +163,8 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
                            : num_tiles;
       const Tile x = tile_at(tile);
       const int q_start = m_block_of(x) * BR;
-      const VisibleKeys<kCausal, kRanged> keys(p, x.batch);
-      const KVBlocks<kRanged> blocks = kv_blocks<BC>(keys, q_start, min(BR, p.seqlen_q - q_start));
+      const Mask mask(p, x.batch, x.head);
+      const auto blocks = mask.template kv_blocks<BC>(q_start, min(BR, p.seqlen_q - q_start));
       const int n_iter = blocks.end - blocks.begin;
       if (n_iter <= 0) {
         // The consumers write its empty output without any load; persistent, they still need the index.
@@ -222,7 +223,7 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
   // softmaxes falling in the same window. Per tile, warpgroup 1 passes first, so warpgroup 0 starts; both
   // issue the same number of times (same K/V blocks), and warpgroup 0 takes the one turn left over at the
   // end, so no arrival is pending when the tile ends.
-  constexpr int kTurn = 2;  // named barriers 2 and 3 (0: __syncthreads, 1: the epilogue's)
+  constexpr int kTurn = 2;  // named barriers 2 and 3 (0: __syncthreads, 1, 4 and 5: the epilogue's)
   auto take_turn = [&] {
     if constexpr (Cfg::kPingpong) named_barrier_sync(kTurn + cwg, 256);
   };
@@ -252,8 +253,9 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
     const int q_valid = min(BR, p.seqlen_q - q_start);
     u16* gO = static_cast<u16*>(p.o) + o_offset(p, batch, head, q_start);
     float* gL = p.lse ? p.lse + lse_offset(p, batch, head, q_start) : nullptr;
-    const VisibleKeys<kCausal, kRanged> keys(p, batch);
-    const KVBlocks<kRanged> blocks = kv_blocks<BC>(keys, q_start, q_valid);
+    const Mask mask(p, batch, head);
+    const typename V::ScoreMod score_mod(p, batch, head);
+    const auto blocks = mask.template kv_blocks<BC>(q_start, q_valid);
     const int j_lo = blocks.begin;
     const int n_iter = blocks.end - j_lo;
     if (n_iter <= 0) {  // no key visible to any row: out = 0, lse = -inf
@@ -281,14 +283,15 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
       issue_pv<BC, D, BF>(o, pf, v_desc + ((slot(it) * kTile) >> 4));
       wgmma_commit();
     };
-    // Mask, online softmax step and dropout of S in place (fa/mask.cuh, fa/softmax.cuh, fa/dropout.cuh);
-    // alpha gets the factors O's two rows must be rescaled by.
+    // The variant's score function and mask (fa/variant.cuh), the online softmax step and dropout of S in
+    // place (fa/softmax.cuh, fa/dropout.cuh); alpha gets the factors O's two rows must be rescaled by.
     auto softmax_step = [&](float (&sacc)[NS* 4], int it, float (&alpha)[2]) {
       const int kv_start = (j_lo + it) * BC;
-      mask_query_rows(acc_tile(sacc), keys, q_start + warp_row0, kv_start, g, t);
+      score_mod_query_rows(acc_tile(sacc), score_mod, p.scale, q_start + warp_row0, kv_start, g, t);
+      mask.mask_query_rows(acc_tile(sacc), q_start + warp_row0, kv_start, g, t);
 #pragma unroll
       for (int r = 0; r < 2; ++r)
-        alpha[r] = online_softmax_row<true>(acc_tile(sacc), 0, r, row_max[r], row_sum[r], sl2);
+        alpha[r] = online_softmax_row<kFold>(acc_tile(sacc), 0, r, row_max[r], row_sum[r], sl2);
       if constexpr (kDropout)
         dropout_query_rows(acc_tile(sacc), 0, p, batch, head, q_start + warp_row0, kv_start, g, t);
     };
@@ -382,27 +385,35 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
     ring += n_iter;
 
     // ---- epilogue: O / L and the LSE ------------------------------------------------------------------------
-    if constexpr (!Cfg::kPersistent) {
+    if constexpr (!Cfg::kPersistent && !Cfg::kPingpong) {
       // O staged in this warpgroup's own rows of the Q tile: each consumer warpgroup's wgmma read only its
       // own 64 rows of Q, and its last one has completed.
-      stage_o_and_lse<D, QTile, BF>(p, o, row_max, row_sum, sQ, gL, warp_row0, g, t, q_valid);
+      stage_o_and_lse<D, PanelTile<BR>, BF, kFold>(p, o, row_max, row_sum, sQ, gL, warp_row0, g, t, q_valid);
       // Every consumer's rows of O are staged before any of them copies whole rows out (named barrier 1:
       // the producer warpgroup does not take part).
       named_barrier_sync(1, NCT);
-      store_o_tile<BR, D, NCT, QTile>(p, gO, sQ, q_valid, ctid);
+      store_o_tile<BR, D, NCT, PanelTile<BR>>(p, gO, sQ, q_valid, ctid);
     } else {
-      // Each warpgroup stages and copies out its own 64 rows in its own part of sO, meeting only its own
-      // warps (named barrier 4 + cwg, 128 threads): the warpgroups drift apart (ping-pong makes them) and
-      // need not wait for each other. The first barrier keeps a fast warp from staging over rows another
-      // warp of the warpgroup is still copying out from the previous tile; the second orders the staging
-      // before the copy, which reads other warps' rows.
-      const u32 sOw = sO + cwg * 64 * D * 2;
+      // Each warpgroup stages and copies out its own 64 rows, meeting only its own warps (named barrier
+      // 4 + cwg, 128 threads): the warpgroups drift apart (ping-pong makes them) and need not wait for each
+      // other. Persistent, the rows go to the warpgroup's part of sO (PanelTile<64>), so the next tile's Q
+      // can land meanwhile; otherwise to its own rows of the Q tile (its wgmma read no others). The first
+      // barrier orders every warp's copy-out of the previous tile (persistent), or its last wgmma read of
+      // those rows of Q, before any warp stages over them; the second orders the staging before the copy,
+      // which reads other warps' rows.
+      // Ping-pong takes this path even without the persistent grid: with the 256-thread barrier of the
+      // path above, racecheck reported hazards between the staging and the copy (it does not follow the
+      // bar.arrive turns), though the outputs were right. Other configs keep that path: this one costs the
+      // non-persistent kernels 16 instructions and, compiled by NVRTC, spills in the 176-key dropout tiles
+      // (docs/kernel-log.md, step 36).
+      using OTile = PanelTile<Cfg::kPersistent ? 64 : BR>;
+      const u32 sOw = Cfg::kPersistent ? sO + cwg * 64 * D * 2 : sQ + cwg * 64 * 128;
       const int rows = q_valid - 64 * cwg;
       named_barrier_sync(4 + cwg, 128);
-      stage_o_and_lse<D, PanelTile<64>, BF>(p, o, row_max, row_sum, sOw, gL ? gL + 64 * cwg : nullptr,
-                                            warp_row0 - 64 * cwg, g, t, rows);
+      stage_o_and_lse<D, OTile, BF, kFold>(p, o, row_max, row_sum, sOw, gL ? gL + 64 * cwg : nullptr,
+                                           warp_row0 - 64 * cwg, g, t, rows);
       named_barrier_sync(4 + cwg, 128);
-      store_o_tile<64, D, 128, PanelTile<64>>(p, gO + 64 * cwg * p.o_row_stride, sOw, rows, ctid % 128);
+      store_o_tile<64, D, 128, OTile>(p, gO + 64 * cwg * p.o_row_stride, sOw, rows, ctid % 128);
     }
   }
 }

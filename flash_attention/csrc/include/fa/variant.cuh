@@ -1,0 +1,113 @@
+// How an attention variant plugs into the kernels: every kernel body takes one template parameter
+// `class V`, a Variant<Mask, ScoreMod>, and asks V's two policies everything that differs between variants.
+// docs/design.md ("Adding an attention variant") walks through adding one.
+//
+// A Mask policy says which keys a query sees. It is built per (batch row, head) inside the kernel from the
+// params (the dK/dV kernels, which walk every query head of a K/V head, pass the K/V head: a mask that
+// differs between the query heads of a group needs building per head there) and answers, each in the form
+// the kernels need it:
+//  * which K/V blocks a query tile visits, kv_blocks<BC>(q_start, q_rows) -> KVBlocks<kLowerBound> (forward,
+//    dQ), and which query blocks a key tile visits, q_blocks<BR, BC>(p, kv_start) -> QBlocks<kRowDependent>
+//    (dK/dV): blocks holding no visible key are never loaded or computed;
+//  * which elements of a visited block are masked: mask_query_rows(acc, q_row0, kv_start, g, t) on a warp's
+//    accumulator with queries as rows (S), mask_key_rows(acc, kv_start, warp_row0, q_start, g, t) with keys
+//    as rows (the backward's S^T); masked scores become -inf. Each first tests the whole tile with a
+//    warp-uniform comparison, so tiles wholly visible cost a branch.
+//  * key_end(): no row sees a key at or past it, and the kernels read none (zero-filled instead: padding
+//    past a batch row's keys may hold anything, NaN included, and 0 * NaN would reach O through P V);
+//  * two compile-time facts the kernels' shapes depend on: kLowerBound (a tile's first visible block may be
+//    past block 0, so KVBlocks::begin is a run-time value; otherwise it is the constant 0 and folds away) and
+//    kRowDependent (later query rows see more blocks: the forwards schedule the last query blocks first, and
+//    a key tile's first query block is a run-time value).
+//
+// A ScoreMod policy changes the scores before the softmax: s' = mod(scale * s, q, k) for query q and key k.
+// It is applied to a block's scores before the mask (so a masked score stays -inf whatever the function
+// does with -inf) and, when it is not the identity, the forwards take the unfolded softmax (the scores
+// scaled before the exponential, fa/softmax.cuh), since a function of the scaled score cannot be folded into
+// exp2's multiplier. kIdentity = true compiles to nothing. The backward kernels accept only the identity
+// until they carry the function's derivative (a static_assert says so).
+//
+// The library's own variant today: CausalRangeMask (causal and/or per-batch key ranges, the rule of
+// fa/visible_keys.cuh) with NoScoreMod. The host picks the variant of a call and names it in the generated
+// translation unit (flash_attention/jit/sources.py), so each variant is compiled only when a call needs it.
+#pragma once
+
+#include "fa/block_range.cuh"
+#include "fa/mask.cuh"
+#include "fa/visible_keys.cuh"
+
+namespace fa {
+
+template <class MaskPolicy, class ScoreModPolicy>
+struct Variant {
+  using Mask = MaskPolicy;
+  using ScoreMod = ScoreModPolicy;
+};
+
+// Causal (bottom-right aligned) and/or per-batch key ranges: fa/visible_keys.cuh states the rule,
+// fa/block_range.cuh and fa/mask.cuh compute its blocks and element masks.
+template <bool kCausal, bool kRanged>
+struct CausalRangeMask {
+  static constexpr bool kLowerBound = kRanged;
+  static constexpr bool kRowDependent = kCausal;
+  VisibleKeys<kCausal, kRanged> keys;
+
+  template <class Params>
+  __device__ __forceinline__ CausalRangeMask(const Params& p, int batch, int /*head*/) : keys(p, batch) {}
+
+  __device__ __forceinline__ int key_end() const { return keys.kv_hi; }
+  template <int BC>
+  __device__ __forceinline__ KVBlocks<kRanged> kv_blocks(int q_start, int q_rows) const {
+    return fa::kv_blocks<BC>(keys, q_start, q_rows);
+  }
+  template <int BR, int BC, class Params>
+  __device__ __forceinline__ QBlocks<kCausal> q_blocks(const Params& p, int kv_start) const {
+    return fa::q_blocks<BR, BC>(keys, p, kv_start);
+  }
+  template <class Acc>
+  __device__ __forceinline__ void mask_query_rows(const Acc& s, int q_row0, int kv_start, int g, int t) const {
+    fa::mask_query_rows(s, keys, q_row0, kv_start, g, t);
+  }
+  template <class Acc>
+  __device__ __forceinline__ void mask_key_rows(const Acc& s, int kv_start, int warp_row0, int q_start, int g,
+                                                int t) const {
+    fa::mask_key_rows(s, keys, kv_start, warp_row0, q_start, g, t);
+  }
+};
+
+// The identity: the scores go to the softmax as the matrix product left them.
+struct NoScoreMod {
+  static constexpr bool kIdentity = true;
+  template <class Params>
+  __device__ __forceinline__ NoScoreMod(const Params&, int /*batch*/, int /*head*/) {}
+  __device__ __forceinline__ float operator()(float s, int /*q*/, int /*k*/) const { return s; }
+};
+
+// The variants the host builds today: causal or not, key ranges or not.
+template <bool kCausal, bool kRanged>
+using DefaultVariant = Variant<CausalRangeMask<kCausal, kRanged>, NoScoreMod>;
+
+// Whether a forward keeps the scale folded into exp2's multiplier (fa/softmax.cuh): only without a score
+// function, and where the kernel's config asks for it.
+template <class V, bool kConfigFolds>
+inline constexpr bool kFoldsScale = kConfigFolds && V::ScoreMod::kIdentity;
+
+// s = mod(scale * s, q, k) on a warp's accumulator with queries as rows (fa/frag.cuh layout: element
+// (mt, n, e) is query q_row0 + 16 mt + g + 8 (e / 2) against key kv_start + 8 n + 2 t + e % 2). Nothing
+// for the identity. Call before the mask.
+template <class ScoreMod, class Acc>
+__device__ __forceinline__ void score_mod_query_rows(const Acc& s, const ScoreMod& mod, float scale, int q_row0,
+                                                     int kv_start, int g, int t) {
+  if constexpr (!ScoreMod::kIdentity) {
+#pragma unroll
+    for (int mt = 0; mt < Acc::kMT; ++mt)
+#pragma unroll
+      for (int n = 0; n < Acc::kN; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          s(mt, n, e) = mod(scale * s(mt, n, e), q_row0 + 16 * mt + g + 8 * (e >> 1),
+                            kv_start + 8 * n + 2 * t + (e & 1));
+  }
+}
+
+}  // namespace fa
