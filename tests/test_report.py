@@ -121,11 +121,36 @@ def test_progression_ends_with_the_wgmma_kernel_on_hopper():
     from flash_attention.configs import wgmma_config
 
     steps = progression_configs("bf16", 128, False, 4096, wgmma_config("bf16", 128, 64, 128))
-    assert [label for label, _ in steps[-2:]] == [
+    assert [label for label, _ in steps[-3:]] == [
         "tuned sm80 kernel",
-        "wgmma kernel, tuned (what attention() runs)",
+        "wgmma, cp.async, tuned (sm90 kernel)",
+        "tuned (what attention() runs)",
     ]
-    assert not steps[-2][1].wgmma and steps[-1][1].wgmma
+    assert not steps[-3][1].wgmma and steps[-2][1].wgmma and not steps[-2][1].warp_specialized
+
+
+@pytest.mark.parametrize(
+    "d,causal,n", [(64, False, 1024), (128, False, 4096), (128, True, 16384), (256, True, 2048)]
+)
+def test_progression_adds_one_warp_specialized_technique_per_step(d, causal, n):
+    from flash_attention.configs.heuristics import _hopper_default
+
+    tuned = _hopper_default("bf16", d, n, causal)
+    steps = progression_configs("bf16", d, causal, n, tuned)
+    labels = [label for label, _ in steps]
+    ws = labels.index("TMA loads, producer + 2 consumer warpgroups")
+    assert (
+        labels[ws - 1] == "wgmma, cp.async, tuned (sm90 kernel)"
+        and labels[-1] == "tuned (what attention() runs)"
+    )
+    assert steps[-1][1] == tuned
+    chain = [cfg for _, cfg in steps[ws:-1]]
+    assert chain[0].warp_specialized and not (chain[0].pingpong or chain[0].overlap or chain[0].persistent)
+    added = []
+    for a, b in zip(chain, chain[1:], strict=False):
+        changed = {f.name for f in dataclasses.fields(a) if getattr(a, f.name) != getattr(b, f.name)}
+        added.append(changed)
+    assert added == [{"pingpong"}, {"overlap"}, {"persistent"}]
 
 
 @needs_compiler

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,7 +21,7 @@ import torch
 from flash_attention.configs import parse_config
 from flash_attention.winners import gpu_slug
 
-from ..common import MODES, default_results_dir, repo_root
+from ..common import MODES, default_results_dir, environment, repo_root
 from .plot import plot_results
 from .progression import run_progression
 from .readme import update_readme
@@ -224,13 +225,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
     if args.progression:
-        run_progression(
+        steps = run_progression(
             dtype,
             args.head_dims or (128,),
             args.seqlens or (4096,),
             {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal],
             dict(warmup=args.warmup, min_reps=reps, min_time_s=min_time),
         )
+        if args.out is not None:
+            # Its own schema ("steps", no "rows"), so the README tools never take it for a sweep.
+            result = environment(torch.cuda.current_device(), args.commit, args.allow_dirty)
+            result.update(mode="progression", steps=steps)
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+            print(f"wrote {args.out}")
         return 0
 
     settings = SweepSettings(

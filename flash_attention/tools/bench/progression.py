@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from flash_attention import interface, ops
-from flash_attention.configs import KernelConfig, padded_head_dim, portable_config
+from flash_attention.configs import KernelConfig, padded_head_dim, portable_config, ws_config
+from flash_attention.configs.heuristics import classic_hopper_config
 
 from ..common import flops, time_cuda
 
@@ -44,12 +45,39 @@ def progression_configs(
     steps.append(("double-buffered fragment loads", steps[-1][1].replace(double_buffer=True)))
     steps.append(("exp2-folded softmax", steps[-1][1].replace(opt_softmax=True)))
     if tuned.wgmma:
-        # On Hopper the last step is a different kernel: first the sm80 one as tuned, then wgmma.
+        # On Hopper the later steps are other kernels: the sm80 one as tuned, the wgmma kernel fed by
+        # cp.async, then the warp-specialized kernel one technique at a time (docs/kernel-log.md, steps
+        # 25-35), ending with what attention() runs.
         steps.append(("tuned sm80 kernel", portable_config(dtype, head_dim, causal, seqlen, seqlen)))
-        steps.append(("wgmma kernel, tuned (what attention() runs)", tuned))
+        steps.append(
+            ("wgmma, cp.async, tuned (sm90 kernel)", classic_hopper_config(dtype, d, seqlen, causal))
+        )
+        if tuned.warp_specialized:
+            steps += _warp_specialized_steps(dtype, d, tuned)
+        steps.append(("tuned (what attention() runs)", tuned))
     else:
         steps.append(("tuned (what attention() runs)", tuned))
     return steps
+
+
+def _warp_specialized_steps(dtype: str, d: int, tuned: KernelConfig) -> list[tuple[str, KernelConfig]]:
+    """The warp-specialized kernel's techniques added one at a time on two consumer warpgroups (ping-pong
+    needs two) over one key tile: the tuned config's (128 keys where it has three consumers), or the
+    largest below it that leaves room for the persistent grid's output buffer."""
+    first = tuned.block_kv if tuned.block_q == 128 else 128
+    for block_kv in [first] + [n for n in (128, 112, 96, 80, 64, 48, 32) if n < first]:
+        try:
+            ws_config(dtype, d, 128, block_kv, 2, pingpong=True, overlap=True, persistent=True)
+            break
+        except ValueError:
+            continue
+    knobs = [
+        ("TMA loads, producer + 2 consumer warpgroups", {}),
+        ("+ ping-pong between the consumers", dict(pingpong=True)),
+        ("+ intra-warpgroup overlap (S_j+1 under softmax_j)", dict(pingpong=True, overlap=True)),
+        ("+ persistent grid, tiles taken dynamically", dict(pingpong=True, overlap=True, persistent=True)),
+    ]
+    return [(label, ws_config(dtype, d, 128, block_kv, 2, **kw)) for label, kw in knobs]
 
 
 def run_progression(dtype: str, head_dims, seqlens, causals, timing: dict) -> list[dict]:
@@ -85,13 +113,25 @@ def run_progression(dtype: str, head_dims, seqlens, causals, timing: dict) -> li
                     print(f"  {label:44} {tf:8.1f} {gain:>9} {tf / first:6.2f}x  {cfg.name()}", flush=True)
                     rows.append(row(label, cfg.name(), t.ms, tf))
                     prev = tf
-                with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
-                    qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
-                    f = torch.nn.functional.scaled_dot_product_attention
-                    t = time_cuda(
-                        lambda i, f=f, qt=qt, kt=kt, vt=vt, c=causal: f(qt, kt, vt, is_causal=c), 1, **timing
-                    )
-                tf = fl / (t.ms * 1e9)
-                print(f"  {'(reference) sdpa_flash':44} {tf:8.1f}")
-                rows.append(row("sdpa_flash", None, t.ms, tf))
+                # PyTorch's own kernels on the same inputs, cuDNN (sdpa's default on Hopper) first.
+                qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+                f = torch.nn.functional.scaled_dot_product_attention
+                backends = torch.nn.attention.SDPBackend
+                for name, backend in (
+                    ("sdpa_cudnn", backends.CUDNN_ATTENTION),
+                    ("sdpa_flash", backends.FLASH_ATTENTION),
+                ):
+                    try:
+                        with torch.nn.attention.sdpa_kernel(backend):
+                            t = time_cuda(
+                                lambda i, f=f, qt=qt, kt=kt, vt=vt, c=causal: f(qt, kt, vt, is_causal=c),
+                                1,
+                                **timing,
+                            )
+                    except RuntimeError as exc:  # a backend this GPU or build lacks
+                        print(f"  {'(reference) ' + name:44} unavailable: {str(exc).splitlines()[0][:60]}")
+                        continue
+                    tf = fl / (t.ms * 1e9)
+                    print(f"  {'(reference) ' + name:44} {tf:8.1f}   ours/{name} {prev / tf:.2f}x")
+                    rows.append(row(name, None, t.ms, tf))
     return rows
