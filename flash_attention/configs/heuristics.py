@@ -84,8 +84,9 @@ def _hopper_default(dtype: str, d: int, n: int, causal: bool) -> KernelConfig:
       (176 keys from 4k non-causal and 8k causal, where the longer tile's fewer barriers pay), three
       consumer warpgroups of 64 rows over 128-key tiles at head_dim 64 (160 registers each), 112 keys at
       head_dim 192, 80 at 256 (what fits 227 KB beside a 128-row Q tile).
-    * Ping-pong between the consumer warpgroups wins a few points at some shapes (head_dim 256 causal 2k)
-      but is not a default: racecheck reports a hazard on its output staging that is not yet explained.
+    * Ping-pong between the consumer warpgroups is not a default: on top of overlap it beat the best config
+      without it by more than 1.5% at 3 of the two sweeps' 96 points, none in both (docs/kernel-log.md, step
+      36, has its progression step).
     """
     short = n < 3072  # the 512, 1k and 2k buckets
     if d == 64:
