@@ -10,23 +10,36 @@ import pytest
 import torch
 
 from flash_attention import ops
-from flash_attention.configs import parse_config
+from flash_attention.configs import default_config, parse_config, portable_config, wgmma_config
 from flash_attention.jit import cache, compiler, sources
-from flash_attention.jit.params import TRACE_MAGIC, TRACE_STEP_FIELDS, TraceLayout
+from flash_attention.jit.params import TRACE_MAGIC, TRACE_STEP_FIELDS, FwdParams, FwdTmaParams, TraceLayout
+from flash_attention.ops import forward as ops_forward
+from flash_attention.ops import tma
 from flash_attention.ops import trace as ops_trace
 from flash_attention.tools import debug, sanity
 from flash_attention.tools.sim import TraceSpec, simulate
 
 CFG = parse_config("(BF16, 128, 64, 64, 4): async+eager+swizzled+load_0_1_1_tiles+buffer+opt_softmax+reverse")
+# Hopper's defaults of the warp-specialized kernel: three consumer warpgroups (head_dim 64), the persistent
+# grid and one block per tile (128), the schedule without overlap (256, short) and with it (256).
+WS_DEFAULTS = [
+    default_config("bf16", 64, False, 8192, 8192, "sm_90"),
+    default_config("bf16", 128, True, 512, 512, "sm_90"),
+    default_config("fp16", 128, False, 4096, 4096, "sm_90"),
+    default_config("fp16", 256, False, 512, 512, "sm_90"),
+    default_config("bf16", 256, True, 4096, 4096, "sm_90"),
+]
+WS_CFG = WS_DEFAULTS[0]
 
 
-def _sim_trace(causal=True, seed=0):
-    spec = TraceSpec(0, 1, -1, 2)
+def _sim_trace(causal=True, seed=0, cfg=CFG):
+    # The last row block: rows past seqlen_q (150 of 256 rows at block_q 128, 192 at 192).
+    spec = TraceSpec(0, 1, -1, 2 if not cfg.warp_specialized else cfg.compute_warps - 1)
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(1, 150, 2, 120, generator=gen).to(torch.bfloat16)
     k = torch.randn(1, 220, 1, 120, generator=gen).to(torch.bfloat16)
     v = torch.randn(1, 220, 1, 120, generator=gen).to(torch.bfloat16)
-    *_, tr = simulate(q, k, v, CFG, causal=causal, trace=spec)
+    *_, tr = simulate(q, k, v, cfg, causal=causal, trace=spec)
     return tr
 
 
@@ -67,6 +80,21 @@ def test_kernel_trace_decodes_the_buffer_layout():
     assert torch.equal(dec.final["O"], tr.final["O"]) and torch.equal(dec.final["LSE"], tr.final["LSE"])
     assert debug.compare(tr, dec) is None
     assert dec.dump().splitlines()[1:] == tr.dump().splitlines()[1:]  # same format, only the source differs
+
+
+def test_kernel_trace_decodes_a_warp_specialized_configs_buffer():
+    """The same buffer layout with the warp-specialized kernel's 16 rows per consumer warp."""
+    cfg = default_config("bf16", 128, False, 512, 512, "sm_90")
+    assert cfg.warp_specialized and cfg.head_dim == 128 and cfg.block_q == 128
+    tr = _sim_trace(causal=False, cfg=cfg)
+    assert tr.spec.warp == 7 and tr.first_row == 128 + 7 * 16 and tr.steps[0]["Q"].shape == (16, 128)
+    assert TraceLayout.of(cfg) == TraceLayout(16, cfg.block_kv, 128)
+    dec = debug.kernel_trace(_encode(tr))
+    assert dec.kv_blocks == tr.kv_blocks == [0, 1]
+    for a, b in zip(dec.steps, tr.steps, strict=True):
+        for name in a:
+            assert torch.equal(a[name], b[name]), name
+    assert debug.compare(tr, dec) is None
 
 
 def test_kernel_trace_rejects_an_unwritten_buffer():
@@ -134,6 +162,37 @@ def test_debug_build_source_and_cache_key(tmp_path):
     assert cache.cache_key(CFG, "sm_90", "x") != cache.cache_key(CFG, "sm_90", "x", trace=True)
 
 
+def test_debug_build_of_the_ws_kernel_source():
+    src = sources.kernel_source(WS_CFG, trace=True)
+    assert "#define FA_TRACE 1" in src and '#include "sm90/fwd_ws/fwd_kernel.cuh"' in src
+    assert f"fa::trace::Layout<Cfg>::kFinalLse == {TraceLayout.of(WS_CFG).final_lse}" in src
+    with pytest.raises(ValueError, match="warp-specialized Hopper kernel only"):
+        sources.kernel_source(wgmma_config("bf16", 128, 64, 128), trace=True)
+
+
+@pytest.mark.skipif(compiler.choose_compiler() is None, reason="needs NVRTC or nvcc")
+@pytest.mark.parametrize("cfg", WS_DEFAULTS, ids=str)
+def test_debug_build_of_the_ws_kernel_compiles(cfg):
+    """The trace build of each kind of Hopper default compiles for sm_90a, its layout static_asserts (against
+    jit/params.py, with 16 rows per consumer warp) hold; spills are allowed in a debug build."""
+    result = compiler.compile_source(
+        sources.kernel_source(cfg, trace=True), "sm_90a", "trace test", compiler.choose_compiler()
+    )
+    names = {r.kernel for r in result.resources}
+    assert names == {cfg.symbol(False) + "__trace", cfg.symbol(True) + "__trace"}
+
+
+@pytest.mark.skipif(compiler.choose_compiler() is None, reason="needs NVRTC or nvcc")
+def test_debug_build_layout_asserts_catch_a_mismatch():
+    """The static_asserts are live in the warp-specialized unit: an offset off by one fails the compile."""
+    src = sources.kernel_source(WS_CFG, trace=True)
+    step = TraceLayout.of(WS_CFG).step_size
+    wrong = src.replace(f"Layout<Cfg>::kStep == {step}", f"Layout<Cfg>::kStep == {step + 1}")
+    assert wrong != src
+    with pytest.raises(compiler.CompileError, match="trace layout kStep differs"):
+        compiler.compile_source(wrong, "sm_90a", "trace test", compiler.choose_compiler())
+
+
 @pytest.mark.skipif(compiler.choose_compiler() is None, reason="needs NVRTC or nvcc")
 def test_debug_build_compiles_and_its_layout_matches_python(tmp_path, monkeypatch):
     """The generated static_asserts pin fa::trace::Layout to jit/params.py: a compile is the check."""
@@ -169,6 +228,123 @@ def test_trace_buffer_checks_the_target():
         ops_trace.trace_buffer(CFG, ops.TraceTarget(0, 0, 0, 0), "typo", shape, "cpu")
 
 
+def test_trace_buffer_counts_the_consumer_warps_of_a_ws_config():
+    shape = (1, 2, 300, 300)
+    buf, _ = ops_trace.trace_buffer(WS_CFG, ops.TraceTarget(0, 1, 1, 11), "skip_rescale", shape, "cpu")
+    assert buf.numel() == TraceLayout(16, 128, 64).size(3)
+    with pytest.raises(ValueError, match="trace warp must be in \\[0, 12\\)"):
+        ops_trace.trace_buffer(WS_CFG, ops.TraceTarget(0, 0, 0, 12), "none", shape, "cpu")
+
+
+class _FakeKernel:
+    def __init__(self, cfg, causal, arch, trace):
+        self.cfg, self.causal, self.arch, self.trace = cfg, causal, arch, trace
+
+    def ensure_dynamic_smem(self, smem, index):
+        self.smem = smem
+
+
+@pytest.fixture
+def traced_launches(monkeypatch):
+    """The forward's traced launch on the CPU, as on an H100 of 4 multiprocessors: the kernel, the tensor
+    map encodes and the launch itself are stand-ins; the launches are returned for inspection."""
+    launches = []
+    facts = dict(arch="sm_90", gpu="", smem_limit=232448)
+    monkeypatch.setattr(ops_forward, "device_facts", lambda index: facts)
+    monkeypatch.setattr(ops_forward, "device_arch", lambda index: "sm_90")
+    monkeypatch.setattr(ops_forward, "sm_count", lambda index: 4)
+    monkeypatch.setattr(
+        ops_forward,
+        "get_kernel",
+        lambda cfg, causal, arch, trace=False, **kw: _FakeKernel(cfg, causal, arch, trace),
+    )
+    monkeypatch.setattr(tma, "encode_into", lambda field, layout, ptr: 0)
+
+    def launch(kernel, grid, threads, smem, index, args):
+        launches.append(dict(kernel=kernel, grid=grid, threads=threads, smem=smem, args=args))
+
+    monkeypatch.setattr(ops_forward, "launch", launch)
+    return launches
+
+
+def test_traced_launch_of_a_ws_config_is_the_normal_launch_with_the_trace_fields(traced_launches):
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 300, 4, 120, generator=gen).to(torch.bfloat16)
+    k = torch.randn(1, 333, 2, 120, generator=gen).to(torch.bfloat16)
+    target = ops.TraceTarget(0, 3, 2, 7)
+    ops_forward.cuda_forward(
+        q,
+        k,
+        k,
+        causal=True,
+        softmax_scale=0.1,
+        return_lse=True,
+        out=None,
+        trace=target,
+        trace_fault="skip_rescale",
+    )
+    (run,) = traced_launches
+    cfg = default_config("bf16", 128, True, 300, 333, "sm_90")
+    assert cfg.warp_specialized and cfg.persistent
+    assert run["kernel"].cfg == cfg and run["kernel"].trace and run["kernel"].causal
+    # The persistent grid of the normal launch: one block per multiprocessor, tiles from a counter (3 row
+    # blocks x 4 heads > 4 blocks); the trace fields in the inner FwdParams.
+    assert run["grid"] == (4, 1, 1) and run["threads"] == cfg.threads and run["smem"] == cfg.smem_bytes
+    args = run["args"]
+    assert isinstance(args, FwdTmaParams) and args.tile_counter
+    raw = ops.last_trace()
+    assert raw["config"] == cfg and raw["target"] == target
+    p = args.p
+    assert p.trace == raw["buffer"].data_ptr() and p.trace_fault == 1
+    assert (p.trace_batch, p.trace_head, p.trace_m_block, p.trace_warp) == (0, 3, 2, 7)
+    assert p.num_m_blocks == 3 and p.group == 2 and p.q == q.data_ptr()
+    assert raw["buffer"].numel() == TraceLayout(16, cfg.block_kv, 128).size(3)
+
+
+def test_traced_launch_falls_back_to_the_sm80_kernel_where_tma_cannot_read(traced_launches):
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 300, 4, 64, generator=gen).to(torch.bfloat16)
+    k = torch.randn(1, 200, 1, 64, generator=gen).to(torch.bfloat16).expand(-1, -1, 2, -1)
+    assert tma.untileable(q, k, k)
+    target = ops.TraceTarget(0, 1, 1, 3)
+    ops_forward.cuda_forward(
+        q, k, k, causal=False, softmax_scale=0.1, return_lse=False, out=None, trace=target
+    )
+    (run,) = traced_launches
+    cfg = run["kernel"].cfg
+    assert not cfg.wgmma and run["kernel"].trace and ops.last_trace()["config"] == cfg
+    args = run["args"]
+    assert isinstance(args, FwdParams) and run["grid"] == (args.num_m_blocks, 4, 1)
+    assert (args.trace_head, args.trace_m_block, args.trace_warp) == (1, 1, 3) and args.trace
+    # A named ws config cannot take such inputs: the call says so instead of running another kernel.
+    with pytest.raises(ValueError, match="has no build for untileable"):
+        ops_forward.cuda_forward(
+            q, k, k, causal=False, softmax_scale=0.1, return_lse=False, out=None, trace=target, config=WS_CFG
+        )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU path of the command")
+def test_debug_command_without_gpu_simulates_a_ws_config(tmp_path, capsys):
+    rc = debug.main(
+        [
+            "--config",
+            WS_CFG.name(),
+            "--seqlen",
+            "300",
+            "--causal",
+            "--trace",
+            "0,1,1,11",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    out = capsys.readouterr().out
+    assert rc == 2 and "kernel:    not run" in out
+    assert "warp 11 (query rows 368..383)" in out  # row block 1 of 192 rows, consumer warp 11 of 16 rows
+    text = (tmp_path / "sim.txt").read_text()
+    assert "\nQ [16 x 64]\n" in text and "\nK [128 x 64]\n" in text and "## step 2: K/V block 2" in text
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU path of the command")
 def test_debug_command_without_gpu_runs_the_simulator_side(tmp_path, capsys):
     rc = debug.main(
@@ -184,6 +360,22 @@ def test_debug_command_without_gpu_runs_the_simulator_side(tmp_path, capsys):
     # --ranges: the first row of K of block 0 reads 0, 1/16, 2/16, ...
     k_block = text.split("## step 3: K/V block 0")[1].split("\nK [64 x 128]\n")[1].splitlines()[0]
     assert [float(x) for x in k_block.split(":")[1].split()[:4]] == [0.0, 0.0625, 0.125, 0.1875]
+
+
+def test_debug_command_default_config_is_what_a_traced_call_runs(monkeypatch):
+    argv = ["--config", "default", "--seqlen", "300", "--head-dim", "64", "--causal", "--heads", "4"]
+    monkeypatch.setattr(debug, "_kernel_unavailable", lambda: "no CUDA GPU is visible to PyTorch")
+    assert debug._config(debug._parse_args(argv)) == portable_config("bf16", 64, True, 300, 300)
+    # On an H100: the warp-specialized default, which has the debug build.
+    monkeypatch.setattr(debug, "_kernel_unavailable", lambda: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(ops, "device_arch", lambda index: "sm_90")
+    monkeypatch.setattr(ops, "gpu_name", lambda index: "")
+    monkeypatch.setattr(ops, "smem_limit", lambda index: 232448)
+    cfg = debug._config(debug._parse_args(argv))
+    assert cfg == default_config("bf16", 64, True, 300, 300, "sm_90") and cfg.warp_specialized
+    # A negative scale needs the unfolded softmax: the sm80 kernel.
+    assert not debug._config(debug._parse_args(argv + ["--scale", "-0.1"])).wgmma
 
 
 def test_debug_command_rejects_bad_arguments(capsys):

@@ -1,4 +1,5 @@
-"""The kernels against the tile simulator, and the debug build's traces (marked gpu; need sm_80+).
+"""The kernels against the tile simulator, and the debug build's traces (marked gpu; need sm_80+, and sm_90
+for the warp-specialized Hopper kernel's).
 
 Bound: the simulator rounds at the kernel's rounding points, so the two can differ only by what the
 tensor cores' summation order and the hardware's ex2/logf change in fp32 -- a few ulps of fp32 -- and by
@@ -18,10 +19,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_gpu_forward import _VARIANTS
+from test_gpu_sm90 import needs_hopper
 
 import flash_attention as fa
 from flash_attention import ops
 from flash_attention.configs import HEAD_DIMS, default_config, parse_config, portable_config
+from flash_attention.ops.plans import device_facts
 from flash_attention.reference import attention_reference, causal_allowed
 from flash_attention.tools import debug, sanity
 from flash_attention.tools.sim import TraceSpec, simulate
@@ -30,7 +33,7 @@ from flash_attention.winners import SEQLEN_BUCKETS
 pytestmark = pytest.mark.gpu
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-# Every portable default (the debug build and the simulator model the sm80 kernel), and the variants.
+# Every portable default, and the variants.
 CONFIGS = [
     c.name()
     for c in dict.fromkeys(
@@ -41,6 +44,18 @@ CONFIGS = [
         for n in SEQLEN_BUCKETS
     )
 ] + list(_VARIANTS)
+# The warp-specialized Hopper defaults (sm_90 only): three consumer warpgroups (head_dim 64), the persistent
+# grid (128, 64 with a 3-deep ring of 176-key tiles) and one block per tile (128 with 176 keys, 192, 256 with
+# 80 keys), and the schedule without intra-warpgroup overlap (256, short).
+WS_TRACE_CONFIGS = [
+    default_config("bf16", 64, False, 8192, 8192, "sm_90").name(),
+    default_config("bf16", 128, True, 512, 512, "sm_90").name(),
+    default_config("fp16", 64, False, 512, 512, "sm_90").name(),
+    default_config("fp16", 128, False, 4096, 4096, "sm_90").name(),
+    default_config("bf16", 192, True, 4096, 4096, "sm_90").name(),
+    default_config("bf16", 256, True, 4096, 4096, "sm_90").name(),
+    default_config("fp16", 256, False, 512, 512, "sm_90").name(),
+]
 
 
 def _inputs(b, sq, sk, hq, hkv, d, dtype, seed):
@@ -63,10 +78,10 @@ def _reference_tolerance(q, k, v, causal):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("name", CONFIGS + [pytest.param(n, marks=needs_hopper) for n in WS_TRACE_CONFIGS])
 def test_kernel_equals_simulator(name, causal):
     cfg = parse_config(name)
-    seed = CONFIGS.index(name) * 2 + causal
+    seed = (CONFIGS + WS_TRACE_CONFIGS).index(name) * 2 + causal
     d = cfg.head_dim if seed % 4 < 2 else cfg.head_dim - 24
     sq, sk = (459, 300) if causal else (300, 459)  # causal: 159 rows see no key
     q, k, v = _inputs(2, sq, sk, 4, 2, d, DTYPES[cfg.dtype], seed)
@@ -128,7 +143,7 @@ TRACE_CONFIGS = [
     "(FP16, 256, 64, 32, 4): async+eager+load_1_1_1_tiles+buffer",
     "(BF16, 256, 128, 64, 8): async+eager+swizzled+load_2_2_1_tiles+buffer+opt_softmax",
     "(BF16, 64, 16, 256, 1): async+eager+swizzled+load_0_1_2_tiles+buffer+opt_softmax",
-]
+] + [pytest.param(n, marks=needs_hopper) for n in WS_TRACE_CONFIGS]
 
 
 @pytest.mark.parametrize("name", TRACE_CONFIGS)
@@ -138,7 +153,7 @@ def test_kernel_trace_matches_the_simulator(name):
     q, k, v = _inputs(1, 300, 333, 4, 2, d, DTYPES[cfg.dtype], 17)
     for causal in (False, True):
         # The last warp of the last row block: rows past seqlen_q, the tail of K/V, and (causal) the diagonal.
-        spec = TraceSpec(0, 3, -1, cfg.num_warps - 1)
+        spec = TraceSpec(0, 3, -1, cfg.compute_warps - 1)
         out_t, lse_t, tr_k = debug.run_kernel(q, k, v, cfg, causal=causal, trace=spec)
         out_n, lse_n = fa.forward(cfg, q, k, v, causal=causal, return_lse=True)
         # The debug build computes bit for bit what the normal build computes.
@@ -156,12 +171,17 @@ def test_kernel_trace_matches_the_simulator(name):
         default_config("bf16", 128, False, 1, 1).name(),
         "(BF16, 128, 64, 64, 4): async+eager+swizzled+load_0_1_1_tiles+buffer+opt_softmax+reverse",
         "(FP16, 256, 64, 32, 4): async+eager+load_1_1_1_tiles+buffer",
+        # The warp-specialized kernel with and without the overlapped schedule (step j's O is recorded
+        # inside step j + 1 with it), and persistent.
+        pytest.param(default_config("bf16", 128, False, 4096, 4096, "sm_90").name(), marks=needs_hopper),
+        pytest.param(default_config("fp16", 256, False, 512, 512, "sm_90").name(), marks=needs_hopper),
+        pytest.param(default_config("bf16", 64, True, 512, 512, "sm_90").name(), marks=needs_hopper),
     ],
 )
 def test_planted_faults_are_located(name, tmp_path, capsys):
     cfg = parse_config(name)
     q, k, v = _inputs(1, 300, 300, 2, 2, cfg.head_dim, DTYPES[cfg.dtype], 23)
-    spec = TraceSpec(0, 1, 1, cfg.num_warps - 1)
+    spec = TraceSpec(0, 1, 1, cfg.compute_warps - 1)
     *_, tr_s = simulate(q, k, v, cfg, trace=spec)
 
     # Skipped rescale: O goes wrong at the first step where some row's max grew (alpha < 1), not before.
@@ -171,13 +191,14 @@ def test_planted_faults_are_located(name, tmp_path, capsys):
     assert m is not None and (m.step, m.name) == (first, "O"), m.describe() if m else None
     assert tr_s.steps[m.step]["alpha"][m.index[0]] < 1
 
-    # Wrong swizzle of K's fragments: Q and K in shared memory are right, S of the first step is not.
+    # Wrong swizzle of K's fragments (warp-specialized: K's descriptor one row off, fa/trace.cuh): Q and K
+    # in shared memory are right, S of the first step is not.
     _, _, tr_k = debug.run_kernel(q, k, v, cfg, trace=spec, fault="wrong_swizzle")
     m = debug.compare(tr_s, tr_k)
     assert m is not None and (m.step, m.name) == (0, "S"), m.describe() if m else None
 
     # The command names the same place and writes both traces.
-    args = ["--config", name, "--seqlen", "300", "--trace", f"0,1,1,{cfg.num_warps - 1}"]
+    args = ["--config", name, "--seqlen", "300", "--trace", f"0,1,1,{cfg.compute_warps - 1}"]
     args += ["--seed", "5", "--out", str(tmp_path)]
     assert debug.main(args) == 0
     out = capsys.readouterr().out
@@ -190,12 +211,51 @@ def test_planted_faults_are_located(name, tmp_path, capsys):
     assert kernel_txt.count("\n## step ") == (tmp_path / "sim.txt").read_text().count("\n## step ")
 
 
+@needs_hopper
+@pytest.mark.parametrize(
+    "name",
+    [
+        default_config("bf16", 128, True, 512, 512, "sm_90").name(),
+        default_config("fp16", 64, True, 512, 512, "sm_90").name(),
+        default_config("bf16", 64, False, 8192, 8192, "sm_90").name(),
+    ],
+)
+def test_ws_trace_of_a_late_tile_and_of_rows_without_keys(name):
+    """More query tiles than multiprocessors (a persistent block reaches the traced tile through the tile
+    counter, after other tiles), GQA 4:1, and causal with seqlen_q > seqlen_k: a row block that sees no key
+    (at block_q 128) and rows without keys inside a visited block (at 192)."""
+    cfg = parse_config(name)
+    b, sq, sk, hq, hkv = 2, 459, 300, 24, 6
+    tiles = b * hq * math.ceil(sq / cfg.block_q)
+    assert tiles > torch.cuda.get_device_properties(0).multi_processor_count
+    q, k, v = _inputs(b, sq, sk, hq, hkv, cfg.head_dim, DTYPES[cfg.dtype], 31)
+    cases = [
+        (False, TraceSpec(1, hq - 1, -1, cfg.compute_warps - 1)),  # the last tile of the schedule
+        (True, TraceSpec(1, 17, -1, 5)),
+        (True, TraceSpec(0, 5, 0, 3)),  # rows 48..63: no key is visible to them (159 rows see none)
+    ]
+    for causal, spec in cases:
+        out_t, lse_t, tr_k = debug.run_kernel(q, k, v, cfg, causal=causal, trace=spec)
+        out_n, lse_n = fa.forward(cfg, q, k, v, causal=causal, return_lse=True)
+        assert torch.equal(out_t, out_n) and torch.equal(lse_t, lse_n)
+        *_, tr_s = simulate(q, k, v, cfg, causal=causal, trace=spec)
+        assert tr_k.kv_blocks == tr_s.kv_blocks
+        mismatch = debug.compare(tr_s, tr_k)
+        assert mismatch is None, f"{name} causal={causal} {spec}: {mismatch.describe()}"
+        if spec.row_block == 0 and causal:
+            assert torch.isneginf(tr_k.final["LSE"]).all() and (tr_k.final["O"] == 0).all()
+            assert (tr_k.n_blocks == 0) == (cfg.block_q <= 159)
+
+
 def test_trace_from_the_environment_variable(monkeypatch):
     q, k, v = _inputs(1, 200, 200, 4, 4, 64, torch.bfloat16, 29)
     monkeypatch.setenv("FLASH_ATTENTION_TRACE", "0,2,1,0")
     out = fa.attention(q, k, v, causal=True)
     tr_k = debug.last_kernel_trace()
     assert tr_k is not None and tr_k.spec == TraceSpec(0, 2, 1, 0)
+    # The config a traced call picks (on Hopper the warp-specialized default, which has a debug build).
+    facts = device_facts(torch.cuda.current_device())
+    assert tr_k.config == ops.forward_config("bf16", 64, True, 200, 200, 1, **facts, features=["trace"])
     *_, tr_s = simulate(q, k, v, tr_k.config, causal=True, trace=tr_k.spec)
     assert debug.compare(tr_s, tr_k) is None
     monkeypatch.delenv("FLASH_ATTENTION_TRACE")

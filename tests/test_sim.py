@@ -97,12 +97,22 @@ def _expected_blocks(cfg, row_block, sq, sk, causal):
     return blocks[::-1] if cfg.reverse_kv else blocks
 
 
+# Hopper defaults of the warp-specialized kernel (its consumer warps own 16 rows each): three consumer
+# warpgroups, the persistent grid with 176-key tiles, and 80-key tiles at head_dim 256.
+WS_CONFIGS = [
+    default_config("bf16", 64, False, 8192, 8192, "sm_90").name(),
+    default_config("fp16", 64, False, 512, 512, "sm_90").name(),
+    default_config("bf16", 256, True, 4096, 4096, "sm_90").name(),
+]
+
+
 @pytest.mark.parametrize(
     "name",
     [
         "(BF16, 64, 64, 128, 4): async+eager+swizzled+load_0_0_1_tiles+buffer+opt_softmax",
         "(BF16, 64, 64, 128, 4): async+eager+swizzled+load_0_2_2_tiles+buffer+opt_softmax+reverse",
         "(BF16, 64, 16, 256, 1): async+eager+swizzled+load_0_1_2_tiles+buffer+opt_softmax",
+        *WS_CONFIGS,
     ],
 )
 @pytest.mark.parametrize("sq,sk", [(150, 150), (100, 230), (230, 100)])
@@ -122,6 +132,7 @@ def test_trace_visits_the_kernels_blocks_in_order(name, sq, sk):
         "(BF16, 128, 128, 64, 4): async+eager+swizzled+load_4_4_1_tiles+buffer+opt_softmax",
         "(BF16, 128, 64, 64, 4): async+eager+swizzled+load_0_1_1_tiles+buffer+opt_softmax+reverse",
         "(FP16, 256, 64, 32, 4): async+eager+load_1_1_1_tiles+buffer",
+        *WS_CONFIGS,
     ],
 )
 @pytest.mark.parametrize("causal", [False, True])
@@ -130,7 +141,8 @@ def test_trace_is_consistent(name, causal):
     sq, sk, d = 230, 300, cfg.head_dim - 8
     q, k, v = _inputs(1, sq, sk, 4, 2, d, DTYPES[cfg.dtype], 5)
     scale = 0.7 / math.sqrt(d)
-    spec = TraceSpec(0, 3, -1, 1)  # GQA: query head 3 reads K/V head 1
+    # GQA: query head 3 reads K/V head 1. A warp-specialized block's last consumer warp: rows past seqlen_q.
+    spec = TraceSpec(0, 3, -1, cfg.compute_warps - 1 if cfg.warp_specialized else 1)
     out, lse, tr = simulate(q, k, v, cfg, causal=causal, softmax_scale=scale, trace=spec)
     spec = tr.spec
     wm, bc = cfg.rows_per_warp, cfg.block_kv

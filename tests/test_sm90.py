@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from flash_attention.configs import default_config, parse_config, wgmma_config
+from flash_attention.configs import default_config, parse_config, supports, wgmma_config, ws_config
 from flash_attention.jit import cache, sources
+from flash_attention.jit.params import TraceLayout
+from flash_attention.ops import select
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,9 +44,34 @@ def test_wgmma_config_refuses_other_architectures():
     assert cache.target_arch(default_config("bf16", 128, False, 1, 1), "sm_80") == "sm_80"
 
 
-def test_trace_build_is_sm80_only():
+def test_trace_build_is_the_ws_kernels_and_not_the_sm90_kernels():
     with pytest.raises(ValueError, match="debug \\(trace\\) build"):
         sources.kernel_source(wgmma_config("bf16", 64, 64, 64), trace=True)
+    cfg = ws_config("bf16", 64, 192, 128, 2, overlap=True)
+    normal, traced = sources.kernel_source(cfg), sources.kernel_source(cfg, trace=True)
+    assert "FA_TRACE" not in normal
+    assert "#define FA_TRACE 1" in traced and '#include "sm90/fwd_ws/fwd_kernel.cuh"' in traced
+    assert "fa::trace::Layout<Cfg>::kStep ==" in traced and "fa::FwdTmaParams p" in traced
+    assert sources.kernel_symbol(cfg, True, trace=True) in traced
+    assert TraceLayout.of(cfg).wm == 16 == cfg.rows_per_warp and cfg.compute_warps == 12
+
+
+def test_traced_calls_keep_the_ws_kernel_unless_it_lacks_a_feature():
+    """A traced call on Hopper runs the warp-specialized default (it has the debug build); one it cannot take
+    (a layout TMA cannot address, a negative scale) runs the sm80 kernel's, not the sm90 kernel's (which
+    has none)."""
+    facts = dict(arch="sm_90", gpu="", smem_limit=232448)
+    for d, n, causal in ((64, 8192, False), (128, 512, True), (128, 4096, False), (256, 4096, True)):
+        plain = select.forward_config("bf16", d, causal, n, n, 1, **facts)
+        assert plain.warp_specialized and supports(plain, "trace")
+        assert select.forward_config("bf16", d, causal, n, n, 1, **facts, features=["trace"]) == plain
+        for extra in ("untileable", "negative_scale"):
+            cfg = select.forward_config("bf16", d, causal, n, n, 1, **facts, features=["trace", extra])
+            assert not cfg.wgmma, (d, n, causal, extra)
+    sm90 = wgmma_config("bf16", 64, 64, 64)
+    assert not supports(sm90, "trace")
+    with pytest.raises(ValueError, match="no build for trace"):
+        select.forward_config("bf16", 64, False, 512, 512, 1, **facts, features=["trace"], config=sm90)
 
 
 def test_hopper_forward_units_compile_to_wgmma_without_spills(catalog_builds):

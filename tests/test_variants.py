@@ -53,7 +53,8 @@ struct Window {
     return b;
   }
   template <class Acc>
-  __device__ __forceinline__ void mask_query_rows(const Acc& s, int q_row0, int kv_start, int g, int t) const {
+  __device__ __forceinline__ void mask_query_rows(const Acc& s, int q_row0, int kv_start, int g,
+                                                  int t) const {
     for (int mt = 0; mt < Acc::kMT; ++mt)
       for (int n = 0; n < Acc::kN; ++n)
         for (int e = 0; e < 4; ++e) {
@@ -67,7 +68,8 @@ struct Window {
     for (int mt = 0; mt < Acc::kMT; ++mt)
       for (int n = 0; n < Acc::kN; ++n)
         for (int e = 0; e < 4; ++e) {
-          const int k = kv_start + warp_row0 + 16 * mt + g + 8 * (e >> 1), q = q_start + 8 * n + 2 * t + (e & 1);
+          const int k = kv_start + warp_row0 + 16 * mt + g + 8 * (e >> 1);
+          const int q = q_start + 8 * n + 2 * t + (e & 1);
           if (k < lo(q) || k >= hi(q)) s(mt, n, e) = fa::neg_inf();
         }
   }

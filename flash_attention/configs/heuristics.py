@@ -78,8 +78,9 @@ def _hopper_default(dtype: str, d: int, n: int, causal: bool) -> KernelConfig:
     are warp-specialized with intra-warpgroup overlap (K and V slots freed apart, so a 2-deep ring suffices
     and leaves room for larger tiles) except at head_dim 256 and 512 keys.
     * Up to 2k keys at head_dim 64, up to 1k (2k causal) at 128, the persistent grid: one block per SM
-      takes query tiles from an atomic counter, and loads the next tile's Q and K/V while the current one finishes. Short blocks are
-      where the launch and prologue of a new block cost most: +12% at head_dim 128, 512 keys.
+      takes query tiles from an atomic counter, and loads the next tile's Q and K/V while the current one
+      finishes. Short blocks are where the launch and prologue of a new block cost most: +12% at head_dim
+      128, 512 keys.
     * Beyond, one block per tile, and key tiles as large as a 2-deep ring allows: 128 x 128 at head_dim 128
       (176 keys from 4k non-causal and 8k causal, where the longer tile's fewer barriers pay), three
       consumer warpgroups of 64 rows over 128-key tiles at head_dim 64 (160 registers each), 112 keys at

@@ -191,7 +191,7 @@ class TraceLayout:
 
     @classmethod
     def of(cls, cfg) -> TraceLayout:
-        return cls(cfg.block_q // cfg.num_warps, cfg.block_kv, cfg.head_dim)
+        return cls(cfg.rows_per_warp, cfg.block_kv, cfg.head_dim)
 
     def shape(self, dims: tuple[str, ...]) -> tuple[int, ...]:
         return tuple({"WM": self.wm, "BC": self.bc, "D": self.d}[x] for x in dims)

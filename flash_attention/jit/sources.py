@@ -50,16 +50,18 @@ def kernel_source(
 ) -> str:
     """The translation unit of one config: its constants and the causal / non-causal entry points.
 
-    ``trace=True`` is the debug build (csrc/include/fa/trace.cuh): FA_TRACE=1 and the trace buffer's layout
-    pinned to jit/params.py. ``ranged=True`` is the key-padding build (per-batch key ranges), compiled only
-    when a call first needs it. Their texts differ from the normal build's, so do their cache keys.
+    ``trace=True`` is the debug build (csrc/include/fa/trace.cuh) of the sm80 or the warp-specialized kernel
+    (the sm90 kernel has none): FA_TRACE=1 and the trace buffer's layout pinned to jit/params.py.
+    ``ranged=True`` is the key-padding build (per-batch key ranges), compiled only when a call first needs
+    it. Their texts differ from the normal build's, so do their cache keys.
     """
     if isinstance(cfg, BwdConfig):
         return bwd_kernel_source(cfg, ranged=ranged, dropout=dropout)
     variant = variant_name(trace, ranged, dropout)
-    if cfg.wgmma and trace:
+    if trace and cfg.wgmma and not cfg.warp_specialized:
         raise ValueError(
-            "the debug (trace) build exists for the sm80 kernel only; pick a config without wgmma"
+            "the debug (trace) build exists for the sm80 kernel and the warp-specialized Hopper kernel only; "
+            "pick a config without wgmma or with ws"
         )
     # The wgmma kernel's body lives in namespace fa::sm90; each entry point may hold two blocks per
     # multiprocessor (the register budget that leaves is 255 at 128 threads, 128 at 256). The

@@ -89,12 +89,13 @@ def _params(q, k, v, o, cfg: KernelConfig, scale: float, dropout_p: float) -> Fw
     return p
 
 
-def _make_plan(q, k, v, o, causal, scale, ranged, dropout_p, config, needs) -> _Plan:
+def _make_plan(q, k, v, o, causal, scale, ranged, dropout_p, config, needs, trace=False) -> _Plan:
+    """The plan of a call (``trace``: with the debug build's kernel, fa/trace.cuh)."""
     batch, seqlen_q, heads_q = q.shape[:3]
     check_grid(batch, heads_q, seqlen_q, k.shape[1])
     index = q.get_device()
     cfg = _config(q, k, causal, needs, config)
-    kernel = get_kernel(cfg, bool(causal), device_arch(index), ranged=ranged, dropout=bool(dropout_p))
+    kernel = get_kernel(cfg, bool(causal), device_arch(index), trace, ranged=ranged, dropout=bool(dropout_p))
     kernel.ensure_dynamic_smem(cfg.smem_bytes, index)
     p = _params(q, k, v, o, cfg, scale, dropout_p)
     grid = (p.num_m_blocks, heads_q, batch)
@@ -128,6 +129,29 @@ def _tma_args(plan: _Plan, q_ptr: int, k_ptr: int, v_ptr: int) -> FwdTmaParams:
     if len(plan.encoded) > _ENCODED_PER_PLAN:  # oldest first (no reordering on a hit: safe for threads)
         plan.encoded.popitem(last=False)
     return args
+
+
+def _call_args(plan: _Plan, q_, k_, v_, o, lse):
+    """The plan's params with this call's tensors: ``(args, p, tile_counter)``, the struct to launch with,
+    its FwdParams (``args`` itself, or ``args.p`` for a TMA kernel) for the caller's remaining fields, and
+    the persistent grid's tile counter (or None), to be kept alive until the launch is queued."""
+    tile_counter = None
+    if plan.maps is None:
+        args = p = FwdParams.from_buffer_copy(plan.template)
+    else:
+        args = _tma_args(plan, q_.data_ptr(), k_.data_ptr(), v_.data_ptr())
+        p = args.p
+        if plan.tile_counter:
+            # The persistent grid's tile counter, zeroed in stream order before the launch. A buffer of
+            # its own per call: one shared between calls would mix the tiles of kernels running at once
+            # on two streams. (Only where there are more tiles than blocks: problems of a few hundred
+            # microseconds, next to which the fill is noise.)
+            tile_counter = torch.zeros(1, dtype=torch.int32, device=q_.device)
+            args.tile_counter = tile_counter.data_ptr()
+    p.q, p.k, p.v, p.o = q_.data_ptr(), k_.data_ptr(), v_.data_ptr(), o.data_ptr()
+    if lse is not None:
+        p.lse = lse.data_ptr()
+    return args, p, tile_counter
 
 
 def _map_layouts(
@@ -272,21 +296,7 @@ def cuda_forward(
 
     ranged = key_range is not None
     plan = _plan(q_, k_, v_, o, causal, softmax_scale, ranged, dropout_p, config, softmax_scale < 0)
-    if plan.maps is None:
-        args = p = FwdParams.from_buffer_copy(plan.template)
-    else:
-        args = _tma_args(plan, q_.data_ptr(), k_.data_ptr(), v_.data_ptr())
-        p = args.p
-        if plan.tile_counter:
-            # The persistent grid's tile counter, zeroed in stream order before the launch. A buffer of
-            # its own per call: one shared between calls would mix the tiles of kernels running at once
-            # on two streams. (Only where there are more tiles than blocks: problems of a few hundred
-            # microseconds, next to which the fill is noise.)
-            tile_counter = torch.zeros(1, dtype=torch.int32, device=q.device)
-            args.tile_counter = tile_counter.data_ptr()
-    p.q, p.k, p.v, p.o = q_.data_ptr(), k_.data_ptr(), v_.data_ptr(), o.data_ptr()
-    if lse is not None:
-        p.lse = lse.data_ptr()
+    args, p, tile_counter = _call_args(plan, q_, k_, v_, o, lse)  # (the counter held until the launch)
     if ranged:
         # The kernel reads two int32 per batch row, contiguous; kept alive until the launch is queued.
         key_range = key_range.to(device=q.device, dtype=torch.int32).contiguous()
@@ -328,34 +338,33 @@ def _padded_forward(
 
 
 def _traced_forward(q, k, v, causal, scale, return_lse, out, config, trace, trace_fault):
-    """The debug build (fa/trace.cuh) of the portable kernel: the traced warp's intermediates land in a
-    buffer kept for :func:`flash_attention.ops.trace.last_trace`."""
+    """The debug build (fa/trace.cuh) of the sm80 or the warp-specialized kernel, launched as the normal
+    build is (the same plan: grid, and for the warp-specialized kernel its tensor maps and tile counter):
+    the traced warp's intermediates land in a buffer kept for :func:`flash_attention.ops.trace.last_trace`.
+    A call the warp-specialized kernel cannot take (a layout TMA cannot address, a negative scale) runs the
+    sm80 kernel's debug build: the sm90 kernel the normal build would run instead has none."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
-    check_grid(batch, heads_q, seqlen_q, seqlen_k)
-    index = q.get_device()
-    cfg = _config(q, k, causal, ["trace", *feature_list(negative_scale=scale < 0)], config)
     q_, k_, v_ = kernel_ready(q), kernel_ready(k), kernel_ready(v)
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = (
         torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device) if return_lse else None
     )
-    p = _params(q_, k_, v_, o, cfg, scale, 0.0)
-    p.q, p.k, p.v, p.o = q_.data_ptr(), k_.data_ptr(), v_.data_ptr(), o.data_ptr()
-    p.lse = lse.data_ptr() if lse is not None else None
+    needs = feature_list(trace=True, negative_scale=scale < 0, untileable=tma.untileable(q_, k_, v_))
+    # Not kept among the plans: a debug call is rare, and its kernel is another build.
+    plan = _make_plan(q_, k_, v_, o, causal, scale, False, 0.0, config, needs, trace=True)
+    args, p, tile_counter = _call_args(plan, q_, k_, v_, o, lse)  # (the counter held until the launch)
     buf, p.trace_fault = _trace.trace_buffer(
-        cfg, trace, trace_fault, (batch, heads_q, seqlen_q, seqlen_k), q.device
+        plan.cfg, trace, trace_fault, (batch, heads_q, seqlen_q, seqlen_k), q.device
     )
     p.trace = buf.data_ptr()
     p.trace_batch, p.trace_head = trace.batch, trace.head
     p.trace_m_block, p.trace_warp = trace.row_block, trace.warp
-    kernel = get_kernel(cfg, bool(causal), device_arch(index), trace=True)
-    kernel.ensure_dynamic_smem(cfg.smem_bytes, index)
-    launch(kernel, (p.num_m_blocks, heads_q, batch), cfg.threads, cfg.smem_bytes, index, p)
+    launch(plan.kernel, plan.grid, plan.threads, plan.smem, plan.index, args)
     _trace.record(
         {
             "buffer": buf,
-            "config": cfg,
+            "config": plan.cfg,
             "target": _trace.TraceTarget(trace.batch, trace.head, trace.row_block, trace.warp),
             "fault": trace_fault,
             "causal": bool(causal),

@@ -67,7 +67,7 @@ def trace_buffer(cfg: KernelConfig, target, fault: str, shape: tuple, device) ->
         ("batch", target.batch, batch),
         ("head", target.head, heads_q),
         ("row_block", target.row_block, math.ceil(seqlen_q / cfg.block_q)),
-        ("warp", target.warp, cfg.num_warps),
+        ("warp", target.warp, cfg.compute_warps),
     ]
     for name, value, limit in checks:
         if not 0 <= value < limit:

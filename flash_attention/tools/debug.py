@@ -228,7 +228,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--config",
         required=True,
         help="a kernel config name, e.g. '(BF16, 128, 64, 64, 4): async+eager+swizzled+load_0_2_2_tiles"
-        "+buffer', or 'default' (the shipped default for --dtype and --head-dim)",
+        "+buffer' or '(BF16, 128, 128, 128, 12): wgmma+ws+overlap+stages_2', or 'default': what a traced "
+        "call runs on this GPU for --dtype and --head-dim (on Hopper the warp-specialized kernel; without a "
+        "GPU the portable kernel's default)",
     )
     ap.add_argument(
         "--seqlen", type=int, required=True, help="query length (and key length unless --seqlen-k)"
@@ -266,7 +268,24 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 def _config(args) -> KernelConfig:
     if args.config.strip().lower() == "default":
         d = args.head_dim or 128
-        return portable_config(args.dtype, d, args.causal, args.seqlen, args.seqlen_k or args.seqlen)
+        sq, sk = args.seqlen, args.seqlen_k or args.seqlen
+        if _kernel_unavailable() is not None:
+            return portable_config(args.dtype, d, args.causal, sq, sk)
+        # The launch layer's own choice for a traced call (tuned winners and heuristics, then the family
+        # that has the debug build): on Hopper the warp-specialized kernel.
+        index = torch.cuda.current_device()
+        return ops.forward_config(
+            args.dtype,
+            d,
+            args.causal,
+            sq,
+            sk,
+            max(1, args.heads // (args.heads_kv or args.heads)),
+            arch=ops.device_arch(index),
+            gpu=ops.gpu_name(index),
+            smem_limit=ops.smem_limit(index),
+            features=["trace"] + (["negative_scale"] if args.scale is not None and args.scale < 0 else []),
+        )
     return parse_config(args.config)
 
 

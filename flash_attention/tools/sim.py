@@ -1,11 +1,14 @@
 """The tile simulator: the forward kernel's computation replayed on the CPU, tile for tile.
 
 :func:`simulate` computes attention exactly the way one :class:`~flash_attention.configs.KernelConfig` of the
-forward kernel (``csrc/kernels/sm80/fwd/fwd_kernel.cuh``) does, so the two can be compared number for number:
+forward kernel (``csrc/kernels/sm80/fwd/fwd_kernel.cuh``, or the warp-specialized Hopper kernel,
+``csrc/kernels/sm90/fwd_ws/fwd_kernel.cuh``, whose consumer warps run the same steps on wgmma) does, so the
+two can be compared number for number:
 
-* the same tiling: row blocks of ``block_q`` query rows, split over ``num_warps`` warps, against K/V tiles of
-  ``block_kv`` keys; Q, K and V zero-padded to whole tiles and to the compiled head_dim, as the kernel's
-  zero-filling copies leave them;
+* the same tiling: row blocks of ``block_q`` query rows, split over the warps that own rows
+  (``cfg.rows_per_warp`` each: ``block_q / num_warps``, or 16 per consumer warp of a warp-specialized block),
+  against K/V tiles of ``block_kv`` keys; Q, K and V zero-padded to whole tiles and to the compiled
+  head_dim, as the kernel's zero-filling copies (cp.async, or the TMA unit's out-of-bounds fill) leave them;
 * the same K/V order (first to last, or last to first with ``reverse_kv``) and the same causal skipping:
   a row block visits the K/V blocks up to its last row's last visible key (bottom-right alignment), and
   masks keys past ``seqlen_k`` and above the diagonal with -inf;
@@ -15,8 +18,8 @@ forward kernel (``csrc/kernels/sm80/fwd/fwd_kernel.cuh``) does, so the two can b
   key, the rescale factor alpha applied to L and O, each lane's partial row sum (pairs of columns added in
   n-tile order) and their quad reduction at the end;
 * the same rounding points: each ``mma.sync`` step (16 products summed, then added to the fp32
-  accumulator) as one rounding, P rounded to fp16/bf16 before P·V, O / L in fp32 and cast to the output
-  dtype, LSE in fp32.
+  accumulator; a wgmma instruction is one such 16-deep step too) as one rounding, P rounded to fp16/bf16
+  before P·V, O / L in fp32 and cast to the output dtype, LSE in fp32.
 
 What cannot be mirrored is the tensor cores' internal summation order and the hardware's ``ex2.approx``
 and ``logf``; they differ from ours by a few fp32 ulps. ``error_bound=True`` propagates exactly that
@@ -61,7 +64,8 @@ _EX2_REL = 2.0**-21  # ex2.approx against torch.exp2 (the hardware's error is ab
 @dataclass(frozen=True)
 class TraceSpec:
     """Which warp to trace: query head ``head`` of ``batch``, row block ``row_block`` (``block_q`` rows
-    each, -1 = the last), warp ``warp`` of that block (``block_q / num_warps`` rows each)."""
+    each, -1 = the last), warp ``warp`` of the block's computing warps (``cfg.rows_per_warp`` rows each; the
+    warp-specialized kernel's producer warps do not count)."""
 
     batch: int = 0
     head: int = 0
@@ -89,7 +93,7 @@ class TraceSpec:
             ("batch", self.batch, batch),
             ("head", self.head, heads_q),
             ("row_block", rb, n_rb),
-            ("warp", self.warp, cfg.num_warps),
+            ("warp", self.warp, cfg.compute_warps),
         ):
             if not 0 <= value < limit:
                 raise ValueError(

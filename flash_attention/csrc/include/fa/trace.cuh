@@ -1,12 +1,15 @@
-// Debug build of the forward kernel: one warp writes its intermediates to a device buffer.
+// Debug build of the forward kernels (the sm80 kernel, csrc/kernels/sm80/fwd, and the warp-specialized
+// Hopper kernel, csrc/kernels/sm90/fwd_ws): one warp writes its intermediates to a device buffer.
 //
-// Compiled only when the JIT defines FA_TRACE=1 (flash_attention/jit/kernels.py, kernel_source(trace=True));
+// Compiled only when the JIT defines FA_TRACE=1 (flash_attention/jit/sources.py, kernel_source(trace=True));
 // the normal build sees nothing of this file but the default below, so its code is unchanged. The traced
-// warp is chosen at launch (FwdParams::trace_batch/_head/_m_block/_warp); it records, for each K/V step, the
-// tiles it read from shared memory (Q, K, V, through the kernel's own swizzle), its accumulators (S before
-// scaling, P before rounding, O after the step), and its row statistics (M, the O rescale factor alpha, and
-// L summed over the quad), then the output rows as stored and their LSE. flash_attention/debug.py reads the
-// buffer back into the same named tensors the simulator (flash_attention/sim.py) produces.
+// warp is chosen at launch (FwdParams::trace_batch/_head/_m_block/_warp; warps are counted among those that
+// own query rows, so a warp-specialized block's first consumer warp is warp 0); it records, for each K/V
+// step, the tiles it read from shared memory (Q, K, V, through the kernel's own swizzle), its accumulators
+// (S before scaling, P before rounding, O after the step), and its row statistics (M, the O rescale factor
+// alpha, and L summed over the quad), then the output rows as stored and their LSE.
+// flash_attention/tools/debug.py reads the buffer back into the same named tensors the simulator
+// (flash_attention/tools/sim.py) produces.
 //
 // Why a buffer and not printf: thousands of threads printing interleave, truncate at the printf FIFO and
 // serialise the kernel; one warp's plain global stores change no arithmetic of the kernel, so the trace
@@ -33,12 +36,14 @@ namespace trace {
 enum Fault : int {
   kNoFault = 0,
   kSkipRescale = 1,   // O is not multiplied by alpha when the running max grows
-  kWrongSwizzle = 2,  // K fragments are read with the XOR of the next row: wrong chunks of K reach the mma
+  kWrongSwizzle = 2,  // K is read at the wrong place in shared memory: wrong values of K reach the mma
 };
 
 template <class Cfg>
 struct Layout {
-  static constexpr int WM = Cfg::kBlockQ / Cfg::kNumWarps;
+  // Rows per warp: the block's rows split over the warps that own query rows (a warp-specialized block's
+  // producer warpgroup owns none), as KernelConfig.rows_per_warp.
+  static constexpr int WM = Cfg::kBlockQ / (Cfg::kNumWarps - (Cfg::kWarpSpecialized ? 4 : 0));
   static constexpr int BC = Cfg::kBlockKV;
   static constexpr int D = Cfg::kHeadDim;
   // Header: a magic number (the buffer was written by a trace build), the block's number of K/V steps,
@@ -111,6 +116,12 @@ struct Tracer {
     }
   }
 
+  // Back to step `it`, already begun, for what the kernel computes of it only later (the warp-specialized
+  // kernel's overlapped schedule completes step j's P V inside step j + 1).
+  __device__ __forceinline__ void resume_step(int it) {
+    if (on()) step_base = base + L::kFirstStep + it * L::kStep;
+  }
+
   // `rows` rows of a shared-memory tile (row0 onwards), read through the kernel's chunk offset function.
   template <class Offset>
   __device__ __forceinline__ void smem_tile(int off, const u16* tile, int row0, int rows,
@@ -140,6 +151,21 @@ struct Tracer {
   __device__ __forceinline__ void acc(int off, const float (&x)[MT][N][4]) const {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) acc_tile<N>(off, mt, x[mt]);
+  }
+
+  // The same through an accumulator view of fa/frag.cuh (AccTile, AccTile1, AccFlat), which is how the
+  // wgmma kernels hold S and O (flat float[4 N], the warp's 16 rows of the m64nN fragment).
+  template <class Acc>
+  __device__ __forceinline__ void acc_view(int off, const Acc& x) const {
+    if (!on()) return;
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int mt = 0; mt < Acc::kMT; ++mt)
+#pragma unroll
+      for (int n = 0; n < Acc::kN; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          step_base[off + (16 * mt + g + 8 * (e >> 1)) * 8 * Acc::kN + 8 * n + 2 * t + (e & 1)] = x(mt, n, e);
   }
 
   // A per-row value held identically by the four lanes of a quad (row 16 mt + g + 8 r).
@@ -185,6 +211,14 @@ __device__ __forceinline__ void plant_swizzle_fault(Addr& a, u32 tile, int lane_
 #pragma unroll
   for (int c = 0; c < 4; ++c) a.base[c] = tile + 2 * D * lane_row + 16 * ((2 * c + b) ^ ((lane_row + 1) & 7));
 }
+
+// kWrongSwizzle in the warp-specialized kernel, whose K operand the tensor cores read from shared memory
+// themselves through a descriptor (no per-lane addresses to corrupt): the descriptor starts one 128-byte row
+// past K's tile. The tensor cores then take each key's columns from where the next row's lie, undoing the
+// swizzle with a pattern one row off (or, should they take the pattern from the address, the next key
+// whole): either way K in shared memory is right and S = Q K^T is not. The last key reads the row after the
+// tile, still inside the block's shared memory. Returns the bytes to add to K's tile address.
+__device__ __forceinline__ u32 wrong_swizzle_bytes(int fault) { return fault == kWrongSwizzle ? 128u : 0u; }
 
 }  // namespace trace
 }  // namespace fa

@@ -31,6 +31,12 @@
 // per multiprocessor taking tiles dynamically (below, "The tile schedule"). The K/V ring runs on across
 // tiles, so the producer loads the next tile's Q and first K/V blocks while the consumers finish the
 // current one, whose output goes through its own staging buffer.
+//
+// Debug build (FA_TRACE, fa/trace.cuh): one consumer warp of the traced tile records what it reads and
+// computes. Q and K_j are read back from shared memory as soon as S_j has landed, before the warp releases
+// K_j's slot (and, after the tile's last S, the Q buffer); M, alpha, L and P in the softmax step; V_j and O
+// once P_j V_j has completed (in the overlapped schedule, inside step j + 1 or after the loop), before V_j's
+// slot is released and O is rescaled again. Nothing of it is in the normal build.
 #pragma once
 
 #include "fa/block_range.cuh"
@@ -46,6 +52,7 @@
 #include "fa/softmax.cuh"
 #include "fa/tile_ptrs.cuh"
 #include "fa/tma.cuh"
+#include "fa/trace.cuh"
 #include "fa/variant.cuh"
 #include "fa/wgmma.cuh"
 
@@ -212,7 +219,18 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
 
   // Descriptors as in the sm90 kernel: Q and K K-major, V MN-major, 64-column panels of 128-byte rows.
   const u64 q_desc = smem_desc_sw128(sQ + cwg * 64 * 128, 16, 1024);
+#if FA_TRACE
+  // (The planted fault kWrongSwizzle starts K's descriptor one row late: fa/trace.cuh.)
+  const u64 k_desc = smem_desc_sw128(sK + trace::wrong_swizzle_bytes(p.trace_fault), 16, 1024);
+  // Tiles are read back through generic pointers, element (row, col) where the TMA unit wrote it: 64-column
+  // panels of 128-byte rows, 128-byte swizzle.
+  using TL = trace::Layout<Cfg>;
+  auto trace_tile = [&](u32 tile) { return reinterpret_cast<const u16*>(smem + (tile - smem_addr(smem))); };
+  auto trace_q_elem = [](int row, int chunk) { return (int)(PanelTile<BR>::bytes(row, chunk) / 2); };
+  auto trace_kv_elem = [](int row, int chunk) { return (int)(PanelTile<BC>::bytes(row, chunk) / 2); };
+#else
   const u64 k_desc = smem_desc_sw128(sK, 16, 1024);
+#endif
   const u64 v_desc = smem_desc_sw128(sV, BC * 128, 1024);
   const float sl2 = p.scale_log2;
 
@@ -258,7 +276,15 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
     const auto blocks = mask.template kv_blocks<BC>(q_start, q_valid);
     const int j_lo = blocks.begin;
     const int n_iter = blocks.end - j_lo;
+#if FA_TRACE
+    // Per tile: the persistent grid's block runs several, of which at most one is the traced one.
+    trace::Tracer<Cfg> tr(p, batch, head, m_block_of(x), ctid / 32, lane);
+    tr.begin(blocks.end);
+#endif
     if (n_iter <= 0) {  // no key visible to any row: out = 0, lse = -inf
+#if FA_TRACE
+      tr.empty_block();
+#endif
       store_empty_block<BR, D, NCT>(p, gO, gL, q_valid, ctid);
       if constexpr (Cfg::kPersistent) mbar_arrive(q_empty);  // this thread has read s_tile
       continue;
@@ -311,6 +337,50 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
         if (it == n_iter - 1) mbar_arrive(q_empty);
     };
 
+#if FA_TRACE
+    // S_j has landed and neither K_j's slot nor Q has been released (trace before s_done).
+    auto trace_s = [&](float (&sacc)[NS* 4], int it) {
+      tr.begin_step(it, j_lo + it);
+      tr.smem_tile(TL::kQ, trace_tile(sQ), warp_row0, 16, trace_q_elem);
+      tr.smem_tile(TL::kK, trace_tile(sK + slot(it) * kTile), 0, BC, trace_kv_elem);
+      tr.acc_view(TL::kS, acc_tile(sacc));
+    };
+    // After the softmax step, before s_to_p rounds P; then the planted fault that leaves O unrescaled (for
+    // every block, as a real bug would be).
+    auto trace_softmax = [&](float (&sacc)[NS* 4], float (&alpha)[2]) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        tr.row_value(TL::kM, 0, r, row_max[r]);
+        tr.row_value(TL::kAlpha, 0, r, alpha[r]);
+        tr.row_sum(TL::kL, 0, r, row_sum[r]);
+      }
+      tr.acc_view(TL::kP, acc_tile(sacc));
+      if (tr.skip_rescale()) alpha[0] = alpha[1] = 1.f;
+    };
+    // P_j V_j has completed, and neither has V_j's slot been released nor O rescaled for step j + 1.
+    auto trace_pv = [&](int it) {
+      tr.resume_step(it);
+      tr.smem_tile(TL::kV, trace_tile(sV + slot(it) * kTile), 0, BC, trace_kv_elem);
+      tr.acc_view(TL::kO, acc_tile(o));
+    };
+    // The output rows as staged for the copy-out at s_tile, this warp's first at row0 (read back: what is
+    // stored), and their LSE as computed for gL. Both epilogues below stage in 64-row panels per warpgroup
+    // when persistent, else in the BR-row panels of the Q tile.
+    auto trace_final = [&](u32 s_tile, int row0) {
+      using OTile = PanelTile<Cfg::kPersistent ? 64 : BR>;
+      if (!tr.on()) return;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+#pragma unroll
+        for (int n = 0; n < NO; ++n)
+          tr.final_pair(g + 8 * r, 8 * n + 2 * t,
+                        ld_shared_32(s_tile + OTile::bytes(row0 + g + 8 * r, n) + 4 * t));
+        const float l = quad_sum(row_sum[r]);
+        if (t == 0) tr.final_lse(g + 8 * r, row_lse<kFold>(p, row_max[r], l));
+      }
+    };
+#endif
+
     if (cwg == 1) pass_turn();
     if constexpr (!Cfg::kPersistent) mbar_wait(q_full, 0);  // (persistent: waited for with the index)
     if constexpr (!Cfg::kOverlap) {
@@ -322,9 +392,15 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
         issue_s_at(sacc, it);
         wgmma_wait<0>();
         wgmma_hold(sacc);
+#if FA_TRACE
+        trace_s(sacc, it);
+#endif
         s_done(it);
         float alpha[2];
         softmax_step(sacc, it, alpha);
+#if FA_TRACE
+        trace_softmax(sacc, alpha);
+#endif
         rescale_o(alpha);
         u32 pf[KS][4];
         s_to_p<BC, BF>(pf, sacc);
@@ -333,6 +409,9 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
         pass_turn();
         wgmma_wait<0>();
         wgmma_hold(o);
+#if FA_TRACE
+        trace_pv(it);
+#endif
         release(v_empty(slot(it)));
       }
     } else {
@@ -349,9 +428,15 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
         pass_turn();
         wgmma_wait<0>();
         wgmma_hold(sacc);
+#if FA_TRACE
+        trace_s(sacc, 0);
+#endif
         s_done(0);
         float alpha[2];  // O is still zero: nothing to rescale
         softmax_step(sacc, 0, alpha);
+#if FA_TRACE
+        trace_softmax(sacc, alpha);
+#endif
         s_to_p<BC, BF>(pf, sacc);
       }
       for (int it = 1; it < n_iter; ++it) {
@@ -364,11 +449,20 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
         pass_turn();
         wgmma_wait<1>();  // S_j has landed; P_{j-1} V_{j-1} may still run
         wgmma_hold(sacc);
+#if FA_TRACE
+        trace_s(sacc, it);
+#endif
         s_done(it);
         float alpha[2];
         softmax_step(sacc, it, alpha);
+#if FA_TRACE
+        trace_softmax(sacc, alpha);
+#endif
         wgmma_wait<0>();
         wgmma_hold(o);
+#if FA_TRACE
+        trace_pv(it - 1);  // the previous step's O, before this step's rescale
+#endif
         release(v_empty(slot(it - 1)));
         rescale_o(alpha);
         s_to_p<BC, BF>(pf, sacc);
@@ -379,6 +473,9 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
       pass_turn();
       wgmma_wait<0>();
       wgmma_hold(o);
+#if FA_TRACE
+      trace_pv(n_iter - 1);
+#endif
       release(v_empty(slot(n_iter - 1)));
     }
     if (cwg == 0) take_turn();  // the turn warpgroup 1 passed after its last issue
@@ -389,6 +486,9 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
       // O staged in this warpgroup's own rows of the Q tile: each consumer warpgroup's wgmma read only its
       // own 64 rows of Q, and its last one has completed.
       stage_o_and_lse<D, PanelTile<BR>, BF, kFold>(p, o, row_max, row_sum, sQ, gL, warp_row0, g, t, q_valid);
+#if FA_TRACE
+      trace_final(sQ, warp_row0);
+#endif
       // Every consumer's rows of O are staged before any of them copies whole rows out (named barrier 1:
       // the producer warpgroup does not take part).
       named_barrier_sync(1, NCT);
@@ -412,6 +512,9 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
       named_barrier_sync(4 + cwg, 128);
       stage_o_and_lse<D, OTile, BF, kFold>(p, o, row_max, row_sum, sOw, gL ? gL + 64 * cwg : nullptr,
                                            warp_row0 - 64 * cwg, g, t, rows);
+#if FA_TRACE
+      trace_final(sOw, warp_row0 - 64 * cwg);
+#endif
       named_barrier_sync(4 + cwg, 128);
       store_o_tile<64, D, 128, OTile>(p, gO + 64 * cwg * p.o_row_stride, sOw, rows, ctid % 128);
     }
