@@ -7,6 +7,15 @@ import pytest
 import torch
 
 
+def pytest_configure(config):
+    # Under pytest-xdist (-n N) every worker's torch would use all cores for its CPU work (the simulator,
+    # the float64 references), N times oversubscribing the machine: with 16 workers on 16 cores the
+    # simulator tests ran ten times slower than alone. Each worker takes its share.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
