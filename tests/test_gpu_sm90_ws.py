@@ -123,3 +123,26 @@ def test_a_layout_tma_cannot_address_runs_the_sm90_kernel():
     o = ops.cuda_forward(q, k, k, causal=False, softmax_scale=0.1, return_lse=False, out=None)[0]
     ref, _ = attention_reference(q, k, k, softmax_scale=0.1)
     assert (o.double() - ref).abs().max().item() < 0.02
+
+
+@needs_hopper
+def test_persistent_tile_counter_is_left_zero_for_the_next_launch():
+    # More query tiles than multiprocessors, so the persistent grid draws tiles from its stream's counter;
+    # each launch must leave it zero (the next launch on the stream starts from it), on the default stream
+    # and on a side stream alike, call after call.
+    from flash_attention.ops import forward as fwd
+
+    cfg = ws_config("bf16", 128, 128, 128, 2, overlap=True, persistent=True)
+    q, k, v = (torch.randn(2, 1000, 96, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    ref, _ = attention_reference(q, k, v, causal=True, softmax_scale=0.1)
+    side = torch.cuda.Stream()
+    for stream in (torch.cuda.current_stream(), side, torch.cuda.current_stream(), side):
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                o = torch.full_like(q, float("nan"))
+                ops.cuda_forward(
+                    q, k, v, causal=True, softmax_scale=0.1, return_lse=False, out=o, config=cfg
+                )  # fmt: skip
+                counter = fwd._TILE_COUNTERS[(q.device.index, stream.cuda_stream)]
+                assert counter.tolist() == [0, 0]
+                assert (o.double() - ref).abs().max().item() < 0.02

@@ -131,6 +131,23 @@ def _tma_args(plan: _Plan, q_ptr: int, k_ptr: int, v_ptr: int) -> FwdTmaParams:
     return args
 
 
+#: The persistent grid's tile counters, one per (device, stream): two int32 that every launch leaves zero.
+_TILE_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _stream_tile_counter(device: torch.device) -> torch.Tensor:
+    """The tile counter of the current stream on ``device`` (zero-filled in stream order at first use).
+    While a CUDA graph is being captured, a fresh one: its fill is captured with the launch and replays
+    with it, and no graph's private memory ends up in the cache."""
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros(2, dtype=torch.int32, device=device)
+    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    counter = _TILE_COUNTERS.get(key)
+    if counter is None:
+        counter = _TILE_COUNTERS[key] = torch.zeros(2, dtype=torch.int32, device=device)
+    return counter
+
+
 def _call_args(plan: _Plan, q_, k_, v_, o, lse):
     """The plan's params with this call's tensors: ``(args, p, tile_counter)``, the struct to launch with,
     its FwdParams (``args`` itself, or ``args.p`` for a TMA kernel) for the caller's remaining fields, and
@@ -142,11 +159,10 @@ def _call_args(plan: _Plan, q_, k_, v_, o, lse):
         args = _tma_args(plan, q_.data_ptr(), k_.data_ptr(), v_.data_ptr())
         p = args.p
         if plan.tile_counter:
-            # The persistent grid's tile counter, zeroed in stream order before the launch. A buffer of
-            # its own per call: one shared between calls would mix the tiles of kernels running at once
-            # on two streams. (Only where there are more tiles than blocks: problems of a few hundred
-            # microseconds, next to which the fill is noise.)
-            tile_counter = torch.zeros(1, dtype=torch.int32, device=q_.device)
+            # The persistent grid's tile counter: the current stream's, which every launch leaves zeroed
+            # for the next (the kernel says how). One per stream, since launches on two streams may run at
+            # once; a fresh torch.zeros per call cost a fill kernel ahead of every launch.
+            tile_counter = _stream_tile_counter(q_.device)
             args.tile_counter = tile_counter.data_ptr()
     p.q, p.k, p.v, p.o = q_.data_ptr(), k_.data_ptr(), v_.data_ptr(), o.data_ptr()
     if lse is not None:
