@@ -139,7 +139,7 @@ def _stream_tile_counter(device: torch.device) -> torch.Tensor:
     """The tile counter of the current stream on ``device`` (zero-filled in stream order at first use).
     While a CUDA graph is being captured, a fresh one: its fill is captured with the launch and replays
     with it, and no graph's private memory ends up in the cache."""
-    if torch.cuda.is_current_stream_capturing():
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():  # (not CUDA: the host tests' stubs)
         return torch.zeros(2, dtype=torch.int32, device=device)
     key = (device.index, torch.cuda.current_stream(device).cuda_stream)
     counter = _TILE_COUNTERS.get(key)
