@@ -369,9 +369,8 @@ def test_debug_command_default_config_is_what_a_traced_call_runs(monkeypatch):
     # On an H100: the warp-specialized default, which has the debug build.
     monkeypatch.setattr(debug, "_kernel_unavailable", lambda: None)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(ops, "device_arch", lambda index: "sm_90")
-    monkeypatch.setattr(ops, "gpu_name", lambda index: "")
-    monkeypatch.setattr(ops, "smem_limit", lambda index: 232448)
+    facts = {"arch": "sm_90", "gpu": "", "smem_limit": 232448}
+    monkeypatch.setattr(debug, "device_facts", lambda index: facts)
     cfg = debug._config(debug._parse_args(argv))
     assert cfg == default_config("bf16", 64, True, 300, 300, "sm_90") and cfg.warp_specialized
     # A negative scale needs the unfolded softmax: the sm80 kernel.

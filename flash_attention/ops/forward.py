@@ -46,7 +46,7 @@ class _Plan:
     # or a decoder hands the same few addresses back (PyTorch's caching allocator), and three encodes
     # cost more host time than the rest of the launch.
     encoded: OrderedDict = field(default_factory=OrderedDict)
-    # A persistent grid with fewer blocks than tiles: its blocks take tiles from a counter zeroed per call.
+    # A persistent grid with fewer blocks than tiles: its blocks take tiles from the stream's counter.
     tile_counter: bool = False
 
 

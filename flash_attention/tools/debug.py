@@ -24,6 +24,7 @@ from flash_attention import ops
 from flash_attention._validate import validate
 from flash_attention.configs import KernelConfig, parse_config, portable_config
 from flash_attention.jit.params import TRACE_FAULTS, TRACE_MAGIC, TRACE_STEP_FIELDS, TraceLayout
+from flash_attention.ops.plans import device_facts
 
 from .sim import FINAL_NAMES, STEP_NAMES, Trace, TraceSpec, simulate
 
@@ -273,7 +274,6 @@ def _config(args) -> KernelConfig:
             return portable_config(args.dtype, d, args.causal, sq, sk)
         # The launch layer's own choice for a traced call (tuned winners and heuristics, then the family
         # that has the debug build): on Hopper the warp-specialized kernel.
-        index = torch.cuda.current_device()
         return ops.forward_config(
             args.dtype,
             d,
@@ -281,9 +281,7 @@ def _config(args) -> KernelConfig:
             sq,
             sk,
             max(1, args.heads // (args.heads_kv or args.heads)),
-            arch=ops.device_arch(index),
-            gpu=ops.gpu_name(index),
-            smem_limit=ops.smem_limit(index),
+            **device_facts(torch.cuda.current_device()),
             features=["trace"] + (["negative_scale"] if args.scale is not None and args.scale < 0 else []),
         )
     return parse_config(args.config)

@@ -25,6 +25,7 @@
 
 #if FA_TRACE
 
+#include "fa/frag.cuh"
 #include "fa/params.h"
 #include "fa/ptx.cuh"
 
@@ -134,27 +135,10 @@ struct Tracer {
     }
   }
 
-  // One 16-row tile of an mma accumulator (N 8-column n-tiles, PTX ISA 9.7.14.5.14 C layout) into rows
-  // 16 mt .. 16 mt + 15 of a row-major array with 8 N columns.
-  template <int N>
-  __device__ __forceinline__ void acc_tile(int off, int mt, const float (&x)[N][4]) const {
-    if (!on()) return;
-    const int g = lane / 4, t = lane % 4;
-#pragma unroll
-    for (int n = 0; n < N; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        step_base[off + (16 * mt + g + 8 * (e >> 1)) * 8 * N + 8 * n + 2 * t + (e & 1)] = x[n][e];
-  }
-
-  template <int MT, int N>
-  __device__ __forceinline__ void acc(int off, const float (&x)[MT][N][4]) const {
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) acc_tile<N>(off, mt, x[mt]);
-  }
-
-  // The same through an accumulator view of fa/frag.cuh (AccTile, AccTile1, AccFlat), which is how the
-  // wgmma kernels hold S and O (flat float[4 N], the warp's 16 rows of the m64nN fragment).
+  // An accumulator through its view (fa/frag.cuh: AccTile and AccTile1 for the sm80 kernel's mma tiles,
+  // AccFlat for the warp's 16 rows of a wgmma m64nN fragment) into rows 0 .. 16 kMT - 1 of a row-major
+  // array with 8 kN columns (PTX ISA 9.7.14.5.14 C layout: element (mt, n, e) is row 16 mt + g + 8 (e / 2),
+  // column 8 n + 2 t + e % 2).
   template <class Acc>
   __device__ __forceinline__ void acc_view(int off, const Acc& x) const {
     if (!on()) return;
@@ -166,6 +150,16 @@ struct Tracer {
 #pragma unroll
         for (int e = 0; e < 4; ++e)
           step_base[off + (16 * mt + g + 8 * (e >> 1)) * 8 * Acc::kN + 8 * n + 2 * t + (e & 1)] = x(mt, n, e);
+  }
+
+  // One 16-row mma tile into rows 16 mt .. 16 mt + 15 of such an array, and all MT of them.
+  template <int N>
+  __device__ __forceinline__ void acc_tile(int off, int mt, float (&x)[N][4]) const {
+    acc_view(off + 16 * mt * 8 * N, fa::acc_tile(x));
+  }
+  template <int MT, int N>
+  __device__ __forceinline__ void acc(int off, float (&x)[MT][N][4]) const {
+    acc_view(off, fa::acc_tile(x));
   }
 
   // A per-row value held identically by the four lanes of a quad (row 16 mt + g + 8 r).
