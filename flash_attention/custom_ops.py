@@ -11,8 +11,9 @@ saves it, so the backward regenerates the forward's keep mask.
 Each has a fake (meta) implementation, so ``torch.compile`` traces a call as one opaque node without running
 it; a CUDA implementation that runs our kernels (``ops.cuda_forward`` / ``ops.cuda_backward``) and falls back
 to PyTorch when they cannot run on the inputs (float32, an old GPU, no compiler); and an implementation for
-every other device that is the PyTorch fallback (:func:`~flash_attention.reference.attention_torch` and
-:func:`~flash_attention.reference.attention_backward_torch`). ``fwd`` has an autograd formula that calls
+every other device that is the PyTorch fallback (:func:`flash_attention.fallback.forward` and
+:func:`flash_attention.fallback.backward`: PyTorch's fused CPU kernel where it computes our semantics, else
+the chunked path of :mod:`flash_attention.reference`). ``fwd`` has an autograd formula that calls
 ``bwd``.
 
 Conventions of both ops: the arguments were validated by :func:`flash_attention._validate.validate` (shapes,
@@ -31,8 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from . import dispatch
-from .reference import attention_backward_torch, attention_torch
+from . import dispatch, fallback
 
 __all__ = ["fwd", "bwd", "EagerAttention"]
 
@@ -56,12 +56,12 @@ def _has_no_pair(q: torch.Tensor, k: torch.Tensor) -> bool:
 
 def _fallback_forward(q, k, v, causal, scale, key_range, dropout_p, dropout_seed):
     """The forward op's PyTorch path (every device, and CUDA inputs the kernels cannot take)."""
-    out, lse = attention_torch(
+    out, lse = fallback.forward(
         q,
         k,
         v,
         causal=causal,
-        softmax_scale=scale,
+        scale=scale,
         return_lse=True,
         key_range=key_range,
         dropout_p=dropout_p,
@@ -72,7 +72,7 @@ def _fallback_forward(q, k, v, causal, scale, key_range, dropout_p, dropout_seed
 
 def _fallback_backward(dout, q, k, v, out, lse, causal, scale, key_range, dropout_p, dropout_seed):
     """The backward op's PyTorch path."""
-    return attention_backward_torch(
+    return fallback.backward(
         dout,
         q,
         k,
@@ -80,7 +80,7 @@ def _fallback_backward(dout, q, k, v, out, lse, causal, scale, key_range, dropou
         out,
         lse,
         causal=causal,
-        softmax_scale=scale,
+        scale=scale,
         key_range=key_range,
         dropout_p=dropout_p,
         dropout_seed=dropout_seed,

@@ -2,7 +2,7 @@
 
 Everything here validates first (``_validate``), handles empty problems without launching anything, then
 hands the work to our CUDA kernels (:mod:`flash_attention.ops`) or to
-:func:`flash_attention.reference.attention_torch` (the PyTorch fallback, same semantics); the choice is
+:func:`flash_attention.fallback.forward` (the PyTorch fallback, same semantics); the choice is
 :mod:`flash_attention.dispatch`'s.
 """
 
@@ -14,11 +14,11 @@ from typing import Literal, overload
 import torch
 
 from . import dispatch
+from . import fallback as _fallback
 from ._validate import Problem, validate
 from .configs import KernelConfig, parse_config
 from .custom_ops import EagerAttention
 from .dropout import draw_seed
-from .reference import attention_torch
 
 __all__ = ["attention", "forward", "forward_timed"]
 
@@ -148,8 +148,9 @@ def attention(
 
     The softmax and accumulation are float32 on every path. float16/bfloat16 CUDA tensors run on our
     kernels (compiled on first use and cached on disk). Everything else -- CPU tensors, float32/float64
-    inputs, or a GPU/toolchain the kernels cannot use -- computes the same result through PyTorch in chunks
-    of query rows (bounded memory), with a one-time warning on CUDA saying why.
+    inputs, or a GPU/toolchain the kernels cannot use -- computes the same result through PyTorch
+    (:mod:`flash_attention.fallback`: PyTorch's fused CPU kernel where it expresses our semantics, else in
+    chunks of query rows; bounded memory either way), with a one-time warning on CUDA saying why.
 
     Gradients: the result is differentiable with respect to q, k and v (``key_range`` gets none, and the
     LSE is returned as a non-differentiable tensor: a loss that uses it gets no gradient through it). When
@@ -178,12 +179,12 @@ def attention(
         return _result(o, lse, return_lse)
 
     def fallback() -> tuple[torch.Tensor, torch.Tensor | None]:
-        return attention_torch(
+        return _fallback.forward(
             q,
             k,
             v,
             causal=causal,
-            softmax_scale=problem.scale,
+            scale=problem.scale,
             return_lse=return_lse,
             out=out,
             key_range=key_range,

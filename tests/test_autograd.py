@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import flash_attention
-from flash_attention import custom_ops, dispatch, interface, reference
+from flash_attention import custom_ops, dispatch, fallback, interface, reference
 from flash_attention.ops import NoKernel
 from flash_attention.reference import attention_backward_torch, attention_reference, attention_torch
 
@@ -237,7 +237,7 @@ def test_lse_is_returned_but_not_differentiable():
     out, lse = flash_attention.attention(q, k, v, return_lse=True)
     assert out.requires_grad and not lse.requires_grad
     with torch.no_grad():
-        ref_out, ref_lse = attention_torch(q, k, v, return_lse=True)
+        ref_out, ref_lse = fallback.forward(q, k, v, causal=False, scale=None, return_lse=True)
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
 
 
@@ -249,7 +249,9 @@ def test_out_with_autograd_raises_and_names_out():
     with torch.no_grad():  # not recording: out= works as before
         assert flash_attention.attention(q, k, v, out=buf) is buf
     with torch.no_grad():
-        torch.testing.assert_close(buf, attention_torch(q, k, v)[0], rtol=0, atol=0)
+        torch.testing.assert_close(
+            buf, fallback.forward(q, k, v, causal=False, scale=None)[0], rtol=0, atol=0
+        )
 
 
 def test_inference_calls_skip_the_custom_op(monkeypatch):
@@ -384,7 +386,7 @@ def test_cuda_impls_fall_back_when_no_kernel_fits_this_gpu(fake_ops):
     dout = torch.randn(q.shape).to(q.dtype)
     with pytest.warns(RuntimeWarning, match="PyTorch fallback.*no backward kernel for head_dim 256"):
         got = custom_ops.backward_impl(dout, q, k, v, out, lse, False, 0.25, False, None)
-    want = attention_backward_torch(dout, q, k, v, out, lse, softmax_scale=0.25)
+    want = fallback.backward(dout, q, k, v, out, lse, causal=False, scale=0.25)
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w)
     with warnings.catch_warnings():
@@ -398,11 +400,11 @@ def test_cuda_impls_fall_back_with_one_warning_when_the_kernel_cannot_run(fake_o
     dout = torch.randn(q.shape)
     with pytest.warns(RuntimeWarning, match="PyTorch fallback.*float32"):
         got_out, got_lse = custom_ops.forward_impl(q, k, v, False, 0.25, None)
-    assert torch.equal(got_out, attention_torch(q, k, v, softmax_scale=0.25)[0])
+    assert torch.equal(got_out, fallback.forward(q, k, v, causal=False, scale=0.25)[0])
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # same reason: silent; and no NotImplementedError on the fallback
         got = custom_ops.backward_impl(dout, q, k, v, out, lse, False, None, False, None)
-    want = attention_backward_torch(dout, q, k, v, out, lse)
+    want = fallback.backward(dout, q, k, v, out, lse, causal=False, scale=None)
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w)
 

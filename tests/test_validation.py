@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import flash_attention
-from flash_attention import dispatch, interface
+from flash_attention import dispatch, fallback
 from flash_attention._validate import Problem, validate
 from flash_attention.reference import attention_reference
 
@@ -36,7 +36,7 @@ def _raises(exc, match, **overrides):
     for name, value in overrides.items():
         (args if name in ("q", "k", "v") else kwargs)[name] = value
     # Validation must fire before any attention is computed: make the fallback fail loudly if reached.
-    with mock.patch.object(interface, "attention_torch", side_effect=AssertionError("computed")):
+    with mock.patch.object(fallback, "forward", side_effect=AssertionError("computed")):
         with pytest.raises(exc, match=match):
             flash_attention.attention(args["q"], args["k"], args["v"], **kwargs)
     # validate() itself raises the same error (forward/forward_timed call it first too).

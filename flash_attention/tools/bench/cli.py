@@ -68,6 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     # Options whose default depends on --quick or --config default to None and are resolved in main().
+    p.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="cuda (default): the kernels against PyTorch's backends on the sweep; cpu: the PyTorch fallback "
+        "against SDPA on CPU tensors (forward and forward+backward, float32 and bfloat16, the shapes of "
+        "tools/bench/cpu.py; file tag 'cpu')",
+    )
     p.add_argument("--dtype", choices=("bf16", "fp16"), default=None, help="input dtype (default bf16)")
     p.add_argument(
         "--mode", choices=MODES, default="fwd", help="fwd (default); bwd and fwd_bwd need a backward"
@@ -194,6 +202,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         return 0
 
+    if args.device == "cpu":
+        return _main_cpu(args)
+
     cfg = None
     if args.config is not None:
         try:
@@ -286,3 +297,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             except RuntimeError as exc:
                 print(f"--plot: {exc}", file=sys.stderr)
     return status
+
+
+def _main_cpu(args: argparse.Namespace) -> int:
+    """``--device cpu``: the fallback against SDPA on CPU tensors, saved like a sweep (tag 'cpu')."""
+    from .cpu import cpu_environment, cpu_results_to_text, run_cpu_bench
+
+    result = cpu_environment(args.commit, args.allow_dirty)
+    print(f"{result['cpu']}, {result['threads']} threads, torch {result['torch']}")
+    result["rows"] = run_cpu_bench()
+    print(cpu_results_to_text(result))
+    if not args.no_save:
+        out_path = args.out or default_results_dir() / (
+            f"cpu-{result['date']}-{args.tag}.json" if args.tag else f"cpu-{result['date']}.json"
+        )
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+        print(f"wrote {out_path}")
+    return 0

@@ -1,0 +1,235 @@
+"""The PyTorch fallback: attention with the kernels' semantics wherever our CUDA kernels do not run.
+
+Two ways to compute it, chosen per call:
+
+* **PyTorch's fused CPU kernel** (``aten::_scaled_dot_product_flash_attention_for_cpu`` and its backward,
+  what ``torch.nn.functional.scaled_dot_product_attention`` runs on CPU tensors): tiled, memory-bounded,
+  multi-threaded, and it returns the LSE our backward needs. Our semantics on top of it:
+
+  - bottom-right causal: with seqlen_q > seqlen_k the first seqlen_q - seqlen_k rows see no key (out 0,
+    LSE -inf) and the rest are a square, where top-left and bottom-right agree; with seqlen_q < seqlen_k
+    every row sees the first seqlen_k - seqlen_q keys in full and the last seqlen_q causally, two calls
+    merged through their LSEs (the backward runs both parts with the merged output and LSE, which is
+    exact: each part's probabilities are the merged softmax's, and D = rowsum(dO * O) is the merged one);
+  - GQA without copying K/V: one call per member of a query group (query heads j, j + group, ... against
+    every K/V head), the backward summing the members' dK and dV in float32;
+  - ``key_range``: a (batch, 1, 1, seqlen_k) additive mask (0 or -inf) beside the causal flag; rows that
+    see no key get LSE -inf (the fused kernel reports 0 for them) and out 0.
+
+* **The chunked path** (:func:`flash_attention.reference.attention_torch`), for what the fused kernel
+  cannot express: dropout (the kernels' keep masks are ours, not PyTorch's), float64 (the saved LSE is
+  float32, and only the chunked backward restores float64 precision from it), a negative ``softmax_scale``
+  (the fused kernel's causal mask breaks under it: NaN), ``key_range`` together with
+  causal when seqlen_q < seqlen_k (the merged parts would each need their own empty-row bookkeeping), and
+  every device but the CPU (MPS, and CUDA inputs our kernels cannot take: there the LSE would come from
+  another fused kernel, not yet measured against this path).
+
+:func:`fused_path_blocker` says which path a call takes, and why not the fused one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .reference import _resolve_scale, attention_backward_torch, attention_torch, key_range_allowed
+
+__all__ = ["backward", "forward", "fused_path_blocker"]
+
+
+def _cpu_ops():
+    """The fused CPU forward and backward ops, or None on a torch without them."""
+    aten = torch.ops.aten
+    try:
+        return (
+            aten._scaled_dot_product_flash_attention_for_cpu,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward,
+        )
+    except AttributeError:
+        return None
+
+
+def fused_path_blocker(
+    q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, key_range, dropout_p: float
+) -> str | None:
+    """None when the call runs on PyTorch's fused kernel, else why it takes the chunked path."""
+    if q.device.type != "cpu":
+        return f"{q.device.type} tensors (the fused path is the CPU kernel's)"
+    if q.dtype == torch.float64:
+        return "float64 (the saved LSE is float32; the chunked backward renormalises P to stay float64-exact)"
+    if scale < 0:
+        return "a negative softmax_scale (PyTorch's fused CPU kernel returns NaN for it under causal masking)"
+    if dropout_p > 0:
+        return "dropout (the kernels' keep masks are not PyTorch's)"
+    if causal and key_range is not None and q.shape[1] < k.shape[1]:
+        return "key_range with causal and seqlen_q < seqlen_k"
+    if _cpu_ops() is None:
+        return "this torch has no fused CPU attention op"
+    return None
+
+
+class _Plan:
+    """How one call maps onto the fused kernel's calls (shared by the forward and the backward)."""
+
+    def __init__(self, q, k, causal, key_range):
+        self.batch, self.seqlen_q, self.heads_q, self.head_dim = q.shape
+        self.seqlen_k, self.heads_kv = k.shape[1], k.shape[2]
+        self.group = self.heads_q // self.heads_kv
+        self.causal = causal
+        # Bottom-right causal: rows before `row0` see no key; keys before `prefix` are seen by every row.
+        self.row0 = max(0, self.seqlen_q - self.seqlen_k) if causal else 0
+        self.prefix = max(0, self.seqlen_k - self.seqlen_q) if causal else 0
+        self.mask = None  # additive, in q's dtype, (batch, 1, 1, seqlen_k)
+        self.empty_rows = None  # (batch, seqlen_q) bool: rows with no visible key under key_range
+        if key_range is not None:
+            allowed = key_range_allowed(key_range.to(q.device), self.seqlen_k)  # (batch, seqlen_k)
+            self.mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
+            self.mask.masked_fill_(~allowed, float("-inf"))
+            self.mask = self.mask[:, None, None, :]
+            # Row i sees keys [lo, hi) clamped, and under causal only those <= i + seqlen_k - seqlen_q.
+            lo = key_range[:, 0:1].to(q.device).clamp(0, self.seqlen_k)
+            hi = torch.maximum(key_range[:, 1:2].to(q.device).clamp(max=self.seqlen_k), lo)
+            rows = torch.arange(self.seqlen_q, device=q.device)[None, :]
+            last = torch.minimum(hi, rows + (self.seqlen_k - self.seqlen_q + 1)) if causal else hi
+            self.empty_rows = last <= lo
+
+    def parts(self):
+        """(key slice, causal flag) of each fused call for one query-group member."""
+        if self.prefix:
+            return [(slice(0, self.prefix), False), (slice(self.prefix, self.seqlen_k), True)]
+        return [(slice(0, self.seqlen_k), self.causal)]
+
+    def part_mask(self, keys: slice):
+        return None if self.mask is None else self.mask[..., keys]
+
+
+def forward(
+    q, k, v, *, causal, scale, return_lse=True, out=None, key_range=None, dropout_p=0.0, dropout_seed=None
+):
+    """(out, lse) of attention with the kernels' semantics (``lse`` None unless ``return_lse``); ``out`` is
+    written in place when given. Arguments as :func:`flash_attention.reference.attention_torch` takes them,
+    already validated (``scale`` None: 1 / sqrt(head_dim))."""
+    scale = _resolve_scale(scale, q.shape[-1])
+    if (
+        fused_path_blocker(q, k, causal, scale, key_range, dropout_p) is not None
+        or q.numel() == 0
+        or k.shape[1] == 0
+    ):
+        return attention_torch(
+            q,
+            k,
+            v,
+            causal=causal,
+            softmax_scale=scale,
+            return_lse=return_lse,
+            out=out,
+            key_range=key_range,
+            dropout_p=dropout_p,
+            dropout_seed=dropout_seed,
+        )
+    fwd_op, _ = _cpu_ops()
+    plan = _Plan(q, k, causal, key_range)
+    r0, g = plan.row0, plan.group
+    kt, vt = k.transpose(1, 2), v.transpose(1, 2)  # (batch, heads_kv, seqlen_k, head_dim) views
+    parts = plan.parts()
+    single = out is None and g == 1 and r0 == 0 and len(parts) == 1
+    if not single:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+        lse = torch.empty(plan.batch, plan.heads_q, plan.seqlen_q, dtype=torch.float32, device=q.device)
+        if r0:
+            out[:, :r0].zero_()
+            lse[:, :, :r0] = float("-inf")
+    for j in range(g):
+        qj = q[:, r0:, j::g].transpose(1, 2)  # query heads j, j + g, ...: one per K/V head
+        results = [
+            fwd_op(
+                qj,
+                kt[:, :, keys],
+                vt[:, :, keys],
+                0.0,
+                part_causal,
+                attn_mask=plan.part_mask(keys),
+                scale=scale,
+            )
+            for keys, part_causal in parts
+        ]
+        if len(results) == 1:
+            oj, lj = results[0]
+        else:
+            (oa, la), (ob, lb) = results
+            lj = torch.logaddexp(la, lb)
+            wa, wb = torch.exp(la - lj).unsqueeze(-1), torch.exp(lb - lj).unsqueeze(-1)
+            oj = (oa.to(wa.dtype) * wa + ob.to(wb.dtype) * wb).to(q.dtype)
+        if single:
+            # The fused kernel lays its output out as (batch, seqlen, heads, head_dim): our layout, no copy.
+            out = oj.transpose(1, 2).contiguous()  # (a no-op: the op's layout is ours)
+            lse = lj.to(torch.float32).contiguous()  # (the op's LSE is (batch, seqlen, heads) in memory)
+        else:
+            out[:, r0:, j::g] = oj.transpose(1, 2)
+            lse[:, j::g, r0:] = lj
+    if plan.empty_rows is not None:
+        lse.masked_fill_(plan.empty_rows[:, None, :], float("-inf"))
+        out.masked_fill_(plan.empty_rows[:, :, None, None], 0)
+    return out, (lse if return_lse else None)
+
+
+def backward(dout, q, k, v, out, lse, *, causal, scale, key_range=None, dropout_p=0.0, dropout_seed=None):
+    """(dq, dk, dv) of :func:`forward` from its saved ``out`` and ``lse``."""
+    scale = _resolve_scale(scale, q.shape[-1])
+    if (
+        fused_path_blocker(q, k, causal, scale, key_range, dropout_p) is not None
+        or q.numel() == 0
+        or k.shape[1] == 0
+    ):
+        return attention_backward_torch(
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            causal=causal,
+            softmax_scale=scale,
+            key_range=key_range,
+            dropout_p=dropout_p,
+            dropout_seed=dropout_seed,
+        )
+    _, bwd_op = _cpu_ops()
+    plan = _Plan(q, k, causal, key_range)
+    r0, g = plan.row0, plan.group
+    kt, vt = k.transpose(1, 2), v.transpose(1, 2)
+    # Rows with no key have LSE -inf; the fused backward recomputes P = exp(S - lse), and with S = -inf
+    # there an LSE of 0 gives P = 0 (and dq = 0) where -inf would give NaN.
+    lse_c = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    if q.dtype == torch.float64:
+        lse_c = lse_c.to(torch.float64)  # the fused op takes the LSE in the compute dtype
+    dq = (torch.zeros if r0 else torch.empty)(q.shape, dtype=q.dtype, device=q.device)
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dk = torch.zeros(k.shape, dtype=acc, device=k.device) if g > 1 or len(plan.parts()) > 1 else None
+    dv = torch.zeros(v.shape, dtype=acc, device=v.device) if dk is not None else None
+    for j in range(g):
+        qj = q[:, r0:, j::g].transpose(1, 2)
+        doj = dout[:, r0:, j::g].transpose(1, 2)
+        oj = out[:, r0:, j::g].transpose(1, 2)
+        lj = lse_c[:, j::g, r0:]
+        dqj = None
+        for keys, part_causal in plan.parts():
+            dq_p, dk_p, dv_p = bwd_op(
+                doj,
+                qj,
+                kt[:, :, keys],
+                vt[:, :, keys],
+                oj,
+                lj,
+                0.0,
+                part_causal,
+                attn_mask=plan.part_mask(keys),
+                scale=scale,
+            )
+            dqj = dq_p if dqj is None else dqj + dq_p
+            if dk is None:  # one member, one part: the op's own tensors are the answer
+                dk, dv = dk_p.transpose(1, 2), dv_p.transpose(1, 2)
+            else:
+                dk[:, keys] += dk_p.transpose(1, 2)
+                dv[:, keys] += dv_p.transpose(1, 2)
+        dq[:, r0:, j::g] = dqj.transpose(1, 2)
+    return dq, dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
