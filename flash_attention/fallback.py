@@ -85,12 +85,13 @@ class _Plan:
             self.mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
             self.mask.masked_fill_(~allowed, float("-inf"))
             self.mask = self.mask[:, None, None, :]
-            # Row i sees keys [lo, hi) clamped, and under causal only those <= i + seqlen_k - seqlen_q.
-            lo = key_range[:, 0:1].to(q.device).clamp(0, self.seqlen_k)
-            hi = torch.maximum(key_range[:, 1:2].to(q.device).clamp(max=self.seqlen_k), lo)
+            # The allowed keys are one interval; row i sees none of them when its first one lies beyond
+            # the row's last visible key (i + seqlen_k - seqlen_q under causal), or there is none (first =
+            # seqlen_k).
+            first = torch.where(allowed.any(1), allowed.int().argmax(1), self.seqlen_k)[:, None]
             rows = torch.arange(self.seqlen_q, device=q.device)[None, :]
-            last = torch.minimum(hi, rows + (self.seqlen_k - self.seqlen_q + 1)) if causal else hi
-            self.empty_rows = last <= lo
+            last = rows + (self.seqlen_k - self.seqlen_q) if causal else self.seqlen_k - 1
+            self.empty_rows = first > last
 
     def parts(self):
         """(key slice, causal flag) of each fused call for one query-group member."""
@@ -101,6 +102,20 @@ class _Plan:
     def part_mask(self, keys: slice):
         return None if self.mask is None else self.mask[..., keys]
 
+    def member(self, t: torch.Tensor, j: int) -> torch.Tensor:
+        """Query-group member j of a (batch, seqlen_q, heads_q, ...) tensor, as the fused op takes it: heads
+        j, j + group, ... (one per K/V head) of the rows from row0, as (batch, heads_kv, rows, ...)."""
+        return t[:, self.row0 :, j :: self.group].transpose(1, 2)
+
+
+def _fused(q, k, causal, scale, key_range, dropout_p) -> bool:
+    """Whether a call runs on the fused kernel: nothing blocks it and there is a (query, key) pair."""
+    return (
+        fused_path_blocker(q, k, causal, scale, key_range, dropout_p) is None
+        and q.numel() > 0
+        and k.shape[1] > 0
+    )
+
 
 def forward(
     q, k, v, *, causal, scale, return_lse=True, out=None, key_range=None, dropout_p=0.0, dropout_seed=None
@@ -109,11 +124,7 @@ def forward(
     written in place when given. Arguments as :func:`flash_attention.reference.attention_torch` takes them,
     already validated (``scale`` None: 1 / sqrt(head_dim))."""
     scale = _resolve_scale(scale, q.shape[-1])
-    if (
-        fused_path_blocker(q, k, causal, scale, key_range, dropout_p) is not None
-        or q.numel() == 0
-        or k.shape[1] == 0
-    ):
+    if not _fused(q, k, causal, scale, key_range, dropout_p):
         return attention_torch(
             q,
             k,
@@ -139,7 +150,7 @@ def forward(
             out[:, :r0].zero_()
             lse[:, :, :r0] = float("-inf")
     for j in range(g):
-        qj = q[:, r0:, j::g].transpose(1, 2)  # query heads j, j + g, ...: one per K/V head
+        qj = plan.member(q, j)
         results = [
             fwd_op(
                 qj,
@@ -175,11 +186,7 @@ def forward(
 def backward(dout, q, k, v, out, lse, *, causal, scale, key_range=None, dropout_p=0.0, dropout_seed=None):
     """(dq, dk, dv) of :func:`forward` from its saved ``out`` and ``lse``."""
     scale = _resolve_scale(scale, q.shape[-1])
-    if (
-        fused_path_blocker(q, k, causal, scale, key_range, dropout_p) is not None
-        or q.numel() == 0
-        or k.shape[1] == 0
-    ):
+    if not _fused(q, k, causal, scale, key_range, dropout_p):
         return attention_backward_torch(
             dout,
             q,
@@ -207,9 +214,7 @@ def backward(dout, q, k, v, out, lse, *, causal, scale, key_range=None, dropout_
     dk = torch.zeros(k.shape, dtype=acc, device=k.device) if g > 1 or len(plan.parts()) > 1 else None
     dv = torch.zeros(v.shape, dtype=acc, device=v.device) if dk is not None else None
     for j in range(g):
-        qj = q[:, r0:, j::g].transpose(1, 2)
-        doj = dout[:, r0:, j::g].transpose(1, 2)
-        oj = out[:, r0:, j::g].transpose(1, 2)
+        qj, doj, oj = plan.member(q, j), plan.member(dout, j), plan.member(out, j)
         lj = lse_c[:, j::g, r0:]
         dqj = None
         for keys, part_causal in plan.parts():
