@@ -25,6 +25,7 @@ from .dropout import dropout_key, dropout_threshold, keep_elements, seed_pair
 
 __all__ = [
     "attention_backward_torch",
+    "attention_kvcache_reference",
     "attention_reference",
     "attention_torch",
     "causal_allowed",
@@ -128,6 +129,62 @@ def attention_reference(
     probs = torch.exp(scores - lse_finite.unsqueeze(-1))
     out = torch.einsum("bhqk,bkhd->bqhd", probs, vf)
     return out, lse
+
+
+def attention_kvcache_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    *,
+    cache_seqlens: torch.Tensor | int,
+    block_table: torch.Tensor | None = None,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The float64 truth of :func:`flash_attention.attention_with_kvcache`, one batch row at a time.
+
+    Batch row ``b`` first writes its new tokens ``k[b, t]``, ``v[b, t]`` at cache position
+    ``cache_seqlens[b] + t``, then its queries attend cache positions ``0 .. n_b - 1`` with
+    ``n_b = cache_seqlens[b] + seqlen_new``, causal aligned to the bottom-right corner of that row's own
+    (seqlen_q, n_b) score matrix. Position ``p`` of row ``b`` lives at ``k_cache[b, p]`` (contiguous) or at
+    ``k_cache[block_table[b, p // page_size], p % page_size]`` (paged, page_size = k_cache.shape[1]).
+
+    The caches are not modified: the appended copies are returned.
+
+    Returns:
+        ``(out, lse, k_cache_after, v_cache_after)``, ``out`` and ``lse`` in float64 as
+        :func:`attention_reference` returns them.
+    """
+    kc, vc = k_cache.clone(), v_cache.clone()
+    batch = q.shape[0]
+    lengths = [int(cache_seqlens)] * batch if isinstance(cache_seqlens, int) else cache_seqlens.tolist()
+    seqlen_new = 0 if k is None else k.shape[1]
+
+    def where(b: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(first index, second index) into the cache of row b's positions."""
+        if block_table is None:
+            return torch.full_like(positions, b), positions
+        page_size = kc.shape[1]
+        return block_table[b].long()[positions // page_size], positions % page_size
+
+    outs, lses = [], []
+    for b in range(batch):
+        if seqlen_new:
+            idx = where(b, torch.arange(lengths[b], lengths[b] + seqlen_new))
+            kc[idx] = k[b]
+            vc[idx] = v[b]
+        idx = where(b, torch.arange(lengths[b] + seqlen_new))
+        o, lse = attention_reference(
+            q[b : b + 1], kc[idx][None], vc[idx][None], causal=causal, softmax_scale=softmax_scale
+        )
+        outs.append(o)
+        lses.append(lse)
+    if not batch:
+        o, lse = attention_reference(q, kc[:0, :0], vc[:0, :0], causal=causal, softmax_scale=softmax_scale)
+        return o, lse, kc, vc
+    return torch.cat(outs), torch.cat(lses), kc, vc
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -86,8 +86,19 @@ def _space(n_random: int = 2500, seed: int = 0) -> list[KernelConfig]:
     for d, bkv, stages in itertools.product(HEAD_DIMS, (64, 80, 128, 176), (2, 3)):
         out.append(
             KernelConfig.unchecked(
-                "bf16", d, 128, bkv, 12, wgmma=True, stages=stages, warp_specialized=True, overlap=True,
-                persistent=True, k_frags=0, v_frags=0, double_buffer=False,
+                "bf16",
+                d,
+                128,
+                bkv,
+                12,
+                wgmma=True,
+                stages=stages,
+                warp_specialized=True,
+                overlap=True,
+                persistent=True,
+                k_frags=0,
+                v_frags=0,
+                double_buffer=False,
             )  # fmt: skip
         )
     return out

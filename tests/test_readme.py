@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import torch
+
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
 
 
@@ -32,3 +34,15 @@ def test_the_install_commands_are_the_ones_ci_runs():
         'pip install --quiet -e ".[test]"',
     ):
         assert line in ci
+
+
+def test_the_kvcache_example_runs_as_written():
+    scope: dict = {}
+    exec(compile(_section_code("Use"), "README.md (Use)", "exec"), scope)  # noqa: S102 - our own README
+    code = _section_code("Decoding with a KV cache")
+    exec(compile(code, "README.md (Decoding with a KV cache)", "exec"), scope)  # noqa: S102
+    out, k_cache, lengths = scope["out"], scope["k_cache"], scope["lengths"]
+    assert out.shape == (2, 1, 32, 128) and out.isfinite().all()
+    assert lengths.tolist() == [101, 7001]
+    # Row 1's new token went to position 7000: page block_table[1, 7000 // 256] = 32 + 27, slot 88.
+    assert torch.equal(k_cache[59, 88], scope["k_new"][1, 0])

@@ -1,0 +1,219 @@
+"""Argument checks of :func:`flash_attention.attention_with_kvcache`, run before anything is written or
+launched.
+
+Shapes, dtypes, devices and strides are checked here, on the host, for free. The *values* of
+``cache_seqlens`` and ``block_table`` live on the device: reading them would synchronise with the GPU, which
+a decode step replayed as a CUDA graph cannot afford, so they are checked here only when they are known on the
+host (``cache_seqlens`` given as an int, or tensors on the CPU). The path that computes the call says what it
+does with the device-side values (:mod:`flash_attention.kvcache` documents it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ._validate import MAX_HEAD_DIM, SUPPORTED_DTYPES, _resolve_scale
+
+__all__ = ["CacheProblem", "validate_kvcache"]
+
+_SHAPES = {
+    "q": "(batch, seqlen_q, heads_q, head_dim)",
+    "k_cache": "(batch, max_seqlen, heads_kv, head_dim), or (num_pages, page_size, heads_kv, head_dim) with "
+    "block_table",
+    "v_cache": "the shape of k_cache",
+    "k": "(batch, seqlen_new, heads_kv, head_dim)",
+    "v": "the shape of k",
+    "out": "(batch, seqlen_q, heads_q, head_dim)",
+}
+
+
+@dataclass(frozen=True)
+class CacheProblem:
+    """The shape of one KV-cache attention call, with the softmax scale resolved to a float."""
+
+    batch: int
+    seqlen_q: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    seqlen_new: int  # tokens appended per batch row (0 without k/v)
+    page_size: int  # 0 for a contiguous cache
+    capacity: int  # the most keys one batch row can hold: max_seqlen, or max_pages * page_size
+    scale: float
+    causal: bool
+
+    @property
+    def group(self) -> int:
+        """Query heads per kv head."""
+        return self.heads_q // self.heads_kv
+
+    @property
+    def paged(self) -> bool:
+        return self.page_size > 0
+
+
+def _tensor(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape {_SHAPES[name]}; got {type(t).__name__}")
+    if t.is_nested or t.layout != torch.strided:
+        raise TypeError(
+            f"{name} must be a dense (strided) tensor of shape {_SHAPES[name]}; got a {t.layout} tensor"
+        )
+    if t.dim() != 4:
+        raise ValueError(f"{name} must have shape {_SHAPES[name]}; got {tuple(t.shape)}")
+    if t.stride(-1) != 1 and t.shape[-1] > 1:
+        raise ValueError(
+            f"{name} must have a contiguous last dimension ({name}.stride(-1) == 1); got strides "
+            f"{tuple(t.stride())} for shape {tuple(t.shape)}"
+        )
+    return t
+
+
+def _index_tensor(name: str, t: object, shape: tuple[int, ...], device: torch.device, meaning: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(
+            f"{name} must be an int32 torch.Tensor of shape {shape} ({meaning}); got {type(t).__name__}"
+        )
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32 ({meaning}); got {t.dtype}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape} ({meaning}); got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on the device of q ({device}); got {t.device}")
+
+
+def validate_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
+    *,
+    cache_seqlens: torch.Tensor | int,
+    block_table: torch.Tensor | None,
+    causal: bool,
+    softmax_scale: float | None,
+    num_splits: int,
+    out: torch.Tensor | None,
+) -> CacheProblem:
+    """Check a KV-cache attention call; return its :class:`CacheProblem` or raise TypeError/ValueError."""
+    named = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
+    if (k is None) != (v is None):
+        raise ValueError(
+            f"k and v must be given together (the new tokens' keys and values); got k "
+            f"{'None' if k is None else 'a tensor'} and v {'None' if v is None else 'a tensor'}"
+        )
+    if k is not None:
+        named.update(k=k, v=v)
+    if out is not None:
+        named["out"] = out
+    for name, t in named.items():
+        _tensor(name, t)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool; got {type(causal).__name__}")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int):
+        raise TypeError(
+            f"num_splits must be an int (0: chosen by a heuristic); got {type(num_splits).__name__}"
+        )
+    if num_splits < 0:
+        raise ValueError(f"num_splits must be >= 0 (0: chosen by a heuristic); got {num_splits}")
+
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"q must be float16, bfloat16, float32 or float64; got {q.dtype}")
+    for name, t in named.items():
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} must have the dtype of q ({q.dtype}); got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on the device of q ({q.device}); got {t.device}")
+
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    pages_or_batch, rows, heads_kv, cache_dim = k_cache.shape
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"v_cache must have the shape of k_cache {tuple(k_cache.shape)}; got {tuple(v_cache.shape)}"
+        )
+    if cache_dim != head_dim:
+        raise ValueError(
+            f"k_cache must have the head_dim of q ({head_dim}); got shape {tuple(k_cache.shape)}"
+        )
+    if head_dim < 1 or head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim (q.shape[3]) must be between 1 and {MAX_HEAD_DIM}; got {head_dim}")
+    if heads_kv == 0:
+        raise ValueError(
+            f"k_cache must have at least one head (heads_kv >= 1); got shape {tuple(k_cache.shape)}"
+        )
+    if heads_q % heads_kv:
+        raise ValueError(
+            f"q's heads ({heads_q}) must be a multiple of k_cache's heads ({heads_kv}): query head h reads "
+            f"kv head h // (heads_q // heads_kv); got q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}"
+        )
+    if out is not None and out.shape != q.shape:
+        raise ValueError(f"out must have the shape of q {tuple(q.shape)}; got {tuple(out.shape)}")
+
+    if block_table is None:
+        page_size = 0
+        capacity = rows
+        if pages_or_batch != batch:
+            raise ValueError(
+                f"k_cache must have the batch size of q ({batch}) when block_table is None (a contiguous "
+                f"cache "
+                f"(batch, max_seqlen, heads_kv, head_dim)); got shape {tuple(k_cache.shape)}"
+            )
+    else:
+        if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
+            got = (
+                tuple(block_table.shape)
+                if isinstance(block_table, torch.Tensor)
+                else type(block_table).__name__
+            )
+            raise ValueError(f"block_table must have shape (batch, max_pages); got {got}")
+        _index_tensor(
+            "block_table",
+            block_table,
+            (batch, block_table.shape[1]),
+            q.device,
+            "each row's page indices into k_cache",
+        )
+        page_size = rows
+        if page_size < 1:
+            raise ValueError(
+                f"k_cache's page_size (k_cache.shape[1]) must be >= 1; got shape {tuple(k_cache.shape)}"
+            )
+        if pages_or_batch < 1:
+            raise ValueError(f"k_cache must hold at least one page; got shape {tuple(k_cache.shape)}")
+        capacity = block_table.shape[1] * page_size
+
+    seqlen_new = 0
+    if k is not None:
+        if k.shape[0] != batch or k.shape[2] != heads_kv or k.shape[3] != head_dim:
+            raise ValueError(
+                f"k must have shape (batch, seqlen_new, heads_kv, head_dim) = "
+                f"({batch}, seqlen_new, {heads_kv}, "
+                f"{head_dim}); got {tuple(k.shape)}"
+            )
+        if v.shape != k.shape:
+            raise ValueError(f"v must have the shape of k {tuple(k.shape)}; got {tuple(v.shape)}")
+        seqlen_new = k.shape[1]
+        if seqlen_new > capacity:
+            raise ValueError(
+                f"k has {seqlen_new} new tokens per row but the cache holds at most {capacity} per row "
+                f"({'max_pages * page_size' if page_size else 'k_cache.shape[1]'})"
+            )
+
+    if isinstance(cache_seqlens, bool):
+        raise TypeError("cache_seqlens must be an int or an int32 tensor of shape (batch,); got bool")
+    if isinstance(cache_seqlens, int):
+        if not 0 <= cache_seqlens <= capacity - seqlen_new:
+            raise ValueError(
+                f"cache_seqlens ({cache_seqlens}) must be in [0, {capacity - seqlen_new}]: the cache holds "
+                f"{capacity} keys per row and {seqlen_new} new ones are appended after the current ones"
+            )
+    else:
+        _index_tensor("cache_seqlens", cache_seqlens, (batch,), q.device, "each row's current cache length")
+
+    scale = _resolve_scale(softmax_scale, head_dim)
+    return CacheProblem(
+        batch, seqlen_q, heads_q, heads_kv, head_dim, seqlen_new, page_size, capacity, scale, causal
+    )

@@ -1,0 +1,113 @@
+"""The public KV-cache entry point: :func:`attention_with_kvcache`, attention of new queries against a cache
+that the call first appends the new keys and values to, in place (contiguous or paged)."""
+
+from __future__ import annotations
+
+import torch
+
+from . import kvcache_compose as compose
+from . import kvcache_op  # noqa: F401  (registers flash_attention::fwd_kvcache)
+from ._validate_kvcache import validate_kvcache
+
+__all__ = ["attention_with_kvcache"]
+
+
+def attention_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    *,
+    cache_seqlens: torch.Tensor | int,
+    block_table: torch.Tensor | None = None,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    num_splits: int = 0,
+    return_lse: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``q`` against a KV cache, after appending ``k``/``v`` to it in place (decoding).
+
+    The names follow the FlashAttention library's ``flash_attn_with_kvcache``, so code written for it ports
+    by changing the import (the rotary, ALiBi, window and softcap arguments are not taken here).
+
+    Args:
+        q: (batch, seqlen_q, heads_q, head_dim): the new queries, one token per row when decoding, a few
+            for speculative decoding or a chunk of a prompt (chunked prefill).
+        k_cache, v_cache: the cache, written in place when ``k``/``v`` are given. Contiguous: (batch,
+            max_seqlen, heads_kv, head_dim), row b's position p at ``k_cache[b, p]``. Paged (``block_table``
+            given): (num_pages, page_size, heads_kv, head_dim), row b's position p at
+            ``k_cache[block_table[b, p // page_size], p % page_size]``; any page_size >= 1. heads_q must be
+            a multiple of heads_kv (grouped-query attention, K/V never copied per query head).
+        k, v: optional (batch, seqlen_new, heads_kv, head_dim): the new tokens' keys and values, written at
+            positions ``cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1`` of each row before the
+            attention, which then sees them.
+        cache_seqlens: each row's current cache length (before the append): an int32 tensor of shape (batch,)
+            on q's device, or an int for all rows. It is read, never advanced: after the call the caller adds
+            seqlen_new to it (serving engines keep their own lengths).
+        block_table: int32 (batch, max_pages) page indices into k_cache/v_cache for a paged cache; None for a
+            contiguous one. Only the entries a row uses (its first ``ceil((cache_seqlens[b] + seqlen_new) /
+            page_size)``) are read.
+        causal: query i of row b (of seqlen_q) sees cache position j iff ``j <= i + n_b - seqlen_q`` with
+            ``n_b = cache_seqlens[b] + seqlen_new``: the bottom-right corner of the row's own score matrix,
+            so the new tokens see the cache and each other causally. With ``causal=False`` every query sees
+            all ``n_b`` positions. Rows that see no key (n_b == 0) get out 0 and LSE -inf.
+        softmax_scale: default ``1 / sqrt(head_dim)``.
+        num_splits: how many thread blocks share one row's keys in the decode kernel (0: chosen by a
+            heuristic). Accepted for the FlashAttention library's signature; the path that runs today
+            (below) does not split.
+        return_lse: also return the float32 (batch, heads_q, seqlen_q) log-sum-exp of each row's scores.
+        out: optional preallocated output of q's shape and dtype (last dimension contiguous).
+
+    Returns:
+        ``out`` of q's shape and dtype, or ``(out, lse)`` with ``return_lse=True``.
+
+    Values of ``cache_seqlens`` and ``block_table``: every row must have room for its new tokens
+    (``cache_seqlens[b] + seqlen_new <= capacity``, the capacity being max_seqlen, or max_pages *
+    page_size) and every page index a row uses must be a page of the cache. The path that runs today
+    (:mod:`flash_attention.kvcache_compose`: PyTorch indexing for the append, then :func:`attention` on
+    each row's keys, our kernels on CUDA) reads both on the host and raises ValueError naming the entry
+    before anything is written. That host read is one synchronisation per call on CUDA tensors, so this
+    path cannot be captured in a CUDA graph yet.
+
+    Not differentiable (inference only): a call that autograd would record (grad mode on and q, k or v
+    requiring grad) raises RuntimeError. Under ``torch.compile`` the call is one custom op,
+    ``flash_attention::fwd_kvcache``, that declares its writes to the caches.
+
+    Raises:
+        TypeError, ValueError: on invalid arguments, naming the argument and what was expected, before
+            anything is written.
+    """
+    problem = validate_kvcache(
+        q,
+        k_cache,
+        v_cache,
+        k,
+        v,
+        cache_seqlens=cache_seqlens,
+        block_table=block_table,
+        causal=causal,
+        softmax_scale=softmax_scale,
+        num_splits=num_splits,
+        out=out,
+    )
+    if torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, k_cache, v_cache)
+    ):
+        raise RuntimeError(
+            "attention_with_kvcache() is for inference and has no backward, but an input requires grad; call "
+            "it under torch.no_grad() or torch.inference_mode(), or use attention() for training"
+        )
+    if isinstance(cache_seqlens, int):
+        cache_seqlens = torch.full((problem.batch,), cache_seqlens, dtype=torch.int32, device=q.device)
+    if torch.compiler.is_compiling():
+        o, lse = torch.ops.flash_attention.fwd_kvcache(
+            q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, problem.scale, num_splits
+        )
+        if out is not None:
+            out.copy_(o)  # custom ops return new tensors; the caller's buffer gets a copy
+            o = out
+    else:
+        o, lse = compose.run(problem, q, k_cache, v_cache, k, v, cache_seqlens, block_table, out, return_lse)
+    return (o, lse) if return_lse else o

@@ -1,0 +1,61 @@
+"""The custom op ``flash_attention::fwd_kvcache``: :func:`flash_attention.attention_with_kvcache` as one node
+for ``torch.compile``.
+
+``fwd_kvcache(q, k_cache!, v_cache!, k?, v?, cache_seqlens, block_table?, causal, scale, num_splits)
+-> (out, lse)``. The schema marks k_cache and v_cache as written (the append), so a compiled graph orders
+the call after earlier reads of the cache and before later ones, and functionalisation copies nothing
+else. The arguments were validated by :func:`flash_attention._validate_kvcache.validate_kvcache`;
+``cache_seqlens`` is always a tensor here (an int is turned into one before the op), ``scale`` is resolved.
+The fake implementation gives the shapes without running anything.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import kvcache_compose as compose
+from ._validate_kvcache import validate_kvcache
+
+__all__ = ["fwd_kvcache"]
+
+# Spelled out (mutation annotations included) rather than inferred from annotations, as in custom_ops.
+_SCHEMA = (
+    "(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, Tensor cache_seqlens,"
+    " Tensor? block_table, bool causal, float scale, int num_splits) -> (Tensor, Tensor)"
+)
+
+
+@torch.library.custom_op("flash_attention::fwd_kvcache", mutates_args=("k_cache", "v_cache"), schema=_SCHEMA)
+def fwd_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+    num_splits: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    problem = validate_kvcache(
+        q,
+        k_cache,
+        v_cache,
+        k,
+        v,
+        cache_seqlens=cache_seqlens,
+        block_table=block_table,
+        causal=causal,
+        softmax_scale=scale,
+        num_splits=num_splits,
+        out=None,
+    )
+    out, lse = compose.run(problem, q, k_cache, v_cache, k, v, cache_seqlens, block_table, None, True)
+    return out, lse
+
+
+@fwd_kvcache.register_fake
+def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, scale, num_splits):
+    batch, seqlen_q, heads_q, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
