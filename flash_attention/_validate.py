@@ -13,7 +13,15 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Problem", "check_key_range", "validate", "MAX_HEAD_DIM", "SUPPORTED_DTYPES"]
+__all__ = [
+    "MAX_HEAD_DIM",
+    "SUPPORTED_DTYPES",
+    "Problem",
+    "check_key_range",
+    "check_last_dim_contiguous",
+    "check_tensor",
+    "validate",
+]
 
 #: Largest head dimension any kernel is instantiated for; the fallback enforces the same limit so that
 #: code tested on CPU does not fail later on a GPU.
@@ -58,15 +66,29 @@ def _shape(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(t.shape)
 
 
-def _check_tensor(name: str, t: object) -> None:
+def check_tensor(name: str, t: object, shape: str, dense_hint: str = "") -> None:
+    """``t`` must be a dense torch.Tensor; the errors name the argument and the ``shape`` it should have."""
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of shape {_SHAPES[name]}; got {type(t).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor of shape {shape}; got {type(t).__name__}")
     if t.is_nested or t.layout != torch.strided:
         raise TypeError(
-            f"{name} must be a dense (strided) tensor of shape {_SHAPES[name]}; got a "
-            f"{'nested' if t.is_nested else str(t.layout)} tensor (pad the sequences to one length, with "
-            "key_range for the padding)"
+            f"{name} must be a dense (strided) tensor of shape {shape}; got a "
+            f"{'nested' if t.is_nested else str(t.layout)} tensor{dense_hint}"
         )
+
+
+def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
+    """Kernels read and write whole 16-byte vectors along head_dim; other strides are free, so a
+    (batch, heads, seqlen, head_dim) tensor transposed to our layout needs no copy."""
+    if t.stride(-1) != 1 and t.shape[-1] > 1:
+        raise ValueError(
+            f"{name} must have a contiguous last dimension ({name}.stride(-1) == 1); "
+            f"got strides {tuple(t.stride())} for shape {_shape(t)}"
+        )
+
+
+def _check_tensor(name: str, t: object) -> None:
+    check_tensor(name, t, _SHAPES[name], " (pad the sequences to one length, with key_range for the padding)")
 
 
 def _resolve_scale(softmax_scale: object, head_dim: int) -> float:
@@ -138,13 +160,7 @@ def validate(
         raise ValueError(f"out must have the shape of q {_shape(q)}; got {_shape(out)}")
 
     for name, t in named.items():
-        # Kernels read and write whole 16-byte vectors along head_dim; other strides are free, so a
-        # (batch, heads, seqlen, head_dim) tensor transposed to our layout needs no copy.
-        if t.stride(-1) != 1 and t.shape[-1] > 1:
-            raise ValueError(
-                f"{name} must have a contiguous last dimension ({name}.stride(-1) == 1); "
-                f"got strides {tuple(t.stride())} for shape {_shape(t)}"
-            )
+        check_last_dim_contiguous(name, t)
 
     scale = _resolve_scale(softmax_scale, head_dim)
     if key_range is not None:

@@ -14,7 +14,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ._validate import MAX_HEAD_DIM, SUPPORTED_DTYPES, _resolve_scale
+from ._validate import (
+    MAX_HEAD_DIM,
+    SUPPORTED_DTYPES,
+    _resolve_scale,
+    check_last_dim_contiguous,
+    check_tensor,
+)
 
 __all__ = ["CacheProblem", "validate_kvcache"]
 
@@ -49,25 +55,12 @@ class CacheProblem:
         """Query heads per kv head."""
         return self.heads_q // self.heads_kv
 
-    @property
-    def paged(self) -> bool:
-        return self.page_size > 0
-
 
 def _tensor(name: str, t: object) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of shape {_SHAPES[name]}; got {type(t).__name__}")
-    if t.is_nested or t.layout != torch.strided:
-        raise TypeError(
-            f"{name} must be a dense (strided) tensor of shape {_SHAPES[name]}; got a {t.layout} tensor"
-        )
+    check_tensor(name, t, _SHAPES[name])
     if t.dim() != 4:
         raise ValueError(f"{name} must have shape {_SHAPES[name]}; got {tuple(t.shape)}")
-    if t.stride(-1) != 1 and t.shape[-1] > 1:
-        raise ValueError(
-            f"{name} must have a contiguous last dimension ({name}.stride(-1) == 1); got strides "
-            f"{tuple(t.stride())} for shape {tuple(t.shape)}"
-        )
+    check_last_dim_contiguous(name, t)
     return t
 
 

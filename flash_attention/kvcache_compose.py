@@ -139,5 +139,4 @@ def run(
             problem.batch, problem.heads_q, problem.seqlen_q, dtype=torch.float32, device=q.device
         )
         return o, (lse if return_lse else None)
-    with torch.no_grad():
-        return attend(problem, q, k_cache, v_cache, block_table, lengths, out, return_lse)
+    return attend(problem, q, k_cache, v_cache, block_table, lengths, out, return_lse)
