@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from . import kvcache_compose as compose
-from . import kvcache_op  # noqa: F401  (registers flash_attention::fwd_kvcache)
+from . import kvcache_op
 from ._validate_kvcache import validate_kvcache
 
 __all__ = ["attention_with_kvcache"]
@@ -109,5 +108,7 @@ def attention_with_kvcache(
             out.copy_(o)  # custom ops return new tensors; the caller's buffer gets a copy
             o = out
     else:
-        o, lse = compose.run(problem, q, k_cache, v_cache, k, v, cache_seqlens, block_table, out, return_lse)
+        o, lse = kvcache_op.run(
+            problem, q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, out, return_lse
+        )
     return (o, lse) if return_lse else o

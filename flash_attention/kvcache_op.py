@@ -7,16 +7,23 @@ the call after earlier reads of the cache and before later ones, and functionali
 else. The arguments were validated by :func:`flash_attention._validate_kvcache.validate_kvcache`;
 ``cache_seqlens`` is always a tensor here (an int is turned into one before the op), ``scale`` is resolved.
 The fake implementation gives the shapes without running anything.
+
+:func:`run` is the op's implementation, which the eager path of attention_with_kvcache calls directly
+(skipping the op's dispatch): on CUDA, fp16/bf16, the decode kernels (:func:`flash_attention.ops.decode.
+cuda_decode`: no host read of the lengths or pages, so graph-capturable); everywhere else, and for calls the
+kernels cannot take (a head_dim that is not a multiple of 8, a misaligned cache), the composed path of
+:mod:`flash_attention.kvcache_compose`, with the once-per-reason warning on CUDA.
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import dispatch
 from . import kvcache_compose as compose
-from ._validate_kvcache import validate_kvcache
+from ._validate_kvcache import CacheProblem, validate_kvcache
 
-__all__ = ["fwd_kvcache"]
+__all__ = ["fwd_kvcache", "run"]
 
 # Spelled out (mutation annotations included) rather than inferred from annotations, as in custom_ops.
 _SCHEMA = (
@@ -51,8 +58,33 @@ def fwd_kvcache(
         num_splits=num_splits,
         out=None,
     )
-    out, lse = compose.run(problem, q, k_cache, v_cache, k, v, cache_seqlens, block_table, None, True)
+    out, lse = run(problem, q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, None, True)
     return out, lse
+
+
+def run(
+    problem: CacheProblem,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor | None,
+    num_splits: int,
+    out: torch.Tensor | None,
+    return_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The validated call (cache_seqlens a tensor) on the decode kernels or the composed path."""
+    args = (problem, q, k_cache, v_cache, k, v, cache_seqlens, block_table)
+    empty = problem.batch == 0 or problem.seqlen_q == 0 or problem.heads_q == 0
+    if dispatch.wants_kernel(q) and not empty:
+        ops = dispatch.backend()
+        reason = ops.decode_unavailable_reason(q, k_cache, v_cache)
+        if reason is None:
+            return ops.cuda_decode(*args, num_splits, out, return_lse)
+        dispatch.warn_fallback(f"attention_with_kvcache: {reason}")
+    return compose.run(*args, out, return_lse)
 
 
 @fwd_kvcache.register_fake

@@ -135,7 +135,9 @@ def pytorch_error(case: Case, q, k_cache_after, v_cache_after, block_table, ref_
     return torch.stack([e.double() for e in errors])
 
 
-def check_case(case: Case, dtype: torch.dtype, device: str, *, use_int_seqlens: bool = False) -> None:
+def check_case(
+    case: Case, dtype: torch.dtype, device: str, *, use_int_seqlens: bool = False, num_splits: int = 0
+) -> None:
     """attention_with_kvcache against the float64 reference: output within the accuracy rule, LSE close,
     every output element written (poisoned buffer), the caches exactly the reference's after the append."""
     q, k_cache, v_cache, k, v, lengths, block_table = make_inputs(case, dtype, device)
@@ -162,6 +164,7 @@ def check_case(case: Case, dtype: torch.dtype, device: str, *, use_int_seqlens: 
         causal=case.causal,
         return_lse=True,
         out=out,
+        num_splits=num_splits,
     )
     assert o.data_ptr() == out.data_ptr()
     assert not o.isnan().any(), f"{case}: output element not written or NaN"

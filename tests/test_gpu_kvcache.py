@@ -9,7 +9,7 @@ import random
 
 import pytest
 import torch
-from kvcache_cases import Case, check_case, random_case
+from kvcache_cases import Case, check_case, make_inputs, random_case
 
 pytestmark = pytest.mark.gpu
 
@@ -49,3 +49,112 @@ def test_long_cache_one_token():
         lengths=[32767, 20000],
     )
     check_case(case, torch.bfloat16, "cuda")
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 1000])
+def test_explicit_split_counts(num_splits):
+    # Every split count gives the same answer within the accuracy rule; 1000 is more splits than tiles.
+    case = Case(
+        batch=3,
+        seqlen_q=2,
+        heads_q=16,
+        heads_kv=4,
+        head_dim=128,
+        seqlen_new=2,
+        page_size=16,
+        capacity=4096,
+        causal=True,
+        lengths=[0, 4094, 1500],
+    )
+    check_case(case, torch.bfloat16, "cuda", num_splits=num_splits)
+
+
+def test_cuda_graph_replay_with_changing_lengths():
+    # One captured decode step replayed with new lengths, tokens and queries written into its static
+    # inputs: each replay must equal the reference of its own inputs (nothing read on the host).
+    import flash_attention as fa
+    from flash_attention.reference import attention_kvcache_reference
+
+    case = Case(
+        batch=4,
+        seqlen_q=1,
+        heads_q=32,
+        heads_kv=8,
+        head_dim=128,
+        seqlen_new=1,
+        page_size=64,
+        capacity=8192,
+        causal=True,
+        lengths=[5, 100, 4000, 8191],
+    )
+    q, k_cache, v_cache, k, v, lengths, table = make_inputs(case, torch.bfloat16, "cuda")
+    fa.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths, block_table=table)  # warm-up
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fa.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths, block_table=table)
+    for step in range(4):
+        new_lengths = torch.tensor([step * 7, 100 + step, 8000 - step, 0], dtype=torch.int32)
+        lengths.copy_(new_lengths)
+        for t in (q, k, v):
+            t.copy_(torch.randn_like(t))
+        before_k, before_v = k_cache.double().cpu(), v_cache.double().cpu()
+        graph.replay()
+        torch.cuda.synchronize()
+        ref, _, ref_k, ref_v = attention_kvcache_reference(
+            q.double().cpu(),
+            before_k,
+            before_v,
+            k.double().cpu(),
+            v.double().cpu(),
+            cache_seqlens=new_lengths,
+            block_table=table.cpu(),
+            causal=True,
+        )
+        assert torch.equal(k_cache.double().cpu(), ref_k) and torch.equal(v_cache.double().cpu(), ref_v)
+        assert (out.double().cpu() - ref).abs().max() < 2e-2
+
+
+def test_bad_lengths_and_pages_poison_their_row_and_write_nothing_outside():
+    # Row 1's length leaves no room for its new token, row 2 uses a page index past the cache: both rows'
+    # outputs are NaN, the other rows are right, and no page the valid rows do not append to changes.
+    import flash_attention as fa
+    from flash_attention.reference import attention_kvcache_reference
+
+    case = Case(
+        batch=4,
+        seqlen_q=1,
+        heads_q=8,
+        heads_kv=2,
+        head_dim=64,
+        seqlen_new=1,
+        page_size=16,
+        capacity=256,
+        causal=True,
+        lengths=[10, 256, 40, 100],
+    )
+    case.lengths[1] = 255  # valid for make_inputs; made invalid below
+    q, k_cache, v_cache, k, v, lengths, table = make_inputs(case, torch.float16, "cuda")
+    lengths[1] = 256
+    table[2, 1] = k_cache.shape[0] + 5
+    before = k_cache.clone()
+    out, lse = fa.attention_with_kvcache(
+        q, k_cache, v_cache, k, v, cache_seqlens=lengths, block_table=table, return_lse=True
+    )
+    torch.cuda.synchronize()
+    assert out[1].isnan().all() and out[2].isnan().all() and lse[1].isnan().all() and lse[2].isnan().all()
+    good = [0, 3]
+    ref, _, _, _ = attention_kvcache_reference(
+        q[good].double().cpu(),
+        before.double().cpu(),
+        v_cache.double().cpu(),
+        k[good].double().cpu(),
+        v[good].double().cpu(),
+        cache_seqlens=lengths[good].cpu(),
+        block_table=table[good].cpu(),
+        causal=True,
+    )
+    assert (out[good].double().cpu() - ref).abs().max() < 1e-2
+    changed = (k_cache != before).flatten(1).any(1).nonzero().flatten().tolist()
+    expected = {int(table[0, 10 // 16]), int(table[3, 100 // 16]), int(table[2, 40 // 16])}
+    assert set(changed) <= expected  # row 2's position 40 is on a valid page: its token may be written

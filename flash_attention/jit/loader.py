@@ -10,11 +10,12 @@ import threading
 from collections.abc import Callable
 
 from ..configs import BwdConfig, KernelConfig
+from ..configs.decode import DecodeConfig
 from . import driver
 from .cache import build
 from .sources import kernel_symbol, variant_name
 
-__all__ = ["get_bwd_kernels", "get_kernel"]
+__all__ = ["get_bwd_kernels", "get_decode_kernels", "get_kernel"]
 
 _loaded: dict[tuple, object] = {}
 _lock = threading.Lock()
@@ -74,5 +75,21 @@ def get_bwd_kernels(
                 sym = cfg.symbol(kind, causal, ranged, dropout)
                 kerns[sym] = driver.get_kernel(library, sym)
         _loaded[k] = kerns
+
+    return _once(k, load)
+
+
+def get_decode_kernels(cfg: DecodeConfig, arch: str) -> dict[str, driver.Kernel]:
+    """The loaded entry points of a decode config, by symbol (compiling or reading the cache once)."""
+    k = (cfg, arch, "decode")
+
+    def load() -> None:
+        built = build(cfg, arch)
+        library = driver.load_library(built.cubin)
+        symbols = [cfg.symbol("combine")]
+        for paged in (False, True):
+            symbols.append(cfg.symbol("append", paged=paged))
+            symbols += [cfg.symbol("decode", causal, paged) for causal in (False, True)]
+        _loaded[k] = {sym: driver.get_kernel(library, sym) for sym in symbols}
 
     return _once(k, load)

@@ -134,6 +134,55 @@ class BwdParams(ctypes.Structure):
     )
 
 
+class DecodeParams(ctypes.Structure):
+    """The twin of ``fa::DecodeParams`` (csrc/include/fa/decode_params.h)."""
+
+    _fields_ = (
+        [
+            (name, _PTR)
+            for name in (
+                "q",
+                "k",
+                "v",
+                "k_new",
+                "v_new",
+                "o",
+                "lse",
+                "o_partial",
+                "lse_partial",
+                "cache_seqlens",
+                "block_table",
+            )
+        ]
+        + [
+            (f"{t}_{kind}_stride", _I64)
+            for t in ("q", "k", "v", "kn", "vn", "o")
+            for kind in ("batch", "row", "head")
+        ]
+        + [("lse_batch_stride", _I64), ("lse_head_stride", _I64), ("block_table_stride", _I64)]
+        + [
+            (name, _I32)
+            for name in (
+                "batch",
+                "heads_q",
+                "heads_kv",
+                "seqlen_q",
+                "head_dim",
+                "group",
+                "seqlen_new",
+                "capacity",
+                "page_size",
+                "num_pages",
+                "rows",
+                "num_m_blocks",
+                "num_splits",
+                "keys_per_split",
+            )
+        ]
+        + [("scale", _F32)]
+    )
+
+
 def offset_asserts(struct: type[ctypes.Structure], cpp_name: str) -> str:
     """static_asserts pinning the C++ struct's layout to the ctypes one.
 

@@ -8,14 +8,15 @@ first, in :mod:`flash_attention._validate`; the choice between these kernels and
 
 * :mod:`.device` -- facts about a GPU, and why the kernels cannot run on it;
 * :mod:`.select` -- which configuration a call runs (and the catalog of every kernel a model can need);
-* :mod:`.forward` / :mod:`.backward` -- the launches; :mod:`.plans` -- what both share (the plan cache,
-  the params fields filled alike, the launch in the device's primary context);
+* :mod:`.forward` / :mod:`.backward` / :mod:`.decode` -- the launches; :mod:`.plans` -- what they share (the
+  plan cache, the params fields filled alike, the launch in the device's primary context);
 * :mod:`.tensors` -- layout rules shared by both; :mod:`.trace` -- the debug build's launch state.
 """
 
 from . import backward as _backward
 from . import forward as _forward
 from .backward import cuda_backward
+from .decode import cuda_decode, decode_unavailable_reason
 from .device import cuda_unavailable_reason, device_arch, gpu_name, smem_limit
 from .forward import chosen_config, cuda_forward, prepare
 from .select import NoKernel, backward_config, catalog, dropout_config, forward_config
@@ -36,6 +37,8 @@ __all__ = [
     "catalog",
     "chosen_config",
     "cuda_backward",
+    "cuda_decode",
+    "decode_unavailable_reason",
     "cuda_forward",
     "cuda_unavailable_reason",
     "device_arch",

@@ -26,6 +26,7 @@ from ..configs import (
     portable_config,
     unsupported,
 )
+from ..configs.decode import DecodeConfig, default_decode_config
 
 __all__ = ["BuildJob", "NoKernel", "backward_config", "catalog", "dropout_config", "forward_config"]
 
@@ -159,7 +160,7 @@ def backward_config(
 class BuildJob:
     """One translation unit to compile: a config, the GPU architecture, and its variant."""
 
-    cfg: KernelConfig | BwdConfig
+    cfg: KernelConfig | BwdConfig | DecodeConfig
     arch: str
     ranged: bool = False
     dropout: bool = False
@@ -181,7 +182,7 @@ def catalog(
     for each dtype, compiled head_dim, mask and length, the forward and backward configs of plain calls,
     key-padded calls (``key_range``), dropout and both, in both gradient modes (the deterministic kernels
     share the backward's translation unit). Debug (trace) builds and negative softmax scales are not
-    included: no model needs them."""
+    included: no model needs them. The decode kernels of each dtype and head_dim are."""
     jobs: list[BuildJob] = []
     limit = 1 << 30  # the choice below is the heuristic's; fitting the GPU is checked per job by the caller
     for dtype in dtypes:
@@ -196,6 +197,10 @@ def catalog(
                             bwd = _heuristic_backward(dtype, d, causal, n, arch, features, det, limit)
                             if bwd is not None:
                                 jobs.append(BuildJob(bwd, arch, ranged, dropout))
+            # The decode kernels (attention_with_kvcache): one token per row and a few (a GQA group of up to
+            # 16 query heads packed in 16 rows; more rows for speculative decoding).
+            for rows in (1, 64):
+                jobs.append(BuildJob(default_decode_config(dtype, d, rows, arch), arch))
     return list(dict.fromkeys(jobs))
 
 

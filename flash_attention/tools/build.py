@@ -25,6 +25,7 @@ from flash_attention.configs import (
     parse_config,
     smem_optin,
 )
+from flash_attention.configs.decode import parse_decode_config
 from flash_attention.jit import compiler as _compiler
 from flash_attention.jit.cache import build, cache_dir
 from flash_attention.ops.select import BuildJob, catalog
@@ -70,11 +71,21 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def _parse(name: str):
+    """A forward, backward or decode config from its name."""
+    name = name.strip()
+    if name.startswith("bwd_"):
+        return parse_bwd_config(name)
+    if name.startswith("decode_"):
+        return parse_decode_config(name)
+    return parse_config(name)
+
+
 def jobs_for(archs: list[str], names: list[str] | None, dtypes=DTYPES, head_dims=HEAD_DIMS) -> list[BuildJob]:
     """The translation units to compile: the named configs (normal build) for each arch they run on, or
     the catalog of each arch."""
     if names:
-        cfgs = [parse_bwd_config(n) if n.strip().startswith("bwd_") else parse_config(n) for n in names]
+        cfgs = [_parse(n) for n in names]
         # A wgmma config compiles for sm_90 only (its instructions have no other target).
         return [BuildJob(c, a) for c in cfgs for a in archs if not is_wgmma(c) or a in ("sm_90", "sm_90a")]
     jobs: list[BuildJob] = []

@@ -21,8 +21,10 @@ from dataclasses import dataclass
 
 from flash_attention import ops
 from flash_attention.configs import BwdConfig, KernelConfig, parse_bwd_config, parse_config
+from flash_attention.configs.decode import DecodeConfig, parse_decode_config
 from flash_attention.configs.forward import register_roles
 from flash_attention.jit.cache import build
+from flash_attention.jit.sources import DECODE_AUX_THREADS
 
 # Per-SM limits by architecture: registers, max resident threads, max resident blocks, shared memory
 # available to blocks (bytes), and the shared memory the system reserves per block.
@@ -178,7 +180,10 @@ def _build(cfg: KernelConfig | BwdConfig, arch: str, compiler: str | None):
 
 
 def launch_shape(cfg, kernel: str) -> tuple[int, int]:
-    """Threads and dynamic shared memory of one entry point (the backward family has three kernels)."""
+    """Threads and dynamic shared memory of one entry point (the backward family has three kernels, the
+    decode family three: the decode kernel, the split combine and the cache append)."""
+    if kernel.endswith(("__combine", "__append", "__append__paged")) and "decode" in kernel:
+        return DECODE_AUX_THREADS, 0
     if isinstance(cfg, BwdConfig):
         if kernel.endswith(("__pre", "__convert")):
             return 128, 0
@@ -190,11 +195,17 @@ def launch_shape(cfg, kernel: str) -> tuple[int, int]:
 def shipped_configs(arch: str) -> list[KernelConfig | BwdConfig]:
     """Every configuration a default call can run on ``arch``, forward then backward (ops.catalog)."""
     cfgs = list(dict.fromkeys(job.cfg for job in ops.catalog(arch)))
-    return [c for c in cfgs if isinstance(c, KernelConfig)] + [c for c in cfgs if isinstance(c, BwdConfig)]
+    return (
+        [c for c in cfgs if isinstance(c, KernelConfig)]
+        + [c for c in cfgs if isinstance(c, BwdConfig)]
+        + [c for c in cfgs if isinstance(c, DecodeConfig)]
+    )
 
 
 def parse_any(text: str) -> KernelConfig | BwdConfig:
-    """A forward config name or symbol, or a backward config name (``bwd_...``)."""
+    """A forward config name or symbol, or a backward (``bwd_...``) or decode (``decode_...``) config name."""
+    if text.strip().startswith("decode_"):
+        return parse_decode_config(text.strip())
     return parse_bwd_config(text) if text.strip().startswith("bwd_") else parse_config(text)
 
 

@@ -1,0 +1,169 @@
+"""The decode kernel family's configuration (csrc/kernels/sm80/decode: split-KV attention against a KV cache),
+its rules, its default per GPU, and the split-count heuristic."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass
+
+from .common import DTYPES, cpp_struct, smem_optin
+
+__all__ = [
+    "DECODE_HEAD_DIMS",
+    "DecodeConfig",
+    "decode_validity_errors",
+    "default_decode_config",
+    "num_splits_heuristic",
+    "parse_decode_config",
+]
+
+#: Head dims the decode kernel is compiled for (a problem's head_dim runs on the next one up).
+DECODE_HEAD_DIMS = (64, 128, 256)
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Compile-time shape of the decode kernel.
+
+    A block computes ``block_m`` packed query rows (the query tokens of one K/V head's query heads: rows =
+    seqlen_q * group) against one split of a row's keys, ``block_kv`` keys per tile through a ``stages``
+    deep cp.async ring. ``warps_m`` warps split the rows (16 per mma tile), ``warps_n`` the keys of each tile;
+    the warps' softmax states are merged at the end.
+    """
+
+    dtype: str
+    head_dim: int
+    block_m: int
+    block_kv: int
+    warps_m: int
+    warps_n: int
+    stages: int
+
+    def __post_init__(self) -> None:
+        errors = decode_validity_errors(self)
+        if errors:
+            raise ValueError(f"invalid decode config {self.name()}: " + "; ".join(errors))
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps_m * self.warps_n
+
+    @property
+    def smem_bytes(self) -> int:
+        """Mirrors fa::DecodeSmem: the Q tile and the K/V ring, or the warps' fp32 states (reused bytes)."""
+        main_loop = 2 * self.block_m * self.head_dim + self.stages * 4 * self.block_kv * self.head_dim
+        merge = self.warps_n * self.block_m * (self.head_dim + 6) * 4
+        return max(main_loop, merge)
+
+    def name(self) -> str:
+        return (
+            f"decode_{self.dtype}_d{self.head_dim}_m{self.block_m}_kv{self.block_kv}"
+            f"_w{self.warps_m}x{self.warps_n}_s{self.stages}"
+        )
+
+    def __str__(self) -> str:
+        return self.name()
+
+    def symbol(self, kernel: str, causal: bool = False, paged: bool = False) -> str:
+        """Entry point of one kernel of the family: ``decode`` (per causal flag and cache layout),
+        ``combine``, or ``append`` (per cache layout)."""
+        if kernel not in ("decode", "combine", "append"):
+            raise ValueError(f"kernel must be decode, combine or append; got {kernel!r}")
+        base = "flash_" + self.name() + "__" + kernel
+        if kernel == "combine":
+            return base
+        if kernel == "append":
+            return base + ("__paged" if paged else "")
+        return base + ("__causal" if causal else "") + ("__paged" if paged else "")
+
+    def replace(self, **changes) -> DecodeConfig:
+        return dataclasses.replace(self, **changes)
+
+    def cpp_struct(self, struct_name: str = "Cfg") -> str:
+        fields = [
+            ("kIsBF16", "bool", self.dtype == "bf16"),
+            ("kHeadDim", "int", self.head_dim),
+            ("kBlockM", "int", self.block_m),
+            ("kBlockKV", "int", self.block_kv),
+            ("kWarpsM", "int", self.warps_m),
+            ("kWarpsN", "int", self.warps_n),
+            ("kStages", "int", self.stages),
+        ]
+        return cpp_struct(struct_name, fields)
+
+
+def decode_validity_errors(cfg: DecodeConfig) -> list[str]:
+    """Why ``cfg`` cannot be compiled (empty when it can); fa::check_decode_config asserts the same."""
+    errors = []
+    if cfg.dtype not in DTYPES:
+        errors.append(f"dtype must be one of {DTYPES}")
+    if cfg.head_dim not in DECODE_HEAD_DIMS:
+        errors.append(f"head_dim must be one of {DECODE_HEAD_DIMS}")
+    if cfg.warps_m < 1 or cfg.warps_n < 1 or cfg.warps_m * cfg.warps_n > 8:
+        errors.append("warps_m and warps_n must be >= 1, at most 8 warps in all")
+    elif cfg.block_m % (16 * cfg.warps_m) or cfg.block_m < 16:
+        errors.append("block_m must be a multiple of 16 * warps_m")
+    elif cfg.block_kv % (16 * cfg.warps_n) or cfg.block_kv < 16:
+        errors.append("block_kv must be a multiple of 16 * warps_n")
+    if cfg.stages < 2:
+        errors.append("stages must be at least 2")
+    if not errors and cfg.block_m // (16 * cfg.warps_m) * cfg.head_dim > 256:
+        errors.append("(block_m / 16 / warps_m) * head_dim must be at most 256 (O and Q stay in registers)")
+    return errors
+
+
+def parse_decode_config(text: str | DecodeConfig) -> DecodeConfig:
+    """The inverse of :meth:`DecodeConfig.name`."""
+    if isinstance(text, DecodeConfig):
+        return text
+    m = re.fullmatch(r"decode_(fp16|bf16)_d(\d+)_m(\d+)_kv(\d+)_w(\d+)x(\d+)_s(\d+)", str(text))
+    if not m:
+        raise ValueError(f"not a decode config name: {text!r}")
+    dt, *numbers = m.groups()
+    return DecodeConfig(dt, *(int(x) for x in numbers))
+
+
+def default_decode_config(dtype: str, head_dim: int, rows: int, arch: str) -> DecodeConfig:
+    """The decode config for ``rows`` packed query rows (seqlen_q * group) on ``arch``.
+
+    Up to 16 rows (one token, a group of up to 16): one 16-row tile, four warps splitting each 64-key tile's
+    keys. More rows (speculative decoding, chunked prefill): 64-row blocks, the warps splitting the rows
+    (head_dim 256: still 16-row blocks, more of them).
+    The ring is as deep as the GPU's shared memory allows, up to 4 tiles (3 in flight while one is computed:
+    a memory-bound kernel needs the bytes in flight), never below 2; where even 2 tiles of 64 keys do not fit
+    (head_dim 256 on a 99 KB GPU), tiles of 32 keys.
+    """
+    d = next(x for x in DECODE_HEAD_DIMS if head_dim <= x)
+    if rows <= 16 or d > 128:
+        # (head_dim 256 keeps 16-row blocks for any row count: 32-row blocks of 2 x 2 warps spilled, 64 to 255
+        # registers at 255.)
+        block_m, warps_m = 16, 1
+    else:
+        block_m, warps_m = 64, 4
+    limit = smem_optin(arch)
+    # 64-key tiles, the ring as deep as fits; then 32-key tiles (head_dim 256 on the 99 KB GPUs), whose
+    # 16-key warp slices allow two warps splitting the keys.
+    candidates = [(64, stages) for stages in (4, 3, 2)] + [(32, stages) for stages in (3, 2)]
+    for block_kv, stages in candidates:
+        warps_n = 1 if warps_m > 1 else block_kv // 16
+        cfg = DecodeConfig(dtype, d, block_m, block_kv, warps_m, warps_n, stages)
+        if cfg.smem_bytes <= limit:
+            return cfg
+    return cfg
+
+
+def num_splits_heuristic(
+    blocks: int, n_keys: int, block_kv: int, sm_count: int, max_splits: int = 128
+) -> int:
+    """How many blocks share one row's keys: enough that ``blocks`` (batch x heads_kv x row blocks) times
+    the splits fill the GPU's ``sm_count`` multiprocessors about twice over, but never a split shorter than
+    four K/V tiles (each split costs a partial output, and the combine reads every split back), and never
+    more than the tiles there are. 1 when the blocks already fill the GPU.
+    """
+    if blocks <= 0 or n_keys <= 0:
+        return 1
+    tiles = math.ceil(n_keys / block_kv)
+    want = math.ceil(2 * sm_count / blocks)
+    return max(1, min(want, tiles // 4, max_splits))

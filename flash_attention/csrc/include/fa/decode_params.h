@@ -1,0 +1,51 @@
+// The decode kernels' parameters (split-KV attention against a KV cache, its combine, and the cache append):
+// raw pointers, strides and sizes, no torch.
+//
+// Passed by value as each kernel's only argument; flash_attention/jit/params.py mirrors it with a
+// ctypes.Structure and the JIT pins every field's offset with a static_assert, as for FwdParams.
+#pragma once
+
+namespace fa {
+
+struct DecodeParams {
+  const void* q;  // (batch, seqlen_q, heads_q, head_dim)
+  // The cache. Contiguous: (batch, capacity, heads_kv, head_dim), k_batch_stride apart per batch row.
+  // Paged: (num_pages, page_size, heads_kv, head_dim), k_batch_stride apart per page.
+  void* k;
+  void* v;
+  const void* k_new;  // (batch, seqlen_new, heads_kv, head_dim): the append kernel's source; null without
+  const void* v_new;
+  void* o;     // (batch, seqlen_q, heads_q, head_dim), written by the decode kernel when num_splits == 1,
+               // else by the combine kernel
+  float* lse;  // (batch, heads_q, seqlen_q) or null
+  // num_splits > 1: each split's normalised output and LSE, (num_splits, batch, heads_q, seqlen_q, kHeadDim)
+  // and (num_splits, batch, heads_q, seqlen_q), fp32; the combine kernel merges them.
+  float* o_partial;
+  float* lse_partial;
+  const int* cache_seqlens;  // (batch,) each row's length before the append
+  const int* block_table;    // (batch, max_pages), block_table_stride apart; null for a contiguous cache
+
+  long long q_batch_stride, q_row_stride, q_head_stride;
+  long long k_batch_stride, k_row_stride, k_head_stride;
+  long long v_batch_stride, v_row_stride, v_head_stride;
+  long long kn_batch_stride, kn_row_stride, kn_head_stride;  // k_new
+  long long vn_batch_stride, vn_row_stride, vn_head_stride;  // v_new
+  long long o_batch_stride, o_row_stride, o_head_stride;
+  long long lse_batch_stride, lse_head_stride;
+  long long block_table_stride;
+
+  int batch, heads_q, heads_kv, seqlen_q;
+  int head_dim;    // the problem's (<= the compiled kHeadDim, a multiple of 8)
+  int group;       // heads_q / heads_kv
+  int seqlen_new;  // tokens appended per row: row b attends cache_seqlens[b] + seqlen_new keys
+  int capacity;    // keys one row can hold: the contiguous cache's length, or max_pages * page_size
+  int page_size;   // 0 for a contiguous cache
+  int num_pages;   // pages in a paged cache: a block_table entry outside [0, num_pages) is never followed
+  int rows;            // seqlen_q * group: the query rows of one K/V head, packed (fa/decode_rows.cuh)
+  int num_m_blocks;    // ceil(rows / kBlockM)
+  int num_splits;      // thread blocks sharing one row's keys
+  int keys_per_split;  // a multiple of kBlockKV
+  float scale;         // softmax scale
+};
+
+}  // namespace fa

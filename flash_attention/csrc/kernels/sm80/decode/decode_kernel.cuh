@@ -1,0 +1,359 @@
+// Split-KV decode attention on the sm_80 instruction set (mma.sync m16n8k16, ldmatrix, cp.async): a few
+// query tokens per batch row against a long KV cache, contiguous or paged. Runs on sm_80 to sm_90.
+//
+// Why not the forward kernel: with one query token its grid has one block per (head, batch row), a
+// handful of blocks for 132 multiprocessors, each streaming the whole cache of its row alone, and every
+// query head of a GQA group reads its K/V head again. Here
+//  * the query heads sharing a K/V head are packed into the rows of one tile ("GQA packing": packed row
+//    r is query r / group of head kv_head * group + r % group), so each K/V byte is read once per block;
+//  * the key axis is cut into num_splits slices of keys_per_split keys, one block each, so batch x heads_kv
+//    x splits blocks fill the GPU; each writes its slice's normalised output and LSE, which the combine
+//    kernel (fa/decode_combine.cuh) merges -- with num_splits == 1 the block writes the answer itself;
+//  * the block's warps split each K/V tile's keys between them (kWarpsN) rather than the rows, since a
+//    decode tile has few rows (16 for one token and a group of up to 16): each warp keeps its own online
+//    softmax over its keys, and the warps' states are merged once, at the end, through shared memory, in a
+//    fixed order (bitwise reproducible). For spec decoding / chunked prefill with more rows, kWarpsM warps
+//    split the rows as in the forward kernel;
+//  * K/V tiles stream through a kStages-deep cp.async ring, so a block keeps kStages - 1 tiles of loads in
+//    flight while it computes one: the kernel is bound by memory bandwidth, and bytes in flight are what
+//    reach it.
+// Memory-bound, so the softmax takes the unfolded form (scores scaled first, fa/softmax.cuh): one more
+// multiply per score costs nothing here and any scale sign works.
+//
+// Grid: (num_m_blocks * num_splits, heads_kv, batch). Block: kWarpsM * kWarpsN warps.
+#pragma once
+
+#include "fa/decode_params.h"
+#include "fa/frag.cuh"
+#include "fa/kv_cache.cuh"
+#include "fa/ptx.cuh"
+#include "fa/smem_layout.cuh"
+#include "fa/softmax.cuh"
+
+namespace fa {
+
+// Compile-time rules of a decode configuration (mirrored by configs.DecodeConfig.validity_errors).
+template <class Cfg>
+struct check_decode_config {
+  static_assert(Cfg::kHeadDim == 64 || Cfg::kHeadDim == 128 || Cfg::kHeadDim == 256,
+                "head_dim must be one of (64, 128, 256)");
+  static_assert(Cfg::kBlockM % (16 * Cfg::kWarpsM) == 0, "block_m must be a multiple of 16 * warps_m");
+  static_assert(Cfg::kBlockKV % (16 * Cfg::kWarpsN) == 0, "block_kv must be a multiple of 16 * warps_n");
+  static_assert(Cfg::kStages >= 2, "stages must be at least 2");
+  static_assert(Cfg::kWarpsM * Cfg::kWarpsN <= 8, "at most 8 warps");
+  static constexpr bool ok = true;
+};
+
+// Shared memory of a decode configuration, in bytes: the Q tile and the K/V ring during the main loop, the
+// warps' states in fp32 for the merge afterwards (the same bytes, reused).
+template <class Cfg>
+struct DecodeSmem {
+  static constexpr int D = Cfg::kHeadDim;
+  static constexpr int kQ = Cfg::kBlockM * D * 2;
+  static constexpr int kKVStage = 2 * Cfg::kBlockKV * D * 2;
+  static constexpr int kMainLoop = kQ + Cfg::kStages * kKVStage;
+  static constexpr int kRowPitch = D + 4;  // fp32 elements; the pad spreads a quad's rows over banks
+  static constexpr int kMerge = Cfg::kWarpsN * Cfg::kBlockM * (kRowPitch + 2) * 4;
+  static constexpr int kBytes = kMainLoop > kMerge ? kMainLoop : kMerge;
+};
+
+template <class Cfg, bool kCausal, bool kPaged>
+__device__ __forceinline__ void decode_kernel_body(const DecodeParams& p) {
+  static_assert(check_decode_config<Cfg>::ok, "");
+  constexpr bool BF = Cfg::kIsBF16;
+  constexpr int D = Cfg::kHeadDim;
+  constexpr int BM = Cfg::kBlockM;
+  constexpr int BC = Cfg::kBlockKV;
+  constexpr int WM = Cfg::kWarpsM;
+  constexpr int WN = Cfg::kWarpsN;
+  constexpr int S = Cfg::kStages;
+  constexpr int kThreads = 32 * WM * WN;
+  constexpr int MT = BM / (16 * WM);  // 16-row mma tiles per warp
+  constexpr int BCW = BC / WN;        // keys per warp per tile
+  constexpr int NS = BCW / 8;         // 8-key n-tiles of a warp's S
+  constexpr int KS = BCW / 16;        // k-steps of a warp's P V
+  constexpr int DK = D / 16;          // k-steps of S = Q K^T
+  constexpr int NO = D / 8;           // 8-column n-tiles of O
+  constexpr int C = D / 8;            // 16-byte chunks per row
+  using Tile = RowMajorTile<D, true>;
+  using Smem = DecodeSmem<Cfg>;
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  const u32 sQ = smem_addr(smem);
+  const u32 sKV = sQ + Smem::kQ;  // stage s: K at sKV + s * kKVStage, V BC * D * 2 bytes after it
+
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const int wm = warp / WN;  // which rows
+  const int wn = warp % WN;  // which keys of each tile
+  const int m_block = (int)blockIdx.x / p.num_splits;
+  const int split = (int)blockIdx.x % p.num_splits;
+  const int kv_head = blockIdx.y;
+  const int batch = blockIdx.z;
+
+  // ---- which keys this block reads ---------------------------------------------------------------------
+  const int n_keys = cache_keys(p, batch);  // -1: a bad length, the row is poisoned
+  bool bad = n_keys < 0;
+  const int shift = n_keys - p.seqlen_q;  // causal: query i sees keys j <= i + shift
+  const int row0 = m_block * BM;
+  const int k_lo = split * p.keys_per_split;
+  int k_hi = bad ? k_lo : min(n_keys, k_lo + p.keys_per_split);
+  if (kCausal) {
+    // The block's last packed row holds its latest query.
+    const int last_query = (min(p.rows, row0 + BM) - 1) / p.group;
+    k_hi = min(k_hi, last_query + shift + 1);
+  }
+  const int n_tiles = k_hi > k_lo ? (k_hi - k_lo + BC - 1) / BC : 0;
+
+  const CachePositions<kPaged> positions(p, batch);
+  const i64 kv_row_base = kPaged ? 0 : (i64)batch * p.k_batch_stride;
+  const u16* gK = static_cast<const u16*>(p.k) + kv_row_base + (i64)kv_head * p.k_head_stride;
+  const u16* gV = static_cast<const u16*>(p.v) + (kPaged ? 0 : (i64)batch * p.v_batch_stride) +
+                  (i64)kv_head * p.v_head_stride;
+
+  // ---- loads ---------------------------------------------------------------------------------------------
+  // Q: packed row r is query r / group of head kv_head * group + r % group; rows past p.rows are zeros.
+  {
+    const u16* gQ = static_cast<const u16*>(p.q) + (i64)batch * p.q_batch_stride;
+    for (int idx = tid; idx < BM * C; idx += kThreads) {
+      const int r = idx / C, chunk = idx % C;
+      const int row = row0 + r;
+      const bool ok = row < p.rows && chunk * 8 < p.head_dim;
+      const int query = row / p.group;
+      const int head = kv_head * p.group + row % p.group;
+      const u16* src = gQ + (i64)query * p.q_row_stride + (i64)head * p.q_head_stride + chunk * 8;
+      cp_async_16(sQ + Tile::bytes(r, chunk), ok ? src : static_cast<const u16*>(p.q), ok ? 16 : 0);
+    }
+  }
+  // K and V rows of tile t into stage t % S. Thread tid copies chunk tid % C of rows tid / C,
+  // tid / C + kThreads / C, ...: one page lookup per row serves all of the row's chunks in K and in V.
+  // Positions at or past k_hi, and any behind a page index outside the cache, are zero-filled (never read):
+  // the scores there are masked, and zero V rows keep 0 * garbage out of O.
+  // (Two forms: when the block's threads cover whole rows, each thread keeps one chunk and steps over rows;
+  // otherwise -- head_dim 256 with one warp -- each copy's coordinates are computed afresh.)
+  constexpr int kRowStep = kThreads % C == 0 ? kThreads / C : 1;
+  auto load_kv = [&](int t) {
+    const u32 sK = sKV + (t % S) * Smem::kKVStage;
+    const u32 sV = sK + BC * D * 2;
+    const int start = k_lo + t * BC;
+    if constexpr (kThreads % C == 0) {
+      const int chunk = tid % C;
+      const bool col_ok = chunk * 8 < p.head_dim;
+      for (int r = tid / C; r < BC; r += kRowStep) {
+        const int j = start + r;
+        i64 k_off = 0, v_off = 0;
+        bool ok = j < k_hi && col_ok;
+        if (j < k_hi && !positions.offsets(j, k_off, v_off)) {
+          ok = false;
+          bad = true;
+        }
+        cp_async_16(sK + Tile::bytes(r, chunk), ok ? gK + k_off + chunk * 8 : gK, ok ? 16 : 0);
+        cp_async_16(sV + Tile::bytes(r, chunk), ok ? gV + v_off + chunk * 8 : gV, ok ? 16 : 0);
+      }
+    } else {
+      for (int idx = tid; idx < BC * C; idx += kThreads) {
+        const int r = idx / C, chunk = idx % C;
+        const int j = start + r;
+        i64 k_off = 0, v_off = 0;
+        bool ok = j < k_hi && chunk * 8 < p.head_dim;
+        if (j < k_hi && !positions.offsets(j, k_off, v_off)) {
+          ok = false;
+          bad = true;
+        }
+        cp_async_16(sK + Tile::bytes(r, chunk), ok ? gK + k_off + chunk * 8 : gK, ok ? 16 : 0);
+        cp_async_16(sV + Tile::bytes(r, chunk), ok ? gV + v_off + chunk * 8 : gV, ok ? 16 : 0);
+      }
+    }
+  };
+
+  // Prologue: Q with tile 0, then tiles 1 .. S - 2, one commit group each (empty groups past the last tile
+  // keep the group count, and so cp_async_wait's argument, the same for every iteration).
+#pragma unroll
+  for (int t = 0; t < S - 1; ++t) {
+    if (t < n_tiles) load_kv(t);
+    cp_async_commit();
+  }
+
+  // ---- main loop: each warp's online softmax over its keys of each tile ------------------------------------
+  const int g = lane / 4;
+  const int t4 = lane % 4;
+  const int warp_row0 = wm * MT * 16;  // within the block's rows
+  float o[MT][NO][4];
+  float row_max[MT][2];
+  float row_sum[MT][2];
+  // Causal: the last key each of this thread's rows sees (its query's diagonal), per (mt, r).
+  int diag[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int n = 0; n < NO; ++n) o[mt][n][0] = o[mt][n][1] = o[mt][n][2] = o[mt][n][3] = 0.f;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      row_max[mt][r] = neg_inf();
+      row_sum[mt][r] = 0.f;
+      diag[mt][r] = (row0 + warp_row0 + 16 * mt + g + 8 * r) / p.group + shift;
+    }
+  }
+  u32 qf[MT][DK][4];
+  const FragAddr<D, true> q_addr(sQ, warp_row0 + lane % 16, lane / 16);
+  const FragAddr<D, true> k_addr(sKV, 8 * (lane / 16) + lane % 8, (lane / 8) % 2);
+  const FragAddr<D, true> v_addr(sKV + BC * D * 2, 8 * ((lane / 8) % 2) + lane % 8, lane / 16);
+
+  for (int t = 0; t < n_tiles; ++t) {
+    // Tile t (and Q, with tile 0) has landed for this thread; the barrier makes every thread's copies
+    // visible, and says every warp is done with tile t - 1, whose stage the load below refills.
+    cp_async_wait<S - 2>();
+    __syncthreads();
+    if (t + S - 1 < n_tiles) load_kv(t + S - 1);
+    cp_async_commit();
+    if (t == 0) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int kk = 0; kk < DK; ++kk) ldmatrix_x4(qf[mt][kk], q_addr(16 * mt, kk));
+    }
+    const u32 stage = (t % S) * Smem::kKVStage;
+    const int key0 = k_lo + t * BC + wn * BCW;  // this warp's first key in the tile
+
+    // S = Q K^T over the warp's BCW keys.
+    float s[MT][NS][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int n = 0; n < NS; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < DK; ++kk) {
+#pragma unroll
+      for (int np = 0; np < NS / 2; ++np) {
+        u32 kb[4];
+        ldmatrix_x4(kb, k_addr(wn * BCW + 16 * np, kk) + stage);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma_16816<BF>(s[mt][2 * np], qf[mt][kk], kb[0], kb[1]);
+          mma_16816<BF>(s[mt][2 * np + 1], qf[mt][kk], kb[2], kb[3]);
+        }
+      }
+    }
+
+    // Scale, then mask: keys at or past k_hi (the split's end, the row's length), and causal keys past
+    // each row's diagonal.
+    const bool tail = key0 + BCW > k_hi;
+    bool masked = tail;
+    if (kCausal) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) masked |= key0 + BCW - 1 > diag[mt][0];
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int n = 0; n < NS; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float x = s[mt][n][e] * p.scale;
+          if (masked) {
+            const int key = key0 + 8 * n + 2 * t4 + (e & 1);
+            if (key >= k_hi || (kCausal && key > diag[mt][e >> 1])) x = neg_inf();
+          }
+          s[mt][n][e] = x;
+        }
+
+    // Online softmax, then O += P V over the warp's keys.
+    u32 pf[MT][KS][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float alpha = online_softmax_row<false>(acc_tile(s), mt, r, row_max[mt][r], row_sum[mt][r], 0.f);
+        rescale_row(acc_tile(o), mt, r, alpha);
+      }
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks) acc_to_a_frag<BF>(pf[mt][ks], acc_tile(s), mt, ks);
+    }
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+#pragma unroll
+      for (int dp = 0; dp < NO / 2; ++dp) {
+        u32 vb[4];
+        ldmatrix_x4_trans(vb, v_addr(wn * BCW + 16 * ks, dp) + stage);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma_16816<BF>(o[mt][2 * dp], pf[mt][ks], vb[0], vb[1]);
+          mma_16816<BF>(o[mt][2 * dp + 1], pf[mt][ks], vb[2], vb[3]);
+        }
+      }
+    }
+  }
+
+  // ---- merge the warps' states, in a fixed order ----------------------------------------------------------
+  // Every warp is past its last ldmatrix and every copy has landed (the empty groups included) before the
+  // ring's bytes are reused for the states.
+  cp_async_wait<0>();
+  bad = __syncthreads_or(bad);
+  float* merge = reinterpret_cast<float*>(smem);
+  constexpr int P = Smem::kRowPitch;
+  // Warp wn's row r: O at merge[(wn * BM + r) * (P + 2)], its max and sum after the P columns.
+  auto state = [&](int w, int r) { return merge + (w * BM + r) * (P + 2); };
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = warp_row0 + 16 * mt + g + 8 * r;
+      float* st = state(wn, row);
+      const float l = quad_sum(row_sum[mt][r]);
+#pragma unroll
+      for (int n = 0; n < NO; ++n) {
+        st[8 * n + 2 * t4] = o[mt][n][2 * r];
+        st[8 * n + 2 * t4 + 1] = o[mt][n][2 * r + 1];
+      }
+      if (t4 == 0) {
+        st[P] = row_max[mt][r];
+        st[P + 1] = l;
+      }
+    }
+  }
+  __syncthreads();
+
+  // Thread per (row, 4 columns): the block's max over the warps, each warp's weight exp(m_w - m), and
+  // O = sum_w weight_w O_w / sum_w weight_w l_w.
+  const bool split_out = p.num_splits > 1;
+  const float nan = __int_as_float(0x7fffffff);
+  for (int idx = tid; idx < BM * (D / 4); idx += kThreads) {
+    const int r = idx / (D / 4), col = 4 * (idx % (D / 4));
+    const int row = row0 + r;
+    if (row >= p.rows || col >= p.head_dim) continue;
+    float m = neg_inf();
+#pragma unroll
+    for (int w = 0; w < WN; ++w) m = fmaxf(m, state(w, r)[P]);
+    const float m_use = m == neg_inf() ? 0.f : m;
+    float l = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int w = 0; w < WN; ++w) {
+      const float* st = state(w, r);
+      const float weight = __expf(st[P] - m_use);
+      l += weight * st[P + 1];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[e] += weight * st[col + e];
+    }
+    const float inv = inv_row_sum(l);
+    const float lse = bad ? nan : (l > 0.f ? m + logf(l) : neg_inf());
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[e] = bad ? nan : acc[e] * inv;
+    const int query = row / p.group;
+    const int head = kv_head * p.group + row % p.group;
+    if (split_out) {
+      const i64 idx_row = (((i64)split * p.batch + batch) * p.heads_q + head) * p.seqlen_q + query;
+      *reinterpret_cast<float4*>(p.o_partial + idx_row * D + col) = make_float4(acc[0], acc[1], acc[2], acc[3]);
+      if (col == 0) p.lse_partial[idx_row] = lse;
+    } else {
+      u16* dst = static_cast<u16*>(p.o) + (i64)batch * p.o_batch_stride + (i64)query * p.o_row_stride +
+                 (i64)head * p.o_head_stride + col;
+      const u32 lo = pack2<BF>(acc[0], acc[1]), hi = pack2<BF>(acc[2], acc[3]);
+      asm volatile("st.global.v2.u32 [%0], {%1, %2};\n" ::"l"(dst), "r"(lo), "r"(hi));
+      if (col == 0 && p.lse)
+        p.lse[(i64)batch * p.lse_batch_stride + (i64)head * p.lse_head_stride + query] = lse;
+    }
+  }
+}
+
+}  // namespace fa

@@ -1,0 +1,145 @@
+"""The decode kernel family on the CPU: configuration names and rules, the defaults of every architecture,
+the split arithmetic, and the dispatch between the decode kernels and the composed path."""
+
+from __future__ import annotations
+
+import random
+import warnings
+
+import pytest
+import torch
+
+import flash_attention
+from flash_attention import dispatch
+from flash_attention._validate_kvcache import CacheProblem
+from flash_attention.configs import SMEM_OPTIN
+from flash_attention.configs.decode import (
+    DECODE_HEAD_DIMS,
+    DecodeConfig,
+    decode_validity_errors,
+    default_decode_config,
+    num_splits_heuristic,
+    parse_decode_config,
+)
+from flash_attention.ops.decode import splits_for
+
+
+@pytest.mark.parametrize("arch", sorted(SMEM_OPTIN))
+def test_defaults_are_valid_fit_the_gpu_and_round_trip(arch):
+    for dtype in ("fp16", "bf16"):
+        for head_dim in (8, 64, 72, 128, 200, 256):
+            for rows in (1, 4, 16, 17, 64, 512):
+                cfg = default_decode_config(dtype, head_dim, rows, arch)
+                assert cfg.head_dim >= head_dim and cfg.head_dim in DECODE_HEAD_DIMS
+                assert cfg.smem_bytes <= SMEM_OPTIN[arch], cfg
+                assert parse_decode_config(cfg.name()) == cfg
+                assert decode_validity_errors(cfg) == []
+
+
+@pytest.mark.parametrize(
+    "fields, words",
+    [
+        (("bf16", 96, 16, 64, 1, 4, 3), "head_dim"),
+        (("fp32", 128, 16, 64, 1, 4, 3), "dtype"),
+        (("bf16", 128, 32, 128, 2, 8, 3), "at most 8 warps"),
+        (("bf16", 128, 24, 64, 1, 4, 3), "block_m"),
+        (("bf16", 128, 16, 48, 1, 4, 3), "block_kv"),
+        (("bf16", 128, 16, 64, 1, 4, 1), "stages"),
+        (("bf16", 256, 32, 64, 1, 4, 3), "registers"),
+    ],
+)
+def test_invalid_configs_say_why(fields, words):
+    with pytest.raises(ValueError, match=words):
+        DecodeConfig(*fields)
+
+
+def test_names_and_symbols():
+    cfg = DecodeConfig("bf16", 128, 16, 64, 1, 4, 3)
+    assert cfg.name() == "decode_bf16_d128_m16_kv64_w1x4_s3"
+    symbols = {cfg.symbol("decode", c, p) for c in (False, True) for p in (False, True)}
+    symbols |= {cfg.symbol("append", paged=p) for p in (False, True)} | {cfg.symbol("combine")}
+    assert len(symbols) == 7
+    with pytest.raises(ValueError):
+        parse_decode_config("decode_bf16_d128")
+
+
+def _problem(batch, heads_kv, group, seqlen_q, capacity):
+    return CacheProblem(batch, seqlen_q, heads_kv * group, heads_kv, 128, 1, 0, capacity, 0.1, True)
+
+
+def test_splits_cover_the_capacity_exactly_once():
+    rng = random.Random(0)
+    cfg = DecodeConfig("bf16", 128, 16, 64, 1, 4, 3)
+    for _ in range(2000):
+        capacity = rng.randint(0, 200_000)
+        problem = _problem(rng.randint(1, 64), rng.randint(1, 16), rng.choice([1, 4, 8]), 1, capacity)
+        asked = rng.choice([0, 1, 2, 3, 7, 64, 1000])
+        n, per = splits_for(cfg, problem, asked, sms=132)
+        assert n >= 1 and per % cfg.block_kv == 0 and per > 0
+        if capacity:
+            assert (n - 1) * per < capacity <= n * per, (capacity, asked, n, per)
+        if asked:
+            assert n <= asked
+
+
+def test_heuristic_fills_the_gpu_without_tiny_splits():
+    # One row, 8 K/V heads, 128k keys on 132 SMs: enough splits for two waves.
+    assert num_splits_heuristic(8, 131072, 64, 132) == 33
+    # The blocks already fill the GPU: no split.
+    assert num_splits_heuristic(64 * 8, 131072, 64, 132) == 1
+    # A short cache: no split shorter than four tiles.
+    assert num_splits_heuristic(8, 512, 64, 132) == 2
+    assert num_splits_heuristic(8, 100, 64, 132) == 1
+    for blocks in (1, 3, 8, 100, 1000):
+        for keys in (1, 64, 1000, 10**6):
+            n = num_splits_heuristic(blocks, keys, 64, 132)
+            assert 1 <= n <= max(1, -(-keys // 64) // 4)
+
+
+class _FakeBackend:
+    """The launch layer's decode seam: records the calls and answers like the kernels would."""
+
+    def __init__(self, reason):
+        self.reason, self.calls = reason, []
+
+    def cuda_unavailable_reason(self, q):
+        return "the test's fake backend has no forward kernel"
+
+    def decode_unavailable_reason(self, q, k_cache, v_cache):
+        return self.reason
+
+    def cuda_decode(self, problem, q, k_cache, v_cache, k, v, lengths, table, num_splits, out, return_lse):
+        self.calls.append((problem, num_splits))
+        o = torch.full_like(q, 7.0)
+        return o, (torch.zeros(problem.batch, problem.heads_q, problem.seqlen_q) if return_lse else None)
+
+
+def _call(num_splits=0):
+    q = torch.randn(2, 1, 8, 64)
+    k_cache, v_cache = torch.randn(2, 32, 2, 64), torch.randn(2, 32, 2, 64)
+    return flash_attention.attention_with_kvcache(
+        q, k_cache, v_cache, torch.randn(2, 1, 2, 64), torch.randn(2, 1, 2, 64),
+        cache_seqlens=torch.tensor([3, 30], dtype=torch.int32), num_splits=num_splits,
+    )  # fmt: skip
+
+
+def test_kernel_path_gets_the_call_when_it_can(monkeypatch):
+    fake = _FakeBackend(None)
+    monkeypatch.setattr(dispatch, "wants_kernel", lambda q: True)
+    monkeypatch.setattr(dispatch, "backend", lambda: fake)
+    out = _call(num_splits=5)
+    assert (out == 7).all()
+    ((problem, splits),) = fake.calls
+    assert splits == 5 and problem.seqlen_new == 1 and problem.capacity == 32 and problem.group == 4
+
+
+def test_composed_path_with_a_warning_when_the_kernels_cannot(monkeypatch):
+    fake = _FakeBackend("a reason the test gives")
+    monkeypatch.setattr(dispatch, "wants_kernel", lambda q: True)
+    monkeypatch.setattr(dispatch, "backend", lambda: fake)
+    monkeypatch.setattr(dispatch, "_warned_reasons", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = _call()
+    assert not fake.calls and not (out == 7).all()
+    assert any("a reason the test gives" in str(w.message) for w in caught)
