@@ -71,6 +71,7 @@ class Kernel:
         self.handle = handle
         self.name = name
         self._smem_set: dict[int, int] = {}
+        self._occupancy: dict[tuple[int, int, int], int] = {}
 
     def attribute(self, attr: int, device: int) -> int:
         lib = libcuda()
@@ -93,6 +94,30 @@ class Kernel:
             f"setting {nbytes} bytes of dynamic shared memory on {self.name}",
         )
         self._smem_set[device] = nbytes
+
+    def blocks_per_sm(self, threads: int, smem: int, device: int) -> int:
+        """How many blocks of ``threads`` threads and ``smem`` bytes of dynamic shared memory one
+        multiprocessor of ``device`` runs at once (the driver's occupancy calculator: registers, shared
+        memory, threads); cached per shape. Opts the kernel into ``smem`` bytes first, as a launch needs."""
+        key = (device, threads, smem)
+        if key not in self._occupancy:
+            self.ensure_dynamic_smem(smem, device)
+            lib = libcuda()
+            previous = make_primary_current(device)  # the function handle belongs to a context
+            try:
+                function, blocks = ctypes.c_void_p(), ctypes.c_int()
+                check(lib.cuKernelGetFunction(ctypes.byref(function), self.handle), "cuKernelGetFunction")
+                check(
+                    lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                        ctypes.byref(blocks), function, threads, ctypes.c_size_t(smem)
+                    ),
+                    f"cuOccupancyMaxActiveBlocksPerMultiprocessor({self.name})",
+                )
+            finally:
+                if previous is not None:
+                    set_current(previous)
+            self._occupancy[key] = max(1, blocks.value)
+        return self._occupancy[key]
 
     def launch(self, grid, block, smem: int, stream: int, params: ctypes.Structure) -> None:
         """Queue the kernel on ``stream`` with ``params`` (the kernel's one by-value argument). The driver

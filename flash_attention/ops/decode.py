@@ -47,7 +47,9 @@ def decode_config(q: torch.Tensor, problem: CacheProblem) -> DecodeConfig:
     )
 
 
-def splits_for(cfg: DecodeConfig, problem: CacheProblem, num_splits: int, sms: int) -> tuple[int, int]:
+def splits_for(
+    cfg: DecodeConfig, problem: CacheProblem, num_splits: int, sms: int, blocks_per_sm: int = 1
+) -> tuple[int, int]:
     """``(num_splits, keys_per_split)``: the caller's count (0: the heuristic's), each split a whole number
     of K/V tiles, and no split starting past the capacity."""
     rows = problem.seqlen_q * problem.group
@@ -55,7 +57,7 @@ def splits_for(cfg: DecodeConfig, problem: CacheProblem, num_splits: int, sms: i
     tiles = max(1, -(-problem.capacity // cfg.block_kv))
     if num_splits == 0:
         num_splits = num_splits_heuristic(
-            problem.batch * problem.heads_kv * m_blocks, problem.capacity, cfg.block_kv, sms
+            problem.batch * problem.heads_kv * m_blocks, problem.capacity, cfg.block_kv, sms, blocks_per_sm
         )
     num_splits = max(1, min(num_splits, tiles))
     per_split = -(-tiles // num_splits) * cfg.block_kv
@@ -132,7 +134,10 @@ def cuda_decode(
         append = kernels[cfg.symbol("append", paged=paged)]
         launch(append, (problem.seqlen_new, problem.batch, 1), DECODE_AUX_THREADS, 0, index, p)
 
-    p.num_splits, p.keys_per_split = splits_for(cfg, problem, num_splits, sm_count(index))
+    decode = kernels[cfg.symbol("decode", problem.causal, paged)]
+    p.num_splits, p.keys_per_split = splits_for(
+        cfg, problem, num_splits, sm_count(index), decode.blocks_per_sm(cfg.threads, cfg.smem_bytes, index)
+    )
     if p.num_splits > 1:
         o_partial = torch.empty(
             (p.num_splits, problem.batch, problem.heads_q, problem.seqlen_q, cfg.head_dim),
@@ -142,7 +147,6 @@ def cuda_decode(
         lse_partial = torch.empty(o_partial.shape[:-1], dtype=torch.float32, device=q.device)
         keep += [o_partial, lse_partial]
         p.o_partial, p.lse_partial = o_partial.data_ptr(), lse_partial.data_ptr()
-    decode = kernels[cfg.symbol("decode", problem.causal, paged)]
     decode.ensure_dynamic_smem(cfg.smem_bytes, index)
     grid = (p.num_m_blocks * p.num_splits, problem.heads_kv, problem.batch)
     launch(decode, grid, cfg.threads, cfg.smem_bytes, index, p)

@@ -11,6 +11,9 @@ typedef unsigned short u16;
 typedef long long i64;
 typedef unsigned long long u64;
 
+// floor(log2(n)) of a positive compile-time n (0 for n <= 1).
+__host__ __device__ constexpr int log2_of(int n) { return n <= 1 ? 0 : 1 + log2_of(n / 2); }
+
 // Shared-memory address of a generic pointer (cvta.to.shared, PTX ISA 9.7.9.18), as the 32-bit operand that
 // ldmatrix / cp.async / st.shared expect.
 __device__ __forceinline__ u32 smem_addr(const void* p) {
