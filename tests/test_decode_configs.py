@@ -19,8 +19,8 @@ from flash_attention.configs.decode import (
     decode_validity_errors,
     default_decode_config,
     num_splits_heuristic,
-    split_cost,
     parse_decode_config,
+    split_cost,
 )
 from flash_attention.ops.decode import splits_for
 

@@ -173,10 +173,10 @@ def num_splits_heuristic(
     ``sm_count * blocks_per_sm``: the call takes about (waves) x (tiles per block + the block's fixed cost,
     taken as two tiles: its prologue, before the ring is full, and its share of the partial output). The
     heuristic takes the split count that minimises that, the smallest on a tie (each split costs a partial
-    output the combine reads back). Why not "fill the GPU twice over" (the first rule): measured on an H100 (bf16,
-    head_dim 128, 8 K/V heads, batch 8, 32k keys, two blocks per SM), 5 splits made 320 blocks for 264 slots,
-    1.2 waves, and ran at 2.05 TB/s where 3 or 7 splits ran at 2.6-2.7. Never a split shorter than four K/V
-    tiles, never more than ``max_splits``.
+    output the combine reads back). Why not "fill the GPU twice over" (the first rule): measured on an H100
+    (bf16, head_dim 128, 8 K/V heads, batch 8, 32k keys, two blocks per SM), 5 splits made 320 blocks for 264
+    slots, 1.2 waves, and ran at 2.05 TB/s where 3 or 7 splits ran at 2.6-2.7. Never a split shorter than
+    four K/V tiles, never more than ``max_splits``.
     """
     if blocks <= 0 or n_keys <= 0:
         return 1
