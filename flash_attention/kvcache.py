@@ -6,9 +6,41 @@ from __future__ import annotations
 import torch
 
 from . import kvcache_op
-from ._validate_kvcache import validate_kvcache
+from ._validate_kvcache import CacheProblem, validate_kvcache
+from .ops.plans import PlanCache
 
 __all__ = ["attention_with_kvcache"]
+
+# Validated call signatures and their problems. A decode loop calls with the same shapes step after step; its
+# validation (~15 us of Python per call) then runs once, and the signature doubles as the key of the launch
+# plan (ops.decode.decode_plan). A call that fails validation raises before anything is kept.
+_validated: PlanCache[CacheProblem] = PlanCache()
+
+
+def _signature(
+    q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale, num_splits, out, return_lse
+) -> tuple | None:
+    """Everything :func:`validate_kvcache` and the launch plan read of a call: each tensor's shape, strides,
+    dtype and device, and the options with their types (True == 1 to a dict, not to the validation). None
+    for a call that is not cached (an argument of another type, which the validation will name; an int
+    cache_seqlens, whose value is checked per call)."""
+    key: list = [
+        type(causal),
+        causal,
+        type(softmax_scale),
+        softmax_scale,
+        type(num_splits),
+        num_splits,
+        return_lse,
+    ]
+    for t in (q, k_cache, v_cache, k, v, cache_seqlens, block_table, out):
+        if type(t) is torch.Tensor:
+            key += (t.shape, t.stride(), t.dtype, t.device)
+        elif t is None:
+            key.append(None)
+        else:
+            return None
+    return tuple(key)
 
 
 def attention_with_kvcache(
@@ -78,19 +110,37 @@ def attention_with_kvcache(
         TypeError, ValueError: on invalid arguments, naming the argument and what was expected, before
             anything is written.
     """
-    problem = validate_kvcache(
+    key = _signature(
         q,
         k_cache,
         v_cache,
         k,
         v,
-        cache_seqlens=cache_seqlens,
-        block_table=block_table,
-        causal=causal,
-        softmax_scale=softmax_scale,
-        num_splits=num_splits,
-        out=out,
+        cache_seqlens,
+        block_table,
+        causal,
+        softmax_scale,
+        num_splits,
+        out,
+        return_lse,
     )
+
+    def validate() -> CacheProblem:
+        return validate_kvcache(
+            q,
+            k_cache,
+            v_cache,
+            k,
+            v,
+            cache_seqlens=cache_seqlens,
+            block_table=block_table,
+            causal=causal,
+            softmax_scale=softmax_scale,
+            num_splits=num_splits,
+            out=out,
+        )
+
+    problem = validate() if key is None else _validated.get(key, validate)
     if torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, k_cache, v_cache)
     ):
@@ -109,6 +159,6 @@ def attention_with_kvcache(
             o = out
     else:
         o, lse = kvcache_op.run(
-            problem, q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, out, return_lse
+            problem, q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, out, return_lse, key
         )
     return (o, lse) if return_lse else o

@@ -10,7 +10,7 @@ The fake implementation gives the shapes without running anything.
 
 :func:`run` is the op's implementation, which the eager path of attention_with_kvcache calls directly
 (skipping the op's dispatch): on CUDA, fp16/bf16, the decode kernels (:func:`flash_attention.ops.decode.
-cuda_decode`: no host read of the lengths or pages, so graph-capturable); everywhere else, and for calls the
+decode_plan`: no host read of the lengths or pages, so graph-capturable); everywhere else, and for calls the
 kernels cannot take (a head_dim that is not a multiple of 8, a misaligned cache), the composed path of
 :mod:`flash_attention.kvcache_compose`, with the once-per-reason warning on CUDA.
 """
@@ -74,16 +74,23 @@ def run(
     num_splits: int,
     out: torch.Tensor | None,
     return_lse: bool,
+    key: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The validated call (cache_seqlens a tensor) on the decode kernels or the composed path."""
+    """The validated call (cache_seqlens a tensor) on the decode kernels or the composed path. ``key``: the
+    call's signature, under which the launch layer keeps the call's plan (None: plan afresh)."""
     args = (problem, q, k_cache, v_cache, k, v, cache_seqlens, block_table)
     empty = problem.batch == 0 or problem.seqlen_q == 0 or problem.heads_q == 0
     if dispatch.wants_kernel(q) and not empty:
-        ops = dispatch.backend()
-        reason = ops.decode_unavailable_reason(q, k_cache, v_cache)
-        if reason is None:
-            return ops.cuda_decode(*args, num_splits, out, return_lse)
-        dispatch.warn_fallback(f"attention_with_kvcache: {reason}")
+        plan = dispatch.backend().decode_plan(*args, num_splits, out, return_lse, key)
+        if isinstance(plan, str):
+            dispatch.warn_fallback(f"attention_with_kvcache: {plan}")
+        elif not plan.runnable(k_cache, v_cache):
+            dispatch.warn_fallback(
+                "attention_with_kvcache: k_cache or v_cache does not start at a 16-byte aligned address (the "
+                "decode kernels write the cache in place and read it 16 bytes at a time)"
+            )
+        else:
+            return plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, out)
     return compose.run(*args, out, return_lse)
 
 

@@ -120,13 +120,27 @@ class _FakeBackend:
     def cuda_unavailable_reason(self, q):
         return "the test's fake backend has no forward kernel"
 
-    def decode_unavailable_reason(self, q, k_cache, v_cache):
-        return self.reason
+    def decode_plan(
+        self, problem, q, k_cache, v_cache, k, v, lengths, table, num_splits, out, return_lse, key
+    ):
+        if self.reason is not None:
+            return self.reason
+        self.calls.append((problem, num_splits, key))
+        return _FakePlan(problem, return_lse)
 
-    def cuda_decode(self, problem, q, k_cache, v_cache, k, v, lengths, table, num_splits, out, return_lse):
-        self.calls.append((problem, num_splits))
+
+class _FakePlan:
+    def __init__(self, problem, return_lse):
+        self.problem, self.return_lse = problem, return_lse
+
+    @staticmethod
+    def runnable(k_cache, v_cache):
+        return True
+
+    def __call__(self, q, k_cache, v_cache, k, v, lengths, table, out):
         o = torch.full_like(q, 7.0)
-        return o, (torch.zeros(problem.batch, problem.heads_q, problem.seqlen_q) if return_lse else None)
+        p = self.problem
+        return o, (torch.zeros(p.batch, p.heads_q, p.seqlen_q) if self.return_lse else None)
 
 
 def _call(num_splits=0):
@@ -144,8 +158,9 @@ def test_kernel_path_gets_the_call_when_it_can(monkeypatch):
     monkeypatch.setattr(dispatch, "backend", lambda: fake)
     out = _call(num_splits=5)
     assert (out == 7).all()
-    ((problem, splits),) = fake.calls
+    ((problem, splits, key),) = fake.calls
     assert splits == 5 and problem.seqlen_new == 1 and problem.capacity == 32 and problem.group == 4
+    assert key is not None  # a tensor cache_seqlens: the call's signature keys the plan
 
 
 def test_composed_path_with_a_warning_when_the_kernels_cannot(monkeypatch):

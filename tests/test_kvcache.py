@@ -252,9 +252,33 @@ def _valid_call(**override):
     ],
 )
 def test_bad_arguments_name_the_argument(override, error, words):
+    # A valid call of the same shapes first: its validated signature is kept (kvcache._validated), and the
+    # bad call, whose signature differs, must still be checked.
+    _valid_call()
     with pytest.raises(error) as info:
         _valid_call(**override)
     assert words in str(info.value)
+
+
+def test_validation_runs_once_per_signature(monkeypatch):
+    from flash_attention import kvcache
+
+    calls = []
+    real = kvcache.validate_kvcache
+    monkeypatch.setattr(kvcache, "validate_kvcache", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(kvcache, "_validated", type(kvcache._validated)())
+    q, cache = (
+        torch.randn(2, 1, 4, 16),
+        dict(k_cache=torch.randn(2, 10, 2, 16), v_cache=torch.randn(2, 10, 2, 16)),
+    )
+    for _ in range(3):
+        _valid_call(q=torch.randn(2, 1, 4, 16), **cache)
+    assert len(calls) == 1
+    _valid_call(q=q.double(), k_cache=cache["k_cache"].double(), v_cache=cache["v_cache"].double(),
+                k=torch.randn(2, 1, 2, 16).double(), v=torch.randn(2, 1, 2, 16).double())  # fmt: skip
+    _valid_call(q=q, cache_seqlens=2, **cache)  # an int length: checked every call, never kept
+    _valid_call(q=q, cache_seqlens=2, **cache)
+    assert len(calls) == 4
 
 
 def test_bad_page_index_raises_before_writing():

@@ -16,7 +16,7 @@ first, in :mod:`flash_attention._validate`; the choice between these kernels and
 from . import backward as _backward
 from . import forward as _forward
 from .backward import cuda_backward
-from .decode import cuda_decode, decode_unavailable_reason
+from .decode import decode_plan, decode_unavailable_reason
 from .device import cuda_unavailable_reason, device_arch, gpu_name, smem_limit
 from .forward import chosen_config, cuda_forward, prepare
 from .select import NoKernel, backward_config, catalog, dropout_config, forward_config
@@ -37,7 +37,7 @@ __all__ = [
     "catalog",
     "chosen_config",
     "cuda_backward",
-    "cuda_decode",
+    "decode_plan",
     "decode_unavailable_reason",
     "cuda_forward",
     "cuda_unavailable_reason",

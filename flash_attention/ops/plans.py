@@ -84,6 +84,27 @@ def fill_common(
         params.dropout_rp = 1.0 / (1.0 - dropout_p)
 
 
+def fill_contiguous_strides(params: ctypes.Structure, prefix: str, shape: tuple[int, ...]) -> None:
+    """:func:`fill_strides` of a contiguous (batch, seqlen, heads, head_dim) tensor of ``shape``."""
+    _, seqlen, heads, head_dim = shape
+    setattr(params, f"{prefix}_batch_stride", seqlen * heads * head_dim)
+    setattr(params, f"{prefix}_row_stride", heads * head_dim)
+    setattr(params, f"{prefix}_head_stride", head_dim)
+
+
+def launch_all(launches, index: int, params) -> None:
+    """Queue ``(kernel, grid, threads, smem)`` launches in order, all with ``params``, on PyTorch's current
+    stream of device ``index``: :func:`launch` with one context switch and one stream query for them all."""
+    previous = driver.make_primary_current(index)
+    try:
+        stream = current_stream(index)
+        for kernel, grid, threads, smem in launches:
+            kernel.launch(grid, (threads, 1, 1), smem, stream, params)
+    finally:
+        if previous is not None:
+            driver.set_current(previous)
+
+
 def launch(kernel: driver.Kernel, grid, threads: int, smem: int, index: int, params) -> None:
     """Launch on PyTorch's current stream of device ``index``, in that device's primary context (made
     current for the launch and the caller's context put back after, see driver.make_primary_current)."""

@@ -25,7 +25,7 @@ from ..common import MODES, default_results_dir, environment, repo_root
 from .plot import plot_results
 from .progression import run_progression
 from .readme import update_readme
-from .results import DEFAULT_IMPLS, OURS, load_results, newest_results
+from .results import DEFAULT_IMPLS, OURS, load_results, newest_results, write_results
 from .sweep import DEFAULT_HEAD_DIMS, DEFAULT_SEQLENS, SweepSettings, run_sweep
 from .tables import results_to_markdown, results_to_text
 from .tiny import TINY_SHAPES
@@ -49,6 +49,14 @@ def _int_list(text: str) -> tuple[int, ...]:
     if not out or any(x <= 0 for x in out):
         raise argparse.ArgumentTypeError(f"expected positive integers; got {text!r}")
     return tuple(out)
+
+
+def _int_list_with_zero(text: str) -> tuple[int, ...]:
+    """:func:`_int_list` that also takes 0 (a contiguous cache among page sizes)."""
+    parts = [p for p in text.split(",") if p.strip()]
+    zeros = tuple(0 for p in parts if p.strip() == "0")
+    rest = ",".join(p for p in parts if p.strip() != "0")
+    return zeros + (_int_list(rest) if rest else ())
 
 
 def _impl_list(text: str) -> tuple[str, ...]:
@@ -78,7 +86,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dtype", choices=("bf16", "fp16"), default=None, help="input dtype (default bf16)")
     p.add_argument(
-        "--mode", choices=MODES, default="fwd", help="fwd (default); bwd and fwd_bwd need a backward"
+        "--mode",
+        choices=(*MODES, "decode"),
+        default="fwd",
+        help="fwd (default); bwd and fwd_bwd need a backward; decode: attention_with_kvcache against a long "
+        "cache, contiguous and paged, with the K/V bandwidth (--seqlens are then cache lengths, default "
+        "1k,8k,32k,128k; --batches, --page-sizes, --seqlens-q; heads 32 / --kv-heads 8, head_dim 128; file "
+        "tag 'decode')",
+    )
+    p.add_argument("--batches", type=_int_list, default=None, help="--mode decode: batch sizes (1,8,64)")
+    p.add_argument(
+        "--page-sizes",
+        type=_int_list_with_zero,
+        default=None,
+        help="--mode decode: page sizes, 0 = contiguous (0,16,256)",
+    )
+    p.add_argument(
+        "--seqlens-q", type=_int_list, default=None, help="--mode decode: query tokens per row (1)"
     )
     p.add_argument(
         "--seqlens", type=_int_list, default=None, help="comma-separated, 1k = 1024 (default 512,...,16k)"
@@ -235,6 +259,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 2
 
+    if args.mode == "decode":
+        return _main_decode(args, reps, min_time)
+
     if args.progression:
         steps = run_progression(
             dtype,
@@ -313,5 +340,50 @@ def _main_cpu(args: argparse.Namespace) -> int:
         )
         out_path.parent.mkdir(parents=True, exist_ok=True)
         out_path.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+        print(f"wrote {out_path}")
+    return 0
+
+
+def _main_decode(args: argparse.Namespace, reps: int, min_time: float) -> int:
+    """``--mode decode``: :mod:`.decode`'s grid, saved with the same run's copy bandwidth (tag 'decode')."""
+    from .decode import (
+        DECODE_BATCHES,
+        DECODE_IMPLS,
+        DECODE_PAGE_SIZES,
+        DECODE_SEQLENS,
+        DecodeSettings,
+        decode_markdown,
+        decode_text,
+        measure_copy_tb_s,
+        run_decode,
+    )
+
+    impls = tuple(i for i in args.impls if i in DECODE_IMPLS)
+    settings = DecodeSettings(
+        impls=impls,
+        batches=args.batches or DECODE_BATCHES,
+        seqlens=args.seqlens or DECODE_SEQLENS,
+        page_sizes=args.page_sizes if args.page_sizes is not None else DECODE_PAGE_SIZES,
+        seqlens_q=args.seqlens_q or (1,),
+        heads_kv=args.kv_heads or 8,
+        head_dim=(args.head_dims or (128,))[0],
+        dtype=args.dtype or "bf16",
+        warmup=args.warmup,
+        min_reps=reps,
+        min_time_s=min_time,
+    )
+    timing = dict(warmup=args.warmup, min_reps=reps, min_time_s=min_time)
+    result = environment(torch.cuda.current_device(), args.commit, args.allow_dirty)
+    result.update(mode="decode", matmul_tflops=None, copy_tb_s=round(measure_copy_tb_s(**timing), 3))
+    print(f"device-to-device copy: {result['copy_tb_s']:.2f} TB/s (the ceiling in this run)", flush=True)
+    result["rows"] = run_decode(settings)
+    print()
+    print(decode_text(result))
+    if args.markdown:
+        print(decode_markdown(result))
+    if not args.no_save:
+        name = gpu_slug(torch.cuda.get_device_name()) + "-" + _dt.date.today().isoformat()
+        out_path = args.out or default_results_dir() / f"{name}-{args.tag or 'decode'}.json"
+        write_results(result, out_path)
         print(f"wrote {out_path}")
     return 0

@@ -1,0 +1,60 @@
+"""``bench --mode decode`` without a GPU: its options, and the tables built from a result file (ratios and the
+share of the copy bandwidth computed from the rows, baselines matched to our rows by point)."""
+
+from __future__ import annotations
+
+import pytest
+
+from flash_attention.tools.bench.cli import build_parser
+from flash_attention.tools.bench.decode import decode_markdown, decode_text
+
+
+def _row(impl, batch, keys, page, ms, seqlen_q=1):
+    kv_bytes = 2 * batch * keys * 8 * 128 * 2
+    return dict(
+        impl=impl, mode="decode", dtype="bf16", head_dim=128, causal=seqlen_q > 1, seqlen=keys, seqlen_k=keys,
+        seqlen_q=seqlen_q, batch=batch, heads=32, heads_kv=8, page_size=page, ms=ms,
+        tb_s=kv_bytes / (ms * 1e-3) / 1e12, tflops=1.0,
+    )  # fmt: skip
+
+
+def test_options_parse():
+    args = build_parser().parse_args(
+        [
+            "--mode",
+            "decode",
+            "--batches",
+            "1,8",
+            "--page-sizes",
+            "0,16",
+            "--seqlens",
+            "1k,32k",
+            "--seqlens-q",
+            "1,4",
+        ]
+    )
+    assert args.mode == "decode" and args.batches == (1, 8) and args.page_sizes == (0, 16)
+    assert args.seqlens == (1024, 32768) and args.seqlens_q == (1, 4)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--mode", "decode", "--page-sizes", "-1"])
+
+
+def test_tables_compare_each_point_with_the_baselines_contiguous_time():
+    rows = [
+        _row("flash_attention", 8, 32768, 0, 0.40),
+        _row("flash_attention", 8, 32768, 16, 0.50),
+        _row("sdpa_cudnn", 8, 32768, 0, 0.50),
+        _row("flash_attention", 8, 32768, 0, 0.60, seqlen_q=4),
+    ]
+    result = dict(gpu="Test GPU", copy_tb_s=3.0, rows=rows)
+    text = decode_text(result)
+    lines = [line.split() for line in text.splitlines()[3:]]
+    assert len(lines) == 3  # our three points; the baseline is a column
+    contiguous, paged, spec = lines
+    assert contiguous[-1] == "0.80×" and paged[-1] == "1.00×"  # 0.40 / 0.50 and 0.50 / 0.50
+    tb = 2 * 8 * 32768 * 8 * 128 * 2 / 0.40e-3 / 1e12
+    assert contiguous[5] == f"{tb:.2f}" and contiguous[6] == f"{tb / 3.0:.0%}"
+    assert spec[0] == "4" and spec[-1] == "–"  # no baseline at seqlen_q 4
+    md = decode_markdown(result)
+    assert md.startswith("### Decode (bf16, 32/8 heads, head_dim 128, Test GPU; device copy 3.00 TB/s)")
+    assert md.count("\n| ") == 5  # header, rule, three rows
