@@ -51,9 +51,17 @@ def test_long_cache_one_token():
     check_case(case, torch.bfloat16, "cuda")
 
 
+@pytest.mark.parametrize("separate_combine", [False, True])
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 1000])
-def test_explicit_split_counts(num_splits):
-    # Every split count gives the same answer within the accuracy rule; 1000 is more splits than tiles.
+def test_explicit_split_counts(num_splits, separate_combine, monkeypatch):
+    # Every split count gives the same answer within the accuracy rule; 1000 is more splits than tiles. The
+    # splits are merged by the decode kernel's last split block, or by the standalone combine kernel
+    # (FLASH_ATTENTION_DECODE_SEPARATE_COMBINE=1, read when a plan is built: the plans are dropped around).
+    from flash_attention.ops import decode
+
+    if separate_combine:
+        monkeypatch.setenv("FLASH_ATTENTION_DECODE_SEPARATE_COMBINE", "1")
+    decode._plans.clear()
     case = Case(
         batch=3,
         seqlen_q=2,
@@ -66,7 +74,11 @@ def test_explicit_split_counts(num_splits):
         causal=True,
         lengths=[0, 4094, 1500],
     )
-    check_case(case, torch.bfloat16, "cuda", num_splits=num_splits)
+    try:
+        for _ in range(2):  # the second call reuses the split counters the first left at zero
+            check_case(case, torch.bfloat16, "cuda", num_splits=num_splits)
+    finally:
+        decode._plans.clear()
 
 
 def test_cuda_graph_replay_with_changing_lengths():

@@ -152,6 +152,7 @@ class DecodeParams(ctypes.Structure):
                 "lse_partial",
                 "cache_seqlens",
                 "block_table",
+                "split_counters",
             )
         ]
         + [

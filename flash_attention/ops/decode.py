@@ -8,6 +8,8 @@ GPU knows): splits past a row's keys cost a block that writes an empty partial.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .._validate_kvcache import CacheProblem
@@ -15,7 +17,7 @@ from ..configs.decode import DecodeConfig, default_decode_config, num_splits_heu
 from ..jit.loader import get_decode_kernels
 from ..jit.params import DecodeParams
 from ..jit.sources import DECODE_AUX_THREADS
-from .device import KERNEL_DTYPES, cuda_unavailable_reason, device_arch, dtype_name, sm_count
+from .device import KERNEL_DTYPES, cuda_unavailable_reason, current_stream, device_arch, dtype_name, sm_count
 from .plans import PlanCache, fill_contiguous_strides, fill_strides, launch_all
 from .tensors import MAX_GRID_YZ
 
@@ -154,13 +156,19 @@ class DecodePlan:
         decode.ensure_dynamic_smem(cfg.smem_bytes, index)
         grid = (p.num_m_blocks * p.num_splits, problem.heads_kv, problem.batch)
         self.launches.append((decode, grid, cfg.threads, cfg.smem_bytes))
-        # Split partials: one fp32 workspace per call, O (splits, batch, heads_q, seqlen_q, kHeadDim) then
-        # the LSEs (splits, batch, heads_q, seqlen_q).
+        # Split partials: an fp32 workspace (_stream_buffer), O (splits, batch, heads_q, seqlen_q, kHeadDim)
+        # then the LSEs (splits, batch, heads_q, seqlen_q).
         self.partial_rows = (
             p.num_splits * problem.batch * problem.heads_q * problem.seqlen_q if p.num_splits > 1 else 0
         )
         self.partial_o = self.partial_rows * cfg.head_dim
-        if p.num_splits > 1:
+        # Splits are merged by the decode kernel's last split block per row block (one launch), unless
+        # FLASH_ATTENTION_DECODE_SEPARATE_COMBINE=1 asks for the standalone combine kernel (the first form,
+        # kept to compare against).
+        self.counters = 0
+        if p.num_splits > 1 and os.environ.get("FLASH_ATTENTION_DECODE_SEPARATE_COMBINE", "0") != "1":
+            self.counters = problem.batch * problem.heads_kv * p.num_m_blocks
+        elif p.num_splits > 1:
             rows = problem.batch * problem.heads_q * problem.seqlen_q
             per_block = DECODE_AUX_THREADS // (cfg.head_dim // 4)
             combine = kernels[cfg.symbol("combine")]
@@ -215,19 +223,39 @@ class DecodePlan:
                 (problem.batch, problem.heads_q, problem.seqlen_q), dtype=torch.float32, device=self.device
             )
             p.lse = lse.data_ptr()
-        workspace = None
+        stream = current_stream(self.index)
         if self.partial_rows:
-            workspace = torch.empty(
-                self.partial_o + self.partial_rows, dtype=torch.float32, device=self.device
-            )
-            p.o_partial = workspace.data_ptr()
+            numel = self.partial_o + self.partial_rows
+            p.o_partial = _stream_buffer(self.device, stream, "partials", numel, False).data_ptr()
             p.lse_partial = p.o_partial + 4 * self.partial_o
-        launch_all(self.launches, self.index, p)
-        del workspace  # freed to the caching allocator in stream order: the kernels queued above come first
+        if self.counters:
+            p.split_counters = _stream_buffer(self.device, stream, "counters", self.counters, True).data_ptr()
+        launch_all(self.launches, self.index, p, stream)
         if out is not None and o is not out:
             out.copy_(o)
             o = out
         return o, lse
+
+
+# Per (device, stream): the split partials' fp32 workspace and the split counters (int32, zero between
+# calls: the decode kernel's last split block resets its own), grown on demand. Reusing them is safe because
+# the kernels of one stream run in order; a call on another stream gets its own. Under CUDA-graph capture a
+# call gets fresh ones (a zeroed counter buffer is a memset node of the graph), never the eager buffers.
+_stream_buffers: dict[tuple[torch.device, int, str], torch.Tensor] = {}
+
+
+def _stream_buffer(device: torch.device, stream: int, name: str, numel: int, zeroed: bool) -> torch.Tensor:
+    dtype = torch.int32 if zeroed else torch.float32
+    make = torch.zeros if zeroed else torch.empty
+    if torch.cuda.is_current_stream_capturing():
+        return make(numel, dtype=dtype, device=device)
+    key = (device, stream, name)
+    buf = _stream_buffers.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = _stream_buffers[key] = make(
+            max(numel, 2 * buf.numel() if buf is not None else 0), dtype=dtype, device=device
+        )
+    return buf
 
 
 def _layout_ok(t: torch.Tensor) -> bool:

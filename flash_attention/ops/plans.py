@@ -92,12 +92,11 @@ def fill_contiguous_strides(params: ctypes.Structure, prefix: str, shape: tuple[
     setattr(params, f"{prefix}_head_stride", head_dim)
 
 
-def launch_all(launches, index: int, params) -> None:
-    """Queue ``(kernel, grid, threads, smem)`` launches in order, all with ``params``, on PyTorch's current
-    stream of device ``index``: :func:`launch` with one context switch and one stream query for them all."""
+def launch_all(launches, index: int, params, stream: int) -> None:
+    """Queue ``(kernel, grid, threads, smem)`` launches in order, all with ``params``, on ``stream``
+    (PyTorch's current stream of device ``index``, queried by the caller): one context switch for all."""
     previous = driver.make_primary_current(index)
     try:
-        stream = current_stream(index)
         for kernel, grid, threads, smem in launches:
             kernel.launch(grid, (threads, 1, 1), smem, stream, params)
     finally:

@@ -5,8 +5,10 @@
 // a row none of whose splits saw a key gets O = 0 and lse = -inf, like every row without keys. A poisoned
 // split (NaN, fa/kv_cache.cuh) poisons the row. Shared by every decode kernel family.
 //
-// Thread per 4 columns of a row: kHeadDim / 4 threads per row, kThreads / (kHeadDim / 4) rows per block;
-// rows are (batch, head, query) in that order, so a block's rows share their splits' cache lines.
+// Two forms: fused into the decode kernel, where the last of a row block's splits to finish merges that
+// block's rows (DecodeParams::split_counters: one launch per decode step instead of two, ~5 us of host time
+// each on an H100 host), or the standalone combine kernel, a thread per 4 columns of a row (kHeadDim / 4
+// threads per row), rows in (batch, head, query) order so a block's rows share their splits' cache lines.
 #pragma once
 
 #include "fa/decode_params.h"
@@ -14,15 +16,12 @@
 
 namespace fa {
 
-template <bool kIsBF16, int D, int kThreads>
-__device__ __forceinline__ void decode_combine_body(const DecodeParams& p) {
-  constexpr int kPerRow = D / 4;
-  constexpr int kRowsPerBlock = kThreads / kPerRow;
-  static_assert(kThreads % kPerRow == 0, "a block holds whole rows");
-  const int row = (int)blockIdx.x * kRowsPerBlock + (int)threadIdx.x / kPerRow;
-  const int col = 4 * ((int)threadIdx.x % kPerRow);
+// Columns col .. col + 3 of output row `row` ((batch, head, query) order): the merge of its splits. The
+// partials are read at L2 (ld.global.cg): in the fused form other blocks of the same kernel wrote them, and
+// a line of them in this SM's L1 would not be coherent with those writes.
+template <bool kIsBF16, int D>
+__device__ __forceinline__ void combine_row(const DecodeParams& p, int row, int col) {
   const i64 rows = (i64)p.batch * p.heads_q * p.seqlen_q;
-  if (row >= rows || col >= p.head_dim) return;
   const int query = row % p.seqlen_q;
   const int head = (row / p.seqlen_q) % p.heads_q;
   const int batch = row / (p.seqlen_q * p.heads_q);
@@ -31,7 +30,7 @@ __device__ __forceinline__ void decode_combine_body(const DecodeParams& p) {
   float m = neg_inf();
   bool poisoned = false;
   for (int s = 0; s < p.num_splits; ++s) {
-    const float l = p.lse_partial[s * rows + row];
+    const float l = __ldcg(p.lse_partial + s * rows + row);
     poisoned |= l != l;
     m = fmaxf(m, l);
   }
@@ -40,8 +39,8 @@ __device__ __forceinline__ void decode_combine_body(const DecodeParams& p) {
   // (zeros) is still read: no branch per split.
   float sum = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
   for (int s = 0; s < p.num_splits; ++s) {
-    const float w = __expf(p.lse_partial[s * rows + row] - m_use);
-    const float4 o = *reinterpret_cast<const float4*>(p.o_partial + (s * rows + row) * D + col);
+    const float w = __expf(__ldcg(p.lse_partial + s * rows + row) - m_use);
+    const float4 o = __ldcg(reinterpret_cast<const float4*>(p.o_partial + (s * rows + row) * D + col));
     sum += w;
     acc[0] += w * o.x;
     acc[1] += w * o.y;
@@ -61,6 +60,19 @@ __device__ __forceinline__ void decode_combine_body(const DecodeParams& p) {
     const float lse = poisoned ? nan : (sum > 0.f ? m_use + logf(sum) : neg_inf());
     p.lse[(i64)batch * p.lse_batch_stride + (i64)head * p.lse_head_stride + query] = lse;
   }
+}
+
+// The standalone combine kernel's body (split_counters null).
+template <bool kIsBF16, int D, int kThreads>
+__device__ __forceinline__ void decode_combine_body(const DecodeParams& p) {
+  constexpr int kPerRow = D / 4;
+  constexpr int kRowsPerBlock = kThreads / kPerRow;
+  static_assert(kThreads % kPerRow == 0, "a block holds whole rows");
+  const int row = (int)blockIdx.x * kRowsPerBlock + (int)threadIdx.x / kPerRow;
+  const int col = 4 * ((int)threadIdx.x % kPerRow);
+  const i64 rows = (i64)p.batch * p.heads_q * p.seqlen_q;
+  if (row >= rows || col >= p.head_dim) return;
+  combine_row<kIsBF16, D>(p, row, col);
 }
 
 }  // namespace fa

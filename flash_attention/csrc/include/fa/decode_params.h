@@ -24,6 +24,10 @@ struct DecodeParams {
   float* lse_partial;
   const int* cache_seqlens;  // (batch,) each row's length before the append
   const int* block_table;    // (batch, max_pages), block_table_stride apart; null for a contiguous cache
+  // num_splits > 1: one arrival counter per (batch, K/V head, row block), zero before the call and left zero
+  // after it: the last split block of a row block to finish merges the splits (fa/decode_combine.cuh) and
+  // resets its counter. Null: a separate combine kernel merges them.
+  int* split_counters;
 
   long long q_batch_stride, q_row_stride, q_head_stride;
   long long k_batch_stride, k_row_stride, k_head_stride;

@@ -23,6 +23,7 @@
 // Grid: (num_m_blocks * num_splits, heads_kv, batch). Block: kWarpsM * kWarpsN warps.
 #pragma once
 
+#include "fa/decode_combine.cuh"
 #include "fa/decode_params.h"
 #include "fa/frag.cuh"
 #include "fa/kv_cache.cuh"
@@ -58,6 +59,21 @@ struct DecodeSmem {
   static constexpr int kMerge = Cfg::kWarpsN * Cfg::kBlockM * (kRowPitch + 2) * 4;
   static constexpr int kBytes = kMainLoop > kMerge ? kMainLoop : kMerge;
 };
+
+// The fused combine of packed rows row0 .. row0 + BM - 1 of one (batch row, K/V head). Not inlined: it runs
+// once per row block after the main loop, and inlined into head_dim 256's kernel it spilled (112 bytes at
+// 255 registers) where the call spills nothing.
+template <bool BF, int D, int BM, int kThreads>
+__device__ __noinline__ void combine_row_block(const DecodeParams& p, int batch, int kv_head, int row0) {
+  for (int idx = threadIdx.x; idx < BM * (D / 4); idx += kThreads) {
+    const int r = idx / (D / 4), col = 4 * (idx % (D / 4));
+    const int row = row0 + r;
+    if (row >= p.rows || col >= p.head_dim) continue;
+    const int query = row / p.group;
+    const int head = kv_head * p.group + row % p.group;
+    combine_row<BF, D>(p, (batch * p.heads_q + head) * p.seqlen_q + query, col);
+  }
+}
 
 template <class Cfg, bool kCausal, bool kPaged>
 __device__ __forceinline__ void decode_kernel_body(const DecodeParams& p) {
@@ -378,6 +394,22 @@ __device__ __forceinline__ void decode_kernel_body(const DecodeParams& p) {
       asm volatile("st.global.v2.u32 [%0], {%1, %2};\n" ::"l"(dst), "r"(lo), "r"(hi));
       if (col == 0 && p.lse)
         p.lse[(i64)batch * p.lse_batch_stride + (i64)head * p.lse_head_stride + query] = lse;
+    }
+  }
+
+  // ---- the fused combine: the row block's last split to finish merges the splits ----------------------
+  if (split_out && p.split_counters != nullptr) {
+    // Release: this block's partials are visible GPU-wide before its arrival is counted (every thread
+    // fences its own writes, then the barrier orders all of them before thread 0's atomic).
+    __threadfence();
+    int* counter = p.split_counters + ((i64)batch * p.heads_kv + kv_head) * p.num_m_blocks + m_block;
+    const bool last = __syncthreads_or(tid == 0 && atomicAdd(counter, 1) == p.num_splits - 1);
+    if (last) {
+      // Acquire: the other splits counted after their fences; the partials are read at L2 (combine_row).
+      __threadfence();
+      combine_row_block<BF, D, BM, kThreads>(p, batch, kv_head, row0);
+      // Zero again for the next call on this stream (kernels of one stream run in order).
+      if (tid == 0) *counter = 0;
     }
   }
 }
