@@ -141,8 +141,11 @@ def attention_with_kvcache(
         )
 
     problem = validate() if key is None else _validated.get(key, validate)
-    if torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q, k, v, k_cache, v_cache)
+    if torch.is_grad_enabled() and (
+        q.requires_grad
+        or k_cache.requires_grad
+        or v_cache.requires_grad
+        or (k is not None and (k.requires_grad or v.requires_grad))
     ):
         raise RuntimeError(
             "attention_with_kvcache() is for inference and has no backward, but an input requires grad; call "

@@ -156,7 +156,7 @@ class DecodePlan:
         decode.ensure_dynamic_smem(cfg.smem_bytes, index)
         grid = (p.num_m_blocks * p.num_splits, problem.heads_kv, problem.batch)
         self.launches.append((decode, grid, cfg.threads, cfg.smem_bytes))
-        # Split partials: an fp32 workspace (_stream_buffer), O (splits, batch, heads_q, seqlen_q, kHeadDim)
+        # Split partials: an fp32 workspace (_split_buffers), O (splits, batch, heads_q, seqlen_q, kHeadDim)
         # then the LSEs (splits, batch, heads_q, seqlen_q).
         self.partial_rows = (
             p.num_splits * problem.batch * problem.heads_q * problem.seqlen_q if p.num_splits > 1 else 0
@@ -225,11 +225,15 @@ class DecodePlan:
             p.lse = lse.data_ptr()
         stream = current_stream(self.index)
         if self.partial_rows:
-            numel = self.partial_o + self.partial_rows
-            p.o_partial = _stream_buffer(self.device, stream, "partials", numel, False).data_ptr()
+            # Held until the launches are queued: a buffer made for a capture and dropped before its kernel
+            # is captured would be handed to the next allocation of the capture (the counters, say).
+            partials, counters = _split_buffers(
+                self.device, stream, self.partial_o + self.partial_rows, self.counters
+            )
+            p.o_partial = partials.data_ptr()
             p.lse_partial = p.o_partial + 4 * self.partial_o
-        if self.counters:
-            p.split_counters = _stream_buffer(self.device, stream, "counters", self.counters, True).data_ptr()
+            if counters is not None:
+                p.split_counters = counters.data_ptr()
         launch_all(self.launches, self.index, p, stream)
         if out is not None and o is not out:
             out.copy_(o)
@@ -244,17 +248,27 @@ class DecodePlan:
 _stream_buffers: dict[tuple[torch.device, int, str], torch.Tensor] = {}
 
 
-def _stream_buffer(device: torch.device, stream: int, name: str, numel: int, zeroed: bool) -> torch.Tensor:
-    dtype = torch.int32 if zeroed else torch.float32
-    make = torch.zeros if zeroed else torch.empty
+def _split_buffers(
+    device: torch.device, stream: int, partials: int, counters: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The fp32 partials' workspace (``partials`` elements) and the int32 counters (``counters``, zero; None
+    when 0) for a call on ``stream``."""
     if torch.cuda.is_current_stream_capturing():
-        return make(numel, dtype=dtype, device=device)
-    key = (device, stream, name)
-    buf = _stream_buffers.get(key)
-    if buf is None or buf.numel() < numel:
-        buf = _stream_buffers[key] = make(
-            max(numel, 2 * buf.numel() if buf is not None else 0), dtype=dtype, device=device
+        return (
+            torch.empty(partials, dtype=torch.float32, device=device),
+            torch.zeros(counters, dtype=torch.int32, device=device) if counters else None,
         )
+    work = _grown(device, stream, "partials", partials, torch.float32)
+    return work, _grown(device, stream, "counters", counters, torch.int32) if counters else None
+
+
+def _grown(device: torch.device, stream: int, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    buf = _stream_buffers.get((device, stream, name))
+    if buf is None or buf.numel() < numel:
+        size = max(numel, 2 * buf.numel()) if buf is not None else numel
+        # Counters start at zero (and the kernels leave them so); the workspace needs no initial value.
+        make = torch.zeros if dtype == torch.int32 else torch.empty
+        buf = _stream_buffers[(device, stream, name)] = make(size, dtype=dtype, device=device)
     return buf
 
 
