@@ -51,16 +51,16 @@ def test_long_cache_one_token():
     check_case(case, torch.bfloat16, "cuda")
 
 
-@pytest.mark.parametrize("separate_combine", [False, True])
+@pytest.mark.parametrize("fused_combine", [False, True])
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 1000])
-def test_explicit_split_counts(num_splits, separate_combine, monkeypatch):
+def test_explicit_split_counts(num_splits, fused_combine, monkeypatch):
     # Every split count gives the same answer within the accuracy rule; 1000 is more splits than tiles. The
-    # splits are merged by the decode kernel's last split block, or by the standalone combine kernel
-    # (FLASH_ATTENTION_DECODE_SEPARATE_COMBINE=1, read when a plan is built: the plans are dropped around).
+    # splits are merged by the standalone combine kernel, or by the decode kernel's last split block
+    # (FLASH_ATTENTION_DECODE_FUSED_COMBINE=1, read when a plan is built: the plans are dropped around).
     from flash_attention.ops import decode
 
-    if separate_combine:
-        monkeypatch.setenv("FLASH_ATTENTION_DECODE_SEPARATE_COMBINE", "1")
+    if fused_combine:
+        monkeypatch.setenv("FLASH_ATTENTION_DECODE_FUSED_COMBINE", "1")
     decode._plans.clear()
     case = Case(
         batch=3,

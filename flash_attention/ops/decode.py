@@ -162,11 +162,11 @@ class DecodePlan:
             p.num_splits * problem.batch * problem.heads_q * problem.seqlen_q if p.num_splits > 1 else 0
         )
         self.partial_o = self.partial_rows * cfg.head_dim
-        # Splits are merged by the decode kernel's last split block per row block (one launch), unless
-        # FLASH_ATTENTION_DECODE_SEPARATE_COMBINE=1 asks for the standalone combine kernel (the first form,
-        # kept to compare against).
+        # Splits are merged by the standalone combine kernel, or, with FLASH_ATTENTION_DECODE_FUSED_COMBINE=1,
+        # by the decode kernel's last split block per row block (one launch fewer; slower on the GPU where the
+        # merging is much work: fa/decode_combine.cuh).
         self.counters = 0
-        if p.num_splits > 1 and os.environ.get("FLASH_ATTENTION_DECODE_SEPARATE_COMBINE", "0") != "1":
+        if p.num_splits > 1 and os.environ.get("FLASH_ATTENTION_DECODE_FUSED_COMBINE", "0") == "1":
             self.counters = problem.batch * problem.heads_kv * p.num_m_blocks
         elif p.num_splits > 1:
             rows = problem.batch * problem.heads_q * problem.seqlen_q

@@ -5,10 +5,13 @@
 // a row none of whose splits saw a key gets O = 0 and lse = -inf, like every row without keys. A poisoned
 // split (NaN, fa/kv_cache.cuh) poisons the row. Shared by every decode kernel family.
 //
-// Two forms: fused into the decode kernel, where the last of a row block's splits to finish merges that
-// block's rows (DecodeParams::split_counters: one launch per decode step instead of two, ~5 us of host time
-// each on an H100 host), or the standalone combine kernel, a thread per 4 columns of a row (kHeadDim / 4
-// threads per row), rows in (batch, head, query) order so a block's rows share their splits' cache lines.
+// Two forms: the standalone combine kernel (the default), a thread per 4 columns of a row (kHeadDim / 4
+// threads per row), rows in (batch, head, query) order so a block's rows share their splits' cache lines;
+// or fused into the decode kernel (opt-in, DecodeParams::split_counters), where the last of a row block's
+// splits to finish merges that block's rows: one launch per step instead of two (~5 us of host time), but
+// one block does all of the row block's merging after every split has finished. Measured on an H100 it
+// lost where that is a lot of work: seqlen_q 16 (64 packed rows) at batch 1 with 8k keys took 4.7x the
+// one-token time against 1.4x with the combine kernel; see docs/kernel-log.md.
 #pragma once
 
 #include "fa/decode_params.h"
@@ -19,7 +22,9 @@ namespace fa {
 // Columns col .. col + 3 of output row `row` ((batch, head, query) order): the merge of its splits. The
 // partials are read at L2 (ld.global.cg): in the fused form other blocks of the same kernel wrote them, and
 // a line of them in this SM's L1 would not be coherent with those writes.
-template <bool kIsBF16, int D>
+// kUnroll: split iterations issued together (4 in the combine kernel; 1 fused, where 4 made head_dim 256's
+// decode kernel spill).
+template <bool kIsBF16, int D, int kUnroll>
 __device__ __forceinline__ void combine_row(const DecodeParams& p, int row, int col) {
   const i64 rows = (i64)p.batch * p.heads_q * p.seqlen_q;
   const int query = row % p.seqlen_q;
@@ -29,6 +34,8 @@ __device__ __forceinline__ void combine_row(const DecodeParams& p, int row, int 
   // Pass 1: the max of the splits' LSEs (NaN-aware: fmaxf would drop a NaN).
   float m = neg_inf();
   bool poisoned = false;
+  // (Unrolled: the splits' loads are independent, and issued together they overlap their L2 latency.)
+#pragma unroll kUnroll
   for (int s = 0; s < p.num_splits; ++s) {
     const float l = __ldcg(p.lse_partial + s * rows + row);
     poisoned |= l != l;
@@ -38,6 +45,7 @@ __device__ __forceinline__ void combine_row(const DecodeParams& p, int row, int 
   // Pass 2: the weights and the weighted outputs. A split whose LSE is -inf has weight 0 and its O_s
   // (zeros) is still read: no branch per split.
   float sum = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll kUnroll
   for (int s = 0; s < p.num_splits; ++s) {
     const float w = __expf(__ldcg(p.lse_partial + s * rows + row) - m_use);
     const float4 o = __ldcg(reinterpret_cast<const float4*>(p.o_partial + (s * rows + row) * D + col));
@@ -72,7 +80,7 @@ __device__ __forceinline__ void decode_combine_body(const DecodeParams& p) {
   const int col = 4 * ((int)threadIdx.x % kPerRow);
   const i64 rows = (i64)p.batch * p.heads_q * p.seqlen_q;
   if (row >= rows || col >= p.head_dim) return;
-  combine_row<kIsBF16, D>(p, row, col);
+  combine_row<kIsBF16, D, 4>(p, row, col);
 }
 
 }  // namespace fa

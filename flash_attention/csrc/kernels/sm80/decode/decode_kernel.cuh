@@ -60,19 +60,22 @@ struct DecodeSmem {
   static constexpr int kBytes = kMainLoop > kMerge ? kMainLoop : kMerge;
 };
 
-// The fused combine of packed rows row0 .. row0 + BM - 1 of one (batch row, K/V head). Not inlined: it runs
-// once per row block after the main loop, and inlined into head_dim 256's kernel it spilled (112 bytes at
-// 255 registers) where the call spills nothing.
+// The fused combine of packed rows row0 .. row0 + BM - 1 of one (batch row, K/V head).
 template <bool BF, int D, int BM, int kThreads>
-__device__ __noinline__ void combine_row_block(const DecodeParams& p, int batch, int kv_head, int row0) {
+__device__ __forceinline__ void combine_row_block(const DecodeParams& p, int batch, int kv_head, int row0) {
   for (int idx = threadIdx.x; idx < BM * (D / 4); idx += kThreads) {
     const int r = idx / (D / 4), col = 4 * (idx % (D / 4));
     const int row = row0 + r;
     if (row >= p.rows || col >= p.head_dim) continue;
     const int query = row / p.group;
     const int head = kv_head * p.group + row % p.group;
-    combine_row<BF, D>(p, (batch * p.heads_q + head) * p.seqlen_q + query, col);
+    combine_row<BF, D, 1>(p, (batch * p.heads_q + head) * p.seqlen_q + query, col);
   }
+}
+
+template <bool BF, int D, int BM, int kThreads>
+__device__ __noinline__ void combine_row_block_call(const DecodeParams& p, int batch, int kv_head, int row0) {
+  combine_row_block<BF, D, BM, kThreads>(p, batch, kv_head, row0);
 }
 
 template <class Cfg, bool kCausal, bool kPaged>
@@ -407,7 +410,13 @@ __device__ __forceinline__ void decode_kernel_body(const DecodeParams& p) {
     if (last) {
       // Acquire: the other splits counted after their fences; the partials are read at L2 (combine_row).
       __threadfence();
-      combine_row_block<BF, D, BM, kThreads>(p, batch, kv_head, row0);
+      // Head_dim 256 calls it out of line: inlined into that kernel it spilled (112 bytes at 255
+      // registers); the smaller head dims inline it (the call's register saves spilled 12 bytes at d64).
+      if constexpr (D > 128) {
+        combine_row_block_call<BF, D, BM, kThreads>(p, batch, kv_head, row0);
+      } else {
+        combine_row_block<BF, D, BM, kThreads>(p, batch, kv_head, row0);
+      }
       // Zero again for the next call on this stream (kernels of one stream run in order).
       if (tid == 0) *counter = 0;
     }
