@@ -86,8 +86,8 @@ def attention_with_kvcache(
             all ``n_b`` positions. Rows that see no key (n_b == 0) get out 0 and LSE -inf.
         softmax_scale: default ``1 / sqrt(head_dim)``.
         num_splits: how many thread blocks share one row's keys in the decode kernel (0: chosen by a
-            heuristic). Accepted for the FlashAttention library's signature; the path that runs today
-            (below) does not split.
+            heuristic, configs.decode.num_splits_heuristic, from the cache's capacity and the GPU's
+            occupancy); capped at the number of 64-key tiles. The composed path ignores it.
         return_lse: also return the float32 (batch, heads_q, seqlen_q) log-sum-exp of each row's scores.
         out: optional preallocated output of q's shape and dtype (last dimension contiguous).
 
@@ -96,11 +96,13 @@ def attention_with_kvcache(
 
     Values of ``cache_seqlens`` and ``block_table``: every row must have room for its new tokens
     (``cache_seqlens[b] + seqlen_new <= capacity``, the capacity being max_seqlen, or max_pages *
-    page_size) and every page index a row uses must be a page of the cache. The path that runs today
-    (:mod:`flash_attention.kvcache_compose`: PyTorch indexing for the append, then :func:`attention` on
-    each row's keys, our kernels on CUDA) reads both on the host and raises ValueError naming the entry
-    before anything is written. That host read is one synchronisation per call on CUDA tensors, so this
-    path cannot be captured in a CUDA graph yet.
+    page_size) and every page index a row uses must be a page of the cache. On CUDA with fp16/bf16 the
+    decode kernels (:mod:`flash_attention.ops.decode`) never read them on the host, so a call can be
+    captured in a CUDA graph: a row whose length or page index is out of range gets a NaN output (and LSE)
+    and nothing outside the cache is read or written. Elsewhere (CPU, float32/float64, a head_dim that is
+    not a multiple of 8, strides the kernels cannot read) the composed path
+    (:mod:`flash_attention.kvcache_compose`: PyTorch indexing for the append, then :func:`attention` per
+    row) reads both on the host and raises ValueError naming the entry before anything is written.
 
     Not differentiable (inference only): a call that autograd would record (grad mode on and q, k or v
     requiring grad) raises RuntimeError. Under ``torch.compile`` the call is one custom op,

@@ -58,3 +58,26 @@ def test_tables_compare_each_point_with_the_baselines_contiguous_time():
     md = decode_markdown(result)
     assert md.startswith("### Decode (bf16, 32/8 heads, head_dim 128, Test GPU; device copy 3.00 TB/s)")
     assert md.count("\n| ") == 5  # header, rule, three rows
+
+
+def test_decode_results_go_to_their_own_readme_region(tmp_path, monkeypatch):
+    from flash_attention.tools import provenance
+    from flash_attention.tools.bench.readme import README_BEGIN, README_END, update_readme
+    from flash_attention.tools.bench.results import write_results
+
+    # The synthetic result names no real commit: the provenance check (tests/test_bench.py) is switched off.
+    monkeypatch.setattr(provenance, "check_result", lambda result, repo, what: None)
+    readme = tmp_path / "README.md"
+    decode = "<!-- bench-decode:begin -->\nstale\n<!-- bench-decode:end -->\n"
+    text = f"{README_BEGIN}\nforward\n{README_END}\n{decode}"
+    readme.write_text(text)
+    result = dict(
+        gpu="Test GPU", driver="1", cuda="13.0", torch="2.11", commit="abc1234", matmul_tflops=None,
+        copy_tb_s=3.0, date="2026-11-23",
+        rows=[_row("flash_attention", 8, 32768, 0, 0.40), _row("sdpa_cudnn", 8, 32768, 0, 0.50)],
+    )  # fmt: skip
+    update_readme(readme, write_results(result, tmp_path / "r-decode.json"))
+    new = readme.read_text()
+    assert "forward" in new and "stale" not in new  # the forward region is left alone
+    block = new.split("<!-- bench-decode:begin -->")[1]
+    assert "1 GiB device-to-device copy in the same run: 3.00 TB/s" in block and "0.80×" in block

@@ -1,6 +1,7 @@
 """The README regions generated from result files: ``<!-- bench:begin -->`` for the forward sweep and
-``<!-- bench-<mode>:begin -->`` for a training-mode sweep. A region is only ever generated from a result file
-whose code was exactly its commit's (:func:`flash_attention.tools.provenance.check_result`)."""
+``<!-- bench-<mode>:begin -->`` for a training-mode sweep or a decode run (``bench-decode``). A region is
+only ever generated from a result file whose code was exactly its commit's
+(:func:`flash_attention.tools.provenance.check_result`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 
 from .. import provenance
 from ..common import replace_marked_region, repo_root
+from .decode import decode_markdown
 from .results import load_results, result_mode
 from .tables import results_header, results_to_markdown
 
@@ -44,7 +46,8 @@ def update_readme(readme_path: str | os.PathLike, results_path: str | os.PathLik
     ):
         plot_rel = os.path.relpath(plot.resolve(), readme_path.resolve().parent).replace(os.sep, "/")
         block += [f"![TFLOP/s by sequence length, {plot.stem.rsplit('-', 1)[1]}]({plot_rel})", ""]
-    block.append(results_to_markdown(result).rstrip("\n"))
+    table = decode_markdown(result) if result_mode(result) == "decode" else results_to_markdown(result)
+    block.append(table.rstrip("\n"))
     new_block = "\n".join(block)
     replace_marked_region(readme_path, begin, end, new_block)
     return new_block

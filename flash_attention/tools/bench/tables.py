@@ -200,6 +200,11 @@ def results_header(result: dict, results_path: str | None = None) -> str:
         f"commit `{result.get('commit', '?')}`, "
         f"{result.get('date', 'unknown date')}; 8192³ bf16 matmul in the same run: {ceiling_txt}."
     )
+    if ceiling is None and isinstance(result.get("copy_tb_s"), int | float):  # a decode run: memory-bound
+        text = text.replace(
+            f"8192³ bf16 matmul in the same run: {ceiling_txt}",
+            f"1 GiB device-to-device copy in the same run: {result['copy_tb_s']:.2f} TB/s",
+        )
     if results_path:
         text += f" Source: [`{results_path}`]({results_path})."
     return text
