@@ -22,8 +22,8 @@ def _signature(
 ) -> tuple | None:
     """Everything :func:`validate_kvcache` and the launch plan read of a call: each tensor's shape, strides,
     dtype and device, and the options with their types (True == 1 to a dict, not to the validation). None
-    for a call that is not cached (an argument of another type, which the validation will name; an int
-    cache_seqlens, whose value is checked per call)."""
+    for a call that is not cached (an argument of another type, or a sparse or nested tensor, which the
+    validation will name; an int cache_seqlens, whose value is checked per call)."""
     key: list = [
         type(causal),
         causal,
@@ -34,7 +34,7 @@ def _signature(
         return_lse,
     ]
     for t in (q, k_cache, v_cache, k, v, cache_seqlens, block_table, out):
-        if type(t) is torch.Tensor:
+        if type(t) is torch.Tensor and t.layout is torch.strided and not t.is_nested:
             key += (t.shape, t.stride(), t.dtype, t.device)
         elif t is None:
             key.append(None)
@@ -87,7 +87,8 @@ def attention_with_kvcache(
         softmax_scale: default ``1 / sqrt(head_dim)``.
         num_splits: how many thread blocks share one row's keys in the decode kernel (0: chosen by a
             heuristic, configs.decode.num_splits_heuristic, from the cache's capacity and the GPU's
-            occupancy); capped at the number of 64-key tiles. The composed path ignores it.
+            occupancy); capped at the number of the kernel's K/V tiles (64 or 32 keys). The composed path
+            ignores it.
         return_lse: also return the float32 (batch, heads_q, seqlen_q) log-sum-exp of each row's scores.
         out: optional preallocated output of q's shape and dtype (last dimension contiguous).
 

@@ -46,6 +46,9 @@ def test_defaults_are_valid_fit_the_gpu_and_round_trip(arch):
         (("bf16", 128, 24, 64, 1, 4, 3), "block_m"),
         (("bf16", 128, 16, 48, 1, 4, 3), "block_kv"),
         (("bf16", 128, 16, 64, 1, 4, 1), "stages"),
+        # 32 threads, 16 chunks per row: 24 rows per thread, not a power of two (one page lookup per run
+        # of rows needs runs that cannot straddle a page).
+        (("bf16", 128, 16, 48, 1, 1, 2), "power of two"),
         (("bf16", 256, 32, 64, 1, 4, 3), "registers"),
     ],
 )
@@ -173,3 +176,14 @@ def test_composed_path_with_a_warning_when_the_kernels_cannot(monkeypatch):
         out = _call()
     assert not fake.calls and not (out == 7).all()
     assert any("a reason the test gives" in str(w.message) for w in caught)
+
+
+def test_broadcast_dimensions_are_not_written_in_place():
+    # An expanded out or cache (stride 0 over more than one element) would have blocks race on its bytes.
+    from flash_attention.ops.decode import _layout_ok
+
+    base = torch.randn(2, 8, 4, 16)
+    assert _layout_ok(base)
+    assert not _layout_ok(torch.randn(1, 8, 4, 16).expand(2, 8, 4, 16))
+    assert not _layout_ok(torch.randn(2, 1, 4, 16).expand(2, 8, 4, 16))
+    assert _layout_ok(torch.randn(1, 8, 4, 16).expand(1, 8, 4, 16))  # one element: nothing shared

@@ -216,6 +216,7 @@ def _valid_call(**override):
     "override, error, words",
     [
         (dict(q=torch.randn(2, 1, 4)), ValueError, "q must have shape"),
+        (dict(q=torch.randn(2, 1, 4, 16).to_sparse()), TypeError, "q must be a dense"),
         (
             dict(k_cache=torch.randn(3, 10, 2, 16), v_cache=torch.randn(3, 10, 2, 16)),
             ValueError,

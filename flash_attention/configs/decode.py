@@ -115,6 +115,15 @@ def decode_validity_errors(cfg: DecodeConfig) -> list[str]:
         errors.append("block_kv must be a multiple of 16 * warps_n")
     if cfg.stages < 2:
         errors.append("stages must be at least 2")
+    if not errors:
+        # The copy loop's rules (decode_kernel.cuh): the block's threads tile a K/V tile's rows in
+        # 16-byte chunks, each thread a power-of-two run of consecutive rows (one page lookup per run).
+        chunks, threads = cfg.head_dim // 8, cfg.threads
+        rows_per_pass = threads // chunks if threads % chunks == 0 else 0
+        if not rows_per_pass or cfg.block_kv % rows_per_pass:
+            errors.append("block_kv must be a multiple of threads / (head_dim / 8)")
+        elif (cfg.block_kv // rows_per_pass) & (cfg.block_kv // rows_per_pass - 1):
+            errors.append("block_kv / (threads / (head_dim / 8)) must be a power of two (rows per thread)")
     if not errors and cfg.block_m // (16 * cfg.warps_m) * cfg.head_dim > 256:
         errors.append("(block_m / 16 / warps_m) * head_dim must be at most 256 (O and Q stay in registers)")
     return errors

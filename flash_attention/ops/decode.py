@@ -253,13 +253,22 @@ def _split_buffers(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The fp32 partials' workspace (``partials`` elements) and the int32 counters (``counters``, zero; None
     when 0) for a call on ``stream``."""
-    if torch.cuda.is_current_stream_capturing():
+    if _capturing(device):
         return (
             torch.empty(partials, dtype=torch.float32, device=device),
             torch.zeros(counters, dtype=torch.int32, device=device) if counters else None,
         )
     work = _grown(device, stream, "partials", partials, torch.float32)
     return work, _grown(device, stream, "counters", counters, torch.int32) if counters else None
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether ``device``'s current stream is being captured into a CUDA graph (torch's check asks of the
+    current device's stream, so a call on another device asks under that device)."""
+    if device.index == torch.cuda.current_device():
+        return torch.cuda.is_current_stream_capturing()
+    with torch.cuda.device(device):
+        return torch.cuda.is_current_stream_capturing()
 
 
 def _grown(device: torch.device, stream: int, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -273,9 +282,18 @@ def _grown(device: torch.device, stream: int, name: str, numel: int, dtype: torc
 
 
 def _layout_ok(t: torch.Tensor) -> bool:
-    """The strides the kernels need (usable_in_place without the address, which is checked per call)."""
-    s = t.stride()
-    return s[3] == 1 and s[0] % 8 == 0 and s[1] % 8 == 0 and s[2] % 8 == 0 and max(s[0], s[1], s[2]) < 2**62
+    """The strides the kernels need (usable_in_place without the address, which is checked per call), and no
+    dimension of more than one element broadcast (stride 0): the caches and out are written, and blocks
+    writing the same bytes for different positions would race."""
+    s, n = t.stride(), t.shape
+    return (
+        s[3] == 1
+        and s[0] % 8 == 0
+        and s[1] % 8 == 0
+        and s[2] % 8 == 0
+        and max(s[0], s[1], s[2]) < 2**62
+        and all(s[i] != 0 or n[i] <= 1 for i in range(3))
+    )
 
 
 def _aligned_copy(t: torch.Tensor) -> torch.Tensor:

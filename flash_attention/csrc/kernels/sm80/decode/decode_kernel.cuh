@@ -160,6 +160,9 @@ __device__ __forceinline__ void decode_kernel_body(const DecodeParams& p) {
   // the scores there are masked, and zero V rows keep 0 * garbage out of O.
   static_assert(kThreads % C == 0 && BC % (kThreads / C) == 0, "the block's threads must tile a K/V tile's rows");
   constexpr int kRows = BC / (kThreads / C);
+  // One page entry serves a thread's rows only if they cannot straddle a page: kRows a power of two, so a
+  // power-of-two page of at least kRows positions holds whole, aligned groups of them.
+  static_assert((kRows & (kRows - 1)) == 0, "a thread's rows per K/V tile must be a power of two");
   // (Head_dim 256 holds 192 registers of Q fragments and O; unrolling all 16 of its rows spilled.)
   constexpr int kUnroll = D > 128 ? 4 : kRows;
   const int chunk = tid % C;
@@ -402,9 +405,11 @@ __device__ __forceinline__ void decode_kernel_body(const DecodeParams& p) {
 
   // ---- the fused combine: the row block's last split to finish merges the splits ----------------------
   if (split_out && p.split_counters != nullptr) {
-    // Release: this block's partials are visible GPU-wide before its arrival is counted (every thread
-    // fences its own writes, then the barrier orders all of them before thread 0's atomic).
+    // Release: this block's partials are visible GPU-wide before its arrival is counted. Every thread
+    // fences its own writes; the barrier then holds thread 0's atomic until every warp has written and
+    // fenced (__syncthreads_or below evaluates its argument before it waits, so it cannot be that barrier).
     __threadfence();
+    __syncthreads();
     int* counter = p.split_counters + ((i64)batch * p.heads_kv + kv_head) * p.num_m_blocks + m_block;
     const bool last = __syncthreads_or(tid == 0 && atomicAdd(counter, 1) == p.num_splits - 1);
     if (last) {
