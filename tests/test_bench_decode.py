@@ -34,7 +34,8 @@ def test_options_parse():
         ]
     )
     assert args.mode == "decode" and args.batches == (1, 8) and args.page_sizes == (0, 16)
-    assert args.seqlens == (1024, 32768) and args.seqlens_q == (1, 4)
+    assert args.seqlens == (1024, 32768) and args.seqlens_q == (1, 4) and args.num_splits == 0
+    assert build_parser().parse_args(["--mode", "decode", "--num-splits", "1"]).num_splits == 1
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--mode", "decode", "--page-sizes", "-1"])
 

@@ -105,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--seqlens-q", type=_int_list, default=None, help="--mode decode: query tokens per row (1)"
     )
     p.add_argument(
+        "--num-splits",
+        type=int,
+        default=0,
+        help="--mode decode: our split count (default 0: the heuristic's), to compare against it",
+    )
+    p.add_argument(
         "--seqlens", type=_int_list, default=None, help="comma-separated, 1k = 1024 (default 512,...,16k)"
     )
     p.add_argument("--head-dims", type=_int_list, default=None, help="comma-separated (default 64,128,256)")
@@ -365,6 +371,7 @@ def _main_decode(args: argparse.Namespace, reps: int, min_time: float) -> int:
         seqlens=args.seqlens or DECODE_SEQLENS,
         page_sizes=args.page_sizes if args.page_sizes is not None else DECODE_PAGE_SIZES,
         seqlens_q=args.seqlens_q or (1,),
+        num_splits=args.num_splits,
         heads_kv=args.kv_heads or 8,
         head_dim=(args.head_dims or (128,))[0],
         dtype=args.dtype or "bf16",

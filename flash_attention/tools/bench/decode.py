@@ -55,6 +55,7 @@ class DecodeSettings:
     seqlens: tuple[int, ...] = DECODE_SEQLENS
     page_sizes: tuple[int, ...] = DECODE_PAGE_SIZES
     seqlens_q: tuple[int, ...] = (1,)
+    num_splits: int = 0  # ours: 0 = the heuristic's count, else this count (recorded in the rows)
     heads: int = 32
     heads_kv: int = 8
     head_dim: int = 128
@@ -116,8 +117,10 @@ def _point_rows(batch, seqlen, seqlen_q, s: DecodeSettings, timing: dict, gen: r
         impls = [i for i in s.impls if i == OURS or (page_size == 0 and seqlen_q == 1)]
         for impl in impls:
             row = dict(base, impl=impl, page_size=page_size)
+            if impl == OURS and s.num_splits:
+                row["num_splits"] = s.num_splits
             try:
-                fn, context = _call(impl, qs, sets, lengths)
+                fn, context = _call(impl, qs, sets, lengths, s.num_splits)
                 with context:
                     t = time_cuda(fn, n_sets, **timing)
             except Exception as exc:  # a backend that refuses the shape: recorded, not fatal
@@ -131,7 +134,7 @@ def _point_rows(batch, seqlen, seqlen_q, s: DecodeSettings, timing: dict, gen: r
     return rows
 
 
-def _call(impl: str, qs, sets, lengths):
+def _call(impl: str, qs, sets, lengths, num_splits: int = 0):
     """``(fn(i), context)``: one timed call on input set ``i`` and the context to time it in."""
     import contextlib
 
@@ -140,7 +143,7 @@ def _call(impl: str, qs, sets, lengths):
         def fn(i):
             k, v, table = sets[i]
             return flash_attention.attention_with_kvcache(
-                qs[i], k, v, cache_seqlens=lengths, block_table=table
+                qs[i], k, v, cache_seqlens=lengths, block_table=table, num_splits=num_splits
             )
 
         return fn, contextlib.nullcontext()
