@@ -19,7 +19,7 @@ from ..jit.params import DecodeParams
 from ..jit.sources import DECODE_AUX_THREADS
 from .device import KERNEL_DTYPES, cuda_unavailable_reason, current_stream, device_arch, dtype_name, sm_count
 from .plans import PlanCache, fill_contiguous_strides, fill_strides, launch_all
-from .tensors import MAX_GRID_YZ
+from .tensors import MAX_GRID_YZ, strides_usable
 
 __all__ = [
     "DecodePlan",
@@ -282,18 +282,11 @@ def _grown(device: torch.device, stream: int, name: str, numel: int, dtype: torc
 
 
 def _layout_ok(t: torch.Tensor) -> bool:
-    """The strides the kernels need (usable_in_place without the address, which is checked per call), and no
+    """The strides the kernels need (tensors.strides_usable; the address is checked per call), and no
     dimension of more than one element broadcast (stride 0): the caches and out are written, and blocks
     writing the same bytes for different positions would race."""
     s, n = t.stride(), t.shape
-    return (
-        s[3] == 1
-        and s[0] % 8 == 0
-        and s[1] % 8 == 0
-        and s[2] % 8 == 0
-        and max(s[0], s[1], s[2]) < 2**62
-        and all(s[i] != 0 or n[i] <= 1 for i in range(3))
-    )
+    return strides_usable(t) and all(s[i] != 0 or n[i] <= 1 for i in range(3))
 
 
 def _aligned_copy(t: torch.Tensor) -> torch.Tensor:

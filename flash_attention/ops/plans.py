@@ -107,9 +107,4 @@ def launch_all(launches, index: int, params, stream: int) -> None:
 def launch(kernel: driver.Kernel, grid, threads: int, smem: int, index: int, params) -> None:
     """Launch on PyTorch's current stream of device ``index``, in that device's primary context (made
     current for the launch and the caller's context put back after, see driver.make_primary_current)."""
-    previous = driver.make_primary_current(index)
-    try:
-        kernel.launch(grid, (threads, 1, 1), smem, current_stream(index), params)
-    finally:
-        if previous is not None:
-            driver.set_current(previous)
+    launch_all(((kernel, grid, threads, smem),), index, params, current_stream(index))

@@ -12,6 +12,7 @@ __all__ = [
     "kernel_ready",
     "pad_head_dim",
     "padded_to_8",
+    "strides_usable",
     "usable_in_place",
 ]
 
@@ -19,19 +20,19 @@ __all__ = [
 MAX_GRID_YZ = 65535
 
 
+def strides_usable(t: torch.Tensor) -> bool:
+    """The stride half of :func:`usable_in_place`: the last dimension contiguous, every row/head/batch step a
+    multiple of 8 elements (16 bytes). For a caller that checks the address separately (a plan kept across
+    calls whose tensors may sit at other addresses)."""
+    s = t.stride()
+    return s[3] == 1 and s[0] % 8 == 0 and s[1] % 8 == 0 and s[2] % 8 == 0 and max(s[0], s[1], s[2]) < 2**62
+
+
 def usable_in_place(t: torch.Tensor) -> bool:
     """Whether the kernels can read or write ``t`` as it is: cp.async and the vector stores move 16 bytes,
     so the base and every row/head/batch start must be 16-byte aligned (strides multiples of 8 elements),
     and the last dimension contiguous."""
-    s = t.stride()
-    return (
-        s[3] == 1
-        and t.data_ptr() % 16 == 0
-        and s[0] % 8 == 0
-        and s[1] % 8 == 0
-        and s[2] % 8 == 0
-        and max(s[0], s[1], s[2]) < 2**62
-    )
+    return t.data_ptr() % 16 == 0 and strides_usable(t)
 
 
 def kernel_ready(t: torch.Tensor) -> torch.Tensor:
