@@ -2,9 +2,12 @@
 
 Two ways to compute it, chosen per call:
 
-* **PyTorch's fused CPU kernel** (``aten::_scaled_dot_product_flash_attention_for_cpu`` and its backward,
-  what ``torch.nn.functional.scaled_dot_product_attention`` runs on CPU tensors): tiled, memory-bounded,
-  multi-threaded, and it returns the LSE our backward needs. Our semantics on top of it:
+* **PyTorch's fused attention kernel on the tensors' device**, the one
+  ``torch.nn.functional.scaled_dot_product_attention`` runs there and that returns the LSE our backward
+  needs: on CPU ``aten::_scaled_dot_product_flash_attention_for_cpu`` (tiled, memory-bounded,
+  multi-threaded), on CUDA ``aten::_scaled_dot_product_efficient_attention`` (the memory-efficient kernel
+  SDPA picks for float32, and for float16/bfloat16 on GPUs or toolchains our kernels cannot use), each
+  with its backward. Our semantics on top of it:
 
   - bottom-right causal: with seqlen_q > seqlen_k the first seqlen_q - seqlen_k rows see no key (out 0,
     LSE -inf) and the rest are a square, where top-left and bottom-right agree; with seqlen_q < seqlen_k
@@ -14,15 +17,15 @@ Two ways to compute it, chosen per call:
   - GQA without copying K/V: one call per member of a query group (query heads j, j + group, ... against
     every K/V head), the backward summing the members' dK and dV in float32;
   - ``key_range``: a (batch, 1, 1, seqlen_k) additive mask (0 or -inf) beside the causal flag; rows that
-    see no key get LSE -inf (the fused kernel reports 0 for them) and out 0.
+    see no key get LSE -inf (the fused kernels report 0 or NaN for them) and out 0.
 
-* **The chunked path** (:func:`flash_attention.reference.attention_torch`), for what the fused kernel
+* **The chunked path** (:func:`flash_attention.reference.attention_torch`), for what the fused kernels
   cannot express: dropout (the kernels' keep masks are ours, not PyTorch's), float64 (the saved LSE is
-  float32, and only the chunked backward restores float64 precision from it), a negative ``softmax_scale``
-  (the fused kernel's causal mask breaks under it: NaN), ``key_range`` together with
-  causal when seqlen_q < seqlen_k (the merged parts would each need their own empty-row bookkeeping), and
-  every device but the CPU (MPS, and CUDA inputs our kernels cannot take: there the LSE would come from
-  another fused kernel, not yet measured against this path).
+  float32, and only the chunked backward restores float64 precision from it; the CUDA kernel has no
+  float64 either), a negative ``softmax_scale`` (the fused CPU kernel's causal mask breaks under it: NaN),
+  ``key_range`` together with causal when seqlen_q < seqlen_k (the merged parts would each need their own
+  empty-row bookkeeping), a CUDA call PyTorch's own rules keep off its memory-efficient kernel (e.g. a
+  head_dim it does not support), and every other device (MPS, meta).
 
 :func:`fused_path_blocker` says which path a call takes, and why not the fused one.
 """
@@ -48,12 +51,47 @@ def _cpu_ops():
         return None
 
 
+def _cuda_ops():
+    """The memory-efficient CUDA forward and backward ops, or None on a torch without them."""
+    aten = torch.ops.aten
+    try:
+        return (
+            aten._scaled_dot_product_efficient_attention,
+            aten._scaled_dot_product_efficient_attention_backward,
+        )
+    except AttributeError:
+        return None
+
+
+def _cuda_refusal(q: torch.Tensor, k: torch.Tensor) -> str | None:
+    """Why PyTorch's own rules keep this CUDA call off its memory-efficient kernel (dtype and head_dim
+    support, alignment, the GPU), checked on one query-group member as the fused calls see it; None if
+    they allow it."""
+    try:
+        from torch.backends.cuda import SDPAParams, can_use_efficient_attention
+    except ImportError:
+        return "this torch cannot say whether its memory-efficient CUDA kernel takes the call"
+    group = q.shape[2] // k.shape[2]
+    qm, km = q[:, :, ::group].transpose(1, 2), k.transpose(1, 2)
+    try:
+        params = SDPAParams(qm, km, km, None, 0.0, False, False)
+    except TypeError:  # torch before enable_gqa joined the parameters
+        params = SDPAParams(qm, km, km, None, 0.0, False)
+    if not can_use_efficient_attention(params, False):
+        return (
+            f"PyTorch's memory-efficient CUDA kernel does not take this call ({q.dtype}, head_dim "
+            f"{q.shape[3]}, strides {q.stride()})"
+        )
+    return None
+
+
 def fused_path_blocker(
     q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, key_range, dropout_p: float
 ) -> str | None:
-    """None when the call runs on PyTorch's fused kernel, else why it takes the chunked path."""
-    if q.device.type != "cpu":
-        return f"{q.device.type} tensors (the fused path is the CPU kernel's)"
+    """None when the call runs on PyTorch's fused kernel of its device, else why it takes the chunked
+    path."""
+    if q.device.type not in ("cpu", "cuda"):
+        return f"{q.device.type} tensors (the fused paths are the CPU and CUDA kernels)"
     if q.dtype == torch.float64:
         return "float64 (the saved LSE is float32; the chunked backward renormalises P to stay float64-exact)"
     if scale < 0:
@@ -62,9 +100,46 @@ def fused_path_blocker(
         return "dropout (the kernels' keep masks are not PyTorch's)"
     if causal and key_range is not None and q.shape[1] < k.shape[1]:
         return "key_range with causal and seqlen_q < seqlen_k"
-    if _cpu_ops() is None:
-        return "this torch has no fused CPU attention op"
-    return None
+    if q.device.type == "cpu":
+        return None if _cpu_ops() is not None else "this torch has no fused CPU attention op"
+    if _cuda_ops() is None:
+        return "this torch has no memory-efficient CUDA attention op"
+    return _cuda_refusal(q, k)
+
+
+class _Fused:
+    """The fused forward and backward of one device behind one calling convention. Tensors come as
+    (batch, heads, rows, head_dim) views; ``mask`` is the additive (batch, 1, 1, keys) mask or None.
+
+    ``forward(q, k, v, causal, mask, scale) -> (out, lse)``: out (batch, heads, rows, head_dim), lse float32
+    (batch, heads, rows). ``backward(dout, q, k, v, out, lse, causal, mask, scale) -> (dq, dk, dv)``, each
+    (batch, heads, rows, head_dim)."""
+
+    def __init__(self, device_type: str) -> None:
+        self.cuda = device_type == "cuda"
+        self._fwd, self._bwd = _cuda_ops() if self.cuda else _cpu_ops()
+
+    def forward(self, q, k, v, causal, mask, scale):
+        if not self.cuda:
+            return self._fwd(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+        out, lse, _, _ = self._fwd(q, k, v, mask, True, 0.0, causal, scale=scale)
+        # The kernel's LSE rows are padded to a multiple of 32: the view keeps the call's rows.
+        return out, lse[:, :, : q.shape[2]]
+
+    def backward(self, dout, q, k, v, out, lse, causal, mask, scale):
+        if not self.cuda:
+            return self._bwd(dout, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
+        # The backward reads the LSE in the forward's padded layout (rows a multiple of 32).
+        rows = q.shape[2]
+        padded = lse.new_zeros((*lse.shape[:2], -(-rows // 32) * 32))
+        padded[:, :, :rows] = lse
+        # No dropout: the Philox seed and offset are never read (the forward's are empty CPU scalars too).
+        unused = torch.empty((), dtype=torch.int64)
+        dq, dk, dv, _ = self._bwd(
+            dout, q, k, v, mask, out, padded, unused, unused, 0.0, [True, True, True, False], causal,
+            scale=scale,
+        )  # fmt: skip
+        return dq, dk, dv
 
 
 class _Plan:
@@ -82,7 +157,10 @@ class _Plan:
         self.empty_rows = None  # (batch, seqlen_q) bool: rows with no visible key under key_range
         if key_range is not None:
             allowed = key_range_allowed(key_range.to(q.device), self.seqlen_k)  # (batch, seqlen_k)
-            self.mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
+            # Rows padded to a multiple of 16 keys: the CUDA kernel reads the mask in aligned vectors, so
+            # its batch stride must be a multiple of 16 elements (the padding is never read).
+            padded = -(-self.seqlen_k // 16) * 16
+            self.mask = torch.zeros((self.batch, padded), dtype=q.dtype, device=q.device)[:, : self.seqlen_k]
             self.mask.masked_fill_(~allowed, float("-inf"))
             self.mask = self.mask[:, None, None, :]
             # The allowed keys are one interval; row i sees none of them when its first one lies beyond
@@ -137,7 +215,7 @@ def forward(
             dropout_p=dropout_p,
             dropout_seed=dropout_seed,
         )
-    fwd_op, _ = _cpu_ops()
+    fused = _Fused(q.device.type)
     plan = _Plan(q, k, causal, key_range)
     r0, g = plan.row0, plan.group
     kt, vt = k.transpose(1, 2), v.transpose(1, 2)  # (batch, heads_kv, seqlen_k, head_dim) views
@@ -152,15 +230,7 @@ def forward(
     for j in range(g):
         qj = plan.member(q, j)
         results = [
-            fwd_op(
-                qj,
-                kt[:, :, keys],
-                vt[:, :, keys],
-                0.0,
-                part_causal,
-                attn_mask=plan.part_mask(keys),
-                scale=scale,
-            )
+            fused.forward(qj, kt[:, :, keys], vt[:, :, keys], part_causal, plan.part_mask(keys), scale)
             for keys, part_causal in parts
         ]
         if len(results) == 1:
@@ -171,9 +241,11 @@ def forward(
             wa, wb = torch.exp(la - lj).unsqueeze(-1), torch.exp(lb - lj).unsqueeze(-1)
             oj = (oa.to(wa.dtype) * wa + ob.to(wb.dtype) * wb).to(q.dtype)
         if single:
-            # The fused kernel lays its output out as (batch, seqlen, heads, head_dim): our layout, no copy.
-            out = oj.transpose(1, 2).contiguous()  # (a no-op: the op's layout is ours)
-            lse = lj.to(torch.float32).contiguous()  # (the op's LSE is (batch, seqlen, heads) in memory)
+            # Both fused kernels lay their output out as (batch, seqlen, heads, head_dim): our layout, so
+            # this contiguous() is a no-op. Their LSE is not ours ((batch, seqlen, heads) in memory on
+            # CPU, rows padded to 32 on CUDA): that one is copied.
+            out = oj.transpose(1, 2).contiguous()
+            lse = lj.to(torch.float32).contiguous()
         else:
             out[:, r0:, j::g] = oj.transpose(1, 2)
             lse[:, j::g, r0:] = lj
@@ -200,7 +272,7 @@ def backward(dout, q, k, v, out, lse, *, causal, scale, key_range=None, dropout_
             dropout_p=dropout_p,
             dropout_seed=dropout_seed,
         )
-    _, bwd_op = _cpu_ops()
+    fused = _Fused(q.device.type)
     plan = _Plan(q, k, causal, key_range)
     r0, g = plan.row0, plan.group
     kt, vt = k.transpose(1, 2), v.transpose(1, 2)
@@ -218,17 +290,8 @@ def backward(dout, q, k, v, out, lse, *, causal, scale, key_range=None, dropout_
         lj = lse_c[:, j::g, r0:]
         dqj = None
         for keys, part_causal in plan.parts():
-            dq_p, dk_p, dv_p = bwd_op(
-                doj,
-                qj,
-                kt[:, :, keys],
-                vt[:, :, keys],
-                oj,
-                lj,
-                0.0,
-                part_causal,
-                attn_mask=plan.part_mask(keys),
-                scale=scale,
+            dq_p, dk_p, dv_p = fused.backward(
+                doj, qj, kt[:, :, keys], vt[:, :, keys], oj, lj, part_causal, plan.part_mask(keys), scale
             )
             dqj = dq_p if dqj is None else dqj + dq_p
             if dk is None:  # one member, one part: the op's own tensors are the answer

@@ -332,6 +332,40 @@ def test_bad_arguments_exit_2():
     assert _int_list("512,1k,16K") == (512, 1024, 16384)
 
 
+def test_fallback_bench_on_cpu_times_both_sides_of_every_point(tmp_path, monkeypatch, capsys):
+    from flash_attention.tools.bench import fallback
+
+    monkeypatch.setitem(fallback.FALLBACK_SHAPES, "cpu", ((1, 48, 2, 16), (2, 33, 4, 32)))
+    out = tmp_path / "cpu.json"
+    argv = ["--device", "cpu", "--reps", "2", "--min-time", "0", "--out", str(out), "--allow-dirty"]
+    assert bench.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["device"] == "cpu" and result["threads"] >= 1 and result["torch"] == torch.__version__
+    rows = result["rows"]
+    points = {(r["mode"], tuple(r["shape"]), r["dtype"], r["causal"]) for r in rows}
+    assert len(rows) == len(points) == 2 * 2 * 2 * 2  # modes x shapes x dtypes x causal, each once
+    for r in rows:
+        assert r["ms"]["flash_attention"] > 0 and r["ms"]["sdpa"] > 0, r
+        assert r["ratio"] == pytest.approx(r["ms"]["flash_attention"] / r["ms"]["sdpa"])
+        assert min(r["reps"].values()) >= 2 * 3, r  # three alternating rounds of at least --reps calls
+        if r["mode"] == "fwd":
+            # Both sides computed the same attention (the bf16 tolerance: two kernels' roundings).
+            assert r["max_diff_vs_sdpa"] <= (1e-5 if r["dtype"] == "fp32" else 2e-2), r
+        else:
+            assert r["max_diff_vs_sdpa"] is None
+    text = capsys.readouterr().out
+    assert "ours/sdpa time: median" in text and f"wrote {out}" in text
+    # --dtype keeps one dtype; fp16 is not a CPU dtype of this bench.
+    assert bench.main([*argv[:-3], "--allow-dirty", "--dtype", "bf16", "--no-save"]) == 0
+    assert bench.main(["--device", "cpu", "--dtype", "fp16", "--no-save"]) == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")
+def test_fp32_bench_needs_a_gpu(capsys):
+    assert bench.main(["--dtype", "fp32", "--no-save"]) == 2
+    assert "no" in capsys.readouterr().err.lower()
+
+
 def _run_module(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     return subprocess.run(

@@ -82,9 +82,16 @@ def build_parser() -> argparse.ArgumentParser:
         default="cuda",
         help="cuda (default): the kernels against PyTorch's backends on the sweep; cpu: the PyTorch fallback "
         "against SDPA on CPU tensors (forward and forward+backward, float32 and bfloat16, the shapes of "
-        "tools/bench/cpu.py; file tag 'cpu')",
+        "tools/bench/fallback.py; file tag 'cpu')",
     )
-    p.add_argument("--dtype", choices=("bf16", "fp16"), default=None, help="input dtype (default bf16)")
+    p.add_argument(
+        "--dtype",
+        choices=("bf16", "fp16", "fp32"),
+        default=None,
+        help="input dtype (default bf16). fp32 on cuda runs the PyTorch fallback against SDPA's own float32 "
+        "choice (forward and forward+backward, the CUDA shapes of tools/bench/fallback.py; file tag 'fp32'); "
+        "with --device cpu it keeps only that dtype",
+    )
     p.add_argument(
         "--mode",
         choices=(*MODES, "decode"),
@@ -232,8 +239,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         return 0
 
-    if args.device == "cpu":
-        return _main_cpu(args)
+    if args.device == "cpu" or args.dtype == "fp32":
+        return _main_fallback(args)
 
     cfg = None
     if args.config is not None:
@@ -332,17 +339,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     return status
 
 
-def _main_cpu(args: argparse.Namespace) -> int:
-    """``--device cpu``: the fallback against SDPA on CPU tensors, saved like a sweep (tag 'cpu')."""
-    from .cpu import cpu_environment, cpu_results_to_text, run_cpu_bench
+def _main_fallback(args: argparse.Namespace) -> int:
+    """``--device cpu`` or ``--dtype fp32``: the PyTorch fallback against SDPA on the same tensors, saved like
+    a sweep (file tag 'cpu', or 'fp32' after the GPU's name)."""
+    from .fallback import fallback_environment, fallback_results_to_text, run_fallback_bench
 
-    result = cpu_environment(args.commit, args.allow_dirty)
-    print(f"{result['cpu']}, {result['threads']} threads, torch {result['torch']}")
-    result["rows"] = run_cpu_bench()
-    print(cpu_results_to_text(result))
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        print("--dtype fp32 times the fallback on a CUDA GPU, and none is available", file=sys.stderr)
+        return 2
+    if device == "cpu" and args.dtype == "fp16":
+        print("--device cpu times fp32 and bf16 (--dtype picks one of them)", file=sys.stderr)
+        return 2
+    result = fallback_environment(device, args.commit, args.allow_dirty)
+    print(fallback_results_to_text({**result, "rows": []}).splitlines()[0])
+    timing = {}
+    if args.reps is not None:
+        timing["min_reps"] = args.reps
+    if args.min_time is not None:
+        timing["min_time_s"] = args.min_time
+    result["rows"] = run_fallback_bench(device, dtypes=(args.dtype,) if args.dtype else None, **timing)
+    print(fallback_results_to_text(result))
     if not args.no_save:
+        if device == "cpu":
+            stem = f"cpu-{result['date']}"
+        else:
+            stem = f"{gpu_slug(result['gpu'])}-{result['date']}-fp32"
         out_path = args.out or default_results_dir() / (
-            f"cpu-{result['date']}-{args.tag}.json" if args.tag else f"cpu-{result['date']}.json"
+            f"{stem}-{args.tag}.json" if args.tag else f"{stem}.json"
         )
         out_path.parent.mkdir(parents=True, exist_ok=True)
         out_path.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
