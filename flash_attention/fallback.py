@@ -63,10 +63,24 @@ def _cuda_ops():
         return None
 
 
+#: _cuda_refusal's verdicts by call layout (the forward and the backward of a call ask alike, and a model
+#: asks with the same few layouts every step; the check builds PyTorch's parameter object each time).
+_REFUSALS: dict[tuple, str | None] = {}
+
+
 def _cuda_refusal(q: torch.Tensor, k: torch.Tensor) -> str | None:
     """Why PyTorch's own rules keep this CUDA call off its memory-efficient kernel (dtype and head_dim
     support, alignment, the GPU), checked on one query-group member as the fused calls see it; None if
     they allow it."""
+    key = (q.shape, q.stride(), k.shape, k.stride(), q.dtype, q.device, q.data_ptr() % 16, k.data_ptr() % 16)
+    if key not in _REFUSALS:
+        if len(_REFUSALS) > 256:
+            _REFUSALS.clear()
+        _REFUSALS[key] = _check_cuda_refusal(q, k)
+    return _REFUSALS[key]
+
+
+def _check_cuda_refusal(q: torch.Tensor, k: torch.Tensor) -> str | None:
     try:
         from torch.backends.cuda import SDPAParams, can_use_efficient_attention
     except ImportError:
@@ -107,37 +121,53 @@ def fused_path_blocker(
     return _cuda_refusal(q, k)
 
 
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """A (batch, heads, rows, head_dim) view over dense (batch, rows, heads, head_dim) memory: ``t`` itself
+    when it is one, else a copy. The memory-efficient CUDA backward computed wrong dQ in half precision from
+    the gapped views of a query-group member (heads j, j + group, ...; measured on an H100, torch 2.11),
+    while float32 and dense views were right."""
+    if t.stride(1) == t.shape[3] and t.stride(2) == t.shape[1] * t.shape[3] and t.stride(3) == 1:
+        return t
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 class _Fused:
     """The fused forward and backward of one device behind one calling convention. Tensors come as
     (batch, heads, rows, head_dim) views; ``mask`` is the additive (batch, 1, 1, keys) mask or None.
 
-    ``forward(q, k, v, causal, mask, scale) -> (out, lse)``: out (batch, heads, rows, head_dim), lse float32
-    (batch, heads, rows). ``backward(dout, q, k, v, out, lse, causal, mask, scale) -> (dq, dk, dv)``, each
-    (batch, heads, rows, head_dim)."""
+    ``forward(q, k, v, causal, mask, scale, need_lse) -> (out, lse)``: out (batch, heads, rows, head_dim), lse
+    float32 (batch, heads, rows), or None when not needed and the kernel can skip it (CUDA).
+    ``backward(dout, q, k, v, out, lse, causal, mask, scale) -> (dq, dk, dv)``, each (batch, heads, rows,
+    head_dim)."""
 
     def __init__(self, device_type: str) -> None:
         self.cuda = device_type == "cuda"
         self._fwd, self._bwd = _cuda_ops() if self.cuda else _cpu_ops()
 
-    def forward(self, q, k, v, causal, mask, scale):
+    @staticmethod
+    def _bias(mask, q, k):
+        # The CUDA kernel takes the bias at its full (batch, heads, rows, keys) shape: broadcast, no copy.
+        return None if mask is None else mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+
+    def forward(self, q, k, v, causal, mask, scale, need_lse=True):
         if not self.cuda:
             return self._fwd(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
-        out, lse, _, _ = self._fwd(q, k, v, mask, True, 0.0, causal, scale=scale)
+        out, lse, _, _ = self._fwd(q, k, v, self._bias(mask, q, k), need_lse, 0.0, causal, scale=scale)
         # The kernel's LSE rows are padded to a multiple of 32: the view keeps the call's rows.
-        return out, lse[:, :, : q.shape[2]]
+        return out, (lse[:, :, : q.shape[2]] if need_lse else None)
 
     def backward(self, dout, q, k, v, out, lse, causal, mask, scale):
         if not self.cuda:
             return self._bwd(dout, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
-        # The backward reads the LSE in the forward's padded layout (rows a multiple of 32).
+        # The backward reads the LSE in the forward's layout, rows padded to a multiple of 32.
         rows = q.shape[2]
-        padded = lse.new_zeros((*lse.shape[:2], -(-rows // 32) * 32))
-        padded[:, :, :rows] = lse
+        if rows % 32 or lse.stride(2) != 1:
+            lse = torch.nn.functional.pad(lse, (0, -(-rows // 32) * 32 - rows))
         # No dropout: the Philox seed and offset are never read (the forward's are empty CPU scalars too).
         unused = torch.empty((), dtype=torch.int64)
         dq, dk, dv, _ = self._bwd(
-            dout, q, k, v, mask, out, padded, unused, unused, 0.0, [True, True, True, False], causal,
-            scale=scale,
+            _dense(dout), _dense(q), k, v, self._bias(mask, q, k), _dense(out), lse, unused, unused, 0.0,
+            [True, True, True, False], causal, scale=scale,
         )  # fmt: skip
         return dq, dk, dv
 
@@ -221,6 +251,9 @@ def forward(
     kt, vt = k.transpose(1, 2), v.transpose(1, 2)  # (batch, heads_kv, seqlen_k, head_dim) views
     parts = plan.parts()
     single = out is None and g == 1 and r0 == 0 and len(parts) == 1
+    # Without autograd and return_lse, one fused call with nothing to merge or fix needs no LSE, and the CUDA
+    # kernel then skips computing it (as SDPA does for inference calls).
+    need_lse = return_lse or not single or plan.empty_rows is not None
     if not single:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
         lse = torch.empty(plan.batch, plan.heads_q, plan.seqlen_q, dtype=torch.float32, device=q.device)
@@ -230,7 +263,9 @@ def forward(
     for j in range(g):
         qj = plan.member(q, j)
         results = [
-            fused.forward(qj, kt[:, :, keys], vt[:, :, keys], part_causal, plan.part_mask(keys), scale)
+            fused.forward(
+                qj, kt[:, :, keys], vt[:, :, keys], part_causal, plan.part_mask(keys), scale, need_lse
+            )
             for keys, part_causal in parts
         ]
         if len(results) == 1:
@@ -245,7 +280,7 @@ def forward(
             # this contiguous() is a no-op. Their LSE is not ours ((batch, seqlen, heads) in memory on
             # CPU, rows padded to 32 on CUDA): that one is copied.
             out = oj.transpose(1, 2).contiguous()
-            lse = lj.to(torch.float32).contiguous()
+            lse = None if lj is None else lj.to(torch.float32).contiguous()
         else:
             out[:, r0:, j::g] = oj.transpose(1, 2)
             lse[:, j::g, r0:] = lj
@@ -278,10 +313,12 @@ def backward(dout, q, k, v, out, lse, *, causal, scale, key_range=None, dropout_
     kt, vt = k.transpose(1, 2), v.transpose(1, 2)
     # Rows with no key have LSE -inf; the fused backward recomputes P = exp(S - lse), and with S = -inf
     # there an LSE of 0 gives P = 0 (and dq = 0) where -inf would give NaN.
-    lse_c = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    # Only key_range leaves such rows among those the fused calls see (causal's empty rows are cut off).
+    lse_c = lse if key_range is None else torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
     if q.dtype == torch.float64:
         lse_c = lse_c.to(torch.float64)  # the fused op takes the LSE in the compute dtype
-    dq = (torch.zeros if r0 else torch.empty)(q.shape, dtype=q.dtype, device=q.device)
+    single = g == 1 and r0 == 0 and len(plan.parts()) == 1  # one fused call: its dq is the answer
+    dq = None if single else (torch.zeros if r0 else torch.empty)(q.shape, dtype=q.dtype, device=q.device)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     dk = torch.zeros(k.shape, dtype=acc, device=k.device) if g > 1 or len(plan.parts()) > 1 else None
     dv = torch.zeros(v.shape, dtype=acc, device=v.device) if dk is not None else None
@@ -299,5 +336,8 @@ def backward(dout, q, k, v, out, lse, *, causal, scale, key_range=None, dropout_
             else:
                 dk[:, keys] += dk_p.transpose(1, 2)
                 dv[:, keys] += dv_p.transpose(1, 2)
-        dq[:, r0:, j::g] = dqj.transpose(1, 2)
+        if single:  # (batch, seqlen, heads, head_dim) in memory on both devices: no copy
+            dq = dqj.transpose(1, 2).contiguous()
+        else:
+            dq[:, r0:, j::g] = dqj.transpose(1, 2)
     return dq, dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
