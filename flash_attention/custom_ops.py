@@ -70,7 +70,9 @@ def _fallback_forward(q, k, v, causal, scale, key_range, dropout_p, dropout_seed
     return out, lse
 
 
-def _fallback_backward(dout, q, k, v, out, lse, causal, scale, key_range, dropout_p, dropout_seed):
+def _fallback_backward(
+    dout, q, k, v, out, lse, causal, scale, deterministic, key_range, dropout_p, dropout_seed
+):
     """The backward op's PyTorch path."""
     return fallback.backward(
         dout,
@@ -81,6 +83,7 @@ def _fallback_backward(dout, q, k, v, out, lse, causal, scale, key_range, dropou
         lse,
         causal=causal,
         scale=scale,
+        deterministic=deterministic,
         key_range=key_range,
         dropout_p=dropout_p,
         dropout_seed=dropout_seed,
@@ -195,8 +198,10 @@ def bwd(
     dropout_p: float = 0.0,
     dropout_seed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Any device but CUDA: the PyTorch fallback (deterministic by construction)."""
-    return _fallback_backward(dout, q, k, v, out, lse, causal, scale, key_range, dropout_p, dropout_seed)
+    """Any device but CUDA: the PyTorch fallback (deterministic on CPU by construction)."""
+    return _fallback_backward(
+        dout, q, k, v, out, lse, causal, scale, deterministic, key_range, dropout_p, dropout_seed
+    )
 
 
 @bwd.register_kernel("cuda")
@@ -225,7 +230,9 @@ def backward_impl(
     """``bwd`` on CUDA: our backward kernels when they can run on these inputs, else the PyTorch fallback."""
     ops = None if _has_no_pair(q, k) else dispatch.kernel_backend(q)
     if ops is None:
-        return _fallback_backward(dout, q, k, v, out, lse, causal, scale, key_range, dropout_p, dropout_seed)
+        return _fallback_backward(
+            dout, q, k, v, out, lse, causal, scale, deterministic, key_range, dropout_p, dropout_seed
+        )
     # Autograd hands over whatever layout the next op produced, e.g. a stride-0 expand for out.sum();
     # the kernels read dO in 16-byte vectors along head_dim, as they read q.
     if dout.stride(-1) != 1:
@@ -246,7 +253,7 @@ def backward_impl(
             dropout_seed=dropout_seed,
         ),
         lambda: _fallback_backward(
-            dout, q, k, v, out, lse, causal, scale, key_range, dropout_p, dropout_seed
+            dout, q, k, v, out, lse, causal, scale, deterministic, key_range, dropout_p, dropout_seed
         ),
     )
 

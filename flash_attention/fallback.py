@@ -33,6 +33,7 @@ Two ways to compute it, chosen per call:
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .reference import _resolve_scale, attention_backward_torch, attention_torch, key_range_allowed
 
@@ -225,6 +226,35 @@ def _fused(q, k, causal, scale, key_range, dropout_p) -> bool:
     )
 
 
+def plain_sdpa_call(q, k, causal, scale, key_range, dropout_p, deterministic) -> bool:
+    """Whether ``scaled_dot_product_attention`` itself computes this call exactly as we define it, with the
+    fused kernel this module would call: no LSE wanted (the caller's business), one K/V head per query head,
+    causal only on a square (where its top-left mask is our bottom-right one), no key range, no dropout, a
+    positive scale, and no promise of repeatable gradients to keep. Such a call costs PyTorch's own host
+    path, not this module's (plans, views, one op call per part; about 80 us per call more on an H100
+    host, docs/kernel-log.md)."""
+    return (
+        q.shape[2] == k.shape[2]
+        and (not causal or q.shape[1] == k.shape[1])
+        and key_range is None
+        and not dropout_p
+        and scale > 0
+        and not deterministic
+        and not torch.are_deterministic_algorithms_enabled()
+        and _fused(q, k, causal, scale, key_range, dropout_p)
+    )
+
+
+def sdpa(q, k, v, *, causal, scale):
+    """The call :func:`plain_sdpa_call` allows, through ``scaled_dot_product_attention`` (differentiable by
+    PyTorch's autograd): our (batch, seqlen, heads, head_dim) layout in and out."""
+    scale = _resolve_scale(scale, q.shape[-1])
+    o = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal, scale=scale
+    )
+    return o.transpose(1, 2).contiguous()  # (no copy: the fused kernels write our layout)
+
+
 def forward(
     q, k, v, *, causal, scale, return_lse=True, out=None, key_range=None, dropout_p=0.0, dropout_seed=None
 ):
@@ -232,6 +262,8 @@ def forward(
     written in place when given. Arguments as :func:`flash_attention.reference.attention_torch` takes them,
     already validated (``scale`` None: 1 / sqrt(head_dim))."""
     scale = _resolve_scale(scale, q.shape[-1])
+    if not return_lse and out is None and plain_sdpa_call(q, k, causal, scale, key_range, dropout_p, False):
+        return sdpa(q, k, v, causal=causal, scale=scale), None
     if not _fused(q, k, causal, scale, key_range, dropout_p):
         return attention_torch(
             q,
@@ -290,10 +322,16 @@ def forward(
     return out, (lse if return_lse else None)
 
 
-def backward(dout, q, k, v, out, lse, *, causal, scale, key_range=None, dropout_p=0.0, dropout_seed=None):
-    """(dq, dk, dv) of :func:`forward` from its saved ``out`` and ``lse``."""
+def backward(
+    dout, q, k, v, out, lse, *, causal, scale, deterministic=False, key_range=None, dropout_p=0.0,
+    dropout_seed=None,
+):  # fmt: skip
+    """(dq, dk, dv) of :func:`forward` from its saved ``out`` and ``lse``. ``deterministic`` on CUDA takes
+    the chunked path: PyTorch does not promise bitwise-repeatable gradients from its memory-efficient
+    backward (it may split the keys and add dQ atomically); the CPU kernel's are repeatable."""
     scale = _resolve_scale(scale, q.shape[-1])
-    if not _fused(q, k, causal, scale, key_range, dropout_p):
+    repeatable = not (deterministic or torch.are_deterministic_algorithms_enabled()) or q.device.type == "cpu"
+    if not repeatable or not _fused(q, k, causal, scale, key_range, dropout_p):
         return attention_backward_torch(
             dout,
             q,

@@ -280,13 +280,44 @@ def test_deterministic_is_validated_and_reaches_the_backward():
         flash_attention.attention(q, k, v, deterministic=1)
     # The op's autograd context carries the flag to flash_attention::bwd.
     assert flash_attention.attention(q, k, v, deterministic=True).grad_fn.deterministic is True
-    assert flash_attention.attention(q, k, v).grad_fn.deterministic is False
+    # (A plain call without the flag is PyTorch's own SDPA: test_plain_cpu_call_is_pytorchs_sdpa. Grouped
+    # query heads keep this one on the op.)
+    qg, kg, vg = _qkv(1, 6, 6, 4, 2, 16)
+    assert flash_attention.attention(qg, kg, vg).grad_fn.deterministic is False
     previous = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
         assert flash_attention.attention(q, k, v).grad_fn.deterministic is True
     finally:
         torch.use_deterministic_algorithms(previous)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_plain_cpu_call_is_pytorchs_sdpa(causal, monkeypatch):
+    """A training call SDPA computes exactly as we define it runs SDPA whole (its autograd, its host path);
+    one it cannot (grouped-query heads, causal with seqlen_q != seqlen_k, return_lse) runs our op."""
+    q, k, v = _qkv(2, 40, 40, 4, 4, 32)
+    monkeypatch.setattr(fallback, "forward", lambda *a, **kw: pytest.fail("our op ran"))
+    out = flash_attention.attention(q, k, v, causal=causal)
+    assert "ScaledDotProduct" in type(out.grad_fn.next_functions[0][0]).__name__
+    dout = torch.randn(out.shape)
+    out.backward(dout)
+    q64, k64, v64 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    ref, _ = reference.attention_reference(q64, k64, v64, causal=causal)
+    (ref * dout.double()).sum().backward()
+    assert (out.double() - ref).abs().max() < 1e-5
+    for got, want in ((q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
+        assert (got.double() - want).abs().max() < 1e-5
+    monkeypatch.undo()
+    for args, kwargs in (
+        (_qkv(2, 40, 40, 4, 2, 32), dict(causal=causal)),  # grouped-query heads
+        (_qkv(2, 30, 40, 4, 4, 32), dict(causal=True)),  # bottom-right causal on a rectangle
+        ((q, k, v), dict(causal=causal, return_lse=True)),
+        ((q, k, v), dict(causal=causal, deterministic=True)),
+    ):
+        o = flash_attention.attention(*args, **kwargs)
+        o = o[0] if isinstance(o, tuple) else o
+        assert type(o.grad_fn).__name__ in ("EagerAttentionBackward", "BackwardCFunction"), o.grad_fn
 
 
 def test_deterministic_fallback_gradients_are_identical():

@@ -89,20 +89,28 @@ def test_fused_cuda_path_matches_the_reference(case, causal, dtype, monkeypatch)
     _check_grads(grads, (q64, k64, v64), dtype, rows)
 
 
+@pytest.mark.parametrize("return_lse", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", [(2, 300, 8, 2, 64), (1, 1000, 4, 4, 128), (3, 77, 6, 3, 40)], ids=str)
-def test_float32_attention_on_cuda_runs_the_fused_kernel(shape, causal, monkeypatch):
-    """attention() with float32 CUDA tensors, through autograd: the fused path, forward and backward."""
+def test_float32_attention_on_cuda_runs_the_fused_kernel(shape, causal, return_lse, monkeypatch):
+    """attention() with float32 CUDA tensors, through autograd: the fused path (our op, or SDPA itself for a
+    plain call: equal heads, no LSE), forward and backward."""
     b, s, hq, hkv, d = shape
     _no_chunked_path(monkeypatch)
     q, k, v = (t.requires_grad_(True) for t in _inputs(b, s, s, hq, hkv, d, torch.float32))
-    out, lse = flash_attention.attention(q, k, v, causal=causal, return_lse=True)
+    if return_lse:
+        out, lse = flash_attention.attention(q, k, v, causal=causal, return_lse=True)
+    else:
+        out, lse = flash_attention.attention(q, k, v, causal=causal), None
+        plain = "ScaledDotProduct" in type(out.grad_fn.next_functions[0][0]).__name__
+        assert plain == (hq == hkv), out.grad_fn
     dout = torch.randn_like(out)
     out.backward(dout)
     q64, k64, v64 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
     ref_out, ref_lse = attention_reference(q64, k64, v64, causal=causal)
     assert (out.double() - ref_out.detach()).abs().max().item() <= OUT_TOL[torch.float32]
-    assert (lse.double() - ref_lse.detach()).abs().max().item() <= 1e-5
+    if lse is not None:
+        assert (lse.double() - ref_lse.detach()).abs().max().item() <= 1e-5
     (ref_out * dout.double()).sum().backward()
     rows = torch.ones(b, s, dtype=torch.bool, device="cuda")
     _check_grads((q.grad, k.grad, v.grad), (q64, k64, v64), torch.float32, rows)
