@@ -129,9 +129,8 @@ def attention(
         deterministic: only affects the backward pass. True makes the gradients bitwise identical from
             run to run (same inputs, same GPU), at a cost in speed; the default may accumulate dQ with
             atomic additions, whose order varies, so repeated backward passes can differ in the last bits.
-            ``torch.use_deterministic_algorithms(True)`` selects it too. On the PyTorch fallback the CPU
-            backward is deterministic either way; on CUDA (float32) True takes its chunked backward, since
-            PyTorch's memory-efficient backward does not promise repeatable results.
+            ``torch.use_deterministic_algorithms(True)`` selects it too. The PyTorch fallback is
+            deterministic either way.
         dropout_p: attention dropout: each probability is dropped with probability ``dropout_p`` (in
             [0, 1)) and the kept ones are scaled by ``1 / (1 - dropout_p)``; the LSE stays that of the
             full softmax. The kernels draw the decisions from a counter-based hash of (seed, batch, head,
@@ -150,12 +149,8 @@ def attention(
     The softmax and accumulation are float32 on every path. float16/bfloat16 CUDA tensors run on our
     kernels (compiled on first use and cached on disk). Everything else -- CPU tensors, float32/float64
     inputs, or a GPU/toolchain the kernels cannot use -- computes the same result through PyTorch
-    (:mod:`flash_attention.fallback`: PyTorch's fused CPU or CUDA kernel where it expresses our semantics,
-    else in chunks of query rows; bounded memory either way), with a one-time warning on CUDA saying why.
-    A fallback call that ``scaled_dot_product_attention`` computes exactly as defined here (equal head
-    counts, causal only when seqlen_q == seqlen_k, no key_range, dropout or LSE; see
-    :func:`flash_attention.fallback.plain_sdpa_call`) runs it directly, with PyTorch's autograd in eager
-    training.
+    (:mod:`flash_attention.fallback`: PyTorch's fused CPU kernel where it expresses our semantics, else in
+    chunks of query rows; bounded memory either way), with a one-time warning on CUDA saying why.
 
     Gradients: the result is differentiable with respect to q, k and v (``key_range`` gets none, and the
     LSE is returned as a non-differentiable tensor: a loss that uses it gets no gradient through it). When

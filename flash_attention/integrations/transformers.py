@@ -25,9 +25,7 @@ transformers' SDPA function instead):
 * ``None`` -- no padding, and (for causal models) the queries are the last ``q_length`` of the keys, which
   is exactly the kernel's bottom-right causal alignment: ``flash_attention.attention`` on the whole batch.
   This covers prefill, training on unpadded batches, decoding with the default ``DynamicCache``, and any
-  batch without padding. A decoding step (up to :data:`DECODE_MAX_QUERIES` new queries against a longer
-  cache, in inference) runs the split-KV decode kernels instead
-  (``flash_attention.attention_with_kvcache`` reading transformers' cache tensors in place).
+  batch without padding.
 * a 2-D boolean (batch, kv_length) tensor, True = real token -- plain causal or bidirectional attention
   with padding. Valid keys that form one run per row (left padding, as batched generation uses, or right
   padding) run on the kernel in one call with per-batch key ranges (``attention(..., key_range=)``, the
@@ -72,10 +70,8 @@ from typing import Any
 
 import torch
 
-from .. import dispatch
 from .._validate import MAX_HEAD_DIM
 from ..interface import attention
-from ..kvcache import attention_with_kvcache
 from ..nn import functional as fn
 from ..reference import causal_allowed
 
@@ -349,24 +345,6 @@ def _check_mask(mask: torch.Tensor | None, query: torch.Tensor, key: torch.Tenso
         )
 
 
-#: The most new queries per row a call may have to take the decode kernels (one token, or speculative
-#: decoding's few); a longer chunk is a prefill and runs the forward kernel.
-DECODE_MAX_QUERIES = 16
-
-
-def _decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float) -> bool:
-    """Whether an unmasked call, in (batch, seqlen, heads, head_dim) views, is a decoding step the decode
-    kernels take: few queries against more keys, nothing recorded for autograd, no dropout, and the cache
-    tensors in a layout they read in place (else the forward kernel runs it, which is never slower than
-    the decode path's composed fallback)."""
-    q_length, kv_length = q.shape[1], k.shape[1]
-    if not (q_length <= DECODE_MAX_QUERIES and q_length < kv_length) or dropout:
-        return False
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return False
-    return dispatch.backend().decode_unavailable_reason(q, k, v) is None
-
-
 def attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -441,15 +419,6 @@ def attention_forward(
     )
     if kernel_ok:
         if attention_mask is None:
-            if _decode_step(q, k, v, dropout):
-                # Decoding (a few new queries against a longer DynamicCache): the split-KV decode kernels,
-                # reading transformers' cache tensors in place as a cache of kv_length positions, with the
-                # same bottom-right causal alignment. The forward kernel would give each (batch, head)
-                # one block walking every key (docs/kernel-log.md, step 39).
-                out = attention_with_kvcache(
-                    q, k, v, cache_seqlens=kv_length, causal=causal, softmax_scale=scaling
-                )
-                return out, None
             return attention(q, k, v, causal=causal, softmax_scale=scaling, dropout_p=dropout), None
         # A 2-D key mask: one kernel call with per-batch key ranges when each row's valid keys are one run.
         ranges = fn.plan_padded(attention_mask) if attention_mask.device == query.device else None
