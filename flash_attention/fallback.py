@@ -163,7 +163,7 @@ class _Fused:
         # The backward reads the LSE in the forward's layout, rows padded to a multiple of 32.
         rows = q.shape[2]
         if rows % 32 or lse.stride(2) != 1:
-            lse = torch.nn.functional.pad(lse, (0, -(-rows // 32) * 32 - rows))
+            lse = F.pad(lse, (0, -(-rows // 32) * 32 - rows))
         # No dropout: the Philox seed and offset are never read (the forward's are empty CPU scalars too).
         unused = torch.empty((), dtype=torch.int64)
         dq, dk, dv, _ = self._bwd(
@@ -226,13 +226,8 @@ def _fused(q, k, causal, scale, key_range, dropout_p) -> bool:
     )
 
 
-def plain_sdpa_call(q, k, causal, scale, key_range, dropout_p, deterministic) -> bool:
-    """Whether ``scaled_dot_product_attention`` itself computes this call exactly as we define it, with the
-    fused kernel this module would call: no LSE wanted (the caller's business), one K/V head per query head,
-    causal only on a square (where its top-left mask is our bottom-right one), no key range, no dropout, a
-    positive scale, and no promise of repeatable gradients to keep. Such a call costs PyTorch's own host
-    path, not this module's (plans, views, one op call per part; about 80 us per call more on an H100
-    host, docs/kernel-log.md)."""
+def _sdpa_expresses(q, k, causal, scale, key_range, dropout_p, deterministic) -> bool:
+    """:func:`plain_sdpa_call`'s conditions on the call itself, before the fused-path check."""
     return (
         q.shape[2] == k.shape[2]
         and (not causal or q.shape[1] == k.shape[1])
@@ -241,7 +236,18 @@ def plain_sdpa_call(q, k, causal, scale, key_range, dropout_p, deterministic) ->
         and scale > 0
         and not deterministic
         and not torch.are_deterministic_algorithms_enabled()
-        and _fused(q, k, causal, scale, key_range, dropout_p)
+    )
+
+
+def plain_sdpa_call(q, k, causal, scale, key_range, dropout_p, deterministic) -> bool:
+    """Whether ``scaled_dot_product_attention`` itself computes this call exactly as we define it, with the
+    fused kernel this module would call: no LSE wanted (the caller's business), one K/V head per query head,
+    causal only on a square (where its top-left mask is our bottom-right one), no key range, no dropout, a
+    positive scale, and no promise of repeatable gradients to keep. Such a call costs PyTorch's own host
+    path, not this module's (plans, views, one op call per part; about 80 us per call more on an H100
+    host, docs/kernel-log.md)."""
+    return _sdpa_expresses(q, k, causal, scale, key_range, dropout_p, deterministic) and _fused(
+        q, k, causal, scale, key_range, dropout_p
     )
 
 
@@ -262,9 +268,11 @@ def forward(
     written in place when given. Arguments as :func:`flash_attention.reference.attention_torch` takes them,
     already validated (``scale`` None: 1 / sqrt(head_dim))."""
     scale = _resolve_scale(scale, q.shape[-1])
-    if not return_lse and out is None and plain_sdpa_call(q, k, causal, scale, key_range, dropout_p, False):
-        return sdpa(q, k, v, causal=causal, scale=scale), None
-    if not _fused(q, k, causal, scale, key_range, dropout_p):
+    fused_ok = _fused(q, k, causal, scale, key_range, dropout_p)
+    if fused_ok and not return_lse and out is None:
+        if _sdpa_expresses(q, k, causal, scale, key_range, dropout_p, False):
+            return sdpa(q, k, v, causal=causal, scale=scale), None
+    if not fused_ok:
         return attention_torch(
             q,
             k,
@@ -355,16 +363,17 @@ def backward(
     lse_c = lse if key_range is None else torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
     if q.dtype == torch.float64:
         lse_c = lse_c.to(torch.float64)  # the fused op takes the LSE in the compute dtype
-    single = g == 1 and r0 == 0 and len(plan.parts()) == 1  # one fused call: its dq is the answer
+    parts = plan.parts()
+    single = g == 1 and r0 == 0 and len(parts) == 1  # one fused call: its dq is the answer
     dq = None if single else (torch.zeros if r0 else torch.empty)(q.shape, dtype=q.dtype, device=q.device)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    dk = torch.zeros(k.shape, dtype=acc, device=k.device) if g > 1 or len(plan.parts()) > 1 else None
+    dk = torch.zeros(k.shape, dtype=acc, device=k.device) if g > 1 or len(parts) > 1 else None
     dv = torch.zeros(v.shape, dtype=acc, device=v.device) if dk is not None else None
     for j in range(g):
         qj, doj, oj = plan.member(q, j), plan.member(dout, j), plan.member(out, j)
         lj = lse_c[:, j::g, r0:]
         dqj = None
-        for keys, part_causal in plan.parts():
+        for keys, part_causal in parts:
             dq_p, dk_p, dv_p = fused.backward(
                 doj, qj, kt[:, :, keys], vt[:, :, keys], oj, lj, part_causal, plan.part_mask(keys), scale
             )

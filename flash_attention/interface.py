@@ -252,18 +252,22 @@ def _attention_op(
             "call attention() without out= (it returns a new tensor), or under torch.no_grad()"
         )
     deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
-    if records and not torch.compiler.is_compiling() and out is None and not return_lse:
-        # A fallback call that PyTorch's attention computes exactly as we define it (CPU tensors, float32 on
-        # CUDA; fallback.plain_sdpa_call says which) goes to it whole, forward and autograd, at PyTorch's
-        # own host cost. Half precision on CUDA is our kernels' unless they cannot run here.
-        plain = q.device.type == "cpu" or q.dtype == torch.float32
-        if plain and _fallback.plain_sdpa_call(
-            q, k, problem.causal, problem.scale, key_range, dropout_p, deterministic
-        ):
-            if dispatch.kernel_backend(q) is None:
-                return _fallback.sdpa(q, k, v, causal=problem.causal, scale=problem.scale)
     args = (q, k, v, problem.causal, problem.scale, deterministic, key_range, dropout_p, dropout_seed)
     if records and not torch.compiler.is_compiling():
+        # A fallback call that PyTorch's attention computes exactly as we define it (CPU tensors, float32 on
+        # CUDA; fallback.plain_sdpa_call says which) goes to it whole, forward and autograd, at PyTorch's
+        # own host cost. Half precision on CUDA is our kernels' unless they cannot run here (the first test,
+        # so a call on our kernels pays nothing for this branch).
+        if (
+            (q.dtype == torch.float32 or q.device.type == "cpu")
+            and out is None
+            and not return_lse
+            and _fallback.plain_sdpa_call(
+                q, k, problem.causal, problem.scale, key_range, dropout_p, deterministic
+            )
+            and dispatch.kernel_backend(q) is None
+        ):
+            return _fallback.sdpa(q, k, v, causal=problem.causal, scale=problem.scale)
         # Eager training: the ops' implementations without the custom-op dispatch (custom_ops says why).
         o, lse = EagerAttention.apply(*args)
     else:
