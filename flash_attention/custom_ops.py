@@ -34,7 +34,7 @@ import torch
 
 from . import dispatch, fallback
 
-__all__ = ["fwd", "bwd", "EagerAttention"]
+__all__ = ["fwd", "bwd", "EagerAttention", "eager_training"]
 
 # Schemas are spelled out rather than inferred from annotations: inference of ``Tensor | None`` and of
 # postponed (string) annotations differs between the torch versions we support.
@@ -295,3 +295,29 @@ class EagerAttention(torch.autograd.Function):
             dout = torch.zeros_like(ctx.saved_tensors[3])
         dq, dk, dv = backward_impl(*_backward_args(ctx, dout))
         return dq, dk, dv, None, None, None, None, None, None
+
+
+def eager_training(q, k, v, causal, scale, deterministic, key_range, dropout_p, dropout_seed):
+    """``fwd`` with its backward recorded, for eager autograd: on our kernels through the compiled training
+    node (:mod:`flash_attention.ops.training`: no Python in the backward) when it takes the call, else
+    through :class:`EagerAttention`. Returns ``(out, lse)``."""
+    ops = None if _has_no_pair(q, k) else dispatch.kernel_backend(q)
+    training_forward = getattr(ops, "training_forward", None)  # (the CPU tests' stand-in backends lack it)
+    if training_forward is not None:
+        result = dispatch.run_or_fallback(
+            lambda: training_forward(
+                q,
+                k,
+                v,
+                causal=causal,
+                softmax_scale=scale,
+                deterministic=deterministic,
+                key_range=key_range,
+                dropout_p=dropout_p,
+                dropout_seed=dropout_seed,
+            ),
+            lambda: None,
+        )
+        if result is not None:
+            return result
+    return EagerAttention.apply(q, k, v, causal, scale, deterministic, key_range, dropout_p, dropout_seed)

@@ -17,7 +17,7 @@ from . import dispatch
 from . import fallback as _fallback
 from ._validate import Problem, validate
 from .configs import KernelConfig, parse_config
-from .custom_ops import EagerAttention
+from .custom_ops import eager_training
 from .dropout import draw_seed
 
 __all__ = ["attention", "forward", "forward_timed"]
@@ -268,8 +268,9 @@ def _attention_op(
             and dispatch.kernel_backend(q) is None
         ):
             return _fallback.sdpa(q, k, v, causal=problem.causal, scale=problem.scale)
-        # Eager training: the ops' implementations without the custom-op dispatch (custom_ops says why).
-        o, lse = EagerAttention.apply(*args)
+        # Eager training: the compiled training node, or the ops' implementations without the custom-op
+        # dispatch (custom_ops says why).
+        o, lse = eager_training(*args)
     else:
         o, lse = torch.ops.flash_attention.fwd(*args)
     if out is not None:

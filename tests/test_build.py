@@ -77,7 +77,9 @@ def test_build_list_compiles_nothing(tmp_path):
     assert proc.returncode == 0, proc.stderr
     jobs = jobs_for(["sm_86"], None)
     lines = proc.stdout.splitlines()
-    assert lines[:-1] == [j.describe() for j in jobs] and lines[-1] == f"{len(jobs)} kernels"
+    assert lines[:-1] == [j.describe() for j in jobs] and lines[-1] == (
+        f"{len(jobs)} kernels, and the host library (training node) from training_node.cpp"
+    )
     assert not list(tmp_path.iterdir())
     # The backward of head_dim 128 on sm_86 is the tile that fits its 99 KB of shared memory.
     assert default_bwd_config("bf16", 128, "sm_86").name() in proc.stdout

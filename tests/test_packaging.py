@@ -58,7 +58,7 @@ def test_wheel_ships_the_license_and_the_kernel_sources(wheel):
     assert licenses and b"BSD 3-Clause" in wheel.read(licenses[0])
     headers = {Path(n).name for n in names if n.startswith("flash_attention/csrc/")}
     for path in (REPO / "flash_attention" / "csrc").rglob("*"):
-        if path.suffix in (".cuh", ".h"):
+        if path.suffix in (".cuh", ".h", ".cu", ".cpp"):  # the host library's source too (jit/host.py)
             assert path.name in headers, f"{path} is not in the wheel"
     assert any(n.startswith("flash_attention/tools/") for n in names)
     assert not any("/tuned/" in n for n in names)

@@ -10,7 +10,8 @@ first, in :mod:`flash_attention._validate`; the choice between these kernels and
 * :mod:`.select` -- which configuration a call runs (and the catalog of every kernel a model can need);
 * :mod:`.forward` / :mod:`.backward` / :mod:`.decode` -- the launches; :mod:`.plans` -- what they share (the
   plan cache, the params fields filled alike, the launch in the device's primary context);
-* :mod:`.tensors` -- layout rules shared by both; :mod:`.trace` -- the debug build's launch state.
+* :mod:`.tensors` -- layout rules shared by both; :mod:`.trace` -- the debug build's launch state;
+* :mod:`.training` -- eager training calls on the compiled autograd node (:mod:`flash_attention.jit.host`).
 """
 
 from . import backward as _backward
@@ -21,6 +22,7 @@ from .device import cuda_unavailable_reason, device_arch, gpu_name, smem_limit
 from .forward import chosen_config, cuda_forward, prepare
 from .select import NoKernel, backward_config, catalog, dropout_config, forward_config
 from .trace import TraceTarget, last_trace, trace_from_env
+from .training import training_forward
 
 
 def clear_plans() -> None:
@@ -49,4 +51,5 @@ __all__ = [
     "prepare",
     "smem_limit",
     "trace_from_env",
+    "training_forward",
 ]

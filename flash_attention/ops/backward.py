@@ -10,7 +10,7 @@ in a plan.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,12 +19,12 @@ from ..dropout import dropout_key, seed_pair
 from ..jit import driver
 from ..jit.loader import get_bwd_kernels
 from ..jit.params import BwdParams
-from .device import device_arch, dtype_name
-from .plans import PlanCache, device_facts, feature_list, fill_common, fill_strides, launch
+from .device import current_stream, device_arch, dtype_name
+from .plans import PlanCache, device_facts, feature_list, fill_common, fill_strides, launch_all
 from .select import backward_config
 from .tensors import check_grid, kernel_ready, pad_head_dim, padded_to_8
 
-__all__ = ["cuda_backward"]
+__all__ = ["cuda_backward", "plan_for"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,26 @@ class _Plan:
     seqlen_q_pad: int
     index: int
     template: bytes  # BwdParams with every field but the pointers and the dropout key
+    stats: int  # floats in each of the workspace's base-2 LSE and delta arrays (batch * heads_q * rows)
+    accum: int  # floats of the atomic dQ accumulator after them (0 in deterministic mode)
+    # The compiled training node's copy of this plan (ops.training), made at its first use.
+    host_program: list = field(default_factory=list, compare=False)
+
+    @property
+    def launches(self) -> tuple:
+        """``(kernel, grid, threads, smem)`` in queue order: preprocessing, dK/dV, then dQ's cast or
+        kernel."""
+        cfg = self.cfg
+        last = (
+            (self.dq, self.dq_grid, cfg.dq_threads, cfg.dq_smem_bytes)
+            if self.dq is not None
+            else (self.convert, self.convert_grid, 128, 0)  # the workspace holds scale * dS K: one cast
+        )
+        return (
+            (self.pre, self.pre_grid, 128, 0),
+            (self.dkdv, self.dkdv_grid, cfg.threads, cfg.smem_bytes),
+            last,
+        )
 
 
 _plans: PlanCache[_Plan] = PlanCache()
@@ -89,6 +109,10 @@ def _make_plan(q, k, v, o, do, lse, causal, scale, deterministic, ranged, dropou
     fill_common(p, q, k, cfg.block_q, scale, dropout_p)
     p.seqlen_q_pad = -(-seqlen_q // 128) * 128
     p.num_n_blocks = math.ceil(seqlen_k / cfg.block_kv)
+    # The fp32 workspace: the base-2 LSE and delta rows (written by the preprocessing kernel), then the dQ
+    # accumulator of the atomic mode (padded to whole 128-row blocks and the compiled head_dim, so the
+    # atomics need no bounds checks; zeroed by the preprocessing kernel).
+    stats = batch * heads_q * p.seqlen_q_pad
     return _Plan(
         cfg,
         kerns["pre"],
@@ -102,6 +126,36 @@ def _make_plan(q, k, v, o, do, lse, causal, scale, deterministic, ranged, dropou
         p.seqlen_q_pad,
         index,
         bytes(p),
+        stats,
+        0 if deterministic else stats * cfg.head_dim,
+    )
+
+
+def plan_for(q_, k_, v_, o_, do_, lse_, causal, scale, deterministic, ranged, dropout_p, config) -> _Plan:
+    """The plan of a call on kernel-ready tensors (made on a miss)."""
+    key = (
+        q_.shape,
+        q_.stride(),
+        k_.shape,
+        k_.stride(),
+        v_.stride(),
+        o_.stride(),
+        do_.stride(),
+        lse_.stride(),
+        q_.dtype,
+        q_.device,
+        causal,
+        scale,
+        deterministic,
+        ranged,
+        dropout_p,
+        config,
+    )
+    return _plans.get(
+        key,
+        lambda: _make_plan(
+            q_, k_, v_, o_, do_, lse_, causal, scale, deterministic, ranged, dropout_p, config
+        ),
     )
 
 
@@ -157,37 +211,10 @@ def cuda_backward(
     q_, k_, v_, o_, do_ = (kernel_ready(t) for t in (q, k, v, out, dout))
     lse_ = lse if lse.stride(-1) == 1 else lse.contiguous()
     ranged = key_range is not None
-    key = (
-        q_.shape,
-        q_.stride(),
-        k_.shape,
-        k_.stride(),
-        v_.stride(),
-        o_.stride(),
-        do_.stride(),
-        lse_.stride(),
-        q.dtype,
-        device,
-        causal,
-        softmax_scale,
-        deterministic,
-        ranged,
-        dropout_p,
-        config,
+    plan = plan_for(
+        q_, k_, v_, o_, do_, lse_, causal, softmax_scale, deterministic, ranged, dropout_p, config
     )
-    plan = _plans.get(
-        key,
-        lambda: _make_plan(
-            q_, k_, v_, o_, do_, lse_, causal, softmax_scale, deterministic, ranged, dropout_p, config
-        ),
-    )
-
-    cfg, rows = plan.cfg, plan.seqlen_q_pad
-    # One fp32 workspace: the base-2 LSE and delta rows (written by the preprocessing kernel), then the dQ
-    # accumulator of the atomic mode (padded to whole 128-row blocks and the compiled head_dim, so the
-    # atomics need no bounds checks; zeroed by the preprocessing kernel).
-    stats = batch * heads_q * rows
-    accum = 0 if deterministic else stats * cfg.head_dim
+    stats, accum = plan.stats, plan.accum
     ws = torch.empty(2 * stats + accum, dtype=torch.float32, device=device)
 
     p = BwdParams.from_buffer_copy(plan.template)
@@ -203,11 +230,5 @@ def cuda_backward(
     if dropout_p:
         p.dropout_key = dropout_key(*seed_pair(dropout_seed))
 
-    launch(plan.pre, plan.pre_grid, 128, 0, plan.index, p)
-    launch(plan.dkdv, plan.dkdv_grid, cfg.threads, cfg.smem_bytes, plan.index, p)
-    if plan.dq is not None:
-        launch(plan.dq, plan.dq_grid, cfg.dq_threads, cfg.dq_smem_bytes, plan.index, p)
-    else:
-        # The workspace holds scale * dS K already: one cast into q's layout.
-        launch(plan.convert, plan.convert_grid, 128, 0, plan.index, p)
+    launch_all(plan.launches, plan.index, p, current_stream(plan.index))
     return dq, dk, dv

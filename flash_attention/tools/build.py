@@ -6,7 +6,8 @@ kernels land in the same on-disk cache the first call would fill, so a machine (
 warmed once and every later process loads them in milliseconds. The list is
 :func:`flash_attention.ops.catalog`: for each dtype, compiled head_dim, mask and length, the forward and
 backward kernels of plain, key-padded and dropout calls (and both), as a default ``attention()`` call and its
-backward choose them on that architecture. Works without a GPU.
+backward choose them on that architecture; then the host library of the compiled training node
+(:mod:`flash_attention.jit.host`, built with the C++ compiler if there is one). Works without a GPU.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from flash_attention.configs import (
 )
 from flash_attention.configs.decode import parse_decode_config
 from flash_attention.jit import compiler as _compiler
+from flash_attention.jit import host
 from flash_attention.jit.cache import build, cache_dir
 from flash_attention.ops.select import BuildJob, catalog
 
@@ -108,6 +110,17 @@ def _problems(job: BuildJob, resources: list[dict]) -> list[str]:
     return out
 
 
+def _build_host_library() -> None:
+    """The compiled training node (flash_attention.jit.host), which needs a C++ compiler, not a CUDA one;
+    optional: without it training runs the same kernels through a Python autograd function."""
+    t0 = time.perf_counter()
+    reason = host.unavailable_reason()
+    if reason is None:
+        print(f"host library (training node) ready in {time.perf_counter() - t0:.1f} s")
+    else:
+        print(f"host library (training node) unavailable, training uses the Python path: {reason}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     archs = [a.strip() for a in args.arch.split(",") if a.strip()]
@@ -125,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.list:
         for job in jobs:
             print(job.describe())
-        print(f"{len(jobs)} kernels")
+        print(f"{len(jobs)} kernels, and the host library (training node) from {host.source_path().name}")
         return 0
     kind = args.compiler or _compiler.choose_compiler()
     if kind is None:
@@ -171,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     print(header)
     print("\n".join(rows))
     print(f"\n{done}/{len(jobs)} built in {time.perf_counter() - t0:.1f} s")
+    _build_host_library()
     for p in problems:
         print(f"PROBLEM: {p.splitlines()[0]}")
     return 1 if problems and (args.strict or done < len(jobs)) else 0

@@ -26,7 +26,7 @@ __all__ = [
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 #: Files whose content decides what a measurement measures: the Python package, the kernels, and any
 #: tuned-winners table shipped with it.
-_SOURCE_SUFFIXES = (".py", ".cuh", ".h", ".cu", ".json")
+_SOURCE_SUFFIXES = (".py", ".cuh", ".h", ".cu", ".cpp", ".json")
 
 
 class ProvenanceError(ValueError):

@@ -1,0 +1,180 @@
+"""The compiled host library: the training node of ``csrc/host/training_node.cpp``, built on first use.
+
+Our kernels need no host compiler (NVRTC builds them), and neither does this library: it is an
+acceleration. Where a C++ compiler is found (``$CXX``, else ``c++``/``g++``/``clang++`` on the PATH) the
+source is compiled once against the running PyTorch's headers and kept in the kernel cache folder, keyed by
+a hash of the source, the PyTorch version and its C++ ABI, the Python version and the compiler's identity;
+where none is found, or the build fails, training runs the same kernels through the Python autograd
+function instead, after one warning that says why. ``FLASH_ATTENTION_HOST_LIBRARY=0`` turns it off.
+
+The library registers ``torch.ops.flash_attention_host`` (``set_driver``, ``record_training``) and the class
+``torch.classes.flash_attention_host.BackwardProgram``; :mod:`flash_attention.ops.training` is its one user.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import warnings
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from . import driver
+from .cache import cache_dir
+
+__all__ = ["ENV", "HostLibraryUnavailable", "load", "source_path", "unavailable_reason"]
+
+ENV = "FLASH_ATTENTION_HOST_LIBRARY"
+SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "host" / "training_node.cpp"
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "ops" once loaded, or "reason" once it could not be
+
+
+class HostLibraryUnavailable(RuntimeError):
+    """The host library could not be built or loaded here; the message says why."""
+
+
+def source_path() -> Path:
+    return SOURCE
+
+
+def _compiler() -> str | None:
+    env = os.environ.get("CXX")
+    if env:
+        return shutil.which(env) or (env if os.path.exists(env) else None)
+    for name in ("c++", "g++", "clang++"):
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
+
+
+@cache
+def _compiler_identity(cxx: str) -> str:
+    run = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60)
+    return run.stdout.splitlines()[0] if run.stdout else cxx
+
+
+def _flags() -> list[str]:
+    from torch.utils import cpp_extension
+
+    abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
+    flags = [
+        "-O2",
+        "-std=c++17",
+        "-shared",
+        "-fPIC",
+        "-fvisibility=hidden",
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+    ]
+    flags += [f"-I{d}" for d in cpp_extension.include_paths()]
+    libs = cpp_extension.library_paths()
+    flags += [f"-L{d}" for d in libs] + [f"-Wl,-rpath,{d}" for d in libs]
+    return flags + ["-lc10", "-ltorch_cpu", "-ltorch"]
+
+
+def _library_path(cxx: str) -> Path:
+    h = hashlib.sha256()
+    for part in (
+        SOURCE.read_bytes(),
+        torch.__version__.encode(),
+        str(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", "")).encode(),
+        sys.version.encode(),
+        _compiler_identity(cxx).encode(),
+        " ".join(_flags()).encode(),
+    ):
+        h.update(part)
+        h.update(b"\0")
+    return cache_dir() / "host" / f"training_node-{h.hexdigest()[:24]}.so"
+
+
+def _build(cxx: str, target: Path) -> None:
+    """Compile into ``target`` through a temporary file and a rename (two processes may build at once)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name + ".", suffix=".tmp")
+    os.close(fd)
+    try:
+        run = subprocess.run(
+            [cxx, str(SOURCE), "-o", tmp, *_flags()], capture_output=True, text=True, timeout=900
+        )
+        if run.returncode != 0:
+            raise HostLibraryUnavailable(
+                f"{cxx} could not compile {SOURCE.name} (exit {run.returncode}):\n{run.stderr[-4000:]}"
+            )
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _address(fn) -> int:
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+def _load():
+    if os.environ.get(ENV, "1") == "0":
+        raise HostLibraryUnavailable(f"{ENV}=0")
+    cxx = _compiler()
+    if cxx is None:
+        raise HostLibraryUnavailable("no C++ compiler was found (set CXX, or install g++)")
+    target = _library_path(cxx)
+    if not target.exists():
+        _build(cxx, target)
+    torch.ops.load_library(str(target))
+    return torch.ops.flash_attention_host
+
+
+def _connect_driver(host_ops) -> None:
+    """Hand libcuda's entry points to the library (it links against no CUDA library of its own)."""
+    lib = driver.libcuda()
+    host_ops.set_driver(
+        _address(lib.cuLaunchKernel),
+        _address(lib.cuCtxGetCurrent),
+        _address(lib.cuCtxSetCurrent),
+        _address(lib.cuGetErrorString),
+    )
+
+
+def load(connect_driver: bool = True):
+    """``torch.ops.flash_attention_host`` (building the library on first use), or HostLibraryUnavailable.
+    ``connect_driver=False`` is for the CPU tests, which hand it stand-in launch functions instead."""
+    with _lock:
+        if "ops" not in _state and "reason" not in _state:
+            try:
+                _state["ops"] = _load()
+            except (HostLibraryUnavailable, OSError, RuntimeError, subprocess.SubprocessError) as exc:
+                _state["reason"] = str(exc)
+        if "reason" in _state:
+            raise HostLibraryUnavailable(_state["reason"])
+        host_ops = _state["ops"]
+        if connect_driver and not _state.get("driver"):
+            _connect_driver(host_ops)
+            _state["driver"] = True
+        return host_ops
+
+
+def unavailable_reason() -> str | None:
+    """None when :func:`load` succeeds (building the library if needed), else why it cannot."""
+    try:
+        load(connect_driver=False)
+    except HostLibraryUnavailable as exc:
+        return str(exc)
+    return None
+
+
+def warn_unavailable(reason: str) -> None:
+    warnings.warn(
+        f"flash_attention: training steps run through a Python autograd function (more host time per call) "
+        f"because the compiled host library is unavailable: {reason}",
+        RuntimeWarning,
+        stacklevel=4,
+    )

@@ -1,0 +1,117 @@
+"""Eager training calls on the compiled autograd node (``csrc/host/training_node.cpp``).
+
+:func:`training_forward` runs the forward launch (:func:`.forward.cuda_forward`, as inference does) and hands
+the output to the host library's ``record_training``, which makes it the output of a C++ autograd node over
+q, k and v. That node's backward allocates the gradients and queues the backward plan's launches without
+Python: a Python ``autograd.Function`` cost more host time per step than cuDNN's whole step at small shapes
+(docs/kernel-log.md, steps 23, 25 and 44). The plan is :mod:`.backward`'s, handed to the node once per
+signature as a ``BackwardProgram``.
+
+Calls the node does not take return None, and the caller uses the Python autograd function
+(``custom_ops.EagerAttention``), which computes the same thing: inputs the kernels cannot read in place (a
+copy would need its own autograd history), a head_dim that is not a multiple of 8 (padded through autograd
+ops), the debug build, and a machine without the host library (no C++ compiler; warned once).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..dropout import dropout_key, seed_pair
+from ..jit import driver, host
+from ..jit.params import BwdParams
+from . import backward
+from . import trace as _trace
+from .forward import cuda_forward
+from .tensors import usable_in_place
+
+__all__ = ["training_forward"]
+
+# The BwdParams fields the node writes per call, in the order of training_node.cpp's Slot enum.
+_SLOTS = (
+    "q", "k", "v", "o", "dout", "lse", "lse_log2", "delta", "dq_accum", "dq", "dk", "dv", "key_range",
+    "dropout_key",
+)  # fmt: skip
+_OFFSETS = [getattr(BwdParams, name).offset for name in _SLOTS]
+
+_warned = False
+
+
+def _host_ops():
+    """The host library's ops, or None (with one warning, unless it was turned off on purpose)."""
+    global _warned
+    try:
+        return host.load()
+    except host.HostLibraryUnavailable as exc:
+        if not _warned and os.environ.get(host.ENV) != "0":
+            _warned = True
+            host.warn_unavailable(str(exc))
+        return None
+
+
+def _program(plan):
+    """The node's BackwardProgram of a backward plan (made once per plan)."""
+    if not plan.host_program:
+        fields, names = [], []
+        for kernel, grid, threads, smem in plan.launches:
+            fields += [kernel.handle.value, *grid, threads, smem]
+            names.append(kernel.name)
+        template = torch.frombuffer(bytearray(plan.template), dtype=torch.uint8)
+        plan.host_program.append(
+            torch.classes.flash_attention_host.BackwardProgram(
+                template,
+                _OFFSETS,
+                fields,
+                "\n".join(names),
+                plan.stats,
+                plan.accum,
+                driver.primary_context(plan.index),
+            )
+        )
+    return plan.host_program[0]
+
+
+def training_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    softmax_scale: float,
+    deterministic: bool,
+    key_range: torch.Tensor | None,
+    dropout_p: float,
+    dropout_seed: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(out, lse)`` of the forward kernel with ``out``'s gradient recorded by the compiled node, or None
+    when the node does not take this call (the module docstring says which)."""
+    if q.shape[3] % 8 or _trace.ENV in os.environ:
+        return None
+    if not (usable_in_place(q) and usable_in_place(k) and usable_in_place(v)):
+        return None
+    host_ops = _host_ops()
+    if host_ops is None:
+        return None
+    if key_range is not None:  # converted once: the forward reads it, the node keeps it for the backward
+        key_range = key_range.to(device=q.device, dtype=torch.int32).contiguous()
+    out, lse = cuda_forward(
+        q,
+        k,
+        v,
+        causal=causal,
+        softmax_scale=softmax_scale,
+        return_lse=True,
+        out=None,
+        key_range=key_range,
+        dropout_p=dropout_p,
+        dropout_seed=dropout_seed,
+    )
+    # The backward reads dO laid out as out (the node copies any other layout), so the plan is out's.
+    plan = backward.plan_for(
+        q, k, v, out, out, lse, causal, softmax_scale, deterministic, key_range is not None, dropout_p, None
+    )
+    key = dropout_key(*seed_pair(dropout_seed)) if dropout_p else 0
+    host_ops.record_training(q, k, v, out, lse, key_range, key, _program(plan))
+    return out, lse

@@ -1,0 +1,130 @@
+"""The compiled training node on the GPU (marked gpu): eager training calls record it, and its backward gives
+what the Python autograd function gives with the same kernels, bit for bit in deterministic mode.
+
+The gradients themselves are checked against float64 autograd of the reference in tests/test_gpu_autograd.py,
+whose cases now run through this node; here it is compared with :class:`flash_attention.custom_ops.
+EagerAttention` (the Python path that remains for the calls the node does not take), over the options the
+node carries to its backward: causal, GQA, key ranges, dropout, deterministic mode, transposed layouts, and
+output gradients in layouts the kernels cannot read.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+import flash_attention as fa
+from flash_attention import custom_ops
+from flash_attention.dropout import draw_seed
+from flash_attention.jit import host
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _library():
+    reason = host.unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"no host library here: {reason}")
+
+
+def _inputs(b, sq, sk, hq, hkv, d, layout, gen, dtype=torch.bfloat16):
+    def make(s, h):
+        if layout == "bhsd":
+            return torch.randn(b, h, s, d, generator=gen, device="cuda").to(dtype).transpose(1, 2)
+        return torch.randn(b, s, h, d, generator=gen, device="cuda").to(dtype)
+
+    return make(sq, hq), make(sk, hkv), make(sk, hkv)
+
+
+CASES = [
+    # b, sq, sk, hq, hkv, d, causal, layout, key_range, dropout_p
+    (2, 128, 128, 16, 16, 64, False, "bshd", False, 0.0),
+    (1, 512, 512, 16, 16, 128, True, "bshd", False, 0.0),
+    (2, 300, 517, 8, 2, 128, True, "bhsd", False, 0.0),
+    (2, 200, 333, 6, 3, 64, False, "bshd", True, 0.0),
+    (1, 257, 257, 4, 4, 256, True, "bshd", False, 0.2),
+    (3, 65, 90, 4, 1, 96, True, "bhsd", True, 0.1),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_the_node_matches_the_python_autograd_function(case, deterministic):
+    b, sq, sk, hq, hkv, d, causal, layout, ranged, dropout_p = case
+    gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(repr(case).encode()))
+    q0, k0, v0 = _inputs(b, sq, sk, hq, hkv, d, layout, gen)
+    dout = torch.randn(b, sq, hq, d, generator=gen, device="cuda").to(torch.bfloat16)
+    key_range = None
+    if ranged:
+        ends = torch.randint(1, sk + 1, (b,), generator=gen, device="cuda")
+        key_range = torch.stack([torch.zeros_like(ends), ends], dim=1)
+    seed = draw_seed(1234) if dropout_p else None
+    scale = d**-0.5
+
+    q, k, v = (t.detach().requires_grad_(True) for t in (q0, k0, v0))
+    out = fa.attention(q, k, v, causal=causal, key_range=key_range, dropout_p=dropout_p, dropout_seed=1234,
+                       deterministic=deterministic)  # fmt: skip
+    assert out.grad_fn.name() == "FlashAttentionBackward"
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+
+    q, k, v = (t.detach().requires_grad_(True) for t in (q0, k0, v0))
+    ref_out, _ = custom_ops.EagerAttention.apply(
+        q, k, v, causal, scale, deterministic, key_range, dropout_p, seed
+    )
+    ref = torch.autograd.grad(ref_out, (q, k, v), dout)
+
+    assert torch.equal(out, ref_out)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref, strict=True):
+        assert g.isfinite().all(), name
+        if deterministic:
+            assert torch.equal(g, r), name
+        else:  # dQ is accumulated with atomics in another order each run
+            torch.testing.assert_close(g, r, rtol=2e-2, atol=2e-2, msg=name)
+
+
+def test_output_gradients_the_kernels_cannot_read_are_copied():
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    q0, k0, v0 = _inputs(2, 150, 170, 4, 2, 64, "bshd", gen)
+    dout = torch.randn(2, 150, 4, 64, generator=gen, device="cuda").to(torch.bfloat16)
+    # The same values at an address 2 bytes off 16-byte alignment, and as a transposed view.
+    storage = torch.empty(dout.numel() + 1, dtype=dout.dtype, device="cuda")
+    misaligned = storage[1:].view(dout.shape).copy_(dout)
+    transposed = dout.transpose(1, 2).contiguous().transpose(1, 2)
+    results = []
+    for g in (dout, misaligned, transposed):
+        q, k, v = (t.detach().requires_grad_(True) for t in (q0, k0, v0))
+        out = fa.attention(q, k, v, causal=True, deterministic=True)
+        results.append(torch.autograd.grad(out, (q, k, v), g))
+    for other in results[1:]:
+        for a, b in zip(results[0], other, strict=True):
+            assert torch.equal(a, b)
+
+
+def test_inputs_the_kernels_cannot_read_in_place_take_the_python_function():
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    q, k, v = (t.requires_grad_(True) for t in _inputs(1, 64, 64, 2, 2, 64, "bshd", gen))
+    out = fa.attention(q[:, :, :, 1:57], k[:, :, :, 1:57], v[:, :, :, 1:57])  # rows not 16-byte aligned
+    assert out.grad_fn.name() != "FlashAttentionBackward"
+    out.sum().backward()
+    assert q.grad.isfinite().all() and q.grad[..., 0].eq(0).all()
+
+
+def test_a_call_on_a_side_stream_gives_the_same_gradients():
+    # The node launches on the current stream the engine sets for it (the forward's); a loss on a side
+    # stream gives the same gradients as on the default one.
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    q0, k0, v0 = _inputs(2, 333, 333, 8, 8, 128, "bshd", gen)
+    dout = torch.randn(2, 333, 8, 128, generator=gen, device="cuda").to(torch.bfloat16)
+    q, k, v = (t.detach().requires_grad_(True) for t in (q0, k0, v0))
+    expected = torch.autograd.grad(fa.attention(q, k, v, causal=True, deterministic=True), (q, k, v), dout)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        q, k, v = (t.detach().requires_grad_(True) for t in (q0, k0, v0))
+        got = torch.autograd.grad(fa.attention(q, k, v, causal=True, deterministic=True), (q, k, v), dout)
+    torch.cuda.current_stream().wait_stream(side)
+    for a, b in zip(expected, got, strict=True):
+        assert torch.equal(a, b)
