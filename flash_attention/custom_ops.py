@@ -315,6 +315,7 @@ def eager_training(q, k, v, causal, scale, deterministic, key_range, dropout_p, 
                 key_range=key_range,
                 dropout_p=dropout_p,
                 dropout_seed=dropout_seed,
+                forward=ops.cuda_forward,
             ),
             lambda: None,
         )

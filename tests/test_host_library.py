@@ -46,6 +46,8 @@ _CTX_GET = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p))
 _CTX_SET = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
 _ERROR_STRING = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_char_p))
 
+_INSTALLED = None  # the stand-in driver the library was last handed
+
 PRE, DKDV, CONVERT, DQ = 0x1001, 0x1002, 0x1003, 0x1004  # stand-in kernel handles
 PRIMARY, CALLERS = 0xC0FFEE, 0xBEEF  # stand-in contexts: the program's, and the one current before
 
@@ -76,7 +78,9 @@ class StandInDriver:
         )
 
     def install(self, host_ops) -> None:
+        global _INSTALLED
         host_ops.set_driver(*(ctypes.cast(f, ctypes.c_void_p).value for f in self._keep))
+        _INSTALLED = self  # the library keeps the C pointers: their Python objects must outlive the test
         # The next host.load() for a real launch hands the real driver back (a GPU test in this process).
         host._state.pop("driver", None)
 

@@ -16,6 +16,7 @@ ops), the debug build, and a machine without the host library (no C++ compiler; 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -24,7 +25,6 @@ from ..jit import driver, host
 from ..jit.params import BwdParams
 from . import backward
 from . import trace as _trace
-from .forward import cuda_forward
 from .tensors import usable_in_place
 
 __all__ = ["training_forward"]
@@ -84,9 +84,11 @@ def training_forward(
     key_range: torch.Tensor | None,
     dropout_p: float,
     dropout_seed: torch.Tensor | None,
+    forward: Callable[..., tuple[torch.Tensor, torch.Tensor]],
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(out, lse)`` of the forward kernel with ``out``'s gradient recorded by the compiled node, or None
-    when the node does not take this call (the module docstring says which)."""
+    """``(out, lse)`` of the forward launch ``forward`` (the launch layer's ``cuda_forward``, as the caller's
+    backend has it) with ``out``'s gradient recorded by the compiled node, or None when the node does not
+    take this call (the module docstring says which)."""
     if q.shape[3] % 8 or _trace.ENV in os.environ:
         return None
     if not (usable_in_place(q) and usable_in_place(k) and usable_in_place(v)):
@@ -96,7 +98,7 @@ def training_forward(
         return None
     if key_range is not None:  # converted once: the forward reads it, the node keeps it for the backward
         key_range = key_range.to(device=q.device, dtype=torch.int32).contiguous()
-    out, lse = cuda_forward(
+    out, lse = forward(
         q,
         k,
         v,
