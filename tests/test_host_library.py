@@ -13,6 +13,7 @@ float64 autograd through the reference. The real kernels behind the node are tes
 from __future__ import annotations
 
 import ctypes
+import gc
 import zlib
 
 import pytest
@@ -47,6 +48,7 @@ _CTX_SET = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
 _ERROR_STRING = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_char_p))
 
 _INSTALLED = None  # the stand-in driver the library was last handed
+_PROGRAMS: list = []
 
 PRE, DKDV, CONVERT, DQ = 0x1001, 0x1002, 0x1003, 0x1004  # stand-in kernel handles
 PRIMARY, CALLERS = 0xC0FFEE, 0xBEEF  # stand-in contexts: the program's, and the one current before
@@ -172,9 +174,11 @@ def _program(host_ops, q, k, scale, deterministic):
     launches = [PRE, 2, 2, 2, 128, 0, DKDV, 5, 1, 2, 384, 99000, *last]
     names = "pre_kernel\ndkdv_kernel\n" + ("dq_kernel" if deterministic else "convert_kernel")
     template = torch.frombuffer(bytearray(bytes(p)), dtype=torch.uint8)
-    return torch.classes.flash_attention_host.BackwardProgram(
+    program = torch.classes.flash_attention_host.BackwardProgram(
         template, _OFFSETS, launches, names, stats, accum, PRIMARY
     )
+    _PROGRAMS.append(program)  # record_training takes its address: the caller keeps it alive (a plan does)
+    return program.address()
 
 
 def _recorded_call(host_ops, b=2, sq=37, sk=45, hq=4, hkv=2, d=16, deterministic=False, grads=(True,) * 3):
@@ -302,6 +306,26 @@ def test_a_program_checks_what_it_is_given(host_ops):
         program(params.float(), _OFFSETS, [PRE, 1, 1, 1, 128, 0], "pre", 1, 0, PRIMARY)
     with pytest.raises(RuntimeError, match="null entry point"):
         host_ops.set_driver(0, 1, 1, 1)
+
+
+def test_record_refuses_an_address_that_is_not_a_program(host_ops):
+    q, k, v = (torch.randn(1, 8, 2, 16, requires_grad=True) for _ in range(3))
+    out, lse = torch.empty(1, 8, 2, 16), torch.empty(1, 2, 8)
+    not_a_program = torch.zeros(64, dtype=torch.uint8)  # mapped memory without the program's mark
+    for address in (0, not_a_program.data_ptr()):
+        with pytest.raises(RuntimeError, match="not the address of a BackwardProgram"):
+            host_ops.record_training(q, k, v, out, lse, None, 0, address)
+    assert out.grad_fn is None
+
+
+def test_the_node_keeps_its_program_alive(host_ops):
+    drv = StandInDriver()
+    drv.install(host_ops)
+    q, k, v, out, _ = _recorded_call(host_ops)
+    _PROGRAMS.clear()  # the only Python reference to the program: the node holds its own
+    gc.collect()
+    out.sum().backward()
+    assert not drv.errors and [launch[0] for launch in drv.launches] == [PRE, DKDV, CONVERT]
 
 
 def test_the_slot_offsets_are_the_params_fields():

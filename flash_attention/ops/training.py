@@ -51,8 +51,8 @@ def _host_ops():
         return None
 
 
-def _program(plan):
-    """The node's BackwardProgram of a backward plan (made once per plan)."""
+def _program(plan) -> int:
+    """The address of the node's BackwardProgram of a backward plan (made once per plan, which keeps it)."""
     if not plan.host_program:
         fields, names = [], []
         for kernel, grid, threads, smem in plan.launches:
@@ -70,7 +70,8 @@ def _program(plan):
                 driver.primary_context(plan.index),
             )
         )
-    return plan.host_program[0]
+        plan.host_program.append(plan.host_program[0].address())
+    return plan.host_program[1]
 
 
 def training_forward(
