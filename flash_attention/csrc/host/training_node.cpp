@@ -72,11 +72,17 @@ void set_driver(int64_t launch, int64_t ctx_get, int64_t ctx_set, int64_t error_
   g_driver.error_string = reinterpret_cast<ErrorStringFn>(error_string);
 }
 
+// Errors raised inside a node's backward are std::runtime_error, not TORCH_CHECK's c10::Error: on torch
+// 2.11 a c10::Error thrown from this library's code inside the autograd engine crashed the process
+// (a segmentation fault; the same error raised from PyTorch's own code there, or from this library outside
+// the engine, was reported normally). The engine reports either type as a Python RuntimeError.
+[[noreturn]] void backward_failed(const std::string& message) { throw std::runtime_error(message); }
+
 [[noreturn]] void driver_failed(int status, const std::string& what) {
   const char* text = nullptr;
   if (g_driver.error_string != nullptr) g_driver.error_string(status, &text);
-  TORCH_CHECK(false, "flash_attention: ", what, " failed: ", text != nullptr ? text : "unknown error", " (",
-              status, ")");
+  backward_failed("flash_attention: " + what + " failed: " + (text != nullptr ? text : "unknown error") + " (" +
+                  std::to_string(status) + ")");
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -159,7 +165,7 @@ struct BackwardProgram : torch::CustomClassHolder {
 // for the launches and the caller's context put back after, as flash_attention/jit/driver.py's
 // make_primary_current does for the Python launches: the engine's device thread may have none current).
 void launch_all(const BackwardProgram& program, std::vector<uint8_t>& params, void* stream) {
-  TORCH_CHECK(g_driver.launch != nullptr, "flash_attention_host: set_driver was not called");
+  if (g_driver.launch == nullptr) backward_failed("flash_attention_host: set_driver was not called");
   void* previous = nullptr;
   int status = g_driver.ctx_get(&previous);
   if (status != 0) driver_failed(status, "cuCtxGetCurrent");
@@ -192,6 +198,16 @@ auto make_node(Args&&... args) {
   }
 }
 
+// A node's owning pointer to itself, of the type SavedVariable::unpack takes for a node's own output.
+template <class N>
+auto self_pointer(N* node) {
+  if constexpr (std::is_base_of_v<c10::intrusive_ptr_target, N>) {
+    return c10::intrusive_ptr<torch::autograd::Node>::unsafe_reclaim_from_nonowning(node);
+  } else {
+    return node->shared_from_this();
+  }
+}
+
 bool kernel_readable(const at::Tensor& t) {
   // The kernels read 16-byte vectors: a 16-byte aligned base (the strides are the plan's, checked by caller).
   return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
@@ -215,7 +231,7 @@ struct AttentionBackward : public torch::autograd::Node {
     q_.reset_data();
     k_.reset_data();
     v_.reset_data();
-    out_.reset();
+    out_.reset_data();
     lse_.reset();
     key_range_.reset();
   }
@@ -223,15 +239,11 @@ struct AttentionBackward : public torch::autograd::Node {
   variable_list apply(variable_list&& grads) override {
     // (After a backward without retain_graph, unpack raises PyTorch's "backward through the graph a second
     // time" error: release_variables freed what was saved.)
-    const at::Tensor q = q_.unpack(), k = k_.unpack(), v = v_.unpack();
+    // (out, this node's own output, is saved without its history to avoid a reference cycle: unpacking it
+    // takes the node. Each unpack checks that no in-place operation changed the tensor since.)
+    const at::Tensor q = q_.unpack(), k = k_.unpack(), v = v_.unpack(), out = out_.unpack(self_pointer(this));
     at::Tensor dout = grads[0];
     if (!dout.defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};  // out took no part in the loss
-    // out is saved as a plain alias (a SavedVariable of a node's own output would need that node's pointer
-    // type, which differs between PyTorch releases); the version check SavedVariable makes is done here.
-    TORCH_CHECK(out_._version() == out_version_,
-                "one of the variables needed for gradient computation has been modified by an inplace "
-                "operation: the output of flash_attention's attention() is at version ",
-                out_._version(), "; expected version ", out_version_, " instead.");
     // The program's dO strides are out's (contiguous): autograd hands over whatever layout the next op
     // produced (a stride-0 expand for out.sum(), a transpose's view), so anything else is copied first.
     if (!dout.is_contiguous() || !kernel_readable(dout)) dout = dout.contiguous();
@@ -252,7 +264,7 @@ struct AttentionBackward : public torch::autograd::Node {
     program.put(params, kQ, addr(q));
     program.put(params, kK, addr(k));
     program.put(params, kV, addr(v));
-    program.put(params, kO, addr(out_));
+    program.put(params, kO, addr(out));
     program.put(params, kDout, addr(dout));
     program.put(params, kLse, addr(lse_));
     program.put(params, kLseLog2, w);
@@ -287,9 +299,7 @@ struct AttentionBackward : public torch::autograd::Node {
     return result;
   }
 
-  SavedVariable q_, k_, v_;
-  at::Tensor out_;  // `out` without its autograd history (see apply)
-  int64_t out_version_ = 0;
+  SavedVariable q_, k_, v_, out_;
   at::Tensor lse_;
   std::optional<at::Tensor> key_range_;
   int64_t dropout_key_;
@@ -314,8 +324,7 @@ void record_training(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   auto node = make_node<AttentionBackward>(q, k, v, lse, key_range, dropout_key, program);
   node->set_next_edges(torch::autograd::collect_next_edges(q, k, v));
   torch::autograd::set_history(out, node);
-  node->out_ = out.tensor_data();  // shares out's storage and version counter, not its history
-  node->out_version_ = node->out_._version();
+  node->out_ = SavedVariable(out, /*is_output=*/true);
 }
 
 TORCH_LIBRARY(flash_attention_host, m) {
