@@ -36,6 +36,7 @@
 #include <cstring>
 #include <memory>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -64,24 +65,30 @@ struct Driver {
 // Set once at load (and by the CPU tests' stand-ins) before any node exists; read by every backward.
 Driver g_driver;
 
+// Every error this file raises is a std::runtime_error, never TORCH_CHECK's c10::Error: on torch 2.11 (an
+// H100 machine's image) a TORCH_CHECK with a composed message, raised from this library, crashed the process
+// with a segmentation fault (in the custom class's constructor and inside the autograd engine alike), while
+// the same errors as std::runtime_error are reported normally. PyTorch turns either into a Python
+// RuntimeError.
+[[noreturn]] void fail(const std::string& message) { throw std::runtime_error(message); }
+
+void check(bool ok, const std::string& message) {
+  if (!ok) fail(message);
+}
+
 void set_driver(int64_t launch, int64_t ctx_get, int64_t ctx_set, int64_t error_string) {
-  TORCH_CHECK(launch && ctx_get && ctx_set, "flash_attention_host.set_driver: null entry point");
+  check(launch && ctx_get && ctx_set, "flash_attention_host.set_driver: null entry point");
   g_driver.launch = reinterpret_cast<LaunchFn>(launch);
   g_driver.ctx_get = reinterpret_cast<CtxGetFn>(ctx_get);
   g_driver.ctx_set = reinterpret_cast<CtxSetFn>(ctx_set);
   g_driver.error_string = reinterpret_cast<ErrorStringFn>(error_string);
 }
 
-// Errors raised inside a node's backward are std::runtime_error, not TORCH_CHECK's c10::Error: on torch
-// 2.11 a c10::Error thrown from this library's code inside the autograd engine crashed the process
-// (a segmentation fault; the same error raised from PyTorch's own code there, or from this library outside
-// the engine, was reported normally). The engine reports either type as a Python RuntimeError.
-[[noreturn]] void backward_failed(const std::string& message) { throw std::runtime_error(message); }
 
 [[noreturn]] void driver_failed(int status, const std::string& what) {
   const char* text = nullptr;
   if (g_driver.error_string != nullptr) g_driver.error_string(status, &text);
-  backward_failed("flash_attention: " + what + " failed: " + (text != nullptr ? text : "unknown error") + " (" +
+  fail("flash_attention: " + what + " failed: " + (text != nullptr ? text : "unknown error") + " (" +
                   std::to_string(status) + ")");
 }
 
@@ -117,20 +124,20 @@ struct BackwardProgram : torch::CustomClassHolder {
                   std::vector<int64_t> launch_fields, const std::string& kernel_names, int64_t stats_,
                   int64_t accum_, int64_t context_)
       : stats(stats_), accum(accum_), context(reinterpret_cast<void*>(context_)) {
-    TORCH_CHECK(params_bytes.device().is_cpu() && params_bytes.scalar_type() == at::kByte &&
-                    params_bytes.is_contiguous(),
-                "BackwardProgram: params must be a contiguous uint8 CPU tensor");
-    TORCH_CHECK(static_cast<int64_t>(slot_offsets.size()) == kNumSlots, "BackwardProgram: expected ",
-                static_cast<int>(kNumSlots), " offsets, got ", slot_offsets.size());
-    TORCH_CHECK(!launch_fields.empty() && launch_fields.size() % 6 == 0,
-                "BackwardProgram: launches must be six integers each");
+    check(params_bytes.device().is_cpu() && params_bytes.scalar_type() == at::kByte &&
+              params_bytes.is_contiguous(),
+          "BackwardProgram: params must be a contiguous uint8 CPU tensor");
+    check(static_cast<int64_t>(slot_offsets.size()) == kNumSlots,
+          "BackwardProgram: expected " + std::to_string(kNumSlots) + " offsets, got " +
+              std::to_string(slot_offsets.size()));
+    check(!launch_fields.empty() && launch_fields.size() % 6 == 0,
+          "BackwardProgram: launches must be six integers each");
     const auto* bytes = params_bytes.data_ptr<uint8_t>();
     params.assign(bytes, bytes + params_bytes.numel());
     for (int i = 0; i < kNumSlots; ++i) {
       const int64_t width = i == kDropoutKey ? 4 : 8;
-      TORCH_CHECK(slot_offsets[i] == -1 ||
-                      (slot_offsets[i] >= 0 && slot_offsets[i] + width <= params_bytes.numel()),
-                  "BackwardProgram: offset of slot ", i, " outside the params");
+      check(slot_offsets[i] == -1 || (slot_offsets[i] >= 0 && slot_offsets[i] + width <= params_bytes.numel()),
+            "BackwardProgram: offset of slot " + std::to_string(i) + " outside the params");
       offsets[i] = slot_offsets[i];
     }
     for (size_t i = 0; i < launch_fields.size(); i += 6) {
@@ -165,7 +172,7 @@ struct BackwardProgram : torch::CustomClassHolder {
 // for the launches and the caller's context put back after, as flash_attention/jit/driver.py's
 // make_primary_current does for the Python launches: the engine's device thread may have none current).
 void launch_all(const BackwardProgram& program, std::vector<uint8_t>& params, void* stream) {
-  if (g_driver.launch == nullptr) backward_failed("flash_attention_host: set_driver was not called");
+  if (g_driver.launch == nullptr) fail("flash_attention_host: set_driver was not called");
   void* previous = nullptr;
   int status = g_driver.ctx_get(&previous);
   if (status != 0) driver_failed(status, "cuCtxGetCurrent");
@@ -315,11 +322,11 @@ void record_training(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                      const at::Tensor& lse, const std::optional<at::Tensor>& key_range, int64_t dropout_key,
                      int64_t program_address) {
   auto* raw = reinterpret_cast<BackwardProgram*>(program_address);
-  TORCH_CHECK(raw != nullptr && raw->magic == BackwardProgram::kMagic,
-              "record_training: program is not the address of a BackwardProgram");
+  check(raw != nullptr && raw->magic == BackwardProgram::kMagic,
+        "record_training: program is not the address of a BackwardProgram");
   auto program = c10::intrusive_ptr<BackwardProgram>::reclaim_copy(raw);
-  TORCH_CHECK(!out.requires_grad(), "record_training: out already has an autograd history");
-  TORCH_CHECK(out.is_contiguous() && kernel_readable(out), "record_training: out must be contiguous, aligned");
+  check(!out.requires_grad(), "record_training: out already has an autograd history");
+  check(out.is_contiguous() && kernel_readable(out), "record_training: out must be contiguous and aligned");
   if (!torch::autograd::compute_requires_grad(q, k, v)) return;
   auto node = make_node<AttentionBackward>(q, k, v, lse, key_range, dropout_key, program);
   node->set_next_edges(torch::autograd::collect_next_edges(q, k, v));
