@@ -158,7 +158,8 @@ def attention(
     whose backward is ``flash_attention::bwd`` (the FlashAttention-2 backward, recomputing the
     probabilities from the saved LSE; on the same kernel-or-fallback choice as the forward), so
     ``torch.compile(fullgraph=True)`` sees one node, without a graph break. Plain inference calls skip the
-    op's dispatch and call the kernel directly.
+    op's dispatch and call the kernel directly; eager training calls record the compiled autograd node of
+    :mod:`flash_attention.ops.training` (or, without a C++ compiler, a Python autograd function).
 
     Raises:
         TypeError, ValueError: on invalid arguments, naming the argument and what was expected, before
