@@ -353,6 +353,17 @@ def test_the_slot_offsets_are_the_params_fields():
     assert listed == [*camel, "kNumSlots"]
 
 
+def test_any_failure_to_build_or_load_means_the_python_path(monkeypatch):
+    def broken():
+        raise ImportError("no module named setuptools")
+
+    monkeypatch.setattr(host, "_state", {})
+    monkeypatch.setattr(host, "_load", broken)
+    assert host.unavailable_reason() == "no module named setuptools"
+    with pytest.raises(host.HostLibraryUnavailable):
+        host.load()
+
+
 def test_without_a_compiler_the_library_reports_why(monkeypatch):
     monkeypatch.setattr(host, "_state", {})
     monkeypatch.setenv("CXX", "/nonexistent/c++")

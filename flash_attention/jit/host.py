@@ -153,13 +153,17 @@ def load(connect_driver: bool = True):
         if "ops" not in _state and "reason" not in _state:
             try:
                 _state["ops"] = _load()
-            except (HostLibraryUnavailable, OSError, RuntimeError, subprocess.SubprocessError) as exc:
-                _state["reason"] = str(exc)
+            except Exception as exc:  # noqa: BLE001 - an optional speed-up: any failure means "use Python"
+                _state["reason"] = str(exc) or type(exc).__name__
         if "reason" in _state:
             raise HostLibraryUnavailable(_state["reason"])
         host_ops = _state["ops"]
         if connect_driver and not _state.get("driver"):
-            _connect_driver(host_ops)
+            try:
+                _connect_driver(host_ops)
+            except Exception as exc:  # noqa: BLE001 - as above
+                _state["reason"] = f"handing the CUDA driver to the library failed: {exc}"
+                raise HostLibraryUnavailable(_state["reason"]) from exc
             _state["driver"] = True
         return host_ops
 
