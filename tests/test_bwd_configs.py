@@ -12,6 +12,7 @@ from flash_attention.configs import (
     BwdConfig,
     bwd_validity_errors,
     default_bwd_config,
+    hopper_bwd_config,
     parse_bwd_config,
 )
 from flash_attention.jit import cache, sources
@@ -90,16 +91,32 @@ def test_every_backward_unit_of_the_catalog_compiles_with_its_entries(catalog_bu
 def test_hopper_backward_configs():
     for d in (64, 128):
         cfg = default_bwd_config("bf16", d, "sm_90")
-        assert cfg.wgmma and cfg.name().endswith("_wgmma")
-        assert parse_bwd_config(cfg.name()) == cfg
-        assert cfg.smem_bytes <= 227 * 1024
+        # The warp-specialized kernel is the default; the sm90 kernel it replaced stays selectable.
+        assert cfg == hopper_bwd_config("bf16", d) and cfg.name().endswith("_wgmma_ws")
+        assert cfg.threads == 384
+        old = hopper_bwd_config("bf16", d, warp_specialized=False)
+        assert old.name().endswith("_wgmma") and old.threads == 256
+        for c in (cfg, old):
+            assert parse_bwd_config(c.name()) == c
+            assert c.smem_bytes <= 227 * 1024
     # Head dims whose dK and dV accumulators do not fit a warpgroup keep the sm80 kernel on Hopper.
     for d in (192, 256):
         assert not default_bwd_config("bf16", d, "sm_90").wgmma
     with pytest.raises(ValueError, match="wgmma backward configs are two warpgroups"):
         BwdConfig("bf16", 64, 64, 128, 8, 1, True, wgmma=True)
+    with pytest.raises(ValueError, match="a producer and two consumer"):
+        BwdConfig("bf16", 64, 128, 128, 8, 1, True, wgmma=True, warp_specialized=True)
+    with pytest.raises(ValueError, match="a producer and two consumer"):
+        BwdConfig("bf16", 64, 128, 128, 12, 1, True, warp_specialized=True)
+    with pytest.raises(ValueError, match="dQ's split"):
+        BwdConfig("bf16", 128, 128, 128, 12, 1, True, wgmma=True, warp_specialized=True)
     src = sources.kernel_source(default_bwd_config("bf16", 128, "sm_90"))
-    assert '#include "sm90/bwd/bwd_kernel.cuh"' in src and "__dkdv_det" not in src
+    assert '#include "sm90/bwd_ws/bwd_kernel.cuh"' in src and "__dkdv_det" not in src
+    assert "__launch_bounds__(384, 1)" in src and "fa::sm90::bwd_ws_dkdv_body" in src
+    # Its dQ workspace is tiled (fa/dq_accum.cuh): the convert kernel of the same unit reads it so.
+    assert "kWarpSpecialized = true" in src
+    src = sources.kernel_source(hopper_bwd_config("bf16", 128, warp_specialized=False))
+    assert '#include "sm90/bwd/bwd_kernel.cuh"' in src and "kWarpSpecialized = false" in src
     with pytest.raises(ValueError, match="no key-range or dropout build"):
         sources.kernel_source(default_bwd_config("bf16", 128, "sm_90"), ranged=True)
     with pytest.raises(ValueError, match="needs an sm_90 GPU"):

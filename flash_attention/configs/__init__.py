@@ -9,7 +9,7 @@ and which one a call runs by default.
 * :mod:`.heuristics` -- :func:`default_config` / :func:`default_bwd_config`.
 """
 
-from .backward import BwdConfig, bwd_validity_errors, parse_bwd_config
+from .backward import BwdConfig, bwd_validity_errors, hopper_bwd_config, parse_bwd_config
 from .common import (
     DTYPES,
     HEAD_DIMS,
@@ -46,6 +46,7 @@ __all__ = [
     "default_bwd_config",
     "default_config",
     "estimated_registers",
+    "hopper_bwd_config",
     "is_hopper",
     "is_wgmma",
     "padded_head_dim",

@@ -8,7 +8,14 @@ from dataclasses import dataclass
 
 from .common import DTYPES, HEAD_DIMS, SMEM_LIMIT_SM90, cpp_struct
 
-__all__ = ["BwdConfig", "bwd_validity_errors", "parse_bwd_config"]
+__all__ = ["WS_REGISTER_SPLIT", "BwdConfig", "bwd_validity_errors", "hopper_bwd_config", "parse_bwd_config"]
+
+#: Registers per thread of the warp-specialized backward's producer and consumer warpgroups after
+#: setmaxnreg. The block (384 threads, one per multiprocessor) is launched with 384 x 168 = 64512:
+#: 128 x 24 + 256 x 240 = 64512. The producer copies with a rolled loop (fa/copy.cuh, load_tile_rolled) so 24
+#: hold its addresses; with the unrolled copy it spilled 300-640 bytes at any split up to 96 / 200. The
+#: consumers' dK, dV, S^T, dP^T and dQ part fit 240 without spills (at 232: 12 bytes, head_dim 64 causal).
+WS_REGISTER_SPLIT = (24, 240)
 
 
 @dataclass(frozen=True)
@@ -23,6 +30,9 @@ class BwdConfig:
 
     ``wgmma``: the Hopper dK/dV kernel (csrc/kernels/sm90/bwd, sm_90a): two warpgroups of 64 keys, Q/dO
     double-buffered, atomic dQ only (deterministic mode, key ranges and dropout run the sm80 kernels).
+    ``warp_specialized`` (with ``wgmma``, ``num_warps`` 12): its warp-specialized form
+    (csrc/kernels/sm90/bwd_ws): a producer warpgroup copies Q/dO into two slots while the two consumer
+    warpgroups compute, and dQ leaves through bulk reduce-adds.
     """
 
     dtype: str
@@ -33,6 +43,10 @@ class BwdConfig:
     split: int = 1
     double_buffer: bool = False
     wgmma: bool = False
+    warp_specialized: bool = False
+
+    #: Q/dO slots of the warp-specialized kernel's ring (a third does not fit 227 KB at head_dim 64 or 128).
+    WS_STAGES = 2
 
     def __post_init__(self) -> None:
         errors = bwd_validity_errors(self)
@@ -56,6 +70,13 @@ class BwdConfig:
     def smem_bytes(self) -> int:
         nb = 2 if self.double_buffer else 1
         d, bq, bkv = self.head_dim, self.block_q, self.block_kv
+        if self.warp_specialized:
+            # K, V; Q and dO per slot; two dS^T buffers; two warpgroups' 64 x 64 fp32 dQ staging tiles;
+            # LSE and delta per slot; the slots' two mbarriers (+1 KB to align the tiles).
+            st = self.WS_STAGES
+            return (
+                4 * bkv * d + 4 * st * bq * d + 4 * bkv * bq + 2 * 64 * 64 * 4 + 8 * st * bq + 16 * st + 1024
+            )
         # K, V; Q and dO per buffer; the dS tile; LSE and delta per buffer (+1 KB to align the wgmma tiles).
         return 4 * bkv * d + 4 * nb * bq * d + 2 * bkv * bq + 8 * nb * bq + (1024 if self.wgmma else 0)
 
@@ -66,7 +87,10 @@ class BwdConfig:
     def name(self) -> str:
         return (
             f"bwd_{self.dtype}_d{self.head_dim}_q{self.block_q}_kv{self.block_kv}_w{self.num_warps}"
-            f"_s{self.split}" + ("_buffer" if self.double_buffer else "") + ("_wgmma" if self.wgmma else "")
+            f"_s{self.split}"
+            + ("_buffer" if self.double_buffer else "")
+            + ("_wgmma" if self.wgmma else "")
+            + ("_ws" if self.warp_specialized else "")
         )
 
     def __str__(self) -> str:
@@ -112,6 +136,10 @@ class BwdConfig:
             ("kSwizzle", "bool", "true"),
             ("kAsyncCopy", "bool", "true"),
             ("kWgmma", "bool", self.wgmma),
+            ("kWarpSpecialized", "bool", self.warp_specialized),
+            ("kStages", "int", self.WS_STAGES),
+            ("kProducerRegs", "int", WS_REGISTER_SPLIT[0]),
+            ("kConsumerRegs", "int", WS_REGISTER_SPLIT[1]),
         ]
         return cpp_struct(struct_name, fields)
 
@@ -125,6 +153,20 @@ def bwd_validity_errors(cfg: BwdConfig) -> list[str]:
         errors.append(f"head_dim must be one of {HEAD_DIMS}")
     if cfg.block_q not in (64, 128):
         errors.append("block_q must be 64 or 128 (the dS tile's swizzle needs rows of 64 elements or more)")
+    if cfg.warp_specialized:
+        if not cfg.wgmma or cfg.num_warps != 12 or cfg.block_kv != 128 or cfg.split != 1:
+            errors.append(
+                "warp-specialized backward configs are wgmma configs of a producer and two consumer "
+                "warpgroups (num_warps 12, block_kv 128, unsplit)"
+            )
+        if (cfg.block_q, cfg.head_dim) not in ((128, 64), (64, 128)) or not cfg.double_buffer:
+            errors.append(
+                "warp-specialized backward configs are double buffered with block_q 128 at "
+                "head_dim 64 or 64 at head_dim 128 (dQ's split)"
+            )
+        if not errors and cfg.smem_bytes > SMEM_LIMIT_SM90:
+            errors.append("shared memory exceeds the sm_90 limit of 232448")
+        return errors
     if cfg.num_warps not in (2, 4, 8):
         errors.append("num_warps must be 2, 4 or 8")
     elif cfg.block_kv % (16 * cfg.num_warps) or cfg.block_kv > 128:
@@ -153,12 +195,33 @@ def bwd_validity_errors(cfg: BwdConfig) -> list[str]:
     return errors
 
 
+def hopper_bwd_config(dtype: str, head_dim: int, *, warp_specialized: bool = True) -> BwdConfig:
+    """The Hopper backward's config at head_dim 64 or 128 (its shape is fixed by the kernel: 128 keys per
+    block, 128 query rows per step at head_dim 64 and 64 at 128): the warp-specialized kernel, or with
+    ``warp_specialized=False`` the sm90 wgmma kernel it replaced."""
+    return BwdConfig(
+        dtype,
+        head_dim,
+        128 if head_dim == 64 else 64,
+        128,
+        12 if warp_specialized else 8,
+        1,
+        True,
+        wgmma=True,
+        warp_specialized=warp_specialized,
+    )
+
+
 def parse_bwd_config(text: str | BwdConfig) -> BwdConfig:
     """The inverse of :meth:`BwdConfig.name`."""
     if isinstance(text, BwdConfig):
         return text
-    m = re.fullmatch(r"bwd_(fp16|bf16)_d(\d+)_q(\d+)_kv(\d+)_w(\d+)_s(\d+)(_buffer)?(_wgmma)?", str(text))
+    m = re.fullmatch(
+        r"bwd_(fp16|bf16)_d(\d+)_q(\d+)_kv(\d+)_w(\d+)_s(\d+)(_buffer)?(_wgmma)?(_ws)?", str(text)
+    )
     if not m:
         raise ValueError(f"not a backward config name: {text!r}")
-    dt, d, bq, bkv, w, s, buf, wg = m.groups()
-    return BwdConfig(dt, int(d), int(bq), int(bkv), int(w), int(s), buf is not None, wg is not None)
+    dt, d, bq, bkv, w, s, buf, wg, ws = m.groups()
+    return BwdConfig(
+        dt, int(d), int(bq), int(bkv), int(w), int(s), buf is not None, wg is not None, ws is not None
+    )

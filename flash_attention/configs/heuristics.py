@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from .backward import BwdConfig
+from .backward import BwdConfig, hopper_bwd_config
 from .common import is_hopper, padded_head_dim, smem_optin
 from .forward import KernelConfig, wgmma_config, ws_config
 
@@ -179,7 +179,7 @@ def default_bwd_config(
     candidates whose dK/dV and dQ kernels both fit ``arch``'s opt-in shared memory."""
     d = padded_head_dim(head_dim)
     if is_hopper(arch) and not portable and d in (64, 128):
-        return BwdConfig(dtype, d, 128 if d == 64 else 64, 128, 8, 1, True, wgmma=True)
+        return hopper_bwd_config(dtype, d)
     limit = smem_optin(arch)
     for fields in _BWD_CANDIDATES[d]:
         cfg = BwdConfig(dtype, d, **fields)

@@ -12,6 +12,7 @@ from flash_attention.configs import (
     default_bwd_config,
     default_config,
     estimated_registers,
+    hopper_bwd_config,
     is_hopper,
     padded_head_dim,
     validity_errors,
@@ -207,7 +208,7 @@ def bwd_candidate_space(dtype: str, head_dim: int, arch: str = "sm_80") -> list[
     Varied: the query step (64 or 128 rows), the key block (64 or 128), 4 or 8 warps, the column split and
     the Q/dO double buffer. Key blocks below 64 are left out: each block re-reads every query block, so
     halving it doubles the Q/dO traffic for no gain in parallelism at the benchmark shapes (thousands of
-    blocks already). On sm_90 the wgmma kernel's config joins (its shape is fixed by the kernel).
+    blocks already). On sm_90 the two Hopper kernels' configs join (their shapes are fixed by the kernels).
     """
     d = padded_head_dim(head_dim)
     out: list[BwdConfig] = []
@@ -218,7 +219,11 @@ def bwd_candidate_space(dtype: str, head_dim: int, arch: str = "sm_80") -> list[
             out.append(BwdConfig(dtype, d, bq, bkv, warps, split, buf))
         except ValueError:
             continue
-    for cfg in (default_bwd_config(dtype, d), default_bwd_config(dtype, d, arch)):
-        if cfg not in out:
+    extra = [default_bwd_config(dtype, d), default_bwd_config(dtype, d, arch)]
+    if is_hopper(arch) and d in (64, 128):
+        # Both Hopper kernels: the warp-specialized default and the sm90 kernel it replaced.
+        extra += [hopper_bwd_config(dtype, d, warp_specialized=ws) for ws in (True, False)]
+    for cfg in extra:
+        if cfg is not None and cfg not in out:
             out.append(cfg)
     return out

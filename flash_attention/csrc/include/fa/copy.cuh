@@ -48,4 +48,27 @@ __device__ __forceinline__ void load_tile(u32 s_tile, const u16* g, i64 row_stri
   }
 }
 
+// load_tile's cp.async form for a warp-specialized producer, which copies on a budget of a few dozen
+// registers (setmaxnreg): the same tile, layout and zero-fill, but the row loop is not unrolled and the
+// source pointer advances by one row step per copy, so it holds one 64-bit address instead of one per row
+// (load_tile unrolled made ptxas spill 100-400 bytes in a 40-register producer). kThreads must cover whole
+// rows (every tile the producers copy: 128 threads, rows of 8 or 16 chunks).
+template <int R, int D, int kThreads, class Layout>
+__device__ __forceinline__ void load_tile_rolled(u32 s_tile, const u16* g, i64 row_stride, int rows_valid,
+                                                 int head_dim, int tid) {
+  constexpr int C = D / 8;
+  static_assert(kThreads % C == 0 && R % (kThreads / C) == 0, "threads cover whole rows of the tile");
+  constexpr int kRowStep = kThreads / C;
+  const int chunk = tid % C;
+  const bool col_ok = chunk * 8 < head_dim;
+  int row = tid / C;
+  const u16* src = g + (i64)(unsigned)row * row_stride + chunk * 8;
+  const i64 step = kRowStep * row_stride;
+#pragma unroll 1
+  for (; row < R; row += kRowStep, src += step) {
+    const bool ok = col_ok && row < rows_valid;
+    cp_async_16(s_tile + Layout::bytes(row, chunk), ok ? src : g, ok ? 16 : 0);
+  }
+}
+
 }  // namespace fa

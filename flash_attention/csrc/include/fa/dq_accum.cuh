@@ -1,5 +1,6 @@
 // The fp32 dQ workspace of the atomic backward: zeroed by the preprocessing kernel, accumulated into by the
-// dK/dV kernel (red.global.add), and cast into q's layout and dtype by the convert kernel below.
+// dK/dV kernel (red.global.add, or bulk reduce-adds in the warp-specialized kernel), and cast into q's layout
+// and dtype by the convert kernel below.
 //
 // Both ends used to be PyTorch ops (a fill before the backward and a strided copy after it): two more
 // launches through PyTorch's dispatcher per backward, which on the host cost more than the preprocessing
@@ -12,14 +13,34 @@
 
 namespace fa {
 
-// Zero workspace row `idx` (kHeadDim floats) with the eight lanes that share a row in the preprocessing
-// kernel: lane l writes 16-byte vectors l, l + 8, ..., so the eight lanes together cover 128 contiguous
-// bytes per step.
+// Zero workspace row `idx`'s kHeadDim floats of the row-major layout with the eight lanes that share a row in
+// the preprocessing kernel: lane l writes 16-byte vectors l, l + 8, ..., so the eight lanes together cover
+// 128 contiguous bytes per step. Every row of the padded workspace is zeroed, so in the tiled layout below,
+// which only permutes floats within 64-row blocks, the whole accumulator is zeroed all the same.
 template <int kHeadDim>
 __device__ __forceinline__ void zero_dq_accum_row(float* dq_accum, i64 idx, int lane8) {
   float4* row = reinterpret_cast<float4*>(dq_accum + idx * kHeadDim);
 #pragma unroll
   for (int c = lane8; c < kHeadDim / 4; c += 8) row[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+}
+
+// Where column `col` of workspace row `ws_row` (fa/tile_ptrs.cuh, workspace_row) lives in the accumulator.
+// Row-major (kTiled false): rows of kHeadDim floats, what the sm80 and wgmma kernels add into one pair at a
+// time. Tiled (the warp-specialized backward, which adds a warpgroup's 64 x 64 part of dQ with one bulk
+// reduce-add, and a bulk copy needs a contiguous source and destination): each 64-row block of rows is
+// kHeadDim / 64 tiles of 64 x 64 floats, one after the other, 16 KB each; inside a tile, 16-byte chunk c of
+// row r sits at chunk c ^ (r % 8) of the row (the XOR stays within the row's 128-byte half). The swizzle is
+// the staging tile's in shared memory, where it keeps the eight rows a warp writes at once in different
+// banks (unswizzled, 256-byte rows put them all in the same ones: an 8-way conflict). Blocks start at
+// multiples of 64 rows: seqlen_q_pad is a multiple of 128.
+template <int kHeadDim, bool kTiled>
+__device__ __forceinline__ i64 dq_accum_offset(i64 ws_row, int col) {
+  if constexpr (!kTiled) {
+    return ws_row * kHeadDim + col;
+  } else {
+    const int r = (int)(ws_row % 64);
+    return (ws_row - r) * kHeadDim + (col / 64) * 4096 + r * 64 + (((col % 64) / 4) ^ (r % 8)) * 4 + col % 4;
+  }
 }
 
 // dQ = the workspace rows of (batch, head), cast to 16 bits and stored in q's layout. 128 threads, 64 query
@@ -42,9 +63,14 @@ __device__ __forceinline__ void bwd_convert_dq_body(const BwdParams& p) {
     const int r = idx / C, c = idx % C;
     const int row = row0 + r;
     if (row >= p.seqlen_q || c * 8 >= p.head_dim) continue;
-    const float4* src = reinterpret_cast<const float4*>(p.dq_accum + (ws_row0 + r) * D + c * 8);
-    const float4 a = src[0], b = src[1];
-    const uint4 v = make_uint4(pack2<BF>(a.x, a.y), pack2<BF>(a.z, a.w), pack2<BF>(b.x, b.y), pack2<BF>(b.z, b.w));
+    // Two 16-byte chunks; tiled, their order in the row may be swapped.
+    constexpr bool kTiled = Cfg::kWarpSpecialized;
+    const float4 a =
+        *reinterpret_cast<const float4*>(p.dq_accum + dq_accum_offset<D, kTiled>(ws_row0 + r, c * 8));
+    const float4 b =
+        *reinterpret_cast<const float4*>(p.dq_accum + dq_accum_offset<D, kTiled>(ws_row0 + r, c * 8 + 4));
+    const uint4 v =
+        make_uint4(pack2<BF>(a.x, a.y), pack2<BF>(a.z, a.w), pack2<BF>(b.x, b.y), pack2<BF>(b.z, b.w));
     st_global_16(dq + (i64)row * p.dq_row_stride + c * 8, v);
   }
 }

@@ -54,6 +54,11 @@ __device__ __forceinline__ void st_shared_32(u32 dst, u32 v) {
   asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(dst), "r"(v));
 }
 
+// Two adjacent floats (8-byte aligned) into shared memory: an accumulator pair staged for a bulk copy.
+__device__ __forceinline__ void st_shared_f32x2(u32 dst, float a, float b) {
+  asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(dst), "f"(a), "f"(b));
+}
+
 __device__ __forceinline__ u32 ld_shared_32(u32 src) {
   u32 r;
   asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(r) : "r"(src) : "memory");

@@ -71,6 +71,31 @@ __device__ __forceinline__ void tma_prefetch_map(const TensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<u64>(map)) : "memory");
 }
 
+// ---- bulk reductions (PTX ISA cp.reduce.async.bulk) -------------------------------------------------------
+// Add `bytes` (a multiple of 16) of fp32 from shared memory into global memory, element by element and
+// atomically with respect to other reductions (the backward's dQ accumulator, which every key block of a
+// query block adds into). The copy engine does the work; the issuing thread only tracks it as a bulk group:
+// commit closes the group, wait_read<N> returns once at most N of this thread's groups still read shared
+// memory (the source may then be rewritten), wait<N> once at most N are still in flight at all (before the
+// block exits, so no copy outlives the shared memory it reads). Both addresses 16-byte aligned.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, u32 src, u32 bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
+               "r"(src), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+
+template <int N>
+__device__ __forceinline__ void bulk_wait() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
 // ---- named barriers (PTX ISA bar.sync) --------------------------------------------------------------------
 // bar.sync with an explicit thread count: only the `threads` threads that name barrier `id` meet there
 // (the consumers of a warp-specialized block, without the producer that has left its loop). Barrier 0 is

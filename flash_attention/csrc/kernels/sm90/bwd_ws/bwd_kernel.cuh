@@ -1,0 +1,350 @@
+// FlashAttention-2 backward's dK/dV kernel (dQ accumulated in an fp32 workspace) for Hopper (sm_90a),
+// warp-specialized: one warpgroup only loads, two only compute.
+//
+// The matrix products are those of the sm90 wgmma backward (csrc/kernels/sm90/bwd/bwd_kernel.cuh, whose
+// comments on the transposed chain S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q, dQ = dS K and on
+// the operand layouts apply here). What changes is who waits for what:
+//
+// * warpgroup 0, the producer: its 128 threads copy K_j and V_j once, then each query step's Q, dO, base-2
+//   LSE and delta into a ring of kStages slots (cp.async into the 128-byte-swizzled panels wgmma reads,
+//   fa/copy.cuh's load_tile_rolled, so any row stride works and the call needs no tensor maps: the
+//   compiled training node, ops/training.py, replays a backward by patching pointers alone). Each thread
+//   waits for its own copies, fences them for the tensor cores (fence.proxy.async) and arrives on the slot's
+//   full barrier (128 arrivals complete it); it then waits for the slot it refills to be released. It gives
+//   most of its registers to the consumers (setmaxnreg).
+// * warpgroups 1 and 2, the consumers: warpgroup c owns keys [64 (c - 1), 64 c) of the block, as in the
+//   sm90 kernel. Per step it issues S^T and dP^T as two wgmma groups and computes P = exp2(...) while dP^T
+//   is still on the tensor cores (wait_group 1, then 0), writes dS^T to shared memory, issues dV and dK,
+//   meets the other consumer warpgroup at one named barrier (both halves of dS^T written), issues its part
+//   of dQ = dS K, and releases the slot once all of it has completed.
+// * dQ leaves through the copy engine: each consumer warpgroup stages its 64 x 64 fp32 part of dQ in shared
+//   memory and one thread adds it into the workspace with a single bulk reduce-add (cp.reduce.async.bulk,
+//   fa/tma.cuh) of 16 KB. That needs a contiguous tile at both ends, so this kernel's workspace has the
+//   tiled layout of fa/dq_accum.cuh (its convert kernel reads that layout), swizzled like the staging tile
+//   so the warps' writes into it are free of bank conflicts. Measured against the alternatives on an H100
+//   (docs/kernel-log.md, step 45): 32 red.global.v2 per thread per step, as the sm90 kernel adds dQ, took
+//   1.11-1.14x the bulk kernel's time at 4k tokens, and one 256-byte bulk reduce per row of the row-major
+//   workspace (64 per warpgroup per step, which the compiler issues one lane at a time) 1.5x.
+//
+// Barriers, each for one hazard:
+//   full[s]  (mbarrier, 128 producer arrivals): slot s holds this use's Q, dO and statistics (and, for the
+//            first step, K and V).
+//   empty[s] (mbarrier, 256 consumer-thread arrivals): every product that reads slot s has completed, and
+//            so have this thread's reads of the slot's statistics. Each thread arrives itself: one lane per
+//            warp after __syncwarp orders the same reads, but compute-sanitizer's racecheck does not follow
+//            that chain and reported the producer's next copy into the statistics as a race.
+//   named 1  (256 consumer threads), once per step: both warpgroups' dS^T rows are written and fenced, so dQ
+//            may read them. dS^T is double-buffered: a warpgroup writing buffer (it & 1) at step it is past
+//            step it - 1's barrier, and so is the other one, which had then finished step it - 2 (the last
+//            reader of that buffer). The thread that issues a warpgroup's dQ reduction also waits there for
+//            its previous one to have read the staging tile (bulk_wait_read), so after it the tile may be
+//            rewritten.
+//   named 2 + c (128 threads of warpgroup c): its dQ tile is staged and fenced; one thread then issues it.
+//
+// Shared memory (bytes from a 1024-aligned base): K (BC x D), V, kStages Q slots, kStages dO slots, two dS^T
+// buffers, the two warpgroups' 16 KB dQ staging tiles, kStages slots of statistics (LSE2 then delta, BR
+// floats each), then the barriers. 199-200 KB at head_dim 64 and 128 with two slots; a third slot
+// (+32 KB) does not fit the 227 KB a block may have.
+#pragma once
+
+#include "fa/block_range.cuh"
+#include "fa/bwd_params.h"
+#include "fa/bwd_preprocess.cuh"
+#include "fa/copy.cuh"
+#include "fa/dq_accum.cuh"
+#include "fa/frag.cuh"
+#include "fa/mask.cuh"
+#include "fa/ptx.cuh"
+#include "fa/smem_layout.cuh"
+#include "fa/tile_ptrs.cuh"
+#include "fa/tma.cuh"
+#include "fa/variant.cuh"
+#include "fa/wgmma.cuh"
+
+namespace fa {
+namespace sm90 {
+
+template <class Cfg, class V>
+__device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
+  using Mask = typename V::Mask;  // the variant (fa/variant.cuh)
+  static_assert(V::ScoreMod::kIdentity, "the backward does not differentiate a score function yet");
+  constexpr bool BF = Cfg::kIsBF16;
+  constexpr int D = Cfg::kHeadDim;
+  constexpr int BR = Cfg::kBlockQ;   // query rows per step
+  constexpr int BC = Cfg::kBlockKV;  // key rows of the block: 64 per consumer warpgroup
+  constexpr int NST = Cfg::kStages;
+  constexpr int NQ = BR / 8;   // query n-tiles of S^T / dP^T
+  constexpr int KQ = BR / 16;  // k-steps of dV / dK
+  constexpr int DK = D / 16;   // k-steps of S^T / dP^T
+  constexpr int NO = D / 8;    // n-tiles of dK / dV
+  // dQ per consumer warpgroup: 64 query rows x DQN columns, at row DQ_ROW * c and column DQ_COL * c.
+  constexpr int DQN = BR == 128 ? D : D / 2;
+  constexpr int DQ_ROW = BR == 128 ? 64 : 0;
+  constexpr int DQ_COL = BR == 128 ? 0 : D / 2;
+  static_assert(Cfg::kNumWarps == 12 && BC == 128, "a producer and two consumer warpgroups of 64 keys");
+  static_assert((BR == 128 && D == 64) || (BR == 64 && D == 128), "dQ split between the warpgroups");
+  static_assert(DQN == 64, "one staged dQ row is 256 bytes");
+  // setmaxnreg moves registers within the block's launch allocation (384 x 168 = 64512).
+  static_assert(128 * Cfg::kProducerRegs + 256 * Cfg::kConsumerRegs <= 384 * 168,
+                "the register split exceeds the block's allocation");
+  using QTile = PanelTile<BR>;   // Q and dO in shared memory
+  using KVTile = PanelTile<BC>;  // K, V and dS^T
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  const u32 base = (smem_addr(smem) + 1023u) & ~1023u;
+  constexpr u32 kKV = 2 * BC * D;  // bytes of K or V
+  constexpr u32 kQ = 2 * BR * D;   // bytes of one Q or dO slot
+  constexpr u32 kDS = 2 * BC * BR;
+  const u32 sK = base;
+  const u32 sV = sK + kKV;
+  const u32 sQ = sV + kKV;
+  const u32 sdO = sQ + NST * kQ;
+  const u32 sdS = sdO + NST * kQ;
+  const u32 sdQ = sdS + 2 * kDS;
+  const u32 sStats = sdQ + 2 * 64 * 64 * 4;  // [slot][LSE2 (BR floats), delta (BR floats)]
+  const u32 bars = sStats + NST * 8 * BR;
+  auto full = [&](int s) { return bars + 8 * s; };
+  auto empty = [&](int s) { return bars + 8 * (NST + s); };
+  const float* const stats = reinterpret_cast<const float*>(smem + (sStats - smem_addr(smem)));
+
+  const int tid = threadIdx.x;
+  const int n_block = blockIdx.x;
+  const int kv_head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const int kv_start = n_block * BC;
+
+  // The query blocks [m_begin, m_begin + m_count) that see some key of this block (the variant's mask); the
+  // block walks them for every query head of its GQA group, so dK and dV are summed over the group.
+  const Mask mask(p, batch, kv_head);
+  const auto blocks = mask.template q_blocks<BR, BC>(p, kv_start);
+  const int m_begin = blocks.begin;
+  const int m_count = blocks.count;
+  const int n_iter = p.group * m_count;
+  auto head_of = [&](int it) { return kv_head * p.group + it / m_count; };
+  auto q_start_of = [&](int it) { return (m_begin + it % m_count) * BR; };
+
+  if (tid == 0) {
+    for (int s = 0; s < NST; ++s) {
+      mbar_init(full(s), 128);
+      mbar_init(empty(s), 256);
+    }
+    mbar_init_fence();
+  }
+  // The only block-wide barrier: the mbarriers are initialised before anyone waits on or arrives at them.
+  __syncthreads();
+
+  if (tid < 128) {
+    // ---- producer ----------------------------------------------------------------------------------------
+    setmaxnreg_dec<Cfg::kProducerRegs>();
+    for (int it = 0; it < n_iter; ++it) {
+      const int s = it % NST;
+      // The slot's previous use (step it - NST) has been released by every consumer warp.
+      if (it >= NST) mbar_wait(empty(s), (u32)((it / NST - 1) & 1));
+      if (it == 0) {
+        const u16* gK = static_cast<const u16*>(p.k) + k_offset(p, batch, kv_head, kv_start);
+        const u16* gV = static_cast<const u16*>(p.v) + v_offset(p, batch, kv_head, kv_start);
+        load_tile_rolled<BC, D, 128, KVTile>(sK, gK, p.k_row_stride, p.seqlen_k - kv_start, p.head_dim, tid);
+        load_tile_rolled<BC, D, 128, KVTile>(sV, gV, p.v_row_stride, p.seqlen_k - kv_start, p.head_dim, tid);
+      }
+      const int head = head_of(it);
+      const int q_start = q_start_of(it);
+      const u16* gQ = static_cast<const u16*>(p.q) + q_offset(p, batch, head, q_start);
+      const u16* gdO = static_cast<const u16*>(p.dout) + do_offset(p, batch, head, q_start);
+      load_tile_rolled<BR, D, 128, QTile>(sQ + s * kQ, gQ, p.q_row_stride, p.seqlen_q - q_start, p.head_dim,
+                                          tid);
+      load_tile_rolled<BR, D, 128, QTile>(sdO + s * kQ, gdO, p.do_row_stride, p.seqlen_q - q_start,
+                                          p.head_dim, tid);
+      // The workspaces are padded to whole 128-row blocks: no bounds check.
+      const i64 r0 = workspace_row(p, batch, head, q_start);
+      if (tid < BR / 4) {
+        cp_async_16(sStats + s * 8 * BR + 16 * tid, p.lse_log2 + r0 + 4 * tid, 16);
+      } else if (tid < BR / 2) {
+        const int c = tid - BR / 4;
+        cp_async_16(sStats + s * 8 * BR + 4 * BR + 16 * c, p.delta + r0 + 4 * c, 16);
+      }
+      cp_async_commit();
+      // This thread's copies have landed and are visible to the tensor cores before its arrival publishes
+      // them. Waiting here costs nothing the consumers see: the slot's next refill needs their release
+      // first, which comes a step later.
+      cp_async_wait<0>();
+      fence_proxy_async();
+      mbar_arrive(full(s));
+    }
+    return;
+  }
+
+  // ---- consumers ------------------------------------------------------------------------------------------
+  setmaxnreg_inc<Cfg::kConsumerRegs>();
+  const int ctid = tid - 128;
+  const int wg = ctid / 128;  // this warpgroup's 64 keys of the block
+  const int warp = ctid / 32;
+  const int lane = tid % 32;
+  const int g = lane / 4;
+  const int t = lane % 4;
+  const int row0 = 64 * wg + 16 * (warp % 4);  // the warp's first key row in the block
+
+  float dv[D / 2], dk[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) dv[i] = dk[i] = 0.f;
+
+  // Descriptors as in the sm90 kernel. K-major tiles: 8-row groups 1024 bytes apart. MN-major tiles:
+  // 64-column panels R * 128 bytes apart (the leading byte offset).
+  const u64 k_desc = smem_desc_sw128(sK + wg * 64 * 128, 16, 1024);  // A of S^T: this warpgroup's keys
+  const u64 v_desc = smem_desc_sw128(sV + wg * 64 * 128, 16, 1024);
+  const u64 q_desc = smem_desc_sw128(sQ, 16, 1024);         // B of S^T, dP^T (K-major)
+  const u64 qt_desc = smem_desc_sw128(sQ, BR * 128, 1024);  // B of dK, dV (MN-major)
+  const u64 ds_desc = smem_desc_sw128(sdS + wg * (DQ_ROW / 64) * BC * 128, BC * 128, 1024);
+  const u64 kt_desc = smem_desc_sw128(sK + wg * (DQ_COL / 64) * BC * 128, BC * 128, 1024);
+  constexpr u32 kDOOff = NST * kQ;  // dO's slots after Q's
+  const u32 sdQ_wg = sdQ + wg * 64 * 64 * 4;
+  const float sl2 = p.scale_log2;
+  const float scale = p.scale;
+
+#pragma unroll 1
+  for (int it = 0; it < n_iter; ++it) {
+    const int s = it % NST;
+    const u32 qoff = s * kQ;
+    const u32 dsoff = (it & 1) * kDS;
+    const int head = head_of(it);
+    const int q_start = q_start_of(it);
+    mbar_wait(full(s), (u32)((it / NST) & 1));
+
+    // ---- S^T = K Q^T, dP^T = V dO^T, as two groups: P is computed while dP^T runs ---------------------
+    float sc[BR / 2], dp[BR / 2];
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < DK; ++kk) {
+      const u32 a_off = (kk / 4) * BC * 128 + (kk % 4) * 32;
+      const u32 b_off = qoff + (kk / 4) * BR * 128 + (kk % 4) * 32;
+      Wgmma<BR, BF>::ss(sc, k_desc + (a_off >> 4), q_desc + (b_off >> 4), kk > 0);
+    }
+    wgmma_commit();
+#pragma unroll
+    for (int kk = 0; kk < DK; ++kk) {
+      const u32 a_off = (kk / 4) * BC * 128 + (kk % 4) * 32;
+      const u32 b_off = kDOOff + qoff + (kk / 4) * BR * 128 + (kk % 4) * 32;
+      Wgmma<BR, BF>::ss(dp, v_desc + (a_off >> 4), q_desc + (b_off >> 4), kk > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<1>();
+    wgmma_hold(sc);
+
+    // ---- P^T: the mask (keys past seqlen_k, the causal diagonal), then exp2 against the saved LSE ---------
+    // Register 4 n + e is key kv_start + row0 + g + 8 (e / 2) against query q_start + 8 n + 2 t + e % 2.
+    // Queries past seqlen_q need no mask: their base-2 LSE is +inf, so their P is 0.
+    mask.mask_key_rows(acc_tile(sc), kv_start, row0, q_start, g, t);
+    const float* lse_s = stats + s * 2 * BR;
+    const float* del_s = lse_s + BR;
+#pragma unroll
+    for (int n = 0; n < NQ; ++n) {
+      const float2 l2 = *reinterpret_cast<const float2*>(lse_s + 8 * n + 2 * t);
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        sc[4 * n + e] = exp2_approx(fmaf(sc[4 * n + e], sl2, -((e & 1) ? l2.y : l2.x)));
+    }
+    wgmma_wait<0>();
+    wgmma_hold(dp);
+
+    // ---- dS^T = scale P^T (dP^T - delta) ----------------------------------------------------------------
+#pragma unroll
+    for (int n = 0; n < NQ; ++n) {
+      const float2 dl = *reinterpret_cast<const float2*>(del_s + 8 * n + 2 * t);
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        dp[4 * n + e] = sc[4 * n + e] * (dp[4 * n + e] - ((e & 1) ? dl.y : dl.x)) * scale;
+    }
+    u32 pf[KQ][4], sf[KQ][4];
+#pragma unroll
+    for (int ks = 0; ks < KQ; ++ks)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        pf[ks][r] = pack2<BF>(sc[8 * ks + 2 * r], sc[8 * ks + 2 * r + 1]);
+        sf[ks][r] = pack2<BF>(dp[8 * ks + 2 * r], dp[8 * ks + 2 * r + 1]);
+      }
+
+    // dS^T to shared memory for dQ: register pair r of k-step ks is key row g + 8 (r % 2) of the warp at
+    // queries 16 ks + 8 (r / 2) + 2 t (+1), i.e. 16-byte chunk 2 ks + r / 2 of the key's row.
+#pragma unroll
+    for (int ks = 0; ks < KQ; ++ks)
+#pragma unroll
+      for (int r = 0; r < 4; ++r)
+        st_shared_32(sdS + dsoff + KVTile::bytes(row0 + g + 8 * (r & 1), 2 * ks + (r >> 1)) + 4 * t,
+                     sf[ks][r]);
+    fence_proxy_async();
+
+    // ---- dV += P^T dO, dK += dS^T Q: on the tensor cores while the warpgroups meet below ------------------
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < KQ; ++ks) {
+      const u32 off = qoff + ks * 16 * 128;
+      Wgmma<D, BF>::rs_bt(dv, pf[ks], qt_desc + ((kDOOff + off) >> 4), 1);
+      Wgmma<D, BF>::rs_bt(dk, sf[ks], qt_desc + (off >> 4), 1);
+    }
+    wgmma_commit();
+
+    // The staging tile of this warpgroup's previous dQ has been read by the copy engine (the thread that
+    // issued that reduction waits), and both warpgroups' dS^T of this step is written.
+    if (ctid % 128 == 0) bulk_wait_read<0>();
+    named_barrier_sync(1, 256);
+
+    // ---- dQ = dS K (this warpgroup's 64 x DQN part) -------------------------------------------------------
+    float dq[DQN / 2];
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BC / 16; ++kk)
+      Wgmma<DQN, BF>::ss_tt(dq, ds_desc + ((dsoff + kk * 16 * 128) >> 4), kt_desc + ((kk * 16 * 128) >> 4),
+                            kk > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_hold(dq);
+    wgmma_hold(dv);
+    wgmma_hold(dk);
+    // Every product reading slot s (S^T, dP^T, dV, dK) and this step's dS^T buffer has completed.
+    mbar_arrive(empty(s));
+
+    // ---- dQ out: a staged 64 x 64 tile, then one bulk reduce-add of it (fa/dq_accum.cuh, tiled) --------
+    // Register 4 n + e: query row 16 (warp % 4) + g + 8 (e / 2) of the warpgroup's 64, column 8 n + 2 t; its
+    // 16-byte chunk (2 n + t / 2) is swizzled by the row's low three bits, as the workspace tile is.
+#pragma unroll
+    for (int n = 0; n < DQN / 8; ++n)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = 16 * (warp % 4) + g + 8 * r;
+        st_shared_f32x2(sdQ_wg + row * 256 + (((2 * n + t / 2) ^ (row % 8)) << 4) + 8 * (t % 2),
+                        dq[4 * n + 2 * r], dq[4 * n + 2 * r + 1]);
+      }
+    fence_proxy_async();
+    named_barrier_sync(2 + wg, 128);
+    if (ctid % 128 == 0) {
+      // The warpgroup's tile: rows [DQ_ROW wg, + 64) of the query block, columns [DQ_COL wg, + 64).
+      const i64 ws_row = workspace_row(p, batch, head, q_start) + DQ_ROW * wg;
+      bulk_reduce_add_f32(p.dq_accum + dq_accum_offset<D, true>(ws_row, DQ_COL * wg), sdQ_wg, 64 * 64 * 4);
+      bulk_commit();
+    }
+  }
+  // No reduction may outlive the shared memory it reads.
+  if (ctid % 128 == 0) bulk_wait<0>();
+
+  // ---- epilogue: dK, dV (scale already folded into dS) ---------------------------------------------------
+  u16* gdK = static_cast<u16*>(p.dk) + dk_offset(p, batch, kv_head, kv_start);
+  u16* gdV = static_cast<u16*>(p.dv) + dv_offset(p, batch, kv_head, kv_start);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row0 + g + 8 * r;
+    if (kv_start + row < p.seqlen_k) {
+#pragma unroll
+      for (int n = 0; n < NO; ++n) {
+        const int col = 8 * n + 2 * t;
+        if (col < p.head_dim) {
+          st_global_32(gdK + (i64)row * p.dk_row_stride + col,
+                       pack2<BF>(dk[4 * n + 2 * r], dk[4 * n + 2 * r + 1]));
+          st_global_32(gdV + (i64)row * p.dv_row_stride + col,
+                       pack2<BF>(dv[4 * n + 2 * r], dv[4 * n + 2 * r + 1]));
+        }
+      }
+    }
+  }
+}
+
+}  // namespace sm90
+}  // namespace fa

@@ -1,0 +1,138 @@
+"""GPU tests of the warp-specialized Hopper backward (csrc/kernels/sm90/bwd_ws): gradients against float64
+autograd on random shapes (odd lengths, seqlen_q above and below seqlen_k, GQA groups up to 8, a head_dim
+below the compiled one, fp16 and bf16, causal and not), within twice the error of PyTorch's own
+low-precision attention and 1.5x the error of the wgmma kernel it replaces, and bitwise agreement of the
+atomic-free parts (dK, dV) between runs."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flash_attention import ops
+from flash_attention.configs import BwdConfig, hopper_bwd_config
+from flash_attention.reference import attention_reference
+
+pytestmark = pytest.mark.gpu
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+needs_hopper = pytest.mark.skipif(not _hopper(), reason="the warp-specialized backward needs an sm_90 GPU")
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def ws_config(dtype: str, d: int) -> BwdConfig:
+    return hopper_bwd_config(dtype, d)
+
+
+def wgmma_config(dtype: str, d: int) -> BwdConfig:
+    return hopper_bwd_config(dtype, d, warp_specialized=False)
+
+
+# (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim)
+SHAPES = [
+    (2, 333, 517, 6, 2, 128),
+    (1, 517, 129, 8, 1, 64),
+    (2, 1, 300, 4, 4, 128),
+    (1, 200, 200, 3, 3, 100),
+    (1, 1100, 700, 8, 8, 64),
+    (3, 64, 65, 2, 1, 128),
+]
+
+
+def _torch_lowp_grads(q, k, v, do, causal):
+    """PyTorch's math attention in the inputs' precision: the error scale the accuracy rule allows."""
+    leaves = [t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v)]
+    group = q.shape[2] // k.shape[2]
+    kk, vv = (t.repeat_interleave(group, dim=1) for t in leaves[1:])
+    sq, sk = q.shape[1], k.shape[1]
+    mask = None
+    if causal:  # bottom-right aligned, as the library's causal mask
+        mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
+    # The math backend upcasts 16-bit inputs to fp32 unless told to compute in their precision, as every
+    # fused kernel does (P and dS rounded to 16 bits before their matrix products).
+    previous = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
+    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
+    try:
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+            out = F.scaled_dot_product_attention(leaves[0], kk, vv, attn_mask=mask)
+        grads = torch.autograd.grad(out, leaves, do.transpose(1, 2))
+    finally:
+        torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(previous)
+    return [g.transpose(1, 2) for g in grads]
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_ws_backward_against_float64(shape, causal, dtype):
+    b, sq, sk, hq, hkv, d = shape
+    dt = DTYPES[dtype]
+    gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(repr((shape, causal, dtype)).encode()))
+    q = torch.randn(b, sq, hq, d, generator=gen, device="cuda").to(dt)
+    k, v = (torch.randn(b, sk, hkv, d, generator=gen, device="cuda").to(dt) for _ in range(2))
+    do = torch.randn(b, sq, hq, d, generator=gen, device="cuda").to(dt)
+    scale = d**-0.5
+    o, lse = ops.cuda_forward(q, k, v, causal=causal, softmax_scale=scale, return_lse=True, out=None)
+    dpad = 64 if d <= 64 else 128
+    got = ops.cuda_backward(
+        do, q, k, v, o, lse, causal=causal, softmax_scale=scale, config=ws_config(dtype, dpad)
+    )
+    old = ops.cuda_backward(
+        do, q, k, v, o, lse, causal=causal, softmax_scale=scale, config=wgmma_config(dtype, dpad)
+    )
+    leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    ref_o, _ = attention_reference(*leaves, causal=causal)
+    ref = torch.autograd.grad(ref_o, leaves, do.double())
+    lowp = _torch_lowp_grads(q, k, v, do, causal)
+    for name, a, b_, r, t in zip(("dq", "dk", "dv"), got, old, ref, lowp, strict=True):
+        assert a.shape == r.shape and a.dtype == dt, name
+        assert torch.isfinite(a).all(), name
+        err = (a.double() - r).abs().max().item()
+        err_old = (b_.double() - r).abs().max().item()
+        err_torch = (t.double() - r).abs().max().item()
+        assert err <= 2 * err_torch + 1e-3, (
+            f"{name}: {err:.3g} vs PyTorch's {err_torch:.3g} (wgmma kernel {err_old:.3g})"
+        )
+        assert err <= 1.5 * err_old + 1e-4, f"{name}: {err:.3g} vs the wgmma kernel's {err_old:.3g}"
+
+
+@needs_hopper
+def test_ws_backward_dk_dv_repeat_bitwise():
+    """dK and dV are summed in registers in a fixed order (no atomics): identical over runs."""
+    q = torch.randn(2, 777, 8, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 555, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    do = torch.randn_like(q)
+    o, lse = ops.cuda_forward(q, k, v, causal=True, softmax_scale=0.1, return_lse=True, out=None)
+    runs = [
+        ops.cuda_backward(do, q, k, v, o, lse, causal=True, softmax_scale=0.1, config=ws_config("bf16", 128))
+        for _ in range(3)
+    ]
+    for r in runs[1:]:
+        assert torch.equal(r[1], runs[0][1]) and torch.equal(r[2], runs[0][2])
+        torch.testing.assert_close(r[0], runs[0][0], rtol=0, atol=2e-2)  # dQ: atomic order varies
+
+
+@needs_hopper
+def test_ws_backward_strided_inputs():
+    """Inputs that are views with a row stride wider than heads * head_dim (a fused QKV projection)."""
+    qkv = torch.randn(2, 300, 3, 4, 128, device="cuda", dtype=torch.bfloat16)
+    q, k, v = qkv.unbind(2)
+    do = torch.randn(2, 300, 4, 128, device="cuda", dtype=torch.bfloat16)
+    o, lse = ops.cuda_forward(q, k, v, causal=False, softmax_scale=0.09, return_lse=True, out=None)
+    got = ops.cuda_backward(
+        do, q, k, v, o, lse, causal=False, softmax_scale=0.09, config=ws_config("bf16", 128)
+    )
+    want = ops.cuda_backward(
+        do, q, k, v, o, lse, causal=False, softmax_scale=0.09, config=wgmma_config("bf16", 128)
+    )
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=3e-2)
