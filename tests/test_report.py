@@ -169,3 +169,7 @@ def test_report_covers_backward_configs(tmp_path, monkeypatch, capsys):
     lines = {line.split()[-1]: line.split() for line in out.splitlines() if line.startswith("sm_90")}
     assert int(lines[cfg.symbol("pre")][2]) == 0
     assert int(lines[cfg.symbol("dkdv")][2]) == cfg.smem_bytes
+    # The warp-specialized default: the launch allocation is 168 per thread, what setmaxnreg makes of it
+    # per role is stated beside it.
+    assert cfg.warp_specialized
+    assert "registers by role: setmaxnreg: producer warpgroup 24, consumer warpgroups up to 240" in out

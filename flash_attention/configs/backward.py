@@ -8,7 +8,14 @@ from dataclasses import dataclass
 
 from .common import DTYPES, HEAD_DIMS, SMEM_LIMIT_SM90, cpp_struct
 
-__all__ = ["WS_REGISTER_SPLIT", "BwdConfig", "bwd_validity_errors", "hopper_bwd_config", "parse_bwd_config"]
+__all__ = [
+    "WS_REGISTER_SPLIT",
+    "BwdConfig",
+    "bwd_register_roles",
+    "bwd_validity_errors",
+    "hopper_bwd_config",
+    "parse_bwd_config",
+]
 
 #: Registers per thread of the warp-specialized backward's producer and consumer warpgroups after
 #: setmaxnreg. The block (384 threads, one per multiprocessor) is launched with 384 x 168 = 64512:
@@ -193,6 +200,15 @@ def bwd_validity_errors(cfg: BwdConfig) -> list[str]:
     if not errors and cfg.smem_bytes > SMEM_LIMIT_SM90:
         errors.append("shared memory exceeds the sm_90 limit of 232448")
     return errors
+
+
+def bwd_register_roles(cfg: BwdConfig) -> str:
+    """What a backward block's register count means per role, for ``report``: "" for a kernel without roles
+    (the compiler reports only the launch-time allocation of the warp-specialized one)."""
+    if not cfg.warp_specialized:
+        return ""
+    producer, consumer = WS_REGISTER_SPLIT
+    return f"setmaxnreg: producer warpgroup {producer}, consumer warpgroups up to {consumer}"
 
 
 def hopper_bwd_config(dtype: str, head_dim: int, *, warp_specialized: bool = True) -> BwdConfig:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from flash_attention import ops
 from flash_attention.configs import BwdConfig, KernelConfig, parse_bwd_config, parse_config
+from flash_attention.configs.backward import bwd_register_roles
 from flash_attention.configs.decode import DecodeConfig, parse_decode_config
 from flash_attention.configs.forward import register_roles
 from flash_attention.jit.cache import build
@@ -221,7 +222,7 @@ def resource_lines(cfg, arch: str, compiler: str | None) -> list[str]:
             f"{r['stack_frame']:5d}  {occ.blocks:2d} blk {occ.warps:2d}/{occ.max_warps} warps "
             f"({occ.fraction:4.0%}, {occ.limiter:13})  {r['kernel']}"
         )
-    roles = register_roles(cfg) if isinstance(cfg, KernelConfig) else ""
+    roles = register_roles(cfg) if isinstance(cfg, KernelConfig) else bwd_register_roles(cfg)
     if roles:
         lines.append(f"{'':6} registers by role: {roles}")
     return lines
