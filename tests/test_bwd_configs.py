@@ -117,8 +117,14 @@ def test_hopper_backward_configs():
     assert "kWarpSpecialized = true" in src
     src = sources.kernel_source(hopper_bwd_config("bf16", 128, warp_specialized=False))
     assert '#include "sm90/bwd/bwd_kernel.cuh"' in src and "kWarpSpecialized = false" in src
-    with pytest.raises(ValueError, match="no key-range or dropout build"):
-        sources.kernel_source(default_bwd_config("bf16", 128, "sm_90"), ranged=True)
+    # The key-range build exists for the warp-specialized kernel only; dropout for neither.
+    ws128 = default_bwd_config("bf16", 128, "sm_90")
+    src = sources.kernel_source(ws128, ranged=True)
+    assert ws128.symbol("dkdv", True, True) in src and "fa::DefaultVariant<true, true>" in src
+    with pytest.raises(ValueError, match="no dropout build"):
+        sources.kernel_source(default_bwd_config("bf16", 128, "sm_90"), dropout=True)
+    with pytest.raises(ValueError, match="no dropout build"):
+        sources.kernel_source(hopper_bwd_config("bf16", 128, warp_specialized=False), ranged=True)
     with pytest.raises(ValueError, match="needs an sm_90 GPU"):
         cache.build(default_bwd_config("bf16", 64, "sm_90"), "sm_80")
 

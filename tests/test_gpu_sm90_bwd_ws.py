@@ -136,3 +136,50 @@ def test_ws_backward_strided_inputs():
     )
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=3e-2)
+
+
+@needs_hopper
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_ws_backward_key_range(d, causal):
+    """The key-range build: batch rows with a range on both sides, one with no key at all (zero gradients,
+    never NaN), one with the whole row; against float64 autograd and the portable kernel's error."""
+    from flash_attention.configs import default_bwd_config
+
+    gen = torch.Generator(device="cuda").manual_seed(31 * d + causal)
+    b, sq, sk, hq, hkv = 4, 300, 517, 4, 2
+    q = torch.randn(b, sq, hq, d, generator=gen, device="cuda").to(torch.bfloat16)
+    k, v = (torch.randn(b, sk, hkv, d, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(2))
+    do = torch.randn_like(q)
+    kr = torch.tensor([[40, 333], [0, 0], [0, sk], [200, 517]], dtype=torch.int32, device="cuda")
+    o, lse = ops.cuda_forward(
+        q, k, v, causal=causal, softmax_scale=d**-0.5, return_lse=True, out=None, key_range=kr
+    )
+    got = ops.cuda_backward(
+        do, q, k, v, o, lse, causal=causal, softmax_scale=d**-0.5, key_range=kr, config=ws_config("bf16", d)
+    )
+    portable = ops.cuda_backward(
+        do, q, k, v, o, lse, causal=causal, softmax_scale=d**-0.5, key_range=kr,
+        config=default_bwd_config("bf16", d),
+    )  # fmt: skip
+    leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    ref_o, _ = attention_reference(*leaves, causal=causal, key_range=kr)
+    ref = torch.autograd.grad(ref_o, leaves, do.double())
+    for name, a, p_, r in zip(("dq", "dk", "dv"), got, portable, ref, strict=True):
+        assert torch.isfinite(a).all(), name
+        err, err_p = (a.double() - r).abs().max().item(), (p_.double() - r).abs().max().item()
+        assert err <= 1.5 * err_p + 1e-4, f"{name}: {err:.3g} vs the portable kernel's {err_p:.3g}"
+    assert (got[0][1] == 0).all()  # batch row 1 sees no key: no gradient reaches its queries
+    assert (got[1][1] == 0).all() and (got[2][1] == 0).all()
+    assert (got[1][0, :40] == 0).all() and (got[1][0, 333:] == 0).all()  # keys outside the range
+
+
+@needs_hopper
+def test_key_range_training_takes_the_ws_backward():
+    from flash_attention.configs import default_bwd_config
+    from flash_attention.ops.select import backward_config
+
+    cfg = backward_config(
+        "bf16", 128, True, 1000, 1000, 1, arch="sm_90", gpu="", smem_limit=227 * 1024, features=["key_range"]
+    )
+    assert cfg == default_bwd_config("bf16", 128, "sm_90") and cfg.warp_specialized

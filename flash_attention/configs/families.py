@@ -34,8 +34,9 @@ _SUPPORTED = {
     (False, "ws"): frozenset({"causal", "key_range", "dropout", "trace"}),
     (True, "portable"): frozenset({"causal", "key_range", "dropout", "deterministic", "untileable"}),
     (True, "wgmma"): frozenset({"causal", "untileable"}),
-    # The warp-specialized backward copies with cp.async (no tensor maps): any layout the sm90 one takes.
-    (True, "ws"): frozenset({"causal", "untileable"}),
+    # The warp-specialized backward copies with cp.async (no tensor maps): any layout the sm90 one takes;
+    # its key-range build is the mask policy's (fa/variant.cuh), as in the forward.
+    (True, "ws"): frozenset({"causal", "key_range", "untileable"}),
 }
 
 
