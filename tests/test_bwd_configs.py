@@ -117,14 +117,17 @@ def test_hopper_backward_configs():
     assert "kWarpSpecialized = true" in src
     src = sources.kernel_source(hopper_bwd_config("bf16", 128, warp_specialized=False))
     assert '#include "sm90/bwd/bwd_kernel.cuh"' in src and "kWarpSpecialized = false" in src
-    # The key-range build exists for the warp-specialized kernel only; dropout for neither.
+    # The key-range and dropout builds exist for the warp-specialized kernel only.
     ws128 = default_bwd_config("bf16", 128, "sm_90")
     src = sources.kernel_source(ws128, ranged=True)
-    assert ws128.symbol("dkdv", True, True) in src and "fa::DefaultVariant<true, true>" in src
-    with pytest.raises(ValueError, match="no dropout build"):
-        sources.kernel_source(default_bwd_config("bf16", 128, "sm_90"), dropout=True)
-    with pytest.raises(ValueError, match="no dropout build"):
-        sources.kernel_source(hopper_bwd_config("bf16", 128, warp_specialized=False), ranged=True)
+    assert ws128.symbol("dkdv", True, True) in src and "fa::DefaultVariant<true, true>, false>" in src
+    src = sources.kernel_source(ws128, dropout=True)
+    assert ws128.symbol("dkdv", True, False, True) in src and "fa::DefaultVariant<true, false>, true>" in src
+    for ranged, dropout in ((True, False), (False, True)):
+        with pytest.raises(ValueError, match="no key-range or dropout build"):
+            sources.kernel_source(
+                hopper_bwd_config("bf16", 128, warp_specialized=False), ranged=ranged, dropout=dropout
+            )
     with pytest.raises(ValueError, match="needs an sm_90 GPU"):
         cache.build(default_bwd_config("bf16", 64, "sm_90"), "sm_80")
 

@@ -52,6 +52,7 @@
 #include "fa/bwd_preprocess.cuh"
 #include "fa/copy.cuh"
 #include "fa/dq_accum.cuh"
+#include "fa/dropout.cuh"
 #include "fa/frag.cuh"
 #include "fa/mask.cuh"
 #include "fa/ptx.cuh"
@@ -64,7 +65,7 @@
 namespace fa {
 namespace sm90 {
 
-template <class Cfg, class V>
+template <class Cfg, class V, bool kDropout = false>
 __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
   using Mask = typename V::Mask;  // the variant (fa/variant.cuh)
   static_assert(V::ScoreMod::kIdentity, "the backward does not differentiate a score function yet");
@@ -235,31 +236,58 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
     mask.mask_key_rows(acc_tile(sc), kv_start, row0, q_start, g, t);
     const float* lse_s = stats + s * 2 * BR;
     const float* del_s = lse_s + BR;
+    // Dropout (kDropout; keep mask Z, kept elements scaled by rp = 1 / (1 - p), fa/dropout.cuh): dV takes
+    // P Z rp and dS = P (dP Z rp - delta), so P itself stays undropped in `sc` and the decisions, drawn here
+    // while dP^T is on the tensor cores, wait in one bit per element (register 4 n + e is bit 4 n + e).
+    u32 keep[kDropout ? BR / 64 : 1] = {};
+    u32 head_hash = 0;
+    if constexpr (kDropout) head_hash = dropout_head_hash(p.dropout_key, batch * p.heads_q + head);
 #pragma unroll
     for (int n = 0; n < NQ; ++n) {
       const float2 l2 = *reinterpret_cast<const float2*>(lse_s + 8 * n + 2 * t);
 #pragma unroll
       for (int e = 0; e < 4; ++e)
         sc[4 * n + e] = exp2_approx(fmaf(sc[4 * n + e], sl2, -((e & 1) ? l2.y : l2.x)));
+      if constexpr (kDropout) {
+        const u32 hr[2] = {dropout_row_hash(head_hash, q_start + 8 * n + 2 * t),
+                           dropout_row_hash(head_hash, q_start + 8 * n + 2 * t + 1)};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = kv_start + row0 + g + 8 * (e >> 1);
+          if (dropout_keep(hr[e & 1], key, p.dropout_threshold))
+            keep[(4 * n + e) / 32] |= 1u << ((4 * n + e) % 32);
+        }
+      }
     }
+    // Element i of the dropped P: P Z rp.
+    auto kept = [&](int i) { return !kDropout || ((keep[i / 32] >> (i % 32)) & 1u); };
+    const float rp = kDropout ? p.dropout_rp : 1.f;
     wgmma_wait<0>();
     wgmma_hold(dp);
 
-    // ---- dS^T = scale P^T (dP^T - delta) ----------------------------------------------------------------
+    // ---- dS^T = scale P^T (dP^T Z rp - delta) -------------------------------------------------------------
 #pragma unroll
     for (int n = 0; n < NQ; ++n) {
       const float2 dl = *reinterpret_cast<const float2*>(del_s + 8 * n + 2 * t);
 #pragma unroll
-      for (int e = 0; e < 4; ++e)
-        dp[4 * n + e] = sc[4 * n + e] * (dp[4 * n + e] - ((e & 1) ? dl.y : dl.x)) * scale;
+      for (int e = 0; e < 4; ++e) {
+        const int i = 4 * n + e;
+        const float dpz = kDropout ? (kept(i) ? dp[i] * rp : 0.f) : dp[i];
+        dp[i] = sc[i] * (dpz - ((e & 1) ? dl.y : dl.x)) * scale;
+      }
     }
     u32 pf[KQ][4], sf[KQ][4];
 #pragma unroll
     for (int ks = 0; ks < KQ; ++ks)
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
-        pf[ks][r] = pack2<BF>(sc[8 * ks + 2 * r], sc[8 * ks + 2 * r + 1]);
-        sf[ks][r] = pack2<BF>(dp[8 * ks + 2 * r], dp[8 * ks + 2 * r + 1]);
+        const int i = 8 * ks + 2 * r;
+        if constexpr (kDropout) {
+          pf[ks][r] = pack2<BF>(kept(i) ? sc[i] * rp : 0.f, kept(i + 1) ? sc[i + 1] * rp : 0.f);
+        } else {
+          pf[ks][r] = pack2<BF>(sc[i], sc[i + 1]);
+        }
+        sf[ks][r] = pack2<BF>(dp[i], dp[i + 1]);
       }
 
     // dS^T to shared memory for dQ: register pair r of k-step ks is key row g + 8 (r % 2) of the warp at
