@@ -215,3 +215,73 @@ def test_ws_backward_dropout(d, causal):
         assert torch.isfinite(a).all(), name
         err, err_p = (a.double() - r).abs().max().item(), (p_.double() - r).abs().max().item()
         assert err <= 1.5 * err_p + 1e-4, f"{name}: {err:.3g} vs the portable kernel's {err_p:.3g}"
+
+
+_DET_CASES = [
+    # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal, key_range, dropout_p)
+    (2, 777, 555, 8, 2, 128, True, False, 0.0),
+    (1, 1100, 1100, 4, 4, 128, False, False, 0.0),
+    (3, 300, 517, 6, 3, 64, True, True, 0.0),
+    (2, 640, 640, 4, 1, 64, False, False, 0.2),
+    (1, 1000, 900, 8, 8, 128, True, True, 0.1),
+]
+
+
+@needs_hopper
+@pytest.mark.parametrize("case", _DET_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_ws_deterministic_bitwise_and_accurate(case):
+    """deterministic=True on the ws kernel: dQ's reductions take turns in key-block order, so ten runs give
+    the same bits (dq included); and the gradients are as accurate as the atomic mode's."""
+    from flash_attention.dropout import draw_seed
+
+    b, sq, sk, hq, hkv, d, causal, ranged, p_drop = case
+    gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(repr(case).encode()))
+    q = torch.randn(b, sq, hq, d, generator=gen, device="cuda").to(torch.bfloat16)
+    k, v = (torch.randn(b, sk, hkv, d, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(2))
+    do = torch.randn_like(q)
+    kr = None
+    if ranged:
+        starts = torch.randint(0, sk // 3, (b,), generator=gen, device="cuda")
+        ends = torch.randint(sk // 2, sk + 1, (b,), generator=gen, device="cuda")
+        kr = torch.stack([starts, ends], 1).to(torch.int32)
+    kw = dict(causal=causal, softmax_scale=d**-0.5, key_range=kr, dropout_p=p_drop)
+    if p_drop:
+        kw["dropout_seed"] = draw_seed(99)
+    o, lse = ops.cuda_forward(q, k, v, return_lse=True, out=None, **kw)
+    cfg = ws_config("bf16", d)
+    runs = [ops.cuda_backward(do, q, k, v, o, lse, deterministic=True, config=cfg, **kw) for _ in range(10)]
+    for r in runs[1:]:
+        for name, a, b_ in zip(("dq", "dk", "dv"), runs[0], r, strict=True):
+            assert torch.equal(a, b_), f"{name} differs between deterministic runs"
+    atomic = ops.cuda_backward(do, q, k, v, o, lse, config=cfg, **kw)
+    for name, a, b_ in zip(("dq", "dk", "dv"), runs[0], atomic, strict=True):
+        assert torch.isfinite(a).all(), name
+        # The same products summed in another order: within a few roundings of each other.
+        torch.testing.assert_close(a.float(), b_.float(), rtol=0, atol=2e-2, msg=name)
+    if not p_drop:
+        leaves = [x.double().requires_grad_() for x in (q, k, v)]
+        ref_o, _ = attention_reference(*leaves, causal=causal, key_range=kr)
+        ref = torch.autograd.grad(ref_o, leaves, do.double())
+        for name, a, b_, r in zip(("dq", "dk", "dv"), runs[0], atomic, ref, strict=True):
+            err, err_a = (a.double() - r).abs().max().item(), (b_.double() - r).abs().max().item()
+            assert err <= 1.5 * err_a + 1e-4, f"{name}: {err:.3g} vs the atomic mode's {err_a:.3g}"
+
+
+@needs_hopper
+def test_deterministic_training_takes_the_ws_backward():
+    from flash_attention.configs import default_bwd_config
+    from flash_attention.ops.select import backward_config
+
+    cfg = backward_config(
+        "bf16",
+        64,
+        True,
+        1000,
+        1000,
+        1,
+        arch="sm_90",
+        gpu="",
+        smem_limit=227 * 1024,
+        features=["deterministic"],
+    )
+    assert cfg == default_bwd_config("bf16", 64, "sm_90") and cfg.warp_specialized
