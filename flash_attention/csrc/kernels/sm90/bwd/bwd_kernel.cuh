@@ -14,12 +14,14 @@
 //                    is dS in M-major form), B = K (MN-major); added to the fp32 dQ workspace with atomics.
 // dQ's 64 x head_dim products are shared between the two warpgroups: with block_q 128 each takes 64 query
 // rows (head_dim 64), with block_q 64 each takes half of head_dim's columns (head_dim 128), so neither idles.
-// Tiles are 64-column panels with the 128-byte swizzle (fa/smem_layout.cuh, PanelTile); Q/dO are double-buffered.
+// Tiles are 64-column panels with the 128-byte swizzle (fa/smem_layout.cuh, PanelTile); Q/dO are
+// double-buffered.
 #pragma once
 
 #include "fa/block_range.cuh"
 #include "fa/bwd_params.h"
 #include "fa/bwd_preprocess.cuh"
+#include "fa/bwd_wgmma.cuh"
 #include "fa/copy.cuh"
 #include "fa/frag.cuh"
 #include "fa/mask.cuh"
@@ -43,8 +45,6 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
   constexpr int NT = Cfg::kNumWarps * 32;
   constexpr int NQ = BR / 8;   // query n-tiles of S^T / dP^T
   constexpr int KQ = BR / 16;  // k-steps of dV / dK
-  constexpr int DK = D / 16;   // k-steps of S^T / dP^T
-  constexpr int NO = D / 8;    // n-tiles of dK / dV
   // dQ per warpgroup: 64 query rows x DQN columns, at row DQ_ROW * wg and column DQ_COL * wg.
   constexpr int DQN = BR == 128 ? D : D / 2;
   constexpr int DQ_ROW = BR == 128 ? 64 : 0;
@@ -149,18 +149,8 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
     // ---- S^T = K Q^T, dP^T = V dO^T -------------------------------------------------------------------
     float s[BR / 2], dp[BR / 2];
     wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < DK; ++kk) {
-      const u32 a_off = (kk / 4) * BC * 128 + (kk % 4) * 32;
-      const u32 b_off = qoff + (kk / 4) * BR * 128 + (kk % 4) * 32;
-      Wgmma<BR, BF>::ss(s, k_desc + (a_off >> 4), q_desc + (b_off >> 4), kk > 0);
-    }
-#pragma unroll
-    for (int kk = 0; kk < DK; ++kk) {
-      const u32 a_off = (kk / 4) * BC * 128 + (kk % 4) * 32;
-      const u32 b_off = kDOOff + qoff + (kk / 4) * BR * 128 + (kk % 4) * 32;
-      Wgmma<BR, BF>::ss(dp, v_desc + (a_off >> 4), q_desc + (b_off >> 4), kk > 0);
-    }
+    issue_key_rows_product<BR, BC, D, BF>(s, k_desc, q_desc, qoff);
+    issue_key_rows_product<BR, BC, D, BF>(dp, v_desc, q_desc, kDOOff + qoff);
     wgmma_commit();
     wgmma_wait<0>();
     wgmma_hold(s);
@@ -187,31 +177,15 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
       }
     }
     u32 pf[KQ][4], sf[KQ][4];
-#pragma unroll
-    for (int ks = 0; ks < KQ; ++ks)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        pf[ks][r] = pack2<BF>(s[8 * ks + 2 * r], s[8 * ks + 2 * r + 1]);
-        sf[ks][r] = pack2<BF>(dp[8 * ks + 2 * r], dp[8 * ks + 2 * r + 1]);
-      }
+    pack_p_ds<BR, BF>(pf, sf, s, dp);
 
-    // dS^T to shared memory for dQ: register pair r of k-step ks is key row g + 8 (r % 2) of the warp at
-    // queries 16 ks + 8 (r / 2) + 2 t (+1), i.e. 16-byte chunk 2 ks + r / 2 of the key's row.
-#pragma unroll
-    for (int ks = 0; ks < KQ; ++ks)
-#pragma unroll
-      for (int r = 0; r < 4; ++r)
-        st_shared_32(sdS + KVTile::bytes(row0 + g + 8 * (r & 1), 2 * ks + (r >> 1)) + 4 * t, sf[ks][r]);
+    // dS^T to shared memory for dQ (fa/bwd_wgmma.cuh).
+    store_ds_t<BR, BC>(sdS, sf, row0, g, t);
 
     // ---- dV += P^T dO, dK += dS^T Q
     // --------------------------------------------------------------------------
     wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < KQ; ++ks) {
-      const u32 off = qoff + ks * 16 * 128;
-      Wgmma<D, BF>::rs_bt(dv, pf[ks], qt_desc + ((kDOOff + off) >> 4), 1);
-      Wgmma<D, BF>::rs_bt(dk, sf[ks], qt_desc + (off >> 4), 1);
-    }
+    issue_dv_dk<BR, D, BF>(dv, dk, pf, sf, qt_desc, qoff, kDOOff + qoff);
     wgmma_commit();
 
     // Every warpgroup's dS^T is written (and visible to the tensor cores).
@@ -229,9 +203,7 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
     // --------------------------------------------------------
     float dq[DQN / 2];
     wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < BC / 16; ++kk)
-      Wgmma<DQN, BF>::ss_tt(dq, ds_desc + ((kk * 16 * 128) >> 4), kt_desc + ((kk * 16 * 128) >> 4), kk > 0);
+    issue_dq<BC, DQN, BF>(dq, ds_desc, kt_desc);
     wgmma_commit();
     wgmma_wait<0>();
     wgmma_hold(dq);
@@ -239,9 +211,9 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
     wgmma_hold(dk);
     {
       // Register 4 n + e: query row 16 (warp % 4) + g + 8 (e / 2) of the warpgroup's 64, column 8 n + 2 t.
-      float* const gdq =
-          p.dq_accum + (workspace_row(p, batch, head, q_start) + DQ_ROW * wg + 16 * (warp % 4) + g) * D +
-          DQ_COL * wg + 2 * t;
+      float* const gdq = p.dq_accum +
+                         (workspace_row(p, batch, head, q_start) + DQ_ROW * wg + 16 * (warp % 4) + g) * D +
+                         DQ_COL * wg + 2 * t;
 #pragma unroll
       for (int n = 0; n < DQN / 8; ++n)
 #pragma unroll
@@ -251,24 +223,7 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
   }
 
   // ---- epilogue: dK, dV (scale already folded into dS) ---------------------------------------------------
-  u16* gdK = static_cast<u16*>(p.dk) + dk_offset(p, batch, kv_head, kv_start);
-  u16* gdV = static_cast<u16*>(p.dv) + dv_offset(p, batch, kv_head, kv_start);
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = row0 + g + 8 * r;
-    if (kv_start + row < p.seqlen_k) {
-#pragma unroll
-      for (int n = 0; n < NO; ++n) {
-        const int col = 8 * n + 2 * t;
-        if (col < p.head_dim) {
-          st_global_32(gdK + (i64)row * p.dk_row_stride + col,
-                       pack2<BF>(dk[4 * n + 2 * r], dk[4 * n + 2 * r + 1]));
-          st_global_32(gdV + (i64)row * p.dv_row_stride + col,
-                       pack2<BF>(dv[4 * n + 2 * r], dv[4 * n + 2 * r + 1]));
-        }
-      }
-    }
-  }
+  store_dk_dv<D, BF>(p, batch, kv_head, kv_start, row0, g, t, dk, dv);
 }
 
 }  // namespace sm90

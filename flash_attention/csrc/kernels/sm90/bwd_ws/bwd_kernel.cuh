@@ -3,7 +3,8 @@
 //
 // The matrix products are those of the sm90 wgmma backward (csrc/kernels/sm90/bwd/bwd_kernel.cuh, whose
 // comments on the transposed chain S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q, dQ = dS K and on
-// the operand layouts apply here). What changes is who waits for what:
+// the operand layouts apply here), written once for both in fa/bwd_wgmma.cuh. What changes is who waits for
+// what:
 //
 // * warpgroup 0, the producer: its 128 threads copy K_j and V_j once, then each query step's Q, dO, base-2
 //   LSE and delta into a ring of kStages slots (cp.async into the 128-byte-swizzled panels wgmma reads,
@@ -50,6 +51,7 @@
 #include "fa/block_range.cuh"
 #include "fa/bwd_params.h"
 #include "fa/bwd_preprocess.cuh"
+#include "fa/bwd_wgmma.cuh"
 #include "fa/copy.cuh"
 #include "fa/dq_accum.cuh"
 #include "fa/dropout.cuh"
@@ -76,8 +78,6 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
   constexpr int NST = Cfg::kStages;
   constexpr int NQ = BR / 8;   // query n-tiles of S^T / dP^T
   constexpr int KQ = BR / 16;  // k-steps of dV / dK
-  constexpr int DK = D / 16;   // k-steps of S^T / dP^T
-  constexpr int NO = D / 8;    // n-tiles of dK / dV
   // dQ per consumer warpgroup: 64 query rows x DQN columns, at row DQ_ROW * c and column DQ_COL * c.
   constexpr int DQN = BR == 128 ? D : D / 2;
   constexpr int DQ_ROW = BR == 128 ? 64 : 0;
@@ -271,19 +271,9 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
     // ---- S^T = K Q^T, dP^T = V dO^T, as two groups: P is computed while dP^T runs ---------------------
     float sc[BR / 2], dp[BR / 2];
     wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < DK; ++kk) {
-      const u32 a_off = (kk / 4) * BC * 128 + (kk % 4) * 32;
-      const u32 b_off = qoff + (kk / 4) * BR * 128 + (kk % 4) * 32;
-      Wgmma<BR, BF>::ss(sc, k_desc + (a_off >> 4), q_desc + (b_off >> 4), kk > 0);
-    }
+    issue_key_rows_product<BR, BC, D, BF>(sc, k_desc, q_desc, qoff);
     wgmma_commit();
-#pragma unroll
-    for (int kk = 0; kk < DK; ++kk) {
-      const u32 a_off = (kk / 4) * BC * 128 + (kk % 4) * 32;
-      const u32 b_off = kDOOff + qoff + (kk / 4) * BR * 128 + (kk % 4) * 32;
-      Wgmma<BR, BF>::ss(dp, v_desc + (a_off >> 4), q_desc + (b_off >> 4), kk > 0);
-    }
+    issue_key_rows_product<BR, BC, D, BF>(dp, v_desc, q_desc, kDOOff + qoff);
     wgmma_commit();
     wgmma_wait<1>();
     wgmma_hold(sc);
@@ -335,37 +325,27 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
       }
     }
     u32 pf[KQ][4], sf[KQ][4];
+    if constexpr (kDropout) {
+      // The dropped P, P Z rp, for dV.
 #pragma unroll
-    for (int ks = 0; ks < KQ; ++ks)
+      for (int ks = 0; ks < KQ; ++ks)
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int i = 8 * ks + 2 * r;
-        if constexpr (kDropout) {
+        for (int r = 0; r < 4; ++r) {
+          const int i = 8 * ks + 2 * r;
           pf[ks][r] = pack2<BF>(kept(i) ? sc[i] * rp : 0.f, kept(i + 1) ? sc[i + 1] * rp : 0.f);
-        } else {
-          pf[ks][r] = pack2<BF>(sc[i], sc[i + 1]);
+          sf[ks][r] = pack2<BF>(dp[i], dp[i + 1]);
         }
-        sf[ks][r] = pack2<BF>(dp[i], dp[i + 1]);
-      }
+    } else {
+      pack_p_ds<BR, BF>(pf, sf, sc, dp);
+    }
 
-    // dS^T to shared memory for dQ: register pair r of k-step ks is key row g + 8 (r % 2) of the warp at
-    // queries 16 ks + 8 (r / 2) + 2 t (+1), i.e. 16-byte chunk 2 ks + r / 2 of the key's row.
-#pragma unroll
-    for (int ks = 0; ks < KQ; ++ks)
-#pragma unroll
-      for (int r = 0; r < 4; ++r)
-        st_shared_32(sdS + dsoff + KVTile::bytes(row0 + g + 8 * (r & 1), 2 * ks + (r >> 1)) + 4 * t,
-                     sf[ks][r]);
+    // dS^T to shared memory for dQ (fa/bwd_wgmma.cuh), this step's buffer.
+    store_ds_t<BR, BC>(sdS + dsoff, sf, row0, g, t);
     fence_proxy_async();
 
     // ---- dV += P^T dO, dK += dS^T Q: on the tensor cores while the warpgroups meet below ------------------
     wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < KQ; ++ks) {
-      const u32 off = qoff + ks * 16 * 128;
-      Wgmma<D, BF>::rs_bt(dv, pf[ks], qt_desc + ((kDOOff + off) >> 4), 1);
-      Wgmma<D, BF>::rs_bt(dk, sf[ks], qt_desc + (off >> 4), 1);
-    }
+    issue_dv_dk<BR, D, BF>(dv, dk, pf, sf, qt_desc, qoff, kDOOff + qoff);
     wgmma_commit();
 
     // The staging tile of this warpgroup's previous dQ has been read by the copy engine (the thread that
@@ -376,10 +356,7 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
     // ---- dQ = dS K (this warpgroup's 64 x DQN part) -------------------------------------------------------
     float dq[DQN / 2];
     wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < BC / 16; ++kk)
-      Wgmma<DQN, BF>::ss_tt(dq, ds_desc + ((dsoff + kk * 16 * 128) >> 4), kt_desc + ((kk * 16 * 128) >> 4),
-                            kk > 0);
+    issue_dq<BC, DQN, BF>(dq, ds_desc + (dsoff >> 4), kt_desc);
     wgmma_commit();
     wgmma_wait<0>();
     wgmma_hold(dq);
@@ -420,24 +397,7 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
   if (!kDeterministic && ctid % 128 == 0) bulk_wait<0>();
 
   // ---- epilogue: dK, dV (scale already folded into dS) ---------------------------------------------------
-  u16* gdK = static_cast<u16*>(p.dk) + dk_offset(p, batch, kv_head, kv_start);
-  u16* gdV = static_cast<u16*>(p.dv) + dv_offset(p, batch, kv_head, kv_start);
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = row0 + g + 8 * r;
-    if (kv_start + row < p.seqlen_k) {
-#pragma unroll
-      for (int n = 0; n < NO; ++n) {
-        const int col = 8 * n + 2 * t;
-        if (col < p.head_dim) {
-          st_global_32(gdK + (i64)row * p.dk_row_stride + col,
-                       pack2<BF>(dk[4 * n + 2 * r], dk[4 * n + 2 * r + 1]));
-          st_global_32(gdV + (i64)row * p.dv_row_stride + col,
-                       pack2<BF>(dv[4 * n + 2 * r], dv[4 * n + 2 * r + 1]));
-        }
-      }
-    }
-  }
+  store_dk_dv<D, BF>(p, batch, kv_head, kv_start, row0, g, t, dk, dv);
 }
 
 }  // namespace sm90

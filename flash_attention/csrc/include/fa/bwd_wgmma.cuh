@@ -1,0 +1,111 @@
+// The steps of one query step that both Hopper backward kernels (csrc/kernels/sm90/bwd: cp.async, and
+// csrc/kernels/sm90/bwd_ws: warp-specialized) run the same way on a warpgroup's 64 keys: the five matrix
+// products of the transposed chain, the packing of P^T and dS^T into A fragments, dS^T's store for dQ, and
+// the dK/dV epilogue.
+//
+// Operand layouts (csrc/kernels/sm90/bwd/bwd_kernel.cuh says more): tiles in shared memory as 64-column
+// panels of 128-byte rows with the 128-byte swizzle (fa/smem_layout.cuh, PanelTile); K, V, Q and dO read
+// K-major for S^T and dP^T, Q and dO MN-major for dK and dV, dS^T and K both transposed for dQ. The callers
+// bracket the products with wgmma_fence / wgmma_commit and wait for them themselves: when they wait is what
+// their schedules differ in.
+#pragma once
+
+#include "fa/bwd_params.h"
+#include "fa/ptx.cuh"
+#include "fa/smem_layout.cuh"
+#include "fa/tile_ptrs.cuh"
+#include "fa/wgmma.cuh"
+
+namespace fa {
+
+// acc (64 keys x BR queries) = A B^T over head_dim D, A the warpgroup's 64 rows of K or V (a_desc) and B a
+// Q or dO tile (b_desc, starting b_off bytes in): S^T = K Q^T and dP^T = V dO^T. D / 16 k-steps of 16
+// columns, 32 bytes along a row, every fourth starting the next panel (BC * 128 bytes on in K's and V's
+// tiles, BR * 128 in Q's and dO's).
+template <int BR, int BC, int D, bool BF>
+__device__ __forceinline__ void issue_key_rows_product(float (&acc)[BR / 2], u64 a_desc, u64 b_desc,
+                                                       u32 b_off) {
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const u32 a_off = (kk / 4) * BC * 128 + (kk % 4) * 32;
+    const u32 bk_off = b_off + (kk / 4) * BR * 128 + (kk % 4) * 32;
+    Wgmma<BR, BF>::ss(acc, a_desc + (a_off >> 4), b_desc + (bk_off >> 4), kk > 0);
+  }
+}
+
+// Register pairs (2 i, 2 i + 1) of the 64 x BR accumulators P^T and dS^T packed to 16 bits: k-step ks's
+// A fragments of dV += P^T dO and dK += dS^T Q are pairs 4 ks .. 4 ks + 3.
+template <int BR, bool BF>
+__device__ __forceinline__ void pack_p_ds(u32 (&pf)[BR / 16][4], u32 (&sf)[BR / 16][4],
+                                          const float (&p)[BR / 2], const float (&ds)[BR / 2]) {
+#pragma unroll
+  for (int ks = 0; ks < BR / 16; ++ks)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      pf[ks][r] = pack2<BF>(p[8 * ks + 2 * r], p[8 * ks + 2 * r + 1]);
+      sf[ks][r] = pack2<BF>(ds[8 * ks + 2 * r], ds[8 * ks + 2 * r + 1]);
+    }
+}
+
+// dS^T into its tile (BC key rows of BR queries, panels of 64 queries) for dQ: register pair r of k-step ks
+// is key row g + 8 (r % 2) of the warp (its first row row0) at queries 16 ks + 8 (r / 2) + 2 t (+1), i.e.
+// 16-byte chunk 2 ks + r / 2 of the key's row.
+template <int BR, int BC>
+__device__ __forceinline__ void store_ds_t(u32 s_ds, const u32 (&sf)[BR / 16][4], int row0, int g, int t) {
+#pragma unroll
+  for (int ks = 0; ks < BR / 16; ++ks)
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+      st_shared_32(s_ds + PanelTile<BC>::bytes(row0 + g + 8 * (r & 1), 2 * ks + (r >> 1)) + 4 * t, sf[ks][r]);
+}
+
+// dV += P^T dO and dK += dS^T Q, A from registers, B = dO / Q read MN-major (qt_desc on the Q/dO tiles;
+// q_off and do_off the byte offsets of this step's Q and dO): k-step ks covers queries 16 ks .. 16 ks + 15.
+template <int BR, int D, bool BF>
+__device__ __forceinline__ void issue_dv_dk(float (&dv)[D / 2], float (&dk)[D / 2],
+                                            const u32 (&pf)[BR / 16][4], const u32 (&sf)[BR / 16][4],
+                                            u64 qt_desc, u32 q_off, u32 do_off) {
+#pragma unroll
+  for (int ks = 0; ks < BR / 16; ++ks) {
+    Wgmma<D, BF>::rs_bt(dv, pf[ks], qt_desc + ((do_off + ks * 16 * 128) >> 4), 1);
+    Wgmma<D, BF>::rs_bt(dk, sf[ks], qt_desc + ((q_off + ks * 16 * 128) >> 4), 1);
+  }
+}
+
+// dQ (64 queries x N columns) = dS K over the block's BC keys, both operands transposed: A = dS^T's tile
+// read M-major (ds_desc), B = K read MN-major (kt_desc), 16 keys per k-step.
+template <int BC, int N, bool BF>
+__device__ __forceinline__ void issue_dq(float (&dq)[N / 2], u64 ds_desc, u64 kt_desc) {
+#pragma unroll
+  for (int kk = 0; kk < BC / 16; ++kk)
+    Wgmma<N, BF>::ss_tt(dq, ds_desc + ((kk * 16 * 128) >> 4), kt_desc + ((kk * 16 * 128) >> 4), kk > 0);
+}
+
+// dK and dV of the warp's two key rows (row0 + g, row0 + g + 8 of the block at kv_start) into k's and v's
+// layouts; rows past seqlen_k and columns past head_dim are not written. The softmax scale is already in
+// dS, so dK needs none.
+template <int D, bool BF>
+__device__ __forceinline__ void store_dk_dv(const BwdParams& p, int batch, int kv_head, int kv_start,
+                                            int row0, int g, int t, const float (&dk)[D / 2],
+                                            const float (&dv)[D / 2]) {
+  u16* gdK = static_cast<u16*>(p.dk) + dk_offset(p, batch, kv_head, kv_start);
+  u16* gdV = static_cast<u16*>(p.dv) + dv_offset(p, batch, kv_head, kv_start);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row0 + g + 8 * r;
+    if (kv_start + row < p.seqlen_k) {
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) {
+        const int col = 8 * n + 2 * t;
+        if (col < p.head_dim) {
+          st_global_32(gdK + (i64)row * p.dk_row_stride + col,
+                       pack2<BF>(dk[4 * n + 2 * r], dk[4 * n + 2 * r + 1]));
+          st_global_32(gdV + (i64)row * p.dv_row_stride + col,
+                       pack2<BF>(dv[4 * n + 2 * r], dv[4 * n + 2 * r + 1]));
+        }
+      }
+    }
+  }
+}
+
+}  // namespace fa
