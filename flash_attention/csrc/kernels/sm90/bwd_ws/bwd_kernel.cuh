@@ -26,10 +26,14 @@
 //   (docs/kernel-log.md, step 45): 32 red.global.v2 per thread per step, as the sm90 kernel adds dQ, took
 //   1.11-1.14x the bulk kernel's time at 4k tokens, and one 256-byte bulk reduce per row of the row-major
 //   workspace (64 per warpgroup per step, which the compiler issues one lane at a time) 1.5x.
+// * kDeterministic (deterministic=True): 64 producer threads copy, and a 65th, the writer, adds the staged
+//   dQ tiles in key-block order, taking turns on semaphores in the workspace (the writer's comment below;
+//   docs/kernel-log.md, step 49). Steps then walk the query blocks downward.
+// * kDropout: P is kept undropped for dS, with the keep decisions in one bit per element (fa/dropout.cuh).
 //
 // Barriers, each for one hazard:
-//   full[s]  (mbarrier, 128 producer arrivals): slot s holds this use's Q, dO and statistics (and, for the
-//            first step, K and V).
+//   full[s]  (mbarrier, one arrival per copying producer thread): slot s holds this use's Q, dO and
+//            statistics (and, for the first step, K and V).
 //   empty[s] (mbarrier, 256 consumer-thread arrivals): every product that reads slot s has completed, and
 //            so have this thread's reads of the slot's statistics. Each thread arrives itself: one lane per
 //            warp after __syncwarp orders the same reads, but compute-sanitizer's racecheck does not follow
@@ -41,10 +45,12 @@
 //            its previous one to have read the staging tile (bulk_wait_read), so after it the tile may be
 //            rewritten.
 //   named 2 + c (128 threads of warpgroup c): its dQ tile is staged and fenced; one thread then issues it.
+//   dq_full[c], dq_empty[c] (mbarriers, deterministic only, in place of named 2 + c): warpgroup c's tile is
+//            staged (128 arrivals) / has been read by the writer's reduction (1 arrival).
 //
 // Shared memory (bytes from a 1024-aligned base): K (BC x D), V, kStages Q slots, kStages dO slots, two dS^T
 // buffers, the two warpgroups' 16 KB dQ staging tiles, kStages slots of statistics (LSE2 then delta, BR
-// floats each), then the barriers. 199-200 KB at head_dim 64 and 128 with two slots; a third slot
+// floats each), then the barriers. About 200 KB at head_dim 64 and 128 with two slots; a third slot
 // (+32 KB) does not fit the 227 KB a block may have.
 #pragma once
 
