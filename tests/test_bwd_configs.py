@@ -15,7 +15,7 @@ from flash_attention.configs import (
     hopper_bwd_config,
     parse_bwd_config,
 )
-from flash_attention.jit import cache, sources
+from flash_attention.jit import cache, compiler, sources
 from flash_attention.jit.params import BwdParams
 from flash_attention.tools.build import MAX_BWD_SPILL_BYTES
 
@@ -140,3 +140,16 @@ def test_hopper_backward_compiles_to_wgmma_without_serialising(catalog_builds):
         assert m["arch"] == "sm_90a"
         # ptxas says so when it has to serialise wgmma (e.g. an accumulator touched while in flight).
         assert "serializ" not in m["log"].lower(), m["config"]
+
+
+@pytest.mark.skipif(compiler.find_nvcc() is None, reason="needs nvcc (CUDA toolkit)")
+@pytest.mark.parametrize("warp_specialized", [True, False])
+def test_hopper_backward_layout_must_fit_the_launch_allocation(warp_specialized):
+    """Each Hopper backward kernel asserts that its shared-memory layout fits the config's smem_bytes (what
+    the launch allocates): a unit claiming one byte less does not compile."""
+    cfg = hopper_bwd_config("bf16", 128, warp_specialized=warp_specialized)
+    src = sources.kernel_source(cfg)
+    claim = f"kSmemBytes = {cfg.smem_bytes};"
+    assert claim in src
+    with pytest.raises(compiler.CompileError, match="exceeds the config's smem_bytes"):
+        compiler.compile_nvcc(src.replace(claim, f"kSmemBytes = {cfg.smem_bytes - 1};"), "sm_90a", "x")

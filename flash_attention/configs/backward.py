@@ -156,6 +156,8 @@ class BwdConfig:
             ("kWgmma", "bool", self.wgmma),
             ("kWarpSpecialized", "bool", self.warp_specialized),
             ("kStages", "int", self.WS_STAGES),
+            # What the launch allocates (smem_bytes): the Hopper kernels assert their layout fits it.
+            ("kSmemBytes", "int", self.smem_bytes),
             ("kProducerRegs", "int", WS_REGISTER_SPLIT[0]),
             ("kConsumerRegs", "int", WS_REGISTER_SPLIT[1]),
         ]

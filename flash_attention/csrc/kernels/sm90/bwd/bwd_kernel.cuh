@@ -63,6 +63,10 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
   const u32 sdS = sdO + 2 * 2 * BR * D;  // dS^T: BC rows (keys) of BR queries, panels of 64 queries
   const u32 sStats = sdS + 2 * BC * BR;  // [buffer][LSE2 (BR floats), delta (BR floats)]
   float* const stats = reinterpret_cast<float*>(smem + (sStats - smem_addr(smem)));
+  // The layout (K, V, two Q and two dO buffers, dS^T, two buffers of statistics) and the 1 KB the base is
+  // rounded up by fit what the launch allocates (configs.backward.BwdConfig.smem_bytes).
+  static_assert(1024 + 4 * BC * D + 8 * BR * D + 2 * BC * BR + 16 * BR <= Cfg::kSmemBytes,
+                "the shared-memory layout exceeds the config's smem_bytes");
 
   const int tid = threadIdx.x;
   const int warp = tid / 32;

@@ -119,6 +119,12 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
   // Deterministic mode: 64 producer threads copy, a 65th adds dQ (the writer); otherwise all 128 copy.
   constexpr int kLoaders = kDeterministic ? 64 : 128;
   const float* const stats = reinterpret_cast<const float*>(smem + (sStats - smem_addr(smem)));
+  // The layout above (its mbarriers: full and empty per slot, the deterministic hand-off's four) and the
+  // 1 KB the base is rounded up by fit what the launch allocates (configs.backward.BwdConfig.smem_bytes).
+  static_assert(
+      1024 + 2 * kKV + 2 * NST * kQ + 2 * kDS + 2 * 64 * 64 * 4 + NST * 8 * BR + 8 * (2 * NST + 4) <=
+          Cfg::kSmemBytes,
+      "the shared-memory layout exceeds the config's smem_bytes");
 
   const int tid = threadIdx.x;
   const int n_block = blockIdx.x;
