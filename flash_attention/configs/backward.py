@@ -79,18 +79,10 @@ class BwdConfig:
         d, bq, bkv = self.head_dim, self.block_q, self.block_kv
         if self.warp_specialized:
             # K, V; Q and dO per slot; two dS^T buffers; two warpgroups' 64 x 64 fp32 dQ staging tiles;
-            # LSE and delta per slot; the slots' two mbarriers and the deterministic dQ hand-off's four
-            # (+1 KB to align the tiles).
+            # LSE and delta per slot; the slots' two mbarriers (+1 KB to align the tiles).
             st = self.WS_STAGES
             return (
-                4 * bkv * d
-                + 4 * st * bq * d
-                + 4 * bkv * bq
-                + 2 * 64 * 64 * 4
-                + 8 * st * bq
-                + 16 * st
-                + 32
-                + 1024
+                4 * bkv * d + 4 * st * bq * d + 4 * bkv * bq + 2 * 64 * 64 * 4 + 8 * st * bq + 16 * st + 1024
             )
         # K, V; Q and dO per buffer; the dS tile; LSE and delta per buffer (+1 KB to align the wgmma tiles).
         return 4 * bkv * d + 4 * nb * bq * d + 2 * bkv * bq + 8 * nb * bq + (1024 if self.wgmma else 0)
@@ -117,10 +109,7 @@ class BwdConfig:
 
     def entry_kinds(self) -> tuple[str, ...]:
         """The per-mask kernels of this config's translation unit: the dK/dV kernel with atomic dQ, and
-        (sm80 family) the deterministic pair of dK/dV without atomics and dQ, or (warp-specialized) the
-        deterministic dK/dV kernel whose dQ reductions take turns."""
-        if self.warp_specialized:
-            return ("dkdv", "dkdv_det")  # the deterministic one adds dQ in key-block order itself
+        (sm80 family only) the deterministic pair of dK/dV without atomics and dQ."""
         return ("dkdv",) if self.wgmma else ("dkdv", "dkdv_det", "dq")
 
     def symbol(self, kernel: str, causal: bool = False, ranged: bool = False, dropout: bool = False) -> str:

@@ -35,9 +35,8 @@ _SUPPORTED = {
     (True, "portable"): frozenset({"causal", "key_range", "dropout", "deterministic", "untileable"}),
     (True, "wgmma"): frozenset({"causal", "untileable"}),
     # The warp-specialized backward copies with cp.async (no tensor maps): any layout the sm90 one takes;
-    # its key-range build is the mask policy's (fa/variant.cuh), as in the forward, it has dropout, and a
-    # deterministic kernel (dQ reductions in key-block order).
-    (True, "ws"): frozenset({"causal", "key_range", "dropout", "deterministic", "untileable"}),
+    # its key-range build is the mask policy's (fa/variant.cuh), as in the forward, and it has dropout.
+    (True, "ws"): frozenset({"causal", "key_range", "dropout", "untileable"}),
 }
 
 

@@ -131,7 +131,6 @@ class BwdParams(ctypes.Structure):
         ]
         + [("scale", _F32), ("scale_log2", _F32)]
         + [("dropout_key", ctypes.c_uint), ("dropout_threshold", ctypes.c_uint), ("dropout_rp", _F32)]
-        + [("dq_semaphores", _I32)]
     )
 
 

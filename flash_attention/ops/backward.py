@@ -42,7 +42,7 @@ class _Plan:
     index: int
     template: bytes  # BwdParams with every field but the pointers and the dropout key
     stats: int  # floats in each of the workspace's base-2 LSE and delta arrays (batch * heads_q * rows)
-    accum: int  # floats of the dQ accumulator (and semaphores) after them (0 with the sm80 dQ kernel)
+    accum: int  # floats of the atomic dQ accumulator after them (0 in deterministic mode)
     # The compiled training node's copy of this plan (ops.training), made at its first use.
     host_program: list = field(default_factory=list, compare=False)
 
@@ -93,11 +93,7 @@ def _make_plan(q, k, v, o, do, lse, causal, scale, deterministic, ranged, dropou
     dkdv = kerns[cfg.symbol("dkdv_det" if deterministic else "dkdv", causal, ranged, bool(dropout_p))]
     dkdv.ensure_dynamic_smem(cfg.smem_bytes, index)
     dq = None
-    # Deterministic on the sm80 family: dK/dV without atomics, then the dQ kernel. The warp-specialized
-    # kernel's deterministic form adds dQ into the workspace itself, in key-block order (turns taken on
-    # semaphores after the accumulator), and the cast follows as in the atomic mode.
-    det_ws = deterministic and cfg.warp_specialized
-    if deterministic and not det_ws:
+    if deterministic:
         dq = kerns[cfg.symbol("dq", causal, ranged, bool(dropout_p))]
         dq.ensure_dynamic_smem(cfg.dq_smem_bytes, index)
 
@@ -112,14 +108,11 @@ def _make_plan(q, k, v, o, do, lse, causal, scale, deterministic, ranged, dropou
     p.lse_batch_stride, p.lse_head_stride = lse.stride(0), lse.stride(1)
     fill_common(p, q, k, cfg.block_q, scale, dropout_p)
     p.seqlen_q_pad = -(-seqlen_q // 128) * 128
-    p.dq_semaphores = int(det_ws)
     p.num_n_blocks = math.ceil(seqlen_k / cfg.block_kv)
     # The fp32 workspace: the base-2 LSE and delta rows (written by the preprocessing kernel), then the dQ
     # accumulator of the atomic mode (padded to whole 128-row blocks and the compiled head_dim, so the
-    # atomics need no bounds checks; zeroed by the preprocessing kernel), and for the deterministic
-    # warp-specialized kernel two int semaphores per 64 query rows (fa/dq_accum.cuh, dq_semaphore).
+    # atomics need no bounds checks; zeroed by the preprocessing kernel).
     stats = batch * heads_q * p.seqlen_q_pad
-    accum = 0 if deterministic and not det_ws else stats * cfg.head_dim + (stats // 64 * 2 if det_ws else 0)
     return _Plan(
         cfg,
         kerns["pre"],
@@ -134,7 +127,7 @@ def _make_plan(q, k, v, o, do, lse, causal, scale, deterministic, ranged, dropou
         index,
         bytes(p),
         stats,
-        accum,
+        0 if deterministic else stats * cfg.head_dim,
     )
 
 

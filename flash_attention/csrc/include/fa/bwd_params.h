@@ -47,11 +47,6 @@ struct BwdParams {
   unsigned dropout_key;        // as in FwdParams (kDropout instantiations only)
   unsigned dropout_threshold;
   float dropout_rp;
-  // Nonzero: the deterministic warp-specialized backward, whose dQ reductions take turns by semaphore;
-  // the semaphores follow the dQ accumulator in the workspace (fa/dq_accum.cuh, dq_semaphore) and the
-  // preprocessing kernel zeroes them. Last, so the pointer fields' offsets stay where the compiled
-  // training node patches them.
-  int dq_semaphores;
 };
 
 }  // namespace fa

@@ -20,9 +20,6 @@ __device__ __forceinline__ void bwd_preprocess_body(const BwdParams& p) {
   const int head = blockIdx.y;
   const int batch = blockIdx.z;
   const int lane8 = tid % 8;
-  // The deterministic ws backward's two semaphores of this block's 64-row unit start at zero (the dK/dV
-  // kernel, next on the stream, counts in them).
-  if (p.dq_semaphores != 0 && tid < 2) *dq_semaphore<Cfg::kHeadDim>(p, batch, head, blockIdx.x * 64, tid) = 0;
 #pragma unroll 1
   for (int pass = 0; pass < 4; ++pass) {
     const int row = blockIdx.x * 64 + pass * 16 + tid / 8;

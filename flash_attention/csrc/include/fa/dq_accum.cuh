@@ -43,15 +43,6 @@ __device__ __forceinline__ i64 dq_accum_offset(i64 ws_row, int col) {
   }
 }
 
-// The deterministic warp-specialized backward's semaphores: one int per (batch, head, 64-row unit of the
-// padded query rows, consumer warpgroup), after the kHeadDim-float rows of the accumulator. Semaphore s of
-// a query block counts the key blocks whose part of dQ has been added, so each adds in key-block order.
-template <int kHeadDim>
-__device__ __forceinline__ int* dq_semaphore(const BwdParams& p, int batch, int head, int q_start, int wg) {
-  int* const base = reinterpret_cast<int*>(p.dq_accum + (i64)p.batch * p.heads_q * p.seqlen_q_pad * kHeadDim);
-  return base + ((workspace_row(p, batch, head, 0) / 64 + q_start / 64) * 2 + wg);
-}
-
 // dQ = the workspace rows of (batch, head), cast to 16 bits and stored in q's layout. 128 threads, 64 query
 // rows per block, grid (ceil(seqlen_q / 64), heads_q, batch). A thread converts 8 columns at a time (two
 // 16-byte loads, one 16-byte store); the threads of a row are consecutive, so loads and stores coalesce.

@@ -26,14 +26,11 @@
 //   (docs/kernel-log.md, step 45): 32 red.global.v2 per thread per step, as the sm90 kernel adds dQ, took
 //   1.11-1.14x the bulk kernel's time at 4k tokens, and one 256-byte bulk reduce per row of the row-major
 //   workspace (64 per warpgroup per step, which the compiler issues one lane at a time) 1.5x.
-// * kDeterministic (deterministic=True): 64 producer threads copy, and a 65th, the writer, adds the staged
-//   dQ tiles in key-block order, taking turns on semaphores in the workspace (the writer's comment below;
-//   docs/kernel-log.md, step 49). Steps then walk the query blocks downward.
 // * kDropout: P is kept undropped for dS, with the keep decisions in one bit per element (fa/dropout.cuh).
 //
 // Barriers, each for one hazard:
-//   full[s]  (mbarrier, one arrival per copying producer thread): slot s holds this use's Q, dO and
-//            statistics (and, for the first step, K and V).
+//   full[s]  (mbarrier, 128 producer arrivals): slot s holds this use's Q, dO and statistics (and, for the
+//            first step, K and V).
 //   empty[s] (mbarrier, 256 consumer-thread arrivals): every product that reads slot s has completed, and
 //            so have this thread's reads of the slot's statistics. Each thread arrives itself: one lane per
 //            warp after __syncwarp orders the same reads, but compute-sanitizer's racecheck does not follow
@@ -45,8 +42,6 @@
 //            its previous one to have read the staging tile (bulk_wait_read), so after it the tile may be
 //            rewritten.
 //   named 2 + c (128 threads of warpgroup c): its dQ tile is staged and fenced; one thread then issues it.
-//   dq_full[c], dq_empty[c] (mbarriers, deterministic only, in place of named 2 + c): warpgroup c's tile is
-//            staged (128 arrivals) / has been read by the writer's reduction (1 arrival).
 //
 // Shared memory (bytes from a 1024-aligned base): K (BC x D), V, kStages Q slots, kStages dO slots, two dS^T
 // buffers, the two warpgroups' 16 KB dQ staging tiles, kStages slots of statistics (LSE2 then delta, BR
@@ -73,7 +68,7 @@
 namespace fa {
 namespace sm90 {
 
-template <class Cfg, class V, bool kDropout = false, bool kDeterministic = false>
+template <class Cfg, class V, bool kDropout = false>
 __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
   using Mask = typename V::Mask;  // the variant (fa/variant.cuh)
   static_assert(V::ScoreMod::kIdentity, "the backward does not differentiate a score function yet");
@@ -112,18 +107,11 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
   const u32 bars = sStats + NST * 8 * BR;
   auto full = [&](int s) { return bars + 8 * s; };
   auto empty = [&](int s) { return bars + 8 * (NST + s); };
-  // Deterministic mode: consumer warpgroup w's staged dQ tile is complete (dq_full, its 128 threads) and has
-  // been read by the copy engine (dq_empty, the writer thread).
-  auto dq_full = [&](int w) { return bars + 8 * (2 * NST + w); };
-  auto dq_empty = [&](int w) { return bars + 8 * (2 * NST + 2 + w); };
-  // Deterministic mode: 64 producer threads copy, a 65th adds dQ (the writer); otherwise all 128 copy.
-  constexpr int kLoaders = kDeterministic ? 64 : 128;
   const float* const stats = reinterpret_cast<const float*>(smem + (sStats - smem_addr(smem)));
-  // The layout above (its mbarriers: full and empty per slot, the deterministic hand-off's four) and the
-  // 1 KB the base is rounded up by fit what the launch allocates (configs.backward.BwdConfig.smem_bytes).
+  // The layout above (its mbarriers: full and empty per slot) and the 1 KB the base is rounded up by fit what
+  // the launch allocates (configs.backward.BwdConfig.smem_bytes).
   static_assert(
-      1024 + 2 * kKV + 2 * NST * kQ + 2 * kDS + 2 * 64 * 64 * 4 + NST * 8 * BR + 8 * (2 * NST + 4) <=
-          Cfg::kSmemBytes,
+      1024 + 2 * kKV + 2 * NST * kQ + 2 * kDS + 2 * 64 * 64 * 4 + NST * 8 * BR + 16 * NST <= Cfg::kSmemBytes,
       "the shared-memory layout exceeds the config's smem_bytes");
 
   const int tid = threadIdx.x;
@@ -139,26 +127,13 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
   const int m_begin = blocks.begin;
   const int m_count = blocks.count;
   const int n_iter = p.group * m_count;
-  // The order of the steps. Default: head by head, query blocks upward. Deterministic: query blocks
-  // downward, the group's heads within each, so that every key block of a (batch, kv head) takes the query
-  // blocks they share in the same order from its first step (causal, block n sees blocks m_begin(n) .. end
-  // and m_begin grows with n: the last query block is everyone's first), and the turn-taking below keeps
-  // them a reduction apart instead of a whole walk.
-  auto head_of = [&](int it) { return kv_head * p.group + (kDeterministic ? it % p.group : it / m_count); };
-  auto q_start_of = [&](int it) {
-    return (kDeterministic ? m_begin + m_count - 1 - it / p.group : m_begin + it % m_count) * BR;
-  };
+  auto head_of = [&](int it) { return kv_head * p.group + it / m_count; };
+  auto q_start_of = [&](int it) { return (m_begin + it % m_count) * BR; };
 
   if (tid == 0) {
     for (int s = 0; s < NST; ++s) {
-      mbar_init(full(s), kLoaders);
+      mbar_init(full(s), 128);
       mbar_init(empty(s), 256);
-    }
-    if constexpr (kDeterministic) {
-      for (int w = 0; w < 2; ++w) {
-        mbar_init(dq_full(w), 128);
-        mbar_init(dq_empty(w), 1);
-      }
     }
     mbar_init_fence();
   }
@@ -168,43 +143,6 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
   if (tid < 128) {
     // ---- producer ----------------------------------------------------------------------------------------
     setmaxnreg_dec<Cfg::kProducerRegs>();
-    if constexpr (kDeterministic) {
-      if (tid == kLoaders) {
-        // ---- the dQ writer (deterministic mode) --------------------------------------------------------
-        // Each consumer warpgroup's tile of each step, added when this block's turn comes: semaphore
-        // (batch, head, query block, warpgroup) counts the key blocks that have added theirs, and this
-        // block's rank among the key blocks that visit the query block is its distance from the first
-        // (the mask policy's first K/V block of the query block), so the additions into every dQ element
-        // happen in key-block order on every run. Blocks are dispatched in index order, so the block a
-        // turn waits for is running or done.
-        for (int it = 0; it < n_iter; ++it) {
-          const int head = head_of(it);
-          const int q_start = q_start_of(it);
-          const int rank = n_block - mask.template kv_blocks<BC>(q_start, BR).begin;
-#pragma unroll 1
-          for (int w = 0; w < 2; ++w) {
-            mbar_wait(dq_full(w), (u32)(it & 1));
-            const int* sem = dq_semaphore<D>(p, batch, head, q_start, w);
-            while (ld_acquire_gpu(sem) != rank) __nanosleep(32);
-            fence_proxy_async_global();  // the previous adder's writes before this reduction's
-            const i64 ws_row = workspace_row(p, batch, head, q_start) + DQ_ROW * w;
-            bulk_reduce_add_f32(p.dq_accum + dq_accum_offset<D, true>(ws_row, DQ_COL * w),
-                                sdQ + w * 64 * 64 * 4, 64 * 64 * 4);
-            bulk_commit();
-          }
-          // Both tiles read: the consumers may stage the next step's. Both added: the next block's turn.
-          bulk_wait_read<0>();
-          mbar_arrive(dq_empty(0));
-          mbar_arrive(dq_empty(1));
-          bulk_wait<0>();
-          fence_proxy_async_global();
-          red_release_gpu_add(dq_semaphore<D>(p, batch, head, q_start, 0), 1);
-          red_release_gpu_add(dq_semaphore<D>(p, batch, head, q_start, 1), 1);
-        }
-        return;
-      }
-      if (tid >= kLoaders) return;
-    }
     for (int it = 0; it < n_iter; ++it) {
       const int s = it % NST;
       // The slot's previous use (step it - NST) has been released by every consumer warp.
@@ -212,19 +150,17 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
       if (it == 0) {
         const u16* gK = static_cast<const u16*>(p.k) + k_offset(p, batch, kv_head, kv_start);
         const u16* gV = static_cast<const u16*>(p.v) + v_offset(p, batch, kv_head, kv_start);
-        load_tile_rolled<BC, D, kLoaders, KVTile>(sK, gK, p.k_row_stride, p.seqlen_k - kv_start, p.head_dim,
-                                                  tid);
-        load_tile_rolled<BC, D, kLoaders, KVTile>(sV, gV, p.v_row_stride, p.seqlen_k - kv_start, p.head_dim,
-                                                  tid);
+        load_tile_rolled<BC, D, 128, KVTile>(sK, gK, p.k_row_stride, p.seqlen_k - kv_start, p.head_dim, tid);
+        load_tile_rolled<BC, D, 128, KVTile>(sV, gV, p.v_row_stride, p.seqlen_k - kv_start, p.head_dim, tid);
       }
       const int head = head_of(it);
       const int q_start = q_start_of(it);
       const u16* gQ = static_cast<const u16*>(p.q) + q_offset(p, batch, head, q_start);
       const u16* gdO = static_cast<const u16*>(p.dout) + do_offset(p, batch, head, q_start);
-      load_tile_rolled<BR, D, kLoaders, QTile>(sQ + s * kQ, gQ, p.q_row_stride, p.seqlen_q - q_start,
-                                               p.head_dim, tid);
-      load_tile_rolled<BR, D, kLoaders, QTile>(sdO + s * kQ, gdO, p.do_row_stride, p.seqlen_q - q_start,
-                                               p.head_dim, tid);
+      load_tile_rolled<BR, D, 128, QTile>(sQ + s * kQ, gQ, p.q_row_stride, p.seqlen_q - q_start, p.head_dim,
+                                          tid);
+      load_tile_rolled<BR, D, 128, QTile>(sdO + s * kQ, gdO, p.do_row_stride, p.seqlen_q - q_start,
+                                          p.head_dim, tid);
       // The workspaces are padded to whole 128-row blocks: no bounds check.
       const i64 r0 = workspace_row(p, batch, head, q_start);
       if (tid < BR / 4) {
@@ -362,7 +298,7 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
 
     // The staging tile of this warpgroup's previous dQ has been read by the copy engine (the thread that
     // issued that reduction waits), and both warpgroups' dS^T of this step is written.
-    if (!kDeterministic && ctid % 128 == 0) bulk_wait_read<0>();
+    if (ctid % 128 == 0) bulk_wait_read<0>();
     named_barrier_sync(1, 256);
 
     // ---- dQ = dS K (this warpgroup's 64 x DQN part) -------------------------------------------------------
@@ -378,10 +314,6 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
     mbar_arrive(empty(s));
 
     // ---- dQ out: a staged 64 x 64 tile, then one bulk reduce-add of it (fa/dq_accum.cuh, tiled) --------
-    // Deterministic: the writer thread adds it when this block's turn comes; it must have read the previous
-    // tile first.
-    if constexpr (kDeterministic)
-      if (it > 0) mbar_wait(dq_empty(wg), (u32)((it - 1) & 1));
     // Register 4 n + e: query row 16 (warp % 4) + g + 8 (e / 2) of the warpgroup's 64, column 8 n + 2 t; its
     // 16-byte chunk (2 n + t / 2) is swizzled by the row's low three bits, as the workspace tile is.
 #pragma unroll
@@ -393,10 +325,6 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
                         dq[4 * n + 2 * r], dq[4 * n + 2 * r + 1]);
       }
     fence_proxy_async();
-    if constexpr (kDeterministic) {
-      mbar_arrive(dq_full(wg));
-      continue;
-    }
     named_barrier_sync(2 + wg, 128);
     if (ctid % 128 == 0) {
       // The warpgroup's tile: rows [DQ_ROW wg, + 64) of the query block, columns [DQ_COL wg, + 64).
@@ -406,7 +334,7 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
     }
   }
   // No reduction may outlive the shared memory it reads.
-  if (!kDeterministic && ctid % 128 == 0) bulk_wait<0>();
+  if (ctid % 128 == 0) bulk_wait<0>();
 
   // ---- epilogue: dK, dV (scale already folded into dS) ---------------------------------------------------
   store_dk_dv<D, BF>(p, batch, kv_head, kv_start, row0, g, t, dk, dv);
