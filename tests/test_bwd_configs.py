@@ -153,3 +153,27 @@ def test_hopper_backward_layout_must_fit_the_launch_allocation(warp_specialized)
     assert claim in src
     with pytest.raises(compiler.CompileError, match="exceeds the config's smem_bytes"):
         compiler.compile_nvcc(src.replace(claim, f"kSmemBytes = {cfg.smem_bytes - 1};"), "sm_90a", "x")
+
+
+@pytest.mark.parametrize("feature", ["key_range", "dropout"])
+def test_key_padded_and_dropout_training_keeps_the_ws_backward_on_hopper(feature):
+    from flash_attention.ops.select import backward_config
+
+    cfg = backward_config(
+        "bf16", 128, True, 1000, 1000, 1, arch="sm_90", gpu="", smem_limit=227 * 1024, features=[feature]
+    )
+    assert cfg == default_bwd_config("bf16", 128, "sm_90") and cfg.warp_specialized
+    # Deterministic mode is not the ws kernel's: the portable pair computes it.
+    det = backward_config(
+        "bf16",
+        128,
+        True,
+        1000,
+        1000,
+        1,
+        arch="sm_90",
+        gpu="",
+        smem_limit=227 * 1024,
+        features=["deterministic"],
+    )
+    assert not det.wgmma

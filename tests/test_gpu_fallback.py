@@ -13,7 +13,7 @@ import zlib
 
 import pytest
 import torch
-from test_fallback import _FUSED_CASES
+from test_fallback import _FUSED_CASES, check_fused_path
 
 import flash_attention
 from flash_attention import fallback
@@ -61,32 +61,9 @@ def _check_grads(grads, leaves64, dtype, rows):
 @pytest.mark.parametrize("case", _FUSED_CASES, ids=str)
 def test_fused_cuda_path_matches_the_reference(case, causal, dtype, monkeypatch):
     b, sq, sk, hq, hkv, d, kr = case
-    kr = None if kr is None else torch.tensor(kr, device="cuda")
     q, k, v = _inputs(b, sq, sk, hq, hkv, d, dtype)
-    scale = d**-0.5
-    assert fallback.fused_path_blocker(q, k, causal, scale, kr, 0.0) is None
-    _no_chunked_path(monkeypatch)
-
-    buf = torch.full(q.shape, float("nan"), device="cuda").to(dtype)  # poisoned: every element written
-    out, lse = fallback.forward(q, k, v, causal=causal, scale=scale, out=buf, key_range=kr)
-    assert out is buf and lse.shape == (b, hq, sq) and lse.dtype == torch.float32 and lse.is_contiguous()
-    q64, k64, v64 = (t.double().requires_grad_(True) for t in (q, k, v))
-    ref_out, ref_lse = attention_reference(q64, k64, v64, causal=causal, softmax_scale=scale, key_range=kr)
-    has_key = torch.isfinite(ref_lse)  # (b, hq, sq)
-    assert torch.equal(torch.isneginf(lse), ~has_key)
-    rows = has_key[:, 0]  # (b, sq): the same for every head
-    assert torch.equal(out[~rows], torch.zeros_like(out[~rows]))
-    assert not out.isnan().any()
-    err = (out.double() - ref_out.detach())[rows].abs().max().item()
-    assert err <= OUT_TOL[dtype], err
-    lse_tol = 1e-5 if dtype == torch.float32 else 2e-4
-    assert (lse.double() - ref_lse.detach())[has_key].abs().max().item() <= lse_tol
-
-    dout = torch.randn(q.shape, device="cuda").to(dtype)
-    grads = fallback.backward(dout, q, k, v, out, lse, causal=causal, scale=scale, key_range=kr)
-    assert all(g.is_contiguous() for g in grads)
-    (ref_out * dout.double()).sum().backward()
-    _check_grads(grads, (q64, k64, v64), dtype, rows)
+    kr = None if kr is None else torch.tensor(kr, device="cuda")
+    check_fused_path(q, k, v, kr, causal, OUT_TOL[dtype], GRAD_TOL[dtype], monkeypatch)
 
 
 @pytest.mark.parametrize("return_lse", [False, True])

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from flash_attention import ops
 from flash_attention.configs import BwdConfig, hopper_bwd_config
-from flash_attention.reference import attention_reference
+from flash_attention.reference import attention_reference, causal_allowed
 
 pytestmark = pytest.mark.gpu
 
@@ -52,10 +52,7 @@ def _torch_lowp_grads(q, k, v, do, causal):
     leaves = [t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v)]
     group = q.shape[2] // k.shape[2]
     kk, vv = (t.repeat_interleave(group, dim=1) for t in leaves[1:])
-    sq, sk = q.shape[1], k.shape[1]
-    mask = None
-    if causal:  # bottom-right aligned, as the library's causal mask
-        mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
+    mask = causal_allowed(q.shape[1], k.shape[1], device=q.device) if causal else None
     # The math backend upcasts 16-bit inputs to fp32 unless told to compute in their precision, as every
     # fused kernel does (P and dS rounded to 16 bits before their matrix products).
     previous = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
@@ -172,46 +169,3 @@ def test_ws_backward_key_range(d, causal):
     assert (got[0][1] == 0).all()  # batch row 1 sees no key: no gradient reaches its queries
     assert (got[1][1] == 0).all() and (got[2][1] == 0).all()
     assert (got[1][0, :40] == 0).all() and (got[1][0, 333:] == 0).all()  # keys outside the range
-
-
-@needs_hopper
-def test_key_range_training_takes_the_ws_backward():
-    from flash_attention.configs import default_bwd_config
-    from flash_attention.ops.select import backward_config
-
-    cfg = backward_config(
-        "bf16", 128, True, 1000, 1000, 1, arch="sm_90", gpu="", smem_limit=227 * 1024, features=["key_range"]
-    )
-    assert cfg == default_bwd_config("bf16", 128, "sm_90") and cfg.warp_specialized
-
-
-@needs_hopper
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("causal", [False, True])
-def test_ws_backward_dropout(d, causal):
-    """The dropout build regenerates the forward's keep mask: gradients against float64 autograd through
-    the explicit masked attention (the mask from flash_attention.dropout.keep_mask), within 1.5x the portable
-    kernel's error on the same call; and a dropped run differs from an undropped one."""
-    from test_gpu_dropout import _explicit
-
-    from flash_attention.configs import default_bwd_config
-    from flash_attention.dropout import draw_seed, keep_mask
-
-    p_drop, seed = 0.3, 4321 + d + causal
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    b, sq, sk, hq, hkv = 2, 333, 301, 4, 2
-    q = torch.randn(b, sq, hq, d, generator=gen, device="cuda").to(torch.bfloat16)
-    k, v = (torch.randn(b, sk, hkv, d, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(2))
-    do = torch.randn_like(q)
-    dseed = draw_seed(seed)
-    kw = dict(causal=causal, softmax_scale=d**-0.5, dropout_p=p_drop, dropout_seed=dseed)
-    o, lse = ops.cuda_forward(q, k, v, return_lse=True, out=None, **kw)
-    got = ops.cuda_backward(do, q, k, v, o, lse, config=ws_config("bf16", d), **kw)
-    portable = ops.cuda_backward(do, q, k, v, o, lse, config=default_bwd_config("bf16", d), **kw)
-    keep = keep_mask(seed, 0, p_drop, b, hq, sq, sk, device="cuda")
-    leaves = [x.double().requires_grad_() for x in (q, k, v)]
-    ref = torch.autograd.grad(_explicit(*leaves, causal, keep, p_drop), leaves, do.double())
-    for name, a, p_, r in zip(("dq", "dk", "dv"), got, portable, ref, strict=True):
-        assert torch.isfinite(a).all(), name
-        err, err_p = (a.double() - r).abs().max().item(), (p_.double() - r).abs().max().item()
-        assert err <= 1.5 * err_p + 1e-4, f"{name}: {err:.3g} vs the portable kernel's {err_p:.3g}"

@@ -142,14 +142,13 @@ def bwd_kernel_source(cfg: BwdConfig, *, ranged: bool = False, dropout: bool = F
             else ("fa::sm90::bwd_dkdv_body", "sm90/bwd/bwd_kernel.cuh")
         )
         for causal in (False, True):
+            targs = f"Cfg, {variant_type(causal, ranged)}"
+            if cfg.warp_specialized:
+                targs += f", {_cpp_bool(dropout)}"
             entries.append(
                 f'extern "C" __global__ void __launch_bounds__({cfg.threads}, 1)\n'
                 f"{cfg.symbol('dkdv', causal, ranged, dropout)}(const __grid_constant__ fa::BwdParams p) {{\n"
-                + (
-                    f"  {body}<Cfg, {variant_type(causal, ranged)}, {_cpp_bool(dropout)}>(p);\n}}\n"
-                    if cfg.warp_specialized
-                    else f"  {body}<Cfg, {variant_type(causal, ranged)}>(p);\n}}\n"
-                )
+                f"  {body}<{targs}>(p);\n}}\n"
             )
         variant = variant_name(False, ranged, dropout)
         return (

@@ -18,6 +18,18 @@
 
 namespace fa {
 
+// How the two computing warpgroups share a query step's dQ = dS K, each a 64 x kCols part so neither idles:
+// with 128 query rows (head_dim 64) warpgroup c takes rows [64 c, 64 c + 64) and every column; with 64 rows
+// (head_dim 128) it takes all rows and columns [64 c, 64 c + 64). Part c starts at row kRow * c, column
+// kCol * c.
+template <int BR, int D>
+struct DqSplit {
+  static_assert((BR == 128 && D == 64) || (BR == 64 && D == 128), "dQ split between the warpgroups");
+  static constexpr int kCols = BR == 128 ? D : D / 2;
+  static constexpr int kRow = BR == 128 ? 64 : 0;
+  static constexpr int kCol = BR == 128 ? 0 : D / 2;
+};
+
 // acc (64 keys x BR queries) = A B^T over head_dim D, A the warpgroup's 64 rows of K or V (a_desc) and B a
 // Q or dO tile (b_desc, starting b_off bytes in): S^T = K Q^T and dP^T = V dO^T. D / 16 k-steps of 16
 // columns, 32 bytes along a row, every fourth starting the next panel (BC * 128 bytes on in K's and V's

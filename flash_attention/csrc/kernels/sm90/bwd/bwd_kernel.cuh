@@ -45,12 +45,11 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
   constexpr int NT = Cfg::kNumWarps * 32;
   constexpr int NQ = BR / 8;   // query n-tiles of S^T / dP^T
   constexpr int KQ = BR / 16;  // k-steps of dV / dK
-  // dQ per warpgroup: 64 query rows x DQN columns, at row DQ_ROW * wg and column DQ_COL * wg.
-  constexpr int DQN = BR == 128 ? D : D / 2;
-  constexpr int DQ_ROW = BR == 128 ? 64 : 0;
-  constexpr int DQ_COL = BR == 128 ? 0 : D / 2;
+  // dQ per warpgroup: 64 query rows x DQN columns, at row DQ_ROW * wg and column DQ_COL * wg (DqSplit).
+  constexpr int DQN = DqSplit<BR, D>::kCols;
+  constexpr int DQ_ROW = DqSplit<BR, D>::kRow;
+  constexpr int DQ_COL = DqSplit<BR, D>::kCol;
   static_assert(Cfg::kNumWarps == 8 && BC == 128, "two warpgroups of 64 keys");
-  static_assert((BR == 128 && D == 64) || (BR == 64 && D == 128), "dQ split between the warpgroups");
   using QTile = PanelTile<BR>;   // Q and dO in shared memory
   using KVTile = PanelTile<BC>;  // K, V and dS^T
 

@@ -79,12 +79,11 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
   constexpr int NST = Cfg::kStages;
   constexpr int NQ = BR / 8;   // query n-tiles of S^T / dP^T
   constexpr int KQ = BR / 16;  // k-steps of dV / dK
-  // dQ per consumer warpgroup: 64 query rows x DQN columns, at row DQ_ROW * c and column DQ_COL * c.
-  constexpr int DQN = BR == 128 ? D : D / 2;
-  constexpr int DQ_ROW = BR == 128 ? 64 : 0;
-  constexpr int DQ_COL = BR == 128 ? 0 : D / 2;
+  // dQ per warpgroup: 64 query rows x DQN columns, at row DQ_ROW * wg and column DQ_COL * wg (DqSplit).
+  constexpr int DQN = DqSplit<BR, D>::kCols;
+  constexpr int DQ_ROW = DqSplit<BR, D>::kRow;
+  constexpr int DQ_COL = DqSplit<BR, D>::kCol;
   static_assert(Cfg::kNumWarps == 12 && BC == 128, "a producer and two consumer warpgroups of 64 keys");
-  static_assert((BR == 128 && D == 64) || (BR == 64 && D == 128), "dQ split between the warpgroups");
   static_assert(DQN == 64, "one staged dQ row is 256 bytes");
   // setmaxnreg moves registers within the block's launch allocation (384 x 168 = 64512).
   static_assert(128 * Cfg::kProducerRegs + 256 * Cfg::kConsumerRegs <= 384 * 168,
