@@ -19,7 +19,7 @@ import torch
 
 from . import ops
 
-__all__ = ["backend", "kernel_backend", "run_or_fallback", "wants_kernel", "warn_fallback"]
+__all__ = ["backend", "kernel_backend", "run_or_fallback", "usable_backend", "wants_kernel", "warn_fallback"]
 
 T = TypeVar("T")
 
@@ -50,6 +50,14 @@ def warn_fallback(reason: str, stacklevel: int = 4) -> None:
         RuntimeWarning,
         stacklevel=stacklevel,
     )
+
+
+def usable_backend(q: torch.Tensor) -> ModuleType | None:
+    """:func:`kernel_backend` without the warning (for a caller whose fallback path warns itself)."""
+    if not wants_kernel(q):
+        return None
+    b = backend()
+    return b if b.cuda_unavailable_reason(q) is None else None
 
 
 def kernel_backend(q: torch.Tensor) -> ModuleType | None:

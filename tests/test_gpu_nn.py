@@ -3,9 +3,10 @@
 The modules in fp16/bf16 on CUDA against PyTorch's own modules in the same precision, with the accuracy rule
 of DESIGN.md at module level: against the same module computed in float64, our max error is at most 2x the
 stock module's, plus 1e-5. Each test also checks that our kernel actually ran (a spy on
-``ops.cuda_forward``): a test that silently fell back to PyTorch would prove nothing. Key padding whose valid
-keys are one run per row (right or left padding) must reach the kernel as one launch with ``key_range``
-(per-batch key ranges computed inside the kernel), with the mask's ranges.
+``ops.forward.launch_plan``, which every forward launch runs, repeat calls included): a test that silently
+fell back to PyTorch would prove nothing. Key padding whose valid keys are one run per row (right or left
+padding) must reach the kernel as one launch with ``key_range`` (per-batch key ranges computed inside the
+kernel), with the mask's ranges.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ import pytest
 import torch
 from torch import nn
 
-from flash_attention import ops
 from flash_attention.nn import FlashAttention, MultiheadAttention, replace_attention
 from flash_attention.nn import functional as fn
+from flash_attention.ops import forward as launch
 from flash_attention.reference import causal_allowed
 
 pytestmark = pytest.mark.gpu
@@ -38,14 +39,15 @@ def _seed(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> No
 def launches(monkeypatch: pytest.MonkeyPatch) -> list:
     """Every launch of our forward kernel: (q shape, k shape, causal, key_range on the CPU or None)."""
     seen: list = []
-    real = ops.cuda_forward
+    real = launch.launch_plan
 
-    def spy(q, k, v, **kwargs):
-        kr = kwargs.get("key_range")
-        seen.append((tuple(q.shape), tuple(k.shape), kwargs["causal"], None if kr is None else kr.cpu()))
-        return real(q, k, v, **kwargs)
+    def spy(plan, q, k, v, o, lse, key_range=None, key=0):
+        kr = None if key_range is None else key_range.cpu()
+        seen.append((tuple(q.shape), tuple(k.shape), plan.causal, kr))
+        return real(plan, q, k, v, o, lse, key_range, key)
 
-    monkeypatch.setattr(ops, "cuda_forward", spy)
+    # The one function every planned forward launch runs (a first call of a signature and its repeats).
+    monkeypatch.setattr(launch, "launch_plan", spy)
     return seen
 
 
@@ -456,13 +458,13 @@ def test_transformers_training_with_attention_dropout_runs_the_kernels(padding, 
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=register())
     model = model.to("cuda", torch.bfloat16).train()
     launched: list = []
-    real = ops.cuda_forward
+    real = launch.launch_plan
 
-    def spy(q, k, v, **kwargs):
-        launched.append((kwargs["dropout_p"], kwargs.get("key_range") is not None))
-        return real(q, k, v, **kwargs)
+    def spy(plan, q, k, v, o, lse, key_range=None, key=0):
+        launched.append((plan.dropout_p, key_range is not None))
+        return real(plan, q, k, v, o, lse, key_range, key)
 
-    monkeypatch.setattr(ops, "cuda_forward", spy)
+    monkeypatch.setattr(launch, "launch_plan", spy)
     ids = torch.randint(3, 512, (2, 300), device="cuda")
     mask = torch.ones_like(ids)
     if padding:

@@ -11,7 +11,8 @@ first, in :mod:`flash_attention._validate`; the choice between these kernels and
 * :mod:`.forward` / :mod:`.backward` / :mod:`.decode` -- the launches; :mod:`.plans` -- what they share (the
   plan cache, the params fields filled alike, the launch in the device's primary context);
 * :mod:`.tensors` -- layout rules shared by both; :mod:`.trace` -- the debug build's launch state;
-* :mod:`.training` -- eager training calls on the compiled autograd node (:mod:`flash_attention.jit.host`).
+* :mod:`.training` -- eager training calls on the compiled autograd node (:mod:`flash_attention.jit.host`);
+* :mod:`.repeat` -- a call whose signature ran before repeats its launch without deciding anything again.
 """
 
 from . import backward as _backward
@@ -20,6 +21,7 @@ from .backward import cuda_backward
 from .decode import decode_plan, decode_unavailable_reason
 from .device import cuda_unavailable_reason, device_arch, gpu_name, smem_limit
 from .forward import chosen_config, cuda_forward, prepare
+from .repeat import prepare as prepare_repeat
 from .select import NoKernel, backward_config, catalog, dropout_config, forward_config
 from .trace import TraceTarget, last_trace, trace_from_env
 from .training import training_forward
@@ -49,6 +51,7 @@ __all__ = [
     "gpu_name",
     "last_trace",
     "prepare",
+    "prepare_repeat",
     "smem_limit",
     "trace_from_env",
     "training_forward",

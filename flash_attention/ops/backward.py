@@ -24,7 +24,7 @@ from .plans import PlanCache, device_facts, feature_list, fill_common, fill_stri
 from .select import backward_config
 from .tensors import check_grid, kernel_ready, pad_head_dim, padded_to_8
 
-__all__ = ["cuda_backward", "plan_for"]
+__all__ = ["cuda_backward", "derive_from_plans", "plan_for"]
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,11 @@ class _Plan:
 
 
 _plans: PlanCache[_Plan] = PlanCache()
+
+
+def derive_from_plans(cache: PlanCache) -> None:
+    """Clear ``cache`` whenever these plans are cleared (it holds things made from them)."""
+    _plans.derive(cache)
 
 
 def clear_plans() -> None:

@@ -29,7 +29,7 @@ from .plans import PlanCache, device_facts, feature_list, fill_common, fill_stri
 from .select import forward_config
 from .tensors import check_grid, kernel_ready, pad_head_dim, padded_to_8, usable_in_place
 
-__all__ = ["chosen_config", "cuda_forward", "prepare"]
+__all__ = ["chosen_config", "cuda_forward", "derive_from_plans", "launch_plan", "plan_for", "prepare"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,9 @@ class _Plan:
     encoded: OrderedDict = field(default_factory=OrderedDict)
     # A persistent grid with fewer blocks than tiles: its blocks take tiles from the stream's counter.
     tile_counter: bool = False
+    # The call's options the kernel was built for (the launch's observers read them: tests, tools).
+    causal: bool = False
+    dropout_p: float = 0.0
 
 
 #: Encoded map triples kept per plan (the oldest dropped).
@@ -55,6 +58,11 @@ _ENCODED_PER_PLAN = 16
 
 
 _plans: PlanCache[_Plan] = PlanCache()
+
+
+def derive_from_plans(cache: PlanCache) -> None:
+    """Clear ``cache`` whenever these plans are cleared (it holds things made from them)."""
+    _plans.derive(cache)
 
 
 def clear_plans() -> None:
@@ -102,13 +110,25 @@ def _make_plan(q, k, v, o, causal, scale, ranged, dropout_p, config, needs, trac
     if cfg.persistent:
         # One block per multiprocessor (the kernel runs one per SM), each looping over query tiles.
         grid = (min(p.num_m_blocks * heads_q * batch, sm_count(index)), 1, 1)
+    options = {"causal": bool(causal), "dropout_p": dropout_p}
     if not cfg.warp_specialized:
-        return _Plan(cfg, kernel, grid, cfg.threads, cfg.smem_bytes, index, bytes(p))
+        return _Plan(cfg, kernel, grid, cfg.threads, cfg.smem_bytes, index, bytes(p), **options)
     tp = FwdTmaParams()
     tp.p = p
     maps = _map_layouts(q, k, v, cfg, tp)
     counted = cfg.persistent and grid[0] < p.num_m_blocks * heads_q * batch
-    plan = _Plan(cfg, kernel, grid, cfg.threads, cfg.smem_bytes, index, bytes(tp), maps, tile_counter=counted)
+    plan = _Plan(
+        cfg,
+        kernel,
+        grid,
+        cfg.threads,
+        cfg.smem_bytes,
+        index,
+        bytes(tp),
+        maps,
+        tile_counter=counted,
+        **options,
+    )
     # The trial encode was of these tensors' own addresses: the call that made the plan reuses it.
     plan.encoded[(q.data_ptr(), k.data_ptr(), v.data_ptr())] = plan.template
     return plan
@@ -217,7 +237,8 @@ def chosen_config(
     return _config(q, k, causal, needs)
 
 
-def _plan(q, k, v, o, causal, scale, ranged, dropout_p, config, negative) -> _Plan:
+def plan_for(q, k, v, o, causal, scale, ranged, dropout_p, config, negative) -> _Plan:
+    """The plan of a call on kernel-ready tensors (made on a miss)."""
     key = (
         q.shape,
         q.stride(),
@@ -311,19 +332,27 @@ def cuda_forward(
         return (out if out is not None else o), lse
 
     ranged = key_range is not None
-    plan = _plan(q_, k_, v_, o, causal, softmax_scale, ranged, dropout_p, config, softmax_scale < 0)
-    args, p, tile_counter = _call_args(plan, q_, k_, v_, o, lse)  # (the counter held until the launch)
+    plan = plan_for(q_, k_, v_, o, causal, softmax_scale, ranged, dropout_p, config, softmax_scale < 0)
     if ranged:
         # The kernel reads two int32 per batch row, contiguous; kept alive until the launch is queued.
         key_range = key_range.to(device=q.device, dtype=torch.int32).contiguous()
-        p.key_range = key_range.data_ptr()
-    if dropout_p:
-        p.dropout_key = dropout_key(*seed_pair(dropout_seed))
-    launch(plan.kernel, plan.grid, plan.threads, plan.smem, plan.index, args)
+    key = dropout_key(*seed_pair(dropout_seed)) if dropout_p else 0
+    launch_plan(plan, q_, k_, v_, o, lse, key_range, key)
     if out is not None and o is not out:
         out.copy_(o)
         o = out
     return o, lse
+
+
+def launch_plan(plan: _Plan, q_, k_, v_, o, lse, key_range=None, key: int = 0) -> None:
+    """Launch ``plan`` on kernel-ready q, k and v into ``o`` (and ``lse``, or None), with ``key_range`` (None,
+    or the int32 contiguous (batch, 2) tensor of a ranged plan) and the dropout ``key`` of a dropout plan."""
+    args, p, tile_counter = _call_args(plan, q_, k_, v_, o, lse)  # (the counter held until the launch)
+    if key_range is not None:
+        p.key_range = key_range.data_ptr()
+    if key:
+        p.dropout_key = key
+    launch(plan.kernel, plan.grid, plan.threads, plan.smem, plan.index, args)
 
 
 def _padded_forward(

@@ -33,6 +33,7 @@ class PlanCache(Generic[P]):
     def __init__(self, limit: int = 512) -> None:
         self._plans: OrderedDict[tuple, P] = OrderedDict()
         self._limit = limit
+        self._derived: list[PlanCache] = []  # caches of things made from these plans: cleared with them
 
     def get(self, key: tuple, make: Callable[[], P]) -> P:
         plan = self._plans.get(key)
@@ -44,8 +45,24 @@ class PlanCache(Generic[P]):
             self._plans.move_to_end(key)
         return plan
 
+    def find(self, key: tuple) -> P | None:
+        """The plan of ``key``, or None (nothing is made)."""
+        plan = self._plans.get(key)
+        if plan is not None:
+            try:
+                self._plans.move_to_end(key)
+            except KeyError:
+                pass  # dropped by another thread in between: the caller still has it
+        return plan
+
+    def derive(self, cache: PlanCache) -> None:
+        """``cache`` holds things made from these plans: :meth:`clear` clears it too."""
+        self._derived.append(cache)
+
     def clear(self) -> None:
         self._plans.clear()
+        for cache in self._derived:
+            cache.clear()
 
 
 def feature_list(**flags: object) -> list[str]:

@@ -27,7 +27,7 @@ from . import backward
 from . import trace as _trace
 from .tensors import usable_in_place
 
-__all__ = ["training_forward"]
+__all__ = ["host_ops", "program", "training_forward"]
 
 # The BwdParams fields the node writes per call, in the order of training_node.cpp's Slot enum.
 _SLOTS = (
@@ -39,7 +39,7 @@ _OFFSETS = [getattr(BwdParams, name).offset for name in _SLOTS]
 _warned = False
 
 
-def _host_ops():
+def host_ops():
     """The host library's ops, or None (with one warning, unless it was turned off on purpose)."""
     global _warned
     try:
@@ -51,7 +51,7 @@ def _host_ops():
         return None
 
 
-def _program(plan) -> int:
+def program(plan) -> int:
     """The address of the node's BackwardProgram of a backward plan (made once per plan, which keeps it)."""
     if not plan.host_program:
         fields, names = [], []
@@ -94,8 +94,8 @@ def training_forward(
         return None
     if not (usable_in_place(q) and usable_in_place(k) and usable_in_place(v)):
         return None
-    host_ops = _host_ops()
-    if host_ops is None:
+    lib = host_ops()
+    if lib is None:
         return None
     if key_range is not None:  # converted once: the forward reads it, the node keeps it for the backward
         key_range = key_range.to(device=q.device, dtype=torch.int32).contiguous()
@@ -116,5 +116,5 @@ def training_forward(
         q, k, v, out, out, lse, causal, softmax_scale, deterministic, key_range is not None, dropout_p, None
     )
     key = dropout_key(*seed_pair(dropout_seed)) if dropout_p else 0
-    host_ops.record_training(q, k, v, out, lse, key_range, key, _program(plan))
+    lib.record_training(q, k, v, out, lse, key_range, key, program(plan))
     return out, lse

@@ -1,0 +1,171 @@
+"""Repeat calls: an ``attention()`` call whose signature was validated and planned before goes straight to
+its launch.
+
+A model calls attention with the same shapes, strides, dtypes and options on every layer and every step, and
+at small sizes the host time of the call is the whole time (a training step of a (1, 128, 16, 64) problem is
+host-bound on an H100). The first call of a signature runs the whole path (``_validate.validate``, the
+kernel-or-fallback choice, the plans); when that path ends in one launch of a forward plan with nothing
+per-call to work out but pointers, it leaves a :class:`RepeatCall` under the call's signature
+(:func:`signature`). A later call with an equal signature allocates its output, fills in its pointers,
+launches, and, in eager training, records the compiled autograd node: what the first call did, without
+deciding any of it again.
+
+The signature holds everything the checks and the plans depend on: each tensor's exact type, shape, strides,
+dtype and device, the options, whether autograd records the call, and the deterministic-algorithms switch.
+What a signature cannot fix is checked per call: the addresses' 16-byte alignment, and the debug build's
+environment variable. A signature whose call cannot be a plain launch (a head_dim that is not a multiple of
+8, strides the kernels cannot read in place, a persistent grid that needs the stream's tile counter, no
+host library in training) is remembered as such, so its calls take the whole path without trying again.
+Dropout, ``out=`` and torch.compile always take the whole path.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import backward, forward, training
+from . import trace as _trace
+from .plans import PlanCache
+from .select import NoKernel
+from .tensors import strides_usable
+
+__all__ = ["WHOLE_PATH", "RepeatCall", "clear", "first_call", "lookup", "prepare", "remember", "signature"]
+
+#: Types a plain option may have in a signature: anything else (a numpy scalar, a tensor) takes the whole
+#: path, whose checks accept or reject it (``True == 1 == 1.0`` would make them equal keys otherwise).
+_PLAIN_NUMBERS = (float, int)
+_STRIDED = torch.strided
+
+
+class RepeatCall:
+    """One signature's launch: the forward plan, the training node's program (0 for inference) and the
+    shape of the LSE to allocate (None: the call returns none and the kernel writes none)."""
+
+    __slots__ = ("_host_ops", "_lse_shape", "_plan", "_program")
+
+    def __init__(self, plan, lse_shape: tuple[int, int, int] | None, program: int = 0, host_ops=None):
+        self._plan, self._lse_shape, self._program, self._host_ops = plan, lse_shape, program, host_ops
+
+    def __call__(self, q, k, v, key_range):
+        """``(out, lse)``, or None when this call must take the whole path (a misaligned address: the whole
+        path copies such a tensor; the debug build asked for by the environment)."""
+        if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 or _trace.ENV in os.environ:
+            return None
+        # empty_like with an explicit format: contiguous whatever q's strides (the plan's output strides).
+        o = torch.empty_like(q, memory_format=torch.contiguous_format)
+        lse = None if self._lse_shape is None else q.new_empty(self._lse_shape, dtype=torch.float32)
+        forward.launch_plan(self._plan, q, k, v, o, lse, key_range)
+        if self._program:
+            self._host_ops.record_training(q, k, v, o, lse, key_range, 0, self._program)
+        return o, lse
+
+
+#: What :func:`lookup` gives for a signature whose calls take the whole path every time (the module
+#: docstring says which).
+WHOLE_PATH = object()
+
+_calls: PlanCache[object] = PlanCache()
+# A repeat call holds a forward plan and a backward plan's program: it goes when they go (a tuned-winners
+# table changed; a test's stand-in for a device fact).
+forward.derive_from_plans(_calls)
+backward.derive_from_plans(_calls)
+
+
+def clear() -> None:
+    """Forget every signature (with the plans they hold: after a tuned-winners table changed)."""
+    _calls.clear()
+
+
+def signature(q, k, v, causal, softmax_scale, return_lse, key_range, deterministic, dropout_p, dropout_seed):
+    """The key of a call that may repeat an earlier one's launch, or None for a call that takes the whole path
+    (dropout, a caller's ``out``, torch.compile, arguments of types the checks must see). Raises nothing: an
+    argument without the attributes read here (not a tensor, a sparse tensor) gives None."""
+    if (
+        dropout_seed is not None
+        or type(dropout_p) not in _PLAIN_NUMBERS
+        or dropout_p != 0
+        or type(causal) is not bool
+        or type(deterministic) is not bool
+        or (softmax_scale is not None and type(softmax_scale) is not float)
+        or torch.compiler.is_compiling()
+    ):
+        return None
+    try:
+        if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
+            return None
+        if q.layout is not _STRIDED or k.layout is not _STRIDED or v.layout is not _STRIDED:
+            return None  # (a sparse tensor reads as strides of zeros)
+        records = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        if key_range is None:
+            ranged = None
+        elif type(key_range) is torch.Tensor:
+            ranged = (key_range.shape, key_range.stride(), key_range.dtype, key_range.device)
+        else:
+            return None
+        return (
+            q.shape, q.stride(), q.dtype, q.device,
+            k.shape, k.stride(), k.dtype, k.device,
+            v.shape, v.stride(), v.dtype, v.device,
+            causal, softmax_scale, not return_lse, ranged, records,
+            # The backward's mode (training only): the argument or PyTorch's deterministic switch.
+            records and (deterministic or torch.are_deterministic_algorithms_enabled()),
+        )  # fmt: skip
+    except (AttributeError, RuntimeError, TypeError):
+        return None
+
+
+def lookup(key) -> RepeatCall | object | None:
+    """The repeat call of ``key``, :data:`WHOLE_PATH`, or None for a signature not seen yet."""
+    return _calls.find(key)
+
+
+def remember(key, call: RepeatCall | None) -> None:
+    """Keep ``call`` for ``key`` (None: calls of ``key`` take the whole path)."""
+    _calls.get(key, lambda: WHOLE_PATH if call is None else call)
+
+
+def first_call(key, backend, q, k, v, **options):
+    """The first call of signature ``key``, validated: make its repeat call, keep it (or keep that it has
+    none) and run it; None when the whole path must run this call. ``backend`` is the launch layer the call
+    would run on (None: the fallback's); it makes the repeat call with its ``prepare_repeat`` (the CPU tests'
+    stand-in launch layers have none, so their calls take the whole path)."""
+    make = getattr(backend, "prepare_repeat", None)
+    call = None
+    if make is not None:
+        try:
+            call = make(q, k, v, **options)
+        except NoKernel:
+            call = None  # the whole path falls back, with its warning
+    remember(key, call)
+    return None if call is None else call(q, k, v, options["key_range"])
+
+
+def prepare(
+    q, k, v, *, causal: bool, scale: float, key_range, records: bool, deterministic: bool, return_lse
+):
+    """The repeat call of a validated call that the kernels run (the caller decided that), or None when its
+    calls cannot be a plain launch. Raises what planning raises (``NoKernel``: the whole path then falls
+    back, with its warning)."""
+    if q.shape[3] % 8 or not (strides_usable(q) and strides_usable(k) and strides_usable(v)):
+        return None  # zero-padded or copied inputs: the whole path makes them
+    if key_range is not None and (key_range.dtype != torch.int32 or not key_range.is_contiguous()):
+        return None  # converted per call by the whole path
+    host_ops = training.host_ops() if records else None
+    if records and host_ops is None:
+        return None  # the Python autograd function's path
+    o = torch.empty_like(q, memory_format=torch.contiguous_format)
+    ranged = key_range is not None
+    plan = forward.plan_for(q, k, v, o, causal, scale, ranged, 0.0, None, scale < 0)
+    if plan.tile_counter:
+        # The persistent grid's tile counter is the current stream's (fresh while a graph is captured):
+        # worked out per call by the whole path. Such grids serve problems far larger than their host time.
+        return None
+    lse_shape = (q.shape[0], q.shape[2], q.shape[1])
+    if not records:
+        return RepeatCall(plan, lse_shape if return_lse else None)
+    lse = q.new_empty(lse_shape, dtype=torch.float32)
+    # As training.training_forward: the backward reads dO laid out as out, so the plan is out's.
+    bwd = backward.plan_for(q, k, v, o, o, lse, causal, scale, deterministic, ranged, 0.0, None)
+    return RepeatCall(plan, lse_shape, training.program(bwd), host_ops)

@@ -1,0 +1,254 @@
+"""A stand-in GPU for the CPU tests: the real launch layer (plans, params structs, tensor maps, repeat calls,
+the compiled training node) over CPU stand-ins for the kernels and the driver.
+
+:func:`install` makes ``attention()`` on float16/bfloat16 CPU tensors take the kernel path of a GPU of the
+given architecture. Every "kernel" computes its part of the attention in float64 from the tensors at the
+addresses in the params struct it is launched with, and writes its outputs there; the forward kernels of
+the TMA configurations read q, k and v through their tensor maps (the stand-in encode writes the address,
+the dimensions and the byte strides into the map). So a result is right only if every pointer, stride,
+map and workspace offset the launch layer filled in is right: a wrong one reads the wrong memory.
+Launches are counted by kernel kind in ``StandInGpu.launches``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+
+import torch
+
+from flash_attention import dispatch, ops
+from flash_attention.jit import driver, host
+from flash_attention.jit.params import BwdParams
+from flash_attention.ops import backward, forward, plans, tma, training
+from flash_attention.reference import attention_reference
+
+__all__ = ["StandInGpu", "install", "tensor_at"]
+
+_FACTS = {
+    "sm_90": {"arch": "sm_90", "gpu": "NVIDIA H100 80GB HBM3", "smem_limit": 227 * 1024},
+    "sm_80": {"arch": "sm_80", "gpu": "NVIDIA A100-SXM4-80GB", "smem_limit": 163 * 1024},
+}
+_PRIMARY = 0xC0FFEE  # the stand-in primary context
+
+
+def tensor_at(address: int, shape, strides, dtype) -> torch.Tensor:
+    """A CPU tensor viewing memory at ``address`` (what a kernel sees through a pointer)."""
+    if address in (0, None):
+        raise AssertionError("a kernel was handed a null pointer")
+    span = 1 + sum((n - 1) * s for n, s in zip(shape, strides, strict=True))
+    size = torch.empty((), dtype=dtype).element_size()
+    buf = (ctypes.c_char * (span * size)).from_address(address)
+    return torch.frombuffer(buf, dtype=dtype).as_strided(shape, strides)
+
+
+def _encode(field, layout, address) -> int:
+    """The stand-in of tma.encode_into: the map holds the address, the 4 dims and the 3 byte strides."""
+    values = [address, *layout.dims, *layout.strides]
+    ctypes.memmove(field, struct.pack(f"<{len(values)}Q", *values), 8 * len(values))
+    return 0
+
+
+def _through_map(field, dtype) -> torch.Tensor:
+    """The (batch, seqlen, heads, head_dim) tensor a stand-in map describes."""
+    address, d, s, h, b, row, head, batch = struct.unpack("<8Q", bytes(field)[:64])
+    size = torch.empty((), dtype=dtype).element_size()
+    return tensor_at(address, (b, s, h, d), (batch // size, row // size, head // size, 1), dtype)
+
+
+class _Handle:
+    def __init__(self, value: int):
+        self.value = value
+
+
+class _Kernel:
+    """A stand-in ``driver.Kernel``: ``launch`` runs ``gpu.run(kind, causal, params)`` on the CPU."""
+
+    def __init__(self, gpu: StandInGpu, kind: str, causal: bool = False):
+        self.gpu, self.kind, self.causal = gpu, kind, causal
+        self.name = f"stand_in_{kind}{'_causal' if causal else ''}"
+        self.handle = _Handle(gpu.register(self))
+
+    def ensure_dynamic_smem(self, nbytes: int, index: int) -> None:
+        pass
+
+    def launch(self, grid, block, smem, stream, params) -> None:
+        self.gpu.run(self, params)
+
+
+class _BackwardKernels(dict):
+    """``get_bwd_kernels``' dict: by kind for the mask-free kernels, by symbol for the others."""
+
+    def __init__(self, gpu: StandInGpu):
+        super().__init__()
+        self.gpu = gpu
+
+    def __missing__(self, symbol: str) -> _Kernel:
+        kind = symbol if symbol in ("pre", "convert") else symbol.split("__")[1]
+        kernel = self[symbol] = _Kernel(self.gpu, kind, "__causal" in symbol)
+        return kernel
+
+
+class StandInGpu:
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+        self.launches: list[str] = []
+        self.errors: list[BaseException] = []
+        self._kernels: dict[int, _Kernel] = {}
+        self._callbacks = ()
+
+    def register(self, kernel: _Kernel) -> int:
+        handle = 0x1000 + len(self._kernels)
+        self._kernels[handle] = kernel
+        return handle
+
+    # The host library's driver entry points (its node launches through them).
+    def driver_functions(self) -> tuple[int, int, int, int]:
+        launch_t = ctypes.CFUNCTYPE(
+            ctypes.c_int, ctypes.c_void_p, *([ctypes.c_uint] * 7), ctypes.c_void_p,
+            ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p,
+        )  # fmt: skip
+        get_t = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p))
+        set_t = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+        error_t = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_char_p))
+
+        def launch(kernel, gx, gy, gz, bx, by, bz, smem, stream, args, extra):
+            size = ctypes.sizeof(BwdParams)
+            p = BwdParams.from_buffer_copy((ctypes.c_char * size).from_address(args[0]))
+            try:
+                self.run(self._kernels[kernel], p)
+            except BaseException as exc:  # (raised inside a C callback: reported through the status)
+                self.errors.append(exc)
+                return 999
+            return 0
+
+        def get(out):
+            out[0] = _PRIMARY
+            return 0
+
+        def error(status, text):
+            text[0] = b"stand-in failure"
+            return 0
+
+        self._callbacks = (launch_t(launch), get_t(get), set_t(lambda ctx: 0), error_t(error))
+        return tuple(ctypes.cast(f, ctypes.c_void_p).value for f in self._callbacks)
+
+    # ---------------------------------------------------------------------------------------------------
+    # The kernels
+
+    def run(self, kernel: _Kernel, params) -> None:
+        self.launches.append(kernel.kind)
+        if kernel.kind == "forward":
+            self._forward(kernel.causal, params)
+        else:
+            self._backward(kernel.kind, kernel.causal, params)
+
+    def _bshd(self, p, ptr, prefix, seqlen, heads):
+        strides = tuple(getattr(p, f"{prefix}_{n}_stride") for n in ("batch", "row", "head")) + (1,)
+        return tensor_at(ptr, (p.batch, seqlen, heads, p.head_dim), strides, self.dtype)
+
+    def _key_range(self, p):
+        return None if not p.key_range else tensor_at(p.key_range, (p.batch, 2), (2, 1), torch.int32).clone()
+
+    def _forward(self, causal, params) -> None:
+        p = getattr(params, "p", params)
+        if p.dropout_threshold:
+            raise AssertionError("the stand-in kernels have no dropout")
+        if hasattr(params, "q_map"):  # a TMA kernel reads q, k and v through their maps
+            q, k, v = (_through_map(m, self.dtype) for m in (params.q_map, params.k_map, params.v_map))
+            for t, ptr in ((q, p.q), (k, p.k), (v, p.v)):
+                assert t.data_ptr() == ptr, "a tensor map and the params disagree on an address"
+        else:
+            q = self._bshd(p, p.q, "q", p.seqlen_q, p.heads_q)
+            k = self._bshd(p, p.k, "k", p.seqlen_k, p.heads_kv)
+            v = self._bshd(p, p.v, "v", p.seqlen_k, p.heads_kv)
+        assert q.shape[3] == p.head_dim and k.shape[1] == p.seqlen_k, "the params disagree on a size"
+        out, lse = attention_reference(
+            q, k, v, causal=causal, softmax_scale=p.scale, key_range=self._key_range(p)
+        )
+        self._bshd(p, p.o, "o", p.seqlen_q, p.heads_q).copy_(out)
+        if p.lse:
+            strides = (p.lse_batch_stride, p.lse_head_stride, 1)
+            tensor_at(p.lse, (p.batch, p.heads_q, p.seqlen_q), strides, torch.float32).copy_(lse)
+
+    def _rows(self, ptr, p):
+        shape, strides = (p.batch, p.heads_q, p.seqlen_q_pad), (p.heads_q * p.seqlen_q_pad, p.seqlen_q_pad, 1)
+        return tensor_at(ptr, shape, strides, torch.float32)
+
+    def _accum(self, p):
+        shape = (p.batch, p.heads_q, p.seqlen_q_pad, p.head_dim)
+        strides = (p.heads_q * p.seqlen_q_pad * p.head_dim, p.seqlen_q_pad * p.head_dim, p.head_dim, 1)
+        return tensor_at(p.dq_accum, shape, strides, torch.float32)
+
+    def _backward(self, kind, causal, p) -> None:
+        x = {
+            name: self._bshd(p, getattr(p, name), prefix, *dims)
+            for name, prefix, dims in (
+                ("q", "q", (p.seqlen_q, p.heads_q)), ("k", "k", (p.seqlen_k, p.heads_kv)),
+                ("v", "v", (p.seqlen_k, p.heads_kv)), ("o", "o", (p.seqlen_q, p.heads_q)),
+                ("dout", "do", (p.seqlen_q, p.heads_q)), ("dq", "dq", (p.seqlen_q, p.heads_q)),
+                ("dk", "dk", (p.seqlen_k, p.heads_kv)), ("dv", "dv", (p.seqlen_k, p.heads_kv)),
+            )
+        }  # fmt: skip
+        if kind == "pre":
+            delta = (x["dout"].double() * x["o"].double()).sum(-1).transpose(1, 2)
+            self._rows(p.delta, p)[:, :, : p.seqlen_q] = delta.float()
+            if p.dq_accum:
+                self._accum(p).zero_()
+            return
+        if kind == "convert":
+            x["dq"].copy_(self._accum(p)[:, :, : p.seqlen_q, :].transpose(1, 2))
+            return
+        q, k, v = (x[n].double().requires_grad_() for n in "qkv")
+        with torch.enable_grad():  # (the engine runs a backward node with grad mode off)
+            out, _ = attention_reference(
+                q, k, v, causal=causal, softmax_scale=p.scale, key_range=self._key_range(p)
+            )
+            dq, dk, dv = torch.autograd.grad(out, (q, k, v), x["dout"].double())
+        # The later kernels read what the preprocessing kernel wrote, as the real ones do.
+        delta = (x["dout"].double() * x["o"].double()).sum(-1).transpose(1, 2)
+        torch.testing.assert_close(
+            self._rows(p.delta, p)[:, :, : p.seqlen_q].double(), delta, rtol=1e-5, atol=1e-5
+        )
+        if kind in ("dkdv", "dkdv_det"):
+            x["dk"].copy_(dk)
+            x["dv"].copy_(dv)
+            if p.dq_accum:
+                self._accum(p)[:, :, : p.seqlen_q, :] = dq.transpose(1, 2).float()
+        elif kind == "dq":
+            x["dq"].copy_(dq)
+        else:
+            raise AssertionError(f"unknown stand-in kernel {kind}")
+
+
+def install(monkeypatch, arch: str = "sm_90", dtype: torch.dtype = torch.bfloat16) -> StandInGpu:
+    """Send ``attention()`` on ``dtype`` CPU tensors down the kernel path of a GPU of ``arch`` with stand-in
+    kernels (the module docstring says what they check). Plans and repeat calls made before are forgotten;
+    the caller forgets the stand-ins' own with ``ops.clear_plans()`` when it is done."""
+    gpu = StandInGpu(dtype)
+    facts = _FACTS[arch]
+    monkeypatch.setattr(dispatch, "wants_kernel", lambda q: True)
+    monkeypatch.setattr(ops, "cuda_unavailable_reason", lambda q: None)
+    for module in (forward, backward):
+        monkeypatch.setattr(module, "device_facts", lambda index: facts)
+        monkeypatch.setattr(module, "device_arch", lambda index: arch)
+    monkeypatch.setattr(forward, "sm_count", lambda index: 132)
+    monkeypatch.setattr(
+        forward, "get_kernel", lambda cfg, causal, arch_, trace=False, **kw: _Kernel(gpu, "forward", causal)
+    )
+    monkeypatch.setattr(backward, "get_bwd_kernels", lambda cfg, arch_, **kw: _BackwardKernels(gpu))
+    monkeypatch.setattr(tma, "encode_into", _encode)
+    for module in (plans, backward):
+        monkeypatch.setattr(module, "current_stream", lambda index: 0)
+    monkeypatch.setattr(driver, "make_primary_current", lambda index: None)
+    monkeypatch.setattr(driver, "primary_context", lambda index: _PRIMARY)
+    try:
+        lib = host.load(connect_driver=False)
+    except host.HostLibraryUnavailable:
+        lib = None  # training takes the Python autograd function, which launches through Kernel.launch
+    if lib is not None:
+        lib.set_driver(*gpu.driver_functions())
+        host._state.pop("driver", None)  # the next real load hands the real driver back
+    monkeypatch.setattr(training, "host_ops", lambda: lib)
+    ops.clear_plans()  # (the caller clears them again after: they hold stand-in kernels)
+    return gpu

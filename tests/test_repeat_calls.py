@@ -1,0 +1,263 @@
+"""Repeat calls (flash_attention/ops/repeat.py) on the CPU, through the stand-in GPU of tests/stand_in_gpu.py.
+
+A call whose signature ran before skips validation and planning and goes straight to its launch; these tests
+check that such calls compute what the whole path computes (fresh inputs at new addresses each time, against
+float64 references, forward and gradients), that every difference in what the checks and plans depend on
+makes a new signature, and that anything a signature cannot fix (an address's alignment, the debug build's
+variable) or the checks must see (arguments of other types, bad input) still takes the whole path.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+from stand_in_gpu import install
+
+import flash_attention as fa
+from flash_attention import interface, ops
+from flash_attention.ops import repeat, training
+from flash_attention.reference import attention_reference
+
+
+@pytest.fixture(autouse=True)
+def _seed(request: pytest.FixtureRequest) -> None:
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture
+def validations(monkeypatch) -> list:
+    """Every call of the whole path (attention()'s validation), as the q shape it was given."""
+    seen: list = []
+    real = interface.validate
+
+    def spy(q, *args, **kwargs):
+        seen.append(tuple(q.shape))
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr(interface, "validate", spy)
+    return seen
+
+
+@pytest.fixture(params=["sm_90", "sm_80"])
+def gpu(request, monkeypatch):
+    """The stand-in GPU of an H100 (the TMA kernels: q, k and v read through tensor maps) or an A100."""
+    stand_in = install(monkeypatch, request.param)
+    yield stand_in
+    ops.clear_plans()
+
+
+def _inputs(b=2, sq=37, sk=45, hq=4, hkv=2, d=64, grad=False, dtype=torch.bfloat16):
+    return tuple(
+        torch.randn(b, s, h, d, dtype=dtype).requires_grad_(grad) for s, h in ((sq, hq), (sk, hkv), (sk, hkv))
+    )
+
+
+def _check_forward(out, q, k, v, lse=None, **kwargs):
+    ref, ref_lse = attention_reference(q.detach(), k.detach(), v.detach(), **kwargs)
+    assert out.dtype == q.dtype and out.shape == q.shape and out.is_contiguous()
+    assert (out.double() - ref).abs().max().item() < 2e-2
+    if lse is not None:
+        torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
+
+
+def _check_grads(grads, q, k, v, dout, **kwargs):
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref, _ = attention_reference(*leaves, **kwargs)
+    want = torch.autograd.grad(ref, leaves, dout.double())
+    for name, got, w in zip("qkv", grads, want, strict=True):
+        assert got.dtype == q.dtype and got.shape == w.shape, name
+        assert (got.double() - w).abs().max().item() < 3e-2 * (1 + w.abs().max().item()), f"d{name}"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_inference_repeats_compute_what_the_first_call_did(gpu, validations, causal):
+    for _ in range(4):
+        q, k, v = _inputs()  # fresh tensors at new addresses every time
+        out, lse = fa.attention(q, k, v, causal=causal, return_lse=True)
+        _check_forward(out, q, k, v, lse, causal=causal)
+    assert len(validations) == 1, "the repeats should not run the whole path"
+    assert gpu.launches == ["forward"] * 4
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_training_repeats_record_the_node_and_give_exact_gradients(gpu, validations, causal, deterministic):
+    if training.host_ops() is None:
+        pytest.skip("no host library here (no C++ compiler)")
+    for _ in range(3):
+        q, k, v = _inputs(grad=True)
+        out = fa.attention(q, k, v, causal=causal, deterministic=deterministic)
+        assert out.grad_fn.name() == "FlashAttentionBackward"
+        _check_forward(out, q, k, v, causal=causal)
+        dout = torch.randn_like(out)
+        _check_grads(torch.autograd.grad(out, (q, k, v), dout), q, k, v, dout, causal=causal)
+    assert len(validations) == 1
+    assert not gpu.errors, gpu.errors
+    last = ["pre", "dkdv_det", "dq"] if deterministic else ["pre", "dkdv", "convert"]
+    assert gpu.launches == (["forward"] + last) * 3
+
+
+def test_pytorchs_deterministic_switch_makes_another_signature(gpu, validations):
+    if training.host_ops() is None:
+        pytest.skip("no host library here (no C++ compiler)")
+    q, k, v = _inputs(grad=True)
+    fa.attention(q, k, v).sum().backward()
+    torch.use_deterministic_algorithms(True)
+    try:
+        fa.attention(q, k, v).sum().backward()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert len(validations) == 2
+    assert gpu.launches[4:] == ["forward", "pre", "dkdv_det", "dq"]
+
+
+def test_without_the_host_library_training_takes_the_python_function(gpu, validations, monkeypatch):
+    monkeypatch.setattr(training, "host_ops", lambda: None)
+    for _ in range(2):
+        q, k, v = _inputs(grad=True)
+        out = fa.attention(q, k, v, causal=True)
+        assert out.grad_fn.name() != "FlashAttentionBackward"
+        dout = torch.randn_like(out)
+        _check_grads(torch.autograd.grad(out, (q, k, v), dout), q, k, v, dout, causal=True)
+    assert len(validations) == 2  # its signature is remembered as one of the whole path
+
+
+def test_key_ranges_repeat_when_int32(gpu, validations):
+    for dtype, whole_path_calls in ((torch.int32, 1), (torch.int64, 3)):
+        validations.clear()
+        for _ in range(3):
+            q, k, v = _inputs()
+            kr = torch.tensor([[3, 40], [0, 17]], dtype=dtype)
+            out = fa.attention(q, k, v, causal=True, key_range=kr)
+            _check_forward(out, q, k, v, causal=True, key_range=kr)
+        assert len(validations) == whole_path_calls, dtype
+
+
+def test_training_with_key_ranges_repeats(gpu, validations):
+    if training.host_ops() is None:
+        pytest.skip("no host library here (no C++ compiler)")
+    for _ in range(3):
+        q, k, v = _inputs(grad=True)
+        kr = torch.tensor([[3, 40], [0, 17]], dtype=torch.int32)
+        out = fa.attention(q, k, v, causal=True, key_range=kr)
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        _check_grads(grads, q, k, v, dout, causal=True, key_range=kr)
+    assert len(validations) == 1 and not gpu.errors
+
+
+def test_each_difference_makes_a_new_signature(gpu, validations):
+    q, k, v = _inputs()
+    calls = [
+        dict(),
+        dict(causal=True),
+        dict(softmax_scale=0.3),
+        dict(return_lse=True),
+        dict(key_range=torch.tensor([[0, 45], [1, 45]], dtype=torch.int32)),
+    ]
+    for kwargs in calls * 2:
+        result = fa.attention(q, k, v, **kwargs)
+        out, lse = result if kwargs.get("return_lse") else (result, None)
+        check = {n: kwargs[n] for n in ("causal", "softmax_scale", "key_range") if n in kwargs}
+        _check_forward(out, q, k, v, lse, **check)
+    # Other layouts, head counts and lengths of the same data.
+    qt, kt, vt = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    _check_forward(fa.attention(qt, kt, vt), q, k, v)
+    _check_forward(fa.attention(q, k[:, :, :1], v[:, :, :1]), q, k[:, :, :1], v[:, :, :1])
+    _check_forward(fa.attention(q[:, :20], k, v), q[:, :20], k, v)
+    assert len(validations) == len(calls) + 3
+
+
+def test_a_misaligned_repeat_takes_the_whole_path(gpu, validations):
+    q, k, v = _inputs()
+    fa.attention(q, k, v)
+    base = torch.randn(q.numel() + 1, dtype=q.dtype)
+    shifted = base[1:].view(q.shape)  # q's strides, at an address 2 bytes off 16
+    assert shifted.data_ptr() % 16 and shifted.stride() == q.stride()
+    _check_forward(fa.attention(shifted, k, v), shifted, k, v)
+    assert len(validations) == 2
+    _check_forward(fa.attention(q, k, v), q, k, v)
+    assert len(validations) == 2  # the signature still repeats for aligned calls
+
+
+def test_bad_input_is_still_refused_after_a_signature_repeats(gpu):
+    q, k, v = _inputs()
+    fa.attention(q, k, v)
+    fa.attention(q, k, v, causal=True, softmax_scale=1.0)
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        fa.attention(q, k, v, causal=1)
+    with pytest.raises(TypeError, match="softmax_scale must be a float"):
+        fa.attention(q, k, v, causal=True, softmax_scale=True)  # equal to 1.0 as a key, not as an argument
+    with pytest.raises(TypeError, match="dropout_p must be a float"):
+        fa.attention(q, k, v, dropout_p=False)
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        fa.attention(q, k, v, deterministic=0)
+    with pytest.raises(TypeError, match="dropout_seed must be an int"):
+        fa.attention(q, k, v, dropout_seed="7")
+    with pytest.raises(ValueError, match="key_range must have shape"):
+        fa.attention(q, k, v, key_range=torch.zeros(3, 2, dtype=torch.int32))
+
+
+def test_tensor_subclasses_and_out_take_the_whole_path(gpu, validations):
+    q, k, v = _inputs()
+    fa.attention(q, k, v)
+    p = torch.nn.Parameter(q.clone(), requires_grad=False)
+    _check_forward(fa.attention(p, k, v), q, k, v)
+    out = torch.full_like(q, float("nan"))
+    assert fa.attention(q, k, v, out=out) is out
+    _check_forward(out, q, k, v)
+    assert len(validations) == 3
+
+
+def test_the_debug_build_variable_stops_a_repeat(gpu, monkeypatch):
+    q, k, v = _inputs()
+    fa.attention(q, k, v)
+    call = repeat.lookup(repeat.signature(q, k, v, False, None, False, None, False, 0.0, None))
+    assert isinstance(call, repeat.RepeatCall)
+    monkeypatch.setenv("FLASH_ATTENTION_TRACE", "0,0,0,0")
+    assert call(q, k, v, None) is None
+
+
+def test_clearing_the_plans_forgets_the_repeat_calls(gpu):
+    q, k, v = _inputs()
+    key = repeat.signature(q, k, v, False, None, False, None, False, 0.0, None)
+    fa.attention(q, k, v)
+    assert isinstance(repeat.lookup(key), repeat.RepeatCall)
+    ops.clear_plans()
+    assert repeat.lookup(key) is None
+
+
+def test_a_fallback_signature_is_remembered_as_the_whole_path():
+    q, k, v = _inputs(dtype=torch.float32)  # CPU float32: PyTorch's path, no stand-in GPU
+    for _ in range(2):
+        _check_forward(fa.attention(q, k, v), q, k, v)
+    key = repeat.signature(q, k, v, False, None, False, None, False, 0.0, None)
+    assert repeat.lookup(key) is repeat.WHOLE_PATH
+
+
+def test_the_signature_covers_what_the_checks_read():
+    q, k, v = _inputs()
+
+    def sig(q=q, k=k, v=v, causal=False, scale=None, lse=False, kr=None, det=False, p=0.0, seed=None):
+        return repeat.signature(q, k, v, causal, scale, lse, kr, det, p, seed)
+
+    assert sig() == sig() and hash(sig()) == hash(sig())
+    variants = [
+        sig(causal=True), sig(scale=0.5), sig(lse=True), sig(q=q.half(), k=k.half(), v=v.half()),
+        sig(k=k[:, :40], v=v[:, :40]), sig(q=q.transpose(1, 2).contiguous().transpose(1, 2)),
+        sig(kr=torch.zeros(2, 2, dtype=torch.int32)), sig(kr=torch.zeros(2, 2, dtype=torch.int64)),
+    ]  # fmt: skip
+    assert all(s is not None and s != sig() for s in variants)
+    assert len(set(variants)) == len(variants)
+    qg, kg, vg = _inputs(grad=True)
+    assert sig(qg, kg, vg) != sig(qg, kg, vg, det=True)  # the backward's mode, when autograd records
+    with torch.no_grad():
+        assert sig(qg, kg, vg) == sig(qg, kg, vg, det=True)
+    for none in (
+        sig(p=0.1), sig(p=False), sig(seed=3), sig(causal=1), sig(scale=True), sig(scale=1), sig(det=None),
+        sig(q=q.float().numpy()), sig(q=torch.nn.Parameter(q)), sig(kr=[[0, 1], [0, 1]]),
+        sig(q=torch.zeros(2, 37, 4, 64).to_sparse()),
+    ):  # fmt: skip
+        assert none is None
