@@ -95,6 +95,35 @@ def host_us(fn, n=2000, reps=7) -> tuple[float, float]:
     return statistics.median(samples), min(samples)
 
 
+def measure(b: int, s: int, h: int, d: int, causal: bool, profile: bool) -> None:
+    q, k, v = (torch.randn(b, s, h, d, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    g = torch.randn(b, s, h, d, dtype=torch.bfloat16)
+    qd, kd, vd = q.detach(), k.detach(), v.detach()
+
+    def step():
+        out = fa.attention(q, k, v, causal=causal)
+        return torch.autograd.grad(out, (q, k, v), g)
+
+    assert fa.attention(q, k, v, causal=causal).grad_fn.name() == "FlashAttentionBackward"
+    print(f"({b}, {s}, {h}, {d}) causal={causal}: host µs per call, median (min) of 7 x 2000")
+    for name, fn in (
+        ("training step", step),
+        ("forward, recording", lambda: fa.attention(q, k, v, causal=causal)),
+        ("forward, inference", lambda: fa.attention(qd, kd, vd, causal=causal)),
+    ):
+        median, low = host_us(fn)
+        print(f"  {name:20s} {median:7.1f} ({low:.1f})")
+    if profile:
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(3000):
+            step()
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(20)
+        print(text.getvalue())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", action="store_true")
@@ -103,33 +132,8 @@ def main() -> None:
     keep = install_stand_ins()  # noqa: F841
     if args.whole_path:
         repeat.first_call = lambda key, backend, q, k, v, **options: None  # nothing is ever remembered
-    for b, s, h, d, causal in [(1, 128, 16, 64, False), (1, 512, 16, 128, True), (4, 1024, 32, 128, True)]:
-        q, k, v = (torch.randn(b, s, h, d, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-        g = torch.randn(b, s, h, d, dtype=torch.bfloat16)
-        qd, kd, vd = q.detach(), k.detach(), v.detach()
-
-        def step():
-            out = fa.attention(q, k, v, causal=causal)
-            return torch.autograd.grad(out, (q, k, v), g)
-
-        assert fa.attention(q, k, v, causal=causal).grad_fn.name() == "FlashAttentionBackward"
-        print(f"({b}, {s}, {h}, {d}) causal={causal}: host µs per call, median (min) of 7 x 2000")
-        for name, fn in (
-            ("training step", step),
-            ("forward, recording", lambda: fa.attention(q, k, v, causal=causal)),
-            ("forward, inference", lambda: fa.attention(qd, kd, vd, causal=causal)),
-        ):
-            median, low = host_us(fn)
-            print(f"  {name:20s} {median:7.1f} ({low:.1f})")
-        if args.profile:
-            profile = cProfile.Profile()
-            profile.enable()
-            for _ in range(3000):
-                step()
-            profile.disable()
-            text = io.StringIO()
-            pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(20)
-            print(text.getvalue())
+    for shape in [(1, 128, 16, 64, False), (1, 512, 16, 128, True), (4, 1024, 32, 128, True)]:
+        measure(*shape, profile=args.profile)
 
 
 if __name__ == "__main__":
