@@ -103,15 +103,7 @@ class StandInGpu:
         return handle
 
     # The host library's driver entry points (its node launches through them).
-    def driver_functions(self) -> tuple[int, int, int, int]:
-        launch_t = ctypes.CFUNCTYPE(
-            ctypes.c_int, ctypes.c_void_p, *([ctypes.c_uint] * 7), ctypes.c_void_p,
-            ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p,
-        )  # fmt: skip
-        get_t = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p))
-        set_t = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
-        error_t = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_char_p))
-
+    def install_driver(self, host_ops) -> None:
         def launch(kernel, gx, gy, gz, bx, by, bz, smem, stream, args, extra):
             size = ctypes.sizeof(BwdParams)
             p = BwdParams.from_buffer_copy((ctypes.c_char * size).from_address(args[0]))
@@ -130,8 +122,7 @@ class StandInGpu:
             text[0] = b"stand-in failure"
             return 0
 
-        self._callbacks = (launch_t(launch), get_t(get), set_t(lambda ctx: 0), error_t(error))
-        return tuple(ctypes.cast(f, ctypes.c_void_p).value for f in self._callbacks)
+        self._callbacks = host.set_stand_in_driver(host_ops, launch, get, lambda ctx: 0, error)
 
     # ---------------------------------------------------------------------------------------------------
     # The kernels
@@ -247,8 +238,7 @@ def install(monkeypatch, arch: str = "sm_90", dtype: torch.dtype = torch.bfloat1
     except host.HostLibraryUnavailable:
         lib = None  # training takes the Python autograd function, which launches through Kernel.launch
     if lib is not None:
-        lib.set_driver(*gpu.driver_functions())
-        host._state.pop("driver", None)  # the next real load hands the real driver back
+        gpu.install_driver(lib)
     monkeypatch.setattr(training, "host_ops", lambda: lib)
     ops.clear_plans()  # (the caller clears them again after: they hold stand-in kernels)
     return gpu

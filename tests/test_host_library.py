@@ -39,14 +39,6 @@ def _seed(request: pytest.FixtureRequest) -> None:
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
-_LAUNCH = ctypes.CFUNCTYPE(
-    ctypes.c_int, ctypes.c_void_p, *([ctypes.c_uint] * 7), ctypes.c_void_p,
-    ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p,
-)  # fmt: skip
-_CTX_GET = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p))
-_CTX_SET = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
-_ERROR_STRING = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_char_p))
-
 _INSTALLED = None  # the stand-in driver the library was last handed
 _PROGRAMS: list = []
 
@@ -72,19 +64,14 @@ class StandInDriver:
         self.launches: list[tuple] = []
         self.current = CALLERS
         self.errors: list[BaseException] = []
-        self._keep = (  # the C function pointers live as long as these objects
-            _LAUNCH(self._launch),
-            _CTX_GET(self._ctx_get),
-            _CTX_SET(self._ctx_set),
-            _ERROR_STRING(self._error),
-        )
+        self._keep = ()  # the C functions of the last install: they live as long as this object
 
     def install(self, host_ops) -> None:
         global _INSTALLED
-        host_ops.set_driver(*(ctypes.cast(f, ctypes.c_void_p).value for f in self._keep))
+        self._keep = host.set_stand_in_driver(
+            host_ops, self._launch, self._ctx_get, self._ctx_set, self._error
+        )
         _INSTALLED = self  # the library keeps the C pointers: their Python objects must outlive the test
-        # The next host.load() for a real launch hands the real driver back (a GPU test in this process).
-        host._state.pop("driver", None)
 
     def _ctx_get(self, out):
         out[0] = self.current

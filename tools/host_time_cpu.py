@@ -65,20 +65,12 @@ def install_stand_ins():
     driver.make_primary_current = lambda index: None
     driver.primary_context = lambda index: 0xC0FFEE
     lib = host.load(connect_driver=False)
-    launch_t = ctypes.CFUNCTYPE(
-        ctypes.c_int, ctypes.c_void_p, *([ctypes.c_uint] * 7), ctypes.c_void_p,
-        ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p,
-    )  # fmt: skip
-    get_t = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p))
-    set_t = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
-    error_t = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_char_p))
 
     def get(out):
         out[0] = 0xC0FFEE
         return 0
 
-    keep = (launch_t(lambda *a: 0), get_t(get), set_t(lambda c: 0), error_t(lambda s, t: 0))
-    lib.set_driver(*(ctypes.cast(f, ctypes.c_void_p).value for f in keep))
+    keep = host.set_stand_in_driver(lib, lambda *a: 0, get, lambda ctx: 0, lambda status, text: 0)
     training.host_ops = lambda: lib
     return keep  # the callbacks must outlive every call
 

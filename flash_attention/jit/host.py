@@ -30,7 +30,15 @@ import torch
 from . import driver
 from .cache import cache_dir
 
-__all__ = ["ENV", "HostLibraryUnavailable", "load", "source_path", "unavailable_reason"]
+__all__ = [
+    "DRIVER_FUNCTION_TYPES",
+    "ENV",
+    "HostLibraryUnavailable",
+    "load",
+    "set_stand_in_driver",
+    "source_path",
+    "unavailable_reason",
+]
 
 ENV = "FLASH_ATTENTION_HOST_LIBRARY"
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "host" / "training_node.cpp"
@@ -118,6 +126,32 @@ def _build(cxx: str, target: Path) -> None:
 
 def _address(fn) -> int:
     return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+#: The C types of the driver entry points ``set_driver`` takes (cuLaunchKernel, cuCtxGetCurrent,
+#: cuCtxSetCurrent, cuGetErrorString), for whoever hands the library stand-ins (the CPU tests and tools).
+DRIVER_FUNCTION_TYPES = (
+    ctypes.CFUNCTYPE(
+        ctypes.c_int, ctypes.c_void_p, *([ctypes.c_uint] * 7), ctypes.c_void_p,
+        ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p,
+    ),
+    ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p)),
+    ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p),
+    ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)),
+)  # fmt: skip
+
+
+def set_stand_in_driver(host_ops, launch, ctx_get, ctx_set, error_string) -> tuple:
+    """Hand the library Python stand-ins for the driver's entry points (signatures as the driver's, see
+    DRIVER_FUNCTION_TYPES); returns the C function objects, which must outlive every launch through them.
+    The next :func:`load` that connects the driver hands the real one back."""
+    functions = tuple(
+        kind(fn)
+        for kind, fn in zip(DRIVER_FUNCTION_TYPES, (launch, ctx_get, ctx_set, error_string), strict=True)
+    )
+    host_ops.set_driver(*(_address(f) for f in functions))
+    _state.pop("driver", None)
+    return functions
 
 
 def _load():
