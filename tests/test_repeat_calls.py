@@ -261,3 +261,12 @@ def test_the_signature_covers_what_the_checks_read():
         sig(q=torch.zeros(2, 37, 4, 64).to_sparse()),
     ):  # fmt: skip
         assert none is None
+
+
+def test_the_switch_sends_every_call_down_the_whole_path(gpu, validations, monkeypatch):
+    monkeypatch.setattr(repeat, "ENABLED", False)
+    for _ in range(3):
+        q, k, v = _inputs()
+        _check_forward(fa.attention(q, k, v, causal=True), q, k, v, causal=True)
+    assert len(validations) == 3
+    assert repeat.signature(q, k, v, True, None, False, None, False, 0.0, None) is None

@@ -17,6 +17,9 @@ environment variable. A signature whose call cannot be a plain launch (a head_di
 8, strides the kernels cannot read in place, a persistent grid that needs the stream's tile counter, no
 host library in training) is remembered as such, so its calls take the whole path without trying again.
 Dropout, ``out=`` and torch.compile always take the whole path.
+
+``FLASH_ATTENTION_REPEAT_CALLS=0`` (read at import) sends every call down the whole path: for measuring what
+repeat calls save, and for ruling them out when something looks wrong.
 """
 
 from __future__ import annotations
@@ -31,7 +34,22 @@ from .plans import PlanCache
 from .select import NoKernel
 from .tensors import strides_usable
 
-__all__ = ["WHOLE_PATH", "RepeatCall", "clear", "first_call", "lookup", "prepare", "remember", "signature"]
+__all__ = [
+    "ENABLED",
+    "ENV",
+    "WHOLE_PATH",
+    "RepeatCall",
+    "clear",
+    "first_call",
+    "lookup",
+    "prepare",
+    "remember",
+    "signature",
+]
+
+ENV = "FLASH_ATTENTION_REPEAT_CALLS"
+#: Whether calls may repeat (the module docstring); the tests switch it by assignment.
+ENABLED = os.environ.get(ENV, "1") != "0"
 
 #: Types a plain option may have in a signature: anything else (a numpy scalar, a tensor) takes the whole
 #: path, whose checks accept or reject it (``True == 1 == 1.0`` would make them equal keys otherwise).
@@ -83,7 +101,8 @@ def signature(q, k, v, causal, softmax_scale, return_lse, key_range, determinist
     (dropout, a caller's ``out``, torch.compile, arguments of types the checks must see). Raises nothing: an
     argument without the attributes read here (not a tensor, a sparse tensor) gives None."""
     if (
-        dropout_seed is not None
+        not ENABLED
+        or dropout_seed is not None
         or type(dropout_p) not in _PLAIN_NUMBERS
         or dropout_p != 0
         or type(causal) is not bool
