@@ -19,7 +19,7 @@ import torch
 
 from flash_attention import dispatch, ops
 from flash_attention.jit import driver, host
-from flash_attention.jit.params import BwdParams
+from flash_attention.jit.params import BwdParams, FwdParams, FwdTmaParams
 from flash_attention.ops import backward, forward, plans, tma, training
 from flash_attention.reference import attention_reference
 
@@ -62,10 +62,11 @@ class _Handle:
 
 
 class _Kernel:
-    """A stand-in ``driver.Kernel``: ``launch`` runs ``gpu.run(kind, causal, params)`` on the CPU."""
+    """A stand-in ``driver.Kernel``: ``launch`` runs ``gpu.run(kind, causal, params)`` on the CPU.
+    ``params_type`` is the ctypes struct it takes (what the host library's launches are read back as)."""
 
-    def __init__(self, gpu: StandInGpu, kind: str, causal: bool = False):
-        self.gpu, self.kind, self.causal = gpu, kind, causal
+    def __init__(self, gpu: StandInGpu, kind: str, causal: bool = False, params_type=BwdParams):
+        self.gpu, self.kind, self.causal, self.params_type = gpu, kind, causal, params_type
         self.name = f"stand_in_{kind}{'_causal' if causal else ''}"
         self.handle = _Handle(gpu.register(self))
 
@@ -95,6 +96,7 @@ class StandInGpu:
         self.launches: list[str] = []
         self.errors: list[BaseException] = []
         self._kernels: dict[int, _Kernel] = {}
+        self.encodes = 0  # tensor maps the host library had encoded
         self._callbacks = ()
 
     def register(self, kernel: _Kernel) -> int:
@@ -105,10 +107,11 @@ class StandInGpu:
     # The host library's driver entry points (its node launches through them).
     def install_driver(self, host_ops) -> None:
         def launch(kernel, gx, gy, gz, bx, by, bz, smem, stream, args, extra):
-            size = ctypes.sizeof(BwdParams)
-            p = BwdParams.from_buffer_copy((ctypes.c_char * size).from_address(args[0]))
             try:
-                self.run(self._kernels[kernel], p)
+                stand_in = self._kernels[kernel]
+                size = ctypes.sizeof(stand_in.params_type)
+                p = stand_in.params_type.from_buffer_copy((ctypes.c_char * size).from_address(args[0]))
+                self.run(stand_in, p)
             except BaseException as exc:  # (raised inside a C callback: reported through the status)
                 self.errors.append(exc)
                 return 999
@@ -122,7 +125,23 @@ class StandInGpu:
             text[0] = b"stand-in failure"
             return 0
 
-        self._callbacks = host.set_stand_in_driver(host_ops, launch, get, lambda ctx: 0, error)
+        def encode(map_address, data_type, rank, address, dims, strides, box, element_strides, *flags):
+            # What the host library's repeat call asks of cuTensorMapEncodeTiled: ours, as tma.py encodes.
+            try:
+                assert (data_type, *flags) == driver.TENSOR_MAP_ENCODE_FLAGS and rank == 4, (data_type, flags)
+                assert [element_strides[i] for i in range(4)] == [1, 1, 1, 1]
+                assert box[0] == tma.BOX_COLUMNS and box[2] == box[3] == 1
+                layout = tma.MapLayout([dims[i] for i in range(4)], [strides[i] for i in range(3)], None)
+                _encode(
+                    ctypes.cast(map_address, ctypes.POINTER(ctypes.c_ubyte * 128)).contents, layout, address
+                )
+                self.encodes += 1
+            except BaseException as exc:
+                self.errors.append(exc)
+                return 999
+            return 0
+
+        self._callbacks = host.set_stand_in_driver(host_ops, launch, get, lambda ctx: 0, error, encode)
 
     # ---------------------------------------------------------------------------------------------------
     # The kernels
@@ -217,6 +236,7 @@ def install(monkeypatch, arch: str = "sm_90", dtype: torch.dtype = torch.bfloat1
     kernels (the module docstring says what they check). Plans and repeat calls made before are forgotten;
     the caller forgets the stand-ins' own with ``ops.clear_plans()`` when it is done."""
     gpu = StandInGpu(dtype)
+    gpu.arch = arch
     facts = _FACTS[arch]
     monkeypatch.setattr(dispatch, "wants_kernel", lambda q: True)
     monkeypatch.setattr(ops, "cuda_unavailable_reason", lambda q: None)
@@ -225,7 +245,11 @@ def install(monkeypatch, arch: str = "sm_90", dtype: torch.dtype = torch.bfloat1
         monkeypatch.setattr(module, "device_arch", lambda index: arch)
     monkeypatch.setattr(forward, "sm_count", lambda index: 132)
     monkeypatch.setattr(
-        forward, "get_kernel", lambda cfg, causal, arch_, trace=False, **kw: _Kernel(gpu, "forward", causal)
+        forward,
+        "get_kernel",
+        lambda cfg, causal, arch_, trace=False, **kw: _Kernel(
+            gpu, "forward", causal, FwdTmaParams if cfg.warp_specialized else FwdParams
+        ),
     )
     monkeypatch.setattr(backward, "get_bwd_kernels", lambda cfg, arch_, **kw: _BackwardKernels(gpu))
     monkeypatch.setattr(tma, "encode_into", _encode)

@@ -78,7 +78,7 @@ def test_build_list_compiles_nothing(tmp_path):
     jobs = jobs_for(["sm_86"], None)
     lines = proc.stdout.splitlines()
     assert lines[:-1] == [j.describe() for j in jobs] and lines[-1] == (
-        f"{len(jobs)} kernels, and the host library (training node) from training_node.cpp"
+        f"{len(jobs)} kernels, and the host library (training node, repeat call) of csrc/host/"
     )
     assert not list(tmp_path.iterdir())
     # The backward of head_dim 128 on sm_86 is the tile that fits its 99 KB of shared memory.

@@ -292,7 +292,7 @@ def test_a_program_checks_what_it_is_given(host_ops):
     with pytest.raises(RuntimeError, match="uint8"):
         program(params.float(), _OFFSETS, [PRE, 1, 1, 1, 128, 0], "pre", 1, 0, PRIMARY)
     with pytest.raises(RuntimeError, match="null entry point"):
-        host_ops.set_driver(0, 1, 1, 1)
+        host_ops.set_driver(0, 1, 1, 1, 0)
 
 
 def test_record_refuses_an_address_that_is_not_a_program(host_ops):
@@ -334,7 +334,7 @@ def test_the_slot_offsets_are_the_params_fields():
     assert _OFFSETS[: len(names)] == [getattr(BwdParams, n).offset for n in names]
     assert _OFFSETS[-1] == BwdParams.dropout_key.offset and BwdParams.dropout_key.size == 4
     # The node writes the slots in this order (training_node.cpp's Slot enum).
-    enum = host.source_path().read_text().split("enum Slot : int {")[1].split("}")[0]
+    enum = (host.source_path() / "training_node.h").read_text().split("enum Slot : int {")[1].split("}")[0]
     listed = [s.strip() for s in enum.replace("\n", " ").split(",") if s.strip()]
     camel = ["k" + "".join(w.capitalize() for w in n.split("_")) for n in (*names, "dropout_key")]
     assert listed == [*camel, "kNumSlots"]

@@ -40,12 +40,21 @@ def validations(monkeypatch) -> list:
     return seen
 
 
-@pytest.fixture(params=["sm_90", "sm_80"])
+@pytest.fixture(params=["sm_90-python", "sm_80-python", "sm_90-native", "sm_80-native"])
 def gpu(request, monkeypatch):
-    """The stand-in GPU of an H100 (the TMA kernels: q, k and v read through tensor maps) or an A100."""
-    stand_in = install(monkeypatch, request.param)
+    """The stand-in GPU of an H100 (the TMA kernels: q, k and v read through tensor maps) or an A100, with
+    repeat calls in Python or in the host library (skipped where it cannot be built)."""
+    arch, mode = request.param.split("-")
+    monkeypatch.setattr(repeat, "MODE", mode)
+    stand_in = install(monkeypatch, arch)
+    if mode == "native" and training.host_ops() is None:
+        pytest.skip("no host library here (no C++ compiler)")
     yield stand_in
     ops.clear_plans()
+
+
+def _repeat_type():
+    return repeat.NativeRepeatCall if repeat.MODE == "native" else repeat.RepeatCall
 
 
 def _inputs(b=2, sq=37, sk=45, hq=4, hkv=2, d=64, grad=False, dtype=torch.bfloat16):
@@ -78,7 +87,9 @@ def test_inference_repeats_compute_what_the_first_call_did(gpu, validations, cau
         out, lse = fa.attention(q, k, v, causal=causal, return_lse=True)
         _check_forward(out, q, k, v, lse, causal=causal)
     assert len(validations) == 1, "the repeats should not run the whole path"
-    assert gpu.launches == ["forward"] * 4
+    assert gpu.launches == ["forward"] * 4 and not gpu.errors, gpu.errors
+    if repeat.MODE == "native" and gpu.arch == "sm_90":
+        assert gpu.encodes >= 3  # the host library encoded the maps of the repeats' own addresses
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -215,7 +226,7 @@ def test_the_debug_build_variable_stops_a_repeat(gpu, monkeypatch):
     q, k, v = _inputs()
     fa.attention(q, k, v)
     call = repeat.lookup(repeat.signature(q, k, v, False, None, False, None, False, 0.0, None))
-    assert isinstance(call, repeat.RepeatCall)
+    assert isinstance(call, _repeat_type())
     monkeypatch.setenv("FLASH_ATTENTION_TRACE", "0,0,0,0")
     assert call(q, k, v, None) is None
 
@@ -224,7 +235,7 @@ def test_clearing_the_plans_forgets_the_repeat_calls(gpu):
     q, k, v = _inputs()
     key = repeat.signature(q, k, v, False, None, False, None, False, 0.0, None)
     fa.attention(q, k, v)
-    assert isinstance(repeat.lookup(key), repeat.RepeatCall)
+    assert isinstance(repeat.lookup(key), _repeat_type())
     ops.clear_plans()
     assert repeat.lookup(key) is None
 
@@ -264,7 +275,7 @@ def test_the_signature_covers_what_the_checks_read():
 
 
 def test_the_switch_sends_every_call_down_the_whole_path(gpu, validations, monkeypatch):
-    monkeypatch.setattr(repeat, "ENABLED", False)
+    monkeypatch.setattr(repeat, "MODE", "off")
     for _ in range(3):
         q, k, v = _inputs()
         _check_forward(fa.attention(q, k, v, causal=True), q, k, v, causal=True)

@@ -9,6 +9,7 @@ comparing versions of the host path on one machine, never for comparing with a G
     python tools/host_time_cpu.py --profile       # and cProfile's top entries of the training step
     python tools/host_time_cpu.py --whole-path    # every call takes the whole path (no repeat calls, as
                                                   # FLASH_ATTENTION_REPEAT_CALLS=0 does)
+    python tools/host_time_cpu.py --mode native   # repeat calls in the host library (=native)
 """
 
 from __future__ import annotations
@@ -71,7 +72,9 @@ def install_stand_ins():
         out[0] = 0xC0FFEE
         return 0
 
-    keep = host.set_stand_in_driver(lib, lambda *a: 0, get, lambda ctx: 0, lambda status, text: 0)
+    keep = host.set_stand_in_driver(
+        lib, lambda *a: 0, get, lambda ctx: 0, lambda status, text: 0, lambda *a: 0
+    )
     training.host_ops = lambda: lib
     return keep  # the callbacks must outlive every call
 
@@ -121,9 +124,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--whole-path", action="store_true", help="no repeat calls")
+    parser.add_argument(
+        "--mode", choices=("python", "native"), default="python", help="the repeat calls' form"
+    )
     args = parser.parse_args()
     keep = install_stand_ins()  # noqa: F841
-    repeat.ENABLED = not args.whole_path
+    repeat.MODE = "off" if args.whole_path else args.mode
     for shape in [(1, 128, 16, 64, False), (1, 512, 16, 128, True), (4, 1024, 32, 128, True)]:
         measure(*shape, profile=args.profile)
 

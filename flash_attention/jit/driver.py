@@ -211,6 +211,15 @@ CU_TENSOR_MAP_INTERLEAVE_NONE = 0
 CU_TENSOR_MAP_SWIZZLE_128B = 3
 CU_TENSOR_MAP_L2_PROMOTION_256B = 3
 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE = 0  # out-of-bounds elements read as zeros
+#: cuTensorMapEncodeTiled's enum arguments for every map of ours, in its order: data type, interleave,
+#: swizzle, L2 promotion, out-of-bounds fill (the host library's repeat call encodes with them too).
+TENSOR_MAP_ENCODE_FLAGS = (
+    CU_TENSOR_MAP_DATA_TYPE_UINT16,
+    CU_TENSOR_MAP_INTERLEAVE_NONE,
+    CU_TENSOR_MAP_SWIZZLE_128B,
+    CU_TENSOR_MAP_L2_PROMOTION_256B,
+    CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+)
 
 
 @cache
@@ -233,17 +242,5 @@ def encode_tiled_2byte(dest: int, address: int, dims, strides, box) -> int:
     ``dest`` (64-byte aligned); return the driver's status (0: success). ``dims`` (ctypes uint64 array,
     innermost first) and ``box`` (uint32, same rank) in elements, ``strides`` (uint64, rank - 1) in bytes
     for every dimension but the innermost; elements outside ``dims`` load as zeros."""
-    return _encode_tiled()(
-        dest,
-        CU_TENSOR_MAP_DATA_TYPE_UINT16,
-        len(dims),
-        address,
-        dims,
-        strides,
-        box,
-        _ONES,
-        CU_TENSOR_MAP_INTERLEAVE_NONE,
-        CU_TENSOR_MAP_SWIZZLE_128B,
-        CU_TENSOR_MAP_L2_PROMOTION_256B,
-        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-    )
+    data_type, *layout_flags = TENSOR_MAP_ENCODE_FLAGS
+    return _encode_tiled()(dest, data_type, len(dims), address, dims, strides, box, _ONES, *layout_flags)

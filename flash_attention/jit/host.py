@@ -1,4 +1,5 @@
-"""The compiled host library: the training node of ``csrc/host/training_node.cpp``, built on first use.
+"""The compiled host library of ``csrc/host/``: the training node (``training_node.cpp``) and the repeat call
+(``repeat_call.cpp``), built on first use.
 
 Our kernels need no host compiler (NVRTC builds them), and neither does this library: it is an
 acceleration. Where a C++ compiler is found (``$CXX``, else ``c++``/``g++``/``clang++`` on the PATH) the
@@ -7,8 +8,9 @@ a hash of the source, the PyTorch version and its C++ ABI, the Python version an
 where none is found, or the build fails, training runs the same kernels through the Python autograd
 function instead, after one warning that says why. ``FLASH_ATTENTION_HOST_LIBRARY=0`` turns it off.
 
-The library registers ``torch.ops.flash_attention_host`` (``set_driver``, ``record_training``) and the class
-``torch.classes.flash_attention_host.BackwardProgram``; :mod:`flash_attention.ops.training` is its one user.
+The library registers ``torch.ops.flash_attention_host`` (``set_driver``, ``record_training``,
+``repeat_call``) and the classes ``torch.classes.flash_attention_host.BackwardProgram`` and
+``ForwardProgram``; :mod:`flash_attention.ops.training` and :mod:`flash_attention.ops.repeat` use them.
 """
 
 from __future__ import annotations
@@ -41,7 +43,9 @@ __all__ = [
 ]
 
 ENV = "FLASH_ATTENTION_HOST_LIBRARY"
-SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "host" / "training_node.cpp"
+SOURCE_DIR = Path(__file__).resolve().parent.parent / "csrc" / "host"
+#: The library's translation units; every file of SOURCE_DIR (headers too) goes into its cache key.
+SOURCES = (SOURCE_DIR / "training_node.cpp", SOURCE_DIR / "repeat_call.cpp")
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ops" once loaded, or "reason" once it could not be
@@ -52,7 +56,8 @@ class HostLibraryUnavailable(RuntimeError):
 
 
 def source_path() -> Path:
-    return SOURCE
+    """The folder of the library's sources."""
+    return SOURCE_DIR
 
 
 def _compiler() -> str | None:
@@ -92,8 +97,9 @@ def _flags() -> list[str]:
 
 def _library_path(cxx: str) -> Path:
     h = hashlib.sha256()
+    sources = sorted(p for p in SOURCE_DIR.iterdir() if p.suffix in (".cpp", ".h"))
     for part in (
-        SOURCE.read_bytes(),
+        *(p.name.encode() + b"\0" + p.read_bytes() for p in sources),
         torch.__version__.encode(),
         str(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", "")).encode(),
         sys.version.encode(),
@@ -112,11 +118,12 @@ def _build(cxx: str, target: Path) -> None:
     os.close(fd)
     try:
         run = subprocess.run(
-            [cxx, str(SOURCE), "-o", tmp, *_flags()], capture_output=True, text=True, timeout=900
+            [cxx, *map(str, SOURCES), "-o", tmp, *_flags()], capture_output=True, text=True, timeout=900
         )
         if run.returncode != 0:
+            names = ", ".join(p.name for p in SOURCES)
             raise HostLibraryUnavailable(
-                f"{cxx} could not compile {SOURCE.name} (exit {run.returncode}):\n{run.stderr[-4000:]}"
+                f"{cxx} could not compile {names} (exit {run.returncode}):\n{run.stderr[-4000:]}"
             )
         os.replace(tmp, target)
     finally:
@@ -129,7 +136,8 @@ def _address(fn) -> int:
 
 
 #: The C types of the driver entry points ``set_driver`` takes (cuLaunchKernel, cuCtxGetCurrent,
-#: cuCtxSetCurrent, cuGetErrorString), for whoever hands the library stand-ins (the CPU tests and tools).
+#: cuCtxSetCurrent, cuGetErrorString, cuTensorMapEncodeTiled), for whoever hands the library stand-ins (the
+#: CPU tests and tools).
 DRIVER_FUNCTION_TYPES = (
     ctypes.CFUNCTYPE(
         ctypes.c_int, ctypes.c_void_p, *([ctypes.c_uint] * 7), ctypes.c_void_p,
@@ -138,20 +146,25 @@ DRIVER_FUNCTION_TYPES = (
     ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p)),
     ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p),
     ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)),
+    ctypes.CFUNCTYPE(
+        ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p,
+        ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32),
+        ctypes.POINTER(ctypes.c_uint32), ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+    ),
 )  # fmt: skip
 
 
-def set_stand_in_driver(host_ops, launch, ctx_get, ctx_set, error_string) -> tuple:
+def set_stand_in_driver(host_ops, launch, ctx_get, ctx_set, error_string, encode_tiled=None) -> tuple:
     """Hand the library Python stand-ins for the driver's entry points (signatures as the driver's, see
-    DRIVER_FUNCTION_TYPES); returns the C function objects, which must outlive every launch through them.
-    The next :func:`load` that connects the driver hands the real one back."""
-    functions = tuple(
-        kind(fn)
-        for kind, fn in zip(DRIVER_FUNCTION_TYPES, (launch, ctx_get, ctx_set, error_string), strict=True)
-    )
-    host_ops.set_driver(*(_address(f) for f in functions))
+    DRIVER_FUNCTION_TYPES; ``encode_tiled`` may be None); returns the C function objects, which must outlive
+    every launch through them. The next :func:`load` that connects the driver hands the real one back."""
+    given = (launch, ctx_get, ctx_set, error_string, encode_tiled)
+    functions = [
+        None if fn is None else kind(fn) for kind, fn in zip(DRIVER_FUNCTION_TYPES, given, strict=True)
+    ]
+    host_ops.set_driver(*(0 if f is None else _address(f) for f in functions))
     _state.pop("driver", None)
-    return functions
+    return tuple(functions)
 
 
 def _load():
@@ -170,11 +183,14 @@ def _load():
 def _connect_driver(host_ops) -> None:
     """Hand libcuda's entry points to the library (it links against no CUDA library of its own)."""
     lib = driver.libcuda()
+    # cuTensorMapEncodeTiled came with CUDA 12.0; without it no program has tensor maps (no TMA kernel runs).
+    encode = getattr(lib, "cuTensorMapEncodeTiled", None)
     host_ops.set_driver(
         _address(lib.cuLaunchKernel),
         _address(lib.cuCtxGetCurrent),
         _address(lib.cuCtxSetCurrent),
         _address(lib.cuGetErrorString),
+        0 if encode is None else _address(encode),
     )
 
 

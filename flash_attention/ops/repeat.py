@@ -18,8 +18,12 @@ environment variable. A signature whose call cannot be a plain launch (a head_di
 host library in training) is remembered as such, so its calls take the whole path without trying again.
 Dropout, ``out=`` and torch.compile always take the whole path.
 
-``FLASH_ATTENTION_REPEAT_CALLS=0`` (read at import) sends every call down the whole path: for measuring what
-repeat calls save, and for ruling them out when something looks wrong.
+Two forms of the launch itself: :class:`RepeatCall` in Python (the default), and :class:`NativeRepeatCall`,
+which hands the whole of it (allocations, pointers, tensor maps, launch, the node) to the host library's
+``repeat_call`` (``csrc/host/repeat_call.cpp``) in one dispatch. ``FLASH_ATTENTION_REPEAT_CALLS`` (read at
+import) picks: ``1`` (default) the Python form, ``native`` the host library's where it is available (the
+Python form elsewhere), ``0`` neither: every call takes the whole path (for measuring what repeat calls
+save, and for ruling them out when something looks wrong).
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ import os
 
 import torch
 
+from ..jit import driver
+from ..jit.params import FwdParams, FwdTmaParams
 from . import backward, forward, training
 from . import trace as _trace
 from .plans import PlanCache
@@ -35,9 +41,10 @@ from .select import NoKernel
 from .tensors import strides_usable
 
 __all__ = [
-    "ENABLED",
     "ENV",
+    "MODE",
     "WHOLE_PATH",
+    "NativeRepeatCall",
     "RepeatCall",
     "clear",
     "first_call",
@@ -48,8 +55,8 @@ __all__ = [
 ]
 
 ENV = "FLASH_ATTENTION_REPEAT_CALLS"
-#: Whether calls may repeat (the module docstring); the tests switch it by assignment.
-ENABLED = os.environ.get(ENV, "1") != "0"
+#: "python", "native" or "off" (the module docstring); the tests switch it by assignment.
+MODE = {"0": "off", "native": "native"}.get(os.environ.get(ENV, "1"), "python")
 
 #: Types a plain option may have in a signature: anything else (a numpy scalar, a tensor) takes the whole
 #: path, whose checks accept or reject it (``True == 1 == 1.0`` would make them equal keys otherwise).
@@ -58,13 +65,16 @@ _STRIDED = torch.strided
 
 
 class RepeatCall:
-    """One signature's launch: the forward plan, the training node's program (0 for inference) and the
-    shape of the LSE to allocate (None: the call returns none and the kernel writes none)."""
+    """One signature's launch: the forward plan, the shape of the LSE to allocate (None: the call returns
+    none and the kernel writes none) and, in training, the backward plan whose program the node runs (held
+    here: the node is recorded by the program's address, which must outlive the plan cache's eviction)."""
 
-    __slots__ = ("_host_ops", "_lse_shape", "_plan", "_program")
+    __slots__ = ("_backward", "_host_ops", "_lse_shape", "_plan", "_program")
 
-    def __init__(self, plan, lse_shape: tuple[int, int, int] | None, program: int = 0, host_ops=None):
-        self._plan, self._lse_shape, self._program, self._host_ops = plan, lse_shape, program, host_ops
+    def __init__(self, plan, lse_shape: tuple[int, int, int] | None, backward_plan=None, host_ops=None):
+        self._plan, self._lse_shape, self._host_ops = plan, lse_shape, host_ops
+        self._backward = backward_plan
+        self._program = 0 if backward_plan is None else training.program(backward_plan)
 
     def __call__(self, q, k, v, key_range):
         """``(out, lse)``, or None when this call must take the whole path (a misaligned address: the whole
@@ -78,6 +88,52 @@ class RepeatCall:
         if self._program:
             self._host_ops.record_training(q, k, v, o, lse, key_range, 0, self._program)
         return o, lse
+
+
+class NativeRepeatCall:
+    """:class:`RepeatCall` as one op of the host library: ``program`` is its ForwardProgram (kept alive here),
+    which holds the forward plan's params, launch and tensor-map layouts and, in training, the node's
+    backward program."""
+
+    __slots__ = ("_address", "_lib", "_program")
+
+    def __init__(self, lib, program):
+        self._lib, self._program, self._address = lib, program, program.address()
+
+    def __call__(self, q, k, v, key_range):
+        """``(out, lse)``, or None when this call must take the whole path (as RepeatCall's)."""
+        if _trace.ENV in os.environ:
+            return None
+        result = self._lib.repeat_call(q, k, v, key_range, self._address)
+        if not result:
+            return None  # a misaligned address
+        return result[0], (result[1] if len(result) == 2 else None)
+
+
+# The FwdParams pointer fields the host library writes, in the order of repeat_call.cpp's ForwardSlot enum.
+_FORWARD_SLOTS = ("q", "k", "v", "o", "lse", "key_range")
+
+
+def _native(lib, plan, lse_shape, program: int) -> NativeRepeatCall:
+    """The host library's form of a repeat call of ``plan`` (``program``: the node's, 0 for inference)."""
+    base = 0 if plan.maps is None else FwdTmaParams.p.offset
+    offsets = [base + getattr(FwdParams, name).offset for name in _FORWARD_SLOTS]
+    maps = []
+    if plan.maps is not None:
+        for name, layout in zip(("q_map", "k_map", "v_map"), plan.maps, strict=True):
+            maps += [getattr(FwdTmaParams, name).offset, *layout.dims, *layout.strides, *layout.box]
+    forward_program = torch.classes.flash_attention_host.ForwardProgram(
+        torch.frombuffer(bytearray(plan.template), dtype=torch.uint8),
+        offsets,
+        [plan.kernel.handle.value, *plan.grid, plan.threads, plan.smem],
+        plan.kernel.name,
+        driver.primary_context(plan.index),
+        list(lse_shape or ()),
+        maps,
+        list(driver.TENSOR_MAP_ENCODE_FLAGS),
+        program,
+    )
+    return NativeRepeatCall(lib, forward_program)
 
 
 #: What :func:`lookup` gives for a signature whose calls take the whole path every time (the module
@@ -101,7 +157,7 @@ def signature(q, k, v, causal, softmax_scale, return_lse, key_range, determinist
     (dropout, a caller's ``out``, torch.compile, arguments of types the checks must see). Raises nothing: an
     argument without the attributes read here (not a tensor, a sparse tensor) gives None."""
     if (
-        not ENABLED
+        MODE == "off"
         or dropout_seed is not None
         or type(dropout_p) not in _PLAIN_NUMBERS
         or dropout_p != 0
@@ -135,7 +191,7 @@ def signature(q, k, v, causal, softmax_scale, return_lse, key_range, determinist
         return None
 
 
-def lookup(key) -> RepeatCall | object | None:
+def lookup(key) -> RepeatCall | NativeRepeatCall | object | None:
     """The repeat call of ``key``, :data:`WHOLE_PATH`, or None for a signature not seen yet."""
     return _calls.find(key)
 
@@ -182,9 +238,16 @@ def prepare(
         # worked out per call by the whole path. Such grids serve problems far larger than their host time.
         return None
     lse_shape = (q.shape[0], q.shape[2], q.shape[1])
-    if not records:
-        return RepeatCall(plan, lse_shape if return_lse else None)
-    lse = q.new_empty(lse_shape, dtype=torch.float32)
-    # As training.training_forward: the backward reads dO laid out as out, so the plan is out's.
-    bwd = backward.plan_for(q, k, v, o, o, lse, causal, scale, deterministic, ranged, 0.0, None)
-    return RepeatCall(plan, lse_shape, training.program(bwd), host_ops)
+    bwd = None
+    if records:
+        lse = q.new_empty(lse_shape, dtype=torch.float32)
+        # As training.training_forward: the backward reads dO laid out as out, so the plan is out's.
+        bwd = backward.plan_for(q, k, v, o, o, lse, causal, scale, deterministic, ranged, 0.0, None)
+    elif not return_lse:
+        lse_shape = None
+    if MODE == "native":
+        lib = host_ops or training.host_ops()
+        if lib is not None:
+            # (The ForwardProgram takes its own reference to the backward program.)
+            return _native(lib, plan, lse_shape, 0 if bwd is None else training.program(bwd))
+    return RepeatCall(plan, lse_shape, bwd, host_ops)

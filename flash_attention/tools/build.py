@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.list:
         for job in jobs:
             print(job.describe())
-        print(f"{len(jobs)} kernels, and the host library (training node) from {host.source_path().name}")
+        print(f"{len(jobs)} kernels, and the host library (training node, repeat call) of csrc/host/")
         return 0
     kind = args.compiler or _compiler.choose_compiler()
     if kind is None:

@@ -1,0 +1,133 @@
+// The CUDA driver as the host library reaches it: entry points handed over by Python, errors, and the
+// launch of a program's kernels in its device's primary context. Shared by training_node.cpp (the autograd
+// node's backward launches) and repeat_call.cpp (a repeated forward call's launch).
+//
+// Nothing here links against CUDA: the entry points' addresses come from flash_attention/jit/driver.py's
+// libcuda (set_driver), so the library compiles with the headers of any PyTorch build, CPU-only ones
+// included, and the CPU tests drive it with stand-in functions.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace flash_attention_host {
+
+using LaunchFn = int (*)(void* kernel, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                         unsigned bz, unsigned smem, void* stream, void** params, void** extra);
+using CtxGetFn = int (*)(void** ctx);
+using CtxSetFn = int (*)(void* ctx);
+using ErrorStringFn = int (*)(int status, const char** text);
+// cuTensorMapEncodeTiled (CUDA 12.0+): the map, data type, rank, address, dims, byte strides, box, element
+// strides, interleave, swizzle, L2 promotion, out-of-bounds fill.
+using EncodeTiledFn = int (*)(void* map, int dtype, unsigned rank, void* address, const uint64_t* dims,
+                              const uint64_t* strides, const uint32_t* box, const uint32_t* element_strides,
+                              int interleave, int swizzle, int l2_promotion, int oob_fill);
+
+struct Driver {
+  LaunchFn launch = nullptr;
+  CtxGetFn ctx_get = nullptr;
+  CtxSetFn ctx_set = nullptr;
+  ErrorStringFn error_string = nullptr;
+  EncodeTiledFn encode_tiled = nullptr;  // absent on drivers before CUDA 12.0: then no program has maps
+};
+
+// Set once at load (and by the CPU tests' stand-ins) before any launch; read by every launch.
+inline Driver g_driver;
+
+// Every error this library raises is a std::runtime_error, never TORCH_CHECK's c10::Error: on torch 2.11 (an
+// H100 machine's image) a TORCH_CHECK with a composed message, raised from this library, crashed the process
+// with a segmentation fault (in a custom class's constructor and inside the autograd engine alike), while
+// the same errors as std::runtime_error are reported normally. PyTorch turns either into a Python
+// RuntimeError.
+[[noreturn]] inline void fail(const std::string& message) { throw std::runtime_error(message); }
+
+inline void check(bool ok, const std::string& message) {
+  if (!ok) fail(message);
+}
+
+[[noreturn]] inline void driver_failed(int status, const std::string& what) {
+  const char* text = nullptr;
+  if (g_driver.error_string != nullptr) g_driver.error_string(status, &text);
+  fail("flash_attention: " + what + " failed: " + (text != nullptr ? text : "unknown error") + " (" +
+       std::to_string(status) + ")");
+}
+
+// One kernel launch of a program: the kernel handle, its grid, threads and dynamic shared memory.
+struct Launch {
+  void* kernel;
+  unsigned grid[3];
+  unsigned threads;
+  unsigned smem;
+};
+
+// Six integers per launch (kernel handle, grid x, y, z, threads, dynamic shared memory), as Python hands
+// a program's launches over.
+inline std::vector<Launch> launches_from(const std::vector<int64_t>& fields) {
+  check(!fields.empty() && fields.size() % 6 == 0, "launches must be six integers each");
+  std::vector<Launch> out;
+  for (size_t i = 0; i < fields.size(); i += 6) {
+    out.push_back({reinterpret_cast<void*>(fields[i]),
+                   {static_cast<unsigned>(fields[i + 1]), static_cast<unsigned>(fields[i + 2]),
+                    static_cast<unsigned>(fields[i + 3])},
+                   static_cast<unsigned>(fields[i + 4]),
+                   static_cast<unsigned>(fields[i + 5])});
+  }
+  return out;
+}
+
+// The launches' kernel names, joined by newlines in Python, one per launch (for error messages).
+inline std::vector<std::string> names_from(const std::string& joined, size_t count) {
+  std::vector<std::string> names;
+  size_t start = 0;
+  while (names.size() < count) {
+    const size_t end = joined.find('\n', start);
+    names.push_back(joined.substr(start, end == std::string::npos ? std::string::npos : end - start));
+    start = end == std::string::npos ? joined.size() : end + 1;
+  }
+  return names;
+}
+
+// PyTorch's current stream on `device` (null for a CPU device: only the tests' stand-in driver runs those).
+inline void* current_stream(const c10::Device& device) {
+  if (!device.is_cuda()) return nullptr;
+  c10::impl::VirtualGuardImpl guard(c10::DeviceType::CUDA);
+  return guard.getStream(device).native_handle();
+}
+
+// Queue `launches` in order, each with `params` as its one by-value argument, on `stream`, in `context` (the
+// device's primary context, where the kernels are loaded): made current for the launches and the caller's
+// context put back after, as flash_attention/jit/driver.py's make_primary_current does for the Python
+// launches (the autograd engine's device thread may have none current).
+inline void launch_all(const std::vector<Launch>& launches, const std::vector<std::string>& names, void* context,
+                       void* params, void* stream) {
+  if (g_driver.launch == nullptr) fail("flash_attention_host: set_driver was not called");
+  void* previous = nullptr;
+  int status = g_driver.ctx_get(&previous);
+  if (status != 0) driver_failed(status, "cuCtxGetCurrent");
+  const bool switched = previous != context;
+  if (switched && (status = g_driver.ctx_set(context)) != 0) driver_failed(status, "cuCtxSetCurrent");
+  void* args[1] = {params};  // the kernels take the params struct as their one by-value argument
+  int failed = 0;
+  size_t which = 0;
+  for (; which < launches.size(); ++which) {
+    const Launch& l = launches[which];
+    failed = g_driver.launch(l.kernel, l.grid[0], l.grid[1], l.grid[2], l.threads, 1, 1, l.smem, stream, args,
+                             nullptr);
+    if (failed != 0) break;
+  }
+  if (switched && previous != nullptr) g_driver.ctx_set(previous);
+  if (failed != 0) driver_failed(failed, "launching " + names[which]);
+}
+
+inline uint64_t address_of(const at::Tensor& t) { return reinterpret_cast<uint64_t>(t.data_ptr()); }
+
+// The kernels read and write 16-byte vectors: a 16-byte aligned base (strides are the program's, checked
+// when it was made).
+inline bool kernel_readable(const at::Tensor& t) { return address_of(t) % 16 == 0; }
+
+}  // namespace flash_attention_host

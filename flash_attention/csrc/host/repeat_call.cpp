@@ -1,0 +1,204 @@
+// A repeated attention() call in one dispatch: allocate the output (and the LSE), fill the forward params'
+// pointers (and tensor maps), launch, and in training record the node (training_node.cpp).
+//
+// Why: flash_attention/ops/repeat.py already skips every decision a repeated call signature would make again,
+// but what remains of a small call in Python (two allocations, the params struct's pointer fields through
+// ctypes, the launch through ctypes with its context check, the record op's own dispatch) is a few
+// microseconds each, and at small sizes the host's time is the call's time (docs/kernel-log.md, step 53).
+//
+//   flash_attention_host::repeat_call(q, k, v, key_range?, program address) -> [out, lse] | [out] | []
+//
+// The program (ForwardProgram) is made in Python once per signature from the forward plan
+// (flash_attention/ops/repeat.py): the params bytes with every field but the pointers, the byte offsets of
+// the pointer fields, the launch, and for a TMA kernel each operand's tensor-map layout. An empty result
+// means this call must take Python's path: an address that is not 16-byte aligned (the whole path copies
+// such a tensor).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "driver.h"
+#include "training_node.h"
+
+namespace flash_attention_host {
+
+// The pointer fields of FwdParams this file writes, in the order of the offsets list Python passes.
+enum ForwardSlot : int { kFwdQ, kFwdK, kFwdV, kFwdO, kFwdLse, kFwdKeyRange, kNumForwardSlots };
+
+// Bytes of a CUtensorMap, which the driver writes to a 64-byte aligned address.
+constexpr size_t kTensorMapBytes = 128;
+
+struct ForwardProgram : torch::CustomClassHolder {
+  static constexpr uint64_t kMagic = 0x6661737466777264;  // repeat_call's check on the address it is given
+  uint64_t magic = kMagic;
+  std::vector<uint8_t> params;        // FwdParams (FwdTmaParams for a TMA kernel) but the pointers
+  int64_t offsets[kNumForwardSlots];  // byte offset of each slot in params (-1: not written)
+  std::vector<Launch> launches;       // the one forward launch
+  std::vector<std::string> names;
+  void* context;                       // the device's primary context (the kernel is loaded there)
+  std::vector<int64_t> lse_shape;      // (batch, heads_q, seqlen_q); empty: the call has no LSE
+  c10::intrusive_ptr<BackwardProgram> backward;  // training: the node's program; null for inference
+
+  // A TMA kernel's tensor map of q, k and v: where it sits in params and what it describes (every field
+  // but the address, as flash_attention/ops/tma.py's MapLayout).
+  struct MapLayout {
+    int64_t offset;
+    uint64_t dims[4];
+    uint64_t strides[3];
+    uint32_t box[4];
+  };
+  std::vector<MapLayout> maps;  // none, or q's, k's and v's
+  int encode_flags[5];          // data type, interleave, swizzle, L2 promotion, out-of-bounds fill
+
+  // The maps encoded for the last few address triples: a training loop or a decoder hands the same few
+  // addresses back (PyTorch's caching allocator), and three encodes cost more than the rest of the call.
+  static constexpr size_t kEncodedKept = 16;
+  struct Encoded {
+    uint64_t q, k, v;
+    std::array<uint8_t, 3 * kTensorMapBytes> maps;
+  };
+  std::mutex encoded_mutex;  // calls from several threads may share a program
+  std::vector<Encoded> encoded;
+  size_t next_slot = 0;
+
+  // slot_offsets: one per ForwardSlot; launch_fields: six integers (driver.h's launches_from); map_fields:
+  // 12 integers per map (offset, 4 dims, 3 byte strides, 4 box sizes), none or three maps; flags: the five
+  // encode constants; backward_address: a BackwardProgram's address, or 0 for inference.
+  ForwardProgram(const at::Tensor& params_bytes, std::vector<int64_t> slot_offsets, std::vector<int64_t> launch_fields,
+                 const std::string& kernel_name, int64_t context_, std::vector<int64_t> lse_shape_,
+                 std::vector<int64_t> map_fields, std::vector<int64_t> flags, int64_t backward_address)
+      : context(reinterpret_cast<void*>(context_)), lse_shape(std::move(lse_shape_)) {
+    check(params_bytes.device().is_cpu() && params_bytes.scalar_type() == at::kByte &&
+              params_bytes.is_contiguous(),
+          "ForwardProgram: params must be a contiguous uint8 CPU tensor");
+    check(static_cast<int64_t>(slot_offsets.size()) == kNumForwardSlots,
+          "ForwardProgram: expected " + std::to_string(kNumForwardSlots) + " offsets, got " +
+              std::to_string(slot_offsets.size()));
+    const auto* bytes = params_bytes.data_ptr<uint8_t>();
+    params.assign(bytes, bytes + params_bytes.numel());
+    for (int i = 0; i < kNumForwardSlots; ++i) {
+      check(slot_offsets[i] == -1 || (slot_offsets[i] >= 0 && slot_offsets[i] + 8 <= params_bytes.numel()),
+            "ForwardProgram: offset of slot " + std::to_string(i) + " outside the params");
+      offsets[i] = slot_offsets[i];
+    }
+    launches = launches_from(launch_fields);
+    check(launches.size() == 1, "ForwardProgram: expected one launch");
+    names = names_from(kernel_name, 1);
+    check(lse_shape.empty() || lse_shape.size() == 3, "ForwardProgram: the LSE shape has three sizes or none");
+    check(map_fields.empty() || map_fields.size() == 36, "ForwardProgram: maps must be 12 integers each, three");
+    check(flags.size() == 5, "ForwardProgram: expected five encode flags");
+    for (size_t m = 0; m < map_fields.size(); m += 12) {
+      MapLayout layout{map_fields[m], {}, {}, {}};
+      check(layout.offset >= 0 && layout.offset + static_cast<int64_t>(kTensorMapBytes) <= params_bytes.numel(),
+            "ForwardProgram: a tensor map outside the params");
+      for (int i = 0; i < 4; ++i) layout.dims[i] = static_cast<uint64_t>(map_fields[m + 1 + i]);
+      for (int i = 0; i < 3; ++i) layout.strides[i] = static_cast<uint64_t>(map_fields[m + 5 + i]);
+      for (int i = 0; i < 4; ++i) layout.box[i] = static_cast<uint32_t>(map_fields[m + 8 + i]);
+      maps.push_back(layout);
+    }
+    for (int i = 0; i < 5; ++i) encode_flags[i] = static_cast<int>(flags[i]);
+    encoded.reserve(kEncodedKept);
+    if (backward_address != 0) {
+      check(!lse_shape.empty(), "ForwardProgram: a training program needs the LSE");
+      backward = BackwardProgram::from_address(backward_address);
+    }
+  }
+
+  void put(std::vector<uint8_t>& into, ForwardSlot slot, uint64_t value) const {
+    if (offsets[slot] >= 0) std::memcpy(into.data() + offsets[slot], &value, sizeof(value));
+  }
+
+  // Write the tensor maps of q, k and v at these addresses into `into` (encoded once per address triple).
+  void put_maps(std::vector<uint8_t>& into, uint64_t q, uint64_t k, uint64_t v) {
+    std::lock_guard<std::mutex> lock(encoded_mutex);
+    const Encoded* found = nullptr;
+    for (const Encoded& e : encoded) {
+      if (e.q == q && e.k == k && e.v == v) {
+        found = &e;
+        break;
+      }
+    }
+    if (found == nullptr) {
+      if (g_driver.encode_tiled == nullptr) fail("flash_attention_host: the driver has no cuTensorMapEncodeTiled");
+      Encoded e{q, k, v, {}};
+      alignas(64) uint8_t scratch[kTensorMapBytes];  // the driver writes a map to a 64-byte aligned address
+      static const uint32_t kOnes[4] = {1, 1, 1, 1};  // element strides: every element of a box
+      const uint64_t address[3] = {q, k, v};
+      for (size_t i = 0; i < 3; ++i) {
+        const MapLayout& m = maps[i];
+        const int status = g_driver.encode_tiled(scratch, encode_flags[0], 4, reinterpret_cast<void*>(address[i]),
+                                                 m.dims, m.strides, m.box, kOnes, encode_flags[1], encode_flags[2],
+                                                 encode_flags[3], encode_flags[4]);
+        // The plan encoded this layout once when it was made; only an address could differ, and the caller
+        // checked those are 16-byte aligned.
+        if (status != 0) driver_failed(status, "cuTensorMapEncodeTiled");
+        std::memcpy(e.maps.data() + i * kTensorMapBytes, scratch, kTensorMapBytes);
+      }
+      if (encoded.size() < kEncodedKept) {
+        encoded.push_back(e);
+        found = &encoded.back();
+      } else {
+        encoded[next_slot] = e;  // the oldest goes
+        found = &encoded[next_slot];
+        next_slot = (next_slot + 1) % kEncodedKept;
+      }
+    }
+    for (size_t i = 0; i < 3; ++i) {
+      std::memcpy(into.data() + maps[i].offset, found->maps.data() + i * kTensorMapBytes, kTensorMapBytes);
+    }
+  }
+
+  static ForwardProgram& at_address(int64_t address) {
+    auto* raw = reinterpret_cast<ForwardProgram*>(address);
+    check(raw != nullptr && raw->magic == kMagic, "repeat_call: program is not the address of a ForwardProgram");
+    return *raw;
+  }
+};
+
+// `program` is the address of a live ForwardProgram (the caller keeps it alive for the call; a node recorded
+// here takes its own reference to the backward program). An address, not the object, for the reason
+// record_training (training_node.cpp) gives.
+std::vector<at::Tensor> repeat_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                    const std::optional<at::Tensor>& key_range, int64_t program_address) {
+  ForwardProgram& program = ForwardProgram::at_address(program_address);
+  if (!kernel_readable(q) || !kernel_readable(k) || !kernel_readable(v)) return {};
+  at::Tensor out = at::empty_like(q, q.options(), at::MemoryFormat::Contiguous);
+  at::Tensor lse;
+  if (!program.lse_shape.empty()) lse = at::empty(program.lse_shape, q.options().dtype(at::kFloat));
+
+  std::vector<uint8_t> params = program.params;
+  program.put(params, kFwdQ, address_of(q));
+  program.put(params, kFwdK, address_of(k));
+  program.put(params, kFwdV, address_of(v));
+  program.put(params, kFwdO, address_of(out));
+  program.put(params, kFwdLse, lse.defined() ? address_of(lse) : 0);
+  program.put(params, kFwdKeyRange, key_range ? address_of(*key_range) : 0);
+  if (!program.maps.empty()) program.put_maps(params, address_of(q), address_of(k), address_of(v));
+  launch_all(program.launches, program.names, program.context, params.data(), current_stream(q.device()));
+
+  if (program.backward) record_node(q, k, v, out, lse, key_range, 0, program.backward);
+  if (lse.defined()) return {out, lse};
+  return {out};
+}
+
+TORCH_LIBRARY_FRAGMENT(flash_attention_host, m) {
+  m.class_<ForwardProgram>("ForwardProgram")
+      .def(torch::init<at::Tensor, std::vector<int64_t>, std::vector<int64_t>, std::string, int64_t,
+                       std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>, int64_t>())
+      .def("address", [](const c10::intrusive_ptr<ForwardProgram>& self) {
+        return static_cast<int64_t>(reinterpret_cast<intptr_t>(self.get()));
+      });
+  m.def("repeat_call", &repeat_call);
+}
+
+}  // namespace flash_attention_host

@@ -1,0 +1,89 @@
+// BackwardProgram, the backward launches of one call signature, and the recording of the training node that
+// runs them (training_node.cpp). The forward's repeat call (repeat_call.cpp) records the node too.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/custom_class.h>
+
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "driver.h"
+
+namespace flash_attention_host {
+
+// ---------------------------------------------------------------------------------------------------------
+// BackwardProgram: one call signature's backward launches (made by flash_attention/ops/training.py).
+
+// The pointer fields of BwdParams this file writes, in the order of the offsets list Python passes.
+enum Slot : int {
+  kQ, kK, kV, kO, kDout, kLse, kLseLog2, kDelta, kDqAccum, kDq, kDk, kDv, kKeyRange, kDropoutKey, kNumSlots
+};
+
+struct BackwardProgram : torch::CustomClassHolder {
+  static constexpr uint64_t kMagic = 0x666173746e6f6465;  // record_training's check on the address it is given
+  uint64_t magic = kMagic;
+  std::vector<uint8_t> params;  // BwdParams, every field but the pointers and the dropout key
+  int64_t offsets[kNumSlots];   // byte offset of each slot in params (-1: not written)
+  std::vector<Launch> launches;  // in queue order: preprocessing, dK/dV, then dQ's cast or kernel
+  std::vector<std::string> names;  // the launches' kernel names, for error messages
+  int64_t stats;                 // floats in each of the workspace's base-2 LSE and delta arrays
+  int64_t accum;                 // floats of the atomic dQ accumulator after them (0: deterministic)
+  void* context;                 // the device's primary context (the launches' kernels are loaded there)
+
+  // launches: six integers per launch (kernel handle, grid x, y, z, threads, dynamic shared memory);
+  // names: the kernel names joined by newlines.
+  BackwardProgram(const at::Tensor& params_bytes, std::vector<int64_t> slot_offsets,
+                  std::vector<int64_t> launch_fields, const std::string& kernel_names, int64_t stats_,
+                  int64_t accum_, int64_t context_)
+      : stats(stats_), accum(accum_), context(reinterpret_cast<void*>(context_)) {
+    check(params_bytes.device().is_cpu() && params_bytes.scalar_type() == at::kByte &&
+              params_bytes.is_contiguous(),
+          "BackwardProgram: params must be a contiguous uint8 CPU tensor");
+    check(static_cast<int64_t>(slot_offsets.size()) == kNumSlots,
+          "BackwardProgram: expected " + std::to_string(kNumSlots) + " offsets, got " +
+              std::to_string(slot_offsets.size()));
+    const auto* bytes = params_bytes.data_ptr<uint8_t>();
+    params.assign(bytes, bytes + params_bytes.numel());
+    for (int i = 0; i < kNumSlots; ++i) {
+      const int64_t width = i == kDropoutKey ? 4 : 8;
+      check(slot_offsets[i] == -1 || (slot_offsets[i] >= 0 && slot_offsets[i] + width <= params_bytes.numel()),
+            "BackwardProgram: offset of slot " + std::to_string(i) + " outside the params");
+      offsets[i] = slot_offsets[i];
+    }
+    launches = launches_from(launch_fields);
+    names = names_from(kernel_names, launches.size());
+  }
+
+  // The program at `address` (a BackwardProgram's `address()`, kept alive by the caller for the call), with a
+  // reference of its own.
+  static c10::intrusive_ptr<BackwardProgram> from_address(int64_t address) {
+    auto* raw = reinterpret_cast<BackwardProgram*>(address);
+    check(raw != nullptr && raw->magic == kMagic,
+          "record_training: program is not the address of a BackwardProgram");
+    return c10::intrusive_ptr<BackwardProgram>::reclaim_copy(raw);
+  }
+
+  // Write an address (8 bytes) or the dropout key (a 32-bit unsigned field) into a copy of the params;
+  // absent slots are skipped.
+  void put(std::vector<uint8_t>& into, Slot slot, uint64_t value) const {
+    if (offsets[slot] < 0) return;
+    if (slot == kDropoutKey) {
+      const uint32_t key = static_cast<uint32_t>(value);
+      std::memcpy(into.data() + offsets[slot], &key, sizeof(key));
+    } else {
+      std::memcpy(into.data() + offsets[slot], &value, sizeof(value));
+    }
+  }
+};
+
+// Make `out` (the forward's fresh output) the output of a new training node over q, k and v whose backward
+// runs `program` (nothing when none of them requires grad).
+void record_node(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                 const at::Tensor& lse, const std::optional<at::Tensor>& key_range, int64_t dropout_key,
+                 c10::intrusive_ptr<BackwardProgram> program);
+
+}  // namespace flash_attention_host
