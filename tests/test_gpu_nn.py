@@ -436,6 +436,34 @@ def test_transformers_generate_greedy(kind, padding, launches):
             assert kr[:, 0].tolist() == [0, 50, 0, 120] and kr[:, 1].tolist() == [k_shape[1]] * 4
 
 
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_transformers_static_cache_decodes_on_the_decode_kernels(kind, monkeypatch):
+    # generate() with a static cache: the prefill (<= 64 tokens) and every decoding step of both layers run
+    # as attention_with_kvcache on the decode kernels (a DecodePlan call each: no composed fallback), with
+    # the rows' filled lengths on the device; greedy tokens as sdpa's, up to ties within the accuracy rule.
+    from flash_attention.ops import decode
+
+    ours, ref, exact = _hf_models(kind, "bf16")
+    decoded: list = []
+    real = decode.DecodePlan.__call__
+
+    def spy(self, *args, **kwargs):
+        decoded.append(self.problem.seqlen_q)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(decode.DecodePlan, "__call__", spy)
+    prompt = torch.randint(3, 512, (3, 40), device="cuda")
+    mask = torch.ones_like(prompt)
+    kwargs = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        a = ours.generate(prompt, attention_mask=mask, cache_implementation="static", **kwargs)[:, 40:]
+        b = ref.generate(prompt, attention_mask=mask, **kwargs)[:, 40:]
+    assert a.shape == b.shape == (3, 16)
+    same = (a == b).all(dim=1)
+    assert _first_divergence_is_a_tie(a, b, prompt, mask, ref, exact), f"rows equal: {same.tolist()}"
+    assert decoded == [40, 40] + [1] * (2 * 15)
+
+
 @pytest.mark.parametrize("padding", [False, True])
 def test_transformers_training_with_attention_dropout_runs_the_kernels(padding, monkeypatch):
     # A Llama-style model trained with attention_dropout: every layer's attention runs on our kernels with

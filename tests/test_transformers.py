@@ -254,9 +254,26 @@ def test_generate_same_greedy_tokens_key_range(kind, force_key_range, mask_reads
     assert len(mask_reads) == 12  # one per forward pass, not one per layer
 
 
-def test_generate_with_static_cache_matches_sdpa(calls):
-    # Static caches have key slots past the current position: the mask function hands over a 4-D mask.
-    ours, ref, _ = _models("llama")
+@pytest.fixture
+def kvcache_calls(monkeypatch: pytest.MonkeyPatch) -> list:
+    """The static-cache route's calls of attention_with_kvcache: (q shape, k_cache shape, cache_seqlens)."""
+    seen: list = []
+    real = integration.attention_with_kvcache
+
+    def spy(q, k_cache, v_cache, **kwargs):
+        seen.append((tuple(q.shape), tuple(k_cache.shape), kwargs["cache_seqlens"].tolist()))
+        return real(q, k_cache, v_cache, **kwargs)
+
+    monkeypatch.setattr(integration, "attention_with_kvcache", spy)
+    return seen
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_generate_with_static_cache_runs_the_decode_path(kind, calls, kvcache_calls):
+    # A static cache (key slots past the current position, a tensor offset): the mask function hands over
+    # each row's filled length, and every call -- the short prefill and each decoding step -- is one
+    # attention_with_kvcache call on the whole cache with those lengths, no SDPA.
+    ours, ref, _ = _models(kind)
     ids = torch.randint(3, VOCAB, (2, 8))
     mask = torch.ones_like(ids)
     kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, cache_implementation="static")
@@ -264,7 +281,52 @@ def test_generate_with_static_cache_matches_sdpa(calls):
         a = ours.generate(ids, attention_mask=mask, **kwargs)
         b = ref.generate(ids, attention_mask=mask, **kwargs)
     assert torch.equal(a, b)
-    assert all(m is None or len(m) == 4 for m in calls["masks"])
+    assert calls["sdpa"] == 0 and calls["masks"] and all(m == (2,) for m in calls["masks"])
+    assert len(kvcache_calls) == 2 * 6  # two layers: the prefill and five decoding steps
+    capacity = kvcache_calls[0][1][1]
+    for step, (q_shape, k_shape, lengths) in enumerate(kvcache_calls):
+        filled = 8 if step < 2 else 8 + step // 2
+        assert q_shape[1] == (8 if step < 2 else 1) and k_shape[1] == capacity >= 8 + 5
+        assert lengths == [filled, filled]
+
+
+def test_static_cache_logits_match_and_what_it_does_not_take(calls, kvcache_calls):
+    ours, ref, exact = _models("llama")
+    ids = torch.randint(3, VOCAB, (2, 9))
+    # One forward pass on a static cache against sdpa's on its own (the accuracy rule on the logits).
+    cache = transformers.StaticCache(config=ours.config, max_cache_len=32)
+    with torch.no_grad():
+        o = ours(ids, past_key_values=cache).logits
+        s = ref(ids).logits
+        e = exact(ids).logits
+    err = (o.double() - e).abs().max().item()
+    assert err <= 2 * (s.double() - e).abs().max().item() + 1e-5
+    assert len(kvcache_calls) == 2 and calls["sdpa"] == 0
+    # Padding, a prefill longer than the route's query limit and training take the 4-D mask, as before.
+    kvcache_calls.clear()
+    long = torch.randint(3, VOCAB, (1, integration.STATIC_CACHE_MAX_QUERIES + 1))
+    padded = _padding_mask(2, 9, "left")
+    with torch.no_grad():
+        ours(long, past_key_values=transformers.StaticCache(config=ours.config, max_cache_len=80))
+        ours(
+            ids,
+            attention_mask=padded,
+            past_key_values=transformers.StaticCache(config=ours.config, max_cache_len=32),
+        )
+    ours.train()
+    ours(
+        ids, past_key_values=transformers.StaticCache(config=ours.config, max_cache_len=32)
+    ).logits.sum().backward()
+    assert kvcache_calls == [] and calls["sdpa"] == 2 * 3
+
+
+def test_a_static_cache_length_mask_is_checked():
+    q = torch.randn(2, 4, 1, 16)
+    k = torch.randn(2, 2, 10, 16)
+    module = torch.nn.Module()
+    for bad in (torch.tensor([3, 4]), torch.tensor([3, 4, 5], dtype=torch.int32)):
+        with pytest.raises(ValueError, match="static-cache lengths"):
+            integration.attention_forward(module, q, k, k, bad)
 
 
 def test_training_uses_our_attention_with_the_same_gradients(calls, monkeypatch):
@@ -748,6 +810,37 @@ def test_mask_function_other_cases_are_sdpa_masks(overrides):
     kwargs.update({k: v for k, v in overrides.items() if k != "allow_is_causal_skip"})
     assert got is not None and got.dim() == 4
     assert torch.equal(got, sdpa_mask(**_versioned(kwargs)))
+
+
+def test_mask_function_static_cache_is_row_lengths_in_inference():
+    from transformers.masking_utils import sdpa_mask
+
+    static_cases = [
+        ({"q_length": 5, "kv_length": 9, "q_offset": 0}, 5),  # a static cache's prefill
+        ({"q_length": 1, "kv_length": 9, "q_offset": torch.tensor(3)}, 4),  # a decoding step
+        ({"q_length": 2, "kv_length": 9, "q_offset": torch.tensor(6)}, 8),  # speculative decoding
+    ]
+    for overrides, filled in static_cases:
+        with torch.no_grad():
+            got = _mask_call(**overrides)
+            # generate() hands the mask it made back to the model, whose own mask creation sees it again.
+            again = _mask_call(**overrides, attention_mask=got)
+        assert got.dtype == torch.int32 and got.tolist() == [filled, filled] and again is got
+        # The lengths mean what transformers' 4-D mask of the same call means (the other routes use it).
+        kwargs = dict(batch_size=2, q_offset=0, kv_offset=0, allow_is_causal_skip=False, device="cpu")
+        expected = sdpa_mask(**_versioned({**kwargs, **overrides}))
+        assert torch.equal(integration._static_cache_mask(got, overrides["q_length"], 9), expected)
+        # Recording gradients, the lengths handed back become that 4-D mask.
+        assert torch.equal(_mask_call(**overrides, attention_mask=got), expected)
+    with torch.no_grad():
+        q = integration.STATIC_CACHE_MAX_QUERIES + 1
+        for overrides in (
+            {"q_length": q, "kv_length": q + 4, "q_offset": 0},  # a long prefill
+            {"q_length": 1, "kv_length": 9, "q_offset": torch.tensor(3), "local_size": 3},  # sliding window
+            {"q_length": 1, "kv_length": 9, "q_offset": torch.tensor(3),
+             "attention_mask": torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])},  # padding
+        ):  # fmt: skip
+            assert _mask_call(**overrides).dim() == 4
 
 
 def test_mask_function_custom_pattern_is_sdpa_mask():

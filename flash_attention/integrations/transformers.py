@@ -34,7 +34,17 @@ transformers' SDPA function instead):
   4-D mask. The mask function reads the 2-D mask on the host once per forward pass
   (:func:`flash_attention.nn.functional.key_ranges`); the ranges and their device tensor are remembered on
   the mask, which every layer receives, so the layers read nothing more.
-* a 4-D mask -- everything else (sliding windows, static caches whose offsets break the alignment, packed
+* a 1-D int32 (batch,) tensor -- decoding from a static cache (``StaticCache``, ``cache_implementation=
+  "static"``): each row's number of filled cache slots after this step's update, ``q_offset + q_length``,
+  computed on the device from the cache's offset tensor (never read on the host, so a compiled decoding
+  step keeps its graph). The keys are the whole static cache, whose slots past that length are empty, and
+  the queries are the last ``q_length`` filled positions: exactly
+  :func:`flash_attention.attention_with_kvcache` with ``cache_seqlens`` = the lengths (the cache already
+  updated, so no append), causal aligned to each row's own length, on the split-KV decode kernels. Taken for
+  causal calls without a sliding window or padding (a 2-D padding mask is read on the host once per forward
+  pass, as below, to see that it has none) of at most 64 new queries (decoding, speculative decoding) in
+  inference; the prefill of a static cache, padded batches and training take the 4-D mask.
+* a 4-D mask -- everything else (sliding windows, static-cache prefill or padding, packed
   sequences, custom mask functions, a 4-D mask passed by the user): transformers' SDPA function with it,
   which computes that mask exactly. A sliding window is in the mask (the mask function materialises every
   mask with a window); the ``sliding_window`` argument models also pass is informational, as it is for
@@ -72,6 +82,7 @@ import torch
 
 from .._validate import MAX_HEAD_DIM
 from ..interface import attention
+from ..kvcache import attention_with_kvcache
 from ..nn import functional as fn
 from ..reference import causal_allowed
 
@@ -94,6 +105,9 @@ _EAGER_KWARGS = {
 # Sparse attention's selected keys: the models add them to the mask only for "eager"/"sdpa" and otherwise
 # hand them to a kernel that reads them; no route here does.
 _UNSUPPORTED_KWARGS = ("indices", "block_indices")
+#: New queries per row up to which a static cache's call runs on the decode kernels (decoding, speculative
+#: decoding); a static cache's prefill takes the 4-D mask route.
+STATIC_CACHE_MAX_QUERIES = 64
 
 
 def register(name: str = NAME) -> str:
@@ -149,6 +163,10 @@ def attention_mask(**kwargs: Any) -> torch.Tensor | None:
         q_offset = int(cache_position[0]) if q_length else 0
     kv_length, kv_offset = kwargs["kv_length"], kwargs.get("kv_offset", 0)
 
+    lengths = _static_cache_lengths(kwargs, causal, q_length, q_offset, kv_length, kv_offset)
+    if lengths is not None:
+        return lengths
+
     may_skip = (
         kwargs.get("allow_is_causal_skip", True)
         if causal
@@ -185,6 +203,50 @@ def attention_mask(**kwargs: Any) -> torch.Tensor | None:
     if ranges is not None and ranges.is_full(kv_length):
         return None
     return valid
+
+
+def _static_cache_lengths(kwargs: dict, causal: bool, q_length: int, q_offset, kv_length: int, kv_offset):
+    """The static-cache route's mask (the module docstring): each row's filled length as an int32 (batch,)
+    device tensor, None when the call is not one the route takes, or -- for lengths this function made
+    earlier that the route cannot take now -- their 4-D mask."""
+    padding = kwargs.get("attention_mask")
+    # generate() makes a static cache's masks ahead of the model's forward and hands them to it as its
+    # attention_mask, so the model's own mask creation sees the lengths made here: they are this step's.
+    ours = isinstance(padding, torch.Tensor) and padding.dim() == 1
+    static = (
+        isinstance(q_offset, torch.Tensor)  # a static cache's offset while decoding
+        or (ours or q_offset + q_length < kv_length)  # its prefill: keys past the queries
+    )
+    takes = (
+        causal
+        and static
+        and not isinstance(kv_offset, torch.Tensor)
+        and kv_offset == 0
+        and kwargs.get("local_size") is None
+        and 0 < q_length <= STATIC_CACHE_MAX_QUERIES
+        and not torch.is_grad_enabled()
+    )
+    if ours:
+        return padding if takes else _static_cache_mask(padding, q_length, kv_length)
+    if not takes:
+        return None
+    if padding is not None:
+        valid = padding.to(dtype=torch.bool)
+        ranges = fn.key_ranges(valid)  # the one host read of the mask per forward pass
+        if ranges is None or not ranges.is_full(valid.shape[-1]):
+            return None
+    batch = kwargs["batch_size"]
+    if isinstance(q_offset, torch.Tensor):
+        return (q_offset.reshape(1).to(torch.int32) + q_length).expand(batch).contiguous()
+    return torch.full((batch,), q_offset + q_length, dtype=torch.int32, device=kwargs.get("device", "cpu"))
+
+
+def _static_cache_mask(lengths: torch.Tensor, q_length: int, kv_length: int) -> torch.Tensor:
+    """The 4-D boolean mask (True = attend) of the static-cache route's call: row b's query i sees slot j iff
+    ``j <= i + lengths[b] - q_length`` (which also keeps the empty slots out)."""
+    slots = torch.arange(kv_length, device=lengths.device)
+    last = torch.arange(q_length, device=lengths.device)[:, None] + (lengths[:, None, None] - q_length)
+    return (slots[None, None, :] <= last)[:, None]
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -332,11 +394,17 @@ def _check_dropout(dropout: object) -> None:
 def _check_mask(mask: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor) -> None:
     if mask is None:
         return
-    if not isinstance(mask, torch.Tensor) or mask.dim() not in (2, 4):
+    if not isinstance(mask, torch.Tensor) or mask.dim() not in (1, 2, 4):
         got = f"a {mask.dim()}-D tensor" if isinstance(mask, torch.Tensor) else type(mask).__name__
         raise ValueError(
-            "attention_mask must be None, a 2-D boolean (batch, kv_length) key mask (our mask function's) "
-            f"or a 4-D mask (transformers'); got {got}"
+            "attention_mask must be None, a 1-D int32 (batch,) tensor of static-cache lengths or a 2-D "
+            "boolean (batch, kv_length) key mask (our mask function's), or a 4-D mask (transformers'); "
+            f"got {got}"
+        )
+    if mask.dim() == 1 and (mask.dtype != torch.int32 or tuple(mask.shape) != (query.shape[0],)):
+        raise ValueError(
+            f"a 1-D attention_mask must be the int32 static-cache lengths of shape (batch,) = "
+            f"({query.shape[0]},); got {mask.dtype} of shape {tuple(mask.shape)}"
         )
     if mask.dim() == 2 and (mask.dtype != torch.bool or tuple(mask.shape) != (query.shape[0], key.shape[2])):
         raise ValueError(
@@ -384,6 +452,24 @@ def attention_forward(
         )
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     needs_eager = [name for name in _EAGER_KWARGS if kwargs.get(name) is not None]
+    if attention_mask is not None and attention_mask.dim() == 1:
+        # Decoding from a static cache (the module docstring): the decode kernels, or the explicit mask.
+        if (
+            not needs_eager
+            and causal
+            and dropout == 0.0
+            and kwargs.get("cache") is None
+            and query.shape[-1] <= MAX_HEAD_DIM
+            and value.shape[-1] == query.shape[-1]
+            and query.dtype == key.dtype == value.dtype
+            and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad))
+        ):
+            q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+            out = attention_with_kvcache(
+                q, k, v, cache_seqlens=attention_mask, causal=True, softmax_scale=scaling
+            )
+            return out, None
+        attention_mask = _static_cache_mask(attention_mask, query.shape[2], key.shape[2])
     if needs_eager:
         if kwargs.get("cache") is not None:
             raise NotImplementedError(
