@@ -157,9 +157,14 @@ def attention_with_kvcache(
     if isinstance(cache_seqlens, int):
         cache_seqlens = torch.full((problem.batch,), cache_seqlens, dtype=torch.int32, device=q.device)
     if torch.compiler.is_compiling():
-        o, lse = torch.ops.flash_attention.fwd_kvcache(
-            q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, problem.scale, num_splits
-        )
+        if k is None:  # nothing to append: the op that declares no write to the caches
+            o, lse = torch.ops.flash_attention.fwd_kvcache_read(
+                q, k_cache, v_cache, cache_seqlens, block_table, causal, problem.scale, num_splits
+            )
+        else:
+            o, lse = torch.ops.flash_attention.fwd_kvcache(
+                q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, problem.scale, num_splits
+            )
         if out is not None:
             out.copy_(o)  # custom ops return new tensors; the caller's buffer gets a copy
             o = out

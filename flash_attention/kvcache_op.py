@@ -4,7 +4,7 @@ for ``torch.compile``.
 ``fwd_kvcache(q, k_cache!, v_cache!, k?, v?, cache_seqlens, block_table?, causal, scale, num_splits)
 -> (out, lse)``. The schema marks k_cache and v_cache as written (the append), so a compiled graph orders
 the call after earlier reads of the cache and before later ones, and functionalisation copies nothing
-else. The arguments were validated by :func:`flash_attention._validate_kvcache.validate_kvcache`;
+else. A call without new tokens is ``fwd_kvcache_read`` (the same without k, v and the write). The arguments were validated by :func:`flash_attention._validate_kvcache.validate_kvcache`;
 ``cache_seqlens`` is always a tensor here (an int is turned into one before the op), ``scale`` is resolved.
 The fake implementation gives the shapes without running anything.
 
@@ -23,7 +23,7 @@ from . import dispatch
 from . import kvcache_compose as compose
 from ._validate_kvcache import CacheProblem, validate_kvcache
 
-__all__ = ["fwd_kvcache", "run"]
+__all__ = ["fwd_kvcache", "fwd_kvcache_read", "run"]
 
 # Spelled out (mutation annotations included) rather than inferred from annotations, as in custom_ops.
 _SCHEMA = (
@@ -98,3 +98,34 @@ def run(
 def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, scale, num_splits):
     batch, seqlen_q, heads_q, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
+
+
+# A call without new tokens (k = v = None: the cache was written already, as transformers' static cache is
+# before its attention runs) writes nothing. Declaring the caches written there would make torch.compile's
+# functionalisation treat each call as a write of the whole cache (clones, or a reinplacing pass to undo
+# them) and order every other read of the cache around it; this op declares no write.
+_READ_SCHEMA = (
+    "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor? block_table, bool causal,"
+    " float scale, int num_splits) -> (Tensor, Tensor)"
+)
+
+
+@torch.library.custom_op("flash_attention::fwd_kvcache_read", mutates_args=(), schema=_READ_SCHEMA)
+def fwd_kvcache_read(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+    num_splits: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return fwd_kvcache(q, k_cache, v_cache, None, None, cache_seqlens, block_table, causal, scale, num_splits)
+
+
+@fwd_kvcache_read.register_fake
+def _fwd_kvcache_read_fake(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, num_splits):
+    return _fwd_kvcache_fake(
+        q, k_cache, v_cache, None, None, cache_seqlens, block_table, causal, scale, num_splits
+    )

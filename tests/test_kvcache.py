@@ -196,6 +196,32 @@ def test_custom_op_schema_fake_and_mutation_agree():
         torch.ops.flash_attention.fwd_kvcache.default,
         (q, k_cache, v_cache, k, v, lengths, table, True, 0.25, 0),
     )
+    # Without new tokens, the op that declares no write (opcheck fails an op that writes an argument it does
+    # not declare).
+    torch.library.opcheck(
+        torch.ops.flash_attention.fwd_kvcache_read.default,
+        (q, k_cache, v_cache, lengths + 2, table, True, 0.25, 0),
+    )
+
+
+def test_compiled_calls_without_new_tokens_declare_no_write(monkeypatch):
+    q, k_cache, v_cache = torch.randn(2, 1, 4, 16), torch.randn(2, 10, 2, 16), torch.randn(2, 10, 2, 16)
+    lengths = torch.tensor([3, 9], dtype=torch.int32)
+    ref = flash_attention.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths)
+    seen = []
+    real = torch.ops.flash_attention.fwd_kvcache_read
+
+    def spy(*args):
+        seen.append(len(args))
+        return real(*args)
+
+    monkeypatch.setattr(torch.ops.flash_attention, "fwd_kvcache_read", spy)
+    torch._dynamo.reset()
+    compiled = torch.compile(flash_attention.attention_with_kvcache, fullgraph=True, backend="eager")
+    kc, vc = k_cache.clone(), v_cache.clone()
+    out = compiled(q, kc, vc, cache_seqlens=lengths)
+    assert seen and torch.allclose(out, ref, atol=1e-6)
+    assert torch.equal(kc, k_cache) and torch.equal(vc, v_cache)
 
 
 def _valid_call(**override):
