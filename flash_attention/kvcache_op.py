@@ -4,8 +4,9 @@ for ``torch.compile``.
 ``fwd_kvcache(q, k_cache!, v_cache!, k?, v?, cache_seqlens, block_table?, causal, scale, num_splits)
 -> (out, lse)``. The schema marks k_cache and v_cache as written (the append), so a compiled graph orders
 the call after earlier reads of the cache and before later ones, and functionalisation copies nothing
-else. A call without new tokens is ``fwd_kvcache_read`` (the same without k, v and the write). The arguments were validated by :func:`flash_attention._validate_kvcache.validate_kvcache`;
-``cache_seqlens`` is always a tensor here (an int is turned into one before the op), ``scale`` is resolved.
+else. A call without new tokens is ``fwd_kvcache_read`` (the same without k, v and the write). The
+arguments were validated by :func:`flash_attention._validate_kvcache.validate_kvcache`; ``cache_seqlens``
+is always a tensor here (an int is turned into one before the op), ``scale`` is resolved.
 The fake implementation gives the shapes without running anything.
 
 :func:`run` is the op's implementation, which the eager path of attention_with_kvcache calls directly
