@@ -513,6 +513,43 @@ def test_tiny_rows_get_their_own_table(any_provenance, tmp_path):
     assert readme_markers(r) == ("<!-- bench-tiny-fwd_bwd:begin -->", "<!-- bench-tiny-fwd_bwd:end -->")
 
 
+def test_tiny_rounds_and_repeat_forms_are_medians_in_columns(any_provenance, tmp_path):
+    # bench --tiny --rounds 3 --repeat-calls off,python: each (form, baseline) has its column, each cell the
+    # median of the rounds, and every form of ours gets its ratio to each baseline.
+    r = _result()
+    r["settings"] = {"tiny": True, "rounds": 3}
+    r["rows"] = []
+    s = TINY_SHAPES[0]
+    times = {("off", 0): 300.0, ("off", 1): 900.0, ("off", 2): 310.0, ("python", 0): 200.0,
+             ("python", 1): 210.0, ("python", 2): 600.0}  # fmt: skip
+    for round_ in range(3):
+        for form in ("off", "python"):
+            row = _row("flash_attention", s.head_dim, s.causal, s.seqlen, 1.0, mode="fwd_bwd", tiny=True)
+            r["rows"].append(
+                dict(row, batch=s.batch, heads=s.heads, ms=times[form, round_] / 1e3, round=round_,
+                     repeat_calls=form)
+            )  # fmt: skip
+        row = _row("sdpa_cudnn", s.head_dim, s.causal, s.seqlen, 1.0, mode="fwd_bwd", tiny=True)
+        r["rows"].append(dict(row, batch=s.batch, heads=s.heads, ms=(200.0 + round_) / 1e3, round=round_))
+    md = results_to_markdown(r)
+    assert "median of 3 rounds" in md
+    assert (
+        "| (batch, seqlen, heads, head_dim) | causal | flash_attention (off) µs "
+        "| flash_attention (python) µs | sdpa_cudnn µs "
+        "| flash_attention (off) / sdpa_cudnn | flash_attention (python) / sdpa_cudnn |"
+    ) in md
+    assert "| (1, 128, 16, 64) | no | 310.0 | 210.0 | 201.0 | 1.54× | 1.04× |" in md
+
+
+def test_tiny_rounds_and_forms_need_tiny(capsys):
+    from flash_attention.tools.bench.cli import main as bench_main
+
+    assert bench_main(["--rounds", "2", "--no-save"]) == 2
+    assert "go with --tiny" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_main(["--tiny", "--repeat-calls", "python,fast"])
+
+
 def test_dirty_sources_names_whole_paths(tmp_path):
     """A modified file's porcelain line starts with a space; its path must come back whole."""
     import subprocess

@@ -67,6 +67,16 @@ def _impl_list(text: str) -> tuple[str, ...]:
     return impls
 
 
+def _repeat_modes(text: str) -> tuple[str, ...]:
+    modes = tuple(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
+    unknown = [m for m in modes if m not in ("off", "python", "native")]
+    if unknown or not modes:
+        raise argparse.ArgumentTypeError(
+            f"unknown repeat-call forms {unknown}; choose from off, python, native"
+        )
+    return modes
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m flash_attention bench",
@@ -164,6 +174,20 @@ def build_parser() -> argparse.ArgumentParser:
         + " (time per call; file tag 'tiny')",
     )
     p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="with --tiny: time every implementation of a shape this many times in turn (host-bound calls "
+        "move between runs: compare rounds taken side by side; the table shows each one's median)",
+    )
+    p.add_argument(
+        "--repeat-calls",
+        type=_repeat_modes,
+        default=(),
+        help="with --tiny: our rows once per form of repeat calls, in turn (comma-separated of off, python, "
+        "native; default: FLASH_ATTENTION_REPEAT_CALLS's)",
+    )
+    p.add_argument(
         "--out",
         type=Path,
         default=None,
@@ -257,6 +281,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     reps = args.reps if args.reps is not None else (10 if args.quick else 25)
     min_time = args.min_time if args.min_time is not None else (0.05 if args.quick else 0.2)
     tag = args.tag if args.tag is not None else ("quick" if args.quick else "tiny" if args.tiny else None)
+    if (args.rounds != 1 or args.repeat_calls) and not args.tiny:
+        # The sweep's tables read one row per (impl, point); rounds and forms are for host-bound A/Bs.
+        print("--rounds and --repeat-calls go with --tiny", file=sys.stderr)
+        return 2
+    if args.rounds < 1:
+        print(f"--rounds must be at least 1; got {args.rounds}", file=sys.stderr)
+        return 2
 
     if args.mode != "fwd" and OURS in args.impls and cfg is not None:
         # Backward modes time attention() through autograd (forward + our backward kernels), whose configs
@@ -308,6 +339,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         min_time_s=min_time,
         quick=args.quick,
         shapes=tuple(s.shape(dtype) for s in TINY_SHAPES) if args.tiny else None,
+        rounds=args.rounds,
+        repeat_modes=args.repeat_calls,
     )
     out_path = None
     if not args.no_save:

@@ -35,7 +35,11 @@ ROW_KEYS = ("impl", "mode", "dtype", "head_dim", "causal", "seqlen", "batch", "h
 
 
 def row_key(row: dict) -> tuple:
-    return (row["impl"], row["mode"], row["dtype"], row["head_dim"], bool(row["causal"]), row["seqlen"])
+    # (A tiny A/B's rows of one point differ by their round and their form of repeat calls.)
+    return (
+        row["impl"], row["mode"], row["dtype"], row["head_dim"], bool(row["causal"]), row["seqlen"],
+        row.get("round"), row.get("repeat_calls"),
+    )  # fmt: skip
 
 
 def _json_safe(x: Any) -> Any:

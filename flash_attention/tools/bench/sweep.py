@@ -3,6 +3,7 @@ measured and the result file rewritten after every shape, so an interrupted swee
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ from typing import Any
 
 import torch
 
+from ...ops import repeat
 from ..common import environment, flops, input_sets_needed, l2_bytes, measure_matmul_tflops, time_cuda
 from .results import OURS, load_results, merged, write_results
 from .runners import Shape, Skip, make_inputs, make_runner, one_line
@@ -40,6 +42,12 @@ class SweepSettings:
     quick: bool = False
     #: The shapes to time instead of the convention's (``--tiny``); their rows are marked ``"tiny"``.
     shapes: tuple[Shape, ...] | None = None
+    #: Times every implementation of a shape this many times in turn (``--rounds``): host-bound calls move
+    #: by tens of percent between runs, so an A/B is read from rounds taken side by side in one process.
+    rounds: int = 1
+    #: Our rows once per form of repeat calls (ops.repeat.MODE: "off", "python", "native"), in turn within
+    #: each round (``--repeat-calls``); empty: the process's own.
+    repeat_modes: tuple[str, ...] = ()
 
 
 def sweep_shapes(s: SweepSettings) -> list[Shape]:
@@ -135,6 +143,8 @@ def run_sweep(
         "min_time_s": s.min_time_s,
         "quick": s.quick,
         "tiny": bool(s.shapes),
+        "rounds": s.rounds,
+        "repeat_calls": list(s.repeat_modes) or [repeat.MODE],
         "timing": "CUDA events per call, median; inputs rotated when one set is under 2x L2",
     }
     result["rows"] = []
@@ -155,7 +165,7 @@ def run_sweep(
                 f" ({n_sets} input set{'s' if n_sets > 1 else ''})",
                 flush=True,
             )
-            for impl in s.impls:
+            for impl, round_, repeat_mode in _turns(s):
                 row_base = {
                     "impl": impl,
                     "mode": s.mode,
@@ -169,8 +179,13 @@ def run_sweep(
                 }
                 if s.shapes:
                     row_base["tiny"] = True
+                if s.rounds > 1:
+                    row_base["round"] = round_
+                if impl == OURS:
+                    row_base["repeat_calls"] = repeat_mode
                 try:
-                    row = _measure(impl, shape, inputs, s, timing, anchor, anchor_impl)
+                    with _repeat_mode(repeat_mode):
+                        row = _measure(impl, shape, inputs, s, timing, anchor, anchor_impl)
                 except Exception as exc:
                     reason = (
                         one_line(exc) if isinstance(exc, Skip) else f"{type(exc).__name__}: {one_line(exc)}"
@@ -187,6 +202,8 @@ def run_sweep(
                 row = {**row_base, **row}
                 result["rows"].append(row)
                 extra = f"  [{row['config']}]" if row.get("config") else ""
+                if s.repeat_modes and impl == OURS:
+                    extra += f"  (repeat calls: {repeat_mode})"
                 bad = "  NaN/Inf IN OUTPUT" if row.get("nonfinite") else ""
                 diff = row.get("max_diff_vs_sdpa")
                 diff_txt = f"  maxdiff {diff:.2e}" if isinstance(diff, float) else ""
@@ -211,6 +228,34 @@ def run_sweep(
     if out_path is not None:
         write_results(result, out_path)
     return result, status
+
+
+def _turns(s: SweepSettings) -> list[tuple[str, int, str]]:
+    """``(impl, round, repeat mode)`` in the order a shape's rows are timed: each round times every
+    implementation, ours once per repeat mode."""
+    modes = s.repeat_modes or (repeat.MODE,)
+    return [
+        (impl, r, mode)
+        for r in range(s.rounds)
+        for impl in s.impls
+        for mode in (modes if impl == OURS else (repeat.MODE,))
+    ]
+
+
+@contextlib.contextmanager
+def _repeat_mode(mode: str):
+    """Our calls with repeat calls in ``mode`` (and none remembered from another mode)."""
+    before = repeat.MODE
+    if mode == before:
+        yield
+        return
+    repeat.MODE = mode
+    repeat.clear()
+    try:
+        yield
+    finally:
+        repeat.MODE = before
+        repeat.clear()
 
 
 def _warning_text(caught: list) -> str:

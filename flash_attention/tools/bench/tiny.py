@@ -8,6 +8,7 @@ the ratio of our time to each baseline's (below 1 is faster), not TFLOP/s.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 
 from .results import DEFAULT_IMPLS, OURS
@@ -46,36 +47,56 @@ def tiny_rows(rows: list[dict]) -> list[dict]:
     return [r for r in rows if r.get("tiny")]
 
 
+def _column(row: dict, forms: list[str]) -> str:
+    """The table column of a row: the implementation, and for ours the form of repeat calls when a run
+    timed several (``bench --repeat-calls``)."""
+    if row["impl"] == OURS and len(forms) > 1:
+        return f"{OURS} ({row.get('repeat_calls')})"
+    return row["impl"]
+
+
 def tiny_markdown(result: dict) -> str:
-    """One table per mode: microseconds per call by shape and implementation, and our time over each
-    baseline's."""
+    """One table per mode: microseconds per call by shape and implementation (the median of a run's rounds,
+    ``bench --rounds``), and our time over each baseline's."""
     rows = tiny_rows(result.get("rows", []))
     parts = []
     for mode in dict.fromkeys(r["mode"] for r in rows):
         mine = [r for r in rows if r["mode"] == mode]
+        forms = list(dict.fromkeys(r.get("repeat_calls") for r in mine if r["impl"] == OURS))
         shapes = list(
             dict.fromkeys(
                 (r["batch"], r["seqlen"], r["heads"], r["head_dim"], bool(r["causal"])) for r in mine
             )
         )
         impls = [i for i in DEFAULT_IMPLS if any(r["impl"] == i for r in mine)]
-        us = {
-            (r["impl"], r["batch"], r["seqlen"], r["heads"], r["head_dim"], bool(r["causal"])): r["ms"] * 1e3
-            for r in mine
-        }
-        head = ["(batch, seqlen, heads, head_dim)", "causal", *[f"{i} µs" for i in impls]]
-        head += [f"{OURS} / {i}" for i in impls if i != OURS]
+        columns = [f"{OURS} ({f})" for f in forms] if OURS in impls and len(forms) > 1 else []
+        columns = [c for i in impls for c in (columns if i == OURS and columns else [i])]
+        ours = [c for c in columns if c.startswith(OURS)]
+        samples: dict = {}
+        for r in mine:
+            key = (_column(r, forms), r["batch"], r["seqlen"], r["heads"], r["head_dim"], bool(r["causal"]))
+            samples.setdefault(key, []).append(r["ms"] * 1e3)
+        us = {key: statistics.median(v) for key, v in samples.items()}
+        rounds = max((len(v) for v in samples.values()), default=1)
+        head = ["(batch, seqlen, heads, head_dim)", "causal", *[f"{c} µs" for c in columns]]
+        head += [f"{o} / {c}" for o in ours for c in columns if not c.startswith(OURS)]
+        note = f", median of {rounds} rounds" if rounds > 1 else ""
         lines = [
-            f"### {mode}, tiny calls ({mine[0]['dtype']}, time per call)",
+            f"### {mode}, tiny calls ({mine[0]['dtype']}, time per call{note})",
             "",
             "| " + " | ".join(head) + " |",
         ]
         lines.append("| --- | --- | " + " | ".join("---:" for _ in head[2:]) + " |")
         for b, n, h, d, causal in shapes:
             cells = [f"({b}, {n}, {h}, {d})", "yes" if causal else "no"]
-            t = {i: us.get((i, b, n, h, d, causal)) for i in impls}
-            cells += [f"{t[i]:.1f}" if t[i] is not None else "–" for i in impls]
-            cells += [f"{t[OURS] / t[i]:.2f}×" if t.get(OURS) and t[i] else "–" for i in impls if i != OURS]
+            t = {c: us.get((c, b, n, h, d, causal)) for c in columns}
+            cells += [f"{t[c]:.1f}" if t[c] is not None else "–" for c in columns]
+            cells += [
+                f"{t[o] / t[c]:.2f}×" if t.get(o) and t[c] else "–"
+                for o in ours
+                for c in columns
+                if not c.startswith(OURS)
+            ]
             lines.append("| " + " | ".join(cells) + " |")
         parts.append("\n".join(lines))
     return "\n\n".join(parts) + ("\n" if parts else "")
