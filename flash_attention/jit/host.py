@@ -108,7 +108,7 @@ def _library_path(cxx: str) -> Path:
     ):
         h.update(part)
         h.update(b"\0")
-    return cache_dir() / "host" / f"training_node-{h.hexdigest()[:24]}.so"
+    return cache_dir() / "host" / f"host_library-{h.hexdigest()[:24]}.so"
 
 
 def _build(cxx: str, target: Path) -> None:

@@ -29,7 +29,7 @@ from .tensors import usable_in_place
 
 __all__ = ["host_ops", "program", "training_forward"]
 
-# The BwdParams fields the node writes per call, in the order of training_node.cpp's Slot enum.
+# The BwdParams fields the node writes per call, in the order of training_node.h's Slot enum.
 _SLOTS = (
     "q", "k", "v", "o", "dout", "lse", "lse_log2", "delta", "dq_accum", "dq", "dk", "dv", "key_range",
     "dropout_key",
