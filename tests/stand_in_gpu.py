@@ -1,12 +1,14 @@
 """A stand-in GPU for the CPU tests: the real launch layer (plans, params structs, tensor maps, repeat calls,
-the compiled training node) over CPU stand-ins for the kernels and the driver.
+the compiled training node, the decode plans) over CPU stand-ins for the kernels and the driver.
 
 :func:`install` makes ``attention()`` on float16/bfloat16 CPU tensors take the kernel path of a GPU of the
 given architecture. Every "kernel" computes its part of the attention in float64 from the tensors at the
 addresses in the params struct it is launched with, and writes its outputs there; the forward kernels of
 the TMA configurations read q, k and v through their tensor maps (the stand-in encode writes the address,
 the dimensions and the byte strides into the map). So a result is right only if every pointer, stride,
-map and workspace offset the launch layer filled in is right: a wrong one reads the wrong memory.
+map and workspace offset the launch layer filled in is right: a wrong one reads the wrong memory. The decode
+family's stand-ins (append, decode with its split partials, combine) make ``attention_with_kvcache`` on
+such tensors run :class:`flash_attention.ops.decode.DecodePlan` the same way.
 Launches are counted by kernel kind in ``StandInGpu.launches``.
 """
 
@@ -19,8 +21,8 @@ import torch
 
 from flash_attention import dispatch, ops
 from flash_attention.jit import driver, host
-from flash_attention.jit.params import BwdParams, FwdParams, FwdTmaParams
-from flash_attention.ops import backward, forward, plans, tma, training
+from flash_attention.jit.params import BwdParams, DecodeParams, FwdParams, FwdTmaParams
+from flash_attention.ops import backward, decode, forward, plans, tma, training
 from flash_attention.reference import attention_reference
 
 __all__ = ["StandInGpu", "install", "tensor_at"]
@@ -90,6 +92,22 @@ class _BackwardKernels(dict):
         return kernel
 
 
+class _DecodeKernels(dict):
+    """``get_decode_kernels``' dict, by symbol, with the config (the partials' row width is its head_dim)."""
+
+    def __init__(self, gpu: StandInGpu, cfg):
+        super().__init__()
+        self.gpu, self.cfg = gpu, cfg
+
+    def __missing__(self, symbol: str) -> _Kernel:
+        kind = symbol.split("__")[1]
+        kernel = self[symbol] = _Kernel(self.gpu, "decode_" + kind, "__causal" in symbol, DecodeParams)
+        kernel.paged = "__paged" in symbol
+        kernel.cfg = self.cfg
+        kernel.blocks_per_sm = lambda threads, smem, index: 2
+        return kernel
+
+
 class StandInGpu:
     def __init__(self, dtype: torch.dtype):
         self.dtype = dtype
@@ -150,6 +168,8 @@ class StandInGpu:
         self.launches.append(kernel.kind)
         if kernel.kind == "forward":
             self._forward(kernel.causal, params)
+        elif kernel.kind.startswith("decode_"):
+            getattr(self, "_" + kernel.kind)(kernel, params)
         else:
             self._backward(kernel.kind, kernel.causal, params)
 
@@ -230,6 +250,96 @@ class StandInGpu:
         else:
             raise AssertionError(f"unknown stand-in kernel {kind}")
 
+    # The decode family: rows of a cache read through the params, as fa/kv_cache.cuh reads them.
+    def _cache_rows(self, p, ptr, prefix, kernel, b, n, table):
+        strides = tuple(getattr(p, f"{prefix}_{x}_stride") for x in ("batch", "row", "head")) + (1,)
+        if not kernel.paged:
+            return tensor_at(ptr, (p.batch, p.capacity, p.heads_kv, p.head_dim), strides, self.dtype)[b, :n]
+        pages = tensor_at(ptr, (p.num_pages, p.page_size, p.heads_kv, p.head_dim), strides, self.dtype)
+        positions = torch.arange(n)
+        return pages[table[b][positions // p.page_size].long(), positions % p.page_size]
+
+    def _tables(self, p):
+        lengths = tensor_at(p.cache_seqlens, (p.batch,), (1,), torch.int32).tolist()
+        table = None
+        if p.block_table:
+            table = tensor_at(
+                p.block_table, (p.batch, p.block_table_stride), (p.block_table_stride, 1), torch.int32
+            )
+        return lengths, table
+
+    def _decode_append(self, kernel, p) -> None:
+        lengths, table = self._tables(p)
+        for name, ptr, prefix in (("kn", p.k_new, "k"), ("vn", p.v_new, "v")):
+            strides = tuple(getattr(p, f"{name}_{x}_stride") for x in ("batch", "row", "head")) + (1,)
+            new = tensor_at(ptr, (p.batch, p.seqlen_new, p.heads_kv, p.head_dim), strides, self.dtype)
+            cache_ptr = p.k if prefix == "k" else p.v
+            for b in range(p.batch):
+                n = lengths[b] + p.seqlen_new
+                if not kernel.paged:
+                    rows = self._cache_rows(p, cache_ptr, prefix, kernel, b, n, table)
+                    rows[lengths[b] :] = new[b]
+                    continue
+                strides_c = tuple(getattr(p, f"{prefix}_{x}_stride") for x in ("batch", "row", "head")) + (1,)
+                pages = tensor_at(
+                    cache_ptr, (p.num_pages, p.page_size, p.heads_kv, p.head_dim), strides_c, self.dtype
+                )
+                for t in range(p.seqlen_new):
+                    pos = lengths[b] + t
+                    pages[table[b][pos // p.page_size].long(), pos % p.page_size] = new[b, t]
+
+    def _decode_decode(self, kernel, p) -> None:
+        lengths, table = self._tables(p)
+        splits, per_split, width = p.num_splits, p.keys_per_split, kernel.cfg.head_dim
+        shape_q = (p.batch, p.seqlen_q, p.heads_q, p.head_dim)
+        q = tensor_at(p.q, shape_q, (p.q_batch_stride, p.q_row_stride, p.q_head_stride, 1), self.dtype)
+        if splits > 1:
+            rows = splits * p.batch * p.heads_q * p.seqlen_q
+            o_part = tensor_at(p.o_partial, (rows, width), (width, 1), torch.float32)
+            o_part = o_part.view(splits, p.batch, p.heads_q, p.seqlen_q, width)
+            lse_part = tensor_at(p.lse_partial, (rows,), (1,), torch.float32)
+            lse_part = lse_part.view(splits, p.batch, p.heads_q, p.seqlen_q)
+        for b in range(p.batch):
+            n = lengths[b] + p.seqlen_new
+            k = self._cache_rows(p, p.k, "k", kernel, b, n, table).double().repeat_interleave(p.group, dim=1)
+            v = self._cache_rows(p, p.v, "v", kernel, b, n, table).double().repeat_interleave(p.group, dim=1)
+            scores = torch.einsum("qhd,khd->hqk", q[b].double(), k) * p.scale
+            keys = torch.arange(n)
+            visible = torch.ones(p.seqlen_q, n, dtype=torch.bool)
+            if kernel.causal:
+                visible = keys[None, :] <= torch.arange(p.seqlen_q)[:, None] + n - p.seqlen_q
+            for s in range(splits):
+                part = visible & (keys[None, :] >= s * per_split) & (keys[None, :] < (s + 1) * per_split)
+                masked = scores.masked_fill(~part, float("-inf"))
+                lse = torch.logsumexp(masked, dim=-1)  # (heads_q, seqlen_q)
+                weights = torch.exp(masked - lse[..., None]).nan_to_num(0.0)
+                o = torch.einsum("hqk,khd->qhd", weights, v)  # (seqlen_q, heads_q, head_dim)
+                if splits > 1:
+                    o_part[s, b, :, :, : p.head_dim] = o.transpose(0, 1).float()
+                    lse_part[s, b] = lse.float()
+                else:
+                    self._decode_write(p, b, o, lse)
+
+    def _decode_write(self, p, b, o, lse) -> None:
+        shape_o = (p.batch, p.seqlen_q, p.heads_q, p.head_dim)
+        out = tensor_at(p.o, shape_o, (p.o_batch_stride, p.o_row_stride, p.o_head_stride, 1), self.dtype)
+        out[b] = o.to(self.dtype)
+        if p.lse:
+            strides = (p.lse_batch_stride, p.lse_head_stride, 1)
+            tensor_at(p.lse, (p.batch, p.heads_q, p.seqlen_q), strides, torch.float32)[b] = lse.float()
+
+    def _decode_combine(self, kernel, p) -> None:
+        splits, width = p.num_splits, kernel.cfg.head_dim
+        rows = splits * p.batch * p.heads_q * p.seqlen_q
+        o_part = tensor_at(p.o_partial, (rows, width), (width, 1), torch.float32)
+        o_part = o_part.view(splits, p.batch, p.heads_q, p.seqlen_q, width)[..., : p.head_dim].double()
+        lse_part = tensor_at(p.lse_partial, (rows,), (1,), torch.float32).view(splits, p.batch, p.heads_q, -1)
+        lse = torch.logsumexp(lse_part.double(), dim=0)  # (batch, heads_q, seqlen_q)
+        weights = torch.exp(lse_part.double() - lse).nan_to_num(0.0)
+        o = (weights[..., None] * o_part).sum(0)  # (batch, heads_q, seqlen_q, head_dim)
+        for b in range(p.batch):
+            self._decode_write(p, b, o[b].transpose(0, 1), lse[b])
+
 
 def install(monkeypatch, arch: str = "sm_90", dtype: torch.dtype = torch.bfloat16) -> StandInGpu:
     """Send ``attention()`` on ``dtype`` CPU tensors down the kernel path of a GPU of ``arch`` with stand-in
@@ -252,6 +362,15 @@ def install(monkeypatch, arch: str = "sm_90", dtype: torch.dtype = torch.bfloat1
         ),
     )
     monkeypatch.setattr(backward, "get_bwd_kernels", lambda cfg, arch_, **kw: _BackwardKernels(gpu))
+    # The decode family (ops/decode.py imports its device facts by name).
+    monkeypatch.setattr(decode, "device_arch", lambda index: arch)
+    monkeypatch.setattr(decode, "sm_count", lambda index: 132)
+    monkeypatch.setattr(decode, "current_stream", lambda index: 0)
+    monkeypatch.setattr(decode, "cuda_unavailable_reason", lambda q: None)
+    monkeypatch.setattr(decode, "get_decode_kernels", lambda cfg, arch_: _DecodeKernels(gpu, cfg))
+    monkeypatch.setattr(decode, "_capturing", lambda device: False)
+    monkeypatch.setattr(decode, "_stream_buffers", {})
+    monkeypatch.setattr(decode, "_plans", plans.PlanCache())
     monkeypatch.setattr(tma, "encode_into", _encode)
     for module in (plans, backward):
         monkeypatch.setattr(module, "current_stream", lambda index: 0)

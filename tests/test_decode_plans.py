@@ -1,0 +1,66 @@
+"""The decode launch layer (:class:`flash_attention.ops.decode.DecodePlan`) on the CPU, through the stand-in
+GPU of tests/stand_in_gpu.py: ``attention_with_kvcache`` builds its real plan (config, split count, params,
+the partials' workspace, the append/decode/combine launches) and the stand-in kernels compute from the
+addresses and strides in the params. The check is the GPU tests' (tests/kvcache_cases.py: the float64
+reference, poisoned output, the caches after the append); the kernels themselves are the GPU tests' job.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from kvcache_cases import Case, check_case, random_case
+from stand_in_gpu import install
+
+from flash_attention import ops
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    stand_in = install(monkeypatch, "sm_90")
+    yield stand_in
+    ops.clear_plans()
+
+
+@pytest.mark.parametrize("page_size", [0, 1, 16, 64])
+def test_plans_append_and_attend_as_the_reference(gpu, page_size):
+    rng = random.Random(f"decode-plan-{page_size}")
+    for group, seqlen_q, seqlen_new in ((1, 1, 1), (4, 4, 4), (8, 3, 0)):
+        case = random_case(
+            rng,
+            page_size=page_size,
+            head_dim=64,
+            group=group,
+            seqlen_q=seqlen_q,
+            seqlen_new=seqlen_new,
+            causal=rng.random() < 0.7,
+            batch=3,
+            max_pages=4 if page_size else 6,
+        )
+        gpu.launches.clear()
+        check_case(case, torch.bfloat16, "cpu")
+        assert "decode_decode" in gpu.launches, gpu.launches  # the decode plan ran, not the composed path
+        assert ("decode_append" in gpu.launches) == bool(seqlen_new)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 7])
+def test_split_partials_merge_to_the_reference(gpu, num_splits):
+    case = Case(
+        batch=2, seqlen_q=2, heads_q=8, heads_kv=2, head_dim=64, seqlen_new=2, page_size=16, capacity=320,
+        causal=True, lengths=[0, 250],
+    )  # fmt: skip
+    gpu.launches.clear()
+    check_case(case, torch.bfloat16, "cpu", num_splits=num_splits)
+    assert ("decode_combine" in gpu.launches) == (num_splits > 1)
+
+
+def test_an_int_length_and_a_repeated_signature(gpu):
+    case = Case(
+        batch=3, seqlen_q=1, heads_q=4, heads_kv=4, head_dim=64, seqlen_new=1, page_size=0, capacity=90,
+        causal=True, lengths=[40, 40, 40],
+    )  # fmt: skip
+    for _ in range(3):  # the second and third calls reuse the plan made by the first
+        check_case(case, torch.bfloat16, "cpu", use_int_seqlens=True)
+    assert gpu.launches.count("decode_decode") == 3
