@@ -14,7 +14,8 @@ import torch
 from kvcache_cases import Case, check_case, random_case
 from stand_in_gpu import install
 
-from flash_attention import ops
+from flash_attention import attention_with_kvcache, ops
+from flash_attention.reference import attention_kvcache_reference
 
 
 @pytest.fixture
@@ -64,3 +65,25 @@ def test_an_int_length_and_a_repeated_signature(gpu):
     for _ in range(3):  # the second and third calls reuse the plan made by the first
         check_case(case, torch.bfloat16, "cpu", use_int_seqlens=True)
     assert gpu.launches.count("decode_decode") == 3
+
+
+def test_a_misaligned_output_of_a_planned_layout_gets_a_buffer_of_its_own(gpu):
+    # The plan was made for a caller's buffer in (batch, heads, seqlen, head_dim) order; a later call of the
+    # same signature brings that layout at an address the kernels cannot write (2 bytes off): the output goes
+    # to a contiguous buffer with its own strides, then into the caller's.
+    torch.manual_seed(5)
+    b, s, hq, hkv, d, cap = 2, 3, 4, 2, 64, 40
+    q = torch.randn(b, s, hq, d, dtype=torch.bfloat16)
+    k_cache, v_cache = (torch.randn(b, cap, hkv, d, dtype=torch.bfloat16) for _ in range(2))
+    lengths = torch.tensor([7, 30], dtype=torch.int32)
+    ref = attention_kvcache_reference(
+        q.double(), k_cache.double(), v_cache.double(), cache_seqlens=lengths, causal=True
+    )[0]
+    aligned = torch.empty(b, hq, s, d, dtype=torch.bfloat16).transpose(1, 2)
+    shifted = torch.empty(b * hq * s * d + 1, dtype=torch.bfloat16)[1:].view(b, hq, s, d).transpose(1, 2)
+    assert shifted.stride() == aligned.stride() and shifted.data_ptr() % 16
+    for out in (aligned, shifted):
+        out.fill_(float("nan"))
+        got = attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, out=out)
+        assert got.data_ptr() == out.data_ptr()
+        assert (got.double() - ref).abs().max().item() < 2e-2
