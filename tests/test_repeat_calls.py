@@ -9,6 +9,7 @@ variable) or the checks must see (arguments of other types, bad input) still tak
 
 from __future__ import annotations
 
+import ctypes
 import zlib
 
 import pytest
@@ -281,3 +282,38 @@ def test_the_switch_sends_every_call_down_the_whole_path(gpu, validations, monke
         _check_forward(fa.attention(q, k, v, causal=True), q, k, v, causal=True)
     assert len(validations) == 3
     assert repeat.signature(q, k, v, True, None, False, None, False, 0.0, None) is None
+
+
+def test_a_forward_program_checks_what_it_is_given():
+    from flash_attention.jit import host
+    from flash_attention.jit.params import FwdParams
+
+    try:
+        host.load(connect_driver=False)
+    except host.HostLibraryUnavailable as exc:
+        pytest.skip(f"no host library here: {exc}")
+    program = torch.classes.flash_attention_host.ForwardProgram
+    size = ctypes.sizeof(FwdParams)
+    params = torch.zeros(size, dtype=torch.uint8)
+    good = dict(
+        offsets=[0, 8, 16, 24, 32, 40], launch=[0x1234, 1, 1, 1, 128, 0], maps=[], flags=[1, 0, 3, 3, 0]
+    )
+
+    def make(**changes):
+        a = {**good, **changes}
+        return program(params, a["offsets"], a["launch"], "k", 1, [], a["maps"], a["flags"], 0)
+
+    make()  # the good one is accepted
+    for changes, words in (
+        (dict(offsets=[0, 8, 16]), "offsets"),
+        (dict(offsets=[0, 8, 16, 24, 32, size - 4]), "outside the params"),
+        (dict(launch=[0x1234, 1, 1]), "six integers"),
+        (dict(launch=[0x1234, 1, 1, 1, 128, 0] * 2), "one launch"),
+        (dict(maps=[0] * 12), "12 integers each, three"),
+        (dict(maps=[size - 64] + [1] * 11 + [0] * 24), "tensor map outside the params"),
+        (dict(flags=[1, 0, 3]), "five encode flags"),
+    ):
+        with pytest.raises(RuntimeError, match=words):
+            make(**changes)
+    with pytest.raises(RuntimeError, match="uint8"):
+        program(params.float(), good["offsets"], good["launch"], "k", 1, [], [], good["flags"], 0)

@@ -124,6 +124,28 @@ inline void launch_all(const std::vector<Launch>& launches, const std::vector<st
   if (failed != 0) driver_failed(failed, "launching " + names[which]);
 }
 
+// A program's params struct as Python hands it over (every field but the pointers): uint8 CPU bytes.
+inline std::vector<uint8_t> params_from(const at::Tensor& bytes, const std::string& what) {
+  check(bytes.device().is_cpu() && bytes.scalar_type() == at::kByte && bytes.is_contiguous(),
+        what + ": params must be a contiguous uint8 CPU tensor");
+  const auto* data = bytes.data_ptr<uint8_t>();
+  return std::vector<uint8_t>(data, data + bytes.numel());
+}
+
+// The byte offsets of a program's `count` pointer slots in its params (-1: not written), each checked to
+// leave room for the slot's width (`width_of(slot)` bytes) inside the params.
+template <class WidthOf>
+void offsets_from(const std::vector<int64_t>& given, int64_t* into, int count, size_t params_size,
+                  const std::string& what, WidthOf width_of) {
+  check(static_cast<int64_t>(given.size()) == count,
+        what + ": expected " + std::to_string(count) + " offsets, got " + std::to_string(given.size()));
+  for (int i = 0; i < count; ++i) {
+    check(given[i] == -1 || (given[i] >= 0 && given[i] + width_of(i) <= static_cast<int64_t>(params_size)),
+          what + ": offset of slot " + std::to_string(i) + " outside the params");
+    into[i] = given[i];
+  }
+}
+
 inline uint64_t address_of(const at::Tensor& t) { return reinterpret_cast<uint64_t>(t.data_ptr()); }
 
 // The kernels read and write 16-byte vectors: a 16-byte aligned base (strides are the program's, checked

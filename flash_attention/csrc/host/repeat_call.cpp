@@ -78,19 +78,9 @@ struct ForwardProgram : torch::CustomClassHolder {
                  const std::string& kernel_name, int64_t context_, std::vector<int64_t> lse_shape_,
                  std::vector<int64_t> map_fields, std::vector<int64_t> flags, int64_t backward_address)
       : context(reinterpret_cast<void*>(context_)), lse_shape(std::move(lse_shape_)) {
-    check(params_bytes.device().is_cpu() && params_bytes.scalar_type() == at::kByte &&
-              params_bytes.is_contiguous(),
-          "ForwardProgram: params must be a contiguous uint8 CPU tensor");
-    check(static_cast<int64_t>(slot_offsets.size()) == kNumForwardSlots,
-          "ForwardProgram: expected " + std::to_string(kNumForwardSlots) + " offsets, got " +
-              std::to_string(slot_offsets.size()));
-    const auto* bytes = params_bytes.data_ptr<uint8_t>();
-    params.assign(bytes, bytes + params_bytes.numel());
-    for (int i = 0; i < kNumForwardSlots; ++i) {
-      check(slot_offsets[i] == -1 || (slot_offsets[i] >= 0 && slot_offsets[i] + 8 <= params_bytes.numel()),
-            "ForwardProgram: offset of slot " + std::to_string(i) + " outside the params");
-      offsets[i] = slot_offsets[i];
-    }
+    params = params_from(params_bytes, "ForwardProgram");
+    offsets_from(slot_offsets, offsets, kNumForwardSlots, params.size(), "ForwardProgram",
+                 [](int) { return 8; });  // every slot an address
     launches = launches_from(launch_fields);
     check(launches.size() == 1, "ForwardProgram: expected one launch");
     names = names_from(kernel_name, 1);
@@ -99,7 +89,7 @@ struct ForwardProgram : torch::CustomClassHolder {
     check(flags.size() == 5, "ForwardProgram: expected five encode flags");
     for (size_t m = 0; m < map_fields.size(); m += 12) {
       MapLayout layout{map_fields[m], {}, {}, {}};
-      check(layout.offset >= 0 && layout.offset + static_cast<int64_t>(kTensorMapBytes) <= params_bytes.numel(),
+      check(layout.offset >= 0 && static_cast<size_t>(layout.offset) + kTensorMapBytes <= params.size(),
             "ForwardProgram: a tensor map outside the params");
       for (int i = 0; i < 4; ++i) layout.dims[i] = static_cast<uint64_t>(map_fields[m + 1 + i]);
       for (int i = 0; i < 3; ++i) layout.strides[i] = static_cast<uint64_t>(map_fields[m + 5 + i]);

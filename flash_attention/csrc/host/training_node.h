@@ -40,20 +40,10 @@ struct BackwardProgram : torch::CustomClassHolder {
                   std::vector<int64_t> launch_fields, const std::string& kernel_names, int64_t stats_,
                   int64_t accum_, int64_t context_)
       : stats(stats_), accum(accum_), context(reinterpret_cast<void*>(context_)) {
-    check(params_bytes.device().is_cpu() && params_bytes.scalar_type() == at::kByte &&
-              params_bytes.is_contiguous(),
-          "BackwardProgram: params must be a contiguous uint8 CPU tensor");
-    check(static_cast<int64_t>(slot_offsets.size()) == kNumSlots,
-          "BackwardProgram: expected " + std::to_string(kNumSlots) + " offsets, got " +
-              std::to_string(slot_offsets.size()));
-    const auto* bytes = params_bytes.data_ptr<uint8_t>();
-    params.assign(bytes, bytes + params_bytes.numel());
-    for (int i = 0; i < kNumSlots; ++i) {
-      const int64_t width = i == kDropoutKey ? 4 : 8;
-      check(slot_offsets[i] == -1 || (slot_offsets[i] >= 0 && slot_offsets[i] + width <= params_bytes.numel()),
-            "BackwardProgram: offset of slot " + std::to_string(i) + " outside the params");
-      offsets[i] = slot_offsets[i];
-    }
+    params = params_from(params_bytes, "BackwardProgram");
+    // The dropout key is a 32-bit field; every other slot an address.
+    offsets_from(slot_offsets, offsets, kNumSlots, params.size(), "BackwardProgram",
+                 [](int slot) { return slot == kDropoutKey ? 4 : 8; });
     launches = launches_from(launch_fields);
     names = names_from(kernel_names, launches.size());
   }
