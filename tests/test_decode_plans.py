@@ -11,18 +11,30 @@ import random
 
 import pytest
 import torch
-from kvcache_cases import Case, check_case, random_case
+from kvcache_cases import Case, check_case, make_inputs, random_case
 from stand_in_gpu import install
 
 from flash_attention import attention_with_kvcache, ops
+from flash_attention.ops import decode, repeat, training
 from flash_attention.reference import attention_kvcache_reference
 
 
-@pytest.fixture
-def gpu(monkeypatch):
+@pytest.fixture(params=["python", "native"])
+def gpu(request, monkeypatch):
+    """The stand-in GPU, with plans launching from Python or as the host library's ``decode_call``
+    (``FLASH_ATTENTION_REPEAT_CALLS=native``; skipped where the library cannot be built)."""
+    monkeypatch.setattr(repeat, "MODE", request.param)
     stand_in = install(monkeypatch, "sm_90")
+    if request.param == "native" and training.host_ops() is None:
+        pytest.skip("no host library here (no C++ compiler)")
     yield stand_in
     ops.clear_plans()
+
+
+def _natively_launched() -> bool:
+    """Whether every decode plan made so far ran its calls through the host library."""
+    made = list(decode._plans._plans.values())
+    return bool(made) and all(plan._native for plan in made)
 
 
 @pytest.mark.parametrize("page_size", [0, 1, 16, 64])
@@ -44,6 +56,8 @@ def test_plans_append_and_attend_as_the_reference(gpu, page_size):
         check_case(case, torch.bfloat16, "cpu")
         assert "decode_decode" in gpu.launches, gpu.launches  # the decode plan ran, not the composed path
         assert ("decode_append" in gpu.launches) == bool(seqlen_new)
+        assert not gpu.errors, gpu.errors
+    # (check_case passes a caller's out, which stays in Python; the host library's calls are below.)
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 7])
@@ -87,3 +101,30 @@ def test_a_misaligned_output_of_a_planned_layout_gets_a_buffer_of_its_own(gpu):
         got = attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, out=out)
         assert got.data_ptr() == out.data_ptr()
         assert (got.double() - ref).abs().max().item() < 2e-2
+
+
+@pytest.mark.parametrize("page_size", [0, 16])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_calls_without_a_callers_output_launch_from_the_host_library_in_native_mode(
+    gpu, page_size, num_splits
+):
+    rng = random.Random(f"native-{page_size}-{num_splits}")
+    case = random_case(
+        rng, page_size=page_size, head_dim=64, group=4, seqlen_q=2, seqlen_new=2, causal=True, batch=3,
+        max_pages=5,
+    )  # fmt: skip
+    q, k_cache, v_cache, k, v, lengths, table = make_inputs(case, torch.bfloat16, "cpu")
+    ref_out, ref_lse, ref_kc, ref_vc = attention_kvcache_reference(
+        q.double(), k_cache.double(), v_cache.double(), k.double(), v.double(), cache_seqlens=lengths,
+        block_table=table, causal=True,
+    )  # fmt: skip
+    out, lse = attention_with_kvcache(
+        q, k_cache, v_cache, k, v, cache_seqlens=lengths, block_table=table, num_splits=num_splits,
+        return_lse=True,
+    )  # fmt: skip
+    assert not gpu.errors, gpu.errors
+    assert _natively_launched() == (repeat.MODE == "native")
+    assert torch.equal(k_cache.double(), ref_kc) and torch.equal(v_cache.double(), ref_vc)
+    assert (out.double() - ref_out).abs().max().item() < 2e-2
+    seen = ~torch.isneginf(ref_lse)
+    assert torch.allclose(lse.double()[seen], ref_lse[seen], atol=2e-2, rtol=0)

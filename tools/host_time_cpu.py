@@ -1,8 +1,13 @@
-"""Host time of attention() calls on a machine without a GPU: the launch layer's Python and the compiled
-training node run as they do on a GPU, with no-op stand-ins for the kernels, the tensor maps and the driver.
+"""Host time of attention() and attention_with_kvcache() calls on a machine without a GPU: the launch
+layer's Python and the host library run as they do on a GPU, with no-op stand-ins for the kernels, the
+tensor maps and the driver.
 
 The number is the host's share of a small call (where the host's time is the whole time), without the driver
-calls themselves (a launch and a context query cost a few microseconds more each on a GPU host). It is for
+calls themselves (a launch and a context query cost a few microseconds more each on a GPU host). The
+stand-in driver is a C function that returns 0 and does nothing (built here with the C compiler), called by
+the host library for its launches and context queries, and from Python through the real ctypes paths
+(``jit.driver``'s cuLaunchKernel and context calls with their declared argument types), so both forms of a
+call pay what their own calls into the driver cost, less the driver's own work. It is for
 comparing versions of the host path on one machine, never for comparing with a GPU's figures.
 
     python tools/host_time_cpu.py                 # the tiny shapes of `bench --tiny`
@@ -19,31 +24,60 @@ import cProfile
 import ctypes
 import io
 import pstats
+import shutil
 import statistics
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 import flash_attention as fa
 from flash_attention import dispatch, ops
 from flash_attention.jit import driver, host
-from flash_attention.ops import backward, forward, plans, repeat, tma, training
+from flash_attention.ops import backward, decode, forward, plans, repeat, tma, training
 
-_LIBC = ctypes.CDLL(None)
+
+def _noop_library() -> ctypes.CDLL:
+    """A shared library with ``int fa_noop(void)`` returning 0 (callers' extra arguments are ignored by the C
+    calling convention), built once into a temporary folder."""
+    folder = Path(tempfile.mkdtemp(prefix="fa_noop_"))
+    (folder / "noop.c").write_text("int fa_noop(void) { return 0; }\n")
+    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        raise SystemExit("host_time_cpu.py needs a C compiler for its no-op driver")
+    subprocess.run(
+        [cc, "-O2", "-shared", "-fPIC", str(folder / "noop.c"), "-o", str(folder / "noop.so")], check=True
+    )
+    return ctypes.CDLL(str(folder / "noop.so"))
+
+
+_LIBRARY = _noop_library()
+_NOOP = _LIBRARY.fa_noop
+
+
+def _noop_as(argtypes) -> ctypes._CFuncPtr:
+    """The no-op with a driver entry point's declared argument types (a fresh function object each)."""
+    fn = _LIBRARY["fa_noop"]
+    fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    return fn
+
+
 _FACTS = {"arch": "sm_90", "gpu": "NVIDIA H100 80GB HBM3", "smem_limit": 227 * 1024}
 
 
-class _Kernel:
-    class handle:  # noqa: N801 - the attribute driver.Kernel has
-        value = 0x1234
+class _Kernel(driver.Kernel):
+    """driver.Kernel, launching (through its own ctypes path) into the no-op; no attribute calls."""
 
-    name = "stand_in"
+    def __init__(self):
+        super().__init__(None, ctypes.c_void_p(0x1234), "stand_in")
 
     def ensure_dynamic_smem(self, nbytes, index):
         pass
 
-    def launch(self, grid, block, smem, stream, params):
-        _LIBC.getpid()  # one foreign call, as the driver launch is
+    def blocks_per_sm(self, threads, smem, index):
+        return 2
 
 
 class _Kernels(dict):
@@ -59,24 +93,31 @@ def install_stand_ins():
         module.device_facts = lambda index: _FACTS
         module.device_arch = lambda index: "sm_90"
         module.current_stream = lambda index: 0
-    forward.sm_count = lambda index: 132
+    forward.sm_count = decode.sm_count = lambda index: 132
+    decode.device_arch = lambda index: "sm_90"
+    decode.current_stream = lambda index: 0
+    decode.cuda_unavailable_reason = lambda q: None
+    decode.get_decode_kernels = lambda *a, **kw: _Kernels()
+    decode._capturing = lambda device: False
     forward.get_kernel = lambda *a, **kw: _Kernel()
     backward.get_bwd_kernels = lambda *a, **kw: _Kernels()
     tma.encode_into = lambda field, layout, address: 0
     plans.current_stream = lambda index: 0
-    driver.make_primary_current = lambda index: None
+    # The Python launches' own ctypes calls, into the no-op: cuLaunchKernel with its argument types, and
+    # make_primary_current's context query and switch.
+    launch = _noop_as([ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3)
+    driver._launch_kernel = lambda: launch
+    context = (_noop_as([ctypes.POINTER(ctypes.c_void_p)]), _noop_as([ctypes.c_void_p]))
+    driver._ctx_functions = lambda: context
     driver.primary_context = lambda index: 0xC0FFEE
     lib = host.load(connect_driver=False)
-
-    def get(out):
-        out[0] = 0xC0FFEE
-        return 0
-
-    keep = host.set_stand_in_driver(
-        lib, lambda *a: 0, get, lambda ctx: 0, lambda status, text: 0, lambda *a: 0
-    )
+    # The launches and context calls: a C function that returns 0 (its arguments ignored); the encode, called
+    # once per new address triple, a Python stand-in.
+    noop = ctypes.cast(_NOOP, ctypes.c_void_p).value
+    encode = host.DRIVER_FUNCTION_TYPES[4](lambda *a: 0)
+    lib.set_driver(noop, noop, noop, 0, ctypes.cast(encode, ctypes.c_void_p).value)
     training.host_ops = lambda: lib
-    return keep  # the callbacks must outlive every call
+    return encode  # the callback must outlive every call
 
 
 def host_us(fn, n=2000, reps=7) -> tuple[float, float]:
@@ -120,6 +161,22 @@ def measure(b: int, s: int, h: int, d: int, causal: bool, profile: bool) -> None
         print(text.getvalue())
 
 
+def measure_decode() -> None:
+    q = torch.randn(1, 1, 32, 128, dtype=torch.bfloat16)
+    k_cache, v_cache = (torch.randn(1, 1024, 8, 128, dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(1, 1, 8, 128, dtype=torch.bfloat16) for _ in range(2))
+    lengths = torch.tensor([500], dtype=torch.int32)
+    print("decode (1, 1, 32/8, 128), 1k cache: host µs per call, median (min) of 7 x 2000")
+    with torch.no_grad():
+
+        def one(new=None):
+            return fa.attention_with_kvcache(q, k_cache, v_cache, *(new or ()), cache_seqlens=lengths)
+
+        for name, fn in (("one token", one), ("one token, appended", lambda: one((k, v)))):
+            median, low = host_us(fn)
+            print(f"  {name:20s} {median:7.1f} ({low:.1f})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", action="store_true")
@@ -132,6 +189,7 @@ def main() -> None:
     repeat.MODE = "off" if args.whole_path else args.mode
     for shape in [(1, 128, 16, 64, False), (1, 512, 16, 128, True), (4, 1024, 32, 128, True)]:
         measure(*shape, profile=args.profile)
+    measure_decode()
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""The compiled host library of ``csrc/host/``: the training node (``training_node.cpp``) and the repeat call
-(``repeat_call.cpp``), built on first use.
+"""The compiled host library of ``csrc/host/``: the training node (``training_node.cpp``), the repeat call
+(``repeat_call.cpp``) and the decode call (``decode_call.cpp``), built on first use.
 
 Our kernels need no host compiler (NVRTC builds them), and neither does this library: it is an
 acceleration. Where a C++ compiler is found (``$CXX``, else ``c++``/``g++``/``clang++`` on the PATH) the
@@ -9,8 +9,9 @@ where none is found, or the build fails, training runs the same kernels through 
 function instead, after one warning that says why. ``FLASH_ATTENTION_HOST_LIBRARY=0`` turns it off.
 
 The library registers ``torch.ops.flash_attention_host`` (``set_driver``, ``record_training``,
-``repeat_call``) and the classes ``torch.classes.flash_attention_host.BackwardProgram`` and
-``ForwardProgram``; :mod:`flash_attention.ops.training` and :mod:`flash_attention.ops.repeat` use them.
+``repeat_call``, ``decode_call``) and the classes ``torch.classes.flash_attention_host.BackwardProgram``,
+``ForwardProgram`` and ``DecodeProgram``; :mod:`flash_attention.ops.training`, :mod:`flash_attention.ops.
+repeat` and :mod:`flash_attention.ops.decode` use them.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ __all__ = [
 ENV = "FLASH_ATTENTION_HOST_LIBRARY"
 SOURCE_DIR = Path(__file__).resolve().parent.parent / "csrc" / "host"
 #: The library's translation units; every file of SOURCE_DIR (headers too) goes into its cache key.
-SOURCES = (SOURCE_DIR / "training_node.cpp", SOURCE_DIR / "repeat_call.cpp")
+SOURCES = (SOURCE_DIR / "training_node.cpp", SOURCE_DIR / "repeat_call.cpp", SOURCE_DIR / "decode_call.cpp")
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ops" once loaded, or "reason" once it could not be

@@ -14,9 +14,11 @@ import torch
 
 from .._validate_kvcache import CacheProblem
 from ..configs.decode import DecodeConfig, default_decode_config, num_splits_heuristic
+from ..jit import driver
 from ..jit.loader import get_decode_kernels
 from ..jit.params import DecodeParams
 from ..jit.sources import DECODE_AUX_THREADS
+from . import repeat, training
 from .device import KERNEL_DTYPES, cuda_unavailable_reason, current_stream, device_arch, dtype_name, sm_count
 from .plans import PlanCache, fill_contiguous_strides, fill_strides, launch_all
 from .tensors import MAX_GRID_YZ, strides_usable
@@ -174,6 +176,42 @@ class DecodePlan:
             combine = kernels[cfg.symbol("combine")]
             self.launches.append((combine, (-(-rows // per_block), 1, 1), DECODE_AUX_THREADS, 0))
         self.template = p
+        self._native = None  # the host library's form of this plan's calls (made at the first call)
+
+    def _make_native(self):
+        """``(library, DecodeProgram, its address)`` when this plan's calls may run as the host library's
+        ``decode_call`` (``FLASH_ATTENTION_REPEAT_CALLS=native``, ops/repeat.py; csrc/host/decode_call.cpp),
+        else False. It takes plans whose operands the kernels read in place and whose splits the standalone
+        combine merges; everything else, and a call with a caller's ``out``, stays in Python."""
+        if (
+            repeat.MODE != "native"
+            or self.out_in_place
+            or self.counters
+            or self.lens_copy
+            or self.table_copy
+            or not self.q_in_place
+            or not self.new_in_place
+        ):
+            return False
+        lib = training.host_ops()
+        if lib is None:
+            return False
+        offsets = [getattr(DecodeParams, name).offset for name in _NATIVE_SLOTS]
+        fields = []
+        for kernel, grid, threads, smem in self.launches:
+            fields += [kernel.handle.value, *grid, threads, smem]
+        problem = self.problem
+        program = torch.classes.flash_attention_host.DecodeProgram(
+            torch.frombuffer(bytearray(bytes(self.template)), dtype=torch.uint8),
+            offsets,
+            fields,
+            "\n".join(kernel.name for kernel, *_ in self.launches),
+            driver.primary_context(self.index),
+            [problem.batch, problem.heads_q, problem.seqlen_q] if self.return_lse else [],
+            self.partial_o,
+            self.partial_rows,
+        )
+        return lib, program, program.address()
 
     @staticmethod
     def runnable(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -192,6 +230,13 @@ class DecodePlan:
         block_table: torch.Tensor | None,
         out: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self._native is None:
+            self._native = self._make_native()
+        if self._native and out is None:
+            lib, _, address = self._native
+            result = lib.decode_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, address)
+            if result:
+                return result[0], (result[1] if len(result) == 2 else None)
         problem = self.problem
         p = DecodeParams.from_buffer_copy(self.template)
         if not (self.q_in_place and q.data_ptr() % 16 == 0):
@@ -241,6 +286,12 @@ class DecodePlan:
             out.copy_(o)
             o = out
         return o, lse
+
+
+# The DecodeParams pointer fields the host library writes, in the order of decode_call.cpp's DecodeSlot enum.
+_NATIVE_SLOTS = (
+    "q", "k", "v", "k_new", "v_new", "o", "lse", "o_partial", "lse_partial", "cache_seqlens", "block_table",
+)  # fmt: skip
 
 
 # Per (device, stream): the split partials' fp32 workspace and the split counters (int32, zero between

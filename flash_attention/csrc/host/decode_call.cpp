@@ -1,0 +1,126 @@
+// A planned attention_with_kvcache call in one dispatch: allocate the output, the LSE and the split
+// partials' workspace, fill the decode params' pointers, and queue the plan's launches (append, decode,
+// combine), without Python between them.
+//
+// Why: a one-token decode call's time at small batches and short caches is the host's (docs/kernel-log.md,
+// steps 41 and 42), and of its Python the launches through ctypes (two or three, each with eleven converted
+// arguments, after a context query) are the largest part on a GPU host.
+//
+//   flash_attention_host::decode_call(q, k_cache, v_cache, k?, v?, cache_seqlens, block_table?, program)
+//       -> [out, lse] | [out] | []
+//
+// The program (DecodeProgram) is made in Python once per plan (flash_attention/ops/decode.py) from the
+// plan's params bytes, the byte offsets of the pointer fields and its launches. It covers the plans whose
+// every operand the kernels read in place; a call whose tensors would need a copy (a misaligned address)
+// gets an empty result and takes Python's path, which makes the copies.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "driver.h"
+
+namespace flash_attention_host {
+
+// The pointer fields of DecodeParams this file writes, in the order of the offsets list Python passes.
+enum DecodeSlot : int {
+  kDecQ, kDecK, kDecV, kDecKNew, kDecVNew, kDecO, kDecLse, kDecOPartial, kDecLsePartial, kDecCacheSeqlens,
+  kDecBlockTable, kNumDecodeSlots
+};
+
+struct DecodeProgram : torch::CustomClassHolder {
+  static constexpr uint64_t kMagic = 0x6661737464656364;  // decode_call's check on the address it is given
+  uint64_t magic = kMagic;
+  std::vector<uint8_t> params;        // DecodeParams but the pointers
+  int64_t offsets[kNumDecodeSlots];   // byte offset of each slot in params (-1: not written)
+  std::vector<Launch> launches;       // append (with new tokens), decode, combine (with splits)
+  std::vector<std::string> names;
+  void* context;                      // the device's primary context
+  std::vector<int64_t> lse_shape;     // (batch, heads_q, seqlen_q); empty: the call has no LSE
+  int64_t partial_o;                  // floats of the split partials' O in the workspace (0: one split)
+  int64_t partial_rows;               // floats of their LSEs after them
+
+  // slot_offsets: one per DecodeSlot; launch_fields: six integers per launch (driver.h's launches_from);
+  // names: the kernel names joined by newlines.
+  DecodeProgram(const at::Tensor& params_bytes, std::vector<int64_t> slot_offsets, std::vector<int64_t> launch_fields,
+                const std::string& kernel_names, int64_t context_, std::vector<int64_t> lse_shape_,
+                int64_t partial_o_, int64_t partial_rows_)
+      : context(reinterpret_cast<void*>(context_)),
+        lse_shape(std::move(lse_shape_)),
+        partial_o(partial_o_),
+        partial_rows(partial_rows_) {
+    params = params_from(params_bytes, "DecodeProgram");
+    offsets_from(slot_offsets, offsets, kNumDecodeSlots, params.size(), "DecodeProgram",
+                 [](int) { return 8; });  // every slot an address
+    launches = launches_from(launch_fields);
+    check(launches.size() <= 3, "DecodeProgram: at most three launches (append, decode, combine)");
+    names = names_from(kernel_names, launches.size());
+    check(lse_shape.empty() || lse_shape.size() == 3, "DecodeProgram: the LSE shape has three sizes or none");
+    check(partial_o >= 0 && partial_rows >= 0 && (partial_o == 0) == (partial_rows == 0),
+          "DecodeProgram: the partials' sizes are both zero or both positive");
+  }
+
+  void put(std::vector<uint8_t>& into, DecodeSlot slot, uint64_t value) const {
+    if (offsets[slot] >= 0) std::memcpy(into.data() + offsets[slot], &value, sizeof(value));
+  }
+
+  static DecodeProgram& at_address(int64_t address) {
+    auto* raw = reinterpret_cast<DecodeProgram*>(address);
+    check(raw != nullptr && raw->magic == kMagic, "decode_call: program is not the address of a DecodeProgram");
+    return *raw;
+  }
+};
+
+// `program` is the address of a live DecodeProgram (the caller keeps it alive for the call).
+std::vector<at::Tensor> decode_call(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                    const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
+                                    const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& block_table,
+                                    int64_t program_address) {
+  const DecodeProgram& program = DecodeProgram::at_address(program_address);
+  // The kernels read q and the new tokens and write the caches 16 bytes at a time; the lengths and the page
+  // table are int32 read element by element (their layouts are the plan's).
+  if (!kernel_readable(q) || !kernel_readable(k_cache) || !kernel_readable(v_cache)) return {};
+  if ((k && !kernel_readable(*k)) || (v && !kernel_readable(*v))) return {};
+  at::Tensor out = at::empty_like(q, q.options(), at::MemoryFormat::Contiguous);
+  at::Tensor lse;
+  if (!program.lse_shape.empty()) lse = at::empty(program.lse_shape, q.options().dtype(at::kFloat));
+  // One fp32 workspace for the split partials: O (splits, batch, heads_q, seqlen_q, head_dim) then the LSEs.
+  // Held until the launches are queued (under CUDA-graph capture it comes from the graph's pool).
+  at::Tensor partials;
+  if (program.partial_o) partials = at::empty({program.partial_o + program.partial_rows}, q.options().dtype(at::kFloat));
+
+  std::vector<uint8_t> params = program.params;
+  program.put(params, kDecQ, address_of(q));
+  program.put(params, kDecK, address_of(k_cache));
+  program.put(params, kDecV, address_of(v_cache));
+  program.put(params, kDecKNew, k ? address_of(*k) : 0);
+  program.put(params, kDecVNew, v ? address_of(*v) : 0);
+  program.put(params, kDecO, address_of(out));
+  program.put(params, kDecLse, lse.defined() ? address_of(lse) : 0);
+  program.put(params, kDecOPartial, partials.defined() ? address_of(partials) : 0);
+  program.put(params, kDecLsePartial, partials.defined() ? address_of(partials) + 4 * program.partial_o : 0);
+  program.put(params, kDecCacheSeqlens, address_of(cache_seqlens));
+  program.put(params, kDecBlockTable, block_table ? address_of(*block_table) : 0);
+  launch_all(program.launches, program.names, program.context, params.data(), current_stream(q.device()));
+  if (lse.defined()) return {out, lse};
+  return {out};
+}
+
+TORCH_LIBRARY_FRAGMENT(flash_attention_host, m) {
+  m.class_<DecodeProgram>("DecodeProgram")
+      .def(torch::init<at::Tensor, std::vector<int64_t>, std::vector<int64_t>, std::string, int64_t,
+                       std::vector<int64_t>, int64_t, int64_t>())
+      .def("address", [](const c10::intrusive_ptr<DecodeProgram>& self) {
+        return static_cast<int64_t>(reinterpret_cast<intptr_t>(self.get()));
+      });
+  m.def("decode_call", &decode_call);
+}
+
+}  // namespace flash_attention_host
