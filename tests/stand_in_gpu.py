@@ -109,8 +109,8 @@ class _DecodeKernels(dict):
 
 
 class StandInGpu:
-    def __init__(self, dtype: torch.dtype):
-        self.dtype = dtype
+    def __init__(self, dtype: torch.dtype, arch: str):
+        self.dtype, self.arch = dtype, arch
         self.launches: list[str] = []
         self.errors: list[BaseException] = []
         self._kernels: dict[int, _Kernel] = {}
@@ -251,13 +251,17 @@ class StandInGpu:
             raise AssertionError(f"unknown stand-in kernel {kind}")
 
     # The decode family: rows of a cache read through the params, as fa/kv_cache.cuh reads them.
-    def _cache_rows(self, p, ptr, prefix, kernel, b, n, table):
+    def _cache(self, p, ptr, prefix, kernel):
+        """The whole cache through the params: (batch, capacity, ...) rows, or (num_pages, page_size, ...)."""
         strides = tuple(getattr(p, f"{prefix}_{x}_stride") for x in ("batch", "row", "head")) + (1,)
+        outer, rows = (p.num_pages, p.page_size) if kernel.paged else (p.batch, p.capacity)
+        return tensor_at(ptr, (outer, rows, p.heads_kv, p.head_dim), strides, self.dtype)
+
+    def _slots(self, p, kernel, table, b, positions):
+        """The cache index of row b's ``positions`` (through the page table for a paged cache)."""
         if not kernel.paged:
-            return tensor_at(ptr, (p.batch, p.capacity, p.heads_kv, p.head_dim), strides, self.dtype)[b, :n]
-        pages = tensor_at(ptr, (p.num_pages, p.page_size, p.heads_kv, p.head_dim), strides, self.dtype)
-        positions = torch.arange(n)
-        return pages[table[b][positions // p.page_size].long(), positions % p.page_size]
+            return b, positions
+        return table[b][positions // p.page_size].long(), positions % p.page_size
 
     def _tables(self, p):
         lengths = tensor_at(p.cache_seqlens, (p.batch,), (1,), torch.int32).tolist()
@@ -273,20 +277,10 @@ class StandInGpu:
         for name, ptr, prefix in (("kn", p.k_new, "k"), ("vn", p.v_new, "v")):
             strides = tuple(getattr(p, f"{name}_{x}_stride") for x in ("batch", "row", "head")) + (1,)
             new = tensor_at(ptr, (p.batch, p.seqlen_new, p.heads_kv, p.head_dim), strides, self.dtype)
-            cache_ptr = p.k if prefix == "k" else p.v
+            cache = self._cache(p, p.k if prefix == "k" else p.v, prefix, kernel)
             for b in range(p.batch):
-                n = lengths[b] + p.seqlen_new
-                if not kernel.paged:
-                    rows = self._cache_rows(p, cache_ptr, prefix, kernel, b, n, table)
-                    rows[lengths[b] :] = new[b]
-                    continue
-                strides_c = tuple(getattr(p, f"{prefix}_{x}_stride") for x in ("batch", "row", "head")) + (1,)
-                pages = tensor_at(
-                    cache_ptr, (p.num_pages, p.page_size, p.heads_kv, p.head_dim), strides_c, self.dtype
-                )
-                for t in range(p.seqlen_new):
-                    pos = lengths[b] + t
-                    pages[table[b][pos // p.page_size].long(), pos % p.page_size] = new[b, t]
+                positions = torch.arange(lengths[b], lengths[b] + p.seqlen_new)
+                cache[self._slots(p, kernel, table, b, positions)] = new[b]
 
     def _decode_decode(self, kernel, p) -> None:
         lengths, table = self._tables(p)
@@ -301,8 +295,9 @@ class StandInGpu:
             lse_part = lse_part.view(splits, p.batch, p.heads_q, p.seqlen_q)
         for b in range(p.batch):
             n = lengths[b] + p.seqlen_new
-            k = self._cache_rows(p, p.k, "k", kernel, b, n, table).double().repeat_interleave(p.group, dim=1)
-            v = self._cache_rows(p, p.v, "v", kernel, b, n, table).double().repeat_interleave(p.group, dim=1)
+            slots = self._slots(p, kernel, table, b, torch.arange(n))
+            k = self._cache(p, p.k, "k", kernel)[slots].double().repeat_interleave(p.group, dim=1)
+            v = self._cache(p, p.v, "v", kernel)[slots].double().repeat_interleave(p.group, dim=1)
             scores = torch.einsum("qhd,khd->hqk", q[b].double(), k) * p.scale
             keys = torch.arange(n)
             visible = torch.ones(p.seqlen_q, n, dtype=torch.bool)
@@ -345,8 +340,7 @@ def install(monkeypatch, arch: str = "sm_90", dtype: torch.dtype = torch.bfloat1
     """Send ``attention()`` on ``dtype`` CPU tensors down the kernel path of a GPU of ``arch`` with stand-in
     kernels (the module docstring says what they check). Plans and repeat calls made before are forgotten;
     the caller forgets the stand-ins' own with ``ops.clear_plans()`` when it is done."""
-    gpu = StandInGpu(dtype)
-    gpu.arch = arch
+    gpu = StandInGpu(dtype, arch)
     facts = _FACTS[arch]
     monkeypatch.setattr(dispatch, "wants_kernel", lambda q: True)
     monkeypatch.setattr(ops, "cuda_unavailable_reason", lambda q: None)

@@ -196,7 +196,7 @@ def lookup(key) -> RepeatCall | NativeRepeatCall | object | None:
     return _calls.find(key)
 
 
-def remember(key, call: RepeatCall | None) -> None:
+def remember(key, call: RepeatCall | NativeRepeatCall | None) -> None:
     """Keep ``call`` for ``key`` (None: calls of ``key`` take the whole path)."""
     _calls.get(key, lambda: WHOLE_PATH if call is None else call)
 
