@@ -45,7 +45,10 @@ def tensor_at(address: int, shape, strides, dtype) -> torch.Tensor:
 
 
 def _encode(field, layout, address) -> int:
-    """The stand-in of tma.encode_into: the map holds the address, the 4 dims and the 3 byte strides."""
+    """The stand-in of tma.encode_into: the map holds the address, the 4 dims and the 3 byte strides. As the
+    driver, it refuses a global address that is not 16-byte aligned (CUDA_ERROR_INVALID_VALUE)."""
+    if address % 16:
+        return 1
     values = [address, *layout.dims, *layout.strides]
     ctypes.memmove(field, struct.pack(f"<{len(values)}Q", *values), 8 * len(values))
     return 0
@@ -150,9 +153,10 @@ class StandInGpu:
                 assert [element_strides[i] for i in range(4)] == [1, 1, 1, 1]
                 assert box[0] == tma.BOX_COLUMNS and box[2] == box[3] == 1
                 layout = tma.MapLayout([dims[i] for i in range(4)], [strides[i] for i in range(3)], None)
-                _encode(
+                status = _encode(
                     ctypes.cast(map_address, ctypes.POINTER(ctypes.c_ubyte * 128)).contents, layout, address
                 )
+                assert status == 0, f"a tensor map asked for a misaligned address {address:#x}"
                 self.encodes += 1
             except BaseException as exc:
                 self.errors.append(exc)

@@ -112,6 +112,33 @@ def test_inputs_the_kernels_cannot_read_in_place_take_the_python_function():
     assert q.grad.isfinite().all() and q.grad[..., 0].eq(0).all()
 
 
+def test_contiguous_views_two_bytes_off_are_copied_and_their_signature_repeats_later():
+    # base[1:].view(shape) is contiguous with usable strides but 2 bytes off 16: neither the kernels' loads
+    # nor a tensor map can read it in place, so the call copies it (clone, not .contiguous(): that returns
+    # the view itself); an aligned call of the same signature then takes and repeats the planned launch.
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    q0, k0, v0 = _inputs(2, 200, 200, 4, 4, 64, "bshd", gen)
+    dout = torch.randn(2, 200, 4, 64, generator=gen, device="cuda").to(torch.bfloat16)
+    expected = None
+    for shift in (1, 0, 0):
+        views = []
+        for t in (q0, k0, v0):
+            base = torch.empty(t.numel() + 8, dtype=t.dtype, device="cuda").fill_(float("nan"))
+            view = base[shift : shift + t.numel()].view(t.shape)
+            view.copy_(t)
+            assert view.is_contiguous() and (view.data_ptr() % 16 != 0) == bool(shift)
+            views.append(view.requires_grad_(True))
+        q, k, v = views
+        out = fa.attention(q, k, v, causal=True, deterministic=True)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        if expected is None:
+            expected = (out, *grads)
+            ref = fa.attention(q0, k0, v0, causal=True, deterministic=True)
+            torch.testing.assert_close(out, ref, rtol=0, atol=0)
+        for a, b in zip(expected, (out, *grads), strict=True):
+            assert torch.equal(a, b)
+
+
 def test_a_call_on_a_side_stream_gives_the_same_gradients():
     # The node launches on the current stream the engine sets for it (the forward's); a loss on a side
     # stream gives the same gradients as on the default one.

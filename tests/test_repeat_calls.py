@@ -194,6 +194,20 @@ def test_a_misaligned_repeat_takes_the_whole_path(gpu, validations):
     assert len(validations) == 2  # the signature still repeats for aligned calls
 
 
+def test_a_misaligned_first_call_leaves_its_signature_to_repeat_later(gpu, validations):
+    # The plan encodes its tensor maps on the first call's addresses, which the driver refuses unless 16-byte
+    # aligned (the stand-in too): that call takes the whole path and the next aligned one makes the repeat.
+    q, k, v = _inputs()
+    base = torch.randn(q.numel() + 1, dtype=q.dtype)
+    shifted = base[1:].view(q.shape)
+    assert shifted.data_ptr() % 16 and shifted.stride() == q.stride()
+    _check_forward(fa.attention(shifted, k, v), shifted, k, v)
+    _check_forward(fa.attention(q, k, v), q, k, v)
+    assert len(validations) == 2  # both calls validated: the first made no repeat call
+    _check_forward(fa.attention(q, k, v), q, k, v)
+    assert len(validations) == 2  # the second made it, and the third repeated
+
+
 def test_bad_input_is_still_refused_after_a_signature_repeats(gpu):
     q, k, v = _inputs()
     fa.attention(q, k, v)

@@ -21,7 +21,7 @@ from ..jit.sources import DECODE_AUX_THREADS
 from . import repeat, training
 from .device import KERNEL_DTYPES, cuda_unavailable_reason, current_stream, device_arch, dtype_name, sm_count
 from .plans import PlanCache, fill_contiguous_strides, fill_strides, launch_all
-from .tensors import MAX_GRID_YZ, strides_usable
+from .tensors import MAX_GRID_YZ, aligned_copy, strides_usable
 
 __all__ = [
     "DecodePlan",
@@ -240,7 +240,7 @@ class DecodePlan:
         problem = self.problem
         p = DecodeParams.from_buffer_copy(self.template)
         if not (self.q_in_place and q.data_ptr() % 16 == 0):
-            q = _aligned_copy(q)
+            q = aligned_copy(q)
             fill_strides(p, "q", q)
         if self.out_in_place and out.data_ptr() % 16 == 0:
             o = out
@@ -262,7 +262,7 @@ class DecodePlan:
             p.block_table = block_table.data_ptr()
         if problem.seqlen_new:
             if not (self.new_in_place and (k.data_ptr() | v.data_ptr()) % 16 == 0):
-                k, v = _aligned_copy(k), _aligned_copy(v)
+                k, v = aligned_copy(k), aligned_copy(v)
                 fill_strides(p, "kn", k)
                 fill_strides(p, "vn", v)
             p.k_new, p.v_new = k.data_ptr(), v.data_ptr()
@@ -340,11 +340,6 @@ def _layout_ok(t: torch.Tensor) -> bool:
     writing the same bytes for different positions would race."""
     s, n = t.stride(), t.shape
     return strides_usable(t) and all(s[i] != 0 or n[i] <= 1 for i in range(3))
-
-
-def _aligned_copy(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy at a fresh (allocator-aligned) address."""
-    return t.clone(memory_format=torch.contiguous_format)
 
 
 _plans: PlanCache[DecodePlan | str] = PlanCache()

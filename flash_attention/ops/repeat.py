@@ -207,6 +207,11 @@ def first_call(key, backend, q, k, v, **options):
     would run on (None: the fallback's); it makes the repeat call with its ``prepare_repeat`` (the CPU tests'
     stand-in launch layers have none, so their calls take the whole path)."""
     make = getattr(backend, "prepare_repeat", None)
+    if make is not None and (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:
+        # The plan encodes its tensor maps on this call's addresses, which the driver refuses unless 16-byte
+        # aligned: this call takes the whole path (which copies), and the signature's next call, usually
+        # aligned, makes the repeat call. Remembering nothing keeps the signature open for it.
+        return None
     call = None
     if make is not None:
         try:

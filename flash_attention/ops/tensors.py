@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 __all__ = [
     "MAX_GRID_YZ",
+    "aligned_copy",
     "check_grid",
     "kernel_ready",
     "pad_head_dim",
@@ -35,9 +36,16 @@ def usable_in_place(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0 and strides_usable(t)
 
 
+def aligned_copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy at a fresh (allocator-aligned) address. Not ``t.contiguous()``: that returns a
+    contiguous view itself, whatever its address (``base[1:].view(shape)`` is contiguous and 2 bytes off)."""
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 def kernel_ready(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself when the kernel can read it in place, else a contiguous copy (correct, one extra pass)."""
-    return t if usable_in_place(t) else t.contiguous()
+    """``t`` itself when the kernel can read it in place, else an aligned contiguous copy (correct, one extra
+    pass)."""
+    return t if usable_in_place(t) else aligned_copy(t)
 
 
 def padded_to_8(head_dim: int) -> int:
