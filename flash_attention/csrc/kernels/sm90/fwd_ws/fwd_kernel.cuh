@@ -51,6 +51,7 @@
 #include "fa/smem_layout.cuh"
 #include "fa/softmax.cuh"
 #include "fa/tile_ptrs.cuh"
+#include "fa/timeline.cuh"
 #include "fa/tma.cuh"
 #include "fa/trace.cuh"
 #include "fa/variant.cuh"
@@ -147,6 +148,9 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
     // kConsumerRegs: configs.forward.register_split says why these numbers).
     if constexpr (Cfg::kProducerRegs > 0) setmaxnreg_dec<Cfg::kProducerRegs>();
     if (tid != 0) return;
+#if FA_TIMELINE
+    timeline::Recorder tl(p, 0);  // (fa/timeline.cuh: the timeline build's event stamps)
+#endif
     tma_prefetch_map(&tp.k_map);
     tma_prefetch_map(&tp.v_map);
     int ring = 0;     // K/V blocks loaded so far (slot ring % NST, its use ring / NST)
@@ -193,6 +197,7 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
 #pragma unroll
         for (int pn = 0; pn < NP; ++pn)
           tma_load_4d(sQ + pn * BR * 128, &tp.q_map, q_full, 64 * pn, q_start, x.head, x.batch);
+        FA_TIMELINE_EVENT(tl, kQIssued, tile);
         ++q_loads;
         const int kv_head = x.head / p.group;
         for (int it = 0; it < n_iter; ++it, ++ring) {
@@ -206,11 +211,13 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
 #pragma unroll
           for (int pn = 0; pn < NP; ++pn)
             tma_load_4d(sK + s * kTile + pn * BC * 128, &tp.k_map, k_full(s), 64 * pn, row, kv_head, x.batch);
+          FA_TIMELINE_EVENT(tl, kKIssued, ring);
           if (ring >= NST) mbar_wait(v_empty(s), reuse);
           mbar_arrive_expect_tx(v_full(s), kTile);
 #pragma unroll
           for (int pn = 0; pn < NP; ++pn)
             tma_load_4d(sV + s * kTile + pn * BC * 128, &tp.v_map, v_full(s), 64 * pn, row, kv_head, x.batch);
+          FA_TIMELINE_EVENT(tl, kVIssued, ring);
         }
       }
       if constexpr (!Cfg::kPersistent) break;
@@ -227,6 +234,9 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
   const int g = lane / 4;
   const int t = lane % 4;
   const int warp_row0 = 16 * (ctid / 32);  // the block row of this warp's first row
+#if FA_TIMELINE
+  timeline::Recorder tl(p, tid / 32);
+#endif
 
   // Descriptors as in the sm90 kernel: Q and K K-major, V MN-major, 64-column panels of 128-byte rows.
   const u64 q_desc = smem_desc_sw128(sQ + cwg * 64 * 128, 16, 1024);
@@ -276,6 +286,7 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
     } else if (q_loads > 0) {
       break;  // the block's one tile is done
     }
+    FA_TIMELINE_EVENT(tl, kTileBegin, tile);
     const Tile x = tile_at(tile);
     const int batch = x.batch, head = x.head;
     const int q_start = m_block_of(x) * BR;
@@ -401,14 +412,17 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
         float sacc[NS * 4];
         take_turn();  // (ping-pong: this warpgroup's softmax below runs under the other's P V)
         issue_s_at(sacc, it);
+        FA_TIMELINE_EVENT(tl, kSIssued, it);
         wgmma_wait<0>();
         wgmma_hold(sacc);
+        FA_TIMELINE_EVENT(tl, kSDone, it);
 #if FA_TRACE
         trace_s(sacc, it);
 #endif
         s_done(it);
         float alpha[2];
         softmax_step(sacc, it, alpha);
+        FA_TIMELINE_EVENT(tl, kSoftmaxDone, it);
 #if FA_TRACE
         trace_softmax(sacc, alpha);
 #endif
@@ -420,6 +434,7 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
         pass_turn();
         wgmma_wait<0>();
         wgmma_hold(o);
+        FA_TIMELINE_EVENT(tl, kPVDone, it);
 #if FA_TRACE
         trace_pv(it);
 #endif
@@ -436,15 +451,18 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
         float sacc[NS * 4];
         take_turn();
         issue_s_at(sacc, 0);
+        FA_TIMELINE_EVENT(tl, kSIssued, 0);
         pass_turn();
         wgmma_wait<0>();
         wgmma_hold(sacc);
+        FA_TIMELINE_EVENT(tl, kSDone, 0);
 #if FA_TRACE
         trace_s(sacc, 0);
 #endif
         s_done(0);
         float alpha[2];  // O is still zero: nothing to rescale
         softmax_step(sacc, 0, alpha);
+        FA_TIMELINE_EVENT(tl, kSoftmaxDone, 0);
 #if FA_TRACE
         trace_softmax(sacc, alpha);
 #endif
@@ -457,20 +475,24 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
         take_turn();
         issue_s_at(sacc, it);
         issue_pv_at(pf, it - 1);
+        FA_TIMELINE_EVENT(tl, kSIssued, it);
         pass_turn();
         wgmma_wait<1>();  // S_j has landed; P_{j-1} V_{j-1} may still run
         wgmma_hold(sacc);
+        FA_TIMELINE_EVENT(tl, kSDone, it);
 #if FA_TRACE
         trace_s(sacc, it);
 #endif
         s_done(it);
         float alpha[2];
         softmax_step(sacc, it, alpha);
+        FA_TIMELINE_EVENT(tl, kSoftmaxDone, it);
 #if FA_TRACE
         trace_softmax(sacc, alpha);
 #endif
         wgmma_wait<0>();
         wgmma_hold(o);
+        FA_TIMELINE_EVENT(tl, kPVDone, it - 1);
 #if FA_TRACE
         trace_pv(it - 1);  // the previous step's O, before this step's rescale
 #endif
@@ -484,6 +506,7 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
       pass_turn();
       wgmma_wait<0>();
       wgmma_hold(o);
+      FA_TIMELINE_EVENT(tl, kPVDone, n_iter - 1);
 #if FA_TRACE
       trace_pv(n_iter - 1);
 #endif
@@ -491,6 +514,7 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
     }
     if (cwg == 0) take_turn();  // the turn warpgroup 1 passed after its last issue
     ring += n_iter;
+    FA_TIMELINE_EVENT(tl, kEpilogueBegin, tile);
 
     // ---- epilogue: O / L and the LSE ------------------------------------------------------------------------
     if constexpr (!Cfg::kPersistent && !Cfg::kPingpong) {
@@ -504,6 +528,7 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
       // the producer warpgroup does not take part).
       named_barrier_sync(1, NCT);
       store_o_tile<BR, D, NCT, PanelTile<BR>>(p, gO, sQ, q_valid, ctid);
+      FA_TIMELINE_EVENT(tl, kEpilogueEnd, tile);
     } else {
       // Each warpgroup stages and copies out its own 64 rows, meeting only its own warps (named barrier
       // 4 + cwg, 128 threads): the warpgroups drift apart (ping-pong makes them) and need not wait for each
@@ -528,6 +553,7 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
 #endif
       named_barrier_sync(4 + cwg, 128);
       store_o_tile<64, D, 128, OTile>(p, gO + 64 * cwg * p.o_row_stride, sOw, rows, ctid % 128);
+      FA_TIMELINE_EVENT(tl, kEpilogueEnd, tile);
     }
   }
 }

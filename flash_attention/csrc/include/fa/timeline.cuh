@@ -1,0 +1,70 @@
+// Timeline build of the warp-specialized Hopper forward (csrc/kernels/sm90/fwd_ws): lane 0 of every warp
+// of the first kBlocks blocks stamps its schedule's events with the multiprocessor's cycle counter, so
+// tools/ws_timeline.py can show what each consumer warpgroup waited for, step by step and tile by tile
+// (when its products ran beside the other warpgroup's softmax, how long an epilogue or a tile's first step
+// took, when the producer stalled on a slot). Profiler counters give totals; this gives the order.
+//
+// Compiled only when the source defines FA_TIMELINE=1 (tools/ws_timeline.py prepends it; no library path
+// does); the normal build sees only the empty FA_TIMELINE_EVENT below, so its code is unchanged. The
+// records go to FwdParams::trace (the debug build's buffer pointer, unused otherwise): warp w of block b
+// writes records (b * kWarps + w) * kRecords onwards, 16 bytes each: (kind << 32 | argument, clock64).
+// Reading the clock and one 16-byte store per event shift the schedule by a few cycles per event; the
+// tool reports what a step costs, not the last percent.
+#pragma once
+
+#ifndef FA_TIMELINE
+#define FA_TIMELINE 0
+#endif
+
+#if FA_TIMELINE
+
+#include "fa/params.h"
+#include "fa/ptx.cuh"
+
+namespace fa {
+namespace timeline {
+
+// Event kinds; tools/ws_timeline.py mirrors them (EVENTS).
+enum Kind : unsigned {
+  kTileBegin = 1,      // consumer: a tile's index is known (argument: the tile)
+  kSIssued = 2,        // consumer: S_j = Q K_j^T issued (argument: j, counted in the tile)
+  kSDone = 3,          // consumer: S_j has landed
+  kSoftmaxDone = 4,    // consumer: S_j's softmax step done
+  kPVDone = 5,         // consumer: P_j V_j has completed
+  kEpilogueBegin = 6,  // consumer: the tile's last product has completed
+  kEpilogueEnd = 7,    // consumer: its output rows are written
+  kQIssued = 8,        // producer: a tile's Q load issued (argument: the tile)
+  kKIssued = 9,        // producer: K_j's load issued after its slot came free (argument: the ring count)
+  kVIssued = 10,       // producer: V_j's load issued
+};
+
+constexpr int kBlocks = 4;
+constexpr int kWarps = 16;
+constexpr int kRecords = 4096;
+
+struct Recorder {
+  unsigned long long* out = nullptr;
+  int n = 0;
+  __device__ __forceinline__ Recorder(const FwdParams& p, int warp) {
+    if (p.trace && (int)blockIdx.x < kBlocks && warp < kWarps && threadIdx.x % 32 == 0)
+      out = reinterpret_cast<unsigned long long*>(p.trace) + 2ull * (blockIdx.x * kWarps + warp) * kRecords;
+  }
+  __device__ __forceinline__ void operator()(unsigned kind, unsigned argument) {
+    if (out && n < kRecords) {
+      out[2 * n] = (unsigned long long)kind << 32 | argument;
+      out[2 * n + 1] = clock64();
+    }
+    ++n;
+  }
+};
+
+}  // namespace timeline
+}  // namespace fa
+
+#define FA_TIMELINE_EVENT(recorder, kind, argument) (recorder)(::fa::timeline::kind, (unsigned)(argument))
+
+#else
+
+#define FA_TIMELINE_EVENT(recorder, kind, argument) ((void)0)
+
+#endif
