@@ -37,7 +37,7 @@ BLOCKS, WARPS, RECORDS = 4, 16, 4096  # fa/timeline.cuh
 
 def build_kernel(cfg, causal: bool, arch: str, defines: tuple[str, ...] = ("FA_TIMELINE",)):
     """``cfg``'s forward compiled with ``defines`` set to 1 ahead of its source (the timeline build by
-    default)."""
+    default; FA_NO_SOFTMAX_ORDER gives the schedule before kernel-log step 58, for an A/B)."""
     from flash_attention.jit import compiler, driver
     from flash_attention.jit.cache import target_arch
     from flash_attention.jit.sources import kernel_source, kernel_symbol
@@ -177,8 +177,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seqlen", type=int, default=1024)
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--csv", default=None, help="write every event here")
+    ap.add_argument(
+        "--old-order", action="store_true", help="the schedule before step 58 (FA_NO_SOFTMAX_ORDER)"
+    )
     args = ap.parse_args(argv)
-    cfg, raw = run(args.config, args.head_dim, args.seqlen, args.causal)
+    defines = ("FA_TIMELINE", "FA_NO_SOFTMAX_ORDER") if args.old_order else ("FA_TIMELINE",)
+    cfg, raw = run(args.config, args.head_dim, args.seqlen, args.causal, defines)
     ev = events(raw)
     print(f"d{args.head_dim} seqlen {args.seqlen}{' causal' if args.causal else ''}")
     print(summarize(cfg, ev))

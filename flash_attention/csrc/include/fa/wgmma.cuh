@@ -40,6 +40,27 @@ __device__ __forceinline__ void wgmma_hold(float (&d)[N]) {
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
+// Keep `value`'s computation ahead of the next wgmma_wait. ptxas schedules a wgmma.wait_group as early as
+// its basic block allows, above arithmetic that does not depend on it: in the overlapped loop of the
+// warp-specialized forward it put the wait for P_{j-1} V_{j-1} above S_j's whole softmax step, so the
+// warpgroup idled until that product completed and only then ran its softmax with nothing of its own on
+// the tensor cores (every overlap config, nvcc and NVRTC 13.0; docs/kernel-log.md, step 58). A shared store
+// of `value` placed before the wait keeps the order: ptxas did not hoist the wait above a memory
+// operation here and the store needs `value`. The store is predicated on `nonnegative < 0`, where the
+// caller passes a runtime value it knows is not negative (ptxas cannot), so it executes nowhere: no
+// traffic and no race. Costs one instruction. (A branch around the wait instead made ptxas serialize
+// every wgmma of the loop.)
+__device__ __forceinline__ void order_before_wgmma_wait(float value, u32 smem_word, int nonnegative) {
+  asm volatile(
+      "{\n"
+      ".reg .pred q;\n"
+      "setp.lt.s32 q, %2, 0;\n"
+      "@q st.shared.b32 [%0], %1;\n"
+      "}\n" ::"r"(smem_word),
+      "f"(value), "r"(nonnegative)
+      : "memory");
+}
+
 // fence.proxy.async.shared::cta (PTX ISA 9.7.13.4.18): shared memory written through the generic proxy
 // (cp.async, st.shared) becomes visible to the async proxy, through which wgmma reads its operands. Each
 // writing thread runs it after its copies land and before the barrier that publishes them.

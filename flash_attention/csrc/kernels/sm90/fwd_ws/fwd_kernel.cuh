@@ -490,6 +490,13 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
 #if FA_TRACE
         trace_softmax(sacc, alpha);
 #endif
+#if !FA_NO_SOFTMAX_ORDER  // (defined only by tools/ws_timeline.py --old-order and A/B scripts: the old schedule)
+        // The softmax step runs under P_{j-1} V_{j-1}, not after it: its sums (which need every exponential
+        // and the max) must be done before the wait (fa/wgmma.cuh says why ptxas would hoist the wait).
+        // Measured on the H100 against ptxas's own order (kernel-log step 58): +1-5% at head_dim 128 and
+        // 256, -1-3% at 64, whose P V is half as long, so head_dim 64 keeps ptxas's order.
+        if constexpr (D >= 128) order_before_wgmma_wait(row_sum[0] + row_sum[1], sQ, p.head_dim);
+#endif
         wgmma_wait<0>();
         wgmma_hold(o);
         FA_TIMELINE_EVENT(tl, kPVDone, it - 1);
