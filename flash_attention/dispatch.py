@@ -52,25 +52,24 @@ def warn_fallback(reason: str, stacklevel: int = 4) -> None:
     )
 
 
-def usable_backend(q: torch.Tensor) -> ModuleType | None:
-    """:func:`kernel_backend` without the warning (for a caller whose fallback path warns itself)."""
-    if not wants_kernel(q):
-        return None
-    b = backend()
-    return b if b.cuda_unavailable_reason(q) is None else None
-
-
-def kernel_backend(q: torch.Tensor) -> ModuleType | None:
-    """The launch layer when our kernels should and can compute on ``q``; None for the PyTorch fallback
-    (after the once-per-reason warning, when ``q`` is on a CUDA device)."""
+def usable_backend(q: torch.Tensor, *, warn: bool = False) -> ModuleType | None:
+    """The launch layer when our kernels should and can compute on ``q``; None for the PyTorch fallback,
+    after the once-per-reason warning when ``warn`` and ``q`` is on a CUDA device (a caller whose fallback
+    path warns itself passes False)."""
     if not wants_kernel(q):
         return None
     b = backend()
     reason = b.cuda_unavailable_reason(q)
     if reason is None:
         return b
-    warn_fallback(reason)
+    if warn:
+        warn_fallback(reason)
     return None
+
+
+def kernel_backend(q: torch.Tensor) -> ModuleType | None:
+    """:func:`usable_backend` with the warning."""
+    return usable_backend(q, warn=True)
 
 
 def run_or_fallback(kernel: Callable[[], T], fallback: Callable[[], T]) -> T:
