@@ -495,6 +495,7 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
         // and the max) must be done before the wait (fa/wgmma.cuh says why ptxas would hoist the wait).
         // Measured on the H100 against ptxas's own order (kernel-log step 58): +1-5% at head_dim 128 and
         // 256, -1-3% at 64, whose P V is half as long, so head_dim 64 keeps ptxas's order.
+        // (sQ only names a shared address for the store, which never executes: head_dim > 0.)
         if constexpr (D >= 128) order_before_wgmma_wait(row_sum[0] + row_sum[1], sQ, p.head_dim);
 #endif
         wgmma_wait<0>();
