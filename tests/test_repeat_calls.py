@@ -18,7 +18,8 @@ from stand_in_gpu import install
 
 import flash_attention as fa
 from flash_attention import interface, ops
-from flash_attention.ops import repeat, training
+from flash_attention.jit import host
+from flash_attention.ops import repeat
 from flash_attention.reference import attention_reference
 
 
@@ -48,7 +49,7 @@ def gpu(request, monkeypatch):
     arch, mode = request.param.split("-")
     monkeypatch.setattr(repeat, "MODE", mode)
     stand_in = install(monkeypatch, arch)
-    if mode == "native" and training.host_ops() is None:
+    if mode == "native" and host.ops_or_none() is None:
         pytest.skip("no host library here (no C++ compiler)")
     yield stand_in
     ops.clear_plans()
@@ -96,7 +97,7 @@ def test_inference_repeats_compute_what_the_first_call_did(gpu, validations, cau
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_training_repeats_record_the_node_and_give_exact_gradients(gpu, validations, causal, deterministic):
-    if training.host_ops() is None:
+    if host.ops_or_none() is None:
         pytest.skip("no host library here (no C++ compiler)")
     for _ in range(3):
         q, k, v = _inputs(grad=True)
@@ -112,7 +113,7 @@ def test_training_repeats_record_the_node_and_give_exact_gradients(gpu, validati
 
 
 def test_pytorchs_deterministic_switch_makes_another_signature(gpu, validations):
-    if training.host_ops() is None:
+    if host.ops_or_none() is None:
         pytest.skip("no host library here (no C++ compiler)")
     q, k, v = _inputs(grad=True)
     fa.attention(q, k, v).sum().backward()
@@ -126,7 +127,7 @@ def test_pytorchs_deterministic_switch_makes_another_signature(gpu, validations)
 
 
 def test_without_the_host_library_training_takes_the_python_function(gpu, validations, monkeypatch):
-    monkeypatch.setattr(training, "host_ops", lambda: None)
+    monkeypatch.setattr(host, "ops_or_none", lambda: None)
     for _ in range(2):
         q, k, v = _inputs(grad=True)
         out = fa.attention(q, k, v, causal=True)
@@ -148,7 +149,7 @@ def test_key_ranges_repeat_when_int32(gpu, validations):
 
 
 def test_training_with_key_ranges_repeats(gpu, validations):
-    if training.host_ops() is None:
+    if host.ops_or_none() is None:
         pytest.skip("no host library here (no C++ compiler)")
     for _ in range(3):
         q, k, v = _inputs(grad=True)

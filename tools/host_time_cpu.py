@@ -36,7 +36,7 @@ import torch
 import flash_attention as fa
 from flash_attention import dispatch, ops
 from flash_attention.jit import driver, host
-from flash_attention.ops import backward, decode, forward, plans, repeat, tma, training
+from flash_attention.ops import backward, decode, forward, plans, repeat, tma
 
 
 def _noop_library() -> ctypes.CDLL:
@@ -116,7 +116,7 @@ def install_stand_ins():
     noop = ctypes.cast(_NOOP, ctypes.c_void_p).value
     encode = host.DRIVER_FUNCTION_TYPES[4](lambda *a: 0)
     lib.set_driver(noop, noop, noop, 0, ctypes.cast(encode, ctypes.c_void_p).value)
-    training.host_ops = lambda: lib
+    host.ops_or_none = lambda: lib
     return encode  # the callback must outlive every call
 
 

@@ -228,6 +228,19 @@ def unavailable_reason() -> str | None:
     return None
 
 
+def ops_or_none():
+    """The library's ops (:func:`load`), or None where it is unavailable, with one warning per process
+    unless it was turned off on purpose (FLASH_ATTENTION_HOST_LIBRARY=0): what the launch layer's callers
+    (the training node, repeat calls, decode calls) ask before taking their native form."""
+    try:
+        return load()
+    except HostLibraryUnavailable as exc:
+        if not _state.get("warned") and os.environ.get(ENV) != "0":
+            _state["warned"] = True
+            warn_unavailable(str(exc))
+        return None
+
+
 def warn_unavailable(reason: str) -> None:
     warnings.warn(
         f"flash_attention: training steps run through a Python autograd function (more host time per call) "

@@ -14,11 +14,11 @@ import torch
 
 from .._validate_kvcache import CacheProblem
 from ..configs.decode import DecodeConfig, default_decode_config, num_splits_heuristic
-from ..jit import driver
+from ..jit import driver, host
 from ..jit.loader import get_decode_kernels
 from ..jit.params import DecodeParams
 from ..jit.sources import DECODE_AUX_THREADS
-from . import repeat, training
+from . import repeat
 from .device import KERNEL_DTYPES, cuda_unavailable_reason, current_stream, device_arch, dtype_name, sm_count
 from .plans import PlanCache, fill_contiguous_strides, fill_strides, launch_all
 from .tensors import MAX_GRID_YZ, aligned_copy, strides_usable
@@ -193,7 +193,7 @@ class DecodePlan:
             or not self.new_in_place
         ):
             return False
-        lib = training.host_ops()
+        lib = host.ops_or_none()
         if lib is None:
             return False
         offsets = [getattr(DecodeParams, name).offset for name in _NATIVE_SLOTS]

@@ -34,7 +34,7 @@ import os
 
 import torch
 
-from ..jit import driver
+from ..jit import driver, host
 from ..jit.params import FwdParams, FwdTmaParams
 from . import backward, forward, training
 from . import trace as _trace
@@ -234,7 +234,7 @@ def prepare(
         return None  # zero-padded or copied inputs: the whole path makes them
     if key_range is not None and (key_range.dtype != torch.int32 or not key_range.is_contiguous()):
         return None  # converted per call by the whole path
-    host_ops = training.host_ops() if records else None
+    host_ops = host.ops_or_none() if records else None
     if records and host_ops is None:
         return None  # the Python autograd function's path
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -253,7 +253,7 @@ def prepare(
     elif not return_lse:
         lse_shape = None
     if MODE == "native":
-        lib = host_ops or training.host_ops()
+        lib = host_ops or host.ops_or_none()
         if lib is not None:
             # (The ForwardProgram takes its own reference to the backward program.)
             return _native(lib, plan, lse_shape, 0 if bwd is None else training.program(bwd))

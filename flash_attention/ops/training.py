@@ -27,7 +27,7 @@ from . import backward
 from . import trace as _trace
 from .tensors import usable_in_place
 
-__all__ = ["host_ops", "program", "training_forward"]
+__all__ = ["program", "training_forward"]
 
 # The BwdParams fields the node writes per call, in the order of training_node.h's Slot enum.
 _SLOTS = (
@@ -35,20 +35,6 @@ _SLOTS = (
     "dropout_key",
 )  # fmt: skip
 _OFFSETS = [getattr(BwdParams, name).offset for name in _SLOTS]
-
-_warned = False
-
-
-def host_ops():
-    """The host library's ops, or None (with one warning, unless it was turned off on purpose)."""
-    global _warned
-    try:
-        return host.load()
-    except host.HostLibraryUnavailable as exc:
-        if not _warned and os.environ.get(host.ENV) != "0":
-            _warned = True
-            host.warn_unavailable(str(exc))
-        return None
 
 
 def program(plan) -> int:
@@ -94,7 +80,7 @@ def training_forward(
         return None
     if not (usable_in_place(q) and usable_in_place(k) and usable_in_place(v)):
         return None
-    lib = host_ops()
+    lib = host.ops_or_none()
     if lib is None:
         return None
     if key_range is not None:  # converted once: the forward reads it, the node keeps it for the backward
