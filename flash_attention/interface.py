@@ -184,6 +184,8 @@ def attention(
     problem = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, key_range=key_range)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool; got {type(deterministic).__name__}")
+    # The backward's mode: the argument or PyTorch's switch (repeat.signature keys on the same).
+    deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
     seed = _dropout_seed(dropout_p, dropout_seed)
     records = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if key is not None:
@@ -198,7 +200,7 @@ def attention(
             scale=problem.scale,
             key_range=key_range,
             records=records,
-            deterministic=deterministic or torch.are_deterministic_algorithms_enabled(),
+            deterministic=deterministic,
             return_lse=return_lse,
         )
         if result is not None:
@@ -285,7 +287,6 @@ def _attention_op(
             "attention(): out= does not support automatic differentiation, but q, k or v requires grad; "
             "call attention() without out= (it returns a new tensor), or under torch.no_grad()"
         )
-    deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
     args = (q, k, v, problem.causal, problem.scale, deterministic, key_range, dropout_p, dropout_seed)
     if records and not torch.compiler.is_compiling():
         # A fallback call that PyTorch's attention computes exactly as we define it (CPU tensors, float32 on
