@@ -180,9 +180,10 @@ class DecodePlan:
 
     def _make_native(self):
         """``(library, DecodeProgram, its address)`` when this plan's calls may run as the host library's
-        ``decode_call`` (``FLASH_ATTENTION_REPEAT_CALLS=native``, ops/repeat.py; csrc/host/decode_call.cpp),
-        else False. It takes plans whose operands the kernels read in place and whose splits the standalone
-        combine merges; everything else, and a call with a caller's ``out``, stays in Python."""
+        ``decode_call`` (csrc/host/decode_call.cpp; the default form, ``FLASH_ATTENTION_REPEAT_CALLS`` in
+        ops/repeat.py), else False. It takes plans whose operands the kernels read in place and whose splits
+        the standalone combine merges; everything else, and a call with a caller's ``out``, stays in
+        Python."""
         if (
             repeat.MODE != "native"
             or self.out_in_place
