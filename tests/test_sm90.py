@@ -3,10 +3,10 @@ compiler made of it (tensor-core instructions present, no spills, no serialised 
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+from repo_tools import load_tool
 
 from flash_attention.configs import default_config, parse_config, supports, wgmma_config, ws_config
 from flash_attention.jit import cache, sources
@@ -16,20 +16,13 @@ from flash_attention.ops import select
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _generator():
-    spec = importlib.util.spec_from_file_location("gen_wgmma", ROOT / "tools" / "gen_wgmma.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_generated_wrappers_are_current():
-    gen = _generator()
+    gen = load_tool("gen_wgmma")
     assert gen.HEADER.read_text() == gen.render(), "rerun: python tools/gen_wgmma.py"
 
 
 def test_wrappers_cover_every_n_the_kernel_uses():
-    ns = set(_generator().NS)
+    ns = set(load_tool("gen_wgmma").NS)
     for d in (64, 128, 192, 256):
         for causal in (False, True):
             for n in (512, 16384):

@@ -4,19 +4,12 @@ steps is measured, not assumed."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
+from repo_tools import load_tool
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("ws_timeline", ROOT / "tools" / "ws_timeline.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("ws_timeline")
 
 
 def _buffer(tool, per_warp):
