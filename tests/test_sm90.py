@@ -3,8 +3,6 @@ compiler made of it (tensor-core instructions present, no spills, no serialised 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from repo_tools import load_tool
 
@@ -12,8 +10,6 @@ from flash_attention.configs import default_config, parse_config, supports, wgmm
 from flash_attention.jit import cache, sources
 from flash_attention.jit.params import TraceLayout
 from flash_attention.ops import select
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_generated_wrappers_are_current():
