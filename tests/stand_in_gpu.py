@@ -118,6 +118,7 @@ class StandInGpu:
         self.errors: list[BaseException] = []
         self._kernels: dict[int, _Kernel] = {}
         self.encodes = 0  # tensor maps the host library had encoded
+        self.output_maps = 0  # forward launches that wrote O through its tensor map (configs with tma_store)
         self._callbacks = ()
 
     def register(self, kernel: _Kernel) -> int:
@@ -200,7 +201,12 @@ class StandInGpu:
         out, lse = attention_reference(
             q, k, v, causal=causal, softmax_scale=p.scale, key_range=self._key_range(p)
         )
-        self._bshd(p, p.o, "o", p.seqlen_q, p.heads_q).copy_(out)
+        o = self._bshd(p, p.o, "o", p.seqlen_q, p.heads_q)
+        if any(bytes(getattr(params, "o_map", b""))):  # a config with tma_store writes O through its map
+            o = _through_map(params.o_map, self.dtype)
+            assert o.data_ptr() == p.o, "the output's tensor map and the params disagree on its address"
+            self.output_maps += 1
+        o.copy_(out)
         if p.lse:
             strides = (p.lse_batch_stride, p.lse_head_stride, 1)
             tensor_at(p.lse, (p.batch, p.heads_q, p.seqlen_q), strides, torch.float32).copy_(lse)

@@ -183,7 +183,10 @@ def test_hopper_heuristic_within_5_percent_of_the_committed_h100_sweeps():
         runs.append(by_key)
     for key in runs[0]:
         dtype, d, mask, n, _ = key.split("/")
-        pick = default_config(dtype, int(d[1:]), mask == "causal", int(n), int(n), "sm_90").name()
+        # The sweeps predate the output's TMA stores, measured level or ahead on every default pick beside
+        # the same config without them (docs/kernel-log.md, step 62): the pick is held to the sweeps as that.
+        pick = default_config(dtype, int(d[1:]), mask == "causal", int(n), int(n), "sm_90")
+        pick = pick.replace(tma_store=False).name()
         ratios = [run[key][pick] / max(run[key].values()) for run in runs if pick in run[key]]
         assert len(ratios) == 2, f"{key}: {pick} was not timed in both runs"
         mean = sum(ratios) / 2

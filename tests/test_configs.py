@@ -101,6 +101,28 @@ def _space(n_random: int = 2500, seed: int = 0) -> list[KernelConfig]:
                 double_buffer=False,
             )  # fmt: skip
         )
+    # tma_store: with and without the warp-specialized kernel it needs, on every schedule.
+    flags = (True, False)
+    for d, ws, persistent, pingpong in itertools.product((64, 128), flags, flags, flags):
+        out.append(
+            KernelConfig.unchecked(
+                "bf16",
+                d,
+                128,
+                128,
+                12 if ws else 8,
+                wgmma=True,
+                stages=2,
+                warp_specialized=ws,
+                overlap=ws,
+                pingpong=pingpong,
+                persistent=persistent,
+                tma_store=True,
+                k_frags=0,
+                v_frags=0,
+                double_buffer=False,
+            )  # fmt: skip
+        )
     return out
 
 

@@ -11,7 +11,7 @@ import torch
 
 from flash_attention import ops
 from flash_attention.configs import default_config, parse_config, portable_config, wgmma_config
-from flash_attention.jit import cache, compiler, sources
+from flash_attention.jit import cache, compiler, driver, sources
 from flash_attention.jit.params import TRACE_MAGIC, TRACE_STEP_FIELDS, FwdParams, FwdTmaParams, TraceLayout
 from flash_attention.ops import forward as ops_forward
 from flash_attention.ops import tma
@@ -259,6 +259,7 @@ def traced_launches(monkeypatch):
         lambda cfg, causal, arch, trace=False, **kw: _FakeKernel(cfg, causal, arch, trace),
     )
     monkeypatch.setattr(tma, "encode_into", lambda field, layout, ptr: 0)
+    monkeypatch.setattr(driver, "make_primary_current", lambda index: None)  # (the encodes' context)
 
     def launch(kernel, grid, threads, smem, index, args):
         launches.append(dict(kernel=kernel, grid=grid, threads=threads, smem=smem, args=args))

@@ -43,6 +43,14 @@ _CONFIGS = [
     ws_config("bf16", 192, 128, 112, 2, overlap=True),
     ws_config("bf16", 128, 128, 176, 2, overlap=True, pingpong=True),
     ws_config("fp16", 128, 128, 96, 2),
+    # The output through TMA stores from each warpgroup's staged rows: persistent (its own staging tile,
+    # one or two warpgroups), in the Q tile (two and three warpgroups), with ping-pong, and fp16.
+    ws_config("bf16", 128, 128, 128, 2, overlap=True, persistent=True, tma_store=True),
+    ws_config("bf16", 256, 64, 64, 2, persistent=True, tma_store=True),
+    ws_config("bf16", 64, 192, 128, 2, overlap=True, tma_store=True),
+    ws_config("bf16", 256, 128, 80, 2, overlap=True, tma_store=True),
+    ws_config("bf16", 128, 128, 112, 2, overlap=True, pingpong=True, tma_store=True),
+    ws_config("fp16", 64, 128, 176, 3, overlap=True, persistent=True, tma_store=True),
 ]
 _SHAPES = [
     # b, sq, sk, hq, hkv, causal, layout

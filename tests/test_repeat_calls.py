@@ -18,6 +18,7 @@ from stand_in_gpu import install
 
 import flash_attention as fa
 from flash_attention import interface, ops
+from flash_attention.configs import heuristics
 from flash_attention.jit import host
 from flash_attention.ops import repeat
 from flash_attention.reference import attention_reference
@@ -92,6 +93,30 @@ def test_inference_repeats_compute_what_the_first_call_did(gpu, validations, cau
     assert gpu.launches == ["forward"] * 4 and not gpu.errors, gpu.errors
     if repeat.MODE == "native" and gpu.arch == "sm_90":
         assert gpu.encodes >= 3  # the host library encoded the maps of the repeats' own addresses
+
+
+def test_tma_store_configs_write_the_output_through_its_map(gpu, validations, monkeypatch, request):
+    # The stand-in kernel writes O through the output's tensor map when the params carry one, and checks
+    # its address against the params': each call's fresh output must get a map of its own.
+    if gpu.arch != "sm_90":
+        pytest.skip("the TMA kernels are Hopper's")
+    real = heuristics._hopper_default
+    monkeypatch.setattr(heuristics, "_hopper_default", lambda *args: real(*args).replace(tma_store=True))
+    # The heuristic's picks are cached: earlier tests' must not serve this one, nor this one's outlive it.
+    heuristics.default_config.cache_clear()
+    request.addfinalizer(heuristics.default_config.cache_clear)
+    ops.clear_plans()
+    outs = []
+    for _ in range(4):
+        q, k, v = _inputs()
+        out, lse = fa.attention(q, k, v, causal=True, return_lse=True)
+        _check_forward(out, q, k, v, lse, causal=True)
+        outs.append(out)  # kept alive: the next output lands at another address
+    assert len({o.data_ptr() for o in outs}) == 4
+    assert len(validations) == 1 and gpu.launches == ["forward"] * 4 and not gpu.errors, gpu.errors
+    assert gpu.output_maps == 4
+    if repeat.MODE == "native":
+        assert gpu.encodes >= 3 + 3 + 3  # q, k and v at new addresses, and o, on every repeat
 
 
 @pytest.mark.parametrize("causal", [False, True])

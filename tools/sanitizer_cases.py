@@ -36,13 +36,16 @@ SMALL = {1: 40, 2: 60}  # --small: shorter sequences (index into the case tuple 
 
 #: Hopper only: the warp-specialized kernel's knobs the defaults may not use (the persistent grid's tile
 #: hand-off and output staging, three consumer warpgroups, key tiles that are not a power of two,
-#: ping-pong), each on a causal grouped-query call with more query tiles than the GPU has multiprocessors
-#: at full size, forward only: (config, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim).
+#: ping-pong, the output's TMA stores), each on a causal grouped-query call with more query tiles than the
+#: GPU has multiprocessors at full size, forward only:
+#: (config, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim).
 WS_CASES = [
     ("(BF16, 128, 128, 112, 12): wgmma+ws+overlap+pingpong+persistent+stages_2", 3, 1100, 1300, 8, 2, 120),
     ("(BF16, 64, 192, 64, 16): wgmma+ws+persistent+stages_3", 2, 1500, 900, 6, 3, 64),
     ("(BF16, 256, 128, 80, 12): wgmma+ws+overlap+pingpong+stages_2", 1, 333, 517, 4, 2, 256),
     ("(BF16, 64, 192, 128, 16): wgmma+ws+overlap+stages_2", 2, 517, 333, 4, 1, 64),
+    ("(BF16, 128, 128, 128, 12): wgmma+ws+overlap+persistent+tma_store+stages_2", 3, 1100, 1300, 8, 2, 120),
+    ("(BF16, 256, 128, 80, 12): wgmma+ws+overlap+tma_store+stages_2", 1, 333, 517, 4, 2, 256),
 ]
 
 

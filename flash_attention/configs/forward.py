@@ -89,6 +89,9 @@ class KernelConfig:
             tensor cores instead of both softmaxes falling together. Named ``...+pingpong``.
         persistent: warp_specialized only: one block per multiprocessor, each looping over query tiles,
             its K/V ring running on from one tile to the next. Named ``...+persistent``.
+        tma_store: warp_specialized only: each consumer warpgroup hands its staged 64 output rows to the TMA
+            unit (one store per 64-column panel, through a tensor map of O) instead of copying them out
+            itself, and goes on to its next tile while the copy runs. Named ``...+tma_store``.
     """
 
     dtype: str
@@ -111,6 +114,7 @@ class KernelConfig:
     overlap: bool = False
     pingpong: bool = False
     persistent: bool = False
+    tma_store: bool = False
 
     def __post_init__(self) -> None:
         errors = validity_errors(self)
@@ -158,6 +162,7 @@ class KernelConfig:
                 + (["overlap"] if self.overlap else [])
                 + (["pingpong"] if self.pingpong else [])
                 + (["persistent"] if self.persistent else [])
+                + (["tma_store"] if self.tma_store else [])
                 + ([f"stages_{self.stages}"] if self.stages != 1 else [])
             )
         out = ["async" if self.async_copy else "sync"]
@@ -226,6 +231,7 @@ class KernelConfig:
             ("kOverlap", "bool", self.overlap),
             ("kPingpong", "bool", self.pingpong),
             ("kPersistent", "bool", self.persistent),
+            ("kTmaStore", "bool", self.tma_store),
             ("kProducerRegs", "int", register_split(self)[0]),
             ("kConsumerRegs", "int", register_split(self)[1]),
         ]
@@ -288,11 +294,12 @@ def ws_config(
     overlap: bool = False,
     pingpong: bool = False,
     persistent: bool = False,
+    tma_store: bool = False,
     check: bool = True,
 ) -> KernelConfig:
     """The warp-specialized Hopper config: a producer warpgroup and ``block_q / 64`` consumer warpgroups
     around a ``stages``-deep TMA ring of ``block_kv``-key tiles, with or without intra-warpgroup
-    ``overlap`` (``check=False``: unchecked)."""
+    ``overlap`` (``check=False``: unchecked); the other flags are :class:`KernelConfig`'s."""
     make = KernelConfig if check else KernelConfig.unchecked
     warps = 4 + block_q // 16
     return make(
@@ -307,6 +314,7 @@ def ws_config(
         overlap=overlap,
         pingpong=pingpong,
         persistent=persistent,
+        tma_store=tma_store,
         **_WGMMA_FIXED,
     )
 
@@ -335,6 +343,8 @@ def validity_errors(cfg: KernelConfig) -> list[str]:
         e.append("pingpong needs warp_specialized with two consumer warpgroups (block_q 128)")
     if cfg.persistent and not cfg.warp_specialized:
         e.append("persistent needs warp_specialized")
+    if cfg.tma_store and not cfg.warp_specialized:
+        e.append("tma_store needs warp_specialized")
     warps = cfg.compute_warps
     if warps not in (1, 2, 4, 8) and not (cfg.warp_specialized and warps == 12):
         e.append("num_warps must be 1, 2, 4 or 8 (12 consumer warps beside a warp-specialized producer)")
@@ -460,7 +470,7 @@ def _from_flags(dtype: str, d: int, bq: int, bkv: int, w: int, flags: list[str],
         "reverse": "reverse_kv",
     }
     if flags and flags[0] == "wgmma":
-        stages, ws, overlap, pingpong, persistent = 1, False, False, False, False
+        stages, ws, overlap, pingpong, persistent, tma_store = 1, False, False, False, False, False
         for f in flags[1:]:
             m = re.fullmatch(r"stages_(\d+)", f)
             if f == "ws":
@@ -471,6 +481,8 @@ def _from_flags(dtype: str, d: int, bq: int, bkv: int, w: int, flags: list[str],
                 pingpong = True
             elif f == "persistent":
                 persistent = True
+            elif f == "tma_store":
+                tma_store = True
             elif m:
                 stages = int(m[1])
             else:
@@ -487,6 +499,7 @@ def _from_flags(dtype: str, d: int, bq: int, bkv: int, w: int, flags: list[str],
             overlap=overlap,
             pingpong=pingpong,
             persistent=persistent,
+            tma_store=tma_store,
             **_WGMMA_FIXED,
         )
     seen_copy = False

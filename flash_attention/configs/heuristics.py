@@ -69,6 +69,11 @@ def portable_config(dtype: str, head_dim: int, causal: bool, seqlen_q: int, seql
     return KernelConfig(dtype, 256, 64, 64, 4, q_frags=1, k_frags=1, v_frags=1, double_buffer=False)
 
 
+def _ws(*args, **knobs) -> KernelConfig:
+    """A warp-specialized default: :func:`ws_config` with the output's TMA stores."""
+    return ws_config(*args, tma_store=True, **knobs)
+
+
 def _hopper_default(dtype: str, d: int, n: int, causal: bool) -> KernelConfig:
     """The Hopper config for head_dim ``d`` at sequence length ``n`` (the longer of q and k).
 
@@ -85,6 +90,8 @@ def _hopper_default(dtype: str, d: int, n: int, causal: bool) -> KernelConfig:
       (176 keys from 4k non-causal and 8k causal, where the longer tile's fewer barriers pay), three
       consumer warpgroups of 64 rows over 128-key tiles at head_dim 64 (160 registers each), 112 keys at
       head_dim 192, 80 at 256 (what fits 227 KB beside a 128-row Q tile).
+    * Every pick writes its output with TMA stores (``tma_store``): on the H100, +1-4% at head_dim 128 and
+      256 from 512 to 4k keys and level at 64 (docs/kernel-log.md, step 62).
     * Ping-pong between the consumer warpgroups is not a default: on top of overlap it beat the best config
       without it by more than 1.5% at 3 of the two sweeps' 96 points, none in both (docs/kernel-log.md, step
       36, has its progression step).
@@ -93,23 +100,23 @@ def _hopper_default(dtype: str, d: int, n: int, causal: bool) -> KernelConfig:
     if d == 64:
         if short:
             if causal:
-                return ws_config(dtype, 64, 128, 128, 2, overlap=True, persistent=True)
-            return ws_config(dtype, 64, 128, 176, 3, overlap=True, persistent=True)
-        return ws_config(dtype, 64, 192, 128, 2, overlap=True)
+                return _ws(dtype, 64, 128, 128, 2, overlap=True, persistent=True)
+            return _ws(dtype, 64, 128, 176, 3, overlap=True, persistent=True)
+        return _ws(dtype, 64, 192, 128, 2, overlap=True)
     if d == 128:
         if n < 1536 or (short and causal):
-            return ws_config(dtype, 128, 128, 128, 2, overlap=True, persistent=True)
+            return _ws(dtype, 128, 128, 128, 2, overlap=True, persistent=True)
         wide = n >= 12288 if causal else n >= 3072  # causal from 16k, non-causal from 4k
-        return ws_config(dtype, 128, 128, 176 if wide else 128, 2, overlap=True)
+        return _ws(dtype, 128, 128, 176 if wide else 128, 2, overlap=True)
     if d == 192:
         if n < 1536:
-            return ws_config(dtype, 192, 128, 64, 3, overlap=True)
+            return _ws(dtype, 192, 128, 64, 3, overlap=True)
         if n < 3072 and not causal:
-            return ws_config(dtype, 192, 128, 64, 2, overlap=True)
-        return ws_config(dtype, 192, 128, 112, 2, overlap=True)
+            return _ws(dtype, 192, 128, 64, 2, overlap=True)
+        return _ws(dtype, 192, 128, 112, 2, overlap=True)
     if n < 768:
-        return ws_config(dtype, 256, 128, 64, 2)
-    return ws_config(dtype, 256, 128, 80, 2, overlap=True)
+        return _ws(dtype, 256, 128, 64, 2)
+    return _ws(dtype, 256, 128, 80, 2, overlap=True)
 
 
 @lru_cache(maxsize=4096)

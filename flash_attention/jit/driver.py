@@ -7,6 +7,7 @@ cubin serves whichever context (PyTorch's primary context of the tensor's device
 from __future__ import annotations
 
 import ctypes
+from contextlib import contextmanager
 from functools import cache
 
 CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK = 0
@@ -186,6 +187,18 @@ def make_primary_current(ordinal: int) -> int | None:
 
 def set_current(ctx: int) -> None:
     check(_ctx_functions()[1](ctx), "cuCtxSetCurrent")
+
+
+@contextmanager
+def primary_current(ordinal: int):
+    """:func:`make_primary_current` for a block of driver calls (tensor-map encodes fail with "invalid device
+    context" as launches do), the caller's context put back after."""
+    previous = make_primary_current(ordinal)
+    try:
+        yield
+    finally:
+        if previous is not None:
+            set_current(previous)
 
 
 @cache

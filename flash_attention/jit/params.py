@@ -71,8 +71,9 @@ def _tma_padding() -> int:
 
 class FwdTmaParams(ctypes.Structure):
     """The twin of ``fa::FwdTmaParams`` (csrc/include/fa/tma_params.h): FwdParams, then the tensor maps of
-    q, k and v at the next 64-byte boundary (the driver copies the bytes into the kernel's parameter space,
-    which is aligned there; this buffer itself need not be), then the persistent grid's tile counter."""
+    q, k, v and o at the next 64-byte boundary (the driver copies the bytes into the kernel's parameter
+    space, which is aligned there; this buffer itself need not be; o's only for configs with tma_store),
+    then the persistent grid's tile counter."""
 
     _fields_ = [
         ("p", FwdParams),
@@ -80,6 +81,7 @@ class FwdTmaParams(ctypes.Structure):
         ("q_map", ctypes.c_ubyte * TENSOR_MAP_BYTES),
         ("k_map", ctypes.c_ubyte * TENSOR_MAP_BYTES),
         ("v_map", ctypes.c_ubyte * TENSOR_MAP_BYTES),
+        ("o_map", ctypes.c_ubyte * TENSOR_MAP_BYTES),
         ("tile_counter", _PTR),
         # The C++ struct is 64-byte aligned (its maps are), so its size rounds up to a multiple of 64.
         ("_tail", ctypes.c_ubyte * (64 - ctypes.sizeof(_PTR))),

@@ -11,6 +11,7 @@ shared memory that fits this GPU).
 
 from __future__ import annotations
 
+import ctypes
 import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -41,11 +42,15 @@ class _Plan:
     smem: int
     index: int
     template: bytes  # FwdParams (FwdTmaParams for a TMA kernel) with all but the pointers and dropout key
-    maps: tuple[tma.MapLayout, tma.MapLayout, tma.MapLayout] | None = None  # q, k, v: TMA kernels only
+    # q, k, v (and o, for a config with tma_store): TMA kernels only
+    maps: tuple[tma.MapLayout, ...] | None = None
     # TMA kernels: the template with q's, k's and v's maps encoded, by their addresses. A training loop
     # or a decoder hands the same few addresses back (PyTorch's caching allocator), and three encodes
     # cost more host time than the rest of the launch.
     encoded: OrderedDict = field(default_factory=OrderedDict)
+    # tma_store: o's map, by o's address (kept apart from the triples: a fresh output each call would
+    # otherwise cost all four encodes whenever the allocator hands out another address).
+    encoded_o: OrderedDict = field(default_factory=OrderedDict)
     # A persistent grid with fewer blocks than tiles: its blocks take tiles from the stream's counter.
     tile_counter: bool = False
     # The call's options the kernel was built for (the launch's observers read them: tests, tools).
@@ -115,7 +120,8 @@ def _make_plan(q, k, v, o, causal, scale, ranged, dropout_p, config, needs, trac
         return _Plan(cfg, kernel, grid, cfg.threads, cfg.smem_bytes, index, bytes(p), **options)
     tp = FwdTmaParams()
     tp.p = p
-    maps = _map_layouts(q, k, v, cfg, tp)
+    with driver.primary_current(index):  # (an encode needs a current context, as a launch does)
+        maps = _map_layouts(q, k, v, o, cfg, tp)
     counted = cfg.persistent and grid[0] < p.num_m_blocks * heads_q * batch
     plan = _Plan(
         cfg,
@@ -131,23 +137,45 @@ def _make_plan(q, k, v, o, causal, scale, ranged, dropout_p, config, needs, trac
     )
     # The trial encode was of these tensors' own addresses: the call that made the plan reuses it.
     plan.encoded[(q.data_ptr(), k.data_ptr(), v.data_ptr())] = plan.template
+    if cfg.tma_store:
+        plan.encoded_o[o.data_ptr()] = bytes(tp.o_map)
     return plan
 
 
-def _tma_args(plan: _Plan, q_ptr: int, k_ptr: int, v_ptr: int) -> FwdTmaParams:
-    """The plan's FwdTmaParams with the tensor maps of these addresses (encoded once per address triple)."""
+def _encode_checked(map_field, layout: tma.MapLayout, ptr: int) -> None:
+    status = tma.encode_into(map_field, layout, ptr)
+    if status != 0:  # the plan encoded this layout once; only an address could differ, and kernel_ready
+        driver.check(status, "cuTensorMapEncodeTiled")  # and usable_in_place keep those 16-byte aligned
+
+
+def _remember(cache: OrderedDict, key, value) -> None:
+    cache[key] = value
+    if len(cache) > _ENCODED_PER_PLAN:  # oldest first (no reordering on a hit: safe for threads)
+        cache.popitem(last=False)
+
+
+def _tma_args(plan: _Plan, q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int) -> FwdTmaParams:
+    """The plan's FwdTmaParams with the tensor maps of these addresses (encoded once per address triple,
+    and o's, for a config with tma_store, once per address)."""
     key = (q_ptr, k_ptr, v_ptr)
     ready = plan.encoded.get(key)
     if ready is not None:
-        return FwdTmaParams.from_buffer_copy(ready)
-    args = FwdTmaParams.from_buffer_copy(plan.template)
-    for map_field, layout, ptr in zip((args.q_map, args.k_map, args.v_map), plan.maps, key, strict=True):
-        status = tma.encode_into(map_field, layout, ptr)
-        if status != 0:  # the plan encoded this layout once; only an address could differ, and
-            driver.check(status, "cuTensorMapEncodeTiled")  # kernel_ready keeps those 16-byte aligned
-    plan.encoded[key] = bytes(args)
-    if len(plan.encoded) > _ENCODED_PER_PLAN:  # oldest first (no reordering on a hit: safe for threads)
-        plan.encoded.popitem(last=False)
+        args = FwdTmaParams.from_buffer_copy(ready)
+    else:
+        args = FwdTmaParams.from_buffer_copy(plan.template)
+        with driver.primary_current(plan.index):  # (an encode needs a current context, as a launch does)
+            fields = (args.q_map, args.k_map, args.v_map)
+            for map_field, layout, ptr in zip(fields, plan.maps[:3], key, strict=True):
+                _encode_checked(map_field, layout, ptr)
+        _remember(plan.encoded, key, bytes(args))
+    if len(plan.maps) == 4:
+        o_map = plan.encoded_o.get(o_ptr)
+        if o_map is None:
+            with driver.primary_current(plan.index):
+                _encode_checked(args.o_map, plan.maps[3], o_ptr)
+            _remember(plan.encoded_o, o_ptr, bytes(args.o_map))
+        else:
+            ctypes.memmove(args.o_map, o_map, len(o_map))
     return args
 
 
@@ -176,7 +204,7 @@ def _call_args(plan: _Plan, q_, k_, v_, o, lse):
     if plan.maps is None:
         args = p = FwdParams.from_buffer_copy(plan.template)
     else:
-        args = _tma_args(plan, q_.data_ptr(), k_.data_ptr(), v_.data_ptr())
+        args = _tma_args(plan, q_.data_ptr(), k_.data_ptr(), v_.data_ptr(), o.data_ptr())
         p = args.p
         if plan.tile_counter:
             # The persistent grid's tile counter: the current stream's, which every launch leaves zeroed
@@ -190,25 +218,26 @@ def _call_args(plan: _Plan, q_, k_, v_, o, lse):
     return args, p, tile_counter
 
 
-def _map_layouts(
-    q, k, v, cfg: KernelConfig, into: FwdTmaParams
-) -> tuple[tma.MapLayout, tma.MapLayout, tma.MapLayout]:
-    """The tensor map layouts of q (boxes of block_q rows), k and v (block_kv rows), encoded once on these
-    tensors' own addresses into ``into``'s maps, so a layout the TMA unit refuses is known before anything
-    launches."""
+def _map_layouts(q, k, v, o, cfg: KernelConfig, into: FwdTmaParams) -> tuple[tma.MapLayout, ...]:
+    """The tensor map layouts of q (boxes of block_q rows), k and v (block_kv rows) and, for a config with
+    tma_store, o (boxes of one consumer warpgroup's 64 rows), encoded once on these tensors' own addresses
+    into ``into``'s maps, so a layout the TMA unit refuses is known before anything launches."""
     layouts = []
-    for name, t, rows, map_field in (
-        ("q", q, cfg.block_q, into.q_map),
-        ("k", k, cfg.block_kv, into.k_map),
-        ("v", v, cfg.block_kv, into.v_map),
-    ):
+    operands = [
+        ("loads q", q, cfg.block_q, into.q_map),
+        ("loads k", k, cfg.block_kv, into.k_map),
+        ("loads v", v, cfg.block_kv, into.v_map),
+    ]
+    if cfg.tma_store:
+        operands.append(("stores the output", o, 64, into.o_map))
+    for what, t, rows, map_field in operands:
         layout = tma.map_layout(t, rows)
         if isinstance(layout, str):
-            raise ValueError(f"config {cfg.name()} loads {name} with TMA, but {layout}; name another config")
+            raise ValueError(f"config {cfg.name()} {what} with TMA, but {layout}; name another config")
         status = tma.encode_into(map_field, layout, t.data_ptr())
         if status != 0:
             raise ValueError(
-                f"config {cfg.name()} loads {name} with TMA, but the driver refuses a tensor map of its "
+                f"config {cfg.name()} {what} with TMA, but the driver refuses a tensor map of its "
                 f"layout (shape {tuple(t.shape)}, strides {t.stride()}; status {status}); name another config"
             )
         layouts.append(layout)
@@ -318,7 +347,7 @@ def cuda_forward(
         return _traced_forward(q, k, v, causal, softmax_scale, return_lse, out, config, trace, trace_fault)
 
     q_, k_, v_ = kernel_ready(q), kernel_ready(k), kernel_ready(v)
-    if out is not None and usable_in_place(out):
+    if out is not None and usable_in_place(out) and not tma.untileable(out):  # (a TMA store's map of it)
         o = out
     else:
         # empty_like with an explicit format: a contiguous tensor of q's shape whatever q's strides, and

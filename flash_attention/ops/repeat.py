@@ -122,7 +122,7 @@ def _native(lib, plan, lse_shape, program: int) -> NativeRepeatCall:
     offsets = [base + getattr(FwdParams, name).offset for name in _FORWARD_SLOTS]
     maps = []
     if plan.maps is not None:
-        for name, layout in zip(("q_map", "k_map", "v_map"), plan.maps, strict=True):
+        for name, layout in zip(("q_map", "k_map", "v_map", "o_map"), plan.maps, strict=False):
             maps += [getattr(FwdTmaParams, name).offset, *layout.dims, *layout.strides, *layout.box]
     forward_program = torch.classes.flash_attention_host.ForwardProgram(
         torch.frombuffer(bytearray(plan.template), dtype=torch.uint8),

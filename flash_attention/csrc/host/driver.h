@@ -99,28 +99,46 @@ inline void* current_stream(const c10::Device& device) {
   return guard.getStream(device).native_handle();
 }
 
+// The device's primary context `context` made current on this thread for the guard's lifetime, and the
+// caller's put back after, as flash_attention/jit/driver.py's make_primary_current does for the Python
+// launches: a launch, and a tensor-map encode, go to whatever context is current, and the autograd engine's
+// device thread (or any thread whose CUDA work so far was served from PyTorch's caches) may have none.
+class ContextGuard {
+ public:
+  explicit ContextGuard(void* context) {
+    int status = g_driver.ctx_get(&previous_);
+    if (status != 0) driver_failed(status, "cuCtxGetCurrent");
+    switched_ = previous_ != context;
+    if (switched_ && (status = g_driver.ctx_set(context)) != 0) driver_failed(status, "cuCtxSetCurrent");
+  }
+  ~ContextGuard() {
+    if (switched_ && previous_ != nullptr) g_driver.ctx_set(previous_);
+  }
+  ContextGuard(const ContextGuard&) = delete;
+  ContextGuard& operator=(const ContextGuard&) = delete;
+
+ private:
+  void* previous_ = nullptr;
+  bool switched_ = false;
+};
+
 // Queue `launches` in order, each with `params` as its one by-value argument, on `stream`, in `context` (the
-// device's primary context, where the kernels are loaded): made current for the launches and the caller's
-// context put back after, as flash_attention/jit/driver.py's make_primary_current does for the Python
-// launches (the autograd engine's device thread may have none current).
+// device's primary context, where the kernels are loaded).
 inline void launch_all(const std::vector<Launch>& launches, const std::vector<std::string>& names, void* context,
                        void* params, void* stream) {
   if (g_driver.launch == nullptr) fail("flash_attention_host: set_driver was not called");
-  void* previous = nullptr;
-  int status = g_driver.ctx_get(&previous);
-  if (status != 0) driver_failed(status, "cuCtxGetCurrent");
-  const bool switched = previous != context;
-  if (switched && (status = g_driver.ctx_set(context)) != 0) driver_failed(status, "cuCtxSetCurrent");
-  void* args[1] = {params};  // the kernels take the params struct as their one by-value argument
   int failed = 0;
   size_t which = 0;
-  for (; which < launches.size(); ++which) {
-    const Launch& l = launches[which];
-    failed = g_driver.launch(l.kernel, l.grid[0], l.grid[1], l.grid[2], l.threads, 1, 1, l.smem, stream, args,
-                             nullptr);
-    if (failed != 0) break;
+  {
+    ContextGuard current(context);
+    void* args[1] = {params};  // the kernels take the params struct as their one by-value argument
+    for (; which < launches.size(); ++which) {
+      const Launch& l = launches[which];
+      failed = g_driver.launch(l.kernel, l.grid[0], l.grid[1], l.grid[2], l.threads, 1, 1, l.smem, stream, args,
+                               nullptr);
+      if (failed != 0) break;
+    }
   }
-  if (switched && previous != nullptr) g_driver.ctx_set(previous);
   if (failed != 0) driver_failed(failed, "launching " + names[which]);
 }
 

@@ -38,6 +38,36 @@ enum ForwardSlot : int { kFwdQ, kFwdK, kFwdV, kFwdO, kFwdLse, kFwdKeyRange, kNum
 // Bytes of a CUtensorMap, which the driver writes to a 64-byte aligned address.
 constexpr size_t kTensorMapBytes = 128;
 
+// Tensor maps encoded for the last few addresses of the tensors they describe: a training loop or a decoder
+// hands the same few addresses back (PyTorch's caching allocator), and an encode costs about as much as the
+// rest of the call. kMaps maps per entry, keyed by their kMaps addresses; the oldest entry goes first.
+template <size_t kMaps>
+struct EncodedMaps {
+  static constexpr size_t kKept = 16;
+  struct Entry {
+    std::array<uint64_t, kMaps> addresses;
+    std::array<uint8_t, kMaps * kTensorMapBytes> maps;
+  };
+  std::vector<Entry> entries;
+  size_t next = 0;
+
+  const Entry* find(const std::array<uint64_t, kMaps>& addresses) const {
+    for (const Entry& e : entries)
+      if (e.addresses == addresses) return &e;
+    return nullptr;
+  }
+  const Entry* add(const Entry& e) {
+    if (entries.size() < kKept) {
+      entries.push_back(e);
+      return &entries.back();
+    }
+    entries[next] = e;
+    const Entry* added = &entries[next];
+    next = (next + 1) % kKept;
+    return added;
+  }
+};
+
 struct ForwardProgram : torch::CustomClassHolder {
   static constexpr uint64_t kMagic = 0x6661737466777264;  // repeat_call's check on the address it is given
   uint64_t magic = kMagic;
@@ -49,30 +79,25 @@ struct ForwardProgram : torch::CustomClassHolder {
   std::vector<int64_t> lse_shape;      // (batch, heads_q, seqlen_q); empty: the call has no LSE
   c10::intrusive_ptr<BackwardProgram> backward;  // training: the node's program; null for inference
 
-  // A TMA kernel's tensor map of q, k and v: where it sits in params and what it describes (every field
-  // but the address, as flash_attention/ops/tma.py's MapLayout).
+  // A TMA kernel's tensor map of q, k, v (and o, for a config with tma_store): where it sits in params and
+  // what it describes (every field but the address, as flash_attention/ops/tma.py's MapLayout).
   struct MapLayout {
     int64_t offset;
     uint64_t dims[4];
     uint64_t strides[3];
     uint32_t box[4];
   };
-  std::vector<MapLayout> maps;  // none, or q's, k's and v's
+  std::vector<MapLayout> maps;  // none, q's, k's and v's, or those and o's
   int encode_flags[5];          // data type, interleave, swizzle, L2 promotion, out-of-bounds fill
 
-  // The maps encoded for the last few address triples: a training loop or a decoder hands the same few
-  // addresses back (PyTorch's caching allocator), and three encodes cost more than the rest of the call.
-  static constexpr size_t kEncodedKept = 16;
-  struct Encoded {
-    uint64_t q, k, v;
-    std::array<uint8_t, 3 * kTensorMapBytes> maps;
-  };
+  // The maps encoded so far: q's, k's and v's by their address triple, o's apart by its own address (a
+  // fresh output each call: with o in the key, a new output address would cost all four encodes).
   std::mutex encoded_mutex;  // calls from several threads may share a program
-  std::vector<Encoded> encoded;
-  size_t next_slot = 0;
+  EncodedMaps<3> encoded_qkv;
+  EncodedMaps<1> encoded_o;
 
   // slot_offsets: one per ForwardSlot; launch_fields: six integers (driver.h's launches_from); map_fields:
-  // 12 integers per map (offset, 4 dims, 3 byte strides, 4 box sizes), none or three maps; flags: the five
+  // 12 integers per map (offset, 4 dims, 3 byte strides, 4 box sizes), none, three or four maps; flags: the five
   // encode constants; backward_address: a BackwardProgram's address, or 0 for inference.
   ForwardProgram(const at::Tensor& params_bytes, std::vector<int64_t> slot_offsets, std::vector<int64_t> launch_fields,
                  const std::string& kernel_name, int64_t context_, std::vector<int64_t> lse_shape_,
@@ -85,7 +110,8 @@ struct ForwardProgram : torch::CustomClassHolder {
     check(launches.size() == 1, "ForwardProgram: expected one launch");
     names = names_from(kernel_name, 1);
     check(lse_shape.empty() || lse_shape.size() == 3, "ForwardProgram: the LSE shape has three sizes or none");
-    check(map_fields.empty() || map_fields.size() == 36, "ForwardProgram: maps must be 12 integers each, three");
+    check(map_fields.empty() || map_fields.size() == 36 || map_fields.size() == 48,
+          "ForwardProgram: maps must be 12 integers each, three or four");
     check(flags.size() == 5, "ForwardProgram: expected five encode flags");
     for (size_t m = 0; m < map_fields.size(); m += 12) {
       MapLayout layout{map_fields[m], {}, {}, {}};
@@ -97,7 +123,6 @@ struct ForwardProgram : torch::CustomClassHolder {
       maps.push_back(layout);
     }
     for (int i = 0; i < 5; ++i) encode_flags[i] = static_cast<int>(flags[i]);
-    encoded.reserve(kEncodedKept);
     if (backward_address != 0) {
       check(!lse_shape.empty(), "ForwardProgram: a training program needs the LSE");
       backward = BackwardProgram::from_address(backward_address);
@@ -108,43 +133,42 @@ struct ForwardProgram : torch::CustomClassHolder {
     if (offsets[slot] >= 0) std::memcpy(into.data() + offsets[slot], &value, sizeof(value));
   }
 
-  // Write the tensor maps of q, k and v at these addresses into `into` (encoded once per address triple).
-  void put_maps(std::vector<uint8_t>& into, uint64_t q, uint64_t k, uint64_t v) {
+  // Encode map `m` of the tensor at `address` into `dst` (kTensorMapBytes).
+  void encode(const MapLayout& m, uint64_t address, uint8_t* dst) const {
+    if (g_driver.encode_tiled == nullptr) fail("flash_attention_host: the driver has no cuTensorMapEncodeTiled");
+    alignas(64) uint8_t scratch[kTensorMapBytes];  // the driver writes a map to a 64-byte aligned address
+    static const uint32_t kOnes[4] = {1, 1, 1, 1};  // element strides: every element of a box
+    ContextGuard current(context);  // the encode fails (invalid context) on a thread with none current
+    const int status = g_driver.encode_tiled(scratch, encode_flags[0], 4, reinterpret_cast<void*>(address), m.dims,
+                                             m.strides, m.box, kOnes, encode_flags[1], encode_flags[2],
+                                             encode_flags[3], encode_flags[4]);
+    // The plan encoded this layout once when it was made; only an address could differ, and the caller
+    // checked those are 16-byte aligned.
+    if (status != 0) driver_failed(status, "cuTensorMapEncodeTiled");
+    std::memcpy(dst, scratch, kTensorMapBytes);
+  }
+
+  // Write the tensor maps of q, k, v (and o) at these addresses into `into`, each encoded once per address.
+  void put_maps(std::vector<uint8_t>& into, uint64_t q, uint64_t k, uint64_t v, uint64_t o) {
     std::lock_guard<std::mutex> lock(encoded_mutex);
-    const Encoded* found = nullptr;
-    for (const Encoded& e : encoded) {
-      if (e.q == q && e.k == k && e.v == v) {
-        found = &e;
-        break;
-      }
-    }
+    const std::array<uint64_t, 3> qkv{q, k, v};
+    const EncodedMaps<3>::Entry* found = encoded_qkv.find(qkv);
     if (found == nullptr) {
-      if (g_driver.encode_tiled == nullptr) fail("flash_attention_host: the driver has no cuTensorMapEncodeTiled");
-      Encoded e{q, k, v, {}};
-      alignas(64) uint8_t scratch[kTensorMapBytes];  // the driver writes a map to a 64-byte aligned address
-      static const uint32_t kOnes[4] = {1, 1, 1, 1};  // element strides: every element of a box
-      const uint64_t address[3] = {q, k, v};
-      for (size_t i = 0; i < 3; ++i) {
-        const MapLayout& m = maps[i];
-        const int status = g_driver.encode_tiled(scratch, encode_flags[0], 4, reinterpret_cast<void*>(address[i]),
-                                                 m.dims, m.strides, m.box, kOnes, encode_flags[1], encode_flags[2],
-                                                 encode_flags[3], encode_flags[4]);
-        // The plan encoded this layout once when it was made; only an address could differ, and the caller
-        // checked those are 16-byte aligned.
-        if (status != 0) driver_failed(status, "cuTensorMapEncodeTiled");
-        std::memcpy(e.maps.data() + i * kTensorMapBytes, scratch, kTensorMapBytes);
-      }
-      if (encoded.size() < kEncodedKept) {
-        encoded.push_back(e);
-        found = &encoded.back();
-      } else {
-        encoded[next_slot] = e;  // the oldest goes
-        found = &encoded[next_slot];
-        next_slot = (next_slot + 1) % kEncodedKept;
-      }
+      EncodedMaps<3>::Entry e{qkv, {}};
+      for (size_t i = 0; i < 3; ++i) encode(maps[i], qkv[i], e.maps.data() + i * kTensorMapBytes);
+      found = encoded_qkv.add(e);
     }
     for (size_t i = 0; i < 3; ++i) {
       std::memcpy(into.data() + maps[i].offset, found->maps.data() + i * kTensorMapBytes, kTensorMapBytes);
+    }
+    if (maps.size() == 4) {
+      const EncodedMaps<1>::Entry* found_o = encoded_o.find({o});
+      if (found_o == nullptr) {
+        EncodedMaps<1>::Entry e{{o}, {}};
+        encode(maps[3], o, e.maps.data());
+        found_o = encoded_o.add(e);
+      }
+      std::memcpy(into.data() + maps[3].offset, found_o->maps.data(), kTensorMapBytes);
     }
   }
 
@@ -173,7 +197,7 @@ std::vector<at::Tensor> repeat_call(const at::Tensor& q, const at::Tensor& k, co
   program.put(params, kFwdO, address_of(out));
   program.put(params, kFwdLse, lse.defined() ? address_of(lse) : 0);
   program.put(params, kFwdKeyRange, key_range ? address_of(*key_range) : 0);
-  if (!program.maps.empty()) program.put_maps(params, address_of(q), address_of(k), address_of(v));
+  if (!program.maps.empty()) program.put_maps(params, address_of(q), address_of(k), address_of(v), address_of(out));
   launch_all(program.launches, program.names, program.context, params.data(), current_stream(q.device()));
 
   if (program.backward) record_node(q, k, v, out, lse, key_range, 0, program.backward);

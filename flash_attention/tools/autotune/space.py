@@ -68,7 +68,8 @@ def candidate_space(dtype: str, head_dim: int, causal: bool, arch: str = "sm_80"
     kernel's configs cannot win there: its tuned defaults measured 11-42% below the best wgmma config at every
     point of a scratch sweep on an H100 (docs/kernel-log.md, steps 17-18), so timing them is wasted.
     The warp-specialized kernel's configs join them: the tiles of ``_WS_TILES`` (one to three consumer
-    warpgroups), a TMA ring 2 or 3 deep, and the schedules of ``_WS_SCHEDULES``.
+    warpgroups), a TMA ring 2 or 3 deep, and the schedules of ``_WS_SCHEDULES``, all with the output's TMA
+    stores (fixed on: +1-4% or level at every point measured, docs/kernel-log.md step 62).
     """
     d = padded_head_dim(head_dim)
     dk = d // 16
@@ -79,8 +80,9 @@ def candidate_space(dtype: str, head_dim: int, causal: bool, arch: str = "sm_80"
                 out.append(wgmma_config(dtype, d, block_q, block_kv, stages))
         for block_q, block_kv in _WS_TILES:
             for stages, knobs in itertools.product((2, 3), _WS_SCHEDULES):
-                if not validity_errors(ws_config(dtype, d, block_q, block_kv, stages, **knobs, check=False)):
-                    out.append(ws_config(dtype, d, block_q, block_kv, stages, **knobs))
+                cfg = ws_config(dtype, d, block_q, block_kv, stages, **knobs, tma_store=True, check=False)
+                if not validity_errors(cfg):
+                    out.append(ws_config(dtype, d, block_q, block_kv, stages, **knobs, tma_store=True))
         return out
     for block_q, warps, block_kv in itertools.product((64, 128, 256), (4, 8), (32, 64, 128)):
         for q_frags, k_frags, v_frags, buffered in itertools.product(

@@ -76,6 +76,7 @@ def _warp_specialized_steps(dtype: str, d: int, tuned: KernelConfig) -> list[tup
         ("+ ping-pong between the consumers", dict(pingpong=True)),
         ("+ intra-warpgroup overlap (S_j+1 under softmax_j)", dict(pingpong=True, overlap=True)),
         ("+ persistent grid, tiles taken dynamically", dict(pingpong=True, overlap=True, persistent=True)),
+        ("+ output through TMA stores", dict(pingpong=True, overlap=True, persistent=True, tma_store=True)),
     ]
     return [(label, ws_config(dtype, d, 128, block_kv, 2, **kw)) for label, kw in knobs]
 

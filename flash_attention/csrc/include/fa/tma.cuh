@@ -66,6 +66,20 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const TensorMap* map, u32 b
       : "memory");
 }
 
+// The reverse: one box from shared memory (laid out and swizzled as the map says) to a 4-dimensional
+// tensor in global memory. Rows and columns past the tensor's extent are not written, so a tile's tail rows
+// and a head_dim below the padded one need no code of their own. The copy is tracked as a bulk group of
+// the issuing thread (bulk_commit, bulk_wait_read / bulk_wait below); the shared memory must have been
+// written before it through the async proxy's view (fence_proxy_async in every writing thread, then a
+// barrier with the issuing thread).
+__device__ __forceinline__ void tma_store_4d(const TensorMap* map, u32 src, int c0, int c1, int c2, int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group [%0, {%1, %2, %3, %4}], [%5];\n" ::"l"(
+          reinterpret_cast<u64>(map)),
+      "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(src)
+      : "memory");
+}
+
 // Fetch the tensor map into the TMA unit's descriptor cache ahead of the first load (prefetch.tensormap).
 __device__ __forceinline__ void tma_prefetch_map(const TensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<u64>(map)) : "memory");

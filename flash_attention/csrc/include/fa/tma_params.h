@@ -18,6 +18,9 @@ struct FwdTmaParams {
   // (head_dim, seqlen, heads, batch) views of q, k and v, innermost first; boxes of 64 columns (one
   // 128-byte swizzle panel) by a tile's rows.
   TensorMap q_map, k_map, v_map;
+  // Configs with tma_store: the (head_dim, seqlen_q, heads_q, batch) view of the output, boxes of 64
+  // columns by 64 rows (one consumer warpgroup's staged panel); unused (zeros) otherwise.
+  TensorMap o_map;
   // Persistent configs with more tiles than blocks: two ints, zero at launch, that the kernel leaves zero
   // for the next launch on the stream ([0] the tiles taken, [1] the blocks done taking; the fwd_ws kernel
   // says how); null otherwise.

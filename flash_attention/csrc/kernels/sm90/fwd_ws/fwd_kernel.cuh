@@ -66,6 +66,10 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
   static_assert(Cfg::kWgmma && Cfg::kWarpSpecialized, "the warp-specialized kernel runs ws configs only");
   using Mask = typename V::Mask;  // the variant's policies (fa/variant.cuh)
   constexpr bool kFold = kFoldsScale<V, true>;
+  // The output through TMA stores (the epilogue says how), except in the dropout builds: there NVRTC's
+  // register allocation of the largest tiles (head_dim 128 x 176 keys, 256 x 80) spilled 52-96 bytes with
+  // it and none without, whichever of the two epilogue schedules below the store took.
+  constexpr bool kTmaStore = Cfg::kTmaStore && !kDropout;
   const FwdParams& p = tp.p;
   constexpr bool BF = Cfg::kIsBF16;
   constexpr int D = Cfg::kHeadDim;
@@ -254,6 +258,9 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
 #endif
   const u64 v_desc = smem_desc_sw128(sV, BC * 128, 1024);
   const float sl2 = p.scale_log2;
+  if constexpr (kTmaStore) {
+    if (ctid % 128 == 0) tma_prefetch_map(&tp.o_map);  // each warpgroup's store issuer (the epilogue)
+  }
 
   // Ping-pong (Cfg::kPingpong, two consumer warpgroups): the warpgroups take turns at every point where
   // they issue matrix products. Warpgroup c waits at named barrier kTurn + c for the other to have passed
@@ -532,10 +539,27 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
 #if FA_TRACE
       trace_final(sQ, warp_row0);
 #endif
-      // Every consumer's rows of O are staged before any of them copies whole rows out (named barrier 1:
-      // the producer warpgroup does not take part).
-      named_barrier_sync(1, NCT);
-      store_o_tile<BR, D, NCT, PanelTile<BR>>(p, gO, sQ, q_valid, ctid);
+      if constexpr (kTmaStore) {
+        // One thread per warpgroup stores the warpgroup's own rows (one TMA store per 64-column panel) once
+        // its four warps have staged them (fence: visible to the TMA unit; named barrier 4 + cwg: only this
+        // warpgroup's threads). The block's one tile: nothing stages over the rows again, and the block
+        // waits for the stores at its exit. (The warpgroup-per-warpgroup path below costs this schedule the
+        // extra barrier and, compiled by NVRTC, 92-96 spilled bytes in head_dim 256's dropout tiles.)
+        fence_proxy_async();
+        named_barrier_sync(4 + cwg, 128);
+        if (ctid % 128 == 0) {
+#pragma unroll
+          for (int pn = 0; pn < NP; ++pn)
+            tma_store_4d(&tp.o_map, sQ + pn * BR * 128 + cwg * 64 * 128, 64 * pn, q_start + 64 * cwg, head,
+                         batch);
+          bulk_commit();
+        }
+      } else {
+        // Every consumer's rows of O are staged before any of them copies whole rows out (named barrier 1:
+        // the producer warpgroup does not take part).
+        named_barrier_sync(1, NCT);
+        store_o_tile<BR, D, NCT, PanelTile<BR>>(p, gO, sQ, q_valid, ctid);
+      }
       FA_TIMELINE_EVENT(tl, kEpilogueEnd, tile);
     } else {
       // Each warpgroup stages and copies out its own 64 rows, meeting only its own warps (named barrier
@@ -550,19 +574,48 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
       // bar.arrive turns), though the outputs were right. Other configs keep that path: this one costs the
       // non-persistent kernels 16 instructions and, compiled by NVRTC, spills in the 176-key dropout tiles
       // (docs/kernel-log.md, step 36).
+      // With tma_store, one thread of the warpgroup hands the staged rows to the TMA unit,
+      // one store per 64-column panel, and the warpgroup goes on: the copy-out's shared loads and global
+      // stores (2 D / 16 of each per thread) leave the path between this tile's last P V and the next
+      // tile's first S. The store reads the staging buffer after the warpgroup has moved on, so before the
+      // next staging over it the issuing thread waits for its reads (bulk_wait_read, ahead of the first
+      // barrier, which then holds the other warps back), and before the block exits for the whole copy.
       using OTile = PanelTile<Cfg::kPersistent ? 64 : BR>;
+      constexpr int kOTileRows = Cfg::kPersistent ? 64 : BR;  // rows of one panel of the staging tile
       const u32 sOw = Cfg::kPersistent ? sO + cwg * 64 * D * 2 : sQ + cwg * 64 * 128;
       const int rows = q_valid - 64 * cwg;
+      const bool store_issuer = ctid % 128 == 0;
+      if constexpr (kTmaStore) {
+        if (store_issuer) bulk_wait_read<0>();  // the previous tile's stores have read sOw
+      }
       named_barrier_sync(4 + cwg, 128);
       stage_o_and_lse<D, OTile, BF, kFold>(p, o, row_max, row_sum, sOw, gL ? gL + 64 * cwg : nullptr,
                                            warp_row0 - 64 * cwg, g, t, rows);
 #if FA_TRACE
       trace_final(sOw, warp_row0 - 64 * cwg);
 #endif
-      named_barrier_sync(4 + cwg, 128);
-      store_o_tile<64, D, 128, OTile>(p, gO + 64 * cwg * p.o_row_stride, sOw, rows, ctid % 128);
+      if constexpr (kTmaStore) {
+        // Each thread's staging stores (generic proxy) are made visible to the TMA unit (async proxy)
+        // before the barrier lets the issuing thread start the copy.
+        fence_proxy_async();
+        named_barrier_sync(4 + cwg, 128);
+        if (store_issuer) {
+#pragma unroll
+          for (int pn = 0; pn < NP; ++pn)
+            tma_store_4d(&tp.o_map, sOw + pn * kOTileRows * 128, 64 * pn, q_start + 64 * cwg, head, batch);
+          bulk_commit();
+        }
+      } else {
+        named_barrier_sync(4 + cwg, 128);
+        store_o_tile<64, D, 128, OTile>(p, gO + 64 * cwg * p.o_row_stride, sOw, rows, ctid % 128);
+      }
       FA_TIMELINE_EVENT(tl, kEpilogueEnd, tile);
     }
+  }
+  // The block's shared memory must outlive the last TMA stores that read it, and their writes must be done
+  // before the grid is (a later kernel on the stream reads O).
+  if constexpr (kTmaStore) {
+    if (ctid % 128 == 0) bulk_wait<0>();
   }
 }
 
