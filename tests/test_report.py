@@ -150,7 +150,7 @@ def test_progression_adds_one_warp_specialized_technique_per_step(d, causal, n):
     for a, b in zip(chain, chain[1:], strict=False):
         changed = {f.name for f in dataclasses.fields(a) if getattr(a, f.name) != getattr(b, f.name)}
         added.append(changed)
-    assert added == [{"pingpong"}, {"overlap"}, {"persistent"}]
+    assert added == [{"pingpong"}, {"overlap"}, {"persistent"}, {"tma_store"}]
 
 
 @needs_compiler
