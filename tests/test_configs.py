@@ -101,9 +101,9 @@ def _space(n_random: int = 2500, seed: int = 0) -> list[KernelConfig]:
                 double_buffer=False,
             )  # fmt: skip
         )
-    # tma_store: with and without the warp-specialized kernel it needs, on every schedule.
+    # tma_store and tile_overlap: with and without the warp-specialized kernel they need, on every schedule.
     flags = (True, False)
-    for d, ws, persistent, pingpong in itertools.product((64, 128), flags, flags, flags):
+    for d, ws, persistent, pingpong, tile in itertools.product((64, 128), flags, flags, flags, flags):
         out.append(
             KernelConfig.unchecked(
                 "bf16",
@@ -118,6 +118,7 @@ def _space(n_random: int = 2500, seed: int = 0) -> list[KernelConfig]:
                 pingpong=pingpong,
                 persistent=persistent,
                 tma_store=True,
+                tile_overlap=tile,
                 k_frags=0,
                 v_frags=0,
                 double_buffer=False,

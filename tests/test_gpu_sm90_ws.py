@@ -51,6 +51,10 @@ _CONFIGS = [
     ws_config("bf16", 256, 128, 80, 2, overlap=True, tma_store=True),
     ws_config("bf16", 128, 128, 112, 2, overlap=True, pingpong=True, tma_store=True),
     ws_config("fp16", 64, 128, 176, 3, overlap=True, persistent=True, tma_store=True),
+    # A tile's epilogue under the next tile's first S (persistent with overlap), with and without TMA stores.
+    ws_config("bf16", 128, 128, 128, 2, overlap=True, persistent=True, tma_store=True, tile_overlap=True),
+    ws_config("bf16", 64, 128, 176, 3, overlap=True, persistent=True, tile_overlap=True),
+    ws_config("fp16", 256, 64, 64, 2, overlap=True, persistent=True, tma_store=True, tile_overlap=True),
 ]
 _SHAPES = [
     # b, sq, sk, hq, hkv, causal, layout
@@ -63,10 +67,23 @@ _SHAPES = [
 ]
 
 
+@pytest.fixture
+def few_multiprocessors(monkeypatch):
+    """Persistent grids of three blocks: each block then runs several tiles of these small problems (the
+    K/V ring and the output staging carried from one tile to the next, an epilogue deferred under the next
+    tile's first S, an empty tile between two), as the benchmark shapes do on the real 132."""
+    from flash_attention.ops import forward as ops_forward
+
+    ops.clear_plans()
+    monkeypatch.setattr(ops_forward, "sm_count", lambda index: 3)
+    yield
+    ops.clear_plans()
+
+
 @needs_hopper
 @pytest.mark.parametrize("cfg", _CONFIGS, ids=str)
 @pytest.mark.parametrize("shape", _SHAPES, ids=str)
-def test_ws_against_float64(cfg, shape):
+def test_ws_against_float64(cfg, shape, few_multiprocessors):
     b, sq, sk, hq, hkv, causal, layout = shape
     for d in sorted({cfg.head_dim, cfg.head_dim - 40}):
         check_case(b, sq, sk, hq, hkv, d, cfg.dtype, causal, layout, cfg, seed=sq + d)
@@ -74,10 +91,16 @@ def test_ws_against_float64(cfg, shape):
 
 @needs_hopper
 @pytest.mark.parametrize(
-    "overlap, pingpong, persistent", [(False, False, False), (True, False, False), (True, True, True)]
+    "overlap, pingpong, persistent, tile_overlap",
+    [
+        (False, False, False, False),
+        (True, False, False, False),
+        (True, True, True, False),
+        (True, False, True, True),
+    ],
 )
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_ws_key_range_and_dropout(d, overlap, pingpong, persistent):
+def test_ws_key_range_and_dropout(d, overlap, pingpong, persistent, tile_overlap, few_multiprocessors):
     from test_gpu_dropout import _explicit
 
     from flash_attention.dropout import draw_seed, keep_mask
@@ -85,7 +108,11 @@ def test_ws_key_range_and_dropout(d, overlap, pingpong, persistent):
     gen = torch.Generator(device="cuda").manual_seed(d)
     q, k, v = (torch.randn(3, 300, 2, d, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(3))
     knobs = dict(overlap=overlap, pingpong=pingpong, persistent=persistent)
-    if persistent and d == 256:  # two consumer warpgroups and an output tile of their own exceed smem
+    if tile_overlap:  # (an empty tile, batch row 1, between tiles whose epilogues wait for the next one)
+        cfg = ws_config(
+            "bf16", d, 64 if d == 256 else 128, 64 if d == 256 else 128, 2, **knobs, tile_overlap=True
+        )
+    elif persistent and d == 256:  # two consumer warpgroups and an output tile of their own exceed smem
         cfg = ws_config("bf16", d, 64, 64, 2, overlap=True, persistent=True)
     elif overlap and not pingpong:  # the three-consumer block at 64, tiles of 176 and 80 keys at 128 and 256
         cfg = ws_config("bf16", d, 192 if d == 64 else 128, {64: 128, 128: 176, 256: 80}[d], 2, **knobs)

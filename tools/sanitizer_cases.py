@@ -36,8 +36,8 @@ SMALL = {1: 40, 2: 60}  # --small: shorter sequences (index into the case tuple 
 
 #: Hopper only: the warp-specialized kernel's knobs the defaults may not use (the persistent grid's tile
 #: hand-off and output staging, three consumer warpgroups, key tiles that are not a power of two,
-#: ping-pong, the output's TMA stores), each on a causal grouped-query call with more query tiles than the
-#: GPU has multiprocessors at full size, forward only:
+#: ping-pong, the output's TMA stores, epilogues under the next tile's first S), each on a causal
+#: grouped-query call with more query tiles than the GPU has multiprocessors at full size, forward only:
 #: (config, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim).
 WS_CASES = [
     ("(BF16, 128, 128, 112, 12): wgmma+ws+overlap+pingpong+persistent+stages_2", 3, 1100, 1300, 8, 2, 120),
@@ -46,6 +46,15 @@ WS_CASES = [
     ("(BF16, 64, 192, 128, 16): wgmma+ws+overlap+stages_2", 2, 517, 333, 4, 1, 64),
     ("(BF16, 128, 128, 128, 12): wgmma+ws+overlap+persistent+tma_store+stages_2", 3, 1100, 1300, 8, 2, 120),
     ("(BF16, 256, 128, 80, 12): wgmma+ws+overlap+tma_store+stages_2", 1, 333, 517, 4, 2, 256),
+    (
+        "(BF16, 128, 128, 128, 12): wgmma+ws+overlap+persistent+tma_store+tile_overlap+stages_2",
+        3,
+        1100,
+        1300,
+        8,
+        2,
+        128,
+    ),
 ]
 
 
@@ -99,7 +108,18 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="shorter sequences (for racecheck)")
     ap.add_argument("--ws-only", action="store_true", help="only the warp-specialized kernel's cases")
+    ap.add_argument(
+        "--persistent-blocks",
+        type=int,
+        default=0,
+        help="persistent grids of this many blocks (default: one per multiprocessor); with --small, a few "
+        "make each block run several tiles, as the full-size cases do",
+    )
     args = ap.parse_args(argv)
+    if args.persistent_blocks > 0:
+        from flash_attention.ops import forward as ops_forward
+
+        ops_forward.sm_count = lambda index: args.persistent_blocks
     worst = 0.0
     for i, case in enumerate([] if args.ws_only else CASES):
         err = run_case(case, seed=i, small=args.small)

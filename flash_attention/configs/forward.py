@@ -92,6 +92,9 @@ class KernelConfig:
         tma_store: warp_specialized only: each consumer warpgroup hands its staged 64 output rows to the TMA
             unit (one store per 64-column panel, through a tensor map of O) instead of copying them out
             itself, and goes on to its next tile while the copy runs. Named ``...+tma_store``.
+        tile_overlap: persistent with overlap and without ping-pong only: each consumer warpgroup issues the
+            next tile's first S = Q K^T before this tile's epilogue, so the tensor cores work through the
+            epilogue and the next tile starts with its first product done. Named ``...+tile_overlap``.
     """
 
     dtype: str
@@ -115,6 +118,7 @@ class KernelConfig:
     pingpong: bool = False
     persistent: bool = False
     tma_store: bool = False
+    tile_overlap: bool = False
 
     def __post_init__(self) -> None:
         errors = validity_errors(self)
@@ -163,6 +167,7 @@ class KernelConfig:
                 + (["pingpong"] if self.pingpong else [])
                 + (["persistent"] if self.persistent else [])
                 + (["tma_store"] if self.tma_store else [])
+                + (["tile_overlap"] if self.tile_overlap else [])
                 + ([f"stages_{self.stages}"] if self.stages != 1 else [])
             )
         out = ["async" if self.async_copy else "sync"]
@@ -232,6 +237,7 @@ class KernelConfig:
             ("kPingpong", "bool", self.pingpong),
             ("kPersistent", "bool", self.persistent),
             ("kTmaStore", "bool", self.tma_store),
+            ("kTileOverlap", "bool", self.tile_overlap),
             ("kProducerRegs", "int", register_split(self)[0]),
             ("kConsumerRegs", "int", register_split(self)[1]),
         ]
@@ -295,6 +301,7 @@ def ws_config(
     pingpong: bool = False,
     persistent: bool = False,
     tma_store: bool = False,
+    tile_overlap: bool = False,
     check: bool = True,
 ) -> KernelConfig:
     """The warp-specialized Hopper config: a producer warpgroup and ``block_q / 64`` consumer warpgroups
@@ -315,6 +322,7 @@ def ws_config(
         pingpong=pingpong,
         persistent=persistent,
         tma_store=tma_store,
+        tile_overlap=tile_overlap,
         **_WGMMA_FIXED,
     )
 
@@ -345,6 +353,8 @@ def validity_errors(cfg: KernelConfig) -> list[str]:
         e.append("persistent needs warp_specialized")
     if cfg.tma_store and not cfg.warp_specialized:
         e.append("tma_store needs warp_specialized")
+    if cfg.tile_overlap and not (cfg.persistent and cfg.overlap and not cfg.pingpong):
+        e.append("tile_overlap needs persistent and overlap, without pingpong")
     warps = cfg.compute_warps
     if warps not in (1, 2, 4, 8) and not (cfg.warp_specialized and warps == 12):
         e.append("num_warps must be 1, 2, 4 or 8 (12 consumer warps beside a warp-specialized producer)")
@@ -470,7 +480,15 @@ def _from_flags(dtype: str, d: int, bq: int, bkv: int, w: int, flags: list[str],
         "reverse": "reverse_kv",
     }
     if flags and flags[0] == "wgmma":
-        stages, ws, overlap, pingpong, persistent, tma_store = 1, False, False, False, False, False
+        stages, ws, overlap, pingpong, persistent, tma_store, tile_overlap = (
+            1,
+            False,
+            False,
+            False,
+            False,
+            False,
+            False,
+        )
         for f in flags[1:]:
             m = re.fullmatch(r"stages_(\d+)", f)
             if f == "ws":
@@ -483,6 +501,8 @@ def _from_flags(dtype: str, d: int, bq: int, bkv: int, w: int, flags: list[str],
                 persistent = True
             elif f == "tma_store":
                 tma_store = True
+            elif f == "tile_overlap":
+                tile_overlap = True
             elif m:
                 stages = int(m[1])
             else:
@@ -500,6 +520,7 @@ def _from_flags(dtype: str, d: int, bq: int, bkv: int, w: int, flags: list[str],
             pingpong=pingpong,
             persistent=persistent,
             tma_store=tma_store,
+            tile_overlap=tile_overlap,
             **_WGMMA_FIXED,
         )
     seen_copy = False

@@ -41,7 +41,8 @@ __all__ = [
 #: already reach that budget.
 _WS_TILES = ((64, 128), (128, 64), (128, 80), (128, 112), (128, 128), (128, 176), (192, 64), (192, 128))
 
-#: Consumer schedules: in order, overlapped, and overlapped with ping-pong and/or the persistent grid.
+#: Consumer schedules: in order, overlapped, and overlapped with ping-pong and/or the persistent grid (the
+#: latter also with each tile's epilogue under the next tile's first S, tile_overlap).
 #: Ping-pong or a persistent grid without overlap is left out: both measured 10-35% below the in-order
 #: or overlapped schedule at every shape (docs/kernel-log.md, steps 29-30).
 _WS_SCHEDULES = (
@@ -49,6 +50,7 @@ _WS_SCHEDULES = (
     dict(overlap=True),
     dict(overlap=True, pingpong=True),
     dict(overlap=True, persistent=True),
+    dict(overlap=True, persistent=True, tile_overlap=True),
     dict(overlap=True, pingpong=True, persistent=True),
 )
 

@@ -70,6 +70,10 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
   // register allocation of the largest tiles (head_dim 128 x 176 keys, 256 x 80) spilled 52-96 bytes with
   // it and none without, whichever of the two epilogue schedules below the store took.
   constexpr bool kTmaStore = Cfg::kTmaStore && !kDropout;
+  // A tile's epilogue deferred to run under the next tile's first S = Q K^T (the tile loop says how). Not
+  // in the trace build, whose tracer is the tile's own (there the epilogue runs at the tile's end, and the
+  // traced values are the same), nor in the dropout builds (NVRTC spilled 28-68 bytes with it).
+  constexpr bool kTileOverlap = Cfg::kTileOverlap && !FA_TRACE && !kDropout;
   const FwdParams& p = tp.p;
   constexpr bool BF = Cfg::kIsBF16;
   constexpr int D = Cfg::kHeadDim;
@@ -283,6 +287,78 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
     if (lane == 0) mbar_arrive(bar);
   };
 
+  // A warpgroup's 64 x D output accumulator and the running max and sum of its rows, for the tile in hand;
+  // with Cfg::kTileOverlap held past the tile's end until its epilogue has run (below).
+  float o[NO * 4];
+  float row_max[2], row_sum[2];
+  // Where this warpgroup stages its output rows in the per-warpgroup epilogue below: persistent, its part of
+  // the output tile sO (PanelTile<64>); otherwise its own rows of the Q tile (PanelTile<BR>).
+  const u32 sOw = Cfg::kPersistent ? sO + cwg * 64 * D * 2 : sQ + cwg * 64 * 128;
+  // The output (and LSE) rows of this warpgroup for tile `tile_index`, from o and the row statistics: the
+  // epilogue of the persistent and ping-pong configs (below, in the tile loop; with kTileOverlap, under the
+  // next tile's first S). The staged rows stay in sOw until the warpgroup's next epilogue.
+  auto warpgroup_epilogue = [&](const Tile& x, int q_start, int q_valid, float* gL) {
+    // Each warpgroup stages and copies out its own 64 rows, meeting only its own warps (named barrier
+    // 4 + cwg, 128 threads): the warpgroups drift apart (ping-pong makes them) and need not wait for each
+    // other. Persistent, the rows go to the warpgroup's part of sO (PanelTile<64>), so the next tile's Q
+    // can land meanwhile; otherwise to its own rows of the Q tile (its wgmma read no others). The first
+    // barrier orders every warp's copy-out of the previous tile (persistent), or its last wgmma read of
+    // those rows of Q, before any warp stages over them; the second orders the staging before the copy,
+    // which reads other warps' rows.
+    // Ping-pong takes this path even without the persistent grid: with the 256-thread barrier of the
+    // path above, racecheck reported hazards between the staging and the copy (it does not follow the
+    // bar.arrive turns), though the outputs were right. Other configs keep that path: this one costs the
+    // non-persistent kernels 16 instructions and, compiled by NVRTC, spills in the 176-key dropout tiles
+    // (docs/kernel-log.md, step 36).
+    // With tma_store, one thread of the warpgroup hands the staged rows to the TMA unit,
+    // one store per 64-column panel, and the warpgroup goes on: the copy-out's shared loads and global
+    // stores (2 D / 16 of each per thread) leave the path between this tile's last P V and the next
+    // tile's first S. The store reads the staging buffer after the warpgroup has moved on, so before the
+    // next staging over it the issuing thread waits for its reads (bulk_wait_read, ahead of the first
+    // barrier, which then holds the other warps back), and before the block exits for the whole copy.
+    using OTile = PanelTile<Cfg::kPersistent ? 64 : BR>;
+    constexpr int kOTileRows = Cfg::kPersistent ? 64 : BR;  // rows of one panel of the staging tile
+    const int rows = q_valid - 64 * cwg;
+    const bool store_issuer = ctid % 128 == 0;
+    if constexpr (kTmaStore) {
+      if (store_issuer) bulk_wait_read<0>();  // the previous tile's stores have read sOw
+    }
+    named_barrier_sync(4 + cwg, 128);
+    stage_o_and_lse<D, OTile, BF, kFold>(p, o, row_max, row_sum, sOw, gL ? gL + 64 * cwg : nullptr,
+                                         warp_row0 - 64 * cwg, g, t, rows);
+    if constexpr (kTmaStore) {
+      // Each thread's staging stores (generic proxy) are made visible to the TMA unit (async proxy)
+      // before the barrier lets the issuing thread start the copy.
+      fence_proxy_async();
+      named_barrier_sync(4 + cwg, 128);
+      if (store_issuer) {
+#pragma unroll
+        for (int pn = 0; pn < NP; ++pn)
+          tma_store_4d(&tp.o_map, sOw + pn * kOTileRows * 128, 64 * pn, q_start + 64 * cwg, x.head, x.batch);
+        bulk_commit();
+      }
+    } else {
+      named_barrier_sync(4 + cwg, 128);
+      u16* gO = static_cast<u16*>(p.o) + o_offset(p, x.batch, x.head, q_start + 64 * cwg);
+      store_o_tile<64, D, 128, OTile>(p, gO, sOw, rows, ctid % 128);
+    }
+  };
+
+  // kTileOverlap: a tile's epilogue does not run at its end but in the next tile, once that tile's first
+  // S = Q K^T is issued, so the tensor cores run that product through the epilogue instead of idling
+  // between the tiles (the epilogue, then the first S and its wait, took about 2,500 of a 25,000-cycle
+  // tile at head_dim 128 and 1k keys: kernel-log step 58). o and the row statistics stay as the finished
+  // tile left them until then, `pending` names it, and the next tile resets them after its epilogue; the
+  // block's last tile (or one before an empty tile) has its epilogue where the loop finds no product to
+  // hide it under.
+  int pending = -1;
+  auto pending_epilogue = [&] {
+    const Tile x = tile_at(pending);
+    const int q_start = m_block_of(x) * BR;
+    float* gL = p.lse ? p.lse + lse_offset(p, x.batch, x.head, q_start) : nullptr;
+    warpgroup_epilogue(x, q_start, min(BR, p.seqlen_q - q_start), gL);
+    pending = -1;
+  };
   int ring = 0;     // K/V blocks consumed so far, as the producer counts them
   int q_loads = 0;  // q_full completions consumed so far
   for (int tile = 0;; ++q_loads) {
@@ -311,6 +387,9 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
     tr.begin(blocks.end);
 #endif
     if (n_iter <= 0) {  // no key visible to any row: out = 0, lse = -inf
+      if (kTileOverlap && pending >= 0) {
+        pending_epilogue();
+      }
 #if FA_TRACE
       tr.empty_block();
 #endif
@@ -319,11 +398,13 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
       continue;
     }
 
-    float o[NO * 4];
+    auto reset_accumulators = [&] {
 #pragma unroll
-    for (int i = 0; i < NO * 4; ++i) o[i] = 0.f;
-    float row_max[2] = {neg_inf(), neg_inf()};
-    float row_sum[2] = {0.f, 0.f};
+      for (int i = 0; i < NO * 4; ++i) o[i] = 0.f;
+      row_max[0] = row_max[1] = neg_inf();
+      row_sum[0] = row_sum[1] = 0.f;
+    };
+    if constexpr (!kTileOverlap) reset_accumulators();  // (tile_overlap: after the previous tile's epilogue)
 
     // The pieces of one K/V block, shared by both schedules below.
     auto slot = [&](int it) { return (ring + it) % NST; };
@@ -460,6 +541,15 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
         issue_s_at(sacc, 0);
         FA_TIMELINE_EVENT(tl, kSIssued, 0);
         pass_turn();
+        if constexpr (kTileOverlap) {
+          if (pending >= 0) {  // the previous tile's epilogue, under this first S
+            FA_TIMELINE_EVENT(tl, kEpilogueBegin, pending);
+            const int finished = pending;
+            pending_epilogue();
+            FA_TIMELINE_EVENT(tl, kEpilogueEnd, finished);
+          }
+          reset_accumulators();
+        }
         wgmma_wait<0>();
         wgmma_hold(sacc);
         FA_TIMELINE_EVENT(tl, kSDone, 0);
@@ -529,7 +619,7 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
     }
     if (cwg == 0) take_turn();  // the turn warpgroup 1 passed after its last issue
     ring += n_iter;
-    FA_TIMELINE_EVENT(tl, kEpilogueBegin, tile);
+    if constexpr (!kTileOverlap) FA_TIMELINE_EVENT(tl, kEpilogueBegin, tile);  // (else: where it runs)
 
     // ---- epilogue: O / L and the LSE ------------------------------------------------------------------------
     if constexpr (!Cfg::kPersistent && !Cfg::kPingpong) {
@@ -561,55 +651,22 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
         store_o_tile<BR, D, NCT, PanelTile<BR>>(p, gO, sQ, q_valid, ctid);
       }
       FA_TIMELINE_EVENT(tl, kEpilogueEnd, tile);
+    } else if constexpr (kTileOverlap) {
+      pending = tile;  // its epilogue runs under the next tile's first S, or after the loop
     } else {
-      // Each warpgroup stages and copies out its own 64 rows, meeting only its own warps (named barrier
-      // 4 + cwg, 128 threads): the warpgroups drift apart (ping-pong makes them) and need not wait for each
-      // other. Persistent, the rows go to the warpgroup's part of sO (PanelTile<64>), so the next tile's Q
-      // can land meanwhile; otherwise to its own rows of the Q tile (its wgmma read no others). The first
-      // barrier orders every warp's copy-out of the previous tile (persistent), or its last wgmma read of
-      // those rows of Q, before any warp stages over them; the second orders the staging before the copy,
-      // which reads other warps' rows.
-      // Ping-pong takes this path even without the persistent grid: with the 256-thread barrier of the
-      // path above, racecheck reported hazards between the staging and the copy (it does not follow the
-      // bar.arrive turns), though the outputs were right. Other configs keep that path: this one costs the
-      // non-persistent kernels 16 instructions and, compiled by NVRTC, spills in the 176-key dropout tiles
-      // (docs/kernel-log.md, step 36).
-      // With tma_store, one thread of the warpgroup hands the staged rows to the TMA unit,
-      // one store per 64-column panel, and the warpgroup goes on: the copy-out's shared loads and global
-      // stores (2 D / 16 of each per thread) leave the path between this tile's last P V and the next
-      // tile's first S. The store reads the staging buffer after the warpgroup has moved on, so before the
-      // next staging over it the issuing thread waits for its reads (bulk_wait_read, ahead of the first
-      // barrier, which then holds the other warps back), and before the block exits for the whole copy.
-      using OTile = PanelTile<Cfg::kPersistent ? 64 : BR>;
-      constexpr int kOTileRows = Cfg::kPersistent ? 64 : BR;  // rows of one panel of the staging tile
-      const u32 sOw = Cfg::kPersistent ? sO + cwg * 64 * D * 2 : sQ + cwg * 64 * 128;
-      const int rows = q_valid - 64 * cwg;
-      const bool store_issuer = ctid % 128 == 0;
-      if constexpr (kTmaStore) {
-        if (store_issuer) bulk_wait_read<0>();  // the previous tile's stores have read sOw
-      }
-      named_barrier_sync(4 + cwg, 128);
-      stage_o_and_lse<D, OTile, BF, kFold>(p, o, row_max, row_sum, sOw, gL ? gL + 64 * cwg : nullptr,
-                                           warp_row0 - 64 * cwg, g, t, rows);
+      warpgroup_epilogue(x, q_start, q_valid, gL);
 #if FA_TRACE
-      trace_final(sOw, warp_row0 - 64 * cwg);
+      trace_final(sOw, warp_row0 - 64 * cwg);  // (read back after the copy-out, which only reads them)
 #endif
-      if constexpr (kTmaStore) {
-        // Each thread's staging stores (generic proxy) are made visible to the TMA unit (async proxy)
-        // before the barrier lets the issuing thread start the copy.
-        fence_proxy_async();
-        named_barrier_sync(4 + cwg, 128);
-        if (store_issuer) {
-#pragma unroll
-          for (int pn = 0; pn < NP; ++pn)
-            tma_store_4d(&tp.o_map, sOw + pn * kOTileRows * 128, 64 * pn, q_start + 64 * cwg, head, batch);
-          bulk_commit();
-        }
-      } else {
-        named_barrier_sync(4 + cwg, 128);
-        store_o_tile<64, D, 128, OTile>(p, gO + 64 * cwg * p.o_row_stride, sOw, rows, ctid % 128);
-      }
       FA_TIMELINE_EVENT(tl, kEpilogueEnd, tile);
+    }
+  }
+  if constexpr (kTileOverlap) {
+    if (pending >= 0) {
+      FA_TIMELINE_EVENT(tl, kEpilogueBegin, pending);
+      const int finished = pending;
+      pending_epilogue();
+      FA_TIMELINE_EVENT(tl, kEpilogueEnd, finished);
     }
   }
   // The block's shared memory must outlive the last TMA stores that read it, and their writes must be done
