@@ -202,3 +202,8 @@ def test_an_unwritable_cache_warns_and_still_returns_the_kernel(tmp_path, monkey
     with pytest.warns(RuntimeWarning, match="kernel cache .* is not writable.*FLASH_ATTENTION_CACHE_DIR"):
         built = kernels.build(cfg, "sm_80", "nvcc")
     assert built.cubin[:4] == b"\x7fELF" and not built.from_cache
+
+
+def test_a_config_named_twice_is_built_once():
+    name = "(BF16, 128, 128, 128, 12): wgmma+ws+overlap+persistent+tma_store+stages_2"
+    assert len(jobs_for(["sm_80", "sm_90"], [name, name])) == 1

@@ -423,10 +423,11 @@ def smem_bytes(cfg: KernelConfig) -> int:
     asks for 1 KB more: its tiles must start on a 1024-byte boundary (where the 128-byte swizzle repeats)
     and the dynamic shared memory window is only guaranteed 16-byte alignment.
     """
+    q = cfg.block_q * (2 if cfg.tile_overlap else 1)  # tile_overlap: two Q buffers (fwd_ws)
     kv = 2 * cfg.block_kv * cfg.stages
     barriers = 256 if cfg.warp_specialized else 0  # the ring's mbarriers (fwd_ws: 8 bytes each)
     staging = cfg.block_q if cfg.persistent else 0  # a persistent block's output tile (fwd_ws)
-    return 2 * cfg.head_dim * (cfg.block_q + kv + staging) + (1024 if cfg.wgmma else 0) + barriers
+    return 2 * cfg.head_dim * (q + kv + staging) + (1024 if cfg.wgmma else 0) + barriers
 
 
 def estimated_registers(cfg: KernelConfig) -> int:

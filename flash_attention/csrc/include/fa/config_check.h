@@ -63,10 +63,12 @@ struct check_config {
   static_assert(Cfg::kWgmma || Cfg::kStages == 1,
                 "stages other than 1 need wgmma (the sm80 kernel has one K and one V buffer)");
   // A wgmma config's tiles start on a 1024-byte boundary: 1 KB more for rounding the window up; a
-  // warp-specialized one keeps its ring's mbarriers after the tiles (256 bytes), and a persistent one stages
-  // its output in a tile of its own.
+  // warp-specialized one keeps its ring's mbarriers after the tiles (256 bytes), a persistent one stages
+  // its output in a tile of its own, and one with tile_overlap has two Q buffers.
   static constexpr int kSmemBytes =
-      2 * D * (Cfg::kBlockQ + 2 * Cfg::kBlockKV * Cfg::kStages + (Cfg::kPersistent ? Cfg::kBlockQ : 0)) +
+      2 * D *
+          (Cfg::kBlockQ * (Cfg::kTileOverlap ? 2 : 1) + 2 * Cfg::kBlockKV * Cfg::kStages +
+           (Cfg::kPersistent ? Cfg::kBlockQ : 0)) +
                                     (Cfg::kWgmma ? 1024 : 0) + (Cfg::kWarpSpecialized ? 256 : 0);
   static_assert(Cfg::kWgmma || kSmemBytes <= 163 * 1024, "shared memory exceeds the sm_80 limit of 166912");
   static_assert(!Cfg::kWgmma || kSmemBytes <= 227 * 1024, "shared memory exceeds the sm_90 limit of 232448");

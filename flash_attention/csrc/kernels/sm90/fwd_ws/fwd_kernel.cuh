@@ -97,27 +97,37 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
   // descriptors alike); the dynamic window is only 16-byte aligned, so the block asks for 1 KB more.
   extern __shared__ __align__(16) unsigned char smem[];
   const u32 sQ = (smem_addr(smem) + 1023u) & ~1023u;
-  constexpr u32 kTile = 2 * BC * D;  // bytes of one K or V tile
-  const u32 sK = sQ + 2 * BR * D;
+  // Q buffers: with tile_overlap two, the tiles taking turns, so that the next tile's Q is loaded as soon
+  // as the producer reaches that tile (a ring depth ahead of the consumers) rather than when every consumer
+  // is past this tile's last S: the deferred epilogue runs under the next tile's first S, which needs that
+  // Q, and with one buffer the Q arrived after the epilogue would have run (kernel-log step 63).
+  constexpr int NQ = Cfg::kTileOverlap ? 2 : 1;
+  constexpr u32 kQBytes = 2 * BR * D;  // bytes of one Q buffer
+  constexpr u32 kTile = 2 * BC * D;    // bytes of one K or V tile
+  const u32 sK = sQ + NQ * kQBytes;
   const u32 sV = sK + NST * kTile;
   // Persistent: the output is staged in a buffer of its own (each consumer warpgroup its 64 rows as a
   // PanelTile<64>), so the next tile's Q can land while this one's output is written out.
   const u32 sO = sV + NST * kTile;
   constexpr u32 kOBytes = Cfg::kPersistent ? 2 * BR * D : 0;
-  // 8 bytes each: q_full, q_empty, k_full[NST], v_full[NST], k_empty[NST], v_empty[NST] (at most 18: 144
-  // of the 256 bytes configs.forward.smem_bytes reserves), then (persistent) the next tile's index.
-  const u32 q_full = sO + kOBytes;
-  const u32 q_empty = q_full + 8;
-  auto k_full = [&](int s) { return q_full + 8 * (2 + s); };
-  auto v_full = [&](int s) { return q_full + 8 * (2 + NST + s); };
-  auto k_empty = [&](int s) { return q_full + 8 * (2 + 2 * NST + s); };
-  auto v_empty = [&](int s) { return q_full + 8 * (2 + 3 * NST + s); };
-  const u32 s_tile = q_full + 8 * (2 + 4 * NST);
+  // 8 bytes each: q_full[NQ], q_empty[NQ], k_full[NST], v_full[NST], k_empty[NST], v_empty[NST] (at most
+  // 20: 160 of the 256 bytes configs.forward.smem_bytes reserves), then (persistent) the index of the tile
+  // in each Q buffer (4 bytes each).
+  const u32 bars = sO + kOBytes;
+  auto q_full = [&](int b) { return bars + 8 * b; };
+  auto q_empty = [&](int b) { return bars + 8 * (NQ + b); };
+  auto k_full = [&](int s) { return bars + 8 * (2 * NQ + s); };
+  auto v_full = [&](int s) { return bars + 8 * (2 * NQ + NST + s); };
+  auto k_empty = [&](int s) { return bars + 8 * (2 * NQ + 2 * NST + s); };
+  auto v_empty = [&](int s) { return bars + 8 * (2 * NQ + 3 * NST + s); };
+  auto s_tile = [&](int b) { return bars + 8 * (2 * NQ + 4 * NST) + 4 * b; };
 
   const int tid = threadIdx.x;
   if (tid == 0) {
-    mbar_init(q_full, 1);
-    mbar_init(q_empty, NCT);
+    for (int b = 0; b < NQ; ++b) {
+      mbar_init(q_full(b), 1);
+      mbar_init(q_empty(b), NCT);
+    }
     for (int s = 0; s < NST; ++s) {
       mbar_init(k_full(s), 1);
       mbar_init(v_full(s), 1);
@@ -166,12 +176,13 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
     int tile = Cfg::kPersistent ? (int)blockIdx.x : 0;
     for (;;) {
       if constexpr (Cfg::kPersistent) {
-        // The Q buffer (and s_tile) are free once every consumer thread is past the previous tile's last
-        // S = Q K^T (which also means it has read that tile's index).
-        if (q_loads > 0) mbar_wait(q_empty, (q_loads - 1) & 1);
-        st_shared_32(s_tile, (u32)tile);
+        // A Q buffer (and its s_tile) is free once every consumer thread is past the last S = Q K^T of the
+        // tile that used it before (which also means it has read that tile's index): the (q_loads / NQ)-th
+        // use of buffer q_loads % NQ waits for the previous use's q_empty completion.
+        if (q_loads >= NQ) mbar_wait(q_empty(q_loads % NQ), ((q_loads - NQ) / NQ) & 1);
+        st_shared_32(s_tile(q_loads % NQ), (u32)tile);
         if (tile >= num_tiles) {
-          mbar_arrive(q_full);  // no bytes: the consumers read the stop sign and leave
+          mbar_arrive(q_full(q_loads % NQ));  // no bytes: the consumers read the stop sign and leave
           // The counter is the stream's, kept by ops from launch to launch (a fill kernel per call cost a
           // launch: 2.4 us beside a 280 us kernel at 1k tokens). Each block's producer draws until it gets
           // a stop sign, then counts itself done in tile_counter[1]; the last one finds every draw made
@@ -196,15 +207,17 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
       const Mask mask(p, x.batch, x.head);
       const auto blocks = mask.template kv_blocks<BC>(q_start, min(BR, p.seqlen_q - q_start));
       const int n_iter = blocks.end - blocks.begin;
+      const int qb = q_loads % NQ;  // this tile's Q buffer
       if (n_iter <= 0) {
         // The consumers write its empty output without any load; persistent, they still need the index.
-        if constexpr (Cfg::kPersistent) mbar_arrive(q_full);
+        if constexpr (Cfg::kPersistent) mbar_arrive(q_full(qb));
         ++q_loads;
       } else {
-        mbar_arrive_expect_tx(q_full, 2 * BR * D);
+        mbar_arrive_expect_tx(q_full(qb), kQBytes);
 #pragma unroll
         for (int pn = 0; pn < NP; ++pn)
-          tma_load_4d(sQ + pn * BR * 128, &tp.q_map, q_full, 64 * pn, q_start, x.head, x.batch);
+          tma_load_4d(sQ + qb * kQBytes + pn * BR * 128, &tp.q_map, q_full(qb), 64 * pn, q_start, x.head,
+                      x.batch);
         FA_TIMELINE_EVENT(tl, kQIssued, tile);
         ++q_loads;
         const int kv_head = x.head / p.group;
@@ -363,8 +376,10 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
   int q_loads = 0;  // q_full completions consumed so far
   for (int tile = 0;; ++q_loads) {
     if constexpr (Cfg::kPersistent) {
-      mbar_wait(q_full, q_loads & 1);  // the producer's index of this tile, and its Q if it has keys
-      tile = (int)ld_shared_32(s_tile);
+      // The producer's index of this tile, and its Q if it has keys (buffer q_loads % NQ, its
+      // (q_loads / NQ)-th use).
+      mbar_wait(q_full(q_loads % NQ), (q_loads / NQ) & 1);
+      tile = (int)ld_shared_32(s_tile(q_loads % NQ));
       if (tile >= num_tiles) break;
     } else if (q_loads > 0) {
       break;  // the block's one tile is done
@@ -394,7 +409,7 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
       tr.empty_block();
 #endif
       store_empty_block<BR, D, NCT>(p, gO, gL, q_valid, ctid);
-      if constexpr (Cfg::kPersistent) mbar_arrive(q_empty);  // this thread has read s_tile
+      if constexpr (Cfg::kPersistent) mbar_arrive(q_empty(q_loads % NQ));  // this thread has read s_tile
       continue;
     }
 
@@ -411,7 +426,8 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
     auto phase = [&](int it) { return (u32)(((ring + it) / NST) & 1); };  // the slot's use, mod 2
     auto issue_s_at = [&](float (&sacc)[NS* 4], int it) {                    // S = Q K^T of block it
       wgmma_fence();
-      issue_qk<BR, BC, D, BF>(sacc, q_desc, k_desc + ((slot(it) * kTile) >> 4));
+      const u64 q_buffer = q_desc + ((q_loads % NQ * kQBytes) >> 4);
+      issue_qk<BR, BC, D, BF>(sacc, q_buffer, k_desc + ((slot(it) * kTile) >> 4));
       wgmma_commit();
     };
     auto issue_pv_at = [&](const u32(&pf)[KS][4], int it) {  // O += P V of block it
@@ -444,14 +460,14 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
     auto s_done = [&](int it) {
       release(k_empty(slot(it)));
       if constexpr (Cfg::kPersistent)
-        if (it == n_iter - 1) mbar_arrive(q_empty);
+        if (it == n_iter - 1) mbar_arrive(q_empty(q_loads % NQ));
     };
 
 #if FA_TRACE
     // S_j has landed and neither K_j's slot nor Q has been released (trace before s_done).
     auto trace_s = [&](float (&sacc)[NS* 4], int it) {
       tr.begin_step(it, j_lo + it);
-      tr.smem_tile(TL::kQ, trace_tile(sQ), warp_row0, 16, trace_q_elem);
+      tr.smem_tile(TL::kQ, trace_tile(sQ + q_loads % NQ * kQBytes), warp_row0, 16, trace_q_elem);
       tr.smem_tile(TL::kK, trace_tile(sK + slot(it) * kTile), 0, BC, trace_kv_elem);
       tr.acc_view(TL::kS, acc_tile(sacc));
     };
@@ -473,10 +489,10 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
       tr.smem_tile(TL::kV, trace_tile(sV + slot(it) * kTile), 0, BC, trace_kv_elem);
       tr.acc_view(TL::kO, acc_tile(o));
     };
-    // The output rows as staged for the copy-out at s_tile, this warp's first at row0 (read back: what is
+    // The output rows as staged for the copy-out at `staged`, this warp's first at row0 (read back: what is
     // stored), and their LSE as computed for gL. Both epilogues below stage in 64-row panels per warpgroup
     // when persistent, else in the BR-row panels of the Q tile.
-    auto trace_final = [&](u32 s_tile, int row0) {
+    auto trace_final = [&](u32 staged, int row0) {
       using OTile = PanelTile<Cfg::kPersistent ? 64 : BR>;
       if (!tr.on()) return;
 #pragma unroll
@@ -484,7 +500,7 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
 #pragma unroll
         for (int n = 0; n < NO; ++n)
           tr.final_pair(g + 8 * r, 8 * n + 2 * t,
-                        ld_shared_32(s_tile + OTile::bytes(row0 + g + 8 * r, n) + 4 * t));
+                        ld_shared_32(staged + OTile::bytes(row0 + g + 8 * r, n) + 4 * t));
         const float l = quad_sum(row_sum[r]);
         if (t == 0) tr.final_lse(g + 8 * r, row_lse<kFold>(p, row_max[r], l));
       }
@@ -492,7 +508,7 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
 #endif
 
     if (cwg == 1) pass_turn();
-    if constexpr (!Cfg::kPersistent) mbar_wait(q_full, 0);  // (persistent: waited for with the index)
+    if constexpr (!Cfg::kPersistent) mbar_wait(q_full(0), 0);  // (persistent: waited for with the index)
     if constexpr (!Cfg::kOverlap) {
       // In order: S_j, its softmax, then P_j V_j; the tensor cores idle while the softmax runs.
       for (int it = 0; it < n_iter; ++it) {
