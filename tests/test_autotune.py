@@ -198,9 +198,9 @@ def test_hopper_heuristic_within_5_percent_of_the_committed_h100_sweeps():
 
 def test_hopper_tile_overlap_picks_lead_their_committed_h100_runs():
     """Where the heuristic picks tile_overlap (a tile's epilogue under the next tile's first S, newer than
-    the sweeps above), it is the config of benchmarks/results/h100-2026-11-26-tile-overlap-ab.json that led
-    at that point in every run: ahead of the previous pick (that file's "base") by the median of three
-    alternated rounds, and of the persistent grid without tile_overlap where that was timed too."""
+    the sweeps above), it is the config of benchmarks/results/h100-2026-11-26-tile-overlap-2q-ab.json that led
+    at that point in both runs: ahead of the previous pick (that file's "base") by the median of three
+    alternated rounds."""
     import statistics
     from pathlib import Path
 
@@ -208,7 +208,7 @@ def test_hopper_tile_overlap_picks_lead_their_committed_h100_runs():
         Path(__file__).resolve().parent.parent
         / "benchmarks"
         / "results"
-        / "h100-2026-11-26-tile-overlap-ab.json"
+        / "h100-2026-11-26-tile-overlap-2q-ab.json"
     )
     report = json.loads(path.read_text())
     assert "H100" in report["gpu"]
@@ -228,7 +228,7 @@ def test_hopper_tile_overlap_picks_lead_their_committed_h100_runs():
                     med = {k: statistics.median(v) for k, v in r["tflops_rounds"].items() if k != "cudnn"}
                     assert med[label] == max(med.values()), f"d{d} n{n} causal={causal} run {r['run']}: {med}"
                 checked += 1
-    assert checked == 2  # head_dim 128: 2k causal and 4k non-causal
+    assert checked == 6  # head_dim 64 non-causal 512-2k; 128 causal 1k and 2k, non-causal 4k
 
 
 def test_backward_space_is_valid_and_holds_the_defaults():

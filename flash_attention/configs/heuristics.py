@@ -92,10 +92,11 @@ def _hopper_default(dtype: str, d: int, n: int, causal: bool) -> KernelConfig:
       head_dim 192, 80 at 256 (what fits 227 KB beside a 128-row Q tile).
     * Every pick writes its output with TMA stores (``tma_store``): on the H100, +1-4% at head_dim 128 and
       256 from 512 to 4k keys and level at 64 (docs/kernel-log.md, step 62).
-    * At head_dim 128, 2k keys causal and 4k non-causal, the persistent grid with each tile's epilogue under
-      the next tile's first S (``tile_overlap``): +2.7-3.4% and +3.7-4.1% over the previous picks in two
-      H100 runs. It loses at 512-1k (the next tile's Q lands too late to hide the epilogue behind) and
-      at head_dim 64 (docs/kernel-log.md, step 63).
+    * The persistent grid with each tile's epilogue under the next tile's first S (``tile_overlap``, two
+      Q buffers) where it led the previous pick in both of two H100 runs
+      (benchmarks/results/h100-2026-11-26-tile-overlap-2q-ab.json; docs/kernel-log.md, steps 63-64): head_dim
+      64 non-causal up to 2k (+0.1-3.0%), head_dim 128 causal at 1k and 2k (+0.4%, +3.5%) and non-causal at
+      4k (+2.4%). It loses 1-3% at head_dim 128 non-causal 512-1k and is level at 64 causal.
     * Ping-pong between the consumer warpgroups is not a default: on top of overlap it beat the best config
       without it by more than 1.5% at 3 of the two sweeps' 96 points, none in both (docs/kernel-log.md, step
       36, has its progression step).
@@ -105,13 +106,13 @@ def _hopper_default(dtype: str, d: int, n: int, causal: bool) -> KernelConfig:
         if short:
             if causal:
                 return _ws(dtype, 64, 128, 128, 2, overlap=True, persistent=True)
-            return _ws(dtype, 64, 128, 176, 3, overlap=True, persistent=True)
+            return _ws(dtype, 64, 128, 176, 3, overlap=True, persistent=True, tile_overlap=True)
         return _ws(dtype, 64, 192, 128, 2, overlap=True)
     if d == 128:
+        if (causal and 768 <= n < 3072) or (not causal and 3072 <= n < 6144):
+            return _ws(dtype, 128, 128, 128, 2, overlap=True, persistent=True, tile_overlap=True)
         if n < 1536:
             return _ws(dtype, 128, 128, 128, 2, overlap=True, persistent=True)
-        if (short and causal) or (not causal and 3072 <= n < 6144):
-            return _ws(dtype, 128, 128, 128, 2, overlap=True, persistent=True, tile_overlap=True)
         wide = n >= 12288 if causal else n >= 3072  # causal from 16k, non-causal from 4k
         return _ws(dtype, 128, 128, 176 if wide else 128, 2, overlap=True)
     if d == 192:
