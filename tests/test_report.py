@@ -150,7 +150,12 @@ def test_progression_adds_one_warp_specialized_technique_per_step(d, causal, n):
     for a, b in zip(chain, chain[1:], strict=False):
         changed = {f.name for f in dataclasses.fields(a) if getattr(a, f.name) != getattr(b, f.name)}
         added.append(changed)
-    assert added == [{"pingpong"}, {"overlap"}, {"persistent"}, {"tma_store"}]
+    # The last step drops ping-pong (tile_overlap runs without it); at head_dim 256 its second Q buffer does
+    # not fit in shared memory, so the step is not there.
+    expected = [{"pingpong"}, {"overlap"}, {"persistent"}, {"tma_store"}]
+    if d != 256:
+        expected.append({"pingpong", "tile_overlap"})
+    assert added == expected
 
 
 @needs_compiler
