@@ -94,6 +94,11 @@ def test_heuristic_examples_measured_on_an_h100():
     assert num_splits_heuristic(8, 131072, 64, 132, blocks_per_sm=2) == 33
     # 512 blocks already fill the GPU about twice over: no split.
     assert num_splits_heuristic(512, 8192, 64, 132, blocks_per_sm=2) == 1
+    # Contiguous caches count one block per SM (ops.decode): one row of 8 K/V heads splits 16 ways at 8k to
+    # 128k keys (measured 4-8% faster than the 33 of two blocks per SM), batch 8 two ways (1.5-2.6% faster
+    # than 4). docs/kernel-log.md, step 65.
+    assert [num_splits_heuristic(8, n, 64, 132) for n in (8192, 32768, 131072)] == [16, 16, 16]
+    assert [num_splits_heuristic(64, n, 64, 132) for n in (8192, 32768, 131072)] == [2, 2, 2]
     # A short cache: no split shorter than four tiles.
     assert num_splits_heuristic(8, 512, 64, 132) == 2
     assert num_splits_heuristic(8, 100, 64, 132) == 1

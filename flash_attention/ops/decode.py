@@ -148,13 +148,13 @@ class DecodePlan:
             append = kernels[cfg.symbol("append", paged=paged)]
             self.launches.append((append, (problem.seqlen_new, problem.batch, 1), DECODE_AUX_THREADS, 0))
         decode = kernels[cfg.symbol("decode", problem.causal, paged)]
-        p.num_splits, p.keys_per_split = splits_for(
-            cfg,
-            problem,
-            num_splits,
-            sm_count(index),
-            decode.blocks_per_sm(cfg.threads, cfg.smem_bytes, index),
-        )
+        # The split heuristic's waves: on a contiguous cache a multiprocessor's co-resident blocks share its
+        # bandwidth, so a wave is one block per SM (one row, 32/8 heads, 32k keys on an H100: 16 splits
+        # ran in 55.7 us where the 33 of a two-blocks-per-SM wave took 60.3); a paged cache's gathered
+        # loads want the second block per SM to hide their latency (the same shapes, page 16: 2 splits at
+        # batch 8 took 4% longer than 4). docs/kernel-log.md, step 65.
+        per_sm = decode.blocks_per_sm(cfg.threads, cfg.smem_bytes, index) if paged else 1
+        p.num_splits, p.keys_per_split = splits_for(cfg, problem, num_splits, sm_count(index), per_sm)
         decode.ensure_dynamic_smem(cfg.smem_bytes, index)
         grid = (p.num_m_blocks * p.num_splits, problem.heads_kv, problem.batch)
         self.launches.append((decode, grid, cfg.threads, cfg.smem_bytes))
