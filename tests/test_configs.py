@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import re
@@ -84,46 +85,18 @@ def _space(n_random: int = 2500, seed: int = 0) -> list[KernelConfig]:
         )
     # Persistent ones stage their output in a tile of their own: shared memory on and off the limit.
     for d, bkv, stages in itertools.product(HEAD_DIMS, (64, 80, 128, 176), (2, 3)):
-        out.append(
-            KernelConfig.unchecked(
-                "bf16",
-                d,
-                128,
-                bkv,
-                12,
-                wgmma=True,
-                stages=stages,
-                warp_specialized=True,
-                overlap=True,
-                persistent=True,
-                k_frags=0,
-                v_frags=0,
-                double_buffer=False,
-            )  # fmt: skip
-        )
+        out.append(ws_config("bf16", d, 128, bkv, stages, overlap=True, persistent=True, check=False))
     # tma_store and tile_overlap: with and without the warp-specialized kernel they need, on every schedule.
     flags = (True, False)
     for d, ws, persistent, pingpong, tile in itertools.product((64, 128), flags, flags, flags, flags):
-        out.append(
-            KernelConfig.unchecked(
-                "bf16",
-                d,
-                128,
-                128,
-                12 if ws else 8,
-                wgmma=True,
-                stages=2,
-                warp_specialized=ws,
-                overlap=ws,
-                pingpong=pingpong,
-                persistent=persistent,
-                tma_store=True,
-                tile_overlap=tile,
-                k_frags=0,
-                v_frags=0,
-                double_buffer=False,
-            )  # fmt: skip
-        )
+        knobs = dict(pingpong=pingpong, persistent=persistent, tma_store=True, tile_overlap=tile)
+        cfg = ws_config("bf16", d, 128, 128, 2, overlap=True, **knobs, check=False)
+        if not ws:  # the same knobs on the plain wgmma kernel (8 warps, no producer)
+            fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+            cfg = KernelConfig.unchecked(
+                **{**fields, "num_warps": 8, "warp_specialized": False, "overlap": False}
+            )
+        out.append(cfg)
     return out
 
 
