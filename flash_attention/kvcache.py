@@ -3,17 +3,23 @@ that the call first appends the new keys and values to, in place (contiguous or 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from . import kvcache_op
 from ._validate_kvcache import CacheProblem, validate_kvcache
+from .configs.decode import cache_length_bucket
 from .ops.plans import PlanCache
 
 __all__ = ["attention_with_kvcache"]
 
 # Validated call signatures and their problems. A decode loop calls with the same shapes step after step; its
 # validation (~15 us of Python per call) then runs once, and the signature doubles as the key of the launch
-# plan (ops.decode.decode_plan). A call that fails validation raises before anything is kept.
+# plan (ops.decode.decode_plan). A call that fails validation raises before anything is kept. A contiguous
+# cache enters the signature with its capacity's bucket (configs.decode.cache_length_bucket) and without its
+# strides, so a cache that grows every step (a new, longer tensor each time) keeps its plan; what
+# validation reads of the capacity is checked per call (_checked_capacity).
 _validated: PlanCache[CacheProblem] = PlanCache()
 
 
@@ -21,9 +27,11 @@ def _signature(
     q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale, num_splits, out, return_lse
 ) -> tuple | None:
     """Everything :func:`validate_kvcache` and the launch plan read of a call: each tensor's shape, strides,
-    dtype and device, and the options with their types (True == 1 to a dict, not to the validation). None
-    for a call that is not cached (an argument of another type, or a sparse or nested tensor, which the
-    validation will name; an int cache_seqlens, whose value is checked per call)."""
+    dtype and device, and the options with their types (True == 1 to a dict, not to the validation). A
+    contiguous cache whose strides the kernels can read enters as (batch, its capacity's bucket, heads,
+    head_dim, dtype, device): the plan writes its capacity and strides per call. An int cache_seqlens enters
+    as its type (its value is checked per call). None for a call that is not cached (an argument of another
+    type, or a sparse or nested tensor, which the validation will name)."""
     key: list = [
         type(causal),
         causal,
@@ -33,14 +41,48 @@ def _signature(
         num_splits,
         return_lse,
     ]
+    contiguous = block_table is None
     for t in (q, k_cache, v_cache, k, v, cache_seqlens, block_table, out):
         if type(t) is torch.Tensor and t.layout is torch.strided and not t.is_nested:
-            key += (t.shape, t.stride(), t.dtype, t.device)
+            n, s = t.shape, t.stride()
+            if contiguous and (t is k_cache or t is v_cache) and _readable_cache(n, s):
+                key += (n[0], cache_length_bucket(n[1]), n[2], n[3], t.dtype, t.device)
+            else:
+                key += (n, s, t.dtype, t.device)
         elif t is None:
             key.append(None)
+        elif type(t) is int and t is cache_seqlens:
+            key.append(int)
         else:
             return None
     return tuple(key)
+
+
+def _readable_cache(n: torch.Size, s: tuple[int, ...]) -> bool:
+    """ops.decode.layout_ok on a cache's shape and strides, spelled out: this runs on every call, at a
+    fraction of that function's host time (tests/test_kvcache.py holds the two to the same answers)."""
+    return (
+        len(s) == 4
+        and s[3] == 1
+        and not (s[0] % 8 or s[1] % 8 or s[2] % 8)
+        and (s[0] != 0 or n[0] <= 1)
+        and (s[1] != 0 or n[1] <= 1)
+        and (s[2] != 0 or n[2] <= 1)
+        and max(s) < 2**62
+    )
+
+
+def _checked_capacity(problem: CacheProblem, k_cache, v_cache, cache_seqlens, block_table) -> bool:
+    """Whether this call agrees with its signature's validated ``problem`` on what validation reads of the
+    capacity: a contiguous cache's length (the signature has its bucket) shared by v_cache and with room for
+    the new tokens, and an int length in range. False: validate the call afresh (which raises, naming the
+    argument, or gives the call's own problem)."""
+    capacity = problem.capacity
+    if block_table is None:
+        capacity = k_cache.shape[1]
+        if v_cache.shape[1] != capacity or problem.seqlen_new > capacity:
+            return False
+    return not isinstance(cache_seqlens, int) or 0 <= cache_seqlens <= capacity - problem.seqlen_new
 
 
 def attention_with_kvcache(
@@ -143,7 +185,14 @@ def attention_with_kvcache(
             out=out,
         )
 
-    problem = validate() if key is None else _validated.get(key, validate)
+    if key is None:
+        problem = validate()
+    else:
+        problem = _validated.get(key, validate)
+        if not _checked_capacity(problem, k_cache, v_cache, cache_seqlens, block_table):
+            problem = validate()
+        elif block_table is None and problem.capacity != k_cache.shape[1]:
+            problem = dataclasses.replace(problem, capacity=k_cache.shape[1])
     if torch.is_grad_enabled() and (
         q.requires_grad
         or k_cache.requires_grad
@@ -154,9 +203,9 @@ def attention_with_kvcache(
             "attention_with_kvcache() is for inference and has no backward, but an input requires grad; call "
             "it under torch.no_grad() or torch.inference_mode(), or use attention() for training"
         )
-    if isinstance(cache_seqlens, int):
-        cache_seqlens = torch.full((problem.batch,), cache_seqlens, dtype=torch.int32, device=q.device)
     if torch.compiler.is_compiling():
+        if isinstance(cache_seqlens, int):  # the op's schema takes a tensor
+            cache_seqlens = torch.full((problem.batch,), cache_seqlens, dtype=torch.int32, device=q.device)
         if k is None:  # nothing to append: the op that declares no write to the caches
             o, lse = torch.ops.flash_attention.fwd_kvcache_read(
                 q, k_cache, v_cache, cache_seqlens, block_table, causal, problem.scale, num_splits

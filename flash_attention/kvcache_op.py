@@ -70,15 +70,16 @@ def run(
     v_cache: torch.Tensor,
     k: torch.Tensor | None,
     v: torch.Tensor | None,
-    cache_seqlens: torch.Tensor,
+    cache_seqlens: torch.Tensor | int,
     block_table: torch.Tensor | None,
     num_splits: int,
     out: torch.Tensor | None,
     return_lse: bool,
     key: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The validated call (cache_seqlens a tensor) on the decode kernels or the composed path. ``key``: the
-    call's signature, under which the launch layer keeps the call's plan (None: plan afresh)."""
+    """The validated call on the decode kernels or the composed path. ``cache_seqlens``: a tensor, or an int
+    for every row (the kernels take it by value). ``key``: the call's signature, under which the launch
+    layer keeps the call's plan (None: plan afresh)."""
     args = (problem, q, k_cache, v_cache, k, v, cache_seqlens, block_table)
     empty = problem.batch == 0 or problem.seqlen_q == 0 or problem.heads_q == 0
     if dispatch.wants_kernel(q) and not empty:
@@ -92,7 +93,9 @@ def run(
             )
         else:
             return plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, out)
-    return compose.run(*args, out, return_lse)
+    if isinstance(cache_seqlens, int):
+        cache_seqlens = torch.full((problem.batch,), cache_seqlens, dtype=torch.int32, device=q.device)
+    return compose.run(problem, q, k_cache, v_cache, k, v, cache_seqlens, block_table, out, return_lse)
 
 
 @fwd_kvcache.register_fake

@@ -274,7 +274,10 @@ class StandInGpu:
         return table[b][positions // p.page_size].long(), positions % p.page_size
 
     def _tables(self, p):
-        lengths = tensor_at(p.cache_seqlens, (p.batch,), (1,), torch.int32).tolist()
+        if p.cache_seqlens:
+            lengths = tensor_at(p.cache_seqlens, (p.batch,), (1,), torch.int32).tolist()
+        else:  # one length for every row, by value (fa/kv_cache.cuh's cache_length)
+            lengths = [p.cache_seqlen] * p.batch
         table = None
         if p.block_table:
             table = tensor_at(

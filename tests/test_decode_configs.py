@@ -185,10 +185,10 @@ def test_composed_path_with_a_warning_when_the_kernels_cannot(monkeypatch):
 
 def test_broadcast_dimensions_are_not_written_in_place():
     # An expanded out or cache (stride 0 over more than one element) would have blocks race on its bytes.
-    from flash_attention.ops.decode import _layout_ok
+    from flash_attention.ops.decode import layout_ok
 
     base = torch.randn(2, 8, 4, 16)
-    assert _layout_ok(base)
-    assert not _layout_ok(torch.randn(1, 8, 4, 16).expand(2, 8, 4, 16))
-    assert not _layout_ok(torch.randn(2, 1, 4, 16).expand(2, 8, 4, 16))
-    assert _layout_ok(torch.randn(1, 8, 4, 16).expand(1, 8, 4, 16))  # one element: nothing shared
+    assert layout_ok(base)
+    assert not layout_ok(torch.randn(1, 8, 4, 16).expand(2, 8, 4, 16))
+    assert not layout_ok(torch.randn(2, 1, 4, 16).expand(2, 8, 4, 16))
+    assert layout_ok(torch.randn(1, 8, 4, 16).expand(1, 8, 4, 16))  # one element: nothing shared

@@ -129,3 +129,43 @@ def test_calls_without_a_callers_output_launch_from_the_host_library_in_native_m
     assert (out.double() - ref_out).abs().max().item() < 2e-2
     seen = ~torch.isneginf(ref_lse)
     assert torch.allclose(lse.double()[seen], ref_lse[seen], atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("lengths_as", ["int", "tensor"])
+def test_a_growing_cache_keeps_a_plan_per_bucket_and_attends_its_whole_length(gpu, lengths_as):
+    # transformers' DynamicCache: a new (batch, heads, seqlen, head_dim) tensor one position longer each step,
+    # read as (batch, seqlen, heads, head_dim). One plan per capacity bucket (configs.decode.
+    # cache_length_bucket: 45-48 and 49-52 here), each call with its own capacity and strides, and an int
+    # length passed to the kernels by value (no lengths buffer).
+    torch.manual_seed(11)
+    b, hq, hkv, d = 2, 8, 2, 64
+    made = []
+    for capacity in range(45, 53):
+        q = torch.randn(b, 1, hq, d, dtype=torch.bfloat16)
+        k_cache, v_cache = (
+            torch.randn(b, hkv, capacity, d, dtype=torch.bfloat16).transpose(1, 2) for _ in range(2)
+        )
+        lengths = capacity if lengths_as == "int" else torch.full((b,), capacity, dtype=torch.int32)
+        ref = attention_kvcache_reference(
+            q.double(), k_cache.double(), v_cache.double(), cache_seqlens=torch.full((b,), capacity),
+            causal=True,
+        )[0]  # fmt: skip
+        got = attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, num_splits=3)
+        assert not gpu.errors, gpu.errors
+        assert (got.double() - ref).abs().max().item() < 2e-2, capacity
+        made.append(len(decode._plans._plans))
+    assert made == [1] * 4 + [2] * 4
+    assert _natively_launched() == (repeat.MODE == "native")
+    # The plan's splits cover its bucket's top, not its first cache: made for 2049 positions (3 splits of 11
+    # tiles would end at 2112), it must still attend all 2300 of a later cache of the bucket (2049-2304).
+    for capacity in (2049, 2300):
+        q = torch.randn(b, 1, hq, d, dtype=torch.bfloat16)
+        k_cache, v_cache = (torch.randn(b, capacity, hkv, d, dtype=torch.bfloat16) for _ in range(2))
+        ref = attention_kvcache_reference(
+            q.double(), k_cache.double(), v_cache.double(), cache_seqlens=torch.full((b,), capacity),
+            causal=True,
+        )[0]  # fmt: skip
+        lengths = capacity if lengths_as == "int" else torch.full((b,), capacity, dtype=torch.int32)
+        got = attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, num_splits=3)
+        assert (got.double() - ref).abs().max().item() < 2e-2, capacity
+    assert len(decode._plans._plans) == 3

@@ -303,9 +303,63 @@ def test_validation_runs_once_per_signature(monkeypatch):
     assert len(calls) == 1
     _valid_call(q=q.double(), k_cache=cache["k_cache"].double(), v_cache=cache["v_cache"].double(),
                 k=torch.randn(2, 1, 2, 16).double(), v=torch.randn(2, 1, 2, 16).double())  # fmt: skip
-    _valid_call(q=q, cache_seqlens=2, **cache)  # an int length: checked every call, never kept
+    assert len(calls) == 2
+    # An int length: its signature kept, its value checked per call.
     _valid_call(q=q, cache_seqlens=2, **cache)
-    assert len(calls) == 4
+    _valid_call(q=q, cache_seqlens=5, **cache)
+    assert len(calls) == 3
+    with pytest.raises(ValueError, match=r"cache_seqlens \(10\) must be in \[0, 9\]"):
+        _valid_call(q=q, cache_seqlens=10, **cache)
+    # Contiguous caches of 17 and 18 positions share a bucket (configs.decode.cache_length_bucket) and so a
+    # signature; what validation reads of the capacity is checked per call.
+    grown = [dict(k_cache=torch.randn(2, n, 2, 16), v_cache=torch.randn(2, n, 2, 16)) for n in (17, 18)]
+    _valid_call(q=q, cache_seqlens=16, **grown[0])
+    _valid_call(q=q, cache_seqlens=17, **grown[1])
+    assert len(calls) == 5  # the failed check above validated afresh (and raised), the 17-position cache once
+    with pytest.raises(ValueError, match="v_cache must have the shape of k_cache"):
+        _valid_call(q=q, k_cache=grown[1]["k_cache"], v_cache=grown[0]["v_cache"])
+    with pytest.raises(ValueError, match=r"cache_seqlens \(17\) must be in \[0, 16\]"):
+        _valid_call(q=q, cache_seqlens=17, **grown[0])
+
+
+def test_a_growing_contiguous_cache_keeps_its_signature_within_a_bucket():
+    from flash_attention import kvcache
+
+    def key(capacity, heads_first=False):
+        shape = (2, 2, capacity, 16) if heads_first else (2, capacity, 2, 16)
+        cache = torch.randn(shape)
+        if heads_first:  # transformers' (batch, heads, seqlen, head_dim), seen as (batch, seqlen, heads, ...)
+            cache = cache.transpose(1, 2)
+        q = torch.randn(2, 1, 4, 16)
+        return kvcache._signature(q, cache, cache, None, None, 7, None, True, None, 0, None, False)
+
+    assert key(1025) == key(1100) == key(1152) == key(1152, heads_first=True) != key(1153)
+    assert key(1024) != key(1025)
+    # A cache whose strides the kernels cannot read keeps its exact shape and strides in the signature.
+    odd = torch.randn(2, 1025, 2, 17)[..., :16]
+    q = torch.randn(2, 1, 4, 16)
+    odd_key = kvcache._signature(q, odd, odd, None, None, 7, None, True, None, 0, None, False)
+    assert odd.stride() in odd_key
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.randn(2, 9, 3, 16),
+        torch.randn(2, 3, 9, 16).transpose(1, 2),
+        torch.randn(2, 9, 3, 17)[..., :16],
+        torch.randn(2, 9, 3, 16)[:, :, :, ::2],
+        torch.randn(1, 9, 3, 16).expand(2, 9, 3, 16),
+        torch.randn(2, 1, 3, 16).expand(2, 9, 3, 16),
+        torch.randn(1, 9, 3, 16).expand(1, 9, 3, 16),
+        torch.randn(2, 9, 3, 24)[..., 8:],
+    ],
+)
+def test_the_signatures_cache_layout_rule_is_the_kernels(tensor):
+    from flash_attention import kvcache
+    from flash_attention.ops.decode import layout_ok
+
+    assert kvcache._readable_cache(tensor.shape, tensor.stride()) == layout_ok(tensor)
 
 
 def test_bad_page_index_raises_before_writing():

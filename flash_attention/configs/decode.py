@@ -13,6 +13,7 @@ from .common import DTYPES, cpp_struct, smem_optin
 __all__ = [
     "DECODE_HEAD_DIMS",
     "DecodeConfig",
+    "cache_length_bucket",
     "decode_validity_errors",
     "default_decode_config",
     "num_splits_heuristic",
@@ -199,3 +200,19 @@ def split_cost(blocks: int, tiles: int, splits: int, slots: int) -> int:
     """The split heuristic's model of a decode call's time, in K/V tiles: waves of ``slots`` blocks, each
     wave as long as one block's tiles plus two (its fixed cost)."""
     return math.ceil(blocks * splits / slots) * (math.ceil(tiles / splits) + 2)
+
+
+def cache_length_bucket(capacity: int) -> int:
+    """The largest capacity of ``capacity``'s bucket: ``capacity`` rounded up to one eighth of its octave
+    (to a multiple of 2**(floor(log2 capacity) - 3); capacities up to 16 are their own bucket).
+
+    A contiguous cache's decode plan is kept per bucket and splits its keys for the bucket's largest capacity
+    (ops/decode.py), so a cache that grows a token per step makes eight plans per doubling, and a call whose
+    capacity lies below its bucket's top pays for at most 1/8 more keys than it has: splits past the keys
+    write empty partials. Powers of two are the top of their bucket, so a cache of 1k, 8k, 32k or 128k keys
+    splits exactly as it would unbucketed.
+    """
+    if capacity <= 16:
+        return max(capacity, 0)
+    step = 1 << (capacity.bit_length() - 4)
+    return -(-capacity // step) * step

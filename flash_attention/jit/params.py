@@ -173,6 +173,7 @@ class DecodeParams(ctypes.Structure):
                 "head_dim",
                 "group",
                 "seqlen_new",
+                "cache_seqlen",
                 "capacity",
                 "page_size",
                 "num_pages",

@@ -4,16 +4,23 @@ Nothing here reads a device value on the host: the cache lengths and the page ta
 the kernels check them (csrc/include/fa/kv_cache.cuh), so a decode step can be captured in a CUDA graph.
 The split count therefore depends on the cache's capacity, not on the rows' actual lengths (which only the
 GPU knows): splits past a row's keys cost a block that writes an empty partial.
+
+A contiguous cache's plan serves every capacity of its bucket (configs.decode.cache_length_bucket, at most
+1/8 above the capacity): its splits cover the bucket's largest capacity, and the capacity and the caches'
+strides are written per call. A cache that grows by a token per step (transformers' DynamicCache, a new
+tensor each step) then makes a plan every eighth of an octave, not every step: a plan costs ~100 us of
+host time, a planned call ~15-30.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
 
 from .._validate_kvcache import CacheProblem
-from ..configs.decode import DecodeConfig, default_decode_config, num_splits_heuristic
+from ..configs.decode import DecodeConfig, cache_length_bucket, default_decode_config, num_splits_heuristic
 from ..jit import driver, host
 from ..jit.loader import get_decode_kernels
 from ..jit.params import DecodeParams
@@ -28,6 +35,7 @@ __all__ = [
     "decode_config",
     "decode_plan",
     "decode_unavailable_reason",
+    "layout_ok",
     "splits_for",
 ]
 
@@ -43,7 +51,7 @@ def decode_unavailable_reason(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
             f"the decode kernels need head_dim a multiple of 8 (the cache is read in place); got {q.shape[3]}"
         )
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if not _layout_ok(t):
+        if not layout_ok(t):
             return f"{name}'s strides are not multiples of 8 elements with the last one 1 ({t.stride()})"
     if k_cache.shape[2] > MAX_GRID_YZ or q.shape[0] > MAX_GRID_YZ:
         return f"batch and heads_kv must be at most {MAX_GRID_YZ}"
@@ -75,11 +83,13 @@ def splits_for(
 
 
 class DecodePlan:
-    """A decode call's launches, prepared once per call signature (shapes, strides, dtypes, device, options):
-    the config, the loaded kernels, grids, split count and a DecodeParams with every stride and size filled.
-    Calling it with that signature's tensors fills in their addresses and queues the kernels -- a decode
-    step's host cost is then a few attribute reads and the launches (measured on an H100 host before plans:
-    105 us per call without an append, 140 with, where sdpa takes 20).
+    """A decode call's launches, prepared once per call signature (shapes, strides, dtypes, device, options;
+    a contiguous cache's capacity as its bucket, with any strides the kernels can read): the config, the
+    loaded kernels, grids, split count and a DecodeParams with every stride and size filled. Calling it with
+    that signature's tensors fills in their addresses (and a contiguous cache's capacity and strides, and an
+    int length) and queues the kernels -- a decode step's host cost is then a few attribute reads and the
+    launches (measured on an H100 host before plans: 105 us per call without an append, 140 with, where sdpa
+    takes 20).
 
     Built from the validated call (:func:`flash_attention._validate_kvcache.validate_kvcache`), the kernels
     able to take it (:func:`decode_unavailable_reason`: strides; the addresses are checked per call, as a
@@ -93,7 +103,7 @@ class DecodePlan:
         v_cache: torch.Tensor,
         k: torch.Tensor | None,
         v: torch.Tensor | None,
-        cache_seqlens: torch.Tensor,
+        cache_seqlens: torch.Tensor | int,
         block_table: torch.Tensor | None,
         num_splits: int,
         out: torch.Tensor | None,
@@ -111,14 +121,14 @@ class DecodePlan:
         for prefix, t in (("q", q), ("k", k_cache), ("v", v_cache)):
             fill_strides(p, prefix, t)
         # The output: the caller's buffer when the kernels can write it, else a new contiguous one.
-        self.out_in_place = out is not None and _layout_ok(out)
+        self.out_in_place = out is not None and layout_ok(out)
         if self.out_in_place:
             fill_strides(p, "o", out)
         else:
             fill_contiguous_strides(p, "o", q.shape)
         if return_lse:
             p.lse_batch_stride, p.lse_head_stride = problem.heads_q * problem.seqlen_q, problem.seqlen_q
-        self.lens_copy = cache_seqlens.stride(0) != 1
+        self.lens_copy = isinstance(cache_seqlens, torch.Tensor) and cache_seqlens.stride(0) != 1
         self.table_copy = paged and block_table.stride(1) != 1
         if paged:
             p.block_table_stride = block_table.shape[1] if self.table_copy else block_table.stride(0)
@@ -137,8 +147,8 @@ class DecodePlan:
 
         # Inputs the kernels read in place when their layout allows (q, and the new tokens k/v), else as
         # contiguous copies, whose strides are then filled per call.
-        self.q_in_place = _layout_ok(q)
-        self.new_in_place = problem.seqlen_new == 0 or (_layout_ok(k) and _layout_ok(v))
+        self.q_in_place = layout_ok(q)
+        self.new_in_place = problem.seqlen_new == 0 or (layout_ok(k) and layout_ok(v))
         if problem.seqlen_new:
             fill_strides(p, "kn", k)
             fill_strides(p, "vn", v)
@@ -154,7 +164,12 @@ class DecodePlan:
         # loads want the second block per SM to hide their latency (the same shapes, page 16: 2 splits at
         # batch 8 took 4% longer than 4). docs/kernel-log.md, step 65.
         per_sm = decode.blocks_per_sm(cfg.threads, cfg.smem_bytes, index) if paged else 1
-        p.num_splits, p.keys_per_split = splits_for(cfg, problem, num_splits, sm_count(index), per_sm)
+        # A contiguous cache's splits cover its bucket's largest capacity: every cache of the bucket fits.
+        basis = problem
+        if not paged:
+            basis = dataclasses.replace(problem, capacity=cache_length_bucket(problem.capacity))
+        p.num_splits, p.keys_per_split = splits_for(cfg, basis, num_splits, sm_count(index), per_sm)
+        self.fills_geometry = not paged
         decode.ensure_dynamic_smem(cfg.smem_bytes, index)
         grid = (p.num_m_blocks * p.num_splits, problem.heads_kv, problem.batch)
         self.launches.append((decode, grid, cfg.threads, cfg.smem_bytes))
@@ -197,7 +212,12 @@ class DecodePlan:
         lib = host.ops_or_none()
         if lib is None:
             return False
+        geometry = _NATIVE_GEOMETRY_SLOTS if self.fills_geometry else ()
         offsets = [getattr(DecodeParams, name).offset for name in _NATIVE_SLOTS]
+        offsets += [
+            getattr(DecodeParams, name).offset if name in geometry else -1 for name in _NATIVE_GEOMETRY_SLOTS
+        ]
+        offsets.append(DecodeParams.cache_seqlen.offset)
         fields = []
         for kernel, grid, threads, smem in self.launches:
             fields += [kernel.handle.value, *grid, threads, smem]
@@ -227,15 +247,18 @@ class DecodePlan:
         v_cache: torch.Tensor,
         k: torch.Tensor | None,
         v: torch.Tensor | None,
-        cache_seqlens: torch.Tensor,
+        cache_seqlens: torch.Tensor | int,
         block_table: torch.Tensor | None,
         out: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``cache_seqlens``: a tensor, or an int, every row's length (passed to the kernels by value)."""
+        one_length = isinstance(cache_seqlens, int)
         if self._native is None:
             self._native = self._make_native()
         if self._native and out is None:
             lib, _, address = self._native
-            result = lib.decode_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, address)
+            lens, length = (None, cache_seqlens) if one_length else (cache_seqlens, 0)
+            result = lib.decode_call(q, k_cache, v_cache, k, v, lens, length, block_table, address)
             if result:
                 return result[0], (result[1] if len(result) == 2 else None)
         problem = self.problem
@@ -253,10 +276,17 @@ class DecodePlan:
             if self.out_in_place:
                 fill_strides(p, "o", o)
         p.q, p.k, p.v, p.o = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), o.data_ptr()
+        if self.fills_geometry:  # this call's capacity and strides (the signature admitted readable ones)
+            fill_strides(p, "k", k_cache)
+            fill_strides(p, "v", v_cache)
+            p.capacity = k_cache.shape[1]
         # The lengths and page table as the kernels index them: elements adjacent (a strided view is copied).
-        if self.lens_copy:
-            cache_seqlens = cache_seqlens.contiguous()
-        p.cache_seqlens = cache_seqlens.data_ptr()
+        if one_length:
+            p.cache_seqlens, p.cache_seqlen = None, cache_seqlens
+        else:
+            if self.lens_copy:
+                cache_seqlens = cache_seqlens.contiguous()
+            p.cache_seqlens = cache_seqlens.data_ptr()
         if block_table is not None:
             if self.table_copy:
                 block_table = block_table.contiguous()
@@ -289,9 +319,14 @@ class DecodePlan:
         return o, lse
 
 
-# The DecodeParams pointer fields the host library writes, in the order of decode_call.cpp's DecodeSlot enum.
+# The DecodeParams fields the host library writes, in the order of decode_call.cpp's DecodeSlot enum: the
+# pointers, a contiguous cache's geometry, then the one length of every row (cache_seqlen).
 _NATIVE_SLOTS = (
     "q", "k", "v", "k_new", "v_new", "o", "lse", "o_partial", "lse_partial", "cache_seqlens", "block_table",
+)  # fmt: skip
+_NATIVE_GEOMETRY_SLOTS = (
+    "k_batch_stride", "k_row_stride", "k_head_stride", "v_batch_stride", "v_row_stride", "v_head_stride",
+    "capacity",
 )  # fmt: skip
 
 
@@ -335,7 +370,7 @@ def _grown(device: torch.device, stream: int, name: str, numel: int, dtype: torc
     return buf
 
 
-def _layout_ok(t: torch.Tensor) -> bool:
+def layout_ok(t: torch.Tensor) -> bool:
     """The strides the kernels need (tensors.strides_usable; the address is checked per call), and no
     dimension of more than one element broadcast (stride 0): the caches and out are written, and blocks
     writing the same bytes for different positions would race."""

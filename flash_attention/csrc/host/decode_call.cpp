@@ -6,8 +6,12 @@
 // steps 41 and 42), and of its Python the launches through ctypes (two or three, each with eleven converted
 // arguments, after a context query) are the largest part on a GPU host.
 //
-//   flash_attention_host::decode_call(q, k_cache, v_cache, k?, v?, cache_seqlens, block_table?, program)
-//       -> [out, lse] | [out] | []
+//   flash_attention_host::decode_call(q, k_cache, v_cache, k?, v?, cache_seqlens?, cache_seqlen, block_table?,
+//                                     program) -> [out, lse] | [out] | []
+//
+// cache_seqlens None: every row's length is the int cache_seqlen, passed to the kernels by value. A
+// contiguous cache's plan serves every cache length of its bucket (ops/decode.py), so its geometry (the
+// capacity and the K/V strides) is written per call from k_cache and v_cache.
 //
 // The program (DecodeProgram) is made in Python once per plan (flash_attention/ops/decode.py) from the
 // plan's params bytes, the byte offsets of the pointer fields and its launches. It covers the plans whose
@@ -29,10 +33,13 @@
 
 namespace flash_attention_host {
 
-// The pointer fields of DecodeParams this file writes, in the order of the offsets list Python passes.
+// The fields of DecodeParams this file writes, in the order of the offsets list Python passes: the
+// pointers, then the contiguous cache's geometry (64-bit strides, then the 32-bit capacity; -1 for a paged
+// plan, whose geometry is its signature's), then the 32-bit one length of every row.
 enum DecodeSlot : int {
   kDecQ, kDecK, kDecV, kDecKNew, kDecVNew, kDecO, kDecLse, kDecOPartial, kDecLsePartial, kDecCacheSeqlens,
-  kDecBlockTable, kNumDecodeSlots
+  kDecBlockTable, kDecKBatchStride, kDecKRowStride, kDecKHeadStride, kDecVBatchStride, kDecVRowStride,
+  kDecVHeadStride, kDecCapacity, kDecCacheSeqlen, kNumDecodeSlots
 };
 
 struct DecodeProgram : torch::CustomClassHolder {
@@ -58,7 +65,7 @@ struct DecodeProgram : torch::CustomClassHolder {
         partial_rows(partial_rows_) {
     params = params_from(params_bytes, "DecodeProgram");
     offsets_from(slot_offsets, offsets, kNumDecodeSlots, params.size(), "DecodeProgram",
-                 [](int) { return 8; });  // every slot an address
+                 [](int slot) { return slot < kDecCapacity ? 8 : 4; });
     launches = launches_from(launch_fields);
     check(launches.size() <= 3, "DecodeProgram: at most three launches (append, decode, combine)");
     names = names_from(kernel_names, launches.size());
@@ -70,6 +77,10 @@ struct DecodeProgram : torch::CustomClassHolder {
   void put(std::vector<uint8_t>& into, DecodeSlot slot, uint64_t value) const {
     if (offsets[slot] >= 0) std::memcpy(into.data() + offsets[slot], &value, sizeof(value));
   }
+  void put32(std::vector<uint8_t>& into, DecodeSlot slot, int32_t value) const {
+    if (offsets[slot] >= 0) std::memcpy(into.data() + offsets[slot], &value, sizeof(value));
+  }
+  bool fills_geometry() const { return offsets[kDecCapacity] >= 0; }
 
   static DecodeProgram& at_address(int64_t address) {
     auto* raw = reinterpret_cast<DecodeProgram*>(address);
@@ -81,13 +92,23 @@ struct DecodeProgram : torch::CustomClassHolder {
 // `program` is the address of a live DecodeProgram (the caller keeps it alive for the call).
 std::vector<at::Tensor> decode_call(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                     const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
-                                    const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& block_table,
-                                    int64_t program_address) {
+                                    const std::optional<at::Tensor>& cache_seqlens, int64_t cache_seqlen,
+                                    const std::optional<at::Tensor>& block_table, int64_t program_address) {
   const DecodeProgram& program = DecodeProgram::at_address(program_address);
   // The kernels read q and the new tokens and write the caches 16 bytes at a time; the lengths and the page
   // table are int32 read element by element (their layouts are the plan's).
   if (!kernel_readable(q) || !kernel_readable(k_cache) || !kernel_readable(v_cache)) return {};
   if ((k && !kernel_readable(*k)) || (v && !kernel_readable(*v))) return {};
+  // A contiguous cache's strides are this call's: the kernels read rows 16 bytes at a time, so each stride
+  // must be a multiple of 8 elements with the last 1 (Python's signature admitted only such caches to the
+  // plan; checked again here because a wrong stride would read outside the cache).
+  if (program.fills_geometry()) {
+    for (const at::Tensor* t : {&k_cache, &v_cache}) {
+      if (t->dim() != 4 || t->stride(3) != 1) return {};
+      for (int d = 0; d < 3; ++d)
+        if (t->stride(d) % 8 != 0 || (t->stride(d) == 0 && t->size(d) > 1)) return {};
+    }
+  }
   at::Tensor out = at::empty_like(q, q.options(), at::MemoryFormat::Contiguous);
   at::Tensor lse;
   if (!program.lse_shape.empty()) lse = at::empty(program.lse_shape, q.options().dtype(at::kFloat));
@@ -106,7 +127,17 @@ std::vector<at::Tensor> decode_call(const at::Tensor& q, const at::Tensor& k_cac
   program.put(params, kDecLse, lse.defined() ? address_of(lse) : 0);
   program.put(params, kDecOPartial, partials.defined() ? address_of(partials) : 0);
   program.put(params, kDecLsePartial, partials.defined() ? address_of(partials) + 4 * program.partial_o : 0);
-  program.put(params, kDecCacheSeqlens, address_of(cache_seqlens));
+  program.put(params, kDecCacheSeqlens, cache_seqlens ? address_of(*cache_seqlens) : 0);
+  program.put32(params, kDecCacheSeqlen, static_cast<int32_t>(cache_seqlen));
+  if (program.fills_geometry()) {
+    program.put(params, kDecKBatchStride, k_cache.stride(0));
+    program.put(params, kDecKRowStride, k_cache.stride(1));
+    program.put(params, kDecKHeadStride, k_cache.stride(2));
+    program.put(params, kDecVBatchStride, v_cache.stride(0));
+    program.put(params, kDecVRowStride, v_cache.stride(1));
+    program.put(params, kDecVHeadStride, v_cache.stride(2));
+    program.put32(params, kDecCapacity, static_cast<int32_t>(k_cache.size(1)));
+  }
   program.put(params, kDecBlockTable, block_table ? address_of(*block_table) : 0);
   launch_all(program.launches, program.names, program.context, params.data(), current_stream(q.device()));
   if (lse.defined()) return {out, lse};

@@ -19,7 +19,7 @@ __device__ __forceinline__ void cache_append_body(const DecodeParams& p) {
   const int token = blockIdx.x;
   const int batch = blockIdx.y;
   if (cache_keys(p, batch) < 0) return;
-  const int j = p.cache_seqlens[batch] + token;
+  const int j = cache_length(p, batch) + token;
   const CachePositions<kPaged> positions(p, batch);
   i64 k_off, v_off;
   if (!positions.offsets(j, k_off, v_off)) return;

@@ -22,7 +22,9 @@ struct DecodeParams {
   // and (num_splits, batch, heads_q, seqlen_q), fp32; the combine kernel merges them.
   float* o_partial;
   float* lse_partial;
-  const int* cache_seqlens;  // (batch,) each row's length before the append
+  // (batch,) each row's length before the append; null when every row has the same length, cache_seqlen (an
+  // int length from the caller: passed by value, so no fill kernel runs and no device buffer is needed).
+  const int* cache_seqlens;
   const int* block_table;    // (batch, max_pages), block_table_stride apart; null for a contiguous cache
   // num_splits > 1: one arrival counter per (batch, K/V head, row block), zero before the call and left zero
   // after it: the last split block of a row block to finish merges the splits (fa/decode_combine.cuh) and
@@ -42,6 +44,7 @@ struct DecodeParams {
   int head_dim;    // the problem's (<= the compiled kHeadDim, a multiple of 8)
   int group;       // heads_q / heads_kv
   int seqlen_new;  // tokens appended per row: row b attends cache_seqlens[b] + seqlen_new keys
+  int cache_seqlen;  // every row's length before the append when cache_seqlens is null
   int capacity;    // keys one row can hold: the contiguous cache's length, or max_pages * page_size
   int page_size;   // 0 for a contiguous cache
   int num_pages;   // pages in a paged cache: a block_table entry outside [0, num_pages) is never followed

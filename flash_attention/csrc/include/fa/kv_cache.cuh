@@ -14,9 +14,14 @@
 
 namespace fa {
 
-// Row b's key count after the append, or -1 when its cache_seqlens entry is out of range.
+// Row b's length before the append: its cache_seqlens entry, or the call's one length for every row.
+__device__ __forceinline__ int cache_length(const DecodeParams& p, int batch) {
+  return p.cache_seqlens != nullptr ? p.cache_seqlens[batch] : p.cache_seqlen;
+}
+
+// Row b's key count after the append, or -1 when its length is out of range.
 __device__ __forceinline__ int cache_keys(const DecodeParams& p, int batch) {
-  const int before = p.cache_seqlens[batch];
+  const int before = cache_length(p, batch);
   const int n = before + p.seqlen_new;
   return (before < 0 || n > p.capacity || n < before) ? -1 : n;
 }
