@@ -261,7 +261,10 @@ def kvcache_calls(monkeypatch: pytest.MonkeyPatch) -> list:
     real = integration.attention_with_kvcache
 
     def spy(q, k_cache, v_cache, **kwargs):
-        seen.append((tuple(q.shape), tuple(k_cache.shape), kwargs["cache_seqlens"].tolist()))
+        lengths = kwargs["cache_seqlens"]
+        seen.append(
+            (tuple(q.shape), tuple(k_cache.shape), lengths if isinstance(lengths, int) else lengths.tolist())
+        )
         return real(q, k_cache, v_cache, **kwargs)
 
     monkeypatch.setattr(integration, "attention_with_kvcache", spy)
@@ -288,6 +291,25 @@ def test_generate_with_static_cache_runs_the_decode_path(kind, calls, kvcache_ca
         filled = 8 if step < 2 else 8 + step // 2
         assert q_shape[1] == (8 if step < 2 else 1) and k_shape[1] == capacity >= 8 + 5
         assert lengths == [filled, filled]
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_generate_with_a_dynamic_cache_decodes_on_the_decode_path(kind, calls, kvcache_calls):
+    # A DynamicCache longer than the decode route's query limit: the prefill is one attention() call per
+    # layer, and each decoding step one attention_with_kvcache call on the cache as it stands (no append:
+    # transformers has already added the step's keys), the same greedy tokens as sdpa.
+    ours, ref, _ = _models(kind)
+    prompt = integration.STATIC_CACHE_MAX_QUERIES + 6
+    ids = torch.randint(3, VOCAB, (2, prompt))
+    kwargs = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        a = ours.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+        b = ref.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+    assert torch.equal(a, b)
+    assert calls["sdpa"] == 0
+    assert len(kvcache_calls) == 2 * 4  # two layers, four decoding steps after the prefill
+    for step, (q_shape, k_shape, lengths) in enumerate(kvcache_calls):
+        assert q_shape[1] == 1 and k_shape[1] == lengths == prompt + 1 + step // 2
 
 
 def test_static_cache_logits_match_and_what_it_does_not_take(calls, kvcache_calls):

@@ -25,7 +25,10 @@ transformers' SDPA function instead):
 * ``None`` -- no padding, and (for causal models) the queries are the last ``q_length`` of the keys, which
   is exactly the kernel's bottom-right causal alignment: ``flash_attention.attention`` on the whole batch.
   This covers prefill, training on unpadded batches, decoding with the default ``DynamicCache``, and any
-  batch without padding.
+  batch without padding. A causal inference call of at most ``STATIC_CACHE_MAX_QUERIES`` queries against
+  more keys than that (a decoding step on a ``DynamicCache``, whose keys are the whole cache) runs on the
+  split-KV decode kernels instead: :func:`flash_attention.attention_with_kvcache` with ``cache_seqlens`` =
+  the key length, the cache read in place and nothing appended (transformers has added the step's keys).
 * a 2-D boolean (batch, kv_length) tensor, True = real token -- plain causal or bidirectional attention
   with padding. Valid keys that form one run per row (left padding, as batched generation uses, or right
   padding) run on the kernel in one call with per-batch key ranges (``attention(..., key_range=)``, the
@@ -505,6 +508,18 @@ def attention_forward(
     )
     if kernel_ok:
         if attention_mask is None:
+            if (
+                causal
+                and dropout == 0.0
+                and 0 < q_length <= STATIC_CACHE_MAX_QUERIES < kv_length
+                and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad))
+            ):
+                # A decoding step on a DynamicCache (the keys are the whole cache, the queries its last
+                # q_length positions): the split-KV decode kernels, the cache read in place, no append.
+                out = attention_with_kvcache(
+                    q, k, v, cache_seqlens=kv_length, causal=True, softmax_scale=scaling
+                )
+                return out, None
             return attention(q, k, v, causal=causal, softmax_scale=scaling, dropout_p=dropout), None
         # A 2-D key mask: one kernel call with per-batch key ranges when each row's valid keys are one run.
         ranges = fn.plan_padded(attention_mask) if attention_mask.device == query.device else None
