@@ -416,7 +416,17 @@ def _first_divergence_is_a_tie(ours_tokens, ref_tokens, prompt, mask, ref, exact
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 @pytest.mark.parametrize("padding", [False, True])
-def test_transformers_generate_greedy(kind, padding, launches):
+def test_transformers_generate_greedy(kind, padding, launches, monkeypatch):
+    from flash_attention.ops import decode
+
+    decoded: list = []
+    real = decode.DecodePlan.__call__
+
+    def spy(self, *args, **kwargs):
+        decoded.append(args[1].shape)  # k_cache
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(decode.DecodePlan, "__call__", spy)
     ours, ref, exact = _hf_models(kind, "fp16")
     prompt = torch.randint(3, 512, (4, 300), device="cuda")
     mask = torch.ones_like(prompt)
@@ -430,13 +440,17 @@ def test_transformers_generate_greedy(kind, padding, launches):
     assert a.shape == b.shape == (4, 24)
     same = (a == b).all(dim=1)
     assert _first_divergence_is_a_tie(a, b, prompt, mask, ref, exact), f"rows equal: {same.tolist()}"
-    # Prefill and every decoding step of both layers on the kernel; with padding, each with key ranges from
-    # the row's first real token to the current length.
-    assert len(launches) >= 2 * 24
+    # With padding: prefill and every decoding step of both layers on the forward kernel, each with key
+    # ranges from the row's first real token to the current length. Without: the prefill on the forward
+    # kernel, the 23 decoding steps after it on the decode kernels (the DynamicCache, one longer per step).
     if padding:
+        assert len(launches) >= 2 * 24 and not decoded
         for _, k_shape, causal, kr in launches:
             assert causal and kr is not None
             assert kr[:, 0].tolist() == [0, 50, 0, 120] and kr[:, 1].tolist() == [k_shape[1]] * 4
+    else:
+        assert len(launches) == 2
+        assert [shape[1] for shape in decoded] == [301 + step // 2 for step in range(2 * 23)]
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])

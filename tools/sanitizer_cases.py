@@ -9,6 +9,10 @@ GPU (on Hopper the wgmma kernels, and the portable ones for key ranges, dropout 
 checks the output against the float64 reference, so a run that the sanitizer passes also computed the right
 thing. Lengths are not multiples of any tile, heads are grouped, head dims include ones that are not
 multiples of 8. ``--small`` keeps racecheck (which instruments every shared-memory access) within minutes.
+The decode cases (``--decode-only`` for just them) run ``attention_with_kvcache`` on the decode kernels:
+appends, paged caches of odd page sizes, split merges, an int length, caches of one capacity bucket that
+grow between calls (a plan kept across them), and a row whose length is out of range (its output NaN,
+nothing outside the cache touched).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import sys
 import torch
 
 import flash_attention as fa
-from flash_attention.reference import attention_reference
+from flash_attention.reference import attention_kvcache_reference, attention_reference
 
 #: (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal, key_range, dropout, deterministic)
 CASES = [
@@ -104,10 +108,65 @@ def run_ws_case(case, seed: int, small: bool) -> float:
     return (o.double() - ref).abs().max().item()
 
 
+#: (batch, seqlen_q, heads_q, heads_kv, head_dim, seqlen_new, page_size, capacity, lengths, num_splits):
+#: lengths an int (every row's, passed by value) or one per row; a length past the capacity poisons its row.
+DECODE_CASES = [
+    (3, 1, 8, 2, 128, 1, 0, 300, [0, 150, 299], 0),
+    (2, 4, 8, 8, 64, 4, 16, 320, [1, 250], 3),
+    (2, 16, 16, 2, 128, 0, 1, 90, [37, 90], 2),
+    (2, 1, 32, 8, 128, 0, 0, 2049, 2049, 0),
+    (2, 1, 32, 8, 128, 0, 0, 2300, 2300, 0),  # the bucket of the case above: its plan, a longer cache
+    (2, 3, 12, 4, 256, 2, 64, 200, [30, 500], 0),  # row 1 out of range: NaN, nothing written
+]
+
+
+def run_decode_case(case, seed: int) -> float:
+    """Max error of one decode call (and of the caches after its append) against the float64 reference, over
+    the rows whose length is in range; a row out of range must come back NaN."""
+    b, sq, hq, hkv, d, s_new, page, cap, lengths, splits = case
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen)  # noqa: E731
+    table = None
+    if page:
+        per_row = -(-cap // page)
+        table = torch.randperm(b * per_row, device="cuda").int().reshape(b, per_row)
+        k_cache, v_cache = rand(b * per_row, page, hkv, d), rand(b * per_row, page, hkv, d)
+    else:
+        k_cache, v_cache = (rand(b, hkv, cap, d).transpose(1, 2) for _ in range(2))  # transformers' layout
+    q = rand(b, sq, hq, d)
+    k, v = (rand(b, s_new, hkv, d), rand(b, s_new, hkv, d)) if s_new else (None, None)
+    per_row = lengths if isinstance(lengths, list) else [lengths] * b
+    good = [n + s_new <= cap for n in per_row]
+    lens = lengths if isinstance(lengths, int) else torch.tensor(lengths, device="cuda", dtype=torch.int32)
+    ref_lens = torch.tensor([min(n, cap - s_new) for n in per_row], device="cuda", dtype=torch.int32)
+    refs = attention_kvcache_reference(
+        q.double(), k_cache.double(), v_cache.double(), None if k is None else k.double(),
+        None if v is None else v.double(), cache_seqlens=ref_lens, block_table=table, causal=True,
+    )  # fmt: skip
+    out = fa.attention_with_kvcache(
+        q, k_cache, v_cache, k, v, cache_seqlens=lens, block_table=table, num_splits=splits
+    )
+    torch.cuda.synchronize()
+    err = 0.0
+    for row, ok in enumerate(good):
+        if ok:
+            err = max(err, (out[row].double() - refs[0][row]).abs().max().item())
+        elif not out[row].isnan().all():
+            return float("inf")
+    if all(good):  # the caches after the append
+        err = max(
+            err,
+            (k_cache.double() - refs[2]).abs().max().item(),
+            (v_cache.double() - refs[3]).abs().max().item(),
+        )
+    return err
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="shorter sequences (for racecheck)")
     ap.add_argument("--ws-only", action="store_true", help="only the warp-specialized kernel's cases")
+    ap.add_argument("--decode-only", action="store_true", help="only the decode kernels' cases")
     ap.add_argument(
         "--persistent-blocks",
         type=int,
@@ -121,11 +180,15 @@ def main(argv: list[str] | None = None) -> int:
 
         ops_forward.sm_count = lambda index: args.persistent_blocks
     worst = 0.0
-    for i, case in enumerate([] if args.ws_only else CASES):
+    for i, case in enumerate([] if args.ws_only else DECODE_CASES):
+        err = run_decode_case(case, seed=200 + i)
+        worst = max(worst, err)
+        print(f"decode case {i}: {case} max error {err:.3g}", flush=True)
+    for i, case in enumerate([] if args.ws_only or args.decode_only else CASES):
         err = run_case(case, seed=i, small=args.small)
         worst = max(worst, err)
         print(f"case {i}: {case} max error {err:.3g}", flush=True)
-    if torch.cuda.get_device_capability() == (9, 0):
+    if torch.cuda.get_device_capability() == (9, 0) and not args.decode_only:
         for i, case in enumerate(WS_CASES):
             err = run_ws_case(case, seed=100 + i, small=args.small)
             worst = max(worst, err)
