@@ -176,9 +176,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--rounds",
         type=int,
-        default=1,
-        help="with --tiny: time every implementation of a shape this many times in turn (host-bound calls "
-        "move between runs: compare rounds taken side by side; the table shows each one's median)",
+        default=None,
+        help="with --tiny (default 1) or --mode decode (default 3): time every implementation of a shape "
+        "this many times in turn (host-bound calls move between runs: compare rounds taken side by side; "
+        "the table shows the median)",
     )
     p.add_argument(
         "--repeat-calls",
@@ -281,10 +282,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     reps = args.reps if args.reps is not None else (10 if args.quick else 25)
     min_time = args.min_time if args.min_time is not None else (0.05 if args.quick else 0.2)
     tag = args.tag if args.tag is not None else ("quick" if args.quick else "tiny" if args.tiny else None)
-    if (args.rounds != 1 or args.repeat_calls) and not args.tiny:
-        # The sweep's tables read one row per (impl, point); rounds and forms are for host-bound A/Bs.
-        print("--rounds and --repeat-calls go with --tiny", file=sys.stderr)
+    if args.repeat_calls and not args.tiny:
+        # The sweep's tables read one row per (impl, point); forms are for host-bound A/Bs.
+        print("--repeat-calls goes with --tiny", file=sys.stderr)
         return 2
+    if args.rounds is not None and not (args.tiny or args.mode == "decode"):
+        print("--rounds goes with --tiny or --mode decode", file=sys.stderr)
+        return 2
+    if args.rounds is None:
+        args.rounds = 3 if args.mode == "decode" and not args.tiny else 1
     if args.rounds < 1:
         print(f"--rounds must be at least 1; got {args.rounds}", file=sys.stderr)
         return 2
@@ -435,6 +441,7 @@ def _main_decode(args: argparse.Namespace, reps: int, min_time: float) -> int:
         warmup=args.warmup,
         min_reps=reps,
         min_time_s=min_time,
+        rounds=args.rounds,
     )
     timing = dict(warmup=args.warmup, min_reps=reps, min_time_s=min_time)
     result = environment(torch.cuda.current_device(), args.commit, args.allow_dirty)

@@ -8,6 +8,9 @@ view with ``enable_gqa`` (they have no paged form). Every point reports the time
 median; small calls include their launch path, which a user pays) and the K/V bytes read per second, next to
 a device-to-device copy measured in the same run (``copy_tb_s``), the ceiling a memory-bound kernel aims at.
 
+Host-bound points drift within a run, so each point's implementations are timed in alternating rounds
+(three by default, ``--rounds``) and a row records the median of the rounds' medians.
+
 Ours attends without appending (``k``/``v`` None), the same work as the baselines'. Calls with more than one
 query token (speculative decoding) are causal, aligned to the cache's end; SDPA's causal mask is aligned to
 the top-left corner when there are fewer queries than keys, so those points run ours only.
@@ -16,6 +19,7 @@ the top-left corner when there are fewer queries than keys, so those points run 
 from __future__ import annotations
 
 import random
+import statistics
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +67,10 @@ class DecodeSettings:
     warmup: int = 3
     min_reps: int = 25
     min_time_s: float = 0.2
+    #: Each point's implementations are timed this many times in turn and a row records the median of the
+    #: rounds' medians (the rounds in ``ms_rounds``): a call shorter than its launch path measures the host,
+    #: whose speed drifts by tens of percent within a run, so only times taken side by side compare.
+    rounds: int = 3
 
 
 def measure_copy_tb_s(**timing) -> float:
@@ -115,19 +123,35 @@ def _point_rows(batch, seqlen, seqlen_q, s: DecodeSettings, timing: dict, gen: r
             for _ in range(n_sets)
         ]
         impls = [i for i in s.impls if i == OURS or (page_size == 0 and seqlen_q == 1)]
+        samples: dict[str, list] = {impl: [] for impl in impls}
+        errors: dict[str, str] = {}
+        for _ in range(s.rounds):
+            for impl in impls:
+                if impl in errors:
+                    continue
+                try:
+                    fn, context = _call(impl, qs, sets, lengths, s.num_splits)
+                    with context:
+                        samples[impl].append(time_cuda(fn, n_sets, **timing))
+                except Exception as exc:  # a backend that refuses the shape: recorded, not fatal
+                    errors[impl] = f"{type(exc).__name__}: {exc}"[:300]
         for impl in impls:
             row = dict(base, impl=impl, page_size=page_size)
             if impl == OURS and s.num_splits:
                 row["num_splits"] = s.num_splits
-            try:
-                fn, context = _call(impl, qs, sets, lengths, s.num_splits)
-                with context:
-                    t = time_cuda(fn, n_sets, **timing)
-            except Exception as exc:  # a backend that refuses the shape: recorded, not fatal
-                row.update(ms=None, tb_s=None, tflops=None, error=f"{type(exc).__name__}: {exc}"[:300])
+            if impl in errors:
+                row.update(ms=None, tb_s=None, tflops=None, error=errors[impl])
             else:
-                row.update(ms=t.ms, ms_min=t.ms_min, reps=t.reps, tb_s=kv_bytes / (t.ms * 1e-3) / 1e12)
-                row["tflops"] = base["tflops"] / (t.ms * 1e-3) / 1e12
+                ms = statistics.median(t.ms for t in samples[impl])
+                row.update(
+                    ms=ms,
+                    ms_min=min(t.ms_min for t in samples[impl]),
+                    reps=sum(t.reps for t in samples[impl]),
+                    tb_s=kv_bytes / (ms * 1e-3) / 1e12,
+                    tflops=base["tflops"] / (ms * 1e-3) / 1e12,
+                )
+                if len(samples[impl]) > 1:
+                    row["ms_rounds"] = [t.ms for t in samples[impl]]
             rows.append(row)
             print(_row_line(row), flush=True)
         del sets
