@@ -169,3 +169,12 @@ def test_a_growing_cache_keeps_a_plan_per_bucket_and_attends_its_whole_length(gp
         got = attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, num_splits=3)
         assert (got.double() - ref).abs().max().item() < 2e-2, capacity
     assert len(decode._plans._plans) == 3
+
+
+def test_clear_plans_forgets_the_decode_plans(gpu):
+    q = torch.randn(1, 1, 4, 64, dtype=torch.bfloat16)
+    k_cache, v_cache = (torch.randn(1, 40, 2, 64, dtype=torch.bfloat16) for _ in range(2))
+    attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=30)
+    assert decode._plans._plans
+    ops.clear_plans()
+    assert not decode._plans._plans

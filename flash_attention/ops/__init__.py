@@ -16,6 +16,7 @@ first, in :mod:`flash_attention._validate`; the choice between these kernels and
 """
 
 from . import backward as _backward
+from . import decode as _decode
 from . import forward as _forward
 from .backward import cuda_backward
 from .decode import decode_plan, decode_unavailable_reason
@@ -28,9 +29,11 @@ from .training import training_forward
 
 
 def clear_plans() -> None:
-    """Forget the launch plans of both directions (after a tuned-winners table changed)."""
+    """Forget every family's launch plans (after a tuned-winners table, a default config or a test's stand-in
+    for a device fact changed)."""
     _forward.clear_plans()
     _backward.clear_plans()
+    _decode.clear_plans()
 
 
 __all__ = [

@@ -33,6 +33,7 @@ from .tensors import MAX_GRID_YZ, aligned_copy, strides_usable
 __all__ = [
     "DecodePlan",
     "decode_config",
+    "clear_plans",
     "decode_plan",
     "decode_unavailable_reason",
     "layout_ok",
@@ -379,6 +380,11 @@ def layout_ok(t: torch.Tensor) -> bool:
 
 
 _plans: PlanCache[DecodePlan | str] = PlanCache()
+
+
+def clear_plans() -> None:
+    """Forget every decode plan (and the host library's programs they hold)."""
+    _plans.clear()
 
 
 def decode_plan(
