@@ -10,6 +10,7 @@ import torch
 from . import kvcache_op
 from ._validate_kvcache import CacheProblem, validate_kvcache
 from .configs.decode import cache_length_bucket
+from .ops.decode import repeat_plan
 from .ops.plans import PlanCache
 
 __all__ = ["attention_with_kvcache"]
@@ -69,6 +70,16 @@ def _readable_cache(n: torch.Size, s: tuple[int, ...]) -> bool:
         and (s[1] != 0 or n[1] <= 1)
         and (s[2] != 0 or n[2] <= 1)
         and max(s) < 2**62
+    )
+
+
+def _records_grad(q, k_cache, v_cache, k, v) -> bool:
+    """Whether autograd would record this call (grad mode on and an input requiring grad)."""
+    return torch.is_grad_enabled() and (
+        q.requires_grad
+        or k_cache.requires_grad
+        or v_cache.requires_grad
+        or (k is not None and (k.requires_grad or v.requires_grad))
     )
 
 
@@ -170,6 +181,21 @@ def attention_with_kvcache(
         return_lse,
     )
 
+    if key is not None and out is None:
+        # A repeat of a signature whose plan launches from the host library: its validated problem is the
+        # plan's, and what a signature cannot fix is checked here as on the whole path (the capacity's
+        # rules, gradients, torch.compile); the launch layers between are skipped. None: the whole path.
+        plan = repeat_plan(key)
+        if (
+            plan is not None
+            and _checked_capacity(plan.problem, k_cache, v_cache, cache_seqlens, block_table)
+            and not _records_grad(q, k_cache, v_cache, k, v)
+            and not torch.compiler.is_compiling()
+        ):
+            result = plan.repeat(q, k_cache, v_cache, k, v, cache_seqlens, block_table)
+            if result is not None:
+                return result if return_lse else result[0]
+
     def validate() -> CacheProblem:
         return validate_kvcache(
             q,
@@ -193,12 +219,7 @@ def attention_with_kvcache(
             problem = validate()
         elif block_table is None and problem.capacity != k_cache.shape[1]:
             problem = dataclasses.replace(problem, capacity=k_cache.shape[1])
-    if torch.is_grad_enabled() and (
-        q.requires_grad
-        or k_cache.requires_grad
-        or v_cache.requires_grad
-        or (k is not None and (k.requires_grad or v.requires_grad))
-    ):
+    if _records_grad(q, k_cache, v_cache, k, v):
         raise RuntimeError(
             "attention_with_kvcache() is for inference and has no backward, but an input requires grad; call "
             "it under torch.no_grad() or torch.inference_mode(), or use attention() for training"

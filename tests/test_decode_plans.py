@@ -178,3 +178,30 @@ def test_clear_plans_forgets_the_decode_plans(gpu):
     assert decode._plans._plans
     ops.clear_plans()
     assert not decode._plans._plans
+
+
+def test_repeat_calls_skip_the_plans_call_but_not_the_per_call_checks(gpu, monkeypatch):
+    # A signature's later calls go from attention_with_kvcache straight to the plan's host library form
+    # (native mode; Python mode has none and runs the plan's whole call); the checks a signature cannot fix
+    # still run: an int length out of range, an input requiring grad.
+    torch.manual_seed(3)
+    q = torch.randn(2, 1, 8, 64, dtype=torch.bfloat16)
+    k_cache, v_cache = (torch.randn(2, 70, 2, 64, dtype=torch.bfloat16) for _ in range(2))
+    whole = []
+    real = decode.DecodePlan.__call__
+    monkeypatch.setattr(
+        decode.DecodePlan, "__call__", lambda self, *a, **kw: whole.append(1) or real(self, *a, **kw)
+    )
+    ref = attention_kvcache_reference(
+        q.double(), k_cache.double(), v_cache.double(), cache_seqlens=torch.full((2,), 61), causal=True
+    )[0]
+    for _ in range(3):
+        gpu.launches.clear()
+        got = attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=61)
+        assert "decode_decode" in gpu.launches
+        assert (got.double() - ref).abs().max().item() < 2e-2
+    assert len(whole) == (1 if repeat.MODE == "native" else 3)
+    with pytest.raises(ValueError, match=r"cache_seqlens \(71\)"):
+        attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=71)
+    with pytest.raises(RuntimeError, match="no backward"):
+        attention_with_kvcache(q.clone().requires_grad_(), k_cache, v_cache, cache_seqlens=61)

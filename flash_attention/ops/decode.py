@@ -37,6 +37,7 @@ __all__ = [
     "decode_plan",
     "decode_unavailable_reason",
     "layout_ok",
+    "repeat_plan",
     "splits_for",
 ]
 
@@ -235,6 +236,19 @@ class DecodePlan:
         )
         return lib, program, program.address()
 
+    def repeat(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table) -> tuple | None:
+        """A repeat call of this plan's signature straight to the host library: ``(out, lse)``, or None when
+        the call must take the plan's whole call (no host library form, a misaligned address)."""
+        native = self._native
+        if not native:
+            return None
+        lib, _, address = native
+        lens, length = (None, cache_seqlens) if isinstance(cache_seqlens, int) else (cache_seqlens, 0)
+        result = lib.decode_call(q, k_cache, v_cache, k, v, lens, length, block_table, address)
+        if not result:
+            return None
+        return result[0], (result[1] if len(result) == 2 else None)
+
     @staticmethod
     def runnable(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
         """Whether this call's caches are 16-byte aligned, as the kernels need: they are written in place, so
@@ -256,12 +270,10 @@ class DecodePlan:
         one_length = isinstance(cache_seqlens, int)
         if self._native is None:
             self._native = self._make_native()
-        if self._native and out is None:
-            lib, _, address = self._native
-            lens, length = (None, cache_seqlens) if one_length else (cache_seqlens, 0)
-            result = lib.decode_call(q, k_cache, v_cache, k, v, lens, length, block_table, address)
-            if result:
-                return result[0], (result[1] if len(result) == 2 else None)
+        if out is None:
+            result = self.repeat(q, k_cache, v_cache, k, v, cache_seqlens, block_table)
+            if result is not None:
+                return result
         problem = self.problem
         p = DecodeParams.from_buffer_copy(self.template)
         if not (self.q_in_place and q.data_ptr() % 16 == 0):
@@ -385,6 +397,13 @@ _plans: PlanCache[DecodePlan | str] = PlanCache()
 def clear_plans() -> None:
     """Forget every decode plan (and the host library's programs they hold)."""
     _plans.clear()
+
+
+def repeat_plan(key: tuple) -> DecodePlan | None:
+    """The plan kept under signature ``key`` when its calls may go straight to :meth:`DecodePlan.repeat`
+    (made, its host library form made by an earlier call); None otherwise."""
+    plan = _plans.find(key)
+    return plan if type(plan) is DecodePlan and plan._native else None
 
 
 def decode_plan(
