@@ -99,9 +99,13 @@ def test_heuristic_examples_measured_on_an_h100():
     # than 4). docs/kernel-log.md, step 65.
     assert [num_splits_heuristic(8, n, 64, 132) for n in (8192, 32768, 131072)] == [16, 16, 16]
     assert [num_splits_heuristic(64, n, 64, 132) for n in (8192, 32768, 131072)] == [2, 2, 2]
-    # A short cache: no split shorter than four tiles.
-    assert num_splits_heuristic(8, 512, 64, 132) == 2
+    # A short cache: no split shorter than four tiles, and a split must save more than the combine's launch
+    # and pass (COMBINE_COST). One token, 1k keys (16 tiles), 32/8 heads, measured (the constant's comment):
+    # batch 1 splits 4 ways, batch 4 too, batch 8 not at all (64 blocks already read at 16.0 us per call in a
+    # CUDA graph, 17.6 with 2 splits and their combine).
+    assert num_splits_heuristic(8, 512, 64, 132) == 1
     assert num_splits_heuristic(8, 100, 64, 132) == 1
+    assert [num_splits_heuristic(8 * b, 1024, 64, 132) for b in (1, 4, 8)] == [4, 4, 1]
 
 
 def test_heuristic_minimises_its_cost_model():

@@ -12,6 +12,7 @@ from .common import DTYPES, cpp_struct, smem_optin
 
 __all__ = [
     "DECODE_HEAD_DIMS",
+    "COMBINE_COST",
     "DecodeConfig",
     "cache_length_bucket",
     "decode_validity_errors",
@@ -181,7 +182,8 @@ def num_splits_heuristic(
 
     The kernel is bound by memory bandwidth, which only a full GPU reaches, and its blocks run in waves of
     ``sm_count * blocks_per_sm``: the call takes about (waves) x (tiles per block + the block's fixed cost,
-    taken as two tiles: its prologue, before the ring is full, and its share of the partial output). The
+    taken as two tiles: its prologue, before the ring is full, and its share of the partial output), plus,
+    with more than one split, the combine kernel's launch and pass (:data:`COMBINE_COST` tiles). The
     heuristic takes the split count that minimises that, the smallest on a tie (each split costs a partial
     output the combine reads back). Why not "fill the GPU twice over" (the first rule): measured on an H100
     (bf16, head_dim 128, 8 K/V heads, batch 8, 32k keys, two blocks per SM), 5 splits made 320 blocks for 264
@@ -196,10 +198,21 @@ def num_splits_heuristic(
     return min(range(1, most + 1), key=lambda s: (split_cost(blocks, tiles, s, slots), s))
 
 
+#: The combine kernel's cost in the split heuristic, in K/V tiles of one block: its launch (a second launch
+#: per call, which host-bound calls pay in full) and its pass over the partials. Measured on an H100 (bf16,
+#: 32/8 heads, head_dim 128, one token, 1k keys; per call as bench times it / GPU time in a CUDA graph):
+#: batch 8, 2 splits 35.6 / 17.6 us against 1 split 30.4 / 16.0 (cuDNN 33.9 / 17.8); batch 4, 4 splits
+#: 30.1 / 11.7 against 1 split 29.9 / 14.3; batch 1, 4 splits 31.7 / 7.8 against 1 split 31.3 / 13.3
+#: (benchmarks/results/h100-2026-11-26-decode-small-splits.txt). Eight tiles makes the model pick 1, 4
+#: and 4 there, and changes nothing at 8k keys or more.
+COMBINE_COST = 8
+
+
 def split_cost(blocks: int, tiles: int, splits: int, slots: int) -> int:
     """The split heuristic's model of a decode call's time, in K/V tiles: waves of ``slots`` blocks, each
-    wave as long as one block's tiles plus two (its fixed cost)."""
-    return math.ceil(blocks * splits / slots) * (math.ceil(tiles / splits) + 2)
+    wave as long as one block's tiles plus two (its fixed cost), and the combine's cost with splits."""
+    waves = math.ceil(blocks * splits / slots) * (math.ceil(tiles / splits) + 2)
+    return waves + (COMBINE_COST if splits > 1 else 0)
 
 
 def cache_length_bucket(capacity: int) -> int:

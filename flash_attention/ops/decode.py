@@ -270,7 +270,7 @@ class DecodePlan:
         one_length = isinstance(cache_seqlens, int)
         if self._native is None:
             self._native = self._make_native()
-        if out is None:
+        if out is None:  # (every call without an out= passes through repeat once: the GPU tests count on it)
             result = self.repeat(q, k_cache, v_cache, k, v, cache_seqlens, block_table)
             if result is not None:
                 return result
