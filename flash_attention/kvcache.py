@@ -181,16 +181,17 @@ def attention_with_kvcache(
         return_lse,
     )
 
-    if key is not None and out is None:
+    compiling = torch.compiler.is_compiling()
+    if key is not None and out is None and not compiling:
         # A repeat of a signature whose plan launches from the host library: its validated problem is the
         # plan's, and what a signature cannot fix is checked here as on the whole path (the capacity's
-        # rules, gradients, torch.compile); the launch layers between are skipped. None: the whole path.
+        # rules, gradients); the launch layers between are skipped. None: the whole path. Never while
+        # torch.compile traces: Dynamo would guard on the plan cache's entries.
         plan = repeat_plan(key)
         if (
             plan is not None
             and _checked_capacity(plan.problem, k_cache, v_cache, cache_seqlens, block_table)
             and not _records_grad(q, k_cache, v_cache, k, v)
-            and not torch.compiler.is_compiling()
         ):
             result = plan.repeat(q, k_cache, v_cache, k, v, cache_seqlens, block_table)
             if result is not None:
@@ -224,7 +225,7 @@ def attention_with_kvcache(
             "attention_with_kvcache() is for inference and has no backward, but an input requires grad; call "
             "it under torch.no_grad() or torch.inference_mode(), or use attention() for training"
         )
-    if torch.compiler.is_compiling():
+    if compiling:
         if isinstance(cache_seqlens, int):  # the op's schema takes a tensor
             cache_seqlens = torch.full((problem.batch,), cache_seqlens, dtype=torch.int32, device=q.device)
         if k is None:  # nothing to append: the op that declares no write to the caches
