@@ -22,7 +22,7 @@ namespace fa {
 // Columns col .. col + 3 of output row `row` ((batch, head, query) order): the merge of its splits. The
 // partials are read at L2 (ld.global.cg): in the fused form other blocks of the same kernel wrote them, and
 // a line of them in this SM's L1 would not be coherent with those writes.
-// kUnroll: split iterations issued together (4 in the combine kernel; 1 fused, where 4 made head_dim 256's
+// kUnroll: split iterations issued together (8 in the combine kernel; 1 fused, where 4 made head_dim 256's
 // decode kernel spill).
 template <bool kIsBF16, int D, int kUnroll>
 __device__ __forceinline__ void combine_row(const DecodeParams& p, int row, int col) {
@@ -31,29 +31,42 @@ __device__ __forceinline__ void combine_row(const DecodeParams& p, int row, int 
   const int head = (row / p.seqlen_q) % p.heads_q;
   const int batch = row / (p.seqlen_q * p.heads_q);
 
-  // Pass 1: the max of the splits' LSEs (NaN-aware: fmaxf would drop a NaN).
-  float m = neg_inf();
+  // One pass, the running max carried as the online softmax carries it, over groups of kUnroll splits whose
+  // LSEs and O_s are all loaded before any is used: the row then costs about num_splits / kUnroll L2 round
+  // trips. (The first form read every LSE for the max, then every LSE and O_s again, and the compiler
+  // interleaved each load with the math of the one before: at one token per row, a chain of L2 latencies
+  // was most of this kernel's time.) A split whose LSE is -inf weighs 0. A NaN LSE (a poisoned row) never
+  // raises the max; the flag makes the row NaN at the end.
+  float m = neg_inf(), sum = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
   bool poisoned = false;
-  // (Unrolled: the splits' loads are independent, and issued together they overlap their L2 latency.)
-#pragma unroll kUnroll
-  for (int s = 0; s < p.num_splits; ++s) {
-    const float l = __ldcg(p.lse_partial + s * rows + row);
-    poisoned |= l != l;
-    m = fmaxf(m, l);
-  }
-  const float m_use = m == neg_inf() ? 0.f : m;
-  // Pass 2: the weights and the weighted outputs. A split whose LSE is -inf has weight 0 and its O_s
-  // (zeros) is still read: no branch per split.
-  float sum = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll kUnroll
-  for (int s = 0; s < p.num_splits; ++s) {
-    const float w = __expf(__ldcg(p.lse_partial + s * rows + row) - m_use);
-    const float4 o = __ldcg(reinterpret_cast<const float4*>(p.o_partial + (s * rows + row) * D + col));
-    sum += w;
-    acc[0] += w * o.x;
-    acc[1] += w * o.y;
-    acc[2] += w * o.z;
-    acc[3] += w * o.w;
+  for (int s0 = 0; s0 < p.num_splits; s0 += kUnroll) {
+    float l[kUnroll];
+    float4 o[kUnroll];
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      const int s = s0 + j;
+      const bool live = s < p.num_splits;
+      l[j] = live ? __ldcg(p.lse_partial + s * rows + row) : neg_inf();
+      o[j] = live ? __ldcg(reinterpret_cast<const float4*>(p.o_partial + (s * rows + row) * D + col))
+                  : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      poisoned |= l[j] != l[j];
+      if (l[j] > m) {  // rescale what is summed so far to the new max (exp(-inf) = 0 while nothing is)
+        const float scale = __expf(m - l[j]);
+        sum *= scale;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[e] *= scale;
+        m = l[j];
+      }
+      const float w = l[j] == neg_inf() ? 0.f : __expf(l[j] - m);  // (-inf - -inf would be NaN)
+      sum += w;
+      acc[0] += w * o[j].x;
+      acc[1] += w * o[j].y;
+      acc[2] += w * o[j].z;
+      acc[3] += w * o[j].w;
+    }
   }
   const float nan = __int_as_float(0x7fffffff);
   const float inv = sum > 0.f ? 1.f / sum : 0.f;
@@ -65,7 +78,7 @@ __device__ __forceinline__ void combine_row(const DecodeParams& p, int row, int 
   const u32 lo = pack2<kIsBF16>(out[0], out[1]), hi = pack2<kIsBF16>(out[2], out[3]);
   asm volatile("st.global.v2.u32 [%0], {%1, %2};\n" ::"l"(dst), "r"(lo), "r"(hi));
   if (col == 0 && p.lse) {
-    const float lse = poisoned ? nan : (sum > 0.f ? m_use + logf(sum) : neg_inf());
+    const float lse = poisoned ? nan : (sum > 0.f ? m + logf(sum) : neg_inf());
     p.lse[(i64)batch * p.lse_batch_stride + (i64)head * p.lse_head_stride + query] = lse;
   }
 }
@@ -80,7 +93,7 @@ __device__ __forceinline__ void decode_combine_body(const DecodeParams& p) {
   const int col = 4 * ((int)threadIdx.x % kPerRow);
   const i64 rows = (i64)p.batch * p.heads_q * p.seqlen_q;
   if (row >= rows || col >= p.head_dim) return;
-  combine_row<kIsBF16, D, 4>(p, row, col);
+  combine_row<kIsBF16, D, 8>(p, row, col);
 }
 
 }  // namespace fa
