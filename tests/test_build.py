@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from flash_attention.configs import BwdConfig, KernelConfig, default_bwd_config, parse_config, smem_optin
+from flash_attention.configs.decode import default_decode_config
 from flash_attention.jit import cache as kernels
 from flash_attention.jit import compiler, sources
 from flash_attention.jit.params import BwdParams, FwdParams
@@ -160,6 +161,8 @@ def test_translation_unit_pins_params_layout():
         parse_config("(BF16, 128, 64, 128, 4): wgmma"),
         default_bwd_config("fp16", 64, "sm_90"),
         default_bwd_config("bf16", 64, "sm_80"),
+        default_decode_config("bf16", 128, 1, "sm_90"),
+        default_decode_config("fp16", 128, 64, "sm_90"),  # the wgmma decode kernel
     ],
     ids=lambda c: c.name(),
 )

@@ -117,6 +117,8 @@ DECODE_CASES = [
     (2, 1, 32, 8, 128, 0, 0, 2049, 2049, 0),
     (2, 1, 32, 8, 128, 0, 0, 2300, 2300, 0),  # the bucket of the case above: its plan, a longer cache
     (2, 3, 12, 4, 256, 2, 64, 200, [30, 500], 0),  # row 1 out of range: NaN, nothing written
+    (2, 8, 16, 2, 64, 8, 16, 300, [5, 280], 0),  # 64 packed rows: on Hopper the wgmma kernel, paged
+    (1, 16, 32, 8, 128, 0, 0, 1500, [1400], 3),  # 64 rows, contiguous, split
 ]
 
 

@@ -33,7 +33,9 @@ class DecodeConfig:
     A block computes ``block_m`` packed query rows (the query tokens of one K/V head's query heads: rows =
     seqlen_q * group) against one split of a row's keys, ``block_kv`` keys per tile through a ``stages``
     deep cp.async ring. ``warps_m`` warps split the rows (16 per mma tile), ``warps_n`` the keys of each tile;
-    the warps' softmax states are merged at the end.
+    the warps' softmax states are merged at the end. ``wgmma``: the Hopper kernel (csrc/kernels/sm90/decode,
+    sm_90a only), one warpgroup whose wgmma products cover the block's 64 rows (block_m 64, warps 4 x 1);
+    otherwise the sm80 instruction set's kernel (csrc/kernels/sm80/decode), which runs on sm_80 to sm_90.
     """
 
     dtype: str
@@ -43,6 +45,7 @@ class DecodeConfig:
     warps_m: int
     warps_n: int
     stages: int
+    wgmma: bool = False
 
     def __post_init__(self) -> None:
         errors = decode_validity_errors(self)
@@ -55,8 +58,16 @@ class DecodeConfig:
 
     @property
     def smem_bytes(self) -> int:
-        """Mirrors fa::DecodeSmem: the Q tile, the K/V ring and the two-slot ring of page entries, or the
+        """Mirrors fa::DecodeSmem (fa::sm90::DecodeSmem for wgmma: 1 KB of alignment slack for the swizzle,
+        no merge of warps' states): the Q tile, the K/V ring and the two-slot ring of page entries, or the
         warps' fp32 states (reused bytes)."""
+        if self.wgmma:
+            return (
+                1024
+                + 2 * self.block_m * self.head_dim
+                + self.stages * 4 * self.block_kv * self.head_dim
+                + (2 * self.block_kv * 4)
+            )
         main_loop = (
             2 * self.block_m * self.head_dim
             + self.stages * 4 * self.block_kv * self.head_dim
@@ -68,7 +79,7 @@ class DecodeConfig:
     def name(self) -> str:
         return (
             f"decode_{self.dtype}_d{self.head_dim}_m{self.block_m}_kv{self.block_kv}"
-            f"_w{self.warps_m}x{self.warps_n}_s{self.stages}"
+            f"_w{self.warps_m}x{self.warps_n}_s{self.stages}" + ("_wgmma" if self.wgmma else "")
         )
 
     def __str__(self) -> str:
@@ -98,6 +109,7 @@ class DecodeConfig:
             ("kWarpsM", "int", self.warps_m),
             ("kWarpsN", "int", self.warps_n),
             ("kStages", "int", self.stages),
+            ("kWgmma", "bool", self.wgmma),
         ]
         return cpp_struct(struct_name, fields)
 
@@ -128,6 +140,13 @@ def decode_validity_errors(cfg: DecodeConfig) -> list[str]:
             errors.append("block_kv / (threads / (head_dim / 8)) must be a power of two (rows per thread)")
     if not errors and cfg.block_m // (16 * cfg.warps_m) * cfg.head_dim > 256:
         errors.append("(block_m / 16 / warps_m) * head_dim must be at most 256 (O and Q stay in registers)")
+    if cfg.wgmma:  # fa::sm90::check_decode_config
+        if (cfg.block_m, cfg.warps_m, cfg.warps_n) != (64, 4, 1):
+            errors.append("wgmma: one warpgroup of 64 rows (block_m 64, warps 4 x 1)")
+        if cfg.head_dim > 128:
+            errors.append("wgmma: head_dim 64 or 128")
+        if cfg.block_kv not in (64, 128):
+            errors.append("wgmma: block_kv 64 or 128")
     return errors
 
 
@@ -135,11 +154,15 @@ def parse_decode_config(text: str | DecodeConfig) -> DecodeConfig:
     """The inverse of :meth:`DecodeConfig.name`."""
     if isinstance(text, DecodeConfig):
         return text
-    m = re.fullmatch(r"decode_(fp16|bf16)_d(\d+)_m(\d+)_kv(\d+)_w(\d+)x(\d+)_s(\d+)", str(text))
+    m = re.fullmatch(r"decode_(fp16|bf16)_d(\d+)_m(\d+)_kv(\d+)_w(\d+)x(\d+)_s(\d+)(_wgmma)?", str(text))
     if not m:
         raise ValueError(f"not a decode config name: {text!r}")
-    dt, *numbers = m.groups()
-    return DecodeConfig(dt, *(int(x) for x in numbers))
+    dt, *numbers, wgmma = m.groups()
+    return DecodeConfig(dt, *(int(x) for x in numbers), wgmma=bool(wgmma))
+
+
+#: The wgmma decode kernel's ring depth.
+WGMMA_STAGES = 3
 
 
 def default_decode_config(dtype: str, head_dim: int, rows: int, arch: str) -> DecodeConfig:
@@ -156,6 +179,10 @@ def default_decode_config(dtype: str, head_dim: int, rows: int, arch: str) -> De
     ones (page size 16: 2.58 -> 2.79 TB/s at batch 1 with 128k keys, 2.67 -> 2.95 at batch 8 with 32k).
     """
     d = next(x for x in DECODE_HEAD_DIMS if head_dim <= x)
+    if rows > 16 and d <= 128 and arch in ("sm_90", "sm_90a"):
+        # Hopper, more than 16 packed rows: the wgmma kernel, one warpgroup on 64 rows
+        # (csrc/kernels/sm90/decode says why; docs/kernel-log.md step 72 measured it).
+        return DecodeConfig(dtype, d, 64, 64, 4, 1, WGMMA_STAGES, wgmma=True)
     if rows <= 16 or d > 128:
         # (head_dim 256 keeps 16-row blocks for any row count: 32-row blocks of 2 x 2 warps spilled, 64 to 255
         # registers at 255.)

@@ -23,7 +23,7 @@
 // Grid: (num_m_blocks * num_splits, heads_kv, batch). Block: kWarpsM * kWarpsN warps.
 #pragma once
 
-#include "fa/decode_combine.cuh"
+#include "fa/decode_block.cuh"
 #include "fa/decode_params.h"
 #include "fa/frag.cuh"
 #include "fa/kv_cache.cuh"
@@ -60,24 +60,6 @@ struct DecodeSmem {
   static constexpr int kBytes = kMainLoop > kMerge ? kMainLoop : kMerge;
 };
 
-// The fused combine of packed rows row0 .. row0 + BM - 1 of one (batch row, K/V head).
-template <bool BF, int D, int BM, int kThreads>
-__device__ __forceinline__ void combine_row_block(const DecodeParams& p, int batch, int kv_head, int row0) {
-  for (int idx = threadIdx.x; idx < BM * (D / 4); idx += kThreads) {
-    const int r = idx / (D / 4), col = 4 * (idx % (D / 4));
-    const int row = row0 + r;
-    if (row >= p.rows || col >= p.head_dim) continue;
-    const int query = row / p.group;
-    const int head = kv_head * p.group + row % p.group;
-    combine_row<BF, D, 1>(p, (batch * p.heads_q + head) * p.seqlen_q + query, col);
-  }
-}
-
-template <bool BF, int D, int BM, int kThreads>
-__device__ __noinline__ void combine_row_block_call(const DecodeParams& p, int batch, int kv_head, int row0) {
-  combine_row_block<BF, D, BM, kThreads>(p, batch, kv_head, row0);
-}
-
 template <class Cfg, bool kCausal, bool kPaged>
 __device__ __forceinline__ void decode_kernel_body(const DecodeParams& p) {
   static_assert(check_decode_config<Cfg>::ok, "");
@@ -95,7 +77,6 @@ __device__ __forceinline__ void decode_kernel_body(const DecodeParams& p) {
   constexpr int KS = BCW / 16;        // k-steps of a warp's P V
   constexpr int DK = D / 16;          // k-steps of S = Q K^T
   constexpr int NO = D / 8;           // 8-column n-tiles of O
-  constexpr int C = D / 8;            // 16-byte chunks per row
   using Tile = RowMajorTile<D, true>;
   using Smem = DecodeSmem<Cfg>;
 
@@ -113,93 +94,21 @@ __device__ __forceinline__ void decode_kernel_body(const DecodeParams& p) {
   const int kv_head = blockIdx.y;
   const int batch = blockIdx.z;
 
-  // ---- which keys this block reads ---------------------------------------------------------------------
-  const int n_keys = cache_keys(p, batch);  // -1: a bad length, the row is poisoned
-  bool bad = n_keys < 0;
-  const int shift = n_keys - p.seqlen_q;  // causal: query i sees keys j <= i + shift
+  // ---- which keys this block reads (fa/decode_block.cuh) ----------------------------------------------
+  const DecodeBlockKeys keys = decode_block_keys<kCausal, BM, BC>(p, batch, m_block, split);
+  bool bad = keys.bad;
+  const int shift = keys.shift, k_lo = keys.k_lo, k_hi = keys.k_hi, n_tiles = keys.n_tiles;
   const int row0 = m_block * BM;
-  const int k_lo = split * p.keys_per_split;
-  int k_hi = bad ? k_lo : min(n_keys, k_lo + p.keys_per_split);
-  if (kCausal) {
-    // The block's last packed row holds its latest query.
-    const int last_query = (min(p.rows, row0 + BM) - 1) / p.group;
-    k_hi = min(k_hi, last_query + shift + 1);
-  }
-  const int n_tiles = k_hi > k_lo ? (k_hi - k_lo + BC - 1) / BC : 0;
 
   const CachePositions<kPaged> positions(p, batch);
   const TilePageRing<kPaged, BC> pages(reinterpret_cast<int*>(smem + Smem::kQ + S * Smem::kKVStage));
-  const i64 kv_row_base = kPaged ? 0 : (i64)batch * p.k_batch_stride;
-  const u16* gK = static_cast<const u16*>(p.k) + kv_row_base + (i64)kv_head * p.k_head_stride;
-  const u16* gV = static_cast<const u16*>(p.v) + (kPaged ? 0 : (i64)batch * p.v_batch_stride) +
-                  (i64)kv_head * p.v_head_stride;
 
-  // ---- loads ---------------------------------------------------------------------------------------------
-  // Q: packed row r is query r / group of head kv_head * group + r % group; rows past p.rows are zeros.
-  {
-    const u16* gQ = static_cast<const u16*>(p.q) + (i64)batch * p.q_batch_stride;
-    for (int idx = tid; idx < BM * C; idx += kThreads) {
-      const int r = idx / C, chunk = idx % C;
-      const int row = row0 + r;
-      const bool ok = row < p.rows && chunk * 8 < p.head_dim;
-      const int query = row / p.group;
-      const int head = kv_head * p.group + row % p.group;
-      const u16* src = gQ + (i64)query * p.q_row_stride + (i64)head * p.q_head_stride + chunk * 8;
-      cp_async_16(sQ + Tile::bytes(r, chunk), ok ? src : static_cast<const u16*>(p.q), ok ? 16 : 0);
-    }
-  }
-  // K and V rows of tile t into stage t % S. Thread tid copies chunk tid % C of kRows consecutive rows,
-  // from (tid / C) * kRows on (a warp's copies still cover whole 16-byte-chunked rows, fully coalesced).
-  // Consecutive rows so that one address computation serves them all: a paged cache whose page size is a
-  // power of two at least kRows (every size engines use but 1 to 8) holds a thread's rows in one page, so
-  // the thread reads one page entry per tile and steps by the row stride; other page sizes look each row
-  // up. Measured on an H100 (bf16, head_dim 128, batch 8, 32k keys, page 16), the per-row lookup executed
-  // 1.7x the instructions of the contiguous kernel and ran at half its bandwidth: the warps that issue the
-  // copies also do the math, one warp per scheduler, so every address instruction delays the next copies.
-  // Positions at or past k_hi, and any behind a page index outside the cache, are zero-filled (never read):
-  // the scores there are masked, and zero V rows keep 0 * garbage out of O.
-  static_assert(kThreads % C == 0 && BC % (kThreads / C) == 0, "the block's threads must tile a K/V tile's rows");
-  constexpr int kRows = BC / (kThreads / C);
-  // One page entry serves a thread's rows only if they cannot straddle a page: kRows a power of two, so a
-  // power-of-two page of at least kRows positions holds whole, aligned groups of them.
-  static_assert((kRows & (kRows - 1)) == 0, "a thread's rows per K/V tile must be a power of two");
-  // (Head_dim 256 holds 192 registers of Q fragments and O; unrolling all 16 of its rows spilled.)
-  constexpr int kUnroll = D > 128 ? 4 : kRows;
-  const int chunk = tid % C;
-  const int first_row = (tid / C) * kRows;
-  const bool col_ok = chunk * 8 < p.head_dim;
-  const bool one_page = !kPaged || positions.page_shift >= log2_of(kRows);  // uniform over the block
+  // ---- loads: Q, and the K/V tiles through the ring (K at the stage's start, V BC * D * 2 bytes on) -------
+  load_decode_q<BM, D, kThreads, Tile>(sQ, p, batch, kv_head, row0, tid);
+  const DecodeKVLoader<BC, D, kThreads, kPaged, Tile> loader(p, positions, pages, batch, kv_head, k_lo, k_hi, tid);
   auto load_kv = [&](int t) {
     const u32 sK = sKV + (t % S) * Smem::kKVStage;
-    const u32 sV = sK + BC * D * 2;
-    const int start = k_lo + t * BC;
-    const int j0 = start + first_row;
-    if (one_page) {
-      i64 k_off = 0, v_off = 0;
-      const bool page_ok = j0 >= k_hi || pages.offsets(positions, t, start, j0, k_off, v_off);
-      bad |= !page_ok;
-#pragma unroll kUnroll
-      for (int i = 0; i < kRows; ++i) {
-        const bool ok = j0 + i < k_hi && col_ok && page_ok;
-        const int r = first_row + i;
-        cp_async_16(sK + Tile::bytes(r, chunk), ok ? gK + k_off + i * p.k_row_stride + chunk * 8 : gK, ok ? 16 : 0);
-        cp_async_16(sV + Tile::bytes(r, chunk), ok ? gV + v_off + i * p.v_row_stride + chunk * 8 : gV, ok ? 16 : 0);
-      }
-    } else {
-#pragma unroll kUnroll
-      for (int i = 0; i < kRows; ++i) {
-        const int j = j0 + i;
-        i64 k_off = 0, v_off = 0;
-        bool ok = j < k_hi && col_ok;
-        if (j < k_hi && !pages.offsets(positions, t, start, j, k_off, v_off)) {
-          ok = false;
-          bad = true;
-        }
-        const int r = first_row + i;
-        cp_async_16(sK + Tile::bytes(r, chunk), ok ? gK + k_off + chunk * 8 : gK, ok ? 16 : 0);
-        cp_async_16(sV + Tile::bytes(r, chunk), ok ? gV + v_off + chunk * 8 : gV, ok ? 16 : 0);
-      }
-    }
+    loader(t, sK, sK + BC * D * 2, p, bad);
   };
 
   // Prologue: Q with tile 0, then tiles 1 .. S - 2, one commit group each (empty groups past the last tile
@@ -364,7 +273,6 @@ __device__ __forceinline__ void decode_kernel_body(const DecodeParams& p) {
 
   // Thread per (row, 4 columns): the block's max over the warps, each warp's weight exp(m_w - m), and
   // O = sum_w weight_w O_w / sum_w weight_w l_w.
-  const bool split_out = p.num_splits > 1;
   const float nan = __int_as_float(0x7fffffff);
   for (int idx = tid; idx < BM * (D / 4); idx += kThreads) {
     const int r = idx / (D / 4), col = 4 * (idx % (D / 4));
@@ -387,45 +295,11 @@ __device__ __forceinline__ void decode_kernel_body(const DecodeParams& p) {
     const float lse = bad ? nan : (l > 0.f ? m + logf(l) : neg_inf());
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[e] = bad ? nan : acc[e] * inv;
-    const int query = row / p.group;
-    const int head = kv_head * p.group + row % p.group;
-    if (split_out) {
-      const i64 idx_row = (((i64)split * p.batch + batch) * p.heads_q + head) * p.seqlen_q + query;
-      *reinterpret_cast<float4*>(p.o_partial + idx_row * D + col) = make_float4(acc[0], acc[1], acc[2], acc[3]);
-      if (col == 0) p.lse_partial[idx_row] = lse;
-    } else {
-      u16* dst = static_cast<u16*>(p.o) + (i64)batch * p.o_batch_stride + (i64)query * p.o_row_stride +
-                 (i64)head * p.o_head_stride + col;
-      const u32 lo = pack2<BF>(acc[0], acc[1]), hi = pack2<BF>(acc[2], acc[3]);
-      asm volatile("st.global.v2.u32 [%0], {%1, %2};\n" ::"l"(dst), "r"(lo), "r"(hi));
-      if (col == 0 && p.lse)
-        p.lse[(i64)batch * p.lse_batch_stride + (i64)head * p.lse_head_stride + query] = lse;
-    }
+    store_decode_row<BF, D, 4>(p, batch, kv_head, split, row, col, acc, lse, col == 0);
   }
 
-  // ---- the fused combine: the row block's last split to finish merges the splits ----------------------
-  if (split_out && p.split_counters != nullptr) {
-    // Release: this block's partials are visible GPU-wide before its arrival is counted. Every thread
-    // fences its own writes; the barrier then holds thread 0's atomic until every warp has written and
-    // fenced (__syncthreads_or below evaluates its argument before it waits, so it cannot be that barrier).
-    __threadfence();
-    __syncthreads();
-    int* counter = p.split_counters + ((i64)batch * p.heads_kv + kv_head) * p.num_m_blocks + m_block;
-    const bool last = __syncthreads_or(tid == 0 && atomicAdd(counter, 1) == p.num_splits - 1);
-    if (last) {
-      // Acquire: the other splits counted after their fences; the partials are read at L2 (combine_row).
-      __threadfence();
-      // Head_dim 256 calls it out of line: inlined into that kernel it spilled (112 bytes at 255
-      // registers); the smaller head dims inline it (the call's register saves spilled 12 bytes at d64).
-      if constexpr (D > 128) {
-        combine_row_block_call<BF, D, BM, kThreads>(p, batch, kv_head, row0);
-      } else {
-        combine_row_block<BF, D, BM, kThreads>(p, batch, kv_head, row0);
-      }
-      // Zero again for the next call on this stream (kernels of one stream run in order).
-      if (tid == 0) *counter = 0;
-    }
-  }
+  // ---- the fused combine (opt-in): the row block's last split to finish merges the splits -----------------
+  decode_fused_combine<BF, D, BM, kThreads>(p, batch, kv_head, m_block, row0, tid);
 }
 
 }  // namespace fa
