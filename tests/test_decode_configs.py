@@ -30,11 +30,35 @@ def test_defaults_are_valid_fit_the_gpu_and_round_trip(arch):
     for dtype in ("fp16", "bf16"):
         for head_dim in (8, 64, 72, 128, 200, 256):
             for rows in (1, 4, 16, 17, 64, 512):
-                cfg = default_decode_config(dtype, head_dim, rows, arch)
-                assert cfg.head_dim >= head_dim and cfg.head_dim in DECODE_HEAD_DIMS
-                assert cfg.smem_bytes <= SMEM_OPTIN[arch], cfg
-                assert parse_decode_config(cfg.name()) == cfg
-                assert decode_validity_errors(cfg) == []
+                for row_blocks in (0, 64, 512):
+                    cfg = default_decode_config(dtype, head_dim, rows, arch, row_blocks, 132)
+                    assert cfg.head_dim >= head_dim and cfg.head_dim in DECODE_HEAD_DIMS
+                    assert cfg.smem_bytes <= SMEM_OPTIN[arch], cfg
+                    assert parse_decode_config(cfg.name()) == cfg
+                    assert decode_validity_errors(cfg) == []
+
+
+def test_the_wgmma_kernel_takes_many_rows_on_hopper_when_the_grid_fills_the_gpu_unsplit():
+    # More than 16 rows, head_dim <= 128, sm_90, and every SM two blocks without splitting the keys
+    # (docs/kernel-log.md step 72): the wgmma kernel with a 2-deep ring; otherwise the sm80 kernel.
+    cfg = default_decode_config("bf16", 128, 64, "sm_90", 512, 132)
+    assert cfg.wgmma and (cfg.block_m, cfg.warps_m, cfg.warps_n, cfg.stages) == (64, 4, 1, 2)
+    assert cfg.name() == "decode_bf16_d128_m64_kv64_w4x1_s2_wgmma"
+    for args in (
+        ("bf16", 128, 64, "sm_90", 263, 132),  # a grid that the split heuristic would split
+        ("bf16", 128, 16, "sm_90", 4096, 132),  # one token: 16 rows
+        ("bf16", 256, 64, "sm_90", 4096, 132),  # head_dim 256
+        ("bf16", 128, 64, "sm_80", 4096, 108),  # no wgmma on Ampere
+        ("bf16", 128, 64, "sm_90"),  # no grid given
+    ):
+        assert not default_decode_config(*args).wgmma, args
+    for fields, words in (
+        (("bf16", 128, 16, 64, 1, 4, 3), "one warpgroup of 64 rows"),
+        (("bf16", 256, 64, 64, 4, 1, 2), "head_dim 64 or 128"),
+        (("bf16", 128, 64, 32, 4, 1, 2), "block_kv 64 or 128"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            DecodeConfig(*fields, wgmma=True)
 
 
 @pytest.mark.parametrize(

@@ -81,6 +81,34 @@ def test_explicit_split_counts(num_splits, fused_combine, monkeypatch):
         decode._plans.clear()
 
 
+@pytest.mark.parametrize("page_size", [0, 1, 16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("num_splits, fused_combine", [(0, False), (3, False), (3, True)])
+def test_many_rows_on_a_full_grid(page_size, head_dim, num_splits, fused_combine, monkeypatch):
+    # 64 packed rows (16 tokens x a group of 4) on a grid of 40 x 8 row blocks, more than twice the SMs: on
+    # Hopper the wgmma decode kernel (configs.decode.default_decode_config), its answers written directly or
+    # as split partials (two columns per thread), merged by the combine kernel or the fused merge.
+    from flash_attention.ops import decode
+
+    if fused_combine:
+        monkeypatch.setenv("FLASH_ATTENTION_DECODE_FUSED_COMBINE", "1")
+    decode._plans.clear()
+    rng = random.Random(f"full-grid-{page_size}-{head_dim}-{num_splits}")
+    capacity = 320
+    case = Case(
+        batch=40, seqlen_q=16, heads_q=32, heads_kv=8, head_dim=head_dim, seqlen_new=3, page_size=page_size,
+        capacity=capacity, causal=True, lengths=[rng.randint(0, capacity - 3) for _ in range(40)],
+    )  # fmt: skip
+    try:
+        check_case(case, torch.float16 if head_dim == 64 else torch.bfloat16, "cuda", num_splits=num_splits)
+        names = [kernel.name for plan in decode._plans._plans.values() for kernel, *_ in plan.launches]
+        assert any("__decode" in n for n in names), names
+        if torch.cuda.get_device_capability() == (9, 0):
+            assert all("_wgmma__" in n for n in names if "__decode" in n), names
+    finally:
+        decode._plans.clear()
+
+
 def test_cuda_graph_replay_with_changing_lengths():
     # One captured decode step replayed with new lengths, tokens and queries written into its static
     # inputs: each replay must equal the reference of its own inputs (nothing read on the host).

@@ -119,6 +119,9 @@ DECODE_CASES = [
     (2, 3, 12, 4, 256, 2, 64, 200, [30, 500], 0),  # row 1 out of range: NaN, nothing written
     (2, 8, 16, 2, 64, 8, 16, 300, [5, 280], 0),  # 64 packed rows: on Hopper the wgmma kernel, paged
     (1, 16, 32, 8, 128, 0, 0, 1500, [1400], 3),  # 64 rows, contiguous, split
+    # 64 rows on a grid of 320 row blocks: on Hopper the wgmma kernel, answers direct and as split partials
+    (40, 16, 32, 8, 128, 2, 16, 200, [4 * i for i in range(40)], 0),
+    (40, 16, 32, 8, 64, 0, 0, 200, [5 * i for i in range(40)], 3),
 ]
 
 

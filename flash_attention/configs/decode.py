@@ -161,12 +161,19 @@ def parse_decode_config(text: str | DecodeConfig) -> DecodeConfig:
     return DecodeConfig(dt, *(int(x) for x in numbers), wgmma=bool(wgmma))
 
 
-#: The wgmma decode kernel's ring depth.
-WGMMA_STAGES = 3
+def default_decode_config(
+    dtype: str, head_dim: int, rows: int, arch: str, row_blocks: int = 0, sm_count: int = 0
+) -> DecodeConfig:
+    """The decode config for ``rows`` packed query rows (seqlen_q * group) on ``arch``; ``row_blocks``
+    (batch x heads_kv x 64-row blocks) and ``sm_count`` say whether the grid fills the GPU unsplit.
 
-
-def default_decode_config(dtype: str, head_dim: int, rows: int, arch: str) -> DecodeConfig:
-    """The decode config for ``rows`` packed query rows (seqlen_q * group) on ``arch``.
+    Hopper, more than 16 rows, head_dim up to 128, and a grid that gives every SM two blocks without
+    splitting the keys: the wgmma kernel (csrc/kernels/sm90/decode) with a 2-deep ring, two blocks per SM.
+    Measured on an H100 (bf16, 32/8 heads, seqlen_q 16: 64 rows; bench's time per call, µs; the sm80 64-row
+    kernel / wgmma 3-deep / wgmma 2-deep): batch 64 with 1k keys 114.8 / 128.4 / 112.9, with 8k 728.0 /
+    721.1 / 707.7; batch 8 with 8k 106.8 / 106.9 / 112.9, with 32k 361.8 / 361.9 / 384.5; batch 1 with 32k
+    64.3 / 65.2 / 67.8 (docs/kernel-log.md, step 72). Where the keys are split, each block's own bytes in
+    flight set the pace and the 3-deep sm80 kernel is as fast as any: it stays there.
 
     Up to 16 rows (one token, a group of up to 16): one 16-row tile, four warps splitting each 64-key tile's
     keys. More rows (speculative decoding, chunked prefill): 64-row blocks, the warps splitting the rows
@@ -179,10 +186,8 @@ def default_decode_config(dtype: str, head_dim: int, rows: int, arch: str) -> De
     ones (page size 16: 2.58 -> 2.79 TB/s at batch 1 with 128k keys, 2.67 -> 2.95 at batch 8 with 32k).
     """
     d = next(x for x in DECODE_HEAD_DIMS if head_dim <= x)
-    if rows > 16 and d <= 128 and arch in ("sm_90", "sm_90a"):
-        # Hopper, more than 16 packed rows: the wgmma kernel, one warpgroup on 64 rows
-        # (csrc/kernels/sm90/decode says why; docs/kernel-log.md step 72 measured it).
-        return DecodeConfig(dtype, d, 64, 64, 4, 1, WGMMA_STAGES, wgmma=True)
+    if rows > 16 and d <= 128 and arch in ("sm_90", "sm_90a") and 0 < 2 * sm_count <= row_blocks:
+        return DecodeConfig(dtype, d, 64, 64, 4, 1, 2, wgmma=True)
     if rows <= 16 or d > 128:
         # (head_dim 256 keeps 16-row blocks for any row count: 32-row blocks of 2 x 2 warps spilled, 64 to 255
         # registers at 255.)

@@ -62,8 +62,11 @@ def decode_unavailable_reason(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def decode_config(q: torch.Tensor, problem: CacheProblem) -> DecodeConfig:
     """The decode config of a call on q's GPU."""
+    index = q.get_device()
+    rows = problem.seqlen_q * problem.group
+    row_blocks = problem.batch * problem.heads_kv * -(-rows // 64)
     return default_decode_config(
-        dtype_name(q), problem.head_dim, problem.seqlen_q * problem.group, device_arch(q.get_device())
+        dtype_name(q), problem.head_dim, rows, device_arch(index), row_blocks, sm_count(index)
     )
 
 
