@@ -128,8 +128,10 @@ def attention_with_kvcache(
             positions ``cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1`` of each row before the
             attention, which then sees them.
         cache_seqlens: each row's current cache length (before the append): an int32 tensor of shape (batch,)
-            on q's device, or an int for all rows. It is read, never advanced: after the call the caller adds
-            seqlen_new to it (serving engines keep their own lengths).
+            on q's device, or an int for all rows (passed to the kernels by value: a CUDA graph that captures
+            the call replays that value; give a tensor to change lengths between replays). It is read, never
+            advanced: after the call the caller adds seqlen_new to it (serving engines keep their own
+            lengths).
         block_table: int32 (batch, max_pages) page indices into k_cache/v_cache for a paged cache; None for a
             contiguous one. Only the entries a row uses (its first ``ceil((cache_seqlens[b] + seqlen_new) /
             page_size)``) are read.

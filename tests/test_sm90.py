@@ -7,6 +7,7 @@ import pytest
 from repo_tools import load_tool
 
 from flash_attention.configs import default_config, parse_config, supports, wgmma_config, ws_config
+from flash_attention.configs.decode import parse_decode_config
 from flash_attention.jit import cache, sources
 from flash_attention.jit.params import TraceLayout
 from flash_attention.ops import select
@@ -65,11 +66,17 @@ def test_traced_calls_keep_the_ws_kernel_unless_it_lacks_a_feature():
 
 def test_hopper_forward_units_compile_to_wgmma_without_spills(catalog_builds):
     _, metas = catalog_builds
-    hopper = [m for m in metas if m["arch"] == "sm_90a" and not m["config"].startswith("bwd_")]
+    sm90a = [m for m in metas if m["arch"] == "sm_90a" and not m["config"].startswith("bwd_")]
+    hopper = [m for m in sm90a if not m["config"].startswith("decode_")]
     assert {parse_config(m["config"]).head_dim for m in hopper} == {64, 128, 192, 256}
     assert any(m["ranged"] for m in hopper) and any(m["dropout"] for m in hopper)
     for m in hopper:
         assert parse_config(m["config"]).wgmma
+    # The wgmma decode kernel (64 packed rows) is built for sm_90a too, for head_dim 64 and 128.
+    decode = [m for m in sm90a if m["config"].startswith("decode_")]
+    assert {parse_decode_config(m["config"]).head_dim for m in decode} == {64, 128}
+    assert all(parse_decode_config(m["config"]).wgmma for m in decode)
+    for m in sm90a:
         for r in m["resources"]:
             assert r["spill_stores"] == 0 and r["stack_frame"] == 0, r
         # ptxas says so when it has to serialise wgmma (e.g. an accumulator touched while in flight).
