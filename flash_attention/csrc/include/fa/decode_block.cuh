@@ -137,6 +137,30 @@ struct DecodeKVLoader {
   }
 };
 
+// The ring's prologue: Q (already issued by the caller) lands with tile 0, then tiles 1 .. S - 2, one commit
+// group each (empty groups past the last tile keep the group count, and so cp_async_wait's argument, the
+// same for every iteration). A paged cache's entries of each of these tiles are fetched and waited for here,
+// once per block; those of tile S - 1, the main loop's first load, too. Each barrier publishes the entries
+// just stored, and (the ring having two slots) says every thread is done reading the slot the next store
+// overwrites. `load_kv(t)` issues tile t into its stage.
+template <int S, int BC, bool kPaged, class LoadKV>
+__device__ __forceinline__ void decode_ring_prologue(const TilePageRing<kPaged, BC>& pages,
+                                                     const CachePositions<kPaged>& positions,
+                                                     const DecodeBlockKeys& keys, int tid, bool& bad,
+                                                     LoadKV&& load_kv) {
+#pragma unroll
+  for (int t = 0; t < S; ++t) {
+    if (kPaged) {
+      pages.store(t, pages.fetch(positions, keys.k_lo + t * BC, keys.k_hi, tid, bad), tid);
+      __syncthreads();
+    }
+    if (t < S - 1) {
+      if (t < keys.n_tiles) load_kv(t);
+      cp_async_commit();
+    }
+  }
+}
+
 // Columns col .. col + N - 1 (N = 2 or 4) of packed row `row` of (batch row, K/V head): the normalised
 // output and its LSE (written by the thread that passes with_lse) -- as split `split`'s fp32 partial when
 // the keys are split, else as the answer.

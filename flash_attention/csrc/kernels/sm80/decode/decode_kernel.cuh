@@ -111,22 +111,7 @@ __device__ __forceinline__ void decode_kernel_body(const DecodeParams& p) {
     loader(t, sK, sK + BC * D * 2, p, bad);
   };
 
-  // Prologue: Q with tile 0, then tiles 1 .. S - 2, one commit group each (empty groups past the last tile
-  // keep the group count, and so cp_async_wait's argument, the same for every iteration). A paged cache's
-  // entries of each of these tiles are fetched and waited for here, once per block; those of tile S - 1,
-  // the main loop's first load, too. Each barrier publishes the entries just stored, and (the ring having
-  // two slots) says every thread is done reading the slot the next store overwrites.
-#pragma unroll
-  for (int t = 0; t < S; ++t) {
-    if (kPaged) {
-      pages.store(t, pages.fetch(positions, k_lo + t * BC, k_hi, tid, bad), tid);
-      __syncthreads();
-    }
-    if (t < S - 1) {
-      if (t < n_tiles) load_kv(t);
-      cp_async_commit();
-    }
-  }
+  decode_ring_prologue<S, BC, kPaged>(pages, positions, keys, tid, bad, load_kv);
 
   // ---- main loop: each warp's online softmax over its keys of each tile ------------------------------------
   const int g = lane / 4;

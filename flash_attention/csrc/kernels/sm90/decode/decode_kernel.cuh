@@ -101,20 +101,7 @@ __device__ __forceinline__ void decode_kernel_body(const DecodeParams& p) {
                                                                tid);
   auto load_kv = [&](int t) { loader(t, sK + (t % S) * Smem::kTile, sV + (t % S) * Smem::kTile, p, bad); };
 
-  // Prologue, as the sm80 kernel's: Q with tile 0, then tiles 1 .. S - 2, one commit group each (empty
-  // groups past the last tile keep the group count); each tile's page entries fetched and published first,
-  // those of tile S - 1 (the main loop's first load) too.
-#pragma unroll
-  for (int t = 0; t < S; ++t) {
-    if (kPaged) {
-      pages.store(t, pages.fetch(positions, k_lo + t * BC, k_hi, tid, bad), tid);
-      __syncthreads();
-    }
-    if (t < S - 1) {
-      if (t < n_tiles) load_kv(t);
-      cp_async_commit();
-    }
-  }
+  decode_ring_prologue<S, BC, kPaged>(pages, positions, keys, tid, bad, load_kv);
 
   // Descriptors (fa/fwd_wgmma.cuh's layouts): Q and K K-major, 8-row groups 1024 bytes apart; V MN-major,
   // its 64-column panels BC * 128 bytes apart.
