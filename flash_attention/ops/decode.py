@@ -32,8 +32,8 @@ from .tensors import MAX_GRID_YZ, aligned_copy, strides_usable
 
 __all__ = [
     "DecodePlan",
-    "decode_config",
     "clear_plans",
+    "decode_config",
     "decode_plan",
     "decode_unavailable_reason",
     "layout_ok",
