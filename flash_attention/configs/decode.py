@@ -59,19 +59,19 @@ class DecodeConfig:
     @property
     def smem_bytes(self) -> int:
         """Mirrors fa::DecodeSmem (fa::sm90::DecodeSmem for wgmma: 1 KB of alignment slack for the swizzle,
-        no merge of warps' states): the Q tile, the K/V ring and the two-slot ring of page entries, or the
-        warps' fp32 states (reused bytes)."""
+        no merge of warps' states): the Q tile, the K/V ring and the ring of page entries (a slot per stage),
+        or the warps' fp32 states (reused bytes)."""
         if self.wgmma:
             return (
                 1024
                 + 2 * self.block_m * self.head_dim
                 + self.stages * 4 * self.block_kv * self.head_dim
-                + (2 * self.block_kv * 4)
+                + (self.stages * self.block_kv * 4)
             )
         main_loop = (
             2 * self.block_m * self.head_dim
             + self.stages * 4 * self.block_kv * self.head_dim
-            + 2 * self.block_kv * 4
+            + self.stages * self.block_kv * 4
         )
         merge = self.warps_n * self.block_m * (self.head_dim + 6) * 4
         return max(main_loop, merge)

@@ -68,7 +68,7 @@ __device__ __forceinline__ void load_decode_q(u32 sQ, const DecodeParams& p, int
 // the warps that issue the copies also do the math, so every address instruction delays the next copies.
 // Positions at or past k_hi, and any behind a page index outside the cache, are zero-filled (never read):
 // the scores there are masked, and zero V rows keep 0 * garbage out of O.
-template <int BC, int D, int kThreads, bool kPaged, class Tile>
+template <int BC, int D, int kThreads, bool kPaged, int S, class Tile>
 struct DecodeKVLoader {
   static constexpr int C = D / 8;  // 16-byte chunks per row
   static_assert(kThreads % C == 0 && BC % (kThreads / C) == 0, "the block's threads must tile a K/V tile's rows");
@@ -81,7 +81,7 @@ struct DecodeKVLoader {
   static constexpr int kUnroll = D > 128 ? 4 : kRows;
 
   const CachePositions<kPaged>& positions;
-  const TilePageRing<kPaged, BC>& pages;
+  const TilePageRing<kPaged, BC, S>& pages;
   const u16* gK;  // the row's (contiguous) or the cache's (paged) K, at this K/V head
   const u16* gV;
   int k_lo, k_hi;
@@ -89,7 +89,7 @@ struct DecodeKVLoader {
   bool col_ok, one_page;
 
   __device__ __forceinline__ DecodeKVLoader(const DecodeParams& p, const CachePositions<kPaged>& positions_,
-                                            const TilePageRing<kPaged, BC>& pages_, int batch, int kv_head,
+                                            const TilePageRing<kPaged, BC, S>& pages_, int batch, int kv_head,
                                             int k_lo_, int k_hi_, int tid)
       : positions(positions_),
         pages(pages_),
@@ -139,25 +139,26 @@ struct DecodeKVLoader {
 
 // The ring's prologue: Q (already issued by the caller) lands with tile 0, then tiles 1 .. S - 2, one commit
 // group each (empty groups past the last tile keep the group count, and so cp_async_wait's argument, the
-// same for every iteration). A paged cache's entries of each of these tiles are fetched and waited for here,
-// once per block; those of tile S - 1, the main loop's first load, too. Each barrier publishes the entries
-// just stored, and (the ring having two slots) says every thread is done reading the slot the next store
-// overwrites. `load_kv(t)` issues tile t into its stage.
+// same for every iteration). A paged cache's entries of tiles 0 .. S - 1 (the main loop's first load
+// included) are fetched together, one slot each, and published by one barrier: the loads are independent,
+// so the block waits one round trip for them, not S. `load_kv(t)` issues tile t into its stage.
 template <int S, int BC, bool kPaged, class LoadKV>
-__device__ __forceinline__ void decode_ring_prologue(const TilePageRing<kPaged, BC>& pages,
+__device__ __forceinline__ void decode_ring_prologue(const TilePageRing<kPaged, BC, S>& pages,
                                                      const CachePositions<kPaged>& positions,
                                                      const DecodeBlockKeys& keys, int tid, bool& bad,
                                                      LoadKV&& load_kv) {
+  if (kPaged) {
+    int entry[S];
 #pragma unroll
-  for (int t = 0; t < S; ++t) {
-    if (kPaged) {
-      pages.store(t, pages.fetch(positions, keys.k_lo + t * BC, keys.k_hi, tid, bad), tid);
-      __syncthreads();
-    }
-    if (t < S - 1) {
-      if (t < keys.n_tiles) load_kv(t);
-      cp_async_commit();
-    }
+    for (int t = 0; t < S; ++t) entry[t] = pages.fetch(positions, keys.k_lo + t * BC, keys.k_hi, tid, bad);
+#pragma unroll
+    for (int t = 0; t < S; ++t) pages.store(t, entry[t], tid);
+    __syncthreads();
+  }
+#pragma unroll
+  for (int t = 0; t < S - 1; ++t) {
+    if (t < keys.n_tiles) load_kv(t);
+    cp_async_commit();
   }
 }
 

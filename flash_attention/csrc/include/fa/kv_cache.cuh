@@ -89,17 +89,20 @@ struct CachePositions {
 // Why: a tile's copies cannot be issued before its positions' pages are known, so looking a page up at
 // issue time puts a dependent global load (an L2 round trip) in front of every tile's cp.async -- measured
 // on an H100 (bf16, head_dim 128, 32/8 heads), that halved the paged decode's bandwidth (1.3-1.6 TB/s
-// against 2.8-3.1 contiguous, page sizes 16 and 256 alike). Here the entries of tile t + 1 are loaded into
-// a register while tile t is being computed, and stored to a two-slot ring when the register has long
-// arrived; issuing tile t + 1 then reads shared memory only.
+// against 2.8-3.1 contiguous, page sizes 16 and 256 alike). Here the entries of a tile are loaded into a
+// register while an earlier tile is being computed, and stored to a ring of kSlots slots when the register
+// has long arrived; issuing the tile then reads shared memory only. The kernels keep one slot per stage of
+// their K/V ring, so the prologue fetches the entries of all its tiles at once (one round trip, not one per
+// tile: fa/decode_block.cuh decode_ring_prologue) and the main loop stores tile t + S's entries over tile
+// t's, whose copies were issued iterations before.
 //
 // A tile of kBlockKV positions from `start` spans at most kBlockKV entries (page_size >= 1), from entry
 // start / page_size on: thread i < kBlockKV fetches the i-th. An entry that covers no position below k_hi
 // is not read; one that lies outside the cache is stored as -1 and flags the row bad (its positions are
 // then zero-filled, never followed). A contiguous cache has no entries: every member compiles away.
-template <bool kPaged, int kBlockKV>
+template <bool kPaged, int kBlockKV, int kSlots>
 struct TilePageRing {
-  int* slots;  // 2 * kBlockKV ints of shared memory; tile t's entries in slot t % 2
+  int* slots;  // kSlots * kBlockKV ints of shared memory; tile t's entries in slot t % kSlots
 
   __device__ __forceinline__ explicit TilePageRing(int* shared) : slots(shared) {}
 
@@ -119,7 +122,7 @@ struct TilePageRing {
 
   __device__ __forceinline__ void store(int t, int entry, int tid) const {
     if constexpr (kPaged) {
-      if (tid < kBlockKV) slots[(t % 2) * kBlockKV + tid] = entry;
+      if (tid < kBlockKV) slots[(t % kSlots) * kBlockKV + tid] = entry;
     }
   }
 
@@ -130,7 +133,7 @@ struct TilePageRing {
       return pos.offsets(j, k_off, v_off);
     } else {
       const int entry = pos.entry_of(j);
-      const int page = slots[(t % 2) * kBlockKV + entry - pos.entry_of(start)];
+      const int page = slots[(t % kSlots) * kBlockKV + entry - pos.entry_of(start)];
       if (page < 0) return false;
       pos.offsets_in_page(page, j, entry, k_off, v_off);
       return true;

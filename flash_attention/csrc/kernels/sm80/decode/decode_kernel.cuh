@@ -46,14 +46,15 @@ struct check_decode_config {
 };
 
 // Shared memory of a decode configuration, in bytes: the Q tile, the K/V ring and the page-entry ring
-// (fa/kv_cache.cuh: TilePageRing; kept for contiguous caches too, 512 bytes, so one formula serves both)
+// (fa/kv_cache.cuh: TilePageRing, a slot of kBlockKV entries per stage; kept for contiguous caches too, a
+// few hundred bytes, so one formula serves both)
 // during the main loop, the warps' states in fp32 for the merge afterwards (the same bytes, reused).
 template <class Cfg>
 struct DecodeSmem {
   static constexpr int D = Cfg::kHeadDim;
   static constexpr int kQ = Cfg::kBlockM * D * 2;
   static constexpr int kKVStage = 2 * Cfg::kBlockKV * D * 2;
-  static constexpr int kPages = 2 * Cfg::kBlockKV * 4;
+  static constexpr int kPages = Cfg::kStages * Cfg::kBlockKV * 4;  // a page-entry slot per stage
   static constexpr int kMainLoop = kQ + Cfg::kStages * kKVStage + kPages;
   static constexpr int kRowPitch = D + 4;  // fp32 elements; the pad spreads a quad's rows over banks
   static constexpr int kMerge = Cfg::kWarpsN * Cfg::kBlockM * (kRowPitch + 2) * 4;
@@ -101,11 +102,11 @@ __device__ __forceinline__ void decode_kernel_body(const DecodeParams& p) {
   const int row0 = m_block * BM;
 
   const CachePositions<kPaged> positions(p, batch);
-  const TilePageRing<kPaged, BC> pages(reinterpret_cast<int*>(smem + Smem::kQ + S * Smem::kKVStage));
+  const TilePageRing<kPaged, BC, S> pages(reinterpret_cast<int*>(smem + Smem::kQ + S * Smem::kKVStage));
 
   // ---- loads: Q, and the K/V tiles through the ring (K at the stage's start, V BC * D * 2 bytes on) -------
   load_decode_q<BM, D, kThreads, Tile>(sQ, p, batch, kv_head, row0, tid);
-  const DecodeKVLoader<BC, D, kThreads, kPaged, Tile> loader(p, positions, pages, batch, kv_head, k_lo, k_hi, tid);
+  const DecodeKVLoader<BC, D, kThreads, kPaged, S, Tile> loader(p, positions, pages, batch, kv_head, k_lo, k_hi, tid);
   auto load_kv = [&](int t) {
     const u32 sK = sKV + (t % S) * Smem::kKVStage;
     loader(t, sK, sK + BC * D * 2, p, bad);
@@ -146,7 +147,7 @@ __device__ __forceinline__ void decode_kernel_body(const DecodeParams& p) {
     if (t + S - 1 < n_tiles) load_kv(t + S - 1);
     cp_async_commit();
     // Tile t + S's page entries: loaded now, stored after this tile's math, read after the next barrier.
-    // Their slot was last read by the load of tile t + S - 2, in the previous iteration, before the barrier.
+    // Their slot (one per stage) was last read by the load of tile t, iterations ago, before the barrier.
     const int next_entry = pages.fetch(positions, k_lo + (t + S) * BC, k_hi, tid, bad);
     if (t == 0) {
 #pragma unroll

@@ -54,7 +54,7 @@ template <class Cfg>
 struct DecodeSmem {
   static constexpr int kQ = Cfg::kBlockM * Cfg::kHeadDim * 2;
   static constexpr int kTile = Cfg::kBlockKV * Cfg::kHeadDim * 2;  // one K or V tile
-  static constexpr int kPages = 2 * Cfg::kBlockKV * 4;
+  static constexpr int kPages = Cfg::kStages * Cfg::kBlockKV * 4;  // a page-entry slot per stage
   static constexpr int kBytes = 1024 + kQ + 2 * Cfg::kStages * kTile + kPages;
 };
 
@@ -95,9 +95,9 @@ __device__ __forceinline__ void decode_kernel_body(const DecodeParams& p) {
   bool bad = keys.bad;
   const int k_lo = keys.k_lo, k_hi = keys.k_hi, n_tiles = keys.n_tiles;
   const CachePositions<kPaged> positions(p, batch);
-  const TilePageRing<kPaged, BC> pages(page_slots);
+  const TilePageRing<kPaged, BC, S> pages(page_slots);
   load_decode_q<BM, D, kThreads, QTile>(sQ, p, batch, kv_head, row0, tid);
-  const DecodeKVLoader<BC, D, kThreads, kPaged, KVTile> loader(p, positions, pages, batch, kv_head, k_lo, k_hi,
+  const DecodeKVLoader<BC, D, kThreads, kPaged, S, KVTile> loader(p, positions, pages, batch, kv_head, k_lo, k_hi,
                                                                tid);
   auto load_kv = [&](int t) { loader(t, sK + (t % S) * Smem::kTile, sV + (t % S) * Smem::kTile, p, bad); };
 
@@ -135,6 +135,7 @@ __device__ __forceinline__ void decode_kernel_body(const DecodeParams& p) {
     if (t + S - 1 < n_tiles) load_kv(t + S - 1);
     cp_async_commit();
     // Tile t + S's page entries: loaded now, stored after this tile's math, read after the next barrier.
+    // Their slot (one per stage) was last read by the load of tile t, iterations ago, before the barrier.
     const int next_entry = pages.fetch(positions, k_lo + (t + S) * BC, k_hi, tid, bad);
     const u32 stage = (t % S) * Smem::kTile;
 
