@@ -512,7 +512,7 @@ def attention_forward(
                 causal
                 and dropout == 0.0
                 and 0 < q_length <= STATIC_CACHE_MAX_QUERIES < kv_length
-                and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad))
+                and not (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)))
             ):
                 # A decoding step on a DynamicCache (the keys are the whole cache, the queries its last
                 # q_length positions): the split-KV decode kernels, the cache read in place, no append.
