@@ -57,21 +57,38 @@ class DecodeConfig:
         return 32 * self.warps_m * self.warps_n
 
     @property
+    def rows_per_copy_thread(self) -> int:
+        """Mirrors fa::DecodeKVLoader::kRows: the consecutive K/V rows of a tile each thread copies. A paged
+        cache whose page size is a power of two at least this holds a thread's rows in one page (one page
+        lookup per thread and tile); smaller or other page sizes look each row up."""
+        return self.block_kv // (self.threads // (self.head_dim // 8))
+
+    def looks_up_each_row(self, page_size: int) -> bool:
+        """Whether the kernel looks up the page of each K/V row it copies for caches of ``page_size``."""
+        return page_size & (page_size - 1) != 0 or page_size < self.rows_per_copy_thread
+
+    @property
+    def page_slot_bytes(self) -> int:
+        """Mirrors fa::TilePageRing::kBytes: a paged cache's page entries are requested 2 * stages - 2 tiles
+        ahead of the tiles' copies, into that many slots plus one, of block_kv ints each."""
+        return (2 * self.stages - 1) * self.block_kv * 4
+
+    @property
     def smem_bytes(self) -> int:
         """Mirrors fa::DecodeSmem (fa::sm90::DecodeSmem for wgmma: 1 KB of alignment slack for the swizzle,
-        no merge of warps' states): the Q tile, the K/V ring and the ring of page entries (a slot per stage),
-        or the warps' fp32 states (reused bytes)."""
+        no merge of warps' states): the Q tile, the K/V ring and the ring of page entries
+        (:meth:`page_slot_bytes`), or the warps' fp32 states (reused bytes)."""
         if self.wgmma:
             return (
                 1024
                 + 2 * self.block_m * self.head_dim
                 + self.stages * 4 * self.block_kv * self.head_dim
-                + (self.stages * self.block_kv * 4)
+                + self.page_slot_bytes
             )
         main_loop = (
             2 * self.block_m * self.head_dim
             + self.stages * 4 * self.block_kv * self.head_dim
-            + self.stages * self.block_kv * 4
+            + self.page_slot_bytes
         )
         merge = self.warps_n * self.block_m * (self.head_dim + 6) * 4
         return max(main_loop, merge)

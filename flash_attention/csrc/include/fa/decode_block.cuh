@@ -139,20 +139,15 @@ struct DecodeKVLoader {
 
 // The ring's prologue: Q (already issued by the caller) lands with tile 0, then tiles 1 .. S - 2, one commit
 // group each (empty groups past the last tile keep the group count, and so cp_async_wait's argument, the
-// same for every iteration). A paged cache's entries of tiles 0 .. S - 1 (the main loop's first load
-// included) are fetched together, one slot each, and published by one barrier: the loads are independent,
-// so the block waits one round trip for them, not S. `load_kv(t)` issues tile t into its stage.
+// same for every iteration). A paged cache's entries of the first tiles (fa/kv_cache.cuh: TilePageRing)
+// are fetched together and published by one barrier: the loads are independent, so the block waits one
+// round trip for them, not one per tile. `load_kv(t)` issues tile t into its stage.
 template <int S, int BC, bool kPaged, class LoadKV>
 __device__ __forceinline__ void decode_ring_prologue(const TilePageRing<kPaged, BC, S>& pages,
                                                      const CachePositions<kPaged>& positions,
-                                                     const DecodeBlockKeys& keys, int tid, bool& bad,
-                                                     LoadKV&& load_kv) {
+                                                     const DecodeBlockKeys& keys, int tid, LoadKV&& load_kv) {
   if (kPaged) {
-    int entry[S];
-#pragma unroll
-    for (int t = 0; t < S; ++t) entry[t] = pages.fetch(positions, keys.k_lo + t * BC, keys.k_hi, tid, bad);
-#pragma unroll
-    for (int t = 0; t < S; ++t) pages.store(t, entry[t], tid);
+    pages.prologue(positions, keys.k_lo, keys.k_hi, tid);
     __syncthreads();
   }
 #pragma unroll

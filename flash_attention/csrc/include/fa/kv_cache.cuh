@@ -84,45 +84,82 @@ struct CachePositions {
   }
 };
 
-// The page-table entries of a streamed K/V tile, fetched one tile ahead into shared memory.
+// The page-table entries of the streamed K/V tiles, requested into a ring of shared-memory slots ahead of
+// the tiles' copies.
 //
-// Why: a tile's copies cannot be issued before its positions' pages are known, so looking a page up at
+// Why ahead: a tile's copies cannot be issued before its positions' pages are known, so looking a page up at
 // issue time puts a dependent global load (an L2 round trip) in front of every tile's cp.async -- measured
 // on an H100 (bf16, head_dim 128, 32/8 heads), that halved the paged decode's bandwidth (1.3-1.6 TB/s
-// against 2.8-3.1 contiguous, page sizes 16 and 256 alike). Here the entries of a tile are loaded into a
-// register while an earlier tile is being computed, and stored to a ring of kSlots slots when the register
-// has long arrived; issuing the tile then reads shared memory only. The kernels keep one slot per stage of
-// their K/V ring, so the prologue fetches the entries of all its tiles at once (one round trip, not one per
-// tile: fa/decode_block.cuh decode_ring_prologue) and the main loop stores tile t + S's entries over tile
-// t's, whose copies were issued iterations before.
+// against 2.8-3.1 contiguous, page sizes 16 and 256 alike). Issuing a tile then reads shared memory only.
+//
+// Why cp.async, not a load into a register stored later: a load's register is waited on by whatever first
+// uses it (a range check, the store, a register copy), within the iteration that loaded it, and the load
+// queues behind the block's own streaming copies -- when it missed L1 it took about as long as a tile's
+// bytes. Measured on an H100 (bf16, 32/8 heads, head_dim 128, split to one block per SM, so that no second
+// block hid the wait), the decode took 1.13x the contiguous time at page 16 and 1.24x at page 8, the excess
+// growing as the table lines a block crosses (one 128-byte line serves page_size / 2 tiles of 64 keys),
+// where pages of 128-256 positions took 1.02-1.03x; a sequential table (the contiguous cache's very
+// addresses) cost as much as a random one, so it was not the pages' placement. cp.async writes the entry
+// into its slot with the iteration's commit group, and the ring's cp_async_wait and barrier publish it.
+//
+// How far ahead: a main loop over a kStages-deep K/V ring waits, at iteration i, for the commit groups up
+// to iteration i - kStages + 1's, and issues tile i + kStages - 1's copies; so entries requested at
+// iteration t are readable from iteration t + kStages - 1 on, by the copies of tile t + 2 * kStages - 2.
+// That is kLead tiles ahead. The prologue fetches tiles 0 .. kLead - 1 (one round trip, published by its
+// barrier); iteration t requests tile t + kLead. The live slots at iteration t hold tiles t + kStages - 1
+// (read by this iteration's copies) to t + kLead (requested now): kStages of them, and the prologue's kLead
+// at once, so kSlots = kLead + 1 slots, each reused only after the barrier that follows its last read.
 //
 // A tile of kBlockKV positions from `start` spans at most kBlockKV entries (page_size >= 1), from entry
-// start / page_size on: thread i < kBlockKV fetches the i-th. An entry that covers no position below k_hi
-// is not read; one that lies outside the cache is stored as -1 and flags the row bad (its positions are
-// then zero-filled, never followed). A contiguous cache has no entries: every member compiles away.
-template <bool kPaged, int kBlockKV, int kSlots>
+// start / page_size on: thread i < kBlockKV requests the i-th. An entry that covers no position below k_hi
+// is not read (its slot gets a zero, never used). The entries are stored as the table holds them and
+// checked where a copy reads them: one outside the cache flags the row bad and its positions are zero-filled,
+// never followed. A contiguous cache has no entries: every member compiles away.
+template <bool kPaged, int kBlockKV, int kStages>
 struct TilePageRing {
-  int* slots;  // kSlots * kBlockKV ints of shared memory; tile t's entries in slot t % kSlots
+  static constexpr int kLead = 2 * kStages - 2;
+  static constexpr int kSlots = kLead + 1;
+  static constexpr int kBytes = kSlots * kBlockKV * 4;  // shared memory (kept for contiguous caches too)
+
+  int* slots;  // kSlots * kBlockKV ints; tile t's entries in slot t % kSlots
 
   __device__ __forceinline__ explicit TilePageRing(int* shared) : slots(shared) {}
 
-  // The entry thread `tid` contributes to the tile starting at `start` (-1 when none or outside the cache).
-  __device__ __forceinline__ int fetch(const CachePositions<kPaged>& pos, int start, int k_hi, int tid,
-                                       bool& bad) const {
-    if constexpr (!kPaged) {
-      return 0;
-    } else {
-      const int e = pos.entry_of(start) + tid;
-      if (tid >= kBlockKV || start >= k_hi || e * pos.page_size >= k_hi) return -1;
-      const int page = pos.page_entry(e);
-      bad |= page < 0;
-      return page;
+  // Whether thread `tid` has an entry of the tile starting at `start`, and which (its index in the table).
+  __device__ __forceinline__ bool entry_index(const CachePositions<kPaged>& pos, int start, int k_hi, int tid,
+                                              int& e) const {
+    e = pos.entry_of(start) + tid;
+    return tid < kBlockKV && start < k_hi && e * pos.page_size < k_hi;
+  }
+
+  // The prologue's part: tiles 0 .. kLead - 1's entries, loaded together and stored; the caller's barrier
+  // publishes them.
+  __device__ __forceinline__ void prologue(const CachePositions<kPaged>& pos, int k_lo, int k_hi, int tid) const {
+    if constexpr (kPaged) {
+      int entry[kLead];
+#pragma unroll
+      for (int t = 0; t < kLead; ++t) {
+        int e;
+        entry[t] = entry_index(pos, k_lo + t * kBlockKV, k_hi, tid, e) ? __ldg(pos.table + e) : 0;
+      }
+#pragma unroll
+      for (int t = 0; t < kLead; ++t) {
+        if (tid < kBlockKV) slots[(t % kSlots) * kBlockKV + tid] = entry[t];
+      }
     }
   }
 
-  __device__ __forceinline__ void store(int t, int entry, int tid) const {
+  // Main-loop iteration t, after its barrier and before its commit: tile t + kLead's entries into their
+  // slot, landing with this iteration's commit group. (The table is read by every K/V head's blocks and
+  // every split that covers the position: .ca keeps it in L1.)
+  __device__ __forceinline__ void request(const CachePositions<kPaged>& pos, int t, int k_lo, int k_hi,
+                                          int tid) const {
     if constexpr (kPaged) {
-      if (tid < kBlockKV) slots[(t % kSlots) * kBlockKV + tid] = entry;
+      if (tid >= kBlockKV) return;
+      const int u = t + kLead;
+      int e;
+      const bool ok = entry_index(pos, k_lo + u * kBlockKV, k_hi, tid, e);
+      cp_async_4(smem_addr(slots + (u % kSlots) * kBlockKV + tid), ok ? pos.table + e : pos.table, ok ? 4 : 0);
     }
   }
 
@@ -134,7 +171,7 @@ struct TilePageRing {
     } else {
       const int entry = pos.entry_of(j);
       const int page = slots[(t % kSlots) * kBlockKV + entry - pos.entry_of(start)];
-      if (page < 0) return false;
+      if (page < 0 || page >= pos.num_pages) return false;
       pos.offsets_in_page(page, j, entry, k_off, v_off);
       return true;
     }

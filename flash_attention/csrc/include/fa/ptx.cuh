@@ -28,6 +28,13 @@ __device__ __forceinline__ void cp_async_16(u32 dst, const void* src, int src_by
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
 
+// cp.async.ca.shared.global of 4 bytes (only .ca takes 4- and 8-byte copies): a paged cache's page-table
+// entry into shared memory, so no register waits on it (fa/kv_cache.cuh: TilePageRing). src_bytes = 0
+// writes a zero without reading.
+__device__ __forceinline__ void cp_async_4(u32 dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+
 // cp.async.commit_group / cp.async.wait_group (PTX ISA 9.7.9.25.3.2-3).
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 

@@ -46,15 +46,14 @@ struct check_decode_config {
 };
 
 // Shared memory of a decode configuration, in bytes: the Q tile, the K/V ring and the page-entry ring
-// (fa/kv_cache.cuh: TilePageRing, a slot of kBlockKV entries per stage; kept for contiguous caches too, a
-// few hundred bytes, so one formula serves both)
-// during the main loop, the warps' states in fp32 for the merge afterwards (the same bytes, reused).
+// (fa/kv_cache.cuh: TilePageRing, 2 * kStages - 1 slots of kBlockKV entries; kept for contiguous caches
+// too, a kilobyte or less, so one formula serves both) during the main loop, the warps' states in fp32 for the merge afterwards (the same bytes, reused).
 template <class Cfg>
 struct DecodeSmem {
   static constexpr int D = Cfg::kHeadDim;
   static constexpr int kQ = Cfg::kBlockM * D * 2;
   static constexpr int kKVStage = 2 * Cfg::kBlockKV * D * 2;
-  static constexpr int kPages = Cfg::kStages * Cfg::kBlockKV * 4;  // a page-entry slot per stage
+  static constexpr int kPages = TilePageRing<true, Cfg::kBlockKV, Cfg::kStages>::kBytes;  // page entries
   static constexpr int kMainLoop = kQ + Cfg::kStages * kKVStage + kPages;
   static constexpr int kRowPitch = D + 4;  // fp32 elements; the pad spreads a quad's rows over banks
   static constexpr int kMerge = Cfg::kWarpsN * Cfg::kBlockM * (kRowPitch + 2) * 4;
@@ -112,7 +111,7 @@ __device__ __forceinline__ void decode_kernel_body(const DecodeParams& p) {
     loader(t, sK, sK + BC * D * 2, p, bad);
   };
 
-  decode_ring_prologue<S, BC, kPaged>(pages, positions, keys, tid, bad, load_kv);
+  decode_ring_prologue<S, BC, kPaged>(pages, positions, keys, tid, load_kv);
 
   // ---- main loop: each warp's online softmax over its keys of each tile ------------------------------------
   const int g = lane / 4;
@@ -145,10 +144,8 @@ __device__ __forceinline__ void decode_kernel_body(const DecodeParams& p) {
     cp_async_wait<S - 2>();
     __syncthreads();
     if (t + S - 1 < n_tiles) load_kv(t + S - 1);
+    pages.request(positions, t, k_lo, k_hi, tid);  // a later tile's page entries, with this group
     cp_async_commit();
-    // Tile t + S's page entries: loaded now, stored after this tile's math, read after the next barrier.
-    // Their slot (one per stage) was last read by the load of tile t, iterations ago, before the barrier.
-    const int next_entry = pages.fetch(positions, k_lo + (t + S) * BC, k_hi, tid, bad);
     if (t == 0) {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
@@ -225,7 +222,6 @@ __device__ __forceinline__ void decode_kernel_body(const DecodeParams& p) {
         }
       }
     }
-    pages.store(t + S, next_entry, tid);
   }
 
   // ---- merge the warps' states, in a fixed order ----------------------------------------------------------

@@ -2,7 +2,8 @@
 // block: speculative decoding and chunked prefill against a cache (seqlen_q x group rows, e.g. 16 tokens of a
 // group of 4). Everything but the products is the sm80 decode kernel's (csrc/kernels/sm80/decode, whose
 // header says why decode has a kernel of its own): the same keys per block, the same cp.async ring of K/V
-// tiles with the page entries fetched a tile ahead, the same answers and fused merge (fa/decode_block.cuh).
+// tiles with the page entries requested ahead (fa/kv_cache.cuh), the same answers and fused merge
+// (fa/decode_block.cuh).
 //
 // Why wgmma here: with 64 rows a decode block does 64x the one-token call's math on the same bytes. On the
 // sm80 instruction set one block per SM (four warps, one 16-row tile each) issued its mma.sync and ldmatrix
@@ -54,7 +55,7 @@ template <class Cfg>
 struct DecodeSmem {
   static constexpr int kQ = Cfg::kBlockM * Cfg::kHeadDim * 2;
   static constexpr int kTile = Cfg::kBlockKV * Cfg::kHeadDim * 2;  // one K or V tile
-  static constexpr int kPages = Cfg::kStages * Cfg::kBlockKV * 4;  // a page-entry slot per stage
+  static constexpr int kPages = TilePageRing<true, Cfg::kBlockKV, Cfg::kStages>::kBytes;  // page entries
   static constexpr int kBytes = 1024 + kQ + 2 * Cfg::kStages * kTile + kPages;
 };
 
@@ -101,7 +102,7 @@ __device__ __forceinline__ void decode_kernel_body(const DecodeParams& p) {
                                                                tid);
   auto load_kv = [&](int t) { loader(t, sK + (t % S) * Smem::kTile, sV + (t % S) * Smem::kTile, p, bad); };
 
-  decode_ring_prologue<S, BC, kPaged>(pages, positions, keys, tid, bad, load_kv);
+  decode_ring_prologue<S, BC, kPaged>(pages, positions, keys, tid, load_kv);
 
   // Descriptors (fa/fwd_wgmma.cuh's layouts): Q and K K-major, 8-row groups 1024 bytes apart; V MN-major,
   // its 64-column panels BC * 128 bytes apart.
@@ -133,10 +134,8 @@ __device__ __forceinline__ void decode_kernel_body(const DecodeParams& p) {
     fence_proxy_async();
     __syncthreads();
     if (t + S - 1 < n_tiles) load_kv(t + S - 1);
+    pages.request(positions, t, k_lo, k_hi, tid);  // a later tile's page entries, with this group
     cp_async_commit();
-    // Tile t + S's page entries: loaded now, stored after this tile's math, read after the next barrier.
-    // Their slot (one per stage) was last read by the load of tile t, iterations ago, before the barrier.
-    const int next_entry = pages.fetch(positions, k_lo + (t + S) * BC, k_hi, tid, bad);
     const u32 stage = (t % S) * Smem::kTile;
 
     // ---- S = Q K_t^T -------------------------------------------------------------------------------------
@@ -175,7 +174,6 @@ __device__ __forceinline__ void decode_kernel_body(const DecodeParams& p) {
     issue_pv<BC, D, BF>(o, pf, v_desc + (stage >> 4));
     wgmma_commit();
     // (P V_t runs on while the next iteration waits for its copies.)
-    pages.store(t + S, next_entry, tid);
   }
   wgmma_wait<0>();
   wgmma_hold(o);
