@@ -220,3 +220,11 @@ def test_broadcast_dimensions_are_not_written_in_place():
     assert not layout_ok(torch.randn(1, 8, 4, 16).expand(2, 8, 4, 16))
     assert not layout_ok(torch.randn(2, 1, 4, 16).expand(2, 8, 4, 16))
     assert layout_ok(torch.randn(1, 8, 4, 16).expand(1, 8, 4, 16))  # one element: nothing shared
+
+
+def test_rows_per_copy_thread_and_the_page_sizes_looked_up_row_by_row():
+    # fa::DecodeKVLoader: a tile's rows over the threads' 16-byte chunks (head_dim / 8 per row).
+    one_token = default_decode_config("bf16", 128, 4, "sm_90a")  # 64-key tiles, 128 threads
+    assert one_token.rows_per_copy_thread == 8
+    assert default_decode_config("bf16", 64, 4, "sm_90a").rows_per_copy_thread == 4
+    assert [p for p in (1, 2, 4, 8, 16, 24, 256) if one_token.looks_up_each_row(p)] == [1, 2, 4, 24]

@@ -15,6 +15,7 @@ from kvcache_cases import Case, check_case, make_inputs, random_case
 from stand_in_gpu import install
 
 from flash_attention import attention_with_kvcache, ops
+from flash_attention.configs.decode import num_splits_heuristic
 from flash_attention.jit import host
 from flash_attention.ops import decode, repeat
 from flash_attention.reference import attention_kvcache_reference
@@ -169,6 +170,30 @@ def test_a_growing_cache_keeps_a_plan_per_bucket_and_attends_its_whole_length(gp
         got = attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, num_splits=3)
         assert (got.double() - ref).abs().max().item() < 2e-2, capacity
     assert len(decode._plans._plans) == 3
+
+
+@pytest.mark.parametrize("page_size", [0, 16, 2])
+def test_the_split_waves_take_a_second_block_per_sm_only_for_pages_looked_up_row_by_row(gpu, page_size):
+    """Contiguous caches and pages that hold a copy thread's rows split for waves of one block per SM;
+    pages smaller than a thread's rows (looked up row by row) for the occupancy's blocks per SM (the
+    stand-in's 2)."""
+    b, hq, hkv, d, keys = 1, 8, 8, 64, 32768
+    q = torch.randn(b, 1, hq, d, dtype=torch.bfloat16)
+    if page_size:
+        pages = keys // page_size
+        k_cache, v_cache = (torch.randn(pages, page_size, hkv, d, dtype=torch.bfloat16) for _ in range(2))
+        table = torch.randperm(pages, dtype=torch.int32).reshape(b, pages)
+    else:
+        k_cache, v_cache = (torch.randn(b, keys, hkv, d, dtype=torch.bfloat16) for _ in range(2))
+        table = None
+    attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=keys, block_table=table)
+    assert not gpu.errors, gpu.errors
+    (plan,) = decode._plans._plans.values()
+    row_by_row = page_size == 2
+    assert num_splits_heuristic(hkv, keys, 64, 132, blocks_per_sm=2 if row_by_row else 1) == (
+        plan.template.num_splits
+    )
+    assert plan.template.num_splits == (32 if row_by_row else 16)
 
 
 def test_clear_plans_forgets_the_decode_plans(gpu):

@@ -163,12 +163,15 @@ class DecodePlan:
             append = kernels[cfg.symbol("append", paged=paged)]
             self.launches.append((append, (problem.seqlen_new, problem.batch, 1), DECODE_AUX_THREADS, 0))
         decode = kernels[cfg.symbol("decode", problem.causal, paged)]
-        # The split heuristic's waves: on a contiguous cache a multiprocessor's co-resident blocks share its
-        # bandwidth, so a wave is one block per SM (one row, 32/8 heads, 32k keys on an H100: 16 splits
-        # ran in 55.7 us where the 33 of a two-blocks-per-SM wave took 60.3); a paged cache's gathered
-        # loads want the second block per SM to hide their latency (the same shapes, page 16: 2 splits at
-        # batch 8 took 4% longer than 4). docs/kernel-log.md, step 65.
-        per_sm = decode.blocks_per_sm(cfg.threads, cfg.smem_bytes, index) if paged else 1
+        # The split heuristic's waves: a multiprocessor's co-resident blocks share its bandwidth, so a wave
+        # is one block per SM (one row, 32/8 heads, 32k keys on an H100: 16 splits ran in 55.7 us where the
+        # 33 of a two-blocks-per-SM wave took 60.3; docs/kernel-log.md, step 65), paged caches included
+        # since their page entries arrive by cp.async (step 74: page 16, 188 us with one block per SM
+        # against 191 with two, at batch 1 / 128k). Pages smaller than a copy thread's rows, looked up row
+        # by row, still want the second block per SM to hide those lookups (page 1: 274 against 195 us).
+        per_sm = 1
+        if paged and cfg.looks_up_each_row(problem.page_size):
+            per_sm = decode.blocks_per_sm(cfg.threads, cfg.smem_bytes, index)
         # A contiguous cache's splits cover its bucket's largest capacity: every cache of the bucket fits.
         basis = problem
         if not paged:
