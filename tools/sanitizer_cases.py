@@ -108,6 +108,39 @@ def run_ws_case(case, seed: int, small: bool) -> float:
     return (o.double() - ref).abs().max().item()
 
 
+#: Hopper only: the head_dim-256 wgmma backward (csrc/kernels/sm90/bwd_wide) named explicitly, gradients
+#: against float64: (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal).
+WIDE_BWD_CASES = [
+    (1, 65, 300, 6, 3, 256, True),
+    (2, 130, 77, 4, 1, 200, False),
+    (1, 1, 129, 2, 2, 256, True),
+]
+
+
+def run_wide_bwd_case(case, seed: int, small: bool) -> float:
+    from flash_attention import ops
+    from flash_attention.configs import hopper_bwd_config
+
+    b, sq, sk, hq, hkv, d, causal = case
+    if small:
+        sq, sk = min(sq, SMALL[1]), min(sk, SMALL[2])
+    q, k, v = _inputs(seed, b, sq, sk, hq, hkv, d)
+    do = torch.randn_like(q)
+    o, lse = ops.cuda_forward(q, k, v, causal=causal, softmax_scale=d**-0.5, return_lse=True, out=None)
+    grads = ops.cuda_backward(
+        do, q, k, v, o, lse, causal=causal, softmax_scale=d**-0.5, config=hopper_bwd_config("bf16", 256)
+    )
+    torch.cuda.synchronize()
+    leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    ref_o, _ = attention_reference(*leaves, causal=causal)
+    ref = torch.autograd.grad(ref_o, leaves, do.double())
+    # Relative to the gradient's scale: 256-wide rows of bf16 products.
+    return max(
+        (g.double() - r).abs().max().item() / max(1.0, r.abs().max().item())
+        for g, r in zip(grads, ref, strict=True)
+    )
+
+
 #: (batch, seqlen_q, heads_q, heads_kv, head_dim, seqlen_new, page_size, capacity, lengths, num_splits):
 #: lengths an int (every row's, passed by value) or one per row; a length past the capacity poisons its row.
 DECODE_CASES = [
@@ -173,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ws-only", action="store_true", help="only the warp-specialized kernel's cases")
     ap.add_argument("--decode-only", action="store_true", help="only the decode kernels' cases")
     ap.add_argument(
+        "--bwd-wide-only", action="store_true", help="only the head_dim-256 wgmma backward's cases (Hopper)"
+    )
+    ap.add_argument(
         "--persistent-blocks",
         type=int,
         default=0,
@@ -185,15 +221,21 @@ def main(argv: list[str] | None = None) -> int:
 
         ops_forward.sm_count = lambda index: args.persistent_blocks
     worst = 0.0
-    for i, case in enumerate([] if args.ws_only else DECODE_CASES):
+    only = args.ws_only or args.decode_only or args.bwd_wide_only
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    for i, case in enumerate(WIDE_BWD_CASES if hopper and (args.bwd_wide_only or not only) else []):
+        err = run_wide_bwd_case(case, seed=300 + i, small=args.small)
+        worst = max(worst, err)
+        print(f"wide backward case {i}: {case} max error {err:.3g}", flush=True)
+    for i, case in enumerate([] if args.ws_only or args.bwd_wide_only else DECODE_CASES):
         err = run_decode_case(case, seed=200 + i)
         worst = max(worst, err)
         print(f"decode case {i}: {case} max error {err:.3g}", flush=True)
-    for i, case in enumerate([] if args.ws_only or args.decode_only else CASES):
+    for i, case in enumerate([] if only else CASES):
         err = run_case(case, seed=i, small=args.small)
         worst = max(worst, err)
         print(f"case {i}: {case} max error {err:.3g}", flush=True)
-    if torch.cuda.get_device_capability() == (9, 0) and not args.decode_only:
+    if hopper and not (args.decode_only or args.bwd_wide_only):
         for i, case in enumerate(WS_CASES):
             err = run_ws_case(case, seed=100 + i, small=args.small)
             worst = max(worst, err)

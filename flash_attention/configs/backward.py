@@ -36,7 +36,9 @@ class BwdConfig:
     current step. The deterministic dQ kernel uses ``block_q`` rows with one warp per 16 of them.
 
     ``wgmma``: the Hopper dK/dV kernel (csrc/kernels/sm90/bwd, sm_90a): two warpgroups of 64 keys, Q/dO
-    double-buffered, atomic dQ only (deterministic mode, key ranges and dropout run the sm80 kernels).
+    double-buffered, atomic dQ only (deterministic mode, key ranges and dropout run the sm80 kernels). At
+    head_dim 256 (:attr:`wide`) its wide form (csrc/kernels/sm90/bwd_wide): 64 keys per block, which both
+    warpgroups see, one keeping dV and the other dK.
     ``warp_specialized`` (with ``wgmma``, ``num_warps`` 12): its warp-specialized form
     (csrc/kernels/sm90/bwd_ws): a producer warpgroup copies Q/dO into two slots while the two consumer
     warpgroups compute, and dQ leaves through bulk reduce-adds.
@@ -65,6 +67,11 @@ class BwdConfig:
         return 32 * self.num_warps
 
     @property
+    def wide(self) -> bool:
+        """Whether this is the wide-head-dim form of the Hopper backward (csrc/kernels/sm90/bwd_wide)."""
+        return self.wgmma and self.head_dim > 128
+
+    @property
     def dq_threads(self) -> int:
         return 32 * (self.block_q // 16)
 
@@ -84,6 +91,10 @@ class BwdConfig:
             return (
                 4 * bkv * d + 4 * st * bq * d + 4 * bkv * bq + 2 * 64 * 64 * 4 + 8 * st * bq + 16 * st + 1024
             )
+        if self.wide:
+            # Mirrors fa::sm90::BwdWideSmem: K, V; two Q and two dO buffers; P^T in fp32; dS^T; LSE and delta
+            # per buffer; +1 KB to align the tiles.
+            return 1024 + 4 * bkv * d + 8 * bq * d + 4 * bkv * bq + 2 * bkv * bq + 16 * bq
         # K, V; Q and dO per buffer; the dS tile; LSE and delta per buffer (+1 KB to align the wgmma tiles).
         return 4 * bkv * d + 4 * nb * bq * d + 2 * bkv * bq + 8 * nb * bq + (1024 if self.wgmma else 0)
 
@@ -176,6 +187,23 @@ def bwd_validity_errors(cfg: BwdConfig) -> list[str]:
         if not errors and cfg.smem_bytes > SMEM_LIMIT_SM90:
             errors.append("shared memory exceeds the sm_90 limit of 232448")
         return errors
+    if cfg.wgmma and cfg.head_dim > 128:
+        # The wide form (csrc/kernels/sm90/bwd_wide): both warpgroups on one block of 64 keys.
+        if (cfg.head_dim, cfg.block_q, cfg.block_kv, cfg.num_warps, cfg.split, cfg.double_buffer) != (
+            256,
+            64,
+            64,
+            8,
+            1,
+            True,
+        ):
+            errors.append(
+                "wide wgmma backward configs (head_dim 256) are two warpgroups on 64 keys (num_warps 8, "
+                "block_kv 64), block_q 64, double buffered, unsplit"
+            )
+        if not errors and cfg.smem_bytes > SMEM_LIMIT_SM90:
+            errors.append("shared memory exceeds the sm_90 limit of 232448")
+        return errors
     if cfg.num_warps not in (2, 4, 8):
         errors.append("num_warps must be 2, 4 or 8")
     elif cfg.block_kv % (16 * cfg.num_warps) or cfg.block_kv > 128:
@@ -216,7 +244,10 @@ def bwd_register_roles(cfg: BwdConfig) -> str:
 def hopper_bwd_config(dtype: str, head_dim: int, *, warp_specialized: bool = True) -> BwdConfig:
     """The Hopper backward's config at head_dim 64 or 128 (its shape is fixed by the kernel: 128 keys per
     block, 128 query rows per step at head_dim 64 and 64 at 128): the warp-specialized kernel, or with
-    ``warp_specialized=False`` the sm90 wgmma kernel it replaced."""
+    ``warp_specialized=False`` the sm90 wgmma kernel it replaced. At head_dim 256 the wide kernel (64 keys,
+    64 query rows per step; it has no warp-specialized form)."""
+    if head_dim == 256:
+        return BwdConfig(dtype, 256, 64, 64, 8, 1, True, wgmma=True)
     return BwdConfig(
         dtype,
         head_dim,

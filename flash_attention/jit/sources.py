@@ -136,11 +136,12 @@ def bwd_kernel_source(cfg: BwdConfig, *, ranged: bool = False, dropout: bool = F
             )
         # The warp-specialized form: one block per multiprocessor, whose launch allocation setmaxnreg
         # divides between producer and consumers.
-        body, header = (
-            ("fa::sm90::bwd_ws_dkdv_body", "sm90/bwd_ws/bwd_kernel.cuh")
-            if cfg.warp_specialized
-            else ("fa::sm90::bwd_dkdv_body", "sm90/bwd/bwd_kernel.cuh")
-        )
+        if cfg.warp_specialized:
+            body, header = "fa::sm90::bwd_ws_dkdv_body", "sm90/bwd_ws/bwd_kernel.cuh"
+        elif cfg.wide:
+            body, header = "fa::sm90::bwd_wide_dkdv_body", "sm90/bwd_wide/bwd_kernel.cuh"
+        else:
+            body, header = "fa::sm90::bwd_dkdv_body", "sm90/bwd/bwd_kernel.cuh"
         for causal in (False, True):
             targs = f"Cfg, {variant_type(causal, ranged)}"
             if cfg.warp_specialized:

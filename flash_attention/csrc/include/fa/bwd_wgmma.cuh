@@ -1,7 +1,7 @@
 // The steps of one query step that both Hopper backward kernels (csrc/kernels/sm90/bwd: cp.async, and
 // csrc/kernels/sm90/bwd_ws: warp-specialized) run the same way on a warpgroup's 64 keys: the five matrix
 // products of the transposed chain, the packing of P^T and dS^T into A fragments, dS^T's store for dQ, and
-// the dK/dV epilogue.
+// the dK/dV epilogue (the wide-head-dim kernel, csrc/kernels/sm90/bwd_wide, uses some of them too).
 //
 // Operand layouts (csrc/kernels/sm90/bwd/bwd_kernel.cuh says more): tiles in shared memory as 64-column
 // panels of 128-byte rows with the 128-byte swizzle (fa/smem_layout.cuh, PanelTile); K, V, Q and dO read
@@ -93,31 +93,36 @@ __device__ __forceinline__ void issue_dq(float (&dq)[N / 2], u64 ds_desc, u64 kt
     Wgmma<N, BF>::ss_tt(dq, ds_desc + ((kk * 16 * 128) >> 4), kt_desc + ((kk * 16 * 128) >> 4), kk > 0);
 }
 
+// One head_dim-wide fp32 accumulator of the warp's two key rows (row0 + g, row0 + g + 8 of the block) into
+// a dK or dV layout (`dst` at the block's first key, `row_stride` elements apart); rows at or past
+// `rows_left` and columns past head_dim are not written.
+template <int D, bool BF>
+__device__ __forceinline__ void store_key_rows(u16* dst, i64 row_stride, int rows_left, int head_dim, int row0,
+                                               int g, int t, const float (&acc)[D / 2]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row0 + g + 8 * r;
+    if (row < rows_left) {
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) {
+        const int col = 8 * n + 2 * t;
+        if (col < head_dim) st_global_32(dst + (i64)row * row_stride + col, pack2<BF>(acc[4 * n + 2 * r], acc[4 * n + 2 * r + 1]));
+      }
+    }
+  }
+}
+
 // dK and dV of the warp's two key rows (row0 + g, row0 + g + 8 of the block at kv_start) into k's and v's
-// layouts; rows past seqlen_k and columns past head_dim are not written. The softmax scale is already in
-// dS, so dK needs none.
+// layouts. The softmax scale is already in dS, so dK needs none.
 template <int D, bool BF>
 __device__ __forceinline__ void store_dk_dv(const BwdParams& p, int batch, int kv_head, int kv_start,
                                             int row0, int g, int t, const float (&dk)[D / 2],
                                             const float (&dv)[D / 2]) {
-  u16* gdK = static_cast<u16*>(p.dk) + dk_offset(p, batch, kv_head, kv_start);
-  u16* gdV = static_cast<u16*>(p.dv) + dv_offset(p, batch, kv_head, kv_start);
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = row0 + g + 8 * r;
-    if (kv_start + row < p.seqlen_k) {
-#pragma unroll
-      for (int n = 0; n < D / 8; ++n) {
-        const int col = 8 * n + 2 * t;
-        if (col < p.head_dim) {
-          st_global_32(gdK + (i64)row * p.dk_row_stride + col,
-                       pack2<BF>(dk[4 * n + 2 * r], dk[4 * n + 2 * r + 1]));
-          st_global_32(gdV + (i64)row * p.dv_row_stride + col,
-                       pack2<BF>(dv[4 * n + 2 * r], dv[4 * n + 2 * r + 1]));
-        }
-      }
-    }
-  }
+  const int rows_left = p.seqlen_k - kv_start;
+  store_key_rows<D, BF>(static_cast<u16*>(p.dk) + dk_offset(p, batch, kv_head, kv_start), p.dk_row_stride,
+                        rows_left, p.head_dim, row0, g, t, dk);
+  store_key_rows<D, BF>(static_cast<u16*>(p.dv) + dv_offset(p, batch, kv_head, kv_start), p.dv_row_stride,
+                        rows_left, p.head_dim, row0, g, t, dv);
 }
 
 }  // namespace fa

@@ -1,0 +1,276 @@
+// FlashAttention-2 backward's dK/dV kernel (with atomic dQ) for Hopper (sm_90a) at the wide head dims (192,
+// 256), on wgmma: the two warpgroups split the work by product, not by keys.
+//
+// Why not the sm90 kernel (csrc/kernels/sm90/bwd/bwd_kernel.cuh, whose comments on the transposed chain
+// and the operand layouts apply here): there each warpgroup owns 64 keys and keeps both dK and dV for them,
+// 2 x 64 x head_dim fp32 accumulators -- 256 registers per thread at head_dim 256 before anything else.
+// Here the block has 64 keys, both warpgroups see all of them, and each keeps one accumulator (128
+// registers at head_dim 256):
+//   warpgroup 0:  S^T  = K Q^T,  P^T = exp2(S^T scale log2e - LSE2),  dV += P^T dO   (P^T from registers)
+//   warpgroup 1:  dP^T = V dO^T, dS^T = scale P^T (dP^T - delta),     dK += dS^T Q   (dS^T from registers)
+//   both:         dQ  += dS K, each warpgroup half of head_dim's columns, added with atomics.
+// The products are the same five as the sm90 kernel's, shared evenly (each warpgroup: one 64 x 64 x D
+// product, one 64 x D x 64, one 64 x D/2 x 64), and the two warpgroups run one instruction stream: only the
+// elementwise steps between the products differ. Warpgroup 1 needs P^T, which warpgroup 0 passes through
+// shared memory in fp32 (the other kernels compute dS from the fp32 P as well). Rejected: splitting head_dim
+// between the warpgroups for dK and dV too (each then needs both P^T and dS^T, and S^T and dP^T are
+// products over the whole head_dim, so one of them would be computed twice or exchanged in halves); and two
+// passes over the queries, one per accumulator (a fifth more products and every load twice).
+//
+// Per query step:
+//   A  __syncthreads: this step's Q, dO and statistics have landed (cp.async, double-buffered as in the sm90
+//      kernel), every product of the previous step has completed, so the other buffer, P^T's and dS^T's
+//      tiles may be rewritten.
+//   warpgroup 0: S^T; mask; P^T into registers and into sP; arrives at barrier 1.
+//   warpgroup 1: dP^T; waits at barrier 1 for P^T; dS^T into registers and into sdS (for dQ).
+//   both: issue dV / dK (register A operand, asynchronous), meet at barrier 2 (dS^T written and fenced for
+//   the tensor cores), issue their half of dQ, wait for everything, add dQ with red.global.
+//
+// Shared memory (bytes from a 1024-aligned base): K and V (64 x D), two Q and two dO buffers (64 x D each),
+// P^T (64 x 64 fp32, laid out per thread), dS^T (64 keys x 64 queries), two buffers of statistics (LSE2
+// then delta, 64 floats each). 223 KB at head_dim 256, 170 KB at 192: one block per multiprocessor.
+#pragma once
+
+#include "fa/block_range.cuh"
+#include "fa/bwd_params.h"
+#include "fa/bwd_preprocess.cuh"
+#include "fa/bwd_wgmma.cuh"
+#include "fa/copy.cuh"
+#include "fa/frag.cuh"
+#include "fa/mask.cuh"
+#include "fa/ptx.cuh"
+#include "fa/smem_layout.cuh"
+#include "fa/tile_ptrs.cuh"
+#include "fa/tma.cuh"
+#include "fa/variant.cuh"
+#include "fa/wgmma.cuh"
+
+namespace fa {
+namespace sm90 {
+
+// Shared memory of the wide backward, in bytes (mirrored by configs.backward.BwdConfig.smem_bytes).
+template <int BR, int BC, int D>
+struct BwdWideSmem {
+  static constexpr int kKV = BC * D * 2;  // K, and V
+  static constexpr int kQ = BR * D * 2;   // one Q or dO buffer
+  static constexpr int kP = BC * BR * 4;  // P^T in fp32
+  static constexpr int kDS = BC * BR * 2;
+  static constexpr int kStats = 2 * BR * 4;  // one buffer: LSE2, delta
+  static constexpr int kBytes = 1024 + 2 * kKV + 4 * kQ + kP + kDS + 2 * kStats;
+};
+
+// P^T's 32 fp32 values of one warpgroup-0 thread, written where the warpgroup-1 thread of the same warp
+// position and lane (the same keys and queries of the accumulator layout) reads them: 128 bytes per thread,
+// its eight 16-byte chunks rotated by the lane so that a warp's 16-byte accesses spread over all banks.
+__device__ __forceinline__ u32 p_exchange_chunk(u32 sP, int warp_in_wg, int lane, int chunk) {
+  return sP + (u32)((warp_in_wg * 32 + lane) * 128 + ((chunk + lane) & 7) * 16);
+}
+
+template <class Cfg, class V>
+__device__ __forceinline__ void bwd_wide_dkdv_body(const BwdParams& p) {
+  using Mask = typename V::Mask;  // the variant (fa/variant.cuh)
+  static_assert(V::ScoreMod::kIdentity, "the backward does not differentiate a score function yet");
+  constexpr bool BF = Cfg::kIsBF16;
+  constexpr int D = Cfg::kHeadDim;
+  constexpr int BR = Cfg::kBlockQ;   // query rows per step
+  constexpr int BC = Cfg::kBlockKV;  // key rows of the block, seen by both warpgroups
+  constexpr int NT = Cfg::kNumWarps * 32;
+  constexpr int NQ = BR / 8;   // query n-tiles of S^T / dP^T
+  constexpr int KQ = BR / 16;  // k-steps of dV / dK
+  constexpr int DQN = D / 2;   // dQ columns per warpgroup
+  static_assert(Cfg::kNumWarps == 8 && BC == 64 && BR == 64, "two warpgroups on one 64-key block, 64 queries");
+  static_assert(D == 192 || D == 256, "the wide backward is for head_dim 192 and 256");
+  using QTile = PanelTile<BR>;   // Q and dO in shared memory
+  using KVTile = PanelTile<BC>;  // K, V and dS^T
+  using Smem = BwdWideSmem<BR, BC, D>;
+  static_assert(Smem::kBytes <= Cfg::kSmemBytes, "the shared-memory layout exceeds the config's smem_bytes");
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  const u32 base = (smem_addr(smem) + 1023u) & ~1023u;
+  const u32 sK = base;
+  const u32 sV = sK + Smem::kKV;
+  const u32 sQ = sV + Smem::kKV;       // two buffers
+  const u32 sdO = sQ + 2 * Smem::kQ;   // two buffers
+  const u32 sP = sdO + 2 * Smem::kQ;   // P^T, per thread (p_exchange_chunk)
+  const u32 sdS = sP + Smem::kP;       // dS^T: BC rows (keys) of BR queries, one 64-query panel
+  const u32 sStats = sdS + Smem::kDS;  // [buffer][LSE2 (BR floats), delta (BR floats)]
+  const float* const stats = reinterpret_cast<const float*>(smem + (sStats - smem_addr(smem)));
+
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const int wg = warp / 4;  // 0: S^T, P^T, dV; 1: dP^T, dS^T, dK
+  const int g = lane / 4;
+  const int t = lane % 4;
+  const int n_block = blockIdx.x;
+  const int kv_head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const int kv_start = n_block * BC;
+  const int row0 = 16 * (warp % 4);  // the warp's first key row in the block (both warpgroups)
+
+  // The keys this block's queries see (the variant's mask), and the query blocks
+  // [m_begin, m_begin + m_count) that see some key of this block.
+  const Mask mask(p, batch, kv_head);
+  const auto blocks = mask.template q_blocks<BR, BC>(p, kv_start);
+  const int m_begin = blocks.begin;
+  const int m_count = blocks.count;
+  const int n_iter = p.group * m_count;
+
+  // dV (warpgroup 0) or dK (warpgroup 1) of the warp's key rows.
+  float acc[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) acc[i] = 0.f;
+
+  auto load_q_step = [&](int it, int buf) {
+    const int head = kv_head * p.group + it / m_count;
+    const int q_start = (m_begin + it % m_count) * BR;
+    const u16* gQ = static_cast<const u16*>(p.q) + q_offset(p, batch, head, q_start);
+    const u16* gdO = static_cast<const u16*>(p.dout) + do_offset(p, batch, head, q_start);
+    load_tile<BR, D, NT, QTile, true>(sQ + buf * Smem::kQ, gQ, p.q_row_stride, p.seqlen_q - q_start,
+                                      p.head_dim, tid);
+    load_tile<BR, D, NT, QTile, true>(sdO + buf * Smem::kQ, gdO, p.do_row_stride, p.seqlen_q - q_start,
+                                      p.head_dim, tid);
+    // The workspaces are padded to whole 128-row blocks: no bounds check.
+    const i64 r0 = workspace_row(p, batch, head, q_start);
+    if (tid < BR / 4) {
+      cp_async_16(sStats + buf * Smem::kStats + 16 * tid, p.lse_log2 + r0 + 4 * tid, 16);
+    } else if (tid < BR / 2) {
+      const int c = tid - BR / 4;
+      cp_async_16(sStats + buf * Smem::kStats + 4 * BR + 16 * c, p.delta + r0 + 4 * c, 16);
+    }
+  };
+
+  if (n_iter > 0) {
+    const u16* gK = static_cast<const u16*>(p.k) + k_offset(p, batch, kv_head, kv_start);
+    const u16* gV = static_cast<const u16*>(p.v) + v_offset(p, batch, kv_head, kv_start);
+    load_tile<BC, D, NT, KVTile, true>(sK, gK, p.k_row_stride, p.seqlen_k - kv_start, p.head_dim, tid);
+    load_tile<BC, D, NT, KVTile, true>(sV, gV, p.v_row_stride, p.seqlen_k - kv_start, p.head_dim, tid);
+    load_q_step(0, 0);
+    cp_async_commit();
+  }
+
+  // Descriptors (fa/wgmma.cuh; the sm90 kernel explains them). This warpgroup's first product: S^T = K Q^T
+  // (warpgroup 0) or dP^T = V dO^T (warpgroup 1), A K-major over all 64 keys, B K-major. Its accumulator's
+  // product: dV += P^T dO (0) or dK += dS^T Q (1), B MN-major. Its half of dQ = dS K: A = dS^T M-major, B =
+  // K's columns [DQN wg, + DQN) MN-major.
+  const u64 a_desc = smem_desc_sw128(wg == 0 ? sK : sV, 16, 1024);
+  const u64 q_desc = smem_desc_sw128(sQ, 16, 1024);
+  const u64 qt_desc = smem_desc_sw128(sQ, BR * 128, 1024);
+  const u64 ds_desc = smem_desc_sw128(sdS, BC * 128, 1024);
+  const u64 kt_desc = smem_desc_sw128(sK + wg * (DQN / 64) * BC * 128, BC * 128, 1024);
+  constexpr u32 kDOOff = 2 * Smem::kQ;               // dO's buffers after Q's
+  const u32 first_b_off = wg == 0 ? 0u : kDOOff;     // B of the first product: Q or dO
+  const u32 acc_b_off = wg == 0 ? kDOOff : 0u;       // B of the accumulator's product: dO or Q
+  const float sl2 = p.scale_log2;
+  const float scale = p.scale;
+
+#pragma unroll 1
+  for (int it = 0; it < n_iter; ++it) {
+    const int buf = it & 1;
+    const u32 qoff = buf * Smem::kQ;
+    const int head = kv_head * p.group + it / m_count;
+    const int q_start = (m_begin + it % m_count) * BR;
+    // Barrier A (see the header): this step's loads landed (and are fenced for the tensor cores); the
+    // previous step is done everywhere.
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();
+    if (it + 1 < n_iter) {
+      load_q_step(it + 1, buf ^ 1);
+      cp_async_commit();
+    }
+
+    // ---- S^T = K Q^T (warpgroup 0) or dP^T = V dO^T (warpgroup 1) ---------------------------------------
+    float s[BR / 2];
+    wgmma_fence();
+    issue_key_rows_product<BR, BC, D, BF>(s, a_desc, q_desc, first_b_off + qoff);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_hold(s);
+
+    // ---- P^T (warpgroup 0), dS^T (warpgroup 1): packed as the A operand of the accumulator's product ----
+    // Register 4 n + e is key kv_start + row0 + g + 8 (e / 2) against query q_start + 8 n + 2 t + e % 2.
+    const float* lse_s = stats + buf * 2 * BR;
+    const float* del_s = lse_s + BR;
+    u32 af[KQ][4];
+    if (wg == 0) {
+      // Keys past seqlen_k and past the causal diagonal; queries past seqlen_q need no mask (their base-2
+      // LSE is +inf, so their P is 0).
+      mask.mask_key_rows(acc_tile(s), kv_start, row0, q_start, g, t);
+#pragma unroll
+      for (int n = 0; n < NQ; ++n) {
+        const float2 l2 = *reinterpret_cast<const float2*>(lse_s + 8 * n + 2 * t);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[4 * n + e] = exp2_approx(fmaf(s[4 * n + e], sl2, -((e & 1) ? l2.y : l2.x)));
+      }
+#pragma unroll
+      for (int c = 0; c < BR / 8; ++c) {
+        const uint4 v = make_uint4(__float_as_uint(s[4 * c]), __float_as_uint(s[4 * c + 1]),
+                                   __float_as_uint(s[4 * c + 2]), __float_as_uint(s[4 * c + 3]));
+        st_shared_16(p_exchange_chunk(sP, warp % 4, lane, c), v);
+      }
+      // Barrier 1: P^T written, for warpgroup 1 (which waits; this one goes on).
+      named_barrier_arrive(1, 256);
+    } else {
+      named_barrier_sync(1, 256);
+#pragma unroll
+      for (int c = 0; c < BR / 8; ++c) {
+        const uint4 v = ld_shared_16(p_exchange_chunk(sP, warp % 4, lane, c));
+        const float pr[4] = {__uint_as_float(v.x), __uint_as_float(v.y), __uint_as_float(v.z),
+                             __uint_as_float(v.w)};
+        const float2 dl = *reinterpret_cast<const float2*>(del_s + 8 * c + 2 * t);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[4 * c + e] = pr[e] * (s[4 * c + e] - ((e & 1) ? dl.y : dl.x)) * scale;
+      }
+    }
+#pragma unroll
+    for (int ks = 0; ks < KQ; ++ks)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) af[ks][r] = pack2<BF>(s[8 * ks + 2 * r], s[8 * ks + 2 * r + 1]);
+    if (wg == 1) {
+      store_ds_t<BR, BC>(sdS, af, row0, g, t);  // for dQ (fa/bwd_wgmma.cuh)
+      fence_proxy_async();
+    }
+
+    // ---- dV += P^T dO (warpgroup 0) or dK += dS^T Q (warpgroup 1) ----------------------------------------
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < KQ; ++ks)
+      Wgmma<D, BF>::rs_bt(acc, af[ks], qt_desc + ((acc_b_off + qoff + ks * 16 * 128) >> 4), 1);
+    wgmma_commit();
+
+    // Barrier 2: dS^T is written and fenced for the tensor cores.
+    named_barrier_sync(2, 256);
+
+    // ---- dQ += dS K (this warpgroup's 64 x DQN part) ---------------------------------------------------
+    float dq[DQN / 2];
+    wgmma_fence();
+    issue_dq<BC, DQN, BF>(dq, ds_desc, kt_desc);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_hold(dq);
+    wgmma_hold(acc);
+    {
+      // Register 4 n + e: query row 16 (warp % 4) + g + 8 (e / 2), column DQN wg + 8 n + 2 t.
+      float* const gdq =
+          p.dq_accum + (workspace_row(p, batch, head, q_start) + 16 * (warp % 4) + g) * D + DQN * wg + 2 * t;
+#pragma unroll
+      for (int n = 0; n < DQN / 8; ++n)
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+          red_add_f32x2(gdq + 8 * r * D + 8 * n, dq[4 * n + 2 * r], dq[4 * n + 2 * r + 1]);
+    }
+  }
+
+  // ---- epilogue: dV (warpgroup 0) or dK (warpgroup 1); the softmax scale is already in dS ---------------
+  if (wg == 0) {
+    store_key_rows<D, BF>(static_cast<u16*>(p.dv) + dv_offset(p, batch, kv_head, kv_start), p.dv_row_stride,
+                          p.seqlen_k - kv_start, p.head_dim, row0, g, t, acc);
+  } else {
+    store_key_rows<D, BF>(static_cast<u16*>(p.dk) + dk_offset(p, batch, kv_head, kv_start), p.dk_row_stride,
+                          p.seqlen_k - kv_start, p.head_dim, row0, g, t, acc);
+  }
+}
+
+}  // namespace sm90
+}  // namespace fa

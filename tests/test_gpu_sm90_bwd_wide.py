@@ -1,0 +1,114 @@
+"""GPU tests of the Hopper backward at head_dim 256 (csrc/kernels/sm90/bwd_wide: the two warpgroups on one
+64-key block, one keeping dV and the other dK): gradients against float64 autograd on random shapes (odd
+lengths, seqlen_q above and below seqlen_k, one query, GQA groups up to 8, head dims 256 and below it
+zero-padded, fp16 and bf16, causal and not) within twice the error of PyTorch's own low-precision
+attention and 1.5x the error of the portable (sm80) backward it replaces there; dK and dV bitwise equal
+between runs; strided inputs."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+from test_gpu_sm90_bwd_ws import DTYPES, _torch_lowp_grads
+
+from flash_attention import ops
+from flash_attention.configs import BwdConfig, default_bwd_config, hopper_bwd_config
+from flash_attention.reference import attention_reference
+
+pytestmark = pytest.mark.gpu
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+needs_hopper = pytest.mark.skipif(not _hopper(), reason="the wide wgmma backward needs an sm_90 GPU")
+
+
+def wide_config(dtype: str) -> BwdConfig:
+    return hopper_bwd_config(dtype, 256)
+
+
+def portable_config(dtype: str) -> BwdConfig:
+    return default_bwd_config(dtype, 256, "sm_90a", portable=True)
+
+
+# (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim)
+SHAPES = [
+    (2, 333, 517, 4, 2, 256),
+    (1, 517, 129, 8, 1, 256),
+    (2, 1, 300, 4, 4, 256),
+    (1, 200, 200, 3, 3, 200),
+    (1, 700, 650, 2, 2, 256),
+    (3, 64, 65, 2, 1, 256),
+]
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_wide_backward_against_float64(shape, causal, dtype):
+    b, sq, sk, hq, hkv, d = shape
+    dt = DTYPES[dtype]
+    gen = torch.Generator(device="cuda").manual_seed(
+        zlib.crc32(repr(("wide", shape, causal, dtype)).encode())
+    )
+    q = torch.randn(b, sq, hq, d, generator=gen, device="cuda").to(dt)
+    k, v = (torch.randn(b, sk, hkv, d, generator=gen, device="cuda").to(dt) for _ in range(2))
+    do = torch.randn(b, sq, hq, d, generator=gen, device="cuda").to(dt)
+    scale = d**-0.5
+    o, lse = ops.cuda_forward(q, k, v, causal=causal, softmax_scale=scale, return_lse=True, out=None)
+    got = ops.cuda_backward(
+        do, q, k, v, o, lse, causal=causal, softmax_scale=scale, config=wide_config(dtype)
+    )
+    old = ops.cuda_backward(
+        do, q, k, v, o, lse, causal=causal, softmax_scale=scale, config=portable_config(dtype)
+    )
+    leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    ref_o, _ = attention_reference(*leaves, causal=causal)
+    ref = torch.autograd.grad(ref_o, leaves, do.double())
+    lowp = _torch_lowp_grads(q, k, v, do, causal)
+    for name, a, b_, r, t in zip(("dq", "dk", "dv"), got, old, ref, lowp, strict=True):
+        assert a.shape == r.shape and a.dtype == dt, name
+        assert torch.isfinite(a).all(), name
+        err = (a.double() - r).abs().max().item()
+        err_old = (b_.double() - r).abs().max().item()
+        err_torch = (t.double() - r).abs().max().item()
+        assert err <= 2 * err_torch + 1e-3, (
+            f"{name}: {err:.3g} vs PyTorch's {err_torch:.3g} (portable kernel {err_old:.3g})"
+        )
+        assert err <= 1.5 * err_old + 1e-4, f"{name}: {err:.3g} vs the portable kernel's {err_old:.3g}"
+
+
+@needs_hopper
+def test_wide_backward_dk_dv_repeat_bitwise():
+    """dK and dV are summed in registers in a fixed order (no atomics): identical over runs."""
+    q = torch.randn(2, 777, 8, 256, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 555, 2, 256, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    do = torch.randn_like(q)
+    o, lse = ops.cuda_forward(q, k, v, causal=True, softmax_scale=0.07, return_lse=True, out=None)
+    runs = [
+        ops.cuda_backward(do, q, k, v, o, lse, causal=True, softmax_scale=0.07, config=wide_config("bf16"))
+        for _ in range(3)
+    ]
+    for r in runs[1:]:
+        assert torch.equal(r[1], runs[0][1]) and torch.equal(r[2], runs[0][2])
+        torch.testing.assert_close(r[0], runs[0][0], rtol=0, atol=2e-2)  # dQ: atomic order varies
+
+
+@needs_hopper
+def test_wide_backward_strided_inputs():
+    """Inputs that are views with a row stride wider than heads * head_dim (a fused QKV projection)."""
+    qkv = torch.randn(2, 300, 3, 4, 256, device="cuda", dtype=torch.bfloat16)
+    q, k, v = qkv.unbind(2)
+    do = torch.randn(2, 300, 4, 256, device="cuda", dtype=torch.bfloat16)
+    o, lse = ops.cuda_forward(q, k, v, causal=False, softmax_scale=0.06, return_lse=True, out=None)
+    got = ops.cuda_backward(do, q, k, v, o, lse, causal=False, softmax_scale=0.06, config=wide_config("bf16"))
+    want = ops.cuda_backward(
+        do, q, k, v, o, lse, causal=False, softmax_scale=0.06, config=portable_config("bf16")
+    )
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=3e-2)
