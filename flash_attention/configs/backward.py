@@ -155,6 +155,8 @@ class BwdConfig:
             ("kAsyncCopy", "bool", "true"),
             ("kWgmma", "bool", self.wgmma),
             ("kWarpSpecialized", "bool", self.warp_specialized),
+            # The dQ workspace's layout (fa/dq_accum.cuh): tiled where dQ leaves through bulk reduce-adds.
+            ("kTiledDq", "bool", self.warp_specialized or self.wide),
             ("kStages", "int", self.WS_STAGES),
             # What the launch allocates (smem_bytes): the Hopper kernels assert their layout fits it.
             ("kSmemBytes", "int", self.smem_bytes),

@@ -26,8 +26,8 @@ __device__ __forceinline__ void zero_dq_accum_row(float* dq_accum, i64 idx, int 
 
 // Where column `col` of workspace row `ws_row` (fa/tile_ptrs.cuh, workspace_row) lives in the accumulator.
 // Row-major (kTiled false): rows of kHeadDim floats, what the sm80 and wgmma kernels add into one pair at a
-// time. Tiled (the warp-specialized backward, which adds a warpgroup's 64 x 64 part of dQ with one bulk
-// reduce-add, and a bulk copy needs a contiguous source and destination): each 64-row block of rows is
+// time. Tiled (the warp-specialized backward and the wide one, csrc/kernels/sm90/bwd_wide, which add dQ in
+// 64 x 64 parts with bulk reduce-adds, and a bulk copy needs a contiguous source and destination): each 64-row block of rows is
 // kHeadDim / 64 tiles of 64 x 64 floats, one after the other, 16 KB each; inside a tile, 16-byte chunk c of
 // row r sits at chunk c ^ (r % 8) of the row (the XOR stays within the row's 128-byte half). The swizzle is
 // the staging tile's in shared memory, where it keeps the eight rows a warp writes at once in different
@@ -64,7 +64,7 @@ __device__ __forceinline__ void bwd_convert_dq_body(const BwdParams& p) {
     const int row = row0 + r;
     if (row >= p.seqlen_q || c * 8 >= p.head_dim) continue;
     // Two 16-byte chunks; tiled, their order in the row may be swapped.
-    constexpr bool kTiled = Cfg::kWarpSpecialized;
+    constexpr bool kTiled = Cfg::kTiledDq;
     const float4 a =
         *reinterpret_cast<const float4*>(p.dq_accum + dq_accum_offset<D, kTiled>(ws_row0 + r, c * 8));
     const float4 b =

@@ -24,7 +24,19 @@
 //   warpgroup 0: S^T; mask; P^T into registers and into sP; arrives at barrier 1.
 //   warpgroup 1: dP^T; waits at barrier 1 for P^T; dS^T into registers and into sdS (for dQ).
 //   both: issue dV / dK (register A operand, asynchronous), meet at barrier 2 (dS^T written and fenced for
-//   the tensor cores), issue their half of dQ, wait for everything, add dQ with red.global.
+//   the tensor cores), issue their half of dQ, wait for everything, stage dQ in the step's dO (warpgroup 0)
+//   or Q buffer (warpgroup 1), meet at barrier 3 + wg (the warpgroup's 128 threads), and one thread adds
+//   it into the tiled fp32 workspace with bulk reduce-adds of 16 KB (fa/dq_accum.cuh). Measured on an H100
+//   (bf16, 8 heads, 16k tokens): with 32 red.global.v2 per thread per step instead, as the sm90 kernel
+//   adds dQ, the atomics took a third of the kernel's time (5.51 ms against 3.71 without any dQ at all,
+//   non-causal 4k; 2.99 against 2.04 causal): at head_dim 256 and 64 keys per block a step adds 64 KB of
+//   dQ for 10 MFLOP of products, twice the sm90 kernel's rate per product at head_dim 128. The bulk form
+//   took 5.26 and 2.86 ms there; staged but never added, 3.91 and 2.14: the adds are bound by the rate at
+//   which L2 takes fp32 reductions (about 1.65 TB/s here), so what is left to win is fewer of them.
+//   Rejected: blocks in clusters of two neighbouring key blocks that sum their dQ in shared memory
+//   (distributed shared memory, two cluster-barrier phases per step) before one bulk add, half the adds:
+//   measured 0.63-0.75x this kernel's speed, the pair held in step and the 64 KB read across multiprocessors
+//   every step.
 //
 // Shared memory (bytes from a 1024-aligned base): K and V (64 x D), two Q and two dO buffers (64 x D each),
 // P^T (64 x 64 fp32, laid out per thread), dS^T (64 keys x 64 queries), two buffers of statistics (LSE2
@@ -79,7 +91,7 @@ __device__ __forceinline__ void bwd_wide_dkdv_body(const BwdParams& p) {
   constexpr int KQ = BR / 16;  // k-steps of dV / dK
   constexpr int DQN = D / 2;   // dQ columns per warpgroup
   static_assert(Cfg::kNumWarps == 8 && BC == 64 && BR == 64, "two warpgroups on one 64-key block, 64 queries");
-  static_assert(D == 192 || D == 256, "the wide backward is for head_dim 192 and 256");
+  static_assert(D == 256, "the wide backward is for head_dim 256");
   using QTile = PanelTile<BR>;   // Q and dO in shared memory
   using KVTile = PanelTile<BC>;  // K, V and dS^T
   using Smem = BwdWideSmem<BR, BC, D>;
@@ -171,7 +183,9 @@ __device__ __forceinline__ void bwd_wide_dkdv_body(const BwdParams& p) {
     const int head = kv_head * p.group + it / m_count;
     const int q_start = (m_begin + it % m_count) * BR;
     // Barrier A (see the header): this step's loads landed (and are fenced for the tensor cores); the
-    // previous step is done everywhere.
+    // previous step is done everywhere, and the copy engine has read its staged dQ (the buffer it was
+    // staged in is reloaded below).
+    if (tid % 128 == 0) bulk_wait_read<0>();
     cp_async_wait<0>();
     fence_proxy_async();
     __syncthreads();
@@ -250,17 +264,43 @@ __device__ __forceinline__ void bwd_wide_dkdv_body(const BwdParams& p) {
     wgmma_wait<0>();
     wgmma_hold(dq);
     wgmma_hold(acc);
-    {
-      // Register 4 n + e: query row 16 (warp % 4) + g + 8 (e / 2), column DQN wg + 8 n + 2 t.
-      float* const gdq =
-          p.dq_accum + (workspace_row(p, batch, head, q_start) + 16 * (warp % 4) + g) * D + DQN * wg + 2 * t;
+
+    // ---- dQ out: staged as 64 x 64 tiles, then one bulk reduce-add per tile (fa/dq_accum.cuh, tiled) -----
+    // The staging goes where this step's dO (warpgroup 0) or Q (warpgroup 1) was: this warpgroup's own
+    // products were the last to read it (the other warpgroup's read it before barrier 1), and it is not
+    // reloaded before the next step's barrier A, before which the issuing thread waits for the reads.
+    // Register 4 n + e: query row 16 (warp % 4) + g + 8 (e / 2), column DQN wg + 8 n + 2 t; in tile n / 8,
+    // its 16-byte chunk (2 (n % 8) + t / 2) swizzled by the row's low three bits, as the workspace tile is.
+    // (The row's low three bits are g: rows start at multiples of 8.)
+    const u32 stage = (wg == 0 ? sdO : sQ) + qoff;
+    const u32 stage_row = stage + (16 * (warp % 4) + g) * 256 + 8 * (t % 2);
+    const int chunk_bit = (t / 2) ^ g;
+    auto stage_at = [&](int n, int r) {
+      return stage_row + (n / 8) * 64 * 64 * 4 + r * 8 * 256 + (((2 * (n % 8)) ^ chunk_bit) << 4);
+    };
 #pragma unroll
-      for (int n = 0; n < DQN / 8; ++n)
+    for (int n = 0; n < DQN / 8; ++n)
 #pragma unroll
-        for (int r = 0; r < 2; ++r)
-          red_add_f32x2(gdq + 8 * r * D + 8 * n, dq[4 * n + 2 * r], dq[4 * n + 2 * r + 1]);
+      for (int r = 0; r < 2; ++r) st_shared_f32x2(stage_at(n, r), dq[4 * n + 2 * r], dq[4 * n + 2 * r + 1]);
+    fence_proxy_async();
+    // The warpgroup's tiles are staged and fenced for the copy engine (ids fixed at compile time: a run-time
+    // id makes ptxas reserve all sixteen barriers).
+    if (wg == 0) {
+      named_barrier_sync(3, 128);
+    } else {
+      named_barrier_sync(4, 128);
+    }
+    if (tid % 128 == 0) {
+      const i64 ws_row = workspace_row(p, batch, head, q_start);
+#pragma unroll
+      for (int tile = 0; tile < DQN / 64; ++tile)
+        bulk_reduce_add_f32(p.dq_accum + dq_accum_offset<D, true>(ws_row, DQN * wg + 64 * tile),
+                            stage + tile * 64 * 64 * 4, 64 * 64 * 4);
+      bulk_commit();
     }
   }
+  // No reduction may outlive the shared memory it reads.
+  if (tid % 128 == 0) bulk_wait<0>();
 
   // ---- epilogue: dV (warpgroup 0) or dK (warpgroup 1); the softmax scale is already in dS ---------------
   if (wg == 0) {
