@@ -99,15 +99,16 @@ def test_hopper_backward_configs():
         for c in (cfg, old):
             assert parse_bwd_config(c.name()) == c
             assert c.smem_bytes <= 227 * 1024
-    # Head_dim 256: the wide kernel, both warpgroups on 64 keys, one keeping dV and the other dK; 192 keeps
-    # the sm80 kernel.
+    # Head_dim 192 and 256: the wide kernel, both warpgroups on 64 keys, one keeping dV and the other dK.
     wide = default_bwd_config("bf16", 256, "sm_90")
     assert wide == hopper_bwd_config("bf16", 256) and wide.wide and not wide.warp_specialized
     assert (wide.block_q, wide.block_kv, wide.threads) == (64, 64, 256)
     assert parse_bwd_config(wide.name()) == wide and wide.smem_bytes <= 227 * 1024
     # fa::sm90::BwdWideSmem: K, V, two Q and two dO buffers, fp32 P^T, dS^T, statistics, alignment.
     assert wide.smem_bytes == 2 * 64 * 256 * 2 + 4 * 64 * 256 * 2 + 64 * 64 * 6 + 2 * 64 * 8 + 1024
-    assert not default_bwd_config("bf16", 192, "sm_90").wgmma
+    wide192 = default_bwd_config("bf16", 192, "sm_90")
+    assert wide192 == hopper_bwd_config("bf16", 192) and wide192.wide
+    assert wide192.smem_bytes == 2 * 64 * 192 * 2 + 4 * 64 * 192 * 2 + 64 * 64 * 6 + 2 * 64 * 8 + 1024
     assert not default_bwd_config("bf16", 256, "sm_90", portable=True).wgmma
     src = sources.kernel_source(wide)
     assert '#include "sm90/bwd_wide/bwd_kernel.cuh"' in src and "fa::sm90::bwd_wide_dkdv_body" in src
@@ -115,7 +116,7 @@ def test_hopper_backward_configs():
     with pytest.raises(ValueError, match="wide wgmma backward configs"):
         BwdConfig("bf16", 256, 64, 128, 8, 1, True, wgmma=True)
     with pytest.raises(ValueError, match="wide wgmma backward configs"):
-        BwdConfig("bf16", 192, 64, 64, 8, 1, True, wgmma=True)
+        BwdConfig("bf16", 192, 128, 64, 8, 1, True, wgmma=True)
     with pytest.raises(ValueError, match="no key-range or dropout build"):
         sources.kernel_source(wide, ranged=True)
     with pytest.raises(ValueError, match="wgmma backward configs are two warpgroups"):
@@ -151,7 +152,7 @@ def test_hopper_backward_configs():
 def test_hopper_backward_compiles_to_wgmma_without_serialising(catalog_builds):
     _, metas = catalog_builds
     hopper = [(cfg, m) for cfg, m in _bwd_metas(metas) if cfg.wgmma]
-    assert {cfg.head_dim for cfg, _ in hopper} == {64, 128, 256}
+    assert {cfg.head_dim for cfg, _ in hopper} == {64, 128, 192, 256}
     for _, m in hopper:
         assert m["arch"] == "sm_90a"
         # ptxas says so when it has to serialise wgmma (e.g. an accumulator touched while in flight).
@@ -159,7 +160,7 @@ def test_hopper_backward_compiles_to_wgmma_without_serialising(catalog_builds):
 
 
 @pytest.mark.skipif(compiler.find_nvcc() is None, reason="needs nvcc (CUDA toolkit)")
-@pytest.mark.parametrize("d, warp_specialized", [(128, True), (128, False), (256, False)])
+@pytest.mark.parametrize("d, warp_specialized", [(128, True), (128, False), (192, False), (256, False)])
 def test_hopper_backward_layout_must_fit_the_launch_allocation(d, warp_specialized):
     """Each Hopper backward kernel asserts that its shared-memory layout fits the config's smem_bytes (what
     the launch allocates): a unit claiming one byte less does not compile."""

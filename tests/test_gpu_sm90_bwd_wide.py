@@ -1,9 +1,9 @@
-"""GPU tests of the Hopper backward at head_dim 256 (csrc/kernels/sm90/bwd_wide: the two warpgroups on one
-64-key block, one keeping dV and the other dK): gradients against float64 autograd on random shapes (odd
-lengths, seqlen_q above and below seqlen_k, one query, GQA groups up to 8, head dims 256 and below it
-zero-padded, fp16 and bf16, causal and not) within twice the error of PyTorch's own low-precision
-attention and 1.5x the error of the portable (sm80) backward it replaces there; dK and dV bitwise equal
-between runs; strided inputs."""
+"""GPU tests of the Hopper backward at head_dim 192 and 256 (csrc/kernels/sm90/bwd_wide: the two warpgroups on
+one 64-key block, one keeping dV and the other dK): gradients against float64 autograd on random shapes
+(odd lengths, seqlen_q above and below seqlen_k, one query, GQA groups up to 8, head dims 192 and 256 and
+sizes zero-padded to them, fp16 and bf16, causal and not) within twice the error of PyTorch's own
+low-precision attention and 1.5x the error of the portable (sm80) backward it replaces there; dK and dV
+bitwise equal between runs; strided inputs."""
 
 from __future__ import annotations
 
@@ -27,12 +27,12 @@ def _hopper() -> bool:
 needs_hopper = pytest.mark.skipif(not _hopper(), reason="the wide wgmma backward needs an sm_90 GPU")
 
 
-def wide_config(dtype: str) -> BwdConfig:
-    return hopper_bwd_config(dtype, 256)
+def wide_config(dtype: str, d: int = 256) -> BwdConfig:
+    return hopper_bwd_config(dtype, 192 if d <= 192 else 256)
 
 
-def portable_config(dtype: str) -> BwdConfig:
-    return default_bwd_config(dtype, 256, "sm_90a", portable=True)
+def portable_config(dtype: str, d: int = 256) -> BwdConfig:
+    return default_bwd_config(dtype, 192 if d <= 192 else 256, "sm_90a", portable=True)
 
 
 # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim)
@@ -43,6 +43,9 @@ SHAPES = [
     (1, 200, 200, 3, 3, 200),
     (1, 700, 650, 2, 2, 256),
     (3, 64, 65, 2, 1, 256),
+    (2, 333, 517, 4, 2, 192),
+    (1, 300, 300, 4, 1, 160),
+    (2, 1, 129, 4, 4, 192),
 ]
 
 
@@ -62,10 +65,10 @@ def test_wide_backward_against_float64(shape, causal, dtype):
     scale = d**-0.5
     o, lse = ops.cuda_forward(q, k, v, causal=causal, softmax_scale=scale, return_lse=True, out=None)
     got = ops.cuda_backward(
-        do, q, k, v, o, lse, causal=causal, softmax_scale=scale, config=wide_config(dtype)
+        do, q, k, v, o, lse, causal=causal, softmax_scale=scale, config=wide_config(dtype, d)
     )
     old = ops.cuda_backward(
-        do, q, k, v, o, lse, causal=causal, softmax_scale=scale, config=portable_config(dtype)
+        do, q, k, v, o, lse, causal=causal, softmax_scale=scale, config=portable_config(dtype, d)
     )
     leaves = [x.double().requires_grad_() for x in (q, k, v)]
     ref_o, _ = attention_reference(*leaves, causal=causal)

@@ -108,12 +108,13 @@ def run_ws_case(case, seed: int, small: bool) -> float:
     return (o.double() - ref).abs().max().item()
 
 
-#: Hopper only: the head_dim-256 wgmma backward (csrc/kernels/sm90/bwd_wide) named explicitly, gradients
+#: Hopper only: the head_dim-192/256 wgmma backward (csrc/kernels/sm90/bwd_wide) named explicitly, gradients
 #: against float64: (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal).
 WIDE_BWD_CASES = [
     (1, 65, 300, 6, 3, 256, True),
     (2, 130, 77, 4, 1, 200, False),
     (1, 1, 129, 2, 2, 256, True),
+    (2, 77, 130, 4, 2, 192, True),
 ]
 
 
@@ -128,7 +129,15 @@ def run_wide_bwd_case(case, seed: int, small: bool) -> float:
     do = torch.randn_like(q)
     o, lse = ops.cuda_forward(q, k, v, causal=causal, softmax_scale=d**-0.5, return_lse=True, out=None)
     grads = ops.cuda_backward(
-        do, q, k, v, o, lse, causal=causal, softmax_scale=d**-0.5, config=hopper_bwd_config("bf16", 256)
+        do,
+        q,
+        k,
+        v,
+        o,
+        lse,
+        causal=causal,
+        softmax_scale=d**-0.5,
+        config=hopper_bwd_config("bf16", 192 if d <= 192 else 256),
     )
     torch.cuda.synchronize()
     leaves = [x.double().requires_grad_() for x in (q, k, v)]
@@ -206,7 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ws-only", action="store_true", help="only the warp-specialized kernel's cases")
     ap.add_argument("--decode-only", action="store_true", help="only the decode kernels' cases")
     ap.add_argument(
-        "--bwd-wide-only", action="store_true", help="only the head_dim-256 wgmma backward's cases (Hopper)"
+        "--bwd-wide-only",
+        action="store_true",
+        help="only the head_dim-192/256 wgmma backward's cases (Hopper)",
     )
     ap.add_argument(
         "--persistent-blocks",

@@ -37,8 +37,8 @@ class BwdConfig:
 
     ``wgmma``: the Hopper dK/dV kernel (csrc/kernels/sm90/bwd, sm_90a): two warpgroups of 64 keys, Q/dO
     double-buffered, atomic dQ only (deterministic mode, key ranges and dropout run the sm80 kernels). At
-    head_dim 256 (:attr:`wide`) its wide form (csrc/kernels/sm90/bwd_wide): 64 keys per block, which both
-    warpgroups see, one keeping dV and the other dK.
+    head_dim 192 and 256 (:attr:`wide`) its wide form (csrc/kernels/sm90/bwd_wide): 64 keys per block,
+    which both warpgroups see, one keeping dV and the other dK.
     ``warp_specialized`` (with ``wgmma``, ``num_warps`` 12): its warp-specialized form
     (csrc/kernels/sm90/bwd_ws): a producer warpgroup copies Q/dO into two slots while the two consumer
     warpgroups compute, and dQ leaves through bulk reduce-adds.
@@ -191,16 +191,15 @@ def bwd_validity_errors(cfg: BwdConfig) -> list[str]:
         return errors
     if cfg.wgmma and cfg.head_dim > 128:
         # The wide form (csrc/kernels/sm90/bwd_wide): both warpgroups on one block of 64 keys.
-        if (cfg.head_dim, cfg.block_q, cfg.block_kv, cfg.num_warps, cfg.split, cfg.double_buffer) != (
-            256,
-            64,
-            64,
-            8,
-            1,
-            True,
-        ):
+        if cfg.head_dim not in (192, 256) or (
+            cfg.block_q,
+            cfg.block_kv,
+            cfg.num_warps,
+            cfg.split,
+            cfg.double_buffer,
+        ) != (64, 64, 8, 1, True):
             errors.append(
-                "wide wgmma backward configs (head_dim 256) are two warpgroups on 64 keys (num_warps 8, "
+                "wide wgmma backward configs (head_dim 192, 256) are two warpgroups on 64 keys (num_warps 8, "
                 "block_kv 64), block_q 64, double buffered, unsplit"
             )
         if not errors and cfg.smem_bytes > SMEM_LIMIT_SM90:
@@ -246,10 +245,10 @@ def bwd_register_roles(cfg: BwdConfig) -> str:
 def hopper_bwd_config(dtype: str, head_dim: int, *, warp_specialized: bool = True) -> BwdConfig:
     """The Hopper backward's config at head_dim 64 or 128 (its shape is fixed by the kernel: 128 keys per
     block, 128 query rows per step at head_dim 64 and 64 at 128): the warp-specialized kernel, or with
-    ``warp_specialized=False`` the sm90 wgmma kernel it replaced. At head_dim 256 the wide kernel (64 keys,
-    64 query rows per step; it has no warp-specialized form)."""
-    if head_dim == 256:
-        return BwdConfig(dtype, 256, 64, 64, 8, 1, True, wgmma=True)
+    ``warp_specialized=False`` the sm90 wgmma kernel it replaced. At head_dim 192 and 256 the wide kernel (64
+    keys, 64 query rows per step; it has no warp-specialized form)."""
+    if head_dim in (192, 256):
+        return BwdConfig(dtype, head_dim, 64, 64, 8, 1, True, wgmma=True)
     return BwdConfig(
         dtype,
         head_dim,

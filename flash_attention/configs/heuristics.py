@@ -187,14 +187,14 @@ def default_bwd_config(
     or None when no config of ours fits its shared memory (head_dim 256 on sm_86/sm_89: the caller falls
     back to PyTorch).
 
-    On Hopper head dims 64, 128 and 256 get the wgmma dK/dV kernels unless ``portable`` (the features the
-    wgmma families lack: configs.families): the warp-specialized one at 64 and 128, the wide one at 256
-    (csrc/kernels/sm90/bwd_wide; measured on an H100, bf16, 8 heads, backward alone: 1.46-1.85x the sm80
-    kernel's speed from 512 to 16k tokens, docs/kernel-log.md step 75). Head_dim 192 keeps the sm80 kernel
-    (the wide kernel's dQ split needs 64-column halves). Elsewhere the first of the portable candidates whose
-    dK/dV and dQ kernels both fit ``arch``'s opt-in shared memory."""
+    On Hopper every compiled head dim gets a wgmma dK/dV kernel unless ``portable`` (the features the wgmma
+    families lack: configs.families): the warp-specialized one at 64 and 128, the wide one at 192 and 256
+    (csrc/kernels/sm90/bwd_wide; measured on an H100, bf16, 8 heads, backward alone against the sm80
+    kernel: 1.50-1.97x at 256 and 1.57-1.86x at 192 from 512 to 16k tokens, docs/kernel-log.md step 75).
+    Elsewhere the first of the portable candidates whose dK/dV and dQ kernels both fit ``arch``'s opt-in
+    shared memory."""
     d = padded_head_dim(head_dim)
-    if is_hopper(arch) and not portable and d in (64, 128, 256):
+    if is_hopper(arch) and not portable and d in (64, 128, 192, 256):
         return hopper_bwd_config(dtype, d)
     limit = smem_optin(arch)
     for fields in _BWD_CANDIDATES[d]:

@@ -227,7 +227,7 @@ def bwd_candidate_space(dtype: str, head_dim: int, arch: str = "sm_80") -> list[
     if is_hopper(arch) and d in (64, 128):
         # Both Hopper kernels: the warp-specialized default and the sm90 kernel it replaced.
         extra += [hopper_bwd_config(dtype, d, warp_specialized=ws) for ws in (True, False)]
-    elif is_hopper(arch) and d == 256:
+    elif is_hopper(arch) and d in (192, 256):
         extra.append(hopper_bwd_config(dtype, d))  # the wide kernel (the default: already listed)
     for cfg in extra:
         if cfg is not None and cfg not in out:

@@ -1,5 +1,5 @@
-// FlashAttention-2 backward's dK/dV kernel (with atomic dQ) for Hopper (sm_90a) at the wide head dims (192,
-// 256), on wgmma: the two warpgroups split the work by product, not by keys.
+// FlashAttention-2 backward's dK/dV kernel (dQ added into an fp32 workspace) for Hopper (sm_90a) at the wide
+// head dims (192, 256), on wgmma: the two warpgroups split the work by product, not by keys.
 //
 // Why not the sm90 kernel (csrc/kernels/sm90/bwd/bwd_kernel.cuh, whose comments on the transposed chain
 // and the operand layouts apply here): there each warpgroup owns 64 keys and keeps both dK and dV for them,
@@ -8,10 +8,10 @@
 // registers at head_dim 256):
 //   warpgroup 0:  S^T  = K Q^T,  P^T = exp2(S^T scale log2e - LSE2),  dV += P^T dO   (P^T from registers)
 //   warpgroup 1:  dP^T = V dO^T, dS^T = scale P^T (dP^T - delta),     dK += dS^T Q   (dS^T from registers)
-//   both:         dQ  += dS K, each warpgroup half of head_dim's columns, added with atomics.
-// The products are the same five as the sm90 kernel's, shared evenly (each warpgroup: one 64 x 64 x D
-// product, one 64 x D x 64, one 64 x D/2 x 64), and the two warpgroups run one instruction stream: only the
-// elementwise steps between the products differ. Warpgroup 1 needs P^T, which warpgroup 0 passes through
+//   both:         dQ  += dS K, warpgroup 0 head_dim's first 128 columns, warpgroup 1 the rest.
+// The products are the same five as the sm90 kernel's, shared evenly at head_dim 256 (each warpgroup: one
+// 64 x 64 x D product, one 64 x D x 64, one 64 x D/2 x 64; at 192 dQ splits 128 / 64), and the two
+// warpgroups run one instruction stream: only the elementwise steps between the products differ. Warpgroup 1 needs P^T, which warpgroup 0 passes through
 // shared memory in fp32 (the other kernels compute dS from the fp32 P as well). Rejected: splitting head_dim
 // between the warpgroups for dK and dV too (each then needs both P^T and dS^T, and S^T and dP^T are
 // products over the whole head_dim, so one of them would be computed twice or exchanged in halves); and two
@@ -71,6 +71,51 @@ struct BwdWideSmem {
   static constexpr int kBytes = 1024 + 2 * kKV + 4 * kQ + kP + kDS + 2 * kStats;
 };
 
+// One warpgroup's part of dQ += dS K, its N columns from 128 wg on: the product (which also waits for the
+// accumulator's), then out through the copy engine. Staged as 64 x 64 fp32 tiles, tile i at stage[i], in the
+// tiled workspace's layout (fa/dq_accum.cuh), then one bulk reduce-add per tile into the workspace rows
+// from ws_row. Register 4 n + e is query row 16 (warp % 4) + g + 8 (e / 2), column 128 wg + 8 n + 2 t; in tile
+// n / 8, its 16-byte chunk (2 (n % 8) + t / 2) swizzled by the row's low three bits, which are g (rows
+// start at multiples of 8).
+template <int N, int BC, int D, bool BF>
+__device__ __forceinline__ void bwd_wide_dq_part(const BwdParams& p, float (&acc)[D / 2], u64 ds_desc,
+                                                 u64 kt_desc, const u32 (&stage)[2], i64 ws_row, int wg,
+                                                 int tid) {
+  static_assert(N == 64 || N == 128, "one or two 64-column tiles");
+  float dq[N / 2];
+  wgmma_fence();
+  issue_dq<BC, N, BF>(dq, ds_desc, kt_desc);
+  wgmma_commit();
+  wgmma_wait<0>();
+  wgmma_hold(dq);
+  wgmma_hold(acc);
+
+  const int warp = tid / 32, g = (tid % 32) / 4, t = tid % 4;
+  const u32 row_off = (16 * (warp % 4) + g) * 256 + 8 * (t % 2);
+  const int chunk_bit = (t / 2) ^ g;
+#pragma unroll
+  for (int n = 0; n < N / 8; ++n)
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+      st_shared_f32x2(stage[n / 8] + row_off + r * 8 * 256 + (((2 * (n % 8)) ^ chunk_bit) << 4),
+                      dq[4 * n + 2 * r], dq[4 * n + 2 * r + 1]);
+  fence_proxy_async();
+  // The warpgroup's tiles are staged and fenced for the copy engine (ids fixed at compile time: a run-time
+  // id makes ptxas reserve all sixteen barriers).
+  if (wg == 0) {
+    named_barrier_sync(3, 128);
+  } else {
+    named_barrier_sync(4, 128);
+  }
+  if (tid % 128 == 0) {
+#pragma unroll
+    for (int tile = 0; tile < N / 64; ++tile)
+      bulk_reduce_add_f32(p.dq_accum + dq_accum_offset<D, true>(ws_row, 128 * wg + 64 * tile), stage[tile],
+                          64 * 64 * 4);
+    bulk_commit();
+  }
+}
+
 // P^T's 32 fp32 values of one warpgroup-0 thread, written where the warpgroup-1 thread of the same warp
 // position and lane (the same keys and queries of the accumulator layout) reads them: 128 bytes per thread,
 // its eight 16-byte chunks rotated by the lane so that a warp's 16-byte accesses spread over all banks.
@@ -89,9 +134,8 @@ __device__ __forceinline__ void bwd_wide_dkdv_body(const BwdParams& p) {
   constexpr int NT = Cfg::kNumWarps * 32;
   constexpr int NQ = BR / 8;   // query n-tiles of S^T / dP^T
   constexpr int KQ = BR / 16;  // k-steps of dV / dK
-  constexpr int DQN = D / 2;   // dQ columns per warpgroup
   static_assert(Cfg::kNumWarps == 8 && BC == 64 && BR == 64, "two warpgroups on one 64-key block, 64 queries");
-  static_assert(D == 256, "the wide backward is for head_dim 256");
+  static_assert(D == 192 || D == 256, "the wide backward is for head_dim 192 and 256");
   using QTile = PanelTile<BR>;   // Q and dO in shared memory
   using KVTile = PanelTile<BC>;  // K, V and dS^T
   using Smem = BwdWideSmem<BR, BC, D>;
@@ -164,12 +208,12 @@ __device__ __forceinline__ void bwd_wide_dkdv_body(const BwdParams& p) {
   // Descriptors (fa/wgmma.cuh; the sm90 kernel explains them). This warpgroup's first product: S^T = K Q^T
   // (warpgroup 0) or dP^T = V dO^T (warpgroup 1), A K-major over all 64 keys, B K-major. Its accumulator's
   // product: dV += P^T dO (0) or dK += dS^T Q (1), B MN-major. Its half of dQ = dS K: A = dS^T M-major, B =
-  // K's columns [DQN wg, + DQN) MN-major.
+  // K's columns [128 wg, D) MN-major.
   const u64 a_desc = smem_desc_sw128(wg == 0 ? sK : sV, 16, 1024);
   const u64 q_desc = smem_desc_sw128(sQ, 16, 1024);
   const u64 qt_desc = smem_desc_sw128(sQ, BR * 128, 1024);
   const u64 ds_desc = smem_desc_sw128(sdS, BC * 128, 1024);
-  const u64 kt_desc = smem_desc_sw128(sK + wg * (DQN / 64) * BC * 128, BC * 128, 1024);
+  const u64 kt_desc = smem_desc_sw128(sK + wg * 2 * BC * 128, BC * 128, 1024);
   constexpr u32 kDOOff = 2 * Smem::kQ;               // dO's buffers after Q's
   const u32 first_b_off = wg == 0 ? 0u : kDOOff;     // B of the first product: Q or dO
   const u32 acc_b_off = wg == 0 ? kDOOff : 0u;       // B of the accumulator's product: dO or Q
@@ -256,47 +300,26 @@ __device__ __forceinline__ void bwd_wide_dkdv_body(const BwdParams& p) {
     // Barrier 2: dS^T is written and fenced for the tensor cores.
     named_barrier_sync(2, 256);
 
-    // ---- dQ += dS K (this warpgroup's 64 x DQN part) ---------------------------------------------------
-    float dq[DQN / 2];
-    wgmma_fence();
-    issue_dq<BC, DQN, BF>(dq, ds_desc, kt_desc);
-    wgmma_commit();
-    wgmma_wait<0>();
-    wgmma_hold(dq);
-    wgmma_hold(acc);
-
-    // ---- dQ out: staged as 64 x 64 tiles, then one bulk reduce-add per tile (fa/dq_accum.cuh, tiled) -----
-    // The staging goes where this step's dO (warpgroup 0) or Q (warpgroup 1) was: this warpgroup's own
-    // products were the last to read it (the other warpgroup's read it before barrier 1), and it is not
-    // reloaded before the next step's barrier A, before which the issuing thread waits for the reads.
-    // Register 4 n + e: query row 16 (warp % 4) + g + 8 (e / 2), column DQN wg + 8 n + 2 t; in tile n / 8,
-    // its 16-byte chunk (2 (n % 8) + t / 2) swizzled by the row's low three bits, as the workspace tile is.
-    // (The row's low three bits are g: rows start at multiples of 8.)
-    const u32 stage = (wg == 0 ? sdO : sQ) + qoff;
-    const u32 stage_row = stage + (16 * (warp % 4) + g) * 256 + 8 * (t % 2);
-    const int chunk_bit = (t / 2) ^ g;
-    auto stage_at = [&](int n, int r) {
-      return stage_row + (n / 8) * 64 * 64 * 4 + r * 8 * 256 + (((2 * (n % 8)) ^ chunk_bit) << 4);
-    };
-#pragma unroll
-    for (int n = 0; n < DQN / 8; ++n)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) st_shared_f32x2(stage_at(n, r), dq[4 * n + 2 * r], dq[4 * n + 2 * r + 1]);
-    fence_proxy_async();
-    // The warpgroup's tiles are staged and fenced for the copy engine (ids fixed at compile time: a run-time
-    // id makes ptxas reserve all sixteen barriers).
-    if (wg == 0) {
-      named_barrier_sync(3, 128);
+    // ---- dQ += dS K: warpgroup 0 its columns [0, 128), warpgroup 1 [128, D) -----------------------------
+    // (At head_dim 192 that is 128 and 64: splitting 96 / 96 would start warpgroup 1's part of K, read
+    // MN-major, in the middle of a 64-column panel.) Staged where this step's dO (warpgroup 0) or Q
+    // (warpgroup 1) was: this warpgroup's own products were the last to read it (the other warpgroup's read
+    // it before barrier 1), and it is not reloaded before the next step's barrier A, before which the
+    // issuing thread waits for the copy engine's reads. A buffer holds two 16 KB tiles at head_dim 256 and
+    // one at 192, where warpgroup 0's second tile goes to P^T's (read by warpgroup 1 before barrier 2,
+    // rewritten after the next barrier A).
+    const u32 buffer = (wg == 0 ? sdO : sQ) + qoff;
+    const u32 stage[2] = {buffer, D == 256 ? buffer + 64 * 64 * 4 : sP};
+    static_assert(D != 256 || Smem::kQ == 2 * 64 * 64 * 4, "two staged tiles per Q / dO buffer");
+    static_assert(D != 192 || (Smem::kQ >= 64 * 64 * 4 && Smem::kP == 64 * 64 * 4), "one tile each");
+    const i64 ws_row = workspace_row(p, batch, head, q_start);
+    if constexpr (D == 256) {
+      // One instance for both warpgroups (two, in branches, spilled 4 bytes).
+      bwd_wide_dq_part<128, BC, D, BF>(p, acc, ds_desc, kt_desc, stage, ws_row, wg, tid);
+    } else if (wg == 0) {
+      bwd_wide_dq_part<128, BC, D, BF>(p, acc, ds_desc, kt_desc, stage, ws_row, wg, tid);
     } else {
-      named_barrier_sync(4, 128);
-    }
-    if (tid % 128 == 0) {
-      const i64 ws_row = workspace_row(p, batch, head, q_start);
-#pragma unroll
-      for (int tile = 0; tile < DQN / 64; ++tile)
-        bulk_reduce_add_f32(p.dq_accum + dq_accum_offset<D, true>(ws_row, DQN * wg + 64 * tile),
-                            stage + tile * 64 * 64 * 4, 64 * 64 * 4);
-      bulk_commit();
+      bwd_wide_dq_part<D - 128, BC, D, BF>(p, acc, ds_desc, kt_desc, stage, ws_row, wg, tid);
     }
   }
   // No reduction may outlive the shared memory it reads.
