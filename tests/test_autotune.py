@@ -234,14 +234,16 @@ def test_hopper_tile_overlap_picks_lead_their_committed_h100_runs():
 def test_backward_space_is_valid_and_holds_the_defaults():
     from flash_attention.configs import bwd_validity_errors, default_bwd_config, parse_bwd_config
 
-    for d in (64, 128, 256):
+    for d in (64, 128, 192, 256):
         for arch in ("sm_80", "sm_90"):
             space = search.bwd_candidate_space("bf16", d, arch)
             assert len(space) == len(set(space)) > 2
             assert default_bwd_config("bf16", d) in space and default_bwd_config("bf16", d, arch) in space
             for cfg in space:
                 assert not bwd_validity_errors(cfg) and parse_bwd_config(cfg.name()) == cfg
-            assert any(c.wgmma for c in space) == (arch == "sm_90" and d <= 128)
+            # Hopper's wgmma kernels: the ws and sm90 ones at head_dim 64/128, the wide one at 192/256.
+            assert any(c.wgmma for c in space) == (arch == "sm_90")
+            assert any(c.wide for c in space) == (arch == "sm_90" and d > 128)
 
 
 def test_backward_cache_round_trip(env):
