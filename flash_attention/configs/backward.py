@@ -176,35 +176,46 @@ def bwd_validity_errors(cfg: BwdConfig) -> list[str]:
     if cfg.block_q not in (64, 128):
         errors.append("block_q must be 64 or 128 (the dS tile's swizzle needs rows of 64 elements or more)")
     if cfg.warp_specialized:
-        if not cfg.wgmma or cfg.num_warps != 12 or cfg.block_kv != 128 or cfg.split != 1:
-            errors.append(
-                "warp-specialized backward configs are wgmma configs of a producer and two consumer "
-                "warpgroups (num_warps 12, block_kv 128, unsplit)"
-            )
-        if (cfg.block_q, cfg.head_dim) not in ((128, 64), (64, 128)) or not cfg.double_buffer:
-            errors.append(
-                "warp-specialized backward configs are double buffered with block_q 128 at "
-                "head_dim 64 or 64 at head_dim 128 (dQ's split)"
-            )
-        if not errors and cfg.smem_bytes > SMEM_LIMIT_SM90:
-            errors.append("shared memory exceeds the sm_90 limit of 232448")
-        return errors
-    if cfg.wgmma and cfg.head_dim > 128:
-        # The wide form (csrc/kernels/sm90/bwd_wide): both warpgroups on one block of 64 keys.
-        if cfg.head_dim not in (192, 256) or (
-            cfg.block_q,
-            cfg.block_kv,
-            cfg.num_warps,
-            cfg.split,
-            cfg.double_buffer,
-        ) != (64, 64, 8, 1, True):
-            errors.append(
-                "wide wgmma backward configs (head_dim 192, 256) are two warpgroups on 64 keys (num_warps 8, "
-                "block_kv 64), block_q 64, double buffered, unsplit"
-            )
-        if not errors and cfg.smem_bytes > SMEM_LIMIT_SM90:
-            errors.append("shared memory exceeds the sm_90 limit of 232448")
-        return errors
+        errors += _ws_shape_errors(cfg)
+    elif cfg.wide:
+        errors += _wide_shape_errors(cfg)
+    else:
+        errors += _tile_shape_errors(cfg)
+    if not errors and cfg.smem_bytes > SMEM_LIMIT_SM90:
+        errors.append("shared memory exceeds the sm_90 limit of 232448")
+    return errors
+
+
+def _ws_shape_errors(cfg: BwdConfig) -> list[str]:
+    """The warp-specialized kernel's fixed shapes (csrc/kernels/sm90/bwd_ws)."""
+    errors = []
+    if not cfg.wgmma or cfg.num_warps != 12 or cfg.block_kv != 128 or cfg.split != 1:
+        errors.append(
+            "warp-specialized backward configs are wgmma configs of a producer and two consumer "
+            "warpgroups (num_warps 12, block_kv 128, unsplit)"
+        )
+    if (cfg.block_q, cfg.head_dim) not in ((128, 64), (64, 128)) or not cfg.double_buffer:
+        errors.append(
+            "warp-specialized backward configs are double buffered with block_q 128 at "
+            "head_dim 64 or 64 at head_dim 128 (dQ's split)"
+        )
+    return errors
+
+
+def _wide_shape_errors(cfg: BwdConfig) -> list[str]:
+    """The wide kernel's fixed shapes (csrc/kernels/sm90/bwd_wide): both warpgroups on 64 keys."""
+    shape = (cfg.block_q, cfg.block_kv, cfg.num_warps, cfg.split, cfg.double_buffer)
+    if cfg.head_dim in (192, 256) and shape == (64, 64, 8, 1, True):
+        return []
+    return [
+        "wide wgmma backward configs (head_dim 192, 256) are two warpgroups on 64 keys (num_warps 8, "
+        "block_kv 64), block_q 64, double buffered, unsplit"
+    ]
+
+
+def _tile_shape_errors(cfg: BwdConfig) -> list[str]:
+    """The sm80 kernels' tile rules, and the sm90 wgmma kernel's fixed shapes."""
+    errors = []
     if cfg.num_warps not in (2, 4, 8):
         errors.append("num_warps must be 2, 4 or 8")
     elif cfg.block_kv % (16 * cfg.num_warps) or cfg.block_kv > 128:
@@ -228,8 +239,6 @@ def bwd_validity_errors(cfg: BwdConfig) -> list[str]:
             "wgmma backward configs are two warpgroups of 64 keys (num_warps 8, block_kv 128), double "
             "buffered, unsplit, with block_q 128 at head_dim 64 or 64 at head_dim 128 (dQ's split)"
         )
-    if not errors and cfg.smem_bytes > SMEM_LIMIT_SM90:
-        errors.append("shared memory exceeds the sm_90 limit of 232448")
     return errors
 
 
