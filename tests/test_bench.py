@@ -545,7 +545,7 @@ def test_tiny_rounds_and_forms_need_tiny(capsys):
     from flash_attention.tools.bench.cli import main as bench_main
 
     assert bench_main(["--rounds", "2", "--no-save"]) == 2
-    assert "--rounds goes with --tiny or --mode decode" in capsys.readouterr().err
+    assert "--rounds goes with --tiny, --mode decode or --mode model" in capsys.readouterr().err
     assert bench_main(["--repeat-calls", "python", "--no-save"]) == 2
     assert "--repeat-calls goes with --tiny" in capsys.readouterr().err
     with pytest.raises(SystemExit):

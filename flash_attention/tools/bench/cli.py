@@ -104,12 +104,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--mode",
-        choices=(*MODES, "decode"),
+        choices=(*MODES, "decode", "model"),
         default="fwd",
         help="fwd (default); bwd and fwd_bwd need a backward; decode: attention_with_kvcache against a long "
         "cache, contiguous and paged, with the K/V bandwidth (--seqlens are then cache lengths, default "
         "1k,8k,32k,128k; --batches, --page-sizes, --seqlens-q; heads 32 / --kv-heads 8, head_dim 128; file "
-        "tag 'decode')",
+        "tag 'decode'); model: a training step of a Llama-style transformers model with random weights, "
+        "ours against transformers' sdpa (--layers 8, --width 2048, head_dim 128, --kv-heads 8, --batches "
+        "1, --seqlens 4k; file tag 'model')",
     )
     p.add_argument("--batches", type=_int_list, default=None, help="--mode decode: batch sizes (1,8,64)")
     p.add_argument(
@@ -148,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--tokens", type=int, default=16384, help="tokens per batch: batch = tokens // seqlen (16384)"
     )
     p.add_argument("--width", type=int, default=2048, help="model width: heads = width // head_dim (2048)")
+    p.add_argument("--layers", type=int, default=8, help="--mode model: decoder layers (8)")
     p.add_argument(
         "--kv-heads",
         type=int,
@@ -177,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--rounds",
         type=int,
         default=None,
-        help="with --tiny (default 1) or --mode decode (default 3): time every implementation of a shape "
+        help="with --tiny (default 1), --mode decode or --mode model (default 3): time every implementation "
         "this many times in turn (host-bound calls move between runs: compare rounds taken side by side; "
         "the table shows the median)",
     )
@@ -286,11 +289,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The sweep's tables read one row per (impl, point); forms are for host-bound A/Bs.
         print("--repeat-calls goes with --tiny", file=sys.stderr)
         return 2
-    if args.rounds is not None and not (args.tiny or args.mode == "decode"):
-        print("--rounds goes with --tiny or --mode decode", file=sys.stderr)
+    if args.rounds is not None and not (args.tiny or args.mode in ("decode", "model")):
+        print("--rounds goes with --tiny, --mode decode or --mode model", file=sys.stderr)
         return 2
     if args.rounds is None:
-        args.rounds = 3 if args.mode == "decode" and not args.tiny else 1
+        args.rounds = 3 if args.mode in ("decode", "model") and not args.tiny else 1
     if args.rounds < 1:
         print(f"--rounds must be at least 1; got {args.rounds}", file=sys.stderr)
         return 2
@@ -311,6 +314,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.mode == "decode":
         return _main_decode(args, reps, min_time)
+    if args.mode == "model":
+        return _main_model(args, reps, min_time)
 
     if args.progression:
         steps = run_progression(
@@ -455,6 +460,41 @@ def _main_decode(args: argparse.Namespace, reps: int, min_time: float) -> int:
     if not args.no_save:
         name = gpu_slug(torch.cuda.get_device_name()) + "-" + _dt.date.today().isoformat()
         out_path = args.out or default_results_dir() / f"{name}-{args.tag or 'decode'}.json"
+        write_results(result, out_path)
+        print(f"wrote {out_path}")
+    return 0
+
+
+def _main_model(args: argparse.Namespace, reps: int, min_time: float) -> int:
+    """``--mode model``: :mod:`.model`'s training step for each (batch, seqlen), saved with tag 'model'."""
+    from .model import MODEL_IMPLS, ModelSettings, model_text, run_model
+
+    rows = []
+    for batch in args.batches or (1,):
+        for seqlen in args.seqlens or (4096,):
+            settings = ModelSettings(
+                impls=MODEL_IMPLS,
+                layers=args.layers,
+                width=args.width,
+                head_dim=(args.head_dims or (128,))[0],
+                heads_kv=args.kv_heads or 8,
+                batch=batch,
+                seqlen=seqlen,
+                dtype=args.dtype or "bf16",
+                rounds=args.rounds,
+                warmup=args.warmup,
+                min_reps=min(reps, 10),
+                min_time_s=max(min_time, 0.5),
+            )
+            rows += run_model(settings)
+            print(model_text(rows[-len(MODEL_IMPLS) :]), flush=True)
+    result = environment(torch.cuda.current_device(), args.commit, args.allow_dirty)
+    result.update(mode="model", matmul_tflops=None, rows=rows)
+    print()
+    print(model_text(rows))
+    if not args.no_save:
+        name = gpu_slug(torch.cuda.get_device_name()) + "-" + _dt.date.today().isoformat()
+        out_path = args.out or default_results_dir() / f"{name}-{args.tag or 'model'}.json"
         write_results(result, out_path)
         print(f"wrote {out_path}")
     return 0
