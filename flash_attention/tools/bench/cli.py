@@ -457,11 +457,7 @@ def _main_decode(args: argparse.Namespace, reps: int, min_time: float) -> int:
     print(decode_text(result))
     if args.markdown:
         print(decode_markdown(result))
-    if not args.no_save:
-        name = gpu_slug(torch.cuda.get_device_name()) + "-" + _dt.date.today().isoformat()
-        out_path = args.out or default_results_dir() / f"{name}-{args.tag or 'decode'}.json"
-        write_results(result, out_path)
-        print(f"wrote {out_path}")
+    _save_tagged(result, args, "decode")
     return 0
 
 
@@ -492,9 +488,16 @@ def _main_model(args: argparse.Namespace, reps: int, min_time: float) -> int:
     result.update(mode="model", matmul_tflops=None, rows=rows)
     print()
     print(model_text(rows))
-    if not args.no_save:
-        name = gpu_slug(torch.cuda.get_device_name()) + "-" + _dt.date.today().isoformat()
-        out_path = args.out or default_results_dir() / f"{name}-{args.tag or 'model'}.json"
-        write_results(result, out_path)
-        print(f"wrote {out_path}")
+    _save_tagged(result, args, "model")
     return 0
+
+
+def _save_tagged(result: dict, args: argparse.Namespace, default_tag: str) -> None:
+    """Write a mode's result file: ``--out``, else ``<gpu>-<date>-<tag>.json`` in the results directory
+    (``--tag`` or the mode's own); nothing with ``--no-save``."""
+    if args.no_save:
+        return
+    name = gpu_slug(torch.cuda.get_device_name()) + "-" + _dt.date.today().isoformat()
+    out_path = args.out or default_results_dir() / f"{name}-{args.tag or default_tag}.json"
+    write_results(result, out_path)
+    print(f"wrote {out_path}")
