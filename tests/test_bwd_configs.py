@@ -172,25 +172,26 @@ def test_hopper_backward_layout_must_fit_the_launch_allocation(d, warp_specializ
         compiler.compile_nvcc(src.replace(claim, f"kSmemBytes = {cfg.smem_bytes - 1};"), "sm_90a", "x")
 
 
+@pytest.mark.parametrize("d", [128, 192, 256])
 @pytest.mark.parametrize("feature", ["key_range", "dropout"])
-def test_key_padded_and_dropout_training_keeps_the_ws_backward_on_hopper(feature):
+def test_key_padded_and_dropout_training_keeps_the_hopper_backward(feature, d):
     from flash_attention.ops.select import backward_config
 
-    cfg = backward_config(
-        "bf16", 128, True, 1000, 1000, 1, arch="sm_90", gpu="", smem_limit=227 * 1024, features=[feature]
-    )
-    assert cfg == default_bwd_config("bf16", 128, "sm_90") and cfg.warp_specialized
-    # Deterministic mode is not the ws kernel's: the portable pair computes it.
-    det = backward_config(
-        "bf16",
-        128,
-        True,
-        1000,
-        1000,
-        1,
-        arch="sm_90",
-        gpu="",
-        smem_limit=227 * 1024,
-        features=["deterministic"],
-    )
-    assert not det.wgmma
+    def choose(features):
+        return backward_config(
+            "bf16", d, True, 1000, 1000, 1, arch="sm_90", gpu="", smem_limit=227 * 1024, features=features
+        )
+
+    cfg = choose([feature])
+    assert cfg == default_bwd_config("bf16", d, "sm_90") and cfg.wgmma
+    assert cfg.warp_specialized if d == 128 else cfg.wide
+    # Deterministic mode is neither the ws kernel's nor the wide one's: the portable pair computes it.
+    assert not choose(["deterministic"]).wgmma
+
+
+def test_wide_backward_sources_have_the_key_range_and_dropout_builds():
+    wide = hopper_bwd_config("bf16", 256)
+    src = sources.kernel_source(wide, ranged=True)
+    assert wide.symbol("dkdv", True, True) in src and "fa::DefaultVariant<true, true>, false>" in src
+    src = sources.kernel_source(wide, dropout=True)
+    assert wide.symbol("dkdv", True, False, True) in src and "fa::DefaultVariant<true, false>, true>" in src

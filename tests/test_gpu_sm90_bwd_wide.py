@@ -3,7 +3,7 @@ one 64-key block, one keeping dV and the other dK): gradients against float64 au
 (odd lengths, seqlen_q above and below seqlen_k, one query, GQA groups up to 8, head dims 192 and 256 and
 sizes zero-padded to them, fp16 and bf16, causal and not) within twice the error of PyTorch's own
 low-precision attention and 1.5x the error of the portable (sm80) backward it replaces there; dK and dV
-bitwise equal between runs; strided inputs."""
+bitwise equal between runs; strided inputs; the key-range and dropout builds."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import zlib
 
 import pytest
 import torch
-from test_gpu_sm90_bwd_ws import DTYPES, _torch_lowp_grads
+from test_gpu_sm90_bwd_ws import DTYPES, _torch_lowp_grads, check_key_range_backward
 
 from flash_attention import ops
 from flash_attention.configs import BwdConfig, default_bwd_config, hopper_bwd_config
@@ -115,3 +115,43 @@ def test_wide_backward_strided_inputs():
     )
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=3e-2)
+
+
+@needs_hopper
+@pytest.mark.parametrize("d", [192, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_wide_backward_key_range(d, causal):
+    check_key_range_backward(d, causal, wide_config("bf16", d))
+
+
+@needs_hopper
+@pytest.mark.parametrize("d", [192, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_wide_backward_dropout(d, causal):
+    """The dropout build (warpgroup 0 draws the keep mask and hands it to warpgroup 1 as P^T's sign): against
+    float64 autograd through the same mask (flash_attention.dropout.keep_mask) and the portable kernel's
+    error, which draws the mask itself."""
+    from test_gpu_dropout import _explicit
+
+    from flash_attention.dropout import draw_seed, keep_mask
+
+    gen = torch.Generator(device="cuda").manual_seed(7 * d + causal)
+    b, sq, sk, hq, hkv, p, seed = 2, 333, 517, 4, 2, 0.3, 9876 + d
+    q = torch.randn(b, sq, hq, d, generator=gen, device="cuda").to(torch.bfloat16)
+    k, v = (torch.randn(b, sk, hkv, d, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(2))
+    do = torch.randn_like(q)
+    drop = {"dropout_p": p, "dropout_seed": draw_seed(seed)}
+    o, lse = ops.cuda_forward(
+        q, k, v, causal=causal, softmax_scale=d**-0.5, return_lse=True, out=None, **drop
+    )
+    got, old = (
+        ops.cuda_backward(do, q, k, v, o, lse, causal=causal, softmax_scale=d**-0.5, config=cfg, **drop)
+        for cfg in (wide_config("bf16", d), portable_config("bf16", d))
+    )
+    keep = keep_mask(seed, 0, p, b, hq, sq, sk, device="cuda")
+    leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    ref = torch.autograd.grad(_explicit(*leaves, causal, keep, p), leaves, do.double())
+    for name, a, b_, r in zip(("dq", "dk", "dv"), got, old, ref, strict=True):
+        assert torch.isfinite(a).all(), name
+        err, err_old = (a.double() - r).abs().max().item(), (b_.double() - r).abs().max().item()
+        assert err <= 1.5 * err_old + 1e-4, f"{name}: {err:.3g} vs the portable kernel's {err_old:.3g}"

@@ -139,8 +139,13 @@ def test_ws_backward_strided_inputs():
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 def test_ws_backward_key_range(d, causal):
-    """The key-range build: batch rows with a range on both sides, one with no key at all (zero gradients,
-    never NaN), one with the whole row; against float64 autograd and the portable kernel's error."""
+    check_key_range_backward(d, causal, ws_config("bf16", d))
+
+
+def check_key_range_backward(d, causal, config):
+    """The key-range build of ``config``: batch rows with a range on both sides, one with no key at all (zero
+    gradients, never NaN), one with the whole row; against float64 autograd and the portable kernel's
+    error."""
     from flash_attention.configs import default_bwd_config
 
     gen = torch.Generator(device="cuda").manual_seed(31 * d + causal)
@@ -153,7 +158,7 @@ def test_ws_backward_key_range(d, causal):
         q, k, v, causal=causal, softmax_scale=d**-0.5, return_lse=True, out=None, key_range=kr
     )
     got = ops.cuda_backward(
-        do, q, k, v, o, lse, causal=causal, softmax_scale=d**-0.5, key_range=kr, config=ws_config("bf16", d)
+        do, q, k, v, o, lse, causal=causal, softmax_scale=d**-0.5, key_range=kr, config=config
     )
     portable = ops.cuda_backward(
         do, q, k, v, o, lse, causal=causal, softmax_scale=d**-0.5, key_range=kr,

@@ -109,25 +109,36 @@ def run_ws_case(case, seed: int, small: bool) -> float:
 
 
 #: Hopper only: the head_dim-192/256 wgmma backward (csrc/kernels/sm90/bwd_wide) named explicitly, gradients
-#: against float64: (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal).
+#: against float64: (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal, key_range, dropout_p).
 WIDE_BWD_CASES = [
-    (1, 65, 300, 6, 3, 256, True),
-    (2, 130, 77, 4, 1, 200, False),
-    (1, 1, 129, 2, 2, 256, True),
-    (2, 77, 130, 4, 2, 192, True),
+    (1, 65, 300, 6, 3, 256, True, False, 0.0),
+    (2, 130, 77, 4, 1, 200, False, False, 0.0),
+    (1, 1, 129, 2, 2, 256, True, False, 0.0),
+    (2, 77, 130, 4, 2, 192, True, False, 0.0),
+    (2, 100, 190, 4, 2, 256, True, True, 0.0),
+    (2, 90, 140, 2, 1, 192, False, True, 0.0),
+    (1, 80, 150, 4, 2, 256, True, False, 0.2),
+    (2, 70, 110, 2, 2, 192, False, False, 0.2),
 ]
 
 
 def run_wide_bwd_case(case, seed: int, small: bool) -> float:
     from flash_attention import ops
     from flash_attention.configs import hopper_bwd_config
+    from flash_attention.dropout import draw_seed
 
-    b, sq, sk, hq, hkv, d, causal = case
+    b, sq, sk, hq, hkv, d, causal, ranged, p = case
     if small:
         sq, sk = min(sq, SMALL[1]), min(sk, SMALL[2])
     q, k, v = _inputs(seed, b, sq, sk, hq, hkv, d)
     do = torch.randn_like(q)
-    o, lse = ops.cuda_forward(q, k, v, causal=causal, softmax_scale=d**-0.5, return_lse=True, out=None)
+    kr = None
+    if ranged:
+        kr = torch.tensor([[sk // 4, sk], [0, max(1, sk // 2)]][:b], dtype=torch.int32, device="cuda")
+    extra = {"key_range": kr, "dropout_p": p, "dropout_seed": draw_seed(seed) if p else None}
+    o, lse = ops.cuda_forward(
+        q, k, v, causal=causal, softmax_scale=d**-0.5, return_lse=True, out=None, **extra
+    )
     grads = ops.cuda_backward(
         do,
         q,
@@ -138,10 +149,14 @@ def run_wide_bwd_case(case, seed: int, small: bool) -> float:
         causal=causal,
         softmax_scale=d**-0.5,
         config=hopper_bwd_config("bf16", 192 if d <= 192 else 256),
+        **extra,
     )
     torch.cuda.synchronize()
+    assert all(g.isfinite().all() for g in grads)
+    if p:
+        return 0.0  # against the same mask: tests/test_gpu_sm90_bwd_wide.py
     leaves = [x.double().requires_grad_() for x in (q, k, v)]
-    ref_o, _ = attention_reference(*leaves, causal=causal)
+    ref_o, _ = attention_reference(*leaves, causal=causal, key_range=kr)
     ref = torch.autograd.grad(ref_o, leaves, do.double())
     # Relative to the gradient's scale: 256-wide rows of bf16 products.
     return max(

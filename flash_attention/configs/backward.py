@@ -38,7 +38,8 @@ class BwdConfig:
     ``wgmma``: the Hopper dK/dV kernel (csrc/kernels/sm90/bwd, sm_90a): two warpgroups of 64 keys, Q/dO
     double-buffered, atomic dQ only (deterministic mode, key ranges and dropout run the sm80 kernels). At
     head_dim 192 and 256 (:attr:`wide`) its wide form (csrc/kernels/sm90/bwd_wide): 64 keys per block,
-    which both warpgroups see, one keeping dV and the other dK.
+    which both warpgroups see, one keeping dV and the other dK; it has key-range and dropout builds
+    (deterministic mode runs the sm80 kernels).
     ``warp_specialized`` (with ``wgmma``, ``num_warps`` 12): its warp-specialized form
     (csrc/kernels/sm90/bwd_ws): a producer warpgroup copies Q/dO into two slots while the two consumer
     warpgroups compute, and dQ leaves through bulk reduce-adds.

@@ -33,8 +33,11 @@ _SUPPORTED = {
     # wgmma accumulators are laid out as one mma.sync tile (fa/frag.cuh); the sm90 kernel has none.
     (False, "ws"): frozenset({"causal", "key_range", "dropout", "trace"}),
     (True, "portable"): frozenset({"causal", "key_range", "dropout", "deterministic", "untileable"}),
-    # The sm90 kernel and the wide one (head_dim 192/256, csrc/kernels/sm90/bwd_wide): causal and GQA only.
+    # The sm90 kernel: causal and GQA only.
     (True, "wgmma"): frozenset({"causal", "untileable"}),
+    # The wide one (head_dim 192/256, csrc/kernels/sm90/bwd_wide): the mask policy's key-range build, and
+    # dropout; not the deterministic mode (its two warpgroups issue their own dQ additions).
+    (True, "wide"): frozenset({"causal", "key_range", "dropout", "untileable"}),
     # The warp-specialized backward copies with cp.async (no tensor maps): any layout the sm90 one takes;
     # its key-range build is the mask policy's (fa/variant.cuh), as in the forward, and it has dropout.
     (True, "ws"): frozenset({"causal", "key_range", "dropout", "untileable"}),
@@ -44,6 +47,8 @@ _SUPPORTED = {
 def _kind(cfg: KernelConfig | BwdConfig) -> str:
     if getattr(cfg, "warp_specialized", False):
         return "ws"
+    if getattr(cfg, "wide", False):
+        return "wide"
     return "wgmma" if is_wgmma(cfg) else "portable"
 
 

@@ -127,9 +127,9 @@ def bwd_kernel_source(cfg: BwdConfig, *, ranged: bool = False, dropout: bool = F
     ]
     if cfg.wgmma:
         # The Hopper family: the mask-free kernels and the atomic-dQ dK/dV kernel, nothing else; the
-        # warp-specialized one also has the key-range build (its mask policy's q_blocks and mask_key_rows)
-        # and the dropout build.
-        if (dropout or ranged) and not cfg.warp_specialized:
+        # warp-specialized and wide ones also have the key-range build (their mask policy's q_blocks and
+        # mask_key_rows) and the dropout build.
+        if (dropout or ranged) and not (cfg.warp_specialized or cfg.wide):
             raise ValueError(
                 "the sm90 wgmma backward has no key-range or dropout build; use its warp-specialized form "
                 "or an sm80 config"
@@ -144,7 +144,7 @@ def bwd_kernel_source(cfg: BwdConfig, *, ranged: bool = False, dropout: bool = F
             body, header = "fa::sm90::bwd_dkdv_body", "sm90/bwd/bwd_kernel.cuh"
         for causal in (False, True):
             targs = f"Cfg, {variant_type(causal, ranged)}"
-            if cfg.warp_specialized:
+            if cfg.warp_specialized or cfg.wide:
                 targs += f", {_cpp_bool(dropout)}"
             entries.append(
                 f'extern "C" __global__ void __launch_bounds__({cfg.threads}, 1)\n'

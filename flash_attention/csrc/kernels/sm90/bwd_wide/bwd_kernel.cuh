@@ -38,6 +38,11 @@
 //   measured 0.63-0.75x this kernel's speed, the pair held in step and the 64 KB read across multiprocessors
 //   every step.
 //
+// Dropout (kDropout; keep mask Z, kept elements scaled by rp = 1 / (1 - p), fa/dropout.cuh): dV takes the
+// dropped P^T Z rp and dS^T = scale P^T (dP^T Z rp - delta) the undropped one with Z. Warpgroup 0 draws Z
+// and hands P^T over with each dropped element negated (P >= 0, and a dropped zero's sign does not matter:
+// its dS is zero either way), so warpgroup 1 reads Z from the sign bit instead of drawing it again.
+//
 // Shared memory (bytes from a 1024-aligned base): K and V (64 x D), two Q and two dO buffers (64 x D each),
 // P^T (64 x 64 fp32, laid out per thread), dS^T (64 keys x 64 queries), two buffers of statistics (LSE2
 // then delta, 64 floats each). 223 KB at head_dim 256, 170 KB at 192: one block per multiprocessor.
@@ -48,6 +53,7 @@
 #include "fa/bwd_preprocess.cuh"
 #include "fa/bwd_wgmma.cuh"
 #include "fa/copy.cuh"
+#include "fa/dropout.cuh"
 #include "fa/frag.cuh"
 #include "fa/mask.cuh"
 #include "fa/ptx.cuh"
@@ -123,7 +129,7 @@ __device__ __forceinline__ u32 p_exchange_chunk(u32 sP, int warp_in_wg, int lane
   return sP + (u32)((warp_in_wg * 32 + lane) * 128 + ((chunk + lane) & 7) * 16);
 }
 
-template <class Cfg, class V>
+template <class Cfg, class V, bool kDropout = false>
 __device__ __forceinline__ void bwd_wide_dkdv_body(const BwdParams& p) {
   using Mask = typename V::Mask;  // the variant (fa/variant.cuh)
   static_assert(V::ScoreMod::kIdentity, "the backward does not differentiate a score function yet");
@@ -255,17 +261,28 @@ __device__ __forceinline__ void bwd_wide_dkdv_body(const BwdParams& p) {
       // Keys past seqlen_k and past the causal diagonal; queries past seqlen_q need no mask (their base-2
       // LSE is +inf, so their P is 0).
       mask.mask_key_rows(acc_tile(s), kv_start, row0, q_start, g, t);
+      u32 head_hash = 0;
+      if constexpr (kDropout) head_hash = dropout_head_hash(p.dropout_key, batch * p.heads_q + head);
 #pragma unroll
       for (int n = 0; n < NQ; ++n) {
         const float2 l2 = *reinterpret_cast<const float2*>(lse_s + 8 * n + 2 * t);
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[4 * n + e] = exp2_approx(fmaf(s[4 * n + e], sl2, -((e & 1) ? l2.y : l2.x)));
-      }
+        float handed[4] = {s[4 * n], s[4 * n + 1], s[4 * n + 2], s[4 * n + 3]};
+        if constexpr (kDropout) {
+          // Z for the four elements: handed over as the sign of P^T, applied here for dV.
+          const u32 hr[2] = {dropout_row_hash(head_hash, q_start + 8 * n + 2 * t),
+                             dropout_row_hash(head_hash, q_start + 8 * n + 2 * t + 1)};
 #pragma unroll
-      for (int c = 0; c < BR / 8; ++c) {
-        const uint4 v = make_uint4(__float_as_uint(s[4 * c]), __float_as_uint(s[4 * c + 1]),
-                                   __float_as_uint(s[4 * c + 2]), __float_as_uint(s[4 * c + 3]));
-        st_shared_16(p_exchange_chunk(sP, warp % 4, lane, c), v);
+          for (int e = 0; e < 4; ++e) {
+            const bool keep = dropout_keep(hr[e & 1], kv_start + row0 + g + 8 * (e >> 1), p.dropout_threshold);
+            handed[e] = keep ? s[4 * n + e] : -s[4 * n + e];
+            s[4 * n + e] = keep ? s[4 * n + e] * p.dropout_rp : 0.f;
+          }
+        }
+        st_shared_16(p_exchange_chunk(sP, warp % 4, lane, n),
+                     make_uint4(__float_as_uint(handed[0]), __float_as_uint(handed[1]),
+                                __float_as_uint(handed[2]), __float_as_uint(handed[3])));
       }
       // Barrier 1: P^T written, for warpgroup 1 (which waits; this one goes on).
       named_barrier_arrive(1, 256);
@@ -278,7 +295,15 @@ __device__ __forceinline__ void bwd_wide_dkdv_body(const BwdParams& p) {
                              __uint_as_float(v.w)};
         const float2 dl = *reinterpret_cast<const float2*>(del_s + 8 * c + 2 * t);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[4 * c + e] = pr[e] * (s[4 * c + e] - ((e & 1) ? dl.y : dl.x)) * scale;
+        for (int e = 0; e < 4; ++e) {
+          float dp = s[4 * c + e], pe = pr[e];
+          if constexpr (kDropout) {
+            // Z from the sign warpgroup 0 gave the element: dP^T Z rp, against the undropped P^T.
+            dp = signbit(pe) ? 0.f : dp * p.dropout_rp;
+            pe = fabsf(pe);
+          }
+          s[4 * c + e] = pe * (dp - ((e & 1) ? dl.y : dl.x)) * scale;
+        }
       }
     }
 #pragma unroll
