@@ -567,3 +567,17 @@ def test_dirty_sources_names_whole_paths(tmp_path):
         subprocess.run(["git", *who, *cmd], cwd=tmp_path, check=True)
     (pkg / "b.py").write_text("y = 2\n")
     assert provenance.dirty_sources(pkg) == ["flash_attention/b.py"]
+
+
+def test_deterministic_impl_is_known_and_only_times_backward_modes():
+    from flash_attention.tools.bench.cli import _impl_list
+    from flash_attention.tools.bench.results import OURS, OURS_DETERMINISTIC
+    from flash_attention.tools.bench.runners import Skip, make_inputs, make_runner
+
+    assert _impl_list(f"{OURS},{OURS_DETERMINISTIC}") == (OURS, OURS_DETERMINISTIC)
+    shape = sweep_shapes(SweepSettings(impls=(), seqlens=(512,), head_dims=(64,), causal=(True,)))[0]
+    inputs = make_inputs(shape, 1, "cpu")
+    with pytest.raises(Skip, match="only the backward"):
+        make_runner(OURS_DETERMINISTIC, shape, inputs, "fwd")
+    with pytest.raises(Skip, match="cannot run"):  # CPU tensors: the fallback is not timed under our name
+        make_runner(OURS_DETERMINISTIC, shape, inputs, "fwd_bwd")

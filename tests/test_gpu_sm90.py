@@ -139,7 +139,7 @@ def test_wgmma_backward_against_float64_and_sm80(d, causal):
 
 
 @needs_hopper
-def test_deterministic_backward_runs_the_sm80_kernel_bitwise():
+def test_deterministic_backward_is_bitwise_repeatable():
     q, k, v = (torch.randn(1, 300, 4, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     do = torch.randn_like(q)
     o, lse = ops.cuda_forward(q, k, v, causal=True, softmax_scale=128**-0.5, return_lse=True, out=None)

@@ -174,3 +174,122 @@ def check_key_range_backward(d, causal, config):
     assert (got[0][1] == 0).all()  # batch row 1 sees no key: no gradient reaches its queries
     assert (got[1][1] == 0).all() and (got[2][1] == 0).all()
     assert (got[1][0, :40] == 0).all() and (got[1][0, 333:] == 0).all()  # keys outside the range
+
+
+@needs_hopper
+def test_key_range_training_takes_the_ws_backward():
+    from flash_attention.configs import default_bwd_config
+    from flash_attention.ops.select import backward_config
+
+    cfg = backward_config(
+        "bf16", 128, True, 1000, 1000, 1, arch="sm_90", gpu="", smem_limit=227 * 1024, features=["key_range"]
+    )
+    assert cfg == default_bwd_config("bf16", 128, "sm_90") and cfg.warp_specialized
+
+
+@needs_hopper
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_ws_backward_dropout(d, causal):
+    """The dropout build regenerates the forward's keep mask: gradients against float64 autograd through
+    the explicit masked attention (the mask from flash_attention.dropout.keep_mask), within 1.5x the portable
+    kernel's error on the same call; and a dropped run differs from an undropped one."""
+    from test_gpu_dropout import _explicit
+
+    from flash_attention.configs import default_bwd_config
+    from flash_attention.dropout import draw_seed, keep_mask
+
+    p_drop, seed = 0.3, 4321 + d + causal
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    b, sq, sk, hq, hkv = 2, 333, 301, 4, 2
+    q = torch.randn(b, sq, hq, d, generator=gen, device="cuda").to(torch.bfloat16)
+    k, v = (torch.randn(b, sk, hkv, d, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(2))
+    do = torch.randn_like(q)
+    dseed = draw_seed(seed)
+    kw = dict(causal=causal, softmax_scale=d**-0.5, dropout_p=p_drop, dropout_seed=dseed)
+    o, lse = ops.cuda_forward(q, k, v, return_lse=True, out=None, **kw)
+    got = ops.cuda_backward(do, q, k, v, o, lse, config=ws_config("bf16", d), **kw)
+    portable = ops.cuda_backward(do, q, k, v, o, lse, config=default_bwd_config("bf16", d), **kw)
+    keep = keep_mask(seed, 0, p_drop, b, hq, sq, sk, device="cuda")
+    leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    ref = torch.autograd.grad(_explicit(*leaves, causal, keep, p_drop), leaves, do.double())
+    for name, a, p_, r in zip(("dq", "dk", "dv"), got, portable, ref, strict=True):
+        assert torch.isfinite(a).all(), name
+        err, err_p = (a.double() - r).abs().max().item(), (p_.double() - r).abs().max().item()
+        assert err <= 1.5 * err_p + 1e-4, f"{name}: {err:.3g} vs the portable kernel's {err_p:.3g}"
+
+
+_DET_CASES = [
+    # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal, key_range, dropout_p)
+    (2, 777, 555, 8, 2, 128, True, False, 0.0),
+    (1, 1100, 1100, 4, 4, 128, False, False, 0.0),
+    (3, 300, 517, 6, 3, 64, True, True, 0.0),
+    (2, 640, 640, 4, 1, 64, False, False, 0.2),
+    (1, 1000, 900, 8, 8, 128, True, True, 0.1),
+    # One query block, 16 key blocks: every block's turn in the same step (a chain of 16)
+    (1, 64, 2000, 8, 1, 128, False, False, 0.0),
+    # More query blocks than key blocks, wrapped walks (lane 1), key ranges and a group of 2
+    (2, 1500, 200, 4, 2, 64, False, True, 0.0),
+    (1, 1, 700, 4, 4, 128, True, False, 0.0),
+    (2, 900, 1300, 16, 2, 128, False, False, 0.0),
+]
+
+
+@needs_hopper
+@pytest.mark.parametrize("case", _DET_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_ws_deterministic_bitwise_and_accurate(case):
+    """deterministic=True on the ws kernel: dQ's reductions take turns in key-block order, so ten runs give
+    the same bits (dq included); and the gradients are as accurate as the atomic mode's."""
+    from flash_attention.dropout import draw_seed
+
+    b, sq, sk, hq, hkv, d, causal, ranged, p_drop = case
+    gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(repr(case).encode()))
+    q = torch.randn(b, sq, hq, d, generator=gen, device="cuda").to(torch.bfloat16)
+    k, v = (torch.randn(b, sk, hkv, d, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(2))
+    do = torch.randn_like(q)
+    kr = None
+    if ranged:
+        starts = torch.randint(0, sk // 3, (b,), generator=gen, device="cuda")
+        ends = torch.randint(sk // 2, sk + 1, (b,), generator=gen, device="cuda")
+        kr = torch.stack([starts, ends], 1).to(torch.int32)
+    kw = dict(causal=causal, softmax_scale=d**-0.5, key_range=kr, dropout_p=p_drop)
+    if p_drop:
+        kw["dropout_seed"] = draw_seed(99)
+    o, lse = ops.cuda_forward(q, k, v, return_lse=True, out=None, **kw)
+    cfg = ws_config("bf16", d)
+    runs = [ops.cuda_backward(do, q, k, v, o, lse, deterministic=True, config=cfg, **kw) for _ in range(10)]
+    for r in runs[1:]:
+        for name, a, b_ in zip(("dq", "dk", "dv"), runs[0], r, strict=True):
+            assert torch.equal(a, b_), f"{name} differs between deterministic runs"
+    atomic = ops.cuda_backward(do, q, k, v, o, lse, config=cfg, **kw)
+    for name, a, b_ in zip(("dq", "dk", "dv"), runs[0], atomic, strict=True):
+        assert torch.isfinite(a).all(), name
+        # The same products summed in another order: within a few roundings of each other.
+        torch.testing.assert_close(a.float(), b_.float(), rtol=0, atol=2e-2, msg=name)
+    if not p_drop:
+        leaves = [x.double().requires_grad_() for x in (q, k, v)]
+        ref_o, _ = attention_reference(*leaves, causal=causal, key_range=kr)
+        ref = torch.autograd.grad(ref_o, leaves, do.double())
+        for name, a, b_, r in zip(("dq", "dk", "dv"), runs[0], atomic, ref, strict=True):
+            err, err_a = (a.double() - r).abs().max().item(), (b_.double() - r).abs().max().item()
+            assert err <= 1.5 * err_a + 1e-4, f"{name}: {err:.3g} vs the atomic mode's {err_a:.3g}"
+
+
+@needs_hopper
+def test_deterministic_training_takes_the_ws_backward():
+    from flash_attention.configs import default_bwd_config
+    from flash_attention.ops.select import backward_config
+
+    cfg = backward_config(
+        "bf16",
+        64,
+        True,
+        1000,
+        1000,
+        1,
+        arch="sm_90",
+        gpu="",
+        smem_limit=227 * 1024,
+        features=["deterministic"],
+    )
+    assert cfg == default_bwd_config("bf16", 64, "sm_90") and cfg.warp_specialized

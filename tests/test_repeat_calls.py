@@ -133,7 +133,9 @@ def test_training_repeats_record_the_node_and_give_exact_gradients(gpu, validati
         _check_grads(torch.autograd.grad(out, (q, k, v), dout), q, k, v, dout, causal=causal)
     assert len(validations) == 1
     assert not gpu.errors, gpu.errors
-    last = ["pre", "dkdv_det", "dq"] if deterministic else ["pre", "dkdv", "convert"]
+    # Deterministic on Hopper: the warp-specialized kernel adds dQ in a fixed order itself, then the cast.
+    det = ["pre", "dkdv_det", "convert" if gpu.arch == "sm_90" else "dq"]
+    last = det if deterministic else ["pre", "dkdv", "convert"]
     assert gpu.launches == (["forward"] + last) * 3
 
 
@@ -148,7 +150,7 @@ def test_pytorchs_deterministic_switch_makes_another_signature(gpu, validations)
     finally:
         torch.use_deterministic_algorithms(False)
     assert len(validations) == 2
-    assert gpu.launches[4:] == ["forward", "pre", "dkdv_det", "dq"]
+    assert gpu.launches[4:] == ["forward", "pre", "dkdv_det", "convert" if gpu.arch == "sm_90" else "dq"]
 
 
 def test_without_the_host_library_training_takes_the_python_function(gpu, validations, monkeypatch):

@@ -36,6 +36,14 @@ CASES = [
     (1, 100, 100, 2, 2, 3, True, False, 0.0, False),
     (1, 64, 1, 2, 2, 192, False, False, 0.0, False),
 ]
+#: deterministic=True at head_dim 64 and 128: on Hopper the warp-specialized backward's turn-taking form
+#: (fa/dq_turns.cuh): causal walks, wrapped ones (two lanes), grouped queries, key ranges and dropout.
+DET_CASES = [
+    (2, 150, 300, 4, 2, 128, True, False, 0.0, True),
+    (1, 300, 200, 4, 4, 128, False, False, 0.0, True),
+    (2, 200, 260, 6, 3, 64, False, True, 0.0, True),
+    (1, 260, 300, 2, 1, 64, True, True, 0.1, True),
+]
 SMALL = {1: 40, 2: 60}  # --small: shorter sequences (index into the case tuple -> cap)
 
 #: Hopper only: the warp-specialized kernel's knobs the defaults may not use (the persistent grid's tile
@@ -230,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ws-only", action="store_true", help="only the warp-specialized kernel's cases")
     ap.add_argument("--decode-only", action="store_true", help="only the decode kernels' cases")
     ap.add_argument(
+        "--bwd-det-only", action="store_true", help="only the deterministic backward's cases (Hopper)"
+    )
+    ap.add_argument(
         "--bwd-wide-only",
         action="store_true",
         help="only the head_dim-192/256 wgmma backward's cases (Hopper)",
@@ -247,13 +258,17 @@ def main(argv: list[str] | None = None) -> int:
 
         ops_forward.sm_count = lambda index: args.persistent_blocks
     worst = 0.0
-    only = args.ws_only or args.decode_only or args.bwd_wide_only
+    only = args.ws_only or args.decode_only or args.bwd_wide_only or args.bwd_det_only
     hopper = torch.cuda.get_device_capability() == (9, 0)
+    for i, case in enumerate(DET_CASES if hopper and (args.bwd_det_only or not only) else []):
+        err = run_case(case, seed=400 + i, small=args.small)
+        worst = max(worst, err)
+        print(f"deterministic backward case {i}: {case} max error {err:.3g}", flush=True)
     for i, case in enumerate(WIDE_BWD_CASES if hopper and (args.bwd_wide_only or not only) else []):
         err = run_wide_bwd_case(case, seed=300 + i, small=args.small)
         worst = max(worst, err)
         print(f"wide backward case {i}: {case} max error {err:.3g}", flush=True)
-    for i, case in enumerate([] if args.ws_only or args.bwd_wide_only else DECODE_CASES):
+    for i, case in enumerate([] if args.ws_only or args.bwd_wide_only or args.bwd_det_only else DECODE_CASES):
         err = run_decode_case(case, seed=200 + i)
         worst = max(worst, err)
         print(f"decode case {i}: {case} max error {err:.3g}", flush=True)
@@ -261,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         err = run_case(case, seed=i, small=args.small)
         worst = max(worst, err)
         print(f"case {i}: {case} max error {err:.3g}", flush=True)
-    if hopper and not (args.decode_only or args.bwd_wide_only):
+    if hopper and not (args.decode_only or args.bwd_wide_only or args.bwd_det_only):
         for i, case in enumerate(WS_CASES):
             err = run_ws_case(case, seed=100 + i, small=args.small)
             worst = max(worst, err)

@@ -23,6 +23,13 @@ __all__ = [
 #: hold its addresses; with the unrolled copy it spilled 300-640 bytes at any split up to 96 / 200. The
 #: consumers' dK, dV, S^T, dP^T and dQ part fit 240 without spills (at 232: 12 bytes, head_dim 64 causal).
 WS_REGISTER_SPLIT = (24, 240)
+#: The same kernel's deterministic form (kDeterministic) launches a fourth warpgroup for its two dQ writers
+#: (fa/dq_turns.cuh): 512 threads of 128 registers, 128 x 24 (copies) + 128 x 24 (writers) + 256 x 232
+#: (consumers) = 65536. Rejected: the writers in the producer warpgroup (64 copying threads), which needs
+#: 56 / 224 there (at 40 / 232 the producer spilled 100-300 bytes), and at 224 ptxas serialised the
+#: consumers' wgmma at head_dim 128 and with dropout at 64 (measured 0.85-0.93x of the atomic mode's
+#: forward+backward at 128 that way, docs/kernel-log.md step 76).
+DET_WS_REGISTER_SPLIT = (24, 24, 232)
 
 
 @dataclass(frozen=True)
@@ -67,6 +74,13 @@ class BwdConfig:
     def threads(self) -> int:
         return 32 * self.num_warps
 
+    def kernel_threads(self, kind: str) -> int:
+        """Threads of entry point ``kind`` (``dkdv``, ``dkdv_det``, ...) of the per-mask kernels: the
+        warp-specialized deterministic kernel has a fourth warpgroup (DET_WS_REGISTER_SPLIT)."""
+        if kind == "dkdv_det" and self.warp_specialized:
+            return self.threads + 128
+        return self.threads
+
     @property
     def wide(self) -> bool:
         """Whether this is the wide-head-dim form of the Hopper backward (csrc/kernels/sm90/bwd_wide)."""
@@ -87,10 +101,19 @@ class BwdConfig:
         d, bq, bkv = self.head_dim, self.block_q, self.block_kv
         if self.warp_specialized:
             # K, V; Q and dO per slot; two dS^T buffers; two warpgroups' 64 x 64 fp32 dQ staging tiles;
-            # LSE and delta per slot; the slots' two mbarriers (+1 KB to align the tiles).
+            # LSE and delta per slot; the slots' two mbarriers, the deterministic dQ hand-off's four and
+            # its (head, query row) per slot (+1 KB to align the tiles).
             st = self.WS_STAGES
             return (
-                4 * bkv * d + 4 * st * bq * d + 4 * bkv * bq + 2 * 64 * 64 * 4 + 8 * st * bq + 16 * st + 1024
+                4 * bkv * d
+                + 4 * st * bq * d
+                + 4 * bkv * bq
+                + 2 * 64 * 64 * 4
+                + 8 * st * bq
+                + 16 * st
+                + 32
+                + 8 * st
+                + 1024
             )
         if self.wide:
             # Mirrors fa::sm90::BwdWideSmem: K, V; two Q and two dO buffers; P^T in fp32; dS^T; LSE and delta
@@ -121,7 +144,10 @@ class BwdConfig:
 
     def entry_kinds(self) -> tuple[str, ...]:
         """The per-mask kernels of this config's translation unit: the dK/dV kernel with atomic dQ, and
-        (sm80 family only) the deterministic pair of dK/dV without atomics and dQ."""
+        (sm80 family) the deterministic pair of dK/dV without atomics and dQ, or (warp-specialized) the
+        deterministic dK/dV kernel whose dQ reductions take turns."""
+        if self.warp_specialized:
+            return ("dkdv", "dkdv_det")  # the deterministic one adds dQ in key-block order itself
         return ("dkdv",) if self.wgmma else ("dkdv", "dkdv_det", "dq")
 
     def symbol(self, kernel: str, causal: bool = False, ranged: bool = False, dropout: bool = False) -> str:
@@ -163,6 +189,8 @@ class BwdConfig:
             ("kSmemBytes", "int", self.smem_bytes),
             ("kProducerRegs", "int", WS_REGISTER_SPLIT[0]),
             ("kConsumerRegs", "int", WS_REGISTER_SPLIT[1]),
+            ("kDetWriterRegs", "int", DET_WS_REGISTER_SPLIT[1]),
+            ("kDetConsumerRegs", "int", DET_WS_REGISTER_SPLIT[2]),
         ]
         return cpp_struct(struct_name, fields)
 

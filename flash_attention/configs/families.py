@@ -39,8 +39,9 @@ _SUPPORTED = {
     # dropout; not the deterministic mode (its two warpgroups issue their own dQ additions).
     (True, "wide"): frozenset({"causal", "key_range", "dropout", "untileable"}),
     # The warp-specialized backward copies with cp.async (no tensor maps): any layout the sm90 one takes;
-    # its key-range build is the mask policy's (fa/variant.cuh), as in the forward, and it has dropout.
-    (True, "ws"): frozenset({"causal", "key_range", "dropout", "untileable"}),
+    # its key-range build is the mask policy's (fa/variant.cuh), as in the forward, it has dropout, and a
+    # deterministic kernel (dQ reductions in key-block order).
+    (True, "ws"): frozenset({"causal", "key_range", "dropout", "deterministic", "untileable"}),
 }
 
 

@@ -133,6 +133,7 @@ class BwdParams(ctypes.Structure):
         ]
         + [("scale", _F32), ("scale_log2", _F32)]
         + [("dropout_key", ctypes.c_uint), ("dropout_threshold", ctypes.c_uint), ("dropout_rp", _F32)]
+        + [("dq_lanes", _I32)]
     )
 
 

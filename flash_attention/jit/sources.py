@@ -8,6 +8,8 @@ with their own entry-point suffixes, compiled only when a call first needs them)
 
 from __future__ import annotations
 
+import itertools
+
 from ..configs import BwdConfig, KernelConfig
 from ..configs.decode import DecodeConfig
 from .params import (
@@ -142,13 +144,15 @@ def bwd_kernel_source(cfg: BwdConfig, *, ranged: bool = False, dropout: bool = F
             body, header = "fa::sm90::bwd_wide_dkdv_body", "sm90/bwd_wide/bwd_kernel.cuh"
         else:
             body, header = "fa::sm90::bwd_dkdv_body", "sm90/bwd/bwd_kernel.cuh"
-        for causal in (False, True):
+        for causal, kind in itertools.product((False, True), cfg.entry_kinds()):
             targs = f"Cfg, {variant_type(causal, ranged)}"
-            if cfg.warp_specialized or cfg.wide:
+            if cfg.warp_specialized:
+                targs += f", {_cpp_bool(dropout)}, {_cpp_bool(kind == 'dkdv_det')}"
+            elif cfg.wide:
                 targs += f", {_cpp_bool(dropout)}"
             entries.append(
-                f'extern "C" __global__ void __launch_bounds__({cfg.threads}, 1)\n'
-                f"{cfg.symbol('dkdv', causal, ranged, dropout)}(const __grid_constant__ fa::BwdParams p) {{\n"
+                f'extern "C" __global__ void __launch_bounds__({cfg.kernel_threads(kind)}, 1)\n'
+                f"{cfg.symbol(kind, causal, ranged, dropout)}(const __grid_constant__ fa::BwdParams p) {{\n"
                 f"  {body}<{targs}>(p);\n}}\n"
             )
         variant = variant_name(False, ranged, dropout)

@@ -42,7 +42,8 @@ class _Plan:
     index: int
     template: bytes  # BwdParams with every field but the pointers and the dropout key
     stats: int  # floats in each of the workspace's base-2 LSE and delta arrays (batch * heads_q * rows)
-    accum: int  # floats of the atomic dQ accumulator after them (0 in deterministic mode)
+    accum: int  # floats of the dQ accumulator (and semaphores) after them (0 with the sm80 dQ kernel)
+    dkdv_kind: str  # the dK/dV entry point: "dkdv" or "dkdv_det"
     # The compiled training node's copy of this plan (ops.training), made at its first use.
     host_program: list = field(default_factory=list, compare=False)
 
@@ -58,7 +59,7 @@ class _Plan:
         )
         return (
             (self.pre, self.pre_grid, 128, 0),
-            (self.dkdv, self.dkdv_grid, cfg.threads, cfg.smem_bytes),
+            (self.dkdv, self.dkdv_grid, cfg.kernel_threads(self.dkdv_kind), cfg.smem_bytes),
             last,
         )
 
@@ -95,10 +96,15 @@ def _make_plan(q, k, v, o, do, lse, causal, scale, deterministic, ranged, dropou
         config=config,
     )
     kerns = get_bwd_kernels(cfg, arch, ranged=ranged, dropout=bool(dropout_p))
-    dkdv = kerns[cfg.symbol("dkdv_det" if deterministic else "dkdv", causal, ranged, bool(dropout_p))]
+    dkdv_kind = "dkdv_det" if deterministic else "dkdv"
+    dkdv = kerns[cfg.symbol(dkdv_kind, causal, ranged, bool(dropout_p))]
     dkdv.ensure_dynamic_smem(cfg.smem_bytes, index)
     dq = None
-    if deterministic:
+    # Deterministic on the sm80 family: dK/dV without atomics, then the dQ kernel. The warp-specialized
+    # kernel's deterministic form adds dQ into the workspace itself, in key-block order (turns taken on
+    # semaphores after the accumulator), and the cast follows as in the atomic mode.
+    det_ws = deterministic and cfg.warp_specialized
+    if deterministic and not det_ws:
         dq = kerns[cfg.symbol("dq", causal, ranged, bool(dropout_p))]
         dq.ensure_dynamic_smem(cfg.dq_smem_bytes, index)
 
@@ -113,11 +119,19 @@ def _make_plan(q, k, v, o, do, lse, causal, scale, deterministic, ranged, dropou
     p.lse_batch_stride, p.lse_head_stride = lse.stride(0), lse.stride(1)
     fill_common(p, q, k, cfg.block_q, scale, dropout_p)
     p.seqlen_q_pad = -(-seqlen_q // 128) * 128
+    # The deterministic ws kernel's accumulator lanes (fa/dq_turns.cuh): a causal walk never wraps.
+    lanes = (1 if causal else 2) if det_ws else 0
+    p.dq_lanes = lanes
     p.num_n_blocks = math.ceil(seqlen_k / cfg.block_kv)
     # The fp32 workspace: the base-2 LSE and delta rows (written by the preprocessing kernel), then the dQ
     # accumulator of the atomic mode (padded to whole 128-row blocks and the compiled head_dim, so the
-    # atomics need no bounds checks; zeroed by the preprocessing kernel).
+    # atomics need no bounds checks; zeroed by the preprocessing kernel), and for the deterministic
+    # warp-specialized kernel one such accumulator per lane and four int semaphores per 64 query rows
+    # (fa/dq_accum.cuh, dq_semaphore).
     stats = batch * heads_q * p.seqlen_q_pad
+    accum = 0
+    if not deterministic or det_ws:
+        accum = stats * cfg.head_dim * max(1, lanes) + stats // 64 * 4 * det_ws
     return _Plan(
         cfg,
         kerns["pre"],
@@ -132,7 +146,8 @@ def _make_plan(q, k, v, o, do, lse, causal, scale, deterministic, ranged, dropou
         index,
         bytes(p),
         stats,
-        0 if deterministic else stats * cfg.head_dim,
+        accum,
+        dkdv_kind,
     )
 
 

@@ -34,7 +34,7 @@ from flash_attention.ops.select import BuildJob, catalog
 
 from .report import launch_shape
 
-__all__ = ["MAX_BWD_SPILL_BYTES", "jobs_for", "main"]
+__all__ = ["MAX_BWD_SPILL_BYTES", "MAX_DET_WS_BWD_SPILL_BYTES", "jobs_for", "main", "spill_bound"]
 
 #: Spill bytes (stores or loads) the backward kernels may have. Their tiles sit at the 255-register limit and
 #: ptxas spills outside the inner products (docs/kernel-log.md, step 14): up to 28/40 bytes (stores/loads) in
@@ -42,6 +42,21 @@ __all__ = ["MAX_BWD_SPILL_BYTES", "jobs_for", "main"]
 #: key ranges, dropout, deterministic mode and head_dim 192/256 (NVRTC 13.0). The bound catches a kernel
 #: that gets worse than that; the forward kernels must not spill at all.
 MAX_BWD_SPILL_BYTES = 64
+#: The deterministic warp-specialized dK/dV kernels (``dkdv_det`` of a ``_ws`` config): their dQ writers'
+#: warpgroup leaves the consumers 232 registers instead of 240 (configs.backward.DET_WS_REGISTER_SPLIT):
+#: up to 60 bytes, except with dropout at head_dim 64, up to 200 (NVRTC 13.0: the LSE and delta of all
+#: sixteen query columns loaded at once next to the keep bits, inside the loop). Measured on an H100 with
+#: those spills: docs/kernel-log.md, step 76.
+MAX_DET_WS_BWD_SPILL_BYTES = 224
+
+
+def spill_bound(cfg, kernel: str) -> int:
+    """The spill bytes kernel ``kernel`` of ``cfg``'s translation unit may have."""
+    if not isinstance(cfg, BwdConfig):
+        return 0
+    if cfg.warp_specialized and "dkdv_det" in kernel:
+        return MAX_DET_WS_BWD_SPILL_BYTES
+    return MAX_BWD_SPILL_BYTES
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -68,7 +83,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--strict",
         action="store_true",
         help=f"exit 1 if a forward kernel spills, a backward one spills more than {MAX_BWD_SPILL_BYTES} "
-        "bytes, or a kernel exceeds its architecture's shared memory",
+        f"bytes ({MAX_DET_WS_BWD_SPILL_BYTES} for the deterministic warp-specialized ones), or a kernel "
+        "exceeds its architecture's shared memory",
     )
     return ap.parse_args(argv)
 
@@ -101,9 +117,9 @@ def jobs_for(archs: list[str], names: list[str] | None, dtypes=DTYPES, head_dims
 
 def _problems(job: BuildJob, resources: list[dict]) -> list[str]:
     out = []
-    bound = MAX_BWD_SPILL_BYTES if isinstance(job.cfg, BwdConfig) else 0
     limit = smem_optin(job.arch)
     for r in resources:
+        bound = spill_bound(job.cfg, r["kernel"])
         spill = max(r["spill_stores"], r["spill_loads"])
         if spill > bound:
             out.append(f"{r['kernel']} ({job.arch}) spills {spill} bytes (allowed: {bound})")

@@ -190,6 +190,8 @@ def launch_shape(cfg, kernel: str) -> tuple[int, int]:
             return 128, 0
         if "__dq" in kernel:
             return cfg.dq_threads, cfg.dq_smem_bytes
+        if "__dkdv_det" in kernel:
+            return cfg.kernel_threads("dkdv_det"), cfg.smem_bytes
     return cfg.threads, cfg.smem_bytes
 
 

@@ -25,7 +25,7 @@ from ..common import MODES, default_results_dir, environment, repo_root
 from .plot import plot_results
 from .progression import run_progression
 from .readme import update_readme
-from .results import DEFAULT_IMPLS, OURS, load_results, newest_results, write_results
+from .results import DEFAULT_IMPLS, KNOWN_IMPLS, OURS, load_results, newest_results, write_results
 from .sweep import DEFAULT_HEAD_DIMS, DEFAULT_SEQLENS, SweepSettings, run_sweep
 from .tables import results_to_markdown, results_to_text
 from .tiny import TINY_SHAPES
@@ -61,9 +61,9 @@ def _int_list_with_zero(text: str) -> tuple[int, ...]:
 
 def _impl_list(text: str) -> tuple[str, ...]:
     impls = tuple(x.strip() for x in text.split(",") if x.strip())
-    unknown = [i for i in impls if i not in DEFAULT_IMPLS]
+    unknown = [i for i in impls if i not in KNOWN_IMPLS]
     if unknown or not impls:
-        raise argparse.ArgumentTypeError(f"unknown impls {unknown}; choose from {','.join(DEFAULT_IMPLS)}")
+        raise argparse.ArgumentTypeError(f"unknown impls {unknown}; choose from {','.join(KNOWN_IMPLS)}")
     return impls
 
 
@@ -138,7 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--impls",
         type=_impl_list,
         default=DEFAULT_IMPLS,
-        help=f"comma-separated (default {','.join(DEFAULT_IMPLS)})",
+        help=f"comma-separated (default {','.join(DEFAULT_IMPLS)}; also {KNOWN_IMPLS[-1]}: ours with "
+        "deterministic=True, backward modes)",
     )
     p.add_argument(
         "--config",

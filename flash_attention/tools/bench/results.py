@@ -13,6 +13,8 @@ from ..common import default_results_dir
 
 __all__ = [
     "DEFAULT_IMPLS",
+    "KNOWN_IMPLS",
+    "OURS_DETERMINISTIC",
     "OURS",
     "RESULT_KEYS",
     "ROW_KEYS",
@@ -27,6 +29,10 @@ __all__ = [
 #: Our implementation's name in result rows, and the baselines in the order tables list them.
 OURS = "flash_attention"
 DEFAULT_IMPLS = (OURS, "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex")
+#: Ours with ``deterministic=True`` (backward modes only; not in the default sweep): the mode's cost against
+#: OURS in the same run.
+OURS_DETERMINISTIC = "flash_attention_deterministic"
+KNOWN_IMPLS = (*DEFAULT_IMPLS, OURS_DETERMINISTIC)
 
 #: Keys every result file and every row has (DESIGN.md "Benchmarks"); tools read these and nothing else.
 RESULT_KEYS = ("gpu", "driver", "cuda", "torch", "commit", "matmul_tflops", "rows")

@@ -13,7 +13,7 @@ import torch
 import flash_attention
 from flash_attention import configs, ops
 
-from .results import DEFAULT_IMPLS, OURS
+from .results import DEFAULT_IMPLS, OURS, OURS_DETERMINISTIC
 
 __all__ = ["Runner", "Shape", "Skip", "make_inputs", "make_runner", "one_line"]
 
@@ -177,6 +177,16 @@ def make_runner(
         # Backward modes go through attention() and its autograd; the config is the one it picks.
         f = lambda q, k, v: flash_attention.attention(q, k, v, causal=shape.causal)  # noqa: E731
         return Runner(_autograd_call(f, inputs, mode), lambda i: f(*inputs[i]), config=cfg.name())
+
+    if impl == OURS_DETERMINISTIC:
+        if mode == "fwd":
+            raise Skip("deterministic=True changes only the backward")
+        q0 = inputs[0][0]
+        reason = ops.cuda_unavailable_reason(q0)
+        if reason is not None:
+            raise Skip(f"our CUDA kernel cannot run: {reason}")
+        f = lambda q, k, v: flash_attention.attention(q, k, v, causal=shape.causal, deterministic=True)  # noqa: E731
+        return Runner(_autograd_call(f, inputs, mode), lambda i: f(*inputs[i]))
 
     if impl in _SDPA_BACKENDS:
         import torch.nn.functional as F

@@ -47,6 +47,11 @@ struct BwdParams {
   unsigned dropout_key;        // as in FwdParams (kDropout instantiations only)
   unsigned dropout_threshold;
   float dropout_rp;
+  // 0: the workspace holds one dQ accumulator (or none). 1 or 2: the deterministic warp-specialized
+  // backward's accumulator lanes, then its semaphores (fa/dq_accum.cuh, fa/dq_turns.cuh), which the
+  // preprocessing kernel zeroes and the convert kernel sums. Last, so the pointer fields' offsets stay where
+  // the compiled training node patches them.
+  int dq_lanes;
 };
 
 }  // namespace fa

@@ -20,6 +20,9 @@ __device__ __forceinline__ void bwd_preprocess_body(const BwdParams& p) {
   const int head = blockIdx.y;
   const int batch = blockIdx.z;
   const int lane8 = tid % 8;
+  // The deterministic ws backward's four semaphores of this block's 64-row unit start at zero (the dK/dV
+  // kernel, next on the stream, counts in them).
+  if (p.dq_lanes != 0 && tid < 4) *dq_semaphore<Cfg::kHeadDim>(p, batch, head, blockIdx.x * 64, tid / 2, tid % 2) = 0;
 #pragma unroll 1
   for (int pass = 0; pass < 4; ++pass) {
     const int row = blockIdx.x * 64 + pass * 16 + tid / 8;
@@ -48,8 +51,11 @@ __device__ __forceinline__ void bwd_preprocess_body(const BwdParams& p) {
     acc += __shfl_xor_sync(0xffffffffu, acc, 4);
     // The atomic mode's dQ workspace starts at zero: each row is cleared here, before the dK/dV kernel (next
     // on the stream) adds into it. Null in deterministic mode, which writes dQ directly.
-    if (p.dq_accum != nullptr && row < p.seqlen_q_pad)
+    if (p.dq_accum != nullptr && row < p.seqlen_q_pad) {
       zero_dq_accum_row<Cfg::kHeadDim>(p.dq_accum, workspace_row(p, batch, head, row), lane8);
+      if (p.dq_lanes == 2)  // the deterministic backward's second accumulator (fa/dq_accum.cuh)
+        zero_dq_accum_row<Cfg::kHeadDim>(dq_lane<Cfg::kHeadDim>(p, 1), workspace_row(p, batch, head, row), lane8);
+    }
     if (lane8 == 0 && row < p.seqlen_q_pad) {
       const i64 idx = workspace_row(p, batch, head, row);
       float lse2 = pos_inf();  // padding rows and rows that see no key: probabilities exp2(s - inf) = 0

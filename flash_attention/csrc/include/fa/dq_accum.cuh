@@ -43,6 +43,26 @@ __device__ __forceinline__ i64 dq_accum_offset(i64 ws_row, int col) {
   }
 }
 
+// The deterministic warp-specialized backward's workspace (p.dq_lanes 1 or 2, fa/dq_turns.cuh): dq_lanes
+// accumulators of the layout above, one after the other (lane 1 holds the additions of the wrapped walks),
+// then four int semaphores per (batch, head, 64-row unit of the padded query rows): (lane, consumer
+// warpgroup). A semaphore counts the blocks whose part of that dQ tile has been added.
+__device__ __forceinline__ i64 dq_lane_floats(const BwdParams& p, int head_dim) {
+  return (i64)p.batch * p.heads_q * p.seqlen_q_pad * head_dim;
+}
+
+template <int kHeadDim>
+__device__ __forceinline__ float* dq_lane(const BwdParams& p, int lane) {
+  return p.dq_accum + lane * dq_lane_floats(p, kHeadDim);
+}
+
+template <int kHeadDim>
+__device__ __forceinline__ int* dq_semaphore(const BwdParams& p, int batch, int head, int q_start, int lane,
+                                             int wg) {
+  int* const base = reinterpret_cast<int*>(p.dq_accum + p.dq_lanes * dq_lane_floats(p, kHeadDim));
+  return base + ((workspace_row(p, batch, head, 0) / 64 + q_start / 64) * 4 + 2 * lane + wg);
+}
+
 // dQ = the workspace rows of (batch, head), cast to 16 bits and stored in q's layout. 128 threads, 64 query
 // rows per block, grid (ceil(seqlen_q / 64), heads_q, batch). A thread converts 8 columns at a time (two
 // 16-byte loads, one 16-byte store); the threads of a row are consecutive, so loads and stores coalesce.
@@ -65,10 +85,18 @@ __device__ __forceinline__ void bwd_convert_dq_body(const BwdParams& p) {
     if (row >= p.seqlen_q || c * 8 >= p.head_dim) continue;
     // Two 16-byte chunks; tiled, their order in the row may be swapped.
     constexpr bool kTiled = Cfg::kTiledDq;
-    const float4 a =
-        *reinterpret_cast<const float4*>(p.dq_accum + dq_accum_offset<D, kTiled>(ws_row0 + r, c * 8));
-    const float4 b =
-        *reinterpret_cast<const float4*>(p.dq_accum + dq_accum_offset<D, kTiled>(ws_row0 + r, c * 8 + 4));
+    const i64 ia = dq_accum_offset<D, kTiled>(ws_row0 + r, c * 8);
+    const i64 ib = dq_accum_offset<D, kTiled>(ws_row0 + r, c * 8 + 4);
+    float4 a = *reinterpret_cast<const float4*>(p.dq_accum + ia);
+    float4 b = *reinterpret_cast<const float4*>(p.dq_accum + ib);
+    if (p.dq_lanes == 2) {
+      // The deterministic backward's second lane, added after the first (fa/dq_turns.cuh).
+      const float* lane1 = dq_lane<D>(p, 1);
+      const float4 a1 = *reinterpret_cast<const float4*>(lane1 + ia);
+      const float4 b1 = *reinterpret_cast<const float4*>(lane1 + ib);
+      a = make_float4(a.x + a1.x, a.y + a1.y, a.z + a1.z, a.w + a1.w);
+      b = make_float4(b.x + b1.x, b.y + b1.y, b.z + b1.z, b.w + b1.w);
+    }
     const uint4 v =
         make_uint4(pack2<BF>(a.x, a.y), pack2<BF>(a.z, a.w), pack2<BF>(b.x, b.y), pack2<BF>(b.z, b.w));
     st_global_16(dq + (i64)row * p.dq_row_stride + c * 8, v);

@@ -36,6 +36,20 @@ __device__ __forceinline__ bool dropout_keep(u32 row_hash, int key, u32 threshol
   return dropout_mix(row_hash ^ (u32)key * 0xc2b2ae35u) >= threshold;
 }
 
+// The keep decisions of one n-tile of a warp's accumulator in the key-row orientation (the dK/dV kernels'
+// S^T, fa/mask.cuh): bit e of the result is element (n, e), key `key` + 8 (e / 2) against query
+// `query` + e % 2 (query = q_start + 8 n + 2 t, key = the thread's first key row).
+__device__ __forceinline__ u32 dropout_keep_bits_key_rows(u32 head_hash, int query, int key, u32 threshold) {
+  u32 bits = 0;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const u32 hr = dropout_row_hash(head_hash, query + r);
+    bits |= (u32)dropout_keep(hr, key, threshold) << r;
+    bits |= (u32)dropout_keep(hr, key + 8, threshold) << (2 + r);
+  }
+  return bits;
+}
+
 // Dropout of the probabilities of 16-row tile mt of one warp's tile in the query-row orientation
 // (fa/frag.cuh layout; the forward's P) of (batch, head): element (mt, n, e) is query
 // q_row0 + 16 mt + g + 8 (e / 2) against key kv_start + 8 n + 2 t + e % 2. The key, threshold and scale are

@@ -110,6 +110,24 @@ __device__ __forceinline__ void bulk_wait() {
   asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// ---- global semaphores between blocks (the deterministic backward's turn-taking) ---------------------------
+// Acquire load / release add at GPU scope (PTX ISA ld.acquire, red.release): what one block's dQ reduction
+// wrote is visible to the next block that sees the incremented count. The proxy fence orders the async
+// proxy (the bulk reductions) with these generic accesses to global memory, both ways.
+__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void red_release_gpu_add(int* p, int v) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void fence_proxy_async_global() {
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
+
 // ---- named barriers (PTX ISA bar.sync) --------------------------------------------------------------------
 // bar.sync with an explicit thread count: only the `threads` threads that name barrier `id` meet there
 // (the consumers of a warp-specialized block, without the producer that has left its loop). Barrier 0 is

@@ -26,11 +26,15 @@
 //   (docs/kernel-log.md, step 45): 32 red.global.v2 per thread per step, as the sm90 kernel adds dQ, took
 //   1.11-1.14x the bulk kernel's time at 4k tokens, and one 256-byte bulk reduce per row of the row-major
 //   workspace (64 per warpgroup per step, which the compiler issues one lane at a time) 1.5x.
+// * kDeterministic (deterministic=True): a fourth warpgroup (warpgroup 1; the consumers are then 2 and 3)
+//   holds two writers, the first lanes of its first two warps, one per consumer warpgroup, which add the
+//   staged dQ tiles in a fixed order, taking turns on semaphores in the workspace; the walk over the query
+//   blocks and the order of the turns are fa/dq_turns.cuh's (docs/kernel-log.md, steps 49 and 76).
 // * kDropout: P is kept undropped for dS, with the keep decisions in one bit per element (fa/dropout.cuh).
 //
 // Barriers, each for one hazard:
-//   full[s]  (mbarrier, 128 producer arrivals): slot s holds this use's Q, dO and statistics (and, for the
-//            first step, K and V).
+//   full[s]  (mbarrier, one arrival per copying producer thread): slot s holds this use's Q, dO and
+//            statistics (and, for the first step, K and V).
 //   empty[s] (mbarrier, 256 consumer-thread arrivals): every product that reads slot s has completed, and
 //            so have this thread's reads of the slot's statistics. Each thread arrives itself: one lane per
 //            warp after __syncwarp orders the same reads, but compute-sanitizer's racecheck does not follow
@@ -42,6 +46,8 @@
 //            its previous one to have read the staging tile (bulk_wait_read), so after it the tile may be
 //            rewritten.
 //   named 2 + c (128 threads of warpgroup c): its dQ tile is staged and fenced; one thread then issues it.
+//   dq_full[c], dq_empty[c] (mbarriers, deterministic only, in place of named 2 + c): warpgroup c's tile is
+//            staged (128 arrivals) / has been read by the writer's reduction (1 arrival).
 //
 // Shared memory (bytes from a 1024-aligned base): K (BC x D), V, kStages Q slots, kStages dO slots, two dS^T
 // buffers, the two warpgroups' 16 KB dQ staging tiles, kStages slots of statistics (LSE2 then delta, BR
@@ -55,6 +61,7 @@
 #include "fa/bwd_wgmma.cuh"
 #include "fa/copy.cuh"
 #include "fa/dq_accum.cuh"
+#include "fa/dq_turns.cuh"
 #include "fa/dropout.cuh"
 #include "fa/frag.cuh"
 #include "fa/mask.cuh"
@@ -68,7 +75,7 @@
 namespace fa {
 namespace sm90 {
 
-template <class Cfg, class V, bool kDropout = false>
+template <class Cfg, class V, bool kDropout = false, bool kDeterministic = false>
 __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
   using Mask = typename V::Mask;  // the variant (fa/variant.cuh)
   static_assert(V::ScoreMod::kIdentity, "the backward does not differentiate a score function yet");
@@ -85,8 +92,15 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
   constexpr int DQ_COL = DqSplit<BR, D>::kCol;
   static_assert(Cfg::kNumWarps == 12 && BC == 128, "a producer and two consumer warpgroups of 64 keys");
   static_assert(DQN == 64, "one staged dQ row is 256 bytes");
-  // setmaxnreg moves registers within the block's launch allocation (384 x 168 = 64512).
-  static_assert(128 * Cfg::kProducerRegs + 256 * Cfg::kConsumerRegs <= 384 * 168,
+  // setmaxnreg moves registers within the block's launch allocation: 384 x 168 = 64512, or in the
+  // deterministic mode, whose dQ writers have a warpgroup of their own (warpgroup 1; the consumers are then
+  // warpgroups 2 and 3), 512 x 128 = 65536 (configs.backward.WS_REGISTER_SPLIT, DET_WS_REGISTER_SPLIT).
+  constexpr int kThreads = kDeterministic ? 512 : 384;
+  constexpr int kConsumerBase = kThreads - 256;  // the first consumer thread
+  constexpr int kConsumerRegs = kDeterministic ? Cfg::kDetConsumerRegs : Cfg::kConsumerRegs;
+  static_assert(128 * Cfg::kProducerRegs + (kDeterministic ? 128 * Cfg::kDetWriterRegs : 0) +
+                        256 * kConsumerRegs <=
+                    kThreads * (65536 / kThreads / 8 * 8),
                 "the register split exceeds the block's allocation");
   using QTile = PanelTile<BR>;   // Q and dO in shared memory
   using KVTile = PanelTile<BC>;  // K, V and dS^T
@@ -106,15 +120,26 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
   const u32 bars = sStats + NST * 8 * BR;
   auto full = [&](int s) { return bars + 8 * s; };
   auto empty = [&](int s) { return bars + 8 * (NST + s); };
+  // Deterministic mode: consumer warpgroup w's staged dQ tile is complete (dq_full, its 128 threads) and has
+  // been read by the copy engine (dq_empty, the writer thread).
+  auto dq_full = [&](int w) { return bars + 8 * (2 * NST + w); };
+  auto dq_empty = [&](int w) { return bars + 8 * (2 * NST + 2 + w); };
+  // Deterministic mode: slot s's (query head, first query row), written by the producer before it arrives
+  // on full[s], so the consumers need not keep the walk's state (fa/dq_turns.cuh) in their registers.
+  const u32 sStep = bars + 8 * (2 * NST + 4);
+  constexpr int kLoaders = 128;  // the producer warpgroup's threads, all copying
   const float* const stats = reinterpret_cast<const float*>(smem + (sStats - smem_addr(smem)));
-  // The layout above (its mbarriers: full and empty per slot) and the 1 KB the base is rounded up by fit what
-  // the launch allocates (configs.backward.BwdConfig.smem_bytes).
+  // The layout above (its mbarriers: full and empty per slot, the deterministic hand-off's four) and the
+  // 1 KB the base is rounded up by fit what the launch allocates (configs.backward.BwdConfig.smem_bytes).
   static_assert(
-      1024 + 2 * kKV + 2 * NST * kQ + 2 * kDS + 2 * 64 * 64 * 4 + NST * 8 * BR + 16 * NST <= Cfg::kSmemBytes,
+      1024 + 2 * kKV + 2 * NST * kQ + 2 * kDS + 2 * 64 * 64 * 4 + NST * 8 * BR + 8 * (2 * NST + 4) + 8 * NST <=
+          Cfg::kSmemBytes,
       "the shared-memory layout exceeds the config's smem_bytes");
 
   const int tid = threadIdx.x;
-  const int n_block = blockIdx.x;
+  // Deterministic mode: the last K/V block first, so that the blocks a turn waits for were dispatched
+  // before it (fa/dq_turns.cuh).
+  const int n_block = kDeterministic ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
   const int kv_head = blockIdx.y;
   const int batch = blockIdx.z;
   const int kv_start = n_block * BC;
@@ -126,18 +151,69 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
   const int m_begin = blocks.begin;
   const int m_count = blocks.count;
   const int n_iter = p.group * m_count;
-  auto head_of = [&](int it) { return kv_head * p.group + it / m_count; };
-  auto q_start_of = [&](int it) { return (m_begin + it % m_count) * BR; };
+  // The order of the steps. Default: head by head, query blocks upward. Deterministic: fa/dq_turns.cuh's
+  // walk (head by head, query blocks upward from the block's own offset), which its turns follow.
+  const DqTurns<BR, BC, Mask> turns(mask, blocks, n_block);
+  auto head_of = [&](int it) { return kv_head * p.group + (kDeterministic ? turns.head(it) : it / m_count); };
+  auto q_start_of = [&](int it) { return (kDeterministic ? turns.q_block(it) : m_begin + it % m_count) * BR; };
 
   if (tid == 0) {
     for (int s = 0; s < NST; ++s) {
-      mbar_init(full(s), 128);
+      mbar_init(full(s), kLoaders);
       mbar_init(empty(s), 256);
+    }
+    if constexpr (kDeterministic) {
+      for (int w = 0; w < 2; ++w) {
+        mbar_init(dq_full(w), 128);
+        mbar_init(dq_empty(w), 1);
+      }
     }
     mbar_init_fence();
   }
   // The only block-wide barrier: the mbarriers are initialised before anyone waits on or arrives at them.
   __syncthreads();
+
+  if constexpr (kDeterministic) {
+    if (tid >= 128 && tid < 256) {
+      // ---- the dQ writers' warpgroup (deterministic mode) --------------------------------------------------
+      setmaxnreg_dec<Cfg::kDetWriterRegs>();
+      if (tid == 128 || tid == 160) {
+        // ---- a dQ writer (deterministic mode): consumer warpgroup w's tile of every step ---------------
+        // Added when this block's turn comes (fa/dq_turns.cuh): the semaphore of (query block, head, lane,
+        // w) counts the blocks that have added theirs, and the next block's turn comes once this addition
+        // is complete (the fence orders the copy engine's writes before the release). Rejected: confirming
+        // the completion a step later, after issuing the next addition, so that the writer never waits for
+        // it (measured, H100: 0.76-0.83x of this at head_dim 64, where the next block reaches the same
+        // query block one step later and then waits for the late release; +2-3% at 128 non-causal).
+        const int w = (tid - 128) / 32;
+        // Addresses from one 32-bit index, the 64-row unit of (batch, head, query row) (fa/dq_accum.cuh:
+        // a unit's tiles are 64 x D floats, tile c of its columns 4096 floats in; four semaphores per unit
+        // after the lanes), which keeps the writer within its 24 registers.
+        int* const sems = dq_semaphore<D>(p, 0, 0, 0, 0, w);
+        const int units_per_head = p.seqlen_q_pad / 64;
+#pragma unroll 1
+        for (int it = 0; it < n_iter; ++it) {
+          const DqTurn turn = turns.turn(mask, it);
+          const int unit = (batch * p.heads_q + head_of(it)) * units_per_head + turn.m * (BR / 64);
+          int* const sem = sems + 4 * unit + 2 * turn.lane;
+          float* const tile = dq_lane<D>(p, turn.lane) + (i64)(unit + (DQ_ROW / 64) * w) * (64 * D) +
+                              (DQ_COL / 64) * w * 4096;
+          mbar_wait(dq_full(w), (u32)(it & 1));
+          while (ld_acquire_gpu(sem) != turn.rank) __nanosleep(32);
+          fence_proxy_async_global();  // the previous adder's writes before this reduction's
+          bulk_reduce_add_f32(tile, sdQ + w * 64 * 64 * 4, 64 * 64 * 4);
+          bulk_commit();
+          // Read: the consumers may stage the next step's tile. Complete: the next block's turn.
+          bulk_wait_read<0>();
+          mbar_arrive(dq_empty(w));
+          bulk_wait<0>();
+          fence_proxy_async_global();
+          red_release_gpu_add(sem, 1);
+        }
+      }
+      return;
+    }
+  }
 
   if (tid < 128) {
     // ---- producer ----------------------------------------------------------------------------------------
@@ -149,17 +225,19 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
       if (it == 0) {
         const u16* gK = static_cast<const u16*>(p.k) + k_offset(p, batch, kv_head, kv_start);
         const u16* gV = static_cast<const u16*>(p.v) + v_offset(p, batch, kv_head, kv_start);
-        load_tile_rolled<BC, D, 128, KVTile>(sK, gK, p.k_row_stride, p.seqlen_k - kv_start, p.head_dim, tid);
-        load_tile_rolled<BC, D, 128, KVTile>(sV, gV, p.v_row_stride, p.seqlen_k - kv_start, p.head_dim, tid);
+        load_tile_rolled<BC, D, kLoaders, KVTile>(sK, gK, p.k_row_stride, p.seqlen_k - kv_start, p.head_dim,
+                                                  tid);
+        load_tile_rolled<BC, D, kLoaders, KVTile>(sV, gV, p.v_row_stride, p.seqlen_k - kv_start, p.head_dim,
+                                                  tid);
       }
       const int head = head_of(it);
       const int q_start = q_start_of(it);
       const u16* gQ = static_cast<const u16*>(p.q) + q_offset(p, batch, head, q_start);
       const u16* gdO = static_cast<const u16*>(p.dout) + do_offset(p, batch, head, q_start);
-      load_tile_rolled<BR, D, 128, QTile>(sQ + s * kQ, gQ, p.q_row_stride, p.seqlen_q - q_start, p.head_dim,
-                                          tid);
-      load_tile_rolled<BR, D, 128, QTile>(sdO + s * kQ, gdO, p.do_row_stride, p.seqlen_q - q_start,
-                                          p.head_dim, tid);
+      load_tile_rolled<BR, D, kLoaders, QTile>(sQ + s * kQ, gQ, p.q_row_stride, p.seqlen_q - q_start,
+                                               p.head_dim, tid);
+      load_tile_rolled<BR, D, kLoaders, QTile>(sdO + s * kQ, gdO, p.do_row_stride, p.seqlen_q - q_start,
+                                               p.head_dim, tid);
       // The workspaces are padded to whole 128-row blocks: no bounds check.
       const i64 r0 = workspace_row(p, batch, head, q_start);
       if (tid < BR / 4) {
@@ -167,6 +245,10 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
       } else if (tid < BR / 2) {
         const int c = tid - BR / 4;
         cp_async_16(sStats + s * 8 * BR + 4 * BR + 16 * c, p.delta + r0 + 4 * c, 16);
+      }
+      if (kDeterministic && tid == 0) {
+        st_shared_32(sStep + 8 * s, (u32)head);
+        st_shared_32(sStep + 8 * s + 4, (u32)q_start);
       }
       cp_async_commit();
       // This thread's copies have landed and are visible to the tensor cores before its arrival publishes
@@ -180,8 +262,8 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
   }
 
   // ---- consumers ------------------------------------------------------------------------------------------
-  setmaxnreg_inc<Cfg::kConsumerRegs>();
-  const int ctid = tid - 128;
+  setmaxnreg_inc<kConsumerRegs>();
+  const int ctid = tid - kConsumerBase;
   const int wg = ctid / 128;  // this warpgroup's 64 keys of the block
   const int warp = ctid / 32;
   const int lane = tid % 32;
@@ -211,9 +293,10 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
     const int s = it % NST;
     const u32 qoff = s * kQ;
     const u32 dsoff = (it & 1) * kDS;
-    const int head = head_of(it);
-    const int q_start = q_start_of(it);
     mbar_wait(full(s), (u32)((it / NST) & 1));
+    // (Kept in registers, the deterministic walk's state made ptxas spill inside this loop.)
+    const int head = kDeterministic ? (int)ld_shared_32(sStep + 8 * s) : head_of(it);
+    const int q_start = kDeterministic ? (int)ld_shared_32(sStep + 8 * s + 4) : q_start_of(it);
 
     // ---- S^T = K Q^T, dP^T = V dO^T, as two groups: P is computed while dP^T runs ---------------------
     float sc[BR / 2], dp[BR / 2];
@@ -222,6 +305,27 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
     wgmma_commit();
     issue_key_rows_product<BR, BC, D, BF>(dp, v_desc, q_desc, kDOOff + qoff);
     wgmma_commit();
+
+    // Dropout (kDropout; keep mask Z, kept elements scaled by rp = 1 / (1 - p), fa/dropout.cuh): dV takes
+    // P Z rp and dS = P (dP Z rp - delta), so P itself stays undropped in `sc` and the decisions wait in one
+    // bit per element (register 4 n + e is bit 4 n + e of `keep`). They are drawn while the products are on
+    // the tensor cores: in the atomic kernel inside the exponentials' loop below (the form measured in step
+    // 48); in the deterministic one here, in a loop that is not unrolled, because there, at 232 registers,
+    // the unrolled forms had the compiler draw all sixteen row hashes at once and spill 100-200 bytes
+    // inside the loop (NVRTC 13.0).
+    u32 keep[kDropout ? BR / 64 : 1] = {};
+    if constexpr (kDropout && kDeterministic) {
+      const u32 hh = dropout_head_hash(p.dropout_key, batch * p.heads_q + head);
+#pragma unroll 1
+      for (int n = 0; n < NQ; ++n) {
+        // Word n / 8 of `keep` by selects: a run-time index would put the array in local memory.
+        const u32 bits = dropout_keep_bits_key_rows(hh, q_start + 8 * n + 2 * t, kv_start + row0 + g,
+                                                     p.dropout_threshold)
+                         << (4 * (n % 8));
+#pragma unroll
+        for (int w = 0; w < BR / 64; ++w) keep[w] |= n / 8 == w ? bits : 0u;
+      }
+    }
     wgmma_wait<1>();
     wgmma_hold(sc);
 
@@ -231,19 +335,16 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
     mask.mask_key_rows(acc_tile(sc), kv_start, row0, q_start, g, t);
     const float* lse_s = stats + s * 2 * BR;
     const float* del_s = lse_s + BR;
-    // Dropout (kDropout; keep mask Z, kept elements scaled by rp = 1 / (1 - p), fa/dropout.cuh): dV takes
-    // P Z rp and dS = P (dP Z rp - delta), so P itself stays undropped in `sc` and the decisions, drawn here
-    // while dP^T is on the tensor cores, wait in one bit per element (register 4 n + e is bit 4 n + e).
-    u32 keep[kDropout ? BR / 64 : 1] = {};
     u32 head_hash = 0;
-    if constexpr (kDropout) head_hash = dropout_head_hash(p.dropout_key, batch * p.heads_q + head);
+    if constexpr (kDropout && !kDeterministic)
+      head_hash = dropout_head_hash(p.dropout_key, batch * p.heads_q + head);
 #pragma unroll
     for (int n = 0; n < NQ; ++n) {
       const float2 l2 = *reinterpret_cast<const float2*>(lse_s + 8 * n + 2 * t);
 #pragma unroll
       for (int e = 0; e < 4; ++e)
         sc[4 * n + e] = exp2_approx(fmaf(sc[4 * n + e], sl2, -((e & 1) ? l2.y : l2.x)));
-      if constexpr (kDropout) {
+      if constexpr (kDropout && !kDeterministic) {
         const u32 hr[2] = {dropout_row_hash(head_hash, q_start + 8 * n + 2 * t),
                            dropout_row_hash(head_hash, q_start + 8 * n + 2 * t + 1)};
 #pragma unroll
@@ -297,7 +398,7 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
 
     // The staging tile of this warpgroup's previous dQ has been read by the copy engine (the thread that
     // issued that reduction waits), and both warpgroups' dS^T of this step is written.
-    if (ctid % 128 == 0) bulk_wait_read<0>();
+    if (!kDeterministic && ctid % 128 == 0) bulk_wait_read<0>();
     named_barrier_sync(1, 256);
 
     // ---- dQ = dS K (this warpgroup's 64 x DQN part) -------------------------------------------------------
@@ -313,17 +414,32 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
     mbar_arrive(empty(s));
 
     // ---- dQ out: a staged 64 x 64 tile, then one bulk reduce-add of it (fa/dq_accum.cuh, tiled) --------
+    // Deterministic: the writer thread adds it when this block's turn comes; it must have read the previous
+    // tile first.
+    if constexpr (kDeterministic)
+      if (it > 0) mbar_wait(dq_empty(wg), (u32)((it - 1) & 1));
     // Register 4 n + e: query row 16 (warp % 4) + g + 8 (e / 2) of the warpgroup's 64, column 8 n + 2 t; its
-    // 16-byte chunk (2 n + t / 2) is swizzled by the row's low three bits, as the workspace tile is.
+    // 16-byte chunk 2 n + t / 2 is swizzled by the row's low three bits (g), as the workspace tile is:
+    // chunk ((n ^ (g / 2)) << 1) | ((t / 2) ^ (g % 2)), i.e. one of four per-thread addresses (n % 4) plus
+    // constants for n / 4 and the second row. (Written as the plain XOR per (n, row), ptxas kept sixteen
+    // addresses, which the deterministic kernel's 224 registers spilled inside the loop.)
+    {
+      const u32 row_base = sdQ_wg + (16 * (warp % 4) + g) * 256 + 8 * (t % 2);
+      u32 chunk_addr[4];
 #pragma unroll
-    for (int n = 0; n < DQN / 8; ++n)
+      for (int k = 0; k < 4; ++k)
+        chunk_addr[k] = row_base + ((((k ^ (g >> 1)) << 1) | ((t >> 1) ^ (g & 1))) << 4);
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int row = 16 * (warp % 4) + g + 8 * r;
-        st_shared_f32x2(sdQ_wg + row * 256 + (((2 * n + t / 2) ^ (row % 8)) << 4) + 8 * (t % 2),
-                        dq[4 * n + 2 * r], dq[4 * n + 2 * r + 1]);
-      }
+      for (int n = 0; n < DQN / 8; ++n)
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+          st_shared_f32x2(chunk_addr[n % 4] + (n / 4) * 128 + r * 8 * 256, dq[4 * n + 2 * r], dq[4 * n + 2 * r + 1]);
+    }
     fence_proxy_async();
+    if constexpr (kDeterministic) {
+      mbar_arrive(dq_full(wg));
+      continue;
+    }
     named_barrier_sync(2 + wg, 128);
     if (ctid % 128 == 0) {
       // The warpgroup's tile: rows [DQ_ROW wg, + 64) of the query block, columns [DQ_COL wg, + 64).
@@ -333,10 +449,19 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
     }
   }
   // No reduction may outlive the shared memory it reads.
-  if (ctid % 128 == 0) bulk_wait<0>();
+  if (!kDeterministic && ctid % 128 == 0) bulk_wait<0>();
 
   // ---- epilogue: dK, dV (scale already folded into dS) ---------------------------------------------------
-  store_dk_dv<D, BF>(p, batch, kv_head, kv_start, row0, g, t, dk, dv);
+  if constexpr (kDeterministic) {
+    // With the consumers' 224 registers ptxas computed the epilogue's row addresses before the loop and
+    // kept them in local memory across it (60-90 bytes of spills at head_dim 64); from values it cannot
+    // see through, it computes them here.
+    int b = batch, h = kv_head, k0 = kv_start, r0 = row0;
+    asm volatile("" : "+r"(b), "+r"(h), "+r"(k0), "+r"(r0));
+    store_dk_dv<D, BF>(p, b, h, k0, r0, g, t, dk, dv);
+  } else {
+    store_dk_dv<D, BF>(p, batch, kv_head, kv_start, row0, g, t, dk, dv);
+  }
 }
 
 }  // namespace sm90
