@@ -422,7 +422,8 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
     // 16-byte chunk 2 n + t / 2 is swizzled by the row's low three bits (g), as the workspace tile is:
     // chunk ((n ^ (g / 2)) << 1) | ((t / 2) ^ (g % 2)), i.e. one of four per-thread addresses (n % 4) plus
     // constants for n / 4 and the second row. (Written as the plain XOR per (n, row), ptxas kept sixteen
-    // addresses, which the deterministic kernel's 224 registers spilled inside the loop.)
+    // addresses, which the deterministic kernel's consumers, at 224 registers in its first build, spilled
+    // inside the loop.)
     {
       const u32 row_base = sdQ_wg + (16 * (warp % 4) + g) * 256 + 8 * (t % 2);
       u32 chunk_addr[4];
@@ -452,16 +453,7 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
   if (!kDeterministic && ctid % 128 == 0) bulk_wait<0>();
 
   // ---- epilogue: dK, dV (scale already folded into dS) ---------------------------------------------------
-  if constexpr (kDeterministic) {
-    // With the consumers' 224 registers ptxas computed the epilogue's row addresses before the loop and
-    // kept them in local memory across it (60-90 bytes of spills at head_dim 64); from values it cannot
-    // see through, it computes them here.
-    int b = batch, h = kv_head, k0 = kv_start, r0 = row0;
-    asm volatile("" : "+r"(b), "+r"(h), "+r"(k0), "+r"(r0));
-    store_dk_dv<D, BF>(p, b, h, k0, r0, g, t, dk, dv);
-  } else {
-    store_dk_dv<D, BF>(p, batch, kv_head, kv_start, row0, g, t, dk, dv);
-  }
+  store_dk_dv<D, BF>(p, batch, kv_head, kv_start, row0, g, t, dk, dv);
 }
 
 }  // namespace sm90
