@@ -238,7 +238,7 @@ _DET_CASES = [
 @needs_hopper
 @pytest.mark.parametrize("case", _DET_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_ws_deterministic_bitwise_and_accurate(case):
-    """deterministic=True on the ws kernel: dQ's reductions take turns in key-block order, so ten runs give
+    """deterministic=True on the ws kernel: dQ's reductions take turns in a fixed order, so ten runs give
     the same bits (dq included); and the gradients are as accurate as the atomic mode's."""
     from flash_attention.dropout import draw_seed
 

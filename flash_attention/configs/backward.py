@@ -147,7 +147,7 @@ class BwdConfig:
         (sm80 family) the deterministic pair of dK/dV without atomics and dQ, or (warp-specialized) the
         deterministic dK/dV kernel whose dQ reductions take turns."""
         if self.warp_specialized:
-            return ("dkdv", "dkdv_det")  # the deterministic one adds dQ in key-block order itself
+            return ("dkdv", "dkdv_det")  # the deterministic one adds dQ in a fixed order itself
         return ("dkdv",) if self.wgmma else ("dkdv", "dkdv_det", "dq")
 
     def symbol(self, kernel: str, causal: bool = False, ranged: bool = False, dropout: bool = False) -> str:

@@ -40,7 +40,7 @@ _SUPPORTED = {
     (True, "wide"): frozenset({"causal", "key_range", "dropout", "untileable"}),
     # The warp-specialized backward copies with cp.async (no tensor maps): any layout the sm90 one takes;
     # its key-range build is the mask policy's (fa/variant.cuh), as in the forward, it has dropout, and a
-    # deterministic kernel (dQ reductions in key-block order).
+    # deterministic kernel (dQ reductions in a fixed order, fa/dq_turns.cuh).
     (True, "ws"): frozenset({"causal", "key_range", "dropout", "deterministic", "untileable"}),
 }
 

@@ -101,7 +101,7 @@ def _make_plan(q, k, v, o, do, lse, causal, scale, deterministic, ranged, dropou
     dkdv.ensure_dynamic_smem(cfg.smem_bytes, index)
     dq = None
     # Deterministic on the sm80 family: dK/dV without atomics, then the dQ kernel. The warp-specialized
-    # kernel's deterministic form adds dQ into the workspace itself, in key-block order (turns taken on
+    # kernel's deterministic form adds dQ into the workspace itself, in a fixed order (turns taken on
     # semaphores after the accumulator), and the cast follows as in the atomic mode.
     det_ws = deterministic and cfg.warp_specialized
     if deterministic and not det_ws:
