@@ -44,6 +44,15 @@ DET_CASES = [
     (2, 200, 260, 6, 3, 64, False, True, 0.0, True),
     (1, 260, 300, 2, 1, 64, True, True, 0.1, True),
 ]
+#: the default (atomic) backward at head_dim 64 and 128: on Hopper the warp-specialized kernel that casts dQ
+#: itself (the last block to add into a tile casts it; tiles no block adds into are zeroed): query blocks
+#: above every key (causal, more queries than keys), grouped queries, key ranges and dropout.
+BWD_ATOMIC_CASES = [
+    (2, 300, 140, 4, 2, 64, True, False, 0.0, False),
+    (1, 260, 300, 2, 1, 128, True, True, 0.1, False),
+    (2, 200, 129, 2, 2, 128, True, False, 0.1, False),
+    (1, 130, 257, 4, 1, 128, False, True, 0.0, False),
+]
 SMALL = {1: 40, 2: 60}  # --small: shorter sequences (index into the case tuple -> cap)
 
 #: Hopper only: the warp-specialized kernel's knobs the defaults may not use (the persistent grid's tile
@@ -90,13 +99,22 @@ def run_case(case, seed: int, small: bool) -> float:
     out = fa.attention(
         q, k, v, causal=causal, key_range=kr, dropout_p=p, dropout_seed=seed, deterministic=det
     )
-    grads = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
     torch.cuda.synchronize()
     assert all(g.isfinite().all() for g in grads)
     if p:
         return 0.0  # dropout's output is checked against the same mask by tests/test_gpu_dropout.py
-    ref, _ = attention_reference(q.detach(), k.detach(), v.detach(), causal=causal, key_range=kr)
-    return (out.double() - ref).abs().max().item()
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref, _ = attention_reference(*leaves, causal=causal, key_range=kr)
+    # The gradients too (relative to their largest entry): dQ's accumulation and cast are what the
+    # backward's modes differ in.
+    ref_grads = torch.autograd.grad(ref, leaves, dout.double())
+    grad_err = max(
+        ((g.double() - r).abs().max() / r.abs().max().clamp_min(1e-6)).item()
+        for g, r in zip(grads, ref_grads, strict=True)
+    )
+    return max((out.double() - ref).abs().max().item(), grad_err)
 
 
 def run_ws_case(case, seed: int, small: bool) -> float:
@@ -241,6 +259,11 @@ def main(argv: list[str] | None = None) -> int:
         "--bwd-det-only", action="store_true", help="only the deterministic backward's cases (Hopper)"
     )
     ap.add_argument(
+        "--bwd-atomic-only",
+        action="store_true",
+        help="only the default (atomic) backward's cases at head_dim 64 and 128",
+    )
+    ap.add_argument(
         "--bwd-wide-only",
         action="store_true",
         help="only the head_dim-192/256 wgmma backward's cases (Hopper)",
@@ -258,17 +281,21 @@ def main(argv: list[str] | None = None) -> int:
 
         ops_forward.sm_count = lambda index: args.persistent_blocks
     worst = 0.0
-    only = args.ws_only or args.decode_only or args.bwd_wide_only or args.bwd_det_only
+    only = args.ws_only or args.decode_only or args.bwd_wide_only or args.bwd_det_only or args.bwd_atomic_only
     hopper = torch.cuda.get_device_capability() == (9, 0)
     for i, case in enumerate(DET_CASES if hopper and (args.bwd_det_only or not only) else []):
         err = run_case(case, seed=400 + i, small=args.small)
         worst = max(worst, err)
         print(f"deterministic backward case {i}: {case} max error {err:.3g}", flush=True)
+    for i, case in enumerate(BWD_ATOMIC_CASES if args.bwd_atomic_only or not only else []):
+        err = run_case(case, seed=500 + i, small=args.small)
+        worst = max(worst, err)
+        print(f"atomic backward case {i}: {case} max error {err:.3g}", flush=True)
     for i, case in enumerate(WIDE_BWD_CASES if hopper and (args.bwd_wide_only or not only) else []):
         err = run_wide_bwd_case(case, seed=300 + i, small=args.small)
         worst = max(worst, err)
         print(f"wide backward case {i}: {case} max error {err:.3g}", flush=True)
-    for i, case in enumerate([] if args.ws_only or args.bwd_wide_only or args.bwd_det_only else DECODE_CASES):
+    for i, case in enumerate(DECODE_CASES if args.decode_only or not only else []):
         err = run_decode_case(case, seed=200 + i)
         worst = max(worst, err)
         print(f"decode case {i}: {case} max error {err:.3g}", flush=True)
@@ -276,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         err = run_case(case, seed=i, small=args.small)
         worst = max(worst, err)
         print(f"case {i}: {case} max error {err:.3g}", flush=True)
-    if hopper and not (args.decode_only or args.bwd_wide_only or args.bwd_det_only):
+    if hopper and (args.ws_only or not only):
         for i, case in enumerate(WS_CASES):
             err = run_ws_case(case, seed=100 + i, small=args.small)
             worst = max(worst, err)
