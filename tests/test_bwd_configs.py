@@ -187,15 +187,25 @@ def test_key_padded_and_dropout_training_keeps_the_hopper_backward(feature, d):
     cfg = choose([feature])
     assert cfg == default_bwd_config("bf16", d, "sm_90") and cfg.wgmma
     assert cfg.warp_specialized if d == 128 else cfg.wide
-    # Deterministic mode: the ws kernel's turn-taking form at head_dim 64/128; the wide kernel has none, so
-    # the portable pair computes it there.
+    # Deterministic mode: the turn-taking forms of the same kernels (the ws one at head_dim 64/128, the
+    # wide one at 192/256).
     det = choose(["deterministic", feature])
-    assert det.warp_specialized if d == 128 else not det.wgmma
+    assert det == cfg
 
 
 def test_wide_backward_sources_have_the_key_range_and_dropout_builds():
     wide = hopper_bwd_config("bf16", 256)
     src = sources.kernel_source(wide, ranged=True)
-    assert wide.symbol("dkdv", True, True) in src and "fa::DefaultVariant<true, true>, false>" in src
+    assert wide.symbol("dkdv", True, True) in src and "fa::DefaultVariant<true, true>, false, false>" in src
     src = sources.kernel_source(wide, dropout=True)
-    assert wide.symbol("dkdv", True, False, True) in src and "fa::DefaultVariant<true, false>, true>" in src
+    assert (
+        wide.symbol("dkdv", True, False, True) in src
+        and "fa::DefaultVariant<true, false>, true, false>" in src
+    )
+    # The deterministic kernel, whose dQ writer is a third warpgroup, beside the 256-thread atomic one.
+    assert (
+        wide.symbol("dkdv_det", True, False, True) in src
+        and "fa::DefaultVariant<true, false>, true, true>" in src
+    )
+    assert "__launch_bounds__(256, 1)" in src and "__launch_bounds__(384, 1)" in src
+    assert wide.entry_kinds() == ("dkdv", "dkdv_det") and wide.kernel_threads("dkdv_det") == 384

@@ -11,7 +11,12 @@ import zlib
 
 import pytest
 import torch
-from test_gpu_sm90_bwd_ws import DTYPES, _torch_lowp_grads, check_key_range_backward
+from test_gpu_sm90_bwd_ws import (
+    DTYPES,
+    _torch_lowp_grads,
+    check_deterministic_backward,
+    check_key_range_backward,
+)
 
 from flash_attention import ops
 from flash_attention.configs import BwdConfig, default_bwd_config, hopper_bwd_config
@@ -155,3 +160,27 @@ def test_wide_backward_dropout(d, causal):
         assert torch.isfinite(a).all(), name
         err, err_old = (a.double() - r).abs().max().item(), (b_.double() - r).abs().max().item()
         assert err <= 1.5 * err_old + 1e-4, f"{name}: {err:.3g} vs the portable kernel's {err_old:.3g}"
+
+
+_DET_CASES = [
+    # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal, key_range, dropout_p)
+    (2, 333, 517, 4, 2, 256, True, False, 0.0),
+    # Non-causal: wrapped walks (lane 1)
+    (1, 700, 650, 2, 2, 256, False, False, 0.0),
+    # More query blocks than key blocks, key ranges, a group of 2
+    (2, 1500, 200, 4, 2, 192, False, True, 0.0),
+    # One query block, 32 key blocks: every block's turn in the same step (a chain of 32)
+    (1, 64, 2000, 8, 1, 256, False, False, 0.0),
+    (2, 400, 380, 4, 1, 192, True, True, 0.1),
+    (1, 1, 700, 4, 4, 256, True, False, 0.0),
+    # A head_dim zero-padded to 192
+    (1, 300, 300, 4, 1, 160, False, False, 0.0),
+]
+
+
+@needs_hopper
+@pytest.mark.parametrize("case", _DET_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_wide_deterministic_bitwise_and_accurate(case):
+    """deterministic=True on the wide kernel: its third warpgroup adds dQ in the order of fa/dq_turns.cuh,
+    so ten runs give the same bits, as accurate as the atomic mode."""
+    check_deterministic_backward(case, wide_config("bf16", case[5]))

@@ -36,13 +36,17 @@ CASES = [
     (1, 100, 100, 2, 2, 3, True, False, 0.0, False),
     (1, 64, 1, 2, 2, 192, False, False, 0.0, False),
 ]
-#: deterministic=True at head_dim 64 and 128: on Hopper the warp-specialized backward's turn-taking form
-#: (fa/dq_turns.cuh): causal walks, wrapped ones (two lanes), grouped queries, key ranges and dropout.
+#: deterministic=True: on Hopper the turn-taking forms (fa/dq_turns.cuh) of the warp-specialized backward
+#: (head_dim 64, 128) and the wide one (192, 256): causal walks, wrapped ones (two lanes), grouped queries,
+#: key ranges and dropout.
 DET_CASES = [
     (2, 150, 300, 4, 2, 128, True, False, 0.0, True),
     (1, 300, 200, 4, 4, 128, False, False, 0.0, True),
     (2, 200, 260, 6, 3, 64, False, True, 0.0, True),
     (1, 260, 300, 2, 1, 64, True, True, 0.1, True),
+    # the wide kernel's (head_dim 192/256): its third warpgroup's writer
+    (2, 150, 300, 4, 2, 256, True, False, 0.0, True),
+    (1, 300, 200, 4, 4, 192, False, True, 0.1, True),
 ]
 #: the default (atomic) backward at head_dim 64 and 128: on Hopper the warp-specialized kernel that casts dQ
 #: itself (the last block to add into a tile casts it; tiles no block adds into are zeroed): query blocks

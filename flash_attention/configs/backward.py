@@ -30,6 +30,10 @@ WS_REGISTER_SPLIT = (24, 240)
 #: consumers' wgmma at head_dim 128 and with dropout at 64 (measured 0.85-0.93x of the atomic mode's
 #: forward+backward at 128 that way, docs/kernel-log.md step 76).
 DET_WS_REGISTER_SPLIT = (24, 24, 232)
+#: The wide backward's deterministic form (head_dim 192/256, csrc/kernels/sm90/bwd_wide) adds a third
+#: warpgroup for its dQ writer: 384 x 168 launched, 128 x 24 (writer) + 256 x 240 (the two computing
+#: warpgroups, which use up to 255 in the atomic form's 256-thread block).
+DET_WIDE_REGISTER_SPLIT = (24, 240)
 
 
 @dataclass(frozen=True)
@@ -45,8 +49,8 @@ class BwdConfig:
     ``wgmma``: the Hopper dK/dV kernel (csrc/kernels/sm90/bwd, sm_90a): two warpgroups of 64 keys, Q/dO
     double-buffered, atomic dQ only (deterministic mode, key ranges and dropout run the sm80 kernels). At
     head_dim 192 and 256 (:attr:`wide`) its wide form (csrc/kernels/sm90/bwd_wide): 64 keys per block,
-    which both warpgroups see, one keeping dV and the other dK; it has key-range and dropout builds
-    (deterministic mode runs the sm80 kernels).
+    which both warpgroups see, one keeping dV and the other dK; it has key-range and dropout builds and a
+    deterministic kernel (dQ added in a fixed order by a third warpgroup's writer).
     ``warp_specialized`` (with ``wgmma``, ``num_warps`` 12): its warp-specialized form
     (csrc/kernels/sm90/bwd_ws): a producer warpgroup copies Q/dO into two slots while the two consumer
     warpgroups compute, and dQ leaves through bulk reduce-adds.
@@ -76,8 +80,9 @@ class BwdConfig:
 
     def kernel_threads(self, kind: str) -> int:
         """Threads of entry point ``kind`` (``dkdv``, ``dkdv_det``, ...) of the per-mask kernels: the
-        warp-specialized deterministic kernel has a fourth warpgroup (DET_WS_REGISTER_SPLIT)."""
-        if kind == "dkdv_det" and self.warp_specialized:
+        deterministic kernels of the warp-specialized and wide forms have one more warpgroup, for their dQ
+        writers (DET_WS_REGISTER_SPLIT, DET_WIDE_REGISTER_SPLIT)."""
+        if kind == "dkdv_det" and (self.warp_specialized or self.wide):
             return self.threads + 128
         return self.threads
 
@@ -146,7 +151,7 @@ class BwdConfig:
         """The per-mask kernels of this config's translation unit: the dK/dV kernel with atomic dQ, and
         (sm80 family) the deterministic pair of dK/dV without atomics and dQ, or (warp-specialized) the
         deterministic dK/dV kernel whose dQ reductions take turns."""
-        if self.warp_specialized:
+        if self.warp_specialized or self.wide:
             return ("dkdv", "dkdv_det")  # the deterministic one adds dQ in a fixed order itself
         return ("dkdv",) if self.wgmma else ("dkdv", "dkdv_det", "dq")
 
@@ -191,6 +196,8 @@ class BwdConfig:
             ("kConsumerRegs", "int", WS_REGISTER_SPLIT[1]),
             ("kDetWriterRegs", "int", DET_WS_REGISTER_SPLIT[1]),
             ("kDetConsumerRegs", "int", DET_WS_REGISTER_SPLIT[2]),
+            ("kDetWideWriterRegs", "int", DET_WIDE_REGISTER_SPLIT[0]),
+            ("kDetWideComputeRegs", "int", DET_WIDE_REGISTER_SPLIT[1]),
         ]
         return cpp_struct(struct_name, fields)
 

@@ -35,9 +35,9 @@ _SUPPORTED = {
     (True, "portable"): frozenset({"causal", "key_range", "dropout", "deterministic", "untileable"}),
     # The sm90 kernel: causal and GQA only.
     (True, "wgmma"): frozenset({"causal", "untileable"}),
-    # The wide one (head_dim 192/256, csrc/kernels/sm90/bwd_wide): the mask policy's key-range build, and
-    # dropout; not the deterministic mode (its two warpgroups issue their own dQ additions).
-    (True, "wide"): frozenset({"causal", "key_range", "dropout", "untileable"}),
+    # The wide one (head_dim 192/256, csrc/kernels/sm90/bwd_wide): the mask policy's key-range build,
+    # dropout, and a deterministic kernel (a third warpgroup adds dQ in the order of fa/dq_turns.cuh).
+    (True, "wide"): frozenset({"causal", "key_range", "dropout", "deterministic", "untileable"}),
     # The warp-specialized backward copies with cp.async (no tensor maps): any layout the sm90 one takes;
     # its key-range build is the mask policy's (fa/variant.cuh), as in the forward, it has dropout, and a
     # deterministic kernel (dQ reductions in a fixed order, fa/dq_turns.cuh).

@@ -149,7 +149,7 @@ def bwd_kernel_source(cfg: BwdConfig, *, ranged: bool = False, dropout: bool = F
             if cfg.warp_specialized:
                 targs += f", {_cpp_bool(dropout)}, {_cpp_bool(kind == 'dkdv_det')}"
             elif cfg.wide:
-                targs += f", {_cpp_bool(dropout)}"
+                targs += f", {_cpp_bool(dropout)}, {_cpp_bool(kind == 'dkdv_det')}"
             entries.append(
                 f'extern "C" __global__ void __launch_bounds__({cfg.kernel_threads(kind)}, 1)\n'
                 f"{cfg.symbol(kind, causal, ranged, dropout)}(const __grid_constant__ fa::BwdParams p) {{\n"

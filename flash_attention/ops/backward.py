@@ -100,10 +100,10 @@ def _make_plan(q, k, v, o, do, lse, causal, scale, deterministic, ranged, dropou
     dkdv = kerns[cfg.symbol(dkdv_kind, causal, ranged, bool(dropout_p))]
     dkdv.ensure_dynamic_smem(cfg.smem_bytes, index)
     dq = None
-    # Deterministic on the sm80 family: dK/dV without atomics, then the dQ kernel. The warp-specialized
-    # kernel's deterministic form adds dQ into the workspace itself, in a fixed order (turns taken on
-    # semaphores after the accumulator), and the cast follows as in the atomic mode.
-    det_ws = deterministic and cfg.warp_specialized
+    # Deterministic on the sm80 family: dK/dV without atomics, then the dQ kernel. The deterministic forms
+    # of the warp-specialized and wide kernels add dQ into the workspace themselves, in a fixed order
+    # (turns taken on semaphores after the accumulator), and the cast follows as in the atomic mode.
+    det_ws = deterministic and (cfg.warp_specialized or cfg.wide)
     if deterministic and not det_ws:
         dq = kerns[cfg.symbol("dq", causal, ranged, bool(dropout_p))]
         dq.ensure_dynamic_smem(cfg.dq_smem_bytes, index)
@@ -119,14 +119,14 @@ def _make_plan(q, k, v, o, do, lse, causal, scale, deterministic, ranged, dropou
     p.lse_batch_stride, p.lse_head_stride = lse.stride(0), lse.stride(1)
     fill_common(p, q, k, cfg.block_q, scale, dropout_p)
     p.seqlen_q_pad = -(-seqlen_q // 128) * 128
-    # The deterministic ws kernel's accumulator lanes (fa/dq_turns.cuh): a causal walk never wraps.
+    # The deterministic Hopper kernels' accumulator lanes (fa/dq_turns.cuh): a causal walk never wraps.
     lanes = (1 if causal else 2) if det_ws else 0
     p.dq_lanes = lanes
     p.num_n_blocks = math.ceil(seqlen_k / cfg.block_kv)
     # The fp32 workspace: the base-2 LSE and delta rows (written by the preprocessing kernel), then the dQ
     # accumulator of the atomic mode (padded to whole 128-row blocks and the compiled head_dim, so the
     # atomics need no bounds checks; zeroed by the preprocessing kernel), and for the deterministic
-    # warp-specialized kernel one such accumulator per lane and four int semaphores per 64 query rows
+    # Hopper kernels one such accumulator per lane and four int semaphores per 64 query rows
     # (fa/dq_accum.cuh, dq_semaphore).
     stats = batch * heads_q * p.seqlen_q_pad
     accum = 0

@@ -46,7 +46,9 @@ MAX_BWD_SPILL_BYTES = 64
 #: warpgroup leaves the consumers 232 registers instead of 240 (configs.backward.DET_WS_REGISTER_SPLIT):
 #: up to 60 bytes, except with dropout at head_dim 64, up to 200 (NVRTC 13.0: the LSE and delta of all
 #: sixteen query columns loaded at once next to the keep bits, inside the loop). Measured on an H100 with
-#: those spills: docs/kernel-log.md, step 76.
+#: those spills: docs/kernel-log.md, step 76. The wide kernel's deterministic form (head_dim 192/256,
+#: its computing warpgroups at 240 registers after setmaxnreg, configs.backward.DET_WIDE_REGISTER_SPLIT)
+#: spills up to 64/76 bytes at head_dim 256 (NVRTC 13.0) and has the same bound.
 MAX_DET_WS_BWD_SPILL_BYTES = 224
 
 
@@ -54,7 +56,7 @@ def spill_bound(cfg, kernel: str) -> int:
     """The spill bytes kernel ``kernel`` of ``cfg``'s translation unit may have."""
     if not isinstance(cfg, BwdConfig):
         return 0
-    if cfg.warp_specialized and "dkdv_det" in kernel:
+    if (cfg.warp_specialized or cfg.wide) and "dkdv_det" in kernel:
         return MAX_DET_WS_BWD_SPILL_BYTES
     return MAX_BWD_SPILL_BYTES
 

@@ -53,6 +53,7 @@
 #include "fa/bwd_preprocess.cuh"
 #include "fa/bwd_wgmma.cuh"
 #include "fa/copy.cuh"
+#include "fa/dq_turns.cuh"
 #include "fa/dropout.cuh"
 #include "fa/frag.cuh"
 #include "fa/mask.cuh"
@@ -83,7 +84,7 @@ struct BwdWideSmem {
 // from ws_row. Register 4 n + e is query row 16 (warp % 4) + g + 8 (e / 2), column 128 wg + 8 n + 2 t; in tile
 // n / 8, its 16-byte chunk (2 (n % 8) + t / 2) swizzled by the row's low three bits, which are g (rows
 // start at multiples of 8).
-template <int N, int BC, int D, bool BF>
+template <int N, int BC, int D, bool BF, bool kDeterministic>
 __device__ __forceinline__ void bwd_wide_dq_part(const BwdParams& p, float (&acc)[D / 2], u64 ds_desc,
                                                  u64 kt_desc, const u32 (&stage)[2], i64 ws_row, int wg,
                                                  int tid) {
@@ -106,6 +107,15 @@ __device__ __forceinline__ void bwd_wide_dq_part(const BwdParams& p, float (&acc
       st_shared_f32x2(stage[n / 8] + row_off + r * 8 * 256 + (((2 * (n % 8)) ^ chunk_bit) << 4),
                       dq[4 * n + 2 * r], dq[4 * n + 2 * r + 1]);
   fence_proxy_async();
+  if constexpr (kDeterministic) {
+    // Handed to the dQ writer, which waits at the same barrier (the warpgroup goes on).
+    if (wg == 0) {
+      named_barrier_arrive(3, 128 + 32);
+    } else {
+      named_barrier_arrive(4, 128 + 32);
+    }
+    return;
+  }
   // The warpgroup's tiles are staged and fenced for the copy engine (ids fixed at compile time: a run-time
   // id makes ptxas reserve all sixteen barriers).
   if (wg == 0) {
@@ -129,7 +139,16 @@ __device__ __forceinline__ u32 p_exchange_chunk(u32 sP, int warp_in_wg, int lane
   return sP + (u32)((warp_in_wg * 32 + lane) * 128 + ((chunk + lane) & 7) * 16);
 }
 
-template <class Cfg, class V, bool kDropout = false>
+// Deterministic mode (kDeterministic): the walk and the turns of fa/dq_turns.cuh, as in the warp-specialized
+// backward. A third warpgroup is launched whose first warp's lane 0 is the dQ writer: at each step it waits
+// at barrier 3 and 4 for warpgroup 0's and 1's staged tiles, takes their turns (the semaphores of the
+// query block, head, lane and warpgroup: warpgroup 0 adds dQ's columns [0, 128), 1 the rest) and adds
+// them; once the copy engine has read both it arrives at barrier A (here a named barrier of the two
+// compute warpgroups and the writer's warp), and once the additions are complete it releases the turns.
+// The computing warpgroups neither wait for turns nor for a reduction's completion (about 3 us under
+// load, longer than a step). Registers: 384 x 168 launched, 128 x 24 (writer) + 256 x 240 (compute)
+// after setmaxnreg (configs.backward.DET_WIDE_REGISTER_SPLIT).
+template <class Cfg, class V, bool kDropout = false, bool kDeterministic = false>
 __device__ __forceinline__ void bwd_wide_dkdv_body(const BwdParams& p) {
   using Mask = typename V::Mask;  // the variant (fa/variant.cuh)
   static_assert(V::ScoreMod::kIdentity, "the backward does not differentiate a score function yet");
@@ -164,7 +183,9 @@ __device__ __forceinline__ void bwd_wide_dkdv_body(const BwdParams& p) {
   const int wg = warp / 4;  // 0: S^T, P^T, dV; 1: dP^T, dS^T, dK
   const int g = lane / 4;
   const int t = lane % 4;
-  const int n_block = blockIdx.x;
+  // Deterministic mode: the last K/V block first, so that the blocks a turn waits for were dispatched
+  // before it (fa/dq_turns.cuh).
+  const int n_block = kDeterministic ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
   const int kv_head = blockIdx.y;
   const int batch = blockIdx.z;
   const int kv_start = n_block * BC;
@@ -177,6 +198,75 @@ __device__ __forceinline__ void bwd_wide_dkdv_body(const BwdParams& p) {
   const int m_begin = blocks.begin;
   const int m_count = blocks.count;
   const int n_iter = p.group * m_count;
+  // The order of the steps. Default: head by head, query blocks upward. Deterministic: fa/dq_turns.cuh's
+  // walk, which its turns follow.
+  const DqTurns<BR, BC, Mask> turns(mask, blocks, n_block);
+  auto head_of = [&](int it) { return kv_head * p.group + (kDeterministic ? turns.head(it) : it / m_count); };
+  auto q_start_of = [&](int it) { return (kDeterministic ? turns.q_block(it) : m_begin + it % m_count) * BR; };
+
+  if constexpr (kDeterministic) {
+    if (tid >= 256) {
+      // ---- the dQ writer's warpgroup --------------------------------------------------------------------
+      setmaxnreg_dec<Cfg::kDetWideWriterRegs>();
+      if (tid >= 256 + 32) return;
+#pragma unroll 1
+      for (int it = 0; it < n_iter; ++it) {
+        // Barrier A of step it: the previous step's staged tiles have been read (their buffers are
+        // reloaded after it).
+        __syncwarp();
+        named_barrier_arrive(5, 256 + 32);
+        if (tid == 256 && it > 0) {
+          // The previous step's additions complete: the next blocks' turns.
+          bulk_wait<0>();
+          fence_proxy_async_global();
+          const DqTurn prev = turns.turn(mask, it - 1);
+          const int h = head_of(it - 1);
+          red_release_gpu_add(dq_semaphore<D>(p, batch, h, prev.m * BR, prev.lane, 0), 1);
+          red_release_gpu_add(dq_semaphore<D>(p, batch, h, prev.m * BR, prev.lane, 1), 1);
+        }
+        const DqTurn turn = turns.turn(mask, it);
+        const int head = head_of(it);
+        const i64 ws_row = workspace_row(p, batch, head, turn.m * BR);
+        float* const lane_acc = dq_lane<D>(p, turn.lane);
+        const u32 qoff = (it & 1) * Smem::kQ;
+#pragma unroll 1
+        for (int w = 0; w < 2; ++w) {
+          // Warpgroup w's tiles are staged (w is a compile-time id in each branch). (The warp meets lane 0
+          // before each barrier: bar.sync and bar.arrive are warp-aligned.)
+          __syncwarp();
+          if (w == 0) {
+            named_barrier_sync(3, 128 + 32);
+          } else {
+            named_barrier_sync(4, 128 + 32);
+          }
+          if (tid == 256) {
+            const int* const sem = dq_semaphore<D>(p, batch, head, turn.m * BR, turn.lane, w);
+            while (ld_acquire_gpu(sem) != turn.rank) __nanosleep(32);
+            fence_proxy_async_global();  // the previous adder's writes before this reduction's
+            // Where bwd_wide_dq_part staged them: warpgroup 0 in the step's dO buffer (its second tile
+            // at head_dim 192 in P^T's), warpgroup 1 in the step's Q buffer.
+            const u32 buffer = (w == 0 ? sdO : sQ) + qoff;
+            const int tiles = (w == 0 || D == 256) ? 2 : 1;
+            for (int tile = 0; tile < tiles; ++tile)
+              bulk_reduce_add_f32(lane_acc + dq_accum_offset<D, true>(ws_row, 128 * w + 64 * tile),
+                                  tile == 0 ? buffer : (D == 256 ? buffer + 64 * 64 * 4 : sP), 64 * 64 * 4);
+            bulk_commit();
+          }
+        }
+        if (tid == 256) bulk_wait_read<0>();
+      }
+      if (tid == 256 && n_iter > 0) {
+        bulk_wait<0>();
+        fence_proxy_async_global();
+        const DqTurn prev = turns.turn(mask, n_iter - 1);
+        const int h = head_of(n_iter - 1);
+        red_release_gpu_add(dq_semaphore<D>(p, batch, h, prev.m * BR, prev.lane, 0), 1);
+        red_release_gpu_add(dq_semaphore<D>(p, batch, h, prev.m * BR, prev.lane, 1), 1);
+      }
+      return;
+    }
+    setmaxnreg_inc<Cfg::kDetWideComputeRegs>();
+  }
 
   // dV (warpgroup 0) or dK (warpgroup 1) of the warp's key rows.
   float acc[D / 2];
@@ -184,8 +274,8 @@ __device__ __forceinline__ void bwd_wide_dkdv_body(const BwdParams& p) {
   for (int i = 0; i < D / 2; ++i) acc[i] = 0.f;
 
   auto load_q_step = [&](int it, int buf) {
-    const int head = kv_head * p.group + it / m_count;
-    const int q_start = (m_begin + it % m_count) * BR;
+    const int head = head_of(it);
+    const int q_start = q_start_of(it);
     const u16* gQ = static_cast<const u16*>(p.q) + q_offset(p, batch, head, q_start);
     const u16* gdO = static_cast<const u16*>(p.dout) + do_offset(p, batch, head, q_start);
     load_tile<BR, D, NT, QTile, true>(sQ + buf * Smem::kQ, gQ, p.q_row_stride, p.seqlen_q - q_start,
@@ -230,15 +320,20 @@ __device__ __forceinline__ void bwd_wide_dkdv_body(const BwdParams& p) {
   for (int it = 0; it < n_iter; ++it) {
     const int buf = it & 1;
     const u32 qoff = buf * Smem::kQ;
-    const int head = kv_head * p.group + it / m_count;
-    const int q_start = (m_begin + it % m_count) * BR;
+    const int head = head_of(it);
+    const int q_start = q_start_of(it);
     // Barrier A (see the header): this step's loads landed (and are fenced for the tensor cores); the
     // previous step is done everywhere, and the copy engine has read its staged dQ (the buffer it was
-    // staged in is reloaded below).
-    if (tid % 128 == 0) bulk_wait_read<0>();
+    // staged in is reloaded below). Deterministic: the writer issued that copy and arrives here once it
+    // has been read.
+    if (!kDeterministic && tid % 128 == 0) bulk_wait_read<0>();
     cp_async_wait<0>();
     fence_proxy_async();
-    __syncthreads();
+    if constexpr (kDeterministic) {
+      named_barrier_sync(5, 256 + 32);
+    } else {
+      __syncthreads();
+    }
     if (it + 1 < n_iter) {
       load_q_step(it + 1, buf ^ 1);
       cp_async_commit();
@@ -340,15 +435,15 @@ __device__ __forceinline__ void bwd_wide_dkdv_body(const BwdParams& p) {
     const i64 ws_row = workspace_row(p, batch, head, q_start);
     if constexpr (D == 256) {
       // One instance for both warpgroups (two, in branches, spilled 4 bytes).
-      bwd_wide_dq_part<128, BC, D, BF>(p, acc, ds_desc, kt_desc, stage, ws_row, wg, tid);
+      bwd_wide_dq_part<128, BC, D, BF, kDeterministic>(p, acc, ds_desc, kt_desc, stage, ws_row, wg, tid);
     } else if (wg == 0) {
-      bwd_wide_dq_part<128, BC, D, BF>(p, acc, ds_desc, kt_desc, stage, ws_row, wg, tid);
+      bwd_wide_dq_part<128, BC, D, BF, kDeterministic>(p, acc, ds_desc, kt_desc, stage, ws_row, wg, tid);
     } else {
-      bwd_wide_dq_part<D - 128, BC, D, BF>(p, acc, ds_desc, kt_desc, stage, ws_row, wg, tid);
+      bwd_wide_dq_part<D - 128, BC, D, BF, kDeterministic>(p, acc, ds_desc, kt_desc, stage, ws_row, wg, tid);
     }
   }
-  // No reduction may outlive the shared memory it reads.
-  if (tid % 128 == 0) bulk_wait<0>();
+  // No reduction may outlive the shared memory it reads (deterministic: the writer's, which it waits for).
+  if (!kDeterministic && tid % 128 == 0) bulk_wait<0>();
 
   // ---- epilogue: dV (warpgroup 0) or dK (warpgroup 1); the softmax scale is already in dS ---------------
   if (wg == 0) {
