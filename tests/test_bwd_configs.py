@@ -209,3 +209,7 @@ def test_wide_backward_sources_have_the_key_range_and_dropout_builds():
     )
     assert "__launch_bounds__(256, 1)" in src and "__launch_bounds__(384, 1)" in src
     assert wide.entry_kinds() == ("dkdv", "dkdv_det") and wide.kernel_threads("dkdv_det") == 384
+    # report says what its 168 registers per thread become per role.
+    from flash_attention.configs.backward import bwd_register_roles
+
+    assert "dQ writer's warpgroup 24, the others up to 240" in bwd_register_roles(wide)

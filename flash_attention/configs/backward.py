@@ -280,11 +280,21 @@ def _tile_shape_errors(cfg: BwdConfig) -> list[str]:
 
 def bwd_register_roles(cfg: BwdConfig) -> str:
     """What a backward block's register count means per role, for ``report``: "" for a kernel without roles
-    (the compiler reports only the launch-time allocation of the warp-specialized one)."""
-    if not cfg.warp_specialized:
-        return ""
-    producer, consumer = WS_REGISTER_SPLIT
-    return f"setmaxnreg: producer warpgroup {producer}, consumer warpgroups up to {consumer}"
+    (the compiler reports only the launch-time allocation of those that move registers with setmaxnreg:
+    the warp-specialized kernels, and the wide one's deterministic form)."""
+    if cfg.warp_specialized:
+        producer, consumer = WS_REGISTER_SPLIT
+        copies, writers, det_consumers = DET_WS_REGISTER_SPLIT
+        return (
+            f"setmaxnreg: producer warpgroup {producer}, consumer warpgroups up to {consumer}; deterministic "
+            f"kernel: producer {copies}, dQ writers' warpgroup {writers}, consumers up to {det_consumers}"
+        )
+    if cfg.wide:
+        writer, compute = DET_WIDE_REGISTER_SPLIT
+        return (
+            f"deterministic kernel (setmaxnreg): dQ writer's warpgroup {writer}, the others up to {compute}"
+        )
+    return ""
 
 
 def hopper_bwd_config(dtype: str, head_dim: int, *, warp_specialized: bool = True) -> BwdConfig:
