@@ -178,3 +178,27 @@ def test_report_covers_backward_configs(tmp_path, monkeypatch, capsys):
     # per role is stated beside it.
     assert cfg.warp_specialized
     assert "registers by role: setmaxnreg: producer warpgroup 24, consumer warpgroups up to 240" in out
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_backward_progression_goes_portable_then_hopper_then_deterministic(d):
+    from flash_attention.configs import default_bwd_config
+    from flash_attention.tools.bench.progression import backward_progression_configs
+
+    tuned = default_bwd_config("bf16", d, "sm_90")
+    steps = backward_progression_configs("bf16", d, "sm_90", tuned)
+    cfgs = [cfg for _, cfg, _ in steps]
+    dets = [det for _, _, det in steps]
+    # The portable kernel first, each Hopper kernel once, ending with what training runs; then the
+    # deterministic mode on the portable pair and on the Hopper kernel.
+    assert not cfgs[0].wgmma and all(c.wgmma for c in cfgs[1:-2])
+    assert cfgs[-3] == tuned and cfgs[-1] == tuned and cfgs[-2] == cfgs[0]
+    assert dets == [False] * (len(steps) - 2) + [True, True]
+    if d <= 128:
+        assert not cfgs[1].warp_specialized and cfgs[2].warp_specialized and len(steps) == 5
+    else:
+        assert cfgs[1].wide and len(steps) == 4
+    # Elsewhere: the portable kernel is what training runs, in both modes.
+    tuned80 = default_bwd_config("bf16", d, "sm_80")
+    steps80 = backward_progression_configs("bf16", d, "sm_80", tuned80)
+    assert [(c, det) for _, c, det in steps80] == [(tuned80, False), (tuned80, True)]

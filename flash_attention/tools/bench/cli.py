@@ -23,7 +23,7 @@ from flash_attention.winners import gpu_slug
 
 from ..common import MODES, default_results_dir, environment, repo_root
 from .plot import plot_results
-from .progression import run_progression
+from .progression import run_backward_progression, run_progression
 from .readme import update_readme
 from .results import DEFAULT_IMPLS, KNOWN_IMPLS, OURS, load_results, newest_results, write_results
 from .sweep import DEFAULT_HEAD_DIMS, DEFAULT_SEQLENS, SweepSettings, run_sweep
@@ -228,7 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--progression",
         action="store_true",
         help="time the sequence of optimisation steps (plain -> swizzled -> ... -> tuned) instead of the "
-        "sweep; default shape: head_dim 128, seqlen 4096 (--head-dims, --seqlens, --causal choose others)",
+        "sweep; with --mode fwd_bwd the backward's (portable -> wgmma -> warp-specialized, then the "
+        "deterministic mode); default shape: head_dim 128, seqlen 4096 (--head-dims, --seqlens, --causal "
+        "choose others)",
     )
     p.add_argument(
         "--update-readme",
@@ -319,7 +321,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _main_model(args, reps, min_time)
 
     if args.progression:
-        steps = run_progression(
+        # --mode fwd_bwd: the backward's steps (timed alone); otherwise the forward's.
+        progression = run_backward_progression if args.mode == "fwd_bwd" else run_progression
+        steps = progression(
             dtype,
             args.head_dims or (128,),
             args.seqlens or (4096,),

@@ -1,4 +1,5 @@
-"""``bench --progression``: what each optimisation step of the kernel buys on the GPU at hand.
+"""``bench --progression``: what each optimisation step of the kernel buys on the GPU at hand (with ``--mode
+fwd_bwd``: the backward's steps, timed alone).
 
 The steps follow the project this one descends from, as far as our configuration knobs express them. Each
 step changes one thing from the previous one, so a row's gain is that change's.
@@ -9,7 +10,15 @@ from __future__ import annotations
 import torch
 
 from flash_attention import interface, ops
-from flash_attention.configs import KernelConfig, padded_head_dim, portable_config, ws_config
+from flash_attention.configs import (
+    BwdConfig,
+    KernelConfig,
+    default_bwd_config,
+    hopper_bwd_config,
+    padded_head_dim,
+    portable_config,
+    ws_config,
+)
 from flash_attention.configs.heuristics import classic_hopper_config
 
 from ..common import flops, time_cuda
@@ -145,4 +154,102 @@ def run_progression(dtype: str, head_dims, seqlens, causals, timing: dict) -> li
                     tf = fl / (t.ms * 1e9)
                     print(f"  {'(reference) ' + name:44} {tf:8.1f}   ours/{name} {prev / tf:.2f}x")
                     rows.append(row(name, None, t.ms, tf))
+    return rows
+
+
+# ---- the backward ------------------------------------------------------------------------------------------
+
+
+def backward_progression_configs(
+    dtype: str, head_dim: int, arch: str, tuned: BwdConfig
+) -> list[tuple[str, BwdConfig, bool]]:
+    """The backward's steps, each (label, config, deterministic); ``tuned`` is what a training call runs at
+    this shape. The portable kernel first (the ancestor's backward: dK/dV per key block, dQ by atomics),
+    then on Hopper the kernels that replaced it (docs/kernel-log.md, steps 44-45, 75-78), then the
+    deterministic mode, on the portable pair and on the Hopper kernel's turn-taking form."""
+    d = padded_head_dim(head_dim)
+    portable = default_bwd_config(dtype, d, arch, portable=True)
+    steps = [("portable (sm80) dK/dV kernel, dQ by atomics", portable, False)]
+    if tuned.wgmma:
+        if d <= 128:
+            steps.append(
+                ("wgmma, cp.async (sm90 kernel)", hopper_bwd_config(dtype, d, warp_specialized=False), False)
+            )
+            steps.append(
+                ("warp-specialized: loads, dQ by 16 KB bulk adds", hopper_bwd_config(dtype, d), False)
+            )
+        else:
+            steps.append(("wgmma, one accumulator per warpgroup (wide)", hopper_bwd_config(dtype, d), False))
+    if steps[-1][1] != tuned:
+        steps.append(("tuned (what training runs)", tuned, False))
+    steps.append(("deterministic: portable dK/dV + dQ kernels", portable, True))
+    if tuned.wgmma:
+        steps.append(("deterministic: dQ adds in turns (Hopper)", tuned, True))
+    return steps
+
+
+def run_backward_progression(dtype: str, head_dims, seqlens, causals, timing: dict) -> list[dict]:
+    """The backward alone (preprocessing, dK/dV, dQ's cast or kernel) at each step, against the backward
+    of PyTorch's own kernels (autograd of scaled_dot_product_attention on the same inputs)."""
+    from flash_attention.ops.plans import device_facts
+
+    facts = device_facts(torch.cuda.current_device())
+    rows = []
+    for d in head_dims:
+        for causal in causals:
+            for n in seqlens:
+                rows += _backward_shape(dtype, d, causal, n, facts, timing)
+    return rows
+
+
+def _backward_shape(dtype: str, d: int, causal: bool, n: int, facts: dict, timing: dict) -> list[dict]:
+    from flash_attention.ops import backward_config
+
+    batch, heads = max(1, 16384 // n), max(1, 2048 // d)
+    dt = torch.bfloat16 if dtype == "bf16" else torch.float16
+    q, k, v, do = (torch.randn(batch, n, heads, d, device="cuda", dtype=dt) for _ in range(4))
+    scale = d**-0.5
+    o, lse = ops.cuda_forward(q, k, v, causal=causal, softmax_scale=scale, return_lse=True, out=None)
+    fl = flops(batch, heads, n, n, d, causal, "bwd")
+    print(f"\nbackward progression: {dtype} head_dim {d} {'causal' if causal else 'non-causal'} seqlen {n}")
+    print(f"  {'step':48} {'TFLOP/s':>8} {'step gain':>9} {'total':>7}  config")
+    tuned = backward_config(dtype, padded_head_dim(d), causal, n, n, 1, **facts, features=(), config=None)
+
+    def row(step, config, ms, tf, det=False):
+        return dict(step=step, config=config, deterministic=det, dtype=dtype, head_dim=d, causal=causal,
+                    seqlen=n, ms=ms, tflops=round(tf, 2))  # fmt: skip
+
+    def ours(cfg, det):
+        return lambda i: ops.cuda_backward(
+            do, q, k, v, o, lse, causal=causal, softmax_scale=scale, config=cfg, deterministic=det
+        )
+
+    rows = []
+    prev = first = None
+    for label, cfg, det in backward_progression_configs(dtype, d, facts["arch"], tuned):
+        t = time_cuda(ours(cfg, det), 1, **timing)
+        tf = fl / (t.ms * 1e9)
+        first = first or tf
+        gain = f"{tf / prev:.2f}x" if prev else ""
+        print(f"  {label:48} {tf:8.1f} {gain:>9} {tf / first:6.2f}x  {cfg.name()}", flush=True)
+        rows.append(row(label, cfg.name(), t.ms, tf, det))
+        if not det:
+            prev = tf
+    # PyTorch's own backward on the same inputs, cuDNN (sdpa's default on Hopper) first.
+    leaves = [x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v)]
+    dot = do.transpose(1, 2)
+    backends = torch.nn.attention.SDPBackend
+    for name, backend in (("sdpa_cudnn", backends.CUDNN_ATTENTION), ("sdpa_flash", backends.FLASH_ATTENTION)):
+        try:
+            with torch.nn.attention.sdpa_kernel(backend):
+                out = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal)
+                t = time_cuda(
+                    lambda i, out=out: torch.autograd.grad(out, leaves, dot, retain_graph=True), 1, **timing
+                )
+        except RuntimeError as exc:  # a backend this GPU or build lacks
+            print(f"  {'(reference) ' + name:48} unavailable: {str(exc).splitlines()[0][:60]}")
+            continue
+        tf = fl / (t.ms * 1e9)
+        print(f"  {'(reference) ' + name:48} {tf:8.1f}   ours/{name} {prev / tf:.2f}x")
+        rows.append(row(name, None, t.ms, tf))
     return rows
