@@ -24,12 +24,14 @@ import torch
 from .dropout import dropout_key, dropout_threshold, keep_elements, seed_pair
 
 __all__ = [
+    "alibi_bias",
     "attention_backward_torch",
     "attention_kvcache_reference",
     "attention_reference",
     "attention_torch",
     "causal_allowed",
     "key_range_allowed",
+    "window_allowed",
 ]
 
 #: Upper bound on the bytes of one block of scores the fallback materialises. The fallback walks over
@@ -87,6 +89,38 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[in
     return heads_kv, heads_q // heads_kv
 
 
+def window_allowed(
+    seqlen_q: int, seqlen_k: int, window: tuple[int, int], device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Boolean (seqlen_q, seqlen_k) matrix of a sliding window ``(left, right)``, aligned like the causal
+    mask (bottom-right): query ``i`` sees key ``j`` iff ``i + shift - left <= j <= i + shift + right`` with
+    ``shift = seqlen_k - seqlen_q``; a negative bound is unbounded on that side. ``(-1, 0)`` is the causal
+    mask, ``(-1, -1)`` no mask."""
+    left, right = window
+    rows = torch.arange(seqlen_q, device=device).unsqueeze(1) + (seqlen_k - seqlen_q)
+    cols = torch.arange(seqlen_k, device=device).unsqueeze(0)
+    allowed = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if left >= 0:
+        allowed &= cols >= rows - left
+    if right >= 0:
+        allowed &= cols <= rows + right
+    return allowed
+
+
+def alibi_bias(
+    slopes: torch.Tensor, batch: int, seqlen_q: int, seqlen_k: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """ALiBi's bias, (batch, heads, seqlen_q, seqlen_k): ``-slope * |i + shift - j|`` with ``shift =
+    seqlen_k - seqlen_q`` (aligned like the causal mask); ``slopes`` (heads,) or (batch, heads)."""
+    slopes = slopes.to(dtype)
+    if slopes.dim() == 1:
+        slopes = slopes.unsqueeze(0).expand(batch, -1)
+    rows = torch.arange(seqlen_q, device=slopes.device).unsqueeze(1) + (seqlen_k - seqlen_q)
+    cols = torch.arange(seqlen_k, device=slopes.device).unsqueeze(0)
+    distance = (rows - cols).abs().to(dtype)
+    return -slopes[:, :, None, None] * distance
+
+
 def attention_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -96,19 +130,30 @@ def attention_reference(
     softmax_scale: float | None = None,
     compute_dtype: torch.dtype = torch.float64,
     key_range: torch.Tensor | None = None,
+    window: tuple[int, int] | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention in ``compute_dtype`` (float64 by default), materialising every score.
 
+    The score of query i and key j is ``s = softmax_scale * q_i . k_j``, then, in this order:
+    ``softcap`` > 0: ``s = softcap * tanh(s / softcap)``; ``alibi_slopes``: plus :func:`alibi_bias`; the
+    masks (``causal``, ``window`` (:func:`window_allowed`), ``key_range``): -inf where a key is not seen.
     ``key_range`` (batch, 2): batch row b attends only keys ``key_range[b, 0] <= j < key_range[b, 1]``.
+    ``sinks`` (heads_q,): a logit per head that joins every row's softmax denominator without a value
+    (attention sinks), so a row's probabilities sum to less than one.
 
     Returns:
         ``(out, lse)``: ``out`` of q's shape (batch, seqlen_q, heads_q, head_dim) and ``lse`` of shape
-        (batch, heads_q, seqlen_q), the natural-log log-sum-exp of the scaled, masked scores; both in
-        ``compute_dtype``.
+        (batch, heads_q, seqlen_q), the natural-log log-sum-exp of the final scores (and of the sink, when
+        there is one); both in ``compute_dtype``.
     """
     _, group = _check_shapes(q, k, v)
     head_dim = q.shape[-1]
     scale = _resolve_scale(softmax_scale, head_dim)
+    batch, seqlen_q, heads_q = q.shape[0], q.shape[1], q.shape[2]
+    seqlen_k = k.shape[1]
 
     qf = q.to(compute_dtype)
     # GQA by explicit repetition: the reference values obviousness over memory.
@@ -116,14 +161,24 @@ def attention_reference(
     vf = v.to(compute_dtype).repeat_interleave(group, dim=2)
 
     scores = torch.einsum("bqhd,bkhd->bhqk", qf, kf) * scale
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    if alibi_slopes is not None:
+        scores = scores + alibi_bias(alibi_slopes, batch, seqlen_q, seqlen_k, compute_dtype)
     if causal:
-        allowed = causal_allowed(q.shape[1], k.shape[1], device=q.device)
+        allowed = causal_allowed(seqlen_q, seqlen_k, device=q.device)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    if window is not None:
+        allowed = window_allowed(seqlen_q, seqlen_k, window, device=q.device)
         scores = scores.masked_fill(~allowed, float("-inf"))
     if key_range is not None:
-        allowed = key_range_allowed(key_range, k.shape[1])[:, None, None, :]
+        allowed = key_range_allowed(key_range, seqlen_k)[:, None, None, :]
         scores = scores.masked_fill(~allowed, float("-inf"))
 
     lse = torch.logsumexp(scores, dim=-1)  # -inf for rows with no key (including seqlen_k == 0)
+    if sinks is not None:
+        sink = sinks.to(compute_dtype)[None, :, None].expand(batch, heads_q, seqlen_q)
+        lse = torch.logaddexp(lse, sink)
     # exp(-inf - -inf) is NaN; subtracting 0 instead for empty rows makes their probabilities exactly 0.
     lse_finite = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
     probs = torch.exp(scores - lse_finite.unsqueeze(-1))
