@@ -155,7 +155,14 @@ class BwdConfig:
             return ("dkdv", "dkdv_det")  # the deterministic one adds dQ in a fixed order itself
         return ("dkdv",) if self.wgmma else ("dkdv", "dkdv_det", "dq")
 
-    def symbol(self, kernel: str, causal: bool = False, ranged: bool = False, dropout: bool = False) -> str:
+    def symbol(
+        self,
+        kernel: str,
+        causal: bool = False,
+        ranged: bool = False,
+        dropout: bool = False,
+        window: bool = False,
+    ) -> str:
         """Entry point of one kernel of the family: ``pre``, ``convert``, ``dkdv`` (atomic dQ), ``dkdv_det``
         or ``dq``."""
         if kernel not in ("pre", "convert", "dkdv", "dkdv_det", "dq"):
@@ -166,6 +173,7 @@ class BwdConfig:
         return (
             base
             + ("__causal" if causal else "")
+            + ("__window" if window else "")
             + ("__ranged" if ranged else "")
             + ("__dropout" if dropout else "")
         )

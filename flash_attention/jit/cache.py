@@ -56,9 +56,10 @@ def cache_key(
     *,
     ranged: bool = False,
     dropout: bool = False,
+    window: bool = False,
 ) -> str:
     h = hashlib.sha256()
-    source = kernel_source(cfg, trace, ranged=ranged, dropout=dropout)
+    source = kernel_source(cfg, trace, ranged=ranged, dropout=dropout, window=window)
     for part in (sources_digest(), source, arch, compiler_id, " ".join(_compiler.COMMON_FLAGS)):
         h.update(part.encode())
         h.update(b"\0")
@@ -147,11 +148,13 @@ def build(
     trace: bool = False,
     ranged: bool = False,
     dropout: bool = False,
+    window: bool = False,
 ) -> BuiltKernel:
     """Compile ``cfg`` for ``arch`` (e.g. 'sm_90'), or take it from the disk cache.
 
     ``trace=True`` builds the debug variant (csrc/include/fa/trace.cuh), ``ranged=True`` the key-padding
-    variant, ``dropout=True`` the dropout variant; each is cached under its own key.
+    variant, ``dropout=True`` the dropout variant, ``window=True`` the sliding window's; each is cached under
+    its own key.
     """
     arch = target_arch(cfg, arch)
     kind = compiler or _compiler.choose_compiler()
@@ -160,7 +163,7 @@ def build(
             "no CUDA compiler found: install PyTorch's CUDA build (it ships NVRTC) or a CUDA toolkit (nvcc)"
         )
     cid = _compiler.compiler_id(kind)
-    key = cache_key(cfg, arch, cid, trace, ranged=ranged, dropout=dropout)
+    key = cache_key(cfg, arch, cid, trace, ranged=ranged, dropout=dropout, window=window)
     root = cache_dir()
     cubin_path, meta_path = root / f"{key}.cubin", root / f"{key}.json"
     if not force and cubin_path.exists() and meta_path.exists():
@@ -170,16 +173,17 @@ def build(
             )
         except (OSError, ValueError):
             pass  # a damaged entry is rebuilt below
-    variant = variant_name(trace, ranged, dropout)
+    variant = variant_name(trace, ranged, dropout, window)
     what = f"{cfg.name()}{f' ({variant} build)' if variant else ''}"
     with _Ticker(f"{what} for {arch} with {cid}") as tick:
-        source = kernel_source(cfg, trace, ranged=ranged, dropout=dropout)
+        source = kernel_source(cfg, trace, ranged=ranged, dropout=dropout, window=window)
         result = _compiler.compile_source(source, arch, what, kind)
     meta = {
         "config": cfg.name(),
         "trace": trace,
         "ranged": ranged,
         "dropout": dropout,
+        "window": window,
         "arch": arch,
         "compiler": result.compiler,
         "compile_seconds": round(tick.elapsed, 2),

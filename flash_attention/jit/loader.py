@@ -13,7 +13,7 @@ from ..configs import BwdConfig, KernelConfig
 from ..configs.decode import DecodeConfig
 from . import driver
 from .cache import build
-from .sources import kernel_symbol, variant_name
+from .sources import kernel_symbol, mask_causals, variant_name
 
 __all__ = ["get_bwd_kernels", "get_decode_kernels", "get_kernel"]
 
@@ -42,37 +42,39 @@ def get_kernel(
     *,
     ranged: bool = False,
     dropout: bool = False,
+    window: bool = False,
 ) -> driver.Kernel:
     """The loaded entry point of ``cfg`` for a GPU of ``arch`` (compiling or reading the cache on first use).
 
     ``trace=True`` loads the debug build (flash_attention.tools.debug), ``ranged=True`` the key-padding
-    build, ``dropout=True`` the dropout build; each is cached apart from the normal one.
+    build, ``dropout=True`` the dropout build, ``window=True`` the sliding window's (whose one entry point is
+    named as not causal); each is cached apart from the normal one.
     """
-    variant = variant_name(trace, ranged, dropout)
+    variant = variant_name(trace, ranged, dropout, window)
 
     def load() -> None:
-        built = build(cfg, arch, trace=trace, ranged=ranged, dropout=dropout)
+        built = build(cfg, arch, trace=trace, ranged=ranged, dropout=dropout, window=window)
         library = driver.load_library(built.cubin)
-        for c in (False, True):
-            symbol = kernel_symbol(cfg, c, trace, ranged=ranged, dropout=dropout)
+        for c in mask_causals(window):
+            symbol = kernel_symbol(cfg, c, trace, ranged=ranged, dropout=dropout, window=window)
             _loaded[(cfg, c, arch, variant)] = driver.get_kernel(library, symbol)
 
     return _once((cfg, causal, arch, variant), load)
 
 
 def get_bwd_kernels(
-    cfg: BwdConfig, arch: str, *, ranged: bool = False, dropout: bool = False
+    cfg: BwdConfig, arch: str, *, ranged: bool = False, dropout: bool = False, window: bool = False
 ) -> dict[str, driver.Kernel]:
     """The loaded entry points of a backward config, by symbol (compiling or reading the cache once)."""
-    k = (cfg, arch, variant_name(False, ranged, dropout))
+    k = (cfg, arch, variant_name(False, ranged, dropout, window))
 
     def load() -> None:
-        built = build(cfg, arch, ranged=ranged, dropout=dropout)
+        built = build(cfg, arch, ranged=ranged, dropout=dropout, window=window)
         library = driver.load_library(built.cubin)
         kerns = {kind: driver.get_kernel(library, cfg.symbol(kind)) for kind in cfg.MASK_FREE_KINDS}
-        for causal in (False, True):
+        for causal in mask_causals(window):
             for kind in cfg.entry_kinds():
-                sym = cfg.symbol(kind, causal, ranged, dropout)
+                sym = cfg.symbol(kind, causal, ranged, dropout, window)
                 kerns[sym] = driver.get_kernel(library, sym)
         _loaded[k] = kerns
 

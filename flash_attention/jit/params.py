@@ -58,6 +58,8 @@ class FwdParams(ctypes.Structure):
         ("trace_m_block", _I32),
         ("trace_warp", _I32),
         ("trace_fault", _I32),
+        ("window_left", _I32),
+        ("window_right", _I32),
     ]
 
 
@@ -133,7 +135,7 @@ class BwdParams(ctypes.Structure):
         ]
         + [("scale", _F32), ("scale_log2", _F32)]
         + [("dropout_key", ctypes.c_uint), ("dropout_threshold", ctypes.c_uint), ("dropout_rp", _F32)]
-        + [("dq_lanes", _I32)]
+        + [("dq_lanes", _I32), ("window_left", _I32), ("window_right", _I32)]
     )
 
 

@@ -26,6 +26,7 @@ __all__ = [
     "decode_kernel_source",
     "kernel_source",
     "kernel_symbol",
+    "mask_causals",
     "variant_name",
     "variant_type",
 ]
@@ -37,46 +38,69 @@ def _cpp_bool(x: bool) -> str:
     return "true" if x else "false"
 
 
-def variant_type(causal: bool, ranged: bool) -> str:
+def variant_type(causal: bool, ranged: bool, window: bool = False) -> str:
     """The C++ variant (csrc/include/fa/variant.cuh) a kernel body is instantiated with: the mask policy of
-    the causal flag and the per-batch key ranges, no score function. A new variant is a new policy type
-    named here (docs/design.md, "Adding an attention variant")."""
+    the causal flag and the per-batch key ranges, or of a sliding window (which carries causal as its right
+    bound 0) and the key ranges; no score function. A new variant is a new policy type named here
+    (docs/design.md, "Adding an attention variant")."""
+    if window:
+        return f"fa::WindowVariant<{_cpp_bool(ranged)}>"
     return f"fa::DefaultVariant<{_cpp_bool(causal)}, {_cpp_bool(ranged)}>"
 
 
-def variant_name(trace: bool, ranged: bool, dropout: bool = False) -> str:
-    """The instantiation's suffix: "" (normal), "trace", or "ranged" / "dropout" / "ranged__dropout"."""
-    if trace and (ranged or dropout):
-        raise ValueError("the debug (trace) build has no key-range or dropout variant")
+def mask_causals(window: bool) -> tuple[bool, ...]:
+    """The causal flags a build has entry points for: both, or (a sliding window, whose bounds include
+    causal) one, named as not causal."""
+    return (False,) if window else (False, True)
+
+
+def variant_name(trace: bool, ranged: bool, dropout: bool = False, window: bool = False) -> str:
+    """The instantiation's suffix: "" (normal), "trace", or the build's features joined by "__" in the order
+    "window", "ranged", "dropout"."""
+    if trace and (ranged or dropout or window):
+        raise ValueError("the debug (trace) build has no key-range, dropout or window variant")
     if trace:
         return "trace"
-    return "__".join(x for x, on in (("ranged", ranged), ("dropout", dropout)) if on)
+    return "__".join(x for x, on in (("window", window), ("ranged", ranged), ("dropout", dropout)) if on)
 
 
 def kernel_symbol(
-    cfg: KernelConfig, causal: bool, trace: bool = False, *, ranged: bool = False, dropout: bool = False
+    cfg: KernelConfig,
+    causal: bool,
+    trace: bool = False,
+    *,
+    ranged: bool = False,
+    dropout: bool = False,
+    window: bool = False,
 ) -> str:
     """Entry point name. The debug build's carries a ``__trace`` suffix (so a profiler tells them apart),
-    the per-batch key-range build's ``__ranged``, the dropout build's ``__dropout``."""
-    variant = variant_name(trace, ranged, dropout)
+    the per-batch key-range build's ``__ranged``, the dropout build's ``__dropout``, the sliding window's
+    ``__window``."""
+    variant = variant_name(trace, ranged, dropout, window)
     return cfg.symbol(causal) + (f"__{variant}" if variant else "")
 
 
 def kernel_source(
-    cfg: KernelConfig, trace: bool = False, *, ranged: bool = False, dropout: bool = False
+    cfg: KernelConfig,
+    trace: bool = False,
+    *,
+    ranged: bool = False,
+    dropout: bool = False,
+    window: bool = False,
 ) -> str:
     """The translation unit of one config: its constants and the causal / non-causal entry points.
 
     ``trace=True`` is the debug build (csrc/include/fa/trace.cuh) of the sm80 or the warp-specialized kernel
     (the sm90 kernel has none): FA_TRACE=1 and the trace buffer's layout pinned to jit/params.py.
     ``ranged=True`` is the key-padding build (per-batch key ranges), compiled only when a call first needs
-    it. Their texts differ from the normal build's, so do their cache keys.
+    it. ``window=True`` is the sliding-window build (one entry point: the window carries causal). Their texts
+    differ from the normal build's, so do their cache keys.
     """
     if isinstance(cfg, BwdConfig):
-        return bwd_kernel_source(cfg, ranged=ranged, dropout=dropout)
+        return bwd_kernel_source(cfg, ranged=ranged, dropout=dropout, window=window)
     if isinstance(cfg, DecodeConfig):
         return decode_kernel_source(cfg)
-    variant = variant_name(trace, ranged, dropout)
+    variant = variant_name(trace, ranged, dropout, window)
     if trace and cfg.wgmma and not cfg.warp_specialized:
         raise ValueError(
             "the debug (trace) build exists for the sm80 kernel and the warp-specialized Hopper kernel only; "
@@ -94,12 +118,12 @@ def kernel_source(
         params, bounds = "fa::FwdParams", f"{cfg.threads}"
         header = f"{'sm90' if cfg.wgmma else 'sm80'}/{KERNEL_HEADER}"
     entries = []
-    for causal in (False, True):
+    for causal in mask_causals(window):
         entries.append(
             f'extern "C" __global__ void __launch_bounds__({bounds})\n'
-            f"{kernel_symbol(cfg, causal, trace, ranged=ranged, dropout=dropout)}"
+            f"{kernel_symbol(cfg, causal, trace, ranged=ranged, dropout=dropout, window=window)}"
             f"(const __grid_constant__ {params} p) {{\n"
-            f"  {body}<Cfg, {variant_type(causal, ranged)}, {_cpp_bool(dropout)}>(p);\n}}\n"
+            f"  {body}<Cfg, {variant_type(causal, ranged, window)}, {_cpp_bool(dropout)}>(p);\n}}\n"
         )
     return (
         f"// Generated by flash_attention.jit for {cfg.name()}{f' ({variant} build)' if variant else ''}\n"
@@ -115,7 +139,9 @@ def kernel_source(
     )
 
 
-def bwd_kernel_source(cfg: BwdConfig, *, ranged: bool = False, dropout: bool = False) -> str:
+def bwd_kernel_source(
+    cfg: BwdConfig, *, ranged: bool = False, dropout: bool = False, window: bool = False
+) -> str:
     """The translation unit of one backward config: the preprocessing kernel, the cast of the dQ workspace
     and, for causal and not, the dK/dV kernel with atomic dQ, the one without (deterministic mode) and the
     deterministic dQ kernel. ``ranged=True``: the per-batch key-range instantiations instead (key padding)."""
@@ -131,10 +157,10 @@ def bwd_kernel_source(cfg: BwdConfig, *, ranged: bool = False, dropout: bool = F
         # The Hopper family: the mask-free kernels and the atomic-dQ dK/dV kernel, nothing else; the
         # warp-specialized and wide ones also have the key-range build (their mask policy's q_blocks and
         # mask_key_rows) and the dropout build.
-        if (dropout or ranged) and not (cfg.warp_specialized or cfg.wide):
+        if (dropout or ranged or window) and not (cfg.warp_specialized or cfg.wide):
             raise ValueError(
-                "the sm90 wgmma backward has no key-range or dropout build; use its warp-specialized form "
-                "or an sm80 config"
+                "the sm90 wgmma backward has no key-range, dropout or window build; use its warp-specialized "
+                "form or an sm80 config"
             )
         # The warp-specialized form: one block per multiprocessor, whose launch allocation setmaxnreg
         # divides between producer and consumers.
@@ -144,18 +170,19 @@ def bwd_kernel_source(cfg: BwdConfig, *, ranged: bool = False, dropout: bool = F
             body, header = "fa::sm90::bwd_wide_dkdv_body", "sm90/bwd_wide/bwd_kernel.cuh"
         else:
             body, header = "fa::sm90::bwd_dkdv_body", "sm90/bwd/bwd_kernel.cuh"
-        for causal, kind in itertools.product((False, True), cfg.entry_kinds()):
-            targs = f"Cfg, {variant_type(causal, ranged)}"
+        for causal, kind in itertools.product(mask_causals(window), cfg.entry_kinds()):
+            targs = f"Cfg, {variant_type(causal, ranged, window)}"
             if cfg.warp_specialized:
                 targs += f", {_cpp_bool(dropout)}, {_cpp_bool(kind == 'dkdv_det')}"
             elif cfg.wide:
                 targs += f", {_cpp_bool(dropout)}, {_cpp_bool(kind == 'dkdv_det')}"
             entries.append(
                 f'extern "C" __global__ void __launch_bounds__({cfg.kernel_threads(kind)}, 1)\n'
-                f"{cfg.symbol(kind, causal, ranged, dropout)}(const __grid_constant__ fa::BwdParams p) {{\n"
+                f"{cfg.symbol(kind, causal, ranged, dropout, window)}"
+                "(const __grid_constant__ fa::BwdParams p) {\n"
                 f"  {body}<{targs}>(p);\n}}\n"
             )
-        variant = variant_name(False, ranged, dropout)
+        variant = variant_name(False, ranged, dropout, window)
         return (
             f"// Generated by flash_attention.jit for {cfg.name()}"
             + (f" ({variant} build)\n" if variant else "\n")
@@ -167,20 +194,22 @@ def bwd_kernel_source(cfg: BwdConfig, *, ranged: bool = False, dropout: bool = F
             + "\n".join(entries)
         )
     dr = _cpp_bool(dropout)
-    for causal in (False, True):
-        v = variant_type(causal, ranged)
+    for causal in mask_causals(window):
+        v = variant_type(causal, ranged, window)
         for kind, atomic in (("dkdv", "true"), ("dkdv_det", "false")):
             entries.append(
                 f'extern "C" __global__ void __launch_bounds__({cfg.threads})\n'
-                f"{cfg.symbol(kind, causal, ranged, dropout)}(const __grid_constant__ fa::BwdParams p) {{\n"
+                f"{cfg.symbol(kind, causal, ranged, dropout, window)}"
+                "(const __grid_constant__ fa::BwdParams p) {\n"
                 f"  fa::bwd_dkdv_body<Cfg, {v}, {atomic}, {dr}>(p);\n}}\n"
             )
         entries.append(
             f'extern "C" __global__ void __launch_bounds__({cfg.dq_threads})\n'
-            f"{cfg.symbol('dq', causal, ranged, dropout)}(const __grid_constant__ fa::BwdParams p) {{\n"
+            f"{cfg.symbol('dq', causal, ranged, dropout, window)}"
+            "(const __grid_constant__ fa::BwdParams p) {\n"
             f"  fa::bwd_dq_body<Cfg, {v}, {dr}>(p);\n}}\n"
         )
-    variant = variant_name(False, ranged, dropout)
+    variant = variant_name(False, ranged, dropout, window)
     return (
         f"// Generated by flash_attention.jit for {cfg.name()}{f' ({variant} build)' if variant else ''}\n"
         '#include "sm80/bwd/bwd_kernel.cuh"\n\n'

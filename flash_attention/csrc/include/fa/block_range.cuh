@@ -76,4 +76,34 @@ __device__ __forceinline__ QBlocks<kCausal> q_blocks(const VisibleKeys<kCausal, 
   return blocks;
 }
 
+// Sliding window (WindowKeys): the K/V blocks that query rows [q_start, q_start + q_rows) see some key of:
+// from the block of the first row's first key to the block of the last row's last key (the rows' windows
+// overlap, so every block between holds a visible key), within [kv_lo, kv_hi). Empty: end == begin.
+template <int BC, bool kRanged>
+__device__ __forceinline__ KVBlocks<true> kv_blocks(const WindowKeys<kRanged>& keys, int q_start, int q_rows) {
+  const int lo = max(keys.kv_lo, q_start + keys.shift - keys.left);
+  const int hi = min(keys.kv_hi, q_start + q_rows + keys.shift + keys.right);  // one past the last key
+  KVBlocks<true> blocks;
+  blocks.begin = max(lo, 0) / BC;
+  blocks.end = hi > max(lo, 0) ? (hi + BC - 1) / BC : blocks.begin;
+  return blocks;
+}
+
+// Sliding window: the query blocks (BR rows each, p.num_m_blocks of them) that see some key of
+// [kv_start, kv_start + BC): query q sees one iff its window meets the block's visible keys [a, b), i.e.
+// a - shift - right <= q <= b - 1 - shift + left. kv_blocks above and this agree on which (query block,
+// key block) pairs meet (the deterministic backward's turns count on it, fa/dq_turns.cuh).
+template <int BR, int BC, bool kRanged, class Params>
+__device__ __forceinline__ QBlocks<true> q_blocks(const WindowKeys<kRanged>& keys, const Params& p,
+                                                  int kv_start) {
+  const int a = max(kv_start, keys.kv_lo);
+  const int b = min(kv_start + BC, keys.kv_hi);
+  const int q_last = b - 1 - keys.shift + keys.left;
+  QBlocks<true> blocks;
+  blocks.begin = max(0, a - keys.shift - keys.right) / BR;
+  const int end = q_last < 0 ? 0 : min(p.num_m_blocks, q_last / BR + 1);
+  blocks.count = b > a ? max(0, end - blocks.begin) : 0;
+  return blocks;
+}
+
 }  // namespace fa

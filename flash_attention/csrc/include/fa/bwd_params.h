@@ -52,6 +52,7 @@ struct BwdParams {
   // preprocessing kernel zeroes and the convert kernel sums. Last, so the pointer fields' offsets stay where
   // the compiled training node patches them.
   int dq_lanes;
+  int window_left, window_right;  // as in FwdParams (WindowMask instantiations only)
 };
 
 }  // namespace fa

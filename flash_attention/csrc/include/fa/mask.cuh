@@ -72,4 +72,66 @@ __device__ __forceinline__ void mask_key_rows(const Acc& s, const VisibleKeys<kC
   }
 }
 
+// Sliding window (WindowKeys), query-row orientation (as mask_query_rows above): also masked where the key
+// lies outside the row's window [i + shift - left, i + shift + right].
+template <class Acc, bool kRanged>
+__device__ __forceinline__ void mask_query_rows(const Acc& s, const WindowKeys<kRanged>& keys, int q_row0,
+                                                int kv_start, int g, int t) {
+  constexpr int BC = 8 * Acc::kN;
+  constexpr int WM = 16 * Acc::kMT;  // the warp's query rows
+  const bool tail = kv_start + BC > keys.kv_hi;
+  const bool lead = kRanged && kv_start < keys.kv_lo;
+  const bool above = kv_start + BC - 1 > q_row0 + keys.shift + keys.right;
+  const bool below = kv_start < q_row0 + WM - 1 + keys.shift - keys.left;
+  if (tail || lead || above || below) {
+    const int col_limit = keys.kv_hi - kv_start - 2 * t;  // masked if 8n + e1 >= this
+    const int col_first = keys.kv_lo - kv_start - 2 * t;  // masked if 8n + e1 < this (kRanged only)
+    // With c = 8n + e1 and r = 16mt + 8e2: key - row = c - r + (kv_start + 2t - q_row0 - g).
+    const int base = q_row0 + g + keys.shift - kv_start - 2 * t;
+    const int hi_limit = base + keys.right;  // masked if c - r > this
+    const int lo_limit = base - keys.left;   // masked if c - r < this
+#pragma unroll
+    for (int mt = 0; mt < Acc::kMT; ++mt)
+#pragma unroll
+      for (int n = 0; n < Acc::kN; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int c = 8 * n + (e & 1);
+          const int d = c - 16 * mt - 8 * (e >> 1);
+          if ((c >= col_limit) | (kRanged && c < col_first) | (d > hi_limit) | (d < lo_limit)) s(mt, n, e) = neg_inf();
+        }
+  }
+}
+
+// Sliding window, key-row orientation (as mask_key_rows above).
+template <class Acc, bool kRanged>
+__device__ __forceinline__ void mask_key_rows(const Acc& s, const WindowKeys<kRanged>& keys, int kv_start,
+                                              int warp_row0, int q_start, int g, int t) {
+  constexpr int WN = 16 * Acc::kMT;
+  constexpr int QN = 8 * Acc::kN;  // the tile's queries
+  const int key0 = kv_start + warp_row0;
+  const bool tail = key0 + WN > keys.kv_hi;
+  const bool lead = kRanged && key0 < keys.kv_lo;
+  const bool above = key0 + WN - 1 > q_start + keys.shift + keys.right;
+  const bool below = key0 < q_start + QN - 1 + keys.shift - keys.left;
+  if (tail || lead || above || below) {
+    const int key_l = key0 + g;
+    // With d = 16mt + 8e2 - 8n - e1: key - query = d + key_l - q_start - 2t.
+    const int base = q_start + 2 * t + keys.shift - key_l;
+    const int hi_limit = base + keys.right;  // masked if d > this
+    const int lo_limit = base - keys.left;   // masked if d < this
+#pragma unroll
+    for (int mt = 0; mt < Acc::kMT; ++mt)
+#pragma unroll
+      for (int n = 0; n < Acc::kN; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = key_l + 16 * mt + 8 * (e >> 1);
+          const int d = 16 * mt + 8 * (e >> 1) - 8 * n - (e & 1);
+          if ((key >= keys.kv_hi) | (kRanged && key < keys.kv_lo) | (d > hi_limit) | (d < lo_limit))
+            s(mt, n, e) = neg_inf();
+        }
+  }
+}
+
 }  // namespace fa

@@ -41,6 +41,9 @@ struct FwdParams {
   float* trace;
   int trace_batch, trace_head, trace_m_block, trace_warp;
   int trace_fault;
+  // Sliding window (read only by the WindowMask instantiations, fa/visible_keys.cuh): row i sees keys
+  // [i + shift - window_left, i + shift + window_right], both >= 0 (an unbounded side: seqlen_q + seqlen_k).
+  int window_left, window_right;
 };
 
 }  // namespace fa

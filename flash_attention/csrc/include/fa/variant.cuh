@@ -27,8 +27,8 @@
 // exp2's multiplier. kIdentity = true compiles to nothing. The backward kernels accept only the identity
 // until they carry the function's derivative (a static_assert says so).
 //
-// The library's own variant today: CausalRangeMask (causal and/or per-batch key ranges, the rule of
-// fa/visible_keys.cuh) with NoScoreMod. The host picks the variant of a call and names it in the generated
+// The library's own variants today: CausalRangeMask (causal and/or per-batch key ranges, the rule of
+// fa/visible_keys.cuh) and WindowMask (a sliding window, and key ranges), with NoScoreMod. The host picks the variant of a call and names it in the generated
 // translation unit (flash_attention/jit/sources.py), so each variant is compiled only when a call needs it.
 #pragma once
 
@@ -75,6 +75,38 @@ struct CausalRangeMask {
   }
 };
 
+// A sliding window around the bottom-right diagonal (causal is the window (left, 0)), and/or per-batch key
+// ranges: fa/visible_keys.cuh (WindowKeys) states the rule. Both ends of a row's keys move with the row, so
+// a query tile's first K/V block is a run-time value and a key tile's query blocks are a band.
+template <bool kRanged>
+struct WindowMask {
+  static constexpr bool kLowerBound = true;
+  static constexpr bool kRowDependent = true;
+  WindowKeys<kRanged> keys;
+
+  template <class Params>
+  __device__ __forceinline__ WindowMask(const Params& p, int batch, int /*head*/) : keys(p, batch) {}
+
+  __device__ __forceinline__ int key_end() const { return keys.kv_hi; }
+  template <int BC>
+  __device__ __forceinline__ KVBlocks<true> kv_blocks(int q_start, int q_rows) const {
+    return fa::kv_blocks<BC>(keys, q_start, q_rows);
+  }
+  template <int BR, int BC, class Params>
+  __device__ __forceinline__ QBlocks<true> q_blocks(const Params& p, int kv_start) const {
+    return fa::q_blocks<BR, BC>(keys, p, kv_start);
+  }
+  template <class Acc>
+  __device__ __forceinline__ void mask_query_rows(const Acc& s, int q_row0, int kv_start, int g, int t) const {
+    fa::mask_query_rows(s, keys, q_row0, kv_start, g, t);
+  }
+  template <class Acc>
+  __device__ __forceinline__ void mask_key_rows(const Acc& s, int kv_start, int warp_row0, int q_start, int g,
+                                                int t) const {
+    fa::mask_key_rows(s, keys, kv_start, warp_row0, q_start, g, t);
+  }
+};
+
 // The identity: the scores go to the softmax as the matrix product left them.
 struct NoScoreMod {
   static constexpr bool kIdentity = true;
@@ -83,9 +115,11 @@ struct NoScoreMod {
   __device__ __forceinline__ float operator()(float s, int /*q*/, int /*k*/) const { return s; }
 };
 
-// The variants the host builds today: causal or not, key ranges or not.
+// The variants the host builds today: causal or not, key ranges or not; a sliding window, key ranges or not.
 template <bool kCausal, bool kRanged>
 using DefaultVariant = Variant<CausalRangeMask<kCausal, kRanged>, NoScoreMod>;
+template <bool kRanged>
+using WindowVariant = Variant<WindowMask<kRanged>, NoScoreMod>;
 
 // Whether a forward keeps the scale folded into exp2's multiplier (fa/softmax.cuh): only without a score
 // function, and where the kernel's config asks for it.

@@ -32,4 +32,27 @@ struct VisibleKeys {
   }
 };
 
+// Sliding window (WindowMask, fa/variant.cuh): query row i of batch row b sees key j iff
+//   kv_lo <= j < kv_hi                           (as above; kRanged: the batch row's key_range), and
+//   i + shift - left <= j <= i + shift + right   (the window around the diagonal, bottom-right aligned).
+// Causal is the window (left, 0). The host passes left and right >= 0, an unbounded side as a bound no row
+// can reach (ops: at most seqlen_q + seqlen_k, so the sums below stay in int range).
+template <bool kRanged>
+struct WindowKeys {
+  static constexpr bool kIsRanged = kRanged;
+  int kv_lo, kv_hi;
+  int shift;
+  int left, right;
+
+  template <class Params>
+  __device__ __forceinline__ WindowKeys(const Params& p, int batch)
+      : kv_lo(0), kv_hi(p.seqlen_k), left(p.window_left), right(p.window_right) {
+    if constexpr (kRanged) {
+      kv_lo = min(max(p.key_range[2 * batch], 0), p.seqlen_k);
+      kv_hi = min(max(p.key_range[2 * batch + 1], kv_lo), p.seqlen_k);
+    }
+    shift = p.seqlen_k - p.seqlen_q;
+  }
+};
+
 }  // namespace fa
