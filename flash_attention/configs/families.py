@@ -20,28 +20,40 @@ __all__ = ["FEATURES", "is_wgmma", "supports", "unsupported"]
 #: causal: the bottom-right causal mask; key_range: per-batch key ranges (key padding); dropout: attention
 #: dropout; deterministic: a backward without atomics; trace: the debug build (fa/trace.cuh);
 #: negative_scale: a softmax scale below zero (the folded exp2 softmax assumes a positive one);
-#: untileable: a q/k/v layout a TMA tensor map cannot describe (e.g. a zero stride from ``expand``).
-FEATURES = ("causal", "key_range", "dropout", "deterministic", "trace", "negative_scale", "untileable")
+#: untileable: a q/k/v layout a TMA tensor map cannot describe (e.g. a zero stride from ``expand``);
+#: window: a sliding window (fa/variant.cuh, WindowMask).
+FEATURES = (
+    "causal",
+    "key_range",
+    "dropout",
+    "deterministic",
+    "trace",
+    "negative_scale",
+    "untileable",
+    "window",
+)
 
 _SUPPORTED = {
     # (backward?, kind) -> features
     (False, "portable"): frozenset(
-        {"causal", "key_range", "dropout", "trace", "negative_scale", "untileable"}
+        {"causal", "key_range", "dropout", "trace", "negative_scale", "untileable", "window"}
     ),
-    (False, "wgmma"): frozenset({"causal", "key_range", "dropout", "untileable"}),
+    (False, "wgmma"): frozenset({"causal", "key_range", "dropout", "untileable", "window"}),
     # The debug build of the warp-specialized kernel records from a consumer warp, whose 16 rows of the
     # wgmma accumulators are laid out as one mma.sync tile (fa/frag.cuh); the sm90 kernel has none.
-    (False, "ws"): frozenset({"causal", "key_range", "dropout", "trace"}),
-    (True, "portable"): frozenset({"causal", "key_range", "dropout", "deterministic", "untileable"}),
+    (False, "ws"): frozenset({"causal", "key_range", "dropout", "trace", "window"}),
+    (True, "portable"): frozenset(
+        {"causal", "key_range", "dropout", "deterministic", "untileable", "window"}
+    ),
     # The sm90 kernel: causal and GQA only.
     (True, "wgmma"): frozenset({"causal", "untileable"}),
     # The wide one (head_dim 192/256, csrc/kernels/sm90/bwd_wide): the mask policy's key-range build,
     # dropout, and a deterministic kernel (a third warpgroup adds dQ in the order of fa/dq_turns.cuh).
-    (True, "wide"): frozenset({"causal", "key_range", "dropout", "deterministic", "untileable"}),
+    (True, "wide"): frozenset({"causal", "key_range", "dropout", "deterministic", "untileable", "window"}),
     # The warp-specialized backward copies with cp.async (no tensor maps): any layout the sm90 one takes;
     # its key-range build is the mask policy's (fa/variant.cuh), as in the forward, it has dropout, and a
     # deterministic kernel (dQ reductions in a fixed order, fa/dq_turns.cuh).
-    (True, "ws"): frozenset({"causal", "key_range", "dropout", "deterministic", "untileable"}),
+    (True, "ws"): frozenset({"causal", "key_range", "dropout", "deterministic", "untileable", "window"}),
 }
 
 

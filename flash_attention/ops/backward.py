@@ -20,7 +20,7 @@ from ..jit import driver
 from ..jit.loader import get_bwd_kernels
 from ..jit.params import BwdParams
 from .device import current_stream, device_arch, dtype_name
-from .plans import PlanCache, device_facts, feature_list, fill_common, fill_strides, launch_all
+from .plans import PlanCache, device_facts, feature_list, fill_common, fill_strides, launch_all, window_bounds
 from .select import backward_config
 from .tensors import check_grid, kernel_ready, pad_head_dim, padded_to_8
 
@@ -78,7 +78,7 @@ def clear_plans() -> None:
     _plans.clear()
 
 
-def _make_plan(q, k, v, o, do, lse, causal, scale, deterministic, ranged, dropout_p, config) -> _Plan:
+def _make_plan(q, k, v, o, do, lse, causal, scale, deterministic, ranged, dropout_p, config, window) -> _Plan:
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     check_grid(batch, heads_q, seqlen_q, seqlen_k)
@@ -92,12 +92,17 @@ def _make_plan(q, k, v, o, do, lse, causal, scale, deterministic, ranged, dropou
         seqlen_k,
         heads_q // heads_kv,
         **device_facts(index),
-        features=feature_list(key_range=ranged, dropout=dropout_p, deterministic=deterministic),
+        features=feature_list(
+            key_range=ranged, dropout=dropout_p, deterministic=deterministic, window=window is not None
+        ),
         config=config,
     )
-    kerns = get_bwd_kernels(cfg, arch, ranged=ranged, dropout=bool(dropout_p))
+    # The window build has one set of entry points, named as not causal (the window carries causal).
+    windowed = window is not None
+    mask_causal = causal and not windowed
+    kerns = get_bwd_kernels(cfg, arch, ranged=ranged, dropout=bool(dropout_p), window=windowed)
     dkdv_kind = "dkdv_det" if deterministic else "dkdv"
-    dkdv = kerns[cfg.symbol(dkdv_kind, causal, ranged, bool(dropout_p))]
+    dkdv = kerns[cfg.symbol(dkdv_kind, mask_causal, ranged, bool(dropout_p), windowed)]
     dkdv.ensure_dynamic_smem(cfg.smem_bytes, index)
     dq = None
     # Deterministic on the sm80 family: dK/dV without atomics, then the dQ kernel. The deterministic forms
@@ -105,7 +110,7 @@ def _make_plan(q, k, v, o, do, lse, causal, scale, deterministic, ranged, dropou
     # (turns taken on semaphores after the accumulator), and the cast follows as in the atomic mode.
     det_ws = deterministic and (cfg.warp_specialized or cfg.wide)
     if deterministic and not det_ws:
-        dq = kerns[cfg.symbol("dq", causal, ranged, bool(dropout_p))]
+        dq = kerns[cfg.symbol("dq", mask_causal, ranged, bool(dropout_p), windowed)]
         dq.ensure_dynamic_smem(cfg.dq_smem_bytes, index)
 
     p = BwdParams()
@@ -120,8 +125,11 @@ def _make_plan(q, k, v, o, do, lse, causal, scale, deterministic, ranged, dropou
     fill_common(p, q, k, cfg.block_q, scale, dropout_p)
     p.seqlen_q_pad = -(-seqlen_q // 128) * 128
     # The deterministic Hopper kernels' accumulator lanes (fa/dq_turns.cuh): a causal walk never wraps.
-    lanes = (1 if causal else 2) if det_ws else 0
+    # (A window's walks, row-dependent, never wrap either.)
+    lanes = (1 if causal or windowed else 2) if det_ws else 0
     p.dq_lanes = lanes
+    if windowed:
+        p.window_left, p.window_right = window
     p.num_n_blocks = math.ceil(seqlen_k / cfg.block_kv)
     # The fp32 workspace: the base-2 LSE and delta rows (written by the preprocessing kernel), then the dQ
     # accumulator of the atomic mode (padded to whole 128-row blocks and the compiled head_dim, so the
@@ -151,7 +159,9 @@ def _make_plan(q, k, v, o, do, lse, causal, scale, deterministic, ranged, dropou
     )
 
 
-def plan_for(q_, k_, v_, o_, do_, lse_, causal, scale, deterministic, ranged, dropout_p, config) -> _Plan:
+def plan_for(
+    q_, k_, v_, o_, do_, lse_, causal, scale, deterministic, ranged, dropout_p, config, window=None
+) -> _Plan:
     """The plan of a call on kernel-ready tensors (made on a miss)."""
     key = (
         q_.shape,
@@ -170,11 +180,12 @@ def plan_for(q_, k_, v_, o_, do_, lse_, causal, scale, deterministic, ranged, dr
         ranged,
         dropout_p,
         config,
+        window,
     )
     return _plans.get(
         key,
         lambda: _make_plan(
-            q_, k_, v_, o_, do_, lse_, causal, scale, deterministic, ranged, dropout_p, config
+            q_, k_, v_, o_, do_, lse_, causal, scale, deterministic, ranged, dropout_p, config, window
         ),
     )
 
@@ -194,18 +205,21 @@ def cuda_backward(
     config: BwdConfig | str | None = None,
     dropout_p: float = 0.0,
     dropout_seed=None,
+    window: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of :func:`flash_attention.ops.cuda_forward`'s output ``out`` with LSE ``lse``,
     for the output gradient ``dout``: new contiguous tensors of q's, k's and v's shapes and dtype.
 
     ``config`` names a backward configuration (else the tuned winner or the heuristic:
-    :func:`flash_attention.ops.select.backward_config`); ``key_range``, ``dropout_p`` / ``dropout_seed``
-    must be the forward's. A head_dim that is not a multiple of 8 runs zero-padded, as the forward does.
+    :func:`flash_attention.ops.select.backward_config`); ``key_range``, ``dropout_p`` / ``dropout_seed`` and
+    ``window`` must be the forward's. A head_dim that is not a multiple of 8 runs zero-padded, as the
+    forward does.
     """
     if dropout_p and dropout_seed is None:
         raise ValueError("dropout_p > 0 needs dropout_seed (flash_attention.dropout.draw_seed())")
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k = k.shape[1]
+    bounds = window_bounds(window, causal, seqlen_q, seqlen_k)
     if head_dim % 8:
         d8 = padded_to_8(head_dim)
         grads = cuda_backward(
@@ -218,6 +232,7 @@ def cuda_backward(
             config=config,
             dropout_p=dropout_p,
             dropout_seed=dropout_seed,
+            window=window,
         )
         return tuple(g[..., :head_dim].contiguous() for g in grads)
 
@@ -232,7 +247,7 @@ def cuda_backward(
     lse_ = lse if lse.stride(-1) == 1 else lse.contiguous()
     ranged = key_range is not None
     plan = plan_for(
-        q_, k_, v_, o_, do_, lse_, causal, softmax_scale, deterministic, ranged, dropout_p, config
+        q_, k_, v_, o_, do_, lse_, causal, softmax_scale, deterministic, ranged, dropout_p, config, bounds
     )
     stats, accum = plan.stats, plan.accum
     ws = torch.empty(2 * stats + accum, dtype=torch.float32, device=device)

@@ -26,7 +26,7 @@ from ..jit.params import FwdParams, FwdTmaParams
 from . import tma
 from . import trace as _trace
 from .device import device_arch, dtype_name, sm_count
-from .plans import PlanCache, device_facts, feature_list, fill_common, fill_strides, launch
+from .plans import PlanCache, device_facts, feature_list, fill_common, fill_strides, launch, window_bounds
 from .select import forward_config
 from .tensors import check_grid, kernel_ready, pad_head_dim, padded_to_8, usable_in_place
 
@@ -102,15 +102,25 @@ def _params(q, k, v, o, cfg: KernelConfig, scale: float, dropout_p: float) -> Fw
     return p
 
 
-def _make_plan(q, k, v, o, causal, scale, ranged, dropout_p, config, needs, trace=False) -> _Plan:
-    """The plan of a call (``trace``: with the debug build's kernel, fa/trace.cuh)."""
+def _make_plan(
+    q, k, v, o, causal, scale, ranged, dropout_p, config, needs, trace=False, window=None
+) -> _Plan:
+    """The plan of a call (``trace``: with the debug build's kernel, fa/trace.cuh; ``window``: the kernels'
+    (left, right) of a sliding window, plans.window_bounds, which carries causal)."""
     batch, seqlen_q, heads_q = q.shape[:3]
     check_grid(batch, heads_q, seqlen_q, k.shape[1])
     index = q.get_device()
     cfg = _config(q, k, causal, needs, config)
-    kernel = get_kernel(cfg, bool(causal), device_arch(index), trace, ranged=ranged, dropout=bool(dropout_p))
+    # The window build has one entry point, named as not causal (the window's right bound carries causal).
+    windowed = window is not None
+    kernel = get_kernel(
+        cfg, bool(causal) and not windowed, device_arch(index), trace, ranged=ranged, dropout=bool(dropout_p),
+        window=windowed,
+    )  # fmt: skip
     kernel.ensure_dynamic_smem(cfg.smem_bytes, index)
     p = _params(q, k, v, o, cfg, scale, dropout_p)
+    if windowed:
+        p.window_left, p.window_right = window
     grid = (p.num_m_blocks, heads_q, batch)
     if cfg.persistent:
         # One block per multiprocessor (the kernel runs one per SM), each looping over query tiles.
@@ -266,8 +276,8 @@ def chosen_config(
     return _config(q, k, causal, needs)
 
 
-def plan_for(q, k, v, o, causal, scale, ranged, dropout_p, config, negative) -> _Plan:
-    """The plan of a call on kernel-ready tensors (made on a miss)."""
+def plan_for(q, k, v, o, causal, scale, ranged, dropout_p, config, negative, window=None) -> _Plan:
+    """The plan of a call on kernel-ready tensors (made on a miss); ``window``: plans.window_bounds."""
     key = (
         q.shape,
         q.stride(),
@@ -282,6 +292,7 @@ def plan_for(q, k, v, o, causal, scale, ranged, dropout_p, config, negative) -> 
         ranged,
         dropout_p,
         config,
+        window,
     )
     # The feature list is built only on a miss: a hit is the hot path of every call.
     return _plans.get(
@@ -293,7 +304,9 @@ def plan_for(q, k, v, o, causal, scale, ranged, dropout_p, config, negative) -> 
                 dropout=dropout_p,
                 negative_scale=negative,
                 untileable=tma.untileable(q, k, v),
+                window=window is not None,
             ),
+            window=window,
         ),
     )  # fmt: skip
 
@@ -313,6 +326,7 @@ def cuda_forward(
     key_range: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     dropout_seed=None,
+    window: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the forward kernel; returns ``(out, lse)`` (``lse`` None unless ``return_lse``).
 
@@ -320,8 +334,11 @@ def cuda_forward(
     :func:`flash_attention.ops.select.forward_config`). ``key_range`` (batch, 2) integers runs the
     key-padding build: batch row b attends only keys ``key_range[b, 0] <= j < key_range[b, 1]`` (clamped in
     the kernel, so any values are safe). ``dropout_p`` > 0 runs the dropout build with the keep mask of
-    ``dropout_seed`` (:mod:`flash_attention.dropout`). A head_dim that is not a multiple of 8 runs on inputs
-    zero-padded to the next one (a copy; multiples of 8 are read in place).
+    ``dropout_seed`` (:mod:`flash_attention.dropout`). ``window`` = (left, right) is a sliding window around
+    the bottom-right diagonal (-1: unbounded on that side): query i sees keys i + shift - left ..
+    i + shift + right (shift = seqlen_k - seqlen_q), within causal's bound and the key range, and the K/V
+    blocks outside it are skipped. A head_dim that is not a multiple of 8 runs on inputs zero-padded to the
+    next one (a copy; multiples of 8 are read in place).
 
     ``trace`` (an object with ``batch``, ``head``, ``row_block``, ``warp``, e.g. a
     :class:`flash_attention.tools.sim.TraceSpec`), or the environment variable ``FLASH_ATTENTION_TRACE``,
@@ -335,15 +352,16 @@ def cuda_forward(
             trace, trace_fault = env
     if dropout_p and dropout_seed is None:
         raise ValueError("dropout_p > 0 needs dropout_seed (flash_attention.dropout.draw_seed())")
+    bounds = window_bounds(window, causal, q.shape[1], k.shape[1])
     head_dim = q.shape[3]
     if head_dim % 8:
         return _padded_forward(
             q, k, v, causal, softmax_scale, return_lse, out, config, trace, trace_fault, key_range, dropout_p,
-            dropout_seed,
+            dropout_seed, window,
         )  # fmt: skip
     if trace is not None:
-        if key_range is not None or dropout_p:
-            raise ValueError("the debug (trace) build takes neither key_range nor dropout")
+        if key_range is not None or dropout_p or bounds is not None:
+            raise ValueError("the debug (trace) build takes neither key_range, dropout nor window")
         return _traced_forward(q, k, v, causal, softmax_scale, return_lse, out, config, trace, trace_fault)
 
     q_, k_, v_ = kernel_ready(q), kernel_ready(k), kernel_ready(v)
@@ -361,7 +379,9 @@ def cuda_forward(
         return (out if out is not None else o), lse
 
     ranged = key_range is not None
-    plan = plan_for(q_, k_, v_, o, causal, softmax_scale, ranged, dropout_p, config, softmax_scale < 0)
+    plan = plan_for(
+        q_, k_, v_, o, causal, softmax_scale, ranged, dropout_p, config, softmax_scale < 0, bounds
+    )
     if ranged:
         # The kernel reads two int32 per batch row, contiguous; kept alive until the launch is queued.
         key_range = key_range.to(device=q.device, dtype=torch.int32).contiguous()
@@ -385,8 +405,9 @@ def launch_plan(plan: _Plan, q_, k_, v_, o, lse, key_range=None, key: int = 0) -
 
 
 def _padded_forward(
-    q, k, v, causal, scale, return_lse, out, config, trace, trace_fault, key_range, dropout_p, dropout_seed
-):
+    q, k, v, causal, scale, return_lse, out, config, trace, trace_fault, key_range, dropout_p, dropout_seed,
+    window=None,
+):  # fmt: skip
     """A head_dim that is not a multiple of 8: the kernels read whole 16-byte chunks of a row, so q, k and v
     are zero-padded to the next multiple of 8 (the scale stays the caller's) and the output sliced back."""
     d8 = padded_to_8(q.shape[3])
@@ -404,6 +425,7 @@ def _padded_forward(
         key_range=key_range,
         dropout_p=dropout_p,
         dropout_seed=dropout_seed,
+        window=window,
     )
     o = o[..., : q.shape[3]]
     if out is not None:

@@ -71,6 +71,28 @@ def feature_list(**flags: object) -> list[str]:
     return [name for name, on in flags.items() if on]
 
 
+def window_bounds(window: object, causal: bool, seqlen_q: int, seqlen_k: int) -> tuple[int, int] | None:
+    """The kernels' (left, right) of a sliding ``window`` = (left, right) (-1: unbounded on that side; query i
+    sees keys i + shift - left .. i + shift + right, shift = seqlen_k - seqlen_q), with causal's right bound
+    0 folded in; None when the window bounds nothing that ``causal`` does not (the plain or causal build
+    runs then). An unbounded side becomes seqlen_q + seqlen_k, which no row reaches (fa/visible_keys.cuh)."""
+    if window is None:
+        return None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"window must be a (left, right) pair of ints or None; got {window!r}")
+    if any(isinstance(w, bool) or not isinstance(w, int) for w in window):
+        raise TypeError(f"window must be a (left, right) pair of ints or None; got {window!r}")
+    if any(w < -1 for w in window):
+        raise ValueError(f"window sides must be >= 0, or -1 for unbounded; got {tuple(window)}")
+    far = seqlen_q + seqlen_k
+    left, right = (far if w == -1 else min(w, far) for w in window)
+    if causal:
+        right = 0
+    if left >= far and right >= (0 if causal else far):
+        return None
+    return left, right
+
+
 def device_facts(index: int) -> dict:
     """The device arguments of select.forward_config / backward_config for GPU ``index``."""
     return {"arch": device_arch(index), "gpu": gpu_name(index), "smem_limit": smem_limit(index)}
