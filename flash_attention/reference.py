@@ -63,6 +63,25 @@ def _causal_allowed_rows(
     return cols <= rows + (seqlen_k - seqlen_q)
 
 
+def _rows_allowed(
+    row_start: int, row_end: int, seqlen_q: int, seqlen_k: int, causal: bool, window, device
+) -> torch.Tensor | None:
+    """(rows, seqlen_k) boolean mask of query rows [row_start, row_end) under ``causal`` and a sliding
+    ``window`` (:func:`window_allowed`'s rule); None when neither masks anything."""
+    allowed = _causal_allowed_rows(row_start, row_end, seqlen_q, seqlen_k, device) if causal else None
+    if window is not None:
+        rows = torch.arange(row_start, row_end, device=device).unsqueeze(1) + (seqlen_k - seqlen_q)
+        cols = torch.arange(seqlen_k, device=device).unsqueeze(0)
+        left, right = window
+        win = torch.ones(row_end - row_start, seqlen_k, dtype=torch.bool, device=device)
+        if left >= 0:
+            win &= cols >= rows - left
+        if right >= 0:
+            win &= cols <= rows + right
+        allowed = win if allowed is None else allowed & win
+    return allowed
+
+
 def _resolve_scale(softmax_scale: float | None, head_dim: int) -> float:
     if softmax_scale is not None:
         return float(softmax_scale)
@@ -274,6 +293,7 @@ def attention_torch(
     key_range: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     dropout_seed=None,
+    window: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention through PyTorch with the kernel's semantics, on any device PyTorch supports.
 
@@ -282,6 +302,7 @@ def attention_torch(
     ones by 1 / (1 - p); the LSE is that of the undropped softmax.
 
     ``key_range`` (batch, 2): batch row b attends only keys ``key_range[b, 0] <= j < key_range[b, 1]``.
+    ``window`` (left, right): the sliding window of :func:`window_allowed` (-1: unbounded on that side).
 
     Scores, softmax and accumulation are float32 (float64 for float64 inputs); ``out`` has q's dtype and is
     written in place when given; the LSE is float32 of shape (batch, heads_q, seqlen_q). At most about
@@ -350,6 +371,7 @@ def attention_torch(
                     needs_grad,
                     None if keys_allowed is None else keys_allowed[b0:b1],
                     drop,
+                    window,
                 )
     return out, lse
 
@@ -373,6 +395,7 @@ def _attend_chunk(
     needs_grad: bool,
     keys_allowed: torch.Tensor | None = None,
     drop: tuple | None = None,
+    window: tuple[int, int] | None = None,
 ) -> None:
     nb, nh, rows = b1 - b0, h1 - h0, i1 - i0
     seqlen_q, head_dim = q.shape[1], q.shape[3]
@@ -385,8 +408,8 @@ def _attend_chunk(
     s = torch.matmul(qc, kc.transpose(-1, -2)).view(nb, nh, group, rows, seqlen_k)
     # Scale before masking (a negative scale would turn a -inf mask into +inf) and before the row max.
     s = s * scale if needs_grad else s.mul_(scale)
-    if causal:
-        allowed = _causal_allowed_rows(i0, i1, seqlen_q, seqlen_k, q.device)
+    allowed = _rows_allowed(i0, i1, seqlen_q, seqlen_k, causal, window, q.device)
+    if allowed is not None:
         s = s.masked_fill(~allowed, float("-inf")) if needs_grad else s.masked_fill_(~allowed, float("-inf"))
     if keys_allowed is not None:
         allowed = keys_allowed[:, None, None, None, :]  # (b, 1, 1, 1, seqlen_k)
@@ -428,6 +451,7 @@ def attention_backward_torch(
     key_range: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     dropout_seed=None,
+    window: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dq, dk, dv)`` of :func:`attention_torch` from its saved ``out`` and ``lse``.
 
@@ -441,10 +465,10 @@ def attention_backward_torch(
         dS = P * (dP - D)                dQ = scale * dS K,   dK = scale * dS^T Q
 
     ``dout`` and ``out`` have q's shape, ``lse`` is (batch, heads_q, seqlen_q) as :func:`attention_torch`
-    returns it; ``causal``, ``softmax_scale`` and ``key_range`` must be those of the forward call. The
-    arithmetic is float32 (float64 for float64 inputs) in the same (batch, kv head, query row) chunks as
-    the forward, sized so that the two score-sized blocks alive at once (P and dP, which becomes dS in
-    place) stay within ``_SCORE_BUDGET_BYTES`` together. dK and dV of a kv head sum its whole query
+    returns it; ``causal``, ``softmax_scale``, ``key_range`` and ``window`` must be those of the forward
+    call. The arithmetic is float32 (float64 for float64 inputs) in the same (batch, kv head, query row)
+    chunks as the forward, sized so that the two score-sized blocks alive at once (P and dP, which becomes
+    dS in place) stay within ``_SCORE_BUDGET_BYTES`` together. dK and dV of a kv head sum its whole query
     group's contributions through one matmul (the group's queries are stacked), so K and V are never
     repeated. A row whose LSE is -inf (it attended no key) has P = 0: it contributes nothing and gets
     dQ = 0, never NaN.
@@ -502,6 +526,7 @@ def attention_backward_torch(
                         cdtype,
                         None if keys_allowed is None else keys_allowed[b0:b1],
                         drop,
+                        window,
                     )
                 dk[b0:b1, :, h0:h1] = dkc.permute(0, 2, 1, 3).to(dk.dtype)
                 dv[b0:b1, :, h0:h1] = dvc.permute(0, 2, 1, 3).to(dv.dtype)
@@ -522,6 +547,7 @@ def _backward_chunk(
     cdtype: torch.dtype,
     keys_allowed: torch.Tensor | None,
     drop: tuple | None = None,
+    window: tuple[int, int] | None = None,
 ) -> None:
     """One (batch, kv head, query row) chunk of :func:`attention_backward_torch`: writes its rows of dq and
     adds its contributions to the chunk's dK/dV accumulators ``dkc``/``dvc`` (b, h_kv, seqlen_k, d)."""
@@ -544,8 +570,9 @@ def _backward_chunk(
 
     s = torch.matmul(qc, kc.transpose(-1, -2)).mul_(scale)  # scale before masking, as in the forward
     masked = s.view(nb, nh, group, rows, seqlen_k)
-    if causal:
-        masked.masked_fill_(~_causal_allowed_rows(i0, i1, seqlen_q, seqlen_k, q.device), float("-inf"))
+    allowed = _rows_allowed(i0, i1, seqlen_q, seqlen_k, causal, window, q.device)
+    if allowed is not None:
+        masked.masked_fill_(~allowed, float("-inf"))
     if keys_allowed is not None:
         masked.masked_fill_(~keys_allowed[:, None, None, None, :], float("-inf"))
     p = s.sub_(row_lse).exp_()
