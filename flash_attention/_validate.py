@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
+    "check_window",
     "MAX_HEAD_DIM",
     "SUPPORTED_DTYPES",
     "Problem",
@@ -182,3 +183,19 @@ def check_key_range(key_range: object, batch: int, device: torch.device) -> None
         raise ValueError(f"key_range must have shape (batch, 2) = ({batch}, 2); got {tuple(key_range.shape)}")
     if key_range.device != device:
         raise ValueError(f"key_range must be on the device of q ({device}); got {key_range.device}")
+
+
+def check_window(window: object) -> tuple[int, int] | None:
+    """``window`` must be None or a (left, right) pair of ints, each >= 0 or -1 (unbounded on that side);
+    returned as a tuple."""
+    if window is None:
+        return None
+    if (
+        not isinstance(window, (tuple, list))
+        or len(window) != 2
+        or any(isinstance(w, bool) or not isinstance(w, int) for w in window)
+    ):
+        raise TypeError(f"window must be a (left, right) pair of ints or None; got {window!r}")
+    if any(w < -1 for w in window):
+        raise ValueError(f"window sides must be >= 0, or -1 for unbounded; got {tuple(window)}")
+    return int(window[0]), int(window[1])

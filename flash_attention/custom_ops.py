@@ -40,12 +40,12 @@ __all__ = ["fwd", "bwd", "EagerAttention", "eager_training"]
 # postponed (string) annotations differs between the torch versions we support.
 _FWD_SCHEMA = (
     "(Tensor q, Tensor k, Tensor v, bool causal, float scale, bool deterministic, Tensor? key_range,"
-    " float dropout_p=0., Tensor? dropout_seed=None) -> (Tensor, Tensor)"
+    " float dropout_p=0., Tensor? dropout_seed=None, int[]? window=None) -> (Tensor, Tensor)"
 )
 _BWD_SCHEMA = (
     "(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, float scale,"
-    " bool deterministic, Tensor? key_range, float dropout_p=0., Tensor? dropout_seed=None)"
-    " -> (Tensor, Tensor, Tensor)"
+    " bool deterministic, Tensor? key_range, float dropout_p=0., Tensor? dropout_seed=None,"
+    " int[]? window=None) -> (Tensor, Tensor, Tensor)"
 )
 
 
@@ -54,7 +54,12 @@ def _has_no_pair(q: torch.Tensor, k: torch.Tensor) -> bool:
     return q.numel() == 0 or k.shape[1] == 0
 
 
-def _fallback_forward(q, k, v, causal, scale, key_range, dropout_p, dropout_seed):
+def _window(window) -> tuple[int, int] | None:
+    """The op's ``int[]?`` window as the launch layer takes it."""
+    return None if window is None else (int(window[0]), int(window[1]))
+
+
+def _fallback_forward(q, k, v, causal, scale, key_range, dropout_p, dropout_seed, window=None):
     """The forward op's PyTorch path (every device, and CUDA inputs the kernels cannot take)."""
     out, lse = fallback.forward(
         q,
@@ -66,12 +71,13 @@ def _fallback_forward(q, k, v, causal, scale, key_range, dropout_p, dropout_seed
         key_range=key_range,
         dropout_p=dropout_p,
         dropout_seed=dropout_seed,
+        window=_window(window),
     )
     return out, lse
 
 
 def _fallback_backward(
-    dout, q, k, v, out, lse, causal, scale, deterministic, key_range, dropout_p, dropout_seed
+    dout, q, k, v, out, lse, causal, scale, deterministic, key_range, dropout_p, dropout_seed, window=None
 ):
     """The backward op's PyTorch path."""
     return fallback.backward(
@@ -87,6 +93,7 @@ def _fallback_backward(
         key_range=key_range,
         dropout_p=dropout_p,
         dropout_seed=dropout_seed,
+        window=_window(window),
     )
 
 
@@ -105,14 +112,17 @@ def fwd(
     key_range: torch.Tensor | None,
     dropout_p: float = 0.0,
     dropout_seed: torch.Tensor | None = None,
+    window: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Any device but CUDA: the PyTorch fallback."""
-    return _fallback_forward(q, k, v, causal, scale, key_range, dropout_p, dropout_seed)
+    return _fallback_forward(q, k, v, causal, scale, key_range, dropout_p, dropout_seed, window)
 
 
 @fwd.register_kernel("cuda")
-def _fwd_cuda(q, k, v, causal, scale, deterministic, key_range, dropout_p=0.0, dropout_seed=None):
-    return forward_impl(q, k, v, causal, scale, key_range, dropout_p, dropout_seed)
+def _fwd_cuda(
+    q, k, v, causal, scale, deterministic, key_range, dropout_p=0.0, dropout_seed=None, window=None
+):
+    return forward_impl(q, k, v, causal, scale, key_range, dropout_p, dropout_seed, window)
 
 
 def forward_impl(
@@ -124,11 +134,12 @@ def forward_impl(
     key_range: torch.Tensor | None,
     dropout_p: float = 0.0,
     dropout_seed: torch.Tensor | None = None,
+    window: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``fwd`` on CUDA: our kernel when it can run on these inputs, else the PyTorch fallback."""
     ops = None if _has_no_pair(q, k) else dispatch.kernel_backend(q)
     if ops is None:
-        return _fallback_forward(q, k, v, causal, scale, key_range, dropout_p, dropout_seed)
+        return _fallback_forward(q, k, v, causal, scale, key_range, dropout_p, dropout_seed, window)
     return dispatch.run_or_fallback(
         lambda: ops.cuda_forward(
             q,
@@ -142,13 +153,16 @@ def forward_impl(
             key_range=key_range,
             dropout_p=dropout_p,
             dropout_seed=dropout_seed,
+            **({} if window is None else {"window": _window(window)}),
         ),
-        lambda: _fallback_forward(q, k, v, causal, scale, key_range, dropout_p, dropout_seed),
+        lambda: _fallback_forward(q, k, v, causal, scale, key_range, dropout_p, dropout_seed, window),
     )
 
 
 @fwd.register_fake
-def _fwd_fake(q, k, v, causal, scale, deterministic, key_range, dropout_p=0.0, dropout_seed=None):
+def _fwd_fake(
+    q, k, v, causal, scale, deterministic, key_range, dropout_p=0.0, dropout_seed=None, window=None
+):
     batch, seqlen_q, heads_q, _ = q.shape
     out = q.new_empty(q.shape)  # contiguous, like the kernel's and the fallback's output
     lse = q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
@@ -156,10 +170,11 @@ def _fwd_fake(q, k, v, causal, scale, deterministic, key_range, dropout_p=0.0, d
 
 
 def _fwd_setup_context(ctx, inputs, output) -> None:
-    q, k, v, causal, scale, deterministic, key_range, dropout_p, dropout_seed = inputs
+    q, k, v, causal, scale, deterministic, key_range, dropout_p, dropout_seed, *rest = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, key_range, dropout_seed)
     ctx.causal, ctx.scale, ctx.deterministic, ctx.dropout_p = causal, scale, deterministic, dropout_p
+    ctx.window = rest[0] if rest else None
     ctx.mark_non_differentiable(lse)
 
 
@@ -167,13 +182,13 @@ def _backward_args(ctx, dout) -> tuple:
     """The arguments of ``bwd`` / :func:`backward_impl` from what :func:`_fwd_setup_context` saved."""
     q, k, v, out, lse, key_range, dropout_seed = ctx.saved_tensors
     return (dout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.deterministic, key_range, ctx.dropout_p,
-            dropout_seed)  # fmt: skip
+            dropout_seed, ctx.window)  # fmt: skip
 
 
 def _fwd_backward(ctx, dout, dlse):
     # dlse is ignored: lse is marked non-differentiable, so it never carries a gradient.
     dq, dk, dv = torch.ops.flash_attention.bwd(*_backward_args(ctx, dout))
-    return dq, dk, dv, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
@@ -197,19 +212,21 @@ def bwd(
     key_range: torch.Tensor | None,
     dropout_p: float = 0.0,
     dropout_seed: torch.Tensor | None = None,
+    window: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Any device but CUDA: the PyTorch fallback (deterministic on CPU by construction)."""
     return _fallback_backward(
-        dout, q, k, v, out, lse, causal, scale, deterministic, key_range, dropout_p, dropout_seed
+        dout, q, k, v, out, lse, causal, scale, deterministic, key_range, dropout_p, dropout_seed, window
     )
 
 
 @bwd.register_kernel("cuda")
 def _bwd_cuda(
-    dout, q, k, v, out, lse, causal, scale, deterministic, key_range, dropout_p=0.0, dropout_seed=None
-):
+    dout, q, k, v, out, lse, causal, scale, deterministic, key_range, dropout_p=0.0, dropout_seed=None,
+    window=None,
+):  # fmt: skip
     return backward_impl(
-        dout, q, k, v, out, lse, causal, scale, deterministic, key_range, dropout_p, dropout_seed
+        dout, q, k, v, out, lse, causal, scale, deterministic, key_range, dropout_p, dropout_seed, window
     )
 
 
@@ -226,12 +243,13 @@ def backward_impl(
     key_range: torch.Tensor | None,
     dropout_p: float = 0.0,
     dropout_seed: torch.Tensor | None = None,
+    window: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``bwd`` on CUDA: our backward kernels when they can run on these inputs, else the PyTorch fallback."""
     ops = None if _has_no_pair(q, k) else dispatch.kernel_backend(q)
     if ops is None:
         return _fallback_backward(
-            dout, q, k, v, out, lse, causal, scale, deterministic, key_range, dropout_p, dropout_seed
+            dout, q, k, v, out, lse, causal, scale, deterministic, key_range, dropout_p, dropout_seed, window
         )
     # Autograd hands over whatever layout the next op produced, e.g. a stride-0 expand for out.sum();
     # the kernels read dO in 16-byte vectors along head_dim, as they read q.
@@ -251,17 +269,19 @@ def backward_impl(
             key_range=key_range,
             dropout_p=dropout_p,
             dropout_seed=dropout_seed,
+            **({} if window is None else {"window": _window(window)}),
         ),
         lambda: _fallback_backward(
-            dout, q, k, v, out, lse, causal, scale, deterministic, key_range, dropout_p, dropout_seed
+            dout, q, k, v, out, lse, causal, scale, deterministic, key_range, dropout_p, dropout_seed, window
         ),
     )
 
 
 @bwd.register_fake
 def _bwd_fake(
-    dout, q, k, v, out, lse, causal, scale, deterministic, key_range, dropout_p=0.0, dropout_seed=None
-):
+    dout, q, k, v, out, lse, causal, scale, deterministic, key_range, dropout_p=0.0, dropout_seed=None,
+    window=None,
+):  # fmt: skip
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -280,9 +300,9 @@ class EagerAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, deterministic, key_range, dropout_p, dropout_seed):
-        out, lse = forward_impl(q, k, v, causal, scale, key_range, dropout_p, dropout_seed)
-        inputs = (q, k, v, causal, scale, deterministic, key_range, dropout_p, dropout_seed)
+    def forward(ctx, q, k, v, causal, scale, deterministic, key_range, dropout_p, dropout_seed, window=None):
+        out, lse = forward_impl(q, k, v, causal, scale, key_range, dropout_p, dropout_seed, window)
+        inputs = (q, k, v, causal, scale, deterministic, key_range, dropout_p, dropout_seed, window)
         _fwd_setup_context(ctx, inputs, (out, lse))
         # The LSE never carries a gradient: without this autograd would fill a zero tensor for it on every
         # backward (an allocation and a fill kernel per call, for nothing).
@@ -294,10 +314,10 @@ class EagerAttention(torch.autograd.Function):
         if dout is None:  # only reachable if autograd ever calls us without a gradient for out
             dout = torch.zeros_like(ctx.saved_tensors[3])
         dq, dk, dv = backward_impl(*_backward_args(ctx, dout))
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
-def eager_training(q, k, v, causal, scale, deterministic, key_range, dropout_p, dropout_seed):
+def eager_training(q, k, v, causal, scale, deterministic, key_range, dropout_p, dropout_seed, window=None):
     """``fwd`` with its backward recorded, for eager autograd: on our kernels through the compiled training
     node (:mod:`flash_attention.ops.training`: no Python in the backward) when it takes the call, else
     through :class:`EagerAttention`. Returns ``(out, lse)``."""
@@ -316,9 +336,12 @@ def eager_training(q, k, v, causal, scale, deterministic, key_range, dropout_p, 
                 dropout_p=dropout_p,
                 dropout_seed=dropout_seed,
                 forward=ops.cuda_forward,
+                **({} if window is None else {"window": _window(window)}),
             ),
             lambda: None,
         )
         if result is not None:
             return result
-    return EagerAttention.apply(q, k, v, causal, scale, deterministic, key_range, dropout_p, dropout_seed)
+    return EagerAttention.apply(
+        q, k, v, causal, scale, deterministic, key_range, dropout_p, dropout_seed, window
+    )

@@ -15,7 +15,7 @@ import torch
 
 from . import dispatch
 from . import fallback as _fallback
-from ._validate import Problem, validate
+from ._validate import Problem, check_window, validate
 from .configs import KernelConfig, parse_config
 from .custom_ops import eager_training
 from .dropout import draw_seed
@@ -64,6 +64,7 @@ def attention(
     deterministic: bool = ...,
     dropout_p: float = ...,
     dropout_seed: int | None = ...,
+    window: tuple[int, int] | None = ...,
 ) -> torch.Tensor: ...
 
 
@@ -81,6 +82,7 @@ def attention(
     deterministic: bool = ...,
     dropout_p: float = ...,
     dropout_seed: int | None = ...,
+    window: tuple[int, int] | None = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -97,6 +99,7 @@ def attention(
     deterministic: bool = False,
     dropout_p: float = 0.0,
     dropout_seed: int | None = None,
+    window: tuple[int, int] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention ``softmax(q kᵀ · softmax_scale) v``, computed tile by tile on CUDA.
 
@@ -140,6 +143,12 @@ def attention(
             without any dropout code.
         dropout_seed: the seed of the mask (reproducible calls); default: drawn from PyTorch's CPU
             generator, so ``torch.manual_seed`` makes runs reproducible.
+        window: a sliding window ``(left, right)`` around the bottom-right-aligned diagonal (as in the
+            FlashAttention library's ``window_size``; -1 leaves a side unbounded): query ``i`` attends key
+            ``j`` iff ``i + shift - left <= j <= i + shift + right`` with ``shift = seqlen_k - seqlen_q``,
+            in addition to ``causal`` (which makes ``right`` 0) and ``key_range``. The kernels skip the
+            key blocks outside the window, so the cost grows with the window, not the sequence (Mistral:
+            ``window=(4095, 0)`` with ``causal=True``).
 
     Returns:
         ``out`` of q's shape and dtype; with ``return_lse=True``, ``(out, lse)`` where ``lse`` is float32 of
@@ -169,7 +178,7 @@ def attention(
     # A call whose signature ran before and ended in one planned launch repeats that launch, skipping every
     # decision below (ops.repeat says what a signature holds and why; kernel-log step 52).
     key = None
-    if out is None:
+    if out is None and window is None:  # (a windowed call takes the whole path)
         key = _repeat.signature(
             q, k, v, causal, softmax_scale, return_lse, key_range, deterministic, dropout_p, dropout_seed
         )
@@ -182,6 +191,7 @@ def attention(
                 key = None  # this signature's verdict stands; this call takes the whole path
 
     problem = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, key_range=key_range)
+    window = check_window(window)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool; got {type(deterministic).__name__}")
     # The backward's mode: the argument or PyTorch's switch (repeat.signature keys on the same).
@@ -207,8 +217,20 @@ def attention(
             return _result(*result, return_lse)
     if records or torch.compiler.is_compiling():
         return _attention_op(
-            q, k, v, problem, return_lse, out, key_range, deterministic, records, float(dropout_p), seed
+            q,
+            k,
+            v,
+            problem,
+            return_lse,
+            out,
+            key_range,
+            deterministic,
+            records,
+            float(dropout_p),
+            seed,
+            window,
         )
+    windowed = {} if window is None else {"window": window}
 
     if problem.is_empty:
         o, lse = _empty_result(q, problem, out)
@@ -226,6 +248,7 @@ def attention(
             key_range=key_range,
             dropout_p=float(dropout_p),
             dropout_seed=seed,
+            **windowed,
         )
 
     ops = dispatch.kernel_backend(q)
@@ -245,6 +268,7 @@ def attention(
                 key_range=key_range,
                 dropout_p=float(dropout_p),
                 dropout_seed=seed,
+                **windowed,
             ),
             fallback,
         )
@@ -279,6 +303,7 @@ def _attention_op(
     records: bool,
     dropout_p: float = 0.0,
     dropout_seed: torch.Tensor | None = None,
+    window: tuple[int, int] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`attention` through the custom op ``flash_attention::fwd``: differentiable, and one opaque
     node for torch.compile. The op makes the same kernel-or-fallback choice as the direct path."""
@@ -288,6 +313,8 @@ def _attention_op(
             "call attention() without out= (it returns a new tensor), or under torch.no_grad()"
         )
     args = (q, k, v, problem.causal, problem.scale, deterministic, key_range, dropout_p, dropout_seed)
+    if window is not None:
+        args = (*args, list(window))  # (the op's int[]?)
     if records and not torch.compiler.is_compiling():
         # A fallback call that PyTorch's attention computes exactly as we define it (CPU tensors, float32 on
         # CUDA; fallback.plain_sdpa_call says which) goes to it whole, forward and autograd, at PyTorch's
@@ -297,6 +324,7 @@ def _attention_op(
             (q.dtype == torch.float32 or q.device.type == "cpu")
             and out is None
             and not return_lse
+            and window is None
             and _fallback.plain_sdpa_call(
                 q, k, problem.causal, problem.scale, key_range, dropout_p, deterministic
             )

@@ -202,3 +202,35 @@ def test_window_that_bounds_nothing_runs_the_plain_build():
         a = ops.cuda_forward(q, k, v, window=window, **kw)
         b_ = ops.cuda_forward(q, k, v, **kw)
         assert torch.equal(a[0], b_[0]) and torch.equal(a[1], b_[1])
+
+
+@needs_cuda
+def test_attention_window_trains_on_the_kernels_eager_and_compiled():
+    """attention(window=) in training: the eager autograd node and torch.compile's graph (the custom ops,
+    whose schemas carry the window) run the window kernels: the same bits as the launch layer's
+    deterministic forward and backward."""
+    import flash_attention as fa
+
+    case = (2, 300, 400, 4, 2, 128, True, (90, 0), False)
+    q, k, v, do, _ = _inputs(case)
+    sc = 128**-0.5
+    o_ref, lse = ops.cuda_forward(
+        q, k, v, causal=True, softmax_scale=sc, return_lse=True, out=None, window=(90, 0)
+    )
+    g_ref = ops.cuda_backward(
+        do, q, k, v, o_ref, lse, causal=True, softmax_scale=sc, window=(90, 0), deterministic=True
+    )
+
+    def step(fn):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = fn(*leaves)
+        return out, torch.autograd.grad(out, leaves, do)
+
+    def call(a, b, c):
+        return fa.attention(a, b, c, causal=True, window=(90, 0), deterministic=True)
+
+    for name, fn in (("eager", call), ("compiled", torch.compile(call, fullgraph=True))):
+        out, grads = step(fn)
+        assert torch.equal(out, o_ref), name
+        for gname, a, r in zip(("dq", "dk", "dv"), grads, g_ref, strict=True):
+            assert torch.equal(a, r), f"{name} {gname}"

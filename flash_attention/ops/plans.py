@@ -15,11 +15,21 @@ from typing import Generic, TypeVar
 
 import torch
 
+from .._validate import check_window
 from ..dropout import dropout_threshold
 from ..jit import driver
 from .device import current_stream, device_arch, gpu_name, smem_limit
 
-__all__ = ["LOG2E", "PlanCache", "device_facts", "feature_list", "fill_common", "fill_strides", "launch"]
+__all__ = [
+    "LOG2E",
+    "PlanCache",
+    "device_facts",
+    "feature_list",
+    "fill_common",
+    "fill_strides",
+    "launch",
+    "window_bounds",
+]
 
 LOG2E = 1.4426950408889634
 
@@ -76,14 +86,9 @@ def window_bounds(window: object, causal: bool, seqlen_q: int, seqlen_k: int) ->
     sees keys i + shift - left .. i + shift + right, shift = seqlen_k - seqlen_q), with causal's right bound
     0 folded in; None when the window bounds nothing that ``causal`` does not (the plain or causal build
     runs then). An unbounded side becomes seqlen_q + seqlen_k, which no row reaches (fa/visible_keys.cuh)."""
+    window = check_window(window)
     if window is None:
         return None
-    if not isinstance(window, (tuple, list)) or len(window) != 2:
-        raise TypeError(f"window must be a (left, right) pair of ints or None; got {window!r}")
-    if any(isinstance(w, bool) or not isinstance(w, int) for w in window):
-        raise TypeError(f"window must be a (left, right) pair of ints or None; got {window!r}")
-    if any(w < -1 for w in window):
-        raise ValueError(f"window sides must be >= 0, or -1 for unbounded; got {tuple(window)}")
     far = seqlen_q + seqlen_k
     left, right = (far if w == -1 else min(w, far) for w in window)
     if causal:

@@ -25,6 +25,7 @@ from ..jit import driver, host
 from ..jit.params import BwdParams
 from . import backward
 from . import trace as _trace
+from .plans import window_bounds
 from .tensors import usable_in_place
 
 __all__ = ["program", "training_forward"]
@@ -72,6 +73,7 @@ def training_forward(
     dropout_p: float,
     dropout_seed: torch.Tensor | None,
     forward: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+    window: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(out, lse)`` of the forward launch ``forward`` (the launch layer's ``cuda_forward``, as the caller's
     backend has it) with ``out``'s gradient recorded by the compiled node, or None when the node does not
@@ -96,11 +98,15 @@ def training_forward(
         key_range=key_range,
         dropout_p=dropout_p,
         dropout_seed=dropout_seed,
+        window=window,
     )
-    # The backward reads dO laid out as out (the node copies any other layout), so the plan is out's.
+    # The backward reads dO laid out as out (the node copies any other layout), so the plan is out's; the
+    # window's bounds travel in the plan's parameters.
+    bounds = window_bounds(window, causal, q.shape[1], k.shape[1])
     plan = backward.plan_for(
-        q, k, v, out, out, lse, causal, softmax_scale, deterministic, key_range is not None, dropout_p, None
-    )
+        q, k, v, out, out, lse, causal, softmax_scale, deterministic, key_range is not None, dropout_p, None,
+        bounds,
+    )  # fmt: skip
     key = dropout_key(*seed_pair(dropout_seed)) if dropout_p else 0
     lib.record_training(q, k, v, out, lse, key_range, key, program(plan))
     return out, lse
