@@ -143,7 +143,7 @@ def test_hopper_backward_configs():
     assert ws128.symbol("dkdv", True, False, True) in src
     assert "fa::DefaultVariant<true, false>, true, false>" in src
     for ranged, dropout in ((True, False), (False, True)):
-        with pytest.raises(ValueError, match="no key-range or dropout build"):
+        with pytest.raises(ValueError, match="no key-range, dropout or window build"):
             sources.kernel_source(
                 hopper_bwd_config("bf16", 128, warp_specialized=False), ranged=ranged, dropout=dropout
             )

@@ -57,6 +57,15 @@ BWD_ATOMIC_CASES = [
     (2, 200, 129, 2, 2, 128, True, False, 0.1, False),
     (1, 130, 257, 4, 1, 128, False, True, 0.0, False),
 ]
+#: sliding windows (case, window): every family's window build, forward and backward, atomic and
+#: deterministic, with causal, key ranges and dropout.
+WINDOW_CASES = [
+    ((2, 150, 300, 4, 2, 128, False, False, 0.0, False), (40, 10)),
+    ((1, 300, 200, 4, 4, 64, True, True, 0.0, True), (50, -1)),
+    ((2, 200, 260, 6, 3, 256, True, False, 0.1, False), (70, 0)),
+    ((1, 260, 300, 2, 1, 192, False, True, 0.0, True), (-1, 30)),
+    ((1, 100, 100, 2, 2, 40, False, False, 0.0, False), (0, 0)),
+]
 SMALL = {1: 40, 2: 60}  # --small: shorter sequences (index into the case tuple -> cap)
 
 #: Hopper only: the warp-specialized kernel's knobs the defaults may not use (the persistent grid's tile
@@ -92,7 +101,7 @@ def _inputs(seed: int, b: int, sq: int, sk: int, hq: int, hkv: int, d: int):
     )
 
 
-def run_case(case, seed: int, small: bool) -> float:
+def run_case(case, seed: int, small: bool, window=None) -> float:
     b, sq, sk, hq, hkv, d, causal, ranged, p, det = case
     if small:
         sq, sk = min(sq, SMALL[1]), min(sk, SMALL[2])
@@ -101,7 +110,7 @@ def run_case(case, seed: int, small: bool) -> float:
     if ranged:
         kr = torch.tensor([[sk // 4, sk], [0, max(1, sk // 2)]][:b], dtype=torch.int32, device="cuda")
     out = fa.attention(
-        q, k, v, causal=causal, key_range=kr, dropout_p=p, dropout_seed=seed, deterministic=det
+        q, k, v, causal=causal, key_range=kr, dropout_p=p, dropout_seed=seed, deterministic=det, window=window
     )
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -110,7 +119,7 @@ def run_case(case, seed: int, small: bool) -> float:
     if p:
         return 0.0  # dropout's output is checked against the same mask by tests/test_gpu_dropout.py
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    ref, _ = attention_reference(*leaves, causal=causal, key_range=kr)
+    ref, _ = attention_reference(*leaves, causal=causal, key_range=kr, window=window)
     # The gradients too (relative to their largest entry): dQ's accumulation and cast are what the
     # backward's modes differ in.
     ref_grads = torch.autograd.grad(ref, leaves, dout.double())
@@ -262,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--bwd-det-only", action="store_true", help="only the deterministic backward's cases (Hopper)"
     )
+    ap.add_argument("--window-only", action="store_true", help="only the sliding-window cases")
     ap.add_argument(
         "--bwd-atomic-only",
         action="store_true",
@@ -285,12 +295,23 @@ def main(argv: list[str] | None = None) -> int:
 
         ops_forward.sm_count = lambda index: args.persistent_blocks
     worst = 0.0
-    only = args.ws_only or args.decode_only or args.bwd_wide_only or args.bwd_det_only or args.bwd_atomic_only
+    only = (
+        args.ws_only
+        or args.decode_only
+        or args.bwd_wide_only
+        or args.bwd_det_only
+        or args.bwd_atomic_only
+        or args.window_only
+    )
     hopper = torch.cuda.get_device_capability() == (9, 0)
     for i, case in enumerate(DET_CASES if hopper and (args.bwd_det_only or not only) else []):
         err = run_case(case, seed=400 + i, small=args.small)
         worst = max(worst, err)
         print(f"deterministic backward case {i}: {case} max error {err:.3g}", flush=True)
+    for i, (case, window) in enumerate(WINDOW_CASES if args.window_only or not only else []):
+        err = run_case(case, seed=600 + i, small=args.small, window=window)
+        worst = max(worst, err)
+        print(f"window case {i}: {case} window {window} max error {err:.3g}", flush=True)
     for i, case in enumerate(BWD_ATOMIC_CASES if args.bwd_atomic_only or not only else []):
         err = run_case(case, seed=500 + i, small=args.small)
         worst = max(worst, err)
