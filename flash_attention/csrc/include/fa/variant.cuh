@@ -44,24 +44,24 @@ struct Variant {
   using ScoreMod = ScoreModPolicy;
 };
 
-// Causal (bottom-right aligned) and/or per-batch key ranges: fa/visible_keys.cuh states the rule,
-// fa/block_range.cuh and fa/mask.cuh compute its blocks and element masks.
-template <bool kCausal, bool kRanged>
-struct CausalRangeMask {
-  static constexpr bool kLowerBound = kRanged;
-  static constexpr bool kRowDependent = kCausal;
-  VisibleKeys<kCausal, kRanged> keys;
+// A mask policy from a rule of fa/visible_keys.cuh (`Keys`, built per batch row from the params), whose
+// block ranges (fa/block_range.cuh) and element masks (fa/mask.cuh) are free functions overloaded on it.
+template <class Keys, bool kLowerBoundRule, bool kRowDependentRule>
+struct RuleMask {
+  static constexpr bool kLowerBound = kLowerBoundRule;
+  static constexpr bool kRowDependent = kRowDependentRule;
+  Keys keys;
 
   template <class Params>
-  __device__ __forceinline__ CausalRangeMask(const Params& p, int batch, int /*head*/) : keys(p, batch) {}
+  __device__ __forceinline__ RuleMask(const Params& p, int batch, int /*head*/) : keys(p, batch) {}
 
   __device__ __forceinline__ int key_end() const { return keys.kv_hi; }
   template <int BC>
-  __device__ __forceinline__ KVBlocks<kRanged> kv_blocks(int q_start, int q_rows) const {
+  __device__ __forceinline__ auto kv_blocks(int q_start, int q_rows) const {
     return fa::kv_blocks<BC>(keys, q_start, q_rows);
   }
   template <int BR, int BC, class Params>
-  __device__ __forceinline__ QBlocks<kCausal> q_blocks(const Params& p, int kv_start) const {
+  __device__ __forceinline__ auto q_blocks(const Params& p, int kv_start) const {
     return fa::q_blocks<BR, BC>(keys, p, kv_start);
   }
   template <class Acc>
@@ -74,38 +74,17 @@ struct CausalRangeMask {
     fa::mask_key_rows(s, keys, kv_start, warp_row0, q_start, g, t);
   }
 };
+
+// Causal (bottom-right aligned) and/or per-batch key ranges (VisibleKeys). A key range makes a query
+// tile's first K/V block a run-time value; causal makes a key tile's first query block one.
+template <bool kCausal, bool kRanged>
+using CausalRangeMask = RuleMask<VisibleKeys<kCausal, kRanged>, kRanged, kCausal>;
 
 // A sliding window around the bottom-right diagonal (causal is the window (left, 0)), and/or per-batch key
-// ranges: fa/visible_keys.cuh (WindowKeys) states the rule. Both ends of a row's keys move with the row, so
-// a query tile's first K/V block is a run-time value and a key tile's query blocks are a band.
+// ranges (WindowKeys). Both ends of a row's keys move with the row, so both facts hold, and a key tile's
+// query blocks are a band.
 template <bool kRanged>
-struct WindowMask {
-  static constexpr bool kLowerBound = true;
-  static constexpr bool kRowDependent = true;
-  WindowKeys<kRanged> keys;
-
-  template <class Params>
-  __device__ __forceinline__ WindowMask(const Params& p, int batch, int /*head*/) : keys(p, batch) {}
-
-  __device__ __forceinline__ int key_end() const { return keys.kv_hi; }
-  template <int BC>
-  __device__ __forceinline__ KVBlocks<true> kv_blocks(int q_start, int q_rows) const {
-    return fa::kv_blocks<BC>(keys, q_start, q_rows);
-  }
-  template <int BR, int BC, class Params>
-  __device__ __forceinline__ QBlocks<true> q_blocks(const Params& p, int kv_start) const {
-    return fa::q_blocks<BR, BC>(keys, p, kv_start);
-  }
-  template <class Acc>
-  __device__ __forceinline__ void mask_query_rows(const Acc& s, int q_row0, int kv_start, int g, int t) const {
-    fa::mask_query_rows(s, keys, q_row0, kv_start, g, t);
-  }
-  template <class Acc>
-  __device__ __forceinline__ void mask_key_rows(const Acc& s, int kv_start, int warp_row0, int q_start, int g,
-                                                int t) const {
-    fa::mask_key_rows(s, keys, kv_start, warp_row0, q_start, g, t);
-  }
-};
+using WindowMask = RuleMask<WindowKeys<kRanged>, true, true>;
 
 // The identity: the scores go to the softmax as the matrix product left them.
 struct NoScoreMod {
