@@ -367,6 +367,7 @@ def forward(
     return_lse: bool = False,
     out: torch.Tensor | None = None,
     key_range: torch.Tensor | None = None,
+    window: tuple[int, int] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Run one named kernel configuration (a :class:`KernelConfig` or its name) on CUDA tensors.
 
@@ -374,6 +375,7 @@ def forward(
     RuntimeError says why.
     """
     problem = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, key_range=key_range)
+    window = check_window(window)
     ops, cfg = _kernel_path(config, q, "forward")
     if problem.is_empty:
         o, lse = _empty_result(q, problem, out)
@@ -388,6 +390,7 @@ def forward(
         out=out,
         config=cfg,
         key_range=key_range,
+        **({} if window is None else {"window": window}),
     )
     return _result(o, lse, return_lse)
 

@@ -581,3 +581,26 @@ def test_deterministic_impl_is_known_and_only_times_backward_modes():
         make_runner(OURS_DETERMINISTIC, shape, inputs, "fwd")
     with pytest.raises(Skip, match="cannot run"):  # CPU tensors: the fallback is not timed under our name
         make_runner(OURS_DETERMINISTIC, shape, inputs, "fwd_bwd")
+
+
+def test_window_sweep_counts_the_band_and_masks_the_same_keys():
+    """--window: causal shapes only; FLOPs of the band; SDPA's explicit mask is attention()'s window."""
+    import torch
+
+    from flash_attention.reference import window_allowed
+    from flash_attention.tools.bench.runners import Shape, _window, _window_mask
+    from flash_attention.tools.bench.sweep import SweepSettings, sweep_shapes
+    from flash_attention.tools.common import flops
+
+    s = SweepSettings(
+        impls=("flash_attention",), seqlens=(8192,), head_dims=(128,), causal=(False, True), window=1024
+    )
+    shapes = sweep_shapes(s)
+    assert [(x.causal, x.window) for x in shapes] == [(False, 0), (True, 1024)]
+    # The band: N W - W^2 / 2 of the N^2 / 2 triangle's convention.
+    assert flops(1, 1, 8192, 8192, 128, True, "fwd", 1024) == 4 * 128 * (8192 * 1024 - 1024 * 1024 / 2)
+    assert flops(1, 1, 8192, 8192, 128, True, "fwd", 0) == flops(1, 1, 8192, 8192, 128, True)
+    shape = Shape("bf16", 1, 1, 300, 64, True, 0, 37)
+    assert _window(shape) == {"window": (37, 0)} and _window(Shape("bf16", 1, 1, 300, 64, True)) == {}
+    causal = torch.ones(300, 300, dtype=torch.bool).tril()
+    assert torch.equal(_window_mask(shape, "cpu"), window_allowed(300, 300, (37, 0)) & causal)

@@ -48,7 +48,14 @@ _MODE_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
 
 
 def flops(
-    batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, causal: bool, mode: str = "fwd"
+    batch: int,
+    heads: int,
+    seqlen_q: int,
+    seqlen_k: int,
+    head_dim: int,
+    causal: bool,
+    mode: str = "fwd",
+    window: int = 0,
 ) -> float:
     """Floating-point operations of one attention call, by the FlashAttention papers' convention.
 
@@ -56,11 +63,15 @@ def flops(
     area under the bottom-right-aligned diagonal as a continuous triangle: exactly half when N_q == N_k (the
     papers' "halved for causal", not the exact (N+1)/2N of a discrete mask), N_q·N_k - N_q²/2 when the
     queries are the last N_q positions of a longer key sequence, and N_k²/2 when N_q > N_k (the first
-    N_q - N_k query rows see no key). Backward is 2.5x the forward, forward+backward 3.5x.
+    N_q - N_k query rows see no key). A causal sliding window of ``window`` keys before the diagonal (N_q ==
+    N_k = N >= window) keeps the band N·window - window²/2 by the same convention. Backward is 2.5x the
+    forward, forward+backward 3.5x.
     """
     if mode not in _MODE_FLOP_FACTOR:
         raise ValueError(f"mode must be one of {MODES}; got {mode!r}")
-    if causal:
+    if window and causal and seqlen_q == seqlen_k and seqlen_q >= window:
+        area = seqlen_q * window - window * window / 2
+    elif causal:
         if seqlen_k >= seqlen_q:
             area = seqlen_q * seqlen_k - seqlen_q * seqlen_q / 2
         else:

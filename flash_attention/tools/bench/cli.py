@@ -159,6 +159,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="K/V heads of every shape (grouped-query attention, e.g. Llama-style: --width 4096 "
         "--kv-heads 8); default: as many as query heads",
     )
+    p.add_argument(
+        "--window",
+        type=int,
+        default=0,
+        help="causal shapes only: a sliding window of this many keys before each query (attention()'s "
+        "window=(W, 0); SDPA gets the explicit mask, FlexAttention the block mask); FLOPs count the band",
+    )
     p.add_argument("--warmup", type=int, default=3, help="untimed calls before timing (3)")
     p.add_argument("--reps", type=int, default=None, help="minimum timed calls per point (25; --quick 10)")
     p.add_argument(
@@ -349,6 +356,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         tokens=args.tokens,
         width=args.width,
         kv_heads=args.kv_heads,
+        window=args.window,
         config=args.config,
         warmup=args.warmup,
         min_reps=reps,

@@ -49,6 +49,8 @@ class Shape:
     causal: bool
     #: K/V heads (grouped-query attention: query head h reads kv head h // (heads // kv_heads)); 0: heads.
     kv_heads: int = 0
+    #: A causal sliding window: each query sees itself and the ``window`` keys before it; 0: none.
+    window: int = 0
 
     @property
     def kv(self) -> int:
@@ -132,6 +134,18 @@ def _autograd_call(
     return lambda i: torch.autograd.grad(outs[i], leaves[i], grads[i], retain_graph=True)
 
 
+def _window(shape: Shape) -> dict:
+    """attention()'s window argument of a shape (none without one)."""
+    return {"window": (shape.window, 0)} if shape.window else {}
+
+
+def _window_mask(shape: Shape, device: Any) -> Any:
+    """The (seqlen, seqlen) boolean mask of a shape's causal sliding window."""
+    i = torch.arange(shape.seqlen, device=device)
+    distance = i[:, None] - i[None, :]
+    return (distance >= 0) & (distance <= shape.window)
+
+
 def make_runner(
     impl: str, shape: Shape, inputs: list[tuple[Any, Any, Any]], mode: str, config: Any = None
 ) -> Runner:
@@ -167,15 +181,15 @@ def make_runner(
                 if config is None:
                     # What a user calls, so that host-bound points time the user's path (repeat calls
                     # included); the kernel is the config named above, attention()'s own choice.
-                    return flash_attention.attention(q, k, v, causal=shape.causal)
-                return flash_attention.forward(cfg, q, k, v, causal=shape.causal)
+                    return flash_attention.attention(q, k, v, causal=shape.causal, **_window(shape))
+                return flash_attention.forward(cfg, q, k, v, causal=shape.causal, **_window(shape))
 
             def output(i: int) -> Any:
                 return outs.setdefault(i, call(i))
 
             return Runner(call, output, config=cfg.name())
         # Backward modes go through attention() and its autograd; the config is the one it picks.
-        f = lambda q, k, v: flash_attention.attention(q, k, v, causal=shape.causal)  # noqa: E731
+        f = lambda q, k, v: flash_attention.attention(q, k, v, causal=shape.causal, **_window(shape))  # noqa: E731
         return Runner(_autograd_call(f, inputs, mode), lambda i: f(*inputs[i]), config=cfg.name())
 
     if impl == OURS_DETERMINISTIC:
@@ -185,7 +199,9 @@ def make_runner(
         reason = ops.cuda_unavailable_reason(q0)
         if reason is not None:
             raise Skip(f"our CUDA kernel cannot run: {reason}")
-        f = lambda q, k, v: flash_attention.attention(q, k, v, causal=shape.causal, deterministic=True)  # noqa: E731
+        f = lambda q, k, v: flash_attention.attention(  # noqa: E731
+            q, k, v, causal=shape.causal, deterministic=True, **_window(shape)
+        )
         return Runner(_autograd_call(f, inputs, mode), lambda i: f(*inputs[i]))
 
     if impl in _SDPA_BACKENDS:
@@ -198,13 +214,17 @@ def make_runner(
         native = [tuple(t.transpose(1, 2).contiguous() for t in s) for s in inputs]
 
         gqa = shape.kv != shape.heads
+        # A sliding window has no SDPA flag: an explicit boolean mask, as a model without our kernels
+        # passes one (the backends that take no mask refuse it and the row is skipped).
+        mask = _window_mask(shape, inputs[0][0].device) if shape.window else None
+        extra = {"enable_gqa": True} if gqa else {}
+        if mask is not None:
+            extra["attn_mask"] = mask
 
         def f(q: Any, k: Any, v: Any) -> Any:
             # seqlen_q == seqlen_k in the sweep, so SDPA's top-left causal mask equals our bottom-right one.
             # Grouped-query shapes pass K/V with their own head count (enable_gqa), as a model would.
-            if gqa:
-                return F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal, enable_gqa=True)
-            return F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal and mask is None, **extra)
 
         def context() -> Any:
             return sdpa_kernel(backend)
@@ -229,8 +249,11 @@ def make_runner(
         native = [tuple(t.transpose(1, 2).contiguous() for t in s) for s in inputs]
         block_mask = None
         if shape.causal:
+            window = shape.window
 
             def causal_mask(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+                if window:  # a sliding window: FlexAttention skips the blocks outside it too
+                    return (q_idx >= kv_idx) & (q_idx - kv_idx <= window)
                 return q_idx >= kv_idx
 
             block_mask = create_block_mask(

@@ -35,6 +35,8 @@ class SweepSettings:
     width: int = 2048
     #: K/V heads of every shape (grouped-query attention); 0: as many as query heads.
     kv_heads: int = 0
+    #: A causal sliding window of this many keys before each query (``--window``); 0: none.
+    window: int = 0
     config: str | None = None
     warmup: int = 3
     min_reps: int = 25
@@ -56,7 +58,18 @@ def sweep_shapes(s: SweepSettings) -> list[Shape]:
         for causal in s.causal:
             for n in s.seqlens:
                 heads = max(1, s.width // d)
-                shapes.append(Shape(s.dtype, max(1, s.tokens // n), heads, n, d, causal, s.kv_heads))
+                shapes.append(
+                    Shape(
+                        s.dtype,
+                        max(1, s.tokens // n),
+                        heads,
+                        n,
+                        d,
+                        causal,
+                        s.kv_heads,
+                        s.window if causal else 0,
+                    )
+                )
     return shapes
 
 
@@ -65,6 +78,7 @@ def _describe(shape: Shape) -> str:
         f"{shape.dtype} d={shape.head_dim:<3} {'causal    ' if shape.causal else 'non-causal'} "
         f"seqlen={shape.seqlen:<5} batch={shape.batch:<2} heads={shape.heads:<2}"
         + (f" kv_heads={shape.kv}" if shape.kv != shape.heads else "")
+        + (f" window={shape.window}" if shape.window else "")
     )
 
 
@@ -177,6 +191,8 @@ def run_sweep(
                     "heads": shape.heads,
                     "kv_heads": shape.kv,
                 }
+                if shape.window:
+                    row_base["window"] = shape.window
                 if s.shapes:
                     row_base["tiny"] = True
                 if s.rounds > 1:
@@ -288,7 +304,16 @@ def _measure(
     row: dict = {}
     if runner.config is not None:
         row["config"] = runner.config
-    f = flops(shape.batch, shape.heads, shape.seqlen, shape.seqlen, shape.head_dim, shape.causal, s.mode)
+    f = flops(
+        shape.batch,
+        shape.heads,
+        shape.seqlen,
+        shape.seqlen,
+        shape.head_dim,
+        shape.causal,
+        s.mode,
+        shape.window,
+    )
     # Rounded well below the run-to-run noise (~1%) to keep the files readable.
     row["ms"] = round(t.ms, 5)
     row["tflops"] = round(f / (t.ms * 1e-3) / 1e12, 2)
