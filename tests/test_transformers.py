@@ -486,8 +486,8 @@ def test_dropout_argument_is_checked():
 # Model families with sliding windows, logit soft-capping and attention sinks, against "eager"
 #
 # Which route each layer takes (the module docstring of the integration says why):
-#   Mistral      every layer sliding: a 4-D mask, transformers' SDPA function
-#   Gemma 3      sliding layers: SDPA with the 4-D mask; full-attention layers: the kernel routes
+#   Mistral      every layer sliding: the kernel with the window (attention(window=))
+#   Gemma 3      sliding layers: the kernel with the window; full-attention layers: the kernel routes
 #   Gemma 2      softcap on every layer: Gemma 2's own eager attention function
 #   gpt-oss      attention sinks (s_aux) on every layer: gpt-oss's own eager attention function
 # The reference is attn_implementation="eager" of the same model with the same weights. Accuracy (CPU
@@ -498,7 +498,7 @@ def test_dropout_argument_is_checked():
 # bit for bit here).
 
 FAMILIES = ["gemma2", "gemma3", "mistral", "gpt_oss"]
-SLIDING_ROUTE = {"gemma2": "eager", "gemma3": "sdpa", "mistral": "sdpa", "gpt_oss": "eager"}
+SLIDING_ROUTE = {"gemma2": "eager", "gemma3": "kernel", "mistral": "kernel", "gpt_oss": "eager"}
 FULL_ROUTE = {"gemma2": "eager", "gemma3": "kernel", "gpt_oss": "eager"}  # Mistral has no full layer
 EXACT_IN_SDPA = {"gemma3", "mistral"}
 
@@ -585,7 +585,8 @@ def routes(monkeypatch: pytest.MonkeyPatch, calls: dict, force_key_range: dict) 
     monkeypatch.setattr(integration, "_eager_attention", spy)
 
     def counts():
-        kernel = calls["kernel"] + len(force_key_range["key_range"])
+        # (The sliding-window calls reach attention() through nn.functional, with or without key ranges.)
+        kernel = calls["kernel"] + len(force_key_range["key_range"]) + force_key_range["plain"]
         return {"kernel": kernel, "sdpa": calls["sdpa"], "eager": seen["eager"]}
 
     return counts
@@ -832,6 +833,35 @@ def test_mask_function_other_cases_are_sdpa_masks(overrides):
     kwargs.update({k: v for k, v in overrides.items() if k != "allow_is_causal_skip"})
     assert got is not None and got.dim() == 4
     assert torch.equal(got, sdpa_mask(**_versioned(kwargs)))
+
+
+def test_mask_function_sliding_window_is_a_marked_key_mask():
+    """A causal sliding window of W keys (create_sliding_window_causal_mask's function, recognised by what it
+    answers) becomes the 2-D key mask marked with the kernel's window (W - 1, 0); the explicit mask the
+    other routes build from it is transformers' own."""
+    from transformers.masking_utils import sdpa_mask, sliding_window_causal_mask_function
+
+    fn3 = sliding_window_causal_mask_function(3)
+    for overrides in (
+        {"q_length": 9, "kv_length": 9},
+        {"q_length": 1, "kv_length": 9, "q_offset": 8},  # decoding
+        {"q_length": 4, "kv_length": 6, "q_offset": 10, "kv_offset": 8},  # a cache that dropped old keys
+        {"q_length": 9, "kv_length": 9, "attention_mask": torch.tensor([[0] * 3 + [1] * 6, [1] * 9])},
+    ):
+        got = _mask_call(mask_function=fn3, local_size=3, **overrides)
+        assert got.dim() == 2 and got.dtype == torch.bool and got._flash_attention_window == (2, 0)
+        kwargs = dict(batch_size=2, q_offset=0, kv_offset=0, mask_function=fn3, local_size=3, device="cpu")
+        expected = sdpa_mask(**_versioned({**kwargs, **overrides, "allow_is_causal_skip": False}))
+        q_length, kv_length = overrides["q_length"], overrides["kv_length"]
+        explicit = integration._explicit_mask(got, q_length, kv_length, True, "cpu", square_causal_flag=False)
+        assert torch.equal(explicit.expand_as(expected), expected)
+    # No key far enough to be cut: plain causal (None, the decode route's mask).
+    assert _mask_call(mask_function=fn3, local_size=3, q_length=1, kv_length=3, q_offset=2) is None
+    # Something else with a local size (chunked attention, a bidirectional window): the 4-D mask.
+    from transformers.masking_utils import sliding_window_bidirectional_mask_function
+
+    bidir = sliding_window_bidirectional_mask_function(3)
+    assert _mask_call(mask_function=bidir, local_size=3, allow_is_bidirectional_skip=True).dim() == 4
 
 
 def test_mask_function_static_cache_is_row_lengths_in_inference():

@@ -47,11 +47,16 @@ transformers' SDPA function instead):
   causal calls without a sliding window or padding (a 2-D padding mask is read on the host once per forward
   pass, as below, to see that it has none) of at most 64 new queries (decoding, speculative decoding) in
   inference; the prefill of a static cache, padded batches and training take the 4-D mask.
-* a 4-D mask -- everything else (sliding windows, static-cache prefill or padding, packed
-  sequences, custom mask functions, a 4-D mask passed by the user): transformers' SDPA function with it,
-  which computes that mask exactly. A sliding window is in the mask (the mask function materialises every
-  mask with a window); the ``sliding_window`` argument models also pass is informational, as it is for
-  ``"eager"`` and ``"sdpa"``.
+* a causal sliding window of W keys (``create_sliding_window_causal_mask``: Mistral, the sliding layers of
+  Qwen2, Gemma 2/3 and gpt-oss), recognised by what its mask function answers at the window's edges: the
+  2-D key mask as above (all True without padding), marked with the kernel's window (W - 1, 0), so the
+  layers run ``attention(..., window=)`` (with key ranges when padded), the kernel skipping the keys
+  outside the window. A window that cuts no key (a cache no longer than it) is plain causal, and decoding
+  steps then take the decode kernels. The ``sliding_window`` argument models also pass is not read: the
+  mask says what the layer attends, as it does for ``"eager"`` and ``"sdpa"``.
+* a 4-D mask -- everything else (static-cache prefill or padding, a sliding window on a static cache,
+  packed sequences, chunked or bidirectional windows, custom mask functions, a 4-D mask passed by the
+  user): transformers' SDPA function with it, which computes that mask exactly.
 
 Attention dropout (``dropout``, which transformers' models pass only in training mode) runs on every
 route: in the kernels (their mask drawn from PyTorch's CPU generator, so ``torch.manual_seed`` repeats
@@ -87,7 +92,7 @@ from .._validate import MAX_HEAD_DIM
 from ..interface import attention
 from ..kvcache import attention_with_kvcache
 from ..nn import functional as fn
-from ..reference import causal_allowed
+from ..reference import causal_allowed, window_allowed
 
 __all__ = ["NAME", "attention_forward", "attention_mask", "register"]
 
@@ -157,6 +162,11 @@ def attention_mask(**kwargs: Any) -> torch.Tensor | None:
     causal_fn, bidirectional_fn, sdpa_mask = _mask_functions()
     mask_function = kwargs.get("mask_function", causal_fn)
     causal = mask_function is causal_fn
+    # A causal sliding window (create_sliding_window_causal_mask: local_size is the window W, and a key is
+    # seen iff q - W < k <= q): the kernel's window (W - 1, 0), marked on the 2-D key mask returned below.
+    left = _sliding_window_left(mask_function, kwargs.get("local_size"))
+    if left is not None:
+        causal = True
 
     if "q_length" in kwargs:
         q_length, q_offset = kwargs["q_length"], kwargs.get("q_offset", 0)
@@ -178,7 +188,7 @@ def attention_mask(**kwargs: Any) -> torch.Tensor | None:
     simple = (
         (causal or mask_function is bidirectional_fn)
         and may_skip
-        and kwargs.get("local_size") is None
+        and (kwargs.get("local_size") is None or left is not None)
         # Static caches pass tensor offsets (to avoid graph breaks); reading them would force a sync and
         # their keys include empty slots: the 4-D mask handles that.
         and not isinstance(q_offset, torch.Tensor)
@@ -189,23 +199,64 @@ def attention_mask(**kwargs: Any) -> torch.Tensor | None:
         simple = q_offset - kv_offset == kv_length - q_length
     if not simple:
         return sdpa_mask(**{**kwargs, "allow_is_causal_skip": False})
+    if left is not None and kv_length - 1 <= left:
+        left = None  # no query is far enough from the first key for the window to hide one: plain causal
 
     padding = kwargs.get("attention_mask")
+    if left is not None:
+        # The window travels on the 2-D key mask (all True without padding), which every layer receives.
+        if padding is None:
+            valid = torch.ones(kwargs["batch_size"], kv_length, dtype=torch.bool, device=kwargs.get("device"))
+        else:
+            valid = _padding_keys(padding, kv_offset, kv_length)
+        valid._flash_attention_window = (left, 0)
+        return valid
     if padding is None:
         return None
-    # The 2-D mask covers absolute positions 0..N-1 (True = real token); positions past it are not
-    # attendable (transformers pads it with False); the keys are positions kv_offset..kv_offset+kv_length-1.
-    padding = padding.to(dtype=torch.bool)
-    missing = kv_offset + kv_length - padding.shape[-1]
-    if missing > 0:
-        padding = torch.nn.functional.pad(padding, (0, missing), value=False)
-    valid = padding[:, kv_offset : kv_offset + kv_length]
+    valid = _padding_keys(padding, kv_offset, kv_length)
     # The one host read of the mask per forward pass: whether there is padding at all, and if so the key
     # ranges the layers' calls will use, remembered on `valid` (which every layer receives).
     ranges = fn.key_ranges(valid)
     if ranges is not None and ranges.is_full(kv_length):
         return None
     return valid
+
+
+def _padding_keys(padding: torch.Tensor, kv_offset: int, kv_length: int) -> torch.Tensor:
+    """The (batch, kv_length) boolean key mask of a 2-D padding mask: it covers absolute positions 0..N-1
+    (True = real token); positions past it are not attendable (transformers pads it with False); the keys
+    are positions kv_offset..kv_offset+kv_length-1."""
+    padding = padding.to(dtype=torch.bool)
+    missing = kv_offset + kv_length - padding.shape[-1]
+    if missing > 0:
+        padding = torch.nn.functional.pad(padding, (0, missing), value=False)
+    return padding[:, kv_offset : kv_offset + kv_length]
+
+
+def _sliding_window_left(mask_function: Callable, local_size: object) -> int | None:
+    """W - 1 when ``mask_function`` is a causal sliding window of ``local_size`` = W keys (a key k is seen
+    from query q iff q - W < k <= q), else None. transformers builds that function as a closure, so it is
+    recognised by what it answers at the window's edges (one call on 24 index pairs, as the 1-D index
+    tensors transformers' own non-vmap mask construction passes), never by name."""
+    if isinstance(local_size, bool) or not isinstance(local_size, int) or local_size < 1:
+        return None
+    w = local_size
+    pairs = [
+        (q, k)
+        for q in (w - 1, w, w + 5, 3 * w + 2)
+        for k in (q - w - 1, q - w, q - w + 1, q - 1, q, q + 1)
+        if k >= 0
+    ]
+    q_idx = torch.tensor([q for q, _ in pairs])
+    kv_idx = torch.tensor([k for _, k in pairs])
+    want = (kv_idx > q_idx - w) & (kv_idx <= q_idx)
+    zero = torch.zeros_like(q_idx)
+    try:
+        got = mask_function(zero, zero, q_idx, kv_idx)
+        same = isinstance(got, torch.Tensor) and got.shape == want.shape and torch.equal(got.bool(), want)
+    except Exception:  # a mask function that indexes other tensors (padding, packing): not a plain window
+        return None
+    return w - 1 if same else None
 
 
 def _static_cache_lengths(kwargs: dict, causal: bool, q_length: int, q_offset, kv_length: int, kv_offset):
@@ -272,10 +323,14 @@ def _explicit_mask(
     if mask is not None and mask.dim() != 2:
         return mask
     allowed = None
+    window = getattr(mask, "_flash_attention_window", None)  # our mask function's sliding window
     if causal and q_length > 1 and not (square_causal_flag and mask is None and q_length == kv_length):
         # transformers' SDPA function aligns is_causal to the top-left (and crops the keys), and eager
         # functions know no causality but the mask's: say bottom-right explicitly.
         allowed = causal_allowed(q_length, kv_length, device=device)[None, None]
+    if window is not None:
+        band = window_allowed(q_length, kv_length, window, device=device)[None, None]
+        allowed = band if allowed is None else allowed & band
     if mask is not None:
         valid = mask[:, None, None, :]
         allowed = valid if allowed is None else allowed & valid
@@ -521,15 +576,20 @@ def attention_forward(
                 )
                 return out, None
             return attention(q, k, v, causal=causal, softmax_scale=scaling, dropout_p=dropout), None
-        # A 2-D key mask: one kernel call with per-batch key ranges when each row's valid keys are one run.
+        # A 2-D key mask: one kernel call with per-batch key ranges when each row's valid keys are one run,
+        # and the sliding window our mask function marked on it.
+        window = getattr(attention_mask, "_flash_attention_window", None)
         ranges = fn.plan_padded(attention_mask) if attention_mask.device == query.device else None
         if ranges is not None:
-            out = fn.key_range_attention(q, k, v, ranges, causal=causal, scale=scaling, dropout_p=dropout)
+            out = fn.key_range_attention(
+                q, k, v, ranges, causal=causal or window is not None, scale=scaling, dropout_p=dropout,
+                window=window,
+            )  # fmt: skip
             return out, None
 
-    # A 4-D mask (sliding windows among others: the window is in it, as it is for "eager" and "sdpa",
-    # which also ignore the sliding_window argument), key padding with holes, or what the kernel cannot
-    # take: transformers' SDPA function, which computes exactly that mask.
+    # A 4-D mask, key padding with holes, or what the kernel cannot take (a marked sliding window
+    # included, whose band _explicit_mask adds): transformers' SDPA function, which computes exactly that
+    # mask.
     mask = _explicit_mask(attention_mask, q_length, kv_length, causal, query.device, square_causal_flag=True)
     return sdpa_attention_forward(
         module, query, key, value, mask, dropout=dropout, scaling=scaling, is_causal=causal, **kwargs
