@@ -234,3 +234,21 @@ def test_attention_window_trains_on_the_kernels_eager_and_compiled():
         assert torch.equal(out, o_ref), name
         for gname, a, r in zip(("dq", "dk", "dv"), grads, g_ref, strict=True):
             assert torch.equal(a, r), f"{name} {gname}"
+
+
+@needs_cuda
+def test_flash_attention_layer_window_on_the_kernels():
+    """nn.FlashAttention(window=) in bf16 on CUDA (plain and padded: attention(window=) with key ranges)
+    against its own weights route in float64."""
+    from flash_attention.nn import FlashAttention
+
+    torch.manual_seed(1)
+    layer = FlashAttention(256, 4, num_kv_heads=2, causal=True, window=(40, 0), device="cuda")
+    x = torch.randn(2, 300, 256, device="cuda")
+    pad = torch.zeros(2, 300, dtype=torch.bool, device="cuda")
+    pad[0, :17] = True
+    for mask in (None, pad):
+        ref, _ = layer.double()(x.double(), x.double(), x.double(), key_padding_mask=mask, need_weights=True)
+        out, _ = layer.to(torch.bfloat16)(*(x.to(torch.bfloat16),) * 3, key_padding_mask=mask)
+        torch.testing.assert_close(out.double(), ref, rtol=0, atol=3e-2)
+        layer.float()

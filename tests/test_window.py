@@ -110,3 +110,26 @@ def test_attention_names_a_bad_window(bad, err, match):
     q = torch.randn(1, 8, 2, 16)
     with pytest.raises(err, match=match):
         fa.attention(q, q, q, window=bad)
+
+
+def test_flash_attention_layer_takes_a_window():
+    """nn.FlashAttention(window=): the same output as the weights route under the same mask (CPU), padded
+    batches included; a bad window is named."""
+    import torch
+
+    from flash_attention.nn import FlashAttention
+
+    torch.manual_seed(0)
+    layer = FlashAttention(32, 4, num_kv_heads=2, causal=True, window=(5, 0), dtype=torch.float64)
+    assert "window=(5, 0)" in repr(layer)
+    x = torch.randn(2, 19, 32, dtype=torch.float64)
+    pad = torch.zeros(2, 19, dtype=torch.bool)
+    pad[1, :4] = True
+    for mask in (None, pad):
+        out, _ = layer(x, x, x, key_padding_mask=mask)
+        ref, weights = layer(x, x, x, key_padding_mask=mask, need_weights=True)
+        torch.testing.assert_close(out, ref)
+        # Each query attends at most itself and the 5 keys before it.
+        assert (weights > 0).sum(-1).max() <= 6 and weights[..., 0, 1:].abs().max() == 0
+    with pytest.raises(ValueError, match="window sides"):
+        FlashAttention(32, 4, window=(-4, 0))

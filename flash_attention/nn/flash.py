@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._validate import MAX_HEAD_DIM
-from ..reference import causal_allowed
+from .._validate import MAX_HEAD_DIM, check_window
+from ..reference import causal_allowed, window_allowed
 from . import functional as fn
 
 __all__ = ["FlashAttention"]
@@ -29,6 +29,8 @@ class FlashAttention(nn.Module):
         bias: whether the four projections have a bias.
         causal: mask out future keys, aligned to the bottom-right corner (query ``i`` sees key ``j`` iff
             ``j <= i + seqlen_k - seqlen_q``): for self-attention, the usual ``j <= i``.
+        window: a sliding window ``(left, right)`` as :func:`flash_attention.attention` takes it (with
+            ``causal``, ``(W, 0)`` attends the W keys before each query and itself); default none.
         device, dtype: of the parameters.
 
     Parameters: ``q_proj`` (d_model -> d_model), ``k_proj`` and ``v_proj`` (d_model -> num_kv_heads *
@@ -60,6 +62,7 @@ class FlashAttention(nn.Module):
         dropout: float = 0.0,
         bias: bool = True,
         causal: bool = False,
+        window: tuple[int, int] | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -82,6 +85,7 @@ class FlashAttention(nn.Module):
             raise ValueError(f"dropout must be a probability in [0, 1]; got {dropout!r}")
         if not isinstance(causal, bool):
             raise TypeError(f"causal must be a bool; got {type(causal).__name__}")
+        self.window = check_window(window)
 
         self.d_model, self.num_heads, self.num_kv_heads, self.head_dim = (
             d_model,
@@ -101,6 +105,7 @@ class FlashAttention(nn.Module):
         return (
             f"d_model={self.d_model}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
             f"dropout={self.dropout}, causal={self.causal}"
+            + (f", window={self.window}" if self.window is not None else "")
         )
 
     def _check_input(self, name: str, x: object, batch: int | None = None) -> None:
@@ -176,10 +181,14 @@ class FlashAttention(nn.Module):
         weights = None
         if need_weights:
             o, weights = _attention_with_weights(
-                q, k, v, causal=self.causal, key_padding_mask=key_padding_mask, dropout_p=dropout_p
-            )
+                q, k, v, causal=self.causal, key_padding_mask=key_padding_mask, dropout_p=dropout_p,
+                window=self.window,
+            )  # fmt: skip
         else:
-            o = fn.attend(q, k, v, causal=self.causal, key_padding_mask=key_padding_mask, dropout_p=dropout_p)
+            o = fn.attend(
+                q, k, v, causal=self.causal, key_padding_mask=key_padding_mask, dropout_p=dropout_p,
+                window=self.window,
+            )  # fmt: skip
         out = self.out_proj(o.reshape(batch, seqlen_q, self.d_model))
         return out, weights
 
@@ -192,6 +201,7 @@ def _attention_with_weights(
     causal: bool,
     key_padding_mask: torch.Tensor | None,
     dropout_p: float,
+    window: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention that materialises the probabilities, same semantics as the other routes. fp32 softmax."""
     batch, seqlen_q, heads_q, head_dim = q.shape
@@ -204,6 +214,8 @@ def _attention_with_weights(
     allowed = torch.ones((1, 1, seqlen_q, seqlen_k), dtype=torch.bool, device=q.device)
     if causal:
         allowed = allowed & causal_allowed(seqlen_q, seqlen_k, device=q.device)
+    if window is not None:
+        allowed = allowed & window_allowed(seqlen_q, seqlen_k, window, device=q.device)
     if key_padding_mask is not None:
         allowed = allowed & ~key_padding_mask[:, None, None, :]
     scores = scores.masked_fill(~allowed, float("-inf"))

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ..interface import attention
-from ..reference import causal_allowed
+from ..reference import causal_allowed, window_allowed
 
 __all__ = [
     "KERNEL_HAS_BACKWARD",
@@ -112,11 +112,13 @@ def sdpa_attention(
     key_valid: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     scale: float | None = None,
+    window: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Attention through ``scaled_dot_product_attention`` with the semantics of the module docstring.
 
-    ``key_valid`` is a (batch, seqlen_k) boolean mask, True where a key may be attended. Differentiable;
-    ``dropout_p`` is applied to the attention probabilities. Returns (batch, seqlen_q, heads_q, head_dim).
+    ``key_valid`` is a (batch, seqlen_k) boolean mask, True where a key may be attended; ``window`` a sliding
+    window as :func:`flash_attention.attention` takes it. Differentiable; ``dropout_p`` is applied to the
+    attention probabilities. Returns (batch, seqlen_q, heads_q, head_dim).
     """
     seqlen_q, heads_q = q.shape[1], q.shape[2]
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
@@ -127,6 +129,9 @@ def sdpa_attention(
         kt, vt = kt.repeat_interleave(group, dim=1), vt.repeat_interleave(group, dim=1)
 
     mask = None if key_valid is None else key_valid[:, None, None, :]
+    if window is not None:
+        band = window_allowed(seqlen_q, seqlen_k, window, device=q.device)
+        mask = band if mask is None else mask & band
     is_causal = False
     if causal:
         if mask is None and seqlen_q == seqlen_k:
@@ -275,15 +280,21 @@ def attend(
     key_padding_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     scale: float | None = None,
+    window: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Attention by the best route (module docstring). ``key_padding_mask`` is (batch, seqlen_k) boolean,
-    True for keys to ignore (PyTorch's convention). Returns (batch, seqlen_q, heads_q, head_dim)."""
+    True for keys to ignore (PyTorch's convention); ``window`` a sliding window as
+    :func:`flash_attention.attention` takes it. Returns (batch, seqlen_q, heads_q, head_dim)."""
     key_valid = None if key_padding_mask is None else ~key_padding_mask
+    pytorch = dict(causal=causal, key_valid=key_valid, dropout_p=dropout_p, scale=scale, window=window)
     if needs_pytorch_path(q, k, v, dropout_p=dropout_p, stacklevel=5):
-        return sdpa_attention(q, k, v, causal=causal, key_valid=key_valid, dropout_p=dropout_p, scale=scale)
+        return sdpa_attention(q, k, v, **pytorch)
+    extra = {} if window is None else {"window": window}
     if key_valid is None:
-        return attention(q, k, v, causal=causal, softmax_scale=scale, dropout_p=dropout_p)
+        return attention(q, k, v, causal=causal, softmax_scale=scale, dropout_p=dropout_p, **extra)
     ranges = plan_padded(key_valid, cache_on=key_padding_mask)
     if ranges is None:
-        return sdpa_attention(q, k, v, causal=causal, key_valid=key_valid, dropout_p=dropout_p, scale=scale)
-    return key_range_attention(q, k, v, ranges, causal=causal, scale=scale, dropout_p=dropout_p)
+        return sdpa_attention(q, k, v, **pytorch)
+    return key_range_attention(
+        q, k, v, ranges, causal=causal, scale=scale, dropout_p=dropout_p, window=window
+    )
