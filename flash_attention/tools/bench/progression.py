@@ -136,25 +136,26 @@ def run_progression(dtype: str, head_dims, seqlens, causals, timing: dict) -> li
                 # PyTorch's own kernels on the same inputs, cuDNN (sdpa's default on Hopper) first.
                 qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
                 f = torch.nn.functional.scaled_dot_product_attention
-                backends = torch.nn.attention.SDPBackend
-                for name, backend in (
-                    ("sdpa_cudnn", backends.CUDNN_ATTENTION),
-                    ("sdpa_flash", backends.FLASH_ATTENTION),
-                ):
-                    try:
-                        with torch.nn.attention.sdpa_kernel(backend):
-                            t = time_cuda(
-                                lambda i, f=f, qt=qt, kt=kt, vt=vt, c=causal: f(qt, kt, vt, is_causal=c),
-                                1,
-                                **timing,
-                            )
-                    except RuntimeError as exc:  # a backend this GPU or build lacks
-                        print(f"  {'(reference) ' + name:44} unavailable: {str(exc).splitlines()[0][:60]}")
-                        continue
+                call = lambda i, f=f, qt=qt, kt=kt, vt=vt, c=causal: f(qt, kt, vt, is_causal=c)  # noqa: E731
+                for name, t in _sdpa_references(lambda call=call: call, timing, 44):
                     tf = fl / (t.ms * 1e9)
                     print(f"  {'(reference) ' + name:44} {tf:8.1f}   ours/{name} {prev / tf:.2f}x")
                     rows.append(row(name, None, t.ms, tf))
     return rows
+
+
+def _sdpa_references(make_call, timing: dict, width: int):
+    """(name, timing) of ``make_call()``'s call (made inside the backend's context) on cuDNN, then
+    FlashAttention-2, skipping (with a line saying why) a backend this GPU or build lacks."""
+    backends = torch.nn.attention.SDPBackend
+    for name, backend in (("sdpa_cudnn", backends.CUDNN_ATTENTION), ("sdpa_flash", backends.FLASH_ATTENTION)):
+        try:
+            with torch.nn.attention.sdpa_kernel(backend):
+                t = time_cuda(make_call(), 1, **timing)
+        except RuntimeError as exc:
+            print(f"  {'(reference) ' + name:{width}} unavailable: {str(exc).splitlines()[0][:60]}")
+            continue
+        yield name, t
 
 
 # ---- the backward ------------------------------------------------------------------------------------------
@@ -238,17 +239,13 @@ def _backward_shape(dtype: str, d: int, causal: bool, n: int, facts: dict, timin
     # PyTorch's own backward on the same inputs, cuDNN (sdpa's default on Hopper) first.
     leaves = [x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v)]
     dot = do.transpose(1, 2)
-    backends = torch.nn.attention.SDPBackend
-    for name, backend in (("sdpa_cudnn", backends.CUDNN_ATTENTION), ("sdpa_flash", backends.FLASH_ATTENTION)):
-        try:
-            with torch.nn.attention.sdpa_kernel(backend):
-                out = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal)
-                t = time_cuda(
-                    lambda i, out=out: torch.autograd.grad(out, leaves, dot, retain_graph=True), 1, **timing
-                )
-        except RuntimeError as exc:  # a backend this GPU or build lacks
-            print(f"  {'(reference) ' + name:48} unavailable: {str(exc).splitlines()[0][:60]}")
-            continue
+
+    def backward_call():
+        # The backend's forward, once; its backward is what is timed.
+        out = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal)
+        return lambda i: torch.autograd.grad(out, leaves, dot, retain_graph=True)
+
+    for name, t in _sdpa_references(backward_call, timing, 48):
         tf = fl / (t.ms * 1e9)
         print(f"  {'(reference) ' + name:48} {tf:8.1f}   ours/{name} {prev / tf:.2f}x")
         rows.append(row(name, None, t.ms, tf))

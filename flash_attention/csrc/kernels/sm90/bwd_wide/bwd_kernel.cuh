@@ -209,6 +209,14 @@ __device__ __forceinline__ void bwd_wide_dkdv_body(const BwdParams& p) {
       // ---- the dQ writer's warpgroup --------------------------------------------------------------------
       setmaxnreg_dec<Cfg::kDetWideWriterRegs>();
       if (tid >= 256 + 32) return;
+      // Step j's two additions are complete (the caller waited): the next blocks' turns on their tiles.
+      auto release_turns = [&](int j) {
+        fence_proxy_async_global();
+        const DqTurn done = turns.turn(mask, j);
+        const int h = head_of(j);
+        red_release_gpu_add(dq_semaphore<D>(p, batch, h, done.m * BR, done.lane, 0), 1);
+        red_release_gpu_add(dq_semaphore<D>(p, batch, h, done.m * BR, done.lane, 1), 1);
+      };
 #pragma unroll 1
       for (int it = 0; it < n_iter; ++it) {
         // Barrier A of step it: the previous step's staged tiles have been read (their buffers are
@@ -216,13 +224,8 @@ __device__ __forceinline__ void bwd_wide_dkdv_body(const BwdParams& p) {
         __syncwarp();
         named_barrier_arrive(5, 256 + 32);
         if (tid == 256 && it > 0) {
-          // The previous step's additions complete: the next blocks' turns.
           bulk_wait<0>();
-          fence_proxy_async_global();
-          const DqTurn prev = turns.turn(mask, it - 1);
-          const int h = head_of(it - 1);
-          red_release_gpu_add(dq_semaphore<D>(p, batch, h, prev.m * BR, prev.lane, 0), 1);
-          red_release_gpu_add(dq_semaphore<D>(p, batch, h, prev.m * BR, prev.lane, 1), 1);
+          release_turns(it - 1);
         }
         const DqTurn turn = turns.turn(mask, it);
         const int head = head_of(it);
@@ -257,11 +260,7 @@ __device__ __forceinline__ void bwd_wide_dkdv_body(const BwdParams& p) {
       }
       if (tid == 256 && n_iter > 0) {
         bulk_wait<0>();
-        fence_proxy_async_global();
-        const DqTurn prev = turns.turn(mask, n_iter - 1);
-        const int h = head_of(n_iter - 1);
-        red_release_gpu_add(dq_semaphore<D>(p, batch, h, prev.m * BR, prev.lane, 0), 1);
-        red_release_gpu_add(dq_semaphore<D>(p, batch, h, prev.m * BR, prev.lane, 1), 1);
+        release_turns(n_iter - 1);
       }
       return;
     }
