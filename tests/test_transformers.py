@@ -916,3 +916,21 @@ def test_register_rejects_flash_names():
         integration.register("flash_attention_fs")
     assert integration.register() == NAME
     assert NAME in transformers.AttentionInterface().valid_keys()
+
+
+def test_mask_function_unpadded_window_mask_needs_no_host_read(monkeypatch):
+    # The all-True key mask of an unpadded sliding window carries its ranges: no layer reads it back.
+    from transformers.masking_utils import sliding_window_causal_mask_function
+
+    from flash_attention.nn import functional as fn
+
+    got = _mask_call(
+        mask_function=sliding_window_causal_mask_function(3), local_size=3, q_length=9, kv_length=9
+    )
+
+    def no_read(mask):
+        raise AssertionError("the mask was read back")
+
+    monkeypatch.setattr(fn, "_key_ranges", no_read)
+    ranges = fn.key_ranges(got)
+    assert ranges.is_full(9) and ranges.starts == (0, 0)

@@ -206,7 +206,10 @@ def attention_mask(**kwargs: Any) -> torch.Tensor | None:
     if left is not None:
         # The window travels on the 2-D key mask (all True without padding), which every layer receives.
         if padding is None:
-            valid = torch.ones(kwargs["batch_size"], kv_length, dtype=torch.bool, device=kwargs.get("device"))
+            batch = kwargs["batch_size"]
+            valid = torch.ones(batch, kv_length, dtype=torch.bool, device=kwargs.get("device"))
+            # Its ranges are known: remembered, so no layer reads this mask back from the device.
+            fn.memo(valid, "key_ranges", lambda: fn.KeyRanges((0,) * batch, (kv_length,) * batch))
         else:
             valid = _padding_keys(padding, kv_offset, kv_length)
         valid._flash_attention_window = (left, 0)
