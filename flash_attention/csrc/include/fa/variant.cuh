@@ -164,6 +164,16 @@ __device__ __forceinline__ void score_mod_query_rows(const Acc& s, const ScoreMo
   }
 }
 
+// Whether a score function states its derivative (kUnitGradient, gradient(s')), which the backward needs.
+template <class M, class = void>
+struct ScoreModHasGradient {
+  static constexpr bool value = false;
+};
+template <class M>
+struct ScoreModHasGradient<M, decltype(void(M::kUnitGradient))> {
+  static constexpr bool value = true;
+};
+
 // Key-row orientation (the backward's S^T, fa/mask.cuh's mask_key_rows layout: element (mt, n, e) is key
 // kv_start + warp_row0 + 16 mt + g + 8 (e / 2) against query q_start + 8 n + 2 t + e % 2): s = mod(scale *
 // s, q, k). Nothing for the identity. Call before the mask.

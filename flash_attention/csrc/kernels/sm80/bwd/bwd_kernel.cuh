@@ -40,6 +40,9 @@ template <class Cfg, class V, bool kAtomicDQ, bool kDropout = false>
 __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
   using Mask = typename V::Mask;  // the variant (fa/variant.cuh)
   using ScoreMod = typename V::ScoreMod;
+  static_assert(ScoreModHasGradient<typename V::ScoreMod>::value,
+                "the backward does not differentiate a score function without its derivative "
+                "(kUnitGradient, gradient)");
   constexpr bool BF = Cfg::kIsBF16;
   constexpr int D = Cfg::kHeadDim;
   constexpr int BR = Cfg::kBlockQ;   // query rows per step
@@ -394,6 +397,9 @@ template <class Cfg, class V, bool kDropout = false>
 __device__ __forceinline__ void bwd_dq_body(const BwdParams& p) {
   using Mask = typename V::Mask;
   using ScoreMod = typename V::ScoreMod;
+  static_assert(ScoreModHasGradient<typename V::ScoreMod>::value,
+                "the backward does not differentiate a score function without its derivative "
+                "(kUnitGradient, gradient)");
   using QCfg = DqCfg<Cfg>;
   constexpr bool BF = Cfg::kIsBF16;
   constexpr int D = Cfg::kHeadDim;

@@ -151,6 +151,9 @@ __device__ __forceinline__ u32 p_exchange_chunk(u32 sP, int warp_in_wg, int lane
 template <class Cfg, class V, bool kDropout = false, bool kDeterministic = false>
 __device__ __forceinline__ void bwd_wide_dkdv_body(const BwdParams& p) {
   using Mask = typename V::Mask;  // the variant (fa/variant.cuh)
+  static_assert(ScoreModHasGradient<typename V::ScoreMod>::value,
+                "the backward does not differentiate a score function without its derivative "
+                "(kUnitGradient, gradient)");
   constexpr bool BF = Cfg::kIsBF16;
   constexpr int D = Cfg::kHeadDim;
   constexpr int BR = Cfg::kBlockQ;   // query rows per step

@@ -78,6 +78,9 @@ namespace sm90 {
 template <class Cfg, class V, bool kDropout = false, bool kDeterministic = false>
 __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
   using Mask = typename V::Mask;  // the variant (fa/variant.cuh)
+  static_assert(ScoreModHasGradient<typename V::ScoreMod>::value,
+                "the backward does not differentiate a score function without its derivative "
+                "(kUnitGradient, gradient)");
   constexpr bool BF = Cfg::kIsBF16;
   constexpr int D = Cfg::kHeadDim;
   constexpr int BR = Cfg::kBlockQ;   // query rows per step
