@@ -513,6 +513,15 @@ def attention_forward(
         )
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     needs_eager = [name for name in _EAGER_KWARGS if kwargs.get(name) is not None]
+    # Soft-capping alone the kernels compute (attention(softcap=)) on their own routes; where none takes the
+    # call (the decode kernels have no score function, SDPA none at all), the eager function does.
+    softcap = kwargs.get("softcap")
+    kernel_softcap = (
+        needs_eager == ["softcap"]
+        and isinstance(softcap, (int, float))
+        and not isinstance(softcap, bool)
+        and softcap > 0
+    )
     if attention_mask is not None and attention_mask.dim() == 1:
         # Decoding from a static cache (the module docstring): the decode kernels, or the explicit mask.
         if (
@@ -531,29 +540,16 @@ def attention_forward(
             )
             return out, None
         attention_mask = _static_cache_mask(attention_mask, query.shape[2], key.shape[2])
-    if needs_eager:
-        if kwargs.get("cache") is not None:
-            raise NotImplementedError(
-                f"attention_forward got {', '.join(needs_eager)} with a paged cache (cache=): the eager "
-                "route that computes them cannot update a paged cache; use attn_implementation='paged|eager'"
-            )
-        return _eager_attention(
-            module,
-            query,
-            key,
-            value,
-            attention_mask,
-            needs_eager,
-            dropout=dropout,
-            scaling=scaling,
-            causal=causal,
-            kwargs=kwargs,
+    if needs_eager and not kernel_softcap:
+        return _eager_route(
+            module, query, key, value, attention_mask, needs_eager, dropout, scaling, causal, kwargs
         )
 
     q_length, kv_length = query.shape[2], key.shape[2]
     head_dim = query.shape[-1]
     # The library's layout, as views: (batch, seqlen, heads, head_dim); the kernel takes these strides.
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    extra = {"softcap": float(softcap)} if kernel_softcap else {}
 
     kernel_ok = (
         (attention_mask is None or attention_mask.dim() == 2)
@@ -568,6 +564,7 @@ def attention_forward(
         if attention_mask is None:
             if (
                 causal
+                and not extra
                 and dropout == 0.0
                 and 0 < q_length <= STATIC_CACHE_MAX_QUERIES < kv_length
                 and not (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)))
@@ -578,7 +575,7 @@ def attention_forward(
                     q, k, v, cache_seqlens=kv_length, causal=True, softmax_scale=scaling
                 )
                 return out, None
-            return attention(q, k, v, causal=causal, softmax_scale=scaling, dropout_p=dropout), None
+            return attention(q, k, v, causal=causal, softmax_scale=scaling, dropout_p=dropout, **extra), None
         # A 2-D key mask: one kernel call with per-batch key ranges when each row's valid keys are one run,
         # and the sliding window our mask function marked on it.
         window = getattr(attention_mask, "_flash_attention_window", None)
@@ -586,9 +583,13 @@ def attention_forward(
         if ranges is not None:
             out = fn.key_range_attention(
                 q, k, v, ranges, causal=causal or window is not None, scale=scaling, dropout_p=dropout,
-                window=window,
+                window=window, **extra,
             )  # fmt: skip
             return out, None
+    if needs_eager:  # soft-capping that no kernel route took
+        return _eager_route(
+            module, query, key, value, attention_mask, needs_eager, dropout, scaling, causal, kwargs
+        )
 
     # A 4-D mask, key padding with holes, or what the kernel cannot take (a marked sliding window
     # included, whose band _explicit_mask adds): transformers' SDPA function, which computes exactly that
@@ -596,4 +597,25 @@ def attention_forward(
     mask = _explicit_mask(attention_mask, q_length, kv_length, causal, query.device, square_causal_flag=True)
     return sdpa_attention_forward(
         module, query, key, value, mask, dropout=dropout, scaling=scaling, is_causal=causal, **kwargs
+    )
+
+
+def _eager_route(module, query, key, value, attention_mask, needs_eager, dropout, scaling, causal, kwargs):
+    """The calling model's own eager attention function, for what no kernel route computes."""
+    if kwargs.get("cache") is not None:
+        raise NotImplementedError(
+            f"attention_forward got {', '.join(needs_eager)} with a paged cache (cache=): the eager "
+            "route that computes them cannot update a paged cache; use attn_implementation='paged|eager'"
+        )
+    return _eager_attention(
+        module,
+        query,
+        key,
+        value,
+        attention_mask,
+        needs_eager,
+        dropout=dropout,
+        scaling=scaling,
+        causal=causal,
+        kwargs=kwargs,
     )
