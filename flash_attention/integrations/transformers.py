@@ -66,8 +66,8 @@ Logit soft-capping (``softcap``: Gemma 2) runs on the kernel routes above with `
 softcap=)``; where none takes the call (a static cache's decoding steps or 4-D masks: the decode kernels and
 SDPA have no score function) it goes where the rest of this paragraph says. Calls with something the kernel
 does not compute yet -- attention sinks (``s_aux``: gpt-oss; ``sinks``), additive position biases
-(``position_bias``: T5 and relatives) -- run through the calling model's own eager attention function: the ``eager_attention_forward``
-of the modeling module that defines the attention module's class (or a base class), which is what
+(``position_bias``: T5 and relatives) -- run through the calling model's own eager attention function: the
+``eager_attention_forward`` of the modeling module that defines the attention module's class (or a base class), which is what
 ``attn_implementation="eager"`` runs; a private generic one only when that module has none. It gets the
 mask as ``"eager"`` would (additive, with the bottom-right causal mask and the padding made explicit), and
 the first such call per reason warns once (a ``RuntimeWarning``). transformers' SDPA function cannot take
@@ -103,9 +103,9 @@ NAME = "fa_scratch"
 
 # Keyword arguments of transformers' attention functions that change the function computed in ways SDPA
 # cannot, with what they are: logit soft-capping (Gemma 2; our kernel routes take it), attention sinks
-# (gpt-oss passes them as s_aux, others as sinks), additive position biases (T5 and relatives). transformers' SDPA function
-# does not compute them either (5.23 raises on softcap, 5.0 and 5.17 silently drop it), so such calls run
-# through the calling model's own eager attention function, which does.
+# (gpt-oss passes them as s_aux, others as sinks), additive position biases (T5 and relatives).
+# transformers' SDPA function does not compute them (5.23 raises on softcap, 5.0 and 5.17 silently drop it),
+# so where no kernel route takes such a call it runs through the model's own eager function, which does.
 _EAGER_KWARGS = {
     "softcap": "logit soft-capping (softcap)",
     "s_aux": "attention sinks (s_aux)",
