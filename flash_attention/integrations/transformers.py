@@ -62,16 +62,17 @@ Attention dropout (``dropout``, which transformers' models pass only in training
 route: in the kernels (their mask drawn from PyTorch's CPU generator, so ``torch.manual_seed`` repeats
 it), in SDPA, in the eager functions.
 
-Logit soft-capping (``softcap``: Gemma 2) runs on the kernel routes above with ``attention(...,
-softcap=)``; where none takes the call (a static cache's decoding steps or 4-D masks: the decode kernels and
-SDPA have no score function) it goes where the rest of this paragraph says. Calls with something the kernel
-does not compute yet -- attention sinks (``s_aux``: gpt-oss; ``sinks``), additive position biases
-(``position_bias``: T5 and relatives) -- run through the calling model's own eager attention function: the
-``eager_attention_forward`` of the modeling module that defines the attention module's class (or a base class), which is what
-``attn_implementation="eager"`` runs; a private generic one only when that module has none. It gets the
-mask as ``"eager"`` would (additive, with the bottom-right causal mask and the padding made explicit), and
-the first such call per reason warns once (a ``RuntimeWarning``). transformers' SDPA function cannot take
-these calls: 5.23 raises on ``softcap``, 5.0 and 5.17 drop it without a word, and none computes sinks.
+Logit soft-capping (``softcap``: Gemma 2) runs on the kernel routes above with ``attention(..., softcap=)``;
+where none takes the call (a static cache's decoding steps or 4-D masks: the decode kernels and SDPA have no
+score function) it goes where the rest of this paragraph says. Calls with something the kernel does not
+compute yet -- attention sinks (``s_aux``: gpt-oss; ``sinks``), additive position biases (``position_bias``:
+T5 and relatives) -- run through the calling model's own eager attention function: the
+``eager_attention_forward`` of the modeling module that defines the attention module's class (or a base
+class), which is what ``attn_implementation="eager"`` runs; a private generic one only when that module has
+none. It gets the mask as ``"eager"`` would (additive, with the bottom-right causal mask and the padding made
+explicit), and the first such call per reason warns once (a ``RuntimeWarning``). transformers' SDPA function
+cannot take these calls: 5.23 raises on ``softcap``, 5.0 and 5.17 drop it without a word, and none computes
+sinks.
 Sparse attention's ``indices``/``block_indices`` raise ``NotImplementedError``: the models that pass them
 build the equivalent mask only for ``"eager"``/``"sdpa"``.
 
