@@ -394,6 +394,8 @@ def forward(
     out: torch.Tensor | None = None,
     key_range: torch.Tensor | None = None,
     window: tuple[int, int] | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Run one named kernel configuration (a :class:`KernelConfig` or its name) on CUDA tensors.
 
@@ -402,6 +404,12 @@ def forward(
     """
     problem = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, key_range=key_range)
     window = check_window(window)
+    score_function(softcap, alibi_slopes, q)  # (the checks, naming the argument)
+    variant: dict = {} if window is None else {"window": window}
+    if softcap:
+        variant["softcap"] = float(softcap)
+    if alibi_slopes is not None:
+        variant["alibi_slopes"] = alibi_slopes
     ops, cfg = _kernel_path(config, q, "forward")
     if problem.is_empty:
         o, lse = _empty_result(q, problem, out)
@@ -416,7 +424,7 @@ def forward(
         out=out,
         config=cfg,
         key_range=key_range,
-        **({} if window is None else {"window": window}),
+        **variant,
     )
     return _result(o, lse, return_lse)
 
