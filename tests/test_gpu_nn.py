@@ -42,10 +42,10 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> list:
     seen: list = []
     real = launch.launch_plan
 
-    def spy(plan, q, k, v, o, lse, key_range=None, key=0):
+    def spy(plan, q, k, v, o, lse, key_range=None, *rest):
         kr = None if key_range is None else key_range.cpu()
         seen.append((tuple(q.shape), tuple(k.shape), plan.causal, kr))
-        return real(plan, q, k, v, o, lse, key_range, key)
+        return real(plan, q, k, v, o, lse, key_range, *rest)
 
     # The one function every planned forward launch runs (a first call of a signature and its repeats in
     # Python; the host library's form of repeat calls launches from C++, so these tests use the Python one).
@@ -514,9 +514,9 @@ def test_transformers_training_with_attention_dropout_runs_the_kernels(padding, 
     launched: list = []
     real = launch.launch_plan
 
-    def spy(plan, q, k, v, o, lse, key_range=None, key=0):
+    def spy(plan, q, k, v, o, lse, key_range=None, *rest):
         launched.append((plan.dropout_p, key_range is not None))
-        return real(plan, q, k, v, o, lse, key_range, key)
+        return real(plan, q, k, v, o, lse, key_range, *rest)
 
     monkeypatch.setattr(launch, "launch_plan", spy)
     monkeypatch.setattr(repeat, "MODE", "python" if repeat.MODE == "native" else repeat.MODE)
