@@ -40,12 +40,13 @@ __all__ = ["fwd", "bwd", "EagerAttention", "eager_training"]
 # postponed (string) annotations differs between the torch versions we support.
 _FWD_SCHEMA = (
     "(Tensor q, Tensor k, Tensor v, bool causal, float scale, bool deterministic, Tensor? key_range,"
-    " float dropout_p=0., Tensor? dropout_seed=None, int[]? window=None) -> (Tensor, Tensor)"
+    " float dropout_p=0., Tensor? dropout_seed=None, int[]? window=None, float softcap=0.,"
+    " Tensor? alibi_slopes=None) -> (Tensor, Tensor)"
 )
 _BWD_SCHEMA = (
     "(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, float scale,"
     " bool deterministic, Tensor? key_range, float dropout_p=0., Tensor? dropout_seed=None,"
-    " int[]? window=None) -> (Tensor, Tensor, Tensor)"
+    " int[]? window=None, float softcap=0., Tensor? alibi_slopes=None) -> (Tensor, Tensor, Tensor)"
 )
 
 
@@ -59,7 +60,22 @@ def _window(window) -> tuple[int, int] | None:
     return None if window is None else (int(window[0]), int(window[1]))
 
 
-def _fallback_forward(q, k, v, causal, scale, key_range, dropout_p, dropout_seed, window=None):
+def _variants(window, softcap, alibi_slopes) -> dict:
+    """The launch layer's keyword arguments of a call's variants, only those it uses (so that backends
+    without a variant, such as the CPU tests' stand-ins, are called as before)."""
+    kw = {}
+    if window is not None:
+        kw["window"] = _window(window)
+    if softcap:
+        kw["softcap"] = float(softcap)
+    if alibi_slopes is not None:
+        kw["alibi_slopes"] = alibi_slopes
+    return kw
+
+
+def _fallback_forward(
+    q, k, v, causal, scale, key_range, dropout_p, dropout_seed, window=None, softcap=0.0, alibi_slopes=None
+):
     """The forward op's PyTorch path (every device, and CUDA inputs the kernels cannot take)."""
     out, lse = fallback.forward(
         q,
@@ -72,13 +88,16 @@ def _fallback_forward(q, k, v, causal, scale, key_range, dropout_p, dropout_seed
         dropout_p=dropout_p,
         dropout_seed=dropout_seed,
         window=_window(window),
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
     )
     return out, lse
 
 
 def _fallback_backward(
-    dout, q, k, v, out, lse, causal, scale, deterministic, key_range, dropout_p, dropout_seed, window=None
-):
+    dout, q, k, v, out, lse, causal, scale, deterministic, key_range, dropout_p, dropout_seed, window=None,
+    softcap=0.0, alibi_slopes=None,
+):  # fmt: skip
     """The backward op's PyTorch path."""
     return fallback.backward(
         dout,
@@ -94,6 +113,8 @@ def _fallback_backward(
         dropout_p=dropout_p,
         dropout_seed=dropout_seed,
         window=_window(window),
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
     )
 
 
@@ -113,16 +134,23 @@ def fwd(
     dropout_p: float = 0.0,
     dropout_seed: torch.Tensor | None = None,
     window: list[int] | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Any device but CUDA: the PyTorch fallback."""
-    return _fallback_forward(q, k, v, causal, scale, key_range, dropout_p, dropout_seed, window)
+    return _fallback_forward(
+        q, k, v, causal, scale, key_range, dropout_p, dropout_seed, window, softcap, alibi_slopes
+    )
 
 
 @fwd.register_kernel("cuda")
 def _fwd_cuda(
-    q, k, v, causal, scale, deterministic, key_range, dropout_p=0.0, dropout_seed=None, window=None
-):
-    return forward_impl(q, k, v, causal, scale, key_range, dropout_p, dropout_seed, window)
+    q, k, v, causal, scale, deterministic, key_range, dropout_p=0.0, dropout_seed=None, window=None,
+    softcap=0.0, alibi_slopes=None,
+):  # fmt: skip
+    return forward_impl(
+        q, k, v, causal, scale, key_range, dropout_p, dropout_seed, window, softcap, alibi_slopes
+    )
 
 
 def forward_impl(
@@ -135,11 +163,14 @@ def forward_impl(
     dropout_p: float = 0.0,
     dropout_seed: torch.Tensor | None = None,
     window: list[int] | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``fwd`` on CUDA: our kernel when it can run on these inputs, else the PyTorch fallback."""
+    extras = (window, softcap, alibi_slopes)
     ops = None if _has_no_pair(q, k) else dispatch.kernel_backend(q)
     if ops is None:
-        return _fallback_forward(q, k, v, causal, scale, key_range, dropout_p, dropout_seed, window)
+        return _fallback_forward(q, k, v, causal, scale, key_range, dropout_p, dropout_seed, *extras)
     return dispatch.run_or_fallback(
         lambda: ops.cuda_forward(
             q,
@@ -153,16 +184,17 @@ def forward_impl(
             key_range=key_range,
             dropout_p=dropout_p,
             dropout_seed=dropout_seed,
-            **({} if window is None else {"window": _window(window)}),
+            **_variants(*extras),
         ),
-        lambda: _fallback_forward(q, k, v, causal, scale, key_range, dropout_p, dropout_seed, window),
+        lambda: _fallback_forward(q, k, v, causal, scale, key_range, dropout_p, dropout_seed, *extras),
     )
 
 
 @fwd.register_fake
 def _fwd_fake(
-    q, k, v, causal, scale, deterministic, key_range, dropout_p=0.0, dropout_seed=None, window=None
-):
+    q, k, v, causal, scale, deterministic, key_range, dropout_p=0.0, dropout_seed=None, window=None,
+    softcap=0.0, alibi_slopes=None,
+):  # fmt: skip
     batch, seqlen_q, heads_q, _ = q.shape
     out = q.new_empty(q.shape)  # contiguous, like the kernel's and the fallback's output
     lse = q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
@@ -171,24 +203,26 @@ def _fwd_fake(
 
 def _fwd_setup_context(ctx, inputs, output) -> None:
     q, k, v, causal, scale, deterministic, key_range, dropout_p, dropout_seed, *rest = inputs
+    # (The variants' arguments, where given: window, softcap, alibi_slopes.)
+    window, softcap, alibi_slopes = [*rest, *(None, 0.0, None)[len(rest) :]]
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, key_range, dropout_seed)
+    ctx.save_for_backward(q, k, v, out, lse, key_range, dropout_seed, alibi_slopes)
     ctx.causal, ctx.scale, ctx.deterministic, ctx.dropout_p = causal, scale, deterministic, dropout_p
-    ctx.window = rest[0] if rest else None
+    ctx.window, ctx.softcap = window, softcap
     ctx.mark_non_differentiable(lse)
 
 
 def _backward_args(ctx, dout) -> tuple:
     """The arguments of ``bwd`` / :func:`backward_impl` from what :func:`_fwd_setup_context` saved."""
-    q, k, v, out, lse, key_range, dropout_seed = ctx.saved_tensors
+    q, k, v, out, lse, key_range, dropout_seed, alibi_slopes = ctx.saved_tensors
     return (dout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.deterministic, key_range, ctx.dropout_p,
-            dropout_seed, ctx.window)  # fmt: skip
+            dropout_seed, ctx.window, ctx.softcap, alibi_slopes)  # fmt: skip
 
 
 def _fwd_backward(ctx, dout, dlse):
     # dlse is ignored: lse is marked non-differentiable, so it never carries a gradient.
     dq, dk, dv = torch.ops.flash_attention.bwd(*_backward_args(ctx, dout))
-    return dq, dk, dv, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
@@ -213,21 +247,25 @@ def bwd(
     dropout_p: float = 0.0,
     dropout_seed: torch.Tensor | None = None,
     window: list[int] | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Any device but CUDA: the PyTorch fallback (deterministic on CPU by construction)."""
     return _fallback_backward(
-        dout, q, k, v, out, lse, causal, scale, deterministic, key_range, dropout_p, dropout_seed, window
-    )
+        dout, q, k, v, out, lse, causal, scale, deterministic, key_range, dropout_p, dropout_seed, window,
+        softcap, alibi_slopes,
+    )  # fmt: skip
 
 
 @bwd.register_kernel("cuda")
 def _bwd_cuda(
     dout, q, k, v, out, lse, causal, scale, deterministic, key_range, dropout_p=0.0, dropout_seed=None,
-    window=None,
+    window=None, softcap=0.0, alibi_slopes=None,
 ):  # fmt: skip
     return backward_impl(
-        dout, q, k, v, out, lse, causal, scale, deterministic, key_range, dropout_p, dropout_seed, window
-    )
+        dout, q, k, v, out, lse, causal, scale, deterministic, key_range, dropout_p, dropout_seed, window,
+        softcap, alibi_slopes,
+    )  # fmt: skip
 
 
 def backward_impl(
@@ -244,12 +282,15 @@ def backward_impl(
     dropout_p: float = 0.0,
     dropout_seed: torch.Tensor | None = None,
     window: list[int] | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``bwd`` on CUDA: our backward kernels when they can run on these inputs, else the PyTorch fallback."""
+    extras = (window, softcap, alibi_slopes)
     ops = None if _has_no_pair(q, k) else dispatch.kernel_backend(q)
     if ops is None:
         return _fallback_backward(
-            dout, q, k, v, out, lse, causal, scale, deterministic, key_range, dropout_p, dropout_seed, window
+            dout, q, k, v, out, lse, causal, scale, deterministic, key_range, dropout_p, dropout_seed, *extras
         )
     # Autograd hands over whatever layout the next op produced, e.g. a stride-0 expand for out.sum();
     # the kernels read dO in 16-byte vectors along head_dim, as they read q.
@@ -269,10 +310,10 @@ def backward_impl(
             key_range=key_range,
             dropout_p=dropout_p,
             dropout_seed=dropout_seed,
-            **({} if window is None else {"window": _window(window)}),
+            **_variants(*extras),
         ),
         lambda: _fallback_backward(
-            dout, q, k, v, out, lse, causal, scale, deterministic, key_range, dropout_p, dropout_seed, window
+            dout, q, k, v, out, lse, causal, scale, deterministic, key_range, dropout_p, dropout_seed, *extras
         ),
     )
 
@@ -280,7 +321,7 @@ def backward_impl(
 @bwd.register_fake
 def _bwd_fake(
     dout, q, k, v, out, lse, causal, scale, deterministic, key_range, dropout_p=0.0, dropout_seed=None,
-    window=None,
+    window=None, softcap=0.0, alibi_slopes=None,
 ):  # fmt: skip
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
@@ -300,9 +341,13 @@ class EagerAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, deterministic, key_range, dropout_p, dropout_seed, window=None):
-        out, lse = forward_impl(q, k, v, causal, scale, key_range, dropout_p, dropout_seed, window)
-        inputs = (q, k, v, causal, scale, deterministic, key_range, dropout_p, dropout_seed, window)
+    def forward(
+        ctx, q, k, v, causal, scale, deterministic, key_range, dropout_p, dropout_seed, window=None,
+        softcap=0.0, alibi_slopes=None,
+    ):  # fmt: skip
+        extras = (window, softcap, alibi_slopes)
+        out, lse = forward_impl(q, k, v, causal, scale, key_range, dropout_p, dropout_seed, *extras)
+        inputs = (q, k, v, causal, scale, deterministic, key_range, dropout_p, dropout_seed, *extras)
         _fwd_setup_context(ctx, inputs, (out, lse))
         # The LSE never carries a gradient: without this autograd would fill a zero tensor for it on every
         # backward (an allocation and a fill kernel per call, for nothing).
@@ -314,15 +359,21 @@ class EagerAttention(torch.autograd.Function):
         if dout is None:  # only reachable if autograd ever calls us without a gradient for out
             dout = torch.zeros_like(ctx.saved_tensors[3])
         dq, dk, dv = backward_impl(*_backward_args(ctx, dout))
-        return dq, dk, dv, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
-def eager_training(q, k, v, causal, scale, deterministic, key_range, dropout_p, dropout_seed, window=None):
+def eager_training(
+    q, k, v, causal, scale, deterministic, key_range, dropout_p, dropout_seed, window=None, softcap=0.0,
+    alibi_slopes=None,
+):  # fmt: skip
     """``fwd`` with its backward recorded, for eager autograd: on our kernels through the compiled training
     node (:mod:`flash_attention.ops.training`: no Python in the backward) when it takes the call, else
     through :class:`EagerAttention`. Returns ``(out, lse)``."""
     ops = None if _has_no_pair(q, k) else dispatch.kernel_backend(q)
     training_forward = getattr(ops, "training_forward", None)  # (the CPU tests' stand-in backends lack it)
+    if alibi_slopes is not None:
+        # The compiled node patches its backward's pointers by slot; ALiBi's slopes have none yet.
+        training_forward = None
     if training_forward is not None:
         result = dispatch.run_or_fallback(
             lambda: training_forward(
@@ -336,12 +387,23 @@ def eager_training(q, k, v, causal, scale, deterministic, key_range, dropout_p, 
                 dropout_p=dropout_p,
                 dropout_seed=dropout_seed,
                 forward=ops.cuda_forward,
-                **({} if window is None else {"window": _window(window)}),
+                **_variants(window, softcap, None),
             ),
             lambda: None,
         )
         if result is not None:
             return result
     return EagerAttention.apply(
-        q, k, v, causal, scale, deterministic, key_range, dropout_p, dropout_seed, window
+        q,
+        k,
+        v,
+        causal,
+        scale,
+        deterministic,
+        key_range,
+        dropout_p,
+        dropout_seed,
+        window,
+        softcap,
+        alibi_slopes,
     )

@@ -263,14 +263,15 @@ def sdpa(q, k, v, *, causal, scale):
 
 def forward(
     q, k, v, *, causal, scale, return_lse=True, out=None, key_range=None, dropout_p=0.0, dropout_seed=None,
-    window=None,
+    window=None, softcap=0.0, alibi_slopes=None,
 ):  # fmt: skip
     """(out, lse) of attention with the kernels' semantics (``lse`` None unless ``return_lse``); ``out`` is
     written in place when given. Arguments as :func:`flash_attention.reference.attention_torch` takes them,
     already validated (``scale`` None: 1 / sqrt(head_dim)). A sliding ``window`` takes the chunked path (the
     fused kernels take no such mask without materialising it)."""
     scale = _resolve_scale(scale, q.shape[-1])
-    fused_ok = window is None and _fused(q, k, causal, scale, key_range, dropout_p)
+    plain = window is None and not softcap and alibi_slopes is None  # (what the fused kernels express)
+    fused_ok = plain and _fused(q, k, causal, scale, key_range, dropout_p)
     if fused_ok and not return_lse and out is None:
         if _sdpa_expresses(q, k, causal, scale, key_range, dropout_p, False):
             return sdpa(q, k, v, causal=causal, scale=scale), None
@@ -287,6 +288,8 @@ def forward(
             dropout_p=dropout_p,
             dropout_seed=dropout_seed,
             window=window,
+            softcap=softcap,
+            alibi_slopes=alibi_slopes,
         )
     fused = _Fused(q.device.type)
     plan = _Plan(q, k, causal, key_range)
@@ -335,14 +338,15 @@ def forward(
 
 def backward(
     dout, q, k, v, out, lse, *, causal, scale, deterministic=False, key_range=None, dropout_p=0.0,
-    dropout_seed=None, window=None,
+    dropout_seed=None, window=None, softcap=0.0, alibi_slopes=None,
 ):  # fmt: skip
     """(dq, dk, dv) of :func:`forward` from its saved ``out`` and ``lse``. ``deterministic`` on CUDA takes
     the chunked path: PyTorch does not promise bitwise-repeatable gradients from its memory-efficient
     backward (it may split the keys and add dQ atomically); the CPU kernel's are repeatable."""
     scale = _resolve_scale(scale, q.shape[-1])
     repeatable = not (deterministic or torch.are_deterministic_algorithms_enabled()) or q.device.type == "cpu"
-    if not repeatable or window is not None or not _fused(q, k, causal, scale, key_range, dropout_p):
+    plain = window is None and not softcap and alibi_slopes is None
+    if not repeatable or not plain or not _fused(q, k, causal, scale, key_range, dropout_p):
         return attention_backward_torch(
             dout,
             q,
@@ -356,6 +360,8 @@ def backward(
             dropout_p=dropout_p,
             dropout_seed=dropout_seed,
             window=window,
+            softcap=softcap,
+            alibi_slopes=alibi_slopes,
         )
     fused = _Fused(q.device.type)
     plan = _Plan(q, k, causal, key_range)

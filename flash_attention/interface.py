@@ -20,6 +20,7 @@ from .configs import KernelConfig, parse_config
 from .custom_ops import eager_training
 from .dropout import draw_seed
 from .ops import repeat as _repeat
+from .ops.plans import score_function
 
 __all__ = ["attention", "forward", "forward_timed"]
 
@@ -65,6 +66,8 @@ def attention(
     dropout_p: float = ...,
     dropout_seed: int | None = ...,
     window: tuple[int, int] | None = ...,
+    softcap: float = ...,
+    alibi_slopes: torch.Tensor | None = ...,
 ) -> torch.Tensor: ...
 
 
@@ -83,6 +86,8 @@ def attention(
     dropout_p: float = ...,
     dropout_seed: int | None = ...,
     window: tuple[int, int] | None = ...,
+    softcap: float = ...,
+    alibi_slopes: torch.Tensor | None = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -100,6 +105,8 @@ def attention(
     dropout_p: float = 0.0,
     dropout_seed: int | None = None,
     window: tuple[int, int] | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention ``softmax(q kᵀ · softmax_scale) v``, computed tile by tile on CUDA.
 
@@ -149,6 +156,11 @@ def attention(
             in addition to ``causal`` (which makes ``right`` 0) and ``key_range``. The kernels skip the
             key blocks outside the window, so the cost grows with the window, not the sequence (Mistral:
             ``window=(4095, 0)`` with ``causal=True``).
+        softcap: > 0 caps the scaled scores before the softmax, ``softcap * tanh(s / softcap)`` (Gemma 2,
+            Grok), with its exact gradient; the LSE is that of the capped scores. 0 (the default): none.
+        alibi_slopes: ALiBi, a float32 tensor of shape (heads_q,) or (batch, heads_q) on q's device: the
+            score of query ``i`` and key ``j`` gets ``-slope * |i + seqlen_k - seqlen_q - j|`` (aligned like
+            causal, as in the FlashAttention library). Not together with ``softcap`` (yet).
 
     Returns:
         ``out`` of q's shape and dtype; with ``return_lse=True``, ``(out, lse)`` where ``lse`` is float32 of
@@ -178,7 +190,8 @@ def attention(
     # A call whose signature ran before and ended in one planned launch repeats that launch, skipping every
     # decision below (ops.repeat says what a signature holds and why; kernel-log step 52).
     key = None
-    if out is None and window is None:  # (a windowed call takes the whole path)
+    variants = window is not None or bool(softcap) or alibi_slopes is not None
+    if out is None and not variants:  # (a call with a window or a score function takes the whole path)
         key = _repeat.signature(
             q, k, v, causal, softmax_scale, return_lse, key_range, deterministic, dropout_p, dropout_seed
         )
@@ -192,6 +205,8 @@ def attention(
 
     problem = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, key_range=key_range)
     window = check_window(window)
+    score_function(softcap, alibi_slopes, q)  # (the checks, naming the argument)
+    softcap = float(softcap)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool; got {type(deterministic).__name__}")
     # The backward's mode: the argument or PyTorch's switch (repeat.signature keys on the same).
@@ -229,8 +244,14 @@ def attention(
             float(dropout_p),
             seed,
             window,
+            softcap,
+            alibi_slopes,
         )
     windowed = {} if window is None else {"window": window}
+    if softcap:
+        windowed["softcap"] = softcap
+    if alibi_slopes is not None:
+        windowed["alibi_slopes"] = alibi_slopes
 
     if problem.is_empty:
         o, lse = _empty_result(q, problem, out)
@@ -304,6 +325,8 @@ def _attention_op(
     dropout_p: float = 0.0,
     dropout_seed: torch.Tensor | None = None,
     window: tuple[int, int] | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`attention` through the custom op ``flash_attention::fwd``: differentiable, and one opaque
     node for torch.compile. The op makes the same kernel-or-fallback choice as the direct path."""
@@ -313,8 +336,9 @@ def _attention_op(
             "call attention() without out= (it returns a new tensor), or under torch.no_grad()"
         )
     args = (q, k, v, problem.causal, problem.scale, deterministic, key_range, dropout_p, dropout_seed)
-    if window is not None:
-        args = (*args, list(window))  # (the op's int[]?)
+    if window is not None or softcap or alibi_slopes is not None:
+        # (the op's int[]? window, float softcap, Tensor? alibi_slopes)
+        args = (*args, None if window is None else list(window), softcap, alibi_slopes)
     if records and not torch.compiler.is_compiling():
         # A fallback call that PyTorch's attention computes exactly as we define it (CPU tensors, float32 on
         # CUDA; fallback.plain_sdpa_call says which) goes to it whole, forward and autograd, at PyTorch's
@@ -325,6 +349,8 @@ def _attention_op(
             and out is None
             and not return_lse
             and window is None
+            and not softcap
+            and alibi_slopes is None
             and _fallback.plain_sdpa_call(
                 q, k, problem.causal, problem.scale, key_range, dropout_p, deterministic
             )
@@ -368,6 +394,8 @@ def forward(
     out: torch.Tensor | None = None,
     key_range: torch.Tensor | None = None,
     window: tuple[int, int] | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Run one named kernel configuration (a :class:`KernelConfig` or its name) on CUDA tensors.
 
@@ -376,6 +404,12 @@ def forward(
     """
     problem = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, key_range=key_range)
     window = check_window(window)
+    score_function(softcap, alibi_slopes, q)  # (the checks, naming the argument)
+    variant: dict = {} if window is None else {"window": window}
+    if softcap:
+        variant["softcap"] = float(softcap)
+    if alibi_slopes is not None:
+        variant["alibi_slopes"] = alibi_slopes
     ops, cfg = _kernel_path(config, q, "forward")
     if problem.is_empty:
         o, lse = _empty_result(q, problem, out)
@@ -390,7 +424,7 @@ def forward(
         out=out,
         config=cfg,
         key_range=key_range,
-        **({} if window is None else {"window": window}),
+        **variant,
     )
     return _result(o, lse, return_lse)
 

@@ -82,6 +82,30 @@ def _rows_allowed(
     return allowed
 
 
+def _score_args(softcap: float, alibi_slopes, batch: int, heads_q: int, cdtype) -> tuple | None:
+    """("softcap", cap) or ("alibi", (batch, heads_q) slopes in ``cdtype``) of a call, or None."""
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(cdtype)
+        return "alibi", slopes.unsqueeze(0).expand(batch, -1) if slopes.dim() == 1 else slopes
+    return ("softcap", float(softcap)) if softcap else None
+
+
+def _apply_score(
+    s: torch.Tensor, score: tuple | None, bounds: tuple, group: int, seqlen_q: int
+) -> torch.Tensor:
+    """The score function on a chunk's scaled scores ``s`` (b, h_kv, group, rows, seqlen_k), out of place."""
+    if score is None:
+        return s
+    if score[0] == "softcap":
+        return torch.tanh(s / score[1]) * score[1]
+    b0, b1, h0, h1, i0, i1 = bounds
+    seqlen_k = s.shape[-1]
+    rows = torch.arange(i0, i1, device=s.device).unsqueeze(1) + (seqlen_k - seqlen_q)
+    distance = (rows - torch.arange(seqlen_k, device=s.device).unsqueeze(0)).abs().to(s.dtype)
+    slopes = score[1][b0:b1, h0 * group : h1 * group].reshape(b1 - b0, h1 - h0, group, 1, 1)
+    return s - slopes * distance
+
+
 def _resolve_scale(softmax_scale: float | None, head_dim: int) -> float:
     if softmax_scale is not None:
         return float(softmax_scale)
@@ -294,6 +318,8 @@ def attention_torch(
     dropout_p: float = 0.0,
     dropout_seed=None,
     window: tuple[int, int] | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention through PyTorch with the kernel's semantics, on any device PyTorch supports.
 
@@ -303,6 +329,7 @@ def attention_torch(
 
     ``key_range`` (batch, 2): batch row b attends only keys ``key_range[b, 0] <= j < key_range[b, 1]``.
     ``window`` (left, right): the sliding window of :func:`window_allowed` (-1: unbounded on that side).
+    ``softcap`` > 0 and ``alibi_slopes``: the score functions of :func:`attention_reference`.
 
     Scores, softmax and accumulation are float32 (float64 for float64 inputs); ``out`` has q's dtype and is
     written in place when given; the LSE is float32 of shape (batch, heads_q, seqlen_q). At most about
@@ -340,6 +367,7 @@ def attention_torch(
     b_step, h_step, q_step = _chunk_sizes(batch, heads_kv, group, seqlen_q, seqlen_k, elem)
     keys_allowed = None if key_range is None else key_range_allowed(key_range, seqlen_k)
     drop = _dropout_args(dropout_p, dropout_seed, heads_q)
+    score = _score_args(softcap, alibi_slopes, batch, heads_q, cdtype)
 
     for b0 in range(0, batch, b_step):
         b1 = min(batch, b0 + b_step)
@@ -372,6 +400,7 @@ def attention_torch(
                     None if keys_allowed is None else keys_allowed[b0:b1],
                     drop,
                     window,
+                    score,
                 )
     return out, lse
 
@@ -396,6 +425,7 @@ def _attend_chunk(
     keys_allowed: torch.Tensor | None = None,
     drop: tuple | None = None,
     window: tuple[int, int] | None = None,
+    score: tuple | None = None,
 ) -> None:
     nb, nh, rows = b1 - b0, h1 - h0, i1 - i0
     seqlen_q, head_dim = q.shape[1], q.shape[3]
@@ -408,6 +438,7 @@ def _attend_chunk(
     s = torch.matmul(qc, kc.transpose(-1, -2)).view(nb, nh, group, rows, seqlen_k)
     # Scale before masking (a negative scale would turn a -inf mask into +inf) and before the row max.
     s = s * scale if needs_grad else s.mul_(scale)
+    s = _apply_score(s, score, (b0, b1, h0, h1, i0, i1), group, seqlen_q)
     allowed = _rows_allowed(i0, i1, seqlen_q, seqlen_k, causal, window, q.device)
     if allowed is not None:
         s = s.masked_fill(~allowed, float("-inf")) if needs_grad else s.masked_fill_(~allowed, float("-inf"))
@@ -452,6 +483,8 @@ def attention_backward_torch(
     dropout_p: float = 0.0,
     dropout_seed=None,
     window: tuple[int, int] | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dq, dk, dv)`` of :func:`attention_torch` from its saved ``out`` and ``lse``.
 
@@ -498,6 +531,7 @@ def attention_backward_torch(
     b_step, h_step, q_step = _chunk_sizes(batch, heads_kv, group, seqlen_q, seqlen_k, 2 * elem)
     keys_allowed = None if key_range is None else key_range_allowed(key_range, seqlen_k)
     drop = _dropout_args(dropout_p, dropout_seed, heads_q)
+    score = _score_args(softcap, alibi_slopes, batch, heads_q, cdtype)
 
     with torch.no_grad():
         for b0 in range(0, batch, b_step):
@@ -527,6 +561,7 @@ def attention_backward_torch(
                         None if keys_allowed is None else keys_allowed[b0:b1],
                         drop,
                         window,
+                        score,
                     )
                 dk[b0:b1, :, h0:h1] = dkc.permute(0, 2, 1, 3).to(dk.dtype)
                 dv[b0:b1, :, h0:h1] = dvc.permute(0, 2, 1, 3).to(dv.dtype)
@@ -548,6 +583,7 @@ def _backward_chunk(
     keys_allowed: torch.Tensor | None,
     drop: tuple | None = None,
     window: tuple[int, int] | None = None,
+    score: tuple | None = None,
 ) -> None:
     """One (batch, kv head, query row) chunk of :func:`attention_backward_torch`: writes its rows of dq and
     adds its contributions to the chunk's dK/dV accumulators ``dkc``/``dvc`` (b, h_kv, seqlen_k, d)."""
@@ -569,6 +605,13 @@ def _backward_chunk(
     row_lse = torch.where(torch.isneginf(row_lse), torch.full_like(row_lse, float("inf")), row_lse)
 
     s = torch.matmul(qc, kc.transpose(-1, -2)).mul_(scale)  # scale before masking, as in the forward
+    grad = None  # the score function's derivative (softcap: 1 - (s' / cap)^2), before the mask
+    if score is not None:
+        s = _apply_score(s.view(nb, nh, group, rows, seqlen_k), score, bounds, group, seqlen_q).reshape(
+            s.shape
+        )
+        if score[0] == "softcap":
+            grad = 1 - (s / score[1]) ** 2
     masked = s.view(nb, nh, group, rows, seqlen_k)
     allowed = _rows_allowed(i0, i1, seqlen_q, seqlen_k, causal, window, q.device)
     if allowed is not None:
@@ -589,6 +632,8 @@ def _backward_chunk(
         zr = zr.view(nb, nh, group * rows, seqlen_k)
         dvc.add_(torch.matmul((p * zr).transpose(-1, -2), doc))
         ds = torch.matmul(doc, vc.transpose(-1, -2)).mul_(zr).sub_(d).mul_(p)
+    if grad is not None:
+        ds.mul_(grad)
     dkc.add_(torch.matmul(ds.transpose(-1, -2), qc), alpha=scale)
     dqc = torch.matmul(ds, kc).mul_(scale).view(nb, nh, group, rows, head_dim)
     dqc = dqc.permute(0, 3, 1, 2, 4).reshape(nb, rows, nh * group, head_dim)

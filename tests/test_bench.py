@@ -588,7 +588,7 @@ def test_window_sweep_counts_the_band_and_masks_the_same_keys():
     import torch
 
     from flash_attention.reference import window_allowed
-    from flash_attention.tools.bench.runners import Shape, _window, _window_mask
+    from flash_attention.tools.bench.runners import Shape, _variant_args, _window_mask
     from flash_attention.tools.bench.sweep import SweepSettings, sweep_shapes
     from flash_attention.tools.common import flops
 
@@ -601,6 +601,61 @@ def test_window_sweep_counts_the_band_and_masks_the_same_keys():
     assert flops(1, 1, 8192, 8192, 128, True, "fwd", 1024) == 4 * 128 * (8192 * 1024 - 1024 * 1024 / 2)
     assert flops(1, 1, 8192, 8192, 128, True, "fwd", 0) == flops(1, 1, 8192, 8192, 128, True)
     shape = Shape("bf16", 1, 1, 300, 64, True, 0, 37)
-    assert _window(shape) == {"window": (37, 0)} and _window(Shape("bf16", 1, 1, 300, 64, True)) == {}
+    assert (
+        _variant_args(shape) == {"window": (37, 0)}
+        and _variant_args(Shape("bf16", 1, 1, 300, 64, True)) == {}
+    )
     causal = torch.ones(300, 300, dtype=torch.bool).tril()
     assert torch.equal(_window_mask(shape, "cpu"), window_allowed(300, 300, (37, 0)) & causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("score", ["softcap", "alibi"])
+def test_score_function_baselines_compute_what_attention_computes(causal, score):
+    """--softcap / --alibi: FlexAttention's score_mod and SDPA's additive ALiBi mask are the float64
+    reference's score functions (so the rows time the same attention), and attention() gets the same
+    arguments; SDPA refuses soft-capping (no mask expresses it) instead of timing plain attention."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from flash_attention.reference import alibi_bias, attention_reference
+    from flash_attention.tools.bench.runners import (
+        Shape,
+        Skip,
+        _alibi_bias,
+        _flex_score_mod,
+        _variant_args,
+        alibi_slopes,
+        make_runner,
+    )
+
+    torch.manual_seed(7)
+    shape = Shape(
+        "bf16", 2, 4, 96, 32, causal, softcap=5.0 if score == "softcap" else 0.0, alibi=score == "alibi"
+    )
+    args = _variant_args(shape, "cpu")
+    slopes = alibi_slopes(4, "cpu")
+    assert (args == {"softcap": 5.0}) if score == "softcap" else torch.equal(args["alibi_slopes"], slopes)
+    assert torch.allclose(slopes, torch.tensor([2.0**-2, 2.0**-4, 2.0**-6, 2.0**-8]))
+    q, k, v = (torch.randn(2, 4, 96, 32, dtype=torch.float64) * 2 for _ in range(3))  # (B, H, S, D)
+    out = flex_attention(q, k, v, score_mod=_flex_score_mod(shape, "cpu")).transpose(1, 2)
+    if causal:  # (the bench's causal rows add FlexAttention's block mask; here the reference's mask)
+        mask = torch.ones(96, 96, dtype=torch.bool).tril()
+        out = flex_attention(
+            q,
+            k,
+            v,
+            score_mod=lambda s, b, h, i, j: torch.where(
+                mask[i, j], _flex_score_mod(shape, "cpu")(s, b, h, i, j), -torch.inf
+            ),
+        ).transpose(1, 2)
+    ref, _ = attention_reference(
+        *(t.transpose(1, 2) for t in (q, k, v)), causal=causal, **_variant_args(shape, "cpu")
+    )
+    assert torch.allclose(out, ref, atol=1e-9, rtol=1e-9)
+    if score == "alibi":
+        assert torch.equal(
+            _alibi_bias(shape, "cpu", torch.float64), alibi_bias(slopes, 1, 96, 96, torch.float64)[0]
+        )
+    else:
+        with pytest.raises(Skip, match="soft-capping"):
+            make_runner("sdpa_cudnn", shape, [(q, k, v)], "fwd")

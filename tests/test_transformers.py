@@ -488,7 +488,7 @@ def test_dropout_argument_is_checked():
 # Which route each layer takes (the module docstring of the integration says why):
 #   Mistral      every layer sliding: the kernel with the window (attention(window=))
 #   Gemma 3      sliding layers: the kernel with the window; full-attention layers: the kernel routes
-#   Gemma 2      softcap on every layer: Gemma 2's own eager attention function
+#   Gemma 2      softcap on every layer: the kernel with softcap= (its sliding layers with the window too)
 #   gpt-oss      attention sinks (s_aux) on every layer: gpt-oss's own eager attention function
 # The reference is attn_implementation="eager" of the same model with the same weights. Accuracy (CPU
 # float32): where SDPA computes the model exactly (Mistral, Gemma 3), the rule -- max |ours - eager| <= 2 *
@@ -498,8 +498,8 @@ def test_dropout_argument_is_checked():
 # bit for bit here).
 
 FAMILIES = ["gemma2", "gemma3", "mistral", "gpt_oss"]
-SLIDING_ROUTE = {"gemma2": "eager", "gemma3": "kernel", "mistral": "kernel", "gpt_oss": "eager"}
-FULL_ROUTE = {"gemma2": "eager", "gemma3": "kernel", "gpt_oss": "eager"}  # Mistral has no full layer
+SLIDING_ROUTE = {"gemma2": "kernel", "gemma3": "kernel", "mistral": "kernel", "gpt_oss": "eager"}
+FULL_ROUTE = {"gemma2": "kernel", "gemma3": "kernel", "gpt_oss": "eager"}  # Mistral has no full layer
 EXACT_IN_SDPA = {"gemma3", "mistral"}
 
 

@@ -63,7 +63,7 @@ def test_window_build_has_one_entry_per_kernel_on_the_window_mask(cfg):
 
 
 def test_the_debug_build_has_no_window():
-    with pytest.raises(ValueError, match="no key-range, dropout or window variant"):
+    with pytest.raises(ValueError, match="no key-range, dropout, window or score-function variant"):
         sources.variant_name(True, False, False, True)
 
 

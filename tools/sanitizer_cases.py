@@ -66,6 +66,14 @@ WINDOW_CASES = [
     ((1, 260, 300, 2, 1, 192, False, True, 0.0, True), (-1, 30)),
     ((1, 100, 100, 2, 2, 40, False, False, 0.0, False), (0, 0)),
 ]
+#: score functions (case, softcap, ALiBi): the launch layer's forward and backward on every family's
+#: score-function build, atomic and deterministic.
+SCORE_CASES = [
+    ((2, 150, 300, 4, 2, 128, True, False, 0.0, False), 1.5, False),
+    ((1, 300, 200, 4, 4, 64, False, True, 0.0, True), 0.0, True),
+    ((2, 200, 260, 6, 3, 256, True, False, 0.0, True), 1.5, False),
+    ((1, 260, 300, 2, 1, 192, False, False, 0.0, False), 0.0, True),
+]
 SMALL = {1: 40, 2: 60}  # --small: shorter sequences (index into the case tuple -> cap)
 
 #: Hopper only: the warp-specialized kernel's knobs the defaults may not use (the persistent grid's tile
@@ -129,6 +137,40 @@ def run_case(case, seed: int, small: bool, window=None) -> float:
         for g, r in zip(grads, ref_grads, strict=True)
     )
     return max((out.double() - ref).abs().max().item(), grad_err)
+
+
+def run_score_case(case, softcap: float, alibi: bool, seed: int, small: bool) -> float:
+    """A score function through ops.cuda_forward / cuda_backward (the public API does not take them yet):
+    the output's and gradients' error against float64."""
+    from flash_attention import ops
+
+    b, sq, sk, hq, hkv, d, causal, ranged, _, det = case
+    if small:
+        sq, sk = min(sq, SMALL[1]), min(sk, SMALL[2])
+    q, k, v = _inputs(seed, b, sq, sk, hq, hkv, d)
+    kr = None
+    if ranged:
+        kr = torch.tensor([[sk // 4, sk], [0, max(1, sk // 2)]][:b], dtype=torch.int32, device="cuda")
+    slopes = torch.linspace(0.1, 0.5, hq, device="cuda") if alibi else None
+    kw = dict(causal=causal, softmax_scale=d**-0.5, key_range=kr, softcap=softcap, alibi_slopes=slopes)
+    o, lse = ops.cuda_forward(q, k, v, return_lse=True, out=None, **kw)
+    do = torch.randn_like(q)
+    grads = ops.cuda_backward(do, q, k, v, o, lse, deterministic=det, **kw)
+    torch.cuda.synchronize()
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    ref, _ = attention_reference(
+        *leaves,
+        causal=causal,
+        key_range=kr,
+        softcap=softcap,
+        alibi_slopes=None if slopes is None else slopes.double(),
+    )
+    ref_grads = torch.autograd.grad(ref, leaves, do.double())
+    grad_err = max(
+        ((g.double() - r).abs().max() / r.abs().max().clamp_min(1.0)).item()
+        for g, r in zip(grads, ref_grads, strict=True)
+    )
+    return max((o.double() - ref).abs().max().item(), grad_err)
 
 
 def run_ws_case(case, seed: int, small: bool) -> float:
@@ -273,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         "--bwd-det-only", action="store_true", help="only the deterministic backward's cases (Hopper)"
     )
     ap.add_argument("--window-only", action="store_true", help="only the sliding-window cases")
+    ap.add_argument("--score-only", action="store_true", help="only the score-function cases")
     ap.add_argument(
         "--bwd-atomic-only",
         action="store_true",
@@ -303,12 +346,17 @@ def main(argv: list[str] | None = None) -> int:
         or args.bwd_det_only
         or args.bwd_atomic_only
         or args.window_only
+        or args.score_only
     )
     hopper = torch.cuda.get_device_capability() == (9, 0)
     for i, case in enumerate(DET_CASES if hopper and (args.bwd_det_only or not only) else []):
         err = run_case(case, seed=400 + i, small=args.small)
         worst = max(worst, err)
         print(f"deterministic backward case {i}: {case} max error {err:.3g}", flush=True)
+    for i, (case, cap, alibi) in enumerate(SCORE_CASES if args.score_only or not only else []):
+        err = run_score_case(case, cap, alibi, seed=700 + i, small=args.small)
+        worst = max(worst, err)
+        print(f"score case {i}: {case} softcap {cap} alibi {alibi} max error {err:.3g}", flush=True)
     for i, (case, window) in enumerate(WINDOW_CASES if args.window_only or not only else []):
         err = run_case(case, seed=600 + i, small=args.small, window=window)
         worst = max(worst, err)

@@ -162,6 +162,7 @@ class BwdConfig:
         ranged: bool = False,
         dropout: bool = False,
         window: bool = False,
+        score: str | None = None,
     ) -> str:
         """Entry point of one kernel of the family: ``pre``, ``convert``, ``dkdv`` (atomic dQ), ``dkdv_det``
         or ``dq``."""
@@ -174,6 +175,7 @@ class BwdConfig:
             base
             + ("__causal" if causal else "")
             + ("__window" if window else "")
+            + (f"__{score}" if score else "")
             + ("__ranged" if ranged else "")
             + ("__dropout" if dropout else "")
         )

@@ -21,7 +21,8 @@ __all__ = ["FEATURES", "is_wgmma", "supports", "unsupported"]
 #: dropout; deterministic: a backward without atomics; trace: the debug build (fa/trace.cuh);
 #: negative_scale: a softmax scale below zero (the folded exp2 softmax assumes a positive one);
 #: untileable: a q/k/v layout a TMA tensor map cannot describe (e.g. a zero stride from ``expand``);
-#: window: a sliding window (fa/variant.cuh, WindowMask).
+#: window: a sliding window (fa/variant.cuh, WindowMask); softcap, alibi: those score functions
+#: (fa/variant.cuh, Softcap and Alibi).
 FEATURES = (
     "causal",
     "key_range",
@@ -31,29 +32,36 @@ FEATURES = (
     "negative_scale",
     "untileable",
     "window",
+    "softcap",
+    "alibi",
 )
+_SCORES = frozenset({"softcap", "alibi"})
 
 _SUPPORTED = {
     # (backward?, kind) -> features
     (False, "portable"): frozenset(
-        {"causal", "key_range", "dropout", "trace", "negative_scale", "untileable", "window"}
+        {"causal", "key_range", "dropout", "trace", "negative_scale", "untileable", "window"} | _SCORES
     ),
-    (False, "wgmma"): frozenset({"causal", "key_range", "dropout", "untileable", "window"}),
+    (False, "wgmma"): frozenset({"causal", "key_range", "dropout", "untileable", "window"} | _SCORES),
     # The debug build of the warp-specialized kernel records from a consumer warp, whose 16 rows of the
     # wgmma accumulators are laid out as one mma.sync tile (fa/frag.cuh); the sm90 kernel has none.
-    (False, "ws"): frozenset({"causal", "key_range", "dropout", "trace", "window"}),
+    (False, "ws"): frozenset({"causal", "key_range", "dropout", "trace", "window"} | _SCORES),
     (True, "portable"): frozenset(
-        {"causal", "key_range", "dropout", "deterministic", "untileable", "window"}
+        {"causal", "key_range", "dropout", "deterministic", "untileable", "window"} | _SCORES
     ),
     # The sm90 kernel: causal and GQA only.
     (True, "wgmma"): frozenset({"causal", "untileable"}),
     # The wide one (head_dim 192/256, csrc/kernels/sm90/bwd_wide): the mask policy's key-range build,
     # dropout, and a deterministic kernel (a third warpgroup adds dQ in the order of fa/dq_turns.cuh).
-    (True, "wide"): frozenset({"causal", "key_range", "dropout", "deterministic", "untileable", "window"}),
+    (True, "wide"): frozenset(
+        {"causal", "key_range", "dropout", "deterministic", "untileable", "window"} | _SCORES
+    ),
     # The warp-specialized backward copies with cp.async (no tensor maps): any layout the sm90 one takes;
     # its key-range build is the mask policy's (fa/variant.cuh), as in the forward, it has dropout, and a
     # deterministic kernel (dQ reductions in a fixed order, fa/dq_turns.cuh).
-    (True, "ws"): frozenset({"causal", "key_range", "dropout", "deterministic", "untileable", "window"}),
+    (True, "ws"): frozenset(
+        {"causal", "key_range", "dropout", "deterministic", "untileable", "window"} | _SCORES
+    ),
 }
 
 

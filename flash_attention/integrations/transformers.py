@@ -62,14 +62,17 @@ Attention dropout (``dropout``, which transformers' models pass only in training
 route: in the kernels (their mask drawn from PyTorch's CPU generator, so ``torch.manual_seed`` repeats
 it), in SDPA, in the eager functions.
 
-Calls with something the kernel does not compute yet -- logit soft-capping (``softcap``: Gemma 2),
-attention sinks (``s_aux``: gpt-oss; ``sinks``), additive position biases (``position_bias``: T5 and
-relatives) -- run through the calling model's own eager attention function: the ``eager_attention_forward``
-of the modeling module that defines the attention module's class (or a base class), which is what
-``attn_implementation="eager"`` runs; a private generic one only when that module has none. It gets the
-mask as ``"eager"`` would (additive, with the bottom-right causal mask and the padding made explicit), and
-the first such call per reason warns once (a ``RuntimeWarning``). transformers' SDPA function cannot take
-these calls: 5.23 raises on ``softcap``, 5.0 and 5.17 drop it without a word, and none computes sinks.
+Logit soft-capping (``softcap``: Gemma 2) runs on the kernel routes above with ``attention(..., softcap=)``;
+where none takes the call (a static cache's decoding steps or 4-D masks: the decode kernels and SDPA have no
+score function) it goes where the rest of this paragraph says. Calls with something the kernel does not
+compute yet -- attention sinks (``s_aux``: gpt-oss; ``sinks``), additive position biases (``position_bias``:
+T5 and relatives) -- run through the calling model's own eager attention function: the
+``eager_attention_forward`` of the modeling module that defines the attention module's class (or a base
+class), which is what ``attn_implementation="eager"`` runs; a private generic one only when that module has
+none. It gets the mask as ``"eager"`` would (additive, with the bottom-right causal mask and the padding made
+explicit), and the first such call per reason warns once (a ``RuntimeWarning``). transformers' SDPA function
+cannot take these calls: 5.23 raises on ``softcap``, 5.0 and 5.17 drop it without a word, and none computes
+sinks.
 Sparse attention's ``indices``/``block_indices`` raise ``NotImplementedError``: the models that pass them
 build the equivalent mask only for ``"eager"``/``"sdpa"``.
 
@@ -99,11 +102,11 @@ __all__ = ["NAME", "attention_forward", "attention_mask", "register"]
 #: The ``attn_implementation`` name :func:`register` uses by default.
 NAME = "fa_scratch"
 
-# Keyword arguments of transformers' attention functions that change the function computed in ways our
-# kernel cannot (yet), with what they are: logit soft-capping (Gemma 2), attention sinks (gpt-oss passes
-# them as s_aux, others as sinks), additive position biases (T5 and relatives). transformers' SDPA function
-# does not compute them either (5.23 raises on softcap, 5.0 and 5.17 silently drop it), so such calls run
-# through the calling model's own eager attention function, which does.
+# Keyword arguments of transformers' attention functions that change the function computed in ways SDPA
+# cannot, with what they are: logit soft-capping (Gemma 2; our kernel routes take it), attention sinks
+# (gpt-oss passes them as s_aux, others as sinks), additive position biases (T5 and relatives).
+# transformers' SDPA function does not compute them (5.23 raises on softcap, 5.0 and 5.17 silently drop it),
+# so where no kernel route takes such a call it runs through the model's own eager function, which does.
 _EAGER_KWARGS = {
     "softcap": "logit soft-capping (softcap)",
     "s_aux": "attention sinks (s_aux)",
@@ -513,6 +516,15 @@ def attention_forward(
         )
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     needs_eager = [name for name in _EAGER_KWARGS if kwargs.get(name) is not None]
+    # Soft-capping alone the kernels compute (attention(softcap=)) on their own routes; where none takes the
+    # call (the decode kernels have no score function, SDPA none at all), the eager function does.
+    softcap = kwargs.get("softcap")
+    kernel_softcap = (
+        needs_eager == ["softcap"]
+        and isinstance(softcap, (int, float))
+        and not isinstance(softcap, bool)
+        and softcap > 0
+    )
     if attention_mask is not None and attention_mask.dim() == 1:
         # Decoding from a static cache (the module docstring): the decode kernels, or the explicit mask.
         if (
@@ -531,29 +543,16 @@ def attention_forward(
             )
             return out, None
         attention_mask = _static_cache_mask(attention_mask, query.shape[2], key.shape[2])
-    if needs_eager:
-        if kwargs.get("cache") is not None:
-            raise NotImplementedError(
-                f"attention_forward got {', '.join(needs_eager)} with a paged cache (cache=): the eager "
-                "route that computes them cannot update a paged cache; use attn_implementation='paged|eager'"
-            )
-        return _eager_attention(
-            module,
-            query,
-            key,
-            value,
-            attention_mask,
-            needs_eager,
-            dropout=dropout,
-            scaling=scaling,
-            causal=causal,
-            kwargs=kwargs,
+    if needs_eager and not kernel_softcap:
+        return _eager_route(
+            module, query, key, value, attention_mask, needs_eager, dropout, scaling, causal, kwargs
         )
 
     q_length, kv_length = query.shape[2], key.shape[2]
     head_dim = query.shape[-1]
     # The library's layout, as views: (batch, seqlen, heads, head_dim); the kernel takes these strides.
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    extra = {"softcap": float(softcap)} if kernel_softcap else {}
 
     kernel_ok = (
         (attention_mask is None or attention_mask.dim() == 2)
@@ -568,6 +567,7 @@ def attention_forward(
         if attention_mask is None:
             if (
                 causal
+                and not extra
                 and dropout == 0.0
                 and 0 < q_length <= STATIC_CACHE_MAX_QUERIES < kv_length
                 and not (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)))
@@ -578,7 +578,7 @@ def attention_forward(
                     q, k, v, cache_seqlens=kv_length, causal=True, softmax_scale=scaling
                 )
                 return out, None
-            return attention(q, k, v, causal=causal, softmax_scale=scaling, dropout_p=dropout), None
+            return attention(q, k, v, causal=causal, softmax_scale=scaling, dropout_p=dropout, **extra), None
         # A 2-D key mask: one kernel call with per-batch key ranges when each row's valid keys are one run,
         # and the sliding window our mask function marked on it.
         window = getattr(attention_mask, "_flash_attention_window", None)
@@ -586,9 +586,13 @@ def attention_forward(
         if ranges is not None:
             out = fn.key_range_attention(
                 q, k, v, ranges, causal=causal or window is not None, scale=scaling, dropout_p=dropout,
-                window=window,
+                window=window, **extra,
             )  # fmt: skip
             return out, None
+    if needs_eager:  # soft-capping that no kernel route took
+        return _eager_route(
+            module, query, key, value, attention_mask, needs_eager, dropout, scaling, causal, kwargs
+        )
 
     # A 4-D mask, key padding with holes, or what the kernel cannot take (a marked sliding window
     # included, whose band _explicit_mask adds): transformers' SDPA function, which computes exactly that
@@ -596,4 +600,25 @@ def attention_forward(
     mask = _explicit_mask(attention_mask, q_length, kv_length, causal, query.device, square_causal_flag=True)
     return sdpa_attention_forward(
         module, query, key, value, mask, dropout=dropout, scaling=scaling, is_causal=causal, **kwargs
+    )
+
+
+def _eager_route(module, query, key, value, attention_mask, needs_eager, dropout, scaling, causal, kwargs):
+    """The calling model's own eager attention function, for what no kernel route computes."""
+    if kwargs.get("cache") is not None:
+        raise NotImplementedError(
+            f"attention_forward got {', '.join(needs_eager)} with a paged cache (cache=): the eager "
+            "route that computes them cannot update a paged cache; use attn_implementation='paged|eager'"
+        )
+    return _eager_attention(
+        module,
+        query,
+        key,
+        value,
+        attention_mask,
+        needs_eager,
+        dropout=dropout,
+        scaling=scaling,
+        causal=causal,
+        kwargs=kwargs,
     )

@@ -57,9 +57,10 @@ def cache_key(
     ranged: bool = False,
     dropout: bool = False,
     window: bool = False,
+    score: str | None = None,
 ) -> str:
     h = hashlib.sha256()
-    source = kernel_source(cfg, trace, ranged=ranged, dropout=dropout, window=window)
+    source = kernel_source(cfg, trace, ranged=ranged, dropout=dropout, window=window, score=score)
     for part in (sources_digest(), source, arch, compiler_id, " ".join(_compiler.COMMON_FLAGS)):
         h.update(part.encode())
         h.update(b"\0")
@@ -149,6 +150,7 @@ def build(
     ranged: bool = False,
     dropout: bool = False,
     window: bool = False,
+    score: str | None = None,
 ) -> BuiltKernel:
     """Compile ``cfg`` for ``arch`` (e.g. 'sm_90'), or take it from the disk cache.
 
@@ -163,7 +165,7 @@ def build(
             "no CUDA compiler found: install PyTorch's CUDA build (it ships NVRTC) or a CUDA toolkit (nvcc)"
         )
     cid = _compiler.compiler_id(kind)
-    key = cache_key(cfg, arch, cid, trace, ranged=ranged, dropout=dropout, window=window)
+    key = cache_key(cfg, arch, cid, trace, ranged=ranged, dropout=dropout, window=window, score=score)
     root = cache_dir()
     cubin_path, meta_path = root / f"{key}.cubin", root / f"{key}.json"
     if not force and cubin_path.exists() and meta_path.exists():
@@ -173,10 +175,10 @@ def build(
             )
         except (OSError, ValueError):
             pass  # a damaged entry is rebuilt below
-    variant = variant_name(trace, ranged, dropout, window)
+    variant = variant_name(trace, ranged, dropout, window, score)
     what = f"{cfg.name()}{f' ({variant} build)' if variant else ''}"
     with _Ticker(f"{what} for {arch} with {cid}") as tick:
-        source = kernel_source(cfg, trace, ranged=ranged, dropout=dropout, window=window)
+        source = kernel_source(cfg, trace, ranged=ranged, dropout=dropout, window=window, score=score)
         result = _compiler.compile_source(source, arch, what, kind)
     meta = {
         "config": cfg.name(),
@@ -184,6 +186,7 @@ def build(
         "ranged": ranged,
         "dropout": dropout,
         "window": window,
+        "score": score,
         "arch": arch,
         "compiler": result.compiler,
         "compile_seconds": round(tick.elapsed, 2),

@@ -43,6 +43,7 @@ def get_kernel(
     ranged: bool = False,
     dropout: bool = False,
     window: bool = False,
+    score: str | None = None,
 ) -> driver.Kernel:
     """The loaded entry point of ``cfg`` for a GPU of ``arch`` (compiling or reading the cache on first use).
 
@@ -50,31 +51,37 @@ def get_kernel(
     build, ``dropout=True`` the dropout build, ``window=True`` the sliding window's (whose one entry point is
     named as not causal); each is cached apart from the normal one.
     """
-    variant = variant_name(trace, ranged, dropout, window)
+    variant = variant_name(trace, ranged, dropout, window, score)
 
     def load() -> None:
-        built = build(cfg, arch, trace=trace, ranged=ranged, dropout=dropout, window=window)
+        built = build(cfg, arch, trace=trace, ranged=ranged, dropout=dropout, window=window, score=score)
         library = driver.load_library(built.cubin)
         for c in mask_causals(window):
-            symbol = kernel_symbol(cfg, c, trace, ranged=ranged, dropout=dropout, window=window)
+            symbol = kernel_symbol(cfg, c, trace, ranged=ranged, dropout=dropout, window=window, score=score)
             _loaded[(cfg, c, arch, variant)] = driver.get_kernel(library, symbol)
 
     return _once((cfg, causal, arch, variant), load)
 
 
 def get_bwd_kernels(
-    cfg: BwdConfig, arch: str, *, ranged: bool = False, dropout: bool = False, window: bool = False
+    cfg: BwdConfig,
+    arch: str,
+    *,
+    ranged: bool = False,
+    dropout: bool = False,
+    window: bool = False,
+    score: str | None = None,
 ) -> dict[str, driver.Kernel]:
     """The loaded entry points of a backward config, by symbol (compiling or reading the cache once)."""
-    k = (cfg, arch, variant_name(False, ranged, dropout, window))
+    k = (cfg, arch, variant_name(False, ranged, dropout, window, score))
 
     def load() -> None:
-        built = build(cfg, arch, ranged=ranged, dropout=dropout, window=window)
+        built = build(cfg, arch, ranged=ranged, dropout=dropout, window=window, score=score)
         library = driver.load_library(built.cubin)
         kerns = {kind: driver.get_kernel(library, cfg.symbol(kind)) for kind in cfg.MASK_FREE_KINDS}
         for causal in mask_causals(window):
             for kind in cfg.entry_kinds():
-                sym = cfg.symbol(kind, causal, ranged, dropout, window)
+                sym = cfg.symbol(kind, causal, ranged, dropout, window, score)
                 kerns[sym] = driver.get_kernel(library, sym)
         _loaded[k] = kerns
 

@@ -60,6 +60,9 @@ class FwdParams(ctypes.Structure):
         ("trace_fault", _I32),
         ("window_left", _I32),
         ("window_right", _I32),
+        ("softcap", _F32),
+        ("alibi_slopes", _PTR),
+        ("alibi_batch_stride", _I32),
     ]
 
 
@@ -136,6 +139,7 @@ class BwdParams(ctypes.Structure):
         + [("scale", _F32), ("scale_log2", _F32)]
         + [("dropout_key", ctypes.c_uint), ("dropout_threshold", ctypes.c_uint), ("dropout_rp", _F32)]
         + [("dq_lanes", _I32), ("window_left", _I32), ("window_right", _I32)]
+        + [("softcap", _F32), ("alibi_slopes", _PTR), ("alibi_batch_stride", _I32)]
     )
 
 

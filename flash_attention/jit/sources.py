@@ -38,14 +38,26 @@ def _cpp_bool(x: bool) -> str:
     return "true" if x else "false"
 
 
-def variant_type(causal: bool, ranged: bool, window: bool = False) -> str:
+def variant_type(causal: bool, ranged: bool, window: bool = False, score: str | None = None) -> str:
     """The C++ variant (csrc/include/fa/variant.cuh) a kernel body is instantiated with: the mask policy of
     the causal flag and the per-batch key ranges, or of a sliding window (which carries causal as its right
     bound 0) and the key ranges; no score function. A new variant is a new policy type named here
     (docs/design.md, "Adding an attention variant")."""
+    if score is not None:
+        if score not in SCORE_MODS:
+            raise ValueError(f"score must be one of {tuple(SCORE_MODS)} or None; got {score!r}")
+        if window:
+            mask = f"fa::WindowMask<{_cpp_bool(ranged)}>"
+        else:
+            mask = f"fa::CausalRangeMask<{_cpp_bool(causal)}, {_cpp_bool(ranged)}>"
+        return f"fa::Variant<{mask}, {SCORE_MODS[score]}>"
     if window:
         return f"fa::WindowVariant<{_cpp_bool(ranged)}>"
     return f"fa::DefaultVariant<{_cpp_bool(causal)}, {_cpp_bool(ranged)}>"
+
+
+#: The score functions a build can take (csrc/include/fa/variant.cuh): name -> C++ policy.
+SCORE_MODS = {"softcap": "fa::Softcap", "alibi": "fa::Alibi"}
 
 
 def mask_causals(window: bool) -> tuple[bool, ...]:
@@ -54,14 +66,19 @@ def mask_causals(window: bool) -> tuple[bool, ...]:
     return (False,) if window else (False, True)
 
 
-def variant_name(trace: bool, ranged: bool, dropout: bool = False, window: bool = False) -> str:
+def variant_name(
+    trace: bool, ranged: bool, dropout: bool = False, window: bool = False, score: str | None = None
+) -> str:
     """The instantiation's suffix: "" (normal), "trace", or the build's features joined by "__" in the order
-    "window", "ranged", "dropout"."""
-    if trace and (ranged or dropout or window):
-        raise ValueError("the debug (trace) build has no key-range, dropout or window variant")
+    "window", the score function ("softcap", "alibi"), "ranged", "dropout"."""
+    if trace and (ranged or dropout or window or score):
+        raise ValueError(
+            "the debug (trace) build has no key-range, dropout, window or score-function variant"
+        )
     if trace:
         return "trace"
-    return "__".join(x for x, on in (("window", window), ("ranged", ranged), ("dropout", dropout)) if on)
+    parts = (("window", window), (score or "", score is not None), ("ranged", ranged), ("dropout", dropout))
+    return "__".join(x for x, on in parts if on)
 
 
 def kernel_symbol(
@@ -72,11 +89,12 @@ def kernel_symbol(
     ranged: bool = False,
     dropout: bool = False,
     window: bool = False,
+    score: str | None = None,
 ) -> str:
     """Entry point name. The debug build's carries a ``__trace`` suffix (so a profiler tells them apart),
     the per-batch key-range build's ``__ranged``, the dropout build's ``__dropout``, the sliding window's
-    ``__window``."""
-    variant = variant_name(trace, ranged, dropout, window)
+    ``__window``, a score function's its name."""
+    variant = variant_name(trace, ranged, dropout, window, score)
     return cfg.symbol(causal) + (f"__{variant}" if variant else "")
 
 
@@ -87,6 +105,7 @@ def kernel_source(
     ranged: bool = False,
     dropout: bool = False,
     window: bool = False,
+    score: str | None = None,
 ) -> str:
     """The translation unit of one config: its constants and the causal / non-causal entry points.
 
@@ -97,10 +116,10 @@ def kernel_source(
     differ from the normal build's, so do their cache keys.
     """
     if isinstance(cfg, BwdConfig):
-        return bwd_kernel_source(cfg, ranged=ranged, dropout=dropout, window=window)
+        return bwd_kernel_source(cfg, ranged=ranged, dropout=dropout, window=window, score=score)
     if isinstance(cfg, DecodeConfig):
         return decode_kernel_source(cfg)
-    variant = variant_name(trace, ranged, dropout, window)
+    variant = variant_name(trace, ranged, dropout, window, score)
     if trace and cfg.wgmma and not cfg.warp_specialized:
         raise ValueError(
             "the debug (trace) build exists for the sm80 kernel and the warp-specialized Hopper kernel only; "
@@ -121,9 +140,9 @@ def kernel_source(
     for causal in mask_causals(window):
         entries.append(
             f'extern "C" __global__ void __launch_bounds__({bounds})\n'
-            f"{kernel_symbol(cfg, causal, trace, ranged=ranged, dropout=dropout, window=window)}"
+            f"{kernel_symbol(cfg, causal, trace, ranged=ranged, dropout=dropout, window=window, score=score)}"
             f"(const __grid_constant__ {params} p) {{\n"
-            f"  {body}<Cfg, {variant_type(causal, ranged, window)}, {_cpp_bool(dropout)}>(p);\n}}\n"
+            f"  {body}<Cfg, {variant_type(causal, ranged, window, score)}, {_cpp_bool(dropout)}>(p);\n}}\n"
         )
     return (
         f"// Generated by flash_attention.jit for {cfg.name()}{f' ({variant} build)' if variant else ''}\n"
@@ -140,7 +159,12 @@ def kernel_source(
 
 
 def bwd_kernel_source(
-    cfg: BwdConfig, *, ranged: bool = False, dropout: bool = False, window: bool = False
+    cfg: BwdConfig,
+    *,
+    ranged: bool = False,
+    dropout: bool = False,
+    window: bool = False,
+    score: str | None = None,
 ) -> str:
     """The translation unit of one backward config: the preprocessing kernel, the cast of the dQ workspace
     and, for causal and not, the dK/dV kernel with atomic dQ, the one without (deterministic mode) and the
@@ -157,7 +181,7 @@ def bwd_kernel_source(
         # The Hopper family: the mask-free kernels and the atomic-dQ dK/dV kernel, nothing else; the
         # warp-specialized and wide ones also have the key-range build (their mask policy's q_blocks and
         # mask_key_rows) and the dropout build.
-        if (dropout or ranged or window) and not (cfg.warp_specialized or cfg.wide):
+        if (dropout or ranged or window or score) and not (cfg.warp_specialized or cfg.wide):
             raise ValueError(
                 "the sm90 wgmma backward has no key-range, dropout or window build; use its warp-specialized "
                 "form or an sm80 config"
@@ -171,18 +195,18 @@ def bwd_kernel_source(
         else:
             body, header = "fa::sm90::bwd_dkdv_body", "sm90/bwd/bwd_kernel.cuh"
         for causal, kind in itertools.product(mask_causals(window), cfg.entry_kinds()):
-            targs = f"Cfg, {variant_type(causal, ranged, window)}"
+            targs = f"Cfg, {variant_type(causal, ranged, window, score)}"
             if cfg.warp_specialized:
                 targs += f", {_cpp_bool(dropout)}, {_cpp_bool(kind == 'dkdv_det')}"
             elif cfg.wide:
                 targs += f", {_cpp_bool(dropout)}, {_cpp_bool(kind == 'dkdv_det')}"
             entries.append(
                 f'extern "C" __global__ void __launch_bounds__({cfg.kernel_threads(kind)}, 1)\n'
-                f"{cfg.symbol(kind, causal, ranged, dropout, window)}"
+                f"{cfg.symbol(kind, causal, ranged, dropout, window, score)}"
                 "(const __grid_constant__ fa::BwdParams p) {\n"
                 f"  {body}<{targs}>(p);\n}}\n"
             )
-        variant = variant_name(False, ranged, dropout, window)
+        variant = variant_name(False, ranged, dropout, window, score)
         return (
             f"// Generated by flash_attention.jit for {cfg.name()}"
             + (f" ({variant} build)\n" if variant else "\n")
@@ -195,17 +219,17 @@ def bwd_kernel_source(
         )
     dr = _cpp_bool(dropout)
     for causal in mask_causals(window):
-        v = variant_type(causal, ranged, window)
+        v = variant_type(causal, ranged, window, score)
         for kind, atomic in (("dkdv", "true"), ("dkdv_det", "false")):
             entries.append(
                 f'extern "C" __global__ void __launch_bounds__({cfg.threads})\n'
-                f"{cfg.symbol(kind, causal, ranged, dropout, window)}"
+                f"{cfg.symbol(kind, causal, ranged, dropout, window, score)}"
                 "(const __grid_constant__ fa::BwdParams p) {\n"
                 f"  fa::bwd_dkdv_body<Cfg, {v}, {atomic}, {dr}>(p);\n}}\n"
             )
         entries.append(
             f'extern "C" __global__ void __launch_bounds__({cfg.dq_threads})\n'
-            f"{cfg.symbol('dq', causal, ranged, dropout, window)}"
+            f"{cfg.symbol('dq', causal, ranged, dropout, window, score)}"
             "(const __grid_constant__ fa::BwdParams p) {\n"
             f"  fa::bwd_dq_body<Cfg, {v}, {dr}>(p);\n}}\n"
         )

@@ -20,7 +20,17 @@ from ..jit import driver
 from ..jit.loader import get_bwd_kernels
 from ..jit.params import BwdParams
 from .device import current_stream, device_arch, dtype_name
-from .plans import PlanCache, device_facts, feature_list, fill_common, fill_strides, launch_all, window_bounds
+from .plans import (
+    PlanCache,
+    device_facts,
+    feature_list,
+    fill_common,
+    fill_score,
+    fill_strides,
+    launch_all,
+    score_function,
+    window_bounds,
+)
 from .select import backward_config
 from .tensors import check_grid, kernel_ready, pad_head_dim, padded_to_8
 
@@ -78,7 +88,23 @@ def clear_plans() -> None:
     _plans.clear()
 
 
-def _make_plan(q, k, v, o, do, lse, causal, scale, deterministic, ranged, dropout_p, config, window) -> _Plan:
+def _make_plan(
+    q,
+    k,
+    v,
+    o,
+    do,
+    lse,
+    causal,
+    scale,
+    deterministic,
+    ranged,
+    dropout_p,
+    config,
+    window,
+    score=None,
+    softcap=0.0,
+) -> _Plan:
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     check_grid(batch, heads_q, seqlen_q, seqlen_k)
@@ -93,16 +119,21 @@ def _make_plan(q, k, v, o, do, lse, causal, scale, deterministic, ranged, dropou
         heads_q // heads_kv,
         **device_facts(index),
         features=feature_list(
-            key_range=ranged, dropout=dropout_p, deterministic=deterministic, window=window is not None
+            key_range=ranged,
+            dropout=dropout_p,
+            deterministic=deterministic,
+            window=window is not None,
+            softcap=score == "softcap",
+            alibi=score == "alibi",
         ),
         config=config,
     )
     # The window build has one set of entry points, named as not causal (the window carries causal).
     windowed = window is not None
     mask_causal = causal and not windowed
-    kerns = get_bwd_kernels(cfg, arch, ranged=ranged, dropout=bool(dropout_p), window=windowed)
+    kerns = get_bwd_kernels(cfg, arch, ranged=ranged, dropout=bool(dropout_p), window=windowed, score=score)
     dkdv_kind = "dkdv_det" if deterministic else "dkdv"
-    dkdv = kerns[cfg.symbol(dkdv_kind, mask_causal, ranged, bool(dropout_p), windowed)]
+    dkdv = kerns[cfg.symbol(dkdv_kind, mask_causal, ranged, bool(dropout_p), windowed, score)]
     dkdv.ensure_dynamic_smem(cfg.smem_bytes, index)
     dq = None
     # Deterministic on the sm80 family: dK/dV without atomics, then the dQ kernel. The deterministic forms
@@ -110,7 +141,7 @@ def _make_plan(q, k, v, o, do, lse, causal, scale, deterministic, ranged, dropou
     # (turns taken on semaphores after the accumulator), and the cast follows as in the atomic mode.
     det_ws = deterministic and (cfg.warp_specialized or cfg.wide)
     if deterministic and not det_ws:
-        dq = kerns[cfg.symbol("dq", mask_causal, ranged, bool(dropout_p), windowed)]
+        dq = kerns[cfg.symbol("dq", mask_causal, ranged, bool(dropout_p), windowed, score)]
         dq.ensure_dynamic_smem(cfg.dq_smem_bytes, index)
 
     p = BwdParams()
@@ -130,6 +161,7 @@ def _make_plan(q, k, v, o, do, lse, causal, scale, deterministic, ranged, dropou
     p.dq_lanes = lanes
     if windowed:
         p.window_left, p.window_right = window
+    p.softcap = softcap  # (ALiBi's slopes are a per-call pointer: cuda_backward)
     p.num_n_blocks = math.ceil(seqlen_k / cfg.block_kv)
     # The fp32 workspace: the base-2 LSE and delta rows (written by the preprocessing kernel), then the dQ
     # accumulator of the atomic mode (padded to whole 128-row blocks and the compiled head_dim, so the
@@ -160,8 +192,9 @@ def _make_plan(q, k, v, o, do, lse, causal, scale, deterministic, ranged, dropou
 
 
 def plan_for(
-    q_, k_, v_, o_, do_, lse_, causal, scale, deterministic, ranged, dropout_p, config, window=None
-) -> _Plan:
+    q_, k_, v_, o_, do_, lse_, causal, scale, deterministic, ranged, dropout_p, config, window=None,
+    score=None, softcap=0.0,
+) -> _Plan:  # fmt: skip
     """The plan of a call on kernel-ready tensors (made on a miss)."""
     key = (
         q_.shape,
@@ -181,13 +214,16 @@ def plan_for(
         dropout_p,
         config,
         window,
+        score,
+        softcap,
     )
     return _plans.get(
         key,
         lambda: _make_plan(
-            q_, k_, v_, o_, do_, lse_, causal, scale, deterministic, ranged, dropout_p, config, window
+            q_, k_, v_, o_, do_, lse_, causal, scale, deterministic, ranged, dropout_p, config, window, score,
+            softcap,
         ),
-    )
+    )  # fmt: skip
 
 
 def cuda_backward(
@@ -206,20 +242,23 @@ def cuda_backward(
     dropout_p: float = 0.0,
     dropout_seed=None,
     window: tuple[int, int] | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of :func:`flash_attention.ops.cuda_forward`'s output ``out`` with LSE ``lse``,
     for the output gradient ``dout``: new contiguous tensors of q's, k's and v's shapes and dtype.
 
     ``config`` names a backward configuration (else the tuned winner or the heuristic:
-    :func:`flash_attention.ops.select.backward_config`); ``key_range``, ``dropout_p`` / ``dropout_seed`` and
-    ``window`` must be the forward's. A head_dim that is not a multiple of 8 runs zero-padded, as the
-    forward does.
+    :func:`flash_attention.ops.select.backward_config`); ``key_range``, ``dropout_p`` / ``dropout_seed``,
+    ``window``, ``softcap`` and ``alibi_slopes`` must be the forward's. A head_dim that is not a multiple of
+    8 runs zero-padded, as the forward does.
     """
     if dropout_p and dropout_seed is None:
         raise ValueError("dropout_p > 0 needs dropout_seed (flash_attention.dropout.draw_seed())")
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k = k.shape[1]
     bounds = window_bounds(window, causal, seqlen_q, seqlen_k)
+    score = score_function(softcap, alibi_slopes, q)
     if head_dim % 8:
         d8 = padded_to_8(head_dim)
         grads = cuda_backward(
@@ -233,6 +272,8 @@ def cuda_backward(
             dropout_p=dropout_p,
             dropout_seed=dropout_seed,
             window=window,
+            softcap=softcap,
+            alibi_slopes=alibi_slopes,
         )
         return tuple(g[..., :head_dim].contiguous() for g in grads)
 
@@ -247,8 +288,9 @@ def cuda_backward(
     lse_ = lse if lse.stride(-1) == 1 else lse.contiguous()
     ranged = key_range is not None
     plan = plan_for(
-        q_, k_, v_, o_, do_, lse_, causal, softmax_scale, deterministic, ranged, dropout_p, config, bounds
-    )
+        q_, k_, v_, o_, do_, lse_, causal, softmax_scale, deterministic, ranged, dropout_p, config, bounds,
+        score, float(softcap),
+    )  # fmt: skip
     stats, accum = plan.stats, plan.accum
     ws = torch.empty(2 * stats + accum, dtype=torch.float32, device=device)
 
@@ -264,6 +306,8 @@ def cuda_backward(
         p.key_range = key_range.data_ptr()
     if dropout_p:
         p.dropout_key = dropout_key(*seed_pair(dropout_seed))
+    if alibi_slopes is not None:
+        fill_score(p, p.softcap, alibi_slopes)
 
     launch_all(plan.launches, plan.index, p, current_stream(plan.index))
     return dq, dk, dv

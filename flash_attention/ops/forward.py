@@ -26,7 +26,17 @@ from ..jit.params import FwdParams, FwdTmaParams
 from . import tma
 from . import trace as _trace
 from .device import device_arch, dtype_name, sm_count
-from .plans import PlanCache, device_facts, feature_list, fill_common, fill_strides, launch, window_bounds
+from .plans import (
+    PlanCache,
+    device_facts,
+    feature_list,
+    fill_common,
+    fill_score,
+    fill_strides,
+    launch,
+    score_function,
+    window_bounds,
+)
 from .select import forward_config
 from .tensors import check_grid, kernel_ready, pad_head_dim, padded_to_8, usable_in_place
 
@@ -103,7 +113,20 @@ def _params(q, k, v, o, cfg: KernelConfig, scale: float, dropout_p: float) -> Fw
 
 
 def _make_plan(
-    q, k, v, o, causal, scale, ranged, dropout_p, config, needs, trace=False, window=None
+    q,
+    k,
+    v,
+    o,
+    causal,
+    scale,
+    ranged,
+    dropout_p,
+    config,
+    needs,
+    trace=False,
+    window=None,
+    score=None,
+    softcap=0.0,
 ) -> _Plan:
     """The plan of a call (``trace``: with the debug build's kernel, fa/trace.cuh; ``window``: the kernels'
     (left, right) of a sliding window, plans.window_bounds, which carries causal)."""
@@ -115,12 +138,13 @@ def _make_plan(
     windowed = window is not None
     kernel = get_kernel(
         cfg, bool(causal) and not windowed, device_arch(index), trace, ranged=ranged, dropout=bool(dropout_p),
-        window=windowed,
+        window=windowed, score=score,
     )  # fmt: skip
     kernel.ensure_dynamic_smem(cfg.smem_bytes, index)
     p = _params(q, k, v, o, cfg, scale, dropout_p)
     if windowed:
         p.window_left, p.window_right = window
+    p.softcap = softcap  # (ALiBi's slopes are a per-call pointer: launch_plan)
     grid = (p.num_m_blocks, heads_q, batch)
     if cfg.persistent:
         # One block per multiprocessor (the kernel runs one per SM), each looping over query tiles.
@@ -276,7 +300,9 @@ def chosen_config(
     return _config(q, k, causal, needs)
 
 
-def plan_for(q, k, v, o, causal, scale, ranged, dropout_p, config, negative, window=None) -> _Plan:
+def plan_for(
+    q, k, v, o, causal, scale, ranged, dropout_p, config, negative, window=None, score=None, softcap=0.0
+) -> _Plan:
     """The plan of a call on kernel-ready tensors (made on a miss); ``window``: plans.window_bounds."""
     key = (
         q.shape,
@@ -293,6 +319,8 @@ def plan_for(q, k, v, o, causal, scale, ranged, dropout_p, config, negative, win
         dropout_p,
         config,
         window,
+        score,
+        softcap,
     )
     # The feature list is built only on a miss: a hit is the hot path of every call.
     return _plans.get(
@@ -305,8 +333,12 @@ def plan_for(q, k, v, o, causal, scale, ranged, dropout_p, config, negative, win
                 negative_scale=negative,
                 untileable=tma.untileable(q, k, v),
                 window=window is not None,
+                softcap=score == "softcap",
+                alibi=score == "alibi",
             ),
             window=window,
+            score=score,
+            softcap=softcap,
         ),
     )  # fmt: skip
 
@@ -327,6 +359,8 @@ def cuda_forward(
     dropout_p: float = 0.0,
     dropout_seed=None,
     window: tuple[int, int] | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the forward kernel; returns ``(out, lse)`` (``lse`` None unless ``return_lse``).
 
@@ -337,8 +371,10 @@ def cuda_forward(
     ``dropout_seed`` (:mod:`flash_attention.dropout`). ``window`` = (left, right) is a sliding window around
     the bottom-right diagonal (-1: unbounded on that side): query i sees keys i + shift - left ..
     i + shift + right (shift = seqlen_k - seqlen_q), within causal's bound and the key range, and the K/V
-    blocks outside it are skipped. A head_dim that is not a multiple of 8 runs on inputs zero-padded to the
-    next one (a copy; multiples of 8 are read in place).
+    blocks outside it are skipped. ``softcap`` > 0 caps the scaled scores, ``softcap * tanh(s / softcap)``
+    (the LSE is of the capped scores); ``alibi_slopes`` (heads_q,) or (batch, heads_q) float32 adds ALiBi's
+    ``-slope * |i + shift - j|`` to them. A head_dim that is not a multiple of 8 runs on inputs zero-padded
+    to the next one (a copy; multiples of 8 are read in place).
 
     ``trace`` (an object with ``batch``, ``head``, ``row_block``, ``warp``, e.g. a
     :class:`flash_attention.tools.sim.TraceSpec`), or the environment variable ``FLASH_ATTENTION_TRACE``,
@@ -353,15 +389,16 @@ def cuda_forward(
     if dropout_p and dropout_seed is None:
         raise ValueError("dropout_p > 0 needs dropout_seed (flash_attention.dropout.draw_seed())")
     bounds = window_bounds(window, causal, q.shape[1], k.shape[1])
+    score = score_function(softcap, alibi_slopes, q)
     head_dim = q.shape[3]
     if head_dim % 8:
         return _padded_forward(
             q, k, v, causal, softmax_scale, return_lse, out, config, trace, trace_fault, key_range, dropout_p,
-            dropout_seed, window,
+            dropout_seed, window, softcap, alibi_slopes,
         )  # fmt: skip
     if trace is not None:
-        if key_range is not None or dropout_p or bounds is not None:
-            raise ValueError("the debug (trace) build takes neither key_range, dropout nor window")
+        if key_range is not None or dropout_p or bounds is not None or score is not None:
+            raise ValueError("the debug (trace) build takes no key_range, dropout, window or score function")
         return _traced_forward(q, k, v, causal, softmax_scale, return_lse, out, config, trace, trace_fault)
 
     q_, k_, v_ = kernel_ready(q), kernel_ready(k), kernel_ready(v)
@@ -380,20 +417,21 @@ def cuda_forward(
 
     ranged = key_range is not None
     plan = plan_for(
-        q_, k_, v_, o, causal, softmax_scale, ranged, dropout_p, config, softmax_scale < 0, bounds
-    )
+        q_, k_, v_, o, causal, softmax_scale, ranged, dropout_p, config, softmax_scale < 0, bounds, score,
+        float(softcap),
+    )  # fmt: skip
     if ranged:
         # The kernel reads two int32 per batch row, contiguous; kept alive until the launch is queued.
         key_range = key_range.to(device=q.device, dtype=torch.int32).contiguous()
     key = dropout_key(*seed_pair(dropout_seed)) if dropout_p else 0
-    launch_plan(plan, q_, k_, v_, o, lse, key_range, key)
+    launch_plan(plan, q_, k_, v_, o, lse, key_range, key, alibi_slopes)
     if out is not None and o is not out:
         out.copy_(o)
         o = out
     return o, lse
 
 
-def launch_plan(plan: _Plan, q_, k_, v_, o, lse, key_range=None, key: int = 0) -> None:
+def launch_plan(plan: _Plan, q_, k_, v_, o, lse, key_range=None, key: int = 0, alibi_slopes=None) -> None:
     """Launch ``plan`` on kernel-ready q, k and v into ``o`` (and ``lse``, or None), with ``key_range`` (None,
     or the int32 contiguous (batch, 2) tensor of a ranged plan) and the dropout ``key`` of a dropout plan."""
     args, p, tile_counter = _call_args(plan, q_, k_, v_, o, lse)  # (the counter held until the launch)
@@ -401,12 +439,14 @@ def launch_plan(plan: _Plan, q_, k_, v_, o, lse, key_range=None, key: int = 0) -
         p.key_range = key_range.data_ptr()
     if key:
         p.dropout_key = key
+    if alibi_slopes is not None:
+        fill_score(p, p.softcap, alibi_slopes)
     launch(plan.kernel, plan.grid, plan.threads, plan.smem, plan.index, args)
 
 
 def _padded_forward(
     q, k, v, causal, scale, return_lse, out, config, trace, trace_fault, key_range, dropout_p, dropout_seed,
-    window=None,
+    window=None, softcap=0.0, alibi_slopes=None,
 ):  # fmt: skip
     """A head_dim that is not a multiple of 8: the kernels read whole 16-byte chunks of a row, so q, k and v
     are zero-padded to the next multiple of 8 (the scale stays the caller's) and the output sliced back."""
@@ -426,6 +466,8 @@ def _padded_forward(
         dropout_p=dropout_p,
         dropout_seed=dropout_seed,
         window=window,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
     )
     o = o[..., : q.shape[3]]
     if out is not None:

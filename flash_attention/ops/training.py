@@ -74,6 +74,7 @@ def training_forward(
     dropout_seed: torch.Tensor | None,
     forward: Callable[..., tuple[torch.Tensor, torch.Tensor]],
     window: tuple[int, int] | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(out, lse)`` of the forward launch ``forward`` (the launch layer's ``cuda_forward``, as the caller's
     backend has it) with ``out``'s gradient recorded by the compiled node, or None when the node does not
@@ -99,13 +100,14 @@ def training_forward(
         dropout_p=dropout_p,
         dropout_seed=dropout_seed,
         window=window,
+        **({"softcap": softcap} if softcap else {}),
     )
     # The backward reads dO laid out as out (the node copies any other layout), so the plan is out's; the
     # window's bounds travel in the plan's parameters.
     bounds = window_bounds(window, causal, q.shape[1], k.shape[1])
     plan = backward.plan_for(
         q, k, v, out, out, lse, causal, softmax_scale, deterministic, key_range is not None, dropout_p, None,
-        bounds,
+        bounds, "softcap" if softcap else None, float(softcap),
     )  # fmt: skip
     key = dropout_key(*seed_pair(dropout_seed)) if dropout_p else 0
     lib.record_training(q, k, v, out, lse, key_range, key, program(plan))

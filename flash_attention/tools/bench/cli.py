@@ -166,6 +166,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="causal shapes only: a sliding window of this many keys before each query (attention()'s "
         "window=(W, 0); SDPA gets the explicit mask, FlexAttention the block mask); FLOPs count the band",
     )
+    p.add_argument(
+        "--softcap",
+        type=float,
+        default=0.0,
+        help="soft-cap every shape's scores at this value (attention()'s softcap=; FlexAttention gets the "
+        "score_mod, SDPA has none and is skipped)",
+    )
+    p.add_argument(
+        "--alibi",
+        action="store_true",
+        help="ALiBi on every shape with the geometric slopes 2^(-8h/heads) (attention()'s alibi_slopes=; "
+        "FlexAttention gets the score_mod, SDPA the additive mask)",
+    )
     p.add_argument("--warmup", type=int, default=3, help="untimed calls before timing (3)")
     p.add_argument("--reps", type=int, default=None, help="minimum timed calls per point (25; --quick 10)")
     p.add_argument(
@@ -357,6 +370,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         width=args.width,
         kv_heads=args.kv_heads,
         window=args.window,
+        softcap=args.softcap,
+        alibi=args.alibi,
         config=args.config,
         warmup=args.warmup,
         min_reps=reps,

@@ -44,7 +44,7 @@ def row_key(row: dict) -> tuple:
     # (A tiny A/B's rows of one point differ by their round and their form of repeat calls.)
     return (
         row["impl"], row["mode"], row["dtype"], row["head_dim"], bool(row["causal"]), row["seqlen"],
-        row.get("round"), row.get("repeat_calls"),
+        row.get("round"), row.get("repeat_calls"), row.get("window"), row.get("softcap"), row.get("alibi"),
     )  # fmt: skip
 
 

@@ -51,6 +51,10 @@ class Shape:
     kv_heads: int = 0
     #: A causal sliding window: each query sees itself and the ``window`` keys before it; 0: none.
     window: int = 0
+    #: Soft-capping of the scores (``softcap=``); 0: none.
+    softcap: float = 0.0
+    #: ALiBi with the usual geometric slopes per head (``alibi_slopes=``).
+    alibi: bool = False
 
     @property
     def kv(self) -> int:
@@ -134,9 +138,26 @@ def _autograd_call(
     return lambda i: torch.autograd.grad(outs[i], leaves[i], grads[i], retain_graph=True)
 
 
-def _window(shape: Shape) -> dict:
-    """attention()'s window argument of a shape (none without one)."""
-    return {"window": (shape.window, 0)} if shape.window else {}
+def alibi_slopes(heads: int, device: Any) -> Any:
+    """ALiBi's slopes as its paper sets them for a power-of-two head count: 2^(-8 (h + 1) / heads)."""
+    return torch.pow(2.0, -8.0 * torch.arange(1, heads + 1, device=device, dtype=torch.float32) / heads)
+
+
+def _variant_args(shape: Shape, device: Any = None) -> dict:
+    """attention()'s variant arguments of a shape: its window, soft-cap and ALiBi slopes (none without)."""
+    extra: dict = {"window": (shape.window, 0)} if shape.window else {}
+    if shape.softcap:
+        extra["softcap"] = shape.softcap
+    if shape.alibi:
+        extra["alibi_slopes"] = alibi_slopes(shape.heads, device)
+    return extra
+
+
+def _alibi_bias(shape: Shape, device: Any, dtype: Any) -> Any:
+    """ALiBi as the additive (heads, seqlen, seqlen) mask a model without our kernels hands SDPA."""
+    i = torch.arange(shape.seqlen, device=device)
+    distance = (i[:, None] - i[None, :]).abs().float()
+    return (-alibi_slopes(shape.heads, device)[:, None, None] * distance).to(dtype)
 
 
 def _window_mask(shape: Shape, device: Any) -> Any:
@@ -146,12 +167,32 @@ def _window_mask(shape: Shape, device: Any) -> Any:
     return (distance >= 0) & (distance <= shape.window)
 
 
+def _flex_score_mod(shape: Shape, device: Any) -> Callable | None:
+    """FlexAttention's score_mod of a shape's soft-cap or ALiBi (applied to the scaled score, as ours)."""
+    if shape.softcap:
+        cap = shape.softcap
+
+        def softcap(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+            return cap * torch.tanh(score / cap)
+
+        return softcap
+    if shape.alibi:
+        slopes = alibi_slopes(shape.heads, device)
+
+        def alibi(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+            return score - slopes[h] * (q_idx - kv_idx).abs()
+
+        return alibi
+    return None
+
+
 def make_runner(
     impl: str, shape: Shape, inputs: list[tuple[Any, Any, Any]], mode: str, config: Any = None
 ) -> Runner:
     """The runner of ``impl`` on ``inputs`` (given in our (B, S, H, D) layout), or raise :class:`Skip`."""
     if impl == OURS:
         q0 = inputs[0][0]
+        variant = _variant_args(shape, q0.device)
         reason = ops.cuda_unavailable_reason(q0)
         if reason is not None:
             # Timing the PyTorch fallback under our name would be a lie; the row is skipped with the reason.
@@ -181,15 +222,15 @@ def make_runner(
                 if config is None:
                     # What a user calls, so that host-bound points time the user's path (repeat calls
                     # included); the kernel is the config named above, attention()'s own choice.
-                    return flash_attention.attention(q, k, v, causal=shape.causal, **_window(shape))
-                return flash_attention.forward(cfg, q, k, v, causal=shape.causal, **_window(shape))
+                    return flash_attention.attention(q, k, v, causal=shape.causal, **variant)
+                return flash_attention.forward(cfg, q, k, v, causal=shape.causal, **variant)
 
             def output(i: int) -> Any:
                 return outs.setdefault(i, call(i))
 
             return Runner(call, output, config=cfg.name())
         # Backward modes go through attention() and its autograd; the config is the one it picks.
-        f = lambda q, k, v: flash_attention.attention(q, k, v, causal=shape.causal, **_window(shape))  # noqa: E731
+        f = lambda q, k, v: flash_attention.attention(q, k, v, causal=shape.causal, **variant)  # noqa: E731
         return Runner(_autograd_call(f, inputs, mode), lambda i: f(*inputs[i]), config=cfg.name())
 
     if impl == OURS_DETERMINISTIC:
@@ -199,8 +240,9 @@ def make_runner(
         reason = ops.cuda_unavailable_reason(q0)
         if reason is not None:
             raise Skip(f"our CUDA kernel cannot run: {reason}")
+        variant = _variant_args(shape, q0.device)
         f = lambda q, k, v: flash_attention.attention(  # noqa: E731
-            q, k, v, causal=shape.causal, deterministic=True, **_window(shape)
+            q, k, v, causal=shape.causal, deterministic=True, **variant
         )
         return Runner(_autograd_call(f, inputs, mode), lambda i: f(*inputs[i]))
 
@@ -214,9 +256,19 @@ def make_runner(
         native = [tuple(t.transpose(1, 2).contiguous() for t in s) for s in inputs]
 
         gqa = shape.kv != shape.heads
-        # A sliding window has no SDPA flag: an explicit boolean mask, as a model without our kernels
-        # passes one (the backends that take no mask refuse it and the row is skipped).
-        mask = _window_mask(shape, inputs[0][0].device) if shape.window else None
+        if shape.softcap:
+            raise Skip("SDPA has no soft-capping (no mask expresses a function of the score)")
+        device = inputs[0][0].device
+        # A sliding window and ALiBi have no SDPA flag: an explicit mask, as a model without our kernels
+        # passes one (boolean for the window, additive for ALiBi; the backends that take no mask refuse it
+        # and the row is skipped).
+        mask = _window_mask(shape, device) if shape.window else None
+        if shape.alibi:
+            keep = mask
+            if keep is None and shape.causal:
+                keep = torch.ones(shape.seqlen, shape.seqlen, dtype=torch.bool, device=device).tril()
+            bias = _alibi_bias(shape, device, inputs[0][0].dtype)
+            mask = bias if keep is None else bias.masked_fill(~keep, float("-inf"))
         extra = {"enable_gqa": True} if gqa else {}
         if mask is not None:
             extra["attn_mask"] = mask
@@ -266,9 +318,10 @@ def make_runner(
             )
 
         gqa = shape.kv != shape.heads
+        score_mod = _flex_score_mod(shape, inputs[0][0].device)
 
         def f(q: Any, k: Any, v: Any) -> Any:
-            return flex(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+            return flex(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa)
 
         call = (lambda i: f(*native[i])) if mode == "fwd" else _autograd_call(f, native, mode)
         return Runner(call, lambda i: f(*native[i]).transpose(1, 2))

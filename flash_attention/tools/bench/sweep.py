@@ -37,6 +37,10 @@ class SweepSettings:
     kv_heads: int = 0
     #: A causal sliding window of this many keys before each query (``--window``); 0: none.
     window: int = 0
+    #: Soft-capping of every shape's scores (``--softcap``); 0: none.
+    softcap: float = 0.0
+    #: ALiBi on every shape (``--alibi``).
+    alibi: bool = False
     config: str | None = None
     warmup: int = 3
     min_reps: int = 25
@@ -68,6 +72,8 @@ def sweep_shapes(s: SweepSettings) -> list[Shape]:
                         causal,
                         s.kv_heads,
                         s.window if causal else 0,
+                        s.softcap,
+                        s.alibi,
                     )
                 )
     return shapes
@@ -79,6 +85,8 @@ def _describe(shape: Shape) -> str:
         f"seqlen={shape.seqlen:<5} batch={shape.batch:<2} heads={shape.heads:<2}"
         + (f" kv_heads={shape.kv}" if shape.kv != shape.heads else "")
         + (f" window={shape.window}" if shape.window else "")
+        + (f" softcap={shape.softcap:g}" if shape.softcap else "")
+        + (" alibi" if shape.alibi else "")
     )
 
 
@@ -89,10 +97,11 @@ def _max_diff(a: Any, b: Any) -> float:
 def _anchor_output(shape: Shape, inputs: list[tuple[Any, Any, Any]]) -> tuple[Any, str | None]:
     """SDPA's output on set 0, the yardstick every row's ``max_diff_vs_sdpa`` is measured against.
 
-    FLASH first (the baseline of our ratios), then cuDNN and EFFICIENT for shapes FLASH rejects. Never the
-    math backend: at 16k it would materialise a 16 GB score matrix.
+    FLASH first (the baseline of our ratios), then cuDNN and EFFICIENT for shapes FLASH rejects, and
+    FlexAttention for a score function no SDPA mask expresses (soft-capping). Never the math backend: at 16k
+    it would materialise a 16 GB score matrix.
     """
-    for impl in ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient"):
+    for impl in ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex"):
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -193,6 +202,10 @@ def run_sweep(
                 }
                 if shape.window:
                     row_base["window"] = shape.window
+                if shape.softcap:
+                    row_base["softcap"] = shape.softcap
+                if shape.alibi:
+                    row_base["alibi"] = True
                 if s.shapes:
                     row_base["tiny"] = True
                 if s.rounds > 1:

@@ -53,6 +53,9 @@ struct BwdParams {
   // the compiled training node patches them.
   int dq_lanes;
   int window_left, window_right;  // as in FwdParams (WindowMask instantiations only)
+  float softcap;                   // as in FwdParams (the score functions' instantiations only)
+  const float* alibi_slopes;
+  int alibi_batch_stride;
 };
 
 }  // namespace fa

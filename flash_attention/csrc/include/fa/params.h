@@ -44,6 +44,11 @@ struct FwdParams {
   // Sliding window (read only by the WindowMask instantiations, fa/visible_keys.cuh): row i sees keys
   // [i + shift - window_left, i + shift + window_right], both >= 0 (an unbounded side: seqlen_q + seqlen_k).
   int window_left, window_right;
+  // Score functions (fa/variant.cuh; read only by their instantiations): the softcap's cap (> 0), and
+  // ALiBi's slopes, slope of (batch b, query head h) at alibi_slopes[b * alibi_batch_stride + h].
+  float softcap;
+  const float* alibi_slopes;
+  int alibi_batch_stride;
 };
 
 }  // namespace fa

@@ -89,9 +89,69 @@ using WindowMask = RuleMask<WindowKeys<kRanged>, true, true>;
 // The identity: the scores go to the softmax as the matrix product left them.
 struct NoScoreMod {
   static constexpr bool kIdentity = true;
+  static constexpr bool kUnitGradient = true;
   template <class Params>
   __device__ __forceinline__ NoScoreMod(const Params&, int /*batch*/, int /*head*/) {}
   __device__ __forceinline__ float operator()(float s, int /*q*/, int /*k*/) const { return s; }
+  __device__ __forceinline__ float folded(float s, float /*rel*/) const { return s; }
+  __device__ __forceinline__ int rel_offset() const { return 0; }
+  __device__ __forceinline__ float gradient(float /*s_mod*/) const { return 1.f; }
+};
+
+// The forward's folded form of a score function (the softmax's folded form, fa/softmax.cuh, keeps exp2 at
+// one FFMA per score by leaving the scale out of the scores): `folded(s, rel)` takes the unscaled score s
+// and returns v with mod(scale * s) = scale * v, so that the online softmax and the LSE run unchanged on v.
+// `rel` is q - k + rel_offset() as a float, formed by score_mod_query_rows_folded with one FADD per score
+// from a per-row base (an I2F per score, which issues at the MUFU's rate, cost ALiBi's forward a fifth of
+// its time: kernel log step 80). Used only where the scale is positive (select.forward_config moves a
+// negative scale to the unfolded softmax).
+
+// A score function's backward side: the backward kernels recompute P from mod(scale * s) and multiply dS
+// by the function's derivative, which each policy gives from the modified score itself (`gradient`), so
+// that a kernel that has already turned the score into P can recover it as log(P) + LSE without keeping
+// another register per element; kUnitGradient says the derivative is 1 everywhere (additive biases), and
+// the multiplication is compiled out.
+
+// Logit soft-capping (Gemma 2, Grok): s' = cap tanh(s / cap), derivative 1 - (s' / cap)^2.
+struct Softcap {
+  static constexpr bool kIdentity = false;
+  static constexpr bool kUnitGradient = false;
+  float cap, inv_cap;
+  float pre, post;  // the folded form's factors: scale / cap before the tanh, cap / scale after it
+  template <class Params>
+  __device__ __forceinline__ Softcap(const Params& p, int /*batch*/, int /*head*/)
+      : cap(p.softcap), inv_cap(1.f / p.softcap), pre(p.scale / p.softcap), post(p.softcap / p.scale) {}
+  __device__ __forceinline__ float operator()(float s, int /*q*/, int /*k*/) const {
+    return cap * tanh_approx(s * inv_cap);
+  }
+  __device__ __forceinline__ float folded(float s, float /*rel*/) const { return post * tanh_approx(s * pre); }
+  __device__ __forceinline__ int rel_offset() const { return 0; }
+  __device__ __forceinline__ float gradient(float s_mod) const {
+    const float t = s_mod * inv_cap;
+    return fmaf(-t, t, 1.f);
+  }
+};
+
+// ALiBi: s' = s - slope |q + shift - k|, shift = seqlen_k - seqlen_q (aligned like causal), one slope per
+// (batch row, query head) from p.alibi_slopes (a (heads,) table: batch stride 0). Derivative 1.
+struct Alibi {
+  static constexpr bool kIdentity = false;
+  static constexpr bool kUnitGradient = true;
+  float slope, slope_over_scale;  // (a kernel keeps the one its form reads; the other is dead code)
+  int shift;
+  template <class Params>
+  __device__ __forceinline__ Alibi(const Params& p, int batch, int head)
+      : slope(p.alibi_slopes[batch * p.alibi_batch_stride + head]),
+        slope_over_scale(slope / p.scale),
+        shift(p.seqlen_k - p.seqlen_q) {}
+  __device__ __forceinline__ float operator()(float s, int q, int k) const {
+    return fmaf(-slope, fabsf((float)(q + shift - k)), s);
+  }
+  __device__ __forceinline__ float folded(float s, float rel) const {
+    return fmaf(-slope_over_scale, fabsf(rel), s);
+  }
+  __device__ __forceinline__ int rel_offset() const { return shift; }
+  __device__ __forceinline__ float gradient(float /*s_mod*/) const { return 1.f; }
 };
 
 // The variants the host builds today: causal or not, key ranges or not; a sliding window, key ranges or not.
@@ -100,10 +160,10 @@ using DefaultVariant = Variant<CausalRangeMask<kCausal, kRanged>, NoScoreMod>;
 template <bool kRanged>
 using WindowVariant = Variant<WindowMask<kRanged>, NoScoreMod>;
 
-// Whether a forward keeps the scale folded into exp2's multiplier (fa/softmax.cuh): only without a score
-// function, and where the kernel's config asks for it.
+// Whether a forward keeps the scale folded into exp2's multiplier (fa/softmax.cuh): where the kernel's
+// config asks for it; a score function then runs in its folded form (score_mod_query_rows_folded).
 template <class V, bool kConfigFolds>
-inline constexpr bool kFoldsScale = kConfigFolds && V::ScoreMod::kIdentity;
+inline constexpr bool kFoldsScale = kConfigFolds;
 
 // s = mod(scale * s, q, k) on a warp's accumulator with queries as rows (fa/frag.cuh layout: element
 // (mt, n, e) is query q_row0 + 16 mt + g + 8 (e / 2) against key kv_start + 8 n + 2 t + e % 2). Nothing
@@ -120,6 +180,74 @@ __device__ __forceinline__ void score_mod_query_rows(const Acc& s, const ScoreMo
         for (int e = 0; e < 4; ++e)
           s(mt, n, e) = mod(scale * s(mt, n, e), q_row0 + 16 * mt + g + 8 * (e >> 1),
                             kv_start + 8 * n + 2 * t + (e & 1));
+  }
+}
+
+// The folded form of the same (the scores stay unscaled: v = mod.folded(s, q - k + offset), mod(scale s) =
+// scale v). The distance is a float from the row's base minus the column's constant (8 n + e % 2, folded
+// into the FADD's immediate), so the loop converts once per row, not once per score.
+template <class ScoreMod, class Acc>
+__device__ __forceinline__ void score_mod_query_rows_folded(const Acc& s, const ScoreMod& mod, int q_row0,
+                                                            int kv_start, int g, int t) {
+  if constexpr (!ScoreMod::kIdentity) {
+#pragma unroll
+    for (int mt = 0; mt < Acc::kMT; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float rel0 = (float)(q_row0 + 16 * mt + g + 8 * h + mod.rel_offset() - kv_start - 2 * t);
+#pragma unroll
+        for (int n = 0; n < Acc::kN; ++n)
+#pragma unroll
+          for (int c = 0; c < 2; ++c)
+            s(mt, n, 2 * h + c) = mod.folded(s(mt, n, 2 * h + c), rel0 - (float)(8 * n + c));
+      }
+  }
+}
+
+// Whether a score function states its derivative (kUnitGradient, gradient(s')), which the backward needs.
+template <class M, class = void>
+struct ScoreModHasGradient {
+  static constexpr bool value = false;
+};
+template <class M>
+struct ScoreModHasGradient<M, decltype(void(M::kUnitGradient))> {
+  static constexpr bool value = true;
+};
+
+// Key-row orientation (the backward's S^T, fa/mask.cuh's mask_key_rows layout: element (mt, n, e) is key
+// kv_start + warp_row0 + 16 mt + g + 8 (e / 2) against query q_start + 8 n + 2 t + e % 2): s = mod(scale *
+// s, q, k). Nothing for the identity. Call before the mask.
+template <class ScoreMod, class Acc>
+__device__ __forceinline__ void score_mod_key_rows(const Acc& s, const ScoreMod& mod, float scale, int kv_start,
+                                                   int warp_row0, int q_start, int g, int t) {
+  if constexpr (!ScoreMod::kIdentity) {
+#pragma unroll
+    for (int mt = 0; mt < Acc::kMT; ++mt)
+#pragma unroll
+      for (int n = 0; n < Acc::kN; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          s(mt, n, e) = mod(scale * s(mt, n, e), q_start + 8 * n + 2 * t + (e & 1),
+                            kv_start + warp_row0 + 16 * mt + g + 8 * (e >> 1));
+  }
+}
+
+// The multiplier of the backward's exp2(s m - LSE2): the identity folds the scale in (m = scale log2 e); a
+// score function's output is already scaled (m = log2 e).
+template <class ScoreMod>
+__device__ __forceinline__ float backward_exp2_multiplier(float scale_log2) {
+  return ScoreMod::kIdentity ? scale_log2 : 1.4426950408889634f;
+}
+
+// The score function's derivative at an element whose P is p and row LSE (base 2) lse2: the modified
+// score is (log2 p + lse2) ln 2. p = 0 (masked, or underflowed) contributes nothing to dS: 0 there, which
+// also keeps log2(0) = -inf out.
+template <class ScoreMod>
+__device__ __forceinline__ float score_mod_gradient_from_p(const ScoreMod& mod, float p, float lse2) {
+  if constexpr (ScoreMod::kUnitGradient) {
+    return 1.f;
+  } else {
+    return p > 0.f ? mod.gradient((log2_approx(p) + lse2) * 0.6931471805599453f) : 0.f;
   }
 }
 

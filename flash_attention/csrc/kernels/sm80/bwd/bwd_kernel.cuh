@@ -38,8 +38,11 @@ namespace fa {
 // ---- 2. dK, dV (and atomic dQ) --------------------------------------------------------------------------
 template <class Cfg, class V, bool kAtomicDQ, bool kDropout = false>
 __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
-  using Mask = typename V::Mask;  // the variant (fa/variant.cuh); no score function has a gradient here yet
-  static_assert(V::ScoreMod::kIdentity, "the backward does not differentiate a score function yet");
+  using Mask = typename V::Mask;  // the variant (fa/variant.cuh)
+  using ScoreMod = typename V::ScoreMod;
+  static_assert(ScoreModHasGradient<typename V::ScoreMod>::value,
+                "the backward does not differentiate a score function without its derivative "
+                "(kUnitGradient, gradient)");
   constexpr bool BF = Cfg::kIsBF16;
   constexpr int D = Cfg::kHeadDim;
   constexpr int BR = Cfg::kBlockQ;   // query rows per step
@@ -143,7 +146,8 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
   const FragAddr<D, true> bt_qd(sQ, 8 * ((lane / 8) % 2) + lane % 8, lane / 16);
   constexpr u32 kVOff = 2 * BC * D;        // V's tile after K's
   constexpr u32 kDOOff = NB * 2 * BR * D;  // dO's tiles after Q's
-  const float sl2 = p.scale_log2;
+  // exp2's multiplier: the scale folded in, or (a score function, applied to the scaled score) log2 e.
+  const float sl2 = backward_exp2_multiplier<ScoreMod>(p.scale_log2);
 
 #pragma unroll 1
   for (int it = 0; it < n_iter; ++it) {
@@ -203,7 +207,9 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
       }
     }
 
-    // ---- mask: the variant's, keys as rows (fa/variant.cuh) ---------------------------------------------
+    // ---- the variant's score function, then its mask, keys as rows (fa/variant.cuh) --------------------
+    const ScoreMod score_mod(p, batch, head);
+    score_mod_key_rows(acc_tile(s), score_mod, p.scale, kv_start, warp_row0, q_start, g, t);
     mask.mask_key_rows(acc_tile(s), kv_start, warp_row0, q_start, g, t);
 
     // ---- P^T = exp2(S^T scale log2e - LSE2), dS^T = scale P^T (dP^T - delta)
@@ -229,15 +235,18 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const float pr = exp2_approx(fmaf(s[mt][n][e], sl2, -((e & 1) ? l2.y : l2.x)));
+          // The score function's derivative, from the modified score itself (still in s here); 0 where P is
+          // (a masked score is -inf, where a derivative would be -inf and 0 * -inf NaN).
+          const float grad = ScoreMod::kUnitGradient ? 1.f : (pr > 0.f ? score_mod.gradient(s[mt][n][e]) : 0.f);
           if constexpr (kDropout) {
             const int key = kv_start + warp_row0 + 16 * mt + g + 8 * (e >> 1);
             const bool keep = dropout_keep(hr[e & 1], key, p.dropout_threshold);
             s[mt][n][e] = keep ? pr * p.dropout_rp : 0.f;
             dp[mt][n][e] =
-                pr * ((keep ? dp[mt][n][e] * p.dropout_rp : 0.f) - ((e & 1) ? dl.y : dl.x)) * scale;
+                pr * ((keep ? dp[mt][n][e] * p.dropout_rp : 0.f) - ((e & 1) ? dl.y : dl.x)) * scale * grad;
           } else {
             s[mt][n][e] = pr;
-            dp[mt][n][e] = pr * (dp[mt][n][e] - ((e & 1) ? dl.y : dl.x)) * scale;
+            dp[mt][n][e] = pr * (dp[mt][n][e] - ((e & 1) ? dl.y : dl.x)) * scale * grad;
           }
         }
     }
@@ -388,7 +397,10 @@ struct DqCfg : Cfg {
 template <class Cfg, class V, bool kDropout = false>
 __device__ __forceinline__ void bwd_dq_body(const BwdParams& p) {
   using Mask = typename V::Mask;
-  static_assert(V::ScoreMod::kIdentity, "the backward does not differentiate a score function yet");
+  using ScoreMod = typename V::ScoreMod;
+  static_assert(ScoreModHasGradient<typename V::ScoreMod>::value,
+                "the backward does not differentiate a score function without its derivative "
+                "(kUnitGradient, gradient)");
   using QCfg = DqCfg<Cfg>;
   constexpr bool BF = Cfg::kIsBF16;
   constexpr int D = Cfg::kHeadDim;
@@ -425,6 +437,7 @@ __device__ __forceinline__ void bwd_dq_body(const BwdParams& p) {
   // The keys this block's rows see (the variant's mask) and the K/V blocks [n_begin, n_end) holding any
   // of them (for all BR rows: rows past seqlen_q only add blocks, their P is 0).
   const Mask mask(p, batch, head);
+  const ScoreMod score_mod(p, batch, head);
   const auto blocks = mask.template kv_blocks<BC>(q_start, BR);
   const int n_end = blocks.end;
   int n_begin = 0;
@@ -464,7 +477,8 @@ __device__ __forceinline__ void bwd_dq_body(const BwdParams& p) {
   const FragAddr<D, true> bt_k(sK, 8 * ((lane / 8) % 2) + lane % 8, lane / 16);
   constexpr u32 kDOOff = 2 * BR * D;
   constexpr u32 kVOff = 2 * BC * D;
-  const float sl2 = p.scale_log2;
+  // exp2's multiplier: the scale folded in, or (a score function, applied to the scaled score) log2 e.
+  const float sl2 = backward_exp2_multiplier<ScoreMod>(p.scale_log2);
   const u32 col_off = 2 * d0;
 
 #pragma unroll 1
@@ -502,18 +516,20 @@ __device__ __forceinline__ void bwd_dq_body(const BwdParams& p) {
       }
     }
 
+    score_mod_query_rows(acc_tile(s), score_mod, p.scale, q_start + warp_row0, kv_start, g, t);
     mask.mask_query_rows(acc_tile(s), q_start + warp_row0, kv_start, g, t);
 #pragma unroll
     for (int n = 0; n < NS; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const float pr = exp2_approx(fmaf(s[n][e], sl2, -lse2[e >> 1]));
+        const float grad = ScoreMod::kUnitGradient ? 1.f : (pr > 0.f ? score_mod.gradient(s[n][e]) : 0.f);
         float dpv = dp[n][e];
         if constexpr (kDropout)
           dpv = dropout_keep(hr[e >> 1], kv_start + 8 * n + 2 * t + (e & 1), p.dropout_threshold)
                     ? dpv * p.dropout_rp
                     : 0.f;
-        dp[n][e] = pr * (dpv - del[e >> 1]) * p.scale;
+        dp[n][e] = pr * (dpv - del[e >> 1]) * p.scale * grad;
       }
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {

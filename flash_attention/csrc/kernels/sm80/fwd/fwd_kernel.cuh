@@ -252,10 +252,12 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
     tr.acc(TL::kS, s);
 #endif
     // The unfolded softmax scales before masking: a negative scale would turn a masked -inf into +inf. A
-    // score function gets the scaled scores, also before the mask (fa/variant.cuh).
-    if constexpr (!V::ScoreMod::kIdentity)
+    // score function runs before the mask too, in the softmax's form (fa/variant.cuh).
+    if constexpr (kFold)
+      score_mod_query_rows_folded(acc_tile(s), score_mod, q_start + warp_row0, kv_start, g, t);
+    else if constexpr (!V::ScoreMod::kIdentity)
       score_mod_query_rows(acc_tile(s), score_mod, p.scale, q_start + warp_row0, kv_start, g, t);
-    else if constexpr (!Cfg::kOptSoftmax)
+    else
       scale_scores(acc_tile(s), p.scale);
 
     // ---- mask: the variant's (fa/variant.cuh) -------------------------------------------------------

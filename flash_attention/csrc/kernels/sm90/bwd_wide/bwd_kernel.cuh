@@ -151,7 +151,9 @@ __device__ __forceinline__ u32 p_exchange_chunk(u32 sP, int warp_in_wg, int lane
 template <class Cfg, class V, bool kDropout = false, bool kDeterministic = false>
 __device__ __forceinline__ void bwd_wide_dkdv_body(const BwdParams& p) {
   using Mask = typename V::Mask;  // the variant (fa/variant.cuh)
-  static_assert(V::ScoreMod::kIdentity, "the backward does not differentiate a score function yet");
+  static_assert(ScoreModHasGradient<typename V::ScoreMod>::value,
+                "the backward does not differentiate a score function without its derivative "
+                "(kUnitGradient, gradient)");
   constexpr bool BF = Cfg::kIsBF16;
   constexpr int D = Cfg::kHeadDim;
   constexpr int BR = Cfg::kBlockQ;   // query rows per step
@@ -312,7 +314,8 @@ __device__ __forceinline__ void bwd_wide_dkdv_body(const BwdParams& p) {
   constexpr u32 kDOOff = 2 * Smem::kQ;               // dO's buffers after Q's
   const u32 first_b_off = wg == 0 ? 0u : kDOOff;     // B of the first product: Q or dO
   const u32 acc_b_off = wg == 0 ? kDOOff : 0u;       // B of the accumulator's product: dO or Q
-  const float sl2 = p.scale_log2;
+  // exp2's multiplier: the scale folded in, or (a score function, applied to the scaled score) log2 e.
+  const float sl2 = backward_exp2_multiplier<typename V::ScoreMod>(p.scale_log2);
   const float scale = p.scale;
 
 #pragma unroll 1
@@ -351,9 +354,11 @@ __device__ __forceinline__ void bwd_wide_dkdv_body(const BwdParams& p) {
     const float* lse_s = stats + buf * 2 * BR;
     const float* del_s = lse_s + BR;
     u32 af[KQ][4];
+    const typename V::ScoreMod score_mod(p, batch, head);
     if (wg == 0) {
       // Keys past seqlen_k and past the causal diagonal; queries past seqlen_q need no mask (their base-2
-      // LSE is +inf, so their P is 0).
+      // LSE is +inf, so their P is 0). A score function (fa/variant.cuh) first, as the forward applies it.
+      score_mod_key_rows(acc_tile(s), score_mod, scale, kv_start, row0, q_start, g, t);
       mask.mask_key_rows(acc_tile(s), kv_start, row0, q_start, g, t);
       u32 head_hash = 0;
       if constexpr (kDropout) head_hash = dropout_head_hash(p.dropout_key, batch * p.heads_q + head);
@@ -397,6 +402,11 @@ __device__ __forceinline__ void bwd_wide_dkdv_body(const BwdParams& p) {
             pe = fabsf(pe);
           }
           s[4 * c + e] = pe * (dp - ((e & 1) ? dl.y : dl.x)) * scale;
+          if constexpr (!V::ScoreMod::kUnitGradient) {
+            // (The derivative recovers the modified score from P and the row's LSE.)
+            const float2 l2 = *reinterpret_cast<const float2*>(lse_s + 8 * c + 2 * t);
+            s[4 * c + e] *= score_mod_gradient_from_p(score_mod, pe, (e & 1) ? l2.y : l2.x);
+          }
         }
       }
     }

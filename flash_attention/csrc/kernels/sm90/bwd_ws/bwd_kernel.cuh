@@ -78,7 +78,9 @@ namespace sm90 {
 template <class Cfg, class V, bool kDropout = false, bool kDeterministic = false>
 __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
   using Mask = typename V::Mask;  // the variant (fa/variant.cuh)
-  static_assert(V::ScoreMod::kIdentity, "the backward does not differentiate a score function yet");
+  static_assert(ScoreModHasGradient<typename V::ScoreMod>::value,
+                "the backward does not differentiate a score function without its derivative "
+                "(kUnitGradient, gradient)");
   constexpr bool BF = Cfg::kIsBF16;
   constexpr int D = Cfg::kHeadDim;
   constexpr int BR = Cfg::kBlockQ;   // query rows per step
@@ -285,7 +287,8 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
   const u64 kt_desc = smem_desc_sw128(sK + wg * (DQ_COL / 64) * BC * 128, BC * 128, 1024);
   constexpr u32 kDOOff = NST * kQ;  // dO's slots after Q's
   const u32 sdQ_wg = sdQ + wg * 64 * 64 * 4;
-  const float sl2 = p.scale_log2;
+  // exp2's multiplier: the scale folded in, or (a score function, applied to the scaled score) log2 e.
+  const float sl2 = backward_exp2_multiplier<typename V::ScoreMod>(p.scale_log2);
   const float scale = p.scale;
 
 #pragma unroll 1
@@ -332,6 +335,9 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
     // ---- P^T: the mask (keys past seqlen_k, the causal diagonal), then exp2 against the saved LSE ---------
     // Register 4 n + e is key kv_start + row0 + g + 8 (e / 2) against query q_start + 8 n + 2 t + e % 2.
     // Queries past seqlen_q need no mask: their base-2 LSE is +inf, so their P is 0.
+    // A score function (fa/variant.cuh) on the scaled scores first, as the forward applies it.
+    const typename V::ScoreMod score_mod(p, batch, head);
+    score_mod_key_rows(acc_tile(sc), score_mod, scale, kv_start, row0, q_start, g, t);
     mask.mask_key_rows(acc_tile(sc), kv_start, row0, q_start, g, t);
     const float* lse_s = stats + s * 2 * BR;
     const float* del_s = lse_s + BR;
@@ -365,11 +371,15 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
 #pragma unroll
     for (int n = 0; n < NQ; ++n) {
       const float2 dl = *reinterpret_cast<const float2*>(del_s + 8 * n + 2 * t);
+      float2 l2 = make_float2(0.f, 0.f);  // (the score function's derivative recovers its score from P)
+      if constexpr (!V::ScoreMod::kUnitGradient) l2 = *reinterpret_cast<const float2*>(lse_s + 8 * n + 2 * t);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = 4 * n + e;
         const float dpz = kDropout ? (kept(i) ? dp[i] * rp : 0.f) : dp[i];
         dp[i] = sc[i] * (dpz - ((e & 1) ? dl.y : dl.x)) * scale;
+        if constexpr (!V::ScoreMod::kUnitGradient)
+          dp[i] *= score_mod_gradient_from_p(score_mod, sc[i], (e & 1) ? l2.y : l2.x);
       }
     }
     u32 pf[KQ][4], sf[KQ][4];

@@ -189,7 +189,8 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
     wgmma_hold(s);
 
     // ---- score function and mask: the variant's (fa/variant.cuh) ----------------------------------------
-    score_mod_query_rows(acc_tile(s), score_mod, p.scale, q_start + warp_row0, kv_start, g, t);
+    static_assert(kFold, "the wgmma kernels' softmax is the folded one");
+    score_mod_query_rows_folded(acc_tile(s), score_mod, q_start + warp_row0, kv_start, g, t);
     mask.mask_query_rows(acc_tile(s), q_start + warp_row0, kv_start, g, t);
 
     // ---- online softmax (exp2 form, scale folded into one FMA unless a score function needs it) ------

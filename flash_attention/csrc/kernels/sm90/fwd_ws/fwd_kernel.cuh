@@ -439,7 +439,8 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
     // place (fa/softmax.cuh, fa/dropout.cuh); alpha gets the factors O's two rows must be rescaled by.
     auto softmax_step = [&](float (&sacc)[NS* 4], int it, float (&alpha)[2]) {
       const int kv_start = (j_lo + it) * BC;
-      score_mod_query_rows(acc_tile(sacc), score_mod, p.scale, q_start + warp_row0, kv_start, g, t);
+      static_assert(kFold, "the wgmma kernels' softmax is the folded one");
+      score_mod_query_rows_folded(acc_tile(sacc), score_mod, q_start + warp_row0, kv_start, g, t);
       mask.mask_query_rows(acc_tile(sacc), q_start + warp_row0, kv_start, g, t);
 #pragma unroll
       for (int r = 0; r < 2; ++r)

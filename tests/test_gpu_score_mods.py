@@ -1,0 +1,119 @@
+"""GPU tests of the score functions (``softcap``, ``alibi_slopes``; csrc/include/fa/variant.cuh Softcap and
+Alibi) in every kernel family that takes them, forward and backward, at the launch layer: outputs, LSE and
+gradients against float64 (flash_attention.reference) within a few times the error of the same computation
+in float32 rounded to the inputs' precision, on shapes with GQA, seqlen_q above and below seqlen_k, causal
+and not, key ranges, a sliding window, head dims 64/128/256 and one padded; the deterministic backward
+bitwise between runs."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+from flash_attention import ops
+from flash_attention.configs import default_bwd_config, hopper_bwd_config, padded_head_dim, portable_config
+from flash_attention.configs.heuristics import classic_hopper_config
+from flash_attention.reference import attention_reference
+
+pytestmark = pytest.mark.gpu
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+# (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal, key_range, window, score)
+CASES = [
+    (2, 333, 517, 4, 2, 128, True, False, None, "softcap"),
+    (1, 517, 300, 4, 4, 64, False, False, None, "softcap"),
+    (2, 300, 300, 4, 1, 256, True, True, None, "softcap"),
+    (1, 400, 400, 2, 2, 72, True, False, (64, 0), "softcap"),
+    (2, 333, 517, 4, 2, 128, True, False, None, "alibi"),
+    (1, 517, 300, 4, 4, 64, False, True, None, "alibi"),
+    (2, 300, 300, 4, 1, 256, True, False, (100, 0), "alibi"),
+]
+
+
+def _ids(case):
+    return "-".join(str(x).replace(" ", "") for x in case)
+
+
+def _call(case):
+    b, sq, sk, hq, hkv, d, causal, ranged, window, score = case
+    gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(repr(case).encode()))
+    q = torch.randn(b, sq, hq, d, generator=gen, device="cuda").to(torch.bfloat16)
+    k, v = (torch.randn(b, sk, hkv, d, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(2))
+    do = torch.randn(b, sq, hq, d, generator=gen, device="cuda").to(torch.bfloat16)
+    kr = None
+    if ranged:
+        kr = torch.tensor([[sk // 5, sk - 7], [0, sk]][:b], dtype=torch.int32, device="cuda")
+    kw = dict(causal=causal, softmax_scale=d**-0.5, key_range=kr, window=window)
+    mods = {}
+    if score == "softcap":
+        mods["softcap"] = 1.5  # well inside the scores' range: the cap bites
+    else:
+        mods["alibi_slopes"] = torch.linspace(0.05, 0.6, hq, device="cuda")
+        if b > 1:
+            mods["alibi_slopes"] = torch.stack([mods["alibi_slopes"] * (1 + 0.3 * i) for i in range(b)])
+    return (q, k, v, do), kw, mods
+
+
+def _reference(tensors, kw, mods, dtype):
+    q, k, v, do = tensors
+    leaves = [x.to(dtype).requires_grad_() for x in (q, k, v)]
+    ref_mods = dict(softcap=mods.get("softcap", 0.0))
+    if "alibi_slopes" in mods:
+        ref_mods["alibi_slopes"] = mods["alibi_slopes"].to(dtype)
+    o, lse = attention_reference(
+        *leaves, causal=kw["causal"], softmax_scale=kw["softmax_scale"], key_range=kw["key_range"],
+        window=kw["window"], compute_dtype=dtype, **ref_mods,
+    )  # fmt: skip
+    grads = torch.autograd.grad(o, leaves, do.to(dtype))
+    return o.detach(), lse.detach(), grads
+
+
+def _close(got, exact, f32, name):
+    err = (got.double() - exact).abs().max().item()
+    err32 = (f32.to(got.dtype).double() - exact).abs().max().item()
+    assert err <= 4 * err32 + 2e-3, f"{name}: {err:.3g} against float64 (float32 rounded: {err32:.3g})"
+
+
+def _families(case):
+    d, causal, sq, sk = padded_head_dim(case[5]), case[6], case[1], case[2]
+    fwd = {"default": None, "portable": portable_config("bf16", case[5], causal, sq, sk)}
+    bwd = {"portable": default_bwd_config("bf16", d, "sm_80", portable=True)}
+    if _hopper():
+        fwd["sm90"] = classic_hopper_config("bf16", d, max(sq, sk), causal)
+        bwd["hopper"] = hopper_bwd_config("bf16", d)
+    return fwd, bwd
+
+
+@needs_cuda
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_score_function_forward_and_backward_against_float64(case):
+    tensors, kw, mods = _call(case)
+    q, k, v, do = tensors
+    exact_o, exact_lse, exact_g = _reference(tensors, kw, mods, torch.float64)
+    f32_o, _, f32_g = _reference(tensors, kw, mods, torch.float32)
+    fwd, bwd = _families(case)
+    for name, cfg in fwd.items():
+        out = torch.full_like(q, float("nan"))
+        o, lse = ops.cuda_forward(q, k, v, return_lse=True, out=out, config=cfg, **kw, **mods)
+        assert torch.isfinite(o).all(), name
+        _close(o, exact_o, f32_o, f"{name} out")
+        rows = torch.isfinite(exact_lse)
+        torch.testing.assert_close(lse[rows].double(), exact_lse[rows], rtol=0, atol=5e-3, msg=name)
+    o, lse = ops.cuda_forward(q, k, v, return_lse=True, out=None, **kw, **mods)
+    for name, cfg in bwd.items():
+        for det in (False, True):
+            got = ops.cuda_backward(do, q, k, v, o, lse, config=cfg, deterministic=det, **kw, **mods)
+            for gname, a, e, f in zip(("dq", "dk", "dv"), got, exact_g, f32_g, strict=True):
+                assert torch.isfinite(a).all(), f"{name} det={det} {gname}"
+                _close(a, e, f, f"{name} det={det} {gname}")
+            if det:
+                again = ops.cuda_backward(do, q, k, v, o, lse, config=cfg, deterministic=True, **kw, **mods)
+                assert all(torch.equal(x, y) for x, y in zip(got, again, strict=True)), name
