@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 
 from . import dispatch, fallback
+from .sinks import apply_sinks, sinks_gradient
 
 __all__ = ["fwd", "bwd", "EagerAttention", "eager_training"]
 
@@ -41,7 +42,7 @@ __all__ = ["fwd", "bwd", "EagerAttention", "eager_training"]
 _FWD_SCHEMA = (
     "(Tensor q, Tensor k, Tensor v, bool causal, float scale, bool deterministic, Tensor? key_range,"
     " float dropout_p=0., Tensor? dropout_seed=None, int[]? window=None, float softcap=0.,"
-    " Tensor? alibi_slopes=None) -> (Tensor, Tensor)"
+    " Tensor? alibi_slopes=None, Tensor? sinks=None) -> (Tensor, Tensor)"
 )
 _BWD_SCHEMA = (
     "(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, float scale,"
@@ -136,21 +137,29 @@ def fwd(
     window: list[int] | None = None,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Any device but CUDA: the PyTorch fallback."""
-    return _fallback_forward(
-        q, k, v, causal, scale, key_range, dropout_p, dropout_seed, window, softcap, alibi_slopes
+    extras = (window, softcap, alibi_slopes)
+    return _with_sinks(
+        _fallback_forward(q, k, v, causal, scale, key_range, dropout_p, dropout_seed, *extras), sinks
     )
 
 
 @fwd.register_kernel("cuda")
 def _fwd_cuda(
     q, k, v, causal, scale, deterministic, key_range, dropout_p=0.0, dropout_seed=None, window=None,
-    softcap=0.0, alibi_slopes=None,
+    softcap=0.0, alibi_slopes=None, sinks=None,
 ):  # fmt: skip
-    return forward_impl(
-        q, k, v, causal, scale, key_range, dropout_p, dropout_seed, window, softcap, alibi_slopes
-    )
+    extras = (window, softcap, alibi_slopes)
+    result = forward_impl(q, k, v, causal, scale, key_range, dropout_p, dropout_seed, *extras)
+    return _with_sinks(result, sinks)
+
+
+def _with_sinks(result: tuple[torch.Tensor, torch.Tensor], sinks: torch.Tensor | None) -> tuple:
+    """A forward's ``(out, lse)`` with the call's attention sinks applied (:mod:`flash_attention.sinks`: every
+    forward computes them the same way, after its own kernel or fallback)."""
+    return result if sinks is None else apply_sinks(*result, sinks)
 
 
 def forward_impl(
@@ -193,7 +202,7 @@ def forward_impl(
 @fwd.register_fake
 def _fwd_fake(
     q, k, v, causal, scale, deterministic, key_range, dropout_p=0.0, dropout_seed=None, window=None,
-    softcap=0.0, alibi_slopes=None,
+    softcap=0.0, alibi_slopes=None, sinks=None,
 ):  # fmt: skip
     batch, seqlen_q, heads_q, _ = q.shape
     out = q.new_empty(q.shape)  # contiguous, like the kernel's and the fallback's output
@@ -203,10 +212,11 @@ def _fwd_fake(
 
 def _fwd_setup_context(ctx, inputs, output) -> None:
     q, k, v, causal, scale, deterministic, key_range, dropout_p, dropout_seed, *rest = inputs
-    # (The variants' arguments, where given: window, softcap, alibi_slopes.)
-    window, softcap, alibi_slopes = [*rest, *(None, 0.0, None)[len(rest) :]]
+    # (The variants' arguments, where given: window, softcap, alibi_slopes, sinks.)
+    window, softcap, alibi_slopes, sinks = [*rest, *(None, 0.0, None, None)[len(rest) :]]
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, key_range, dropout_seed, alibi_slopes)
+    # (out and lse with the sinks applied: the backward kernels are exact on them, sinks.py says why.)
+    ctx.save_for_backward(q, k, v, out, lse, key_range, dropout_seed, alibi_slopes, sinks)
     ctx.causal, ctx.scale, ctx.deterministic, ctx.dropout_p = causal, scale, deterministic, dropout_p
     ctx.window, ctx.softcap = window, softcap
     ctx.mark_non_differentiable(lse)
@@ -214,15 +224,23 @@ def _fwd_setup_context(ctx, inputs, output) -> None:
 
 def _backward_args(ctx, dout) -> tuple:
     """The arguments of ``bwd`` / :func:`backward_impl` from what :func:`_fwd_setup_context` saved."""
-    q, k, v, out, lse, key_range, dropout_seed, alibi_slopes = ctx.saved_tensors
+    q, k, v, out, lse, key_range, dropout_seed, alibi_slopes, _ = ctx.saved_tensors
     return (dout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.deterministic, key_range, ctx.dropout_p,
             dropout_seed, ctx.window, ctx.softcap, alibi_slopes)  # fmt: skip
+
+
+def _sinks_grad(ctx, dout) -> torch.Tensor | None:
+    """The sinks' gradient, where the forward had sinks that require one (the op's 13th input)."""
+    if len(ctx.needs_input_grad) < 13 or not ctx.needs_input_grad[12]:
+        return None
+    _, _, _, out, lse, *_, sinks = ctx.saved_tensors
+    return sinks_gradient(dout, out, lse, sinks)
 
 
 def _fwd_backward(ctx, dout, dlse):
     # dlse is ignored: lse is marked non-differentiable, so it never carries a gradient.
     dq, dk, dv = torch.ops.flash_attention.bwd(*_backward_args(ctx, dout))
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, _sinks_grad(ctx, dout)
 
 
 fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
@@ -343,11 +361,13 @@ class EagerAttention(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx, q, k, v, causal, scale, deterministic, key_range, dropout_p, dropout_seed, window=None,
-        softcap=0.0, alibi_slopes=None,
+        softcap=0.0, alibi_slopes=None, sinks=None,
     ):  # fmt: skip
         extras = (window, softcap, alibi_slopes)
-        out, lse = forward_impl(q, k, v, causal, scale, key_range, dropout_p, dropout_seed, *extras)
-        inputs = (q, k, v, causal, scale, deterministic, key_range, dropout_p, dropout_seed, *extras)
+        out, lse = _with_sinks(
+            forward_impl(q, k, v, causal, scale, key_range, dropout_p, dropout_seed, *extras), sinks
+        )
+        inputs = (q, k, v, causal, scale, deterministic, key_range, dropout_p, dropout_seed, *extras, sinks)
         _fwd_setup_context(ctx, inputs, (out, lse))
         # The LSE never carries a gradient: without this autograd would fill a zero tensor for it on every
         # backward (an allocation and a fill kernel per call, for nothing).
@@ -359,20 +379,21 @@ class EagerAttention(torch.autograd.Function):
         if dout is None:  # only reachable if autograd ever calls us without a gradient for out
             dout = torch.zeros_like(ctx.saved_tensors[3])
         dq, dk, dv = backward_impl(*_backward_args(ctx, dout))
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None, _sinks_grad(ctx, dout)
 
 
 def eager_training(
     q, k, v, causal, scale, deterministic, key_range, dropout_p, dropout_seed, window=None, softcap=0.0,
-    alibi_slopes=None,
+    alibi_slopes=None, sinks=None,
 ):  # fmt: skip
     """``fwd`` with its backward recorded, for eager autograd: on our kernels through the compiled training
     node (:mod:`flash_attention.ops.training`: no Python in the backward) when it takes the call, else
     through :class:`EagerAttention`. Returns ``(out, lse)``."""
     ops = None if _has_no_pair(q, k) else dispatch.kernel_backend(q)
     training_forward = getattr(ops, "training_forward", None)  # (the CPU tests' stand-in backends lack it)
-    if alibi_slopes is not None:
-        # The compiled node patches its backward's pointers by slot; ALiBi's slopes have none yet.
+    if alibi_slopes is not None or sinks is not None:
+        # The compiled node patches its backward's pointers by slot; ALiBi's slopes have none yet, and the
+        # sinks' gradient is computed in Python (flash_attention.sinks).
         training_forward = None
     if training_forward is not None:
         result = dispatch.run_or_fallback(
@@ -406,4 +427,5 @@ def eager_training(
         window,
         softcap,
         alibi_slopes,
+        sinks,
     )

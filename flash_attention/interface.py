@@ -21,6 +21,7 @@ from .custom_ops import eager_training
 from .dropout import draw_seed
 from .ops import repeat as _repeat
 from .ops.plans import score_function
+from .sinks import apply_sinks, check_sinks
 
 __all__ = ["attention", "forward", "forward_timed"]
 
@@ -68,6 +69,7 @@ def attention(
     window: tuple[int, int] | None = ...,
     softcap: float = ...,
     alibi_slopes: torch.Tensor | None = ...,
+    sinks: torch.Tensor | None = ...,
 ) -> torch.Tensor: ...
 
 
@@ -88,6 +90,7 @@ def attention(
     window: tuple[int, int] | None = ...,
     softcap: float = ...,
     alibi_slopes: torch.Tensor | None = ...,
+    sinks: torch.Tensor | None = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -107,6 +110,7 @@ def attention(
     window: tuple[int, int] | None = None,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention ``softmax(q kᵀ · softmax_scale) v``, computed tile by tile on CUDA.
 
@@ -161,6 +165,11 @@ def attention(
         alibi_slopes: ALiBi, a float32 tensor of shape (heads_q,) or (batch, heads_q) on q's device: the
             score of query ``i`` and key ``j`` gets ``-slope * |i + seqlen_k - seqlen_q - j|`` (aligned like
             causal, as in the FlashAttention library). Not together with ``softcap`` (yet).
+        sinks: attention sinks (gpt-oss), a floating tensor of shape (heads_q,) on q's device: head ``h``'s
+            logit ``sinks[h]`` joins every row's softmax denominator (on the scale of the scaled scores)
+            without a value, so a row's probabilities sum to less than one; the returned LSE includes it.
+            Differentiable: with ``sinks.requires_grad`` its gradient is returned too
+            (:mod:`flash_attention.sinks` says how every kernel computes it).
 
     Returns:
         ``out`` of q's shape and dtype; with ``return_lse=True``, ``(out, lse)`` where ``lse`` is float32 of
@@ -190,7 +199,7 @@ def attention(
     # A call whose signature ran before and ended in one planned launch repeats that launch, skipping every
     # decision below (ops.repeat says what a signature holds and why; kernel-log step 52).
     key = None
-    variants = window is not None or bool(softcap) or alibi_slopes is not None
+    variants = window is not None or bool(softcap) or alibi_slopes is not None or sinks is not None
     if out is None and not variants:  # (a call with a window or a score function takes the whole path)
         key = _repeat.signature(
             q, k, v, causal, softmax_scale, return_lse, key_range, deterministic, dropout_p, dropout_seed
@@ -206,13 +215,16 @@ def attention(
     problem = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, key_range=key_range)
     window = check_window(window)
     score_function(softcap, alibi_slopes, q)  # (the checks, naming the argument)
+    check_sinks(sinks, q)
     softcap = float(softcap)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool; got {type(deterministic).__name__}")
     # The backward's mode: the argument or PyTorch's switch (repeat.signature keys on the same).
     deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
     seed = _dropout_seed(dropout_p, dropout_seed)
-    records = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    records = torch.is_grad_enabled() and (
+        q.requires_grad or k.requires_grad or v.requires_grad or (sinks is not None and sinks.requires_grad)
+    )
     if key is not None:
         # The first call of its signature: make its repeat call (or note that it has none) and run it.
         result = _repeat.first_call(
@@ -246,6 +258,7 @@ def attention(
             window,
             softcap,
             alibi_slopes,
+            sinks,
         )
     windowed = {} if window is None else {"window": window}
     if softcap:
@@ -255,7 +268,10 @@ def attention(
 
     if problem.is_empty:
         o, lse = _empty_result(q, problem, out)
+        if sinks is not None and lse.numel():
+            o, lse = apply_sinks(o, lse, sinks)
         return _result(o, lse, return_lse)
+    wants_lse = return_lse or sinks is not None  # (the sinks rescale O by the sink-free LSE)
 
     def fallback() -> tuple[torch.Tensor, torch.Tensor | None]:
         return _fallback.forward(
@@ -264,7 +280,7 @@ def attention(
             v,
             causal=causal,
             scale=problem.scale,
-            return_lse=return_lse,
+            return_lse=wants_lse,
             out=out,
             key_range=key_range,
             dropout_p=float(dropout_p),
@@ -283,7 +299,7 @@ def attention(
                 v,
                 causal=causal,
                 softmax_scale=problem.scale,
-                return_lse=return_lse,
+                return_lse=wants_lse,
                 out=out,
                 config=None,
                 key_range=key_range,
@@ -293,6 +309,8 @@ def attention(
             ),
             fallback,
         )
+    if sinks is not None:
+        o, lse = apply_sinks(o, lse, sinks)
     return _result(o, lse, return_lse)
 
 
@@ -327,6 +345,7 @@ def _attention_op(
     window: tuple[int, int] | None = None,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`attention` through the custom op ``flash_attention::fwd``: differentiable, and one opaque
     node for torch.compile. The op makes the same kernel-or-fallback choice as the direct path."""
@@ -336,9 +355,9 @@ def _attention_op(
             "call attention() without out= (it returns a new tensor), or under torch.no_grad()"
         )
     args = (q, k, v, problem.causal, problem.scale, deterministic, key_range, dropout_p, dropout_seed)
-    if window is not None or softcap or alibi_slopes is not None:
-        # (the op's int[]? window, float softcap, Tensor? alibi_slopes)
-        args = (*args, None if window is None else list(window), softcap, alibi_slopes)
+    if window is not None or softcap or alibi_slopes is not None or sinks is not None:
+        # (the op's int[]? window, float softcap, Tensor? alibi_slopes, Tensor? sinks)
+        args = (*args, None if window is None else list(window), softcap, alibi_slopes, sinks)
     if records and not torch.compiler.is_compiling():
         # A fallback call that PyTorch's attention computes exactly as we define it (CPU tensors, float32 on
         # CUDA; fallback.plain_sdpa_call says which) goes to it whole, forward and autograd, at PyTorch's
@@ -351,6 +370,7 @@ def _attention_op(
             and window is None
             and not softcap
             and alibi_slopes is None
+            and sinks is None
             and _fallback.plain_sdpa_call(
                 q, k, problem.causal, problem.scale, key_range, dropout_p, deterministic
             )

@@ -12,6 +12,7 @@ from ._validate_kvcache import CacheProblem, validate_kvcache
 from .configs.decode import cache_length_bucket
 from .ops.decode import repeat_plan
 from .ops.plans import PlanCache
+from .sinks import apply_sinks, check_sinks
 
 __all__ = ["attention_with_kvcache"]
 
@@ -110,6 +111,7 @@ def attention_with_kvcache(
     num_splits: int = 0,
     return_lse: bool = False,
     out: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` against a KV cache, after appending ``k``/``v`` to it in place (decoding).
 
@@ -146,6 +148,9 @@ def attention_with_kvcache(
             ignores it.
         return_lse: also return the float32 (batch, heads_q, seqlen_q) log-sum-exp of each row's scores.
         out: optional preallocated output of q's shape and dtype (last dimension contiguous).
+        sinks: attention sinks (gpt-oss), a floating tensor of shape (heads_q,) on q's device: as in
+            :func:`flash_attention.attention` (each head's logit joins every row's softmax without a value;
+            the LSE includes it).
 
     Returns:
         ``out`` of q's shape and dtype, or ``(out, lse)`` with ``return_lse=True``.
@@ -168,6 +173,25 @@ def attention_with_kvcache(
         TypeError, ValueError: on invalid arguments, naming the argument and what was expected, before
             anything is written.
     """
+    if sinks is not None:
+        # The sink-free call and its LSE, then the rescale every kernel shares (flash_attention.sinks).
+        check_sinks(sinks, q)
+        o, lse = attention_with_kvcache(
+            q,
+            k_cache,
+            v_cache,
+            k,
+            v,
+            cache_seqlens=cache_seqlens,
+            block_table=block_table,
+            causal=causal,
+            softmax_scale=softmax_scale,
+            num_splits=num_splits,
+            return_lse=True,
+            out=out,
+        )
+        o, lse = apply_sinks(o, lse, sinks)
+        return (o, lse) if return_lse else o
     key = _signature(
         q,
         k_cache,

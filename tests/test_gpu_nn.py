@@ -551,17 +551,23 @@ def test_transformers_training_with_attention_dropout_runs_the_kernels(padding, 
     assert torch.equal(e, f) and launched[6:] == [(0.0, padding)] * 4
 
 
-@pytest.mark.parametrize("family", ["gemma2", "gemma3", "mistral"])
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "mistral", "gpt_oss"])
 def test_transformers_sliding_window_and_softcap_families_match_eager(family, launches):
     # bf16 Gemma 2 (softcap: our kernel with softcap=, its sliding layer with the window too), Gemma 3 (the
-    # sliding layer: our kernel with the window; the full-attention layer: our kernel) and Mistral (every
-    # layer sliding: our kernel with the window) against "eager" in bf16, with float32 "eager" on the same
-    # rounded weights as the exact answer: the accuracy rule.
+    # sliding layer: our kernel with the window; the full-attention layer: our kernel), Mistral (every
+    # layer sliding: our kernel with the window) and gpt-oss (sinks: our kernel with sinks=, its sliding
+    # layer with the window too) against "eager" in bf16, with float32 "eager" on the same rounded weights
+    # as the exact answer: the accuracy rule.
     transformers = pytest.importorskip("transformers")
     from flash_attention.integrations.transformers import register
 
     name = register()
-    classes = {"gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig", "mistral": "MistralConfig"}
+    classes = {
+        "gemma2": "Gemma2Config",
+        "gemma3": "Gemma3TextConfig",
+        "mistral": "MistralConfig",
+        "gpt_oss": "GptOssConfig",
+    }
     config_class = classes[family]
     if not hasattr(transformers, config_class):
         pytest.skip(f"transformers {transformers.__version__} has no {config_class}")
@@ -582,10 +588,21 @@ def test_transformers_sliding_window_and_softcap_families_match_eager(family, la
         kwargs.update(layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=64)
     if family == "gemma2":
         kwargs.update(attn_logit_softcapping=2.0, final_logit_softcapping=None)
+    if family == "gpt_oss":
+        kwargs.pop("query_pre_attn_scalar")
+        kwargs.update(
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
     cfg = getattr(transformers, config_class)(**kwargs)
     make = transformers.AutoModelForCausalLM.from_config
     eager = make(copy.deepcopy(cfg), attn_implementation="eager").eval().to("cuda", torch.bfloat16)
     ours = make(copy.deepcopy(cfg), attn_implementation=name).eval().to("cuda", torch.bfloat16)
+    if family == "gpt_oss":  # sinks of a size that shows (initialised to 0)
+        with torch.no_grad():
+            for layer in eager.model.layers:
+                layer.self_attn.sinks.copy_(torch.linspace(-1.0, 3.0, 4))
     ours.load_state_dict(eager.state_dict())
     exact = copy.deepcopy(eager).to(torch.float32)
     ids = torch.randint(3, 512, (2, 300), device="cuda")

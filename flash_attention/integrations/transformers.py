@@ -516,19 +516,15 @@ def attention_forward(
         )
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     needs_eager = [name for name in _EAGER_KWARGS if kwargs.get(name) is not None]
-    # Soft-capping alone the kernels compute (attention(softcap=)) on their own routes; where none takes the
-    # call (the decode kernels have no score function, SDPA none at all), the eager function does.
-    softcap = kwargs.get("softcap")
-    kernel_softcap = (
-        needs_eager == ["softcap"]
-        and isinstance(softcap, (int, float))
-        and not isinstance(softcap, bool)
-        and softcap > 0
-    )
+    # Soft-capping and sinks the kernels compute (attention(softcap=, sinks=)) on their own routes; where
+    # none takes the call (SDPA computes neither, the decode kernels no soft-capping), the eager function
+    # does. None: an argument no kernel computes.
+    extra = _kernel_variants(needs_eager, kwargs, query.shape[1])
+    decode_extra = extra if extra is not None and "softcap" not in extra else None
     if attention_mask is not None and attention_mask.dim() == 1:
         # Decoding from a static cache (the module docstring): the decode kernels, or the explicit mask.
         if (
-            not needs_eager
+            decode_extra is not None
             and causal
             and dropout == 0.0
             and kwargs.get("cache") is None
@@ -539,11 +535,11 @@ def attention_forward(
         ):
             q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
             out = attention_with_kvcache(
-                q, k, v, cache_seqlens=attention_mask, causal=True, softmax_scale=scaling
+                q, k, v, cache_seqlens=attention_mask, causal=True, softmax_scale=scaling, **decode_extra
             )
             return out, None
         attention_mask = _static_cache_mask(attention_mask, query.shape[2], key.shape[2])
-    if needs_eager and not kernel_softcap:
+    if extra is None:
         return _eager_route(
             module, query, key, value, attention_mask, needs_eager, dropout, scaling, causal, kwargs
         )
@@ -552,7 +548,6 @@ def attention_forward(
     head_dim = query.shape[-1]
     # The library's layout, as views: (batch, seqlen, heads, head_dim); the kernel takes these strides.
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    extra = {"softcap": float(softcap)} if kernel_softcap else {}
 
     kernel_ok = (
         (attention_mask is None or attention_mask.dim() == 2)
@@ -567,7 +562,7 @@ def attention_forward(
         if attention_mask is None:
             if (
                 causal
-                and not extra
+                and decode_extra is not None
                 and dropout == 0.0
                 and 0 < q_length <= STATIC_CACHE_MAX_QUERIES < kv_length
                 and not (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)))
@@ -575,7 +570,7 @@ def attention_forward(
                 # A decoding step on a DynamicCache (the keys are the whole cache, the queries its last
                 # q_length positions): the split-KV decode kernels, the cache read in place, no append.
                 out = attention_with_kvcache(
-                    q, k, v, cache_seqlens=kv_length, causal=True, softmax_scale=scaling
+                    q, k, v, cache_seqlens=kv_length, causal=True, softmax_scale=scaling, **decode_extra
                 )
                 return out, None
             return attention(q, k, v, causal=causal, softmax_scale=scaling, dropout_p=dropout, **extra), None
@@ -589,7 +584,7 @@ def attention_forward(
                 window=window, **extra,
             )  # fmt: skip
             return out, None
-    if needs_eager:  # soft-capping that no kernel route took
+    if needs_eager:  # soft-capping or sinks that no kernel route took
         return _eager_route(
             module, query, key, value, attention_mask, needs_eager, dropout, scaling, causal, kwargs
         )
@@ -601,6 +596,29 @@ def attention_forward(
     return sdpa_attention_forward(
         module, query, key, value, mask, dropout=dropout, scaling=scaling, is_causal=causal, **kwargs
     )
+
+
+def _kernel_variants(needs_eager: list[str], kwargs: dict, heads_q: int) -> dict | None:
+    """attention()'s arguments for the keyword arguments in ``needs_eager`` (soft-capping: ``softcap=``; a
+    (heads,) tensor of sink logits, as gpt-oss passes ``s_aux``: ``sinks=``), or None when one of them is
+    something the kernels do not compute (a position bias, sinks of another shape)."""
+    extra: dict = {}
+    for name in needs_eager:
+        value = kwargs[name]
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if name == "softcap" and number and value > 0:
+            extra["softcap"] = float(value)
+        elif (
+            name in ("s_aux", "sinks")
+            and "sinks" not in extra
+            and isinstance(value, torch.Tensor)
+            and value.is_floating_point()
+            and tuple(value.shape) == (heads_q,)
+        ):
+            extra["sinks"] = value
+        else:
+            return None
+    return extra
 
 
 def _eager_route(module, query, key, value, attention_mask, needs_eager, dropout, scaling, causal, kwargs):

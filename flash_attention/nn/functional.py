@@ -251,17 +251,21 @@ def key_range_attention(
     dropout_p: float = 0.0,
     window: tuple[int, int] | None = None,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention where batch row ``b`` attends only keys ``ranges.starts[b] <= j < ranges.ends[b]``: one
     :func:`flash_attention.attention` call with ``key_range`` (the kernel skips the keys outside each
     row's range; nothing is sliced, copied or materialised). Causal alignment stays bottom-right on the
     *full* key axis. Differentiable whenever :func:`flash_attention.attention` is. Without padding at all,
-    the plain kernel runs. ``window`` and ``softcap``: as :func:`flash_attention.attention` takes them.
+    the plain kernel runs. ``window``, ``softcap`` and ``sinks``: as :func:`flash_attention.attention`
+    takes them.
     Returns a new (batch, seqlen_q, heads_q, head_dim) tensor.
     """
     extra = {} if window is None else {"window": window}
     if softcap:
         extra["softcap"] = softcap
+    if sinks is not None:
+        extra["sinks"] = sinks
     if ranges.is_full(k.shape[1]):
         return attention(q, k, v, causal=causal, softmax_scale=scale, dropout_p=dropout_p, **extra)
     key_range = ranges.tensor(q.device)

@@ -179,6 +179,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="ALiBi on every shape with the geometric slopes 2^(-8h/heads) (attention()'s alibi_slopes=; "
         "FlexAttention gets the score_mod, SDPA the additive mask)",
     )
+    p.add_argument(
+        "--sinks",
+        action="store_true",
+        help="attention sinks on every shape, a logit per query head (attention()'s sinks=; SDPA and "
+        "FlexAttention have none and are skipped)",
+    )
     p.add_argument("--warmup", type=int, default=3, help="untimed calls before timing (3)")
     p.add_argument("--reps", type=int, default=None, help="minimum timed calls per point (25; --quick 10)")
     p.add_argument(
@@ -372,6 +378,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         window=args.window,
         softcap=args.softcap,
         alibi=args.alibi,
+        sinks=args.sinks,
         config=args.config,
         warmup=args.warmup,
         min_reps=reps,

@@ -45,6 +45,7 @@ def row_key(row: dict) -> tuple:
     return (
         row["impl"], row["mode"], row["dtype"], row["head_dim"], bool(row["causal"]), row["seqlen"],
         row.get("round"), row.get("repeat_calls"), row.get("window"), row.get("softcap"), row.get("alibi"),
+        row.get("sinks"),
     )  # fmt: skip
 
 

@@ -55,6 +55,8 @@ class Shape:
     softcap: float = 0.0
     #: ALiBi with the usual geometric slopes per head (``alibi_slopes=``).
     alibi: bool = False
+    #: Attention sinks, one logit per query head (``sinks=``).
+    sinks: bool = False
 
     @property
     def kv(self) -> int:
@@ -150,6 +152,9 @@ def _variant_args(shape: Shape, device: Any = None) -> dict:
         extra["softcap"] = shape.softcap
     if shape.alibi:
         extra["alibi_slopes"] = alibi_slopes(shape.heads, device)
+    if shape.sinks:
+        # Fixed logits near a 4k row's LSE, so the rescale is not a no-op (the time does not depend on them).
+        extra["sinks"] = torch.linspace(2.0, 6.0, shape.heads, device=device)
     return extra
 
 
@@ -258,6 +263,8 @@ def make_runner(
         gqa = shape.kv != shape.heads
         if shape.softcap:
             raise Skip("SDPA has no soft-capping (no mask expresses a function of the score)")
+        if shape.sinks:
+            raise Skip("SDPA has no attention sinks")
         device = inputs[0][0].device
         # A sliding window and ALiBi have no SDPA flag: an explicit mask, as a model without our kernels
         # passes one (boolean for the window, additive for ALiBi; the backends that take no mask refuse it
@@ -297,6 +304,8 @@ def make_runner(
             from torch.nn.attention.flex_attention import create_block_mask
         except ImportError as exc:
             raise Skip(f"FlexAttention is not in torch {torch.__version__}") from exc
+        if shape.sinks:
+            raise Skip("FlexAttention has no attention sinks")
         flex = _flex()
         native = [tuple(t.transpose(1, 2).contiguous() for t in s) for s in inputs]
         block_mask = None

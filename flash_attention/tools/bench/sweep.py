@@ -41,6 +41,8 @@ class SweepSettings:
     softcap: float = 0.0
     #: ALiBi on every shape (``--alibi``).
     alibi: bool = False
+    #: Attention sinks on every shape (``--sinks``).
+    sinks: bool = False
     config: str | None = None
     warmup: int = 3
     min_reps: int = 25
@@ -74,6 +76,7 @@ def sweep_shapes(s: SweepSettings) -> list[Shape]:
                         s.window if causal else 0,
                         s.softcap,
                         s.alibi,
+                        s.sinks,
                     )
                 )
     return shapes
@@ -87,6 +90,7 @@ def _describe(shape: Shape) -> str:
         + (f" window={shape.window}" if shape.window else "")
         + (f" softcap={shape.softcap:g}" if shape.softcap else "")
         + (" alibi" if shape.alibi else "")
+        + (" sinks" if shape.sinks else "")
     )
 
 
@@ -206,6 +210,8 @@ def run_sweep(
                     row_base["softcap"] = shape.softcap
                 if shape.alibi:
                     row_base["alibi"] = True
+                if shape.sinks:
+                    row_base["sinks"] = True
                 if s.shapes:
                     row_base["tiny"] = True
                 if s.rounds > 1:

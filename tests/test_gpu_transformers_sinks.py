@@ -1,0 +1,122 @@
+"""GPU tests of the transformers integration's attention sinks (gpt-oss's ``s_aux``): a gpt-oss-style model
+with random weights in bfloat16 runs every attention call on our kernels with ``sinks=`` (its sliding layer
+with the window too) in prefill, greedy ``generate()`` (the decoding steps on the decode kernels) and a
+training step; never on the eager function or SDPA; logits within twice bf16 eager's distance from float32
+eager, greedy tokens as eager's where eager's margin allows, loss and gradients close to eager's."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from test_transformers import NAME, VOCAB, _family_models  # noqa: E402
+
+from flash_attention.integrations import transformers as integration  # noqa: E402
+from flash_attention.nn import functional as fn  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+@pytest.fixture
+def sink_calls(monkeypatch):
+    """Calls that reached our kernels with sinks (prefill/training: attention(); decoding steps:
+    attention_with_kvcache()), and calls that went to the eager function or SDPA."""
+    seen = {"kernel": 0, "decode": 0, "other": 0}
+
+    def counting(real, key):
+        def spy(*args, **kwargs):
+            seen[key if kwargs.get("sinks") is not None else "other"] += 1
+            return real(*args, **kwargs)
+
+        return spy
+
+    monkeypatch.setattr(integration, "attention", counting(integration.attention, "kernel"))
+    monkeypatch.setattr(fn, "attention", counting(fn.attention, "kernel"))
+    monkeypatch.setattr(
+        integration, "attention_with_kvcache", counting(integration.attention_with_kvcache, "decode")
+    )
+    real_eager = integration._eager_attention
+
+    def eager_spy(*args, **kwargs):
+        seen["other"] += 1
+        return real_eager(*args, **kwargs)
+
+    monkeypatch.setattr(integration, "_eager_attention", eager_spy)
+    from transformers.integrations import sdpa_attention
+
+    real_sdpa = sdpa_attention.sdpa_attention_forward
+
+    def sdpa_spy(*args, **kwargs):
+        seen["other"] += 1
+        return real_sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(sdpa_attention, "sdpa_attention_forward", sdpa_spy)
+    integration.register()
+    return seen
+
+
+def _models(*impls):
+    return [
+        m.to("cuda", torch.bfloat16)
+        for m in _family_models("gpt_oss", *impls, sliding_window=16, max_position_embeddings=256)
+    ]
+
+
+@pytest.mark.parametrize("padding", [False, True])
+def test_gpt_oss_prefill_and_generate_run_on_the_kernels_with_sinks(padding, sink_calls):
+    ours, eager = _models(NAME, "eager")
+    exact = copy.deepcopy(eager).float()
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, VOCAB, (3, 70), generator=gen).cuda()
+    mask = torch.ones_like(ids)
+    if padding:
+        mask[1, :9] = 0
+    keep = mask.bool()
+    with torch.no_grad():
+        o = ours(ids, attention_mask=mask).logits.double()
+        assert sink_calls == {"kernel": 2, "decode": 0, "other": 0}
+        e = eager(ids, attention_mask=mask).logits.double()
+        x = exact(ids, attention_mask=mask).logits.double()
+    err = (o - x)[keep].abs().max().item()
+    bound = 2 * (e - x)[keep].abs().max().item() + 1e-2
+    assert err <= bound, f"{err:.3g} against float32 eager > {bound:.3g}"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = ours.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, min_new_tokens=12)
+    assert out.shape == (3, 82) and sink_calls["other"] == 0
+    # Every forward pass after the prompt's (11: the first new token comes from the prefill) makes one call
+    # per layer with sinks: the full layer's on the decode kernels where no padding needs a key range, the
+    # sliding layer's (whose window the cache outgrows) on attention() with the window.
+    assert sink_calls["kernel"] + sink_calls["decode"] == 2 + 2 + 2 * 11
+    if not padding:
+        assert sink_calls["decode"] == 11
+
+
+def test_gpt_oss_training_step_runs_the_kernels_with_sinks(sink_calls):
+    ours, eager = _models(NAME, "eager")
+    ours.train(), eager.train()
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, VOCAB, (2, 64), generator=gen).cuda()
+    loss_o = ours(ids, labels=ids).loss
+    assert sink_calls == {"kernel": 2, "decode": 0, "other": 0}
+    loss_e = eager(ids, labels=ids).loss
+    loss_o.backward()
+    loss_e.backward()
+    assert abs(loss_o.item() - loss_e.item()) <= 2e-2 * abs(loss_e.item())
+    sinks_grads = 0
+    for (name, p), q in zip(ours.named_parameters(), eager.parameters(), strict=True):
+        if q.grad is None:
+            continue
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+        scale = q.grad.float().abs().max().item()
+        assert (p.grad.float() - q.grad.float()).abs().max().item() <= 0.1 * scale + 1e-3, name
+        sinks_grads += name.endswith("sinks")
+    assert sinks_grads == 2  # the sinks learn through our backward
