@@ -151,14 +151,14 @@ def _fwd_cuda(
     q, k, v, causal, scale, deterministic, key_range, dropout_p=0.0, dropout_seed=None, window=None,
     softcap=0.0, alibi_slopes=None, sinks=None,
 ):  # fmt: skip
-    extras = (window, softcap, alibi_slopes)
-    result = forward_impl(q, k, v, causal, scale, key_range, dropout_p, dropout_seed, *extras)
-    return _with_sinks(result, sinks)
+    return forward_impl(
+        q, k, v, causal, scale, key_range, dropout_p, dropout_seed, window, softcap, alibi_slopes, sinks
+    )
 
 
 def _with_sinks(result: tuple[torch.Tensor, torch.Tensor], sinks: torch.Tensor | None) -> tuple:
-    """A forward's ``(out, lse)`` with the call's attention sinks applied (:mod:`flash_attention.sinks`: every
-    forward computes them the same way, after its own kernel or fallback)."""
+    """The PyTorch fallback's ``(out, lse)`` with the call's attention sinks applied (the kernels join them
+    in their epilogue; :mod:`flash_attention.sinks` says why the two agree)."""
     return result if sinks is None else apply_sinks(*result, sinks)
 
 
@@ -174,12 +174,18 @@ def forward_impl(
     window: list[int] | None = None,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``fwd`` on CUDA: our kernel when it can run on these inputs, else the PyTorch fallback."""
     extras = (window, softcap, alibi_slopes)
     ops = None if _has_no_pair(q, k) else dispatch.kernel_backend(q)
+
+    def fallback_forward():
+        result = _fallback_forward(q, k, v, causal, scale, key_range, dropout_p, dropout_seed, *extras)
+        return _with_sinks(result, sinks)
+
     if ops is None:
-        return _fallback_forward(q, k, v, causal, scale, key_range, dropout_p, dropout_seed, *extras)
+        return fallback_forward()
     return dispatch.run_or_fallback(
         lambda: ops.cuda_forward(
             q,
@@ -194,8 +200,9 @@ def forward_impl(
             dropout_p=dropout_p,
             dropout_seed=dropout_seed,
             **_variants(*extras),
+            **({} if sinks is None else {"sinks": sinks}),
         ),
-        lambda: _fallback_forward(q, k, v, causal, scale, key_range, dropout_p, dropout_seed, *extras),
+        fallback_forward,
     )
 
 
@@ -364,9 +371,7 @@ class EagerAttention(torch.autograd.Function):
         softcap=0.0, alibi_slopes=None, sinks=None,
     ):  # fmt: skip
         extras = (window, softcap, alibi_slopes)
-        out, lse = _with_sinks(
-            forward_impl(q, k, v, causal, scale, key_range, dropout_p, dropout_seed, *extras), sinks
-        )
+        out, lse = forward_impl(q, k, v, causal, scale, key_range, dropout_p, dropout_seed, *extras, sinks)
         inputs = (q, k, v, causal, scale, deterministic, key_range, dropout_p, dropout_seed, *extras, sinks)
         _fwd_setup_context(ctx, inputs, (out, lse))
         # The LSE never carries a gradient: without this autograd would fill a zero tensor for it on every

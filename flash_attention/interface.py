@@ -271,22 +271,22 @@ def attention(
         if sinks is not None and lse.numel():
             o, lse = apply_sinks(o, lse, sinks)
         return _result(o, lse, return_lse)
-    wants_lse = return_lse or sinks is not None  # (the sinks rescale O by the sink-free LSE)
 
     def fallback() -> tuple[torch.Tensor, torch.Tensor | None]:
-        return _fallback.forward(
+        o, lse = _fallback.forward(
             q,
             k,
             v,
             causal=causal,
             scale=problem.scale,
-            return_lse=wants_lse,
+            return_lse=return_lse or sinks is not None,  # (the sinks rescale O by the sink-free LSE)
             out=out,
             key_range=key_range,
             dropout_p=float(dropout_p),
             dropout_seed=seed,
             **windowed,
         )
+        return (o, lse) if sinks is None else apply_sinks(o, lse, sinks)
 
     ops = dispatch.kernel_backend(q)
     if ops is None:
@@ -299,18 +299,17 @@ def attention(
                 v,
                 causal=causal,
                 softmax_scale=problem.scale,
-                return_lse=wants_lse,
+                return_lse=return_lse,
                 out=out,
                 config=None,
                 key_range=key_range,
                 dropout_p=float(dropout_p),
                 dropout_seed=seed,
                 **windowed,
+                **({} if sinks is None else {"sinks": sinks}),  # (in the kernels' epilogue)
             ),
             fallback,
         )
-    if sinks is not None:
-        o, lse = apply_sinks(o, lse, sinks)
     return _result(o, lse, return_lse)
 
 

@@ -6,11 +6,13 @@ sink-free ones, rescaled:
 
     lse'_i = logaddexp(lse_i, sink)          O'_i = O_i * exp(lse_i - lse'_i) = O_i * sigmoid(lse_i - sink)
 
-so every kernel (each forward family, the decode kernels, the PyTorch fallback) computes sinks the same way:
-its own output and LSE, then :func:`apply_sinks`, one elementwise pass over O (about 5% of a 4k d128
-forward on an H100; kernel log step 81). The backward needs nothing new from the kernels: with O' and lse'
-saved, the standard backward is exact (the sink is a key whose value is 0, so its dP is 0 and D = dO . O'
-already sums over it), and the sink's own gradient is
+The forward kernels apply this in their epilogue, once per row (``fa/softmax.cuh``, ``sink_row``; the
+params' ``sinks`` pointer, read by every build, so sinks add no kernel instantiation). The PyTorch fallback
+and the decode kernels' path apply it afterwards with :func:`apply_sinks`, one elementwise pass over O
+(as a pass after the prefill kernels it cost 17-31% of a 4k d128 forward on an H100: kernel log step 81).
+The backward needs nothing new from the kernels: with O' and lse' saved, the standard backward is exact
+(the sink is a key whose value is 0, so its dP is 0 and D = dO . O' already sums over it), and the sink's
+own gradient is
 
     d sink = -sum over batch and rows of exp(sink - lse'_i) * D_i,   D_i = dO_i . O'_i
 

@@ -74,6 +74,13 @@ SCORE_CASES = [
     ((2, 200, 260, 6, 3, 256, True, False, 0.0, True), 1.5, False),
     ((1, 260, 300, 2, 1, 192, False, False, 0.0, False), 0.0, True),
 ]
+#: Attention sinks (flash_attention.sinks: the forward kernels' epilogue) in every forward family.
+SINKS_CASES = [
+    (2, 150, 300, 4, 2, 128, True, False, 0.0, False),
+    (1, 300, 200, 4, 4, 64, False, True, 0.0, True),
+    (2, 200, 260, 6, 3, 256, True, False, 0.0, False),
+    (1, 90, 70, 2, 1, 72, True, False, 0.0, False),  # rows with no key (seqlen_q > seqlen_k, causal)
+]
 SMALL = {1: 40, 2: 60}  # --small: shorter sequences (index into the case tuple -> cap)
 
 #: Hopper only: the warp-specialized kernel's knobs the defaults may not use (the persistent grid's tile
@@ -171,6 +178,45 @@ def run_score_case(case, softcap: float, alibi: bool, seed: int, small: bool) ->
         for g, r in zip(grads, ref_grads, strict=True)
     )
     return max((o.double() - ref).abs().max().item(), grad_err)
+
+
+def run_sinks_case(case, seed: int, small: bool) -> float:
+    """Sinks in each forward family (the default, the portable and, on Hopper, the classic sm90 kernel),
+    with the backward and the sinks' gradient: the worst error against float64."""
+    from flash_attention import ops
+    from flash_attention.configs import padded_head_dim, portable_config
+    from flash_attention.configs.heuristics import classic_hopper_config
+    from flash_attention.sinks import sinks_gradient
+
+    b, sq, sk, hq, hkv, d, causal, ranged, _, det = case
+    if small:
+        sq, sk = min(sq, SMALL[1]), min(sk, SMALL[2])
+    q, k, v = _inputs(seed, b, sq, sk, hq, hkv, d)
+    kr = None
+    if ranged:
+        kr = torch.tensor([[sk // 4, sk], [0, max(1, sk // 2)]][:b], dtype=torch.int32, device="cuda")
+    sinks = torch.linspace(-1.0, 4.0, hq, device="cuda")
+    kw = dict(causal=causal, softmax_scale=d**-0.5, key_range=kr)
+    configs = [None, portable_config("bf16", d, causal, sq, sk)]
+    if torch.cuda.get_device_capability() == (9, 0):
+        configs.append(classic_hopper_config("bf16", padded_head_dim(d), max(sq, sk), causal))
+    leaves = [t.double().requires_grad_() for t in (q, k, v)] + [sinks.double().requires_grad_()]
+    ref, ref_lse = attention_reference(*leaves[:3], causal=causal, key_range=kr, sinks=leaves[3])
+    do = torch.randn_like(q)
+    ref_grads = torch.autograd.grad(ref, leaves, do.double())
+    worst = 0.0
+    for cfg in configs:
+        o, lse = ops.cuda_forward(q, k, v, return_lse=True, out=None, config=cfg, sinks=sinks, **kw)
+        grads = (*ops.cuda_backward(do, q, k, v, o, lse, deterministic=det, **kw),
+                 sinks_gradient(do, o, lse, sinks))  # fmt: skip
+        torch.cuda.synchronize()
+        grad_err = max(
+            ((g.double() - r).abs().max() / r.abs().max().clamp_min(1.0)).item()
+            for g, r in zip(grads, ref_grads, strict=True)
+        )
+        lse_err = (lse.double() - ref_lse).abs().max().item()
+        worst = max(worst, (o.double() - ref).abs().max().item(), lse_err, grad_err)
+    return worst
 
 
 def run_ws_case(case, seed: int, small: bool) -> float:
@@ -316,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--window-only", action="store_true", help="only the sliding-window cases")
     ap.add_argument("--score-only", action="store_true", help="only the score-function cases")
+    ap.add_argument("--sinks-only", action="store_true", help="only the attention-sink cases")
     ap.add_argument(
         "--bwd-atomic-only",
         action="store_true",
@@ -347,6 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         or args.bwd_atomic_only
         or args.window_only
         or args.score_only
+        or args.sinks_only
     )
     hopper = torch.cuda.get_device_capability() == (9, 0)
     for i, case in enumerate(DET_CASES if hopper and (args.bwd_det_only or not only) else []):
@@ -357,6 +405,10 @@ def main(argv: list[str] | None = None) -> int:
         err = run_score_case(case, cap, alibi, seed=700 + i, small=args.small)
         worst = max(worst, err)
         print(f"score case {i}: {case} softcap {cap} alibi {alibi} max error {err:.3g}", flush=True)
+    for i, case in enumerate(SINKS_CASES if args.sinks_only or not only else []):
+        err = run_sinks_case(case, seed=800 + i, small=args.small)
+        worst = max(worst, err)
+        print(f"sinks case {i}: {case} max error {err:.3g}", flush=True)
     for i, (case, window) in enumerate(WINDOW_CASES if args.window_only or not only else []):
         err = run_case(case, seed=600 + i, small=args.small, window=window)
         worst = max(worst, err)

@@ -63,6 +63,7 @@ class FwdParams(ctypes.Structure):
         ("softcap", _F32),
         ("alibi_slopes", _PTR),
         ("alibi_batch_stride", _I32),
+        ("sinks", _PTR),
     ]
 
 

@@ -361,6 +361,7 @@ def cuda_forward(
     window: tuple[int, int] | None = None,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the forward kernel; returns ``(out, lse)`` (``lse`` None unless ``return_lse``).
 
@@ -373,8 +374,9 @@ def cuda_forward(
     i + shift + right (shift = seqlen_k - seqlen_q), within causal's bound and the key range, and the K/V
     blocks outside it are skipped. ``softcap`` > 0 caps the scaled scores, ``softcap * tanh(s / softcap)``
     (the LSE is of the capped scores); ``alibi_slopes`` (heads_q,) or (batch, heads_q) float32 adds ALiBi's
-    ``-slope * |i + shift - j|`` to them. A head_dim that is not a multiple of 8 runs on inputs zero-padded
-    to the next one (a copy; multiples of 8 are read in place).
+    ``-slope * |i + shift - j|`` to them. ``sinks`` (heads_q,) floats are attention sinks, joined to each
+    row's softmax denominator in the kernel's epilogue (the LSE includes them). A head_dim that is not a
+    multiple of 8 runs on inputs zero-padded to the next one (a copy; multiples of 8 are read in place).
 
     ``trace`` (an object with ``batch``, ``head``, ``row_block``, ``warp``, e.g. a
     :class:`flash_attention.tools.sim.TraceSpec`), or the environment variable ``FLASH_ATTENTION_TRACE``,
@@ -394,11 +396,13 @@ def cuda_forward(
     if head_dim % 8:
         return _padded_forward(
             q, k, v, causal, softmax_scale, return_lse, out, config, trace, trace_fault, key_range, dropout_p,
-            dropout_seed, window, softcap, alibi_slopes,
+            dropout_seed, window, softcap, alibi_slopes, sinks,
         )  # fmt: skip
     if trace is not None:
-        if key_range is not None or dropout_p or bounds is not None or score is not None:
-            raise ValueError("the debug (trace) build takes no key_range, dropout, window or score function")
+        if key_range is not None or dropout_p or bounds is not None or score is not None or sinks is not None:
+            raise ValueError(
+                "the debug (trace) build takes no key_range, dropout, window, score function or sinks"
+            )
         return _traced_forward(q, k, v, causal, softmax_scale, return_lse, out, config, trace, trace_fault)
 
     q_, k_, v_ = kernel_ready(q), kernel_ready(k), kernel_ready(v)
@@ -424,16 +428,21 @@ def cuda_forward(
         # The kernel reads two int32 per batch row, contiguous; kept alive until the launch is queued.
         key_range = key_range.to(device=q.device, dtype=torch.int32).contiguous()
     key = dropout_key(*seed_pair(dropout_seed)) if dropout_p else 0
-    launch_plan(plan, q_, k_, v_, o, lse, key_range, key, alibi_slopes)
+    if sinks is not None:  # float32 and contiguous as the kernel reads them; kept alive until the launch
+        sinks = sinks.detach().to(device=q.device, dtype=torch.float32).contiguous()
+    launch_plan(plan, q_, k_, v_, o, lse, key_range, key, alibi_slopes, sinks)
     if out is not None and o is not out:
         out.copy_(o)
         o = out
     return o, lse
 
 
-def launch_plan(plan: _Plan, q_, k_, v_, o, lse, key_range=None, key: int = 0, alibi_slopes=None) -> None:
+def launch_plan(
+    plan: _Plan, q_, k_, v_, o, lse, key_range=None, key: int = 0, alibi_slopes=None, sinks=None
+) -> None:
     """Launch ``plan`` on kernel-ready q, k and v into ``o`` (and ``lse``, or None), with ``key_range`` (None,
-    or the int32 contiguous (batch, 2) tensor of a ranged plan) and the dropout ``key`` of a dropout plan."""
+    or the int32 contiguous (batch, 2) tensor of a ranged plan), the dropout ``key`` of a dropout plan,
+    ALiBi's slopes and the sinks (float32 contiguous (heads_q,), or None) of a call that has them."""
     args, p, tile_counter = _call_args(plan, q_, k_, v_, o, lse)  # (the counter held until the launch)
     if key_range is not None:
         p.key_range = key_range.data_ptr()
@@ -441,12 +450,14 @@ def launch_plan(plan: _Plan, q_, k_, v_, o, lse, key_range=None, key: int = 0, a
         p.dropout_key = key
     if alibi_slopes is not None:
         fill_score(p, p.softcap, alibi_slopes)
+    if sinks is not None:
+        p.sinks = sinks.data_ptr()
     launch(plan.kernel, plan.grid, plan.threads, plan.smem, plan.index, args)
 
 
 def _padded_forward(
     q, k, v, causal, scale, return_lse, out, config, trace, trace_fault, key_range, dropout_p, dropout_seed,
-    window=None, softcap=0.0, alibi_slopes=None,
+    window=None, softcap=0.0, alibi_slopes=None, sinks=None,
 ):  # fmt: skip
     """A head_dim that is not a multiple of 8: the kernels read whole 16-byte chunks of a row, so q, k and v
     are zero-padded to the next multiple of 8 (the scale stays the caller's) and the output sliced back."""
@@ -468,6 +479,7 @@ def _padded_forward(
         window=window,
         softcap=softcap,
         alibi_slopes=alibi_slopes,
+        sinks=sinks,
     )
     o = o[..., : q.shape[3]]
     if out is not None:

@@ -44,24 +44,26 @@ __device__ __forceinline__ void s_to_p(u32 (&pf)[BC / 16][4], float (&s)[BC / 2]
 
 // O / L of this thread's two rows, packed and stored into the rows' place in the staging tile `s_tile`
 // (laid out by Tile, fa/smem_layout.cuh), and the rows' LSE when the caller wants it (gL not null; kFolded:
-// the softmax's form, fa/softmax.cuh). The caller synchronises its warps before the tile is copied out
-// (fa/epilogue.cuh, store_o_tile).
+// the softmax's form, fa/softmax.cuh); with the head's attention sink `sink` (head_sink; -inf: none) in
+// both. The caller synchronises its warps before the tile is copied out (fa/epilogue.cuh, store_o_tile).
 template <int D, class Tile, bool BF, bool kFolded = true>
 __device__ __forceinline__ void stage_o_and_lse(const FwdParams& p, const float (&o)[D / 2],
                                                 const float (&row_max)[2], const float (&row_sum)[2],
                                                 u32 s_tile, float* gL, int warp_row0, int g, int t,
-                                                int q_valid) {
+                                                int q_valid, float sink) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const float l = quad_sum(row_sum[r]);
-    const float inv = inv_row_sum(l);
+    float inv = inv_row_sum(l), sink_lse = 0.f;
+    if (sink != neg_inf()) inv = sink_row<kFolded>(p, row_max[r], l, sink, sink_lse);
     const int row = warp_row0 + g + 8 * r;
 #pragma unroll
     for (int n = 0; n < D / 8; ++n) {
       const u32 v = pack2<BF>(o[4 * n + 2 * r] * inv, o[4 * n + 2 * r + 1] * inv);
       st_shared_32(s_tile + Tile::bytes(row, n) + 4 * t, v);
     }
-    if (gL && t == 0 && row < q_valid) gL[row] = row_lse<kFolded>(p, row_max[r], l);
+    if (gL && t == 0 && row < q_valid)
+      gL[row] = sink != neg_inf() ? sink_lse : row_lse<kFolded>(p, row_max[r], l);
   }
 }
 

@@ -49,6 +49,10 @@ struct FwdParams {
   float softcap;
   const float* alibi_slopes;
   int alibi_batch_stride;
+  // Attention sinks: query head h's logit at sinks[h] (float32) joins each row's softmax denominator in the
+  // epilogue (fa/softmax.cuh, sink_row); null: none. Read by every build (one branch per row), so sinks add
+  // no instantiation.
+  const float* sinks;
 };
 
 }  // namespace fa

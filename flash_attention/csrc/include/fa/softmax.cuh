@@ -92,4 +92,26 @@ __device__ __forceinline__ float row_lse(const Params& p, float row_max, float l
   return l > 0.f ? m + logf(l) : neg_inf();
 }
 
+// Attention sinks (flash_attention/sinks.py): a logit `sink` on the scale of the scaled scores joins the row's
+// softmax denominator without a value. From the row's max (the softmax's form) and L, sets `lse` to the
+// LSE with the sink and returns the factor O's unnormalised row is multiplied by: exp(m - top) / L' with
+// L' = L exp(m - top) + exp(sink - top), top = max(m, sink), so that neither exponential overflows
+// whatever the sink. A row that saw no key gets factor 0 and LSE = sink. Called only where a sink exists
+// (the caller's branch on the params' pointer; -inf, no sink, takes the plain path there).
+template <bool kFolded, class Params>
+__device__ __forceinline__ float sink_row(const Params& p, float row_max, float l, float sink, float& lse) {
+  const float m = l > 0.f ? (kFolded ? row_max * p.scale : row_max) : neg_inf();
+  const float top = fmaxf(m, sink);
+  const float keys = l > 0.f ? __expf(m - top) : 0.f;
+  const float total = fmaf(l, keys, __expf(sink - top));
+  lse = top + logf(total);
+  return keys / total;
+}
+
+// The sink logit of query head `head` (-inf: none).
+template <class Params>
+__device__ __forceinline__ float head_sink(const Params& p, int head) {
+  return p.sinks ? p.sinks[head] : neg_inf();
+}
+
 }  // namespace fa

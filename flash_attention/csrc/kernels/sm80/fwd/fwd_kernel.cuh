@@ -359,12 +359,14 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
   // ---- epilogue: O / L, LSE, and a coalesced store through shared memory ----------------------------------
   // Every warp must be done with its last ldmatrix of Q/V before the Q tile is reused for O.
   __syncthreads();
+  const float sink = head_sink(p, head);  // (fa/softmax.cuh, sink_row; -inf: none)
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const float l = quad_sum(row_sum[mt][r]);
-      const float inv = inv_row_sum(l);
+      float inv = inv_row_sum(l), sink_lse = 0.f;
+      if (sink != neg_inf()) inv = sink_row<kFold>(p, row_max[mt][r], l, sink, sink_lse);
       const int row = warp_row0 + 16 * mt + g + 8 * r;
 #pragma unroll
       for (int n = 0; n < NO; ++n) {
@@ -374,7 +376,8 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
         tr.final_pair(16 * mt + g + 8 * r, 8 * n + 2 * t, v);
 #endif
       }
-      if (gL && t == 0 && row < q_valid) gL[row] = row_lse<kFold>(p, row_max[mt][r], l);
+      if (gL && t == 0 && row < q_valid)
+        gL[row] = sink != neg_inf() ? sink_lse : row_lse<kFold>(p, row_max[mt][r], l);
 #if FA_TRACE
       if (t == 0) tr.final_lse(16 * mt + g + 8 * r, row_lse<kFold>(p, row_max[mt][r], l));
 #endif

@@ -231,7 +231,8 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
 
   // ---- epilogue: O / L and LSE; O staged in the warpgroup's own rows of the Q tile for coalesced stores --
   // Each warpgroup read only its own 64 rows of Q, and its last wgmma has completed.
-  stage_o_and_lse<D, QTile, BF, kFold>(p, o, row_max, row_sum, sQ, gL, warp_row0, g, t, q_valid);
+  stage_o_and_lse<D, QTile, BF, kFold>(p, o, row_max, row_sum, sQ, gL, warp_row0, g, t, q_valid,
+                                       head_sink(p, head));
   // Every warpgroup's rows of O are staged before any thread copies whole rows out.
   __syncthreads();
   store_o_tile<BR, D, NT, QTile>(p, gO, sQ, q_valid, tid);

@@ -338,7 +338,7 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
     }
     named_barrier_sync(4 + cwg, 128);
     stage_o_and_lse<D, OTile, BF, kFold>(p, o, row_max, row_sum, sOw, gL ? gL + 64 * cwg : nullptr,
-                                         warp_row0 - 64 * cwg, g, t, rows);
+                                         warp_row0 - 64 * cwg, g, t, rows, head_sink(p, x.head));
     if constexpr (kTmaStore) {
       // Each thread's staging stores (generic proxy) are made visible to the TMA unit (async proxy)
       // before the barrier lets the issuing thread start the copy.
@@ -642,7 +642,8 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
     if constexpr (!Cfg::kPersistent && !Cfg::kPingpong) {
       // O staged in this warpgroup's own rows of the Q tile: each consumer warpgroup's wgmma read only its
       // own 64 rows of Q, and its last one has completed.
-      stage_o_and_lse<D, PanelTile<BR>, BF, kFold>(p, o, row_max, row_sum, sQ, gL, warp_row0, g, t, q_valid);
+      stage_o_and_lse<D, PanelTile<BR>, BF, kFold>(p, o, row_max, row_sum, sQ, gL, warp_row0, g, t, q_valid,
+                                                   head_sink(p, head));
 #if FA_TRACE
       trace_final(sQ, warp_row0);
 #endif
