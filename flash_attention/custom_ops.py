@@ -309,14 +309,21 @@ def backward_impl(
     window: list[int] | None = None,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``bwd`` on CUDA: our backward kernels when they can run on these inputs, else the PyTorch fallback."""
+    sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """``bwd`` on CUDA: our backward kernels when they can run on these inputs, else the PyTorch fallback.
+    With ``sinks`` (the eager path's sinks that need a gradient) a fourth tensor, the sinks' gradient."""
     extras = (window, softcap, alibi_slopes)
     ops = None if _has_no_pair(q, k) else dispatch.kernel_backend(q)
-    if ops is None:
-        return _fallback_backward(
+
+    def fallback_backward():
+        grads = _fallback_backward(
             dout, q, k, v, out, lse, causal, scale, deterministic, key_range, dropout_p, dropout_seed, *extras
         )
+        return grads if sinks is None else (*grads, sinks_gradient(dout, out, lse, sinks))
+
+    if ops is None:
+        return fallback_backward()
     # Autograd hands over whatever layout the next op produced, e.g. a stride-0 expand for out.sum();
     # the kernels read dO in 16-byte vectors along head_dim, as they read q.
     if dout.stride(-1) != 1:
@@ -336,10 +343,9 @@ def backward_impl(
             dropout_p=dropout_p,
             dropout_seed=dropout_seed,
             **_variants(*extras),
+            **({} if sinks is None else {"sinks": sinks}),
         ),
-        lambda: _fallback_backward(
-            dout, q, k, v, out, lse, causal, scale, deterministic, key_range, dropout_p, dropout_seed, *extras
-        ),
+        fallback_backward,
     )
 
 
@@ -383,8 +389,11 @@ class EagerAttention(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         if dout is None:  # only reachable if autograd ever calls us without a gradient for out
             dout = torch.zeros_like(ctx.saved_tensors[3])
-        dq, dk, dv = backward_impl(*_backward_args(ctx, dout))
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None, _sinks_grad(ctx, dout)
+        if ctx.needs_input_grad[12]:  # the sinks' gradient from the backward kernels' own D rows
+            dq, dk, dv, dsinks = backward_impl(*_backward_args(ctx, dout), sinks=ctx.saved_tensors[-1])
+        else:
+            (dq, dk, dv), dsinks = backward_impl(*_backward_args(ctx, dout)), None
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None, dsinks
 
 
 def eager_training(

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["check_sinks", "apply_sinks", "sinks_gradient"]
+__all__ = ["check_sinks", "apply_sinks", "sinks_gradient", "sinks_gradient_from_delta"]
 
 
 def check_sinks(sinks: object, q: torch.Tensor) -> None:
@@ -56,7 +56,14 @@ def sinks_gradient(
     dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor
 ) -> torch.Tensor:
     """d loss / d sinks, in the sinks' dtype, from the output gradient and the call's O' and lse' (with the
-    sinks applied, as the forward saved them)."""
+    sinks applied, as the forward saved them). One pass over dO and O' in float32; the backward kernels'
+    path takes D from their own preprocessing instead (:func:`sinks_gradient_from_delta`)."""
     d = (dout.to(torch.float32) * out.to(torch.float32)).sum(-1)  # (batch, seqlen_q, heads_q)
-    p_sink = torch.exp(sinks.detach().to(torch.float32)[None, :, None] - lse)  # (batch, heads_q, seqlen_q)
-    return -(p_sink * d.transpose(1, 2)).sum(dim=(0, 2)).to(sinks.dtype)
+    return sinks_gradient_from_delta(d.transpose(1, 2), lse, sinks)
+
+
+def sinks_gradient_from_delta(delta: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """d loss / d sinks from D = rowsum(dO * O') as (batch, heads_q, seqlen_q) float32 (any strides) and
+    the call's lse' (same shape)."""
+    p_sink = torch.exp(sinks.detach().to(torch.float32)[None, :, None] - lse)
+    return -(p_sink * delta).sum(dim=(0, 2)).to(sinks.dtype)

@@ -75,13 +75,16 @@ struct Window {
   }
 };
 
-// Gemma-style softcapping of the scaled scores.
+// Gemma-style softcapping of the scaled scores, and its folded form for the forwards whose softmax keeps the
+// scale out of the scores (mod(scale s) = scale folded(s); no distance needed).
 struct Softcap {
   static constexpr bool kIdentity = false;
-  float cap;
+  float cap, scale;
   template <class Params>
-  __device__ __forceinline__ Softcap(const Params&, int, int) : cap(30.f) {}
+  __device__ __forceinline__ Softcap(const Params& p, int, int) : cap(30.f), scale(p.scale) {}
   __device__ __forceinline__ float operator()(float s, int, int) const { return cap * tanhf(s / cap); }
+  __device__ __forceinline__ float folded(float s, float) const { return cap * tanhf(s * scale / cap) / scale; }
+  __device__ __forceinline__ int rel_offset() const { return 0; }
 };
 
 }  // namespace sample

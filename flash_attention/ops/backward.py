@@ -19,6 +19,7 @@ from ..dropout import dropout_key, seed_pair
 from ..jit import driver
 from ..jit.loader import get_bwd_kernels
 from ..jit.params import BwdParams
+from ..sinks import sinks_gradient_from_delta
 from .device import current_stream, device_arch, dtype_name
 from .plans import (
     PlanCache,
@@ -244,9 +245,12 @@ def cuda_backward(
     window: tuple[int, int] | None = None,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
     """Gradients (dq, dk, dv) of :func:`flash_attention.ops.cuda_forward`'s output ``out`` with LSE ``lse``,
-    for the output gradient ``dout``: new contiguous tensors of q's, k's and v's shapes and dtype.
+    for the output gradient ``dout``: new contiguous tensors of q's, k's and v's shapes and dtype. With the
+    forward's ``sinks`` (``out`` and ``lse`` then the forward's, sinks included), also the sinks' gradient
+    (a fourth tensor, from the preprocessing kernel's D rows: flash_attention.sinks).
 
     ``config`` names a backward configuration (else the tuned winner or the heuristic:
     :func:`flash_attention.ops.select.backward_config`); ``key_range``, ``dropout_p`` / ``dropout_seed``,
@@ -274,15 +278,17 @@ def cuda_backward(
             window=window,
             softcap=softcap,
             alibi_slopes=alibi_slopes,
+            sinks=sinks,
         )
-        return tuple(g[..., :head_dim].contiguous() for g in grads)
+        return (*(g[..., :head_dim].contiguous() for g in grads[:3]), *grads[3:])
 
     device = q.device
     # Contiguous whatever the inputs' strides (the plan's dq/dk/dv strides assume it); empty_like costs
     # about half the host time of torch.empty(shape, dtype=, device=).
     dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     if seqlen_q == 0 or seqlen_k == 0 or heads_q == 0 or batch == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
+        grads = (dq.zero_(), dk.zero_(), dv.zero_())
+        return grads if sinks is None else (*grads, torch.zeros_like(sinks))
 
     q_, k_, v_, o_, do_ = (kernel_ready(t) for t in (q, k, v, out, dout))
     lse_ = lse if lse.stride(-1) == 1 else lse.contiguous()
@@ -310,4 +316,7 @@ def cuda_backward(
         fill_score(p, p.softcap, alibi_slopes)
 
     launch_all(plan.launches, plan.index, p, current_stream(plan.index))
+    if sinks is not None:
+        delta = ws[stats : 2 * stats].view(batch, heads_q, p.seqlen_q_pad)[:, :, :seqlen_q]
+        return dq, dk, dv, sinks_gradient_from_delta(delta, lse, sinks)
     return dq, dk, dv

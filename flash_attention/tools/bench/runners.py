@@ -234,7 +234,10 @@ def make_runner(
                 return outs.setdefault(i, call(i))
 
             return Runner(call, output, config=cfg.name())
-        # Backward modes go through attention() and its autograd; the config is the one it picks.
+        # Backward modes go through attention() and its autograd; the config is the one it picks. Sinks are
+        # learnable there, as in training, so their gradient is part of the time.
+        if "sinks" in variant:
+            variant["sinks"].requires_grad_()
         f = lambda q, k, v: flash_attention.attention(q, k, v, causal=shape.causal, **variant)  # noqa: E731
         return Runner(_autograd_call(f, inputs, mode), lambda i: f(*inputs[i]), config=cfg.name())
 
@@ -246,6 +249,8 @@ def make_runner(
         if reason is not None:
             raise Skip(f"our CUDA kernel cannot run: {reason}")
         variant = _variant_args(shape, q0.device)
+        if "sinks" in variant:  # (learnable, as in training)
+            variant["sinks"].requires_grad_()
         f = lambda q, k, v: flash_attention.attention(  # noqa: E731
             q, k, v, causal=shape.causal, deterministic=True, **variant
         )
