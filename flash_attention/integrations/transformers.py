@@ -62,11 +62,13 @@ Attention dropout (``dropout``, which transformers' models pass only in training
 route: in the kernels (their mask drawn from PyTorch's CPU generator, so ``torch.manual_seed`` repeats
 it), in SDPA, in the eager functions.
 
-Logit soft-capping (``softcap``: Gemma 2) runs on the kernel routes above with ``attention(..., softcap=)``;
-where none takes the call (a static cache's decoding steps or 4-D masks: the decode kernels and SDPA have no
-score function) it goes where the rest of this paragraph says. Calls with something the kernel does not
-compute yet -- attention sinks (``s_aux``: gpt-oss; ``sinks``), additive position biases (``position_bias``:
-T5 and relatives) -- run through the calling model's own eager attention function: the
+Logit soft-capping (``softcap``: Gemma 2) runs on the kernel routes above with ``attention(..., softcap=)``,
+and attention sinks (``s_aux``: gpt-oss; ``sinks``; a (heads,) tensor) with ``sinks=``, the decoding steps
+too (``attention_with_kvcache(..., sinks=)``); where no kernel route takes such a call (soft-capping's
+decoding steps: the decode kernels have no score function; 4-D masks: SDPA computes neither) it goes where
+the rest of this paragraph says. Calls with something the kernels do not compute -- additive position
+biases (``position_bias``: T5 and relatives), sinks of another shape -- run through the calling model's own
+eager attention function: the
 ``eager_attention_forward`` of the modeling module that defines the attention module's class (or a base
 class), which is what ``attn_implementation="eager"`` runs; a private generic one only when that module has
 none. It gets the mask as ``"eager"`` would (additive, with the bottom-right causal mask and the padding made
@@ -103,8 +105,9 @@ __all__ = ["NAME", "attention_forward", "attention_mask", "register"]
 NAME = "fa_scratch"
 
 # Keyword arguments of transformers' attention functions that change the function computed in ways SDPA
-# cannot, with what they are: logit soft-capping (Gemma 2; our kernel routes take it), attention sinks
-# (gpt-oss passes them as s_aux, others as sinks), additive position biases (T5 and relatives).
+# cannot, with what they are: logit soft-capping (Gemma 2) and attention sinks (gpt-oss passes them as s_aux,
+# others as sinks), which our kernel routes take (_kernel_variants), and additive position biases (T5 and
+# relatives).
 # transformers' SDPA function does not compute them (5.23 raises on softcap, 5.0 and 5.17 silently drop it),
 # so where no kernel route takes such a call it runs through the model's own eager function, which does.
 _EAGER_KWARGS = {
