@@ -73,6 +73,8 @@ def _reference(case, tensors, kw, used, dtype):
     lse = torch.full((hq, q.shape[0]), float("-inf"), dtype=dtype, device="cuda")
     grads = [torch.zeros(t.shape, dtype=dtype, device="cuda") for t in (q, k, v)]
     sinks = kw.get("sinks")
+    if sinks is not None:  # a row that sees no key (past the last sequence): its LSE is the sink's
+        lse[:] = sinks.to(dtype)[:, None]
     dsinks = torch.zeros(hq, dtype=dtype, device="cuda")
     ref_kw = {n: kw[n] for n in ("window", "softcap") if n in kw}
     for b, m in enumerate(lens_q):
