@@ -89,7 +89,7 @@ def _fallback_forward(
         q,
         k,
         v,
-        causal=causal,
+        causal=causal and row_keys is None,  # (the runs carry causal per sequence)
         scale=scale,
         return_lse=True,
         key_range=key_range,
@@ -114,7 +114,7 @@ def _fallback_backward(
         v,
         out,
         lse,
-        causal=causal,
+        causal=causal and row_keys is None,  # (the runs carry causal per sequence)
         scale=scale,
         deterministic=deterministic,
         key_range=key_range,

@@ -293,7 +293,7 @@ def attention(
             q,
             k,
             v,
-            causal=causal,
+            causal=causal and _segments is None,  # (the runs carry causal per sequence)
             scale=problem.scale,
             return_lse=return_lse or sinks is not None,  # (the sinks rescale O by the sink-free LSE)
             out=out,

@@ -199,13 +199,13 @@ def attention_varlen(
     runs = _cached_segments(
         cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], bool(causal), window, seqused_k
     )
-    # causal=False: the runs carry each sequence's causal bound (a causal flag would add the packed tensors'
-    # own diagonal, which is not the sequences').
+    # The runs carry each sequence's causal bound; the flag only picks the kernels' configurations (the
+    # segments builds have no causal entry point, and the fallback's chunked path drops it).
     result = attention(
         q.unsqueeze(0),
         k.unsqueeze(0),
         v.unsqueeze(0),
-        causal=False,
+        causal=bool(causal),
         softmax_scale=softmax_scale,
         return_lse=return_lse,
         deterministic=deterministic,

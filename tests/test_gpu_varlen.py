@@ -100,7 +100,13 @@ def _close(got, exact, f32, name):
     assert torch.equal(finite, torch.isfinite(got)), f"{name}: non-finite entries differ"
     err = (got.double() - exact).abs()[finite].max().item() if finite.any() else 0.0
     err32 = (f32.to(got.dtype).double() - exact).abs()[finite].max().item() if finite.any() else 0.0
-    assert err <= 4 * err32 + 2e-3, f"{name}: {err:.3g} against float64 (float32 rounded: {err32:.3g})"
+    bound = 4 * err32 + 2e-3
+    if name == "dsinks":
+        # A sum over every row of D = dO . O', with O' the half-precision output any implementation in that
+        # precision forms D from: about its unit roundoff of the sum's size, which rounding only the
+        # float32 result (err32) does not see.
+        bound += 1e-2 * exact.abs().max().item()
+    assert err <= bound, f"{name}: {err:.3g} against float64 (float32 rounded: {err32:.3g})"
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: repr(c)[:80])
