@@ -111,16 +111,20 @@ def segments(
     return row_keys.to(torch.int32).contiguous(), key_rows.to(torch.int32).contiguous()
 
 
-def _cached_segments(cu_q, cu_k, total_q, total_k, causal, window, seqused_k):
+def _cached_segments(cu_q, cu_k, total_q, total_k, causal, window, seqused_k, typical):
     def ident(t):
         return None if t is None else (t.data_ptr(), t._version, t.numel(), t.device)
 
-    key = (ident(cu_q), ident(cu_k), ident(seqused_k), total_q, total_k, causal, window)
+    key = (ident(cu_q), ident(cu_k), ident(seqused_k), total_q, total_k, causal, window, typical)
     hit = _CACHE.get(key)
     if hit is not None:
         _CACHE.move_to_end(key)
         return hit
     made = segments(cu_q, cu_k, total_q, total_k, causal=causal, window=window, seqused_k=seqused_k)
+    # The lengths the kernels' configurations are chosen by (ops.plans.segment_lengths): a tile shape for
+    # the sequences, not for one sequence of the packed length. (An attribute of the tensor, so it rides
+    # through the custom op's eager call; under torch.compile the packed lengths choose.)
+    made[0]._typical_lengths = typical
     _CACHE[key] = made
     while len(_CACHE) > _CACHE_SIZE:
         _CACHE.popitem(last=False)
@@ -156,8 +160,9 @@ def attention_varlen(
         cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) offsets on q's device, nondecreasing from 0:
             sequence b's queries are rows cu_seqlens_q[b] .. cu_seqlens_q[b+1] - 1 (its keys likewise).
             Sequences of length 0 are allowed. Rows past cu_seqlens_q[-1] attend nothing (output 0).
-        max_seqlen_q, max_seqlen_k: accepted for compatibility and not needed: nothing is read back to the
-            host, so the call is CUDA-graph and ``torch.compile`` friendly.
+        max_seqlen_q, max_seqlen_k: optional hints, the longest sequence's lengths: the kernels' tile shapes
+            are chosen by them (else by the mean length). Never needed for correctness: nothing is read
+            back to the host, so the call is CUDA-graph and ``torch.compile`` friendly.
         seqused_k: optional int32 (batch,): sequence b uses only its first seqused_k[b] keys (a cache
             with room to spare); causal then aligns to that length.
         causal, softmax_scale, window, softcap, sinks, dropout_p, dropout_seed, deterministic: as in
@@ -196,8 +201,13 @@ def attention_varlen(
     window = check_window(window)
     if window is not None and causal:
         window = (window[0], 0 if window[1] < 0 else min(window[1], 0))
+    batch = max(1, cu_q.numel() - 1)
+    typical = (
+        max_seqlen_q or max(1, -(-q.shape[0] // batch)),  # (the hint, else the mean: no host read)
+        max_seqlen_k or max(1, -(-k.shape[0] // batch)),
+    )
     runs = _cached_segments(
-        cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], bool(causal), window, seqused_k
+        cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], bool(causal), window, seqused_k, typical
     )
     # The runs carry each sequence's causal bound; the flag only picks the kernels' configurations (the
     # segments builds have no causal entry point, and the fallback's chunked path drops it).

@@ -32,6 +32,7 @@ from .plans import (
     fill_strides,
     launch_all,
     score_function,
+    segment_lengths,
     window_bounds,
 )
 from .select import backward_config
@@ -107,6 +108,7 @@ def _make_plan(
     window,
     score=None,
     softcap=0.0,
+    lengths=None,
 ) -> _Plan:
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
@@ -117,8 +119,7 @@ def _make_plan(
         dtype_name(q),
         head_dim,
         causal,
-        seqlen_q,
-        seqlen_k,
+        *(lengths or (seqlen_q, seqlen_k)),  # (a packed batch's: plans.segment_lengths)
         heads_q // heads_kv,
         **device_facts(index),
         features=feature_list(
@@ -199,7 +200,7 @@ def _make_plan(
 
 def plan_for(
     q_, k_, v_, o_, do_, lse_, causal, scale, deterministic, ranged, dropout_p, config, window=None,
-    score=None, softcap=0.0,
+    score=None, softcap=0.0, lengths=None,
 ) -> _Plan:  # fmt: skip
     """The plan of a call on kernel-ready tensors (made on a miss)."""
     key = (
@@ -222,12 +223,13 @@ def plan_for(
         window,
         score,
         softcap,
+        lengths,
     )
     return _plans.get(
         key,
         lambda: _make_plan(
             q_, k_, v_, o_, do_, lse_, causal, scale, deterministic, ranged, dropout_p, config, window, score,
-            softcap,
+            softcap, lengths,
         ),
     )  # fmt: skip
 
@@ -306,7 +308,7 @@ def cuda_backward(
     ranged = key_range is not None
     plan = plan_for(
         q_, k_, v_, o_, do_, lse_, causal, softmax_scale, deterministic, ranged, dropout_p, config, bounds,
-        score, float(softcap),
+        score, float(softcap), segment_lengths(segments),
     )  # fmt: skip
     stats, accum = plan.stats, plan.accum
     ws = torch.empty(2 * stats + accum, dtype=torch.float32, device=device)

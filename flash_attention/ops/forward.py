@@ -37,6 +37,7 @@ from .plans import (
     fill_strides,
     launch,
     score_function,
+    segment_lengths,
     window_bounds,
 )
 from .select import forward_config
@@ -88,14 +89,16 @@ def clear_plans() -> None:
     _plans.clear()
 
 
-def _config(q, k, causal, needs, config=None) -> KernelConfig:
-    """The forward config of a call on q's GPU (named, tuned or the heuristic's: select.forward_config)."""
+def _config(q, k, causal, needs, config=None, lengths=None) -> KernelConfig:
+    """The forward config of a call on q's GPU (named, tuned or the heuristic's: select.forward_config);
+    ``lengths``: the (seqlen_q, seqlen_k) to choose by instead of q's and k's (a packed batch's sequences)."""
+    seqlen_q, seqlen_k = lengths or (q.shape[1], k.shape[1])
     return forward_config(
         dtype_name(q),
         padded_to_8(q.shape[3]),
         causal,
-        q.shape[1],
-        k.shape[1],
+        seqlen_q,
+        seqlen_k,
         q.shape[2] // k.shape[2],
         **device_facts(q.get_device()),
         features=needs,
@@ -129,13 +132,14 @@ def _make_plan(
     window=None,
     score=None,
     softcap=0.0,
+    lengths=None,
 ) -> _Plan:
     """The plan of a call (``trace``: with the debug build's kernel, fa/trace.cuh; ``window``: the kernels'
-    (left, right) of a sliding window, plans.window_bounds, which carries causal)."""
+    (left, right) of a sliding window, plans.window_bounds, which carries causal; ``lengths``: _config's)."""
     batch, seqlen_q, heads_q = q.shape[:3]
     check_grid(batch, heads_q, seqlen_q, k.shape[1])
     index = q.get_device()
-    cfg = _config(q, k, causal, needs, config)
+    cfg = _config(q, k, causal, needs, config, lengths)
     # The window and segments builds have one entry point, named as not causal (the window's right bound,
     # or the segments' runs, carry causal).
     windowed = window is not None
@@ -305,8 +309,9 @@ def chosen_config(
 
 
 def plan_for(
-    q, k, v, o, causal, scale, ranged, dropout_p, config, negative, window=None, score=None, softcap=0.0
-) -> _Plan:
+    q, k, v, o, causal, scale, ranged, dropout_p, config, negative, window=None, score=None, softcap=0.0,
+    lengths=None,
+) -> _Plan:  # fmt: skip
     """The plan of a call on kernel-ready tensors (made on a miss); ``window``: plans.window_bounds, or
     SEGMENTS for the segments build."""
     key = (
@@ -326,6 +331,7 @@ def plan_for(
         window,
         score,
         softcap,
+        lengths,
     )
     # The feature list is built only on a miss: a hit is the hot path of every call.
     return _plans.get(
@@ -345,6 +351,7 @@ def plan_for(
             window=window,
             score=score,
             softcap=softcap,
+            lengths=lengths,
         ),
     )  # fmt: skip
 
@@ -436,7 +443,7 @@ def cuda_forward(
     ranged = key_range is not None
     plan = plan_for(
         q_, k_, v_, o, causal, softmax_scale, ranged, dropout_p, config, softmax_scale < 0, bounds, score,
-        float(softcap),
+        float(softcap), segment_lengths(segments),
     )  # fmt: skip
     if ranged:
         # The kernel reads two int32 per batch row, contiguous; kept alive until the launch is queued.

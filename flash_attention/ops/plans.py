@@ -32,6 +32,7 @@ __all__ = [
     "fill_score",
     "score_function",
     "check_segments",
+    "segment_lengths",
     "window_bounds",
 ]
 
@@ -107,6 +108,13 @@ def check_segments(
             or not t.is_contiguous()
         ):
             raise ValueError(f"segments' {name} must be a contiguous int32 ({n}, 2) tensor on {q.device}")
+
+
+def segment_lengths(segments: tuple | None) -> tuple[int, int] | None:
+    """The (seqlen_q, seqlen_k) a packed batch's configurations are chosen by: its sequences' typical
+    lengths, which flash_attention.varlen notes on the runs (``_typical_lengths``: the max_seqlen hints, else
+    the mean), where the packed lengths would pick tiles for one long sequence. None: q's and k's own."""
+    return None if segments is None else getattr(segments[0], "_typical_lengths", None)
 
 
 def window_bounds(window: object, causal: bool, seqlen_q: int, seqlen_k: int) -> tuple[int, int] | None:
