@@ -48,7 +48,7 @@ def packed_calls(monkeypatch):
 
 def _models(family):
     if family == "llama":
-        cfg = _config("llama", max_position_embeddings=1024)
+        cfg = _config("llama")  # (positions restart per document: at most 517 here)
         make = transformers.AutoModelForCausalLM.from_config
         models = [make(copy.deepcopy(cfg), attn_implementation=i) for i in (NAME, "eager", "sdpa")]
         for m in models[1:]:
