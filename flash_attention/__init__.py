@@ -13,12 +13,14 @@ Public entry points:
 from .configs import KernelConfig, default_config, parse_config
 from .interface import attention, forward, forward_timed
 from .kvcache import attention_with_kvcache
+from .varlen import attention_varlen
 
 __version__ = "0.1.0"
 
 __all__ = [
     "attention",
     "attention_with_kvcache",
+    "attention_varlen",
     "forward",
     "forward_timed",
     "KernelConfig",

@@ -42,12 +42,14 @@ __all__ = ["fwd", "bwd", "EagerAttention", "eager_training"]
 _FWD_SCHEMA = (
     "(Tensor q, Tensor k, Tensor v, bool causal, float scale, bool deterministic, Tensor? key_range,"
     " float dropout_p=0., Tensor? dropout_seed=None, int[]? window=None, float softcap=0.,"
-    " Tensor? alibi_slopes=None, Tensor? sinks=None) -> (Tensor, Tensor)"
+    " Tensor? alibi_slopes=None, Tensor? sinks=None, Tensor? row_keys=None, Tensor? key_rows=None)"
+    " -> (Tensor, Tensor)"
 )
 _BWD_SCHEMA = (
     "(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, float scale,"
     " bool deterministic, Tensor? key_range, float dropout_p=0., Tensor? dropout_seed=None,"
-    " int[]? window=None, float softcap=0., Tensor? alibi_slopes=None) -> (Tensor, Tensor, Tensor)"
+    " int[]? window=None, float softcap=0., Tensor? alibi_slopes=None, Tensor? row_keys=None,"
+    " Tensor? key_rows=None) -> (Tensor, Tensor, Tensor)"
 )
 
 
@@ -61,10 +63,13 @@ def _window(window) -> tuple[int, int] | None:
     return None if window is None else (int(window[0]), int(window[1]))
 
 
-def _variants(window, softcap, alibi_slopes) -> dict:
+def _variants(window, softcap, alibi_slopes, row_keys=None, key_rows=None) -> dict:
     """The launch layer's keyword arguments of a call's variants, only those it uses (so that backends
-    without a variant, such as the CPU tests' stand-ins, are called as before)."""
+    without a variant, such as the CPU tests' stand-ins, are called as before). ``row_keys`` and
+    ``key_rows``: a packed batch's segments (flash_attention.varlen)."""
     kw = {}
+    if row_keys is not None:
+        kw["segments"] = (row_keys, key_rows)
     if window is not None:
         kw["window"] = _window(window)
     if softcap:
@@ -75,20 +80,22 @@ def _variants(window, softcap, alibi_slopes) -> dict:
 
 
 def _fallback_forward(
-    q, k, v, causal, scale, key_range, dropout_p, dropout_seed, window=None, softcap=0.0, alibi_slopes=None
-):
-    """The forward op's PyTorch path (every device, and CUDA inputs the kernels cannot take)."""
+    q, k, v, causal, scale, key_range, dropout_p, dropout_seed, window=None, softcap=0.0, alibi_slopes=None,
+    row_keys=None, key_rows=None,
+):  # fmt: skip
+    """The forward op's PyTorch path (every device, and CUDA inputs the kernels cannot take); segments go
+    to the chunked path as its per-row runs (``window=row_keys``)."""
     out, lse = fallback.forward(
         q,
         k,
         v,
-        causal=causal,
+        causal=causal and row_keys is None,  # (the runs carry causal per sequence)
         scale=scale,
         return_lse=True,
         key_range=key_range,
         dropout_p=dropout_p,
         dropout_seed=dropout_seed,
-        window=_window(window),
+        window=_window(window) if row_keys is None else row_keys,
         softcap=softcap,
         alibi_slopes=alibi_slopes,
     )
@@ -97,9 +104,9 @@ def _fallback_forward(
 
 def _fallback_backward(
     dout, q, k, v, out, lse, causal, scale, deterministic, key_range, dropout_p, dropout_seed, window=None,
-    softcap=0.0, alibi_slopes=None,
+    softcap=0.0, alibi_slopes=None, row_keys=None, key_rows=None,
 ):  # fmt: skip
-    """The backward op's PyTorch path."""
+    """The backward op's PyTorch path (segments as in :func:`_fallback_forward`)."""
     return fallback.backward(
         dout,
         q,
@@ -107,13 +114,13 @@ def _fallback_backward(
         v,
         out,
         lse,
-        causal=causal,
+        causal=causal and row_keys is None,  # (the runs carry causal per sequence)
         scale=scale,
         deterministic=deterministic,
         key_range=key_range,
         dropout_p=dropout_p,
         dropout_seed=dropout_seed,
-        window=_window(window),
+        window=_window(window) if row_keys is None else row_keys,
         softcap=softcap,
         alibi_slopes=alibi_slopes,
     )
@@ -138,9 +145,11 @@ def fwd(
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    row_keys: torch.Tensor | None = None,
+    key_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Any device but CUDA: the PyTorch fallback."""
-    extras = (window, softcap, alibi_slopes)
+    extras = (window, softcap, alibi_slopes, row_keys, key_rows)
     return _with_sinks(
         _fallback_forward(q, k, v, causal, scale, key_range, dropout_p, dropout_seed, *extras), sinks
     )
@@ -149,11 +158,12 @@ def fwd(
 @fwd.register_kernel("cuda")
 def _fwd_cuda(
     q, k, v, causal, scale, deterministic, key_range, dropout_p=0.0, dropout_seed=None, window=None,
-    softcap=0.0, alibi_slopes=None, sinks=None,
+    softcap=0.0, alibi_slopes=None, sinks=None, row_keys=None, key_rows=None,
 ):  # fmt: skip
     return forward_impl(
-        q, k, v, causal, scale, key_range, dropout_p, dropout_seed, window, softcap, alibi_slopes, sinks
-    )
+        q, k, v, causal, scale, key_range, dropout_p, dropout_seed, window, softcap, alibi_slopes, sinks,
+        row_keys, key_rows,
+    )  # fmt: skip
 
 
 def _with_sinks(result: tuple[torch.Tensor, torch.Tensor], sinks: torch.Tensor | None) -> tuple:
@@ -175,9 +185,11 @@ def forward_impl(
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    row_keys: torch.Tensor | None = None,
+    key_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``fwd`` on CUDA: our kernel when it can run on these inputs, else the PyTorch fallback."""
-    extras = (window, softcap, alibi_slopes)
+    extras = (window, softcap, alibi_slopes, row_keys, key_rows)
     ops = None if _has_no_pair(q, k) else dispatch.kernel_backend(q)
 
     def fallback_forward():
@@ -209,7 +221,7 @@ def forward_impl(
 @fwd.register_fake
 def _fwd_fake(
     q, k, v, causal, scale, deterministic, key_range, dropout_p=0.0, dropout_seed=None, window=None,
-    softcap=0.0, alibi_slopes=None, sinks=None,
+    softcap=0.0, alibi_slopes=None, sinks=None, row_keys=None, key_rows=None,
 ):  # fmt: skip
     batch, seqlen_q, heads_q, _ = q.shape
     out = q.new_empty(q.shape)  # contiguous, like the kernel's and the fallback's output
@@ -217,13 +229,20 @@ def _fwd_fake(
     return out, lse
 
 
+#: The op's inputs: the index of ``sinks`` (the one optional input with a gradient).
+_SINKS_INPUT = 12
+
+
 def _fwd_setup_context(ctx, inputs, output) -> None:
     q, k, v, causal, scale, deterministic, key_range, dropout_p, dropout_seed, *rest = inputs
-    # (The variants' arguments, where given: window, softcap, alibi_slopes, sinks.)
-    window, softcap, alibi_slopes, sinks = [*rest, *(None, 0.0, None, None)[len(rest) :]]
+    # (The variants' arguments, where given: window, softcap, alibi_slopes, sinks, row_keys, key_rows.)
+    window, softcap, alibi_slopes, sinks, row_keys, key_rows = [
+        *rest,
+        *(None, 0.0, None, None, None, None)[len(rest) :],
+    ]
     out, lse = output
     # (out and lse with the sinks applied: the backward kernels are exact on them, sinks.py says why.)
-    ctx.save_for_backward(q, k, v, out, lse, key_range, dropout_seed, alibi_slopes, sinks)
+    ctx.save_for_backward(q, k, v, out, lse, key_range, dropout_seed, alibi_slopes, row_keys, key_rows, sinks)
     ctx.causal, ctx.scale, ctx.deterministic, ctx.dropout_p = causal, scale, deterministic, dropout_p
     ctx.window, ctx.softcap = window, softcap
     ctx.mark_non_differentiable(lse)
@@ -231,23 +250,35 @@ def _fwd_setup_context(ctx, inputs, output) -> None:
 
 def _backward_args(ctx, dout) -> tuple:
     """The arguments of ``bwd`` / :func:`backward_impl` from what :func:`_fwd_setup_context` saved."""
-    q, k, v, out, lse, key_range, dropout_seed, alibi_slopes, _ = ctx.saved_tensors
+    q, k, v, out, lse, key_range, dropout_seed, alibi_slopes, row_keys, key_rows, _ = ctx.saved_tensors
     return (dout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.deterministic, key_range, ctx.dropout_p,
-            dropout_seed, ctx.window, ctx.softcap, alibi_slopes)  # fmt: skip
+            dropout_seed, ctx.window, ctx.softcap, alibi_slopes, row_keys, key_rows)  # fmt: skip
+
+
+def _needs_sinks_grad(ctx) -> bool:
+    return len(ctx.needs_input_grad) > _SINKS_INPUT and ctx.needs_input_grad[_SINKS_INPUT]
 
 
 def _sinks_grad(ctx, dout) -> torch.Tensor | None:
-    """The sinks' gradient, where the forward had sinks that require one (the op's 13th input)."""
-    if len(ctx.needs_input_grad) < 13 or not ctx.needs_input_grad[12]:
+    """The sinks' gradient, where the forward had sinks that require one."""
+    if not _needs_sinks_grad(ctx):
         return None
     _, _, _, out, lse, *_, sinks = ctx.saved_tensors
     return sinks_gradient(dout, out, lse, sinks)
 
 
+def _no_grads(ctx) -> tuple:
+    """None for every input after q, k, v but the sinks (whose gradient the caller puts in place)."""
+    return (None,) * (len(ctx.needs_input_grad) - 3)
+
+
 def _fwd_backward(ctx, dout, dlse):
     # dlse is ignored: lse is marked non-differentiable, so it never carries a gradient.
     dq, dk, dv = torch.ops.flash_attention.bwd(*_backward_args(ctx, dout))
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None, _sinks_grad(ctx, dout)
+    rest = list(_no_grads(ctx))
+    if _needs_sinks_grad(ctx):
+        rest[_SINKS_INPUT - 3] = _sinks_grad(ctx, dout)
+    return (dq, dk, dv, *rest)
 
 
 fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
@@ -274,22 +305,24 @@ def bwd(
     window: list[int] | None = None,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    row_keys: torch.Tensor | None = None,
+    key_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Any device but CUDA: the PyTorch fallback (deterministic on CPU by construction)."""
     return _fallback_backward(
         dout, q, k, v, out, lse, causal, scale, deterministic, key_range, dropout_p, dropout_seed, window,
-        softcap, alibi_slopes,
+        softcap, alibi_slopes, row_keys, key_rows,
     )  # fmt: skip
 
 
 @bwd.register_kernel("cuda")
 def _bwd_cuda(
     dout, q, k, v, out, lse, causal, scale, deterministic, key_range, dropout_p=0.0, dropout_seed=None,
-    window=None, softcap=0.0, alibi_slopes=None,
+    window=None, softcap=0.0, alibi_slopes=None, row_keys=None, key_rows=None,
 ):  # fmt: skip
     return backward_impl(
         dout, q, k, v, out, lse, causal, scale, deterministic, key_range, dropout_p, dropout_seed, window,
-        softcap, alibi_slopes,
+        softcap, alibi_slopes, row_keys, key_rows,
     )  # fmt: skip
 
 
@@ -309,11 +342,13 @@ def backward_impl(
     window: list[int] | None = None,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    row_keys: torch.Tensor | None = None,
+    key_rows: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """``bwd`` on CUDA: our backward kernels when they can run on these inputs, else the PyTorch fallback.
     With ``sinks`` (the eager path's sinks that need a gradient) a fourth tensor, the sinks' gradient."""
-    extras = (window, softcap, alibi_slopes)
+    extras = (window, softcap, alibi_slopes, row_keys, key_rows)
     ops = None if _has_no_pair(q, k) else dispatch.kernel_backend(q)
 
     def fallback_backward():
@@ -352,7 +387,7 @@ def backward_impl(
 @bwd.register_fake
 def _bwd_fake(
     dout, q, k, v, out, lse, causal, scale, deterministic, key_range, dropout_p=0.0, dropout_seed=None,
-    window=None, softcap=0.0, alibi_slopes=None,
+    window=None, softcap=0.0, alibi_slopes=None, row_keys=None, key_rows=None,
 ):  # fmt: skip
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
@@ -374,11 +409,14 @@ class EagerAttention(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx, q, k, v, causal, scale, deterministic, key_range, dropout_p, dropout_seed, window=None,
-        softcap=0.0, alibi_slopes=None, sinks=None,
+        softcap=0.0, alibi_slopes=None, sinks=None, row_keys=None, key_rows=None,
     ):  # fmt: skip
         extras = (window, softcap, alibi_slopes)
-        out, lse = forward_impl(q, k, v, causal, scale, key_range, dropout_p, dropout_seed, *extras, sinks)
-        inputs = (q, k, v, causal, scale, deterministic, key_range, dropout_p, dropout_seed, *extras, sinks)
+        out, lse = forward_impl(
+            q, k, v, causal, scale, key_range, dropout_p, dropout_seed, *extras, sinks, row_keys, key_rows
+        )
+        inputs = (q, k, v, causal, scale, deterministic, key_range, dropout_p, dropout_seed, *extras, sinks,
+                  row_keys, key_rows)  # fmt: skip
         _fwd_setup_context(ctx, inputs, (out, lse))
         # The LSE never carries a gradient: without this autograd would fill a zero tensor for it on every
         # backward (an allocation and a fill kernel per call, for nothing).
@@ -389,25 +427,28 @@ class EagerAttention(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         if dout is None:  # only reachable if autograd ever calls us without a gradient for out
             dout = torch.zeros_like(ctx.saved_tensors[3])
-        if ctx.needs_input_grad[12]:  # the sinks' gradient from the backward kernels' own D rows
-            dq, dk, dv, dsinks = backward_impl(*_backward_args(ctx, dout), sinks=ctx.saved_tensors[-1])
+        rest = list(_no_grads(ctx))
+        if _needs_sinks_grad(ctx):  # the sinks' gradient from the backward kernels' own D rows
+            dq, dk, dv, rest[_SINKS_INPUT - 3] = backward_impl(
+                *_backward_args(ctx, dout), sinks=ctx.saved_tensors[-1]
+            )
         else:
-            (dq, dk, dv), dsinks = backward_impl(*_backward_args(ctx, dout)), None
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None, dsinks
+            dq, dk, dv = backward_impl(*_backward_args(ctx, dout))
+        return (dq, dk, dv, *rest)
 
 
 def eager_training(
     q, k, v, causal, scale, deterministic, key_range, dropout_p, dropout_seed, window=None, softcap=0.0,
-    alibi_slopes=None, sinks=None,
+    alibi_slopes=None, sinks=None, row_keys=None, key_rows=None,
 ):  # fmt: skip
     """``fwd`` with its backward recorded, for eager autograd: on our kernels through the compiled training
     node (:mod:`flash_attention.ops.training`: no Python in the backward) when it takes the call, else
     through :class:`EagerAttention`. Returns ``(out, lse)``."""
     ops = None if _has_no_pair(q, k) else dispatch.kernel_backend(q)
     training_forward = getattr(ops, "training_forward", None)  # (the CPU tests' stand-in backends lack it)
-    if alibi_slopes is not None or sinks is not None:
-        # The compiled node patches its backward's pointers by slot; ALiBi's slopes have none yet, and the
-        # sinks' gradient is computed in Python (flash_attention.sinks).
+    if alibi_slopes is not None or sinks is not None or row_keys is not None:
+        # The compiled node patches its backward's pointers by slot; ALiBi's slopes and the segments' runs
+        # have none yet, and the sinks' gradient is computed in Python (flash_attention.sinks).
         training_forward = None
     if training_forward is not None:
         result = dispatch.run_or_fallback(
@@ -442,4 +483,6 @@ def eager_training(
         softcap,
         alibi_slopes,
         sinks,
+        row_keys,
+        key_rows,
     )

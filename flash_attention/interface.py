@@ -20,7 +20,7 @@ from .configs import KernelConfig, parse_config
 from .custom_ops import eager_training
 from .dropout import draw_seed
 from .ops import repeat as _repeat
-from .ops.plans import score_function
+from .ops.plans import check_segments, score_function
 from .sinks import apply_sinks, check_sinks
 
 __all__ = ["attention", "forward", "forward_timed"]
@@ -111,6 +111,7 @@ def attention(
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    _segments: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention ``softmax(q kᵀ · softmax_scale) v``, computed tile by tile on CUDA.
 
@@ -199,7 +200,13 @@ def attention(
     # A call whose signature ran before and ended in one planned launch repeats that launch, skipping every
     # decision below (ops.repeat says what a signature holds and why; kernel-log step 52).
     key = None
-    variants = window is not None or bool(softcap) or alibi_slopes is not None or sinks is not None
+    variants = (
+        window is not None
+        or bool(softcap)
+        or alibi_slopes is not None
+        or sinks is not None
+        or _segments is not None
+    )
     if out is None and not variants:  # (a call with a window or a score function takes the whole path)
         key = _repeat.signature(
             q, k, v, causal, softmax_scale, return_lse, key_range, deterministic, dropout_p, dropout_seed
@@ -216,6 +223,8 @@ def attention(
     window = check_window(window)
     score_function(softcap, alibi_slopes, q)  # (the checks, naming the argument)
     check_sinks(sinks, q)
+    if _segments is not None:
+        check_segments(_segments, q, k, key_range, window)
     softcap = float(softcap)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool; got {type(deterministic).__name__}")
@@ -259,8 +268,12 @@ def attention(
             softcap,
             alibi_slopes,
             sinks,
+            _segments,
         )
     windowed = {} if window is None else {"window": window}
+    if _segments is not None:
+        # (flash_attention.varlen: the packed batch's runs, for the kernels' segments build)
+        windowed["segments"] = _segments
     if softcap:
         windowed["softcap"] = softcap
     if alibi_slopes is not None:
@@ -273,18 +286,21 @@ def attention(
         return _result(o, lse, return_lse)
 
     def fallback() -> tuple[torch.Tensor, torch.Tensor | None]:
+        variant = dict(windowed)
+        if _segments is not None:  # the chunked path reads the rows' runs as its window
+            variant["window"] = variant.pop("segments")[0]
         o, lse = _fallback.forward(
             q,
             k,
             v,
-            causal=causal,
+            causal=causal and _segments is None,  # (the runs carry causal per sequence)
             scale=problem.scale,
             return_lse=return_lse or sinks is not None,  # (the sinks rescale O by the sink-free LSE)
             out=out,
             key_range=key_range,
             dropout_p=float(dropout_p),
             dropout_seed=seed,
-            **windowed,
+            **variant,
         )
         return (o, lse) if sinks is None else apply_sinks(o, lse, sinks)
 
@@ -345,6 +361,7 @@ def _attention_op(
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    segments: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`attention` through the custom op ``flash_attention::fwd``: differentiable, and one opaque
     node for torch.compile. The op makes the same kernel-or-fallback choice as the direct path."""
@@ -354,9 +371,12 @@ def _attention_op(
             "call attention() without out= (it returns a new tensor), or under torch.no_grad()"
         )
     args = (q, k, v, problem.causal, problem.scale, deterministic, key_range, dropout_p, dropout_seed)
-    if window is not None or softcap or alibi_slopes is not None or sinks is not None:
-        # (the op's int[]? window, float softcap, Tensor? alibi_slopes, Tensor? sinks)
+    if window is not None or softcap or alibi_slopes is not None or sinks is not None or segments is not None:
+        # (the op's int[]? window, float softcap, Tensor? alibi_slopes, Tensor? sinks, Tensor? row_keys,
+        # Tensor? key_rows)
         args = (*args, None if window is None else list(window), softcap, alibi_slopes, sinks)
+        if segments is not None:
+            args = (*args, *segments)
     if records and not torch.compiler.is_compiling():
         # A fallback call that PyTorch's attention computes exactly as we define it (CPU tensors, float32 on
         # CUDA; fallback.plain_sdpa_call says which) goes to it whole, forward and autograd, at PyTorch's
@@ -370,6 +390,7 @@ def _attention_op(
             and not softcap
             and alibi_slopes is None
             and sinks is None
+            and segments is None
             and _fallback.plain_sdpa_call(
                 q, k, problem.causal, problem.scale, key_range, dropout_p, deterministic
             )

@@ -67,8 +67,15 @@ def _rows_allowed(
     row_start: int, row_end: int, seqlen_q: int, seqlen_k: int, causal: bool, window, device
 ) -> torch.Tensor | None:
     """(rows, seqlen_k) boolean mask of query rows [row_start, row_end) under ``causal`` and a sliding
-    ``window`` (:func:`window_allowed`'s rule); None when neither masks anything."""
+    ``window`` (:func:`window_allowed`'s rule), or, with ``window`` a (seqlen_q, 2) integer tensor, each
+    row's run of keys [window[i, 0], window[i, 1]) (a packed batch's segments, flash_attention.varlen);
+    None when nothing is masked."""
     allowed = _causal_allowed_rows(row_start, row_end, seqlen_q, seqlen_k, device) if causal else None
+    if isinstance(window, torch.Tensor):
+        runs = window[row_start:row_end].to(device=device, dtype=torch.int64)
+        cols = torch.arange(seqlen_k, device=device).unsqueeze(0)
+        seg = (cols >= runs[:, :1]) & (cols < runs[:, 1:])
+        return seg if allowed is None else allowed & seg
     if window is not None:
         rows = torch.arange(row_start, row_end, device=device).unsqueeze(1) + (seqlen_k - seqlen_q)
         cols = torch.arange(seqlen_k, device=device).unsqueeze(0)

@@ -68,7 +68,10 @@ def _reference(tensors, kw, dtype):
 def _close(got, exact, f32, name):
     err = (got.double() - exact).abs().max().item()
     err32 = (f32.to(got.dtype).double() - exact).abs().max().item()
-    assert err <= 4 * err32 + 2e-3, f"{name}: {err:.3g} against float64 (float32 rounded: {err32:.3g})"
+    bound = 4 * err32 + 2e-3
+    if name == "dsinks":  # (as in test_gpu_varlen: a sum over every row of D, formed from the rounded O')
+        bound += 1e-2 * exact.abs().max().item()
+    assert err <= bound, f"{name}: {err:.3g} against float64 (float32 rounded: {err32:.3g})"
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))

@@ -934,3 +934,65 @@ def test_mask_function_unpadded_window_mask_needs_no_host_read(monkeypatch):
     monkeypatch.setattr(fn, "_key_ranges", no_read)
     ranges = fn.key_ranges(got)
     assert ranges.is_full(9) and ranges.starts == (0, 0)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Packed sequences (position_ids restarting, no padding, no cache): one attention_varlen call per layer
+
+
+@pytest.fixture
+def varlen_calls(monkeypatch: pytest.MonkeyPatch) -> list:
+    """The packed route's calls of attention_varlen: (cu_seqlens, window, sinks given)."""
+    seen: list = []
+    real = integration.attention_varlen
+
+    def spy(q, k, v, cu_q, cu_k, **kwargs):
+        seen.append((cu_q.tolist(), kwargs.get("window"), kwargs.get("sinks") is not None))
+        return real(q, k, v, cu_q, cu_k, **kwargs)
+
+    monkeypatch.setattr(integration, "attention_varlen", spy)
+    return seen
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_packed_sequences_run_one_varlen_call_per_layer_and_match_eager(family, varlen_calls):
+    # Three documents packed into one row, as DataCollatorWithFlattening makes them: our route gives each
+    # its own causal attention (and sliding window) through attention_varlen; logits and a training step's
+    # gradients as eager's, which masks the same from the same position_ids. (gpt-oss's masks ignore
+    # packed position_ids in transformers itself, so its layers take the ordinary routes there.)
+    if family == "llama":
+        cfg = _config("llama")
+        make = transformers.AutoModelForCausalLM.from_config
+        ours = make(copy.deepcopy(cfg), attn_implementation=NAME)
+        eager = make(copy.deepcopy(cfg), attn_implementation="eager")
+        eager.load_state_dict(ours.state_dict())
+    else:
+        ours, eager = _family_models(family, NAME, "eager")
+    ids = torch.randint(3, VOCAB, (1, 21))
+    positions = torch.tensor([list(range(7)) + list(range(5)) + list(range(9))])
+    with torch.no_grad():
+        o = ours(ids, position_ids=positions, use_cache=False).logits
+        e = eager(ids, position_ids=positions, use_cache=False).logits
+    layers = len(ours.model.layers)
+    assert len(varlen_calls) == layers and all(c[0] == [0, 7, 12, 21] for c in varlen_calls)
+    if family == "mistral":
+        assert all(c[1] == (3, 0) for c in varlen_calls)  # its sliding window (4) on every layer
+    torch.testing.assert_close(o, e, rtol=1e-4, atol=1e-4 * e.abs().max().item())
+    # Eager on the same documents one by one: packing changed nothing.
+    starts = [0, 7, 12, 21]
+    with torch.no_grad():
+        spans = zip(starts[:-1], starts[1:], strict=True)
+        alone = torch.cat([eager(ids[:, a:b], use_cache=False).logits for a, b in spans], 1)
+    torch.testing.assert_close(e, alone, rtol=1e-4, atol=1e-4 * e.abs().max().item())
+    ours.train(), eager.train()
+    labels = ids.clone()
+    loss_o = ours(ids, position_ids=positions, labels=labels, use_cache=False).loss
+    loss_e = eager(ids, position_ids=positions, labels=labels, use_cache=False).loss
+    loss_o.backward()
+    loss_e.backward()
+    assert torch.allclose(loss_o, loss_e, rtol=1e-5, atol=0)
+    for (name, p), q in zip(ours.named_parameters(), eager.parameters(), strict=True):
+        if q.grad is None:
+            continue
+        scale = q.grad.abs().max().item()
+        assert (p.grad - q.grad).abs().max().item() <= 1e-4 * scale + 1e-7, name

@@ -83,7 +83,9 @@ struct Softcap {
   template <class Params>
   __device__ __forceinline__ Softcap(const Params& p, int, int) : cap(30.f), scale(p.scale) {}
   __device__ __forceinline__ float operator()(float s, int, int) const { return cap * tanhf(s / cap); }
-  __device__ __forceinline__ float folded(float s, float) const { return cap * tanhf(s * scale / cap) / scale; }
+  __device__ __forceinline__ float folded(float s, float) const {
+    return cap * tanhf(s * scale / cap) / scale;
+  }
   __device__ __forceinline__ int rel_offset() const { return 0; }
 };
 

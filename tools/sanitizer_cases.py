@@ -81,6 +81,14 @@ SINKS_CASES = [
     (2, 200, 260, 6, 3, 256, True, False, 0.0, False),
     (1, 90, 70, 2, 1, 72, True, False, 0.0, False),  # rows with no key (seqlen_q > seqlen_k, causal)
 ]
+#: Packed batches (attention_varlen, the segments builds): (lengths, heads_q, heads_kv, head_dim, causal,
+#: deterministic), with empty and one-token sequences and rows past the last one.
+VARLEN_CASES = [
+    ([130, 0, 257, 1, 64], 4, 2, 128, True, False),
+    ([77, 300, 0, 5], 4, 4, 64, False, True),
+    ([200, 33, 190], 6, 3, 256, True, False),
+    ([90, 1, 141], 2, 1, 72, True, False),
+]
 SMALL = {1: 40, 2: 60}  # --small: shorter sequences (index into the case tuple -> cap)
 
 #: Hopper only: the warp-specialized kernel's knobs the defaults may not use (the persistent grid's tile
@@ -216,6 +224,39 @@ def run_sinks_case(case, seed: int, small: bool) -> float:
         )
         lse_err = (lse.double() - ref_lse).abs().max().item()
         worst = max(worst, (o.double() - ref).abs().max().item(), lse_err, grad_err)
+    return worst
+
+
+def run_varlen_case(case, seed: int, small: bool) -> float:
+    """A packed batch through attention_varlen, forward and backward: the worst error against float64 run
+    on each sequence alone (gradients relative to their size)."""
+    import flash_attention
+
+    lengths, hq, hkv, d, causal, det = case
+    if small:
+        lengths = [min(n, SMALL[1]) for n in lengths]
+    total = sum(lengths) + 3  # rows past the last sequence
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(total, hq, d, generator=gen, device="cuda").to(torch.bfloat16)
+    k, v = (torch.randn(sum(lengths), hkv, d, generator=gen, device="cuda").to(torch.bfloat16) for _ in "kv")
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = flash_attention.attention_varlen(*leaves, cu, cu, causal=causal, deterministic=det)
+    do = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, do)
+    torch.cuda.synchronize()
+    worst = out[sum(lengths) :].abs().max().item()  # rows no sequence owns: 0
+    starts = cu.tolist()
+    for b, n in enumerate(lengths):
+        if n == 0:
+            continue
+        sl = slice(starts[b], starts[b] + n)
+        ref_leaves = [t[sl].double().unsqueeze(0).requires_grad_() for t in (q, k, v)]
+        ref, _ = attention_reference(*ref_leaves, causal=causal)
+        ref_grads = torch.autograd.grad(ref, ref_leaves, do[sl].double().unsqueeze(0))
+        worst = max(worst, (out[sl].double() - ref[0]).abs().max().item())
+        for g, r in zip(grads, ref_grads, strict=True):
+            worst = max(worst, ((g[sl].double() - r[0]).abs().max() / r.abs().max().clamp_min(1.0)).item())
     return worst
 
 
@@ -363,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window-only", action="store_true", help="only the sliding-window cases")
     ap.add_argument("--score-only", action="store_true", help="only the score-function cases")
     ap.add_argument("--sinks-only", action="store_true", help="only the attention-sink cases")
+    ap.add_argument("--varlen-only", action="store_true", help="only the packed-batch (varlen) cases")
     ap.add_argument(
         "--bwd-atomic-only",
         action="store_true",
@@ -395,6 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         or args.window_only
         or args.score_only
         or args.sinks_only
+        or args.varlen_only
     )
     hopper = torch.cuda.get_device_capability() == (9, 0)
     for i, case in enumerate(DET_CASES if hopper and (args.bwd_det_only or not only) else []):
@@ -405,6 +448,10 @@ def main(argv: list[str] | None = None) -> int:
         err = run_score_case(case, cap, alibi, seed=700 + i, small=args.small)
         worst = max(worst, err)
         print(f"score case {i}: {case} softcap {cap} alibi {alibi} max error {err:.3g}", flush=True)
+    for i, case in enumerate(VARLEN_CASES if args.varlen_only or not only else []):
+        err = run_varlen_case(case, seed=900 + i, small=args.small)
+        worst = max(worst, err)
+        print(f"varlen case {i}: {case} max error {err:.3g}", flush=True)
     for i, case in enumerate(SINKS_CASES if args.sinks_only or not only else []):
         err = run_sinks_case(case, seed=800 + i, small=args.small)
         worst = max(worst, err)

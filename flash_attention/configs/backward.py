@@ -161,7 +161,7 @@ class BwdConfig:
         causal: bool = False,
         ranged: bool = False,
         dropout: bool = False,
-        window: bool = False,
+        window: bool | str = False,
         score: str | None = None,
     ) -> str:
         """Entry point of one kernel of the family: ``pre``, ``convert``, ``dkdv`` (atomic dQ), ``dkdv_det``
@@ -174,7 +174,7 @@ class BwdConfig:
         return (
             base
             + ("__causal" if causal else "")
-            + ("__window" if window else "")
+            + (("__segments" if window == "segments" else "__window") if window else "")
             + (f"__{score}" if score else "")
             + ("__ranged" if ranged else "")
             + ("__dropout" if dropout else "")

@@ -22,7 +22,8 @@ __all__ = ["FEATURES", "is_wgmma", "supports", "unsupported"]
 #: negative_scale: a softmax scale below zero (the folded exp2 softmax assumes a positive one);
 #: untileable: a q/k/v layout a TMA tensor map cannot describe (e.g. a zero stride from ``expand``);
 #: window: a sliding window (fa/variant.cuh, WindowMask); softcap, alibi: those score functions
-#: (fa/variant.cuh, Softcap and Alibi).
+#: (fa/variant.cuh, Softcap and Alibi); segments: per-row key runs of a packed batch (varlen; fa/variant.cuh,
+#: SegmentMask).
 FEATURES = (
     "causal",
     "key_range",
@@ -34,35 +35,45 @@ FEATURES = (
     "window",
     "softcap",
     "alibi",
+    "segments",
 )
 _SCORES = frozenset({"softcap", "alibi"})
 
 _SUPPORTED = {
     # (backward?, kind) -> features
     (False, "portable"): frozenset(
-        {"causal", "key_range", "dropout", "trace", "negative_scale", "untileable", "window"} | _SCORES
+        {"causal", "key_range", "dropout", "trace", "negative_scale", "untileable", "window", "segments"}
+        | _SCORES
     ),
-    (False, "wgmma"): frozenset({"causal", "key_range", "dropout", "untileable", "window"} | _SCORES),
+    (False, "wgmma"): frozenset(
+        {"causal", "key_range", "dropout", "untileable", "window", "segments"} | _SCORES
+    ),
     # The debug build of the warp-specialized kernel records from a consumer warp, whose 16 rows of the
     # wgmma accumulators are laid out as one mma.sync tile (fa/frag.cuh); the sm90 kernel has none.
-    (False, "ws"): frozenset({"causal", "key_range", "dropout", "trace", "window"} | _SCORES),
+    (False, "ws"): frozenset({"causal", "key_range", "dropout", "trace", "window", "segments"} | _SCORES),
     (True, "portable"): frozenset(
-        {"causal", "key_range", "dropout", "deterministic", "untileable", "window"} | _SCORES
+        {"causal", "key_range", "dropout", "deterministic", "untileable", "window", "segments"} | _SCORES
     ),
     # The sm90 kernel: causal and GQA only.
     (True, "wgmma"): frozenset({"causal", "untileable"}),
     # The wide one (head_dim 192/256, csrc/kernels/sm90/bwd_wide): the mask policy's key-range build,
     # dropout, and a deterministic kernel (a third warpgroup adds dQ in the order of fa/dq_turns.cuh).
     (True, "wide"): frozenset(
-        {"causal", "key_range", "dropout", "deterministic", "untileable", "window"} | _SCORES
+        {"causal", "key_range", "dropout", "deterministic", "untileable", "window", "segments"} | _SCORES
     ),
     # The warp-specialized backward copies with cp.async (no tensor maps): any layout the sm90 one takes;
     # its key-range build is the mask policy's (fa/variant.cuh), as in the forward, it has dropout, and a
     # deterministic kernel (dQ reductions in a fixed order, fa/dq_turns.cuh).
     (True, "ws"): frozenset(
-        {"causal", "key_range", "dropout", "deterministic", "untileable", "window"} | _SCORES
+        {"causal", "key_range", "dropout", "deterministic", "untileable", "window", "segments"} | _SCORES
     ),
 }
+#: Features a family has one by one but not together: the deterministic Hopper backwards order their dQ
+#: additions by turns that assume every key block between a query block's first and last visits it
+#: (fa/dq_turns.cuh); segments can leave key blocks no row of a query block sees (a sequence's unused
+#: keys, seqused_k), whose turn would never come. The portable deterministic backward (a dQ kernel per
+#: query block, no turns) takes them.
+_EXCLUSIVE = {(kind, frozenset({"segments", "deterministic"})) for kind in ("ws", "wide")}
 
 
 def _kind(cfg: KernelConfig | BwdConfig) -> str:
@@ -86,5 +97,13 @@ def supports(cfg: KernelConfig | BwdConfig, feature: str) -> bool:
 
 
 def unsupported(cfg: KernelConfig | BwdConfig, features: Iterable[str]) -> list[str]:
-    """The ``features`` the family of ``cfg`` lacks, in order."""
-    return [f for f in features if not supports(cfg, f)]
+    """The ``features`` the family of ``cfg`` lacks, in order (for a pair the family has only one by one,
+    the later of the two)."""
+    features = list(features)
+    missing = [f for f in features if not supports(cfg, f)]
+    if isinstance(cfg, BwdConfig):
+        kind = _kind(cfg)
+        for k, pair in _EXCLUSIVE:
+            if k == kind and pair <= set(features):
+                missing.append(max(pair, key=features.index))
+    return missing

@@ -54,8 +54,16 @@ transformers' SDPA function instead):
   outside the window. A window that cuts no key (a cache no longer than it) is plain causal, and decoding
   steps then take the decode kernels. The ``sliding_window`` argument models also pass is not read: the
   mask says what the layer attends, as it does for ``"eager"`` and ``"sdpa"``.
+* packed sequences -- one row of several documents, ``position_ids`` restarting at each (as
+  ``DataCollatorWithFlattening`` makes them; no padding, no cache): transformers builds a 4-D mask, causal
+  within each document (and its window on a sliding layer). When the mask is exactly that (compared once
+  with the documents' runs: one host read per mask, which every layer of its kind shares and which
+  remembers the verdict), the layer runs one :func:`flash_attention.attention_varlen` call over the
+  documents (with its window, soft-capping or sinks), forward and backward, never materialising the mask
+  in the kernel. Here (unlike the other routes) the ``sliding_window`` argument picks the window compared.
 * a 4-D mask -- everything else (static-cache prefill or padding, a sliding window on a static cache,
-  packed sequences, chunked or bidirectional windows, custom mask functions, a 4-D mask passed by the
+  packed sequences whose mask is not the documents' causal one, chunked or bidirectional windows, custom
+  mask functions, a 4-D mask passed by the
   user): transformers' SDPA function with it, which computes that mask exactly.
 
 Attention dropout (``dropout``, which transformers' models pass only in training mode) runs on every
@@ -98,6 +106,7 @@ from ..interface import attention
 from ..kvcache import attention_with_kvcache
 from ..nn import functional as fn
 from ..reference import causal_allowed, window_allowed
+from ..varlen import attention_varlen, segments
 
 __all__ = ["NAME", "attention_forward", "attention_mask", "register"]
 
@@ -435,8 +444,9 @@ def _eager_attention(
     what = ", ".join(_EAGER_KWARGS[name] for name in needs)
     fn.warn_once(
         f"transformers-eager:{','.join(needs)}",
-        f"our attention kernel does not compute {what} yet: such calls run through {which}, which computes "
-        "it exactly but materialises the attention scores (slower, more memory)",
+        f"no kernel route takes this call with {what} (a position bias, a decoding step with soft-capping, "
+        f"a mask the kernels cannot express, or tensors they cannot read): such calls run through {which}, "
+        "which computes it exactly but materialises the attention scores (slower, more memory)",
         stacklevel=4,
         source="flash_attention.integrations.transformers",
     )
@@ -552,6 +562,16 @@ def attention_forward(
     # The library's layout, as views: (batch, seqlen, heads, head_dim); the kernel takes these strides.
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
 
+    packed = _packed_sequences(attention_mask, query, key, value, causal, kwargs)
+    if packed is not None and extra is not None:
+        # Packed sequences (position_ids restarting, no padding, no cache): one varlen call.
+        cu, window, longest = packed
+        out = attention_varlen(
+            q[0], k[0], v[0], cu, cu, max_seqlen_q=longest, max_seqlen_k=longest, causal=True, window=window,
+            softmax_scale=scaling, dropout_p=dropout, **extra,
+        )  # fmt: skip
+        return out.unsqueeze(0), None
+
     kernel_ok = (
         (attention_mask is None or attention_mask.dim() == 2)
         and kwargs.get("cache") is None  # a paged cache: transformers' function updates it
@@ -599,6 +619,56 @@ def attention_forward(
     return sdpa_attention_forward(
         module, query, key, value, mask, dropout=dropout, scaling=scaling, is_causal=causal, **kwargs
     )
+
+
+def _packed_sequences(attention_mask, query, key, value, causal, kwargs) -> tuple | None:
+    """``(cu_seqlens, window, longest)`` when this call is a packed batch that attention_varlen computes
+    exactly: one row of several sequences (``position_ids`` restarting, as DataCollatorWithFlattening makes
+    them), whose 4-D boolean mask transformers built as causal within each sequence (and, on a sliding
+    layer, its window). The mask is compared once with the sequences' runs (one host read per mask: every
+    layer of a kind receives the same tensor, which remembers the verdict); anything else is None."""
+    if (
+        attention_mask is None
+        or attention_mask.dim() != 4
+        or attention_mask.dtype != torch.bool
+        or attention_mask.shape[0] != 1
+        or attention_mask.shape[1] != 1
+        or not causal
+        or query.shape[0] != 1
+        or query.shape[2] != key.shape[2]
+        or kwargs.get("cache") is not None
+        or query.shape[-1] > MAX_HEAD_DIM
+        or value.shape[-1] != query.shape[-1]
+        or not query.dtype == key.dtype == value.dtype
+        or tuple(attention_mask.shape[-2:]) != (query.shape[2], key.shape[2])
+    ):
+        return None
+    position_ids = kwargs.get("position_ids")
+    if not isinstance(position_ids, torch.Tensor) or position_ids.shape[-1] != query.shape[2]:
+        return None
+    sliding = kwargs.get("sliding_window")
+    window = (int(sliding) - 1, 0) if isinstance(sliding, int) and sliding > 0 else None
+    memo = getattr(attention_mask, "_flash_attention_packed", {})
+    key_ = (window, position_ids.data_ptr(), position_ids._version)
+    if key_ in memo:
+        return memo[key_]
+    positions = position_ids.reshape(-1).to(attention_mask.device)
+    length = positions.numel()
+    # A sequence starts wherever the position does not follow the previous one (transformers' own rule).
+    starts = torch.ones(length, dtype=torch.bool, device=positions.device)
+    starts[1:] = positions[1:] != positions[:-1] + 1
+    first = starts.nonzero().flatten()  # (the host read)
+    cu = torch.cat((first, first.new_tensor([length]))).to(torch.int32)
+    verdict = None
+    if first.numel() > 1:
+        row_keys, _ = segments(cu, cu, length, length, causal=True, window=window)
+        cols = torch.arange(length, device=cu.device)
+        runs = (cols[None, :] >= row_keys[:, :1]) & (cols[None, :] < row_keys[:, 1:])
+        if torch.equal(runs, attention_mask[0, 0].to(runs.device)):
+            verdict = (cu, window, int((cu[1:] - cu[:-1]).max()))
+    memo[key_] = verdict
+    attention_mask._flash_attention_packed = memo
+    return verdict
 
 
 def _kernel_variants(needs_eager: list[str], kwargs: dict, heads_q: int) -> dict | None:

@@ -56,7 +56,7 @@ def cache_key(
     *,
     ranged: bool = False,
     dropout: bool = False,
-    window: bool = False,
+    window: bool | str = False,
     score: str | None = None,
 ) -> str:
     h = hashlib.sha256()
@@ -149,7 +149,7 @@ def build(
     trace: bool = False,
     ranged: bool = False,
     dropout: bool = False,
-    window: bool = False,
+    window: bool | str = False,
     score: str | None = None,
 ) -> BuiltKernel:
     """Compile ``cfg`` for ``arch`` (e.g. 'sm_90'), or take it from the disk cache.

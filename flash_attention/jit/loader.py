@@ -42,7 +42,7 @@ def get_kernel(
     *,
     ranged: bool = False,
     dropout: bool = False,
-    window: bool = False,
+    window: bool | str = False,
     score: str | None = None,
 ) -> driver.Kernel:
     """The loaded entry point of ``cfg`` for a GPU of ``arch`` (compiling or reading the cache on first use).
@@ -69,7 +69,7 @@ def get_bwd_kernels(
     *,
     ranged: bool = False,
     dropout: bool = False,
-    window: bool = False,
+    window: bool | str = False,
     score: str | None = None,
 ) -> dict[str, driver.Kernel]:
     """The loaded entry points of a backward config, by symbol (compiling or reading the cache once)."""

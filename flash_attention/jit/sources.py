@@ -38,19 +38,31 @@ def _cpp_bool(x: bool) -> str:
     return "true" if x else "false"
 
 
-def variant_type(causal: bool, ranged: bool, window: bool = False, score: str | None = None) -> str:
+#: The ``window`` value of the segments build: per-row key runs of a packed batch (varlen), whose arrays
+#: carry causal and any window (fa/visible_keys.cuh, SegmentKeys). ``window`` is otherwise a bool (True:
+#: the sliding-window build); both are "mask builds" with one entry point.
+SEGMENTS = "segments"
+
+
+def variant_type(causal: bool, ranged: bool, window: bool | str = False, score: str | None = None) -> str:
     """The C++ variant (csrc/include/fa/variant.cuh) a kernel body is instantiated with: the mask policy of
-    the causal flag and the per-batch key ranges, or of a sliding window (which carries causal as its right
-    bound 0) and the key ranges; no score function. A new variant is a new policy type named here
-    (docs/design.md, "Adding an attention variant")."""
+    the causal flag and the per-batch key ranges, of a sliding window (which carries causal as its right
+    bound 0) and the key ranges, or of segments (``window=SEGMENTS``); and the score function. A new variant
+    is a new policy type named here (docs/design.md, "Adding an attention variant")."""
+    if window == SEGMENTS and ranged:
+        raise ValueError("the segments build takes no key ranges (its runs carry them)")
     if score is not None:
         if score not in SCORE_MODS:
             raise ValueError(f"score must be one of {tuple(SCORE_MODS)} or None; got {score!r}")
-        if window:
+        if window == SEGMENTS:
+            mask = "fa::SegmentMask"
+        elif window:
             mask = f"fa::WindowMask<{_cpp_bool(ranged)}>"
         else:
             mask = f"fa::CausalRangeMask<{_cpp_bool(causal)}, {_cpp_bool(ranged)}>"
         return f"fa::Variant<{mask}, {SCORE_MODS[score]}>"
+    if window == SEGMENTS:
+        return "fa::Variant<fa::SegmentMask, fa::NoScoreMod>"
     if window:
         return f"fa::WindowVariant<{_cpp_bool(ranged)}>"
     return f"fa::DefaultVariant<{_cpp_bool(causal)}, {_cpp_bool(ranged)}>"
@@ -60,14 +72,14 @@ def variant_type(causal: bool, ranged: bool, window: bool = False, score: str | 
 SCORE_MODS = {"softcap": "fa::Softcap", "alibi": "fa::Alibi"}
 
 
-def mask_causals(window: bool) -> tuple[bool, ...]:
+def mask_causals(window: bool | str) -> tuple[bool, ...]:
     """The causal flags a build has entry points for: both, or (a sliding window, whose bounds include
     causal) one, named as not causal."""
     return (False,) if window else (False, True)
 
 
 def variant_name(
-    trace: bool, ranged: bool, dropout: bool = False, window: bool = False, score: str | None = None
+    trace: bool, ranged: bool, dropout: bool = False, window: bool | str = False, score: str | None = None
 ) -> str:
     """The instantiation's suffix: "" (normal), "trace", or the build's features joined by "__" in the order
     "window", the score function ("softcap", "alibi"), "ranged", "dropout"."""
@@ -77,7 +89,8 @@ def variant_name(
         )
     if trace:
         return "trace"
-    parts = (("window", window), (score or "", score is not None), ("ranged", ranged), ("dropout", dropout))
+    mask = SEGMENTS if window == SEGMENTS else "window"
+    parts = ((mask, bool(window)), (score or "", score is not None), ("ranged", ranged), ("dropout", dropout))
     return "__".join(x for x, on in parts if on)
 
 
@@ -88,7 +101,7 @@ def kernel_symbol(
     *,
     ranged: bool = False,
     dropout: bool = False,
-    window: bool = False,
+    window: bool | str = False,
     score: str | None = None,
 ) -> str:
     """Entry point name. The debug build's carries a ``__trace`` suffix (so a profiler tells them apart),
@@ -104,7 +117,7 @@ def kernel_source(
     *,
     ranged: bool = False,
     dropout: bool = False,
-    window: bool = False,
+    window: bool | str = False,
     score: str | None = None,
 ) -> str:
     """The translation unit of one config: its constants and the causal / non-causal entry points.
@@ -163,7 +176,7 @@ def bwd_kernel_source(
     *,
     ranged: bool = False,
     dropout: bool = False,
-    window: bool = False,
+    window: bool | str = False,
     score: str | None = None,
 ) -> str:
     """The translation unit of one backward config: the preprocessing kernel, the cast of the dQ workspace

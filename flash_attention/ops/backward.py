@@ -19,10 +19,12 @@ from ..dropout import dropout_key, seed_pair
 from ..jit import driver
 from ..jit.loader import get_bwd_kernels
 from ..jit.params import BwdParams
+from ..jit.sources import SEGMENTS
 from ..sinks import sinks_gradient_from_delta
 from .device import current_stream, device_arch, dtype_name
 from .plans import (
     PlanCache,
+    check_segments,
     device_facts,
     feature_list,
     fill_common,
@@ -30,6 +32,7 @@ from .plans import (
     fill_strides,
     launch_all,
     score_function,
+    segment_lengths,
     window_bounds,
 )
 from .select import backward_config
@@ -105,6 +108,7 @@ def _make_plan(
     window,
     score=None,
     softcap=0.0,
+    lengths=None,
 ) -> _Plan:
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
@@ -115,26 +119,28 @@ def _make_plan(
         dtype_name(q),
         head_dim,
         causal,
-        seqlen_q,
-        seqlen_k,
+        *(lengths or (seqlen_q, seqlen_k)),  # (a packed batch's: plans.segment_lengths)
         heads_q // heads_kv,
         **device_facts(index),
         features=feature_list(
             key_range=ranged,
             dropout=dropout_p,
             deterministic=deterministic,
-            window=window is not None,
+            window=window is not None and window != SEGMENTS,
             softcap=score == "softcap",
             alibi=score == "alibi",
+            segments=window == SEGMENTS,
         ),
         config=config,
     )
-    # The window build has one set of entry points, named as not causal (the window carries causal).
+    # The window and segments builds have one set of entry points, named as not causal (the window, or the
+    # segments' runs, carry causal).
     windowed = window is not None
     mask_causal = causal and not windowed
-    kerns = get_bwd_kernels(cfg, arch, ranged=ranged, dropout=bool(dropout_p), window=windowed, score=score)
+    build = SEGMENTS if window == SEGMENTS else windowed
+    kerns = get_bwd_kernels(cfg, arch, ranged=ranged, dropout=bool(dropout_p), window=build, score=score)
     dkdv_kind = "dkdv_det" if deterministic else "dkdv"
-    dkdv = kerns[cfg.symbol(dkdv_kind, mask_causal, ranged, bool(dropout_p), windowed, score)]
+    dkdv = kerns[cfg.symbol(dkdv_kind, mask_causal, ranged, bool(dropout_p), build, score)]
     dkdv.ensure_dynamic_smem(cfg.smem_bytes, index)
     dq = None
     # Deterministic on the sm80 family: dK/dV without atomics, then the dQ kernel. The deterministic forms
@@ -142,7 +148,7 @@ def _make_plan(
     # (turns taken on semaphores after the accumulator), and the cast follows as in the atomic mode.
     det_ws = deterministic and (cfg.warp_specialized or cfg.wide)
     if deterministic and not det_ws:
-        dq = kerns[cfg.symbol("dq", mask_causal, ranged, bool(dropout_p), windowed, score)]
+        dq = kerns[cfg.symbol("dq", mask_causal, ranged, bool(dropout_p), build, score)]
         dq.ensure_dynamic_smem(cfg.dq_smem_bytes, index)
 
     p = BwdParams()
@@ -160,7 +166,7 @@ def _make_plan(
     # (A window's walks, row-dependent, never wrap either.)
     lanes = (1 if causal or windowed else 2) if det_ws else 0
     p.dq_lanes = lanes
-    if windowed:
+    if windowed and window != SEGMENTS:
         p.window_left, p.window_right = window
     p.softcap = softcap  # (ALiBi's slopes are a per-call pointer: cuda_backward)
     p.num_n_blocks = math.ceil(seqlen_k / cfg.block_kv)
@@ -194,7 +200,7 @@ def _make_plan(
 
 def plan_for(
     q_, k_, v_, o_, do_, lse_, causal, scale, deterministic, ranged, dropout_p, config, window=None,
-    score=None, softcap=0.0,
+    score=None, softcap=0.0, lengths=None,
 ) -> _Plan:  # fmt: skip
     """The plan of a call on kernel-ready tensors (made on a miss)."""
     key = (
@@ -217,12 +223,13 @@ def plan_for(
         window,
         score,
         softcap,
+        lengths,
     )
     return _plans.get(
         key,
         lambda: _make_plan(
             q_, k_, v_, o_, do_, lse_, causal, scale, deterministic, ranged, dropout_p, config, window, score,
-            softcap,
+            softcap, lengths,
         ),
     )  # fmt: skip
 
@@ -246,11 +253,13 @@ def cuda_backward(
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    segments: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Gradients (dq, dk, dv) of :func:`flash_attention.ops.cuda_forward`'s output ``out`` with LSE ``lse``,
     for the output gradient ``dout``: new contiguous tensors of q's, k's and v's shapes and dtype. With the
     forward's ``sinks`` (``out`` and ``lse`` then the forward's, sinks included), also the sinks' gradient
-    (a fourth tensor, from the preprocessing kernel's D rows: flash_attention.sinks).
+    (a fourth tensor, from the preprocessing kernel's D rows: flash_attention.sinks). ``segments``: the
+    forward's (ops.cuda_forward).
 
     ``config`` names a backward configuration (else the tuned winner or the heuristic:
     :func:`flash_attention.ops.select.backward_config`); ``key_range``, ``dropout_p`` / ``dropout_seed``,
@@ -262,6 +271,9 @@ def cuda_backward(
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k = k.shape[1]
     bounds = window_bounds(window, causal, seqlen_q, seqlen_k)
+    if segments is not None:
+        check_segments(segments, q, k, key_range, window)
+        bounds = SEGMENTS
     score = score_function(softcap, alibi_slopes, q)
     if head_dim % 8:
         d8 = padded_to_8(head_dim)
@@ -279,6 +291,7 @@ def cuda_backward(
             softcap=softcap,
             alibi_slopes=alibi_slopes,
             sinks=sinks,
+            segments=segments,
         )
         return (*(g[..., :head_dim].contiguous() for g in grads[:3]), *grads[3:])
 
@@ -295,7 +308,7 @@ def cuda_backward(
     ranged = key_range is not None
     plan = plan_for(
         q_, k_, v_, o_, do_, lse_, causal, softmax_scale, deterministic, ranged, dropout_p, config, bounds,
-        score, float(softcap),
+        score, float(softcap), segment_lengths(segments),
     )  # fmt: skip
     stats, accum = plan.stats, plan.accum
     ws = torch.empty(2 * stats + accum, dtype=torch.float32, device=device)
@@ -314,6 +327,8 @@ def cuda_backward(
         p.dropout_key = dropout_key(*seed_pair(dropout_seed))
     if alibi_slopes is not None:
         fill_score(p, p.softcap, alibi_slopes)
+    if segments is not None:
+        p.row_keys, p.key_rows = segments[0].data_ptr(), segments[1].data_ptr()
 
     launch_all(plan.launches, plan.index, p, current_stream(plan.index))
     if sinks is not None:

@@ -23,11 +23,13 @@ from ..dropout import dropout_key, seed_pair
 from ..jit import driver
 from ..jit.loader import get_kernel
 from ..jit.params import FwdParams, FwdTmaParams
+from ..jit.sources import SEGMENTS
 from . import tma
 from . import trace as _trace
 from .device import device_arch, dtype_name, sm_count
 from .plans import (
     PlanCache,
+    check_segments,
     device_facts,
     feature_list,
     fill_common,
@@ -35,6 +37,7 @@ from .plans import (
     fill_strides,
     launch,
     score_function,
+    segment_lengths,
     window_bounds,
 )
 from .select import forward_config
@@ -86,14 +89,16 @@ def clear_plans() -> None:
     _plans.clear()
 
 
-def _config(q, k, causal, needs, config=None) -> KernelConfig:
-    """The forward config of a call on q's GPU (named, tuned or the heuristic's: select.forward_config)."""
+def _config(q, k, causal, needs, config=None, lengths=None) -> KernelConfig:
+    """The forward config of a call on q's GPU (named, tuned or the heuristic's: select.forward_config);
+    ``lengths``: the (seqlen_q, seqlen_k) to choose by instead of q's and k's (a packed batch's sequences)."""
+    seqlen_q, seqlen_k = lengths or (q.shape[1], k.shape[1])
     return forward_config(
         dtype_name(q),
         padded_to_8(q.shape[3]),
         causal,
-        q.shape[1],
-        k.shape[1],
+        seqlen_q,
+        seqlen_k,
         q.shape[2] // k.shape[2],
         **device_facts(q.get_device()),
         features=needs,
@@ -127,22 +132,25 @@ def _make_plan(
     window=None,
     score=None,
     softcap=0.0,
+    lengths=None,
 ) -> _Plan:
     """The plan of a call (``trace``: with the debug build's kernel, fa/trace.cuh; ``window``: the kernels'
-    (left, right) of a sliding window, plans.window_bounds, which carries causal)."""
+    (left, right) of a sliding window, plans.window_bounds, which carries causal; ``lengths``: _config's)."""
     batch, seqlen_q, heads_q = q.shape[:3]
     check_grid(batch, heads_q, seqlen_q, k.shape[1])
     index = q.get_device()
-    cfg = _config(q, k, causal, needs, config)
-    # The window build has one entry point, named as not causal (the window's right bound carries causal).
+    cfg = _config(q, k, causal, needs, config, lengths)
+    # The window and segments builds have one entry point, named as not causal (the window's right bound,
+    # or the segments' runs, carry causal).
     windowed = window is not None
+    build = SEGMENTS if window == SEGMENTS else windowed
     kernel = get_kernel(
         cfg, bool(causal) and not windowed, device_arch(index), trace, ranged=ranged, dropout=bool(dropout_p),
-        window=windowed, score=score,
+        window=build, score=score,
     )  # fmt: skip
     kernel.ensure_dynamic_smem(cfg.smem_bytes, index)
     p = _params(q, k, v, o, cfg, scale, dropout_p)
-    if windowed:
+    if windowed and window != SEGMENTS:
         p.window_left, p.window_right = window
     p.softcap = softcap  # (ALiBi's slopes are a per-call pointer: launch_plan)
     grid = (p.num_m_blocks, heads_q, batch)
@@ -301,9 +309,11 @@ def chosen_config(
 
 
 def plan_for(
-    q, k, v, o, causal, scale, ranged, dropout_p, config, negative, window=None, score=None, softcap=0.0
-) -> _Plan:
-    """The plan of a call on kernel-ready tensors (made on a miss); ``window``: plans.window_bounds."""
+    q, k, v, o, causal, scale, ranged, dropout_p, config, negative, window=None, score=None, softcap=0.0,
+    lengths=None,
+) -> _Plan:  # fmt: skip
+    """The plan of a call on kernel-ready tensors (made on a miss); ``window``: plans.window_bounds, or
+    SEGMENTS for the segments build."""
     key = (
         q.shape,
         q.stride(),
@@ -321,6 +331,7 @@ def plan_for(
         window,
         score,
         softcap,
+        lengths,
     )
     # The feature list is built only on a miss: a hit is the hot path of every call.
     return _plans.get(
@@ -332,13 +343,15 @@ def plan_for(
                 dropout=dropout_p,
                 negative_scale=negative,
                 untileable=tma.untileable(q, k, v),
-                window=window is not None,
+                window=window is not None and window != SEGMENTS,
                 softcap=score == "softcap",
                 alibi=score == "alibi",
+                segments=window == SEGMENTS,
             ),
             window=window,
             score=score,
             softcap=softcap,
+            lengths=lengths,
         ),
     )  # fmt: skip
 
@@ -362,6 +375,7 @@ def cuda_forward(
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    segments: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the forward kernel; returns ``(out, lse)`` (``lse`` None unless ``return_lse``).
 
@@ -377,6 +391,10 @@ def cuda_forward(
     ``-slope * |i + shift - j|`` to them. ``sinks`` (heads_q,) floats are attention sinks, joined to each
     row's softmax denominator in the kernel's epilogue (the LSE includes them). A head_dim that is not a
     multiple of 8 runs on inputs zero-padded to the next one (a copy; multiples of 8 are read in place).
+    ``segments`` = (row_keys, key_rows), contiguous int32 (seqlen_q, 2) and (seqlen_k, 2) tensors on q's
+    device, runs the segments build on a batch of one: query row i sees keys [row_keys[i, 0],
+    row_keys[i, 1]) (flash_attention.varlen builds them; they carry causal and any window, and exclude
+    ``key_range`` and ``window``).
 
     ``trace`` (an object with ``batch``, ``head``, ``row_block``, ``warp``, e.g. a
     :class:`flash_attention.tools.sim.TraceSpec`), or the environment variable ``FLASH_ATTENTION_TRACE``,
@@ -391,12 +409,15 @@ def cuda_forward(
     if dropout_p and dropout_seed is None:
         raise ValueError("dropout_p > 0 needs dropout_seed (flash_attention.dropout.draw_seed())")
     bounds = window_bounds(window, causal, q.shape[1], k.shape[1])
+    if segments is not None:
+        check_segments(segments, q, k, key_range, window)
+        bounds = SEGMENTS
     score = score_function(softcap, alibi_slopes, q)
     head_dim = q.shape[3]
     if head_dim % 8:
         return _padded_forward(
             q, k, v, causal, softmax_scale, return_lse, out, config, trace, trace_fault, key_range, dropout_p,
-            dropout_seed, window, softcap, alibi_slopes, sinks,
+            dropout_seed, window, softcap, alibi_slopes, sinks, segments,
         )  # fmt: skip
     if trace is not None:
         if key_range is not None or dropout_p or bounds is not None or score is not None or sinks is not None:
@@ -422,7 +443,7 @@ def cuda_forward(
     ranged = key_range is not None
     plan = plan_for(
         q_, k_, v_, o, causal, softmax_scale, ranged, dropout_p, config, softmax_scale < 0, bounds, score,
-        float(softcap),
+        float(softcap), segment_lengths(segments),
     )  # fmt: skip
     if ranged:
         # The kernel reads two int32 per batch row, contiguous; kept alive until the launch is queued.
@@ -430,7 +451,7 @@ def cuda_forward(
     key = dropout_key(*seed_pair(dropout_seed)) if dropout_p else 0
     if sinks is not None:  # float32 and contiguous as the kernel reads them; kept alive until the launch
         sinks = sinks.detach().to(device=q.device, dtype=torch.float32).contiguous()
-    launch_plan(plan, q_, k_, v_, o, lse, key_range, key, alibi_slopes, sinks)
+    launch_plan(plan, q_, k_, v_, o, lse, key_range, key, alibi_slopes, sinks, segments)
     if out is not None and o is not out:
         out.copy_(o)
         o = out
@@ -438,8 +459,9 @@ def cuda_forward(
 
 
 def launch_plan(
-    plan: _Plan, q_, k_, v_, o, lse, key_range=None, key: int = 0, alibi_slopes=None, sinks=None
-) -> None:
+    plan: _Plan, q_, k_, v_, o, lse, key_range=None, key: int = 0, alibi_slopes=None, sinks=None,
+    segments=None,
+) -> None:  # fmt: skip
     """Launch ``plan`` on kernel-ready q, k and v into ``o`` (and ``lse``, or None), with ``key_range`` (None,
     or the int32 contiguous (batch, 2) tensor of a ranged plan), the dropout ``key`` of a dropout plan,
     ALiBi's slopes and the sinks (float32 contiguous (heads_q,), or None) of a call that has them."""
@@ -452,12 +474,14 @@ def launch_plan(
         fill_score(p, p.softcap, alibi_slopes)
     if sinks is not None:
         p.sinks = sinks.data_ptr()
+    if segments is not None:
+        p.row_keys, p.key_rows = segments[0].data_ptr(), segments[1].data_ptr()
     launch(plan.kernel, plan.grid, plan.threads, plan.smem, plan.index, args)
 
 
 def _padded_forward(
     q, k, v, causal, scale, return_lse, out, config, trace, trace_fault, key_range, dropout_p, dropout_seed,
-    window=None, softcap=0.0, alibi_slopes=None, sinks=None,
+    window=None, softcap=0.0, alibi_slopes=None, sinks=None, segments=None,
 ):  # fmt: skip
     """A head_dim that is not a multiple of 8: the kernels read whole 16-byte chunks of a row, so q, k and v
     are zero-padded to the next multiple of 8 (the scale stays the caller's) and the output sliced back."""
@@ -480,6 +504,7 @@ def _padded_forward(
         softcap=softcap,
         alibi_slopes=alibi_slopes,
         sinks=sinks,
+        segments=segments,
     )
     o = o[..., : q.shape[3]]
     if out is not None:

@@ -31,6 +31,8 @@ __all__ = [
     "launch",
     "fill_score",
     "score_function",
+    "check_segments",
+    "segment_lengths",
     "window_bounds",
 ]
 
@@ -82,6 +84,37 @@ def feature_list(**flags: object) -> list[str]:
     """The names of the features a call needs (configs.families) from keyword flags:
     ``feature_list(key_range=False, dropout=0.1)`` is ``["dropout"]``."""
     return [name for name, on in flags.items() if on]
+
+
+def check_segments(
+    segments: object, q: torch.Tensor, k: torch.Tensor, key_range: object, window: object
+) -> None:
+    """Raise unless ``segments`` is (row_keys, key_rows): contiguous int32 tensors of shapes (seqlen_q, 2) and
+    (seqlen_k, 2) on q's device, for a batch of one, without ``key_range`` or ``window`` (the runs carry
+    both). Their values are the caller's (flash_attention.varlen builds them); the kernels clamp the rows
+    they read, not the values."""
+    if key_range is not None or window is not None:
+        raise ValueError("segments carry the key ranges and the window: pass neither key_range nor window")
+    if not isinstance(segments, tuple) or len(segments) != 2:
+        raise TypeError("segments must be a tuple (row_keys, key_rows)")
+    if q.shape[0] != 1:
+        raise ValueError(f"segments run on a batch of one (packed sequences); got batch {q.shape[0]}")
+    for name, t, n in (("row_keys", segments[0], q.shape[1]), ("key_rows", segments[1], k.shape[1])):
+        if (
+            not isinstance(t, torch.Tensor)
+            or t.dtype != torch.int32
+            or tuple(t.shape) != (n, 2)
+            or t.device != q.device
+            or not t.is_contiguous()
+        ):
+            raise ValueError(f"segments' {name} must be a contiguous int32 ({n}, 2) tensor on {q.device}")
+
+
+def segment_lengths(segments: tuple | None) -> tuple[int, int] | None:
+    """The (seqlen_q, seqlen_k) a packed batch's configurations are chosen by: its sequences' typical
+    lengths, which flash_attention.varlen notes on the runs (``_typical_lengths``: the max_seqlen hints, else
+    the mean), where the packed lengths would pick tiles for one long sequence. None: q's and k's own."""
+    return None if segments is None else getattr(segments[0], "_typical_lengths", None)
 
 
 def window_bounds(window: object, causal: bool, seqlen_q: int, seqlen_k: int) -> tuple[int, int] | None:

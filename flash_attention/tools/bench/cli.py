@@ -180,6 +180,13 @@ def build_parser() -> argparse.ArgumentParser:
         "FlexAttention gets the score_mod, SDPA the additive mask)",
     )
     p.add_argument(
+        "--varlen",
+        action="store_true",
+        help="a packed batch of ragged documents (lengths uniform in 128..8192, --tokens of them, default "
+        "64k) through attention_varlen, against the padded dense batch's useful work, FlexAttention's "
+        "document mask and SDPA's block-diagonal mask (--mode fwd or fwd_bwd; file tag 'varlen')",
+    )
+    p.add_argument(
         "--sinks",
         action="store_true",
         help="attention sinks on every shape, a logit per query head (attention()'s sinks=; SDPA and "
@@ -341,6 +348,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 2
 
+    if args.varlen:
+        return _main_varlen(args, reps, min_time)
     if args.mode == "decode":
         return _main_decode(args, reps, min_time)
     if args.mode == "model":
@@ -524,6 +533,32 @@ def _main_model(args: argparse.Namespace, reps: int, min_time: float) -> int:
     print()
     print(model_text(rows))
     _save_tagged(result, args, "model")
+    return 0
+
+
+def _main_varlen(args: argparse.Namespace, reps: int, min_time: float) -> int:
+    """``--varlen``: :mod:`.varlen`'s packed batch, saved with tag 'varlen'."""
+    from .varlen import VARLEN_IMPLS, VarlenSettings, run_varlen
+
+    d = (args.head_dims or (128,))[0]
+    # --impls picks among them (flash_attention brings its padded twin along).
+    picked = [i for i in VARLEN_IMPLS if i in args.impls or (i.startswith(OURS) and OURS in args.impls)]
+    settings = VarlenSettings(
+        impls=VARLEN_IMPLS if args.impls == DEFAULT_IMPLS else tuple(picked),
+        head_dim=d,
+        heads=max(1, args.width // d),
+        kv_heads=args.kv_heads,
+        tokens=args.tokens if args.tokens != 16384 else 65536,
+        causal={"both": (True, False), "yes": (True,), "no": (False,)}[args.causal],
+        mode=args.mode if args.mode in ("fwd", "fwd_bwd") else "fwd",
+        dtype=args.dtype or "bf16",
+        warmup=args.warmup,
+        min_reps=min(reps, 10),
+        min_time_s=min_time,
+    )
+    result = environment(torch.cuda.current_device(), args.commit, args.allow_dirty)
+    result.update(mode="varlen", matmul_tflops=None, rows=run_varlen(settings))
+    _save_tagged(result, args, "varlen")
     return 0
 
 

@@ -106,4 +106,27 @@ __device__ __forceinline__ QBlocks<true> q_blocks(const WindowKeys<kRanged>& key
   return blocks;
 }
 
+// Segments (SegmentKeys): the K/V blocks from the first row's first key to the last row's last key (both
+// bounds are nondecreasing along the rows). Empty: end == begin.
+template <int BC>
+__device__ __forceinline__ KVBlocks<true> kv_blocks(const SegmentKeys& keys, int q_start, int q_rows) {
+  const int lo = keys.first_key(q_start);
+  const int hi = keys.end_key(q_start + q_rows - 1);
+  KVBlocks<true> blocks;
+  blocks.begin = lo / BC;
+  blocks.end = hi > lo ? (hi + BC - 1) / BC : blocks.begin;
+  return blocks;
+}
+
+// Segments: the query blocks (BR rows each) from the first key's first row to the last key's last row.
+template <int BR, int BC, class Params>
+__device__ __forceinline__ QBlocks<true> q_blocks(const SegmentKeys& keys, const Params& p, int kv_start) {
+  const int lo = keys.first_row(kv_start);
+  const int hi = keys.end_row(min(kv_start + BC, keys.seqlen_k) - 1);
+  QBlocks<true> blocks;
+  blocks.begin = lo / BR;
+  blocks.count = hi > lo ? min(p.num_m_blocks, (hi + BR - 1) / BR) - blocks.begin : 0;
+  return blocks;
+}
+
 }  // namespace fa

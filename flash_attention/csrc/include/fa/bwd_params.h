@@ -56,6 +56,8 @@ struct BwdParams {
   float softcap;                   // as in FwdParams (the score functions' instantiations only)
   const float* alibi_slopes;
   int alibi_batch_stride;
+  const int* row_keys;  // as in FwdParams (SegmentMask instantiations only)
+  const int* key_rows;
 };
 
 }  // namespace fa

@@ -134,4 +134,60 @@ __device__ __forceinline__ void mask_key_rows(const Acc& s, const WindowKeys<kRa
   }
 }
 
+// Segments (SegmentKeys), query-row orientation: a key outside the row's run [first_key, end_key) is masked.
+// The tile is wholly visible when its keys lie within the last row's first key and the first row's end
+// (two loads, the same address across the warp); otherwise each of the thread's rows loads its run.
+template <class Acc>
+__device__ __forceinline__ void mask_query_rows(const Acc& s, const SegmentKeys& keys, int q_row0, int kv_start,
+                                                int g, int t) {
+  constexpr int BC = 8 * Acc::kN;
+  constexpr int WM = 16 * Acc::kMT;
+  if (kv_start < keys.first_key(q_row0 + WM - 1) || kv_start + BC > keys.end_key(q_row0)) {
+#pragma unroll
+    for (int mt = 0; mt < Acc::kMT; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = q_row0 + 16 * mt + g + 8 * h;
+        const int first = keys.first_key(row) - kv_start - 2 * t;  // masked if 8n + e1 < this
+        const int end = keys.end_key(row) - kv_start - 2 * t;      // masked if 8n + e1 >= this
+#pragma unroll
+        for (int n = 0; n < Acc::kN; ++n)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int col = 8 * n + c;
+            if ((col < first) | (col >= end)) s(mt, n, 2 * h + c) = neg_inf();
+          }
+      }
+  }
+}
+
+// Segments, key-row orientation: a query outside the key's run [first_row, end_row) is masked.
+template <class Acc>
+__device__ __forceinline__ void mask_key_rows(const Acc& s, const SegmentKeys& keys, int kv_start, int warp_row0,
+                                              int q_start, int g, int t) {
+  constexpr int WN = 16 * Acc::kMT;
+  constexpr int QN = 8 * Acc::kN;
+  const int key0 = kv_start + warp_row0;
+  if (key0 + WN > keys.seqlen_k || q_start < keys.first_row(key0 + WN - 1) ||
+      q_start + QN > keys.end_row(key0)) {
+#pragma unroll
+    for (int mt = 0; mt < Acc::kMT; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int key = key0 + 16 * mt + g + 8 * h;
+        // Keys past seqlen_k (a tile's tail) are masked whole.
+        const bool past = key >= keys.seqlen_k;
+        const int first = keys.first_row(key) - q_start - 2 * t;  // masked if 8n + e1 < this
+        const int end = keys.end_row(key) - q_start - 2 * t;      // masked if 8n + e1 >= this
+#pragma unroll
+        for (int n = 0; n < Acc::kN; ++n)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int col = 8 * n + c;
+            if (past | (col < first) | (col >= end)) s(mt, n, 2 * h + c) = neg_inf();
+          }
+      }
+  }
+}
+
 }  // namespace fa

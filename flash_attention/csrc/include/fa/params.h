@@ -53,6 +53,11 @@ struct FwdParams {
   // epilogue (fa/softmax.cuh, sink_row); null: none. Read by every build (one branch per row), so sinks add
   // no instantiation.
   const float* sinks;
+  // Per-row key ranges (read only by the SegmentMask instantiations, fa/visible_keys.cuh SegmentKeys):
+  // query row i sees keys [row_keys[2 i], row_keys[2 i + 1]); key j is seen by query rows
+  // [key_rows[2 j], key_rows[2 j + 1]) (the backward's dK/dV side; the same relation).
+  const int* row_keys;
+  const int* key_rows;
 };
 
 }  // namespace fa

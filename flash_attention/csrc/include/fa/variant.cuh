@@ -159,6 +159,8 @@ template <bool kCausal, bool kRanged>
 using DefaultVariant = Variant<CausalRangeMask<kCausal, kRanged>, NoScoreMod>;
 template <bool kRanged>
 using WindowVariant = Variant<WindowMask<kRanged>, NoScoreMod>;
+// Segments (SegmentKeys): per-row key runs from the host, a packed batch of sequences (varlen).
+using SegmentMask = RuleMask<SegmentKeys, true, true>;
 
 // Whether a forward keeps the scale folded into exp2's multiplier (fa/softmax.cuh): where the kernel's
 // config asks for it; a score function then runs in its folded form (score_mod_query_rows_folded).

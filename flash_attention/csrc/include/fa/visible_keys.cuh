@@ -55,4 +55,36 @@ struct WindowKeys {
   }
 };
 
+// Segments (SegmentMask, fa/variant.cuh): every query row sees one contiguous run of keys, given per row:
+// query row i sees key j iff row_keys[2 i] <= j < row_keys[2 i + 1], and equivalently key j is seen by rows
+// key_rows[2 j] <= i < key_rows[2 j + 1]. The host builds both arrays from a packed batch of sequences
+// (flash_attention/varlen.py: each sequence's keys, its causal diagonal and sliding window), with both
+// bounds nondecreasing along the rows and along the keys, so that a tile's visible keys (rows) lie between
+// its first row's first key and its last row's last key, and a tile is wholly visible when its keys lie
+// between its last row's first key and its first row's last key. The row and key indices are those of
+// the packed tensors (batch 1). Rows past seqlen_q (a tile's tail) read the last row's range.
+struct SegmentKeys {
+  const int* row_keys;
+  const int* key_rows;
+  int seqlen_q, seqlen_k;
+  int kv_hi;  // no row sees a key at or past it (RuleMask::key_end)
+
+  template <class Params>
+  __device__ __forceinline__ SegmentKeys(const Params& p, int /*batch*/)
+      : row_keys(p.row_keys), key_rows(p.key_rows), seqlen_q(p.seqlen_q), seqlen_k(p.seqlen_k),
+        kv_hi(p.seqlen_k) {}
+  __device__ __forceinline__ int first_key(int row) const {
+    return __ldg(row_keys + 2 * min(row, seqlen_q - 1));
+  }
+  __device__ __forceinline__ int end_key(int row) const {
+    return __ldg(row_keys + 2 * min(row, seqlen_q - 1) + 1);
+  }
+  __device__ __forceinline__ int first_row(int key) const {
+    return __ldg(key_rows + 2 * min(key, seqlen_k - 1));
+  }
+  __device__ __forceinline__ int end_row(int key) const {
+    return __ldg(key_rows + 2 * min(key, seqlen_k - 1) + 1);
+  }
+};
+
 }  // namespace fa

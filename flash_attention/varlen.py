@@ -1,0 +1,230 @@
+"""Variable-length batches: attention over packed sequences (``attention_varlen``).
+
+Sequences of different lengths are packed one after another along the token axis, as training pipelines
+pack documents (``DataCollatorWithFlattening``) and serving engines pack prompts: q is (total_q, heads_q,
+head_dim), k and v (total_k, heads_kv, head_dim), and ``cu_seqlens_q`` / ``cu_seqlens_k`` (batch + 1 int32
+offsets on the device) say where each sequence starts. Sequence b's queries attend only its own keys, with
+causal and a sliding window aligned to its own bottom-right corner, exactly as :func:`attention` on that
+sequence alone.
+
+How the kernels compute it: the packed tensors are one batch row, and each query row's visible keys are one
+contiguous run of that row, [row_keys[i, 0], row_keys[i, 1]) (and each key's visible rows the run
+[key_rows[j, 0], key_rows[j, 1])). :func:`segments` builds both arrays on the device from the offsets with a
+few elementwise kernels (no host synchronisation: the call can be captured in a CUDA graph or compiled), and
+every kernel family's segments build (``csrc/include/fa/visible_keys.cuh``, SegmentKeys) skips the key
+blocks outside a tile's runs and masks within the tiles that straddle a run's end. A query tile that
+straddles two sequences visits the key blocks of both (masked), so a packed batch costs its useful work
+plus about one extra tile per sequence boundary.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from ._validate import check_window
+from .interface import attention
+
+__all__ = ["attention_varlen", "segments"]
+
+#: Segments of recent calls, by their offsets' identity and version (every layer of a model passes the same
+#: tensors): a hit skips the dozen small kernels that build them.
+_CACHE: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+_CACHE_SIZE = 8
+
+
+def _offsets(name: str, cu: object, device: torch.device) -> torch.Tensor:
+    if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 1:
+        raise ValueError(f"{name} must be a 1-D integer tensor of batch + 1 offsets")
+    if cu.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be int32 (or int64); got {cu.dtype}")
+    if cu.device != device:
+        raise ValueError(f"{name} must be on the device of q ({device}); got {cu.device}")
+    return cu.to(torch.int64)
+
+
+def segments(
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    total_q: int,
+    total_k: int,
+    *,
+    causal: bool,
+    window: tuple[int, int] | None = None,
+    seqused_k: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The runs of a packed batch: ``(row_keys, key_rows)``, contiguous int32 (total_q, 2) and (total_k, 2).
+
+    Sequence b owns query rows [cu_q[b], cu_q[b+1]) and keys [cu_k[b], cu_k[b] + n_b) with n_b =
+    ``seqused_k[b]`` (its keys in use; default all of cu_k[b+1] - cu_k[b]). Its query i (0-based) sees its
+    key j iff j - (n_b - m_b) is within the window of i (causal: the window (-1, 0)), m_b its query count:
+    the alignment of :func:`flash_attention.attention`. Rows after the last sequence and keys no row sees
+    get empty runs placed so that both bounds stay nondecreasing (the kernels' block ranges rely on it).
+    """
+    device = cu_seqlens_q.device
+    cu_q, cu_k = cu_seqlens_q.to(torch.int64), cu_seqlens_k.to(torch.int64)
+    batch = cu_q.numel() - 1
+    if batch == 0:  # no sequence: every row and key has an empty run
+        zeros = (torch.zeros(n, 2, dtype=torch.int32, device=device) for n in (total_q, total_k))
+        return tuple(zeros)  # type: ignore[return-value]
+    left, right = (-1, 0 if causal else -1) if window is None else window
+    if causal and window is not None:
+        right = 0 if right < 0 else min(right, 0)
+    len_q = cu_q[1:] - cu_q[:-1]
+    len_k = cu_k[1:] - cu_k[:-1]
+    used = len_k if seqused_k is None else torch.minimum(seqused_k.to(torch.int64).clamp_min(0), len_k)
+    shift = used - len_q
+
+    # Each query row's sequence (rows past the last sequence: the last one, clamped below).
+    rows = torch.arange(total_q, device=device)
+    doc = torch.searchsorted(cu_q[1:], rows, right=True).clamp_max(max(batch - 1, 0))
+    i = rows - cu_q[doc]
+    n = used[doc]
+    d = i + shift[doc]  # the row's diagonal key (0-based in its sequence)
+    hi = n if right < 0 else torch.minimum(n, d + right + 1)
+    lo = torch.zeros_like(d) if left < 0 else (d - left).clamp_min(0)
+    lo = torch.minimum(lo, n)
+    hi = torch.maximum(hi, lo)
+    # (torch.where, not a boolean index: that would read the count back to the host.)
+    outside = rows >= cu_q[-1]  # rows no sequence owns: no key, at the end of the keys
+    base = cu_k[doc]
+    row_keys = torch.stack((base + lo, base + hi), dim=1)
+    row_keys = torch.where(outside.unsqueeze(1), cu_k[-1], row_keys)
+
+    # Each key's sequence and the query rows that see it (the same relation, solved for i).
+    keys = torch.arange(total_k, device=device)
+    kdoc = torch.searchsorted(cu_k[1:], keys, right=True).clamp_max(max(batch - 1, 0))
+    j = keys - cu_k[kdoc]
+    m = len_q[kdoc]
+    dk = j - shift[kdoc]  # the row whose diagonal key is j
+    qlo = torch.zeros_like(dk) if right < 0 else (dk - right).clamp_min(0)
+    qhi = m if left < 0 else torch.minimum(m, dk + left + 1)
+    qlo = torch.minimum(qlo, m)
+    qhi = torch.maximum(qhi, qlo)
+    unused = (j >= used[kdoc]) | (keys >= cu_k[-1])  # keys in no sequence or past its seqused_k
+    qlo = torch.where(unused, m, qlo)
+    qhi = torch.where(unused, m, qhi)
+    qbase = cu_q[kdoc]
+    key_rows = torch.stack((qbase + qlo, qbase + qhi), dim=1)
+    key_rows = torch.where((keys >= cu_k[-1]).unsqueeze(1), cu_q[-1], key_rows)
+    return row_keys.to(torch.int32).contiguous(), key_rows.to(torch.int32).contiguous()
+
+
+def _cached_segments(cu_q, cu_k, total_q, total_k, causal, window, seqused_k, typical):
+    def ident(t):
+        return None if t is None else (t.data_ptr(), t._version, t.numel(), t.device)
+
+    key = (ident(cu_q), ident(cu_k), ident(seqused_k), total_q, total_k, causal, window, typical)
+    hit = _CACHE.get(key)
+    if hit is not None:
+        _CACHE.move_to_end(key)
+        return hit
+    made = segments(cu_q, cu_k, total_q, total_k, causal=causal, window=window, seqused_k=seqused_k)
+    # The lengths the kernels' configurations are chosen by (ops.plans.segment_lengths): a tile shape for
+    # the sequences, not for one sequence of the packed length. (An attribute of the tensor, so it rides
+    # through the custom op's eager call; under torch.compile the packed lengths choose.)
+    made[0]._typical_lengths = typical
+    _CACHE[key] = made
+    while len(_CACHE) > _CACHE_SIZE:
+        _CACHE.popitem(last=False)
+    return made
+
+
+def attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    *,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    seqused_k: torch.Tensor | None = None,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window: tuple[int, int] | None = None,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int | None = None,
+    deterministic: bool = False,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention over a packed batch of sequences of different lengths (the FlashAttention library's
+    ``flash_attn_varlen_func``).
+
+    Args:
+        q: (total_q, heads_q, head_dim), the sequences' queries one after another.
+        k, v: (total_k, heads_kv, head_dim), their keys and values (heads_q a multiple of heads_kv: GQA).
+        cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) offsets on q's device, nondecreasing from 0:
+            sequence b's queries are rows cu_seqlens_q[b] .. cu_seqlens_q[b+1] - 1 (its keys likewise).
+            Sequences of length 0 are allowed. Rows past cu_seqlens_q[-1] attend nothing (output 0).
+        max_seqlen_q, max_seqlen_k: optional hints, the longest sequence's lengths: the kernels' tile shapes
+            are chosen by them (else by the mean length). Never needed for correctness: nothing is read
+            back to the host, so the call is CUDA-graph and ``torch.compile`` friendly.
+        seqused_k: optional int32 (batch,): sequence b uses only its first seqused_k[b] keys (a cache
+            with room to spare); causal then aligns to that length.
+        causal, softmax_scale, window, softcap, sinks, dropout_p, dropout_seed, deterministic: as in
+            :func:`flash_attention.attention`, per sequence (causal and the window aligned to each
+            sequence's own bottom-right corner).
+        return_lse: also return the float32 (heads_q, total_q) log-sum-exp of each row.
+
+    Returns:
+        (total_q, heads_q, head_dim) output, with ``return_lse`` also the LSE; differentiable with respect
+        to q, k, v (and sinks) as :func:`flash_attention.attention` is.
+
+    Not taken (yet): ``alibi_slopes`` and ``key_range`` (``seqused_k`` is the packed form of a key range).
+    The offsets' values are the caller's promise: they are not read on the host, and offsets that decrease
+    or exceed the tensors give wrong results, never out-of-bounds accesses (the kernels clamp every row and
+    key they read to the packed tensors).
+    """
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        raise ValueError("q must be a (total_q, heads_q, head_dim) tensor")
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{name} must be a (total_k, heads_kv, head_dim) tensor")
+    cu_q = _offsets("cu_seqlens_q", cu_seqlens_q, q.device)
+    cu_k = _offsets("cu_seqlens_k", cu_seqlens_k, q.device)
+    if cu_q.numel() != cu_k.numel():
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1); got {cu_q.numel()} "
+            f"and {cu_k.numel()}"
+        )
+    if seqused_k is not None:
+        seqused_k = _offsets("seqused_k", seqused_k, q.device)
+        if seqused_k.numel() != cu_q.numel() - 1:
+            raise ValueError(f"seqused_k must have shape (batch,) = ({cu_q.numel() - 1},)")
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError(f"{name} must be a non-negative int or None; got {value!r}")
+    window = check_window(window)
+    if window is not None and causal:
+        window = (window[0], 0 if window[1] < 0 else min(window[1], 0))
+    batch = max(1, cu_q.numel() - 1)
+    typical = (
+        max_seqlen_q or max(1, -(-q.shape[0] // batch)),  # (the hint, else the mean: no host read)
+        max_seqlen_k or max(1, -(-k.shape[0] // batch)),
+    )
+    runs = _cached_segments(
+        cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], bool(causal), window, seqused_k, typical
+    )
+    # The runs carry each sequence's causal bound; the flag only picks the kernels' configurations (the
+    # segments builds have no causal entry point, and the fallback's chunked path drops it).
+    result = attention(
+        q.unsqueeze(0),
+        k.unsqueeze(0),
+        v.unsqueeze(0),
+        causal=bool(causal),
+        softmax_scale=softmax_scale,
+        return_lse=return_lse,
+        deterministic=deterministic,
+        dropout_p=dropout_p,
+        dropout_seed=dropout_seed,
+        softcap=softcap,
+        sinks=sinks,
+        _segments=runs,
+    )
+    if return_lse:
+        return result[0][0], result[1][0]
+    return result[0]

@@ -1,0 +1,182 @@
+"""GPU tests of variable-length batches (attention_varlen; the kernels' segments build, fa/visible_keys.cuh
+SegmentKeys): output, LSE and gradients against float64 run on each sequence alone, within a few times the
+error of the same computation in float32 rounded to the inputs' precision; every forward family and every
+backward family (the deterministic one bitwise between runs); ragged lengths with 0 and 1, GQA, causal,
+a window, soft-capping, sinks, seqused_k, fp16/bf16, head dims 64/128/256 and 72; and no host
+synchronisation in a call."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+import flash_attention
+from flash_attention import ops
+from flash_attention.configs import default_bwd_config, hopper_bwd_config, padded_head_dim, portable_config
+from flash_attention.configs.heuristics import classic_hopper_config
+from flash_attention.reference import attention_reference
+from flash_attention.varlen import segments
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def _hopper() -> bool:
+    return torch.cuda.get_device_capability() == (9, 0)
+
+
+def _offsets(lengths):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+
+
+# (lengths_q, lengths_k, heads_q, heads_kv, head_dim, causal, extra, dtype)
+CASES = [
+    ([300, 0, 517, 1, 130, 64], [300, 0, 517, 1, 130, 64], 8, 2, 128, True, {}, "bf16"),
+    ([300, 7, 517, 1, 130], [411, 3, 517, 20, 130], 4, 4, 64, False, {}, "fp16"),
+    ([1000, 33, 600], [1000, 33, 600], 4, 1, 256, True, {}, "bf16"),
+    ([250, 380, 129], [250, 380, 129], 4, 2, 72, True, {"window": (100, 0)}, "fp16"),
+    ([250, 380, 129], [260, 380, 200], 4, 2, 128, True, {"softcap": 1.5}, "bf16"),
+    ([250, 380, 129], [250, 380, 129], 8, 2, 128, True, {"sinks": True}, "bf16"),
+    ([250, 380, 129], [300, 400, 129], 4, 2, 64, True, {"seqused_k": [260, 0, 100]}, "bf16"),
+    ([250, 380, 129, 1], [250, 380, 129, 1], 4, 2, 128, True, {"deterministic": True}, "bf16"),
+]
+
+
+def _make(case):
+    lens_q, lens_k, hq, hkv, d, causal, extra, dt = case
+    gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(repr(case).encode()))
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dt]
+    total_q = sum(lens_q) + 5  # rows past the last sequence: output 0
+    q = torch.randn(total_q, hq, d, generator=gen, device="cuda").to(dtype)
+    k, v = (torch.randn(sum(lens_k), hkv, d, generator=gen, device="cuda").to(dtype) for _ in range(2))
+    do = torch.randn(total_q, hq, d, generator=gen, device="cuda").to(dtype)
+    kw = dict(extra)
+    used = list(lens_k)
+    if "seqused_k" in kw:
+        used = kw["seqused_k"]
+        kw["seqused_k"] = torch.tensor(used, dtype=torch.int32, device="cuda")
+    if kw.pop("sinks", False):
+        kw["sinks"] = torch.randn(hq, generator=gen, device="cuda") + 4.0
+    return (q, k, v, do), kw, used
+
+
+def _reference(case, tensors, kw, used, dtype):
+    """Per sequence in ``dtype``: out, lse and the gradients of q, k, v (and the sinks)."""
+    lens_q, lens_k, hq, _, _, causal, _, _ = case
+    q, k, v, do = tensors
+    cu_q, cu_k = _offsets(lens_q).tolist(), _offsets(lens_k).tolist()
+    out = torch.zeros(q.shape, dtype=dtype, device="cuda")
+    lse = torch.full((hq, q.shape[0]), float("-inf"), dtype=dtype, device="cuda")
+    grads = [torch.zeros(t.shape, dtype=dtype, device="cuda") for t in (q, k, v)]
+    sinks = kw.get("sinks")
+    if sinks is not None:  # a row that sees no key (past the last sequence): its LSE is the sink's
+        lse[:] = sinks.to(dtype)[:, None]
+    dsinks = torch.zeros(hq, dtype=dtype, device="cuda")
+    ref_kw = {n: kw[n] for n in ("window", "softcap") if n in kw}
+    for b, m in enumerate(lens_q):
+        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b] + used[b])
+        if m == 0:
+            continue
+        leaves = [t[s].to(dtype).unsqueeze(0).requires_grad_() for t, s in ((q, qs), (k, ks), (v, ks))]
+        s_leaf = None if sinks is None else sinks.to(dtype).requires_grad_()
+        o, lb = attention_reference(*leaves, causal=causal, sinks=s_leaf, compute_dtype=dtype, **ref_kw)
+        out[qs], lse[:, qs] = o[0].detach(), lb[0].detach()
+        wrt = leaves + ([s_leaf] if s_leaf is not None else [])
+        g = torch.autograd.grad(o, wrt, do[qs].to(dtype).unsqueeze(0))
+        grads[0][qs] += g[0][0]
+        grads[1][ks] += g[1][0]
+        grads[2][ks] += g[2][0]
+        if s_leaf is not None:
+            dsinks += g[3]
+    return out, lse, grads + ([dsinks] if sinks is not None else [])
+
+
+def _close(got, exact, f32, name):
+    finite = torch.isfinite(exact)
+    assert torch.equal(finite, torch.isfinite(got)), f"{name}: non-finite entries differ"
+    err = (got.double() - exact).abs()[finite].max().item() if finite.any() else 0.0
+    err32 = (f32.to(got.dtype).double() - exact).abs()[finite].max().item() if finite.any() else 0.0
+    bound = 4 * err32 + 2e-3
+    if name == "dsinks":
+        # A sum over every row of D = dO . O', with O' the half-precision output any implementation in that
+        # precision forms D from: about its unit roundoff of the sum's size, which rounding only the
+        # float32 result (err32) does not see.
+        bound += 1e-2 * exact.abs().max().item()
+    assert err <= bound, f"{name}: {err:.3g} against float64 (float32 rounded: {err32:.3g})"
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: repr(c)[:80])
+def test_attention_varlen_against_float64(case):
+    lens_q, lens_k, hq, _, _, causal, _, _ = case
+    tensors, kw, used = _make(case)
+    q, k, v, do = tensors
+    exact = _reference(case, tensors, kw, used, torch.float64)
+    f32 = _reference(case, tensors, kw, used, torch.float32)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    if "sinks" in kw:
+        kw["sinks"] = kw["sinks"].clone().requires_grad_()
+        leaves.append(kw["sinks"])
+    cu_q, cu_k = _offsets(lens_q), _offsets(lens_k)
+    o, lse = flash_attention.attention_varlen(*leaves[:3], cu_q, cu_k, causal=causal, return_lse=True, **kw)
+    _close(o, exact[0], f32[0], "out")
+    _close(lse, exact[1], f32[1], "lse")
+    grads = torch.autograd.grad(o, leaves, do)
+    for name, g, e, f in zip("dq dk dv dsinks".split(), grads, exact[2], f32[2], strict=False):
+        _close(g, e, f, name)
+    if kw.get("deterministic"):
+        again = torch.autograd.grad(
+            flash_attention.attention_varlen(*leaves[:3], cu_q, cu_k, causal=causal, **kw), leaves, do
+        )
+        assert all(torch.equal(a, b) for a, b in zip(grads, again, strict=True))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_every_family_takes_segments(head_dim):
+    """The segments build of each forward family and each backward family at the launch layer."""
+    case = ([300, 0, 517, 1, 130], [300, 0, 517, 1, 130], 4, 2, head_dim, True, {}, "bf16")
+    tensors, kw, used = _make(case)
+    q, k, v, do = tensors
+    exact = _reference(case, tensors, kw, used, torch.float64)
+    f32 = _reference(case, tensors, kw, used, torch.float32)
+    cu = _offsets(case[0])
+    runs = segments(cu, cu, q.shape[0], k.shape[0], causal=True)
+    d = padded_head_dim(head_dim)
+    n = q.shape[0]
+    fwd = {"default": None, "portable": portable_config("bf16", head_dim, False, n, n)}
+    bwd = {"default": None, "portable": default_bwd_config("bf16", d, "sm_80", portable=True)}
+    if _hopper():
+        fwd["sm90"] = classic_hopper_config("bf16", d, n, False)
+        if head_dim <= 128:
+            bwd["hopper"] = hopper_bwd_config("bf16", d)
+    args = [t.unsqueeze(0) for t in (q, k, v)]
+    kw = dict(causal=False, softmax_scale=head_dim**-0.5, segments=runs)
+    for name, cfg in fwd.items():
+        o, lse = ops.cuda_forward(*args, return_lse=True, out=None, config=cfg, **kw)
+        _close(o[0], exact[0], f32[0], f"{name} forward out")
+        _close(lse[0], exact[1], f32[1], f"{name} forward lse")
+    o, lse = ops.cuda_forward(*args, return_lse=True, out=None, **kw)
+    for name, cfg in bwd.items():
+        # (The Hopper backward's deterministic form takes no segments: configs.families says why.)
+        for det in (False,) if name == "hopper" else (False, True):
+            grads = ops.cuda_backward(do.unsqueeze(0), *args, o, lse, deterministic=det, config=cfg, **kw)
+            for gname, g, e, f in zip("dq dk dv".split(), grads, exact[2], f32[2], strict=True):
+                _close(g[0], e, f, f"{name} backward (deterministic={det}) {gname}")
+
+
+def test_a_varlen_call_never_synchronises_with_the_host():
+    case = ([300, 0, 517, 1, 130], [300, 0, 517, 1, 130], 4, 2, 128, True, {}, "bf16")
+    (q, k, v, _), _, _ = _make(case)
+    cu = _offsets(case[0])
+    flash_attention.attention_varlen(q, k, v, cu, cu, causal=True)  # compiles, and caches the runs
+    cu2 = cu.clone()  # new offsets: the runs are built again, on the device
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = flash_attention.attention_varlen(q, k, v, cu2, cu2, causal=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(out).all()

@@ -1,0 +1,144 @@
+"""Variable-length batches (flash_attention.varlen) on the CPU: the segments' runs against the per-sequence
+rule (both orientations, bounds nondecreasing, as the kernels' block ranges need), and attention_varlen's
+output, LSE and gradients against the float64 reference run on each sequence alone."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+import flash_attention
+from flash_attention.reference import attention_reference, window_allowed
+from flash_attention.varlen import segments
+
+
+def _offsets(lengths):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def _rule(lens_q, lens_k, used, causal, window, total_q, total_k):
+    """The (total_q, total_k) boolean relation, sequence by sequence, from the reference's own masks."""
+    allowed = torch.zeros(total_q, total_k, dtype=torch.bool)
+    q0 = k0 = 0
+    for m, n_all, n in zip(lens_q, lens_k, used, strict=True):
+        if m and n:
+            rel = torch.ones(m, n, dtype=torch.bool)
+            if causal:
+                rel &= window_allowed(m, n, (-1, 0))
+            if window is not None:
+                rel &= window_allowed(m, n, window)
+            allowed[q0 : q0 + m, k0 : k0 + n] = rel
+        q0 += m
+        k0 += n_all
+    return allowed
+
+
+CASES = [
+    ([5, 0, 17, 1, 30], [7, 3, 17, 4, 30], None, False, None),
+    ([5, 0, 17, 1, 30], [7, 3, 17, 4, 30], None, True, None),
+    ([9, 12, 0, 40], [9, 12, 0, 40], None, True, (5, 0)),
+    ([9, 12, 3, 40], [14, 12, 8, 40], [10, 0, 8, 33], True, None),
+    ([20, 31], [25, 31], None, False, (4, 2)),
+    ([], [], None, True, None),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: repr(c)[:60])
+def test_segments_are_the_per_sequence_rule_in_both_orientations(case):
+    lens_q, lens_k, used, causal, window = case
+    cu_q, cu_k = _offsets(lens_q), _offsets(lens_k)
+    total_q, total_k = sum(lens_q) + 3, sum(lens_k) + 2  # rows and keys past the last sequence too
+    seqused = None if used is None else torch.tensor(used, dtype=torch.int32)
+    row_keys, key_rows = segments(
+        cu_q, cu_k, total_q, total_k, causal=causal, window=window, seqused_k=seqused
+    )
+    assert row_keys.dtype == key_rows.dtype == torch.int32
+    assert row_keys.shape == (total_q, 2) and key_rows.shape == (total_k, 2)
+    want = _rule(lens_q, lens_k, used or lens_k, causal, window, total_q, total_k)
+    cols, rows = torch.arange(total_k), torch.arange(total_q)
+    by_rows = (cols[None, :] >= row_keys[:, :1]) & (cols[None, :] < row_keys[:, 1:])
+    by_keys = (rows[:, None] >= key_rows[None, :, 0]) & (rows[:, None] < key_rows[None, :, 1])
+    assert torch.equal(by_rows, want) and torch.equal(by_keys, want)
+    for runs in (row_keys, key_rows):  # the kernels' block ranges assume both bounds nondecreasing
+        assert (runs[1:] >= runs[:-1]).all() and (runs[:, 1] >= runs[:, 0]).all()
+
+
+VARLEN = [
+    # (lengths_q, lengths_k, heads_q, heads_kv, head_dim, causal, extra)
+    ([5, 0, 17, 1, 30], [7, 3, 17, 4, 30], 4, 2, 16, False, {}),
+    ([5, 0, 17, 1, 30], [5, 0, 17, 1, 30], 4, 1, 24, True, {}),
+    ([9, 12, 40], [9, 12, 40], 2, 2, 16, True, {"window": (5, 0)}),
+    ([9, 12, 40], [9, 20, 40], 4, 2, 16, True, {"softcap": 1.5}),
+    ([9, 12, 40], [9, 12, 40], 4, 2, 16, True, {"sinks": True}),
+    ([9, 12, 40], [14, 12, 45], 4, 2, 16, True, {"seqused_k": [10, 0, 41]}),
+]
+
+
+@pytest.mark.parametrize("case", VARLEN, ids=lambda c: repr(c)[:70])
+def test_attention_varlen_matches_each_sequence_alone(case):
+    lens_q, lens_k, hq, hkv, d, causal, extra = case
+    torch.manual_seed(zlib.crc32(repr(case).encode()))
+    cu_q, cu_k = _offsets(lens_q), _offsets(lens_k)
+    total_q = sum(lens_q) + 2  # two rows no sequence owns: output 0
+    q = torch.randn(total_q, hq, d, requires_grad=True)
+    k = torch.randn(sum(lens_k), hkv, d, requires_grad=True)
+    v = torch.randn(sum(lens_k), hkv, d, requires_grad=True)
+    kw = dict(extra)
+    used = lens_k
+    if "seqused_k" in kw:
+        used = kw["seqused_k"]
+        kw["seqused_k"] = torch.tensor(used, dtype=torch.int32)
+    sinks = None
+    if kw.pop("sinks", False):
+        sinks = kw["sinks"] = torch.randn(hq, requires_grad=True)
+    out, lse = flash_attention.attention_varlen(q, k, v, cu_q, cu_k, causal=causal, return_lse=True, **kw)
+    assert out.shape == q.shape and lse.shape == (hq, total_q)
+    dout = torch.randn_like(out)
+    leaves = [q, k, v] + ([sinks] if sinks is not None else [])
+    grads = torch.autograd.grad(out, leaves, dout)
+    ref_kw = {n: kw[n] for n in ("window", "softcap") if n in kw}
+    dk_ref, dv_ref = torch.zeros(k.shape, dtype=torch.float64), torch.zeros(v.shape, dtype=torch.float64)
+    dsinks_ref = torch.zeros(hq, dtype=torch.float64)
+    for b, m in enumerate(lens_q):
+        qs = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        ks = slice(int(cu_k[b]), int(cu_k[b]) + used[b])
+        if m == 0:
+            continue
+        sl = [q[qs], k[ks], v[ks]] + ([sinks] if sinks is not None else [])
+        ref_leaves = [t.detach().double().requires_grad_() for t in sl]
+        bq, bk, bv = (t.unsqueeze(0) for t in ref_leaves[:3])
+        ro, rl = attention_reference(
+            bq, bk, bv, causal=causal, sinks=ref_leaves[3] if sinks is not None else None, **ref_kw
+        )
+        torch.testing.assert_close(out[qs].double(), ro[0], atol=2e-6, rtol=2e-6)
+        finite = torch.isfinite(rl[0])
+        assert torch.equal(finite, torch.isfinite(lse[:, qs]))
+        torch.testing.assert_close(lse[:, qs].double()[finite], rl[0][finite], atol=2e-6, rtol=2e-6)
+        rg = torch.autograd.grad(ro, ref_leaves, dout[qs].double().unsqueeze(0))
+        torch.testing.assert_close(grads[0][qs].double(), rg[0], atol=5e-6, rtol=5e-6)
+        dk_ref[ks] += rg[1]
+        dv_ref[ks] += rg[2]
+        if sinks is not None:
+            dsinks_ref += rg[3]
+    torch.testing.assert_close(grads[1].double(), dk_ref, atol=5e-6, rtol=5e-6)  # unused keys: 0
+    torch.testing.assert_close(grads[2].double(), dv_ref, atol=5e-6, rtol=5e-6)
+    if sinks is not None:
+        torch.testing.assert_close(grads[3].double(), dsinks_ref, atol=5e-6, rtol=5e-6)
+    assert not out[sum(lens_q) :].any()  # rows no sequence owns
+
+
+def test_attention_varlen_refuses_bad_arguments_naming_them():
+    q = torch.randn(10, 2, 16)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    with pytest.raises(ValueError, match="q must be"):
+        flash_attention.attention_varlen(q[None], q, q, cu, cu)
+    with pytest.raises(TypeError, match="cu_seqlens_q must be int32"):
+        flash_attention.attention_varlen(q, q, q, cu.float(), cu)
+    with pytest.raises(ValueError, match="same length"):
+        flash_attention.attention_varlen(q, q, q, cu, cu[:2])
+    with pytest.raises(ValueError, match=r"seqused_k must have shape \(batch,\)"):
+        flash_attention.attention_varlen(q, q, q, cu, cu, seqused_k=torch.tensor([1], dtype=torch.int32))
+    with pytest.raises(ValueError, match="max_seqlen_q"):
+        flash_attention.attention_varlen(q, q, q, cu, cu, max_seqlen_q=-1)
