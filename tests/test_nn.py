@@ -1029,3 +1029,59 @@ def test_demo_cpu_runs_and_renders(tmp_path, capsys, monkeypatch):
         and "| flash_attention |" in text
         and text.endswith("<!-- demo:end -->\n\n## after\n")
     )
+
+
+def _masked_reference(q, k, v, allowed, softcap, slopes):
+    """float64 attention with an explicit (batch, 1, seqlen_q, seqlen_k) mask and a score function."""
+    from flash_attention.reference import alibi_bias
+
+    group = q.shape[2] // k.shape[2]
+    kf, vf = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, kf) * q.shape[-1] ** -0.5
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    if slopes is not None:
+        s = s + alibi_bias(slopes, q.shape[0], q.shape[1], k.shape[1], torch.float64)
+    p = torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1)
+    return torch.einsum("bhqk,bkhd->bqhd", p, vf)
+
+
+@pytest.mark.parametrize("score", ["alibi", "softcap"])
+@pytest.mark.parametrize("padding", ["none", "right", "holes"])
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_flash_attention_layer_takes_alibi_and_softcap(score, padding, need_weights):
+    # Every route of the layer (plain, key ranges, the materialised path for masks with holes and for
+    # weights) against float64 with the same score function and mask.
+    from flash_attention.nn import FlashAttention
+
+    torch.manual_seed(5)
+    heads, n = 4, 23
+    slopes = torch.linspace(0.1, 0.8, heads) if score == "alibi" else None
+    kw = {"alibi_slopes": slopes} if score == "alibi" else {"softcap": 1.5}
+    layer = FlashAttention(64, heads, num_kv_heads=2, causal=True, **kw).eval()
+    assert ("alibi" if score == "alibi" else "softcap=1.5") in repr(layer)
+    x = torch.randn(2, n, 64) * 3
+    pad = None
+    if padding != "none":
+        pad = torch.zeros(2, n, dtype=torch.bool)
+        if padding == "right":
+            pad[1, 17:] = True
+        else:
+            pad[1, 5:9] = True
+    with torch.no_grad():
+        out, weights = layer(x, key_padding_mask=pad, need_weights=need_weights)
+        q = layer.q_proj(x).unflatten(-1, (heads, 16)).double()
+        k = layer.k_proj(x).unflatten(-1, (2, 16)).double()
+        v = layer.v_proj(x).unflatten(-1, (2, 16)).double()
+        allowed = torch.ones(n, n, dtype=torch.bool).tril()[None, None]
+        if pad is not None:
+            allowed = allowed & ~pad[:, None, None, :]
+        ref = _masked_reference(q, k, v, allowed, 1.5 if score == "softcap" else 0.0,
+                                None if slopes is None else slopes.double())  # fmt: skip
+        want = layer.out_proj(ref.reshape(2, n, 64).float())
+    torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
+    assert (weights is not None) == need_weights
+    with pytest.raises(ValueError, match="alibi_slopes must be a tensor of shape"):
+        FlashAttention(64, heads, alibi_slopes=torch.ones(3))
+    with pytest.raises(ValueError, match="softcap must be a finite number"):
+        FlashAttention(64, heads, softcap=-1.0)

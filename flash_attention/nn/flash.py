@@ -5,11 +5,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .._validate import MAX_HEAD_DIM, check_window
-from ..reference import causal_allowed, window_allowed
 from . import functional as fn
 
 __all__ = ["FlashAttention"]
@@ -31,6 +29,9 @@ class FlashAttention(nn.Module):
             ``j <= i + seqlen_k - seqlen_q``): for self-attention, the usual ``j <= i``.
         window: a sliding window ``(left, right)`` as :func:`flash_attention.attention` takes it (with
             ``causal``, ``(W, 0)`` attends the W keys before each query and itself); default none.
+        alibi_slopes: ALiBi, one slope per query head (a float tensor of shape (num_heads,), kept as a
+            buffer); as :func:`flash_attention.attention` takes it. Default none.
+        softcap: soft-capping of the scaled scores (``softcap * tanh(s / softcap)``); 0: none.
         device, dtype: of the parameters.
 
     Parameters: ``q_proj`` (d_model -> d_model), ``k_proj`` and ``v_proj`` (d_model -> num_kv_heads *
@@ -63,6 +64,8 @@ class FlashAttention(nn.Module):
         bias: bool = True,
         causal: bool = False,
         window: tuple[int, int] | None = None,
+        alibi_slopes: torch.Tensor | None = None,
+        softcap: float = 0.0,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -86,6 +89,21 @@ class FlashAttention(nn.Module):
         if not isinstance(causal, bool):
             raise TypeError(f"causal must be a bool; got {type(causal).__name__}")
         self.window = check_window(window)
+        if alibi_slopes is not None:
+            if not isinstance(alibi_slopes, torch.Tensor) or tuple(alibi_slopes.shape) != (num_heads,):
+                raise ValueError(f"alibi_slopes must be a tensor of shape (num_heads,) = ({num_heads},)")
+            if alibi_slopes.is_complex() or not alibi_slopes.is_floating_point():
+                raise TypeError(f"alibi_slopes must be a floating tensor; got {alibi_slopes.dtype}")
+            if softcap:
+                raise ValueError("alibi_slopes and softcap cannot be combined (no kernel build has both)")
+        if isinstance(softcap, bool) or not isinstance(softcap, int | float) or not 0.0 <= softcap < math.inf:
+            raise ValueError(f"softcap must be a finite number >= 0 (0: none); got {softcap!r}")
+        self.softcap = float(softcap)
+        # A buffer in float32 (the kernels read float32 slopes), moved with the module, never trained.
+        self.register_buffer(
+            "alibi_slopes",
+            None if alibi_slopes is None else alibi_slopes.detach().to(device=device, dtype=torch.float32),
+        )
 
         self.d_model, self.num_heads, self.num_kv_heads, self.head_dim = (
             d_model,
@@ -106,6 +124,8 @@ class FlashAttention(nn.Module):
             f"d_model={self.d_model}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
             f"dropout={self.dropout}, causal={self.causal}"
             + (f", window={self.window}" if self.window is not None else "")
+            + (", alibi" if self.alibi_slopes is not None else "")
+            + (f", softcap={self.softcap}" if self.softcap else "")
         )
 
     def _check_input(self, name: str, x: object, batch: int | None = None) -> None:
@@ -179,50 +199,17 @@ class FlashAttention(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
 
         weights = None
+        variants = dict(
+            causal=self.causal,
+            key_padding_mask=key_padding_mask,
+            dropout_p=dropout_p,
+            window=self.window,
+            alibi_slopes=self.alibi_slopes,
+            softcap=self.softcap,
+        )
         if need_weights:
-            o, weights = _attention_with_weights(
-                q, k, v, causal=self.causal, key_padding_mask=key_padding_mask, dropout_p=dropout_p,
-                window=self.window,
-            )  # fmt: skip
+            o, weights = fn.materialized_attention(q, k, v, **variants)
         else:
-            o = fn.attend(
-                q, k, v, causal=self.causal, key_padding_mask=key_padding_mask, dropout_p=dropout_p,
-                window=self.window,
-            )  # fmt: skip
+            o = fn.attend(q, k, v, **variants)
         out = self.out_proj(o.reshape(batch, seqlen_q, self.d_model))
         return out, weights
-
-
-def _attention_with_weights(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    causal: bool,
-    key_padding_mask: torch.Tensor | None,
-    dropout_p: float,
-    window: tuple[int, int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention that materialises the probabilities, same semantics as the other routes. fp32 softmax."""
-    batch, seqlen_q, heads_q, head_dim = q.shape
-    seqlen_k, group = k.shape[1], heads_q // k.shape[2]
-    cdtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    qt = q.transpose(1, 2).to(cdtype)
-    kt = k.transpose(1, 2).to(cdtype).repeat_interleave(group, dim=1)
-    vt = v.transpose(1, 2).to(cdtype).repeat_interleave(group, dim=1)
-    scores = torch.matmul(qt, kt.transpose(-1, -2)) / math.sqrt(head_dim)
-    allowed = torch.ones((1, 1, seqlen_q, seqlen_k), dtype=torch.bool, device=q.device)
-    if causal:
-        allowed = allowed & causal_allowed(seqlen_q, seqlen_k, device=q.device)
-    if window is not None:
-        allowed = allowed & window_allowed(seqlen_q, seqlen_k, window, device=q.device)
-    if key_padding_mask is not None:
-        allowed = allowed & ~key_padding_mask[:, None, None, :]
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    # Rows with no visible key: softmax of all -inf is NaN; their weights and output are 0.
-    probs = torch.where(
-        allowed.any(dim=-1, keepdim=True), probs, torch.zeros((), dtype=cdtype, device=q.device)
-    )
-    o = torch.matmul(F.dropout(probs, p=dropout_p) if dropout_p > 0 else probs, vt)
-    return o.transpose(1, 2).to(q.dtype), probs.to(q.dtype)

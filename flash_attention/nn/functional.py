@@ -38,6 +38,7 @@ __all__ = [
     "KeyRanges",
     "key_range_attention",
     "key_ranges",
+    "materialized_attention",
     "memo",
     "needs_pytorch_path",
     "plan_padded",
@@ -288,20 +289,86 @@ def attend(
     dropout_p: float = 0.0,
     scale: float | None = None,
     window: tuple[int, int] | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention by the best route (module docstring). ``key_padding_mask`` is (batch, seqlen_k) boolean,
-    True for keys to ignore (PyTorch's convention); ``window`` a sliding window as
-    :func:`flash_attention.attention` takes it. Returns (batch, seqlen_q, heads_q, head_dim)."""
+    True for keys to ignore (PyTorch's convention); ``window``, ``alibi_slopes`` and ``softcap`` as
+    :func:`flash_attention.attention` takes them (a score function never takes SDPA, which has none: on
+    the PyTorch path it is :func:`flash_attention.attention`'s own fallback, and a padding mask with holes
+    the materialised path). Returns (batch, seqlen_q, heads_q, head_dim)."""
     key_valid = None if key_padding_mask is None else ~key_padding_mask
+    scored = alibi_slopes is not None or bool(softcap)
     pytorch = dict(causal=causal, key_valid=key_valid, dropout_p=dropout_p, scale=scale, window=window)
-    if needs_pytorch_path(q, k, v, dropout_p=dropout_p, stacklevel=5):
+    if not scored and needs_pytorch_path(q, k, v, dropout_p=dropout_p, stacklevel=5):
         return sdpa_attention(q, k, v, **pytorch)
-    extra = {} if window is None else {"window": window}
+    extra: dict = {} if window is None else {"window": window}
+    if alibi_slopes is not None:
+        extra["alibi_slopes"] = alibi_slopes.to(q.device)
+    if softcap:
+        extra["softcap"] = float(softcap)
     if key_valid is None:
         return attention(q, k, v, causal=causal, softmax_scale=scale, dropout_p=dropout_p, **extra)
     ranges = plan_padded(key_valid, cache_on=key_padding_mask)
     if ranges is None:
+        if scored:
+            out, _ = materialized_attention(
+                q, k, v, causal=causal, key_padding_mask=key_padding_mask, dropout_p=dropout_p, scale=scale,
+                window=window, alibi_slopes=alibi_slopes, softcap=softcap,
+            )  # fmt: skip
+            return out
         return sdpa_attention(q, k, v, **pytorch)
+    if alibi_slopes is not None:  # (key_range_attention takes the window and softcap by name)
+        return attention(
+            q, k, v, causal=causal, softmax_scale=scale, dropout_p=dropout_p,
+            key_range=ranges.tensor(q.device), **extra,
+        )  # fmt: skip
     return key_range_attention(
-        q, k, v, ranges, causal=causal, scale=scale, dropout_p=dropout_p, window=window
+        q, k, v, ranges, causal=causal, scale=scale, dropout_p=dropout_p, window=window, softcap=softcap
     )
+
+
+def materialized_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    key_padding_mask: torch.Tensor | None,
+    dropout_p: float,
+    scale: float | None = None,
+    window: tuple[int, int] | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    softcap: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention that materialises the probabilities, ``(out, probs)``, with the semantics of every other
+    route (the score functions as :func:`flash_attention.reference.attention_reference` applies them).
+    fp32 softmax (fp64 for fp64 inputs); ``probs`` (batch, heads_q, seqlen_q, seqlen_k) before dropout."""
+    from ..reference import alibi_bias
+
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    seqlen_k, group = k.shape[1], heads_q // k.shape[2]
+    cdtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qt = q.transpose(1, 2).to(cdtype)
+    kt = k.transpose(1, 2).to(cdtype).repeat_interleave(group, dim=1)
+    vt = v.transpose(1, 2).to(cdtype).repeat_interleave(group, dim=1)
+    scores = torch.matmul(qt, kt.transpose(-1, -2)) * (head_dim**-0.5 if scale is None else scale)
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    if alibi_slopes is not None:
+        scores = scores + alibi_bias(alibi_slopes.to(q.device), batch, seqlen_q, seqlen_k, cdtype)
+    allowed = torch.ones((1, 1, seqlen_q, seqlen_k), dtype=torch.bool, device=q.device)
+    if causal:
+        allowed = allowed & causal_allowed(seqlen_q, seqlen_k, device=q.device)
+    if window is not None:
+        allowed = allowed & window_allowed(seqlen_q, seqlen_k, window, device=q.device)
+    if key_padding_mask is not None:
+        allowed = allowed & ~key_padding_mask[:, None, None, :]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    # Rows with no visible key: softmax of all -inf is NaN; their weights and output are 0.
+    probs = torch.where(
+        allowed.any(dim=-1, keepdim=True), probs, torch.zeros((), dtype=cdtype, device=q.device)
+    )
+    o = torch.matmul(F.dropout(probs, p=dropout_p) if dropout_p > 0 else probs, vt)
+    return o.transpose(1, 2).to(q.dtype), probs.to(q.dtype)
