@@ -274,3 +274,39 @@ def test_sanity_runs_what_attention_runs_on_this_gpu(capsys):
     if torch.cuda.get_device_capability() == (9, 0):
         assert "wgmma" in out.split("forward:")[1].splitlines()[0]
         assert "_wgmma" in out.split("backward:")[1].splitlines()[0]
+
+
+@pytest.mark.parametrize("variant", ["window", "segments", "alibi", "sinks"])
+@pytest.mark.parametrize("opt", [True, False])
+def test_kernel_variants_equal_the_simulator(variant, opt):
+    """The portable kernel's window, segments, ALiBi and sinks builds within the simulator's bounds."""
+    from flash_attention.varlen import segments as make_segments
+
+    cfg = portable_config("bf16", 64, True, 512, 512).replace(opt_softmax=opt)
+    sq = sk = 333
+    q, k, v = _inputs(1, sq, sk, 4, 2, 64, torch.bfloat16, 77 + opt)
+    kw: dict = {}
+    sim_kw: dict = {}
+    causal = True
+    if variant == "window":
+        kw["window"] = sim_kw["window"] = (70, 9)
+    elif variant == "alibi":
+        kw["alibi_slopes"] = sim_kw["alibi_slopes"] = torch.linspace(0.05, 0.5, 4, device="cuda")
+    elif variant == "sinks":
+        kw["sinks"] = sim_kw["sinks"] = torch.linspace(-1.0, 4.0, 4, device="cuda")
+    else:
+        cu = torch.tensor([0, 100, 101, 260, 333], dtype=torch.int32, device="cuda")
+        runs = make_segments(cu, cu, sq, sk, causal=True)
+        kw["segments"], sim_kw["segments"], causal = runs, runs[0], False
+    o, lse = ops.cuda_forward(
+        q, k, v, causal=causal, softmax_scale=64**-0.5, return_lse=True, out=None, config=cfg, **kw
+    )
+    torch.cuda.synchronize()
+    s_out, s_lse, bound, lse_bound = simulate(q, k, v, cfg, causal=causal, error_bound=True, **sim_kw)
+    o, lse = o.cpu(), lse.cpu()
+    outside = (o.double() - s_out.double()).abs() > bound
+    assert not outside.any(), f"{int(outside.sum())} elements outside the simulator's bound"
+    fin = torch.isfinite(s_lse)
+    assert torch.equal(torch.isfinite(lse), fin)
+    assert ((lse.double() - s_lse.double()).abs()[fin] <= lse_bound[fin]).all()
+    assert (o == s_out).double().mean().item() > 0.9

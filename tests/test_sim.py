@@ -346,3 +346,56 @@ def test_trace_dump_names_every_step_and_tensor():
     last_p = text.split("\nP [")[-1].split("\nL [")[0]
     assert f"{tr.steps[-1]['P'][0, 0].item():12.7g}" in last_p.splitlines()[1]
     assert set(STEP_NAMES) == {"Q", "K", "S", "M", "alpha", "P", "L", "V", "O"}
+
+
+@pytest.mark.parametrize("variant", ["window", "segments", "alibi", "softcap", "sinks"])
+@pytest.mark.parametrize("opt", [True, False])
+def test_simulator_variants_against_float64(variant, opt):
+    # Each variant the kernels compute, simulated, against the float64 reference with the same variant,
+    # within the tolerance of the plain simulation (float32 softmax, inputs in bf16).
+    from flash_attention.varlen import segments as make_segments
+
+    cfg = portable_config("bf16", 64, True, 256, 256).replace(opt_softmax=opt)
+    sq = sk = 203
+    q, k, v = _inputs(1, sq, sk, 4, 2, 64, torch.bfloat16, 41 + opt)
+    kw: dict = {}
+    ref_kw: dict = {}
+    causal = True
+    if variant == "window":
+        kw["window"] = ref_kw["window"] = (37, 5)
+    elif variant == "alibi":
+        kw["alibi_slopes"] = torch.linspace(0.05, 0.5, 4)
+        ref_kw["alibi_slopes"] = kw["alibi_slopes"].double()
+    elif variant == "softcap":
+        kw["softcap"] = ref_kw["softcap"] = 1.5
+    elif variant == "sinks":
+        kw["sinks"] = torch.linspace(-1.0, 4.0, 4)
+        ref_kw["sinks"] = kw["sinks"].double()
+    out_plain, _ = simulate(q, k, v, cfg, causal=causal)
+    if variant == "segments":
+        cu = torch.tensor([0, 50, 51, 160, 203], dtype=torch.int32)
+        row_keys, _ = make_segments(cu, cu, sq, sk, causal=True)
+        out, lse = simulate(q, k, v, cfg, causal=False, segments=row_keys)
+        ref = torch.zeros(q.shape, dtype=torch.float64)
+        ref_lse = torch.zeros(1, 4, sq, dtype=torch.float64)
+        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+            ref[:, a:b], ref_lse[:, :, a:b] = attention_reference(
+                q[:, a:b], k[:, a:b], v[:, a:b], causal=True
+            )
+    else:
+        out, lse = simulate(q, k, v, cfg, causal=causal, **kw)
+        ref, ref_lse = attention_reference(q, k, v, causal=causal, **ref_kw)
+    plain_ref, _ = attention_reference(q, k, v, causal=causal)
+    tol = 2 * (out_plain.double() - plain_ref).abs().max().item() + 1e-5
+    assert (out.double() - ref).abs().max().item() <= tol
+    assert (lse.double() - ref_lse).abs().max().item() < 1e-4
+    assert (out.double() - out_plain.double()).abs().max() > 10 * tol  # the variant changed the result
+    if variant == "softcap":
+        with pytest.raises(ValueError, match="tanh.approx"):
+            simulate(q, k, v, cfg, causal=causal, error_bound=True, **kw)
+    else:
+        *_, bound, lse_bound = simulate(
+            q, k, v, cfg, causal=variant != "segments", error_bound=True,
+            **(kw if variant != "segments" else {"segments": row_keys}),
+        )  # fmt: skip
+        assert bound.shape == q.shape and torch.isfinite(lse_bound).all()

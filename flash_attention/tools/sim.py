@@ -29,6 +29,15 @@ dtype the bound is 0 (a correct kernel is bit-identical there), elsewhere it is 
 
 With ``trace=TraceSpec(batch, head, row_block, warp)`` the simulator also records that warp's intermediates
 (:class:`Trace`), the same named tensors the kernel's debug build writes (flash_attention.debug).
+
+The variants the kernels compute (fa/variant.cuh) are simulated as the kernels compute them: a sliding
+``window`` and a packed batch's per-row key runs (``segments``, flash_attention.varlen) as masks, visiting
+the blocks up to the last visible key (a block the kernel skips because it lies before every row's window
+changes nothing when visited: fully masked, it multiplies by exactly 1 and adds exact zeros); ALiBi in the
+forwards' folded form (``s - (slope / scale) |q - k|`` on the unscaled scores, one FMA, the distance exact in
+float32); ``sinks`` in the epilogue as fa/softmax.cuh's sink_row, with its two exponentials' ex2.approx
+uncertainty in the bounds. Soft-capping's tanh.approx cannot be mirrored (the hardware's error, about 2^-11
+relative, is not modelled): ``softcap`` runs with an exact tanh and refuses ``error_bound`` and traces.
 """
 
 from __future__ import annotations
@@ -261,6 +270,11 @@ def simulate(
     softmax_scale: float | None = None,
     trace: TraceSpec | None = None,
     error_bound: bool = False,
+    window: tuple[int, int] | None = None,
+    segments: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ):
     """Attention computed as the kernel of ``config`` computes it, on the CPU.
 
@@ -273,6 +287,9 @@ def simulate(
         trace: record this warp's intermediates; the trace is returned last.
         error_bound: also return, per element of out and lse, the largest difference from this result
             that a correct kernel can show (see the module docstring).
+        window, alibi_slopes, softcap, sinks: as in :func:`flash_attention.attention` (module docstring:
+            how each is simulated). ``segments``: a packed batch's (seqlen_q, 2) per-row key runs (the
+            ``row_keys`` of :func:`flash_attention.varlen.segments`), on a batch of one.
 
     Returns:
         ``(out, lse)`` like ``attention(..., return_lse=True)`` (out in the config's dtype, lse float32, on
@@ -286,8 +303,13 @@ def simulate(
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
     if cfg.opt_softmax and scale < 0:
         raise ValueError(f"softmax_scale must be positive for config {cfg.name()} (opt_softmax)")
+    variants = _Variants.of(window, segments, alibi_slopes, softcap, sinks, q, k)
+    if softcap and (error_bound or trace is not None):
+        raise ValueError("softcap: the hardware's tanh.approx is not modelled: no error bound or trace")
+    if (variants.window is not None or variants.runs is not None or variants.alibi is not None) and trace:
+        raise ValueError("the debug (trace) build has no window, segments or score-function variant")
     spec = trace.resolve(cfg, batch, hq, sq) if trace is not None else None
-    run = _Run(cfg, q, k, v, causal, scale, spec, error_bound or spec is not None)
+    run = _Run(cfg, q, k, v, causal, scale, spec, error_bound or spec is not None, variants)
     out, lse, out_bound, lse_bound = run.result(sq, d)
     result: tuple = (out.to(dt), lse)
     if error_bound:
@@ -297,11 +319,40 @@ def simulate(
     return result
 
 
+@dataclass
+class _Variants:
+    """A call's variants, checked and in the simulator's form."""
+
+    window: tuple[int, int] | None = None
+    runs: torch.Tensor | None = None  # (seqlen_q, 2) int64 key runs
+    alibi: torch.Tensor | None = None  # (batch, heads_q) float32 slopes
+    softcap: float = 0.0
+    sinks: torch.Tensor | None = None  # (heads_q,) float32
+
+    @staticmethod
+    def of(window, segments, alibi_slopes, softcap, sinks, q, k) -> _Variants:
+        from flash_attention._validate import check_window
+
+        batch, sq, hq, _ = q.shape
+        var = _Variants(window=check_window(window), softcap=float(softcap))
+        if segments is not None:
+            if batch != 1 or tuple(segments.shape) != (sq, 2):
+                raise ValueError(f"segments must be (seqlen_q, 2) = ({sq}, 2) runs on a batch of one")
+            var.runs = segments.detach().to("cpu", torch.int64)
+        if alibi_slopes is not None:
+            slopes = alibi_slopes.detach().to("cpu", torch.float32)
+            var.alibi = slopes.expand(batch, hq) if slopes.dim() == 1 else slopes
+        if sinks is not None:
+            var.sinks = sinks.detach().to("cpu", torch.float32).reshape(hq)
+        return var
+
+
 class _Run:
     """One simulation: state for every row of every row block of every (batch, head), stepped together."""
 
-    def __init__(self, cfg, q, k, v, causal, scale, spec, bounds):
+    def __init__(self, cfg, q, k, v, causal, scale, spec, bounds, variants=None):
         self.cfg, self.causal, self.spec, self.bounds = cfg, causal, spec, bounds
+        self.var = variants or _Variants()
         dt = _dtype(cfg)
         batch, sq, hq, d = q.shape
         sk, hkv = k.shape[1], k.shape[2]
@@ -344,7 +395,7 @@ class _Run:
             # An uncertainty of M in the exponent's natural-log units (M is of raw scores with opt_softmax).
             self.kappa = self.sl2 * math.log(2) if cfg.opt_softmax else 1.0
 
-        n_blocks = torch.tensor(n_blocks_per_row_block(cfg, self.sq, self.sk, self.causal))
+        n_blocks = torch.tensor(self._n_blocks())
         if self.trace is not None:
             self.trace.n_blocks = int(n_blocks[self.spec.row_block])
         rows = torch.arange(self.n_rb).unsqueeze(1) * br + torch.arange(br)  # (row block, row)
@@ -369,7 +420,20 @@ class _Run:
             valid = (keys < self.sk).unsqueeze(1)  # (A, 1, bc)
             if self.causal:
                 valid = valid & (keys.unsqueeze(1) <= rows[act].unsqueeze(2) + shift)
+            diag = keys.unsqueeze(1) - rows[act].unsqueeze(2) - shift  # key minus the row's diagonal
+            if self.var.window is not None:
+                left, right = self.var.window
+                if left >= 0:
+                    valid = valid & (diag >= -left)
+                if right >= 0:
+                    valid = valid & (diag <= right)
+            if self.var.runs is not None:
+                # (A, br, 2); a tile's tail rows read the last row's run, as the kernels' loads do
+                runs = self.var.runs[rows[act].clamp_max(self.sq - 1)]
+                kk = keys.unsqueeze(1)
+                valid = valid & (kk >= runs[..., :1]) & (kk < runs[..., 1:])
             sx = s if cfg.opt_softmax else s * self.scale_f  # the non-opt path scales before masking
+            sx = self._score(sx, diag.to(torch.float32))
             sx = sx.masked_fill(~valid, float("-inf"))
             m_old = self.m[:, :, act]
             mx = torch.maximum(m_old, sx.amax(dim=-1))
@@ -413,6 +477,44 @@ class _Run:
             if self.trace is not None and self.spec.row_block in act.tolist():
                 a = act.tolist().index(self.spec.row_block)
                 self._record(it, int(j[a]), a, qa, ka, va, s, mx, alpha, p, l_new, o, tols)
+
+    def _n_blocks(self) -> list[int]:
+        """The K/V blocks each row block visits: the kernel's last block (causal), a window's right edge, or
+        the last row's last run key (segments); all blocks otherwise. (Blocks before the first visible one,
+        which the kernels skip, are visited: fully masked, they change nothing.)"""
+        cfg = self.cfg
+        visits = n_blocks_per_row_block(cfg, self.sq, self.sk, self.causal)
+        nb = math.ceil(self.sk / cfg.block_kv)
+        shift = self.sk - self.sq
+        for m in range(len(visits)):
+            last_row = min(self.sq, (m + 1) * cfg.block_q) - 1
+            end = None
+            if self.var.window is not None and self.var.window[1] >= 0:
+                end = last_row + shift + self.var.window[1] + 1
+            if self.var.runs is not None:
+                end = int(self.var.runs[last_row, 1])
+            if end is not None:
+                visits[m] = min(visits[m], max(0, min(nb, -(-end // cfg.block_kv))))
+        return visits
+
+    def _score(self, s: torch.Tensor, diag: torch.Tensor) -> torch.Tensor:
+        """The score function on a block's scores ``s`` (b, h, A, br, bc): ALiBi in its folded form (opt
+        softmax: fmaf(-slope / scale, |d|, s)) or the scaled one (fmaf(-slope, |d|, s)); soft-capping with an
+        exact tanh. ``diag``: key minus the row's diagonal, exact in float32."""
+        var = self.var
+        if var.alibi is not None:
+            slopes = var.alibi.to(torch.float32)
+            if self.cfg.opt_softmax:  # Alibi::slope_over_scale, one float32 division
+                slopes = (slopes / torch.tensor(self.scale_f, dtype=torch.float32)).to(torch.float32)
+            dist = diag.abs().to(torch.float32)  # (A, br, bc)
+            return _fma(-slopes[:, :, None, None, None], dist[None, None], s)
+        if var.softcap:
+            cap = var.softcap
+            if self.cfg.opt_softmax:  # Softcap::folded: (cap / scale) tanh(s (scale / cap))
+                pre, post = _f32(self.scale_f / cap), _f32(cap / self.scale_f)
+                return (post * torch.tanh((s * pre).double())).float()
+            return (cap * torch.tanh((s / cap).double())).float()
+        return s
 
     def _step_bounds(self, act, it, va, tol_s, sx, valid, m_old, mx, alpha, p, pr, l_new, o, tol_pv):
         """Propagate the uncertainty of one step (see _Bounds); returns this step's bounds for the trace.
@@ -505,24 +607,34 @@ class _Run:
         cfg = self.cfg
         lsum = _quad(self.l_part)
         inv = torch.where(lsum > 0, 1.0 / lsum, torch.zeros_like(lsum))
-        x = self.o * inv.unsqueeze(-1)
-        out = x.to(self.dt).float()
         pos = lsum > 0
         m_fin = torch.where(pos, self.m, torch.zeros_like(self.m))
         log_l = torch.log(torch.where(pos, lsum, torch.ones_like(lsum)))
         m_term = m_fin * self.scale_f if cfg.opt_softmax else m_fin
         lse = torch.where(pos, m_term + log_l, torch.full_like(lsum, float("-inf")))
+        if self.var.sinks is not None:
+            # fa/softmax.cuh sink_row: top = max(m, sink); keys = exp(m - top) (0 without a key);
+            # total = fmaf(L, keys, exp(sink - top)); LSE = top + log(total); O's factor keys / total.
+            sink = self.var.sinks.view(1, -1, 1, 1).expand_as(lsum)
+            m_nat = torch.where(pos, m_term, torch.full_like(lsum, float("-inf")))
+            top = torch.maximum(m_nat, sink)
+            keys_w = torch.where(pos, torch.exp(m_nat - top), torch.zeros_like(lsum))
+            total = _fma(lsum, keys_w, torch.exp(sink - top))
+            lse = top + torch.log(total)
+            inv = keys_w / total
+        x = self.o * inv.unsqueeze(-1)
+        out = x.to(self.dt).float()
 
         out_bound = lse_bound = None
         if self.bounds:
             b, eps2 = self.bnd, 2 * _EPS
-            steps = torch.tensor(
-                n_blocks_per_row_block(cfg, self.sq, self.sk, self.causal), dtype=torch.float64
-            )
+            steps = torch.tensor(self._n_blocks(), dtype=torch.float64)
             steps = steps.view(1, 1, -1, 1)
             ld = torch.where(pos, lsum.double(), torch.ones_like(lsum, dtype=torch.float64))
             # Relative uncertainty of L without the common factor of M (it cancels in O / L and in the LSE).
             rel_l = b.err_l / ld + steps * (_EX2_REL + (cfg.block_kv // 8 + 4) * eps2)
+            if self.var.sinks is not None:  # sink_row's two __expf and a division
+                rel_l = rel_l + 4 * _EX2_REL + 4 * _EPS
             rel_o = self.kappa * b.tol_m + (steps + 1) * _EX2_REL
             xd = x.double()
             tol_x = (b.mag_o * rel_o.unsqueeze(-1) + b.flip_o + b.acc_o) / ld.unsqueeze(-1) + xd.abs() * (
