@@ -145,6 +145,7 @@ def attention_varlen(
     softmax_scale: float | None = None,
     window: tuple[int, int] | None = None,
     softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     dropout_seed: int | None = None,
@@ -168,13 +169,17 @@ def attention_varlen(
         causal, softmax_scale, window, softcap, sinks, dropout_p, dropout_seed, deterministic: as in
             :func:`flash_attention.attention`, per sequence (causal and the window aligned to each
             sequence's own bottom-right corner).
+        alibi_slopes: ALiBi, float32 (heads_q,), for packed self-attention: the same offsets tensor for
+            queries and keys (``cu_seqlens_q is cu_seqlens_k``) and no ``seqused_k``, where a key's distance
+            in the packed row is its distance in its sequence (the kernels measure it in the packed row).
         return_lse: also return the float32 (heads_q, total_q) log-sum-exp of each row.
 
     Returns:
         (total_q, heads_q, head_dim) output, with ``return_lse`` also the LSE; differentiable with respect
         to q, k, v (and sinks) as :func:`flash_attention.attention` is.
 
-    Not taken (yet): ``alibi_slopes`` and ``key_range`` (``seqused_k`` is the packed form of a key range).
+    Not taken: ``key_range`` (``seqused_k`` is the packed form of a key range); ALiBi across sequences of
+    different query and key lengths (yet).
     The offsets' values are the caller's promise: they are not read on the host, and offsets that decrease
     or exceed the tensors give wrong results, never out-of-bounds accesses (the kernels clamp every row and
     key they read to the packed tensors).
@@ -198,6 +203,16 @@ def attention_varlen(
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
             raise ValueError(f"{name} must be a non-negative int or None; got {value!r}")
+    if alibi_slopes is not None and (
+        cu_seqlens_q is not cu_seqlens_k or seqused_k is not None or q.shape[0] != k.shape[0]
+    ):
+        raise ValueError(
+            "alibi_slopes with attention_varlen needs packed self-attention: pass the same tensor as "
+            "cu_seqlens_q and cu_seqlens_k, equal token counts and no seqused_k (the kernels measure ALiBi's "
+            "distance in the packed row, which is each sequence's own distance only then)"
+        )
+    if alibi_slopes is not None and alibi_slopes.dim() != 1:
+        raise ValueError("alibi_slopes with attention_varlen must have shape (heads_q,) (one packed row)")
     window = check_window(window)
     if window is not None and causal:
         window = (window[0], 0 if window[1] < 0 else min(window[1], 0))
@@ -222,6 +237,7 @@ def attention_varlen(
         dropout_p=dropout_p,
         dropout_seed=dropout_seed,
         softcap=softcap,
+        alibi_slopes=alibi_slopes,
         sinks=sinks,
         _segments=runs,
     )

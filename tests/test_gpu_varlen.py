@@ -43,6 +43,8 @@ CASES = [
     ([250, 380, 129], [250, 380, 129], 8, 2, 128, True, {"sinks": True}, "bf16"),
     ([250, 380, 129], [300, 400, 129], 4, 2, 64, True, {"seqused_k": [260, 0, 100]}, "bf16"),
     ([250, 380, 129, 1], [250, 380, 129, 1], 4, 2, 128, True, {"deterministic": True}, "bf16"),
+    ([250, 380, 0, 129], [250, 380, 0, 129], 8, 2, 128, True, {"alibi": True}, "bf16"),
+    ([250, 380, 129], [250, 380, 129], 4, 4, 64, False, {"alibi": True}, "fp16"),
 ]
 
 
@@ -50,7 +52,8 @@ def _make(case):
     lens_q, lens_k, hq, hkv, d, causal, extra, dt = case
     gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(repr(case).encode()))
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dt]
-    total_q = sum(lens_q) + 5  # rows past the last sequence: output 0
+    # Rows past the last sequence (output 0), except for ALiBi, which needs packed self-attention.
+    total_q = sum(lens_q) + (0 if extra.get("alibi") else 5)
     q = torch.randn(total_q, hq, d, generator=gen, device="cuda").to(dtype)
     k, v = (torch.randn(sum(lens_k), hkv, d, generator=gen, device="cuda").to(dtype) for _ in range(2))
     do = torch.randn(total_q, hq, d, generator=gen, device="cuda").to(dtype)
@@ -61,6 +64,8 @@ def _make(case):
         kw["seqused_k"] = torch.tensor(used, dtype=torch.int32, device="cuda")
     if kw.pop("sinks", False):
         kw["sinks"] = torch.randn(hq, generator=gen, device="cuda") + 4.0
+    if kw.pop("alibi", False):
+        kw["alibi_slopes"] = torch.linspace(0.05, 0.6, hq, device="cuda")
     return (q, k, v, do), kw, used
 
 
@@ -77,6 +82,8 @@ def _reference(case, tensors, kw, used, dtype):
         lse[:] = sinks.to(dtype)[:, None]
     dsinks = torch.zeros(hq, dtype=dtype, device="cuda")
     ref_kw = {n: kw[n] for n in ("window", "softcap") if n in kw}
+    if "alibi_slopes" in kw:
+        ref_kw["alibi_slopes"] = kw["alibi_slopes"].to(dtype)
     for b, m in enumerate(lens_q):
         qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b] + used[b])
         if m == 0:
@@ -121,6 +128,8 @@ def test_attention_varlen_against_float64(case):
         kw["sinks"] = kw["sinks"].clone().requires_grad_()
         leaves.append(kw["sinks"])
     cu_q, cu_k = _offsets(lens_q), _offsets(lens_k)
+    if "alibi_slopes" in kw:
+        cu_k = cu_q  # (packed self-attention: one offsets tensor)
     o, lse = flash_attention.attention_varlen(*leaves[:3], cu_q, cu_k, causal=causal, return_lse=True, **kw)
     _close(o, exact[0], f32[0], "out")
     _close(lse, exact[1], f32[1], "lse")

@@ -73,6 +73,8 @@ VARLEN = [
     ([9, 12, 40], [9, 20, 40], 4, 2, 16, True, {"softcap": 1.5}),
     ([9, 12, 40], [9, 12, 40], 4, 2, 16, True, {"sinks": True}),
     ([9, 12, 40], [14, 12, 45], 4, 2, 16, True, {"seqused_k": [10, 0, 41]}),
+    ([9, 12, 40], [9, 12, 40], 4, 2, 16, True, {"alibi": True}),
+    ([9, 12, 40], [9, 12, 40], 4, 2, 16, False, {"alibi": True}),
 ]
 
 
@@ -82,6 +84,8 @@ def test_attention_varlen_matches_each_sequence_alone(case):
     torch.manual_seed(zlib.crc32(repr(case).encode()))
     cu_q, cu_k = _offsets(lens_q), _offsets(lens_k)
     total_q = sum(lens_q) + 2  # two rows no sequence owns: output 0
+    if extra.get("alibi"):  # packed self-attention: one offsets tensor, equal token counts
+        cu_k, total_q = cu_q, sum(lens_q)
     q = torch.randn(total_q, hq, d, requires_grad=True)
     k = torch.randn(sum(lens_k), hkv, d, requires_grad=True)
     v = torch.randn(sum(lens_k), hkv, d, requires_grad=True)
@@ -90,6 +94,8 @@ def test_attention_varlen_matches_each_sequence_alone(case):
     if "seqused_k" in kw:
         used = kw["seqused_k"]
         kw["seqused_k"] = torch.tensor(used, dtype=torch.int32)
+    if kw.pop("alibi", False):
+        kw["alibi_slopes"] = torch.linspace(0.1, 0.7, hq)
     sinks = None
     if kw.pop("sinks", False):
         sinks = kw["sinks"] = torch.randn(hq, requires_grad=True)
@@ -99,6 +105,8 @@ def test_attention_varlen_matches_each_sequence_alone(case):
     leaves = [q, k, v] + ([sinks] if sinks is not None else [])
     grads = torch.autograd.grad(out, leaves, dout)
     ref_kw = {n: kw[n] for n in ("window", "softcap") if n in kw}
+    if "alibi_slopes" in kw:
+        ref_kw["alibi_slopes"] = kw["alibi_slopes"].double()
     dk_ref, dv_ref = torch.zeros(k.shape, dtype=torch.float64), torch.zeros(v.shape, dtype=torch.float64)
     dsinks_ref = torch.zeros(hq, dtype=torch.float64)
     for b, m in enumerate(lens_q):
@@ -127,6 +135,9 @@ def test_attention_varlen_matches_each_sequence_alone(case):
     if sinks is not None:
         torch.testing.assert_close(grads[3].double(), dsinks_ref, atol=5e-6, rtol=5e-6)
     assert not out[sum(lens_q) :].any()  # rows no sequence owns
+    if "alibi_slopes" in kw:  # and where the distance would not be each sequence's own: refused
+        with pytest.raises(ValueError, match="packed self-attention"):
+            flash_attention.attention_varlen(q, k, v, cu_q, cu_q.clone(), alibi_slopes=kw["alibi_slopes"])
 
 
 def test_attention_varlen_refuses_bad_arguments_naming_them():
