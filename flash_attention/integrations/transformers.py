@@ -615,9 +615,37 @@ def attention_forward(
     # A 4-D mask, key padding with holes, or what the kernel cannot take (a marked sliding window
     # included, whose band _explicit_mask adds): transformers' SDPA function, which computes exactly that
     # mask.
+    if fn.kernel_expected(query):  # (on the CPU every route is PyTorch: nothing to say)
+        reason = _sdpa_reason(attention_mask, query, key, value, dropout, kwargs)
+        fn.warn_once(
+            f"transformers-sdpa:{reason}",
+            f"attention calls with {reason} run through transformers' SDPA function with the equivalent "
+            "mask, not our kernels",
+            stacklevel=3,
+            source="flash_attention.integrations.transformers",
+        )
     mask = _explicit_mask(attention_mask, q_length, kv_length, causal, query.device, square_causal_flag=True)
     return sdpa_attention_forward(
         module, query, key, value, mask, dropout=dropout, scaling=scaling, is_causal=causal, **kwargs
+    )
+
+
+def _sdpa_reason(attention_mask, query, key, value, dropout, kwargs) -> str:
+    """Why a call took the SDPA route, in words for its one-time warning."""
+    if kwargs.get("cache") is not None:
+        return "a paged cache (cache=, which transformers' function updates)"
+    if query.shape[-1] > MAX_HEAD_DIM or value.shape[-1] != query.shape[-1]:
+        return f"head_dim {query.shape[-1]} (values {value.shape[-1]}; the kernels take up to {MAX_HEAD_DIM})"
+    if not query.dtype == key.dtype == value.dtype:
+        return "q, k and v of different dtypes"
+    if dropout >= 1.0:
+        return "dropout 1 (everything dropped)"
+    if attention_mask is not None and attention_mask.dim() == 2:
+        return "key padding with holes (valid keys not one run per row)"
+    return (
+        "a 4-D mask (a static cache's prefill or padding, a window on a static cache, a chunked or "
+        "bidirectional window, a custom mask function, or packed documents whose mask is not causal per "
+        "document)"
     )
 
 
