@@ -1031,7 +1031,7 @@ def test_demo_cpu_runs_and_renders(tmp_path, capsys, monkeypatch):
     )
 
 
-def _masked_reference(q, k, v, allowed, softcap, slopes):
+def _scored_reference(q, k, v, allowed, softcap, slopes):
     """float64 attention with an explicit (batch, 1, seqlen_q, seqlen_k) mask and a score function."""
     from flash_attention.reference import alibi_bias
 
@@ -1076,7 +1076,7 @@ def test_flash_attention_layer_takes_alibi_and_softcap(score, padding, need_weig
         allowed = torch.ones(n, n, dtype=torch.bool).tril()[None, None]
         if pad is not None:
             allowed = allowed & ~pad[:, None, None, :]
-        ref = _masked_reference(q, k, v, allowed, 1.5 if score == "softcap" else 0.0,
+        ref = _scored_reference(q, k, v, allowed, 1.5 if score == "softcap" else 0.0,
                                 None if slopes is None else slopes.double())  # fmt: skip
         want = layer.out_proj(ref.reshape(2, n, 64).float())
     torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
