@@ -1,0 +1,208 @@
+"""Context parallelism: attention over a sequence sharded across the ranks of a ``torch.distributed`` group.
+
+Each of the W ranks holds a contiguous share of every sequence's queries, keys and values (dimension 1,
+the (batch, seqlen, heads, head_dim) layout). :func:`ring_attention` passes the K/V shares around the ring
+(rank r sends to r + 1 and receives from r - 1, point-to-point, the next share in flight while the current
+one is attended), computes the attention of its queries against each share with :func:`flash_attention.
+attention`'s kernels (the custom ops: the PyTorch fallback on CPU), and merges the partial results with
+their log-sum-exps in float32. The backward rotates the K/V shares again with their dK/dV accumulators,
+which arrive back at their owner after the last step; each step's gradients come from the backward kernels
+run with the final output and LSE, which makes every partial exact.
+
+Causal attention balances the ranks' work with the "zigzag" layout: the sequence is cut into 2W chunks and
+rank r holds chunks r and 2W - 1 - r (:func:`shard_sequence` / :func:`unshard_sequence` convert). Every
+step is then one attention call of the same size on every rank: against its own share, causal over its two
+chunks; against an earlier rank's share, both its chunks against the share's first chunk (the second lies
+in the future); against a later rank's share, its second chunk against both of the share's chunks (its
+first chunk precedes both). Blocks in the future are never computed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ._validate import validate
+
+__all__ = ["ring_attention", "shard_sequence", "unshard_sequence"]
+
+
+def _group_info(group) -> tuple[int, int]:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("ring_attention needs an initialised torch.distributed process group")
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _chunks(seqlen: int, world: int, zigzag: bool) -> list[tuple[int, int]]:
+    """The (start, end) spans of each rank's share: W contiguous spans, or the zigzag pairs of 2W chunks."""
+    if zigzag:
+        if seqlen % (2 * world):
+            raise ValueError(
+                f"a zigzag shard needs seqlen divisible by 2 * world size = {2 * world}; got {seqlen}"
+            )
+        c = seqlen // (2 * world)
+        return [(i * c, (i + 1) * c) for i in range(2 * world)]
+    if seqlen % world:
+        raise ValueError(f"seqlen must be divisible by the world size {world}; got {seqlen}")
+    c = seqlen // world
+    return [(i * c, (i + 1) * c) for i in range(world)]
+
+
+def shard_sequence(x: torch.Tensor, group=None, *, dim: int = 1, zigzag: bool = True) -> torch.Tensor:
+    """This rank's share of ``x`` along ``dim``: with ``zigzag`` (the causal layout) chunks r and 2W - 1 - r
+    of 2W, else the r-th of W contiguous spans. Every rank passes the same full tensor."""
+    rank, world = _group_info(group)
+    spans = _chunks(x.shape[dim], world, zigzag)
+    mine = [spans[rank], spans[2 * world - 1 - rank]] if zigzag else [spans[rank]]
+    return torch.cat([x.narrow(dim, a, b - a) for a, b in mine], dim=dim).contiguous()
+
+
+def unshard_sequence(x: torch.Tensor, group=None, *, dim: int = 1, zigzag: bool = True) -> torch.Tensor:
+    """The full tensor from every rank's share (all-gather), the inverse of :func:`shard_sequence`."""
+    rank, world = _group_info(group)
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    if not zigzag:
+        return torch.cat(parts, dim=dim)
+    half = x.shape[dim] // 2
+    order: list[Any] = [None] * (2 * world)
+    for r, part in enumerate(parts):
+        order[r] = part.narrow(dim, 0, half)
+        order[2 * world - 1 - r] = part.narrow(dim, half, half)
+    return torch.cat(order, dim=dim)
+
+
+def _exchange(tensors: torch.Tensor, group, rank: int, world: int, tag: int = 0) -> tuple[list, torch.Tensor]:
+    """Send ``tensors`` to the next rank and receive the previous rank's into a new buffer (asynchronous:
+    the caller waits on the requests before reading the buffer). Exchanges in flight together take
+    distinct ``tag``s: messages between two ranks are matched by tag, not by order, on some backends."""
+    incoming = torch.empty_like(tensors)
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    ops = [
+        dist.P2POp(dist.isend, tensors, dist.get_global_rank(group, nxt) if group else nxt, group, tag),
+        dist.P2POp(dist.irecv, incoming, dist.get_global_rank(group, prv) if group else prv, group, tag),
+    ]
+    return dist.batch_isend_irecv(ops), incoming
+
+
+def _step_plan(rank: int, src: int, causal: bool, local: int) -> tuple[slice, slice, bool]:
+    """Which local query rows attend which rows of the share from rank ``src``, and whether causally.
+
+    ``local`` is the share's length (two chunks of local // 2 with zigzag). Without causal: everything."""
+    everything = slice(0, local)
+    if not causal:
+        return everything, everything, False
+    half = local // 2
+    if src == rank:
+        return everything, everything, True
+    if src < rank:  # both query chunks see the share's first chunk only
+        return everything, slice(0, half), False
+    return slice(half, local), everything, False  # only the second query chunk sees the later share
+
+
+def _merge(out, lse, part_out, part_lse, rows: slice) -> None:
+    """out[:, rows], lse[..., rows] <- the log-sum-exp merge of the running result with a step's part
+    (float32 accumulators; a part whose rows saw no key has LSE -inf and weight 0)."""
+    old_lse = lse[:, :, rows]
+    new_lse = torch.logaddexp(old_lse, part_lse)
+    safe = torch.where(torch.isneginf(new_lse), torch.zeros_like(new_lse), new_lse)
+    w_old = torch.exp(old_lse - safe).transpose(1, 2).unsqueeze(-1)
+    w_new = torch.exp(part_lse - safe).transpose(1, 2).unsqueeze(-1)
+    out[:, rows] = out[:, rows] * w_old + part_out.float() * w_new
+    lse[:, :, rows] = new_lse
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, group, rank, world):
+        batch, local, heads_q, _ = q.shape
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full((batch, heads_q, local), float("-inf"), dtype=torch.float32, device=q.device)
+        kv = torch.stack((k, v)).contiguous()
+        for step in range(world):
+            src = (rank - step) % world
+            reqs, incoming = _exchange(kv, group, rank, world) if step + 1 < world else ([], None)
+            rows, keys, step_causal = _step_plan(rank, src, causal, local)
+            part_out, part_lse = torch.ops.flash_attention.fwd(
+                q[:, rows], kv[0][:, keys], kv[1][:, keys], step_causal, scale, False, None
+            )
+            _merge(out, lse, part_out, part_lse, rows)
+            for req in reqs:
+                req.wait()
+            if incoming is not None:
+                kv = incoming
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.scale, ctx.group, ctx.rank, ctx.world = causal, scale, group, rank, world
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        causal, scale, group, rank, world = ctx.causal, ctx.scale, ctx.group, ctx.rank, ctx.world
+        dout = dout.contiguous()
+        local = q.shape[1]
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        # The share in hand and its gradient accumulators travel together; after W steps (W - 1 sends and
+        # one last one home) every accumulator is back at its owner.
+        kv = torch.stack((k, v)).contiguous()
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+        for step in range(world):
+            src = (rank - step) % world
+            rows, keys, step_causal = _step_plan(rank, src, causal, local)
+            dq_p, dk_p, dv_p = torch.ops.flash_attention.bwd(
+                dout[:, rows], q[:, rows], kv[0][:, keys], kv[1][:, keys], out[:, rows],
+                lse[:, :, rows].contiguous(), step_causal, scale, False, None,
+            )  # fmt: skip
+            dq[:, rows] += dq_p.float()
+            dkv[0][:, keys] += dk_p.float()
+            dkv[1][:, keys] += dv_p.float()
+            if world > 1:
+                reqs_kv, next_kv = _exchange(kv, group, rank, world) if step + 1 < world else ([], kv)
+                reqs_dkv, next_dkv = _exchange(dkv, group, rank, world, tag=1)
+                for req in reqs_kv + reqs_dkv:
+                    req.wait()
+                kv, dkv = next_kv, next_dkv
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group=None,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention of this rank's queries against every rank's keys and values (context parallelism).
+
+    Args:
+        q, k, v: this rank's shares, (batch, seqlen_local, heads, head_dim) as :func:`flash_attention.
+            attention` takes them (GQA: heads_q a multiple of heads_kv), the same seqlen_local on every
+            rank; with ``causal``, in the zigzag layout of :func:`shard_sequence` (seqlen_local even).
+        group: the process group (default: the world).
+        causal: causal attention over the whole (unsharded) sequence, bottom-right aligned as everywhere.
+        softmax_scale: default 1 / sqrt(head_dim).
+        return_lse: also return this rank's rows' float32 (batch, heads_q, seqlen_local) LSE.
+
+    Returns:
+        This rank's share of the output (differentiable with respect to q, k and v on every rank: the
+        backward runs the same ring), and with ``return_lse`` the LSE.
+    """
+    problem = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, out=None)
+    if q.dtype == torch.float64:
+        # The float64 fallback's backward renormalises each row's probabilities over the keys it is given
+        # (its LSE is float32), which is right for a whole row and wrong for a share of its keys.
+        raise TypeError("ring_attention takes float16, bfloat16 or float32 tensors; got float64")
+    rank, world = _group_info(group)
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(f"q and k must hold equal shares of the sequence; got {q.shape[1]} and {k.shape[1]}")
+    if causal and q.shape[1] % 2:
+        raise ValueError(f"causal ring attention takes zigzag shards of even length; got {q.shape[1]}")
+    out, lse = _RingAttention.apply(q, k, v, bool(causal), problem.scale, group, rank, world)
+    return (out, lse) if return_lse else out
