@@ -72,3 +72,54 @@ def test_ring_attention_needs_a_process_group_and_refuses_float64():
         ring_attention(q, q, q)
     with pytest.raises(TypeError, match="float64"):
         ring_attention(q.double(), q.double(), q.double())
+
+
+def _training_worker(rank, world, init_file, failures):
+    try:
+        import sys
+        from pathlib import Path
+
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+        from ring_llama import ring_step, tiny_llama
+
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+        torch.manual_seed(3)
+        ids = torch.randint(3, 256, (1, 4 * world * 6))
+        model = tiny_llama()
+        loss = ring_step(model, ids)
+        # The same step on one process, the whole sequence, transformers' eager attention.
+        ref = tiny_llama()
+        labels = torch.full_like(ids, -100)
+        labels[:, :-1] = ids[:, 1:]
+        logits = ref(input_ids=ids, use_cache=False).logits
+        ref_loss = torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"
+        ) / (ids.shape[1] - 1)
+        ref_loss.backward()
+        torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=0)
+        for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+            scale = q.grad.abs().max().item()
+            assert (p.grad - q.grad).abs().max().item() <= 1e-4 * scale + 1e-7, name
+        dist.destroy_process_group()
+    except Exception:
+        failures.put(f"rank {rank}: {traceback.format_exc()}")
+        raise
+
+
+def test_ring_training_example_equals_one_process(tmp_path):
+    # examples/ring_llama.py's step on 2 gloo ranks: the loss and every parameter's gradient of one training
+    # step equal the whole sequence's on one process.
+    pytest.importorskip("transformers")
+    ctx = mp.get_context("spawn")
+    failures = ctx.Queue()
+    init_file = os.fspath(tmp_path / "init")
+    procs = [ctx.Process(target=_training_worker, args=(r, 2, init_file, failures)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=180)
+    errors = []
+    while not failures.empty():
+        errors.append(failures.get())
+    assert not errors, "\n".join(errors)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
