@@ -19,12 +19,13 @@ first chunk precedes both). Blocks in the future are never computed.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ._validate import validate
+from ._validate import check_window, validate
 
 __all__ = ["ring_attention", "shard_sequence", "unshard_sequence"]
 
@@ -87,19 +88,100 @@ def _exchange(tensors: torch.Tensor, group, rank: int, world: int, tag: int = 0)
     return dist.batch_isend_irecv(ops), incoming
 
 
-def _step_plan(rank: int, src: int, causal: bool, local: int) -> tuple[slice, slice, bool]:
-    """Which local query rows attend which rows of the share from rank ``src``, and whether causally.
+@dataclass
+class _Step:
+    """What this rank computes at one ring step: its query rows ``rows`` against the keys ``keys`` of the
+    share it holds (from rank ``src``), causally or not, or through per-row key runs (``runs``: a sliding
+    window, the segments build on the batch folded into one row); ``empty``: nothing to compute."""
 
-    ``local`` is the share's length (two chunks of local // 2 with zigzag). Without causal: everything."""
+    src: int
+    rows: slice
+    keys: slice
+    causal: bool = False
+    runs: tuple[torch.Tensor, torch.Tensor] | None = None
+    empty: bool = False
+
+
+def _steps(rank: int, world: int, causal: bool, window, batch: int, local: int, device) -> list[_Step]:
+    """The ring's steps for this rank (every rank takes the same number, in lockstep).
+
+    Without a window: W steps; causal in the zigzag layout, each one call of the same size (module
+    docstring). With a window (contiguous shares, ``zigzag=False``): runs per step from the shares' global
+    offsets, and when no key after a row is visible (right <= 0) only the steps whose shares reach back into
+    some row's window: 1 + (local - 1 + left) // local of them, the rest of the ring skipped entirely."""
     everything = slice(0, local)
-    if not causal:
-        return everything, everything, False
-    half = local // 2
-    if src == rank:
-        return everything, everything, True
-    if src < rank:  # both query chunks see the share's first chunk only
-        return everything, slice(0, half), False
-    return slice(half, local), everything, False  # only the second query chunk sees the later share
+    if window is None:
+        out = []
+        half = local // 2
+        for step in range(world):
+            src = (rank - step) % world
+            if not causal:
+                out.append(_Step(src, everything, everything))
+            elif src == rank:
+                out.append(_Step(src, everything, everything, causal=True))
+            elif src < rank:  # both query chunks see the share's first chunk only
+                out.append(_Step(src, everything, slice(0, half)))
+            else:  # only the second query chunk sees the later share
+                out.append(_Step(src, slice(half, local), everything))
+        return out
+    left, right = window
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    n_steps = world
+    if right == 0 and left >= 0:  # no later key: the shares more than `left` keys back are never seen
+        n_steps = min(world, 1 + (local - 1 + left) // local)
+    out = []
+    idx = torch.arange(local, device=device)
+    fold = (torch.arange(batch, device=device) * local).view(-1, 1, 1)  # the batch folded into one row
+    for step in range(n_steps):
+        src = (rank - step) % world
+        off = (rank - src) * local  # a row's global position minus its key's, at equal local indices
+        lo = torch.zeros_like(idx) if left < 0 else (idx + off - left).clamp(0, local)
+        hi = torch.full_like(idx, local) if right < 0 else (idx + off + right + 1).clamp(0, local)
+        hi = torch.maximum(hi, lo)
+        qlo = torch.zeros_like(idx) if right < 0 else (idx - off - right).clamp(0, local)
+        qhi = torch.full_like(idx, local) if left < 0 else (idx - off + left + 1).clamp(0, local)
+        qhi = torch.maximum(qhi, qlo)
+        # Some row sees some key iff the window's far edges reach the share (decided on the host).
+        if (right >= 0 and local - 1 + off + right < 0) or (left >= 0 and off - left > local - 1):
+            out.append(_Step(src, everything, everything, empty=True))
+            continue
+        runs = tuple(
+            (torch.stack(pair, 1).unsqueeze(0) + fold).reshape(-1, 2).to(torch.int32).contiguous()
+            for pair in ((lo, hi), (qlo, qhi))
+        )
+        out.append(_Step(src, everything, everything, runs=runs))
+    return out
+
+
+def _fwd_step(q, k, v, step: _Step, scale):
+    """(out, lse) of one step's attention: the custom op on the step's rows and keys."""
+    qs, ks, vs = q[:, step.rows], k[:, step.keys], v[:, step.keys]
+    if step.runs is None:
+        return torch.ops.flash_attention.fwd(qs, ks, vs, step.causal, scale, False, None)
+    b, n, h, d = qs.shape
+    o, lse = torch.ops.flash_attention.fwd(
+        *(t.reshape(1, -1, *t.shape[2:]) for t in (qs, ks, vs)), False, scale, False, None, 0.0, None, None,
+        0.0, None, None, *step.runs,
+    )  # fmt: skip
+    return o.view(b, n, h, d), lse[0].view(h, b, n).transpose(0, 1)
+
+
+def _bwd_step(dout, q, k, v, out, lse, step: _Step, scale):
+    """(dq, dk, dv) of one step: the backward op with the final output and LSE (exact partials)."""
+    r, c = step.rows, step.keys
+    args = (dout[:, r], q[:, r], k[:, c], v[:, c], out[:, r])
+    if step.runs is None:
+        return torch.ops.flash_attention.bwd(
+            *args, lse[:, :, r].contiguous(), step.causal, scale, False, None
+        )
+    b, n, h, _ = args[1].shape
+    folded = [t.reshape(1, -1, *t.shape[2:]) for t in args]
+    lse_f = lse[:, :, r].transpose(0, 1).reshape(1, h, b * n).contiguous()
+    dq, dk, dv = torch.ops.flash_attention.bwd(
+        *folded, lse_f, False, scale, False, None, 0.0, None, None, 0.0, None, *step.runs
+    )
+    return dq.view(args[1].shape), dk.view(args[2].shape), dv.view(args[3].shape)
 
 
 def _merge(out, lse, part_out, part_lse, rows: slice) -> None:
@@ -114,59 +196,69 @@ def _merge(out, lse, part_out, part_lse, rows: slice) -> None:
     lse[:, :, rows] = new_lse
 
 
+def _send_home(dkv: torch.Tensor, group, rank: int, world: int, hops: int) -> torch.Tensor:
+    """After ``hops`` forward hops the accumulators this rank holds belong to rank - hops: send them there
+    and receive this rank's own from rank + hops."""
+    if hops % world == 0:
+        return dkv
+    incoming = torch.empty_like(dkv)
+    to, frm = (rank - hops) % world, (rank + hops) % world
+    ops = [
+        dist.P2POp(dist.isend, dkv, dist.get_global_rank(group, to) if group else to, group, 2),
+        dist.P2POp(dist.irecv, incoming, dist.get_global_rank(group, frm) if group else frm, group, 2),
+    ]
+    for req in dist.batch_isend_irecv(ops):
+        req.wait()
+    return incoming
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, group, rank, world):
+    def forward(ctx, q, k, v, causal, scale, window, group, rank, world):
         batch, local, heads_q, _ = q.shape
+        steps = _steps(rank, world, causal, window, batch, local, q.device)
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full((batch, heads_q, local), float("-inf"), dtype=torch.float32, device=q.device)
         kv = torch.stack((k, v)).contiguous()
-        for step in range(world):
-            src = (rank - step) % world
-            reqs, incoming = _exchange(kv, group, rank, world) if step + 1 < world else ([], None)
-            rows, keys, step_causal = _step_plan(rank, src, causal, local)
-            part_out, part_lse = torch.ops.flash_attention.fwd(
-                q[:, rows], kv[0][:, keys], kv[1][:, keys], step_causal, scale, False, None
-            )
-            _merge(out, lse, part_out, part_lse, rows)
+        for i, step in enumerate(steps):
+            reqs, incoming = _exchange(kv, group, rank, world) if i + 1 < len(steps) else ([], None)
+            if not step.empty:
+                part_out, part_lse = _fwd_step(q, kv[0], kv[1], step, scale)
+                _merge(out, lse, part_out, part_lse, step.rows)
             for req in reqs:
                 req.wait()
             if incoming is not None:
                 kv = incoming
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.scale, ctx.group, ctx.rank, ctx.world = causal, scale, group, rank, world
+        ctx.steps, ctx.scale, ctx.group, ctx.rank, ctx.world = steps, scale, group, rank, world
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        causal, scale, group, rank, world = ctx.causal, ctx.scale, ctx.group, ctx.rank, ctx.world
+        steps, scale, group, rank, world = ctx.steps, ctx.scale, ctx.group, ctx.rank, ctx.world
         dout = dout.contiguous()
-        local = q.shape[1]
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        # The share in hand and its gradient accumulators travel together; after W steps (W - 1 sends and
-        # one last one home) every accumulator is back at its owner.
+        # The share in hand and its gradient accumulators travel together, one hop a step; after the last
+        # step the accumulators go straight home (_send_home: one hop when the whole ring ran).
         kv = torch.stack((k, v)).contiguous()
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
-        for step in range(world):
-            src = (rank - step) % world
-            rows, keys, step_causal = _step_plan(rank, src, causal, local)
-            dq_p, dk_p, dv_p = torch.ops.flash_attention.bwd(
-                dout[:, rows], q[:, rows], kv[0][:, keys], kv[1][:, keys], out[:, rows],
-                lse[:, :, rows].contiguous(), step_causal, scale, False, None,
-            )  # fmt: skip
-            dq[:, rows] += dq_p.float()
-            dkv[0][:, keys] += dk_p.float()
-            dkv[1][:, keys] += dv_p.float()
-            if world > 1:
-                reqs_kv, next_kv = _exchange(kv, group, rank, world) if step + 1 < world else ([], kv)
+        for i, step in enumerate(steps):
+            if not step.empty:
+                dq_p, dk_p, dv_p = _bwd_step(dout, q, kv[0], kv[1], out, lse, step, scale)
+                dq[:, step.rows] += dq_p.float()
+                dkv[0][:, step.keys] += dk_p.float()
+                dkv[1][:, step.keys] += dv_p.float()
+            if i + 1 < len(steps):
+                reqs_kv, next_kv = _exchange(kv, group, rank, world)
                 reqs_dkv, next_dkv = _exchange(dkv, group, rank, world, tag=1)
                 for req in reqs_kv + reqs_dkv:
                     req.wait()
                 kv, dkv = next_kv, next_dkv
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
+        dkv = _send_home(dkv, group, rank, world, len(steps) - 1)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
 
 
 def ring_attention(
@@ -177,6 +269,7 @@ def ring_attention(
     group=None,
     causal: bool = False,
     softmax_scale: float | None = None,
+    window: tuple[int, int] | None = None,
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of this rank's queries against every rank's keys and values (context parallelism).
@@ -188,6 +281,10 @@ def ring_attention(
         group: the process group (default: the world).
         causal: causal attention over the whole (unsharded) sequence, bottom-right aligned as everywhere.
         softmax_scale: default 1 / sqrt(head_dim).
+        window: a sliding window ``(left, right)`` over the whole sequence, as :func:`flash_attention.
+            attention` takes it, on contiguous shares (``shard_sequence(..., zigzag=False)``): each step
+            attends through per-row key runs, and a window that sees no later key (causal, or right 0)
+            runs only the steps whose shares reach into it, the rest of the ring skipped.
         return_lse: also return this rank's rows' float32 (batch, heads_q, seqlen_local) LSE.
 
     Returns:
@@ -202,7 +299,8 @@ def ring_attention(
     rank, world = _group_info(group)
     if q.shape[1] != k.shape[1]:
         raise ValueError(f"q and k must hold equal shares of the sequence; got {q.shape[1]} and {k.shape[1]}")
-    if causal and q.shape[1] % 2:
+    window = check_window(window)
+    if causal and window is None and q.shape[1] % 2:
         raise ValueError(f"causal ring attention takes zigzag shards of even length; got {q.shape[1]}")
-    out, lse = _RingAttention.apply(q, k, v, bool(causal), problem.scale, group, rank, world)
+    out, lse = _RingAttention.apply(q, k, v, bool(causal), problem.scale, window, group, rank, world)
     return (out, lse) if return_lse else out
