@@ -192,7 +192,9 @@ def _merge(out, lse, part_out, part_lse, rows: slice) -> None:
     safe = torch.where(torch.isneginf(new_lse), torch.zeros_like(new_lse), new_lse)
     w_old = torch.exp(old_lse - safe).transpose(1, 2).unsqueeze(-1)
     w_new = torch.exp(part_lse - safe).transpose(1, 2).unsqueeze(-1)
-    out[:, rows] = out[:, rows] * w_old + part_out.float() * w_new
+    # In place on the float32 accumulator, the part's rounding promoted by the fused multiply-add (no
+    # temporary of the output's size per step).
+    out[:, rows].mul_(w_old).addcmul_(part_out, w_new)
     lse[:, :, rows] = new_lse
 
 
