@@ -173,3 +173,16 @@ def test_ring_attention_with_a_sliding_window(causal, window, tmp_path):
         errors.append(failures.get())
     assert not errors, "\n".join(errors)
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+
+
+def test_ring_bench_runs_on_gloo(tmp_path):
+    # bench --ring's worker logic on 2 CPU processes (gloo, the fallback): rows for one GPU and the ring
+    # with the keys the README's plot reads; the numbers mean nothing here.
+    from flash_attention.tools.bench.ring import RingSettings, run_ring
+
+    s = RingSettings(
+        seqlens=(64,), heads=4, kv_heads=2, head_dim=16, dtype="fp32", warmup=0, reps=1, device="cpu"
+    )
+    rows = run_ring(s, os.fspath(tmp_path / "init"))
+    assert [r["impl"] for r in rows] == ["flash_attention", "ring_attention"]
+    assert rows[1]["world"] == 2 and rows[1]["ms"] > 0 and "speedup" in rows[1] and "memory_ratio" in rows[1]

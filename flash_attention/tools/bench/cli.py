@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -178,6 +179,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="ALiBi on every shape with the geometric slopes 2^(-8h/heads) (attention()'s alibi_slopes=; "
         "FlexAttention gets the score_mod, SDPA the additive mask)",
+    )
+    p.add_argument(
+        "--ring",
+        action="store_true",
+        help="context parallelism: ring_attention on every visible GPU against one GPU, forward+backward of "
+        "one causal sequence per --seqlens (default 128k; heads from --width, --kv-heads default 8), with "
+        "peak memory (file tag 'ring')",
     )
     p.add_argument(
         "--varlen",
@@ -348,6 +356,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 2
 
+    if args.ring:
+        return _main_ring(args)
     if args.varlen:
         return _main_varlen(args, reps, min_time)
     if args.mode == "decode":
@@ -533,6 +543,33 @@ def _main_model(args: argparse.Namespace, reps: int, min_time: float) -> int:
     print()
     print(model_text(rows))
     _save_tagged(result, args, "model")
+    return 0
+
+
+def _main_ring(args: argparse.Namespace) -> int:
+    """``--ring``: :mod:`.ring`'s one-GPU against ring comparison, saved with tag 'ring'."""
+    import tempfile
+
+    from .ring import RingSettings, run_ring
+
+    world = torch.cuda.device_count()
+    if world < 2:
+        print("--ring needs at least two visible GPUs", file=sys.stderr)
+        return 2
+    d = (args.head_dims or (128,))[0]
+    settings = RingSettings(
+        seqlens=tuple(args.seqlens) if args.seqlens else (131072,),
+        heads=max(1, args.width // d),
+        kv_heads=args.kv_heads or 8,
+        head_dim=d,
+        dtype=args.dtype or "bf16",
+        world=world,
+    )
+    result = environment(torch.cuda.current_device(), args.commit, args.allow_dirty)
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = run_ring(settings, os.path.join(tmp, "init"))
+    result.update(mode="ring", matmul_tflops=None, rows=rows)
+    _save_tagged(result, args, "ring")
     return 0
 
 

@@ -1,0 +1,138 @@
+"""``bench --ring``: context-parallel ring attention on every visible GPU against one GPU, one process each.
+
+For each sequence length: one causal sequence (batch 1; heads from ``--width`` and ``--head-dims``, K/V heads
+``--kv-heads``), forward+backward, timed on one GPU with :func:`flash_attention.attention` and on W GPUs with
+:func:`flash_attention.distributed.ring_attention` (zigzag shares, NCCL), with each run's peak memory. Rows:
+``impl`` "flash_attention" (one GPU) and "ring_attention" (``world`` GPUs), ``ms`` (per step, the slowest
+rank), ``tflops`` (the causal sequence's FLOPs), ``peak_gib`` (per GPU), and on the ring rows the
+``speedup`` and ``memory_ratio`` against the one-GPU row. ``device="cpu"`` runs the same on gloo processes
+(the tests' smoke run; the numbers mean nothing there).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+@dataclass
+class RingSettings:
+    seqlens: tuple[int, ...] = (131072,)
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    dtype: str = "bf16"
+    world: int = 2
+    warmup: int = 1
+    reps: int = 3
+    device: str = "cuda"
+
+
+def _flops(seqlen: int, s: RingSettings) -> float:
+    return 4.0 * seqlen * seqlen * s.head_dim * s.heads * 0.5 * 3.5  # causal, forward + backward
+
+
+def _timed(step, s: RingSettings, device: torch.device, barrier) -> tuple[float, float]:
+    """(ms per step, peak GiB) of ``step``, after warm-up; ``barrier`` lines the ranks up."""
+    for _ in range(s.warmup):
+        step()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    barrier()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    for _ in range(s.reps):
+        step()
+    sync()
+    barrier()
+    ms = (time.perf_counter() - t0) / s.reps * 1e3
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+    return ms, peak
+
+
+def _no_op() -> None:
+    pass
+
+
+def _train_step(attend, leaves: list[torch.Tensor]) -> None:
+    """Forward and backward of one causal attention (``attend``: attention or ring_attention)."""
+    o = attend(*leaves, causal=True)
+    torch.autograd.grad(o, leaves, torch.ones_like(o))
+
+
+def _worker(rank: int, s: RingSettings, init: str, results) -> None:
+    import flash_attention
+    from flash_attention.distributed import ring_attention, shard_sequence
+
+    cuda = s.device == "cuda"
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=init, rank=rank, world_size=s.world)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[s.dtype]
+    rows = []
+    for n in s.seqlens:
+        torch.manual_seed(0)
+        q = torch.randn(1, n, s.heads, s.head_dim, device=device, dtype=dtype)
+        k, v = (torch.randn(1, n, s.kv_heads, s.head_dim, device=device, dtype=dtype) for _ in range(2))
+        one = None
+        if rank == 0:  # one GPU, the whole sequence (the others wait at the barrier)
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            one = _timed(functools.partial(_train_step, flash_attention.attention, leaves), s, device, _no_op)
+            del leaves
+        dist.barrier()
+        shares = [shard_sequence(t).requires_grad_() for t in (q, k, v)]
+        del q, k, v
+        ms, peak = _timed(functools.partial(_train_step, ring_attention, shares), s, device, dist.barrier)
+        stats = torch.tensor([ms, peak], dtype=torch.float64)
+        gathered = [torch.zeros_like(stats) for _ in range(s.world)]
+        dist.all_gather_object(gathered, stats)
+        if rank == 0:
+            ring_ms = max(float(g[0]) for g in gathered)
+            ring_peak = max(float(g[1]) for g in gathered)
+            base = dict(mode="fwd_bwd", dtype=s.dtype, head_dim=s.head_dim, causal=True, seqlen=n, batch=1,
+                        heads=s.heads, kv_heads=s.kv_heads)  # fmt: skip
+            flops = _flops(n, s)
+            single = {**base, "impl": "flash_attention", "world": 1, "ms": round(one[0], 3)}
+            single.update(tflops=round(flops / (one[0] * 1e-3) / 1e12, 2), peak_gib=round(one[1], 3))
+            ringed = {**base, "impl": "ring_attention", "world": s.world, "ms": round(ring_ms, 3)}
+            ringed.update(tflops=round(flops / (ring_ms * 1e-3) / 1e12, 2), peak_gib=round(ring_peak, 3))
+            ringed.update(speedup=round(one[0] / ring_ms, 3))
+            ringed.update(memory_ratio=round(ring_peak / one[1], 3) if one[1] else None)
+            rows += [single, ringed]
+            print(
+                f"{n} tokens: one GPU {one[0]:.1f} ms ({one[1]:.2f} GiB), ring x{s.world} {ring_ms:.1f} ms "
+                f"({ring_peak:.2f} GiB per GPU): {one[0] / ring_ms:.2f}x",
+                flush=True,
+            )
+        del shares
+        if cuda:
+            torch.cuda.empty_cache()
+    if rank == 0:
+        results.put(rows)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_ring(s: RingSettings, init_file: str) -> list[dict]:
+    """Spawn ``s.world`` processes (one per GPU), run the comparison, return rank 0's rows."""
+    if os.path.exists(init_file):
+        os.remove(init_file)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, s, f"file://{init_file}", results)) for r in range(s.world)]
+    for p in procs:
+        p.start()
+    rows = results.get()
+    for p in procs:
+        p.join()
+    if any(p.exitcode for p in procs):
+        raise RuntimeError(f"a ring bench process failed: exit codes {[p.exitcode for p in procs]}")
+    return rows
