@@ -81,10 +81,11 @@ def _variants(window, softcap, alibi_slopes, row_keys=None, key_rows=None) -> di
 
 def _fallback_forward(
     q, k, v, causal, scale, key_range, dropout_p, dropout_seed, window=None, softcap=0.0, alibi_slopes=None,
-    row_keys=None, key_rows=None,
+    row_keys=None, key_rows=None, sinks=None,
 ):  # fmt: skip
     """The forward op's PyTorch path (every device, and CUDA inputs the kernels cannot take); segments go
-    to the chunked path as its per-row runs (``window=row_keys``)."""
+    to the chunked path as its per-row runs (``window=row_keys``), and sinks rescale its result (the
+    kernels join them in their epilogue; :mod:`flash_attention.sinks` says why the two agree)."""
     out, lse = fallback.forward(
         q,
         k,
@@ -99,7 +100,7 @@ def _fallback_forward(
         softcap=softcap,
         alibi_slopes=alibi_slopes,
     )
-    return out, lse
+    return (out, lse) if sinks is None else apply_sinks(out, lse, sinks)
 
 
 def _fallback_backward(
@@ -149,10 +150,8 @@ def fwd(
     key_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Any device but CUDA: the PyTorch fallback."""
-    extras = (window, softcap, alibi_slopes, row_keys, key_rows)
-    return _with_sinks(
-        _fallback_forward(q, k, v, causal, scale, key_range, dropout_p, dropout_seed, *extras), sinks
-    )
+    extras = (window, softcap, alibi_slopes, row_keys, key_rows, sinks)
+    return _fallback_forward(q, k, v, causal, scale, key_range, dropout_p, dropout_seed, *extras)
 
 
 @fwd.register_kernel("cuda")
@@ -164,12 +163,6 @@ def _fwd_cuda(
         q, k, v, causal, scale, key_range, dropout_p, dropout_seed, window, softcap, alibi_slopes, sinks,
         row_keys, key_rows,
     )  # fmt: skip
-
-
-def _with_sinks(result: tuple[torch.Tensor, torch.Tensor], sinks: torch.Tensor | None) -> tuple:
-    """The PyTorch fallback's ``(out, lse)`` with the call's attention sinks applied (the kernels join them
-    in their epilogue; :mod:`flash_attention.sinks` says why the two agree)."""
-    return result if sinks is None else apply_sinks(*result, sinks)
 
 
 def forward_impl(
@@ -193,8 +186,7 @@ def forward_impl(
     ops = None if _has_no_pair(q, k) else dispatch.kernel_backend(q)
 
     def fallback_forward():
-        result = _fallback_forward(q, k, v, causal, scale, key_range, dropout_p, dropout_seed, *extras)
-        return _with_sinks(result, sinks)
+        return _fallback_forward(q, k, v, causal, scale, key_range, dropout_p, dropout_seed, *extras, sinks)
 
     if ops is None:
         return fallback_forward()
