@@ -393,6 +393,38 @@ def run_decode_case(case, seed: int) -> float:
     return err
 
 
+#: (batch, rows, heads, head_dim, part dtype): the LSE merge kernel (ring attention's per-step merge) on a row
+#: view of a larger running result; head_dim 256 puts a row's threads in two warps (the kernel's barrier).
+MERGE_CASES = [
+    (2, 333, 5, 128, torch.bfloat16),
+    (1, 100, 3, 256, torch.float16),
+    (3, 77, 4, 72, torch.float32),
+]
+
+
+def run_merge_case(case, seed: int) -> float:
+    """Max difference of the merge kernel from its PyTorch form, rows without keys on either side included;
+    the rows around the view must stay as they were."""
+    from flash_attention.ops.merge import lse_merge_, lse_merge_reference
+
+    b, n, h, d, part_dtype = case
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    out = torch.randn(b, n + 9, h, d, device="cuda", generator=gen)
+    lse = torch.randn(b, h, n + 9, device="cuda", generator=gen)
+    part = torch.randn(b, n, h, d, device="cuda", generator=gen).to(part_dtype)
+    part_lse = torch.randn(b, h, n, device="cuda", generator=gen)
+    lse[:, 0, 4:20] = float("-inf")
+    part_lse[:, 0, :10] = float("-inf")
+    want_out, want_lse = out.clone(), lse.clone()
+    lse_merge_reference(want_out[:, 4:-5], want_lse[:, :, 4:-5], part, part_lse)
+    lse_merge_(out[:, 4:-5], lse[:, :, 4:-5], part, part_lse)
+    torch.cuda.synchronize()
+    finite = torch.isfinite(want_lse)
+    if not torch.equal(finite, torch.isfinite(lse)):
+        return float("inf")
+    return max((out - want_out).abs().max().item(), (lse[finite] - want_lse[finite]).abs().max().item())
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="shorter sequences (for racecheck)")
@@ -405,6 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--score-only", action="store_true", help="only the score-function cases")
     ap.add_argument("--sinks-only", action="store_true", help="only the attention-sink cases")
     ap.add_argument("--varlen-only", action="store_true", help="only the packed-batch (varlen) cases")
+    ap.add_argument("--merge-only", action="store_true", help="only the LSE merge kernel's cases")
     ap.add_argument(
         "--bwd-atomic-only",
         action="store_true",
@@ -438,6 +471,7 @@ def main(argv: list[str] | None = None) -> int:
         or args.score_only
         or args.sinks_only
         or args.varlen_only
+        or args.merge_only
     )
     hopper = torch.cuda.get_device_capability() == (9, 0)
     for i, case in enumerate(DET_CASES if hopper and (args.bwd_det_only or not only) else []):
@@ -452,6 +486,10 @@ def main(argv: list[str] | None = None) -> int:
         err = run_varlen_case(case, seed=900 + i, small=args.small)
         worst = max(worst, err)
         print(f"varlen case {i}: {case} max error {err:.3g}", flush=True)
+    for i, case in enumerate(MERGE_CASES if args.merge_only or not only else []):
+        err = run_merge_case(case, seed=1000 + i)
+        worst = max(worst, err)
+        print(f"merge case {i}: {case} max difference {err:.3g}", flush=True)
     for i, case in enumerate(SINKS_CASES if args.sinks_only or not only else []):
         err = run_sinks_case(case, seed=800 + i, small=args.small)
         worst = max(worst, err)

@@ -11,11 +11,12 @@ from collections.abc import Callable
 
 from ..configs import BwdConfig, KernelConfig
 from ..configs.decode import DecodeConfig
+from ..configs.merge import MERGE_PART_DTYPES, MergeConfig
 from . import driver
 from .cache import build
 from .sources import kernel_symbol, mask_causals, variant_name
 
-__all__ = ["get_bwd_kernels", "get_decode_kernels", "get_kernel"]
+__all__ = ["get_bwd_kernels", "get_decode_kernels", "get_kernel", "get_merge_kernels"]
 
 _loaded: dict[tuple, object] = {}
 _lock = threading.Lock()
@@ -100,5 +101,16 @@ def get_decode_kernels(cfg: DecodeConfig, arch: str) -> dict[str, driver.Kernel]
             symbols.append(cfg.symbol("append", paged=paged))
             symbols += [cfg.symbol("decode", causal, paged) for causal in (False, True)]
         _loaded[k] = {sym: driver.get_kernel(library, sym) for sym in symbols}
+
+    return _once(k, load)
+
+
+def get_merge_kernels(cfg: MergeConfig, arch: str) -> dict[str, driver.Kernel]:
+    """The LSE merge's entry points by part dtype ("fp32", "fp16", "bf16"), compiled or read once."""
+    k = (cfg, arch, "merge")
+
+    def load() -> None:
+        library = driver.load_library(build(cfg, arch).cubin)
+        _loaded[k] = {name: driver.get_kernel(library, cfg.symbol(name)) for name in MERGE_PART_DTYPES}
 
     return _once(k, load)

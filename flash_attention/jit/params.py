@@ -198,6 +198,25 @@ class DecodeParams(ctypes.Structure):
     )
 
 
+class LseMergeParams(ctypes.Structure):
+    """The twin of ``fa::LseMergeParams`` (csrc/include/fa/lse_merge_params.h)."""
+
+    _fields_ = (
+        [(name, _PTR) for name in ("out", "lse", "part", "part_lse")]
+        + [
+            (f"{t}_{kind}_stride", _I64)
+            for t, kinds in (
+                ("out", ("batch", "row", "head")),
+                ("lse", ("batch", "head")),
+                ("part", ("batch", "row", "head")),
+                ("part_lse", ("batch", "head")),
+            )
+            for kind in kinds
+        ]
+        + [(name, _I32) for name in ("batch", "rows", "heads", "head_dim")]
+    )
+
+
 def offset_asserts(struct: type[ctypes.Structure], cpp_name: str) -> str:
     """static_asserts pinning the C++ struct's layout to the ctypes one.
 

@@ -13,6 +13,7 @@ from ..jit import driver
 __all__ = [
     "KERNEL_DTYPES",
     "cuda_unavailable_reason",
+    "device_unavailable_reason",
     "current_stream",
     "device_arch",
     "dtype_name",
@@ -76,7 +77,13 @@ def cuda_unavailable_reason(q: torch.Tensor) -> str | None:
         return "the tensors are on the CPU"
     if q.dtype not in KERNEL_DTYPES:
         return f"the kernels take float16 or bfloat16, not {q.dtype}"
-    return _device_problem(q.get_device()) or _compiler_problem()
+    return device_unavailable_reason(q.get_device())
+
+
+def device_unavailable_reason(index: int) -> str | None:
+    """None when kernels can be built and launched on GPU ``index`` whatever the dtype (the dtype-free
+    kernels', such as the LSE merge's); otherwise why not."""
+    return _device_problem(index) or _compiler_problem()
 
 
 def dtype_name(t: torch.Tensor) -> str:
