@@ -10,27 +10,9 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from spawn_ranks import spawn_ranks
 
 from flash_attention.reference import attention_reference
-
-
-def _spawn(target, world: int, tmp_path, *args, timeout: float = 120) -> None:
-    """Run ``target(rank, world, init_file, *args, failures)`` in ``world`` spawned processes; fail with
-    every rank's traceback if any of them raised."""
-    ctx = mp.get_context("spawn")
-    failures = ctx.Queue()
-    init_file = os.fspath(tmp_path / "init")
-    procs = [ctx.Process(target=target, args=(r, world, init_file, *args, failures)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=timeout)
-    errors = []
-    while not failures.empty():
-        errors.append(failures.get())
-    assert not errors, "\n".join(errors)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
 
 
 def _worker(rank, world, init_file, causal, failures):
@@ -67,7 +49,7 @@ def _worker(rank, world, init_file, causal, failures):
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("causal", [False, True])
 def test_ring_attention_equals_single_process_attention(world, causal, tmp_path):
-    _spawn(_worker, world, tmp_path, causal)
+    spawn_ranks(_worker, world, tmp_path, causal)
 
 
 def test_ring_attention_needs_a_process_group_and_refuses_float64():
@@ -116,7 +98,7 @@ def test_ring_training_example_equals_one_process(tmp_path):
     # examples/ring_llama.py's step on 2 gloo ranks: the loss and every parameter's gradient of one training
     # step equal the whole sequence's on one process.
     pytest.importorskip("transformers")
-    _spawn(_training_worker, 2, tmp_path, timeout=180)
+    spawn_ranks(_training_worker, 2, tmp_path, timeout=180)
 
 
 def _window_worker(rank, world, init_file, causal, window, failures):
@@ -152,7 +134,7 @@ def _window_worker(rank, world, init_file, causal, window, failures):
 def test_ring_attention_with_a_sliding_window(causal, window, tmp_path):
     # Contiguous shares over 3 ranks: a causal window runs only the steps that reach it (the rest of the
     # ring skipped), a two-sided one every step, each through per-row key runs; against float64.
-    _spawn(_window_worker, 3, tmp_path, causal, window)
+    spawn_ranks(_window_worker, 3, tmp_path, causal, window)
 
 
 def test_ring_bench_runs_on_gloo(tmp_path):

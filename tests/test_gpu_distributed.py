@@ -1,0 +1,86 @@
+"""Ring attention on 2 GPUs (NCCL, one process per GPU; skipped with fewer): the kernels' ring result against
+single-GPU flash_attention.attention on the same inputs, both measured against float64 attention on the
+whole sequence with the accuracy rule (the ring's error at most twice the single GPU's, plus slack):
+output, LSE and gradients; causal in the zigzag layout, non-causal, sliding windows on contiguous shares,
+GQA, head_dim 64 to 256, bf16 and fp16."""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+from spawn_ranks import spawn_ranks
+
+import flash_attention
+from flash_attention.reference import attention_reference
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="ring attention on GPUs needs 2 of them"),
+]
+
+# (causal, window, heads_q, heads_kv, head_dim, dtype, seqlen)
+CASES = [
+    (True, None, 16, 4, 128, "bf16", 2048),
+    (False, None, 8, 8, 256, "bf16", 1024),
+    (True, None, 8, 2, 64, "fp16", 1536),
+    (True, (300, 0), 8, 2, 128, "bf16", 2048),  # reaches one share back; rank 0's later share is empty
+    (False, (-1, 0), 8, 4, 128, "bf16", 4096),  # causal as a window, on contiguous shares
+    (False, (200, 150), 4, 4, 96, "bf16", 1024),
+]
+
+
+def _worker(rank, world, init_file, case, failures):
+    try:
+        causal, window, hq, hkv, d, dtype_name, n = case
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        torch.cuda.set_device(rank)
+        dev = torch.device("cuda", rank)
+        dist.init_process_group(
+            "nccl", init_method=f"file://{init_file}", rank=rank, world_size=world, device_id=dev
+        )
+        from flash_attention.distributed import ring_attention, shard_sequence, unshard_sequence
+
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+        torch.manual_seed(1000 + d + n)  # the same full tensors on every rank
+        q = torch.randn(2, n, hq, d, device=dev, dtype=dtype)
+        k, v = (torch.randn(2, n, hkv, d, device=dev, dtype=dtype) for _ in range(2))
+        dout = torch.randn_like(q)
+        zig = window is None and causal
+        leaves = [shard_sequence(t, zigzag=zig).requires_grad_() for t in (q, k, v)]
+        out, lse = ring_attention(*leaves, causal=causal, window=window, return_lse=True)
+        grads = torch.autograd.grad(out, leaves, shard_sequence(dout, zigzag=zig))
+        ring = [unshard_sequence(t.detach(), zigzag=zig) for t in (out, *grads)]
+        ring_lse = unshard_sequence(lse, dim=2, zigzag=zig)
+        if rank == 0:
+            one_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            one, one_lse = flash_attention.attention(
+                *one_leaves, causal=causal, window=window, return_lse=True
+            )
+            one_grads = torch.autograd.grad(one, one_leaves, dout)
+            ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+            ref, ref_lse = attention_reference(*ref_leaves, causal=causal, window=window)
+            ref_grads = torch.autograd.grad(ref, ref_leaves, dout.double())
+            named = zip(("out", "dq", "dk", "dv"), ring, (one, *one_grads), (ref, *ref_grads), strict=True)
+            for name, got, single, want in named:
+                err = (got.double() - want).abs().max().item()
+                err_one = (single.double() - want).abs().max().item()
+                assert err <= 2 * err_one + 1e-3, f"{name}: ring {err:.3g}, one GPU {err_one:.3g}"
+            err = (ring_lse.double() - ref_lse).abs().max().item()
+            err_one = (one_lse.double() - ref_lse).abs().max().item()
+            assert err <= 2 * err_one + 1e-4, f"lse: ring {err:.3g}, one GPU {err_one:.3g}"
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception:
+        failures.put(f"rank {rank}: {traceback.format_exc()}")
+        raise
+
+
+@pytest.mark.parametrize(
+    "case", CASES, ids=lambda c: f"causal{int(c[0])}-w{c[1]}-h{c[2]}x{c[3]}-d{c[4]}-{c[5]}"
+)
+def test_ring_attention_on_two_gpus_equals_one_gpu(case, tmp_path):
+    spawn_ranks(_worker, 2, tmp_path, case, timeout=300)
