@@ -37,6 +37,8 @@ def plot_results(result: dict, results_path: str | Path, mode: str | None = None
 
     if mode is None:
         mode = result_mode(result)
+    if mode == "ring":
+        return [_plot_ring(plt, result, results_path)]
     rows = [r for r in result["rows"] if r.get("mode") == mode and r.get("tflops")]
     head_dims = sorted({r["head_dim"] for r in rows})
     impls = list(dict.fromkeys(r["impl"] for r in rows))
@@ -84,3 +86,56 @@ def plot_results(result: dict, results_path: str | Path, mode: str | None = None
         plt.close(fig)
         written.append(path)
     return written
+
+
+def _ticker():
+    import matplotlib.ticker
+
+    return matplotlib.ticker
+
+
+def _plot_ring(plt, result: dict, results_path: str | Path) -> Path:
+    """A ``--ring`` result: time per forward+backward step and peak memory per GPU against sequence
+    length, one GPU against the ring, the speedup and memory ratio written at each point."""
+    rows = result["rows"]
+    one = sorted((r for r in rows if r["impl"] == "flash_attention"), key=lambda r: r["seqlen"])
+    ring = sorted((r for r in rows if r["impl"] == "ring_attention"), key=lambda r: r["seqlen"])
+    world = ring[0]["world"]
+    path = plot_paths(results_path, [ring[0]["head_dim"]])[0]
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, key, label in ((ax_t, "ms", "ms per forward+backward"), (ax_m, "peak_gib", "peak GiB per GPU")):
+        one_xy = [r["seqlen"] for r in one], [r[key] for r in one]
+        ax.plot(*one_xy, label="one GPU", **_STYLE["flash_attention"])
+        ax.plot(
+            [r["seqlen"] for r in ring], [r[key] for r in ring], label=f"ring_attention, {world} GPUs",
+            color="#1f77b4", marker="s", linewidth=2,
+        )  # fmt: skip
+        ratio_key = "speedup" if key == "ms" else "memory_ratio"
+        for r in ring:
+            if r.get(ratio_key) is not None:
+                at = (r["seqlen"], r[key])
+                ax.annotate(
+                    f"{r[ratio_key]:.2f}x", at, textcoords="offset points", xytext=(0, 7), ha="center",
+                    fontsize=8, color="#1f77b4",
+                )  # fmt: skip
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log", base=2)
+        ax.yaxis.set_major_formatter(_ticker().FuncFormatter(lambda y, _: f"{y:g}"))
+        seqlens = [r["seqlen"] for r in ring]
+        ax.set_xticks(seqlens)
+        ax.set_xticklabels([f"{n // 1024}k" if n >= 1024 else str(n) for n in seqlens])
+        ax.set_xlabel("sequence length (one causal sequence)")
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8, loc="upper left")
+    ax_t.set_title("time (the speedup at each ring point)")
+    ax_m.set_title("memory (the ratio to one GPU at each ring point)")
+    first = ring[0]
+    fig.suptitle(
+        f"{world} x {result.get('gpu', '?')}, {first['dtype']}, {first['heads']}/{first['kv_heads']} heads, "
+        f"head_dim {first['head_dim']}, commit {result.get('commit')}"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -12,6 +12,7 @@ from .. import provenance
 from ..common import replace_marked_region, repo_root
 from .decode import decode_markdown
 from .results import load_results, result_mode
+from .ring import ring_markdown
 from .tables import results_header, results_to_markdown
 
 __all__ = ["README_BEGIN", "README_END", "readme_markers", "update_readme"]
@@ -45,8 +46,15 @@ def update_readme(readme_path: str | os.PathLike, results_path: str | os.PathLik
         results_path.parent.glob(f"{results_path.stem}-d*.png"), key=lambda p: int(p.stem.rsplit("-d", 1)[1])
     ):
         plot_rel = os.path.relpath(plot.resolve(), readme_path.resolve().parent).replace(os.sep, "/")
-        block += [f"![TFLOP/s by sequence length, {plot.stem.rsplit('-', 1)[1]}]({plot_rel})", ""]
-    table = decode_markdown(result) if result_mode(result) == "decode" else results_to_markdown(result)
+        what = "Time and memory" if result_mode(result) == "ring" else "TFLOP/s"
+        block += [f"![{what} by sequence length, {plot.stem.rsplit('-', 1)[1]}]({plot_rel})", ""]
+    mode = result_mode(result)
+    if mode == "decode":
+        table = decode_markdown(result)
+    elif mode == "ring":
+        table = ring_markdown(result)
+    else:
+        table = results_to_markdown(result)
     block.append(table.rstrip("\n"))
     new_block = "\n".join(block)
     replace_marked_region(readme_path, begin, end, new_block)

@@ -136,7 +136,9 @@ def merged(previous: dict | None, result: dict) -> dict:
 
 def result_mode(result: dict) -> str:
     """The mode a result file is about: ``fwd`` when it has forward rows (or none), else its training mode
-    (``fwd_bwd`` before ``bwd``)."""
+    (``fwd_bwd`` before ``bwd``); ``ring`` for a ``--ring`` run, whose rows compare one GPU with several."""
+    if result.get("mode") == "ring":
+        return "ring"
     modes = {r.get("mode", "fwd") for r in result.get("rows", [])}
     if not modes or "fwd" in modes:
         return "fwd"

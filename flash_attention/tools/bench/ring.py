@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 
 @dataclass
 class RingSettings:
-    seqlens: tuple[int, ...] = (131072,)
+    seqlens: tuple[int, ...] = (16384, 32768, 65536, 131072)
     heads: int = 32
     kv_heads: int = 8
     head_dim: int = 128
@@ -84,12 +84,14 @@ def _worker(rank: int, s: RingSettings, init: str, results) -> None:
         k, v = (torch.randn(1, n, s.kv_heads, s.head_dim, device=device, dtype=dtype) for _ in range(2))
         one = None
         if rank == 0:  # one GPU, the whole sequence (the others wait at the barrier)
-            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            # The full tensors themselves are the leaves and no share exists yet: the one-GPU peak holds one
+            # copy of the inputs, as the ring's holds one copy of its shares.
+            leaves = [t.requires_grad_() for t in (q, k, v)]
             one = _timed(functools.partial(_train_step, flash_attention.attention, leaves), s, device, _no_op)
             del leaves
-        dist.barrier()
-        shares = [shard_sequence(t).requires_grad_() for t in (q, k, v)]
+        shares = [shard_sequence(t.detach()).requires_grad_() for t in (q, k, v)]
         del q, k, v
+        dist.barrier()
         ms, peak = _timed(functools.partial(_train_step, ring_attention, shares), s, device, dist.barrier)
         stats = torch.tensor([ms, peak], dtype=torch.float64)
         gathered = [torch.zeros_like(stats) for _ in range(s.world)]
@@ -136,3 +138,40 @@ def run_ring(s: RingSettings, init_file: str) -> list[dict]:
     if any(p.exitcode for p in procs):
         raise RuntimeError(f"a ring bench process failed: exit codes {[p.exitcode for p in procs]}")
     return rows
+
+
+def ring_markdown(result: dict) -> str:
+    """The README table of a ``--ring`` result: per sequence length, one GPU against the ring."""
+    rows = result.get("rows", [])
+    singles = {r["seqlen"]: r for r in rows if r.get("impl") == "flash_attention"}
+    ringed = [r for r in rows if r.get("impl") == "ring_attention"]
+    if not ringed:
+        return ""
+    first = ringed[0]
+    world = first["world"]
+    title = (
+        f"### Context parallelism: one causal sequence, forward+backward ({first['dtype']}, "
+        f"{first['heads']}/{first['kv_heads']} heads, head_dim {first['head_dim']}, {world} x "
+        f"{result.get('gpu', '?')})"
+    )
+    head = [
+        "seqlen", "one GPU ms", f"ring x{world} ms", "speedup", "one GPU TFLOP/s", "ring TFLOP/s",
+        "one GPU peak GiB", "ring peak GiB per GPU", "memory ratio",
+    ]  # fmt: skip
+    out = [title, "", "| " + " | ".join(head) + " |", "| " + " | ".join("---:" for _ in head) + " |"]
+    for r in sorted(ringed, key=lambda r: r["seqlen"]):
+        one = singles.get(r["seqlen"], {})
+        n = r["seqlen"]
+        cells = [
+            f"{n // 1024}k" if n % 1024 == 0 else str(n),
+            f"{one.get('ms', float('nan')):.1f}",
+            f"{r['ms']:.1f}",
+            f"{r['speedup']:.2f}x",
+            f"{one.get('tflops', float('nan')):.0f}",
+            f"{r['tflops']:.0f}",
+            f"{one.get('peak_gib', float('nan')):.2f}",
+            f"{r['peak_gib']:.2f}",
+            f"{r['memory_ratio']:.2f}x" if r.get("memory_ratio") is not None else "n/a",
+        ]
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
