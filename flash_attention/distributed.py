@@ -5,9 +5,12 @@ the (batch, seqlen, heads, head_dim) layout). :func:`ring_attention` passes the 
 (rank r sends to r + 1 and receives from r - 1, point-to-point, the next share in flight while the current
 one is attended), computes the attention of its queries against each share with :func:`flash_attention.
 attention`'s kernels (the custom ops: the PyTorch fallback on CPU), and merges the partial results with
-their log-sum-exps in float32. The backward rotates the K/V shares again with their dK/dV accumulators,
-which arrive back at their owner after the last step; each step's gradients come from the backward kernels
-run with the final output and LSE, which makes every partial exact.
+their log-sum-exps in float32 (the LSE merge kernel). The backward rotates the K/V shares again with their
+dK/dV accumulators, which arrive back at their owner after the last step; each step's gradients come from
+the backward kernels run with the final output and LSE, which makes every partial exact. Both directions
+run one ring pass per group of heads (:func:`_head_groups`), so what a pass holds beyond the inputs (float32
+accumulators, the share in flight, the kernels' workspaces) is one group's and the peak memory stays near
+the share's own.
 
 Causal attention balances the ranks' work with the "zigzag" layout: the sequence is cut into 2W chunks and
 rank r holds chunks r and 2W - 1 - r (:func:`shard_sequence` / :func:`unshard_sequence` convert). Every
@@ -185,42 +188,28 @@ def _bwd_step(dout, q, k, v, out, lse, step: _Step, scale):
     return dq.view(args[1].shape), dk.view(args[2].shape), dv.view(args[3].shape)
 
 
-def _bwd_partials(dout, q, kv, out, lse, step: _Step, scale, groups: int, dq: torch.Tensor) -> list:
-    """One backward step in ``groups`` calls over slices of the K/V heads (with their query heads): dQ added
-    into ``dq`` (fp32, in place: the add promotes the partial without a temporary), and the partial dK/dV of
-    each group returned as (heads slice, dk, dv) in the inputs' dtype for the caller's accumulator."""
-    heads_kv = kv.shape[3]
-    per_kv = q.shape[2] // heads_kv  # query heads per K/V head (GQA)
-    size = heads_kv // groups
-    partials = []
-    for g in range(groups):
-        kvh = slice(g * size, (g + 1) * size)
-        qh = slice(g * size * per_kv, (g + 1) * size * per_kv)
-        dq_p, dk_p, dv_p = _bwd_step(
-            dout[:, :, qh], q[:, :, qh], kv[0][:, :, kvh], kv[1][:, :, kvh], out[:, :, qh], lse[:, qh], step,
-            scale,
-        )  # fmt: skip
-        dq[:, step.rows, qh].add_(dq_p)
-        partials.append((kvh, dk_p, dv_p))
-    return partials
+def _head_groups(
+    batch: int, keys: int, heads_q: int, heads_kv: int, device: torch.device
+) -> list[tuple[slice, slice]]:
+    """The groups of K/V heads (each with its query heads, GQA) the ring runs one after another, as
+    (query heads, K/V heads) slices.
 
-
-def _head_groups(batch: int, keys: int, heads_kv: int, device: torch.device) -> int:
-    """Into how many groups of K/V heads (each with its query heads) a backward step is cut.
-
-    A backward call's temporaries scale with its query heads: its fp32 dQ workspace and LSE rows (twice q's
-    bytes) and its dq (q's). One call over all heads would hold three times the rows' query bytes on top of
-    the ring's own accumulators, and it set the ring's peak memory (0.81x of one GPU's at 64k tokens on 2
-    H200s, the bar 0.6x). Up to 4 groups cut that to a quarter; fewer when a group would leave the GPU
-    short of blocks (a K/V head's blocks are its keys / 128, and 4 waves of SMs keep the tail small)."""
+    Everything a ring pass holds beyond its inputs scales with its heads: the float32 output (forward) or
+    dQ and dK/dV accumulators (backward), the K/V share in flight, and each backward call's fp32 dQ
+    workspace and LSE rows. One pass over all heads held about three times the query rows' bytes on top of
+    the inputs and set the peak memory (0.84x of one GPU's at 128k tokens, 16/8 heads, on 2 H200s; the bar
+    is 0.6x). A pass per group holds one group's worth; the transfers carry the same bytes in all, in
+    smaller messages. Up to 4 groups; fewer when a group's calls would leave the GPU short of blocks (a K/V
+    head's are its keys / 128, and 4 waves of SMs keep the tail small)."""
     # (On the CPU the fallback's temporaries scale the same way and there are no blocks to keep busy.)
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
     blocks_per_head = batch * -(-keys // 128)
-    best = 1
+    count = 1
     for g in range(2, 5):
         if heads_kv % g == 0 and heads_kv // g * blocks_per_head >= 4 * sms:
-            best = g
-    return best
+            count = g
+    kv, per = heads_kv // count, heads_q // count
+    return [(slice(g * per, (g + 1) * per), slice(g * kv, (g + 1) * kv)) for g in range(count)]
 
 
 def _send_home(dkv: torch.Tensor, group, rank: int, world: int, hops: int) -> torch.Tensor:
@@ -239,65 +228,93 @@ def _send_home(dkv: torch.Tensor, group, rank: int, world: int, hops: int) -> to
     return incoming
 
 
+def _ring_forward(q, k, v, steps: list[_Step], scale, group, rank: int, world: int):
+    """One ring pass of the forward over the heads of q, k, v: (out, lse) in float32. The share in hand is
+    sent on as each step starts (the transfer overlaps the step's kernels); each step's part is merged into
+    the running result in place (the LSE merge kernel)."""
+    batch, local, heads_q, _ = q.shape
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full((batch, heads_q, local), float("-inf"), dtype=torch.float32, device=q.device)
+    kv = torch.stack((k, v))
+    for i, step in enumerate(steps):
+        reqs, incoming = _exchange(kv, group, rank, world) if i + 1 < len(steps) else ([], None)
+        if not step.empty:
+            part_out, part_lse = _fwd_step(q, kv[0], kv[1], step, scale)
+            lse_merge_(out[:, step.rows], lse[:, :, step.rows], part_out, part_lse)
+        for req in reqs:
+            req.wait()
+        if incoming is not None:
+            kv = incoming
+    return out, lse
+
+
+def _ring_backward(dout, q, k, v, out, lse, steps: list[_Step], scale, group, rank: int, world: int):
+    """One ring pass of the backward over the heads of its arguments: (dq, dk, dv) in float32.
+
+    The share in hand travels one hop a step, sent as the step starts (overlapping its kernels). Its fp32
+    dK/dV accumulator follows one step behind: a step's partial gradients are computed while the
+    accumulator of the same share is still on its way from the previous rank, then added to it, and it
+    leaves for the next rank while the next step computes. After the last step the accumulators go straight
+    home (_send_home: one hop when the ring ran whole)."""
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    kv = torch.stack((k, v))
+    acc_reqs, acc, sending = [], None, None
+    for i, step in enumerate(steps):
+        last = i + 1 == len(steps)
+        kv_reqs, next_kv = ([], None) if last else _exchange(kv, group, rank, world)
+        grads = None if step.empty else _bwd_step(dout, q, kv[0], kv[1], out, lse, step, scale)
+        if grads is not None:
+            dq[:, step.rows].add_(grads[0])  # (the add promotes the partial: no float32 temporary)
+        for req in acc_reqs:
+            req.wait()
+        if acc is None:
+            acc = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+        if grads is not None:
+            acc[0][:, step.keys].add_(grads[1])
+            acc[1][:, step.keys].add_(grads[2])
+        if not last:
+            sending = acc  # (kept referenced until its transfer has been waited on)
+            acc_reqs, acc = _exchange(sending, group, rank, world, tag=1)
+        for req in kv_reqs:
+            req.wait()
+        if next_kv is not None:
+            kv = next_kv
+    del sending, kv
+    acc = _send_home(acc, group, rank, world, len(steps) - 1)
+    return dq, acc[0], acc[1]
+
+
 class _RingAttention(torch.autograd.Function):
+    """Ring attention, one ring pass per group of heads (_head_groups: what a pass holds scales with its
+    heads, so the groups bound the peak memory) in the forward and again in the backward."""
+
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, window, group, rank, world):
         batch, local, heads_q, _ = q.shape
         steps = _steps(rank, world, causal, window, batch, local, q.device)
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        lse = torch.full((batch, heads_q, local), float("-inf"), dtype=torch.float32, device=q.device)
-        kv = torch.stack((k, v)).contiguous()
-        for i, step in enumerate(steps):
-            reqs, incoming = _exchange(kv, group, rank, world) if i + 1 < len(steps) else ([], None)
-            if not step.empty:
-                part_out, part_lse = _fwd_step(q, kv[0], kv[1], step, scale)
-                lse_merge_(out[:, step.rows], lse[:, :, step.rows], part_out, part_lse)
-            for req in reqs:
-                req.wait()
-            if incoming is not None:
-                kv = incoming
-        out = out.to(q.dtype)
+        heads = _head_groups(batch, local, heads_q, k.shape[2], q.device)
+        out = torch.empty_like(q)
+        lse = torch.empty((batch, heads_q, local), dtype=torch.float32, device=q.device)
+        for qh, kvh in heads:
+            shares = q[:, :, qh], k[:, :, kvh], v[:, :, kvh]
+            out[:, :, qh], lse[:, qh] = _ring_forward(*shares, steps, scale, group, rank, world)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.steps, ctx.scale, ctx.group, ctx.rank, ctx.world = steps, scale, group, rank, world
+        ctx.steps, ctx.heads, ctx.scale = steps, heads, scale
+        ctx.group, ctx.rank, ctx.world = group, rank, world
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        steps, scale, group, rank, world = ctx.steps, ctx.scale, ctx.group, ctx.rank, ctx.world
         dout = dout.contiguous()
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        groups = _head_groups(q.shape[0], k.shape[1], k.shape[2], q.device)
-        # The share in hand travels one hop a step, sent as soon as the step starts (the transfer overlaps
-        # the step's kernels). Its fp32 dK/dV accumulator follows one step behind: a step's partial
-        # gradients are computed while the accumulator of the same share is still on its way from the
-        # previous rank, then added to it, and it leaves for the next rank while the next step computes.
-        # After the last step the accumulators go straight home (_send_home: one hop when the ring ran
-        # whole).
-        kv = torch.stack((k, v)).contiguous()
-        acc_reqs, acc, sending = [], None, None
-        for i, step in enumerate(steps):
-            last = i + 1 == len(steps)
-            kv_reqs, next_kv = ([], None) if last else _exchange(kv, group, rank, world)
-            partials = [] if step.empty else _bwd_partials(dout, q, kv, out, lse, step, scale, groups, dq)
-            for req in acc_reqs:
-                req.wait()
-            if acc is None:
-                acc = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
-            for heads, dk_p, dv_p in partials:
-                acc[0][:, step.keys, heads].add_(dk_p)
-                acc[1][:, step.keys, heads].add_(dv_p)
-            if not last:
-                sending = acc  # (kept referenced until its transfer has been waited on)
-                acc_reqs, acc = _exchange(sending, group, rank, world, tag=1)
-            for req in kv_reqs:
-                req.wait()
-            if next_kv is not None:
-                kv = next_kv
-        del sending
-        acc = _send_home(acc, group, rank, world, len(steps) - 1)
-        return dq.to(q.dtype), acc[0].to(k.dtype), acc[1].to(v.dtype), None, None, None, None, None, None
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        for qh, kvh in ctx.heads:
+            dq[:, :, qh], dk[:, :, kvh], dv[:, :, kvh] = _ring_backward(
+                dout[:, :, qh], q[:, :, qh], k[:, :, kvh], v[:, :, kvh], out[:, :, qh], lse[:, qh], ctx.steps,
+                ctx.scale, ctx.group, ctx.rank, ctx.world,
+            )  # fmt: skip
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def ring_attention(

@@ -151,7 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tokens", type=int, default=16384, help="tokens per batch: batch = tokens // seqlen (16384)"
     )
-    p.add_argument("--width", type=int, default=2048, help="model width: heads = width // head_dim (2048)")
+    p.add_argument(
+        "--width",
+        type=int,
+        default=None,
+        help="model width: heads = width // head_dim (2048; --ring: 4096, a long-context model's 32 heads)",
+    )
     p.add_argument("--layers", type=int, default=8, help="--mode model: decoder layers (8)")
     p.add_argument(
         "--kv-heads",
@@ -184,8 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--ring",
         action="store_true",
         help="context parallelism: ring_attention on every visible GPU against one GPU, forward+backward of "
-        "one causal sequence per --seqlens (default 128k; heads from --width, --kv-heads default 8), with "
-        "peak memory (file tag 'ring')",
+        "one causal sequence per --seqlens (default 16k to 128k; heads from --width, --kv-heads default 8), "
+        "with peak memory (file tag 'ring')",
     )
     p.add_argument(
         "--varlen",
@@ -290,6 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.width is None and not args.ring:
+        args.width = 2048
 
     if args.update_readme is not None:
         try:
@@ -558,8 +565,8 @@ def _main_ring(args: argparse.Namespace) -> int:
         return 2
     d = (args.head_dims or (128,))[0]
     settings = RingSettings(
-        seqlens=tuple(args.seqlens) if args.seqlens else (131072,),
-        heads=max(1, args.width // d),
+        seqlens=tuple(args.seqlens) if args.seqlens else RingSettings.seqlens,
+        heads=max(1, (args.width or 4096) // d),
         kv_heads=args.kv_heads or 8,
         head_dim=d,
         dtype=args.dtype or "bf16",
