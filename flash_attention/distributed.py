@@ -30,6 +30,8 @@ import torch.distributed as dist
 
 from ._validate import check_window, validate
 from .ops.merge import lse_merge_
+from .ops.plans import score_function
+from .sinks import apply_sinks, check_sinks, sinks_gradient
 
 __all__ = ["ring_attention", "shard_sequence", "unshard_sequence"]
 
@@ -158,33 +160,34 @@ def _steps(rank: int, world: int, causal: bool, window, batch: int, local: int, 
     return out
 
 
-def _fwd_step(q, k, v, step: _Step, scale):
+def _fwd_step(q, k, v, step: _Step, scale, softcap: float):
     """(out, lse) of one step's attention: the custom op on the step's rows and keys."""
     qs, ks, vs = q[:, step.rows], k[:, step.keys], v[:, step.keys]
     if step.runs is None:
-        return torch.ops.flash_attention.fwd(qs, ks, vs, step.causal, scale, False, None)
+        return torch.ops.flash_attention.fwd(qs, ks, vs, step.causal, scale, False, None, softcap=softcap)
     b, n, h, d = qs.shape
     o, lse = torch.ops.flash_attention.fwd(
-        *(t.reshape(1, -1, *t.shape[2:]) for t in (qs, ks, vs)), False, scale, False, None, 0.0, None, None,
-        0.0, None, None, *step.runs,
+        *(t.reshape(1, -1, *t.shape[2:]) for t in (qs, ks, vs)), False, scale, False, None, softcap=softcap,
+        row_keys=step.runs[0], key_rows=step.runs[1],
     )  # fmt: skip
     return o.view(b, n, h, d), lse[0].view(h, b, n).transpose(0, 1)
 
 
-def _bwd_step(dout, q, k, v, out, lse, step: _Step, scale):
+def _bwd_step(dout, q, k, v, out, lse, step: _Step, scale, softcap: float):
     """(dq, dk, dv) of one step: the backward op with the final output and LSE (exact partials)."""
     r, c = step.rows, step.keys
     args = (dout[:, r], q[:, r], k[:, c], v[:, c], out[:, r])
     if step.runs is None:
         return torch.ops.flash_attention.bwd(
-            *args, lse[:, :, r].contiguous(), step.causal, scale, False, None
+            *args, lse[:, :, r].contiguous(), step.causal, scale, False, None, softcap=softcap
         )
     b, n, h, _ = args[1].shape
     folded = [t.reshape(1, -1, *t.shape[2:]) for t in args]
     lse_f = lse[:, :, r].transpose(0, 1).reshape(1, h, b * n).contiguous()
     dq, dk, dv = torch.ops.flash_attention.bwd(
-        *folded, lse_f, False, scale, False, None, 0.0, None, None, 0.0, None, *step.runs
-    )
+        *folded, lse_f, False, scale, False, None, softcap=softcap, row_keys=step.runs[0],
+        key_rows=step.runs[1],
+    )  # fmt: skip
     return dq.view(args[1].shape), dk.view(args[2].shape), dv.view(args[3].shape)
 
 
@@ -228,7 +231,7 @@ def _send_home(dkv: torch.Tensor, group, rank: int, world: int, hops: int) -> to
     return incoming
 
 
-def _ring_forward(q, k, v, steps: list[_Step], scale, group, rank: int, world: int):
+def _ring_forward(q, k, v, steps: list[_Step], scale, softcap: float, group, rank: int, world: int):
     """One ring pass of the forward over the heads of q, k, v: (out, lse) in float32. The share in hand is
     sent on as each step starts (the transfer overlaps the step's kernels); each step's part is merged into
     the running result in place (the LSE merge kernel)."""
@@ -239,7 +242,7 @@ def _ring_forward(q, k, v, steps: list[_Step], scale, group, rank: int, world: i
     for i, step in enumerate(steps):
         reqs, incoming = _exchange(kv, group, rank, world) if i + 1 < len(steps) else ([], None)
         if not step.empty:
-            part_out, part_lse = _fwd_step(q, kv[0], kv[1], step, scale)
+            part_out, part_lse = _fwd_step(q, kv[0], kv[1], step, scale, softcap)
             lse_merge_(out[:, step.rows], lse[:, :, step.rows], part_out, part_lse)
         for req in reqs:
             req.wait()
@@ -248,7 +251,7 @@ def _ring_forward(q, k, v, steps: list[_Step], scale, group, rank: int, world: i
     return out, lse
 
 
-def _ring_backward(dout, q, k, v, out, lse, steps: list[_Step], scale, group, rank: int, world: int):
+def _ring_backward(dout, q, k, v, out, lse, steps: list[_Step], scale, softcap: float, group, rank, world):
     """One ring pass of the backward over the heads of its arguments: (dq, dk, dv) in float32.
 
     The share in hand travels one hop a step, sent as the step starts (overlapping its kernels). Its fp32
@@ -262,7 +265,7 @@ def _ring_backward(dout, q, k, v, out, lse, steps: list[_Step], scale, group, ra
     for i, step in enumerate(steps):
         last = i + 1 == len(steps)
         kv_reqs, next_kv = ([], None) if last else _exchange(kv, group, rank, world)
-        grads = None if step.empty else _bwd_step(dout, q, kv[0], kv[1], out, lse, step, scale)
+        grads = None if step.empty else _bwd_step(dout, q, kv[0], kv[1], out, lse, step, scale, softcap)
         if grads is not None:
             dq[:, step.rows].add_(grads[0])  # (the add promotes the partial: no float32 temporary)
         for req in acc_reqs:
@@ -289,7 +292,7 @@ class _RingAttention(torch.autograd.Function):
     heads, so the groups bound the peak memory) in the forward and again in the backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, window, group, rank, world):
+    def forward(ctx, q, k, v, sinks, causal, scale, window, softcap, group, rank, world):
         batch, local, heads_q, _ = q.shape
         steps = _steps(rank, world, causal, window, batch, local, q.device)
         heads = _head_groups(batch, local, heads_q, k.shape[2], q.device)
@@ -297,24 +300,31 @@ class _RingAttention(torch.autograd.Function):
         lse = torch.empty((batch, heads_q, local), dtype=torch.float32, device=q.device)
         for qh, kvh in heads:
             shares = q[:, :, qh], k[:, :, kvh], v[:, :, kvh]
-            out[:, :, qh], lse[:, qh] = _ring_forward(*shares, steps, scale, group, rank, world)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.steps, ctx.heads, ctx.scale = steps, heads, scale
+            o_g, lse_g = _ring_forward(*shares, steps, scale, softcap, group, rank, world)
+            if sinks is not None:  # a sink joins each row's softmax once, after every share's keys
+                o_g, lse_g = apply_sinks(o_g, lse_g, sinks[qh])
+            out[:, :, qh], lse[:, qh] = o_g, lse_g
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.steps, ctx.heads, ctx.scale, ctx.softcap = steps, heads, scale, softcap
         ctx.group, ctx.rank, ctx.world = group, rank, world
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         dout = dout.contiguous()
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         for qh, kvh in ctx.heads:
             dq[:, :, qh], dk[:, :, kvh], dv[:, :, kvh] = _ring_backward(
                 dout[:, :, qh], q[:, :, qh], k[:, :, kvh], v[:, :, kvh], out[:, :, qh], lse[:, qh], ctx.steps,
-                ctx.scale, ctx.group, ctx.rank, ctx.world,
+                ctx.scale, ctx.softcap, ctx.group, ctx.rank, ctx.world,
             )  # fmt: skip
-        return dq, dk, dv, None, None, None, None, None, None
+        # With the sinks in the saved O and LSE the steps' gradients are exact (flash_attention.sinks); the
+        # sinks' own is this rank's rows' share of it (a replicated parameter's gradient is then summed
+        # over the ranks with the others', as examples/ring_llama.py does).
+        dsinks = sinks_gradient(dout, out, lse, sinks) if ctx.needs_input_grad[3] else None
+        return dq, dk, dv, dsinks, None, None, None, None, None, None, None
 
 
 def ring_attention(
@@ -326,6 +336,8 @@ def ring_attention(
     causal: bool = False,
     softmax_scale: float | None = None,
     window: tuple[int, int] | None = None,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of this rank's queries against every rank's keys and values (context parallelism).
@@ -341,7 +353,16 @@ def ring_attention(
             attention` takes it, on contiguous shares (``shard_sequence(..., zigzag=False)``): each step
             attends through per-row key runs, and a window that sees no later key (causal, or right 0)
             runs only the steps whose shares reach into it, the rest of the ring skipped.
+        softcap: > 0 caps the scaled scores, ``softcap * tanh(s / softcap)``, as :func:`flash_attention.
+            attention` does (every step's kernels apply it).
+        sinks: (heads_q,) attention-sink logits, as :func:`flash_attention.attention` takes them: each
+            row's softmax includes its head's sink once (applied after the last step's merge).
+            Differentiable; its gradient on each rank is that rank's rows' share, to be summed over the
+            ranks like any replicated parameter's.
         return_lse: also return this rank's rows' float32 (batch, heads_q, seqlen_local) LSE.
+
+    ALiBi is not taken: its bias depends on the distance between a query's and a key's positions in the
+    whole sequence, and a step's kernels see only the positions within the shares they are given.
 
     Returns:
         This rank's share of the output (differentiable with respect to q, k and v on every rank: the
@@ -352,11 +373,15 @@ def ring_attention(
         # The float64 fallback's backward renormalises each row's probabilities over the keys it is given
         # (its LSE is float32), which is right for a whole row and wrong for a share of its keys.
         raise TypeError("ring_attention takes float16, bfloat16 or float32 tensors; got float64")
-    rank, world = _group_info(group)
     if q.shape[1] != k.shape[1]:
         raise ValueError(f"q and k must hold equal shares of the sequence; got {q.shape[1]} and {k.shape[1]}")
     window = check_window(window)
+    score_function(softcap, None, q)  # (the check, naming the argument)
+    check_sinks(sinks, q)
+    rank, world = _group_info(group)
     if causal and window is None and q.shape[1] % 2:
         raise ValueError(f"causal ring attention takes zigzag shards of even length; got {q.shape[1]}")
-    out, lse = _RingAttention.apply(q, k, v, bool(causal), problem.scale, window, group, rank, world)
+    out, lse = _RingAttention.apply(
+        q, k, v, sinks, bool(causal), problem.scale, window, float(softcap), group, rank, world
+    )
     return (out, lse) if return_lse else out

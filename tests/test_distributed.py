@@ -148,3 +148,59 @@ def test_ring_bench_runs_on_gloo(tmp_path):
     rows = run_ring(s, os.fspath(tmp_path / "init"))
     assert [r["impl"] for r in rows] == ["flash_attention", "ring_attention"]
     assert rows[1]["world"] == 2 and rows[1]["ms"] > 0 and "speedup" in rows[1] and "memory_ratio" in rows[1]
+
+
+def _score_worker(rank, world, init_file, causal, window, failures):
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+        from flash_attention import distributed as fd
+
+        torch.manual_seed(7)
+        seqlen = 2 * world * 6
+        q = torch.randn(2, seqlen, 4, 16) * 3  # scores large enough for the cap to bend them
+        k, v = torch.randn(2, seqlen, 2, 16), torch.randn(2, seqlen, 2, 16)
+        sinks = torch.randn(4)
+        dout = torch.randn_like(q)
+        zig = causal and window is None
+        leaves = [fd.shard_sequence(t, zigzag=zig).requires_grad_() for t in (q, k, v)]
+        sink_leaf = sinks.clone().requires_grad_()
+        out, lse = fd.ring_attention(
+            *leaves, causal=causal, window=window, softcap=5.0, sinks=sink_leaf, return_lse=True
+        )
+        grads = torch.autograd.grad(out, [*leaves, sink_leaf], fd.shard_sequence(dout, zigzag=zig))
+        dsinks = grads[3].clone()
+        dist.all_reduce(dsinks)  # each rank's rows' share of the replicated sinks' gradient
+        full = [fd.unshard_sequence(t.detach(), zigzag=zig) for t in (out, *grads[:3])]
+        full_lse = fd.unshard_sequence(lse, dim=2, zigzag=zig)
+        ref_leaves = [t.double().requires_grad_() for t in (q, k, v, sinks)]
+        ref, ref_lse = attention_reference(
+            *ref_leaves[:3], causal=causal, window=window, softcap=5.0, sinks=ref_leaves[3]
+        )
+        ref_grads = torch.autograd.grad(ref, ref_leaves, dout.double())
+        named = zip(("out", "dq", "dk", "dv", "dsinks"), (*full, dsinks), (ref, *ref_grads), strict=True)
+        for name, got, want in named:
+            err = (got.double() - want).abs().max().item()
+            assert err <= 1e-5 * max(1.0, want.abs().max().item()), f"{name}: {err:.3g} against float64"
+        torch.testing.assert_close(full_lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+        dist.destroy_process_group()
+    except Exception:
+        failures.put(f"rank {rank}: {traceback.format_exc()}")
+        raise
+
+
+@pytest.mark.parametrize(("causal", "window"), [(True, None), (False, None), (True, (7, 0))])
+def test_ring_attention_with_softcap_and_sinks(causal, window, tmp_path):
+    # Soft-capping in every step's kernels and the sinks joined once after the last merge, on 2 ranks
+    # (zigzag causal, non-causal, a window on contiguous shares); the sinks' gradient summed over the ranks;
+    # against float64 attention with both.
+    spawn_ranks(_score_worker, 2, tmp_path, causal, window)
+
+
+def test_ring_attention_names_bad_variant_arguments():
+    from flash_attention.distributed import ring_attention
+
+    q = torch.randn(1, 8, 2, 16)
+    with pytest.raises(ValueError, match="softcap"):
+        ring_attention(q, q, q, softcap=-1.0)
+    with pytest.raises(ValueError, match="sinks"):
+        ring_attention(q, q, q, sinks=torch.zeros(3))

@@ -2,7 +2,7 @@
 single-GPU flash_attention.attention on the same inputs, both measured against float64 attention on the
 whole sequence with the accuracy rule (the ring's error at most twice the single GPU's, plus slack):
 output, LSE and gradients; causal in the zigzag layout, non-causal, sliding windows on contiguous shares,
-GQA, head_dim 64 to 256, bf16 and fp16."""
+soft-capping and sinks, GQA, head_dim 64 to 256, bf16 and fp16."""
 
 from __future__ import annotations
 
@@ -22,20 +22,22 @@ pytestmark = [
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="ring attention on GPUs needs 2 of them"),
 ]
 
-# (causal, window, heads_q, heads_kv, head_dim, dtype, seqlen)
+# (causal, window, heads_q, heads_kv, head_dim, dtype, seqlen, softcap, sinks)
 CASES = [
-    (True, None, 16, 4, 128, "bf16", 2048),
-    (False, None, 8, 8, 256, "bf16", 1024),
-    (True, None, 8, 2, 64, "fp16", 1536),
-    (True, (300, 0), 8, 2, 128, "bf16", 2048),  # reaches one share back; rank 0's later share is empty
-    (False, (-1, 0), 8, 4, 128, "bf16", 4096),  # causal as a window, on contiguous shares
-    (False, (200, 150), 4, 4, 96, "bf16", 1024),
+    (True, None, 16, 4, 128, "bf16", 2048, 0.0, False),
+    (False, None, 8, 8, 256, "bf16", 1024, 0.0, False),
+    (True, None, 8, 2, 64, "fp16", 1536, 0.0, False),
+    (True, (300, 0), 8, 2, 128, "bf16", 2048, 0.0, False),  # one share back; rank 0's later share empty
+    (False, (-1, 0), 8, 4, 128, "bf16", 4096, 0.0, False),  # causal as a window, on contiguous shares
+    (False, (200, 150), 4, 4, 96, "bf16", 1024, 0.0, False),
+    (True, None, 8, 2, 128, "bf16", 2048, 20.0, True),  # Gemma 2's cap, gpt-oss's sinks
+    (True, (500, 0), 8, 2, 64, "bf16", 2048, 0.0, True),
 ]
 
 
 def _worker(rank, world, init_file, case, failures):
     try:
-        causal, window, hq, hkv, d, dtype_name, n = case
+        causal, window, hq, hkv, d, dtype_name, n, softcap, with_sinks = case
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         torch.cuda.set_device(rank)
         dev = torch.device("cuda", rank)
@@ -49,20 +51,23 @@ def _worker(rank, world, init_file, case, failures):
         q = torch.randn(2, n, hq, d, device=dev, dtype=dtype)
         k, v = (torch.randn(2, n, hkv, d, device=dev, dtype=dtype) for _ in range(2))
         dout = torch.randn_like(q)
+        sinks = torch.randn(hq, device=dev) if with_sinks else None
+        variants = dict(window=window, softcap=softcap, sinks=sinks)
         zig = window is None and causal
         leaves = [shard_sequence(t, zigzag=zig).requires_grad_() for t in (q, k, v)]
-        out, lse = ring_attention(*leaves, causal=causal, window=window, return_lse=True)
+        out, lse = ring_attention(*leaves, causal=causal, return_lse=True, **variants)
         grads = torch.autograd.grad(out, leaves, shard_sequence(dout, zigzag=zig))
         ring = [unshard_sequence(t.detach(), zigzag=zig) for t in (out, *grads)]
         ring_lse = unshard_sequence(lse, dim=2, zigzag=zig)
         if rank == 0:
             one_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-            one, one_lse = flash_attention.attention(
-                *one_leaves, causal=causal, window=window, return_lse=True
-            )
+            one, one_lse = flash_attention.attention(*one_leaves, causal=causal, return_lse=True, **variants)
             one_grads = torch.autograd.grad(one, one_leaves, dout)
             ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
-            ref, ref_lse = attention_reference(*ref_leaves, causal=causal, window=window)
+            ref_sinks = None if sinks is None else sinks.double()
+            ref, ref_lse = attention_reference(
+                *ref_leaves, causal=causal, window=window, softcap=softcap, sinks=ref_sinks
+            )
             ref_grads = torch.autograd.grad(ref, ref_leaves, dout.double())
             named = zip(("out", "dq", "dk", "dv"), ring, (one, *one_grads), (ref, *ref_grads), strict=True)
             for name, got, single, want in named:
