@@ -10,6 +10,7 @@ does with the device-side values (:mod:`flash_attention.kvcache` documents it).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,7 @@ from ._validate import (
     _resolve_scale,
     check_last_dim_contiguous,
     check_tensor,
+    check_window,
 )
 
 __all__ = ["CacheProblem", "validate_kvcache"]
@@ -49,6 +51,10 @@ class CacheProblem:
     capacity: int  # the most keys one batch row can hold: max_seqlen, or max_pages * page_size
     scale: float
     causal: bool
+    # A sliding window (left, right) about each query's diagonal, -1 unbounded, as attention() takes it, with
+    # causal's right bound folded in (right -1 under causal); None when it bounds nothing.
+    window: tuple[int, int] | None = None
+    softcap: float = 0.0  # logit soft-capping, 0: none
 
     @property
     def group(self) -> int:
@@ -90,6 +96,8 @@ def validate_kvcache(
     softmax_scale: float | None,
     num_splits: int,
     out: torch.Tensor | None,
+    window: object = None,
+    softcap: object = 0.0,
 ) -> CacheProblem:
     """Check a KV-cache attention call; return its :class:`CacheProblem` or raise TypeError/ValueError."""
     named = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
@@ -206,7 +214,19 @@ def validate_kvcache(
     else:
         _index_tensor("cache_seqlens", cache_seqlens, (batch,), q.device, "each row's current cache length")
 
+    window = check_window(window)
+    if window is not None:
+        left, right = window
+        if causal:
+            right = -1  # (causal already stops each row at its diagonal)
+        window = None if left == right == -1 else (left, right)
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a float (0: none); got {type(softcap).__name__}")
+    if not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be a finite number >= 0 (0: none); got {softcap!r}")
+
     scale = _resolve_scale(softmax_scale, head_dim)
     return CacheProblem(
-        batch, seqlen_q, heads_q, heads_kv, head_dim, seqlen_new, page_size, capacity, scale, causal
-    )
+        batch, seqlen_q, heads_q, heads_kv, head_dim, seqlen_new, page_size, capacity, scale, causal, window,
+        float(softcap),
+    )  # fmt: skip

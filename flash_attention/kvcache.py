@@ -26,14 +26,19 @@ _validated: PlanCache[CacheProblem] = PlanCache()
 
 
 def _signature(
-    q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale, num_splits, out, return_lse
-) -> tuple | None:
+    q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale, num_splits, out, return_lse,
+    window=None, softcap=0.0,
+) -> tuple | None:  # fmt: skip
     """Everything :func:`validate_kvcache` and the launch plan read of a call: each tensor's shape, strides,
     dtype and device, and the options with their types (True == 1 to a dict, not to the validation). A
     contiguous cache whose strides the kernels can read enters as (batch, its capacity's bucket, heads,
     head_dim, dtype, device): the plan writes its capacity and strides per call. An int cache_seqlens enters
     as its type (its value is checked per call). None for a call that is not cached (an argument of another
     type, or a sparse or nested tensor, which the validation will name)."""
+    if window is not None and not (isinstance(window, (tuple, list)) and all(type(w) is int for w in window)):
+        return None  # (an odd window: validation names it)
+    if type(softcap) not in (int, float):
+        return None
     key: list = [
         type(causal),
         causal,
@@ -42,6 +47,10 @@ def _signature(
         type(num_splits),
         num_splits,
         return_lse,
+        type(window),
+        tuple(window) if isinstance(window, (tuple, list)) else window,
+        type(softcap),
+        softcap,
     ]
     contiguous = block_table is None
     for t in (q, k_cache, v_cache, k, v, cache_seqlens, block_table, out):
@@ -112,11 +121,13 @@ def attention_with_kvcache(
     return_lse: bool = False,
     out: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    window: tuple[int, int] | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` against a KV cache, after appending ``k``/``v`` to it in place (decoding).
 
     The names follow the FlashAttention library's ``flash_attn_with_kvcache``, so code written for it ports
-    by changing the import (the rotary, ALiBi, window and softcap arguments are not taken here).
+    by changing the import (the rotary and ALiBi arguments are not taken here; ``window_size`` is ``window``).
 
     Args:
         q: (batch, seqlen_q, heads_q, head_dim): the new queries, one token per row when decoding, a few
@@ -151,6 +162,12 @@ def attention_with_kvcache(
         sinks: attention sinks (gpt-oss), a floating tensor of shape (heads_q,) on q's device: as in
             :func:`flash_attention.attention` (each head's logit joins every row's softmax without a value;
             the LSE includes it).
+        window: a sliding window ``(left, right)`` about each query's diagonal (query i of row b sees cache
+            positions ``i + n_b - seqlen_q - left .. i + n_b - seqlen_q + right``; -1 unbounded on that side),
+            as :func:`flash_attention.attention` takes it, with ``causal``'s bound on the right. The decode
+            kernels read only the keys inside it: a 4k window costs the same over a 4k or a 128k cache.
+        softcap: > 0 caps each scaled score, ``softcap * tanh(s / softcap)`` (Gemma 2), as
+            :func:`flash_attention.attention` does.
 
     Returns:
         ``out`` of q's shape and dtype, or ``(out, lse)`` with ``return_lse=True``.
@@ -189,6 +206,8 @@ def attention_with_kvcache(
             num_splits=num_splits,
             return_lse=True,
             out=out,
+            window=window,
+            softcap=softcap,
         )
         o, lse = apply_sinks(o, lse, sinks)
         return (o, lse) if return_lse else o
@@ -205,6 +224,8 @@ def attention_with_kvcache(
         num_splits,
         out,
         return_lse,
+        window,
+        softcap,
     )
 
     compiling = torch.compiler.is_compiling()
@@ -236,6 +257,8 @@ def attention_with_kvcache(
             softmax_scale=softmax_scale,
             num_splits=num_splits,
             out=out,
+            window=window,
+            softcap=softcap,
         )
 
     if key is None:
@@ -256,12 +279,14 @@ def attention_with_kvcache(
             cache_seqlens = torch.full((problem.batch,), cache_seqlens, dtype=torch.int32, device=q.device)
         if k is None:  # nothing to append: the op that declares no write to the caches
             o, lse = torch.ops.flash_attention.fwd_kvcache_read(
-                q, k_cache, v_cache, cache_seqlens, block_table, causal, problem.scale, num_splits
-            )
+                q, k_cache, v_cache, cache_seqlens, block_table, causal, problem.scale, num_splits,
+                problem.window, problem.softcap,
+            )  # fmt: skip
         else:
             o, lse = torch.ops.flash_attention.fwd_kvcache(
-                q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, problem.scale, num_splits
-            )
+                q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, problem.scale, num_splits,
+                problem.window, problem.softcap,
+            )  # fmt: skip
         if out is not None:
             out.copy_(o)  # custom ops return new tensors; the caller's buffer gets a copy
             o = out

@@ -102,7 +102,10 @@ def attend(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(out, lse) of every row's queries against its ``lengths[b] + seqlen_new`` keys."""
     totals = [n + problem.seqlen_new for n in lengths]
-    kwargs = dict(causal=problem.causal, softmax_scale=problem.scale, return_lse=True)
+    kwargs = dict(
+        causal=problem.causal, softmax_scale=problem.scale, return_lse=True, window=problem.window,
+        softcap=problem.softcap,
+    )  # fmt: skip
     if block_table is None and len(set(totals)) == 1:
         n = totals[0]
         o, lse = attention(q, k_cache[:, :n], v_cache[:, :n], out=out, **kwargs)

@@ -1,12 +1,12 @@
 """The custom op ``flash_attention::fwd_kvcache``: :func:`flash_attention.attention_with_kvcache` as one node
 for ``torch.compile``.
 
-``fwd_kvcache(q, k_cache!, v_cache!, k?, v?, cache_seqlens, block_table?, causal, scale, num_splits)
--> (out, lse)``. The schema marks k_cache and v_cache as written (the append), so a compiled graph orders
-the call after earlier reads of the cache and before later ones, and functionalisation copies nothing
-else. A call without new tokens is ``fwd_kvcache_read`` (the same without k, v and the write). The
-arguments were validated by :func:`flash_attention._validate_kvcache.validate_kvcache`; ``cache_seqlens``
-is always a tensor here (an int is turned into one before the op), ``scale`` is resolved.
+``fwd_kvcache(q, k_cache!, v_cache!, k?, v?, cache_seqlens, block_table?, causal, scale, num_splits, window?,
+softcap) -> (out, lse)``. The schema marks k_cache and v_cache as written (the append), so a compiled graph
+orders the call after earlier reads of the cache and before later ones, and functionalisation copies nothing
+else. A call without new tokens is ``fwd_kvcache_read`` (the same without k, v and the write). The arguments
+were validated by :func:`flash_attention._validate_kvcache.validate_kvcache`; ``cache_seqlens`` is always a
+tensor here (an int is turned into one before the op), ``scale`` is resolved.
 The fake implementation gives the shapes without running anything.
 
 :func:`run` is the op's implementation, which the eager path of attention_with_kvcache calls directly
@@ -29,7 +29,8 @@ __all__ = ["fwd_kvcache", "fwd_kvcache_read", "run"]
 # Spelled out (mutation annotations included) rather than inferred from annotations, as in custom_ops.
 _SCHEMA = (
     "(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, Tensor cache_seqlens,"
-    " Tensor? block_table, bool causal, float scale, int num_splits) -> (Tensor, Tensor)"
+    " Tensor? block_table, bool causal, float scale, int num_splits, int[]? window=None, float softcap=0.)"
+    " -> (Tensor, Tensor)"
 )
 
 
@@ -45,6 +46,8 @@ def fwd_kvcache(
     causal: bool,
     scale: float,
     num_splits: int,
+    window: list[int] | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     problem = validate_kvcache(
         q,
@@ -58,6 +61,8 @@ def fwd_kvcache(
         softmax_scale=scale,
         num_splits=num_splits,
         out=None,
+        window=None if window is None else tuple(window),
+        softcap=softcap,
     )
     out, lse = run(problem, q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, None, True)
     return out, lse
@@ -99,7 +104,9 @@ def run(
 
 
 @fwd_kvcache.register_fake
-def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, scale, num_splits):
+def _fwd_kvcache_fake(
+    q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, scale, num_splits, window=None, softcap=0.0
+):
     batch, seqlen_q, heads_q, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
 
@@ -110,7 +117,7 @@ def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cau
 # them) and order every other read of the cache around it; this op declares no write.
 _READ_SCHEMA = (
     "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor? block_table, bool causal,"
-    " float scale, int num_splits) -> (Tensor, Tensor)"
+    " float scale, int num_splits, int[]? window=None, float softcap=0.) -> (Tensor, Tensor)"
 )
 
 
@@ -124,12 +131,16 @@ def fwd_kvcache_read(
     causal: bool,
     scale: float,
     num_splits: int,
+    window: list[int] | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return fwd_kvcache(q, k_cache, v_cache, None, None, cache_seqlens, block_table, causal, scale, num_splits)
+    args = (cache_seqlens, block_table, causal, scale, num_splits, window, softcap)
+    return fwd_kvcache(q, k_cache, v_cache, None, None, *args)
 
 
 @fwd_kvcache_read.register_fake
-def _fwd_kvcache_read_fake(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, num_splits):
-    return _fwd_kvcache_fake(
-        q, k_cache, v_cache, None, None, cache_seqlens, block_table, causal, scale, num_splits
-    )
+def _fwd_kvcache_read_fake(
+    q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, num_splits, window=None, softcap=0.0
+):
+    args = (cache_seqlens, block_table, causal, scale, num_splits)
+    return _fwd_kvcache_fake(q, k_cache, v_cache, None, None, *args)

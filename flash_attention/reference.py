@@ -247,13 +247,16 @@ def attention_kvcache_reference(
     block_table: torch.Tensor | None = None,
     causal: bool = True,
     softmax_scale: float | None = None,
+    window: tuple[int, int] | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The float64 truth of :func:`flash_attention.attention_with_kvcache`, one batch row at a time.
 
     Batch row ``b`` first writes its new tokens ``k[b, t]``, ``v[b, t]`` at cache position
     ``cache_seqlens[b] + t``, then its queries attend cache positions ``0 .. n_b - 1`` with
     ``n_b = cache_seqlens[b] + seqlen_new``, causal aligned to the bottom-right corner of that row's own
-    (seqlen_q, n_b) score matrix. Position ``p`` of row ``b`` lives at ``k_cache[b, p]`` (contiguous) or at
+    (seqlen_q, n_b) score matrix, as are a sliding ``window`` and ``softcap`` (:func:`attention_reference`'s).
+    Position ``p`` of row ``b`` lives at ``k_cache[b, p]`` (contiguous) or at
     ``k_cache[block_table[b, p // page_size], p % page_size]`` (paged, page_size = k_cache.shape[1]).
 
     The caches are not modified: the appended copies are returned.
@@ -282,8 +285,9 @@ def attention_kvcache_reference(
             vc[idx] = v[b]
         idx = where(b, torch.arange(lengths[b] + seqlen_new))
         o, lse = attention_reference(
-            q[b : b + 1], kc[idx][None], vc[idx][None], causal=causal, softmax_scale=softmax_scale
-        )
+            q[b : b + 1], kc[idx][None], vc[idx][None], causal=causal, softmax_scale=softmax_scale,
+            window=window, softcap=softcap,
+        )  # fmt: skip
         outs.append(o)
         lses.append(lse)
     if not batch:

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import flash_attention
-from flash_attention.reference import attention_kvcache_reference, causal_allowed
+from flash_attention.reference import attention_kvcache_reference, causal_allowed, window_allowed
 
 
 @dataclass
@@ -25,12 +25,18 @@ class Case:
     capacity: int  # keys per row
     causal: bool
     lengths: list[int]  # cache_seqlens, before the append
+    window: tuple[int, int] | None = None
+    softcap: float = 0.0
 
     def __str__(self) -> str:
         layout = f"paged{self.page_size}" if self.page_size else "contiguous"
+        variants = (f" window={self.window}" if self.window else "") + (
+            f" softcap={self.softcap}" if self.softcap else ""
+        )
         return (
             f"b{self.batch} sq{self.seqlen_q} h{self.heads_q}/{self.heads_kv} d{self.head_dim} "
             f"new{self.seqlen_new} {layout} cap{self.capacity} causal={self.causal} lens={self.lengths}"
+            + variants
         )
 
 
@@ -114,7 +120,8 @@ def _row(cache: torch.Tensor, block_table, b: int, n: int) -> torch.Tensor:
 
 def pytorch_error(case: Case, q, k_cache_after, v_cache_after, block_table, ref_out) -> torch.Tensor:
     """(batch,) the max error PyTorch's own attention makes in q's dtype on each row, against the
-    reference."""
+    reference: its fused kernel, or with a window or soft-capping (which it does not take) the same math in
+    q's dtype op by op (scores rounded to q's dtype, as a fused kernel's never are: a looser bound)."""
     errors = []
     for b in range(case.batch):
         n = case.lengths[b] + case.seqlen_new
@@ -124,9 +131,20 @@ def pytorch_error(case: Case, q, k_cache_after, v_cache_after, block_table, ref_
         kb = _row(k_cache_after, block_table, b, n).repeat_interleave(case.heads_q // case.heads_kv, dim=1)
         vb = _row(v_cache_after, block_table, b, n).repeat_interleave(case.heads_q // case.heads_kv, dim=1)
         mask = causal_allowed(case.seqlen_q, n, device=q.device) if case.causal else None
-        o = F.scaled_dot_product_attention(
-            q[b].transpose(0, 1), kb.transpose(0, 1), vb.transpose(0, 1), attn_mask=mask
-        ).transpose(0, 1)
+        if case.window is not None:
+            band = window_allowed(case.seqlen_q, n, case.window, device=q.device)
+            mask = band if mask is None else mask & band
+        qt, kt, vt = q[b].transpose(0, 1), kb.transpose(0, 1), vb.transpose(0, 1)
+        if case.window is None and not case.softcap:
+            o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask).transpose(0, 1)
+        else:
+            s = (qt @ kt.transpose(1, 2)) * case.head_dim**-0.5
+            if case.softcap:
+                s = case.softcap * torch.tanh(s / case.softcap)
+            if mask is not None:
+                s = s.masked_fill(~mask, float("-inf"))
+            p = torch.softmax(s.float(), -1).nan_to_num(0.0).to(q.dtype)
+            o = (p @ vt).transpose(0, 1)
         rows = (
             mask.any(1) if mask is not None else torch.ones(case.seqlen_q, dtype=torch.bool, device=q.device)
         )
@@ -150,6 +168,8 @@ def check_case(
         cache_seqlens=lengths.cpu(),
         block_table=None if block_table is None else block_table.cpu(),
         causal=case.causal,
+        window=case.window,
+        softcap=case.softcap,
     )
     out = torch.full_like(q, float("nan"))
     seqlens = case.lengths[0] if use_int_seqlens else lengths
@@ -165,6 +185,8 @@ def check_case(
         return_lse=True,
         out=out,
         num_splits=num_splits,
+        window=case.window,
+        softcap=case.softcap,
     )
     assert o.data_ptr() == out.data_ptr()
     assert not o.isnan().any(), f"{case}: output element not written or NaN"

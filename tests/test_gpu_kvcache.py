@@ -5,6 +5,7 @@ the accuracy rule row by row and compares the caches after the append with the r
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -198,3 +199,59 @@ def test_bad_lengths_and_pages_poison_their_row_and_write_nothing_outside():
     changed = (k_cache != before).flatten(1).any(1).nonzero().flatten().tolist()
     expected = {int(table[0, 10 // 16]), int(table[3, 100 // 16]), int(table[2, 40 // 16])}
     assert set(changed) <= expected  # row 2's position 40 is on a valid page: its token may be written
+
+
+# (causal, window, softcap): windows about the diagonal on both sides and one, soft-capping alone and with a
+# window (Gemma 2's sliding layers decode with both).
+VARIANTS = [
+    (True, (64, -1), 0.0),
+    (False, (100, 20), 0.0),
+    (True, None, 30.0),
+    (True, (200, 0), 20.0),
+]
+
+
+@pytest.mark.parametrize("page_size", [0, 1, 16])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("variant", VARIANTS, ids=str)
+def test_windows_and_softcap_on_the_decode_kernels(page_size, head_dim, variant):
+    # One token, a speculative chunk of 16 with a group of 4 (64 packed rows: on Hopper the wgmma kernel)
+    # and an append of 5 over one token; caches long enough that each window starts inside them.
+    causal, window, softcap = variant
+    rng = random.Random(f"variants-{page_size}-{head_dim}-{variant}")
+    for group, seqlen_q, seqlen_new in ((1, 1, 1), (4, 16, 0), (8, 1, 5)):
+        case = random_case(
+            rng, page_size=page_size, head_dim=head_dim, group=group, seqlen_q=seqlen_q,
+            seqlen_new=seqlen_new, causal=causal, batch=4,
+            max_pages=max(2, 1024 // max(page_size, 1)) if page_size else 6,
+        )  # fmt: skip
+        if not page_size:
+            case = dataclasses.replace(case, capacity=1000, lengths=[0, 995 - seqlen_new, 300, 640])
+        check_case(dataclasses.replace(case, window=window, softcap=softcap), torch.bfloat16, "cuda")
+
+
+@pytest.mark.parametrize("num_splits", [0, 1, 3, 1000])
+@pytest.mark.parametrize("page_size", [0, 256])
+def test_a_window_reads_only_its_keys(num_splits, page_size):
+    # A 4k window over a 32k cache, 32/8 heads (Mistral's decoding): within the accuracy rule, and the same
+    # bits when every key more than a tile before the earliest window is NaN (a kernel that read one would
+    # carry 0 * NaN into the output): the splits cover the window, not the cache.
+    from flash_attention import attention_with_kvcache
+
+    case = Case(
+        batch=2, seqlen_q=2, heads_q=32, heads_kv=8, head_dim=128, seqlen_new=0, page_size=page_size,
+        capacity=32768, causal=True, lengths=[32768, 20000], window=(4095, -1),
+    )  # fmt: skip
+    check_case(case, torch.bfloat16, "cuda", num_splits=num_splits)
+    q, k_cache, v_cache, _, _, lengths, table = make_inputs(case, torch.bfloat16, "cuda")
+    call = dict(cache_seqlens=lengths, block_table=table, window=case.window, num_splits=num_splits)
+    before = attention_with_kvcache(q, k_cache, v_cache, **call)
+    for b, n in enumerate(case.lengths):
+        far = torch.arange(max(0, n - case.seqlen_q - 4095 - 128), device="cuda")
+        if table is None:
+            k_cache[b, far], v_cache[b, far] = float("nan"), float("nan")
+        else:
+            pages, slots = table[b].long()[far // page_size], far % page_size
+            k_cache[pages, slots], v_cache[pages, slots] = float("nan"), float("nan")
+    after = attention_with_kvcache(q, k_cache, v_cache, **call)
+    assert torch.equal(before, after)

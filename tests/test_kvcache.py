@@ -3,6 +3,7 @@ and value checks, and the torch.compile custom op."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import zlib
 
@@ -50,6 +51,31 @@ def test_matches_reference_dtypes(request, dtype, page_size):
         rng, page_size=page_size, head_dim=64, group=4, seqlen_q=4, seqlen_new=3, causal=True, max_pages=5
     )
     check_case(case, dtype, "cpu")
+
+
+@pytest.mark.parametrize("page_size", [0, 3])
+@pytest.mark.parametrize(
+    ("causal", "window", "softcap"),
+    [
+        (True, (5, -1), 0.0),
+        (True, (0, 0), 0.0),
+        (False, (7, 2), 0.0),
+        (False, (-1, 3), 0.0),
+        (True, None, 3.0),
+        (True, (9, 0), 2.0),
+    ],
+)
+def test_windows_and_softcap_match_reference(request, page_size, causal, window, softcap):
+    # The composed path (this machine's) against the float64 reference with attention()'s window and
+    # soft-capping: speculative-decoding queries, GQA, appends, rows whose window starts inside the cache.
+    rng = _rng(request)
+    for seqlen_q, group in ((1, 1), (6, 2)):
+        case = random_case(
+            rng, page_size=page_size, head_dim=32, group=group, seqlen_q=seqlen_q, seqlen_new=2,
+            causal=causal, max_pages=max(2, 40 // max(page_size, 1)),
+        )  # fmt: skip
+        case = dataclasses.replace(case, window=window, softcap=softcap)
+        check_case(case, torch.float32, "cpu")
 
 
 def test_one_length_for_all_rows_as_int(request):
@@ -276,6 +302,10 @@ def _valid_call(**override):
         (dict(causal=1), TypeError, "causal"),
         (dict(softmax_scale=float("nan")), ValueError, "softmax_scale"),
         (dict(out=torch.empty(2, 1, 4, 8)), ValueError, "out must have the shape of q"),
+        (dict(window=(3,)), TypeError, "window"),
+        (dict(window=(-2, 0)), ValueError, "window"),
+        (dict(softcap=-1.0), ValueError, "softcap"),
+        (dict(softcap="1"), TypeError, "softcap"),
     ],
 )
 def test_bad_arguments_name_the_argument(override, error, words):

@@ -351,7 +351,16 @@ DECODE_CASES = [
 ]
 
 
-def run_decode_case(case, seed: int) -> float:
+#: A decode case with (window, softcap): Gemma 2's sliding layers decode with both, Mistral's with a window;
+#: the window starts inside the caches (paged and contiguous), so the splits cover it alone.
+DECODE_VARIANT_CASES = [
+    ((2, 1, 32, 8, 128, 1, 16, 2048, [2000, 700], 3), (255, -1), 30.0),
+    ((3, 16, 16, 4, 64, 0, 0, 600, [590, 100, 16], 0), (40, 0), 0.0),
+    ((2, 4, 8, 2, 256, 2, 64, 512, [500, 300], 2), None, 20.0),
+]
+
+
+def run_decode_case(case, seed: int, window=None, softcap: float = 0.0) -> float:
     """Max error of one decode call (and of the caches after its append) against the float64 reference, over
     the rows whose length is in range; a row out of range must come back NaN."""
     b, sq, hq, hkv, d, s_new, page, cap, lengths, splits = case
@@ -373,10 +382,12 @@ def run_decode_case(case, seed: int) -> float:
     refs = attention_kvcache_reference(
         q.double(), k_cache.double(), v_cache.double(), None if k is None else k.double(),
         None if v is None else v.double(), cache_seqlens=ref_lens, block_table=table, causal=True,
+        window=window, softcap=softcap,
     )  # fmt: skip
     out = fa.attention_with_kvcache(
-        q, k_cache, v_cache, k, v, cache_seqlens=lens, block_table=table, num_splits=splits
-    )
+        q, k_cache, v_cache, k, v, cache_seqlens=lens, block_table=table, num_splits=splits, window=window,
+        softcap=softcap,
+    )  # fmt: skip
     torch.cuda.synchronize()
     err = 0.0
     for row, ok in enumerate(good):
@@ -510,6 +521,10 @@ def main(argv: list[str] | None = None) -> int:
         err = run_decode_case(case, seed=200 + i)
         worst = max(worst, err)
         print(f"decode case {i}: {case} max error {err:.3g}", flush=True)
+    for i, (case, window, cap) in enumerate(DECODE_VARIANT_CASES if args.decode_only or not only else []):
+        err = run_decode_case(case, seed=250 + i, window=window, softcap=cap)
+        worst = max(worst, err)
+        print(f"decode case with window {window} softcap {cap}: {case} max error {err:.3g}", flush=True)
     for i, case in enumerate([] if only else CASES):
         err = run_case(case, seed=i, small=args.small)
         worst = max(worst, err)

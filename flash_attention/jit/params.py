@@ -194,7 +194,8 @@ class DecodeParams(ctypes.Structure):
                 "keys_per_split",
             )
         ]
-        + [("scale", _F32)]
+        + [("scale", _F32), ("window_left", _I32), ("window_right", _I32)]
+        + [("softcap", _F32), ("softcap_inv", _F32)]
     )
 
 

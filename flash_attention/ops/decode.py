@@ -149,6 +149,8 @@ class DecodePlan:
         p.rows = problem.seqlen_q * problem.group
         p.num_m_blocks = -(-p.rows // cfg.block_m)
         p.scale = problem.scale
+        p.window_left, p.window_right = problem.window or (-1, -1)
+        p.softcap, p.softcap_inv = problem.softcap, (1.0 / problem.softcap if problem.softcap else 0.0)
 
         # Inputs the kernels read in place when their layout allows (q, and the new tokens k/v), else as
         # contiguous copies, whose strides are then filled per call.
@@ -176,6 +178,11 @@ class DecodePlan:
         basis = problem
         if not paged:
             basis = dataclasses.replace(problem, capacity=cache_length_bucket(problem.capacity))
+        if p.window_left >= 0:
+            # A window's splits divide the keys from the row's first query's window on (fa/decode_block.cuh):
+            # at most seqlen_q + left of them, plus a tile for the start's alignment.
+            span = problem.seqlen_q + p.window_left + cfg.block_kv
+            basis = dataclasses.replace(basis, capacity=min(basis.capacity, span))
         p.num_splits, p.keys_per_split = splits_for(cfg, basis, num_splits, sm_count(index), per_sm)
         self.fills_geometry = not paged
         decode.ensure_dynamic_smem(cfg.smem_bytes, index)

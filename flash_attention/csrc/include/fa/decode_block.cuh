@@ -13,14 +13,19 @@
 namespace fa {
 
 // The keys [k_lo, k_hi) one block reads: its split's slice of the row's keys, cut at the row's length and,
-// causal, at the block's latest query's diagonal.
+// causal, at the block's latest query's diagonal; with a sliding window, cut to the keys some query of the
+// block sees.
 struct DecodeBlockKeys {
-  int shift;  // causal: query i sees keys j <= i + shift
+  int shift;  // query i's diagonal is key i + shift (causal: the last it sees)
   int k_lo, k_hi;
   int n_tiles;  // K/V tiles of BC keys covering [k_lo, k_hi)
   bool bad;     // the row's length is out of range: nothing read, the row poisoned (fa/kv_cache.cuh)
 };
 
+// With a window (p.window_left >= 0) the row's splits divide the keys from its first query's window on,
+// not from key 0: the host sizes keys_per_split for that span (flash_attention/ops/decode.py), so a 4k
+// window over a 128k cache splits 4k keys. Every start is a multiple of BC, as without a window: a paged
+// cache's copies take a thread's rows from one page (DecodeKVLoader), which needs tile-aligned starts.
 template <bool kCausal, int BM, int BC>
 __device__ __forceinline__ DecodeBlockKeys decode_block_keys(const DecodeParams& p, int batch, int m_block,
                                                              int split) {
@@ -28,15 +33,43 @@ __device__ __forceinline__ DecodeBlockKeys decode_block_keys(const DecodeParams&
   const int n_keys = cache_keys(p, batch);  // -1: a bad length
   b.bad = n_keys < 0;
   b.shift = n_keys - p.seqlen_q;
-  b.k_lo = split * p.keys_per_split;
+  const bool windowed = p.window_left >= 0;
+  const int base = windowed ? max(0, b.shift - p.window_left) / BC * BC : 0;
+  b.k_lo = base + split * p.keys_per_split;
   b.k_hi = b.bad ? b.k_lo : min(n_keys, b.k_lo + p.keys_per_split);
-  if (kCausal) {
-    // The block's last packed row holds its latest query.
-    const int last_query = (min(p.rows, m_block * BM + BM) - 1) / p.group;
-    b.k_hi = min(b.k_hi, last_query + b.shift + 1);
+  // The block's first and last packed rows hold its earliest and latest queries.
+  const int last_query = (min(p.rows, m_block * BM + BM) - 1) / p.group;
+  if (kCausal) b.k_hi = min(b.k_hi, last_query + b.shift + 1);
+  if (p.window_right >= 0) b.k_hi = min(b.k_hi, last_query + b.shift + p.window_right + 1);
+  if (windowed) {
+    const int first_query = m_block * BM / p.group;
+    b.k_lo = max(b.k_lo, max(0, first_query + b.shift - p.window_left) / BC * BC);
   }
   b.n_tiles = b.k_hi > b.k_lo ? (b.k_hi - b.k_lo + BC - 1) / BC : 0;
   return b;
+}
+
+// The keys one query row sees besides the split's [k_lo, k_hi): first .. last, from its diagonal (query
+// + shift): causal up to it, a window's sides about it (-1 unbounded). The kernels mask a tile's scores
+// only when a row's range cuts it (a warp-uniform test on the thread's first and last row).
+struct DecodeRowKeys {
+  int first, last;
+};
+
+template <bool kCausal>
+__device__ __forceinline__ DecodeRowKeys decode_row_keys(const DecodeParams& p, int diag) {
+  DecodeRowKeys r;
+  r.last = kCausal ? diag : 0x7fffffff;
+  if (p.window_right >= 0) r.last = min(r.last, diag + p.window_right);
+  r.first = p.window_left >= 0 ? diag - p.window_left : -0x7fffffff;
+  return r;
+}
+
+// A scaled score after the call's score function: soft-capping (p.softcap > 0), cap * tanh(s / cap) with
+// the prefill kernels' tanh (fa/variant.cuh), else the score itself. A uniform branch on a parameter: the
+// decode kernels are bound by memory, and one build serves capped and uncapped calls.
+__device__ __forceinline__ float decode_score(const DecodeParams& p, float scaled) {
+  return p.softcap > 0.f ? p.softcap * tanh_approx(scaled * p.softcap_inv) : scaled;
 }
 
 // The block's BM packed query rows into shared memory: packed row r is query r / group of head

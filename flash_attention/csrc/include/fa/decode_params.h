@@ -53,6 +53,11 @@ struct DecodeParams {
   int num_splits;      // thread blocks sharing one row's keys
   int keys_per_split;  // a multiple of kBlockKV
   float scale;         // softmax scale
+  // A sliding window about each query's diagonal (query i of a row of n keys sees keys up to i + n -
+  // seqlen_q under causal): keys diag - window_left .. diag + window_right; -1 leaves that side unbounded.
+  int window_left, window_right;
+  // Logit soft-capping (Gemma 2): scores s -> softcap * tanh(s / softcap) before the softmax; 0: none.
+  float softcap, softcap_inv;
 };
 
 }  // namespace fa

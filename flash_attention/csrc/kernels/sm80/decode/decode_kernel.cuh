@@ -120,8 +120,9 @@ __device__ __forceinline__ void decode_kernel_body(const DecodeParams& p) {
   float o[MT][NO][4];
   float row_max[MT][2];
   float row_sum[MT][2];
-  // Causal: the last key each of this thread's rows sees (its query's diagonal), per (mt, r).
-  int diag[MT][2];
+  // The keys each of this thread's rows sees (causal: up to its query's diagonal; a window's sides), per
+  // (mt, r); r = 1 is the later row.
+  DecodeRowKeys row_keys[MT][2];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -130,7 +131,7 @@ __device__ __forceinline__ void decode_kernel_body(const DecodeParams& p) {
     for (int r = 0; r < 2; ++r) {
       row_max[mt][r] = neg_inf();
       row_sum[mt][r] = 0.f;
-      diag[mt][r] = (row0 + warp_row0 + 16 * mt + g + 8 * r) / p.group + shift;
+      row_keys[mt][r] = decode_row_keys<kCausal>(p, (row0 + warp_row0 + 16 * mt + g + 8 * r) / p.group + shift);
     }
   }
   u32 qf[MT][DK][4];
@@ -175,24 +176,24 @@ __device__ __forceinline__ void decode_kernel_body(const DecodeParams& p) {
       }
     }
 
-    // Scale, then mask: keys at or past k_hi (the split's end, the row's length), and causal keys past
-    // each row's diagonal.
-    const bool tail = key0 + BCW > k_hi;
-    bool masked = tail;
-    if (kCausal) {
+    // Scale and soft-cap, then mask: keys at or past k_hi (the split's end, the row's length), and keys
+    // outside a row's range (causal: past its diagonal; a window's sides). The earlier row of a pair sees
+    // the fewest later keys, the later row the fewest earlier ones.
+    bool masked = key0 + BCW > k_hi;
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) masked |= key0 + BCW - 1 > diag[mt][0];
-    }
+    for (int mt = 0; mt < MT; ++mt)
+      masked |= key0 + BCW - 1 > row_keys[mt][0].last || key0 < row_keys[mt][1].first;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
       for (int n = 0; n < NS; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          float x = s[mt][n][e] * p.scale;
+          float x = decode_score(p, s[mt][n][e] * p.scale);
           if (masked) {
             const int key = key0 + 8 * n + 2 * t4 + (e & 1);
-            if (key >= k_hi || (kCausal && key > diag[mt][e >> 1])) x = neg_inf();
+            const DecodeRowKeys& rk = row_keys[mt][e >> 1];
+            if (key >= k_hi || key > rk.last || key < rk.first) x = neg_inf();
           }
           s[mt][n][e] = x;
         }

@@ -120,9 +120,12 @@ __device__ __forceinline__ void decode_kernel_body(const DecodeParams& p) {
   for (int i = 0; i < NO * 4; ++i) o[i] = 0.f;
   float row_max[2] = {neg_inf(), neg_inf()};
   float row_sum[2] = {0.f, 0.f};
-  int diag[2];  // causal: the last key each of this thread's rows sees (its query's diagonal)
+  // The keys each of this thread's rows sees (causal: up to its query's diagonal; a window's sides); r = 1
+  // is the later row.
+  DecodeRowKeys row_keys[2];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) diag[r] = (row0 + warp_row0 + g + 8 * r) / p.group + keys.shift;
+  for (int r = 0; r < 2; ++r)
+    row_keys[r] = decode_row_keys<kCausal>(p, (row0 + warp_row0 + g + 8 * r) / p.group + keys.shift);
 
   for (int t = 0; t < n_tiles; ++t) {
     // Tile t (and Q, with tile 0) has landed for this thread, and P V of tile t - 1 has completed (its V
@@ -146,18 +149,20 @@ __device__ __forceinline__ void decode_kernel_body(const DecodeParams& p) {
     wgmma_wait<0>();
     wgmma_hold(s);
 
-    // Scale, then mask: keys at or past k_hi (the split's end, the row's length), and causal keys past each
-    // row's diagonal.
+    // Scale and soft-cap, then mask: keys at or past k_hi (the split's end, the row's length), and keys
+    // outside a row's range (causal: past its diagonal; a window's sides). The earlier row of the pair sees
+    // the fewest later keys, the later row the fewest earlier ones.
     const int key0 = k_lo + t * BC;
-    const bool masked = key0 + BC > k_hi || (kCausal && key0 + BC - 1 > diag[0]);
+    const bool masked = key0 + BC > k_hi || key0 + BC - 1 > row_keys[0].last || key0 < row_keys[1].first;
 #pragma unroll
     for (int n = 0; n < NS; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        float x = s[4 * n + e] * p.scale;
+        float x = decode_score(p, s[4 * n + e] * p.scale);
         if (masked) {
           const int key = key0 + 8 * n + 2 * t4 + (e & 1);
-          if (key >= k_hi || (kCausal && key > diag[e >> 1])) x = neg_inf();
+          const DecodeRowKeys& rk = row_keys[e >> 1];
+          if (key >= k_hi || key > rk.last || key < rk.first) x = neg_inf();
         }
         s[4 * n + e] = x;
       }
