@@ -659,6 +659,39 @@ def test_family_training_step_matches_eager(family):
         assert (p.grad - q.grad).abs().max().item() <= 1e-4 * scale + 1e-7, name
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("prompt", [8, 2])
+def test_family_static_cache_generate_runs_on_the_kernels(family, prompt, routes, monkeypatch):
+    # generate() on a static cache: its full layers decode on attention_with_kvcache with each row's length
+    # (soft-capping and sinks in the call); its sliding layers, whose window-sized cache is still filling
+    # (a prompt shorter than the window), on attention_with_kvcache with the window, then, full, with their
+    # queries last among the window's keys, a plain call. Nothing on SDPA or an eager function, and the
+    # greedy tokens of "eager".
+    seen = []
+    real = integration.attention_with_kvcache
+
+    def spy(q, k_cache, v_cache, **kwargs):
+        seen.append((kwargs.get("window"), kwargs.get("softcap", 0.0)))
+        return real(q, k_cache, v_cache, **kwargs)
+
+    monkeypatch.setattr(integration, "attention_with_kvcache", spy)
+    ours, eager = _family_models(family, NAME, "eager")
+    ids = torch.randint(3, VOCAB, (2, prompt))
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, cache_implementation="static")
+    with torch.no_grad():
+        a = ours.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+        b = eager.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+    assert torch.equal(a, b)
+    counts = routes()
+    assert counts["sdpa"] == 0 and counts["eager"] == 0, counts
+    # (Mistral has only sliding layers: past its prompt's filling steps they decode as plain calls.)
+    assert seen or (family == "mistral" and prompt >= 4), "no call reached the decode kernels"
+    cap = 2.0 if family == "gemma2" else 0.0
+    assert all(softcap == cap for _, softcap in seen)
+    if prompt < 4:  # the sliding layers' filling steps carry the window (sliding_window 4: (3, 0))
+        assert (3, 0) in [w for w, _ in seen]
+
+
 @pytest.mark.parametrize(
     "family, change",
     [("gemma2", "softcap"), ("gpt_oss", "sinks"), ("mistral", "window")],
@@ -800,6 +833,16 @@ def test_mask_function_plain_causal_is_none():
     assert _mask_call(attention_mask=torch.ones(2, 5, dtype=torch.bool)) is None  # no padding at all
 
 
+def test_mask_function_ignores_a_compileable_caches_skip_veto():
+    # transformers vetoes the causal skip for a compileable (static) cache's one-token steps, so that its SDPA
+    # route keeps one mask shape; the kernels need no mask when the queries are the last keys (a static
+    # cache's sliding layer once its window is full), and one when they are not.
+    assert _mask_call(allow_is_causal_skip=False) is None
+    assert _mask_call(q_length=1, kv_length=4, q_offset=8, kv_offset=5, allow_is_causal_skip=False) is None
+    got = _mask_call(q_length=1, kv_length=4, q_offset=2, kv_offset=0, allow_is_causal_skip=False)
+    assert got is not None and got.dim() == 4  # a window still filling: empty slots after the query
+
+
 def test_mask_function_padding_is_a_2d_key_mask():
     pad = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]])
     got = _mask_call(q_length=2, kv_length=7, q_offset=5, attention_mask=pad)
@@ -813,7 +856,6 @@ def test_mask_function_padding_is_a_2d_key_mask():
     "overrides",
     [
         {"q_length": 5, "kv_length": 9, "q_offset": 0},  # static-cache prefill: keys past the queries
-        {"allow_is_causal_skip": False},  # the caller wants a materialised mask
         {"local_size": 3},  # sliding window
         {"q_offset": torch.tensor(0)},  # static caches pass tensor offsets
     ],

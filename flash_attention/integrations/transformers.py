@@ -44,9 +44,12 @@ transformers' SDPA function instead):
   the queries are the last ``q_length`` filled positions: exactly
   :func:`flash_attention.attention_with_kvcache` with ``cache_seqlens`` = the lengths (the cache already
   updated, so no append), causal aligned to each row's own length, on the split-KV decode kernels. Taken for
-  causal calls without a sliding window or padding (a 2-D padding mask is read on the host once per forward
-  pass, as below, to see that it has none) of at most 64 new queries (decoding, speculative decoding) in
-  inference; the prefill of a static cache, padded batches and training take the 4-D mask.
+  causal calls without padding (a 2-D padding mask is read on the host once per forward pass, as below, to
+  see that it has none) of at most 64 new queries (decoding, speculative decoding) in inference; the prefill
+  of a static cache, padded batches and training take the 4-D mask. A sliding layer's window-sized cache
+  takes it while it fills (its lengths marked with the window, ``attention_with_kvcache(window=)``); once
+  full, its queries are the last of its keys and the call is a plain one (below: transformers vetoes that
+  skip for compileable caches, for its own SDPA route's sake, and the veto is not needed here).
 * a causal sliding window of W keys (``create_sliding_window_causal_mask``: Mistral, the sliding layers of
   Qwen2, Gemma 2/3 and gpt-oss), recognised by what its mask function answers at the window's edges: the
   2-D key mask as above (all True without padding), marked with the kernel's window (W - 1, 0), so the
@@ -61,9 +64,8 @@ transformers' SDPA function instead):
   remembers the verdict), the layer runs one :func:`flash_attention.attention_varlen` call over the
   documents (with its window, soft-capping or sinks), forward and backward, never materialising the mask
   in the kernel. Here (unlike the other routes) the ``sliding_window`` argument picks the window compared.
-* a 4-D mask -- everything else (static-cache prefill or padding, a sliding window on a static cache,
-  packed sequences whose mask is not the documents' causal one, chunked or bidirectional windows, custom
-  mask functions, a 4-D mask passed by the
+* a 4-D mask -- everything else (static-cache prefill or padding, packed sequences whose mask is not the
+  documents' causal one, chunked or bidirectional windows, custom mask functions, a 4-D mask passed by the
   user): transformers' SDPA function with it, which computes that mask exactly.
 
 Attention dropout (``dropout``, which transformers' models pass only in training mode) runs on every
@@ -71,20 +73,18 @@ route: in the kernels (their mask drawn from PyTorch's CPU generator, so ``torch
 it), in SDPA, in the eager functions.
 
 Logit soft-capping (``softcap``: Gemma 2) runs on the kernel routes above with ``attention(..., softcap=)``,
-and attention sinks (``s_aux``: gpt-oss; ``sinks``; a (heads,) tensor) with ``sinks=``, the decoding steps
-too (``attention_with_kvcache(..., sinks=)``); where no kernel route takes such a call (soft-capping's
-decoding steps: the decode kernels have no score function; 4-D masks: SDPA computes neither) it goes where
-the rest of this paragraph says. Calls with something the kernels do not compute -- additive position
-biases (``position_bias``: T5 and relatives), sinks of another shape -- run through the calling model's own
-eager attention function: the
-``eager_attention_forward`` of the modeling module that defines the attention module's class (or a base
-class), which is what ``attn_implementation="eager"`` runs; a private generic one only when that module has
-none. It gets the mask as ``"eager"`` would (additive, with the bottom-right causal mask and the padding made
-explicit), and the first such call per reason warns once (a ``RuntimeWarning``). transformers' SDPA function
-cannot take these calls: 5.23 raises on ``softcap``, 5.0 and 5.17 drop it without a word, and none computes
-sinks.
-Sparse attention's ``indices``/``block_indices`` raise ``NotImplementedError``: the models that pass them
-build the equivalent mask only for ``"eager"``/``"sdpa"``.
+and attention sinks (``s_aux``: gpt-oss; ``sinks``; a (heads,) tensor) with ``sinks=``, the decoding steps too
+(``attention_with_kvcache(..., softcap=, sinks=)``); where no kernel route takes such a call (4-D masks: SDPA
+computes neither) it goes where the rest of this paragraph says. Calls with something the kernels do not
+compute -- additive position biases (``position_bias``: T5 and relatives), sinks of another shape -- run
+through the calling model's own eager attention function: the ``eager_attention_forward`` of the modeling
+module that defines the attention module's class (or a base class), which is what
+``attn_implementation="eager"`` runs; a private generic one only when that module has none. It gets the mask
+as ``"eager"`` would (additive, with the bottom-right causal mask and the padding made explicit), and the
+first such call per reason warns once (a ``RuntimeWarning``). transformers' SDPA function cannot take these
+calls: 5.23 raises on ``softcap``, 5.0 and 5.17 drop it without a word, and none computes sinks. Sparse
+attention's ``indices``/``block_indices`` raise ``NotImplementedError``: the models that pass them build the
+equivalent mask only for ``"eager"``/``"sdpa"``.
 
 Every route computes what ``attn_implementation="eager"`` computes for the model, within floating-point
 rounding (tests: Llama and GPT-2 against ``"sdpa"``; Gemma 2, Gemma 3, Mistral and gpt-oss, with sliding
@@ -191,15 +191,15 @@ def attention_mask(**kwargs: Any) -> torch.Tensor | None:
         q_offset = int(cache_position[0]) if q_length else 0
     kv_length, kv_offset = kwargs["kv_length"], kwargs.get("kv_offset", 0)
 
-    lengths = _static_cache_lengths(kwargs, causal, q_length, q_offset, kv_length, kv_offset)
+    lengths = _static_cache_lengths(kwargs, causal, q_length, q_offset, kv_length, kv_offset, left)
     if lengths is not None:
         return lengths
 
-    may_skip = (
-        kwargs.get("allow_is_causal_skip", True)
-        if causal
-        else kwargs.get("allow_is_bidirectional_skip", False)
-    )
+    # A causal call needs no explicit mask when its queries are the last of its keys (checked below), the
+    # kernel's bottom-right alignment: transformers also says so for most calls, but not for a compileable
+    # (static) cache's, where its own SDPA route wants one mask shape throughout; the kernels do not (a
+    # static cache's sliding layers decode over their window's keys, the queries last: a plain call).
+    may_skip = causal or kwargs.get("allow_is_bidirectional_skip", False)
     simple = (
         (causal or mask_function is bidirectional_fn)
         and may_skip
@@ -277,10 +277,13 @@ def _sliding_window_left(mask_function: Callable, local_size: object) -> int | N
     return w - 1 if same else None
 
 
-def _static_cache_lengths(kwargs: dict, causal: bool, q_length: int, q_offset, kv_length: int, kv_offset):
+def _static_cache_lengths(
+    kwargs: dict, causal: bool, q_length: int, q_offset, kv_length: int, kv_offset, left: int | None
+):
     """The static-cache route's mask (the module docstring): each row's filled length as an int32 (batch,)
     device tensor, None when the call is not one the route takes, or -- for lengths this function made
-    earlier that the route cannot take now -- their 4-D mask."""
+    earlier that the route cannot take now -- their 4-D mask. A sliding layer's (``left``: its window's
+    W - 1) lengths are a tensor of their own, marked with the window as the 2-D key masks are."""
     padding = kwargs.get("attention_mask")
     # generate() makes a static cache's masks ahead of the model's forward and hands them to it as its
     # attention_mask, so the model's own mask creation sees the lengths made here: they are this step's.
@@ -294,12 +297,14 @@ def _static_cache_lengths(kwargs: dict, causal: bool, q_length: int, q_offset, k
         and static
         and not isinstance(kv_offset, torch.Tensor)
         and kv_offset == 0
-        and kwargs.get("local_size") is None
+        and (kwargs.get("local_size") is None or left is not None)
         and 0 < q_length <= STATIC_CACHE_MAX_QUERIES
         and not torch.is_grad_enabled()
     )
     if ours:
-        return padding if takes else _static_cache_mask(padding, q_length, kv_length)
+        if not takes:
+            return _static_cache_mask(padding, q_length, kv_length, left)
+        return padding if left is None else _with_window(padding.clone(), left)
     if not takes:
         return None
     if padding is not None:
@@ -309,16 +314,32 @@ def _static_cache_lengths(kwargs: dict, causal: bool, q_length: int, q_offset, k
             return None
     batch = kwargs["batch_size"]
     if isinstance(q_offset, torch.Tensor):
-        return (q_offset.reshape(1).to(torch.int32) + q_length).expand(batch).contiguous()
-    return torch.full((batch,), q_offset + q_length, dtype=torch.int32, device=kwargs.get("device", "cpu"))
+        lengths = (q_offset.reshape(1).to(torch.int32) + q_length).expand(batch).contiguous()
+    else:
+        device = kwargs.get("device", "cpu")
+        lengths = torch.full((batch,), q_offset + q_length, dtype=torch.int32, device=device)
+    return lengths if left is None else _with_window(lengths, left)
 
 
-def _static_cache_mask(lengths: torch.Tensor, q_length: int, kv_length: int) -> torch.Tensor:
+def _with_window(mask: torch.Tensor, left: int) -> torch.Tensor:
+    """``mask`` marked with a causal sliding window of ``left`` + 1 keys (the kernels' (left, 0)), which
+    every layer of the kind receives with it."""
+    mask._flash_attention_window = (left, 0)
+    return mask
+
+
+def _static_cache_mask(
+    lengths: torch.Tensor, q_length: int, kv_length: int, left: int | None = None
+) -> torch.Tensor:
     """The 4-D boolean mask (True = attend) of the static-cache route's call: row b's query i sees slot j iff
-    ``j <= i + lengths[b] - q_length`` (which also keeps the empty slots out)."""
+    ``j <= i + lengths[b] - q_length`` (which also keeps the empty slots out), and with a sliding window of
+    ``left`` + 1 keys also ``j >= i + lengths[b] - q_length - left``."""
     slots = torch.arange(kv_length, device=lengths.device)
     last = torch.arange(q_length, device=lengths.device)[:, None] + (lengths[:, None, None] - q_length)
-    return (slots[None, None, :] <= last)[:, None]
+    seen = slots[None, None, :] <= last
+    if left is not None:
+        seen &= slots[None, None, :] >= last - left
+    return seen[:, None]
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -529,15 +550,16 @@ def attention_forward(
         )
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     needs_eager = [name for name in _EAGER_KWARGS if kwargs.get(name) is not None]
-    # Soft-capping and sinks the kernels compute (attention(softcap=, sinks=)) on their own routes; where
-    # none takes the call (SDPA computes neither, the decode kernels no soft-capping), the eager function
-    # does. None: an argument no kernel computes.
+    # Soft-capping and sinks the kernels compute (attention(softcap=, sinks=), the decode kernels too) on
+    # their own routes; where none takes the call (SDPA computes neither), the eager function does. None:
+    # an argument no kernel computes.
     extra = _kernel_variants(needs_eager, kwargs, query.shape[1])
-    decode_extra = extra if extra is not None and "softcap" not in extra else None
     if attention_mask is not None and attention_mask.dim() == 1:
-        # Decoding from a static cache (the module docstring): the decode kernels, or the explicit mask.
+        # Decoding from a static cache (the module docstring): the decode kernels, or the explicit mask; a
+        # sliding layer's lengths carry its window.
+        window = getattr(attention_mask, "_flash_attention_window", None)
         if (
-            decode_extra is not None
+            extra is not None
             and causal
             and dropout == 0.0
             and kwargs.get("cache") is None
@@ -548,10 +570,12 @@ def attention_forward(
         ):
             q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
             out = attention_with_kvcache(
-                q, k, v, cache_seqlens=attention_mask, causal=True, softmax_scale=scaling, **decode_extra
-            )
+                q, k, v, cache_seqlens=attention_mask, causal=True, softmax_scale=scaling, window=window,
+                **extra,
+            )  # fmt: skip
             return out, None
-        attention_mask = _static_cache_mask(attention_mask, query.shape[2], key.shape[2])
+        left = None if window is None else window[0]
+        attention_mask = _static_cache_mask(attention_mask, query.shape[2], key.shape[2], left)
     if extra is None:
         return _eager_route(
             module, query, key, value, attention_mask, needs_eager, dropout, scaling, causal, kwargs
@@ -585,7 +609,6 @@ def attention_forward(
         if attention_mask is None:
             if (
                 causal
-                and decode_extra is not None
                 and dropout == 0.0
                 and 0 < q_length <= STATIC_CACHE_MAX_QUERIES < kv_length
                 and not (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)))
@@ -593,7 +616,7 @@ def attention_forward(
                 # A decoding step on a DynamicCache (the keys are the whole cache, the queries its last
                 # q_length positions): the split-KV decode kernels, the cache read in place, no append.
                 out = attention_with_kvcache(
-                    q, k, v, cache_seqlens=kv_length, causal=True, softmax_scale=scaling, **decode_extra
+                    q, k, v, cache_seqlens=kv_length, causal=True, softmax_scale=scaling, **extra
                 )
                 return out, None
             return attention(q, k, v, causal=causal, softmax_scale=scaling, dropout_p=dropout, **extra), None
@@ -643,7 +666,7 @@ def _sdpa_reason(attention_mask, query, key, value, dropout, kwargs) -> str:
     if attention_mask is not None and attention_mask.dim() == 2:
         return "key padding with holes (valid keys not one run per row)"
     return (
-        "a 4-D mask (a static cache's prefill or padding, a window on a static cache, a chunked or "
+        "a 4-D mask (a static cache's prefill or padding, a chunked or "
         "bidirectional window, a custom mask function, or packed documents whose mask is not causal per "
         "document)"
     )
