@@ -165,7 +165,8 @@ def attention_with_kvcache(
         window: a sliding window ``(left, right)`` about each query's diagonal (query i of row b sees cache
             positions ``i + n_b - seqlen_q - left .. i + n_b - seqlen_q + right``; -1 unbounded on that side),
             as :func:`flash_attention.attention` takes it, with ``causal``'s bound on the right. The decode
-            kernels read only the keys inside it: a 4k window costs the same over a 4k or a 128k cache.
+            kernels read only the keys inside it: a 4k window over a 128k cache costs about what a 4k cache
+            costs (docs/kernel-log.md, step 86).
         softcap: > 0 caps each scaled score, ``softcap * tanh(s / softcap)`` (Gemma 2), as
             :func:`flash_attention.attention` does.
 
