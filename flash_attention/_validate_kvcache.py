@@ -55,6 +55,7 @@ class CacheProblem:
     # causal's right bound folded in (right -1 under causal); None when it bounds nothing.
     window: tuple[int, int] | None = None
     softcap: float = 0.0  # logit soft-capping, 0: none
+    alibi: int = 0  # ALiBi slopes' dims: 0 none, 1 (heads_q,), 2 (batch, heads_q)
 
     @property
     def group(self) -> int:
@@ -98,6 +99,7 @@ def validate_kvcache(
     out: torch.Tensor | None,
     window: object = None,
     softcap: object = 0.0,
+    alibi_slopes: object = None,
 ) -> CacheProblem:
     """Check a KV-cache attention call; return its :class:`CacheProblem` or raise TypeError/ValueError."""
     named = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
@@ -225,8 +227,23 @@ def validate_kvcache(
     if not math.isfinite(softcap) or softcap < 0:
         raise ValueError(f"softcap must be a finite number >= 0 (0: none); got {softcap!r}")
 
+    alibi = 0
+    if alibi_slopes is not None:
+        if not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dtype != torch.float32:
+            raise TypeError("alibi_slopes must be a float32 tensor of shape (heads_q,) or (batch, heads_q)")
+        if tuple(alibi_slopes.shape) not in ((heads_q,), (batch, heads_q)):
+            raise ValueError(
+                f"alibi_slopes must have shape (heads_q,) = ({heads_q},) or (batch, heads_q) = ({batch}, "
+                f"{heads_q}); got {tuple(alibi_slopes.shape)}"
+            )
+        if alibi_slopes.device != q.device or not alibi_slopes.is_contiguous():
+            raise ValueError(f"alibi_slopes must be contiguous and on the device of q ({q.device})")
+        if softcap:
+            raise ValueError("softcap and alibi_slopes cannot be combined (as in attention())")
+        alibi = alibi_slopes.dim()
+
     scale = _resolve_scale(softmax_scale, head_dim)
     return CacheProblem(
         batch, seqlen_q, heads_q, heads_kv, head_dim, seqlen_new, page_size, capacity, scale, causal, window,
-        float(softcap),
+        float(softcap), alibi,
     )  # fmt: skip

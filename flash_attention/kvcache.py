@@ -27,7 +27,7 @@ _validated: PlanCache[CacheProblem] = PlanCache()
 
 def _signature(
     q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale, num_splits, out, return_lse,
-    window=None, softcap=0.0,
+    window=None, softcap=0.0, alibi_slopes=None,
 ) -> tuple | None:  # fmt: skip
     """Everything :func:`validate_kvcache` and the launch plan read of a call: each tensor's shape, strides,
     dtype and device, and the options with their types (True == 1 to a dict, not to the validation). A
@@ -53,7 +53,7 @@ def _signature(
         softcap,
     ]
     contiguous = block_table is None
-    for t in (q, k_cache, v_cache, k, v, cache_seqlens, block_table, out):
+    for t in (q, k_cache, v_cache, k, v, cache_seqlens, block_table, out, alibi_slopes):
         if type(t) is torch.Tensor and t.layout is torch.strided and not t.is_nested:
             n, s = t.shape, t.stride()
             if contiguous and (t is k_cache or t is v_cache) and _readable_cache(n, s):
@@ -123,11 +123,12 @@ def attention_with_kvcache(
     sinks: torch.Tensor | None = None,
     window: tuple[int, int] | None = None,
     softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` against a KV cache, after appending ``k``/``v`` to it in place (decoding).
 
     The names follow the FlashAttention library's ``flash_attn_with_kvcache``, so code written for it ports
-    by changing the import (the rotary and ALiBi arguments are not taken here; ``window_size`` is ``window``).
+    by changing the import (the rotary arguments are not taken here; ``window_size`` is ``window``).
 
     Args:
         q: (batch, seqlen_q, heads_q, head_dim): the new queries, one token per row when decoding, a few
@@ -169,6 +170,10 @@ def attention_with_kvcache(
             costs (docs/kernel-log.md, step 86).
         softcap: > 0 caps each scaled score, ``softcap * tanh(s / softcap)`` (Gemma 2), as
             :func:`flash_attention.attention` does.
+        alibi_slopes: ALiBi, float32 (heads_q,) or (batch, heads_q) on q's device, as
+            :func:`flash_attention.attention` takes them: each score gets
+            ``-slope * |i + n_b - seqlen_q - j|`` (aligned like causal, to each row's own length). Not with
+            ``softcap``.
 
     Returns:
         ``out`` of q's shape and dtype, or ``(out, lse)`` with ``return_lse=True``.
@@ -209,6 +214,7 @@ def attention_with_kvcache(
             out=out,
             window=window,
             softcap=softcap,
+            alibi_slopes=alibi_slopes,
         )
         o, lse = apply_sinks(o, lse, sinks)
         return (o, lse) if return_lse else o
@@ -227,6 +233,7 @@ def attention_with_kvcache(
         return_lse,
         window,
         softcap,
+        alibi_slopes,
     )
 
     compiling = torch.compiler.is_compiling()
@@ -260,6 +267,7 @@ def attention_with_kvcache(
             out=out,
             window=window,
             softcap=softcap,
+            alibi_slopes=alibi_slopes,
         )
 
     if key is None:
@@ -281,18 +289,19 @@ def attention_with_kvcache(
         if k is None:  # nothing to append: the op that declares no write to the caches
             o, lse = torch.ops.flash_attention.fwd_kvcache_read(
                 q, k_cache, v_cache, cache_seqlens, block_table, causal, problem.scale, num_splits,
-                problem.window, problem.softcap,
+                problem.window, problem.softcap, alibi_slopes,
             )  # fmt: skip
         else:
             o, lse = torch.ops.flash_attention.fwd_kvcache(
                 q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, problem.scale, num_splits,
-                problem.window, problem.softcap,
+                problem.window, problem.softcap, alibi_slopes,
             )  # fmt: skip
         if out is not None:
             out.copy_(o)  # custom ops return new tensors; the caller's buffer gets a copy
             o = out
     else:
         o, lse = kvcache_op.run(
-            problem, q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, out, return_lse, key
-        )
+            problem, q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, out, return_lse, key,
+            alibi_slopes,
+        )  # fmt: skip
     return (o, lse) if return_lse else o

@@ -99,6 +99,7 @@ def attend(
     lengths: list[int],
     out: torch.Tensor | None,
     return_lse: bool,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(out, lse) of every row's queries against its ``lengths[b] + seqlen_new`` keys."""
     totals = [n + problem.seqlen_new for n in lengths]
@@ -108,7 +109,7 @@ def attend(
     )  # fmt: skip
     if block_table is None and len(set(totals)) == 1:
         n = totals[0]
-        o, lse = attention(q, k_cache[:, :n], v_cache[:, :n], out=out, **kwargs)
+        o, lse = attention(q, k_cache[:, :n], v_cache[:, :n], out=out, alibi_slopes=alibi_slopes, **kwargs)
         return o, (lse if return_lse else None)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -116,7 +117,12 @@ def attend(
     for b, n in enumerate(totals):
         keys = _row_keys(problem, k_cache, block_table, b, n)
         values = _row_keys(problem, v_cache, block_table, b, n)
-        _, lse[b : b + 1] = attention(q[b : b + 1], keys, values, out=out[b : b + 1], **kwargs)
+        slopes = alibi_slopes
+        if slopes is not None and slopes.dim() == 2:  # (batch, heads_q): this row's
+            slopes = slopes[b : b + 1]
+        _, lse[b : b + 1] = attention(
+            q[b : b + 1], keys, values, out=out[b : b + 1], alibi_slopes=slopes, **kwargs
+        )
     return out, (lse if return_lse else None)
 
 
@@ -131,6 +137,7 @@ def run(
     block_table: torch.Tensor | None,
     out: torch.Tensor | None,
     return_lse: bool,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The validated call (cache_seqlens a tensor): append, then attend; the custom op runs this too."""
     lengths = check_cache_values(problem, cache_seqlens, block_table, k_cache.shape[0])
@@ -142,4 +149,4 @@ def run(
             problem.batch, problem.heads_q, problem.seqlen_q, dtype=torch.float32, device=q.device
         )
         return o, (lse if return_lse else None)
-    return attend(problem, q, k_cache, v_cache, block_table, lengths, out, return_lse)
+    return attend(problem, q, k_cache, v_cache, block_table, lengths, out, return_lse, alibi_slopes)

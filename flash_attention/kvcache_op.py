@@ -2,11 +2,11 @@
 for ``torch.compile``.
 
 ``fwd_kvcache(q, k_cache!, v_cache!, k?, v?, cache_seqlens, block_table?, causal, scale, num_splits, window?,
-softcap) -> (out, lse)``. The schema marks k_cache and v_cache as written (the append), so a compiled graph
-orders the call after earlier reads of the cache and before later ones, and functionalisation copies nothing
-else. A call without new tokens is ``fwd_kvcache_read`` (the same without k, v and the write). The arguments
-were validated by :func:`flash_attention._validate_kvcache.validate_kvcache`; ``cache_seqlens`` is always a
-tensor here (an int is turned into one before the op), ``scale`` is resolved.
+softcap, alibi_slopes?) -> (out, lse)``. The schema marks k_cache and v_cache as written (the append), so a
+compiled graph orders the call after earlier reads of the cache and before later ones, and functionalisation
+copies nothing else. A call without new tokens is ``fwd_kvcache_read`` (the same without k, v and the write).
+The arguments were validated by :func:`flash_attention._validate_kvcache.validate_kvcache`; ``cache_seqlens``
+is always a tensor here (an int is turned into one before the op), ``scale`` is resolved.
 The fake implementation gives the shapes without running anything.
 
 :func:`run` is the op's implementation, which the eager path of attention_with_kvcache calls directly
@@ -29,8 +29,8 @@ __all__ = ["fwd_kvcache", "fwd_kvcache_read", "run"]
 # Spelled out (mutation annotations included) rather than inferred from annotations, as in custom_ops.
 _SCHEMA = (
     "(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, Tensor cache_seqlens,"
-    " Tensor? block_table, bool causal, float scale, int num_splits, int[]? window=None, float softcap=0.)"
-    " -> (Tensor, Tensor)"
+    " Tensor? block_table, bool causal, float scale, int num_splits, int[]? window=None, float softcap=0.,"
+    " Tensor? alibi_slopes=None) -> (Tensor, Tensor)"
 )
 
 
@@ -48,6 +48,7 @@ def fwd_kvcache(
     num_splits: int,
     window: list[int] | None = None,
     softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     problem = validate_kvcache(
         q,
@@ -63,8 +64,10 @@ def fwd_kvcache(
         out=None,
         window=None if window is None else tuple(window),
         softcap=softcap,
+        alibi_slopes=alibi_slopes,
     )
-    out, lse = run(problem, q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, None, True)
+    args = (cache_seqlens, block_table, num_splits, None, True, None, alibi_slopes)
+    out, lse = run(problem, q, k_cache, v_cache, k, v, *args)
     return out, lse
 
 
@@ -81,6 +84,7 @@ def run(
     out: torch.Tensor | None,
     return_lse: bool,
     key: tuple | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The validated call on the decode kernels or the composed path. ``cache_seqlens``: a tensor, or an int
     for every row (the kernels take it by value). ``key``: the call's signature, under which the launch
@@ -97,16 +101,19 @@ def run(
                 "decode kernels write the cache in place and read it 16 bytes at a time)"
             )
         else:
-            return plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, out)
+            return plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, out, alibi_slopes)
     if isinstance(cache_seqlens, int):
         cache_seqlens = torch.full((problem.batch,), cache_seqlens, dtype=torch.int32, device=q.device)
-    return compose.run(problem, q, k_cache, v_cache, k, v, cache_seqlens, block_table, out, return_lse)
+    return compose.run(
+        problem, q, k_cache, v_cache, k, v, cache_seqlens, block_table, out, return_lse, alibi_slopes
+    )
 
 
 @fwd_kvcache.register_fake
 def _fwd_kvcache_fake(
-    q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, scale, num_splits, window=None, softcap=0.0
-):
+    q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, scale, num_splits, window=None,
+    softcap=0.0, alibi_slopes=None,
+):  # fmt: skip
     batch, seqlen_q, heads_q, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
 
@@ -117,7 +124,8 @@ def _fwd_kvcache_fake(
 # them) and order every other read of the cache around it; this op declares no write.
 _READ_SCHEMA = (
     "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor? block_table, bool causal,"
-    " float scale, int num_splits, int[]? window=None, float softcap=0.) -> (Tensor, Tensor)"
+    " float scale, int num_splits, int[]? window=None, float softcap=0., Tensor? alibi_slopes=None)"
+    " -> (Tensor, Tensor)"
 )
 
 
@@ -133,14 +141,16 @@ def fwd_kvcache_read(
     num_splits: int,
     window: list[int] | None = None,
     softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    args = (cache_seqlens, block_table, causal, scale, num_splits, window, softcap)
+    args = (cache_seqlens, block_table, causal, scale, num_splits, window, softcap, alibi_slopes)
     return fwd_kvcache(q, k_cache, v_cache, None, None, *args)
 
 
 @fwd_kvcache_read.register_fake
 def _fwd_kvcache_read_fake(
-    q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, num_splits, window=None, softcap=0.0
-):
+    q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, num_splits, window=None, softcap=0.0,
+    alibi_slopes=None,
+):  # fmt: skip
     args = (cache_seqlens, block_table, causal, scale, num_splits)
     return _fwd_kvcache_fake(q, k_cache, v_cache, None, None, *args)

@@ -236,6 +236,13 @@ def attention_reference(
     return out, lse
 
 
+def _row_slopes(alibi_slopes: torch.Tensor | None, b: int) -> torch.Tensor | None:
+    """Batch row b's ALiBi slopes: a (heads,) table is every row's; a (batch, heads) one gives row b's."""
+    if alibi_slopes is None or alibi_slopes.dim() == 1:
+        return alibi_slopes
+    return alibi_slopes[b : b + 1]
+
+
 def attention_kvcache_reference(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -249,13 +256,15 @@ def attention_kvcache_reference(
     softmax_scale: float | None = None,
     window: tuple[int, int] | None = None,
     softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The float64 truth of :func:`flash_attention.attention_with_kvcache`, one batch row at a time.
 
     Batch row ``b`` first writes its new tokens ``k[b, t]``, ``v[b, t]`` at cache position
     ``cache_seqlens[b] + t``, then its queries attend cache positions ``0 .. n_b - 1`` with
     ``n_b = cache_seqlens[b] + seqlen_new``, causal aligned to the bottom-right corner of that row's own
-    (seqlen_q, n_b) score matrix, as are a sliding ``window`` and ``softcap`` (:func:`attention_reference`'s).
+    (seqlen_q, n_b) score matrix, as are a sliding ``window``, ``softcap`` and ``alibi_slopes``
+    (:func:`attention_reference`'s).
     Position ``p`` of row ``b`` lives at ``k_cache[b, p]`` (contiguous) or at
     ``k_cache[block_table[b, p // page_size], p % page_size]`` (paged, page_size = k_cache.shape[1]).
 
@@ -287,6 +296,7 @@ def attention_kvcache_reference(
         o, lse = attention_reference(
             q[b : b + 1], kc[idx][None], vc[idx][None], causal=causal, softmax_scale=softmax_scale,
             window=window, softcap=softcap,
+            alibi_slopes=_row_slopes(alibi_slopes, b),
         )  # fmt: skip
         outs.append(o)
         lses.append(lse)

@@ -27,11 +27,14 @@ class Case:
     lengths: list[int]  # cache_seqlens, before the append
     window: tuple[int, int] | None = None
     softcap: float = 0.0
+    alibi: int = 0  # ALiBi slopes: 0 none, 1 (heads_q,), 2 (batch, heads_q)
 
     def __str__(self) -> str:
         layout = f"paged{self.page_size}" if self.page_size else "contiguous"
-        variants = (f" window={self.window}" if self.window else "") + (
-            f" softcap={self.softcap}" if self.softcap else ""
+        variants = (
+            (f" window={self.window}" if self.window else "")
+            + (f" softcap={self.softcap}" if self.softcap else "")
+            + (f" alibi={self.alibi}" if self.alibi else "")
         )
         return (
             f"b{self.batch} sq{self.seqlen_q} h{self.heads_q}/{self.heads_kv} d{self.head_dim} "
@@ -118,7 +121,18 @@ def _row(cache: torch.Tensor, block_table, b: int, n: int) -> torch.Tensor:
     return cache[table[b][positions // page_size].to(cache.device), (positions % page_size).to(cache.device)]
 
 
-def pytorch_error(case: Case, q, k_cache_after, v_cache_after, block_table, ref_out) -> torch.Tensor:
+def alibi_slopes(case: Case, device) -> torch.Tensor | None:
+    """Random positive float32 ALiBi slopes of the case's shape (None without ALiBi): steep enough that the
+    bias moves the softmax over caches of hundreds of keys."""
+    if not case.alibi:
+        return None
+    shape = (case.heads_q,) if case.alibi == 1 else (case.batch, case.heads_q)
+    return (torch.rand(shape) * 0.2 + 0.005).to(device)
+
+
+def pytorch_error(
+    case: Case, q, k_cache_after, v_cache_after, block_table, ref_out, slopes=None
+) -> torch.Tensor:
     """(batch,) the max error PyTorch's own attention makes in q's dtype on each row, against the
     reference: its fused kernel, or with a window or soft-capping (which it does not take) the same math in
     q's dtype op by op (scores rounded to q's dtype, as a fused kernel's never are: a looser bound)."""
@@ -135,12 +149,17 @@ def pytorch_error(case: Case, q, k_cache_after, v_cache_after, block_table, ref_
             band = window_allowed(case.seqlen_q, n, case.window, device=q.device)
             mask = band if mask is None else mask & band
         qt, kt, vt = q[b].transpose(0, 1), kb.transpose(0, 1), vb.transpose(0, 1)
-        if case.window is None and not case.softcap:
+        if case.window is None and not case.softcap and slopes is None:
             o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask).transpose(0, 1)
         else:
             s = (qt @ kt.transpose(1, 2)) * case.head_dim**-0.5
             if case.softcap:
                 s = case.softcap * torch.tanh(s / case.softcap)
+            if slopes is not None:
+                head_slopes = slopes if slopes.dim() == 1 else slopes[b]
+                diag = torch.arange(case.seqlen_q, device=q.device)[:, None] + (n - case.seqlen_q)
+                dist = (diag - torch.arange(n, device=q.device)[None, :]).abs()
+                s = s - (head_slopes.to(q.device)[:, None, None] * dist).to(s.dtype)
             if mask is not None:
                 s = s.masked_fill(~mask, float("-inf"))
             p = torch.softmax(s.float(), -1).nan_to_num(0.0).to(q.dtype)
@@ -159,6 +178,7 @@ def check_case(
     """attention_with_kvcache against the float64 reference: output within the accuracy rule, LSE close,
     every output element written (poisoned buffer), the caches exactly the reference's after the append."""
     q, k_cache, v_cache, k, v, lengths, block_table = make_inputs(case, dtype, device)
+    slopes = alibi_slopes(case, device)
     ref_out, ref_lse, ref_kc, ref_vc = attention_kvcache_reference(
         q.double().cpu(),
         k_cache.double().cpu(),
@@ -170,6 +190,7 @@ def check_case(
         causal=case.causal,
         window=case.window,
         softcap=case.softcap,
+        alibi_slopes=None if slopes is None else slopes.cpu(),
     )
     out = torch.full_like(q, float("nan"))
     seqlens = case.lengths[0] if use_int_seqlens else lengths
@@ -187,6 +208,7 @@ def check_case(
         num_splits=num_splits,
         window=case.window,
         softcap=case.softcap,
+        alibi_slopes=slopes,
     )
     assert o.data_ptr() == out.data_ptr()
     assert not o.isnan().any(), f"{case}: output element not written or NaN"
@@ -197,7 +219,7 @@ def check_case(
     if dtype == torch.float64:
         bound = torch.full_like(errors, 1e-10)
     else:
-        own = pytorch_error(case, q, k_cache, v_cache, block_table, ref_out)
+        own = pytorch_error(case, q, k_cache, v_cache, block_table, ref_out, slopes)
         bound = 2 * own + 1e-5
     assert (errors <= bound).all(), f"{case}: max error per row {errors.tolist()} > {bound.tolist()}"
     empty = torch.isneginf(ref_lse)

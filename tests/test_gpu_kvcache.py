@@ -201,23 +201,25 @@ def test_bad_lengths_and_pages_poison_their_row_and_write_nothing_outside():
     assert set(changed) <= expected  # row 2's position 40 is on a valid page: its token may be written
 
 
-# (causal, window, softcap): windows about the diagonal on both sides and one, soft-capping alone and with a
-# window (Gemma 2's sliding layers decode with both).
+# (causal, window, softcap, alibi): windows about the diagonal on both sides and one, soft-capping alone and
+# with a window (Gemma 2's sliding layers decode with both), ALiBi per head and per row and head.
 VARIANTS = [
-    (True, (64, -1), 0.0),
-    (False, (100, 20), 0.0),
-    (True, None, 30.0),
-    (True, (200, 0), 20.0),
+    (True, (64, -1), 0.0, 0),
+    (False, (100, 20), 0.0, 0),
+    (True, None, 30.0, 0),
+    (True, (200, 0), 20.0, 0),
+    (True, None, 0.0, 1),
+    (False, (300, 10), 0.0, 2),
 ]
 
 
 @pytest.mark.parametrize("page_size", [0, 1, 16])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("variant", VARIANTS, ids=str)
-def test_windows_and_softcap_on_the_decode_kernels(page_size, head_dim, variant):
+def test_variants_on_the_decode_kernels(page_size, head_dim, variant):
     # One token, a speculative chunk of 16 with a group of 4 (64 packed rows: on Hopper the wgmma kernel)
     # and an append of 5 over one token; caches long enough that each window starts inside them.
-    causal, window, softcap = variant
+    causal, window, softcap, alibi = variant
     rng = random.Random(f"variants-{page_size}-{head_dim}-{variant}")
     for group, seqlen_q, seqlen_new in ((1, 1, 1), (4, 16, 0), (8, 1, 5)):
         case = random_case(
@@ -227,7 +229,8 @@ def test_windows_and_softcap_on_the_decode_kernels(page_size, head_dim, variant)
         )  # fmt: skip
         if not page_size:
             case = dataclasses.replace(case, capacity=1000, lengths=[0, 995 - seqlen_new, 300, 640])
-        check_case(dataclasses.replace(case, window=window, softcap=softcap), torch.bfloat16, "cuda")
+        case = dataclasses.replace(case, window=window, softcap=softcap, alibi=alibi)
+        check_case(case, torch.bfloat16, "cuda")
 
 
 @pytest.mark.parametrize("num_splits", [0, 1, 3, 1000])

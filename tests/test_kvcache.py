@@ -55,26 +55,29 @@ def test_matches_reference_dtypes(request, dtype, page_size):
 
 @pytest.mark.parametrize("page_size", [0, 3])
 @pytest.mark.parametrize(
-    ("causal", "window", "softcap"),
+    ("causal", "window", "softcap", "alibi"),
     [
-        (True, (5, -1), 0.0),
-        (True, (0, 0), 0.0),
-        (False, (7, 2), 0.0),
-        (False, (-1, 3), 0.0),
-        (True, None, 3.0),
-        (True, (9, 0), 2.0),
+        (True, (5, -1), 0.0, 0),
+        (True, (0, 0), 0.0, 0),
+        (False, (7, 2), 0.0, 0),
+        (False, (-1, 3), 0.0, 0),
+        (True, None, 3.0, 0),
+        (True, (9, 0), 2.0, 0),
+        (True, None, 0.0, 1),
+        (False, (6, 4), 0.0, 2),
     ],
 )
-def test_windows_and_softcap_match_reference(request, page_size, causal, window, softcap):
-    # The composed path (this machine's) against the float64 reference with attention()'s window and
-    # soft-capping: speculative-decoding queries, GQA, appends, rows whose window starts inside the cache.
+def test_windows_softcap_and_alibi_match_reference(request, page_size, causal, window, softcap, alibi):
+    # The composed path (this machine's) against the float64 reference with attention()'s window,
+    # soft-capping and ALiBi (per head, per row and head): speculative-decoding queries, GQA, appends, rows
+    # whose window starts inside the cache.
     rng = _rng(request)
     for seqlen_q, group in ((1, 1), (6, 2)):
         case = random_case(
             rng, page_size=page_size, head_dim=32, group=group, seqlen_q=seqlen_q, seqlen_new=2,
             causal=causal, max_pages=max(2, 40 // max(page_size, 1)),
         )  # fmt: skip
-        case = dataclasses.replace(case, window=window, softcap=softcap)
+        case = dataclasses.replace(case, window=window, softcap=softcap, alibi=alibi)
         check_case(case, torch.float32, "cpu")
 
 
@@ -306,6 +309,9 @@ def _valid_call(**override):
         (dict(window=(-2, 0)), ValueError, "window"),
         (dict(softcap=-1.0), ValueError, "softcap"),
         (dict(softcap="1"), TypeError, "softcap"),
+        (dict(alibi_slopes=torch.ones(4, dtype=torch.float64)), TypeError, "alibi_slopes"),
+        (dict(alibi_slopes=torch.ones(3)), ValueError, "alibi_slopes"),
+        (dict(alibi_slopes=torch.ones(4), softcap=1.0), ValueError, "cannot be combined"),
     ],
 )
 def test_bad_arguments_name_the_argument(override, error, words):

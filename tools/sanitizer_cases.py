@@ -351,16 +351,19 @@ DECODE_CASES = [
 ]
 
 
-#: A decode case with (window, softcap): Gemma 2's sliding layers decode with both, Mistral's with a window;
-#: the window starts inside the caches (paged and contiguous), so the splits cover it alone.
+#: A decode case with (window, softcap, ALiBi slopes' dims): Gemma 2's sliding layers decode with a window
+#: and soft-capping, Mistral's with a window; the window starts inside the caches (paged and contiguous), so
+#: the splits cover it alone. ALiBi per head and per (row, head).
 DECODE_VARIANT_CASES = [
-    ((2, 1, 32, 8, 128, 1, 16, 2048, [2000, 700], 3), (255, -1), 30.0),
-    ((3, 16, 16, 4, 64, 0, 0, 600, [590, 100, 16], 0), (40, 0), 0.0),
-    ((2, 4, 8, 2, 256, 2, 64, 512, [500, 300], 2), None, 20.0),
+    ((2, 1, 32, 8, 128, 1, 16, 2048, [2000, 700], 3), (255, -1), 30.0, 0),
+    ((3, 16, 16, 4, 64, 0, 0, 600, [590, 100, 16], 0), (40, 0), 0.0, 0),
+    ((2, 4, 8, 2, 256, 2, 64, 512, [500, 300], 2), None, 20.0, 0),
+    ((2, 1, 32, 8, 128, 1, 16, 1024, [1000, 77], 0), None, 0.0, 1),
+    ((2, 16, 16, 4, 128, 0, 0, 700, [650, 200], 0), (100, -1), 0.0, 2),
 ]
 
 
-def run_decode_case(case, seed: int, window=None, softcap: float = 0.0) -> float:
+def run_decode_case(case, seed: int, window=None, softcap: float = 0.0, alibi: int = 0) -> float:
     """Max error of one decode call (and of the caches after its append) against the float64 reference, over
     the rows whose length is in range; a row out of range must come back NaN."""
     b, sq, hq, hkv, d, s_new, page, cap, lengths, splits = case
@@ -375,6 +378,10 @@ def run_decode_case(case, seed: int, window=None, softcap: float = 0.0) -> float
         k_cache, v_cache = (rand(b, hkv, cap, d).transpose(1, 2) for _ in range(2))  # transformers' layout
     q = rand(b, sq, hq, d)
     k, v = (rand(b, s_new, hkv, d), rand(b, s_new, hkv, d)) if s_new else (None, None)
+    slopes = None
+    if alibi:
+        shape = (hq,) if alibi == 1 else (b, hq)
+        slopes = torch.rand(shape, device="cuda", generator=gen) * 0.2 + 0.005
     per_row = lengths if isinstance(lengths, list) else [lengths] * b
     good = [n + s_new <= cap for n in per_row]
     lens = lengths if isinstance(lengths, int) else torch.tensor(lengths, device="cuda", dtype=torch.int32)
@@ -382,11 +389,11 @@ def run_decode_case(case, seed: int, window=None, softcap: float = 0.0) -> float
     refs = attention_kvcache_reference(
         q.double(), k_cache.double(), v_cache.double(), None if k is None else k.double(),
         None if v is None else v.double(), cache_seqlens=ref_lens, block_table=table, causal=True,
-        window=window, softcap=softcap,
+        window=window, softcap=softcap, alibi_slopes=slopes,
     )  # fmt: skip
     out = fa.attention_with_kvcache(
         q, k_cache, v_cache, k, v, cache_seqlens=lens, block_table=table, num_splits=splits, window=window,
-        softcap=softcap,
+        softcap=softcap, alibi_slopes=slopes,
     )  # fmt: skip
     torch.cuda.synchronize()
     err = 0.0
@@ -521,10 +528,12 @@ def main(argv: list[str] | None = None) -> int:
         err = run_decode_case(case, seed=200 + i)
         worst = max(worst, err)
         print(f"decode case {i}: {case} max error {err:.3g}", flush=True)
-    for i, (case, window, cap) in enumerate(DECODE_VARIANT_CASES if args.decode_only or not only else []):
-        err = run_decode_case(case, seed=250 + i, window=window, softcap=cap)
+    variant_cases = DECODE_VARIANT_CASES if args.decode_only or not only else []
+    for i, (case, window, cap, alibi) in enumerate(variant_cases):
+        err = run_decode_case(case, seed=250 + i, window=window, softcap=cap, alibi=alibi)
         worst = max(worst, err)
-        print(f"decode case with window {window} softcap {cap}: {case} max error {err:.3g}", flush=True)
+        what = f"window {window} softcap {cap} alibi {alibi}"
+        print(f"decode case with {what}: {case} max error {err:.3g}", flush=True)
     for i, case in enumerate([] if only else CASES):
         err = run_case(case, seed=i, small=args.small)
         worst = max(worst, err)

@@ -196,6 +196,7 @@ class DecodeParams(ctypes.Structure):
         ]
         + [("scale", _F32), ("window_left", _I32), ("window_right", _I32)]
         + [("softcap", _F32), ("softcap_inv", _F32)]
+        + [("alibi_slopes", _PTR), ("alibi_batch_stride", _I64)]
     )
 
 

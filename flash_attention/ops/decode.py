@@ -151,6 +151,8 @@ class DecodePlan:
         p.scale = problem.scale
         p.window_left, p.window_right = problem.window or (-1, -1)
         p.softcap, p.softcap_inv = problem.softcap, (1.0 / problem.softcap if problem.softcap else 0.0)
+        # ALiBi's slopes are a per-call pointer (__call__); a (heads_q,) table repeats for every row.
+        p.alibi_batch_stride = problem.heads_q if problem.alibi == 2 else 0
 
         # Inputs the kernels read in place when their layout allows (q, and the new tokens k/v), else as
         # contiguous copies, whose strides are then filled per call.
@@ -216,6 +218,7 @@ class DecodePlan:
         Python."""
         if (
             repeat.MODE != "native"
+            or self.problem.alibi  # (the host library fills no slopes pointer)
             or self.out_in_place
             or self.counters
             or self.lens_copy
@@ -278,8 +281,10 @@ class DecodePlan:
         cache_seqlens: torch.Tensor | int,
         block_table: torch.Tensor | None,
         out: torch.Tensor | None,
+        alibi_slopes: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``cache_seqlens``: a tensor, or an int, every row's length (passed to the kernels by value)."""
+        """``cache_seqlens``: a tensor, or an int, every row's length (passed to the kernels by value);
+        ``alibi_slopes``: the call's, when its problem has ALiBi."""
         one_length = isinstance(cache_seqlens, int)
         if self._native is None:
             self._native = self._make_native()
@@ -302,6 +307,8 @@ class DecodePlan:
             if self.out_in_place:
                 fill_strides(p, "o", o)
         p.q, p.k, p.v, p.o = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), o.data_ptr()
+        if problem.alibi:
+            p.alibi_slopes = alibi_slopes.data_ptr()
         if self.fills_geometry:  # this call's capacity and strides (the signature admitted readable ones)
             fill_strides(p, "k", k_cache)
             fill_strides(p, "v", v_cache)

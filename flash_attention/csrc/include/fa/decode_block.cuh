@@ -49,27 +49,41 @@ __device__ __forceinline__ DecodeBlockKeys decode_block_keys(const DecodeParams&
   return b;
 }
 
-// The keys one query row sees besides the split's [k_lo, k_hi): first .. last, from its diagonal (query
-// + shift): causal up to it, a window's sides about it (-1 unbounded). The kernels mask a tile's scores
-// only when a row's range cuts it (a warp-uniform test on the thread's first and last row).
+// What one packed query row of a block needs for its scores besides the split's [k_lo, k_hi): the keys it
+// sees, first .. last, from its diagonal (query + shift): causal up to it, a window's sides about it (-1
+// unbounded); and its diagonal and ALiBi slope (0 without ALiBi) for the bias. The kernels mask a tile's
+// scores only when a row's range cuts it (a test on the thread's first and last row).
 struct DecodeRowKeys {
-  int first, last;
+  int first, last, diag;
+  float slope;
 };
 
+// Packed row `row` of K/V head kv_head is query row / group of head kv_head * group + row % group.
 template <bool kCausal>
-__device__ __forceinline__ DecodeRowKeys decode_row_keys(const DecodeParams& p, int diag) {
+__device__ __forceinline__ DecodeRowKeys decode_row_keys(const DecodeParams& p, int batch, int kv_head, int row,
+                                                         int shift) {
   DecodeRowKeys r;
-  r.last = kCausal ? diag : 0x7fffffff;
-  if (p.window_right >= 0) r.last = min(r.last, diag + p.window_right);
-  r.first = p.window_left >= 0 ? diag - p.window_left : -0x7fffffff;
+  r.diag = row / p.group + shift;
+  r.last = kCausal ? r.diag : 0x7fffffff;
+  if (p.window_right >= 0) r.last = min(r.last, r.diag + p.window_right);
+  r.first = p.window_left >= 0 ? r.diag - p.window_left : -0x7fffffff;
+  const int head = kv_head * p.group + row % p.group;
+  r.slope = p.alibi_slopes && row < p.rows ? p.alibi_slopes[batch * p.alibi_batch_stride + head] : 0.f;
   return r;
 }
 
-// A scaled score after the call's score function: soft-capping (p.softcap > 0), cap * tanh(s / cap) with
-// the prefill kernels' tanh (fa/variant.cuh), else the score itself. A uniform branch on a parameter: the
-// decode kernels are bound by memory, and one build serves capped and uncapped calls.
+// A scaled score after soft-capping (p.softcap > 0): cap * tanh(s / cap) with the prefill kernels' tanh
+// (fa/variant.cuh), else the score itself. A uniform branch on a parameter: the decode kernels are bound by
+// memory, and one build serves capped and uncapped calls.
 __device__ __forceinline__ float decode_score(const DecodeParams& p, float scaled) {
   return p.softcap > 0.f ? p.softcap * tanh_approx(scaled * p.softcap_inv) : scaled;
+}
+
+// ALiBi's bias on a scaled score: s - slope |diag - key| (a masked -inf stays -inf). The kernels apply it
+// in a pass of its own under `if (p.alibi_slopes)`: inside the scale-and-mask loop it made the sm80-
+// instruction kernel's contiguous forms keep each element's key live (168 -> 212 registers at head_dim 128).
+__device__ __forceinline__ float alibi_score(float s, const DecodeRowKeys& row, int key) {
+  return fmaf(-row.slope, fabsf((float)(row.diag - key)), s);
 }
 
 // The block's BM packed query rows into shared memory: packed row r is query r / group of head

@@ -131,7 +131,7 @@ __device__ __forceinline__ void decode_kernel_body(const DecodeParams& p) {
     for (int r = 0; r < 2; ++r) {
       row_max[mt][r] = neg_inf();
       row_sum[mt][r] = 0.f;
-      row_keys[mt][r] = decode_row_keys<kCausal>(p, (row0 + warp_row0 + 16 * mt + g + 8 * r) / p.group + shift);
+      row_keys[mt][r] = decode_row_keys<kCausal>(p, batch, kv_head, row0 + warp_row0 + 16 * mt + g + 8 * r, shift);
     }
   }
   u32 qf[MT][DK][4];
@@ -197,6 +197,15 @@ __device__ __forceinline__ void decode_kernel_body(const DecodeParams& p) {
           }
           s[mt][n][e] = x;
         }
+    if (p.alibi_slopes) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int n = 0; n < NS; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            s[mt][n][e] = alibi_score(s[mt][n][e], row_keys[mt][e >> 1], key0 + 8 * n + 2 * t4 + (e & 1));
+    }
 
     // Online softmax, then O += P V over the warp's keys.
     u32 pf[MT][KS][4];

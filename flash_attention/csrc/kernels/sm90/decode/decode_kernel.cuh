@@ -125,7 +125,7 @@ __device__ __forceinline__ void decode_kernel_body(const DecodeParams& p) {
   DecodeRowKeys row_keys[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r)
-    row_keys[r] = decode_row_keys<kCausal>(p, (row0 + warp_row0 + g + 8 * r) / p.group + keys.shift);
+    row_keys[r] = decode_row_keys<kCausal>(p, batch, kv_head, row0 + warp_row0 + g + 8 * r, keys.shift);
 
   for (int t = 0; t < n_tiles; ++t) {
     // Tile t (and Q, with tile 0) has landed for this thread, and P V of tile t - 1 has completed (its V
@@ -166,6 +166,13 @@ __device__ __forceinline__ void decode_kernel_body(const DecodeParams& p) {
         }
         s[4 * n + e] = x;
       }
+    if (p.alibi_slopes) {  // (fa/decode_block.cuh, alibi_score: a pass of its own)
+#pragma unroll
+      for (int n = 0; n < NS; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          s[4 * n + e] = alibi_score(s[4 * n + e], row_keys[e >> 1], key0 + 8 * n + 2 * t4 + (e & 1));
+    }
 
     // ---- online softmax (the unfolded form: fa/softmax.cuh), then O += P V_t ------------------------------
 #pragma unroll
