@@ -835,9 +835,9 @@ def test_mask_function_plain_causal_is_none():
 
 def test_mask_function_ignores_a_compileable_caches_skip_veto():
     # transformers vetoes the causal skip for a compileable (static) cache's one-token steps, so that its SDPA
-    # route keeps one mask shape; the kernels need no mask when the queries are the last keys (a static
-    # cache's sliding layer once its window is full), and one when they are not.
-    assert _mask_call(allow_is_causal_skip=False) is None
+    # route keeps one mask shape; the kernels need no mask when the query is the last key (a static cache's
+    # sliding layer once its window is full), and one when it is not. Its other vetoes (packed sequences,
+    # more than one query) stand.
     assert _mask_call(q_length=1, kv_length=4, q_offset=8, kv_offset=5, allow_is_causal_skip=False) is None
     got = _mask_call(q_length=1, kv_length=4, q_offset=2, kv_offset=0, allow_is_causal_skip=False)
     assert got is not None and got.dim() == 4  # a window still filling: empty slots after the query
@@ -856,6 +856,7 @@ def test_mask_function_padding_is_a_2d_key_mask():
     "overrides",
     [
         {"q_length": 5, "kv_length": 9, "q_offset": 0},  # static-cache prefill: keys past the queries
+        {"allow_is_causal_skip": False},  # the caller wants a materialised mask (5 queries)
         {"local_size": 3},  # sliding window
         {"q_offset": torch.tensor(0)},  # static caches pass tensor offsets
     ],

@@ -49,7 +49,8 @@ transformers' SDPA function instead):
   of a static cache, padded batches and training take the 4-D mask. A sliding layer's window-sized cache
   takes it while it fills (its lengths marked with the window, ``attention_with_kvcache(window=)``); once
   full, its queries are the last of its keys and the call is a plain one (below: transformers vetoes that
-  skip for compileable caches, for its own SDPA route's sake, and the veto is not needed here).
+  skip for compileable caches' one-token steps, for its own SDPA route's sake, and the veto is not needed
+  here).
 * a causal sliding window of W keys (``create_sliding_window_causal_mask``: Mistral, the sliding layers of
   Qwen2, Gemma 2/3 and gpt-oss), recognised by what its mask function answers at the window's edges: the
   2-D key mask as above (all True without padding), marked with the kernel's window (W - 1, 0), so the
@@ -195,11 +196,15 @@ def attention_mask(**kwargs: Any) -> torch.Tensor | None:
     if lengths is not None:
         return lengths
 
-    # A causal call needs no explicit mask when its queries are the last of its keys (checked below), the
-    # kernel's bottom-right alignment: transformers also says so for most calls, but not for a compileable
-    # (static) cache's, where its own SDPA route wants one mask shape throughout; the kernels do not (a
-    # static cache's sliding layers decode over their window's keys, the queries last: a plain call).
-    may_skip = causal or kwargs.get("allow_is_bidirectional_skip", False)
+    # transformers vetoes skipping the mask for a compileable (static) cache's one-token steps, so that its
+    # own SDPA route keeps one mask shape; the kernels need none when the query is the last of the keys
+    # (checked below; a static cache's sliding layer decoding over its full window). Only that veto is
+    # overridden: the others (packed sequences, and/or mask functions) mean the mask is more than causal.
+    may_skip = (
+        (kwargs.get("allow_is_causal_skip", True) or q_length == 1)
+        if causal
+        else kwargs.get("allow_is_bidirectional_skip", False)
+    )
     simple = (
         (causal or mask_function is bidirectional_fn)
         and may_skip
