@@ -15,6 +15,7 @@ import torch
 
 __all__ = [
     "check_window",
+    "score_function",
     "MAX_HEAD_DIM",
     "SUPPORTED_DTYPES",
     "Problem",
@@ -199,3 +200,28 @@ def check_window(window: object) -> tuple[int, int] | None:
     if any(w < -1 for w in window):
         raise ValueError(f"window sides must be >= 0, or -1 for unbounded; got {tuple(window)}")
     return int(window[0]), int(window[1])
+
+
+def score_function(softcap: object, alibi_slopes: object, q: torch.Tensor) -> str | None:
+    """The score function of a call (``jit.sources.SCORE_MODS``: "softcap", "alibi"), or None; raises naming
+    the argument: ``softcap`` a finite float >= 0 (0: none), ``alibi_slopes`` a contiguous float32 tensor of
+    shape (heads_q,) or (batch, heads_q) on q's device. Not both at once (no build composes two)."""
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a float (0: none); got {type(softcap).__name__}")
+    if not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be a finite number >= 0 (0: none); got {softcap!r}")
+    if alibi_slopes is not None:
+        batch, _, heads_q, _ = q.shape
+        if not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dtype != torch.float32:
+            raise TypeError("alibi_slopes must be a float32 tensor of shape (heads_q,) or (batch, heads_q)")
+        if tuple(alibi_slopes.shape) not in ((heads_q,), (batch, heads_q)):
+            raise ValueError(
+                f"alibi_slopes must have shape (heads_q,) = ({heads_q},) or (batch, heads_q) = ({batch}, "
+                f"{heads_q}); got {tuple(alibi_slopes.shape)}"
+            )
+        if alibi_slopes.device != q.device or not alibi_slopes.is_contiguous():
+            raise ValueError(f"alibi_slopes must be contiguous and on the device of q ({q.device})")
+        if softcap:
+            raise ValueError("softcap and alibi_slopes cannot be combined (no kernel build composes the two)")
+        return "alibi"
+    return "softcap" if softcap else None

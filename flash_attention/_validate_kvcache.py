@@ -10,7 +10,6 @@ does with the device-side values (:mod:`flash_attention.kvcache` documents it).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +21,7 @@ from ._validate import (
     check_last_dim_contiguous,
     check_tensor,
     check_window,
+    score_function,
 )
 
 __all__ = ["CacheProblem", "validate_kvcache"]
@@ -222,25 +222,8 @@ def validate_kvcache(
         if causal:
             right = -1  # (causal already stops each row at its diagonal)
         window = None if left == right == -1 else (left, right)
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
-        raise TypeError(f"softcap must be a float (0: none); got {type(softcap).__name__}")
-    if not math.isfinite(softcap) or softcap < 0:
-        raise ValueError(f"softcap must be a finite number >= 0 (0: none); got {softcap!r}")
-
-    alibi = 0
-    if alibi_slopes is not None:
-        if not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dtype != torch.float32:
-            raise TypeError("alibi_slopes must be a float32 tensor of shape (heads_q,) or (batch, heads_q)")
-        if tuple(alibi_slopes.shape) not in ((heads_q,), (batch, heads_q)):
-            raise ValueError(
-                f"alibi_slopes must have shape (heads_q,) = ({heads_q},) or (batch, heads_q) = ({batch}, "
-                f"{heads_q}); got {tuple(alibi_slopes.shape)}"
-            )
-        if alibi_slopes.device != q.device or not alibi_slopes.is_contiguous():
-            raise ValueError(f"alibi_slopes must be contiguous and on the device of q ({q.device})")
-        if softcap:
-            raise ValueError("softcap and alibi_slopes cannot be combined (as in attention())")
-        alibi = alibi_slopes.dim()
+    # softcap a finite float >= 0; alibi_slopes float32 (heads_q,) or (batch, heads_q); not both.
+    alibi = 0 if score_function(softcap, alibi_slopes, q) != "alibi" else alibi_slopes.dim()
 
     scale = _resolve_scale(softmax_scale, head_dim)
     return CacheProblem(

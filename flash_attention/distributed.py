@@ -28,9 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._validate import check_window, validate
+from ._validate import check_window, score_function, validate
 from .ops.merge import lse_merge_
-from .ops.plans import score_function
 from .sinks import apply_sinks, check_sinks, sinks_gradient
 
 __all__ = ["ring_attention", "shard_sequence", "unshard_sequence"]

@@ -15,6 +15,13 @@ from spawn_ranks import spawn_ranks
 from flash_attention.reference import attention_reference
 
 
+def _assert_matches_float64(named) -> None:
+    """Each (name, ring result, float64 reference) within float32 rounding of the reference's scale."""
+    for name, got, want in named:
+        err = (got.double() - want).abs().max().item()
+        assert err <= 1e-5 * max(1.0, want.abs().max().item()), f"{name}: {err:.3g} against float64"
+
+
 def _worker(rank, world, init_file, causal, failures):
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -36,9 +43,7 @@ def _worker(rank, world, init_file, causal, failures):
         ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
         ref, ref_lse = attention_reference(*ref_leaves, causal=causal)
         ref_grads = torch.autograd.grad(ref, ref_leaves, dout.double())
-        for name, got, want in zip(("out", "dq", "dk", "dv"), full, (ref, *ref_grads), strict=True):
-            err = (got.double() - want).abs().max().item()
-            assert err <= 1e-5 * max(1.0, want.abs().max().item()), f"{name}: {err:.3g} against float64"
+        _assert_matches_float64(zip(("out", "dq", "dk", "dv"), full, (ref, *ref_grads), strict=True))
         torch.testing.assert_close(full_lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
         dist.destroy_process_group()
     except Exception:
@@ -121,9 +126,7 @@ def _window_worker(rank, world, init_file, causal, window, failures):
         ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
         ref, _ = attention_reference(*ref_leaves, causal=causal, window=window)
         ref_grads = torch.autograd.grad(ref, ref_leaves, dout.double())
-        for name, got, want in zip(("out", "dq", "dk", "dv"), full, (ref, *ref_grads), strict=True):
-            err = (got.double() - want).abs().max().item()
-            assert err <= 1e-5 * max(1.0, want.abs().max().item()), f"{name}: {err:.3g} against float64"
+        _assert_matches_float64(zip(("out", "dq", "dk", "dv"), full, (ref, *ref_grads), strict=True))
         dist.destroy_process_group()
     except Exception:
         failures.put(f"rank {rank}: {traceback.format_exc()}")
@@ -177,10 +180,9 @@ def _score_worker(rank, world, init_file, causal, window, failures):
             *ref_leaves[:3], causal=causal, window=window, softcap=5.0, sinks=ref_leaves[3]
         )
         ref_grads = torch.autograd.grad(ref, ref_leaves, dout.double())
-        named = zip(("out", "dq", "dk", "dv", "dsinks"), (*full, dsinks), (ref, *ref_grads), strict=True)
-        for name, got, want in named:
-            err = (got.double() - want).abs().max().item()
-            assert err <= 1e-5 * max(1.0, want.abs().max().item()), f"{name}: {err:.3g} against float64"
+        _assert_matches_float64(
+            zip(("out", "dq", "dk", "dv", "dsinks"), (*full, dsinks), (ref, *ref_grads), strict=True)
+        )
         torch.testing.assert_close(full_lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
         dist.destroy_process_group()
     except Exception:
