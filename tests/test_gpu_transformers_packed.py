@@ -13,6 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from test_transformers import NAME, VOCAB, _config, _family_models  # noqa: E402
+from transformers_spies import count_calls, count_sdpa  # noqa: E402
 
 from flash_attention.integrations import transformers as integration  # noqa: E402
 
@@ -27,22 +28,8 @@ LENGTHS = (300, 517, 129, 60)
 @pytest.fixture
 def packed_calls(monkeypatch):
     seen = {"varlen": 0, "sdpa": 0}
-    real = integration.attention_varlen
-
-    def spy(*args, **kwargs):
-        seen["varlen"] += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(integration, "attention_varlen", spy)
-    from transformers.integrations import sdpa_attention
-
-    real_sdpa = sdpa_attention.sdpa_attention_forward
-
-    def sdpa_spy(*args, **kwargs):
-        seen["sdpa"] += 1
-        return real_sdpa(*args, **kwargs)
-
-    monkeypatch.setattr(sdpa_attention, "sdpa_attention_forward", sdpa_spy)
+    count_calls(monkeypatch, integration, "attention_varlen", seen, "varlen")
+    count_sdpa(monkeypatch, seen)
     return seen
 
 

@@ -15,6 +15,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from test_transformers import NAME, VOCAB, _family_models  # noqa: E402
+from transformers_spies import count_calls, count_sdpa  # noqa: E402
 
 from flash_attention.integrations import transformers as integration  # noqa: E402
 from flash_attention.nn import functional as fn  # noqa: E402
@@ -31,34 +32,14 @@ def sink_calls(monkeypatch):
     attention_with_kvcache()), and calls that went to the eager function or SDPA."""
     seen = {"kernel": 0, "decode": 0, "other": 0}
 
-    def counting(real, key):
-        def spy(*args, **kwargs):
-            seen[key if kwargs.get("sinks") is not None else "other"] += 1
-            return real(*args, **kwargs)
+    def with_sinks(key):
+        return lambda kwargs: key if kwargs.get("sinks") is not None else "other"
 
-        return spy
-
-    monkeypatch.setattr(integration, "attention", counting(integration.attention, "kernel"))
-    monkeypatch.setattr(fn, "attention", counting(fn.attention, "kernel"))
-    monkeypatch.setattr(
-        integration, "attention_with_kvcache", counting(integration.attention_with_kvcache, "decode")
-    )
-    real_eager = integration._eager_attention
-
-    def eager_spy(*args, **kwargs):
-        seen["other"] += 1
-        return real_eager(*args, **kwargs)
-
-    monkeypatch.setattr(integration, "_eager_attention", eager_spy)
-    from transformers.integrations import sdpa_attention
-
-    real_sdpa = sdpa_attention.sdpa_attention_forward
-
-    def sdpa_spy(*args, **kwargs):
-        seen["other"] += 1
-        return real_sdpa(*args, **kwargs)
-
-    monkeypatch.setattr(sdpa_attention, "sdpa_attention_forward", sdpa_spy)
+    count_calls(monkeypatch, integration, "attention", seen, with_sinks("kernel"))
+    count_calls(monkeypatch, fn, "attention", seen, with_sinks("kernel"))
+    count_calls(monkeypatch, integration, "attention_with_kvcache", seen, with_sinks("decode"))
+    count_calls(monkeypatch, integration, "_eager_attention", seen, "other")
+    count_sdpa(monkeypatch, seen, "other")
     integration.register()
     return seen
 

@@ -13,6 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from test_transformers import NAME, VOCAB, _family_models  # noqa: E402
+from transformers_spies import count_calls, count_sdpa  # noqa: E402
 
 from flash_attention.integrations import transformers as integration  # noqa: E402
 from flash_attention.nn import functional as fn  # noqa: E402
@@ -25,23 +26,10 @@ pytestmark = [
 
 @pytest.fixture
 def window_calls(monkeypatch):
-    seen = {"window": 0, "sdpa": 0}
-    real = fn.attention
-
-    def spy(q, k, v, **kwargs):
-        seen["window"] += kwargs.get("window") is not None
-        return real(q, k, v, **kwargs)
-
-    monkeypatch.setattr(fn, "attention", spy)
-    from transformers.integrations import sdpa_attention
-
-    real_sdpa = sdpa_attention.sdpa_attention_forward
-
-    def sdpa_spy(*args, **kwargs):
-        seen["sdpa"] += 1
-        return real_sdpa(*args, **kwargs)
-
-    monkeypatch.setattr(sdpa_attention, "sdpa_attention_forward", sdpa_spy)
+    seen = {"window": 0, "plain": 0, "sdpa": 0}
+    windowed = lambda kwargs: "plain" if kwargs.get("window") is None else "window"  # noqa: E731
+    count_calls(monkeypatch, fn, "attention", seen, windowed)
+    count_sdpa(monkeypatch, seen)
     integration.register()
     return seen
 
