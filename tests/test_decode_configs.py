@@ -173,7 +173,7 @@ class _FakePlan:
     def runnable(k_cache, v_cache):
         return True
 
-    def __call__(self, q, k_cache, v_cache, k, v, lengths, table, out):
+    def __call__(self, q, k_cache, v_cache, k, v, lengths, table, out, alibi_slopes=None):
         o = torch.full_like(q, 7.0)
         p = self.problem
         return o, (torch.zeros(p.batch, p.heads_q, p.seqlen_q) if self.return_lse else None)
