@@ -124,14 +124,24 @@ def _inputs(seed: int, b: int, sq: int, sk: int, hq: int, hkv: int, d: int):
     )
 
 
+def _lengths(sq: int, sk: int, small: bool) -> tuple[int, int]:
+    """A case's query and key lengths, cut to SMALL's with ``--small``."""
+    return (min(sq, SMALL[1]), min(sk, SMALL[2])) if small else (sq, sk)
+
+
+def _key_range(ranged: bool, b: int, sk: int) -> torch.Tensor | None:
+    """A ranged case's per-row key ranges (row 0 its last three quarters of the keys, row 1 the first
+    half), None otherwise."""
+    if not ranged:
+        return None
+    return torch.tensor([[sk // 4, sk], [0, max(1, sk // 2)]][:b], dtype=torch.int32, device="cuda")
+
+
 def run_case(case, seed: int, small: bool, window=None) -> float:
     b, sq, sk, hq, hkv, d, causal, ranged, p, det = case
-    if small:
-        sq, sk = min(sq, SMALL[1]), min(sk, SMALL[2])
+    sq, sk = _lengths(sq, sk, small)
     q, k, v = (t.requires_grad_() for t in _inputs(seed, b, sq, sk, hq, hkv, d))
-    kr = None
-    if ranged:
-        kr = torch.tensor([[sk // 4, sk], [0, max(1, sk // 2)]][:b], dtype=torch.int32, device="cuda")
+    kr = _key_range(ranged, b, sk)
     out = fa.attention(
         q, k, v, causal=causal, key_range=kr, dropout_p=p, dropout_seed=seed, deterministic=det, window=window
     )
@@ -160,12 +170,9 @@ def run_score_case(case, softcap: float, alibi: bool, seed: int, small: bool) ->
     from flash_attention import ops
 
     b, sq, sk, hq, hkv, d, causal, ranged, _, det = case
-    if small:
-        sq, sk = min(sq, SMALL[1]), min(sk, SMALL[2])
+    sq, sk = _lengths(sq, sk, small)
     q, k, v = _inputs(seed, b, sq, sk, hq, hkv, d)
-    kr = None
-    if ranged:
-        kr = torch.tensor([[sk // 4, sk], [0, max(1, sk // 2)]][:b], dtype=torch.int32, device="cuda")
+    kr = _key_range(ranged, b, sk)
     slopes = torch.linspace(0.1, 0.5, hq, device="cuda") if alibi else None
     kw = dict(causal=causal, softmax_scale=d**-0.5, key_range=kr, softcap=softcap, alibi_slopes=slopes)
     o, lse = ops.cuda_forward(q, k, v, return_lse=True, out=None, **kw)
@@ -197,12 +204,9 @@ def run_sinks_case(case, seed: int, small: bool) -> float:
     from flash_attention.sinks import sinks_gradient
 
     b, sq, sk, hq, hkv, d, causal, ranged, _, det = case
-    if small:
-        sq, sk = min(sq, SMALL[1]), min(sk, SMALL[2])
+    sq, sk = _lengths(sq, sk, small)
     q, k, v = _inputs(seed, b, sq, sk, hq, hkv, d)
-    kr = None
-    if ranged:
-        kr = torch.tensor([[sk // 4, sk], [0, max(1, sk // 2)]][:b], dtype=torch.int32, device="cuda")
+    kr = _key_range(ranged, b, sk)
     sinks = torch.linspace(-1.0, 4.0, hq, device="cuda")
     kw = dict(causal=causal, softmax_scale=d**-0.5, key_range=kr)
     configs = [None, portable_config("bf16", d, causal, sq, sk)]
@@ -297,13 +301,10 @@ def run_wide_bwd_case(case, seed: int, small: bool) -> float:
     from flash_attention.dropout import draw_seed
 
     b, sq, sk, hq, hkv, d, causal, ranged, p = case
-    if small:
-        sq, sk = min(sq, SMALL[1]), min(sk, SMALL[2])
+    sq, sk = _lengths(sq, sk, small)
     q, k, v = _inputs(seed, b, sq, sk, hq, hkv, d)
     do = torch.randn_like(q)
-    kr = None
-    if ranged:
-        kr = torch.tensor([[sk // 4, sk], [0, max(1, sk // 2)]][:b], dtype=torch.int32, device="cuda")
+    kr = _key_range(ranged, b, sk)
     extra = {"key_range": kr, "dropout_p": p, "dropout_seed": draw_seed(seed) if p else None}
     o, lse = ops.cuda_forward(
         q, k, v, causal=causal, softmax_scale=d**-0.5, return_lse=True, out=None, **extra
