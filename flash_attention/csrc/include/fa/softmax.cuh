@@ -26,12 +26,17 @@ __device__ __forceinline__ void scale_scores(const Acc& s, float scale) {
 // One row's step: row r (0: g, 1: g + 8) of 16-row tile mt. The row's scores become its unnormalised
 // probabilities, M and L (this thread's partial: its quad's four partials are added once, at the end)
 // are updated, and the factor O's row must be multiplied by (rescale_row) is returned.
-template <bool kFolded, class Acc>
+// kOffset (folded only): the row's true scores are this thread's s plus `offset` (a score function's
+// per-row part, fa/variant.cuh score_mod_query_rows_offsets): added to the thread's max before the quad's
+// reduction, and folded into the exponent's subtrahend; M stays a max of true scores.
+template <bool kFolded, bool kOffset = false, class Acc>
 __device__ __forceinline__ float online_softmax_row(const Acc& s, int mt, int r, float& row_max,
-                                                    float& row_sum, float scale_log2) {
-  float mx = row_max;
+                                                    float& row_sum, float scale_log2, float offset = 0.f) {
+  static_assert(kFolded || !kOffset, "row offsets are the folded softmax's");
+  float mx = kOffset ? neg_inf() : row_max;
 #pragma unroll
   for (int n = 0; n < Acc::kN; ++n) mx = fmaxf(mx, fmaxf(s(mt, n, 2 * r), s(mt, n, 2 * r + 1)));
+  if constexpr (kOffset) mx = fmaxf(row_max, mx + offset);
   // The four lanes of a quad hold the same two rows.
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
@@ -41,10 +46,12 @@ __device__ __forceinline__ float online_softmax_row(const Acc& s, int mt, int r,
   if constexpr (kFolded) {
     const float m_scaled = mx == neg_inf() ? 0.f : mx * scale_log2;
     alpha = exp2_approx(row_max * scale_log2 - m_scaled);
+    // (s + offset - M) scale log2e: the offset's part of the subtrahend once per row.
+    const float sub = kOffset ? fmaf(-offset, scale_log2, m_scaled) : m_scaled;
 #pragma unroll
     for (int n = 0; n < Acc::kN; ++n) {
-      s(mt, n, 2 * r) = exp2_approx(fmaf(s(mt, n, 2 * r), scale_log2, -m_scaled));
-      s(mt, n, 2 * r + 1) = exp2_approx(fmaf(s(mt, n, 2 * r + 1), scale_log2, -m_scaled));
+      s(mt, n, 2 * r) = exp2_approx(fmaf(s(mt, n, 2 * r), scale_log2, -sub));
+      s(mt, n, 2 * r + 1) = exp2_approx(fmaf(s(mt, n, 2 * r + 1), scale_log2, -sub));
       sum += s(mt, n, 2 * r) + s(mt, n, 2 * r + 1);
     }
   } else {

@@ -90,6 +90,7 @@ using WindowMask = RuleMask<WindowKeys<kRanged>, true, true>;
 struct NoScoreMod {
   static constexpr bool kIdentity = true;
   static constexpr bool kUnitGradient = true;
+  static constexpr bool kRowOffsets = false;
   template <class Params>
   __device__ __forceinline__ NoScoreMod(const Params&, int /*batch*/, int /*head*/) {}
   __device__ __forceinline__ float operator()(float s, int /*q*/, int /*k*/) const { return s; }
@@ -116,6 +117,7 @@ struct NoScoreMod {
 struct Softcap {
   static constexpr bool kIdentity = false;
   static constexpr bool kUnitGradient = false;
+  static constexpr bool kRowOffsets = false;
   float cap, inv_cap;
   float pre, post;  // the folded form's factors: scale / cap before the tanh, cap / scale after it
   template <class Params>
@@ -137,6 +139,9 @@ struct Softcap {
 struct Alibi {
   static constexpr bool kIdentity = false;
   static constexpr bool kUnitGradient = true;
+  // The wgmma forwards' form (score_mod_query_rows_offsets): one FFMA per score, each row's part of the bias
+  // left to the online softmax.
+  static constexpr bool kRowOffsets = true;
   float slope, slope_over_scale;  // (a kernel keeps the one its form reads; the other is dead code)
   int shift;
   template <class Params>
@@ -204,6 +209,44 @@ __device__ __forceinline__ void score_mod_query_rows_folded(const Acc& s, const 
             s(mt, n, 2 * h + c) = mod.folded(s(mt, n, 2 * h + c), rel0 - (float)(8 * n + c));
       }
   }
+}
+
+// The folded form with each row's part of an additive bias left to the online softmax (kRowOffsets: ALiBi;
+// the wgmma forwards). On a block whose keys all lie on one side of every row's diagonal in this warp,
+// -slope |q - k| is linear: -slope (q - k) below the diagonal, +slope (q - k) above. Its column part
+// (8 n + e % 2, a compile-time constant) is one FFMA per score, v = fmaf(+-slope, c, s); the rest,
+// -+slope (rel0) per row and thread, goes to online_softmax_row as `offset`, which adds it to the thread's
+// row max before the quad's reduction and folds it into the exponent's subtrahend (one FFMA per row). The
+// FADD per score of the plain folded form (rel0 - c) is gone. Blocks the diagonal crosses (the test is on
+// the warp's first and last rows, so it is uniform) take the plain folded form with offset 0.
+template <class ScoreMod, class Acc>
+__device__ __forceinline__ void score_mod_query_rows_offsets(const Acc& s, const ScoreMod& mod, int q_row0,
+                                                             int kv_start, int g, int t,
+                                                             float (&offset)[Acc::kMT][2]) {
+  static_assert(ScoreMod::kRowOffsets, "score_mod_query_rows_offsets is the form of a linear bias");
+  constexpr int kCols = 8 * Acc::kN;
+  const int near = q_row0 + mod.rel_offset() - kv_start;  // the warp's first row against the block's first key
+  const bool below = near - (kCols - 1) >= 0;              // every key at or before every row's diagonal
+  const bool above = near + 16 * Acc::kMT - 1 <= 0;        // every key at or after it
+  if (!below && !above) {
+    score_mod_query_rows_folded(s, mod, q_row0, kv_start, g, t);
+#pragma unroll
+    for (int mt = 0; mt < Acc::kMT; ++mt) offset[mt][0] = offset[mt][1] = 0.f;
+    return;
+  }
+  // below: v = s - k (rel0 - c) = fmaf(k, c, s) - k rel0; above: v = s - k (c - rel0) = fmaf(-k, c, s) + k rel0.
+  const float k = below ? mod.slope_over_scale : -mod.slope_over_scale;
+#pragma unroll
+  for (int mt = 0; mt < Acc::kMT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float rel0 = (float)(q_row0 + 16 * mt + g + 8 * h + mod.rel_offset() - kv_start - 2 * t);
+      offset[mt][h] = -k * rel0;
+#pragma unroll
+      for (int n = 0; n < Acc::kN; ++n)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) s(mt, n, 2 * h + c) = fmaf(k, (float)(8 * n + c), s(mt, n, 2 * h + c));
+    }
 }
 
 // Whether a score function states its derivative (kUnitGradient, gradient(s')), which the backward needs.

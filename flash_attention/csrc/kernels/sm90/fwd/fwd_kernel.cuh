@@ -190,13 +190,19 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
 
     // ---- score function and mask: the variant's (fa/variant.cuh) ----------------------------------------
     static_assert(kFold, "the wgmma kernels' softmax is the folded one");
-    score_mod_query_rows_folded(acc_tile(s), score_mod, q_start + warp_row0, kv_start, g, t);
+    constexpr bool kOffsets = V::ScoreMod::kRowOffsets;
+    float offset[1][2] = {{0.f, 0.f}};
+    if constexpr (kOffsets)
+      score_mod_query_rows_offsets(acc_tile(s), score_mod, q_start + warp_row0, kv_start, g, t, offset);
+    else
+      score_mod_query_rows_folded(acc_tile(s), score_mod, q_start + warp_row0, kv_start, g, t);
     mask.mask_query_rows(acc_tile(s), q_start + warp_row0, kv_start, g, t);
 
     // ---- online softmax (exp2 form, scale folded into one FMA unless a score function needs it) ------
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const float alpha = online_softmax_row<kFold>(acc_tile(s), 0, r, row_max[r], row_sum[r], sl2);
+      const float alpha =
+          online_softmax_row<kFold, kOffsets>(acc_tile(s), 0, r, row_max[r], row_sum[r], sl2, offset[0][r]);
       rescale_row(acc_tile(o), 0, r, alpha);
     }
     if constexpr (kDropout)

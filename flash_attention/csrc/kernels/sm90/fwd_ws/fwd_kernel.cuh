@@ -440,11 +440,17 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
     auto softmax_step = [&](float (&sacc)[NS* 4], int it, float (&alpha)[2]) {
       const int kv_start = (j_lo + it) * BC;
       static_assert(kFold, "the wgmma kernels' softmax is the folded one");
-      score_mod_query_rows_folded(acc_tile(sacc), score_mod, q_start + warp_row0, kv_start, g, t);
+      constexpr bool kOffsets = V::ScoreMod::kRowOffsets;
+      float offset[1][2] = {{0.f, 0.f}};
+      if constexpr (kOffsets)
+        score_mod_query_rows_offsets(acc_tile(sacc), score_mod, q_start + warp_row0, kv_start, g, t, offset);
+      else
+        score_mod_query_rows_folded(acc_tile(sacc), score_mod, q_start + warp_row0, kv_start, g, t);
       mask.mask_query_rows(acc_tile(sacc), q_start + warp_row0, kv_start, g, t);
 #pragma unroll
       for (int r = 0; r < 2; ++r)
-        alpha[r] = online_softmax_row<kFold>(acc_tile(sacc), 0, r, row_max[r], row_sum[r], sl2);
+        alpha[r] = online_softmax_row<kFold, kOffsets>(acc_tile(sacc), 0, r, row_max[r], row_sum[r], sl2,
+                                                       offset[0][r]);
       if constexpr (kDropout)
         dropout_query_rows(acc_tile(sacc), 0, p, batch, head, q_start + warp_row0, kv_start, g, t);
     };
