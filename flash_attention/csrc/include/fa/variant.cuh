@@ -24,7 +24,8 @@
 // It is applied to a block's scores before the mask (so a masked score stays -inf whatever the function
 // does with -inf) and, when it is not the identity, the forwards take the unfolded softmax (the scores
 // scaled before the exponential, fa/softmax.cuh), since a function of the scaled score cannot be folded into
-// exp2's multiplier. kIdentity = true compiles to nothing. The backward kernels accept only the identity
+// exp2's multiplier (kRowOffsets, optional, marks a linear bias whose per-row part the wgmma forwards hand
+// to the online softmax: score_mod_query_rows_offsets). kIdentity = true compiles to nothing. The backward kernels accept only the identity
 // until they carry the function's derivative (a static_assert says so).
 //
 // The library's own variants today: CausalRangeMask (causal and/or per-batch key ranges, the rule of
@@ -90,7 +91,6 @@ using WindowMask = RuleMask<WindowKeys<kRanged>, true, true>;
 struct NoScoreMod {
   static constexpr bool kIdentity = true;
   static constexpr bool kUnitGradient = true;
-  static constexpr bool kRowOffsets = false;
   template <class Params>
   __device__ __forceinline__ NoScoreMod(const Params&, int /*batch*/, int /*head*/) {}
   __device__ __forceinline__ float operator()(float s, int /*q*/, int /*k*/) const { return s; }
@@ -117,7 +117,6 @@ struct NoScoreMod {
 struct Softcap {
   static constexpr bool kIdentity = false;
   static constexpr bool kUnitGradient = false;
-  static constexpr bool kRowOffsets = false;
   float cap, inv_cap;
   float pre, post;  // the folded form's factors: scale / cap before the tanh, cap / scale after it
   template <class Params>
@@ -248,6 +247,17 @@ __device__ __forceinline__ void score_mod_query_rows_offsets(const Acc& s, const
         for (int c = 0; c < 2; ++c) s(mt, n, 2 * h + c) = fmaf(k, (float)(8 * n + c), s(mt, n, 2 * h + c));
     }
 }
+
+// Whether a score function is a linear bias whose rows' parts the wgmma forwards hand to the online softmax
+// (kRowOffsets, score_mod_query_rows_offsets); optional: a policy without the member takes the folded form.
+template <class M, class = void>
+struct ScoreModRowOffsets {
+  static constexpr bool value = false;
+};
+template <class M>
+struct ScoreModRowOffsets<M, decltype(void(M::kRowOffsets))> {
+  static constexpr bool value = M::kRowOffsets;
+};
 
 // Whether a score function states its derivative (kUnitGradient, gradient(s')), which the backward needs.
 template <class M, class = void>

@@ -190,7 +190,7 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
 
     // ---- score function and mask: the variant's (fa/variant.cuh) ----------------------------------------
     static_assert(kFold, "the wgmma kernels' softmax is the folded one");
-    constexpr bool kOffsets = V::ScoreMod::kRowOffsets;
+    constexpr bool kOffsets = ScoreModRowOffsets<typename V::ScoreMod>::value;
     float offset[1][2] = {{0.f, 0.f}};
     if constexpr (kOffsets)
       score_mod_query_rows_offsets(acc_tile(s), score_mod, q_start + warp_row0, kv_start, g, t, offset);

@@ -440,7 +440,7 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
     auto softmax_step = [&](float (&sacc)[NS* 4], int it, float (&alpha)[2]) {
       const int kv_start = (j_lo + it) * BC;
       static_assert(kFold, "the wgmma kernels' softmax is the folded one");
-      constexpr bool kOffsets = V::ScoreMod::kRowOffsets;
+      constexpr bool kOffsets = ScoreModRowOffsets<typename V::ScoreMod>::value;
       float offset[1][2] = {{0.f, 0.f}};
       if constexpr (kOffsets)
         score_mod_query_rows_offsets(acc_tile(sacc), score_mod, q_start + warp_row0, kv_start, g, t, offset);
