@@ -25,8 +25,8 @@
 // does with -inf) and, when it is not the identity, the forwards take the unfolded softmax (the scores
 // scaled before the exponential, fa/softmax.cuh), since a function of the scaled score cannot be folded into
 // exp2's multiplier (kRowOffsets, optional, marks a linear bias whose per-row part the wgmma forwards hand
-// to the online softmax: score_mod_query_rows_offsets). kIdentity = true compiles to nothing. The backward kernels accept only the identity
-// until they carry the function's derivative (a static_assert says so).
+// to the online softmax: score_mod_query_rows_offsets). kIdentity = true compiles to nothing. The backward
+// kernels accept only the identity until they carry the function's derivative (a static_assert says so).
 //
 // The library's own variants today: CausalRangeMask (causal and/or per-batch key ranges, the rule of
 // fa/visible_keys.cuh) and WindowMask (a sliding window, and key ranges), with NoScoreMod. The host picks the variant of a call and names it in the generated
