@@ -210,6 +210,17 @@ __device__ __forceinline__ void score_mod_query_rows_folded(const Acc& s, const 
   }
 }
 
+// Whether a score function is a linear bias whose rows' parts the wgmma forwards hand to the online softmax
+// (kRowOffsets, score_mod_query_rows_offsets); optional: a policy without the member takes the folded form.
+template <class M, class = void>
+struct ScoreModRowOffsets {
+  static constexpr bool value = false;
+};
+template <class M>
+struct ScoreModRowOffsets<M, decltype(void(M::kRowOffsets))> {
+  static constexpr bool value = M::kRowOffsets;
+};
+
 // The folded form with each row's part of an additive bias left to the online softmax (kRowOffsets: ALiBi;
 // the wgmma forwards). On a block whose keys all lie on one side of every row's diagonal in this warp,
 // -slope |q - k| is linear: -slope (q - k) below the diagonal, +slope (q - k) above. Its column part
@@ -248,16 +259,21 @@ __device__ __forceinline__ void score_mod_query_rows_offsets(const Acc& s, const
     }
 }
 
-// Whether a score function is a linear bias whose rows' parts the wgmma forwards hand to the online softmax
-// (kRowOffsets, score_mod_query_rows_offsets); optional: a policy without the member takes the folded form.
-template <class M, class = void>
-struct ScoreModRowOffsets {
-  static constexpr bool value = false;
-};
-template <class M>
-struct ScoreModRowOffsets<M, decltype(void(M::kRowOffsets))> {
-  static constexpr bool value = M::kRowOffsets;
-};
+// The wgmma forwards' score step: the offsets form for a linear bias (`offset` then holds each row's part,
+// which online_softmax_row<kFolded, ScoreModRowOffsets<ScoreMod>::value> takes), else the folded form
+// (offset 0).
+template <class ScoreMod, class Acc>
+__device__ __forceinline__ void score_mod_query_rows_wgmma(const Acc& s, const ScoreMod& mod, int q_row0,
+                                                           int kv_start, int g, int t,
+                                                           float (&offset)[Acc::kMT][2]) {
+  if constexpr (ScoreModRowOffsets<ScoreMod>::value) {
+    score_mod_query_rows_offsets(s, mod, q_row0, kv_start, g, t, offset);
+  } else {
+    score_mod_query_rows_folded(s, mod, q_row0, kv_start, g, t);
+#pragma unroll
+    for (int mt = 0; mt < Acc::kMT; ++mt) offset[mt][0] = offset[mt][1] = 0.f;
+  }
+}
 
 // Whether a score function states its derivative (kUnitGradient, gradient(s')), which the backward needs.
 template <class M, class = void>

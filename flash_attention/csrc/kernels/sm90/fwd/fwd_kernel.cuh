@@ -191,11 +191,8 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
     // ---- score function and mask: the variant's (fa/variant.cuh) ----------------------------------------
     static_assert(kFold, "the wgmma kernels' softmax is the folded one");
     constexpr bool kOffsets = ScoreModRowOffsets<typename V::ScoreMod>::value;
-    float offset[1][2] = {{0.f, 0.f}};
-    if constexpr (kOffsets)
-      score_mod_query_rows_offsets(acc_tile(s), score_mod, q_start + warp_row0, kv_start, g, t, offset);
-    else
-      score_mod_query_rows_folded(acc_tile(s), score_mod, q_start + warp_row0, kv_start, g, t);
+    float offset[1][2];
+    score_mod_query_rows_wgmma(acc_tile(s), score_mod, q_start + warp_row0, kv_start, g, t, offset);
     mask.mask_query_rows(acc_tile(s), q_start + warp_row0, kv_start, g, t);
 
     // ---- online softmax (exp2 form, scale folded into one FMA unless a score function needs it) ------

@@ -441,11 +441,8 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
       const int kv_start = (j_lo + it) * BC;
       static_assert(kFold, "the wgmma kernels' softmax is the folded one");
       constexpr bool kOffsets = ScoreModRowOffsets<typename V::ScoreMod>::value;
-      float offset[1][2] = {{0.f, 0.f}};
-      if constexpr (kOffsets)
-        score_mod_query_rows_offsets(acc_tile(sacc), score_mod, q_start + warp_row0, kv_start, g, t, offset);
-      else
-        score_mod_query_rows_folded(acc_tile(sacc), score_mod, q_start + warp_row0, kv_start, g, t);
+      float offset[1][2];
+      score_mod_query_rows_wgmma(acc_tile(sacc), score_mod, q_start + warp_row0, kv_start, g, t, offset);
       mask.mask_query_rows(acc_tile(sacc), q_start + warp_row0, kv_start, g, t);
 #pragma unroll
       for (int r = 0; r < 2; ++r)
