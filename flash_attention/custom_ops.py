@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 
 from . import dispatch, fallback
+from .reference import runs_alibi_diagonal
 from .sinks import apply_sinks, sinks_gradient
 
 __all__ = ["fwd", "bwd", "EagerAttention", "eager_training"]
@@ -99,6 +100,7 @@ def _fallback_forward(
         window=_window(window) if row_keys is None else row_keys,
         softcap=softcap,
         alibi_slopes=alibi_slopes,
+        alibi_diagonal=runs_alibi_diagonal(row_keys, causal, alibi_slopes),
     )
     return (out, lse) if sinks is None else apply_sinks(out, lse, sinks)
 
@@ -124,6 +126,7 @@ def _fallback_backward(
         window=_window(window) if row_keys is None else row_keys,
         softcap=softcap,
         alibi_slopes=alibi_slopes,
+        alibi_diagonal=runs_alibi_diagonal(row_keys, causal, alibi_slopes),
     )
 
 

@@ -263,7 +263,7 @@ def sdpa(q, k, v, *, causal, scale):
 
 def forward(
     q, k, v, *, causal, scale, return_lse=True, out=None, key_range=None, dropout_p=0.0, dropout_seed=None,
-    window=None, softcap=0.0, alibi_slopes=None,
+    window=None, softcap=0.0, alibi_slopes=None, alibi_diagonal=None,
 ):  # fmt: skip
     """(out, lse) of attention with the kernels' semantics (``lse`` None unless ``return_lse``); ``out`` is
     written in place when given. Arguments as :func:`flash_attention.reference.attention_torch` takes them,
@@ -290,6 +290,7 @@ def forward(
             window=window,
             softcap=softcap,
             alibi_slopes=alibi_slopes,
+            alibi_diagonal=alibi_diagonal,
         )
     fused = _Fused(q.device.type)
     plan = _Plan(q, k, causal, key_range)
@@ -338,7 +339,7 @@ def forward(
 
 def backward(
     dout, q, k, v, out, lse, *, causal, scale, deterministic=False, key_range=None, dropout_p=0.0,
-    dropout_seed=None, window=None, softcap=0.0, alibi_slopes=None,
+    dropout_seed=None, window=None, softcap=0.0, alibi_slopes=None, alibi_diagonal=None,
 ):  # fmt: skip
     """(dq, dk, dv) of :func:`forward` from its saved ``out`` and ``lse``. ``deterministic`` on CUDA takes
     the chunked path: PyTorch does not promise bitwise-repeatable gradients from its memory-efficient
@@ -362,6 +363,7 @@ def backward(
             window=window,
             softcap=softcap,
             alibi_slopes=alibi_slopes,
+            alibi_diagonal=alibi_diagonal,
         )
     fused = _Fused(q.device.type)
     plan = _Plan(q, k, causal, key_range)

@@ -21,6 +21,7 @@ from .custom_ops import eager_training
 from .dropout import draw_seed
 from .ops import repeat as _repeat
 from .ops.plans import check_segments, score_function
+from .reference import runs_alibi_diagonal
 from .sinks import apply_sinks, check_sinks
 
 __all__ = ["attention", "forward", "forward_timed"]
@@ -289,6 +290,7 @@ def attention(
         variant = dict(windowed)
         if _segments is not None:  # the chunked path reads the rows' runs as its window
             variant["window"] = variant.pop("segments")[0]
+            variant["alibi_diagonal"] = runs_alibi_diagonal(variant["window"], causal, alibi_slopes)
         o, lse = _fallback.forward(
             q,
             k,

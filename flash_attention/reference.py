@@ -25,6 +25,7 @@ from .dropout import dropout_key, dropout_threshold, keep_elements, seed_pair
 
 __all__ = [
     "alibi_bias",
+    "runs_alibi_diagonal",
     "attention_backward_torch",
     "attention_kvcache_reference",
     "attention_reference",
@@ -89,11 +90,14 @@ def _rows_allowed(
     return allowed
 
 
-def _score_args(softcap: float, alibi_slopes, batch: int, heads_q: int, cdtype) -> tuple | None:
-    """("softcap", cap) or ("alibi", (batch, heads_q) slopes in ``cdtype``) of a call, or None."""
+def _score_args(
+    softcap: float, alibi_slopes, batch: int, heads_q: int, cdtype, alibi_diagonal=None
+) -> tuple | None:
+    """("softcap", cap) or ("alibi", (batch, heads_q) slopes in ``cdtype``, the rows' diagonals or None) of
+    a call, or None."""
     if alibi_slopes is not None:
         slopes = alibi_slopes.to(cdtype)
-        return "alibi", slopes.unsqueeze(0).expand(batch, -1) if slopes.dim() == 1 else slopes
+        return "alibi", slopes.unsqueeze(0).expand(batch, -1) if slopes.dim() == 1 else slopes, alibi_diagonal
     return ("softcap", float(softcap)) if softcap else None
 
 
@@ -107,7 +111,10 @@ def _apply_score(
         return torch.tanh(s / score[1]) * score[1]
     b0, b1, h0, h1, i0, i1 = bounds
     seqlen_k = s.shape[-1]
-    rows = torch.arange(i0, i1, device=s.device).unsqueeze(1) + (seqlen_k - seqlen_q)
+    if score[2] is None:
+        rows = torch.arange(i0, i1, device=s.device).unsqueeze(1) + (seqlen_k - seqlen_q)
+    else:  # each row's own diagonal key (a packed batch's: flash_attention.varlen)
+        rows = score[2][i0:i1].to(device=s.device, dtype=torch.int64).unsqueeze(1)
     distance = (rows - torch.arange(seqlen_k, device=s.device).unsqueeze(0)).abs().to(s.dtype)
     slopes = score[1][b0:b1, h0 * group : h1 * group].reshape(b1 - b0, h1 - h0, group, 1, 1)
     return s - slopes * distance
@@ -169,6 +176,17 @@ def alibi_bias(
     cols = torch.arange(seqlen_k, device=slopes.device).unsqueeze(0)
     distance = (rows - cols).abs().to(dtype)
     return -slopes[:, :, None, None] * distance
+
+
+def runs_alibi_diagonal(row_keys: torch.Tensor | None, causal: bool, alibi_slopes) -> torch.Tensor | None:
+    """ALiBi's diagonal key of each row of a packed batch (``row_keys``, flash_attention.varlen.segments) when
+    it is not the row's own index: for causal sequences, each row's run ends just past its diagonal, so the
+    diagonal is the run's end - 1, whatever the sequences' query and key counts (the kernels' AlibiRuns, the
+    build ops.plans.kernel_score picks). None where the packed row's own index is the distance's origin
+    (no runs, no ALiBi, or packed self-attention without causal)."""
+    if row_keys is None or alibi_slopes is None or not causal:
+        return None
+    return row_keys[:, 1] - 1
 
 
 def attention_reference(
@@ -341,6 +359,7 @@ def attention_torch(
     window: tuple[int, int] | None = None,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    alibi_diagonal: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention through PyTorch with the kernel's semantics, on any device PyTorch supports.
 
@@ -350,7 +369,9 @@ def attention_torch(
 
     ``key_range`` (batch, 2): batch row b attends only keys ``key_range[b, 0] <= j < key_range[b, 1]``.
     ``window`` (left, right): the sliding window of :func:`window_allowed` (-1: unbounded on that side).
-    ``softcap`` > 0 and ``alibi_slopes``: the score functions of :func:`attention_reference`.
+    ``softcap`` > 0 and ``alibi_slopes``: the score functions of :func:`attention_reference`;
+    ``alibi_diagonal`` (seqlen_q,) integers, ALiBi's distance measured from each row's own diagonal key
+    instead of ``i + seqlen_k - seqlen_q`` (a packed batch's rows: :func:`flash_attention.varlen.segments`).
 
     Scores, softmax and accumulation are float32 (float64 for float64 inputs); ``out`` has q's dtype and is
     written in place when given; the LSE is float32 of shape (batch, heads_q, seqlen_q). At most about
@@ -388,7 +409,7 @@ def attention_torch(
     b_step, h_step, q_step = _chunk_sizes(batch, heads_kv, group, seqlen_q, seqlen_k, elem)
     keys_allowed = None if key_range is None else key_range_allowed(key_range, seqlen_k)
     drop = _dropout_args(dropout_p, dropout_seed, heads_q)
-    score = _score_args(softcap, alibi_slopes, batch, heads_q, cdtype)
+    score = _score_args(softcap, alibi_slopes, batch, heads_q, cdtype, alibi_diagonal)
 
     for b0 in range(0, batch, b_step):
         b1 = min(batch, b0 + b_step)
@@ -506,6 +527,7 @@ def attention_backward_torch(
     window: tuple[int, int] | None = None,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    alibi_diagonal: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dq, dk, dv)`` of :func:`attention_torch` from its saved ``out`` and ``lse``.
 
@@ -519,13 +541,13 @@ def attention_backward_torch(
         dS = P * (dP - D)                dQ = scale * dS K,   dK = scale * dS^T Q
 
     ``dout`` and ``out`` have q's shape, ``lse`` is (batch, heads_q, seqlen_q) as :func:`attention_torch`
-    returns it; ``causal``, ``softmax_scale``, ``key_range`` and ``window`` must be those of the forward
-    call. The arithmetic is float32 (float64 for float64 inputs) in the same (batch, kv head, query row)
-    chunks as the forward, sized so that the two score-sized blocks alive at once (P and dP, which becomes
-    dS in place) stay within ``_SCORE_BUDGET_BYTES`` together. dK and dV of a kv head sum its whole query
-    group's contributions through one matmul (the group's queries are stacked), so K and V are never
-    repeated. A row whose LSE is -inf (it attended no key) has P = 0: it contributes nothing and gets
-    dQ = 0, never NaN.
+    returns it; ``causal``, ``softmax_scale``, ``key_range``, ``window`` and the score function's
+    arguments must be those of the forward call. The arithmetic is float32 (float64 for float64 inputs) in
+    the same (batch, kv head, query row) chunks as the forward, sized so that the two score-sized blocks
+    alive at once (P and dP, which becomes dS in place) stay within ``_SCORE_BUDGET_BYTES`` together. dK
+    and dV of a kv head sum its whole query group's contributions through one matmul (the group's queries
+    are stacked), so K and V are never repeated. A row whose LSE is -inf (it attended no key) has P = 0:
+    it contributes nothing and gets dQ = 0, never NaN.
 
     float64 inputs: the LSE is stored in float32, whose rounding (about 6e-8 relative) would cap the
     gradients' precision far above float64's; each recomputed row of P is therefore divided by its own sum,
@@ -552,7 +574,7 @@ def attention_backward_torch(
     b_step, h_step, q_step = _chunk_sizes(batch, heads_kv, group, seqlen_q, seqlen_k, 2 * elem)
     keys_allowed = None if key_range is None else key_range_allowed(key_range, seqlen_k)
     drop = _dropout_args(dropout_p, dropout_seed, heads_q)
-    score = _score_args(softcap, alibi_slopes, batch, heads_q, cdtype)
+    score = _score_args(softcap, alibi_slopes, batch, heads_q, cdtype, alibi_diagonal)
 
     with torch.no_grad():
         for b0 in range(0, batch, b_step):

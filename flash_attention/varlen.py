@@ -169,17 +169,20 @@ def attention_varlen(
         causal, softmax_scale, window, softcap, sinks, dropout_p, dropout_seed, deterministic: as in
             :func:`flash_attention.attention`, per sequence (causal and the window aligned to each
             sequence's own bottom-right corner).
-        alibi_slopes: ALiBi, float32 (heads_q,), for packed self-attention: the same offsets tensor for
-            queries and keys (``cu_seqlens_q is cu_seqlens_k``) and no ``seqused_k``, where a key's distance
-            in the packed row is its distance in its sequence (the kernels measure it in the packed row).
+        alibi_slopes: ALiBi, float32 (heads_q,), each sequence's own ``-slope * |i + shift - j|`` (shift:
+            its used key count minus its query count). With ``causal``, any query and key counts and
+            ``seqused_k`` (the distance is measured from each row's diagonal key, which its run of keys
+            ends just past); without it, packed self-attention only: the same offsets tensor for queries
+            and keys (``cu_seqlens_q is cu_seqlens_k``) and no ``seqused_k``, where a key's distance in the
+            packed row is its distance in its sequence.
         return_lse: also return the float32 (heads_q, total_q) log-sum-exp of each row.
 
     Returns:
         (total_q, heads_q, head_dim) output, with ``return_lse`` also the LSE; differentiable with respect
         to q, k, v (and sinks) as :func:`flash_attention.attention` is.
 
-    Not taken: ``key_range`` (``seqused_k`` is the packed form of a key range); ALiBi across sequences of
-    different query and key lengths (yet).
+    Not taken: ``key_range`` (``seqused_k`` is the packed form of a key range); ALiBi without ``causal``
+    across sequences of different query and key lengths, and per-sequence (batch, heads_q) slopes (yet).
     The offsets' values are the caller's promise: they are not read on the host, and offsets that decrease
     or exceed the tensors give wrong results, never out-of-bounds accesses (the kernels clamp every row and
     key they read to the packed tensors).
@@ -203,13 +206,16 @@ def attention_varlen(
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
             raise ValueError(f"{name} must be a non-negative int or None; got {value!r}")
-    if alibi_slopes is not None and (
-        cu_seqlens_q is not cu_seqlens_k or seqused_k is not None or q.shape[0] != k.shape[0]
+    if (
+        alibi_slopes is not None
+        and not causal
+        and (cu_seqlens_q is not cu_seqlens_k or seqused_k is not None or q.shape[0] != k.shape[0])
     ):
         raise ValueError(
-            "alibi_slopes with attention_varlen needs packed self-attention: pass the same tensor as "
-            "cu_seqlens_q and cu_seqlens_k, equal token counts and no seqused_k (the kernels measure ALiBi's "
-            "distance in the packed row, which is each sequence's own distance only then)"
+            "alibi_slopes with attention_varlen and causal=False needs packed self-attention: pass the same "
+            "tensor as cu_seqlens_q and cu_seqlens_k, equal token counts and no seqused_k (without causal "
+            "the distance is measured in the packed row, which is each sequence's own distance only then; "
+            "with causal=True any lengths are taken)"
         )
     if alibi_slopes is not None and alibi_slopes.dim() != 1:
         raise ValueError("alibi_slopes with attention_varlen must have shape (heads_q,) (one packed row)")

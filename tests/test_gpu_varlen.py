@@ -45,6 +45,18 @@ CASES = [
     ([250, 380, 129, 1], [250, 380, 129, 1], 4, 2, 128, True, {"deterministic": True}, "bf16"),
     ([250, 380, 0, 129], [250, 380, 0, 129], 8, 2, 128, True, {"alibi": True}, "bf16"),
     ([250, 380, 129], [250, 380, 129], 4, 4, 64, False, {"alibi": True}, "fp16"),
+    # ALiBi with causal over any query and key counts (measured from each row's diagonal key)
+    (
+        [250, 380, 129, 40],
+        [300, 380, 200, 7],
+        8,
+        2,
+        128,
+        True,
+        {"alibi_any": True, "seqused_k": [260, 0, 150, 7]},
+        "bf16",
+    ),
+    ([250, 1, 129], [100, 64, 500], 4, 4, 64, True, {"alibi_any": True}, "fp16"),
 ]
 
 
@@ -64,7 +76,7 @@ def _make(case):
         kw["seqused_k"] = torch.tensor(used, dtype=torch.int32, device="cuda")
     if kw.pop("sinks", False):
         kw["sinks"] = torch.randn(hq, generator=gen, device="cuda") + 4.0
-    if kw.pop("alibi", False):
+    if kw.pop("alibi", False) or kw.pop("alibi_any", False):
         kw["alibi_slopes"] = torch.linspace(0.05, 0.6, hq, device="cuda")
     return (q, k, v, do), kw, used
 
@@ -118,7 +130,7 @@ def _close(got, exact, f32, name):
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: repr(c)[:80])
 def test_attention_varlen_against_float64(case):
-    lens_q, lens_k, hq, _, _, causal, _, _ = case
+    lens_q, lens_k, hq, _, _, causal, extra, _ = case
     tensors, kw, used = _make(case)
     q, k, v, do = tensors
     exact = _reference(case, tensors, kw, used, torch.float64)
@@ -128,7 +140,7 @@ def test_attention_varlen_against_float64(case):
         kw["sinks"] = kw["sinks"].clone().requires_grad_()
         leaves.append(kw["sinks"])
     cu_q, cu_k = _offsets(lens_q), _offsets(lens_k)
-    if "alibi_slopes" in kw:
+    if extra.get("alibi"):
         cu_k = cu_q  # (packed self-attention: one offsets tensor)
     o, lse = flash_attention.attention_varlen(*leaves[:3], cu_q, cu_k, causal=causal, return_lse=True, **kw)
     _close(o, exact[0], f32[0], "out")
@@ -143,16 +155,30 @@ def test_attention_varlen_against_float64(case):
         assert all(torch.equal(a, b) for a, b in zip(grads, again, strict=True))
 
 
+@pytest.mark.parametrize("alibi", [False, True], ids=["plain", "alibi"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_every_family_takes_segments(head_dim):
-    """The segments build of each forward family and each backward family at the launch layer."""
+def test_every_family_takes_segments(head_dim, alibi):
+    """The segments build of each forward family and each backward family at the launch layer; with ALiBi,
+    over sequences of different query and key counts (the AlibiRuns build: each row's diagonal from its
+    run)."""
     case = ([300, 0, 517, 1, 130], [300, 0, 517, 1, 130], 4, 2, head_dim, True, {}, "bf16")
+    if alibi:
+        case = (
+            [300, 0, 517, 1, 130],
+            [350, 4, 517, 1, 90],
+            4,
+            2,
+            head_dim,
+            True,
+            {"alibi_any": True},
+            "bf16",
+        )
     tensors, kw, used = _make(case)
     q, k, v, do = tensors
     exact = _reference(case, tensors, kw, used, torch.float64)
     f32 = _reference(case, tensors, kw, used, torch.float32)
-    cu = _offsets(case[0])
-    runs = segments(cu, cu, q.shape[0], k.shape[0], causal=True)
+    cu, cu_k = _offsets(case[0]), _offsets(case[1])
+    runs = segments(cu, cu_k, q.shape[0], k.shape[0], causal=True)
     d = padded_head_dim(head_dim)
     n = q.shape[0]
     fwd = {"default": None, "portable": portable_config("bf16", head_dim, False, n, n)}
@@ -162,7 +188,8 @@ def test_every_family_takes_segments(head_dim):
         if head_dim <= 128:
             bwd["hopper"] = hopper_bwd_config("bf16", d)
     args = [t.unsqueeze(0) for t in (q, k, v)]
-    kw = dict(causal=False, softmax_scale=head_dim**-0.5, segments=runs)
+    # (The runs carry causal; the flag picks configurations, and with ALiBi the build measuring from them.)
+    kw = dict(causal=alibi, softmax_scale=head_dim**-0.5, segments=runs, alibi_slopes=kw.get("alibi_slopes"))
     for name, cfg in fwd.items():
         o, lse = ops.cuda_forward(*args, return_lse=True, out=None, config=cfg, **kw)
         _close(o[0], exact[0], f32[0], f"{name} forward out")

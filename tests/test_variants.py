@@ -86,7 +86,7 @@ struct Softcap {
   __device__ __forceinline__ float folded(float s, float) const {
     return cap * tanhf(s * scale / cap) / scale;
   }
-  __device__ __forceinline__ int rel_offset() const { return 0; }
+  __device__ __forceinline__ int diagonal(int q) const { return q; }
 };
 
 }  // namespace sample

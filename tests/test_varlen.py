@@ -75,6 +75,9 @@ VARLEN = [
     ([9, 12, 40], [14, 12, 45], 4, 2, 16, True, {"seqused_k": [10, 0, 41]}),
     ([9, 12, 40], [9, 12, 40], 4, 2, 16, True, {"alibi": True}),
     ([9, 12, 40], [9, 12, 40], 4, 2, 16, False, {"alibi": True}),
+    # ALiBi with causal: any query and key counts (a sequence with more queries than keys, one with none
+    # used), measured from each row's diagonal key
+    ([9, 12, 40, 3], [14, 12, 45, 1], 4, 2, 16, True, {"alibi_any": True, "seqused_k": [10, 0, 41, 1]}),
 ]
 
 
@@ -94,7 +97,7 @@ def test_attention_varlen_matches_each_sequence_alone(case):
     if "seqused_k" in kw:
         used = kw["seqused_k"]
         kw["seqused_k"] = torch.tensor(used, dtype=torch.int32)
-    if kw.pop("alibi", False):
+    if kw.pop("alibi", False) or kw.pop("alibi_any", False):
         kw["alibi_slopes"] = torch.linspace(0.1, 0.7, hq)
     sinks = None
     if kw.pop("sinks", False):

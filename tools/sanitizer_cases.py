@@ -82,12 +82,14 @@ SINKS_CASES = [
     (1, 90, 70, 2, 1, 72, True, False, 0.0, False),  # rows with no key (seqlen_q > seqlen_k, causal)
 ]
 #: Packed batches (attention_varlen, the segments builds): (lengths, heads_q, heads_kv, head_dim, causal,
-#: deterministic), with empty and one-token sequences and rows past the last one.
+#: deterministic[, key lengths with ALiBi]), with empty and one-token sequences and rows past the last one;
+#: the last case ALiBi over sequences with other key counts (the AlibiRuns build reads each row's run).
 VARLEN_CASES = [
     ([130, 0, 257, 1, 64], 4, 2, 128, True, False),
     ([77, 300, 0, 5], 4, 4, 64, False, True),
     ([200, 33, 190], 6, 3, 256, True, False),
     ([90, 1, 141], 2, 1, 72, True, False),
+    ([130, 0, 257, 9, 64], 4, 2, 128, True, False, [150, 3, 257, 1, 80]),
 ]
 SMALL = {1: 40, 2: 60}  # --small: shorter sequences (index into the case tuple -> cap)
 
@@ -236,31 +238,42 @@ def run_varlen_case(case, seed: int, small: bool) -> float:
     on each sequence alone (gradients relative to their size)."""
     import flash_attention
 
-    lengths, hq, hkv, d, causal, det = case
+    lengths, hq, hkv, d, causal, det = case[:6]
+    key_lengths = case[6] if len(case) > 6 else lengths
+    slopes = torch.linspace(0.05, 0.6, hq, device="cuda") if len(case) > 6 else None
     if small:
         lengths = [min(n, SMALL[1]) for n in lengths]
+        key_lengths = [min(n, SMALL[1]) for n in key_lengths]
     total = sum(lengths) + 3  # rows past the last sequence
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(total, hq, d, generator=gen, device="cuda").to(torch.bfloat16)
-    k, v = (torch.randn(sum(lengths), hkv, d, generator=gen, device="cuda").to(torch.bfloat16) for _ in "kv")
+    k, v = (
+        torch.randn(sum(key_lengths), hkv, d, generator=gen, device="cuda").to(torch.bfloat16) for _ in "kv"
+    )
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, *torch.tensor(key_lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = flash_attention.attention_varlen(*leaves, cu, cu, causal=causal, deterministic=det)
+    out = flash_attention.attention_varlen(
+        *leaves, cu, cu_k, causal=causal, deterministic=det, alibi_slopes=slopes
+    )
     do = torch.randn_like(out)
     grads = torch.autograd.grad(out, leaves, do)
     torch.cuda.synchronize()
     worst = out[sum(lengths) :].abs().max().item()  # rows no sequence owns: 0
-    starts = cu.tolist()
+    starts, key_starts = cu.tolist(), cu_k.tolist()
     for b, n in enumerate(lengths):
         if n == 0:
             continue
         sl = slice(starts[b], starts[b] + n)
-        ref_leaves = [t[sl].double().unsqueeze(0).requires_grad_() for t in (q, k, v)]
-        ref, _ = attention_reference(*ref_leaves, causal=causal)
+        kl = slice(key_starts[b], key_starts[b + 1])
+        ref_leaves = [t[s].double().unsqueeze(0).requires_grad_() for t, s in ((q, sl), (k, kl), (v, kl))]
+        ref, _ = attention_reference(
+            *ref_leaves, causal=causal, alibi_slopes=None if slopes is None else slopes.double()
+        )
         ref_grads = torch.autograd.grad(ref, ref_leaves, do[sl].double().unsqueeze(0))
         worst = max(worst, (out[sl].double() - ref[0]).abs().max().item())
-        for g, r in zip(grads, ref_grads, strict=True):
-            worst = max(worst, ((g[sl].double() - r[0]).abs().max() / r.abs().max().clamp_min(1.0)).item())
+        for g, r, s in zip(grads, ref_grads, (sl, kl, kl), strict=True):
+            worst = max(worst, ((g[s].double() - r[0]).abs().max() / r.abs().max().clamp_min(1.0)).item())
     return worst
 
 

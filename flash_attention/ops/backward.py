@@ -30,6 +30,7 @@ from .plans import (
     fill_common,
     fill_score,
     fill_strides,
+    kernel_score,
     launch_all,
     score_function,
     segment_lengths,
@@ -128,7 +129,7 @@ def _make_plan(
             deterministic=deterministic,
             window=window is not None and window != SEGMENTS,
             softcap=score == "softcap",
-            alibi=score == "alibi",
+            alibi=score in ("alibi", "alibi_runs"),
             segments=window == SEGMENTS,
         ),
         config=config,
@@ -274,7 +275,7 @@ def cuda_backward(
     if segments is not None:
         check_segments(segments, q, k, key_range, window)
         bounds = SEGMENTS
-    score = score_function(softcap, alibi_slopes, q)
+    score = kernel_score(score_function(softcap, alibi_slopes, q), segments, causal)
     if head_dim % 8:
         d8 = padded_to_8(head_dim)
         grads = cuda_backward(

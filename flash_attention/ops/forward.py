@@ -35,6 +35,7 @@ from .plans import (
     fill_common,
     fill_score,
     fill_strides,
+    kernel_score,
     launch,
     score_function,
     segment_lengths,
@@ -345,7 +346,7 @@ def plan_for(
                 untileable=tma.untileable(q, k, v),
                 window=window is not None and window != SEGMENTS,
                 softcap=score == "softcap",
-                alibi=score == "alibi",
+                alibi=score in ("alibi", "alibi_runs"),
                 segments=window == SEGMENTS,
             ),
             window=window,
@@ -412,7 +413,7 @@ def cuda_forward(
     if segments is not None:
         check_segments(segments, q, k, key_range, window)
         bounds = SEGMENTS
-    score = score_function(softcap, alibi_slopes, q)
+    score = kernel_score(score_function(softcap, alibi_slopes, q), segments, causal)
     head_dim = q.shape[3]
     if head_dim % 8:
         return _padded_forward(

@@ -29,6 +29,7 @@ __all__ = [
     "fill_strides",
     "launch",
     "fill_score",
+    "kernel_score",
     "score_function",
     "check_segments",
     "segment_lengths",
@@ -107,6 +108,14 @@ def check_segments(
             or not t.is_contiguous()
         ):
             raise ValueError(f"segments' {name} must be a contiguous int32 ({n}, 2) tensor on {q.device}")
+
+
+def kernel_score(score: str | None, segments: tuple | None, causal: bool) -> str | None:
+    """The build's score function (``jit.sources.SCORE_MODS``) for a call's: ALiBi on a packed batch of causal
+    sequences measures from each row's run end ("alibi_runs": any query and key counts per sequence);
+    otherwise the call's own (a packed batch without causal: flash_attention.varlen allows ALiBi only for
+    self-attention, where the packed row's distance is each sequence's own)."""
+    return "alibi_runs" if score == "alibi" and segments is not None and causal else score
 
 
 def segment_lengths(segments: tuple | None) -> tuple[int, int] | None:

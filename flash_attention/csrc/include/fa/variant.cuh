@@ -25,7 +25,9 @@
 // does with -inf) and, when it is not the identity, the forwards take the unfolded softmax (the scores
 // scaled before the exponential, fa/softmax.cuh), since a function of the scaled score cannot be folded into
 // exp2's multiplier (kRowOffsets, optional, marks a linear bias whose per-row part the wgmma forwards hand
-// to the online softmax: score_mod_query_rows_offsets). kIdentity = true compiles to nothing. The backward
+// to the online softmax: score_mod_query_rows_offsets; such a policy also states kAffineDiagonal). A policy
+// that measures a distance says from where with diagonal(q), the key aligned with query q (others return
+// q). kIdentity = true compiles to nothing. The backward
 // kernels accept only the identity until they carry the function's derivative (a static_assert says so).
 //
 // The library's own variants today: CausalRangeMask (causal and/or per-batch key ranges, the rule of
@@ -95,16 +97,17 @@ struct NoScoreMod {
   __device__ __forceinline__ NoScoreMod(const Params&, int /*batch*/, int /*head*/) {}
   __device__ __forceinline__ float operator()(float s, int /*q*/, int /*k*/) const { return s; }
   __device__ __forceinline__ float folded(float s, float /*rel*/) const { return s; }
-  __device__ __forceinline__ int rel_offset() const { return 0; }
+  __device__ __forceinline__ int diagonal(int q) const { return q; }
   __device__ __forceinline__ float gradient(float /*s_mod*/) const { return 1.f; }
 };
 
 // The forward's folded form of a score function (the softmax's folded form, fa/softmax.cuh, keeps exp2 at
 // one FFMA per score by leaving the scale out of the scores): `folded(s, rel)` takes the unscaled score s
 // and returns v with mod(scale * s) = scale * v, so that the online softmax and the LSE run unchanged on v.
-// `rel` is q - k + rel_offset() as a float, formed by score_mod_query_rows_folded with one FADD per score
-// from a per-row base (an I2F per score, which issues at the MUFU's rate, cost ALiBi's forward a fifth of
-// its time: kernel log step 80). Used only where the scale is positive (select.forward_config moves a
+// `rel` is diagonal(q) - k as a float (diagonal(q): the key aligned with query q, q + seqlen_k - seqlen_q
+// in a dense batch; a function that needs no distance returns q), formed by score_mod_query_rows_folded
+// with one FADD per score from a per-row base (an I2F per score, which issues at the MUFU's rate, cost
+// ALiBi's forward a fifth of its time: kernel log step 80). Used only where the scale is positive (select.forward_config moves a
 // negative scale to the unfolded softmax).
 
 // A score function's backward side: the backward kernels recompute P from mod(scale * s) and multiply dS
@@ -126,37 +129,65 @@ struct Softcap {
     return cap * tanh_approx(s * inv_cap);
   }
   __device__ __forceinline__ float folded(float s, float /*rel*/) const { return post * tanh_approx(s * pre); }
-  __device__ __forceinline__ int rel_offset() const { return 0; }
+  __device__ __forceinline__ int diagonal(int q) const { return q; }
   __device__ __forceinline__ float gradient(float s_mod) const {
     const float t = s_mod * inv_cap;
     return fmaf(-t, t, 1.f);
   }
 };
 
-// ALiBi: s' = s - slope |q + shift - k|, shift = seqlen_k - seqlen_q (aligned like causal), one slope per
-// (batch row, query head) from p.alibi_slopes (a (heads,) table: batch stride 0). Derivative 1.
-struct Alibi {
+// Where ALiBi's distance is measured from, diagonal(q): the key aligned with query q.
+// In a dense batch, q + shift with shift = seqlen_k - seqlen_q (aligned like causal).
+struct ShiftDiagonal {
+  static constexpr bool kAffine = true;  // diagonal(q + 1) = diagonal(q) + 1 everywhere
+  int shift;
+  template <class Params>
+  __device__ __forceinline__ explicit ShiftDiagonal(const Params& p) : shift(p.seqlen_k - p.seqlen_q) {}
+  __device__ __forceinline__ int operator()(int q) const { return q + shift; }
+};
+// In a packed batch of causal sequences (flash_attention.varlen, the segments build), each query row's run
+// of keys ends just past its diagonal key (the run carries the bottom-right causal bound of the row's own
+// sequence, with its seqused_k), so the diagonal is the run's end - 1: any query and key counts per
+// sequence, with no table beyond the runs. A row whose run is empty sees no key, so its value is moot.
+// Affine only within a sequence (the offsets form tests the warp's rows).
+struct RunEndDiagonal {
+  static constexpr bool kAffine = false;
+  const int* row_keys;
+  int last_row;
+  template <class Params>
+  __device__ __forceinline__ explicit RunEndDiagonal(const Params& p)
+      : row_keys(p.row_keys), last_row(p.seqlen_q - 1) {}
+  __device__ __forceinline__ int operator()(int q) const { return __ldg(row_keys + 2 * min(q, last_row) + 1) - 1; }
+};
+
+// ALiBi: s' = s - slope |diagonal(q) - k| (Diagonal: ShiftDiagonal, as in the FlashAttention library, or a
+// packed batch's RunEndDiagonal), one slope per (batch row, query head) from p.alibi_slopes (a (heads,)
+// table: batch stride 0). Derivative 1.
+template <class Diagonal>
+struct AlibiFrom {
   static constexpr bool kIdentity = false;
   static constexpr bool kUnitGradient = true;
   // The wgmma forwards' form (score_mod_query_rows_offsets): one FFMA per score, each row's part of the bias
   // left to the online softmax.
   static constexpr bool kRowOffsets = true;
+  static constexpr bool kAffineDiagonal = Diagonal::kAffine;
   float slope, slope_over_scale;  // (a kernel keeps the one its form reads; the other is dead code)
-  int shift;
+  Diagonal diagonal;
   template <class Params>
-  __device__ __forceinline__ Alibi(const Params& p, int batch, int head)
+  __device__ __forceinline__ AlibiFrom(const Params& p, int batch, int head)
       : slope(p.alibi_slopes[batch * p.alibi_batch_stride + head]),
         slope_over_scale(slope / p.scale),
-        shift(p.seqlen_k - p.seqlen_q) {}
+        diagonal(p) {}
   __device__ __forceinline__ float operator()(float s, int q, int k) const {
-    return fmaf(-slope, fabsf((float)(q + shift - k)), s);
+    return fmaf(-slope, fabsf((float)(diagonal(q) - k)), s);
   }
   __device__ __forceinline__ float folded(float s, float rel) const {
     return fmaf(-slope_over_scale, fabsf(rel), s);
   }
-  __device__ __forceinline__ int rel_offset() const { return shift; }
   __device__ __forceinline__ float gradient(float /*s_mod*/) const { return 1.f; }
 };
+using Alibi = AlibiFrom<ShiftDiagonal>;
+using AlibiRuns = AlibiFrom<RunEndDiagonal>;
 
 // The variants the host builds today: causal or not, key ranges or not; a sliding window, key ranges or not.
 template <bool kCausal, bool kRanged>
@@ -200,7 +231,7 @@ __device__ __forceinline__ void score_mod_query_rows_folded(const Acc& s, const 
     for (int mt = 0; mt < Acc::kMT; ++mt)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const float rel0 = (float)(q_row0 + 16 * mt + g + 8 * h + mod.rel_offset() - kv_start - 2 * t);
+        const float rel0 = (float)(mod.diagonal(q_row0 + 16 * mt + g + 8 * h) - kv_start - 2 * t);
 #pragma unroll
         for (int n = 0; n < Acc::kN; ++n)
 #pragma unroll
@@ -235,10 +266,25 @@ __device__ __forceinline__ void score_mod_query_rows_offsets(const Acc& s, const
                                                              float (&offset)[Acc::kMT][2]) {
   static_assert(ScoreMod::kRowOffsets, "score_mod_query_rows_offsets is the form of a linear bias");
   constexpr int kCols = 8 * Acc::kN;
-  const int near = q_row0 + mod.rel_offset() - kv_start;  // the warp's first row against the block's first key
-  const bool below = near - (kCols - 1) >= 0;              // every key at or before every row's diagonal
-  const bool above = near + 16 * Acc::kMT - 1 <= 0;        // every key at or after it
-  if (!below && !above) {
+  const int d0 = mod.diagonal(q_row0);
+  // The test below and the per-row bases take the warp's diagonals as d0 + (row - q_row0); a diagonal that
+  // is not affine everywhere (a packed batch's: each sequence has its own) is checked on every row of the
+  // warp (its loads hit L1: the mask reads the same runs), and the folded form taken where it does not hold.
+  bool affine = true;
+  if constexpr (!ScoreMod::kAffineDiagonal) {
+#pragma unroll
+    for (int mt = 0; mt < Acc::kMT; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = q_row0 + 16 * mt + g + 8 * h;
+        affine &= mod.diagonal(row) == d0 + (row - q_row0);
+      }
+    affine = __all_sync(0xffffffffu, affine);
+  }
+  const int near = d0 - kv_start;                    // the warp's first row against the block's first key
+  const bool below = near - (kCols - 1) >= 0;        // every key at or before every row's diagonal
+  const bool above = near + 16 * Acc::kMT - 1 <= 0;  // every key at or after it
+  if (!affine || (!below && !above)) {
     score_mod_query_rows_folded(s, mod, q_row0, kv_start, g, t);
 #pragma unroll
     for (int mt = 0; mt < Acc::kMT; ++mt) offset[mt][0] = offset[mt][1] = 0.f;
@@ -250,7 +296,7 @@ __device__ __forceinline__ void score_mod_query_rows_offsets(const Acc& s, const
   for (int mt = 0; mt < Acc::kMT; ++mt)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const float rel0 = (float)(q_row0 + 16 * mt + g + 8 * h + mod.rel_offset() - kv_start - 2 * t);
+      const float rel0 = (float)(d0 + 16 * mt + g + 8 * h - kv_start - 2 * t);
       offset[mt][h] = -k * rel0;
 #pragma unroll
       for (int n = 0; n < Acc::kN; ++n)
