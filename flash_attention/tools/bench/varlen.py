@@ -5,8 +5,9 @@ batch) until they fill ``tokens``. Rows (FLOPs of the useful work only: each doc
 
 * ``flash_attention``: :func:`flash_attention.attention_varlen` on the packed tensors;
 * ``flash_attention_padded``: :func:`flash_attention.attention` on the same documents padded to the longest
-  into a dense batch; its ``useful_ms`` is its time times the useful share of its work (the issue's
-  yardstick: a packed batch should cost about what the padded batch spends on real tokens);
+  into a dense batch (the padding random, as pad tokens' activations are); its ``useful_ms`` is its time
+  times the useful share of its work (the issue's yardstick: a packed batch should cost about what the
+  padded batch spends on real tokens);
 * ``flex``: FlexAttention with a document mask (a block mask from the documents' ids);
 * ``sdpa_efficient`` / ``sdpa_cudnn``: SDPA with the block-diagonal boolean mask, materialised
   (total x total), as a model without a varlen kernel passes it.
@@ -91,8 +92,14 @@ def _runner(impl: str, s: VarlenSettings, causal: bool, lengths: list[int], q, k
     if impl == "flash_attention_padded":
         longest, batch = max(lengths), len(lengths)
 
+        # The padding holds random values as the documents do, not zeros: a real padded batch's pad tokens
+        # have nonzero activations, and zero operands draw less power, so a GPU at its power limit clocks
+        # higher on a zero-padded batch (an H200 ran the bench's zero-padded causal batch 1.14x faster than
+        # the same batch padded with random values, kernel log step 90), which would flatter the yardstick.
+        gen = torch.Generator(device=device).manual_seed(s.seed + 1)
+
         def padded(t):
-            out = t.new_zeros(batch, longest, *t.shape[1:])
+            out = torch.randn(batch, longest, *t.shape[1:], generator=gen, device=device).to(t.dtype)
             for b, n in enumerate(lengths):
                 out[b, :n] = t[int(cu[b]) : int(cu[b]) + n]
             return out
