@@ -203,9 +203,10 @@ def check_window(window: object) -> tuple[int, int] | None:
 
 
 def score_function(softcap: object, alibi_slopes: object, q: torch.Tensor) -> str | None:
-    """The score function of a call (``jit.sources.SCORE_MODS``: "softcap", "alibi"), or None; raises naming
-    the argument: ``softcap`` a finite float >= 0 (0: none), ``alibi_slopes`` a contiguous float32 tensor of
-    shape (heads_q,) or (batch, heads_q) on q's device. Not both at once (no build composes two)."""
+    """The score function of a call (``jit.sources.SCORE_MODS``: "softcap", "alibi", or both composed,
+    "softcap_alibi": the capped score plus ALiBi's bias), or None; raises naming the argument: ``softcap`` a
+    finite float >= 0 (0: none), ``alibi_slopes`` a contiguous float32 tensor of shape (heads_q,) or
+    (batch, heads_q) on q's device."""
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
         raise TypeError(f"softcap must be a float (0: none); got {type(softcap).__name__}")
     if not math.isfinite(softcap) or softcap < 0:
@@ -221,7 +222,5 @@ def score_function(softcap: object, alibi_slopes: object, q: torch.Tensor) -> st
             )
         if alibi_slopes.device != q.device or not alibi_slopes.is_contiguous():
             raise ValueError(f"alibi_slopes must be contiguous and on the device of q ({q.device})")
-        if softcap:
-            raise ValueError("softcap and alibi_slopes cannot be combined (no kernel build composes the two)")
-        return "alibi"
+        return "softcap_alibi" if softcap else "alibi"
     return "softcap" if softcap else None

@@ -222,8 +222,10 @@ def validate_kvcache(
         if causal:
             right = -1  # (causal already stops each row at its diagonal)
         window = None if left == right == -1 else (left, right)
-    # softcap a finite float >= 0; alibi_slopes float32 (heads_q,) or (batch, heads_q); not both.
-    alibi = 0 if score_function(softcap, alibi_slopes, q) != "alibi" else alibi_slopes.dim()
+    # softcap a finite float >= 0; alibi_slopes float32 (heads_q,) or (batch, heads_q); both compose (the
+    # decode kernels cap each score, then add the bias: the prefill kernels' order).
+    score_function(softcap, alibi_slopes, q)
+    alibi = 0 if alibi_slopes is None else alibi_slopes.dim()
 
     scale = _resolve_scale(softmax_scale, head_dim)
     return CacheProblem(

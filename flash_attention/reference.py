@@ -93,30 +93,37 @@ def _rows_allowed(
 def _score_args(
     softcap: float, alibi_slopes, batch: int, heads_q: int, cdtype, alibi_diagonal=None
 ) -> tuple | None:
-    """("softcap", cap) or ("alibi", (batch, heads_q) slopes in ``cdtype``, the rows' diagonals or None) of
-    a call, or None."""
+    """(cap or 0, (batch, heads_q) ALiBi slopes in ``cdtype`` or None, the rows' ALiBi diagonals or None) of a
+    call with a score function, else None."""
+    if not softcap and alibi_slopes is None:
+        return None
+    slopes = None
     if alibi_slopes is not None:
         slopes = alibi_slopes.to(cdtype)
-        return "alibi", slopes.unsqueeze(0).expand(batch, -1) if slopes.dim() == 1 else slopes, alibi_diagonal
-    return ("softcap", float(softcap)) if softcap else None
+        slopes = slopes.unsqueeze(0).expand(batch, -1) if slopes.dim() == 1 else slopes
+    return float(softcap), slopes, alibi_diagonal
 
 
 def _apply_score(
     s: torch.Tensor, score: tuple | None, bounds: tuple, group: int, seqlen_q: int
 ) -> torch.Tensor:
-    """The score function on a chunk's scaled scores ``s`` (b, h_kv, group, rows, seqlen_k), out of place."""
+    """The score functions on a chunk's scaled scores ``s`` (b, h_kv, group, rows, seqlen_k), out of place:
+    soft-capping, then ALiBi's bias (:func:`attention_reference`'s order)."""
     if score is None:
         return s
-    if score[0] == "softcap":
-        return torch.tanh(s / score[1]) * score[1]
+    cap, slopes, diagonal = score
+    if cap:
+        s = torch.tanh(s / cap) * cap
+    if slopes is None:
+        return s
     b0, b1, h0, h1, i0, i1 = bounds
     seqlen_k = s.shape[-1]
-    if score[2] is None:
+    if diagonal is None:
         rows = torch.arange(i0, i1, device=s.device).unsqueeze(1) + (seqlen_k - seqlen_q)
     else:  # each row's own diagonal key (a packed batch's: flash_attention.varlen)
-        rows = score[2][i0:i1].to(device=s.device, dtype=torch.int64).unsqueeze(1)
+        rows = diagonal[i0:i1].to(device=s.device, dtype=torch.int64).unsqueeze(1)
     distance = (rows - torch.arange(seqlen_k, device=s.device).unsqueeze(0)).abs().to(s.dtype)
-    slopes = score[1][b0:b1, h0 * group : h1 * group].reshape(b1 - b0, h1 - h0, group, 1, 1)
+    slopes = slopes[b0:b1, h0 * group : h1 * group].reshape(b1 - b0, h1 - h0, group, 1, 1)
     return s - slopes * distance
 
 
@@ -648,13 +655,14 @@ def _backward_chunk(
     row_lse = torch.where(torch.isneginf(row_lse), torch.full_like(row_lse, float("inf")), row_lse)
 
     s = torch.matmul(qc, kc.transpose(-1, -2)).mul_(scale)  # scale before masking, as in the forward
-    grad = None  # the score function's derivative (softcap: 1 - (s' / cap)^2), before the mask
+    grad = None  # the score function's derivative (1 - (capped / cap)^2; ALiBi's is 1), before the mask
     if score is not None:
-        s = _apply_score(s.view(nb, nh, group, rows, seqlen_k), score, bounds, group, seqlen_q).reshape(
-            s.shape
-        )
-        if score[0] == "softcap":
-            grad = 1 - (s / score[1]) ** 2
+        cap, slopes, diagonal = score
+        view = s.view(nb, nh, group, rows, seqlen_k)
+        if cap:
+            view = _apply_score(view, (cap, None, None), bounds, group, seqlen_q)
+            grad = (1 - (view / cap) ** 2).reshape(s.shape)
+        s = _apply_score(view, (0.0, slopes, diagonal), bounds, group, seqlen_q).reshape(s.shape)
     masked = s.view(nb, nh, group, rows, seqlen_k)
     allowed = _rows_allowed(i0, i1, seqlen_q, seqlen_k, causal, window, q.device)
     if allowed is not None:

@@ -202,7 +202,8 @@ def test_bad_lengths_and_pages_poison_their_row_and_write_nothing_outside():
 
 
 # (causal, window, softcap, alibi): windows about the diagonal on both sides and one, soft-capping alone and
-# with a window (Gemma 2's sliding layers decode with both), ALiBi per head and per row and head.
+# with a window (Gemma 2's sliding layers decode with both), ALiBi per head and per row and head, and
+# soft-capping with ALiBi (the capped score plus the bias).
 VARIANTS = [
     (True, (64, -1), 0.0, 0),
     (False, (100, 20), 0.0, 0),
@@ -210,6 +211,7 @@ VARIANTS = [
     (True, (200, 0), 20.0, 0),
     (True, None, 0.0, 1),
     (False, (300, 10), 0.0, 2),
+    (True, None, 5.0, 2),
 ]
 
 

@@ -1,9 +1,9 @@
-"""GPU tests of the score functions (``softcap``, ``alibi_slopes``; csrc/include/fa/variant.cuh Softcap and
-Alibi) in every kernel family that takes them, forward and backward, at the launch layer: outputs, LSE and
-gradients against float64 (flash_attention.reference) within a few times the error of the same computation
-in float32 rounded to the inputs' precision, on shapes with GQA, seqlen_q above and below seqlen_k, causal
-and not, key ranges, a sliding window, head dims 64/128/256 and one padded; the deterministic backward
-bitwise between runs."""
+"""GPU tests of the score functions (``softcap``, ``alibi_slopes`` and both; csrc/include/fa/variant.cuh
+Softcap, Alibi, SoftcapAlibi) in every kernel family that takes them, forward and backward, at the launch
+layer: outputs, LSE and gradients against float64 (flash_attention.reference) within a few times the error
+of the same computation in float32 rounded to the inputs' precision, on shapes with GQA, seqlen_q above and
+below seqlen_k, causal and not, key ranges, a sliding window, head dims 64/128/256 and one padded; the
+deterministic backward bitwise between runs."""
 
 from __future__ import annotations
 
@@ -35,6 +35,10 @@ CASES = [
     (2, 333, 517, 4, 2, 128, True, False, None, "alibi"),
     (1, 517, 300, 4, 4, 64, False, True, None, "alibi"),
     (2, 300, 300, 4, 1, 256, True, False, (100, 0), "alibi"),
+    # both, composed (SoftcapAlibi): the capped score plus the bias
+    (2, 333, 517, 4, 2, 128, True, False, None, "softcap+alibi"),
+    (1, 517, 300, 4, 4, 64, False, True, (90, 40), "softcap+alibi"),
+    (2, 300, 300, 4, 1, 256, True, False, None, "softcap+alibi"),
 ]
 
 
@@ -53,9 +57,9 @@ def _call(case):
         kr = torch.tensor([[sk // 5, sk - 7], [0, sk]][:b], dtype=torch.int32, device="cuda")
     kw = dict(causal=causal, softmax_scale=d**-0.5, key_range=kr, window=window)
     mods = {}
-    if score == "softcap":
+    if "softcap" in score:
         mods["softcap"] = 1.5  # well inside the scores' range: the cap bites
-    else:
+    if "alibi" in score:
         mods["alibi_slopes"] = torch.linspace(0.05, 0.6, hq, device="cuda")
         if b > 1:
             mods["alibi_slopes"] = torch.stack([mods["alibi_slopes"] * (1 + 0.3 * i) for i in range(b)])

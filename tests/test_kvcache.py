@@ -65,6 +65,7 @@ def test_matches_reference_dtypes(request, dtype, page_size):
         (True, (9, 0), 2.0, 0),
         (True, None, 0.0, 1),
         (False, (6, 4), 0.0, 2),
+        (True, (8, 0), 2.5, 1),  # both: the capped score plus the bias
     ],
 )
 def test_windows_softcap_and_alibi_match_reference(request, page_size, causal, window, softcap, alibi):
@@ -311,7 +312,6 @@ def _valid_call(**override):
         (dict(softcap="1"), TypeError, "softcap"),
         (dict(alibi_slopes=torch.ones(4, dtype=torch.float64)), TypeError, "alibi_slopes"),
         (dict(alibi_slopes=torch.ones(3)), ValueError, "alibi_slopes"),
-        (dict(alibi_slopes=torch.ones(4), softcap=1.0), ValueError, "cannot be combined"),
     ],
 )
 def test_bad_arguments_name_the_argument(override, error, words):

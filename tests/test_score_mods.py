@@ -20,6 +20,9 @@ from flash_attention.reference import attention_reference
         (True, (6, 0), False, {"softcap": 0.7}),
         (True, None, True, {"alibi": 1}),
         (False, None, False, {"alibi": 2}),
+        # both, composed: the capped score plus the bias
+        (True, None, False, {"softcap": 0.9, "alibi": 1}),
+        (False, (5, 3), True, {"softcap": 1.1, "alibi": 2}),
     ],
 )
 def test_attention_score_functions_on_the_fallback_match_the_reference(causal, window, ranged, mods):
@@ -31,7 +34,7 @@ def test_attention_score_functions_on_the_fallback_match_the_reference(causal, w
     kw = dict(causal=causal, window=window, key_range=kr)
     if "softcap" in mods:
         kw["softcap"] = mods["softcap"]
-    else:
+    if "alibi" in mods:
         slopes = torch.rand(4, generator=gen) if mods["alibi"] == 1 else torch.rand(2, 4, generator=gen)
         kw["alibi_slopes"] = slopes
     out, lse = fa.attention(q, k, v, return_lse=True, **kw)
@@ -57,7 +60,6 @@ def test_attention_score_functions_on_the_fallback_match_the_reference(causal, w
         ({"softcap": "1"}, TypeError, "softcap must be a float"),
         ({"alibi_slopes": torch.ones(3)}, ValueError, "alibi_slopes must have shape"),
         ({"alibi_slopes": torch.ones(2, dtype=torch.float64)}, TypeError, "alibi_slopes must be a float32"),
-        ({"alibi_slopes": torch.ones(2), "softcap": 1.0}, ValueError, "cannot be combined"),
     ],
 )
 def test_attention_names_a_bad_score_function(kw, err, match):

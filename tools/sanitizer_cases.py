@@ -73,6 +73,7 @@ SCORE_CASES = [
     ((1, 300, 200, 4, 4, 64, False, True, 0.0, True), 0.0, True),
     ((2, 200, 260, 6, 3, 256, True, False, 0.0, True), 1.5, False),
     ((1, 260, 300, 2, 1, 192, False, False, 0.0, False), 0.0, True),
+    ((2, 150, 300, 4, 2, 128, True, False, 0.0, False), 1.5, True),  # both (SoftcapAlibi)
 ]
 #: Attention sinks (flash_attention.sinks: the forward kernels' epilogue) in every forward family.
 SINKS_CASES = [

@@ -71,9 +71,16 @@ def variant_type(causal: bool, ranged: bool, window: bool | str = False, score: 
     return f"fa::DefaultVariant<{_cpp_bool(causal)}, {_cpp_bool(ranged)}>"
 
 
-#: The score functions a build can take (csrc/include/fa/variant.cuh): name -> C++ policy. "alibi_runs" is
-#: ALiBi measured from each query row's run end (a packed batch of causal sequences, segments builds only).
-SCORE_MODS = {"softcap": "fa::Softcap", "alibi": "fa::Alibi", "alibi_runs": "fa::AlibiRuns"}
+#: The score functions a build can take (csrc/include/fa/variant.cuh): name -> C++ policy. "softcap_alibi"
+#: caps the score, then adds ALiBi's bias; "..._runs" measures ALiBi from each query row's run end (a packed
+#: batch of causal sequences, segments builds only).
+SCORE_MODS = {
+    "softcap": "fa::Softcap",
+    "alibi": "fa::Alibi",
+    "alibi_runs": "fa::AlibiRuns",
+    "softcap_alibi": "fa::SoftcapAlibi",
+    "softcap_alibi_runs": "fa::SoftcapAlibiRuns",
+}
 
 
 def mask_causals(window: bool | str) -> tuple[bool, ...]:

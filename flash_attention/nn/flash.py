@@ -94,8 +94,6 @@ class FlashAttention(nn.Module):
                 raise ValueError(f"alibi_slopes must be a tensor of shape (num_heads,) = ({num_heads},)")
             if alibi_slopes.is_complex() or not alibi_slopes.is_floating_point():
                 raise TypeError(f"alibi_slopes must be a floating tensor; got {alibi_slopes.dtype}")
-            if softcap:
-                raise ValueError("alibi_slopes and softcap cannot be combined (no kernel build has both)")
         if isinstance(softcap, bool) or not isinstance(softcap, int | float) or not 0.0 <= softcap < math.inf:
             raise ValueError(f"softcap must be a finite number >= 0 (0: none); got {softcap!r}")
         self.softcap = float(softcap)

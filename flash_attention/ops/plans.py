@@ -112,10 +112,11 @@ def check_segments(
 
 def kernel_score(score: str | None, segments: tuple | None, causal: bool) -> str | None:
     """The build's score function (``jit.sources.SCORE_MODS``) for a call's: ALiBi on a packed batch of causal
-    sequences measures from each row's run end ("alibi_runs": any query and key counts per sequence);
+    sequences measures from each row's run end ("..._runs": any query and key counts per sequence);
     otherwise the call's own (a packed batch without causal: flash_attention.varlen allows ALiBi only for
     self-attention, where the packed row's distance is each sequence's own)."""
-    return "alibi_runs" if score == "alibi" and segments is not None and causal else score
+    runs = segments is not None and causal and score in ("alibi", "softcap_alibi")
+    return f"{score}_runs" if runs else score
 
 
 def segment_lengths(segments: tuple | None) -> tuple[int, int] | None:

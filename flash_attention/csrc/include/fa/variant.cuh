@@ -98,7 +98,7 @@ struct NoScoreMod {
   __device__ __forceinline__ float operator()(float s, int /*q*/, int /*k*/) const { return s; }
   __device__ __forceinline__ float folded(float s, float /*rel*/) const { return s; }
   __device__ __forceinline__ int diagonal(int q) const { return q; }
-  __device__ __forceinline__ float gradient(float /*s_mod*/) const { return 1.f; }
+  __device__ __forceinline__ float gradient(float /*s_mod*/, int /*q*/, int /*k*/) const { return 1.f; }
 };
 
 // The forward's folded form of a score function (the softmax's folded form, fa/softmax.cuh, keeps exp2 at
@@ -111,7 +111,8 @@ struct NoScoreMod {
 // negative scale to the unfolded softmax).
 
 // A score function's backward side: the backward kernels recompute P from mod(scale * s) and multiply dS
-// by the function's derivative, which each policy gives from the modified score itself (`gradient`), so
+// by the function's derivative, which each policy gives from the modified score itself (`gradient(s', q,
+// k)`; the query and key only for a function that must undo a bias to find its argument, SoftcapAlibi), so
 // that a kernel that has already turned the score into P can recover it as log(P) + LSE without keeping
 // another register per element; kUnitGradient says the derivative is 1 everywhere (additive biases), and
 // the multiplication is compiled out.
@@ -130,7 +131,7 @@ struct Softcap {
   }
   __device__ __forceinline__ float folded(float s, float /*rel*/) const { return post * tanh_approx(s * pre); }
   __device__ __forceinline__ int diagonal(int q) const { return q; }
-  __device__ __forceinline__ float gradient(float s_mod) const {
+  __device__ __forceinline__ float gradient(float s_mod, int /*q*/, int /*k*/) const {
     const float t = s_mod * inv_cap;
     return fmaf(-t, t, 1.f);
   }
@@ -184,10 +185,38 @@ struct AlibiFrom {
   __device__ __forceinline__ float folded(float s, float rel) const {
     return fmaf(-slope_over_scale, fabsf(rel), s);
   }
-  __device__ __forceinline__ float gradient(float /*s_mod*/) const { return 1.f; }
+  __device__ __forceinline__ float gradient(float /*s_mod*/, int /*q*/, int /*k*/) const { return 1.f; }
+  __device__ __forceinline__ float unbiased(float v) const { return v; }  // (the offsets form's input)
 };
 using Alibi = AlibiFrom<ShiftDiagonal>;
 using AlibiRuns = AlibiFrom<RunEndDiagonal>;
+
+// Soft-capping, then ALiBi's bias (the FlashAttention library's order): s' = cap tanh(s / cap) - slope
+// |diagonal(q) - k|. The two policies above, composed. Its derivative is soft-capping's at the capped score,
+// which the backward recovers from s' by adding the bias back (so it needs q and k). In the wgmma forwards'
+// offsets form the column part of the bias is added to the capped score (`unbiased`).
+template <class Diagonal>
+struct SoftcapAlibiFrom {
+  static constexpr bool kIdentity = false;
+  static constexpr bool kUnitGradient = false;
+  static constexpr bool kRowOffsets = true;
+  static constexpr bool kAffineDiagonal = Diagonal::kAffine;
+  Softcap cap;
+  AlibiFrom<Diagonal> bias;
+  float slope_over_scale;  // (score_mod_query_rows_offsets reads it)
+  template <class Params>
+  __device__ __forceinline__ SoftcapAlibiFrom(const Params& p, int batch, int head)
+      : cap(p, batch, head), bias(p, batch, head), slope_over_scale(bias.slope_over_scale) {}
+  __device__ __forceinline__ float operator()(float s, int q, int k) const { return bias(cap(s, q, k), q, k); }
+  __device__ __forceinline__ float folded(float s, float rel) const { return bias.folded(cap.folded(s, rel), rel); }
+  __device__ __forceinline__ float unbiased(float v) const { return cap.folded(v, 0.f); }
+  __device__ __forceinline__ int diagonal(int q) const { return bias.diagonal(q); }
+  __device__ __forceinline__ float gradient(float s_mod, int q, int k) const {
+    return cap.gradient(fmaf(bias.slope, fabsf((float)(bias.diagonal(q) - k)), s_mod), q, k);
+  }
+};
+using SoftcapAlibi = SoftcapAlibiFrom<ShiftDiagonal>;
+using SoftcapAlibiRuns = SoftcapAlibiFrom<RunEndDiagonal>;
 
 // The variants the host builds today: causal or not, key ranges or not; a sliding window, key ranges or not.
 template <bool kCausal, bool kRanged>
@@ -301,7 +330,8 @@ __device__ __forceinline__ void score_mod_query_rows_offsets(const Acc& s, const
 #pragma unroll
       for (int n = 0; n < Acc::kN; ++n)
 #pragma unroll
-        for (int c = 0; c < 2; ++c) s(mt, n, 2 * h + c) = fmaf(k, (float)(8 * n + c), s(mt, n, 2 * h + c));
+        for (int c = 0; c < 2; ++c)
+          s(mt, n, 2 * h + c) = fmaf(k, (float)(8 * n + c), mod.unbiased(s(mt, n, 2 * h + c)));
     }
 }
 
@@ -321,7 +351,7 @@ __device__ __forceinline__ void score_mod_query_rows_wgmma(const Acc& s, const S
   }
 }
 
-// Whether a score function states its derivative (kUnitGradient, gradient(s')), which the backward needs.
+// Whether a score function states its derivative (kUnitGradient, gradient(s', q, k)), which the backward needs.
 template <class M, class = void>
 struct ScoreModHasGradient {
   static constexpr bool value = false;
@@ -360,11 +390,11 @@ __device__ __forceinline__ float backward_exp2_multiplier(float scale_log2) {
 // score is (log2 p + lse2) ln 2. p = 0 (masked, or underflowed) contributes nothing to dS: 0 there, which
 // also keeps log2(0) = -inf out.
 template <class ScoreMod>
-__device__ __forceinline__ float score_mod_gradient_from_p(const ScoreMod& mod, float p, float lse2) {
+__device__ __forceinline__ float score_mod_gradient_from_p(const ScoreMod& mod, float p, float lse2, int q, int k) {
   if constexpr (ScoreMod::kUnitGradient) {
     return 1.f;
   } else {
-    return p > 0.f ? mod.gradient((log2_approx(p) + lse2) * 0.6931471805599453f) : 0.f;
+    return p > 0.f ? mod.gradient((log2_approx(p) + lse2) * 0.6931471805599453f, q, k) : 0.f;
   }
 }
 

@@ -237,7 +237,9 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
           const float pr = exp2_approx(fmaf(s[mt][n][e], sl2, -((e & 1) ? l2.y : l2.x)));
           // The score function's derivative, from the modified score itself (still in s here); 0 where P is
           // (a masked score is -inf, where a derivative would be -inf and 0 * -inf NaN).
-          const float grad = ScoreMod::kUnitGradient ? 1.f : (pr > 0.f ? score_mod.gradient(s[mt][n][e]) : 0.f);
+          const int key = kv_start + warp_row0 + 16 * mt + g + 8 * (e >> 1), query = q_start + 8 * n + 2 * t + (e & 1);
+          const float grad =
+              ScoreMod::kUnitGradient ? 1.f : (pr > 0.f ? score_mod.gradient(s[mt][n][e], query, key) : 0.f);
           if constexpr (kDropout) {
             const int key = kv_start + warp_row0 + 16 * mt + g + 8 * (e >> 1);
             const bool keep = dropout_keep(hr[e & 1], key, p.dropout_threshold);
@@ -523,7 +525,8 @@ __device__ __forceinline__ void bwd_dq_body(const BwdParams& p) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const float pr = exp2_approx(fmaf(s[n][e], sl2, -lse2[e >> 1]));
-        const float grad = ScoreMod::kUnitGradient ? 1.f : (pr > 0.f ? score_mod.gradient(s[n][e]) : 0.f);
+        const int query = q_start + warp_row0 + g + 8 * (e >> 1), key = kv_start + 8 * n + 2 * t + (e & 1);
+        const float grad = ScoreMod::kUnitGradient ? 1.f : (pr > 0.f ? score_mod.gradient(s[n][e], query, key) : 0.f);
         float dpv = dp[n][e];
         if constexpr (kDropout)
           dpv = dropout_keep(hr[e >> 1], kv_start + 8 * n + 2 * t + (e & 1), p.dropout_threshold)

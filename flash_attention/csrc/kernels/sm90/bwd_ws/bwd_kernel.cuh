@@ -379,7 +379,9 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
         const float dpz = kDropout ? (kept(i) ? dp[i] * rp : 0.f) : dp[i];
         dp[i] = sc[i] * (dpz - ((e & 1) ? dl.y : dl.x)) * scale;
         if constexpr (!V::ScoreMod::kUnitGradient)
-          dp[i] *= score_mod_gradient_from_p(score_mod, sc[i], (e & 1) ? l2.y : l2.x);
+          dp[i] *= score_mod_gradient_from_p(score_mod, sc[i], (e & 1) ? l2.y : l2.x,
+                                             q_start + 8 * n + 2 * t + (e & 1),  // (key rows: fa/mask.cuh)
+                                             kv_start + row0 + g + 8 * (e >> 1));
       }
     }
     u32 pf[KQ][4], sf[KQ][4];
