@@ -441,9 +441,7 @@ def eager_training(
     through :class:`EagerAttention`. Returns ``(out, lse)``."""
     ops = None if _has_no_pair(q, k) else dispatch.kernel_backend(q)
     training_forward = getattr(ops, "training_forward", None)  # (the CPU tests' stand-in backends lack it)
-    if alibi_slopes is not None or sinks is not None or row_keys is not None:
-        # The compiled node patches its backward's pointers by slot; ALiBi's slopes and the segments' runs
-        # have none yet, and the sinks' gradient is computed in Python (flash_attention.sinks).
+    if sinks is not None:  # (the sinks' gradient is computed in Python: flash_attention.sinks)
         training_forward = None
     if training_forward is not None:
         result = dispatch.run_or_fallback(
@@ -458,7 +456,7 @@ def eager_training(
                 dropout_p=dropout_p,
                 dropout_seed=dropout_seed,
                 forward=ops.cuda_forward,
-                **_variants(window, softcap, None),
+                **_variants(window, softcap, alibi_slopes, row_keys, key_rows),
             ),
             lambda: None,
         )

@@ -19,6 +19,7 @@ import flash_attention as fa
 from flash_attention import custom_ops
 from flash_attention.dropout import draw_seed
 from flash_attention.jit import host
+from flash_attention.varlen import segments
 
 pytestmark = pytest.mark.gpu
 
@@ -83,6 +84,66 @@ def test_the_node_matches_the_python_autograd_function(case, deterministic):
             assert torch.equal(g, r), name
         else:  # dQ is accumulated with atomics in another order each run
             torch.testing.assert_close(g, r, rtol=2e-2, atol=2e-2, msg=name)
+
+
+def _grad_fns(t, depth=4) -> set[str]:
+    """The names of the autograd functions within ``depth`` steps of ``t`` (past views such as a packed
+    batch's row taken out of its batch of one)."""
+    names, frontier = set(), [t.grad_fn]
+    for _ in range(depth):
+        frontier = [f for f in frontier if f is not None]
+        names |= {f.name() for f in frontier}
+        frontier = [n for f in frontier for n, _ in f.next_functions]
+    return names
+
+
+VARIANTS = [
+    # (softcap, ALiBi slopes' dims, window, packed)
+    (0.0, 1, None, False),
+    (0.0, 2, (60, 0), False),
+    (2.0, 1, None, False),
+    (0.0, 1, None, True),
+    (1.5, 1, (50, 0), True),
+]
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=str)
+def test_the_node_takes_alibi_and_packed_batches(variant):
+    # ALiBi's slopes and a packed batch's runs are the program's bound tensors: each call binds its own, the
+    # node writes them into the backward's params. Deterministic, so bit for bit against the Python function.
+    softcap, alibi, window, packed = variant
+    gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(repr(variant).encode()))
+    b, sq, sk, hq, hkv, d = (1, 700, 760, 4, 2, 128) if packed else (2, 300, 333, 4, 2, 128)
+    q0, k0, v0 = _inputs(b, sq, sk, hq, hkv, d, "bshd", gen)
+    dout = torch.randn(b, sq, hq, d, generator=gen, device="cuda").to(torch.bfloat16)
+    slopes = torch.rand((hq,) if alibi == 1 else (b, hq), generator=gen, device="cuda") * 0.5
+    runs = None
+    if packed:  # three causal sequences with more keys than queries each (ALiBi from each row's run)
+        cu_q = torch.tensor([0, 200, 450, 700], dtype=torch.int32, device="cuda")
+        cu_k = torch.tensor([0, 220, 500, 760], dtype=torch.int32, device="cuda")
+        runs = segments(cu_q, cu_k, sq, sk, causal=True, window=window)
+    results = []
+    for through_node in (True, False):
+        q, k, v = (t.detach().requires_grad_(True) for t in (q0, k0, v0))
+        if through_node:
+            if packed:
+                out = fa.attention_varlen(
+                    q[0], k[0], v[0], cu_q, cu_k, causal=True, window=window, softcap=softcap,
+                    alibi_slopes=slopes, deterministic=True,
+                ).unsqueeze(0)  # fmt: skip
+            else:
+                out = fa.attention(q, k, v, causal=True, window=window, softcap=softcap, alibi_slopes=slopes,
+                                   deterministic=True)  # fmt: skip
+            assert "FlashAttentionBackward" in _grad_fns(out)
+        else:
+            out, _ = custom_ops.EagerAttention.apply(
+                q, k, v, True, d**-0.5, True, None, 0.0, None, None if packed else window, softcap, slopes,
+                None, *(runs if packed else (None, None)),
+            )  # fmt: skip
+        results.append((out, *torch.autograd.grad(out, (q, k, v), dout)))
+    for name, a, r in zip(("out", "dq", "dk", "dv"), *results, strict=True):
+        assert a.isfinite().all(), name
+        assert torch.equal(a, r), name
 
 
 def test_output_gradients_the_kernels_cannot_read_are_copied():

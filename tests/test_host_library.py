@@ -147,7 +147,7 @@ class StandInDriver:
         return _at(p.dq_accum, shape, strides, torch.float32)
 
 
-def _program(host_ops, q, k, scale, deterministic):
+def _program(host_ops, q, k, scale, deterministic, bound_offsets=()):
     """A BackwardProgram as ops.training makes one from a plan, with stand-in kernels."""
     p = BwdParams()
     for prefix, t in (("q", q), ("k", k), ("v", k), ("o", q), ("do", q), ("dq", q), ("dk", k), ("dv", k)):
@@ -162,7 +162,7 @@ def _program(host_ops, q, k, scale, deterministic):
     names = "pre_kernel\ndkdv_kernel\n" + ("dq_kernel" if deterministic else "convert_kernel")
     template = torch.frombuffer(bytearray(bytes(p)), dtype=torch.uint8)
     program = torch.classes.flash_attention_host.BackwardProgram(
-        template, _OFFSETS, launches, names, stats, accum, PRIMARY
+        template, _OFFSETS, launches, names, stats, accum, PRIMARY, list(bound_offsets)
     )
     _PROGRAMS.append(program)  # record_training takes its address: the caller keeps it alive (a plan does)
     return program.address()
@@ -179,7 +179,7 @@ def _recorded_call(host_ops, b=2, sq=37, sk=45, hq=4, hkv=2, d=16, deterministic
     with torch.no_grad():
         out, lse = attention_reference(q, k, v, causal=False, softmax_scale=scale)
     out, lse = out.float().contiguous(), lse.float()
-    host_ops.record_training(q, k, v, out, lse, None, 0, _program(host_ops, q, k, scale, deterministic))
+    host_ops.record_training(q, k, v, out, lse, None, 0, _program(host_ops, q, k, scale, deterministic), [])
     return q, k, v, out, scale
 
 
@@ -282,17 +282,42 @@ def test_a_program_checks_what_it_is_given(host_ops):
     program = torch.classes.flash_attention_host.BackwardProgram
     params = torch.zeros(ctypes.sizeof(BwdParams), dtype=torch.uint8)
     with pytest.raises(RuntimeError, match="offsets"):
-        program(params, _OFFSETS[:-1], [PRE, 1, 1, 1, 128, 0], "pre", 1, 0, PRIMARY)
+        program(params, _OFFSETS[:-1], [PRE, 1, 1, 1, 128, 0], "pre", 1, 0, PRIMARY, [])
     with pytest.raises(RuntimeError, match="outside the params"):
         program(
-            params, [*_OFFSETS[:-1], ctypes.sizeof(BwdParams) - 2], [PRE, 1, 1, 1, 128, 0], "pre", 1, 0, 1
+            params, [*_OFFSETS[:-1], ctypes.sizeof(BwdParams) - 2], [PRE, 1, 1, 1, 128, 0], "pre", 1, 0, 1, []
         )
     with pytest.raises(RuntimeError, match="six integers"):
-        program(params, _OFFSETS, [PRE, 1, 1], "pre", 1, 0, PRIMARY)
+        program(params, _OFFSETS, [PRE, 1, 1], "pre", 1, 0, PRIMARY, [])
     with pytest.raises(RuntimeError, match="uint8"):
-        program(params.float(), _OFFSETS, [PRE, 1, 1, 1, 128, 0], "pre", 1, 0, PRIMARY)
+        program(params.float(), _OFFSETS, [PRE, 1, 1, 1, 128, 0], "pre", 1, 0, PRIMARY, [])
     with pytest.raises(RuntimeError, match="null entry point"):
         host_ops.set_driver(0, 1, 1, 1, 0)
+
+
+def test_a_calls_bound_tensors_reach_the_programs_bound_offsets(host_ops):
+    # A variant's pointers (ALiBi's slopes, a packed batch's runs): each call binds its own tensors, which the
+    # node keeps alive and writes where the program says; the count must match the program's.
+    drv = StandInDriver()
+    drv.install(host_ops)
+    fields = ("alibi_slopes", "row_keys", "key_rows")
+    q, k, v = (torch.randn(2, s, h, 16, requires_grad=True) for s, h in ((37, 4), (45, 2), (45, 2)))
+    with torch.no_grad():
+        out, lse = attention_reference(q, k, v, causal=False, softmax_scale=0.25)
+    out, lse = out.float().contiguous(), lse.float()
+    address = _program(host_ops, q, k, 0.25, False, [getattr(BwdParams, f).offset for f in fields])
+    with pytest.raises(RuntimeError, match="2 bound tensors for a program that takes 3"):
+        host_ops.record_training(q, k, v, out, lse, None, 0, address, [torch.zeros(4), torch.zeros(4)])
+    bound = [torch.randn(4), torch.zeros(37, 2, dtype=torch.int32), torch.zeros(45, 2, dtype=torch.int32)]
+    addresses = [t.data_ptr() for t in bound]
+    host_ops.record_training(q, k, v, out, lse, None, 0, address, bound)
+    del bound  # the node holds its own references
+    gc.collect()
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    assert not drv.errors, drv.errors
+    for launch in drv.launches:
+        p = launch[6]
+        assert [getattr(p, f) for f in fields] == addresses
 
 
 def test_record_refuses_an_address_that_is_not_a_program(host_ops):
@@ -301,7 +326,7 @@ def test_record_refuses_an_address_that_is_not_a_program(host_ops):
     not_a_program = torch.zeros(64, dtype=torch.uint8)  # mapped memory without the program's mark
     for address in (0, not_a_program.data_ptr()):
         with pytest.raises(RuntimeError, match="not the address of a BackwardProgram"):
-            host_ops.record_training(q, k, v, out, lse, None, 0, address)
+            host_ops.record_training(q, k, v, out, lse, None, 0, address, [])
     assert out.grad_fn is None
 
 

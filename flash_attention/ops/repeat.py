@@ -88,7 +88,7 @@ class RepeatCall:
         lse = None if self._lse_shape is None else q.new_empty(self._lse_shape, dtype=torch.float32)
         forward.launch_plan(self._plan, q, k, v, o, lse, key_range)
         if self._program:
-            self._host_ops.record_training(q, k, v, o, lse, key_range, 0, self._program)
+            self._host_ops.record_training(q, k, v, o, lse, key_range, 0, self._program, [])
         return o, lse
 
 

@@ -10,7 +10,10 @@ signature as a ``BackwardProgram``.
 Calls the node does not take return None, and the caller uses the Python autograd function
 (``custom_ops.EagerAttention``), which computes the same thing: inputs the kernels cannot read in place (a
 copy would need its own autograd history), a head_dim that is not a multiple of 8 (padded through autograd
-ops), the debug build, and a machine without the host library (no C++ compiler; warned once).
+ops), the debug build, and a machine without the host library (no C++ compiler; warned once). (Attention
+sinks never reach it: their gradient is computed in Python, flash_attention.sinks.) A variant's pointer
+fields, ALiBi's slopes and a packed batch's runs, are the program's bound offsets: each call binds its
+tensors there (record_training's last argument), so one program serves every call of its signature.
 """
 
 from __future__ import annotations
@@ -23,9 +26,10 @@ import torch
 from ..dropout import dropout_key, seed_pair
 from ..jit import driver, host
 from ..jit.params import BwdParams
+from ..jit.sources import SEGMENTS
 from . import backward
 from . import trace as _trace
-from .plans import window_bounds
+from .plans import kernel_score, score_function, segment_lengths, window_bounds
 from .tensors import usable_in_place
 
 __all__ = ["program", "training_forward"]
@@ -38,27 +42,41 @@ _SLOTS = (
 _OFFSETS = [getattr(BwdParams, name).offset for name in _SLOTS]
 
 
-def program(plan) -> int:
-    """The address of the node's BackwardProgram of a backward plan (made once per plan, which keeps it)."""
-    if not plan.host_program:
-        fields, names = [], []
-        for kernel, grid, threads, smem in plan.launches:
-            fields += [kernel.handle.value, *grid, threads, smem]
-            names.append(kernel.name)
-        template = torch.frombuffer(bytearray(plan.template), dtype=torch.uint8)
-        plan.host_program.append(
-            torch.classes.flash_attention_host.BackwardProgram(
-                template,
-                _OFFSETS,
-                fields,
-                "\n".join(names),
-                plan.stats,
-                plan.accum,
-                driver.primary_context(plan.index),
-            )
-        )
-        plan.host_program.append(plan.host_program[0].address())
-    return plan.host_program[1]
+#: The BwdParams pointer fields a call's variant binds (``bound``, in this order): ALiBi's slopes, then a
+#: packed batch's runs.
+_ALIBI_FIELDS = ("alibi_slopes",)
+_SEGMENT_FIELDS = ("row_keys", "key_rows")
+
+
+def program(plan, bound_fields: tuple[str, ...] = (), alibi_batch_stride: int = 0) -> int:
+    """The address of the node's BackwardProgram of a backward plan (made once per plan and set of bound
+    fields, which the plan keeps): ``bound_fields`` the BwdParams pointers each call binds a tensor to,
+    ``alibi_batch_stride`` the slopes' stride between batch rows (0: one (heads,) table), a field of the
+    params the program carries."""
+    key = (bound_fields, alibi_batch_stride)
+    for made_key, _, address in plan.host_program:
+        if made_key == key:
+            return address
+    # Made once per key and kept with the plan (whose repeat calls hold these addresses).
+    fields, names = [], []
+    for kernel, grid, threads, smem in plan.launches:
+        fields += [kernel.handle.value, *grid, threads, smem]
+        names.append(kernel.name)
+    params = BwdParams.from_buffer_copy(plan.template)
+    params.alibi_batch_stride = alibi_batch_stride
+    template = torch.frombuffer(bytearray(params), dtype=torch.uint8)
+    made = torch.classes.flash_attention_host.BackwardProgram(
+        template,
+        _OFFSETS,
+        fields,
+        "\n".join(names),
+        plan.stats,
+        plan.accum,
+        driver.primary_context(plan.index),
+        [getattr(BwdParams, name).offset for name in bound_fields],
+    )
+    plan.host_program.append((key, made, made.address()))
+    return plan.host_program[-1][2]
 
 
 def training_forward(
@@ -75,6 +93,8 @@ def training_forward(
     forward: Callable[..., tuple[torch.Tensor, torch.Tensor]],
     window: tuple[int, int] | None = None,
     softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    segments: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(out, lse)`` of the forward launch ``forward`` (the launch layer's ``cuda_forward``, as the caller's
     backend has it) with ``out``'s gradient recorded by the compiled node, or None when the node does not
@@ -101,14 +121,25 @@ def training_forward(
         dropout_seed=dropout_seed,
         window=window,
         **({"softcap": softcap} if softcap else {}),
+        **({"alibi_slopes": alibi_slopes} if alibi_slopes is not None else {}),
+        **({"segments": segments} if segments is not None else {}),
     )
     # The backward reads dO laid out as out (the node copies any other layout), so the plan is out's; the
-    # window's bounds travel in the plan's parameters.
-    bounds = window_bounds(window, causal, q.shape[1], k.shape[1])
+    # window's bounds travel in the plan's parameters, the variant's tensors are bound per call.
+    bounds = SEGMENTS if segments is not None else window_bounds(window, causal, q.shape[1], k.shape[1])
+    score = kernel_score(score_function(softcap, alibi_slopes, q), segments, causal)
     plan = backward.plan_for(
         q, k, v, out, out, lse, causal, softmax_scale, deterministic, key_range is not None, dropout_p, None,
-        bounds, "softcap" if softcap else None, float(softcap),
+        bounds, score, float(softcap), segment_lengths(segments),
     )  # fmt: skip
+    bound, fields, stride = [], (), 0
+    if alibi_slopes is not None:
+        bound.append(alibi_slopes)
+        fields += _ALIBI_FIELDS
+        stride = alibi_slopes.shape[-1] if alibi_slopes.dim() == 2 else 0
+    if segments is not None:
+        bound += list(segments)
+        fields += _SEGMENT_FIELDS
     key = dropout_key(*seed_pair(dropout_seed)) if dropout_p else 0
-    lib.record_training(q, k, v, out, lse, key_range, key, program(plan))
+    lib.record_training(q, k, v, out, lse, key_range, key, program(plan, fields, stride), bound)
     return out, lse

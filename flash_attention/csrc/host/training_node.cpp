@@ -7,7 +7,8 @@
 // holds what comes after the forward launch (flash_attention/ops/forward.py, or repeat_call.cpp for a
 // repeated call):
 //
-//   flash_attention_host::record_training(q, k, v, out, lse, key_range?, dropout_key, program address)
+//   flash_attention_host::record_training(q, k, v, out, lse, key_range?, dropout_key, program address,
+//                                          bound tensors)
 //       makes `out` the output of an AttentionBackward node whose inputs are q, k and v;
 //   AttentionBackward::apply
 //       allocates dq, dk, dv and the fp32 workspace and queues the backward's launches, all in C++.
@@ -71,14 +72,15 @@ auto self_pointer(N* node) {
 struct AttentionBackward : public torch::autograd::Node {
   AttentionBackward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lse,
                     std::optional<at::Tensor> key_range, int64_t dropout_key,
-                    c10::intrusive_ptr<BackwardProgram> program)
+                    c10::intrusive_ptr<BackwardProgram> program, std::vector<at::Tensor> bound)
       : q_(q, false),
         k_(k, false),
         v_(v, false),
         lse_(lse),
         key_range_(std::move(key_range)),
         dropout_key_(dropout_key),
-        program_(std::move(program)) {}
+        program_(std::move(program)),
+        bound_(std::move(bound)) {}
 
   std::string name() const override { return "FlashAttentionBackward"; }
 
@@ -89,6 +91,7 @@ struct AttentionBackward : public torch::autograd::Node {
     out_.reset_data();
     lse_.reset();
     key_range_.reset();
+    bound_.clear();
   }
 
   variable_list apply(variable_list&& grads) override {
@@ -130,6 +133,7 @@ struct AttentionBackward : public torch::autograd::Node {
     program.put(params, kDv, addr(dv));
     program.put(params, kKeyRange, key_range_ ? addr(*key_range_) : 0);
     program.put(params, kDropoutKey, static_cast<uint64_t>(dropout_key_));
+    program.put_bound(params, bound_);
 
     // PyTorch's current stream on q's device: the engine made it the forward's stream for this node.
     launch_all(program.launches, program.names, program.context, params.data(), current_stream(q.device()));
@@ -154,15 +158,23 @@ struct AttentionBackward : public torch::autograd::Node {
   std::optional<at::Tensor> key_range_;
   int64_t dropout_key_;
   c10::intrusive_ptr<BackwardProgram> program_;
+  std::vector<at::Tensor> bound_;  // (read-only inputs of the backward: no autograd history to save)
 };
 
 void record_node(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
                  const at::Tensor& lse, const std::optional<at::Tensor>& key_range, int64_t dropout_key,
-                 c10::intrusive_ptr<BackwardProgram> program) {
+                 c10::intrusive_ptr<BackwardProgram> program, std::vector<at::Tensor> bound) {
   check(!out.requires_grad(), "record_training: out already has an autograd history");
   check(out.is_contiguous() && kernel_readable(out), "record_training: out must be contiguous and aligned");
+  check(bound.size() == program->bound_offsets.size(),
+        "record_training: " + std::to_string(bound.size()) + " bound tensors for a program that takes " +
+            std::to_string(program->bound_offsets.size()));
+  for (const auto& t : bound) {
+    check(t.defined() && t.is_contiguous(), "record_training: a bound tensor must be contiguous");
+  }
   if (!torch::autograd::compute_requires_grad(q, k, v)) return;
-  auto node = make_node<AttentionBackward>(q, k, v, lse, key_range, dropout_key, std::move(program));
+  auto node = make_node<AttentionBackward>(q, k, v, lse, key_range, dropout_key, std::move(program),
+                                           std::move(bound));
   node->set_next_edges(torch::autograd::collect_next_edges(q, k, v));
   torch::autograd::set_history(out, node);
   node->out_ = SavedVariable(out, /*is_output=*/true);
@@ -175,8 +187,9 @@ void record_node(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
 // costs about 12 us more per call in PyTorch's Python op dispatch than an integer (measured on the CPU).
 void record_training(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
                      const at::Tensor& lse, const std::optional<at::Tensor>& key_range, int64_t dropout_key,
-                     int64_t program_address) {
-  record_node(q, k, v, out, lse, key_range, dropout_key, BackwardProgram::from_address(program_address));
+                     int64_t program_address, std::vector<at::Tensor> bound) {
+  record_node(q, k, v, out, lse, key_range, dropout_key, BackwardProgram::from_address(program_address),
+              std::move(bound));
 }
 
 void set_driver(int64_t launch, int64_t ctx_get, int64_t ctx_set, int64_t error_string, int64_t encode_tiled) {
@@ -191,7 +204,7 @@ void set_driver(int64_t launch, int64_t ctx_get, int64_t ctx_set, int64_t error_
 TORCH_LIBRARY(flash_attention_host, m) {
   m.class_<BackwardProgram>("BackwardProgram")
       .def(torch::init<at::Tensor, std::vector<int64_t>, std::vector<int64_t>, std::string, int64_t, int64_t,
-                       int64_t>())
+                       int64_t, std::vector<int64_t>>())
       .def("address", [](const c10::intrusive_ptr<BackwardProgram>& self) {
         return static_cast<int64_t>(reinterpret_cast<intptr_t>(self.get()));
       });

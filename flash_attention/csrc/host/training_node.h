@@ -28,6 +28,9 @@ struct BackwardProgram : torch::CustomClassHolder {
   uint64_t magic = kMagic;
   std::vector<uint8_t> params;  // BwdParams, every field but the pointers and the dropout key
   int64_t offsets[kNumSlots];   // byte offset of each slot in params (-1: not written)
+  // The byte offsets of a variant's pointer fields (ALiBi's slopes, a packed batch's runs): each call binds
+  // one tensor to each (record_training's `bound`), which the node keeps alive and writes there.
+  std::vector<int64_t> bound_offsets;
   std::vector<Launch> launches;  // in queue order: preprocessing, dK/dV, then dQ's cast or kernel
   std::vector<std::string> names;  // the launches' kernel names, for error messages
   int64_t stats;                 // floats in each of the workspace's base-2 LSE and delta arrays
@@ -38,12 +41,15 @@ struct BackwardProgram : torch::CustomClassHolder {
   // names: the kernel names joined by newlines.
   BackwardProgram(const at::Tensor& params_bytes, std::vector<int64_t> slot_offsets,
                   std::vector<int64_t> launch_fields, const std::string& kernel_names, int64_t stats_,
-                  int64_t accum_, int64_t context_)
+                  int64_t accum_, int64_t context_, std::vector<int64_t> bound_offsets_)
       : stats(stats_), accum(accum_), context(reinterpret_cast<void*>(context_)) {
     params = params_from(params_bytes, "BackwardProgram");
     // The dropout key is a 32-bit field; every other slot an address.
     offsets_from(slot_offsets, offsets, kNumSlots, params.size(), "BackwardProgram",
                  [](int slot) { return slot == kDropoutKey ? 4 : 8; });
+    bound_offsets.resize(bound_offsets_.size());
+    offsets_from(bound_offsets_, bound_offsets.data(), static_cast<int>(bound_offsets_.size()), params.size(),
+                 "BackwardProgram (bound tensors)", [](int) { return 8; });
     launches = launches_from(launch_fields);
     names = names_from(kernel_names, launches.size());
   }
@@ -59,6 +65,14 @@ struct BackwardProgram : torch::CustomClassHolder {
 
   // Write an address (8 bytes) or the dropout key (a 32-bit unsigned field) into a copy of the params;
   // absent slots are skipped.
+  // The addresses of a call's bound tensors, at bound_offsets.
+  void put_bound(std::vector<uint8_t>& into, const std::vector<at::Tensor>& bound) const {
+    for (size_t i = 0; i < bound.size(); ++i) {
+      const uint64_t value = reinterpret_cast<uint64_t>(bound[i].data_ptr());
+      std::memcpy(into.data() + bound_offsets[i], &value, sizeof(value));
+    }
+  }
+
   void put(std::vector<uint8_t>& into, Slot slot, uint64_t value) const {
     if (offsets[slot] < 0) return;
     if (slot == kDropoutKey) {
@@ -71,9 +85,9 @@ struct BackwardProgram : torch::CustomClassHolder {
 };
 
 // Make `out` (the forward's fresh output) the output of a new training node over q, k and v whose backward
-// runs `program` (nothing when none of them requires grad).
+// runs `program` (nothing when none of them requires grad), with `bound` at the program's bound offsets.
 void record_node(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
                  const at::Tensor& lse, const std::optional<at::Tensor>& key_range, int64_t dropout_key,
-                 c10::intrusive_ptr<BackwardProgram> program);
+                 c10::intrusive_ptr<BackwardProgram> program, std::vector<at::Tensor> bound = {});
 
 }  // namespace flash_attention_host
