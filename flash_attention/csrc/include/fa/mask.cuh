@@ -142,7 +142,9 @@ __device__ __forceinline__ void mask_query_rows(const Acc& s, const SegmentKeys&
                                                 int g, int t) {
   constexpr int BC = 8 * Acc::kN;
   constexpr int WM = 16 * Acc::kMT;
-  if (kv_start < keys.first_key(q_row0 + WM - 1) || kv_start + BC > keys.end_key(q_row0)) {
+  int first_of_last, end_of_first;
+  keys.rows_bounds(q_row0, WM, first_of_last, end_of_first);
+  if (kv_start < first_of_last || kv_start + BC > end_of_first) {
 #pragma unroll
     for (int mt = 0; mt < Acc::kMT; ++mt)
 #pragma unroll

@@ -85,6 +85,24 @@ struct SegmentKeys {
   __device__ __forceinline__ int end_row(int key) const {
     return __ldg(key_rows + 2 * min(key, seqlen_k - 1) + 1);
   }
+
+  // The two bounds a warp's "wholly visible" test in the query-row orientation reads (fa/mask.cuh): for its
+  // rows [row0, row0 + n), the last row's first key and the first row's end. A warp's rows stay put through
+  // a tile's key loop, but each test loaded them again after the wait for S, on the softmax's critical path
+  // (one or two dependent L1 loads per block: the wgmma waits' asm keeps the compiler from hoisting them),
+  // so they are loaded at the first test with a given first row and kept (kernel log 93). The key-row
+  // orientation's test (the dK/dV kernels) still loads its two bounds per block: three more live
+  // registers there spilled the wide and deterministic dK/dV kernels (0 -> 28 and 8 -> 28 bytes).
+  mutable int tested_row0 = -1, first_of_last_row = 0, end_of_first_row = 0;
+  __device__ __forceinline__ void rows_bounds(int row0, int n, int& first_of_last, int& end_of_first) const {
+    if (tested_row0 != row0) {
+      tested_row0 = row0;
+      first_of_last_row = first_key(row0 + n - 1);
+      end_of_first_row = end_key(row0);
+    }
+    first_of_last = first_of_last_row;
+    end_of_first = end_of_first_row;
+  }
 };
 
 }  // namespace fa
