@@ -21,18 +21,21 @@
 //    a key tile's first query block is a run-time value).
 //
 // A ScoreMod policy changes the scores before the softmax: s' = mod(scale * s, q, k) for query q and key k.
-// It is applied to a block's scores before the mask (so a masked score stays -inf whatever the function
-// does with -inf) and, when it is not the identity, the forwards take the unfolded softmax (the scores
-// scaled before the exponential, fa/softmax.cuh), since a function of the scaled score cannot be folded into
-// exp2's multiplier (kRowOffsets, optional, marks a linear bias whose per-row part the wgmma forwards hand
-// to the online softmax: score_mod_query_rows_offsets; such a policy also states kAffineDiagonal). A policy
-// that measures a distance says from where with diagonal(q), the key aligned with query q (others return
-// q). kIdentity = true compiles to nothing. The backward
-// kernels accept only the identity until they carry the function's derivative (a static_assert says so).
+// It is applied to a block's scores before the mask (so a masked score stays -inf whatever the function does
+// with -inf) and, when it is not the identity, the forwards take the unfolded softmax (the scores scaled
+// before the exponential, fa/softmax.cuh), since a function of the scaled score cannot be folded into exp2's
+// multiplier (kRowOffsets, optional, marks a linear bias whose per-row part the wgmma forwards hand to the
+// online softmax: score_mod_query_rows_offsets; such a policy also states kAffineDiagonal and unbiased(v),
+// its score before the bias, the identity for a bias alone). A policy that measures a distance says from
+// where with diagonal(q), the key aligned with query q (others return q). kIdentity = true compiles to
+// nothing. The backward kernels accept only the identity until they carry the function's derivative (a
+// static_assert says so).
 //
-// The library's own variants today: CausalRangeMask (causal and/or per-batch key ranges, the rule of
-// fa/visible_keys.cuh) and WindowMask (a sliding window, and key ranges), with NoScoreMod. The host picks the variant of a call and names it in the generated
-// translation unit (flash_attention/jit/sources.py), so each variant is compiled only when a call needs it.
+// The library's own variants today: the masks CausalRangeMask (causal and/or per-batch key ranges, the rule
+// of fa/visible_keys.cuh), WindowMask (a sliding window, and key ranges) and SegmentMask (a packed batch's
+// runs), each with NoScoreMod, Softcap, Alibi (AlibiRuns on a packed batch) or SoftcapAlibi. The host picks
+// the variant of a call and names it in the generated translation unit (flash_attention/jit/sources.py),
+// so each variant is compiled only when a call needs it.
 #pragma once
 
 #include "fa/block_range.cuh"
@@ -101,14 +104,14 @@ struct NoScoreMod {
   __device__ __forceinline__ float gradient(float /*s_mod*/, int /*q*/, int /*k*/) const { return 1.f; }
 };
 
-// The forward's folded form of a score function (the softmax's folded form, fa/softmax.cuh, keeps exp2 at
-// one FFMA per score by leaving the scale out of the scores): `folded(s, rel)` takes the unscaled score s
-// and returns v with mod(scale * s) = scale * v, so that the online softmax and the LSE run unchanged on v.
-// `rel` is diagonal(q) - k as a float (diagonal(q): the key aligned with query q, q + seqlen_k - seqlen_q
-// in a dense batch; a function that needs no distance returns q), formed by score_mod_query_rows_folded
-// with one FADD per score from a per-row base (an I2F per score, which issues at the MUFU's rate, cost
-// ALiBi's forward a fifth of its time: kernel log step 80). Used only where the scale is positive (select.forward_config moves a
-// negative scale to the unfolded softmax).
+// The forward's folded form of a score function (the softmax's folded form, fa/softmax.cuh, keeps exp2 at one
+// FFMA per score by leaving the scale out of the scores): `folded(s, rel)` takes the unscaled score s and
+// returns v with mod(scale * s) = scale * v, so that the online softmax and the LSE run unchanged on v. `rel`
+// is diagonal(q) - k as a float (diagonal(q): the key aligned with query q, q + seqlen_k - seqlen_q in a
+// dense batch; a function that needs no distance returns q), formed by score_mod_query_rows_folded with one
+// FADD per score from a per-row base (an I2F per score, which issues at the MUFU's rate, cost ALiBi's forward
+// a fifth of its time: kernel log step 80). Used only where the scale is positive (select.forward_config
+// moves a negative scale to the unfolded softmax).
 
 // A score function's backward side: the backward kernels recompute P from mod(scale * s) and multiply dS
 // by the function's derivative, which each policy gives from the modified score itself (`gradient(s', q,
@@ -158,7 +161,9 @@ struct RunEndDiagonal {
   template <class Params>
   __device__ __forceinline__ explicit RunEndDiagonal(const Params& p)
       : row_keys(p.row_keys), last_row(p.seqlen_q - 1) {}
-  __device__ __forceinline__ int operator()(int q) const { return __ldg(row_keys + 2 * min(q, last_row) + 1) - 1; }
+  __device__ __forceinline__ int operator()(int q) const {
+    return __ldg(row_keys + 2 * min(q, last_row) + 1) - 1;
+  }
 };
 
 // ALiBi: s' = s - slope |diagonal(q) - k| (Diagonal: ShiftDiagonal, as in the FlashAttention library, or a
@@ -208,7 +213,9 @@ struct SoftcapAlibiFrom {
   __device__ __forceinline__ SoftcapAlibiFrom(const Params& p, int batch, int head)
       : cap(p, batch, head), bias(p, batch, head), slope_over_scale(bias.slope_over_scale) {}
   __device__ __forceinline__ float operator()(float s, int q, int k) const { return bias(cap(s, q, k), q, k); }
-  __device__ __forceinline__ float folded(float s, float rel) const { return bias.folded(cap.folded(s, rel), rel); }
+  __device__ __forceinline__ float folded(float s, float rel) const {
+    return bias.folded(cap.folded(s, rel), rel);
+  }
   __device__ __forceinline__ float unbiased(float v) const { return cap.folded(v, 0.f); }
   __device__ __forceinline__ int diagonal(int q) const { return bias.diagonal(q); }
   __device__ __forceinline__ float gradient(float s_mod, int q, int k) const {
