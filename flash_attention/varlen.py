@@ -29,19 +29,24 @@ from .interface import attention
 __all__ = ["attention_varlen", "segments"]
 
 #: Segments of recent calls, by their offsets' identity and version (every layer of a model passes the same
-#: tensors): a hit skips the dozen small kernels that build them.
-_CACHE: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+#: tensors): a hit skips the dozen small kernels that build them. Each entry holds its offsets tensors too:
+#: an address and a version name a tensor's contents only while that tensor lives (a freed tensor's memory
+#: goes to the next allocation, whose version starts at 0 again: a new offsets tensor at a recycled address
+#: read another batch's runs, kernel log 94).
+_CACHE: OrderedDict[tuple, tuple[tuple[torch.Tensor, torch.Tensor], tuple]] = OrderedDict()
 _CACHE_SIZE = 8
 
 
-def _offsets(name: str, cu: object, device: torch.device) -> torch.Tensor:
+def _check_offsets(name: str, cu: object, device: torch.device) -> int:
+    """The length of a 1-D int32 (or int64) tensor on ``device``, or an error naming it. (Not converted
+    here: segments() reads any of the two, and a converted copy would be a new tensor at every call.)"""
     if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 1:
         raise ValueError(f"{name} must be a 1-D integer tensor of batch + 1 offsets")
     if cu.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{name} must be int32 (or int64); got {cu.dtype}")
     if cu.device != device:
         raise ValueError(f"{name} must be on the device of q ({device}); got {cu.device}")
-    return cu.to(torch.int64)
+    return cu.numel()
 
 
 def segments(
@@ -115,19 +120,25 @@ def _cached_segments(cu_q, cu_k, total_q, total_k, causal, window, seqused_k, ty
     def ident(t):
         return None if t is None else (t.data_ptr(), t._version, t.numel(), t.device)
 
-    key = (ident(cu_q), ident(cu_k), ident(seqused_k), total_q, total_k, causal, window, typical)
-    hit = _CACHE.get(key)
-    if hit is not None:
-        _CACHE.move_to_end(key)
-        return hit
+    # While a CUDA graph is captured, the runs are built inside it from the offsets' buffers (a replay after
+    # new offsets were copied into them must see them), and the graph's private memory is cached nowhere.
+    capturing = cu_q.is_cuda and torch.cuda.is_current_stream_capturing()
+    key = None
+    if not capturing:
+        key = (ident(cu_q), ident(cu_k), ident(seqused_k), total_q, total_k, causal, window, typical)
+        hit = _CACHE.get(key)
+        if hit is not None:
+            _CACHE.move_to_end(key)
+            return hit[0]
     made = segments(cu_q, cu_k, total_q, total_k, causal=causal, window=window, seqused_k=seqused_k)
     # The lengths the kernels' configurations are chosen by (ops.plans.segment_lengths): a tile shape for
     # the sequences, not for one sequence of the packed length. (An attribute of the tensor, so it rides
     # through the custom op's eager call; under torch.compile the packed lengths choose.)
     made[0]._typical_lengths = typical
-    _CACHE[key] = made
-    while len(_CACHE) > _CACHE_SIZE:
-        _CACHE.popitem(last=False)
+    if key is not None:
+        _CACHE[key] = (made, (cu_q, cu_k, seqused_k))  # (the offsets held: see _CACHE)
+        while len(_CACHE) > _CACHE_SIZE:
+            _CACHE.popitem(last=False)
     return made
 
 
@@ -192,17 +203,15 @@ def attention_varlen(
     for name, t in (("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             raise ValueError(f"{name} must be a (total_k, heads_kv, head_dim) tensor")
-    cu_q = _offsets("cu_seqlens_q", cu_seqlens_q, q.device)
-    cu_k = _offsets("cu_seqlens_k", cu_seqlens_k, q.device)
-    if cu_q.numel() != cu_k.numel():
+    n_offsets = _check_offsets("cu_seqlens_q", cu_seqlens_q, q.device)
+    if _check_offsets("cu_seqlens_k", cu_seqlens_k, q.device) != n_offsets:
         raise ValueError(
-            f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1); got {cu_q.numel()} "
-            f"and {cu_k.numel()}"
+            f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1); got {n_offsets} "
+            f"and {cu_seqlens_k.numel()}"
         )
     if seqused_k is not None:
-        seqused_k = _offsets("seqused_k", seqused_k, q.device)
-        if seqused_k.numel() != cu_q.numel() - 1:
-            raise ValueError(f"seqused_k must have shape (batch,) = ({cu_q.numel() - 1},)")
+        if _check_offsets("seqused_k", seqused_k, q.device) != n_offsets - 1:
+            raise ValueError(f"seqused_k must have shape (batch,) = ({n_offsets - 1},)")
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
             raise ValueError(f"{name} must be a non-negative int or None; got {value!r}")
@@ -222,7 +231,7 @@ def attention_varlen(
     window = check_window(window)
     if window is not None and causal:
         window = (window[0], 0 if window[1] < 0 else min(window[1], 0))
-    batch = max(1, cu_q.numel() - 1)
+    batch = max(1, n_offsets - 1)
     typical = (
         max_seqlen_q or max(1, -(-q.shape[0] // batch)),  # (the hint, else the mean: no host read)
         max_seqlen_k or max(1, -(-k.shape[0] // batch)),

@@ -217,3 +217,27 @@ def test_a_varlen_call_never_synchronises_with_the_host():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(out).all()
+
+
+def test_a_captured_call_reads_the_offsets_it_is_replayed_with():
+    # The CUDA-graph pattern: offsets in a static buffer, new values copied in before each replay. The runs
+    # must be built inside the graph from that buffer, not taken from the cache of an earlier call on it.
+    gen = torch.Generator(device="cuda").manual_seed(21)
+    q, k, v = (torch.randn(700, 4, 64, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(3))
+    cu = torch.tensor([0, 300, 700], dtype=torch.int32, device="cuda")
+    flash_attention.attention_varlen(q, k, v, cu, cu, causal=True)  # compiles, and caches these runs
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # (a warm-up on the capture's stream, as torch.cuda.graphs asks)
+        flash_attention.attention_varlen(q, k, v, cu, cu, causal=True)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flash_attention.attention_varlen(q, k, v, cu, cu, causal=True)
+    for split in (123, 555, 300):
+        cu.copy_(torch.tensor([0, split, 700], dtype=torch.int32))
+        graph.replay()
+        fresh = cu.clone()
+        expected = flash_attention.attention_varlen(q, k, v, fresh, fresh, causal=True)
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected), split

@@ -156,3 +156,30 @@ def test_attention_varlen_refuses_bad_arguments_naming_them():
         flash_attention.attention_varlen(q, q, q, cu, cu, seqused_k=torch.tensor([1], dtype=torch.int32))
     with pytest.raises(ValueError, match="max_seqlen_q"):
         flash_attention.attention_varlen(q, q, q, cu, cu, max_seqlen_q=-1)
+
+
+def test_new_offsets_at_a_recycled_address_are_not_taken_for_the_old_ones():
+    # The runs' cache is keyed by the offsets' address and version: a fresh offsets tensor of other values,
+    # allocated where a freed one was (version 0 both), must not hit the freed one's runs. Every call is
+    # checked against each sequence alone; the split moves each time.
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(96, 2, 16, generator=gen) for _ in range(3))
+    for split in range(20, 60, 3):
+        cu = torch.tensor([0, split, 96], dtype=torch.int32)
+        out = flash_attention.attention_varlen(q, k, v, cu, cu, causal=True)
+        for s in (slice(0, split), slice(split, 96)):
+            ref, _ = attention_reference(*(t[s].double().unsqueeze(0) for t in (q, k, v)), causal=True)
+            torch.testing.assert_close(out[s].double(), ref[0], atol=2e-6, rtol=2e-6)
+        del cu, out
+
+
+def test_offsets_changed_in_place_are_seen():
+    gen = torch.Generator().manual_seed(12)
+    q, k, v = (torch.randn(64, 2, 16, generator=gen) for _ in range(3))
+    cu = torch.tensor([0, 10, 64], dtype=torch.int32)
+    first = flash_attention.attention_varlen(q, k, v, cu, cu, causal=True)
+    cu[1] = 40  # (bumps the version)
+    second = flash_attention.attention_varlen(q, k, v, cu, cu, causal=True)
+    ref, _ = attention_reference(*(t[40:].double().unsqueeze(0) for t in (q, k, v)), causal=True)
+    torch.testing.assert_close(second[40:].double(), ref[0], atol=2e-6, rtol=2e-6)
+    assert not torch.equal(first, second)

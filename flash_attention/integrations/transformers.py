@@ -705,9 +705,10 @@ def _packed_sequences(attention_mask, query, key, value, causal, kwargs) -> tupl
     sliding = kwargs.get("sliding_window")
     window = (int(sliding) - 1, 0) if isinstance(sliding, int) and sliding > 0 else None
     memo = getattr(attention_mask, "_flash_attention_packed", {})
+    # (The memo holds position_ids too: an address and a version name its contents only while it lives.)
     key_ = (window, position_ids.data_ptr(), position_ids._version)
     if key_ in memo:
-        return memo[key_]
+        return memo[key_][0]
     positions = position_ids.reshape(-1).to(attention_mask.device)
     length = positions.numel()
     # A sequence starts wherever the position does not follow the previous one (transformers' own rule).
@@ -722,7 +723,7 @@ def _packed_sequences(attention_mask, query, key, value, causal, kwargs) -> tupl
         runs = (cols[None, :] >= row_keys[:, :1]) & (cols[None, :] < row_keys[:, 1:])
         if torch.equal(runs, attention_mask[0, 0].to(runs.device)):
             verdict = (cu, window, int((cu[1:] - cu[:-1]).max()))
-    memo[key_] = verdict
+    memo[key_] = (verdict, position_ids)
     attention_mask._flash_attention_packed = memo
     return verdict
 
