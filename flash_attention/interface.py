@@ -166,7 +166,8 @@ def attention(
             Grok), with its exact gradient; the LSE is that of the capped scores. 0 (the default): none.
         alibi_slopes: ALiBi, a float32 tensor of shape (heads_q,) or (batch, heads_q) on q's device: the
             score of query ``i`` and key ``j`` gets ``-slope * |i + seqlen_k - seqlen_q - j|`` (aligned like
-            causal, as in the FlashAttention library). Not together with ``softcap`` (yet).
+            causal, as in the FlashAttention library). With ``softcap``, added to the capped score (the
+            FlashAttention library's order).
         sinks: attention sinks (gpt-oss), a floating tensor of shape (heads_q,) on q's device: head ``h``'s
             logit ``sinks[h]`` joins every row's softmax denominator (on the scale of the scaled scores)
             without a value, so a row's probabilities sum to less than one; the returned LSE includes it.

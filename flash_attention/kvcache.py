@@ -172,8 +172,8 @@ def attention_with_kvcache(
             :func:`flash_attention.attention` does.
         alibi_slopes: ALiBi, float32 (heads_q,) or (batch, heads_q) on q's device, as
             :func:`flash_attention.attention` takes them: each score gets
-            ``-slope * |i + n_b - seqlen_q - j|`` (aligned like causal, to each row's own length). Not with
-            ``softcap``.
+            ``-slope * |i + n_b - seqlen_q - j|`` (aligned like causal, to each row's own length); with
+            ``softcap``, added to the capped score.
 
     Returns:
         ``out`` of q's shape and dtype, or ``(out, lse)`` with ``return_lse=True``.
