@@ -344,9 +344,32 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
     u32 head_hash = 0;
     if constexpr (kDropout && !kDeterministic)
       head_hash = dropout_head_hash(p.dropout_key, batch * p.heads_q + head);
+    // A score function with a derivative (soft-capping), without dropout: the derivative is taken here, from
+    // the modified score itself, and P is packed for dV at once, so that sc can hold P times the derivative
+    // for dS. Recovering the score from P after the wait for dP instead cost a MUFU.LG2 per score, a third
+    // SFU operation beside the tanh and the exponential (kernel log 95); pf's 16 registers now live across
+    // that wait.
+    constexpr bool kGradAtP = !V::ScoreMod::kUnitGradient && !kDropout;
+    u32 pf[KQ][4], sf[KQ][4];
 #pragma unroll
     for (int n = 0; n < NQ; ++n) {
       const float2 l2 = *reinterpret_cast<const float2*>(lse_s + 8 * n + 2 * t);
+      if constexpr (kGradAtP) {
+        float pr[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float s_mod = sc[4 * n + e];
+          pr[e] = exp2_approx(fmaf(s_mod, sl2, -((e & 1) ? l2.y : l2.x)));
+          // (0 where P is: a masked score is -inf, whose derivative would make 0 * -inf a NaN)
+          sc[4 * n + e] = pr[e] > 0.f ? pr[e] * score_mod.gradient(s_mod, q_start + 8 * n + 2 * t + (e & 1),
+                                                                  kv_start + row0 + g + 8 * (e >> 1))
+                                      : 0.f;
+        }
+        // (pf's layout, pack_p_ds's: register pair r of k-step ks is elements 8 ks + 2 r and + 1)
+        pf[n / 2][2 * (n % 2)] = pack2<BF>(pr[0], pr[1]);
+        pf[n / 2][2 * (n % 2) + 1] = pack2<BF>(pr[2], pr[3]);
+        continue;
+      }
 #pragma unroll
       for (int e = 0; e < 4; ++e)
         sc[4 * n + e] = exp2_approx(fmaf(sc[4 * n + e], sl2, -((e & 1) ? l2.y : l2.x)));
@@ -372,20 +395,25 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
     for (int n = 0; n < NQ; ++n) {
       const float2 dl = *reinterpret_cast<const float2*>(del_s + 8 * n + 2 * t);
       float2 l2 = make_float2(0.f, 0.f);  // (the score function's derivative recovers its score from P)
-      if constexpr (!V::ScoreMod::kUnitGradient) l2 = *reinterpret_cast<const float2*>(lse_s + 8 * n + 2 * t);
+      if constexpr (!V::ScoreMod::kUnitGradient && !kGradAtP)
+        l2 = *reinterpret_cast<const float2*>(lse_s + 8 * n + 2 * t);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = 4 * n + e;
         const float dpz = kDropout ? (kept(i) ? dp[i] * rp : 0.f) : dp[i];
-        dp[i] = sc[i] * (dpz - ((e & 1) ? dl.y : dl.x)) * scale;
-        if constexpr (!V::ScoreMod::kUnitGradient)
+        dp[i] = sc[i] * (dpz - ((e & 1) ? dl.y : dl.x)) * scale;  // (kGradAtP: sc is P times the derivative)
+        if constexpr (!V::ScoreMod::kUnitGradient && !kGradAtP)
           dp[i] *= score_mod_gradient_from_p(score_mod, sc[i], (e & 1) ? l2.y : l2.x,
                                              q_start + 8 * n + 2 * t + (e & 1),  // (key rows: fa/mask.cuh)
                                              kv_start + row0 + g + 8 * (e >> 1));
       }
     }
-    u32 pf[KQ][4], sf[KQ][4];
-    if constexpr (kDropout) {
+    if constexpr (kGradAtP) {
+#pragma unroll
+      for (int ks = 0; ks < KQ; ++ks)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) sf[ks][r] = pack2<BF>(dp[8 * ks + 2 * r], dp[8 * ks + 2 * r + 1]);
+    } else if constexpr (kDropout) {
       // The dropped P, P Z rp, for dV.
 #pragma unroll
       for (int ks = 0; ks < KQ; ++ks)
