@@ -348,8 +348,9 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
     // the modified score itself, and P is packed for dV at once, so that sc can hold P times the derivative
     // for dS. Recovering the score from P after the wait for dP instead cost a MUFU.LG2 per score, a third
     // SFU operation beside the tanh and the exponential (kernel log 95); pf's 16 registers now live across
-    // that wait.
-    constexpr bool kGradAtP = !V::ScoreMod::kUnitGradient && !kDropout;
+    // that wait. (Not in the deterministic kernel at head_dim 64, whose consumers have the fewest registers:
+    // there the 16 spilled 16-24 -> 84-88 bytes, where at 128 they took it from 44 to 4.)
+    constexpr bool kGradAtP = !V::ScoreMod::kUnitGradient && !kDropout && !(kDeterministic && D < 128);
     u32 pf[KQ][4], sf[KQ][4];
 #pragma unroll
     for (int n = 0; n < NQ; ++n) {
