@@ -30,6 +30,7 @@ __all__ = [
     "launch",
     "fill_score",
     "kernel_score",
+    "score_features",
     "score_function",
     "check_segments",
     "segment_lengths",
@@ -117,6 +118,12 @@ def kernel_score(score: str | None, segments: tuple | None, causal: bool) -> str
     self-attention, where the packed row's distance is each sequence's own)."""
     runs = segments is not None and causal and score in ("alibi", "softcap_alibi")
     return f"{score}_runs" if runs else score
+
+
+def score_features(score: str | None) -> dict[str, bool]:
+    """feature_list's score-function flags of a build's score function (``jit.sources.SCORE_MODS``)."""
+    name = score or ""
+    return {"softcap": "softcap" in name, "alibi": "alibi" in name}
 
 
 def segment_lengths(segments: tuple | None) -> tuple[int, int] | None:
