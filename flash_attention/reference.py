@@ -209,6 +209,8 @@ def attention_reference(
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    dropout_keep: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention in ``compute_dtype`` (float64 by default), materialising every score.
 
@@ -218,6 +220,9 @@ def attention_reference(
     ``key_range`` (batch, 2): batch row b attends only keys ``key_range[b, 0] <= j < key_range[b, 1]``.
     ``sinks`` (heads_q,): a logit per head that joins every row's softmax denominator without a value
     (attention sinks), so a row's probabilities sum to less than one.
+    ``dropout_keep`` (batch, heads_q, seqlen_q, seqlen_k) bool (:func:`flash_attention.dropout.keep_mask`,
+    the kernels' mask) with ``dropout_p``: the probabilities are multiplied by ``keep / (1 - dropout_p)``
+    before the values (the LSE is of the scores, before dropout, as the kernels return it).
 
     Returns:
         ``(out, lse)``: ``out`` of q's shape (batch, seqlen_q, heads_q, head_dim) and ``lse`` of shape
@@ -257,6 +262,11 @@ def attention_reference(
     # exp(-inf - -inf) is NaN; subtracting 0 instead for empty rows makes their probabilities exactly 0.
     lse_finite = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
     probs = torch.exp(scores - lse_finite.unsqueeze(-1))
+    if dropout_keep is not None:
+        if dropout_keep.shape != probs.shape:
+            want, got = tuple(probs.shape), tuple(dropout_keep.shape)
+            raise ValueError(f"dropout_keep must be (batch, heads_q, seqlen_q, seqlen_k) = {want}, got {got}")
+        probs = probs * dropout_keep.to(compute_dtype) / (1.0 - dropout_p)
     out = torch.einsum("bhqk,bkhd->bqhd", probs, vf)
     return out, lse
 

@@ -9,7 +9,12 @@ import pytest
 import torch
 
 from flash_attention.dropout import draw_seed, dropout_key, dropout_threshold, keep_mask
-from flash_attention.reference import attention_backward_torch, attention_torch, causal_allowed
+from flash_attention.reference import (
+    attention_backward_torch,
+    attention_reference,
+    attention_torch,
+    causal_allowed,
+)
 
 
 def _explicit(q, k, v, causal, keep, p):
@@ -70,6 +75,40 @@ def test_fallback_forward_and_backward_apply_the_mask(causal):
     )
     for got, ref in ((dq, qe.grad), (dk, ke.grad), (dv, ve.grad)):
         assert (got - ref).abs().max() < 1e-10
+
+
+@pytest.mark.parametrize("score", ["softcap", "alibi", "softcap+alibi"])
+def test_fallback_dropout_with_score_functions_matches_the_float64_reference(score):
+    # The reference's dropout_keep is the GPU tests' truth for dropout with a score function
+    # (tests/test_gpu_score_mods.py); here it checks the PyTorch path, and is itself checked against the
+    # plain explicit computation where no score function applies.
+    g = torch.Generator().manual_seed(len(score))
+    q = torch.randn(2, 9, 4, 16, generator=g, dtype=torch.float64)
+    k = torch.randn(2, 13, 2, 16, generator=g, dtype=torch.float64)
+    v = torch.randn(2, 13, 2, 16, generator=g, dtype=torch.float64)
+    dout = torch.randn(2, 9, 4, 16, generator=g, dtype=torch.float64)
+    mods = {}
+    if "softcap" in score:
+        mods["softcap"] = 0.7
+    if "alibi" in score:
+        mods["alibi_slopes"] = torch.tensor([[0.1, 0.3, 0.5, 0.9], [0.2, 0.4, 0.6, 1.1]], dtype=torch.float64)
+    p, seed = 0.3, draw_seed(5)
+    keep = keep_mask(5, 0, p, 2, 4, 9, 13)
+    out, lse = attention_torch(q, k, v, causal=True, return_lse=True, dropout_p=p, dropout_seed=seed, **mods)
+    qe, ke, ve = (t.clone().requires_grad_(True) for t in (q, k, v))
+    want, want_lse = attention_reference(qe, ke, ve, causal=True, dropout_keep=keep, dropout_p=p, **mods)
+    assert (out - want).abs().max() < 1e-12
+    assert (lse.double() - want_lse).abs().max() < 1e-5  # (the LSE is float32, as the kernels return it)
+    # Dropout changes the output: the mask is applied, not ignored.
+    assert (want - attention_reference(q, k, v, causal=True, **mods)[0]).abs().max() > 0.1
+    want.backward(dout)
+    dq, dk, dv = attention_backward_torch(
+        dout, q, k, v, out, lse, causal=True, dropout_p=p, dropout_seed=seed, **mods
+    )
+    for got, ref in ((dq, qe.grad), (dk, ke.grad), (dv, ve.grad)):
+        assert (got - ref).abs().max() < 1e-10
+    plain = attention_reference(q, k, v, causal=True, dropout_keep=keep, dropout_p=p)[0]
+    assert (plain - _explicit(q, k, v, True, keep, p)).abs().max() < 1e-12
 
 
 def test_dropout_without_seed_is_an_error():

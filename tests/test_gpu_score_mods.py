@@ -3,7 +3,8 @@ Softcap, Alibi, SoftcapAlibi) in every kernel family that takes them, forward an
 layer: outputs, LSE and gradients against float64 (flash_attention.reference) within a few times the error
 of the same computation in float32 rounded to the inputs' precision, on shapes with GQA, seqlen_q above and
 below seqlen_k, causal and not, key ranges, a sliding window, head dims 64/128/256 and one padded; the
-deterministic backward bitwise between runs."""
+deterministic backward bitwise between runs; and each with attention dropout, against float64 with the
+kernels' keep mask (flash_attention.dropout.keep_mask)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 from flash_attention import ops
 from flash_attention.configs import default_bwd_config, hopper_bwd_config, padded_head_dim, portable_config
 from flash_attention.configs.heuristics import classic_hopper_config
+from flash_attention.dropout import draw_seed, keep_mask
 from flash_attention.reference import attention_reference
 
 pytestmark = pytest.mark.gpu
@@ -66,10 +68,12 @@ def _call(case):
     return (q, k, v, do), kw, mods
 
 
-def _reference(tensors, kw, mods, dtype):
+def _reference(tensors, kw, mods, dtype, drop=None):
     q, k, v, do = tensors
     leaves = [x.to(dtype).requires_grad_() for x in (q, k, v)]
     ref_mods = dict(softcap=mods.get("softcap", 0.0))
+    if drop is not None:
+        ref_mods["dropout_keep"], ref_mods["dropout_p"] = drop
     if "alibi_slopes" in mods:
         ref_mods["alibi_slopes"] = mods["alibi_slopes"].to(dtype)
     o, lse = attention_reference(
@@ -121,3 +125,45 @@ def test_score_function_forward_and_backward_against_float64(case):
             if det:
                 again = ops.cuda_backward(do, q, k, v, o, lse, config=cfg, deterministic=True, **kw, **mods)
                 assert all(torch.equal(x, y) for x, y in zip(got, again, strict=True)), name
+
+
+# (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal, key_range, window, score) with dropout
+DROPOUT_CASES = [
+    (2, 333, 517, 4, 2, 64, True, False, None, "softcap"),
+    (2, 517, 300, 4, 4, 128, False, True, None, "alibi"),
+    (1, 300, 300, 4, 1, 256, True, False, (100, 0), "softcap+alibi"),
+    (2, 400, 333, 2, 2, 72, False, False, None, "softcap+alibi"),
+]
+
+
+@needs_cuda
+@pytest.mark.parametrize("case", DROPOUT_CASES, ids=_ids)
+def test_score_function_with_dropout_against_float64(case):
+    # Dropout multiplies the score function's probabilities by the keep mask / (1 - p) before P V, and its
+    # backward takes the score function's derivative at the undropped probabilities: the two compose in
+    # every family's softmax and dS step (fa/dropout.cuh, fa/variant.cuh).
+    tensors, kw, mods = _call(case)
+    q, k, v, do = tensors
+    p, seed = 0.2, zlib.crc32(repr(case).encode()) % 10_000
+    keep = keep_mask(seed, 0, p, q.shape[0], q.shape[2], q.shape[1], k.shape[1], device="cuda")
+    exact_o, exact_lse, exact_g = _reference(tensors, kw, mods, torch.float64, (keep, p))
+    f32_o, _, f32_g = _reference(tensors, kw, mods, torch.float32, (keep, p))
+    drop = dict(dropout_p=p, dropout_seed=draw_seed(seed))
+    fwd, bwd = _families(case)
+    for name, cfg in fwd.items():
+        out = torch.full_like(q, float("nan"))
+        o, lse = ops.cuda_forward(q, k, v, return_lse=True, out=out, config=cfg, **kw, **mods, **drop)
+        assert torch.isfinite(o).all(), name
+        _close(o, exact_o, f32_o, f"{name} out")
+        rows = torch.isfinite(exact_lse)
+        torch.testing.assert_close(lse[rows].double(), exact_lse[rows], rtol=0, atol=5e-3, msg=name)
+    # Without the mask the output is far off: the kernels apply it rather than ignore it.
+    undropped = _reference(tensors, kw, mods, torch.float64)[0]
+    assert (o.double() - undropped).abs().max() > 10 * (o.double() - exact_o).abs().max()
+    o, lse = ops.cuda_forward(q, k, v, return_lse=True, out=None, **kw, **mods, **drop)
+    for name, cfg in bwd.items():
+        for det in (False, True):
+            got = ops.cuda_backward(do, q, k, v, o, lse, config=cfg, deterministic=det, **kw, **mods, **drop)
+            for gname, a, e, f in zip(("dq", "dk", "dv"), got, exact_g, f32_g, strict=True):
+                assert torch.isfinite(a).all(), f"{name} det={det} {gname}"
+                _close(a, e, f, f"{name} det={det} {gname}")

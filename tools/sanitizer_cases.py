@@ -74,6 +74,9 @@ SCORE_CASES = [
     ((2, 200, 260, 6, 3, 256, True, False, 0.0, True), 1.5, False),
     ((1, 260, 300, 2, 1, 192, False, False, 0.0, False), 0.0, True),
     ((2, 150, 300, 4, 2, 128, True, False, 0.0, False), 1.5, True),  # both (SoftcapAlibi)
+    # with dropout: the keep mask's hash beside the score function's registers
+    ((2, 150, 300, 4, 2, 64, True, False, 0.2, False), 1.5, False),
+    ((1, 260, 300, 2, 1, 128, False, True, 0.3, True), 1.5, True),
 ]
 #: Attention sinks (flash_attention.sinks: the forward kernels' epilogue) in every forward family.
 SINKS_CASES = [
@@ -171,13 +174,17 @@ def run_score_case(case, softcap: float, alibi: bool, seed: int, small: bool) ->
     """A score function through ops.cuda_forward / cuda_backward (the public API does not take them yet):
     the output's and gradients' error against float64."""
     from flash_attention import ops
+    from flash_attention.dropout import draw_seed, keep_mask
 
-    b, sq, sk, hq, hkv, d, causal, ranged, _, det = case
+    b, sq, sk, hq, hkv, d, causal, ranged, p, det = case
     sq, sk = _lengths(sq, sk, small)
     q, k, v = _inputs(seed, b, sq, sk, hq, hkv, d)
     kr = _key_range(ranged, b, sk)
     slopes = torch.linspace(0.1, 0.5, hq, device="cuda") if alibi else None
     kw = dict(causal=causal, softmax_scale=d**-0.5, key_range=kr, softcap=softcap, alibi_slopes=slopes)
+    drop = dict(dropout_p=p, dropout_seed=draw_seed(seed)) if p else {}
+    keep = dict(dropout_keep=keep_mask(seed, 0, p, b, hq, sq, sk, device="cuda"), dropout_p=p) if p else {}
+    kw |= drop
     o, lse = ops.cuda_forward(q, k, v, return_lse=True, out=None, **kw)
     do = torch.randn_like(q)
     grads = ops.cuda_backward(do, q, k, v, o, lse, deterministic=det, **kw)
@@ -189,6 +196,7 @@ def run_score_case(case, softcap: float, alibi: bool, seed: int, small: bool) ->
         key_range=kr,
         softcap=softcap,
         alibi_slopes=None if slopes is None else slopes.double(),
+        **keep,
     )
     ref_grads = torch.autograd.grad(ref, leaves, do.double())
     grad_err = max(
