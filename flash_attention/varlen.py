@@ -12,9 +12,12 @@ contiguous run of that row, [row_keys[i, 0], row_keys[i, 1]) (and each key's vis
 [key_rows[j, 0], key_rows[j, 1])). :func:`segments` builds both arrays on the device from the offsets with a
 few elementwise kernels (no host synchronisation: the call can be captured in a CUDA graph or compiled), and
 every kernel family's segments build (``csrc/include/fa/visible_keys.cuh``, SegmentKeys) skips the key
-blocks outside a tile's runs and masks within the tiles that straddle a run's end. A query tile that
-straddles two sequences visits the key blocks of both (masked), so a packed batch costs its useful work
-plus about one extra tile per sequence boundary.
+blocks outside a tile's runs and masks within the tiles that straddle a run's end. The warp-specialized
+Hopper forward also takes a table of query tiles (``flash_attention.ops.query_tiles``): each sequence's
+rows cut into tiles of their own, with key blocks starting at the sequence's first key, so that it runs
+each sequence as a dense batch would. The other kernels tile the packed row as one sequence: a query tile
+that straddles two sequences visits the key blocks of both (masked), about one extra tile per sequence
+boundary.
 """
 
 from __future__ import annotations
@@ -116,6 +119,15 @@ def segments(
     return row_keys.to(torch.int32).contiguous(), key_rows.to(torch.int32).contiguous()
 
 
+def _with_tiles(made: tuple[torch.Tensor, torch.Tensor], cu_q: torch.Tensor) -> tuple:
+    """The runs, noting the query offsets that ops.query_tiles cuts the rows by (attributes of the
+    tensor, as ``_typical_lengths``: they ride through the custom op's eager call; under torch.compile the
+    kernels tile the packed row instead)."""
+    made[0]._cu_q = cu_q
+    made[0]._query_tiles = {}
+    return made
+
+
 def _cached_segments(cu_q, cu_k, total_q, total_k, causal, window, seqused_k, typical):
     def ident(t):
         return None if t is None else (t.data_ptr(), t._version, t.numel(), t.device)
@@ -135,6 +147,7 @@ def _cached_segments(cu_q, cu_k, total_q, total_k, causal, window, seqused_k, ty
     # the sequences, not for one sequence of the packed length. (An attribute of the tensor, so it rides
     # through the custom op's eager call; under torch.compile the packed lengths choose.)
     made[0]._typical_lengths = typical
+    _with_tiles(made, cu_q)
     if key is not None:
         _CACHE[key] = (made, (cu_q, cu_k, seqused_k))  # (the offsets held: see _CACHE)
         while len(_CACHE) > _CACHE_SIZE:

@@ -14,10 +14,17 @@ import torch
 
 import flash_attention
 from flash_attention import ops
-from flash_attention.configs import default_bwd_config, hopper_bwd_config, padded_head_dim, portable_config
+from flash_attention.configs import (
+    default_bwd_config,
+    hopper_bwd_config,
+    padded_head_dim,
+    portable_config,
+    ws_config,
+)
 from flash_attention.configs.heuristics import classic_hopper_config
+from flash_attention.ops.query_tiles import query_tiles
 from flash_attention.reference import attention_reference
-from flash_attention.varlen import segments
+from flash_attention.varlen import _with_tiles, segments
 
 pytestmark = [
     pytest.mark.gpu,
@@ -241,3 +248,52 @@ def test_a_captured_call_reads_the_offsets_it_is_replayed_with():
         expected = flash_attention.attention_varlen(q, k, v, fresh, fresh, causal=True)
         torch.cuda.synchronize()
         assert torch.equal(out, expected), split
+
+
+# Each epilogue path of the warp-specialized forward under a query-tile table: non-persistent with TMA stores,
+# persistent with and without them, the epilogue under the next tile (tile_overlap), ping-pong; 176-key
+# blocks (anchored at each tile's first key, so the last block of a sequence is cut anywhere), dropout (no
+# TMA store there).
+WS_TILE_CONFIGS = [
+    ws_config("bf16", 128, 128, 128, 2, overlap=True, tma_store=True),
+    ws_config("bf16", 128, 128, 128, 2, overlap=True, persistent=True, tma_store=True, tile_overlap=True),
+    ws_config("bf16", 128, 128, 176, 2, overlap=True, pingpong=True, tma_store=True),
+    ws_config("bf16", 64, 192, 64, 3, persistent=True),
+    ws_config("bf16", 256, 64, 64, 2, persistent=True, tma_store=True),
+]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not _hopper(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("cfg", WS_TILE_CONFIGS, ids=lambda c: c.name())
+@pytest.mark.parametrize("causal", [True, False])
+def test_ws_forward_with_query_tiles(cfg, causal):
+    """The warp-specialized forward with a packed batch's query-tile table (each sequence's own tiles,
+    blocks anchored at its first key): every row written once (the output poisoned first), within the
+    error bound of float64, and the same result as the packed row's tiles within rounding."""
+    d = cfg.head_dim
+    # Sequences ending anywhere in a tile (so the last tile of most is cut), an empty one, a one-token one,
+    # and rows past the last sequence.
+    lens = [300, 0, 517, 1, 130, 64, 1000]
+    case = (lens, lens, 4, 2, d, causal, {}, "bf16")
+    tensors, kw, used = _make(case)
+    q, k, v, _ = tensors
+    exact = _reference(case, tensors, kw, used, torch.float64)
+    f32 = _reference(case, tensors, kw, used, torch.float32)
+    cu = _offsets(lens)
+    runs = _with_tiles(segments(cu, cu, q.shape[0], k.shape[0], causal=causal), cu)
+    args = [t.unsqueeze(0) for t in (q, k, v)]
+    kw = dict(causal=causal, softmax_scale=d**-0.5, segments=runs)
+    out = torch.full_like(args[0], float("nan"))
+    o, lse = ops.cuda_forward(*args, return_lse=True, out=out, config=cfg, **kw)
+    assert query_tiles(runs, cfg.block_q) is not None  # (the launch built the table for this tile height)
+    _close(o[0], exact[0], f32[0], "out")
+    _close(lse[0], exact[1], f32[1], "lse")
+    plain = segments(cu, cu, q.shape[0], k.shape[0], causal=causal)  # no table: the packed row's tiles
+    o2, _ = ops.cuda_forward(*args, return_lse=True, out=None, config=cfg, **{**kw, "segments": plain})
+    assert (o2.float() - o.float()).abs().max().item() < 2e-2
+    # With dropout (its build stores O without TMA): the same keep mask whichever tiles ran.
+    drop = dict(dropout_p=0.25, dropout_seed=torch.tensor([7, 0]))
+    od, _ = ops.cuda_forward(*args, return_lse=True, out=None, config=cfg, **kw, **drop)
+    kw2 = {**kw, "segments": plain}
+    od2, _ = ops.cuda_forward(*args, return_lse=True, out=None, config=cfg, **kw2, **drop)
+    assert torch.isfinite(od).all() and (od.float() - od2.float()).abs().max().item() < 2e-2

@@ -66,6 +66,7 @@ class FwdParams(ctypes.Structure):
         ("sinks", _PTR),
         ("row_keys", _PTR),
         ("key_rows", _PTR),
+        ("q_tiles", _PTR),
     ]
 
 

@@ -39,9 +39,11 @@ from .plans import (
     launch,
     score_features,
     score_function,
+    segment_count,
     segment_lengths,
     window_bounds,
 )
+from .query_tiles import query_tiles, tile_count
 from .select import forward_config
 from .tensors import check_grid, kernel_ready, pad_head_dim, padded_to_8, usable_in_place
 
@@ -71,6 +73,9 @@ class _Plan:
     # The call's options the kernel was built for (the launch's observers read them: tests, tools).
     causal: bool = False
     dropout_p: float = 0.0
+    # A packed batch on the warp-specialized forward: the tile height of its query-tile table
+    # (flash_attention.varlen.query_tiles, bound at each launch); 0: none (tiles of the packed row).
+    q_tiles: int = 0
 
 
 #: Encoded map triples kept per plan (the oldest dropped).
@@ -135,9 +140,11 @@ def _make_plan(
     score=None,
     softcap=0.0,
     lengths=None,
+    sequences=None,
 ) -> _Plan:
     """The plan of a call (``trace``: with the debug build's kernel, fa/trace.cuh; ``window``: the kernels'
-    (left, right) of a sliding window, plans.window_bounds, which carries causal; ``lengths``: _config's)."""
+    (left, right) of a sliding window, plans.window_bounds, which carries causal; ``lengths``: _config's;
+    ``sequences``: a packed batch's sequence count, when its runs carry a query-tile table)."""
     batch, seqlen_q, heads_q = q.shape[:3]
     check_grid(batch, heads_q, seqlen_q, k.shape[1])
     index = q.get_device()
@@ -155,6 +162,11 @@ def _make_plan(
     if windowed and window != SEGMENTS:
         p.window_left, p.window_right = window
     p.softcap = softcap  # (ALiBi's slopes are a per-call pointer: launch_plan)
+    # A packed batch on the warp-specialized forward: one tile per table entry (the table itself is bound at
+    # each launch). The other families tile the packed row.
+    q_tiles = cfg.block_q if build == SEGMENTS and cfg.warp_specialized and sequences is not None else 0
+    if q_tiles:
+        p.num_m_blocks = tile_count(seqlen_q, sequences, q_tiles)
     grid = (p.num_m_blocks, heads_q, batch)
     if cfg.persistent:
         # One block per multiprocessor (the kernel runs one per SM), each looping over query tiles.
@@ -177,6 +189,7 @@ def _make_plan(
         bytes(tp),
         maps,
         tile_counter=counted,
+        q_tiles=q_tiles,
         **options,
     )
     # The trial encode was of these tensors' own addresses: the call that made the plan reuses it.
@@ -312,10 +325,11 @@ def chosen_config(
 
 def plan_for(
     q, k, v, o, causal, scale, ranged, dropout_p, config, negative, window=None, score=None, softcap=0.0,
-    lengths=None,
+    lengths=None, sequences=None,
 ) -> _Plan:  # fmt: skip
     """The plan of a call on kernel-ready tensors (made on a miss); ``window``: plans.window_bounds, or
-    SEGMENTS for the segments build."""
+    SEGMENTS for the segments build; ``sequences``: a packed batch's sequence count when its runs carry
+    the offsets of a query-tile table (plans.segment_count)."""
     key = (
         q.shape,
         q.stride(),
@@ -334,6 +348,7 @@ def plan_for(
         score,
         softcap,
         lengths,
+        sequences,
     )
     # The feature list is built only on a miss: a hit is the hot path of every call.
     return _plans.get(
@@ -353,6 +368,7 @@ def plan_for(
             score=score,
             softcap=softcap,
             lengths=lengths,
+            sequences=sequences,
         ),
     )  # fmt: skip
 
@@ -444,7 +460,7 @@ def cuda_forward(
     ranged = key_range is not None
     plan = plan_for(
         q_, k_, v_, o, causal, softmax_scale, ranged, dropout_p, config, softmax_scale < 0, bounds, score,
-        float(softcap), segment_lengths(segments),
+        float(softcap), segment_lengths(segments), segment_count(segments),
     )  # fmt: skip
     if ranged:
         # The kernel reads two int32 per batch row, contiguous; kept alive until the launch is queued.
@@ -477,6 +493,8 @@ def launch_plan(
         p.sinks = sinks.data_ptr()
     if segments is not None:
         p.row_keys, p.key_rows = segments[0].data_ptr(), segments[1].data_ptr()
+        if plan.q_tiles:  # (held by the runs, which outlive the launch's queuing)
+            p.q_tiles = query_tiles(segments, plan.q_tiles).data_ptr()
     launch(plan.kernel, plan.grid, plan.threads, plan.smem, plan.index, args)
 
 

@@ -133,6 +133,13 @@ def segment_lengths(segments: tuple | None) -> tuple[int, int] | None:
     return None if segments is None else getattr(segments[0], "_typical_lengths", None)
 
 
+def segment_count(segments: tuple | None) -> int | None:
+    """A packed batch's sequence count when its runs carry the query offsets the warp-specialized forward's
+    query-tile table is cut by (flash_attention.varlen.query_tiles); None otherwise."""
+    cu_q = None if segments is None else getattr(segments[0], "_cu_q", None)
+    return None if cu_q is None else cu_q.numel() - 1
+
+
 def window_bounds(window: object, causal: bool, seqlen_q: int, seqlen_k: int) -> tuple[int, int] | None:
     """The kernels' (left, right) of a sliding ``window`` = (left, right) (-1: unbounded on that side; query i
     sees keys i + shift - left .. i + shift + right, shift = seqlen_k - seqlen_q), with causal's right bound

@@ -42,4 +42,19 @@ __device__ __forceinline__ void store_o_tile(const FwdParams& p, u16* gO, u32 s_
   }
 }
 
+// store_o_tile one chunk at a time (no unrolling): the copy-out of a packed batch's cut tiles in the
+// warp-specialized forward, where the unrolled loop's loads in flight spilled registers of the kernel's
+// main loop (fa/fwd_ws: 64-84 bytes in the persistent tile_overlap build).
+template <int R, int D, int kThreads, class Layout>
+__device__ __forceinline__ void store_o_tile_serial(const FwdParams& p, u16* gO, u32 s_tile, int rows_valid,
+                                                    int tid) {
+  constexpr int C = D / 8;
+#pragma unroll 1
+  for (int idx = tid; idx < R * C; idx += kThreads) {
+    const int row = idx / C, chunk = idx % C;
+    if (row < rows_valid && chunk * 8 < p.head_dim)
+      st_global_16(gO + row * p.o_row_stride + chunk * 8, ld_shared_16(s_tile + Layout::bytes(row, chunk)));
+  }
+}
+
 }  // namespace fa

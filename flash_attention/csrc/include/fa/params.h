@@ -58,6 +58,12 @@ struct FwdParams {
   // [key_rows[2 j], key_rows[2 j + 1]) (the backward's dK/dV side; the same relation).
   const int* row_keys;
   const int* key_rows;
+  // A packed batch's query tiles (read only by the warp-specialized forward's segments build, and only when
+  // not null; flash_attention/varlen.py query_tiles): tile m covers query rows [q_tiles[2 m],
+  // q_tiles[2 m + 1]) of one sequence, at most kBlockQ of them, in the order the tiles are scheduled
+  // (longest first); num_m_blocks is the table's length, its unused tail empty tiles. Null: tile m covers
+  // rows m kBlockQ .. of the packed row, straddling sequences.
+  const int* q_tiles;
 };
 
 }  // namespace fa

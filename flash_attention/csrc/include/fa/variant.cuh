@@ -50,12 +50,24 @@ struct Variant {
   using ScoreMod = ScoreModPolicy;
 };
 
+template <class Keys>
+struct IsSegmentKeys {
+  static constexpr bool value = false;
+};
+template <>
+struct IsSegmentKeys<SegmentKeys> {
+  static constexpr bool value = true;
+};
+
 // A mask policy from a rule of fa/visible_keys.cuh (`Keys`, built per batch row from the params), whose
 // block ranges (fa/block_range.cuh) and element masks (fa/mask.cuh) are free functions overloaded on it.
 template <class Keys, bool kLowerBoundRule, bool kRowDependentRule>
 struct RuleMask {
   static constexpr bool kLowerBound = kLowerBoundRule;
   static constexpr bool kRowDependent = kRowDependentRule;
+  // A packed batch's runs (SegmentKeys): the one rule whose tiles may follow a tile table and whose blocks
+  // may be anchored at a tile's first key (fa/block_range.cuh, kv_blocks_anchored).
+  static constexpr bool kSegments = IsSegmentKeys<Keys>::value;
   Keys keys;
 
   template <class Params>

@@ -158,6 +158,34 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
   };
   // (Where later query blocks see more keys, causal: the longest, the last ones, first.)
   auto m_block_of = [&](const Tile& x) { return Mask::kRowDependent ? p.num_m_blocks - 1 - x.m_block : x.m_block; };
+  // A packed batch (the segments build) with a tile table (p.q_tiles, FwdParams says what it holds): tile m
+  // is rows [q_tiles[2 m], q_tiles[2 m + 1]) of one sequence, in the table's order (longest first), and
+  // its K/V blocks are anchored at its first visible key (fa/block_range.cuh, kv_blocks_anchored), so that
+  // no tile straddles two sequences' rows nor a block two sequences' keys. Without a table, tile m is
+  // rows m BR .. of the packed row, as in a dense batch.
+  constexpr bool kSegments = Mask::kSegments;
+  const bool seq_tiles = kSegments && p.q_tiles != nullptr;
+  struct Rows {
+    int start, count;  // the tile's first query row and how many of its BR rows are its own
+  };
+  auto rows_of = [&](const Tile& x) -> Rows {
+    if constexpr (kSegments) {
+      if (seq_tiles) {
+        const int start = __ldg(p.q_tiles + 2 * x.m_block);
+        return {start, min(__ldg(p.q_tiles + 2 * x.m_block + 1) - start, BR)};
+      }
+    }
+    const int start = m_block_of(x) * BR;
+    return {start, min(BR, p.seqlen_q - start)};
+  };
+  // The K/V blocks of a tile's rows, and the key at which block 0 starts (`origin`).
+  auto blocks_of = [&](const Mask& mask, const Rows& rows, int& origin) {
+    origin = 0;
+    if constexpr (kSegments) {
+      if (seq_tiles) return kv_blocks_anchored<BC>(mask.keys, rows.start, rows.count, origin);
+    }
+    return mask.template kv_blocks<BC>(rows.start, rows.count);
+  };
 
   const int wg = tid / 128;
   if (wg == 0) {
@@ -203,9 +231,11 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
                            ? (int)gridDim.x + atomicAdd(tp.tile_counter, 1)
                            : num_tiles;
       const Tile x = tile_at(tile);
-      const int q_start = m_block_of(x) * BR;
+      const Rows rows = rows_of(x);
+      const int q_start = rows.start;
       const Mask mask(p, x.batch, x.head);
-      const auto blocks = mask.template kv_blocks<BC>(q_start, min(BR, p.seqlen_q - q_start));
+      int origin;
+      const auto blocks = blocks_of(mask, rows, origin);
       const int n_iter = blocks.end - blocks.begin;
       const int qb = q_loads % NQ;  // this tile's Q buffer
       if (n_iter <= 0) {
@@ -227,7 +257,7 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
           // the (ring / NST - 1)-th completion of k_empty[s]; the same for V below.
           const u32 reuse = (ring / NST - 1) & 1;
           if (ring >= NST) mbar_wait(k_empty(s), reuse);
-          const int row = (blocks.begin + it) * BC;
+          const int row = origin + (blocks.begin + it) * BC;
           mbar_arrive_expect_tx(k_full(s), kTile);
 #pragma unroll
           for (int pn = 0; pn < NP; ++pn)
@@ -339,7 +369,13 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
     named_barrier_sync(4 + cwg, 128);
     stage_o_and_lse<D, OTile, BF, kFold>(p, o, row_max, row_sum, sOw, gL ? gL + 64 * cwg : nullptr,
                                          warp_row0 - 64 * cwg, g, t, rows, head_sink(p, x.head));
-    if constexpr (kTmaStore) {
+    // A TMA store writes the panel's 64 rows, clipped only at the tensor's end: a packed batch's tile that
+    // ends inside the tensor (its sequence's last rows) copies its rows out itself, or it would write
+    // over the next sequence's (another tile's) output. (Warpgroup-uniform.) That copy goes one chunk at a
+    // time: unrolled, its loads in flight spilled the main loop of the tile_overlap builds (64-84 bytes,
+    // 168-196 with soft-capping), and so did a second epilogue call site that ran cut tiles at their end
+    // instead of deferring them (60-72 bytes with soft-capping).
+    if (kTmaStore && (!kSegments || rows >= 64)) {
       // Each thread's staging stores (generic proxy) are made visible to the TMA unit (async proxy)
       // before the barrier lets the issuing thread start the copy.
       fence_proxy_async();
@@ -353,7 +389,10 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
     } else {
       named_barrier_sync(4 + cwg, 128);
       u16* gO = static_cast<u16*>(p.o) + o_offset(p, x.batch, x.head, q_start + 64 * cwg);
-      store_o_tile<64, D, 128, OTile>(p, gO, sOw, rows, ctid % 128);
+      if constexpr (kTmaStore)  // (only a cut tile comes here: the serial copy, which spills nothing)
+        store_o_tile_serial<64, D, 128, OTile>(p, gO, sOw, rows, ctid % 128);
+      else
+        store_o_tile<64, D, 128, OTile>(p, gO, sOw, rows, ctid % 128);
     }
   };
 
@@ -367,9 +406,9 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
   int pending = -1;
   auto pending_epilogue = [&] {
     const Tile x = tile_at(pending);
-    const int q_start = m_block_of(x) * BR;
-    float* gL = p.lse ? p.lse + lse_offset(p, x.batch, x.head, q_start) : nullptr;
-    warpgroup_epilogue(x, q_start, min(BR, p.seqlen_q - q_start), gL);
+    const Rows rows = rows_of(x);
+    float* gL = p.lse ? p.lse + lse_offset(p, x.batch, x.head, rows.start) : nullptr;
+    warpgroup_epilogue(x, rows.start, rows.count, gL);
     pending = -1;
   };
   int ring = 0;     // K/V blocks consumed so far, as the producer counts them
@@ -387,15 +426,19 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
     FA_TIMELINE_EVENT(tl, kTileBegin, tile);
     const Tile x = tile_at(tile);
     const int batch = x.batch, head = x.head;
-    const int q_start = m_block_of(x) * BR;
-    const int q_valid = min(BR, p.seqlen_q - q_start);
+    const Rows rows = rows_of(x);
+    const int q_start = rows.start;
+    const int q_valid = rows.count;
     u16* gO = static_cast<u16*>(p.o) + o_offset(p, batch, head, q_start);
     float* gL = p.lse ? p.lse + lse_offset(p, batch, head, q_start) : nullptr;
     const Mask mask(p, batch, head);
     const typename V::ScoreMod score_mod(p, batch, head);
-    const auto blocks = mask.template kv_blocks<BC>(q_start, q_valid);
+    int origin;
+    const auto blocks = blocks_of(mask, rows, origin);
     const int j_lo = blocks.begin;
     const int n_iter = blocks.end - j_lo;
+    // The first key of the tile's first block (the origin folded in, so one value lives through the loop).
+    const int kv_first = origin + j_lo * BC;
 #if FA_TRACE
     // Per tile: the persistent grid's block runs several, of which at most one is the traced one.
     trace::Tracer<Cfg> tr(p, batch, head, m_block_of(x), ctid / 32, lane);
@@ -438,7 +481,7 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
     // The variant's score function and mask (fa/variant.cuh), the online softmax step and dropout of S in
     // place (fa/softmax.cuh, fa/dropout.cuh); alpha gets the factors O's two rows must be rescaled by.
     auto softmax_step = [&](float (&sacc)[NS* 4], int it, float (&alpha)[2]) {
-      const int kv_start = (j_lo + it) * BC;
+      const int kv_start = kv_first + it * BC;
       static_assert(kFold, "the wgmma kernels' softmax is the folded one");
       constexpr bool kOffsets = ScoreModRowOffsets<typename V::ScoreMod>::value;
       float offset[1][2];
@@ -650,7 +693,15 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
 #if FA_TRACE
       trace_final(sQ, warp_row0);
 #endif
-      if constexpr (kTmaStore) {
+      const int wg_rows = q_valid - 64 * cwg;
+      if (kTmaStore && kSegments && wg_rows < 64) {
+        // A packed batch's tile ending inside the tensor: this warpgroup copies its own rows out (a TMA
+        // store would write all 64, over the next sequence's; warpgroup_epilogue says the same).
+        named_barrier_sync(4 + cwg, 128);
+        if (wg_rows > 0)
+          store_o_tile_serial<64, D, 128, PanelTile<BR>>(p, gO + 64 * cwg * p.o_row_stride, sQ + cwg * 64 * 128,
+                                                         wg_rows, ctid % 128);
+      } else if constexpr (kTmaStore) {
         // One thread per warpgroup stores the warpgroup's own rows (one TMA store per 64-column panel) once
         // its four warps have staged them (fence: visible to the TMA unit; named barrier 4 + cwg: only this
         // warpgroup's threads). The block's one tile: nothing stages over the rows again, and the block

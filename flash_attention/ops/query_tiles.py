@@ -1,0 +1,62 @@
+"""A packed batch's query tiles: each sequence's rows cut into tiles of their own (FwdParams::q_tiles, read by
+the warp-specialized forward's segments build), built on the device from the offsets that
+flash_attention.varlen notes on the runs."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["query_tiles", "tile_count"]
+
+
+def query_tiles(segments: tuple[torch.Tensor, torch.Tensor], block_q: int) -> torch.Tensor | None:
+    """The query tiles of a packed batch for a kernel of ``block_q``-row tiles, as an int32 (n, 2) tensor of
+    row ranges [start, end) (FwdParams::q_tiles), or None when the runs carry no offsets (then the kernels
+    tile the packed row as one sequence). Each sequence's rows are cut into tiles of its own, so no tile
+    straddles two sequences (a straddling tile visits both sequences' keys, every block masked: kernel log
+    96); the rows before the first and after the last sequence are tiles too, so every row is written. The
+    tiles are ordered by the keys they visit, most first, so that the longest run first and the last wave
+    is of short ones. n = ceil(total_q / block_q) + batch + 2 (an upper bound, known without reading the
+    offsets; the unused tail is empty tiles, [total_q, total_q)). Built on the device (no host read) once per
+    runs and tile height."""
+    row_keys = segments[0]
+    cu_q = getattr(row_keys, "_cu_q", None)
+    if cu_q is None:
+        return None
+    made = row_keys._query_tiles.get(block_q)
+    if made is not None:
+        return made
+    total_q = row_keys.shape[0]
+    count = tile_count(total_q, cu_q.numel() - 1, block_q)
+    device = row_keys.device
+    if total_q == 0:
+        made = torch.zeros(count, 2, dtype=torch.int32, device=device)
+    else:
+        # Piece boundaries: 0, the offsets, total_q, made nondecreasing and clamped to the rows (offsets that
+        # break the caller's promise then give wrong tiles, never rows outside q or rows written twice).
+        ends = torch.tensor([0, total_q], dtype=torch.int64, device=device)
+        bounds = torch.cat((ends[:1], cu_q.to(torch.int64).clamp(0, total_q), ends[1:])).cummax(0).values
+        rows = bounds[1:] - bounds[:-1]
+        tiles = (rows + block_q - 1) // block_q
+        last = tiles.cumsum(0)  # one past each piece's last tile
+        t = torch.arange(count, device=device)
+        piece = torch.searchsorted(last, t, right=True).clamp_max(rows.numel() - 1)
+        used = t < last[-1]
+        start = bounds[piece] + (t - (last[piece] - tiles[piece])) * block_q
+        end = torch.minimum(start + block_q, bounds[piece + 1])
+        start = torch.where(used, start, total_q)
+        end = torch.where(used, end, total_q)
+        keys = row_keys.to(torch.int64)
+        first_key = keys[start.clamp_max(total_q - 1), 0]
+        end_key = keys[(end - 1).clamp(0, total_q - 1), 1]
+        cost = torch.where(used & (end > start), end_key - first_key, -1)
+        order = torch.sort(cost, descending=True, stable=True).indices
+        made = torch.stack((start[order], end[order]), dim=1).to(torch.int32).contiguous()
+    row_keys._query_tiles[block_q] = made
+    return made
+
+
+def tile_count(total_q: int, batch: int, block_q: int) -> int:
+    """The length of :func:`query_tiles`'s table: every piece of rows (the batch's sequences, the rows before
+    the first and after the last) rounds up to whole tiles, at most one tile more than its share each."""
+    return -(-total_q // block_q) + batch + 2
