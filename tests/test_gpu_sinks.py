@@ -160,3 +160,36 @@ def test_compiled_training_with_sinks_is_one_graph():
     got = torch.autograd.grad(compiled(q, k, v, sinks), (q, k, v, sinks), do)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("family", ["default", "portable", "sm90"])
+def test_a_block_without_keys_has_the_sink_as_its_lse(family):
+    # A batch row whose key range is empty: every one of its query blocks sees no key and takes the kernels'
+    # empty-block path, whose rows must still count the sink (LSE = the sink, output 0), as the rows without
+    # keys of a block that has some do.
+    from flash_attention import ops
+    from flash_attention.configs import portable_config
+    from flash_attention.configs.heuristics import classic_hopper_config
+
+    if family == "sm90" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm_90 GPU")
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    q = torch.randn(2, 300, 4, 128, generator=gen, device="cuda").to(torch.bfloat16)
+    k, v = (torch.randn(2, 200, 2, 128, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(2))
+    sinks = torch.randn(4, generator=gen, device="cuda") + 2.0
+    key_range = torch.tensor([[0, 200], [50, 50]], dtype=torch.int32, device="cuda")
+    cfg = {
+        "default": None,
+        "portable": portable_config("bf16", 128, False, 300, 200),
+        "sm90": classic_hopper_config("bf16", 128, 300, False),
+    }[family]
+    out = torch.full_like(q, float("nan"))
+    o, lse = ops.cuda_forward(
+        q, k, v, causal=False, softmax_scale=128**-0.5, return_lse=True, out=out, config=cfg,
+        key_range=key_range, sinks=sinks,
+    )  # fmt: skip
+    assert torch.equal(o[1], torch.zeros_like(o[1]))
+    assert torch.equal(lse[1], sinks[:, None].expand(4, 300))
+    exact, exact_lse = attention_reference(q[:1], k[:1], v[:1], sinks=sinks, softmax_scale=128**-0.5)
+    assert (o[0].double() - exact[0]).abs().max().item() < 2e-2
+    assert (lse[0].double() - exact_lse[0]).abs().max().item() < 1e-2

@@ -34,15 +34,17 @@ def query_tiles(segments: tuple[torch.Tensor, torch.Tensor], block_q: int) -> to
     else:
         # Piece boundaries: 0, the offsets, total_q, made nondecreasing and clamped to the rows (offsets that
         # break the caller's promise then give wrong tiles, never rows outside q or rows written twice).
-        ends = torch.tensor([0, total_q], dtype=torch.int64, device=device)
-        bounds = torch.cat((ends[:1], cu_q.to(torch.int64).clamp(0, total_q), ends[1:])).cummax(0).values
+        # (Fills, not a host tensor copied over: no synchronisation, and a CUDA graph can capture it.)
+        first = torch.zeros(1, dtype=torch.int64, device=device)
+        last = torch.full((1,), total_q, dtype=torch.int64, device=device)
+        bounds = torch.cat((first, cu_q.to(torch.int64).clamp(0, total_q), last)).cummax(0).values
         rows = bounds[1:] - bounds[:-1]
         tiles = (rows + block_q - 1) // block_q
-        last = tiles.cumsum(0)  # one past each piece's last tile
+        after = tiles.cumsum(0)  # one past each piece's last tile
         t = torch.arange(count, device=device)
-        piece = torch.searchsorted(last, t, right=True).clamp_max(rows.numel() - 1)
-        used = t < last[-1]
-        start = bounds[piece] + (t - (last[piece] - tiles[piece])) * block_q
+        piece = torch.searchsorted(after, t, right=True).clamp_max(rows.numel() - 1)
+        used = t < after[-1]
+        start = bounds[piece] + (t - (after[piece] - tiles[piece])) * block_q
         end = torch.minimum(start + block_q, bounds[piece + 1])
         start = torch.where(used, start, total_q)
         end = torch.where(used, end, total_q)

@@ -4,24 +4,29 @@
 
 #include "fa/params.h"
 #include "fa/ptx.cuh"
+#include "fa/softmax.cuh"
 
 namespace fa {
 
-// A block none of whose rows sees any key: out = 0 and lse = -inf (when the caller wants the LSE: gL not
-// null) for its rows_valid rows. R rows x D columns by the block's kThreads threads; columns past head_dim
-// are not written. (The params are read here, not passed in: as arguments they are loaded in another order,
-// which changes the kernel's machine code.)
+// A block none of whose rows sees any key: out = 0 and, when the caller wants the LSE (gL not null), the LSE
+// of an empty row: -inf, or the head's attention sink, which is then the row's whole denominator (as
+// sink_row makes it for a row without keys in a block that has some: fa/softmax.cuh). For its rows_valid
+// rows; R rows x D columns by the block's kThreads threads; columns past head_dim are not written. (The
+// params are read here, not passed in: as arguments they are loaded in another order, which changes the
+// kernel's machine code.)
 template <int R, int D, int kThreads>
 __device__ __forceinline__ void store_empty_block(const FwdParams& p, u16* gO, float* gL, int rows_valid,
-                                                  int tid) {
+                                                  int head, int tid) {
   constexpr int C = D / 8;
   for (int idx = tid; idx < R * C; idx += kThreads) {
     const int row = idx / C, chunk = idx % C;
     if (row < rows_valid && chunk * 8 < p.head_dim)
       st_global_16(gO + row * p.o_row_stride + chunk * 8, make_uint4(0, 0, 0, 0));
   }
-  if (gL)
-    for (int row = tid; row < rows_valid; row += kThreads) gL[row] = neg_inf();
+  if (gL) {
+    const float lse = head_sink(p, head);
+    for (int row = tid; row < rows_valid; row += kThreads) gL[row] = lse;
+  }
 }
 
 // Copy the R x D output tile staged in shared memory at `s_tile` (laid out by `Layout`,

@@ -114,7 +114,7 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
 #if FA_TRACE
     tr.empty_block();
 #endif
-    store_empty_block<BR, D, kThreads>(p, gO, gL, q_valid, tid);
+    store_empty_block<BR, D, kThreads>(p, gO, gL, q_valid, head, tid);
     return;
   }
 

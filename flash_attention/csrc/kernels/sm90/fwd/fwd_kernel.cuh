@@ -104,7 +104,7 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
   // No key is visible to any row of this block: out = 0, lse = -inf. (This kernel's test is `<=` for both
   // variants; the sm80 kernel's own spelling is explained in fa/block_range.cuh.)
   if (n_blocks <= j_lo) {
-    store_empty_block<BR, D, NT>(p, gO, gL, q_valid, tid);
+    store_empty_block<BR, D, NT>(p, gO, gL, q_valid, head, tid);
     return;
   }
 

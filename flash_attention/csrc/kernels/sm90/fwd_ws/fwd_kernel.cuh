@@ -451,7 +451,7 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
 #if FA_TRACE
       tr.empty_block();
 #endif
-      store_empty_block<BR, D, NCT>(p, gO, gL, q_valid, ctid);
+      store_empty_block<BR, D, NCT>(p, gO, gL, q_valid, head, ctid);
       if constexpr (Cfg::kPersistent) mbar_arrive(q_empty(q_loads % NQ));  // this thread has read s_tile
       continue;
     }
