@@ -1,7 +1,8 @@
 """GPU tests of the transformers integration's packed-sequence route: Llama- and Mistral-style bf16 models
 with random weights on one row of packed documents (position_ids restarting, no cache) run one
 attention_varlen call per layer and no SDPA; logits within twice SDPA's distance from eager (SDPA computes
-the same 4-D mask exactly), and a training step's loss and gradients close to eager's."""
+the same 4-D mask exactly), and a training step's loss and gradients against float64 within twice SDPA's
+distance."""
 
 from __future__ import annotations
 
@@ -67,18 +68,26 @@ def test_packed_documents_run_on_varlen_and_match_eager(family, packed_calls):
 
 
 def test_packed_training_step_runs_on_varlen(packed_calls):
-    ours, eager, _ = _models("llama")
-    ours.train(), eager.train()
+    # A training step's loss and gradients against the same step in float64 (eager attention), within twice
+    # the distance of SDPA's bf16 step from it plus a floor (the accuracy rule: SDPA, handed the 4-D mask
+    # of the packed documents, is PyTorch's own error here).
+    ours, eager, sdpa = _models("llama")
+    truth = copy.deepcopy(eager).double()
     ids, positions = _packed()
-    loss_o = ours(ids, position_ids=positions, labels=ids, use_cache=False).loss
-    assert packed_calls["varlen"] == len(ours.model.layers) and packed_calls["sdpa"] == 0
-    loss_e = eager(ids, position_ids=positions, labels=ids, use_cache=False).loss
-    loss_o.backward()
-    loss_e.backward()
-    assert abs(loss_o.item() - loss_e.item()) <= 2e-2 * abs(loss_e.item())
-    for (name, p), q in zip(ours.named_parameters(), eager.parameters(), strict=True):
-        if q.grad is None:
+    losses = []
+    for i, model in enumerate((ours, sdpa, truth)):
+        model.train()
+        loss = model(ids, position_ids=positions, labels=ids, use_cache=False).loss
+        if i == 0:
+            assert packed_calls["varlen"] == len(ours.model.layers) and packed_calls["sdpa"] == 0
+        loss.backward()
+        losses.append(loss.item())
+    assert abs(losses[0] - losses[2]) <= 2 * abs(losses[1] - losses[2]) + 1e-3 * abs(losses[2])
+    for (name, p), s, t in zip(ours.named_parameters(), sdpa.parameters(), truth.parameters(), strict=True):
+        if t.grad is None:
             continue
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
-        scale = q.grad.float().abs().max().item()
-        assert (p.grad.float() - q.grad.float()).abs().max().item() <= 0.1 * scale + 1e-3, name
+        scale = t.grad.abs().max().item()
+        err = (p.grad.double() - t.grad).abs().max().item()
+        bound = 2 * (s.grad.double() - t.grad).abs().max().item() + 1e-2 * scale + 1e-6
+        assert err <= bound, f"{name}: {err:.3g} against float64 > {bound:.3g}"
