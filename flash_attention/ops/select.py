@@ -49,6 +49,19 @@ def dropout_config(cfg: KernelConfig) -> KernelConfig:
     return cfg
 
 
+def packed_config(cfg: KernelConfig) -> KernelConfig:
+    """The forward config of a packed batch (the segments build) from the dense pick at its sequences'
+    typical length: at head_dim 128, one block per tile where the dense pick is the persistent grid with the
+    epilogue under the next tile (tile_overlap). A packed batch has many tiles of unequal cost, ordered
+    longest first (ops.query_tiles), which the hardware's block scheduler balances as well as the atomic
+    counter; the persistent grid's overlap did not pay for itself there: bench --varlen's documents
+    (typical length 3.6k) non-causal 0.92-0.97x the time with one block per tile, 512..4k-token documents
+    causal 0.975x (H100; docs/kernel-log.md, step 97)."""
+    if cfg.warp_specialized and cfg.tile_overlap and cfg.head_dim == 128:
+        return cfg.replace(persistent=False, tile_overlap=False, block_kv=128)
+    return cfg
+
+
 def _check_explicit(cfg, dtype: str, head_dim: int, missing: list[str], smem: int, limit: int) -> None:
     if cfg.dtype != dtype:
         raise ValueError(f"config {cfg.name()} is for {cfg.dtype}, but q is {dtype}")
@@ -106,6 +119,8 @@ def forward_config(
         cfg = portable_config(dtype, head_dim, causal, seqlen_q, seqlen_k)
     if "negative_scale" in features and cfg.opt_softmax:
         cfg = cfg.replace(opt_softmax=False)
+    if "segments" in features:
+        cfg = packed_config(cfg)
     if "dropout" in features:
         cfg = dropout_config(cfg)
     if cfg.smem_bytes > smem_limit:
