@@ -185,44 +185,16 @@ def test_offsets_changed_in_place_are_seen():
     assert not torch.equal(first, second)
 
 
-def _tiles_of(cu_q, total_q, block_q, cu_k=None, causal=False, total_k=None):
-    from flash_attention.ops.query_tiles import key_tiles, query_tiles, tile_count
+def _tiles_of(cu_q, total_q, block_q, cu_k=None, causal=False):
+    from flash_attention.ops.query_tiles import query_tiles, tile_count
     from flash_attention.varlen import _with_tiles
 
     cu_k = cu_q if cu_k is None else cu_k
-    total_k = int(cu_k[-1]) if total_k is None else total_k
-    runs = _with_tiles(segments(cu_q, cu_k, total_q, total_k, causal=causal), cu_q, cu_k)
+    runs = _with_tiles(segments(cu_q, cu_k, total_q, int(cu_k[-1]), causal=causal), cu_q)
     table = query_tiles(runs, block_q)
-    keys = key_tiles(runs, block_q)
     assert table.dtype == torch.int32 and table.shape == (tile_count(total_q, cu_q.numel() - 1, block_q), 2)
-    assert keys.dtype == torch.int32 and keys.shape == (tile_count(total_k, cu_k.numel() - 1, block_q), 2)
-    assert query_tiles(runs, block_q) is table and key_tiles(runs, block_q) is keys  # built once
-    return runs, table, keys
-
-
-def _check_tiles(table, total, cu, lengths, extra, block, runs):
-    """Every row (key) in exactly one tile, each tile at most ``block`` of one piece (a sequence, or the
-    rows after the last one), the unused tail [total, total); ordered by what each tile visits, most
-    first (its first row's first key to its last row's last key, or the same for keys)."""
-    start, end = table[:, 0].long(), table[:, 1].long()
-    used = end > start
-    covered = torch.zeros(total, dtype=torch.int64)
-    for a, b in zip(start[used].tolist(), end[used].tolist(), strict=True):
-        assert b - a <= block
-        covered[a:b] += 1
-        piece = int(torch.searchsorted(cu[1:].long(), torch.tensor(a), right=True))
-        if piece < len(lengths):
-            assert int(cu[piece]) <= a and b <= int(cu[piece + 1]), (a, b)
-        else:
-            assert a >= int(cu[-1])
-    assert torch.equal(covered, torch.ones(total, dtype=torch.int64))
-    assert ((start == total) & (end == total))[~used].all()
-    assert int(used.sum()) == sum(-(-n // block) for n in [*lengths, extra])
-    r = runs.long()
-    cost = torch.where(
-        used, r[(end - 1).clamp(0, max(total - 1, 0)), 1] - r[start.clamp_max(total - 1), 0], -1
-    )
-    assert (cost[:-1] >= cost[1:]).all()
+    assert query_tiles(runs, block_q) is table  # built once per runs and tile height
+    return runs, table
 
 
 @pytest.mark.parametrize(
@@ -235,21 +207,39 @@ def _check_tiles(table, total, cu, lengths, extra, block, runs):
     ],
 )
 @pytest.mark.parametrize("causal", [False, True])
-def test_tiles_partition_each_sequence_longest_first(lengths, extra, block_q, causal):
-    # Queries and keys of other lengths (each sequence 3 keys more, and 5 keys past the last).
-    lengths_k = [n + 3 for n in lengths]
-    cu_q, cu_k = _offsets(lengths), _offsets(lengths_k)
-    total_q, total_k = int(cu_q[-1]) + extra, int(cu_k[-1]) + 5
-    runs, table, keys = _tiles_of(cu_q, total_q, block_q, cu_k=cu_k, causal=causal, total_k=total_k)
-    _check_tiles(table, total_q, cu_q, lengths, extra, block_q, runs[0])
-    _check_tiles(keys, total_k, cu_k, lengths_k, 5, block_q, runs[1])
+def test_query_tiles_partition_each_sequence_longest_first(lengths, extra, block_q, causal):
+    cu_q = _offsets(lengths)
+    total_q = int(cu_q[-1]) + extra
+    runs, table = _tiles_of(cu_q, total_q, block_q, causal=causal)
+    start, end = table[:, 0].long(), table[:, 1].long()
+    used = end > start
+    # Every row in exactly one tile, each tile at most block_q rows of one piece (a sequence, or the rows
+    # after the last one); the unused tail [total_q, total_q).
+    covered = torch.zeros(total_q, dtype=torch.int64)
+    for a, b in zip(start[used].tolist(), end[used].tolist(), strict=True):
+        assert b - a <= block_q
+        covered[a:b] += 1
+        piece = int(torch.searchsorted(cu_q[1:].long(), torch.tensor(a), right=True))
+        if piece < len(lengths):
+            assert int(cu_q[piece]) <= a and b <= int(cu_q[piece + 1]), (a, b)
+        else:
+            assert a >= int(cu_q[-1])
+    assert torch.equal(covered, torch.ones(total_q, dtype=torch.int64))
+    assert ((start == total_q) & (end == total_q))[~used].all()
+    assert int(used.sum()) == sum(-(-n // block_q) for n in [*lengths, extra])
+    # Longest first: the keys a tile visits (its first row's first key to its last row's last key).
+    rk = runs[0].long()
+    cost = torch.where(
+        used, rk[(end - 1).clamp(0, max(total_q - 1, 0)), 1] - rk[start.clamp_max(total_q - 1), 0], -1
+    )
+    assert (cost[:-1] >= cost[1:]).all()
 
 
 def test_query_tiles_of_bad_offsets_stay_a_partition_of_the_rows():
     # Offsets that break the caller's promise (decreasing, past the rows): wrong tiles, but every row is in
     # one tile and no tile leaves [0, total_q), so the kernel writes no row twice and none outside q.
     cu_q = torch.tensor([5, 90, 40, 400, 30], dtype=torch.int32)
-    _, table, _ = _tiles_of(cu_q, 100, 32, cu_k=torch.tensor([0, 10, 20, 30, 40], dtype=torch.int32))
+    _, table = _tiles_of(cu_q, 100, 32, cu_k=torch.tensor([0, 10, 20, 30, 40], dtype=torch.int32))
     start, end = table[:, 0].long(), table[:, 1].long()
     assert (start >= 0).all() and (end <= 100).all() and (end >= start).all()
     covered = torch.zeros(100, dtype=torch.int64)
@@ -259,5 +249,5 @@ def test_query_tiles_of_bad_offsets_stay_a_partition_of_the_rows():
 
 
 def test_no_rows_no_tiles():
-    _, table, keys = _tiles_of(torch.tensor([0, 0], dtype=torch.int32), 0, 128)
-    assert (table == 0).all() and (keys == 0).all()
+    _, table = _tiles_of(torch.tensor([0, 0], dtype=torch.int32), 0, 128)
+    assert (table == 0).all()

@@ -34,11 +34,9 @@ from .plans import (
     launch_all,
     score_features,
     score_function,
-    segment_count,
     segment_lengths,
     window_bounds,
 )
-from .query_tiles import key_tiles, tile_count
 from .select import backward_config
 from .tensors import check_grid, kernel_ready, pad_head_dim, padded_to_8
 
@@ -64,9 +62,6 @@ class _Plan:
     dkdv_kind: str  # the dK/dV entry point: "dkdv" or "dkdv_det"
     # The compiled training node's copy of this plan (ops.training), made at its first use.
     host_program: list = field(default_factory=list, compare=False)
-    # A packed batch on the warp-specialized dK/dV kernel: the tile width of its key-tile table
-    # (ops.query_tiles.key_tiles, bound at each launch); 0: none (tiles of the packed row).
-    k_tiles: int = 0
 
     @property
     def launches(self) -> tuple:
@@ -116,7 +111,6 @@ def _make_plan(
     score=None,
     softcap=0.0,
     lengths=None,
-    sequences=None,
 ) -> _Plan:
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
@@ -177,12 +171,6 @@ def _make_plan(
         p.window_left, p.window_right = window
     p.softcap = softcap  # (ALiBi's slopes are a per-call pointer: cuda_backward)
     p.num_n_blocks = math.ceil(seqlen_k / cfg.block_kv)
-    # A packed batch on the warp-specialized dK/dV kernel: one block per key tile of its table (bound at each
-    # launch; the deterministic form's dQ turns assume the packed row's blocks, and takes no segments).
-    k_tiles = 0
-    if build == SEGMENTS and cfg.warp_specialized and not deterministic and sequences is not None:
-        k_tiles = cfg.block_kv
-        p.num_n_blocks = tile_count(seqlen_k, sequences, k_tiles)
     # The fp32 workspace: the base-2 LSE and delta rows (written by the preprocessing kernel), then the dQ
     # accumulator of the atomic mode (padded to whole 128-row blocks and the compiled head_dim, so the
     # atomics need no bounds checks; zeroed by the preprocessing kernel), and for the deterministic
@@ -208,16 +196,14 @@ def _make_plan(
         stats,
         accum,
         dkdv_kind,
-        k_tiles=k_tiles,
     )
 
 
 def plan_for(
     q_, k_, v_, o_, do_, lse_, causal, scale, deterministic, ranged, dropout_p, config, window=None,
-    score=None, softcap=0.0, lengths=None, sequences=None,
+    score=None, softcap=0.0, lengths=None,
 ) -> _Plan:  # fmt: skip
-    """The plan of a call on kernel-ready tensors (made on a miss); ``sequences``: a packed batch's sequence
-    count when its runs carry the offsets of a key-tile table (plans.segment_count)."""
+    """The plan of a call on kernel-ready tensors (made on a miss)."""
     key = (
         q_.shape,
         q_.stride(),
@@ -239,13 +225,12 @@ def plan_for(
         score,
         softcap,
         lengths,
-        sequences,
     )
     return _plans.get(
         key,
         lambda: _make_plan(
             q_, k_, v_, o_, do_, lse_, causal, scale, deterministic, ranged, dropout_p, config, window, score,
-            softcap, lengths, sequences,
+            softcap, lengths,
         ),
     )  # fmt: skip
 
@@ -324,7 +309,7 @@ def cuda_backward(
     ranged = key_range is not None
     plan = plan_for(
         q_, k_, v_, o_, do_, lse_, causal, softmax_scale, deterministic, ranged, dropout_p, config, bounds,
-        score, float(softcap), segment_lengths(segments), segment_count(segments),
+        score, float(softcap), segment_lengths(segments),
     )  # fmt: skip
     stats, accum = plan.stats, plan.accum
     ws = torch.empty(2 * stats + accum, dtype=torch.float32, device=device)
@@ -345,8 +330,6 @@ def cuda_backward(
         fill_score(p, p.softcap, alibi_slopes)
     if segments is not None:
         p.row_keys, p.key_rows = segments[0].data_ptr(), segments[1].data_ptr()
-        if plan.k_tiles:  # (held by the runs, which outlive the launches' queuing)
-            p.k_tiles = key_tiles(segments, plan.k_tiles).data_ptr()
 
     launch_all(plan.launches, plan.index, p, current_stream(plan.index))
     if sinks is not None:

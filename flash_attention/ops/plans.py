@@ -134,9 +134,8 @@ def segment_lengths(segments: tuple | None) -> tuple[int, int] | None:
 
 
 def segment_count(segments: tuple | None) -> int | None:
-    """A packed batch's sequence count when its runs carry the offsets its tile tables are cut by (the
-    warp-specialized forward's query tiles and dK/dV kernel's key tiles: ops.query_tiles); None
-    otherwise."""
+    """A packed batch's sequence count when its runs carry the query offsets the warp-specialized forward's
+    query-tile table is cut by (flash_attention.varlen.query_tiles); None otherwise."""
     cu_q = None if segments is None else getattr(segments[0], "_cu_q", None)
     return None if cu_q is None else cu_q.numel() - 1
 

@@ -58,11 +58,6 @@ struct BwdParams {
   int alibi_batch_stride;
   const int* row_keys;  // as in FwdParams (SegmentMask instantiations only)
   const int* key_rows;
-  // A packed batch's key tiles (read only by the warp-specialized dK/dV kernel's segments build, and only
-  // when not null; flash_attention/ops/query_tiles.py key_tiles): tile n covers keys [k_tiles[2 n],
-  // k_tiles[2 n + 1]) of one sequence, at most kBlockKV of them, longest first; num_n_blocks is the
-  // table's length. Null: tile n covers keys n kBlockKV .. of the packed row.
-  const int* k_tiles;
 };
 
 }  // namespace fa

@@ -144,28 +144,12 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
   const int n_block = kDeterministic ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
   const int kv_head = blockIdx.y;
   const int batch = blockIdx.z;
-  int kv_start = n_block * BC;
-  int kv_rows = p.seqlen_k - kv_start;  // the block's own keys (fewer than BC in the last)
+  const int kv_start = n_block * BC;
 
   // The query blocks [m_begin, m_begin + m_count) that see some key of this block (the variant's mask); the
   // block walks them for every query head of its GQA group, so dK and dV are summed over the group.
-  Mask mask(p, batch, kv_head);
-  // A packed batch with a key-tile table (p.k_tiles, BwdParams says what it holds): block n is keys
-  // [k_tiles[2 n], k_tiles[2 n + 1]) of one sequence, so that no block straddles two sequences' keys and
-  // walks both sequences' query rows, masked. Its query blocks stay on the grid of 128-row blocks that the
-  // dQ workspace's 64-row units are tiled by (fa/dq_accum.cuh); keys past the tile's end are another
-  // tile's, masked whole (SegmentKeys::end_keys_at) and loaded as zeros.
-  bool no_keys = false;
-  if constexpr (Mask::kSegments && !kDeterministic) {
-    if (p.k_tiles != nullptr) {
-      kv_start = __ldg(p.k_tiles + 2 * n_block);
-      kv_rows = min(__ldg(p.k_tiles + 2 * n_block + 1) - kv_start, BC);
-      no_keys = kv_rows <= 0;  // the table's unused tail
-      if (!no_keys) mask.keys.end_keys_at(kv_start + kv_rows);
-    }
-  }
-  auto blocks = mask.template q_blocks<BR, BC>(p, kv_start);
-  if (no_keys) blocks.count = 0;
+  const Mask mask(p, batch, kv_head);
+  const auto blocks = mask.template q_blocks<BR, BC>(p, kv_start);
   const int m_begin = blocks.begin;
   const int m_count = blocks.count;
   const int n_iter = p.group * m_count;
@@ -243,9 +227,9 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
       if (it == 0) {
         const u16* gK = static_cast<const u16*>(p.k) + k_offset(p, batch, kv_head, kv_start);
         const u16* gV = static_cast<const u16*>(p.v) + v_offset(p, batch, kv_head, kv_start);
-        load_tile_rolled<BC, D, kLoaders, KVTile>(sK, gK, p.k_row_stride, kv_rows, p.head_dim,
+        load_tile_rolled<BC, D, kLoaders, KVTile>(sK, gK, p.k_row_stride, p.seqlen_k - kv_start, p.head_dim,
                                                   tid);
-        load_tile_rolled<BC, D, kLoaders, KVTile>(sV, gV, p.v_row_stride, kv_rows, p.head_dim,
+        load_tile_rolled<BC, D, kLoaders, KVTile>(sV, gV, p.v_row_stride, p.seqlen_k - kv_start, p.head_dim,
                                                   tid);
       }
       const int head = head_of(it);
@@ -510,7 +494,7 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
   if (!kDeterministic && ctid % 128 == 0) bulk_wait<0>();
 
   // ---- epilogue: dK, dV (scale already folded into dS) ---------------------------------------------------
-  store_dk_dv<D, BF>(p, batch, kv_head, kv_start, kv_rows, row0, g, t, dk, dv);
+  store_dk_dv<D, BF>(p, batch, kv_head, kv_start, row0, g, t, dk, dv);
 }
 
 }  // namespace sm90
