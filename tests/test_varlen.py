@@ -185,16 +185,15 @@ def test_offsets_changed_in_place_are_seen():
     assert not torch.equal(first, second)
 
 
-def _tiles_of(cu_q, total_q, block_q, cu_k=None, causal=False, from_end=False):
+def _tiles_of(cu_q, total_q, block_q, cu_k=None, causal=False):
     from flash_attention.ops.query_tiles import query_tiles, tile_count
     from flash_attention.varlen import _with_tiles
 
     cu_k = cu_q if cu_k is None else cu_k
     runs = _with_tiles(segments(cu_q, cu_k, total_q, int(cu_k[-1]), causal=causal), cu_q)
-    table = query_tiles(runs, block_q, from_end)
+    table = query_tiles(runs, block_q)
     assert table.dtype == torch.int32 and table.shape == (tile_count(total_q, cu_q.numel() - 1, block_q), 2)
-    assert query_tiles(runs, block_q, from_end) is table  # built once per runs, tile height and side
-    assert query_tiles(runs, block_q, not from_end) is not table
+    assert query_tiles(runs, block_q) is table  # built once per runs and tile height
     return runs, table
 
 
@@ -207,11 +206,11 @@ def _tiles_of(cu_q, total_q, block_q, cu_k=None, causal=False, from_end=False):
         ([], 10, 128),  # no sequence: every row is the trailing piece's
     ],
 )
-@pytest.mark.parametrize("causal, from_end", [(False, False), (True, False), (True, True)])
-def test_query_tiles_partition_each_sequence_longest_first(lengths, extra, block_q, causal, from_end):
+@pytest.mark.parametrize("causal", [False, True])
+def test_query_tiles_partition_each_sequence_longest_first(lengths, extra, block_q, causal):
     cu_q = _offsets(lengths)
     total_q = int(cu_q[-1]) + extra
-    runs, table = _tiles_of(cu_q, total_q, block_q, causal=causal, from_end=from_end)
+    runs, table = _tiles_of(cu_q, total_q, block_q, causal=causal)
     start, end = table[:, 0].long(), table[:, 1].long()
     used = end > start
     # Every row in exactly one tile, each tile at most block_q rows of one piece (a sequence, or the rows
@@ -228,11 +227,6 @@ def test_query_tiles_partition_each_sequence_longest_first(lengths, extra, block
     assert torch.equal(covered, torch.ones(total_q, dtype=torch.int64))
     assert ((start == total_q) & (end == total_q))[~used].all()
     assert int(used.sum()) == sum(-(-n // block_q) for n in [*lengths, extra])
-    # The cut tile of each piece is its last (from the start) or its first (from the end).
-    for a, b in zip(start[used].tolist(), end[used].tolist(), strict=True):
-        if b - a < block_q:
-            bounds = [0, *cu_q.tolist(), total_q]
-            assert (a in bounds) if from_end else (b in bounds), (a, b)
     # Longest first: the keys a tile visits (its first row's first key to its last row's last key).
     rk = runs[0].long()
     cost = torch.where(

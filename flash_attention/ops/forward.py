@@ -494,7 +494,7 @@ def launch_plan(
     if segments is not None:
         p.row_keys, p.key_rows = segments[0].data_ptr(), segments[1].data_ptr()
         if plan.q_tiles:  # (held by the runs, which outlive the launch's queuing)
-            p.q_tiles = query_tiles(segments, plan.q_tiles, from_end=plan.causal).data_ptr()
+            p.q_tiles = query_tiles(segments, plan.q_tiles).data_ptr()
     launch(plan.kernel, plan.grid, plan.threads, plan.smem, plan.index, args)
 
 

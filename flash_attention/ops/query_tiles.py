@@ -9,9 +9,7 @@ import torch
 __all__ = ["query_tiles", "tile_count"]
 
 
-def query_tiles(
-    segments: tuple[torch.Tensor, torch.Tensor], block_q: int, from_end: bool = False
-) -> torch.Tensor | None:
+def query_tiles(segments: tuple[torch.Tensor, torch.Tensor], block_q: int) -> torch.Tensor | None:
     """The query tiles of a packed batch for a kernel of ``block_q``-row tiles, as an int32 (n, 2) tensor of
     row ranges [start, end) (FwdParams::q_tiles), or None when the runs carry no offsets (then the kernels
     tile the packed row as one sequence). Each sequence's rows are cut into tiles of its own, so no tile
@@ -20,18 +18,12 @@ def query_tiles(
     tiles are ordered by the keys they visit, most first, so that the longest run first and the last wave
     is of short ones. n = ceil(total_q / block_q) + batch + 2 (an upper bound, known without reading the
     offsets; the unused tail is empty tiles, [total_q, total_q)). Built on the device (no host read) once per
-    runs, tile height and side.
-
-    ``from_end``: each sequence is cut from its last row back, so that its first tile is the short one
-    rather than its last. Causal, the first rows see the fewest keys: a short first tile wastes little of a
-    block's work where a short last tile, which sees every key, wastes up to half of the sequence's most
-    expensive tile (and the kernel's key blocks, anchored at a tile's end, then meet the diagonal as a
-    dense batch's do)."""
+    runs and tile height."""
     row_keys = segments[0]
     cu_q = getattr(row_keys, "_cu_q", None)
     if cu_q is None:
         return None
-    made = row_keys._query_tiles.get((block_q, from_end))
+    made = row_keys._query_tiles.get(block_q)
     if made is not None:
         return made
     total_q = row_keys.shape[0]
@@ -52,13 +44,8 @@ def query_tiles(
         t = torch.arange(count, device=device)
         piece = torch.searchsorted(after, t, right=True).clamp_max(rows.numel() - 1)
         used = t < after[-1]
-        m = t - (after[piece] - tiles[piece])  # the tile's index in its piece
-        if from_end:
-            end = bounds[piece + 1] - m * block_q
-            start = torch.maximum(end - block_q, bounds[piece])
-        else:
-            start = bounds[piece] + m * block_q
-            end = torch.minimum(start + block_q, bounds[piece + 1])
+        start = bounds[piece] + (t - (after[piece] - tiles[piece])) * block_q
+        end = torch.minimum(start + block_q, bounds[piece + 1])
         start = torch.where(used, start, total_q)
         end = torch.where(used, end, total_q)
         keys = row_keys.to(torch.int64)
@@ -67,7 +54,7 @@ def query_tiles(
         cost = torch.where(used & (end > start), end_key - first_key, -1)
         order = torch.sort(cost, descending=True, stable=True).indices
         made = torch.stack((start[order], end[order]), dim=1).to(torch.int32).contiguous()
-    row_keys._query_tiles[(block_q, from_end)] = made
+    row_keys._query_tiles[block_q] = made
     return made
 
 

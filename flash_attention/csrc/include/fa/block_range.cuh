@@ -119,14 +119,11 @@ __device__ __forceinline__ KVBlocks<true> kv_blocks(const SegmentKeys& keys, int
 }
 
 // Segments, a query tile of one sequence (the warp-specialized forward's tile table, FwdParams::q_tiles):
-// the blocks on a grid anchored at the tile's last visible key, not at key 0: block j holds keys origin +
-// j BC .., the last block ending just past the last row's last key (and the first cut, starting before the
-// first visible key; origin >= 0: at the tensor's start the grid starts at key 0 instead). The grid at key
-// 0 cut each sequence's first and last key blocks, one extra block and two masked ones per tile on
-// average, which cost the packed non-causal forward 7% against the same documents rounded to whole tiles
-// (kernel log 96); anchored at the end, a causal tile's diagonal ends its last block, as in a dense batch,
-// when the table cuts sequences from their ends (ops.query_tiles, from_end). Empty (end == begin == 0)
-// for a tile without rows (the table's unused tail) or without keys.
+// the blocks on a grid anchored at the tile's first visible key, `origin`, instead of at key 0 (block j
+// holds keys origin + j BC ..). A sequence's keys then start a block as in a dense batch: the grid at key 0
+// cut each sequence's first and last block, one extra block and two masked ones per tile on average, which
+// cost the packed non-causal forward 7% against the same documents rounded to whole tiles (kernel log 96).
+// Empty (end == begin == 0) for a tile without rows (the table's unused tail) or without keys.
 template <int BC>
 __device__ __forceinline__ KVBlocks<true> kv_blocks_anchored(const SegmentKeys& keys, int q_start, int q_rows,
                                                              int& origin) {
@@ -135,16 +132,9 @@ __device__ __forceinline__ KVBlocks<true> kv_blocks_anchored(const SegmentKeys& 
   blocks.end = 0;
   origin = 0;
   if (q_rows > 0) {
-    const int lo = keys.first_key(q_start);
+    origin = keys.first_key(q_start);
     const int hi = keys.end_key(q_start + q_rows - 1);
-    if (hi > lo) {
-      blocks.end = (hi - lo + BC - 1) / BC;
-      origin = hi - blocks.end * BC;
-      if (origin < 0) {
-        origin = 0;
-        blocks.end = (hi + BC - 1) / BC;
-      }
-    }
+    blocks.end = hi > origin ? (hi - origin + BC - 1) / BC : 0;
   }
   return blocks;
 }
