@@ -210,8 +210,14 @@ def _build_line(rep: _Report, label: str, cfg, arch: str, kind: str, recompile: 
         return False
     dt = time.perf_counter() - t0
     how = f"loaded from the cache in {dt * 1000:.0f} ms" if built.from_cache else f"compiled in {dt:.1f} s"
-    regs = max(r["registers"] for r in built.meta["resources"])
-    spill = max(r["spill_stores"] for r in built.meta["resources"])
+    resources = built.meta.get("resources") or []
+    if not resources:
+        # A cache entry whose compile left no ptxas report (seen once on a GPU machine whose cache other
+        # processes had filled; the cause is not pinned down): the kernel is still the one the call runs.
+        rep.line(label, f"{cfg.name()} for {built.arch}: {how} (no register report in its cache entry)")
+        return True
+    regs = max(r["registers"] for r in resources)
+    spill = max(r["spill_stores"] for r in resources)
     roles = register_roles(cfg) if isinstance(cfg, KernelConfig) else ""
     regs_text = f"{regs} registers at launch; {roles}" if roles else f"up to {regs} registers"
     rep.line(label, f"{cfg.name()} for {built.arch}: {how} ({regs_text}, {spill} B spilled)")
