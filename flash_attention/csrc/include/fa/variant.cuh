@@ -59,6 +59,20 @@ struct IsSegmentKeys<SegmentKeys> {
   static constexpr bool value = true;
 };
 
+// Whether a mask policy is a packed batch's runs (RuleMask<SegmentKeys>: kSegments), false for any policy
+// that does not say, so that a new policy need not declare it (docs/design.md, "Adding an attention
+// variant", lists what a policy must have).
+template <class...>
+using VoidT = void;
+template <class Mask, class = void>
+struct MaskIsSegments {
+  static constexpr bool value = false;
+};
+template <class Mask>
+struct MaskIsSegments<Mask, VoidT<decltype(Mask::kSegments)>> {
+  static constexpr bool value = Mask::kSegments;
+};
+
 // A mask policy from a rule of fa/visible_keys.cuh (`Keys`, built per batch row from the params), whose
 // block ranges (fa/block_range.cuh) and element masks (fa/mask.cuh) are free functions overloaded on it.
 template <class Keys, bool kLowerBoundRule, bool kRowDependentRule>

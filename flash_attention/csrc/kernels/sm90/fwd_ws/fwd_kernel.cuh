@@ -163,7 +163,7 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
   // its K/V blocks are anchored at its first visible key (fa/block_range.cuh, kv_blocks_anchored), so that
   // no tile straddles two sequences' rows nor a block two sequences' keys. Without a table, tile m is
   // rows m BR .. of the packed row, as in a dense batch.
-  constexpr bool kSegments = Mask::kSegments;
+  constexpr bool kSegments = MaskIsSegments<Mask>::value;
   const bool seq_tiles = kSegments && p.q_tiles != nullptr;
   struct Rows {
     int start, count;  // the tile's first query row and how many of its BR rows are its own
