@@ -50,38 +50,12 @@ struct Variant {
   using ScoreMod = ScoreModPolicy;
 };
 
-template <class Keys>
-struct IsSegmentKeys {
-  static constexpr bool value = false;
-};
-template <>
-struct IsSegmentKeys<SegmentKeys> {
-  static constexpr bool value = true;
-};
-
-// Whether a mask policy is a packed batch's runs (RuleMask<SegmentKeys>: kSegments), false for any policy
-// that does not say, so that a new policy need not declare it (docs/design.md, "Adding an attention
-// variant", lists what a policy must have).
-template <class...>
-using VoidT = void;
-template <class Mask, class = void>
-struct MaskIsSegments {
-  static constexpr bool value = false;
-};
-template <class Mask>
-struct MaskIsSegments<Mask, VoidT<decltype(Mask::kSegments)>> {
-  static constexpr bool value = Mask::kSegments;
-};
-
 // A mask policy from a rule of fa/visible_keys.cuh (`Keys`, built per batch row from the params), whose
 // block ranges (fa/block_range.cuh) and element masks (fa/mask.cuh) are free functions overloaded on it.
 template <class Keys, bool kLowerBoundRule, bool kRowDependentRule>
 struct RuleMask {
   static constexpr bool kLowerBound = kLowerBoundRule;
   static constexpr bool kRowDependent = kRowDependentRule;
-  // A packed batch's runs (SegmentKeys): the one rule whose tiles may follow a tile table and whose blocks
-  // may be anchored at a tile's first key (fa/block_range.cuh, kv_blocks_anchored).
-  static constexpr bool kSegments = IsSegmentKeys<Keys>::value;
   Keys keys;
 
   template <class Params>
@@ -258,6 +232,18 @@ template <bool kRanged>
 using WindowVariant = Variant<WindowMask<kRanged>, NoScoreMod>;
 // Segments (SegmentKeys): per-row key runs from the host, a packed batch of sequences (varlen).
 using SegmentMask = RuleMask<SegmentKeys, true, true>;
+
+// Whether a mask policy is a packed batch's runs: the one policy whose tiles may follow a tile table and
+// whose blocks may be anchored at a tile's first key (the warp-specialized forward, fa/block_range.cuh
+// kv_blocks_anchored). False for every other policy, a new one included, which need not say anything.
+template <class Mask>
+struct MaskIsSegments {
+  static constexpr bool value = false;
+};
+template <>
+struct MaskIsSegments<SegmentMask> {
+  static constexpr bool value = true;
+};
 
 // Whether a forward keeps the scale folded into exp2's multiplier (fa/softmax.cuh): where the kernel's
 // config asks for it; a score function then runs in its folded form (score_mod_query_rows_folded).
