@@ -248,6 +248,22 @@ def test_query_tiles_of_bad_offsets_stay_a_partition_of_the_rows():
     assert torch.equal(covered, torch.ones(100, dtype=torch.int64))
 
 
+def test_plans_are_made_per_power_of_two_of_sequences():
+    from flash_attention.ops.plans import segment_count
+    from flash_attention.ops.query_tiles import sequence_bucket, tile_count
+    from flash_attention.varlen import _with_tiles
+
+    assert [sequence_bucket(n) for n in (0, 1, 2, 3, 4, 5, 17, 64)] == [0, 1, 2, 4, 4, 8, 32, 64]
+    counts = set()
+    for n in range(5, 9):  # 5..8 documents of one packed length: one plan's grid
+        cu = _offsets([40] * (n - 1) + [320 - 40 * (n - 1)])
+        runs = _with_tiles(segments(cu, cu, 320, 320, causal=True), cu)
+        counts.add(segment_count(runs))
+        _, table = _tiles_of(cu, 320, 64)
+        assert table.shape[0] == tile_count(320, segment_count(runs), 64)
+    assert counts == {8}
+
+
 def test_no_rows_no_tiles():
     _, table = _tiles_of(torch.tensor([0, 0], dtype=torch.int32), 0, 128)
     assert (table == 0).all()

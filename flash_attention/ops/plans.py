@@ -19,6 +19,7 @@ from .._validate import check_window, score_function
 from ..dropout import dropout_threshold
 from ..jit import driver
 from .device import current_stream, device_arch, gpu_name, smem_limit
+from .query_tiles import sequence_bucket
 
 __all__ = [
     "LOG2E",
@@ -134,10 +135,11 @@ def segment_lengths(segments: tuple | None) -> tuple[int, int] | None:
 
 
 def segment_count(segments: tuple | None) -> int | None:
-    """A packed batch's sequence count when its runs carry the query offsets the warp-specialized forward's
-    query-tile table is cut by (flash_attention.varlen.query_tiles); None otherwise."""
+    """A packed batch's sequence count, rounded up to a power of two (query_tiles.sequence_bucket: one plan
+    for many counts), when its runs carry the query offsets the warp-specialized forward's query-tile table
+    is cut by (ops.query_tiles); None otherwise."""
     cu_q = None if segments is None else getattr(segments[0], "_cu_q", None)
-    return None if cu_q is None else cu_q.numel() - 1
+    return None if cu_q is None else sequence_bucket(cu_q.numel() - 1)
 
 
 def window_bounds(window: object, causal: bool, seqlen_q: int, seqlen_k: int) -> tuple[int, int] | None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["query_tiles", "tile_count"]
+__all__ = ["query_tiles", "sequence_bucket", "tile_count"]
 
 
 def query_tiles(segments: tuple[torch.Tensor, torch.Tensor], block_q: int) -> torch.Tensor | None:
@@ -60,5 +60,13 @@ def query_tiles(segments: tuple[torch.Tensor, torch.Tensor], block_q: int) -> to
 
 def tile_count(total_q: int, batch: int, block_q: int) -> int:
     """The length of :func:`query_tiles`'s table: every piece of rows (the batch's sequences, the rows before
-    the first and after the last) rounds up to whole tiles, at most one tile more than its share each."""
-    return -(-total_q // block_q) + batch + 2
+    the first and after the last) rounds up to whole tiles, at most one tile more than its share each. The
+    batch is counted by its :func:`sequence_bucket`, so that packed batches of one token count and a
+    varying number of documents share a few plans (and launch grids) instead of one per count."""
+    return -(-total_q // block_q) + sequence_bucket(batch) + 2
+
+
+def sequence_bucket(batch: int) -> int:
+    """``batch`` rounded up to a power of two (0 stays 0): the sequence count plans are made for. The
+    unused tail of a table is empty tiles, which exit at once."""
+    return 0 if batch <= 0 else 1 << (batch - 1).bit_length()
