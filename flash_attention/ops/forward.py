@@ -74,7 +74,7 @@ class _Plan:
     causal: bool = False
     dropout_p: float = 0.0
     # A packed batch on the warp-specialized forward: the tile height of its query-tile table
-    # (flash_attention.varlen.query_tiles, bound at each launch); 0: none (tiles of the packed row).
+    # (ops.query_tiles, bound at each launch); 0: none (tiles of the packed row).
     q_tiles: int = 0
 
 

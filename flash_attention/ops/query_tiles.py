@@ -16,8 +16,8 @@ def query_tiles(segments: tuple[torch.Tensor, torch.Tensor], block_q: int) -> to
     straddles two sequences (a straddling tile visits both sequences' keys, every block masked: kernel log
     96); the rows before the first and after the last sequence are tiles too, so every row is written. The
     tiles are ordered by the keys they visit, most first, so that the longest run first and the last wave
-    is of short ones. n = ceil(total_q / block_q) + batch + 2 (an upper bound, known without reading the
-    offsets; the unused tail is empty tiles, [total_q, total_q)). Built on the device (no host read) once per
+    is of short ones. n = :func:`tile_count` (an upper bound, known without reading the offsets; the unused
+    tail is empty tiles, [total_q, total_q)). Built on the device (no host read) once per
     runs and tile height."""
     row_keys = segments[0]
     cu_q = getattr(row_keys, "_cu_q", None)

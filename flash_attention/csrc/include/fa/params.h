@@ -59,7 +59,7 @@ struct FwdParams {
   const int* row_keys;
   const int* key_rows;
   // A packed batch's query tiles (read only by the warp-specialized forward's segments build, and only when
-  // not null; flash_attention/varlen.py query_tiles): tile m covers query rows [q_tiles[2 m],
+  // not null; flash_attention/ops/query_tiles.py): tile m covers query rows [q_tiles[2 m],
   // q_tiles[2 m + 1]) of one sequence, at most kBlockQ of them, in the order the tiles are scheduled
   // (longest first); num_m_blocks is the table's length, its unused tail empty tiles. Null: tile m covers
   // rows m kBlockQ .. of the packed row, straddling sequences.
