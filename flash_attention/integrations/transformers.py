@@ -593,11 +593,12 @@ def attention_forward(
 
     packed = _packed_sequences(attention_mask, query, key, value, causal, kwargs)
     if packed is not None and extra is not None:
-        # Packed sequences (position_ids restarting, no padding, no cache): one varlen call.
+        # Packed sequences (position_ids restarting, no padding, no cache): one varlen call. (squeeze, not
+        # [0]: select's backward would fill and copy a batched gradient for each of q, k and v.)
         cu, window, longest = packed
         out = attention_varlen(
-            q[0], k[0], v[0], cu, cu, max_seqlen_q=longest, max_seqlen_k=longest, causal=True, window=window,
-            softmax_scale=scaling, dropout_p=dropout, **extra,
+            q.squeeze(0), k.squeeze(0), v.squeeze(0), cu, cu, max_seqlen_q=longest, max_seqlen_k=longest,
+            causal=True, window=window, softmax_scale=scaling, dropout_p=dropout, **extra,
         )  # fmt: skip
         return out.unsqueeze(0), None
 
