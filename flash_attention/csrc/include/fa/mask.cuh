@@ -163,15 +163,27 @@ __device__ __forceinline__ void mask_query_rows(const Acc& s, const SegmentKeys&
   }
 }
 
-// Segments, key-row orientation: a query outside the key's run [first_row, end_row) is masked.
-template <class Acc>
-__device__ __forceinline__ void mask_key_rows(const Acc& s, const SegmentKeys& keys, int kv_start, int warp_row0,
-                                              int q_start, int g, int t) {
+// Segments, key-row orientation: a query outside the key's run [first_row, end_row) is masked. The tile is
+// wholly visible when its queries lie within the warp's last key's first row and its first key's end: two
+// loads per block, after the wait for S^T and so on the step's critical path (the wgmma waits' asm keeps
+// the compiler from hoisting them), or with kKeepBounds loaded at the first block and kept in three
+// registers (SegmentKeys::keys_bounds), which kernels with registers to spare ask for (kernel log 98).
+template <bool kKeepBounds, class Acc>
+__device__ __forceinline__ void mask_key_rows_segments(const Acc& s, const SegmentKeys& keys, int kv_start,
+                                                       int warp_row0, int q_start, int g, int t) {
   constexpr int WN = 16 * Acc::kMT;
   constexpr int QN = 8 * Acc::kN;
   const int key0 = kv_start + warp_row0;
-  if (key0 + WN > keys.seqlen_k || q_start < keys.first_row(key0 + WN - 1) ||
-      q_start + QN > keys.end_row(key0)) {
+  bool partial;
+  if constexpr (kKeepBounds) {
+    int first_of_last, end_of_first;
+    keys.keys_bounds(key0, WN, first_of_last, end_of_first);
+    partial = key0 + WN > keys.seqlen_k || q_start < first_of_last || q_start + QN > end_of_first;
+  } else {
+    partial = key0 + WN > keys.seqlen_k || q_start < keys.first_row(key0 + WN - 1) ||
+              q_start + QN > keys.end_row(key0);
+  }
+  if (partial) {
 #pragma unroll
     for (int mt = 0; mt < Acc::kMT; ++mt)
 #pragma unroll
@@ -190,6 +202,25 @@ __device__ __forceinline__ void mask_key_rows(const Acc& s, const SegmentKeys& k
           }
       }
   }
+}
+template <class Acc>
+__device__ __forceinline__ void mask_key_rows(const Acc& s, const SegmentKeys& keys, int kv_start, int warp_row0,
+                                              int q_start, int g, int t) {
+  mask_key_rows_segments<false>(s, keys, kv_start, warp_row0, q_start, g, t);
+}
+
+// mask_key_rows with its tile test's bounds kept across blocks where a rule loads them (the segments);
+// the rules above compute theirs from the params and have nothing to keep.
+template <class Acc, class Keys>
+__device__ __forceinline__ void mask_key_rows_keeping_bounds(const Acc& s, const Keys& keys, int kv_start,
+                                                             int warp_row0, int q_start, int g, int t) {
+  mask_key_rows(s, keys, kv_start, warp_row0, q_start, g, t);
+}
+template <class Acc>
+__device__ __forceinline__ void mask_key_rows_keeping_bounds(const Acc& s, const SegmentKeys& keys,
+                                                             int kv_start, int warp_row0, int q_start, int g,
+                                                             int t) {
+  mask_key_rows_segments<true>(s, keys, kv_start, warp_row0, q_start, g, t);
 }
 
 }  // namespace fa

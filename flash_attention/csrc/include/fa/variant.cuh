@@ -74,10 +74,15 @@ struct RuleMask {
   __device__ __forceinline__ void mask_query_rows(const Acc& s, int q_row0, int kv_start, int g, int t) const {
     fa::mask_query_rows(s, keys, q_row0, kv_start, g, t);
   }
-  template <class Acc>
+  // kKeepBounds: a rule whose tile test loads its bounds (the segments) keeps them in registers across the
+  // blocks of a key tile, for a kernel that has the registers (fa/mask.cuh).
+  template <bool kKeepBounds = false, class Acc>
   __device__ __forceinline__ void mask_key_rows(const Acc& s, int kv_start, int warp_row0, int q_start, int g,
                                                 int t) const {
-    fa::mask_key_rows(s, keys, kv_start, warp_row0, q_start, g, t);
+    if constexpr (kKeepBounds)
+      fa::mask_key_rows_keeping_bounds(s, keys, kv_start, warp_row0, q_start, g, t);
+    else
+      fa::mask_key_rows(s, keys, kv_start, warp_row0, q_start, g, t);
   }
 };
 
@@ -298,6 +303,17 @@ struct ScoreModRowOffsets {
 template <class M>
 struct ScoreModRowOffsets<M, decltype(void(M::kRowOffsets))> {
   static constexpr bool value = M::kRowOffsets;
+};
+
+// Whether a score function loads each row's diagonal (kAffineDiagonal false: a packed batch's ALiBi,
+// RunEndDiagonal); optional, as kAffineDiagonal is: a policy without it measures no distance from a table.
+template <class M, class = void>
+struct ScoreModLoadsDiagonal {
+  static constexpr bool value = false;
+};
+template <class M>
+struct ScoreModLoadsDiagonal<M, decltype(void(M::kAffineDiagonal))> {
+  static constexpr bool value = !M::kAffineDiagonal;
 };
 
 // The folded form with each row's part of an additive bias left to the online softmax (kRowOffsets: ALiBi;

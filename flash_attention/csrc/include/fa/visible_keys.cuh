@@ -91,8 +91,8 @@ struct SegmentKeys {
   // a tile's key loop, but each test loaded them again after the wait for S, on the softmax's critical path
   // (one or two dependent L1 loads per block: the wgmma waits' asm keeps the compiler from hoisting them),
   // so they are loaded at the first test with a given first row and kept (kernel log 93). The key-row
-  // orientation's test (the dK/dV kernels) still loads its two bounds per block: three more live
-  // registers there spilled the wide and deterministic dK/dV kernels (0 -> 28 and 8 -> 28 bytes).
+  // orientation's test (the dK/dV kernels) keeps its bounds only where a kernel asks (keys_bounds below,
+  // fa/mask.cuh's kKeepBounds): three more live registers spill most dK/dV kernels (kernel log 98).
   mutable int tested_row0 = -1, first_of_last_row = 0, end_of_first_row = 0;
   __device__ __forceinline__ void rows_bounds(int row0, int n, int& first_of_last, int& end_of_first) const {
     if (tested_row0 != row0) {
@@ -102,6 +102,18 @@ struct SegmentKeys {
     }
     first_of_last = first_of_last_row;
     end_of_first = end_of_first_row;
+  }
+  // The key-row orientation's (fa/mask.cuh, the dK/dV kernels): for the warp's keys [key0, key0 + n), the
+  // last key's first row and the first key's end, loaded at the first test with a given first key.
+  mutable int tested_key0 = -1, first_of_last_key = 0, end_of_first_key = 0;
+  __device__ __forceinline__ void keys_bounds(int key0, int n, int& first_of_last, int& end_of_first) const {
+    if (tested_key0 != key0) {
+      tested_key0 = key0;
+      first_of_last_key = first_row(key0 + n - 1);
+      end_of_first_key = end_row(key0);
+    }
+    first_of_last = first_of_last_key;
+    end_of_first = end_of_first_key;
   }
 };
 

@@ -338,7 +338,18 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
     // A score function (fa/variant.cuh) on the scaled scores first, as the forward applies it.
     const typename V::ScoreMod score_mod(p, batch, head);
     score_mod_key_rows(acc_tile(sc), score_mod, scale, kv_start, row0, q_start, g, t);
-    mask.mask_key_rows(acc_tile(sc), kv_start, row0, q_start, g, t);
+    // The segments' tile test keeps its two bounds in registers at head_dim 128 in the atomic kernel: per
+    // block, their loads sat after the wait for S^T (bench --varlen's documents, H200: 0.988x causal, 0.991x
+    // non-causal backward kept; kernel log 98). Elsewhere the three registers spill (NVRTC 13.0): head_dim
+    // 64 12-212 -> 12-244 bytes, the deterministic kernel at 128 4-48 -> 24-60, and ALiBi measured from
+    // the runs (its diagonal loads) 0 -> 4, reloaded in the loop.
+    // (Asked of the segments' policy alone: the variant interface's mask_key_rows takes no such flag.)
+    constexpr bool kKeepMaskBounds = MaskIsSegments<Mask>::value && D == 128 && !kDeterministic &&
+                                     !ScoreModLoadsDiagonal<typename V::ScoreMod>::value;
+    if constexpr (kKeepMaskBounds)
+      mask.template mask_key_rows<true>(acc_tile(sc), kv_start, row0, q_start, g, t);
+    else
+      mask.mask_key_rows(acc_tile(sc), kv_start, row0, q_start, g, t);
     const float* lse_s = stats + s * 2 * BR;
     const float* del_s = lse_s + BR;
     u32 head_hash = 0;
