@@ -119,12 +119,12 @@ def segments(
     return row_keys.to(torch.int32).contiguous(), key_rows.to(torch.int32).contiguous()
 
 
-def _with_tiles(made: tuple[torch.Tensor, torch.Tensor], cu_q: torch.Tensor) -> tuple:
-    """The runs, noting the query offsets that ops.query_tiles cuts the rows by (attributes of the
-    tensor, as ``_typical_lengths``: they ride through the custom op's eager call; under torch.compile the
+def _with_tiles(made: tuple[torch.Tensor, torch.Tensor], cu_q: torch.Tensor, cu_k: torch.Tensor) -> tuple:
+    """The runs, noting the offsets that ops.query_tiles cuts the rows and keys by (attributes of the
+    tensors, as ``_typical_lengths``: they ride through the custom op's eager call; under torch.compile the
     kernels tile the packed row instead)."""
-    made[0]._cu_q = cu_q
-    made[0]._query_tiles = {}
+    made[0]._cu_q, made[1]._cu_k = cu_q, cu_k
+    made[0]._query_tiles, made[1]._key_tiles = {}, {}
     return made
 
 
@@ -147,7 +147,7 @@ def _cached_segments(cu_q, cu_k, total_q, total_k, causal, window, seqused_k, ty
     # the sequences, not for one sequence of the packed length. (An attribute of the tensor, so it rides
     # through the custom op's eager call; under torch.compile the packed lengths choose.)
     made[0]._typical_lengths = typical
-    _with_tiles(made, cu_q)
+    _with_tiles(made, cu_q, cu_k)
     if key is not None:
         _CACHE[key] = (made, (cu_q, cu_k, seqused_k))  # (the offsets held: see _CACHE)
         while len(_CACHE) > _CACHE_SIZE:

@@ -125,7 +125,7 @@ def test_the_node_takes_alibi_and_packed_batches(variant):
         # As attention_varlen notes them: the configs' lengths and the query tiles' offsets (the forward's
         # tiles change its rounding).
         runs[0]._typical_lengths = (-(-sq // 3), -(-sk // 3))
-        runs = _with_tiles(runs, cu_q)
+        runs = _with_tiles(runs, cu_q, cu_k)
     results = []
     for through_node in (True, False):
         q, k, v = (t.detach().requires_grad_(True) for t in (q0, k0, v0))

@@ -279,7 +279,7 @@ def test_ws_forward_with_query_tiles(cfg, causal):
     exact = _reference(case, tensors, kw, used, torch.float64)
     f32 = _reference(case, tensors, kw, used, torch.float32)
     cu = _offsets(lens)
-    runs = _with_tiles(segments(cu, cu, q.shape[0], k.shape[0], causal=causal), cu)
+    runs = _with_tiles(segments(cu, cu, q.shape[0], k.shape[0], causal=causal), cu, cu)
     args = [t.unsqueeze(0) for t in (q, k, v)]
     kw = dict(causal=causal, softmax_scale=d**-0.5, segments=runs)
     out = torch.full_like(args[0], float("nan"))
@@ -296,3 +296,39 @@ def test_ws_forward_with_query_tiles(cfg, causal):
     kw2 = {**kw, "segments": plain}
     od2, _ = ops.cuda_forward(*args, return_lse=True, out=None, config=cfg, **kw2, **drop)
     assert torch.isfinite(od).all() and (od.float() - od2.float()).abs().max().item() < 2e-2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not _hopper(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [True, False])
+def test_ws_backward_with_key_tiles(head_dim, causal):
+    """The warp-specialized dK/dV kernel with a packed batch's key-tile table (each sequence's keys in tiles
+    of their own, their query blocks anchored at the sequence's first row, over a workspace laid out by
+    sequence): against float64, every key's dK and dV and every row's dQ written (memory poisoned with NaN
+    first), and the packed row's tiles' result within rounding."""
+    lens_q = [300, 0, 517, 1, 130, 64, 1000]
+    lens_k = [310, 4, 517, 1, 200, 64, 990]
+    case = (lens_q, lens_k, 4, 2, head_dim, causal, {}, "bf16")
+    tensors, kw, used = _make(case)
+    q, k, v, do = tensors
+    exact = _reference(case, tensors, kw, used, torch.float64)
+    f32 = _reference(case, tensors, kw, used, torch.float32)
+    cu_q, cu_k = _offsets(lens_q), _offsets(lens_k)
+    runs = _with_tiles(segments(cu_q, cu_k, q.shape[0], k.shape[0], causal=causal), cu_q, cu_k)
+    args = [t.unsqueeze(0) for t in (q, k, v)]
+    kw = dict(causal=causal, softmax_scale=head_dim**-0.5, segments=runs)
+    o, lse = ops.cuda_forward(*args, return_lse=True, out=None, **kw)
+    cfg = hopper_bwd_config("bf16", head_dim)
+    poison = torch.full((64 << 20,), float("nan"), device="cuda")  # freed: the gradients' memory next
+    del poison
+    grads = ops.cuda_backward(do.unsqueeze(0), *args, o, lse, deterministic=False, config=cfg, **kw)
+    # The launch built (and bound) both tables.
+    assert cfg.block_kv in runs[1]._key_tiles and "units" in runs[0]._query_tiles
+    for gname, g, e, f in zip("dq dk dv".split(), grads, exact[2], f32[2], strict=True):
+        _close(g[0], e, f, f"{gname}")
+    plain = segments(cu_q, cu_k, q.shape[0], k.shape[0], causal=causal)
+    again = ops.cuda_backward(
+        do.unsqueeze(0), *args, o, lse, deterministic=False, config=cfg, **{**kw, "segments": plain}
+    )
+    for a, b in zip(grads, again, strict=True):
+        assert (a.float() - b.float()).abs().max().item() < 3e-2

@@ -198,16 +198,44 @@ def test_offsets_changed_in_place_are_seen():
     assert not torch.equal(first, second)
 
 
-def _tiles_of(cu_q, total_q, block_q, cu_k=None, causal=False):
-    from flash_attention.ops.query_tiles import query_tiles, tile_count
+def _tiles_of(cu_q, total_q, block_q, cu_k=None, causal=False, total_k=None):
+    from flash_attention.ops.query_tiles import key_tiles, query_tiles, tile_count
     from flash_attention.varlen import _with_tiles
 
     cu_k = cu_q if cu_k is None else cu_k
-    runs = _with_tiles(segments(cu_q, cu_k, total_q, int(cu_k[-1]), causal=causal), cu_q)
+    total_k = int(cu_k[-1]) if total_k is None else total_k
+    runs = _with_tiles(segments(cu_q, cu_k, total_q, total_k, causal=causal), cu_q, cu_k)
     table = query_tiles(runs, block_q)
+    keys = key_tiles(runs, block_q)
     assert table.dtype == torch.int32 and table.shape == (tile_count(total_q, cu_q.numel() - 1, block_q), 2)
-    assert query_tiles(runs, block_q) is table  # built once per runs and tile height
-    return runs, table
+    assert keys.dtype == torch.int32 and keys.shape == (tile_count(total_k, cu_k.numel() - 1, block_q), 4)
+    assert query_tiles(runs, block_q) is table and key_tiles(runs, block_q) is keys  # built once
+    return runs, table, keys
+
+
+def _check_tiles(table, total, cu, lengths, extra, block, runs):
+    """Every row (key) in exactly one tile, each tile at most ``block`` of one piece (a sequence, or the
+    rows after the last one), the unused tail [total, total); ordered by what each tile visits, most
+    first (its first row's first key to its last row's last key, or the same for keys)."""
+    start, end = table[:, 0].long(), table[:, 1].long()
+    used = end > start
+    covered = torch.zeros(total, dtype=torch.int64)
+    for a, b in zip(start[used].tolist(), end[used].tolist(), strict=True):
+        assert b - a <= block
+        covered[a:b] += 1
+        piece = int(torch.searchsorted(cu[1:].long(), torch.tensor(a), right=True))
+        if piece < len(lengths):
+            assert int(cu[piece]) <= a and b <= int(cu[piece + 1]), (a, b)
+        else:
+            assert a >= int(cu[-1])
+    assert torch.equal(covered, torch.ones(total, dtype=torch.int64))
+    assert ((start == total) & (end == total))[~used].all()
+    assert int(used.sum()) == sum(-(-n // block) for n in [*lengths, extra])
+    r = runs.long()
+    cost = torch.where(
+        used, r[(end - 1).clamp(0, max(total - 1, 0)), 1] - r[start.clamp_max(total - 1), 0], -1
+    )
+    assert (cost[:-1] >= cost[1:]).all()
 
 
 @pytest.mark.parametrize(
@@ -220,39 +248,82 @@ def _tiles_of(cu_q, total_q, block_q, cu_k=None, causal=False):
     ],
 )
 @pytest.mark.parametrize("causal", [False, True])
-def test_query_tiles_partition_each_sequence_longest_first(lengths, extra, block_q, causal):
-    cu_q = _offsets(lengths)
-    total_q = int(cu_q[-1]) + extra
-    runs, table = _tiles_of(cu_q, total_q, block_q, causal=causal)
-    start, end = table[:, 0].long(), table[:, 1].long()
-    used = end > start
-    # Every row in exactly one tile, each tile at most block_q rows of one piece (a sequence, or the rows
-    # after the last one); the unused tail [total_q, total_q).
+def test_tiles_partition_each_sequence_longest_first(lengths, extra, block_q, causal):
+    # Queries and keys of other lengths (each sequence 3 keys more, and 5 keys past the last).
+    lengths_k = [n + 3 for n in lengths]
+    cu_q, cu_k = _offsets(lengths), _offsets(lengths_k)
+    total_q, total_k = int(cu_q[-1]) + extra, int(cu_k[-1]) + 5
+    runs, table, keys = _tiles_of(cu_q, total_q, block_q, cu_k=cu_k, causal=causal, total_k=total_k)
+    _check_tiles(table, total_q, cu_q, lengths, extra, block_q, runs[0])
+    _check_tiles(keys, total_k, cu_k, lengths_k, 5, block_q, runs[1])
+    _check_anchored_walk(runs, keys, cu_q, cu_k, total_q, total_k)
+
+
+def _check_anchored_walk(runs, keys, cu_q, cu_k, total_q, total_k):
+    """The backward's walk over a packed batch as the ws dK/dV kernel takes it from the key tiles (fa/
+    block_range.cuh q_blocks_anchored, 64- and 128-row query blocks from the sequence's first row), over the
+    workspace laid out by query_units: every visible (row, key) pair is met exactly once, and every
+    workspace row a block touches (its statistics, its dQ) lies in its own sequence's units, each of which
+    starts a 128-row block (whole 64-row dQ tiles, 16-byte aligned statistics)."""
+    from flash_attention.ops.query_tiles import query_units, unit_count, workspace_rows
+
+    units = query_units(runs)
+    assert units.dtype == torch.int32 and units.shape == (unit_count(total_q, cu_q.numel() - 1), 2)
+    ws = workspace_rows(runs)
+    # The units partition the packed rows, in order; a unit's rows are one piece's.
     covered = torch.zeros(total_q, dtype=torch.int64)
-    for a, b in zip(start[used].tolist(), end[used].tolist(), strict=True):
-        assert b - a <= block_q
-        covered[a:b] += 1
-        piece = int(torch.searchsorted(cu_q[1:].long(), torch.tensor(a), right=True))
-        if piece < len(lengths):
-            assert int(cu_q[piece]) <= a and b <= int(cu_q[piece + 1]), (a, b)
-        else:
-            assert a >= int(cu_q[-1])
+    owner = torch.full((units.shape[0] * 64,), -1, dtype=torch.int64)  # workspace row -> packed row
+    for u, (start, count) in enumerate(units.tolist()):
+        assert 0 <= count <= 64
+        covered[start : start + count] += 1
+        owner[u * 64 : u * 64 + count] = torch.arange(start, start + count)
     assert torch.equal(covered, torch.ones(total_q, dtype=torch.int64))
-    assert ((start == total_q) & (end == total_q))[~used].all()
-    assert int(used.sum()) == sum(-(-n // block_q) for n in [*lengths, extra])
-    # Longest first: the keys a tile visits (its first row's first key to its last row's last key).
-    rk = runs[0].long()
-    cost = torch.where(
-        used, rk[(end - 1).clamp(0, max(total_q - 1, 0)), 1] - rk[start.clamp_max(total_q - 1), 0], -1
-    )
-    assert (cost[:-1] >= cost[1:]).all()
+    assert torch.equal(owner[ws], torch.arange(total_q))
+    bounds = [0, *[min(max(int(c), 0), total_q) for c in cu_q], total_q]
+    for i in range(len(bounds) - 1):
+        if bounds[i + 1] > bounds[i]:
+            assert int(ws[bounds[i]]) % 128 == 0  # each piece starts a 128-row block
+    row_keys, key_rows = (t.long() for t in runs)
+    kb = [0, *[int(c) for c in cu_k], total_k]
+    for block_q in (64, 128):
+        met = torch.zeros(total_q, total_k, dtype=torch.int64)
+        for k0, k1, q0, w0 in keys.tolist():
+            if k1 <= k0:
+                continue
+            piece = next(i for i in range(len(kb) - 1) if kb[i] <= k0 < kb[i + 1] and k1 <= kb[i + 1])
+            assert q0 == bounds[piece]  # the matching piece of rows
+            lo, hi = int(key_rows[k0, 0]), int(key_rows[k1 - 1, 1])
+            if hi <= lo:
+                continue
+            begin = max(lo - q0, 0) // block_q
+            end = -(-(hi - q0) // block_q)
+            assert q0 + begin * block_q <= lo and hi <= q0 + end * block_q
+            for m in range(begin, end):
+                r0 = q0 + m * block_q
+                # The block's workspace rows [w0 + m block_q, + block_q) hold its own rows or padding.
+                wrows = torch.arange(w0 + m * block_q, w0 + (m + 1) * block_q)
+                assert int(wrows[-1]) < owner.numel()
+                seen = owner[wrows]
+                rows = torch.arange(r0, r0 + block_q)
+                assert ((seen == rows) | (seen == -1)).all(), (k0, m)
+                # (a padding row's packed row is another sequence's: the runs mask it)
+                for r in range(max(r0, 0), min(r0 + block_q, total_q)):
+                    a, b = int(row_keys[r, 0]), int(row_keys[r, 1])
+                    lo_k, hi_k = max(a, k0), min(b, k1)
+                    if hi_k > lo_k:
+                        assert int(owner[w0 + r - q0]) == r
+                        met[r, lo_k:hi_k] += 1
+        visible = torch.zeros(total_q, total_k, dtype=torch.int64)
+        for r in range(total_q):
+            visible[r, int(row_keys[r, 0]) : int(row_keys[r, 1])] = 1
+        assert torch.equal(met, visible)
 
 
 def test_query_tiles_of_bad_offsets_stay_a_partition_of_the_rows():
     # Offsets that break the caller's promise (decreasing, past the rows): wrong tiles, but every row is in
     # one tile and no tile leaves [0, total_q), so the kernel writes no row twice and none outside q.
     cu_q = torch.tensor([5, 90, 40, 400, 30], dtype=torch.int32)
-    _, table = _tiles_of(cu_q, 100, 32, cu_k=torch.tensor([0, 10, 20, 30, 40], dtype=torch.int32))
+    _, table, _ = _tiles_of(cu_q, 100, 32, cu_k=torch.tensor([0, 10, 20, 30, 40], dtype=torch.int32))
     start, end = table[:, 0].long(), table[:, 1].long()
     assert (start >= 0).all() and (end <= 100).all() and (end >= start).all()
     covered = torch.zeros(100, dtype=torch.int64)
@@ -263,20 +334,21 @@ def test_query_tiles_of_bad_offsets_stay_a_partition_of_the_rows():
 
 def test_plans_are_made_per_power_of_two_of_sequences():
     from flash_attention.ops.plans import segment_count
-    from flash_attention.ops.query_tiles import sequence_bucket, tile_count
+    from flash_attention.ops.query_tiles import query_units, sequence_bucket, tile_count, unit_count
     from flash_attention.varlen import _with_tiles
 
     assert [sequence_bucket(n) for n in (0, 1, 2, 3, 4, 5, 17, 64)] == [0, 1, 2, 4, 4, 8, 32, 64]
     counts = set()
     for n in range(5, 9):  # 5..8 documents of one packed length: one plan's grid
         cu = _offsets([40] * (n - 1) + [320 - 40 * (n - 1)])
-        runs = _with_tiles(segments(cu, cu, 320, 320, causal=True), cu)
+        runs = _with_tiles(segments(cu, cu, 320, 320, causal=True), cu, cu)
         counts.add(segment_count(runs))
-        _, table = _tiles_of(cu, 320, 64)
-        assert table.shape[0] == tile_count(320, segment_count(runs), 64)
+        _, table, keys = _tiles_of(cu, 320, 64)
+        assert table.shape[0] == keys.shape[0] == tile_count(320, segment_count(runs), 64)
+        assert query_units(runs).shape[0] == unit_count(320, segment_count(runs))
     assert counts == {8}
 
 
 def test_no_rows_no_tiles():
-    _, table = _tiles_of(torch.tensor([0, 0], dtype=torch.int32), 0, 128)
-    assert (table == 0).all()
+    _, table, keys = _tiles_of(torch.tensor([0, 0], dtype=torch.int32), 0, 128)
+    assert (table == 0).all() and (keys == 0).all()

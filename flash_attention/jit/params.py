@@ -144,7 +144,7 @@ class BwdParams(ctypes.Structure):
         + [("dropout_key", ctypes.c_uint), ("dropout_threshold", ctypes.c_uint), ("dropout_rp", _F32)]
         + [("dq_lanes", _I32), ("window_left", _I32), ("window_right", _I32)]
         + [("softcap", _F32), ("alibi_slopes", _PTR), ("alibi_batch_stride", _I32)]
-        + [("row_keys", _PTR), ("key_rows", _PTR)]
+        + [("row_keys", _PTR), ("key_rows", _PTR), ("k_tiles", _PTR), ("q_units", _PTR)]
     )
 
 

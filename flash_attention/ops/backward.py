@@ -34,9 +34,11 @@ from .plans import (
     launch_all,
     score_features,
     score_function,
+    segment_count,
     segment_lengths,
     window_bounds,
 )
+from .query_tiles import key_tiles, query_units, tile_count, unit_count, workspace_rows
 from .select import backward_config
 from .tensors import check_grid, kernel_ready, pad_head_dim, padded_to_8
 
@@ -62,6 +64,10 @@ class _Plan:
     dkdv_kind: str  # the dK/dV entry point: "dkdv" or "dkdv_det"
     # The compiled training node's copy of this plan (ops.training), made at its first use.
     host_program: list = field(default_factory=list, compare=False)
+    # A packed batch on the warp-specialized dK/dV kernel: the tile width of its key-tile table
+    # (ops.query_tiles.key_tiles) and so a workspace laid out by sequence (query_units), both bound at each
+    # launch; 0: none (tiles of the packed row, workspace rows = packed rows).
+    k_tiles: int = 0
 
     @property
     def launches(self) -> tuple:
@@ -111,6 +117,7 @@ def _make_plan(
     score=None,
     softcap=0.0,
     lengths=None,
+    sequences=None,
 ) -> _Plan:
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
@@ -171,6 +178,18 @@ def _make_plan(
         p.window_left, p.window_right = window
     p.softcap = softcap  # (ALiBi's slopes are a per-call pointer: cuda_backward)
     p.num_n_blocks = math.ceil(seqlen_k / cfg.block_kv)
+    # A packed batch on the warp-specialized dK/dV kernel (atomic mode): one block per key tile of its table,
+    # each walking its sequence's query blocks from the sequence's first row, over a workspace laid out by
+    # sequence (ops.query_tiles: key_tiles, query_units; both bound at each launch). The preprocessing and
+    # cast kernels then run over the workspace's units. (The deterministic form's dQ turns assume the
+    # packed row's blocks; the other families tile the packed row.)
+    k_tiles = 0
+    convert_blocks = math.ceil(seqlen_q / 64)
+    if build == SEGMENTS and cfg.warp_specialized and not deterministic and sequences is not None:
+        k_tiles = cfg.block_kv
+        p.num_n_blocks = tile_count(seqlen_k, sequences, k_tiles)
+        p.seqlen_q_pad = unit_count(seqlen_q, sequences) * 64
+        convert_blocks = p.seqlen_q_pad // 64
     # The fp32 workspace: the base-2 LSE and delta rows (written by the preprocessing kernel), then the dQ
     # accumulator of the atomic mode (padded to whole 128-row blocks and the compiled head_dim, so the
     # atomics need no bounds checks; zeroed by the preprocessing kernel), and for the deterministic
@@ -187,7 +206,7 @@ def _make_plan(
         dkdv,
         dq,
         (p.seqlen_q_pad // 64, heads_q, batch),
-        (math.ceil(seqlen_q / 64), heads_q, batch),
+        (convert_blocks, heads_q, batch),
         (p.num_n_blocks * cfg.split, heads_kv, batch),
         (p.num_m_blocks * cfg.split, heads_q, batch),
         p.seqlen_q_pad,
@@ -196,14 +215,16 @@ def _make_plan(
         stats,
         accum,
         dkdv_kind,
+        k_tiles=k_tiles,
     )
 
 
 def plan_for(
     q_, k_, v_, o_, do_, lse_, causal, scale, deterministic, ranged, dropout_p, config, window=None,
-    score=None, softcap=0.0, lengths=None,
+    score=None, softcap=0.0, lengths=None, sequences=None,
 ) -> _Plan:  # fmt: skip
-    """The plan of a call on kernel-ready tensors (made on a miss)."""
+    """The plan of a call on kernel-ready tensors (made on a miss); ``sequences``: a packed batch's sequence
+    count when its runs carry the offsets of a key-tile table (plans.segment_count)."""
     key = (
         q_.shape,
         q_.stride(),
@@ -225,12 +246,13 @@ def plan_for(
         score,
         softcap,
         lengths,
+        sequences,
     )
     return _plans.get(
         key,
         lambda: _make_plan(
             q_, k_, v_, o_, do_, lse_, causal, scale, deterministic, ranged, dropout_p, config, window, score,
-            softcap, lengths,
+            softcap, lengths, sequences,
         ),
     )  # fmt: skip
 
@@ -309,7 +331,7 @@ def cuda_backward(
     ranged = key_range is not None
     plan = plan_for(
         q_, k_, v_, o_, do_, lse_, causal, softmax_scale, deterministic, ranged, dropout_p, config, bounds,
-        score, float(softcap), segment_lengths(segments),
+        score, float(softcap), segment_lengths(segments), segment_count(segments),
     )  # fmt: skip
     stats, accum = plan.stats, plan.accum
     ws = torch.empty(2 * stats + accum, dtype=torch.float32, device=device)
@@ -330,9 +352,14 @@ def cuda_backward(
         fill_score(p, p.softcap, alibi_slopes)
     if segments is not None:
         p.row_keys, p.key_rows = segments[0].data_ptr(), segments[1].data_ptr()
+        if plan.k_tiles:  # (held by the runs, which outlive the launches' queuing)
+            p.k_tiles = key_tiles(segments, plan.k_tiles).data_ptr()
+            p.q_units = query_units(segments).data_ptr()
 
     launch_all(plan.launches, plan.index, p, current_stream(plan.index))
     if sinks is not None:
-        delta = ws[stats : 2 * stats].view(batch, heads_q, p.seqlen_q_pad)[:, :, :seqlen_q]
+        delta = ws[stats : 2 * stats].view(batch, heads_q, p.seqlen_q_pad)
+        # (laid out by sequence: read back by packed row)
+        delta = delta[:, :, workspace_rows(segments)] if plan.k_tiles else delta[:, :, :seqlen_q]
         return dq, dk, dv, sinks_gradient_from_delta(delta, lse, sinks)
     return dq, dk, dv

@@ -136,8 +136,9 @@ def segment_lengths(segments: tuple | None) -> tuple[int, int] | None:
 
 def segment_count(segments: tuple | None) -> int | None:
     """A packed batch's sequence count, rounded up to a power of two (query_tiles.sequence_bucket: one plan
-    for many counts), when its runs carry the query offsets the warp-specialized forward's query-tile table
-    is cut by (ops.query_tiles); None otherwise."""
+    for many counts), when its runs carry the offsets its tile tables are cut by (the warp-specialized
+    forward's query tiles, the warp-specialized dK/dV kernel's key tiles and the backward workspace's
+    units: ops.query_tiles); None otherwise."""
     cu_q = None if segments is None else getattr(segments[0], "_cu_q", None)
     return None if cu_q is None else sequence_bucket(cu_q.numel() - 1)
 

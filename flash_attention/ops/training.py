@@ -29,7 +29,8 @@ from ..jit.params import BwdParams
 from ..jit.sources import SEGMENTS
 from . import backward
 from . import trace as _trace
-from .plans import kernel_score, score_function, segment_lengths, window_bounds
+from .plans import kernel_score, score_function, segment_count, segment_lengths, window_bounds
+from .query_tiles import key_tiles, query_units
 from .tensors import usable_in_place
 
 __all__ = ["program", "training_forward"]
@@ -43,7 +44,8 @@ _OFFSETS = [getattr(BwdParams, name).offset for name in _SLOTS]
 
 
 #: The BwdParams pointer fields a call's variant binds (``bound``, in this order): ALiBi's slopes, then a
-#: packed batch's runs.
+#: packed batch's runs (and its key tiles and workspace units, where the plan has them: "k_tiles",
+#: "q_units").
 _ALIBI_FIELDS = ("alibi_slopes",)
 _SEGMENT_FIELDS = ("row_keys", "key_rows")
 
@@ -130,7 +132,7 @@ def training_forward(
     score = kernel_score(score_function(softcap, alibi_slopes, q), segments, causal)
     plan = backward.plan_for(
         q, k, v, out, out, lse, causal, softmax_scale, deterministic, key_range is not None, dropout_p, None,
-        bounds, score, float(softcap), segment_lengths(segments),
+        bounds, score, float(softcap), segment_lengths(segments), segment_count(segments),
     )  # fmt: skip
     bound, fields, stride = [], (), 0
     if alibi_slopes is not None:
@@ -140,6 +142,9 @@ def training_forward(
     if segments is not None:
         bound += list(segments)
         fields += _SEGMENT_FIELDS
+        if plan.k_tiles:
+            bound += [key_tiles(segments, plan.k_tiles), query_units(segments)]
+            fields += ("k_tiles", "q_units")
     key = dropout_key(*seed_pair(dropout_seed)) if dropout_p else 0
     lib.record_training(q, k, v, out, lse, key_range, key, program(plan, fields, stride), bound)
     return out, lse

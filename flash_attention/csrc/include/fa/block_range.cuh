@@ -150,4 +150,21 @@ __device__ __forceinline__ QBlocks<true> q_blocks(const SegmentKeys& keys, const
   return blocks;
 }
 
+// Segments, a key tile of one sequence (the warp-specialized dK/dV kernel's tile table, BwdParams::k_tiles):
+// the query blocks that see some key of [kv_start, kv_end), on a grid anchored at `origin`, the sequence's
+// first row, instead of at row 0 (block m holds rows origin + m BR ..). A sequence's rows then start a
+// block, as in a dense batch: the packed row's grid cut each sequence's first and last query block, which
+// every key tile of the sequence walked (kernel log 98). The keys' runs bound the rows (both nondecreasing
+// along the keys); a run before origin (a key no row sees) counts from the grid's first block.
+template <int BR>
+__device__ __forceinline__ QBlocks<true> q_blocks_anchored(const SegmentKeys& keys, int kv_start, int kv_end,
+                                                           int origin) {
+  const int lo = keys.first_row(kv_start);
+  const int hi = keys.end_row(kv_end - 1);
+  QBlocks<true> blocks;
+  blocks.begin = max(lo - origin, 0) / BR;
+  blocks.count = hi > lo ? max((hi - origin + BR - 1) / BR - blocks.begin, 0) : 0;
+  return blocks;
+}
+
 }  // namespace fa

@@ -11,7 +11,9 @@
 namespace fa {
 
 // 128 threads, 64 query rows per block; eight lanes share a row so each 16-byte load of a row is part of a
-// 128-byte coalesced segment. Grid: (seqlen_q_pad / 64, heads_q, batch).
+// 128-byte coalesced segment. Grid: (seqlen_q_pad / 64, heads_q, batch): block x is the workspace's 64-row
+// unit x, which holds packed rows [64 x, 64 x + 64), or with a packed batch's unit table (p.q_units,
+// fa/bwd_params.h) rows [start, start + count) and padding after them (no key: base-2 LSE +inf, delta 0).
 template <class Cfg>
 __device__ __forceinline__ void bwd_preprocess_body(const BwdParams& p) {
   constexpr bool BF = Cfg::kIsBF16;
@@ -23,13 +25,22 @@ __device__ __forceinline__ void bwd_preprocess_body(const BwdParams& p) {
   // The deterministic ws backward's four semaphores of this block's 64-row unit start at zero (the dK/dV
   // kernel, next on the stream, counts in them).
   if (p.dq_lanes != 0 && tid < 4) *dq_semaphore<Cfg::kHeadDim>(p, batch, head, blockIdx.x * 64, tid / 2, tid % 2) = 0;
+  // The unit's packed rows: [src0, src0 + src_rows).
+  int src0 = blockIdx.x * 64, src_rows = p.seqlen_q - src0;
+  if (p.q_units != nullptr) {
+    src0 = __ldg(p.q_units + 2 * blockIdx.x);
+    src_rows = min(__ldg(p.q_units + 2 * blockIdx.x + 1), p.seqlen_q - src0);
+  }
 #pragma unroll 1
   for (int pass = 0; pass < 4; ++pass) {
-    const int row = blockIdx.x * 64 + pass * 16 + tid / 8;
+    const int r = pass * 16 + tid / 8;  // the row within the unit
+    const int row = blockIdx.x * 64 + r;  // its workspace row
+    const int src = src0 + r;             // its packed row, when r < src_rows
+    const bool real = r < src_rows;
     float acc = 0.f;
-    if (row < p.seqlen_q) {
-      const u16* o = static_cast<const u16*>(p.o) + o_offset(p, batch, head, row);
-      const u16* d = static_cast<const u16*>(p.dout) + do_offset(p, batch, head, row);
+    if (real) {
+      const u16* o = static_cast<const u16*>(p.o) + o_offset(p, batch, head, src);
+      const u16* d = static_cast<const u16*>(p.dout) + do_offset(p, batch, head, src);
 #pragma unroll
       for (int c = lane8; c < C; c += 8) {
         if (c * 8 < p.head_dim) {
@@ -59,12 +70,12 @@ __device__ __forceinline__ void bwd_preprocess_body(const BwdParams& p) {
     if (lane8 == 0 && row < p.seqlen_q_pad) {
       const i64 idx = workspace_row(p, batch, head, row);
       float lse2 = pos_inf();  // padding rows and rows that see no key: probabilities exp2(s - inf) = 0
-      if (row < p.seqlen_q) {
-        const float l = p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + row];
+      if (real) {
+        const float l = p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + src];
         if (l != neg_inf()) lse2 = l * 1.4426950408889634f;
       }
       p.lse_log2[idx] = lse2;
-      p.delta[idx] = row < p.seqlen_q ? acc : 0.f;
+      p.delta[idx] = real ? acc : 0.f;
     }
   }
 }

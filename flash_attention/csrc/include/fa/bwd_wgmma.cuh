@@ -113,12 +113,11 @@ __device__ __forceinline__ void store_key_rows(u16* dst, i64 row_stride, int row
 }
 
 // dK and dV of the warp's two key rows (row0 + g, row0 + g + 8 of the block at kv_start) into k's and v's
-// layouts. The softmax scale is already in dS, so dK needs none.
+// layouts, of the block's first rows_left keys. The softmax scale is already in dS, so dK needs none.
 template <int D, bool BF>
 __device__ __forceinline__ void store_dk_dv(const BwdParams& p, int batch, int kv_head, int kv_start,
-                                            int row0, int g, int t, const float (&dk)[D / 2],
+                                            int rows_left, int row0, int g, int t, const float (&dk)[D / 2],
                                             const float (&dv)[D / 2]) {
-  const int rows_left = p.seqlen_k - kv_start;
   store_key_rows<D, BF>(static_cast<u16*>(p.dk) + dk_offset(p, batch, kv_head, kv_start), p.dk_row_stride,
                         rows_left, p.head_dim, row0, g, t, dk);
   store_key_rows<D, BF>(static_cast<u16*>(p.dv) + dv_offset(p, batch, kv_head, kv_start), p.dv_row_stride,

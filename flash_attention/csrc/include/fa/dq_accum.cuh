@@ -64,8 +64,11 @@ __device__ __forceinline__ int* dq_semaphore(const BwdParams& p, int batch, int 
 }
 
 // dQ = the workspace rows of (batch, head), cast to 16 bits and stored in q's layout. 128 threads, 64 query
-// rows per block, grid (ceil(seqlen_q / 64), heads_q, batch). A thread converts 8 columns at a time (two
-// 16-byte loads, one 16-byte store); the threads of a row are consecutive, so loads and stores coalesce.
+// rows per block, grid (ceil(seqlen_q / 64), heads_q, batch): block x casts workspace unit x into packed
+// rows [64 x, 64 x + 64); with a packed batch's unit table (p.q_units, fa/bwd_params.h) the grid is
+// (seqlen_q_pad / 64, ..) and unit x holds rows [start, start + count). A thread converts 8 columns at a
+// time (two 16-byte loads, one 16-byte store); the threads of a row are consecutive, so loads and stores
+// coalesce.
 template <class Cfg>
 __device__ __forceinline__ void bwd_convert_dq_body(const BwdParams& p) {
   constexpr bool BF = Cfg::kIsBF16;
@@ -75,14 +78,18 @@ __device__ __forceinline__ void bwd_convert_dq_body(const BwdParams& p) {
   constexpr int kThreads = 128;
   const int head = blockIdx.y;
   const int batch = blockIdx.z;
-  const int row0 = blockIdx.x * kRows;
-  const i64 ws_row0 = workspace_row(p, batch, head, row0);
+  const i64 ws_row0 = workspace_row(p, batch, head, blockIdx.x * kRows);
+  int row0 = blockIdx.x * kRows, rows = p.seqlen_q - row0;  // the unit's packed rows
+  if (p.q_units != nullptr) {
+    row0 = __ldg(p.q_units + 2 * blockIdx.x);
+    rows = min(__ldg(p.q_units + 2 * blockIdx.x + 1), p.seqlen_q - row0);
+  }
   u16* dq = static_cast<u16*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride;
 #pragma unroll 1
   for (int idx = threadIdx.x; idx < kRows * C; idx += kThreads) {
     const int r = idx / C, c = idx % C;
     const int row = row0 + r;
-    if (row >= p.seqlen_q || c * 8 >= p.head_dim) continue;
+    if (r >= rows || c * 8 >= p.head_dim) continue;
     // Two 16-byte chunks; tiled, their order in the row may be swapped.
     constexpr bool kTiled = Cfg::kTiledDq;
     const i64 ia = dq_accum_offset<D, kTiled>(ws_row0 + r, c * 8);

@@ -85,6 +85,10 @@ struct SegmentKeys {
   __device__ __forceinline__ int end_row(int key) const {
     return __ldg(key_rows + 2 * min(key, seqlen_k - 1) + 1);
   }
+  // A key tile of one sequence (the warp-specialized dK/dV kernel's tile table): keys at or past `end` are
+  // another tile's, masked whole here as keys past seqlen_k are (mask_key_rows), and the tile's query
+  // blocks end with its own last key's rows (q_blocks). end > 0.
+  __device__ __forceinline__ void end_keys_at(int end) { seqlen_k = end; }
 
   // The two bounds a warp's "wholly visible" test in the query-row orientation reads (fa/mask.cuh): for its
   // rows [row0, row0 + n), the last row's first key and the first row's end. A warp's rows stay put through

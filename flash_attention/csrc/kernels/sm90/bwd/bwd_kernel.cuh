@@ -226,7 +226,7 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
   }
 
   // ---- epilogue: dK, dV (scale already folded into dS) ---------------------------------------------------
-  store_dk_dv<D, BF>(p, batch, kv_head, kv_start, row0, g, t, dk, dv);
+  store_dk_dv<D, BF>(p, batch, kv_head, kv_start, p.seqlen_k - kv_start, row0, g, t, dk, dv);
 }
 
 }  // namespace sm90

@@ -144,12 +144,45 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
   const int n_block = kDeterministic ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
   const int kv_head = blockIdx.y;
   const int batch = blockIdx.z;
-  const int kv_start = n_block * BC;
+  // A packed batch's key-tile table may give the block its keys (below).
+  constexpr bool kKeyTiles = MaskIsSegments<Mask>::value && !kDeterministic;
+  int kv_start = n_block * BC;
+  int kv_rows = p.seqlen_k - kv_start;  // with kKeyTiles: the block's own keys
+  // The block's keys (fewer than BC in the last). (Other builds compute it where it is used, as before the
+  // table: held from the prologue, it moved ptxas's allocation in three head_dim 64 builds.)
+  auto block_keys = [&] { return kKeyTiles ? kv_rows : p.seqlen_k - kv_start; };
+  // Query block m holds rows q_origin + m BR ..; its workspace rows (LSE, delta, dQ) are ws_shift further.
+  int q_origin = 0, ws_shift = 0;
 
   // The query blocks [m_begin, m_begin + m_count) that see some key of this block (the variant's mask); the
   // block walks them for every query head of its GQA group, so dK and dV are summed over the group.
-  const Mask mask(p, batch, kv_head);
-  const auto blocks = mask.template q_blocks<BR, BC>(p, kv_start);
+  Mask mask(p, batch, kv_head);
+  auto blocks = mask.template q_blocks<BR, BC>(p, kv_start);
+  // A packed batch with a key-tile table (p.k_tiles and p.q_units, BwdParams says what they hold): block n
+  // is keys [k0, k1) of one sequence, so that no block straddles two sequences' keys and walks both
+  // sequences' query rows, masked; keys past the tile's end are another tile's, masked whole
+  // (SegmentKeys::end_keys_at), loaded as zeros and not stored. Its query blocks are anchored at the
+  // sequence's first row (fa/block_range.cuh, q_blocks_anchored) over a workspace laid out by sequence, in
+  // which each sequence starts a 128-row block, so a query block is whole 64-row units of the tiled dQ
+  // accumulator (fa/dq_accum.cuh) and 16-byte aligned statistics. Rows of a sequence's last block past its
+  // end are the next sequence's: masked (the runs), and their workspace rows padding (base-2 LSE +inf).
+  // The key tiles alone, with query blocks on the packed row's grid, gained nothing: a straddling tile
+  // walks as many query blocks as the two that split it (kernel log 97).
+  if constexpr (kKeyTiles) {
+    if (p.k_tiles != nullptr) {
+      const int4 tile = __ldg(reinterpret_cast<const int4*>(p.k_tiles) + n_block);
+      kv_start = tile.x;
+      kv_rows = min(tile.y - tile.x, BC);
+      q_origin = tile.z;
+      ws_shift = tile.w - tile.z;
+      if (kv_rows > 0) {
+        mask.keys.end_keys_at(kv_start + kv_rows);
+        blocks = q_blocks_anchored<BR>(mask.keys, kv_start, kv_start + kv_rows, q_origin);
+      } else {
+        blocks.begin = blocks.count = 0;  // the table's unused tail
+      }
+    }
+  }
   const int m_begin = blocks.begin;
   const int m_count = blocks.count;
   const int n_iter = p.group * m_count;
@@ -157,7 +190,9 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
   // walk (head by head, query blocks upward from the block's own offset), which its turns follow.
   const DqTurns<BR, BC, Mask> turns(mask, blocks, n_block);
   auto head_of = [&](int it) { return kv_head * p.group + (kDeterministic ? turns.head(it) : it / m_count); };
-  auto q_start_of = [&](int it) { return (kDeterministic ? turns.q_block(it) : m_begin + it % m_count) * BR; };
+  auto q_start_of = [&](int it) {
+    return q_origin + (kDeterministic ? turns.q_block(it) : m_begin + it % m_count) * BR;
+  };
 
   if (tid == 0) {
     for (int s = 0; s < NST; ++s) {
@@ -227,9 +262,9 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
       if (it == 0) {
         const u16* gK = static_cast<const u16*>(p.k) + k_offset(p, batch, kv_head, kv_start);
         const u16* gV = static_cast<const u16*>(p.v) + v_offset(p, batch, kv_head, kv_start);
-        load_tile_rolled<BC, D, kLoaders, KVTile>(sK, gK, p.k_row_stride, p.seqlen_k - kv_start, p.head_dim,
+        load_tile_rolled<BC, D, kLoaders, KVTile>(sK, gK, p.k_row_stride, block_keys(), p.head_dim,
                                                   tid);
-        load_tile_rolled<BC, D, kLoaders, KVTile>(sV, gV, p.v_row_stride, p.seqlen_k - kv_start, p.head_dim,
+        load_tile_rolled<BC, D, kLoaders, KVTile>(sV, gV, p.v_row_stride, block_keys(), p.head_dim,
                                                   tid);
       }
       const int head = head_of(it);
@@ -240,8 +275,9 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
                                                p.head_dim, tid);
       load_tile_rolled<BR, D, kLoaders, QTile>(sdO + s * kQ, gdO, p.do_row_stride, p.seqlen_q - q_start,
                                                p.head_dim, tid);
-      // The workspaces are padded to whole 128-row blocks: no bounds check.
-      const i64 r0 = workspace_row(p, batch, head, q_start);
+      // The workspaces are padded to whole 128-row blocks (laid out by sequence, each sequence's rows): no
+      // bounds check.
+      const i64 r0 = workspace_row(p, batch, head, q_start + ws_shift);
       if (tid < BR / 4) {
         cp_async_16(sStats + s * 8 * BR + 16 * tid, p.lse_log2 + r0 + 4 * tid, 16);
       } else if (tid < BR / 2) {
@@ -496,7 +532,7 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
     named_barrier_sync(2 + wg, 128);
     if (ctid % 128 == 0) {
       // The warpgroup's tile: rows [DQ_ROW wg, + 64) of the query block, columns [DQ_COL wg, + 64).
-      const i64 ws_row = workspace_row(p, batch, head, q_start) + DQ_ROW * wg;
+      const i64 ws_row = workspace_row(p, batch, head, q_start + ws_shift) + DQ_ROW * wg;
       bulk_reduce_add_f32(p.dq_accum + dq_accum_offset<D, true>(ws_row, DQ_COL * wg), sdQ_wg, 64 * 64 * 4);
       bulk_commit();
     }
@@ -505,7 +541,7 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
   if (!kDeterministic && ctid % 128 == 0) bulk_wait<0>();
 
   // ---- epilogue: dK, dV (scale already folded into dS) ---------------------------------------------------
-  store_dk_dv<D, BF>(p, batch, kv_head, kv_start, row0, g, t, dk, dv);
+  store_dk_dv<D, BF>(p, batch, kv_head, kv_start, block_keys(), row0, g, t, dk, dv);
 }
 
 }  // namespace sm90
