@@ -123,7 +123,11 @@ def _with_tiles(made: tuple[torch.Tensor, torch.Tensor], cu_q: torch.Tensor, cu_
     """The runs, noting the offsets that ops.query_tiles cuts the rows and keys by (attributes of the
     tensors, as ``_typical_lengths``: they ride through the custom op's eager call; under torch.compile the
     kernels tile the packed row instead)."""
-    made[0]._cu_q, made[1]._cu_k = cu_q, cu_k
+    # Copies, taken with the runs: the tables are made from them at the first launch that needs them (the
+    # backward's, after the forward), and must describe the offsets the runs were made from even if the
+    # caller refills its offsets tensor in place in between (a new version makes new runs, not new tables
+    # for these). (A device copy: no host read.)
+    made[0]._cu_q, made[1]._cu_k = cu_q.clone(), cu_k.clone()
     made[0]._query_tiles, made[1]._key_tiles = {}, {}
     return made
 

@@ -208,7 +208,7 @@ def _tiles_of(cu_q, total_q, block_q, cu_k=None, causal=False, total_k=None):
     table = query_tiles(runs, block_q)
     keys = key_tiles(runs, block_q)
     assert table.dtype == torch.int32 and table.shape == (tile_count(total_q, cu_q.numel() - 1, block_q), 2)
-    assert keys.dtype == torch.int32 and keys.shape == (tile_count(total_k, cu_k.numel() - 1, block_q), 4)
+    assert keys.dtype == torch.int32 and keys.shape == (tile_count(total_k, cu_k.numel() - 1, block_q), 8)
     assert query_tiles(runs, block_q) is table and key_tiles(runs, block_q) is keys  # built once
     return runs, table, keys
 
@@ -255,16 +255,17 @@ def test_tiles_partition_each_sequence_longest_first(lengths, extra, block_q, ca
     total_q, total_k = int(cu_q[-1]) + extra, int(cu_k[-1]) + 5
     runs, table, keys = _tiles_of(cu_q, total_q, block_q, cu_k=cu_k, causal=causal, total_k=total_k)
     _check_tiles(table, total_q, cu_q, lengths, extra, block_q, runs[0])
-    _check_tiles(keys, total_k, cu_k, lengths_k, 5, block_q, runs[1])
+    _check_tiles(keys[:, :2], total_k, cu_k, lengths_k, 5, block_q, runs[1])
     _check_anchored_walk(runs, keys, cu_q, cu_k, total_q, total_k)
 
 
-def _check_anchored_walk(runs, keys, cu_q, cu_k, total_q, total_k):
+def _check_anchored_walk(runs, keys, cu_q, cu_k, total_q, total_k, promised=True):
     """The backward's walk over a packed batch as the ws dK/dV kernel takes it from the key tiles (fa/
     block_range.cuh q_blocks_anchored, 64- and 128-row query blocks from the sequence's first row), over the
     workspace laid out by query_units: every visible (row, key) pair is met exactly once, and every
     workspace row a block touches (its statistics, its dQ) lies in its own sequence's units, each of which
-    starts a 128-row block (whole 64-row dQ tiles, 16-byte aligned statistics)."""
+    starts a 128-row block (whole 64-row dQ tiles, 16-byte aligned statistics). Offsets that break the
+    caller's promise (``promised`` False) may give wrong pairs, but no block leaves its own units."""
     from flash_attention.ops.query_tiles import query_units, unit_count, workspace_rows
 
     units = query_units(runs)
@@ -287,17 +288,19 @@ def _check_anchored_walk(runs, keys, cu_q, cu_k, total_q, total_k):
     kb = [0, *[int(c) for c in cu_k], total_k]
     for block_q in (64, 128):
         met = torch.zeros(total_q, total_k, dtype=torch.int64)
-        for k0, k1, q0, w0 in keys.tolist():
+        for k0, k1, q0, w0, q1, *spare in keys.tolist():
+            assert spare == [0, 0, 0]
             if k1 <= k0:
                 continue
             piece = next(i for i in range(len(kb) - 1) if kb[i] <= k0 < kb[i + 1] and k1 <= kb[i + 1])
-            assert q0 == bounds[piece]  # the matching piece of rows
-            lo, hi = int(key_rows[k0, 0]), int(key_rows[k1 - 1, 1])
+            assert q0 == bounds[piece] and q1 == bounds[piece + 1]  # the matching piece of rows
+            # (fa/block_range.cuh q_blocks_anchored: no row past the piece's end)
+            lo, hi = int(key_rows[k0, 0]), min(int(key_rows[k1 - 1, 1]), q1)
             if hi <= lo:
                 continue
             begin = max(lo - q0, 0) // block_q
             end = -(-(hi - q0) // block_q)
-            assert q0 + begin * block_q <= lo and hi <= q0 + end * block_q
+            assert not promised or (q0 + begin * block_q <= lo and hi <= q0 + end * block_q)
             for m in range(begin, end):
                 r0 = q0 + m * block_q
                 # The block's workspace rows [w0 + m block_q, + block_q) hold its own rows or padding.
@@ -310,13 +313,14 @@ def _check_anchored_walk(runs, keys, cu_q, cu_k, total_q, total_k):
                 for r in range(max(r0, 0), min(r0 + block_q, total_q)):
                     a, b = int(row_keys[r, 0]), int(row_keys[r, 1])
                     lo_k, hi_k = max(a, k0), min(b, k1)
-                    if hi_k > lo_k:
+                    if hi_k > lo_k and promised:
                         assert int(owner[w0 + r - q0]) == r
                         met[r, lo_k:hi_k] += 1
-        visible = torch.zeros(total_q, total_k, dtype=torch.int64)
-        for r in range(total_q):
-            visible[r, int(row_keys[r, 0]) : int(row_keys[r, 1])] = 1
-        assert torch.equal(met, visible)
+        if promised:
+            visible = torch.zeros(total_q, total_k, dtype=torch.int64)
+            for r in range(total_q):
+                visible[r, int(row_keys[r, 0]) : int(row_keys[r, 1])] = 1
+            assert torch.equal(met, visible)
 
 
 def test_query_tiles_of_bad_offsets_stay_a_partition_of_the_rows():
@@ -330,6 +334,39 @@ def test_query_tiles_of_bad_offsets_stay_a_partition_of_the_rows():
     for a, b in table.tolist():
         covered[a:b] += 1
     assert torch.equal(covered, torch.ones(100, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_key_tiles_of_offsets_past_the_tensors_stay_in_their_workspace_rows(causal):
+    # The runs are built from the offsets as given, so offsets past the rows give runs past them; a key
+    # tile's walk must still end at its piece's last row, or its blocks' statistics and dQ would lie past
+    # the workspace (62k floats written past its end at d128 on an H200, before the clamp).
+    from flash_attention.varlen import _with_tiles
+
+    for cu_q, cu_k in (([0, 1000], [0, 100]), ([0, 5000], [0, 100]), ([0, 40, 900], [0, 30, 100])):
+        cq, ck = (torch.tensor(c, dtype=torch.int32) for c in (cu_q, cu_k))
+        runs = _with_tiles(segments(cq, ck, 100, 100, causal=causal), cq, ck)
+        from flash_attention.ops.query_tiles import key_tiles
+
+        _check_anchored_walk(runs, key_tiles(runs, 128), cq, ck, 100, 100, promised=False)
+
+
+def test_tables_describe_the_offsets_the_runs_were_made_from():
+    # attention_varlen's runs are made at the forward; the backward's tables later, from offsets noted on
+    # the runs. A caller refilling its offsets tensor in place in between (pipelined micro-batches) must not
+    # change what those tables say.
+    from flash_attention.ops.query_tiles import key_tiles, query_units
+    from flash_attention.varlen import _cached_segments
+
+    cu = torch.tensor([0, 10, 1000], dtype=torch.int32)
+    runs = _cached_segments(cu, cu, 1000, 1000, True, None, None, (500, 500))
+    cu.copy_(torch.tensor([0, 990, 1000], dtype=torch.int32))
+    fresh = _cached_segments(cu.clone(), cu.clone(), 1000, 1000, True, None, None, (500, 500))
+    assert not torch.equal(key_tiles(runs, 128), key_tiles(fresh, 128))
+    again = torch.tensor([0, 10, 1000], dtype=torch.int32)
+    first = _cached_segments(again, again, 1000, 1000, True, None, None, (500, 500))
+    assert torch.equal(key_tiles(runs, 128), key_tiles(first, 128))
+    assert torch.equal(query_units(runs), query_units(first))
 
 
 def test_plans_are_made_per_power_of_two_of_sequences():

@@ -58,9 +58,11 @@ def query_tiles(segments: tuple[torch.Tensor, torch.Tensor], block_q: int) -> to
 
 
 def key_tiles(segments: tuple[torch.Tensor, torch.Tensor], block_kv: int) -> torch.Tensor | None:
-    """The key tiles of a packed batch for a dK/dV kernel of ``block_kv``-key tiles, as an int32 (n, 4)
-    tensor (BwdParams::k_tiles): keys [k0, k1) of one piece, then the first row of the matching piece of
-    rows (the sequence's queries) and that row's workspace row in :func:`query_units`' layout. A tile
+    """The key tiles of a packed batch for a dK/dV kernel of ``block_kv``-key tiles, as an int32 (n, 8)
+    tensor (BwdParams::k_tiles): keys [k0, k1) of one piece, the first row of the matching piece of rows
+    (the sequence's queries), that row's workspace row in :func:`query_units`' layout, and the piece's end
+    row (the kernel walks no row past it, whatever the runs say: offsets past the tensors would otherwise
+    walk blocks past the workspace), then three unused ints. A tile
     straddling two sequences walks both sequences' query rows; one anchored at the packed row's grid cuts
     each sequence's first and last query block (kernel log 98). Ordered by the query rows they visit, most
     first. None without offsets. n = :func:`tile_count` over the keys."""
@@ -74,9 +76,11 @@ def key_tiles(segments: tuple[torch.Tensor, torch.Tensor], block_kv: int) -> tor
         k_bounds = _bounds(cu_k, total_k)
         k0, k1, piece = _cut(k_bounds, block_kv, tile_count(total_k, cu_k.numel() - 1, block_kv))
         q_bounds = _bounds(cu_q, total_q)
-        q_origin = q_bounds[piece]
+        q_origin, q_end = q_bounds[piece], q_bounds[piece + 1]
         v_origin = _piece_units(q_bounds)[1][piece] * UNIT
-        table = torch.stack((k0, k1, q_origin, v_origin), dim=1)
+        # (8 ints a tile, the last three unused: two 16-byte loads in the kernel)
+        spare = torch.zeros_like(k0)
+        table = torch.stack((k0, k1, q_origin, v_origin, q_end, spare, spare, spare), dim=1)
         made = _longest_first(k0, k1, key_rows, table)
         key_rows._key_tiles[block_kv] = made
     return made

@@ -155,12 +155,15 @@ __device__ __forceinline__ QBlocks<true> q_blocks(const SegmentKeys& keys, const
 // first row, instead of at row 0 (block m holds rows origin + m BR ..). A sequence's rows then start a
 // block, as in a dense batch: the packed row's grid cut each sequence's first and last query block, which
 // every key tile of the sequence walked (kernel log 98). The keys' runs bound the rows (both nondecreasing
-// along the keys); a run before origin (a key no row sees) counts from the grid's first block.
+// along the keys); a run before origin (a key no row sees) counts from the grid's first block, and none
+// reaches past `end`, the sequence's last row + 1: offsets that break the caller's promise give runs past
+// the tensors (the runs are built from the offsets as given), which would walk blocks past the sequence's
+// workspace rows, and past the workspace.
 template <int BR>
 __device__ __forceinline__ QBlocks<true> q_blocks_anchored(const SegmentKeys& keys, int kv_start, int kv_end,
-                                                           int origin) {
+                                                           int origin, int end) {
   const int lo = keys.first_row(kv_start);
-  const int hi = keys.end_row(kv_end - 1);
+  const int hi = min(keys.end_row(kv_end - 1), end);
   QBlocks<true> blocks;
   blocks.begin = max(lo - origin, 0) / BR;
   blocks.count = hi > lo ? max((hi - origin + BR - 1) / BR - blocks.begin, 0) : 0;

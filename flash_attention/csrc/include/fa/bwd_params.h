@@ -60,9 +60,10 @@ struct BwdParams {
   const int* key_rows;
   // A packed batch's tables (flash_attention/ops/query_tiles.py; both null, or both set for the
   // warp-specialized dK/dV kernel's segments build in atomic mode):
-  // * k_tiles, 4 ints per tile (key_tiles): tile n covers keys [k0, k1) of one sequence (at most kBlockKV),
-  //   and walks its query blocks from q0, the sequence's first row, whose workspace row is w0; longest
-  //   first; num_n_blocks is the table's length. Null: tile n covers keys n kBlockKV .. of the packed row.
+  // * k_tiles, 8 ints per tile (key_tiles): tile n covers keys [k0, k1) of one sequence (at most kBlockKV),
+  //   and walks its query blocks from q0, the sequence's first row, whose workspace row is w0, to no
+  //   further than q1, its end (then three unused ints); longest first; num_n_blocks is the table's
+  //   length. Null: tile n covers keys n kBlockKV .. of the packed row.
   // * q_units, 2 ints per unit (query_units): the workspace (lse_log2, delta, dq_accum) laid out by
   //   sequence, seqlen_q_pad / 64 units per head: unit u's rows hold packed rows [start, start + count),
   //   count <= 64, the rest padding. The preprocessing and cast kernels run over the units. Null: workspace

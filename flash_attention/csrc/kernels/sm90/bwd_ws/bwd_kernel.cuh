@@ -170,14 +170,15 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
   // walks as many query blocks as the two that split it (kernel log 97).
   if constexpr (kKeyTiles) {
     if (p.k_tiles != nullptr) {
-      const int4 tile = __ldg(reinterpret_cast<const int4*>(p.k_tiles) + n_block);
+      const int4 tile = __ldg(reinterpret_cast<const int4*>(p.k_tiles) + 2 * n_block);
+      const int q_end = __ldg(p.k_tiles + 8 * n_block + 4);
       kv_start = tile.x;
       kv_rows = min(tile.y - tile.x, BC);
       q_origin = tile.z;
       ws_shift = tile.w - tile.z;
       if (kv_rows > 0) {
         mask.keys.end_keys_at(kv_start + kv_rows);
-        blocks = q_blocks_anchored<BR>(mask.keys, kv_start, kv_start + kv_rows, q_origin);
+        blocks = q_blocks_anchored<BR>(mask.keys, kv_start, kv_start + kv_rows, q_origin, q_end);
       } else {
         blocks.begin = blocks.count = 0;  // the table's unused tail
       }
