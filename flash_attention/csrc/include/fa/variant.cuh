@@ -129,6 +129,9 @@ struct NoScoreMod {
 struct Softcap {
   static constexpr bool kIdentity = false;
   static constexpr bool kUnitGradient = false;
+  // The scaled score it returns lies in [-cap, cap], and unit(s) = its value / cap, from the unscaled score
+  // (a forward may then drop the online softmax's running max: fa/softmax.cuh bounded_softmax_row).
+  static constexpr bool kBounded = true;
   float cap, inv_cap;
   float pre, post;  // the folded form's factors: scale / cap before the tanh, cap / scale after it
   template <class Params>
@@ -138,6 +141,7 @@ struct Softcap {
     return cap * tanh_approx(s * inv_cap);
   }
   __device__ __forceinline__ float folded(float s, float /*rel*/) const { return post * tanh_approx(s * pre); }
+  __device__ __forceinline__ float unit(float s) const { return tanh_approx(s * pre); }
   __device__ __forceinline__ int diagonal(int q) const { return q; }
   __device__ __forceinline__ float gradient(float s_mod, int /*q*/, int /*k*/) const {
     const float t = s_mod * inv_cap;
@@ -303,6 +307,17 @@ struct ScoreModRowOffsets {
 template <class M>
 struct ScoreModRowOffsets<M, decltype(void(M::kRowOffsets))> {
   static constexpr bool value = M::kRowOffsets;
+};
+
+// Whether a score function's scaled scores are bounded by its `cap` (kBounded, with unit(s) = score / cap);
+// optional: a policy without the member is unbounded (ALiBi, and soft-capping with ALiBi's bias after it).
+template <class M, class = void>
+struct ScoreModBounded {
+  static constexpr bool value = false;
+};
+template <class M>
+struct ScoreModBounded<M, decltype(void(M::kBounded))> {
+  static constexpr bool value = M::kBounded;
 };
 
 // Whether a score function loads each row's diagonal (kAffineDiagonal false: a packed batch's ALiBi,

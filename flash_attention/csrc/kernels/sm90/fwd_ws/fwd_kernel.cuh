@@ -305,6 +305,17 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
 #endif
   const u64 v_desc = smem_desc_sw128(sV, BC * 128, 1024);
   const float sl2 = p.scale_log2;
+  // Bounded scores (soft-capping in bf16, cap <= kFixedMaxCap): the softmax without a running max
+  // (fa/softmax.cuh bounded_softmax_row), its origin cap / 2 kept as row_max for the LSE; a uniform
+  // branch on the cap, so larger caps take the online softmax in the same build. At head_dim 128 only,
+  // without ping-pong, where it was measured and spills nothing: the second path spilled the d64 causal
+  // build's 128-register consumers (0 -> 108 bytes, NVRTC 13.0), the packed (segments) builds at 192 and
+  // 256 (0 -> 16, 16 -> 32) and the 176-key ping-pong build (44 -> 120).
+  constexpr bool kBoundable =
+      BF && D == 128 && !Cfg::kPingpong && ScoreModBounded<typename V::ScoreMod>::value;
+  const bool bounded = kBoundable && p.softcap <= kFixedMaxCap;
+  const float bounded_max = 0.5f * p.softcap / p.scale;  // the origin in row_max's (unscaled) units
+  const float cap_log2 = p.softcap * 1.4426950408889634f;
   if constexpr (kTmaStore) {
     if (ctid % 128 == 0) tma_prefetch_map(&tp.o_map);  // each warpgroup's store issuer (the epilogue)
   }
@@ -459,7 +470,7 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
     auto reset_accumulators = [&] {
 #pragma unroll
       for (int i = 0; i < NO * 4; ++i) o[i] = 0.f;
-      row_max[0] = row_max[1] = neg_inf();
+      row_max[0] = row_max[1] = bounded ? bounded_max : neg_inf();
       row_sum[0] = row_sum[1] = 0.f;
     };
     if constexpr (!kTileOverlap) reset_accumulators();  // (tile_overlap: after the previous tile's epilogue)
@@ -485,6 +496,22 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
       static_assert(kFold, "the wgmma kernels' softmax is the folded one");
       constexpr bool kOffsets = ScoreModRowOffsets<typename V::ScoreMod>::value;
       float offset[1][2];
+      if constexpr (kBoundable) {
+        if (bounded) {
+          // tanh(s scale / cap) in place (cap log2 e goes into the exponent's FFMA), the mask, then P.
+#pragma unroll
+          for (int i = 0; i < NS * 4; ++i) sacc[i] = score_mod.unit(sacc[i]);
+          mask.mask_query_rows(acc_tile(sacc), q_start + warp_row0, kv_start, g, t);
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            row_sum[r] += bounded_softmax_row(acc_tile(sacc), 0, r, cap_log2);
+            alpha[r] = 1.f;
+          }
+          if constexpr (kDropout)
+            dropout_query_rows(acc_tile(sacc), 0, p, batch, head, q_start + warp_row0, kv_start, g, t);
+          return;
+        }
+      }
       score_mod_query_rows_wgmma(acc_tile(sacc), score_mod, q_start + warp_row0, kv_start, g, t, offset);
       mask.mask_query_rows(acc_tile(sacc), q_start + warp_row0, kv_start, g, t);
 #pragma unroll
@@ -495,6 +522,7 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
         dropout_query_rows(acc_tile(sacc), 0, p, batch, head, q_start + warp_row0, kv_start, g, t);
     };
     auto rescale_o = [&](const float (&alpha)[2]) {
+      if (bounded) return;  // (alpha is 1)
 #pragma unroll
       for (int r = 0; r < 2; ++r) rescale_row(acc_tile(o), 0, r, alpha[r]);
     };
