@@ -119,6 +119,9 @@ def workspace_rows(segments: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     units = query_units(segments)
     if units is None:
         raise ValueError("the runs carry no offsets (flash_attention.varlen notes them)")
+    made = segments[0]._query_tiles.get("rows")
+    if made is not None:  # (made once per runs, as the tables are)
+        return made
     total_q = segments[0].shape[0]
     start, count = units[:, 0].to(torch.int64), units[:, 1].to(torch.int64)
     r = torch.arange(UNIT, device=units.device)
@@ -127,6 +130,7 @@ def workspace_rows(segments: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     dst = torch.where(r < count[:, None], start[:, None] + r, total_q)
     out = torch.empty(total_q + 1, dtype=torch.int64, device=units.device)
     out.scatter_(0, dst.flatten(), (u[:, None] * UNIT + r).flatten())
+    segments[0]._query_tiles["rows"] = out[:total_q]
     return out[:total_q]
 
 
