@@ -142,6 +142,11 @@ struct Softcap {
   }
   __device__ __forceinline__ float folded(float s, float /*rel*/) const { return post * tanh_approx(s * pre); }
   __device__ __forceinline__ float unit(float s) const { return tanh_approx(s * pre); }
+  // The bound itself, from the parameters (the backward's exp2 multiplier, backward_exp2_multiplier).
+  template <class Params>
+  __device__ __forceinline__ static float bound(const Params& p) {
+    return p.softcap;
+  }
   __device__ __forceinline__ int diagonal(int q) const { return q; }
   __device__ __forceinline__ float gradient(float s_mod, int /*q*/, int /*k*/) const {
     const float t = s_mod * inv_cap;
@@ -262,7 +267,8 @@ inline constexpr bool kFoldsScale = kConfigFolds;
 // s = mod(scale * s, q, k) on a warp's accumulator with queries as rows (fa/frag.cuh layout: element
 // (mt, n, e) is query q_row0 + 16 mt + g + 8 (e / 2) against key kv_start + 8 n + 2 t + e % 2). Nothing
 // for the identity. Call before the mask.
-template <class ScoreMod, class Acc>
+// kBackward: x = backward_score(s) instead (a backward kernel's form, below).
+template <bool kBackward = false, class ScoreMod, class Acc>
 __device__ __forceinline__ void score_mod_query_rows(const Acc& s, const ScoreMod& mod, float scale, int q_row0,
                                                      int kv_start, int g, int t) {
   if constexpr (!ScoreMod::kIdentity) {
@@ -271,9 +277,13 @@ __device__ __forceinline__ void score_mod_query_rows(const Acc& s, const ScoreMo
 #pragma unroll
       for (int n = 0; n < Acc::kN; ++n)
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-          s(mt, n, e) = mod(scale * s(mt, n, e), q_row0 + 16 * mt + g + 8 * (e >> 1),
-                            kv_start + 8 * n + 2 * t + (e & 1));
+        for (int e = 0; e < 4; ++e) {
+          const int q = q_row0 + 16 * mt + g + 8 * (e >> 1), k = kv_start + 8 * n + 2 * t + (e & 1);
+          if constexpr (kBackward)
+            s(mt, n, e) = backward_score(mod, s(mt, n, e), scale, q, k);
+          else
+            s(mt, n, e) = mod(scale * s(mt, n, e), q, k);
+        }
   }
 }
 
@@ -411,9 +421,26 @@ struct ScoreModHasGradient<M, decltype(void(M::kUnitGradient))> {
   static constexpr bool value = true;
 };
 
+// The backward's form of a score function, shared by every backward family. Each recomputes P from the raw
+// product s as exp2(x m - LSE2), where x = backward_score(s) is left in the accumulator (and masked: -inf),
+// m = backward_exp2_multiplier, and multiplies dS by backward_gradient(x):
+//   the identity:        x = s,                   m = scale log2 e, derivative 1;
+//   a bounded function:  x = unit(s) = s' / cap,  m = cap log2 e,   derivative 1 - x^2 (soft-capping);
+//   any other function:  x = s' = mod(scale s),   m = log2 e,       derivative gradient(s', q, k).
+// The bounded form takes one FMUL and the tanh per score where the general one took three FMULs around it,
+// and a fourth for the derivative's s' / cap, with a select to keep 0 * -inf out of masked elements (the
+// SASS of the warp-specialized dK/dV kernel, kernel log 100).
+template <class ScoreMod>
+__device__ __forceinline__ float backward_score(const ScoreMod& mod, float s, float scale, int q, int k) {
+  if constexpr (ScoreModBounded<ScoreMod>::value)
+    return mod.unit(s);
+  else
+    return mod(scale * s, q, k);
+}
+
 // Key-row orientation (the backward's S^T, fa/mask.cuh's mask_key_rows layout: element (mt, n, e) is key
-// kv_start + warp_row0 + 16 mt + g + 8 (e / 2) against query q_start + 8 n + 2 t + e % 2): s = mod(scale *
-// s, q, k). Nothing for the identity. Call before the mask.
+// kv_start + warp_row0 + 16 mt + g + 8 (e / 2) against query q_start + 8 n + 2 t + e % 2): s =
+// backward_score(s). Nothing for the identity. Call before the mask.
 template <class ScoreMod, class Acc>
 __device__ __forceinline__ void score_mod_key_rows(const Acc& s, const ScoreMod& mod, float scale, int kv_start,
                                                    int warp_row0, int q_start, int g, int t) {
@@ -424,16 +451,34 @@ __device__ __forceinline__ void score_mod_key_rows(const Acc& s, const ScoreMod&
       for (int n = 0; n < Acc::kN; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e)
-          s(mt, n, e) = mod(scale * s(mt, n, e), q_start + 8 * n + 2 * t + (e & 1),
-                            kv_start + warp_row0 + 16 * mt + g + 8 * (e >> 1));
+          s(mt, n, e) = backward_score(mod, s(mt, n, e), scale, q_start + 8 * n + 2 * t + (e & 1),
+                                       kv_start + warp_row0 + 16 * mt + g + 8 * (e >> 1));
   }
 }
 
-// The multiplier of the backward's exp2(s m - LSE2): the identity folds the scale in (m = scale log2 e); a
-// score function's output is already scaled (m = log2 e).
+// The multiplier m of the backward's exp2(x m - LSE2) (backward_score's table above).
+template <class ScoreMod, class Params>
+__device__ __forceinline__ float backward_exp2_multiplier(const Params& p) {
+  if constexpr (ScoreMod::kIdentity)
+    return p.scale_log2;
+  else if constexpr (ScoreModBounded<ScoreMod>::value)
+    return ScoreMod::bound(p) * 1.4426950408889634f;
+  else
+    return 1.4426950408889634f;
+}
+
+// The score function's derivative at an element whose backward score is x and whose P is p. A masked
+// element (x = -inf, p = 0) contributes nothing to dS: its derivative is made 0, not -inf (0 * -inf is
+// NaN). The bounded form's 1 - x^2 is saturated to [0, 1], which does that in the FFMA itself (.sat maps
+// -inf to 0; a tanh never leaves [-1, 1], so no other value changes); the general form selects on p.
 template <class ScoreMod>
-__device__ __forceinline__ float backward_exp2_multiplier(float scale_log2) {
-  return ScoreMod::kIdentity ? scale_log2 : 1.4426950408889634f;
+__device__ __forceinline__ float backward_gradient(const ScoreMod& mod, float x, float p, int q, int k) {
+  if constexpr (ScoreMod::kUnitGradient)
+    return 1.f;
+  else if constexpr (ScoreModBounded<ScoreMod>::value)
+    return __saturatef(fmaf(-x, x, 1.f));
+  else
+    return p > 0.f ? mod.gradient(x, q, k) : 0.f;
 }
 
 // The score function's derivative at an element whose P is p and row LSE (base 2) lse2: the modified

@@ -146,8 +146,8 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
   const FragAddr<D, true> bt_qd(sQ, 8 * ((lane / 8) % 2) + lane % 8, lane / 16);
   constexpr u32 kVOff = 2 * BC * D;        // V's tile after K's
   constexpr u32 kDOOff = NB * 2 * BR * D;  // dO's tiles after Q's
-  // exp2's multiplier: the scale folded in, or (a score function, applied to the scaled score) log2 e.
-  const float sl2 = backward_exp2_multiplier<ScoreMod>(p.scale_log2);
+  // exp2's multiplier (fa/variant.cuh backward_score: the scale folded in for the identity).
+  const float sl2 = backward_exp2_multiplier<ScoreMod>(p);
 
 #pragma unroll 1
   for (int it = 0; it < n_iter; ++it) {
@@ -235,11 +235,9 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const float pr = exp2_approx(fmaf(s[mt][n][e], sl2, -((e & 1) ? l2.y : l2.x)));
-          // The score function's derivative, from the modified score itself (still in s here); 0 where P is
-          // (a masked score is -inf, where a derivative would be -inf and 0 * -inf NaN).
+          // The score function's derivative, from its backward score (still in s here; 0 where masked).
           const int key = kv_start + warp_row0 + 16 * mt + g + 8 * (e >> 1), query = q_start + 8 * n + 2 * t + (e & 1);
-          const float grad =
-              ScoreMod::kUnitGradient ? 1.f : (pr > 0.f ? score_mod.gradient(s[mt][n][e], query, key) : 0.f);
+          const float grad = backward_gradient(score_mod, s[mt][n][e], pr, query, key);
           if constexpr (kDropout) {
             const int key = kv_start + warp_row0 + 16 * mt + g + 8 * (e >> 1);
             const bool keep = dropout_keep(hr[e & 1], key, p.dropout_threshold);
@@ -479,8 +477,8 @@ __device__ __forceinline__ void bwd_dq_body(const BwdParams& p) {
   const FragAddr<D, true> bt_k(sK, 8 * ((lane / 8) % 2) + lane % 8, lane / 16);
   constexpr u32 kDOOff = 2 * BR * D;
   constexpr u32 kVOff = 2 * BC * D;
-  // exp2's multiplier: the scale folded in, or (a score function, applied to the scaled score) log2 e.
-  const float sl2 = backward_exp2_multiplier<ScoreMod>(p.scale_log2);
+  // exp2's multiplier (fa/variant.cuh backward_score: the scale folded in for the identity).
+  const float sl2 = backward_exp2_multiplier<ScoreMod>(p);
   const u32 col_off = 2 * d0;
 
 #pragma unroll 1
@@ -518,7 +516,7 @@ __device__ __forceinline__ void bwd_dq_body(const BwdParams& p) {
       }
     }
 
-    score_mod_query_rows(acc_tile(s), score_mod, p.scale, q_start + warp_row0, kv_start, g, t);
+    score_mod_query_rows<true>(acc_tile(s), score_mod, p.scale, q_start + warp_row0, kv_start, g, t);
     mask.mask_query_rows(acc_tile(s), q_start + warp_row0, kv_start, g, t);
 #pragma unroll
     for (int n = 0; n < NS; ++n)
@@ -526,7 +524,7 @@ __device__ __forceinline__ void bwd_dq_body(const BwdParams& p) {
       for (int e = 0; e < 4; ++e) {
         const float pr = exp2_approx(fmaf(s[n][e], sl2, -lse2[e >> 1]));
         const int query = q_start + warp_row0 + g + 8 * (e >> 1), key = kv_start + 8 * n + 2 * t + (e & 1);
-        const float grad = ScoreMod::kUnitGradient ? 1.f : (pr > 0.f ? score_mod.gradient(s[n][e], query, key) : 0.f);
+        const float grad = backward_gradient(score_mod, s[n][e], pr, query, key);
         float dpv = dp[n][e];
         if constexpr (kDropout)
           dpv = dropout_keep(hr[e >> 1], kv_start + 8 * n + 2 * t + (e & 1), p.dropout_threshold)

@@ -314,8 +314,8 @@ __device__ __forceinline__ void bwd_wide_dkdv_body(const BwdParams& p) {
   constexpr u32 kDOOff = 2 * Smem::kQ;               // dO's buffers after Q's
   const u32 first_b_off = wg == 0 ? 0u : kDOOff;     // B of the first product: Q or dO
   const u32 acc_b_off = wg == 0 ? kDOOff : 0u;       // B of the accumulator's product: dO or Q
-  // exp2's multiplier: the scale folded in, or (a score function, applied to the scaled score) log2 e.
-  const float sl2 = backward_exp2_multiplier<typename V::ScoreMod>(p.scale_log2);
+  // exp2's multiplier (fa/variant.cuh backward_score: the scale folded in for the identity).
+  const float sl2 = backward_exp2_multiplier<typename V::ScoreMod>(p);
   const float scale = p.scale;
 
 #pragma unroll 1

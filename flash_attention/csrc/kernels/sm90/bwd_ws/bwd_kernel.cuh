@@ -324,8 +324,8 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
   const u64 kt_desc = smem_desc_sw128(sK + wg * (DQ_COL / 64) * BC * 128, BC * 128, 1024);
   constexpr u32 kDOOff = NST * kQ;  // dO's slots after Q's
   const u32 sdQ_wg = sdQ + wg * 64 * 64 * 4;
-  // exp2's multiplier: the scale folded in, or (a score function, applied to the scaled score) log2 e.
-  const float sl2 = backward_exp2_multiplier<typename V::ScoreMod>(p.scale_log2);
+  // exp2's multiplier (fa/variant.cuh backward_score: the scale folded in for the identity).
+  const float sl2 = backward_exp2_multiplier<typename V::ScoreMod>(p);
   const float scale = p.scale;
 
 #pragma unroll 1
@@ -407,12 +407,10 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
         float pr[4];
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const float s_mod = sc[4 * n + e];
-          pr[e] = exp2_approx(fmaf(s_mod, sl2, -((e & 1) ? l2.y : l2.x)));
-          // (0 where P is: a masked score is -inf, whose derivative would make 0 * -inf a NaN)
-          sc[4 * n + e] = pr[e] > 0.f ? pr[e] * score_mod.gradient(s_mod, q_start + 8 * n + 2 * t + (e & 1),
-                                                                  kv_start + row0 + g + 8 * (e >> 1))
-                                      : 0.f;
+          const float x = sc[4 * n + e];
+          pr[e] = exp2_approx(fmaf(x, sl2, -((e & 1) ? l2.y : l2.x)));
+          sc[4 * n + e] = pr[e] * backward_gradient(score_mod, x, pr[e], q_start + 8 * n + 2 * t + (e & 1),
+                                                    kv_start + row0 + g + 8 * (e >> 1));
         }
         // (pf's layout, pack_p_ds's: register pair r of k-step ks is elements 8 ks + 2 r and + 1)
         pf[n / 2][2 * (n % 2)] = pack2<BF>(pr[0], pr[1]);
