@@ -202,17 +202,14 @@ def attention(
     # A call whose signature ran before and ended in one planned launch repeats that launch, skipping every
     # decision below (ops.repeat says what a signature holds and why; kernel-log step 52).
     key = None
-    variants = (
-        window is not None
-        or bool(softcap)
-        or alibi_slopes is not None
-        or sinks is not None
-        or _segments is not None
-    )
-    if out is None and not variants:  # (a call with a window or a score function takes the whole path)
+    # (a call with tensors a launch must bind, ALiBi's slopes, sinks or a packed batch's runs, takes the
+    # whole path; a window and soft-capping repeat)
+    bound = alibi_slopes is not None or sinks is not None or _segments is not None
+    if out is None and not bound:
         key = _repeat.signature(
-            q, k, v, causal, softmax_scale, return_lse, key_range, deterministic, dropout_p, dropout_seed
-        )
+            q, k, v, causal, softmax_scale, return_lse, key_range, deterministic, dropout_p, dropout_seed,
+            window, softcap,
+        )  # fmt: skip
         if key is not None:
             call = _repeat.lookup(key)
             if call is not None:
@@ -250,6 +247,8 @@ def attention(
             records=records,
             deterministic=deterministic,
             return_lse=return_lse,
+            window=window,
+            softcap=softcap,
         )
         if result is not None:
             return _result(*result, return_lse)

@@ -68,10 +68,19 @@ class _Handle:
 
 class _Kernel:
     """A stand-in ``driver.Kernel``: ``launch`` runs ``gpu.run(kind, causal, params)`` on the CPU.
-    ``params_type`` is the ctypes struct it takes (what the host library's launches are read back as)."""
+    ``params_type`` is the ctypes struct it takes (what the host library's launches are read back as);
+    ``window`` (the sliding-window build: its bounds are the params') and ``score`` (the score function's
+    build: "softcap", its cap the params') are the build's, as the launch layer asked for it."""
 
-    def __init__(self, gpu: StandInGpu, kind: str, causal: bool = False, params_type=BwdParams):
+    def __init__(
+        self, gpu: StandInGpu, kind: str, causal: bool = False, params_type=BwdParams, window=False,
+        score=None,
+    ):  # fmt: skip
+        if window not in (False, True) or score not in (None, "softcap"):
+            # (ALiBi's slopes, a packed batch's runs: not modelled here, so never computed without them)
+            raise AssertionError(f"the stand-in kernels have no {score or window} build")
         self.gpu, self.kind, self.causal, self.params_type = gpu, kind, causal, params_type
+        self.window, self.score = window, score
         self.name = f"stand_in_{kind}{'_causal' if causal else ''}"
         self.handle = _Handle(gpu.register(self))
 
@@ -85,13 +94,15 @@ class _Kernel:
 class _BackwardKernels(dict):
     """``get_bwd_kernels``' dict: by kind for the mask-free kernels, by symbol for the others."""
 
-    def __init__(self, gpu: StandInGpu):
+    def __init__(self, gpu: StandInGpu, window=False, score=None):
         super().__init__()
-        self.gpu = gpu
+        self.gpu, self.window, self.score = gpu, window, score
 
     def __missing__(self, symbol: str) -> _Kernel:
         kind = symbol if symbol in ("pre", "convert") else symbol.split("__")[1]
-        kernel = self[symbol] = _Kernel(self.gpu, kind, "__causal" in symbol)
+        kernel = self[symbol] = _Kernel(
+            self.gpu, kind, "__causal" in symbol, window=self.window, score=self.score
+        )
         return kernel
 
 
@@ -172,11 +183,11 @@ class StandInGpu:
     def run(self, kernel: _Kernel, params) -> None:
         self.launches.append(kernel.kind)
         if kernel.kind == "forward":
-            self._forward(kernel.causal, params)
+            self._forward(kernel, params)
         elif kernel.kind.startswith("decode_"):
             getattr(self, "_" + kernel.kind)(kernel, params)
         else:
-            self._backward(kernel.kind, kernel.causal, params)
+            self._backward(kernel, params)
 
     def _bshd(self, p, ptr, prefix, seqlen, heads):
         strides = tuple(getattr(p, f"{prefix}_{n}_stride") for n in ("batch", "row", "head")) + (1,)
@@ -185,7 +196,21 @@ class StandInGpu:
     def _key_range(self, p):
         return None if not p.key_range else tensor_at(p.key_range, (p.batch, 2), (2, 1), torch.int32).clone()
 
-    def _forward(self, causal, params) -> None:
+    @staticmethod
+    def _variant(kernel, p) -> dict:
+        """The reference's arguments for the kernel's build: causal, and the window's bounds and the cap as
+        the params carry them (a window build's causal is its right bound 0, fa/visible_keys.cuh)."""
+        variant = {"causal": kernel.causal}
+        if kernel.window:
+            variant["window"] = (p.window_left, p.window_right)
+        if kernel.score == "softcap":
+            assert p.softcap > 0, "a soft-capping build launched without its cap"
+            variant["softcap"] = p.softcap
+        else:
+            assert p.softcap == 0, "a cap in the params of a build without soft-capping"
+        return variant
+
+    def _forward(self, kernel, params) -> None:
         p = getattr(params, "p", params)
         if p.dropout_threshold:
             raise AssertionError("the stand-in kernels have no dropout")
@@ -199,7 +224,7 @@ class StandInGpu:
             v = self._bshd(p, p.v, "v", p.seqlen_k, p.heads_kv)
         assert q.shape[3] == p.head_dim and k.shape[1] == p.seqlen_k, "the params disagree on a size"
         out, lse = attention_reference(
-            q, k, v, causal=causal, softmax_scale=p.scale, key_range=self._key_range(p)
+            q, k, v, softmax_scale=p.scale, key_range=self._key_range(p), **self._variant(kernel, p)
         )
         o = self._bshd(p, p.o, "o", p.seqlen_q, p.heads_q)
         if any(bytes(getattr(params, "o_map", b""))):  # a config with tma_store writes O through its map
@@ -220,7 +245,8 @@ class StandInGpu:
         strides = (p.heads_q * p.seqlen_q_pad * p.head_dim, p.seqlen_q_pad * p.head_dim, p.head_dim, 1)
         return tensor_at(p.dq_accum, shape, strides, torch.float32)
 
-    def _backward(self, kind, causal, p) -> None:
+    def _backward(self, kernel, p) -> None:
+        kind = kernel.kind
         x = {
             name: self._bshd(p, getattr(p, name), prefix, *dims)
             for name, prefix, dims in (
@@ -242,7 +268,7 @@ class StandInGpu:
         q, k, v = (x[n].double().requires_grad_() for n in "qkv")
         with torch.enable_grad():  # (the engine runs a backward node with grad mode off)
             out, _ = attention_reference(
-                q, k, v, causal=causal, softmax_scale=p.scale, key_range=self._key_range(p)
+                q, k, v, softmax_scale=p.scale, key_range=self._key_range(p), **self._variant(kernel, p)
             )
             dq, dk, dv = torch.autograd.grad(out, (q, k, v), x["dout"].double())
         # The later kernels read what the preprocessing kernel wrote, as the real ones do.
@@ -364,11 +390,15 @@ def install(monkeypatch, arch: str = "sm_90", dtype: torch.dtype = torch.bfloat1
     monkeypatch.setattr(
         forward,
         "get_kernel",
-        lambda cfg, causal, arch_, trace=False, **kw: _Kernel(
-            gpu, "forward", causal, FwdTmaParams if cfg.warp_specialized else FwdParams
+        lambda cfg, causal, arch_, trace=False, window=False, score=None, **kw: _Kernel(
+            gpu, "forward", causal, FwdTmaParams if cfg.warp_specialized else FwdParams, window, score
         ),
     )
-    monkeypatch.setattr(backward, "get_bwd_kernels", lambda cfg, arch_, **kw: _BackwardKernels(gpu))
+    monkeypatch.setattr(
+        backward,
+        "get_bwd_kernels",
+        lambda cfg, arch_, window=False, score=None, **kw: _BackwardKernels(gpu, window, score),
+    )
     # The decode family (ops/decode.py imports its device facts by name).
     monkeypatch.setattr(decode, "device_arch", lambda index: arch)
     monkeypatch.setattr(decode, "sm_count", lambda index: 132)

@@ -139,6 +139,64 @@ def test_training_repeats_record_the_node_and_give_exact_gradients(gpu, validati
     assert gpu.launches == (["forward"] + last) * 3
 
 
+# A sliding window and soft-capping are values of the plans: their calls repeat, through the window and
+# soft-capping builds (the stand-in kernels compute them from the bounds and the cap in the params).
+_VARIANTS = [
+    dict(window=(7, 0), causal=True),
+    dict(window=[5, 9]),
+    dict(softcap=5.0),
+    dict(softcap=3, window=(6, 2)),
+]
+
+
+@pytest.mark.parametrize("variant", _VARIANTS, ids=lambda v: "-".join(f"{k}{v[k]}" for k in sorted(v)))
+def test_windows_and_softcapping_repeat(gpu, validations, variant):
+    ref = {**variant, "window": tuple(variant["window"])} if "window" in variant else variant
+    for _ in range(3):
+        q, k, v = _inputs()
+        out, lse = fa.attention(q, k, v, return_lse=True, **variant)
+        _check_forward(out, q, k, v, lse, **ref)
+    assert len(validations) == 1, "the repeats should not run the whole path"
+    assert gpu.launches == ["forward"] * 3 and not gpu.errors, gpu.errors
+
+
+@pytest.mark.parametrize("variant", _VARIANTS[::3], ids=["window", "softcap-window"])
+def test_training_with_windows_and_softcapping_repeats(gpu, validations, variant):
+    if host.ops_or_none() is None:
+        pytest.skip("no host library here (no C++ compiler)")
+    for _ in range(3):
+        q, k, v = _inputs(grad=True)
+        out = fa.attention(q, k, v, **variant)
+        assert out.grad_fn.name() == "FlashAttentionBackward"
+        _check_forward(out, q, k, v, **variant)
+        dout = torch.randn_like(out)
+        _check_grads(torch.autograd.grad(out, (q, k, v), dout), q, k, v, dout, **variant)
+    assert len(validations) == 1
+    assert gpu.launches == ["forward", "pre", "dkdv", "convert"] * 3 and not gpu.errors, gpu.errors
+
+
+def test_each_window_and_cap_makes_a_new_signature(gpu, validations):
+    q, k, v = _inputs()
+    calls = [dict(window=(7, 0)), dict(window=(8, 0)), dict(window=(7, 1))]
+    calls += [dict(softcap=5.0), dict(softcap=6.0)]
+    for kwargs in calls * 2:
+        _check_forward(fa.attention(q, k, v, **kwargs), q, k, v, **kwargs)
+    assert len(validations) == len(calls)
+    assert not gpu.errors, gpu.errors
+
+
+def test_alibi_and_sinks_take_the_whole_path(gpu, validations, monkeypatch):
+    # Their tensors are bound per launch, which a repeat call does not do: no signature is made (the stand-in
+    # kernels have no ALiBi build, so the launch itself is stubbed: only the routing is checked here).
+    q, k, v = _inputs()
+    monkeypatch.setattr(ops, "cuda_forward", lambda q, *a, **kw: (torch.empty_like(q), None))
+    slopes, sinks = torch.rand(4), torch.randn(4)
+    for _ in range(2):
+        fa.attention(q, k, v, alibi_slopes=slopes)
+        fa.attention(q, k, v, sinks=sinks)
+    assert len(validations) == 4
+
+
 def test_pytorchs_deterministic_switch_makes_another_signature(gpu, validations):
     if host.ops_or_none() is None:
         pytest.skip("no host library here (no C++ compiler)")
@@ -294,14 +352,15 @@ def test_a_fallback_signature_is_remembered_as_the_whole_path():
 def test_the_signature_covers_what_the_checks_read():
     q, k, v = _inputs()
 
-    def sig(q=q, k=k, v=v, causal=False, scale=None, lse=False, kr=None, det=False, p=0.0, seed=None):
-        return repeat.signature(q, k, v, causal, scale, lse, kr, det, p, seed)
+    def sig(q=q, k=k, v=v, causal=False, scale=None, lse=False, kr=None, det=False, p=0.0, seed=None, **kw):
+        return repeat.signature(q, k, v, causal, scale, lse, kr, det, p, seed, **kw)
 
     assert sig() == sig() and hash(sig()) == hash(sig())
     variants = [
         sig(causal=True), sig(scale=0.5), sig(lse=True), sig(q=q.half(), k=k.half(), v=v.half()),
         sig(k=k[:, :40], v=v[:, :40]), sig(q=q.transpose(1, 2).contiguous().transpose(1, 2)),
         sig(kr=torch.zeros(2, 2, dtype=torch.int32)), sig(kr=torch.zeros(2, 2, dtype=torch.int64)),
+        sig(window=(3, 0)), sig(window=(3, 1)), sig(softcap=2.0), sig(softcap=2.0, window=(3, 0)),
     ]  # fmt: skip
     assert all(s is not None and s != sig() for s in variants)
     assert len(set(variants)) == len(variants)
@@ -313,8 +372,13 @@ def test_the_signature_covers_what_the_checks_read():
         sig(p=0.1), sig(p=False), sig(seed=3), sig(causal=1), sig(scale=True), sig(scale=1), sig(det=None),
         sig(q=q.float().numpy()), sig(q=torch.nn.Parameter(q)), sig(kr=[[0, 1], [0, 1]]),
         sig(q=torch.zeros(2, 37, 4, 64).to_sparse()),
+        sig(window=(3, 0.0)), sig(window=(3, True)), sig(window=(3,)), sig(window="3, 0"),
+        sig(softcap=True), sig(softcap=torch.tensor(2.0)),
     ):  # fmt: skip
         assert none is None
+    # What the checks read the same is the same signature: a list and a tuple window, an int and a float cap.
+    assert sig(window=[3, 0]) == sig(window=(3, 0)) and sig(softcap=2) == sig(softcap=2.0)
+    assert sig(softcap=0.0) == sig() == sig(window=None)
 
 
 def test_the_switch_sends_every_call_down_the_whole_path(gpu, validations, monkeypatch):

@@ -16,7 +16,10 @@ What a signature cannot fix is checked per call: the addresses' 16-byte alignmen
 environment variable. A signature whose call cannot be a plain launch (a head_dim that is not a multiple of
 8, strides the kernels cannot read in place, a persistent grid that needs the stream's tile counter, no
 host library in training) is remembered as such, so its calls take the whole path without trying again.
-Dropout, ``out=`` and torch.compile always take the whole path.
+A sliding window and soft-capping are values the plans hold (the kernels' bounds and cap are fields of the
+params template), so their calls repeat as plain ones do: Mistral's, Gemma's and Qwen2's sliding layers.
+ALiBi's slopes, sinks and a packed batch's runs are tensors a launch binds, and dropout, ``out=`` and
+torch.compile always take the whole path.
 
 Two forms of the launch itself: :class:`NativeRepeatCall` (the default), which hands the whole of it
 (allocations, pointers, tensor maps, launch, the node) to the host library's ``repeat_call``
@@ -38,7 +41,7 @@ from ..jit import driver, host
 from ..jit.params import FwdParams, FwdTmaParams
 from . import backward, forward, training
 from . import trace as _trace
-from .plans import PlanCache
+from .plans import PlanCache, kernel_score, score_function, window_bounds
 from .select import NoKernel
 from .tensors import strides_usable
 
@@ -154,10 +157,14 @@ def clear() -> None:
     _calls.clear()
 
 
-def signature(q, k, v, causal, softmax_scale, return_lse, key_range, deterministic, dropout_p, dropout_seed):
+def signature(
+    q, k, v, causal, softmax_scale, return_lse, key_range, deterministic, dropout_p, dropout_seed,
+    window=None, softcap=0.0,
+):  # fmt: skip
     """The key of a call that may repeat an earlier one's launch, or None for a call that takes the whole path
     (dropout, a caller's ``out``, torch.compile, arguments of types the checks must see). Raises nothing: an
-    argument without the attributes read here (not a tensor, a sparse tensor) gives None."""
+    argument without the attributes read here (not a tensor, a sparse tensor) gives None. ``window`` and
+    ``softcap`` as attention() takes them (a tuple or list of two ints, a float or int)."""
     if (
         MODE == "off"
         or dropout_seed is not None
@@ -166,9 +173,15 @@ def signature(q, k, v, causal, softmax_scale, return_lse, key_range, determinist
         or type(causal) is not bool
         or type(deterministic) is not bool
         or (softmax_scale is not None and type(softmax_scale) is not float)
+        or type(softcap) not in _PLAIN_NUMBERS
         or torch.compiler.is_compiling()
     ):
         return None
+    if window is not None:
+        # (as _validate.check_window reads it: a tuple and a list of the same ints are the same window)
+        if type(window) not in (tuple, list) or len(window) != 2 or any(type(w) is not int for w in window):
+            return None
+        window = tuple(window)
     try:
         if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
             return None
@@ -188,6 +201,7 @@ def signature(q, k, v, causal, softmax_scale, return_lse, key_range, determinist
             causal, softmax_scale, not return_lse, ranged, records,
             # The backward's mode (training only): the argument or PyTorch's deterministic switch.
             records and (deterministic or torch.are_deterministic_algorithms_enabled()),
+            window, float(softcap),
         )  # fmt: skip
     except (AttributeError, RuntimeError, TypeError):
         return None
@@ -225,11 +239,13 @@ def first_call(key, backend, q, k, v, **options):
 
 
 def prepare(
-    q, k, v, *, causal: bool, scale: float, key_range, records: bool, deterministic: bool, return_lse
-):
+    q, k, v, *, causal: bool, scale: float, key_range, records: bool, deterministic: bool, return_lse,
+    window: tuple[int, int] | None = None, softcap: float = 0.0,
+):  # fmt: skip
     """The repeat call of a validated call that the kernels run (the caller decided that), or None when its
     calls cannot be a plain launch. Raises what planning raises (``NoKernel``: the whole path then falls
-    back, with its warning)."""
+    back, with its warning). ``window`` (checked) and ``softcap`` are planned as ops.cuda_forward and, in
+    training, ops.training.training_forward plan them."""
     if q.shape[3] % 8 or not (strides_usable(q) and strides_usable(k) and strides_usable(v)):
         return None  # zero-padded or copied inputs: the whole path makes them
     if key_range is not None and (key_range.dtype != torch.int32 or not key_range.is_contiguous()):
@@ -239,7 +255,10 @@ def prepare(
         return None  # the Python autograd function's path
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
     ranged = key_range is not None
-    plan = forward.plan_for(q, k, v, o, causal, scale, ranged, 0.0, None, scale < 0)
+    bounds = window_bounds(window, causal, q.shape[1], k.shape[1])
+    score = kernel_score(score_function(softcap, None, q), None, causal)
+    softcap = float(softcap)
+    plan = forward.plan_for(q, k, v, o, causal, scale, ranged, 0.0, None, scale < 0, bounds, score, softcap)
     if plan.tile_counter:
         # The persistent grid's tile counter is the current stream's (fresh while a graph is captured):
         # worked out per call by the whole path. Such grids serve problems far larger than their host time.
@@ -249,7 +268,9 @@ def prepare(
     if records:
         lse = q.new_empty(lse_shape, dtype=torch.float32)
         # As training.training_forward: the backward reads dO laid out as out, so the plan is out's.
-        bwd = backward.plan_for(q, k, v, o, o, lse, causal, scale, deterministic, ranged, 0.0, None)
+        bwd = backward.plan_for(
+            q, k, v, o, o, lse, causal, scale, deterministic, ranged, 0.0, None, bounds, score, softcap
+        )  # fmt: skip
     elif not return_lse:
         lse_shape = None
     if MODE == "native":
