@@ -202,18 +202,15 @@ def attention(
     # A call whose signature ran before and ended in one planned launch repeats that launch, skipping every
     # decision below (ops.repeat says what a signature holds and why; kernel-log step 52).
     key = None
-    # (a call with tensors a launch must bind, ALiBi's slopes, sinks or a packed batch's runs, takes the
-    # whole path; a window and soft-capping repeat)
-    bound = alibi_slopes is not None or sinks is not None or _segments is not None
-    if out is None and not bound:
+    if out is None and _segments is None:  # (a packed batch's runs take the whole path)
         key = _repeat.signature(
             q, k, v, causal, softmax_scale, return_lse, key_range, deterministic, dropout_p, dropout_seed,
-            window, softcap,
+            window, softcap, alibi_slopes, sinks,
         )  # fmt: skip
         if key is not None:
             call = _repeat.lookup(key)
             if call is not None:
-                result = None if call is _repeat.WHOLE_PATH else call(q, k, v, key_range)
+                result = None if call is _repeat.WHOLE_PATH else call(q, k, v, key_range, alibi_slopes, sinks)
                 if result is not None:
                     return _result(*result, return_lse)
                 key = None  # this signature's verdict stands; this call takes the whole path
@@ -249,6 +246,8 @@ def attention(
             return_lse=return_lse,
             window=window,
             softcap=softcap,
+            alibi_slopes=alibi_slopes,
+            sinks=sinks,
         )
         if result is not None:
             return _result(*result, return_lse)

@@ -70,14 +70,15 @@ class _Kernel:
     """A stand-in ``driver.Kernel``: ``launch`` runs ``gpu.run(kind, causal, params)`` on the CPU.
     ``params_type`` is the ctypes struct it takes (what the host library's launches are read back as);
     ``window`` (the sliding-window build: its bounds are the params') and ``score`` (the score function's
-    build: "softcap", its cap the params') are the build's, as the launch layer asked for it."""
+    build: "softcap", "alibi" or both, the cap and the slopes the params') are the build's, as the launch
+    layer asked for it."""
 
     def __init__(
         self, gpu: StandInGpu, kind: str, causal: bool = False, params_type=BwdParams, window=False,
         score=None,
     ):  # fmt: skip
-        if window not in (False, True) or score not in (None, "softcap"):
-            # (ALiBi's slopes, a packed batch's runs: not modelled here, so never computed without them)
+        if window not in (False, True) or score not in (None, "softcap", "alibi", "softcap_alibi"):
+            # (a packed batch's runs: not modelled here, so never computed without them)
             raise AssertionError(f"the stand-in kernels have no {score or window} build")
         self.gpu, self.kind, self.causal, self.params_type = gpu, kind, causal, params_type
         self.window, self.score = window, score
@@ -203,11 +204,18 @@ class StandInGpu:
         variant = {"causal": kernel.causal}
         if kernel.window:
             variant["window"] = (p.window_left, p.window_right)
-        if kernel.score == "softcap":
+        if kernel.score in ("softcap", "softcap_alibi"):
             assert p.softcap > 0, "a soft-capping build launched without its cap"
             variant["softcap"] = p.softcap
         else:
             assert p.softcap == 0, "a cap in the params of a build without soft-capping"
+        if kernel.score in ("alibi", "softcap_alibi"):
+            # (heads_q,) or, with a stride between batch rows, (batch, heads_q) float32 slopes.
+            stride = p.alibi_batch_stride
+            shape, strides = ((p.batch, p.heads_q), (stride, 1)) if stride else ((p.heads_q,), (1,))
+            variant["alibi_slopes"] = tensor_at(p.alibi_slopes, shape, strides, torch.float32).clone()
+        if getattr(p, "sinks", 0):  # (the forward's params: the sinks join the epilogue's LSE)
+            variant["sinks"] = tensor_at(p.sinks, (p.heads_q,), (1,), torch.float32).clone()
         return variant
 
     def _forward(self, kernel, params) -> None:

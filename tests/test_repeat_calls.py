@@ -185,16 +185,67 @@ def test_each_window_and_cap_makes_a_new_signature(gpu, validations):
     assert not gpu.errors, gpu.errors
 
 
-def test_alibi_and_sinks_take_the_whole_path(gpu, validations, monkeypatch):
-    # Their tensors are bound per launch, which a repeat call does not do: no signature is made (the stand-in
-    # kernels have no ALiBi build, so the launch itself is stubbed: only the routing is checked here).
+# ALiBi's slopes and the sinks are bound per launch: each call's own tensors (fresh ones at new addresses
+# here, so a repeat that kept the first call's would read the wrong values).
+_BOUND = [
+    dict(alibi=(4,), causal=True),
+    dict(alibi=(2, 4)),
+    dict(alibi=(4,), softcap=4.0, window=(9, 3)),
+    dict(sinks=True, causal=True),
+    dict(sinks=True, alibi=(4,)),
+]
+
+
+def _bound_args(variant: dict) -> dict:
+    kwargs = {n: variant[n] for n in ("causal", "softcap", "window") if n in variant}
+    if "alibi" in variant:
+        kwargs["alibi_slopes"] = torch.rand(variant["alibi"]) * 0.5
+    if variant.get("sinks"):
+        kwargs["sinks"] = torch.randn(4)
+    return kwargs
+
+
+@pytest.mark.parametrize("variant", _BOUND, ids=lambda v: "-".join(f"{k}{v[k]}" for k in sorted(v)))
+def test_alibi_and_sinks_repeat_with_each_calls_tensors(gpu, validations, variant):
+    for _ in range(3):
+        q, k, v = _inputs()
+        kwargs = _bound_args(variant)
+        out, lse = fa.attention(q, k, v, return_lse=True, **kwargs)
+        _check_forward(out, q, k, v, lse, **kwargs)
+    assert len(validations) == 1, "the repeats should not run the whole path"
+    assert gpu.launches == ["forward"] * 3 and not gpu.errors, gpu.errors
+
+
+@pytest.mark.parametrize("variant", _BOUND[:3], ids=["alibi", "alibi-batch", "alibi-softcap-window"])
+def test_training_with_alibi_repeats_and_binds_the_slopes_for_the_backward(gpu, validations, variant):
+    if host.ops_or_none() is None:
+        pytest.skip("no host library here (no C++ compiler)")
+    for _ in range(3):
+        q, k, v = _inputs(grad=True)
+        kwargs = _bound_args(variant)
+        out = fa.attention(q, k, v, **kwargs)
+        assert out.grad_fn.name() == "FlashAttentionBackward"
+        _check_forward(out, q, k, v, **kwargs)
+        dout = torch.randn_like(out)
+        _check_grads(torch.autograd.grad(out, (q, k, v), dout), q, k, v, dout, **kwargs)
+    assert len(validations) == 1
+    assert gpu.launches == ["forward", "pre", "dkdv", "convert"] * 3 and not gpu.errors, gpu.errors
+
+
+def test_sinks_the_kernels_cannot_read_as_given_or_that_need_a_gradient_take_the_whole_path(gpu, validations):
     q, k, v = _inputs()
-    monkeypatch.setattr(ops, "cuda_forward", lambda q, *a, **kw: (torch.empty_like(q), None))
-    slopes, sinks = torch.rand(4), torch.randn(4)
-    for _ in range(2):
-        fa.attention(q, k, v, alibi_slopes=slopes)
-        fa.attention(q, k, v, sinks=sinks)
+    for sinks in (torch.randn(4, dtype=torch.float64), torch.randn(8)[::2]):
+        for _ in range(2):
+            out, lse = fa.attention(q, k, v, sinks=sinks, return_lse=True)
+            _check_forward(out, q, k, v, lse, sinks=sinks.float())
     assert len(validations) == 4
+    if host.ops_or_none() is None:
+        return
+    sinks = torch.randn(4, requires_grad=True)
+    for _ in range(2):
+        out = fa.attention(q, k, v, sinks=sinks)
+        assert out.requires_grad
+    assert len(validations) == 6
 
 
 def test_pytorchs_deterministic_switch_makes_another_signature(gpu, validations):
@@ -402,12 +453,13 @@ def test_a_forward_program_checks_what_it_is_given():
     size = ctypes.sizeof(FwdParams)
     params = torch.zeros(size, dtype=torch.uint8)
     good = dict(
-        offsets=[0, 8, 16, 24, 32, 40], launch=[0x1234, 1, 1, 1, 128, 0], maps=[], flags=[1, 0, 3, 3, 0]
-    )
+        offsets=[0, 8, 16, 24, 32, 40], launch=[0x1234, 1, 1, 1, 128, 0], maps=[], flags=[1, 0, 3, 3, 0],
+        bound=[48],
+    )  # fmt: skip
 
     def make(**changes):
         a = {**good, **changes}
-        return program(params, a["offsets"], a["launch"], "k", 1, [], a["maps"], a["flags"], 0)
+        return program(params, a["offsets"], a["launch"], "k", 1, [], a["maps"], a["flags"], 0, a["bound"])
 
     make()  # the good one is accepted
     for changes, words in (
@@ -418,8 +470,9 @@ def test_a_forward_program_checks_what_it_is_given():
         (dict(maps=[0] * 12), "12 integers each, three"),
         (dict(maps=[size - 64] + [1] * 11 + [0] * 24), "tensor map outside the params"),
         (dict(flags=[1, 0, 3]), "five encode flags"),
+        (dict(bound=[size - 4]), "outside the params"),
     ):
         with pytest.raises(RuntimeError, match=words):
             make(**changes)
     with pytest.raises(RuntimeError, match="uint8"):
-        program(params.float(), good["offsets"], good["launch"], "k", 1, [], [], good["flags"], 0)
+        program(params.float(), good["offsets"], good["launch"], "k", 1, [], [], good["flags"], 0, [])

@@ -18,8 +18,9 @@ environment variable. A signature whose call cannot be a plain launch (a head_di
 host library in training) is remembered as such, so its calls take the whole path without trying again.
 A sliding window and soft-capping are values the plans hold (the kernels' bounds and cap are fields of the
 params template), so their calls repeat as plain ones do: Mistral's, Gemma's and Qwen2's sliding layers.
-ALiBi's slopes, sinks and a packed batch's runs are tensors a launch binds, and dropout, ``out=`` and
-torch.compile always take the whole path.
+ALiBi's slopes and the sinks are tensors each launch binds (the signature holds their layouts; a repeat
+writes their addresses, and the training node keeps the slopes for the backward); sinks that autograd
+differentiates, a packed batch's runs, dropout, ``out=`` and torch.compile always take the whole path.
 
 Two forms of the launch itself: :class:`NativeRepeatCall` (the default), which hands the whole of it
 (allocations, pointers, tensor maps, launch, the node) to the host library's ``repeat_call``
@@ -76,22 +77,24 @@ class RepeatCall:
 
     __slots__ = ("_backward", "_host_ops", "_lse_shape", "_plan", "_program")
 
-    def __init__(self, plan, lse_shape: tuple[int, int, int] | None, backward_plan=None, host_ops=None):
+    def __init__(self, plan, lse_shape: tuple[int, int, int] | None, backward_plan=None, host_ops=None,
+                 program: int = 0):  # fmt: skip
         self._plan, self._lse_shape, self._host_ops = plan, lse_shape, host_ops
-        self._backward = backward_plan
-        self._program = 0 if backward_plan is None else training.program(backward_plan)
+        self._backward, self._program = backward_plan, program
 
-    def __call__(self, q, k, v, key_range):
+    def __call__(self, q, k, v, key_range, alibi_slopes=None, sinks=None):
         """``(out, lse)``, or None when this call must take the whole path (a misaligned address: the whole
-        path copies such a tensor; the debug build asked for by the environment)."""
+        path copies such a tensor; the debug build asked for by the environment). ``alibi_slopes`` and
+        ``sinks``: the call's, of the layouts its signature holds."""
         if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 or _trace.ENV in os.environ:
             return None
         # empty_like with an explicit format: contiguous whatever q's strides (the plan's output strides).
         o = torch.empty_like(q, memory_format=torch.contiguous_format)
         lse = None if self._lse_shape is None else q.new_empty(self._lse_shape, dtype=torch.float32)
-        forward.launch_plan(self._plan, q, k, v, o, lse, key_range)
+        forward.launch_plan(self._plan, q, k, v, o, lse, key_range, 0, alibi_slopes, sinks)
         if self._program:
-            self._host_ops.record_training(q, k, v, o, lse, key_range, 0, self._program, [])
+            bound = [] if alibi_slopes is None else [alibi_slopes]
+            self._host_ops.record_training(q, k, v, o, lse, key_range, 0, self._program, bound)
         return o, lse
 
 
@@ -105,11 +108,17 @@ class NativeRepeatCall:
     def __init__(self, lib, program):
         self._lib, self._program, self._address = lib, program, program.address()
 
-    def __call__(self, q, k, v, key_range):
+    def __call__(self, q, k, v, key_range, alibi_slopes=None, sinks=None):
         """``(out, lse)``, or None when this call must take the whole path (as RepeatCall's)."""
         if _trace.ENV in os.environ:
             return None
-        result = self._lib.repeat_call(q, k, v, key_range, self._address)
+        if alibi_slopes is None and sinks is None:
+            result = self._lib.repeat_call(q, k, v, key_range, self._address)
+        else:
+            # (the program's bound offsets: the slopes', then the sinks'; the node binds the slopes)
+            node = [] if alibi_slopes is None else [alibi_slopes]
+            bound = node if sinks is None else [*node, sinks]
+            result = self._lib.repeat_call_bound(q, k, v, key_range, bound, node, self._address)
         if not result:
             return None  # a misaligned address
         return result[0], (result[1] if len(result) == 2 else None)
@@ -119,16 +128,24 @@ class NativeRepeatCall:
 _FORWARD_SLOTS = ("q", "k", "v", "o", "lse", "key_range")
 
 
-def _native(lib, plan, lse_shape, program: int) -> NativeRepeatCall:
-    """The host library's form of a repeat call of ``plan`` (``program``: the node's, 0 for inference)."""
+def _native(lib, plan, lse_shape, program: int, alibi=None, sinks=False) -> NativeRepeatCall:
+    """The host library's form of a repeat call of ``plan`` (``program``: the node's, 0 for inference;
+    ``alibi``: ALiBi's slopes' stride between batch rows, or None without ALiBi; ``sinks``: whether the call
+    binds sinks)."""
     base = 0 if plan.maps is None else FwdTmaParams.p.offset
     offsets = [base + getattr(FwdParams, name).offset for name in _FORWARD_SLOTS]
+    bound = [name for name, on in (("alibi_slopes", alibi is not None), ("sinks", sinks)) if on]
+    template = plan.template
+    if alibi is not None:  # (a field of the params, set per call by the whole path's fill_score)
+        made = (FwdTmaParams if plan.maps is not None else FwdParams).from_buffer_copy(template)
+        (made.p if plan.maps is not None else made).alibi_batch_stride = alibi
+        template = bytes(made)
     maps = []
     if plan.maps is not None:
         for name, layout in zip(("q_map", "k_map", "v_map", "o_map"), plan.maps, strict=False):
             maps += [getattr(FwdTmaParams, name).offset, *layout.dims, *layout.strides, *layout.box]
     forward_program = torch.classes.flash_attention_host.ForwardProgram(
-        torch.frombuffer(bytearray(plan.template), dtype=torch.uint8),
+        torch.frombuffer(bytearray(template), dtype=torch.uint8),
         offsets,
         [plan.kernel.handle.value, *plan.grid, plan.threads, plan.smem],
         plan.kernel.name,
@@ -137,6 +154,7 @@ def _native(lib, plan, lse_shape, program: int) -> NativeRepeatCall:
         maps,
         list(driver.TENSOR_MAP_ENCODE_FLAGS),
         program,
+        [base + getattr(FwdParams, name).offset for name in bound],
     )
     return NativeRepeatCall(lib, forward_program)
 
@@ -159,12 +177,14 @@ def clear() -> None:
 
 def signature(
     q, k, v, causal, softmax_scale, return_lse, key_range, deterministic, dropout_p, dropout_seed,
-    window=None, softcap=0.0,
+    window=None, softcap=0.0, alibi_slopes=None, sinks=None,
 ):  # fmt: skip
     """The key of a call that may repeat an earlier one's launch, or None for a call that takes the whole path
     (dropout, a caller's ``out``, torch.compile, arguments of types the checks must see). Raises nothing: an
-    argument without the attributes read here (not a tensor, a sparse tensor) gives None. ``window`` and
-    ``softcap`` as attention() takes them (a tuple or list of two ints, a float or int)."""
+    argument without the attributes read here (not a tensor, a sparse tensor) gives None. ``window``,
+    ``softcap``, ``alibi_slopes`` and ``sinks`` as attention() takes them (a tuple or list of two ints, a
+    float or int, tensors: sinks only as the kernels read them, float32 and contiguous, and not
+    differentiated)."""
     if (
         MODE == "off"
         or dropout_seed is not None
@@ -188,6 +208,17 @@ def signature(
         if q.layout is not _STRIDED or k.layout is not _STRIDED or v.layout is not _STRIDED:
             return None  # (a sparse tensor reads as strides of zeros)
         records = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        variant = None if window is None and not softcap else (window, float(softcap))
+        if alibi_slopes is not None or sinks is not None:
+            variant = (variant, _bound_layout(alibi_slopes), _bound_layout(sinks))
+            if False in variant[1:]:
+                return None
+            if sinks is not None and (
+                sinks.dtype != torch.float32
+                or not sinks.is_contiguous()
+                or (sinks.requires_grad and torch.is_grad_enabled())
+            ):
+                return None  # converted per call, or differentiated, by the whole path
         if key_range is None:
             ranged = None
         elif type(key_range) is torch.Tensor:
@@ -201,10 +232,19 @@ def signature(
             causal, softmax_scale, not return_lse, ranged, records,
             # The backward's mode (training only): the argument or PyTorch's deterministic switch.
             records and (deterministic or torch.are_deterministic_algorithms_enabled()),
-            window, float(softcap),
+            variant,
         )  # fmt: skip
     except (AttributeError, RuntimeError, TypeError):
         return None
+
+
+def _bound_layout(t) -> tuple | None | bool:
+    """A bound tensor's part of a signature: None for none, False for an argument the checks must see."""
+    if t is None:
+        return None
+    if type(t) is not torch.Tensor or t.layout is not _STRIDED:
+        return False
+    return (t.shape, t.stride(), t.dtype, t.device)
 
 
 def lookup(key) -> RepeatCall | NativeRepeatCall | object | None:
@@ -235,28 +275,32 @@ def first_call(key, backend, q, k, v, **options):
         except NoKernel:
             call = None  # the whole path falls back, with its warning
     remember(key, call)
-    return None if call is None else call(q, k, v, options["key_range"])
+    if call is None:
+        return None
+    return call(q, k, v, options["key_range"], options.get("alibi_slopes"), options.get("sinks"))
 
 
 def prepare(
     q, k, v, *, causal: bool, scale: float, key_range, records: bool, deterministic: bool, return_lse,
-    window: tuple[int, int] | None = None, softcap: float = 0.0,
+    window: tuple[int, int] | None = None, softcap: float = 0.0, alibi_slopes=None, sinks=None,
 ):  # fmt: skip
     """The repeat call of a validated call that the kernels run (the caller decided that), or None when its
     calls cannot be a plain launch. Raises what planning raises (``NoKernel``: the whole path then falls
-    back, with its warning). ``window`` (checked) and ``softcap`` are planned as ops.cuda_forward and, in
-    training, ops.training.training_forward plan them."""
+    back, with its warning). ``window`` (checked), ``softcap``, ``alibi_slopes`` and ``sinks`` are planned
+    as ops.cuda_forward and, in training, ops.training.training_forward plan them."""
     if q.shape[3] % 8 or not (strides_usable(q) and strides_usable(k) and strides_usable(v)):
         return None  # zero-padded or copied inputs: the whole path makes them
     if key_range is not None and (key_range.dtype != torch.int32 or not key_range.is_contiguous()):
         return None  # converted per call by the whole path
+    if sinks is not None and records:
+        return None  # the whole path's autograd function gives the sinks their gradient
     host_ops = host.ops_or_none() if records else None
     if records and host_ops is None:
         return None  # the Python autograd function's path
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
     ranged = key_range is not None
     bounds = window_bounds(window, causal, q.shape[1], k.shape[1])
-    score = kernel_score(score_function(softcap, None, q), None, causal)
+    score = kernel_score(score_function(softcap, alibi_slopes, q), None, causal)
     softcap = float(softcap)
     plan = forward.plan_for(q, k, v, o, causal, scale, ranged, 0.0, None, scale < 0, bounds, score, softcap)
     if plan.tile_counter:
@@ -264,18 +308,23 @@ def prepare(
         # worked out per call by the whole path. Such grids serve problems far larger than their host time.
         return None
     lse_shape = (q.shape[0], q.shape[2], q.shape[1])
-    bwd = None
+    # ALiBi's slopes: their stride between batch rows (0: one (heads,) table), as plans.fill_score sets it.
+    alibi = None if alibi_slopes is None else (alibi_slopes.shape[-1] if alibi_slopes.dim() == 2 else 0)
+    bwd, program = None, 0
     if records:
         lse = q.new_empty(lse_shape, dtype=torch.float32)
-        # As training.training_forward: the backward reads dO laid out as out, so the plan is out's.
+        # As training.training_forward: the backward reads dO laid out as out, so the plan is out's; the
+        # node binds the slopes.
         bwd = backward.plan_for(
             q, k, v, o, o, lse, causal, scale, deterministic, ranged, 0.0, None, bounds, score, softcap
         )  # fmt: skip
+        fields = () if alibi is None else training.ALIBI_FIELDS
+        program = training.program(bwd, fields, alibi or 0)
     elif not return_lse:
         lse_shape = None
     if MODE == "native":
         lib = host_ops or host.ops_or_none()
         if lib is not None:
             # (The ForwardProgram takes its own reference to the backward program.)
-            return _native(lib, plan, lse_shape, 0 if bwd is None else training.program(bwd))
-    return RepeatCall(plan, lse_shape, bwd, host_ops)
+            return _native(lib, plan, lse_shape, program, alibi, sinks is not None)
+    return RepeatCall(plan, lse_shape, bwd, host_ops, program)

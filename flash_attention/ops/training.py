@@ -33,7 +33,7 @@ from .plans import kernel_score, score_function, segment_count, segment_lengths,
 from .query_tiles import key_tiles, query_units
 from .tensors import usable_in_place
 
-__all__ = ["program", "training_forward"]
+__all__ = ["ALIBI_FIELDS", "program", "training_forward"]
 
 # The BwdParams fields the node writes per call, in the order of training_node.h's Slot enum.
 _SLOTS = (
@@ -46,7 +46,7 @@ _OFFSETS = [getattr(BwdParams, name).offset for name in _SLOTS]
 #: The BwdParams pointer fields a call's variant binds (``bound``, in this order): ALiBi's slopes, then a
 #: packed batch's runs (and its key tiles and workspace units, where the plan has them: "k_tiles",
 #: "q_units").
-_ALIBI_FIELDS = ("alibi_slopes",)
+ALIBI_FIELDS = ("alibi_slopes",)
 _SEGMENT_FIELDS = ("row_keys", "key_rows")
 
 
@@ -137,7 +137,7 @@ def training_forward(
     bound, fields, stride = [], (), 0
     if alibi_slopes is not None:
         bound.append(alibi_slopes)
-        fields += _ALIBI_FIELDS
+        fields += ALIBI_FIELDS
         stride = alibi_slopes.shape[-1] if alibi_slopes.dim() == 2 else 0
     if segments is not None:
         bound += list(segments)

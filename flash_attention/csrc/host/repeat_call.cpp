@@ -7,12 +7,16 @@
 // microseconds each, and at small sizes the host's time is the call's time (docs/kernel-log.md, step 53).
 //
 //   flash_attention_host::repeat_call(q, k, v, key_range?, program address) -> [out, lse] | [out] | []
+//   flash_attention_host::repeat_call_bound(q, k, v, key_range?, bound, node_bound, program address)
 //
 // The program (ForwardProgram) is made in Python once per signature from the forward plan
 // (flash_attention/ops/repeat.py): the params bytes with every field but the pointers, the byte offsets of
-// the pointer fields, the launch, and for a TMA kernel each operand's tensor-map layout. An empty result
-// means this call must take Python's path: an address that is not 16-byte aligned (the whole path copies
-// such a tensor).
+// the pointer fields, the launch, and for a TMA kernel each operand's tensor-map layout. A variant's
+// tensors (ALiBi's slopes, the sinks) are `bound`: one per bound offset of the program, written there; in
+// training `node_bound` are the node's (record_training's `bound`); a plain call's program binds none, and
+// calls the first form (two empty list arguments through the dispatcher cost a plain call about 0.8 us of
+// its 8.6 on tools/host_time_cpu.py's harness). An empty result means this call must take Python's path: an address that is not 16-byte
+// aligned (the whole path copies such a tensor).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -73,6 +77,7 @@ struct ForwardProgram : torch::CustomClassHolder {
   uint64_t magic = kMagic;
   std::vector<uint8_t> params;        // FwdParams (FwdTmaParams for a TMA kernel) but the pointers
   int64_t offsets[kNumForwardSlots];  // byte offset of each slot in params (-1: not written)
+  std::vector<int64_t> bound_offsets;  // the variant's pointer fields: each call binds one tensor to each
   std::vector<Launch> launches;       // the one forward launch
   std::vector<std::string> names;
   void* context;                       // the device's primary context (the kernel is loaded there)
@@ -98,14 +103,19 @@ struct ForwardProgram : torch::CustomClassHolder {
 
   // slot_offsets: one per ForwardSlot; launch_fields: six integers (driver.h's launches_from); map_fields:
   // 12 integers per map (offset, 4 dims, 3 byte strides, 4 box sizes), none, three or four maps; flags: the five
-  // encode constants; backward_address: a BackwardProgram's address, or 0 for inference.
+  // encode constants; backward_address: a BackwardProgram's address, or 0 for inference; bound_offsets_:
+  // the byte offsets of the pointers each call binds a tensor to (none for a plain call).
   ForwardProgram(const at::Tensor& params_bytes, std::vector<int64_t> slot_offsets, std::vector<int64_t> launch_fields,
                  const std::string& kernel_name, int64_t context_, std::vector<int64_t> lse_shape_,
-                 std::vector<int64_t> map_fields, std::vector<int64_t> flags, int64_t backward_address)
+                 std::vector<int64_t> map_fields, std::vector<int64_t> flags, int64_t backward_address,
+                 std::vector<int64_t> bound_offsets_)
       : context(reinterpret_cast<void*>(context_)), lse_shape(std::move(lse_shape_)) {
     params = params_from(params_bytes, "ForwardProgram");
     offsets_from(slot_offsets, offsets, kNumForwardSlots, params.size(), "ForwardProgram",
                  [](int) { return 8; });  // every slot an address
+    bound_offsets.resize(bound_offsets_.size());
+    offsets_from(bound_offsets_, bound_offsets.data(), static_cast<int>(bound_offsets_.size()), params.size(),
+                 "ForwardProgram (bound tensors)", [](int) { return 8; });
     launches = launches_from(launch_fields);
     check(launches.size() == 1, "ForwardProgram: expected one launch");
     names = names_from(kernel_name, 1);
@@ -182,9 +192,15 @@ struct ForwardProgram : torch::CustomClassHolder {
 // `program` is the address of a live ForwardProgram (the caller keeps it alive for the call; a node recorded
 // here takes its own reference to the backward program). An address, not the object, for the reason
 // record_training (training_node.cpp) gives.
-std::vector<at::Tensor> repeat_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                    const std::optional<at::Tensor>& key_range, int64_t program_address) {
+std::vector<at::Tensor> repeat_call_bound(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                          const std::optional<at::Tensor>& key_range,
+                                          const std::vector<at::Tensor>& bound, std::vector<at::Tensor> node_bound,
+                                          int64_t program_address) {
   ForwardProgram& program = ForwardProgram::at_address(program_address);
+  check(bound.size() == program.bound_offsets.size(),
+        "repeat_call: " + std::to_string(bound.size()) + " bound tensors for a program that takes " +
+            std::to_string(program.bound_offsets.size()));
+  for (const auto& t : bound) check(t.defined() && t.is_contiguous(), "repeat_call: a bound tensor must be contiguous");
   if (!kernel_readable(q) || !kernel_readable(k) || !kernel_readable(v)) return {};
   at::Tensor out = at::empty_like(q, q.options(), at::MemoryFormat::Contiguous);
   at::Tensor lse;
@@ -197,22 +213,33 @@ std::vector<at::Tensor> repeat_call(const at::Tensor& q, const at::Tensor& k, co
   program.put(params, kFwdO, address_of(out));
   program.put(params, kFwdLse, lse.defined() ? address_of(lse) : 0);
   program.put(params, kFwdKeyRange, key_range ? address_of(*key_range) : 0);
+  for (size_t i = 0; i < bound.size(); ++i) {
+    const uint64_t address = address_of(bound[i]);
+    std::memcpy(params.data() + program.bound_offsets[i], &address, sizeof(address));
+  }
   if (!program.maps.empty()) program.put_maps(params, address_of(q), address_of(k), address_of(v), address_of(out));
   launch_all(program.launches, program.names, program.context, params.data(), current_stream(q.device()));
 
-  if (program.backward) record_node(q, k, v, out, lse, key_range, 0, program.backward);
+  if (program.backward) record_node(q, k, v, out, lse, key_range, 0, program.backward, std::move(node_bound));
   if (lse.defined()) return {out, lse};
   return {out};
+}
+
+std::vector<at::Tensor> repeat_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                    const std::optional<at::Tensor>& key_range, int64_t program_address) {
+  return repeat_call_bound(q, k, v, key_range, {}, {}, program_address);
 }
 
 TORCH_LIBRARY_FRAGMENT(flash_attention_host, m) {
   m.class_<ForwardProgram>("ForwardProgram")
       .def(torch::init<at::Tensor, std::vector<int64_t>, std::vector<int64_t>, std::string, int64_t,
-                       std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>, int64_t>())
+                       std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>, int64_t,
+                       std::vector<int64_t>>())
       .def("address", [](const c10::intrusive_ptr<ForwardProgram>& self) {
         return static_cast<int64_t>(reinterpret_cast<intptr_t>(self.get()));
       });
   m.def("repeat_call", &repeat_call);
+  m.def("repeat_call_bound", &repeat_call_bound);
 }
 
 }  // namespace flash_attention_host
