@@ -202,3 +202,23 @@ def test_backward_progression_goes_portable_then_hopper_then_deterministic(d):
     tuned80 = default_bwd_config("bf16", d, "sm_80")
     steps80 = backward_progression_configs("bf16", d, "sm_80", tuned80)
     assert [(c, det) for _, c, det in steps80] == [(tuned80, False), (tuned80, True)]
+
+
+@needs_compiler
+@needs_cuobjdump
+def test_a_variants_histogram_beside_the_plain_builds(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FLASH_ATTENTION_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("FLASH_ATTENTION_QUIET", "1")
+    name = "(BF16, 64, 64, 64, 4): async+eager+swizzled+load_0_1_1_tiles+buffer+opt_softmax"
+    assert report.main(["--configs", name, "--arch", "sm_80", "--score", "softcap", "--against-plain"]) == 0
+    out = capsys.readouterr().out
+    # The resource lines are the variant build's entry points, and the table holds both builds.
+    assert "__softcap" in out and "A = plain, B = softcap (non-causal entry point, sm_80)" in out
+    row = next(line.split() for line in out.splitlines() if line.startswith("MUFU.TANH"))
+    assert row[1] == "0" and int(row[2]) >= 32 and row[3] == f"+{row[2]}"  # 64 x 64 scores / 128 threads
+    # A window build has one entry point (the window carries causal): --causal still names it.
+    assert report.main(["--configs", name, "--arch", "sm_80", "--window", "--sass", "--causal"]) == 0
+    out = capsys.readouterr().out
+    assert "window build, non-causal" in out and "__window" in out
+    # --against-plain without a variant is refused.
+    assert report.main(["--configs", name, "--against-plain"]) == 2

@@ -4,6 +4,10 @@ Per kernel: registers, shared memory, spill bytes, stack frame and the theoretic
 ``--sass`` the instruction histogram of the machine code (HMMA, LDSM, LDGSTS, FFMA, MUFU.EX2, IMAD, ...),
 read with cuobjdump; with ``--compare A B`` the same for two configurations side by side. This is how the
 project this one descends from found its integer-overhead wins. Needs no GPU: it compiles for ``--arch``.
+
+An attention variant's build (``--score softcap``, ``--window``, ``--segments``, as the launch layer compiles
+them for a call with those arguments) is reported in place of the plain one; ``--against-plain`` puts the
+plain build's histogram beside it, the question every variant's cost starts with (kernel log 100).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from flash_attention.configs.backward import bwd_register_roles
 from flash_attention.configs.decode import DecodeConfig, parse_decode_config
 from flash_attention.configs.forward import register_roles
 from flash_attention.jit.cache import build
-from flash_attention.jit.sources import DECODE_AUX_THREADS
+from flash_attention.jit.sources import DECODE_AUX_THREADS, SCORE_MODS, SEGMENTS, kernel_symbol, mask_causals
 
 # Per-SM limits by architecture: registers, max resident threads, max resident blocks, shared memory
 # available to blocks (bytes), and the shared memory the system reserves per block.
@@ -176,8 +180,39 @@ KEY_OPS = (
 # --------------------------------------------------------------------------------------------------
 
 
-def _build(cfg: KernelConfig | BwdConfig, arch: str, compiler: str | None):
-    return build(cfg, arch, compiler)
+@dataclass(frozen=True)
+class Variant:
+    """The build a report is of: ``window`` False, True (the sliding window's) or SEGMENTS (a packed batch's),
+    ``score`` a score function of jit.sources.SCORE_MODS or None."""
+
+    window: bool | str = False
+    score: str | None = None
+
+    def __str__(self) -> str:
+        mask = {False: "", True: "window", SEGMENTS: SEGMENTS}[self.window]
+        return "+".join(x for x in (mask, self.score or "") if x) or "plain"
+
+
+PLAIN = Variant()
+
+
+def _build(cfg: KernelConfig | BwdConfig, arch: str, compiler: str | None, variant: Variant = PLAIN):
+    if variant == PLAIN:
+        return build(cfg, arch, compiler)
+    if isinstance(cfg, DecodeConfig):
+        raise RuntimeError(f"{cfg.name()}: the decode family's variants are runtime values, not builds")
+    return build(cfg, arch, compiler, window=variant.window, score=variant.score)
+
+
+def main_symbol(cfg, causal: bool, variant: Variant = PLAIN) -> str:
+    """The entry point a histogram is of: a forward config's kernel, a backward config's dK/dV kernel (its
+    main one). A mask build has one entry point, named as not causal (the window or the runs carry causal)."""
+    causal = causal and True in mask_causals(variant.window)
+    if isinstance(cfg, BwdConfig):
+        return cfg.symbol("dkdv", causal, window=variant.window, score=variant.score)
+    if isinstance(cfg, DecodeConfig):
+        return cfg.symbol("decode", causal)
+    return kernel_symbol(cfg, causal, window=variant.window, score=variant.score)
 
 
 def launch_shape(cfg, kernel: str) -> tuple[int, int]:
@@ -212,8 +247,8 @@ def parse_any(text: str) -> KernelConfig | BwdConfig:
     return parse_bwd_config(text) if text.strip().startswith("bwd_") else parse_config(text)
 
 
-def resource_lines(cfg, arch: str, compiler: str | None) -> list[str]:
-    built = _build(cfg, arch, compiler)
+def resource_lines(cfg, arch: str, compiler: str | None, variant: Variant = PLAIN) -> list[str]:
+    built = _build(cfg, arch, compiler, variant)
     lines = []
     for r in sorted(built.meta["resources"], key=lambda r: r["kernel"]):
         threads, dyn_smem = launch_shape(cfg, r["kernel"])
@@ -261,7 +296,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--compare", nargs=2, metavar=("A", "B"), help="two configs side by side (implies --sass)"
     )
+    ap.add_argument("--score", choices=sorted(SCORE_MODS), default=None, help="a score function's build")
+    mask = ap.add_mutually_exclusive_group()
+    mask.add_argument("--window", action="store_true", help="the sliding window's build")
+    mask.add_argument("--segments", action="store_true", help="the packed batch's (attention_varlen) build")
+    ap.add_argument(
+        "--against-plain",
+        action="store_true",
+        help="with a variant: its histogram beside the plain build's, per config (implies --sass)",
+    )
     args = ap.parse_args(argv)
+    variant = Variant(SEGMENTS if args.segments else args.window, args.score)
+    if args.against_plain and (variant == PLAIN or args.compare):
+        print("--against-plain needs --score, --window or --segments, and no --compare", file=sys.stderr)
+        return 2
     try:
         if args.compare:
             cfgs = [parse_any(c) for c in args.compare]
@@ -274,29 +322,35 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     print(f"{'arch':6} {'regs':>4} {'smem':>7} {'spill st/ld':>11} {'stack':>5}  occupancy{'':31}kernel")
+    entry = "causal" if args.causal and True in mask_causals(variant.window) else "non-causal"
     try:
         for cfg in cfgs:
-            for line in resource_lines(cfg, args.arch, args.compiler):
+            for line in resource_lines(cfg, args.arch, args.compiler, variant):
                 print(line)
-        if args.sass or args.compare:
+        if args.against_plain:
+            for cfg in cfgs:
+                pair = [
+                    (str(v), sass_histograms(_build(cfg, args.arch, args.compiler, v).cubin)[
+                        main_symbol(cfg, args.causal, v)
+                    ])
+                    for v in (PLAIN, variant)
+                ]  # fmt: skip
+                print(f"\n{cfg.name()}: A = plain, B = {variant} ({entry} entry point, {args.arch})")
+                print(_hist_table([("A", pair[0][1]), ("B", pair[1][1])]))
+        elif args.sass or args.compare:
             hists = []
             for cfg in cfgs:
-                h = sass_histograms(_build(cfg, args.arch, args.compiler).cubin)
+                h = sass_histograms(_build(cfg, args.arch, args.compiler, variant).cubin)
                 # A backward config's main kernel is its dK/dV kernel.
-                sym = (
-                    cfg.symbol("dkdv", args.causal) if isinstance(cfg, BwdConfig) else cfg.symbol(args.causal)
-                )
-                hists.append((cfg.name(), h[sym]))
+                hists.append((cfg.name(), h[main_symbol(cfg, args.causal, variant)]))
             print()
             if args.compare:
-                print(
-                    f"A = {hists[0][0]}\nB = {hists[1][0]}  ({'causal' if args.causal else 'non-causal'} "
-                    f"entry point, {args.arch})"
-                )
+                where = f"{variant} build, {entry} entry point, {args.arch}"
+                print(f"A = {hists[0][0]}\nB = {hists[1][0]}  ({where})")
                 print(_hist_table([("A", hists[0][1]), ("B", hists[1][1])]))
             else:
                 for name, h in hists:
-                    print(f"{name} ({'causal' if args.causal else 'non-causal'}, {args.arch})")
+                    print(f"{name} ({variant} build, {entry}, {args.arch})")
                     print(_hist_table([("count", h)]))
                     print()
     except RuntimeError as exc:
