@@ -234,7 +234,7 @@ def signature(
             records and (deterministic or torch.are_deterministic_algorithms_enabled()),
             variant,
         )  # fmt: skip
-    except (AttributeError, RuntimeError, TypeError):
+    except (AttributeError, RuntimeError, TypeError, OverflowError):  # (Overflow: an int cap past a float)
         return None
 
 
