@@ -1,0 +1,38 @@
+"""tools/ab_trees.py's parts that need no GPU: the cases it takes, its table, the trees it refuses."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import ab_trees  # noqa: E402
+
+
+def test_cases_are_checked():
+    assert ab_trees.parse_case("30:1:128") == "30:1:128"
+    for bad in ("30:2:128", "30:1", "x:0:64", "0:0:d64"):
+        with pytest.raises((argparse.ArgumentTypeError, ValueError)):
+            ab_trees.parse_case(bad)
+
+
+def test_the_table_gives_each_trees_median_spread_and_ratio_to_the_first():
+    rounds = [
+        {"a": {"c": 2.0}, "b": {"c": 1.0}},
+        {"a": {"c": 4.0}, "b": {"c": 3.0}},
+        {"a": {"c": 3.0}, "b": {"c": 1.5}},
+    ]
+    head, row = ab_trees.summarize(["a", "b"], ["c"], rounds)
+    assert head.split() == ["case", "a", "b"]
+    cells = row.split()
+    # a: median 3 (2-4), 1x; b: median 1.5 (1-3), 0.5x
+    assert cells == ["c", "3.000", "(2.000-4.000)", "1.000x", "1.500", "(1.000-3.000)", "0.500x"]
+
+
+def test_a_tree_without_the_package_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        ab_trees.main([str(tmp_path)])
+    assert "holds no flash_attention package" in capsys.readouterr().err

@@ -1,0 +1,129 @@
+"""A/B timing of source trees: the same attention calls timed with each tree's package, alternated.
+
+    python tools/ab_trees.py TREE [TREE ...] [--mode fwd|fwd_bwd] [--cases 0:0:128,30:1:128] [--rounds 3]
+        [--shape 4,4096,16] [--reps 20] [--json OUT]
+
+A kernel change is measured against the tree before it (a `git worktree` of the previous commit, or a copy
+of the working tree with one macro changed) on the same machine in the same call: one process per tree per
+round, in turn, so that the machine's drift between rounds reaches every tree alike (shared GPUs drift by
+several percent). Each process imports flash_attention from its own tree (its JIT cache keys on the
+sources, so the trees' kernels live side by side) and times every case with CUDA events, after a warm-up
+round whose numbers are dropped (it compiles). A case is `softcap:causal:head_dim` (softcap 0: none): bf16
+q, k, v of --shape (batch, seqlen, heads) and that head_dim, fresh per case.
+
+Prints the median of the rounds per case and tree, and each tree's ratio to the first. The spread is
+the rounds' own (min-max per tree), printed beside: a difference inside it is noise. docs/kernel-log.md
+steps 100-102 were measured with the script this grew from (the same child). Needs a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+# The child: one tree's package, every case timed once (a process per tree and round).
+_CHILD = r"""
+import json, os, sys
+tree, mode, shape, reps = sys.argv[1], sys.argv[2], [int(x) for x in sys.argv[3].split(",")], int(sys.argv[4])
+sys.path.insert(0, tree)
+import torch
+import flash_attention as fa
+assert os.path.abspath(fa.__file__).startswith(os.path.abspath(tree)), fa.__file__
+for case in sys.argv[5].split(","):
+    cap, causal, d = case.split(":")
+    b, s, h = shape
+    grad = mode == "fwd_bwd"
+    q, k, v = (torch.randn(b, s, h, int(d), device="cuda", dtype=torch.bfloat16, requires_grad=grad)
+               for _ in range(3))
+    do = torch.randn_like(q)
+    def call():
+        o = fa.attention(q, k, v, causal=causal == "1", softcap=float(cap))
+        if mode == "fwd_bwd":
+            torch.autograd.grad(o, (q, k, v), do)
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(); call(); end.record(); end.synchronize()
+        times.append(start.elapsed_time(end))
+    print(json.dumps({"case": case, "ms": sorted(times)[len(times) // 2]}), flush=True)
+"""
+
+
+def parse_case(text: str) -> str:
+    """A case `softcap:causal:head_dim`, checked."""
+    parts = text.split(":")
+    if len(parts) != 3 or parts[1] not in ("0", "1") or not parts[2].isdigit():
+        raise argparse.ArgumentTypeError(f"a case is softcap:causal(0|1):head_dim, got {text!r}")
+    float(parts[0])
+    return text
+
+
+def run_tree(tree: str, mode: str, shape: str, reps: int, cases: list[str]) -> dict[str, float]:
+    """One process of ``tree``: each case's median time (ms)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD, tree, mode, shape, str(reps), ",".join(cases)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "FLASH_ATTENTION_QUIET": "1"},
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"{tree}: {proc.stderr.strip()[-2000:]}")
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return {r["case"]: r["ms"] for r in rows}
+
+
+def summarize(trees: list[str], cases: list[str], rounds: list[dict[str, dict[str, float]]]) -> list[str]:
+    """The table: per case, each tree's median over the rounds, its min-max, and its ratio to the first."""
+    lines = [f"{'case':12}" + "".join(f" {t[-28:]:>28}" for t in trees)]
+    for case in cases:
+        cells = []
+        first = None
+        for tree in trees:
+            times = [r[tree][case] for r in rounds]
+            median = statistics.median(times)
+            first = median if first is None else first
+            cells.append(f"{median:7.3f} ({min(times):.3f}-{max(times):.3f}) {median / first:5.3f}x")
+        lines.append(f"{case:12}" + "".join(f" {c:>28}" for c in cells))
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("trees", nargs="+", help="source trees (their roots: each holds flash_attention/)")
+    ap.add_argument("--mode", choices=["fwd", "fwd_bwd"], default="fwd_bwd")
+    ap.add_argument(
+        "--cases", default="0:0:128,30:0:128,0:1:128,30:1:128", help="softcap:causal:head_dim,..."
+    )
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--shape", default="4,4096,16", help="batch,seqlen,heads (default 4,4096,16)")
+    ap.add_argument("--reps", type=int, default=20, help="timed calls per case (the median is kept)")
+    ap.add_argument("--json", default=None, help="write every round's times here")
+    args = ap.parse_args(argv)
+    cases = [parse_case(c) for c in args.cases.split(",")]
+    for tree in args.trees:
+        if not os.path.isfile(os.path.join(tree, "flash_attention", "__init__.py")):
+            ap.error(f"{tree} holds no flash_attention package")
+    for tree in args.trees:  # the warm-up round: compiles each tree's kernels, its numbers dropped
+        run_tree(tree, args.mode, args.shape, 3, cases)
+    rounds = []
+    for _ in range(args.rounds):
+        rounds.append({tree: run_tree(tree, args.mode, args.shape, args.reps, cases) for tree in args.trees})
+    print(
+        f"{args.mode}, shape {args.shape}, median of {args.rounds} rounds (min-max), ratio to {args.trees[0]}"
+    )
+    print("\n".join(summarize(args.trees, cases, rounds)))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"mode": args.mode, "shape": args.shape, "trees": args.trees, "rounds": rounds}, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
