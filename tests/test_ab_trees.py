@@ -14,7 +14,8 @@ import ab_trees  # noqa: E402
 
 def test_cases_are_checked():
     assert ab_trees.parse_case("30:1:128") == "30:1:128"
-    for bad in ("30:2:128", "30:1", "x:0:64", "0:0:d64"):
+    assert ab_trees.parse_case("50:0:256:1024") == "50:0:256:1024"  # a sliding window of 1024
+    for bad in ("30:2:128", "30:1", "x:0:64", "0:0:d64", "0:0:64:w", "0:0:64:8:8"):
         with pytest.raises((argparse.ArgumentTypeError, ValueError)):
             ab_trees.parse_case(bad)
 

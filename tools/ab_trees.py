@@ -8,8 +8,9 @@ of the working tree with one macro changed) on the same machine in the same call
 round, in turn, so that the machine's drift between rounds reaches every tree alike (shared GPUs drift by
 several percent). Each process imports flash_attention from its own tree (its JIT cache keys on the
 sources, so the trees' kernels live side by side) and times every case with CUDA events, after a warm-up
-round whose numbers are dropped (it compiles). A case is `softcap:causal:head_dim` (softcap 0: none): bf16
-q, k, v of --shape (batch, seqlen, heads) and that head_dim, fresh per case.
+round whose numbers are dropped (it compiles). A case is `softcap:causal:head_dim[:window]` (softcap 0:
+none; window w: a sliding window of w keys on each side, (w, 0) when causal): bf16 q, k, v of --shape
+(batch, seqlen, heads) and that head_dim, fresh per case.
 
 Prints the median of the rounds per case and tree, and each tree's ratio to the first. The spread is
 the rounds' own (min-max per tree), printed beside: a difference inside it is noise. docs/kernel-log.md
@@ -34,14 +35,15 @@ import torch
 import flash_attention as fa
 assert os.path.abspath(fa.__file__).startswith(os.path.abspath(tree)), fa.__file__
 for case in sys.argv[5].split(","):
-    cap, causal, d = case.split(":")
+    cap, causal, d, *win = case.split(":")
+    window = None if not win else (int(win[0]), 0 if causal == "1" else int(win[0]))
     b, s, h = shape
     grad = mode == "fwd_bwd"
     q, k, v = (torch.randn(b, s, h, int(d), device="cuda", dtype=torch.bfloat16, requires_grad=grad)
                for _ in range(3))
     do = torch.randn_like(q)
     def call():
-        o = fa.attention(q, k, v, causal=causal == "1", softcap=float(cap))
+        o = fa.attention(q, k, v, causal=causal == "1", softcap=float(cap), window=window)
         if mode == "fwd_bwd":
             torch.autograd.grad(o, (q, k, v), do)
     for _ in range(3):
@@ -57,10 +59,10 @@ for case in sys.argv[5].split(","):
 
 
 def parse_case(text: str) -> str:
-    """A case `softcap:causal:head_dim`, checked."""
+    """A case `softcap:causal:head_dim[:window]`, checked."""
     parts = text.split(":")
-    if len(parts) != 3 or parts[1] not in ("0", "1") or not parts[2].isdigit():
-        raise argparse.ArgumentTypeError(f"a case is softcap:causal(0|1):head_dim, got {text!r}")
+    if len(parts) not in (3, 4) or parts[1] not in ("0", "1") or not all(x.isdigit() for x in parts[2:]):
+        raise argparse.ArgumentTypeError(f"a case is softcap:causal(0|1):head_dim[:window], got {text!r}")
     float(parts[0])
     return text
 
@@ -99,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("trees", nargs="+", help="source trees (their roots: each holds flash_attention/)")
     ap.add_argument("--mode", choices=["fwd", "fwd_bwd"], default="fwd_bwd")
     ap.add_argument(
-        "--cases", default="0:0:128,30:0:128,0:1:128,30:1:128", help="softcap:causal:head_dim,..."
+        "--cases", default="0:0:128,30:0:128,0:1:128,30:1:128", help="softcap:causal:head_dim[:window],..."
     )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--shape", default="4,4096,16", help="batch,seqlen,heads (default 4,4096,16)")

@@ -307,12 +307,14 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
   const float sl2 = p.scale_log2;
   // Bounded scores (soft-capping in bf16, cap <= kFixedMaxCap): the softmax without a running max
   // (fa/softmax.cuh bounded_softmax_row), its origin cap / 2 kept as row_max for the LSE; a uniform
-  // branch on the cap, so larger caps take the online softmax in the same build. At head_dim 128 only,
-  // without ping-pong, where it was measured and spills nothing: the second path spilled the d64 causal
-  // build's 128-register consumers (0 -> 108 bytes, NVRTC 13.0), the packed (segments) builds at 192 and
-  // 256 (0 -> 16, 16 -> 32) and the 176-key ping-pong build (44 -> 120).
-  constexpr bool kBoundable =
-      BF && D == 128 && !Cfg::kPingpong && ScoreModBounded<typename V::ScoreMod>::value;
+  // branch on the cap, so larger caps take the online softmax in the same build. Every head_dim without
+  // ping-pong (the 176-key ping-pong build spilled 44 -> 120 bytes with it). The second path spills in
+  // some builds (NVRTC 13.0): d64's 192-row causal and window builds (0 -> 108 and 0 -> 136 bytes, their
+  // 128-register consumers), d256's 80-key window and packed builds (12 -> 48, 16 -> 32), d192's packed
+  // build (0 -> 16); d256's 80-key dense build went 12 -> 0. Measured all the same (kernel log 105, H200,
+  // cap 50): d256 12-18% faster dense, windowed and packed, d64 4-6% faster dense and packed, its causal
+  // window unchanged against plain attention; d128 took it first (kernel log 99).
+  constexpr bool kBoundable = BF && !Cfg::kPingpong && ScoreModBounded<typename V::ScoreMod>::value;
   const bool bounded = kBoundable && p.softcap <= kFixedMaxCap;
   const float bounded_max = 0.5f * p.softcap / p.scale;  // the origin in row_max's (unscaled) units
   const float cap_log2 = p.softcap * 1.4426950408889634f;
