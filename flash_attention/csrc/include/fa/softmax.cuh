@@ -29,10 +29,16 @@ __device__ __forceinline__ void scale_scores(const Acc& s, float scale) {
 // kOffset (folded only): the row's true scores are this thread's s plus `offset` (a score function's
 // per-row part, fa/variant.cuh score_mod_query_rows_offsets): added to the thread's max before the quad's
 // reduction, and folded into the exponent's subtrahend; M stays a max of true scores.
-template <bool kFolded, bool kOffset = false, class Acc>
+// kLazy (folded only): M is the exponents' reference, not necessarily the max. It moves only when the
+// block's max exceeds it by more than kLazyMargin in base 2, so P <= 2^kLazyMargin (finite in fp32, bf16
+// and fp16 alike), and the returned factor is then exactly 1: a kernel skips O's rescale for a warp whose
+// rows all kept theirs. The LSE, M + log L, is exact with any reference M.
+constexpr float kLazyMargin = 8.f;
+template <bool kFolded, bool kOffset = false, bool kLazy = false, class Acc>
 __device__ __forceinline__ float online_softmax_row(const Acc& s, int mt, int r, float& row_max,
                                                     float& row_sum, float scale_log2, float offset = 0.f) {
   static_assert(kFolded || !kOffset, "row offsets are the folded softmax's");
+  static_assert(kFolded || !kLazy, "the lazy reference is the folded softmax's");
   float mx = kOffset ? neg_inf() : row_max;
 #pragma unroll
   for (int n = 0; n < Acc::kN; ++n) mx = fmaxf(mx, fmaxf(s(mt, n, 2 * r), s(mt, n, 2 * r + 1)));
@@ -40,12 +46,16 @@ __device__ __forceinline__ float online_softmax_row(const Acc& s, int mt, int r,
   // The four lanes of a quad hold the same two rows.
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+  // The reference kept (same in the quad's four lanes: both operands are). A row whose reference is
+  // still -inf compares NaN or +inf and moves; the scale is positive in the folded form.
+  const bool keep = kLazy && (mx - row_max) * scale_log2 <= kLazyMargin;
+  if (keep) mx = row_max;
   // A row that has seen only masked keys keeps max -inf; subtracting 0 instead keeps exp(-inf) = 0 rather
   // than exp(-inf - -inf) = NaN.
   float alpha, sum = 0.f;
   if constexpr (kFolded) {
     const float m_scaled = mx == neg_inf() ? 0.f : mx * scale_log2;
-    alpha = exp2_approx(row_max * scale_log2 - m_scaled);
+    alpha = keep ? 1.f : exp2_approx(row_max * scale_log2 - m_scaled);
     // (s + offset - M) scale log2e: the offset's part of the subtrahend once per row.
     const float sub = kOffset ? fmaf(-offset, scale_log2, m_scaled) : m_scaled;
 #pragma unroll

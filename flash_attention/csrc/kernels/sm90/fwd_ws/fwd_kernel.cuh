@@ -315,6 +315,12 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
   // cap 50): d256 12-18% faster dense, windowed and packed, d64 4-6% faster dense and packed, its causal
   // window unchanged against plain attention; d128 took it first (kernel log 99).
   constexpr bool kBoundable = BF && !Cfg::kPingpong && ScoreModBounded<typename V::ScoreMod>::value;
+  // The online softmax's reference max moves only by more than kLazyMargin (fa/softmax.cuh), and O's
+  // rescale (D / 2 multiplies per thread) is skipped where no row of a warp moved it. At head_dim 256 only,
+  // where two A/B runs agreed (kernel log 106, H200, random inputs: -4% by the fastest rounds, either
+  // mode); at 128 and 64 the runs disagreed within their spread, so those builds keep the running max. Not
+  // in the trace build, whose simulator checks M as the running max.
+  constexpr bool kLazyMax = !FA_TRACE && D >= 256;
   const bool bounded = kBoundable && p.softcap <= kFixedMaxCap;
   const float bounded_max = 0.5f * p.softcap / p.scale;  // the origin in row_max's (unscaled) units
   const float cap_log2 = p.softcap * 1.4426950408889634f;
@@ -518,13 +524,16 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
       mask.mask_query_rows(acc_tile(sacc), q_start + warp_row0, kv_start, g, t);
 #pragma unroll
       for (int r = 0; r < 2; ++r)
-        alpha[r] = online_softmax_row<kFold, kOffsets>(acc_tile(sacc), 0, r, row_max[r], row_sum[r], sl2,
-                                                       offset[0][r]);
+        alpha[r] = online_softmax_row<kFold, kOffsets, kLazyMax>(acc_tile(sacc), 0, r, row_max[r], row_sum[r],
+                                                                 sl2, offset[0][r]);
       if constexpr (kDropout)
         dropout_query_rows(acc_tile(sacc), 0, p, batch, head, q_start + warp_row0, kv_start, g, t);
     };
     auto rescale_o = [&](const float (&alpha)[2]) {
       if (bounded) return;  // (alpha is 1)
+      // A warp whose rows all kept their reference (kLazyMax) skips the D / 2 multiplies (a vote, and
+      // a uniform branch).
+      if (kLazyMax && __all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f)) return;
 #pragma unroll
       for (int r = 0; r < 2; ++r) rescale_row(acc_tile(o), 0, r, alpha[r]);
     };
