@@ -17,6 +17,8 @@ two can be compared number for number:
   first and ``__expf``'s ``exp2(x * log2e)``), the -inf guard that subtracts 0 for a row that has seen no
   key, the rescale factor alpha applied to L and O, each lane's partial row sum (pairs of columns added in
   n-tile order) and their quad reduction at the end;
+* the lazy reference of the warp-specialized kernel at head_dim 256 (fa/softmax.cuh kLazy): M moves only
+  when a block's max exceeds it by more than LAZY_MARGIN in base 2, and alpha is then exactly 1;
 * the same rounding points: each ``mma.sync`` step (16 products summed, then added to the fp32
   accumulator; a wgmma instruction is one such 16-deep step too) as one rounding, P rounded to fp16/bf16
   before P·V, O / L in fp32 and cast to the output dtype, LSE in fp32.
@@ -52,6 +54,9 @@ from flash_attention.configs import KernelConfig, parse_config
 from flash_attention.jit.params import TRACE_STEP_FIELDS
 
 __all__ = ["simulate", "TraceSpec", "Trace", "STEP_NAMES", "FINAL_NAMES", "n_blocks_per_row_block"]
+
+#: fa/softmax.cuh kLazyMargin: how far (base 2) a block's max may pass the lazy reference before it moves.
+LAZY_MARGIN = 8.0
 
 #: Per-step quantities in the order the kernel computes them (the kernel trace's layout order).
 STEP_NAMES = tuple(name for name, _ in TRACE_STEP_FIELDS)
@@ -362,6 +367,8 @@ class _Run:
         self.scale_f = _f32(scale)  # FwdParams::scale
         self.sl2 = _f32(scale * _LOG2E)  # FwdParams::scale_log2
         self.log2e_f = _f32(_LOG2E)  # the constant inside __expf
+        # The ws kernel's kLazyMax (csrc/kernels/sm90/fwd_ws/fwd_kernel.cuh): at head_dim 256.
+        self.lazy = cfg.warp_specialized and dd >= 256
 
         # Inputs rounded to the kernel's dtype, then exact in float64; zero padding where the kernel's copies
         # zero-fill (rows past the sequence, columns past head_dim).
@@ -437,9 +444,16 @@ class _Run:
             sx = sx.masked_fill(~valid, float("-inf"))
             m_old = self.m[:, :, act]
             mx = torch.maximum(m_old, sx.amax(dim=-1))
+            keep = None
+            if self.lazy:
+                # The kernel's reference moves only past the margin (fa/softmax.cuh kLazy); alpha is then 1.
+                keep = (mx - m_old) * self.sl2 <= LAZY_MARGIN
+                mx = torch.where(keep, m_old, mx)
             if cfg.opt_softmax:
                 m_scaled = torch.where(torch.isneginf(mx), torch.zeros_like(mx), mx * self.sl2)
                 alpha = _ex2_ftz(m_old * self.sl2 - m_scaled)
+                if keep is not None:
+                    alpha = torch.where(keep, torch.ones_like(alpha), alpha)
                 p = _ex2_ftz(_fma(sx, self.sl2, -m_scaled.unsqueeze(-1)))
             else:
                 m_use = torch.where(torch.isneginf(mx), torch.zeros_like(mx), mx)
