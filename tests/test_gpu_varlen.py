@@ -249,6 +249,21 @@ def test_a_captured_call_reads_the_offsets_it_is_replayed_with():
         assert torch.equal(out, expected), split
 
 
+def _tile_table_case(lens_q, lens_k, head_dim, causal):
+    """A packed batch for the tile-table tests: its tensors (q, k, v, dO), the float64 and float32
+    references, the offsets, the runs with their tables (built at the first launch that needs them), and
+    q, k, v as a batch of one."""
+    case = (lens_q, lens_k, 4, 2, head_dim, causal, {}, "bf16")
+    tensors, kw, used = _make(case)
+    q, k = tensors[0], tensors[1]
+    exact = _reference(case, tensors, kw, used, torch.float64)
+    f32 = _reference(case, tensors, kw, used, torch.float32)
+    cu_q, cu_k = _offsets(lens_q), _offsets(lens_k)
+    runs = _with_tiles(segments(cu_q, cu_k, q.shape[0], k.shape[0], causal=causal), cu_q, cu_k)
+    batched = [t.unsqueeze(0) for t in tensors[:3]]
+    return tensors, exact, f32, (cu_q, cu_k), runs, batched
+
+
 # Each epilogue path of the warp-specialized forward under a query-tile table: non-persistent with TMA stores,
 # persistent with and without them, the epilogue under the next tile (tile_overlap), ping-pong; 176-key
 # blocks (anchored at each tile's first key, so the last block of a sequence is cut anywhere), dropout (no
@@ -273,14 +288,7 @@ def test_ws_forward_with_query_tiles(cfg, causal):
     # Sequences ending anywhere in a tile (so the last tile of most is cut), an empty one, a one-token one,
     # and rows past the last sequence.
     lens = [300, 0, 517, 1, 130, 64, 1000]
-    case = (lens, lens, 4, 2, d, causal, {}, "bf16")
-    tensors, kw, used = _make(case)
-    q, k, v, _ = tensors
-    exact = _reference(case, tensors, kw, used, torch.float64)
-    f32 = _reference(case, tensors, kw, used, torch.float32)
-    cu = _offsets(lens)
-    runs = _with_tiles(segments(cu, cu, q.shape[0], k.shape[0], causal=causal), cu, cu)
-    args = [t.unsqueeze(0) for t in (q, k, v)]
+    (q, k, _, _), exact, f32, (cu, _), runs, args = _tile_table_case(lens, lens, d, causal)
     kw = dict(causal=causal, softmax_scale=d**-0.5, segments=runs)
     out = torch.full_like(args[0], float("nan"))
     o, lse = ops.cuda_forward(*args, return_lse=True, out=out, config=cfg, **kw)
@@ -308,14 +316,7 @@ def test_ws_backward_with_key_tiles(head_dim, causal):
     first), and the packed row's tiles' result within rounding."""
     lens_q = [300, 0, 517, 1, 130, 64, 1000]
     lens_k = [310, 4, 517, 1, 200, 64, 990]
-    case = (lens_q, lens_k, 4, 2, head_dim, causal, {}, "bf16")
-    tensors, kw, used = _make(case)
-    q, k, v, do = tensors
-    exact = _reference(case, tensors, kw, used, torch.float64)
-    f32 = _reference(case, tensors, kw, used, torch.float32)
-    cu_q, cu_k = _offsets(lens_q), _offsets(lens_k)
-    runs = _with_tiles(segments(cu_q, cu_k, q.shape[0], k.shape[0], causal=causal), cu_q, cu_k)
-    args = [t.unsqueeze(0) for t in (q, k, v)]
+    (q, k, _, do), exact, f32, (cu_q, cu_k), runs, args = _tile_table_case(lens_q, lens_k, head_dim, causal)
     kw = dict(causal=causal, softmax_scale=head_dim**-0.5, segments=runs)
     o, lse = ops.cuda_forward(*args, return_lse=True, out=None, **kw)
     cfg = hopper_bwd_config("bf16", head_dim)
