@@ -1,12 +1,15 @@
-"""tools/ab_trees.py's parts that need no GPU: the cases it takes, its table, the trees it refuses."""
+"""tools/ab_trees.py's parts that need no GPU: the cases it takes, its table, the trees it refuses, and its
+child script run on the CPU."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import ab_trees  # noqa: E402
@@ -37,3 +40,32 @@ def test_a_tree_without_the_package_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         ab_trees.main([str(tmp_path)])
     assert "holds no flash_attention package" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode,packed", [("fwd_bwd", "0"), ("fwd", "9000")])
+def test_the_child_times_every_case_dense_and_packed(mode, packed, monkeypatch, capsys):
+    """The child script itself, on the CPU (its tensors moved there, CUDA events stubbed; the package's
+    PyTorch fallback computes): one JSON line per case, a window and soft-capping included, dense and
+    packed (attention_varlen over its drawn documents; the forward only, to keep the CPU time short)."""
+
+    class Event:
+        def __init__(self, **kw):
+            pass
+
+        def record(self):
+            pass
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return 1.0
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    root = str(Path(ab_trees.__file__).resolve().parents[1])
+    argv = ["child", root, mode, "1,256,2", "1", "30:1:64,0:0:64:100", packed]
+    monkeypatch.setattr(sys, "argv", argv)
+    exec(compile(ab_trees._CHILD.replace('device="cuda"', 'device="cpu"'), "child", "exec"), {})
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    assert [x["case"] for x in lines] == ["30:1:64", "0:0:64:100"]

@@ -10,7 +10,8 @@ several percent). Each process imports flash_attention from its own tree (its JI
 sources, so the trees' kernels live side by side) and times every case with CUDA events, after a warm-up
 round whose numbers are dropped (it compiles). A case is `softcap:causal:head_dim[:window]` (softcap 0:
 none; window w: a sliding window of w keys on each side, (w, 0) when causal): bf16 q, k, v of --shape
-(batch, seqlen, heads) and that head_dim, fresh per case.
+(batch, seqlen, heads) and that head_dim, fresh per case; with --packed, a packed batch of documents through
+attention_varlen instead.
 
 Prints the median of the rounds per case and tree, and each tree's ratio to the first. The spread is
 the rounds' own (min-max per tree), printed beside: a difference inside it is noise. docs/kernel-log.md
@@ -28,22 +29,32 @@ import sys
 
 # The child: one tree's package, every case timed once (a process per tree and round).
 _CHILD = r"""
-import json, os, sys
+import itertools, json, os, sys
 tree, mode, shape, reps = sys.argv[1], sys.argv[2], [int(x) for x in sys.argv[3].split(",")], int(sys.argv[4])
+packed = int(sys.argv[6])
 sys.path.insert(0, tree)
 import torch
 import flash_attention as fa
 assert os.path.abspath(fa.__file__).startswith(os.path.abspath(tree)), fa.__file__
+if packed:  # documents of 128 to 8191 tokens (the same in every tree and round) up to `packed` tokens
+    gen, lens = torch.Generator().manual_seed(0), []
+    while sum(lens) + (n := int(torch.randint(128, 8192, (1,), generator=gen))) <= packed:
+        lens.append(n)
+    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device="cuda")
 for case in sys.argv[5].split(","):
     cap, causal, d, *win = case.split(":")
     window = None if not win else (int(win[0]), 0 if causal == "1" else int(win[0]))
     b, s, h = shape
+    dims = (sum(lens), h, int(d)) if packed else (b, s, h, int(d))
     grad = mode == "fwd_bwd"
-    q, k, v = (torch.randn(b, s, h, int(d), device="cuda", dtype=torch.bfloat16, requires_grad=grad)
-               for _ in range(3))
+    q, k, v = (torch.randn(*dims, device="cuda", dtype=torch.bfloat16, requires_grad=grad) for _ in range(3))
     do = torch.randn_like(q)
+    opts = dict(causal=causal == "1", softcap=float(cap), window=window)
     def call():
-        o = fa.attention(q, k, v, causal=causal == "1", softcap=float(cap), window=window)
+        if packed:
+            o = fa.attention_varlen(q, k, v, cu, cu, max_seqlen_q=max(lens), max_seqlen_k=max(lens), **opts)
+        else:
+            o = fa.attention(q, k, v, **opts)
         if mode == "fwd_bwd":
             torch.autograd.grad(o, (q, k, v), do)
     for _ in range(3):
@@ -67,10 +78,12 @@ def parse_case(text: str) -> str:
     return text
 
 
-def run_tree(tree: str, mode: str, shape: str, reps: int, cases: list[str]) -> dict[str, float]:
+def run_tree(
+    tree: str, mode: str, shape: str, reps: int, cases: list[str], packed: int = 0
+) -> dict[str, float]:
     """One process of ``tree``: each case's median time (ms)."""
     proc = subprocess.run(
-        [sys.executable, "-c", _CHILD, tree, mode, shape, str(reps), ",".join(cases)],
+        [sys.executable, "-c", _CHILD, tree, mode, shape, str(reps), ",".join(cases), str(packed)],
         capture_output=True,
         text=True,
         env={**os.environ, "FLASH_ATTENTION_QUIET": "1"},
@@ -106,6 +119,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--shape", default="4,4096,16", help="batch,seqlen,heads (default 4,4096,16)")
     ap.add_argument("--reps", type=int, default=20, help="timed calls per case (the median is kept)")
+    ap.add_argument(
+        "--packed",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="time attention_varlen on documents of 128-8191 tokens (seed 0) filling up to TOKENS, with "
+        "--shape's heads (its batch and seqlen unused)",
+    )
     ap.add_argument("--json", default=None, help="write every round's times here")
     args = ap.parse_args(argv)
     cases = [parse_case(c) for c in args.cases.split(",")]
@@ -113,17 +134,31 @@ def main(argv: list[str] | None = None) -> int:
         if not os.path.isfile(os.path.join(tree, "flash_attention", "__init__.py")):
             ap.error(f"{tree} holds no flash_attention package")
     for tree in args.trees:  # the warm-up round: compiles each tree's kernels, its numbers dropped
-        run_tree(tree, args.mode, args.shape, 3, cases)
+        run_tree(tree, args.mode, args.shape, 3, cases, args.packed)
     rounds = []
     for _ in range(args.rounds):
-        rounds.append({tree: run_tree(tree, args.mode, args.shape, args.reps, cases) for tree in args.trees})
-    print(
-        f"{args.mode}, shape {args.shape}, median of {args.rounds} rounds (min-max), ratio to {args.trees[0]}"
-    )
+        rounds.append(
+            {
+                tree: run_tree(tree, args.mode, args.shape, args.reps, cases, args.packed)
+                for tree in args.trees
+            }
+        )
+    what = f"packed {args.packed} tokens, " if args.packed else ""
+    rounds_text = f"median of {args.rounds} rounds (min-max), ratio to {args.trees[0]}"
+    print(f"{args.mode}, {what}shape {args.shape}, {rounds_text}")
     print("\n".join(summarize(args.trees, cases, rounds)))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"mode": args.mode, "shape": args.shape, "trees": args.trees, "rounds": rounds}, f)
+            json.dump(
+                {
+                    "mode": args.mode,
+                    "shape": args.shape,
+                    "packed": args.packed,
+                    "trees": args.trees,
+                    "rounds": rounds,
+                },
+                f,
+            )
     return 0
 
 
