@@ -66,6 +66,7 @@ def test_the_child_times_every_case_dense_and_packed(mode, packed, monkeypatch, 
     root = str(Path(ab_trees.__file__).resolve().parents[1])
     argv = ["child", root, mode, "1,256,2", "1", "30:1:64,0:0:64:100", packed]
     monkeypatch.setattr(sys, "argv", argv)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # (the child puts its tree first)
     exec(compile(ab_trees._CHILD.replace('device="cuda"', 'device="cpu"'), "child", "exec"), {})
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
     assert [x["case"] for x in lines] == ["30:1:64", "0:0:64:100"]
