@@ -202,15 +202,19 @@ def attention(
     # A call whose signature ran before and ended in one planned launch repeats that launch, skipping every
     # decision below (ops.repeat says what a signature holds and why; kernel-log step 52).
     key = None
-    if out is None and _segments is None:  # (a packed batch's runs take the whole path)
+    if out is None:
         key = _repeat.signature(
             q, k, v, causal, softmax_scale, return_lse, key_range, deterministic, dropout_p, dropout_seed,
-            window, softcap, alibi_slopes, sinks,
+            window, softcap, alibi_slopes, sinks, _segments,
         )  # fmt: skip
         if key is not None:
             call = _repeat.lookup(key)
             if call is not None:
-                result = None if call is _repeat.WHOLE_PATH else call(q, k, v, key_range, alibi_slopes, sinks)
+                result = (
+                    None
+                    if call is _repeat.WHOLE_PATH
+                    else call(q, k, v, key_range, alibi_slopes, sinks, _segments)
+                )
                 if result is not None:
                     return _result(*result, return_lse)
                 key = None  # this signature's verdict stands; this call takes the whole path
@@ -248,6 +252,7 @@ def attention(
             softcap=softcap,
             alibi_slopes=alibi_slopes,
             sinks=sinks,
+            segments=_segments,
         )
         if result is not None:
             return _result(*result, return_lse)

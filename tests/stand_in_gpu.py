@@ -22,6 +22,7 @@ import torch
 from flash_attention import dispatch, ops
 from flash_attention.jit import driver, host
 from flash_attention.jit.params import BwdParams, DecodeParams, FwdParams, FwdTmaParams
+from flash_attention.jit.sources import SEGMENTS
 from flash_attention.ops import backward, decode, forward, plans, tma
 from flash_attention.reference import attention_reference
 
@@ -77,8 +78,14 @@ class _Kernel:
         self, gpu: StandInGpu, kind: str, causal: bool = False, params_type=BwdParams, window=False,
         score=None,
     ):  # fmt: skip
-        if window not in (False, True) or score not in (None, "softcap", "alibi", "softcap_alibi"):
-            # (a packed batch's runs: not modelled here, so never computed without them)
+        # A packed batch's runs (window SEGMENTS): the forward only, without a score function.
+        segments = window == SEGMENTS and kind == "forward" and score is None
+        if not (window in (False, True) or segments) or score not in (
+            None,
+            "softcap",
+            "alibi",
+            "softcap_alibi",
+        ):
             raise AssertionError(f"the stand-in kernels have no {score or window} build")
         self.gpu, self.kind, self.causal, self.params_type = gpu, kind, causal, params_type
         self.window, self.score = window, score
@@ -127,6 +134,7 @@ class StandInGpu:
     def __init__(self, dtype: torch.dtype, arch: str):
         self.dtype, self.arch = dtype, arch
         self.launches: list[str] = []
+        self.counters: list[int] = []  # each TMA forward launch's tile-counter address (0: none)
         self.errors: list[BaseException] = []
         self._kernels: dict[int, _Kernel] = {}
         self.encodes = 0  # tensor maps the host library had encoded
@@ -222,6 +230,8 @@ class StandInGpu:
         p = getattr(params, "p", params)
         if p.dropout_threshold:
             raise AssertionError("the stand-in kernels have no dropout")
+        if hasattr(params, "tile_counter"):
+            self.counters.append(params.tile_counter)
         if hasattr(params, "q_map"):  # a TMA kernel reads q, k and v through their maps
             q, k, v = (_through_map(m, self.dtype) for m in (params.q_map, params.k_map, params.v_map))
             for t, ptr in ((q, p.q), (k, p.k), (v, p.v)):
@@ -231,9 +241,12 @@ class StandInGpu:
             k = self._bshd(p, p.k, "k", p.seqlen_k, p.heads_kv)
             v = self._bshd(p, p.v, "v", p.seqlen_k, p.heads_kv)
         assert q.shape[3] == p.head_dim and k.shape[1] == p.seqlen_k, "the params disagree on a size"
-        out, lse = attention_reference(
-            q, k, v, softmax_scale=p.scale, key_range=self._key_range(p), **self._variant(kernel, p)
-        )
+        if kernel.window == SEGMENTS:
+            out, lse = self._segments_forward(q, k, v, p)
+        else:
+            out, lse = attention_reference(
+                q, k, v, softmax_scale=p.scale, key_range=self._key_range(p), **self._variant(kernel, p)
+            )
         o = self._bshd(p, p.o, "o", p.seqlen_q, p.heads_q)
         if any(bytes(getattr(params, "o_map", b""))):  # a config with tma_store writes O through its map
             o = _through_map(params.o_map, self.dtype)
@@ -243,6 +256,32 @@ class StandInGpu:
         if p.lse:
             strides = (p.lse_batch_stride, p.lse_head_stride, 1)
             tensor_at(p.lse, (p.batch, p.heads_q, p.seqlen_q), strides, torch.float32).copy_(lse)
+
+    @staticmethod
+    def _segments_forward(q, k, v, p):
+        """The segments build on a batch of one: each query row i sees the keys of its run [row_keys[i, 0],
+        row_keys[i, 1]) (flash_attention.varlen), in float64. The key runs must be readable, and a query-tile
+        table (the warp-specialized forward's, p.q_tiles) must cover every row exactly once."""
+        assert p.batch == 1 and p.row_keys and p.key_rows, "a segments launch without its runs"
+        runs = tensor_at(p.row_keys, (p.seqlen_q, 2), (2, 1), torch.int32).long()
+        assert tensor_at(p.key_rows, (p.seqlen_k, 2), (2, 1), torch.int32).shape[0] == p.seqlen_k
+        if p.q_tiles:
+            tiles = tensor_at(p.q_tiles, (p.num_m_blocks, 2), (2, 1), torch.int32).long()
+            covered = torch.zeros(p.seqlen_q, dtype=torch.long)
+            for start, end in tiles.tolist():
+                covered[start:end] += 1
+            assert (covered == 1).all(), "the query-tile table does not cover every row once"
+        group = q.shape[2] // k.shape[2]
+        qd = q[0].double().transpose(0, 1)  # (heads, seqlen_q, d)
+        kd = k[0].double().transpose(0, 1).repeat_interleave(group, 0)
+        vd = v[0].double().transpose(0, 1).repeat_interleave(group, 0)
+        cols = torch.arange(p.seqlen_k)
+        seen = (cols >= runs[:, :1]) & (cols < runs[:, 1:])  # (seqlen_q, seqlen_k)
+        scores = (qd @ kd.transpose(1, 2) * p.scale).masked_fill(~seen, float("-inf"))
+        lse = torch.logsumexp(scores, -1)
+        probs = torch.exp(scores - lse.nan_to_num(neginf=0.0).unsqueeze(-1))
+        out = (probs @ vd).transpose(0, 1).unsqueeze(0)
+        return out, lse.unsqueeze(0).float()
 
     def _rows(self, ptr, p):
         shape, strides = (p.batch, p.heads_q, p.seqlen_q_pad), (p.heads_q * p.seqlen_q_pad, p.seqlen_q_pad, 1)

@@ -20,8 +20,9 @@ import flash_attention as fa
 from flash_attention import interface, ops
 from flash_attention.configs import heuristics
 from flash_attention.jit import host
-from flash_attention.ops import repeat
+from flash_attention.ops import forward, repeat
 from flash_attention.reference import attention_reference
+from flash_attention.varlen import segments
 
 
 @pytest.fixture(autouse=True)
@@ -466,3 +467,90 @@ def test_a_forward_program_checks_what_it_is_given():
             make(**changes)
     with pytest.raises(RuntimeError, match="uint8"):
         program(params.float(), good["offsets"], good["launch"], "k", 1, [], [], good["flags"], 0, [])
+
+
+def _packed(lens, hq=4, hkv=2, d=64, grad=False):
+    total = sum(lens)
+    q, k, v = (torch.randn(total, h, d, dtype=torch.bfloat16).requires_grad_(grad) for h in (hq, hkv, hkv))
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    return q, k, v, cu
+
+
+def _check_packed(out, lse, q, k, v, cu, causal):
+    """Each sequence against its own float64 attention."""
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+        if b == a:
+            continue
+        ref, ref_lse = attention_reference(
+            *(t[a:b].unsqueeze(0) for t in (q.detach(), k.detach(), v.detach())), causal=causal
+        )
+        assert (out[a:b].double() - ref[0]).abs().max().item() < 2e-2
+        torch.testing.assert_close(lse[:, a:b].double(), ref_lse[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_packed_inference_repeats_bind_each_calls_runs_and_tiles(gpu, validations, causal):
+    # Four packed batches of the same token count and sequence-count bucket (4) but other boundaries, so one
+    # signature: each repeat must bind its own runs (and, on Hopper, its own query-tile table, which the
+    # stand-in checks covers every row once) or some sequence sees another's keys.
+    batches = ([100, 7, 50, 43], [1, 199, 0, 0], [60, 60, 0, 80], [33, 67, 99, 1])
+    for lens in batches:
+        q, k, v, cu = _packed(lens)
+        out, lse = fa.attention_varlen(
+            q, k, v, cu, cu, max_seqlen_q=128, max_seqlen_k=128, causal=causal, return_lse=True
+        )
+        _check_packed(out, lse, q, k, v, cu, causal)
+    assert len(validations) == 1, "the repeats should not run the whole path"
+    assert gpu.launches == ["forward"] * len(batches) and not gpu.errors, gpu.errors
+
+
+def test_packed_batches_repeat_per_plan_and_not_in_training(gpu, validations):
+    q, k, v, cu = _packed([100, 100])
+    for hint in (128, 128, 2048):  # the hint chooses the plan's config: a new signature
+        fa.attention_varlen(q, k, v, cu, cu, max_seqlen_q=hint, max_seqlen_k=hint, causal=True)
+    assert len(validations) == 2
+    q, k, v, cu = _packed([30] * 9)  # nine sequences: another count bucket (16), another plan
+    fa.attention_varlen(q, k, v, cu, cu, max_seqlen_q=128, max_seqlen_k=128, causal=True)
+    assert len(validations) == 3
+    # Training takes the whole path every time (the backward's tables and workspace are planned per call).
+    q, k, v, cu = _packed([100, 100], grad=True)
+    runs = segments(cu, cu, 200, 200, causal=True)
+    args = (
+        True,
+        None,
+        False,
+        None,
+        False,
+        0.0,
+        None,
+    )  # causal, scale, lse, key_range, deterministic, dropout
+    assert repeat.signature(q, k, v, *args, segments=runs) is None
+    with torch.no_grad():
+        assert repeat.signature(q, k, v, *args, segments=runs) is not None
+    assert repeat.signature(
+        q.detach(), k.detach(), v.detach(), *args, segments=(runs[0], runs[1].long())
+    ) != (
+        repeat.signature(q.detach(), k.detach(), v.detach(), *args, segments=runs)
+    )  # the runs' layouts are the signature's
+
+
+def test_a_persistent_grid_repeats_with_the_current_streams_tile_counter(gpu, validations, monkeypatch):
+    # A packed batch at head_dim 128 whose sequences are about 512 tokens runs the persistent grid on an
+    # H100: each launch must take the tile counter the whole path's launch would (the current stream's).
+    if gpu.arch != "sm_90":
+        pytest.skip("the persistent grid is the warp-specialized kernel's")
+    given = []
+
+    def counter(device):
+        given.append(torch.zeros(2, dtype=torch.int32))
+        return given[-1]
+
+    monkeypatch.setattr(forward, "stream_tile_counter", counter)
+    for lens in ([300, 512, 212], [512, 512, 0], [100, 400, 524]):
+        q, k, v, cu = _packed(lens, hq=16, hkv=8, d=128)  # (16 heads: more tiles than SMs)
+        out, lse = fa.attention_varlen(
+            q, k, v, cu, cu, max_seqlen_q=512, max_seqlen_k=512, causal=True, return_lse=True
+        )
+        _check_packed(out, lse, q, k, v, cu, True)
+    assert len(validations) == 1, "the repeats should not run the whole path"
+    assert len(given) == 3 and gpu.counters == [t.data_ptr() for t in given], "a stale or missing counter"

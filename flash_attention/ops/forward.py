@@ -240,7 +240,7 @@ def _tma_args(plan: _Plan, q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int) -> Fw
 _TILE_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
 
 
-def _stream_tile_counter(device: torch.device) -> torch.Tensor:
+def stream_tile_counter(device: torch.device) -> torch.Tensor:
     """The tile counter of the current stream on ``device`` (zero-filled in stream order at first use).
     While a CUDA graph is being captured, a fresh one: its fill is captured with the launch and replays
     with it, and no graph's private memory ends up in the cache."""
@@ -267,7 +267,7 @@ def _call_args(plan: _Plan, q_, k_, v_, o, lse):
             # The persistent grid's tile counter: the current stream's, which every launch leaves zeroed
             # for the next (the kernel says how). One per stream, since launches on two streams may run at
             # once; a fresh torch.zeros per call cost a fill kernel ahead of every launch.
-            tile_counter = _stream_tile_counter(q_.device)
+            tile_counter = stream_tile_counter(q_.device)
             args.tile_counter = tile_counter.data_ptr()
     p.q, p.k, p.v, p.o = q_.data_ptr(), k_.data_ptr(), v_.data_ptr(), o.data_ptr()
     if lse is not None:

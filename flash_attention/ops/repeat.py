@@ -14,13 +14,15 @@ The signature holds everything the checks and the plans depend on: each tensor's
 dtype and device, the options, whether autograd records the call, and the deterministic-algorithms switch.
 What a signature cannot fix is checked per call: the addresses' 16-byte alignment, and the debug build's
 environment variable. A signature whose call cannot be a plain launch (a head_dim that is not a multiple of
-8, strides the kernels cannot read in place, a persistent grid that needs the stream's tile counter, no
-host library in training) is remembered as such, so its calls take the whole path without trying again.
+8, strides the kernels cannot read in place, no host library in training) is remembered as such, so its
+calls take the whole path without trying again. A persistent grid's tile counter is the current stream's,
+bound per call as the whole path's launch finds it.
 A sliding window and soft-capping are values the plans hold (the kernels' bounds and cap are fields of the
 params template), so their calls repeat as plain ones do: Mistral's, Gemma's and Qwen2's sliding layers.
 ALiBi's slopes and the sinks are tensors each launch binds (the signature holds their layouts; a repeat
 writes their addresses, and the training node keeps the slopes for the backward); sinks that autograd
-differentiates, a packed batch's runs, dropout, ``out=`` and torch.compile always take the whole path.
+differentiates, a packed batch's runs in training (inference binds them per call, with their query-tile
+table), dropout, ``out=`` and torch.compile always take the whole path.
 
 Two forms of the launch itself: :class:`NativeRepeatCall` (the default), which hands the whole of it
 (allocations, pointers, tensor maps, launch, the node) to the host library's ``repeat_call``
@@ -40,9 +42,11 @@ import torch
 
 from ..jit import driver, host
 from ..jit.params import FwdParams, FwdTmaParams
+from ..jit.sources import SEGMENTS
 from . import backward, forward, training
 from . import trace as _trace
-from .plans import PlanCache, kernel_score, score_function, window_bounds
+from .plans import PlanCache, kernel_score, score_function, segment_count, segment_lengths, window_bounds
+from .query_tiles import query_tiles
 from .select import NoKernel
 from .tensors import strides_usable
 
@@ -82,16 +86,16 @@ class RepeatCall:
         self._plan, self._lse_shape, self._host_ops = plan, lse_shape, host_ops
         self._backward, self._program = backward_plan, program
 
-    def __call__(self, q, k, v, key_range, alibi_slopes=None, sinks=None):
+    def __call__(self, q, k, v, key_range, alibi_slopes=None, sinks=None, segments=None):
         """``(out, lse)``, or None when this call must take the whole path (a misaligned address: the whole
-        path copies such a tensor; the debug build asked for by the environment). ``alibi_slopes`` and
-        ``sinks``: the call's, of the layouts its signature holds."""
+        path copies such a tensor; the debug build asked for by the environment). ``alibi_slopes``,
+        ``sinks`` and a packed batch's runs (``segments``): the call's, of the layouts its signature holds."""
         if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 or _trace.ENV in os.environ:
             return None
         # empty_like with an explicit format: contiguous whatever q's strides (the plan's output strides).
         o = torch.empty_like(q, memory_format=torch.contiguous_format)
         lse = None if self._lse_shape is None else q.new_empty(self._lse_shape, dtype=torch.float32)
-        forward.launch_plan(self._plan, q, k, v, o, lse, key_range, 0, alibi_slopes, sinks)
+        forward.launch_plan(self._plan, q, k, v, o, lse, key_range, 0, alibi_slopes, sinks, segments)
         if self._program:
             bound = [] if alibi_slopes is None else [alibi_slopes]
             self._host_ops.record_training(q, k, v, o, lse, key_range, 0, self._program, bound)
@@ -103,21 +107,31 @@ class NativeRepeatCall:
     which holds the forward plan's params, launch and tensor-map layouts and, in training, the node's
     backward program."""
 
-    __slots__ = ("_address", "_lib", "_program")
+    __slots__ = ("_address", "_counter", "_lib", "_program", "_q_tiles")
 
-    def __init__(self, lib, program):
+    def __init__(self, lib, program, q_tiles=None, counter=False):
+        """``q_tiles``: for a packed batch's plan, its query-tile height (0: no tile table); else None.
+        ``counter``: the plan's persistent grid takes the current stream's tile counter."""
         self._lib, self._program, self._address = lib, program, program.address()
+        self._q_tiles, self._counter = q_tiles, counter
 
-    def __call__(self, q, k, v, key_range, alibi_slopes=None, sinks=None):
+    def __call__(self, q, k, v, key_range, alibi_slopes=None, sinks=None, segments=None):
         """``(out, lse)``, or None when this call must take the whole path (as RepeatCall's)."""
         if _trace.ENV in os.environ:
             return None
-        if alibi_slopes is None and sinks is None:
+        if alibi_slopes is None and sinks is None and segments is None and not self._counter:
             result = self._lib.repeat_call(q, k, v, key_range, self._address)
         else:
-            # (the program's bound offsets: the slopes', then the sinks'; the node binds the slopes)
+            # (the program's bound offsets: the slopes', the sinks', then a packed batch's runs and its
+            # query-tile table, as _native lists them; the node binds the slopes)
             node = [] if alibi_slopes is None else [alibi_slopes]
             bound = node if sinks is None else [*node, sinks]
+            if segments is not None:
+                bound = [*bound, *segments]
+                if self._q_tiles:  # (made once per runs, held by them: launch_plan's)
+                    bound.append(query_tiles(segments, self._q_tiles))
+            if self._counter:  # (as the whole path's launch: the stream's own, fresh while captured)
+                bound.append(forward.stream_tile_counter(q.device))
             result = self._lib.repeat_call_bound(q, k, v, key_range, bound, node, self._address)
         if not result:
             return None  # a misaligned address
@@ -128,13 +142,19 @@ class NativeRepeatCall:
 _FORWARD_SLOTS = ("q", "k", "v", "o", "lse", "key_range")
 
 
-def _native(lib, plan, lse_shape, program: int, alibi=None, sinks=False) -> NativeRepeatCall:
+def _native(lib, plan, lse_shape, program: int, alibi=None, sinks=False, packed=False) -> NativeRepeatCall:
     """The host library's form of a repeat call of ``plan`` (``program``: the node's, 0 for inference;
     ``alibi``: ALiBi's slopes' stride between batch rows, or None without ALiBi; ``sinks``: whether the call
-    binds sinks)."""
+    binds sinks; ``packed``: whether it binds a packed batch's runs, and its query-tile table if the plan
+    has one)."""
     base = 0 if plan.maps is None else FwdTmaParams.p.offset
     offsets = [base + getattr(FwdParams, name).offset for name in _FORWARD_SLOTS]
     bound = [name for name, on in (("alibi_slopes", alibi is not None), ("sinks", sinks)) if on]
+    if packed:
+        bound += ["row_keys", "key_rows"] + (["q_tiles"] if plan.q_tiles else [])
+    bound_offsets = [base + getattr(FwdParams, name).offset for name in bound]
+    if plan.tile_counter:  # (a field of the TMA params, beside FwdParams)
+        bound_offsets.append(FwdTmaParams.tile_counter.offset)
     template = plan.template
     if alibi is not None:  # (a field of the params, set per call by the whole path's fill_score)
         made = (FwdTmaParams if plan.maps is not None else FwdParams).from_buffer_copy(template)
@@ -154,9 +174,9 @@ def _native(lib, plan, lse_shape, program: int, alibi=None, sinks=False) -> Nati
         maps,
         list(driver.TENSOR_MAP_ENCODE_FLAGS),
         program,
-        [base + getattr(FwdParams, name).offset for name in bound],
+        bound_offsets,
     )
-    return NativeRepeatCall(lib, forward_program)
+    return NativeRepeatCall(lib, forward_program, plan.q_tiles if packed else None, bool(plan.tile_counter))
 
 
 #: What :func:`lookup` gives for a signature whose calls take the whole path every time (the module
@@ -177,14 +197,22 @@ def clear() -> None:
 
 def signature(
     q, k, v, causal, softmax_scale, return_lse, key_range, deterministic, dropout_p, dropout_seed,
-    window=None, softcap=0.0, alibi_slopes=None, sinks=None,
+    window=None, softcap=0.0, alibi_slopes=None, sinks=None, segments=None,
 ):  # fmt: skip
     """The key of a call that may repeat an earlier one's launch, or None for a call that takes the whole path
     (dropout, a caller's ``out``, torch.compile, arguments of types the checks must see). Raises nothing: an
     argument without the attributes read here (not a tensor, a sparse tensor) gives None. ``window``,
     ``softcap``, ``alibi_slopes`` and ``sinks`` as attention() takes them (a tuple or list of two ints, a
     float or int, tensors: sinks only as the kernels read them, float32 and contiguous, and not
-    differentiated)."""
+    differentiated); ``segments``, a packed batch's runs (flash_attention.varlen), in inference only: the
+    signature holds their layouts and what the plan is chosen by (the sequences' typical lengths and their
+    count's bucket), and each call binds its own runs and tile table."""
+    if (
+        segments is not None
+        and torch.is_grad_enabled()
+        and any(getattr(t, "requires_grad", 0) for t in (q, k, v))
+    ):
+        return None  # (first: a packed batch's training step pays nothing for its signature)
     if (
         MODE == "off"
         or dropout_seed is not None
@@ -219,6 +247,14 @@ def signature(
                 or (sinks.requires_grad and torch.is_grad_enabled())
             ):
                 return None  # converted per call, or differentiated, by the whole path
+        packed = None
+        if segments is not None:
+            if records or type(segments) is not tuple or len(segments) != 2:
+                return None  # training: the backward's tables and workspace are the whole path's
+            layouts = (_bound_layout(segments[0]), _bound_layout(segments[1]))
+            if False in layouts:
+                return None
+            packed = (layouts, segment_lengths(segments), segment_count(segments))
         if key_range is None:
             ranged = None
         elif type(key_range) is torch.Tensor:
@@ -232,7 +268,7 @@ def signature(
             causal, softmax_scale, not return_lse, ranged, records,
             # The backward's mode (training only): the argument or PyTorch's deterministic switch.
             records and (deterministic or torch.are_deterministic_algorithms_enabled()),
-            variant,
+            variant, packed,
         )  # fmt: skip
     except (AttributeError, RuntimeError, TypeError, OverflowError):  # (Overflow: an int cap past a float)
         return None
@@ -277,36 +313,46 @@ def first_call(key, backend, q, k, v, **options):
     remember(key, call)
     if call is None:
         return None
-    return call(q, k, v, options["key_range"], options.get("alibi_slopes"), options.get("sinks"))
+    return call(
+        q,
+        k,
+        v,
+        options["key_range"],
+        options.get("alibi_slopes"),
+        options.get("sinks"),
+        options.get("segments"),
+    )
 
 
 def prepare(
     q, k, v, *, causal: bool, scale: float, key_range, records: bool, deterministic: bool, return_lse,
-    window: tuple[int, int] | None = None, softcap: float = 0.0, alibi_slopes=None, sinks=None,
+    window: tuple[int, int] | None = None, softcap: float = 0.0, alibi_slopes=None, sinks=None, segments=None,
 ):  # fmt: skip
     """The repeat call of a validated call that the kernels run (the caller decided that), or None when its
     calls cannot be a plain launch. Raises what planning raises (``NoKernel``: the whole path then falls
-    back, with its warning). ``window`` (checked), ``softcap``, ``alibi_slopes`` and ``sinks`` are planned
-    as ops.cuda_forward and, in training, ops.training.training_forward plan them."""
+    back, with its warning). ``window`` (checked), ``softcap``, ``alibi_slopes``, ``sinks`` and a packed
+    batch's runs (``segments``, inference only) are planned as ops.cuda_forward and, in training,
+    ops.training.training_forward plan them."""
     if q.shape[3] % 8 or not (strides_usable(q) and strides_usable(k) and strides_usable(v)):
         return None  # zero-padded or copied inputs: the whole path makes them
     if key_range is not None and (key_range.dtype != torch.int32 or not key_range.is_contiguous()):
         return None  # converted per call by the whole path
     if sinks is not None and records:
         return None  # the whole path's autograd function gives the sinks their gradient
+    if segments is not None and records:
+        return None  # (signature gives none: a packed batch's backward plans per call)
     host_ops = host.ops_or_none() if records else None
     if records and host_ops is None:
         return None  # the Python autograd function's path
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
     ranged = key_range is not None
-    bounds = window_bounds(window, causal, q.shape[1], k.shape[1])
-    score = kernel_score(score_function(softcap, alibi_slopes, q), None, causal)
+    bounds = SEGMENTS if segments is not None else window_bounds(window, causal, q.shape[1], k.shape[1])
+    score = kernel_score(score_function(softcap, alibi_slopes, q), segments, causal)
     softcap = float(softcap)
-    plan = forward.plan_for(q, k, v, o, causal, scale, ranged, 0.0, None, scale < 0, bounds, score, softcap)
-    if plan.tile_counter:
-        # The persistent grid's tile counter is the current stream's (fresh while a graph is captured):
-        # worked out per call by the whole path. Such grids serve problems far larger than their host time.
-        return None
+    plan = forward.plan_for(
+        q, k, v, o, causal, scale, ranged, 0.0, None, scale < 0, bounds, score, softcap,
+        segment_lengths(segments), segment_count(segments),
+    )  # fmt: skip
     lse_shape = (q.shape[0], q.shape[2], q.shape[1])
     # ALiBi's slopes: their stride between batch rows (0: one (heads,) table), as plans.fill_score sets it.
     alibi = None if alibi_slopes is None else (alibi_slopes.shape[-1] if alibi_slopes.dim() == 2 else 0)
@@ -326,5 +372,5 @@ def prepare(
         lib = host_ops or host.ops_or_none()
         if lib is not None:
             # (The ForwardProgram takes its own reference to the backward program.)
-            return _native(lib, plan, lse_shape, program, alibi, sinks is not None)
+            return _native(lib, plan, lse_shape, program, alibi, sinks is not None, segments is not None)
     return RepeatCall(plan, lse_shape, bwd, host_ops, program)
