@@ -554,3 +554,33 @@ def test_a_persistent_grid_repeats_with_the_current_streams_tile_counter(gpu, va
         _check_packed(out, lse, q, k, v, cu, True)
     assert len(validations) == 1, "the repeats should not run the whole path"
     assert len(given) == 3 and gpu.counters == [t.data_ptr() for t in given], "a stale or missing counter"
+
+
+def test_persistent_grids_repeat_in_training_with_each_calls_counter(gpu, validations, monkeypatch, request):
+    # The persistent grid forced on small problems (the heuristic gives it to large ones), in eager
+    # training: the node records with its own bound tensors (none here) while the forward binds the counter.
+    if gpu.arch != "sm_90":
+        pytest.skip("the persistent grid is the warp-specialized kernel's")
+    real = heuristics._hopper_default
+    monkeypatch.setattr(heuristics, "_hopper_default", lambda *args: real(*args).replace(persistent=True))
+    monkeypatch.setattr(
+        forward, "sm_count", lambda index: 2
+    )  # fewer blocks than tiles: the counter hands them out
+    heuristics.default_config.cache_clear()
+    request.addfinalizer(heuristics.default_config.cache_clear)
+    ops.clear_plans()
+    given = []
+
+    def counter(device):
+        given.append(torch.zeros(2, dtype=torch.int32))
+        return given[-1]
+
+    monkeypatch.setattr(forward, "stream_tile_counter", counter)
+    for _ in range(3):
+        q, k, v = _inputs(grad=True)
+        out = fa.attention(q, k, v, causal=True)
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        _check_grads(grads, q, k, v, dout, causal=True)
+    assert len(validations) == 1, "the repeats should not run the whole path"
+    assert len(given) == 3 and gpu.counters == [t.data_ptr() for t in given], "a stale or missing counter"

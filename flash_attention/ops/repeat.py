@@ -125,7 +125,7 @@ class NativeRepeatCall:
             # (the program's bound offsets: the slopes', the sinks', then a packed batch's runs and its
             # query-tile table, as _native lists them; the node binds the slopes)
             node = [] if alibi_slopes is None else [alibi_slopes]
-            bound = node if sinks is None else [*node, sinks]
+            bound = [*node] if sinks is None else [*node, sinks]  # (a list of its own: appended to below)
             if segments is not None:
                 bound = [*bound, *segments]
                 if self._q_tiles:  # (made once per runs, held by them: launch_plan's)
