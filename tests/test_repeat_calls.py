@@ -584,3 +584,26 @@ def test_persistent_grids_repeat_in_training_with_each_calls_counter(gpu, valida
         _check_grads(grads, q, k, v, dout, causal=True)
     assert len(validations) == 1, "the repeats should not run the whole path"
     assert len(given) == 3 and gpu.counters == [t.data_ptr() for t in given], "a stale or missing counter"
+
+
+@pytest.mark.parametrize("variant", _BOUND, ids=lambda v: "-".join(f"{k}{v[k]}" for k in sorted(v)))
+def test_persistent_grids_bind_the_counter_after_the_variants_tensors(
+    gpu, validations, monkeypatch, request, variant
+):
+    # Slopes and sinks bound per call beside the counter: each in its own field (the order of _native's
+    # offsets), on the persistent grid forced on a small problem.
+    if gpu.arch != "sm_90":
+        pytest.skip("the persistent grid is the warp-specialized kernel's")
+    real = heuristics._hopper_default
+    monkeypatch.setattr(heuristics, "_hopper_default", lambda *args: real(*args).replace(persistent=True))
+    monkeypatch.setattr(forward, "sm_count", lambda index: 2)
+    heuristics.default_config.cache_clear()
+    request.addfinalizer(heuristics.default_config.cache_clear)
+    ops.clear_plans()
+    for _ in range(3):
+        q, k, v = _inputs()
+        kwargs = _bound_args(variant)
+        out, lse = fa.attention(q, k, v, return_lse=True, **kwargs)
+        _check_forward(out, q, k, v, lse, **kwargs)
+    assert len(validations) == 1, "the repeats should not run the whole path"
+    assert len(gpu.counters) == 3 and all(gpu.counters), gpu.counters
