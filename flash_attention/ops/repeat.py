@@ -122,8 +122,9 @@ class NativeRepeatCall:
         if alibi_slopes is None and sinks is None and segments is None and not self._counter:
             result = self._lib.repeat_call(q, k, v, key_range, self._address)
         else:
-            # (the program's bound offsets: the slopes', the sinks', then a packed batch's runs and its
-            # query-tile table, as _native lists them; the node binds the slopes)
+            # (the program's bound offsets: the slopes', the sinks', a packed batch's runs and its
+            # query-tile table, then a persistent grid's tile counter, as _native lists them; the node
+            # binds only the slopes)
             node = [] if alibi_slopes is None else [alibi_slopes]
             bound = [*node] if sinks is None else [*node, sinks]  # (a list of its own: appended to below)
             if segments is not None:
