@@ -191,14 +191,20 @@ def _bound_args(variant: dict) -> dict:
     return kwargs
 
 
-@pytest.mark.parametrize("variant", _BOUND, ids=lambda v: "-".join(f"{k}{v[k]}" for k in sorted(v)))
-def test_alibi_and_sinks_repeat_with_each_calls_tensors(gpu, validations, variant):
-    for _ in range(3):
+def _repeat_with_fresh_tensors(variant: dict, validations: list, calls: int = 3) -> None:
+    """``calls`` inference calls of one signature, each with fresh inputs, slopes and sinks, against float64;
+    only the first may run the whole path."""
+    for _ in range(calls):
         q, k, v = _inputs()
         kwargs = _bound_args(variant)
         out, lse = fa.attention(q, k, v, return_lse=True, **kwargs)
         _check_forward(out, q, k, v, lse, **kwargs)
     assert len(validations) == 1, "the repeats should not run the whole path"
+
+
+@pytest.mark.parametrize("variant", _BOUND, ids=lambda v: "-".join(f"{k}{v[k]}" for k in sorted(v)))
+def test_alibi_and_sinks_repeat_with_each_calls_tensors(gpu, validations, variant):
+    _repeat_with_fresh_tensors(variant, validations)
     assert gpu.launches == ["forward"] * 3 and not gpu.errors, gpu.errors
 
 
@@ -556,19 +562,27 @@ def test_a_persistent_grid_repeats_with_the_current_streams_tile_counter(gpu, va
     assert len(given) == 3 and gpu.counters == [t.data_ptr() for t in given], "a stale or missing counter"
 
 
-def test_persistent_grids_repeat_in_training_with_each_calls_counter(gpu, validations, monkeypatch, request):
-    # The persistent grid forced on small problems (the heuristic gives it to large ones), in eager
-    # training: the node records with its own bound tensors (none here) while the forward binds the counter.
+@pytest.fixture
+def forced_persistent(gpu, monkeypatch, request):
+    """The persistent grid forced on small problems (the heuristic gives it to large ones), with fewer SMs
+    than tiles, so that the tile counter hands the tiles out."""
     if gpu.arch != "sm_90":
         pytest.skip("the persistent grid is the warp-specialized kernel's")
     real = heuristics._hopper_default
     monkeypatch.setattr(heuristics, "_hopper_default", lambda *args: real(*args).replace(persistent=True))
-    monkeypatch.setattr(
-        forward, "sm_count", lambda index: 2
-    )  # fewer blocks than tiles: the counter hands them out
+    monkeypatch.setattr(forward, "sm_count", lambda index: 2)
     heuristics.default_config.cache_clear()
     request.addfinalizer(heuristics.default_config.cache_clear)
     ops.clear_plans()
+    return gpu
+
+
+def test_persistent_grids_repeat_in_training_with_each_calls_counter(
+    forced_persistent, validations, monkeypatch
+):
+    # Eager training: the node records with its own bound tensors (none here) while the forward binds the
+    # counter.
+    gpu = forced_persistent
     given = []
 
     def counter(device):
@@ -588,22 +602,10 @@ def test_persistent_grids_repeat_in_training_with_each_calls_counter(gpu, valida
 
 @pytest.mark.parametrize("variant", _BOUND, ids=lambda v: "-".join(f"{k}{v[k]}" for k in sorted(v)))
 def test_persistent_grids_bind_the_counter_after_the_variants_tensors(
-    gpu, validations, monkeypatch, request, variant
+    forced_persistent, validations, variant
 ):
     # Slopes and sinks bound per call beside the counter: each in its own field (the order of _native's
-    # offsets), on the persistent grid forced on a small problem.
-    if gpu.arch != "sm_90":
-        pytest.skip("the persistent grid is the warp-specialized kernel's")
-    real = heuristics._hopper_default
-    monkeypatch.setattr(heuristics, "_hopper_default", lambda *args: real(*args).replace(persistent=True))
-    monkeypatch.setattr(forward, "sm_count", lambda index: 2)
-    heuristics.default_config.cache_clear()
-    request.addfinalizer(heuristics.default_config.cache_clear)
-    ops.clear_plans()
-    for _ in range(3):
-        q, k, v = _inputs()
-        kwargs = _bound_args(variant)
-        out, lse = fa.attention(q, k, v, return_lse=True, **kwargs)
-        _check_forward(out, q, k, v, lse, **kwargs)
-    assert len(validations) == 1, "the repeats should not run the whole path"
+    # offsets).
+    gpu = forced_persistent
+    _repeat_with_fresh_tensors(variant, validations)
     assert len(gpu.counters) == 3 and all(gpu.counters), gpu.counters
