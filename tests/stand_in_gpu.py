@@ -67,6 +67,10 @@ class _Handle:
         self.value = value
 
 
+#: The score-function builds the stand-in kernels compute (None: the identity).
+_SCORE_BUILDS = (None, "softcap", "alibi", "softcap_alibi")
+
+
 class _Kernel:
     """A stand-in ``driver.Kernel``: ``launch`` runs ``gpu.run(kind, causal, params)`` on the CPU.
     ``params_type`` is the ctypes struct it takes (what the host library's launches are read back as);
@@ -80,12 +84,7 @@ class _Kernel:
     ):  # fmt: skip
         # A packed batch's runs (window SEGMENTS): the forward only, without a score function.
         segments = window == SEGMENTS and kind == "forward" and score is None
-        if not (window in (False, True) or segments) or score not in (
-            None,
-            "softcap",
-            "alibi",
-            "softcap_alibi",
-        ):
+        if not (window in (False, True) or segments) or score not in _SCORE_BUILDS:
             raise AssertionError(f"the stand-in kernels have no {score or window} build")
         self.gpu, self.kind, self.causal, self.params_type = gpu, kind, causal, params_type
         self.window, self.score = window, score
