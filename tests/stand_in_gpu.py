@@ -82,8 +82,8 @@ class _Kernel:
         self, gpu: StandInGpu, kind: str, causal: bool = False, params_type=BwdParams, window=False,
         score=None,
     ):  # fmt: skip
-        # A packed batch's runs (window SEGMENTS): the forward only, without a score function.
-        segments = window == SEGMENTS and kind == "forward" and score is None
+        # A packed batch's runs (window SEGMENTS): without a score function.
+        segments = window == SEGMENTS and score is None
         if not (window in (False, True) or segments) or score not in _SCORE_BUILDS:
             raise AssertionError(f"the stand-in kernels have no {score or window} build")
         self.gpu, self.kind, self.causal, self.params_type = gpu, kind, causal, params_type
@@ -134,6 +134,7 @@ class StandInGpu:
         self.dtype, self.arch = dtype, arch
         self.launches: list[str] = []
         self.counters: list[int] = []  # each TMA forward launch's tile-counter address (0: none)
+        self.key_tile_walks = 0  # packed backward launches that walked a key-tile table (p.k_tiles)
         self.errors: list[BaseException] = []
         self._kernels: dict[int, _Kernel] = {}
         self.encodes = 0  # tensor maps the host library had encoded
@@ -291,6 +292,84 @@ class StandInGpu:
         strides = (p.heads_q * p.seqlen_q_pad * p.head_dim, p.seqlen_q_pad * p.head_dim, p.head_dim, 1)
         return tensor_at(p.dq_accum, shape, strides, torch.float32)
 
+    def _workspace_rows(self, p) -> torch.Tensor:
+        """Each packed row's workspace row: by the units table (p.q_units, ops.query_tiles.query_units) where
+        the plan has one, which must place every row exactly once and only in rows it owns; else the row
+        itself."""
+        if not p.q_units:
+            return torch.arange(p.seqlen_q)
+        units = tensor_at(p.q_units, (p.seqlen_q_pad // 64, 2), (2, 1), torch.int32).long()
+        rows = torch.full((p.seqlen_q,), -1, dtype=torch.long)
+        for u, (start, count) in enumerate(units.tolist()):
+            assert 0 <= count <= 64 and (count == 0 or 0 <= start <= start + count <= p.seqlen_q)
+            assert (rows[start : start + count] == -1).all(), "a row in two workspace units"
+            rows[start : start + count] = 64 * u + torch.arange(count)
+        assert (rows >= 0).all(), "a row in no workspace unit"
+        return rows
+
+    def _segments_backward(self, kernel, p, x) -> None:
+        """The segments build's backward on a batch of one, in float64 from the runs, through the workspace
+        as the kernels lay it out: the preprocessing kernel writes delta at each row's workspace row
+        (_workspace_rows), the dK/dV kernel walks each key tile's rows [q0, q1) reading delta at w0 + (row
+        - q0) and adding dQ there (the key-tile table, p.k_tiles), the cast kernel reads dQ back by unit.
+        A table of another batch (other sequence boundaries) then gives wrong gradients, as on a GPU."""
+        assert p.batch == 1 and p.row_keys and p.key_rows, "a segments launch without its runs"
+        assert bool(p.k_tiles) == bool(p.q_units), "a key-tile table without its workspace units, or back"
+        ws = self._workspace_rows(p)
+        delta_rows = self._rows(p.delta, p)[0]  # (heads_q, seqlen_q_pad)
+        kind = kernel.kind
+        if kind == "pre":
+            delta = (x["dout"].double() * x["o"].double()).sum(-1)[0].transpose(0, 1)  # (heads, seqlen_q)
+            delta_rows[:, ws] = delta.float()
+            if p.dq_accum:
+                self._accum(p).zero_()
+            return
+        if kind == "convert":
+            x["dq"][0].copy_(self._accum(p)[0][:, ws, :].transpose(0, 1))
+            return
+        runs = tensor_at(p.row_keys, (p.seqlen_q, 2), (2, 1), torch.int32).long()
+        assert tensor_at(p.key_rows, (p.seqlen_k, 2), (2, 1), torch.int32).shape[0] == p.seqlen_k
+        group = p.heads_q // p.heads_kv
+        qd, dod = (x[n][0].double().transpose(0, 1) for n in ("q", "dout"))  # (heads_q, rows, d)
+        kd, vd = (x[n][0].double().transpose(0, 1).repeat_interleave(group, 0) for n in "kv")
+        cols = torch.arange(p.seqlen_k)
+        seen = (cols >= runs[:, :1]) & (cols < runs[:, 1:])
+        scores = (qd @ kd.transpose(1, 2) * p.scale).masked_fill(~seen, float("-inf"))
+        lse = torch.logsumexp(scores, -1, keepdim=True).nan_to_num(neginf=0.0)
+        probs = torch.exp(scores - lse)  # (heads_q, seqlen_q, seqlen_k)
+        dprobs = dod @ vd.transpose(1, 2)
+        if p.k_tiles:  # each tile's keys against its rows [q0, q1), delta and dQ at w0 + (row - q0)
+            tiles = tensor_at(p.k_tiles, (p.num_n_blocks, 8), (8, 1), torch.int32).long()
+            pieces = [(k0, k1, q0, w0, q1) for k0, k1, q0, w0, q1, *_ in tiles.tolist() if k1 > k0]
+            self.key_tile_walks += 1
+        else:
+            pieces = [(0, p.seqlen_k, 0, 0, p.seqlen_q)]
+        dk = torch.full_like(kd, float("nan"))
+        dv = torch.full_like(vd, float("nan"))
+        accum = self._accum(p)[0] if p.dq_accum else None
+        dq = torch.zeros_like(qd)
+        for k0, k1, q0, w0, q1 in pieces:
+            assert dk[:, k0:k1].isnan().all(), "a key in two tiles"
+            wsr = torch.arange(q0, q1) - q0 + w0
+            ds = probs[:, q0:q1, k0:k1] * (dprobs[:, q0:q1, k0:k1] - delta_rows[:, wsr, None].double())
+            dk[:, k0:k1] = ds.transpose(1, 2) @ qd[:, q0:q1] * p.scale
+            dv[:, k0:k1] = probs[:, q0:q1, k0:k1].transpose(1, 2) @ dod[:, q0:q1]
+            part = ds @ kd[:, k0:k1] * p.scale
+            if accum is not None and p.k_tiles:
+                accum[:, wsr] += part.float()
+            dq[:, q0:q1] += part
+        shape = (p.heads_kv, group, p.seqlen_k, -1)
+        dk, dv = (t.reshape(shape).sum(1) for t in (dk, dv))  # (GQA: a K/V head's query heads summed)
+        if kind in ("dkdv", "dkdv_det"):
+            x["dk"][0].copy_(dk.transpose(0, 1))
+            x["dv"][0].copy_(dv.transpose(0, 1))
+            if accum is not None and not p.k_tiles:
+                accum[:, : p.seqlen_q] = dq.float()
+        elif kind == "dq":
+            x["dq"][0].copy_(dq.transpose(0, 1))
+        else:
+            raise AssertionError(f"unknown stand-in kernel {kind}")
+
     def _backward(self, kernel, p) -> None:
         kind = kernel.kind
         x = {
@@ -302,6 +381,9 @@ class StandInGpu:
                 ("dk", "dk", (p.seqlen_k, p.heads_kv)), ("dv", "dv", (p.seqlen_k, p.heads_kv)),
             )
         }  # fmt: skip
+        if kernel.window == SEGMENTS:
+            self._segments_backward(kernel, p, x)
+            return
         if kind == "pre":
             delta = (x["dout"].double() * x["o"].double()).sum(-1).transpose(1, 2)
             self._rows(p.delta, p)[:, :, : p.seqlen_q] = delta.float()

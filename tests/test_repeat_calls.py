@@ -510,7 +510,7 @@ def test_packed_inference_repeats_bind_each_calls_runs_and_tiles(gpu, validation
     assert gpu.launches == ["forward"] * len(batches) and not gpu.errors, gpu.errors
 
 
-def test_packed_batches_repeat_per_plan_and_not_in_training(gpu, validations):
+def test_packed_batches_repeat_per_plan_in_inference_and_training(gpu, validations):
     q, k, v, cu = _packed([100, 100])
     for hint in (128, 128, 2048):  # the hint chooses the plan's config: a new signature
         fa.attention_varlen(q, k, v, cu, cu, max_seqlen_q=hint, max_seqlen_k=hint, causal=True)
@@ -518,7 +518,7 @@ def test_packed_batches_repeat_per_plan_and_not_in_training(gpu, validations):
     q, k, v, cu = _packed([30] * 9)  # nine sequences: another count bucket (16), another plan
     fa.attention_varlen(q, k, v, cu, cu, max_seqlen_q=128, max_seqlen_k=128, causal=True)
     assert len(validations) == 3
-    # Training takes the whole path every time (the backward's tables and workspace are planned per call).
+    # Training repeats too, as its own signature (the node's backward plan and tables).
     q, k, v, cu = _packed([100, 100], grad=True)
     runs = segments(cu, cu, 200, 200, causal=True)
     args = (
@@ -530,14 +530,45 @@ def test_packed_batches_repeat_per_plan_and_not_in_training(gpu, validations):
         0.0,
         None,
     )  # causal, scale, lse, key_range, deterministic, dropout
-    assert repeat.signature(q, k, v, *args, segments=runs) is None
+    training = repeat.signature(q, k, v, *args, segments=runs)
     with torch.no_grad():
-        assert repeat.signature(q, k, v, *args, segments=runs) is not None
+        inference = repeat.signature(q, k, v, *args, segments=runs)
+    assert None not in (training, inference) and training != inference
     assert repeat.signature(
         q.detach(), k.detach(), v.detach(), *args, segments=(runs[0], runs[1].long())
     ) != (
         repeat.signature(q.detach(), k.detach(), v.detach(), *args, segments=runs)
     )  # the runs' layouts are the signature's
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_packed_training_repeats_bind_each_calls_runs_and_tables(gpu, validations, causal):
+    # Training steps on four packed batches of one signature (same token count and sequence-count bucket,
+    # other boundaries): the forward binds each call's runs and query tiles, and the node each call's runs,
+    # key tiles and workspace units (the stand-in's backward walks them as the kernels do: a table of
+    # another batch reads delta and adds dQ at other rows). Gradients per sequence against float64.
+    batches = ([100, 7, 50, 43], [1, 199, 0, 0], [60, 60, 0, 80], [33, 67, 99, 1])
+    for lens in batches:
+        q, k, v, cu = _packed(lens, grad=True)
+        out = fa.attention_varlen(q, k, v, cu, cu, max_seqlen_q=128, max_seqlen_k=128, causal=causal)
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+            if b == a:
+                continue
+            leaves = [t[a:b].detach().double().unsqueeze(0).requires_grad_() for t in (q, k, v)]
+            ref, _ = attention_reference(*leaves, causal=causal)
+            assert (out[a:b].double() - ref[0]).abs().max().item() < 2e-2
+            exact = torch.autograd.grad(ref, leaves, dout[a:b].double().unsqueeze(0))
+            for name, got, want in zip("qkv", grads, exact, strict=True):
+                err = (got[a:b].double() - want[0]).abs().max().item()
+                assert err < 5e-2, f"{lens} sequence [{a}, {b}) d{name}: {err:.3g}"
+    assert len(validations) == 1, "the repeats should not run the whole path"
+    steps = ["forward", "pre", "dkdv", "convert"] if gpu.arch == "sm_90" else None
+    if steps is not None:  # (the warp-specialized backward's packed plan: a key-tile table)
+        assert gpu.launches == steps * len(batches), gpu.launches
+        assert gpu.key_tile_walks == len(batches)
+    assert not gpu.errors, gpu.errors
 
 
 def test_a_persistent_grid_repeats_with_the_current_streams_tile_counter(gpu, validations, monkeypatch):

@@ -19,10 +19,10 @@ calls take the whole path without trying again. A persistent grid's tile counter
 bound per call as the whole path's launch finds it.
 A sliding window and soft-capping are values the plans hold (the kernels' bounds and cap are fields of the
 params template), so their calls repeat as plain ones do: Mistral's, Gemma's and Qwen2's sliding layers.
-ALiBi's slopes and the sinks are tensors each launch binds (the signature holds their layouts; a repeat
-writes their addresses, and the training node keeps the slopes for the backward); sinks that autograd
-differentiates, a packed batch's runs in training (inference binds them per call, with their query-tile
-table), dropout, ``out=`` and torch.compile always take the whole path.
+ALiBi's slopes, the sinks and a packed batch's runs are tensors each launch binds (the signature holds their
+layouts; a repeat writes their addresses, with the runs' query-tile table; in training the node binds the
+slopes, the runs and the backward's key tiles and workspace units, all made once per runs); sinks that
+autograd differentiates, dropout, ``out=`` and torch.compile always take the whole path.
 
 Two forms of the launch itself: :class:`NativeRepeatCall` (the default), which hands the whole of it
 (allocations, pointers, tensor maps, launch, the node) to the host library's ``repeat_call``
@@ -97,7 +97,7 @@ class RepeatCall:
         lse = None if self._lse_shape is None else q.new_empty(self._lse_shape, dtype=torch.float32)
         forward.launch_plan(self._plan, q, k, v, o, lse, key_range, 0, alibi_slopes, sinks, segments)
         if self._program:
-            bound = [] if alibi_slopes is None else [alibi_slopes]
+            bound = training.bound(alibi_slopes, segments, self._backward)
             self._host_ops.record_training(q, k, v, o, lse, key_range, 0, self._program, bound)
         return o, lse
 
@@ -107,13 +107,14 @@ class NativeRepeatCall:
     which holds the forward plan's params, launch and tensor-map layouts and, in training, the node's
     backward program."""
 
-    __slots__ = ("_address", "_counter", "_lib", "_program", "_q_tiles")
+    __slots__ = ("_address", "_backward", "_counter", "_lib", "_program", "_q_tiles")
 
-    def __init__(self, lib, program, q_tiles=None, counter=False):
+    def __init__(self, lib, program, q_tiles=None, counter=False, backward_plan=None):
         """``q_tiles``: for a packed batch's plan, its query-tile height (0: no tile table); else None.
-        ``counter``: the plan's persistent grid takes the current stream's tile counter."""
+        ``counter``: the plan's persistent grid takes the current stream's tile counter. ``backward_plan``:
+        in training, the node's (whose key tiles a packed batch binds)."""
         self._lib, self._program, self._address = lib, program, program.address()
-        self._q_tiles, self._counter = q_tiles, counter
+        self._q_tiles, self._counter, self._backward = q_tiles, counter, backward_plan
 
     def __call__(self, q, k, v, key_range, alibi_slopes=None, sinks=None, segments=None):
         """``(out, lse)``, or None when this call must take the whole path (as RepeatCall's)."""
@@ -123,10 +124,14 @@ class NativeRepeatCall:
             result = self._lib.repeat_call(q, k, v, key_range, self._address)
         else:
             # (the program's bound offsets: the slopes', the sinks', a packed batch's runs and its
-            # query-tile table, then a persistent grid's tile counter, as _native lists them; the node
-            # binds only the slopes)
-            node = [] if alibi_slopes is None else [alibi_slopes]
-            bound = [*node] if sinks is None else [*node, sinks]  # (a list of its own: appended to below)
+            # query-tile table, then a persistent grid's tile counter, as _native lists them; the node's,
+            # in training: the slopes, then a packed batch's runs and its backward tables,
+            # training.bound_fields)
+            slopes = [] if alibi_slopes is None else [alibi_slopes]
+            bound = [*slopes] if sinks is None else [*slopes, sinks]  # (a list of its own: appended below)
+            node = slopes
+            if self._backward is not None:
+                node = training.bound(alibi_slopes, segments, self._backward)
             if segments is not None:
                 bound = [*bound, *segments]
                 if self._q_tiles:  # (made once per runs, held by them: launch_plan's)
@@ -143,8 +148,11 @@ class NativeRepeatCall:
 _FORWARD_SLOTS = ("q", "k", "v", "o", "lse", "key_range")
 
 
-def _native(lib, plan, lse_shape, program: int, alibi=None, sinks=False, packed=False) -> NativeRepeatCall:
-    """The host library's form of a repeat call of ``plan`` (``program``: the node's, 0 for inference;
+def _native(
+    lib, plan, lse_shape, program: int, alibi=None, sinks=False, packed=False, backward_plan=None
+) -> NativeRepeatCall:
+    """The host library's form of a repeat call of ``plan`` (``program``: the node's, 0 for inference, made
+    from ``backward_plan``;
     ``alibi``: ALiBi's slopes' stride between batch rows, or None without ALiBi; ``sinks``: whether the call
     binds sinks; ``packed``: whether it binds a packed batch's runs, and its query-tile table if the plan
     has one)."""
@@ -177,7 +185,9 @@ def _native(lib, plan, lse_shape, program: int, alibi=None, sinks=False, packed=
         program,
         bound_offsets,
     )
-    return NativeRepeatCall(lib, forward_program, plan.q_tiles if packed else None, bool(plan.tile_counter))
+    return NativeRepeatCall(
+        lib, forward_program, plan.q_tiles if packed else None, bool(plan.tile_counter), backward_plan
+    )
 
 
 #: What :func:`lookup` gives for a signature whose calls take the whole path every time (the module
@@ -205,15 +215,9 @@ def signature(
     argument without the attributes read here (not a tensor, a sparse tensor) gives None. ``window``,
     ``softcap``, ``alibi_slopes`` and ``sinks`` as attention() takes them (a tuple or list of two ints, a
     float or int, tensors: sinks only as the kernels read them, float32 and contiguous, and not
-    differentiated); ``segments``, a packed batch's runs (flash_attention.varlen), in inference only: the
-    signature holds their layouts and what the plan is chosen by (the sequences' typical lengths and their
-    count's bucket), and each call binds its own runs and tile table."""
-    if (
-        segments is not None
-        and torch.is_grad_enabled()
-        and any(getattr(t, "requires_grad", 0) for t in (q, k, v))
-    ):
-        return None  # (first: a packed batch's training step pays nothing for its signature)
+    differentiated); ``segments``, a packed batch's runs (flash_attention.varlen): the signature holds their
+    layouts and what the plans are chosen by (the sequences' typical lengths and their count's bucket), and
+    each call binds its own runs and tile tables."""
     if (
         MODE == "off"
         or dropout_seed is not None
@@ -250,8 +254,8 @@ def signature(
                 return None  # converted per call, or differentiated, by the whole path
         packed = None
         if segments is not None:
-            if records or type(segments) is not tuple or len(segments) != 2:
-                return None  # training: the backward's tables and workspace are the whole path's
+            if type(segments) is not tuple or len(segments) != 2:
+                return None
             layouts = (_bound_layout(segments[0]), _bound_layout(segments[1]))
             if False in layouts:
                 return None
@@ -332,7 +336,7 @@ def prepare(
     """The repeat call of a validated call that the kernels run (the caller decided that), or None when its
     calls cannot be a plain launch. Raises what planning raises (``NoKernel``: the whole path then falls
     back, with its warning). ``window`` (checked), ``softcap``, ``alibi_slopes``, ``sinks`` and a packed
-    batch's runs (``segments``, inference only) are planned as ops.cuda_forward and, in training,
+    batch's runs (``segments``) are planned as ops.cuda_forward and, in training,
     ops.training.training_forward plan them."""
     if q.shape[3] % 8 or not (strides_usable(q) and strides_usable(k) and strides_usable(v)):
         return None  # zero-padded or copied inputs: the whole path makes them
@@ -340,8 +344,6 @@ def prepare(
         return None  # converted per call by the whole path
     if sinks is not None and records:
         return None  # the whole path's autograd function gives the sinks their gradient
-    if segments is not None and records:
-        return None  # (signature gives none: a packed batch's backward plans per call)
     host_ops = host.ops_or_none() if records else None
     if records and host_ops is None:
         return None  # the Python autograd function's path
@@ -363,15 +365,15 @@ def prepare(
         # As training.training_forward: the backward reads dO laid out as out, so the plan is out's; the
         # node binds the slopes.
         bwd = backward.plan_for(
-            q, k, v, o, o, lse, causal, scale, deterministic, ranged, 0.0, None, bounds, score, softcap
+            q, k, v, o, o, lse, causal, scale, deterministic, ranged, 0.0, None, bounds, score, softcap,
+            segment_lengths(segments), segment_count(segments),
         )  # fmt: skip
-        fields = () if alibi is None else training.ALIBI_FIELDS
-        program = training.program(bwd, fields, alibi or 0)
+        program = training.program(bwd, training.bound_fields(alibi is not None, segments, bwd), alibi or 0)
     elif not return_lse:
         lse_shape = None
     if MODE == "native":
         lib = host_ops or host.ops_or_none()
         if lib is not None:
             # (The ForwardProgram takes its own reference to the backward program.)
-            return _native(lib, plan, lse_shape, program, alibi, sinks is not None, segments is not None)
+            return _native(lib, plan, lse_shape, program, alibi, sinks is not None, segments is not None, bwd)
     return RepeatCall(plan, lse_shape, bwd, host_ops, program)

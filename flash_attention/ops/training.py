@@ -33,7 +33,7 @@ from .plans import kernel_score, score_function, segment_count, segment_lengths,
 from .query_tiles import key_tiles, query_units
 from .tensors import usable_in_place
 
-__all__ = ["ALIBI_FIELDS", "program", "training_forward"]
+__all__ = ["ALIBI_FIELDS", "bound", "bound_fields", "program", "training_forward"]
 
 # The BwdParams fields the node writes per call, in the order of training_node.h's Slot enum.
 _SLOTS = (
@@ -134,17 +134,30 @@ def training_forward(
         q, k, v, out, out, lse, causal, softmax_scale, deterministic, key_range is not None, dropout_p, None,
         bounds, score, float(softcap), segment_lengths(segments), segment_count(segments),
     )  # fmt: skip
-    bound, fields, stride = [], (), 0
-    if alibi_slopes is not None:
-        bound.append(alibi_slopes)
-        fields += ALIBI_FIELDS
-        stride = alibi_slopes.shape[-1] if alibi_slopes.dim() == 2 else 0
-    if segments is not None:
-        bound += list(segments)
-        fields += _SEGMENT_FIELDS
-        if plan.k_tiles:
-            bound += [key_tiles(segments, plan.k_tiles), query_units(segments)]
-            fields += ("k_tiles", "q_units")
+    stride = 0 if alibi_slopes is None else (alibi_slopes.shape[-1] if alibi_slopes.dim() == 2 else 0)
+    fields = bound_fields(alibi_slopes is not None, segments, plan)
     key = dropout_key(*seed_pair(dropout_seed)) if dropout_p else 0
-    lib.record_training(q, k, v, out, lse, key_range, key, program(plan, fields, stride), bound)
+    lib.record_training(
+        q, k, v, out, lse, key_range, key, program(plan, fields, stride), bound(alibi_slopes, segments, plan)
+    )
     return out, lse
+
+
+def bound_fields(alibi: bool, segments, plan) -> tuple[str, ...]:
+    """The BwdParams pointers a call of ``plan`` binds per call (:func:`bound` gives the tensors, in this
+    order): ALiBi's slopes, a packed batch's runs, and the plan's key tiles and workspace units."""
+    fields = ALIBI_FIELDS if alibi else ()
+    if segments is not None:
+        fields += _SEGMENT_FIELDS + (("k_tiles", "q_units") if plan.k_tiles else ())
+    return fields
+
+
+def bound(alibi_slopes, segments, plan) -> list[torch.Tensor]:
+    """The tensors of :func:`bound_fields`, for this call: the tables are made once per runs (held by them,
+    so a repeat of the same batch makes none)."""
+    tensors = [] if alibi_slopes is None else [alibi_slopes]
+    if segments is not None:
+        tensors += list(segments)
+        if plan.k_tiles:
+            tensors += [key_tiles(segments, plan.k_tiles), query_units(segments)]
+    return tensors
