@@ -43,14 +43,15 @@ __all__ = ["fwd", "bwd", "EagerAttention", "eager_training"]
 _FWD_SCHEMA = (
     "(Tensor q, Tensor k, Tensor v, bool causal, float scale, bool deterministic, Tensor? key_range,"
     " float dropout_p=0., Tensor? dropout_seed=None, int[]? window=None, float softcap=0.,"
-    " Tensor? alibi_slopes=None, Tensor? sinks=None, Tensor? row_keys=None, Tensor? key_rows=None)"
+    " Tensor? alibi_slopes=None, Tensor? sinks=None, Tensor? row_keys=None, Tensor? key_rows=None,"
+    " Tensor? alibi_diagonal=None)"
     " -> (Tensor, Tensor)"
 )
 _BWD_SCHEMA = (
     "(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, float scale,"
     " bool deterministic, Tensor? key_range, float dropout_p=0., Tensor? dropout_seed=None,"
     " int[]? window=None, float softcap=0., Tensor? alibi_slopes=None, Tensor? row_keys=None,"
-    " Tensor? key_rows=None) -> (Tensor, Tensor, Tensor)"
+    " Tensor? key_rows=None, Tensor? alibi_diagonal=None) -> (Tensor, Tensor, Tensor)"
 )
 
 
@@ -64,13 +65,14 @@ def _window(window) -> tuple[int, int] | None:
     return None if window is None else (int(window[0]), int(window[1]))
 
 
-def _variants(window, softcap, alibi_slopes, row_keys=None, key_rows=None) -> dict:
+def _variants(window, softcap, alibi_slopes, row_keys=None, key_rows=None, alibi_diagonal=None) -> dict:
     """The launch layer's keyword arguments of a call's variants, only those it uses (so that backends
-    without a variant, such as the CPU tests' stand-ins, are called as before). ``row_keys`` and
-    ``key_rows``: a packed batch's segments (flash_attention.varlen)."""
+    without a variant, such as the CPU tests' stand-ins, are called as before). ``row_keys``, ``key_rows``
+    and ``alibi_diagonal`` (None, or each row's ALiBi diagonal): a packed batch's segments
+    (flash_attention.varlen)."""
     kw = {}
     if row_keys is not None:
-        kw["segments"] = (row_keys, key_rows)
+        kw["segments"] = (row_keys, key_rows) + (() if alibi_diagonal is None else (alibi_diagonal,))
     if window is not None:
         kw["window"] = _window(window)
     if softcap:
@@ -80,9 +82,17 @@ def _variants(window, softcap, alibi_slopes, row_keys=None, key_rows=None) -> di
     return kw
 
 
+def _diagonal(alibi_diagonal, row_keys, causal, alibi_slopes):
+    """ALiBi's diagonal key of each row of a packed batch for the fallback: the segments' own table where
+    they carry one, else what the runs give (reference.runs_alibi_diagonal)."""
+    if alibi_diagonal is not None:
+        return alibi_diagonal
+    return runs_alibi_diagonal(row_keys, causal, alibi_slopes)
+
+
 def _fallback_forward(
     q, k, v, causal, scale, key_range, dropout_p, dropout_seed, window=None, softcap=0.0, alibi_slopes=None,
-    row_keys=None, key_rows=None, sinks=None,
+    row_keys=None, key_rows=None, alibi_diagonal=None, sinks=None,
 ):  # fmt: skip
     """The forward op's PyTorch path (every device, and CUDA inputs the kernels cannot take); segments go
     to the chunked path as its per-row runs (``window=row_keys``), and sinks rescale its result (the
@@ -100,14 +110,14 @@ def _fallback_forward(
         window=_window(window) if row_keys is None else row_keys,
         softcap=softcap,
         alibi_slopes=alibi_slopes,
-        alibi_diagonal=runs_alibi_diagonal(row_keys, causal, alibi_slopes),
+        alibi_diagonal=_diagonal(alibi_diagonal, row_keys, causal, alibi_slopes),
     )
     return (out, lse) if sinks is None else apply_sinks(out, lse, sinks)
 
 
 def _fallback_backward(
     dout, q, k, v, out, lse, causal, scale, deterministic, key_range, dropout_p, dropout_seed, window=None,
-    softcap=0.0, alibi_slopes=None, row_keys=None, key_rows=None,
+    softcap=0.0, alibi_slopes=None, row_keys=None, key_rows=None, alibi_diagonal=None,
 ):  # fmt: skip
     """The backward op's PyTorch path (segments as in :func:`_fallback_forward`)."""
     return fallback.backward(
@@ -126,7 +136,7 @@ def _fallback_backward(
         window=_window(window) if row_keys is None else row_keys,
         softcap=softcap,
         alibi_slopes=alibi_slopes,
-        alibi_diagonal=runs_alibi_diagonal(row_keys, causal, alibi_slopes),
+        alibi_diagonal=_diagonal(alibi_diagonal, row_keys, causal, alibi_slopes),
     )
 
 
@@ -151,20 +161,21 @@ def fwd(
     sinks: torch.Tensor | None = None,
     row_keys: torch.Tensor | None = None,
     key_rows: torch.Tensor | None = None,
+    alibi_diagonal: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Any device but CUDA: the PyTorch fallback."""
-    extras = (window, softcap, alibi_slopes, row_keys, key_rows, sinks)
+    extras = (window, softcap, alibi_slopes, row_keys, key_rows, alibi_diagonal, sinks)
     return _fallback_forward(q, k, v, causal, scale, key_range, dropout_p, dropout_seed, *extras)
 
 
 @fwd.register_kernel("cuda")
 def _fwd_cuda(
     q, k, v, causal, scale, deterministic, key_range, dropout_p=0.0, dropout_seed=None, window=None,
-    softcap=0.0, alibi_slopes=None, sinks=None, row_keys=None, key_rows=None,
+    softcap=0.0, alibi_slopes=None, sinks=None, row_keys=None, key_rows=None, alibi_diagonal=None,
 ):  # fmt: skip
     return forward_impl(
         q, k, v, causal, scale, key_range, dropout_p, dropout_seed, window, softcap, alibi_slopes, sinks,
-        row_keys, key_rows,
+        row_keys, key_rows, alibi_diagonal,
     )  # fmt: skip
 
 
@@ -183,9 +194,10 @@ def forward_impl(
     sinks: torch.Tensor | None = None,
     row_keys: torch.Tensor | None = None,
     key_rows: torch.Tensor | None = None,
+    alibi_diagonal: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``fwd`` on CUDA: our kernel when it can run on these inputs, else the PyTorch fallback."""
-    extras = (window, softcap, alibi_slopes, row_keys, key_rows)
+    extras = (window, softcap, alibi_slopes, row_keys, key_rows, alibi_diagonal)
     ops = None if _has_no_pair(q, k) else dispatch.kernel_backend(q)
 
     def fallback_forward():
@@ -216,7 +228,7 @@ def forward_impl(
 @fwd.register_fake
 def _fwd_fake(
     q, k, v, causal, scale, deterministic, key_range, dropout_p=0.0, dropout_seed=None, window=None,
-    softcap=0.0, alibi_slopes=None, sinks=None, row_keys=None, key_rows=None,
+    softcap=0.0, alibi_slopes=None, sinks=None, row_keys=None, key_rows=None, alibi_diagonal=None,
 ):  # fmt: skip
     batch, seqlen_q, heads_q, _ = q.shape
     out = q.new_empty(q.shape)  # contiguous, like the kernel's and the fallback's output
@@ -230,14 +242,17 @@ _SINKS_INPUT = 12
 
 def _fwd_setup_context(ctx, inputs, output) -> None:
     q, k, v, causal, scale, deterministic, key_range, dropout_p, dropout_seed, *rest = inputs
-    # (The variants' arguments, where given: window, softcap, alibi_slopes, sinks, row_keys, key_rows.)
-    window, softcap, alibi_slopes, sinks, row_keys, key_rows = [
+    # (The variants' arguments, where given: window, softcap, alibi_slopes, sinks, row_keys, key_rows,
+    # alibi_diagonal.)
+    window, softcap, alibi_slopes, sinks, row_keys, key_rows, alibi_diagonal = [
         *rest,
-        *(None, 0.0, None, None, None, None)[len(rest) :],
+        *(None, 0.0, None, None, None, None, None)[len(rest) :],
     ]
     out, lse = output
     # (out and lse with the sinks applied: the backward kernels are exact on them, sinks.py says why.)
-    ctx.save_for_backward(q, k, v, out, lse, key_range, dropout_seed, alibi_slopes, row_keys, key_rows, sinks)
+    ctx.save_for_backward(
+        q, k, v, out, lse, key_range, dropout_seed, alibi_slopes, row_keys, key_rows, alibi_diagonal, sinks
+    )
     ctx.causal, ctx.scale, ctx.deterministic, ctx.dropout_p = causal, scale, deterministic, dropout_p
     ctx.window, ctx.softcap = window, softcap
     ctx.mark_non_differentiable(lse)
@@ -245,9 +260,12 @@ def _fwd_setup_context(ctx, inputs, output) -> None:
 
 def _backward_args(ctx, dout) -> tuple:
     """The arguments of ``bwd`` / :func:`backward_impl` from what :func:`_fwd_setup_context` saved."""
-    q, k, v, out, lse, key_range, dropout_seed, alibi_slopes, row_keys, key_rows, _ = ctx.saved_tensors
+    q, k, v, out, lse, key_range, dropout_seed, alibi_slopes, row_keys, key_rows, alibi_diagonal, _ = (
+        ctx.saved_tensors
+    )
     return (dout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.deterministic, key_range, ctx.dropout_p,
-            dropout_seed, ctx.window, ctx.softcap, alibi_slopes, row_keys, key_rows)  # fmt: skip
+            dropout_seed, ctx.window, ctx.softcap, alibi_slopes, row_keys, key_rows,
+            alibi_diagonal)  # fmt: skip
 
 
 def _needs_sinks_grad(ctx) -> bool:
@@ -302,22 +320,23 @@ def bwd(
     alibi_slopes: torch.Tensor | None = None,
     row_keys: torch.Tensor | None = None,
     key_rows: torch.Tensor | None = None,
+    alibi_diagonal: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Any device but CUDA: the PyTorch fallback (deterministic on CPU by construction)."""
     return _fallback_backward(
         dout, q, k, v, out, lse, causal, scale, deterministic, key_range, dropout_p, dropout_seed, window,
-        softcap, alibi_slopes, row_keys, key_rows,
+        softcap, alibi_slopes, row_keys, key_rows, alibi_diagonal,
     )  # fmt: skip
 
 
 @bwd.register_kernel("cuda")
 def _bwd_cuda(
     dout, q, k, v, out, lse, causal, scale, deterministic, key_range, dropout_p=0.0, dropout_seed=None,
-    window=None, softcap=0.0, alibi_slopes=None, row_keys=None, key_rows=None,
+    window=None, softcap=0.0, alibi_slopes=None, row_keys=None, key_rows=None, alibi_diagonal=None,
 ):  # fmt: skip
     return backward_impl(
         dout, q, k, v, out, lse, causal, scale, deterministic, key_range, dropout_p, dropout_seed, window,
-        softcap, alibi_slopes, row_keys, key_rows,
+        softcap, alibi_slopes, row_keys, key_rows, alibi_diagonal,
     )  # fmt: skip
 
 
@@ -339,11 +358,12 @@ def backward_impl(
     alibi_slopes: torch.Tensor | None = None,
     row_keys: torch.Tensor | None = None,
     key_rows: torch.Tensor | None = None,
+    alibi_diagonal: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """``bwd`` on CUDA: our backward kernels when they can run on these inputs, else the PyTorch fallback.
     With ``sinks`` (the eager path's sinks that need a gradient) a fourth tensor, the sinks' gradient."""
-    extras = (window, softcap, alibi_slopes, row_keys, key_rows)
+    extras = (window, softcap, alibi_slopes, row_keys, key_rows, alibi_diagonal)
     ops = None if _has_no_pair(q, k) else dispatch.kernel_backend(q)
 
     def fallback_backward():
@@ -382,7 +402,7 @@ def backward_impl(
 @bwd.register_fake
 def _bwd_fake(
     dout, q, k, v, out, lse, causal, scale, deterministic, key_range, dropout_p=0.0, dropout_seed=None,
-    window=None, softcap=0.0, alibi_slopes=None, row_keys=None, key_rows=None,
+    window=None, softcap=0.0, alibi_slopes=None, row_keys=None, key_rows=None, alibi_diagonal=None,
 ):  # fmt: skip
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
@@ -404,14 +424,26 @@ class EagerAttention(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx, q, k, v, causal, scale, deterministic, key_range, dropout_p, dropout_seed, window=None,
-        softcap=0.0, alibi_slopes=None, sinks=None, row_keys=None, key_rows=None,
+        softcap=0.0, alibi_slopes=None, sinks=None, row_keys=None, key_rows=None, alibi_diagonal=None,
     ):  # fmt: skip
         extras = (window, softcap, alibi_slopes)
         out, lse = forward_impl(
-            q, k, v, causal, scale, key_range, dropout_p, dropout_seed, *extras, sinks, row_keys, key_rows
+            q,
+            k,
+            v,
+            causal,
+            scale,
+            key_range,
+            dropout_p,
+            dropout_seed,
+            *extras,
+            sinks,
+            row_keys,
+            key_rows,
+            alibi_diagonal,
         )
         inputs = (q, k, v, causal, scale, deterministic, key_range, dropout_p, dropout_seed, *extras, sinks,
-                  row_keys, key_rows)  # fmt: skip
+                  row_keys, key_rows, alibi_diagonal)  # fmt: skip
         _fwd_setup_context(ctx, inputs, (out, lse))
         # The LSE never carries a gradient: without this autograd would fill a zero tensor for it on every
         # backward (an allocation and a fill kernel per call, for nothing).
@@ -434,7 +466,7 @@ class EagerAttention(torch.autograd.Function):
 
 def eager_training(
     q, k, v, causal, scale, deterministic, key_range, dropout_p, dropout_seed, window=None, softcap=0.0,
-    alibi_slopes=None, sinks=None, row_keys=None, key_rows=None,
+    alibi_slopes=None, sinks=None, row_keys=None, key_rows=None, alibi_diagonal=None,
 ):  # fmt: skip
     """``fwd`` with its backward recorded, for eager autograd: on our kernels through the compiled training
     node (:mod:`flash_attention.ops.training`: no Python in the backward) when it takes the call, else
@@ -456,7 +488,7 @@ def eager_training(
                 dropout_p=dropout_p,
                 dropout_seed=dropout_seed,
                 forward=ops.cuda_forward,
-                **_variants(window, softcap, alibi_slopes, row_keys, key_rows),
+                **_variants(window, softcap, alibi_slopes, row_keys, key_rows, alibi_diagonal),
             ),
             lambda: None,
         )
@@ -478,4 +510,5 @@ def eager_training(
         sinks,
         row_keys,
         key_rows,
+        alibi_diagonal,
     )

@@ -293,8 +293,13 @@ def attention(
     def fallback() -> tuple[torch.Tensor, torch.Tensor | None]:
         variant = dict(windowed)
         if _segments is not None:  # the chunked path reads the rows' runs as its window
-            variant["window"] = variant.pop("segments")[0]
-            variant["alibi_diagonal"] = runs_alibi_diagonal(variant["window"], causal, alibi_slopes)
+            runs = variant.pop("segments")
+            variant["window"] = runs[0]
+            # (the segments' table of ALiBi diagonals where they carry one, else what the runs give)
+            diagonal = runs[2] if len(runs) == 3 else None
+            variant["alibi_diagonal"] = (
+                diagonal if diagonal is not None else runs_alibi_diagonal(runs[0], causal, alibi_slopes)
+            )
         o, lse = _fallback.forward(
             q,
             k,
@@ -379,7 +384,7 @@ def _attention_op(
     args = (q, k, v, problem.causal, problem.scale, deterministic, key_range, dropout_p, dropout_seed)
     if window is not None or softcap or alibi_slopes is not None or sinks is not None or segments is not None:
         # (the op's int[]? window, float softcap, Tensor? alibi_slopes, Tensor? sinks, Tensor? row_keys,
-        # Tensor? key_rows)
+        # Tensor? key_rows, Tensor? alibi_diagonal)
         args = (*args, None if window is None else list(window), softcap, alibi_slopes, sinks)
         if segments is not None:
             args = (*args, *segments)

@@ -29,7 +29,7 @@ import torch
 from ._validate import check_window
 from .interface import attention
 
-__all__ = ["attention_varlen", "segments"]
+__all__ = ["alibi_diagonals", "attention_varlen", "segments"]
 
 #: Segments of recent calls, by their offsets' identity and version (every layer of a model passes the same
 #: tensors): a hit skips the dozen small kernels that build them. Each entry holds its offsets tensors too:
@@ -119,6 +119,32 @@ def segments(
     return row_keys.to(torch.int32).contiguous(), key_rows.to(torch.int32).contiguous()
 
 
+def alibi_diagonals(
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    total_q: int,
+    seqused_k: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Each query row's ALiBi diagonal key in the packed keys, int32 (total_q,): cu_k[b] + i + n_b - m_b for
+    row i (0-based) of sequence b, with n_b its used keys and m_b its queries (the alignment of
+    :func:`segments`); rows after the last sequence get cu_k[-1] (they see no key). ALiBi's distance of row
+    i to key j is |diagonal - j|. For sequences without causal, whose runs do not end at the diagonal, and
+    whose query and key offsets differ (else the packed row's own index is the diagonal)."""
+    device = cu_seqlens_q.device
+    cu_q, cu_k = cu_seqlens_q.to(torch.int64), cu_seqlens_k.to(torch.int64)
+    batch = cu_q.numel() - 1
+    if batch == 0:
+        return torch.zeros(total_q, dtype=torch.int32, device=device)
+    len_q = cu_q[1:] - cu_q[:-1]
+    len_k = cu_k[1:] - cu_k[:-1]
+    used = len_k if seqused_k is None else torch.minimum(seqused_k.to(torch.int64).clamp_min(0), len_k)
+    rows = torch.arange(total_q, device=device)
+    doc = torch.searchsorted(cu_q[1:], rows, right=True).clamp_max(batch - 1)
+    diagonal = cu_k[doc] + rows - cu_q[doc] + used[doc] - len_q[doc]
+    diagonal = torch.where(rows >= cu_q[-1], cu_k[-1], diagonal)  # (torch.where: no host read)
+    return diagonal.to(torch.int32).contiguous()
+
+
 def _with_tiles(made: tuple[torch.Tensor, torch.Tensor], cu_q: torch.Tensor, cu_k: torch.Tensor) -> tuple:
     """The runs, noting the offsets that ops.query_tiles cuts the rows and keys by (attributes of the
     tensors, as ``_typical_lengths``: they ride through the custom op's eager call; under torch.compile the
@@ -198,19 +224,19 @@ def attention_varlen(
             :func:`flash_attention.attention`, per sequence (causal and the window aligned to each
             sequence's own bottom-right corner).
         alibi_slopes: ALiBi, float32 (heads_q,), each sequence's own ``-slope * |i + shift - j|`` (shift:
-            its used key count minus its query count). With ``causal``, any query and key counts and
-            ``seqused_k`` (the distance is measured from each row's diagonal key, which its run of keys
-            ends just past); without it, packed self-attention only: the same offsets tensor for queries
-            and keys (``cu_seqlens_q is cu_seqlens_k``) and no ``seqused_k``, where a key's distance in the
-            packed row is its distance in its sequence.
+            its used key count minus its query count), for any query and key counts, ``seqused_k`` and
+            window. The kernels measure the distance from each row's diagonal key: with ``causal`` its run
+            of keys ends just past it; in packed self-attention (the same offsets tensor for queries and
+            keys, no ``seqused_k``) it is the row's own index; otherwise from a table of each row's
+            diagonal (:func:`alibi_diagonals`, made once per offsets).
         return_lse: also return the float32 (heads_q, total_q) log-sum-exp of each row.
 
     Returns:
         (total_q, heads_q, head_dim) output, with ``return_lse`` also the LSE; differentiable with respect
         to q, k, v (and sinks) as :func:`flash_attention.attention` is.
 
-    Not taken: ``key_range`` (``seqused_k`` is the packed form of a key range); ALiBi without ``causal``
-    across sequences of different query and key lengths, and per-sequence (batch, heads_q) slopes (yet).
+    Not taken: ``key_range`` (``seqused_k`` is the packed form of a key range); per-sequence (batch,
+    heads_q) ALiBi slopes (yet: the kernels read one slope per head in a packed row).
     The offsets' values are the caller's promise: they are not read on the host, and offsets that decrease
     or exceed the tensors give wrong results, never out-of-bounds accesses (the kernels clamp every row and
     key they read to the packed tensors).
@@ -232,17 +258,6 @@ def attention_varlen(
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
             raise ValueError(f"{name} must be a non-negative int or None; got {value!r}")
-    if (
-        alibi_slopes is not None
-        and not causal
-        and (cu_seqlens_q is not cu_seqlens_k or seqused_k is not None or q.shape[0] != k.shape[0])
-    ):
-        raise ValueError(
-            "alibi_slopes with attention_varlen and causal=False needs packed self-attention: pass the same "
-            "tensor as cu_seqlens_q and cu_seqlens_k, equal token counts and no seqused_k (without causal "
-            "the distance is measured in the packed row, which is each sequence's own distance only then; "
-            "with causal=True any lengths are taken)"
-        )
     if alibi_slopes is not None and alibi_slopes.dim() != 1:
         raise ValueError("alibi_slopes with attention_varlen must have shape (heads_q,) (one packed row)")
     window = check_window(window)
@@ -256,6 +271,17 @@ def attention_varlen(
     runs = _cached_segments(
         cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], bool(causal), window, seqused_k, typical
     )
+    packed_self = cu_seqlens_q is cu_seqlens_k and seqused_k is None and q.shape[0] == k.shape[0]
+    if alibi_slopes is not None and not causal and not packed_self:
+        # ALiBi without causal across other query and key offsets: each row's diagonal from a table (the
+        # "..._table" builds), made once per runs and held by them. (With causal the runs' ends are the
+        # diagonals; in packed self-attention the packed row's own index is.)
+        diagonal = getattr(runs[0], "_alibi_diagonal", None)
+        if diagonal is None:
+            diagonal = alibi_diagonals(cu_seqlens_q, cu_seqlens_k, q.shape[0], seqused_k)
+            if not torch.compiler.is_compiling():
+                runs[0]._alibi_diagonal = diagonal
+        runs = (*runs, diagonal)
     # The runs carry each sequence's causal bound; the flag only picks the kernels' configurations (the
     # segments builds have no causal entry point, and the fallback's chunked path drops it).
     result = attention(

@@ -67,8 +67,10 @@ class _Handle:
         self.value = value
 
 
-#: The score-function builds the stand-in kernels compute (None: the identity).
+#: The score-function builds the stand-in kernels compute (None: the identity), and those of a packed batch's
+#: segments builds (ALiBi measured from each row's run end, or from the segments' table of diagonals).
 _SCORE_BUILDS = (None, "softcap", "alibi", "softcap_alibi")
+_SEGMENT_SCORE_BUILDS = (None, "alibi_runs", "alibi_table")
 
 
 class _Kernel:
@@ -82,9 +84,8 @@ class _Kernel:
         self, gpu: StandInGpu, kind: str, causal: bool = False, params_type=BwdParams, window=False,
         score=None,
     ):  # fmt: skip
-        # A packed batch's runs (window SEGMENTS): without a score function.
-        segments = window == SEGMENTS and score is None
-        if not (window in (False, True) or segments) or score not in _SCORE_BUILDS:
+        builds = _SEGMENT_SCORE_BUILDS if window == SEGMENTS else _SCORE_BUILDS
+        if window not in (False, True, SEGMENTS) or score not in builds:
             raise AssertionError(f"the stand-in kernels have no {score or window} build")
         self.gpu, self.kind, self.causal, self.params_type = gpu, kind, causal, params_type
         self.window, self.score = window, score
@@ -242,7 +243,7 @@ class StandInGpu:
             v = self._bshd(p, p.v, "v", p.seqlen_k, p.heads_kv)
         assert q.shape[3] == p.head_dim and k.shape[1] == p.seqlen_k, "the params disagree on a size"
         if kernel.window == SEGMENTS:
-            out, lse = self._segments_forward(q, k, v, p)
+            out, lse = self._segments_forward(kernel, q, k, v, p)
         else:
             out, lse = attention_reference(
                 q, k, v, softmax_scale=p.scale, key_range=self._key_range(p), **self._variant(kernel, p)
@@ -258,13 +259,32 @@ class StandInGpu:
             tensor_at(p.lse, (p.batch, p.heads_q, p.seqlen_q), strides, torch.float32).copy_(lse)
 
     @staticmethod
-    def _segments_forward(q, k, v, p):
-        """The segments build on a batch of one: each query row i sees the keys of its run [row_keys[i, 0],
-        row_keys[i, 1]) (flash_attention.varlen), in float64. The key runs must be readable, and a query-tile
-        table (the warp-specialized forward's, p.q_tiles) must cover every row exactly once."""
+    def _segments_scores(kernel, p, qd, kd):
+        """A segments build's scaled, masked scores (heads_q, seqlen_q, seqlen_k) in float64 from (heads,
+        rows, d) operands: each query row i sees the keys of its run [row_keys[i, 0], row_keys[i, 1])
+        (flash_attention.varlen); with ALiBi, -slope |diagonal(i) - j| added, the diagonal the run's end - 1
+        ("alibi_runs") or the segments' table entry p.alibi_diagonal[i] ("alibi_table")."""
         assert p.batch == 1 and p.row_keys and p.key_rows, "a segments launch without its runs"
         runs = tensor_at(p.row_keys, (p.seqlen_q, 2), (2, 1), torch.int32).long()
         assert tensor_at(p.key_rows, (p.seqlen_k, 2), (2, 1), torch.int32).shape[0] == p.seqlen_k
+        cols = torch.arange(p.seqlen_k)
+        seen = (cols >= runs[:, :1]) & (cols < runs[:, 1:])  # (seqlen_q, seqlen_k)
+        scores = qd @ kd.transpose(1, 2) * p.scale
+        if kernel.score is not None:
+            assert p.alibi_batch_stride == 0, "a packed batch's slopes are one (heads,) table"
+            slopes = tensor_at(p.alibi_slopes, (p.heads_q,), (1,), torch.float32).double()
+            if kernel.score == "alibi_table":
+                diagonal = tensor_at(p.alibi_diagonal, (p.seqlen_q,), (1,), torch.int32).long()
+            else:
+                assert not p.alibi_diagonal, "a table of diagonals bound to a build that does not read it"
+                diagonal = runs[:, 1] - 1
+            distance = (diagonal[:, None] - cols[None, :]).abs().double()
+            scores = scores - slopes[:, None, None] * distance
+        return scores.masked_fill(~seen, float("-inf"))
+
+    def _segments_forward(self, kernel, q, k, v, p):
+        """The segments build on a batch of one (_segments_scores), in float64. A query-tile table (the
+        warp-specialized forward's, p.q_tiles) must cover every row exactly once."""
         if p.q_tiles:
             tiles = tensor_at(p.q_tiles, (p.num_m_blocks, 2), (2, 1), torch.int32).long()
             covered = torch.zeros(p.seqlen_q, dtype=torch.long)
@@ -275,9 +295,7 @@ class StandInGpu:
         qd = q[0].double().transpose(0, 1)  # (heads, seqlen_q, d)
         kd = k[0].double().transpose(0, 1).repeat_interleave(group, 0)
         vd = v[0].double().transpose(0, 1).repeat_interleave(group, 0)
-        cols = torch.arange(p.seqlen_k)
-        seen = (cols >= runs[:, :1]) & (cols < runs[:, 1:])  # (seqlen_q, seqlen_k)
-        scores = (qd @ kd.transpose(1, 2) * p.scale).masked_fill(~seen, float("-inf"))
+        scores = self._segments_scores(kernel, p, qd, kd)
         lse = torch.logsumexp(scores, -1)
         probs = torch.exp(scores - lse.nan_to_num(neginf=0.0).unsqueeze(-1))
         out = (probs @ vd).transpose(0, 1).unsqueeze(0)
@@ -313,7 +331,6 @@ class StandInGpu:
         (_workspace_rows), the dK/dV kernel walks each key tile's rows [q0, q1) reading delta at w0 + (row
         - q0) and adding dQ there (the key-tile table, p.k_tiles), the cast kernel reads dQ back by unit.
         A table of another batch (other sequence boundaries) then gives wrong gradients, as on a GPU."""
-        assert p.batch == 1 and p.row_keys and p.key_rows, "a segments launch without its runs"
         assert bool(p.k_tiles) == bool(p.q_units), "a key-tile table without its workspace units, or back"
         ws = self._workspace_rows(p)
         delta_rows = self._rows(p.delta, p)[0]  # (heads_q, seqlen_q_pad)
@@ -327,14 +344,10 @@ class StandInGpu:
         if kind == "convert":
             x["dq"][0].copy_(self._accum(p)[0][:, ws, :].transpose(0, 1))
             return
-        runs = tensor_at(p.row_keys, (p.seqlen_q, 2), (2, 1), torch.int32).long()
-        assert tensor_at(p.key_rows, (p.seqlen_k, 2), (2, 1), torch.int32).shape[0] == p.seqlen_k
         group = p.heads_q // p.heads_kv
         qd, dod = (x[n][0].double().transpose(0, 1) for n in ("q", "dout"))  # (heads_q, rows, d)
         kd, vd = (x[n][0].double().transpose(0, 1).repeat_interleave(group, 0) for n in "kv")
-        cols = torch.arange(p.seqlen_k)
-        seen = (cols >= runs[:, :1]) & (cols < runs[:, 1:])
-        scores = (qd @ kd.transpose(1, 2) * p.scale).masked_fill(~seen, float("-inf"))
+        scores = self._segments_scores(kernel, p, qd, kd)
         lse = torch.logsumexp(scores, -1, keepdim=True).nan_to_num(neginf=0.0)
         probs = torch.exp(scores - lse)  # (heads_q, seqlen_q, seqlen_k)
         dprobs = dod @ vd.transpose(1, 2)

@@ -23,7 +23,7 @@ from flash_attention.configs import (
 )
 from flash_attention.configs.heuristics import classic_hopper_config
 from flash_attention.reference import attention_reference
-from flash_attention.varlen import _with_tiles, segments
+from flash_attention.varlen import _with_tiles, alibi_diagonals, segments
 
 pytestmark = [
     pytest.mark.gpu,
@@ -64,6 +64,20 @@ CASES = [
     ),
     ([250, 1, 129], [100, 64, 500], 4, 4, 64, True, {"alibi_any": True}, "fp16"),
     ([250, 1, 129], [300, 64, 130], 4, 2, 128, True, {"alibi_any": True, "softcap": 1.5}, "bf16"),
+    # ALiBi without causal over other query and key counts (each row's diagonal from a table)
+    ([250, 1, 129, 40], [300, 64, 130, 7], 8, 2, 128, False, {"alibi_any": True}, "bf16"),
+    (
+        [250, 380, 129],
+        [300, 400, 129],
+        4,
+        2,
+        64,
+        False,
+        {"alibi_any": True, "seqused_k": [260, 0, 100]},
+        "fp16",
+    ),
+    ([250, 380, 129], [300, 380, 200], 4, 4, 256, False, {"alibi_any": True, "window": (90, 40)}, "bf16"),
+    ([250, 1, 129], [300, 64, 130], 4, 2, 128, False, {"alibi_any": True, "softcap": 1.5}, "bf16"),
 ]
 
 
@@ -162,21 +176,22 @@ def test_attention_varlen_against_float64(case):
         assert all(torch.equal(a, b) for a, b in zip(grads, again, strict=True))
 
 
-@pytest.mark.parametrize("alibi", [False, True], ids=["plain", "alibi"])
+@pytest.mark.parametrize("alibi", ["plain", "runs", "table"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_every_family_takes_segments(head_dim, alibi):
     """The segments build of each forward family and each backward family at the launch layer; with ALiBi,
-    over sequences of different query and key counts (the AlibiRuns build: each row's diagonal from its
-    run)."""
+    over sequences of different query and key counts: causal (the AlibiRuns build: each row's diagonal from
+    its run), or not (the AlibiTable build: each row's diagonal from the segments' table)."""
+    causal = alibi != "table"
     case = ([300, 0, 517, 1, 130], [300, 0, 517, 1, 130], 4, 2, head_dim, True, {}, "bf16")
-    if alibi:
+    if alibi != "plain":
         case = (
             [300, 0, 517, 1, 130],
             [350, 4, 517, 1, 90],
             4,
             2,
             head_dim,
-            True,
+            causal,
             {"alibi_any": True},
             "bf16",
         )
@@ -185,7 +200,9 @@ def test_every_family_takes_segments(head_dim, alibi):
     exact = _reference(case, tensors, kw, used, torch.float64)
     f32 = _reference(case, tensors, kw, used, torch.float32)
     cu, cu_k = _offsets(case[0]), _offsets(case[1])
-    runs = segments(cu, cu_k, q.shape[0], k.shape[0], causal=True)
+    runs = segments(cu, cu_k, q.shape[0], k.shape[0], causal=causal)
+    if alibi == "table":
+        runs = (*runs, alibi_diagonals(cu, cu_k, q.shape[0]))
     d = padded_head_dim(head_dim)
     n = q.shape[0]
     fwd = {"default": None, "portable": portable_config("bf16", head_dim, False, n, n)}
@@ -196,7 +213,7 @@ def test_every_family_takes_segments(head_dim, alibi):
             bwd["hopper"] = hopper_bwd_config("bf16", d)
     args = [t.unsqueeze(0) for t in (q, k, v)]
     # (The runs carry causal; the flag picks configurations, and with ALiBi the build measuring from them.)
-    kw = dict(causal=alibi, softmax_scale=head_dim**-0.5, segments=runs, alibi_slopes=kw.get("alibi_slopes"))
+    kw = dict(causal=causal, softmax_scale=head_dim**-0.5, segments=runs, alibi_slopes=kw.get("alibi_slopes"))
     for name, cfg in fwd.items():
         o, lse = ops.cuda_forward(*args, return_lse=True, out=None, config=cfg, **kw)
         _close(o[0], exact[0], f32[0], f"{name} forward out")

@@ -407,6 +407,44 @@ def test_simulator_variants_against_float64(variant, opt):
         assert bound.shape == q.shape and torch.isfinite(lse_bound).all()
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_simulator_packed_alibi_measures_from_each_rows_diagonal(causal):
+    # A packed batch of other query and key counts: the kernels' packed ALiBi builds measure from each row's
+    # diagonal (the table of varlen.alibi_diagonals without causal, the runs' ends with it), which the
+    # simulator takes as alibi_diagonal. Each sequence against float64 with ALiBi bottom-right aligned.
+    from flash_attention.reference import runs_alibi_diagonal
+    from flash_attention.varlen import alibi_diagonals
+    from flash_attention.varlen import segments as make_segments
+
+    cfg = portable_config("bf16", 64, causal, 256, 256)
+    lens_q, lens_k = [50, 1, 109, 43], [70, 20, 100, 13]
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32)
+                  for n in (lens_q, lens_k))  # fmt: skip
+    q, k, v = _inputs(1, sum(lens_q), sum(lens_k), 4, 2, 64, torch.bfloat16, 7 + causal)
+    slopes = torch.linspace(0.05, 0.5, 4)
+    row_keys, _ = make_segments(cu_q, cu_k, q.shape[1], k.shape[1], causal=causal)
+    diagonal = (
+        runs_alibi_diagonal(row_keys, True, slopes) if causal else alibi_diagonals(cu_q, cu_k, q.shape[1])
+    )
+    kw = dict(segments=row_keys, alibi_slopes=slopes, alibi_diagonal=diagonal)
+    out, lse = simulate(q, k, v, cfg, **kw)
+    measured_in_the_row, _ = simulate(q, k, v, cfg, segments=row_keys, alibi_slopes=slopes)
+    for i, (m, n) in enumerate(zip(lens_q, lens_k, strict=True)):
+        qs, ks = slice(int(cu_q[i]), int(cu_q[i]) + m), slice(int(cu_k[i]), int(cu_k[i]) + n)
+        ref, ref_lse = attention_reference(
+            q[:, qs], k[:, ks], v[:, ks], causal=causal, alibi_slopes=slopes.double()
+        )
+        rounding = (ref.to(torch.bfloat16).double() - ref).abs().max().item()  # (the output's own)
+        assert (out[:, qs].double() - ref).abs().max().item() <= 2 * rounding + 1e-3, i
+        seen = torch.isfinite(ref_lse)  # (causal rows past their keys see none: -inf in both)
+        assert torch.equal(seen, torch.isfinite(lse[:, :, qs]))
+        assert (lse[:, :, qs].double() - ref_lse)[seen].abs().max().item() < 1e-4, i
+    # Measured from the packed row instead, the distances are other sequences' where offsets differ.
+    assert (measured_in_the_row.double() - out.double()).abs().max() > 0.1
+    *_, bound, _ = simulate(q, k, v, cfg, error_bound=True, **kw)
+    assert bound.shape == q.shape
+
+
 def test_lazy_reference_moves_only_past_the_margin_and_stays_accurate():
     """The ws kernel's lazy reference max at head_dim 256 (fa/softmax.cuh kLazy), on scores that grow along
     the keys by about 3 (base 2) per 80-key block: the reference must be kept in some steps after the first

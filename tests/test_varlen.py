@@ -78,6 +78,11 @@ VARLEN = [
     # ALiBi with causal: any query and key counts (a sequence with more queries than keys, one with none
     # used), measured from each row's diagonal key
     ([9, 12, 40, 3], [14, 12, 45, 1], 4, 2, 16, True, {"alibi_any": True, "seqused_k": [10, 0, 41, 1]}),
+    # ALiBi without causal: any query and key counts, seqused_k and windows (each row's diagonal from a
+    # table: flash_attention.varlen.alibi_diagonals)
+    ([9, 12, 40, 3], [14, 12, 45, 1], 4, 2, 16, False, {"alibi_any": True, "seqused_k": [10, 0, 41, 1]}),
+    ([9, 12, 40], [14, 5, 45], 4, 4, 16, False, {"alibi_any": True, "window": (6, 3)}),
+    ([9, 12, 40], [14, 5, 45], 4, 2, 16, False, {"alibi_any": True, "softcap": 1.5}),
 ]
 
 
@@ -138,9 +143,15 @@ def test_attention_varlen_matches_each_sequence_alone(case):
     if sinks is not None:
         torch.testing.assert_close(grads[3].double(), dsinks_ref, atol=5e-6, rtol=5e-6)
     assert not out[sum(lens_q) :].any()  # rows no sequence owns
-    if "alibi_slopes" in kw:  # and where the distance would not be each sequence's own: refused
-        with pytest.raises(ValueError, match="packed self-attention"):
-            flash_attention.attention_varlen(q, k, v, cu_q, cu_q.clone(), alibi_slopes=kw["alibi_slopes"])
+    if "alibi_slopes" in kw and cu_k is cu_q and not causal:
+        # Packed self-attention measures from the packed row; the same offsets in another tensor take the
+        # table of diagonals: the same answer.
+        again = flash_attention.attention_varlen(q, k, v, cu_q, cu_q.clone(), **kw)
+        torch.testing.assert_close(again, out, atol=1e-6, rtol=1e-6)
+    if "alibi_slopes" in kw:  # per-sequence slopes: refused, naming the argument
+        slopes = kw["alibi_slopes"].expand(len(lens_q), hq).contiguous()
+        with pytest.raises(ValueError, match="alibi_slopes"):
+            flash_attention.attention_varlen(q, k, v, cu_q, cu_k, **{**kw, "alibi_slopes": slopes})
 
 
 def test_the_packed_gradient_flows_through_views_without_a_batched_copy():

@@ -87,13 +87,15 @@ SINKS_CASES = [
 ]
 #: Packed batches (attention_varlen, the segments builds): (lengths, heads_q, heads_kv, head_dim, causal,
 #: deterministic[, key lengths with ALiBi]), with empty and one-token sequences and rows past the last one;
-#: the last case ALiBi over sequences with other key counts (the AlibiRuns build reads each row's run).
+#: the last two ALiBi over sequences with other key counts (the AlibiRuns build reads each row's run; without
+#: causal, the AlibiTable build reads each row's diagonal from its table).
 VARLEN_CASES = [
     ([130, 0, 257, 1, 64], 4, 2, 128, True, False),
     ([77, 300, 0, 5], 4, 4, 64, False, True),
     ([200, 33, 190], 6, 3, 256, True, False),
     ([90, 1, 141], 2, 1, 72, True, False),
     ([130, 0, 257, 9, 64], 4, 2, 128, True, False, [150, 3, 257, 1, 80]),
+    ([130, 0, 257, 9, 64], 4, 2, 128, False, False, [150, 3, 257, 1, 80]),
 ]
 SMALL = {1: 40, 2: 60}  # --small: shorter sequences (index into the case tuple -> cap)
 

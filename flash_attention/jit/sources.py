@@ -73,13 +73,16 @@ def variant_type(causal: bool, ranged: bool, window: bool | str = False, score: 
 
 #: The score functions a build can take (csrc/include/fa/variant.cuh): name -> C++ policy. "softcap_alibi"
 #: caps the score, then adds ALiBi's bias; "..._runs" measures ALiBi from each query row's run end (a packed
-#: batch of causal sequences, segments builds only).
+#: batch of causal sequences), "..._table" from each row's entry of a table of diagonals (a packed batch
+#: without causal whose query and key counts differ); both segments builds only.
 SCORE_MODS = {
     "softcap": "fa::Softcap",
     "alibi": "fa::Alibi",
     "alibi_runs": "fa::AlibiRuns",
     "softcap_alibi": "fa::SoftcapAlibi",
     "softcap_alibi_runs": "fa::SoftcapAlibiRuns",
+    "alibi_table": "fa::AlibiTable",
+    "softcap_alibi_table": "fa::SoftcapAlibiTable",
 }
 
 

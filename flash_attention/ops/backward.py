@@ -352,6 +352,8 @@ def cuda_backward(
         fill_score(p, p.softcap, alibi_slopes)
     if segments is not None:
         p.row_keys, p.key_rows = segments[0].data_ptr(), segments[1].data_ptr()
+        if len(segments) == 3:  # (each row's ALiBi diagonal: the "..._table" builds)
+            p.alibi_diagonal = segments[2].data_ptr()
         if plan.k_tiles:  # (held by the runs, which outlive the launches' queuing)
             p.k_tiles = key_tiles(segments, plan.k_tiles).data_ptr()
             p.q_units = query_units(segments).data_ptr()

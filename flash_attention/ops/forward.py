@@ -411,7 +411,7 @@ def cuda_forward(
     ``segments`` = (row_keys, key_rows), contiguous int32 (seqlen_q, 2) and (seqlen_k, 2) tensors on q's
     device, runs the segments build on a batch of one: query row i sees keys [row_keys[i, 0],
     row_keys[i, 1]) (flash_attention.varlen builds them; they carry causal and any window, and exclude
-    ``key_range`` and ``window``).
+    ``key_range`` and ``window``); a third, int32 (seqlen_q,), gives each row's ALiBi diagonal key.
 
     ``trace`` (an object with ``batch``, ``head``, ``row_block``, ``warp``, e.g. a
     :class:`flash_attention.tools.sim.TraceSpec`), or the environment variable ``FLASH_ATTENTION_TRACE``,
@@ -493,6 +493,8 @@ def launch_plan(
         p.sinks = sinks.data_ptr()
     if segments is not None:
         p.row_keys, p.key_rows = segments[0].data_ptr(), segments[1].data_ptr()
+        if len(segments) == 3:  # (each row's ALiBi diagonal: the "..._table" builds)
+            p.alibi_diagonal = segments[2].data_ptr()
         if plan.q_tiles:  # (held by the runs, which outlive the launch's queuing)
             p.q_tiles = query_tiles(segments, plan.q_tiles).data_ptr()
     launch(plan.kernel, plan.grid, plan.threads, plan.smem, plan.index, args)

@@ -93,32 +93,39 @@ def check_segments(
 ) -> None:
     """Raise unless ``segments`` is (row_keys, key_rows): contiguous int32 tensors of shapes (seqlen_q, 2) and
     (seqlen_k, 2) on q's device, for a batch of one, without ``key_range`` or ``window`` (the runs carry
-    both). Their values are the caller's (flash_attention.varlen builds them); the kernels clamp the rows
-    they read, not the values."""
+    both); or (row_keys, key_rows, alibi_diagonal) with each row's ALiBi diagonal key, a contiguous int32
+    (seqlen_q,) tensor (flash_attention.varlen.alibi_diagonals: sequences without causal whose diagonal the
+    runs do not give). Their values are the caller's (flash_attention.varlen builds them); the kernels clamp
+    the rows they read, not the values."""
     if key_range is not None or window is not None:
         raise ValueError("segments carry the key ranges and the window: pass neither key_range nor window")
-    if not isinstance(segments, tuple) or len(segments) != 2:
-        raise TypeError("segments must be a tuple (row_keys, key_rows)")
+    if not isinstance(segments, tuple) or len(segments) not in (2, 3):
+        raise TypeError("segments must be a tuple (row_keys, key_rows[, alibi_diagonal])")
     if q.shape[0] != 1:
         raise ValueError(f"segments run on a batch of one (packed sequences); got batch {q.shape[0]}")
-    for name, t, n in (("row_keys", segments[0], q.shape[1]), ("key_rows", segments[1], k.shape[1])):
+    shapes = (("row_keys", (q.shape[1], 2)), ("key_rows", (k.shape[1], 2)), ("alibi_diagonal", (q.shape[1],)))
+    for (name, shape), t in zip(shapes, segments, strict=False):
         if (
             not isinstance(t, torch.Tensor)
             or t.dtype != torch.int32
-            or tuple(t.shape) != (n, 2)
+            or tuple(t.shape) != shape
             or t.device != q.device
             or not t.is_contiguous()
         ):
-            raise ValueError(f"segments' {name} must be a contiguous int32 ({n}, 2) tensor on {q.device}")
+            raise ValueError(f"segments' {name} must be a contiguous int32 {shape} tensor on {q.device}")
 
 
 def kernel_score(score: str | None, segments: tuple | None, causal: bool) -> str | None:
-    """The build's score function (``jit.sources.SCORE_MODS``) for a call's: ALiBi on a packed batch of causal
-    sequences measures from each row's run end ("..._runs": any query and key counts per sequence);
-    otherwise the call's own (a packed batch without causal: flash_attention.varlen allows ALiBi only for
-    self-attention, where the packed row's distance is each sequence's own)."""
-    runs = segments is not None and causal and score in ("alibi", "softcap_alibi")
-    return f"{score}_runs" if runs else score
+    """The build's score function (``jit.sources.SCORE_MODS``) for a call's. ALiBi on a packed batch measures
+    from each row's entry of the segments' table of diagonals where they carry one ("..._table"), else, for
+    causal sequences, from each row's run end ("..._runs": any query and key counts per sequence); otherwise
+    the call's own (packed self-attention without causal, where the packed row's distance is each
+    sequence's own)."""
+    if segments is None or score not in ("alibi", "softcap_alibi"):
+        return score
+    if len(segments) == 3:
+        return f"{score}_table"
+    return f"{score}_runs" if causal else score
 
 
 def score_features(score: str | None) -> dict[str, bool]:

@@ -66,7 +66,7 @@ def key_tiles(segments: tuple[torch.Tensor, torch.Tensor], block_kv: int) -> tor
     straddling two sequences walks both sequences' query rows; one anchored at the packed row's grid cuts
     each sequence's first and last query block (kernel log 98). Ordered by the query rows they visit, most
     first. None without offsets. n = :func:`tile_count` over the keys."""
-    row_keys, key_rows = segments
+    row_keys, key_rows = segments[0], segments[1]
     cu_q, cu_k = getattr(row_keys, "_cu_q", None), getattr(key_rows, "_cu_k", None)
     if cu_q is None or cu_k is None:
         return None

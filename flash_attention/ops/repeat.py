@@ -149,18 +149,18 @@ _FORWARD_SLOTS = ("q", "k", "v", "o", "lse", "key_range")
 
 
 def _native(
-    lib, plan, lse_shape, program: int, alibi=None, sinks=False, packed=False, backward_plan=None
+    lib, plan, lse_shape, program: int, alibi=None, sinks=False, packed=0, backward_plan=None
 ) -> NativeRepeatCall:
     """The host library's form of a repeat call of ``plan`` (``program``: the node's, 0 for inference, made
     from ``backward_plan``;
     ``alibi``: ALiBi's slopes' stride between batch rows, or None without ALiBi; ``sinks``: whether the call
-    binds sinks; ``packed``: whether it binds a packed batch's runs, and its query-tile table if the plan
-    has one)."""
+    binds sinks; ``packed``: how many tensors a packed batch's segments are (0: none; 2: the runs; 3: and
+    the ALiBi diagonals), bound with the query-tile table if the plan has one)."""
     base = 0 if plan.maps is None else FwdTmaParams.p.offset
     offsets = [base + getattr(FwdParams, name).offset for name in _FORWARD_SLOTS]
     bound = [name for name, on in (("alibi_slopes", alibi is not None), ("sinks", sinks)) if on]
     if packed:
-        bound += ["row_keys", "key_rows"] + (["q_tiles"] if plan.q_tiles else [])
+        bound += ["row_keys", "key_rows", "alibi_diagonal"][:packed] + (["q_tiles"] if plan.q_tiles else [])
     bound_offsets = [base + getattr(FwdParams, name).offset for name in bound]
     if plan.tile_counter:  # (a field of the TMA params, beside FwdParams)
         bound_offsets.append(FwdTmaParams.tile_counter.offset)
@@ -254,9 +254,9 @@ def signature(
                 return None  # converted per call, or differentiated, by the whole path
         packed = None
         if segments is not None:
-            if type(segments) is not tuple or len(segments) != 2:
+            if type(segments) is not tuple or len(segments) not in (2, 3):
                 return None
-            layouts = (_bound_layout(segments[0]), _bound_layout(segments[1]))
+            layouts = tuple(_bound_layout(t) for t in segments)  # (the runs, and any table of diagonals)
             if False in layouts:
                 return None
             packed = (layouts, segment_lengths(segments), segment_count(segments))
@@ -375,5 +375,6 @@ def prepare(
         lib = host_ops or host.ops_or_none()
         if lib is not None:
             # (The ForwardProgram takes its own reference to the backward program.)
-            return _native(lib, plan, lse_shape, program, alibi, sinks is not None, segments is not None, bwd)
+            packed = 0 if segments is None else len(segments)
+            return _native(lib, plan, lse_shape, program, alibi, sinks is not None, packed, bwd)
     return RepeatCall(plan, lse_shape, bwd, host_ops, program)

@@ -44,10 +44,10 @@ _OFFSETS = [getattr(BwdParams, name).offset for name in _SLOTS]
 
 
 #: The BwdParams pointer fields a call's variant binds (``bound``, in this order): ALiBi's slopes, then a
-#: packed batch's runs (and its key tiles and workspace units, where the plan has them: "k_tiles",
-#: "q_units").
+#: packed batch's segments (its runs, and each row's ALiBi diagonal where they carry one), then its key
+#: tiles and workspace units, where the plan has them: "k_tiles", "q_units".
 ALIBI_FIELDS = ("alibi_slopes",)
-_SEGMENT_FIELDS = ("row_keys", "key_rows")
+_SEGMENT_FIELDS = ("row_keys", "key_rows", "alibi_diagonal")
 
 
 def program(plan, bound_fields: tuple[str, ...] = (), alibi_batch_stride: int = 0) -> int:
@@ -148,7 +148,7 @@ def bound_fields(alibi: bool, segments, plan) -> tuple[str, ...]:
     order): ALiBi's slopes, a packed batch's runs, and the plan's key tiles and workspace units."""
     fields = ALIBI_FIELDS if alibi else ()
     if segments is not None:
-        fields += _SEGMENT_FIELDS + (("k_tiles", "q_units") if plan.k_tiles else ())
+        fields += _SEGMENT_FIELDS[: len(segments)] + (("k_tiles", "q_units") if plan.k_tiles else ())
     return fields
 
 

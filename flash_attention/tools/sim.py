@@ -280,6 +280,7 @@ def simulate(
     alibi_slopes: torch.Tensor | None = None,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    alibi_diagonal: torch.Tensor | None = None,
 ):
     """Attention computed as the kernel of ``config`` computes it, on the CPU.
 
@@ -295,6 +296,10 @@ def simulate(
         window, alibi_slopes, softcap, sinks: as in :func:`flash_attention.attention` (module docstring:
             how each is simulated). ``segments``: a packed batch's (seqlen_q, 2) per-row key runs (the
             ``row_keys`` of :func:`flash_attention.varlen.segments`), on a batch of one.
+        alibi_diagonal: with ``segments`` and ALiBi, each row's diagonal key (seqlen_q,), as the kernels'
+            packed builds measure the distance (``flash_attention.varlen.alibi_diagonals``, or
+            :func:`flash_attention.reference.runs_alibi_diagonal` for causal runs); None: the packed row's
+            own index (packed self-attention).
 
     Returns:
         ``(out, lse)`` like ``attention(..., return_lse=True)`` (out in the config's dtype, lse float32, on
@@ -308,7 +313,7 @@ def simulate(
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
     if cfg.opt_softmax and scale < 0:
         raise ValueError(f"softmax_scale must be positive for config {cfg.name()} (opt_softmax)")
-    variants = _Variants.of(window, segments, alibi_slopes, softcap, sinks, q, k)
+    variants = _Variants.of(window, segments, alibi_slopes, softcap, sinks, q, k, alibi_diagonal)
     if softcap and (error_bound or trace is not None):
         raise ValueError("softcap: the hardware's tanh.approx is not modelled: no error bound or trace")
     if (variants.window is not None or variants.runs is not None or variants.alibi is not None) and trace:
@@ -330,12 +335,13 @@ class _Variants:
 
     window: tuple[int, int] | None = None
     runs: torch.Tensor | None = None  # (seqlen_q, 2) int64 key runs
+    diagonal: torch.Tensor | None = None  # (seqlen_q,) int64 ALiBi diagonal keys of a packed batch
     alibi: torch.Tensor | None = None  # (batch, heads_q) float32 slopes
     softcap: float = 0.0
     sinks: torch.Tensor | None = None  # (heads_q,) float32
 
     @staticmethod
-    def of(window, segments, alibi_slopes, softcap, sinks, q, k) -> _Variants:
+    def of(window, segments, alibi_slopes, softcap, sinks, q, k, alibi_diagonal=None) -> _Variants:
         from flash_attention._validate import check_window
 
         batch, sq, hq, _ = q.shape
@@ -344,6 +350,12 @@ class _Variants:
             if batch != 1 or tuple(segments.shape) != (sq, 2):
                 raise ValueError(f"segments must be (seqlen_q, 2) = ({sq}, 2) runs on a batch of one")
             var.runs = segments.detach().to("cpu", torch.int64)
+            if alibi_diagonal is not None:
+                if tuple(alibi_diagonal.shape) != (sq,):
+                    raise ValueError(f"alibi_diagonal must be ({sq},) diagonal keys, one per query row")
+                var.diagonal = alibi_diagonal.detach().to("cpu", torch.int64)
+        elif alibi_diagonal is not None:
+            raise ValueError("alibi_diagonal is a packed batch's: pass it with segments")
         if alibi_slopes is not None:
             slopes = alibi_slopes.detach().to("cpu", torch.float32)
             var.alibi = slopes.expand(batch, hq) if slopes.dim() == 1 else slopes
@@ -428,6 +440,10 @@ class _Run:
             if self.causal:
                 valid = valid & (keys.unsqueeze(1) <= rows[act].unsqueeze(2) + shift)
             diag = keys.unsqueeze(1) - rows[act].unsqueeze(2) - shift  # key minus the row's diagonal
+            alibi_diag = diag
+            if self.var.diagonal is not None:  # (a packed batch's own diagonals; tail rows: the last row's)
+                own = self.var.diagonal[rows[act].clamp_max(self.sq - 1)]
+                alibi_diag = keys.unsqueeze(1) - own.unsqueeze(2)
             if self.var.window is not None:
                 left, right = self.var.window
                 if left >= 0:
@@ -440,7 +456,7 @@ class _Run:
                 kk = keys.unsqueeze(1)
                 valid = valid & (kk >= runs[..., :1]) & (kk < runs[..., 1:])
             sx = s if cfg.opt_softmax else s * self.scale_f  # the non-opt path scales before masking
-            sx = self._score(sx, diag.to(torch.float32))
+            sx = self._score(sx, alibi_diag.to(torch.float32))
             sx = sx.masked_fill(~valid, float("-inf"))
             m_old = self.m[:, :, act]
             mx = torch.maximum(m_old, sx.amax(dim=-1))

@@ -70,6 +70,7 @@ struct BwdParams {
   //   row r is packed row r.
   const int* k_tiles;
   const int* q_units;
+  const int* alibi_diagonal;  // as in FwdParams (the "..._table" score builds only)
 };
 
 }  // namespace fa

@@ -64,6 +64,10 @@ struct FwdParams {
   // (longest first); num_m_blocks is the table's length, its unused tail empty tiles. Null: tile m covers
   // rows m kBlockQ .. of the packed row, straddling sequences.
   const int* q_tiles;
+  // A packed batch's ALiBi diagonals (read only by the "..._table" score builds, fa/variant.cuh
+  // TableDiagonal): query row i's distance is measured from key alibi_diagonal[i] (packed coordinates),
+  // for sequences whose diagonal the runs cannot give (without causal, other query and key counts).
+  const int* alibi_diagonal;
 };
 
 }  // namespace fa

@@ -33,7 +33,7 @@
 //
 // The library's own variants today: the masks CausalRangeMask (causal and/or per-batch key ranges, the rule
 // of fa/visible_keys.cuh), WindowMask (a sliding window, and key ranges) and SegmentMask (a packed batch's
-// runs), each with NoScoreMod, Softcap, Alibi (AlibiRuns on a packed batch) or SoftcapAlibi. The host picks
+// runs), each with NoScoreMod, Softcap, Alibi (AlibiRuns or AlibiTable on a packed batch) or SoftcapAlibi. The host picks
 // the variant of a call and names it in the generated translation unit (flash_attention/jit/sources.py),
 // so each variant is compiled only when a call needs it.
 #pragma once
@@ -180,8 +180,21 @@ struct RunEndDiagonal {
   }
 };
 
+// In a packed batch of sequences without causal whose query and key counts differ (or with seqused_k), no
+// run bound is the diagonal: flash_attention.varlen computes each row's diagonal key (packed coordinates)
+// into p.alibi_diagonal. Affine only within a sequence, as RunEndDiagonal.
+struct TableDiagonal {
+  static constexpr bool kAffine = false;
+  const int* table;
+  int last_row;
+  template <class Params>
+  __device__ __forceinline__ explicit TableDiagonal(const Params& p)
+      : table(p.alibi_diagonal), last_row(p.seqlen_q - 1) {}
+  __device__ __forceinline__ int operator()(int q) const { return __ldg(table + min(q, last_row)); }
+};
+
 // ALiBi: s' = s - slope |diagonal(q) - k| (Diagonal: ShiftDiagonal, as in the FlashAttention library, or a
-// packed batch's RunEndDiagonal), one slope per (batch row, query head) from p.alibi_slopes (a (heads,)
+// packed batch's RunEndDiagonal or TableDiagonal), one slope per (batch row, query head) from p.alibi_slopes (a (heads,)
 // table: batch stride 0). Derivative 1.
 template <class Diagonal>
 struct AlibiFrom {
@@ -209,6 +222,7 @@ struct AlibiFrom {
 };
 using Alibi = AlibiFrom<ShiftDiagonal>;
 using AlibiRuns = AlibiFrom<RunEndDiagonal>;
+using AlibiTable = AlibiFrom<TableDiagonal>;
 
 // Soft-capping, then ALiBi's bias (the FlashAttention library's order): s' = cap tanh(s / cap) - slope
 // |diagonal(q) - k|. The two policies above, composed. Its derivative is soft-capping's at the capped score,
@@ -238,6 +252,7 @@ struct SoftcapAlibiFrom {
 };
 using SoftcapAlibi = SoftcapAlibiFrom<ShiftDiagonal>;
 using SoftcapAlibiRuns = SoftcapAlibiFrom<RunEndDiagonal>;
+using SoftcapAlibiTable = SoftcapAlibiFrom<TableDiagonal>;
 
 // The variants the host builds today: causal or not, key ranges or not; a sliding window, key ranges or not.
 template <bool kCausal, bool kRanged>
