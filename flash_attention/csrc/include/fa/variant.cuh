@@ -214,6 +214,10 @@ struct AlibiFrom {
   __device__ __forceinline__ float operator()(float s, int q, int k) const {
     return fmaf(-slope, fabsf((float)(diagonal(q) - k)), s);
   }
+  // operator() with the row's diagonal key already loaded (key_rows_diagonals).
+  __device__ __forceinline__ float at_diagonal(float s, int diagonal_key, int k) const {
+    return fmaf(-slope, fabsf((float)(diagonal_key - k)), s);
+  }
   __device__ __forceinline__ float folded(float s, float rel) const {
     return fmaf(-slope_over_scale, fabsf(rel), s);
   }
@@ -468,6 +472,44 @@ __device__ __forceinline__ void score_mod_key_rows(const Acc& s, const ScoreMod&
         for (int e = 0; e < 4; ++e)
           s(mt, n, e) = backward_score(mod, s(mt, n, e), scale, q_start + 8 * n + 2 * t + (e & 1),
                                        kv_start + warp_row0 + 16 * mt + g + 8 * (e >> 1));
+  }
+}
+
+// A score function that loads each row's diagonal (ScoreModLoadsDiagonal: a packed batch's ALiBi) reads
+// the same 2 kN rows in every block of key-row orientation (query q_start + 8 n + 2 t + c): this thread's
+// diagonals, loaded before the wait for S^T, so that their latency overlaps the product instead of sitting
+// between S^T and P (the warp-specialized backward; kernel log 110). Empty for other functions.
+template <class ScoreMod, int kN>
+struct KeyRowsDiagonals {
+  static constexpr bool kLoads = ScoreModLoadsDiagonal<ScoreMod>::value;
+  int key[kLoads ? 2 * kN : 1];
+  __device__ __forceinline__ KeyRowsDiagonals(const ScoreMod& mod, int q_start, int t) {
+    if constexpr (kLoads) {
+#pragma unroll
+      for (int n = 0; n < kN; ++n)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) key[2 * n + c] = mod.diagonal(q_start + 8 * n + 2 * t + c);
+    }
+  }
+};
+
+// score_mod_key_rows with the diagonals loaded ahead (KeyRowsDiagonals): ALiBi (the one function that loads
+// them and needs only its score from them: AlibiFrom::at_diagonal); any other, as score_mod_key_rows.
+template <class ScoreMod, class Acc>
+__device__ __forceinline__ void score_mod_key_rows(const Acc& s, const ScoreMod& mod, float scale, int kv_start,
+                                                   int warp_row0, int q_start, int g, int t,
+                                                   const KeyRowsDiagonals<ScoreMod, Acc::kN>& diagonals) {
+  if constexpr (KeyRowsDiagonals<ScoreMod, Acc::kN>::kLoads && ScoreMod::kUnitGradient) {
+#pragma unroll
+    for (int mt = 0; mt < Acc::kMT; ++mt)
+#pragma unroll
+      for (int n = 0; n < Acc::kN; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          s(mt, n, e) = mod.at_diagonal(scale * s(mt, n, e), diagonals.key[2 * n + (e & 1)],
+                                        kv_start + warp_row0 + 16 * mt + g + 8 * (e >> 1));
+  } else {
+    score_mod_key_rows(s, mod, scale, kv_start, warp_row0, q_start, g, t);
   }
 }
 
