@@ -258,7 +258,7 @@ def attention_varlen(
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
             raise ValueError(f"{name} must be a non-negative int or None; got {value!r}")
-    if alibi_slopes is not None and alibi_slopes.dim() != 1:
+    if isinstance(alibi_slopes, torch.Tensor) and alibi_slopes.dim() != 1:  # (other types: attention()'s)
         raise ValueError("alibi_slopes with attention_varlen must have shape (heads_q,) (one packed row)")
     window = check_window(window)
     if window is not None and causal:

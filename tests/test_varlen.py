@@ -209,6 +209,24 @@ def test_offsets_changed_in_place_are_seen():
     assert not torch.equal(first, second)
 
 
+def test_alibi_diagonals_follow_offsets_changed_in_place():
+    # The table of diagonals is held by the runs it was made with: offsets refilled in place make new runs,
+    # and so a new table (a stale one would measure the first call's distances).
+    gen = torch.Generator().manual_seed(13)
+    q = torch.randn(64, 2, 16, generator=gen)
+    k, v = (torch.randn(80, 2, 16, generator=gen) for _ in range(2))
+    slopes = torch.tensor([0.3, 0.7])
+    cu_q, cu_k = torch.tensor([0, 10, 64], dtype=torch.int32), torch.tensor([0, 30, 80], dtype=torch.int32)
+    first = flash_attention.attention_varlen(q, k, v, cu_q, cu_k, alibi_slopes=slopes)
+    cu_k[1] = 5  # (bumps the version)
+    second = flash_attention.attention_varlen(q, k, v, cu_q, cu_k, alibi_slopes=slopes)
+    for qs, ks in ((slice(0, 10), slice(0, 5)), (slice(10, 64), slice(5, 80))):
+        pieces = (t[s].double().unsqueeze(0) for t, s in ((q, qs), (k, ks), (v, ks)))
+        ref, _ = attention_reference(*pieces, alibi_slopes=slopes.double())
+        torch.testing.assert_close(second[qs].double(), ref[0], atol=2e-6, rtol=2e-6)
+    assert not torch.equal(first, second)
+
+
 def _tiles_of(cu_q, total_q, block_q, cu_k=None, causal=False, total_k=None):
     from flash_attention.ops.query_tiles import key_tiles, query_tiles, tile_count
     from flash_attention.varlen import _with_tiles
