@@ -112,7 +112,7 @@ def attention(
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
-    _segments: tuple[torch.Tensor, torch.Tensor] | None = None,
+    _segments: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention ``softmax(q kᵀ · softmax_scale) v``, computed tile by tile on CUDA.
 
@@ -372,7 +372,7 @@ def _attention_op(
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
-    segments: tuple[torch.Tensor, torch.Tensor] | None = None,
+    segments: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`attention` through the custom op ``flash_attention::fwd``: differentiable, and one opaque
     node for torch.compile. The op makes the same kernel-or-fallback choice as the direct path."""

@@ -228,7 +228,7 @@ def attention_varlen(
             window. The kernels measure the distance from each row's diagonal key: with ``causal`` its run
             of keys ends just past it; in packed self-attention (the same offsets tensor for queries and
             keys, no ``seqused_k``) it is the row's own index; otherwise from a table of each row's
-            diagonal (:func:`alibi_diagonals`, made once per offsets).
+            diagonal (:func:`alibi_diagonals`, made once per runs, which are cached by the offsets).
         return_lse: also return the float32 (heads_q, total_q) log-sum-exp of each row.
 
     Returns:

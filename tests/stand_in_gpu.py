@@ -331,6 +331,7 @@ class StandInGpu:
         (_workspace_rows), the dK/dV kernel walks each key tile's rows [q0, q1) reading delta at w0 + (row
         - q0) and adding dQ there (the key-tile table, p.k_tiles), the cast kernel reads dQ back by unit.
         A table of another batch (other sequence boundaries) then gives wrong gradients, as on a GPU."""
+        assert p.batch == 1 and p.row_keys and p.key_rows, "a segments launch without its runs"
         assert bool(p.k_tiles) == bool(p.q_units), "a key-tile table without its workspace units, or back"
         ws = self._workspace_rows(p)
         delta_rows = self._rows(p.delta, p)[0]  # (heads_q, seqlen_q_pad)

@@ -276,7 +276,7 @@ def cuda_backward(
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
-    segments: tuple[torch.Tensor, torch.Tensor] | None = None,
+    segments: tuple[torch.Tensor, ...] | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Gradients (dq, dk, dv) of :func:`flash_attention.ops.cuda_forward`'s output ``out`` with LSE ``lse``,
     for the output gradient ``dout``: new contiguous tensors of q's, k's and v's shapes and dtype. With the

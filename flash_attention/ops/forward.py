@@ -392,7 +392,7 @@ def cuda_forward(
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
-    segments: tuple[torch.Tensor, torch.Tensor] | None = None,
+    segments: tuple[torch.Tensor, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the forward kernel; returns ``(out, lse)`` (``lse`` None unless ``return_lse``).
 

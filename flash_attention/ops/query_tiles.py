@@ -35,7 +35,7 @@ WORKSPACE_ALIGN = 128
 UNIT = 64
 
 
-def query_tiles(segments: tuple[torch.Tensor, torch.Tensor], block_q: int) -> torch.Tensor | None:
+def query_tiles(segments: tuple[torch.Tensor, ...], block_q: int) -> torch.Tensor | None:
     """The query tiles of a packed batch for a kernel of ``block_q``-row tiles, as an int32 (n, 2) tensor of
     row ranges [start, end) (FwdParams::q_tiles), or None when the runs carry no offsets (then the kernels
     tile the packed row as one sequence). Each sequence's rows are cut into tiles of its own, so no tile
@@ -57,7 +57,7 @@ def query_tiles(segments: tuple[torch.Tensor, torch.Tensor], block_q: int) -> to
     return made
 
 
-def key_tiles(segments: tuple[torch.Tensor, torch.Tensor], block_kv: int) -> torch.Tensor | None:
+def key_tiles(segments: tuple[torch.Tensor, ...], block_kv: int) -> torch.Tensor | None:
     """The key tiles of a packed batch for a dK/dV kernel of ``block_kv``-key tiles, as an int32 (n, 8)
     tensor (BwdParams::k_tiles): keys [k0, k1) of one piece, the first row of the matching piece of rows
     (the sequence's queries), that row's workspace row in :func:`query_units`' layout, and the piece's end
@@ -86,7 +86,7 @@ def key_tiles(segments: tuple[torch.Tensor, torch.Tensor], block_kv: int) -> tor
     return made
 
 
-def query_units(segments: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor | None:
+def query_units(segments: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
     """The backward workspace's rows by sequence, as an int32 (n, 2) tensor (BwdParams::q_units): unit u is
     workspace rows [64 u, 64 u + 64), holding packed rows [start, start + count) of one piece (count <= 64;
     its other rows are padding: no key, zero gradient). Each piece starts a 128-row block, in the pieces'
@@ -113,7 +113,7 @@ def query_units(segments: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor | N
     return made
 
 
-def workspace_rows(segments: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+def workspace_rows(segments: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """int64 (total_q,): each packed row's workspace row in :func:`query_units`' layout (for reading the
     workspace back by packed row: the sinks' gradient). Runs that carry no offsets raise."""
     units = query_units(segments)

@@ -96,7 +96,7 @@ def training_forward(
     window: tuple[int, int] | None = None,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
-    segments: tuple[torch.Tensor, torch.Tensor] | None = None,
+    segments: tuple[torch.Tensor, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(out, lse)`` of the forward launch ``forward`` (the launch layer's ``cuda_forward``, as the caller's
     backend has it) with ``out``'s gradient recorded by the compiled node, or None when the node does not
@@ -145,7 +145,8 @@ def training_forward(
 
 def bound_fields(alibi: bool, segments, plan) -> tuple[str, ...]:
     """The BwdParams pointers a call of ``plan`` binds per call (:func:`bound` gives the tensors, in this
-    order): ALiBi's slopes, a packed batch's runs, and the plan's key tiles and workspace units."""
+    order): ALiBi's slopes, a packed batch's segments (its runs, and each row's ALiBi diagonal where they
+    carry one), and the plan's key tiles and workspace units."""
     fields = ALIBI_FIELDS if alibi else ()
     if segments is not None:
         fields += _SEGMENT_FIELDS[: len(segments)] + (("k_tiles", "q_units") if plan.k_tiles else ())

@@ -214,7 +214,7 @@ struct AlibiFrom {
   __device__ __forceinline__ float operator()(float s, int q, int k) const {
     return fmaf(-slope, fabsf((float)(diagonal(q) - k)), s);
   }
-  // operator() with the row's diagonal key already loaded (key_rows_diagonals).
+  // operator() with the row's diagonal key already loaded (KeyRowsDiagonals).
   __device__ __forceinline__ float at_diagonal(float s, int diagonal_key, int k) const {
     return fmaf(-slope, fabsf((float)(diagonal_key - k)), s);
   }
@@ -350,7 +350,7 @@ struct ScoreModBounded<M, decltype(void(M::kBounded))> {
 };
 
 // Whether a score function loads each row's diagonal (kAffineDiagonal false: a packed batch's ALiBi,
-// RunEndDiagonal); optional, as kAffineDiagonal is: a policy without it measures no distance from a table.
+// RunEndDiagonal or TableDiagonal); optional, as kAffineDiagonal is: a policy without it measures no distance from a table.
 template <class M, class = void>
 struct ScoreModLoadsDiagonal {
   static constexpr bool value = false;
@@ -481,7 +481,9 @@ __device__ __forceinline__ void score_mod_key_rows(const Acc& s, const ScoreMod&
 // between S^T and P (the warp-specialized backward; kernel log 110). Empty for other functions.
 template <class ScoreMod, int kN>
 struct KeyRowsDiagonals {
-  static constexpr bool kLoads = ScoreModLoadsDiagonal<ScoreMod>::value;
+  // (ALiBi alone: soft-capping with ALiBi recovers its argument per element in its gradient, and keeps
+  // score_mod_key_rows' own loads)
+  static constexpr bool kLoads = ScoreModLoadsDiagonal<ScoreMod>::value && ScoreMod::kUnitGradient;
   int key[kLoads ? 2 * kN : 1];
   __device__ __forceinline__ KeyRowsDiagonals(const ScoreMod& mod, int q_start, int t) {
     if constexpr (kLoads) {
@@ -499,7 +501,7 @@ template <class ScoreMod, class Acc>
 __device__ __forceinline__ void score_mod_key_rows(const Acc& s, const ScoreMod& mod, float scale, int kv_start,
                                                    int warp_row0, int q_start, int g, int t,
                                                    const KeyRowsDiagonals<ScoreMod, Acc::kN>& diagonals) {
-  if constexpr (KeyRowsDiagonals<ScoreMod, Acc::kN>::kLoads && ScoreMod::kUnitGradient) {
+  if constexpr (KeyRowsDiagonals<ScoreMod, Acc::kN>::kLoads) {
 #pragma unroll
     for (int mt = 0; mt < Acc::kMT; ++mt)
 #pragma unroll
