@@ -162,6 +162,11 @@ def _cached_segments(cu_q, cu_k, total_q, total_k, causal, window, seqused_k, ty
     def ident(t):
         return None if t is None else (t.data_ptr(), t._version, t.numel(), t.device)
 
+    # While torch.compile traces, the runs are ops of the graph (built from the offsets at every run of it),
+    # with no cache and no tensor attributes: an address is data the trace cannot key on, and the kernels
+    # then tile the packed row (ops.plans reads no typical lengths or offsets from the runs).
+    if torch.compiler.is_compiling():
+        return segments(cu_q, cu_k, total_q, total_k, causal=causal, window=window, seqused_k=seqused_k)
     # While a CUDA graph is captured, the runs are built inside it from the offsets' buffers (a replay after
     # new offsets were copied into them must see them), and the graph's private memory is cached nowhere.
     capturing = cu_q.is_cuda and torch.cuda.is_current_stream_capturing()

@@ -437,3 +437,32 @@ def test_packed_training_repeats_equal_the_whole_path(head_dim, heads, causal, m
             for name, x, r in zip(("dq", "dk", "dv"), (dq, dk, dv), exact, strict=True):
                 err = (x[s:e].double() - r[0]).abs().max().item()
                 assert err < 3e-2, f"{lens} [{s}, {e}) {name}: {err:.3g}"
+
+
+@pytest.mark.parametrize("alibi", [False, True], ids=["causal", "alibi_without_causal"])
+def test_attention_varlen_compiled_whole_against_float64(alibi):
+    """torch.compile(fullgraph=True) of attention_varlen: the runs (and ALiBi's table of diagonals) are ops
+    of the graph, and the kernels tile the packed row. One graph, two sets of offsets of the same totals,
+    each against float64 per sequence."""
+    causal = not alibi
+
+    def forward(q, k, v, cu_q, cu_k, slopes):
+        return flash_attention.attention_varlen(q, k, v, cu_q, cu_k, causal=causal, alibi_slopes=slopes)
+
+    compiled = torch.compile(forward, fullgraph=True, dynamic=False)
+    batches = (
+        ([300, 7, 517, 1, 130], [411, 3, 517, 20, 130]),
+        ([517, 1, 300, 130, 7], [3, 517, 411, 130, 20]),
+    )
+    for lens_q, lens_k in batches:
+        case = (lens_q, lens_k, 4, 2, 128, causal, {"alibi_any": True} if alibi else {}, "bf16")
+        tensors, kw, used = _make(case)
+        q, k, v, do = tensors
+        exact = _reference(case, tensors, kw, used, torch.float64)
+        f32 = _reference(case, tensors, kw, used, torch.float32)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        o = compiled(*leaves, _offsets(lens_q), _offsets(lens_k), kw.get("alibi_slopes"))
+        _close(o, exact[0], f32[0], "out")
+        grads = torch.autograd.grad(o, leaves, do)
+        for name, g, e, f in zip("dq dk dv".split(), grads, exact[2], f32[2], strict=False):
+            _close(g, e, f, name)

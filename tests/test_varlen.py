@@ -227,6 +227,33 @@ def test_alibi_diagonals_follow_offsets_changed_in_place():
     assert not torch.equal(first, second)
 
 
+@pytest.mark.parametrize("alibi", [False, True], ids=["causal", "alibi_without_causal"])
+def test_attention_varlen_compiles_whole_and_follows_new_offsets(alibi):
+    # torch.compile(fullgraph=True): the runs (and ALiBi's table of diagonals) are ops of the graph, built
+    # from the offsets at every call, so one graph serves other sequence boundaries of the same shapes.
+    gen = torch.Generator().manual_seed(14)
+    q = torch.randn(64, 2, 16, generator=gen, requires_grad=True)
+    k, v = (torch.randn(70, 2, 16, generator=gen, requires_grad=True) for _ in range(2))
+    kw = dict(alibi_slopes=torch.tensor([0.3, 0.7])) if alibi else dict(causal=True)
+
+    def forward(cu_q, cu_k):
+        return flash_attention.attention_varlen(q, k, v, cu_q, cu_k, **kw)
+
+    def step(fn, cu_q, cu_k):
+        out = fn(cu_q, cu_k)
+        return (out, *torch.autograd.grad(out.square().sum(), (q, k, v)))
+
+    compiled = torch.compile(forward, fullgraph=True, backend="aot_eager")
+    results = []
+    for bounds_q, bounds_k in (([0, 10, 40, 64], [0, 12, 30, 70]), ([0, 30, 31, 64], [0, 5, 50, 70])):
+        cu_q, cu_k = (torch.tensor(b, dtype=torch.int32) for b in (bounds_q, bounds_k))
+        got, want = step(compiled, cu_q, cu_k), step(forward, cu_q, cu_k)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+        results.append(got[0])
+    assert not torch.equal(*results)  # (the second offsets were not the first's)
+
+
 def _tiles_of(cu_q, total_q, block_q, cu_k=None, causal=False, total_k=None):
     from flash_attention.ops.query_tiles import key_tiles, query_tiles, tile_count
     from flash_attention.varlen import _with_tiles
