@@ -81,15 +81,11 @@ def segments(
         right = 0 if right < 0 else min(right, 0)
     len_q = cu_q[1:] - cu_q[:-1]
     len_k = cu_k[1:] - cu_k[:-1]
-    used = len_k if seqused_k is None else torch.minimum(seqused_k.to(torch.int64).clamp_min(0), len_k)
+    used = _used_keys(len_k, seqused_k)
     shift = used - len_q
 
-    # Each query row's sequence (rows past the last sequence: the last one, clamped below).
-    rows = torch.arange(total_q, device=device)
-    doc = torch.searchsorted(cu_q[1:], rows, right=True).clamp_max(max(batch - 1, 0))
-    i = rows - cu_q[doc]
+    rows, doc, d = _query_rows(cu_q, total_q, shift)
     n = used[doc]
-    d = i + shift[doc]  # the row's diagonal key (0-based in its sequence)
     hi = n if right < 0 else torch.minimum(n, d + right + 1)
     lo = torch.zeros_like(d) if left < 0 else (d - left).clamp_min(0)
     lo = torch.minimum(lo, n)
@@ -119,6 +115,19 @@ def segments(
     return row_keys.to(torch.int32).contiguous(), key_rows.to(torch.int32).contiguous()
 
 
+def _query_rows(cu_q: torch.Tensor, total_q: int, shift: torch.Tensor):
+    """Each query row's index, its sequence (rows past the last sequence: the last one) and its diagonal key,
+    0-based in its sequence (i + shift of its sequence), int64 (total_q,) each, for a batch of >= 1."""
+    rows = torch.arange(total_q, device=cu_q.device)
+    doc = torch.searchsorted(cu_q[1:], rows, right=True).clamp_max(cu_q.numel() - 2)
+    return rows, doc, rows - cu_q[doc] + shift[doc]
+
+
+def _used_keys(len_k: torch.Tensor, seqused_k: torch.Tensor | None) -> torch.Tensor:
+    """Each sequence's keys in use: seqused_k clamped to [0, its keys], else all of them."""
+    return len_k if seqused_k is None else torch.minimum(seqused_k.to(torch.int64).clamp_min(0), len_k)
+
+
 def alibi_diagonals(
     cu_seqlens_q: torch.Tensor,
     cu_seqlens_k: torch.Tensor,
@@ -136,11 +145,9 @@ def alibi_diagonals(
     if batch == 0:
         return torch.zeros(total_q, dtype=torch.int32, device=device)
     len_q = cu_q[1:] - cu_q[:-1]
-    len_k = cu_k[1:] - cu_k[:-1]
-    used = len_k if seqused_k is None else torch.minimum(seqused_k.to(torch.int64).clamp_min(0), len_k)
-    rows = torch.arange(total_q, device=device)
-    doc = torch.searchsorted(cu_q[1:], rows, right=True).clamp_max(batch - 1)
-    diagonal = cu_k[doc] + rows - cu_q[doc] + used[doc] - len_q[doc]
+    used = _used_keys(cu_k[1:] - cu_k[:-1], seqused_k)
+    rows, doc, d = _query_rows(cu_q, total_q, used - len_q)
+    diagonal = cu_k[doc] + d
     diagonal = torch.where(rows >= cu_q[-1], cu_k[-1], diagonal)  # (torch.where: no host read)
     return diagonal.to(torch.int32).contiguous()
 
