@@ -659,3 +659,34 @@ def test_score_function_baselines_compute_what_attention_computes(causal, score)
     else:
         with pytest.raises(Skip, match="soft-capping"):
             make_runner("sdpa_cudnn", shape, [(q, k, v)], "fwd")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_alibi_rows_compute_each_documents_own_alibi_attention(causal):
+    """bench --varlen --alibi: ours and FlexAttention's packed outputs are each document's attention with
+    ALiBi on its own positions (the float64 reference per document), so their rows time the same work; SDPA
+    is skipped with its reason rather than timed without ALiBi."""
+    from flash_attention.reference import attention_reference
+    from flash_attention.tools.bench.runners import Skip, alibi_slopes
+    from flash_attention.tools.bench.varlen import VarlenSettings, _runner
+
+    torch.manual_seed(11)
+    lengths = [5, 17, 1, 12]
+    s = VarlenSettings(impls=("flash_attention", "flex"), head_dim=16, heads=4, alibi=True)
+    q, k, v = (torch.randn(sum(lengths), 4, 16) * 2 for _ in range(3))  # float32: compiled Flex's widest
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    expected = torch.cat(
+        [
+            attention_reference(
+                *(t[a : a + n].unsqueeze(0).double() for t in (q, k, v)),
+                causal=causal,
+                alibi_slopes=alibi_slopes(4, "cpu"),
+            )[0][0]
+            for a, n in zip(starts, lengths, strict=True)
+        ]
+    )
+    for impl in ("flash_attention", "flex"):
+        out = _runner(impl, s, causal, lengths, q, k, v)[1]()
+        assert torch.allclose(out.to(torch.float64), expected, atol=2e-5), impl
+    with pytest.raises(Skip, match="additive mask"):
+        _runner("sdpa_cudnn", s, causal, lengths, q, k, v)

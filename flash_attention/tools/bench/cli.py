@@ -197,7 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="a packed batch of ragged documents (lengths uniform in 128..8192, --tokens of them, default "
         "64k) through attention_varlen, against the padded dense batch's useful work, FlexAttention's "
-        "document mask and SDPA's block-diagonal mask (--mode fwd or fwd_bwd; file tag 'varlen')",
+        "document mask and SDPA's block-diagonal mask (--mode fwd or fwd_bwd; with --alibi, ALiBi on each "
+        "document, SDPA skipped; file tag 'varlen', 'varlen-alibi')",
     )
     p.add_argument(
         "--sinks",
@@ -596,13 +597,14 @@ def _main_varlen(args: argparse.Namespace, reps: int, min_time: float) -> int:
         causal={"both": (True, False), "yes": (True,), "no": (False,)}[args.causal],
         mode=args.mode if args.mode in ("fwd", "fwd_bwd") else "fwd",
         dtype=args.dtype or "bf16",
+        alibi=args.alibi,
         warmup=args.warmup,
         min_reps=min(reps, 10),
         min_time_s=min_time,
     )
     result = environment(torch.cuda.current_device(), args.commit, args.allow_dirty)
     result.update(mode="varlen", matmul_tflops=None, rows=run_varlen(settings))
-    _save_tagged(result, args, "varlen")
+    _save_tagged(result, args, "varlen-alibi" if args.alibi else "varlen")
     return 0
 
 

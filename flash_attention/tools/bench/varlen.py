@@ -11,6 +11,11 @@ batch) until they fill ``tokens``. Rows (FLOPs of the useful work only: each doc
 * ``flex``: FlexAttention with a document mask (a block mask from the documents' ids);
 * ``sdpa_efficient`` / ``sdpa_cudnn``: SDPA with the block-diagonal boolean mask, materialised
   (total x total), as a model without a varlen kernel passes it.
+
+With ``alibi`` every row gets ALiBi with the geometric slopes (each document's own positions: a packed
+row's distance to a key of its document is the same as in the document alone): ours through
+``alibi_slopes=``, the padded batch likewise, FlexAttention through a score_mod; SDPA is skipped, as its
+additive mask would be (heads, total, total) floats (128 GiB in bf16 at 64k tokens and 16 heads).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import torch
 import flash_attention
 
 from ..common import time_cuda
-from .runners import Skip, _flex, _sdpa_backend, one_line
+from .runners import Skip, _flex, _sdpa_backend, alibi_slopes, one_line
 
 VARLEN_IMPLS = ("flash_attention", "flash_attention_padded", "flex", "sdpa_efficient", "sdpa_cudnn")
 
@@ -40,6 +45,8 @@ class VarlenSettings:
     causal: tuple[bool, ...] = (True, False)
     mode: str = "fwd"
     dtype: str = "bf16"
+    #: ALiBi with the geometric slopes on every implementation that has it (see the module's docstring).
+    alibi: bool = False
     seed: int = 0
     warmup: int = 3
     min_reps: int = 10
@@ -83,10 +90,11 @@ def _runner(impl: str, s: VarlenSettings, causal: bool, lengths: list[int], q, k
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
     total = q.shape[0]
     fwd_only = s.mode == "fwd"
+    slopes = alibi_slopes(q.shape[1], device) if s.alibi else None
     if impl == "flash_attention":
 
         def f(q, k, v):
-            return flash_attention.attention_varlen(q, k, v, cu, cu, causal=causal)
+            return flash_attention.attention_varlen(q, k, v, cu, cu, causal=causal, alibi_slopes=slopes)
 
         return (lambda i: f(q, k, v)) if fwd_only else _grad_call(f, (q, k, v)), lambda: f(q, k, v)
     if impl == "flash_attention_padded":
@@ -107,7 +115,7 @@ def _runner(impl: str, s: VarlenSettings, causal: bool, lengths: list[int], q, k
         qp, kp, vp = padded(q), padded(k), padded(v)
 
         def f(q, k, v):
-            return flash_attention.attention(q, k, v, causal=causal)
+            return flash_attention.attention(q, k, v, causal=causal, alibi_slopes=slopes)
 
         return (lambda i: f(qp, kp, vp)) if fwd_only else _grad_call(f, (qp, kp, vp)), lambda: None
     doc = torch.repeat_interleave(torch.arange(len(lengths), device=device), cu.diff().long())
@@ -126,12 +134,19 @@ def _runner(impl: str, s: VarlenSettings, causal: bool, lengths: list[int], q, k
         block_mask = create_block_mask(document, B=None, H=None, Q_LEN=total, KV_LEN=total, device=device)
         flex = _flex()
 
+        def alibi(score, b, h, q_idx, kv_idx):
+            return score - slopes[h] * (q_idx - kv_idx).abs()
+
+        score_mod = alibi if s.alibi else None
+
         def f(q, k, v):
-            return flex(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+            return flex(q, k, v, block_mask=block_mask, score_mod=score_mod, enable_gqa=gqa)
 
         call = (lambda i: f(*native)) if fwd_only else _grad_call(f, native)
         return call, lambda: f(*native)[0].transpose(0, 1)
     if impl in ("sdpa_efficient", "sdpa_cudnn"):
+        if s.alibi:
+            raise Skip("ALiBi needs SDPA's additive mask per head: (heads, total, total) does not fit")
         import torch.nn.functional as F
         from torch.nn.attention import sdpa_kernel
 
@@ -160,7 +175,7 @@ def run_varlen(s: VarlenSettings) -> list[dict]:
     k, v = (torch.randn(total, kv, s.head_dim, device="cuda", dtype=dtype) for _ in range(2))
     print(
         f"{len(lengths)} documents of {min(lengths)}..{max(lengths)} tokens ({total} in all), heads {s.heads}"
-        f" (kv {kv}), head_dim {s.head_dim}, {s.dtype}, {s.mode}",
+        f" (kv {kv}), head_dim {s.head_dim}, {s.dtype}, {s.mode}{', ALiBi' if s.alibi else ''}",
         flush=True,
     )
     rows = []
@@ -171,7 +186,7 @@ def run_varlen(s: VarlenSettings) -> list[dict]:
         for impl in s.impls:
             base = dict(impl=impl, mode=s.mode, dtype=s.dtype, head_dim=s.head_dim, causal=causal,
                         seqlen=total, batch=len(lengths), heads=s.heads, kv_heads=kv,
-                        varlen=True)  # fmt: skip
+                        varlen=True, alibi=s.alibi)  # fmt: skip
             try:
                 call, output = _runner(impl, s, causal, lengths, q, k, v)
                 out = output()
