@@ -98,7 +98,7 @@ def segments(
 
     # Each key's sequence and the query rows that see it (the same relation, solved for i).
     keys = torch.arange(total_k, device=device)
-    kdoc = torch.searchsorted(cu_k[1:], keys, right=True).clamp_max(max(batch - 1, 0))
+    kdoc = _sequence_of_each(cu_k, total_k)
     j = keys - cu_k[kdoc]
     m = len_q[kdoc]
     dk = j - shift[kdoc]  # the row whose diagonal key is j
@@ -115,11 +115,24 @@ def segments(
     return row_keys.to(torch.int32).contiguous(), key_rows.to(torch.int32).contiguous()
 
 
+def _sequence_of_each(cu: torch.Tensor, total: int) -> torch.Tensor:
+    """The sequence of each packed position 0..total-1 under int64 offsets ``cu`` of >= 1 sequence: the count
+    of sequence ends at or before it, clamped to the last sequence (positions past it: the last one), int64.
+
+    The ends are scattered into a histogram and summed, not looked up with torch.searchsorted: under
+    torch.compile, Inductor (torch 2.11 on CUDA) fails to lower searchsorted over a slice of a computed
+    buffer (``cu[1:]`` of the int64 offsets: NotImplementedError SliceView.get_stride)."""
+    ends = cu[1:].clamp(0, total)  # an end at `total` or past counts for no position
+    hist = torch.zeros(total + 1, dtype=torch.int64, device=cu.device)
+    hist = hist.scatter_add(0, ends, torch.ones_like(ends))
+    return hist[:total].cumsum(0).clamp_max(cu.numel() - 2)
+
+
 def _query_rows(cu_q: torch.Tensor, total_q: int, shift: torch.Tensor):
     """Each query row's index, its sequence (rows past the last sequence: the last one) and its diagonal key,
     0-based in its sequence (i + shift of its sequence), int64 (total_q,) each, for a batch of >= 1."""
     rows = torch.arange(total_q, device=cu_q.device)
-    doc = torch.searchsorted(cu_q[1:], rows, right=True).clamp_max(cu_q.numel() - 2)
+    doc = _sequence_of_each(cu_q, total_q)
     return rows, doc, rows - cu_q[doc] + shift[doc]
 
 
