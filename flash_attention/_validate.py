@@ -202,23 +202,42 @@ def check_window(window: object) -> tuple[int, int] | None:
     return int(window[0]), int(window[1])
 
 
-def score_function(softcap: object, alibi_slopes: object, q: torch.Tensor) -> str | None:
+def alibi_per_row(alibi_slopes: object, segments: tuple | None) -> bool:
+    """Whether a call's ALiBi slopes are one per query row: a packed batch's (batch 1) table with more than
+    one row (a (1, heads_q) table is the batch's, the same for every row)."""
+    return (
+        segments is not None
+        and isinstance(alibi_slopes, torch.Tensor)
+        and alibi_slopes.dim() == 2
+        and alibi_slopes.shape[0] > 1
+    )
+
+
+def score_function(
+    softcap: object, alibi_slopes: object, q: torch.Tensor, segments: tuple | None = None
+) -> str | None:
     """The score function of a call (``jit.sources.SCORE_MODS``: "softcap", "alibi", or both composed,
     "softcap_alibi": the capped score plus ALiBi's bias), or None; raises naming the argument: ``softcap`` a
     finite float >= 0 (0: none), ``alibi_slopes`` a contiguous float32 tensor of shape (heads_q,) or
-    (batch, heads_q) on q's device."""
+    (batch, heads_q) on q's device. A packed batch's call (``segments``, batch 1) may also give a slope per
+    query row, (seqlen_q, heads_q) (flash_attention.varlen's per-sequence slopes), with the segments' table
+    of diagonals (their third tensor), which the kernels' per-row builds measure from."""
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
         raise TypeError(f"softcap must be a float (0: none); got {type(softcap).__name__}")
     if not math.isfinite(softcap) or softcap < 0:
         raise ValueError(f"softcap must be a finite number >= 0 (0: none); got {softcap!r}")
     if alibi_slopes is not None:
-        batch, _, heads_q, _ = q.shape
+        batch, seqlen_q, heads_q, _ = q.shape
         if not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dtype != torch.float32:
             raise TypeError("alibi_slopes must be a float32 tensor of shape (heads_q,) or (batch, heads_q)")
-        if tuple(alibi_slopes.shape) not in ((heads_q,), (batch, heads_q)):
+        shape = tuple(alibi_slopes.shape)
+        if segments is not None and shape == (seqlen_q, heads_q):
+            if alibi_per_row(alibi_slopes, segments) and len(segments) != 3:
+                raise ValueError("alibi_slopes per query row need the segments' table of diagonals")
+        elif shape not in ((heads_q,), (batch, heads_q)):
             raise ValueError(
                 f"alibi_slopes must have shape (heads_q,) = ({heads_q},) or (batch, heads_q) = ({batch}, "
-                f"{heads_q}); got {tuple(alibi_slopes.shape)}"
+                f"{heads_q}); got {shape}"
             )
         if alibi_slopes.device != q.device or not alibi_slopes.is_contiguous():
             raise ValueError(f"alibi_slopes must be contiguous and on the device of q ({q.device})")

@@ -221,7 +221,7 @@ def attention(
 
     problem = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, key_range=key_range)
     window = check_window(window)
-    score_function(softcap, alibi_slopes, q)  # (the checks, naming the argument)
+    score_function(softcap, alibi_slopes, q, _segments)  # (the checks, naming the argument)
     check_sinks(sinks, q)
     if _segments is not None:
         check_segments(_segments, q, k, key_range, window)

@@ -93,15 +93,19 @@ def _rows_allowed(
 def _score_args(
     softcap: float, alibi_slopes, batch: int, heads_q: int, cdtype, alibi_diagonal=None
 ) -> tuple | None:
-    """(cap or 0, (batch, heads_q) ALiBi slopes in ``cdtype`` or None, the rows' ALiBi diagonals or None) of a
-    call with a score function, else None."""
+    """(cap or 0, ALiBi slopes in ``cdtype`` or None, the rows' ALiBi diagonals or None, whether the slopes
+    are per query row) of a call with a score function, else None. The slopes are (batch, heads_q), or with
+    ``alibi_diagonal`` (a packed batch, batch 1) a (seqlen_q, heads_q) table of more than one row: a slope
+    per query row."""
     if not softcap and alibi_slopes is None:
         return None
     slopes = None
+    per_row = False
     if alibi_slopes is not None:
         slopes = alibi_slopes.to(cdtype)
         slopes = slopes.unsqueeze(0).expand(batch, -1) if slopes.dim() == 1 else slopes
-    return float(softcap), slopes, alibi_diagonal
+        per_row = alibi_diagonal is not None and slopes.shape[0] > 1
+    return float(softcap), slopes, alibi_diagonal, per_row
 
 
 def _apply_score(
@@ -111,7 +115,7 @@ def _apply_score(
     soft-capping, then ALiBi's bias (:func:`attention_reference`'s order)."""
     if score is None:
         return s
-    cap, slopes, diagonal = score
+    cap, slopes, diagonal, per_row = score
     if cap:
         s = torch.tanh(s / cap) * cap
     if slopes is None:
@@ -123,7 +127,10 @@ def _apply_score(
     else:  # each row's own diagonal key (a packed batch's: flash_attention.varlen)
         rows = diagonal[i0:i1].to(device=s.device, dtype=torch.int64).unsqueeze(1)
     distance = (rows - torch.arange(seqlen_k, device=s.device).unsqueeze(0)).abs().to(s.dtype)
-    slopes = slopes[b0:b1, h0 * group : h1 * group].reshape(b1 - b0, h1 - h0, group, 1, 1)
+    if per_row:  # (seqlen_q, heads_q): each query row's own slopes (batch 1)
+        slopes = slopes[i0:i1, h0 * group : h1 * group].T.reshape(1, h1 - h0, group, i1 - i0, 1)
+    else:
+        slopes = slopes[b0:b1, h0 * group : h1 * group].reshape(b1 - b0, h1 - h0, group, 1, 1)
     return s - slopes * distance
 
 
@@ -388,7 +395,9 @@ def attention_torch(
     ``window`` (left, right): the sliding window of :func:`window_allowed` (-1: unbounded on that side).
     ``softcap`` > 0 and ``alibi_slopes``: the score functions of :func:`attention_reference`;
     ``alibi_diagonal`` (seqlen_q,) integers, ALiBi's distance measured from each row's own diagonal key
-    instead of ``i + seqlen_k - seqlen_q`` (a packed batch's rows: :func:`flash_attention.varlen.segments`).
+    instead of ``i + seqlen_k - seqlen_q`` (a packed batch's rows: :func:`flash_attention.varlen.segments`);
+    with it (batch 1), ``alibi_slopes`` may also be (seqlen_q, heads_q), a slope per query row (the
+    packed sequences' own slopes).
 
     Scores, softmax and accumulation are float32 (float64 for float64 inputs); ``out`` has q's dtype and is
     written in place when given; the LSE is float32 of shape (batch, heads_q, seqlen_q). At most about
@@ -667,12 +676,12 @@ def _backward_chunk(
     s = torch.matmul(qc, kc.transpose(-1, -2)).mul_(scale)  # scale before masking, as in the forward
     grad = None  # the score function's derivative (1 - (capped / cap)^2; ALiBi's is 1), before the mask
     if score is not None:
-        cap, slopes, diagonal = score
+        cap, slopes, diagonal, per_row = score
         view = s.view(nb, nh, group, rows, seqlen_k)
         if cap:
-            view = _apply_score(view, (cap, None, None), bounds, group, seqlen_q)
+            view = _apply_score(view, (cap, None, None, False), bounds, group, seqlen_q)
             grad = (1 - (view / cap) ** 2).reshape(s.shape)
-        s = _apply_score(view, (0.0, slopes, diagonal), bounds, group, seqlen_q).reshape(s.shape)
+        s = _apply_score(view, (0.0, slopes, diagonal, per_row), bounds, group, seqlen_q).reshape(s.shape)
     masked = s.view(nb, nh, group, rows, seqlen_k)
     allowed = _rows_allowed(i0, i1, seqlen_q, seqlen_k, causal, window, q.device)
     if allowed is not None:

@@ -29,7 +29,7 @@ import torch
 from ._validate import check_window
 from .interface import attention
 
-__all__ = ["alibi_diagonals", "attention_varlen", "segments"]
+__all__ = ["alibi_diagonals", "attention_varlen", "row_slopes", "segments"]
 
 #: Segments of recent calls, by their offsets' identity and version (every layer of a model passes the same
 #: tensors): a hit skips the dozen small kernels that build them. Each entry holds its offsets tensors too:
@@ -165,6 +165,18 @@ def alibi_diagonals(
     return diagonal.to(torch.int32).contiguous()
 
 
+def row_slopes(alibi_slopes: torch.Tensor, cu_seqlens_q: torch.Tensor, total_q: int) -> torch.Tensor:
+    """Per-sequence ALiBi slopes (batch, heads_q) as each query row's: float32 contiguous (total_q, heads_q),
+    row i of sequence b holding alibi_slopes[b] (rows after the last sequence: the last sequence's; they see
+    no key). The kernels' per-row builds read row i's slope for head h at [i, h]. A (total_q, heads_q) table
+    of one row (total_q 1) is the batch's, which every build reads alike."""
+    heads = alibi_slopes.shape[1]
+    if alibi_slopes.shape[0] == 0:  # no sequence: no row sees a key
+        return torch.zeros(total_q, heads, dtype=torch.float32, device=alibi_slopes.device)
+    doc = _sequence_of_each(cu_seqlens_q.to(torch.int64), total_q)
+    return alibi_slopes.index_select(0, doc).contiguous()
+
+
 def _with_tiles(made: tuple[torch.Tensor, torch.Tensor], cu_q: torch.Tensor, cu_k: torch.Tensor) -> tuple:
     """The runs, noting the offsets that ops.query_tiles cuts the rows and keys by (attributes of the
     tensors, as ``_typical_lengths``: they ride through the custom op's eager call; under torch.compile the
@@ -248,20 +260,22 @@ def attention_varlen(
         causal, softmax_scale, window, softcap, sinks, dropout_p, dropout_seed, deterministic: as in
             :func:`flash_attention.attention`, per sequence (causal and the window aligned to each
             sequence's own bottom-right corner).
-        alibi_slopes: ALiBi, float32 (heads_q,), each sequence's own ``-slope * |i + shift - j|`` (shift:
-            its used key count minus its query count), for any query and key counts, ``seqused_k`` and
-            window. The kernels measure the distance from each row's diagonal key: with ``causal`` its run
-            of keys ends just past it; in packed self-attention (the same offsets tensor for queries and
-            keys, no ``seqused_k``) it is the row's own index; otherwise from a table of each row's
-            diagonal (:func:`alibi_diagonals`, made once per runs, which are cached by the offsets).
+        alibi_slopes: ALiBi, float32 (heads_q,), or (batch, heads_q) for slopes of each sequence's own:
+            each sequence's own ``-slope * |i + shift - j|`` (shift: its used key count minus its query
+            count), for any query and key counts, ``seqused_k`` and window. The kernels measure the distance
+            from each row's diagonal key: with ``causal`` its run of keys ends just past it; in packed
+            self-attention (the same offsets tensor for queries and keys, no ``seqused_k``) it is the row's
+            own index; otherwise, and with per-sequence slopes, from a table of each row's diagonal
+            (:func:`alibi_diagonals`, made once per runs, which are cached by the offsets). Per-sequence
+            slopes reach the kernels as a (total_q, heads_q) table of each row's (:func:`row_slopes`, made
+            at every call: the slopes may change between calls).
         return_lse: also return the float32 (heads_q, total_q) log-sum-exp of each row.
 
     Returns:
         (total_q, heads_q, head_dim) output, with ``return_lse`` also the LSE; differentiable with respect
         to q, k, v (and sinks) as :func:`flash_attention.attention` is.
 
-    Not taken: ``key_range`` (``seqused_k`` is the packed form of a key range); per-sequence (batch,
-    heads_q) ALiBi slopes (yet: the kernels read one slope per head in a packed row).
+    Not taken: ``key_range`` (``seqused_k`` is the packed form of a key range).
     The offsets' values are the caller's promise: they are not read on the host, and offsets that decrease
     or exceed the tensors give wrong results, never out-of-bounds accesses (the kernels clamp every row and
     key they read to the packed tensors).
@@ -283,8 +297,16 @@ def attention_varlen(
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
             raise ValueError(f"{name} must be a non-negative int or None; got {value!r}")
-    if isinstance(alibi_slopes, torch.Tensor) and alibi_slopes.dim() != 1:  # (other types: attention()'s)
-        raise ValueError("alibi_slopes with attention_varlen must have shape (heads_q,) (one packed row)")
+    per_sequence = isinstance(alibi_slopes, torch.Tensor) and alibi_slopes.dim() == 2
+    if per_sequence:  # (other shapes and types: attention()'s checks)
+        shape = (n_offsets - 1, q.shape[1])
+        if tuple(alibi_slopes.shape) != shape:
+            raise ValueError(
+                f"alibi_slopes must have shape (heads_q,) = ({q.shape[1]},) or (batch, heads_q) = {shape}; "
+                f"got {tuple(alibi_slopes.shape)}"
+            )
+        if alibi_slopes.dtype != torch.float32 or alibi_slopes.device != q.device:
+            raise ValueError(f"alibi_slopes must be float32 on the device of q ({q.device})")
     window = check_window(window)
     if window is not None and causal:
         window = (window[0], 0 if window[1] < 0 else min(window[1], 0))
@@ -297,10 +319,14 @@ def attention_varlen(
         cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], bool(causal), window, seqused_k, typical
     )
     packed_self = cu_seqlens_q is cu_seqlens_k and seqused_k is None and q.shape[0] == k.shape[0]
-    if alibi_slopes is not None and not causal and not packed_self:
-        # ALiBi without causal across other query and key offsets: each row's diagonal from a table (the
-        # "..._table" builds), made once per runs and held by them. (With causal the runs' ends are the
-        # diagonals; in packed self-attention the packed row's own index is.)
+    if per_sequence:
+        # A slope per query row (the "..._rows" builds), which measure from the table of diagonals.
+        alibi_slopes = row_slopes(alibi_slopes, cu_seqlens_q, q.shape[0])
+    if alibi_slopes is not None and (per_sequence or (not causal and not packed_self)):
+        # ALiBi without causal across other query and key offsets, or with per-sequence slopes: each row's
+        # diagonal from a table (the "..._table" and "..._rows" builds), made once per runs and held by
+        # them. (Otherwise, with causal the runs' ends are the diagonals; in packed self-attention the
+        # packed row's own index is.)
         diagonal = getattr(runs[0], "_alibi_diagonal", None)
         if diagonal is None:
             diagonal = alibi_diagonals(cu_seqlens_q, cu_seqlens_k, q.shape[0], seqused_k)

@@ -663,9 +663,10 @@ def test_score_function_baselines_compute_what_attention_computes(causal, score)
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_varlen_alibi_rows_compute_each_documents_own_alibi_attention(causal):
-    """bench --varlen --alibi: ours and FlexAttention's packed outputs are each document's attention with
-    ALiBi on its own positions (the float64 reference per document), so their rows time the same work; SDPA
-    is skipped with its reason rather than timed without ALiBi."""
+    """bench --varlen --alibi: ours (with one slope table, and with the same slopes per document) and
+    FlexAttention's packed outputs are each document's attention with ALiBi on its own positions (the
+    float64 reference per document), so their rows time the same work; SDPA is skipped with its reason
+    rather than timed without ALiBi."""
     from flash_attention.reference import attention_reference
     from flash_attention.tools.bench.runners import Skip, alibi_slopes
     from flash_attention.tools.bench.varlen import VarlenSettings, _runner
@@ -685,7 +686,7 @@ def test_varlen_alibi_rows_compute_each_documents_own_alibi_attention(causal):
             for a, n in zip(starts, lengths, strict=True)
         ]
     )
-    for impl in ("flash_attention", "flex"):
+    for impl in ("flash_attention", "flash_attention_per_sequence_slopes", "flex"):
         out = _runner(impl, s, causal, lengths, q, k, v)[1]()
         assert torch.allclose(out.to(torch.float64), expected, atol=2e-5), impl
     with pytest.raises(Skip, match="additive mask"):

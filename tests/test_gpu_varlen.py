@@ -23,7 +23,7 @@ from flash_attention.configs import (
 )
 from flash_attention.configs.heuristics import classic_hopper_config
 from flash_attention.reference import attention_reference
-from flash_attention.varlen import _with_tiles, alibi_diagonals, segments
+from flash_attention.varlen import _with_tiles, alibi_diagonals, row_slopes, segments
 
 pytestmark = [
     pytest.mark.gpu,
@@ -78,6 +78,22 @@ CASES = [
     ),
     ([250, 380, 129], [300, 380, 200], 4, 4, 256, False, {"alibi_any": True, "window": (90, 40)}, "bf16"),
     ([250, 1, 129], [300, 64, 130], 4, 2, 128, False, {"alibi_any": True, "softcap": 1.5}, "bf16"),
+    # Per-sequence (batch, heads) slopes (a slope per query row in the kernels, the "..._rows" builds)
+    ([250, 380, 0, 129, 1], [250, 380, 0, 129, 1], 8, 2, 128, True, {"alibi_seq": True}, "bf16"),
+    ([250, 380, 129], [250, 380, 129], 4, 4, 64, False, {"alibi_seq": True}, "fp16"),
+    ([250, 1, 129, 40], [300, 64, 130, 7], 8, 2, 128, False, {"alibi_seq": True}, "bf16"),
+    ([250, 1, 129], [100, 64, 500], 4, 1, 256, True, {"alibi_seq": True, "softcap": 1.5}, "bf16"),
+    ([250, 380, 129], [300, 380, 200], 4, 2, 72, False, {"alibi_seq": True, "window": (90, 40)}, "fp16"),
+    (
+        [250, 380, 129],
+        [300, 400, 129],
+        4,
+        2,
+        128,
+        True,
+        {"alibi_seq": True, "seqused_k": [260, 0, 100], "softcap": 1.5},
+        "bf16",
+    ),
 ]
 
 
@@ -99,6 +115,8 @@ def _make(case):
         kw["sinks"] = torch.randn(hq, generator=gen, device="cuda") + 4.0
     if kw.pop("alibi", False) or kw.pop("alibi_any", False):
         kw["alibi_slopes"] = torch.linspace(0.05, 0.6, hq, device="cuda")
+    if kw.pop("alibi_seq", False):  # each sequence's own, none equal to another's
+        kw["alibi_slopes"] = torch.rand(len(lens_q), hq, generator=gen, device="cuda") * 0.6 + 0.02
     return (q, k, v, do), kw, used
 
 
@@ -115,9 +133,10 @@ def _reference(case, tensors, kw, used, dtype):
         lse[:] = sinks.to(dtype)[:, None]
     dsinks = torch.zeros(hq, dtype=dtype, device="cuda")
     ref_kw = {n: kw[n] for n in ("window", "softcap") if n in kw}
-    if "alibi_slopes" in kw:
-        ref_kw["alibi_slopes"] = kw["alibi_slopes"].to(dtype)
+    slopes = kw.get("alibi_slopes")
     for b, m in enumerate(lens_q):
+        if slopes is not None:  # (heads,), or each sequence's (batch, heads)
+            ref_kw["alibi_slopes"] = (slopes if slopes.dim() == 1 else slopes[b]).to(dtype)
         qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b] + used[b])
         if m == 0:
             continue
@@ -176,12 +195,13 @@ def test_attention_varlen_against_float64(case):
         assert all(torch.equal(a, b) for a, b in zip(grads, again, strict=True))
 
 
-@pytest.mark.parametrize("alibi", ["plain", "runs", "table"])
+@pytest.mark.parametrize("alibi", ["plain", "runs", "table", "rows"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_every_family_takes_segments(head_dim, alibi):
     """The segments build of each forward family and each backward family at the launch layer; with ALiBi,
     over sequences of different query and key counts: causal (the AlibiRuns build: each row's diagonal from
-    its run), or not (the AlibiTable build: each row's diagonal from the segments' table)."""
+    its run), or not (the AlibiTable build: each row's diagonal from the segments' table); and each
+    sequence with slopes of its own, causal (the AlibiRows build: the table, and a slope per query row)."""
     causal = alibi != "table"
     case = ([300, 0, 517, 1, 130], [300, 0, 517, 1, 130], 4, 2, head_dim, True, {}, "bf16")
     if alibi != "plain":
@@ -192,7 +212,7 @@ def test_every_family_takes_segments(head_dim, alibi):
             2,
             head_dim,
             causal,
-            {"alibi_any": True},
+            {"alibi_seq": True} if alibi == "rows" else {"alibi_any": True},
             "bf16",
         )
     tensors, kw, used = _make(case)
@@ -201,8 +221,10 @@ def test_every_family_takes_segments(head_dim, alibi):
     f32 = _reference(case, tensors, kw, used, torch.float32)
     cu, cu_k = _offsets(case[0]), _offsets(case[1])
     runs = segments(cu, cu_k, q.shape[0], k.shape[0], causal=causal)
-    if alibi == "table":
+    if alibi in ("table", "rows"):
         runs = (*runs, alibi_diagonals(cu, cu_k, q.shape[0]))
+    if alibi == "rows":
+        kw["alibi_slopes"] = row_slopes(kw["alibi_slopes"], cu, q.shape[0])
     d = padded_head_dim(head_dim)
     n = q.shape[0]
     fwd = {"default": None, "portable": portable_config("bf16", head_dim, False, n, n)}
@@ -439,12 +461,15 @@ def test_packed_training_repeats_equal_the_whole_path(head_dim, heads, causal, m
                 assert err < 3e-2, f"{lens} [{s}, {e}) {name}: {err:.3g}"
 
 
-@pytest.mark.parametrize("alibi", [False, True], ids=["causal", "alibi_without_causal"])
+@pytest.mark.parametrize(
+    "alibi", [False, True, "seq"], ids=["causal", "alibi_without_causal", "per_sequence_alibi_causal"]
+)
 def test_attention_varlen_compiled_whole_against_float64(alibi):
-    """torch.compile(fullgraph=True) of attention_varlen: the runs (and ALiBi's table of diagonals) are ops
-    of the graph, and the kernels tile the packed row. One graph, two sets of offsets of the same totals,
-    each against float64 per sequence."""
-    causal = not alibi
+    """torch.compile(fullgraph=True) of attention_varlen: the runs (and ALiBi's table of diagonals, and
+    per-sequence slopes' table of each row's) are ops of the graph, and the kernels tile the packed row. One
+    graph, two sets of offsets of the same totals, each against float64 per sequence."""
+    causal = alibi is not True
+    extra = {"alibi_seq": True} if alibi == "seq" else {"alibi_any": True} if alibi else {}
 
     def forward(q, k, v, cu_q, cu_k, slopes):
         return flash_attention.attention_varlen(q, k, v, cu_q, cu_k, causal=causal, alibi_slopes=slopes)
@@ -455,7 +480,7 @@ def test_attention_varlen_compiled_whole_against_float64(alibi):
         ([517, 1, 300, 130, 7], [3, 517, 411, 130, 20]),
     )
     for lens_q, lens_k in batches:
-        case = (lens_q, lens_k, 4, 2, 128, causal, {"alibi_any": True} if alibi else {}, "bf16")
+        case = (lens_q, lens_k, 4, 2, 128, causal, extra, "bf16")
         tensors, kw, used = _make(case)
         q, k, v, do = tensors
         exact = _reference(case, tensors, kw, used, torch.float64)

@@ -608,6 +608,42 @@ def test_packed_alibi_without_causal_repeats_bind_each_calls_diagonals(gpu, vali
     assert not gpu.errors, gpu.errors
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_per_sequence_alibi_repeats_bind_each_calls_slopes(gpu, validations, causal):
+    # Slopes of each sequence's own reach the kernels as a table of each row's (the "alibi_rows" build),
+    # made at every call: every repeat must bind the call's table (new slopes each call here) and its
+    # diagonals, in the forward and in the training node.
+    batches = (([100, 7, 50, 43], [120, 3, 60, 17]), ([1, 199, 0, 0], [50, 100, 0, 50]),
+               ([60, 60, 0, 80], [10, 100, 0, 90]))  # fmt: skip
+    for lens_q, lens_k in batches:
+        slopes = torch.rand(4, 4) * 0.6 + 0.02
+        q = torch.randn(200, 4, 64, dtype=torch.bfloat16).requires_grad_()
+        k, v = (torch.randn(200, 2, 64, dtype=torch.bfloat16).requires_grad_() for _ in "kv")
+        cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32)
+                      for n in (lens_q, lens_k))  # fmt: skip
+        out = fa.attention_varlen(
+            q, k, v, cu_q, cu_k, max_seqlen_q=128, max_seqlen_k=128, causal=causal, alibi_slopes=slopes
+        )
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        for i, (m, n) in enumerate(zip(lens_q, lens_k, strict=True)):
+            if m == 0 or n == 0:
+                continue
+            qs, ks = slice(int(cu_q[i]), int(cu_q[i]) + m), slice(int(cu_k[i]), int(cu_k[i]) + n)
+            leaves = [
+                t[s].detach().double().unsqueeze(0).requires_grad_() for t, s in ((q, qs), (k, ks), (v, ks))
+            ]
+            ref, _ = attention_reference(*leaves, causal=causal, alibi_slopes=slopes[i].double())
+            assert (out[qs].double() - ref[0]).abs().max().item() < 2e-2, (lens_q, lens_k, i)
+            exact = torch.autograd.grad(ref, leaves, dout[qs].double().unsqueeze(0))
+            for name, got, want, s in zip("qkv", grads, exact, (qs, ks, ks), strict=True):
+                err = (got[s].double() - want[0]).abs().max().item()
+                bound = 2**-7 * want.abs().max().item() + 1e-2  # (bf16 rounding of the sums)
+                assert err < bound, f"{lens_q} sequence {i} d{name}: {err:.3g}"
+    assert len(validations) == 1, "the repeats should not run the whole path"
+    assert not gpu.errors, gpu.errors
+
+
 def test_a_persistent_grid_repeats_with_the_current_streams_tile_counter(gpu, validations, monkeypatch):
     # A packed batch at head_dim 128 whose sequences are about 512 tokens runs the persistent grid on an
     # H100: each launch must take the tile counter the whole path's launch would (the current stream's).

@@ -445,6 +445,40 @@ def test_simulator_packed_alibi_measures_from_each_rows_diagonal(causal):
     assert bound.shape == q.shape
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_simulator_per_sequence_alibi_takes_each_rows_slopes(causal):
+    # Slopes of each sequence's own reach the kernels' per-row builds as a (seqlen_q, heads) table of each
+    # row's (varlen.row_slopes) with the table of diagonals; the simulator takes the same. Each sequence
+    # against float64 with its own slopes; the first sequence's slopes for every row are another answer.
+    from flash_attention.varlen import alibi_diagonals, row_slopes
+    from flash_attention.varlen import segments as make_segments
+
+    cfg = portable_config("bf16", 64, causal, 256, 256)
+    lens_q, lens_k = [50, 1, 109, 43], [70, 20, 100, 13]
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32)
+                  for n in (lens_q, lens_k))  # fmt: skip
+    q, k, v = _inputs(1, sum(lens_q), sum(lens_k), 4, 2, 64, torch.bfloat16, 11 + causal)
+    slopes = torch.rand(4, 4, generator=torch.Generator().manual_seed(3)) * 0.5 + 0.05
+    row_keys, _ = make_segments(cu_q, cu_k, q.shape[1], k.shape[1], causal=causal)
+    diagonal = alibi_diagonals(cu_q, cu_k, q.shape[1])
+    rows = row_slopes(slopes, cu_q, q.shape[1])
+    out, lse = simulate(q, k, v, cfg, segments=row_keys, alibi_slopes=rows, alibi_diagonal=diagonal)
+    for i, (m, n) in enumerate(zip(lens_q, lens_k, strict=True)):
+        qs, ks = slice(int(cu_q[i]), int(cu_q[i]) + m), slice(int(cu_k[i]), int(cu_k[i]) + n)
+        ref, ref_lse = attention_reference(
+            q[:, qs], k[:, ks], v[:, ks], causal=causal, alibi_slopes=slopes[i].double()
+        )
+        rounding = (ref.to(torch.bfloat16).double() - ref).abs().max().item()
+        assert (out[:, qs].double() - ref).abs().max().item() <= 2 * rounding + 1e-3, i
+        seen = torch.isfinite(ref_lse)
+        assert torch.equal(seen, torch.isfinite(lse[:, :, qs]))
+        assert (lse[:, :, qs].double() - ref_lse)[seen].abs().max().item() < 1e-4, i
+    first, _ = simulate(q, k, v, cfg, segments=row_keys, alibi_slopes=slopes[0], alibi_diagonal=diagonal)
+    assert (first.double() - out.double()).abs().max() > 0.05
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        simulate(q, k, v, cfg, segments=row_keys, alibi_slopes=rows[:-1], alibi_diagonal=diagonal)
+
+
 def test_lazy_reference_moves_only_past_the_margin_and_stays_accurate():
     """The ws kernel's lazy reference max at head_dim 256 (fa/softmax.cuh kLazy), on scores that grow along
     the keys by about 3 (base 2) per 80-key block: the reference must be kept in some steps after the first

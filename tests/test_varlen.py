@@ -83,6 +83,10 @@ VARLEN = [
     ([9, 12, 40, 3], [14, 12, 45, 1], 4, 2, 16, False, {"alibi_any": True, "seqused_k": [10, 0, 41, 1]}),
     ([9, 12, 40], [14, 5, 45], 4, 4, 16, False, {"alibi_any": True, "window": (6, 3)}),
     ([9, 12, 40], [14, 5, 45], 4, 2, 16, False, {"alibi_any": True, "softcap": 1.5}),
+    # Each sequence with slopes of its own, (batch, heads): a slope per query row in the kernels
+    ([9, 12, 0, 40, 1], [9, 12, 0, 40, 1], 4, 2, 16, True, {"alibi_seq": True}),
+    ([9, 12, 40, 3], [14, 12, 45, 1], 4, 2, 16, False, {"alibi_seq": True, "seqused_k": [10, 0, 41, 1]}),
+    ([9, 12, 40], [14, 5, 45], 4, 4, 16, True, {"alibi_seq": True, "window": (6, 3), "softcap": 1.5}),
 ]
 
 
@@ -104,6 +108,8 @@ def test_attention_varlen_matches_each_sequence_alone(case):
         kw["seqused_k"] = torch.tensor(used, dtype=torch.int32)
     if kw.pop("alibi", False) or kw.pop("alibi_any", False):
         kw["alibi_slopes"] = torch.linspace(0.1, 0.7, hq)
+    if kw.pop("alibi_seq", False):
+        kw["alibi_slopes"] = torch.rand(len(lens_q), hq) * 0.7 + 0.05
     sinks = None
     if kw.pop("sinks", False):
         sinks = kw["sinks"] = torch.randn(hq, requires_grad=True)
@@ -113,8 +119,7 @@ def test_attention_varlen_matches_each_sequence_alone(case):
     leaves = [q, k, v] + ([sinks] if sinks is not None else [])
     grads = torch.autograd.grad(out, leaves, dout)
     ref_kw = {n: kw[n] for n in ("window", "softcap") if n in kw}
-    if "alibi_slopes" in kw:
-        ref_kw["alibi_slopes"] = kw["alibi_slopes"].double()
+    slopes = kw.get("alibi_slopes")
     dk_ref, dv_ref = torch.zeros(k.shape, dtype=torch.float64), torch.zeros(v.shape, dtype=torch.float64)
     dsinks_ref = torch.zeros(hq, dtype=torch.float64)
     for b, m in enumerate(lens_q):
@@ -122,6 +127,8 @@ def test_attention_varlen_matches_each_sequence_alone(case):
         ks = slice(int(cu_k[b]), int(cu_k[b]) + used[b])
         if m == 0:
             continue
+        if slopes is not None:  # (heads,), or this sequence's own
+            ref_kw["alibi_slopes"] = (slopes if slopes.dim() == 1 else slopes[b]).double()
         sl = [q[qs], k[ks], v[ks]] + ([sinks] if sinks is not None else [])
         ref_leaves = [t.detach().double().requires_grad_() for t in sl]
         bq, bk, bv = (t.unsqueeze(0) for t in ref_leaves[:3])
@@ -143,15 +150,32 @@ def test_attention_varlen_matches_each_sequence_alone(case):
     if sinks is not None:
         torch.testing.assert_close(grads[3].double(), dsinks_ref, atol=5e-6, rtol=5e-6)
     assert not out[sum(lens_q) :].any()  # rows no sequence owns
-    if "alibi_slopes" in kw and cu_k is cu_q and not causal:
+    if slopes is not None and slopes.dim() == 1 and cu_k is cu_q and not causal:
         # Packed self-attention measures from the packed row; the same offsets in another tensor take the
         # table of diagonals: the same answer.
         again = flash_attention.attention_varlen(q, k, v, cu_q, cu_q.clone(), **kw)
         torch.testing.assert_close(again, out, atol=1e-6, rtol=1e-6)
-    if "alibi_slopes" in kw:  # per-sequence slopes: refused, naming the argument
-        slopes = kw["alibi_slopes"].expand(len(lens_q), hq).contiguous()
-        with pytest.raises(ValueError, match="alibi_slopes"):
-            flash_attention.attention_varlen(q, k, v, cu_q, cu_k, **{**kw, "alibi_slopes": slopes})
+    if slopes is not None and slopes.dim() == 1:
+        # The same slopes given per sequence: the per-row path, the same answer.
+        again = flash_attention.attention_varlen(
+            q, k, v, cu_q, cu_k, causal=causal, **{**kw, "alibi_slopes": slopes.expand(len(lens_q), hq)}
+        )
+        torch.testing.assert_close(again, out, atol=1e-6, rtol=1e-6)
+    if slopes is not None:  # a table of another batch size: refused, naming the argument
+        for bad in (torch.rand(len(lens_q) + 1, hq), torch.rand(len(lens_q), hq + 1)):
+            with pytest.raises(ValueError, match="alibi_slopes"):
+                flash_attention.attention_varlen(q, k, v, cu_q, cu_k, **{**kw, "alibi_slopes": bad})
+
+
+def test_row_slopes_give_each_row_its_sequences_slopes():
+    from flash_attention.varlen import row_slopes
+
+    slopes = torch.rand(4, 3)
+    cu = _offsets([2, 0, 3, 1])
+    rows = row_slopes(slopes, cu, 8)  # two rows past the last sequence: the last sequence's
+    assert rows.shape == (8, 3) and rows.is_contiguous() and rows.dtype == torch.float32
+    assert torch.equal(rows, slopes[torch.tensor([0, 0, 2, 2, 2, 3, 3, 3])])
+    assert torch.equal(row_slopes(torch.rand(0, 3), _offsets([]), 2), torch.zeros(2, 3))
 
 
 def test_the_packed_gradient_flows_through_views_without_a_batched_copy():

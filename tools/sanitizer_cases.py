@@ -86,9 +86,10 @@ SINKS_CASES = [
     (1, 90, 70, 2, 1, 72, True, False, 0.0, False),  # rows with no key (seqlen_q > seqlen_k, causal)
 ]
 #: Packed batches (attention_varlen, the segments builds): (lengths, heads_q, heads_kv, head_dim, causal,
-#: deterministic[, key lengths with ALiBi]), with empty and one-token sequences and rows past the last one;
-#: the last two ALiBi over sequences with other key counts (the AlibiRuns build reads each row's run; without
-#: causal, the AlibiTable build reads each row's diagonal from its table).
+#: deterministic[, key lengths with ALiBi[, slopes per sequence]]), with empty and one-token sequences and
+#: rows past the last one; the last four ALiBi over sequences with other key counts (the AlibiRuns build reads
+#: each row's run; without causal, the AlibiTable build reads each row's diagonal from its table; with slopes
+#: per sequence, the AlibiRows build reads the table and each row's slope).
 VARLEN_CASES = [
     ([130, 0, 257, 1, 64], 4, 2, 128, True, False),
     ([77, 300, 0, 5], 4, 4, 64, False, True),
@@ -96,6 +97,8 @@ VARLEN_CASES = [
     ([90, 1, 141], 2, 1, 72, True, False),
     ([130, 0, 257, 9, 64], 4, 2, 128, True, False, [150, 3, 257, 1, 80]),
     ([130, 0, 257, 9, 64], 4, 2, 128, False, False, [150, 3, 257, 1, 80]),
+    ([130, 0, 257, 9, 64], 4, 2, 128, True, False, [150, 3, 257, 1, 80], True),
+    ([130, 0, 257, 9, 64], 4, 2, 64, False, False, [150, 3, 257, 1, 80], True),
 ]
 SMALL = {1: 40, 2: 60}  # --small: shorter sequences (index into the case tuple -> cap)
 
@@ -252,6 +255,8 @@ def run_varlen_case(case, seed: int, small: bool) -> float:
     lengths, hq, hkv, d, causal, det = case[:6]
     key_lengths = case[6] if len(case) > 6 else lengths
     slopes = torch.linspace(0.05, 0.6, hq, device="cuda") if len(case) > 6 else None
+    if len(case) > 7 and case[7]:  # each sequence's own slopes
+        slopes = torch.rand(len(lengths), hq, device="cuda") * 0.6 + 0.02
     if small:
         lengths = [min(n, SMALL[1]) for n in lengths]
         key_lengths = [min(n, SMALL[1]) for n in key_lengths]
@@ -278,9 +283,8 @@ def run_varlen_case(case, seed: int, small: bool) -> float:
         sl = slice(starts[b], starts[b] + n)
         kl = slice(key_starts[b], key_starts[b + 1])
         ref_leaves = [t[s].double().unsqueeze(0).requires_grad_() for t, s in ((q, sl), (k, kl), (v, kl))]
-        ref, _ = attention_reference(
-            *ref_leaves, causal=causal, alibi_slopes=None if slopes is None else slopes.double()
-        )
+        own = None if slopes is None else (slopes if slopes.dim() == 1 else slopes[b]).double()
+        ref, _ = attention_reference(*ref_leaves, causal=causal, alibi_slopes=own)
         ref_grads = torch.autograd.grad(ref, ref_leaves, do[sl].double().unsqueeze(0))
         worst = max(worst, (out[sl].double() - ref[0]).abs().max().item())
         for g, r, s in zip(grads, ref_grads, (sl, kl, kl), strict=True):

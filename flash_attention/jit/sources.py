@@ -74,7 +74,8 @@ def variant_type(causal: bool, ranged: bool, window: bool | str = False, score: 
 #: The score functions a build can take (csrc/include/fa/variant.cuh): name -> C++ policy. "softcap_alibi"
 #: caps the score, then adds ALiBi's bias; "..._runs" measures ALiBi from each query row's run end (a packed
 #: batch of causal sequences), "..._table" from each row's entry of a table of diagonals (a packed batch
-#: without causal whose query and key counts differ); both segments builds only.
+#: without causal whose query and key counts differ), "..._rows" likewise with a slope per query row (a
+#: packed batch whose sequences have slopes of their own); all segments builds only.
 SCORE_MODS = {
     "softcap": "fa::Softcap",
     "alibi": "fa::Alibi",
@@ -83,6 +84,8 @@ SCORE_MODS = {
     "softcap_alibi_runs": "fa::SoftcapAlibiRuns",
     "alibi_table": "fa::AlibiTable",
     "softcap_alibi_table": "fa::SoftcapAlibiTable",
+    "alibi_rows": "fa::AlibiRows",
+    "softcap_alibi_rows": "fa::SoftcapAlibiRows",
 }
 
 

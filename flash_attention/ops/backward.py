@@ -297,7 +297,7 @@ def cuda_backward(
     if segments is not None:
         check_segments(segments, q, k, key_range, window)
         bounds = SEGMENTS
-    score = kernel_score(score_function(softcap, alibi_slopes, q), segments, causal)
+    score = kernel_score(score_function(softcap, alibi_slopes, q, segments), segments, causal, alibi_slopes)
     if head_dim % 8:
         d8 = padded_to_8(head_dim)
         grads = cuda_backward(

@@ -429,7 +429,7 @@ def cuda_forward(
     if segments is not None:
         check_segments(segments, q, k, key_range, window)
         bounds = SEGMENTS
-    score = kernel_score(score_function(softcap, alibi_slopes, q), segments, causal)
+    score = kernel_score(score_function(softcap, alibi_slopes, q, segments), segments, causal, alibi_slopes)
     head_dim = q.shape[3]
     if head_dim % 8:
         return _padded_forward(

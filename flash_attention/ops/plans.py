@@ -15,7 +15,7 @@ from typing import Generic, TypeVar
 
 import torch
 
-from .._validate import check_window, score_function
+from .._validate import alibi_per_row, check_window, score_function
 from ..dropout import dropout_threshold
 from ..jit import driver
 from .device import current_stream, device_arch, gpu_name, smem_limit
@@ -115,14 +115,16 @@ def check_segments(
             raise ValueError(f"segments' {name} must be a contiguous int32 {shape} tensor on {q.device}")
 
 
-def kernel_score(score: str | None, segments: tuple | None, causal: bool) -> str | None:
+def kernel_score(score: str | None, segments: tuple | None, causal: bool, alibi_slopes=None) -> str | None:
     """The build's score function (``jit.sources.SCORE_MODS``) for a call's. ALiBi on a packed batch measures
-    from each row's entry of the segments' table of diagonals where they carry one ("..._table"), else, for
-    causal sequences, from each row's run end ("..._runs": any query and key counts per sequence); otherwise
-    the call's own (packed self-attention without causal, where the packed row's distance is each
-    sequence's own)."""
+    from each row's entry of the segments' table of diagonals where they carry one ("..._table"; with a
+    slope per query row, ``alibi_slopes`` (seqlen_q, heads_q): "..._rows"), else, for causal sequences,
+    from each row's run end ("..._runs": any query and key counts per sequence); otherwise the call's own
+    (packed self-attention without causal, where the packed row's distance is each sequence's own)."""
     if segments is None or score not in ("alibi", "softcap_alibi"):
         return score
+    if alibi_per_row(alibi_slopes, segments):
+        return f"{score}_rows"  # (score_function checked that the segments carry the table)
     if len(segments) == 3:
         return f"{score}_table"
     return f"{score}_runs" if causal else score

@@ -350,7 +350,7 @@ def prepare(
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
     ranged = key_range is not None
     bounds = SEGMENTS if segments is not None else window_bounds(window, causal, q.shape[1], k.shape[1])
-    score = kernel_score(score_function(softcap, alibi_slopes, q), segments, causal)
+    score = kernel_score(score_function(softcap, alibi_slopes, q, segments), segments, causal, alibi_slopes)
     softcap = float(softcap)
     plan = forward.plan_for(
         q, k, v, o, causal, scale, ranged, 0.0, None, scale < 0, bounds, score, softcap,

@@ -129,7 +129,7 @@ def training_forward(
     # The backward reads dO laid out as out (the node copies any other layout), so the plan is out's; the
     # window's bounds travel in the plan's parameters, the variant's tensors are bound per call.
     bounds = SEGMENTS if segments is not None else window_bounds(window, causal, q.shape[1], k.shape[1])
-    score = kernel_score(score_function(softcap, alibi_slopes, q), segments, causal)
+    score = kernel_score(score_function(softcap, alibi_slopes, q, segments), segments, causal, alibi_slopes)
     plan = backward.plan_for(
         q, k, v, out, out, lse, causal, softmax_scale, deterministic, key_range is not None, dropout_p, None,
         bounds, score, float(softcap), segment_lengths(segments), segment_count(segments),

@@ -336,7 +336,8 @@ class _Variants:
     window: tuple[int, int] | None = None
     runs: torch.Tensor | None = None  # (seqlen_q, 2) int64 key runs
     diagonal: torch.Tensor | None = None  # (seqlen_q,) int64 ALiBi diagonal keys of a packed batch
-    alibi: torch.Tensor | None = None  # (batch, heads_q) float32 slopes
+    alibi: torch.Tensor | None = None  # (batch, heads_q) float32 slopes, or per query row (below)
+    alibi_per_row: bool = False  # alibi is (seqlen_q, heads_q): a packed batch's slope per query row
     softcap: float = 0.0
     sinks: torch.Tensor | None = None  # (heads_q,) float32
 
@@ -359,6 +360,10 @@ class _Variants:
         if alibi_slopes is not None:
             slopes = alibi_slopes.detach().to("cpu", torch.float32)
             var.alibi = slopes.expand(batch, hq) if slopes.dim() == 1 else slopes
+            # (the kernels' per-row builds: a packed batch's table of diagonals and one slope per row)
+            var.alibi_per_row = var.diagonal is not None and slopes.dim() == 2 and slopes.shape[0] > 1
+            if var.alibi_per_row and tuple(slopes.shape) != (sq, hq):
+                raise ValueError(f"alibi_slopes per query row must be (seqlen_q, heads_q) = ({sq}, {hq})")
         if sinks is not None:
             var.sinks = sinks.detach().to("cpu", torch.float32).reshape(hq)
         return var
@@ -456,7 +461,7 @@ class _Run:
                 kk = keys.unsqueeze(1)
                 valid = valid & (kk >= runs[..., :1]) & (kk < runs[..., 1:])
             sx = s if cfg.opt_softmax else s * self.scale_f  # the non-opt path scales before masking
-            sx = self._score(sx, alibi_diag.to(torch.float32))
+            sx = self._score(sx, alibi_diag.to(torch.float32), rows[act].clamp_max(self.sq - 1))
             sx = sx.masked_fill(~valid, float("-inf"))
             m_old = self.m[:, :, act]
             mx = torch.maximum(m_old, sx.amax(dim=-1))
@@ -527,17 +532,27 @@ class _Run:
                 visits[m] = min(visits[m], max(0, min(nb, -(-end // cfg.block_kv))))
         return visits
 
-    def _score(self, s: torch.Tensor, diag: torch.Tensor) -> torch.Tensor:
+    def _score(self, s: torch.Tensor, diag: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """The score function on a block's scores ``s`` (b, h, A, br, bc): ALiBi in its folded form (opt
         softmax: fmaf(-slope / scale, |d|, s)) or the scaled one (fmaf(-slope, |d|, s)); soft-capping with an
-        exact tanh. ``diag``: key minus the row's diagonal, exact in float32."""
+        exact tanh. ``diag``: key minus the row's diagonal, exact in float32; ``rows`` (A, br): the rows'
+        indices, whose slopes a per-row table gives."""
         var = self.var
         if var.alibi is not None:
             slopes = var.alibi.to(torch.float32)
-            if self.cfg.opt_softmax:  # Alibi::slope_over_scale, one float32 division
-                slopes = (slopes / torch.tensor(self.scale_f, dtype=torch.float32)).to(torch.float32)
+            if var.alibi_per_row:  # (A, br, hq) -> (1, hq, A, br, 1)
+                slopes = slopes[rows].permute(2, 0, 1)[None, :, :, :, None]
+                if self.cfg.opt_softmax:  # AlibiFrom::for_row: the row's slope times 1 / scale, in float32
+                    inv = torch.tensor(1.0, dtype=torch.float32) / torch.tensor(
+                        self.scale_f, dtype=torch.float32
+                    )
+                    slopes = (slopes * inv).to(torch.float32)
+            else:
+                if self.cfg.opt_softmax:  # Alibi::slope_over_scale, one float32 division
+                    slopes = (slopes / torch.tensor(self.scale_f, dtype=torch.float32)).to(torch.float32)
+                slopes = slopes[:, :, None, None, None]
             dist = diag.abs().to(torch.float32)  # (A, br, bc)
-            return _fma(-slopes[:, :, None, None, None], dist[None, None], s)
+            return _fma(-slopes, dist[None, None], s)
         if var.softcap:
             cap = var.softcap
             if self.cfg.opt_softmax:  # Softcap::folded: (cap / scale) tanh(s (scale / cap))

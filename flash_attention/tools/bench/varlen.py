@@ -15,7 +15,9 @@ batch) until they fill ``tokens``. Rows (FLOPs of the useful work only: each doc
 With ``alibi`` every row gets ALiBi with the geometric slopes (each document's own positions: a packed
 row's distance to a key of its document is the same as in the document alone): ours through
 ``alibi_slopes=``, the padded batch likewise, FlexAttention through a score_mod; SDPA is skipped, as its
-additive mask would be (heads, total, total) floats (128 GiB in bf16 at 64k tokens and 16 heads).
+additive mask would be (heads, total, total) floats (128 GiB in bf16 at 64k tokens and 16 heads). One more
+row, ``flash_attention_per_sequence_slopes``, gives ours the same slopes as a (documents, heads) table (the
+kernels' per-row builds: what slopes of each document's own cost over one table for all).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from ..common import time_cuda
 from .runners import Skip, _flex, _sdpa_backend, alibi_slopes, one_line
 
 VARLEN_IMPLS = ("flash_attention", "flash_attention_padded", "flex", "sdpa_efficient", "sdpa_cudnn")
+#: With ALiBi, after ours: the same slopes per document (see the module's docstring).
+PER_SEQUENCE = "flash_attention_per_sequence_slopes"
 
 
 @dataclass
@@ -91,7 +95,9 @@ def _runner(impl: str, s: VarlenSettings, causal: bool, lengths: list[int], q, k
     total = q.shape[0]
     fwd_only = s.mode == "fwd"
     slopes = alibi_slopes(q.shape[1], device) if s.alibi else None
-    if impl == "flash_attention":
+    if impl in ("flash_attention", PER_SEQUENCE):
+        if impl == PER_SEQUENCE:
+            slopes = slopes.expand(len(lengths), -1).contiguous()
 
         def f(q, k, v):
             return flash_attention.attention_varlen(q, k, v, cu, cu, causal=causal, alibi_slopes=slopes)
@@ -179,11 +185,14 @@ def run_varlen(s: VarlenSettings) -> list[dict]:
         flush=True,
     )
     rows = []
+    impls = list(s.impls)
+    if s.alibi and "flash_attention" in impls:
+        impls.insert(impls.index("flash_attention") + 1, PER_SEQUENCE)
     for causal in s.causal:
         flops = useful_flops(lengths, s.heads, s.head_dim, causal, s.mode)
         anchor = None
         padded_ms = None
-        for impl in s.impls:
+        for impl in impls:
             base = dict(impl=impl, mode=s.mode, dtype=s.dtype, head_dim=s.head_dim, causal=causal,
                         seqlen=total, batch=len(lengths), heads=s.heads, kv_heads=kv,
                         varlen=True, alibi=s.alibi)  # fmt: skip
@@ -208,7 +217,7 @@ def run_varlen(s: VarlenSettings) -> list[dict]:
                 if anchor is None:
                     anchor = out
                 else:
-                    row["max_diff_vs_" + s.impls[0]] = float((out.float() - anchor.float()).abs().max())
+                    row["max_diff_vs_" + impls[0]] = float((out.float() - anchor.float()).abs().max())
             rows.append(row)
             extra = f"  useful {row['useful_ms']:.3f} ms" if "useful_ms" in row else ""
             print(

@@ -33,9 +33,9 @@
 //
 // The library's own variants today: the masks CausalRangeMask (causal and/or per-batch key ranges, the rule
 // of fa/visible_keys.cuh), WindowMask (a sliding window, and key ranges) and SegmentMask (a packed batch's
-// runs), each with NoScoreMod, Softcap, Alibi (AlibiRuns or AlibiTable on a packed batch) or SoftcapAlibi. The host picks
-// the variant of a call and names it in the generated translation unit (flash_attention/jit/sources.py),
-// so each variant is compiled only when a call needs it.
+// runs), each with NoScoreMod, Softcap, Alibi (AlibiRuns, AlibiTable or AlibiRows on a packed batch) or
+// SoftcapAlibi. The host picks the variant of a call and names it in the generated translation unit
+// (flash_attention/jit/sources.py), so each variant is compiled only when a call needs it.
 #pragma once
 
 #include "fa/block_range.cuh"
@@ -193,10 +193,51 @@ struct TableDiagonal {
   __device__ __forceinline__ int operator()(int q) const { return __ldg(table + min(q, last_row)); }
 };
 
-// ALiBi: s' = s - slope |diagonal(q) - k| (Diagonal: ShiftDiagonal, as in the FlashAttention library, or a
-// packed batch's RunEndDiagonal or TableDiagonal), one slope per (batch row, query head) from p.alibi_slopes (a (heads,)
-// table: batch stride 0). Derivative 1.
-template <class Diagonal>
+// Where ALiBi's slope comes from.
+// One per (batch row, query head), p.alibi_slopes[batch * p.alibi_batch_stride + head] (a (heads,) table:
+// batch stride 0), the same for every row of a CTA: AlibiFrom loads it once into `slope` (this tag holds
+// nothing, so that the policy is what it was before per-row slopes existed: its SASS is unchanged).
+struct HeadSlope {
+  static constexpr bool kPerRow = false;
+  __device__ __forceinline__ HeadSlope() {}
+  template <class Params>
+  __device__ __forceinline__ HeadSlope(const Params&, int /*batch*/, int /*head*/) {}
+  __device__ __forceinline__ float operator()(int /*q*/) const { return 0.f; }  // (never read)
+};
+// One per query row and head: a packed batch whose sequences have slopes of their own
+// (flash_attention.varlen expands (batch, heads) slopes into a (total_q, heads) table, each row its
+// sequence's), row q's at
+// p.alibi_slopes[q * p.alibi_batch_stride + head]. A load per row (L1: the rows of a tile share lines), as
+// TableDiagonal's; the forms below load it once per row of a thread (score_mod_for_row), never per score.
+// With keys as rows (the backward's S^T) a key's slope is its sequence's: that of the first query row that
+// sees it (p.key_rows, the segments' other runs; a key no row sees is masked whole, its slope moot), one
+// per key row of a thread (score_mod_for_key) where the queries' would be one per column, 2 kN of them
+// (32 more registers spilled the d64 ws dK/dV kernel from 80 to 316 bytes, NVRTC 13.0).
+struct RowSlope {
+  static constexpr bool kPerRow = true;
+  const float* slopes;  // (this head's column of the table)
+  const int* key_rows;
+  int stride, last_row, last_key;
+  template <class Params>
+  __device__ __forceinline__ RowSlope(const Params& p, int /*batch*/, int head)
+      : slopes(p.alibi_slopes + head),
+        key_rows(p.key_rows),
+        stride(p.alibi_batch_stride),
+        last_row(p.seqlen_q - 1),
+        last_key(p.seqlen_k - 1) {}
+  __device__ __forceinline__ float operator()(int q) const {
+    return __ldg(slopes + min(q, last_row) * stride);
+  }
+  __device__ __forceinline__ float of_key(int k) const {
+    return (*this)(__ldg(key_rows + 2 * min(k, last_key)));
+  }
+};
+
+// ALiBi: s' = s - slope(q) |diagonal(q) - k| (Diagonal: ShiftDiagonal, as in the FlashAttention library, or
+// a packed batch's RunEndDiagonal or TableDiagonal; Slope: HeadSlope, or a packed batch's RowSlope).
+// Derivative 1. With RowSlope, `slope` and `slope_over_scale` are a row's, set by for_row (the forward's
+// folded and offsets forms take a copy per row), and operator() loads the row's own.
+template <class Diagonal, class Slope = HeadSlope>
 struct AlibiFrom {
   static constexpr bool kIdentity = false;
   static constexpr bool kUnitGradient = true;
@@ -204,19 +245,52 @@ struct AlibiFrom {
   // left to the online softmax.
   static constexpr bool kRowOffsets = true;
   static constexpr bool kAffineDiagonal = Diagonal::kAffine;
+  static constexpr bool kRowSlopes = Slope::kPerRow;
   float slope, slope_over_scale;  // (a kernel keeps the one its form reads; the other is dead code)
   Diagonal diagonal;
+  Slope slopes;
+  float inv_scale;  // (RowSlope's for_row; 0 with HeadSlope)
   template <class Params>
   __device__ __forceinline__ AlibiFrom(const Params& p, int batch, int head)
-      : slope(p.alibi_slopes[batch * p.alibi_batch_stride + head]),
+      : slope(kRowSlopes ? 0.f : p.alibi_slopes[batch * p.alibi_batch_stride + head]),
         slope_over_scale(slope / p.scale),
-        diagonal(p) {}
-  __device__ __forceinline__ float operator()(float s, int q, int k) const {
-    return fmaf(-slope, fabsf((float)(diagonal(q) - k)), s);
+        diagonal(p),
+        slopes(p, batch, head),
+        inv_scale(kRowSlopes ? 1.f / p.scale : 0.f) {}
+  // One slope for every row (for_key's result).
+  __device__ __forceinline__ AlibiFrom(float row_slope, float row_slope_over_scale, const Diagonal& d)
+      : slope(row_slope), slope_over_scale(row_slope_over_scale), diagonal(d), slopes(), inv_scale(0.f) {}
+  __device__ __forceinline__ float slope_at(int q) const {
+    if constexpr (kRowSlopes)
+      return slopes(q);
+    else
+      return slope;
   }
-  // operator() with the row's diagonal key already loaded (KeyRowsDiagonals).
-  __device__ __forceinline__ float at_diagonal(float s, int diagonal_key, int k) const {
-    return fmaf(-slope, fabsf((float)(diagonal_key - k)), s);
+  // This policy with row q's slope in `slope` and `slope_over_scale` (itself with HeadSlope).
+  __device__ __forceinline__ AlibiFrom for_row(int q) const {
+    AlibiFrom r = *this;
+    if constexpr (kRowSlopes) {
+      r.slope = slopes(q);
+      r.slope_over_scale = r.slope * inv_scale;
+    }
+    return r;
+  }
+  // With keys as rows: this policy with key k's slope for every query (its sequence's; with HeadSlope,
+  // the CTA's), a policy of one slope.
+  __device__ __forceinline__ AlibiFrom<Diagonal, HeadSlope> for_key(int k) const {
+    if constexpr (kRowSlopes) {
+      const float key_slope = slopes.of_key(k);
+      return AlibiFrom<Diagonal, HeadSlope>(key_slope, key_slope * inv_scale, diagonal);
+    } else {
+      return AlibiFrom<Diagonal, HeadSlope>(slope, slope_over_scale, diagonal);
+    }
+  }
+  __device__ __forceinline__ float operator()(float s, int q, int k) const {
+    return fmaf(-slope_at(q), fabsf((float)(diagonal(q) - k)), s);
+  }
+  // operator() with the row's diagonal key already loaded (KeyRowsDiagonals) and the slope given.
+  __device__ __forceinline__ float at_diagonal(float s, int diagonal_key, float row_slope, int k) const {
+    return fmaf(-row_slope, fabsf((float)(diagonal_key - k)), s);
   }
   __device__ __forceinline__ float folded(float s, float rel) const {
     return fmaf(-slope_over_scale, fabsf(rel), s);
@@ -227,23 +301,38 @@ struct AlibiFrom {
 using Alibi = AlibiFrom<ShiftDiagonal>;
 using AlibiRuns = AlibiFrom<RunEndDiagonal>;
 using AlibiTable = AlibiFrom<TableDiagonal>;
+using AlibiRows = AlibiFrom<TableDiagonal, RowSlope>;
 
-// Soft-capping, then ALiBi's bias (the FlashAttention library's order): s' = cap tanh(s / cap) - slope
+// Soft-capping, then ALiBi's bias (the FlashAttention library's order): s' = cap tanh(s / cap) - slope(q)
 // |diagonal(q) - k|. The two policies above, composed. Its derivative is soft-capping's at the capped score,
 // which the backward recovers from s' by adding the bias back (so it needs q and k). In the wgmma forwards'
 // offsets form the column part of the bias is added to the capped score (`unbiased`).
-template <class Diagonal>
+template <class Diagonal, class Slope = HeadSlope>
 struct SoftcapAlibiFrom {
   static constexpr bool kIdentity = false;
   static constexpr bool kUnitGradient = false;
   static constexpr bool kRowOffsets = true;
   static constexpr bool kAffineDiagonal = Diagonal::kAffine;
+  static constexpr bool kRowSlopes = Slope::kPerRow;
   Softcap cap;
-  AlibiFrom<Diagonal> bias;
+  AlibiFrom<Diagonal, Slope> bias;
   float slope_over_scale;  // (score_mod_query_rows_offsets reads it)
   template <class Params>
   __device__ __forceinline__ SoftcapAlibiFrom(const Params& p, int batch, int head)
       : cap(p, batch, head), bias(p, batch, head), slope_over_scale(bias.slope_over_scale) {}
+  __device__ __forceinline__ SoftcapAlibiFrom(const Softcap& c, const AlibiFrom<Diagonal, Slope>& b)
+      : cap(c), bias(b), slope_over_scale(b.slope_over_scale) {}
+  __device__ __forceinline__ SoftcapAlibiFrom<Diagonal, HeadSlope> for_key(int k) const {
+    return SoftcapAlibiFrom<Diagonal, HeadSlope>(cap, bias.for_key(k));
+  }
+  __device__ __forceinline__ SoftcapAlibiFrom for_row(int q) const {
+    SoftcapAlibiFrom r = *this;
+    if constexpr (kRowSlopes) {
+      r.bias = bias.for_row(q);
+      r.slope_over_scale = r.bias.slope_over_scale;
+    }
+    return r;
+  }
   __device__ __forceinline__ float operator()(float s, int q, int k) const { return bias(cap(s, q, k), q, k); }
   __device__ __forceinline__ float folded(float s, float rel) const {
     return bias.folded(cap.folded(s, rel), rel);
@@ -251,12 +340,44 @@ struct SoftcapAlibiFrom {
   __device__ __forceinline__ float unbiased(float v) const { return cap.folded(v, 0.f); }
   __device__ __forceinline__ int diagonal(int q) const { return bias.diagonal(q); }
   __device__ __forceinline__ float gradient(float s_mod, int q, int k) const {
-    return cap.gradient(fmaf(bias.slope, fabsf((float)(bias.diagonal(q) - k)), s_mod), q, k);
+    return cap.gradient(fmaf(bias.slope_at(q), fabsf((float)(bias.diagonal(q) - k)), s_mod), q, k);
   }
 };
 using SoftcapAlibi = SoftcapAlibiFrom<ShiftDiagonal>;
 using SoftcapAlibiRuns = SoftcapAlibiFrom<RunEndDiagonal>;
 using SoftcapAlibiTable = SoftcapAlibiFrom<TableDiagonal>;
+using SoftcapAlibiRows = SoftcapAlibiFrom<TableDiagonal, RowSlope>;
+
+// Whether a score function's slope differs between query rows (kRowSlopes: a packed batch's RowSlope);
+// optional: a policy without the member has one per CTA, or none.
+template <class M, class = void>
+struct ScoreModRowSlopes {
+  static constexpr bool value = false;
+};
+template <class M>
+struct ScoreModRowSlopes<M, decltype(void(M::kRowSlopes))> {
+  static constexpr bool value = M::kRowSlopes;
+};
+
+// The score function as query row q's forms need it: with per-row slopes, a copy holding the row's slope
+// (loaded once per row of a thread, not per score); otherwise the policy itself.
+template <class M>
+__device__ __forceinline__ M score_mod_for_row(const M& mod, int q) {
+  if constexpr (ScoreModRowSlopes<M>::value)
+    return mod.for_row(q);
+  else
+    return mod;
+}
+
+// The score function as key k's row of S^T needs it: with per-row slopes, a policy of one slope, the key's
+// sequence's (RowSlope::of_key); otherwise the policy itself.
+template <class M>
+__device__ __forceinline__ auto score_mod_for_key(const M& mod, int k) {
+  if constexpr (ScoreModRowSlopes<M>::value)
+    return mod.for_key(k);
+  else
+    return mod;
+}
 
 // The variants the host builds today: causal or not, key ranges or not; a sliding window, key ranges or not.
 template <bool kCausal, bool kRanged>
@@ -317,12 +438,14 @@ __device__ __forceinline__ void score_mod_query_rows_folded(const Acc& s, const 
     for (int mt = 0; mt < Acc::kMT; ++mt)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const float rel0 = (float)(mod.diagonal(q_row0 + 16 * mt + g + 8 * h) - kv_start - 2 * t);
+        const int row = q_row0 + 16 * mt + g + 8 * h;
+        const ScoreMod row_mod = score_mod_for_row(mod, row);
+        const float rel0 = (float)(mod.diagonal(row) - kv_start - 2 * t);
 #pragma unroll
         for (int n = 0; n < Acc::kN; ++n)
 #pragma unroll
           for (int c = 0; c < 2; ++c)
-            s(mt, n, 2 * h + c) = mod.folded(s(mt, n, 2 * h + c), rel0 - (float)(8 * n + c));
+            s(mt, n, 2 * h + c) = row_mod.folded(s(mt, n, 2 * h + c), rel0 - (float)(8 * n + c));
       }
   }
 }
@@ -375,17 +498,23 @@ __device__ __forceinline__ void score_mod_query_rows_offsets(const Acc& s, const
   static_assert(ScoreMod::kRowOffsets, "score_mod_query_rows_offsets is the form of a linear bias");
   constexpr int kCols = 8 * Acc::kN;
   const int d0 = mod.diagonal(q_row0);
+  // The warp's first row's slope: the warp's with one per CTA; with per-row slopes, checked below.
+  const ScoreMod mod0 = score_mod_for_row(mod, q_row0);
   // The test below and the per-row bases take the warp's diagonals as d0 + (row - q_row0); a diagonal that
   // is not affine everywhere (a packed batch's: each sequence has its own) is checked on every row of the
   // warp (its loads hit L1: the mask reads the same runs), and the folded form taken where it does not hold.
+  // Per-row slopes likewise: the warp's rows must share the first row's (they may not even where the
+  // diagonals run on, across two sequences).
   bool affine = true;
-  if constexpr (!ScoreMod::kAffineDiagonal) {
+  if constexpr (!ScoreMod::kAffineDiagonal || ScoreModRowSlopes<ScoreMod>::value) {
 #pragma unroll
     for (int mt = 0; mt < Acc::kMT; ++mt)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int row = q_row0 + 16 * mt + g + 8 * h;
         affine &= mod.diagonal(row) == d0 + (row - q_row0);
+        if constexpr (ScoreModRowSlopes<ScoreMod>::value)
+          affine &= score_mod_for_row(mod, row).slope_over_scale == mod0.slope_over_scale;
       }
     affine = __all_sync(0xffffffffu, affine);
   }
@@ -399,7 +528,7 @@ __device__ __forceinline__ void score_mod_query_rows_offsets(const Acc& s, const
     return;
   }
   // below: v = s - k (rel0 - c) = fmaf(k, c, s) - k rel0; above: v = s - k (c - rel0) = fmaf(-k, c, s) + k rel0.
-  const float k = below ? mod.slope_over_scale : -mod.slope_over_scale;
+  const float k = below ? mod0.slope_over_scale : -mod0.slope_over_scale;
 #pragma unroll
   for (int mt = 0; mt < Acc::kMT; ++mt)
 #pragma unroll
@@ -410,7 +539,7 @@ __device__ __forceinline__ void score_mod_query_rows_offsets(const Acc& s, const
       for (int n = 0; n < Acc::kN; ++n)
 #pragma unroll
         for (int c = 0; c < 2; ++c)
-          s(mt, n, 2 * h + c) = fmaf(k, (float)(8 * n + c), mod.unbiased(s(mt, n, 2 * h + c)));
+          s(mt, n, 2 * h + c) = fmaf(k, (float)(8 * n + c), mod0.unbiased(s(mt, n, 2 * h + c)));
     }
 }
 
@@ -463,7 +592,24 @@ __device__ __forceinline__ float backward_score(const ScoreMod& mod, float s, fl
 template <class ScoreMod, class Acc>
 __device__ __forceinline__ void score_mod_key_rows(const Acc& s, const ScoreMod& mod, float scale, int kv_start,
                                                    int warp_row0, int q_start, int g, int t) {
-  if constexpr (!ScoreMod::kIdentity) {
+  if constexpr (ScoreModRowSlopes<ScoreMod>::value) {
+    // Per-row slopes: each key row's policy of one slope (score_mod_for_key), made once per key row. (The
+    // other functions keep the loop below: ordered like this one, it moved the SASS of the sm80 dK/dV
+    // kernels, +88 instructions and more spills in the d64 ALiBi build, NVRTC 13.0.)
+#pragma unroll
+    for (int mt = 0; mt < Acc::kMT; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int key = kv_start + warp_row0 + 16 * mt + g + 8 * h;
+        const auto key_mod = score_mod_for_key(mod, key);
+#pragma unroll
+        for (int n = 0; n < Acc::kN; ++n)
+#pragma unroll
+          for (int c = 0; c < 2; ++c)
+            s(mt, n, 2 * h + c) =
+                backward_score(key_mod, s(mt, n, 2 * h + c), scale, q_start + 8 * n + 2 * t + c, key);
+      }
+  } else if constexpr (!ScoreMod::kIdentity) {
 #pragma unroll
     for (int mt = 0; mt < Acc::kMT; ++mt)
 #pragma unroll
@@ -501,14 +647,28 @@ template <class ScoreMod, class Acc>
 __device__ __forceinline__ void score_mod_key_rows(const Acc& s, const ScoreMod& mod, float scale, int kv_start,
                                                    int warp_row0, int q_start, int g, int t,
                                                    const KeyRowsDiagonals<ScoreMod, Acc::kN>& diagonals) {
-  if constexpr (KeyRowsDiagonals<ScoreMod, Acc::kN>::kLoads) {
+  if constexpr (KeyRowsDiagonals<ScoreMod, Acc::kN>::kLoads && ScoreModRowSlopes<ScoreMod>::value) {
+#pragma unroll
+    for (int mt = 0; mt < Acc::kMT; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int key = kv_start + warp_row0 + 16 * mt + g + 8 * h;
+        const float slope = score_mod_for_key(mod, key).slope;  // (the key's sequence's)
+#pragma unroll
+        for (int n = 0; n < Acc::kN; ++n)
+#pragma unroll
+          for (int c = 0; c < 2; ++c)
+            s(mt, n, 2 * h + c) =
+                mod.at_diagonal(scale * s(mt, n, 2 * h + c), diagonals.key[2 * n + c], slope, key);
+      }
+  } else if constexpr (KeyRowsDiagonals<ScoreMod, Acc::kN>::kLoads) {
 #pragma unroll
     for (int mt = 0; mt < Acc::kMT; ++mt)
 #pragma unroll
       for (int n = 0; n < Acc::kN; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e)
-          s(mt, n, e) = mod.at_diagonal(scale * s(mt, n, e), diagonals.key[2 * n + (e & 1)],
+          s(mt, n, e) = mod.at_diagonal(scale * s(mt, n, e), diagonals.key[2 * n + (e & 1)], mod.slope,
                                         kv_start + warp_row0 + 16 * mt + g + 8 * (e >> 1));
   } else {
     score_mod_key_rows(s, mod, scale, kv_start, warp_row0, q_start, g, t);

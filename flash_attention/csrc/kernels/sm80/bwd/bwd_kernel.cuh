@@ -237,7 +237,9 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
           const float pr = exp2_approx(fmaf(s[mt][n][e], sl2, -((e & 1) ? l2.y : l2.x)));
           // The score function's derivative, from its backward score (still in s here; 0 where masked).
           const int key = kv_start + warp_row0 + 16 * mt + g + 8 * (e >> 1), query = q_start + 8 * n + 2 * t + (e & 1);
-          const float grad = backward_gradient(score_mod, s[mt][n][e], pr, query, key);
+          // (score_mod_for_key: with per-row slopes, the key row's, loaded once per key row)
+          const float grad =
+              backward_gradient(score_mod_for_key(score_mod, key), s[mt][n][e], pr, query, key);
           if constexpr (kDropout) {
             const int key = kv_start + warp_row0 + 16 * mt + g + 8 * (e >> 1);
             const bool keep = dropout_keep(hr[e & 1], key, p.dropout_threshold);

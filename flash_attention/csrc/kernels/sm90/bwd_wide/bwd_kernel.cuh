@@ -405,9 +405,10 @@ __device__ __forceinline__ void bwd_wide_dkdv_body(const BwdParams& p) {
           if constexpr (!V::ScoreMod::kUnitGradient) {
             // (The derivative recovers the modified score from P and the row's LSE.)
             const float2 l2 = *reinterpret_cast<const float2*>(lse_s + 8 * c + 2 * t);
-            s[4 * c + e] *= score_mod_gradient_from_p(score_mod, pe, (e & 1) ? l2.y : l2.x,
-                                                      q_start + 8 * c + 2 * t + (e & 1),  // (key rows: fa/mask.cuh)
-                                                      kv_start + row0 + g + 8 * (e >> 1));
+            const int key = kv_start + row0 + g + 8 * (e >> 1);  // (key rows: fa/mask.cuh)
+            const float lse2 = (e & 1) ? l2.y : l2.x;
+            s[4 * c + e] *= score_mod_gradient_from_p(score_mod_for_key(score_mod, key), pe, lse2,
+                                                      q_start + 8 * c + 2 * t + (e & 1), key);
           }
         }
       }

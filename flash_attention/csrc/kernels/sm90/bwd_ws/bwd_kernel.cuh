@@ -411,8 +411,10 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
         for (int e = 0; e < 4; ++e) {
           const float x = sc[4 * n + e];
           pr[e] = exp2_approx(fmaf(x, sl2, -((e & 1) ? l2.y : l2.x)));
-          sc[4 * n + e] = pr[e] * backward_gradient(score_mod, x, pr[e], q_start + 8 * n + 2 * t + (e & 1),
-                                                    kv_start + row0 + g + 8 * (e >> 1));
+          // (score_mod_for_key: with per-row slopes, the key row's; its loads are the CTA's, hoisted)
+          const int key = kv_start + row0 + g + 8 * (e >> 1);
+          sc[4 * n + e] = pr[e] * backward_gradient(score_mod_for_key(score_mod, key), x, pr[e],
+                                                    q_start + 8 * n + 2 * t + (e & 1), key);
         }
         // (pf's layout, pack_p_ds's: register pair r of k-step ks is elements 8 ks + 2 r and + 1)
         pf[n / 2][2 * (n % 2)] = pack2<BF>(pr[0], pr[1]);
@@ -451,10 +453,12 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
         const int i = 4 * n + e;
         const float dpz = kDropout ? (kept(i) ? dp[i] * rp : 0.f) : dp[i];
         dp[i] = sc[i] * (dpz - ((e & 1) ? dl.y : dl.x)) * scale;  // (kGradAtP: sc is P times the derivative)
-        if constexpr (!V::ScoreMod::kUnitGradient && !kGradAtP)
-          dp[i] *= score_mod_gradient_from_p(score_mod, sc[i], (e & 1) ? l2.y : l2.x,
-                                             q_start + 8 * n + 2 * t + (e & 1),  // (key rows: fa/mask.cuh)
-                                             kv_start + row0 + g + 8 * (e >> 1));
+        if constexpr (!V::ScoreMod::kUnitGradient && !kGradAtP) {
+          const int key = kv_start + row0 + g + 8 * (e >> 1);  // (key rows: fa/mask.cuh)
+          const float lse2 = (e & 1) ? l2.y : l2.x;
+          dp[i] *= score_mod_gradient_from_p(score_mod_for_key(score_mod, key), sc[i], lse2,
+                                             q_start + 8 * n + 2 * t + (e & 1), key);
+        }
       }
     }
     if constexpr (kGradAtP) {
