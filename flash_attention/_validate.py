@@ -220,8 +220,7 @@ def score_function(
     "softcap_alibi": the capped score plus ALiBi's bias), or None; raises naming the argument: ``softcap`` a
     finite float >= 0 (0: none), ``alibi_slopes`` a contiguous float32 tensor of shape (heads_q,) or
     (batch, heads_q) on q's device. A packed batch's call (``segments``, batch 1) may also give a slope per
-    query row, (seqlen_q, heads_q) (flash_attention.varlen's per-sequence slopes), with the segments' table
-    of diagonals (their third tensor), which the kernels' per-row builds measure from."""
+    query row, (seqlen_q, heads_q) (flash_attention.varlen's per-sequence slopes)."""
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
         raise TypeError(f"softcap must be a float (0: none); got {type(softcap).__name__}")
     if not math.isfinite(softcap) or softcap < 0:
@@ -231,10 +230,8 @@ def score_function(
         if not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dtype != torch.float32:
             raise TypeError("alibi_slopes must be a float32 tensor of shape (heads_q,) or (batch, heads_q)")
         shape = tuple(alibi_slopes.shape)
-        if segments is not None and shape == (seqlen_q, heads_q):
-            if alibi_per_row(alibi_slopes, segments) and len(segments) != 3:
-                raise ValueError("alibi_slopes per query row need the segments' table of diagonals")
-        elif shape not in ((heads_q,), (batch, heads_q)):
+        per_row = segments is not None and shape == (seqlen_q, heads_q)
+        if not per_row and shape not in ((heads_q,), (batch, heads_q)):
             raise ValueError(
                 f"alibi_slopes must have shape (heads_q,) = ({heads_q},) or (batch, heads_q) = ({batch}, "
                 f"{heads_q}); got {shape}"

@@ -94,9 +94,8 @@ def _score_args(
     softcap: float, alibi_slopes, batch: int, heads_q: int, cdtype, alibi_diagonal=None
 ) -> tuple | None:
     """(cap or 0, ALiBi slopes in ``cdtype`` or None, the rows' ALiBi diagonals or None, whether the slopes
-    are per query row) of a call with a score function, else None. The slopes are (batch, heads_q), or with
-    ``alibi_diagonal`` (a packed batch, batch 1) a (seqlen_q, heads_q) table of more than one row: a slope
-    per query row."""
+    are per query row) of a call with a score function, else None. The slopes are (batch, heads_q), or (a
+    packed batch, batch 1) a (seqlen_q, heads_q) table of more than one row: a slope per query row."""
     if not softcap and alibi_slopes is None:
         return None
     slopes = None
@@ -104,7 +103,7 @@ def _score_args(
     if alibi_slopes is not None:
         slopes = alibi_slopes.to(cdtype)
         slopes = slopes.unsqueeze(0).expand(batch, -1) if slopes.dim() == 1 else slopes
-        per_row = alibi_diagonal is not None and slopes.shape[0] > 1
+        per_row = slopes.shape[0] != batch  # (checked by the callers: then batch 1, one per query row)
     return float(softcap), slopes, alibi_diagonal, per_row
 
 
@@ -395,8 +394,8 @@ def attention_torch(
     ``window`` (left, right): the sliding window of :func:`window_allowed` (-1: unbounded on that side).
     ``softcap`` > 0 and ``alibi_slopes``: the score functions of :func:`attention_reference`;
     ``alibi_diagonal`` (seqlen_q,) integers, ALiBi's distance measured from each row's own diagonal key
-    instead of ``i + seqlen_k - seqlen_q`` (a packed batch's rows: :func:`flash_attention.varlen.segments`);
-    with it (batch 1), ``alibi_slopes`` may also be (seqlen_q, heads_q), a slope per query row (the
+    instead of ``i + seqlen_k - seqlen_q`` (a packed batch's rows: :func:`flash_attention.varlen.segments`).
+    A packed batch (batch 1) may give ``alibi_slopes`` as (seqlen_q, heads_q), a slope per query row (the
     packed sequences' own slopes).
 
     Scores, softmax and accumulation are float32 (float64 for float64 inputs); ``out`` has q's dtype and is

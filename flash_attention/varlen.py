@@ -265,10 +265,10 @@ def attention_varlen(
             count), for any query and key counts, ``seqused_k`` and window. The kernels measure the distance
             from each row's diagonal key: with ``causal`` its run of keys ends just past it; in packed
             self-attention (the same offsets tensor for queries and keys, no ``seqused_k``) it is the row's
-            own index; otherwise, and with per-sequence slopes, from a table of each row's diagonal
-            (:func:`alibi_diagonals`, made once per runs, which are cached by the offsets). Per-sequence
-            slopes reach the kernels as a (total_q, heads_q) table of each row's (:func:`row_slopes`, made
-            at every call: the slopes may change between calls).
+            own index; otherwise from a table of each row's diagonal (:func:`alibi_diagonals`, made once
+            per runs, which are cached by the offsets). Per-sequence slopes reach the kernels as a
+            (total_q, heads_q) table of each row's (:func:`row_slopes`, made at every call: the slopes may
+            change between calls).
         return_lse: also return the float32 (heads_q, total_q) log-sum-exp of each row.
 
     Returns:
@@ -319,14 +319,12 @@ def attention_varlen(
         cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], bool(causal), window, seqused_k, typical
     )
     packed_self = cu_seqlens_q is cu_seqlens_k and seqused_k is None and q.shape[0] == k.shape[0]
-    if per_sequence:
-        # A slope per query row (the "..._rows" builds), which measure from the table of diagonals.
+    if per_sequence:  # a slope per query row (the "..._rows" builds)
         alibi_slopes = row_slopes(alibi_slopes, cu_seqlens_q, q.shape[0])
-    if alibi_slopes is not None and (per_sequence or (not causal and not packed_self)):
-        # ALiBi without causal across other query and key offsets, or with per-sequence slopes: each row's
-        # diagonal from a table (the "..._table" and "..._rows" builds), made once per runs and held by
-        # them. (Otherwise, with causal the runs' ends are the diagonals; in packed self-attention the
-        # packed row's own index is.)
+    if alibi_slopes is not None and not causal and not packed_self:
+        # ALiBi without causal across other query and key offsets: each row's diagonal from a table (the
+        # "..._table" builds), made once per runs and held by them. (With causal the runs' ends are the
+        # diagonals; in packed self-attention the packed row's own index is.)
         diagonal = getattr(runs[0], "_alibi_diagonal", None)
         if diagonal is None:
             diagonal = alibi_diagonals(cu_seqlens_q, cu_seqlens_k, q.shape[0], seqused_k)

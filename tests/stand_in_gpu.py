@@ -71,7 +71,10 @@ class _Handle:
 #: segments builds (ALiBi measured from each row's run end, or from the segments' table of diagonals, with
 #: one slope table or a slope per query row).
 _SCORE_BUILDS = (None, "softcap", "alibi", "softcap_alibi")
-_SEGMENT_SCORE_BUILDS = (None, "alibi_runs", "alibi_table", "alibi_rows")
+_SEGMENT_SCORE_BUILDS = (
+    *(None, "alibi_runs", "alibi_table"),
+    *("alibi_rows", "alibi_runs_rows", "alibi_table_rows"),
+)
 
 
 class _Kernel:
@@ -264,15 +267,16 @@ class StandInGpu:
         """A segments build's scaled, masked scores (heads_q, seqlen_q, seqlen_k) in float64 from (heads,
         rows, d) operands: each query row i sees the keys of its run [row_keys[i, 0], row_keys[i, 1])
         (flash_attention.varlen); with ALiBi, -slope |diagonal(i) - j| added, the diagonal the run's end - 1
-        ("alibi_runs") or the segments' table entry p.alibi_diagonal[i] ("alibi_table"; "alibi_rows" with
-        row i's slope for head h at p.alibi_slopes[i * p.alibi_batch_stride + h])."""
+        ("alibi_runs") or the segments' table entry p.alibi_diagonal[i] ("alibi_table"); the "_rows" builds
+        with row i's slope for head h at p.alibi_slopes[i * p.alibi_batch_stride + h], "alibi_rows" measured
+        from the packed row's own index (packed self-attention)."""
         assert p.batch == 1 and p.row_keys and p.key_rows, "a segments launch without its runs"
         runs = tensor_at(p.row_keys, (p.seqlen_q, 2), (2, 1), torch.int32).long()
         assert tensor_at(p.key_rows, (p.seqlen_k, 2), (2, 1), torch.int32).shape[0] == p.seqlen_k
         cols = torch.arange(p.seqlen_k)
         seen = (cols >= runs[:, :1]) & (cols < runs[:, 1:])  # (seqlen_q, seqlen_k)
         scores = qd @ kd.transpose(1, 2) * p.scale
-        if kernel.score == "alibi_rows":
+        if kernel.score is not None and kernel.score.endswith("_rows"):
             assert p.alibi_batch_stride == p.heads_q, "per-row slopes are a (seqlen_q, heads_q) table"
             rows = tensor_at(p.alibi_slopes, (p.seqlen_q, p.heads_q), (p.heads_q, 1), torch.float32)
             slopes = rows.double().T[:, :, None]  # (heads, rows, 1)
@@ -280,8 +284,11 @@ class StandInGpu:
             assert p.alibi_batch_stride == 0, "a packed batch's slopes are one (heads,) table"
             slopes = tensor_at(p.alibi_slopes, (p.heads_q,), (1,), torch.float32).double()[:, None, None]
         if kernel.score is not None:
-            if kernel.score in ("alibi_table", "alibi_rows"):
+            if kernel.score.startswith("alibi_table"):
                 diagonal = tensor_at(p.alibi_diagonal, (p.seqlen_q,), (1,), torch.int32).long()
+            elif kernel.score == "alibi_rows":
+                assert p.seqlen_q == p.seqlen_k, "the packed row's own index: packed self-attention"
+                diagonal = torch.arange(p.seqlen_q)
             else:
                 assert not p.alibi_diagonal, "a table of diagonals bound to a build that does not read it"
                 diagonal = runs[:, 1] - 1

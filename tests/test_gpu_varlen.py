@@ -80,7 +80,7 @@ CASES = [
     ([250, 1, 129], [300, 64, 130], 4, 2, 128, False, {"alibi_any": True, "softcap": 1.5}, "bf16"),
     # Per-sequence (batch, heads) slopes (a slope per query row in the kernels, the "..._rows" builds)
     ([250, 380, 0, 129, 1], [250, 380, 0, 129, 1], 8, 2, 128, True, {"alibi_seq": True}, "bf16"),
-    ([250, 380, 129], [250, 380, 129], 4, 4, 64, False, {"alibi_seq": True}, "fp16"),
+    ([250, 380, 129], [250, 380, 129], 4, 4, 64, False, {"alibi": True, "alibi_seq": True}, "fp16"),
     ([250, 1, 129, 40], [300, 64, 130, 7], 8, 2, 128, False, {"alibi_seq": True}, "bf16"),
     ([250, 1, 129], [100, 64, 500], 4, 1, 256, True, {"alibi_seq": True, "softcap": 1.5}, "bf16"),
     ([250, 380, 129], [300, 380, 200], 4, 2, 72, False, {"alibi_seq": True, "window": (90, 40)}, "fp16"),
@@ -195,14 +195,14 @@ def test_attention_varlen_against_float64(case):
         assert all(torch.equal(a, b) for a, b in zip(grads, again, strict=True))
 
 
-@pytest.mark.parametrize("alibi", ["plain", "runs", "table", "rows"])
+@pytest.mark.parametrize("alibi", ["plain", "runs", "table", "runs_rows", "table_rows"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_every_family_takes_segments(head_dim, alibi):
     """The segments build of each forward family and each backward family at the launch layer; with ALiBi,
     over sequences of different query and key counts: causal (the AlibiRuns build: each row's diagonal from
     its run), or not (the AlibiTable build: each row's diagonal from the segments' table); and each
-    sequence with slopes of its own, causal (the AlibiRows build: the table, and a slope per query row)."""
-    causal = alibi != "table"
+    sequence with slopes of its own (AlibiRunsRows, AlibiTableRows: a slope per query row)."""
+    causal = not alibi.startswith("table")
     case = ([300, 0, 517, 1, 130], [300, 0, 517, 1, 130], 4, 2, head_dim, True, {}, "bf16")
     if alibi != "plain":
         case = (
@@ -212,7 +212,7 @@ def test_every_family_takes_segments(head_dim, alibi):
             2,
             head_dim,
             causal,
-            {"alibi_seq": True} if alibi == "rows" else {"alibi_any": True},
+            {"alibi_seq": True} if alibi.endswith("rows") else {"alibi_any": True},
             "bf16",
         )
     tensors, kw, used = _make(case)
@@ -221,9 +221,9 @@ def test_every_family_takes_segments(head_dim, alibi):
     f32 = _reference(case, tensors, kw, used, torch.float32)
     cu, cu_k = _offsets(case[0]), _offsets(case[1])
     runs = segments(cu, cu_k, q.shape[0], k.shape[0], causal=causal)
-    if alibi in ("table", "rows"):
+    if alibi.startswith("table"):
         runs = (*runs, alibi_diagonals(cu, cu_k, q.shape[0]))
-    if alibi == "rows":
+    if alibi.endswith("rows"):
         kw["alibi_slopes"] = row_slopes(kw["alibi_slopes"], cu, q.shape[0])
     d = padded_head_dim(head_dim)
     n = q.shape[0]

@@ -608,19 +608,24 @@ def test_packed_alibi_without_causal_repeats_bind_each_calls_diagonals(gpu, vali
     assert not gpu.errors, gpu.errors
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_per_sequence_alibi_repeats_bind_each_calls_slopes(gpu, validations, causal):
-    # Slopes of each sequence's own reach the kernels as a table of each row's (the "alibi_rows" build),
+@pytest.mark.parametrize("form", ["table", "runs", "self"])
+def test_per_sequence_alibi_repeats_bind_each_calls_slopes(gpu, validations, form):
+    # Slopes of each sequence's own reach the kernels as a table of each row's (the "..._rows" builds),
     # made at every call: every repeat must bind the call's table (new slopes each call here) and its
-    # diagonals, in the forward and in the training node.
+    # diagonals (table: without causal; runs: causal; self: packed self-attention without causal).
+    causal = form == "runs"
     batches = (([100, 7, 50, 43], [120, 3, 60, 17]), ([1, 199, 0, 0], [50, 100, 0, 50]),
                ([60, 60, 0, 80], [10, 100, 0, 90]))  # fmt: skip
+    if form == "self":
+        batches = tuple((lens_q, lens_q) for lens_q, _ in batches)
     for lens_q, lens_k in batches:
         slopes = torch.rand(4, 4) * 0.6 + 0.02
         q = torch.randn(200, 4, 64, dtype=torch.bfloat16).requires_grad_()
         k, v = (torch.randn(200, 2, 64, dtype=torch.bfloat16).requires_grad_() for _ in "kv")
         cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32)
                       for n in (lens_q, lens_k))  # fmt: skip
+        if form == "self":
+            cu_k = cu_q  # (one offsets tensor)
         out = fa.attention_varlen(
             q, k, v, cu_q, cu_k, max_seqlen_q=128, max_seqlen_k=128, causal=causal, alibi_slopes=slopes
         )

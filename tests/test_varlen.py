@@ -85,6 +85,7 @@ VARLEN = [
     ([9, 12, 40], [14, 5, 45], 4, 2, 16, False, {"alibi_any": True, "softcap": 1.5}),
     # Each sequence with slopes of its own, (batch, heads): a slope per query row in the kernels
     ([9, 12, 0, 40, 1], [9, 12, 0, 40, 1], 4, 2, 16, True, {"alibi_seq": True}),
+    ([9, 12, 0, 40, 1], [9, 12, 0, 40, 1], 4, 2, 16, False, {"alibi": True, "alibi_seq": True}),
     ([9, 12, 40, 3], [14, 12, 45, 1], 4, 2, 16, False, {"alibi_seq": True, "seqused_k": [10, 0, 41, 1]}),
     ([9, 12, 40], [14, 5, 45], 4, 4, 16, True, {"alibi_seq": True, "window": (6, 3), "softcap": 1.5}),
 ]

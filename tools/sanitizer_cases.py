@@ -86,10 +86,10 @@ SINKS_CASES = [
     (1, 90, 70, 2, 1, 72, True, False, 0.0, False),  # rows with no key (seqlen_q > seqlen_k, causal)
 ]
 #: Packed batches (attention_varlen, the segments builds): (lengths, heads_q, heads_kv, head_dim, causal,
-#: deterministic[, key lengths with ALiBi[, slopes per sequence]]), with empty and one-token sequences and
-#: rows past the last one; the last four ALiBi over sequences with other key counts (the AlibiRuns build reads
-#: each row's run; without causal, the AlibiTable build reads each row's diagonal from its table; with slopes
-#: per sequence, the AlibiRows build reads the table and each row's slope).
+#: deterministic[, key lengths with ALiBi (None: the queries', one offsets tensor)[, slopes per sequence]]),
+#: with empty and one-token sequences and rows past the last one. With ALiBi over other key counts, the
+#: AlibiRuns build reads each row's run (causal), the AlibiTable build each row's diagonal from its table;
+#: with slopes per sequence the "Rows" builds read each row's slope too (AlibiRows: packed self-attention).
 VARLEN_CASES = [
     ([130, 0, 257, 1, 64], 4, 2, 128, True, False),
     ([77, 300, 0, 5], 4, 4, 64, False, True),
@@ -99,6 +99,7 @@ VARLEN_CASES = [
     ([130, 0, 257, 9, 64], 4, 2, 128, False, False, [150, 3, 257, 1, 80]),
     ([130, 0, 257, 9, 64], 4, 2, 128, True, False, [150, 3, 257, 1, 80], True),
     ([130, 0, 257, 9, 64], 4, 2, 64, False, False, [150, 3, 257, 1, 80], True),
+    ([130, 0, 257, 9, 64], 4, 2, 128, False, False, None, True),  # (None: packed self-attention)
 ]
 SMALL = {1: 40, 2: 60}  # --small: shorter sequences (index into the case tuple -> cap)
 
@@ -253,7 +254,8 @@ def run_varlen_case(case, seed: int, small: bool) -> float:
     import flash_attention
 
     lengths, hq, hkv, d, causal, det = case[:6]
-    key_lengths = case[6] if len(case) > 6 else lengths
+    self_attention = len(case) > 6 and case[6] is None  # (one offsets tensor: AlibiRows)
+    key_lengths = case[6] if len(case) > 6 and not self_attention else lengths
     slopes = torch.linspace(0.05, 0.6, hq, device="cuda") if len(case) > 6 else None
     if len(case) > 7 and case[7]:  # each sequence's own slopes
         slopes = torch.rand(len(lengths), hq, device="cuda") * 0.6 + 0.02
@@ -268,6 +270,8 @@ def run_varlen_case(case, seed: int, small: bool) -> float:
     )
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     cu_k = torch.tensor([0, *torch.tensor(key_lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    if self_attention:
+        cu_k = cu
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out = flash_attention.attention_varlen(
         *leaves, cu, cu_k, causal=causal, deterministic=det, alibi_slopes=slopes

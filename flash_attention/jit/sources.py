@@ -74,8 +74,9 @@ def variant_type(causal: bool, ranged: bool, window: bool | str = False, score: 
 #: The score functions a build can take (csrc/include/fa/variant.cuh): name -> C++ policy. "softcap_alibi"
 #: caps the score, then adds ALiBi's bias; "..._runs" measures ALiBi from each query row's run end (a packed
 #: batch of causal sequences), "..._table" from each row's entry of a table of diagonals (a packed batch
-#: without causal whose query and key counts differ), "..._rows" likewise with a slope per query row (a
-#: packed batch whose sequences have slopes of their own); all segments builds only.
+#: without causal whose query and key counts differ); all segments builds only. A "_rows" suffix reads a
+#: slope per query row (a packed batch whose sequences have slopes of their own; "alibi_rows": the packed
+#: row's own index, as "alibi" on segments).
 SCORE_MODS = {
     "softcap": "fa::Softcap",
     "alibi": "fa::Alibi",
@@ -86,6 +87,10 @@ SCORE_MODS = {
     "softcap_alibi_table": "fa::SoftcapAlibiTable",
     "alibi_rows": "fa::AlibiRows",
     "softcap_alibi_rows": "fa::SoftcapAlibiRows",
+    "alibi_runs_rows": "fa::AlibiRunsRows",
+    "softcap_alibi_runs_rows": "fa::SoftcapAlibiRunsRows",
+    "alibi_table_rows": "fa::AlibiTableRows",
+    "softcap_alibi_table_rows": "fa::SoftcapAlibiTableRows",
 }
 
 

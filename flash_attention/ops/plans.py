@@ -117,17 +117,16 @@ def check_segments(
 
 def kernel_score(score: str | None, segments: tuple | None, causal: bool, alibi_slopes=None) -> str | None:
     """The build's score function (``jit.sources.SCORE_MODS``) for a call's. ALiBi on a packed batch measures
-    from each row's entry of the segments' table of diagonals where they carry one ("..._table"; with a
-    slope per query row, ``alibi_slopes`` (seqlen_q, heads_q): "..._rows"), else, for causal sequences,
-    from each row's run end ("..._runs": any query and key counts per sequence); otherwise the call's own
-    (packed self-attention without causal, where the packed row's distance is each sequence's own)."""
+    from each row's entry of the segments' table of diagonals where they carry one ("..._table"), else, for
+    causal sequences, from each row's run end ("..._runs": any query and key counts per sequence); otherwise
+    from the packed row's own index (packed self-attention without causal, where it is each sequence's
+    own). With a slope per query row (``alibi_slopes`` (seqlen_q, heads_q)), the same with "_rows"."""
     if segments is None or score not in ("alibi", "softcap_alibi"):
         return score
-    if alibi_per_row(alibi_slopes, segments):
-        return f"{score}_rows"  # (score_function checked that the segments carry the table)
+    rows = "_rows" if alibi_per_row(alibi_slopes, segments) else ""
     if len(segments) == 3:
-        return f"{score}_table"
-    return f"{score}_runs" if causal else score
+        return f"{score}_table{rows}"
+    return f"{score}_runs{rows}" if causal else f"{score}{rows}"
 
 
 def score_features(score: str | None) -> dict[str, bool]:

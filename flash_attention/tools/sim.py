@@ -360,8 +360,8 @@ class _Variants:
         if alibi_slopes is not None:
             slopes = alibi_slopes.detach().to("cpu", torch.float32)
             var.alibi = slopes.expand(batch, hq) if slopes.dim() == 1 else slopes
-            # (the kernels' per-row builds: a packed batch's table of diagonals and one slope per row)
-            var.alibi_per_row = var.diagonal is not None and slopes.dim() == 2 and slopes.shape[0] > 1
+            # (the kernels' per-row builds: a packed batch's slope per query row)
+            var.alibi_per_row = var.runs is not None and slopes.dim() == 2 and slopes.shape[0] > 1
             if var.alibi_per_row and tuple(slopes.shape) != (sq, hq):
                 raise ValueError(f"alibi_slopes per query row must be (seqlen_q, heads_q) = ({sq}, {hq})")
         if sinks is not None:

@@ -33,8 +33,8 @@
 //
 // The library's own variants today: the masks CausalRangeMask (causal and/or per-batch key ranges, the rule
 // of fa/visible_keys.cuh), WindowMask (a sliding window, and key ranges) and SegmentMask (a packed batch's
-// runs), each with NoScoreMod, Softcap, Alibi (AlibiRuns, AlibiTable or AlibiRows on a packed batch) or
-// SoftcapAlibi. The host picks the variant of a call and names it in the generated translation unit
+// runs), each with NoScoreMod, Softcap, Alibi (AlibiRuns or AlibiTable on a packed batch, and the "Rows"
+// forms of each with a slope per query row) or SoftcapAlibi. The host picks the variant of a call and names it in the generated translation unit
 // (flash_attention/jit/sources.py), so each variant is compiled only when a call needs it.
 #pragma once
 
@@ -301,7 +301,11 @@ struct AlibiFrom {
 using Alibi = AlibiFrom<ShiftDiagonal>;
 using AlibiRuns = AlibiFrom<RunEndDiagonal>;
 using AlibiTable = AlibiFrom<TableDiagonal>;
-using AlibiRows = AlibiFrom<TableDiagonal, RowSlope>;
+// Per-row slopes, from each diagonal source a packed batch has (the packed row's own index: ShiftDiagonal
+// with shift 0 in packed self-attention; the runs' ends with causal; the table otherwise).
+using AlibiRows = AlibiFrom<ShiftDiagonal, RowSlope>;
+using AlibiRunsRows = AlibiFrom<RunEndDiagonal, RowSlope>;
+using AlibiTableRows = AlibiFrom<TableDiagonal, RowSlope>;
 
 // Soft-capping, then ALiBi's bias (the FlashAttention library's order): s' = cap tanh(s / cap) - slope(q)
 // |diagonal(q) - k|. The two policies above, composed. Its derivative is soft-capping's at the capped score,
@@ -346,7 +350,9 @@ struct SoftcapAlibiFrom {
 using SoftcapAlibi = SoftcapAlibiFrom<ShiftDiagonal>;
 using SoftcapAlibiRuns = SoftcapAlibiFrom<RunEndDiagonal>;
 using SoftcapAlibiTable = SoftcapAlibiFrom<TableDiagonal>;
-using SoftcapAlibiRows = SoftcapAlibiFrom<TableDiagonal, RowSlope>;
+using SoftcapAlibiRows = SoftcapAlibiFrom<ShiftDiagonal, RowSlope>;
+using SoftcapAlibiRunsRows = SoftcapAlibiFrom<RunEndDiagonal, RowSlope>;
+using SoftcapAlibiTableRows = SoftcapAlibiFrom<TableDiagonal, RowSlope>;
 
 // Whether a score function's slope differs between query rows (kRowSlopes: a packed batch's RowSlope);
 // optional: a policy without the member has one per CTA, or none.
