@@ -589,23 +589,30 @@ def test_packed_alibi_without_causal_repeats_bind_each_calls_diagonals(gpu, vali
         )
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout) if grad else None
-        for i, (m, n) in enumerate(zip(lens_q, lens_k, strict=True)):
-            if m == 0 or n == 0:
-                continue
-            qs, ks = slice(int(cu_q[i]), int(cu_q[i]) + m), slice(int(cu_k[i]), int(cu_k[i]) + n)
-            leaves = [
-                t[s].detach().double().unsqueeze(0).requires_grad_() for t, s in ((q, qs), (k, ks), (v, ks))
-            ]
-            ref, _ = attention_reference(*leaves, alibi_slopes=slopes.double())
-            assert (out[qs].double() - ref[0]).abs().max().item() < 2e-2, (lens_q, lens_k, i)
-            if grad:
-                exact = torch.autograd.grad(ref, leaves, dout[qs].double().unsqueeze(0))
-                for name, got, want, s in zip("qkv", grads, exact, (qs, ks, ks), strict=True):
-                    err = (got[s].double() - want[0]).abs().max().item()
-                    bound = 2**-7 * want.abs().max().item() + 1e-2  # (bf16 rounding of the sums)
-                    assert err < bound, f"{lens_q} sequence {i} d{name}: {err:.3g}"
+        _check_each_sequence_alibi(out, grads, dout, (q, k, v), (cu_q, cu_k), (lens_q, lens_k), False, slopes)
     assert len(validations) == 1, "the repeats should not run the whole path"
     assert not gpu.errors, gpu.errors
+
+
+def _check_each_sequence_alibi(out, grads, dout, qkv, offsets, lengths, causal, slopes):
+    """A packed ALiBi call's output (and gradients, unless None) against each sequence alone in float64,
+    with ``slopes`` (heads,) or each sequence's own (batch, heads)."""
+    (q, k, v), (cu_q, cu_k), (lens_q, lens_k) = qkv, offsets, lengths
+    for i, (m, n) in enumerate(zip(lens_q, lens_k, strict=True)):
+        if m == 0 or n == 0:
+            continue
+        qs, ks = slice(int(cu_q[i]), int(cu_q[i]) + m), slice(int(cu_k[i]), int(cu_k[i]) + n)
+        pieces = ((q, qs), (k, ks), (v, ks))
+        leaves = [t[s].detach().double().unsqueeze(0).requires_grad_() for t, s in pieces]
+        own = (slopes if slopes.dim() == 1 else slopes[i]).double()
+        ref, _ = attention_reference(*leaves, causal=causal, alibi_slopes=own)
+        assert (out[qs].double() - ref[0]).abs().max().item() < 2e-2, (lens_q, lens_k, i)
+        if grads is not None:
+            exact = torch.autograd.grad(ref, leaves, dout[qs].double().unsqueeze(0))
+            for name, got, want, s in zip("qkv", grads, exact, (qs, ks, ks), strict=True):
+                err = (got[s].double() - want[0]).abs().max().item()
+                bound = 2**-7 * want.abs().max().item() + 1e-2  # (bf16 rounding of the sums)
+                assert err < bound, f"{lens_q} sequence {i} d{name}: {err:.3g}"
 
 
 @pytest.mark.parametrize("form", ["table", "runs", "self"])
@@ -631,20 +638,8 @@ def test_per_sequence_alibi_repeats_bind_each_calls_slopes(gpu, validations, for
         )
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
-        for i, (m, n) in enumerate(zip(lens_q, lens_k, strict=True)):
-            if m == 0 or n == 0:
-                continue
-            qs, ks = slice(int(cu_q[i]), int(cu_q[i]) + m), slice(int(cu_k[i]), int(cu_k[i]) + n)
-            leaves = [
-                t[s].detach().double().unsqueeze(0).requires_grad_() for t, s in ((q, qs), (k, ks), (v, ks))
-            ]
-            ref, _ = attention_reference(*leaves, causal=causal, alibi_slopes=slopes[i].double())
-            assert (out[qs].double() - ref[0]).abs().max().item() < 2e-2, (lens_q, lens_k, i)
-            exact = torch.autograd.grad(ref, leaves, dout[qs].double().unsqueeze(0))
-            for name, got, want, s in zip("qkv", grads, exact, (qs, ks, ks), strict=True):
-                err = (got[s].double() - want[0]).abs().max().item()
-                bound = 2**-7 * want.abs().max().item() + 1e-2  # (bf16 rounding of the sums)
-                assert err < bound, f"{lens_q} sequence {i} d{name}: {err:.3g}"
+        lengths = (lens_q, lens_k)
+        _check_each_sequence_alibi(out, grads, dout, (q, k, v), (cu_q, cu_k), lengths, causal, slopes)
     assert len(validations) == 1, "the repeats should not run the whole path"
     assert not gpu.errors, gpu.errors
 

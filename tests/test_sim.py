@@ -407,6 +407,21 @@ def test_simulator_variants_against_float64(variant, opt):
         assert bound.shape == q.shape and torch.isfinite(lse_bound).all()
 
 
+def _check_each_sequence(out, lse, qkv, offsets, lengths, causal, slopes):
+    """A simulated packed ALiBi call (bf16) against each sequence alone in float64, with ``slopes`` (heads,)
+    or each sequence's own (batch, heads): the output within twice its own rounding, the LSE to 1e-4."""
+    (q, k, v), (cu_q, cu_k), (lens_q, lens_k) = qkv, offsets, lengths
+    for i, (m, n) in enumerate(zip(lens_q, lens_k, strict=True)):
+        qs, ks = slice(int(cu_q[i]), int(cu_q[i]) + m), slice(int(cu_k[i]), int(cu_k[i]) + n)
+        own = (slopes if slopes.dim() == 1 else slopes[i]).double()
+        ref, ref_lse = attention_reference(q[:, qs], k[:, ks], v[:, ks], causal=causal, alibi_slopes=own)
+        rounding = (ref.to(torch.bfloat16).double() - ref).abs().max().item()  # (the output's own)
+        assert (out[:, qs].double() - ref).abs().max().item() <= 2 * rounding + 1e-3, i
+        seen = torch.isfinite(ref_lse)  # (causal rows past their keys see none: -inf in both)
+        assert torch.equal(seen, torch.isfinite(lse[:, :, qs]))
+        assert (lse[:, :, qs].double() - ref_lse)[seen].abs().max().item() < 1e-4, i
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_simulator_packed_alibi_measures_from_each_rows_diagonal(causal):
     # A packed batch of other query and key counts: the kernels' packed ALiBi builds measure from each row's
@@ -429,16 +444,7 @@ def test_simulator_packed_alibi_measures_from_each_rows_diagonal(causal):
     kw = dict(segments=row_keys, alibi_slopes=slopes, alibi_diagonal=diagonal)
     out, lse = simulate(q, k, v, cfg, **kw)
     measured_in_the_row, _ = simulate(q, k, v, cfg, segments=row_keys, alibi_slopes=slopes)
-    for i, (m, n) in enumerate(zip(lens_q, lens_k, strict=True)):
-        qs, ks = slice(int(cu_q[i]), int(cu_q[i]) + m), slice(int(cu_k[i]), int(cu_k[i]) + n)
-        ref, ref_lse = attention_reference(
-            q[:, qs], k[:, ks], v[:, ks], causal=causal, alibi_slopes=slopes.double()
-        )
-        rounding = (ref.to(torch.bfloat16).double() - ref).abs().max().item()  # (the output's own)
-        assert (out[:, qs].double() - ref).abs().max().item() <= 2 * rounding + 1e-3, i
-        seen = torch.isfinite(ref_lse)  # (causal rows past their keys see none: -inf in both)
-        assert torch.equal(seen, torch.isfinite(lse[:, :, qs]))
-        assert (lse[:, :, qs].double() - ref_lse)[seen].abs().max().item() < 1e-4, i
+    _check_each_sequence(out, lse, (q, k, v), (cu_q, cu_k), (lens_q, lens_k), causal, slopes)
     # Measured from the packed row instead, the distances are other sequences' where offsets differ.
     assert (measured_in_the_row.double() - out.double()).abs().max() > 0.1
     *_, bound, _ = simulate(q, k, v, cfg, error_bound=True, **kw)
@@ -463,16 +469,7 @@ def test_simulator_per_sequence_alibi_takes_each_rows_slopes(causal):
     diagonal = alibi_diagonals(cu_q, cu_k, q.shape[1])
     rows = row_slopes(slopes, cu_q, q.shape[1])
     out, lse = simulate(q, k, v, cfg, segments=row_keys, alibi_slopes=rows, alibi_diagonal=diagonal)
-    for i, (m, n) in enumerate(zip(lens_q, lens_k, strict=True)):
-        qs, ks = slice(int(cu_q[i]), int(cu_q[i]) + m), slice(int(cu_k[i]), int(cu_k[i]) + n)
-        ref, ref_lse = attention_reference(
-            q[:, qs], k[:, ks], v[:, ks], causal=causal, alibi_slopes=slopes[i].double()
-        )
-        rounding = (ref.to(torch.bfloat16).double() - ref).abs().max().item()
-        assert (out[:, qs].double() - ref).abs().max().item() <= 2 * rounding + 1e-3, i
-        seen = torch.isfinite(ref_lse)
-        assert torch.equal(seen, torch.isfinite(lse[:, :, qs]))
-        assert (lse[:, :, qs].double() - ref_lse)[seen].abs().max().item() < 1e-4, i
+    _check_each_sequence(out, lse, (q, k, v), (cu_q, cu_k), (lens_q, lens_k), causal, slopes)
     first, _ = simulate(q, k, v, cfg, segments=row_keys, alibi_slopes=slopes[0], alibi_diagonal=diagonal)
     assert (first.double() - out.double()).abs().max() > 0.05
     with pytest.raises(ValueError, match="alibi_slopes"):
