@@ -29,7 +29,7 @@ import torch
 from ._validate import check_window
 from .interface import attention
 
-__all__ = ["alibi_diagonals", "attention_varlen", "row_slopes", "segments"]
+__all__ = ["alibi_diagonals", "attention_varlen", "clear_cache", "row_slopes", "segments"]
 
 #: Segments of recent calls, by their offsets' identity and version (every layer of a model passes the same
 #: tensors): a hit skips the dozen small kernels that build them. Each entry holds its offsets tensors too:
@@ -38,6 +38,15 @@ __all__ = ["alibi_diagonals", "attention_varlen", "row_slopes", "segments"]
 #: read another batch's runs, kernel log 94).
 _CACHE: OrderedDict[tuple, tuple[tuple[torch.Tensor, torch.Tensor], tuple]] = OrderedDict()
 _CACHE_SIZE = 8
+
+
+def clear_cache() -> None:
+    """Forget the runs (and tables) built for earlier offsets. They are found again by the offsets tensors'
+    address and version, which PyTorch's in-place operations bump; offsets rewritten where PyTorch does not
+    see it (another library's kernel writing through the pointer, or a write through ``.data``) keep their
+    version, and would find the runs of their old values: call this after such a write, or pass the new
+    offsets as a new tensor."""
+    _CACHE.clear()
 
 
 def _check_offsets(name: str, cu: object, device: torch.device) -> int:
@@ -278,7 +287,9 @@ def attention_varlen(
     Not taken: ``key_range`` (``seqused_k`` is the packed form of a key range).
     The offsets' values are the caller's promise: they are not read on the host, and offsets that decrease
     or exceed the tensors give wrong results, never out-of-bounds accesses (the kernels clamp every row and
-    key they read to the packed tensors).
+    key they read to the packed tensors). The runs made from them are cached by the offsets tensors'
+    address and version: after writing new offsets into a tensor behind PyTorch's back (which does not bump
+    its version), call :func:`clear_cache`.
     """
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise ValueError("q must be a (total_q, heads_q, head_dim) tensor")

@@ -470,3 +470,28 @@ def test_plans_are_made_per_power_of_two_of_sequences():
 def test_no_rows_no_tiles():
     _, table, keys = _tiles_of(torch.tensor([0, 0], dtype=torch.int32), 0, 128)
     assert (table == 0).all() and (keys == 0).all()
+
+
+def test_offsets_rewritten_behind_pytorchs_back_need_clear_cache():
+    # The runs are cached by the offsets' address and version; a write through .data keeps the version,
+    # so the next call finds the old offsets' runs (wrong sequences) until clear_cache().
+    from flash_attention.varlen import clear_cache
+
+    torch.manual_seed(5)
+    q, k, v = (torch.randn(30, 2, 16) for _ in range(3))
+    cu = _offsets([10, 20])
+    flash_attention.attention_varlen(q, k, v, cu, cu, causal=True)
+    version = cu._version
+    cu.data.copy_(_offsets([25, 5]))
+    assert cu._version == version  # (what makes the cache blind to it)
+    expected = torch.cat(
+        [
+            attention_reference(*(t[a:b].unsqueeze(0).double() for t in (q, k, v)), causal=True)[0][0]
+            for a, b in ((0, 25), (25, 30))
+        ]
+    )
+    stale = flash_attention.attention_varlen(q, k, v, cu, cu, causal=True)
+    assert not torch.allclose(stale.double(), expected, atol=1e-5)
+    clear_cache()
+    fresh = flash_attention.attention_varlen(q, k, v, cu, cu, causal=True)
+    torch.testing.assert_close(fresh.double(), expected, atol=1e-5, rtol=1e-5)
