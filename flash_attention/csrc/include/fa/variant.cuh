@@ -161,8 +161,28 @@ struct ShiftDiagonal {
   int shift;
   template <class Params>
   __device__ __forceinline__ explicit ShiftDiagonal(const Params& p) : shift(p.seqlen_k - p.seqlen_q) {}
+  __device__ __forceinline__ static ShiftDiagonal of_shift(int s) { return ShiftDiagonal(s, 0); }
   __device__ __forceinline__ int operator()(int q) const { return q + shift; }
+  __device__ __forceinline__ ShiftDiagonal for_key(int /*k*/) const { return *this; }
+
+ private:
+  __device__ __forceinline__ ShiftDiagonal(int s, int /*tag*/) : shift(s) {}
 };
+
+// A packed batch's diagonals are affine within a sequence: diagonal(q) = q + shift of q's sequence. With keys
+// as rows (the backward's S^T) every query a key sees is of the key's sequence, so one shift per key row
+// serves all its columns: the diagonal of the first query row that sees key k (key_rows, the segments' other
+// runs) minus that row, a ShiftDiagonal (for_key). A key no row sees is masked whole: its shift is moot.
+// That is two loads per key row, loop-invariant in the dK/dV kernels (their keys are the CTA's), where the
+// queries' own diagonals were one load per column and block (2 kN per thread, loaded ahead of the wait for
+// S^T since kernel log 110): packed ALiBi's forward+backward 6-7% faster at d128 and 10-11% at d64 (H200,
+// kernel log 114), and the d64 ws dK/dV kernel's spills 80 -> 36 bytes.
+template <class Diagonal>
+__device__ __forceinline__ ShiftDiagonal key_shift_diagonal(const Diagonal& d, const int* key_rows, int k,
+                                                            int last_key, int last_row) {
+  const int q0 = min(__ldg(key_rows + 2 * min(k, last_key)), last_row);
+  return ShiftDiagonal::of_shift(d(q0) - q0);
+}
 // In a packed batch of causal sequences (flash_attention.varlen, the segments build), each query row's run
 // of keys ends just past its diagonal key (the run carries the bottom-right causal bound of the row's own
 // sequence, with its seqused_k), so the diagonal is the run's end - 1: any query and key counts per
@@ -171,12 +191,16 @@ struct ShiftDiagonal {
 struct RunEndDiagonal {
   static constexpr bool kAffine = false;
   const int* row_keys;
-  int last_row;
+  const int* key_rows;
+  int last_row, last_key;
   template <class Params>
   __device__ __forceinline__ explicit RunEndDiagonal(const Params& p)
-      : row_keys(p.row_keys), last_row(p.seqlen_q - 1) {}
+      : row_keys(p.row_keys), key_rows(p.key_rows), last_row(p.seqlen_q - 1), last_key(p.seqlen_k - 1) {}
   __device__ __forceinline__ int operator()(int q) const {
     return __ldg(row_keys + 2 * min(q, last_row) + 1) - 1;
+  }
+  __device__ __forceinline__ ShiftDiagonal for_key(int k) const {
+    return key_shift_diagonal(*this, key_rows, k, last_key, last_row);
   }
 };
 
@@ -186,11 +210,15 @@ struct RunEndDiagonal {
 struct TableDiagonal {
   static constexpr bool kAffine = false;
   const int* table;
-  int last_row;
+  const int* key_rows;
+  int last_row, last_key;
   template <class Params>
   __device__ __forceinline__ explicit TableDiagonal(const Params& p)
-      : table(p.alibi_diagonal), last_row(p.seqlen_q - 1) {}
+      : table(p.alibi_diagonal), key_rows(p.key_rows), last_row(p.seqlen_q - 1), last_key(p.seqlen_k - 1) {}
   __device__ __forceinline__ int operator()(int q) const { return __ldg(table + min(q, last_row)); }
+  __device__ __forceinline__ ShiftDiagonal for_key(int k) const {
+    return key_shift_diagonal(*this, key_rows, k, last_key, last_row);
+  }
 };
 
 // Where ALiBi's slope comes from.
@@ -275,22 +303,18 @@ struct AlibiFrom {
     }
     return r;
   }
-  // With keys as rows: this policy with key k's slope for every query (its sequence's; with HeadSlope,
-  // the CTA's), a policy of one slope.
-  __device__ __forceinline__ AlibiFrom<Diagonal, HeadSlope> for_key(int k) const {
+  // With keys as rows: this policy as key k's columns see it, one slope and one shift (its sequence's:
+  // RowSlope::of_key, the diagonal's for_key; with HeadSlope, the CTA's slope).
+  __device__ __forceinline__ AlibiFrom<ShiftDiagonal, HeadSlope> for_key(int k) const {
     if constexpr (kRowSlopes) {
       const float key_slope = slopes.of_key(k);
-      return AlibiFrom<Diagonal, HeadSlope>(key_slope, key_slope * inv_scale, diagonal);
+      return AlibiFrom<ShiftDiagonal, HeadSlope>(key_slope, key_slope * inv_scale, diagonal.for_key(k));
     } else {
-      return AlibiFrom<Diagonal, HeadSlope>(slope, slope_over_scale, diagonal);
+      return AlibiFrom<ShiftDiagonal, HeadSlope>(slope, slope_over_scale, diagonal.for_key(k));
     }
   }
   __device__ __forceinline__ float operator()(float s, int q, int k) const {
     return fmaf(-slope_at(q), fabsf((float)(diagonal(q) - k)), s);
-  }
-  // operator() with the row's diagonal key already loaded (KeyRowsDiagonals) and the slope given.
-  __device__ __forceinline__ float at_diagonal(float s, int diagonal_key, float row_slope, int k) const {
-    return fmaf(-row_slope, fabsf((float)(diagonal_key - k)), s);
   }
   __device__ __forceinline__ float folded(float s, float rel) const {
     return fmaf(-slope_over_scale, fabsf(rel), s);
@@ -326,8 +350,8 @@ struct SoftcapAlibiFrom {
       : cap(p, batch, head), bias(p, batch, head), slope_over_scale(bias.slope_over_scale) {}
   __device__ __forceinline__ SoftcapAlibiFrom(const Softcap& c, const AlibiFrom<Diagonal, Slope>& b)
       : cap(c), bias(b), slope_over_scale(b.slope_over_scale) {}
-  __device__ __forceinline__ SoftcapAlibiFrom<Diagonal, HeadSlope> for_key(int k) const {
-    return SoftcapAlibiFrom<Diagonal, HeadSlope>(cap, bias.for_key(k));
+  __device__ __forceinline__ SoftcapAlibiFrom<ShiftDiagonal, HeadSlope> for_key(int k) const {
+    return SoftcapAlibiFrom<ShiftDiagonal, HeadSlope>(cap, bias.for_key(k));
   }
   __device__ __forceinline__ SoftcapAlibiFrom for_row(int q) const {
     SoftcapAlibiFrom r = *this;
@@ -375,11 +399,27 @@ __device__ __forceinline__ M score_mod_for_row(const M& mod, int q) {
     return mod;
 }
 
-// The score function as key k's row of S^T needs it: with per-row slopes, a policy of one slope, the key's
-// sequence's (RowSlope::of_key); otherwise the policy itself.
+// Whether a score function loads each row's diagonal (kAffineDiagonal false: a packed batch's ALiBi,
+// RunEndDiagonal or TableDiagonal); optional, as kAffineDiagonal is: a policy without it loads none.
+template <class M, class = void>
+struct ScoreModLoadsDiagonal {
+  static constexpr bool value = false;
+};
+template <class M>
+struct ScoreModLoadsDiagonal<M, decltype(void(M::kAffineDiagonal))> {
+  static constexpr bool value = !M::kAffineDiagonal;
+};
+
+// Whether a score function takes a form per key row in S^T (for_key): one whose slope or diagonal is per
+// query row (a packed batch's ALiBi).
+template <class M>
+inline constexpr bool kScoreModKeyForm = ScoreModRowSlopes<M>::value || ScoreModLoadsDiagonal<M>::value;
+
+// The score function as key k's row of S^T needs it: with per-row slopes or diagonals, a policy of one slope
+// and one shift, the key's sequence's (for_key); otherwise the policy itself.
 template <class M>
 __device__ __forceinline__ auto score_mod_for_key(const M& mod, int k) {
-  if constexpr (ScoreModRowSlopes<M>::value)
+  if constexpr (kScoreModKeyForm<M>)
     return mod.for_key(k);
   else
     return mod;
@@ -476,17 +516,6 @@ struct ScoreModBounded {
 template <class M>
 struct ScoreModBounded<M, decltype(void(M::kBounded))> {
   static constexpr bool value = M::kBounded;
-};
-
-// Whether a score function loads each row's diagonal (kAffineDiagonal false: a packed batch's ALiBi,
-// RunEndDiagonal or TableDiagonal); optional, as kAffineDiagonal is: a policy without it measures no distance from a table.
-template <class M, class = void>
-struct ScoreModLoadsDiagonal {
-  static constexpr bool value = false;
-};
-template <class M>
-struct ScoreModLoadsDiagonal<M, decltype(void(M::kAffineDiagonal))> {
-  static constexpr bool value = !M::kAffineDiagonal;
 };
 
 // The folded form with each row's part of an additive bias left to the online softmax (kRowOffsets: ALiBi;
@@ -598,10 +627,10 @@ __device__ __forceinline__ float backward_score(const ScoreMod& mod, float s, fl
 template <class ScoreMod, class Acc>
 __device__ __forceinline__ void score_mod_key_rows(const Acc& s, const ScoreMod& mod, float scale, int kv_start,
                                                    int warp_row0, int q_start, int g, int t) {
-  if constexpr (ScoreModRowSlopes<ScoreMod>::value) {
-    // Per-row slopes: each key row's policy of one slope (score_mod_for_key), made once per key row. (The
-    // other functions keep the loop below: ordered like this one, it moved the SASS of the sm80 dK/dV
-    // kernels, +88 instructions and more spills in the d64 ALiBi build, NVRTC 13.0.)
+  if constexpr (kScoreModKeyForm<ScoreMod>) {
+    // Per-row slopes or diagonals: each key row's policy of one slope and shift (score_mod_for_key), made
+    // once per key row. (The other functions keep the loop below: ordered like this one, it moved the SASS
+    // of the sm80 dK/dV kernels, +88 instructions and more spills in the d64 ALiBi build, NVRTC 13.0.)
 #pragma unroll
     for (int mt = 0; mt < Acc::kMT; ++mt)
 #pragma unroll
@@ -624,60 +653,6 @@ __device__ __forceinline__ void score_mod_key_rows(const Acc& s, const ScoreMod&
         for (int e = 0; e < 4; ++e)
           s(mt, n, e) = backward_score(mod, s(mt, n, e), scale, q_start + 8 * n + 2 * t + (e & 1),
                                        kv_start + warp_row0 + 16 * mt + g + 8 * (e >> 1));
-  }
-}
-
-// A score function that loads each row's diagonal (ScoreModLoadsDiagonal: a packed batch's ALiBi) reads
-// the same 2 kN rows in every block of key-row orientation (query q_start + 8 n + 2 t + c): this thread's
-// diagonals, loaded before the wait for S^T, so that their latency overlaps the product instead of sitting
-// between S^T and P (the warp-specialized backward; kernel log 110). Empty for other functions.
-template <class ScoreMod, int kN>
-struct KeyRowsDiagonals {
-  // (ALiBi alone: soft-capping with ALiBi recovers its argument per element in its gradient, and keeps
-  // score_mod_key_rows' own loads)
-  static constexpr bool kLoads = ScoreModLoadsDiagonal<ScoreMod>::value && ScoreMod::kUnitGradient;
-  int key[kLoads ? 2 * kN : 1];
-  __device__ __forceinline__ KeyRowsDiagonals(const ScoreMod& mod, int q_start, int t) {
-    if constexpr (kLoads) {
-#pragma unroll
-      for (int n = 0; n < kN; ++n)
-#pragma unroll
-        for (int c = 0; c < 2; ++c) key[2 * n + c] = mod.diagonal(q_start + 8 * n + 2 * t + c);
-    }
-  }
-};
-
-// score_mod_key_rows with the diagonals loaded ahead (KeyRowsDiagonals): ALiBi (the one function that loads
-// them and needs only its score from them: AlibiFrom::at_diagonal); any other, as score_mod_key_rows.
-template <class ScoreMod, class Acc>
-__device__ __forceinline__ void score_mod_key_rows(const Acc& s, const ScoreMod& mod, float scale, int kv_start,
-                                                   int warp_row0, int q_start, int g, int t,
-                                                   const KeyRowsDiagonals<ScoreMod, Acc::kN>& diagonals) {
-  if constexpr (KeyRowsDiagonals<ScoreMod, Acc::kN>::kLoads && ScoreModRowSlopes<ScoreMod>::value) {
-#pragma unroll
-    for (int mt = 0; mt < Acc::kMT; ++mt)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int key = kv_start + warp_row0 + 16 * mt + g + 8 * h;
-        const float slope = score_mod_for_key(mod, key).slope;  // (the key's sequence's)
-#pragma unroll
-        for (int n = 0; n < Acc::kN; ++n)
-#pragma unroll
-          for (int c = 0; c < 2; ++c)
-            s(mt, n, 2 * h + c) =
-                mod.at_diagonal(scale * s(mt, n, 2 * h + c), diagonals.key[2 * n + c], slope, key);
-      }
-  } else if constexpr (KeyRowsDiagonals<ScoreMod, Acc::kN>::kLoads) {
-#pragma unroll
-    for (int mt = 0; mt < Acc::kMT; ++mt)
-#pragma unroll
-      for (int n = 0; n < Acc::kN; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          s(mt, n, e) = mod.at_diagonal(scale * s(mt, n, e), diagonals.key[2 * n + (e & 1)], mod.slope,
-                                        kv_start + warp_row0 + 16 * mt + g + 8 * (e >> 1));
-  } else {
-    score_mod_key_rows(s, mod, scale, kv_start, warp_row0, q_start, g, t);
   }
 }
 

@@ -340,9 +340,7 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
 
     // ---- S^T = K Q^T, dP^T = V dO^T, as two groups: P is computed while dP^T runs ---------------------
     float sc[BR / 2], dp[BR / 2];
-    // A score function's per-row diagonals (a packed batch's ALiBi), loaded while the products run.
     const typename V::ScoreMod score_mod(p, batch, head);
-    const KeyRowsDiagonals<typename V::ScoreMod, NQ> diagonals(score_mod, q_start, t);
     wgmma_fence();
     issue_key_rows_product<BR, BC, D, BF>(sc, k_desc, q_desc, qoff);
     wgmma_commit();
@@ -376,7 +374,7 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
     // Register 4 n + e is key kv_start + row0 + g + 8 (e / 2) against query q_start + 8 n + 2 t + e % 2.
     // Queries past seqlen_q need no mask: their base-2 LSE is +inf, so their P is 0.
     // A score function (fa/variant.cuh) on the scaled scores first, as the forward applies it.
-    score_mod_key_rows(acc_tile(sc), score_mod, scale, kv_start, row0, q_start, g, t, diagonals);
+    score_mod_key_rows(acc_tile(sc), score_mod, scale, kv_start, row0, q_start, g, t);
     // The segments' tile test keeps its two bounds in registers at head_dim 128 in the atomic kernel: per
     // block, their loads sat after the wait for S^T (bench --varlen's documents, H200: 0.988x causal, 0.991x
     // non-causal backward kept; kernel log 98). Elsewhere the three registers spill (NVRTC 13.0): head_dim
