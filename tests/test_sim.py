@@ -422,40 +422,15 @@ def _check_each_sequence(out, lse, qkv, offsets, lengths, causal, slopes):
         assert (lse[:, :, qs].double() - ref_lse)[seen].abs().max().item() < 1e-4, i
 
 
+@pytest.mark.parametrize("per_sequence", [False, True], ids=["one_slope_table", "per_sequence_slopes"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_simulator_packed_alibi_measures_from_each_rows_diagonal(causal):
+def test_simulator_packed_alibi_measures_from_each_rows_diagonal(causal, per_sequence):
     # A packed batch of other query and key counts: the kernels' packed ALiBi builds measure from each row's
     # diagonal (the table of varlen.alibi_diagonals without causal, the runs' ends with it), which the
-    # simulator takes as alibi_diagonal. Each sequence against float64 with ALiBi bottom-right aligned.
+    # simulator takes as alibi_diagonal; slopes of each sequence's own reach the per-row builds as a
+    # (seqlen_q, heads) table of each row's (varlen.row_slopes). Each sequence against float64 with ALiBi
+    # bottom-right aligned and its own slopes.
     from flash_attention.reference import runs_alibi_diagonal
-    from flash_attention.varlen import alibi_diagonals
-    from flash_attention.varlen import segments as make_segments
-
-    cfg = portable_config("bf16", 64, causal, 256, 256)
-    lens_q, lens_k = [50, 1, 109, 43], [70, 20, 100, 13]
-    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32)
-                  for n in (lens_q, lens_k))  # fmt: skip
-    q, k, v = _inputs(1, sum(lens_q), sum(lens_k), 4, 2, 64, torch.bfloat16, 7 + causal)
-    slopes = torch.linspace(0.05, 0.5, 4)
-    row_keys, _ = make_segments(cu_q, cu_k, q.shape[1], k.shape[1], causal=causal)
-    diagonal = (
-        runs_alibi_diagonal(row_keys, True, slopes) if causal else alibi_diagonals(cu_q, cu_k, q.shape[1])
-    )
-    kw = dict(segments=row_keys, alibi_slopes=slopes, alibi_diagonal=diagonal)
-    out, lse = simulate(q, k, v, cfg, **kw)
-    measured_in_the_row, _ = simulate(q, k, v, cfg, segments=row_keys, alibi_slopes=slopes)
-    _check_each_sequence(out, lse, (q, k, v), (cu_q, cu_k), (lens_q, lens_k), causal, slopes)
-    # Measured from the packed row instead, the distances are other sequences' where offsets differ.
-    assert (measured_in_the_row.double() - out.double()).abs().max() > 0.1
-    *_, bound, _ = simulate(q, k, v, cfg, error_bound=True, **kw)
-    assert bound.shape == q.shape
-
-
-@pytest.mark.parametrize("causal", [False, True])
-def test_simulator_per_sequence_alibi_takes_each_rows_slopes(causal):
-    # Slopes of each sequence's own reach the kernels' per-row builds as a (seqlen_q, heads) table of each
-    # row's (varlen.row_slopes) with the table of diagonals; the simulator takes the same. Each sequence
-    # against float64 with its own slopes; the first sequence's slopes for every row are another answer.
     from flash_attention.varlen import alibi_diagonals, row_slopes
     from flash_attention.varlen import segments as make_segments
 
@@ -463,17 +438,30 @@ def test_simulator_per_sequence_alibi_takes_each_rows_slopes(causal):
     lens_q, lens_k = [50, 1, 109, 43], [70, 20, 100, 13]
     cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32)
                   for n in (lens_q, lens_k))  # fmt: skip
-    q, k, v = _inputs(1, sum(lens_q), sum(lens_k), 4, 2, 64, torch.bfloat16, 11 + causal)
-    slopes = torch.rand(4, 4, generator=torch.Generator().manual_seed(3)) * 0.5 + 0.05
+    q, k, v = _inputs(1, sum(lens_q), sum(lens_k), 4, 2, 64, torch.bfloat16, 7 + causal + 2 * per_sequence)
+    slopes = torch.linspace(0.05, 0.5, 4)
+    if per_sequence:
+        slopes = torch.rand(4, 4, generator=torch.Generator().manual_seed(3)) * 0.5 + 0.05
     row_keys, _ = make_segments(cu_q, cu_k, q.shape[1], k.shape[1], causal=causal)
-    diagonal = alibi_diagonals(cu_q, cu_k, q.shape[1])
-    rows = row_slopes(slopes, cu_q, q.shape[1])
-    out, lse = simulate(q, k, v, cfg, segments=row_keys, alibi_slopes=rows, alibi_diagonal=diagonal)
+    diagonal = (
+        runs_alibi_diagonal(row_keys, True, slopes) if causal else alibi_diagonals(cu_q, cu_k, q.shape[1])
+    )
+    given = row_slopes(slopes, cu_q, q.shape[1]) if per_sequence else slopes
+    kw = dict(segments=row_keys, alibi_slopes=given, alibi_diagonal=diagonal)
+    out, lse = simulate(q, k, v, cfg, **kw)
     _check_each_sequence(out, lse, (q, k, v), (cu_q, cu_k), (lens_q, lens_k), causal, slopes)
-    first, _ = simulate(q, k, v, cfg, segments=row_keys, alibi_slopes=slopes[0], alibi_diagonal=diagonal)
-    assert (first.double() - out.double()).abs().max() > 0.05
-    with pytest.raises(ValueError, match="alibi_slopes"):
-        simulate(q, k, v, cfg, segments=row_keys, alibi_slopes=rows[:-1], alibi_diagonal=diagonal)
+    if per_sequence:
+        # The first sequence's slopes for every row are another answer; a table of other rows is refused.
+        first, _ = simulate(q, k, v, cfg, **{**kw, "alibi_slopes": slopes[0]})
+        assert (first.double() - out.double()).abs().max() > 0.05
+        with pytest.raises(ValueError, match="alibi_slopes"):
+            simulate(q, k, v, cfg, **{**kw, "alibi_slopes": given[:-1]})
+    else:
+        # Measured from the packed row instead, the distances are other sequences' where offsets differ.
+        measured_in_the_row, _ = simulate(q, k, v, cfg, segments=row_keys, alibi_slopes=slopes)
+        assert (measured_in_the_row.double() - out.double()).abs().max() > 0.1
+    *_, bound, _ = simulate(q, k, v, cfg, error_bound=True, **kw)
+    assert bound.shape == q.shape
 
 
 def test_lazy_reference_moves_only_past_the_margin_and_stays_accurate():
