@@ -174,16 +174,37 @@ def alibi_diagonals(
     return diagonal.to(torch.int32).contiguous()
 
 
-def row_slopes(alibi_slopes: torch.Tensor, cu_seqlens_q: torch.Tensor, total_q: int) -> torch.Tensor:
+def row_slopes(
+    alibi_slopes: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    total_q: int,
+    *,
+    row_sequence: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Per-sequence ALiBi slopes (batch, heads_q) as each query row's: float32 contiguous (total_q, heads_q),
     row i of sequence b holding alibi_slopes[b] (rows after the last sequence: the last sequence's; they see
     no key). The kernels' per-row builds read row i's slope for head h at [i, h]. A (total_q, heads_q) table
-    of one row (total_q 1) is the batch's, which every build reads alike."""
+    of one row (total_q 1) is the batch's, which every build reads alike. ``row_sequence``: each row's
+    sequence if known (attention_varlen keeps it with the runs), else computed from the offsets."""
     heads = alibi_slopes.shape[1]
     if alibi_slopes.shape[0] == 0:  # no sequence: no row sees a key
         return torch.zeros(total_q, heads, dtype=torch.float32, device=alibi_slopes.device)
-    doc = _sequence_of_each(cu_seqlens_q.to(torch.int64), total_q)
-    return alibi_slopes.index_select(0, doc).contiguous()
+    if row_sequence is None:
+        row_sequence = _sequence_of_each(cu_seqlens_q.to(torch.int64), total_q)
+    return alibi_slopes.index_select(0, row_sequence)  # (a new contiguous tensor)
+
+
+def _runs_row_sequence(runs: tuple, cu_q: torch.Tensor, total_q: int) -> torch.Tensor:
+    """Each query row's sequence, made once per runs and held by them (as the table of diagonals is): a
+    per-sequence-slopes call then costs one index_select (row_slopes made it from the offsets at every call,
+    seven small kernels: 54 us of host time per training step on the CPU stand-in, about as much as the rest
+    of the call's own Python). Under torch.compile, ops of the graph, uncached."""
+    row_sequence = getattr(runs[0], "_row_sequence", None)
+    if row_sequence is None:
+        row_sequence = _sequence_of_each(cu_q.to(torch.int64), total_q)
+        if not torch.compiler.is_compiling():
+            runs[0]._row_sequence = row_sequence
+    return row_sequence
 
 
 def _with_tiles(made: tuple[torch.Tensor, torch.Tensor], cu_q: torch.Tensor, cu_k: torch.Tensor) -> tuple:
@@ -330,7 +351,10 @@ def attention_varlen(
         cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], bool(causal), window, seqused_k, typical
     )
     packed_self = cu_seqlens_q is cu_seqlens_k and seqused_k is None and q.shape[0] == k.shape[0]
-    if per_sequence:  # a slope per query row (the "..._rows" builds)
+    if per_sequence and alibi_slopes.shape[0] > 0:  # a slope per query row (the "..._rows" builds)
+        sequence = _runs_row_sequence(runs, cu_seqlens_q, q.shape[0])
+        alibi_slopes = row_slopes(alibi_slopes, cu_seqlens_q, q.shape[0], row_sequence=sequence)
+    elif per_sequence:  # (no sequence: no row sees a key)
         alibi_slopes = row_slopes(alibi_slopes, cu_seqlens_q, q.shape[0])
     if alibi_slopes is not None and not causal and not packed_self:
         # ALiBi without causal across other query and key offsets: each row's diagonal from a table (the

@@ -252,6 +252,23 @@ def test_alibi_diagonals_follow_offsets_changed_in_place():
     assert not torch.equal(first, second)
 
 
+def test_per_sequence_slopes_follow_offsets_changed_in_place():
+    # Each row's sequence (which row takes which sequence's slopes) is held by the runs it was made with:
+    # offsets refilled in place make new runs, so the rows take their new sequences' slopes.
+    gen = torch.Generator().manual_seed(17)
+    q, k, v = (torch.randn(64, 2, 16, generator=gen) for _ in range(3))
+    slopes = torch.tensor([[0.05, 0.1], [0.9, 1.3]])
+    cu = torch.tensor([0, 10, 64], dtype=torch.int32)
+    first = flash_attention.attention_varlen(q, k, v, cu, cu, causal=True, alibi_slopes=slopes)
+    cu[1] = 40  # (bumps the version)
+    second = flash_attention.attention_varlen(q, k, v, cu, cu, causal=True, alibi_slopes=slopes)
+    for b, rows in enumerate((slice(0, 40), slice(40, 64))):
+        pieces = (t[rows].double().unsqueeze(0) for t in (q, k, v))
+        ref, _ = attention_reference(*pieces, causal=True, alibi_slopes=slopes[b].double())
+        torch.testing.assert_close(second[rows].double(), ref[0], atol=2e-6, rtol=2e-6)
+    assert not torch.equal(first, second)
+
+
 @pytest.mark.parametrize("alibi", [False, True], ids=["causal", "alibi_without_causal"])
 def test_attention_varlen_compiles_whole_and_follows_new_offsets(alibi):
     # torch.compile(fullgraph=True): the runs (and ALiBi's table of diagonals) are ops of the graph, built
