@@ -18,7 +18,9 @@ import ab_trees  # noqa: E402
 def test_cases_are_checked():
     assert ab_trees.parse_case("30:1:128") == "30:1:128"
     assert ab_trees.parse_case("50:0:256:1024") == "50:0:256:1024"  # a sliding window of 1024
-    for bad in ("30:2:128", "30:1", "x:0:64", "0:0:d64", "0:0:64:w", "0:0:64:8:8"):
+    assert ab_trees.parse_case("0:0:128:seqalibi:cross") == "0:0:128:seqalibi:cross"  # packed ALiBi options
+    assert ab_trees.parse_case("0:1:64:512:alibi") == "0:1:64:512:alibi"
+    for bad in ("30:2:128", "30:1", "x:0:64", "0:0:d64", "0:0:64:w", "0:0:64:8:8", "0:0:64:alibi2"):
         with pytest.raises((argparse.ArgumentTypeError, ValueError)):
             ab_trees.parse_case(bad)
 

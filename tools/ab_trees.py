@@ -8,10 +8,12 @@ of the working tree with one macro changed) on the same machine in the same call
 round, in turn, so that the machine's drift between rounds reaches every tree alike (shared GPUs drift by
 several percent). Each process imports flash_attention from its own tree (its JIT cache keys on the
 sources, so the trees' kernels live side by side) and times every case with CUDA events, after a warm-up
-round whose numbers are dropped (it compiles). A case is `softcap:causal:head_dim[:window]` (softcap 0:
-none; window w: a sliding window of w keys on each side, (w, 0) when causal): bf16 q, k, v of --shape
-(batch, seqlen, heads) and that head_dim, fresh per case; with --packed, a packed batch of documents through
-attention_varlen instead.
+round whose numbers are dropped (it compiles). A case is `softcap:causal:head_dim[:option...]` (softcap 0:
+none; options: a number w, a sliding window of w keys on each side, (w, 0) when causal; `alibi`, ALiBi with
+the geometric slopes; `seqalibi`, the same slopes given per sequence (--packed); `cross`, the keys' offsets
+another tensor than the queries' (--packed: ALiBi without causal then measures from the table of
+diagonals)): bf16 q, k, v of --shape (batch, seqlen, heads) and that head_dim, fresh per case; with
+--packed, a packed batch of documents through attention_varlen instead.
 
 Prints the median of the rounds per case and tree, and each tree's ratio to the first. The spread is
 the rounds' own (min-max per tree), printed beside: a difference inside it is noise. docs/kernel-log.md
@@ -42,7 +44,8 @@ if packed:  # documents of 128 to 8191 tokens (the same in every tree and round)
         lens.append(n)
     cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device="cuda")
 for case in sys.argv[5].split(","):
-    cap, causal, d, *win = case.split(":")
+    cap, causal, d, *options = case.split(":")
+    win = [o for o in options if o.isdigit()]
     window = None if not win else (int(win[0]), 0 if causal == "1" else int(win[0]))
     b, s, h = shape
     dims = (sum(lens), h, int(d)) if packed else (b, s, h, int(d))
@@ -50,9 +53,14 @@ for case in sys.argv[5].split(","):
     q, k, v = (torch.randn(*dims, device="cuda", dtype=torch.bfloat16, requires_grad=grad) for _ in range(3))
     do = torch.randn_like(q)
     opts = dict(causal=causal == "1", softcap=float(cap), window=window)
+    if "alibi" in options or "seqalibi" in options:
+        opts["alibi_slopes"] = torch.pow(2.0, -8.0 * torch.arange(1, h + 1, device="cuda") / h)
+        if "seqalibi" in options:
+            opts["alibi_slopes"] = opts["alibi_slopes"].expand(len(lens), h).contiguous()
+    cu_k = cu.clone() if packed and "cross" in options else (cu if packed else None)
     def call():
         if packed:
-            o = fa.attention_varlen(q, k, v, cu, cu, max_seqlen_q=max(lens), max_seqlen_k=max(lens), **opts)
+            o = fa.attention_varlen(q, k, v, cu, cu_k, max_seqlen_q=max(lens), max_seqlen_k=max(lens), **opts)
         else:
             o = fa.attention(q, k, v, **opts)
         if mode == "fwd_bwd":
@@ -69,11 +77,23 @@ for case in sys.argv[5].split(","):
 """
 
 
+_OPTIONS = ("alibi", "seqalibi", "cross")
+
+
 def parse_case(text: str) -> str:
-    """A case `softcap:causal:head_dim[:window]`, checked."""
+    """A case `softcap:causal:head_dim[:option...]` (options: a window, alibi, seqalibi, cross), checked."""
     parts = text.split(":")
-    if len(parts) not in (3, 4) or parts[1] not in ("0", "1") or not all(x.isdigit() for x in parts[2:]):
-        raise argparse.ArgumentTypeError(f"a case is softcap:causal(0|1):head_dim[:window], got {text!r}")
+    options = parts[3:]
+    if (
+        len(parts) < 3
+        or parts[1] not in ("0", "1")
+        or not parts[2].isdigit()
+        or sum(o.isdigit() for o in options) > 1
+        or not all(o.isdigit() or o in _OPTIONS for o in options)
+    ):
+        raise argparse.ArgumentTypeError(
+            f"a case is softcap:causal(0|1):head_dim[:window][:alibi|seqalibi][:cross], got {text!r}"
+        )
     float(parts[0])
     return text
 
@@ -114,7 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("trees", nargs="+", help="source trees (their roots: each holds flash_attention/)")
     ap.add_argument("--mode", choices=["fwd", "fwd_bwd"], default="fwd_bwd")
     ap.add_argument(
-        "--cases", default="0:0:128,30:0:128,0:1:128,30:1:128", help="softcap:causal:head_dim[:window],..."
+        "--cases",
+        default="0:0:128,30:0:128,0:1:128,30:1:128",
+        help="softcap:causal:head_dim[:window][:alibi|seqalibi][:cross],...",
     )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--shape", default="4,4096,16", help="batch,seqlen,heads (default 4,4096,16)")
@@ -130,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="write every round's times here")
     args = ap.parse_args(argv)
     cases = [parse_case(c) for c in args.cases.split(",")]
+    if not args.packed and any(o in c.split(":")[3:] for c in cases for o in ("seqalibi", "cross")):
+        ap.error("the seqalibi and cross options are a packed batch's: give --packed")
     for tree in args.trees:
         if not os.path.isfile(os.path.join(tree, "flash_attention", "__init__.py")):
             ap.error(f"{tree} holds no flash_attention package")
