@@ -234,9 +234,9 @@ struct HeadSlope {
 };
 // One per query row and head: a packed batch whose sequences have slopes of their own
 // (flash_attention.varlen expands (batch, heads) slopes into a (total_q, heads) table, each row its
-// sequence's), row q's at
-// p.alibi_slopes[q * p.alibi_batch_stride + head]. A load per row (L1: the rows of a tile share lines), as
-// TableDiagonal's; the forms below load it once per row of a thread (score_mod_for_row), never per score.
+// sequence's), row q's at p.alibi_slopes[q * p.alibi_batch_stride + head]. A load per row (L1: the rows of
+// a tile share lines), as TableDiagonal's; the forms below load it once per row of a thread
+// (score_mod_for_row), never per score.
 // With keys as rows (the backward's S^T) a key's slope is its sequence's: that of the first query row that
 // sees it (p.key_rows, the segments' other runs; a key no row sees is masked whole, its slope moot), one
 // per key row of a thread (score_mod_for_key) where the queries' would be one per column, 2 kN of them
