@@ -269,14 +269,19 @@ def test_per_sequence_slopes_follow_offsets_changed_in_place():
     assert not torch.equal(first, second)
 
 
-@pytest.mark.parametrize("alibi", [False, True], ids=["causal", "alibi_without_causal"])
+@pytest.mark.parametrize(
+    "alibi", [False, True, "seq"], ids=["causal", "alibi_without_causal", "per_sequence_alibi_causal"]
+)
 def test_attention_varlen_compiles_whole_and_follows_new_offsets(alibi):
-    # torch.compile(fullgraph=True): the runs (and ALiBi's table of diagonals) are ops of the graph, built
-    # from the offsets at every call, so one graph serves other sequence boundaries of the same shapes.
+    # torch.compile(fullgraph=True): the runs (and ALiBi's table of diagonals, and each row's sequence for
+    # per-sequence slopes) are ops of the graph, built from the offsets at every call, so one graph serves
+    # other sequence boundaries of the same shapes.
     gen = torch.Generator().manual_seed(14)
     q = torch.randn(64, 2, 16, generator=gen, requires_grad=True)
     k, v = (torch.randn(70, 2, 16, generator=gen, requires_grad=True) for _ in range(2))
     kw = dict(alibi_slopes=torch.tensor([0.3, 0.7])) if alibi else dict(causal=True)
+    if alibi == "seq":
+        kw = dict(causal=True, alibi_slopes=torch.tensor([[0.3, 0.7], [0.05, 1.1], [0.5, 0.2]]))
 
     def forward(cu_q, cu_k):
         return flash_attention.attention_varlen(q, k, v, cu_q, cu_k, **kw)
