@@ -174,6 +174,21 @@ def alibi_diagonals(
     return diagonal.to(torch.int32).contiguous()
 
 
+def _check_alibi_slopes(alibi_slopes: torch.Tensor, batch: int, q: torch.Tensor) -> None:
+    """attention_varlen's shapes of ALiBi's slopes, (heads_q,) or (batch, heads_q) of the offsets' batch,
+    float32 on q's device; raises naming the argument, as attention()'s checks do."""
+    heads_q = q.shape[1]
+    if tuple(alibi_slopes.shape) not in ((heads_q,), (batch, heads_q)):
+        raise ValueError(
+            f"alibi_slopes must have shape (heads_q,) = ({heads_q},) or (batch, heads_q) = ({batch}, "
+            f"{heads_q}); got {tuple(alibi_slopes.shape)}"
+        )
+    if alibi_slopes.dtype != torch.float32:
+        raise TypeError("alibi_slopes must be a float32 tensor of shape (heads_q,) or (batch, heads_q)")
+    if alibi_slopes.device != q.device:
+        raise ValueError(f"alibi_slopes must be on the device of q ({q.device})")
+
+
 def row_slopes(
     alibi_slopes: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
@@ -186,6 +201,11 @@ def row_slopes(
     no key). The kernels' per-row builds read row i's slope for head h at [i, h]. A (total_q, heads_q) table
     of one row (total_q 1) is the batch's, which every build reads alike. ``row_sequence``: each row's
     sequence if known (attention_varlen keeps it with the runs), else computed from the offsets."""
+    if alibi_slopes.dim() != 2 or alibi_slopes.shape[0] != cu_seqlens_q.numel() - 1:
+        raise ValueError(
+            f"alibi_slopes must be (batch, heads_q) with batch = {cu_seqlens_q.numel() - 1} (the offsets' "
+            f"sequences); got {tuple(alibi_slopes.shape)}"
+        )
     heads = alibi_slopes.shape[1]
     if alibi_slopes.shape[0] == 0:  # no sequence: no row sees a key
         return torch.zeros(total_q, heads, dtype=torch.float32, device=alibi_slopes.device)
@@ -330,15 +350,8 @@ def attention_varlen(
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
             raise ValueError(f"{name} must be a non-negative int or None; got {value!r}")
     per_sequence = isinstance(alibi_slopes, torch.Tensor) and alibi_slopes.dim() == 2
-    if per_sequence:  # (other shapes and types: attention()'s checks)
-        shape = (n_offsets - 1, q.shape[1])
-        if tuple(alibi_slopes.shape) != shape:
-            raise ValueError(
-                f"alibi_slopes must have shape (heads_q,) = ({q.shape[1]},) or (batch, heads_q) = {shape}; "
-                f"got {tuple(alibi_slopes.shape)}"
-            )
-        if alibi_slopes.dtype != torch.float32 or alibi_slopes.device != q.device:
-            raise ValueError(f"alibi_slopes must be float32 on the device of q ({q.device})")
+    if isinstance(alibi_slopes, torch.Tensor):  # (the (heads_q,) form's other checks: attention()'s)
+        _check_alibi_slopes(alibi_slopes, n_offsets - 1, q)
     window = check_window(window)
     if window is not None and causal:
         window = (window[0], 0 if window[1] < 0 else min(window[1], 0))

@@ -162,10 +162,13 @@ def test_attention_varlen_matches_each_sequence_alone(case):
             q, k, v, cu_q, cu_k, causal=causal, **{**kw, "alibi_slopes": slopes.expand(len(lens_q), hq)}
         )
         torch.testing.assert_close(again, out, atol=1e-6, rtol=1e-6)
-    if slopes is not None:  # a table of another batch size: refused, naming the argument
-        for bad in (torch.rand(len(lens_q) + 1, hq), torch.rand(len(lens_q), hq + 1)):
+    if slopes is not None:  # a table of another batch size, or rank, or dtype: refused, naming the argument
+        for bad in (torch.rand(len(lens_q) + 1, hq), torch.rand(len(lens_q), hq + 1), torch.rand(1, 2, hq)):
             with pytest.raises(ValueError, match="alibi_slopes"):
                 flash_attention.attention_varlen(q, k, v, cu_q, cu_k, **{**kw, "alibi_slopes": bad})
+        with pytest.raises(TypeError, match="alibi_slopes"):
+            bad = torch.rand(len(lens_q), hq, dtype=torch.float64)
+            flash_attention.attention_varlen(q, k, v, cu_q, cu_k, **{**kw, "alibi_slopes": bad})
 
 
 def test_row_slopes_give_each_row_its_sequences_slopes():
@@ -177,6 +180,44 @@ def test_row_slopes_give_each_row_its_sequences_slopes():
     assert rows.shape == (8, 3) and rows.is_contiguous() and rows.dtype == torch.float32
     assert torch.equal(rows, slopes[torch.tensor([0, 0, 2, 2, 2, 3, 3, 3])])
     assert torch.equal(row_slopes(torch.rand(0, 3), _offsets([]), 2), torch.zeros(2, 3))
+    for bad in (torch.rand(5, 3), torch.rand(3, 3), torch.rand(3)):  # (not one row per sequence)
+        with pytest.raises(ValueError, match="alibi_slopes"):
+            row_slopes(bad, cu, 8)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window", [None, (3, 2)])
+def test_every_visible_pair_shares_its_keys_first_row_sequence_and_shift(causal, window):
+    # What the backward's key-row form (fa/variant.cuh score_mod_for_key) rests on: for every (query, key)
+    # pair the runs let through, the first query row that sees the key (key_rows[k, 0]) is of the query's
+    # sequence, with the same slope row and the same diagonal shift (diagonal(q) - q), whether the diagonal
+    # is the runs' end (causal) or the table's; over empty and one-token sequences, seqused_k and tail rows.
+    from flash_attention.varlen import alibi_diagonals, row_slopes
+
+    gen = torch.Generator().manual_seed(23 + causal)
+    for _ in range(60):
+        batch = int(torch.randint(1, 6, (1,), generator=gen))
+        lens_q = torch.randint(0, 9, (batch,), generator=gen).tolist()
+        lens_k = torch.randint(0, 9, (batch,), generator=gen).tolist()
+        used = [int(torch.randint(0, n + 1, (1,), generator=gen)) for n in lens_k]
+        cu_q, cu_k = _offsets(lens_q), _offsets(lens_k)
+        total_q, total_k = sum(lens_q) + 2, sum(lens_k) + 1
+        seqused = torch.tensor(used, dtype=torch.int32)
+        row_keys, key_rows = segments(
+            cu_q, cu_k, total_q, total_k, causal=causal, window=window, seqused_k=seqused
+        )
+        diagonal = (
+            (row_keys[:, 1] - 1)
+            if causal and window is None
+            else alibi_diagonals(cu_q, cu_k, total_q, seqused)
+        )
+        slopes = row_slopes(torch.rand(batch, 2, generator=gen), cu_q, total_q)
+        for qi in range(total_q):
+            for kj in range(int(row_keys[qi, 0]), int(row_keys[qi, 1])):
+                q0 = int(key_rows[kj, 0])
+                assert int(key_rows[kj, 0]) <= qi < int(key_rows[kj, 1])
+                assert torch.equal(slopes[q0], slopes[qi])
+                assert int(diagonal[q0]) - q0 == int(diagonal[qi]) - qi
 
 
 def test_the_packed_gradient_flows_through_views_without_a_batched_copy():

@@ -180,7 +180,8 @@ struct ShiftDiagonal {
 template <class Diagonal>
 __device__ __forceinline__ ShiftDiagonal key_shift_diagonal(const Diagonal& d, const int* key_rows, int k,
                                                             int last_key, int last_row) {
-  const int q0 = min(__ldg(key_rows + 2 * min(k, last_key)), last_row);
+  // (clamped to the rows both ways: the runs' values are the caller's offsets', which may be anything)
+  const int q0 = max(min(__ldg(key_rows + 2 * min(k, last_key)), last_row), 0);
   return ShiftDiagonal::of_shift(d(q0) - q0);
 }
 // In a packed batch of causal sequences (flash_attention.varlen, the segments build), each query row's run
@@ -254,7 +255,7 @@ struct RowSlope {
         last_row(p.seqlen_q - 1),
         last_key(p.seqlen_k - 1) {}
   __device__ __forceinline__ float operator()(int q) const {
-    return __ldg(slopes + min(q, last_row) * stride);
+    return __ldg(slopes + max(min(q, last_row), 0) * stride);  // (q from key_rows may be anything)
   }
   __device__ __forceinline__ float of_key(int k) const {
     return (*this)(__ldg(key_rows + 2 * min(k, last_key)));
