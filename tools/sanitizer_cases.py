@@ -101,6 +101,15 @@ VARLEN_CASES = [
     ([130, 0, 257, 9, 64], 4, 2, 64, False, False, [150, 3, 257, 1, 80], True),
     ([130, 0, 257, 9, 64], 4, 2, 128, False, False, None, True),  # (None: packed self-attention)
 ]
+#: Offsets that decrease or pass the tensors' ends (the caller's promise broken): the results are wrong by
+#: contract, but no access may leave the tensors (attention_varlen's docstring). (cu_q, cu_k, causal,
+#: ALiBi slopes: None, "head" or "sequence"), forward and backward at head_dim 128 (the ws kernels) and 64.
+BAD_OFFSETS_CASES = [
+    ([0, -300, 100, 90], [0, 40, -7, 120], True, "sequence"),
+    ([0, -300, 100, 90], [0, 40, -7, 120], False, "head"),
+    ([0, 500, 20, 100], [0, 200, 900, 120], True, None),
+    ([0, 500, 20, 100], [0, 200, 900, 120], False, "sequence"),
+]
 SMALL = {1: 40, 2: 60}  # --small: shorter sequences (index into the case tuple -> cap)
 
 #: Hopper only: the warp-specialized kernel's knobs the defaults may not use (the persistent grid's tile
@@ -294,6 +303,30 @@ def run_varlen_case(case, seed: int, small: bool) -> float:
         for g, r, s in zip(grads, ref_grads, (sl, kl, kl), strict=True):
             worst = max(worst, ((g[s].double() - r[0]).abs().max() / r.abs().max().clamp_min(1.0)).item())
     return worst
+
+
+def run_bad_offsets_case(case, seed: int) -> None:
+    """attention_varlen forward and backward on offsets that break its contract (BAD_OFFSETS_CASES): run
+    to the end and synchronised, for the sanitizers to see every access."""
+    import flash_attention
+
+    bounds_q, bounds_k, causal, alibi = case
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    cu = torch.tensor(bounds_q, dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor(bounds_k, dtype=torch.int32, device="cuda")
+    for d in (128, 64):
+        q = torch.randn(100, 4, d, generator=gen, device="cuda").to(torch.bfloat16).requires_grad_()
+        k, v = (
+            torch.randn(120, 2, d, generator=gen, device="cuda").to(torch.bfloat16).requires_grad_()
+            for _ in "kv"
+        )
+        slopes = None
+        if alibi is not None:
+            slopes = torch.rand(len(bounds_q) - 1 if alibi == "sequence" else 4, device="cuda")
+            slopes = slopes[:, None].expand(-1, 4).contiguous() if alibi == "sequence" else slopes
+        out = flash_attention.attention_varlen(q, k, v, cu, cu_k, causal=causal, alibi_slopes=slopes)
+        torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+        torch.cuda.synchronize()
 
 
 def run_ws_case(case, seed: int, small: bool) -> float:
@@ -537,6 +570,9 @@ def main(argv: list[str] | None = None) -> int:
         err = run_varlen_case(case, seed=900 + i, small=args.small)
         worst = max(worst, err)
         print(f"varlen case {i}: {case} max error {err:.3g}", flush=True)
+    for i, case in enumerate(BAD_OFFSETS_CASES if args.varlen_only or not only else []):
+        run_bad_offsets_case(case, seed=950 + i)
+        print(f"bad offsets case {i}: {case} ran (its values are not checked)", flush=True)
     for i, case in enumerate(MERGE_CASES if args.merge_only or not only else []):
         err = run_merge_case(case, seed=1000 + i)
         worst = max(worst, err)
