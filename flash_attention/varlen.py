@@ -198,9 +198,8 @@ def row_slopes(
 ) -> torch.Tensor:
     """Per-sequence ALiBi slopes (batch, heads_q) as each query row's: float32 contiguous (total_q, heads_q),
     row i of sequence b holding alibi_slopes[b] (rows after the last sequence: the last sequence's; they see
-    no key). The kernels' per-row builds read row i's slope for head h at [i, h]. A (total_q, heads_q) table
-    of one row (total_q 1) is the batch's, which every build reads alike. ``row_sequence``: each row's
-    sequence if known (attention_varlen keeps it with the runs), else computed from the offsets."""
+    no key). The kernels' per-row builds read row i's slope for head h at [i, h]. ``row_sequence``: each
+    row's sequence if known (attention_varlen keeps it with the runs), else computed from the offsets."""
     if alibi_slopes.dim() != 2 or alibi_slopes.shape[0] != cu_seqlens_q.numel() - 1:
         raise ValueError(
             f"alibi_slopes must be (batch, heads_q) with batch = {cu_seqlens_q.numel() - 1} (the offsets' "
@@ -214,17 +213,16 @@ def row_slopes(
     return alibi_slopes.index_select(0, row_sequence)  # (a new contiguous tensor)
 
 
-def _runs_row_sequence(runs: tuple, cu_q: torch.Tensor, total_q: int) -> torch.Tensor:
-    """Each query row's sequence, made once per runs and held by them (as the table of diagonals is): a
-    per-sequence-slopes call then costs one index_select (row_slopes made it from the offsets at every call,
-    seven small kernels: 54 us of host time per training step on the CPU stand-in, about as much as the rest
-    of the call's own Python). Under torch.compile, ops of the graph, uncached."""
-    row_sequence = getattr(runs[0], "_row_sequence", None)
-    if row_sequence is None:
-        row_sequence = _sequence_of_each(cu_q.to(torch.int64), total_q)
+def _held_by_runs(runs: tuple, name: str, make):
+    """A tensor made from the offsets once per runs and held by them as attribute ``name`` (the runs are
+    cached by the offsets: flash_attention.varlen's table of diagonals, each row's sequence). Under
+    torch.compile, ops of the graph, uncached."""
+    held = getattr(runs[0], name, None)
+    if held is None:
+        held = make()
         if not torch.compiler.is_compiling():
-            runs[0]._row_sequence = row_sequence
-    return row_sequence
+            setattr(runs[0], name, held)
+    return held
 
 
 def _with_tiles(made: tuple[torch.Tensor, torch.Tensor], cu_q: torch.Tensor, cu_k: torch.Tensor) -> tuple:
@@ -364,20 +362,19 @@ def attention_varlen(
         cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], bool(causal), window, seqused_k, typical
     )
     packed_self = cu_seqlens_q is cu_seqlens_k and seqused_k is None and q.shape[0] == k.shape[0]
-    if per_sequence and alibi_slopes.shape[0] > 0:  # a slope per query row (the "..._rows" builds)
-        sequence = _runs_row_sequence(runs, cu_seqlens_q, q.shape[0])
+    if per_sequence:  # a slope per query row (the "..._rows" builds)
+        # Each row's sequence is held by the runs: a call then costs one index_select (made from the offsets
+        # at every call, seven small ops: 54 us of host time per training step on the CPU stand-in).
+        sequence = _held_by_runs(
+            runs, "_row_sequence", lambda: _sequence_of_each(cu_seqlens_q.to(torch.int64), q.shape[0])
+        )
         alibi_slopes = row_slopes(alibi_slopes, cu_seqlens_q, q.shape[0], row_sequence=sequence)
-    elif per_sequence:  # (no sequence: no row sees a key)
-        alibi_slopes = row_slopes(alibi_slopes, cu_seqlens_q, q.shape[0])
     if alibi_slopes is not None and not causal and not packed_self:
         # ALiBi without causal across other query and key offsets: each row's diagonal from a table (the
         # "..._table" builds), made once per runs and held by them. (With causal the runs' ends are the
         # diagonals; in packed self-attention the packed row's own index is.)
-        diagonal = getattr(runs[0], "_alibi_diagonal", None)
-        if diagonal is None:
-            diagonal = alibi_diagonals(cu_seqlens_q, cu_seqlens_k, q.shape[0], seqused_k)
-            if not torch.compiler.is_compiling():
-                runs[0]._alibi_diagonal = diagonal
+        make = lambda: alibi_diagonals(cu_seqlens_q, cu_seqlens_k, q.shape[0], seqused_k)  # noqa: E731
+        diagonal = _held_by_runs(runs, "_alibi_diagonal", make)
         runs = (*runs, diagonal)
     # The runs carry each sequence's causal bound; the flag only picks the kernels' configurations (the
     # segments builds have no causal entry point, and the fallback's chunked path drops it).
