@@ -231,7 +231,6 @@ struct HeadSlope {
   __device__ __forceinline__ HeadSlope() {}
   template <class Params>
   __device__ __forceinline__ HeadSlope(const Params&, int /*batch*/, int /*head*/) {}
-  __device__ __forceinline__ float operator()(int /*q*/) const { return 0.f; }  // (never read)
 };
 // One per query row and head: a packed batch whose sequences have slopes of their own
 // (flash_attention.varlen expands (batch, heads) slopes into a (total_q, heads) table, each row its
