@@ -110,3 +110,34 @@ def test_defaults_of_the_99_kb_architectures_compile_without_spills(arch, tmp_pa
             assert spill <= spill_bound(cfg, r["kernel"]), f"{r['kernel']} on {arch} spills {spill} bytes"
             if not isinstance(cfg, BwdConfig):
                 assert r["stack_frame"] == 0, r
+
+
+def test_soft_capping_takes_its_own_d128_config_only_where_measured():
+    # softcapped_config: bf16, head_dim 128, non-causal, from 3k keys, soft-capping alone; every other call
+    # keeps the plain pick (a rule that leaked into plain attention would cost it 5%).
+    from flash_attention.ops.select import SOFTCAP_D128_CONFIG
+
+    limit = LIMITS["sm_90"]
+
+    def pick(dtype="bf16", d=128, causal=False, n=4096, features=("softcap",), arch="sm_90a"):
+        return forward_config(
+            dtype, d, causal, 300, n, 1, arch=arch, gpu="", smem_limit=limit, features=list(features)
+        ).name()
+
+    assert pick() == SOFTCAP_D128_CONFIG
+    assert pick(n=16384) == SOFTCAP_D128_CONFIG
+    plain = forward_config("bf16", 128, False, 300, 4096, 1, arch="sm_90a", gpu="", smem_limit=limit)
+    for other in (
+        pick(features=()),
+        pick(causal=True),
+        pick(n=2048),
+        pick(dtype="fp16"),
+        pick(d=64),
+        pick(features=("softcap", "alibi")),
+        pick(features=("softcap", "window")),
+        pick(features=("softcap", "segments")),
+        pick(features=("softcap", "dropout")),
+    ):
+        assert other != SOFTCAP_D128_CONFIG
+    assert pick(features=()) == plain.name()
+    assert "192" not in pick(arch="sm_80") and "wgmma" not in pick(arch="sm_80")

@@ -167,3 +167,31 @@ def test_score_function_with_dropout_against_float64(case):
             for gname, a, e, f in zip(("dq", "dk", "dv"), got, exact_g, f32_g, strict=True):
                 assert torch.isfinite(a).all(), f"{name} det={det} {gname}"
                 _close(a, e, f, f"{name} det={det} {gname}")
+
+
+@needs_cuda
+@pytest.mark.skipif(not _hopper(), reason="the soft-capped config is a Hopper (warp-specialized) one")
+@pytest.mark.parametrize("cap", [1.5, 30.0])
+def test_soft_capped_d128_config_against_float64(cap):
+    # From 3k keys, non-causal, bf16 at head_dim 128, soft-capping runs its own config (ops.select
+    # softcapped_config: 192-row blocks over 64-key tiles). Query rows not a multiple of 192 and keys not
+    # of 64; grouped heads. The default call must run it; so must the named config on the causal entry point.
+    from flash_attention.ops.select import SOFTCAP_D128_CONFIG, forward_config
+
+    picked = forward_config(
+        "bf16", 128, False, 200, 3100, 2, arch="sm_90a", gpu="", smem_limit=227 * 1024, features=["softcap"]
+    )
+    assert picked.name() == SOFTCAP_D128_CONFIG
+    for causal, sq in ((False, 200), (True, 3100)):
+        case = (1, sq, 3100, 4, 2, 128, causal, False, None, "softcap")
+        tensors, kw, mods = _call(case)
+        mods["softcap"] = cap
+        q, k, v, do = tensors
+        exact_o, exact_lse, _ = _reference(tensors, kw, mods, torch.float64)
+        f32_o, _, _ = _reference(tensors, kw, mods, torch.float32)
+        config = None if not causal else SOFTCAP_D128_CONFIG
+        out = torch.full_like(q, float("nan"))
+        o, lse = ops.cuda_forward(q, k, v, return_lse=True, out=out, config=config, **kw, **mods)
+        assert torch.isfinite(o).all()
+        _close(o, exact_o, f32_o, f"cap {cap} causal {causal} out")
+        torch.testing.assert_close(lse.double(), exact_lse, rtol=0, atol=5e-3)

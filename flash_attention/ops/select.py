@@ -75,6 +75,35 @@ def _check_explicit(cfg, dtype: str, head_dim: int, missing: list[str], smem: in
         )
 
 
+#: What soft-capping's bounded forward (fa/softmax.cuh bounded_softmax_row) runs instead of the plain pick
+#: at head_dim 128 from 3k keys, non-causal (softcapped_config).
+SOFTCAP_D128_CONFIG = "(BF16, 128, 192, 64, 16): wgmma+ws+overlap+tma_store+stages_3"
+
+
+def softcapped_config(cfg: KernelConfig, features: tuple[str, ...], causal: bool, n: int) -> KernelConfig:
+    """The forward config of a soft-capped call from the plain pick: at head_dim 128 in bf16, non-causal,
+    from 3k keys, three consumer warpgroups of 64 rows over 64-key tiles (three stages) instead of two of
+    128 rows over 128 keys. Soft-capping asks the SFU for a tanh and an exp2 per score, as many SFU cycles
+    as the tensor cores' products at head_dim 128; three consumer warps per sub-partition hide its queue
+    better, and shorter tiles shorten each softmax burst. bench at 4k (H200, two rounds in one call):
+    0.994 / 0.995 ms against 1.026 / 1.028 (-3.1%); causal it is 0.5% slower and plain attention 5% slower
+    with it, so both keep their picks (docs/kernel-log.md, steps 106 and 115). Not with ALiBi (its
+    unbounded form), a window, a packed batch or dropout (whose hash takes a 192-row block to 128 rows):
+    unmeasured there."""
+    others = {"alibi", "window", "segments", "dropout", "key_range"}
+    if (
+        "softcap" in features
+        and not others & set(features)
+        and not causal
+        and n >= 3072
+        and cfg.warp_specialized
+        and cfg.dtype == "bf16"
+        and cfg.head_dim == 128
+    ):
+        return parse_config(SOFTCAP_D128_CONFIG)
+    return cfg
+
+
 def forward_config(
     dtype: str,
     head_dim: int,
@@ -109,9 +138,10 @@ def forward_config(
             )
         _check_explicit(cfg, dtype, head_dim, missing, cfg.smem_bytes, smem_limit)
         return cfg
-    cfg = winners.lookup(gpu, dtype, head_dim, causal, seqlen_q, seqlen_k, group) or default_config(
-        dtype, head_dim, causal, seqlen_q, seqlen_k, arch
-    )
+    tuned = winners.lookup(gpu, dtype, head_dim, causal, seqlen_q, seqlen_k, group)
+    cfg = tuned or default_config(dtype, head_dim, causal, seqlen_q, seqlen_k, arch)
+    if tuned is None:
+        cfg = softcapped_config(cfg, features, causal, max(seqlen_q, seqlen_k))
     if cfg.warp_specialized and unsupported(cfg, features):
         # The sm90 kernel of the same call: it reads any layout the kernels accept (cp.async).
         cfg = classic_hopper_config(dtype, padded_head_dim(head_dim), max(seqlen_q, seqlen_k), causal)
