@@ -172,16 +172,24 @@ def test_score_function_with_dropout_against_float64(case):
 @needs_cuda
 @pytest.mark.skipif(not _hopper(), reason="the soft-capped config is a Hopper (warp-specialized) one")
 @pytest.mark.parametrize("cap", [1.5, 30.0])
-def test_soft_capped_d128_config_against_float64(cap):
+def test_soft_capped_d128_config_against_float64(cap, monkeypatch):
     # From 3k keys, non-causal, bf16 at head_dim 128, soft-capping runs its own config (ops.select
     # softcapped_config: 192-row blocks over 64-key tiles). Query rows not a multiple of 192 and keys not
-    # of 64; grouped heads. The default call must run it; so must the named config on the causal entry point.
-    from flash_attention.ops.select import SOFTCAP_D128_CONFIG, forward_config
+    # of 64; grouped heads. The default call must launch it (and chosen_config, what bench and the tools
+    # report, must name it); the named config runs on the causal entry point too.
+    from flash_attention.ops import forward as launch
+    from flash_attention.ops import repeat
+    from flash_attention.ops.select import SOFTCAP_D128_CONFIG
 
-    picked = forward_config(
-        "bf16", 128, False, 200, 3100, 2, arch="sm_90a", gpu="", smem_limit=227 * 1024, features=["softcap"]
-    )
-    assert picked.name() == SOFTCAP_D128_CONFIG
+    launched: list[str] = []
+    real = launch.launch_plan
+
+    def spy(plan, *args, **kwargs):
+        launched.append(plan.cfg.name())
+        return real(plan, *args, **kwargs)
+
+    monkeypatch.setattr(launch, "launch_plan", spy)
+    monkeypatch.setattr(repeat, "MODE", "python" if repeat.MODE == "native" else repeat.MODE)
     for causal, sq in ((False, 200), (True, 3100)):
         case = (1, sq, 3100, 4, 2, 128, causal, False, None, "softcap")
         tensors, kw, mods = _call(case)
@@ -190,8 +198,13 @@ def test_soft_capped_d128_config_against_float64(cap):
         exact_o, exact_lse, _ = _reference(tensors, kw, mods, torch.float64)
         f32_o, _, _ = _reference(tensors, kw, mods, torch.float32)
         config = None if not causal else SOFTCAP_D128_CONFIG
+        if config is None:
+            chosen = ops.chosen_config(q, k, v, causal=False, softmax_scale=kw["softmax_scale"], softcap=True)
+            assert chosen.name() == SOFTCAP_D128_CONFIG
         out = torch.full_like(q, float("nan"))
+        launched.clear()
         o, lse = ops.cuda_forward(q, k, v, return_lse=True, out=out, config=config, **kw, **mods)
+        assert launched == [SOFTCAP_D128_CONFIG]
         assert torch.isfinite(o).all()
         _close(o, exact_o, f32_o, f"cap {cap} causal {causal} out")
         torch.testing.assert_close(lse.double(), exact_lse, rtol=0, atol=5e-3)

@@ -310,15 +310,23 @@ def chosen_config(
     softmax_scale: float,
     ranged: bool = False,
     dropout: bool = False,
+    window: bool = False,
+    softcap: bool = False,
+    alibi: bool = False,
 ) -> KernelConfig:
     """The configuration :func:`cuda_forward` runs for these inputs when none is named: what ``attention()``
     runs (the tools name it in their output). ``v`` defaults to ``k``'s layout; its strides count, as
-    ``q``'s and ``k``'s, when a TMA kernel could not address them (feature ``untileable``)."""
+    ``q``'s and ``k``'s, when a TMA kernel could not address them (feature ``untileable``). ``window``,
+    ``softcap`` and ``alibi``: whether the call has them (soft-capping has a config of its own at head_dim
+    128: select.softcapped_config)."""
     needs = feature_list(
         key_range=ranged,
         dropout=dropout,
         negative_scale=softmax_scale < 0,
         untileable=tma.untileable(q, k, k if v is None else v),
+        window=window,
+        softcap=softcap,
+        alibi=alibi,
     )
     return _config(q, k, causal, needs)
 

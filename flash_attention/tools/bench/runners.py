@@ -209,7 +209,15 @@ def make_runner(
         else:
             # The very choice attention() makes for this call (defaults, and tuned winners once they exist),
             # so our rows time what a user gets; forward() then runs it without any fallback.
-            cfg = ops.chosen_config(q0, inputs[0][1], causal=shape.causal, softmax_scale=shape.head_dim**-0.5)
+            cfg = ops.chosen_config(
+                q0,
+                inputs[0][1],
+                causal=shape.causal,
+                softmax_scale=shape.head_dim**-0.5,
+                window=bool(shape.window),
+                softcap=bool(shape.softcap),
+                alibi=shape.alibi,
+            )
         if mode == "fwd":
             key = (cfg.name(), shape.causal)
             if key in _COMPILE_FAILURES:
