@@ -85,9 +85,10 @@ def softcapped_config(cfg: KernelConfig, features: tuple[str, ...], causal: bool
     from 3k keys, three consumer warpgroups of 64 rows over 64-key tiles (three stages) instead of two of
     128 rows over 128 keys. Soft-capping asks the SFU for a tanh and an exp2 per score, as many SFU cycles
     as the tensor cores' products at head_dim 128; three consumer warps per sub-partition hide its queue
-    better, and shorter tiles shorten each softmax burst. bench at 4k (H200, two rounds in one call):
-    0.994 / 0.995 ms against 1.026 / 1.028 (-3.1%); causal it is 0.5% slower and plain attention 5% slower
-    with it, so both keep their picks (docs/kernel-log.md, steps 106 and 115). Not with ALiBi (its
+    better, and shorter tiles shorten each softmax burst. bench (H200): at 4k 0.994 / 0.995 ms against
+    1.026 / 1.028 in two rounds of one call (-3.1%), 0.976 against 1.021 in another (-4.4%); at 8k and 16k
+    -9.4% and -7.9% against the 176-key pick. Causal it is 0.5% slower and plain attention 5% slower with
+    it, so both keep their picks (docs/kernel-log.md, steps 106 and 115). Not with ALiBi (its
     unbounded form), a window, a packed batch or dropout (whose hash takes a 192-row block to 128 rows):
     unmeasured there."""
     others = {"alibi", "window", "segments", "dropout", "key_range"}
