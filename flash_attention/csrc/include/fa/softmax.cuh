@@ -88,25 +88,29 @@ __device__ __forceinline__ float online_softmax_row(const Acc& s, int mt, int r,
 // 1.13x plain attention (kernel log 99). fp16 cannot take it: P, rounded to fp16 for P V, would overflow
 // past e^11. `s` holds tanh(scaled score / cap) (the policy's `unit`), masked -inf; `cap_log2` is cap log2 e.
 //
-// Each probability is rounded to bf16 here, and the row's sum adds the rounded values: exactly the weights
-// that P V multiplies V by, so O = sum(P V) / L is a convex combination of V's rows. Summing the fp32
-// values instead made O a combination whose weights add to 1 +- 2^-9: with the running max a row's largest
-// P is exp(0) = 1, exact in bf16, but here P is an arbitrary float, so a row with one visible key got
-// O = (bf16(P) / P) V instead of V, and the backward's D = rowsum(dO O) no longer cancelled dP = dO V:
-// dQ and dK of such rows came out nonzero (up to 0.09) where they are exactly 0. The rounding is one
-// cvt.rn.bf16x2 and two bit operations per pair of scores (kernel log 116 measures what it costs); the
-// rounded values are exact in bf16, so s_to_p's second conversion of them changes nothing.
+// L must add P as P V takes it, rounded to bf16: then O = sum(P V) / L is a convex combination of V's rows.
+// Summing the fp32 values instead made O a combination whose weights add to 1 +- 2^-9: with the running
+// max a row's largest P is exp(0) = 1, exact in bf16, but here P is an arbitrary float, so a row with one
+// visible key got O = (bf16(P) / P) V instead of V, and the backward's D = rowsum(dO O) no longer
+// cancelled dP = dO V: dQ and dK of such rows came out nonzero (up to 0.09) where they are exactly 0.
+// kSumHere: round each pair here (cvt.rn.bf16x2, then exact unpacking) and return the row's sum of the
+// rounded values, for a caller whose P changes before it is packed (dropout). Otherwise the exponentials
+// are left in `s` and the caller adds the packed P (fa/fwd_wgmma.cuh add_p_row_sums): rounding here too
+// doubled the conversions, which share the SFU's quarter-rate pipe with the tanh and the exp2 (kernel log
+// 116: +5% at head_dim 128, +15-19% at 64).
 constexpr float kFixedMaxCap = 56.f;
-template <class Acc>
+template <bool kSumHere, class Acc>
 __device__ __forceinline__ float bounded_softmax_row(const Acc& s, int mt, int r, float cap_log2) {
   const float origin = 0.5f * cap_log2;
   float sum = 0.f;
 #pragma unroll
   for (int n = 0; n < Acc::kN; ++n) {
-    const float p0 = exp2_approx(fmaf(s(mt, n, 2 * r), cap_log2, -origin));
-    const float p1 = exp2_approx(fmaf(s(mt, n, 2 * r + 1), cap_log2, -origin));
-    unpack2<true>(pack2<true>(p0, p1), s(mt, n, 2 * r), s(mt, n, 2 * r + 1));
-    sum += s(mt, n, 2 * r) + s(mt, n, 2 * r + 1);
+    s(mt, n, 2 * r) = exp2_approx(fmaf(s(mt, n, 2 * r), cap_log2, -origin));
+    s(mt, n, 2 * r + 1) = exp2_approx(fmaf(s(mt, n, 2 * r + 1), cap_log2, -origin));
+    if constexpr (kSumHere) {
+      unpack2<true>(pack2<true>(s(mt, n, 2 * r), s(mt, n, 2 * r + 1)), s(mt, n, 2 * r), s(mt, n, 2 * r + 1));
+      sum += s(mt, n, 2 * r) + s(mt, n, 2 * r + 1);
+    }
   }
   return sum;
 }

@@ -315,6 +315,12 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
   // cap 50): d256 12-18% faster dense, windowed and packed, d64 4-6% faster dense and packed, its causal
   // window unchanged against plain attention; d128 took it first (kernel log 99).
   constexpr bool kBoundable = BF && !Cfg::kPingpong && ScoreModBounded<typename V::ScoreMod>::value;
+  // Its L adds P as P V takes it, rounded to bf16 (fa/softmax.cuh says why): from the packed P (s_to_p,
+  // then add_p_row_sums) unless dropout changes P between the softmax and the packing, when the softmax
+  // rounds and sums itself. The overlap schedule then packs S_j's P before waiting for P_{j-1} V_{j-1}, so
+  // that the sums run under that product as the softmax's did (P_j lands in a register set of its own and
+  // moves into pf after the wait, where P_{j-1} is no longer read).
+  constexpr bool kSumPackedP = kBoundable && !kDropout;
   // The online softmax's reference max moves only by more than kLazyMargin (fa/softmax.cuh), and O's
   // rescale (D / 2 multiplies per thread) is skipped where no row of a warp moved it. At head_dim 256 only,
   // where two A/B runs agreed (kernel log 106, H200, random inputs: -4% by the fastest rounds, either
@@ -512,7 +518,8 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
           mask.mask_query_rows(acc_tile(sacc), q_start + warp_row0, kv_start, g, t);
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
-            row_sum[r] += bounded_softmax_row(acc_tile(sacc), 0, r, cap_log2);
+            const float sum = bounded_softmax_row<!kSumPackedP>(acc_tile(sacc), 0, r, cap_log2);
+            if constexpr (!kSumPackedP) row_sum[r] += sum;
             alpha[r] = 1.f;
           }
           if constexpr (kDropout)
@@ -619,6 +626,8 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
         rescale_o(alpha);
         u32 pf[KS][4];
         s_to_p<BC, BF>(pf, sacc);
+        if constexpr (kSumPackedP)
+          if (bounded) add_p_row_sums<BC>(row_sum, pf);
         mbar_wait(v_full(slot(it)), phase(it));
         issue_pv_at(pf, it);
         pass_turn();
@@ -666,6 +675,8 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
         trace_softmax(sacc, alpha);
 #endif
         s_to_p<BC, BF>(pf, sacc);
+        if constexpr (kSumPackedP)
+          if (bounded) add_p_row_sums<BC>(row_sum, pf);
       }
       for (int it = 1; it < n_iter; ++it) {
         mbar_wait(k_full(slot(it)), phase(it));
@@ -689,6 +700,11 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
 #if FA_TRACE
         trace_softmax(sacc, alpha);
 #endif
+        u32 p_next[kSumPackedP ? KS : 1][4];  // (used only by kSumPackedP builds)
+        if constexpr (kSumPackedP) {
+          s_to_p<BC, BF>(p_next, sacc);
+          if (bounded) add_p_row_sums<BC>(row_sum, p_next);
+        }
 #if !FA_NO_SOFTMAX_ORDER  // (defined only by tools/ws_timeline.py --old-order and A/B scripts: the old schedule)
         // The softmax step runs under P_{j-1} V_{j-1}, not after it: its sums (which need every exponential
         // and the max) must be done before the wait (fa/wgmma.cuh says why ptxas would hoist the wait).
@@ -705,7 +721,14 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
 #endif
         release(v_empty(slot(it - 1)));
         rescale_o(alpha);
-        s_to_p<BC, BF>(pf, sacc);
+        if constexpr (kSumPackedP) {
+#pragma unroll
+          for (int ks = 0; ks < KS; ++ks)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) pf[ks][i] = p_next[ks][i];
+        } else {
+          s_to_p<BC, BF>(pf, sacc);
+        }
       }
       mbar_wait(v_full(slot(n_iter - 1)), phase(n_iter - 1));
       take_turn();
