@@ -223,7 +223,9 @@ def test_report_covers_every_kernel_family(arch, name, reallocates, report_cache
     assert cfg in report.shipped_configs(arch)
     assert report.main(["--configs", name, "--arch", arch]) == 0
     out = capsys.readouterr().out.splitlines()
-    rows = {line.split()[-1]: line.split() for line in out if line.startswith(arch)}
+    kernel_lines = [line.split() for line in out if line.startswith(arch)]
+    rows = {cells[-1]: cells for cells in kernel_lines}
+    assert len(rows) == len(kernel_lines), "a kernel is listed twice"
     assert set(_entry_points(cfg)) <= set(rows)
     for kernel, (_, regs, smem, spills, stack, blocks, *_) in rows.items():
         stores, loads = (int(x) for x in spills.split("/"))
