@@ -1,9 +1,10 @@
 """``python -m flash_attention [command]``.
 
-Without a command: the main job (our attention against PyTorch's on a default shape, or the CPU path when
-there is no GPU). Commands hand the rest of the command line to their own parser, so ``--help`` after a
-command is that command's help. Each command is a module of :mod:`flash_attention.tools`, imported only when
-chosen (so ``bench --update-readme`` and ``build`` need nothing a GPU machine has).
+Without a command: the main job (our attention against PyTorch's on a default shape; without a GPU, the
+CPU path's error and time against SDPA's, and what to run next). Commands hand the rest of the command
+line to their own parser, so ``--help`` after a command is that command's help. Each command is a module of
+:mod:`flash_attention.tools`, imported only when chosen (so ``bench --update-readme`` and ``build`` need
+nothing a GPU machine has).
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def _parser() -> argparse.ArgumentParser:
         description=(
             "Without a command: run flash_attention.attention against PyTorch's attention on a default shape "
             "and print time, TFLOP/s and max error against a float64 reference (on a machine without a CUDA "
-            "GPU, the CPU path runs)."
+            "GPU: the CPU path's max error and time, each beside SDPA's, then the next steps)."
         ),
         epilog=f"commands:\n{lines}\n\n`python -m flash_attention COMMAND --help` explains each.",
         formatter_class=argparse.RawDescriptionHelpFormatter,

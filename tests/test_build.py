@@ -107,6 +107,27 @@ ptxas info    : Used 254 registers, used 1 barriers, 16 bytes smem, 592 bytes cm
     )
 
 
+def test_parse_ptxas_log_keeps_a_called_device_function_apart():
+    # A device function ptxas did not inline is listed after each entry that calls it (the decode kernels at
+    # head_dim 256 call fa::combine_row_block_call): it belongs to neither entry.
+    callee = "_ZN2fa22combine_row_block_callILb1ELi256ELi16ELi128EEEvRKNS_12DecodeParamsEiii"
+    log = f"""ptxas info    : Compiling entry function 'flash_decode_a' for 'sm_90'
+ptxas info    : Function properties for flash_decode_a
+    8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads
+ptxas info    : Used 254 registers, used 1 barriers
+ptxas info    : Function properties for {callee}
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Compiling entry function 'flash_decode_b' for 'sm_90'
+ptxas info    : Function properties for flash_decode_b
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 252 registers, used 1 barriers
+ptxas info    : Function properties for {callee}
+    16 bytes stack frame, 12 bytes spill stores, 12 bytes spill loads
+"""
+    got = [(r.kernel, r.registers, r.stack_frame, r.spill_stores) for r in compiler.parse_ptxas_log(log)]
+    assert got == [("flash_decode_a", 254, 8, 4), ("flash_decode_b", 252, 0, 0)]
+
+
 @needs_nvcc
 def test_cache_hit_and_key(cache):
     cfg = parse_config("(BF16, 64, 64, 64, 4): async+eager+swizzled+load_0_1_1_tiles+buffer+opt_softmax")

@@ -158,10 +158,17 @@ def test_progression_adds_one_warp_specialized_technique_per_step(d, causal, n):
     assert added == expected
 
 
+@pytest.fixture(scope="module")
+def report_cache(tmp_path_factory):
+    """One kernel cache for the report tests of this module: a config two of them report compiles once."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FLASH_ATTENTION_CACHE_DIR", str(tmp_path_factory.mktemp("report-cache")))
+        mp.setenv("FLASH_ATTENTION_QUIET", "1")
+        yield
+
+
 @needs_compiler
-def test_report_covers_backward_configs(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("FLASH_ATTENTION_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("FLASH_ATTENTION_QUIET", "1")
+def test_report_covers_backward_configs(report_cache, capsys):
     from flash_attention.configs import default_bwd_config
 
     cfg = default_bwd_config("bf16", 128, "sm_90")
@@ -178,6 +185,62 @@ def test_report_covers_backward_configs(tmp_path, monkeypatch, capsys):
     # per role is stated beside it.
     assert cfg.warp_specialized
     assert "registers by role: setmaxnreg: producer warpgroup 24, consumer warpgroups up to 240" in out
+
+
+# One shipped config of each kernel family per architecture (the Hopper backward has two kernels of its own:
+# the warp-specialized one at head_dim 64/128 and the wide one at 192/256), and whether its kernels move
+# registers between warpgroups with setmaxnreg (then report states the split beside the launch count).
+FAMILIES = [
+    ("sm_80", "(BF16, 64, 64, 64, 4): async+eager+swizzled+load_0_1_1_tiles+opt_softmax", False),
+    ("sm_80", "bwd_bf16_d64_q128_kv128_w8_s1", False),
+    ("sm_80", "decode_bf16_d64_m16_kv64_w1x4_s3", False),
+    ("sm_90", "(BF16, 64, 128, 128, 12): wgmma+ws+overlap+tma_store+stages_2", True),
+    ("sm_90", "bwd_bf16_d128_q64_kv128_w12_s1_buffer_wgmma_ws", True),
+    ("sm_90", "bwd_bf16_d192_q64_kv64_w8_s1_buffer_wgmma", True),
+    ("sm_90", "decode_bf16_d64_m16_kv64_w1x4_s3", False),
+    ("sm_90", "decode_bf16_d64_m64_kv64_w4x1_s2_wgmma", False),
+]
+
+
+def _entry_points(cfg) -> list[str]:
+    """Kernels every build of ``cfg``'s family holds, named by the config classes."""
+    from flash_attention.configs import BwdConfig
+    from flash_attention.configs.decode import DecodeConfig
+
+    if isinstance(cfg, BwdConfig):
+        return [cfg.symbol("pre"), cfg.symbol("dkdv"), cfg.symbol("dkdv", True), cfg.symbol("dkdv_det")]
+    if isinstance(cfg, DecodeConfig):
+        return [cfg.symbol("decode"), cfg.symbol("decode", True), cfg.symbol("combine"), cfg.symbol("append")]
+    return [cfg.symbol(False), cfg.symbol(True)]
+
+
+@needs_compiler
+@pytest.mark.parametrize("arch,name,reallocates", FAMILIES, ids=[f"{a}-{n[:20]}" for a, n, _ in FAMILIES])
+def test_report_covers_every_kernel_family(arch, name, reallocates, report_cache, capsys):
+    from flash_attention.tools.build import spill_bound
+
+    cfg = report.parse_any(name)
+    assert cfg in report.shipped_configs(arch)
+    assert report.main(["--configs", name, "--arch", arch]) == 0
+    out = capsys.readouterr().out.splitlines()
+    kernel_lines = [line.split() for line in out if line.startswith(arch)]
+    rows = {cells[-1]: cells for cells in kernel_lines}
+    assert len(rows) == len(kernel_lines), "a kernel is listed twice"
+    assert set(_entry_points(cfg)) <= set(rows)
+    for kernel, (_, regs, smem, spills, stack, blocks, *_) in rows.items():
+        stores, loads = (int(x) for x in spills.split("/"))
+        assert 16 <= int(regs) <= 255 and int(stack) >= 0, (kernel, regs, stack)
+        assert 0 <= int(smem) <= report._SM_LIMITS[arch]["smem"], (kernel, smem)
+        assert max(stores, loads) <= spill_bound(cfg, kernel), f"{kernel} spills {stores}/{loads} bytes"
+        assert int(blocks) >= 1, f"{kernel}: no block fits on a multiprocessor"
+    roles = [line for line in out if "registers by role" in line]
+    assert len(roles) == (1 if reallocates else 0), roles
+    assert all("setmaxnreg" in line for line in roles)
+
+
+def test_register_roles_of_names_what_it_was_given():
+    with pytest.raises(TypeError, match="cfg must be a KernelConfig, BwdConfig or DecodeConfig; got str"):
+        report.register_roles_of("decode_bf16_d64_m16_kv64_w1x4_s3")
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])

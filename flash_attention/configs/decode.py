@@ -15,6 +15,7 @@ __all__ = [
     "COMBINE_COST",
     "DecodeConfig",
     "cache_length_bucket",
+    "decode_register_roles",
     "decode_validity_errors",
     "default_decode_config",
     "num_splits_heuristic",
@@ -165,6 +166,13 @@ def decode_validity_errors(cfg: DecodeConfig) -> list[str]:
         if cfg.block_kv not in (64, 128):
             errors.append("wgmma: block_kv 64 or 128")
     return errors
+
+
+def decode_register_roles(cfg: DecodeConfig) -> str:
+    """What a decode block's register count means per role, for ``report``: always "". Every warp of the
+    decode kernels (the sm80 one and the wgmma one) loads and computes alike and none moves registers with
+    setmaxnreg, so the count the compiler reports is what each thread holds; there is no split to state."""
+    return ""
 
 
 def parse_decode_config(text: str | DecodeConfig) -> DecodeConfig:

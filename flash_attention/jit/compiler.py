@@ -70,7 +70,11 @@ def parse_ptxas_log(log: str) -> list[ResourceUsage]:
             continue
         m = _PROPS_RE.search(line)
         if m:
-            current = out.setdefault(m[1], current or ResourceUsage(kernel=m[1], arch="?"))
+            # An entry's own properties, or those of a device function ptxas did not inline (called from
+            # several entries, listed after each): the latter get a record of their own, dropped below, so
+            # their frame line neither overwrites an entry's nor lists that entry twice.
+            arch = current.arch if current else "?"
+            current = out.setdefault(m[1], ResourceUsage(kernel=m[1], arch=arch))
             continue
         if current is None:
             continue

@@ -26,10 +26,13 @@ from dataclasses import dataclass
 from flash_attention import ops
 from flash_attention.configs import BwdConfig, KernelConfig, parse_bwd_config, parse_config
 from flash_attention.configs.backward import bwd_register_roles
-from flash_attention.configs.decode import DecodeConfig, parse_decode_config
+from flash_attention.configs.decode import DecodeConfig, decode_register_roles, parse_decode_config
 from flash_attention.configs.forward import register_roles
 from flash_attention.jit.cache import build
 from flash_attention.jit.sources import DECODE_AUX_THREADS, SCORE_MODS, SEGMENTS, kernel_symbol, mask_causals
+
+#: A config of any kernel family: forward, backward or decode.
+AnyConfig = KernelConfig | BwdConfig | DecodeConfig
 
 # Per-SM limits by architecture: registers, max resident threads, max resident blocks, shared memory
 # available to blocks (bytes), and the shared memory the system reserves per block.
@@ -196,7 +199,7 @@ class Variant:
 PLAIN = Variant()
 
 
-def _build(cfg: KernelConfig | BwdConfig, arch: str, compiler: str | None, variant: Variant = PLAIN):
+def _build(cfg: AnyConfig, arch: str, compiler: str | None, variant: Variant = PLAIN):
     if variant == PLAIN:
         return build(cfg, arch, compiler)
     if isinstance(cfg, DecodeConfig):
@@ -230,8 +233,8 @@ def launch_shape(cfg, kernel: str) -> tuple[int, int]:
     return cfg.threads, cfg.smem_bytes
 
 
-def shipped_configs(arch: str) -> list[KernelConfig | BwdConfig]:
-    """Every configuration a default call can run on ``arch``, forward then backward (ops.catalog)."""
+def shipped_configs(arch: str) -> list[AnyConfig]:
+    """Every configuration a default call can run on ``arch``: forward, backward, decode (ops.catalog)."""
     cfgs = list(dict.fromkeys(job.cfg for job in ops.catalog(arch)))
     return (
         [c for c in cfgs if isinstance(c, KernelConfig)]
@@ -240,11 +243,28 @@ def shipped_configs(arch: str) -> list[KernelConfig | BwdConfig]:
     )
 
 
-def parse_any(text: str) -> KernelConfig | BwdConfig:
+def parse_any(text: str) -> AnyConfig:
     """A forward config name or symbol, or a backward (``bwd_...``) or decode (``decode_...``) config name."""
     if text.strip().startswith("decode_"):
         return parse_decode_config(text.strip())
     return parse_bwd_config(text) if text.strip().startswith("bwd_") else parse_config(text)
+
+
+# Each family states its own register roles: the forward's and backward's warp-specialized kernels split
+# registers between warpgroups with setmaxnreg, the decode kernels never do.
+_REGISTER_ROLES = {
+    KernelConfig: register_roles,
+    BwdConfig: bwd_register_roles,
+    DecodeConfig: decode_register_roles,
+}
+
+
+def register_roles_of(cfg: AnyConfig) -> str:
+    """What ``cfg``'s reported register count means per role ("" where all threads hold the same)."""
+    roles = _REGISTER_ROLES.get(type(cfg))
+    if roles is None:
+        raise TypeError(f"cfg must be a KernelConfig, BwdConfig or DecodeConfig; got {type(cfg).__name__}")
+    return roles(cfg)
 
 
 def resource_lines(cfg, arch: str, compiler: str | None, variant: Variant = PLAIN) -> list[str]:
@@ -259,7 +279,7 @@ def resource_lines(cfg, arch: str, compiler: str | None, variant: Variant = PLAI
             f"{r['stack_frame']:5d}  {occ.blocks:2d} blk {occ.warps:2d}/{occ.max_warps} warps "
             f"({occ.fraction:4.0%}, {occ.limiter:13})  {r['kernel']}"
         )
-    roles = register_roles(cfg) if isinstance(cfg, KernelConfig) else bwd_register_roles(cfg)
+    roles = register_roles_of(cfg)
     if roles:
         lines.append(f"{'':6} registers by role: {roles}")
     return lines
