@@ -27,6 +27,7 @@ from collections import OrderedDict
 import torch
 
 from ._validate import check_window
+from ._validate_varlen import check_offset_values, check_offsets_tensor, checks_offset_values
 from .interface import attention
 
 __all__ = ["alibi_diagonals", "attention_varlen", "clear_cache", "row_slopes", "segments"]
@@ -47,18 +48,6 @@ def clear_cache() -> None:
     version, and would find the runs of their old values: call this after such a write, or pass the new
     offsets as a new tensor."""
     _CACHE.clear()
-
-
-def _check_offsets(name: str, cu: object, device: torch.device) -> int:
-    """The length of a 1-D int32 (or int64) tensor on ``device``, or an error naming it. (Not converted
-    here: segments() reads any of the two, and a converted copy would be a new tensor at every call.)"""
-    if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 1:
-        raise ValueError(f"{name} must be a 1-D integer tensor of batch + 1 offsets")
-    if cu.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"{name} must be int32 (or int64); got {cu.dtype}")
-    if cu.device != device:
-        raise ValueError(f"{name} must be on the device of q ({device}); got {cu.device}")
-    return cu.numel()
 
 
 def segments(
@@ -250,13 +239,19 @@ def _cached_segments(cu_q, cu_k, total_q, total_k, causal, window, seqused_k, ty
     # While a CUDA graph is captured, the runs are built inside it from the offsets' buffers (a replay after
     # new offsets were copied into them must see them), and the graph's private memory is cached nowhere.
     capturing = cu_q.is_cuda and torch.cuda.is_current_stream_capturing()
+    # The offsets' values are checked where the runs are built: a cache hit's offsets (the same tensors at
+    # the same version) passed when its runs were made, so repeated calls pay nothing. (Whether the check
+    # ran is part of the key: turning it on later checks offsets whose runs were made unchecked.)
+    checked = checks_offset_values(cu_q.device, capturing)
     key = None
     if not capturing:
-        key = (ident(cu_q), ident(cu_k), ident(seqused_k), total_q, total_k, causal, window, typical)
+        key = (ident(cu_q), ident(cu_k), ident(seqused_k), total_q, total_k, causal, window, typical, checked)
         hit = _CACHE.get(key)
         if hit is not None:
             _CACHE.move_to_end(key)
             return hit[0]
+    if checked:
+        check_offset_values(cu_q, cu_k, total_q, total_k, seqused_k)
     made = segments(cu_q, cu_k, total_q, total_k, causal=causal, window=window, seqused_k=seqused_k)
     # The lengths the kernels' configurations are chosen by (ops.plans.segment_lengths): a tile shape for
     # the sequences, not for one sequence of the packed length. (An attribute of the tensor, so it rides
@@ -299,12 +294,15 @@ def attention_varlen(
         k, v: (total_k, heads_kv, head_dim), their keys and values (heads_q a multiple of heads_kv: GQA).
         cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) offsets on q's device, nondecreasing from 0:
             sequence b's queries are rows cu_seqlens_q[b] .. cu_seqlens_q[b+1] - 1 (its keys likewise).
-            Sequences of length 0 are allowed. Rows past cu_seqlens_q[-1] attend nothing (output 0).
+            Sequences of length 0 are allowed. The last offset may stop short of the tensors but not pass
+            them (cu_seqlens_q[-1] <= total_q, cu_seqlens_k[-1] <= total_k): rows past cu_seqlens_q[-1]
+            attend nothing (output 0), keys past cu_seqlens_k[-1] are attended by none.
         max_seqlen_q, max_seqlen_k: optional hints, the longest sequence's lengths: the kernels' tile shapes
-            are chosen by them (else by the mean length). Never needed for correctness: nothing is read
-            back to the host, so the call is CUDA-graph and ``torch.compile`` friendly.
+            are chosen by them (else by the mean length). Never needed for correctness, and not checked
+            against the offsets (a hint off the real lengths costs speed only).
         seqused_k: optional int32 (batch,): sequence b uses only its first seqused_k[b] keys (a cache
-            with room to spare); causal then aligns to that length.
+            with room to spare), 0 <= seqused_k[b] <= cu_seqlens_k[b+1] - cu_seqlens_k[b]; causal then
+            aligns to that length.
         causal, softmax_scale, window, softcap, sinks, dropout_p, dropout_seed, deterministic: as in
             :func:`flash_attention.attention`, per sequence (causal and the window aligned to each
             sequence's own bottom-right corner).
@@ -324,25 +322,38 @@ def attention_varlen(
         to q, k, v (and sinks) as :func:`flash_attention.attention` is.
 
     Not taken: ``key_range`` (``seqused_k`` is the packed form of a key range).
-    The offsets' values are the caller's promise: they are not read on the host, and offsets that decrease
-    or exceed the tensors give wrong results, never out-of-bounds accesses (the kernels clamp every row and
-    key they read to the packed tensors). The runs made from them are cached by the offsets tensors'
+
+    The offsets' values (``cu_seqlens_q``, ``cu_seqlens_k``, ``seqused_k``): on the CPU they are checked
+    against the contract above, and a break raises ValueError naming the argument and its first bad index.
+    On a GPU they are not read on the host (no synchronisation: the call is CUDA-graph and
+    ``torch.compile`` friendly), and offsets that break it give wrong results, never out-of-bounds accesses
+    (the kernels clamp every row and key they read to the packed tensors); ``FLASH_ATTENTION_CHECK_OFFSETS=1``
+    checks them there too, with the same ops on the device and one synchronisation per new offsets tensor
+    (skipped while a CUDA graph is captured). Under ``torch.compile`` they are never checked (the traced
+    graph does not know them). The runs made from them (and the check) are cached by the offsets tensors'
     address and version: after writing new offsets into a tensor behind PyTorch's back (which does not bump
     its version), call :func:`clear_cache`.
+
+    Raises:
+        TypeError, ValueError: on invalid arguments (the offsets' values as said above), naming the argument.
     """
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise ValueError("q must be a (total_q, heads_q, head_dim) tensor")
     for name, t in (("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             raise ValueError(f"{name} must be a (total_k, heads_kv, head_dim) tensor")
-    n_offsets = _check_offsets("cu_seqlens_q", cu_seqlens_q, q.device)
-    if _check_offsets("cu_seqlens_k", cu_seqlens_k, q.device) != n_offsets:
+    offsets = "batch + 1 offsets"
+    n_offsets = check_offsets_tensor("cu_seqlens_q", cu_seqlens_q, q.device, offsets)
+    if n_offsets < 1:
+        raise ValueError(f"cu_seqlens_q must hold batch + 1 >= 1 offsets; got {n_offsets}")
+    if check_offsets_tensor("cu_seqlens_k", cu_seqlens_k, q.device, offsets) != n_offsets:
         raise ValueError(
             f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1); got {n_offsets} "
             f"and {cu_seqlens_k.numel()}"
         )
     if seqused_k is not None:
-        if _check_offsets("seqused_k", seqused_k, q.device) != n_offsets - 1:
+        used = check_offsets_tensor("seqused_k", seqused_k, q.device, "each sequence's keys in use")
+        if used != n_offsets - 1:
             raise ValueError(f"seqused_k must have shape (batch,) = ({n_offsets - 1},)")
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):

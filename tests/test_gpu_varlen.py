@@ -2,11 +2,13 @@
 SegmentKeys): output, LSE and gradients against float64 run on each sequence alone, within a few times the
 error of the same computation in float32 rounded to the inputs' precision; every forward family and every
 backward family (the deterministic one bitwise between runs); ragged lengths with 0 and 1, GQA, causal,
-a window, soft-capping, sinks, seqused_k, fp16/bf16, head dims 64/128/256 and 72; and no host
-synchronisation in a call."""
+a window, soft-capping, sinks, seqused_k, fp16/bf16, head dims 64/128/256 and 72; no host
+synchronisation in a call; and the opt-in check of the offsets (FLASH_ATTENTION_CHECK_OFFSETS) on the
+device."""
 
 from __future__ import annotations
 
+import re
 import zlib
 
 import pytest
@@ -280,6 +282,83 @@ def test_a_captured_call_reads_the_offsets_it_is_replayed_with():
     with torch.cuda.graph(graph):
         out = flash_attention.attention_varlen(q, k, v, cu, cu, causal=True)
     for split in (123, 555, 300):
+        cu.copy_(torch.tensor([0, split, 700], dtype=torch.int32))
+        graph.replay()
+        fresh = cu.clone()
+        expected = flash_attention.attention_varlen(q, k, v, fresh, fresh, causal=True)
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected), split
+
+
+def _offsets_case():
+    """bf16 CUDA q, k, v of 700 rows and keys (4 heads, head_dim 64), as test_a_captured_call's."""
+    gen = torch.Generator(device="cuda").manual_seed(23)
+    return [torch.randn(700, 4, 64, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(3)]
+
+
+def _cuda(values):
+    return torch.tensor(values, dtype=torch.int32, device="cuda")
+
+
+def test_the_opt_in_offsets_check_raises_on_the_device(monkeypatch):
+    # FLASH_ATTENTION_CHECK_OFFSETS=1: the CPU's check (flash_attention._validate_varlen), run with ops on
+    # the device; valid offsets give the unchecked call's answer.
+    q, k, v = _offsets_case()
+    monkeypatch.setenv("FLASH_ATTENTION_CHECK_OFFSETS", "1")
+    good = _cuda([0, 300, 700])
+    bad = {
+        "cu_seqlens_q must be non-decreasing; cu_seqlens_q[2] = 200 < cu_seqlens_q[1] = 300": (
+            _cuda([0, 300, 200, 700]),
+            _cuda([0, 300, 600, 700]),
+            None,
+        ),
+        "cu_seqlens_k[2] = 701 is past the end of k (k.shape[0] = 700 keys)": (
+            good,
+            _cuda([0, 300, 701]),
+            None,
+        ),
+        "seqused_k[1] = 401 exceeds sequence 1's 400 keys": (good, good, _cuda([300, 401])),
+    }
+    for error, (cu_q, cu_k, used) in bad.items():
+        with pytest.raises(ValueError, match=re.escape(error)):
+            flash_attention.attention_varlen(q, k, v, cu_q, cu_k, seqused_k=used, causal=True)
+    checked = flash_attention.attention_varlen(q, k, v, good, good, causal=True)
+    monkeypatch.delenv("FLASH_ATTENTION_CHECK_OFFSETS")
+    fresh = good.clone()
+    assert torch.equal(checked, flash_attention.attention_varlen(q, k, v, fresh, fresh, causal=True))
+
+
+def test_without_the_opt_in_bad_offsets_are_not_read(monkeypatch):
+    # The default: no host read of the offsets, even bad ones (wrong rows, never an out-of-bounds access).
+    q, k, v = _offsets_case()
+    monkeypatch.delenv("FLASH_ATTENTION_CHECK_OFFSETS", raising=False)
+    flash_attention.attention_varlen(q, k, v, _cuda([0, 300, 700]), _cuda([0, 300, 700]), causal=True)
+    bad_q, bad_k = _cuda([0, 300, 200, 700]), _cuda([5, 300, 900, 800])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = flash_attention.attention_varlen(q, k, v, bad_q, bad_k, causal=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()  # (a fault would surface here)
+    assert out.shape == q.shape
+
+
+def test_the_opt_in_offsets_check_lets_a_cuda_graph_be_captured(monkeypatch):
+    # With the check asked for, a captured call skips it (the read would fail the capture), and a replay
+    # with new offsets copied in agrees with a checked eager call on them.
+    q, k, v = _offsets_case()
+    monkeypatch.setenv("FLASH_ATTENTION_CHECK_OFFSETS", "1")
+    cu = _cuda([0, 300, 700])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # (a warm-up on the capture's stream, as torch.cuda.graphs asks)
+        flash_attention.attention_varlen(q, k, v, cu, cu, causal=True)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flash_attention.attention_varlen(q, k, v, cu, cu, causal=True)
+    for split in (123, 555):
         cu.copy_(torch.tensor([0, split, 700], dtype=torch.int32))
         graph.replay()
         fresh = cu.clone()
