@@ -88,28 +88,35 @@ __device__ __forceinline__ float online_softmax_row(const Acc& s, int mt, int r,
 // 1.13x plain attention (kernel log 99). fp16 cannot take it: P, rounded to fp16 for P V, would overflow
 // past e^11. `s` holds tanh(scaled score / cap) (the policy's `unit`), masked -inf; `cap_log2` is cap log2 e.
 //
-// L must add P as P V takes it, rounded to bf16: then O = sum(P V) / L is a convex combination of V's rows.
-// Summing the fp32 values instead made O a combination whose weights add to 1 +- 2^-9: with the running
-// max a row's largest P is exp(0) = 1, exact in bf16, but here P is an arbitrary float, so a row with one
-// visible key got O = (bf16(P) / P) V instead of V, and the backward's D = rowsum(dO O) no longer
-// cancelled dP = dO V: dQ and dK of such rows came out nonzero (up to 0.09) where they are exactly 0.
-// kSumHere: round each pair here (cvt.rn.bf16x2, then exact unpacking) and return the row's sum of the
-// rounded values, for a caller whose P changes before it is packed (dropout). Otherwise the exponentials
-// are left in `s` and the caller adds the packed P (fa/fwd_wgmma.cuh add_p_row_sums): rounding here too
+// O must be divided by P as P V takes it, rounded to bf16: then O = sum(P V) / L_r is a convex combination
+// of V's rows. Dividing by the sum of the fp32 values instead made O a combination whose weights add to
+// 1 +- 2^-9: with the running max a row's largest P is exp(0) = 1, exact in bf16, but here P is an
+// arbitrary float, so a row with one visible key got O = (bf16(P) / P) V instead of V, and the backward's
+// D = rowsum(dO O) no longer cancelled dP = dO V: dQ and dK of such rows came out nonzero (up to 0.09)
+// where they are exactly 0. The LSE keeps the fp32 sum L (the true one): from L_r, the backward's
+// recomputed P of a one-key row was P / bf16(P), which can round to 1 - 2^-8, and its dV was then one
+// bf16 unit off dO. So the kernel keeps both sums and, at the tile's end, folds log(L / L_r) into the
+// row's reference max (bounded_lse_from_fp32_sum), so that the epilogue's O / L_r and max + log L_r give
+// both. The returned value is L's part (the fp32 sum); `rounded_sum` gets L_r's when kRoundHere: each pair
+// is rounded here (cvt.rn.bf16x2, then exact unpacking) for a caller whose P changes before it is packed
+// (dropout). Otherwise the caller adds the packed P (fa/fwd_wgmma.cuh add_p_row_sums): rounding here too
 // doubled the conversions, which share the SFU's quarter-rate pipe with the tanh and the exp2 (kernel log
-// 116: +5% at head_dim 128, +15-19% at 64).
+// 116: +5% at head_dim 128).
 constexpr float kFixedMaxCap = 56.f;
-template <bool kSumHere, class Acc>
-__device__ __forceinline__ float bounded_softmax_row(const Acc& s, int mt, int r, float cap_log2) {
+template <bool kRoundHere, class Acc>
+__device__ __forceinline__ float bounded_softmax_row(const Acc& s, int mt, int r, float cap_log2,
+                                                     float& rounded_sum) {
   const float origin = 0.5f * cap_log2;
   float sum = 0.f;
 #pragma unroll
   for (int n = 0; n < Acc::kN; ++n) {
     s(mt, n, 2 * r) = exp2_approx(fmaf(s(mt, n, 2 * r), cap_log2, -origin));
     s(mt, n, 2 * r + 1) = exp2_approx(fmaf(s(mt, n, 2 * r + 1), cap_log2, -origin));
-    if constexpr (kSumHere) {
-      unpack2<true>(pack2<true>(s(mt, n, 2 * r), s(mt, n, 2 * r + 1)), s(mt, n, 2 * r), s(mt, n, 2 * r + 1));
-      sum += s(mt, n, 2 * r) + s(mt, n, 2 * r + 1);
+    sum += s(mt, n, 2 * r) + s(mt, n, 2 * r + 1);
+    if constexpr (kRoundHere) {
+      float lo, hi;
+      unpack2<true>(pack2<true>(s(mt, n, 2 * r), s(mt, n, 2 * r + 1)), lo, hi);
+      rounded_sum += lo + hi;
     }
   }
   return sum;
@@ -131,6 +138,17 @@ __device__ __forceinline__ float quad_sum(float partial) {
   l += __shfl_xor_sync(0xffffffffu, l, 1);
   l += __shfl_xor_sync(0xffffffffu, l, 2);
   return l;
+}
+
+// At a tile's end, for the bounded softmax: `row_max` (its origin) += log(L / L_r) / scale and `row_sum`
+// (this thread's partial of L) becomes its partial of L_r, so that the epilogue's O / L_r and LSE
+// = max scale + log L_r = origin + log L are the two sums' (above). Every lane of the quad computes the same
+// adjustment from the quad's sums. A row with no visible key keeps its state (both sums 0).
+__device__ __forceinline__ void bounded_lse_from_fp32_sum(float& row_max, float& row_sum, float rounded_sum,
+                                                          float scale) {
+  const float l = quad_sum(row_sum), l_rounded = quad_sum(rounded_sum);
+  if (l_rounded > 0.f) row_max += __logf(l / l_rounded) / scale;
+  row_sum = rounded_sum;
 }
 
 // The factor that normalises O's row: 1 / L, or 0 for a row that saw no key (its O is 0 too).

@@ -315,11 +315,13 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
   // cap 50): d256 12-18% faster dense, windowed and packed, d64 4-6% faster dense and packed, its causal
   // window unchanged against plain attention; d128 took it first (kernel log 99).
   constexpr bool kBoundable = BF && !Cfg::kPingpong && ScoreModBounded<typename V::ScoreMod>::value;
-  // Its L adds P as P V takes it, rounded to bf16 (fa/softmax.cuh says why): from the packed P (s_to_p,
-  // then add_p_row_sums) unless dropout changes P between the softmax and the packing, when the softmax
-  // rounds and sums itself. The overlap schedule then packs S_j's P before waiting for P_{j-1} V_{j-1}, so
-  // that the sums run under that product as the softmax's did (P_j lands in a register set of its own and
-  // moves into pf after the wait, where P_{j-1} is no longer read).
+  // O is divided by the sum of P as P V takes it, rounded to bf16 (L_r, row_sum_p below), and the LSE keeps
+  // the fp32 sum (fa/softmax.cuh says why). L_r comes from the packed P (s_to_p, then add_p_row_sums)
+  // unless dropout changes P between the softmax and the packing, when the softmax rounds and sums itself. The overlap schedule adds P_j's sums just after issuing P_j V_j, so they run
+  // under that product: reading pf while the wgmma reads it is allowed. Packing S_j's P into a second
+  // register set before the wait and copying it into pf after made ptxas serialize every wgmma (C7513:
+  // non-wgmma instructions defining a wgmma's input registers inside its pipeline stage): +21% d128,
+  // +46% d256 (kernel log 116).
   constexpr bool kSumPackedP = kBoundable && !kDropout;
   // The online softmax's reference max moves only by more than kLazyMargin (fa/softmax.cuh), and O's
   // rescale (D / 2 multiplies per thread) is skipped where no row of a warp moved it. At head_dim 256 only,
@@ -359,6 +361,7 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
   // with Cfg::kTileOverlap held past the tile's end until its epilogue has run (below).
   float o[NO * 4];
   float row_max[2], row_sum[2];
+  float row_sum_p[2];  // the bounded softmax's L_r (kBoundable builds; dead code elsewhere)
   // Where this warpgroup stages its output rows in the per-warpgroup epilogue below: persistent, its part of
   // the output tile sO (PanelTile<64>); otherwise its own rows of the Q tile (PanelTile<BR>).
   const u32 sOw = Cfg::kPersistent ? sO + cwg * 64 * D * 2 : sQ + cwg * 64 * 128;
@@ -486,6 +489,7 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
       for (int i = 0; i < NO * 4; ++i) o[i] = 0.f;
       row_max[0] = row_max[1] = bounded ? bounded_max : neg_inf();
       row_sum[0] = row_sum[1] = 0.f;
+      row_sum_p[0] = row_sum_p[1] = 0.f;
     };
     if constexpr (!kTileOverlap) reset_accumulators();  // (tile_overlap: after the previous tile's epilogue)
 
@@ -518,8 +522,7 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
           mask.mask_query_rows(acc_tile(sacc), q_start + warp_row0, kv_start, g, t);
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
-            const float sum = bounded_softmax_row<!kSumPackedP>(acc_tile(sacc), 0, r, cap_log2);
-            if constexpr (!kSumPackedP) row_sum[r] += sum;
+            row_sum[r] += bounded_softmax_row<!kSumPackedP>(acc_tile(sacc), 0, r, cap_log2, row_sum_p[r]);
             alpha[r] = 1.f;
           }
           if constexpr (kDropout)
@@ -627,7 +630,7 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
         u32 pf[KS][4];
         s_to_p<BC, BF>(pf, sacc);
         if constexpr (kSumPackedP)
-          if (bounded) add_p_row_sums<BC>(row_sum, pf);
+          if (bounded) add_p_row_sums<BC>(row_sum_p, pf);
         mbar_wait(v_full(slot(it)), phase(it));
         issue_pv_at(pf, it);
         pass_turn();
@@ -675,8 +678,6 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
         trace_softmax(sacc, alpha);
 #endif
         s_to_p<BC, BF>(pf, sacc);
-        if constexpr (kSumPackedP)
-          if (bounded) add_p_row_sums<BC>(row_sum, pf);
       }
       for (int it = 1; it < n_iter; ++it) {
         mbar_wait(k_full(slot(it)), phase(it));
@@ -685,6 +686,8 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
         take_turn();
         issue_s_at(sacc, it);
         issue_pv_at(pf, it - 1);
+        if constexpr (kSumPackedP)
+          if (bounded) add_p_row_sums<BC>(row_sum_p, pf);  // P_{j-1}'s, under its product
         FA_TIMELINE_EVENT(tl, kSIssued, it);
         pass_turn();
         wgmma_wait<1>();  // S_j has landed; P_{j-1} V_{j-1} may still run
@@ -700,11 +703,6 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
 #if FA_TRACE
         trace_softmax(sacc, alpha);
 #endif
-        u32 p_next[kSumPackedP ? KS : 1][4];  // (used only by kSumPackedP builds)
-        if constexpr (kSumPackedP) {
-          s_to_p<BC, BF>(p_next, sacc);
-          if (bounded) add_p_row_sums<BC>(row_sum, p_next);
-        }
 #if !FA_NO_SOFTMAX_ORDER  // (defined only by tools/ws_timeline.py --old-order and A/B scripts: the old schedule)
         // The softmax step runs under P_{j-1} V_{j-1}, not after it: its sums (which need every exponential
         // and the max) must be done before the wait (fa/wgmma.cuh says why ptxas would hoist the wait).
@@ -721,18 +719,13 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
 #endif
         release(v_empty(slot(it - 1)));
         rescale_o(alpha);
-        if constexpr (kSumPackedP) {
-#pragma unroll
-          for (int ks = 0; ks < KS; ++ks)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) pf[ks][i] = p_next[ks][i];
-        } else {
-          s_to_p<BC, BF>(pf, sacc);
-        }
+        s_to_p<BC, BF>(pf, sacc);
       }
       mbar_wait(v_full(slot(n_iter - 1)), phase(n_iter - 1));
       take_turn();
       issue_pv_at(pf, n_iter - 1);
+      if constexpr (kSumPackedP)
+        if (bounded) add_p_row_sums<BC>(row_sum_p, pf);
       pass_turn();
       wgmma_wait<0>();
       wgmma_hold(o);
@@ -741,6 +734,12 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
       trace_pv(n_iter - 1);
 #endif
       release(v_empty(slot(n_iter - 1)));
+    }
+    if constexpr (kBoundable) {
+      if (bounded) {  // O / L_r with the LSE of L (fa/softmax.cuh bounded_lse_from_fp32_sum)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) bounded_lse_from_fp32_sum(row_max[r], row_sum[r], row_sum_p[r], p.scale);
+      }
     }
     if (cwg == 0) take_turn();  // the turn warpgroup 1 passed after its last issue
     ring += n_iter;
