@@ -1,10 +1,32 @@
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import threading
+from pathlib import Path
 
 import pytest
 import torch
+
+#: The full tier's marker: tests that compile every kernel for each architecture. They take most of the
+#: suite's time on a CPU machine (10-17 minutes on 2 cores, against 5-8 for the rest), so plain `pytest`
+#: leaves them out and `pytest --full` (what CI runs) adds them.
+FULL = "full_build"
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--full",
+        action="store_true",
+        help=f"also run the tests marked {FULL}: the compile of every kernel a model can need for sm_80 and "
+        "sm_90, and of every default for sm_86 and sm_89 (about 17 more minutes on 2 CPU cores; CI runs it)",
+    )
+
+
+def _full_tier(config) -> bool:
+    # `-m full_build` (or any expression naming the marker) asks for the tier as plainly as --full does.
+    return config.getoption("--full") or FULL in (config.getoption("markexpr") or "")
 
 
 def pytest_configure(config):
@@ -16,7 +38,17 @@ def pytest_configure(config):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
+def pytest_report_header(config):
+    if not _full_tier(config):
+        return f"tests marked {FULL} (every kernel compiled for each architecture) deselected: pytest --full"
+
+
 def pytest_collection_modifyitems(config, items):
+    if not _full_tier(config):
+        full = [item for item in items if FULL in item.keywords]
+        if full:
+            config.hook.pytest_deselected(items=full)
+            items[:] = [item for item in items if FULL not in item.keywords]
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU with compute capability 8.0 or newer")
@@ -64,34 +96,59 @@ def force_key_range(monkeypatch, key_range_calls):
     return key_range_calls
 
 
-@pytest.fixture(scope="session")
-def catalog_builds(tmp_path_factory):
-    """``python -m flash_attention build --strict`` for sm_80 and sm_90, once per session: every kernel a
-    model can need, compiled by NVRTC (what users compile with) or, without it, nvcc. Returns the process
-    and the cache's metadata files."""
+def _build_command(config, args: list[str], cache: str, **extra_env: str):
+    """Run ``python -m flash_attention build ARGS`` into the kernel cache ``cache``; returns the process (its
+    stderr merged into stdout) and the cache's metadata files.
+
+    Its progress lines go to the terminal as they come: pytest would otherwise hold the output until the
+    fixture returns, and a build of every kernel is minutes of silence.
+    """
     from flash_attention.jit import compiler
 
     kind = "nvrtc" if compiler.load_nvrtc() is not None else "nvcc" if compiler.find_nvcc() else None
     if kind is None:
         pytest.skip("needs NVRTC (pip: nvidia-cuda-nvrtc) or nvcc")
-    root = tmp_path_factory.mktemp("catalog")
-    env = dict(os.environ, FLASH_ATTENTION_CACHE_DIR=str(root), FLASH_ATTENTION_QUIET="1")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "flash_attention",
-            "build",
-            "--arch",
-            "sm_80,sm_90",
-            "--compiler",
-            kind,
-            "--strict",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=1800,
-    )
-    metas = [json.loads(p.read_text()) for p in root.glob("*.json")]
-    return proc, metas
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    capture = config.pluginmanager.get_plugin("capturemanager")
+    env = dict(os.environ, FLASH_ATTENTION_CACHE_DIR=cache, FLASH_ATTENTION_QUIET="1", **extra_env)
+    cmd = [sys.executable, "-m", "flash_attention", "build", *args, "--compiler", kind]
+    lines = []
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
+        watchdog = threading.Timer(1800, proc.kill)
+        watchdog.start()
+        try:
+            for line in proc.stdout:
+                lines.append(line)
+                progress = line.startswith(("building ", "[", "PROBLEM")) or " built in " in line
+                if progress and reporter is not None:
+                    with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+                        reporter.write_line(line.rstrip())
+        finally:
+            watchdog.cancel()
+    done = subprocess.CompletedProcess(cmd, proc.returncode, stdout="".join(lines), stderr="")
+    metas = [json.loads(p.read_text()) for p in Path(cache).glob("*.json")]
+    return done, metas
+
+
+@pytest.fixture(scope="session")
+def family_builds(request, tmp_path_factory):
+    """``python -m flash_attention build --strict`` of :func:`family_sample` for sm_90 (the one architecture
+    that runs every family): the default tier's compile of the shipped kernels with their resource report,
+    in well under a minute. The host library is left out (test_host_library.py builds it)."""
+    from kernel_families import family_sample
+
+    names = [job.cfg.name() for job in family_sample()]
+    cache = str(tmp_path_factory.mktemp("families"))
+    args = ["--arch", "sm_90", "--strict", "--configs", *names]
+    return _build_command(request.config, args, cache, FLASH_ATTENTION_HOST_LIBRARY="0")
+
+
+@pytest.fixture(scope="session")
+def catalog_builds(request, tmp_path_factory):
+    """``python -m flash_attention build --strict`` for sm_80 and sm_90, once per session: every kernel a
+    model can need, compiled by NVRTC (what users compile with) or, without it, nvcc. Returns the process
+    and the cache's metadata files. Up to 15 minutes on 2 CPU cores: only tests marked full_build use it."""
+    if not _full_tier(request.config):
+        pytest.fail(f"catalog_builds compiles every kernel: mark the test that uses it @pytest.mark.{FULL}")
+    cache = str(tmp_path_factory.mktemp("catalog"))
+    return _build_command(request.config, ["--arch", "sm_80,sm_90", "--strict"], cache)

@@ -93,10 +93,12 @@ def test_a_forward_that_does_not_fit_the_gpu_is_no_kernel_not_an_error():
         forward_config("bf16", 128, False, 4096, 4096, 1, arch="sm_86", gpu="", smem_limit=1024, config=cfg)
 
 
+@pytest.mark.full_build
 @pytest.mark.skipif(compiler.choose_compiler() is None, reason="needs NVRTC or nvcc")
 @pytest.mark.parametrize("arch", ["sm_86", "sm_89"])
 def test_defaults_of_the_99_kb_architectures_compile_without_spills(arch, tmp_path, monkeypatch):
-    # sm_80 and sm_90 are compiled by the catalog build (test_build.py); these two only here.
+    # sm_80 and sm_90 are compiled by the catalog build (test_build.py); these two only here. Each is a
+    # compile of most defaults again (about a minute on 2 CPU cores), so in the full tier with the catalog.
     monkeypatch.setenv("FLASH_ATTENTION_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("FLASH_ATTENTION_QUIET", "1")
     cfgs = [c for c in _defaults(arch) if c is not None]

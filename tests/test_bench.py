@@ -366,6 +366,60 @@ def test_fp32_bench_needs_a_gpu(capsys):
     assert "on a CUDA GPU, and none is available" in capsys.readouterr().err
 
 
+def _repo_status() -> str:
+    """The checkout's changed and untracked files (git status), to see that a command wrote nothing there."""
+    try:
+        proc = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=all"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+        )
+    except OSError:
+        proc = None
+    if proc is None or proc.returncode != 0:
+        pytest.skip("needs the checkout's git metadata")
+    return proc.stdout
+
+
+def test_bench_without_output_writes_only_into_the_current_directory(tmp_path, monkeypatch):
+    from flash_attention.tools.bench import fallback
+
+    monkeypatch.setitem(fallback.FALLBACK_SHAPES, "cpu", ((1, 24, 2, 16),))
+    before = _repo_status()
+    monkeypatch.chdir(tmp_path)
+    argv = ["--device", "cpu", "--dtype", "fp32", "--reps", "1", "--min-time", "0", "--allow-dirty"]
+    assert bench.main(argv) == 0
+    written = [p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file()]
+    assert len(written) == 1 and written[0].parent == Path("flash_attention_results"), written
+    result = json.loads((tmp_path / written[0]).read_text())
+    assert result["device"] == "cpu" and len(result["rows"]) == 2 * 2  # modes x causal
+    assert _repo_status() == before
+    # --output names the folder.
+    assert bench.main([*argv, "--output", str(tmp_path / "chosen")]) == 0
+    assert [p.name for p in (tmp_path / "chosen").iterdir()] == [written[0].name]
+
+
+def test_plots_of_a_result_file_go_to_the_output_folder_not_beside_the_file(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    committed = write_results(_result(), tmp_path / "committed" / "h200-2026-11-22.json")
+    monkeypatch.chdir(tmp_path)
+    assert bench.main(["--plot", str(committed)]) == 0
+    assert [p.name for p in committed.parent.iterdir()] == [committed.name]
+    plots = sorted((tmp_path / "flash_attention_results").iterdir())
+    assert [p.name for p in plots] == ["h200-2026-11-22-d128.png", "h200-2026-11-22-d64.png"]
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in plots)
+    # Beside the file only when asked.
+    assert bench.main(["--plot", str(committed), "--output", str(committed.parent)]) == 0
+    assert (committed.parent / "h200-2026-11-22-d128.png").exists()
+
+
+def test_bench_without_a_gpu_names_device_cpu():
+    p = _run_module("bench")
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "needs a CUDA GPU" in p.stderr and "--device cpu" in p.stderr
+
+
 def _run_module(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     return subprocess.run(

@@ -72,6 +72,7 @@ def _bwd_metas(metas):
     return [(parse_bwd_config(m["config"]), m) for m in metas if m["config"].startswith("bwd_")]
 
 
+@pytest.mark.full_build
 def test_every_backward_unit_of_the_catalog_compiles_with_its_entries(catalog_builds):
     _, metas = catalog_builds
     found = _bwd_metas(metas)
@@ -151,6 +152,7 @@ def test_hopper_backward_configs():
         cache.build(default_bwd_config("bf16", 64, "sm_90"), "sm_80")
 
 
+@pytest.mark.full_build
 def test_hopper_backward_compiles_to_wgmma_without_serialising(catalog_builds):
     _, metas = catalog_builds
     hopper = [(cfg, m) for cfg, m in _bwd_metas(metas) if cfg.wgmma]

@@ -1,13 +1,16 @@
-"""The README's examples run as written (on this machine's device)."""
+"""The README's examples run as written (on this machine's device), and its commands are the ones CI runs."""
 
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
 
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text(encoding="utf-8")
 
 
 def _section_code(heading: str) -> str:
@@ -24,16 +27,44 @@ def test_the_use_example_runs_as_written():
 
 
 def test_the_install_commands_are_the_ones_ci_runs():
-    ci = (Path(__file__).resolve().parents[1] / ".ci" / "run").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
     assert "pip install -e . && python -m flash_attention" in README
     assert 'pip install -e ".[test]" && pytest' in README
     assert "--index-url https://download.pytorch.org/whl/cpu" in README
+    # The README names the full tier next to the default test command, and CI runs it.
+    assert "`pytest --full`" in README
     for line in (
         "python -m pip install --quiet -e .",
         "python -m flash_attention",
         'pip install --quiet -e ".[test]"',
+        "python -m pytest --full\n",
     ):
         assert line in ci
+
+
+def _collected(*args: str) -> set[str]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {line for line in proc.stdout.splitlines() if "::" in line}
+
+
+def test_plain_pytest_leaves_the_compile_sweep_to_pytest_full():
+    files = ["tests/test_build.py", "tests/test_arch_defaults.py"]
+    default, full = _collected(*files), _collected("--full", *files)
+    sweep = {
+        "tests/test_build.py::test_build_command_compiles_every_kernel_a_model_can_need",
+        "tests/test_arch_defaults.py::test_defaults_of_the_99_kb_architectures_compile_without_spills[sm_86]",
+    }
+    assert sweep <= full and not sweep & default
+    # The default tier keeps a compile of each kernel family with its resource report.
+    assert "tests/test_build.py::test_build_command_compiles_a_kernel_of_every_family" in default
+    assert default < full
 
 
 def test_the_kvcache_example_runs_as_written():

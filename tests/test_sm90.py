@@ -64,6 +64,7 @@ def test_traced_calls_keep_the_ws_kernel_unless_it_lacks_a_feature():
         select.forward_config("bf16", 64, False, 512, 512, 1, **facts, features=["trace"], config=sm90)
 
 
+@pytest.mark.full_build
 def test_hopper_forward_units_compile_to_wgmma_without_spills(catalog_builds):
     _, metas = catalog_builds
     sm90a = [m for m in metas if m["arch"] == "sm_90a" and not m["config"].startswith("bwd_")]

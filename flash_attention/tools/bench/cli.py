@@ -2,7 +2,9 @@
 
 Without options: the DESIGN.md forward sweep (16k tokens per batch, model width 2048, seqlen 512..16k,
 head_dim 64/128/256, causal both, bf16) of ours against every PyTorch backend, written to
-``benchmarks/results/<gpu>-<date>.json``. ``--mode fwd_bwd`` times training steps, ``--tiny`` the small,
+``<--output>/<gpu>-<date>.json``: by default ``./flash_attention_results`` of the current directory (git
+ignores it in a checkout), so a user's run never touches the committed results; the repository's own are
+written with ``--output benchmarks/results``. ``--mode fwd_bwd`` times training steps, ``--tiny`` the small,
 latency-bound calls where host overhead shows, ``--progression`` the optimisation steps, ``--plot`` and
 ``--update-readme`` turn a result file into plots and README tables without a GPU.
 """
@@ -22,11 +24,19 @@ import torch
 from flash_attention.configs import parse_config
 from flash_attention.winners import gpu_slug
 
-from ..common import MODES, default_results_dir, environment, repo_root
+from ..common import MODES, environment, repo_root
 from .plot import plot_results
 from .progression import run_backward_progression, run_progression
 from .readme import update_readme
-from .results import DEFAULT_IMPLS, KNOWN_IMPLS, OURS, load_results, newest_results, write_results
+from .results import (
+    DEFAULT_IMPLS,
+    DEFAULT_OUTPUT,
+    KNOWN_IMPLS,
+    OURS,
+    load_results,
+    newest_results,
+    write_results,
+)
 from .sweep import DEFAULT_HEAD_DIMS, DEFAULT_SEQLENS, SweepSettings, run_sweep
 from .tables import results_to_markdown, results_to_text
 from .tiny import TINY_SHAPES
@@ -240,10 +250,15 @@ def build_parser() -> argparse.ArgumentParser:
         "native; default: FLASH_ATTENTION_REPEAT_CALLS's)",
     )
     p.add_argument(
-        "--out",
+        "--output",
         type=Path,
-        default=None,
-        help="result file (default benchmarks/results/<gpu>-<date>[-<tag>].json)",
+        default=DEFAULT_OUTPUT,
+        metavar="DIR",
+        help=f"folder of the result file and the plots (default: {DEFAULT_OUTPUT} in the current directory; "
+        "the result files of this repository are written with --output benchmarks/results)",
+    )
+    p.add_argument(
+        "--out", type=Path, default=None, help="result file (default <--output>/<gpu>-<date>[-<tag>].json)"
     )
     p.add_argument("--tag", default=None, help="suffix of the default result file name (--quick: 'quick')")
     p.add_argument(
@@ -269,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="RESULTS.json",
         help="write a PNG per head_dim beside the result file (TFLOP/s vs seqlen, one line per impl); with a "
-        "file, plot that file and measure nothing (needs no GPU)",
+        "file, plot that file into --output and measure nothing (needs no GPU)",
     )
     p.add_argument(
         "--progression",
@@ -312,7 +327,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.plot:
         try:
-            for path in plot_results(load_results(args.plot), args.plot):
+            for path in plot_results(load_results(args.plot), args.plot, out_dir=args.output):
                 print(f"wrote {path}")
         except (OSError, ValueError, RuntimeError) as exc:
             print(f"--plot: {exc}", file=sys.stderr)
@@ -358,8 +373,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if not torch.cuda.is_available():
         print(
-            "bench times CUDA kernels and needs a CUDA GPU; none was found. "
-            "(--update-readme works without one.)",
+            "bench times CUDA kernels and needs a CUDA GPU; none was found. On this machine, --device cpu "
+            "times the PyTorch fallback against SDPA on the CPU (--plot RESULTS.json and --update-readme "
+            "need no GPU either).",
             file=sys.stderr,
         )
         return 2
@@ -421,7 +437,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             out_path = args.out
         else:
             name = gpu_slug(torch.cuda.get_device_name()) + "-" + _dt.date.today().isoformat()
-            out_path = default_results_dir() / (name + (f"-{tag}" if tag else "") + ".json")
+            out_path = args.output / (name + (f"-{tag}" if tag else "") + ".json")
         if out_path.exists() and not args.merge:
             print(f"note: {out_path} exists and will be overwritten (--merge keeps its other rows)")
 
@@ -452,7 +468,11 @@ def _main_fallback(args: argparse.Namespace) -> int:
 
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
-        print("--dtype fp32 times the fallback on a CUDA GPU, and none is available", file=sys.stderr)
+        print(
+            "--dtype fp32 times the fallback on a CUDA GPU, and none is available (--device cpu --dtype fp32 "
+            "times it on the CPU)",
+            file=sys.stderr,
+        )
         return 2
     if device == "cpu" and args.dtype == "fp16":
         print("--device cpu times fp32 and bf16 (--dtype picks one of them)", file=sys.stderr)
@@ -471,9 +491,7 @@ def _main_fallback(args: argparse.Namespace) -> int:
             stem = f"cpu-{result['date']}"
         else:
             stem = f"{gpu_slug(result['gpu'])}-{result['date']}-fp32"
-        out_path = args.out or default_results_dir() / (
-            f"{stem}-{args.tag}.json" if args.tag else f"{stem}.json"
-        )
+        out_path = args.out or args.output / (f"{stem}-{args.tag}.json" if args.tag else f"{stem}.json")
         out_path.parent.mkdir(parents=True, exist_ok=True)
         out_path.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
         print(f"wrote {out_path}")
@@ -609,11 +627,11 @@ def _main_varlen(args: argparse.Namespace, reps: int, min_time: float) -> int:
 
 
 def _save_tagged(result: dict, args: argparse.Namespace, default_tag: str) -> None:
-    """Write a mode's result file: ``--out``, else ``<gpu>-<date>-<tag>.json`` in the results directory
-    (``--tag`` or the mode's own); nothing with ``--no-save``."""
+    """Write a mode's result file: ``--out``, else ``<gpu>-<date>-<tag>.json`` in ``--output`` (``--tag`` or
+    the mode's own); nothing with ``--no-save``."""
     if args.no_save:
         return
     name = gpu_slug(torch.cuda.get_device_name()) + "-" + _dt.date.today().isoformat()
-    out_path = args.out or default_results_dir() / f"{name}-{args.tag or default_tag}.json"
+    out_path = args.out or args.output / f"{name}-{args.tag or default_tag}.json"
     write_results(result, out_path)
     print(f"wrote {out_path}")

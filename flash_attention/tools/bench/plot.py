@@ -20,13 +20,18 @@ _STYLE = {
 }
 
 
-def plot_paths(results_path: str | Path, head_dims) -> list[Path]:
+def plot_paths(results_path: str | Path, head_dims, out_dir: str | Path | None = None) -> list[Path]:
+    """``<results stem>-d<head_dim>.png`` in ``out_dir`` (default: beside the result file)."""
     p = Path(results_path)
-    return [p.with_name(f"{p.stem}-d{d}.png") for d in head_dims]
+    folder = Path(out_dir) if out_dir is not None else p.parent
+    return [folder / f"{p.stem}-d{d}.png" for d in head_dims]
 
 
-def plot_results(result: dict, results_path: str | Path, mode: str | None = None) -> list[Path]:
-    """Write ``<results stem>-d<head_dim>.png`` beside the result file; returns the paths written."""
+def plot_results(
+    result: dict, results_path: str | Path, mode: str | None = None, out_dir: str | Path | None = None
+) -> list[Path]:
+    """Write ``<results stem>-d<head_dim>.png`` into ``out_dir`` (default: beside the result file, where
+    the README generator looks for them); returns the paths written."""
     try:
         import matplotlib
 
@@ -37,13 +42,15 @@ def plot_results(result: dict, results_path: str | Path, mode: str | None = None
 
     if mode is None:
         mode = result_mode(result)
+    if out_dir is not None:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
     if mode == "ring":
-        return [_plot_ring(plt, result, results_path)]
+        return [_plot_ring(plt, result, results_path, out_dir)]
     rows = [r for r in result["rows"] if r.get("mode") == mode and r.get("tflops")]
     head_dims = sorted({r["head_dim"] for r in rows})
     impls = list(dict.fromkeys(r["impl"] for r in rows))
     written = []
-    for d, path in zip(head_dims, plot_paths(results_path, head_dims), strict=True):
+    for d, path in zip(head_dims, plot_paths(results_path, head_dims, out_dir), strict=True):
         fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
         for ax, causal in zip(axes, (False, True), strict=True):
             for impl in impls:
@@ -94,14 +101,14 @@ def _ticker():
     return matplotlib.ticker
 
 
-def _plot_ring(plt, result: dict, results_path: str | Path) -> Path:
+def _plot_ring(plt, result: dict, results_path: str | Path, out_dir: str | Path | None) -> Path:
     """A ``--ring`` result: time per forward+backward step and peak memory per GPU against sequence
     length, one GPU against the ring, the speedup and memory ratio written at each point."""
     rows = result["rows"]
     one = sorted((r for r in rows if r["impl"] == "flash_attention"), key=lambda r: r["seqlen"])
     ring = sorted((r for r in rows if r["impl"] == "ring_attention"), key=lambda r: r["seqlen"])
     world = ring[0]["world"]
-    path = plot_paths(results_path, [ring[0]["head_dim"]])[0]
+    path = plot_paths(results_path, [ring[0]["head_dim"]], out_dir)[0]
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, key, label in ((ax_t, "ms", "ms per forward+backward"), (ax_m, "peak_gib", "peak GiB per GPU")):
         one_xy = [r["seqlen"] for r in one], [r[key] for r in one]

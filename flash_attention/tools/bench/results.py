@@ -13,6 +13,7 @@ from ..common import default_results_dir
 
 __all__ = [
     "DEFAULT_IMPLS",
+    "DEFAULT_OUTPUT",
     "KNOWN_IMPLS",
     "OURS_DETERMINISTIC",
     "OURS",
@@ -25,6 +26,11 @@ __all__ = [
     "row_key",
     "write_results",
 ]
+
+#: Where ``bench`` writes result files and plots without ``--output``: a folder of the current directory
+#: (relative, so resolved where the command runs), never the checkout's ``benchmarks/results``, whose files
+#: are committed; the repository's own results are written with ``--output benchmarks/results``.
+DEFAULT_OUTPUT = Path("flash_attention_results")
 
 #: Our implementation's name in result rows, and the baselines in the order tables list them.
 OURS = "flash_attention"
