@@ -62,7 +62,7 @@ def _config(family: str, args: argparse.Namespace, every_expert: bool = False):
         num_key_value_heads=args.heads // 2,
         head_dim=args.head_dim,
         max_position_embeddings=max(1024, 2 * args.seq),
-        initializer_range=0.2,  # as the tests: attention that moves the logits
+        initializer_range=args.init,
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,
@@ -270,6 +270,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--experts", type=int, default=4)
     parser.add_argument("--top-k", type=int, default=2)
+    # 0.2 (the tests' value, not transformers' 0.02): attention that moves the logits enough to be compared
+    parser.add_argument("--init", type=float, default=0.2, help="the weights' standard deviation")
     args = parser.parse_args(argv)
     if not hasattr(transformers, "GptOssConfig"):
         raise SystemExit(f"transformers {transformers.__version__} has no GptOssConfig")
@@ -286,7 +288,7 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"torch {torch.__version__}, transformers {transformers.__version__}, {args.device}; "
         f"{args.layers} layers, hidden {args.hidden}, {args.heads} heads of {args.head_dim}, "
-        f"batch {args.batch} x {args.seq} tokens; gpt-oss window {args.window}, {args.experts} experts. "
+        f"batch {args.batch} x {args.seq} tokens, weights' std {args.init}; gpt-oss window {args.window}. "
         "Relative differences from float32 eager on the same bf16-rounded weights"
     )
     with warnings.catch_warnings():
