@@ -713,6 +713,73 @@ def test_family_comparisons_see_the_feature(family, change):
     assert (a - b).abs().max() > 1e3 * 1e-5 * a.abs().max()
 
 
+@pytest.mark.parametrize("padding", [False, True])
+def test_gpt_oss_attention_matches_eager_layer_by_layer(padding, force_key_range, monkeypatch):
+    # Each layer's attention alone, on the q, k and v that gpt-oss's own eager function received: our
+    # function with the mask our mask function made for that layer, on the kernel routes (sinks=, the
+    # sliding layers' window=, key ranges when padded; the fallback computes them here), against eager's
+    # output. Both compute the same function in float32, so they agree to float32 rounding, layer by layer;
+    # a difference in the sinks, the window's bounds, the scaling or the mask moves a layer's output by
+    # orders of magnitude more. (gpt-oss's bf16 logits part from eager's more than other models' because
+    # the model amplifies rounding, its top-k routing most: tools/gptoss_layers.py, docs/design.md.)
+    from transformers.models.gpt_oss import modeling_gpt_oss
+    from transformers_spies import count_calls, count_sdpa
+
+    layer_types = ["sliding_attention", "full_attention"] * 2
+    ours, eager = _family_models("gpt_oss", NAME, "eager", num_hidden_layers=4, layer_types=layer_types)
+    for model in (ours, eager):
+        for layer in model.model.layers:
+            layer.self_attn.scaling = 0.4  # not head_dim ** -0.5, which a dropped scale would fall back to
+    ids = torch.randint(3, VOCAB, (3, 13))
+    mask = _padding_mask(3, 13, "left") if padding else None
+    keep = torch.ones(ids.shape, dtype=torch.bool) if mask is None else mask.bool()
+
+    seen, routes = [], {"kernel": 0, "other": 0}  # seen: the keyword arguments of each attention() call
+
+    def kernel(kwargs):
+        seen.append(kwargs)
+        return "kernel"
+
+    for owner in (integration, fn):  # (the window and key-range calls reach attention() through fn)
+        count_calls(monkeypatch, owner, "attention", routes, kernel)
+    count_calls(monkeypatch, integration, "_eager_attention", routes, "other")
+    count_sdpa(monkeypatch, routes, "other")
+
+    received = {}
+    real_eager = modeling_gpt_oss.eager_attention_forward
+
+    def eager_spy(module, query, key, value, attention_mask, **kwargs):
+        out, weights = real_eager(module, query, key, value, attention_mask, **kwargs)
+        received[module.layer_idx] = (query, key, value, kwargs, out)
+        return out, weights
+
+    monkeypatch.setattr(modeling_gpt_oss, "eager_attention_forward", eager_spy)
+    our_masks = {}
+
+    def mask_spy(module, query, key, value, attention_mask, **kwargs):
+        our_masks[module.layer_idx] = attention_mask
+        return integration.attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    with torch.no_grad():
+        eager(ids, attention_mask=mask)
+        transformers.AttentionInterface.register(NAME, mask_spy)
+        try:
+            ours(ids, attention_mask=mask)
+        finally:
+            transformers.AttentionInterface.register(NAME, integration.attention_forward)
+        seen.clear()
+        for layer, (query, key, value, kwargs, expected) in sorted(received.items()):
+            module = ours.model.layers[layer].self_attn
+            got, _ = integration.attention_forward(module, query, key, value, our_masks[layer], **kwargs)
+            err = (got - expected)[keep].abs().max().item()
+            bound = 1e-5 * expected[keep].abs().max().item()
+            assert err <= bound, f"layer {layer} ({layer_types[layer]}): {err:.3g} > {bound:.3g}"
+    assert routes["other"] == 0  # neither eager's function nor SDPA: the kernel routes
+    # One attention() call per layer, with the sinks, the scale and (sliding layers) the window (3, 0).
+    assert [(kw.get("window"), kw.get("softmax_scale")) for kw in seen] == [((3, 0), 0.4), (None, 0.4)] * 2
+    assert all(kw.get("sinks") is not None for kw in seen)
+
+
 def test_eager_route_warns_once_naming_the_reason_and_the_function():
     ours, _ = _family_models("gemma2", NAME, "eager")
     ids = torch.randint(3, VOCAB, (1, 9))
