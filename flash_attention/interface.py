@@ -129,7 +129,10 @@ def attention(
             multi-query), and K/V are never copied to expand the heads.
         causal: mask out keys "in the future", aligned to the bottom-right corner as in FlashAttention
             2.1+: query ``i`` attends key ``j`` iff ``j <= i + seqlen_k - seqlen_q``. When seqlen_q >
-            seqlen_k the first ``seqlen_q - seqlen_k`` query rows see no key at all.
+            seqlen_k the first ``seqlen_q - seqlen_k`` query rows see no key at all. PyTorch's
+            ``scaled_dot_product_attention(is_causal=True)`` is top-left aligned (``j <= i``): the two
+            differ whenever seqlen_q != seqlen_k. SDPA's equivalent of this mask is
+            ``attn_mask=torch.ones(seqlen_q, seqlen_k, dtype=torch.bool).tril(seqlen_k - seqlen_q)``.
         softmax_scale: multiplier of the scores before the softmax; default ``1 / sqrt(head_dim)``. Any
             finite nonzero float.
         return_lse: also return the log-sum-exp of each row's scaled scores.

@@ -26,6 +26,30 @@ def test_the_use_example_runs_as_written():
     assert out.isfinite().all()
 
 
+def test_the_use_example_states_sdpas_equivalent_of_our_causal_mask():
+    # attention(causal=True) is bottom-right aligned, SDPA's is_causal=True top-left: the README's first
+    # example gives SDPA's equivalent of ours. Run its two statements again on seqlen_q < seqlen_k, where
+    # the alignments differ, and on seqlen_q > seqlen_k without the rows that see no key (SDPA gives NaN).
+    from flash_attention import attention
+
+    code = _section_code("Use")
+    equivalent = code[code.index("mask = ") :]
+    for seqlen_q, seqlen_k in ((37, 101), (90, 64)):
+        q, k, v = (
+            torch.randn(2, n, h, 16, dtype=torch.float64)
+            for n, h in ((seqlen_q, 4), (seqlen_k, 2), (seqlen_k, 2))
+        )
+        scope = {"torch": torch, "q": q, "k": k, "v": v, "device": "cpu"}
+        exec(compile(equivalent, "README.md (Use)", "exec"), scope)  # noqa: S102 - our own README
+        ours = attention(q, k, v, causal=True)
+        rows = slice(max(0, seqlen_q - seqlen_k), None)
+        torch.testing.assert_close(scope["sdpa_out"][:, rows], ours[:, rows])
+        top_left = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+        ).transpose(1, 2)
+        assert (top_left[:, rows] - ours[:, rows]).abs().max() > 0.1
+
+
 def test_the_install_commands_are_the_ones_ci_runs():
     ci = (ROOT / ".ci" / "run").read_text()
     assert "pip install -e . && python -m flash_attention" in README
