@@ -34,9 +34,12 @@ transformers' SDPA function instead):
   padding) run on the kernel in one call with per-batch key ranges (``attention(..., key_range=)``, the
   kernel skips the padding itself; causal stays aligned to the last key, which is where the queries are).
   Other 2-D masks (holes in the middle) go through transformers' own SDPA function with the equivalent
-  4-D mask. The mask function reads the 2-D mask on the host once per forward pass
-  (:func:`flash_attention.nn.functional.key_ranges`); the ranges and their device tensor are remembered on
-  the mask, which every layer receives, so the layers read nothing more.
+  4-D mask. A key mask of n < kv_length columns says the keys are the first n, the last query being the
+  last of them: the keys after it (a static cache's empty slots past its prefill), which causality hides
+  from every query, are left out by the mask function and read by no route. The mask function reads the
+  2-D mask on the host once per forward pass (:func:`flash_attention.nn.functional.key_ranges`); the
+  ranges and their device tensor are remembered on the mask, which every layer receives, so the layers
+  read nothing more.
 * a 1-D int32 (batch,) tensor -- decoding from a static cache (``StaticCache``, ``cache_implementation=
   "static"``): each row's number of filled cache slots after this step's update, ``q_offset + q_length``,
   computed on the device from the cache's offset tensor (never read on the host, so a compiled decoding
@@ -45,8 +48,9 @@ transformers' SDPA function instead):
   :func:`flash_attention.attention_with_kvcache` with ``cache_seqlens`` = the lengths (the cache already
   updated, so no append), causal aligned to each row's own length, on the split-KV decode kernels. Taken for
   causal calls without padding (a 2-D padding mask is read on the host once per forward pass, as below, to
-  see that it has none) of at most 64 new queries (decoding, speculative decoding) in inference; the prefill
-  of a static cache, padded batches and training take the 4-D mask. A sliding layer's window-sized cache
+  see that it has none) of at most 64 new queries (decoding, speculative decoding) in inference. A longer
+  prefill, a padded one and training take the 2-D key mask of the filled slots (above: on the kernel, the
+  empty slots unread); padded decoding steps take the 4-D mask. A sliding layer's window-sized cache
   takes it while it fills (its lengths marked with the window, ``attention_with_kvcache(window=)``); once
   full, its queries are the last of its keys and the call is a plain one (below: transformers vetoes that
   skip for compileable caches' one-token steps, for its own SDPA route's sake, and the veto is not needed
@@ -65,9 +69,9 @@ transformers' SDPA function instead):
   remembers the verdict), the layer runs one :func:`flash_attention.attention_varlen` call over the
   documents (with its window, soft-capping or sinks), forward and backward, never materialising the mask
   in the kernel. Here (unlike the other routes) the ``sliding_window`` argument picks the window compared.
-* a 4-D mask -- everything else (static-cache prefill or padding, packed sequences whose mask is not the
-  documents' causal one, chunked or bidirectional windows, custom mask functions, a 4-D mask passed by the
-  user): transformers' SDPA function with it, which computes that mask exactly.
+* a 4-D mask -- everything else (a static cache's padded decoding steps, packed sequences whose mask is
+  not the documents' causal one, chunked or bidirectional windows, custom mask functions, a 4-D mask
+  passed by the user): transformers' SDPA function with it, which computes that mask exactly.
 
 Attention dropout (``dropout``, which transformers' models pass only in training mode) runs on every
 route: in the kernels (their mask drawn from PyTorch's CPU generator, so ``torch.manual_seed`` repeats
@@ -214,33 +218,35 @@ def attention_mask(**kwargs: Any) -> torch.Tensor | None:
         and not isinstance(q_offset, torch.Tensor)
         and not isinstance(kv_offset, torch.Tensor)
     )
+    width = kv_length  # the keys the layers read: the first `width`
     if simple and causal:
-        # The kernel aligns causal masks to the last key: the queries must be the last q_length keys.
-        simple = q_offset - kv_offset == kv_length - q_length
+        # The kernel aligns causal masks to the last key it reads: the queries must be the last q_length of
+        # those keys. Keys after the last query (a static cache's empty slots past its prefill) no query
+        # sees; the key mask leaves them out, and the attention function does not read them.
+        width = q_offset - kv_offset + q_length
+        simple = q_length <= width <= kv_length
     if not simple:
         return sdpa_mask(**{**kwargs, "allow_is_causal_skip": False})
-    if left is not None and kv_length - 1 <= left:
+    if left is not None and width - 1 <= left:
         left = None  # no query is far enough from the first key for the window to hide one: plain causal
 
     padding = kwargs.get("attention_mask")
-    if left is not None:
-        # The window travels on the 2-D key mask (all True without padding), which every layer receives.
-        if padding is None:
-            batch = kwargs["batch_size"]
-            valid = torch.ones(batch, kv_length, dtype=torch.bool, device=kwargs.get("device"))
-            # Its ranges are known: remembered, so no layer reads this mask back from the device.
-            fn.memo(valid, "key_ranges", lambda: fn.KeyRanges((0,) * batch, (kv_length,) * batch))
-        else:
-            valid = _padding_keys(padding, kv_offset, kv_length)
-        valid._flash_attention_window = (left, 0)
-        return valid
+    if padding is None and (left is not None or width < kv_length):
+        # The window, or the keys left out, travel on the 2-D key mask (all True), which every layer receives.
+        batch = kwargs["batch_size"]
+        valid = torch.ones(batch, width, dtype=torch.bool, device=kwargs.get("device"))
+        # Its ranges are known: remembered, so no layer reads this mask back from the device.
+        fn.memo(valid, "key_ranges", lambda: fn.KeyRanges((0,) * batch, (width,) * batch))
+        return valid if left is None else _with_window(valid, left)
     if padding is None:
         return None
-    valid = _padding_keys(padding, kv_offset, kv_length)
+    valid = _padding_keys(padding, kv_offset, width)
+    if left is not None:
+        return _with_window(valid, left)
     # The one host read of the mask per forward pass: whether there is padding at all, and if so the key
     # ranges the layers' calls will use, remembered on `valid` (which every layer receives).
     ranges = fn.key_ranges(valid)
-    if ranges is not None and ranges.is_full(kv_length):
+    if ranges is not None and ranges.is_full(width) and width == kv_length:
         return None
     return valid
 
@@ -509,10 +515,13 @@ def _check_mask(mask: torch.Tensor | None, query: torch.Tensor, key: torch.Tenso
             f"a 1-D attention_mask must be the int32 static-cache lengths of shape (batch,) = "
             f"({query.shape[0]},); got {mask.dtype} of shape {tuple(mask.shape)}"
         )
-    if mask.dim() == 2 and (mask.dtype != torch.bool or tuple(mask.shape) != (query.shape[0], key.shape[2])):
+    if mask.dim() == 2 and (
+        mask.dtype != torch.bool or mask.shape[0] != query.shape[0] or not 0 < mask.shape[1] <= key.shape[2]
+    ):
         raise ValueError(
-            f"a 2-D attention_mask must be boolean of shape (batch, kv_length) = "
-            f"{(query.shape[0], key.shape[2])}, True = attend; got {mask.dtype} of shape {tuple(mask.shape)}"
+            f"a 2-D attention_mask must be boolean of shape (batch, n) with batch = {query.shape[0]} and "
+            f"0 < n <= kv_length = {key.shape[2]} (True = attend; the keys are the first n); got "
+            f"{mask.dtype} of shape {tuple(mask.shape)}"
         )
 
 
@@ -581,6 +590,11 @@ def attention_forward(
             return out, None
         left = None if window is None else window[0]
         attention_mask = _static_cache_mask(attention_mask, query.shape[2], key.shape[2], left)
+    if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[1] < key.shape[2]:
+        # Our mask function left out the keys after the last query (a static cache's empty slots past its
+        # prefill), which no query sees: every route reads only the mask's keys, causal aligned to the last.
+        width = attention_mask.shape[1]
+        key, value = key[:, :, :width], value[:, :, :width]
     if extra is None:
         return _eager_route(
             module, query, key, value, attention_mask, needs_eager, dropout, scaling, causal, kwargs
@@ -672,7 +686,7 @@ def _sdpa_reason(attention_mask, query, key, value, dropout, kwargs) -> str:
     if attention_mask is not None and attention_mask.dim() == 2:
         return "key padding with holes (valid keys not one run per row)"
     return (
-        "a 4-D mask (a static cache's prefill or padding, a chunked or "
+        "a 4-D mask (a static cache's padded decoding steps, a chunked or "
         "bidirectional window, a custom mask function, or packed documents whose mask is not causal per "
         "document)"
     )
