@@ -24,7 +24,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from transformers_spies import count_calls, count_sdpa  # noqa: E402
+from transformers_spies import count_calls, count_routes, count_sdpa  # noqa: E402
 
 from flash_attention.integrations import transformers as integration  # noqa: E402
 from flash_attention.nn import functional as fn  # noqa: E402
@@ -695,6 +695,43 @@ def test_family_static_cache_generate_runs_on_the_kernels(family, prompt, routes
     assert all(softcap == cap for _, softcap in seen)
     if prompt < 4:  # the sliding layers' filling steps carry the window (sliding_window 4: (3, 0))
         assert (3, 0) in [w for w, _ in seen]
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("window", [8, 96])
+def test_gemma2_generate_runs_every_call_on_the_kernels(cache, window, monkeypatch):
+    # Gemma 2 (soft-capping on its sliding and its full layer) generating 16 tokens after a prompt of 88,
+    # more than the decode routes' query limit: every call of generate() runs on a kernel route with the
+    # soft-cap -- the prefill on attention() (the sliding layer with its window where the window hides keys;
+    # a static cache's empty slots left out), the decoding steps on attention_with_kvcache, or on attention()
+    # over a full window of 8 keys -- none on SDPA or the eager function. With window 96 the sliding layer's
+    # cache fills up while decoding. Greedy tokens and each step's logits as "eager"'s.
+    monkeypatch.setattr(fn, "kernel_expected", lambda t: True)  # the CPU routes calls as CUDA does
+    seen = count_routes(monkeypatch)
+    ours, eager = _family_models("gemma2", NAME, "eager", sliding_window=window, max_position_embeddings=256)
+    prompt, new = 88, 16
+    ids = torch.randint(3, VOCAB, (2, prompt))
+    kwargs = dict(
+        attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+        pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+    )  # fmt: skip
+    if cache == "static":
+        kwargs["cache_implementation"] = "static"
+    with torch.no_grad():
+        a = ours.generate(ids, **kwargs)
+        counts = dict(seen)
+        b = eager.generate(ids, **kwargs)
+    assert counts.get("eager", 0) == 0 and counts.get("sdpa", 0) == 0, counts
+    assert sum(counts.values()) == 2 * new, counts  # two layers, one prefill and 15 decoding steps
+    assert all(key.endswith("softcap=2.0") for key in counts), counts
+    decoded = sum(n for key, n in counts.items() if key.startswith("attention_with_kvcache"))
+    assert decoded >= new - 1, counts  # at least the full layer's decoding steps
+    if window == 8:
+        assert counts.get("attention window=(7, 0) softcap=2.0", 0) >= 1, counts  # the sliding prefill
+    assert torch.equal(a.sequences, b.sequences)
+    logits_o, logits_e = torch.stack(a.logits), torch.stack(b.logits)  # (steps, batch, vocab)
+    every = torch.ones(logits_e.shape[:2], dtype=torch.bool)
+    _assert_matches_eager("gemma2", logits_o, logits_e, None, every)
 
 
 @pytest.mark.parametrize(
