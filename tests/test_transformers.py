@@ -698,21 +698,25 @@ def test_family_static_cache_generate_runs_on_the_kernels(family, prompt, routes
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
-@pytest.mark.parametrize("window", [8, 96])
-def test_gemma2_generate_runs_every_call_on_the_kernels(cache, window, monkeypatch):
+@pytest.mark.parametrize("window, padded", [(8, False), (96, False), (8, True)])
+def test_gemma2_generate_runs_every_call_on_the_kernels(cache, window, padded, monkeypatch):
     # Gemma 2 (soft-capping on its sliding and its full layer) generating 16 tokens after a prompt of 88,
     # more than the decode routes' query limit: every call of generate() runs on a kernel route with the
     # soft-cap -- the prefill on attention() (the sliding layer with its window where the window hides keys;
     # a static cache's empty slots left out), the decoding steps on attention_with_kvcache, or on attention()
-    # over a full window of 8 keys -- none on SDPA or the eager function. With window 96 the sliding layer's
-    # cache fills up while decoding. Greedy tokens and each step's logits as "eager"'s.
+    # over a full window of 8 keys, or with left padding on attention() with key ranges -- none on SDPA or
+    # the eager function. With window 96 the sliding layer's cache fills up while decoding. Greedy tokens
+    # and each step's logits as "eager"'s.
     monkeypatch.setattr(fn, "kernel_expected", lambda t: True)  # the CPU routes calls as CUDA does
     seen = count_routes(monkeypatch)
     ours, eager = _family_models("gemma2", NAME, "eager", sliding_window=window, max_position_embeddings=256)
     prompt, new = 88, 16
     ids = torch.randint(3, VOCAB, (2, prompt))
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, :5] = 0  # left padding, as batched generation uses
     kwargs = dict(
-        attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+        attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
         pad_token_id=0, output_logits=True, return_dict_in_generate=True,
     )  # fmt: skip
     if cache == "static":
@@ -724,8 +728,9 @@ def test_gemma2_generate_runs_every_call_on_the_kernels(cache, window, monkeypat
     assert counts.get("eager", 0) == 0 and counts.get("sdpa", 0) == 0, counts
     assert sum(counts.values()) == 2 * new, counts  # two layers, one prefill and 15 decoding steps
     assert all(key.endswith("softcap=2.0") for key in counts), counts
-    decoded = sum(n for key, n in counts.items() if key.startswith("attention_with_kvcache"))
-    assert decoded >= new - 1, counts  # at least the full layer's decoding steps
+    if not padded:  # (a padded batch's decoding steps run attention() with key ranges)
+        decoded = sum(n for key, n in counts.items() if key.startswith("attention_with_kvcache"))
+        assert decoded >= new - 1, counts  # at least the full layer's decoding steps
     if window == 8:
         assert counts.get("attention window=(7, 0) softcap=2.0", 0) >= 1, counts  # the sliding prefill
     assert torch.equal(a.sequences, b.sequences)
@@ -970,11 +975,21 @@ def test_mask_function_static_cache_is_row_lengths_in_inference():
         assert torch.equal(integration._static_cache_mask(got, overrides["q_length"], 9), expected)
         # Recording gradients, the lengths handed back become that 4-D mask.
         assert torch.equal(_mask_call(**overrides, attention_mask=got), expected)
+    # A padded batch's decoding step: the lengths carry each row's keys, from its first real token to its
+    # filled length; they mean what transformers' 4-D mask means.
+    padded = {"q_length": 1, "kv_length": 9, "q_offset": torch.tensor(3)}
+    pad = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    with torch.no_grad():
+        got = _mask_call(**padded, attention_mask=pad)
+    assert got.tolist() == [4, 4] and got._flash_attention_key_range.tolist() == [[1, 4], [0, 4]]
+    kwargs = dict(batch_size=2, kv_offset=0, allow_is_causal_skip=False, device="cpu", attention_mask=pad)
+    expected = sdpa_mask(**_versioned({**kwargs, **padded}))
+    assert torch.equal(integration._static_cache_mask(got, 1, 9), expected)
     with torch.no_grad():
         for overrides in (
             {"q_length": 1, "kv_length": 9, "q_offset": torch.tensor(3), "local_size": 3},  # sliding window
-            {"q_length": 1, "kv_length": 9, "q_offset": torch.tensor(3),
-             "attention_mask": torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])},  # padding
+            {**padded, "attention_mask": torch.tensor([[1, 0, 1, 1], [1, 1, 1, 1]])},  # padding with a hole
+            {**padded, "q_length": 2, "attention_mask": torch.tensor([[0, 1, 1, 1, 1], [1] * 5])},  # 2 new
         ):  # fmt: skip
             assert _mask_call(**overrides).dim() == 4
 

@@ -48,9 +48,13 @@ transformers' SDPA function instead):
   :func:`flash_attention.attention_with_kvcache` with ``cache_seqlens`` = the lengths (the cache already
   updated, so no append), causal aligned to each row's own length, on the split-KV decode kernels. Taken for
   causal calls without padding (a 2-D padding mask is read on the host once per forward pass, as below, to
-  see that it has none) of at most 64 new queries (decoding, speculative decoding) in inference. A longer
-  prefill, a padded one and training take the 2-D key mask of the filled slots (above: on the kernel, the
-  empty slots unread); padded decoding steps take the 4-D mask. A sliding layer's window-sized cache
+  see that it has none) of at most 64 new queries (decoding, speculative decoding) in inference. A padded
+  batch's decoding step (one new query per row, each row's real tokens one run) has its lengths carry each
+  row's key range, from its first real token to its filled length (computed on the device), and runs
+  ``attention(..., key_range=)`` on the forward kernel: the one query sees exactly those keys (the decode
+  kernels take no first key per row). A longer prefill, a padded one and training take the 2-D key mask of
+  the filled slots (above: on the kernel, the empty slots unread); padded speculative steps take the 4-D
+  mask. A sliding layer's window-sized cache
   takes it while it fills (its lengths marked with the window, ``attention_with_kvcache(window=)``); once
   full, its queries are the last of its keys and the call is a plain one (below: transformers vetoes that
   skip for compileable caches' one-token steps, for its own SDPA route's sake, and the veto is not needed
@@ -69,7 +73,7 @@ transformers' SDPA function instead):
   remembers the verdict), the layer runs one :func:`flash_attention.attention_varlen` call over the
   documents (with its window, soft-capping or sinks), forward and backward, never materialising the mask
   in the kernel. Here (unlike the other routes) the ``sliding_window`` argument picks the window compared.
-* a 4-D mask -- everything else (a static cache's padded decoding steps, packed sequences whose mask is
+* a 4-D mask -- everything else (a static cache's padded speculative steps, packed sequences whose mask is
   not the documents' causal one, chunked or bidirectional windows, custom mask functions, a 4-D mask
   passed by the user): transformers' SDPA function with it, which computes that mask exactly.
 
@@ -318,17 +322,29 @@ def _static_cache_lengths(
         return padding if left is None else _with_window(padding.clone(), left)
     if not takes:
         return None
+    runs = None
     if padding is not None:
         valid = padding.to(dtype=torch.bool)
         ranges = fn.key_ranges(valid)  # the one host read of the mask per forward pass
-        if ranges is None or not ranges.is_full(valid.shape[-1]):
-            return None
+        if ranges is None:
+            return None  # holes in the padding: the 4-D mask
+        if not ranges.is_full(valid.shape[-1]):
+            # Padding: a decoding step's one query sees its row's run of real tokens up to itself, a key
+            # range. Padded prefills (int offsets) take the 2-D key mask; speculative steps the 4-D mask.
+            if q_length != 1 or left is not None or not isinstance(q_offset, torch.Tensor):
+                return None
+            runs = ranges.tensor(valid.device)
     batch = kwargs["batch_size"]
     if isinstance(q_offset, torch.Tensor):
         lengths = (q_offset.reshape(1).to(torch.int32) + q_length).expand(batch).contiguous()
     else:
         device = kwargs.get("device", "cpu")
         lengths = torch.full((batch,), q_offset + q_length, dtype=torch.int32, device=device)
+    if runs is not None:
+        # Each row's keys: from its first real token to the end of its run or of the filled slots, computed
+        # on the device (the filled length is there, never read).
+        ends = torch.minimum(runs[:, 1], lengths.to(runs.device))
+        lengths._flash_attention_key_range = torch.stack((runs[:, 0], ends), dim=1)
     return lengths if left is None else _with_window(lengths, left)
 
 
@@ -343,13 +359,18 @@ def _static_cache_mask(
     lengths: torch.Tensor, q_length: int, kv_length: int, left: int | None = None
 ) -> torch.Tensor:
     """The 4-D boolean mask (True = attend) of the static-cache route's call: row b's query i sees slot j iff
-    ``j <= i + lengths[b] - q_length`` (which also keeps the empty slots out), and with a sliding window of
-    ``left`` + 1 keys also ``j >= i + lengths[b] - q_length - left``."""
+    ``j <= i + lengths[b] - q_length`` (which also keeps the empty slots out), with a sliding window of
+    ``left`` + 1 keys also ``j >= i + lengths[b] - q_length - left``, and for padded rows (the lengths'
+    key ranges) only ``start[b] <= j < end[b]``."""
     slots = torch.arange(kv_length, device=lengths.device)
     last = torch.arange(q_length, device=lengths.device)[:, None] + (lengths[:, None, None] - q_length)
     seen = slots[None, None, :] <= last
     if left is not None:
         seen &= slots[None, None, :] >= last - left
+    key_range = getattr(lengths, "_flash_attention_key_range", None)
+    if key_range is not None:
+        starts, ends = key_range[:, 0, None, None], key_range[:, 1, None, None]
+        seen &= (slots[None, None, :] >= starts) & (slots[None, None, :] < ends)
     return seen[:, None]
 
 
@@ -572,9 +593,11 @@ def attention_forward(
         # Decoding from a static cache (the module docstring): the decode kernels, or the explicit mask; a
         # sliding layer's lengths carry its window.
         window = getattr(attention_mask, "_flash_attention_window", None)
+        key_range = getattr(attention_mask, "_flash_attention_key_range", None)
         if (
             extra is not None
             and causal
+            and (key_range is None or query.shape[2] == 1)
             and dropout == 0.0
             and kwargs.get("cache") is None
             and query.shape[-1] <= MAX_HEAD_DIM
@@ -583,6 +606,11 @@ def attention_forward(
             and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad))
         ):
             q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+            if key_range is not None:
+                # A padded batch's decoding step: its one query sees its row's key range, which the forward
+                # kernel takes (the decode kernels have no first key per row).
+                out = attention(q, k, v, causal=False, softmax_scale=scaling, key_range=key_range, **extra)
+                return out, None
             out = attention_with_kvcache(
                 q, k, v, cache_seqlens=attention_mask, causal=True, softmax_scale=scaling, window=window,
                 **extra,
@@ -686,7 +714,7 @@ def _sdpa_reason(attention_mask, query, key, value, dropout, kwargs) -> str:
     if attention_mask is not None and attention_mask.dim() == 2:
         return "key padding with holes (valid keys not one run per row)"
     return (
-        "a 4-D mask (a static cache's padded decoding steps, a chunked or "
+        "a 4-D mask (a static cache's padded speculative steps, a chunked or "
         "bidirectional window, a custom mask function, or packed documents whose mask is not causal per "
         "document)"
     )
