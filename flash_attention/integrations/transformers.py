@@ -497,8 +497,8 @@ def _eager_attention(
     what = ", ".join(_EAGER_KWARGS[name] for name in needs)
     fn.warn_once(
         f"transformers-eager:{','.join(needs)}",
-        f"no kernel route takes this call with {what} (a position bias, a decoding step with soft-capping, "
-        f"a mask the kernels cannot express, or tensors they cannot read): such calls run through {which}, "
+        f"no kernel route takes this call with {what} (a position bias, a mask the kernels cannot express, "
+        f"or tensors they cannot read): such calls run through {which}, "
         "which computes it exactly but materialises the attention scores (slower, more memory)",
         stacklevel=4,
         source="flash_attention.integrations.transformers",
