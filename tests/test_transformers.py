@@ -829,6 +829,8 @@ def test_sparse_indices_and_bad_masks_are_refused():
         integration.attention_forward(module, q, q, q, torch.ones(1, 8, dtype=torch.long))
     with pytest.raises(ValueError, match="attention_mask"):
         integration.attention_forward(module, q, q, q, torch.ones(1, 8, 8, dtype=torch.bool))
+    with pytest.raises(ValueError, match="attention_mask.*n <= kv_length = 8"):  # more keys than there are
+        integration.attention_forward(module, q, q, q, torch.ones(1, 9, dtype=torch.bool))
 
 
 # ------------------------------------------------------------------------------------------------------

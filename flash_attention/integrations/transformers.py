@@ -537,11 +537,11 @@ def _check_mask(mask: torch.Tensor | None, query: torch.Tensor, key: torch.Tenso
             f"({query.shape[0]},); got {mask.dtype} of shape {tuple(mask.shape)}"
         )
     if mask.dim() == 2 and (
-        mask.dtype != torch.bool or mask.shape[0] != query.shape[0] or not 0 < mask.shape[1] <= key.shape[2]
+        mask.dtype != torch.bool or mask.shape[0] != query.shape[0] or mask.shape[1] > key.shape[2]
     ):
         raise ValueError(
             f"a 2-D attention_mask must be boolean of shape (batch, n) with batch = {query.shape[0]} and "
-            f"0 < n <= kv_length = {key.shape[2]} (True = attend; the keys are the first n); got "
+            f"n <= kv_length = {key.shape[2]} (True = attend; the keys are the first n); got "
             f"{mask.dtype} of shape {tuple(mask.shape)}"
         )
 
