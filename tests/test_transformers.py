@@ -24,6 +24,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from transformers_spies import count_calls, count_routes, count_sdpa  # noqa: E402
+
 from flash_attention.integrations import transformers as integration  # noqa: E402
 from flash_attention.nn import functional as fn  # noqa: E402
 
@@ -325,8 +327,10 @@ def test_static_cache_logits_match_and_what_it_does_not_take(calls, kvcache_call
     err = (o.double() - e).abs().max().item()
     assert err <= 2 * (s.double() - e).abs().max().item() + 1e-5
     assert len(kvcache_calls) == 2 and calls["sdpa"] == 0
-    # Padding, a prefill longer than the route's query limit and training take the 4-D mask, as before.
+    # A prefill longer than the route's query limit, padding and training: the 2-D key mask of the filled
+    # slots (the empty ones left out), which CUDA runs on the kernel and the CPU through SDPA.
     kvcache_calls.clear()
+    calls["masks"].clear()
     long = torch.randint(3, VOCAB, (1, integration.STATIC_CACHE_MAX_QUERIES + 1))
     padded = _padding_mask(2, 9, "left")
     with torch.no_grad():
@@ -341,6 +345,7 @@ def test_static_cache_logits_match_and_what_it_does_not_take(calls, kvcache_call
         ids, past_key_values=transformers.StaticCache(config=ours.config, max_cache_len=32)
     ).logits.sum().backward()
     assert kvcache_calls == [] and calls["sdpa"] == 2 * 3
+    assert calls["masks"] == [(1, long.shape[1])] * 2 + [(2, 9)] * 4
 
 
 def test_a_static_cache_length_mask_is_checked():
@@ -692,6 +697,48 @@ def test_family_static_cache_generate_runs_on_the_kernels(family, prompt, routes
         assert (3, 0) in [w for w, _ in seen]
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("window, padded", [(8, False), (96, False), (8, True)])
+def test_gemma2_generate_runs_every_call_on_the_kernels(cache, window, padded, monkeypatch):
+    # Gemma 2 (soft-capping on its sliding and its full layer) generating 16 tokens after a prompt of 88,
+    # more than the decode routes' query limit: every call of generate() runs on a kernel route with the
+    # soft-cap -- the prefill on attention() (the sliding layer with its window where the window hides keys;
+    # a static cache's empty slots left out), the decoding steps on attention_with_kvcache, or on attention()
+    # over a full window of 8 keys, or with left padding on attention() with key ranges -- none on SDPA or
+    # the eager function. With window 96 the sliding layer's cache fills up while decoding. Greedy tokens
+    # and each step's logits as "eager"'s.
+    monkeypatch.setattr(fn, "kernel_expected", lambda t: True)  # the CPU routes calls as CUDA does
+    seen = count_routes(monkeypatch)
+    ours, eager = _family_models("gemma2", NAME, "eager", sliding_window=window, max_position_embeddings=256)
+    prompt, new = 88, 16
+    ids = torch.randint(3, VOCAB, (2, prompt))
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, :5] = 0  # left padding, as batched generation uses
+    kwargs = dict(
+        attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+        pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+    )  # fmt: skip
+    if cache == "static":
+        kwargs["cache_implementation"] = "static"
+    with torch.no_grad():
+        a = ours.generate(ids, **kwargs)
+        counts = dict(seen)
+        b = eager.generate(ids, **kwargs)
+    assert counts.get("eager", 0) == 0 and counts.get("sdpa", 0) == 0, counts
+    assert sum(counts.values()) == 2 * new, counts  # two layers, one prefill and 15 decoding steps
+    assert all(key.endswith("softcap=2.0") for key in counts), counts
+    if not padded:  # (a padded batch's decoding steps run attention() with key ranges)
+        decoded = sum(n for key, n in counts.items() if key.startswith("attention_with_kvcache"))
+        assert decoded >= new - 1, counts  # at least the full layer's decoding steps
+    if window == 8:
+        assert counts.get("attention window=(7, 0) softcap=2.0", 0) >= 1, counts  # the sliding prefill
+    assert torch.equal(a.sequences, b.sequences)
+    logits_o, logits_e = torch.stack(a.logits), torch.stack(b.logits)  # (steps, batch, vocab)
+    every = torch.ones(logits_e.shape[:2], dtype=torch.bool)
+    _assert_matches_eager("gemma2", logits_o, logits_e, None, every)
+
+
 @pytest.mark.parametrize(
     "family, change",
     [("gemma2", "softcap"), ("gpt_oss", "sinks"), ("mistral", "window")],
@@ -849,6 +896,8 @@ def test_sparse_indices_and_bad_masks_are_refused():
         integration.attention_forward(module, q, q, q, torch.ones(1, 8, dtype=torch.long))
     with pytest.raises(ValueError, match="attention_mask"):
         integration.attention_forward(module, q, q, q, torch.ones(1, 8, 8, dtype=torch.bool))
+    with pytest.raises(ValueError, match="attention_mask.*n <= kv_length = 8"):  # more keys than there are
+        integration.attention_forward(module, q, q, q, torch.ones(1, 9, dtype=torch.bool))
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -903,11 +952,12 @@ def test_mask_function_plain_causal_is_none():
 def test_mask_function_ignores_a_compileable_caches_skip_veto():
     # transformers vetoes the causal skip for a compileable (static) cache's one-token steps, so that its SDPA
     # route keeps one mask shape; the kernels need no mask when the query is the last key (a static cache's
-    # sliding layer once its window is full), and one when it is not. Its other vetoes (packed sequences,
+    # sliding layer once its window is full), and the key mask of the keys up to the query when it is not
+    # (a window still filling: empty slots after the query, left out). Its other vetoes (packed sequences,
     # more than one query) stand.
     assert _mask_call(q_length=1, kv_length=4, q_offset=8, kv_offset=5, allow_is_causal_skip=False) is None
     got = _mask_call(q_length=1, kv_length=4, q_offset=2, kv_offset=0, allow_is_causal_skip=False)
-    assert got is not None and got.dim() == 4  # a window still filling: empty slots after the query
+    assert got.dtype == torch.bool and got.shape == (2, 3) and got.all()
 
 
 def test_mask_function_padding_is_a_2d_key_mask():
@@ -922,7 +972,6 @@ def test_mask_function_padding_is_a_2d_key_mask():
 @pytest.mark.parametrize(
     "overrides",
     [
-        {"q_length": 5, "kv_length": 9, "q_offset": 0},  # static-cache prefill: keys past the queries
         {"allow_is_causal_skip": False},  # the caller wants a materialised mask (5 queries)
         {"local_size": 3},  # sliding window
         {"q_offset": torch.tensor(0)},  # static caches pass tensor offsets
@@ -995,15 +1044,84 @@ def test_mask_function_static_cache_is_row_lengths_in_inference():
         assert torch.equal(integration._static_cache_mask(got, overrides["q_length"], 9), expected)
         # Recording gradients, the lengths handed back become that 4-D mask.
         assert torch.equal(_mask_call(**overrides, attention_mask=got), expected)
+    # A padded batch's decoding step: the lengths carry each row's keys, from its first real token to its
+    # filled length; they mean what transformers' 4-D mask means.
+    padded = {"q_length": 1, "kv_length": 9, "q_offset": torch.tensor(3)}
+    pad = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
     with torch.no_grad():
-        q = integration.STATIC_CACHE_MAX_QUERIES + 1
+        got = _mask_call(**padded, attention_mask=pad)
+    assert got.tolist() == [4, 4] and got._flash_attention_key_range.tolist() == [[1, 4], [0, 4]]
+    kwargs = dict(batch_size=2, kv_offset=0, allow_is_causal_skip=False, device="cpu", attention_mask=pad)
+    expected = sdpa_mask(**_versioned({**kwargs, **padded}))
+    assert torch.equal(integration._static_cache_mask(got, 1, 9), expected)
+    with torch.no_grad():
         for overrides in (
-            {"q_length": q, "kv_length": q + 4, "q_offset": 0},  # a long prefill
             {"q_length": 1, "kv_length": 9, "q_offset": torch.tensor(3), "local_size": 3},  # sliding window
-            {"q_length": 1, "kv_length": 9, "q_offset": torch.tensor(3),
-             "attention_mask": torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])},  # padding
+            {**padded, "attention_mask": torch.tensor([[1, 0, 1, 1], [1, 1, 1, 1]])},  # padding with a hole
+            {**padded, "q_length": 2, "attention_mask": torch.tensor([[0, 1, 1, 1, 1], [1] * 5])},  # 2 new
         ):  # fmt: skip
             assert _mask_call(**overrides).dim() == 4
+
+
+def test_mask_function_leaves_out_the_keys_after_the_last_query():
+    # Causal calls whose keys run past the last query (a static cache's prefill: its empty slots) get the 2-D
+    # key mask of the keys up to the last query, with their padding and window: its explicit mask is
+    # transformers' own on those keys, and transformers' mask hides every key left out from every query.
+    from transformers.masking_utils import sdpa_mask, sliding_window_causal_mask_function
+
+    long = integration.STATIC_CACHE_MAX_QUERIES + 1  # more queries than the lengths route takes
+    pad = torch.tensor([[0, 0] + [1] * (long + 2), [1] * (long + 4)])
+    fn3 = sliding_window_causal_mask_function(3)
+    cases = [  # (arguments, recording gradients, keys kept, window)
+        ({"q_length": 5, "kv_length": 9}, True, 5, None),
+        ({"q_length": long, "kv_length": long + 4}, False, long, None),
+        ({"q_length": 3, "kv_length": 9, "q_offset": 4}, True, 7, None),  # a chunk after cached keys
+        ({"q_length": long, "kv_length": long + 4, "attention_mask": pad}, False, long, None),
+        ({"q_length": 6, "kv_length": 9, "mask_function": fn3, "local_size": 3}, True, 6, (2, 0)),
+    ]
+    for overrides, grad, width, window in cases:
+        with torch.set_grad_enabled(grad):
+            got = _mask_call(**overrides)
+        assert got.dtype == torch.bool and got.shape == (2, width), overrides
+        assert getattr(got, "_flash_attention_window", None) == window
+        kwargs = dict(batch_size=2, q_offset=0, kv_offset=0, allow_is_causal_skip=False, device="cpu")
+        expected = sdpa_mask(**_versioned({**kwargs, **overrides}))
+        assert not expected[..., width:].any()
+        q_length = overrides["q_length"]
+        explicit = integration._explicit_mask(got, q_length, width, True, "cpu", square_causal_flag=False)
+        assert torch.equal(explicit.expand(2, 1, q_length, width), expected[..., :width])
+
+
+@pytest.mark.parametrize("route", ["kernel", "sdpa", "eager"])
+def test_a_key_mask_narrower_than_the_keys_reads_only_its_keys(route, monkeypatch):
+    # The attention function reads only the first n keys of a 2-D key mask of n columns, causal aligned to
+    # the last of them, on every route: the keys after them are NaN here, which any read would spread.
+    seen = {"kernel": 0, "sdpa": 0, "eager": 0}
+    count_calls(monkeypatch, fn, "attention", seen, "kernel")
+    count_calls(monkeypatch, integration, "_eager_attention", seen, "eager")
+    count_sdpa(monkeypatch, seen)
+    if route == "kernel":
+        monkeypatch.setattr(fn, "kernel_expected", lambda t: True)  # the key-range route, as on CUDA
+    softcap = None if route == "sdpa" else 1.5  # soft-capping: the kernel, or else the eager function
+    module = _PlainAttention(4, 2).eval()
+    width, slots, q_length = 8, 12, 5
+    q = torch.randn(2, 4, q_length, 16)
+    k, v = torch.randn(2, 2, slots, 16), torch.randn(2, 2, slots, 16)
+    k[:, :, width:], v[:, :, width:] = float("nan"), float("nan")
+    valid = torch.ones(2, width, dtype=torch.bool)
+    valid[1, :3] = False  # left padding
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the generic eager function's notice
+        out, _ = integration.attention_forward(module, q, k, v, valid, scaling=0.25, softcap=softcap)
+    assert seen[route] == 1 and sum(seen.values()) == 1, seen
+    # float64 on the first `width` keys: query i is key width - q_length + i, and sees the keys up to it.
+    kk, vv = (t[:, :, :width].double().repeat_interleave(2, dim=1) for t in (k, v))
+    scores = q.double() @ kk.transpose(2, 3) * 0.25
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    allowed = torch.ones(q_length, width, dtype=torch.bool).tril(width - q_length) & valid[:, None, None, :]
+    want = (scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ vv).transpose(1, 2)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-6)
 
 
 def test_mask_function_custom_pattern_is_sdpa_mask():

@@ -34,9 +34,12 @@ transformers' SDPA function instead):
   padding) run on the kernel in one call with per-batch key ranges (``attention(..., key_range=)``, the
   kernel skips the padding itself; causal stays aligned to the last key, which is where the queries are).
   Other 2-D masks (holes in the middle) go through transformers' own SDPA function with the equivalent
-  4-D mask. The mask function reads the 2-D mask on the host once per forward pass
-  (:func:`flash_attention.nn.functional.key_ranges`); the ranges and their device tensor are remembered on
-  the mask, which every layer receives, so the layers read nothing more.
+  4-D mask. A key mask of n < kv_length columns says the keys are the first n, the last query being the
+  last of them: the keys after it (a static cache's empty slots past its prefill), which causality hides
+  from every query, are left out by the mask function and read by no route. The mask function reads the
+  2-D mask on the host once per forward pass (:func:`flash_attention.nn.functional.key_ranges`); the
+  ranges and their device tensor are remembered on the mask, which every layer receives, so the layers
+  read nothing more.
 * a 1-D int32 (batch,) tensor -- decoding from a static cache (``StaticCache``, ``cache_implementation=
   "static"``): each row's number of filled cache slots after this step's update, ``q_offset + q_length``,
   computed on the device from the cache's offset tensor (never read on the host, so a compiled decoding
@@ -45,8 +48,13 @@ transformers' SDPA function instead):
   :func:`flash_attention.attention_with_kvcache` with ``cache_seqlens`` = the lengths (the cache already
   updated, so no append), causal aligned to each row's own length, on the split-KV decode kernels. Taken for
   causal calls without padding (a 2-D padding mask is read on the host once per forward pass, as below, to
-  see that it has none) of at most 64 new queries (decoding, speculative decoding) in inference; the prefill
-  of a static cache, padded batches and training take the 4-D mask. A sliding layer's window-sized cache
+  see that it has none) of at most 64 new queries (decoding, speculative decoding) in inference. A padded
+  batch's decoding step (one new query per row, each row's real tokens one run) has its lengths carry each
+  row's key range, from its first real token to its filled length (computed on the device), and runs
+  ``attention(..., key_range=)`` on the forward kernel: the one query sees exactly those keys (the decode
+  kernels take no first key per row). A longer prefill, a padded one and training take the 2-D key mask of
+  the filled slots (above: on the kernel, the empty slots unread); padded speculative steps take the 4-D
+  mask. A sliding layer's window-sized cache
   takes it while it fills (its lengths marked with the window, ``attention_with_kvcache(window=)``); once
   full, its queries are the last of its keys and the call is a plain one (below: transformers vetoes that
   skip for compileable caches' one-token steps, for its own SDPA route's sake, and the veto is not needed
@@ -65,9 +73,9 @@ transformers' SDPA function instead):
   remembers the verdict), the layer runs one :func:`flash_attention.attention_varlen` call over the
   documents (with its window, soft-capping or sinks), forward and backward, never materialising the mask
   in the kernel. Here (unlike the other routes) the ``sliding_window`` argument picks the window compared.
-* a 4-D mask -- everything else (static-cache prefill or padding, packed sequences whose mask is not the
-  documents' causal one, chunked or bidirectional windows, custom mask functions, a 4-D mask passed by the
-  user): transformers' SDPA function with it, which computes that mask exactly.
+* a 4-D mask -- everything else (a static cache's padded speculative steps, packed sequences whose mask is
+  not the documents' causal one, chunked or bidirectional windows, custom mask functions, a 4-D mask
+  passed by the user): transformers' SDPA function with it, which computes that mask exactly.
 
 Attention dropout (``dropout``, which transformers' models pass only in training mode) runs on every
 route: in the kernels (their mask drawn from PyTorch's CPU generator, so ``torch.manual_seed`` repeats
@@ -214,33 +222,35 @@ def attention_mask(**kwargs: Any) -> torch.Tensor | None:
         and not isinstance(q_offset, torch.Tensor)
         and not isinstance(kv_offset, torch.Tensor)
     )
+    width = kv_length  # the keys the layers read: the first `width`
     if simple and causal:
-        # The kernel aligns causal masks to the last key: the queries must be the last q_length keys.
-        simple = q_offset - kv_offset == kv_length - q_length
+        # The kernel aligns causal masks to the last key it reads: the queries must be the last q_length of
+        # those keys. Keys after the last query (a static cache's empty slots past its prefill) no query
+        # sees; the key mask leaves them out, and the attention function does not read them.
+        width = q_offset - kv_offset + q_length
+        simple = q_length <= width <= kv_length
     if not simple:
         return sdpa_mask(**{**kwargs, "allow_is_causal_skip": False})
-    if left is not None and kv_length - 1 <= left:
+    if left is not None and width - 1 <= left:
         left = None  # no query is far enough from the first key for the window to hide one: plain causal
 
     padding = kwargs.get("attention_mask")
-    if left is not None:
-        # The window travels on the 2-D key mask (all True without padding), which every layer receives.
-        if padding is None:
-            batch = kwargs["batch_size"]
-            valid = torch.ones(batch, kv_length, dtype=torch.bool, device=kwargs.get("device"))
-            # Its ranges are known: remembered, so no layer reads this mask back from the device.
-            fn.memo(valid, "key_ranges", lambda: fn.KeyRanges((0,) * batch, (kv_length,) * batch))
-        else:
-            valid = _padding_keys(padding, kv_offset, kv_length)
-        valid._flash_attention_window = (left, 0)
-        return valid
+    if padding is None and (left is not None or width < kv_length):
+        # The window, or the keys left out, travel on the 2-D key mask (all True), which every layer receives.
+        batch = kwargs["batch_size"]
+        valid = torch.ones(batch, width, dtype=torch.bool, device=kwargs.get("device"))
+        # Its ranges are known: remembered, so no layer reads this mask back from the device.
+        fn.memo(valid, "key_ranges", lambda: fn.KeyRanges((0,) * batch, (width,) * batch))
+        return valid if left is None else _with_window(valid, left)
     if padding is None:
         return None
-    valid = _padding_keys(padding, kv_offset, kv_length)
+    valid = _padding_keys(padding, kv_offset, width)
+    if left is not None:
+        return _with_window(valid, left)
     # The one host read of the mask per forward pass: whether there is padding at all, and if so the key
     # ranges the layers' calls will use, remembered on `valid` (which every layer receives).
     ranges = fn.key_ranges(valid)
-    if ranges is not None and ranges.is_full(kv_length):
+    if ranges is not None and ranges.is_full(width) and width == kv_length:
         return None
     return valid
 
@@ -312,17 +322,29 @@ def _static_cache_lengths(
         return padding if left is None else _with_window(padding.clone(), left)
     if not takes:
         return None
+    runs = None
     if padding is not None:
         valid = padding.to(dtype=torch.bool)
         ranges = fn.key_ranges(valid)  # the one host read of the mask per forward pass
-        if ranges is None or not ranges.is_full(valid.shape[-1]):
-            return None
+        if ranges is None:
+            return None  # holes in the padding: the 4-D mask
+        if not ranges.is_full(valid.shape[-1]):
+            # Padding: a decoding step's one query sees its row's run of real tokens up to itself, a key
+            # range. Padded prefills (int offsets) take the 2-D key mask; speculative steps the 4-D mask.
+            if q_length != 1 or left is not None or not isinstance(q_offset, torch.Tensor):
+                return None
+            runs = ranges.tensor(valid.device)
     batch = kwargs["batch_size"]
     if isinstance(q_offset, torch.Tensor):
         lengths = (q_offset.reshape(1).to(torch.int32) + q_length).expand(batch).contiguous()
     else:
         device = kwargs.get("device", "cpu")
         lengths = torch.full((batch,), q_offset + q_length, dtype=torch.int32, device=device)
+    if runs is not None:
+        # Each row's keys: from its first real token to the end of its run or of the filled slots, computed
+        # on the device (the filled length is there, never read).
+        ends = torch.minimum(runs[:, 1], lengths.to(runs.device))
+        lengths._flash_attention_key_range = torch.stack((runs[:, 0], ends), dim=1)
     return lengths if left is None else _with_window(lengths, left)
 
 
@@ -337,13 +359,18 @@ def _static_cache_mask(
     lengths: torch.Tensor, q_length: int, kv_length: int, left: int | None = None
 ) -> torch.Tensor:
     """The 4-D boolean mask (True = attend) of the static-cache route's call: row b's query i sees slot j iff
-    ``j <= i + lengths[b] - q_length`` (which also keeps the empty slots out), and with a sliding window of
-    ``left`` + 1 keys also ``j >= i + lengths[b] - q_length - left``."""
+    ``j <= i + lengths[b] - q_length`` (which also keeps the empty slots out), with a sliding window of
+    ``left`` + 1 keys also ``j >= i + lengths[b] - q_length - left``, and for padded rows (the lengths'
+    key ranges) only ``start[b] <= j < end[b]``."""
     slots = torch.arange(kv_length, device=lengths.device)
     last = torch.arange(q_length, device=lengths.device)[:, None] + (lengths[:, None, None] - q_length)
     seen = slots[None, None, :] <= last
     if left is not None:
         seen &= slots[None, None, :] >= last - left
+    key_range = getattr(lengths, "_flash_attention_key_range", None)
+    if key_range is not None:
+        starts, ends = key_range[:, 0, None, None], key_range[:, 1, None, None]
+        seen &= (slots[None, None, :] >= starts) & (slots[None, None, :] < ends)
     return seen[:, None]
 
 
@@ -470,8 +497,8 @@ def _eager_attention(
     what = ", ".join(_EAGER_KWARGS[name] for name in needs)
     fn.warn_once(
         f"transformers-eager:{','.join(needs)}",
-        f"no kernel route takes this call with {what} (a position bias, a decoding step with soft-capping, "
-        f"a mask the kernels cannot express, or tensors they cannot read): such calls run through {which}, "
+        f"no kernel route takes this call with {what} (a position bias, a mask the kernels cannot express, "
+        f"or tensors they cannot read): such calls run through {which}, "
         "which computes it exactly but materialises the attention scores (slower, more memory)",
         stacklevel=4,
         source="flash_attention.integrations.transformers",
@@ -509,10 +536,13 @@ def _check_mask(mask: torch.Tensor | None, query: torch.Tensor, key: torch.Tenso
             f"a 1-D attention_mask must be the int32 static-cache lengths of shape (batch,) = "
             f"({query.shape[0]},); got {mask.dtype} of shape {tuple(mask.shape)}"
         )
-    if mask.dim() == 2 and (mask.dtype != torch.bool or tuple(mask.shape) != (query.shape[0], key.shape[2])):
+    if mask.dim() == 2 and (
+        mask.dtype != torch.bool or mask.shape[0] != query.shape[0] or mask.shape[1] > key.shape[2]
+    ):
         raise ValueError(
-            f"a 2-D attention_mask must be boolean of shape (batch, kv_length) = "
-            f"{(query.shape[0], key.shape[2])}, True = attend; got {mask.dtype} of shape {tuple(mask.shape)}"
+            f"a 2-D attention_mask must be boolean of shape (batch, n) with batch = {query.shape[0]} and "
+            f"n <= kv_length = {key.shape[2]} (True = attend; the keys are the first n); got "
+            f"{mask.dtype} of shape {tuple(mask.shape)}"
         )
 
 
@@ -563,9 +593,11 @@ def attention_forward(
         # Decoding from a static cache (the module docstring): the decode kernels, or the explicit mask; a
         # sliding layer's lengths carry its window.
         window = getattr(attention_mask, "_flash_attention_window", None)
+        key_range = getattr(attention_mask, "_flash_attention_key_range", None)
         if (
             extra is not None
             and causal
+            and (key_range is None or query.shape[2] == 1)
             and dropout == 0.0
             and kwargs.get("cache") is None
             and query.shape[-1] <= MAX_HEAD_DIM
@@ -574,6 +606,11 @@ def attention_forward(
             and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad))
         ):
             q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+            if key_range is not None:
+                # A padded batch's decoding step: its one query sees its row's key range, which the forward
+                # kernel takes (the decode kernels have no first key per row).
+                out = attention(q, k, v, causal=False, softmax_scale=scaling, key_range=key_range, **extra)
+                return out, None
             out = attention_with_kvcache(
                 q, k, v, cache_seqlens=attention_mask, causal=True, softmax_scale=scaling, window=window,
                 **extra,
@@ -581,6 +618,11 @@ def attention_forward(
             return out, None
         left = None if window is None else window[0]
         attention_mask = _static_cache_mask(attention_mask, query.shape[2], key.shape[2], left)
+    if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[1] < key.shape[2]:
+        # Our mask function left out the keys after the last query (a static cache's empty slots past its
+        # prefill), which no query sees: every route reads only the mask's keys, causal aligned to the last.
+        width = attention_mask.shape[1]
+        key, value = key[:, :, :width], value[:, :, :width]
     if extra is None:
         return _eager_route(
             module, query, key, value, attention_mask, needs_eager, dropout, scaling, causal, kwargs
@@ -672,7 +714,7 @@ def _sdpa_reason(attention_mask, query, key, value, dropout, kwargs) -> str:
     if attention_mask is not None and attention_mask.dim() == 2:
         return "key padding with holes (valid keys not one run per row)"
     return (
-        "a 4-D mask (a static cache's prefill or padding, a chunked or "
+        "a 4-D mask (a static cache's padded speculative steps, a chunked or "
         "bidirectional window, a custom mask function, or packed documents whose mask is not causal per "
         "document)"
     )
