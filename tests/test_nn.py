@@ -14,9 +14,11 @@ error of PyTorch's module in the same precision, plus 1e-5.
 from __future__ import annotations
 
 import copy
+import json
 import math
 import warnings
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -1085,3 +1087,17 @@ def test_flash_attention_layer_takes_alibi_and_softcap(score, padding, need_weig
         FlashAttention(64, heads, alibi_slopes=torch.ones(3))
     with pytest.raises(ValueError, match="softcap must be a finite number"):
         FlashAttention(64, heads, softcap=-1.0)
+
+
+def test_demo_on_a_gpu_writes_its_result_into_the_current_directory(tmp_path, monkeypatch):
+    # A GPU run without --out used to write into the checkout's benchmarks/results/demo/ (a dirty tree for
+    # whoever ran the README's command); it goes to ./flash_attention_results/demo/ like bench's results.
+    from flash_attention.tools import demo
+
+    result = {"gpu": "NVIDIA H200", "date": "2026-11-28", "rows": [{"impl": "stock", "ms": 1.0}]}
+    monkeypatch.setattr(demo, "run_demo", lambda **kwargs: dict(result))
+    monkeypatch.chdir(tmp_path)
+    assert demo.main([]) == 0
+    written = [p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file()]
+    assert written == [Path("flash_attention_results/demo/h200-2026-11-28.json")], written
+    assert json.loads((tmp_path / written[0]).read_text())["gpu"] == "NVIDIA H200"

@@ -12,8 +12,9 @@ inference three ways on the same weights and inputs:
 
 For each sequence length it prints the time of one forward step (median of CUDA-event timings, after
 warm-up) and the peak GPU memory the step allocates on top of the weights and the input, and checks that
-ours computes what stock computes. Results go to ``benchmarks/results/demo/<gpu>-<date>.json``; the README
-section is generated from such a file (``--update-readme``), never typed.
+ours computes what stock computes. Results go to ``./flash_attention_results/demo/<gpu>-<date>.json`` of the
+current directory (``--out`` names another path; the committed ones are under ``benchmarks/results/demo/``);
+the README section is generated from such a file (``--update-readme``), never typed.
 
 Without a CUDA GPU it runs the CPU path at a small size, says so, and measures time only.
 """
@@ -41,8 +42,8 @@ from flash_attention.nn import replace_attention
 from flash_attention.winners import gpu_slug
 
 from . import provenance
+from .bench.results import DEFAULT_OUTPUT
 from .common import (
-    default_results_dir,
     environment,
     record_provenance,
     replace_marked_region,
@@ -245,9 +246,11 @@ def _standard_attention() -> Iterator[None]:
 
 
 def default_result_path(result: dict) -> Path:
+    """Where a run's result goes without --out: bench's default folder of the current directory
+    (./flash_attention_results/demo/), never the checkout's committed results (pass --out for those)."""
     name = gpu_slug(result["gpu"]) if result.get("gpu") else "cpu"
-    # A folder of its own: benchmarks/results/*.json are the bench's sweeps, which its tools glob.
-    return default_results_dir() / "demo" / f"{name}-{result.get('date', _dt.date.today().isoformat())}.json"
+    # A folder of its own: the bench's sweeps beside it are globbed by its tools.
+    return DEFAULT_OUTPUT / "demo" / f"{name}-{result.get('date', _dt.date.today().isoformat())}.json"
 
 
 def write_result(result: dict, path: str | os.PathLike) -> Path:
@@ -349,7 +352,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--causal", action="store_true", help="causal self-attention (mask + is_causal)")
     p.add_argument("--impls", help=f"comma-separated subset of {','.join(IMPLS)}")
     p.add_argument(
-        "--out", help="result JSON path (default on a GPU: benchmarks/results/demo/<gpu>-<date>.json)"
+        "--out",
+        help="result JSON path (default on a GPU: ./flash_attention_results/demo/<gpu>-<date>.json; the "
+        "README's table is generated from benchmarks/results/demo/)",
     )
     p.add_argument("--commit", help="commit to record (for a copy of the checkout without .git)")
     p.add_argument("--no-save", action="store_true", help="do not write a result file")
