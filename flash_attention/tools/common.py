@@ -159,7 +159,18 @@ def environment(device: Any, commit: str | None = None, allow_dirty: bool = Fals
         env["triton"] = triton.__version__
     except Exception:
         env["triton"] = None
+    # FlashAttention-4, the bench's `fa4` baseline, where installed (None: its rows were skipped).
+    env["fa4"] = _distribution_version("flash-attn-4")
     return env
+
+
+def _distribution_version(name: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
 
 
 @dataclass

@@ -17,6 +17,7 @@ _STYLE = {
     "sdpa_cudnn": dict(color="#2ca02c", marker="^"),
     "sdpa_efficient": dict(color="#9467bd", marker="v"),
     "flex": dict(color="#ff7f0e", marker="D"),
+    "fa4": dict(color="#17becf", marker="P"),
 }
 
 

@@ -34,7 +34,8 @@ DEFAULT_OUTPUT = Path("flash_attention_results")
 
 #: Our implementation's name in result rows, and the baselines in the order tables list them.
 OURS = "flash_attention"
-DEFAULT_IMPLS = (OURS, "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex")
+#: fa4: FlashAttention-4 (flash-attn-4), skipped with the reason where it is not installed.
+DEFAULT_IMPLS = (OURS, "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex", "fa4")
 #: Ours with ``deterministic=True`` (backward modes only; not in the default sweep): the mode's cost against
 #: OURS in the same run.
 OURS_DETERMINISTIC = "flash_attention_deterministic"

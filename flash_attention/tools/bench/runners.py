@@ -1,5 +1,5 @@
 """Each implementation at one shape, ready to time: ours (the very choice ``attention()`` makes), SDPA held
-to each of its backends, and ``torch.compile(flex_attention)``."""
+to each of its backends, ``torch.compile(flex_attention)`` and FlashAttention-4 (``fa4``, bench/fa4.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 import flash_attention
 from flash_attention import configs, ops
 
+from .fa4 import FA4, fa4_dense
 from .results import DEFAULT_IMPLS, OURS, OURS_DETERMINISTIC
 
 __all__ = ["Runner", "Shape", "Skip", "make_inputs", "make_runner", "one_line"]
@@ -347,5 +348,16 @@ def make_runner(
 
         call = (lambda i: f(*native[i])) if mode == "fwd" else _autograd_call(f, native, mode)
         return Runner(call, lambda i: f(*native[i]).transpose(1, 2))
+
+    if impl == FA4:
+        variant = _variant_args(shape, inputs[0][0].device)
+        sinks = variant.get("sinks")
+        if sinks is not None and mode != "fwd":
+            sinks.requires_grad_()  # learnable, as in training (and as ours is timed)
+        f = fa4_dense(
+            causal=shape.causal, window=shape.window, softcap=shape.softcap, sinks=sinks, alibi=shape.alibi
+        )
+        call = (lambda i: f(*inputs[i])) if mode == "fwd" else _autograd_call(f, inputs, mode)
+        return Runner(call, lambda i: f(*inputs[i]))
 
     raise Skip(f"unknown implementation {impl!r}; known: {', '.join(DEFAULT_IMPLS)}")

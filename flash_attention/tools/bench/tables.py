@@ -15,9 +15,10 @@ from .tiny import tiny_markdown
 
 __all__ = ["RATIO_BASELINES", "ratio_summary", "results_header", "results_to_markdown", "results_to_text"]
 
-#: Baselines of our ratio rows and summaries: cuDNN (PyTorch's default on Hopper, the bar of the project)
-#: and FlashAttention-2 inside PyTorch.
-RATIO_BASELINES = ("sdpa_flash", "sdpa_cudnn")
+#: Baselines of our ratio rows and summaries: cuDNN (PyTorch's default on Hopper) and FlashAttention-4 (the
+#: strongest open peer there), the bars of the project, and FlashAttention-2 inside PyTorch. A baseline
+#: without rows in a result file (fa4 not installed) has no ratio row.
+RATIO_BASELINES = ("sdpa_flash", "sdpa_cudnn", "fa4")
 
 
 def _fmt_tflops(x: float | None) -> str:

@@ -10,7 +10,9 @@ batch) until they fill ``tokens``. Rows (FLOPs of the useful work only: each doc
   padded batch spends on real tokens);
 * ``flex``: FlexAttention with a document mask (a block mask from the documents' ids);
 * ``sdpa_efficient`` / ``sdpa_cudnn``: SDPA with the block-diagonal boolean mask, materialised
-  (total x total), as a model without a varlen kernel passes it.
+  (total x total), as a model without a varlen kernel passes it;
+* ``fa4``: FlashAttention-4's ``flash_attn_varlen_func`` on the packed tensors (skipped where it is not
+  installed, and with ALiBi, which it lacks).
 
 With ``alibi`` every row gets ALiBi with the geometric slopes (each document's own positions: a packed
 row's distance to a key of its document is the same as in the document alone): ours through
@@ -30,9 +32,10 @@ import torch
 import flash_attention
 
 from ..common import time_cuda
+from .fa4 import FA4, fa4_varlen
 from .runners import Skip, _flex, _sdpa_backend, alibi_slopes, one_line
 
-VARLEN_IMPLS = ("flash_attention", "flash_attention_padded", "flex", "sdpa_efficient", "sdpa_cudnn")
+VARLEN_IMPLS = ("flash_attention", "flash_attention_padded", "flex", "sdpa_efficient", "sdpa_cudnn", FA4)
 #: With ALiBi, after ours: the same slopes per document (see the module's docstring).
 PER_SEQUENCE = "flash_attention_per_sequence_slopes"
 
@@ -150,6 +153,9 @@ def _runner(impl: str, s: VarlenSettings, causal: bool, lengths: list[int], q, k
 
         call = (lambda i: f(*native)) if fwd_only else _grad_call(f, native)
         return call, lambda: f(*native)[0].transpose(0, 1)
+    if impl == FA4:
+        f = fa4_varlen(cu, max(lengths), causal=causal, alibi=s.alibi)
+        return (lambda i: f(q, k, v)) if fwd_only else _grad_call(f, (q, k, v)), lambda: f(q, k, v)
     if impl in ("sdpa_efficient", "sdpa_cudnn"):
         if s.alibi:
             raise Skip("ALiBi needs SDPA's additive mask per head: (heads, total, total) does not fit")

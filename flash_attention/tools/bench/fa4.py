@@ -1,0 +1,85 @@
+"""FlashAttention-4 (PyPI ``flash-attn-4``, ``from flash_attn.cute import ...``) as a bench baseline, ``fa4``.
+
+The strongest open peer on Hopper: its forward and backward kernels are JIT-compiled by NVIDIA's CuTe DSL on
+the first call of each shape. Where it is not importable (a machine without it, a CPU) its rows are skipped
+with the reason, like any other implementation that cannot run a point. Its calls take our layout, (batch,
+seqlen, heads, head_dim), and grouped K/V heads as they are, so nothing is copied around them.
+
+What it has, by our bench's variants: causal, a sliding window (``window_size=(left, right)``),
+soft-capping (``softcap=``), attention sinks (``learnable_sink=``, one logit per query head), grouped-query
+heads, and packed documents (``flash_attn_varlen_func``). It has no ALiBi: those rows are skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["FA4", "fa4_dense", "fa4_varlen"]
+
+FA4 = "fa4"
+
+
+def _module() -> Any:
+    """flash_attn.cute, or raise the bench's Skip with the reason."""
+    from .runners import Skip
+
+    try:
+        import flash_attn.cute as cute
+    except Exception as exc:  # ImportError, or a broken install failing inside its import
+        raise Skip(
+            f"FlashAttention-4 is not importable ({type(exc).__name__}: {exc}); pip install flash-attn-4"
+        ) from exc
+    return cute
+
+
+def _first(result: Any) -> Any:
+    """The output of a call that returns it alone or as ``(out, lse)``, by version."""
+    return result[0] if isinstance(result, tuple) else result
+
+
+def _variant_kwargs(*, causal: bool, window: int, softcap: float, sinks: Any, alibi: bool) -> dict:
+    from .runners import Skip
+
+    if alibi:
+        raise Skip("FlashAttention-4 has no ALiBi")
+    kwargs: dict = {"causal": causal}
+    if window:
+        # The bench's window is causal: each query sees itself and the `window` keys before it.
+        kwargs["window_size"] = (window, 0)
+    if softcap:
+        kwargs["softcap"] = softcap
+    if sinks is not None:
+        kwargs["learnable_sink"] = sinks
+    return kwargs
+
+
+def fa4_dense(
+    *, causal: bool, window: int = 0, softcap: float = 0.0, sinks: Any = None, alibi: bool = False
+) -> Callable[[Any, Any, Any], Any]:
+    """``f(q, k, v) -> out`` through ``flash_attn_func`` on (batch, seqlen, heads, head_dim) tensors, with the
+    variant's arguments; raises Skip where FlashAttention-4 is missing or lacks the variant."""
+    kwargs = _variant_kwargs(causal=causal, window=window, softcap=softcap, sinks=sinks, alibi=alibi)
+    func = _module().flash_attn_func
+    return lambda q, k, v: _first(func(q, k, v, **kwargs))
+
+
+def fa4_varlen(
+    cu_seqlens: Any, max_seqlen: int, *, causal: bool, alibi: bool = False
+) -> Callable[[Any, Any, Any], Any]:
+    """``f(q, k, v) -> out`` through ``flash_attn_varlen_func`` on packed (total, heads, head_dim) tensors of
+    self-attention documents (the same offsets for queries and keys)."""
+    kwargs = _variant_kwargs(causal=causal, window=0, softcap=0.0, sinks=None, alibi=alibi)
+    func = _module().flash_attn_varlen_func
+    return lambda q, k, v: _first(
+        func(
+            q,
+            k,
+            v,
+            cu_seqlens_q=cu_seqlens,
+            cu_seqlens_k=cu_seqlens,
+            max_seqlen_q=max_seqlen,
+            max_seqlen_k=max_seqlen,
+            **kwargs,
+        )
+    )
