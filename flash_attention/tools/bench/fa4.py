@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from .skip import Skip
+
 __all__ = ["FA4", "fa4_dense", "fa4_varlen"]
 
 FA4 = "fa4"
@@ -22,8 +24,6 @@ FA4 = "fa4"
 
 def _module() -> Any:
     """flash_attn.cute, or raise the bench's Skip with the reason."""
-    from .runners import Skip
-
     try:
         import flash_attn.cute as cute
     except Exception as exc:  # ImportError, or a broken install failing inside its import
@@ -39,8 +39,6 @@ def _first(result: Any) -> Any:
 
 
 def _variant_kwargs(*, causal: bool, window: int, softcap: float, sinks: Any, alibi: bool) -> dict:
-    from .runners import Skip
-
     if alibi:
         raise Skip("FlashAttention-4 has no ALiBi")
     kwargs: dict = {"causal": causal}

@@ -15,12 +15,9 @@ from flash_attention import configs, ops
 
 from .fa4 import FA4, fa4_dense
 from .results import DEFAULT_IMPLS, OURS, OURS_DETERMINISTIC
+from .skip import Skip
 
 __all__ = ["Runner", "Shape", "Skip", "make_inputs", "make_runner", "one_line"]
-
-
-class Skip(Exception):
-    """An implementation cannot run this point; the message says why."""
 
 
 #: (config name, causal) -> why its compile failed, so a sweep tries each failing kernel once.
