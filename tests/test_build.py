@@ -149,6 +149,38 @@ ptxas info    : Function properties for {callee}
     assert got == [("flash_decode_a", 254, 8, 4), ("flash_decode_b", 252, 0, 0)]
 
 
+def test_parse_ptxas_log_marks_serialized_wgmma():
+    # ptxas's note comes before the resource lines and names its function last; the other entry is clean.
+    note = (
+        "ptxas info    : (C7513) Potential Performance Loss: wgmma.mma_async instructions are serialized due "
+        "to non wgmma instructions defining input registers of a wgmma between start and end of the pipeline "
+        "stage in the function 'flash_fwd__b'"
+    )
+    log = f"""{note}
+ptxas info    : Compiling entry function 'flash_fwd__a' for 'sm_90a'
+ptxas info    : Function properties for flash_fwd__a
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 168 registers, used 16 barriers
+ptxas info    : Compiling entry function 'flash_fwd__b' for 'sm_90a'
+ptxas info    : Function properties for flash_fwd__b
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 168 registers, used 16 barriers
+"""
+    got = {r.kernel: r.wgmma_serialized for r in compiler.parse_ptxas_log(log)}
+    assert got["flash_fwd__a"] == ""
+    assert got["flash_fwd__b"].startswith("C7513: non wgmma instructions defining input registers")
+
+
+def test_strict_build_refuses_serialized_wgmma():
+    from flash_attention.tools import build as build_tool
+
+    job = build_tool.jobs_for(["sm_90"], None, ["bf16"], [128])[0]
+    clean = {"kernel": "k", "spill_stores": 0, "spill_loads": 0, "wgmma_serialized": ""}
+    assert build_tool._problems(job, [clean]) == []
+    (problem,) = build_tool._problems(job, [{**clean, "wgmma_serialized": "C7513: non wgmma instructions"}])
+    assert "ptxas serialized its wgmma (C7513" in problem
+
+
 @needs_nvcc
 def test_cache_hit_and_key(cache):
     cfg = parse_config("(BF16, 64, 64, 64, 4): async+eager+swizzled+load_0_1_1_tiles+buffer+opt_softmax")

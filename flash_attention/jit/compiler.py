@@ -40,6 +40,11 @@ class ResourceUsage:
     stack_frame: int = 0
     static_smem: int = 0
     barriers: int = 0
+    #: Why ptxas serialized the kernel's wgmma instructions ("" if it did not; its note "(C75xx) Potential
+    #: Performance Loss: wgmma.mma_async instructions are serialized due to ..."): each product then waits
+    #: for the one before it, and the overlap the kernel was written for is gone (+21-46% on the
+    #: soft-capped forward, kernel log 116).
+    wgmma_serialized: str = ""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -57,6 +62,11 @@ _ENTRY_RE = re.compile(r"Compiling entry function '([^']+)' for '(sm_\w+)'")
 _PROPS_RE = re.compile(r"Function properties for (\S+)")
 _FRAME_RE = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _USED_RE = re.compile(r"Used (\d+) registers(?:, used (\d+) barriers)?(?:, (\d+) bytes smem)?")
+# ptxas names the function at the end of its performance notes, which come before the resource lines.
+_SERIALIZED_RE = re.compile(
+    r"\((C75\d\d)\) Potential Performance Loss: wgmma\.mma_async instructions are serialized due to (.*?) "
+    r"in the function '([^']+)'"
+)
 
 
 def parse_ptxas_log(log: str) -> list[ResourceUsage]:
@@ -87,6 +97,9 @@ def parse_ptxas_log(log: str) -> list[ResourceUsage]:
             current.registers = int(m[1])
             current.barriers = int(m[2] or 0)
             current.static_smem = int(m[3] or 0)
+    for m in _SERIALIZED_RE.finditer(log):
+        if m[3] in out:
+            out[m[3]].wgmma_serialized = f"{m[1]}: {m[2]}"
     return [r for r in out.values() if not r.kernel.startswith("_Z") or "flash" in r.kernel]
 
 

@@ -85,8 +85,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--strict",
         action="store_true",
         help=f"exit 1 if a forward kernel spills, a backward one spills more than {MAX_BWD_SPILL_BYTES} "
-        f"bytes ({MAX_DET_WS_BWD_SPILL_BYTES} for the deterministic warp-specialized ones), or a kernel "
-        "exceeds its architecture's shared memory",
+        f"bytes ({MAX_DET_WS_BWD_SPILL_BYTES} for the deterministic warp-specialized ones), a kernel "
+        "exceeds its architecture's shared memory, or ptxas serialized a kernel's wgmma",
     )
     return ap.parse_args(argv)
 
@@ -125,6 +125,8 @@ def _problems(job: BuildJob, resources: list[dict]) -> list[str]:
         spill = max(r["spill_stores"], r["spill_loads"])
         if spill > bound:
             out.append(f"{r['kernel']} ({job.arch}) spills {spill} bytes (allowed: {bound})")
+        if r.get("wgmma_serialized"):  # (absent from cache entries written before the check)
+            out.append(f"{r['kernel']} ({job.arch}): ptxas serialized its wgmma ({r['wgmma_serialized']})")
     smem = max(job.cfg.smem_bytes, getattr(job.cfg, "dq_smem_bytes", 0))
     if smem > limit:
         out.append(f"{job.cfg.name()} needs {smem} bytes of shared memory; {job.arch} allows {limit}")

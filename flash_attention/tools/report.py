@@ -279,6 +279,8 @@ def resource_lines(cfg, arch: str, compiler: str | None, variant: Variant = PLAI
             f"{r['stack_frame']:5d}  {occ.blocks:2d} blk {occ.warps:2d}/{occ.max_warps} warps "
             f"({occ.fraction:4.0%}, {occ.limiter:13})  {r['kernel']}"
         )
+        if r.get("wgmma_serialized"):  # (absent from cache entries written before the check)
+            lines.append(f"{'':6} ptxas serialized this kernel's wgmma: {r['wgmma_serialized']}")
     roles = register_roles_of(cfg)
     if roles:
         lines.append(f"{'':6} registers by role: {roles}")
