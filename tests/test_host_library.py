@@ -386,3 +386,87 @@ def test_without_a_compiler_the_library_reports_why(monkeypatch):
     monkeypatch.setattr(host, "_state", {})
     monkeypatch.setenv(host.ENV, "0")
     assert host.unavailable_reason() == f"{host.ENV}=0"
+
+
+@pytest.fixture
+def fresh_host(monkeypatch, tmp_path):
+    """The host module as a fresh process sees it, with a stand-in compiler whose build waits for `release`
+    and then writes the library's file, and a stand-in load: (release, built, loaded, listened, stderr)."""
+    import threading
+
+    release, built, loaded, listened = threading.Event(), [], [], []
+    target = tmp_path / "host" / "host_library-test.so"
+    monkeypatch.setattr(host, "_state", {})
+    monkeypatch.setattr(host, "_ready_listeners", [lambda: listened.append(True)])
+    monkeypatch.setattr(host, "_compiler", lambda: "/usr/bin/c++")
+    monkeypatch.setattr(host, "_library_path", lambda cxx: target)
+    monkeypatch.delenv(host.ENV, raising=False)
+    monkeypatch.delenv("FLASH_ATTENTION_QUIET", raising=False)
+
+    def build(cxx, path):
+        assert release.wait(30), "the test never released the build"
+        built.append(threading.current_thread().name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"library")
+
+    def load():
+        if not target.exists():  # what the real _load would do: build in this thread
+            build("/usr/bin/c++", target)
+        loaded.append(True)
+        return "the library's ops"
+
+    monkeypatch.setattr(host, "_build", build)
+    monkeypatch.setattr(host, "_load", load)
+    monkeypatch.setattr(host, "_connect_driver", lambda ops: None)
+    return release, built, loaded, listened
+
+
+def test_a_first_call_does_not_wait_for_the_host_library(fresh_host, capsys):
+    import time
+
+    release, built, loaded, listened = fresh_host
+    t0 = time.perf_counter()
+    assert host.ops_or_none() is None  # the Python path, at once
+    assert host.ops_or_none() is None  # still building: no second build
+    assert time.perf_counter() - t0 < 5 and not built and not loaded
+    assert "building the host library" in capsys.readouterr().err
+    release.set()
+    assert host.wait_for_background_build(30)
+    assert built == ["flash_attention host library"]  # built in the background thread, once
+    assert "host library built in" in capsys.readouterr().err
+    assert host.ops_or_none() == "the library's ops"
+    assert listened == [True]  # the caches that chose the Python path meanwhile are told, once
+    assert host.ops_or_none() == "the library's ops" and listened == [True] and loaded == [True]
+
+
+def test_a_failed_background_build_leaves_the_python_path_with_one_warning(fresh_host, monkeypatch):
+    release, built, loaded, listened = fresh_host
+
+    def failing(cxx, path):
+        raise host.HostLibraryUnavailable("c++ could not compile training_node.cpp (exit 1)")
+
+    monkeypatch.setattr(host, "_build", failing)
+    assert host.ops_or_none() is None
+    assert host.wait_for_background_build(30)
+    with pytest.warns(RuntimeWarning, match="could not compile training_node.cpp"):
+        assert host.ops_or_none() is None
+    assert host.ops_or_none() is None and not loaded and not listened
+
+
+def test_a_library_on_disk_or_asked_for_is_loaded_at_once(fresh_host, monkeypatch):
+    release, built, loaded, listened = fresh_host
+    # FLASH_ATTENTION_HOST_LIBRARY=wait: the build runs in the caller's thread (the old behaviour).
+    monkeypatch.setenv(host.ENV, "wait")
+    release.set()
+    assert host.ops_or_none() == "the library's ops"
+    assert built == ["MainThread"] and not listened
+    # A library already built (a later process): loaded by the first call, no thread.
+    monkeypatch.delenv(host.ENV)
+    monkeypatch.setattr(host, "_state", {})
+    assert host.ops_or_none() == "the library's ops" and built == ["MainThread"]
+
+
+def test_the_launch_layers_caches_forget_their_python_choices_when_the_library_arrives():
+    from flash_attention.ops import decode, repeat
+
+    assert repeat.clear in host._ready_listeners and decode.clear_plans in host._ready_listeners

@@ -8,6 +8,13 @@ a hash of the source, the PyTorch version and its C++ ABI, the Python version an
 where none is found, or the build fails, training runs the same kernels through the Python autograd
 function instead, after one warning that says why. ``FLASH_ATTENTION_HOST_LIBRARY=0`` turns it off.
 
+The build takes about half a minute (g++ on PyTorch's headers), which a first call must not wait for: the
+callers' question, :func:`ops_or_none`, starts it in a background thread (one line on stderr says so, and
+another when it is done) and answers None, the Python path, until the library is on disk; the call after
+that loads it, and the listeners of :func:`when_ready` (the launch layer's caches of repeat and decode
+calls, which chose the Python path meanwhile) are told. :func:`load` builds in the caller's thread, for the
+tools and tests that want the library now; so does ``FLASH_ATTENTION_HOST_LIBRARY=wait``.
+
 The library registers ``torch.ops.flash_attention_host`` (``set_driver``, ``record_training``,
 ``repeat_call``, ``decode_call``) and the classes ``torch.classes.flash_attention_host.BackwardProgram``,
 ``ForwardProgram`` and ``DecodeProgram``; :mod:`flash_attention.ops.training`, :mod:`flash_attention.ops.
@@ -24,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import warnings
 from functools import cache
 from pathlib import Path
@@ -38,9 +46,12 @@ __all__ = [
     "ENV",
     "HostLibraryUnavailable",
     "load",
+    "ops_or_none",
     "set_stand_in_driver",
     "source_path",
     "unavailable_reason",
+    "wait_for_background_build",
+    "when_ready",
 ]
 
 ENV = "FLASH_ATTENTION_HOST_LIBRARY"
@@ -49,7 +60,10 @@ SOURCE_DIR = Path(__file__).resolve().parent.parent / "csrc" / "host"
 SOURCES = (SOURCE_DIR / "training_node.cpp", SOURCE_DIR / "repeat_call.cpp", SOURCE_DIR / "decode_call.cpp")
 
 _lock = threading.Lock()
-_state: dict[str, object] = {}  # "ops" once loaded, or "reason" once it could not be
+# "ops" once loaded, or "reason" once it could not be; "builder": the background build's thread, if one ran.
+_state: dict[str, object] = {}
+#: Called (in the calling thread) once a library built in the background has been loaded.
+_ready_listeners: list = []
 
 
 class HostLibraryUnavailable(RuntimeError):
@@ -228,17 +242,90 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def ops_or_none():
-    """The library's ops (:func:`load`), or None where it is unavailable, with one warning per process
-    unless it was turned off on purpose (FLASH_ATTENTION_HOST_LIBRARY=0): what the launch layer's callers
-    (the training node, repeat calls, decode calls) ask before taking their native form."""
+def when_ready(listener) -> None:
+    """Call ``listener()`` once a library built in the background has been loaded (see the module
+    docstring): for caches that hold a decision made while it was not."""
+    _ready_listeners.append(listener)
+
+
+def _say(message: str) -> None:
+    if os.environ.get("FLASH_ATTENTION_QUIET", "") in ("", "0"):
+        print(f"flash_attention: {message}", file=sys.stderr, flush=True)
+
+
+def _build_in_background(cxx: str, target: Path) -> None:
+    t0 = time.perf_counter()
     try:
-        return load()
+        _build(cxx, target)
+    except Exception as exc:  # noqa: BLE001 - any failure means "use Python", said by ops_or_none's warning
+        with _lock:
+            _state["reason"] = str(exc) or type(exc).__name__
+        _say(f"the host library could not be built ({time.perf_counter() - t0:.1f} s); the Python path stays")
+        return
+    _say(f"host library built in {time.perf_counter() - t0:.1f} s; the next calls use it")
+
+
+def _loadable_now() -> bool:
+    """Whether :func:`load` would answer without compiling: the library is loaded, known unavailable, or on
+    disk (or the caller asked to wait for it). Otherwise starts the background build, once, and answers
+    False while it runs."""
+    with _lock:
+        if "ops" in _state or "reason" in _state:
+            return True
+        builder = _state.get("builder")
+        if builder is not None:
+            return not builder.is_alive()
+        mode = os.environ.get(ENV, "1")
+        cxx = _compiler()
+        if mode in ("0", "wait") or cxx is None:
+            return True  # (load says why it cannot, or builds in this thread)
+        try:
+            target = _library_path(cxx)
+        except Exception:  # noqa: BLE001 - load gives the reason
+            return True
+        if target.exists():
+            return True
+        builder = threading.Thread(
+            target=_build_in_background, args=(cxx, target), name="flash_attention host library", daemon=True
+        )
+        _state["builder"] = builder
+        _say(
+            f"building the host library (C++ training node, repeat calls) with {Path(cxx).name} in the "
+            "background, about 30 s; calls take the Python path until it is ready"
+        )
+        builder.start()
+        return False
+
+
+def wait_for_background_build(timeout: float | None = None) -> bool:
+    """Wait for a background build of the library, if one runs; True when none runs any more."""
+    builder = _state.get("builder")
+    if builder is not None:
+        builder.join(timeout)
+        return not builder.is_alive()
+    return True
+
+
+def ops_or_none():
+    """The library's ops (:func:`load`), or None where it is unavailable or still being built in the
+    background (the module docstring), with one warning per process where it is unavailable, unless it was
+    turned off on purpose (FLASH_ATTENTION_HOST_LIBRARY=0): what the launch layer's callers (the training
+    node, repeat calls, decode calls) ask before taking their native form."""
+    if _state.get("driver"):  # every training call asks: nothing more once it is ready
+        return _state["ops"]
+    if not _loadable_now():
+        return None
+    try:
+        ops = load()
     except HostLibraryUnavailable as exc:
         if not _state.get("warned") and os.environ.get(ENV) != "0":
             _state["warned"] = True
             warn_unavailable(str(exc))
         return None
+    if _state.pop("builder", None) is not None:
+        for listener in _ready_listeners:
+            listener()
+    return ops
 
 
 def warn_unavailable(reason: str) -> None:

@@ -419,6 +419,11 @@ def clear_plans() -> None:
     _plans.clear()
 
 
+# Plans made while the host library was being built in the background took the Python launch for good
+# (_make_native answered False): forgotten once it is loaded, so the next calls plan its form.
+host.when_ready(clear_plans)
+
+
 def repeat_plan(key: tuple) -> DecodePlan | None:
     """The plan kept under signature ``key`` when its calls may go straight to :meth:`DecodePlan.repeat`
     (made, its host library form made by an earlier call); None otherwise."""

@@ -206,6 +206,11 @@ def clear() -> None:
     _calls.clear()
 
 
+# Signatures first seen while the host library was being built in the background kept the Python form (or,
+# recording, the whole path): forgotten once it is loaded, so their next calls make the native one.
+host.when_ready(clear)
+
+
 def signature(
     q, k, v, causal, softmax_scale, return_lse, key_range, deterministic, dropout_p, dropout_seed,
     window=None, softcap=0.0, alibi_slopes=None, sinks=None, segments=None,
