@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from flash_attention.configs import parse_config
+from flash_attention.jit import host
 from flash_attention.winners import gpu_slug
 
 from ..common import MODES, environment, repo_root
@@ -379,6 +380,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+
+    # Our calls' host path depends on the C++ host library, which a first call would build in the
+    # background (flash_attention.jit.host) while the sweep times the Python path: built (or found
+    # unavailable) here, before anything is timed.
+    reason = host.unavailable_reason()
+    if reason is not None:
+        print(
+            f"bench: the host library is unavailable, our calls take the Python path: {reason}",
+            file=sys.stderr,
+        )
 
     if args.ring:
         return _main_ring(args)
