@@ -138,6 +138,10 @@ class StandInGpu:
     def __init__(self, dtype: torch.dtype, arch: str):
         self.dtype, self.arch = dtype, arch
         self.launches: list[str] = []
+        # (config name, arch, window build, score, ranged, dropout) of each backward build loaded, and of
+        # each one a training call asked to compile ahead (ops.backward.prefetch)
+        self.backward_builds: list[tuple] = []
+        self.prefetched: list[tuple] = []
         self.counters: list[int] = []  # each TMA forward launch's tile-counter address (0: none)
         self.key_tile_walks = 0  # packed backward launches that walked a key-tile table (p.k_tiles)
         self.errors: list[BaseException] = []
@@ -550,11 +554,18 @@ def install(monkeypatch, arch: str = "sm_90", dtype: torch.dtype = torch.bfloat1
             gpu, "forward", causal, FwdTmaParams if cfg.warp_specialized else FwdParams, window, score
         ),
     )
-    monkeypatch.setattr(
-        backward,
-        "get_bwd_kernels",
-        lambda cfg, arch_, window=False, score=None, **kw: _BackwardKernels(gpu, window, score),
-    )
+
+    def backward_kernels(cfg, arch_, window=False, score=None, ranged=False, dropout=False):
+        gpu.backward_builds.append((cfg.name(), arch_, window, score, ranged, dropout))
+        return _BackwardKernels(gpu, window, score)
+
+    def prefetch(cfg, arch_, window=False, score=None, ranged=False, dropout=False):
+        gpu.prefetched.append((cfg.name(), arch_, window, score, ranged, dropout))
+
+    monkeypatch.setattr(backward, "get_bwd_kernels", backward_kernels)
+    # The backward's compile started ahead of a training call's forward (ops.backward.prefetch): recorded,
+    # never compiled (these kernels are stand-ins).
+    monkeypatch.setattr(backward.jit_cache, "prefetch", prefetch)
     # The decode family (ops/decode.py imports its device facts by name).
     monkeypatch.setattr(decode, "device_arch", lambda index: arch)
     monkeypatch.setattr(decode, "sm_count", lambda index: 132)

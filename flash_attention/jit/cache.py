@@ -18,6 +18,7 @@ import tempfile
 import threading
 import time
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -26,7 +27,16 @@ from ..configs import BwdConfig, KernelConfig, is_wgmma
 from . import compiler as _compiler
 from .sources import kernel_source, variant_name
 
-__all__ = ["BuiltKernel", "atomic_write", "build", "cache_dir", "cache_key", "sources_digest", "target_arch"]
+__all__ = [
+    "BuiltKernel",
+    "atomic_write",
+    "build",
+    "cache_dir",
+    "cache_key",
+    "prefetch",
+    "sources_digest",
+    "target_arch",
+]
 
 
 def cache_dir() -> Path:
@@ -175,6 +185,59 @@ def build(
             )
         except (OSError, ValueError):
             pass  # a damaged entry is rebuilt below
+    # One compile per key in this process: a thread that asks for a key another is compiling (a prefetch,
+    # below, or a racing caller) waits for that compile instead of starting its own.
+    with _in_flight_lock:
+        running = _in_flight.get(key)
+        if running is None:
+            _in_flight[key] = mine = Future()
+    if running is not None:
+        return running.result()
+    try:
+        built = _compile_into_cache(cfg, arch, kind, cid, trace, ranged, dropout, window, score, root, key)
+    except BaseException as exc:
+        mine.set_exception(exc)
+        raise
+    finally:
+        with _in_flight_lock:
+            del _in_flight[key]
+    mine.set_result(built)
+    return built
+
+
+_in_flight: dict[str, Future] = {}  # cache key -> the compile running for it in this process
+_in_flight_lock = threading.Lock()
+_prefetcher: ThreadPoolExecutor | None = None
+
+
+def prefetch(cfg: KernelConfig | BwdConfig, arch: str, **variant) -> Future | None:
+    """Compile ``cfg`` (with :func:`build`'s ``variant`` keywords) into the disk cache on a background
+    thread, unless it is there already: for a kernel a call is about to need after another one (the
+    backward of a training call, started beside its forward's compile). A later :func:`build` of it waits
+    for this compile rather than repeating it. Best effort: returns None, and the later build reports the
+    error, when the compile cannot be planned or fails."""
+    global _prefetcher
+    try:
+        target = target_arch(cfg, arch)
+        kind = _compiler.choose_compiler()
+        if kind is None:
+            return None
+        key = cache_key(cfg, target, _compiler.compiler_id(kind), False, **variant)
+        if (cache_dir() / f"{key}.cubin").exists():
+            return None
+    except Exception:  # noqa: BLE001 - the build that needs it says what is wrong
+        return None
+    with _in_flight_lock:
+        if _prefetcher is None:
+            _prefetcher = ThreadPoolExecutor(max_workers=2, thread_name_prefix="flash_attention compile")
+    return _prefetcher.submit(build, cfg, arch, **variant)
+
+
+def _compile_into_cache(
+    cfg, arch, kind, cid, trace, ranged, dropout, window, score, root, key
+) -> BuiltKernel:
+    """build()'s compile of a cache miss: the source, the compiler, then the entry (metadata first)."""
+    cubin_path, meta_path = root / f"{key}.cubin", root / f"{key}.json"
     variant = variant_name(trace, ranged, dropout, window, score)
     what = f"{cfg.name()}{f' ({variant} build)' if variant else ''}"
     with _Ticker(f"{what} for {arch} with {cid}") as tick:

@@ -25,7 +25,7 @@ from .forward import chosen_config, cuda_forward, prepare
 from .repeat import prepare as prepare_repeat
 from .select import NoKernel, backward_config, catalog, dropout_config, forward_config
 from .trace import TraceTarget, last_trace, trace_from_env
-from .training import training_forward
+from .training import prefetch_backward, training_forward
 
 
 def clear_plans() -> None:
@@ -57,5 +57,6 @@ __all__ = [
     "prepare_repeat",
     "smem_limit",
     "trace_from_env",
+    "prefetch_backward",
     "training_forward",
 ]

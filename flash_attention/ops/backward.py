@@ -16,6 +16,7 @@ import torch
 
 from ..configs import BwdConfig
 from ..dropout import dropout_key, seed_pair
+from ..jit import cache as jit_cache
 from ..jit import driver
 from ..jit.loader import get_bwd_kernels
 from ..jit.params import BwdParams
@@ -100,6 +101,50 @@ def clear_plans() -> None:
     _plans.clear()
 
 
+def _kernels_of(
+    q, k, causal, deterministic, ranged, dropout_p, config, window, score, lengths, head_dim=None
+):
+    """``(config, arch, build variant)`` of the backward kernels a call on kernel-ready q and k runs (of
+    ``head_dim``, when given, instead of q's): what :func:`_make_plan` loads and :func:`prefetch` compiles
+    ahead."""
+    index = q.get_device()
+    cfg = backward_config(
+        dtype_name(q),
+        head_dim or q.shape[3],
+        causal,
+        *(lengths or (q.shape[1], k.shape[1])),  # (a packed batch's: plans.segment_lengths)
+        q.shape[2] // k.shape[2],
+        **device_facts(index),
+        features=feature_list(
+            key_range=ranged,
+            dropout=dropout_p,
+            deterministic=deterministic,
+            window=window is not None and window != SEGMENTS,
+            **score_features(score),
+            segments=window == SEGMENTS,
+        ),
+        config=config,
+    )
+    build = SEGMENTS if window == SEGMENTS else window is not None
+    return cfg, device_arch(index), dict(ranged=ranged, dropout=bool(dropout_p), window=build, score=score)
+
+
+def prefetch(
+    q, k, causal, deterministic, ranged, dropout_p, window=None, score=None, lengths=None, head_dim=None
+) -> None:  # fmt: skip
+    """Start compiling the backward kernels of a training call whose forward is about to run (its own
+    compile, if any, then runs beside this one: a first training step waits for the longer of the two
+    compiles, not their sum). ``window`` and ``score`` as :func:`plan_for` takes them. Best effort: any
+    failure is left to the backward's own build, which reports it."""
+    try:
+        cfg, arch, variant = _kernels_of(
+            q, k, causal, deterministic, ranged, dropout_p, None, window, score, lengths, head_dim
+        )
+    except Exception:  # noqa: BLE001 - as the docstring says
+        return
+    jit_cache.prefetch(cfg, arch, **variant)
+
+
 def _make_plan(
     q,
     k,
@@ -123,30 +168,15 @@ def _make_plan(
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     check_grid(batch, heads_q, seqlen_q, seqlen_k)
     index = q.get_device()
-    arch = device_arch(index)
-    cfg = backward_config(
-        dtype_name(q),
-        head_dim,
-        causal,
-        *(lengths or (seqlen_q, seqlen_k)),  # (a packed batch's: plans.segment_lengths)
-        heads_q // heads_kv,
-        **device_facts(index),
-        features=feature_list(
-            key_range=ranged,
-            dropout=dropout_p,
-            deterministic=deterministic,
-            window=window is not None and window != SEGMENTS,
-            **score_features(score),
-            segments=window == SEGMENTS,
-        ),
-        config=config,
+    cfg, arch, variant = _kernels_of(
+        q, k, causal, deterministic, ranged, dropout_p, config, window, score, lengths
     )
     # The window and segments builds have one set of entry points, named as not causal (the window, or the
     # segments' runs, carry causal).
     windowed = window is not None
     mask_causal = causal and not windowed
-    build = SEGMENTS if window == SEGMENTS else windowed
-    kerns = get_bwd_kernels(cfg, arch, ranged=ranged, dropout=bool(dropout_p), window=build, score=score)
+    build = variant["window"]
+    kerns = get_bwd_kernels(cfg, arch, **variant)
     dkdv_kind = "dkdv_det" if deterministic else "dkdv"
     dkdv = kerns[cfg.symbol(dkdv_kind, mask_causal, ranged, bool(dropout_p), build, score)]
     dkdv.ensure_dynamic_smem(cfg.smem_bytes, index)

@@ -31,9 +31,9 @@ from . import backward
 from . import trace as _trace
 from .plans import kernel_score, score_function, segment_count, segment_lengths, window_bounds
 from .query_tiles import key_tiles, query_units
-from .tensors import usable_in_place
+from .tensors import padded_to_8, usable_in_place
 
-__all__ = ["ALIBI_FIELDS", "bound", "bound_fields", "program", "training_forward"]
+__all__ = ["ALIBI_FIELDS", "bound", "bound_fields", "prefetch_backward", "program", "training_forward"]
 
 # The BwdParams fields the node writes per call, in the order of training_node.h's Slot enum.
 _SLOTS = (
@@ -141,6 +141,35 @@ def training_forward(
         q, k, v, out, lse, key_range, key, program(plan, fields, stride), bound(alibi_slopes, segments, plan)
     )
     return out, lse
+
+
+#: The training calls whose backward prefetch_backward has started already (a set of call shapes, bounded).
+_prefetched: set = set()
+
+
+def prefetch_backward(
+    q, k, *, causal, deterministic, key_range, dropout_p, window, softcap, alibi_slopes, segments
+) -> None:  # fmt: skip
+    """Start compiling the backward kernels of a training call (ops.backward.prefetch) before its forward
+    runs, whichever path records it (the compiled node, a repeat call, the Python autograd function): a
+    first training step then waits for the longer of its two compiles, not their sum. Once per call shape;
+    nothing when the kernels are in the cache already."""
+    seen = (
+        q.shape, k.shape, q.dtype, q.device, causal, deterministic, key_range is None, bool(dropout_p),
+        window, bool(softcap), alibi_slopes is None, segments is None,
+    )  # fmt: skip
+    if seen in _prefetched:
+        return
+    if len(_prefetched) > 4096:
+        _prefetched.clear()
+    _prefetched.add(seen)
+    bounds = SEGMENTS if segments is not None else window_bounds(window, causal, q.shape[1], k.shape[1])
+    score = kernel_score(score_function(softcap, alibi_slopes, q, segments), segments, causal, alibi_slopes)
+    ranged, lengths = key_range is not None, segment_lengths(segments)
+    backward.prefetch(
+        q, k, causal, deterministic, ranged, dropout_p, bounds, score, lengths,
+        head_dim=padded_to_8(q.shape[3]),  # (the kernels run on copies padded to a multiple of 8)
+    )  # fmt: skip
 
 
 def bound_fields(alibi: bool, segments, plan) -> tuple[str, ...]:
