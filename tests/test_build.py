@@ -282,6 +282,34 @@ def test_an_unwritable_cache_warns_and_still_returns_the_kernel(tmp_path, monkey
     assert built.cubin[:4] == b"\x7fELF" and not built.from_cache
 
 
+def test_a_damaged_cache_entry_is_rebuilt_never_loaded(tmp_path, monkeypatch):
+    # A build interrupted or a disk filled half way: an entry whose cubin does not match the digest its
+    # metadata holds, or whose metadata is not JSON, is compiled again rather than handed to the driver.
+    from flash_attention.jit import compiler as jit_compiler
+
+    monkeypatch.setenv("FLASH_ATTENTION_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("FLASH_ATTENTION_QUIET", "1")
+    compiles = []
+
+    def compile_source(source, arch, what, kind):
+        compiles.append(what)
+        return jit_compiler.CompileResult(b"\x7fELF" + bytes(range(256)) * 8, "ptxas info", kind, [])
+
+    monkeypatch.setattr(jit_compiler, "compile_source", compile_source)
+    monkeypatch.setattr(jit_compiler, "compiler_id", lambda kind: "stand-in compiler")
+    cfg = parse_config("(BF16, 64, 64, 64, 4): async+eager+swizzled+load_0_1_1_tiles+buffer+opt_softmax")
+    whole = kernels.build(cfg, "sm_80", "nvcc").cubin
+    assert kernels.build(cfg, "sm_80", "nvcc").from_cache and len(compiles) == 1
+    (cubin,) = tmp_path.glob("*.cubin")
+    cubin.write_bytes(whole[: len(whole) // 2])  # cut short
+    again = kernels.build(cfg, "sm_80", "nvcc")
+    assert not again.from_cache and again.cubin == whole and len(compiles) == 2
+    assert cubin.read_bytes() == whole  # and the entry is whole again
+    (meta,) = tmp_path.glob("*.json")
+    meta.write_text('{"config": "cut sh')
+    assert not kernels.build(cfg, "sm_80", "nvcc").from_cache and len(compiles) == 3
+
+
 def test_a_config_named_twice_is_built_once():
     name = "(BF16, 128, 128, 128, 12): wgmma+ws+overlap+persistent+tma_store+stages_2"
     assert len(jobs_for(["sm_80", "sm_90"], [name, name])) == 1

@@ -180,9 +180,11 @@ def build(
     cubin_path, meta_path = root / f"{key}.cubin", root / f"{key}.json"
     if not force and cubin_path.exists() and meta_path.exists():
         try:
-            return BuiltKernel(
-                cfg, arch, cid, cubin_path.read_bytes(), json.loads(meta_path.read_text()), True
-            )
+            cubin, meta = cubin_path.read_bytes(), json.loads(meta_path.read_text())
+            # The metadata holds the cubin's digest: a cubin cut short or damaged on disk (a full disk, a
+            # copy interrupted half way) is never handed to the driver, but rebuilt below.
+            if meta.get("cubin_sha256", _digest(cubin)) == _digest(cubin):
+                return BuiltKernel(cfg, arch, cid, cubin, meta, True)
         except (OSError, ValueError):
             pass  # a damaged entry is rebuilt below
     # One compile per key in this process: a thread that asks for a key another is compiling (a prefetch,
@@ -203,6 +205,10 @@ def build(
             del _in_flight[key]
     mine.set_result(built)
     return built
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 _in_flight: dict[str, Future] = {}  # cache key -> the compile running for it in this process
@@ -253,6 +259,7 @@ def _compile_into_cache(
         "arch": arch,
         "compiler": result.compiler,
         "compile_seconds": round(tick.elapsed, 2),
+        "cubin_sha256": _digest(result.cubin),
         "resources": [r.to_dict() for r in result.resources],
         "log": result.log,
     }
