@@ -82,3 +82,25 @@ def test_decode_results_go_to_their_own_readme_region(tmp_path, monkeypatch):
     assert "forward" in new and "stale" not in new  # the forward region is left alone
     block = new.split("<!-- bench-decode:begin -->")[1]
     assert "1 GiB device-to-device copy in the same run: 3.00 TB/s" in block and "0.80×" in block
+
+
+def test_plain_attention_is_timed_on_the_same_cache_as_a_decode_call(monkeypatch):
+    # `flash_attention.attention` rows: attention() on the contiguous cache's tensors, causal aligned to the
+    # last key (as the cache's call is) when there is more than one query; the table shows it beside ours.
+    import torch
+
+    import flash_attention
+    from flash_attention.tools.bench import decode
+
+    assert decode.PLAIN_CALL in decode.DECODE_IMPLS
+    seen = []
+    monkeypatch.setattr(flash_attention, "attention", lambda q, k, v, **kw: seen.append((q, k, v, kw)))
+    q = torch.randn(2, 4, 8, 16)
+    k, v = torch.randn(2, 64, 2, 16), torch.randn(2, 64, 2, 16)
+    fn, _ = decode._call(decode.PLAIN_CALL, [q], [(k, v, None)], torch.full((2,), 64))
+    fn(0)
+    (got,) = seen
+    assert got[0] is q and got[1] is k and got[2] is v and got[3] == {"causal": True}
+    rows = [_row("flash_attention", 8, 32768, 0, 0.40), _row(decode.PLAIN_CALL, 8, 32768, 0, 0.80)]
+    text = decode_text(dict(gpu="Test GPU", copy_tb_s=3.0, rows=rows))
+    assert "flash_attention.attention µs" in text and text.splitlines()[-1].split()[-1] == "0.50×"

@@ -11,9 +11,11 @@ a device-to-device copy measured in the same run (``copy_tb_s``), the ceiling a 
 Host-bound points drift within a run, so each point's implementations are timed in alternating rounds
 (three by default, ``--rounds``) and a row records the median of the rounds' medians.
 
-Ours attends without appending (``k``/``v`` None), the same work as the baselines'. Calls with more than one
-query token (speculative decoding) are causal, aligned to the cache's end; SDPA's causal mask is aligned to
-the top-left corner when there are fewer queries than keys, so those points run ours only.
+Ours attends without appending (``k``/``v`` None), the same work as the baselines';
+``flash_attention.attention`` is our plain :func:`flash_attention.attention` on the same contiguous cache
+(a user's own decoding loop). Calls with more than one query token (speculative decoding) are causal,
+aligned to the cache's end; SDPA's causal mask is aligned to the top-left corner when there are fewer
+queries than keys, so those points run ours only.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from .results import OURS
 __all__ = [
     "DECODE_BATCHES",
     "DECODE_IMPLS",
+    "PLAIN_CALL",
     "DECODE_PAGE_SIZES",
     "DECODE_SEQLENS",
     "DecodeSettings",
@@ -46,7 +49,10 @@ __all__ = [
 DECODE_BATCHES = (1, 8, 64)
 DECODE_SEQLENS = (1024, 8192, 32768, 131072)
 DECODE_PAGE_SIZES = (0, 16, 256)
-DECODE_IMPLS = (OURS, "sdpa_cudnn", "sdpa_flash")
+#: Plain attention() on the same contiguous cache, the call of a user who decodes with a loop of their own:
+#: it must be as fast as attention_with_kvcache (which it may route to) and the baselines.
+PLAIN_CALL = "flash_attention.attention"
+DECODE_IMPLS = (OURS, "sdpa_cudnn", "sdpa_flash", PLAIN_CALL)
 _SDPA_BACKENDS = {"sdpa_cudnn": "CUDNN_ATTENTION", "sdpa_flash": "FLASH_ATTENTION"}
 #: A point whose caches (K and V) would exceed this many bytes is skipped (batch 64 x 128k keys is 34 GB).
 _MAX_CACHE_BYTES = 20 * 2**30
@@ -122,7 +128,9 @@ def _point_rows(batch, seqlen, seqlen_q, s: DecodeSettings, timing: dict, gen: r
             torch.randn(batch, seqlen_q, s.heads, s.head_dim, device="cuda", dtype=dtype)
             for _ in range(n_sets)
         ]
-        impls = [i for i in s.impls if i == OURS or (page_size == 0 and seqlen_q == 1)]
+        # SDPA's causal mask is top-left aligned: its rows are for one query. attention() reads the
+        # contiguous cache only (it has no paged form).
+        impls = [i for i in s.impls if i == OURS or (page_size == 0 and (seqlen_q == 1 or i == PLAIN_CALL))]
         samples: dict[str, list] = {impl: [] for impl in impls}
         errors: dict[str, str] = {}
         for _ in range(s.rounds):
@@ -169,6 +177,14 @@ def _call(impl: str, qs, sets, lengths, num_splits: int = 0):
             return flash_attention.attention_with_kvcache(
                 qs[i], k, v, cache_seqlens=lengths, block_table=table, num_splits=num_splits
             )
+
+        return fn, contextlib.nullcontext()
+    if impl == PLAIN_CALL:
+        # The cache is full (every row's length is its capacity), so its tensors are the keys: the same
+        # call, causal aligned to the last key as the cache's is.
+        def fn(i):
+            k, v, _ = sets[i]
+            return flash_attention.attention(qs[i], k, v, causal=qs[i].shape[1] > 1)
 
         return fn, contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
