@@ -43,6 +43,15 @@ def pytest_report_header(config):
         return f"tests marked {FULL} (every kernel compiled for each architecture) deselected: pytest --full"
 
 
+def pytest_sessionstart(session):
+    # A first call builds the C++ host library in the background and takes the Python path meanwhile
+    # (flash_attention.jit.host): on a GPU the tests that expect its native paths get it built first.
+    if torch.cuda.is_available():
+        from flash_attention.jit import host
+
+        host.unavailable_reason()
+
+
 def pytest_collection_modifyitems(config, items):
     if not _full_tier(config):
         full = [item for item in items if FULL in item.keywords]
