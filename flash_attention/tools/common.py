@@ -255,6 +255,20 @@ def default_results_dir() -> Path:
     return repo_root() / "benchmarks" / "results"
 
 
+def ready_host_library(tool: str) -> None:
+    """Build (or find unavailable) the C++ host library before a tool times our calls: a first call would
+    build it in the background and take the Python path meanwhile (flash_attention.jit.host), and the
+    timings would then be of that path. Says so on stderr when the library cannot be had."""
+    from flash_attention.jit import host
+
+    reason = host.unavailable_reason()
+    if reason is not None:
+        print(
+            f"{tool}: the host library is unavailable, our calls take the Python path: {reason}",
+            file=sys.stderr,
+        )
+
+
 def replace_marked_region(readme_path: Path, begin_marker: str, end_marker: str, block: str) -> None:
     """Rewrite the text between two marker lines of a README; everything outside stays byte for byte."""
     text = readme_path.read_text(encoding="utf-8")

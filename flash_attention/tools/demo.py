@@ -45,6 +45,7 @@ from . import provenance
 from .bench.results import DEFAULT_OUTPUT
 from .common import (
     environment,
+    ready_host_library,
     record_provenance,
     replace_marked_region,
     repo_root,
@@ -132,6 +133,8 @@ def run_demo(
         raise ValueError(f"impls must be among {IMPLS}; got {unknown}")
     device = torch.device("cuda" if on_gpu else "cpu")
     tdtype = getattr(torch, _DTYPES[dtype])
+    if on_gpu:
+        ready_host_library("demo")  # (before anything is timed)
 
     if on_gpu:
         env = environment(device, commit, allow_dirty)

@@ -22,10 +22,9 @@ from pathlib import Path
 import torch
 
 from flash_attention.configs import parse_config
-from flash_attention.jit import host
 from flash_attention.winners import gpu_slug
 
-from ..common import MODES, environment, repo_root
+from ..common import MODES, environment, ready_host_library, repo_root
 from .plot import plot_results
 from .progression import run_backward_progression, run_progression
 from .readme import update_readme
@@ -381,15 +380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 2
 
-    # Our calls' host path depends on the C++ host library, which a first call would build in the
-    # background (flash_attention.jit.host) while the sweep times the Python path: built (or found
-    # unavailable) here, before anything is timed.
-    reason = host.unavailable_reason()
-    if reason is not None:
-        print(
-            f"bench: the host library is unavailable, our calls take the Python path: {reason}",
-            file=sys.stderr,
-        )
+    ready_host_library("bench")  # (before anything is timed)
 
     if args.ring:
         return _main_ring(args)
