@@ -237,20 +237,24 @@ def attention(
     records = torch.is_grad_enabled() and (
         q.requires_grad or k.requires_grad or v.requires_grad or (sinks is not None and sinks.requires_grad)
     )
-    if records and not problem.is_empty and not torch.compiler.is_compiling():
+    # The launch layer this call may run on (None: the fallback's), asked once for the two uses below.
+    prefetches = records and not torch.compiler.is_compiling()
+    backend = None
+    if not problem.is_empty and (key is not None or prefetches):
+        backend = dispatch.usable_backend(q)
+    prefetch = getattr(backend, "prefetch_backward", None) if prefetches else None  # (stand-ins lack it)
+    if prefetch is not None:
         # A training call: its backward's kernels start compiling now, beside the forward's (first calls).
-        prefetch = getattr(dispatch.usable_backend(q), "prefetch_backward", None)
-        if prefetch is not None:
-            prefetch(
-                q, k, causal=problem.causal, deterministic=deterministic, key_range=key_range,
-                dropout_p=float(dropout_p), window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                segments=_segments,
-            )  # fmt: skip
+        prefetch(
+            q, k, causal=problem.causal, deterministic=deterministic, key_range=key_range,
+            dropout_p=float(dropout_p), window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+            segments=_segments,
+        )  # fmt: skip
     if key is not None:
         # The first call of its signature: make its repeat call (or note that it has none) and run it.
         result = _repeat.first_call(
             key,
-            None if problem.is_empty else dispatch.usable_backend(q),
+            backend,
             q,
             k,
             v,

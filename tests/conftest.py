@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-#: The full tier's marker: tests that compile every kernel for each architecture. They take most of the
-#: suite's time on a CPU machine (10-17 minutes on 2 cores, against 5-8 for the rest), so plain `pytest`
-#: leaves them out and `pytest --full` (what CI runs) adds them.
+#: The full tier's marker: tests that compile every kernel for each architecture, the longest silent part
+#: of the suite on a CPU machine (the README gives the times), so plain `pytest` leaves them out and
+#: `pytest --full` (what CI runs) adds them.
 FULL = "full_build"
 
 
@@ -20,7 +20,7 @@ def pytest_addoption(parser):
         "--full",
         action="store_true",
         help=f"also run the tests marked {FULL}: the compile of every kernel a model can need for sm_80 and "
-        "sm_90, and of every default for sm_86 and sm_89 (about 17 more minutes on 2 CPU cores; CI runs it)",
+        "sm_90, and of every default for sm_86 and sm_89 (CI runs it)",
     )
 
 
@@ -156,7 +156,7 @@ def family_builds(request, tmp_path_factory):
 def catalog_builds(request, tmp_path_factory):
     """``python -m flash_attention build --strict`` for sm_80 and sm_90, once per session: every kernel a
     model can need, compiled by NVRTC (what users compile with) or, without it, nvcc. Returns the process
-    and the cache's metadata files. Up to 15 minutes on 2 CPU cores: only tests marked full_build use it."""
+    and the cache's metadata files. Minutes on a CPU machine: only tests marked full_build use it."""
     if not _full_tier(request.config):
         pytest.fail(f"catalog_builds compiles every kernel: mark the test that uses it @pytest.mark.{FULL}")
     cache = str(tmp_path_factory.mktemp("catalog"))

@@ -273,6 +273,12 @@ def test_a_captured_call_reads_the_offsets_it_is_replayed_with():
     q, k, v = (torch.randn(700, 4, 64, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(3))
     cu = torch.tensor([0, 300, 700], dtype=torch.int32, device="cuda")
     flash_attention.attention_varlen(q, k, v, cu, cu, causal=True)  # compiles, and caches these runs
+    _assert_replays_match_eager_calls(q, k, v, cu, (123, 555, 300))
+
+
+def _assert_replays_match_eager_calls(q, k, v, cu, splits):
+    """Capture attention_varlen on the offsets buffer ``cu`` (two sequences of q's 700 rows), then for each
+    split copy new offsets into it, replay, and compare with an eager call on a fresh copy of them."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # (a warm-up on the capture's stream, as torch.cuda.graphs asks)
@@ -281,7 +287,7 @@ def test_a_captured_call_reads_the_offsets_it_is_replayed_with():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = flash_attention.attention_varlen(q, k, v, cu, cu, causal=True)
-    for split in (123, 555, 300):
+    for split in splits:
         cu.copy_(torch.tensor([0, split, 700], dtype=torch.int32))
         graph.replay()
         fresh = cu.clone()
@@ -349,22 +355,7 @@ def test_the_opt_in_offsets_check_lets_a_cuda_graph_be_captured(monkeypatch):
     # with new offsets copied in agrees with a checked eager call on them.
     q, k, v = _offsets_case()
     monkeypatch.setenv("FLASH_ATTENTION_CHECK_OFFSETS", "1")
-    cu = _cuda([0, 300, 700])
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # (a warm-up on the capture's stream, as torch.cuda.graphs asks)
-        flash_attention.attention_varlen(q, k, v, cu, cu, causal=True)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = flash_attention.attention_varlen(q, k, v, cu, cu, causal=True)
-    for split in (123, 555):
-        cu.copy_(torch.tensor([0, split, 700], dtype=torch.int32))
-        graph.replay()
-        fresh = cu.clone()
-        expected = flash_attention.attention_varlen(q, k, v, fresh, fresh, causal=True)
-        torch.cuda.synchronize()
-        assert torch.equal(out, expected), split
+    _assert_replays_match_eager_calls(q, k, v, _cuda([0, 300, 700]), (123, 555))
 
 
 def _tile_table_case(lens_q, lens_k, head_dim, causal):

@@ -111,6 +111,11 @@ def _flags() -> list[str]:
 
 
 def _library_path(cxx: str) -> Path:
+    return cache_dir() / "host" / f"host_library-{_library_digest(cxx)}.so"
+
+
+@cache  # (asked by the first call that wants the library, and again by its load: it reads the sources)
+def _library_digest(cxx: str) -> str:
     h = hashlib.sha256()
     sources = sorted(p for p in SOURCE_DIR.iterdir() if p.suffix in (".cpp", ".h"))
     for part in (
@@ -123,7 +128,7 @@ def _library_path(cxx: str) -> Path:
     ):
         h.update(part)
         h.update(b"\0")
-    return cache_dir() / "host" / f"host_library-{h.hexdigest()[:24]}.so"
+    return h.hexdigest()[:24]
 
 
 def _build(cxx: str, target: Path) -> None:

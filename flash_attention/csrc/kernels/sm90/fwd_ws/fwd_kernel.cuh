@@ -317,11 +317,12 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
   constexpr bool kBoundable = BF && !Cfg::kPingpong && ScoreModBounded<typename V::ScoreMod>::value;
   // O is divided by the sum of P as P V takes it, rounded to bf16 (L_r, row_sum_p below), and the LSE keeps
   // the fp32 sum (fa/softmax.cuh says why). L_r comes from the packed P (s_to_p, then add_p_row_sums)
-  // unless dropout changes P between the softmax and the packing, when the softmax rounds and sums itself. The overlap schedule adds P_j's sums just after issuing P_j V_j, so they run
-  // under that product: reading pf while the wgmma reads it is allowed. Packing S_j's P into a second
-  // register set before the wait and copying it into pf after made ptxas serialize every wgmma (C7513:
-  // non-wgmma instructions defining a wgmma's input registers inside its pipeline stage): +21% d128,
-  // +46% d256 (kernel log 116).
+  // unless dropout changes P between the softmax and the packing, when the softmax rounds and sums
+  // itself. The overlap schedule adds P_j's sums just after issuing P_j V_j, so they run under that
+  // product: reading pf while the wgmma reads it is allowed. Packing S_j's P into a second register set
+  // before the wait and copying it into pf after made ptxas serialize every wgmma (C7513: non-wgmma
+  // instructions defining a wgmma's input registers inside its pipeline stage): +21% d128, +46% d256
+  // (kernel log 116).
   constexpr bool kSumPackedP = kBoundable && !kDropout;
   // The online softmax's reference max moves only by more than kLazyMargin (fa/softmax.cuh), and O's
   // rescale (D / 2 multiplies per thread) is skipped where no row of a warp moved it. At head_dim 256 only,
