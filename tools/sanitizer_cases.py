@@ -66,6 +66,20 @@ WINDOW_CASES = [
     ((1, 260, 300, 2, 1, 192, False, True, 0.0, True), (-1, 30)),
     ((1, 100, 100, 2, 2, 40, False, False, 0.0, False), (0, 0)),
 ]
+#: soft-capping through the public call (case, window, softcap): on Hopper the forward without a running max
+#: (fa/softmax.cuh bounded_softmax_row, O / L_r), which sums the packed P; rows that see one key (a query
+#: length of one, windows of one key, causal with more queries than keys), lengths off every tile, grouped
+#: and multi-query heads, each head_dim's build, causal and not, atomic and deterministic backward.
+SOFTCAP_CASES = [
+    ((1, 1, 1, 4, 1, 128, False, False, 0.0, False), None, 15.0),
+    ((2, 77, 91, 4, 2, 64, True, False, 0.0, False), (0, 0), 20.0),
+    ((1, 130, 257, 4, 1, 128, False, True, 0.0, False), (0, 0), 15.0),
+    ((1, 65, 300, 6, 3, 256, True, False, 0.0, False), (0, 0), 50.0),
+    ((2, 200, 129, 2, 2, 128, True, False, 0.0, False), None, 30.0),
+    ((1, 150, 150, 4, 4, 96, True, False, 0.0, True), (37, 0), 10.0),
+    ((2, 191, 333, 8, 1, 64, False, False, 0.0, False), None, 20.0),
+    ((1, 260, 300, 2, 1, 256, False, True, 0.0, True), (64, 3), 50.0),
+]
 #: score functions (case, softcap, ALiBi): the launch layer's forward and backward on every family's
 #: score-function build, atomic and deterministic.
 SCORE_CASES = [
@@ -158,14 +172,15 @@ def _key_range(ranged: bool, b: int, sk: int) -> torch.Tensor | None:
     return torch.tensor([[sk // 4, sk], [0, max(1, sk // 2)]][:b], dtype=torch.int32, device="cuda")
 
 
-def run_case(case, seed: int, small: bool, window=None) -> float:
+def run_case(case, seed: int, small: bool, window=None, softcap: float = 0.0) -> float:
     b, sq, sk, hq, hkv, d, causal, ranged, p, det = case
     sq, sk = _lengths(sq, sk, small)
     q, k, v = (t.requires_grad_() for t in _inputs(seed, b, sq, sk, hq, hkv, d))
     kr = _key_range(ranged, b, sk)
     out = fa.attention(
-        q, k, v, causal=causal, key_range=kr, dropout_p=p, dropout_seed=seed, deterministic=det, window=window
-    )
+        q, k, v, causal=causal, key_range=kr, dropout_p=p, dropout_seed=seed, deterministic=det,
+        window=window, softcap=softcap,
+    )  # fmt: skip
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     torch.cuda.synchronize()
@@ -173,7 +188,7 @@ def run_case(case, seed: int, small: bool, window=None) -> float:
     if p:
         return 0.0  # dropout's output is checked against the same mask by tests/test_gpu_dropout.py
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    ref, _ = attention_reference(*leaves, causal=causal, key_range=kr, window=window)
+    ref, _ = attention_reference(*leaves, causal=causal, key_range=kr, window=window, softcap=softcap)
     # The gradients too (relative to their largest entry, or absolute below 1: a window of one key per row
     # has dQ = dK = 0 exactly, where only rounding is left): dQ's accumulation and cast are what the
     # backward's modes differ in.
@@ -519,6 +534,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--window-only", action="store_true", help="only the sliding-window cases")
     ap.add_argument("--score-only", action="store_true", help="only the score-function cases")
+    ap.add_argument("--softcap-only", action="store_true", help="only the public call's soft-capped cases")
     ap.add_argument("--sinks-only", action="store_true", help="only the attention-sink cases")
     ap.add_argument("--varlen-only", action="store_true", help="only the packed-batch (varlen) cases")
     ap.add_argument("--merge-only", action="store_true", help="only the LSE merge kernel's cases")
@@ -553,6 +569,7 @@ def main(argv: list[str] | None = None) -> int:
         or args.bwd_atomic_only
         or args.window_only
         or args.score_only
+        or args.softcap_only
         or args.sinks_only
         or args.varlen_only
         or args.merge_only
@@ -566,6 +583,10 @@ def main(argv: list[str] | None = None) -> int:
         err = run_score_case(case, cap, alibi, seed=700 + i, small=args.small)
         worst = max(worst, err)
         print(f"score case {i}: {case} softcap {cap} alibi {alibi} max error {err:.3g}", flush=True)
+    for i, (case, window, cap) in enumerate(SOFTCAP_CASES if args.softcap_only or not only else []):
+        err = run_case(case, seed=750 + i, small=args.small, window=window, softcap=cap)
+        worst = max(worst, err)
+        print(f"softcap case {i}: {case} window {window} softcap {cap} max error {err:.3g}", flush=True)
     for i, case in enumerate(VARLEN_CASES if args.varlen_only or not only else []):
         err = run_varlen_case(case, seed=900 + i, small=args.small)
         worst = max(worst, err)
