@@ -482,9 +482,13 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
     store_ds_t<BR, BC>(sdS + dsoff, sf, row0, g, t);
     fence_proxy_async();
 
-    // ---- dV += P^T dO, dK += dS^T Q: on the tensor cores while the warpgroups meet below ------------------
+    // ---- dV += P^T dO (group A) while the warpgroups meet below; then dQ (B) and dK (C) -----------------
+    // dQ is issued before dK so that it lands first (wgmma groups complete in order): its staging, fence,
+    // barrier and reduction then run while dK is on the tensor cores, instead of after all three products
+    // with the tensor cores idle (the order of FlashAttention-3's and -4's Hopper backward;
+    // docs/backward-study.md, stage 1).
     wgmma_fence();
-    issue_dv_dk<BR, D, BF>(dv, dk, pf, sf, qt_desc, qoff, kDOOff + qoff);
+    issue_dv<BR, D, BF>(dv, pf, qt_desc, kDOOff + qoff);
     wgmma_commit();
 
     // The staging tile of this warpgroup's previous dQ has been read by the copy engine (the thread that
@@ -492,17 +496,16 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
     if (!kDeterministic && ctid % 128 == 0) bulk_wait_read<0>();
     named_barrier_sync(1, 256);
 
-    // ---- dQ = dS K (this warpgroup's 64 x DQN part) -------------------------------------------------------
+    // ---- dQ = dS K (this warpgroup's 64 x DQN part), then dK += dS^T Q ------------------------------------
     float dq[DQN / 2];
     wgmma_fence();
     issue_dq<BC, DQN, BF>(dq, ds_desc + (dsoff >> 4), kt_desc);
     wgmma_commit();
-    wgmma_wait<0>();
+    issue_dk<BR, D, BF>(dk, sf, qt_desc, qoff);
+    wgmma_commit();
+    wgmma_wait<1>();  // dV and dQ have landed; dK may still run
     wgmma_hold(dq);
     wgmma_hold(dv);
-    wgmma_hold(dk);
-    // Every product reading slot s (S^T, dP^T, dV, dK) and this step's dS^T buffer has completed.
-    mbar_arrive(empty(s));
 
     // ---- dQ out: a staged 64 x 64 tile, then one bulk reduce-add of it (fa/dq_accum.cuh, tiled) --------
     // Deterministic: the writer thread adds it when this block's turn comes; it must have read the previous
@@ -530,15 +533,19 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
     fence_proxy_async();
     if constexpr (kDeterministic) {
       mbar_arrive(dq_full(wg));
-      continue;
+    } else {
+      named_barrier_sync(2 + wg, 128);
+      if (ctid % 128 == 0) {
+        // The warpgroup's tile: rows [DQ_ROW wg, + 64) of the query block, columns [DQ_COL wg, + 64).
+        const i64 ws_row = workspace_row(p, batch, head, q_start + ws_shift) + DQ_ROW * wg;
+        bulk_reduce_add_f32(p.dq_accum + dq_accum_offset<D, true>(ws_row, DQ_COL * wg), sdQ_wg, 64 * 64 * 4);
+        bulk_commit();
+      }
     }
-    named_barrier_sync(2 + wg, 128);
-    if (ctid % 128 == 0) {
-      // The warpgroup's tile: rows [DQ_ROW wg, + 64) of the query block, columns [DQ_COL wg, + 64).
-      const i64 ws_row = workspace_row(p, batch, head, q_start + ws_shift) + DQ_ROW * wg;
-      bulk_reduce_add_f32(p.dq_accum + dq_accum_offset<D, true>(ws_row, DQ_COL * wg), sdQ_wg, 64 * 64 * 4);
-      bulk_commit();
-    }
+    wgmma_wait<0>();
+    wgmma_hold(dk);
+    // Every product reading slot s (S^T, dP^T, dV, dK) and this step's dS^T buffer has completed.
+    mbar_arrive(empty(s));
   }
   // No reduction may outlive the shared memory it reads.
   if (!kDeterministic && ctid % 128 == 0) bulk_wait<0>();
