@@ -327,7 +327,9 @@ __device__ __forceinline__ void bwd_wide_dkdv_body(const BwdParams& p) {
     // Barrier A (see the header): this step's loads landed (and are fenced for the tensor cores); the
     // previous step is done everywhere, and the copy engine has read its staged dQ (the buffer it was
     // staged in is reloaded below). Deterministic: the writer issued that copy and arrives here once it
-    // has been read.
+    // has been read. Rejected: each warpgroup waiting for its own staged tiles' reads after issuing the next
+    // step's first product and loading its own buffer then (rolled, 128 threads), so the wait hides under
+    // S^T / dP^T: 0.4-1.6% slower at head_dim 256 (kernel log 118; the reads are not what the step waits on).
     if (!kDeterministic && tid % 128 == 0) bulk_wait_read<0>();
     cp_async_wait<0>();
     fence_proxy_async();
