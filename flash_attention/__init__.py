@@ -6,6 +6,8 @@ Public entry points:
   kernels when they can run and through PyTorch (same semantics) otherwise;
 * :func:`attention_with_kvcache` -- decoding: new queries against a KV cache (contiguous or paged) that the
   call appends the new keys and values to in place;
+* :func:`precompile` -- compile, in parallel and ahead of the first call, the kernels calls of a kind will
+  load (first calls then load them from the disk cache);
 * :func:`forward` / :func:`forward_timed` -- run one named :class:`KernelConfig`;
 * :class:`KernelConfig` / :func:`parse_config` -- kernel configurations.
 """
@@ -13,6 +15,7 @@ Public entry points:
 from .configs import KernelConfig, default_config, parse_config
 from .interface import attention, forward, forward_timed
 from .kvcache import attention_with_kvcache
+from .precompiling import precompile
 from .varlen import attention_varlen
 
 __version__ = "0.1.0"
@@ -21,6 +24,7 @@ __all__ = [
     "attention",
     "attention_with_kvcache",
     "attention_varlen",
+    "precompile",
     "forward",
     "forward_timed",
     "KernelConfig",

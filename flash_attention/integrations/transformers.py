@@ -2,10 +2,11 @@
 
 .. code-block:: python
 
-    from flash_attention.integrations.transformers import register
+    from flash_attention.integrations.transformers import precompile_model, register
 
     register()  # once per process
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="fa_scratch", dtype=torch.bfloat16)
+    precompile_model(model)  # optional: its kernels compiled now, in parallel, not inside the first calls
 
 :func:`register` adds two functions under one name: the attention function to transformers'
 ``AttentionInterface`` and the mask function to its ``AttentionMaskInterface``. The mask function decides
@@ -117,7 +118,7 @@ from ..nn import functional as fn
 from ..reference import causal_allowed, window_allowed
 from ..varlen import attention_varlen, segments
 
-__all__ = ["NAME", "attention_forward", "attention_mask", "register"]
+__all__ = ["NAME", "attention_forward", "attention_mask", "precompile_model", "register"]
 
 #: The ``attn_implementation`` name :func:`register` uses by default.
 NAME = "fa_scratch"
@@ -148,7 +149,9 @@ def register(name: str = NAME) -> str:
     Afterwards ``from_pretrained``/``from_config(..., attn_implementation=name)`` and
     ``model.set_attn_implementation(name)`` work. Idempotent. Raises ImportError when transformers is not
     installed (it is an optional dependency: ``pip install "fa-scratch[transformers]"``, or
-    ``pip install -e ".[transformers]"`` in a checkout).
+    ``pip install -e ".[transformers]"`` in a checkout). Once the model exists, :func:`precompile_model`
+    compiles what it will run, in parallel, so that its first ``generate()`` or training step compiles
+    nothing.
     """
     try:
         from transformers import AttentionInterface, AttentionMaskInterface
@@ -165,6 +168,78 @@ def register(name: str = NAME) -> str:
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, attention_mask)
     return name
+
+
+def precompile_model(
+    model: Any,
+    *,
+    training: bool | None = None,
+    generate: bool | None = None,
+    padded: bool = True,
+    seqlens: Any = None,
+    device: Any = None,
+    workers: int | None = None,
+    dry_run: bool = False,
+) -> list[str]:
+    """Compile, in parallel and before the first forward, the kernels ``model`` (a transformers model, or
+    its config) will run on through :func:`register`'s implementation; returns their names
+    (:func:`flash_attention.precompile` says how they are chosen).
+
+    Read from the (text) config: head_dim, the query and key/value head counts, the sliding window of the
+    layers that have one (``layer_types``, ``use_sliding_window``), logit soft-capping, attention dropout;
+    the dtype from the model's parameters (a config's ``dtype``, else bfloat16). ``training`` (default: the
+    model's mode; False for a config) adds the backward's kernels and dropout's; ``generate`` (default: not
+    training) adds the decode kernels of ``generate()`` (a dynamic or static cache). ``padded`` adds the
+    kernels of padded batches (a padding mask: key ranges). ``seqlens``, ``device``, ``workers`` and
+    ``dry_run`` as :func:`flash_attention.precompile` takes them. Attention sinks (gpt-oss) need no kernel
+    of their own.
+    """
+    from ..ops.precompile import compile_jobs
+    from ..precompiling import jobs_for_calls
+
+    is_module = isinstance(model, torch.nn.Module)
+    config = getattr(model, "config", model)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads_q = getattr(text, "num_attention_heads", None)
+    if not isinstance(heads_q, int):
+        raise ValueError(f"model: its config has no num_attention_heads ({type(config).__name__})")
+    heads_kv = getattr(text, "num_key_value_heads", None) or heads_q
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads_q
+    if is_module:
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.bfloat16)
+    else:
+        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.bfloat16
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(
+            f"model: its dtype is {dtype}; the kernels run float16 and bfloat16 (float32 runs the fallback, "
+            "which compiles nothing)"
+        )
+    training = (is_module and model.training) if training is None else training
+    generate = not training if generate is None else generate
+    softcap = float(getattr(text, "attn_logit_softcapping", None) or 0.0)
+    dropout_p = float(getattr(text, "attention_dropout", 0.0) or 0.0) if training else 0.0
+    # Which layers attend within a window: layer_types where the config has them (Gemma 2/3, gpt-oss,
+    # Qwen), else every layer when sliding_window is set and not switched off (Mistral).
+    sliding = getattr(text, "sliding_window", None)
+    layer_types = getattr(text, "layer_types", None) or []
+    if sliding and getattr(text, "use_sliding_window", True) is not False:
+        has_window = not layer_types or "sliding_attention" in layer_types
+        has_full = bool(layer_types) and any(t != "sliding_attention" for t in layer_types)
+    else:
+        has_window, has_full = False, True
+    jobs = []
+    for window in ([(int(sliding), 0)] if has_window else []) + ([None] if has_full else []):
+        for key_range in (False, True) if padded else (False,):
+            jobs += jobs_for_calls(
+                head_dim, dtype=dtype, heads_q=heads_q, heads_kv=heads_kv, causal=True, window=window,
+                softcap=softcap, key_range=key_range, dropout_p=dropout_p, training=training, decode=generate,
+                seqlens=seqlens, device=device,
+            )  # fmt: skip
+    jobs = list(dict.fromkeys(jobs))
+    if not dry_run:
+        compile_jobs(jobs, workers)
+    return [job.describe() for job in jobs]
 
 
 # ------------------------------------------------------------------------------------------------------

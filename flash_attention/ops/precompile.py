@@ -1,0 +1,154 @@
+"""The kernels a family of calls will load, worked out without the calls, and compiled ahead of them.
+
+A call chooses its kernels from its dtype, head_dim, lengths, query group, mask and score function and the
+GPU (:func:`select.forward_config`, :func:`select.backward_config`, ``configs.decode``); the kernels it then
+loads are (config, architecture, build variant) triples that :func:`jit.cache.build` compiles into the disk
+cache. :func:`kernel_jobs` asks the same selection functions about calls described by those facts alone
+(no tensors), over the length buckets the heuristics and tuned winners distinguish, so that
+:func:`compile_jobs` can compile what the calls will need, in parallel, before the first one comes
+(``flash_attention.precompile``). What a job list cannot foresee (a named ``config=``, a negative scale, the
+debug build, tensors whose layout the TMA loads cannot map) is left to the call.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from flash_attention import winners
+from flash_attention.configs import smem_optin
+from flash_attention.configs.decode import default_decode_config
+from flash_attention.jit import cache as jit_cache
+from flash_attention.jit.sources import SEGMENTS
+
+from .plans import feature_list, score_features
+from .select import NoKernel, backward_config, forward_config
+from .tensors import padded_to_8
+
+__all__ = ["DeviceFacts", "KernelJob", "compile_jobs", "kernel_jobs"]
+
+#: Multiprocessors assumed for an architecture named without a GPU (the decode heuristic's split choice).
+_SM_COUNT = {"sm_90": 132, "sm_80": 108, "sm_86": 84, "sm_89": 128}
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    """What kernel selection reads from a GPU: its architecture (``"sm_90"``), its name (the tuned winners'
+    key; "" for none), the shared memory a block may opt into, and its multiprocessor count."""
+
+    arch: str
+    gpu: str
+    smem_limit: int
+    sm_count: int
+
+    @staticmethod
+    def of_device(index: int) -> DeviceFacts:
+        from .device import device_arch, gpu_name, sm_count, smem_limit
+
+        return DeviceFacts(device_arch(index), gpu_name(index), smem_limit(index), sm_count(index))
+
+    @staticmethod
+    def of_arch(arch: str, gpu: str = "") -> DeviceFacts:
+        """An architecture's facts without its GPU (the compile needs none): its opt-in shared memory and a
+        typical multiprocessor count."""
+        return DeviceFacts(arch, gpu, smem_optin(arch), _SM_COUNT.get(arch, 132))
+
+
+@dataclass(frozen=True)
+class KernelJob:
+    """One translation unit a call loads: a config, the architecture and :func:`jit.cache.build`'s variant."""
+
+    cfg: object
+    arch: str
+    ranged: bool = False
+    dropout: bool = False
+    window: bool | str = False
+    score: str | None = None
+
+    def variant(self) -> dict:
+        return dict(ranged=self.ranged, dropout=self.dropout, window=self.window, score=self.score)
+
+    def describe(self) -> str:
+        parts = [n for n, on in (("key_range", self.ranged), ("dropout", self.dropout)) if on]
+        if self.window:
+            parts.append("segments" if self.window == SEGMENTS else "window")
+        if self.score:
+            parts.append(self.score)
+        return f"{self.cfg.name()}" + (f" [{'+'.join(parts)}]" if parts else "")
+
+
+def kernel_jobs(
+    facts: DeviceFacts,
+    dtype: str,
+    head_dim: int,
+    group: int,
+    *,
+    causal: Iterable[bool],
+    lengths: Iterable[tuple[int, int]],
+    window: bool = False,
+    segments: bool = False,
+    score: str | None = None,
+    key_range: bool = False,
+    dropout: bool = False,
+    backward: bool = False,
+    deterministic: bool = False,
+    decode_rows: Iterable[int] = (),
+) -> list[KernelJob]:
+    """The kernels of calls with these facts, in order and without repeats: for each causal flag and
+    (seqlen_q, seqlen_k) in ``lengths``, the forward's, and with ``backward`` the backward's (both
+    gradient modes' share a translation unit; ``deterministic`` picks the deterministic mode's config where
+    it differs); then, for each of ``decode_rows`` (seqlen_q x group of a decode call), the decode kernels of
+    a grid that fills the GPU and of one that splits its keys. ``score``: the build's score function
+    (``jit.sources.SCORE_MODS``). Lengths a kernel cannot run (a GPU without the shared memory) are
+    skipped: the call would fall back the same way."""
+    d = padded_to_8(head_dim)
+    build_window = SEGMENTS if segments else bool(window)
+    flags = dict(
+        key_range=key_range, dropout=dropout, window=window and not segments, segments=segments,
+        **score_features(score),
+    )  # fmt: skip
+    variant = dict(ranged=key_range, dropout=dropout, window=build_window, score=score)
+    device = dict(arch=facts.arch, gpu=facts.gpu, smem_limit=facts.smem_limit)
+    jobs: list[KernelJob] = []
+    for is_causal in causal:
+        for seqlen_q, seqlen_k in lengths:
+            try:
+                fwd = forward_config(
+                    dtype, d, is_causal, seqlen_q, seqlen_k, group, **device, features=feature_list(**flags)
+                )
+            except NoKernel:
+                continue
+            jobs.append(KernelJob(fwd, facts.arch, **variant))
+            if backward:
+                try:
+                    bwd = backward_config(
+                        dtype, d, is_causal, seqlen_q, seqlen_k, group, **device,
+                        features=feature_list(**flags, deterministic=deterministic),
+                    )  # fmt: skip
+                except NoKernel:
+                    continue
+                jobs.append(KernelJob(bwd, facts.arch, **variant))
+    for rows in decode_rows:
+        for row_blocks in (1, 1 << 20):  # (a small batch splits its keys; a large one fills the GPU unsplit)
+            cfg = default_decode_config(dtype, d, rows, facts.arch, row_blocks, facts.sm_count)
+            jobs.append(KernelJob(cfg, facts.arch))
+    return list(dict.fromkeys(jobs))
+
+
+def square_lengths(seqlens: Iterable[int] | None) -> list[tuple[int, int]]:
+    """(n, n) for each of ``seqlens``, by default every length bucket the selection distinguishes."""
+    return [(n, n) for n in (winners.SEQLEN_BUCKETS if seqlens is None else seqlens)]
+
+
+def compile_jobs(jobs: list[KernelJob], workers: int | None = None) -> list[jit_cache.BuiltKernel]:
+    """Compile ``jobs`` into the disk cache (entries already there are read, not rebuilt), ``workers`` at a
+    time (default: one per CPU core, at most the job count); each compile says so on one line as it starts
+    and ends (jit.cache). Raises the first compile error after the others have finished."""
+    if not jobs:
+        return []
+    workers = max(1, min(len(jobs), workers or os.cpu_count() or 1))
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="flash_attention precompile") as pool:
+        futures = [pool.submit(jit_cache.build, job.cfg, job.arch, **job.variant()) for job in jobs]
+    return [f.result() for f in futures]

@@ -1,0 +1,193 @@
+"""flash_attention.precompile and the transformers integration's precompile_model, without a GPU: which
+kernels they name for which calls (against the selection functions the calls use, asked directly), that
+they compile them into the disk cache in parallel and find them there the second time, and that bad
+arguments are refused by name. tests/test_gpu_precompile.py checks on a GPU that the calls then compile
+nothing."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+import flash_attention as fa
+from flash_attention.configs import parse_bwd_config, parse_config
+from flash_attention.configs.decode import default_decode_config, parse_decode_config
+from flash_attention.integrations.transformers import precompile_model
+from flash_attention.jit import cache as jit_cache
+from flash_attention.jit.compiler import choose_compiler, compiler_id
+from flash_attention.ops.precompile import DeviceFacts
+from flash_attention.ops.select import backward_config, forward_config
+from flash_attention.precompiling import jobs_for_calls
+from flash_attention.winners import SEQLEN_BUCKETS
+
+
+def _parse(name: str):
+    config = name.split(" [")[0]
+    if config.startswith("bwd_"):
+        return parse_bwd_config(config)
+    if config.startswith("decode_"):
+        return parse_decode_config(config)
+    return parse_config(config)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_training_calls_name_the_forward_and_backward_each_length_chooses(arch, dtype):
+    # What the calls would choose, asked of the selection functions one call at a time (the plans'
+    # functions, with the facts an architecture gives without its GPU).
+    facts = DeviceFacts.of_arch(arch)
+    device = dict(arch=arch, gpu="", smem_limit=facts.smem_limit)
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    expected = set()
+    for causal in (False, True):
+        for n in SEQLEN_BUCKETS:
+            expected.add(forward_config(name, 128, causal, n, n, 4, **device).name())
+            expected.add(backward_config(name, 128, causal, n, n, 4, **device).name())
+    names = fa.precompile(128, dtype=dtype, heads_q=32, heads_kv=8, training=True, device=arch, dry_run=True)
+    assert set(names) == expected
+    assert len(names) == len(set(names))  # each translation unit once
+    for n in names:
+        assert _parse(n).dtype == name
+
+
+def test_variants_name_their_builds():
+    kw = dict(heads_q=16, heads_kv=16, causal=True, device="sm_90", dry_run=True, seqlens=[2048])
+    assert all(
+        n.endswith("[window+softcap]") for n in fa.precompile(128, window=(511, 0), softcap=30.0, **kw)
+    )
+    assert all(n.endswith("[alibi]") for n in fa.precompile(64, alibi=True, **kw))
+    assert all(n.endswith("[softcap_alibi]") for n in fa.precompile(64, alibi=True, softcap=5.0, **kw))
+    assert all(
+        n.endswith("[key_range+dropout]") for n in fa.precompile(64, key_range=True, dropout_p=0.1, **kw)
+    )
+    plain = fa.precompile(64, **kw)
+    assert plain and all("[" not in n for n in plain)
+    # Packed batches: the segments build; ALiBi there measures from the sequences' runs or a table.
+    packed = fa.precompile(64, varlen=True, alibi=True, training=True, **kw)
+    assert {n.split(" [")[1] for n in packed} == {"segments+alibi_runs]", "segments+alibi_table]"}
+    assert any(n.startswith("bwd_") for n in packed)
+    with pytest.raises(ValueError, match="varlen"):
+        fa.precompile(64, varlen=True, window=(8, 0), **kw)
+
+
+def test_decode_names_the_kernels_of_one_and_a_few_queries():
+    names = fa.precompile(
+        128, heads_q=32, heads_kv=8, causal=True, decode=True, decode_queries=(1, 4), seqlens=[1024],
+        device="sm_90", dry_run=True,
+    )  # fmt: skip
+    decode = {n for n in names if n.startswith("decode_")}
+    facts = DeviceFacts.of_arch("sm_90")
+    want = {
+        default_decode_config("bf16", 128, rows, "sm_90", blocks, facts.sm_count).name()
+        for rows in (4, 16)
+        for blocks in (1, 1 << 20)
+    }
+    assert decode == want
+    # attention() with those few queries against the cache's length: its forward, beside the prefill's.
+    few = forward_config("bf16", 128, True, 4, 1024, 4, arch="sm_90", gpu="", smem_limit=facts.smem_limit)
+    assert few.name() in names
+
+
+def test_head_dims_run_on_the_compiled_head_dim_the_calls_pad_to():
+    kw = dict(causal=False, seqlens=[512], device="sm_80", dry_run=True)
+    assert fa.precompile(36, **kw) == fa.precompile(64, **kw)
+    assert fa.precompile([72, 80], **kw) == fa.precompile(128, **kw)
+    assert {_parse(n).head_dim for n in fa.precompile([36, 200], **kw)} == {64, 256}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(head_dim=0), "head_dim"),
+        (dict(head_dim=[]), "head_dim"),
+        (dict(head_dim="128"), "head_dim"),
+        (dict(head_dim=128, dtype=torch.float32), "dtype"),
+        (dict(head_dim=128, heads_q=6, heads_kv=4), "heads_q"),
+        (dict(head_dim=128, heads_kv=0), "heads_kv"),
+        (dict(head_dim=128, causal=1), "causal"),
+        (dict(head_dim=128, window=4096), "window"),
+        (dict(head_dim=128, softcap=-1.0), "softcap"),
+        (dict(head_dim=128, softcap=float("inf")), "softcap"),
+        (dict(head_dim=128, dropout_p=1.0), "dropout_p"),
+        (dict(head_dim=128, seqlens=[0]), "seqlens"),
+        (dict(head_dim=128, decode=True, decode_queries=[-1]), "decode_queries"),
+        (dict(head_dim=128, device="cpu"), "device"),
+    ],
+)
+def test_bad_arguments_are_refused_by_name(kwargs, match):
+    kwargs.setdefault("device", "sm_90")
+    with pytest.raises((ValueError, TypeError), match=match):
+        fa.precompile(**kwargs, dry_run=True)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU message")
+def test_without_a_gpu_it_asks_for_the_architecture():
+    with pytest.raises(ValueError, match="sm_90"):
+        fa.precompile(128, dry_run=True)
+
+
+@pytest.mark.skipif(choose_compiler() is None, reason="needs NVRTC or nvcc")
+def test_it_compiles_into_the_cache_in_parallel_and_reads_it_the_second_time(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASH_ATTENTION_CACHE_DIR", str(tmp_path))
+    kw = dict(heads_q=4, heads_kv=2, causal=True, seqlens=[512], device="sm_80", workers=2)
+    jobs = jobs_for_calls(64, **{k: v for k, v in kw.items() if k != "workers"})
+    assert len(jobs) == 1  # one forward kernel: small enough for a CPU test
+    names = fa.precompile(64, **kw)
+    assert names == [job.describe() for job in jobs]
+    cid = compiler_id(choose_compiler())
+    for job in jobs:
+        key = jit_cache.cache_key(job.cfg, job.arch, cid, False, **job.variant())
+        assert (tmp_path / f"{key}.cubin").stat().st_size > 0
+        assert (tmp_path / f"{key}.json").exists()
+    stamps = {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
+    calls = []
+    monkeypatch.setattr(jit_cache, "_compile_into_cache", lambda *a, **k: calls.append(a))
+    assert fa.precompile(64, **kw) == names
+    assert calls == []  # read from the cache, not rebuilt
+    assert {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()} == stamps
+
+
+def _config(**kw):
+    base = dict(num_attention_heads=8, num_key_value_heads=4, hidden_size=2048, dtype=torch.bfloat16)
+    return types.SimpleNamespace(**(base | kw))
+
+
+def test_a_model_config_gives_its_layers_kernels():
+    # Gemma 2: alternating sliding and full layers, soft-capped, head_dim 256.
+    gemma2 = _config(
+        head_dim=256, sliding_window=4096, layer_types=["sliding_attention", "full_attention"] * 2,
+        attn_logit_softcapping=50.0,
+    )  # fmt: skip
+    names = precompile_model(gemma2, device="sm_90", dry_run=True, seqlens=[4096])
+    variants = {n.split(" [")[1].rstrip("]") for n in names if " [" in n}
+    assert variants == {"window+softcap", "key_range+window+softcap", "softcap", "key_range+softcap"}
+    assert any(n.startswith("decode_bf16_d256") for n in names)  # generate(), not training
+    assert not any(n.startswith("bwd_") for n in names)
+    training = precompile_model(gemma2, training=True, device="sm_90", dry_run=True, seqlens=[4096])
+    assert any(n.startswith("bwd_") for n in training)
+    assert not any(n.startswith("decode_") for n in training)
+    # Mistral: every layer in the window (no layer_types); Qwen2: a window set but switched off.
+    mistral = precompile_model(_config(sliding_window=4096), device="sm_90", dry_run=True, seqlens=[512])
+    assert all("window" in n for n in mistral if not n.startswith("decode_"))
+    qwen = _config(sliding_window=4096, use_sliding_window=False, layer_types=["full_attention"] * 4)
+    assert not any("window" in n for n in precompile_model(qwen, device="sm_90", dry_run=True, seqlens=[512]))
+    # head_dim from the width where the config has none; a float32 model compiles nothing of ours.
+    plain = precompile_model(_config(), device="sm_90", dry_run=True, seqlens=[512], padded=False)
+    assert {_parse(n).head_dim for n in plain} == {256} and all("[" not in n for n in plain)
+    with pytest.raises(ValueError, match="dtype"):
+        precompile_model(_config(dtype=torch.float32), device="sm_90", dry_run=True)
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        precompile_model(types.SimpleNamespace(hidden_size=64), device="sm_90", dry_run=True)
+
+
+def test_a_module_is_read_for_its_dtype_and_mode():
+    module = torch.nn.Linear(4, 4).to(torch.float16)
+    module.config = _config(head_dim=64, dtype=torch.bfloat16)
+    module.train()
+    names = precompile_model(module, device="sm_90", dry_run=True, seqlens=[512], padded=False)
+    assert any(n.startswith("bwd_fp16") for n in names)  # the parameters' dtype, and training
+    module.eval()
+    names = precompile_model(module, device="sm_90", dry_run=True, seqlens=[512], padded=False)
+    assert not any(n.startswith("bwd_") for n in names) and any(n.startswith("decode_fp16") for n in names)
