@@ -13,7 +13,7 @@ from typing import Literal, overload
 
 import torch
 
-from . import dispatch
+from . import _few_queries, dispatch
 from . import fallback as _fallback
 from ._validate import Problem, check_window, validate
 from .configs import KernelConfig, parse_config
@@ -187,7 +187,10 @@ def attention(
     kernels (compiled on first use and cached on disk). Everything else -- CPU tensors, float32/float64
     inputs, or a GPU/toolchain the kernels cannot use -- computes the same result through PyTorch
     (:mod:`flash_attention.fallback`: PyTorch's fused CPU kernel where it expresses our semantics, else in
-    chunks of query rows; bounded memory either way), with a one-time warning on CUDA saying why.
+    chunks of query rows; bounded memory either way), with a one-time warning on CUDA saying why. An
+    inference call with a few queries per row against many keys (at most 64 packed query rows, seqlen_q x
+    the query group, and at least 256 keys; no ``key_range``, dropout or packed batch) runs on the split-KV
+    decode kernels of :func:`attention_with_kvcache`, k and v read as a contiguous cache: the same results.
 
     Gradients: the result is differentiable with respect to q, k and v (``key_range`` gets none, and the
     LSE is returned as a non-differentiable tensor: a loss that uses it gets no gradient through it). When
@@ -250,6 +253,19 @@ def attention(
             dropout_p=float(dropout_p), window=window, softcap=softcap, alibi_slopes=alibi_slopes,
             segments=_segments,
         )  # fmt: skip
+    if not records and key_range is None and not dropout_p and _segments is None and not problem.is_empty:
+        # A few queries per row against many keys: the split-KV decode kernels (flash_attention._few_queries),
+        # and the signature's later calls straight to them.
+        routed = _few_queries.route(
+            q, k, v, causal=problem.causal, scale=problem.scale, return_lse=return_lse, out=out,
+            window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, key=key,
+        )  # fmt: skip
+        if routed is not None:
+            result = routed.run(q, k, v, alibi_slopes, sinks, out)
+            if result is not None:
+                if key is not None:
+                    _repeat.remember(key, routed)
+                return _result(*result, return_lse)
     if key is not None:
         # The first call of its signature: make its repeat call (or note that it has none) and run it.
         result = _repeat.first_call(

@@ -1,0 +1,149 @@
+"""``attention()`` with a few queries per row against many keys runs on the decode kernels
+(flash_attention._few_queries), checked on the CPU through the stand-in GPU of tests/stand_in_gpu.py: the
+decode plan is made and launched with this call's tensors (the stand-in kernels compute from the params'
+addresses and strides), the results match the float64 reference, later calls of the signature go straight
+to the plan, and the calls the route must leave alone keep their usual kernels. The stand-in decode kernels
+model plain and causal attention only; that windows, soft-capping and ALiBi reach the plan is checked on the
+plan's problem here, and their numbers by tests/test_gpu_few_queries.py on a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from stand_in_gpu import install
+
+import flash_attention as fa
+from flash_attention import _few_queries, ops
+from flash_attention.ops import decode, repeat
+from flash_attention.reference import attention_reference
+
+
+@pytest.fixture(params=["python", "native"])
+def gpu(request, monkeypatch):
+    monkeypatch.setattr(repeat, "MODE", request.param)
+    stand_in = install(monkeypatch, "sm_90")
+    from flash_attention.jit import host
+
+    if request.param == "native" and host.ops_or_none() is None:
+        pytest.skip("no host library here (no C++ compiler)")
+    yield stand_in
+    ops.clear_plans()
+
+
+def _inputs(seed, b, sq, sk, hq, hkv, d=64):
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(
+        torch.randn(b, n, h, d, generator=gen).to(torch.bfloat16) for n, h in ((sq, hq), (sk, hkv), (sk, hkv))
+    )
+
+
+def _check(out, lse, q, k, v, **kw):
+    ref, ref_lse = attention_reference(q.double(), k.double(), v.double(), **kw)
+    assert (out.double() - ref).abs().max().item() < 2e-2
+    if lse is not None:
+        assert (lse.double() - ref_lse).abs().max().item() < 1e-3
+
+
+@pytest.mark.parametrize(
+    ("b", "sq", "sk", "hq", "hkv", "causal"),
+    [(2, 1, 300, 8, 2, True), (1, 4, 700, 8, 2, True), (3, 16, 260, 16, 4, False), (1, 64, 512, 4, 4, True)],
+)
+def test_few_queries_run_on_the_decode_kernels_as_the_reference(gpu, b, sq, sk, hq, hkv, causal):
+    q, k, v = _inputs(sq * 1000 + sk, b, sq, sk, hq, hkv)
+    for _ in range(3):  # the first call plans; the later ones repeat the plan
+        gpu.launches.clear()
+        out, lse = fa.attention(q, k, v, causal=causal, return_lse=True)
+        assert "decode_decode" in gpu.launches and "forward" not in gpu.launches, gpu.launches
+        _check(out, lse, q, k, v, causal=causal)
+    assert not gpu.errors, gpu.errors
+    assert isinstance(repeat.lookup(repeat.signature(q, k, v, causal, None, True, None, False, 0.0, None)),
+                      _few_queries.RoutedCall)  # fmt: skip
+
+
+def test_sinks_join_after_the_decode_kernels(gpu):
+    q, k, v = _inputs(7, 2, 2, 400, 8, 2)
+    sinks = torch.randn(8, generator=torch.Generator().manual_seed(3))
+    for _ in range(2):
+        gpu.launches.clear()
+        out, lse = fa.attention(q, k, v, causal=True, sinks=sinks, return_lse=True)
+        assert "decode_decode" in gpu.launches and "forward" not in gpu.launches
+        _check(out, lse, q, k, v, causal=True, sinks=sinks)
+    # out=: the caller's buffer, written in place
+    buf = torch.full_like(q, float("nan"))
+    got = fa.attention(q, k, v, causal=True, sinks=sinks, out=buf)
+    assert got is buf
+    _check(buf, None, q, k, v, causal=True, sinks=sinks)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(window=(100, 0), causal=True),
+        dict(softcap=30.0, causal=True),
+        dict(alibi_slopes="heads", causal=False),
+        dict(window=(50, 20), softcap=10.0, causal=False),
+    ],
+)
+def test_variants_reach_the_decode_plan(gpu, monkeypatch, kw):
+    q, k, v = _inputs(11, 2, 1, 512, 8, 2)
+    if kw.get("alibi_slopes") == "heads":
+        kw = kw | {"alibi_slopes": torch.linspace(0.1, 0.8, 8)}
+    problems = []
+    made = decode.decode_plan
+
+    def recording(problem, *args):
+        problems.append(problem)
+        return made(problem, *args)
+
+    monkeypatch.setattr(decode, "decode_plan", recording)
+    monkeypatch.setattr(ops, "decode_plan", recording)
+    fa.attention(q, k, v, **kw)
+    assert len(problems) == 1
+    problem = problems[0]
+    assert problem.softcap == kw.get("softcap", 0.0)
+    assert problem.alibi == (1 if "alibi_slopes" in kw else 0)
+    if "window" in kw:
+        assert problem.window is not None
+    assert problem.capacity == 512 and problem.seqlen_new == 0 and problem.seqlen_q == 1
+
+
+@pytest.mark.parametrize(
+    "what",
+    ["many rows", "few keys", "key_range", "dropout", "recorded"],
+)
+def test_calls_the_route_leaves_alone_keep_the_forward_kernel(gpu, what):
+    b, sq, sk, hq, hkv = 2, 1, 400, 8, 2
+    if what == "many rows":
+        sq = 17  # 17 x 4 = 68 packed rows
+    if what == "few keys":
+        sk = _few_queries.MIN_KEYS - 1
+    q, k, v = _inputs(5, b, sq, sk, hq, hkv)
+    kw = {}
+    if what == "key_range":
+        kw["key_range"] = torch.tensor([[0, sk], [10, sk - 5]], dtype=torch.int32)
+    if what == "dropout":
+        kw |= dict(dropout_p=0.1, dropout_seed=1)
+    if what == "recorded":
+        q.requires_grad_()
+    gpu.launches.clear()
+    if what == "dropout":  # (the stand-in forward has no dropout: it refuses, after being launched)
+        with pytest.raises(AssertionError, match="no dropout"):
+            fa.attention(q, k, v, causal=True, **kw)
+        assert gpu.launches == ["forward"]
+        return
+    out = fa.attention(q, k, v, causal=True, **kw)
+    assert "decode_decode" not in gpu.launches and "forward" in gpu.launches, (what, gpu.launches)
+    if what == "recorded":
+        out.sum().backward()  # the usual training path, its backward included
+        assert q.grad is not None
+
+
+def test_the_route_limits_are_those_documented():
+    assert _few_queries.MAX_ROWS == 64
+    q = torch.empty(1, 16, 32, 128, dtype=torch.bfloat16)
+    k = torch.empty(1, 4096, 8, 128, dtype=torch.bfloat16)
+    # 16 x 4 = 64 rows: taken (where the kernels are wanted); on a CPU tensor without the stand-in, never.
+    assert _few_queries.route(
+        q, k, k, causal=True, scale=0.1, return_lse=False, out=None, window=None, softcap=0.0,
+        alibi_slopes=None, sinks=None, key=None,
+    ) is None  # fmt: skip

@@ -1,0 +1,69 @@
+"""On a GPU: ``attention()`` calls with a few queries per row against many keys run on the decode kernels
+(flash_attention._few_queries) and agree with the float64 reference with every variant the route takes
+(causal, windows, soft-capping, ALiBi per head and per row, sinks, the LSE), on poisoned outputs, with
+repeated signatures; the forward kernel's answer (the route switched off) agrees too."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+import flash_attention as fa
+from flash_attention import _few_queries
+from flash_attention.ops import repeat
+from flash_attention.reference import attention_reference
+
+pytestmark = pytest.mark.gpu
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+# (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal, window, softcap, alibi, sinks)
+CASES = [
+    (1, 1, 1000, 32, 8, 128, True, None, 0.0, None, False),
+    (8, 1, 8191, 32, 8, 128, True, None, 0.0, None, False),
+    (2, 4, 3000, 32, 8, 128, True, None, 0.0, None, False),
+    (3, 16, 2049, 32, 8, 128, True, None, 0.0, None, False),
+    (2, 16, 777, 16, 4, 64, False, None, 0.0, None, False),
+    (2, 1, 4096, 8, 4, 256, True, (1023, 0), 50.0, None, False),  # Gemma 2's sliding layers
+    (2, 2, 5000, 32, 8, 128, True, (127, 0), 0.0, None, True),  # gpt-oss's sliding layers
+    (4, 1, 600, 16, 16, 128, True, None, 0.0, "heads", False),
+    (2, 3, 900, 8, 2, 64, False, (200, 50), 20.0, "rows", False),
+]
+
+
+@needs_cuda
+@pytest.mark.parametrize("case", CASES, ids=[str(c[:7]) for c in CASES])
+def test_routed_calls_match_the_reference(case, monkeypatch):
+    b, sq, sk, hq, hkv, d, causal, window, softcap, alibi, sinks = case
+    gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(repr(case).encode()))
+    q, k, v = (
+        torch.randn(b, n, h, d, device="cuda", generator=gen).to(torch.bfloat16)
+        for n, h in ((sq, hq), (sk, hkv), (sk, hkv))
+    )
+    kw = dict(causal=causal, window=window, softcap=softcap)
+    if alibi == "heads":
+        kw["alibi_slopes"] = torch.rand(hq, device="cuda", generator=gen) * 0.1
+    elif alibi == "rows":
+        kw["alibi_slopes"] = torch.rand(b, hq, device="cuda", generator=gen) * 0.1
+    if sinks:
+        kw["sinks"] = torch.randn(hq, device="cuda", generator=gen)
+    routes = []
+    real = _few_queries.route
+    monkeypatch.setattr(_few_queries, "route", lambda *a, **k: routes.append(real(*a, **k)) or routes[-1])
+    ref_kw = {n: (x.double() if n == "alibi_slopes" else x) for n, x in kw.items()}
+    ref, ref_lse = attention_reference(q.double(), k.double(), v.double(), **ref_kw)
+    for call in range(4):  # a poisoned out= buffer first (the whole path), then a plan and its repeats
+        poisoned = torch.full_like(q, float("nan")) if call == 0 else None
+        out, lse = fa.attention(q, k, v, return_lse=True, out=poisoned, **kw)
+        torch.cuda.synchronize()
+        assert call > 0 or out is poisoned
+        assert (out.double() - ref).abs().max().item() < 1e-2
+        assert (lse.double() - ref_lse).abs().max().item() < 1e-3
+    assert routes and isinstance(routes[0], _few_queries.RoutedCall), "the call was not routed"
+    # The forward kernel's answer, the route switched off (and the signature's repeat call forgotten).
+    monkeypatch.setattr(_few_queries, "MAX_ROWS", 0)
+    repeat.clear()
+    plain = fa.attention(q.clone(), k.clone(), v.clone(), **kw)
+    assert (plain.double() - ref).abs().max().item() < 1e-2
