@@ -36,6 +36,14 @@ def libcuda() -> ctypes.CDLL:
     return lib
 
 
+def driver_version() -> int:
+    """The CUDA version the installed driver supports, as cuDriverGetVersion says it: 1000 x major + 10 x
+    minor (13000 for CUDA 13.0)."""
+    version = ctypes.c_int()
+    check(libcuda().cuDriverGetVersion(ctypes.byref(version)), "cuDriverGetVersion")
+    return version.value
+
+
 def check(status: int, what: str) -> None:
     if status != 0:
         lib = _raw()

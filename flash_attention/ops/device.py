@@ -3,6 +3,7 @@ shared-memory limit, and whether our kernels can run on it at all (and if not, w
 
 from __future__ import annotations
 
+import re
 from functools import cache
 
 import torch
@@ -65,6 +66,31 @@ def _device_problem(index: int) -> str | None:
 
 
 @cache
+def _driver_problem() -> str | None:
+    """Whether the driver can load what the compiler makes: the library API the launch layer uses
+    (cuLibraryLoadData: a driver of CUDA 12.0 or later), and cubins of the compiler's CUDA major version (a
+    driver of that major version or later; CUDA's minor-version compatibility stops at the major)."""
+    try:
+        version = driver.driver_version()
+    except Exception as exc:  # noqa: BLE001 - any driver failure means the PyTorch path
+        return f"the CUDA driver API is unusable: {exc}"
+    needed, compiler = 12000, "the launch layer (cuLibraryLoadData)"
+    kind = _compiler.choose_compiler()
+    if kind is not None:
+        cid = _compiler.compiler_id(kind)
+        major = re.match(r"\S+ (\d+)\.", cid)
+        if major and int(major[1]) * 1000 > needed:
+            needed, compiler = int(major[1]) * 1000, f"the kernels' compiler ({cid})"
+    if version >= needed:
+        return None
+    have = f"{version // 1000}.{version % 1000 // 10}"
+    advice = "update the NVIDIA driver"
+    if version >= 12000:  # (the compiler is what is too new: one of the driver's CUDA version would do)
+        advice += f", or use a PyTorch (with its NVRTC) built for CUDA {version // 1000}"
+    return f"the CUDA driver supports CUDA {have}, and {compiler} needs {needed // 1000}.0 or later: {advice}"
+
+
+@cache
 def _compiler_problem() -> str | None:
     if _compiler.choose_compiler() is None:
         return "no CUDA compiler was found (NVRTC from PyTorch's CUDA wheels, or nvcc from a CUDA toolkit)"
@@ -83,7 +109,7 @@ def cuda_unavailable_reason(q: torch.Tensor) -> str | None:
 def device_unavailable_reason(index: int) -> str | None:
     """None when kernels can be built and launched on GPU ``index`` whatever the dtype (the dtype-free
     kernels', such as the LSE merge's); otherwise why not."""
-    return _device_problem(index) or _compiler_problem()
+    return _device_problem(index) or _compiler_problem() or _driver_problem()
 
 
 def dtype_name(t: torch.Tensor) -> str:
