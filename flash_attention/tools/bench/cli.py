@@ -115,14 +115,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--mode",
-        choices=(*MODES, "decode", "model"),
+        choices=(*MODES, "decode", "model", "cold-start"),
         default="fwd",
         help="fwd (default); bwd and fwd_bwd need a backward; decode: attention_with_kvcache against a long "
         "cache, contiguous and paged, with the K/V bandwidth (--seqlens are then cache lengths, default "
         "1k,8k,32k,128k; --batches, --page-sizes, --seqlens-q; heads 32 / --kv-heads 8, head_dim 128; file "
         "tag 'decode'); model: a training step of a Llama-style transformers model with random weights, "
         "ours against transformers' sdpa (--layers 8, --width 2048, head_dim 128, --kv-heads 8, --batches "
-        "1, --seqlens 4k; file tag 'model')",
+        "1, --seqlens 4k; file tag 'model'); cold-start: each first call (forward, forward+backward, decode, "
+        "a transformers generate() with and without precompile_model) in a fresh process with an empty "
+        "kernel cache, with and without a C++ compiler, beside sdpa_cudnn's and fa4's first calls (file tag "
+        "'cold-start')",
     )
     p.add_argument("--batches", type=_int_list, default=None, help="--mode decode: batch sizes (1,8,64)")
     p.add_argument(
@@ -380,6 +383,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 2
 
+    if args.mode == "cold-start":
+        return _main_cold_start(args)  # (its processes start from nothing: no host library built here)
     ready_host_library("bench")  # (before anything is timed)
 
     if args.ring:
@@ -571,6 +576,20 @@ def _main_model(args: argparse.Namespace, reps: int, min_time: float) -> int:
     print()
     print(model_text(rows))
     _save_tagged(result, args, "model")
+    return 0
+
+
+def _main_cold_start(args: argparse.Namespace) -> int:
+    """``--mode cold-start``: :mod:`.cold_start`'s first calls, each in a fresh process (tag 'cold-start')."""
+    from .cold_start import cold_start_text, run_cold_start
+
+    result = environment(torch.cuda.current_device(), args.commit, args.allow_dirty)
+    print(cold_start_text([]), flush=True)
+    rows = run_cold_start()
+    result.update(mode="cold-start", matmul_tflops=None, rows=rows)
+    print()
+    print(cold_start_text(rows))
+    _save_tagged(result, args, "cold-start")
     return 0
 
 
