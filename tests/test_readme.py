@@ -1,4 +1,5 @@
-"""The README's examples run as written (on this machine's device), and its commands are the ones CI runs."""
+"""The README's examples (and docs/usage.md's) run as written on this machine's device, the README's
+commands are the ones CI runs, and the docs' links point at files that exist."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
+USAGE = (ROOT / "docs" / "usage.md").read_text(encoding="utf-8")
 
 
-def _section_code(heading: str) -> str:
-    section = README.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+def _section_code(heading: str, text: str = README) -> str:
+    section = text.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
     return re.search(r"```python\n(.*?)```", section, re.S)[1]
 
 
@@ -94,10 +96,24 @@ def test_plain_pytest_leaves_the_compile_sweep_to_pytest_full():
 def test_the_kvcache_example_runs_as_written():
     scope: dict = {}
     exec(compile(_section_code("Use"), "README.md (Use)", "exec"), scope)  # noqa: S102 - our own README
-    code = _section_code("Decoding with a KV cache")
-    exec(compile(code, "README.md (Decoding with a KV cache)", "exec"), scope)  # noqa: S102
+    code = _section_code("Decoding with a KV cache", USAGE)
+    exec(compile(code, "docs/usage.md (Decoding with a KV cache)", "exec"), scope)  # noqa: S102
     out, k_cache, lengths = scope["out"], scope["k_cache"], scope["lengths"]
     assert out.shape == (2, 1, 32, 128) and out.isfinite().all()
     assert lengths.tolist() == [101, 7001]
     # Row 1's new token went to position 7000: page block_table[1, 7000 // 256] = 32 + 27, slot 88.
     assert torch.equal(k_cache[59, 88], scope["k_new"][1, 0])
+
+
+def test_the_docs_links_point_at_files_that_exist():
+    # Relative links of the README and docs/ (an index page renders them from the checkout's tree).
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    for page in pages:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text(encoding="utf-8")):
+            if target.startswith(("http://", "https://")):
+                continue
+            assert (page.parent / target).exists(), f"{page.relative_to(ROOT)} links to missing {target}"
+
+
+def test_the_readme_stays_short():
+    assert README.count("\n") <= 250

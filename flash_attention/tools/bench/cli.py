@@ -24,7 +24,7 @@ import torch
 from flash_attention.configs import parse_config
 from flash_attention.winners import gpu_slug
 
-from ..common import MODES, environment, ready_host_library, repo_root
+from ..common import MODES, PERFORMANCE_PAGE, environment, ready_host_library, repo_root
 from .plot import plot_results
 from .progression import run_backward_progression, run_progression
 from .readme import update_readme
@@ -307,7 +307,11 @@ def build_parser() -> argparse.ArgumentParser:
         "benchmarks/results); needs no GPU",
     )
     p.add_argument(
-        "--readme", type=Path, default=None, help="README to update (default: the checkout's README.md)"
+        "--readme",
+        type=Path,
+        default=None,
+        help="page to update (default: the checkout's docs/performance.md; README.md has the headline "
+        "fwd_bwd region)",
     )
     return p
 
@@ -320,7 +324,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.update_readme is not None:
         try:
             results = Path(args.update_readme) if args.update_readme else newest_results()
-            readme = args.readme or (repo_root() / "README.md")
+            readme = args.readme or (repo_root() / PERFORMANCE_PAGE)
             update_readme(readme, results)
         except (OSError, ValueError) as exc:
             print(f"--update-readme: {exc}", file=sys.stderr)
