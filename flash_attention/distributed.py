@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import custom_ops
 from ._validate import check_window, score_function, validate
 from .ops.merge import lse_merge_
 from .sinks import apply_sinks, check_sinks, sinks_gradient
@@ -163,9 +164,9 @@ def _fwd_step(q, k, v, step: _Step, scale, softcap: float):
     """(out, lse) of one step's attention: the custom op on the step's rows and keys."""
     qs, ks, vs = q[:, step.rows], k[:, step.keys], v[:, step.keys]
     if step.runs is None:
-        return torch.ops.flash_attention.fwd(qs, ks, vs, step.causal, scale, False, None, softcap=softcap)
+        return custom_ops.fwd(qs, ks, vs, step.causal, scale, False, None, softcap=softcap)
     b, n, h, d = qs.shape
-    o, lse = torch.ops.flash_attention.fwd(
+    o, lse = custom_ops.fwd(
         *(t.reshape(1, -1, *t.shape[2:]) for t in (qs, ks, vs)), False, scale, False, None, softcap=softcap,
         row_keys=step.runs[0], key_rows=step.runs[1],
     )  # fmt: skip
@@ -177,13 +178,13 @@ def _bwd_step(dout, q, k, v, out, lse, step: _Step, scale, softcap: float):
     r, c = step.rows, step.keys
     args = (dout[:, r], q[:, r], k[:, c], v[:, c], out[:, r])
     if step.runs is None:
-        return torch.ops.flash_attention.bwd(
+        return custom_ops.bwd(
             *args, lse[:, :, r].contiguous(), step.causal, scale, False, None, softcap=softcap
         )
     b, n, h, _ = args[1].shape
     folded = [t.reshape(1, -1, *t.shape[2:]) for t in args]
     lse_f = lse[:, :, r].transpose(0, 1).reshape(1, h, b * n).contiguous()
-    dq, dk, dv = torch.ops.flash_attention.bwd(
+    dq, dk, dv = custom_ops.bwd(
         *folded, lse_f, False, scale, False, None, softcap=softcap, row_keys=step.runs[0],
         key_rows=step.runs[1],
     )  # fmt: skip
