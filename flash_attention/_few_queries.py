@@ -90,6 +90,13 @@ def route(
         or torch.compiler.is_compiling()
     ):
         return None
+    if (k.data_ptr() | v.data_ptr()) % 16:
+        return None  # (the decode kernels read the cache in place, 16 bytes at a time; the usual path copies)
+    if window is not None:
+        # A side past every key bounds nothing: clipped as the forward's window_bounds clips it, so that a
+        # huge side cannot wrap the decode params' 32-bit fields.
+        far = seqlen_q + seqlen_k
+        window = tuple(w if w < 0 else min(w, far) for w in window)
     try:
         problem = validate_kvcache(
             q, k, v, None, None, cache_seqlens=seqlen_k, block_table=None, causal=causal, softmax_scale=scale,
@@ -98,10 +105,21 @@ def route(
     except (TypeError, ValueError):  # (a layout the cache API refuses: the usual path takes it)
         return None
     needs_lse = return_lse or sinks is not None  # (the sinks rescale O by the sink-free LSE)
-    plan_key = None if key is None else ("attention", key)
+    # The plan's key: the repeat signature, or (calls without one: out=, sinks in another dtype, repeat
+    # calls off) what the plan is made of, so that no call plans afresh (a plan costs about 100 us).
+    plan_key = ("attention", key) if key is not None else _plan_signature(q, k, v, problem, needs_lse, out)
     plan = dispatch.backend().decode_plan(
         problem, q, k, v, None, None, seqlen_k, None, 0, out, needs_lse, plan_key
     )
     if isinstance(plan, str):
         return None
     return RoutedCall(plan, seqlen_k, return_lse)
+
+
+def _plan_signature(q, k, v, problem, needs_lse: bool, out) -> tuple:
+    """Everything a decode plan of a routed call is made from, for calls that have no repeat signature."""
+    layout = None if out is None else (out.shape, out.stride(), out.dtype, out.device)
+    return (
+        "attention-direct", q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), v.shape, v.stride(),
+        problem.causal, problem.scale, problem.window, problem.softcap, problem.alibi, needs_lse, layout,
+    )  # fmt: skip

@@ -58,7 +58,8 @@ def precompile(
     with that many queries against each length. ``seqlens``: the sequence lengths
     (default: every length bucket the kernel choice distinguishes, 512 to 16k). ``device``: the CUDA device
     the calls will run on (default: the current one), or an architecture such as ``"sm_90"`` to compile on
-    a machine without a GPU (a container image's build step, say). ``workers``: compiles at once (default:
+    a machine without a GPU (a container image's build step, say; the heuristics' kernels then, as the
+    tuned winners of ``autotune`` are kept per GPU name). ``workers``: compiles at once (default:
     one per CPU core). ``dry_run``: name the kernels, compile nothing.
 
     Raises ValueError or TypeError naming the argument that is wrong, and the compiler's error if a compile
@@ -118,8 +119,8 @@ def jobs_for_calls(
         raise ValueError(f"softcap must be >= 0 (0: none); got {softcap}")
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0 <= dropout_p < 1:
         raise ValueError(f"dropout_p must be a float in [0, 1); got {dropout_p!r}")
-    if varlen and (window is not None or key_range):
-        raise ValueError("varlen calls take neither window nor key_range (their sequences bound the keys)")
+    if varlen and key_range:
+        raise ValueError("varlen calls take no key_range (their sequences bound the keys)")
     queries = [_positive("decode_queries", n) for n in decode_queries] if decode else []
     lengths = square_lengths(None if seqlens is None else [_positive("seqlens", n) for n in seqlens])
     # Decoding through attention() itself (a dynamic cache in transformers): few queries against each length.
@@ -137,7 +138,7 @@ def jobs_for_calls(
             for score in _scores(base, varlen, is_causal):
                 jobs += kernel_jobs(
                     facts, dtype_name, d, group, causal=(is_causal,), lengths=lengths,
-                    window=window is not None, segments=varlen, score=score, key_range=key_range,
+                    window=window, segments=varlen, score=score, key_range=key_range,
                     dropout=dropout_p > 0, backward=training, deterministic=deterministic,
                 )  # fmt: skip
         # (the decode kernels take windows, soft-capping and ALiBi at run time: one build per head_dim)
@@ -170,10 +171,12 @@ def _positive(name: str, n: object) -> int:
 def _scores(base: str | None, varlen: bool, causal: bool) -> list[str | None]:
     """The builds' score functions of calls with ``base`` (ops.plans.kernel_score): a packed batch's ALiBi
     measures from its sequences' runs (causal) or its rows (not), or from a table of diagonals when its
-    queries and keys are packed differently."""
+    queries and keys are packed differently; with a slope per sequence, each form's "_rows" build."""
     if not varlen or base not in ("alibi", "softcap_alibi"):
         return [base]
-    return [f"{base}_runs" if causal else base, f"{base}_table"]
+    # (and each with a slope per sequence, "_rows": flash_attention.varlen's (batch, heads_q) slopes)
+    forms = [f"{base}_runs" if causal else base, f"{base}_table"]
+    return forms + [f"{form}_rows" for form in forms]
 
 
 def _facts(device: int | str | torch.device | None) -> DeviceFacts:

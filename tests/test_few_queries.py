@@ -48,8 +48,11 @@ def _check(out, lse, q, k, v, **kw):
     ("b", "sq", "sk", "hq", "hkv", "causal"),
     [(2, 1, 300, 8, 2, True), (1, 4, 700, 8, 2, True), (3, 16, 260, 16, 4, False), (1, 64, 512, 4, 4, True)],
 )
-def test_few_queries_run_on_the_decode_kernels_as_the_reference(gpu, b, sq, sk, hq, hkv, causal):
+@pytest.mark.parametrize("layout", ["contiguous", "heads first"])
+def test_few_queries_run_on_the_decode_kernels_as_the_reference(gpu, b, sq, sk, hq, hkv, causal, layout):
     q, k, v = _inputs(sq * 1000 + sk, b, sq, sk, hq, hkv)
+    if layout == "heads first":  # (batch, heads, seqlen, head_dim) storage, as transformers passes k and v
+        k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v))
     for _ in range(3):  # the first call plans; the later ones repeat the plan
         gpu.launches.clear()
         out, lse = fa.attention(q, k, v, causal=causal, return_lse=True)
@@ -138,12 +141,33 @@ def test_calls_the_route_leaves_alone_keep_the_forward_kernel(gpu, what):
         assert q.grad is not None
 
 
-def test_the_route_limits_are_those_documented():
-    assert _few_queries.MAX_ROWS == 64
-    q = torch.empty(1, 16, 32, 128, dtype=torch.bfloat16)
-    k = torch.empty(1, 4096, 8, 128, dtype=torch.bfloat16)
-    # 16 x 4 = 64 rows: taken (where the kernels are wanted); on a CPU tensor without the stand-in, never.
-    assert _few_queries.route(
-        q, k, k, causal=True, scale=0.1, return_lse=False, out=None, window=None, softcap=0.0,
-        alibi_slopes=None, sinks=None, key=None,
-    ) is None  # fmt: skip
+def test_a_window_past_every_key_is_clipped_not_wrapped(gpu, monkeypatch):
+    # A side of 2**32 + 3 keys bounds nothing (plain causal attention); passed through unclipped it wrapped
+    # to 3 in the decode params' 32-bit field.
+    q, k, v = _inputs(13, 1, 1, 512, 4, 4)
+    problems = []
+    made = ops.decode_plan
+    monkeypatch.setattr(ops, "decode_plan", lambda problem, *a: problems.append(problem) or made(problem, *a))
+    out = fa.attention(q, k, v, causal=True, window=(2**32 + 3, 0))
+    assert "decode_decode" in gpu.launches
+    (problem,) = problems
+    assert problem.window is None or problem.window[0] >= 512, problem.window
+    _check(out, None, q, k, v, causal=True)
+
+
+def test_calls_without_a_repeat_signature_keep_their_plan(gpu, monkeypatch):
+    # out= gives no repeat signature: the decode plan is still made once, not per call.
+    q, k, v = _inputs(17, 2, 1, 400, 8, 2)
+    made = []
+    plan_class = decode.DecodePlan
+
+    def counting(*a, **kw):
+        made.append(1)
+        return plan_class(*a, **kw)
+
+    monkeypatch.setattr(decode, "DecodePlan", counting)
+    buf = torch.empty_like(q)
+    for _ in range(3):
+        fa.attention(q, k, v, causal=True, out=buf)
+        _check(buf, None, q, k, v, causal=True)
+    assert len(made) == 1

@@ -49,9 +49,11 @@ def test_routed_calls_match_the_reference(case, monkeypatch):
         kw["alibi_slopes"] = torch.rand(b, hq, device="cuda", generator=gen) * 0.1
     if sinks:
         kw["sinks"] = torch.randn(hq, device="cuda", generator=gen)
-    routes = []
+    routes, runs = [], []
     real = _few_queries.route
     monkeypatch.setattr(_few_queries, "route", lambda *a, **k: routes.append(real(*a, **k)) or routes[-1])
+    real_run = _few_queries.RoutedCall.run
+    monkeypatch.setattr(_few_queries.RoutedCall, "run", lambda self, *a: runs.append(1) or real_run(self, *a))
     ref_kw = {n: (x.double() if n == "alibi_slopes" else x) for n, x in kw.items()}
     ref, ref_lse = attention_reference(q.double(), k.double(), v.double(), **ref_kw)
     for call in range(4):  # a poisoned out= buffer first (the whole path), then a plan and its repeats
@@ -62,6 +64,7 @@ def test_routed_calls_match_the_reference(case, monkeypatch):
         assert (out.double() - ref).abs().max().item() < 1e-2
         assert (lse.double() - ref_lse).abs().max().item() < 1e-3
     assert routes and isinstance(routes[0], _few_queries.RoutedCall), "the call was not routed"
+    assert len(runs) == 4  # every call on the decode kernels: the whole path's, then the repeat table's
     # The forward kernel's answer, the route switched off (and the signature's repeat call forgotten).
     monkeypatch.setattr(_few_queries, "MAX_ROWS", 0)
     repeat.clear()

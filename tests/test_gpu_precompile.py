@@ -35,14 +35,16 @@ jit_cache._compile_into_cache = counting
 gen = torch.Generator(device="cuda").manual_seed(0)
 for call in case["calls"]:
     b, sq, sk, hq, hkv, d = call["shape"]
-    q = torch.randn(b, sq, hq, d, device="cuda", generator=gen, dtype=torch.bfloat16).requires_grad_()
-    k, v = (torch.randn(b, sk, hkv, d, device="cuda", generator=gen, dtype=torch.bfloat16).requires_grad_()
+    train = bool(call.get("backward"))  # (a call that records starts its backward's compile: training only)
+    q = torch.randn(b, sq, hq, d, device="cuda", generator=gen, dtype=torch.bfloat16).requires_grad_(train)
+    k, v = (torch.randn(b, sk, hkv, d, device="cuda", generator=gen, dtype=torch.bfloat16)
             for _ in range(2))
+    k, v = k.requires_grad_(train), v.requires_grad_(train)
     kw = {key: (tuple(val) if key == "window" else val) for key, val in call["kwargs"].items()}
     if call.get("key_range"):
         kw["key_range"] = torch.tensor([[0, sk // 2], [sk // 4, sk]][:b], device="cuda", dtype=torch.int32)
     out = fa.attention(q, k, v, **kw)
-    if call.get("backward"):
+    if train:
         out.backward(torch.randn_like(out))
     torch.cuda.synchronize()
 print(json.dumps({"precompiled": names, "compiled_by_calls": compiled}))

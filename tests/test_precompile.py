@@ -66,10 +66,19 @@ def test_variants_name_their_builds():
     assert plain and all("[" not in n for n in plain)
     # Packed batches: the segments build; ALiBi there measures from the sequences' runs or a table.
     packed = fa.precompile(64, varlen=True, alibi=True, training=True, **kw)
-    assert {n.split(" [")[1] for n in packed} == {"segments+alibi_runs]", "segments+alibi_table]"}
+    assert {n.split(" [")[1] for n in packed} == {
+        f"segments+alibi_{form}]" for form in ("runs", "table", "runs_rows", "table_rows")
+    }
     assert any(n.startswith("bwd_") for n in packed)
-    with pytest.raises(ValueError, match="varlen"):
-        fa.precompile(64, varlen=True, window=(8, 0), **kw)
+    assert {n.split(" [")[1] for n in packed} == {
+        n.split(" [")[1]
+        for n in fa.precompile(64, varlen=True, window=(8, 0), alibi=True, training=True, **kw)
+    }  # (a packed batch's window is carried by its runs: the same builds)
+    with pytest.raises(ValueError, match="key_range"):
+        fa.precompile(64, varlen=True, key_range=True, **kw)
+    # A window that covers every key at a length runs the plain build there, as the calls do.
+    short = dict(kw, seqlens=[128, 4096])
+    assert [n.endswith("[window]") for n in fa.precompile(64, window=(511, 0), **short)] == [False, True]
 
 
 def test_decode_names_the_kernels_of_one_and_a_few_queries():
@@ -169,8 +178,12 @@ def test_a_model_config_gives_its_layers_kernels():
     assert any(n.startswith("bwd_") for n in training)
     assert not any(n.startswith("decode_") for n in training)
     # Mistral: every layer in the window (no layer_types); Qwen2: a window set but switched off.
-    mistral = precompile_model(_config(sliding_window=4096), device="sm_90", dry_run=True, seqlens=[512])
-    assert all("window" in n for n in mistral if not n.startswith("decode_"))
+    mistral = precompile_model(
+        _config(sliding_window=4096), device="sm_90", dry_run=True, seqlens=[512, 8192], padded=False
+    )
+    forward = [n for n in mistral if not n.startswith("decode_")]
+    assert any("window" in n for n in forward)  # 8k prompts: the window build
+    assert any("[" not in n for n in forward)  # 512-token prompts: inside the window, the plain build
     qwen = _config(sliding_window=4096, use_sliding_window=False, layer_types=["full_attention"] * 4)
     assert not any("window" in n for n in precompile_model(qwen, device="sm_90", dry_run=True, seqlens=[512]))
     # head_dim from the width where the config has none; a float32 model compiles nothing of ours.

@@ -20,9 +20,12 @@ BEGIN, END = "<!-- index:begin -->", "<!-- index:end -->"
 
 _SECTION = re.compile(r"^## (.+)$")
 _STEP = re.compile(r"^### (\d+)[.,] (.+)$")  # ("39, measured." continues step 39)
+# A commit: after "commit(s)", "merge", "at", "against" or "from" (and each of a list after "commits"), in
+# backticks, or in parentheses; 7 to 40 hex digits (a full one is shown by its first 7).
 _COMMIT = re.compile(
-    r"(?i:commit|merge|at|against|from)\s+`?([0-9a-f]{7,12})\b|`([0-9a-f]{7,12})`|\(([0-9a-f]{7})[;,)]"
+    r"\b(?i:commits?|merge|at|against|from)\s+`?([0-9a-f]{7,40})\b|`([0-9a-f]{7,40})`|\(([0-9a-f]{7,40})[;,)]"
 )
+_COMMIT_LIST = re.compile(r"\b(?i:commits)\s+((?:`?[0-9a-f]{7,40}`?(?:,\s*|\s+and\s+))+`?[0-9a-f]{7,40}`?)")
 _RESULT = re.compile(r"benchmarks/results/[\w./{},*-]+?\.json")
 
 
@@ -50,6 +53,9 @@ def steps(text: str) -> list[dict]:
             current = None
             continue
         m = _STEP.match(line)
+        if m is None and line.startswith("### "):
+            current = None  # an entry without a step number: what it names is its own, not the step's
+            continue
         if m:
             current = {
                 "step": int(m[1]),
@@ -63,8 +69,11 @@ def steps(text: str) -> list[dict]:
             line = m[2]
         if current is None:
             continue
-        for found in _COMMIT.finditer(line):
-            sha = next(g for g in found.groups() if g)
+        shas = [next(g for g in found.groups() if g) for found in _COMMIT.finditer(line)]
+        for listed in _COMMIT_LIST.finditer(line):
+            shas += re.findall(r"[0-9a-f]{7,40}", listed[1])
+        for sha in shas:
+            sha = sha[:7] if len(sha) == 40 else sha
             if not sha.isdigit() and sha not in current["commits"]:
                 current["commits"].append(sha)
         for found in _RESULT.findall(line):

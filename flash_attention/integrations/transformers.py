@@ -170,6 +170,12 @@ def register(name: str = NAME) -> str:
     return name
 
 
+#: Query tokens per row of the decoding calls precompile_model covers: one (greedy decoding), and the
+#: packed-row sizes whose decode configs differ (16 and 64 rows of speculative or chunked steps; the
+#: static cache sends up to STATIC_CACHE_MAX_QUERIES new tokens to the decode kernels).
+_DECODE_QUERIES = (1, 16, STATIC_CACHE_MAX_QUERIES)
+
+
 def precompile_model(
     model: Any,
     *,
@@ -229,12 +235,23 @@ def precompile_model(
     else:
         has_window, has_full = False, True
     jobs = []
-    for window in ([(int(sliding), 0)] if has_window else []) + ([None] if has_full else []):
+    # A layer of W keys runs window=(W - 1, 0) (_sliding_window_left); at lengths it covers whole, the plain
+    # causal build (the choice is the calls' own: ops.precompile.kernel_jobs).
+    common = dict(
+        dtype=dtype, heads_q=heads_q, heads_kv=heads_kv, softcap=softcap, seqlens=seqlens, device=device
+    )
+    for window in ([(int(sliding) - 1, 0)] if has_window else []) + ([None] if has_full else []):
         for key_range in (False, True) if padded else (False,):
             jobs += jobs_for_calls(
-                head_dim, dtype=dtype, heads_q=heads_q, heads_kv=heads_kv, causal=True, window=window,
-                softcap=softcap, key_range=key_range, dropout_p=dropout_p, training=training, decode=generate,
-                seqlens=seqlens, device=device,
+                head_dim, causal=True, window=window, key_range=key_range, dropout_p=dropout_p,
+                training=training, decode=generate, decode_queries=_DECODE_QUERIES, **common,
+            )  # fmt: skip
+        if generate and padded:
+            # A padded static cache's decoding step: its own queries against the cache's valid keys, as
+            # key ranges, without causal (attention_forward's explicit-mask route).
+            jobs += jobs_for_calls(
+                head_dim, causal=False, window=window, key_range=True, decode=True, decode_queries=(1,),
+                **common,
             )  # fmt: skip
     jobs = list(dict.fromkeys(jobs))
     if not dry_run:

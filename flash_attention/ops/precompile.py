@@ -23,7 +23,7 @@ from flash_attention.configs.decode import default_decode_config
 from flash_attention.jit import cache as jit_cache
 from flash_attention.jit.sources import SEGMENTS
 
-from .plans import feature_list, score_features
+from .plans import feature_list, score_features, window_bounds
 from .select import NoKernel, backward_config, forward_config
 from .tensors import padded_to_8
 
@@ -87,7 +87,7 @@ def kernel_jobs(
     *,
     causal: Iterable[bool],
     lengths: Iterable[tuple[int, int]],
-    window: bool = False,
+    window: tuple[int, int] | None = None,
     segments: bool = False,
     score: str | None = None,
     key_range: bool = False,
@@ -100,20 +100,24 @@ def kernel_jobs(
     (seqlen_q, seqlen_k) in ``lengths``, the forward's, and with ``backward`` the backward's (both
     gradient modes' share a translation unit; ``deterministic`` picks the deterministic mode's config where
     it differs); then, for each of ``decode_rows`` (seqlen_q x group of a decode call), the decode kernels of
-    a grid that fills the GPU and of one that splits its keys. ``score``: the build's score function
+    a grid that fills the GPU and of one that splits its keys. ``window``: as attention() takes it; at a
+    length where it bounds nothing the calls run the plain build, as here (ops.plans.window_bounds). A
+    packed batch's (``segments``) window is carried by its runs. ``score``: the build's score function
     (``jit.sources.SCORE_MODS``). Lengths a kernel cannot run (a GPU without the shared memory) are
     skipped: the call would fall back the same way."""
     d = padded_to_8(head_dim)
-    build_window = SEGMENTS if segments else bool(window)
-    flags = dict(
-        key_range=key_range, dropout=dropout, window=window and not segments, segments=segments,
-        **score_features(score),
-    )  # fmt: skip
-    variant = dict(ranged=key_range, dropout=dropout, window=build_window, score=score)
     device = dict(arch=facts.arch, gpu=facts.gpu, smem_limit=facts.smem_limit)
     jobs: list[KernelJob] = []
     for is_causal in causal:
         for seqlen_q, seqlen_k in lengths:
+            windowed = not segments and window_bounds(window, is_causal, seqlen_q, seqlen_k) is not None
+            flags = dict(
+                key_range=key_range, dropout=dropout, window=windowed, segments=segments,
+                **score_features(score),
+            )  # fmt: skip
+            variant = dict(
+                ranged=key_range, dropout=dropout, window=SEGMENTS if segments else windowed, score=score
+            )
             try:
                 fwd = forward_config(
                     dtype, d, is_causal, seqlen_q, seqlen_k, group, **device, features=feature_list(**flags)

@@ -3,7 +3,7 @@
 Each measurement runs in a fresh Python process whose kernel cache (and host library, which lives in it) is
 a new empty folder, and whose ``XDG_CACHE_HOME`` is one too (a peer's own disk cache starts empty as well).
 A row is one first call, timed from just before it to the GPU's end of it (the interpreter's start and the
-imports are a row of their own), beside the same call's time once warm:
+imports are recorded beside it, ``import_seconds``), beside the same call's time once warm:
 
 * ours (``flash_attention``): the first forward, the first forward+backward (of the issue's shape, bf16
   (2, 1024, 16, 128), causal), the first decode call (``attention_with_kvcache``, one token against a 4k
@@ -89,8 +89,10 @@ else:  # generate, generate (precompiled)
     model.set_attn_implementation("fa_scratch")
     if what == "generate (precompiled)":
         row["precompile_seconds"] = timed(lambda: precompile_model(model, seqlens=[4096]))
-    prompt = torch.randint(0, 32000, (4, 4096), device="cuda", generator=gen)
-    kw = dict(do_sample=False, pad_token_id=0)
+    # Tokens from 1 and an explicit mask: a prompt holding the pad token would make generate() infer padding
+    # and take another attention route.
+    prompt = torch.randint(1, 32000, (4, 4096), device="cuda", generator=gen)
+    kw = dict(do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(prompt))
     with torch.no_grad():
         row["seconds"] = timed(lambda: model.generate(prompt, max_new_tokens=1, min_new_tokens=1, **kw))
         passes = []
