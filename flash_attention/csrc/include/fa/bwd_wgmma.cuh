@@ -84,21 +84,16 @@ __device__ __forceinline__ void issue_dv_dk(float (&dv)[D / 2], float (&dk)[D / 
   }
 }
 
-// The two halves of issue_dv_dk, for a kernel that issues dQ between them (bwd_ws: dV, then dQ, then dK, so
-// that dQ lands while dK still runs and its staging and reduction hide under dK).
+// One of issue_dv_dk's two products on its own: acc (dV or dK) += A (P^T or dS^T, from registers) times B
+// (dO or Q, read MN-major at byte offset b_off of qt_desc's tiles), for a kernel that issues something
+// between them (bwd_ws: dV, then dQ, then dK, so that dQ lands while dK still runs) or one product per
+// warpgroup (the wide kernel).
 template <int BR, int D, bool BF>
-__device__ __forceinline__ void issue_dv(float (&dv)[D / 2], const u32 (&pf)[BR / 16][4], u64 qt_desc,
-                                         u32 do_off) {
+__device__ __forceinline__ void issue_key_rows_acc(float (&acc)[D / 2], const u32 (&a)[BR / 16][4], u64 qt_desc,
+                                                   u32 b_off) {
 #pragma unroll
   for (int ks = 0; ks < BR / 16; ++ks)
-    Wgmma<D, BF>::rs_bt(dv, pf[ks], qt_desc + ((do_off + ks * 16 * 128) >> 4), 1);
-}
-template <int BR, int D, bool BF>
-__device__ __forceinline__ void issue_dk(float (&dk)[D / 2], const u32 (&sf)[BR / 16][4], u64 qt_desc,
-                                         u32 q_off) {
-#pragma unroll
-  for (int ks = 0; ks < BR / 16; ++ks)
-    Wgmma<D, BF>::rs_bt(dk, sf[ks], qt_desc + ((q_off + ks * 16 * 128) >> 4), 1);
+    Wgmma<D, BF>::rs_bt(acc, a[ks], qt_desc + ((b_off + ks * 16 * 128) >> 4), 1);
 }
 
 // dQ (64 queries x N columns) = dS K over the block's BC keys, both operands transposed: A = dS^T's tile

@@ -426,9 +426,7 @@ __device__ __forceinline__ void bwd_wide_dkdv_body(const BwdParams& p) {
 
     // ---- dV += P^T dO (warpgroup 0) or dK += dS^T Q (warpgroup 1) ----------------------------------------
     wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < KQ; ++ks)
-      Wgmma<D, BF>::rs_bt(acc, af[ks], qt_desc + ((acc_b_off + qoff + ks * 16 * 128) >> 4), 1);
+    issue_key_rows_acc<BR, D, BF>(acc, af, qt_desc, acc_b_off + qoff);
     wgmma_commit();
 
     // Barrier 2: dS^T is written and fenced for the tensor cores.

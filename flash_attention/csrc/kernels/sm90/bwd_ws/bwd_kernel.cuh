@@ -488,7 +488,7 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
     // with the tensor cores idle (the order of FlashAttention-3's and -4's Hopper backward;
     // docs/backward-study.md, stage 1).
     wgmma_fence();
-    issue_dv<BR, D, BF>(dv, pf, qt_desc, kDOOff + qoff);
+    issue_key_rows_acc<BR, D, BF>(dv, pf, qt_desc, kDOOff + qoff);
     wgmma_commit();
 
     // The staging tile of this warpgroup's previous dQ has been read by the copy engine (the thread that
@@ -501,7 +501,7 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
     wgmma_fence();
     issue_dq<BC, DQN, BF>(dq, ds_desc + (dsoff >> 4), kt_desc);
     wgmma_commit();
-    issue_dk<BR, D, BF>(dk, sf, qt_desc, qoff);
+    issue_key_rows_acc<BR, D, BF>(dk, sf, qt_desc, qoff);
     wgmma_commit();
     wgmma_wait<1>();  // dV and dQ have landed; dK may still run
     wgmma_hold(dq);
