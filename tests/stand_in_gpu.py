@@ -17,16 +17,17 @@ from __future__ import annotations
 import ctypes
 import struct
 
+import pytest
 import torch
 
 from flash_attention import dispatch, ops
 from flash_attention.jit import driver, host
 from flash_attention.jit.params import BwdParams, DecodeParams, FwdParams, FwdTmaParams
 from flash_attention.jit.sources import SEGMENTS
-from flash_attention.ops import backward, decode, forward, plans, tma
+from flash_attention.ops import backward, decode, forward, plans, repeat, tma
 from flash_attention.reference import attention_reference
 
-__all__ = ["StandInGpu", "install", "tensor_at"]
+__all__ = ["StandInGpu", "install", "repeat_mode_gpu", "tensor_at"]
 
 _FACTS = {
     "sm_90": {"arch": "sm_90", "gpu": "NVIDIA H100 80GB HBM3", "smem_limit": 227 * 1024},
@@ -589,3 +590,16 @@ def install(monkeypatch, arch: str = "sm_90", dtype: torch.dtype = torch.bfloat1
     monkeypatch.setattr(host, "ops_or_none", lambda: lib)
     ops.clear_plans()  # (the caller clears them again after: they hold stand-in kernels)
     return gpu
+
+
+@pytest.fixture(params=["python", "native"], name="gpu")
+def repeat_mode_gpu(request, monkeypatch):
+    """The sm_90 stand-in GPU (the fixture ``gpu`` of a module that imports this), with plans launching from
+    Python or as the host library's calls (``FLASH_ATTENTION_REPEAT_CALLS=native``; skipped where the library
+    cannot be built). The plans it made are forgotten after the test."""
+    monkeypatch.setattr(repeat, "MODE", request.param)
+    stand_in = install(monkeypatch, "sm_90")
+    if request.param == "native" and host.ops_or_none() is None:
+        pytest.skip("no host library here (no C++ compiler)")
+    yield stand_in
+    ops.clear_plans()

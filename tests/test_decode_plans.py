@@ -12,25 +12,12 @@ import random
 import pytest
 import torch
 from kvcache_cases import Case, check_case, make_inputs, random_case
-from stand_in_gpu import install
+from stand_in_gpu import repeat_mode_gpu  # noqa: F401 (the gpu fixture)
 
 from flash_attention import attention_with_kvcache, ops
 from flash_attention.configs.decode import num_splits_heuristic
-from flash_attention.jit import host
 from flash_attention.ops import decode, repeat
 from flash_attention.reference import attention_kvcache_reference
-
-
-@pytest.fixture(params=["python", "native"])
-def gpu(request, monkeypatch):
-    """The stand-in GPU, with plans launching from Python or as the host library's ``decode_call``
-    (``FLASH_ATTENTION_REPEAT_CALLS=native``; skipped where the library cannot be built)."""
-    monkeypatch.setattr(repeat, "MODE", request.param)
-    stand_in = install(monkeypatch, "sm_90")
-    if request.param == "native" and host.ops_or_none() is None:
-        pytest.skip("no host library here (no C++ compiler)")
-    yield stand_in
-    ops.clear_plans()
 
 
 def _natively_launched() -> bool:

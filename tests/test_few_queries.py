@@ -10,24 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from stand_in_gpu import install
+from stand_in_gpu import repeat_mode_gpu  # noqa: F401 (the gpu fixture)
 
 import flash_attention as fa
 from flash_attention import _few_queries, ops
 from flash_attention.ops import decode, repeat
 from flash_attention.reference import attention_reference
-
-
-@pytest.fixture(params=["python", "native"])
-def gpu(request, monkeypatch):
-    monkeypatch.setattr(repeat, "MODE", request.param)
-    stand_in = install(monkeypatch, "sm_90")
-    from flash_attention.jit import host
-
-    if request.param == "native" and host.ops_or_none() is None:
-        pytest.skip("no host library here (no C++ compiler)")
-    yield stand_in
-    ops.clear_plans()
 
 
 def _inputs(seed, b, sq, sk, hq, hkv, d=64):
