@@ -8,6 +8,7 @@ device."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import zlib
 
@@ -97,6 +98,17 @@ CASES = [
         "bf16",
     ),
 ]
+
+
+@contextlib.contextmanager
+def _no_host_sync():
+    """Raise on any device-to-host synchronisation inside (the queued work is finished first)."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def _make(case):
@@ -257,12 +269,8 @@ def test_a_varlen_call_never_synchronises_with_the_host():
     cu = _offsets(case[0])
     flash_attention.attention_varlen(q, k, v, cu, cu, causal=True)  # compiles, and caches the runs
     cu2 = cu.clone()  # new offsets: the runs are built again, on the device
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with _no_host_sync():
         out = flash_attention.attention_varlen(q, k, v, cu2, cu2, causal=True)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(out).all()
 
 
@@ -340,12 +348,8 @@ def test_without_the_opt_in_bad_offsets_are_not_read(monkeypatch):
     monkeypatch.delenv("FLASH_ATTENTION_CHECK_OFFSETS", raising=False)
     flash_attention.attention_varlen(q, k, v, _cuda([0, 300, 700]), _cuda([0, 300, 700]), causal=True)
     bad_q, bad_k = _cuda([0, 300, 200, 700]), _cuda([5, 300, 900, 800])
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with _no_host_sync():
         out = flash_attention.attention_varlen(q, k, v, bad_q, bad_k, causal=True)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()  # (a fault would surface here)
     assert out.shape == q.shape
 
