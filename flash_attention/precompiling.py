@@ -16,6 +16,7 @@ from collections.abc import Iterable
 
 import torch
 
+from flash_attention._validate import check_window
 from flash_attention.ops.device import KERNEL_DTYPES
 from flash_attention.ops.precompile import DeviceFacts, KernelJob, compile_jobs, kernel_jobs, square_lengths
 
@@ -109,10 +110,7 @@ def jobs_for_calls(
         raise ValueError(f"heads_q ({heads_q}) must be a multiple of heads_kv ({heads_kv})")
     if causal is not None and not isinstance(causal, bool):
         raise TypeError(f"causal must be True, False or None (both); got {causal!r}")
-    if window is not None and not (
-        isinstance(window, tuple) and len(window) == 2 and all(isinstance(w, int) for w in window)
-    ):
-        raise ValueError(f"window must be None or a (left, right) tuple of ints; got {window!r}")
+    window = check_window(window)  # what attention() takes: a (left, right) tuple or list, -1 unbounded
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap):
         raise ValueError(f"softcap must be a finite float >= 0 (0: none); got {softcap!r}")
     if softcap < 0:

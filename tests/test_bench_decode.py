@@ -104,3 +104,19 @@ def test_plain_attention_is_timed_on_the_same_cache_as_a_decode_call(monkeypatch
     rows = [_row("flash_attention", 8, 32768, 0, 0.40), _row(decode.PLAIN_CALL, 8, 32768, 0, 0.80)]
     text = decode_text(dict(gpu="Test GPU", copy_tb_s=3.0, rows=rows))
     assert "flash_attention.attention µs" in text and text.splitlines()[-1].split()[-1] == "0.50×"
+
+
+def test_the_decode_grid_times_plain_attention_and_the_baselines_at_every_query_count():
+    # Without --impls the grid times plain attention() beside ours and SDPA (the sweeps' default names no
+    # plain call, which once left it out of the grid); --impls narrows it, and names the plain call.
+    from flash_attention.tools.bench import decode
+    from flash_attention.tools.bench.cli import decode_impls
+
+    default = build_parser().parse_args(["--mode", "decode"]).impls
+    assert decode_impls(default) == decode.DECODE_IMPLS and decode.PLAIN_CALL in decode_impls(default)
+    named = "flash_attention.attention,sdpa_cudnn"
+    picked = build_parser().parse_args(["--mode", "decode", "--impls", named])
+    assert decode_impls(picked.impls) == ("sdpa_cudnn", decode.PLAIN_CALL)
+    # A contiguous cache: all of them, whatever seqlen_q; a paged one: ours alone.
+    assert decode.impls_at(decode.DECODE_IMPLS, 0) == list(decode.DECODE_IMPLS)
+    assert decode.impls_at(decode.DECODE_IMPLS, 16) == ["flash_attention"]

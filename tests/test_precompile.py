@@ -57,6 +57,8 @@ def test_variants_name_their_builds():
     assert all(
         n.endswith("[window+softcap]") for n in fa.precompile(128, window=(511, 0), softcap=30.0, **kw)
     )
+    # A window is taken in every form attention() takes (a list too: a config read from JSON has lists).
+    assert fa.precompile(128, window=[511, 0], **kw) == fa.precompile(128, window=(511, 0), **kw)
     assert all(n.endswith("[alibi]") for n in fa.precompile(64, alibi=True, **kw))
     assert all(n.endswith("[softcap_alibi]") for n in fa.precompile(64, alibi=True, softcap=5.0, **kw))
     assert all(

@@ -33,6 +33,8 @@ from .results import (
     DEFAULT_OUTPUT,
     KNOWN_IMPLS,
     OURS,
+    OURS_DETERMINISTIC,
+    OURS_PLAIN_CALL,
     load_results,
     newest_results,
     write_results,
@@ -152,8 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--impls",
         type=_impl_list,
         default=DEFAULT_IMPLS,
-        help=f"comma-separated (default {','.join(DEFAULT_IMPLS)}; also {KNOWN_IMPLS[-1]}: ours with "
-        "deterministic=True, backward modes)",
+        help=f"comma-separated (default {','.join(DEFAULT_IMPLS)}; also {OURS_DETERMINISTIC}: ours with "
+        f"deterministic=True, backward modes; {OURS_PLAIN_CALL}: plain attention(), --mode decode, where the "
+        "default is flash_attention,sdpa_cudnn,sdpa_flash and it)",
     )
     p.add_argument(
         "--config",
@@ -509,11 +512,19 @@ def _main_fallback(args: argparse.Namespace) -> int:
     return 0
 
 
+def decode_impls(requested: tuple[str, ...]) -> tuple[str, ...]:
+    """The implementations ``--mode decode`` times: without ``--impls`` the decode grid's own set (plain
+    ``attention()`` included, which the sweeps' default does not name); with it, those it names that decode
+    has."""
+    from .decode import DECODE_IMPLS
+
+    return DECODE_IMPLS if requested == DEFAULT_IMPLS else tuple(i for i in DECODE_IMPLS if i in requested)
+
+
 def _main_decode(args: argparse.Namespace, reps: int, min_time: float) -> int:
     """``--mode decode``: :mod:`.decode`'s grid, saved with the same run's copy bandwidth (tag 'decode')."""
     from .decode import (
         DECODE_BATCHES,
-        DECODE_IMPLS,
         DECODE_PAGE_SIZES,
         DECODE_SEQLENS,
         DecodeSettings,
@@ -523,9 +534,8 @@ def _main_decode(args: argparse.Namespace, reps: int, min_time: float) -> int:
         run_decode,
     )
 
-    impls = tuple(i for i in args.impls if i in DECODE_IMPLS)
     settings = DecodeSettings(
-        impls=impls,
+        impls=decode_impls(args.impls),
         batches=args.batches or DECODE_BATCHES,
         seqlens=args.seqlens or DECODE_SEQLENS,
         page_sizes=args.page_sizes if args.page_sizes is not None else DECODE_PAGE_SIZES,

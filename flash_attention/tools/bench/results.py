@@ -16,6 +16,7 @@ __all__ = [
     "DEFAULT_OUTPUT",
     "KNOWN_IMPLS",
     "OURS_DETERMINISTIC",
+    "OURS_PLAIN_CALL",
     "OURS",
     "RESULT_KEYS",
     "ROW_KEYS",
@@ -39,7 +40,10 @@ DEFAULT_IMPLS = (OURS, "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex", "fa
 #: Ours with ``deterministic=True`` (backward modes only; not in the default sweep): the mode's cost against
 #: OURS in the same run.
 OURS_DETERMINISTIC = "flash_attention_deterministic"
-KNOWN_IMPLS = (*DEFAULT_IMPLS, OURS_DETERMINISTIC)
+#: Plain ``attention()`` on a decode grid's contiguous cache (``--mode decode`` only): the call of a user who
+#: decodes with a loop of their own, which must be as fast as ``attention_with_kvcache`` (it may route there).
+OURS_PLAIN_CALL = "flash_attention.attention"
+KNOWN_IMPLS = (*DEFAULT_IMPLS, OURS_DETERMINISTIC, OURS_PLAIN_CALL)
 
 #: Keys every result file and every row has (DESIGN.md "Benchmarks"); tools read these and nothing else.
 RESULT_KEYS = ("gpu", "driver", "cuda", "torch", "commit", "matmul_tflops", "rows")
