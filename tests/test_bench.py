@@ -562,6 +562,19 @@ def test_uncommitted_sources_are_refused_unless_allowed(monkeypatch):
     monkeypatch.setattr(provenance, "git_commit", lambda: None)
     monkeypatch.setattr(provenance, "dirty_sources", lambda: None)
     assert record_provenance("def5678")["commit"] == "def5678"
+    # A copy whose git metadata is older than its files (a GPU machine's): the named commit is recorded, the
+    # stale HEAD beside it, and the files are not compared with that HEAD; the digest ties the result to the
+    # named commit's code when the result is checked.
+    monkeypatch.setattr(provenance, "git_commit", lambda: "0ld0000")
+    monkeypatch.setattr(provenance, "dirty_sources", lambda: ["flash_attention/ops/forward.py"])
+    block = record_provenance("def5678")
+    assert block == {
+        "commit": "def5678",
+        "source_digest": provenance.source_digest(),
+        "git_commit": "0ld0000",
+    }
+    with pytest.raises(SystemExit, match="uncommitted"):
+        record_provenance("0ld0000")  # the local HEAD named: its files are compared with it
 
 
 def test_this_checkout_is_its_own_provenance():

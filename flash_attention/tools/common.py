@@ -111,12 +111,19 @@ def _package_version() -> str:
 def record_provenance(commit: str | None = None, allow_dirty: bool = False) -> dict:
     """The ``commit`` / ``source_digest`` block of a result file (:mod:`.provenance`).
 
-    ``commit`` is what the caller says the code is (``--commit``, for a copy without git metadata). Where git
-    can tell, a package whose sources differ from HEAD is refused (SystemExit naming the files) unless
-    ``allow_dirty``; such a result is marked ``dirty`` and no README is ever generated from it.
+    ``commit`` is what the caller says the code is (``--commit``, for a copy without git metadata, or whose
+    git metadata is older than its files, as a GPU machine's copy of a working tree can be). Where git can
+    tell, a package whose sources differ from HEAD is refused (SystemExit naming the files) unless
+    ``allow_dirty``; such a result is marked ``dirty`` and no README is ever generated from it. A ``commit``
+    that is not the local HEAD skips that check (it would compare the files with the wrong commit): the
+    result's ``source_digest`` is checked against that commit's sources when the result is used
+    (:func:`.provenance.check_result`), so code that is not the commit's is still refused then.
     """
     git = provenance.git_commit()
-    dirty = provenance.dirty_sources() or []
+    other_commit = (
+        commit is not None and git is not None and not (git.startswith(commit) or commit.startswith(git))
+    )
+    dirty = [] if other_commit else provenance.dirty_sources() or []
     if dirty and not allow_dirty:
         raise SystemExit(
             "refusing to record a measurement of uncommitted code; commit first (or pass --allow-dirty for a "
@@ -126,7 +133,7 @@ def record_provenance(commit: str | None = None, allow_dirty: bool = False) -> d
         "commit": commit or git or "unknown",
         "source_digest": provenance.source_digest(),
     }
-    if git is not None and commit is not None and not git.startswith(commit) and not commit.startswith(git):
+    if other_commit:
         block["git_commit"] = git  # kept beside the caller's, so a mismatch shows
     if dirty:
         block["dirty"] = True
