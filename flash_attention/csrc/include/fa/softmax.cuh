@@ -99,9 +99,10 @@ __device__ __forceinline__ float online_softmax_row(const Acc& s, int mt, int r,
 // row's reference max (bounded_lse_from_fp32_sum), so that the epilogue's O / L_r and max + log L_r give
 // both. The returned value is L's part (the fp32 sum); `rounded_sum` gets L_r's when kRoundHere: each pair
 // is rounded here (cvt.rn.bf16x2, then exact unpacking) for a caller whose P changes before it is packed
-// (dropout). Otherwise the caller adds the packed P (fa/fwd_wgmma.cuh add_p_row_sums): rounding here too
-// doubled the conversions, which share the SFU's quarter-rate pipe with the tanh and the exp2 (kernel log
-// 116: +5% at head_dim 128).
+// (dropout). Otherwise the caller sums the packed P on the tensor cores (P times a tile of ones, in the
+// P V group; fwd_ws): rounding here too doubled the conversions, which share the SFU's quarter-rate pipe
+// with the tanh and the exp2 (kernel log 116: +5% at head_dim 128), and summing the unpacked pairs on the
+// CUDA cores cost the forward 11% there.
 constexpr float kFixedMaxCap = 56.f;
 template <bool kRoundHere, class Acc>
 __device__ __forceinline__ float bounded_softmax_row(const Acc& s, int mt, int r, float cap_log2,
@@ -144,11 +145,13 @@ __device__ __forceinline__ float quad_sum(float partial) {
 // (this thread's partial of L) becomes its partial of L_r, so that the epilogue's O / L_r and LSE
 // = max scale + log L_r = origin + log L are the two sums' (above). Every lane of the quad computes the same
 // adjustment from the quad's sums. A row with no visible key keeps its state (both sums 0).
+// `rounded_sum` is this thread's partial (the quad adds them) when `partial`, else the row's whole sum (the
+// tensor cores' L_r), which the epilogue's quad sum then takes as four quarters (exact: a power of 2).
 __device__ __forceinline__ void bounded_lse_from_fp32_sum(float& row_max, float& row_sum, float rounded_sum,
-                                                          float scale) {
-  const float l = quad_sum(row_sum), l_rounded = quad_sum(rounded_sum);
+                                                          float scale, bool partial = true) {
+  const float l = quad_sum(row_sum), l_rounded = partial ? quad_sum(rounded_sum) : rounded_sum;
   if (l_rounded > 0.f) row_max += __logf(l / l_rounded) / scale;
-  row_sum = rounded_sum;
+  row_sum = partial ? rounded_sum : 0.25f * rounded_sum;
 }
 
 // The factor that normalises O's row: 1 / L, or 0 for a row that saw no key (its O is 0 too).

@@ -16,6 +16,62 @@ template <int N, bool kIsBF16>
 struct Wgmma;
 
 template <>
+struct Wgmma<8, true> {
+  // A (64 x 16) and B (16 x 8) both K-major in shared memory.
+  static __device__ __forceinline__ void ss(float (&d)[4], u64 a, u64 b,
+                                             int accumulate) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, %4, %5, p, 1, 1, 0, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "l"(a), "l"(b), "r"(accumulate));
+  }
+  // A (64 x 16) and B (16 x 8) both MN-major (transposed) in shared memory.
+  static __device__ __forceinline__ void ss_tt(float (&d)[4], u64 a, u64 b,
+                                                int accumulate) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, %4, %5, p, 1, 1, 1, 1;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "l"(a), "l"(b), "r"(accumulate));
+  }
+  // A in registers (the m64nNk16 A fragment), B (8 columns) MN-major in shared memory.
+  static __device__ __forceinline__ void rs_bt(float (&d)[4], const u32 (&a)[4], u64 b,
+                                                int accumulate) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1, 1;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+  }
+};
+
+template <>
+struct Wgmma<8, false> {
+  // A (64 x 16) and B (16 x 8) both K-major in shared memory.
+  static __device__ __forceinline__ void ss(float (&d)[4], u64 a, u64 b,
+                                             int accumulate) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0, %1, %2, %3}, %4, %5, p, 1, 1, 0, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "l"(a), "l"(b), "r"(accumulate));
+  }
+  // A (64 x 16) and B (16 x 8) both MN-major (transposed) in shared memory.
+  static __device__ __forceinline__ void ss_tt(float (&d)[4], u64 a, u64 b,
+                                                int accumulate) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0, %1, %2, %3}, %4, %5, p, 1, 1, 1, 1;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "l"(a), "l"(b), "r"(accumulate));
+  }
+  // A in registers (the m64nNk16 A fragment), B (8 columns) MN-major in shared memory.
+  static __device__ __forceinline__ void rs_bt(float (&d)[4], const u32 (&a)[4], u64 b,
+                                                int accumulate) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1, 1;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+  }
+};
+
+template <>
 struct Wgmma<16, true> {
   // A (64 x 16) and B (16 x 16) both K-major in shared memory.
   static __device__ __forceinline__ void ss(float (&d)[8], u64 a, u64 b,

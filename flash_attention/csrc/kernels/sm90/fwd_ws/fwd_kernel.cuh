@@ -96,6 +96,9 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
   // Tiles start on 1024-byte boundaries (the 128-byte swizzle's period, assumed by TMA and the wgmma
   // descriptors alike); the dynamic window is only 16-byte aligned, so the block asks for 1 KB more.
   extern __shared__ __align__(16) unsigned char smem[];
+  // (kSumPackedP below, early: the ones tile is set up with the barriers)
+  constexpr bool kSumPackedPOnes =
+      BF && !Cfg::kPingpong && ScoreModBounded<typename V::ScoreMod>::value && !kDropout;
   const u32 sQ = (smem_addr(smem) + 1023u) & ~1023u;
   // Q buffers: with tile_overlap two, the tiles taking turns, so that the next tile's Q is loaded as soon
   // as the producer reaches that tile (a ring depth ahead of the consumers) rather than when every consumer
@@ -135,6 +138,15 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
       mbar_init(v_empty(s), 4 * NC);
     }
     mbar_init_fence();
+  }
+  // The bounded softmax's L_r on the tensor cores (kSumPackedP builds): P V's P fragments against a 16 x 8
+  // tile of bf16 ones (0x3F80). With both of its descriptor's strides 0 every core matrix of the B operand
+  // is these 128 bytes, so the tile needs no more room than one core matrix. Written by the generic proxy
+  // and read by wgmma (the async proxy): fenced before the barrier below.
+  __shared__ __align__(128) unsigned s_ones[kSumPackedPOnes ? 32 : 1];
+  if constexpr (kSumPackedPOnes) {
+    if (threadIdx.x < 32) s_ones[threadIdx.x] = 0x3F803F80u;
+    fence_proxy_async();
   }
   // The only block-wide barrier: the mbarriers are initialised before anyone waits on or completes them.
   __syncthreads();
@@ -316,14 +328,16 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
   // window unchanged against plain attention; d128 took it first (kernel log 99).
   constexpr bool kBoundable = BF && !Cfg::kPingpong && ScoreModBounded<typename V::ScoreMod>::value;
   // O is divided by the sum of P as P V takes it, rounded to bf16 (L_r, row_sum_p below), and the LSE keeps
-  // the fp32 sum (fa/softmax.cuh says why). L_r comes from the packed P (s_to_p, then add_p_row_sums)
-  // unless dropout changes P between the softmax and the packing, when the softmax rounds and sums
-  // itself. The overlap schedule adds P_j's sums just after issuing P_j V_j, so they run under that
-  // product: reading pf while the wgmma reads it is allowed. Packing S_j's P into a second register set
-  // before the wait and copying it into pf after made ptxas serialize every wgmma (C7513: non-wgmma
-  // instructions defining a wgmma's input registers inside its pipeline stage): +21% d128, +46% d256
-  // (kernel log 116).
+  // the fp32 sum (fa/softmax.cuh says why). L_r comes from the tensor cores: each P V group also multiplies
+  // the packed P by a tile of ones (m64n8k16 per k-step, 1/16 of P V's work at head_dim 128), whose result
+  // is every row's sum in every column; the CUDA cores keep only the fp32 sum they had. With dropout P
+  // changes before it is packed, so the softmax rounds and sums it itself. Rejected: summing the packed P
+  // on the CUDA cores under P V (+11% d128, kernel log 116); packing S_j's P into a second register set
+  // before the wait, which made ptxas serialize every wgmma (C7513): +21% d128, +46% d256.
   constexpr bool kSumPackedP = kBoundable && !kDropout;
+  static_assert(kSumPackedP == kSumPackedPOnes, "the ones tile is set up for exactly the packed-sum builds");
+  // No swizzle (layout 0), both strides 0: every core matrix of B is the ones tile (above).
+  const u64 ones_desc = (u64)((smem_addr(s_ones) & 0x3FFFFu) >> 4);
   // The online softmax's reference max moves only by more than kLazyMargin (fa/softmax.cuh), and O's
   // rescale (D / 2 multiplies per thread) is skipped where no row of a warp moved it. At head_dim 256 only,
   // where two A/B runs agreed (kernel log 106, H200, random inputs: -4% by the fastest rounds, either
@@ -362,7 +376,9 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
   // with Cfg::kTileOverlap held past the tile's end until its epilogue has run (below).
   float o[NO * 4];
   float row_max[2], row_sum[2];
-  float row_sum_p[2];  // the bounded softmax's L_r (kBoundable builds; dead code elsewhere)
+  // The bounded softmax's L_r (kSumPackedP builds; dead code elsewhere): the m64n8 accumulator of P times
+  // the ones tile, whose every column is a row's sum; this thread holds rows g (0, 1) and g + 8 (2, 3).
+  float row_sum_p[4];
   // Where this warpgroup stages its output rows in the per-warpgroup epilogue below: persistent, its part of
   // the output tile sO (PanelTile<64>); otherwise its own rows of the Q tile (PanelTile<BR>).
   const u32 sOw = Cfg::kPersistent ? sO + cwg * 64 * D * 2 : sQ + cwg * 64 * 128;
@@ -490,7 +506,7 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
       for (int i = 0; i < NO * 4; ++i) o[i] = 0.f;
       row_max[0] = row_max[1] = bounded ? bounded_max : neg_inf();
       row_sum[0] = row_sum[1] = 0.f;
-      row_sum_p[0] = row_sum_p[1] = 0.f;
+      row_sum_p[0] = row_sum_p[1] = row_sum_p[2] = row_sum_p[3] = 0.f;
     };
     if constexpr (!kTileOverlap) reset_accumulators();  // (tile_overlap: after the previous tile's epilogue)
 
@@ -506,6 +522,12 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
     auto issue_pv_at = [&](const u32(&pf)[KS][4], int it) {  // O += P V of block it
       wgmma_fence();
       issue_pv<BC, D, BF>(o, pf, v_desc + ((slot(it) * kTile) >> 4));
+      if constexpr (kSumPackedP)
+        if (bounded) {  // L_r += P 1, in the same group (fa/softmax.cuh). (Issued
+          // unconditionally it saved ptxas's injected warpgroup.arrive, C7519, but d64 and d256 then spilled.)
+#pragma unroll
+          for (int ks = 0; ks < KS; ++ks) Wgmma<8, true>::rs_bt(row_sum_p, pf[ks], ones_desc, 1);
+        }
       wgmma_commit();
     };
     // The variant's score function and mask (fa/variant.cuh), the online softmax step and dropout of S in
@@ -523,7 +545,7 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
           mask.mask_query_rows(acc_tile(sacc), q_start + warp_row0, kv_start, g, t);
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
-            row_sum[r] += bounded_softmax_row<!kSumPackedP>(acc_tile(sacc), 0, r, cap_log2, row_sum_p[r]);
+            row_sum[r] += bounded_softmax_row<!kSumPackedP>(acc_tile(sacc), 0, r, cap_log2, row_sum_p[2 * r]);
             alpha[r] = 1.f;
           }
           if constexpr (kDropout)
@@ -630,13 +652,12 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
         rescale_o(alpha);
         u32 pf[KS][4];
         s_to_p<BC, BF>(pf, sacc);
-        if constexpr (kSumPackedP)
-          if (bounded) add_p_row_sums<BC>(row_sum_p, pf);
         mbar_wait(v_full(slot(it)), phase(it));
         issue_pv_at(pf, it);
         pass_turn();
         wgmma_wait<0>();
         wgmma_hold(o);
+        if constexpr (kSumPackedP) wgmma_hold(row_sum_p);
         FA_TIMELINE_EVENT(tl, kPVDone, it);
 #if FA_TRACE
         trace_pv(it);
@@ -687,8 +708,6 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
         take_turn();
         issue_s_at(sacc, it);
         issue_pv_at(pf, it - 1);
-        if constexpr (kSumPackedP)
-          if (bounded) add_p_row_sums<BC>(row_sum_p, pf);  // P_{j-1}'s, under its product
         FA_TIMELINE_EVENT(tl, kSIssued, it);
         pass_turn();
         wgmma_wait<1>();  // S_j has landed; P_{j-1} V_{j-1} may still run
@@ -714,6 +733,7 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
 #endif
         wgmma_wait<0>();
         wgmma_hold(o);
+        if constexpr (kSumPackedP) wgmma_hold(row_sum_p);
         FA_TIMELINE_EVENT(tl, kPVDone, it - 1);
 #if FA_TRACE
         trace_pv(it - 1);  // the previous step's O, before this step's rescale
@@ -725,11 +745,10 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
       mbar_wait(v_full(slot(n_iter - 1)), phase(n_iter - 1));
       take_turn();
       issue_pv_at(pf, n_iter - 1);
-      if constexpr (kSumPackedP)
-        if (bounded) add_p_row_sums<BC>(row_sum_p, pf);
       pass_turn();
       wgmma_wait<0>();
       wgmma_hold(o);
+      if constexpr (kSumPackedP) wgmma_hold(row_sum_p);
       FA_TIMELINE_EVENT(tl, kPVDone, n_iter - 1);
 #if FA_TRACE
       trace_pv(n_iter - 1);
@@ -739,7 +758,8 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
     if constexpr (kBoundable) {
       if (bounded) {  // O / L_r with the LSE of L (fa/softmax.cuh bounded_lse_from_fp32_sum)
 #pragma unroll
-        for (int r = 0; r < 2; ++r) bounded_lse_from_fp32_sum(row_max[r], row_sum[r], row_sum_p[r], p.scale);
+        for (int r = 0; r < 2; ++r)
+          bounded_lse_from_fp32_sum(row_max[r], row_sum[r], row_sum_p[2 * r], p.scale, !kSumPackedP);
       }
     }
     if (cwg == 0) take_turn();  // the turn warpgroup 1 passed after its last issue
