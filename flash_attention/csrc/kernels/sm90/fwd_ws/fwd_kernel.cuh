@@ -522,12 +522,20 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
     auto issue_pv_at = [&](const u32(&pf)[KS][4], int it) {  // O += P V of block it
       wgmma_fence();
       issue_pv<BC, D, BF>(o, pf, v_desc + ((slot(it) * kTile) >> 4));
-      if constexpr (kSumPackedP)
-        if (bounded) {  // L_r += P 1, in the same group (fa/softmax.cuh). (Issued
-          // unconditionally it saved ptxas's injected warpgroup.arrive, C7519, but d64 and d256 then spilled.)
+      // L_r += P 1, in the same group (fa/softmax.cuh). At head_dim 128 issued whatever `bounded` is (a cap
+      // past kFixedMaxCap then pays an unused product): behind the run-time condition ptxas injected a
+      // warpgroup.arrive (C7519) eight times per build, on which the causal build's warps stalled three times
+      // as often as main's (22% of stall samples; that build 7% slower than main, kernel log 119).
+      // Unconditional, the head_dim-128 builds have none (the persistent one keeps the two injected
+      // warpgroup.waits, C7517, that main's has too), but the head_dim-64 and -256 builds spilled, so the
+      // condition stays there.
+      constexpr bool kOnesAlways = D == 128;
+      if constexpr (kSumPackedP) {
+        if (kOnesAlways || bounded) {
 #pragma unroll
           for (int ks = 0; ks < KS; ++ks) Wgmma<8, true>::rs_bt(row_sum_p, pf[ks], ones_desc, 1);
         }
+      }
       wgmma_commit();
     };
     // The variant's score function and mask (fa/variant.cuh), the online softmax step and dropout of S in
