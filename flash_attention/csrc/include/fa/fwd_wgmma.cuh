@@ -42,6 +42,25 @@ __device__ __forceinline__ void s_to_p(u32 (&pf)[BC / 16][4], float (&s)[BC / 2]
   for (int ks = 0; ks < BC / 16; ++ks) acc_to_a_frag<BF>(pf[ks], acc_tile(s), 0, ks);
 }
 
+// The bounded softmax's L_r on the CUDA cores (fa/softmax.cuh bounded_softmax_row; head_dim 256, where the
+// tensor cores' ones product measured slower, fwd_ws): this thread's partial sums of its two rows += P
+// exactly as P V takes it, from the packed bf16 pairs of s_to_p (registers 0 and 2 of a k-step hold row g,
+// 1 and 3 row g + 8); unpacking is exact, two integer operations per pair. The sums go where the ones
+// product's m64n8 accumulator keeps its rows (row g in 0, row g + 8 in 2), so both forms share one array.
+template <int BC>
+__device__ __forceinline__ void add_p_row_sums(float (&row_sum)[4], const u32 (&pf)[BC / 16][4]) {
+#pragma unroll
+  for (int ks = 0; ks < BC / 16; ++ks)
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int h = 0; h < 4; h += 2) {
+        float lo, hi;
+        unpack2<true>(pf[ks][r + h], lo, hi);
+        row_sum[2 * r] += lo + hi;
+      }
+}
+
 // O / L of this thread's two rows, packed and stored into the rows' place in the staging tile `s_tile`
 // (laid out by Tile, fa/smem_layout.cuh), and the rows' LSE when the caller wants it (gL not null; kFolded:
 // the softmax's form, fa/softmax.cuh); with the head's attention sink `sink` (head_sink; -inf: none) in

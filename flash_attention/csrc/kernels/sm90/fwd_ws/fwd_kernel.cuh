@@ -96,9 +96,9 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
   // Tiles start on 1024-byte boundaries (the 128-byte swizzle's period, assumed by TMA and the wgmma
   // descriptors alike); the dynamic window is only 16-byte aligned, so the block asks for 1 KB more.
   extern __shared__ __align__(16) unsigned char smem[];
-  // (kSumPackedP below, early: the ones tile is set up with the barriers)
+  // (kSumPackedP and kSumOnCudaCores below; early, as the ones tile is set up with the barriers)
   constexpr bool kSumPackedPOnes =
-      BF && !Cfg::kPingpong && ScoreModBounded<typename V::ScoreMod>::value && !kDropout;
+      BF && !Cfg::kPingpong && ScoreModBounded<typename V::ScoreMod>::value && !kDropout && D <= 128;
   const u32 sQ = (smem_addr(smem) + 1023u) & ~1023u;
   // Q buffers: with tile_overlap two, the tiles taking turns, so that the next tile's Q is loaded as soon
   // as the producer reaches that tile (a ring depth ahead of the consumers) rather than when every consumer
@@ -139,7 +139,7 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
     }
     mbar_init_fence();
   }
-  // The bounded softmax's L_r on the tensor cores (kSumPackedP builds): P V's P fragments against a 16 x 8
+  // The bounded softmax's L_r on the tensor cores (kSumPackedPOnes builds): P V's P fragments against a 16 x 8
   // tile of bf16 ones (0x3F80). With both of its descriptor's strides 0 every core matrix of the B operand
   // is these 128 bytes, so the tile needs no more room than one core matrix. Written by the generic proxy
   // and read by wgmma (the async proxy): fenced before the barrier below.
@@ -328,14 +328,20 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
   // window unchanged against plain attention; d128 took it first (kernel log 99).
   constexpr bool kBoundable = BF && !Cfg::kPingpong && ScoreModBounded<typename V::ScoreMod>::value;
   // O is divided by the sum of P as P V takes it, rounded to bf16 (L_r, row_sum_p below), and the LSE keeps
-  // the fp32 sum (fa/softmax.cuh says why). L_r comes from the tensor cores: each P V group also multiplies
-  // the packed P by a tile of ones (m64n8k16 per k-step, 1/16 of P V's work at head_dim 128), whose result
-  // is every row's sum in every column; the CUDA cores keep only the fp32 sum they had. With dropout P
-  // changes before it is packed, so the softmax rounds and sums it itself. Rejected: summing the packed P
-  // on the CUDA cores under P V (+11% d128, kernel log 116); packing S_j's P into a second register set
-  // before the wait, which made ptxas serialize every wgmma (C7513): +21% d128, +46% d256.
+  // the fp32 sum (fa/softmax.cuh says why). L_r comes from the tensor cores at head_dim 64 and 128 (256:
+  // below): each P V group also multiplies the packed P by a tile of ones (m64n8k16 per k-step, 1/16 of
+  // P V's work at head_dim 128), whose result is every row's sum in every column; the CUDA cores keep only
+  // the fp32 sum they had. With dropout P changes before it is packed, so the softmax rounds and sums it
+  // itself. Rejected: summing the packed P on the CUDA cores under P V at head_dim 128 (+11%, kernel log
+  // 116); packing S_j's P into a second register set before the wait, which made ptxas serialize every
+  // wgmma (C7513): +21% d128, +46% d256.
   constexpr bool kSumPackedP = kBoundable && !kDropout;
-  static_assert(kSumPackedP == kSumPackedPOnes, "the ones tile is set up for exactly the packed-sum builds");
+  // Head_dim 256 sums the packed P on the CUDA cores instead (add_p_row_sums, under P V): the ones product
+  // was 2.2% slower causal and 0.5% non-causal there, against 7-9% faster at head_dim 64 (H200, kernel
+  // log 120).
+  constexpr bool kSumOnCudaCores = kSumPackedP && D > 128;
+  static_assert(kSumPackedPOnes == (kSumPackedP && !kSumOnCudaCores),
+                "the ones tile is set up for exactly the tensor cores' packed-sum builds");
   // No swizzle (layout 0), both strides 0: every core matrix of B is the ones tile (above).
   const u64 ones_desc = (u64)((smem_addr(s_ones) & 0x3FFFFu) >> 4);
   // The online softmax's reference max moves only by more than kLazyMargin (fa/softmax.cuh), and O's
@@ -377,7 +383,8 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
   float o[NO * 4];
   float row_max[2], row_sum[2];
   // The bounded softmax's L_r (kSumPackedP builds; dead code elsewhere): the m64n8 accumulator of P times
-  // the ones tile, whose every column is a row's sum; this thread holds rows g (0, 1) and g + 8 (2, 3).
+  // the ones tile, whose every column is a row's sum; this thread holds rows g (0, 1) and g + 8 (2, 3)
+  // (add_p_row_sums, the CUDA cores' form, keeps its partial sums in 0 and 2).
   float row_sum_p[4];
   // Where this warpgroup stages its output rows in the per-warpgroup epilogue below: persistent, its part of
   // the output tile sO (PanelTile<64>); otherwise its own rows of the Q tile (PanelTile<BR>).
@@ -527,10 +534,10 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
       // warpgroup.arrive (C7519) eight times per build, on which the causal build's warps stalled three times
       // as often as main's (22% of stall samples; that build 7% slower than main, kernel log 119).
       // Unconditional, the head_dim-128 builds have none (the persistent one keeps the two injected
-      // warpgroup.waits, C7517, that main's has too), but the head_dim-64 and -256 builds spilled, so the
-      // condition stays there.
+      // warpgroup.waits, C7517, that main's has too), but the head_dim-64 build spilled, so the condition
+      // stays there.
       constexpr bool kOnesAlways = D == 128;
-      if constexpr (kSumPackedP) {
+      if constexpr (kSumPackedPOnes) {
         if (kOnesAlways || bounded) {
 #pragma unroll
           for (int ks = 0; ks < KS; ++ks) Wgmma<8, true>::rs_bt(row_sum_p, pf[ks], ones_desc, 1);
@@ -660,12 +667,14 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
         rescale_o(alpha);
         u32 pf[KS][4];
         s_to_p<BC, BF>(pf, sacc);
+        if constexpr (kSumOnCudaCores)
+          if (bounded) add_p_row_sums<BC>(row_sum_p, pf);
         mbar_wait(v_full(slot(it)), phase(it));
         issue_pv_at(pf, it);
         pass_turn();
         wgmma_wait<0>();
         wgmma_hold(o);
-        if constexpr (kSumPackedP) wgmma_hold(row_sum_p);
+        if constexpr (kSumPackedPOnes) wgmma_hold(row_sum_p);
         FA_TIMELINE_EVENT(tl, kPVDone, it);
 #if FA_TRACE
         trace_pv(it);
@@ -716,6 +725,8 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
         take_turn();
         issue_s_at(sacc, it);
         issue_pv_at(pf, it - 1);
+        if constexpr (kSumOnCudaCores)
+          if (bounded) add_p_row_sums<BC>(row_sum_p, pf);  // P_{j-1}'s, under its product
         FA_TIMELINE_EVENT(tl, kSIssued, it);
         pass_turn();
         wgmma_wait<1>();  // S_j has landed; P_{j-1} V_{j-1} may still run
@@ -741,7 +752,7 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
 #endif
         wgmma_wait<0>();
         wgmma_hold(o);
-        if constexpr (kSumPackedP) wgmma_hold(row_sum_p);
+        if constexpr (kSumPackedPOnes) wgmma_hold(row_sum_p);
         FA_TIMELINE_EVENT(tl, kPVDone, it - 1);
 #if FA_TRACE
         trace_pv(it - 1);  // the previous step's O, before this step's rescale
@@ -753,10 +764,12 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
       mbar_wait(v_full(slot(n_iter - 1)), phase(n_iter - 1));
       take_turn();
       issue_pv_at(pf, n_iter - 1);
+      if constexpr (kSumOnCudaCores)
+        if (bounded) add_p_row_sums<BC>(row_sum_p, pf);
       pass_turn();
       wgmma_wait<0>();
       wgmma_hold(o);
-      if constexpr (kSumPackedP) wgmma_hold(row_sum_p);
+      if constexpr (kSumPackedPOnes) wgmma_hold(row_sum_p);
       FA_TIMELINE_EVENT(tl, kPVDone, n_iter - 1);
 #if FA_TRACE
       trace_pv(n_iter - 1);
@@ -767,7 +780,7 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
       if (bounded) {  // O / L_r with the LSE of L (fa/softmax.cuh bounded_lse_from_fp32_sum)
 #pragma unroll
         for (int r = 0; r < 2; ++r)
-          bounded_lse_from_fp32_sum(row_max[r], row_sum[r], row_sum_p[2 * r], p.scale, !kSumPackedP);
+          bounded_lse_from_fp32_sum(row_max[r], row_sum[r], row_sum_p[2 * r], p.scale, !kSumPackedPOnes);
       }
     }
     if (cwg == 0) take_turn();  // the turn warpgroup 1 passed after its last issue
