@@ -100,7 +100,8 @@ class _Kernel:
     def ensure_dynamic_smem(self, nbytes: int, index: int) -> None:
         pass
 
-    def launch(self, grid, block, smem, stream, params) -> None:
+    def launch(self, grid, block, smem, stream, params, programmatic=False) -> None:
+        self.gpu.programmatic.append((self.kind, programmatic))
         self.gpu.run(self, params)
 
 
@@ -139,6 +140,7 @@ class StandInGpu:
     def __init__(self, dtype: torch.dtype, arch: str):
         self.dtype, self.arch = dtype, arch
         self.launches: list[str] = []
+        self.programmatic: list[tuple] = []  # (kernel kind, queued programmatically) of each Python launch
         # (config name, arch, window build, score, ranged, dropout) of each backward build loaded, and of
         # each one a training call asked to compile ahead (ops.backward.prefetch)
         self.backward_builds: list[tuple] = []
@@ -158,9 +160,10 @@ class StandInGpu:
 
     # The host library's driver entry points (its node launches through them).
     def install_driver(self, host_ops) -> None:
-        def launch(kernel, gx, gy, gz, bx, by, bz, smem, stream, args, extra):
+        def launch(kernel, gx, gy, gz, bx, by, bz, smem, stream, args, extra, programmatic=False):
             try:
                 stand_in = self._kernels[kernel]
+                self.programmatic.append((stand_in.kind, programmatic))
                 size = ctypes.sizeof(stand_in.params_type)
                 p = stand_in.params_type.from_buffer_copy((ctypes.c_char * size).from_address(args[0]))
                 self.run(stand_in, p)
@@ -194,7 +197,17 @@ class StandInGpu:
                 return 999
             return 0
 
-        self._callbacks = host.set_stand_in_driver(host_ops, launch, get, lambda ctx: 0, error, encode)
+        def launch_ex(config, kernel, args, extra):  # cuLaunchKernelEx: only ever with the one attribute
+            c = config.contents
+            attrs = [(c.attrs[i].id, c.attrs[i].value) for i in range(c.num_attrs)]
+            if attrs != [(driver.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 1)]:
+                self.errors.append(AssertionError(f"unexpected launch attributes {attrs}"))
+                return 999
+            return launch(kernel, *c.grid, *c.block, c.smem, c.stream, args, extra, programmatic=True)
+
+        self._callbacks = host.set_stand_in_driver(
+            host_ops, launch, get, lambda ctx: 0, error, encode, launch_ex
+        )
 
     # ---------------------------------------------------------------------------------------------------
     # The kernels
@@ -548,6 +561,7 @@ def install(monkeypatch, arch: str = "sm_90", dtype: torch.dtype = torch.bfloat1
         monkeypatch.setattr(module, "device_facts", lambda index: facts)
         monkeypatch.setattr(module, "device_arch", lambda index: arch)
     monkeypatch.setattr(forward, "sm_count", lambda index: 132)
+    monkeypatch.setattr(plans, "driver_version", lambda: 13000)  # (a CUDA 13 driver: programmatic launches)
     monkeypatch.setattr(
         forward,
         "get_kernel",

@@ -19,7 +19,7 @@ import zlib
 import pytest
 import torch
 
-from flash_attention.jit import host
+from flash_attention.jit import driver, host
 from flash_attention.jit.params import BwdParams
 from flash_attention.ops import plans
 from flash_attention.ops.training import _OFFSETS
@@ -59,8 +59,9 @@ def _at(address: int, shape, strides, dtype) -> torch.Tensor:
 class StandInDriver:
     """The driver entry points, with CPU stand-ins for the four backward kernels (see the module doc)."""
 
-    def __init__(self, dtype=torch.float32, fail_on: int | None = None):
-        self.dtype, self.fail_on = dtype, fail_on
+    def __init__(self, dtype=torch.float32, fail_on: int | None = None, launch_ex: bool = True):
+        self.dtype, self.fail_on, self.with_launch_ex = dtype, fail_on, launch_ex
+        # (kernel, grid, block, smem, stream, context, params, programmatic), one per launch
         self.launches: list[tuple] = []
         self.current = CALLERS
         self.errors: list[BaseException] = []
@@ -69,8 +70,9 @@ class StandInDriver:
     def install(self, host_ops) -> None:
         global _INSTALLED
         self._keep = host.set_stand_in_driver(
-            host_ops, self._launch, self._ctx_get, self._ctx_set, self._error
-        )
+            host_ops, self._launch, self._ctx_get, self._ctx_set, self._error, None,
+            self._launch_ex if self.with_launch_ex else None,
+        )  # fmt: skip
         _INSTALLED = self  # the library keeps the C pointers: their Python objects must outlive the test
 
     def _ctx_get(self, out):
@@ -85,9 +87,21 @@ class StandInDriver:
         text[0] = b"stand-in failure"
         return 0
 
-    def _launch(self, kernel, gx, gy, gz, bx, by, bz, smem, stream, args, extra):
+    def _launch_ex(self, config, kernel, args, extra):
+        # cuLaunchKernelEx: the launch's shape from its config; programmatic when its one attribute is the
+        # programmatic-serialization flag, set.
+        c = config.contents
+        attrs = [(c.attrs[i].id, c.attrs[i].value) for i in range(c.num_attrs)]
+        if attrs not in ([], [(driver.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 1)]):
+            self.errors.append(AssertionError(f"unexpected launch attributes {attrs}"))
+            return 999
+        shape = (*c.grid, *c.block, c.smem, c.stream)
+        return self._launch(kernel, *shape, args, extra, programmatic=bool(attrs))
+
+    def _launch(self, kernel, gx, gy, gz, bx, by, bz, smem, stream, args, extra, programmatic=False):
         p = BwdParams.from_buffer_copy((ctypes.c_char * ctypes.sizeof(BwdParams)).from_address(args[0]))
-        self.launches.append((kernel, (gx, gy, gz), (bx, by, bz), smem, stream, self.current, p))
+        launch = (kernel, (gx, gy, gz), (bx, by, bz), smem, stream, self.current, p, programmatic)
+        self.launches.append(launch)
         if kernel == self.fail_on:
             return 700
         try:
@@ -157,8 +171,9 @@ def _program(host_ops, q, k, scale, deterministic, bound_offsets=()):
     p.seqlen_q_pad = -(-q.shape[1] // 128) * 128
     stats = q.shape[0] * q.shape[2] * p.seqlen_q_pad
     accum = 0 if deterministic else stats * q.shape[3]
-    last = (DQ, 3, 2, 1, 256, 4096) if deterministic else (CONVERT, 1, 2, 2, 128, 0)
-    launches = [PRE, 2, 2, 2, 128, 0, DKDV, 5, 1, 2, 384, 99000, *last]
+    # (the last field: queued programmatically, as a Hopper plan's dK/dV and last launches are)
+    last = (DQ, 3, 2, 1, 256, 4096, 1) if deterministic else (CONVERT, 1, 2, 2, 128, 0, 1)
+    launches = [PRE, 2, 2, 2, 128, 0, 0, DKDV, 5, 1, 2, 384, 99000, 1, *last]
     names = "pre_kernel\ndkdv_kernel\n" + ("dq_kernel" if deterministic else "convert_kernel")
     template = torch.frombuffer(bytearray(bytes(p)), dtype=torch.uint8)
     program = torch.classes.flash_attention_host.BackwardProgram(
@@ -204,11 +219,29 @@ def test_the_nodes_backward_launches_the_program_with_this_calls_tensors(host_op
     assert kernels == [PRE, DKDV, DQ if deterministic else CONVERT]
     assert drv.launches[1][1:4] == ((5, 1, 2), (384, 1, 1), 99000)
     assert all(launch[5] == PRIMARY for launch in drv.launches)  # launched in the program's context
+    # The program's programmatic launches go through cuLaunchKernelEx with the attribute, the first as before.
+    assert [launch[7] for launch in drv.launches] == [False, True, True]
     assert drv.current == CALLERS  # and the caller's context put back
     p = drv.launches[0][6]
     assert (p.q, p.k, p.v, p.o) == (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr())
     assert (p.dq, p.dk, p.dv) == (dq.data_ptr(), dk.data_ptr(), dv.data_ptr())
     assert (p.dq_accum is None) == deterministic and p.key_range is None
+
+
+def test_programmatic_launches_are_ordinary_ones_on_a_driver_without_launch_ex(host_ops):
+    # A driver before CUDA 12.0 has no cuLaunchKernelEx: the program's launches all go through
+    # cuLaunchKernel, in order, and the gradients are the same (the kernels' grid-dependency waits then
+    # return at once).
+    drv = StandInDriver(launch_ex=False)
+    drv.install(host_ops)
+    q, k, v, out, scale = _recorded_call(host_ops)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert not drv.errors, drv.errors
+    queued = [(launch[0], launch[7]) for launch in drv.launches]
+    assert queued == [(PRE, False), (DKDV, False), (CONVERT, False)]
+    for got, want in zip(grads, _reference_grads(q, k, v, scale, dout), strict=True):
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
 
 
 def test_a_gradient_in_another_layout_is_copied_for_the_kernels(host_ops):
@@ -282,17 +315,24 @@ def test_a_program_checks_what_it_is_given(host_ops):
     program = torch.classes.flash_attention_host.BackwardProgram
     params = torch.zeros(ctypes.sizeof(BwdParams), dtype=torch.uint8)
     with pytest.raises(RuntimeError, match="offsets"):
-        program(params, _OFFSETS[:-1], [PRE, 1, 1, 1, 128, 0], "pre", 1, 0, PRIMARY, [])
+        program(params, _OFFSETS[:-1], [PRE, 1, 1, 1, 128, 0, 0], "pre", 1, 0, PRIMARY, [])
     with pytest.raises(RuntimeError, match="outside the params"):
         program(
-            params, [*_OFFSETS[:-1], ctypes.sizeof(BwdParams) - 2], [PRE, 1, 1, 1, 128, 0], "pre", 1, 0, 1, []
+            params,
+            [*_OFFSETS[:-1], ctypes.sizeof(BwdParams) - 2],
+            [PRE, 1, 1, 1, 128, 0, 0],
+            "pre",
+            1,
+            0,
+            1,
+            [],
         )
-    with pytest.raises(RuntimeError, match="six integers"):
+    with pytest.raises(RuntimeError, match="seven integers"):
         program(params, _OFFSETS, [PRE, 1, 1], "pre", 1, 0, PRIMARY, [])
     with pytest.raises(RuntimeError, match="uint8"):
-        program(params.float(), _OFFSETS, [PRE, 1, 1, 1, 128, 0], "pre", 1, 0, PRIMARY, [])
+        program(params.float(), _OFFSETS, [PRE, 1, 1, 1, 128, 0, 0], "pre", 1, 0, PRIMARY, [])
     with pytest.raises(RuntimeError, match="null entry point"):
-        host_ops.set_driver(0, 1, 1, 1, 0)
+        host_ops.set_driver(0, 1, 1, 1, 0, 0)
 
 
 def test_a_calls_bound_tensors_reach_the_programs_bound_offsets(host_ops):

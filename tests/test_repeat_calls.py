@@ -140,6 +140,19 @@ def test_training_repeats_record_the_node_and_give_exact_gradients(gpu, validati
     assert gpu.launches == (["forward"] + last) * 3
 
 
+def test_a_backwards_later_launches_are_queued_programmatically_on_hopper(gpu, validations):
+    # On sm_90 the dK/dV launch and the cast after it may start before the kernel ahead of them has
+    # finished (their entry points wait for it: fa/grid_dependency.cuh); the preprocessing kernel and the
+    # forward are ordinary launches, and on sm_80 every launch is (griddepcontrol is sm_90's).
+    q, k, v = _inputs(grad=True)
+    out = fa.attention(q, k, v, causal=True)
+    gpu.programmatic.clear()
+    torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    assert not gpu.errors, gpu.errors
+    hopper = gpu.arch == "sm_90"
+    assert gpu.programmatic == [("pre", False), ("dkdv", hopper), ("convert", hopper)]
+
+
 # A sliding window and soft-capping are values of the plans: their calls repeat, through the window and
 # soft-capping builds (the stand-in kernels compute them from the bounds and the cap in the params).
 _VARIANTS = [
@@ -450,7 +463,7 @@ def test_a_forward_program_checks_what_it_is_given():
     size = ctypes.sizeof(FwdParams)
     params = torch.zeros(size, dtype=torch.uint8)
     good = dict(
-        offsets=[0, 8, 16, 24, 32, 40], launch=[0x1234, 1, 1, 1, 128, 0], maps=[], flags=[1, 0, 3, 3, 0],
+        offsets=[0, 8, 16, 24, 32, 40], launch=[0x1234, 1, 1, 1, 128, 0, 0], maps=[], flags=[1, 0, 3, 3, 0],
         bound=[48],
     )  # fmt: skip
 
@@ -462,8 +475,8 @@ def test_a_forward_program_checks_what_it_is_given():
     for changes, words in (
         (dict(offsets=[0, 8, 16]), "offsets"),
         (dict(offsets=[0, 8, 16, 24, 32, size - 4]), "outside the params"),
-        (dict(launch=[0x1234, 1, 1]), "six integers"),
-        (dict(launch=[0x1234, 1, 1, 1, 128, 0] * 2), "one launch"),
+        (dict(launch=[0x1234, 1, 1]), "seven integers"),
+        (dict(launch=[0x1234, 1, 1, 1, 128, 0, 0] * 2), "one launch"),
         (dict(maps=[0] * 12), "12 integers each, three"),
         (dict(maps=[size - 64] + [1] * 11 + [0] * 24), "tensor map outside the params"),
         (dict(flags=[1, 0, 3]), "five encode flags"),

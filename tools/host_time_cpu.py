@@ -107,6 +107,7 @@ def install_stand_ins():
     # make_primary_current's context query and switch.
     launch = _noop_as([ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3)
     driver._launch_kernel = lambda: launch
+    driver._launch_kernel_ex = lambda: None  # (programmatic launches then go through cuLaunchKernel)
     context = (_noop_as([ctypes.POINTER(ctypes.c_void_p)]), _noop_as([ctypes.c_void_p]))
     driver._ctx_functions = lambda: context
     driver.primary_context = lambda index: 0xC0FFEE
@@ -115,7 +116,7 @@ def install_stand_ins():
     # once per new address triple, a Python stand-in.
     noop = ctypes.cast(_NOOP, ctypes.c_void_p).value
     encode = host.DRIVER_FUNCTION_TYPES[4](lambda *a: 0)
-    lib.set_driver(noop, noop, noop, 0, ctypes.cast(encode, ctypes.c_void_p).value)
+    lib.set_driver(noop, noop, noop, 0, ctypes.cast(encode, ctypes.c_void_p).value, noop)
     host.ops_or_none = lambda: lib
     return encode  # the callback must outlive every call
 

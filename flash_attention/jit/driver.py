@@ -72,6 +72,43 @@ def _launch_kernel():
     return fn
 
 
+#: The launch attribute that lets a kernel start before the one ahead of it on the stream has finished
+#: (programmatic dependent launch, compute capability 9.0+; the kernel waits for it itself:
+#: fa/grid_dependency.cuh), and cuLaunchKernelEx's structures that carry it (cuda.h: CUlaunchAttribute is
+#: the attribute's id, padding to 8 bytes and a 64-byte value union; CUlaunchConfig the launch's shape).
+CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+class LaunchAttribute(ctypes.Structure):
+    _fields_ = [
+        ("id", ctypes.c_int),
+        ("pad", ctypes.c_char * 4),
+        ("value", ctypes.c_int),  # the union's first int: programmaticStreamSerializationAllowed
+        ("rest", ctypes.c_char * 60),
+    ]
+
+
+class LaunchConfig(ctypes.Structure):
+    _fields_ = [
+        ("grid", ctypes.c_uint * 3),
+        ("block", ctypes.c_uint * 3),
+        ("smem", ctypes.c_uint),
+        ("stream", ctypes.c_void_p),
+        ("attrs", ctypes.POINTER(LaunchAttribute)),
+        ("num_attrs", ctypes.c_uint),
+    ]
+
+
+@cache
+def _launch_kernel_ex():
+    """cuLaunchKernelEx (CUDA 12.0+), or None on a driver without it (launches then are all ordinary)."""
+    fn = getattr(libcuda(), "cuLaunchKernelEx", None)
+    if fn is not None:
+        fn.argtypes = [ctypes.POINTER(LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+    return fn
+
+
 class Kernel:
     """One entry point of a loaded cubin."""
 
@@ -128,13 +165,25 @@ class Kernel:
             self._occupancy[key] = max(1, blocks.value)
         return self._occupancy[key]
 
-    def launch(self, grid, block, smem: int, stream: int, params: ctypes.Structure) -> None:
+    def launch(
+        self, grid, block, smem: int, stream: int, params: ctypes.Structure, programmatic: bool = False
+    ) -> None:
         """Queue the kernel on ``stream`` with ``params`` (the kernel's one by-value argument). The driver
-        copies the argument at the call, so ``params`` may be reused or freed as soon as this returns."""
+        copies the argument at the call, so ``params`` may be reused or freed as soon as this returns.
+        ``programmatic``: it may start before the kernel ahead of it on the stream has finished (a kernel
+        that waits for it itself, fa/grid_dependency.cuh; the caller asks only on compute capability 9.0+)."""
         args = (ctypes.c_void_p * 1)(ctypes.addressof(params))
-        status = _launch_kernel()(
-            self.handle, grid[0], grid[1], grid[2], block[0], block[1], block[2], smem, stream, args, None
-        )
+        launch_ex = _launch_kernel_ex() if programmatic else None
+        if launch_ex is not None:
+            attr = LaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+            config = LaunchConfig(
+                (ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), smem, stream, ctypes.pointer(attr), 1
+            )
+            status = launch_ex(ctypes.byref(config), self.handle, args, None)
+        else:
+            status = _launch_kernel()(
+                self.handle, grid[0], grid[1], grid[2], block[0], block[1], block[2], smem, stream, args, None
+            )
         if status != 0:
             check(status, f"launching {self.name}")
 

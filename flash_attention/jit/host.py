@@ -156,8 +156,9 @@ def _address(fn) -> int:
 
 
 #: The C types of the driver entry points ``set_driver`` takes (cuLaunchKernel, cuCtxGetCurrent,
-#: cuCtxSetCurrent, cuGetErrorString, cuTensorMapEncodeTiled), for whoever hands the library stand-ins (the
-#: CPU tests and tools).
+#: cuCtxSetCurrent, cuGetErrorString, cuTensorMapEncodeTiled, cuLaunchKernelEx), for whoever hands the
+#: library stand-ins (the CPU tests and tools). cuLaunchKernelEx takes (config, kernel, params, extra), the
+#: config laid out as jit.driver.LaunchConfig.
 DRIVER_FUNCTION_TYPES = (
     ctypes.CFUNCTYPE(
         ctypes.c_int, ctypes.c_void_p, *([ctypes.c_uint] * 7), ctypes.c_void_p,
@@ -171,14 +172,21 @@ DRIVER_FUNCTION_TYPES = (
         ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32),
         ctypes.POINTER(ctypes.c_uint32), ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
     ),
+    ctypes.CFUNCTYPE(
+        ctypes.c_int, ctypes.POINTER(driver.LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
+        ctypes.c_void_p,
+    ),
 )  # fmt: skip
 
 
-def set_stand_in_driver(host_ops, launch, ctx_get, ctx_set, error_string, encode_tiled=None) -> tuple:
+def set_stand_in_driver(
+    host_ops, launch, ctx_get, ctx_set, error_string, encode_tiled=None, launch_ex=None
+) -> tuple:
     """Hand the library Python stand-ins for the driver's entry points (signatures as the driver's, see
-    DRIVER_FUNCTION_TYPES; ``encode_tiled`` may be None); returns the C function objects, which must outlive
-    every launch through them. The next :func:`load` that connects the driver hands the real one back."""
-    given = (launch, ctx_get, ctx_set, error_string, encode_tiled)
+    DRIVER_FUNCTION_TYPES; ``encode_tiled`` and ``launch_ex`` may be None: without ``launch_ex`` programmatic
+    launches go through ``launch``); returns the C function objects, which must outlive every launch through
+    them. The next :func:`load` that connects the driver hands the real one back."""
+    given = (launch, ctx_get, ctx_set, error_string, encode_tiled, launch_ex)
     functions = [
         None if fn is None else kind(fn) for kind, fn in zip(DRIVER_FUNCTION_TYPES, given, strict=True)
     ]
@@ -203,14 +211,17 @@ def _load():
 def _connect_driver(host_ops) -> None:
     """Hand libcuda's entry points to the library (it links against no CUDA library of its own)."""
     lib = driver.libcuda()
-    # cuTensorMapEncodeTiled came with CUDA 12.0; without it no program has tensor maps (no TMA kernel runs).
+    # cuTensorMapEncodeTiled and cuLaunchKernelEx came with CUDA 12.0; without the first no program has
+    # tensor maps (no TMA kernel runs), without the second programmatic launches are ordinary ones.
     encode = getattr(lib, "cuTensorMapEncodeTiled", None)
+    launch_ex = getattr(lib, "cuLaunchKernelEx", None)
     host_ops.set_driver(
         _address(lib.cuLaunchKernel),
         _address(lib.cuCtxGetCurrent),
         _address(lib.cuCtxSetCurrent),
         _address(lib.cuGetErrorString),
         0 if encode is None else _address(encode),
+        0 if launch_ex is None else _address(launch_ex),
     )
 
 

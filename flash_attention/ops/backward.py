@@ -24,6 +24,7 @@ from ..jit.sources import SEGMENTS
 from ..sinks import sinks_gradient_from_delta
 from .device import current_stream, device_arch, dtype_name
 from .plans import (
+    Launch,
     PlanCache,
     check_segments,
     device_facts,
@@ -33,6 +34,7 @@ from .plans import (
     fill_strides,
     kernel_score,
     launch_all,
+    programmatic_launches,
     score_features,
     score_function,
     segment_count,
@@ -69,20 +71,24 @@ class _Plan:
     # (ops.query_tiles.key_tiles) and so a workspace laid out by sequence (query_units), both bound at each
     # launch; 0: none (tiles of the packed row, workspace rows = packed rows).
     k_tiles: int = 0
+    # The dK/dV launch and the one after it queued programmatically (plans.programmatic_launches): each
+    # waits for the kernel before it at its start (jit.sources' backward entry points), so its launch
+    # latency overlaps the previous kernel's last blocks.
+    programmatic: bool = False
 
     @property
-    def launches(self) -> tuple:
-        """``(kernel, grid, threads, smem)`` in queue order: preprocessing, dK/dV, then dQ's cast or
-        kernel."""
+    def launches(self) -> tuple[Launch, ...]:
+        """The launches in queue order: preprocessing, dK/dV, then dQ's cast or kernel."""
         cfg = self.cfg
+        after = self.programmatic
         last = (
-            (self.dq, self.dq_grid, cfg.dq_threads, cfg.dq_smem_bytes)
+            Launch(self.dq, self.dq_grid, cfg.dq_threads, cfg.dq_smem_bytes, after)
             if self.dq is not None
-            else (self.convert, self.convert_grid, 128, 0)  # the workspace holds scale * dS K: one cast
+            else Launch(self.convert, self.convert_grid, 128, 0, after)  # the workspace holds scale * dS K
         )
         return (
-            (self.pre, self.pre_grid, 128, 0),
-            (self.dkdv, self.dkdv_grid, cfg.kernel_threads(self.dkdv_kind), cfg.smem_bytes),
+            Launch(self.pre, self.pre_grid, 128, 0),
+            Launch(self.dkdv, self.dkdv_grid, cfg.kernel_threads(self.dkdv_kind), cfg.smem_bytes, after),
             last,
         )
 
@@ -246,6 +252,7 @@ def _make_plan(
         accum,
         dkdv_kind,
         k_tiles=k_tiles,
+        programmatic=programmatic_launches(arch),
     )
 
 

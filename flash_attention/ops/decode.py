@@ -27,7 +27,7 @@ from ..jit.params import DecodeParams
 from ..jit.sources import DECODE_AUX_THREADS
 from . import repeat
 from .device import KERNEL_DTYPES, cuda_unavailable_reason, current_stream, device_arch, dtype_name, sm_count
-from .plans import PlanCache, fill_contiguous_strides, fill_strides, launch_all
+from .plans import Launch, PlanCache, fill_contiguous_strides, fill_strides, launch_all, launch_fields
 from .tensors import MAX_GRID_YZ, aligned_copy, strides_usable
 
 __all__ = [
@@ -162,10 +162,11 @@ class DecodePlan:
             fill_strides(p, "kn", k)
             fill_strides(p, "vn", v)
 
-        self.launches: list[tuple] = []  # (kernel, grid, threads, smem)
+        self.launches: list[Launch] = []
         if problem.seqlen_new:
             append = kernels[cfg.symbol("append", paged=paged)]
-            self.launches.append((append, (problem.seqlen_new, problem.batch, 1), DECODE_AUX_THREADS, 0))
+            append_grid = (problem.seqlen_new, problem.batch, 1)
+            self.launches.append(Launch(append, append_grid, DECODE_AUX_THREADS, 0))
         decode = kernels[cfg.symbol("decode", problem.causal, paged)]
         # The split heuristic's waves: a multiprocessor's co-resident blocks share its bandwidth, so a wave
         # is one block per SM (one row, 32/8 heads, 32k keys on an H100: 16 splits ran in 55.7 us where the
@@ -189,7 +190,7 @@ class DecodePlan:
         self.fills_geometry = not paged
         decode.ensure_dynamic_smem(cfg.smem_bytes, index)
         grid = (p.num_m_blocks * p.num_splits, problem.heads_kv, problem.batch)
-        self.launches.append((decode, grid, cfg.threads, cfg.smem_bytes))
+        self.launches.append(Launch(decode, grid, cfg.threads, cfg.smem_bytes))
         # Split partials: an fp32 workspace (_split_buffers), O (splits, batch, heads_q, seqlen_q, kHeadDim)
         # then the LSEs (splits, batch, heads_q, seqlen_q).
         self.partial_rows = (
@@ -206,7 +207,7 @@ class DecodePlan:
             rows = problem.batch * problem.heads_q * problem.seqlen_q
             per_block = DECODE_AUX_THREADS // (cfg.head_dim // 4)
             combine = kernels[cfg.symbol("combine")]
-            self.launches.append((combine, (-(-rows // per_block), 1, 1), DECODE_AUX_THREADS, 0))
+            self.launches.append(Launch(combine, (-(-rows // per_block), 1, 1), DECODE_AUX_THREADS, 0))
         self.template = p
         self._native = None  # the host library's form of this plan's calls (made at the first call)
 
@@ -236,9 +237,7 @@ class DecodePlan:
             getattr(DecodeParams, name).offset if name in geometry else -1 for name in _NATIVE_GEOMETRY_SLOTS
         ]
         offsets.append(DecodeParams.cache_seqlen.offset)
-        fields = []
-        for kernel, grid, threads, smem in self.launches:
-            fields += [kernel.handle.value, *grid, threads, smem]
+        fields = launch_fields(self.launches)
         problem = self.problem
         program = torch.classes.flash_attention_host.DecodeProgram(
             torch.frombuffer(bytearray(bytes(self.template)), dtype=torch.uint8),

@@ -9,9 +9,10 @@ all of that out per call cost more host time than a short kernel runs (docs/kern
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Generic, NamedTuple, TypeVar
 
 import torch
 
@@ -23,12 +24,16 @@ from .query_tiles import sequence_bucket
 
 __all__ = [
     "LOG2E",
+    "Launch",
     "PlanCache",
     "device_facts",
     "feature_list",
     "fill_common",
     "fill_strides",
     "launch",
+    "launch_all",
+    "launch_fields",
+    "programmatic_launches",
     "fill_score",
     "kernel_score",
     "score_features",
@@ -214,13 +219,53 @@ def fill_contiguous_strides(params: ctypes.Structure, prefix: str, shape: tuple[
     setattr(params, f"{prefix}_head_stride", head_dim)
 
 
+class Launch(NamedTuple):
+    """One kernel launch of a plan: the kernel, its grid, threads per block and dynamic shared memory, and
+    whether it is queued programmatically (it may start before the kernel ahead of it on the stream has
+    finished, and waits for that kernel itself: fa/grid_dependency.cuh; only on compute capability 9.0+,
+    see :func:`programmatic_launches`)."""
+
+    kernel: driver.Kernel
+    grid: tuple[int, int, int]
+    threads: int
+    smem: int
+    programmatic: bool = False
+
+
+def programmatic_launches(arch: str) -> bool:
+    """Whether a plan's later launches on a GPU of ``arch`` (``"sm_90"``) are queued programmatically:
+    compute capability 9.0+, where the kernels' griddepcontrol is (fa/grid_dependency.cuh), on a driver of
+    CUDA 12.3 or later, the first whose CUDA graphs capture such launches (PyTorch's graphs and
+    torch.compile's capture ours; an older driver would refuse the launch inside a capture)."""
+    return int(arch.removeprefix("sm_").rstrip("a")) >= 90 and driver_version() >= 12030
+
+
+@functools.cache
+def driver_version() -> int:
+    """The installed driver's CUDA version (jit.driver.driver_version; 0 where it cannot be asked)."""
+    try:
+        return driver.driver_version()
+    except Exception:  # noqa: BLE001 - no usable driver: no programmatic launches
+        return 0
+
+
+def launch_fields(launches) -> list[int]:
+    """``launches`` (:class:`Launch`) as the host library's programs take them (csrc/host/driver.h,
+    launches_from): seven integers each, the kernel handle, the grid, threads, dynamic shared memory and
+    whether it is queued programmatically."""
+    fields: list[int] = []
+    for kernel, grid, threads, smem, programmatic in launches:
+        fields += [kernel.handle.value, *grid, threads, smem, int(programmatic)]
+    return fields
+
+
 def launch_all(launches, index: int, params, stream: int) -> None:
-    """Queue ``(kernel, grid, threads, smem)`` launches in order, all with ``params``, on ``stream``
-    (PyTorch's current stream of device ``index``, queried by the caller): one context switch for all."""
+    """Queue ``launches`` (:class:`Launch`) in order, all with ``params``, on ``stream`` (PyTorch's current
+    stream of device ``index``, queried by the caller): one context switch for all."""
     previous = driver.make_primary_current(index)
     try:
-        for kernel, grid, threads, smem in launches:
-            kernel.launch(grid, (threads, 1, 1), smem, stream, params)
+        for kernel, grid, threads, smem, programmatic in launches:
+            kernel.launch(grid, (threads, 1, 1), smem, stream, params, programmatic)
     finally:
         if previous is not None:
             driver.set_current(previous)
@@ -229,4 +274,4 @@ def launch_all(launches, index: int, params, stream: int) -> None:
 def launch(kernel: driver.Kernel, grid, threads: int, smem: int, index: int, params) -> None:
     """Launch on PyTorch's current stream of device ``index``, in that device's primary context (made
     current for the launch and the caller's context put back after, see driver.make_primary_current)."""
-    launch_all(((kernel, grid, threads, smem),), index, params, current_stream(index))
+    launch_all((Launch(kernel, grid, threads, smem),), index, params, current_stream(index))

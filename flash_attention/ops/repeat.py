@@ -45,7 +45,16 @@ from ..jit.params import FwdParams, FwdTmaParams
 from ..jit.sources import SEGMENTS
 from . import backward, forward, training
 from . import trace as _trace
-from .plans import PlanCache, kernel_score, score_function, segment_count, segment_lengths, window_bounds
+from .plans import (
+    Launch,
+    PlanCache,
+    kernel_score,
+    launch_fields,
+    score_function,
+    segment_count,
+    segment_lengths,
+    window_bounds,
+)
 from .query_tiles import query_tiles
 from .select import NoKernel
 from .tensors import strides_usable
@@ -176,7 +185,7 @@ def _native(
     forward_program = torch.classes.flash_attention_host.ForwardProgram(
         torch.frombuffer(bytearray(template), dtype=torch.uint8),
         offsets,
-        [plan.kernel.handle.value, *plan.grid, plan.threads, plan.smem],
+        launch_fields([Launch(plan.kernel, plan.grid, plan.threads, plan.smem)]),
         plan.kernel.name,
         driver.primary_context(plan.index),
         list(lse_shape or ()),

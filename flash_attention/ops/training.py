@@ -29,7 +29,14 @@ from ..jit.params import BwdParams
 from ..jit.sources import SEGMENTS
 from . import backward
 from . import trace as _trace
-from .plans import kernel_score, score_function, segment_count, segment_lengths, window_bounds
+from .plans import (
+    kernel_score,
+    launch_fields,
+    score_function,
+    segment_count,
+    segment_lengths,
+    window_bounds,
+)
 from .query_tiles import key_tiles, query_units
 from .tensors import padded_to_8, usable_in_place
 
@@ -60,10 +67,8 @@ def program(plan, bound_fields: tuple[str, ...] = (), alibi_batch_stride: int = 
         if made_key == key:
             return address
     # Made once per key and kept with the plan (whose repeat calls hold these addresses).
-    fields, names = [], []
-    for kernel, grid, threads, smem in plan.launches:
-        fields += [kernel.handle.value, *grid, threads, smem]
-        names.append(kernel.name)
+    fields = launch_fields(plan.launches)
+    names = [launch.kernel.name for launch in plan.launches]
     params = BwdParams.from_buffer_copy(plan.template)
     params.alibi_batch_stride = alibi_batch_stride
     template = torch.frombuffer(bytearray(params), dtype=torch.uint8)

@@ -54,7 +54,7 @@ struct DecodeProgram : torch::CustomClassHolder {
   int64_t partial_o;                  // floats of the split partials' O in the workspace (0: one split)
   int64_t partial_rows;               // floats of their LSEs after them
 
-  // slot_offsets: one per DecodeSlot; launch_fields: six integers per launch (driver.h's launches_from);
+  // slot_offsets: one per DecodeSlot; launch_fields: seven integers per launch (driver.h's launches_from);
   // names: the kernel names joined by newlines.
   DecodeProgram(const at::Tensor& params_bytes, std::vector<int64_t> slot_offsets, std::vector<int64_t> launch_fields,
                 const std::string& kernel_names, int64_t context_, std::vector<int64_t> lse_shape_,

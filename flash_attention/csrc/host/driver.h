@@ -19,6 +19,28 @@ namespace flash_attention_host {
 
 using LaunchFn = int (*)(void* kernel, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                          unsigned bz, unsigned smem, void* stream, void** params, void** extra);
+// cuLaunchKernelEx's configuration and one launch attribute, laid out as cuda.h lays out CUlaunchConfig and
+// CUlaunchAttribute (the attribute's id, padding to 8 bytes, a 64-byte value union whose first int is the
+// programmatic-serialization flag); this library includes no CUDA header.
+struct LaunchAttribute {
+  int id;
+  char pad[4];
+  int value;
+  char rest[60];
+};
+struct LaunchConfig {
+  unsigned grid[3];
+  unsigned block[3];
+  unsigned smem;
+  void* stream;
+  LaunchAttribute* attrs;
+  unsigned num_attrs;
+};
+static_assert(sizeof(LaunchAttribute) == 72 && sizeof(LaunchConfig) == 56, "cuda.h's launch structures");
+// CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION: the launch may start before the kernel ahead of it
+// on the stream has finished (the kernel waits for it itself: fa/grid_dependency.cuh).
+constexpr int kProgrammaticSerialization = 6;
+using LaunchExFn = int (*)(const LaunchConfig* config, void* kernel, void** params, void** extra);
 using CtxGetFn = int (*)(void** ctx);
 using CtxSetFn = int (*)(void* ctx);
 using ErrorStringFn = int (*)(int status, const char** text);
@@ -34,6 +56,7 @@ struct Driver {
   CtxSetFn ctx_set = nullptr;
   ErrorStringFn error_string = nullptr;
   EncodeTiledFn encode_tiled = nullptr;  // absent on drivers before CUDA 12.0: then no program has maps
+  LaunchExFn launch_ex = nullptr;        // cuLaunchKernelEx; absent: programmatic launches are ordinary ones
 };
 
 // Set once at load (and by the CPU tests' stand-ins) before any launch; read by every launch.
@@ -57,25 +80,28 @@ inline void check(bool ok, const std::string& message) {
        std::to_string(status) + ")");
 }
 
-// One kernel launch of a program: the kernel handle, its grid, threads and dynamic shared memory.
+// One kernel launch of a program: the kernel handle, its grid, threads and dynamic shared memory, and
+// whether it is queued programmatically (flash_attention/ops/plans.py, Launch).
 struct Launch {
   void* kernel;
   unsigned grid[3];
   unsigned threads;
   unsigned smem;
+  bool programmatic;
 };
 
-// Six integers per launch (kernel handle, grid x, y, z, threads, dynamic shared memory), as Python hands
-// a program's launches over.
+// Seven integers per launch (kernel handle, grid x, y, z, threads, dynamic shared memory, programmatic), as
+// Python hands a program's launches over (ops/plans.py, launch_fields).
 inline std::vector<Launch> launches_from(const std::vector<int64_t>& fields) {
-  check(!fields.empty() && fields.size() % 6 == 0, "launches must be six integers each");
+  check(!fields.empty() && fields.size() % 7 == 0, "launches must be seven integers each");
   std::vector<Launch> out;
-  for (size_t i = 0; i < fields.size(); i += 6) {
+  for (size_t i = 0; i < fields.size(); i += 7) {
     out.push_back({reinterpret_cast<void*>(fields[i]),
                    {static_cast<unsigned>(fields[i + 1]), static_cast<unsigned>(fields[i + 2]),
                     static_cast<unsigned>(fields[i + 3])},
                    static_cast<unsigned>(fields[i + 4]),
-                   static_cast<unsigned>(fields[i + 5])});
+                   static_cast<unsigned>(fields[i + 5]),
+                   fields[i + 6] != 0});
   }
   return out;
 }
@@ -134,8 +160,16 @@ inline void launch_all(const std::vector<Launch>& launches, const std::vector<st
     void* args[1] = {params};  // the kernels take the params struct as their one by-value argument
     for (; which < launches.size(); ++which) {
       const Launch& l = launches[which];
-      failed = g_driver.launch(l.kernel, l.grid[0], l.grid[1], l.grid[2], l.threads, 1, 1, l.smem, stream, args,
-                               nullptr);
+      if (l.programmatic && g_driver.launch_ex != nullptr) {
+        LaunchAttribute attr{};
+        attr.id = kProgrammaticSerialization;
+        attr.value = 1;
+        const LaunchConfig config{{l.grid[0], l.grid[1], l.grid[2]}, {l.threads, 1, 1}, l.smem, stream, &attr, 1};
+        failed = g_driver.launch_ex(&config, l.kernel, args, nullptr);
+      } else {
+        failed = g_driver.launch(l.kernel, l.grid[0], l.grid[1], l.grid[2], l.threads, 1, 1, l.smem, stream,
+                                 args, nullptr);
+      }
       if (failed != 0) break;
     }
   }

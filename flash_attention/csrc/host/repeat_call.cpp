@@ -101,7 +101,7 @@ struct ForwardProgram : torch::CustomClassHolder {
   EncodedMaps<3> encoded_qkv;
   EncodedMaps<1> encoded_o;
 
-  // slot_offsets: one per ForwardSlot; launch_fields: six integers (driver.h's launches_from); map_fields:
+  // slot_offsets: one per ForwardSlot; launch_fields: seven integers (driver.h's launches_from); map_fields:
   // 12 integers per map (offset, 4 dims, 3 byte strides, 4 box sizes), none, three or four maps; flags: the five
   // encode constants; backward_address: a BackwardProgram's address, or 0 for inference; bound_offsets_:
   // the byte offsets of the pointers each call binds a tensor to (none for a plain call).

@@ -192,13 +192,15 @@ void record_training(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
               std::move(bound));
 }
 
-void set_driver(int64_t launch, int64_t ctx_get, int64_t ctx_set, int64_t error_string, int64_t encode_tiled) {
+void set_driver(int64_t launch, int64_t ctx_get, int64_t ctx_set, int64_t error_string, int64_t encode_tiled,
+                int64_t launch_ex) {
   check(launch && ctx_get && ctx_set, "flash_attention_host.set_driver: null entry point");
   g_driver.launch = reinterpret_cast<LaunchFn>(launch);
   g_driver.ctx_get = reinterpret_cast<CtxGetFn>(ctx_get);
   g_driver.ctx_set = reinterpret_cast<CtxSetFn>(ctx_set);
   g_driver.error_string = reinterpret_cast<ErrorStringFn>(error_string);
   g_driver.encode_tiled = reinterpret_cast<EncodeTiledFn>(encode_tiled);
+  g_driver.launch_ex = reinterpret_cast<LaunchExFn>(launch_ex);
 }
 
 TORCH_LIBRARY(flash_attention_host, m) {

@@ -37,7 +37,7 @@ struct BackwardProgram : torch::CustomClassHolder {
   int64_t accum;                 // floats of the atomic dQ accumulator after them (0: deterministic)
   void* context;                 // the device's primary context (the launches' kernels are loaded there)
 
-  // launches: six integers per launch (kernel handle, grid x, y, z, threads, dynamic shared memory);
+  // launches: seven integers per launch (driver.h's launches_from);
   // names: the kernel names joined by newlines.
   BackwardProgram(const at::Tensor& params_bytes, std::vector<int64_t> slot_offsets,
                   std::vector<int64_t> launch_fields, const std::string& kernel_names, int64_t stats_,
