@@ -245,7 +245,7 @@ def plain_sdpa_call(q, k, causal, scale, key_range, dropout_p, deterministic) ->
     causal only on a square (where its top-left mask is our bottom-right one), no key range, no dropout, a
     positive scale, and no promise of repeatable gradients to keep. Such a call costs PyTorch's own host
     path, not this module's (plans, views, one op call per part; about 80 us per call more on an H100
-    host, docs/kernel-log.md)."""
+    host, docs/kernel-log/host.md, "The PyTorch fallback on float32 GPU tensors")."""
     return _sdpa_expresses(q, k, causal, scale, key_range, dropout_p, deterministic) and _fused(
         q, k, causal, scale, key_range, dropout_p
     )

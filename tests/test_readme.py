@@ -106,8 +106,9 @@ def test_the_kvcache_example_runs_as_written():
 
 
 def test_the_docs_links_point_at_files_that_exist():
-    # Relative links of the README and docs/ (an index page renders them from the checkout's tree).
-    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    # Relative links of the README and docs/, the kernel log's family files included (an index page renders
+    # them from the checkout's tree).
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
     for page in pages:
         for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text(encoding="utf-8")):
             if target.startswith(("http://", "https://")):
