@@ -56,8 +56,14 @@ def test_split_partials_merge_to_the_reference(gpu, num_splits):
         causal=True, lengths=[0, 250],
     )  # fmt: skip
     gpu.launches.clear()
+    gpu.programmatic.clear()
     check_case(case, torch.bfloat16, "cpu", num_splits=num_splits)
     assert ("decode_combine" in gpu.launches) == (num_splits > 1)
+    # On the (sm_90) stand-in the append is an ordinary launch, the decode kernel and the combine after it
+    # are queued programmatically (they wait for the kernel before them: fa/grid_dependency.cuh).
+    queued = [("decode_append", False), ("decode_decode", True)]
+    queued += [("decode_combine", True)] * (num_splits > 1)
+    assert gpu.programmatic == queued, gpu.programmatic
 
 
 def test_an_int_length_and_a_repeated_signature(gpu):

@@ -27,7 +27,15 @@ from ..jit.params import DecodeParams
 from ..jit.sources import DECODE_AUX_THREADS
 from . import repeat
 from .device import KERNEL_DTYPES, cuda_unavailable_reason, current_stream, device_arch, dtype_name, sm_count
-from .plans import Launch, PlanCache, fill_contiguous_strides, fill_strides, launch_all, launch_fields
+from .plans import (
+    Launch,
+    PlanCache,
+    fill_contiguous_strides,
+    fill_strides,
+    launch_all,
+    launch_fields,
+    programmatic_launches,
+)
 from .tensors import MAX_GRID_YZ, aligned_copy, strides_usable
 
 __all__ = [
@@ -118,7 +126,8 @@ class DecodePlan:
         self.index = index = q.get_device()
         self.device = q.device
         cfg = decode_config(q, problem)
-        kernels = get_decode_kernels(cfg, device_arch(index))
+        arch = device_arch(index)
+        kernels = get_decode_kernels(cfg, arch)
         paged = block_table is not None
         self.problem, self.return_lse = problem, return_lse
 
@@ -208,6 +217,11 @@ class DecodePlan:
             per_block = DECODE_AUX_THREADS // (cfg.head_dim // 4)
             combine = kernels[cfg.symbol("combine")]
             self.launches.append(Launch(combine, (-(-rows // per_block), 1, 1), DECODE_AUX_THREADS, 0))
+        # On Hopper the launches after the first are queued programmatically: each may start before the one
+        # ahead of it has finished and waits for it at its start (jit.sources' decode entry points), so the
+        # combine's (and, after an append, the decode kernel's) launch latency overlaps the kernel before.
+        if programmatic_launches(arch):
+            self.launches = [launch._replace(programmatic=i > 0) for i, launch in enumerate(self.launches)]
         self.template = p
         self._native = None  # the host library's form of this plan's calls (made at the first call)
 
