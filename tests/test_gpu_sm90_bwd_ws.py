@@ -103,6 +103,42 @@ def test_ws_backward_against_float64(shape, causal, dtype):
 
 
 @needs_hopper
+@pytest.mark.parametrize("d", [64, 128])
+def test_causal_blocks_in_heaviest_first_groups_compute_the_same(d, monkeypatch):
+    # Causal dK/dV blocks start heaviest first within groups of (K/V head, batch row) pairs
+    # (fa/kv_block_order.cuh): with groups of two out of 3 x 3 pairs (the last group holding one), every
+    # block is computed once, so dK and dV are bitwise those of one group over all pairs (no atomics in
+    # them), dQ within the atomics' reordering, and all three against float64.
+    from flash_attention.ops import backward
+
+    b, sq, sk, hq, hkv = 3, 700, 650, 6, 3
+    gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(repr(("kv-order", d)).encode()))
+    q = torch.randn(b, sq, hq, d, generator=gen, device="cuda").bfloat16()
+    k, v = (torch.randn(b, sk, hkv, d, generator=gen, device="cuda").bfloat16() for _ in range(2))
+    do = torch.randn(b, sq, hq, d, generator=gen, device="cuda").bfloat16()
+    scale = d**-0.5
+    o, lse = ops.cuda_forward(q, k, v, causal=True, softmax_scale=scale, return_lse=True, out=None)
+    assert backward.kv_block_group(b * hkv, sq, d, hq // hkv) == b * hkv  # one group: every pair at once
+    whole = ops.cuda_backward(do, q, k, v, o, lse, causal=True, softmax_scale=scale)
+    per_pair = 4 * sq * d * (hq // hkv)
+    monkeypatch.setattr(backward, "KV_BLOCK_GROUP_L2_BYTES", 2 * per_pair)
+    assert backward.kv_block_group(b * hkv, sq, d, hq // hkv) == 2
+    ops.clear_plans()  # (the plan holds the group)
+    try:
+        grouped = ops.cuda_backward(do, q, k, v, o, lse, causal=True, softmax_scale=scale)
+    finally:
+        ops.clear_plans()
+    assert torch.equal(grouped[1], whole[1]) and torch.equal(grouped[2], whole[2])
+    torch.testing.assert_close(grouped[0], whole[0], rtol=1e-2, atol=1e-2)
+    leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    ref_o, _ = attention_reference(*leaves, causal=True)
+    ref = torch.autograd.grad(ref_o, leaves, do.double())
+    for name, got, r in zip(("dq", "dk", "dv"), grouped, ref, strict=True):
+        err = (got.double() - r).abs().max().item()
+        assert err < 0.05 * (1 + r.abs().max().item()), f"{name}: {err:.3g}"
+
+
+@needs_hopper
 def test_ws_backward_dk_dv_repeat_bitwise():
     """dK and dV are summed in registers in a fixed order (no atomics): identical over runs."""
     q = torch.randn(2, 777, 8, 128, device="cuda", dtype=torch.bfloat16)

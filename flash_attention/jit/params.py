@@ -146,7 +146,7 @@ class BwdParams(ctypes.Structure):
         + [("dq_lanes", _I32), ("window_left", _I32), ("window_right", _I32)]
         + [("softcap", _F32), ("alibi_slopes", _PTR), ("alibi_batch_stride", _I32)]
         + [("row_keys", _PTR), ("key_rows", _PTR), ("k_tiles", _PTR), ("q_units", _PTR)]
-        + [("alibi_diagonal", _PTR)]
+        + [("alibi_diagonal", _PTR), ("kv_block_group", _I32)]
     )
 
 

@@ -226,6 +226,12 @@ def _make_plan(
         p.num_n_blocks = tile_count(seqlen_k, sequences, k_tiles)
         p.seqlen_q_pad = unit_count(seqlen_q, sequences) * 64
         convert_blocks = p.seqlen_q_pad // 64
+    # Causal: the dK/dV blocks start heaviest first within groups of (K/V head, batch row) pairs, so that the
+    # grid does not end waiting for one late heavy block (fa/kv_block_order.cuh). The warp-specialized
+    # kernel's atomic mode; the deterministic one keeps the order its dQ turns need, the wide one (d192/256)
+    # spilled with it, and the sm80 ones have their own grid.
+    if mask_causal and not deterministic and cfg.warp_specialized:
+        p.kv_block_group = kv_block_group(batch * heads_kv, seqlen_q, cfg.head_dim, heads_q // heads_kv)
     # The fp32 workspace: the base-2 LSE and delta rows (written by the preprocessing kernel), then the dQ
     # accumulator of the atomic mode (padded to whole 128-row blocks and the compiled head_dim, so the
     # atomics need no bounds checks; zeroed by the preprocessing kernel), and for the deterministic
@@ -254,6 +260,19 @@ def _make_plan(
         k_tiles=k_tiles,
         programmatic=programmatic_launches(arch),
     )
+
+
+#: The queries and output gradients (16-bit) that the running dK/dV blocks of one start group read, kept
+#: well inside the L2 (50 MB on an H100, 60 on an H200) beside K/V, the statistics and dQ's reductions.
+KV_BLOCK_GROUP_L2_BYTES = 24 << 20
+
+
+def kv_block_group(pairs: int, seqlen_q: int, head_dim: int, group: int) -> int:
+    """How many (K/V head, batch row) pairs of a causal dK/dV grid start their blocks together, heaviest
+    first (BwdParams.kv_block_group, fa/kv_block_order.cuh): as many as keep their query heads' Q and dO in
+    KV_BLOCK_GROUP_L2_BYTES, at least one, at most all ``pairs``."""
+    per_pair = 4 * seqlen_q * head_dim * group  # Q and dO of the pair's `group` query heads, 2 bytes each
+    return max(1, min(pairs, KV_BLOCK_GROUP_L2_BYTES // per_pair))
 
 
 def plan_for(

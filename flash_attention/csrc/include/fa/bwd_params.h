@@ -71,6 +71,9 @@ struct BwdParams {
   const int* k_tiles;
   const int* q_units;
   const int* alibi_diagonal;  // as in FwdParams (the "..._table" score builds only)
+  // The dK/dV blocks' start order (fa/kv_block_order.cuh): 0 the grid's own; G > 0 heaviest first within
+  // groups of G (K/V head, batch row) pairs (the warp-specialized kernel's causal builds).
+  int kv_block_group;
 };
 
 }  // namespace fa

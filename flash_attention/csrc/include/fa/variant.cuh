@@ -445,6 +445,17 @@ struct MaskIsSegments<SegmentMask> {
   static constexpr bool value = true;
 };
 
+// Whether a mask is the plain causal one (with or without key ranges): a key tile's work then falls with
+// its index, which the causal backward's block order uses (fa/kv_block_order.cuh).
+template <class Mask>
+struct MaskIsCausal {
+  static constexpr bool value = false;
+};
+template <bool kRanged>
+struct MaskIsCausal<CausalRangeMask<true, kRanged>> {
+  static constexpr bool value = true;
+};
+
 // Whether a forward keeps the scale folded into exp2's multiplier (fa/softmax.cuh): where the kernel's
 // config asks for it; a score function then runs in its folded form (score_mod_query_rows_folded).
 template <class V, bool kConfigFolds>

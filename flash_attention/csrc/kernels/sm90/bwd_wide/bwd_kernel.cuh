@@ -185,8 +185,10 @@ __device__ __forceinline__ void bwd_wide_dkdv_body(const BwdParams& p) {
   const int wg = warp / 4;  // 0: S^T, P^T, dV; 1: dP^T, dS^T, dK
   const int g = lane / 4;
   const int t = lane % 4;
-  // Deterministic mode: the last K/V block first, so that the blocks a turn waits for were dispatched
-  // before it (fa/dq_turns.cuh).
+  // Which block this is: deterministic mode, the last K/V block first, so that the blocks a turn waits for
+  // were dispatched before it (fa/dq_turns.cuh). Written out rather than through fa/kv_block_order.cuh
+  // (the warp-specialized kernel's, with its causal builds' heaviest-first groups): at 255 registers even
+  // that helper's plain path moved ptxas's allocation into 12-32 bytes of spills, the groups as well.
   const int n_block = kDeterministic ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
   const int kv_head = blockIdx.y;
   const int batch = blockIdx.z;

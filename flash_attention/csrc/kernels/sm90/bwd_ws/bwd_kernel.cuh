@@ -64,6 +64,7 @@
 #include "fa/dq_turns.cuh"
 #include "fa/dropout.cuh"
 #include "fa/frag.cuh"
+#include "fa/kv_block_order.cuh"
 #include "fa/mask.cuh"
 #include "fa/ptx.cuh"
 #include "fa/smem_layout.cuh"
@@ -139,11 +140,13 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
       "the shared-memory layout exceeds the config's smem_bytes");
 
   const int tid = threadIdx.x;
-  // Deterministic mode: the last K/V block first, so that the blocks a turn waits for were dispatched
-  // before it (fa/dq_turns.cuh).
-  const int n_block = kDeterministic ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-  const int kv_head = blockIdx.y;
-  const int batch = blockIdx.z;
+  // Which block this is, in the order the blocks start (fa/kv_block_order.cuh): causal, the heaviest
+  // first within groups of heads; deterministic mode, the last K/V block first, so that the blocks a turn
+  // waits for were dispatched before it (fa/dq_turns.cuh).
+  const KvBlock at = kv_block_of<kDeterministic, MaskIsCausal<Mask>::value>(p);
+  const int n_block = at.n_block;
+  const int kv_head = at.kv_head;
+  const int batch = at.batch;
   // A packed batch's key-tile table may give the block its keys (below).
   constexpr bool kKeyTiles = MaskIsSegments<Mask>::value && !kDeterministic;
   int kv_start = n_block * BC;
