@@ -72,3 +72,34 @@ def test_the_child_times_every_case_dense_and_packed(mode, packed, monkeypatch, 
     exec(compile(ab_trees._CHILD.replace('device="cuda"', 'device="cpu"'), "child", "exec"), {})
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
     assert [x["case"] for x in lines] == ["30:1:64", "0:0:64:100"]
+
+
+def test_decode_cases_are_checked_and_the_child_times_them(monkeypatch, capsys):
+    # --mode decode: batch:keys:seqlen_q, each attention_with_kvcache against a full cache; on the CPU
+    # (the fallback computes, CUDA events stubbed), one JSON line per case with the time per call.
+    assert ab_trees.parse_decode_case("8:32768:1") == "8:32768:1"
+    for bad in ("8:32768", "8:0:1", "a:1:1", "1:2:3:4"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            ab_trees.parse_decode_case(bad)
+
+    class Event:
+        def __init__(self, **kw):
+            pass
+
+        def record(self):
+            pass
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return 50.0  # ms for the 50 calls of one timing
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    root = str(Path(ab_trees.__file__).resolve().parents[1])
+    monkeypatch.setattr(sys, "argv", ["child", root, "decode", "1,1,1", "4", "1:64:1,2:64:4", "0"])
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    exec(compile(ab_trees._CHILD.replace('device="cuda"', 'device="cpu"'), "child", "exec"), {})
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    assert lines == [{"case": "1:64:1", "ms": 1.0}, {"case": "2:64:4", "ms": 1.0}]

@@ -2,6 +2,7 @@
 
     python tools/ab_trees.py TREE [TREE ...] [--mode fwd|fwd_bwd] [--cases 0:0:128,30:1:128] [--rounds 3]
         [--shape 4,4096,16] [--reps 20] [--json OUT]
+    python tools/ab_trees.py TREE [TREE ...] --mode decode --cases 1:32768:1,8:8192:16  (batch:keys:seqlen_q)
 
 A kernel change is measured against the tree before it (a `git worktree` of the previous commit, or a copy
 of the working tree with one macro changed) on the same machine in the same call: one process per tree per
@@ -45,7 +46,32 @@ if packed:  # documents of 128 to 8191 tokens (the same in every tree and round)
     while sum(lens) + (n := int(torch.randint(128, 8192, (1,), generator=gen))) <= packed:
         lens.append(n)
     cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device="cuda")
+def decode_case(case):
+    # batch:keys:seqlen_q: attention_with_kvcache of seqlen_q new queries (32 query heads, 8 K/V heads,
+    # head_dim 128, bf16) against a full contiguous cache of `keys`, causal; 50 calls queued back to back
+    # per timed pair of events, so that the host's time between calls does not hide the GPU's.
+    b, keys, sq = (int(x) for x in case.split(":"))
+    sets = max(1, (256 << 20) // (4 * b * keys * 8 * 128) + 1)  # inputs cycled past the L2
+    caches = [[torch.randn(b, keys, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+              for _ in range(sets)]
+    qs = [torch.randn(b, sq, 32, 128, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
+    calls = 50
+    def run():
+        for i in range(calls):
+            k, v = caches[i % sets]
+            fa.attention_with_kvcache(qs[i % sets], k, v, cache_seqlens=keys)
+    run()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(max(3, reps // 4)):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(); run(); end.record(); end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    print(json.dumps({"case": case, "ms": sorted(times)[len(times) // 2]}), flush=True)
 for case in sys.argv[5].split(","):
+    if mode == "decode":
+        decode_case(case)
+        continue
     cap, causal, d, *options = case.split(":")
     win = [o for o in options if o.isdigit()]
     window = None if not win else (int(win[0]), 0 if causal == "1" else int(win[0]))
@@ -80,6 +106,14 @@ for case in sys.argv[5].split(","):
 
 
 _OPTIONS = ("alibi", "seqalibi", "cross")
+
+
+def parse_decode_case(text: str) -> str:
+    """A --mode decode case `batch:keys:seqlen_q`, checked."""
+    parts = text.split(":")
+    if len(parts) != 3 or not all(x.isdigit() and int(x) > 0 for x in parts):
+        raise argparse.ArgumentTypeError(f"a decode case is batch:keys:seqlen_q, positive ints; got {text!r}")
+    return text
 
 
 def parse_case(text: str) -> str:
@@ -134,7 +168,13 @@ def summarize(trees: list[str], cases: list[str], rounds: list[dict[str, dict[st
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("trees", nargs="+", help="source trees (their roots: each holds flash_attention/)")
-    ap.add_argument("--mode", choices=["fwd", "fwd_bwd"], default="fwd_bwd")
+    ap.add_argument(
+        "--mode",
+        choices=["fwd", "fwd_bwd", "decode"],
+        default="fwd_bwd",
+        help="decode: attention_with_kvcache, cases batch:keys:seqlen_q (32/8 heads, d128, bf16), 50 calls "
+        "back to back per timing",
+    )
     ap.add_argument(
         "--cases",
         default="0:0:128,30:0:128,0:1:128,30:1:128",
@@ -153,7 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--json", default=None, help="write every round's times here")
     args = ap.parse_args(argv)
-    cases = [parse_case(c) for c in args.cases.split(",")]
+    parse = parse_decode_case if args.mode == "decode" else parse_case
+    cases = [parse(c) for c in args.cases.split(",")]
+    if args.mode == "decode" and args.packed:
+        ap.error("--packed is for the fwd and fwd_bwd modes")
     if not args.packed and any(o in c.split(":")[3:] for c in cases for o in ("seqalibi", "cross")):
         ap.error("the seqalibi and cross options are a packed batch's: give --packed")
     for tree in args.trees:
