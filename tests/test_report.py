@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from flash_attention.configs import parse_config
+from flash_attention.configs.architectures import architecture
 from flash_attention.jit import compiler
 from flash_attention.tools import report
 from flash_attention.tools.bench.progression import progression_configs
@@ -230,7 +231,7 @@ def test_report_covers_every_kernel_family(arch, name, reallocates, report_cache
     for kernel, (_, regs, smem, spills, stack, blocks, *_) in rows.items():
         stores, loads = (int(x) for x in spills.split("/"))
         assert 16 <= int(regs) <= 255 and int(stack) >= 0, (kernel, regs, stack)
-        assert 0 <= int(smem) <= report._SM_LIMITS[arch]["smem"], (kernel, smem)
+        assert 0 <= int(smem) <= architecture(arch).smem_per_sm, (kernel, smem)
         assert max(stores, loads) <= spill_bound(cfg, kernel), f"{kernel} spills {stores}/{loads} bytes"
         assert int(blocks) >= 1, f"{kernel}: no block fits on a multiprocessor"
     roles = [line for line in out if "registers by role" in line]

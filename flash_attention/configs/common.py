@@ -3,6 +3,8 @@ shared-memory limits, and the emitter of the C++ struct of named constants a ker
 
 from __future__ import annotations
 
+from .architectures import ARCHITECTURES, architecture, runs_family
+
 __all__ = [
     "DTYPES",
     "HEAD_DIMS",
@@ -22,19 +24,9 @@ HEAD_DIMS = (64, 128, 192, 256)
 
 DTYPES = ("fp16", "bf16")
 
-#: The dynamic shared memory one block may opt into, per architecture (bytes; CUDA C++ Programming Guide,
-#: "Technical Specifications per Compute Capability"). The heuristics pick configs that fit the GPU's own
-#: limit, so every GPU from sm_80 on gets kernels that launch.
-SMEM_OPTIN = {
-    "sm_80": 163 * 1024,  # A100
-    "sm_86": 99 * 1024,  # RTX 30xx, A10, A40
-    "sm_87": 163 * 1024,  # Jetson Orin
-    "sm_89": 99 * 1024,  # RTX 40xx, L4, L40
-    "sm_90": 227 * 1024,  # H100, H200
-    "sm_90a": 227 * 1024,
-}
-#: The smallest limit in the table: what an architecture the table does not know is assumed to allow.
-_SMEM_OPTIN_MIN = min(SMEM_OPTIN.values())
+#: The dynamic shared memory one block may opt into, per architecture (bytes; configs/architectures.py). The
+#: heuristics pick configs that fit the GPU's own limit, so every GPU from sm_80 on gets kernels that launch.
+SMEM_OPTIN = {name: a.smem_optin for name, a in ARCHITECTURES.items()}
 
 #: The largest dynamic shared memory one block may opt into on sm_80 (A100: 163 KB) and on sm_90 (227 KB);
 #: the validity rules bound the sm80-family configs by the former and the wgmma configs by the latter.
@@ -44,12 +36,12 @@ SMEM_LIMIT_SM90 = SMEM_OPTIN["sm_90"]
 
 def smem_optin(arch: str) -> int:
     """The opt-in shared memory per block of ``arch`` (``"sm_86"``); the table's smallest if unknown."""
-    return SMEM_OPTIN.get(arch, _SMEM_OPTIN_MIN)
+    return architecture(arch).smem_optin
 
 
 def is_hopper(arch: str) -> bool:
-    """Whether ``arch`` runs the wgmma (sm_90a) kernels."""
-    return arch in ("sm_90", "sm_90a")
+    """Whether ``arch`` runs the wgmma kernel families (configs/architectures.py)."""
+    return runs_family(arch, "wgmma")
 
 
 def padded_head_dim(head_dim: int) -> int:

@@ -8,7 +8,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from .common import DTYPES, cpp_struct, smem_optin
+from .common import DTYPES, cpp_struct, is_hopper, smem_optin
 
 __all__ = [
     "DECODE_HEAD_DIMS",
@@ -211,7 +211,7 @@ def default_decode_config(
     ones (page size 16: 2.58 -> 2.79 TB/s at batch 1 with 128k keys, 2.67 -> 2.95 at batch 8 with 32k).
     """
     d = next(x for x in DECODE_HEAD_DIMS if head_dim <= x)
-    if rows > 16 and d <= 128 and arch in ("sm_90", "sm_90a") and 0 < 2 * sm_count <= row_blocks:
+    if rows > 16 and d <= 128 and is_hopper(arch) and 0 < 2 * sm_count <= row_blocks:
         return DecodeConfig(dtype, d, 64, 64, 4, 1, 2, wgmma=True)
     if rows <= 16 or d > 128:
         # (head_dim 256 keeps 16-row blocks for any row count: 32-row blocks of 2 x 2 warps spilled, 64 to 255

@@ -24,6 +24,7 @@ from functools import cache
 from pathlib import Path
 
 from ..configs import BwdConfig, KernelConfig, is_wgmma
+from ..configs.architectures import architecture
 from . import compiler as _compiler
 from .sources import kernel_source, variant_name
 
@@ -145,9 +146,10 @@ def target_arch(cfg: KernelConfig | BwdConfig, arch: str) -> str:
     (wgmma has no portable form), and run on sm_90 only."""
     if not is_wgmma(cfg):
         return arch
-    if arch not in ("sm_90", "sm_90a"):
+    target = architecture(arch).kernel_target
+    if target is None:
         raise ValueError(f"config {cfg.name()} uses wgmma, which needs an sm_90 GPU (H100/H200); got {arch}")
-    return "sm_90a"
+    return target
 
 
 def build(

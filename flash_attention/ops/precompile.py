@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from flash_attention import winners
-from flash_attention.configs import smem_optin
+from flash_attention.configs.architectures import architecture
 from flash_attention.configs.decode import default_decode_config
 from flash_attention.jit import cache as jit_cache
 from flash_attention.jit.sources import SEGMENTS
@@ -28,9 +28,6 @@ from .select import NoKernel, backward_config, forward_config
 from .tensors import padded_to_8
 
 __all__ = ["DeviceFacts", "KernelJob", "compile_jobs", "kernel_jobs"]
-
-#: Multiprocessors assumed for an architecture named without a GPU (the decode heuristic's split choice).
-_SM_COUNT = {"sm_90": 132, "sm_80": 108, "sm_86": 84, "sm_89": 128}
 
 
 @dataclass(frozen=True)
@@ -53,7 +50,8 @@ class DeviceFacts:
     def of_arch(arch: str, gpu: str = "") -> DeviceFacts:
         """An architecture's facts without its GPU (the compile needs none): its opt-in shared memory and a
         typical multiprocessor count."""
-        return DeviceFacts(arch, gpu, smem_optin(arch), _SM_COUNT.get(arch, 132))
+        facts = architecture(arch)
+        return DeviceFacts(arch, gpu, facts.smem_optin, facts.sm_count)
 
 
 @dataclass(frozen=True)

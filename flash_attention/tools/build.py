@@ -21,6 +21,7 @@ from flash_attention.configs import (
     DTYPES,
     HEAD_DIMS,
     BwdConfig,
+    is_hopper,
     is_wgmma,
     parse_bwd_config,
     parse_config,
@@ -106,10 +107,11 @@ def jobs_for(archs: list[str], names: list[str] | None, dtypes=DTYPES, head_dims
     the catalog of each arch."""
     if names:
         cfgs = [_parse(n) for n in names]
-        # A wgmma config compiles for sm_90 only (its instructions have no other target). A name given twice
+        # A wgmma config compiles only for an architecture that runs that family (configs/architectures.py:
+        # sm_90; its instructions have no other target). A name given twice
         # is built once: two threads compiling the same kernel into the same cache entry left it without its
         # register report (an H100 run, where `sanity` then failed on the cached entry).
-        jobs = [BuildJob(c, a) for c in cfgs for a in archs if not is_wgmma(c) or a in ("sm_90", "sm_90a")]
+        jobs = [BuildJob(c, a) for c in cfgs for a in archs if not is_wgmma(c) or is_hopper(a)]
         return list(dict.fromkeys(jobs))
     jobs: list[BuildJob] = []
     for a in archs:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from flash_attention import ops
 from flash_attention.configs import BwdConfig, KernelConfig, parse_bwd_config, parse_config
+from flash_attention.configs.architectures import architecture
 from flash_attention.configs.backward import bwd_register_roles
 from flash_attention.configs.decode import DecodeConfig, decode_register_roles, parse_decode_config
 from flash_attention.configs.forward import register_roles
@@ -33,16 +34,6 @@ from flash_attention.jit.sources import DECODE_AUX_THREADS, SCORE_MODS, SEGMENTS
 
 #: A config of any kernel family: forward, backward or decode.
 AnyConfig = KernelConfig | BwdConfig | DecodeConfig
-
-# Per-SM limits by architecture: registers, max resident threads, max resident blocks, shared memory
-# available to blocks (bytes), and the shared memory the system reserves per block.
-_SM_LIMITS = {
-    "sm_80": dict(regs=65536, threads=2048, blocks=32, smem=167936, reserved=1024),
-    "sm_86": dict(regs=65536, threads=1536, blocks=16, smem=102400, reserved=1024),
-    "sm_89": dict(regs=65536, threads=1536, blocks=24, smem=102400, reserved=1024),
-    "sm_90": dict(regs=65536, threads=2048, blocks=32, smem=233472, reserved=1024),
-    "sm_90a": dict(regs=65536, threads=2048, blocks=32, smem=233472, reserved=1024),
-}
 
 
 @dataclass
@@ -59,19 +50,19 @@ class Occupancy:
 
 def occupancy(arch: str, threads: int, registers: int, smem_bytes: int) -> Occupancy:
     """Theoretical resident blocks per SM and what limits them (CUDA occupancy rules)."""
-    lim = _SM_LIMITS.get(arch, _SM_LIMITS["sm_80"])
+    lim = architecture(arch)  # (its multiprocessor's limits: configs/architectures.py)
     warps = -(-threads // 32)
     # Registers are allocated per warp in units of 256 (8 per thread).
     regs_per_warp = -(-max(registers, 1) * 32 // 256) * 256
     by = {
-        "registers": lim["regs"] // (regs_per_warp * warps),
-        "shared memory": lim["smem"] // (smem_bytes + lim["reserved"]),
-        "threads": lim["threads"] // (warps * 32),
-        "blocks": lim["blocks"],
+        "registers": lim.regs_per_sm // (regs_per_warp * warps),
+        "shared memory": lim.smem_per_sm // (smem_bytes + lim.reserved_smem),
+        "threads": lim.threads_per_sm // (warps * 32),
+        "blocks": lim.blocks_per_sm,
     }
     limiter = min(by, key=by.get)
     blocks = by[limiter]
-    return Occupancy(blocks, blocks * warps, lim["threads"] // 32, limiter)
+    return Occupancy(blocks, blocks * warps, lim.threads_per_sm // 32, limiter)
 
 
 # --------------------------------------------------------------------------------------------------
