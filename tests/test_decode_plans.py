@@ -50,7 +50,8 @@ def test_plans_append_and_attend_as_the_reference(gpu, page_size):
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 7])
-def test_split_partials_merge_to_the_reference(gpu, num_splits):
+def test_split_partials_merge_to_the_reference(gpu, num_splits, monkeypatch):
+    monkeypatch.setenv("FLASH_ATTENTION_PDL", "1")  # (the launches' form is checked below)
     case = Case(
         batch=2, seqlen_q=2, heads_q=8, heads_kv=2, head_dim=64, seqlen_new=2, page_size=16, capacity=320,
         causal=True, lengths=[0, 250],

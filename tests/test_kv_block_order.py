@@ -51,7 +51,8 @@ def _group_of_the_last_plan() -> int:
         (dict(causal=True, window=(40, 0)), False),  # the window build (its blocks' work is even)
     ],
 )
-def test_only_causal_atomic_backwards_start_heaviest_first(hopper, kwargs, grouped):
+def test_only_causal_atomic_backwards_start_heaviest_first(hopper, kwargs, grouped, monkeypatch):
+    monkeypatch.setenv("FLASH_ATTENTION_CAUSAL_ORDER", "1")
     b, s, hq, hkv, d = 2, 300, 4, 2, 64
     q, k, v = (torch.randn(b, s, h, d, dtype=torch.bfloat16, requires_grad=True) for h in (hq, hkv, hkv))
     out = fa.attention(q, k, v, **kwargs)
@@ -60,3 +61,13 @@ def test_only_causal_atomic_backwards_start_heaviest_first(hopper, kwargs, group
     want = backward.kv_block_group(b * hkv, s, d, hq // hkv) if grouped else 0
     assert want > 0 or not grouped
     assert _group_of_the_last_plan() == want
+
+
+def test_the_grid_keeps_its_own_order_unless_switched_on(hopper, monkeypatch):
+    # Until a GPU has measured it (kernel log 123) the order is FLASH_ATTENTION_CAUSAL_ORDER=1's alone.
+    monkeypatch.delenv("FLASH_ATTENTION_CAUSAL_ORDER", raising=False)
+    q, k, v = (torch.randn(2, 300, h, 64, dtype=torch.bfloat16, requires_grad=True) for h in (4, 2, 2))
+    out = fa.attention(q, k, v, causal=True)
+    torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    assert not hopper.errors, hopper.errors
+    assert _group_of_the_last_plan() == 0

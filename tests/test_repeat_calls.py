@@ -140,17 +140,21 @@ def test_training_repeats_record_the_node_and_give_exact_gradients(gpu, validati
     assert gpu.launches == (["forward"] + last) * 3
 
 
-def test_a_backwards_later_launches_are_queued_programmatically_on_hopper(gpu, validations):
-    # On sm_90 the dK/dV launch and the cast after it may start before the kernel ahead of them has
-    # finished (their entry points wait for it: fa/grid_dependency.cuh); the preprocessing kernel and the
-    # forward are ordinary launches, and on sm_80 every launch is (griddepcontrol is sm_90's).
+@pytest.mark.parametrize("switch", ["1", None])
+def test_a_backwards_later_launches_are_programmatic_on_hopper(gpu, validations, switch, monkeypatch):
+    # With FLASH_ATTENTION_PDL=1, on sm_90 the dK/dV launch and the cast after it may start before the
+    # kernel ahead of them has finished (their entry points wait for it: fa/grid_dependency.cuh); the
+    # preprocessing kernel and the forward are ordinary launches, and on sm_80 every launch is
+    # (griddepcontrol is sm_90's). Without the switch (the default until a GPU measures it) none is.
+    if switch is not None:
+        monkeypatch.setenv("FLASH_ATTENTION_PDL", switch)
     q, k, v = _inputs(grad=True)
     out = fa.attention(q, k, v, causal=True)
     gpu.programmatic.clear()
     torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
     assert not gpu.errors, gpu.errors
-    hopper = gpu.arch == "sm_90"
-    assert gpu.programmatic == [("pre", False), ("dkdv", hopper), ("convert", hopper)]
+    later = gpu.arch == "sm_90" and switch == "1"
+    assert gpu.programmatic == [("pre", False), ("dkdv", later), ("convert", later)]
 
 
 # A sliding window and soft-capping are values of the plans: their calls repeat, through the window and

@@ -39,6 +39,7 @@ from .plans import (
     score_function,
     segment_count,
     segment_lengths,
+    trial_switch,
     window_bounds,
 )
 from .query_tiles import key_tiles, query_units, tile_count, unit_count, workspace_rows
@@ -230,7 +231,8 @@ def _make_plan(
     # grid does not end waiting for one late heavy block (fa/kv_block_order.cuh). The warp-specialized
     # kernel's atomic mode; the deterministic one keeps the order its dQ turns need, the wide one (d192/256)
     # spilled with it, and the sm80 ones have their own grid.
-    if mask_causal and not deterministic and cfg.warp_specialized:
+    # (Off unless FLASH_ATTENTION_CAUSAL_ORDER=1 until measured on a GPU: plans.trial_switch.)
+    if mask_causal and not deterministic and cfg.warp_specialized and trial_switch("CAUSAL_ORDER"):
         p.kv_block_group = kv_block_group(batch * heads_kv, seqlen_q, cfg.head_dim, heads_q // heads_kv)
     # The fp32 workspace: the base-2 LSE and delta rows (written by the preprocessing kernel), then the dQ
     # accumulator of the atomic mode (padded to whole 128-row blocks and the compiled head_dim, so the

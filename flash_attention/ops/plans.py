@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Generic, NamedTuple, TypeVar
@@ -34,6 +35,7 @@ __all__ = [
     "launch_all",
     "launch_fields",
     "programmatic_launches",
+    "trial_switch",
     "fill_score",
     "kernel_score",
     "score_features",
@@ -232,12 +234,22 @@ class Launch(NamedTuple):
     programmatic: bool = False
 
 
+def trial_switch(name: str) -> bool:
+    """Whether the launch-layer change behind ``FLASH_ATTENTION_<name>`` is on: changes not yet measured on a
+    GPU stay off (the previous behaviour) until a measurement turns them on by default, kernel log 122
+    (``PDL``: programmatic launches) and 123 (``CAUSAL_ORDER``: the causal backward's block order)."""
+    return os.environ.get(f"FLASH_ATTENTION_{name}", "0") == "1"
+
+
 def programmatic_launches(arch: str) -> bool:
     """Whether a plan's later launches on a GPU of ``arch`` (``"sm_90"``) are queued programmatically:
-    compute capability 9.0+, where the kernels' griddepcontrol is (fa/grid_dependency.cuh), on a driver of
-    CUDA 12.3 or later, the first whose CUDA graphs capture such launches (PyTorch's graphs and
-    torch.compile's capture ours; an older driver would refuse the launch inside a capture)."""
-    return int(arch.removeprefix("sm_").rstrip("a")) >= 90 and driver_version() >= 12030
+    ``FLASH_ATTENTION_PDL=1`` (trial_switch), compute capability 9.0+, where the kernels' griddepcontrol is
+    (fa/grid_dependency.cuh), and a driver of CUDA 12.3 or later, the first whose CUDA graphs capture such
+    launches (PyTorch's graphs and torch.compile's capture ours; an older driver would refuse the launch
+    inside a capture)."""
+    return (
+        trial_switch("PDL") and int(arch.removeprefix("sm_").rstrip("a")) >= 90 and driver_version() >= 12030
+    )
 
 
 @functools.cache
