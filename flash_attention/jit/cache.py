@@ -109,33 +109,37 @@ def _quiet() -> bool:
 
 
 class _Ticker:
-    """Tells the person waiting that a compile is running, and for how long."""
+    """Tells the person waiting about a compile that takes a while: nothing for one under ``quiet_under``
+    seconds (most take 0.1-0.3 s on a GPU host: an H200's cold-start run), then one line when it is done
+    with what it was and how long it took; a compile still running after ``first`` seconds also says so,
+    then every ``every`` seconds, so that a long one is never a silent wait (issue 49)."""
 
-    def __init__(self, what: str, every: float = 10.0):
-        self.what, self.every = what, every
+    def __init__(self, what: str, quiet_under: float = 1.0, first: float = 5.0, every: float = 10.0):
+        self.what, self.quiet_under, self.first, self.every = what, quiet_under, first, every
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def __enter__(self):
         self.t0 = time.perf_counter()
         if not _quiet():
-            print(f"flash_attention: compiling {self.what} ...", file=sys.stderr, flush=True)
             self._thread = threading.Thread(target=self._run, daemon=True)
             self._thread.start()
         return self
 
     def _run(self):
-        while not self._stop.wait(self.every):
+        wait = self.first
+        while not self._stop.wait(wait):
             print(
                 f"flash_attention: still compiling {self.what} ({time.perf_counter() - self.t0:.0f} s)",
                 file=sys.stderr,
                 flush=True,
             )
+            wait = self.every
 
     def __exit__(self, *exc):
         self._stop.set()
         self.elapsed = time.perf_counter() - self.t0
-        if not _quiet() and exc[0] is None:
+        if not _quiet() and exc[0] is None and self.elapsed >= self.quiet_under:
             print(
                 f"flash_attention: compiled {self.what} in {self.elapsed:.1f} s", file=sys.stderr, flush=True
             )
