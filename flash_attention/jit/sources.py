@@ -211,10 +211,11 @@ def bwd_kernel_source(
     """The translation unit of one backward config: the preprocessing kernel, the cast of the dQ workspace
     and, for causal and not, the dK/dV kernel with atomic dQ, the one without (deterministic mode) and the
     deterministic dQ kernel. ``ranged=True``: the per-batch key-range instantiations instead (key padding)."""
-    # The three launches' grid dependencies (fa/grid_dependency.cuh): the launch layer queues the second
+    # The three launches' grid dependencies (fa/grid_dependency.cuh): the launch layer may queue the second
     # and third programmatically on Hopper (ops.backward's launches), so each of them waits for the one
-    # before it at its start, before any memory access; the first two let their successor be scheduled
-    # from their own start.
+    # before it at its start, before any memory access (the warp-specialized dK/dV kernel waits itself,
+    # after loading what does not come from the preprocessing kernel); the first two let their successor
+    # be scheduled from their own start.
     entries = [
         f'extern "C" __global__ void __launch_bounds__(128)\n'
         f"{cfg.symbol('pre')}(const __grid_constant__ fa::BwdParams p) {{\n"
@@ -250,7 +251,7 @@ def bwd_kernel_source(
                 f'extern "C" __global__ void __launch_bounds__({cfg.kernel_threads(kind)}, 1)\n'
                 f"{cfg.symbol(kind, causal, ranged, dropout, window, score)}"
                 "(const __grid_constant__ fa::BwdParams p) {\n"
-                f"{_WAIT_PREVIOUS}{_ALLOW_NEXT}  {body}<{targs}>(p);\n}}\n"
+                f"{'' if cfg.warp_specialized else _WAIT_PREVIOUS}{_ALLOW_NEXT}  {body}<{targs}>(p);\n}}\n"
             )
         variant = variant_name(False, ranged, dropout, window, score)
         return (

@@ -64,6 +64,7 @@
 #include "fa/dq_turns.cuh"
 #include "fa/dropout.cuh"
 #include "fa/frag.cuh"
+#include "fa/grid_dependency.cuh"
 #include "fa/kv_block_order.cuh"
 #include "fa/mask.cuh"
 #include "fa/ptx.cuh"
@@ -227,6 +228,7 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
         // it (measured, H100: 0.76-0.83x of this at head_dim 64, where the next block reaches the same
         // query block one step later and then waits for the late release; +2-3% at 128 non-causal).
         const int w = (tid - 128) / 32;
+        grid_dependency_wait();  // (the semaphores and the workspace: the preprocessing kernel's zeros)
         // Addresses from one 32-bit index, the 64-row unit of (batch, head, query row) (fa/dq_accum.cuh:
         // a unit's tiles are 64 x D floats, tile c of its columns 4096 floats in; four semaphores per unit
         // after the lanes), which keeps the writer within its 24 registers.
@@ -279,6 +281,12 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
                                                p.head_dim, tid);
       load_tile_rolled<BR, D, kLoaders, QTile>(sdO + s * kQ, gdO, p.do_row_stride, p.seqlen_q - q_start,
                                                p.head_dim, tid);
+      // Queued programmatically (fa/grid_dependency.cuh), this kernel may start while the preprocessing
+      // kernel still runs: K, V and the first step's Q and dO (the forward's inputs) are already on their
+      // way, but the statistics (the base-2 LSE and delta) are that kernel's output, so the first step
+      // waits for it here, and the other roles at their start (the dQ workspace it zeroes). The entry
+      // point does not wait (jit/sources.py).
+      if (it == 0) grid_dependency_wait();
       // The workspaces are padded to whole 128-row blocks (laid out by sequence, each sequence's rows): no
       // bounds check.
       const i64 r0 = workspace_row(p, batch, head, q_start + ws_shift);
@@ -305,6 +313,7 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
 
   // ---- consumers ------------------------------------------------------------------------------------------
   setmaxnreg_inc<kConsumerRegs>();
+  grid_dependency_wait();  // (the statistics and the dQ workspace: the preprocessing kernel's output)
   const int ctid = tid - kConsumerBase;
   const int wg = ctid / 128;  // this warpgroup's 64 keys of the block
   const int warp = ctid / 32;
