@@ -13,9 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
+from .spec import ScoreSpec
+
 __all__ = [
     "check_window",
-    "score_function",
+    "score_spec",
     "MAX_HEAD_DIM",
     "SUPPORTED_DTYPES",
     "Problem",
@@ -213,30 +215,41 @@ def alibi_per_row(alibi_slopes: object, segments: tuple | None) -> bool:
     )
 
 
-def score_function(
-    softcap: object, alibi_slopes: object, q: torch.Tensor, segments: tuple | None = None
-) -> str | None:
-    """The score function of a call (``jit.sources.SCORE_MODS``: "softcap", "alibi", or both composed,
-    "softcap_alibi": the capped score plus ALiBi's bias), or None; raises naming the argument: ``softcap`` a
-    finite float >= 0 (0: none), ``alibi_slopes`` a contiguous float32 tensor of shape (heads_q,) or
-    (batch, heads_q) on q's device. A packed batch's call (``segments``, batch 1) may also give a slope per
-    query row, (seqlen_q, heads_q) (flash_attention.varlen's per-sequence slopes)."""
+def score_spec(
+    softcap: object,
+    alibi_slopes: object,
+    q: torch.Tensor,
+    segments: tuple | None = None,
+    causal: bool = False,
+) -> ScoreSpec:
+    """The score function of a call (:class:`flash_attention.spec.ScoreSpec`), checked, naming the argument:
+    ``softcap`` a finite float >= 0 (0: none), ``alibi_slopes`` None or a contiguous float32 tensor of shape
+    (heads_q,) or (batch, heads_q) on q's device. A packed batch's call (``segments``, batch 1) may also give
+    a slope per query row, (seqlen_q, heads_q) (flash_attention.varlen's per-sequence slopes); its ALiBi
+    measures from each row's entry of the segments' table of diagonals where they carry one, else, for
+    ``causal`` sequences, from each row's run end (any query and key counts per sequence), otherwise from the
+    packed row's own index (packed self-attention without causal, where it is each sequence's own)."""
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
         raise TypeError(f"softcap must be a float (0: none); got {type(softcap).__name__}")
     if not math.isfinite(softcap) or softcap < 0:
         raise ValueError(f"softcap must be a finite number >= 0 (0: none); got {softcap!r}")
-    if alibi_slopes is not None:
-        batch, seqlen_q, heads_q, _ = q.shape
-        if not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dtype != torch.float32:
-            raise TypeError("alibi_slopes must be a float32 tensor of shape (heads_q,) or (batch, heads_q)")
-        shape = tuple(alibi_slopes.shape)
-        per_row = segments is not None and shape == (seqlen_q, heads_q)
-        if not per_row and shape not in ((heads_q,), (batch, heads_q)):
-            raise ValueError(
-                f"alibi_slopes must have shape (heads_q,) = ({heads_q},) or (batch, heads_q) = ({batch}, "
-                f"{heads_q}); got {shape}"
-            )
-        if alibi_slopes.device != q.device or not alibi_slopes.is_contiguous():
-            raise ValueError(f"alibi_slopes must be contiguous and on the device of q ({q.device})")
-        return "softcap_alibi" if softcap else "alibi"
-    return "softcap" if softcap else None
+    if alibi_slopes is None:
+        return ScoreSpec(float(softcap))
+    batch, seqlen_q, heads_q, _ = q.shape
+    if not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dtype != torch.float32:
+        raise TypeError("alibi_slopes must be a float32 tensor of shape (heads_q,) or (batch, heads_q)")
+    shape = tuple(alibi_slopes.shape)
+    per_row = segments is not None and shape == (seqlen_q, heads_q)
+    if not per_row and shape not in ((heads_q,), (batch, heads_q)):
+        raise ValueError(
+            f"alibi_slopes must have shape (heads_q,) = ({heads_q},) or (batch, heads_q) = ({batch}, "
+            f"{heads_q}); got {shape}"
+        )
+    if alibi_slopes.device != q.device or not alibi_slopes.is_contiguous():
+        raise ValueError(f"alibi_slopes must be contiguous and on the device of q ({q.device})")
+    if segments is None:
+        return ScoreSpec(float(softcap), alibi=True)
+    origin = "table" if len(segments) == 3 else "runs" if causal else "diagonal"
+    return ScoreSpec(
+        float(softcap), alibi=True, alibi_origin=origin, alibi_rows=alibi_per_row(alibi_slopes, segments)
+    )

@@ -15,12 +15,12 @@ import torch
 
 from . import _few_queries, dispatch
 from . import fallback as _fallback
-from ._validate import Problem, check_window, validate
+from ._validate import Problem, check_window, score_spec, validate
 from .configs import KernelConfig, parse_config
 from .custom_ops import eager_training
 from .dropout import draw_seed
 from .ops import repeat as _repeat
-from .ops.plans import check_segments, score_function
+from .ops.plans import check_segments
 from .reference import runs_alibi_diagonal
 from .sinks import apply_sinks, check_sinks
 
@@ -227,7 +227,7 @@ def attention(
 
     problem = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, key_range=key_range)
     window = check_window(window)
-    score_function(softcap, alibi_slopes, q, _segments)  # (the checks, naming the argument)
+    score_spec(softcap, alibi_slopes, q, _segments)  # (the checks, naming the argument)
     check_sinks(sinks, q)
     if _segments is not None:
         check_segments(_segments, q, k, key_range, window)
@@ -487,7 +487,7 @@ def forward(
     """
     problem = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, key_range=key_range)
     window = check_window(window)
-    score_function(softcap, alibi_slopes, q)  # (the checks, naming the argument)
+    score_spec(softcap, alibi_slopes, q)  # (the checks, naming the argument)
     variant: dict = {} if window is None else {"window": window}
     if softcap:
         variant["softcap"] = float(softcap)

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import replace
 
 import torch
 
 from flash_attention._validate import check_window
 from flash_attention.ops.device import KERNEL_DTYPES
 from flash_attention.ops.precompile import DeviceFacts, KernelJob, compile_jobs, kernel_jobs, square_lengths
+from flash_attention.spec import ScoreSpec
 
 __all__ = ["jobs_for_calls", "precompile"]
 
@@ -127,9 +129,7 @@ def jobs_for_calls(
 
     group = heads_q // heads_kv
     dtype_name = KERNEL_DTYPES[dtype]
-    base = "softcap" if softcap else None
-    if alibi:
-        base = "softcap_alibi" if softcap else "alibi"
+    base = ScoreSpec(float(softcap), alibi=bool(alibi))
     jobs: list[KernelJob] = []
     for d in head_dims:
         for is_causal in (False, True) if causal is None else (causal,):
@@ -166,15 +166,15 @@ def _positive(name: str, n: object) -> int:
     return n
 
 
-def _scores(base: str | None, varlen: bool, causal: bool) -> list[str | None]:
-    """The builds' score functions of calls with ``base`` (ops.plans.kernel_score): a packed batch's ALiBi
-    measures from its sequences' runs (causal) or its rows (not), or from a table of diagonals when its
-    queries and keys are packed differently; with a slope per sequence, each form's "_rows" build."""
-    if not varlen or base not in ("alibi", "softcap_alibi"):
+def _scores(base: ScoreSpec, varlen: bool, causal: bool) -> list[ScoreSpec]:
+    """The score functions of calls with ``base`` (_validate.score_spec): a packed batch's ALiBi measures
+    from its sequences' runs (causal) or its rows (not), or from a table of diagonals when its queries and
+    keys are packed differently; with a slope per sequence, each form with ``alibi_rows``."""
+    if not varlen or not base.alibi:
         return [base]
-    # (and each with a slope per sequence, "_rows": flash_attention.varlen's (batch, heads_q) slopes)
-    forms = [f"{base}_runs" if causal else base, f"{base}_table"]
-    return forms + [f"{form}_rows" for form in forms]
+    # (and each with a slope per sequence: flash_attention.varlen's (batch, heads_q) slopes)
+    forms = [replace(base, alibi_origin=origin) for origin in ("runs" if causal else "diagonal", "table")]
+    return forms + [replace(form, alibi_rows=True) for form in forms]
 
 
 def _facts(device: int | str | torch.device | None) -> DeviceFacts:

@@ -195,7 +195,7 @@ def runs_alibi_diagonal(row_keys: torch.Tensor | None, causal: bool, alibi_slope
     """ALiBi's diagonal key of each row of a packed batch (``row_keys``, flash_attention.varlen.segments) when
     it is not the row's own index: for causal sequences, each row's run ends just past its diagonal, so the
     diagonal is the run's end - 1, whatever the sequences' query and key counts (the kernels' AlibiRuns, the
-    build ops.plans.kernel_score picks). None where the packed row's own index is the distance's origin
+    form _validate.score_spec picks). None where the packed row's own index is the distance's origin
     (no runs, no ALiBi, or packed self-attention without causal)."""
     if row_keys is None or alibi_slopes is None or not causal:
         return None

@@ -8,9 +8,11 @@ import pytest
 import torch
 
 import flash_attention as fa
+from flash_attention._validate import score_spec
 from flash_attention.configs import hopper_bwd_config, portable_config
 from flash_attention.jit import cache, sources
 from flash_attention.reference import attention_reference
+from flash_attention.spec import ALIBI_ORIGINS, ScoreSpec
 
 
 @pytest.mark.parametrize(
@@ -87,3 +89,35 @@ def test_score_function_builds_name_their_policy(cfg, score, policy):
     assert len(keys) == 3
     with pytest.raises(ValueError, match="score must be one of"):
         sources.variant_type(True, False, score="tanh")
+
+
+def test_score_specs_name_every_build_once():
+    # spec.ScoreSpec.build is the one place a build's score function is named: every form of a call's score
+    # function is a build the kernels have, and no two forms share one.
+    specs = [ScoreSpec()] + [
+        ScoreSpec(softcap, alibi=True, alibi_origin=origin, alibi_rows=rows)
+        for softcap in (0.0, 30.0)
+        for origin in ALIBI_ORIGINS
+        for rows in (False, True)
+    ]
+    specs.append(ScoreSpec(30.0))
+    builds = [s.build for s in specs]
+    assert builds[0] is None and len(set(builds)) == len(specs)
+    assert set(builds[1:]) == set(sources.SCORE_MODS)
+    for s in specs:
+        assert s.features == {"softcap": s.softcap > 0, "alibi": s.alibi}
+    with pytest.raises(ValueError, match="need alibi=True"):
+        ScoreSpec(alibi_rows=True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_score_spec_of_a_packed_batch_measures_alibi_from_its_runs_or_table(causal):
+    q = torch.randn(1, 12, 2, 8)
+    runs = (torch.zeros(12, 2, dtype=torch.int32), torch.zeros(12, 2, dtype=torch.int32))
+    table = (*runs, torch.zeros(12, dtype=torch.int32))
+    heads, rows = torch.ones(2), torch.ones(12, 2)
+    assert score_spec(0.5, None, q, runs, causal) == ScoreSpec(0.5)
+    assert score_spec(0.0, heads, q).build == "alibi"
+    assert score_spec(0.0, heads, q, runs, causal).build == ("alibi_runs" if causal else "alibi")
+    assert score_spec(0.5, heads, q, table, causal).build == "softcap_alibi_table"
+    assert score_spec(0.0, rows, q, runs, causal).build == ("alibi_runs_rows" if causal else "alibi_rows")

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .._validate import score_spec
 from ..configs import BwdConfig
 from ..dropout import dropout_key, seed_pair
 from ..jit import cache as jit_cache
@@ -22,21 +23,19 @@ from ..jit.loader import get_bwd_kernels
 from ..jit.params import BwdParams
 from ..jit.sources import SEGMENTS
 from ..sinks import sinks_gradient_from_delta
+from ..spec import NO_SCORE, ScoreSpec
 from .device import current_stream, device_arch, dtype_name
 from .plans import (
     Launch,
     PlanCache,
+    bind_alibi,
     check_segments,
     device_facts,
     feature_list,
     fill_common,
-    fill_score,
     fill_strides,
-    kernel_score,
     launch_all,
     programmatic_launches,
-    score_features,
-    score_function,
     segment_count,
     segment_lengths,
     trial_switch,
@@ -127,17 +126,19 @@ def _kernels_of(
             dropout=dropout_p,
             deterministic=deterministic,
             window=window is not None and window != SEGMENTS,
-            **score_features(score),
+            **score.features,
             segments=window == SEGMENTS,
         ),
         config=config,
     )
     build = SEGMENTS if window == SEGMENTS else window is not None
-    return cfg, device_arch(index), dict(ranged=ranged, dropout=bool(dropout_p), window=build, score=score)
+    variant = dict(ranged=ranged, dropout=bool(dropout_p), window=build, score=score.build)
+    return cfg, device_arch(index), variant
 
 
 def prefetch(
-    q, k, causal, deterministic, ranged, dropout_p, window=None, score=None, lengths=None, head_dim=None
+    q, k, causal, deterministic, ranged, dropout_p, window=None, score: ScoreSpec = NO_SCORE, lengths=None,
+    head_dim=None,
 ) -> None:  # fmt: skip
     """Start compiling the backward kernels of a training call whose forward is about to run (its own
     compile, if any, then runs beside this one: a first training step waits for the longer of the two
@@ -166,8 +167,7 @@ def _make_plan(
     dropout_p,
     config,
     window,
-    score=None,
-    softcap=0.0,
+    score: ScoreSpec = NO_SCORE,
     lengths=None,
     sequences=None,
 ) -> _Plan:
@@ -185,7 +185,7 @@ def _make_plan(
     build = variant["window"]
     kerns = get_bwd_kernels(cfg, arch, **variant)
     dkdv_kind = "dkdv_det" if deterministic else "dkdv"
-    dkdv = kerns[cfg.symbol(dkdv_kind, mask_causal, ranged, bool(dropout_p), build, score)]
+    dkdv = kerns[cfg.symbol(dkdv_kind, mask_causal, ranged, bool(dropout_p), build, score.build)]
     dkdv.ensure_dynamic_smem(cfg.smem_bytes, index)
     dq = None
     # Deterministic on the sm80 family: dK/dV without atomics, then the dQ kernel. The deterministic forms
@@ -193,7 +193,7 @@ def _make_plan(
     # (turns taken on semaphores after the accumulator), and the cast follows as in the atomic mode.
     det_ws = deterministic and (cfg.warp_specialized or cfg.wide)
     if deterministic and not det_ws:
-        dq = kerns[cfg.symbol("dq", mask_causal, ranged, bool(dropout_p), build, score)]
+        dq = kerns[cfg.symbol("dq", mask_causal, ranged, bool(dropout_p), build, score.build)]
         dq.ensure_dynamic_smem(cfg.dq_smem_bytes, index)
 
     p = BwdParams()
@@ -213,7 +213,7 @@ def _make_plan(
     p.dq_lanes = lanes
     if windowed and window != SEGMENTS:
         p.window_left, p.window_right = window
-    p.softcap = softcap  # (ALiBi's slopes are a per-call pointer: cuda_backward)
+    p.softcap = score.softcap  # (ALiBi's slopes are a per-call pointer: cuda_backward)
     p.num_n_blocks = math.ceil(seqlen_k / cfg.block_kv)
     # A packed batch on the warp-specialized dK/dV kernel (atomic mode): one block per key tile of its table,
     # each walking its sequence's query blocks from the sequence's first row, over a workspace laid out by
@@ -279,9 +279,10 @@ def kv_block_group(pairs: int, seqlen_q: int, head_dim: int, group: int) -> int:
 
 def plan_for(
     q_, k_, v_, o_, do_, lse_, causal, scale, deterministic, ranged, dropout_p, config, window=None,
-    score=None, softcap=0.0, lengths=None, sequences=None,
+    score: ScoreSpec = NO_SCORE, lengths=None, sequences=None,
 ) -> _Plan:  # fmt: skip
-    """The plan of a call on kernel-ready tensors (made on a miss); ``sequences``: a packed batch's sequence
+    """The plan of a call on kernel-ready tensors (made on a miss); ``score``: the call's spec.ScoreSpec;
+    ``sequences``: a packed batch's sequence
     count when its runs carry the offsets of a key-tile table (plans.segment_count)."""
     key = (
         q_.shape,
@@ -302,7 +303,6 @@ def plan_for(
         config,
         window,
         score,
-        softcap,
         lengths,
         sequences,
     )
@@ -310,7 +310,7 @@ def plan_for(
         key,
         lambda: _make_plan(
             q_, k_, v_, o_, do_, lse_, causal, scale, deterministic, ranged, dropout_p, config, window, score,
-            softcap, lengths, sequences,
+            lengths, sequences,
         ),
     )  # fmt: skip
 
@@ -355,7 +355,7 @@ def cuda_backward(
     if segments is not None:
         check_segments(segments, q, k, key_range, window)
         bounds = SEGMENTS
-    score = kernel_score(score_function(softcap, alibi_slopes, q, segments), segments, causal, alibi_slopes)
+    score = score_spec(softcap, alibi_slopes, q, segments, causal)
     if head_dim % 8:
         d8 = padded_to_8(head_dim)
         grads = cuda_backward(
@@ -389,7 +389,7 @@ def cuda_backward(
     ranged = key_range is not None
     plan = plan_for(
         q_, k_, v_, o_, do_, lse_, causal, softmax_scale, deterministic, ranged, dropout_p, config, bounds,
-        score, float(softcap), segment_lengths(segments), segment_count(segments),
+        score, segment_lengths(segments), segment_count(segments),
     )  # fmt: skip
     stats, accum = plan.stats, plan.accum
     ws = torch.empty(2 * stats + accum, dtype=torch.float32, device=device)
@@ -407,7 +407,7 @@ def cuda_backward(
     if dropout_p:
         p.dropout_key = dropout_key(*seed_pair(dropout_seed))
     if alibi_slopes is not None:
-        fill_score(p, p.softcap, alibi_slopes)
+        bind_alibi(p, alibi_slopes)
     if segments is not None:
         p.row_keys, p.key_rows = segments[0].data_ptr(), segments[1].data_ptr()
         if len(segments) == 3:  # (each row's ALiBi diagonal: the "..._table" builds)

@@ -18,27 +18,26 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .._validate import score_spec
 from ..configs import KernelConfig, parse_config
 from ..dropout import dropout_key, seed_pair
 from ..jit import driver
 from ..jit.loader import get_kernel
 from ..jit.params import FwdParams, FwdTmaParams
 from ..jit.sources import SEGMENTS
+from ..spec import NO_SCORE, ScoreSpec
 from . import tma
 from . import trace as _trace
 from .device import device_arch, dtype_name, sm_count
 from .plans import (
     PlanCache,
+    bind_alibi,
     check_segments,
     device_facts,
     feature_list,
     fill_common,
-    fill_score,
     fill_strides,
-    kernel_score,
     launch,
-    score_features,
-    score_function,
     segment_count,
     segment_lengths,
     window_bounds,
@@ -137,13 +136,13 @@ def _make_plan(
     needs,
     trace=False,
     window=None,
-    score=None,
-    softcap=0.0,
+    score: ScoreSpec = NO_SCORE,
     lengths=None,
     sequences=None,
 ) -> _Plan:
     """The plan of a call (``trace``: with the debug build's kernel, fa/trace.cuh; ``window``: the kernels'
-    (left, right) of a sliding window, plans.window_bounds, which carries causal; ``lengths``: _config's;
+    (left, right) of a sliding window, plans.window_bounds, which carries causal; ``score``: the call's
+    score function, whose build the kernel is and whose cap the params carry; ``lengths``: _config's;
     ``sequences``: a packed batch's sequence count, when its runs carry a query-tile table)."""
     batch, seqlen_q, heads_q = q.shape[:3]
     check_grid(batch, heads_q, seqlen_q, k.shape[1])
@@ -155,13 +154,13 @@ def _make_plan(
     build = SEGMENTS if window == SEGMENTS else windowed
     kernel = get_kernel(
         cfg, bool(causal) and not windowed, device_arch(index), trace, ranged=ranged, dropout=bool(dropout_p),
-        window=build, score=score,
+        window=build, score=score.build,
     )  # fmt: skip
     kernel.ensure_dynamic_smem(cfg.smem_bytes, index)
     p = _params(q, k, v, o, cfg, scale, dropout_p)
     if windowed and window != SEGMENTS:
         p.window_left, p.window_right = window
-    p.softcap = softcap  # (ALiBi's slopes are a per-call pointer: launch_plan)
+    p.softcap = score.softcap  # (ALiBi's slopes are a per-call pointer: launch_plan)
     # A packed batch on the warp-specialized forward: one tile per table entry (the table itself is bound at
     # each launch). The other families tile the packed row.
     q_tiles = cfg.block_q if build == SEGMENTS and cfg.warp_specialized and sequences is not None else 0
@@ -332,12 +331,12 @@ def chosen_config(
 
 
 def plan_for(
-    q, k, v, o, causal, scale, ranged, dropout_p, config, negative, window=None, score=None, softcap=0.0,
+    q, k, v, o, causal, scale, ranged, dropout_p, config, negative, window=None, score: ScoreSpec = NO_SCORE,
     lengths=None, sequences=None,
 ) -> _Plan:  # fmt: skip
     """The plan of a call on kernel-ready tensors (made on a miss); ``window``: plans.window_bounds, or
-    SEGMENTS for the segments build; ``sequences``: a packed batch's sequence count when its runs carry
-    the offsets of a query-tile table (plans.segment_count)."""
+    SEGMENTS for the segments build; ``score``: the call's spec.ScoreSpec; ``sequences``: a packed batch's
+    sequence count when its runs carry the offsets of a query-tile table (plans.segment_count)."""
     key = (
         q.shape,
         q.stride(),
@@ -354,7 +353,6 @@ def plan_for(
         config,
         window,
         score,
-        softcap,
         lengths,
         sequences,
     )
@@ -369,12 +367,11 @@ def plan_for(
                 negative_scale=negative,
                 untileable=tma.untileable(q, k, v),
                 window=window is not None and window != SEGMENTS,
-                **score_features(score),
+                **score.features,
                 segments=window == SEGMENTS,
             ),
             window=window,
             score=score,
-            softcap=softcap,
             lengths=lengths,
             sequences=sequences,
         ),
@@ -437,7 +434,7 @@ def cuda_forward(
     if segments is not None:
         check_segments(segments, q, k, key_range, window)
         bounds = SEGMENTS
-    score = kernel_score(score_function(softcap, alibi_slopes, q, segments), segments, causal, alibi_slopes)
+    score = score_spec(softcap, alibi_slopes, q, segments, causal)
     head_dim = q.shape[3]
     if head_dim % 8:
         return _padded_forward(
@@ -445,7 +442,7 @@ def cuda_forward(
             dropout_seed, window, softcap, alibi_slopes, sinks, segments,
         )  # fmt: skip
     if trace is not None:
-        if key_range is not None or dropout_p or bounds is not None or score is not None or sinks is not None:
+        if key_range is not None or dropout_p or bounds is not None or score != NO_SCORE or sinks is not None:
             raise ValueError(
                 "the debug (trace) build takes no key_range, dropout, window, score function or sinks"
             )
@@ -468,7 +465,7 @@ def cuda_forward(
     ranged = key_range is not None
     plan = plan_for(
         q_, k_, v_, o, causal, softmax_scale, ranged, dropout_p, config, softmax_scale < 0, bounds, score,
-        float(softcap), segment_lengths(segments), segment_count(segments),
+        segment_lengths(segments), segment_count(segments),
     )  # fmt: skip
     if ranged:
         # The kernel reads two int32 per batch row, contiguous; kept alive until the launch is queued.
@@ -496,7 +493,7 @@ def launch_plan(
     if key:
         p.dropout_key = key
     if alibi_slopes is not None:
-        fill_score(p, p.softcap, alibi_slopes)
+        bind_alibi(p, alibi_slopes)
     if sinks is not None:
         p.sinks = sinks.data_ptr()
     if segments is not None:

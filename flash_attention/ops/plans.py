@@ -17,7 +17,7 @@ from typing import Generic, NamedTuple, TypeVar
 
 import torch
 
-from .._validate import alibi_per_row, check_window, score_function
+from .._validate import check_window
 from ..dropout import dropout_threshold
 from ..jit import driver
 from .device import current_stream, device_arch, gpu_name, smem_limit
@@ -36,10 +36,7 @@ __all__ = [
     "launch_fields",
     "programmatic_launches",
     "trial_switch",
-    "fill_score",
-    "kernel_score",
-    "score_features",
-    "score_function",
+    "bind_alibi",
     "check_segments",
     "segment_lengths",
     "window_bounds",
@@ -122,26 +119,6 @@ def check_segments(
             raise ValueError(f"segments' {name} must be a contiguous int32 {shape} tensor on {q.device}")
 
 
-def kernel_score(score: str | None, segments: tuple | None, causal: bool, alibi_slopes=None) -> str | None:
-    """The build's score function (``jit.sources.SCORE_MODS``) for a call's. ALiBi on a packed batch measures
-    from each row's entry of the segments' table of diagonals where they carry one ("..._table"), else, for
-    causal sequences, from each row's run end ("..._runs": any query and key counts per sequence); otherwise
-    from the packed row's own index (packed self-attention without causal, where it is each sequence's
-    own). With a slope per query row (``alibi_slopes`` (seqlen_q, heads_q)), the same with "_rows"."""
-    if segments is None or score not in ("alibi", "softcap_alibi"):
-        return score
-    rows = "_rows" if alibi_per_row(alibi_slopes, segments) else ""
-    if len(segments) == 3:
-        return f"{score}_table{rows}"
-    return f"{score}_runs{rows}" if causal else f"{score}{rows}"
-
-
-def score_features(score: str | None) -> dict[str, bool]:
-    """feature_list's score-function flags of a build's score function (``jit.sources.SCORE_MODS``)."""
-    name = score or ""
-    return {"softcap": "softcap" in name, "alibi": "alibi" in name}
-
-
 def segment_lengths(segments: tuple | None) -> tuple[int, int] | None:
     """The (seqlen_q, seqlen_k) a packed batch's configurations are chosen by: its sequences' typical
     lengths, which flash_attention.varlen notes on the runs (``_typical_lengths``: the max_seqlen hints, else
@@ -175,12 +152,11 @@ def window_bounds(window: object, causal: bool, seqlen_q: int, seqlen_k: int) ->
     return left, right
 
 
-def fill_score(params: ctypes.Structure, softcap: float, alibi_slopes: torch.Tensor | None) -> None:
-    """The score function's fields of FwdParams / BwdParams for one launch."""
-    params.softcap = float(softcap)
-    if alibi_slopes is not None:
-        params.alibi_slopes = alibi_slopes.data_ptr()
-        params.alibi_batch_stride = alibi_slopes.shape[-1] if alibi_slopes.dim() == 2 else 0
+def bind_alibi(params: ctypes.Structure, alibi_slopes: torch.Tensor) -> None:
+    """ALiBi's fields of FwdParams / BwdParams for one launch: its slopes and their stride between batch rows
+    (0: one (heads_q,) table). The cap, a number of the call's spec.ScoreSpec, is the plan's."""
+    params.alibi_slopes = alibi_slopes.data_ptr()
+    params.alibi_batch_stride = alibi_slopes.shape[-1] if alibi_slopes.dim() == 2 else 0
 
 
 def device_facts(index: int) -> dict:

@@ -22,8 +22,9 @@ from flash_attention.configs.architectures import architecture
 from flash_attention.configs.decode import default_decode_config
 from flash_attention.jit import cache as jit_cache
 from flash_attention.jit.sources import SEGMENTS
+from flash_attention.spec import NO_SCORE, ScoreSpec
 
-from .plans import feature_list, score_features, window_bounds
+from .plans import feature_list, window_bounds
 from .select import NoKernel, backward_config, forward_config
 from .tensors import padded_to_8
 
@@ -87,7 +88,7 @@ def kernel_jobs(
     lengths: Iterable[tuple[int, int]],
     window: tuple[int, int] | None = None,
     segments: bool = False,
-    score: str | None = None,
+    score: ScoreSpec = NO_SCORE,
     key_range: bool = False,
     dropout: bool = False,
     backward: bool = False,
@@ -100,9 +101,9 @@ def kernel_jobs(
     it differs); then, for each of ``decode_rows`` (seqlen_q x group of a decode call), the decode kernels of
     a grid that fills the GPU and of one that splits its keys. ``window``: as attention() takes it; at a
     length where it bounds nothing the calls run the plain build, as here (ops.plans.window_bounds). A
-    packed batch's (``segments``) window is carried by its runs. ``score``: the build's score function
-    (``jit.sources.SCORE_MODS``). Lengths a kernel cannot run (a GPU without the shared memory) are
-    skipped: the call would fall back the same way."""
+    packed batch's (``segments``) window is carried by its runs. ``score``: the calls' score function
+    (spec.ScoreSpec: its build is the kernels'). Lengths a kernel cannot run (a GPU without the shared
+    memory) are skipped: the call would fall back the same way."""
     d = padded_to_8(head_dim)
     device = dict(arch=facts.arch, gpu=facts.gpu, smem_limit=facts.smem_limit)
     jobs: list[KernelJob] = []
@@ -111,11 +112,10 @@ def kernel_jobs(
             windowed = not segments and window_bounds(window, is_causal, seqlen_q, seqlen_k) is not None
             flags = dict(
                 key_range=key_range, dropout=dropout, window=windowed, segments=segments,
-                **score_features(score),
+                **score.features,
             )  # fmt: skip
-            variant = dict(
-                ranged=key_range, dropout=dropout, window=SEGMENTS if segments else windowed, score=score
-            )
+            build = SEGMENTS if segments else windowed
+            variant = dict(ranged=key_range, dropout=dropout, window=build, score=score.build)
             try:
                 fwd = forward_config(
                     dtype, d, is_causal, seqlen_q, seqlen_k, group, **device, features=feature_list(**flags)

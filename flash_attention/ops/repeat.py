@@ -40,6 +40,7 @@ import os
 
 import torch
 
+from .._validate import score_spec
 from ..jit import driver, host
 from ..jit.params import FwdParams, FwdTmaParams
 from ..jit.sources import SEGMENTS
@@ -48,9 +49,7 @@ from . import trace as _trace
 from .plans import (
     Launch,
     PlanCache,
-    kernel_score,
     launch_fields,
-    score_function,
     segment_count,
     segment_lengths,
     window_bounds,
@@ -174,7 +173,7 @@ def _native(
     if plan.tile_counter:  # (a field of the TMA params, beside FwdParams)
         bound_offsets.append(FwdTmaParams.tile_counter.offset)
     template = plan.template
-    if alibi is not None:  # (a field of the params, set per call by the whole path's fill_score)
+    if alibi is not None:  # (a field of the params, set per call by the whole path's bind_alibi)
         made = (FwdTmaParams if plan.maps is not None else FwdParams).from_buffer_copy(template)
         (made.p if plan.maps is not None else made).alibi_batch_stride = alibi
         template = bytes(made)
@@ -364,14 +363,13 @@ def prepare(
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
     ranged = key_range is not None
     bounds = SEGMENTS if segments is not None else window_bounds(window, causal, q.shape[1], k.shape[1])
-    score = kernel_score(score_function(softcap, alibi_slopes, q, segments), segments, causal, alibi_slopes)
-    softcap = float(softcap)
+    score = score_spec(softcap, alibi_slopes, q, segments, causal)
     plan = forward.plan_for(
-        q, k, v, o, causal, scale, ranged, 0.0, None, scale < 0, bounds, score, softcap,
+        q, k, v, o, causal, scale, ranged, 0.0, None, scale < 0, bounds, score,
         segment_lengths(segments), segment_count(segments),
     )  # fmt: skip
     lse_shape = (q.shape[0], q.shape[2], q.shape[1])
-    # ALiBi's slopes: their stride between batch rows (0: one (heads,) table), as plans.fill_score sets it.
+    # ALiBi's slopes: their stride between batch rows (0: one (heads,) table), as plans.bind_alibi sets it.
     alibi = None if alibi_slopes is None else (alibi_slopes.shape[-1] if alibi_slopes.dim() == 2 else 0)
     bwd, program = None, 0
     if records:
@@ -379,7 +377,7 @@ def prepare(
         # As training.training_forward: the backward reads dO laid out as out, so the plan is out's; the
         # node binds the slopes.
         bwd = backward.plan_for(
-            q, k, v, o, o, lse, causal, scale, deterministic, ranged, 0.0, None, bounds, score, softcap,
+            q, k, v, o, o, lse, causal, scale, deterministic, ranged, 0.0, None, bounds, score,
             segment_lengths(segments), segment_count(segments),
         )  # fmt: skip
         program = training.program(bwd, training.bound_fields(alibi is not None, segments, bwd), alibi or 0)

@@ -23,20 +23,14 @@ from collections.abc import Callable
 
 import torch
 
+from .._validate import score_spec
 from ..dropout import dropout_key, seed_pair
 from ..jit import driver, host
 from ..jit.params import BwdParams
 from ..jit.sources import SEGMENTS
 from . import backward
 from . import trace as _trace
-from .plans import (
-    kernel_score,
-    launch_fields,
-    score_function,
-    segment_count,
-    segment_lengths,
-    window_bounds,
-)
+from .plans import launch_fields, segment_count, segment_lengths, window_bounds
 from .query_tiles import key_tiles, query_units
 from .tensors import padded_to_8, usable_in_place
 
@@ -134,10 +128,10 @@ def training_forward(
     # The backward reads dO laid out as out (the node copies any other layout), so the plan is out's; the
     # window's bounds travel in the plan's parameters, the variant's tensors are bound per call.
     bounds = SEGMENTS if segments is not None else window_bounds(window, causal, q.shape[1], k.shape[1])
-    score = kernel_score(score_function(softcap, alibi_slopes, q, segments), segments, causal, alibi_slopes)
+    score = score_spec(softcap, alibi_slopes, q, segments, causal)
     plan = backward.plan_for(
         q, k, v, out, out, lse, causal, softmax_scale, deterministic, key_range is not None, dropout_p, None,
-        bounds, score, float(softcap), segment_lengths(segments), segment_count(segments),
+        bounds, score, segment_lengths(segments), segment_count(segments),
     )  # fmt: skip
     stride = 0 if alibi_slopes is None else (alibi_slopes.shape[-1] if alibi_slopes.dim() == 2 else 0)
     fields = bound_fields(alibi_slopes is not None, segments, plan)
@@ -169,7 +163,7 @@ def prefetch_backward(
         _prefetched.clear()
     _prefetched.add(seen)
     bounds = SEGMENTS if segments is not None else window_bounds(window, causal, q.shape[1], k.shape[1])
-    score = kernel_score(score_function(softcap, alibi_slopes, q, segments), segments, causal, alibi_slopes)
+    score = score_spec(softcap, alibi_slopes, q, segments, causal)
     ranged, lengths = key_range is not None, segment_lengths(segments)
     backward.prefetch(
         q, k, causal, deterministic, ranged, dropout_p, bounds, score, lengths,

@@ -1,0 +1,87 @@
+"""The options of one attention call as frozen values: what the launch layer plans by, and the one place
+where a kernel build's score function is named.
+
+:class:`ScoreSpec` is what happens to a scaled score before the softmax (soft-capping, ALiBi and the form
+of ALiBi's distance); :class:`AttentionSpec` is every option of a call that a kernel, a plan or a fallback
+decides by (no tensors: those travel beside it, bound per call). Both are built once, by the argument
+checks of the public functions (``_validate``), and read whole below; the build's name of the score
+function (``jit.sources.SCORE_MODS``: the C++ policy it instantiates) comes from :attr:`ScoreSpec.build`
+and from nowhere else, and no layer reads a feature back out of that name.
+
+This module imports nothing of the package, so every layer may read it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["ALIBI_ORIGINS", "NO_SCORE", "AttentionSpec", "ScoreSpec"]
+
+#: Where ALiBi measures a query row's distance to a key from (``ScoreSpec.alibi_origin``): "diagonal", the
+#: bottom-right-aligned diagonal ``i + seqlen_k - seqlen_q`` (on a packed batch without causal, the packed
+#: row's own index); "runs", each query row's run end (a packed batch of causal sequences); "table", each
+#: row's entry of the segments' table of diagonals (a packed batch whose query and key counts differ).
+ALIBI_ORIGINS = ("diagonal", "runs", "table")
+
+
+@dataclass(frozen=True)
+class ScoreSpec:
+    """The score function of a call: ``softcap`` > 0 caps the scaled score, ``softcap * tanh(s /
+    softcap)``; ``alibi`` adds ALiBi's ``-slope * distance`` to it (after the cap), the distance measured
+    from ``alibi_origin`` (:data:`ALIBI_ORIGINS`), with a slope per (batch row or) head, or per query row
+    with ``alibi_rows`` (a packed batch whose sequences have slopes of their own). The slopes themselves
+    are a tensor bound per call. ``ScoreSpec()`` is the identity."""
+
+    softcap: float = 0.0
+    alibi: bool = False
+    alibi_origin: str = "diagonal"
+    alibi_rows: bool = False
+
+    def __post_init__(self) -> None:
+        if self.alibi_origin not in ALIBI_ORIGINS:
+            raise ValueError(f"alibi_origin must be one of {ALIBI_ORIGINS}; got {self.alibi_origin!r}")
+        if not self.alibi and (self.alibi_origin != "diagonal" or self.alibi_rows):
+            raise ValueError("alibi_origin and alibi_rows describe ALiBi: they need alibi=True")
+
+    @property
+    def build(self) -> str | None:
+        """The kernel build's score function, a key of ``jit.sources.SCORE_MODS`` (None: none): the features
+        joined by "_" in the order "softcap", "alibi", the origin ("runs", "table"; none for the diagonal),
+        "rows". Build names, cache keys and entry-point symbols all carry it."""
+        parts = ["softcap"] if self.softcap else []
+        if self.alibi:
+            parts.append("alibi")
+            if self.alibi_origin != "diagonal":
+                parts.append(self.alibi_origin)
+            if self.alibi_rows:
+                parts.append("rows")
+        return "_".join(parts) or None
+
+    @property
+    def features(self) -> dict[str, bool]:
+        """The configuration features it needs (``configs.families``), as ``ops.plans.feature_list`` flags."""
+        return {"softcap": bool(self.softcap), "alibi": self.alibi}
+
+
+#: The identity score function (no cap, no ALiBi).
+NO_SCORE = ScoreSpec()
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Every option of one attention call that a kernel build, a plan or the fallback decides by, checked
+    (``_validate.attention_spec``): ``causal``, the resolved softmax ``scale``, the sliding ``window``
+    (left, right) as the caller gave it (-1: unbounded; None: none), the ``score`` function, whether the call
+    has per-batch key ranges (``ranged``), its ``dropout_p``, whether its backward is ``deterministic``,
+    whether it has attention ``sinks``, and ``segments``: the length of a packed batch's runs tuple (0: not
+    packed; 2: the rows' and keys' runs; 3: with each row's ALiBi diagonal). Hashable: the plans key on it."""
+
+    causal: bool = False
+    scale: float = 1.0
+    window: tuple[int, int] | None = None
+    score: ScoreSpec = NO_SCORE
+    ranged: bool = False
+    dropout_p: float = 0.0
+    deterministic: bool = False
+    sinks: bool = False
+    segments: int = 0
