@@ -23,6 +23,7 @@ from .ops import repeat as _repeat
 from .ops.plans import check_segments
 from .reference import runs_alibi_diagonal
 from .sinks import apply_sinks, check_sinks
+from .spec import AttentionSpec
 
 __all__ = ["attention", "forward", "forward_timed"]
 
@@ -227,7 +228,7 @@ def attention(
 
     problem = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, key_range=key_range)
     window = check_window(window)
-    score_spec(softcap, alibi_slopes, q, _segments)  # (the checks, naming the argument)
+    score = score_spec(softcap, alibi_slopes, q, _segments, problem.causal)
     check_sinks(sinks, q)
     if _segments is not None:
         check_segments(_segments, q, k, key_range, window)
@@ -237,6 +238,18 @@ def attention(
     # The backward's mode: the argument or PyTorch's switch (repeat.signature keys on the same).
     deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
     seed = _dropout_seed(dropout_p, dropout_seed)
+    # Every option, checked, as the launch layer's plans read it (the tensors travel beside it).
+    spec = AttentionSpec(
+        problem.causal,
+        problem.scale,
+        window,
+        score,
+        key_range is not None,
+        float(dropout_p),
+        deterministic,
+        sinks is not None,
+        0 if _segments is None else len(_segments),
+    )
     records = torch.is_grad_enabled() and (
         q.requires_grad or k.requires_grad or v.requires_grad or (sinks is not None and sinks.requires_grad)
     )
@@ -248,11 +261,7 @@ def attention(
     prefetch = getattr(backend, "prefetch_backward", None) if prefetches else None  # (stand-ins lack it)
     if prefetch is not None:
         # A training call: its backward's kernels start compiling now, beside the forward's (first calls).
-        prefetch(
-            q, k, causal=problem.causal, deterministic=deterministic, key_range=key_range,
-            dropout_p=float(dropout_p), window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-            segments=_segments,
-        )  # fmt: skip
+        prefetch(q, k, spec, _segments)
     if not records and key_range is None and not dropout_p and _segments is None and not problem.is_empty:
         # A few queries per row against many keys: the split-KV decode kernels (flash_attention._few_queries),
         # and the signature's later calls straight to them.
@@ -274,14 +283,10 @@ def attention(
             q,
             k,
             v,
-            causal=problem.causal,
-            scale=problem.scale,
+            spec,
             key_range=key_range,
             records=records,
-            deterministic=deterministic,
             return_lse=return_lse,
-            window=window,
-            softcap=softcap,
             alibi_slopes=alibi_slopes,
             sinks=sinks,
             segments=_segments,

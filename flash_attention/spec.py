@@ -13,7 +13,7 @@ This module imports nothing of the package, so every layer may read it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 __all__ = ["ALIBI_ORIGINS", "NO_SCORE", "AttentionSpec", "ScoreSpec"]
 
@@ -85,3 +85,9 @@ class AttentionSpec:
     deterministic: bool = False
     sinks: bool = False
     segments: int = 0
+
+    @property
+    def forward(self) -> AttentionSpec:
+        """The spec without what only the backward reads (``deterministic``): what a forward plan keys on, so
+        that a training call and an inference call of one shape share it."""
+        return replace(self, deterministic=False) if self.deterministic else self

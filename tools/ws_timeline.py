@@ -61,6 +61,7 @@ def run(cfg_name: str | None, d: int, n: int, causal: bool, defines: tuple[str, 
     from flash_attention.ops import forward
     from flash_attention.ops.device import device_arch
     from flash_attention.ops.plans import launch
+    from flash_attention.spec import AttentionSpec
 
     heads, batch = 2048 // d, 16384 // n
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -68,9 +69,7 @@ def run(cfg_name: str | None, d: int, n: int, causal: bool, defines: tuple[str, 
         torch.randn(batch, n, heads, d, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(3)
     )
     o = torch.empty_like(q)
-    plan = forward.plan_for(
-        q, k, v, o, causal, d**-0.5, False, 0.0, cfg_name and parse_config(cfg_name), False
-    )
+    plan = forward.plan_for(q, k, v, o, AttentionSpec(causal, d**-0.5), cfg_name and parse_config(cfg_name))
     cfg = plan.cfg
     if not cfg.warp_specialized:
         raise SystemExit(f"{cfg.name()} is not a warp-specialized config")

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .._validate import score_spec
+from .._validate import check_window, score_spec
 from ..configs import BwdConfig
 from ..dropout import dropout_key, seed_pair
 from ..jit import cache as jit_cache
@@ -23,7 +23,7 @@ from ..jit.loader import get_bwd_kernels
 from ..jit.params import BwdParams
 from ..jit.sources import SEGMENTS
 from ..sinks import sinks_gradient_from_delta
-from ..spec import NO_SCORE, ScoreSpec
+from ..spec import AttentionSpec
 from .device import current_stream, device_arch, dtype_name
 from .plans import (
     Launch,
@@ -35,11 +35,12 @@ from .plans import (
     fill_common,
     fill_strides,
     launch_all,
+    launch_spec,
+    mask_bounds,
     programmatic_launches,
     segment_count,
     segment_lengths,
     trial_switch,
-    window_bounds,
 )
 from .query_tiles import key_tiles, query_units, tile_count, unit_count, workspace_rows
 from .select import backward_config
@@ -107,24 +108,23 @@ def clear_plans() -> None:
     _plans.clear()
 
 
-def _kernels_of(
-    q, k, causal, deterministic, ranged, dropout_p, config, window, score, lengths, head_dim=None
-):
-    """``(config, arch, build variant)`` of the backward kernels a call on kernel-ready q and k runs (of
-    ``head_dim``, when given, instead of q's): what :func:`_make_plan` loads and :func:`prefetch` compiles
-    ahead."""
+def _kernels_of(q, k, spec: AttentionSpec, config, lengths, head_dim=None):
+    """``(config, arch, build variant)`` of the backward kernels a call of ``spec`` on kernel-ready q and k
+    runs (of ``head_dim``, when given, instead of q's): what :func:`_make_plan` loads and :func:`prefetch`
+    compiles ahead."""
     index = q.get_device()
+    window, score = mask_bounds(spec, q.shape[1], k.shape[1]), spec.score
     cfg = backward_config(
         dtype_name(q),
         head_dim or q.shape[3],
-        causal,
+        spec.causal,
         *(lengths or (q.shape[1], k.shape[1])),  # (a packed batch's: plans.segment_lengths)
         q.shape[2] // k.shape[2],
         **device_facts(index),
         features=feature_list(
-            key_range=ranged,
-            dropout=dropout_p,
-            deterministic=deterministic,
+            key_range=spec.ranged,
+            dropout=spec.dropout_p,
+            deterministic=spec.deterministic,
             window=window is not None and window != SEGMENTS,
             **score.features,
             segments=window == SEGMENTS,
@@ -132,52 +132,30 @@ def _kernels_of(
         config=config,
     )
     build = SEGMENTS if window == SEGMENTS else window is not None
-    variant = dict(ranged=ranged, dropout=bool(dropout_p), window=build, score=score.build)
+    variant = dict(ranged=spec.ranged, dropout=bool(spec.dropout_p), window=build, score=score.build)
     return cfg, device_arch(index), variant
 
 
-def prefetch(
-    q, k, causal, deterministic, ranged, dropout_p, window=None, score: ScoreSpec = NO_SCORE, lengths=None,
-    head_dim=None,
-) -> None:  # fmt: skip
-    """Start compiling the backward kernels of a training call whose forward is about to run (its own
-    compile, if any, then runs beside this one: a first training step waits for the longer of the two
-    compiles, not their sum). ``window`` and ``score`` as :func:`plan_for` takes them. Best effort: any
-    failure is left to the backward's own build, which reports it."""
+def prefetch(q, k, spec: AttentionSpec, lengths=None, head_dim=None) -> None:
+    """Start compiling the backward kernels of a training call of ``spec`` whose forward is about to run (its
+    own compile, if any, then runs beside this one: a first training step waits for the longer of the two
+    compiles, not their sum). Best effort: any failure is left to the backward's own build, which reports
+    it."""
     try:
-        cfg, arch, variant = _kernels_of(
-            q, k, causal, deterministic, ranged, dropout_p, None, window, score, lengths, head_dim
-        )
+        cfg, arch, variant = _kernels_of(q, k, spec, None, lengths, head_dim)
     except Exception:  # noqa: BLE001 - as the docstring says
         return
     jit_cache.prefetch(cfg, arch, **variant)
 
 
-def _make_plan(
-    q,
-    k,
-    v,
-    o,
-    do,
-    lse,
-    causal,
-    scale,
-    deterministic,
-    ranged,
-    dropout_p,
-    config,
-    window,
-    score: ScoreSpec = NO_SCORE,
-    lengths=None,
-    sequences=None,
-) -> _Plan:
+def _make_plan(q, k, v, o, do, lse, spec: AttentionSpec, config, lengths=None, sequences=None) -> _Plan:
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     check_grid(batch, heads_q, seqlen_q, seqlen_k)
     index = q.get_device()
-    cfg, arch, variant = _kernels_of(
-        q, k, causal, deterministic, ranged, dropout_p, config, window, score, lengths
-    )
+    causal, deterministic, ranged, dropout_p = spec.causal, spec.deterministic, spec.ranged, spec.dropout_p
+    window, score = mask_bounds(spec, seqlen_q, seqlen_k), spec.score
+    cfg, arch, variant = _kernels_of(q, k, spec, config, lengths)
     # The window and segments builds have one set of entry points, named as not causal (the window, or the
     # segments' runs, carry causal).
     windowed = window is not None
@@ -205,7 +183,7 @@ def _make_plan(
         setattr(p, f"{prefix}_row_stride", shape[2] * shape[3])
         setattr(p, f"{prefix}_head_stride", shape[3])
     p.lse_batch_stride, p.lse_head_stride = lse.stride(0), lse.stride(1)
-    fill_common(p, q, k, cfg.block_q, scale, dropout_p)
+    fill_common(p, q, k, cfg.block_q, spec.scale, dropout_p)
     p.seqlen_q_pad = -(-seqlen_q // 128) * 128
     # The deterministic Hopper kernels' accumulator lanes (fa/dq_turns.cuh): a causal walk never wraps.
     # (A window's walks, row-dependent, never wrap either.)
@@ -278,11 +256,10 @@ def kv_block_group(pairs: int, seqlen_q: int, head_dim: int, group: int) -> int:
 
 
 def plan_for(
-    q_, k_, v_, o_, do_, lse_, causal, scale, deterministic, ranged, dropout_p, config, window=None,
-    score: ScoreSpec = NO_SCORE, lengths=None, sequences=None,
-) -> _Plan:  # fmt: skip
-    """The plan of a call on kernel-ready tensors (made on a miss); ``score``: the call's spec.ScoreSpec;
-    ``sequences``: a packed batch's sequence
+    q_, k_, v_, o_, do_, lse_, spec: AttentionSpec, config=None, lengths=None, sequences=None
+) -> _Plan:
+    """The plan of a call of ``spec`` on kernel-ready tensors (made on a miss); ``config``: a named
+    configuration, or None; ``lengths``: plans.segment_lengths; ``sequences``: a packed batch's sequence
     count when its runs carry the offsets of a key-tile table (plans.segment_count)."""
     key = (
         q_.shape,
@@ -295,24 +272,12 @@ def plan_for(
         lse_.stride(),
         q_.dtype,
         q_.device,
-        causal,
-        scale,
-        deterministic,
-        ranged,
-        dropout_p,
+        spec,
         config,
-        window,
-        score,
         lengths,
         sequences,
     )
-    return _plans.get(
-        key,
-        lambda: _make_plan(
-            q_, k_, v_, o_, do_, lse_, causal, scale, deterministic, ranged, dropout_p, config, window, score,
-            lengths, sequences,
-        ),
-    )  # fmt: skip
+    return _plans.get(key, lambda: _make_plan(q_, k_, v_, o_, do_, lse_, spec, config, lengths, sequences))
 
 
 def cuda_backward(
@@ -351,11 +316,13 @@ def cuda_backward(
         raise ValueError("dropout_p > 0 needs dropout_seed (flash_attention.dropout.draw_seed())")
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k = k.shape[1]
-    bounds = window_bounds(window, causal, seqlen_q, seqlen_k)
+    window = check_window(window)
     if segments is not None:
         check_segments(segments, q, k, key_range, window)
-        bounds = SEGMENTS
     score = score_spec(softcap, alibi_slopes, q, segments, causal)
+    spec = launch_spec(
+        causal, softmax_scale, window, score, key_range, dropout_p, deterministic, sinks, segments
+    )
     if head_dim % 8:
         d8 = padded_to_8(head_dim)
         grads = cuda_backward(
@@ -386,11 +353,8 @@ def cuda_backward(
 
     q_, k_, v_, o_, do_ = (kernel_ready(t) for t in (q, k, v, out, dout))
     lse_ = lse if lse.stride(-1) == 1 else lse.contiguous()
-    ranged = key_range is not None
-    plan = plan_for(
-        q_, k_, v_, o_, do_, lse_, causal, softmax_scale, deterministic, ranged, dropout_p, config, bounds,
-        score, segment_lengths(segments), segment_count(segments),
-    )  # fmt: skip
+    lengths, sequences = segment_lengths(segments), segment_count(segments)
+    plan = plan_for(q_, k_, v_, o_, do_, lse_, spec, config, lengths, sequences)
     stats, accum = plan.stats, plan.accum
     ws = torch.empty(2 * stats + accum, dtype=torch.float32, device=device)
 
@@ -401,7 +365,7 @@ def cuda_backward(
     p.delta = ws.data_ptr() + 4 * stats
     p.dq_accum = ws.data_ptr() + 8 * stats if accum else None
     p.dq, p.dk, p.dv = dq.data_ptr(), dk.data_ptr(), dv.data_ptr()
-    if ranged:
+    if key_range is not None:
         key_range = key_range.to(device=device, dtype=torch.int32).contiguous()
         p.key_range = key_range.data_ptr()
     if dropout_p:

@@ -18,14 +18,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .._validate import score_spec
+from .._validate import check_window, score_spec
 from ..configs import KernelConfig, parse_config
 from ..dropout import dropout_key, seed_pair
 from ..jit import driver
 from ..jit.loader import get_kernel
 from ..jit.params import FwdParams, FwdTmaParams
 from ..jit.sources import SEGMENTS
-from ..spec import NO_SCORE, ScoreSpec
+from ..spec import NO_SCORE, AttentionSpec
 from . import tma
 from . import trace as _trace
 from .device import device_arch, dtype_name, sm_count
@@ -38,9 +38,10 @@ from .plans import (
     fill_common,
     fill_strides,
     launch,
+    launch_spec,
+    mask_bounds,
     segment_count,
     segment_lengths,
-    window_bounds,
 )
 from .query_tiles import query_tiles, tile_count
 from .select import forward_config
@@ -124,40 +125,28 @@ def _params(q, k, v, o, cfg: KernelConfig, scale: float, dropout_p: float) -> Fw
 
 
 def _make_plan(
-    q,
-    k,
-    v,
-    o,
-    causal,
-    scale,
-    ranged,
-    dropout_p,
-    config,
-    needs,
-    trace=False,
-    window=None,
-    score: ScoreSpec = NO_SCORE,
-    lengths=None,
-    sequences=None,
+    q, k, v, o, spec: AttentionSpec, config, needs, trace=False, lengths=None, sequences=None
 ) -> _Plan:
-    """The plan of a call (``trace``: with the debug build's kernel, fa/trace.cuh; ``window``: the kernels'
-    (left, right) of a sliding window, plans.window_bounds, which carries causal; ``score``: the call's
-    score function, whose build the kernel is and whose cap the params carry; ``lengths``: _config's;
-    ``sequences``: a packed batch's sequence count, when its runs carry a query-tile table)."""
+    """The plan of a call of ``spec`` (``trace``: with the debug build's kernel, fa/trace.cuh; ``lengths``:
+    _config's; ``sequences``: a packed batch's sequence count, when its runs carry a query-tile table). The
+    kernel is the build of the spec's mask (plans.mask_bounds: a window's bounds carry causal) and score
+    function; the params carry the window's bounds and the cap."""
     batch, seqlen_q, heads_q = q.shape[:3]
     check_grid(batch, heads_q, seqlen_q, k.shape[1])
     index = q.get_device()
+    causal, score, dropout_p = spec.causal, spec.score, spec.dropout_p
+    window = mask_bounds(spec, seqlen_q, k.shape[1])
     cfg = _config(q, k, causal, needs, config, lengths)
     # The window and segments builds have one entry point, named as not causal (the window's right bound,
     # or the segments' runs, carry causal).
     windowed = window is not None
     build = SEGMENTS if window == SEGMENTS else windowed
     kernel = get_kernel(
-        cfg, bool(causal) and not windowed, device_arch(index), trace, ranged=ranged, dropout=bool(dropout_p),
+        cfg, causal and not windowed, device_arch(index), trace, ranged=spec.ranged, dropout=bool(dropout_p),
         window=build, score=score.build,
     )  # fmt: skip
     kernel.ensure_dynamic_smem(cfg.smem_bytes, index)
-    p = _params(q, k, v, o, cfg, scale, dropout_p)
+    p = _params(q, k, v, o, cfg, spec.scale, dropout_p)
     if windowed and window != SEGMENTS:
         p.window_left, p.window_right = window
     p.softcap = score.softcap  # (ALiBi's slopes are a per-call pointer: launch_plan)
@@ -170,7 +159,7 @@ def _make_plan(
     if cfg.persistent:
         # One block per multiprocessor (the kernel runs one per SM), each looping over query tiles.
         grid = (min(p.num_m_blocks * heads_q * batch, sm_count(index)), 1, 1)
-    options = {"causal": bool(causal), "dropout_p": dropout_p}
+    options = {"causal": causal, "dropout_p": dropout_p}
     if not cfg.warp_specialized:
         return _Plan(cfg, kernel, grid, cfg.threads, cfg.smem_bytes, index, bytes(p), **options)
     tp = FwdTmaParams()
@@ -330,13 +319,11 @@ def chosen_config(
     return _config(q, k, causal, needs)
 
 
-def plan_for(
-    q, k, v, o, causal, scale, ranged, dropout_p, config, negative, window=None, score: ScoreSpec = NO_SCORE,
-    lengths=None, sequences=None,
-) -> _Plan:  # fmt: skip
-    """The plan of a call on kernel-ready tensors (made on a miss); ``window``: plans.window_bounds, or
-    SEGMENTS for the segments build; ``score``: the call's spec.ScoreSpec; ``sequences``: a packed batch's
-    sequence count when its runs carry the offsets of a query-tile table (plans.segment_count)."""
+def plan_for(q, k, v, o, spec: AttentionSpec, config=None, lengths=None, sequences=None) -> _Plan:
+    """The plan of a call of ``spec`` on kernel-ready tensors (made on a miss); ``config``: a named
+    configuration, or None; ``lengths``: plans.segment_lengths; ``sequences``: a packed batch's sequence
+    count when its runs carry the offsets of a query-tile table (plans.segment_count)."""
+    spec = spec.forward
     key = (
         q.shape,
         q.stride(),
@@ -346,36 +333,27 @@ def plan_for(
         o.stride(),
         q.dtype,
         q.device,
-        causal,
-        scale,
-        ranged,
-        dropout_p,
+        spec,
         config,
-        window,
-        score,
         lengths,
         sequences,
     )
-    # The feature list is built only on a miss: a hit is the hot path of every call.
-    return _plans.get(
-        key,
-        lambda: _make_plan(
-            q, k, v, o, causal, scale, ranged, dropout_p, config,
-            feature_list(
-                key_range=ranged,
-                dropout=dropout_p,
-                negative_scale=negative,
-                untileable=tma.untileable(q, k, v),
-                window=window is not None and window != SEGMENTS,
-                **score.features,
-                segments=window == SEGMENTS,
-            ),
-            window=window,
-            score=score,
-            lengths=lengths,
-            sequences=sequences,
-        ),
-    )  # fmt: skip
+
+    def make() -> _Plan:
+        # The feature list is built only on a miss: a hit is the hot path of every call.
+        bounds = mask_bounds(spec, q.shape[1], k.shape[1])
+        needs = feature_list(
+            key_range=spec.ranged,
+            dropout=spec.dropout_p,
+            negative_scale=spec.scale < 0,
+            untileable=tma.untileable(q, k, v),
+            window=bounds is not None and bounds != SEGMENTS,
+            **spec.score.features,
+            segments=bounds == SEGMENTS,
+        )
+        return _make_plan(q, k, v, o, spec, config, needs, lengths=lengths, sequences=sequences)
+
+    return _plans.get(key, make)
 
 
 def cuda_forward(
@@ -430,11 +408,14 @@ def cuda_forward(
             trace, trace_fault = env
     if dropout_p and dropout_seed is None:
         raise ValueError("dropout_p > 0 needs dropout_seed (flash_attention.dropout.draw_seed())")
-    bounds = window_bounds(window, causal, q.shape[1], k.shape[1])
+    window = check_window(window)
     if segments is not None:
         check_segments(segments, q, k, key_range, window)
-        bounds = SEGMENTS
     score = score_spec(softcap, alibi_slopes, q, segments, causal)
+    spec = launch_spec(
+        causal, softmax_scale, window, score, key_range, dropout_p, sinks=sinks, segments=segments
+    )
+    bounds = mask_bounds(spec, q.shape[1], k.shape[1])
     head_dim = q.shape[3]
     if head_dim % 8:
         return _padded_forward(
@@ -463,10 +444,7 @@ def cuda_forward(
         return (out if out is not None else o), lse
 
     ranged = key_range is not None
-    plan = plan_for(
-        q_, k_, v_, o, causal, softmax_scale, ranged, dropout_p, config, softmax_scale < 0, bounds, score,
-        segment_lengths(segments), segment_count(segments),
-    )  # fmt: skip
+    plan = plan_for(q_, k_, v_, o, spec, config, segment_lengths(segments), segment_count(segments))
     if ranged:
         # The kernel reads two int32 per batch row, contiguous; kept alive until the launch is queued.
         key_range = key_range.to(device=q.device, dtype=torch.int32).contiguous()
@@ -553,7 +531,7 @@ def _traced_forward(q, k, v, causal, scale, return_lse, out, config, trace, trac
     )
     needs = feature_list(trace=True, negative_scale=scale < 0, untileable=tma.untileable(q_, k_, v_))
     # Not kept among the plans: a debug call is rare, and its kernel is another build.
-    plan = _make_plan(q_, k_, v_, o, causal, scale, False, 0.0, config, needs, trace=True)
+    plan = _make_plan(q_, k_, v_, o, AttentionSpec(bool(causal), scale), config, needs, trace=True)
     args, p, tile_counter = _call_args(plan, q_, k_, v_, o, lse)  # (the counter held until the launch)
     buf, p.trace_fault = _trace.trace_buffer(
         plan.cfg, trace, trace_fault, (batch, heads_q, seqlen_q, seqlen_k), q.device

@@ -20,6 +20,8 @@ import torch
 from .._validate import check_window
 from ..dropout import dropout_threshold
 from ..jit import driver
+from ..jit.sources import SEGMENTS
+from ..spec import AttentionSpec, ScoreSpec
 from .device import current_stream, device_arch, gpu_name, smem_limit
 from .query_tiles import sequence_bucket
 
@@ -34,6 +36,8 @@ __all__ = [
     "launch",
     "launch_all",
     "launch_fields",
+    "launch_spec",
+    "mask_bounds",
     "programmatic_launches",
     "trial_switch",
     "bind_alibi",
@@ -170,6 +174,41 @@ def fill_strides(params: ctypes.Structure, prefix: str, t: torch.Tensor) -> None
     setattr(params, f"{prefix}_batch_stride", s[0])
     setattr(params, f"{prefix}_row_stride", s[1])
     setattr(params, f"{prefix}_head_stride", s[2])
+
+
+def launch_spec(
+    causal: bool,
+    scale: float,
+    window: tuple[int, int] | None,
+    score: ScoreSpec,
+    key_range: object,
+    dropout_p: float,
+    deterministic: bool = False,
+    sinks: object = None,
+    segments: tuple | None = None,
+) -> AttentionSpec:
+    """The spec.AttentionSpec of a launch-layer call given option by option (cuda_forward, cuda_backward,
+    training_forward: the custom ops' and the tools' entries), its arguments checked by the caller."""
+    return AttentionSpec(
+        bool(causal),
+        float(scale),
+        None if window is None else tuple(window),
+        score,
+        key_range is not None,
+        float(dropout_p),
+        bool(deterministic),
+        sinks is not None,
+        0 if segments is None else len(segments),
+    )
+
+
+def mask_bounds(spec: AttentionSpec, seqlen_q: int, seqlen_k: int) -> tuple[int, int] | str | None:
+    """The mask build of ``spec``'s kernels at these lengths: SEGMENTS for a packed batch (its runs carry
+    causal and any window), the kernels' (left, right) of its window (window_bounds), or None (the plain or
+    causal build)."""
+    if spec.segments:
+        return SEGMENTS
+    return window_bounds(spec.window, spec.causal, seqlen_q, seqlen_k)
 
 
 def fill_common(

@@ -40,10 +40,9 @@ import os
 
 import torch
 
-from .._validate import score_spec
 from ..jit import driver, host
 from ..jit.params import FwdParams, FwdTmaParams
-from ..jit.sources import SEGMENTS
+from ..spec import AttentionSpec
 from . import backward, forward, training
 from . import trace as _trace
 from .plans import (
@@ -52,7 +51,6 @@ from .plans import (
     launch_fields,
     segment_count,
     segment_lengths,
-    window_bounds,
 )
 from .query_tiles import query_tiles
 from .select import NoKernel
@@ -311,8 +309,9 @@ def remember(key, call: RepeatCall | NativeRepeatCall | None) -> None:
     _calls.get(key, lambda: WHOLE_PATH if call is None else call)
 
 
-def first_call(key, backend, q, k, v, **options):
-    """The first call of signature ``key``, validated: make its repeat call, keep it (or keep that it has
+def first_call(key, backend, q, k, v, spec: AttentionSpec, **options):
+    """The first call of signature ``key``, validated (``spec``: its options; ``options``: prepare's keyword
+    arguments, the call's tensors and how it runs): make its repeat call, keep it (or keep that it has
     none) and run it; None when the whole path must run this call. ``backend`` is the launch layer the call
     would run on (None: the fallback's); it makes the repeat call with its ``prepare_repeat`` (the CPU tests'
     stand-in launch layers have none, so their calls take the whole path)."""
@@ -325,7 +324,7 @@ def first_call(key, backend, q, k, v, **options):
     call = None
     if make is not None:
         try:
-            call = make(q, k, v, **options)
+            call = make(q, k, v, spec, **options)
         except NoKernel:
             call = None  # the whole path falls back, with its warning
     remember(key, call)
@@ -343,14 +342,14 @@ def first_call(key, backend, q, k, v, **options):
 
 
 def prepare(
-    q, k, v, *, causal: bool, scale: float, key_range, records: bool, deterministic: bool, return_lse,
-    window: tuple[int, int] | None = None, softcap: float = 0.0, alibi_slopes=None, sinks=None, segments=None,
+    q, k, v, spec: AttentionSpec, *, key_range, records: bool, return_lse, alibi_slopes=None, sinks=None,
+    segments=None,
 ):  # fmt: skip
-    """The repeat call of a validated call that the kernels run (the caller decided that), or None when its
-    calls cannot be a plain launch. Raises what planning raises (``NoKernel``: the whole path then falls
-    back, with its warning). ``window`` (checked), ``softcap``, ``alibi_slopes``, ``sinks`` and a packed
-    batch's runs (``segments``) are planned as ops.cuda_forward and, in training,
-    ops.training.training_forward plan them."""
+    """The repeat call of a validated call of ``spec`` (attention()'s, built by its checks) that the kernels
+    run (the caller decided that), or None when its calls cannot be a plain launch. Raises what planning
+    raises (``NoKernel``: the whole path then falls back, with its warning). The call's tensors
+    (``key_range``, ``alibi_slopes``, ``sinks``, a packed batch's runs ``segments``) are bound per call; the
+    plans are those ops.cuda_forward and, in training, ops.training.training_forward make."""
     if q.shape[3] % 8 or not (strides_usable(q) and strides_usable(k) and strides_usable(v)):
         return None  # zero-padded or copied inputs: the whole path makes them
     if key_range is not None and (key_range.dtype != torch.int32 or not key_range.is_contiguous()):
@@ -361,13 +360,8 @@ def prepare(
     if records and host_ops is None:
         return None  # the Python autograd function's path
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
-    ranged = key_range is not None
-    bounds = SEGMENTS if segments is not None else window_bounds(window, causal, q.shape[1], k.shape[1])
-    score = score_spec(softcap, alibi_slopes, q, segments, causal)
-    plan = forward.plan_for(
-        q, k, v, o, causal, scale, ranged, 0.0, None, scale < 0, bounds, score,
-        segment_lengths(segments), segment_count(segments),
-    )  # fmt: skip
+    lengths, sequences = segment_lengths(segments), segment_count(segments)
+    plan = forward.plan_for(q, k, v, o, spec, None, lengths, sequences)
     lse_shape = (q.shape[0], q.shape[2], q.shape[1])
     # ALiBi's slopes: their stride between batch rows (0: one (heads,) table), as plans.bind_alibi sets it.
     alibi = None if alibi_slopes is None else (alibi_slopes.shape[-1] if alibi_slopes.dim() == 2 else 0)
@@ -376,10 +370,7 @@ def prepare(
         lse = q.new_empty(lse_shape, dtype=torch.float32)
         # As training.training_forward: the backward reads dO laid out as out, so the plan is out's; the
         # node binds the slopes.
-        bwd = backward.plan_for(
-            q, k, v, o, o, lse, causal, scale, deterministic, ranged, 0.0, None, bounds, score,
-            segment_lengths(segments), segment_count(segments),
-        )  # fmt: skip
+        bwd = backward.plan_for(q, k, v, o, o, lse, spec, None, lengths, sequences)
         program = training.program(bwd, training.bound_fields(alibi is not None, segments, bwd), alibi or 0)
     elif not return_lse:
         lse_shape = None

@@ -27,10 +27,10 @@ from .._validate import score_spec
 from ..dropout import dropout_key, seed_pair
 from ..jit import driver, host
 from ..jit.params import BwdParams
-from ..jit.sources import SEGMENTS
+from ..spec import AttentionSpec
 from . import backward
 from . import trace as _trace
-from .plans import launch_fields, segment_count, segment_lengths, window_bounds
+from .plans import launch_fields, launch_spec, segment_count, segment_lengths
 from .query_tiles import key_tiles, query_units
 from .tensors import padded_to_8, usable_in_place
 
@@ -127,12 +127,13 @@ def training_forward(
     )
     # The backward reads dO laid out as out (the node copies any other layout), so the plan is out's; the
     # window's bounds travel in the plan's parameters, the variant's tensors are bound per call.
-    bounds = SEGMENTS if segments is not None else window_bounds(window, causal, q.shape[1], k.shape[1])
     score = score_spec(softcap, alibi_slopes, q, segments, causal)
+    spec = launch_spec(
+        causal, softmax_scale, window, score, key_range, dropout_p, deterministic, None, segments
+    )
     plan = backward.plan_for(
-        q, k, v, out, out, lse, causal, softmax_scale, deterministic, key_range is not None, dropout_p, None,
-        bounds, score, segment_lengths(segments), segment_count(segments),
-    )  # fmt: skip
+        q, k, v, out, out, lse, spec, None, segment_lengths(segments), segment_count(segments)
+    )
     stride = 0 if alibi_slopes is None else (alibi_slopes.shape[-1] if alibi_slopes.dim() == 2 else 0)
     fields = bound_fields(alibi_slopes is not None, segments, plan)
     key = dropout_key(*seed_pair(dropout_seed)) if dropout_p else 0
@@ -146,29 +147,20 @@ def training_forward(
 _prefetched: set = set()
 
 
-def prefetch_backward(
-    q, k, *, causal, deterministic, key_range, dropout_p, window, softcap, alibi_slopes, segments
-) -> None:  # fmt: skip
-    """Start compiling the backward kernels of a training call (ops.backward.prefetch) before its forward
-    runs, whichever path records it (the compiled node, a repeat call, the Python autograd function): a
-    first training step then waits for the longer of its two compiles, not their sum. Once per call shape;
-    nothing when the kernels are in the cache already."""
-    seen = (
-        q.shape, k.shape, q.dtype, q.device, causal, deterministic, key_range is None, bool(dropout_p),
-        window, bool(softcap), alibi_slopes is None, segments is None,
-    )  # fmt: skip
+def prefetch_backward(q, k, spec: AttentionSpec, segments=None) -> None:
+    """Start compiling the backward kernels of a training call of ``spec`` (ops.backward.prefetch) before its
+    forward runs, whichever path records it (the compiled node, a repeat call, the Python autograd function):
+    a first training step then waits for the longer of its two compiles, not their sum. Once per call shape
+    and spec; nothing when the kernels are in the cache already. ``segments``: a packed batch's runs (the
+    sequences' lengths choose its configurations: those of its first call)."""
+    seen = (q.shape, k.shape, q.dtype, q.device, spec)
     if seen in _prefetched:
         return
     if len(_prefetched) > 4096:
         _prefetched.clear()
     _prefetched.add(seen)
-    bounds = SEGMENTS if segments is not None else window_bounds(window, causal, q.shape[1], k.shape[1])
-    score = score_spec(softcap, alibi_slopes, q, segments, causal)
-    ranged, lengths = key_range is not None, segment_lengths(segments)
-    backward.prefetch(
-        q, k, causal, deterministic, ranged, dropout_p, bounds, score, lengths,
-        head_dim=padded_to_8(q.shape[3]),  # (the kernels run on copies padded to a multiple of 8)
-    )  # fmt: skip
+    # (head_dim: the kernels run on copies padded to a multiple of 8)
+    backward.prefetch(q, k, spec, segment_lengths(segments), head_dim=padded_to_8(q.shape[3]))
 
 
 def bound_fields(alibi: bool, segments, plan) -> tuple[str, ...]:
