@@ -1,14 +1,20 @@
 """Did a source change move the machine code? Compile every kernel of two checkouts and compare the SASS.
 
     python tools/sass_diff.py dump  CHECKOUT OUT [--arch sm_80,sm_86,sm_90] [--compilers nvrtc] [--jobs 2]
-                                    [--family all|sm80|wgmma] [--trace]
+                                    [--family all|sm80|wgmma|fwd_ws] [--trace] [--variants]
+                                    [--configs NAME ...]
     python tools/sass_diff.py diff  BASE_OUT NEW_OUT [--subset]
 
 `dump` imports the package of CHECKOUT (not the installed one), compiles the translation units of
 ``ops.catalog(arch)`` -- every kernel a default call and its backward can run, key-range and dropout
 variants included -- into OUT/cache (its own kernel cache, so two checkouts never share entries), and writes
 each entry point's SASS (cuobjdump -sass) and ptxas resources to OUT/<compiler>/<arch>/<symbol>.{sass,json}.
-``--trace`` adds the debug build of the first eight portable forward configs.
+``--trace`` adds the debug build of the first eight portable forward configs. ``--family fwd_ws`` keeps
+the warp-specialized forward's configs only. ``--variants`` compiles every forward and backward config in
+every build a call can ask of its family (``variant_builds``: key ranges, dropout, the sliding window, the
+packed batch's segments, each score function, the debug build), not only the catalog's key-range and
+dropout ones: what a refactor of one kernel family is checked against. ``--configs`` adds configs by name
+(e.g. ones no default call picks, whose code paths the catalog would leave unchecked).
 
 `diff` compares two dumps entry point by entry point: byte-identical, or different with the registers, spills,
 instruction histogram and loop-body histogram (instructions between a backward branch and its target) side
@@ -31,26 +37,92 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+#: The score functions a call can ask of a build that is not a packed batch's (ops.plans.kernel_score
+#: gives the others, the "_runs", "_table" and "_rows" forms of ALiBi, to segments builds only).
+_DENSE_SCORES = ("softcap", "alibi", "softcap_alibi")
 
-def _jobs(archs: list[str], family: str, trace: bool) -> list[tuple]:
-    from flash_attention.configs import KernelConfig
+
+def variant_builds(cfg) -> list[dict]:
+    """Every build of ``cfg`` a call can ask for, as cache.build's keywords (trace, ranged, dropout, window,
+    score): the mask builds (plain, key ranges, the sliding window with and without them, segments) times the
+    score functions (none, and those of jit.sources.SCORE_MODS the launch layer passes with that mask) times
+    dropout, each where the config's family has the features (configs.families), and the debug build where
+    the family has one. A decode config has none but its one build (its variants are runtime values)."""
+    from flash_attention.configs import BwdConfig, KernelConfig
+    from flash_attention.configs.families import supports
+    from flash_attention.jit.sources import SCORE_MODS, SEGMENTS
+
+    plain = dict(trace=False, ranged=False, dropout=False, window=False, score=None)
+    if not isinstance(cfg, KernelConfig | BwdConfig):
+        return [plain]
+
+    def has(*features: str) -> bool:
+        return all(supports(cfg, f) for f in features)
+
+    def score_ok(score: str | None) -> bool:
+        return score is None or has(*(f for f in ("softcap", "alibi") if f in score))
+
+    masks = [(False, False)]
+    masks += [(False, True)] if has("key_range") else []
+    masks += [(True, False)] if has("window") else []
+    masks += [(True, True)] if has("window", "key_range") else []
+    masks += [(SEGMENTS, False)] if has("segments") else []  # (the runs carry any key ranges)
+    builds = []
+    for window, ranged in masks:
+        scores = [None, *(SCORE_MODS if window == SEGMENTS else _DENSE_SCORES)]
+        for score in filter(score_ok, scores):
+            for dropout in (False, True) if has("dropout") else (False,):
+                builds.append(dict(plain, ranged=ranged, dropout=dropout, window=window, score=score))
+    if isinstance(cfg, KernelConfig) and has("trace"):
+        builds.append(dict(plain, trace=True))
+    return builds
+
+
+def _jobs(
+    archs: list[str], family: str, trace: bool, variants: bool = False, extra: tuple[str, ...] = ()
+) -> list[tuple]:
+    """(cfg, arch, build keywords) of each translation unit to compile; the keywords as a sorted tuple of
+    pairs, so that jobs deduplicate."""
+    from flash_attention.configs import KernelConfig, parse_config
     from flash_attention.configs.families import is_wgmma
     from flash_attention.ops.select import catalog
+
+    def keep(cfg) -> bool:
+        if family == "fwd_ws":
+            return isinstance(cfg, KernelConfig) and cfg.warp_specialized
+        return family == "all" or (family == "wgmma") == is_wgmma(cfg)
+
+    def job(cfg, arch, **kw) -> tuple:
+        kw = dict(dict(trace=False, ranged=False, dropout=False, window=False, score=None), **kw)
+        return (cfg, arch, tuple(sorted(kw.items())))
 
     jobs = []
     for arch in archs:
         cat = catalog(arch)
-        for job in cat:
-            if family == "all" or (family == "wgmma") == is_wgmma(job.cfg):
-                jobs.append((job.cfg, arch, False, job.ranged, job.dropout))
-        if trace and family != "wgmma":
+        named = [parse_config(name) for name in extra]
+        for j in cat:
+            if keep(j.cfg):
+                jobs.append(job(j.cfg, arch, ranged=j.ranged, dropout=j.dropout))
+        jobs += [job(cfg, arch) for cfg in named]
+        if variants:
+            for cfg in dict.fromkeys([j.cfg for j in cat if keep(j.cfg)] + named):
+                jobs += [job(cfg, arch, **kw) for kw in variant_builds(cfg)]
+        if trace and family not in ("wgmma", "fwd_ws"):
             portable = [j.cfg for j in cat if isinstance(j.cfg, KernelConfig) and not is_wgmma(j.cfg)]
-            jobs += [(cfg, arch, True, False, False) for cfg in list(dict.fromkeys(portable))[:8]]
+            jobs += [job(cfg, arch, trace=True) for cfg in list(dict.fromkeys(portable))[:8]]
     return list(dict.fromkeys(jobs))
 
 
 def dump(
-    checkout: Path, out: Path, archs: list[str], compilers: list[str], jobs_n: int, family: str, trace: bool
+    checkout: Path,
+    out: Path,
+    archs: list[str],
+    compilers: list[str],
+    jobs_n: int,
+    family: str,
+    trace: bool,
+    variants: bool = False,
+    extra: tuple[str, ...] = (),
 ) -> int:
     # The cache directory is read when the package compiles, so it is set before the import.
     os.environ["FLASH_ATTENTION_CACHE_DIR"] = str(out / "cache")
@@ -66,11 +138,12 @@ def dump(
     if find_cuobjdump() is None:
         raise SystemExit("cuobjdump not found: install a CUDA toolkit or set CUDA_HOME")
 
-    todo = [(comp, *job) for comp in compilers for job in _jobs(archs, family, trace)]
+    todo = [(comp, *job) for comp in compilers for job in _jobs(archs, family, trace, variants, extra)]
+    print(f"{len(todo)} translation units", flush=True)
 
     def one(item):
-        comp, cfg, arch, trace_build, ranged, dropout = item
-        built = cache.build(cfg, arch, comp, trace=trace_build, ranged=ranged, dropout=dropout)
+        comp, cfg, arch, kw = item
+        built = cache.build(cfg, arch, comp, **dict(kw))
         sass = sass_by_function(built.cubin)
         folder = out / comp / built.arch
         folder.mkdir(parents=True, exist_ok=True)
@@ -85,7 +158,10 @@ def dump(
                 fut.result()
             except Exception as exc:  # noqa: BLE001 - report every failure, then fail
                 failed += 1
-                print(f"FAILED {item[0]} {item[2]} {item[1].name()}: {str(exc)[:2000]}", flush=True)
+                print(
+                    f"FAILED {item[0]} {item[2]} {item[1].name()} {dict(item[3])}: {str(exc)[:2000]}",
+                    flush=True,
+                )
     print(f"{len(todo) - failed}/{len(todo)} translation units", flush=True)
     return 1 if failed else 0
 
@@ -123,11 +199,11 @@ def diff(base: Path, new: Path, subset: bool) -> int:
             (base / rel).with_suffix(".sass").read_text(),
             (new / rel).with_suffix(".sass").read_text(),
         )
-        if b_sass == n_sass:
+        b_res, n_res = json.loads((base / rel).read_text()), json.loads((new / rel).read_text())
+        if b_sass == n_sass and b_res == n_res:  # (the machine code, and ptxas's resource report of it)
             stats[(comp, arch, "identical")] += 1
             continue
         stats[(comp, arch, "different")] += 1
-        b_res, n_res = json.loads((base / rel).read_text()), json.loads((new / rel).read_text())
         (bt, bl), (nt, nl) = histograms(b_sass), histograms(n_sass)
         worse = [
             f"{k} {b_res[k]}->{n_res[k]}"
@@ -184,8 +260,10 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--arch", default="sm_80,sm_86,sm_90")
     d.add_argument("--compilers", default="nvrtc", help="nvrtc, nvcc or both (comma-separated)")
     d.add_argument("--jobs", type=int, default=2)
-    d.add_argument("--family", choices=("all", "sm80", "wgmma"), default="all")
+    d.add_argument("--family", choices=("all", "sm80", "wgmma", "fwd_ws"), default="all")
     d.add_argument("--trace", action="store_true", help="also the debug build of eight portable configs")
+    d.add_argument("--variants", action="store_true", help="every build a call can ask of each config")
+    d.add_argument("--configs", nargs="*", default=(), help="configs to add by name (forward)")
     c = sub.add_parser("diff", help="compare two dumps")
     c.add_argument("base", type=Path)
     c.add_argument("new", type=Path)
@@ -200,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
             args.jobs,
             args.family,
             args.trace,
+            args.variants,
+            tuple(args.configs),
         )
     # The opcode parser is the report command's: this checkout's package.
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
