@@ -192,7 +192,8 @@ def diff(base: Path, new: Path, subset: bool) -> int:
     for base_json in sorted((new if subset else base).glob("*/*/*.json")):
         rel = base_json.relative_to(new if subset else base)
         comp, arch = rel.parts[0], rel.parts[1]
-        if not (new / rel).exists():
+        other = base if subset else new  # (the side the listing did not come from)
+        if not (other / rel).exists() or not (other / rel).with_suffix(".sass").exists():
             missing.append(str(rel))
             continue
         b_sass, n_sass = (
