@@ -15,6 +15,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import ab_trees  # noqa: E402
 
 
+def _run_child(monkeypatch, args: list[str], elapsed_ms: float) -> None:
+    """The child script on the CPU with ``args`` after its tree (mode, shape, reps, cases, packed): its
+    tensors moved there, and CUDA events stubbed to report ``elapsed_ms`` per timing."""
+
+    class Event:
+        def __init__(self, **kw):
+            pass
+
+        def record(self):
+            pass
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return elapsed_ms
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    root = str(Path(ab_trees.__file__).resolve().parents[1])
+    monkeypatch.setattr(sys, "argv", ["child", root, *args])
+    monkeypatch.setattr(sys, "path", list(sys.path))  # (the child puts its tree first)
+    exec(compile(ab_trees._CHILD.replace('device="cuda"', 'device="cpu"'), "child", "exec"), {})
+
+
 def test_cases_are_checked():
     assert ab_trees.parse_case("30:1:128") == "30:1:128"
     assert ab_trees.parse_case("50:0:256:1024") == "50:0:256:1024"  # a sliding window of 1024
@@ -50,26 +75,7 @@ def test_the_child_times_every_case_dense_and_packed(mode, packed, monkeypatch, 
     PyTorch fallback computes): one JSON line per case, a window and soft-capping included, dense and
     packed (attention_varlen over its drawn documents; the forward only, to keep the CPU time short)."""
 
-    class Event:
-        def __init__(self, **kw):
-            pass
-
-        def record(self):
-            pass
-
-        def synchronize(self):
-            pass
-
-        def elapsed_time(self, other):
-            return 1.0
-
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    root = str(Path(ab_trees.__file__).resolve().parents[1])
-    argv = ["child", root, mode, "1,256,2", "1", "30:1:64,0:0:64:100", packed]
-    monkeypatch.setattr(sys, "argv", argv)
-    monkeypatch.setattr(sys, "path", list(sys.path))  # (the child puts its tree first)
-    exec(compile(ab_trees._CHILD.replace('device="cuda"', 'device="cpu"'), "child", "exec"), {})
+    _run_child(monkeypatch, [mode, "1,256,2", "1", "30:1:64,0:0:64:100", packed], elapsed_ms=1.0)
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
     assert [x["case"] for x in lines] == ["30:1:64", "0:0:64:100"]
 
@@ -82,24 +88,6 @@ def test_decode_cases_are_checked_and_the_child_times_them(monkeypatch, capsys):
         with pytest.raises(argparse.ArgumentTypeError):
             ab_trees.parse_decode_case(bad)
 
-    class Event:
-        def __init__(self, **kw):
-            pass
-
-        def record(self):
-            pass
-
-        def synchronize(self):
-            pass
-
-        def elapsed_time(self, other):
-            return 50.0  # ms for the 50 calls of one timing
-
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    root = str(Path(ab_trees.__file__).resolve().parents[1])
-    monkeypatch.setattr(sys, "argv", ["child", root, "decode", "1,1,1", "4", "1:64:1,2:64:4", "0"])
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    exec(compile(ab_trees._CHILD.replace('device="cuda"', 'device="cpu"'), "child", "exec"), {})
+    _run_child(monkeypatch, ["decode", "1,1,1", "4", "1:64:1,2:64:4", "0"], elapsed_ms=50.0)  # 50 calls
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
     assert lines == [{"case": "1:64:1", "ms": 1.0}, {"case": "2:64:4", "ms": 1.0}]

@@ -59,7 +59,6 @@ def test_only_causal_atomic_backwards_start_heaviest_first(hopper, kwargs, group
     torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
     assert not hopper.errors, hopper.errors
     want = backward.kv_block_group(b * hkv, s, d, hq // hkv) if grouped else 0
-    assert want > 0 or not grouped
     assert _group_of_the_last_plan() == want
 
 

@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 #: Every N a Hopper kernel may use: block_kv for S = Q K^T (any multiple of 16 in the warp-specialized
-#: forward), head_dim for O += P V, and 8 for the row sums of P.
-#: 8: the bounded softmax's row sums, P against a tile of ones (fa/softmax.cuh).
+#: forward), head_dim for O += P V, and 8 for the bounded softmax's row sums, P against a tile of ones
+#: (fa/softmax.cuh, csrc/kernels/sm90/fwd_ws).
 NS = (8, *range(16, 257, 16))
 
 HEADER = Path(__file__).resolve().parents[1] / "flash_attention/csrc/include/fa/wgmma_mma.cuh"
