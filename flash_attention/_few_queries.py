@@ -22,7 +22,7 @@ from . import dispatch
 from ._validate_kvcache import validate_kvcache
 from .sinks import apply_sinks
 
-__all__ = ["MAX_ROWS", "MIN_KEYS", "RoutedCall", "route"]
+__all__ = ["MAX_ROWS", "MIN_KEYS", "RoutedCall", "route", "takes_shape"]
 
 #: The most packed query rows (seqlen_q x group) the route takes: one decode tile of 64 rows per key/value
 #: head, as the transformers integration sends its decoding steps (STATIC_CACHE_MAX_QUERIES).
@@ -58,6 +58,19 @@ class RoutedCall:
         return o, (lse if self.return_lse else None)
 
 
+def takes_shape(batch: int, seqlen_q: int, heads_q: int, seqlen_k: int, heads_kv: int) -> bool:
+    """Whether a call of this shape is one the route takes (on a GPU whose kernels it runs, with nothing
+    else keeping it on its usual path): a few packed query rows per key/value head against many keys. Its
+    output then comes from the decode kernels, equal to the usual path's within rounding, not bitwise."""
+    return (
+        0 < seqlen_q <= seqlen_k
+        and seqlen_q * (heads_q // max(heads_kv, 1)) <= MAX_ROWS
+        and seqlen_k >= MIN_KEYS
+        and batch > 0
+        and heads_q > 0
+    )
+
+
 def route(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -78,14 +91,9 @@ def route(
     too many query rows, too few keys, layouts or a GPU the decode kernels cannot take. ``key``: the call's
     repeat signature (the decode plan is kept under it), or None."""
     batch, seqlen_q, heads_q, _ = q.shape
-    seqlen_k, heads_kv = k.shape[1], k.shape[2]
+    seqlen_k = k.shape[1]
     if (
-        seqlen_q * (heads_q // heads_kv) > MAX_ROWS
-        or seqlen_k < MIN_KEYS
-        or seqlen_q > seqlen_k
-        or batch == 0
-        or seqlen_q == 0
-        or heads_q == 0
+        not takes_shape(batch, seqlen_q, heads_q, seqlen_k, k.shape[2])
         or not dispatch.wants_kernel(q)
         or torch.compiler.is_compiling()
     ):

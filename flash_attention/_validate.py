@@ -17,6 +17,7 @@ from .spec import ScoreSpec
 
 __all__ = [
     "check_window",
+    "check_score",
     "score_spec",
     "MAX_HEAD_DIM",
     "SUPPORTED_DTYPES",
@@ -222,19 +223,36 @@ def score_spec(
     segments: tuple | None = None,
     causal: bool = False,
 ) -> ScoreSpec:
-    """The score function of a call (:class:`flash_attention.spec.ScoreSpec`), checked, naming the argument:
-    ``softcap`` a finite float >= 0 (0: none), ``alibi_slopes`` None or a contiguous float32 tensor of shape
-    (heads_q,) or (batch, heads_q) on q's device. A packed batch's call (``segments``, batch 1) may also give
-    a slope per query row, (seqlen_q, heads_q) (flash_attention.varlen's per-sequence slopes); its ALiBi
-    measures from each row's entry of the segments' table of diagonals where they carry one, else, for
-    ``causal`` sequences, from each row's run end (any query and key counts per sequence), otherwise from the
-    packed row's own index (packed self-attention without causal, where it is each sequence's own)."""
+    """The score function of a call (:class:`flash_attention.spec.ScoreSpec`), checked by
+    :func:`check_score`. A packed batch's ALiBi measures from each row's entry of the segments' table of
+    diagonals where they carry one, else, for ``causal`` sequences, from each row's run end (any query and
+    key counts per sequence), otherwise from the packed row's own index (packed self-attention without
+    causal, where it is each sequence's own)."""
+    check_score(softcap, alibi_slopes, q, segments)
+    if alibi_slopes is None:
+        return ScoreSpec(float(softcap))
+    if segments is None:
+        return ScoreSpec(float(softcap), alibi=True)
+    origin = "table" if len(segments) == 3 else "runs" if causal else "diagonal"
+    return ScoreSpec(
+        float(softcap), alibi=True, alibi_origin=origin, alibi_rows=alibi_per_row(alibi_slopes, segments)
+    )
+
+
+def check_score(
+    softcap: object, alibi_slopes: object, q: torch.Tensor, segments: tuple | None = None
+) -> None:
+    """Check a call's score-function arguments, naming the argument: ``softcap`` a finite float >= 0 (0:
+    none), ``alibi_slopes`` None or a contiguous float32 tensor of shape (heads_q,) or (batch, heads_q) on
+    q's device; a packed batch's call (``segments``, batch 1) may also give a slope per query row,
+    (seqlen_q, heads_q) (flash_attention.varlen's per-sequence slopes). Builds nothing: torch.compile's
+    traces call it, where dynamo (torch 2.11) refuses to build the spec's frozen dataclasses."""
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
         raise TypeError(f"softcap must be a float (0: none); got {type(softcap).__name__}")
     if not math.isfinite(softcap) or softcap < 0:
         raise ValueError(f"softcap must be a finite number >= 0 (0: none); got {softcap!r}")
     if alibi_slopes is None:
-        return ScoreSpec(float(softcap))
+        return
     batch, seqlen_q, heads_q, _ = q.shape
     if not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dtype != torch.float32:
         raise TypeError("alibi_slopes must be a float32 tensor of shape (heads_q,) or (batch, heads_q)")
@@ -247,9 +265,3 @@ def score_spec(
         )
     if alibi_slopes.device != q.device or not alibi_slopes.is_contiguous():
         raise ValueError(f"alibi_slopes must be contiguous and on the device of q ({q.device})")
-    if segments is None:
-        return ScoreSpec(float(softcap), alibi=True)
-    origin = "table" if len(segments) == 3 else "runs" if causal else "diagonal"
-    return ScoreSpec(
-        float(softcap), alibi=True, alibi_origin=origin, alibi_rows=alibi_per_row(alibi_slopes, segments)
-    )

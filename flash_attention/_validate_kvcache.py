@@ -19,9 +19,9 @@ from ._validate import (
     SUPPORTED_DTYPES,
     _resolve_scale,
     check_last_dim_contiguous,
+    check_score,
     check_tensor,
     check_window,
-    score_spec,
 )
 
 __all__ = ["CacheProblem", "validate_kvcache"]
@@ -224,7 +224,7 @@ def validate_kvcache(
         window = None if left == right == -1 else (left, right)
     # softcap a finite float >= 0; alibi_slopes float32 (heads_q,) or (batch, heads_q); both compose (the
     # decode kernels cap each score, then add the bias: the prefill kernels' order).
-    score_spec(softcap, alibi_slopes, q)
+    check_score(softcap, alibi_slopes, q)
     alibi = 0 if alibi_slopes is None else alibi_slopes.dim()
 
     scale = _resolve_scale(softmax_scale, head_dim)

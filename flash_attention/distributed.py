@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from . import custom_ops
-from ._validate import check_window, score_spec, validate
+from ._validate import check_score, check_window, validate
 from .ops.merge import lse_merge_
 from .sinks import apply_sinks, check_sinks, sinks_gradient
 
@@ -376,7 +376,7 @@ def ring_attention(
     if q.shape[1] != k.shape[1]:
         raise ValueError(f"q and k must hold equal shares of the sequence; got {q.shape[1]} and {k.shape[1]}")
     window = check_window(window)
-    score_spec(softcap, None, q)  # (the check, naming the argument)
+    check_score(softcap, None, q)  # (naming the argument)
     check_sinks(sinks, q)
     rank, world = _group_info(group)
     if causal and window is None and q.shape[1] % 2:

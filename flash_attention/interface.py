@@ -15,7 +15,7 @@ import torch
 
 from . import _few_queries, dispatch
 from . import fallback as _fallback
-from ._validate import Problem, check_window, score_spec, validate
+from ._validate import Problem, check_score, check_window, score_spec, validate
 from .configs import KernelConfig, parse_config
 from .custom_ops import eager_training
 from .dropout import draw_seed
@@ -228,7 +228,14 @@ def attention(
 
     problem = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, key_range=key_range)
     window = check_window(window)
-    score = score_spec(softcap, alibi_slopes, q, _segments, problem.causal)
+    # Under torch.compile the checks only: dynamo (torch 2.11) refuses to build the spec's frozen dataclasses
+    # inside a trace (a graph break), and a traced call needs no spec (it has no repeat signature or prefetch,
+    # and its op takes the options as they are).
+    compiling = torch.compiler.is_compiling()
+    if compiling:
+        check_score(softcap, alibi_slopes, q, _segments)
+    else:
+        score = score_spec(softcap, alibi_slopes, q, _segments, problem.causal)
     check_sinks(sinks, q)
     if _segments is not None:
         check_segments(_segments, q, k, key_range, window)
@@ -239,17 +246,19 @@ def attention(
     deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
     seed = _dropout_seed(dropout_p, dropout_seed)
     # Every option, checked, as the launch layer's plans read it (the tensors travel beside it).
-    spec = AttentionSpec(
-        problem.causal,
-        problem.scale,
-        window,
-        score,
-        key_range is not None,
-        float(dropout_p),
-        deterministic,
-        sinks is not None,
-        0 if _segments is None else len(_segments),
-    )
+    spec = None
+    if not compiling:
+        spec = AttentionSpec(
+            problem.causal,
+            problem.scale,
+            window,
+            score,
+            key_range is not None,
+            float(dropout_p),
+            deterministic,
+            sinks is not None,
+            0 if _segments is None else len(_segments),
+        )
     records = torch.is_grad_enabled() and (
         q.requires_grad or k.requires_grad or v.requires_grad or (sinks is not None and sinks.requires_grad)
     )
@@ -492,7 +501,7 @@ def forward(
     """
     problem = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, key_range=key_range)
     window = check_window(window)
-    score_spec(softcap, alibi_slopes, q)  # (the checks, naming the argument)
+    check_score(softcap, alibi_slopes, q)  # (naming the argument)
     variant: dict = {} if window is None else {"window": window}
     if softcap:
         variant["softcap"] = float(softcap)

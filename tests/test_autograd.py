@@ -556,6 +556,33 @@ def test_compiled_training_matches_eager():
         torch.testing.assert_close(p, r, rtol=1e-4, atol=1e-5)
 
 
+def test_traced_call_builds_no_spec(monkeypatch):
+    # torch 2.11's dynamo cannot build the spec's frozen dataclasses inside a trace (a graph break, seen on
+    # the GPU suite); this torch's dynamo can, so the test makes any build inside a trace an error instead.
+    import flash_attention._validate as validate_module
+    import flash_attention.interface as interface_module
+
+    def refusing(real):
+        def build(*args, **kwargs):
+            if torch.compiler.is_compiling():
+                raise AssertionError(f"{real.__name__} built inside a trace")
+            return real(*args, **kwargs)
+
+        return build
+
+    monkeypatch.setattr(interface_module, "AttentionSpec", refusing(interface_module.AttentionSpec))
+    monkeypatch.setattr(validate_module, "ScoreSpec", refusing(validate_module.ScoreSpec))
+    torch._dynamo.reset()
+    q, k, v = (torch.randn(2, 33, 4, 16) for _ in range(3))
+    slopes = torch.rand(4)
+    call = lambda q, k, v: flash_attention.attention(  # noqa: E731
+        q, k, v, causal=True, softcap=20.0, alibi_slopes=slopes, window=(8, 0)
+    )
+    got = torch.compile(call, fullgraph=True, backend="eager")(q, k, v)
+    torch.testing.assert_close(got, call(q, k, v), rtol=0, atol=0)
+    torch._dynamo.reset()
+
+
 def test_compiled_graphs_hold_one_fwd_and_one_bwd_node_and_no_break():
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from test_autograd import _Block, _train
 
 import flash_attention as fa
-from flash_attention import dispatch, ops
+from flash_attention import _few_queries, dispatch, ops
 from flash_attention.reference import attention_reference, causal_allowed, key_range_allowed
 
 pytestmark = pytest.mark.gpu
@@ -175,8 +175,18 @@ def check_grads(b, sq, sk, hq, hkv, d, dtype, causal, layout, ranged, seed, dete
     out = fa.attention(q, k, v, causal=causal, key_range=kr, deterministic=deterministic)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     torch.cuda.synchronize()
-    with torch.no_grad():  # the op path runs the very kernel of the inference path
-        assert torch.equal(out, fa.attention(q, k, v, causal=causal, key_range=kr)), case
+    with torch.no_grad():
+        inference = fa.attention(q, k, v, causal=causal, key_range=kr)
+    if kr is None and _few_queries.takes_shape(b, sq, hq, sk, hkv):
+        # An inference call of a few queries runs on the split-KV decode kernels (_few_queries), a training
+        # call on the forward kernel: the same within two roundings of the output, not bitwise.
+        eps = torch.finfo(out.dtype).eps
+        scale_of_out = out.abs().max().item()
+        torch.testing.assert_close(
+            out, inference, rtol=2 * eps, atol=2 * eps * scale_of_out, msg=lambda m: f"{case}: {m}"
+        )
+    else:  # the op path runs the very kernel of the inference path
+        assert torch.equal(out, inference), case
 
     allowed = _allowed(b, sq, sk, causal, kr)
     has_key = allowed.any(-1)  # (b, 1, sq)
