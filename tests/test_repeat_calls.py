@@ -140,20 +140,22 @@ def test_training_repeats_record_the_node_and_give_exact_gradients(gpu, validati
     assert gpu.launches == (["forward"] + last) * 3
 
 
-@pytest.mark.parametrize("switch", ["1", None])
+@pytest.mark.parametrize("switch", ["1", "0", None])
 def test_a_backwards_later_launches_are_programmatic_on_hopper(gpu, validations, switch, monkeypatch):
-    # With FLASH_ATTENTION_PDL=1, on sm_90 the dK/dV launch and the cast after it may start before the
-    # kernel ahead of them has finished (their entry points wait for it: fa/grid_dependency.cuh); the
-    # preprocessing kernel and the forward are ordinary launches, and on sm_80 every launch is
-    # (griddepcontrol is sm_90's). Without the switch (the default until a GPU measures it) none is.
-    if switch is not None:
+    # On sm_90 the dK/dV launch and the cast after it may start before the kernel ahead of them has finished
+    # (their entry points wait for it: fa/grid_dependency.cuh): by default since kernel log 122 measured it,
+    # and not with FLASH_ATTENTION_PDL=0. The preprocessing kernel and the forward are ordinary launches,
+    # and on sm_80 every launch is (griddepcontrol is sm_90's).
+    if switch is None:
+        monkeypatch.delenv("FLASH_ATTENTION_PDL", raising=False)
+    else:
         monkeypatch.setenv("FLASH_ATTENTION_PDL", switch)
     q, k, v = _inputs(grad=True)
     out = fa.attention(q, k, v, causal=True)
     gpu.programmatic.clear()
     torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
     assert not gpu.errors, gpu.errors
-    later = gpu.arch == "sm_90" and switch == "1"
+    later = gpu.arch == "sm_90" and switch != "0"
     assert gpu.programmatic == [("pre", False), ("dkdv", later), ("convert", later)]
 
 

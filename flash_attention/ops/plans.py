@@ -249,22 +249,23 @@ class Launch(NamedTuple):
     programmatic: bool = False
 
 
-def trial_switch(name: str) -> bool:
-    """Whether the launch-layer change behind ``FLASH_ATTENTION_<name>`` is on: changes not yet measured on a
-    GPU stay off (the previous behaviour) until a measurement turns them on by default, kernel log 122
-    (``PDL``: programmatic launches) and 123 (``CAUSAL_ORDER``: the causal backward's block order)."""
-    return os.environ.get(f"FLASH_ATTENTION_{name}", "0") == "1"
+def trial_switch(name: str, default: bool = False) -> bool:
+    """Whether the launch-layer change behind ``FLASH_ATTENTION_<name>`` is on (``=1``) or off (``=0``), else
+    ``default``: a change stays off until a GPU measurement turns it on by default, and the switch stays to
+    A/B it against the previous behaviour. Kernel log 122 (``PDL``: programmatic launches, on since the
+    measurement) and 123 (``CAUSAL_ORDER``: the causal backward's block order, off: measured slower)."""
+    value = os.environ.get(f"FLASH_ATTENTION_{name}")
+    return default if value is None else value == "1"
 
 
 def programmatic_launches(arch: str) -> bool:
-    """Whether a plan's later launches on a GPU of ``arch`` (``"sm_90"``) are queued programmatically:
-    ``FLASH_ATTENTION_PDL=1`` (trial_switch), compute capability 9.0+, where the kernels' griddepcontrol is
+    """Whether a plan's later launches on a GPU of ``arch`` (``"sm_90"``) are queued programmatically: unless
+    ``FLASH_ATTENTION_PDL=0`` (trial_switch), on compute capability 9.0+, where the kernels' griddepcontrol is
     (fa/grid_dependency.cuh), and a driver of CUDA 12.3 or later, the first whose CUDA graphs capture such
     launches (PyTorch's graphs and torch.compile's capture ours; an older driver would refuse the launch
     inside a capture)."""
-    return (
-        trial_switch("PDL") and int(arch.removeprefix("sm_").rstrip("a")) >= 90 and driver_version() >= 12030
-    )
+    hopper_or_later = int(arch.removeprefix("sm_").rstrip("a")) >= 90
+    return trial_switch("PDL", default=True) and hopper_or_later and driver_version() >= 12030
 
 
 @functools.cache
