@@ -37,11 +37,14 @@ struct DqSplit {
 template <int BR, int BC, int D, bool BF>
 __device__ __forceinline__ void issue_key_rows_product(float (&acc)[BR / 2], u64 a_desc, u64 b_desc,
                                                        u32 b_off) {
+  // (The step's offset once, the k-steps' constants after it: advanced together, (b_off + c) >> 4 cost a
+  // shift and an add per wgmma.)
+  const u64 b_step = desc_advance(b_desc, b_off);
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
     const u32 a_off = (kk / 4) * BC * 128 + (kk % 4) * 32;
-    const u32 bk_off = b_off + (kk / 4) * BR * 128 + (kk % 4) * 32;
-    Wgmma<BR, BF>::ss(acc, a_desc + (a_off >> 4), b_desc + (bk_off >> 4), kk > 0);
+    const u32 b_k = (kk / 4) * BR * 128 + (kk % 4) * 32;
+    Wgmma<BR, BF>::ss(acc, desc_advance(a_desc, a_off), desc_advance(b_step, b_k), kk > 0);
   }
 }
 
@@ -60,10 +63,27 @@ __device__ __forceinline__ void pack_p_ds(u32 (&pf)[BR / 16][4], u32 (&sf)[BR / 
 }
 
 // dS^T into its tile (BC key rows of BR queries, panels of 64 queries) for dQ: register pair r of k-step ks
-// is key row g + 8 (r % 2) of the warp (its first row row0) at queries 16 ks + 8 (r / 2) + 2 t (+1), i.e.
-// 16-byte chunk 2 ks + r / 2 of the key's row.
+// is key row g + 8 (r % 2) of the warp (its first row row0, a multiple of 16) at queries 16 ks + 8 (r / 2)
+// + 2 t (+1), i.e. 16-byte chunk 2 ks + r / 2 of the key's row: the four 8x8 pieces of one stmatrix_x4,
+// piece r. Lane l addresses row l % 8 of piece l / 8 (key row row0 + l % 8 + 8 ((l / 8) % 2), chunk 2 ks +
+// l / 16), whose swizzled chunk (fa/smem_layout.cuh) depends on ks only through ks % 4 and a panel offset:
+// four addresses per lane, made once. (Four st.shared.b32 per k-step before, kernel log 124.)
 template <int BR, int BC>
-__device__ __forceinline__ void store_ds_t(u32 s_ds, const u32 (&sf)[BR / 16][4], int row0, int g, int t) {
+__device__ __forceinline__ void store_ds_t(u32 s_ds, const u32 (&sf)[BR / 16][4], int row0, int lane) {
+  const int row_in = lane % 8, half = lane / 16;
+  const u32 row_base = s_ds + (u32)(row0 + row_in + 8 * ((lane / 8) % 2)) * 128;
+  u32 base[4];
+#pragma unroll
+  for (int c = 0; c < 4; ++c) base[c] = row_base + (((2 * c + half) ^ row_in) << 4);
+#pragma unroll
+  for (int ks = 0; ks < BR / 16; ++ks) stmatrix_x4(base[ks % 4] + (ks / 4) * (BC * 128), sf[ks]);
+}
+// store_ds_t with four st.shared.b32 per k-step and no address kept across calls: for the wide kernel, whose
+// 255 registers have no room for store_ds_t's four (with them, d256 spilled 28 bytes causal and its
+// deterministic build 44 -> 68 bytes; NVRTC 13.0, kernel log 124).
+template <int BR, int BC>
+__device__ __forceinline__ void store_ds_t_words(u32 s_ds, const u32 (&sf)[BR / 16][4], int row0, int lane) {
+  const int g = lane / 4, t = lane % 4;
 #pragma unroll
   for (int ks = 0; ks < BR / 16; ++ks)
 #pragma unroll
@@ -77,10 +97,11 @@ template <int BR, int D, bool BF>
 __device__ __forceinline__ void issue_dv_dk(float (&dv)[D / 2], float (&dk)[D / 2],
                                             const u32 (&pf)[BR / 16][4], const u32 (&sf)[BR / 16][4],
                                             u64 qt_desc, u32 q_off, u32 do_off) {
+  const u64 do_step = desc_advance(qt_desc, do_off), q_step = desc_advance(qt_desc, q_off);
 #pragma unroll
   for (int ks = 0; ks < BR / 16; ++ks) {
-    Wgmma<D, BF>::rs_bt(dv, pf[ks], qt_desc + ((do_off + ks * 16 * 128) >> 4), 1);
-    Wgmma<D, BF>::rs_bt(dk, sf[ks], qt_desc + ((q_off + ks * 16 * 128) >> 4), 1);
+    Wgmma<D, BF>::rs_bt(dv, pf[ks], desc_advance(do_step, ks * 16 * 128), 1);
+    Wgmma<D, BF>::rs_bt(dk, sf[ks], desc_advance(q_step, ks * 16 * 128), 1);
   }
 }
 
@@ -91,9 +112,9 @@ __device__ __forceinline__ void issue_dv_dk(float (&dv)[D / 2], float (&dk)[D / 
 template <int BR, int D, bool BF>
 __device__ __forceinline__ void issue_key_rows_acc(float (&acc)[D / 2], const u32 (&a)[BR / 16][4], u64 qt_desc,
                                                    u32 b_off) {
+  const u64 b_step = desc_advance(qt_desc, b_off);
 #pragma unroll
-  for (int ks = 0; ks < BR / 16; ++ks)
-    Wgmma<D, BF>::rs_bt(acc, a[ks], qt_desc + ((b_off + ks * 16 * 128) >> 4), 1);
+  for (int ks = 0; ks < BR / 16; ++ks) Wgmma<D, BF>::rs_bt(acc, a[ks], desc_advance(b_step, ks * 16 * 128), 1);
 }
 
 // dQ (64 queries x N columns) = dS K over the block's BC keys, both operands transposed: A = dS^T's tile
@@ -102,7 +123,7 @@ template <int BC, int N, bool BF>
 __device__ __forceinline__ void issue_dq(float (&dq)[N / 2], u64 ds_desc, u64 kt_desc) {
 #pragma unroll
   for (int kk = 0; kk < BC / 16; ++kk)
-    Wgmma<N, BF>::ss_tt(dq, ds_desc + ((kk * 16 * 128) >> 4), kt_desc + ((kk * 16 * 128) >> 4), kk > 0);
+    Wgmma<N, BF>::ss_tt(dq, desc_advance(ds_desc, kk * 16 * 128), desc_advance(kt_desc, kk * 16 * 128), kk > 0);
 }
 
 // One head_dim-wide fp32 accumulator of the warp's two key rows (row0 + g, row0 + g + 8 of the block) into

@@ -101,6 +101,15 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 addr) {
                : "r"(addr));
 }
 
+// stmatrix.sync.aligned.m8n8.x4.shared.b16 (PTX ISA 9.7.14.5.16; sm_90): ldmatrix_x4's inverse. Lanes 8i..8i+7
+// supply the row addresses of matrix i, and every lane gives one 32-bit register per matrix, in the layout
+// of an mma/wgmma accumulator's 8x8 piece (lane 4 r + c: row r, columns 2 c, 2 c + 1): a warp stores four
+// packed accumulator pieces with one instruction, where st.shared.b32 takes four.
+__device__ __forceinline__ void stmatrix_x4(u32 addr, const u32 (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]),
+               "r"(r[1]), "r"(r[2]), "r"(r[3]));
+}
+
 // mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32 (PTX ISA 9.7.14.5.14): D = A B + C with
 // fp32 accumulation. A: 4 registers (16x16), B: 2 registers (16x8), C/D: 4 fp32 (16x8).
 template <bool kIsBF16>

@@ -17,6 +17,23 @@ __device__ __forceinline__ u64 smem_desc_sw128(u32 addr, u32 lead_bytes, u32 str
          (1ull << 62);
 }
 
+// `desc` with its start address advanced by `bytes` (a multiple of 16: a k-step, a pipeline slot, a panel).
+// A 32-bit add to the descriptor's low word: every address inside shared memory (under 256 KB) keeps the
+// 14-bit start field from carrying, so the high word never changes. Written as a 64-bit add, ptxas could
+// not know that and emitted a carried add (IADD3 + IMAD.X, or ULEA + UMOV + UIADD3.64) before every wgmma
+// (kernel log 124).
+__device__ __forceinline__ u64 desc_advance(u64 desc, u32 bytes) {
+  u64 out;
+  asm("mov.b64 %0, {%1, %2};\n" : "=l"(out) : "r"((u32)desc + (bytes >> 4)), "r"((u32)(desc >> 32)));
+  return out;
+}
+
+// This thread's warpgroup in the block (threadIdx.x / 128), broadcast from lane 0 so that the compiler knows
+// it is the same across the warp: values made from it (a warpgroup's descriptors, its tile offsets) then
+// live in uniform registers, which wgmma reads its descriptors from. Made from threadIdx.x directly, they
+// sat in ordinary registers and were moved over (R2UR) before every wgmma (kernel log 124).
+__device__ __forceinline__ int warpgroup_index() { return __shfl_sync(0xffffffffu, (int)threadIdx.x / 128, 0); }
+
 // wgmma.fence.sync.aligned (PTX ISA 9.7.15.5.3): orders this warpgroup's earlier register writes (the
 // rescaled O, the packed P) before the asynchronous matrix instructions that read them.
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }

@@ -70,7 +70,7 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
   const int tid = threadIdx.x;
   const int warp = tid / 32;
   const int lane = tid % 32;
-  const int wg = warp / 4;
+  const int wg = warpgroup_index();
   const int g = lane / 4;
   const int t = lane % 4;
   const int n_block = blockIdx.x;
@@ -183,7 +183,7 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
     pack_p_ds<BR, BF>(pf, sf, s, dp);
 
     // dS^T to shared memory for dQ (fa/bwd_wgmma.cuh).
-    store_ds_t<BR, BC>(sdS, sf, row0, g, t);
+    store_ds_t<BR, BC>(sdS, sf, row0, lane);
 
     // ---- dV += P^T dO, dK += dS^T Q
     // --------------------------------------------------------------------------

@@ -182,7 +182,9 @@ __device__ __forceinline__ void bwd_wide_dkdv_body(const BwdParams& p) {
   const int tid = threadIdx.x;
   const int warp = tid / 32;
   const int lane = tid % 32;
-  const int wg = warp / 4;  // 0: S^T, P^T, dV; 1: dP^T, dS^T, dK
+  // 0: S^T, P^T, dV; 1: dP^T, dS^T, dK. (Not warpgroup_index(): with the descriptors made from it in uniform
+  // registers, d256 spilled 4 bytes and its deterministic build 44 -> 112; NVRTC 13.0, kernel log 124.)
+  const int wg = warp / 4;
   const int g = lane / 4;
   const int t = lane % 4;
   // Which block this is: deterministic mode, the last K/V block first, so that the blocks a turn waits for
@@ -422,7 +424,7 @@ __device__ __forceinline__ void bwd_wide_dkdv_body(const BwdParams& p) {
 #pragma unroll
       for (int r = 0; r < 4; ++r) af[ks][r] = pack2<BF>(s[8 * ks + 2 * r], s[8 * ks + 2 * r + 1]);
     if (wg == 1) {
-      store_ds_t<BR, BC>(sdS, af, row0, g, t);  // for dQ (fa/bwd_wgmma.cuh)
+      store_ds_t_words<BR, BC>(sdS, af, row0, lane);  // for dQ (fa/bwd_wgmma.cuh)
       fence_proxy_async();
     }
 

@@ -315,7 +315,7 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
   setmaxnreg_inc<kConsumerRegs>();
   grid_dependency_wait();  // (the statistics and the dQ workspace: the preprocessing kernel's output)
   const int ctid = tid - kConsumerBase;
-  const int wg = ctid / 128;  // this warpgroup's 64 keys of the block
+  const int wg = warpgroup_index() - kConsumerBase / 128;  // this warpgroup's 64 keys of the block
   const int warp = ctid / 32;
   const int lane = tid % 32;
   const int g = lane / 4;
@@ -491,7 +491,7 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
     }
 
     // dS^T to shared memory for dQ (fa/bwd_wgmma.cuh), this step's buffer.
-    store_ds_t<BR, BC>(sdS + dsoff, sf, row0, g, t);
+    store_ds_t<BR, BC>(sdS + dsoff, sf, row0, lane);
     fence_proxy_async();
 
     // ---- dV += P^T dO (group A) while the warpgroups meet below; then dQ (B) and dK (C) -----------------
@@ -511,7 +511,7 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
     // ---- dQ = dS K (this warpgroup's 64 x DQN part), then dK += dS^T Q ------------------------------------
     float dq[DQN / 2];
     wgmma_fence();
-    issue_dq<BC, DQN, BF>(dq, ds_desc + (dsoff >> 4), kt_desc);
+    issue_dq<BC, DQN, BF>(dq, desc_advance(ds_desc, dsoff), kt_desc);
     wgmma_commit();
     issue_key_rows_acc<BR, D, BF>(dk, sf, qt_desc, qoff);
     wgmma_commit();
