@@ -191,7 +191,8 @@ def check_key_range(key_range: object, batch: int, device: torch.device) -> None
 
 def check_window(window: object) -> tuple[int, int] | None:
     """``window`` must be None or a (left, right) pair of ints, each >= 0 or -1 (unbounded on that side);
-    returned as a tuple."""
+    returned as a tuple, or None for (-1, -1), which bounds nothing: the two spellings of "no window" are
+    then one spec, so one plan and one repeat signature serve both."""
     if window is None:
         return None
     if (
@@ -202,7 +203,8 @@ def check_window(window: object) -> tuple[int, int] | None:
         raise TypeError(f"window must be a (left, right) pair of ints or None; got {window!r}")
     if any(w < -1 for w in window):
         raise ValueError(f"window sides must be >= 0, or -1 for unbounded; got {tuple(window)}")
-    return int(window[0]), int(window[1])
+    left, right = int(window[0]), int(window[1])
+    return None if left == right == -1 else (left, right)
 
 
 def alibi_per_row(alibi_slopes: object, segments: tuple | None) -> bool:

@@ -30,6 +30,23 @@ def test_window_bounds_fold_causal_and_unbounded_sides():
     assert window_bounds((far, far), False, 300, 500) is None
 
 
+def test_an_unbounded_window_is_no_window_in_the_spec():
+    # (-1, -1) bounds nothing: the checked argument is None, so the call's spec (and its plans) is the one
+    # of a call without a window, and the result is the same bits.
+    import torch
+
+    import flash_attention as fa
+    from flash_attention._validate import check_window
+
+    assert check_window((-1, -1)) is None and check_window([-1, -1]) is None
+    assert check_window((-1, 0)) == (-1, 0) and check_window((5, -1)) == (5, -1)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 37, 4, 32, generator=gen) for _ in range(3))
+    for causal in (False, True):
+        want = fa.attention(q, k, v, causal=causal)
+        assert torch.equal(fa.attention(q, k, v, causal=causal, window=(-1, -1)), want)
+
+
 @pytest.mark.parametrize("bad", [(1,), (1, 2, 3), "ab", 5, (1.0, 2), (True, 2)])
 def test_window_must_be_a_pair_of_ints(bad):
     with pytest.raises(TypeError, match="window must be a"):
