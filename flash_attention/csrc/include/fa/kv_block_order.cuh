@@ -20,7 +20,6 @@
 #pragma once
 
 #include "fa/bwd_params.h"
-#include "fa/variant.cuh"
 
 namespace fa {
 
