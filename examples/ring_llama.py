@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 2 examples/ring_llama.py --tokens 131072        # GPUs, NCCL
     torchrun --nproc-per-node 2 examples/ring_llama.py --cpu --tokens 256     # CPU, gloo
 
-Every rank holds the same weights and a zigzag share of the sequence (flash_attention.distributed:
+Every rank holds the same weights and a zigzag share of the sequence (flash_attention.api.ring:
 shard_sequence), with the share's own position ids, so rotary embeddings, norms and MLPs (all
 token-local) run on the share alone; only attention needs the other shares, and gets them through
 ring_attention, registered as a transformers attention implementation. The loss is each rank's share of
@@ -27,7 +27,7 @@ def register_ring_attention(group=None) -> str:
     builds no mask: the ring computes causal itself)."""
     from transformers import AttentionInterface, AttentionMaskInterface
 
-    from flash_attention.distributed import ring_attention
+    from flash_attention.api.ring import ring_attention
 
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         if dropout:
@@ -54,7 +54,7 @@ def tiny_llama(seed: int = 0, **overrides):
 def ring_step(model, ids: torch.Tensor, group=None) -> torch.Tensor:
     """One training step's loss (summed over the ranks) and this rank's parameter gradients, summed over
     the ranks into every rank's ``.grad``; ``ids`` (1, tokens) the whole sequence, the same on every rank."""
-    from flash_attention.distributed import shard_sequence
+    from flash_attention.api.ring import shard_sequence
 
     model.set_attn_implementation(register_ring_attention(group))
     tokens = ids.shape[1]

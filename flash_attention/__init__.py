@@ -6,17 +6,20 @@ Public entry points:
   kernels when they can run and through PyTorch (same semantics) otherwise;
 * :func:`attention_with_kvcache` -- decoding: new queries against a KV cache (contiguous or paged) that the
   call appends the new keys and values to in place;
+* :func:`ring_attention` (with :func:`shard_sequence` / :func:`unshard_sequence`) -- one sequence sharded
+  over the ranks of a ``torch.distributed`` group, K/V passed around a ring;
 * :func:`precompile` -- compile, in parallel and ahead of the first call, the kernels calls of a kind will
   load (first calls then load them from the disk cache);
 * :func:`forward` / :func:`forward_timed` -- run one named :class:`KernelConfig`;
 * :class:`KernelConfig` / :func:`parse_config` -- kernel configurations.
 """
 
+from .api.attention import attention, forward, forward_timed
+from .api.kvcache import attention_with_kvcache
+from .api.precompile import precompile
+from .api.ring import ring_attention, shard_sequence, unshard_sequence
+from .api.varlen import attention_varlen
 from .configs import KernelConfig, default_config, parse_config
-from .interface import attention, forward, forward_timed
-from .kvcache import attention_with_kvcache
-from .precompiling import precompile
-from .varlen import attention_varlen
 
 __version__ = "0.1.0"
 
@@ -25,6 +28,9 @@ __all__ = [
     "attention_with_kvcache",
     "attention_varlen",
     "precompile",
+    "ring_attention",
+    "shard_sequence",
+    "unshard_sequence",
     "forward",
     "forward_timed",
     "KernelConfig",

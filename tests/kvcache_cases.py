@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import flash_attention
-from flash_attention.reference import attention_kvcache_reference, causal_allowed, window_allowed
+from flash_attention.fallback.reference import attention_kvcache_reference, causal_allowed, window_allowed
 
 
 @dataclass

@@ -20,12 +20,12 @@ import struct
 import pytest
 import torch
 
-from flash_attention import dispatch, ops
+from flash_attention import ops
+from flash_attention.fallback.reference import attention_reference
 from flash_attention.jit import driver, host
 from flash_attention.jit.params import BwdParams, DecodeParams, FwdParams, FwdTmaParams
 from flash_attention.jit.sources import SEGMENTS
-from flash_attention.ops import backward, decode, forward, plans, repeat, tma
-from flash_attention.reference import attention_reference
+from flash_attention.ops import backward, decode, dispatch, forward, plans, repeat, tma
 
 __all__ = ["StandInGpu", "install", "repeat_mode_gpu", "tensor_at"]
 
@@ -284,7 +284,8 @@ class StandInGpu:
     def _segments_scores(kernel, p, qd, kd):
         """A segments build's scaled, masked scores (heads_q, seqlen_q, seqlen_k) in float64 from (heads,
         rows, d) operands: each query row i sees the keys of its run [row_keys[i, 0], row_keys[i, 1])
-        (flash_attention.varlen); with ALiBi, -slope |diagonal(i) - j| added, the diagonal the run's end - 1
+        (flash_attention.api.varlen); with ALiBi, -slope |diagonal(i) - j| added, the diagonal the run's end
+        - 1
         ("alibi_runs") or the segments' table entry p.alibi_diagonal[i] ("alibi_table"); the "_rows" builds
         with row i's slope for head h at p.alibi_slopes[i * p.alibi_batch_stride + h], "alibi_rows" measured
         from the packed row's own index (packed self-attention)."""

@@ -25,8 +25,8 @@ from flash_attention.configs import (
 from flash_attention.jit import compiler
 from flash_attention.jit.cache import build
 from flash_attention.ops.select import NoKernel, backward_config, forward_config
+from flash_attention.ops.winners import SEQLEN_BUCKETS
 from flash_attention.tools.build import spill_bound
-from flash_attention.winners import SEQLEN_BUCKETS
 
 #: The architectures the issue names, with the limits their vendor documents (bytes per block, opt-in).
 LIMITS = {

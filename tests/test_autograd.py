@@ -21,9 +21,12 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import flash_attention
-from flash_attention import custom_ops, dispatch, fallback, interface, reference
-from flash_attention.ops import NoKernel
-from flash_attention.reference import attention_backward_torch, attention_reference, attention_torch
+from flash_attention import fallback
+from flash_attention.api import attention as interface
+from flash_attention.fallback import reference
+from flash_attention.fallback.reference import attention_backward_torch, attention_reference, attention_torch
+from flash_attention.ops import NoKernel, dispatch
+from flash_attention.torch_ops import attention as custom_ops
 
 FWD = torch.ops.flash_attention.fwd.default
 BWD = torch.ops.flash_attention.bwd.default
@@ -559,8 +562,8 @@ def test_compiled_training_matches_eager():
 def test_traced_call_builds_no_spec(monkeypatch):
     # torch 2.11's dynamo cannot build the spec's frozen dataclasses inside a trace (a graph break, seen on
     # the GPU suite); this torch's dynamo can, so the test makes any build inside a trace an error instead.
-    import flash_attention._validate as validate_module
-    import flash_attention.interface as interface_module
+    import flash_attention.api.attention as interface_module
+    import flash_attention.spec.validate as validate_module
 
     def refusing(real):
         def build(*args, **kwargs):

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from flash_attention import winners
 from flash_attention.configs import default_config, estimated_registers, parse_config, validity_errors
+from flash_attention.ops import winners
 from flash_attention.tools import autotune
 from flash_attention.tools.autotune import loop
 from flash_attention.tools.autotune import space as search

@@ -13,6 +13,7 @@ import torch
 
 import flash_attention
 from flash_attention.configs import default_config
+from flash_attention.ops.winners import gpu_slug
 from flash_attention.tools import bench, provenance
 from flash_attention.tools.bench.cli import _int_list
 from flash_attention.tools.bench.readme import README_BEGIN, README_END, readme_markers, update_readme
@@ -21,7 +22,6 @@ from flash_attention.tools.bench.sweep import DEFAULT_SEQLENS, SweepSettings, sw
 from flash_attention.tools.bench.tables import ratio_summary, results_to_markdown, results_to_text
 from flash_attention.tools.bench.tiny import TINY_SHAPES
 from flash_attention.tools.common import flops, input_sets_needed, record_provenance
-from flash_attention.winners import gpu_slug
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -676,7 +676,7 @@ def test_window_sweep_counts_the_band_and_masks_the_same_keys():
     """--window: causal shapes only; FLOPs of the band; SDPA's explicit mask is attention()'s window."""
     import torch
 
-    from flash_attention.reference import window_allowed
+    from flash_attention.fallback.reference import window_allowed
     from flash_attention.tools.bench.runners import Shape, _variant_args, _window_mask
     from flash_attention.tools.bench.sweep import SweepSettings, sweep_shapes
     from flash_attention.tools.common import flops
@@ -706,7 +706,7 @@ def test_score_function_baselines_compute_what_attention_computes(causal, score)
     arguments; SDPA refuses soft-capping (no mask expresses it) instead of timing plain attention."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    from flash_attention.reference import alibi_bias, attention_reference
+    from flash_attention.fallback.reference import alibi_bias, attention_reference
     from flash_attention.tools.bench.runners import (
         Shape,
         Skip,
@@ -756,7 +756,7 @@ def test_varlen_alibi_rows_compute_each_documents_own_alibi_attention(causal):
     FlexAttention's packed outputs are each document's attention with ALiBi on its own positions (the
     float64 reference per document), so their rows time the same work; SDPA is skipped with its reason
     rather than timed without ALiBi."""
-    from flash_attention.reference import attention_reference
+    from flash_attention.fallback.reference import attention_reference
     from flash_attention.tools.bench.runners import Skip, alibi_slopes
     from flash_attention.tools.bench.varlen import VarlenSettings, _runner
 

@@ -12,7 +12,7 @@ import types
 import pytest
 import torch
 
-from flash_attention.reference import attention_reference
+from flash_attention.fallback.reference import attention_reference
 from flash_attention.tools.bench import runners, varlen
 from flash_attention.tools.bench.results import DEFAULT_IMPLS
 

@@ -10,8 +10,6 @@ import pytest
 import torch
 
 import flash_attention
-from flash_attention import dispatch
-from flash_attention._validate_kvcache import CacheProblem
 from flash_attention.configs import SMEM_OPTIN
 from flash_attention.configs.decode import (
     DECODE_HEAD_DIMS,
@@ -22,7 +20,9 @@ from flash_attention.configs.decode import (
     parse_decode_config,
     split_cost,
 )
+from flash_attention.ops import dispatch
 from flash_attention.ops.decode import splits_for
+from flash_attention.spec.validate_kvcache import CacheProblem
 
 
 @pytest.mark.parametrize("arch", sorted(SMEM_OPTIN))

@@ -16,8 +16,8 @@ from stand_in_gpu import repeat_mode_gpu  # noqa: F401 (the gpu fixture)
 
 from flash_attention import attention_with_kvcache, ops
 from flash_attention.configs.decode import num_splits_heuristic
+from flash_attention.fallback.reference import attention_kvcache_reference
 from flash_attention.ops import decode, repeat
-from flash_attention.reference import attention_kvcache_reference
 
 
 def _natively_launched() -> bool:

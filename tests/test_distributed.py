@@ -1,4 +1,4 @@
-"""Ring attention (flash_attention.distributed) on the CPU: 2 and 3 gloo processes, the PyTorch fallback
+"""Ring attention (flash_attention.api.ring) on the CPU: 2 and 3 gloo processes, the PyTorch fallback
 path, against single-process float64 attention on the whole sequence (output, LSE and gradients), causal in
 the zigzag layout and not, with GQA; and the shard helpers' round trip."""
 
@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from spawn_ranks import spawn_ranks
 
-from flash_attention.reference import attention_reference
+from flash_attention.fallback.reference import attention_reference
 
 
 def _assert_matches_float64(named) -> None:
@@ -25,7 +25,7 @@ def _assert_matches_float64(named) -> None:
 def _worker(rank, world, init_file, causal, failures):
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-        from flash_attention.distributed import ring_attention, shard_sequence, unshard_sequence
+        from flash_attention.api.ring import ring_attention, shard_sequence, unshard_sequence
 
         torch.manual_seed(1234)  # the same full tensors on every rank
         seqlen = 2 * world * 7
@@ -58,7 +58,7 @@ def test_ring_attention_equals_single_process_attention(world, causal, tmp_path)
 
 
 def test_ring_attention_needs_a_process_group_and_refuses_float64():
-    from flash_attention.distributed import ring_attention
+    from flash_attention.api.ring import ring_attention
 
     q = torch.randn(1, 8, 2, 16)
     with pytest.raises(RuntimeError, match="process group"):
@@ -109,7 +109,7 @@ def test_ring_training_example_equals_one_process(tmp_path):
 def _window_worker(rank, world, init_file, causal, window, failures):
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-        from flash_attention import distributed as fd
+        from flash_attention.api import ring as fd
 
         torch.manual_seed(99)
         seqlen = world * 12
@@ -156,7 +156,7 @@ def test_ring_bench_runs_on_gloo(tmp_path):
 def _score_worker(rank, world, init_file, causal, window, failures):
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-        from flash_attention import distributed as fd
+        from flash_attention.api import ring as fd
 
         torch.manual_seed(7)
         seqlen = 2 * world * 6
@@ -199,7 +199,7 @@ def test_ring_attention_with_softcap_and_sinks(causal, window, tmp_path):
 
 
 def test_ring_attention_names_bad_variant_arguments():
-    from flash_attention.distributed import ring_attention
+    from flash_attention.api.ring import ring_attention
 
     q = torch.randn(1, 8, 2, 16)
     with pytest.raises(ValueError, match="softcap"):

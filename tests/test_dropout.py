@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flash_attention.dropout import draw_seed, dropout_key, dropout_threshold, keep_mask
-from flash_attention.reference import (
+from flash_attention.fallback.reference import (
     attention_backward_torch,
     attention_reference,
     attention_torch,

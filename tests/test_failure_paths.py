@@ -12,12 +12,11 @@ import pytest
 import torch
 
 import flash_attention as fa
-from flash_attention import dispatch
 from flash_attention.configs import parse_config
 from flash_attention.jit import cache as jit_cache
 from flash_attention.jit import compiler as jit_compiler
 from flash_attention.jit import driver
-from flash_attention.ops import device
+from flash_attention.ops import device, dispatch
 
 CONFIG = "(BF16, 64, 64, 64, 4): async+eager+swizzled+load_0_1_1_tiles+buffer+opt_softmax"
 

@@ -12,10 +12,11 @@ import torch
 import torch.nn.functional as F
 
 import flash_attention
-from flash_attention import dispatch, fallback, reference
+from flash_attention import fallback
 from flash_attention.configs import KernelConfig, default_config
-from flash_attention.ops import NoKernel
-from flash_attention.reference import attention_reference, attention_torch, causal_allowed
+from flash_attention.fallback import reference
+from flash_attention.fallback.reference import attention_reference, attention_torch, causal_allowed
+from flash_attention.ops import NoKernel, dispatch
 
 LOW_PRECISION = [torch.float16, torch.bfloat16]
 

@@ -1,5 +1,5 @@
 """``attention()`` with a few queries per row against many keys runs on the decode kernels
-(flash_attention._few_queries), checked on the CPU through the stand-in GPU of tests/stand_in_gpu.py: the
+(flash_attention.api.few_queries), checked on the CPU through the stand-in GPU of tests/stand_in_gpu.py: the
 decode plan is made and launched with this call's tensors (the stand-in kernels compute from the params'
 addresses and strides), the results match the float64 reference, later calls of the signature go straight
 to the plan, and the calls the route must leave alone keep their usual kernels. The stand-in decode kernels
@@ -13,9 +13,10 @@ import torch
 from stand_in_gpu import repeat_mode_gpu  # noqa: F401 (the gpu fixture)
 
 import flash_attention as fa
-from flash_attention import _few_queries, ops
+from flash_attention import ops
+from flash_attention.api import few_queries as _few_queries
+from flash_attention.fallback.reference import attention_reference
 from flash_attention.ops import decode, repeat
-from flash_attention.reference import attention_reference
 
 
 def _inputs(seed, b, sq, sk, hq, hkv, d=64):

@@ -23,8 +23,10 @@ import torch.nn.functional as F
 from test_autograd import _Block, _train
 
 import flash_attention as fa
-from flash_attention import _few_queries, dispatch, ops
-from flash_attention.reference import attention_reference, causal_allowed, key_range_allowed
+from flash_attention import ops
+from flash_attention.api import few_queries as _few_queries
+from flash_attention.fallback.reference import attention_reference, causal_allowed, key_range_allowed
+from flash_attention.ops import dispatch
 
 pytestmark = pytest.mark.gpu
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from spawn_ranks import spawn_ranks
 
 import flash_attention
-from flash_attention.reference import attention_reference
+from flash_attention.fallback.reference import attention_reference
 
 pytestmark = [
     pytest.mark.gpu,
@@ -44,7 +44,7 @@ def _worker(rank, world, init_file, case, failures):
         dist.init_process_group(
             "nccl", init_method=f"file://{init_file}", rank=rank, world_size=world, device_id=dev
         )
-        from flash_attention.distributed import ring_attention, shard_sequence, unshard_sequence
+        from flash_attention.api.ring import ring_attention, shard_sequence, unshard_sequence
 
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
         torch.manual_seed(1000 + d + n)  # the same full tensors on every rank

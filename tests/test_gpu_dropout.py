@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import flash_attention as fa
 from flash_attention.dropout import keep_mask
-from flash_attention.reference import attention_reference, causal_allowed
+from flash_attention.fallback.reference import attention_reference, causal_allowed
 
 pytestmark = pytest.mark.gpu
 

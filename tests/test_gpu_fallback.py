@@ -17,7 +17,7 @@ from test_fallback import _FUSED_CASES, check_fused_path
 
 import flash_attention
 from flash_attention import fallback
-from flash_attention.reference import attention_reference
+from flash_attention.fallback.reference import attention_reference
 
 pytestmark = pytest.mark.gpu
 

@@ -1,5 +1,5 @@
 """On a GPU: ``attention()`` calls with a few queries per row against many keys run on the decode kernels
-(flash_attention._few_queries) and agree with the float64 reference with every variant the route takes
+(flash_attention.api.few_queries) and agree with the float64 reference with every variant the route takes
 (causal, windows, soft-capping, ALiBi per head and per row, sinks, the LSE), on poisoned outputs, with
 repeated signatures; the forward kernel's answer (the route switched off) agrees too."""
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import flash_attention as fa
-from flash_attention import _few_queries
+from flash_attention.api import few_queries as _few_queries
+from flash_attention.fallback.reference import attention_reference
 from flash_attention.ops import repeat
-from flash_attention.reference import attention_reference
 
 pytestmark = pytest.mark.gpu
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import flash_attention as fa
 from flash_attention.configs import parse_config
-from flash_attention.reference import attention_reference, causal_allowed
+from flash_attention.fallback.reference import attention_reference, causal_allowed
 
 pytestmark = pytest.mark.gpu
 
@@ -197,7 +197,7 @@ def test_cuda_path_is_taken_and_cached_kernel_loads_fast():
 
 
 def test_fp32_on_cuda_falls_back_with_warning(monkeypatch):
-    from flash_attention import dispatch
+    from flash_attention.ops import dispatch
 
     # The warning is once per reason per process: another test in this worker may have given it already.
     monkeypatch.setattr(dispatch, "_warned_reasons", set())
@@ -224,9 +224,8 @@ def test_config_too_large_for_this_gpu_is_a_clear_error(monkeypatch):
 def test_a_gpu_too_small_for_every_kernel_falls_back_with_a_warning(monkeypatch):
     # What a GPU whose shared memory fits none of our configs sees (head_dim 256 training on sm_86/sm_89 is
     # the real case, backward): the PyTorch fallback computes the call, after a once-per-reason warning.
-    from flash_attention import dispatch
+    from flash_attention.ops import dispatch, plans
     from flash_attention.ops import forward as launch
-    from flash_attention.ops import plans
 
     # Both launches read the device's shared memory through plans.device_facts.
     monkeypatch.setattr(plans, "smem_limit", lambda index: 1024)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import flash_attention as fa
 from flash_attention.configs import default_config
-from flash_attention.reference import attention_reference, causal_allowed, key_range_allowed
+from flash_attention.fallback.reference import attention_reference, causal_allowed, key_range_allowed
 
 pytestmark = pytest.mark.gpu
 

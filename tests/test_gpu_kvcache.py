@@ -114,7 +114,7 @@ def test_cuda_graph_replay_with_changing_lengths():
     # One captured decode step replayed with new lengths, tokens and queries written into its static
     # inputs: each replay must equal the reference of its own inputs (nothing read on the host).
     import flash_attention as fa
-    from flash_attention.reference import attention_kvcache_reference
+    from flash_attention.fallback.reference import attention_kvcache_reference
 
     case = Case(
         batch=4,
@@ -160,7 +160,7 @@ def test_bad_lengths_and_pages_poison_their_row_and_write_nothing_outside():
     # Row 1's length leaves no room for its new token, row 2 uses a page index past the cache: both rows'
     # outputs are NaN, the other rows are right, and no page the valid rows do not append to changes.
     import flash_attention as fa
-    from flash_attention.reference import attention_kvcache_reference
+    from flash_attention.fallback.reference import attention_kvcache_reference
 
     case = Case(
         batch=4,

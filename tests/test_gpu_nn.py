@@ -19,11 +19,11 @@ import pytest
 import torch
 from torch import nn
 
+from flash_attention.fallback.reference import causal_allowed
 from flash_attention.nn import FlashAttention, MultiheadAttention, replace_attention
 from flash_attention.nn import functional as fn
 from flash_attention.ops import forward as launch
 from flash_attention.ops import repeat
-from flash_attention.reference import causal_allowed
 
 pytestmark = pytest.mark.gpu
 

@@ -1,6 +1,7 @@
 """GPU tests of the score functions (``softcap``, ``alibi_slopes`` and both; csrc/include/fa/variant.cuh
 Softcap, Alibi, SoftcapAlibi) in every kernel family that takes them, forward and backward, at the launch
-layer: outputs, LSE and gradients against float64 (flash_attention.reference) within a few times the error
+layer: outputs, LSE and gradients against float64 (flash_attention.fallback.reference) within a few times the
+error
 of the same computation in float32 rounded to the inputs' precision, on shapes with GQA, seqlen_q above and
 below seqlen_k, causal and not, key ranges, a sliding window, head dims 64/128/256 and one padded; the
 deterministic backward bitwise between runs; and each with attention dropout, against float64 with the
@@ -17,7 +18,7 @@ from flash_attention import ops
 from flash_attention.configs import default_bwd_config, hopper_bwd_config, padded_head_dim, portable_config
 from flash_attention.configs.heuristics import classic_hopper_config
 from flash_attention.dropout import draw_seed, keep_mask
-from flash_attention.reference import attention_reference
+from flash_attention.fallback.reference import attention_reference
 
 pytestmark = pytest.mark.gpu
 
@@ -229,7 +230,7 @@ ONE_KEY_CASES = [
 
 def _visible_keys(sq, sk, causal, window):
     """(seqlen_q, seqlen_k) boolean of the keys each row sees (bottom-right aligned, as the kernels)."""
-    from flash_attention.reference import window_allowed
+    from flash_attention.fallback.reference import window_allowed
 
     allowed = torch.ones(sq, sk, dtype=torch.bool, device="cuda")
     if causal:

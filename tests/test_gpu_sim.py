@@ -24,11 +24,11 @@ from test_gpu_sm90 import needs_hopper
 import flash_attention as fa
 from flash_attention import ops
 from flash_attention.configs import HEAD_DIMS, default_config, parse_config, portable_config
+from flash_attention.fallback.reference import attention_reference, causal_allowed
 from flash_attention.ops.plans import device_facts
-from flash_attention.reference import attention_reference, causal_allowed
+from flash_attention.ops.winners import SEQLEN_BUCKETS
 from flash_attention.tools import debug, sanity
 from flash_attention.tools.sim import TraceSpec, simulate
-from flash_attention.winners import SEQLEN_BUCKETS
 
 pytestmark = pytest.mark.gpu
 
@@ -283,7 +283,7 @@ def test_sanity_runs_what_attention_runs_on_this_gpu(capsys):
 @pytest.mark.parametrize("opt", [True, False])
 def test_kernel_variants_equal_the_simulator(variant, opt):
     """The portable kernel's window, segments, ALiBi and sinks builds within the simulator's bounds."""
-    from flash_attention.varlen import segments as make_segments
+    from flash_attention.api.varlen import segments as make_segments
 
     cfg = portable_config("bf16", 64, True, 512, 512).replace(opt_softmax=opt)
     sq = sk = 333

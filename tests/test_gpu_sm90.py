@@ -11,7 +11,7 @@ from test_gpu_forward import check_case
 import flash_attention as fa
 from flash_attention import ops
 from flash_attention.configs import default_config, wgmma_config
-from flash_attention.reference import attention_reference
+from flash_attention.fallback.reference import attention_reference
 from flash_attention.tools.autotune.space import search_space
 
 pytestmark = pytest.mark.gpu

@@ -20,7 +20,7 @@ from test_gpu_sm90_bwd_ws import (
 
 from flash_attention import ops
 from flash_attention.configs import BwdConfig, default_bwd_config, hopper_bwd_config
-from flash_attention.reference import attention_reference
+from flash_attention.fallback.reference import attention_reference
 
 pytestmark = pytest.mark.gpu
 

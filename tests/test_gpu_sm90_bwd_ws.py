@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from flash_attention import ops
 from flash_attention.configs import BwdConfig, hopper_bwd_config
-from flash_attention.reference import attention_reference, causal_allowed
+from flash_attention.fallback.reference import attention_reference, causal_allowed
 
 pytestmark = pytest.mark.gpu
 

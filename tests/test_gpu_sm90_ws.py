@@ -13,7 +13,7 @@ from test_gpu_sm90 import needs_hopper
 
 from flash_attention import ops
 from flash_attention.configs import ws_config
-from flash_attention.reference import attention_reference
+from flash_attention.fallback.reference import attention_reference
 
 pytestmark = pytest.mark.gpu
 

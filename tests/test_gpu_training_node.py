@@ -2,7 +2,7 @@
 what the Python autograd function gives with the same kernels, bit for bit in deterministic mode.
 
 The gradients themselves are checked against float64 autograd of the reference in tests/test_gpu_autograd.py,
-whose cases now run through this node; here it is compared with :class:`flash_attention.custom_ops.
+whose cases now run through this node; here it is compared with :class:`flash_attention.torch_ops.attention.
 EagerAttention` (the Python path that remains for the calls the node does not take), over the options the
 node carries to its backward: causal, GQA, key ranges, dropout, deterministic mode, transposed layouts, and
 output gradients in layouts the kernels cannot read.
@@ -16,10 +16,10 @@ import pytest
 import torch
 
 import flash_attention as fa
-from flash_attention import custom_ops
+from flash_attention.api.varlen import _with_tiles, segments
 from flash_attention.dropout import draw_seed
 from flash_attention.jit import host
-from flash_attention.varlen import _with_tiles, segments
+from flash_attention.torch_ops import attention as custom_ops
 
 pytestmark = pytest.mark.gpu
 

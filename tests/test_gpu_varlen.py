@@ -17,6 +17,7 @@ import torch
 
 import flash_attention
 from flash_attention import ops
+from flash_attention.api.varlen import _with_tiles, alibi_diagonals, row_slopes, segments
 from flash_attention.configs import (
     default_bwd_config,
     hopper_bwd_config,
@@ -25,8 +26,7 @@ from flash_attention.configs import (
     ws_config,
 )
 from flash_attention.configs.heuristics import classic_hopper_config
-from flash_attention.reference import attention_reference
-from flash_attention.varlen import _with_tiles, alibi_diagonals, row_slopes, segments
+from flash_attention.fallback.reference import attention_reference
 
 pytestmark = [
     pytest.mark.gpu,
@@ -315,7 +315,7 @@ def _cuda(values):
 
 
 def test_the_opt_in_offsets_check_raises_on_the_device(monkeypatch):
-    # FLASH_ATTENTION_CHECK_OFFSETS=1: the CPU's check (flash_attention._validate_varlen), run with ops on
+    # FLASH_ATTENTION_CHECK_OFFSETS=1: the CPU's check (flash_attention.spec.validate_varlen), run with ops on
     # the device; valid offsets give the unchecked call's answer.
     q, k, v = _offsets_case()
     monkeypatch.setenv("FLASH_ATTENTION_CHECK_OFFSETS", "1")
@@ -506,7 +506,7 @@ def test_packed_training_repeats_equal_the_whole_path(head_dim, heads, causal, m
             made.append((out.detach(), *torch.autograd.grad(out, leaves, do)))
         return made
 
-    from flash_attention import interface
+    from flash_attention.api import attention as interface
 
     validated = []
     real = interface.validate

@@ -1,5 +1,6 @@
 """GPU tests of the sliding window (``window=(left, right)``, csrc/include/fa WindowMask) in every kernel
-family that has it, forward and backward: outputs and gradients against float64 (flash_attention.reference)
+family that has it, forward and backward: outputs and gradients against float64
+(flash_attention.fallback.reference)
 within twice the error of PyTorch's own low-precision attention under the same mask, on random shapes
 (seqlen_q above and below seqlen_k, one query, GQA, head dims 64/128/192/256 and one padded up to 128,
 windows with either side unbounded, one key per row, combined with causal and key ranges); the
@@ -17,7 +18,12 @@ import torch.nn.functional as F
 from flash_attention import ops
 from flash_attention.configs import default_bwd_config, hopper_bwd_config, padded_head_dim, portable_config
 from flash_attention.configs.heuristics import classic_hopper_config
-from flash_attention.reference import attention_reference, causal_allowed, key_range_allowed, window_allowed
+from flash_attention.fallback.reference import (
+    attention_reference,
+    causal_allowed,
+    key_range_allowed,
+    window_allowed,
+)
 
 pytestmark = pytest.mark.gpu
 

@@ -19,11 +19,11 @@ import zlib
 import pytest
 import torch
 
+from flash_attention.fallback.reference import attention_reference
 from flash_attention.jit import driver, host
 from flash_attention.jit.params import BwdParams
 from flash_attention.ops import plans
 from flash_attention.ops.training import _OFFSETS
-from flash_attention.reference import attention_reference
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import flash_attention as fa
-from flash_attention.reference import attention_reference, key_range_allowed
+from flash_attention.fallback.reference import attention_reference, key_range_allowed
 
 
 def _qkv(b, sq, sk, hq, hkv, d, dtype=torch.float32, seed=0):

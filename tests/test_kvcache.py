@@ -12,7 +12,7 @@ import torch
 from kvcache_cases import Case, check_case, make_inputs, random_case
 
 import flash_attention
-from flash_attention.reference import attention_kvcache_reference, attention_reference
+from flash_attention.fallback.reference import attention_kvcache_reference, attention_reference
 
 
 @pytest.fixture(autouse=True)
@@ -324,7 +324,7 @@ def test_bad_arguments_name_the_argument(override, error, words):
 
 
 def test_validation_runs_once_per_signature(monkeypatch):
-    from flash_attention import kvcache
+    from flash_attention.api import kvcache
 
     calls = []
     real = kvcache.validate_kvcache
@@ -359,7 +359,7 @@ def test_validation_runs_once_per_signature(monkeypatch):
 
 
 def test_a_growing_contiguous_cache_keeps_its_signature_within_a_bucket():
-    from flash_attention import kvcache
+    from flash_attention.api import kvcache
 
     def key(capacity, heads_first=False):
         shape = (2, 2, capacity, 16) if heads_first else (2, capacity, 2, 16)
@@ -392,7 +392,7 @@ def test_a_growing_contiguous_cache_keeps_its_signature_within_a_bucket():
     ],
 )
 def test_the_signatures_cache_layout_rule_is_the_kernels(tensor):
-    from flash_attention import kvcache
+    from flash_attention.api import kvcache
     from flash_attention.ops.decode import layout_ok
 
     assert kvcache._readable_cache(tensor.shape, tensor.stride()) == layout_ok(tensor)

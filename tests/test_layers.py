@@ -107,9 +107,9 @@ def test_no_import_cycle():
 def test_the_graph_sees_real_edges():
     # A check that cannot fail is a defect: the graph must contain the arrows we know exist.
     graph = _graph()
-    assert "flash_attention.ops" in graph["flash_attention.dispatch"]
+    assert "flash_attention.ops" in graph["flash_attention.ops.dispatch"]
     assert "flash_attention.ops.select" in graph["flash_attention.ops.forward"]
-    assert "flash_attention.winners" in graph["flash_attention.ops.select"]
+    assert "flash_attention.ops.winners" in graph["flash_attention.ops.select"]
     assert any(t.startswith(TOOLS) for t in graph["flash_attention.__main__"])
 
 
@@ -128,3 +128,42 @@ def test_importing_the_library_loads_no_tool():
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "", f"importing {proc.stdout.strip()}"
     assert len(LIBRARY) > 20
+
+
+#: The package's floors (docs/architecture.md, "Layout of the code"): a module imports only modules of its
+#: own floor or below. The root's helpers (dropout, sinks) and the spec sit at the bottom with the configs.
+FLOORS = {
+    "spec": 0,
+    "dropout": 0,
+    "sinks": 0,
+    "configs": 0,
+    "jit": 1,
+    "ops": 2,
+    "fallback": 2,
+    "torch_ops": 3,
+    "api": 4,
+    "nn": 5,
+    "integrations": 6,
+}
+#: The one arrow up, named so that no other joins it: the KV-cache op's composed path (for the calls no
+#: decode kernel takes) runs on attention() itself (api/kvcache_compose.py says why).
+KNOWN_UPWARD = {("flash_attention.torch_ops.kvcache", "flash_attention.api.kvcache_compose")}
+
+
+def _floor(module: str) -> int | None:
+    parts = module.split(".")
+    return FLOORS.get(parts[1]) if len(parts) > 1 else None
+
+
+def test_every_import_looks_down_the_floors():
+    graph = _graph()
+    upward = sorted(
+        (m, t)
+        for m in LIBRARY
+        for t in graph[m]
+        if _floor(m) is not None and _floor(t) is not None and _floor(t) > _floor(m)
+    )
+    assert set(upward) == KNOWN_UPWARD, f"imports up the floors: {sorted(set(upward) - KNOWN_UPWARD)}"
+    # (and the floors name every subpackage and root module of the library but the root's own __init__)
+    tops = {m.split(".")[1] for m in LIBRARY if m.count(".") >= 1}
+    assert tops <= set(FLOORS) | {"tools"}, sorted(tops - set(FLOORS))

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from flash_attention.fallback.reference import attention_reference
 from flash_attention.ops.merge import lse_merge_
-from flash_attention.reference import attention_reference
 
 
 def _parts(batch=2, rows=9, heads=3, d=8, keys=11, split=5):

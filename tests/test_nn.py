@@ -101,7 +101,7 @@ def _stock_fa(module: FlashAttention, query, key, value, key_padding_mask=None):
     L, S = q.shape[1], k.shape[1]
     allowed = torch.ones(1, 1, L, S, dtype=torch.bool)
     if m.causal:
-        allowed = allowed & flash_attention.reference.causal_allowed(L, S)
+        allowed = allowed & flash_attention.fallback.reference.causal_allowed(L, S)
     if key_padding_mask is not None:
         allowed = allowed & ~key_padding_mask[:, None, None, :]
     group = m.num_heads // m.num_kv_heads
@@ -1035,7 +1035,7 @@ def test_demo_cpu_runs_and_renders(tmp_path, capsys, monkeypatch):
 
 def _scored_reference(q, k, v, allowed, softcap, slopes):
     """float64 attention with an explicit (batch, 1, seqlen_q, seqlen_k) mask and a score function."""
-    from flash_attention.reference import alibi_bias
+    from flash_attention.fallback.reference import alibi_bias
 
     group = q.shape[2] // k.shape[2]
     kf, vf = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import flash_attention as fa
+from flash_attention.api.precompile import jobs_for_calls
 from flash_attention.configs import parse_bwd_config, parse_config
 from flash_attention.configs.decode import default_decode_config, parse_decode_config
 from flash_attention.integrations.transformers import precompile_model
@@ -19,8 +20,7 @@ from flash_attention.jit import cache as jit_cache
 from flash_attention.jit.compiler import choose_compiler, compiler_id
 from flash_attention.ops.precompile import DeviceFacts
 from flash_attention.ops.select import backward_config, forward_config
-from flash_attention.precompiling import jobs_for_calls
-from flash_attention.winners import SEQLEN_BUCKETS
+from flash_attention.ops.winners import SEQLEN_BUCKETS
 
 
 def _parse(name: str):

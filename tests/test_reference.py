@@ -8,7 +8,7 @@ import zlib
 import pytest
 import torch
 
-from flash_attention.reference import attention_reference, causal_allowed
+from flash_attention.fallback.reference import attention_reference, causal_allowed
 
 NEG_INF = float("-inf")
 

@@ -11,7 +11,7 @@ import zlib
 import pytest
 import torch
 
-from flash_attention.reference import attention_reference, causal_allowed, window_allowed
+from flash_attention.fallback.reference import attention_reference, causal_allowed, window_allowed
 
 
 def _rowwise(q, k, v, *, scale, causal=False, window=None, softcap=0.0, slopes=None, sinks=None):

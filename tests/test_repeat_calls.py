@@ -17,12 +17,13 @@ import torch
 from stand_in_gpu import install
 
 import flash_attention as fa
-from flash_attention import interface, ops
+from flash_attention import ops
+from flash_attention.api import attention as interface
+from flash_attention.api.varlen import segments
 from flash_attention.configs import heuristics
+from flash_attention.fallback.reference import attention_reference
 from flash_attention.jit import host
 from flash_attention.ops import forward, repeat
-from flash_attention.reference import attention_reference
-from flash_attention.varlen import segments
 
 
 @pytest.fixture(autouse=True)

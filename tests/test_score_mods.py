@@ -8,11 +8,11 @@ import pytest
 import torch
 
 import flash_attention as fa
-from flash_attention._validate import score_spec
 from flash_attention.configs import hopper_bwd_config, portable_config
+from flash_attention.fallback.reference import attention_reference
 from flash_attention.jit import cache, sources
-from flash_attention.reference import attention_reference
 from flash_attention.spec import ALIBI_ORIGINS, ScoreSpec
+from flash_attention.spec.validate import score_spec
 
 
 @pytest.mark.parametrize(

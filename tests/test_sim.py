@@ -15,9 +15,9 @@ from test_gpu_forward import _VARIANTS  # the variant list the GPU tests run: on
 
 import flash_attention.tools.sim as sim
 from flash_attention.configs import HEAD_DIMS, default_config, parse_config, portable_config
-from flash_attention.reference import attention_reference, causal_allowed
+from flash_attention.fallback.reference import attention_reference, causal_allowed
+from flash_attention.ops.winners import SEQLEN_BUCKETS
 from flash_attention.tools.sim import STEP_NAMES, TraceSpec, n_blocks_per_row_block, simulate
-from flash_attention.winners import SEQLEN_BUCKETS
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # Every portable default (the simulator models the sm80 kernel), and the variants.
@@ -359,7 +359,7 @@ def test_trace_dump_names_every_step_and_tensor():
 def test_simulator_variants_against_float64(variant, opt):
     # Each variant the kernels compute, simulated, against the float64 reference with the same variant,
     # within the tolerance of the plain simulation (float32 softmax, inputs in bf16).
-    from flash_attention.varlen import segments as make_segments
+    from flash_attention.api.varlen import segments as make_segments
 
     cfg = portable_config("bf16", 64, True, 256, 256).replace(opt_softmax=opt)
     sq = sk = 203
@@ -430,9 +430,9 @@ def test_simulator_packed_alibi_measures_from_each_rows_diagonal(causal, per_seq
     # simulator takes as alibi_diagonal; slopes of each sequence's own reach the per-row builds as a
     # (seqlen_q, heads) table of each row's (varlen.row_slopes). Each sequence against float64 with ALiBi
     # bottom-right aligned and its own slopes.
-    from flash_attention.reference import runs_alibi_diagonal
-    from flash_attention.varlen import alibi_diagonals, row_slopes
-    from flash_attention.varlen import segments as make_segments
+    from flash_attention.api.varlen import alibi_diagonals, row_slopes
+    from flash_attention.api.varlen import segments as make_segments
+    from flash_attention.fallback.reference import runs_alibi_diagonal
 
     cfg = portable_config("bf16", 64, causal, 256, 256)
     lens_q, lens_k = [50, 1, 109, 43], [70, 20, 100, 13]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import flash_attention
-from flash_attention.reference import attention_reference
+from flash_attention.fallback.reference import attention_reference
 from flash_attention.sinks import apply_sinks, sinks_gradient
 
 # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal, variant)

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 import flash_attention
-from flash_attention import dispatch, fallback
-from flash_attention._validate import Problem, validate
-from flash_attention.reference import attention_reference
+from flash_attention import fallback
+from flash_attention.fallback.reference import attention_reference
+from flash_attention.ops import dispatch
+from flash_attention.spec.validate import Problem, validate
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,5 @@
-"""Variable-length batches (flash_attention.varlen) on the CPU: the segments' runs against the per-sequence
+"""Variable-length batches (flash_attention.api.varlen) on the CPU: the segments' runs against the
+per-sequence
 rule (both orientations, bounds nondecreasing, as the kernels' block ranges need), and attention_varlen's
 output, LSE and gradients against the float64 reference run on each sequence alone."""
 
@@ -10,8 +11,8 @@ import pytest
 import torch
 
 import flash_attention
-from flash_attention.reference import attention_reference, window_allowed
-from flash_attention.varlen import segments
+from flash_attention.api.varlen import segments
+from flash_attention.fallback.reference import attention_reference, window_allowed
 
 
 def _offsets(lengths):
@@ -79,7 +80,7 @@ VARLEN = [
     # used), measured from each row's diagonal key
     ([9, 12, 40, 3], [14, 12, 45, 1], 4, 2, 16, True, {"alibi_any": True, "seqused_k": [10, 0, 41, 1]}),
     # ALiBi without causal: any query and key counts, seqused_k and windows (each row's diagonal from a
-    # table: flash_attention.varlen.alibi_diagonals)
+    # table: flash_attention.api.varlen.alibi_diagonals)
     ([9, 12, 40, 3], [14, 12, 45, 1], 4, 2, 16, False, {"alibi_any": True, "seqused_k": [10, 0, 41, 1]}),
     ([9, 12, 40], [14, 5, 45], 4, 4, 16, False, {"alibi_any": True, "window": (6, 3)}),
     ([9, 12, 40], [14, 5, 45], 4, 2, 16, False, {"alibi_any": True, "softcap": 1.5}),
@@ -172,7 +173,7 @@ def test_attention_varlen_matches_each_sequence_alone(case):
 
 
 def test_row_slopes_give_each_row_its_sequences_slopes():
-    from flash_attention.varlen import row_slopes
+    from flash_attention.api.varlen import row_slopes
 
     slopes = torch.rand(4, 3)
     cu = _offsets([2, 0, 3, 1])
@@ -192,7 +193,7 @@ def test_every_visible_pair_shares_its_keys_first_row_sequence_and_shift(causal,
     # pair the runs let through, the first query row that sees the key (key_rows[k, 0]) is of the query's
     # sequence, with the same slope row and the same diagonal shift (diagonal(q) - q), whether the diagonal
     # is the runs' end (causal) or the table's; over empty and one-token sequences, seqused_k and tail rows.
-    from flash_attention.varlen import alibi_diagonals, row_slopes
+    from flash_attention.api.varlen import alibi_diagonals, row_slopes
 
     gen = torch.Generator().manual_seed(23 + causal)
     for _ in range(60):
@@ -343,8 +344,8 @@ def test_attention_varlen_compiles_whole_and_follows_new_offsets(alibi):
 
 
 def _tiles_of(cu_q, total_q, block_q, cu_k=None, causal=False, total_k=None):
+    from flash_attention.api.varlen import _with_tiles
     from flash_attention.ops.query_tiles import key_tiles, query_tiles, tile_count
-    from flash_attention.varlen import _with_tiles
 
     cu_k = cu_q if cu_k is None else cu_k
     total_k = int(cu_k[-1]) if total_k is None else total_k
@@ -485,7 +486,7 @@ def test_key_tiles_of_offsets_past_the_tensors_stay_in_their_workspace_rows(caus
     # The runs are built from the offsets as given, so offsets past the rows give runs past them; a key
     # tile's walk must still end at its piece's last row, or its blocks' statistics and dQ would lie past
     # the workspace (62k floats written past its end at d128 on an H200, before the clamp).
-    from flash_attention.varlen import _with_tiles
+    from flash_attention.api.varlen import _with_tiles
 
     for cu_q, cu_k in (([0, 1000], [0, 100]), ([0, 5000], [0, 100]), ([0, 40, 900], [0, 30, 100])):
         cq, ck = (torch.tensor(c, dtype=torch.int32) for c in (cu_q, cu_k))
@@ -499,8 +500,8 @@ def test_tables_describe_the_offsets_the_runs_were_made_from():
     # attention_varlen's runs are made at the forward; the backward's tables later, from offsets noted on
     # the runs. A caller refilling its offsets tensor in place in between (pipelined micro-batches) must not
     # change what those tables say.
+    from flash_attention.api.varlen import _cached_segments
     from flash_attention.ops.query_tiles import key_tiles, query_units
-    from flash_attention.varlen import _cached_segments
 
     cu = torch.tensor([0, 10, 1000], dtype=torch.int32)
     runs = _cached_segments(cu, cu, 1000, 1000, True, None, None, (500, 500))
@@ -514,9 +515,9 @@ def test_tables_describe_the_offsets_the_runs_were_made_from():
 
 
 def test_plans_are_made_per_power_of_two_of_sequences():
+    from flash_attention.api.varlen import _with_tiles
     from flash_attention.ops.plans import segment_count
     from flash_attention.ops.query_tiles import query_units, sequence_bucket, tile_count, unit_count
-    from flash_attention.varlen import _with_tiles
 
     assert [sequence_bucket(n) for n in (0, 1, 2, 3, 4, 5, 17, 64)] == [0, 1, 2, 4, 4, 8, 32, 64]
     counts = set()
@@ -538,7 +539,7 @@ def test_no_rows_no_tiles():
 def test_offsets_rewritten_behind_pytorchs_back_need_clear_cache():
     # The runs are cached by the offsets' address and version; a write through .data keeps the version,
     # so the next call finds the old offsets' runs (wrong sequences) until clear_cache().
-    from flash_attention.varlen import clear_cache
+    from flash_attention.api.varlen import clear_cache
 
     torch.manual_seed(5)
     q, k, v = (torch.randn(30, 2, 16) for _ in range(3))

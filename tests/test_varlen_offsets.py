@@ -1,4 +1,4 @@
-"""attention_varlen's checks of its offsets' values (flash_attention._validate_varlen), on the CPU: every
+"""attention_varlen's checks of its offsets' values (flash_attention.spec.validate_varlen), on the CPU: every
 broken promise (offsets not from 0, decreasing, past the tensors; seqused_k negative or past its sequence's
 keys) raises ValueError naming the argument and its first bad index; valid offsets, zero-length sequences
 included, still agree with each sequence run alone in float64; and a GPU's path (reads not free, taken here
@@ -13,8 +13,9 @@ import torch
 from test_varlen import _offsets
 
 import flash_attention
-from flash_attention import _validate_varlen, varlen
-from flash_attention.reference import attention_reference
+from flash_attention.api import varlen
+from flash_attention.fallback.reference import attention_reference
+from flash_attention.spec import validate_varlen as _validate_varlen
 
 # (cu_seqlens_q, cu_seqlens_k, seqused_k, the error) for q of 10 rows and k, v of 12 keys
 BAD = [

@@ -36,7 +36,7 @@ def test_an_unbounded_window_is_no_window_in_the_spec():
     import torch
 
     import flash_attention as fa
-    from flash_attention._validate import check_window
+    from flash_attention.spec.validate import check_window
 
     assert check_window((-1, -1)) is None and check_window([-1, -1]) is None
     assert check_window((-1, 0)) == (-1, 0) and check_window((5, -1)) == (5, -1)
@@ -94,7 +94,7 @@ def test_attention_window_on_the_fallback_matches_the_reference(causal, window, 
     import torch
 
     import flash_attention as fa
-    from flash_attention.reference import attention_reference
+    from flash_attention.fallback.reference import attention_reference
 
     gen = torch.Generator().manual_seed(hash((causal, window, ranged)) % 2**31)
     q = torch.randn(2, 37, 4, 16, generator=gen, dtype=torch.float64, requires_grad=True)

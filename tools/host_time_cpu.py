@@ -34,9 +34,9 @@ from pathlib import Path
 import torch
 
 import flash_attention as fa
-from flash_attention import dispatch, ops
+from flash_attention import ops
 from flash_attention.jit import driver, host
-from flash_attention.ops import backward, decode, forward, plans, repeat, tma
+from flash_attention.ops import backward, decode, dispatch, forward, plans, repeat, tma
 
 
 def _noop_library() -> ctypes.CDLL:
@@ -174,7 +174,7 @@ def measure_decode() -> None:
             return fa.attention_with_kvcache(q, k_cache, v_cache, *(new or ()), cache_seqlens=lengths)
 
         # attention() itself on the same tensors: a few queries per row go to the same decode kernels
-        # (flash_attention._few_queries), the cache read whole (1k keys).
+        # (flash_attention.api.few_queries), the cache read whole (1k keys).
         routed = (
             ("one token", one),
             ("one token, appended", lambda: one((k, v))),

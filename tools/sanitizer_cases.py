@@ -23,7 +23,7 @@ import sys
 import torch
 
 import flash_attention as fa
-from flash_attention.reference import attention_kvcache_reference, attention_reference
+from flash_attention.fallback.reference import attention_kvcache_reference, attention_reference
 
 #: (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal, key_range, dropout, deterministic)
 CASES = [

@@ -111,12 +111,12 @@ from typing import Any
 
 import torch
 
-from .._validate import MAX_HEAD_DIM
-from ..interface import attention
-from ..kvcache import attention_with_kvcache
+from ..api.attention import attention
+from ..api.kvcache import attention_with_kvcache
+from ..api.varlen import attention_varlen, segments
+from ..fallback.reference import causal_allowed, window_allowed
 from ..nn import functional as fn
-from ..reference import causal_allowed, window_allowed
-from ..varlen import attention_varlen, segments
+from ..spec.validate import MAX_HEAD_DIM
 
 __all__ = ["NAME", "attention_forward", "attention_mask", "precompile_model", "register"]
 
@@ -200,8 +200,8 @@ def precompile_model(
     ``dry_run`` as :func:`flash_attention.precompile` takes them. Attention sinks (gpt-oss) need no kernel
     of their own.
     """
+    from ..api.precompile import jobs_for_calls
     from ..ops.precompile import compile_jobs
-    from ..precompiling import jobs_for_calls
 
     is_module = isinstance(model, torch.nn.Module)
     config = getattr(model, "config", model)

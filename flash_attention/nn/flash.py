@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from .._validate import MAX_HEAD_DIM, check_window
+from ..spec.validate import MAX_HEAD_DIM, check_window
 from . import functional as fn
 
 __all__ = ["FlashAttention"]

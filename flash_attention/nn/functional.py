@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..interface import attention
-from ..reference import causal_allowed, window_allowed
+from ..api.attention import attention
+from ..fallback.reference import causal_allowed, window_allowed
 
 __all__ = [
     "KERNEL_HAS_BACKWARD",
@@ -342,9 +342,10 @@ def materialized_attention(
     softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention that materialises the probabilities, ``(out, probs)``, with the semantics of every other
-    route (the score functions as :func:`flash_attention.reference.attention_reference` applies them).
+    route (the score functions as :func:`flash_attention.fallback.reference.attention_reference` applies
+    them).
     fp32 softmax (fp64 for fp64 inputs); ``probs`` (batch, heads_q, seqlen_q, seqlen_k) before dropout."""
-    from ..reference import alibi_bias
+    from ..fallback.reference import alibi_bias
 
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, group = k.shape[1], heads_q // k.shape[2]

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._validate import MAX_HEAD_DIM
+from ..spec.validate import MAX_HEAD_DIM
 from . import functional as fn
 
 __all__ = ["MultiheadAttention"]

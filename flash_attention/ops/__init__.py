@@ -3,8 +3,8 @@
 It re-checks, at run time, every assumption a compiled kernel makes (dtype, head_dim within the compiled size,
 16-byte aligned rows, strides in range, shared memory that fits this GPU), allocates outputs, picks the
 stream and launches through the driver API (:mod:`flash_attention.jit`). The user-facing argument checks come
-first, in :mod:`flash_attention._validate`; the choice between these kernels and the PyTorch fallback is
-:mod:`flash_attention.dispatch`'s.
+first, in :mod:`flash_attention.spec.validate`; the choice between these kernels and the PyTorch fallback is
+:mod:`flash_attention.ops.dispatch`'s.
 
 * :mod:`.device` -- facts about a GPU, and why the kernels cannot run on it;
 * :mod:`.select` -- which configuration a call runs (and the catalog of every kernel a model can need);

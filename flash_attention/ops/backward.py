@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .._validate import check_window, score_spec
 from ..configs import BwdConfig
 from ..dropout import dropout_key, seed_pair
 from ..jit import cache as jit_cache
@@ -24,6 +23,7 @@ from ..jit.params import BwdParams
 from ..jit.sources import SEGMENTS
 from ..sinks import sinks_gradient_from_delta
 from ..spec import AttentionSpec
+from ..spec.validate import check_window, score_spec
 from .device import current_stream, device_arch, dtype_name
 from .plans import (
     Launch,

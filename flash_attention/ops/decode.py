@@ -19,12 +19,12 @@ import os
 
 import torch
 
-from .._validate_kvcache import CacheProblem
 from ..configs.decode import DecodeConfig, cache_length_bucket, default_decode_config, num_splits_heuristic
 from ..jit import driver, host
 from ..jit.loader import get_decode_kernels
 from ..jit.params import DecodeParams
 from ..jit.sources import DECODE_AUX_THREADS
+from ..spec.validate_kvcache import CacheProblem
 from . import repeat
 from .device import KERNEL_DTYPES, cuda_unavailable_reason, current_stream, device_arch, dtype_name, sm_count
 from .plans import (
@@ -104,7 +104,8 @@ class DecodePlan:
     launches (measured on an H100 host before plans: 105 us per call without an append, 140 with, where sdpa
     takes 20).
 
-    Built from the validated call (:func:`flash_attention._validate_kvcache.validate_kvcache`), the kernels
+    Built from the validated call (:func:`flash_attention.spec.validate_kvcache.validate_kvcache`), the
+    kernels
     able to take it (:func:`decode_unavailable_reason`: strides; the addresses are checked per call, as a
     later call of the same signature may bring differently aligned tensors)."""
 

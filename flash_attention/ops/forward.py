@@ -4,7 +4,7 @@ Everything a call's shape, strides and options decide (the configuration, the lo
 shared memory, every size and stride field of the params struct) is worked out once per signature and kept
 in a plan (:mod:`.plans`); a call then only fills in its pointers (and its dropout key) and launches.
 
-Inputs were validated by :func:`flash_attention._validate.validate`; this layer re-checks every assumption
+Inputs were validated by :func:`flash_attention.spec.validate.validate`; this layer re-checks every assumption
 the compiled kernel makes (dtype, head_dim within the compiled size, 16-byte aligned rows, grid limits,
 shared memory that fits this GPU).
 """
@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .._validate import check_window, score_spec
 from ..configs import KernelConfig, parse_config
 from ..dropout import dropout_key, seed_pair
 from ..jit import driver
@@ -26,6 +25,7 @@ from ..jit.loader import get_kernel
 from ..jit.params import FwdParams, FwdTmaParams
 from ..jit.sources import SEGMENTS
 from ..spec import NO_SCORE, AttentionSpec
+from ..spec.validate import check_window, score_spec
 from . import tma
 from . import trace as _trace
 from .device import device_arch, dtype_name, sm_count
@@ -393,7 +393,7 @@ def cuda_forward(
     multiple of 8 runs on inputs zero-padded to the next one (a copy; multiples of 8 are read in place).
     ``segments`` = (row_keys, key_rows), contiguous int32 (seqlen_q, 2) and (seqlen_k, 2) tensors on q's
     device, runs the segments build on a batch of one: query row i sees keys [row_keys[i, 0],
-    row_keys[i, 1]) (flash_attention.varlen builds them; they carry causal and any window, and exclude
+    row_keys[i, 1]) (flash_attention.api.varlen builds them; they carry causal and any window, and exclude
     ``key_range`` and ``window``); a third, int32 (seqlen_q,), gives each row's ALiBi diagonal key.
 
     ``trace`` (an object with ``batch``, ``head``, ``row_block``, ``warp``, e.g. a

@@ -17,11 +17,11 @@ from typing import Generic, NamedTuple, TypeVar
 
 import torch
 
-from .._validate import check_window
 from ..dropout import dropout_threshold
 from ..jit import driver
 from ..jit.sources import SEGMENTS
 from ..spec import AttentionSpec, ScoreSpec
+from ..spec.validate import check_window
 from .device import current_stream, device_arch, gpu_name, smem_limit
 from .query_tiles import sequence_bucket
 
@@ -102,8 +102,10 @@ def check_segments(
     """Raise unless ``segments`` is (row_keys, key_rows): contiguous int32 tensors of shapes (seqlen_q, 2) and
     (seqlen_k, 2) on q's device, for a batch of one, without ``key_range`` or ``window`` (the runs carry
     both); or (row_keys, key_rows, alibi_diagonal) with each row's ALiBi diagonal key, a contiguous int32
-    (seqlen_q,) tensor (flash_attention.varlen.alibi_diagonals: sequences without causal whose diagonal the
-    runs do not give). Their values are the caller's (flash_attention.varlen builds them); the kernels clamp
+    (seqlen_q,) tensor (flash_attention.api.varlen.alibi_diagonals: sequences without causal whose diagonal
+    the
+    runs do not give). Their values are the caller's (flash_attention.api.varlen builds them); the kernels
+    clamp
     the rows they read, not the values."""
     if key_range is not None or window is not None:
         raise ValueError("segments carry the key ranges and the window: pass neither key_range nor window")
@@ -125,7 +127,8 @@ def check_segments(
 
 def segment_lengths(segments: tuple | None) -> tuple[int, int] | None:
     """The (seqlen_q, seqlen_k) a packed batch's configurations are chosen by: its sequences' typical
-    lengths, which flash_attention.varlen notes on the runs (``_typical_lengths``: the max_seqlen hints, else
+    lengths, which flash_attention.api.varlen notes on the runs (``_typical_lengths``: the max_seqlen hints,
+    else
     the mean), where the packed lengths would pick tiles for one long sequence. None: q's and k's own."""
     return None if segments is None else getattr(segments[0], "_typical_lengths", None)
 

@@ -17,11 +17,11 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from flash_attention import winners
 from flash_attention.configs.architectures import architecture
 from flash_attention.configs.decode import default_decode_config
 from flash_attention.jit import cache as jit_cache
 from flash_attention.jit.sources import SEGMENTS
+from flash_attention.ops import winners
 from flash_attention.spec import NO_SCORE, ScoreSpec
 
 from .plans import feature_list, window_bounds

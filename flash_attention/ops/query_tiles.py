@@ -1,4 +1,5 @@
-"""A packed batch's tile tables, built on the device from the offsets that flash_attention.varlen notes on the
+"""A packed batch's tile tables, built on the device from the offsets that flash_attention.api.varlen notes
+on the
 runs (no host read: CUDA-graph safe):
 
 * :func:`query_tiles`: each sequence's rows cut into tiles of their own (FwdParams::q_tiles, the
@@ -118,7 +119,7 @@ def workspace_rows(segments: tuple[torch.Tensor, ...]) -> torch.Tensor:
     workspace back by packed row: the sinks' gradient). Runs that carry no offsets raise."""
     units = query_units(segments)
     if units is None:
-        raise ValueError("the runs carry no offsets (flash_attention.varlen notes them)")
+        raise ValueError("the runs carry no offsets (flash_attention.api.varlen notes them)")
     made = segments[0]._query_tiles.get("rows")
     if made is not None:  # (made once per runs, as the tables are)
         return made

@@ -45,13 +45,7 @@ from ..jit.params import FwdParams, FwdTmaParams
 from ..spec import AttentionSpec
 from . import backward, forward, training
 from . import trace as _trace
-from .plans import (
-    Launch,
-    PlanCache,
-    launch_fields,
-    segment_count,
-    segment_lengths,
-)
+from .plans import Launch, PlanCache, launch_fields, segment_count, segment_lengths
 from .query_tiles import query_tiles
 from .select import NoKernel
 from .tensors import strides_usable
@@ -226,7 +220,8 @@ def signature(
     argument without the attributes read here (not a tensor, a sparse tensor) gives None. ``window``,
     ``softcap``, ``alibi_slopes`` and ``sinks`` as attention() takes them (a tuple or list of two ints, a
     float or int, tensors: sinks only as the kernels read them, float32 and contiguous, and not
-    differentiated); ``segments``, a packed batch's runs (flash_attention.varlen): the signature holds their
+    differentiated); ``segments``, a packed batch's runs (flash_attention.api.varlen): the signature holds
+    their
     layouts and what the plans are chosen by (the sequences' typical lengths and their count's bucket), and
     each call binds its own runs and tile tables."""
     if (

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .. import winners
 from ..configs import (
     DTYPES,
     HEAD_DIMS,
@@ -27,6 +26,7 @@ from ..configs import (
     unsupported,
 )
 from ..configs.decode import DecodeConfig, default_decode_config
+from . import winners
 
 __all__ = ["BuildJob", "NoKernel", "backward_config", "catalog", "dropout_config", "forward_config"]
 

@@ -23,11 +23,11 @@ from collections.abc import Callable
 
 import torch
 
-from .._validate import score_spec
 from ..dropout import dropout_key, seed_pair
 from ..jit import driver, host
 from ..jit.params import BwdParams
 from ..spec import AttentionSpec
+from ..spec.validate import score_spec
 from . import backward
 from . import trace as _trace
 from .plans import launch_fields, launch_spec, segment_count, segment_lengths

@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 
 from flash_attention import ops
-from flash_attention._validate import validate
 from flash_attention.configs import KernelConfig, parse_config, portable_config
 from flash_attention.jit.params import TRACE_FAULTS, TRACE_MAGIC, TRACE_STEP_FIELDS, TraceLayout
 from flash_attention.ops.plans import device_facts
+from flash_attention.spec.validate import validate
 
 from .sim import FINAL_NAMES, STEP_NAMES, Trace, TraceSpec, simulate
 

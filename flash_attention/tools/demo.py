@@ -39,7 +39,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flash_attention.nn import replace_attention
-from flash_attention.winners import gpu_slug
+from flash_attention.ops.winners import gpu_slug
 
 from . import provenance
 from .bench.results import DEFAULT_OUTPUT

@@ -24,14 +24,14 @@ import torch
 import torch.nn.functional as F
 
 from flash_attention import __version__, ops
+from flash_attention.api.attention import attention
 from flash_attention.configs import KernelConfig, default_config
 from flash_attention.configs.forward import register_roles
-from flash_attention.interface import attention
+from flash_attention.fallback.reference import attention_reference, causal_allowed
 from flash_attention.jit import compiler as _compiler
 from flash_attention.jit import driver as _driver
 from flash_attention.jit.cache import build, cache_dir
 from flash_attention.jit.compiler import CompileError
-from flash_attention.reference import attention_reference, causal_allowed
 
 from .sim import simulate
 

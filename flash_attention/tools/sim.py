@@ -33,7 +33,7 @@ With ``trace=TraceSpec(batch, head, row_block, warp)`` the simulator also record
 (:class:`Trace`), the same named tensors the kernel's debug build writes (flash_attention.debug).
 
 The variants the kernels compute (fa/variant.cuh) are simulated as the kernels compute them: a sliding
-``window`` and a packed batch's per-row key runs (``segments``, flash_attention.varlen) as masks, visiting
+``window`` and a packed batch's per-row key runs (``segments``, flash_attention.api.varlen) as masks, visiting
 the blocks up to the last visible key (a block the kernel skips because it lies before every row's window
 changes nothing when visited: fully masked, it multiplies by exactly 1 and adds exact zeros); ALiBi in the
 forwards' folded form (``s - (slope / scale) |q - k|`` on the unscaled scores, one FMA, the distance exact in
@@ -295,10 +295,11 @@ def simulate(
             that a correct kernel can show (see the module docstring).
         window, alibi_slopes, softcap, sinks: as in :func:`flash_attention.attention` (module docstring:
             how each is simulated). ``segments``: a packed batch's (seqlen_q, 2) per-row key runs (the
-            ``row_keys`` of :func:`flash_attention.varlen.segments`), on a batch of one.
+            ``row_keys`` of :func:`flash_attention.api.varlen.segments`), on a batch of one.
         alibi_diagonal: with ``segments`` and ALiBi, each row's diagonal key (seqlen_q,), as the kernels'
-            packed builds measure the distance (``flash_attention.varlen.alibi_diagonals``, or
-            :func:`flash_attention.reference.runs_alibi_diagonal` for causal runs); None: the packed row's
+            packed builds measure the distance (``flash_attention.api.varlen.alibi_diagonals``, or
+            :func:`flash_attention.fallback.reference.runs_alibi_diagonal` for causal runs); None: the packed
+            row's
             own index (packed self-attention).
 
     Returns:
@@ -343,7 +344,7 @@ class _Variants:
 
     @staticmethod
     def of(window, segments, alibi_slopes, softcap, sinks, q, k, alibi_diagonal=None) -> _Variants:
-        from flash_attention._validate import check_window
+        from flash_attention.spec.validate import check_window
 
         batch, sq, hq, _ = q.shape
         var = _Variants(window=check_window(window), softcap=float(softcap))

@@ -1,5 +1,5 @@
 """``python -m flash_attention autotune``: measure every surviving candidate configuration per shape class and
-write the winners to the cache the launch layer reads (:mod:`flash_attention.winners`).
+write the winners to the cache the launch layer reads (:mod:`flash_attention.ops.winners`).
 
 * :mod:`.space` -- the candidates of each family and the pruning rules;
 * :mod:`.loop` -- compile-and-check, timing, and the loop over shape classes, shared by both families;

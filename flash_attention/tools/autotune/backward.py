@@ -10,9 +10,9 @@ import torch
 
 from flash_attention import ops
 from flash_attention.configs import BwdConfig, default_bwd_config
+from flash_attention.fallback.reference import attention_backward_torch, attention_torch
 from flash_attention.jit.cache import build
-from flash_attention.reference import attention_backward_torch, attention_torch
-from flash_attention.winners import bwd_entry_key
+from flash_attention.ops.winners import bwd_entry_key
 
 from ..common import flops, time_cuda
 from .loop import Family, Result, screen_candidates, time_candidates

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from flash_attention.ops import clear_plans, device_arch
-from flash_attention.winners import CACHE_FILE, SEQLEN_BUCKETS, environment_key, user_cache_path
+from flash_attention.ops.winners import CACHE_FILE, SEQLEN_BUCKETS, environment_key, user_cache_path
 
 from .backward import BACKWARD
 from .forward import FORWARD

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import torch
 
-from flash_attention import interface, ops
+from flash_attention import ops
+from flash_attention.api import attention as interface
 from flash_attention.configs import KernelConfig, default_config
+from flash_attention.fallback.reference import attention_reference
 from flash_attention.jit.cache import build
-from flash_attention.reference import attention_reference
-from flash_attention.winners import entry_key
+from flash_attention.ops.winners import entry_key
 
 from ..common import flops, time_cuda
 from .loop import Family, Result, screen_candidates, time_candidates

@@ -1,6 +1,7 @@
 """The tuning loop every kernel family shares: compile the candidates in parallel and check each against the
 reference, time every survivor on the benchmark shape of each length, re-time the best few, and write each
-shape class's winner to the tuned-winners cache (:mod:`flash_attention.winners`) as soon as it is known."""
+shape class's winner to the tuned-winners cache (:mod:`flash_attention.ops.winners`) as soon as it is
+known."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flash_attention.winners import write_cache
+from flash_attention.ops.winners import write_cache
 
 __all__ = ["Family", "Progress", "Result", "run", "screen_candidates", "time_candidates"]
 

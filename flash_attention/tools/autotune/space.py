@@ -20,7 +20,7 @@ from flash_attention.configs import (
     ws_config,
 )
 from flash_attention.configs.forward import block_registers, register_split
-from flash_attention.winners import SEQLEN_BUCKETS
+from flash_attention.ops.winners import SEQLEN_BUCKETS
 
 from ..report import occupancy
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from flash_attention.configs import parse_config
-from flash_attention.winners import gpu_slug
+from flash_attention.ops.winners import gpu_slug
 
 from ..common import MODES, PERFORMANCE_PAGE, environment, ready_host_library, repo_root
 from .plot import plot_results

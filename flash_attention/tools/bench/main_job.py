@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import flash_attention
 from flash_attention import ops
-from flash_attention.reference import attention_reference
+from flash_attention.fallback.reference import attention_reference
 
 from ..common import flops, input_sets_needed, l2_bytes, ready_host_library, time_cuda
 from .fallback import run_fallback_bench

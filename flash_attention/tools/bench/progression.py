@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from flash_attention import interface, ops
+from flash_attention import ops
+from flash_attention.api import attention as interface
 from flash_attention.configs import (
     BwdConfig,
     KernelConfig,

@@ -2,7 +2,7 @@
 
 For each sequence length: one causal sequence (batch 1; heads from ``--width`` and ``--head-dims``, K/V heads
 ``--kv-heads``), forward+backward, timed on one GPU with :func:`flash_attention.attention` and on W GPUs with
-:func:`flash_attention.distributed.ring_attention` (zigzag shares, NCCL), with each run's peak memory. Rows:
+:func:`flash_attention.api.ring.ring_attention` (zigzag shares, NCCL), with each run's peak memory. Rows:
 ``impl`` "flash_attention" (one GPU) and "ring_attention" (``world`` GPUs), ``ms`` (per step, the slowest
 rank), ``tflops`` (the causal sequence's FLOPs), ``peak_gib`` (per GPU), and on the ring rows the
 ``speedup`` and ``memory_ratio`` against the one-GPU row. ``device="cpu"`` runs the same on gloo processes
@@ -69,7 +69,7 @@ def _train_step(attend, leaves: list[torch.Tensor]) -> None:
 
 def _worker(rank: int, s: RingSettings, init: str, results) -> None:
     import flash_attention
-    from flash_attention.distributed import ring_attention, shard_sequence
+    from flash_attention.api.ring import ring_attention, shard_sequence
 
     cuda = s.device == "cuda"
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")

@@ -5,7 +5,8 @@ for ``torch.compile``.
 softcap, alibi_slopes?) -> (out, lse)``. The schema marks k_cache and v_cache as written (the append), so a
 compiled graph orders the call after earlier reads of the cache and before later ones, and functionalisation
 copies nothing else. A call without new tokens is ``fwd_kvcache_read`` (the same without k, v and the write).
-The arguments were validated by :func:`flash_attention._validate_kvcache.validate_kvcache`; ``cache_seqlens``
+The arguments were validated by :func:`flash_attention.spec.validate_kvcache.validate_kvcache`;
+``cache_seqlens``
 is always a tensor here (an int is turned into one before the op), ``scale`` is resolved.
 The fake implementation gives the shapes without running anything.
 
@@ -13,16 +14,16 @@ The fake implementation gives the shapes without running anything.
 (skipping the op's dispatch): on CUDA, fp16/bf16, the decode kernels (:func:`flash_attention.ops.decode.
 decode_plan`: no host read of the lengths or pages, so graph-capturable); everywhere else, and for calls the
 kernels cannot take (a head_dim that is not a multiple of 8, a misaligned cache), the composed path of
-:mod:`flash_attention.kvcache_compose`, with the once-per-reason warning on CUDA.
+:mod:`flash_attention.api.kvcache_compose`, with the once-per-reason warning on CUDA.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import dispatch
-from . import kvcache_compose as compose
-from ._validate_kvcache import CacheProblem, validate_kvcache
+from ..api import kvcache_compose as compose
+from ..ops import dispatch
+from ..spec.validate_kvcache import CacheProblem, validate_kvcache
 
 __all__ = ["fwd_kvcache", "fwd_kvcache_read", "run"]
 

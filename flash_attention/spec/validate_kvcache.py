@@ -5,7 +5,7 @@ Shapes, dtypes, devices and strides are checked here, on the host, for free. The
 ``cache_seqlens`` and ``block_table`` live on the device: reading them would synchronise with the GPU, which
 a decode step replayed as a CUDA graph cannot afford, so they are checked here only when they are known on the
 host (``cache_seqlens`` given as an int, or tensors on the CPU). The path that computes the call says what it
-does with the device-side values (:mod:`flash_attention.kvcache` documents it).
+does with the device-side values (:mod:`flash_attention.api.kvcache` documents it).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._validate import (
+from .validate import (
     MAX_HEAD_DIM,
     SUPPORTED_DTYPES,
     _resolve_scale,

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from . import dispatch
-from ._validate_kvcache import validate_kvcache
-from .sinks import apply_sinks
+from ..ops import dispatch
+from ..sinks import apply_sinks
+from ..spec.validate_kvcache import validate_kvcache
 
 __all__ = ["MAX_ROWS", "MIN_KEYS", "RoutedCall", "route", "takes_shape"]
 

@@ -3,7 +3,7 @@
 Everything here validates first (``_validate``), handles empty problems without launching anything, then
 hands the work to our CUDA kernels (:mod:`flash_attention.ops`) or to
 :func:`flash_attention.fallback.forward` (the PyTorch fallback, same semantics); the choice is
-:mod:`flash_attention.dispatch`'s.
+:mod:`flash_attention.ops.dispatch`'s.
 """
 
 from __future__ import annotations
@@ -13,17 +13,18 @@ from typing import Literal, overload
 
 import torch
 
-from . import _few_queries, dispatch
-from . import fallback as _fallback
-from ._validate import Problem, check_score, check_window, score_spec, validate
-from .configs import KernelConfig, parse_config
-from .custom_ops import eager_training
-from .dropout import draw_seed
-from .ops import repeat as _repeat
-from .ops.plans import check_segments
-from .reference import runs_alibi_diagonal
-from .sinks import apply_sinks, check_sinks
-from .spec import AttentionSpec
+from .. import fallback as _fallback
+from ..configs import KernelConfig, parse_config
+from ..dropout import draw_seed
+from ..fallback.reference import runs_alibi_diagonal
+from ..ops import dispatch
+from ..ops import repeat as _repeat
+from ..ops.plans import check_segments
+from ..sinks import apply_sinks, check_sinks
+from ..spec import AttentionSpec
+from ..spec.validate import Problem, check_score, check_window, score_spec, validate
+from ..torch_ops.attention import eager_training
+from . import few_queries as _few_queries
 
 __all__ = ["attention", "forward", "forward_timed"]
 
@@ -272,7 +273,8 @@ def attention(
         # A training call: its backward's kernels start compiling now, beside the forward's (first calls).
         prefetch(q, k, spec, _segments)
     if not records and key_range is None and not dropout_p and _segments is None and not problem.is_empty:
-        # A few queries per row against many keys: the split-KV decode kernels (flash_attention._few_queries),
+        # A few queries per row against many keys: the split-KV decode kernels
+        # (flash_attention.api.few_queries),
         # and the signature's later calls straight to them.
         routed = _few_queries.route(
             q, k, v, causal=problem.causal, scale=problem.scale, return_lse=return_lse, out=out,
@@ -323,7 +325,7 @@ def attention(
         )
     windowed = {} if window is None else {"window": window}
     if _segments is not None:
-        # (flash_attention.varlen: the packed batch's runs, for the kernels' segments build)
+        # (flash_attention.api.varlen: the packed batch's runs, for the kernels' segments build)
         windowed["segments"] = _segments
     if softcap:
         windowed["softcap"] = softcap

@@ -26,9 +26,9 @@ from collections import OrderedDict
 
 import torch
 
-from ._validate import check_window
-from ._validate_varlen import check_offset_values, check_offsets_tensor, checks_offset_values
-from .interface import attention
+from ..spec.validate import check_window
+from ..spec.validate_varlen import check_offset_values, check_offsets_tensor, checks_offset_values
+from .attention import attention
 
 __all__ = ["alibi_diagonals", "attention_varlen", "clear_cache", "row_slopes", "segments"]
 
@@ -204,7 +204,7 @@ def row_slopes(
 
 def _held_by_runs(runs: tuple, name: str, make):
     """A tensor made from the offsets once per runs and held by them as attribute ``name`` (the runs are
-    cached by the offsets: flash_attention.varlen's table of diagonals, each row's sequence). Under
+    cached by the offsets: flash_attention.api.varlen's table of diagonals, each row's sequence). Under
     torch.compile, ops of the graph, uncached."""
     held = getattr(runs[0], name, None)
     if held is None:

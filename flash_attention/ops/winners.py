@@ -25,9 +25,9 @@ import threading
 from functools import cache
 from pathlib import Path
 
-from .configs import BwdConfig, KernelConfig, padded_head_dim, parse_bwd_config, parse_config
-from .jit import compiler as _compiler
-from .jit.cache import atomic_write, cache_dir, sources_digest
+from ..configs import BwdConfig, KernelConfig, padded_head_dim, parse_bwd_config, parse_config
+from ..jit import compiler as _compiler
+from ..jit.cache import atomic_write, cache_dir, sources_digest
 
 __all__ = [
     "CACHE_FILE",

@@ -13,10 +13,11 @@ it; a CUDA implementation that runs our kernels (``ops.cuda_forward`` / ``ops.cu
 to PyTorch when they cannot run on the inputs (float32, an old GPU, no compiler); and an implementation for
 every other device that is the PyTorch fallback (:func:`flash_attention.fallback.forward` and
 :func:`flash_attention.fallback.backward`: PyTorch's fused CPU kernel where it computes our semantics, else
-the chunked path of :mod:`flash_attention.reference`). ``fwd`` has an autograd formula that calls
+the chunked path of :mod:`flash_attention.fallback.reference`). ``fwd`` has an autograd formula that calls
 ``bwd``.
 
-Conventions of both ops: the arguments were validated by :func:`flash_attention._validate.validate` (shapes,
+Conventions of both ops: the arguments were validated by :func:`flash_attention.spec.validate.validate`
+(shapes,
 dtypes, last dimension contiguous); ``scale`` is resolved (never None). ``deterministic`` changes nothing in
 the forward: it rides on ``fwd`` so that autograd's saved context carries it to ``bwd``. Outputs are new
 contiguous tensors (``out`` and dq/dk/dv with the shapes and dtypes of q, k, v; ``lse`` float32 (batch,
@@ -24,7 +25,7 @@ heads_q, seqlen_q)), never views of an input, as custom ops require. ``lse`` is 
 gradients flow through ``out`` only (as in the FlashAttention library); a loss that uses the LSE gets no
 gradient from it.
 
-The CUDA implementations take the kernel-or-fallback decision of :mod:`flash_attention.dispatch`, with its
+The CUDA implementations take the kernel-or-fallback decision of :mod:`flash_attention.ops.dispatch`, with its
 once-per-reason warning.
 """
 
@@ -32,9 +33,10 @@ from __future__ import annotations
 
 import torch
 
-from . import dispatch, fallback
-from .reference import runs_alibi_diagonal
-from .sinks import apply_sinks, sinks_gradient
+from .. import fallback
+from ..fallback.reference import runs_alibi_diagonal
+from ..ops import dispatch
+from ..sinks import apply_sinks, sinks_gradient
 
 __all__ = ["fwd", "bwd", "EagerAttention", "eager_training"]
 
@@ -69,7 +71,7 @@ def _variants(window, softcap, alibi_slopes, row_keys=None, key_rows=None, alibi
     """The launch layer's keyword arguments of a call's variants, only those it uses (so that backends
     without a variant, such as the CPU tests' stand-ins, are called as before). ``row_keys``, ``key_rows``
     and ``alibi_diagonal`` (None, or each row's ALiBi diagonal): a packed batch's segments
-    (flash_attention.varlen)."""
+    (flash_attention.api.varlen)."""
     kw = {}
     if row_keys is not None:
         kw["segments"] = (row_keys, key_rows) + (() if alibi_diagonal is None else (alibi_diagonal,))

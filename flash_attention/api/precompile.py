@@ -17,10 +17,10 @@ from dataclasses import replace
 
 import torch
 
-from flash_attention._validate import check_window
 from flash_attention.ops.device import KERNEL_DTYPES
 from flash_attention.ops.precompile import DeviceFacts, KernelJob, compile_jobs, kernel_jobs, square_lengths
 from flash_attention.spec import ScoreSpec
+from flash_attention.spec.validate import check_window
 
 __all__ = ["jobs_for_calls", "precompile"]
 
@@ -172,7 +172,7 @@ def _scores(base: ScoreSpec, varlen: bool, causal: bool) -> list[ScoreSpec]:
     keys are packed differently; with a slope per sequence, each form with ``alibi_rows``."""
     if not varlen or not base.alibi:
         return [base]
-    # (and each with a slope per sequence: flash_attention.varlen's (batch, heads_q) slopes)
+    # (and each with a slope per sequence: flash_attention.api.varlen's (batch, heads_q) slopes)
     forms = [replace(base, alibi_origin=origin) for origin in ("runs" if causal else "diagonal", "table")]
     return forms + [replace(form, alibi_rows=True) for form in forms]
 

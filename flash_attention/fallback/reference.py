@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from .dropout import dropout_key, dropout_threshold, keep_elements, seed_pair
+from ..dropout import dropout_key, dropout_threshold, keep_elements, seed_pair
 
 __all__ = [
     "alibi_bias",
@@ -69,7 +69,7 @@ def _rows_allowed(
 ) -> torch.Tensor | None:
     """(rows, seqlen_k) boolean mask of query rows [row_start, row_end) under ``causal`` and a sliding
     ``window`` (:func:`window_allowed`'s rule), or, with ``window`` a (seqlen_q, 2) integer tensor, each
-    row's run of keys [window[i, 0], window[i, 1]) (a packed batch's segments, flash_attention.varlen);
+    row's run of keys [window[i, 0], window[i, 1]) (a packed batch's segments, flash_attention.api.varlen);
     None when nothing is masked."""
     allowed = _causal_allowed_rows(row_start, row_end, seqlen_q, seqlen_k, device) if causal else None
     if isinstance(window, torch.Tensor):
@@ -123,7 +123,7 @@ def _apply_score(
     seqlen_k = s.shape[-1]
     if diagonal is None:
         rows = torch.arange(i0, i1, device=s.device).unsqueeze(1) + (seqlen_k - seqlen_q)
-    else:  # each row's own diagonal key (a packed batch's: flash_attention.varlen)
+    else:  # each row's own diagonal key (a packed batch's: flash_attention.api.varlen)
         rows = diagonal[i0:i1].to(device=s.device, dtype=torch.int64).unsqueeze(1)
     distance = (rows - torch.arange(seqlen_k, device=s.device).unsqueeze(0)).abs().to(s.dtype)
     if per_row:  # (seqlen_q, heads_q): each query row's own slopes (batch 1)
@@ -192,7 +192,8 @@ def alibi_bias(
 
 
 def runs_alibi_diagonal(row_keys: torch.Tensor | None, causal: bool, alibi_slopes) -> torch.Tensor | None:
-    """ALiBi's diagonal key of each row of a packed batch (``row_keys``, flash_attention.varlen.segments) when
+    """ALiBi's diagonal key of each row of a packed batch (``row_keys``, flash_attention.api.varlen.segments)
+    when
     it is not the row's own index: for causal sequences, each row's run ends just past its diagonal, so the
     diagonal is the run's end - 1, whatever the sequences' query and key counts (the kernels' AlibiRuns, the
     form _validate.score_spec picks). None where the packed row's own index is the distance's origin
@@ -394,7 +395,8 @@ def attention_torch(
     ``window`` (left, right): the sliding window of :func:`window_allowed` (-1: unbounded on that side).
     ``softcap`` > 0 and ``alibi_slopes``: the score functions of :func:`attention_reference`;
     ``alibi_diagonal`` (seqlen_q,) integers, ALiBi's distance measured from each row's own diagonal key
-    instead of ``i + seqlen_k - seqlen_q`` (a packed batch's rows: :func:`flash_attention.varlen.segments`).
+    instead of ``i + seqlen_k - seqlen_q`` (a packed batch's rows:
+    :func:`flash_attention.api.varlen.segments`).
     A packed batch (batch 1) may give ``alibi_slopes`` as (seqlen_q, heads_q), a slope per query row (the
     packed sequences' own slopes).
 

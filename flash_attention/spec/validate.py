@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .spec import ScoreSpec
+from . import ScoreSpec
 
 __all__ = [
     "check_window",
@@ -247,7 +247,7 @@ def check_score(
     """Check a call's score-function arguments, naming the argument: ``softcap`` a finite float >= 0 (0:
     none), ``alibi_slopes`` None or a contiguous float32 tensor of shape (heads_q,) or (batch, heads_q) on
     q's device; a packed batch's call (``segments``, batch 1) may also give a slope per query row,
-    (seqlen_q, heads_q) (flash_attention.varlen's per-sequence slopes). Builds nothing: torch.compile's
+    (seqlen_q, heads_q) (flash_attention.api.varlen's per-sequence slopes). Builds nothing: torch.compile's
     traces call it, where dynamo (torch 2.11) refuses to build the spec's frozen dataclasses."""
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
         raise TypeError(f"softcap must be a float (0: none); got {type(softcap).__name__}")

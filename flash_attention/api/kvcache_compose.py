@@ -6,7 +6,7 @@ checks them, appends the new tokens with one indexed copy per cache, then runs :
 batch row on that row's keys (a view of a contiguous cache, a gather of a paged one's pages), or once for
 the whole batch when every row of a contiguous cache has the same length. Each of those calls runs our
 kernels on CUDA (fp16/bf16) and the PyTorch fallback elsewhere, with the semantics of
-:func:`flash_attention.reference.attention_kvcache_reference`.
+:func:`flash_attention.fallback.reference.attention_kvcache_reference`.
 
 What it costs, and why it is not the serving path: the host read stops CUDA-graph capture and costs a sync
 per decode step, and one launch per ragged batch row wastes the GPU at one query token. Both are what the
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from ._validate_kvcache import CacheProblem
-from .interface import attention
+from ..spec.validate_kvcache import CacheProblem
+from .attention import attention
 
 __all__ = ["append_tokens", "attend", "check_cache_values", "run"]
 

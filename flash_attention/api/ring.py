@@ -28,10 +28,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import custom_ops
-from ._validate import check_score, check_window, validate
-from .ops.merge import lse_merge_
-from .sinks import apply_sinks, check_sinks, sinks_gradient
+from ..ops.merge import lse_merge_
+from ..sinks import apply_sinks, check_sinks, sinks_gradient
+from ..spec.validate import check_score, check_window, validate
+from ..torch_ops import attention as custom_ops
 
 __all__ = ["ring_attention", "shard_sequence", "unshard_sequence"]
 
