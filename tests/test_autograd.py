@@ -26,6 +26,7 @@ from flash_attention.api import attention as interface
 from flash_attention.fallback import reference
 from flash_attention.fallback.reference import attention_backward_torch, attention_reference, attention_torch
 from flash_attention.ops import NoKernel, dispatch
+from flash_attention.spec import OpOptions, pack_options
 from flash_attention.torch_ops import attention as custom_ops
 
 FWD = torch.ops.flash_attention.fwd.default
@@ -281,16 +282,20 @@ def test_deterministic_is_validated_and_reaches_the_backward():
     q, k, v = _qkv(1, 6, 6, 2, 2, 16)
     with pytest.raises(TypeError, match="deterministic must be a bool"):
         flash_attention.attention(q, k, v, deterministic=1)
-    # The op's autograd context carries the flag to flash_attention::bwd.
-    assert flash_attention.attention(q, k, v, deterministic=True).grad_fn.deterministic is True
+
+    # The op's autograd context carries the flag to flash_attention::bwd, among the packed options.
+    def deterministic(out):
+        return OpOptions.unpack(out.grad_fn.options, out.grad_fn.values).deterministic
+
+    assert deterministic(flash_attention.attention(q, k, v, deterministic=True)) is True
     # (A plain call without the flag is PyTorch's own SDPA: test_plain_cpu_call_is_pytorchs_sdpa. Grouped
     # query heads keep this one on the op.)
     qg, kg, vg = _qkv(1, 6, 6, 4, 2, 16)
-    assert flash_attention.attention(qg, kg, vg).grad_fn.deterministic is False
+    assert deterministic(flash_attention.attention(qg, kg, vg)) is False
     previous = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        assert flash_attention.attention(q, k, v).grad_fn.deterministic is True
+        assert deterministic(flash_attention.attention(q, k, v)) is True
     finally:
         torch.use_deterministic_algorithms(previous)
 
@@ -378,7 +383,7 @@ def test_cuda_forward_impl_calls_the_kernel_with_lse(fake_ops):
     ops = fake_ops(_FakeOps())
     q, k, v, _, _ = _saved()
     kr = torch.tensor([[0, 3], [1, 6]])
-    out, lse = custom_ops.forward_impl(q, k, v, True, 0.25, kr)
+    out, lse = custom_ops.forward_impl(q, k, v, OpOptions(True, 0.25), kr)
     assert (out == 7).all() and (lse == 3).all()
     assert ops.calls == [
         (
@@ -401,7 +406,7 @@ def test_cuda_backward_impl_calls_cuda_backward_by_its_signature(fake_ops):
     ops = fake_ops(_FakeOps())
     q, k, v, out, lse = _saved()
     dout = torch.randn(q.shape[:-1] + (2 * q.shape[-1],)).to(q.dtype)[..., ::2]  # stride(-1) == 2
-    dq, dk, dv = custom_ops.backward_impl(dout, q, k, v, out, lse, True, 0.25, True, None)
+    dq, dk, dv = custom_ops.backward_impl(dout, q, k, v, out, lse, OpOptions(True, 0.25, True))
     assert (dq == 1).all() and (dk == 2).all() and (dv == 3).all()
     kwargs = dict(
         causal=True, softmax_scale=0.25, deterministic=True, key_range=None, dropout_p=0.0, dropout_seed=None
@@ -419,13 +424,13 @@ def test_cuda_impls_fall_back_when_no_kernel_fits_this_gpu(fake_ops):
     q, k, v, out, lse = _saved()
     dout = torch.randn(q.shape).to(q.dtype)
     with pytest.warns(RuntimeWarning, match="PyTorch fallback.*no backward kernel for head_dim 256"):
-        got = custom_ops.backward_impl(dout, q, k, v, out, lse, False, 0.25, False, None)
+        got = custom_ops.backward_impl(dout, q, k, v, out, lse, OpOptions(False, 0.25))
     want = fallback.backward(dout, q, k, v, out, lse, causal=False, scale=0.25)
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per reason
-        custom_ops.backward_impl(dout, q, k, v, out, lse, False, 0.25, False, None)
+        custom_ops.backward_impl(dout, q, k, v, out, lse, OpOptions(False, 0.25))
 
 
 def test_cuda_impls_fall_back_with_one_warning_when_the_kernel_cannot_run(fake_ops):
@@ -433,11 +438,11 @@ def test_cuda_impls_fall_back_with_one_warning_when_the_kernel_cannot_run(fake_o
     q, k, v, out, lse = _saved(dtype=torch.float32)
     dout = torch.randn(q.shape)
     with pytest.warns(RuntimeWarning, match="PyTorch fallback.*float32"):
-        got_out, got_lse = custom_ops.forward_impl(q, k, v, False, 0.25, None)
+        got_out, got_lse = custom_ops.forward_impl(q, k, v, OpOptions(False, 0.25))
     assert torch.equal(got_out, fallback.forward(q, k, v, causal=False, scale=0.25)[0])
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # same reason: silent; and no NotImplementedError on the fallback
-        got = custom_ops.backward_impl(dout, q, k, v, out, lse, False, None, False, None)
+        got = custom_ops.backward_impl(dout, q, k, v, out, lse, OpOptions(False, None))
     want = fallback.backward(dout, q, k, v, out, lse, causal=False, scale=None)
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w)
@@ -446,9 +451,9 @@ def test_cuda_impls_fall_back_with_one_warning_when_the_kernel_cannot_run(fake_o
 def test_cuda_impls_launch_nothing_for_empty_problems(fake_ops):
     ops = fake_ops(_FakeOps())
     q, k, v, out, lse = _saved(sk=0)
-    o, lse = custom_ops.forward_impl(q, k, v, False, 0.25, None)
+    o, lse = custom_ops.forward_impl(q, k, v, OpOptions(False, 0.25))
     assert (o == 0).all() and torch.isneginf(lse).all()
-    grads = custom_ops.backward_impl(torch.randn_like(q), q, k, v, o, lse, False, 0.25, False, None)
+    grads = custom_ops.backward_impl(torch.randn_like(q), q, k, v, o, lse, OpOptions(False, 0.25))
     assert all((g == 0).all() for g in grads) and ops.calls == []
 
 
@@ -466,23 +471,23 @@ def _op_samples():
     ]:
         q, k, v = _qkv(b, sq, sk, hq, hkv, d, dtype=dtype)
         kr = torch.tensor([[1, sk]] * b) if ranged else None
-        samples.append((q, k, v, causal, 0.3, False, kr))
+        samples.append((q, k, v, causal, kr))
     return samples
 
 
 @pytest.mark.parametrize("index", range(4))
 def test_opcheck_fwd(index):
-    args = _op_samples()[index]
-    torch.library.opcheck(FWD, args)
+    q, k, v, causal, kr = _op_samples()[index]
+    torch.library.opcheck(FWD, (q, k, v, *pack_options(causal, 0.3), kr))
 
 
 @pytest.mark.parametrize("index", range(4))
 def test_opcheck_bwd(index):
-    q, k, v, causal, scale, det, kr = _op_samples()[index]
+    q, k, v, causal, kr = _op_samples()[index]
     q, k, v = (t.detach() for t in (q, k, v))
-    out, lse = FWD(q, k, v, causal, scale, det, kr)
+    out, lse = FWD(q, k, v, *pack_options(causal, 0.3), kr)
     dout = torch.randn(q.shape).to(q.dtype)
-    torch.library.opcheck(BWD, (dout, q, k, v, out, lse, causal, scale, True, kr))
+    torch.library.opcheck(BWD, (dout, q, k, v, out, lse, *pack_options(causal, 0.3, True), kr))
 
 
 def test_fake_tensor_shapes_dtypes_strides():
@@ -491,10 +496,10 @@ def test_fake_tensor_shapes_dtypes_strides():
         k = torch.empty(3, 29, 2, 40, dtype=torch.bfloat16)
         v = torch.empty(3, 29, 2, 40, dtype=torch.bfloat16)
         kr = torch.zeros(3, 2, dtype=torch.int32)
-        out, lse = FWD(q, k, v, True, 0.1, False, kr)
+        out, lse = FWD(q, k, v, *pack_options(True, 0.1), kr)
         assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
         assert lse.shape == (3, 8, 17) and lse.dtype == torch.float32 and lse.is_contiguous()
-        dq, dk, dv = BWD(torch.empty_like(out), q, k, v, out, lse, True, 0.1, False, kr)
+        dq, dk, dv = BWD(torch.empty_like(out), q, k, v, out, lse, *pack_options(True, 0.1), kr)
         for g, t in zip((dq, dk, dv), (q, k, v), strict=True):
             assert g.shape == t.shape and g.dtype == t.dtype and g.is_contiguous()
         # Through the public API, with autograd recording (the op path).

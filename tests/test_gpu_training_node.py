@@ -19,6 +19,7 @@ import flash_attention as fa
 from flash_attention.api.varlen import _with_tiles, segments
 from flash_attention.dropout import draw_seed
 from flash_attention.jit import host
+from flash_attention.spec import pack_options
 from flash_attention.torch_ops import attention as custom_ops
 
 pytestmark = pytest.mark.gpu
@@ -73,7 +74,7 @@ def test_the_node_matches_the_python_autograd_function(case, deterministic):
 
     q, k, v = (t.detach().requires_grad_(True) for t in (q0, k0, v0))
     ref_out, _ = custom_ops.EagerAttention.apply(
-        q, k, v, causal, scale, deterministic, key_range, dropout_p, seed
+        q, k, v, *pack_options(causal, scale, deterministic, dropout_p), key_range, seed
     )
     ref = torch.autograd.grad(ref_out, (q, k, v), dout)
 
@@ -140,10 +141,10 @@ def test_the_node_takes_alibi_and_packed_batches(variant):
                                    deterministic=True)  # fmt: skip
             assert "FlashAttentionBackward" in _grad_fns(out)
         else:
-            out, _ = custom_ops.EagerAttention.apply(
-                q, k, v, True, d**-0.5, True, None, 0.0, None, None if packed else window, softcap, slopes,
-                None, *(runs if packed else (None, None)),
-            )  # fmt: skip
+            # (the op's inputs: the options packed, key range and seed, slopes, the runs, sinks)
+            options, values = pack_options(True, d**-0.5, True, 0.0, None if packed else window, softcap)
+            seg = (*runs, None)[:3] if packed else (None, None, None)
+            out, _ = custom_ops.EagerAttention.apply(q, k, v, options, values, None, None, slopes, *seg, None)
         results.append((out, *torch.autograd.grad(out, (q, k, v), dout)))
     for name, a, r in zip(("out", "dq", "dk", "dv"), *results, strict=True):
         assert a.isfinite().all(), name

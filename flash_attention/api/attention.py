@@ -21,7 +21,7 @@ from ..ops import dispatch
 from ..ops import repeat as _repeat
 from ..ops.plans import check_segments
 from ..sinks import apply_sinks, check_sinks
-from ..spec import AttentionSpec
+from ..spec import AttentionSpec, pack_options
 from ..spec.validate import Problem, check_score, check_window, score_spec, validate
 from ..torch_ops.attention import eager_training
 from . import few_queries as _few_queries
@@ -429,13 +429,13 @@ def _attention_op(
             "attention(): out= does not support automatic differentiation, but q, k or v requires grad; "
             "call attention() without out= (it returns a new tensor), or under torch.no_grad()"
         )
-    args = (q, k, v, problem.causal, problem.scale, deterministic, key_range, dropout_p, dropout_seed)
-    if window is not None or softcap or alibi_slopes is not None or sinks is not None or segments is not None:
-        # (the op's int[]? window, float softcap, Tensor? alibi_slopes, Tensor? sinks, Tensor? row_keys,
-        # Tensor? key_rows, Tensor? alibi_diagonal)
-        args = (*args, None if window is None else list(window), softcap, alibi_slopes, sinks)
-        if segments is not None:
-            args = (*args, *segments)
+    # The op's arguments (torch_ops.attention): the options packed, then the tensors beside them.
+    options, values = pack_options(problem.causal, problem.scale, deterministic, dropout_p, window, softcap)
+    row_keys = key_rows = alibi_diagonal = None
+    if segments is not None:  # (a packed batch's runs, and each row's ALiBi diagonal where they carry one)
+        row_keys, key_rows, alibi_diagonal = (*segments, None)[:3]
+    args = (q, k, v, options, values, key_range, dropout_seed, alibi_slopes, row_keys, key_rows,
+            alibi_diagonal, sinks)  # fmt: skip
     if records and not torch.compiler.is_compiling():
         # A fallback call that PyTorch's attention computes exactly as we define it (CPU tensors, float32 on
         # CUDA; fallback.plain_sdpa_call says which) goes to it whole, forward and autograd, at PyTorch's
@@ -457,7 +457,7 @@ def _attention_op(
         ):
             return _fallback.sdpa(q, k, v, causal=problem.causal, scale=problem.scale)
         # Eager training: the compiled training node, or the ops' implementations without the custom-op
-        # dispatch (custom_ops says why).
+        # dispatch (torch_ops.attention says why).
         o, lse = eager_training(*args)
     else:
         o, lse = torch.ops.flash_attention.fwd(*args)

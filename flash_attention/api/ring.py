@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from ..ops.merge import lse_merge_
 from ..sinks import apply_sinks, check_sinks, sinks_gradient
+from ..spec import pack_options
 from ..spec.validate import check_score, check_window, validate
 from ..torch_ops import attention as custom_ops
 
@@ -164,10 +165,10 @@ def _fwd_step(q, k, v, step: _Step, scale, softcap: float):
     """(out, lse) of one step's attention: the custom op on the step's rows and keys."""
     qs, ks, vs = q[:, step.rows], k[:, step.keys], v[:, step.keys]
     if step.runs is None:
-        return custom_ops.fwd(qs, ks, vs, step.causal, scale, False, None, softcap=softcap)
+        return custom_ops.fwd(qs, ks, vs, *pack_options(step.causal, scale, softcap=softcap))
     b, n, h, d = qs.shape
     o, lse = custom_ops.fwd(
-        *(t.reshape(1, -1, *t.shape[2:]) for t in (qs, ks, vs)), False, scale, False, None, softcap=softcap,
+        *(t.reshape(1, -1, *t.shape[2:]) for t in (qs, ks, vs)), *pack_options(False, scale, softcap=softcap),
         row_keys=step.runs[0], key_rows=step.runs[1],
     )  # fmt: skip
     return o.view(b, n, h, d), lse[0].view(h, b, n).transpose(0, 1)
@@ -179,13 +180,13 @@ def _bwd_step(dout, q, k, v, out, lse, step: _Step, scale, softcap: float):
     args = (dout[:, r], q[:, r], k[:, c], v[:, c], out[:, r])
     if step.runs is None:
         return custom_ops.bwd(
-            *args, lse[:, :, r].contiguous(), step.causal, scale, False, None, softcap=softcap
+            *args, lse[:, :, r].contiguous(), *pack_options(step.causal, scale, softcap=softcap)
         )
     b, n, h, _ = args[1].shape
     folded = [t.reshape(1, -1, *t.shape[2:]) for t in args]
     lse_f = lse[:, :, r].transpose(0, 1).reshape(1, h, b * n).contiguous()
     dq, dk, dv = custom_ops.bwd(
-        *folded, lse_f, False, scale, False, None, softcap=softcap, row_keys=step.runs[0],
+        *folded, lse_f, *pack_options(False, scale, softcap=softcap), row_keys=step.runs[0],
         key_rows=step.runs[1],
     )  # fmt: skip
     return dq.view(args[1].shape), dk.view(args[2].shape), dv.view(args[3].shape)

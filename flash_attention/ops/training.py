@@ -8,11 +8,11 @@ Python: a Python ``autograd.Function`` cost more host time per step than cuDNN's
 signature as a ``BackwardProgram``.
 
 Calls the node does not take return None, and the caller uses the Python autograd function
-(``custom_ops.EagerAttention``), which computes the same thing: inputs the kernels cannot read in place (a
-copy would need its own autograd history), a head_dim that is not a multiple of 8 (padded through autograd
-ops), the debug build, and a machine without the host library (no C++ compiler; warned once). (Attention
-sinks never reach it: their gradient is computed in Python, flash_attention.sinks.) A variant's pointer
-fields, ALiBi's slopes and a packed batch's runs, are the program's bound offsets: each call binds its
+(``torch_ops.attention.EagerAttention``), which computes the same thing: inputs the kernels cannot read in
+place (a copy would need its own autograd history), a head_dim that is not a multiple of 8 (padded through
+autograd ops), the debug build, and a machine without the host library (no C++ compiler; warned once).
+(Attention sinks never reach it: their gradient is computed in Python, flash_attention.sinks.) A variant's
+pointer fields, ALiBi's slopes and a packed batch's runs, are the program's bound offsets: each call binds its
 tensors there (record_training's last argument), so one program serves every call of its signature.
 """
 

@@ -14,8 +14,9 @@ This module imports nothing of the package, so every layer may read it.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
-__all__ = ["ALIBI_ORIGINS", "NO_SCORE", "AttentionSpec", "ScoreSpec"]
+__all__ = ["ALIBI_ORIGINS", "NO_SCORE", "AttentionSpec", "OpOptions", "ScoreSpec", "pack_options"]
 
 #: Where ALiBi measures a query row's distance to a key from (``ScoreSpec.alibi_origin``): "diagonal", the
 #: bottom-right-aligned diagonal ``i + seqlen_k - seqlen_q`` (on a packed batch without causal, the packed
@@ -91,3 +92,48 @@ class AttentionSpec:
         """The spec without what only the backward reads (``deterministic``): what a forward plan keys on, so
         that a training call and an inference call of one shape share it."""
         return replace(self, deterministic=False) if self.deterministic else self
+
+
+class OpOptions(NamedTuple):
+    """The numbers of a call's spec as the torch ops (``flash_attention::fwd`` / ``bwd``) carry them, the
+    tensors (key ranges, the dropout seed, ALiBi slopes, sinks, a packed batch's runs) travelling beside
+    them: ``causal``, the resolved ``scale``, whether the backward is ``deterministic``, ``dropout_p``, the
+    sliding ``window`` (None: none) and the ``softcap`` (0: none). An op schema takes them packed, two lists
+    (:meth:`pack`, :meth:`unpack`): one argument each, however many options a variant adds. Plain values,
+    not a dataclass, so that torch.compile's traces can make them (torch 2.11's dynamo cannot build the
+    frozen dataclasses above inside a trace)."""
+
+    causal: bool
+    scale: float
+    deterministic: bool = False
+    dropout_p: float = 0.0
+    window: tuple[int, int] | None = None
+    softcap: float = 0.0
+
+    def pack(self) -> tuple[list[int], list[float]]:
+        """The schemas' ``int[] options`` and ``float[] values`` (:func:`pack_options`)."""
+        return pack_options(*self)
+
+    @classmethod
+    def unpack(cls, ints, floats) -> OpOptions:
+        """The options :meth:`pack` packed (ints and floats as a schema hands them over: any sequences)."""
+        causal, deterministic, windowed, left, right = (int(x) for x in ints)
+        scale, dropout_p, softcap = (float(x) for x in floats)
+        window = (left, right) if windowed else None
+        return cls(bool(causal), scale, bool(deterministic), dropout_p, window, softcap)
+
+
+def pack_options(
+    causal: bool,
+    scale: float,
+    deterministic: bool = False,
+    dropout_p: float = 0.0,
+    window: tuple[int, int] | None = None,
+    softcap: float = 0.0,
+) -> tuple[list[int], list[float]]:
+    """:class:`OpOptions`'s packed form from the values themselves, building no object (what a traced call
+    runs): ``ints`` = causal, deterministic, whether there is a window, its left and right sides; ``floats``
+    = scale, dropout_p, softcap."""
+    left, right = (0, 0) if window is None else window
+    ints = [int(causal), int(deterministic), int(window is not None), int(left), int(right)]
+    return ints, [float(scale), float(dropout_p), float(softcap)]

@@ -1,12 +1,16 @@
 """The ``torch.library`` custom ops that make :func:`flash_attention.attention` differentiable and compilable.
 
-* ``flash_attention::fwd(q, k, v, causal, scale, deterministic, key_range?, dropout_p, dropout_seed?)
-  -> (out, lse)``
-* ``flash_attention::bwd(dout, q, k, v, out, lse, causal, scale, deterministic, key_range?, dropout_p,
-  dropout_seed?) -> (dq, dk, dv)``
+* ``flash_attention::fwd(q, k, v, options, values, key_range?, dropout_seed?, alibi_slopes?, row_keys?,
+  key_rows?, alibi_diagonal?, sinks?) -> (out, lse)``
+* ``flash_attention::bwd(dout, q, k, v, out, lse, options, values, key_range?, dropout_seed?, alibi_slopes?,
+  row_keys?, key_rows?, alibi_diagonal?) -> (dq, dk, dv)``
 
-``dropout_seed`` is the 2-element int64 CPU tensor of :func:`flash_attention.dropout.draw_seed`; the forward
-saves it, so the backward regenerates the forward's keep mask.
+``options`` and ``values`` are a call's numbers packed (:class:`flash_attention.spec.OpOptions`: causal,
+scale, deterministic, dropout_p, the window, the soft-cap): a variant that adds an option adds it there, not
+to two schemas and every function between them. The tensors travel beside them: ``row_keys``, ``key_rows``
+and ``alibi_diagonal`` are a packed batch's segments (flash_attention.api.varlen), and ``dropout_seed`` is
+the 2-element int64 CPU tensor of :func:`flash_attention.dropout.draw_seed`; the forward saves it, so the
+backward regenerates the forward's keep mask.
 
 Each has a fake (meta) implementation, so ``torch.compile`` traces a call as one opaque node without running
 it; a CUDA implementation that runs our kernels (``ops.cuda_forward`` / ``ops.cuda_backward``) and falls back
@@ -17,16 +21,16 @@ the chunked path of :mod:`flash_attention.fallback.reference`). ``fwd`` has an a
 ``bwd``.
 
 Conventions of both ops: the arguments were validated by :func:`flash_attention.spec.validate.validate`
-(shapes,
-dtypes, last dimension contiguous); ``scale`` is resolved (never None). ``deterministic`` changes nothing in
-the forward: it rides on ``fwd`` so that autograd's saved context carries it to ``bwd``. Outputs are new
+(shapes, dtypes, last dimension contiguous); ``scale`` is resolved (never None). ``deterministic``
+changes nothing in the forward: it rides on ``fwd`` so that autograd's saved context carries it to
+``bwd``. Outputs are new
 contiguous tensors (``out`` and dq/dk/dv with the shapes and dtypes of q, k, v; ``lse`` float32 (batch,
 heads_q, seqlen_q)), never views of an input, as custom ops require. ``lse`` is not differentiable:
 gradients flow through ``out`` only (as in the FlashAttention library); a loss that uses the LSE gets no
 gradient from it.
 
-The CUDA implementations take the kernel-or-fallback decision of :mod:`flash_attention.ops.dispatch`, with its
-once-per-reason warning.
+The CUDA implementations take the kernel-or-fallback decision of :mod:`flash_attention.ops.dispatch`, with
+its once-per-reason warning.
 """
 
 from __future__ import annotations
@@ -37,23 +41,23 @@ from .. import fallback
 from ..fallback.reference import runs_alibi_diagonal
 from ..ops import dispatch
 from ..sinks import apply_sinks, sinks_gradient
+from ..spec import OpOptions
 
 __all__ = ["fwd", "bwd", "EagerAttention", "eager_training"]
 
 # Schemas are spelled out rather than inferred from annotations: inference of ``Tensor | None`` and of
 # postponed (string) annotations differs between the torch versions we support.
+_TENSORS = (
+    "Tensor? key_range=None, Tensor? dropout_seed=None, Tensor? alibi_slopes=None, Tensor? row_keys=None,"
+    " Tensor? key_rows=None, Tensor? alibi_diagonal=None"
+)
 _FWD_SCHEMA = (
-    "(Tensor q, Tensor k, Tensor v, bool causal, float scale, bool deterministic, Tensor? key_range,"
-    " float dropout_p=0., Tensor? dropout_seed=None, int[]? window=None, float softcap=0.,"
-    " Tensor? alibi_slopes=None, Tensor? sinks=None, Tensor? row_keys=None, Tensor? key_rows=None,"
-    " Tensor? alibi_diagonal=None)"
+    f"(Tensor q, Tensor k, Tensor v, int[] options, float[] values, {_TENSORS}, Tensor? sinks=None)"
     " -> (Tensor, Tensor)"
 )
 _BWD_SCHEMA = (
-    "(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, float scale,"
-    " bool deterministic, Tensor? key_range, float dropout_p=0., Tensor? dropout_seed=None,"
-    " int[]? window=None, float softcap=0., Tensor? alibi_slopes=None, Tensor? row_keys=None,"
-    " Tensor? key_rows=None, Tensor? alibi_diagonal=None) -> (Tensor, Tensor, Tensor)"
+    "(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, int[] options, float[] values,"
+    f" {_TENSORS}) -> (Tensor, Tensor, Tensor)"
 )
 
 
@@ -62,12 +66,7 @@ def _has_no_pair(q: torch.Tensor, k: torch.Tensor) -> bool:
     return q.numel() == 0 or k.shape[1] == 0
 
 
-def _window(window) -> tuple[int, int] | None:
-    """The op's ``int[]?`` window as the launch layer takes it."""
-    return None if window is None else (int(window[0]), int(window[1]))
-
-
-def _variants(window, softcap, alibi_slopes, row_keys=None, key_rows=None, alibi_diagonal=None) -> dict:
+def _variants(opt: OpOptions, alibi_slopes, row_keys=None, key_rows=None, alibi_diagonal=None) -> dict:
     """The launch layer's keyword arguments of a call's variants, only those it uses (so that backends
     without a variant, such as the CPU tests' stand-ins, are called as before). ``row_keys``, ``key_rows``
     and ``alibi_diagonal`` (None, or each row's ALiBi diagonal): a packed batch's segments
@@ -75,10 +74,10 @@ def _variants(window, softcap, alibi_slopes, row_keys=None, key_rows=None, alibi
     kw = {}
     if row_keys is not None:
         kw["segments"] = (row_keys, key_rows) + (() if alibi_diagonal is None else (alibi_diagonal,))
-    if window is not None:
-        kw["window"] = _window(window)
-    if softcap:
-        kw["softcap"] = float(softcap)
+    if opt.window is not None:
+        kw["window"] = opt.window
+    if opt.softcap:
+        kw["softcap"] = opt.softcap
     if alibi_slopes is not None:
         kw["alibi_slopes"] = alibi_slopes
     return kw
@@ -92,34 +91,42 @@ def _diagonal(alibi_diagonal, row_keys, causal, alibi_slopes):
     return runs_alibi_diagonal(row_keys, causal, alibi_slopes)
 
 
+def _fallback_variants(opt: OpOptions, alibi_slopes, row_keys, alibi_diagonal) -> dict:
+    """The fallback's keywords of a call's variants: segments go to the chunked path as its per-row runs
+    (``window=row_keys``), which carry causal per sequence."""
+    return dict(
+        causal=opt.causal and row_keys is None,
+        window=opt.window if row_keys is None else row_keys,
+        softcap=opt.softcap,
+        alibi_slopes=alibi_slopes,
+        alibi_diagonal=_diagonal(alibi_diagonal, row_keys, opt.causal, alibi_slopes),
+    )
+
+
 def _fallback_forward(
-    q, k, v, causal, scale, key_range, dropout_p, dropout_seed, window=None, softcap=0.0, alibi_slopes=None,
-    row_keys=None, key_rows=None, alibi_diagonal=None, sinks=None,
+    q, k, v, opt: OpOptions, key_range=None, dropout_seed=None, alibi_slopes=None, row_keys=None,
+    key_rows=None, alibi_diagonal=None, sinks=None,
 ):  # fmt: skip
-    """The forward op's PyTorch path (every device, and CUDA inputs the kernels cannot take); segments go
-    to the chunked path as its per-row runs (``window=row_keys``), and sinks rescale its result (the
-    kernels join them in their epilogue; :mod:`flash_attention.sinks` says why the two agree)."""
+    """The forward op's PyTorch path (every device, and CUDA inputs the kernels cannot take); sinks rescale
+    its result (the kernels join them in their epilogue; :mod:`flash_attention.sinks` says why the two
+    agree)."""
     out, lse = fallback.forward(
         q,
         k,
         v,
-        causal=causal and row_keys is None,  # (the runs carry causal per sequence)
-        scale=scale,
+        scale=opt.scale,
         return_lse=True,
         key_range=key_range,
-        dropout_p=dropout_p,
+        dropout_p=opt.dropout_p,
         dropout_seed=dropout_seed,
-        window=_window(window) if row_keys is None else row_keys,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        alibi_diagonal=_diagonal(alibi_diagonal, row_keys, causal, alibi_slopes),
+        **_fallback_variants(opt, alibi_slopes, row_keys, alibi_diagonal),
     )
     return (out, lse) if sinks is None else apply_sinks(out, lse, sinks)
 
 
 def _fallback_backward(
-    dout, q, k, v, out, lse, causal, scale, deterministic, key_range, dropout_p, dropout_seed, window=None,
-    softcap=0.0, alibi_slopes=None, row_keys=None, key_rows=None, alibi_diagonal=None,
+    dout, q, k, v, out, lse, opt: OpOptions, key_range=None, dropout_seed=None, alibi_slopes=None,
+    row_keys=None, key_rows=None, alibi_diagonal=None,
 ):  # fmt: skip
     """The backward op's PyTorch path (segments as in :func:`_fallback_forward`)."""
     return fallback.backward(
@@ -129,16 +136,12 @@ def _fallback_backward(
         v,
         out,
         lse,
-        causal=causal and row_keys is None,  # (the runs carry causal per sequence)
-        scale=scale,
-        deterministic=deterministic,
+        scale=opt.scale,
+        deterministic=opt.deterministic,
         key_range=key_range,
-        dropout_p=dropout_p,
+        dropout_p=opt.dropout_p,
         dropout_seed=dropout_seed,
-        window=_window(window) if row_keys is None else row_keys,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        alibi_diagonal=_diagonal(alibi_diagonal, row_keys, causal, alibi_slopes),
+        **_fallback_variants(opt, alibi_slopes, row_keys, alibi_diagonal),
     )
 
 
@@ -151,59 +154,46 @@ def fwd(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    causal: bool,
-    scale: float,
-    deterministic: bool,
-    key_range: torch.Tensor | None,
-    dropout_p: float = 0.0,
+    options: list[int],
+    values: list[float],
+    key_range: torch.Tensor | None = None,
     dropout_seed: torch.Tensor | None = None,
-    window: list[int] | None = None,
-    softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
-    sinks: torch.Tensor | None = None,
     row_keys: torch.Tensor | None = None,
     key_rows: torch.Tensor | None = None,
     alibi_diagonal: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Any device but CUDA: the PyTorch fallback."""
-    extras = (window, softcap, alibi_slopes, row_keys, key_rows, alibi_diagonal, sinks)
-    return _fallback_forward(q, k, v, causal, scale, key_range, dropout_p, dropout_seed, *extras)
+    opt = OpOptions.unpack(options, values)
+    return _fallback_forward(q, k, v, opt, key_range, dropout_seed, alibi_slopes, row_keys, key_rows,
+                             alibi_diagonal, sinks)  # fmt: skip
 
 
 @fwd.register_kernel("cuda")
-def _fwd_cuda(
-    q, k, v, causal, scale, deterministic, key_range, dropout_p=0.0, dropout_seed=None, window=None,
-    softcap=0.0, alibi_slopes=None, sinks=None, row_keys=None, key_rows=None, alibi_diagonal=None,
-):  # fmt: skip
-    return forward_impl(
-        q, k, v, causal, scale, key_range, dropout_p, dropout_seed, window, softcap, alibi_slopes, sinks,
-        row_keys, key_rows, alibi_diagonal,
-    )  # fmt: skip
+def _fwd_cuda(q, k, v, options, values, *tensors):
+    return forward_impl(q, k, v, OpOptions.unpack(options, values), *tensors)
 
 
 def forward_impl(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    causal: bool,
-    scale: float,
-    key_range: torch.Tensor | None,
-    dropout_p: float = 0.0,
+    opt: OpOptions,
+    key_range: torch.Tensor | None = None,
     dropout_seed: torch.Tensor | None = None,
-    window: list[int] | None = None,
-    softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
-    sinks: torch.Tensor | None = None,
     row_keys: torch.Tensor | None = None,
     key_rows: torch.Tensor | None = None,
     alibi_diagonal: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``fwd`` on CUDA: our kernel when it can run on these inputs, else the PyTorch fallback."""
-    extras = (window, softcap, alibi_slopes, row_keys, key_rows, alibi_diagonal)
+    tensors = (key_range, dropout_seed, alibi_slopes, row_keys, key_rows, alibi_diagonal, sinks)
     ops = None if _has_no_pair(q, k) else dispatch.kernel_backend(q)
 
     def fallback_forward():
-        return _fallback_forward(q, k, v, causal, scale, key_range, dropout_p, dropout_seed, *extras, sinks)
+        return _fallback_forward(q, k, v, opt, *tensors)
 
     if ops is None:
         return fallback_forward()
@@ -212,15 +202,15 @@ def forward_impl(
             q,
             k,
             v,
-            causal=causal,
-            softmax_scale=scale,
+            causal=opt.causal,
+            softmax_scale=opt.scale,
             return_lse=True,
             out=None,
             config=None,
             key_range=key_range,
-            dropout_p=dropout_p,
+            dropout_p=opt.dropout_p,
             dropout_seed=dropout_seed,
-            **_variants(*extras),
+            **_variants(opt, alibi_slopes, row_keys, key_rows, alibi_diagonal),
             **({} if sinks is None else {"sinks": sinks}),
         ),
         fallback_forward,
@@ -228,46 +218,40 @@ def forward_impl(
 
 
 @fwd.register_fake
-def _fwd_fake(
-    q, k, v, causal, scale, deterministic, key_range, dropout_p=0.0, dropout_seed=None, window=None,
-    softcap=0.0, alibi_slopes=None, sinks=None, row_keys=None, key_rows=None, alibi_diagonal=None,
-):  # fmt: skip
+def _fwd_fake(q, k, v, options, values, *tensors):
     batch, seqlen_q, heads_q, _ = q.shape
     out = q.new_empty(q.shape)  # contiguous, like the kernel's and the fallback's output
     lse = q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
     return out, lse
 
 
-#: The op's inputs: the index of ``sinks`` (the one optional input with a gradient).
-_SINKS_INPUT = 12
+#: The op's inputs: the index of ``sinks`` (the one optional input with a gradient), after q, k, v,
+#: options, values and the six other optional tensors.
+_SINKS_INPUT = 11
 
 
 def _fwd_setup_context(ctx, inputs, output) -> None:
-    q, k, v, causal, scale, deterministic, key_range, dropout_p, dropout_seed, *rest = inputs
-    # (The variants' arguments, where given: window, softcap, alibi_slopes, sinks, row_keys, key_rows,
-    # alibi_diagonal.)
-    window, softcap, alibi_slopes, sinks, row_keys, key_rows, alibi_diagonal = [
-        *rest,
-        *(None, 0.0, None, None, None, None, None)[len(rest) :],
+    q, k, v, options, values, *tensors = inputs
+    key_range, dropout_seed, alibi_slopes, row_keys, key_rows, alibi_diagonal, sinks = [
+        *tensors,
+        *(None,) * (7 - len(tensors)),
     ]
     out, lse = output
     # (out and lse with the sinks applied: the backward kernels are exact on them, sinks.py says why.)
     ctx.save_for_backward(
         q, k, v, out, lse, key_range, dropout_seed, alibi_slopes, row_keys, key_rows, alibi_diagonal, sinks
     )
-    ctx.causal, ctx.scale, ctx.deterministic, ctx.dropout_p = causal, scale, deterministic, dropout_p
-    ctx.window, ctx.softcap = window, softcap
+    ctx.options, ctx.values = list(options), list(values)
     ctx.mark_non_differentiable(lse)
 
 
 def _backward_args(ctx, dout) -> tuple:
-    """The arguments of ``bwd`` / :func:`backward_impl` from what :func:`_fwd_setup_context` saved."""
+    """The arguments of ``bwd`` from what :func:`_fwd_setup_context` saved."""
     q, k, v, out, lse, key_range, dropout_seed, alibi_slopes, row_keys, key_rows, alibi_diagonal, _ = (
         ctx.saved_tensors
     )
-    return (dout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.deterministic, key_range, ctx.dropout_p,
-            dropout_seed, ctx.window, ctx.softcap, alibi_slopes, row_keys, key_rows,
-            alibi_diagonal)  # fmt: skip
+    return (dout, q, k, v, out, lse, ctx.options, ctx.values, key_range, dropout_seed, alibi_slopes,
+            row_keys, key_rows, alibi_diagonal)  # fmt: skip
 
 
 def _needs_sinks_grad(ctx) -> bool:
@@ -311,35 +295,24 @@ def bwd(
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    causal: bool,
-    scale: float,
-    deterministic: bool,
-    key_range: torch.Tensor | None,
-    dropout_p: float = 0.0,
+    options: list[int],
+    values: list[float],
+    key_range: torch.Tensor | None = None,
     dropout_seed: torch.Tensor | None = None,
-    window: list[int] | None = None,
-    softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     row_keys: torch.Tensor | None = None,
     key_rows: torch.Tensor | None = None,
     alibi_diagonal: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Any device but CUDA: the PyTorch fallback (deterministic on CPU by construction)."""
-    return _fallback_backward(
-        dout, q, k, v, out, lse, causal, scale, deterministic, key_range, dropout_p, dropout_seed, window,
-        softcap, alibi_slopes, row_keys, key_rows, alibi_diagonal,
-    )  # fmt: skip
+    opt = OpOptions.unpack(options, values)
+    return _fallback_backward(dout, q, k, v, out, lse, opt, key_range, dropout_seed, alibi_slopes, row_keys,
+                              key_rows, alibi_diagonal)  # fmt: skip
 
 
 @bwd.register_kernel("cuda")
-def _bwd_cuda(
-    dout, q, k, v, out, lse, causal, scale, deterministic, key_range, dropout_p=0.0, dropout_seed=None,
-    window=None, softcap=0.0, alibi_slopes=None, row_keys=None, key_rows=None, alibi_diagonal=None,
-):  # fmt: skip
-    return backward_impl(
-        dout, q, k, v, out, lse, causal, scale, deterministic, key_range, dropout_p, dropout_seed, window,
-        softcap, alibi_slopes, row_keys, key_rows, alibi_diagonal,
-    )  # fmt: skip
+def _bwd_cuda(dout, q, k, v, out, lse, options, values, *tensors):
+    return backward_impl(dout, q, k, v, out, lse, OpOptions.unpack(options, values), *tensors)
 
 
 def backward_impl(
@@ -349,14 +322,9 @@ def backward_impl(
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    causal: bool,
-    scale: float,
-    deterministic: bool,
-    key_range: torch.Tensor | None,
-    dropout_p: float = 0.0,
+    opt: OpOptions,
+    key_range: torch.Tensor | None = None,
     dropout_seed: torch.Tensor | None = None,
-    window: list[int] | None = None,
-    softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     row_keys: torch.Tensor | None = None,
     key_rows: torch.Tensor | None = None,
@@ -365,13 +333,11 @@ def backward_impl(
 ) -> tuple[torch.Tensor, ...]:
     """``bwd`` on CUDA: our backward kernels when they can run on these inputs, else the PyTorch fallback.
     With ``sinks`` (the eager path's sinks that need a gradient) a fourth tensor, the sinks' gradient."""
-    extras = (window, softcap, alibi_slopes, row_keys, key_rows, alibi_diagonal)
+    tensors = (key_range, dropout_seed, alibi_slopes, row_keys, key_rows, alibi_diagonal)
     ops = None if _has_no_pair(q, k) else dispatch.kernel_backend(q)
 
     def fallback_backward():
-        grads = _fallback_backward(
-            dout, q, k, v, out, lse, causal, scale, deterministic, key_range, dropout_p, dropout_seed, *extras
-        )
+        grads = _fallback_backward(dout, q, k, v, out, lse, opt, *tensors)
         return grads if sinks is None else (*grads, sinks_gradient(dout, out, lse, sinks))
 
     if ops is None:
@@ -388,13 +354,13 @@ def backward_impl(
             v,
             out,
             lse,
-            causal=causal,
-            softmax_scale=scale,
-            deterministic=deterministic,
+            causal=opt.causal,
+            softmax_scale=opt.scale,
+            deterministic=opt.deterministic,
             key_range=key_range,
-            dropout_p=dropout_p,
+            dropout_p=opt.dropout_p,
             dropout_seed=dropout_seed,
-            **_variants(*extras),
+            **_variants(opt, alibi_slopes, row_keys, key_rows, alibi_diagonal),
             **({} if sinks is None else {"sinks": sinks}),
         ),
         fallback_backward,
@@ -402,10 +368,7 @@ def backward_impl(
 
 
 @bwd.register_fake
-def _bwd_fake(
-    dout, q, k, v, out, lse, causal, scale, deterministic, key_range, dropout_p=0.0, dropout_seed=None,
-    window=None, softcap=0.0, alibi_slopes=None, row_keys=None, key_rows=None, alibi_diagonal=None,
-):  # fmt: skip
+def _bwd_fake(dout, q, k, v, out, lse, options, values, *tensors):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -419,34 +382,18 @@ class EagerAttention(torch.autograd.Function):
     The same implementations as the two ops (our kernels on CUDA, the PyTorch fallback elsewhere), called
     directly: on torch 2.11 a custom op's Python dispatch (argument defaults, aliasing checks, the
     dynamo-disable wrapper) cost about 0.6 ms per call in a profile of a training step on an H100, more than
-    the kernels themselves at 1k tokens. torch.compile still sees the ops (interface._attention_op routes
-    traced calls to them), so graphs keep their single fwd / bwd nodes.
+    the kernels themselves at 1k tokens. torch.compile still sees the ops (api.attention._attention_op routes
+    traced calls to them), so graphs keep their single fwd / bwd nodes. Its inputs are ``fwd``'s.
     """
 
     @staticmethod
     def forward(
-        ctx, q, k, v, causal, scale, deterministic, key_range, dropout_p, dropout_seed, window=None,
-        softcap=0.0, alibi_slopes=None, sinks=None, row_keys=None, key_rows=None, alibi_diagonal=None,
+        ctx, q, k, v, options, values, key_range=None, dropout_seed=None, alibi_slopes=None, row_keys=None,
+        key_rows=None, alibi_diagonal=None, sinks=None,
     ):  # fmt: skip
-        extras = (window, softcap, alibi_slopes)
-        out, lse = forward_impl(
-            q,
-            k,
-            v,
-            causal,
-            scale,
-            key_range,
-            dropout_p,
-            dropout_seed,
-            *extras,
-            sinks,
-            row_keys,
-            key_rows,
-            alibi_diagonal,
-        )
-        inputs = (q, k, v, causal, scale, deterministic, key_range, dropout_p, dropout_seed, *extras, sinks,
-                  row_keys, key_rows, alibi_diagonal)  # fmt: skip
-        _fwd_setup_context(ctx, inputs, (out, lse))
+        tensors = (key_range, dropout_seed, alibi_slopes, row_keys, key_rows, alibi_diagonal, sinks)
+        out, lse = forward_impl(q, k, v, OpOptions.unpack(options, values), *tensors)
+        _fwd_setup_context(ctx, (q, k, v, options, values, *tensors), (out, lse))
         # The LSE never carries a gradient: without this autograd would fill a zero tensor for it on every
         # backward (an allocation and a fill kernel per call, for nothing).
         ctx.set_materialize_grads(False)
@@ -457,60 +404,49 @@ class EagerAttention(torch.autograd.Function):
         if dout is None:  # only reachable if autograd ever calls us without a gradient for out
             dout = torch.zeros_like(ctx.saved_tensors[3])
         rest = list(_no_grads(ctx))
+        dout, q, k, v, out, lse, options, values, *tensors = _backward_args(ctx, dout)
+        opt = OpOptions.unpack(options, values)
         if _needs_sinks_grad(ctx):  # the sinks' gradient from the backward kernels' own D rows
             dq, dk, dv, rest[_SINKS_INPUT - 3] = backward_impl(
-                *_backward_args(ctx, dout), sinks=ctx.saved_tensors[-1]
+                dout, q, k, v, out, lse, opt, *tensors, sinks=ctx.saved_tensors[-1]
             )
         else:
-            dq, dk, dv = backward_impl(*_backward_args(ctx, dout))
+            dq, dk, dv = backward_impl(dout, q, k, v, out, lse, opt, *tensors)
         return (dq, dk, dv, *rest)
 
 
 def eager_training(
-    q, k, v, causal, scale, deterministic, key_range, dropout_p, dropout_seed, window=None, softcap=0.0,
-    alibi_slopes=None, sinks=None, row_keys=None, key_rows=None, alibi_diagonal=None,
+    q, k, v, options, values, key_range=None, dropout_seed=None, alibi_slopes=None, row_keys=None,
+    key_rows=None, alibi_diagonal=None, sinks=None,
 ):  # fmt: skip
-    """``fwd`` with its backward recorded, for eager autograd: on our kernels through the compiled training
-    node (:mod:`flash_attention.ops.training`: no Python in the backward) when it takes the call, else
-    through :class:`EagerAttention`. Returns ``(out, lse)``."""
+    """``fwd`` (the same arguments) with its backward recorded, for eager autograd: on our kernels through
+    the compiled training node (:mod:`flash_attention.ops.training`: no Python in the backward) when it takes
+    the call, else through :class:`EagerAttention`. Returns ``(out, lse)``."""
     ops = None if _has_no_pair(q, k) else dispatch.kernel_backend(q)
     training_forward = getattr(ops, "training_forward", None)  # (the CPU tests' stand-in backends lack it)
     if sinks is not None:  # (the sinks' gradient is computed in Python: flash_attention.sinks)
         training_forward = None
     if training_forward is not None:
+        opt = OpOptions.unpack(options, values)
         result = dispatch.run_or_fallback(
             lambda: training_forward(
                 q,
                 k,
                 v,
-                causal=causal,
-                softmax_scale=scale,
-                deterministic=deterministic,
+                causal=opt.causal,
+                softmax_scale=opt.scale,
+                deterministic=opt.deterministic,
                 key_range=key_range,
-                dropout_p=dropout_p,
+                dropout_p=opt.dropout_p,
                 dropout_seed=dropout_seed,
                 forward=ops.cuda_forward,
-                **_variants(window, softcap, alibi_slopes, row_keys, key_rows, alibi_diagonal),
+                **_variants(opt, alibi_slopes, row_keys, key_rows, alibi_diagonal),
             ),
             lambda: None,
         )
         if result is not None:
             return result
     return EagerAttention.apply(
-        q,
-        k,
-        v,
-        causal,
-        scale,
-        deterministic,
-        key_range,
-        dropout_p,
-        dropout_seed,
-        window,
-        softcap,
-        alibi_slopes,
+        q, k, v, options, values, key_range, dropout_seed, alibi_slopes, row_keys, key_rows, alibi_diagonal,
         sinks,
-        row_keys,
-        key_rows,
-        alibi_diagonal,
-    )
+    )  # fmt: skip

@@ -27,7 +27,8 @@ from ..spec.validate_kvcache import CacheProblem, validate_kvcache
 
 __all__ = ["fwd_kvcache", "fwd_kvcache_read", "run"]
 
-# Spelled out (mutation annotations included) rather than inferred from annotations, as in custom_ops.
+# Spelled out (mutation annotations included) rather than inferred from annotations, as in
+# torch_ops.attention.
 _SCHEMA = (
     "(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, Tensor cache_seqlens,"
     " Tensor? block_table, bool causal, float scale, int num_splits, int[]? window=None, float softcap=0.,"
