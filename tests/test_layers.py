@@ -145,9 +145,6 @@ FLOORS = {
     "nn": 5,
     "integrations": 6,
 }
-#: The one arrow up, named so that no other joins it: the KV-cache op's composed path (for the calls no
-#: decode kernel takes) runs on attention() itself (api/kvcache_compose.py says why).
-KNOWN_UPWARD = {("flash_attention.torch_ops.kvcache", "flash_attention.api.kvcache_compose")}
 
 
 def _floor(module: str) -> int | None:
@@ -163,7 +160,7 @@ def test_every_import_looks_down_the_floors():
         for t in graph[m]
         if _floor(m) is not None and _floor(t) is not None and _floor(t) > _floor(m)
     )
-    assert set(upward) == KNOWN_UPWARD, f"imports up the floors: {sorted(set(upward) - KNOWN_UPWARD)}"
+    assert upward == [], f"imports up the floors: {upward}"
     # (and the floors name every subpackage and root module of the library but the root's own __init__)
     tops = {m.split(".")[1] for m in LIBRARY if m.count(".") >= 1}
     assert tops <= set(FLOORS) | {"tools"}, sorted(tops - set(FLOORS))

@@ -185,7 +185,7 @@ def attention_with_kvcache(
     captured in a CUDA graph: a row whose length or page index is out of range gets a NaN output (and LSE)
     and nothing outside the cache is read or written. Elsewhere (CPU, float32/float64, a head_dim that is
     not a multiple of 8, strides the kernels cannot read) the composed path
-    (:mod:`flash_attention.api.kvcache_compose`: PyTorch indexing for the append, then :func:`attention` per
+    (:mod:`flash_attention.fallback.kvcache`: PyTorch indexing for the append, then dense attention per
     row) reads both on the host and raises ValueError naming the entry before anything is written.
 
     Not differentiable (inference only): a call that autograd would record (grad mode on and q, k or v

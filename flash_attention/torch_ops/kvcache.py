@@ -14,14 +14,14 @@ The fake implementation gives the shapes without running anything.
 (skipping the op's dispatch): on CUDA, fp16/bf16, the decode kernels (:func:`flash_attention.ops.decode.
 decode_plan`: no host read of the lengths or pages, so graph-capturable); everywhere else, and for calls the
 kernels cannot take (a head_dim that is not a multiple of 8, a misaligned cache), the composed path of
-:mod:`flash_attention.api.kvcache_compose`, with the once-per-reason warning on CUDA.
+:mod:`flash_attention.fallback.kvcache`, with the once-per-reason warning on CUDA.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..api import kvcache_compose as compose
+from ..fallback import kvcache as compose
 from ..ops import dispatch
 from ..spec.validate_kvcache import CacheProblem, validate_kvcache
 

@@ -1,11 +1,12 @@
-"""KV-cache attention composed from PyTorch indexing and :func:`flash_attention.attention`.
+"""The KV-cache path composed from PyTorch indexing and dense attention: the decode kernels' fallback.
 
 The path of :func:`flash_attention.attention_with_kvcache` on every device until a decode kernel takes the
 call: it reads ``cache_seqlens`` and ``block_table`` on the host (one synchronisation with the GPU per call),
-checks them, appends the new tokens with one indexed copy per cache, then runs :func:`attention` once per
+checks them, appends the new tokens with one indexed copy per cache, then runs dense attention once per
 batch row on that row's keys (a view of a contiguous cache, a gather of a paged one's pages), or once for
-the whole batch when every row of a contiguous cache has the same length. Each of those calls runs our
-kernels on CUDA (fp16/bf16) and the PyTorch fallback elsewhere, with the semantics of
+the whole batch when every row of a contiguous cache has the same length. Each of those runs our forward
+kernels on CUDA (fp16/bf16) and the PyTorch fallback elsewhere (:func:`_dense`: the kernel-or-fallback
+choice of ``attention()``'s inference path, below ``attention()`` itself), with the semantics of
 :func:`flash_attention.fallback.reference.attention_kvcache_reference`.
 
 What it costs, and why it is not the serving path: the host read stops CUDA-graph capture and costs a sync
@@ -17,8 +18,9 @@ from __future__ import annotations
 
 import torch
 
+from ..ops import dispatch
 from ..spec.validate_kvcache import CacheProblem
-from .attention import attention
+from . import forward as fallback_forward
 
 __all__ = ["append_tokens", "attend", "check_cache_values", "run"]
 
@@ -90,6 +92,43 @@ def _row_keys(
     return pages.reshape(1, used * problem.page_size, problem.heads_kv, problem.head_dim)[:, :n]
 
 
+def _dense(
+    problem: CacheProblem,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of dense attention of ``q`` against these keys, written into ``out`` when given: our
+    forward kernels where they run (ops.dispatch's choice, with its once-per-reason warning), else the
+    PyTorch fallback, as ``attention()`` runs an inference call (without its repeat calls and its route of
+    a few queries to the decode kernels, which are the kernels this path stands in for)."""
+    variant = dict(window=problem.window, softcap=problem.softcap, alibi_slopes=alibi_slopes)
+
+    def fallback():
+        return fallback_forward(
+            q, k, v, causal=problem.causal, scale=problem.scale, return_lse=True, out=out, **variant
+        )
+
+    ops = None if q.numel() == 0 or k.shape[1] == 0 else dispatch.kernel_backend(q)
+    if ops is None:
+        return fallback()
+    # (the launch layer's keywords only where the call has the variant, as attention() passes them)
+    launch = {"window": problem.window} if problem.window is not None else {}
+    if problem.softcap:
+        launch["softcap"] = problem.softcap
+    if alibi_slopes is not None:
+        launch["alibi_slopes"] = alibi_slopes
+    return dispatch.run_or_fallback(
+        lambda: ops.cuda_forward(
+            q, k, v, causal=problem.causal, softmax_scale=problem.scale, return_lse=True, out=out,
+            config=None, **launch,
+        ),
+        fallback,
+    )  # fmt: skip
+
+
 def attend(
     problem: CacheProblem,
     q: torch.Tensor,
@@ -103,13 +142,9 @@ def attend(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(out, lse) of every row's queries against its ``lengths[b] + seqlen_new`` keys."""
     totals = [n + problem.seqlen_new for n in lengths]
-    kwargs = dict(
-        causal=problem.causal, softmax_scale=problem.scale, return_lse=True, window=problem.window,
-        softcap=problem.softcap,
-    )  # fmt: skip
     if block_table is None and len(set(totals)) == 1:
         n = totals[0]
-        o, lse = attention(q, k_cache[:, :n], v_cache[:, :n], out=out, alibi_slopes=alibi_slopes, **kwargs)
+        o, lse = _dense(problem, q, k_cache[:, :n], v_cache[:, :n], out, alibi_slopes)
         return o, (lse if return_lse else None)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -120,9 +155,7 @@ def attend(
         slopes = alibi_slopes
         if slopes is not None and slopes.dim() == 2:  # (batch, heads_q): this row's
             slopes = slopes[b : b + 1]
-        _, lse[b : b + 1] = attention(
-            q[b : b + 1], keys, values, out=out[b : b + 1], alibi_slopes=slopes, **kwargs
-        )
+        _, lse[b : b + 1] = _dense(problem, q[b : b + 1], keys, values, out[b : b + 1], slopes)
     return out, (lse if return_lse else None)
 
 
