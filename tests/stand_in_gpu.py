@@ -284,9 +284,8 @@ class StandInGpu:
     def _segments_scores(kernel, p, qd, kd):
         """A segments build's scaled, masked scores (heads_q, seqlen_q, seqlen_k) in float64 from (heads,
         rows, d) operands: each query row i sees the keys of its run [row_keys[i, 0], row_keys[i, 1])
-        (flash_attention.api.varlen); with ALiBi, -slope |diagonal(i) - j| added, the diagonal the run's end
-        - 1
-        ("alibi_runs") or the segments' table entry p.alibi_diagonal[i] ("alibi_table"); the "_rows" builds
+        (flash_attention.api.varlen); with ALiBi, -slope |diagonal(i) - j| added, the diagonal the run's end -
+        1 ("alibi_runs") or the segments' table entry p.alibi_diagonal[i] ("alibi_table"); the "_rows" builds
         with row i's slope for head h at p.alibi_slopes[i * p.alibi_batch_stride + h], "alibi_rows" measured
         from the packed row's own index (packed self-attention)."""
         assert p.batch == 1 and p.row_keys and p.key_rows, "a segments launch without its runs"

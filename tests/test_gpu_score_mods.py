@@ -1,9 +1,8 @@
 """GPU tests of the score functions (``softcap``, ``alibi_slopes`` and both; csrc/include/fa/variant.cuh
 Softcap, Alibi, SoftcapAlibi) in every kernel family that takes them, forward and backward, at the launch
 layer: outputs, LSE and gradients against float64 (flash_attention.fallback.reference) within a few times the
-error
-of the same computation in float32 rounded to the inputs' precision, on shapes with GQA, seqlen_q above and
-below seqlen_k, causal and not, key ranges, a sliding window, head dims 64/128/256 and one padded; the
+error of the same computation in float32 rounded to the inputs' precision, on shapes with GQA, seqlen_q above
+and below seqlen_k, causal and not, key ranges, a sliding window, head dims 64/128/256 and one padded; the
 deterministic backward bitwise between runs; and each with attention dropout, against float64 with the
 kernels' keep mask (flash_attention.dropout.keep_mask)."""
 

@@ -2,9 +2,8 @@
 sinks' own included) on the kernels, alone and with causal, GQA, key ranges, a sliding window,
 soft-capping, deterministic mode and dropout, in fp16 and bf16 at head dims 64/128/256 and 72; the
 KV-cache call on the decode kernels (contiguous and paged); ``torch.compile(fullgraph=True)``. Against
-float64 (flash_attention.fallback.reference, whose sinks are an extra softmax column) within a few times the
-error
-of the same computation in float32 rounded to the inputs' precision."""
+float64 (flash_attention.fallback.reference, whose sinks are an extra softmax column) within a few times
+the error of the same computation in float32 rounded to the inputs' precision."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Variable-length batches (flash_attention.api.varlen) on the CPU: the segments' runs against the
-per-sequence
-rule (both orientations, bounds nondecreasing, as the kernels' block ranges need), and attention_varlen's
-output, LSE and gradients against the float64 reference run on each sequence alone."""
+per-sequence rule (both orientations, bounds nondecreasing, as the kernels' block ranges need), and
+attention_varlen's output, LSE and gradients against the float64 reference run on each sequence alone."""
 
 from __future__ import annotations
 

@@ -167,7 +167,7 @@ def _positive(name: str, n: object) -> int:
 
 
 def _scores(base: ScoreSpec, varlen: bool, causal: bool) -> list[ScoreSpec]:
-    """The score functions of calls with ``base`` (_validate.score_spec): a packed batch's ALiBi measures
+    """The score functions of calls with ``base`` (spec.validate.score_spec): a packed batch's ALiBi measures
     from its sequences' runs (causal) or its rows (not), or from a table of diagonals when its queries and
     keys are packed differently; with a slope per sequence, each form with ``alibi_rows``."""
     if not varlen or not base.alibi:

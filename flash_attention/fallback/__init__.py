@@ -20,8 +20,7 @@ Two ways to compute it, chosen per call:
     see no key get LSE -inf (the fused kernels report 0 or NaN for them) and out 0.
 
 * **The chunked path** (:func:`flash_attention.fallback.reference.attention_torch`), for what the fused
-kernels
-  cannot express: dropout (the kernels' keep masks are ours, not PyTorch's), float64 (the saved LSE is
+  kernels cannot express: dropout (the kernels' keep masks are ours, not PyTorch's), float64 (the saved LSE is
   float32, and only the chunked backward restores float64 precision from it; the CUDA kernel has no
   float64 either), a negative ``softmax_scale`` (the fused CPU kernel's causal mask breaks under it: NaN),
   ``key_range`` together with causal when seqlen_q < seqlen_k (the merged parts would each need their own
@@ -267,10 +266,9 @@ def forward(
     window=None, softcap=0.0, alibi_slopes=None, alibi_diagonal=None,
 ):  # fmt: skip
     """(out, lse) of attention with the kernels' semantics (``lse`` None unless ``return_lse``); ``out`` is
-    written in place when given. Arguments as :func:`flash_attention.fallback.reference.attention_torch`
-    takes them,
-    already validated (``scale`` None: 1 / sqrt(head_dim)). A sliding ``window`` takes the chunked path (the
-    fused kernels take no such mask without materialising it)."""
+    written in place when given. Arguments as :func:`flash_attention.fallback.reference.attention_torch` takes
+    them, already validated (``scale`` None: 1 / sqrt(head_dim)). A sliding ``window`` takes the chunked path
+    (the fused kernels take no such mask without materialising it)."""
     scale = _resolve_scale(scale, q.shape[-1])
     plain = window is None and not softcap and alibi_slopes is None  # (what the fused kernels express)
     fused_ok = plain and _fused(q, k, causal, scale, key_range, dropout_p)

@@ -193,10 +193,9 @@ def alibi_bias(
 
 def runs_alibi_diagonal(row_keys: torch.Tensor | None, causal: bool, alibi_slopes) -> torch.Tensor | None:
     """ALiBi's diagonal key of each row of a packed batch (``row_keys``, flash_attention.api.varlen.segments)
-    when
-    it is not the row's own index: for causal sequences, each row's run ends just past its diagonal, so the
-    diagonal is the run's end - 1, whatever the sequences' query and key counts (the kernels' AlibiRuns, the
-    form _validate.score_spec picks). None where the packed row's own index is the distance's origin
+    when it is not the row's own index: for causal sequences, each row's run ends just past its diagonal, so
+    the diagonal is the run's end - 1, whatever the sequences' query and key counts (the kernels' AlibiRuns,
+    the form spec.validate.score_spec picks). None where the packed row's own index is the distance's origin
     (no runs, no ALiBi, or packed self-attention without causal)."""
     if row_keys is None or alibi_slopes is None or not causal:
         return None

@@ -343,8 +343,8 @@ def materialized_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention that materialises the probabilities, ``(out, probs)``, with the semantics of every other
     route (the score functions as :func:`flash_attention.fallback.reference.attention_reference` applies
-    them).
-    fp32 softmax (fp64 for fp64 inputs); ``probs`` (batch, heads_q, seqlen_q, seqlen_k) before dropout."""
+    them). fp32 softmax (fp64 for fp64 inputs); ``probs`` (batch, heads_q, seqlen_q, seqlen_k) before
+    dropout."""
     from ..fallback.reference import alibi_bias
 
     batch, seqlen_q, heads_q, head_dim = q.shape

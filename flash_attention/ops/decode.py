@@ -105,9 +105,8 @@ class DecodePlan:
     takes 20).
 
     Built from the validated call (:func:`flash_attention.spec.validate_kvcache.validate_kvcache`), the
-    kernels
-    able to take it (:func:`decode_unavailable_reason`: strides; the addresses are checked per call, as a
-    later call of the same signature may bring differently aligned tensors)."""
+    kernels able to take it (:func:`decode_unavailable_reason`: strides; the addresses are checked per call,
+    as a later call of the same signature may bring differently aligned tensors)."""
 
     def __init__(
         self,

@@ -3,8 +3,7 @@
 A call runs on our CUDA kernels when its tensors are on a CUDA device (:func:`wants_kernel`) and the kernels
 can run there (:func:`flash_attention.ops.cuda_unavailable_reason`: the dtype, the GPU's architecture, the
 driver, a compiler); otherwise the PyTorch fallback of :mod:`flash_attention.fallback.reference` computes the
-same
-function. A CUDA call that falls back says why, once per distinct reason per process. So does a call that
+same function. A CUDA call that falls back says why, once per distinct reason per process. So does a call that
 reaches the launch layer and finds no kernel of ours fits this GPU (:class:`flash_attention.ops.NoKernel`).
 """
 

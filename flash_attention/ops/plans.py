@@ -128,8 +128,7 @@ def check_segments(
 def segment_lengths(segments: tuple | None) -> tuple[int, int] | None:
     """The (seqlen_q, seqlen_k) a packed batch's configurations are chosen by: its sequences' typical
     lengths, which flash_attention.api.varlen notes on the runs (``_typical_lengths``: the max_seqlen hints,
-    else
-    the mean), where the packed lengths would pick tiles for one long sequence. None: q's and k's own."""
+    else the mean), where the packed lengths would pick tiles for one long sequence. None: q's and k's own."""
     return None if segments is None else getattr(segments[0], "_typical_lengths", None)
 
 

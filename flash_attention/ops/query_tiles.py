@@ -1,6 +1,5 @@
 """A packed batch's tile tables, built on the device from the offsets that flash_attention.api.varlen notes
-on the
-runs (no host read: CUDA-graph safe):
+on the runs (no host read: CUDA-graph safe):
 
 * :func:`query_tiles`: each sequence's rows cut into tiles of their own (FwdParams::q_tiles, the
   warp-specialized forward's segments build);

@@ -3,7 +3,7 @@ its launch.
 
 A model calls attention with the same shapes, strides, dtypes and options on every layer and every step, and
 at small sizes the host time of the call is the whole time (a training step of a (1, 128, 16, 64) problem is
-host-bound on an H100). The first call of a signature runs the whole path (``_validate.validate``, the
+host-bound on an H100). The first call of a signature runs the whole path (``spec.validate.validate``, the
 kernel-or-fallback choice, the plans); when that path ends in one launch of a forward plan with nothing
 per-call to work out but pointers, it leaves a :class:`RepeatCall` under the call's signature
 (:func:`signature`). A later call with an equal signature allocates its output, fills in its pointers,
@@ -221,9 +221,8 @@ def signature(
     ``softcap``, ``alibi_slopes`` and ``sinks`` as attention() takes them (a tuple or list of two ints, a
     float or int, tensors: sinks only as the kernels read them, float32 and contiguous, and not
     differentiated); ``segments``, a packed batch's runs (flash_attention.api.varlen): the signature holds
-    their
-    layouts and what the plans are chosen by (the sequences' typical lengths and their count's bucket), and
-    each call binds its own runs and tile tables."""
+    their layouts and what the plans are chosen by (the sequences' typical lengths and their count's bucket),
+    and each call binds its own runs and tile tables."""
     if (
         MODE == "off"
         or dropout_seed is not None
@@ -237,7 +236,7 @@ def signature(
     ):
         return None
     if window is not None:
-        # (as _validate.check_window reads it: a tuple and a list of the same ints are the same window)
+        # (as spec.validate.check_window reads it: a tuple and a list of the same ints are the same window)
         if type(window) not in (tuple, list) or len(window) != 2 or any(type(w) is not int for w in window):
             return None
         window = tuple(window)

@@ -71,7 +71,7 @@ NO_SCORE = ScoreSpec()
 @dataclass(frozen=True)
 class AttentionSpec:
     """Every option of one attention call that a kernel build, a plan or the fallback decides by, checked
-    (``_validate.attention_spec``): ``causal``, the resolved softmax ``scale``, the sliding ``window``
+    (``spec.validate``): ``causal``, the resolved softmax ``scale``, the sliding ``window``
     (left, right) as the caller gave it (-1: unbounded; None: none), the ``score`` function, whether the call
     has per-batch key ranges (``ranged``), its ``dropout_p``, whether its backward is ``deterministic``,
     whether it has attention ``sinks``, and ``segments``: the length of a packed batch's runs tuple (0: not

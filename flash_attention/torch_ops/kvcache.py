@@ -6,8 +6,7 @@ softcap, alibi_slopes?) -> (out, lse)``. The schema marks k_cache and v_cache as
 compiled graph orders the call after earlier reads of the cache and before later ones, and functionalisation
 copies nothing else. A call without new tokens is ``fwd_kvcache_read`` (the same without k, v and the write).
 The arguments were validated by :func:`flash_attention.spec.validate_kvcache.validate_kvcache`;
-``cache_seqlens``
-is always a tensor here (an int is turned into one before the op), ``scale`` is resolved.
+``cache_seqlens`` is always a tensor here (an int is turned into one before the op), ``scale`` is resolved.
 The fake implementation gives the shapes without running anything.
 
 :func:`run` is the op's implementation, which the eager path of attention_with_kvcache calls directly
