@@ -13,6 +13,7 @@ from kvcache_cases import Case, check_case, make_inputs, random_case
 
 import flash_attention
 from flash_attention.fallback.reference import attention_kvcache_reference, attention_reference
+from flash_attention.spec import pack_options
 
 
 @pytest.fixture(autouse=True)
@@ -224,13 +225,23 @@ def test_custom_op_schema_fake_and_mutation_agree():
     lengths = torch.tensor([1, 6], dtype=torch.int32)
     torch.library.opcheck(
         torch.ops.flash_attention.fwd_kvcache.default,
-        (q, k_cache, v_cache, k, v, lengths, table, True, 0.25, 0),
+        (
+            q,
+            k_cache,
+            v_cache,
+            k,
+            v,
+            lengths,
+            table,
+            0,
+            *pack_options(True, 0.25, window=(2, -1), softcap=5.0),
+        ),
     )
     # Without new tokens, the op that declares no write (opcheck fails an op that writes an argument it does
     # not declare).
     torch.library.opcheck(
         torch.ops.flash_attention.fwd_kvcache_read.default,
-        (q, k_cache, v_cache, lengths + 2, table, True, 0.25, 0),
+        (q, k_cache, v_cache, lengths + 2, table, 0, *pack_options(True, 0.25)),
     )
 
 

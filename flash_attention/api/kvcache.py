@@ -11,6 +11,7 @@ from ..configs.decode import cache_length_bucket
 from ..ops.decode import repeat_plan
 from ..ops.plans import PlanCache
 from ..sinks import apply_sinks, check_sinks
+from ..spec import pack_options
 from ..spec.validate_kvcache import CacheProblem, validate_kvcache
 from ..torch_ops import kvcache as kvcache_op
 
@@ -286,16 +287,16 @@ def attention_with_kvcache(
     if compiling:
         if isinstance(cache_seqlens, int):  # the op's schema takes a tensor
             cache_seqlens = torch.full((problem.batch,), cache_seqlens, dtype=torch.int32, device=q.device)
+        # (the ops' packed numbers: spec.OpOptions)
+        options = pack_options(causal, problem.scale, window=problem.window, softcap=problem.softcap)
         if k is None:  # nothing to append: the op that declares no write to the caches
             o, lse = torch.ops.flash_attention.fwd_kvcache_read(
-                q, k_cache, v_cache, cache_seqlens, block_table, causal, problem.scale, num_splits,
-                problem.window, problem.softcap, alibi_slopes,
-            )  # fmt: skip
+                q, k_cache, v_cache, cache_seqlens, block_table, num_splits, *options, alibi_slopes
+            )
         else:
             o, lse = torch.ops.flash_attention.fwd_kvcache(
-                q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, problem.scale, num_splits,
-                problem.window, problem.softcap, alibi_slopes,
-            )  # fmt: skip
+                q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, *options, alibi_slopes
+            )
         if out is not None:
             out.copy_(o)  # custom ops return new tensors; the caller's buffer gets a copy
             o = out

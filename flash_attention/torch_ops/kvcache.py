@@ -1,10 +1,11 @@
 """The custom op ``flash_attention::fwd_kvcache``: :func:`flash_attention.attention_with_kvcache` as one node
 for ``torch.compile``.
 
-``fwd_kvcache(q, k_cache!, v_cache!, k?, v?, cache_seqlens, block_table?, causal, scale, num_splits, window?,
-softcap, alibi_slopes?) -> (out, lse)``. The schema marks k_cache and v_cache as written (the append), so a
-compiled graph orders the call after earlier reads of the cache and before later ones, and functionalisation
-copies nothing else. A call without new tokens is ``fwd_kvcache_read`` (the same without k, v and the write).
+``fwd_kvcache(q, k_cache!, v_cache!, k?, v?, cache_seqlens, block_table?, num_splits, options, values,
+alibi_slopes?) -> (out, lse)``, the call's numbers packed in ``options`` and ``values`` (spec.OpOptions). The
+schema marks k_cache and v_cache as written (the append), so a compiled graph orders the call after earlier
+reads of the cache and before later ones, and functionalisation copies nothing else. A call without new tokens
+is ``fwd_kvcache_read`` (the same without k, v and the write).
 The arguments were validated by :func:`flash_attention.spec.validate_kvcache.validate_kvcache`;
 ``cache_seqlens`` is always a tensor here (an int is turned into one before the op), ``scale`` is resolved.
 The fake implementation gives the shapes without running anything.
@@ -22,16 +23,17 @@ import torch
 
 from ..fallback import kvcache as compose
 from ..ops import dispatch
+from ..spec import OpOptions
 from ..spec.validate_kvcache import CacheProblem, validate_kvcache
 
 __all__ = ["fwd_kvcache", "fwd_kvcache_read", "run"]
 
 # Spelled out (mutation annotations included) rather than inferred from annotations, as in
-# torch_ops.attention.
+# torch_ops.attention; the call's numbers packed as there (spec.OpOptions: causal, scale, window, soft-cap).
 _SCHEMA = (
     "(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, Tensor cache_seqlens,"
-    " Tensor? block_table, bool causal, float scale, int num_splits, int[]? window=None, float softcap=0.,"
-    " Tensor? alibi_slopes=None) -> (Tensor, Tensor)"
+    " Tensor? block_table, int num_splits, int[] options, float[] values, Tensor? alibi_slopes=None)"
+    " -> (Tensor, Tensor)"
 )
 
 
@@ -44,13 +46,12 @@ def fwd_kvcache(
     v: torch.Tensor | None,
     cache_seqlens: torch.Tensor,
     block_table: torch.Tensor | None,
-    causal: bool,
-    scale: float,
     num_splits: int,
-    window: list[int] | None = None,
-    softcap: float = 0.0,
+    options: list[int],
+    values: list[float],
     alibi_slopes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    opt = OpOptions.unpack(options, values)
     problem = validate_kvcache(
         q,
         k_cache,
@@ -59,12 +60,12 @@ def fwd_kvcache(
         v,
         cache_seqlens=cache_seqlens,
         block_table=block_table,
-        causal=causal,
-        softmax_scale=scale,
+        causal=opt.causal,
+        softmax_scale=opt.scale,
         num_splits=num_splits,
         out=None,
-        window=None if window is None else tuple(window),
-        softcap=softcap,
+        window=opt.window,
+        softcap=opt.softcap,
         alibi_slopes=alibi_slopes,
     )
     args = (cache_seqlens, block_table, num_splits, None, True, None, alibi_slopes)
@@ -111,10 +112,8 @@ def run(
 
 
 @fwd_kvcache.register_fake
-def _fwd_kvcache_fake(
-    q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, scale, num_splits, window=None,
-    softcap=0.0, alibi_slopes=None,
-):  # fmt: skip
+def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, options, values,
+                      alibi_slopes=None):  # fmt: skip
     batch, seqlen_q, heads_q, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
 
@@ -124,9 +123,8 @@ def _fwd_kvcache_fake(
 # functionalisation treat each call as a write of the whole cache (clones, or a reinplacing pass to undo
 # them) and order every other read of the cache around it; this op declares no write.
 _READ_SCHEMA = (
-    "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor? block_table, bool causal,"
-    " float scale, int num_splits, int[]? window=None, float softcap=0., Tensor? alibi_slopes=None)"
-    " -> (Tensor, Tensor)"
+    "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor? block_table, int num_splits,"
+    " int[] options, float[] values, Tensor? alibi_slopes=None) -> (Tensor, Tensor)"
 )
 
 
@@ -137,21 +135,17 @@ def fwd_kvcache_read(
     v_cache: torch.Tensor,
     cache_seqlens: torch.Tensor,
     block_table: torch.Tensor | None,
-    causal: bool,
-    scale: float,
     num_splits: int,
-    window: list[int] | None = None,
-    softcap: float = 0.0,
+    options: list[int],
+    values: list[float],
     alibi_slopes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    args = (cache_seqlens, block_table, causal, scale, num_splits, window, softcap, alibi_slopes)
+    args = (cache_seqlens, block_table, num_splits, options, values, alibi_slopes)
     return fwd_kvcache(q, k_cache, v_cache, None, None, *args)
 
 
 @fwd_kvcache_read.register_fake
-def _fwd_kvcache_read_fake(
-    q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, num_splits, window=None, softcap=0.0,
-    alibi_slopes=None,
-):  # fmt: skip
-    args = (cache_seqlens, block_table, causal, scale, num_splits)
+def _fwd_kvcache_read_fake(q, k_cache, v_cache, cache_seqlens, block_table, num_splits, options, values,
+                           alibi_slopes=None):  # fmt: skip
+    args = (cache_seqlens, block_table, num_splits, options, values)
     return _fwd_kvcache_fake(q, k_cache, v_cache, None, None, *args)
