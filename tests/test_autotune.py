@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -136,6 +137,14 @@ def test_heuristic_holds_up_against_both_committed_sweeps():
             assert pick in times, f"{key}: heuristic {pick} is not among a sweep's 12 fastest"
             ratios.append(times[pick] / ranked[0][1])
         assert min(ratios) >= 0.90 and sum(ratios) / len(ratios) >= 0.95, f"{key}: {pick} at {ratios}"
+
+
+def test_shipped_tables_live_in_the_package_root():
+    # (docs/design.md and the module name flash_attention/tuned/<gpu>.json: a move of the module must not move
+    # where the shipped tables are looked for)
+    import flash_attention
+
+    assert winners.TUNED_DIR == Path(flash_attention.__file__).resolve().parent / "tuned"
 
 
 def test_shipped_tables_are_well_formed():

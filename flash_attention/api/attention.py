@@ -1,6 +1,6 @@
 """The public API: :func:`attention`, and the low-level :func:`forward` / :func:`forward_timed`.
 
-Everything here validates first (``_validate``), handles empty problems without launching anything, then
+Everything here validates first (``spec.validate``), handles empty problems without launching anything, then
 hands the work to our CUDA kernels (:mod:`flash_attention.ops`) or to
 :func:`flash_attention.fallback.forward` (the PyTorch fallback, same semantics); the choice is
 :mod:`flash_attention.ops.dispatch`'s.

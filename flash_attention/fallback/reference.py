@@ -141,7 +141,7 @@ def _resolve_scale(softmax_scale: float | None, head_dim: int) -> float:
 
 
 def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int]:
-    """Minimal shape checks (full validation lives in _validate); returns (heads_kv, group)."""
+    """Minimal shape checks (full validation lives in spec.validate); returns (heads_kv, group)."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(
             "q, k and v must have rank 4 (batch, seqlen, heads, head_dim); "

@@ -49,7 +49,7 @@ __all__ = [
 ]
 
 SEQLEN_BUCKETS = (512, 1024, 2048, 4096, 8192, 16384)
-TUNED_DIR = Path(__file__).resolve().parent / "tuned"
+TUNED_DIR = Path(__file__).resolve().parents[1] / "tuned"  # flash_attention/tuned/ (this module is in ops/)
 CACHE_FILE = "autotune.json"
 FORMAT_VERSION = 1
 

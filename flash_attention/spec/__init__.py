@@ -4,7 +4,7 @@ where a kernel build's score function is named.
 :class:`ScoreSpec` is what happens to a scaled score before the softmax (soft-capping, ALiBi and the form
 of ALiBi's distance); :class:`AttentionSpec` is every option of a call that a kernel, a plan or a fallback
 decides by (no tensors: those travel beside it, bound per call). Both are built once, by the argument
-checks of the public functions (``_validate``), and read whole below; the build's name of the score
+checks of the public functions (``spec.validate``), and read whole below; the build's name of the score
 function (``jit.sources.SCORE_MODS``: the C++ policy it instantiates) comes from :attr:`ScoreSpec.build`
 and from nowhere else, and no layer reads a feature back out of that name.
 
