@@ -21,7 +21,7 @@ from ..ops import dispatch
 from ..ops import repeat as _repeat
 from ..ops.plans import check_segments
 from ..sinks import apply_sinks, check_sinks
-from ..spec import AttentionSpec, pack_options
+from ..spec import AttentionSpec, launch_variants, pack_options
 from ..spec.validate import Problem, check_score, check_window, score_spec, validate
 from ..torch_ops.attention import eager_training
 from . import few_queries as _few_queries
@@ -323,14 +323,8 @@ def attention(
             sinks,
             _segments,
         )
-    windowed = {} if window is None else {"window": window}
-    if _segments is not None:
-        # (flash_attention.api.varlen: the packed batch's runs, for the kernels' segments build)
-        windowed["segments"] = _segments
-    if softcap:
-        windowed["softcap"] = softcap
-    if alibi_slopes is not None:
-        windowed["alibi_slopes"] = alibi_slopes
+    # (segments: flash_attention.api.varlen's runs of a packed batch, for the kernels' segments build)
+    windowed = launch_variants(window, softcap, alibi_slopes, _segments)
 
     if problem.is_empty:
         o, lse = _empty_result(q, problem, out)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..ops import dispatch
+from ..spec import launch_variants
 from ..spec.validate_kvcache import CacheProblem
 from . import forward as fallback_forward
 
@@ -114,12 +115,7 @@ def _dense(
     ops = None if q.numel() == 0 or k.shape[1] == 0 else dispatch.kernel_backend(q)
     if ops is None:
         return fallback()
-    # (the launch layer's keywords only where the call has the variant, as attention() passes them)
-    launch = {"window": problem.window} if problem.window is not None else {}
-    if problem.softcap:
-        launch["softcap"] = problem.softcap
-    if alibi_slopes is not None:
-        launch["alibi_slopes"] = alibi_slopes
+    launch = launch_variants(problem.window, problem.softcap, alibi_slopes)
     return dispatch.run_or_fallback(
         lambda: ops.cuda_forward(
             q, k, v, causal=problem.causal, softmax_scale=problem.scale, return_lse=True, out=out,

@@ -103,10 +103,8 @@ def check_segments(
     (seqlen_k, 2) on q's device, for a batch of one, without ``key_range`` or ``window`` (the runs carry
     both); or (row_keys, key_rows, alibi_diagonal) with each row's ALiBi diagonal key, a contiguous int32
     (seqlen_q,) tensor (flash_attention.api.varlen.alibi_diagonals: sequences without causal whose diagonal
-    the
-    runs do not give). Their values are the caller's (flash_attention.api.varlen builds them); the kernels
-    clamp
-    the rows they read, not the values."""
+    the runs do not give). Their values are the caller's (flash_attention.api.varlen builds them); the kernels
+    clamp the rows they read, not the values."""
     if key_range is not None or window is not None:
         raise ValueError("segments carry the key ranges and the window: pass neither key_range nor window")
     if not isinstance(segments, tuple) or len(segments) not in (2, 3):

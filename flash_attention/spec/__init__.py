@@ -16,7 +16,15 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
-__all__ = ["ALIBI_ORIGINS", "NO_SCORE", "AttentionSpec", "OpOptions", "ScoreSpec", "pack_options"]
+__all__ = [
+    "ALIBI_ORIGINS",
+    "NO_SCORE",
+    "AttentionSpec",
+    "OpOptions",
+    "ScoreSpec",
+    "launch_variants",
+    "pack_options",
+]
 
 #: Where ALiBi measures a query row's distance to a key from (``ScoreSpec.alibi_origin``): "diagonal", the
 #: bottom-right-aligned diagonal ``i + seqlen_k - seqlen_q`` (on a packed batch without causal, the packed
@@ -137,3 +145,18 @@ def pack_options(
     left, right = (0, 0) if window is None else window
     ints = [int(causal), int(deterministic), int(window is not None), int(left), int(right)]
     return ints, [float(scale), float(dropout_p), float(softcap)]
+
+
+def launch_variants(window=None, softcap: float = 0.0, alibi_slopes=None, segments=None) -> dict:
+    """The launch layer's keywords of a call's variants (``ops.cuda_forward`` / ``cuda_backward`` /
+    ``training_forward``), only those the call has, so that backends without a variant (the CPU tests'
+    stand-ins) are called as without it: ``window`` (checked), ``softcap`` (0: none), ``alibi_slopes`` (a
+    tensor) and ``segments`` (a packed batch's runs, flash_attention.api.varlen)."""
+    kw = {} if window is None else {"window": window}
+    if segments is not None:
+        kw["segments"] = segments
+    if softcap:
+        kw["softcap"] = float(softcap)
+    if alibi_slopes is not None:
+        kw["alibi_slopes"] = alibi_slopes
+    return kw

@@ -299,8 +299,7 @@ def simulate(
         alibi_diagonal: with ``segments`` and ALiBi, each row's diagonal key (seqlen_q,), as the kernels'
             packed builds measure the distance (``flash_attention.api.varlen.alibi_diagonals``, or
             :func:`flash_attention.fallback.reference.runs_alibi_diagonal` for causal runs); None: the packed
-            row's
-            own index (packed self-attention).
+            row's own index (packed self-attention).
 
     Returns:
         ``(out, lse)`` like ``attention(..., return_lse=True)`` (out in the config's dtype, lse float32, on

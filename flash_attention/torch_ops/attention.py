@@ -41,7 +41,7 @@ from .. import fallback
 from ..fallback.reference import runs_alibi_diagonal
 from ..ops import dispatch
 from ..sinks import apply_sinks, sinks_gradient
-from ..spec import OpOptions
+from ..spec import OpOptions, launch_variants
 
 __all__ = ["fwd", "bwd", "EagerAttention", "eager_training"]
 
@@ -67,20 +67,12 @@ def _has_no_pair(q: torch.Tensor, k: torch.Tensor) -> bool:
 
 
 def _variants(opt: OpOptions, alibi_slopes, row_keys=None, key_rows=None, alibi_diagonal=None) -> dict:
-    """The launch layer's keyword arguments of a call's variants, only those it uses (so that backends
-    without a variant, such as the CPU tests' stand-ins, are called as before). ``row_keys``, ``key_rows``
-    and ``alibi_diagonal`` (None, or each row's ALiBi diagonal): a packed batch's segments
-    (flash_attention.api.varlen)."""
-    kw = {}
+    """The launch layer's keywords of the op's variants (spec.launch_variants); ``row_keys``, ``key_rows``
+    and ``alibi_diagonal`` (None, or each row's ALiBi diagonal): a packed batch's segments."""
+    segments = None
     if row_keys is not None:
-        kw["segments"] = (row_keys, key_rows) + (() if alibi_diagonal is None else (alibi_diagonal,))
-    if opt.window is not None:
-        kw["window"] = opt.window
-    if opt.softcap:
-        kw["softcap"] = opt.softcap
-    if alibi_slopes is not None:
-        kw["alibi_slopes"] = alibi_slopes
-    return kw
+        segments = (row_keys, key_rows) + (() if alibi_diagonal is None else (alibi_diagonal,))
+    return launch_variants(opt.window, opt.softcap, alibi_slopes, segments)
 
 
 def _diagonal(alibi_diagonal, row_keys, causal, alibi_slopes):
