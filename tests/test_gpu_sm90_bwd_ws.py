@@ -111,7 +111,7 @@ def test_causal_blocks_in_heaviest_first_groups_compute_the_same(d, monkeypatch)
     # them), dQ within the atomics' reordering, and all three against float64.
     from flash_attention.ops import backward
 
-    monkeypatch.setenv("FLASH_ATTENTION_CAUSAL_ORDER", "1")  # (off by default until measured)
+    monkeypatch.setenv("FLASH_ATTENTION_CAUSAL_ORDER", "1")  # (off by default: kernel log 123)
     b, sq, sk, hq, hkv = 3, 700, 650, 6, 3
     gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(repr(("kv-order", d)).encode()))
     q = torch.randn(b, sq, hq, d, generator=gen, device="cuda").bfloat16()

@@ -63,7 +63,7 @@ def test_only_causal_atomic_backwards_start_heaviest_first(hopper, kwargs, group
 
 
 def test_the_grid_keeps_its_own_order_unless_switched_on(hopper, monkeypatch):
-    # Until a GPU has measured it (kernel log 123) the order is FLASH_ATTENTION_CAUSAL_ORDER=1's alone.
+    # Measured slower (kernel log 123): the order is FLASH_ATTENTION_CAUSAL_ORDER=1's alone.
     monkeypatch.delenv("FLASH_ATTENTION_CAUSAL_ORDER", raising=False)
     q, k, v = (torch.randn(2, 300, h, 64, dtype=torch.bfloat16, requires_grad=True) for h in (4, 2, 2))
     out = fa.attention(q, k, v, causal=True)
