@@ -23,7 +23,7 @@ from ..jit.params import BwdParams
 from ..jit.sources import SEGMENTS
 from ..sinks import sinks_gradient_from_delta
 from ..spec import AttentionSpec
-from ..spec.validate import check_window, score_spec
+from ..spec.validate import check_window
 from .device import current_stream, device_arch, dtype_name
 from .plans import (
     Launch,
@@ -319,10 +319,10 @@ def cuda_backward(
     window = check_window(window)
     if segments is not None:
         check_segments(segments, q, k, key_range, window)
-    score = score_spec(softcap, alibi_slopes, q, segments, causal)
     spec = launch_spec(
-        causal, softmax_scale, window, score, key_range, dropout_p, deterministic, sinks, segments
-    )
+        q, causal, softmax_scale, window, softcap, alibi_slopes, key_range, dropout_p, deterministic, sinks,
+        segments,
+    )  # fmt: skip
     if head_dim % 8:
         d8 = padded_to_8(head_dim)
         grads = cuda_backward(

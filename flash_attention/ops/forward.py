@@ -25,7 +25,7 @@ from ..jit.loader import get_kernel
 from ..jit.params import FwdParams, FwdTmaParams
 from ..jit.sources import SEGMENTS
 from ..spec import NO_SCORE, AttentionSpec
-from ..spec.validate import check_window, score_spec
+from ..spec.validate import check_window
 from . import tma
 from . import trace as _trace
 from .device import device_arch, dtype_name, sm_count
@@ -411,10 +411,10 @@ def cuda_forward(
     window = check_window(window)
     if segments is not None:
         check_segments(segments, q, k, key_range, window)
-    score = score_spec(softcap, alibi_slopes, q, segments, causal)
     spec = launch_spec(
-        causal, softmax_scale, window, score, key_range, dropout_p, sinks=sinks, segments=segments
-    )
+        q, causal, softmax_scale, window, softcap, alibi_slopes, key_range, dropout_p, sinks=sinks,
+        segments=segments,
+    )  # fmt: skip
     bounds = mask_bounds(spec, q.shape[1], k.shape[1])
     head_dim = q.shape[3]
     if head_dim % 8:
@@ -423,7 +423,8 @@ def cuda_forward(
             dropout_seed, window, softcap, alibi_slopes, sinks, segments,
         )  # fmt: skip
     if trace is not None:
-        if key_range is not None or dropout_p or bounds is not None or score != NO_SCORE or sinks is not None:
+        variant = key_range is not None or dropout_p or bounds is not None or spec.score != NO_SCORE
+        if variant or sinks is not None:
             raise ValueError(
                 "the debug (trace) build takes no key_range, dropout, window, score function or sinks"
             )

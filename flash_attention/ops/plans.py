@@ -20,8 +20,8 @@ import torch
 from ..dropout import dropout_threshold
 from ..jit import driver
 from ..jit.sources import SEGMENTS
-from ..spec import AttentionSpec, ScoreSpec
-from ..spec.validate import check_window
+from ..spec import AttentionSpec
+from ..spec.validate import check_window, score_spec
 from .device import current_stream, device_arch, gpu_name, smem_limit
 from .query_tiles import sequence_bucket
 
@@ -177,10 +177,12 @@ def fill_strides(params: ctypes.Structure, prefix: str, t: torch.Tensor) -> None
 
 
 def launch_spec(
+    q: torch.Tensor,
     causal: bool,
     scale: float,
     window: tuple[int, int] | None,
-    score: ScoreSpec,
+    softcap: float,
+    alibi_slopes: torch.Tensor | None,
     key_range: object,
     dropout_p: float,
     deterministic: bool = False,
@@ -188,12 +190,13 @@ def launch_spec(
     segments: tuple | None = None,
 ) -> AttentionSpec:
     """The spec.AttentionSpec of a launch-layer call given option by option (cuda_forward, cuda_backward,
-    training_forward: the custom ops' and the tools' entries), its arguments checked by the caller."""
+    training_forward: the custom ops' and the tools' entries), its other arguments checked by the caller;
+    its score function (spec.validate.score_spec) checked and built here."""
     return AttentionSpec(
         bool(causal),
         float(scale),
         None if window is None else tuple(window),
-        score,
+        score_spec(softcap, alibi_slopes, q, segments, causal),
         key_range is not None,
         float(dropout_p),
         bool(deterministic),

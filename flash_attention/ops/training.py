@@ -27,7 +27,6 @@ from ..dropout import dropout_key, seed_pair
 from ..jit import driver, host
 from ..jit.params import BwdParams
 from ..spec import AttentionSpec
-from ..spec.validate import score_spec
 from . import backward
 from . import trace as _trace
 from .plans import launch_fields, launch_spec, segment_count, segment_lengths
@@ -127,10 +126,10 @@ def training_forward(
     )
     # The backward reads dO laid out as out (the node copies any other layout), so the plan is out's; the
     # window's bounds travel in the plan's parameters, the variant's tensors are bound per call.
-    score = score_spec(softcap, alibi_slopes, q, segments, causal)
     spec = launch_spec(
-        causal, softmax_scale, window, score, key_range, dropout_p, deterministic, None, segments
-    )
+        q, causal, softmax_scale, window, softcap, alibi_slopes, key_range, dropout_p, deterministic, None,
+        segments,
+    )  # fmt: skip
     plan = backward.plan_for(
         q, k, v, out, out, lse, spec, None, segment_lengths(segments), segment_count(segments)
     )
