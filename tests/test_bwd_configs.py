@@ -101,9 +101,21 @@ def test_hopper_backward_configs():
         for c in (cfg, old):
             assert parse_bwd_config(c.name()) == c
             assert c.smem_bytes <= 227 * 1024
-    # Head_dim 192 and 256: the wide kernel, both warpgroups on 64 keys, one keeping dV and the other dK.
-    wide = default_bwd_config("bf16", 256, "sm_90")
-    assert wide == hopper_bwd_config("bf16", 256) and wide.wide and not wide.warp_specialized
+    # Head_dim 256: the warp-specialized wide kernel (a producer and two computing warpgroups on 64 keys).
+    wide_ws = default_bwd_config("bf16", 256, "sm_90")
+    assert wide_ws == hopper_bwd_config("bf16", 256) and wide_ws.wide_ws and wide_ws.threads == 384
+    assert parse_bwd_config(wide_ws.name()) == wide_ws and wide_ws.name().endswith("_w12_s1_buffer_wgmma_ws")
+    # fa::sm90::BwdWideWsSmem: K, V, two Q and two dO slots, P and dS, statistics, barriers, alignment.
+    assert wide_ws.smem_bytes == 2 * 64 * 256 * 2 + 4 * 64 * 256 * 2 + 2 * 64 * 64 * 2 + 2 * 64 * 8 + 32 + 1024
+    assert wide_ws.entry_kinds() == ("dkdv",)
+    src = sources.kernel_source(wide_ws)
+    assert '#include "sm90/bwd_wide_ws/bwd_kernel.cuh"' in src and "__launch_bounds__(384, 1)" in src
+    with pytest.raises(ValueError, match="warp-specialized wide backward"):
+        BwdConfig("bf16", 192, 64, 64, 12, 1, True, wgmma=True, warp_specialized=True)
+    # Head_dim 192 (and 256's dropout and deterministic calls): the wide kernel, both warpgroups on 64 keys,
+    # one keeping dV and the other dK.
+    wide = hopper_bwd_config("bf16", 256, warp_specialized=False)
+    assert wide.wide and not wide.warp_specialized and not wide.wide_ws
     assert (wide.block_q, wide.block_kv, wide.threads) == (64, 64, 256)
     assert parse_bwd_config(wide.name()) == wide and wide.smem_bytes <= 227 * 1024
     # fa::sm90::BwdWideSmem: K, V, two Q and two dO buffers, fp32 P^T, dS^T, statistics, alignment.
@@ -187,16 +199,17 @@ def test_key_padded_and_dropout_training_keeps_the_hopper_backward(feature, d):
         )
 
     cfg = choose([feature])
-    assert cfg == default_bwd_config("bf16", d, "sm_90") and cfg.wgmma
-    assert cfg.warp_specialized if d == 128 else cfg.wide
-    # Deterministic mode: the turn-taking forms of the same kernels (the ws one at head_dim 64/128, the
-    # wide one at 192/256).
+    wide = hopper_bwd_config("bf16", d, warp_specialized=False)
+    # At head_dim 256 the warp-specialized wide kernel has key ranges; dropout runs the wide one.
+    assert cfg == (wide if (d, feature) == (256, "dropout") else default_bwd_config("bf16", d, "sm_90"))
+    assert cfg.wgmma and (cfg.warp_specialized if d == 128 else cfg.wide)
+    # Deterministic mode: the turn-taking forms of the ws kernel at head_dim 64/128, the wide one at 192/256.
     det = choose(["deterministic", feature])
-    assert det == cfg
+    assert det == (cfg if d == 128 else wide)
 
 
 def test_wide_backward_sources_have_the_key_range_and_dropout_builds():
-    wide = hopper_bwd_config("bf16", 256)
+    wide = hopper_bwd_config("bf16", 256, warp_specialized=False)
     src = sources.kernel_source(wide, ranged=True)
     assert wide.symbol("dkdv", True, True) in src and "fa::DefaultVariant<true, true>, false, false>" in src
     src = sources.kernel_source(wide, dropout=True)

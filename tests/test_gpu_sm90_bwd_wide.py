@@ -1,5 +1,5 @@
 """GPU tests of the Hopper backward at head_dim 192 and 256 (csrc/kernels/sm90/bwd_wide: the two warpgroups on
-one 64-key block, one keeping dV and the other dK): gradients against float64 autograd on random shapes
+one 64-key block, one keeping dV and the other dK; and at 256 csrc/kernels/sm90/bwd_wide_ws): gradients against float64 autograd on random shapes
 (odd lengths, seqlen_q above and below seqlen_k, one query, GQA groups up to 8, head dims 192 and 256 and
 sizes zero-padded to them, fp16 and bf16, causal and not) within twice the error of PyTorch's own
 low-precision attention and 1.5x the error of the portable (sm80) backward it replaces there; dK and dV
@@ -32,8 +32,9 @@ def _hopper() -> bool:
 needs_hopper = pytest.mark.skipif(not _hopper(), reason="the wide wgmma backward needs an sm_90 GPU")
 
 
-def wide_config(dtype: str, d: int = 256) -> BwdConfig:
-    return hopper_bwd_config(dtype, 192 if d <= 192 else 256)
+def wide_config(dtype: str, d: int = 256, ws: bool = False) -> BwdConfig:
+    """The wide kernel, or (``ws``, head_dim 256) the warp-specialized wide one (bwd_wide_ws)."""
+    return hopper_bwd_config(dtype, 192 if d <= 192 else 256, warp_specialized=ws and d > 192)
 
 
 def portable_config(dtype: str, d: int = 256) -> BwdConfig:
@@ -58,7 +59,8 @@ SHAPES = [
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_wide_backward_against_float64(shape, causal, dtype):
+@pytest.mark.parametrize("ws", [False, True], ids=["wide", "wide_ws"])
+def test_wide_backward_against_float64(shape, causal, dtype, ws):
     b, sq, sk, hq, hkv, d = shape
     dt = DTYPES[dtype]
     gen = torch.Generator(device="cuda").manual_seed(
@@ -70,7 +72,7 @@ def test_wide_backward_against_float64(shape, causal, dtype):
     scale = d**-0.5
     o, lse = ops.cuda_forward(q, k, v, causal=causal, softmax_scale=scale, return_lse=True, out=None)
     got = ops.cuda_backward(
-        do, q, k, v, o, lse, causal=causal, softmax_scale=scale, config=wide_config(dtype, d)
+        do, q, k, v, o, lse, causal=causal, softmax_scale=scale, config=wide_config(dtype, d, ws)
     )
     old = ops.cuda_backward(
         do, q, k, v, o, lse, causal=causal, softmax_scale=scale, config=portable_config(dtype, d)
@@ -92,14 +94,15 @@ def test_wide_backward_against_float64(shape, causal, dtype):
 
 
 @needs_hopper
-def test_wide_backward_dk_dv_repeat_bitwise():
+@pytest.mark.parametrize("ws", [False, True], ids=["wide", "wide_ws"])
+def test_wide_backward_dk_dv_repeat_bitwise(ws):
     """dK and dV are summed in registers in a fixed order (no atomics): identical over runs."""
     q = torch.randn(2, 777, 8, 256, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(2, 555, 2, 256, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     do = torch.randn_like(q)
     o, lse = ops.cuda_forward(q, k, v, causal=True, softmax_scale=0.07, return_lse=True, out=None)
     runs = [
-        ops.cuda_backward(do, q, k, v, o, lse, causal=True, softmax_scale=0.07, config=wide_config("bf16"))
+        ops.cuda_backward(do, q, k, v, o, lse, causal=True, softmax_scale=0.07, config=wide_config("bf16", ws=ws))
         for _ in range(3)
     ]
     for r in runs[1:]:
@@ -108,13 +111,16 @@ def test_wide_backward_dk_dv_repeat_bitwise():
 
 
 @needs_hopper
-def test_wide_backward_strided_inputs():
+@pytest.mark.parametrize("ws", [False, True], ids=["wide", "wide_ws"])
+def test_wide_backward_strided_inputs(ws):
     """Inputs that are views with a row stride wider than heads * head_dim (a fused QKV projection)."""
     qkv = torch.randn(2, 300, 3, 4, 256, device="cuda", dtype=torch.bfloat16)
     q, k, v = qkv.unbind(2)
     do = torch.randn(2, 300, 4, 256, device="cuda", dtype=torch.bfloat16)
     o, lse = ops.cuda_forward(q, k, v, causal=False, softmax_scale=0.06, return_lse=True, out=None)
-    got = ops.cuda_backward(do, q, k, v, o, lse, causal=False, softmax_scale=0.06, config=wide_config("bf16"))
+    got = ops.cuda_backward(
+        do, q, k, v, o, lse, causal=False, softmax_scale=0.06, config=wide_config("bf16", ws=ws)
+    )
     want = ops.cuda_backward(
         do, q, k, v, o, lse, causal=False, softmax_scale=0.06, config=portable_config("bf16")
     )
@@ -125,8 +131,9 @@ def test_wide_backward_strided_inputs():
 @needs_hopper
 @pytest.mark.parametrize("d", [192, 256])
 @pytest.mark.parametrize("causal", [False, True])
-def test_wide_backward_key_range(d, causal):
-    check_key_range_backward(d, causal, wide_config("bf16", d))
+@pytest.mark.parametrize("ws", [False, True], ids=["wide", "wide_ws"])
+def test_wide_backward_key_range(d, causal, ws):
+    check_key_range_backward(d, causal, wide_config("bf16", d, ws))
 
 
 @needs_hopper

@@ -40,6 +40,10 @@ def _wrappers(n: int) -> str:
             f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ab}.{ab} {{{_regs(0, acc)}}}, %{acc}, %{acc + 1}, "
             "p, 1, 1, 1, 1;"
         )
+        ss_bt = (
+            f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ab}.{ab} {{{_regs(0, acc)}}}, %{acc}, %{acc + 1}, "
+            "p, 1, 1, 0, 1;"
+        )
         rs = (
             f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ab}.{ab} {{{_regs(0, acc)}}}, "
             f"{{{_regs(acc, 4)}}}, %{acc + 4}, p, 1, 1, 1;"
@@ -59,6 +63,14 @@ def _wrappers(n: int) -> str:
             "                                                int accumulate) {\n"
             f'    asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{acc + 2}, 0;\\n"\n'
             f'                 "{ss_tt}\\n}}\\n"\n'
+            f"                 : {_acc_operands(acc)}\n"
+            f'                 : "l"(a), "l"(b), "r"(accumulate));\n'
+            "  }\n"
+            f"  // A (64 x 16) K-major and B (16 x {n}) MN-major (transposed) in shared memory.\n"
+            f"  static __device__ __forceinline__ void ss_bt(float (&d)[{acc}], u64 a, u64 b,\n"
+            "                                                int accumulate) {\n"
+            f'    asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{acc + 2}, 0;\\n"\n'
+            f'                 "{ss_bt}\\n}}\\n"\n'
             f"                 : {_acc_operands(acc)}\n"
             f'                 : "l"(a), "l"(b), "r"(accumulate));\n'
             "  }\n"

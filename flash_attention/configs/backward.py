@@ -82,7 +82,7 @@ class BwdConfig:
         """Threads of entry point ``kind`` (``dkdv``, ``dkdv_det``, ...) of the per-mask kernels: the
         deterministic kernels of the warp-specialized and wide forms have one more warpgroup, for their dQ
         writers (DET_WS_REGISTER_SPLIT, DET_WIDE_REGISTER_SPLIT)."""
-        if kind == "dkdv_det" and (self.warp_specialized or self.wide):
+        if kind == "dkdv_det" and (self.warp_specialized or self.wide) and not self.wide_ws:
             return self.threads + 128
         return self.threads
 
@@ -90,6 +90,13 @@ class BwdConfig:
     def wide(self) -> bool:
         """Whether this is the wide-head-dim form of the Hopper backward (csrc/kernels/sm90/bwd_wide)."""
         return self.wgmma and self.head_dim > 128
+
+    @property
+    def wide_ws(self) -> bool:
+        """Whether this is the warp-specialized wide backward (head_dim 256, csrc/kernels/sm90/bwd_wide_ws):
+        S and dP with queries as rows split by keys between the computing warpgroups, dK and dV with head_dim
+        as rows split by head_dim; no dropout or deterministic build (the wide kernel takes those)."""
+        return self.warp_specialized and self.head_dim > 128
 
     @property
     def dq_threads(self) -> int:
@@ -104,6 +111,11 @@ class BwdConfig:
     def smem_bytes(self) -> int:
         nb = 2 if self.double_buffer else 1
         d, bq, bkv = self.head_dim, self.block_q, self.block_kv
+        if self.wide_ws:
+            # Mirrors fa::sm90::BwdWideWsSmem: K, V; Q and dO per slot; P and dS (bf16); LSE and delta per slot;
+            # full and empty mbarriers per slot; +1 KB to align the tiles.
+            st = self.WS_STAGES
+            return 1024 + 4 * bkv * d + 4 * st * bq * d + 4 * bq * bkv + 8 * st * bq + 16 * st
         if self.warp_specialized:
             # K, V; Q and dO per slot; two dS^T buffers; two warpgroups' 64 x 64 fp32 dQ staging tiles;
             # LSE and delta per slot; the slots' two mbarriers, the deterministic dQ hand-off's four and
@@ -151,6 +163,8 @@ class BwdConfig:
         """The per-mask kernels of this config's translation unit: the dK/dV kernel with atomic dQ, and
         (sm80 family) the deterministic pair of dK/dV without atomics and dQ, or (warp-specialized) the
         deterministic dK/dV kernel whose dQ reductions take turns."""
+        if self.wide_ws:
+            return ("dkdv",)  # (deterministic calls take the wide kernel)
         if self.warp_specialized or self.wide:
             return ("dkdv", "dkdv_det")  # the deterministic one adds dQ in a fixed order itself
         return ("dkdv",) if self.wgmma else ("dkdv", "dkdv_det", "dq")
@@ -233,8 +247,23 @@ def bwd_validity_errors(cfg: BwdConfig) -> list[str]:
 
 
 def _ws_shape_errors(cfg: BwdConfig) -> list[str]:
-    """The warp-specialized kernel's fixed shapes (csrc/kernels/sm90/bwd_ws)."""
+    """The warp-specialized kernels' fixed shapes (csrc/kernels/sm90/bwd_ws, and bwd_wide_ws at head_dim 256)."""
     errors = []
+    if cfg.head_dim > 128:
+        if (cfg.head_dim, cfg.block_q, cfg.block_kv, cfg.num_warps, cfg.split, cfg.double_buffer, cfg.wgmma) != (
+            256,
+            64,
+            64,
+            12,
+            1,
+            True,
+            True,
+        ):
+            errors.append(
+                "the warp-specialized wide backward is head_dim 256, block_q 64, block_kv 64, a producer and "
+                "two computing warpgroups (num_warps 12), double buffered, unsplit, wgmma"
+            )
+        return errors
     if not cfg.wgmma or cfg.num_warps != 12 or cfg.block_kv != 128 or cfg.split != 1:
         errors.append(
             "warp-specialized backward configs are wgmma configs of a producer and two consumer "
@@ -310,8 +339,11 @@ def bwd_register_roles(cfg: BwdConfig) -> str:
 def hopper_bwd_config(dtype: str, head_dim: int, *, warp_specialized: bool = True) -> BwdConfig:
     """The Hopper backward's config at head_dim 64 or 128 (its shape is fixed by the kernel: 128 keys per
     block, 128 query rows per step at head_dim 64 and 64 at 128): the warp-specialized kernel, or with
-    ``warp_specialized=False`` the sm90 wgmma kernel it replaced. At head_dim 192 and 256 the wide kernel (64
-    keys, 64 query rows per step; it has no warp-specialized form)."""
+    ``warp_specialized=False`` the sm90 wgmma kernel it replaced. At head_dim 256 the warp-specialized wide
+    kernel (64 keys, 64 query rows per step, csrc/kernels/sm90/bwd_wide_ws), or with ``warp_specialized=False``
+    the wide kernel, which is also head_dim 192's."""
+    if head_dim == 256 and warp_specialized:
+        return BwdConfig(dtype, head_dim, 64, 64, 12, 1, True, wgmma=True, warp_specialized=True)
     if head_dim in (192, 256):
         return BwdConfig(dtype, head_dim, 64, 64, 8, 1, True, wgmma=True)
     return BwdConfig(

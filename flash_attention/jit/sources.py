@@ -235,7 +235,9 @@ def bwd_kernel_source(
             )
         # The warp-specialized form: one block per multiprocessor, whose launch allocation setmaxnreg
         # divides between producer and consumers.
-        if cfg.warp_specialized:
+        if cfg.wide_ws:
+            body, header = "fa::sm90::bwd_wide_ws_dkdv_body", "sm90/bwd_wide_ws/bwd_kernel.cuh"
+        elif cfg.warp_specialized:
             body, header = "fa::sm90::bwd_ws_dkdv_body", "sm90/bwd_ws/bwd_kernel.cuh"
         elif cfg.wide:
             body, header = "fa::sm90::bwd_wide_dkdv_body", "sm90/bwd_wide/bwd_kernel.cuh"

@@ -17,6 +17,7 @@ from ..configs import (
     BwdConfig,
     KernelConfig,
     classic_hopper_config,
+    hopper_bwd_config,
     default_bwd_config,
     default_config,
     padded_head_dim,
@@ -162,6 +163,10 @@ def forward_config(
     return cfg
 
 
+#: What the warp-specialized wide backward (head_dim 256) leaves to the wide kernel, which has both.
+_WIDE_ONLY = frozenset({"dropout", "deterministic"})
+
+
 def backward_config(
     dtype: str,
     head_dim: int,
@@ -181,12 +186,17 @@ def backward_config(
     features = tuple(features)
     if config is not None:
         cfg = parse_bwd_config(config)
+        if cfg.wide_ws and _WIDE_ONLY & set(features):
+            # The warp-specialized wide kernel's dropout and deterministic forms are the wide kernel's.
+            cfg = hopper_bwd_config(cfg.dtype, cfg.head_dim, warp_specialized=False)
         smem = max(cfg.smem_bytes, cfg.dq_smem_bytes)
         _check_explicit(cfg, dtype, head_dim, unsupported(cfg, features), smem, smem_limit)
         return cfg
     cfg = winners.lookup_bwd(gpu, dtype, head_dim, causal, seqlen_q, seqlen_k, group) or default_bwd_config(
         dtype, head_dim, arch
     )
+    if cfg is not None and cfg.wide_ws and _WIDE_ONLY & set(features):
+        cfg = hopper_bwd_config(cfg.dtype, cfg.head_dim, warp_specialized=False)
     if cfg is not None and unsupported(cfg, features):
         cfg = default_bwd_config(dtype, head_dim, arch, portable=True)
     if cfg is None or max(cfg.smem_bytes, cfg.dq_smem_bytes) > smem_limit:

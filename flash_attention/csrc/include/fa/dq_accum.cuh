@@ -43,6 +43,24 @@ __device__ __forceinline__ i64 dq_accum_offset(i64 ws_row, int col) {
   }
 }
 
+// One warpgroup's dQ part of 64 query rows x N columns (N / 2 registers of the wgmma accumulator, register
+// 4 n + e: row 16 (warp % 4) + g + 8 (e / 2), column 8 n + 2 t + e % 2) staged in the tiled layout above as
+// N / 64 tiles of 64 x 64 floats, tile i at stage[i], for one bulk reduce-add each. In tile n / 8 the pair
+// is 16-byte chunk 2 (n % 8) + t / 2 of its row, swizzled by the row's low three bits, which are g.
+template <int N, int kTiles>
+__device__ __forceinline__ void stage_dq_tiles(const u32 (&stage)[kTiles], const float (&dq)[N / 2],
+                                               int warp_in_wg, int g, int t) {
+  static_assert(N % 64 == 0 && N / 64 <= kTiles, "whole 64-column tiles, one address each");
+  const u32 row_off = (16 * warp_in_wg + g) * 256 + 8 * (t % 2);
+  const int chunk_bit = (t / 2) ^ g;
+#pragma unroll
+  for (int n = 0; n < N / 8; ++n)
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+      st_shared_f32x2(stage[n / 8] + row_off + r * 8 * 256 + (((2 * (n % 8)) ^ chunk_bit) << 4),
+                      dq[4 * n + 2 * r], dq[4 * n + 2 * r + 1]);
+}
+
 // The deterministic warp-specialized backward's workspace (p.dq_lanes 1 or 2, fa/dq_turns.cuh): dq_lanes
 // accumulators of the layout above, one after the other (lane 1 holds the additions of the wrapped walks),
 // then four int semaphores per (batch, head, 64-row unit of the padded query rows): (lane, consumer

@@ -110,6 +110,14 @@ __device__ __forceinline__ void stmatrix_x4(u32 addr, const u32 (&r)[4]) {
                "r"(r[1]), "r"(r[2]), "r"(r[3]));
 }
 
+// stmatrix's transposing form (.trans): matrix i's row j (the address of lane 8 i + j) receives column j of
+// the lanes' pieces, so an accumulator whose rows are head_dim and columns keys lands with keys as rows (the
+// warp-specialized wide backward's dK / dV epilogue).
+__device__ __forceinline__ void stmatrix_x4_trans(u32 addr, const u32 (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]),
+               "r"(r[1]), "r"(r[2]), "r"(r[3]));
+}
+
 // mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32 (PTX ISA 9.7.14.5.14): D = A B + C with
 // fp32 accumulation. A: 4 registers (16x16), B: 2 registers (16x8), C/D: 4 fp32 (16x8).
 template <bool kIsBF16>

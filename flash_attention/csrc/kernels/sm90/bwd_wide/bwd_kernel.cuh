@@ -53,6 +53,7 @@
 #include "fa/bwd_preprocess.cuh"
 #include "fa/bwd_wgmma.cuh"
 #include "fa/copy.cuh"
+#include "fa/dq_accum.cuh"
 #include "fa/dq_turns.cuh"
 #include "fa/dropout.cuh"
 #include "fa/frag.cuh"
@@ -81,9 +82,7 @@ struct BwdWideSmem {
 // One warpgroup's part of dQ += dS K, its N columns from 128 wg on: the product (which also waits for the
 // accumulator's), then out through the copy engine. Staged as 64 x 64 fp32 tiles, tile i at stage[i], in the
 // tiled workspace's layout (fa/dq_accum.cuh), then one bulk reduce-add per tile into the workspace rows
-// from ws_row. Register 4 n + e is query row 16 (warp % 4) + g + 8 (e / 2), column 128 wg + 8 n + 2 t; in tile
-// n / 8, its 16-byte chunk (2 (n % 8) + t / 2) swizzled by the row's low three bits, which are g (rows
-// start at multiples of 8).
+// from ws_row (fa/dq_accum.cuh, stage_dq_tiles).
 template <int N, int BC, int D, bool BF, bool kDeterministic>
 __device__ __forceinline__ void bwd_wide_dq_part(const BwdParams& p, float (&acc)[D / 2], u64 ds_desc,
                                                  u64 kt_desc, const u32 (&stage)[2], i64 ws_row, int wg,
@@ -97,15 +96,7 @@ __device__ __forceinline__ void bwd_wide_dq_part(const BwdParams& p, float (&acc
   wgmma_hold(dq);
   wgmma_hold(acc);
 
-  const int warp = tid / 32, g = (tid % 32) / 4, t = tid % 4;
-  const u32 row_off = (16 * (warp % 4) + g) * 256 + 8 * (t % 2);
-  const int chunk_bit = (t / 2) ^ g;
-#pragma unroll
-  for (int n = 0; n < N / 8; ++n)
-#pragma unroll
-    for (int r = 0; r < 2; ++r)
-      st_shared_f32x2(stage[n / 8] + row_off + r * 8 * 256 + (((2 * (n % 8)) ^ chunk_bit) << 4),
-                      dq[4 * n + 2 * r], dq[4 * n + 2 * r + 1]);
+  stage_dq_tiles<N>(stage, dq, (tid / 32) % 4, (tid % 32) / 4, tid % 4);
   fence_proxy_async();
   if constexpr (kDeterministic) {
     // Handed to the dQ writer, which waits at the same barrier (the warpgroup goes on).

@@ -1,0 +1,418 @@
+// FlashAttention-2 backward's dK/dV kernel (dQ added into an fp32 workspace) for Hopper (sm_90a) at head_dim
+// 256, warp-specialized, with the products oriented so that neither computing warpgroup waits for the other
+// inside a step's chain.
+//
+// Why not the wide kernel (csrc/kernels/sm90/bwd_wide): there the two warpgroups split the work by product
+// on one 64-key block (warpgroup 0 S^T, P^T and dV; warpgroup 1 dP^T, dS^T and dK), so warpgroup 1 waits
+// for warpgroup 0's P^T in every step, all 256 threads copy the next Q and dO and meet at a __syncthreads,
+// and each step ends with both waiting for dQ's staging: ncu put 39% of its stall samples on barriers with
+// the tensor pipe 26% busy (kernel log 118/124). Here, per query step of 64 rows:
+//   S = Q K_c^T and dP = dO V_c^T with queries as rows: warpgroup c takes keys [32 c, 32 c + 32) of the
+//     block's 64 (m64n32k16, K = head_dim), so each warpgroup has P and dS of its own keys without an
+//     exchange, computed as soon as its own products land;
+//   P and dS go to shared memory (bf16, 64 x 64 each, one 128-byte-swizzled panel), and one named barrier
+//     makes both halves visible;
+//   dV^T += dO^T P and dK^T += Q^T dS with head_dim as rows: warpgroup c keeps head_dim rows
+//     [128 c, 128 c + 128) of both, for all 64 keys (two m64n64k16 row blocks each, K = the 64 queries):
+//     2 x 2 x 32 = 128 accumulator registers, where keys as rows would need 2 x 256 per warpgroup of 64 keys;
+//   dQ = dS K for head_dim columns [128 c, 128 c + 128) (m64n128k16, K = 64 keys), staged and added with
+//     bulk reduce-adds as in the other Hopper backwards.
+// A producer warpgroup copies K and V once and each step's Q, dO and statistics into a ring of two slots,
+// as the warp-specialized kernel does (csrc/kernels/sm90/bwd_ws, whose comments on the copies, PDL and the
+// full/empty barriers apply here).
+//
+// dQ's staging: a dedicated 64 KB tile does not fit beside K, V and two slots (213 KB), so warpgroup 0
+// stages its two 64 x 64 fp32 tiles where the step's Q was and warpgroup 1 where its dO was, once both
+// warpgroups' products of the step have completed (barrier 2). The slot is released to the producer once the
+// copy engine has read the staged tiles: the issuing thread waits for that read in the next step, after
+// that step's first products are on the tensor cores, and arrives on the slot's empty barrier (one arrival
+// per warpgroup).
+//
+// Barriers, each for one hazard:
+//   full[s]   (mbarrier, 128 producer arrivals): slot s holds this use's Q, dO and statistics (and, with the
+//             first step, K and V).
+//   empty[s]  (mbarrier, one arrival per computing warpgroup): the copy engine has read the dQ tiles
+//             staged in slot s (after every product and statistics read of the slot, barrier 2).
+//   named 1   (256 computing threads): both warpgroups' halves of P and dS are written and fenced.
+//   named 2   (256): both warpgroups' products of the step have completed, so the slot may take dQ's staging
+//             and the next step may rewrite P and dS (single-buffered: their last readers are these).
+//   named 3 + c (128, warpgroup c): its dQ tiles are staged and fenced; one thread then issues them.
+//
+// Shared memory (bytes from a 1024-aligned base, BwdWideWsSmem): K and V (64 x 256 each), two slots of Q
+// and dO (64 x 256 each), P and dS (64 x 64 each), two slots of statistics, the barriers: 210 KB.
+//
+// What it does not have (configs/families.py routes those calls to the wide kernel): dropout, the
+// deterministic mode, head_dim 192.
+#pragma once
+
+#include "fa/block_range.cuh"
+#include "fa/bwd_params.h"
+#include "fa/bwd_preprocess.cuh"
+#include "fa/bwd_wgmma.cuh"
+#include "fa/copy.cuh"
+#include "fa/dq_accum.cuh"
+#include "fa/frag.cuh"
+#include "fa/grid_dependency.cuh"
+#include "fa/mask.cuh"
+#include "fa/ptx.cuh"
+#include "fa/smem_layout.cuh"
+#include "fa/tile_ptrs.cuh"
+#include "fa/tma.cuh"
+#include "fa/variant.cuh"
+#include "fa/wgmma.cuh"
+
+namespace fa {
+namespace sm90 {
+
+// Shared memory of the warp-specialized wide backward, in bytes (mirrored by
+// configs.backward.BwdConfig.smem_bytes).
+template <int BR, int BC, int D, int NST>
+struct BwdWideWsSmem {
+  static constexpr int kKV = BC * D * 2;    // K, and V
+  static constexpr int kQ = BR * D * 2;     // one Q or dO slot
+  static constexpr int kPS = BR * BC * 2;   // P, and dS
+  static constexpr int kStats = 2 * BR * 4; // one slot: LSE2, delta
+  static constexpr int kBars = 8 * 2 * NST; // full and empty per slot
+  static constexpr int kBytes = 1024 + 2 * kKV + 2 * NST * kQ + 2 * kPS + NST * kStats + kBars;
+};
+
+// acc (64 queries x NK keys) = A B^T over head_dim D: A this step's Q or dO (K-major, a_desc plus the slot's
+// a_off), B NK rows of K or V (K-major, b_desc at the warpgroup's first key). D / 16 k-steps of 16 columns,
+// 32 bytes along a row, every fourth starting the next 64-column panel (BR * 128 bytes on in Q's and dO's
+// tiles, BC * 128 in K's and V's).
+template <int BR, int BC, int NK, int D, bool BF>
+__device__ __forceinline__ void issue_query_rows_product(float (&acc)[NK / 2], u64 a_desc, u32 a_off,
+                                                         u64 b_desc) {
+  const u64 a_step = desc_advance(a_desc, a_off);
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk)
+    Wgmma<NK, BF>::ss(acc, desc_advance(a_step, (kk / 4) * BR * 128 + (kk % 4) * 32),
+                      desc_advance(b_desc, (kk / 4) * BC * 128 + (kk % 4) * 32), kk > 0);
+}
+
+// acc (64 head_dim rows x BC keys) += A^T B over the step's BR queries: A one 64-column panel of Q or dO read
+// MN-major (at_desc plus a_off: the slot and the panel), B = dS or P (BR x BC, one panel) read MN-major.
+// 16 queries per k-step, 16 rows of 128 bytes.
+template <int BR, int BC, bool BF>
+__device__ __forceinline__ void issue_head_rows_acc(float (&acc)[BC / 2], u64 at_desc, u32 a_off, u64 bt_desc) {
+  const u64 a_step = desc_advance(at_desc, a_off);
+#pragma unroll
+  for (int ks = 0; ks < BR / 16; ++ks)
+    Wgmma<BC, BF>::ss_tt(acc, desc_advance(a_step, ks * 16 * 128), desc_advance(bt_desc, ks * 16 * 128), 1);
+}
+
+// dq (64 queries x N head_dim columns) = dS K over the block's BC keys: A = dS (K-major, one 64-key panel, 32
+// bytes per k-step), B = K's N columns read MN-major (kt_desc), 16 key rows per k-step.
+template <int BC, int N, bool BF>
+__device__ __forceinline__ void issue_dq_from_ds(float (&dq)[N / 2], u64 ds_desc, u64 kt_desc) {
+#pragma unroll
+  for (int kk = 0; kk < BC / 16; ++kk)
+    Wgmma<N, BF>::ss_bt(dq, desc_advance(ds_desc, kk * 32), desc_advance(kt_desc, kk * 16 * 128), kk > 0);
+}
+
+// One warpgroup's dK^T or dV^T rows (64 head_dim rows of row block `hb`, all BC keys; register 4 n + e is
+// head_dim row 64 hb + 16 w + g + 8 (e / 2) of the warpgroup's part, key 8 n + 2 t + e % 2) into a keys x D
+// bf16 tile at s_out, transposed by stmatrix: rows of 2 D bytes, 16-byte chunk c of key row k at c ^ (k % 8)
+// (the eight key rows one matrix writes then fall in eight bank groups). Lane 8 i + j addresses key row
+// 8 (n + i / 2) + j, chunk (d0 + 8 (i % 2)) / 8 of matrix i.
+template <int BC, int D, bool BF>
+__device__ __forceinline__ void store_head_rows_transposed(u32 s_out, const float (&acc)[BC / 2], int d0,
+                                                           int lane) {
+  const int i = lane / 8, j = lane % 8;
+  const int chunk = (d0 + 8 * (i % 2)) / 8;
+#pragma unroll
+  for (int n = 0; n < BC / 8; n += 2) {
+    const int key = 8 * (n + i / 2) + j;
+    const u32 r[4] = {pack2<BF>(acc[4 * n], acc[4 * n + 1]), pack2<BF>(acc[4 * n + 2], acc[4 * n + 3]),
+                      pack2<BF>(acc[4 * n + 4], acc[4 * n + 5]), pack2<BF>(acc[4 * n + 6], acc[4 * n + 7])};
+    stmatrix_x4_trans(s_out + (u32)key * (2 * D) + ((chunk ^ j) << 4), r);
+  }
+}
+
+// The keys x D tile store_head_rows_transposed wrote, out to dK's or dV's layout (dst at the block's first
+// key, rows row_stride elements apart) by the 256 computing threads, 16 bytes each: keys at or past
+// rows_left and chunks at or past head_dim are not written.
+template <int BC, int D>
+__device__ __forceinline__ void copy_out_key_rows(u16* dst, i64 row_stride, int rows_left, int head_dim,
+                                                  u32 s_tile, int ctid) {
+  constexpr int C = D / 8;  // chunks per key row
+#pragma unroll
+  for (int i = 0; i < BC * C / 256; ++i) {
+    const int id = i * 256 + ctid, row = id / C, c = id % C;
+    if (row < rows_left && 8 * c < head_dim)
+      st_global_16(dst + (i64)row * row_stride + 8 * c, ld_shared_16(s_tile + row * (2 * D) + ((c ^ (row % 8)) << 4)));
+  }
+}
+
+template <class Cfg, class V, bool kDropout = false, bool kDeterministic = false>
+__device__ __forceinline__ void bwd_wide_ws_dkdv_body(const BwdParams& p) {
+  using Mask = typename V::Mask;  // the variant (fa/variant.cuh)
+  static_assert(ScoreModHasGradient<typename V::ScoreMod>::value,
+                "the backward does not differentiate a score function without its derivative "
+                "(kUnitGradient, gradient)");
+  static_assert(!kDropout && !kDeterministic,
+                "the warp-specialized wide backward has no dropout or deterministic build (the wide one does)");
+  constexpr bool BF = Cfg::kIsBF16;
+  constexpr int D = Cfg::kHeadDim;
+  constexpr int BR = Cfg::kBlockQ;   // query rows per step
+  constexpr int BC = Cfg::kBlockKV;  // key rows of the block
+  constexpr int NK = BC / 2;         // keys of S and dP per computing warpgroup
+  constexpr int NST = Cfg::kStages;
+  static_assert(Cfg::kNumWarps == 12 && BR == 64 && BC == 64 && D == 256,
+                "a producer and two computing warpgroups, 64 queries x 64 keys, head_dim 256");
+  using Smem = BwdWideWsSmem<BR, BC, D, NST>;
+  static_assert(Smem::kBytes <= Cfg::kSmemBytes, "the shared-memory layout exceeds the config's smem_bytes");
+  static_assert(128 * Cfg::kProducerRegs + 256 * Cfg::kConsumerRegs <= 384 * 168,
+                "the register split exceeds the block's allocation");
+  using QTile = PanelTile<BR>;   // Q and dO
+  using KVTile = PanelTile<BC>;  // K and V
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  const u32 base = (smem_addr(smem) + 1023u) & ~1023u;
+  const u32 sK = base;
+  const u32 sV = sK + Smem::kKV;
+  const u32 sQ = sV + Smem::kKV;          // NST slots
+  const u32 sdO = sQ + NST * Smem::kQ;    // NST slots
+  const u32 sP = sdO + NST * Smem::kQ;    // BR query rows of BC keys: one panel
+  const u32 sdS = sP + Smem::kPS;
+  const u32 sStats = sdS + Smem::kPS;     // [slot][LSE2 (BR floats), delta (BR floats)]
+  const u32 bars = sStats + NST * Smem::kStats;
+  auto full = [&](int s) { return bars + 8 * s; };
+  auto empty = [&](int s) { return bars + 8 * (NST + s); };
+  const float* const stats = reinterpret_cast<const float*>(smem + (sStats - smem_addr(smem)));
+  constexpr int kLoaders = 128;
+
+  const int tid = threadIdx.x;
+  const int n_block = blockIdx.x;
+  const int kv_head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const int kv_start = n_block * BC;
+
+  // The query blocks [m_begin, m_begin + m_count) that see some key of this block (the variant's mask),
+  // walked for every query head of the GQA group (dK and dV summed over it), head by head.
+  const Mask mask(p, batch, kv_head);
+  const auto blocks = mask.template q_blocks<BR, BC>(p, kv_start);
+  const int m_begin = blocks.begin;
+  const int m_count = blocks.count;
+  const int n_iter = p.group * m_count;
+  auto head_of = [&](int it) { return kv_head * p.group + it / m_count; };
+  auto q_start_of = [&](int it) { return (m_begin + it % m_count) * BR; };
+
+  if (tid == 0) {
+    for (int s = 0; s < NST; ++s) {
+      mbar_init(full(s), kLoaders);
+      mbar_init(empty(s), 2);
+    }
+    mbar_init_fence();
+  }
+  // The only block-wide barrier: the mbarriers are initialised before anyone waits on or arrives at them.
+  __syncthreads();
+
+  if (tid < 128) {
+    // ---- producer (as csrc/kernels/sm90/bwd_ws's) ------------------------------------------------------
+    setmaxnreg_dec<Cfg::kProducerRegs>();
+    for (int it = 0; it < n_iter; ++it) {
+      const int s = it % NST;
+      // The slot's previous use (step it - NST): its staged dQ has been read by the copy engine.
+      if (it >= NST) mbar_wait(empty(s), (u32)((it / NST - 1) & 1));
+      if (it == 0) {
+        const u16* gK = static_cast<const u16*>(p.k) + k_offset(p, batch, kv_head, kv_start);
+        const u16* gV = static_cast<const u16*>(p.v) + v_offset(p, batch, kv_head, kv_start);
+        load_tile_rolled<BC, D, kLoaders, KVTile>(sK, gK, p.k_row_stride, p.seqlen_k - kv_start, p.head_dim,
+                                                  tid);
+        load_tile_rolled<BC, D, kLoaders, KVTile>(sV, gV, p.v_row_stride, p.seqlen_k - kv_start, p.head_dim,
+                                                  tid);
+      }
+      const int head = head_of(it);
+      const int q_start = q_start_of(it);
+      const u16* gQ = static_cast<const u16*>(p.q) + q_offset(p, batch, head, q_start);
+      const u16* gdO = static_cast<const u16*>(p.dout) + do_offset(p, batch, head, q_start);
+      load_tile_rolled<BR, D, kLoaders, QTile>(sQ + s * Smem::kQ, gQ, p.q_row_stride, p.seqlen_q - q_start,
+                                               p.head_dim, tid);
+      load_tile_rolled<BR, D, kLoaders, QTile>(sdO + s * Smem::kQ, gdO, p.do_row_stride, p.seqlen_q - q_start,
+                                               p.head_dim, tid);
+      // The statistics are the preprocessing kernel's output (programmatic launch: fa/grid_dependency.cuh).
+      if (it == 0) grid_dependency_wait();
+      // The workspaces are padded to whole 128-row blocks: no bounds check.
+      const i64 r0 = workspace_row(p, batch, head, q_start);
+      if (tid < BR / 4) {
+        cp_async_16(sStats + s * Smem::kStats + 16 * tid, p.lse_log2 + r0 + 4 * tid, 16);
+      } else if (tid < BR / 2) {
+        const int c = tid - BR / 4;
+        cp_async_16(sStats + s * Smem::kStats + 4 * BR + 16 * c, p.delta + r0 + 4 * c, 16);
+      }
+      cp_async_commit();
+      cp_async_wait<0>();
+      fence_proxy_async();
+      mbar_arrive(full(s));
+    }
+    return;
+  }
+
+  // ---- the computing warpgroups ---------------------------------------------------------------------------
+  setmaxnreg_inc<Cfg::kConsumerRegs>();
+  grid_dependency_wait();  // (the statistics and the dQ workspace: the preprocessing kernel's output)
+  const int ctid = tid - 128;
+  const int wg = warpgroup_index() - 1;  // keys [NK wg, NK wg + NK) of S and dP; head_dim rows [128 wg, +128)
+  const int wq = (ctid / 32) % 4;        // the warp's 16 rows of a 64-row product
+  const int lane = tid % 32;
+  const int g = lane / 4;
+  const int t = lane % 4;
+
+  // dV^T and dK^T: head_dim rows [128 wg + 64 hb, +64) for hb = 0, 1, all BC keys.
+  float dvt[2][BC / 2], dkt[2][BC / 2];
+#pragma unroll
+  for (int hb = 0; hb < 2; ++hb)
+#pragma unroll
+    for (int i = 0; i < BC / 2; ++i) dvt[hb][i] = dkt[hb][i] = 0.f;
+
+  // Descriptors (fa/wgmma.cuh). K-major tiles: 8-row groups 1024 bytes apart. MN-major tiles: 64-column
+  // panels R * 128 bytes apart (the leading byte offset).
+  const u64 q_desc = smem_desc_sw128(sQ, 16, 1024);                  // A of S and dP
+  const u64 k_desc = smem_desc_sw128(sK + wg * NK * 128, 16, 1024);  // B of S: this warpgroup's keys
+  const u64 v_desc = smem_desc_sw128(sV + wg * NK * 128, 16, 1024);  // B of dP
+  const u64 qt_desc = smem_desc_sw128(sQ, BR * 128, 1024);           // A of dV^T and dK^T (dO, Q)
+  const u64 pt_desc = smem_desc_sw128(sP, BR * 128, 1024);           // B of dV^T
+  const u64 dst_desc = smem_desc_sw128(sdS, BR * 128, 1024);         // B of dK^T
+  const u64 ds_desc = smem_desc_sw128(sdS, 16, 1024);                // A of dQ
+  const u64 kt_desc = smem_desc_sw128(sK + wg * 2 * BC * 128, BC * 128, 1024);  // B of dQ: columns 128 wg..
+  constexpr u32 kDOOff = NST * Smem::kQ;  // dO's slots after Q's
+  // P's and dS's stores (stmatrix_x4 of k-step ks: n-tiles 2 ks, 2 ks + 1 of the warp's 16 query rows):
+  // lane 8 i + j addresses row 16 wq + 8 (i % 2) + j, key chunk 4 wg + 2 ks + i / 2, swizzled by j.
+  const int si = lane / 8, sj = lane % 8;
+  u32 ps_addr[NK / 16];
+#pragma unroll
+  for (int ks = 0; ks < NK / 16; ++ks)
+    ps_addr[ks] = (u32)(16 * wq + 8 * (si % 2) + sj) * 128 + (((NK / 8 * wg + 2 * ks + si / 2) ^ sj) << 4);
+  // exp2's multiplier (fa/variant.cuh backward_score: the scale folded in for the identity).
+  const float sl2 = backward_exp2_multiplier<typename V::ScoreMod>(p);
+  const float scale = p.scale;
+  const int key0 = kv_start + NK * wg;  // this warpgroup's first key of S and dP
+
+#pragma unroll 1
+  for (int it = 0; it < n_iter; ++it) {
+    const int s = it % NST;
+    const u32 qoff = s * Smem::kQ;
+    mbar_wait(full(s), (u32)((it / NST) & 1));
+    const int head = head_of(it);
+    const int q_start = q_start_of(it);
+    const int q_row0 = q_start + 16 * wq;  // the warp's first query row
+
+    // ---- S = Q K_wg^T, dP = dO V_wg^T, as two groups: P is computed while dP runs -----------------------
+    float sc[NK / 2], dp[NK / 2];
+    wgmma_fence();
+    issue_query_rows_product<BR, BC, NK, D, BF>(sc, q_desc, qoff, k_desc);
+    wgmma_commit();
+    issue_query_rows_product<BR, BC, NK, D, BF>(dp, q_desc, kDOOff + qoff, v_desc);
+    wgmma_commit();
+    // The previous step's slot: once the copy engine has read the dQ tiles staged there, the producer may
+    // refill it (one arrival per warpgroup, from the thread that issued the reduce-adds).
+    if (it > 0 && ctid % 128 == 0) {
+      bulk_wait_read<0>();
+      mbar_arrive(empty((it - 1) % NST));
+    }
+
+    // ---- P = exp2(S' m - LSE2): register 4 n + e is query q_row0 + g + 8 (e / 2), key key0 + 8 n + 2 t +
+    // e % 2. A score function first, then the mask (keys past seqlen_k, the causal diagonal, ranges,
+    // windows); queries past seqlen_q need none: their base-2 LSE is +inf, so their P is 0.
+    const typename V::ScoreMod score_mod(p, batch, head);
+    const float* lse_s = stats + s * 2 * BR;
+    const float* del_s = lse_s + BR;
+    wgmma_wait<1>();
+    wgmma_hold(sc);
+    score_mod_query_rows<true>(acc_tile(sc), score_mod, scale, q_row0, key0, g, t);
+    mask.mask_query_rows(acc_tile(sc), q_row0, key0, g, t);
+    const float lse2[2] = {lse_s[16 * wq + g], lse_s[16 * wq + g + 8]};
+#pragma unroll
+    for (int i = 0; i < NK / 2; ++i) sc[i] = exp2_approx(fmaf(sc[i], sl2, -lse2[(i / 2) % 2]));
+
+    // ---- dS = P (dP - delta) scale (times the score function's derivative) ---------------------------------
+    wgmma_wait<0>();
+    wgmma_hold(dp);
+    const float delta[2] = {del_s[16 * wq + g], del_s[16 * wq + g + 8]};
+#pragma unroll
+    for (int i = 0; i < NK / 2; ++i) {
+      dp[i] = sc[i] * (dp[i] - delta[(i / 2) % 2]) * scale;
+      if constexpr (!V::ScoreMod::kUnitGradient) {
+        const int q = q_row0 + g + 8 * ((i / 2) % 2), key = key0 + 8 * (i / 4) + 2 * t + i % 2;
+        dp[i] *= score_mod_gradient_from_p(score_mod, sc[i], lse2[(i / 2) % 2], q, key);
+      }
+    }
+
+    // ---- P and dS into shared memory (bf16; this warpgroup's keys of each), for both warpgroups ----------
+#pragma unroll
+    for (int ks = 0; ks < NK / 16; ++ks) {
+      u32 pf[4], sf[4];
+      acc_to_a_frag<BF>(pf, acc_tile(sc), 0, ks);
+      acc_to_a_frag<BF>(sf, acc_tile(dp), 0, ks);
+      stmatrix_x4(sP + ps_addr[ks], pf);
+      stmatrix_x4(sdS + ps_addr[ks], sf);
+    }
+    fence_proxy_async();
+    // Barrier 1: both halves of P and dS are written and fenced for the tensor cores.
+    named_barrier_sync(1, 256);
+
+    // ---- dV^T += dO^T P, dK^T += Q^T dS (head_dim rows of this warpgroup), then dQ = dS K (its columns) ----
+    float dq[D / 4];
+    wgmma_fence();
+#pragma unroll
+    for (int hb = 0; hb < 2; ++hb)
+      issue_head_rows_acc<BR, BC, BF>(dvt[hb], qt_desc, kDOOff + qoff + (2 * wg + hb) * BR * 128, pt_desc);
+#pragma unroll
+    for (int hb = 0; hb < 2; ++hb)
+      issue_head_rows_acc<BR, BC, BF>(dkt[hb], qt_desc, qoff + (2 * wg + hb) * BR * 128, dst_desc);
+    issue_dq_from_ds<BC, D / 2, BF>(dq, ds_desc, kt_desc);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_hold(dq);
+#pragma unroll
+    for (int hb = 0; hb < 2; ++hb) {
+      wgmma_hold(dvt[hb]);
+      wgmma_hold(dkt[hb]);
+    }
+    // Barrier 2: every product of the step has completed in both warpgroups: the slot's Q and dO may take
+    // dQ's staging, and the next step may rewrite P and dS.
+    named_barrier_sync(2, 256);
+
+    // ---- dQ out: staged in the slot (warpgroup 0 where Q was, 1 where dO was), two bulk reduce-adds -------
+    const u32 buffer = sQ + wg * kDOOff + qoff;
+    const u32 stage[2] = {buffer, buffer + 64 * 64 * 4};
+    static_assert(Smem::kQ == 2 * 64 * 64 * 4, "a slot holds a warpgroup's two staged dQ tiles");
+    stage_dq_tiles<D / 2>(stage, dq, wq, g, t);
+    fence_proxy_async();
+    // The warpgroup's tiles are staged and fenced for the copy engine (ids fixed at compile time: a run-time
+    // id makes ptxas reserve all sixteen barriers).
+    if (wg == 0) {
+      named_barrier_sync(3, 128);
+    } else {
+      named_barrier_sync(4, 128);
+    }
+    if (ctid % 128 == 0) {
+      const i64 ws_row = workspace_row(p, batch, head, q_start);
+#pragma unroll
+      for (int tile = 0; tile < 2; ++tile)
+        bulk_reduce_add_f32(p.dq_accum + dq_accum_offset<D, true>(ws_row, D / 2 * wg + 64 * tile), stage[tile],
+                            64 * 64 * 4);
+      bulk_commit();
+    }
+  }
+  // No reduction may outlive the shared memory it reads.
+  if (ctid % 128 == 0) bulk_wait<0>();
+
+  // ---- epilogue: dK and dV through shared memory (K's and V's tiles: no product reads them any more) -------
+  // The softmax scale is already in dS, so dK needs none.
+#pragma unroll
+  for (int hb = 0; hb < 2; ++hb) {
+    const int d0 = 128 * wg + 64 * hb + 16 * wq;
+    store_head_rows_transposed<BC, D, BF>(sK, dkt[hb], d0, lane);
+    store_head_rows_transposed<BC, D, BF>(sV, dvt[hb], d0, lane);
+  }
+  named_barrier_sync(1, 256);
+  copy_out_key_rows<BC, D>(static_cast<u16*>(p.dk) + dk_offset(p, batch, kv_head, kv_start), p.dk_row_stride,
+                           p.seqlen_k - kv_start, p.head_dim, sK, ctid);
+  copy_out_key_rows<BC, D>(static_cast<u16*>(p.dv) + dv_offset(p, batch, kv_head, kv_start), p.dv_row_stride,
+                           p.seqlen_k - kv_start, p.head_dim, sV, ctid);
+}
+
+}  // namespace sm90
+}  // namespace fa
