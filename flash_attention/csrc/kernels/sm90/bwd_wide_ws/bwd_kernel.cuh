@@ -25,14 +25,18 @@
 // stages its two 64 x 64 fp32 tiles where the step's Q was and warpgroup 1 where its dO was, once both
 // warpgroups' products of the step have completed (barrier 2). The slot is released to the producer once the
 // copy engine has read the staged tiles: the issuing thread waits for that read in the next step, after
-// that step's first products are on the tensor cores, and arrives on the slot's empty barrier (one arrival
-// per warpgroup).
+// that step's first products are on the tensor cores, and arrives on the slot's empty barrier.
 //
 // Barriers, each for one hazard:
 //   full[s]   (mbarrier, 128 producer arrivals): slot s holds this use's Q, dO and statistics (and, with the
 //             first step, K and V).
-//   empty[s]  (mbarrier, one arrival per computing warpgroup): the copy engine has read the dQ tiles
-//             staged in slot s (after every product and statistics read of the slot, barrier 2).
+//   empty[s]  (mbarrier, 256 computing-thread arrivals): the copy engine has read the dQ tiles staged in
+//             slot s (after every product and statistics read of the slot, barrier 2). Each thread arrives
+//             once its own staging stores are done, the two issuing threads once the copy engine has read
+//             the tiles (in the next step). One arrival per warpgroup from the issuing thread alone would do
+//             (its barrier 3 + c orders the others' stores before it), but compute-sanitizer's racecheck
+//             does not follow that chain and reported the producer's next copies into the slot as racing
+//             the staging stores.
 //   named 1   (256 computing threads): both warpgroups' halves of P and dS are written and fenced.
 //   named 2   (256): both warpgroups' products of the step have completed, so the slot may take dQ's staging
 //             and the next step may rewrite P and dS (single-buffered: their last readers are these).
@@ -201,7 +205,7 @@ __device__ __forceinline__ void bwd_wide_ws_dkdv_body(const BwdParams& p) {
   if (tid == 0) {
     for (int s = 0; s < NST; ++s) {
       mbar_init(full(s), kLoaders);
-      mbar_init(empty(s), 2);
+      mbar_init(empty(s), 256);
     }
     mbar_init_fence();
   }
@@ -306,7 +310,7 @@ __device__ __forceinline__ void bwd_wide_ws_dkdv_body(const BwdParams& p) {
     issue_query_rows_product<BR, BC, NK, D, BF>(dp, q_desc, kDOOff + qoff, v_desc);
     wgmma_commit();
     // The previous step's slot: once the copy engine has read the dQ tiles staged there, the producer may
-    // refill it (one arrival per warpgroup, from the thread that issued the reduce-adds).
+    // refill it (the issuing thread's arrival; the others arrived after staging).
     if (it > 0 && ctid % 128 == 0) {
       bulk_wait_read<0>();
       mbar_arrive(empty((it - 1) % NST));
@@ -387,7 +391,9 @@ __device__ __forceinline__ void bwd_wide_ws_dkdv_body(const BwdParams& p) {
     } else {
       named_barrier_sync(4, 128);
     }
-    if (ctid % 128 == 0) {
+    if (ctid % 128 != 0) {
+      mbar_arrive(empty(s));
+    } else {
       const i64 ws_row = workspace_row(p, batch, head, q_start);
 #pragma unroll
       for (int tile = 0; tile < 2; ++tile)
