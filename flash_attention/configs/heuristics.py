@@ -188,9 +188,11 @@ def default_bwd_config(
     back to PyTorch).
 
     On Hopper every compiled head dim gets a wgmma dK/dV kernel unless ``portable`` (the features the wgmma
-    families lack: configs.families): the warp-specialized one at 64 and 128, the wide one at 192 and 256
+    families lack: configs.families): the warp-specialized one at 64 and 128, the wide one at 192
     (csrc/kernels/sm90/bwd_wide; measured on an H100, bf16, 8 heads, backward alone against the sm80
-    kernel: 1.50-1.97x at 256 and 1.57-1.86x at 192 from 512 to 16k tokens, docs/kernel-log.md step 75).
+    kernel: 1.57-1.86x from 512 to 16k tokens, docs/kernel-log.md step 75) and the warp-specialized wide
+    one at 256 (csrc/kernels/sm90/bwd_wide_ws; forward+backward 0.81-0.84x the wide kernel's time on an
+    H200, step 126), whose dropout and deterministic calls take the wide kernel (ops.select).
     Elsewhere the first of the portable candidates whose dK/dV and dQ kernels both fit ``arch``'s opt-in
     shared memory."""
     d = padded_head_dim(head_dim)
