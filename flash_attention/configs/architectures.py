@@ -39,7 +39,7 @@ class Architecture:
 
 
 _PORTABLE = frozenset({"portable"})
-_HOPPER = frozenset({"portable", "wgmma", "ws", "wide"})
+_HOPPER = frozenset({"portable", "wgmma", "ws", "wide", "wide_ws"})
 
 ARCHITECTURES: dict[str, Architecture] = {
     a.name: a
@@ -75,5 +75,5 @@ def architecture(arch: str) -> Architecture:
 
 
 def runs_family(arch: str, kind: str) -> bool:
-    """Whether ``arch`` runs the kernel family of ``kind`` ("portable", "wgmma", "ws", "wide")."""
+    """Whether ``arch`` runs the kernel family of ``kind`` ("portable", "wgmma", "ws", "wide", "wide_ws")."""
     return kind in architecture(arch).families
