@@ -106,7 +106,9 @@ def test_hopper_backward_configs():
     assert wide_ws == hopper_bwd_config("bf16", 256) and wide_ws.wide_ws and wide_ws.threads == 384
     assert parse_bwd_config(wide_ws.name()) == wide_ws and wide_ws.name().endswith("_w12_s1_buffer_wgmma_ws")
     # fa::sm90::BwdWideWsSmem: K, V, two Q and two dO slots, P and dS, statistics, barriers, alignment.
-    assert wide_ws.smem_bytes == 2 * 64 * 256 * 2 + 4 * 64 * 256 * 2 + 2 * 64 * 64 * 2 + 2 * 64 * 8 + 32 + 1024
+    assert (
+        wide_ws.smem_bytes == 2 * 64 * 256 * 2 + 4 * 64 * 256 * 2 + 2 * 64 * 64 * 2 + 2 * 64 * 8 + 32 + 1024
+    )
     assert wide_ws.entry_kinds() == ("dkdv",)
     src = sources.kernel_source(wide_ws)
     assert '#include "sm90/bwd_wide_ws/bwd_kernel.cuh"' in src and "__launch_bounds__(384, 1)" in src

@@ -1,9 +1,9 @@
 """GPU tests of the Hopper backward at head_dim 192 and 256 (csrc/kernels/sm90/bwd_wide: the two warpgroups on
-one 64-key block, one keeping dV and the other dK; and at 256 csrc/kernels/sm90/bwd_wide_ws): gradients against float64 autograd on random shapes
-(odd lengths, seqlen_q above and below seqlen_k, one query, GQA groups up to 8, head dims 192 and 256 and
-sizes zero-padded to them, fp16 and bf16, causal and not) within twice the error of PyTorch's own
-low-precision attention and 1.5x the error of the portable (sm80) backward it replaces there; dK and dV
-bitwise equal between runs; strided inputs; the key-range and dropout builds."""
+one 64-key block, one keeping dV and the other dK; and at 256 csrc/kernels/sm90/bwd_wide_ws): gradients
+against float64 autograd on random shapes (odd lengths, seqlen_q above and below seqlen_k, one query, GQA
+groups up to 8, head dims 192 and 256 and sizes zero-padded to them, fp16 and bf16, causal and not) within
+twice the error of PyTorch's own low-precision attention and 1.5x the error of the portable (sm80) backward
+it replaces there; dK and dV bitwise equal between runs; strided inputs; the key-range and dropout builds."""
 
 from __future__ import annotations
 
@@ -102,7 +102,9 @@ def test_wide_backward_dk_dv_repeat_bitwise(ws):
     do = torch.randn_like(q)
     o, lse = ops.cuda_forward(q, k, v, causal=True, softmax_scale=0.07, return_lse=True, out=None)
     runs = [
-        ops.cuda_backward(do, q, k, v, o, lse, causal=True, softmax_scale=0.07, config=wide_config("bf16", ws=ws))
+        ops.cuda_backward(
+            do, q, k, v, o, lse, causal=True, softmax_scale=0.07, config=wide_config("bf16", ws=ws)
+        )
         for _ in range(3)
     ]
     for r in runs[1:]:

@@ -361,8 +361,9 @@ def run_ws_case(case, seed: int, small: bool) -> float:
     return (o.double() - ref).abs().max().item()
 
 
-#: Hopper only: the head_dim-192/256 wgmma backwards (csrc/kernels/sm90/bwd_wide, bwd_wide_ws) named explicitly, gradients
-#: against float64: (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal, key_range, dropout_p).
+#: Hopper only: the head_dim-192/256 wgmma backwards (csrc/kernels/sm90/bwd_wide, bwd_wide_ws) named
+#: explicitly, gradients against float64: (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal,
+#: key_range, dropout_p).
 WIDE_BWD_CASES = [
     (1, 65, 300, 6, 3, 256, True, False, 0.0),
     (2, 130, 77, 4, 1, 200, False, False, 0.0),
@@ -398,7 +399,7 @@ def run_wide_bwd_case(case, seed: int, small: bool) -> float:
         lse,
         causal=causal,
         softmax_scale=d**-0.5,
-        # head_dim 256 without dropout: the warp-specialized wide kernel (bwd_wide_ws); the others the wide one.
+        # head_dim 256 without dropout: the warp-specialized wide kernel (bwd_wide_ws); the others the wide.
         config=hopper_bwd_config("bf16", 192 if d <= 192 else 256, warp_specialized=not p),
         **extra,
     )

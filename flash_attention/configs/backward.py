@@ -112,8 +112,8 @@ class BwdConfig:
         nb = 2 if self.double_buffer else 1
         d, bq, bkv = self.head_dim, self.block_q, self.block_kv
         if self.wide_ws:
-            # Mirrors fa::sm90::BwdWideWsSmem: K, V; Q and dO per slot; P and dS (bf16); LSE and delta per slot;
-            # full and empty mbarriers per slot; +1 KB to align the tiles.
+            # Mirrors fa::sm90::BwdWideWsSmem: K, V; Q and dO per slot; P and dS (bf16); LSE and delta per
+            # slot; full and empty mbarriers per slot; +1 KB to align the tiles.
             st = self.WS_STAGES
             return 1024 + 4 * bkv * d + 4 * st * bq * d + 4 * bq * bkv + 8 * st * bq + 16 * st
         if self.warp_specialized:
@@ -247,10 +247,18 @@ def bwd_validity_errors(cfg: BwdConfig) -> list[str]:
 
 
 def _ws_shape_errors(cfg: BwdConfig) -> list[str]:
-    """The warp-specialized kernels' fixed shapes (csrc/kernels/sm90/bwd_ws, and bwd_wide_ws at head_dim 256)."""
+    """The warp-specialized kernels' fixed shapes (csrc/kernels/sm90/bwd_ws; bwd_wide_ws at head_dim 256)."""
     errors = []
     if cfg.head_dim > 128:
-        if (cfg.head_dim, cfg.block_q, cfg.block_kv, cfg.num_warps, cfg.split, cfg.double_buffer, cfg.wgmma) != (
+        if (
+            cfg.head_dim,
+            cfg.block_q,
+            cfg.block_kv,
+            cfg.num_warps,
+            cfg.split,
+            cfg.double_buffer,
+            cfg.wgmma,
+        ) != (
             256,
             64,
             64,
@@ -340,8 +348,8 @@ def hopper_bwd_config(dtype: str, head_dim: int, *, warp_specialized: bool = Tru
     """The Hopper backward's config at head_dim 64 or 128 (its shape is fixed by the kernel: 128 keys per
     block, 128 query rows per step at head_dim 64 and 64 at 128): the warp-specialized kernel, or with
     ``warp_specialized=False`` the sm90 wgmma kernel it replaced. At head_dim 256 the warp-specialized wide
-    kernel (64 keys, 64 query rows per step, csrc/kernels/sm90/bwd_wide_ws), or with ``warp_specialized=False``
-    the wide kernel, which is also head_dim 192's."""
+    kernel (64 keys, 64 query rows per step, csrc/kernels/sm90/bwd_wide_ws), or with
+    ``warp_specialized=False`` the wide kernel, which is also head_dim 192's."""
     if head_dim == 256 and warp_specialized:
         return BwdConfig(dtype, head_dim, 64, 64, 12, 1, True, wgmma=True, warp_specialized=True)
     if head_dim in (192, 256):

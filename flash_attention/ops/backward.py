@@ -200,7 +200,13 @@ def _make_plan(q, k, v, o, do, lse, spec: AttentionSpec, config, lengths=None, s
     # packed row's blocks; the other families tile the packed row.)
     k_tiles = 0
     convert_blocks = math.ceil(seqlen_q / 64)
-    if build == SEGMENTS and cfg.warp_specialized and not cfg.wide_ws and not deterministic and sequences is not None:
+    if (
+        build == SEGMENTS
+        and cfg.warp_specialized
+        and not cfg.wide_ws
+        and not deterministic
+        and sequences is not None
+    ):
         k_tiles = cfg.block_kv
         p.num_n_blocks = tile_count(seqlen_k, sequences, k_tiles)
         p.seqlen_q_pad = unit_count(seqlen_q, sequences) * 64
@@ -210,7 +216,13 @@ def _make_plan(q, k, v, o, do, lse, spec: AttentionSpec, config, lengths=None, s
     # kernel's atomic mode; the deterministic one keeps the order its dQ turns need, the wide one (d192/256)
     # spilled with it, and the sm80 ones have their own grid.
     # (Off: measured 8-12% slower at 1k causal, kernel log 123; FLASH_ATTENTION_CAUSAL_ORDER=1 for a profile.)
-    if mask_causal and not deterministic and cfg.warp_specialized and not cfg.wide_ws and trial_switch("CAUSAL_ORDER"):
+    if (
+        mask_causal
+        and not deterministic
+        and cfg.warp_specialized
+        and not cfg.wide_ws
+        and trial_switch("CAUSAL_ORDER")
+    ):
         p.kv_block_group = kv_block_group(batch * heads_kv, seqlen_q, cfg.head_dim, heads_q // heads_kv)
     # The fp32 workspace: the base-2 LSE and delta rows (written by the preprocessing kernel), then the dQ
     # accumulator of the atomic mode (padded to whole 128-row blocks and the compiled head_dim, so the
