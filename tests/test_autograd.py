@@ -26,8 +26,14 @@ from flash_attention.api import attention as interface
 from flash_attention.fallback import reference
 from flash_attention.fallback.reference import attention_backward_torch, attention_reference, attention_torch
 from flash_attention.ops import NoKernel, dispatch
-from flash_attention.spec import OpOptions, pack_options
+from flash_attention.spec import AttentionSpec, OpOptions, pack_options
 from flash_attention.torch_ops import attention as custom_ops
+
+
+def _spec(causal: bool, scale, q) -> AttentionSpec:
+    """The spec a fallback call takes (scale None: 1 / sqrt(head_dim), as the public API resolves it)."""
+    return AttentionSpec(causal, q.shape[-1] ** -0.5 if scale is None else scale)
+
 
 FWD = torch.ops.flash_attention.fwd.default
 BWD = torch.ops.flash_attention.bwd.default
@@ -241,7 +247,7 @@ def test_lse_is_returned_but_not_differentiable():
     out, lse = flash_attention.attention(q, k, v, return_lse=True)
     assert out.requires_grad and not lse.requires_grad
     with torch.no_grad():
-        ref_out, ref_lse = fallback.forward(q, k, v, causal=False, scale=None, return_lse=True)
+        ref_out, ref_lse = fallback.forward(q, k, v, _spec(False, None, q), return_lse=True)
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
 
 
@@ -253,9 +259,7 @@ def test_out_with_autograd_raises_and_names_out():
     with torch.no_grad():  # not recording: out= works as before
         assert flash_attention.attention(q, k, v, out=buf) is buf
     with torch.no_grad():
-        torch.testing.assert_close(
-            buf, fallback.forward(q, k, v, causal=False, scale=None)[0], rtol=0, atol=0
-        )
+        torch.testing.assert_close(buf, fallback.forward(q, k, v, _spec(False, None, q))[0], rtol=0, atol=0)
 
 
 def test_inference_calls_skip_the_custom_op(monkeypatch):
@@ -425,7 +429,7 @@ def test_cuda_impls_fall_back_when_no_kernel_fits_this_gpu(fake_ops):
     dout = torch.randn(q.shape).to(q.dtype)
     with pytest.warns(RuntimeWarning, match="PyTorch fallback.*no backward kernel for head_dim 256"):
         got = custom_ops.backward_impl(dout, q, k, v, out, lse, OpOptions(False, 0.25))
-    want = fallback.backward(dout, q, k, v, out, lse, causal=False, scale=0.25)
+    want = fallback.backward(dout, q, k, v, out, lse, _spec(False, 0.25, q))
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w)
     with warnings.catch_warnings():
@@ -439,11 +443,11 @@ def test_cuda_impls_fall_back_with_one_warning_when_the_kernel_cannot_run(fake_o
     dout = torch.randn(q.shape)
     with pytest.warns(RuntimeWarning, match="PyTorch fallback.*float32"):
         got_out, got_lse = custom_ops.forward_impl(q, k, v, OpOptions(False, 0.25))
-    assert torch.equal(got_out, fallback.forward(q, k, v, causal=False, scale=0.25)[0])
+    assert torch.equal(got_out, fallback.forward(q, k, v, _spec(False, 0.25, q))[0])
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # same reason: silent; and no NotImplementedError on the fallback
         got = custom_ops.backward_impl(dout, q, k, v, out, lse, OpOptions(False, None))
-    want = fallback.backward(dout, q, k, v, out, lse, causal=False, scale=None)
+    want = fallback.backward(dout, q, k, v, out, lse, _spec(False, None, q))
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w)
 

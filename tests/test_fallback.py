@@ -17,6 +17,13 @@ from flash_attention.configs import KernelConfig, default_config
 from flash_attention.fallback import reference
 from flash_attention.fallback.reference import attention_reference, attention_torch, causal_allowed
 from flash_attention.ops import NoKernel, dispatch
+from flash_attention.spec import AttentionSpec
+
+
+def _spec(causal: bool, scale, q) -> AttentionSpec:
+    """The spec a fallback call takes (scale None: 1 / sqrt(head_dim), as the public API resolves it)."""
+    return AttentionSpec(causal, q.shape[-1] ** -0.5 if scale is None else scale)
+
 
 LOW_PRECISION = [torch.float16, torch.bfloat16]
 
@@ -312,7 +319,7 @@ def test_fallback_warns_once_per_reason(fake_cuda):
     q, k, v = _inputs(1, 5, 6, 2, 1, 32, torch.float16)
     with pytest.warns(RuntimeWarning, match="PyTorch fallback.*no CUDA compiler was found"):
         out = flash_attention.attention(q, k, v)
-    torch.testing.assert_close(out, fallback.forward(q, k, v, causal=False, scale=None)[0], rtol=0, atol=0)
+    torch.testing.assert_close(out, fallback.forward(q, k, v, _spec(False, None, q))[0], rtol=0, atol=0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         flash_attention.attention(q, k, v)  # same reason: silent
@@ -332,7 +339,7 @@ def test_no_kernel_for_this_gpu_falls_back(fake_cuda):
     q, k, v = _inputs(1, 5, 6, 2, 1, 32, torch.bfloat16)
     with pytest.warns(RuntimeWarning, match="PyTorch fallback.*shared memory"):
         out = flash_attention.attention(q, k, v, causal=True)
-    torch.testing.assert_close(out, fallback.forward(q, k, v, causal=True, scale=None)[0], rtol=0, atol=0)
+    torch.testing.assert_close(out, fallback.forward(q, k, v, _spec(True, None, q))[0], rtol=0, atol=0)
 
 
 def test_cpu_never_consults_the_kernel_path(monkeypatch):
@@ -407,7 +414,7 @@ def check_fused_path(q, k, v, key_range, causal, out_tol, grad_tol, monkeypatch)
     )
 
     buf = torch.full(q.shape, float("nan"), device=device).to(dtype)  # poisoned: every element written
-    out, lse = fallback.forward(q, k, v, causal=causal, scale=scale, out=buf, key_range=key_range)
+    out, lse = fallback.forward(q, k, v, _spec(causal, scale, q), out=buf, key_range=key_range)
     assert out is buf and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
     assert lse.dtype == torch.float32 and lse.is_contiguous()
     q64, k64, v64 = (t.double().requires_grad_(True) for t in (q, k, v))
@@ -425,7 +432,7 @@ def check_fused_path(q, k, v, key_range, causal, out_tol, grad_tol, monkeypatch)
     assert (lse.double() - ref_lse.detach())[has_key].abs().max().item() <= lse_tol
 
     dout = torch.randn(q.shape, device=device).to(dtype)
-    dq, dk, dv = fallback.backward(dout, q, k, v, out, lse, causal=causal, scale=scale, key_range=key_range)
+    dq, dk, dv = fallback.backward(dout, q, k, v, out, lse, _spec(causal, scale, q), key_range=key_range)
     (ref_out * dout.double()).sum().backward()
     for got, want, name in ((dq, q64.grad, "dq"), (dk, k64.grad, "dk"), (dv, v64.grad, "dv")):
         assert got.dtype == dtype and got.shape == want.shape and got.is_contiguous(), name

@@ -16,7 +16,6 @@ import torch
 from .. import fallback as _fallback
 from ..configs import KernelConfig, parse_config
 from ..dropout import draw_seed
-from ..fallback.reference import runs_alibi_diagonal
 from ..ops import dispatch
 from ..ops import repeat as _repeat
 from ..ops.plans import check_segments
@@ -333,28 +332,15 @@ def attention(
         return _result(o, lse, return_lse)
 
     def fallback() -> tuple[torch.Tensor, torch.Tensor | None]:
-        variant = dict(windowed)
-        if _segments is not None:  # the chunked path reads the rows' runs as its window
-            runs = variant.pop("segments")
-            variant["window"] = runs[0]
-            # (the segments' table of ALiBi diagonals where they carry one, else what the runs give)
-            diagonal = runs[2] if len(runs) == 3 else None
-            variant["alibi_diagonal"] = (
-                diagonal if diagonal is not None else runs_alibi_diagonal(runs[0], causal, alibi_slopes)
-            )
+        # (a packed batch: the chunked path reads the rows' runs as each row's keys, and the segments' table
+        # of ALiBi diagonals where they carry one)
+        runs = (None, None) if _segments is None else _segments
         o, lse = _fallback.forward(
-            q,
-            k,
-            v,
-            causal=causal and _segments is None,  # (the runs carry causal per sequence)
-            scale=problem.scale,
+            q, k, v, spec,
             return_lse=return_lse or sinks is not None,  # (the sinks rescale O by the sink-free LSE)
-            out=out,
-            key_range=key_range,
-            dropout_p=float(dropout_p),
-            dropout_seed=seed,
-            **variant,
-        )
+            out=out, key_range=key_range, dropout_seed=seed, alibi_slopes=alibi_slopes,
+            alibi_diagonal=runs[2] if len(runs) == 3 else None, row_keys=runs[0],
+        )  # fmt: skip
         return (o, lse) if sinks is None else apply_sinks(o, lse, sinks)
 
     ops = dispatch.kernel_backend(q)

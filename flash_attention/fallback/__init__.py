@@ -35,7 +35,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .reference import _resolve_scale, attention_backward_torch, attention_torch, key_range_allowed
+from ..spec import AttentionSpec
+from .reference import (
+    _resolve_scale,
+    attention_backward_torch,
+    attention_torch,
+    key_range_allowed,
+    runs_alibi_diagonal,
+)
 
 __all__ = ["backward", "forward", "fused_path_blocker"]
 
@@ -261,36 +268,43 @@ def sdpa(q, k, v, *, causal, scale):
     return o.transpose(1, 2).contiguous()  # (no copy: the fused kernels write our layout)
 
 
+def _options(spec: AttentionSpec, head_dim: int, row_keys, alibi_slopes, alibi_diagonal) -> dict:
+    """The chunked path's keywords of a call's spec (:func:`attention_torch` takes them one by one): a packed
+    batch's per-row key runs (``row_keys``) stand in for the window, and carry causal per sequence; ALiBi's
+    diagonals then come from the runs where the caller has no table of them."""
+    if row_keys is not None and alibi_diagonal is None:
+        alibi_diagonal = runs_alibi_diagonal(row_keys, spec.causal, alibi_slopes)
+    return dict(
+        causal=spec.causal and row_keys is None,
+        softmax_scale=_resolve_scale(spec.scale, head_dim),
+        dropout_p=spec.dropout_p,
+        window=spec.window if row_keys is None else row_keys,
+        softcap=spec.score.softcap,
+        alibi_slopes=alibi_slopes,
+        alibi_diagonal=alibi_diagonal,
+    )
+
+
 def forward(
-    q, k, v, *, causal, scale, return_lse=True, out=None, key_range=None, dropout_p=0.0, dropout_seed=None,
-    window=None, softcap=0.0, alibi_slopes=None, alibi_diagonal=None,
+    q, k, v, spec: AttentionSpec, *, return_lse=True, out=None, key_range=None, dropout_seed=None,
+    alibi_slopes=None, alibi_diagonal=None, row_keys=None,
 ):  # fmt: skip
     """(out, lse) of attention with the kernels' semantics (``lse`` None unless ``return_lse``); ``out`` is
-    written in place when given. Arguments as :func:`flash_attention.fallback.reference.attention_torch` takes
-    them, already validated (``scale`` None: 1 / sqrt(head_dim)). A sliding ``window`` takes the chunked path
-    (the fused kernels take no such mask without materialising it)."""
-    scale = _resolve_scale(scale, q.shape[-1])
-    plain = window is None and not softcap and alibi_slopes is None  # (what the fused kernels express)
+    written in place when given. ``spec``: the call's checked options (spec.AttentionSpec: causal, the
+    resolved scale, the window, the score function, dropout); the tensors beside it as
+    :func:`flash_attention.fallback.reference.attention_torch` takes them; ``row_keys``: a packed batch's
+    per-row key runs (flash_attention.api.varlen), read in place of the window. A window, a score function or
+    runs take the chunked path (the fused kernels take no such mask without materialising it)."""
+    options = _options(spec, q.shape[-1], row_keys, alibi_slopes, alibi_diagonal)
+    causal, scale, dropout_p = options["causal"], options["softmax_scale"], spec.dropout_p
+    plain = options["window"] is None and not options["softcap"] and alibi_slopes is None
     fused_ok = plain and _fused(q, k, causal, scale, key_range, dropout_p)
     if fused_ok and not return_lse and out is None:
         if _sdpa_expresses(q, k, causal, scale, key_range, dropout_p, False):
             return sdpa(q, k, v, causal=causal, scale=scale), None
     if not fused_ok:
         return attention_torch(
-            q,
-            k,
-            v,
-            causal=causal,
-            softmax_scale=scale,
-            return_lse=return_lse,
-            out=out,
-            key_range=key_range,
-            dropout_p=dropout_p,
-            dropout_seed=dropout_seed,
-            window=window,
-            softcap=softcap,
-            alibi_slopes=alibi_slopes,
-            alibi_diagonal=alibi_diagonal,
+            q, k, v, return_lse=return_lse, out=out, key_range=key_range, dropout_seed=dropout_seed, **options
         )
     fused = _Fused(q.device.type)
     plan = _Plan(q, k, causal, key_range)
@@ -338,32 +352,21 @@ def forward(
 
 
 def backward(
-    dout, q, k, v, out, lse, *, causal, scale, deterministic=False, key_range=None, dropout_p=0.0,
-    dropout_seed=None, window=None, softcap=0.0, alibi_slopes=None, alibi_diagonal=None,
+    dout, q, k, v, out, lse, spec: AttentionSpec, *, key_range=None, dropout_seed=None, alibi_slopes=None,
+    alibi_diagonal=None, row_keys=None,
 ):  # fmt: skip
-    """(dq, dk, dv) of :func:`forward` from its saved ``out`` and ``lse``. ``deterministic`` on CUDA takes
-    the chunked path: PyTorch does not promise bitwise-repeatable gradients from its memory-efficient
-    backward (it may split the keys and add dQ atomically); the CPU kernel's are repeatable."""
-    scale = _resolve_scale(scale, q.shape[-1])
-    repeatable = not (deterministic or torch.are_deterministic_algorithms_enabled()) or q.device.type == "cpu"
-    plain = window is None and not softcap and alibi_slopes is None
+    """(dq, dk, dv) of :func:`forward` (the same ``spec`` and tensors) from its saved ``out`` and ``lse``. A
+    ``deterministic`` spec on CUDA takes the chunked path: PyTorch does not promise bitwise-repeatable
+    gradients from its memory-efficient backward (it may split the keys and add dQ atomically); the CPU
+    kernel's are repeatable."""
+    options = _options(spec, q.shape[-1], row_keys, alibi_slopes, alibi_diagonal)
+    causal, scale, dropout_p = options["causal"], options["softmax_scale"], spec.dropout_p
+    deterministic = spec.deterministic or torch.are_deterministic_algorithms_enabled()
+    repeatable = not deterministic or q.device.type == "cpu"
+    plain = options["window"] is None and not options["softcap"] and alibi_slopes is None
     if not repeatable or not plain or not _fused(q, k, causal, scale, key_range, dropout_p):
         return attention_backward_torch(
-            dout,
-            q,
-            k,
-            v,
-            out,
-            lse,
-            causal=causal,
-            softmax_scale=scale,
-            key_range=key_range,
-            dropout_p=dropout_p,
-            dropout_seed=dropout_seed,
-            window=window,
-            softcap=softcap,
-            alibi_slopes=alibi_slopes,
-            alibi_diagonal=alibi_diagonal,
+            dout, q, k, v, out, lse, key_range=key_range, dropout_seed=dropout_seed, **options
         )
     fused = _Fused(q.device.type)
     plan = _Plan(q, k, causal, key_range)

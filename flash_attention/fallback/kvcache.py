@@ -105,11 +105,10 @@ def _dense(
     forward kernels where they run (ops.dispatch's choice, with its once-per-reason warning), else the
     PyTorch fallback, as ``attention()`` runs an inference call (without its repeat calls and its route of
     a few queries to the decode kernels, which are the kernels this path stands in for)."""
-    variant = dict(window=problem.window, softcap=problem.softcap, alibi_slopes=alibi_slopes)
 
     def fallback():
         return fallback_forward(
-            q, k, v, causal=problem.causal, scale=problem.scale, return_lse=True, out=out, **variant
+            q, k, v, problem.attention_spec, return_lse=True, out=out, alibi_slopes=alibi_slopes
         )
 
     ops = None if q.numel() == 0 or k.shape[1] == 0 else dispatch.kernel_backend(q)

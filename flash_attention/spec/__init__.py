@@ -122,6 +122,26 @@ class OpOptions(NamedTuple):
         """The schemas' ``int[] options`` and ``float[] values`` (:func:`pack_options`)."""
         return pack_options(*self)
 
+    def attention_spec(
+        self, *, ranged: bool = False, alibi: bool = False, sinks: bool = False, segments: int = 0
+    ) -> AttentionSpec:
+        """The :class:`AttentionSpec` of an op call with these options, given what its tensors say (key
+        ranges, ALiBi slopes, sinks, the length of a packed batch's runs tuple): what the op's PyTorch path
+        takes.
+        Built inside the op, which torch.compile's traces do not enter. (ALiBi's origin and per-row slopes
+        are the kernels' concern: the fallback reads the tensors themselves.)"""
+        return AttentionSpec(
+            self.causal,
+            self.scale,
+            self.window,
+            ScoreSpec(self.softcap, alibi=alibi),
+            ranged,
+            self.dropout_p,
+            self.deterministic,
+            sinks,
+            segments,
+        )
+
     @classmethod
     def unpack(cls, ints, floats) -> OpOptions:
         """The options :meth:`pack` packed (ints and floats as a schema hands them over: any sequences)."""

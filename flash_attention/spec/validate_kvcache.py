@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import AttentionSpec, ScoreSpec
 from .validate import (
     MAX_HEAD_DIM,
     SUPPORTED_DTYPES,
@@ -61,6 +62,15 @@ class CacheProblem:
     def group(self) -> int:
         """Query heads per kv head."""
         return self.heads_q // self.heads_kv
+
+    @property
+    def attention_spec(self) -> AttentionSpec:
+        """The call's options as attention() takes them (the dense path's, flash_attention.fallback.kvcache,
+        runs the fallback with it): causal, the resolved scale, the window, soft-capping and whether ALiBi is
+        on."""
+        return AttentionSpec(
+            self.causal, self.scale, self.window, ScoreSpec(self.softcap, alibi=bool(self.alibi))
+        )
 
 
 def _tensor(name: str, t: object) -> torch.Tensor:

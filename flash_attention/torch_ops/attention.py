@@ -38,7 +38,6 @@ from __future__ import annotations
 import torch
 
 from .. import fallback
-from ..fallback.reference import runs_alibi_diagonal
 from ..ops import dispatch
 from ..sinks import apply_sinks, sinks_gradient
 from ..spec import OpOptions, launch_variants
@@ -75,23 +74,14 @@ def _variants(opt: OpOptions, alibi_slopes, row_keys=None, key_rows=None, alibi_
     return launch_variants(opt.window, opt.softcap, alibi_slopes, segments)
 
 
-def _diagonal(alibi_diagonal, row_keys, causal, alibi_slopes):
-    """ALiBi's diagonal key of each row of a packed batch for the fallback: the segments' own table where
-    they carry one, else what the runs give (reference.runs_alibi_diagonal)."""
-    if alibi_diagonal is not None:
-        return alibi_diagonal
-    return runs_alibi_diagonal(row_keys, causal, alibi_slopes)
-
-
-def _fallback_variants(opt: OpOptions, alibi_slopes, row_keys, alibi_diagonal) -> dict:
-    """The fallback's keywords of a call's variants: segments go to the chunked path as its per-row runs
-    (``window=row_keys``), which carry causal per sequence."""
-    return dict(
-        causal=opt.causal and row_keys is None,
-        window=opt.window if row_keys is None else row_keys,
-        softcap=opt.softcap,
-        alibi_slopes=alibi_slopes,
-        alibi_diagonal=_diagonal(alibi_diagonal, row_keys, opt.causal, alibi_slopes),
+def _fallback_spec(opt: OpOptions, key_range, alibi_slopes, row_keys, key_rows, alibi_diagonal, sinks=None):
+    """The spec of an op call, for the PyTorch path (OpOptions.attention_spec, with what the tensors say)."""
+    segments = 0 if row_keys is None else 2 + (alibi_diagonal is not None)
+    return opt.attention_spec(
+        ranged=key_range is not None,
+        alibi=alibi_slopes is not None,
+        sinks=sinks is not None,
+        segments=segments,
     )
 
 
@@ -99,20 +89,14 @@ def _fallback_forward(
     q, k, v, opt: OpOptions, key_range=None, dropout_seed=None, alibi_slopes=None, row_keys=None,
     key_rows=None, alibi_diagonal=None, sinks=None,
 ):  # fmt: skip
-    """The forward op's PyTorch path (every device, and CUDA inputs the kernels cannot take); sinks rescale
-    its result (the kernels join them in their epilogue; :mod:`flash_attention.sinks` says why the two
-    agree)."""
+    """The forward op's PyTorch path (every device, and CUDA inputs the kernels cannot take); a packed batch's
+    runs go to it as each row's keys (``row_keys``); sinks rescale its result (the kernels join them in their
+    epilogue; :mod:`flash_attention.sinks` says why the two agree)."""
+    spec = _fallback_spec(opt, key_range, alibi_slopes, row_keys, key_rows, alibi_diagonal, sinks)
     out, lse = fallback.forward(
-        q,
-        k,
-        v,
-        scale=opt.scale,
-        return_lse=True,
-        key_range=key_range,
-        dropout_p=opt.dropout_p,
-        dropout_seed=dropout_seed,
-        **_fallback_variants(opt, alibi_slopes, row_keys, alibi_diagonal),
-    )
+        q, k, v, spec, return_lse=True, key_range=key_range, dropout_seed=dropout_seed,
+        alibi_slopes=alibi_slopes, alibi_diagonal=alibi_diagonal, row_keys=row_keys,
+    )  # fmt: skip
     return (out, lse) if sinks is None else apply_sinks(out, lse, sinks)
 
 
@@ -121,20 +105,11 @@ def _fallback_backward(
     row_keys=None, key_rows=None, alibi_diagonal=None,
 ):  # fmt: skip
     """The backward op's PyTorch path (segments as in :func:`_fallback_forward`)."""
+    spec = _fallback_spec(opt, key_range, alibi_slopes, row_keys, key_rows, alibi_diagonal)
     return fallback.backward(
-        dout,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        scale=opt.scale,
-        deterministic=opt.deterministic,
-        key_range=key_range,
-        dropout_p=opt.dropout_p,
-        dropout_seed=dropout_seed,
-        **_fallback_variants(opt, alibi_slopes, row_keys, alibi_diagonal),
-    )
+        dout, q, k, v, out, lse, spec, key_range=key_range, dropout_seed=dropout_seed,
+        alibi_slopes=alibi_slopes, alibi_diagonal=alibi_diagonal, row_keys=row_keys,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------------
