@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from ..ops.merge import lse_merge_
 from ..sinks import apply_sinks, check_sinks, sinks_gradient
-from ..spec import pack_options
+from ..spec import OpOptions
 from ..spec.validate import check_score, check_window, validate
 from ..torch_ops import attention as custom_ops
 
@@ -161,33 +161,36 @@ def _steps(rank: int, world: int, causal: bool, window, batch: int, local: int, 
     return out
 
 
-def _fwd_step(q, k, v, step: _Step, scale, softcap: float):
+def _step_options(options: OpOptions, step: _Step) -> tuple[list[int], list[float]]:
+    """The op options of one step, packed: the call's, with the step's causal (a sliding window's steps are
+    runs, which carry it)."""
+    return options._replace(causal=step.causal and step.runs is None).pack()
+
+
+def _fwd_step(q, k, v, step: _Step, options: OpOptions):
     """(out, lse) of one step's attention: the custom op on the step's rows and keys."""
     qs, ks, vs = q[:, step.rows], k[:, step.keys], v[:, step.keys]
     if step.runs is None:
-        return custom_ops.fwd(qs, ks, vs, *pack_options(step.causal, scale, softcap=softcap))
+        return custom_ops.fwd(qs, ks, vs, *_step_options(options, step))
     b, n, h, d = qs.shape
     o, lse = custom_ops.fwd(
-        *(t.reshape(1, -1, *t.shape[2:]) for t in (qs, ks, vs)), *pack_options(False, scale, softcap=softcap),
+        *(t.reshape(1, -1, *t.shape[2:]) for t in (qs, ks, vs)), *_step_options(options, step),
         row_keys=step.runs[0], key_rows=step.runs[1],
     )  # fmt: skip
     return o.view(b, n, h, d), lse[0].view(h, b, n).transpose(0, 1)
 
 
-def _bwd_step(dout, q, k, v, out, lse, step: _Step, scale, softcap: float):
+def _bwd_step(dout, q, k, v, out, lse, step: _Step, options: OpOptions):
     """(dq, dk, dv) of one step: the backward op with the final output and LSE (exact partials)."""
     r, c = step.rows, step.keys
     args = (dout[:, r], q[:, r], k[:, c], v[:, c], out[:, r])
     if step.runs is None:
-        return custom_ops.bwd(
-            *args, lse[:, :, r].contiguous(), *pack_options(step.causal, scale, softcap=softcap)
-        )
+        return custom_ops.bwd(*args, lse[:, :, r].contiguous(), *_step_options(options, step))
     b, n, h, _ = args[1].shape
     folded = [t.reshape(1, -1, *t.shape[2:]) for t in args]
     lse_f = lse[:, :, r].transpose(0, 1).reshape(1, h, b * n).contiguous()
     dq, dk, dv = custom_ops.bwd(
-        *folded, lse_f, *pack_options(False, scale, softcap=softcap), row_keys=step.runs[0],
-        key_rows=step.runs[1],
+        *folded, lse_f, *_step_options(options, step), row_keys=step.runs[0], key_rows=step.runs[1],
     )  # fmt: skip
     return dq.view(args[1].shape), dk.view(args[2].shape), dv.view(args[3].shape)
 
@@ -232,7 +235,7 @@ def _send_home(dkv: torch.Tensor, group, rank: int, world: int, hops: int) -> to
     return incoming
 
 
-def _ring_forward(q, k, v, steps: list[_Step], scale, softcap: float, group, rank: int, world: int):
+def _ring_forward(q, k, v, steps: list[_Step], options: OpOptions, group, rank: int, world: int):
     """One ring pass of the forward over the heads of q, k, v: (out, lse) in float32. The share in hand is
     sent on as each step starts (the transfer overlaps the step's kernels); each step's part is merged into
     the running result in place (the LSE merge kernel)."""
@@ -243,7 +246,7 @@ def _ring_forward(q, k, v, steps: list[_Step], scale, softcap: float, group, ran
     for i, step in enumerate(steps):
         reqs, incoming = _exchange(kv, group, rank, world) if i + 1 < len(steps) else ([], None)
         if not step.empty:
-            part_out, part_lse = _fwd_step(q, kv[0], kv[1], step, scale, softcap)
+            part_out, part_lse = _fwd_step(q, kv[0], kv[1], step, options)
             lse_merge_(out[:, step.rows], lse[:, :, step.rows], part_out, part_lse)
         for req in reqs:
             req.wait()
@@ -252,7 +255,7 @@ def _ring_forward(q, k, v, steps: list[_Step], scale, softcap: float, group, ran
     return out, lse
 
 
-def _ring_backward(dout, q, k, v, out, lse, steps: list[_Step], scale, softcap: float, group, rank, world):
+def _ring_backward(dout, q, k, v, out, lse, steps: list[_Step], options: OpOptions, group, rank, world):
     """One ring pass of the backward over the heads of its arguments: (dq, dk, dv) in float32.
 
     The share in hand travels one hop a step, sent as the step starts (overlapping its kernels). Its fp32
@@ -266,7 +269,7 @@ def _ring_backward(dout, q, k, v, out, lse, steps: list[_Step], scale, softcap: 
     for i, step in enumerate(steps):
         last = i + 1 == len(steps)
         kv_reqs, next_kv = ([], None) if last else _exchange(kv, group, rank, world)
-        grads = None if step.empty else _bwd_step(dout, q, kv[0], kv[1], out, lse, step, scale, softcap)
+        grads = None if step.empty else _bwd_step(dout, q, kv[0], kv[1], out, lse, step, options)
         if grads is not None:
             dq[:, step.rows].add_(grads[0])  # (the add promotes the partial: no float32 temporary)
         for req in acc_reqs:
@@ -293,7 +296,7 @@ class _RingAttention(torch.autograd.Function):
     heads, so the groups bound the peak memory) in the forward and again in the backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, causal, scale, window, softcap, group, rank, world):
+    def forward(ctx, q, k, v, sinks, causal, window, options, group, rank, world):
         batch, local, heads_q, _ = q.shape
         steps = _steps(rank, world, causal, window, batch, local, q.device)
         heads = _head_groups(batch, local, heads_q, k.shape[2], q.device)
@@ -301,12 +304,12 @@ class _RingAttention(torch.autograd.Function):
         lse = torch.empty((batch, heads_q, local), dtype=torch.float32, device=q.device)
         for qh, kvh in heads:
             shares = q[:, :, qh], k[:, :, kvh], v[:, :, kvh]
-            o_g, lse_g = _ring_forward(*shares, steps, scale, softcap, group, rank, world)
+            o_g, lse_g = _ring_forward(*shares, steps, options, group, rank, world)
             if sinks is not None:  # a sink joins each row's softmax once, after every share's keys
                 o_g, lse_g = apply_sinks(o_g, lse_g, sinks[qh])
             out[:, :, qh], lse[:, qh] = o_g, lse_g
         ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.steps, ctx.heads, ctx.scale, ctx.softcap = steps, heads, scale, softcap
+        ctx.steps, ctx.heads, ctx.options = steps, heads, options
         ctx.group, ctx.rank, ctx.world = group, rank, world
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -319,13 +322,13 @@ class _RingAttention(torch.autograd.Function):
         for qh, kvh in ctx.heads:
             dq[:, :, qh], dk[:, :, kvh], dv[:, :, kvh] = _ring_backward(
                 dout[:, :, qh], q[:, :, qh], k[:, :, kvh], v[:, :, kvh], out[:, :, qh], lse[:, qh], ctx.steps,
-                ctx.scale, ctx.softcap, ctx.group, ctx.rank, ctx.world,
+                ctx.options, ctx.group, ctx.rank, ctx.world,
             )  # fmt: skip
         # With the sinks in the saved O and LSE the steps' gradients are exact (flash_attention.sinks); the
         # sinks' own is this rank's rows' share of it (a replicated parameter's gradient is then summed
         # over the ranks with the others', as examples/ring_llama.py does).
         dsinks = sinks_gradient(dout, out, lse, sinks) if ctx.needs_input_grad[3] else None
-        return dq, dk, dv, dsinks, None, None, None, None, None, None, None
+        return dq, dk, dv, dsinks, None, None, None, None, None, None
 
 
 def ring_attention(
@@ -382,7 +385,7 @@ def ring_attention(
     rank, world = _group_info(group)
     if causal and window is None and q.shape[1] % 2:
         raise ValueError(f"causal ring attention takes zigzag shards of even length; got {q.shape[1]}")
-    out, lse = _RingAttention.apply(
-        q, k, v, sinks, bool(causal), problem.scale, window, float(softcap), group, rank, world
-    )
+    # The options every step's ops share (each step sets its own causal: _step_options).
+    options = OpOptions(False, problem.scale, softcap=float(softcap))
+    out, lse = _RingAttention.apply(q, k, v, sinks, bool(causal), window, options, group, rank, world)
     return (out, lse) if return_lse else out
