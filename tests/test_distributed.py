@@ -22,7 +22,7 @@ def _assert_matches_float64(named) -> None:
         assert err <= 1e-5 * max(1.0, want.abs().max().item()), f"{name}: {err:.3g} against float64"
 
 
-def _worker(rank, world, init_file, causal, failures):
+def _worker(rank, world, init_file, causal, softcap, failures):
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
         from flash_attention.api.ring import ring_attention, shard_sequence, unshard_sequence
@@ -36,12 +36,12 @@ def _worker(rank, world, init_file, causal, failures):
         zig = causal
         assert torch.equal(unshard_sequence(shard_sequence(q, zigzag=zig), zigzag=zig), q)
         leaves = [shard_sequence(t, zigzag=zig).requires_grad_() for t in (q, k, v)]
-        out, lse = ring_attention(*leaves, causal=causal, return_lse=True)
+        out, lse = ring_attention(*leaves, causal=causal, softcap=softcap, return_lse=True)
         grads = torch.autograd.grad(out, leaves, shard_sequence(dout, zigzag=zig))
         full = [unshard_sequence(t.detach(), zigzag=zig) for t in (out, *grads)]
         full_lse = unshard_sequence(lse, dim=2, zigzag=zig)
         ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
-        ref, ref_lse = attention_reference(*ref_leaves, causal=causal)
+        ref, ref_lse = attention_reference(*ref_leaves, causal=causal, softcap=softcap)
         ref_grads = torch.autograd.grad(ref, ref_leaves, dout.double())
         _assert_matches_float64(zip(("out", "dq", "dk", "dv"), full, (ref, *ref_grads), strict=True))
         torch.testing.assert_close(full_lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
@@ -53,8 +53,10 @@ def _worker(rank, world, init_file, causal, failures):
 
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("causal", [False, True])
-def test_ring_attention_equals_single_process_attention(world, causal, tmp_path):
-    spawn_ranks(_worker, world, tmp_path, causal)
+@pytest.mark.parametrize("softcap", [0.0, 2.0])
+def test_ring_attention_equals_single_process_attention(world, causal, softcap, tmp_path):
+    # Soft-capping (a small cap, which bends most scores) through the ring's steps, whole and halved ones.
+    spawn_ranks(_worker, world, tmp_path, causal, softcap)
 
 
 def test_ring_attention_needs_a_process_group_and_refuses_float64():
@@ -106,7 +108,7 @@ def test_ring_training_example_equals_one_process(tmp_path):
     spawn_ranks(_training_worker, 2, tmp_path, timeout=180)
 
 
-def _window_worker(rank, world, init_file, causal, window, failures):
+def _window_worker(rank, world, init_file, causal, window, softcap, failures):
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
         from flash_attention.api import ring as fd
@@ -120,11 +122,11 @@ def _window_worker(rank, world, init_file, causal, window, failures):
         if causal and window[0] == 5:  # a 5-key window reaches one share back: two of the steps
             assert len(steps) == 2
         leaves = [fd.shard_sequence(t, zigzag=False).requires_grad_() for t in (q, k, v)]
-        out = fd.ring_attention(*leaves, causal=causal, window=window)
+        out = fd.ring_attention(*leaves, causal=causal, window=window, softcap=softcap)
         grads = torch.autograd.grad(out, leaves, fd.shard_sequence(dout, zigzag=False))
         full = [fd.unshard_sequence(t.detach(), zigzag=False) for t in (out, *grads)]
         ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
-        ref, _ = attention_reference(*ref_leaves, causal=causal, window=window)
+        ref, _ = attention_reference(*ref_leaves, causal=causal, window=window, softcap=softcap)
         ref_grads = torch.autograd.grad(ref, ref_leaves, dout.double())
         _assert_matches_float64(zip(("out", "dq", "dk", "dv"), full, (ref, *ref_grads), strict=True))
         dist.destroy_process_group()
@@ -133,11 +135,21 @@ def _window_worker(rank, world, init_file, causal, window, failures):
         raise
 
 
-@pytest.mark.parametrize(("causal", "window"), [(True, (5, 0)), (True, (20, 0)), (False, (4, 3))])
-def test_ring_attention_with_a_sliding_window(causal, window, tmp_path):
+@pytest.mark.parametrize(
+    ("causal", "window", "softcap"),
+    [
+        (True, (5, 0), 0.0),
+        (True, (20, 0), 0.0),
+        (False, (4, 3), 0.0),
+        (True, (20, 0), 2.0),
+        (False, (4, 3), 1.5),
+    ],
+)
+def test_ring_attention_with_a_sliding_window(causal, window, softcap, tmp_path):
     # Contiguous shares over 3 ranks: a causal window runs only the steps that reach it (the rest of the
-    # ring skipped), a two-sided one every step, each through per-row key runs; against float64.
-    spawn_ranks(_window_worker, 3, tmp_path, causal, window)
+    # ring skipped), a two-sided one every step, each through per-row key runs, with soft-capping too (small
+    # caps, which bend most scores); against float64.
+    spawn_ranks(_window_worker, 3, tmp_path, causal, window, softcap)
 
 
 def test_ring_bench_runs_on_gloo(tmp_path):
