@@ -34,6 +34,7 @@ from .plans import (
     feature_list,
     fill_common,
     fill_strides,
+    kernel_build,
     launch_all,
     launch_spec,
     mask_bounds,
@@ -109,11 +110,12 @@ def clear_plans() -> None:
 
 
 def _kernels_of(q, k, spec: AttentionSpec, config, lengths, head_dim=None):
-    """``(config, arch, build variant)`` of the backward kernels a call of ``spec`` on kernel-ready q and k
-    runs (of ``head_dim``, when given, instead of q's): what :func:`_make_plan` loads and :func:`prefetch`
-    compiles ahead."""
+    """``(config, arch, build)`` (plans.KernelBuild) of the backward kernels a call of ``spec`` on
+    kernel-ready q and k runs (of ``head_dim``, when given, instead of q's): what :func:`_make_plan` loads
+    and :func:`prefetch` compiles ahead."""
     index = q.get_device()
     window, score = mask_bounds(spec, q.shape[1], k.shape[1]), spec.score
+    build = kernel_build(spec, q.shape[1], k.shape[1])
     cfg = backward_config(
         dtype_name(q),
         head_dim or q.shape[3],
@@ -131,9 +133,7 @@ def _kernels_of(q, k, spec: AttentionSpec, config, lengths, head_dim=None):
         ),
         config=config,
     )
-    build = SEGMENTS if window == SEGMENTS else window is not None
-    variant = dict(ranged=spec.ranged, dropout=bool(spec.dropout_p), window=build, score=score.build)
-    return cfg, device_arch(index), variant
+    return cfg, device_arch(index), build
 
 
 def prefetch(q, k, spec: AttentionSpec, lengths=None, head_dim=None) -> None:
@@ -142,10 +142,10 @@ def prefetch(q, k, spec: AttentionSpec, lengths=None, head_dim=None) -> None:
     compiles, not their sum). Best effort: any failure is left to the backward's own build, which reports
     it."""
     try:
-        cfg, arch, variant = _kernels_of(q, k, spec, None, lengths, head_dim)
+        cfg, arch, build = _kernels_of(q, k, spec, None, lengths, head_dim)
     except Exception:  # noqa: BLE001 - as the docstring says
         return
-    jit_cache.prefetch(cfg, arch, **variant)
+    jit_cache.prefetch(cfg, arch, **build.variant)
 
 
 def _make_plan(q, k, v, o, do, lse, spec: AttentionSpec, config, lengths=None, sequences=None) -> _Plan:
@@ -153,17 +153,13 @@ def _make_plan(q, k, v, o, do, lse, spec: AttentionSpec, config, lengths=None, s
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     check_grid(batch, heads_q, seqlen_q, seqlen_k)
     index = q.get_device()
-    causal, deterministic, ranged, dropout_p = spec.causal, spec.deterministic, spec.ranged, spec.dropout_p
+    causal, deterministic, dropout_p = spec.causal, spec.deterministic, spec.dropout_p
     window, score = mask_bounds(spec, seqlen_q, seqlen_k), spec.score
-    cfg, arch, variant = _kernels_of(q, k, spec, config, lengths)
-    # The window and segments builds have one set of entry points, named as not causal (the window, or the
-    # segments' runs, carry causal).
+    cfg, arch, build = _kernels_of(q, k, spec, config, lengths)
     windowed = window is not None
-    mask_causal = causal and not windowed
-    build = variant["window"]
-    kerns = get_bwd_kernels(cfg, arch, **variant)
+    kerns = get_bwd_kernels(cfg, arch, **build.variant)
     dkdv_kind = "dkdv_det" if deterministic else "dkdv"
-    dkdv = kerns[cfg.symbol(dkdv_kind, mask_causal, ranged, bool(dropout_p), build, score.build)]
+    dkdv = kerns[cfg.symbol(dkdv_kind, *build)]
     dkdv.ensure_dynamic_smem(cfg.smem_bytes, index)
     dq = None
     # Deterministic on the sm80 family: dK/dV without atomics, then the dQ kernel. The deterministic forms
@@ -171,7 +167,7 @@ def _make_plan(q, k, v, o, do, lse, spec: AttentionSpec, config, lengths=None, s
     # (turns taken on semaphores after the accumulator), and the cast follows as in the atomic mode.
     det_ws = deterministic and (cfg.warp_specialized or cfg.wide)
     if deterministic and not det_ws:
-        dq = kerns[cfg.symbol("dq", mask_causal, ranged, bool(dropout_p), build, score.build)]
+        dq = kerns[cfg.symbol("dq", *build)]
         dq.ensure_dynamic_smem(cfg.dq_smem_bytes, index)
 
     p = BwdParams()
@@ -201,7 +197,7 @@ def _make_plan(q, k, v, o, do, lse, spec: AttentionSpec, config, lengths=None, s
     k_tiles = 0
     convert_blocks = math.ceil(seqlen_q / 64)
     if (
-        build == SEGMENTS
+        build.window == SEGMENTS
         and cfg.warp_specialized
         and not cfg.wide_ws
         and not deterministic
@@ -217,7 +213,7 @@ def _make_plan(q, k, v, o, do, lse, spec: AttentionSpec, config, lengths=None, s
     # spilled with it, and the sm80 ones have their own grid.
     # (Off: measured 8-12% slower at 1k causal, kernel log 123; FLASH_ATTENTION_CAUSAL_ORDER=1 for a profile.)
     if (
-        mask_causal
+        build.causal
         and not deterministic
         and cfg.warp_specialized
         and not cfg.wide_ws

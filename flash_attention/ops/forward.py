@@ -37,6 +37,7 @@ from .plans import (
     feature_list,
     fill_common,
     fill_strides,
+    kernel_build,
     launch,
     launch_spec,
     mask_bounds,
@@ -137,14 +138,9 @@ def _make_plan(
     causal, score, dropout_p = spec.causal, spec.score, spec.dropout_p
     window = mask_bounds(spec, seqlen_q, k.shape[1])
     cfg = _config(q, k, causal, needs, config, lengths)
-    # The window and segments builds have one entry point, named as not causal (the window's right bound,
-    # or the segments' runs, carry causal).
     windowed = window is not None
-    build = SEGMENTS if window == SEGMENTS else windowed
-    kernel = get_kernel(
-        cfg, causal and not windowed, device_arch(index), trace, ranged=spec.ranged, dropout=bool(dropout_p),
-        window=build, score=score.build,
-    )  # fmt: skip
+    build = kernel_build(spec, seqlen_q, k.shape[1])
+    kernel = get_kernel(cfg, build.causal, device_arch(index), trace, **build.variant)
     kernel.ensure_dynamic_smem(cfg.smem_bytes, index)
     p = _params(q, k, v, o, cfg, spec.scale, dropout_p)
     if windowed and window != SEGMENTS:
@@ -152,7 +148,8 @@ def _make_plan(
     p.softcap = score.softcap  # (ALiBi's slopes are a per-call pointer: launch_plan)
     # A packed batch on the warp-specialized forward: one tile per table entry (the table itself is bound at
     # each launch). The other families tile the packed row.
-    q_tiles = cfg.block_q if build == SEGMENTS and cfg.warp_specialized and sequences is not None else 0
+    packed_tiles = build.window == SEGMENTS and cfg.warp_specialized and sequences is not None
+    q_tiles = cfg.block_q if packed_tiles else 0
     if q_tiles:
         p.num_m_blocks = tile_count(seqlen_q, sequences, q_tiles)
     grid = (p.num_m_blocks, heads_q, batch)

@@ -26,6 +26,8 @@ from .device import current_stream, device_arch, gpu_name, smem_limit
 from .query_tiles import sequence_bucket
 
 __all__ = [
+    "KernelBuild",
+    "kernel_build",
     "LOG2E",
     "Launch",
     "PlanCache",
@@ -212,6 +214,36 @@ def mask_bounds(spec: AttentionSpec, seqlen_q: int, seqlen_k: int) -> tuple[int,
     if spec.segments:
         return SEGMENTS
     return window_bounds(spec.window, spec.causal, seqlen_q, seqlen_k)
+
+
+class KernelBuild(NamedTuple):
+    """Which build of a family's translation unit a call runs, and which of its entry points: ``causal`` (the
+    entry point's mask; a window's or a packed batch's build has one entry point, named as not causal: the
+    window's bounds or the runs carry it), ``ranged`` (key ranges), ``dropout``, ``window`` (False, True for
+    the sliding window's build, or SEGMENTS) and ``score`` (spec.ScoreSpec.build). In the order the configs'
+    ``symbol`` takes them after the kernel's kind."""
+
+    causal: bool
+    ranged: bool
+    dropout: bool
+    window: bool | str
+    score: str | None
+
+    @property
+    def variant(self) -> dict:
+        """The JIT's keywords of the build (jit.loader, jit.cache: everything but the entry point)."""
+        return dict(ranged=self.ranged, dropout=self.dropout, window=self.window, score=self.score)
+
+
+def kernel_build(spec: AttentionSpec, seqlen_q: int, seqlen_k: int) -> KernelBuild:
+    """The build of ``spec``'s kernels at these lengths: the one place a call's options become a kernel
+    build (its translation unit's name, cache key and entry point), for the forward, the backward and the
+    ahead-of-time catalog alike."""
+    bounds = mask_bounds(spec, seqlen_q, seqlen_k)
+    window = SEGMENTS if bounds == SEGMENTS else bounds is not None
+    return KernelBuild(
+        spec.causal and bounds is None, spec.ranged, bool(spec.dropout_p), window, spec.score.build
+    )
 
 
 def fill_common(

@@ -22,9 +22,9 @@ from flash_attention.configs.decode import default_decode_config
 from flash_attention.jit import cache as jit_cache
 from flash_attention.jit.sources import SEGMENTS
 from flash_attention.ops import winners
-from flash_attention.spec import NO_SCORE, ScoreSpec
+from flash_attention.spec import NO_SCORE, AttentionSpec, ScoreSpec
 
-from .plans import feature_list, window_bounds
+from .plans import feature_list, kernel_build, window_bounds
 from .select import NoKernel, backward_config, forward_config
 from .tensors import padded_to_8
 
@@ -114,8 +114,17 @@ def kernel_jobs(
                 key_range=key_range, dropout=dropout, window=windowed, segments=segments,
                 **score.features,
             )  # fmt: skip
-            build = SEGMENTS if segments else windowed
-            variant = dict(ranged=key_range, dropout=dropout, window=build, score=score.build)
+            # (the spec of the calls these facts describe: their build is kernel_build's, as a call's is)
+            spec = AttentionSpec(
+                is_causal,
+                1.0,
+                window,
+                score,
+                key_range,
+                0.5 if dropout else 0.0,
+                segments=2 if segments else 0,
+            )
+            variant = kernel_build(spec, seqlen_q, seqlen_k).variant
             try:
                 fwd = forward_config(
                     dtype, d, is_causal, seqlen_q, seqlen_k, group, **device, features=feature_list(**flags)
