@@ -35,3 +35,57 @@ def test_a_window_of_zeros_is_not_no_window():
     # (0, 0) sees only the diagonal; None sees everything: the packed form keeps them apart.
     assert OpOptions.unpack(*pack_options(False, 1.0, window=(0, 0))).window == (0, 0)
     assert OpOptions.unpack(*pack_options(False, 1.0)).window is None
+
+
+@pytest.mark.parametrize(
+    ("ranged", "alibi", "sinks", "segments"), [(False, False, False, 0), (True, True, True, 3)]
+)
+def test_op_options_make_the_spec_the_fallback_takes(ranged, alibi, sinks, segments):
+    # The torch ops' PyTorch path takes an AttentionSpec built from the packed options and what the call's
+    # tensors say; every option survives, and the score function's build follows the cap and ALiBi.
+    from flash_attention.spec import AttentionSpec, ScoreSpec
+
+    opt = OpOptions(True, 0.3, True, 0.25, (7, -1), 12.5)
+    spec = OpOptions.unpack(*opt.pack()).attention_spec(
+        ranged=ranged, alibi=alibi, sinks=sinks, segments=segments
+    )
+    assert spec == AttentionSpec(
+        True, 0.3, (7, -1), ScoreSpec(12.5, alibi=alibi), ranged, 0.25, True, sinks, segments
+    )
+    assert spec.score.build == ("softcap_alibi" if alibi else "softcap")
+
+
+def test_kv_cache_problem_spec_carries_its_options():
+    from flash_attention.spec import ScoreSpec
+    from flash_attention.spec.validate_kvcache import CacheProblem
+
+    problem = CacheProblem(2, 1, 8, 2, 128, 0, 0, 4096, 0.125, True, (255, -1), 30.0, 1)
+    spec = problem.attention_spec
+    assert (spec.causal, spec.scale, spec.window, spec.score) == (
+        True,
+        0.125,
+        (255, -1),
+        ScoreSpec(30.0, alibi=True),
+    )
+    assert not (spec.ranged or spec.dropout_p or spec.deterministic or spec.sinks or spec.segments)
+
+
+def test_kernel_build_is_derived_from_the_spec_alone():
+    # ops.plans.kernel_build: the one function from a call's spec (at its lengths) to its kernel build.
+    from flash_attention.jit.sources import SEGMENTS
+    from flash_attention.ops.plans import KernelBuild, kernel_build
+    from flash_attention.spec import AttentionSpec, ScoreSpec
+
+    plain = AttentionSpec(False, 0.1)
+    assert kernel_build(plain, 100, 100) == KernelBuild(False, False, False, False, None)
+    # Causal keeps its entry point; a window that bounds something takes the window build, whose one entry
+    # point is named as not causal (the bounds carry causal), and one that bounds nothing the causal build.
+    assert kernel_build(AttentionSpec(True, 0.1), 100, 100).causal
+    windowed = AttentionSpec(True, 0.1, window=(16, 0))
+    assert kernel_build(windowed, 100, 100) == KernelBuild(False, False, False, True, None)
+    assert kernel_build(windowed, 8, 8) == KernelBuild(True, False, False, False, None)  # (16 >= 8 + 8)
+    packed = AttentionSpec(True, 0.1, score=ScoreSpec(5.0), ranged=True, dropout_p=0.1, segments=2)
+    assert kernel_build(packed, 100, 100) == KernelBuild(False, True, True, SEGMENTS, "softcap")
+    assert kernel_build(packed, 100, 100).variant == dict(
+        ranged=True, dropout=True, window=SEGMENTS, score="softcap"
+    )
