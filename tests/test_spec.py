@@ -89,3 +89,22 @@ def test_kernel_build_is_derived_from_the_spec_alone():
     assert kernel_build(packed, 100, 100).variant == dict(
         ranged=True, dropout=True, window=SEGMENTS, score="softcap"
     )
+
+
+def test_every_score_build_names_a_policy_the_kernels_declare():
+    # spec.score_builds derives each build's name and C++ policy from a ScoreSpec's features; every policy
+    # must be a type csrc/include/fa/variant.cuh declares (a rename on one side fails here, not at a JIT).
+    import re
+    from pathlib import Path
+
+    from flash_attention.jit.sources import SCORE_MODS
+    from flash_attention.spec import ScoreSpec, score_builds
+
+    header = (Path(__file__).resolve().parents[1] / "flash_attention/csrc/include/fa/variant.cuh").read_text()
+    declared = set(re.findall(r"^(?:using|struct) (\w+)", header, flags=re.M))
+    assert SCORE_MODS == score_builds() and len(SCORE_MODS) == 13
+    for build, policy in SCORE_MODS.items():
+        assert policy.startswith("fa::") and policy[4:] in declared, (build, policy)
+    spec = ScoreSpec(30.0, alibi=True, alibi_origin="runs", alibi_rows=True)
+    assert (spec.build, spec.policy) == ("softcap_alibi_runs_rows", "fa::SoftcapAlibiRunsRows")
+    assert (ScoreSpec().build, ScoreSpec().policy) == (None, None)

@@ -13,6 +13,7 @@ import itertools
 from ..configs import BwdConfig, KernelConfig
 from ..configs.decode import DecodeConfig
 from ..configs.merge import MERGE_PART_DTYPES, MergeConfig
+from ..spec import score_builds
 from .params import (
     BwdParams,
     DecodeParams,
@@ -71,27 +72,13 @@ def variant_type(causal: bool, ranged: bool, window: bool | str = False, score: 
     return f"fa::DefaultVariant<{_cpp_bool(causal)}, {_cpp_bool(ranged)}>"
 
 
-#: The score functions a build can take (csrc/include/fa/variant.cuh): name -> C++ policy. "softcap_alibi"
-#: caps the score, then adds ALiBi's bias; "..._runs" measures ALiBi from each query row's run end (a packed
-#: batch of causal sequences), "..._table" from each row's entry of a table of diagonals (a packed batch
-#: without causal whose query and key counts differ); all segments builds only. A "_rows" suffix reads a
-#: slope per query row (a packed batch whose sequences have slopes of their own; "alibi_rows": the packed
-#: row's own index, as "alibi" on segments).
-SCORE_MODS = {
-    "softcap": "fa::Softcap",
-    "alibi": "fa::Alibi",
-    "alibi_runs": "fa::AlibiRuns",
-    "softcap_alibi": "fa::SoftcapAlibi",
-    "softcap_alibi_runs": "fa::SoftcapAlibiRuns",
-    "alibi_table": "fa::AlibiTable",
-    "softcap_alibi_table": "fa::SoftcapAlibiTable",
-    "alibi_rows": "fa::AlibiRows",
-    "softcap_alibi_rows": "fa::SoftcapAlibiRows",
-    "alibi_runs_rows": "fa::AlibiRunsRows",
-    "softcap_alibi_runs_rows": "fa::SoftcapAlibiRunsRows",
-    "alibi_table_rows": "fa::AlibiTableRows",
-    "softcap_alibi_table_rows": "fa::SoftcapAlibiTableRows",
-}
+#: The score functions a build can take (csrc/include/fa/variant.cuh): name -> C++ policy, both made from a
+#: spec.ScoreSpec's features (spec.score_builds). "softcap_alibi" caps the score, then adds ALiBi's bias;
+#: "..._runs" measures ALiBi from each query row's run end (a packed batch of causal sequences), "..._table"
+#: from each row's entry of a table of diagonals (a packed batch without causal whose query and key counts
+#: differ); all segments builds only. A "_rows" suffix reads a slope per query row (a packed batch whose
+#: sequences have slopes of their own; "alibi_rows": the packed row's own index, as "alibi" on segments).
+SCORE_MODS = score_builds()
 
 
 def mask_causals(window: bool | str) -> tuple[bool, ...]:

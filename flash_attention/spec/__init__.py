@@ -24,6 +24,7 @@ __all__ = [
     "ScoreSpec",
     "launch_variants",
     "pack_options",
+    "score_builds",
 ]
 
 #: Where ALiBi measures a query row's distance to a key from (``ScoreSpec.alibi_origin``): "diagonal", the
@@ -52,11 +53,9 @@ class ScoreSpec:
         if not self.alibi and (self.alibi_origin != "diagonal" or self.alibi_rows):
             raise ValueError("alibi_origin and alibi_rows describe ALiBi: they need alibi=True")
 
-    @property
-    def build(self) -> str | None:
-        """The kernel build's score function, a key of ``jit.sources.SCORE_MODS`` (None: none): the features
-        joined by "_" in the order "softcap", "alibi", the origin ("runs", "table"; none for the diagonal),
-        "rows". Build names, cache keys and entry-point symbols all carry it."""
+    def _parts(self) -> list[str]:
+        # The features in the order "softcap", "alibi", the origin ("runs", "table"; none for the diagonal),
+        # "rows": what the build's name and the C++ policy's are made of.
         parts = ["softcap"] if self.softcap else []
         if self.alibi:
             parts.append("alibi")
@@ -64,7 +63,21 @@ class ScoreSpec:
                 parts.append(self.alibi_origin)
             if self.alibi_rows:
                 parts.append("rows")
-        return "_".join(parts) or None
+        return parts
+
+    @property
+    def build(self) -> str | None:
+        """The kernel build's score function, a key of ``jit.sources.SCORE_MODS`` (None: none): the features
+        joined by "_" ("softcap_alibi_runs_rows"). Build names, cache keys and entry-point symbols all carry
+        it."""
+        return "_".join(self._parts()) or None
+
+    @property
+    def policy(self) -> str | None:
+        """The C++ policy of csrc/include/fa/variant.cuh the build instantiates (None: none), named from the
+        same features: ``fa::SoftcapAlibiRunsRows``."""
+        parts = self._parts()
+        return "fa::" + "".join(p.capitalize() for p in parts) if parts else None
 
     @property
     def features(self) -> dict[str, bool]:
@@ -74,6 +87,20 @@ class ScoreSpec:
 
 #: The identity score function (no cap, no ALiBi).
 NO_SCORE = ScoreSpec()
+
+
+def score_builds() -> dict[str, str]:
+    """Every score function a kernel build can take: its build name -> its C++ policy (``jit.sources``'s
+    SCORE_MODS), one per combination of the cap, ALiBi, ALiBi's origin and per-row slopes."""
+    out = {}
+    for softcap in (0.0, 1.0):
+        for alibi, origin, rows in [(False, "diagonal", False)] + [
+            (True, o, r) for o in ALIBI_ORIGINS for r in (False, True)
+        ]:
+            spec = ScoreSpec(softcap, alibi, origin, rows)
+            if spec.build is not None:
+                out[spec.build] = spec.policy
+    return out
 
 
 @dataclass(frozen=True)
