@@ -329,6 +329,12 @@ def bwd_register_roles(cfg: BwdConfig) -> str:
     """What a backward block's register count means per role, for ``report``: "" for a kernel without roles
     (the compiler reports only the launch-time allocation of those that move registers with setmaxnreg:
     the warp-specialized kernels, and the wide one's deterministic form)."""
+    if cfg.wide_ws:
+        producer, compute = WS_REGISTER_SPLIT
+        return (
+            f"setmaxnreg: producer warpgroup {producer}, computing warpgroups up to {compute} (no "
+            "deterministic build: the wide kernel's runs those calls)"
+        )
     if cfg.warp_specialized:
         producer, consumer = WS_REGISTER_SPLIT
         copies, writers, det_consumers = DET_WS_REGISTER_SPLIT

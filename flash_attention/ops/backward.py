@@ -114,7 +114,6 @@ def _kernels_of(q, k, spec: AttentionSpec, config, lengths, head_dim=None):
     kernel-ready q and k runs (of ``head_dim``, when given, instead of q's): what :func:`_make_plan` loads
     and :func:`prefetch` compiles ahead."""
     index = q.get_device()
-    window, score = mask_bounds(spec, q.shape[1], k.shape[1]), spec.score
     build = kernel_build(spec, q.shape[1], k.shape[1])
     cfg = backward_config(
         dtype_name(q),
@@ -127,9 +126,9 @@ def _kernels_of(q, k, spec: AttentionSpec, config, lengths, head_dim=None):
             key_range=spec.ranged,
             dropout=spec.dropout_p,
             deterministic=spec.deterministic,
-            window=window is not None and window != SEGMENTS,
-            **score.features,
-            segments=window == SEGMENTS,
+            window=build.window is True,
+            **spec.score.features,
+            segments=build.window == SEGMENTS,
         ),
         config=config,
     )

@@ -163,8 +163,13 @@ def forward_config(
     return cfg
 
 
-#: What the warp-specialized wide backward (head_dim 256) leaves to the wide kernel, which has both.
-_WIDE_ONLY = frozenset({"dropout", "deterministic"})
+def _wide_for(cfg: BwdConfig | None, features: tuple[str, ...]) -> BwdConfig | None:
+    """``cfg``, or the wide kernel where ``cfg`` is the warp-specialized wide one (head_dim 256) and the call
+    needs a feature its family lacks (configs.families: dropout, the deterministic mode): the wide kernel's
+    builds are its forms of those."""
+    if cfg is not None and cfg.wide_ws and unsupported(cfg, features):
+        return hopper_bwd_config(cfg.dtype, cfg.head_dim, warp_specialized=False)
+    return cfg
 
 
 def backward_config(
@@ -185,18 +190,14 @@ def backward_config(
     by the rules of :func:`forward_config`."""
     features = tuple(features)
     if config is not None:
-        cfg = parse_bwd_config(config)
-        if cfg.wide_ws and _WIDE_ONLY & set(features):
-            # The warp-specialized wide kernel's dropout and deterministic forms are the wide kernel's.
-            cfg = hopper_bwd_config(cfg.dtype, cfg.head_dim, warp_specialized=False)
+        cfg = _wide_for(parse_bwd_config(config), features)
         smem = max(cfg.smem_bytes, cfg.dq_smem_bytes)
         _check_explicit(cfg, dtype, head_dim, unsupported(cfg, features), smem, smem_limit)
         return cfg
     cfg = winners.lookup_bwd(gpu, dtype, head_dim, causal, seqlen_q, seqlen_k, group) or default_bwd_config(
         dtype, head_dim, arch
     )
-    if cfg is not None and cfg.wide_ws and _WIDE_ONLY & set(features):
-        cfg = hopper_bwd_config(cfg.dtype, cfg.head_dim, warp_specialized=False)
+    cfg = _wide_for(cfg, features)
     if cfg is not None and unsupported(cfg, features):
         cfg = default_bwd_config(dtype, head_dim, arch, portable=True)
     if cfg is None or max(cfg.smem_bytes, cfg.dq_smem_bytes) > smem_limit:

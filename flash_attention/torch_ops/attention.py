@@ -74,7 +74,7 @@ def _variants(opt: OpOptions, alibi_slopes, row_keys=None, key_rows=None, alibi_
     return launch_variants(opt.window, opt.softcap, alibi_slopes, segments)
 
 
-def _fallback_spec(opt: OpOptions, key_range, alibi_slopes, row_keys, key_rows, alibi_diagonal, sinks=None):
+def _fallback_spec(opt: OpOptions, key_range, alibi_slopes, row_keys, alibi_diagonal, sinks=None):
     """The spec of an op call, for the PyTorch path (OpOptions.attention_spec, with what the tensors say)."""
     segments = 0 if row_keys is None else 2 + (alibi_diagonal is not None)
     return opt.attention_spec(
@@ -92,7 +92,7 @@ def _fallback_forward(
     """The forward op's PyTorch path (every device, and CUDA inputs the kernels cannot take); a packed batch's
     runs go to it as each row's keys (``row_keys``); sinks rescale its result (the kernels join them in their
     epilogue; :mod:`flash_attention.sinks` says why the two agree)."""
-    spec = _fallback_spec(opt, key_range, alibi_slopes, row_keys, key_rows, alibi_diagonal, sinks)
+    spec = _fallback_spec(opt, key_range, alibi_slopes, row_keys, alibi_diagonal, sinks)
     out, lse = fallback.forward(
         q, k, v, spec, return_lse=True, key_range=key_range, dropout_seed=dropout_seed,
         alibi_slopes=alibi_slopes, alibi_diagonal=alibi_diagonal, row_keys=row_keys,
@@ -105,7 +105,7 @@ def _fallback_backward(
     row_keys=None, key_rows=None, alibi_diagonal=None,
 ):  # fmt: skip
     """The backward op's PyTorch path (segments as in :func:`_fallback_forward`)."""
-    spec = _fallback_spec(opt, key_range, alibi_slopes, row_keys, key_rows, alibi_diagonal)
+    spec = _fallback_spec(opt, key_range, alibi_slopes, row_keys, alibi_diagonal)
     return fallback.backward(
         dout, q, k, v, out, lse, spec, key_range=key_range, dropout_seed=dropout_seed,
         alibi_slopes=alibi_slopes, alibi_diagonal=alibi_diagonal, row_keys=row_keys,
