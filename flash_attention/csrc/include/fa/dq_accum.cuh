@@ -26,39 +26,38 @@ __device__ __forceinline__ void zero_dq_accum_row(float* dq_accum, i64 idx, int 
 
 // Where column `col` of workspace row `ws_row` (fa/tile_ptrs.cuh, workspace_row) lives in the accumulator.
 // Row-major (kTiled false): rows of kHeadDim floats, what the sm80 and wgmma kernels add into one pair at a
-// time. Tiled (the warp-specialized backward and the wide one, csrc/kernels/sm90/bwd_wide, which add dQ in
-// 64 x 64 parts with bulk reduce-adds, and a bulk copy needs a contiguous source and destination): each 64-row block of rows is
-// kHeadDim / 64 tiles of 64 x 64 floats, one after the other, 16 KB each; inside a tile, 16-byte chunk c of
-// row r sits at chunk c ^ (r % 8) of the row (the XOR stays within the row's 128-byte half). The swizzle is
-// the staging tile's in shared memory, where it keeps the eight rows a warp writes at once in different
-// banks (unswizzled, 256-byte rows put them all in the same ones: an 8-way conflict). Blocks start at
-// multiples of 64 rows: seqlen_q_pad is a multiple of 128.
+// time. Tiled (the Hopper backwards, csrc/kernels/sm90/bwd_ws, bwd_wide and bwd_wide_ws, which add dQ in
+// 64 x 64 parts with bulk reduce-adds, and a bulk copy needs a contiguous source and destination): each
+// 64-row block of rows is kHeadDim / 64 tiles of 64 x 64 floats, one after the other, 16 KB each, and a tile
+// is in the register order of the warpgroup that computed it (a wgmma m64nN accumulator, fa/frag.cuh):
+// thread u = 32 w + 4 g + t's registers 4 n + e of the tile's n-tile n (8 columns) are the 16-byte chunk
+// n * 128 + u, i.e. rows 16 w + g (e = 0, 1) and 16 w + g + 8 (e = 2, 3), columns 8 n + 2 t + e % 2. Each
+// thread stages its part with one 16-byte store per n-tile, consecutive threads to consecutive chunks (no
+// bank conflict and no swizzle arithmetic: kernel log 127); the convert kernel below undoes the order. Blocks
+// start at multiples of 64 rows: seqlen_q_pad is a multiple of 128.
 template <int kHeadDim, bool kTiled>
 __device__ __forceinline__ i64 dq_accum_offset(i64 ws_row, int col) {
   if constexpr (!kTiled) {
     return ws_row * kHeadDim + col;
   } else {
-    const int r = (int)(ws_row % 64);
-    return (ws_row - r) * kHeadDim + (col / 64) * 4096 + r * 64 + (((col % 64) / 4) ^ (r % 8)) * 4 + col % 4;
+    const int r = (int)(ws_row % 64), c = col % 64;
+    const int u = 32 * (r / 16) + 4 * (r % 8) + (c % 8) / 2;
+    return (ws_row - r) * kHeadDim + (col / 64) * 4096 + ((c / 8) * 128 + u) * 4 + 2 * ((r / 8) % 2) + c % 2;
   }
 }
 
-// One warpgroup's dQ part of 64 query rows x N columns (N / 2 registers of the wgmma accumulator, register
-// 4 n + e: row 16 (warp % 4) + g + 8 (e / 2), column 8 n + 2 t + e % 2) staged in the tiled layout above as
-// N / 64 tiles of 64 x 64 floats, tile i at stage[i], for one bulk reduce-add each. In tile n / 8 the pair
-// is 16-byte chunk 2 (n % 8) + t / 2 of its row, swizzled by the row's low three bits, which are g.
+// One warpgroup's dQ part of 64 query rows x N columns (N / 2 registers of the wgmma accumulator) staged in
+// the tiled layout above as N / 64 tiles of 64 x 64 floats, tile i at stage[i], for one bulk reduce-add
+// each: n-tile n's four registers are one 16-byte store, chunk (n % 8) * 128 + u of tile n / 8 (u: the
+// thread's index in its warpgroup).
 template <int N, int kTiles>
-__device__ __forceinline__ void stage_dq_tiles(const u32 (&stage)[kTiles], const float (&dq)[N / 2],
-                                               int warp_in_wg, int g, int t) {
+__device__ __forceinline__ void stage_dq_tiles(const u32 (&stage)[kTiles], const float (&dq)[N / 2], int u) {
   static_assert(N % 64 == 0 && N / 64 <= kTiles, "whole 64-column tiles, one address each");
-  const u32 row_off = (16 * warp_in_wg + g) * 256 + 8 * (t % 2);
-  const int chunk_bit = (t / 2) ^ g;
 #pragma unroll
   for (int n = 0; n < N / 8; ++n)
-#pragma unroll
-    for (int r = 0; r < 2; ++r)
-      st_shared_f32x2(stage[n / 8] + row_off + r * 8 * 256 + (((2 * (n % 8)) ^ chunk_bit) << 4),
-                      dq[4 * n + 2 * r], dq[4 * n + 2 * r + 1]);
+    st_shared_16(stage[n / 8] + (u32)((n % 8) * 128 + u) * 16,
+                 make_uint4(__float_as_uint(dq[4 * n]), __float_as_uint(dq[4 * n + 1]),
+                            __float_as_uint(dq[4 * n + 2]), __float_as_uint(dq[4 * n + 3])));
 }
 
 // The deterministic warp-specialized backward's workspace (p.dq_lanes 1 or 2, fa/dq_turns.cuh): dq_lanes
@@ -84,9 +83,12 @@ __device__ __forceinline__ int* dq_semaphore(const BwdParams& p, int batch, int 
 // dQ = the workspace rows of (batch, head), cast to 16 bits and stored in q's layout. 128 threads, 64 query
 // rows per block, grid (ceil(seqlen_q / 64), heads_q, batch): block x casts workspace unit x into packed
 // rows [64 x, 64 x + 64); with a packed batch's unit table (p.q_units, fa/bwd_params.h) the grid is
-// (seqlen_q_pad / 64, ..) and unit x holds rows [start, start + count). A thread converts 8 columns at a
-// time (two 16-byte loads, one 16-byte store); the threads of a row are consecutive, so loads and stores
-// coalesce.
+// (seqlen_q_pad / 64, ..) and unit x holds rows [start, start + count). Row-major workspace: a thread
+// converts 8 columns at a time (two 16-byte loads, one 16-byte store); the threads of a row are consecutive,
+// so loads and stores coalesce. Tiled: a thread converts one group of a tile, the 64 contiguous bytes of
+// n-tile n of the four threads 32 w + 4 g + (0..3) (rows 16 w + g and + 8, columns 8 n .. 8 n + 7), into two
+// 16-byte stores; consecutive threads take consecutive n, so each warp writes whole 128-byte row pieces
+// and reads 64-byte pieces (two full sectors each).
 template <class Cfg>
 __device__ __forceinline__ void bwd_convert_dq_body(const BwdParams& p) {
   constexpr bool BF = Cfg::kIsBF16;
@@ -103,28 +105,53 @@ __device__ __forceinline__ void bwd_convert_dq_body(const BwdParams& p) {
     rows = min(__ldg(p.q_units + 2 * blockIdx.x + 1), p.seqlen_q - row0);
   }
   u16* dq = static_cast<u16*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride;
+  const float* lane1 = p.dq_lanes == 2 ? dq_lane<D>(p, 1) : nullptr;  // (deterministic: fa/dq_turns.cuh)
+  if constexpr (Cfg::kTiledDq) {
+    // Group idx: tile i, warp w, row g of the 8, n-tile n (fastest).
 #pragma unroll 1
-  for (int idx = threadIdx.x; idx < kRows * C; idx += kThreads) {
-    const int r = idx / C, c = idx % C;
-    const int row = row0 + r;
-    if (r >= rows || c * 8 >= p.head_dim) continue;
-    // Two 16-byte chunks; tiled, their order in the row may be swapped.
-    constexpr bool kTiled = Cfg::kTiledDq;
-    const i64 ia = dq_accum_offset<D, kTiled>(ws_row0 + r, c * 8);
-    const i64 ib = dq_accum_offset<D, kTiled>(ws_row0 + r, c * 8 + 4);
-    float4 a = *reinterpret_cast<const float4*>(p.dq_accum + ia);
-    float4 b = *reinterpret_cast<const float4*>(p.dq_accum + ib);
-    if (p.dq_lanes == 2) {
-      // The deterministic backward's second lane, added after the first (fa/dq_turns.cuh).
-      const float* lane1 = dq_lane<D>(p, 1);
-      const float4 a1 = *reinterpret_cast<const float4*>(lane1 + ia);
-      const float4 b1 = *reinterpret_cast<const float4*>(lane1 + ib);
-      a = make_float4(a.x + a1.x, a.y + a1.y, a.z + a1.z, a.w + a1.w);
-      b = make_float4(b.x + b1.x, b.y + b1.y, b.z + b1.z, b.w + b1.w);
+    for (int idx = threadIdx.x; idx < kRows * C / 2; idx += kThreads) {
+      const int n = idx % 8, g = (idx / 8) % 8, w = (idx / 64) % 4, i = idx / 256;
+      const int r = 16 * w + g, col = 64 * i + 8 * n;
+      if (col >= p.head_dim) continue;
+      const i64 at = ws_row0 * D + i * 4096 + ((n * 128 + 32 * w + 4 * g) * 4);
+      float f[16];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        float4 x = *reinterpret_cast<const float4*>(p.dq_accum + at + 4 * j);
+        if (lane1 != nullptr) {
+          // The deterministic backward's second lane, added after the first.
+          const float4 y = *reinterpret_cast<const float4*>(lane1 + at + 4 * j);
+          x = make_float4(x.x + y.x, x.y + y.y, x.z + y.z, x.w + y.w);
+        }
+        f[4 * j] = x.x, f[4 * j + 1] = x.y, f[4 * j + 2] = x.z, f[4 * j + 3] = x.w;
+      }
+      // Thread t's floats 4 t + e: row r + 8 (e / 2), column col + 2 t + e % 2.
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        if (r + 8 * h < rows)
+          st_global_16(dq + (i64)(row0 + r + 8 * h) * p.dq_row_stride + col,
+                       make_uint4(pack2<BF>(f[2 * h], f[2 * h + 1]), pack2<BF>(f[4 + 2 * h], f[5 + 2 * h]),
+                                  pack2<BF>(f[8 + 2 * h], f[9 + 2 * h]), pack2<BF>(f[12 + 2 * h], f[13 + 2 * h])));
     }
-    const uint4 v =
-        make_uint4(pack2<BF>(a.x, a.y), pack2<BF>(a.z, a.w), pack2<BF>(b.x, b.y), pack2<BF>(b.z, b.w));
-    st_global_16(dq + (i64)row * p.dq_row_stride + c * 8, v);
+  } else {
+#pragma unroll 1
+    for (int idx = threadIdx.x; idx < kRows * C; idx += kThreads) {
+      const int r = idx / C, c = idx % C;
+      const int row = row0 + r;
+      if (r >= rows || c * 8 >= p.head_dim) continue;
+      const i64 ia = ws_row0 * D + r * D + c * 8;
+      float4 a = *reinterpret_cast<const float4*>(p.dq_accum + ia);
+      float4 b = *reinterpret_cast<const float4*>(p.dq_accum + ia + 4);
+      if (lane1 != nullptr) {
+        const float4 a1 = *reinterpret_cast<const float4*>(lane1 + ia);
+        const float4 b1 = *reinterpret_cast<const float4*>(lane1 + ia + 4);
+        a = make_float4(a.x + a1.x, a.y + a1.y, a.z + a1.z, a.w + a1.w);
+        b = make_float4(b.x + b1.x, b.y + b1.y, b.z + b1.z, b.w + b1.w);
+      }
+      const uint4 v =
+          make_uint4(pack2<BF>(a.x, a.y), pack2<BF>(a.z, a.w), pack2<BF>(b.x, b.y), pack2<BF>(b.z, b.w));
+      st_global_16(dq + (i64)row * p.dq_row_stride + c * 8, v);
+    }
   }
 }
 

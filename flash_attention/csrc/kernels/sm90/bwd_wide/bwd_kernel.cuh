@@ -96,7 +96,7 @@ __device__ __forceinline__ void bwd_wide_dq_part(const BwdParams& p, float (&acc
   wgmma_hold(dq);
   wgmma_hold(acc);
 
-  stage_dq_tiles<N>(stage, dq, (tid / 32) % 4, (tid % 32) / 4, tid % 4);
+  stage_dq_tiles<N>(stage, dq, tid % 128);
   fence_proxy_async();
   if constexpr (kDeterministic) {
     // Handed to the dQ writer, which waits at the same barrier (the warpgroup goes on).

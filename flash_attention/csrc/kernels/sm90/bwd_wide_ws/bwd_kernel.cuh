@@ -382,7 +382,7 @@ __device__ __forceinline__ void bwd_wide_ws_dkdv_body(const BwdParams& p) {
     const u32 buffer = sQ + wg * kDOOff + qoff;
     const u32 stage[2] = {buffer, buffer + 64 * 64 * 4};
     static_assert(Smem::kQ == 2 * 64 * 64 * 4, "a slot holds a warpgroup's two staged dQ tiles");
-    stage_dq_tiles<D / 2>(stage, dq, wq, g, t);
+    stage_dq_tiles<D / 2>(stage, dq, ctid % 128);
     fence_proxy_async();
     // The warpgroup's tiles are staged and fenced for the copy engine (ids fixed at compile time: a run-time
     // id makes ptxas reserve all sixteen barriers).

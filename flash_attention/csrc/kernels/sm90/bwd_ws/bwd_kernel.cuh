@@ -21,8 +21,8 @@
 // * dQ leaves through the copy engine: each consumer warpgroup stages its 64 x 64 fp32 part of dQ in shared
 //   memory and one thread adds it into the workspace with a single bulk reduce-add (cp.reduce.async.bulk,
 //   fa/tma.cuh) of 16 KB. That needs a contiguous tile at both ends, so this kernel's workspace has the
-//   tiled layout of fa/dq_accum.cuh (its convert kernel reads that layout), swizzled like the staging tile
-//   so the warps' writes into it are free of bank conflicts. Measured against the alternatives on an H100
+//   tiled layout of fa/dq_accum.cuh (its convert kernel reads that layout), the staging tile's own register
+//   order, so the warps' writes into it are free of bank conflicts. Measured against the alternatives on an H100
 //   (docs/kernel-log.md, step 45): 32 red.global.v2 per thread per step, as the sm90 kernel adds dQ, took
 //   1.11-1.14x the bulk kernel's time at 4k tokens, and one 256-byte bulk reduce per row of the row-major
 //   workspace (64 per warpgroup per step, which the compiler issues one lane at a time) 1.5x.
@@ -524,24 +524,11 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
     // tile first.
     if constexpr (kDeterministic)
       if (it > 0) mbar_wait(dq_empty(wg), (u32)((it - 1) & 1));
-    // Register 4 n + e: query row 16 (warp % 4) + g + 8 (e / 2) of the warpgroup's 64, column 8 n + 2 t; its
-    // 16-byte chunk 2 n + t / 2 is swizzled by the row's low three bits (g), as the workspace tile is:
-    // chunk ((n ^ (g / 2)) << 1) | ((t / 2) ^ (g % 2)), i.e. one of four per-thread addresses (n % 4) plus
-    // constants for n / 4 and the second row. (Written as the plain XOR per (n, row), ptxas kept sixteen
-    // addresses, which the deterministic kernel's consumers, at 224 registers in its first build, spilled
-    // inside the loop.)
-    {
-      const u32 row_base = sdQ_wg + (16 * (warp % 4) + g) * 256 + 8 * (t % 2);
-      u32 chunk_addr[4];
-#pragma unroll
-      for (int k = 0; k < 4; ++k)
-        chunk_addr[k] = row_base + ((((k ^ (g >> 1)) << 1) | ((t >> 1) ^ (g & 1))) << 4);
-#pragma unroll
-      for (int n = 0; n < DQN / 8; ++n)
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-          st_shared_f32x2(chunk_addr[n % 4] + (n / 4) * 128 + r * 8 * 256, dq[4 * n + 2 * r], dq[4 * n + 2 * r + 1]);
-    }
+    // In the warpgroup's register order (fa/dq_accum.cuh): eight 16-byte stores, consecutive threads to
+    // consecutive chunks. (Before kernel log 127: sixteen 8-byte stores into a swizzled row-major tile, from
+    // four per-thread addresses.)
+    const u32 stage[1] = {sdQ_wg};
+    stage_dq_tiles<DQN>(stage, dq, ctid % 128);
     fence_proxy_async();
     if constexpr (kDeterministic) {
       mbar_arrive(dq_full(wg));
