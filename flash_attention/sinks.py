@@ -17,6 +17,9 @@ own gradient is
     d sink = -sum over batch and rows of exp(sink - lse'_i) * D_i,   D_i = dO_i . O'_i
 
 (:func:`sinks_gradient`, one pass over dO and O'). A row that sees no key keeps O' = 0 and lse' = sink.
+On the kernels D is the backward's preprocessing output: training's compiled node
+(csrc/host/training_node.cpp) and the Python autograd function (:func:`sinks_gradient_from_delta`) both read
+it from the workspace, with the same operations, so the two paths agree bit for bit.
 """
 
 from __future__ import annotations

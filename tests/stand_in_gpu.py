@@ -331,6 +331,11 @@ class StandInGpu:
         lse = torch.logsumexp(scores, -1)
         probs = torch.exp(scores - lse.nan_to_num(neginf=0.0).unsqueeze(-1))
         out = (probs @ vd).transpose(0, 1).unsqueeze(0)
+        if p.sinks:  # (each head's sink joins every row's softmax: O and the LSE rescaled, fa.sinks)
+            sink = tensor_at(p.sinks, (p.heads_q,), (1,), torch.float32).double()[:, None]
+            joined = torch.logaddexp(lse, sink)
+            out = out * torch.exp(lse - joined).T[None, :, :, None]
+            lse = joined
         return out, lse.unsqueeze(0).float()
 
     def _rows(self, ptr, p):

@@ -151,6 +151,46 @@ def test_the_node_takes_alibi_and_packed_batches(variant):
         assert torch.equal(a, r), name
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["batch", "packed"])
+def test_the_node_gives_the_sinks_their_gradient(packed):
+    # Attention sinks are an input of the node: their gradient comes from the preprocessing kernel's D rows
+    # and the saved LSE (a packed batch's D read back by each row's place in the workspace), the Python
+    # function's formula with the same operations. Deterministic, so bit for bit against that function,
+    # with a sliding window (gpt-oss's layers) and GQA.
+    gen = torch.Generator(device="cuda").manual_seed(17 + packed)
+    b, sq, sk, hq, hkv, d = (1, 700, 700, 8, 2, 64) if packed else (2, 300, 300, 8, 2, 64)
+    q0, k0, v0 = _inputs(b, sq, sk, hq, hkv, d, "bshd", gen)
+    dout = torch.randn(b, sq, hq, d, generator=gen, device="cuda").to(torch.bfloat16)
+    sinks0 = torch.randn(hq, generator=gen, device="cuda") + 2.0
+    window = (128, 0)
+    runs = None
+    if packed:
+        cu = torch.tensor([0, 200, 450, 700], dtype=torch.int32, device="cuda")
+        runs = segments(cu, cu, sq, sk, causal=True, window=window)
+        runs[0]._typical_lengths = (-(-sq // 3), -(-sk // 3))
+        runs = _with_tiles(runs, cu, cu)
+    results = []
+    for through_node in (True, False):
+        q, k, v = (t.detach().requires_grad_(True) for t in (q0, k0, v0))
+        sinks = sinks0.detach().requires_grad_(True)
+        if through_node:
+            if packed:
+                out = fa.attention_varlen(
+                    q[0], k[0], v[0], cu, cu, causal=True, window=window, sinks=sinks, deterministic=True
+                ).unsqueeze(0)
+            else:
+                out = fa.attention(q, k, v, causal=True, window=window, sinks=sinks, deterministic=True)
+            assert "FlashAttentionBackward" in _grad_fns(out)
+        else:
+            options, values = pack_options(True, d**-0.5, True, 0.0, None if packed else window, 0.0)
+            seg = (*runs, None)[:3] if packed else (None, None, None)
+            out, _ = custom_ops.EagerAttention.apply(q, k, v, options, values, None, None, None, *seg, sinks)
+        results.append((out, *torch.autograd.grad(out, (q, k, v, sinks), dout)))
+    for name, a, r in zip(("out", "dq", "dk", "dv", "dsinks"), *results, strict=True):
+        assert a.isfinite().all(), name
+        assert torch.equal(a, r), name
+
+
 def test_output_gradients_the_kernels_cannot_read_are_copied():
     gen = torch.Generator(device="cuda").manual_seed(5)
     q0, k0, v0 = _inputs(2, 150, 170, 4, 2, 64, "bshd", gen)

@@ -249,20 +249,58 @@ def test_training_with_variants_repeats_and_binds_the_slopes_for_the_backward(gp
     assert gpu.launches == ["forward", "pre", "dkdv", "convert"] * 3 and not gpu.errors, gpu.errors
 
 
-def test_sinks_the_kernels_cannot_read_as_given_or_that_need_a_gradient_take_the_whole_path(gpu, validations):
+def test_sinks_the_kernels_cannot_read_as_given_take_the_whole_path(gpu, validations):
     q, k, v = _inputs()
     for sinks in (torch.randn(4, dtype=torch.float64), torch.randn(8)[::2]):
         for _ in range(2):
             out, lse = fa.attention(q, k, v, sinks=sinks, return_lse=True)
             _check_forward(out, q, k, v, lse, sinks=sinks.float())
     assert len(validations) == 4
+
+
+@pytest.mark.parametrize("grads", ["qkv_sinks", "sinks_only"])
+def test_training_with_sinks_repeats_and_the_node_gives_the_sinks_their_gradient(
+    gpu, validations, monkeypatch, grads
+):
+    # The sinks are an input of the compiled node (ops.training): their gradient comes from the
+    # preprocessing kernel's D rows and the saved LSE after the backward's launches, and repeats hand each
+    # call's sinks to the node. (The stand-in backward kernels compute dq, dk and dv of the sink-free
+    # attention: those are checked against the Python function's, which runs the same stand-ins, bit for
+    # bit; the sinks' gradient, which needs only D and the LSE, against float64.)
     if host.ops_or_none() is None:
-        return
-    sinks = torch.randn(4, requires_grad=True)
-    for _ in range(2):
-        out = fa.attention(q, k, v, sinks=sinks)
-        assert out.requires_grad
-    assert len(validations) == 6
+        pytest.skip("no host library here (no C++ compiler)")
+    kw = dict(causal=True, window=(20, 0))
+    calls = []
+    for _ in range(3):
+        q, k, v = _inputs(grad=grads == "qkv_sinks")
+        calls.append((q, k, v, torch.randn(4, requires_grad=True), torch.randn(2, 37, 4, 64)))
+
+    def run(q, k, v, sinks, dout):
+        out = fa.attention(q, k, v, sinks=sinks, **kw)
+        leaves = (q, k, v, sinks) if q.requires_grad else (sinks,)
+        return out, torch.autograd.grad(out, leaves, dout.to(out.dtype))
+
+    through_node = [run(*c) for c in calls]
+    assert len(validations) == 1, "the repeats should not run the whole path"
+    assert gpu.launches == ["forward", "pre", "dkdv", "convert"] * 3 and not gpu.errors, gpu.errors
+    for (q, k, v, sinks, dout), (out, got) in zip(calls, through_node, strict=True):
+        assert out.grad_fn.name() == "FlashAttentionBackward"
+        _check_forward(out, q, k, v, sinks=sinks.detach(), **kw)
+        # d sink = -sum over batch and rows of exp(sink - lse'_i) D_i, D_i = dO_i . O'_i with the call's own
+        # (bf16) O' as the kernels read it, the LSE in float64 (flash_attention/sinks.py derives it).
+        _, lse = attention_reference(q.detach(), k.detach(), v.detach(), sinks=sinks.detach(), **kw)
+        d = (dout.to(q.dtype).double() * out.detach().double()).sum(-1).transpose(1, 2)
+        want = -(torch.exp(sinks.detach().double()[None, :, None] - lse) * d).sum((0, 2))
+        assert got[-1].dtype == sinks.dtype and got[-1].shape == sinks.shape
+        torch.testing.assert_close(got[-1].double(), want, rtol=1e-5, atol=1e-5)
+
+    ops.clear_plans()
+    monkeypatch.setattr(host, "ops_or_none", lambda: None)  # the Python autograd function's path
+    for call, (_, got) in zip(calls, through_node, strict=True):
+        out, python = run(*call)
+        assert out.grad_fn.name() != "FlashAttentionBackward"
+        for a, b in zip(got, python, strict=True):
+            assert torch.equal(a, b)
 
 
 def test_pytorchs_deterministic_switch_makes_another_signature(gpu, validations):
@@ -589,6 +627,35 @@ def test_packed_training_repeats_bind_each_calls_runs_and_tables(gpu, validation
         assert gpu.launches == steps * len(batches), gpu.launches
         assert gpu.key_tile_walks == len(batches)
     assert not gpu.errors, gpu.errors
+
+
+def test_packed_training_with_sinks_reads_each_rows_d_where_the_workspace_holds_it(gpu, validations):
+    # A packed batch's backward lays its workspace out by sequence (the key-tile plans): the node reads the
+    # D rows for the sinks' gradient back by each row's place (ops.training.sink_rows), on repeats too.
+    # Against the gradient's formula in float64 over the call's own output (flash_attention/sinks.py).
+    if host.ops_or_none() is None:
+        pytest.skip("no host library here (no C++ compiler)")
+    for lens in ([100, 7, 50, 43], [60, 60, 0, 80], [33, 67, 99, 1]):
+        q, k, v, cu = _packed(lens, grad=True)
+        sinks = torch.randn(4, requires_grad=True)
+        out = fa.attention_varlen(q, k, v, cu, cu, max_seqlen_q=128, max_seqlen_k=128, causal=True,
+                                  sinks=sinks)  # fmt: skip
+        assert out.grad_fn.next_functions[0][0].name() == "FlashAttentionBackward"  # (under the squeeze)
+        dout = torch.randn_like(out)
+        (dsinks,) = torch.autograd.grad(out, sinks, dout)
+        want = torch.zeros(4, dtype=torch.float64)
+        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+            if b == a:
+                continue
+            seq = [t[a:b].detach().unsqueeze(0) for t in (q, k, v)]
+            _, lse = attention_reference(*seq, causal=True, sinks=sinks.detach())
+            d = (dout[a:b].double() * out[a:b].detach().double()).sum(-1).T.unsqueeze(0)
+            want -= (torch.exp(sinks.detach().double()[None, :, None] - lse) * d).sum((0, 2))
+        torch.testing.assert_close(dsinks.double(), want, rtol=1e-5, atol=1e-5)
+    assert len(validations) == 1, "the repeats should not run the whole path"
+    assert not gpu.errors, gpu.errors
+    if gpu.arch == "sm_90":
+        assert gpu.key_tile_walks == 3  # (the plan lays its workspace out by sequence: sink_rows is used)
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])

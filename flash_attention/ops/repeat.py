@@ -21,8 +21,8 @@ A sliding window and soft-capping are values the plans hold (the kernels' bounds
 params template), so their calls repeat as plain ones do: Mistral's, Gemma's and Qwen2's sliding layers.
 ALiBi's slopes, the sinks and a packed batch's runs are tensors each launch binds (the signature holds their
 layouts; a repeat writes their addresses, with the runs' query-tile table; in training the node binds the
-slopes, the runs and the backward's key tiles and workspace units, all made once per runs); sinks that
-autograd differentiates, dropout, ``out=`` and torch.compile always take the whole path.
+slopes, the runs and the backward's key tiles and workspace units, all made once per runs, and takes the
+sinks as an input it differentiates); dropout, ``out=`` and torch.compile always take the whole path.
 
 Two forms of the launch itself: :class:`NativeRepeatCall` (the default), which hands the whole of it
 (allocations, pointers, tensor maps, launch, the node) to the host library's ``repeat_call``
@@ -98,7 +98,8 @@ class RepeatCall:
         forward.launch_plan(self._plan, q, k, v, o, lse, key_range, 0, alibi_slopes, sinks, segments)
         if self._program:
             bound = training.bound(alibi_slopes, segments, self._backward)
-            self._host_ops.record_training(q, k, v, o, lse, key_range, 0, self._program, bound)
+            rows = training.sink_rows(sinks, segments, self._backward)
+            self._host_ops.record_training(q, k, v, o, lse, key_range, 0, self._program, bound, sinks, rows)
         return o, lse
 
 
@@ -129,16 +130,19 @@ class NativeRepeatCall:
             # training.bound_fields)
             slopes = [] if alibi_slopes is None else [alibi_slopes]
             bound = [*slopes] if sinks is None else [*slopes, sinks]  # (a list of its own: appended below)
-            node = slopes
-            if self._backward is not None:
+            node, node_sinks, rows = slopes, None, None
+            if self._backward is not None:  # (training: the node's bound tensors and the sinks it takes)
                 node = training.bound(alibi_slopes, segments, self._backward)
+                node_sinks, rows = sinks, training.sink_rows(sinks, segments, self._backward)
             if segments is not None:
                 bound = [*bound, *segments]
                 if self._q_tiles:  # (made once per runs, held by them: launch_plan's)
                     bound.append(query_tiles(segments, self._q_tiles))
             if self._counter:  # (as the whole path's launch: the stream's own, fresh while captured)
                 bound.append(forward.stream_tile_counter(q.device))
-            result = self._lib.repeat_call_bound(q, k, v, key_range, bound, node, self._address)
+            result = self._lib.repeat_call_bound(
+                q, k, v, key_range, bound, node, self._address, node_sinks, rows
+            )
         if not result:
             return None  # a misaligned address
         return result[0], (result[1] if len(result) == 2 else None)
@@ -219,10 +223,10 @@ def signature(
     (dropout, a caller's ``out``, torch.compile, arguments of types the checks must see). Raises nothing: an
     argument without the attributes read here (not a tensor, a sparse tensor) gives None. ``window``,
     ``softcap``, ``alibi_slopes`` and ``sinks`` as attention() takes them (a tuple or list of two ints, a
-    float or int, tensors: sinks only as the kernels read them, float32 and contiguous, and not
-    differentiated); ``segments``, a packed batch's runs (flash_attention.api.varlen): the signature holds
-    their layouts and what the plans are chosen by (the sequences' typical lengths and their count's bucket),
-    and each call binds its own runs and tile tables."""
+    float or int, tensors: sinks only as the kernels read them, float32 and contiguous); ``segments``, a
+    packed batch's runs (flash_attention.api.varlen): the signature holds their layouts and what the plans are
+    chosen by (the sequences' typical lengths and their count's bucket), and each call binds its own runs and
+    tile tables."""
     if (
         MODE == "off"
         or dropout_seed is not None
@@ -245,18 +249,15 @@ def signature(
             return None
         if q.layout is not _STRIDED or k.layout is not _STRIDED or v.layout is not _STRIDED:
             return None  # (a sparse tensor reads as strides of zeros)
-        records = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        differentiated = q.requires_grad or k.requires_grad or v.requires_grad
+        records = torch.is_grad_enabled() and (differentiated or (sinks is not None and sinks.requires_grad))
         variant = None if window is None and not softcap else (window, float(softcap))
         if alibi_slopes is not None or sinks is not None:
             variant = (variant, _bound_layout(alibi_slopes), _bound_layout(sinks))
             if False in variant[1:]:
                 return None
-            if sinks is not None and (
-                sinks.dtype != torch.float32
-                or not sinks.is_contiguous()
-                or (sinks.requires_grad and torch.is_grad_enabled())
-            ):
-                return None  # converted per call, or differentiated, by the whole path
+            if sinks is not None and (sinks.dtype != torch.float32 or not sinks.is_contiguous()):
+                return None  # converted per call by the whole path
         packed = None
         if segments is not None:
             if type(segments) is not tuple or len(segments) not in (2, 3):
@@ -348,8 +349,6 @@ def prepare(
         return None  # zero-padded or copied inputs: the whole path makes them
     if key_range is not None and (key_range.dtype != torch.int32 or not key_range.is_contiguous()):
         return None  # converted per call by the whole path
-    if sinks is not None and records:
-        return None  # the whole path's autograd function gives the sinks their gradient
     host_ops = host.ops_or_none() if records else None
     if records and host_ops is None:
         return None  # the Python autograd function's path

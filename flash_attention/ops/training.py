@@ -11,9 +11,10 @@ Calls the node does not take return None, and the caller uses the Python autogra
 (``torch_ops.attention.EagerAttention``), which computes the same thing: inputs the kernels cannot read in
 place (a copy would need its own autograd history), a head_dim that is not a multiple of 8 (padded through
 autograd ops), the debug build, and a machine without the host library (no C++ compiler; warned once).
-(Attention sinks never reach it: their gradient is computed in Python, flash_attention.sinks.) A variant's
-pointer fields, ALiBi's slopes and a packed batch's runs, are the program's bound offsets: each call binds its
-tensors there (record_training's last argument), so one program serves every call of its signature.
+A variant's pointer fields, ALiBi's slopes and a packed batch's runs, are the program's bound offsets: each
+call binds its tensors there (record_training's ``bound``), so one program serves every call of its
+signature. Attention sinks are an input of the node: it computes their gradient from the preprocessing
+kernel's D rows after the backward's launches (:mod:`flash_attention.sinks` gives the formula).
 """
 
 from __future__ import annotations
@@ -30,10 +31,12 @@ from ..spec import AttentionSpec
 from . import backward
 from . import trace as _trace
 from .plans import launch_fields, launch_spec, segment_count, segment_lengths
-from .query_tiles import key_tiles, query_units
+from .query_tiles import key_tiles, query_units, workspace_rows
 from .tensors import padded_to_8, usable_in_place
 
-__all__ = ["ALIBI_FIELDS", "bound", "bound_fields", "prefetch_backward", "program", "training_forward"]
+__all__ = [
+    "ALIBI_FIELDS", "bound", "bound_fields", "prefetch_backward", "program", "sink_rows", "training_forward",
+]  # fmt: skip
 
 # The BwdParams fields the node writes per call, in the order of training_node.h's Slot enum.
 _SLOTS = (
@@ -94,11 +97,12 @@ def training_forward(
     window: tuple[int, int] | None = None,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
     segments: tuple[torch.Tensor, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(out, lse)`` of the forward launch ``forward`` (the launch layer's ``cuda_forward``, as the caller's
-    backend has it) with ``out``'s gradient recorded by the compiled node, or None when the node does not
-    take this call (the module docstring says which)."""
+    backend has it) with ``out``'s gradient recorded by the compiled node (and the ``sinks``' gradient, where
+    the call has them), or None when the node does not take this call (the module docstring says which)."""
     if q.shape[3] % 8 or _trace.ENV in os.environ:
         return None
     if not (usable_in_place(q) and usable_in_place(k) and usable_in_place(v)):
@@ -122,12 +126,13 @@ def training_forward(
         window=window,
         **({"softcap": softcap} if softcap else {}),
         **({"alibi_slopes": alibi_slopes} if alibi_slopes is not None else {}),
+        **({"sinks": sinks} if sinks is not None else {}),
         **({"segments": segments} if segments is not None else {}),
     )
     # The backward reads dO laid out as out (the node copies any other layout), so the plan is out's; the
     # window's bounds travel in the plan's parameters, the variant's tensors are bound per call.
     spec = launch_spec(
-        q, causal, softmax_scale, window, softcap, alibi_slopes, key_range, dropout_p, deterministic, None,
+        q, causal, softmax_scale, window, softcap, alibi_slopes, key_range, dropout_p, deterministic, sinks,
         segments,
     )  # fmt: skip
     plan = backward.plan_for(
@@ -137,8 +142,9 @@ def training_forward(
     fields = bound_fields(alibi_slopes is not None, segments, plan)
     key = dropout_key(*seed_pair(dropout_seed)) if dropout_p else 0
     lib.record_training(
-        q, k, v, out, lse, key_range, key, program(plan, fields, stride), bound(alibi_slopes, segments, plan)
-    )
+        q, k, v, out, lse, key_range, key, program(plan, fields, stride), bound(alibi_slopes, segments, plan),
+        sinks, sink_rows(sinks, segments, plan),
+    )  # fmt: skip
     return out, lse
 
 
@@ -170,6 +176,13 @@ def bound_fields(alibi: bool, segments, plan) -> tuple[str, ...]:
     if segments is not None:
         fields += _SEGMENT_FIELDS[: len(segments)] + (("k_tiles", "q_units") if plan.k_tiles else ())
     return fields
+
+
+def sink_rows(sinks, segments, plan) -> torch.Tensor | None:
+    """The node's ``sink_rows`` for a call with ``sinks``: where the backward's workspace holds each packed
+    row's D (a packed batch whose plan lays its workspace out by sequence, ``plan.k_tiles``); None where
+    row i is row i, or without sinks."""
+    return workspace_rows(segments) if sinks is not None and plan.k_tiles else None
 
 
 def bound(alibi_slopes, segments, plan) -> list[torch.Tensor]:

@@ -391,8 +391,6 @@ def eager_training(
     the call, else through :class:`EagerAttention`. Returns ``(out, lse)``."""
     ops = None if _has_no_pair(q, k) else dispatch.kernel_backend(q)
     training_forward = getattr(ops, "training_forward", None)  # (the CPU tests' stand-in backends lack it)
-    if sinks is not None:  # (the sinks' gradient is computed in Python: flash_attention.sinks)
-        training_forward = None
     if training_forward is not None:
         opt = OpOptions.unpack(options, values)
         result = dispatch.run_or_fallback(
@@ -408,6 +406,7 @@ def eager_training(
                 dropout_seed=dropout_seed,
                 forward=ops.cuda_forward,
                 **_variants(opt, alibi_slopes, row_keys, key_rows, alibi_diagonal),
+                **({} if sinks is None else {"sinks": sinks}),
             ),
             lambda: None,
         )

@@ -191,11 +191,13 @@ struct ForwardProgram : torch::CustomClassHolder {
 
 // `program` is the address of a live ForwardProgram (the caller keeps it alive for the call; a node recorded
 // here takes its own reference to the backward program). An address, not the object, for the reason
-// record_training (training_node.cpp) gives.
+// record_training (training_node.cpp) gives. In training, `sinks` and `sink_rows` go to the node as
+// record_training's do.
 std::vector<at::Tensor> repeat_call_bound(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                           const std::optional<at::Tensor>& key_range,
                                           const std::vector<at::Tensor>& bound, std::vector<at::Tensor> node_bound,
-                                          int64_t program_address) {
+                                          int64_t program_address, const std::optional<at::Tensor>& sinks,
+                                          std::optional<at::Tensor> sink_rows) {
   ForwardProgram& program = ForwardProgram::at_address(program_address);
   check(bound.size() == program.bound_offsets.size(),
         "repeat_call: " + std::to_string(bound.size()) + " bound tensors for a program that takes " +
@@ -220,14 +222,17 @@ std::vector<at::Tensor> repeat_call_bound(const at::Tensor& q, const at::Tensor&
   if (!program.maps.empty()) program.put_maps(params, address_of(q), address_of(k), address_of(v), address_of(out));
   launch_all(program.launches, program.names, program.context, params.data(), current_stream(q.device()));
 
-  if (program.backward) record_node(q, k, v, out, lse, key_range, 0, program.backward, std::move(node_bound));
+  if (program.backward) {
+    record_node(q, k, v, out, lse, key_range, 0, program.backward, std::move(node_bound), sinks,
+                std::move(sink_rows));
+  }
   if (lse.defined()) return {out, lse};
   return {out};
 }
 
 std::vector<at::Tensor> repeat_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                     const std::optional<at::Tensor>& key_range, int64_t program_address) {
-  return repeat_call_bound(q, k, v, key_range, {}, {}, program_address);
+  return repeat_call_bound(q, k, v, key_range, {}, {}, program_address, std::nullopt, std::nullopt);
 }
 
 TORCH_LIBRARY_FRAGMENT(flash_attention_host, m) {
@@ -239,7 +244,11 @@ TORCH_LIBRARY_FRAGMENT(flash_attention_host, m) {
         return static_cast<int64_t>(reinterpret_cast<intptr_t>(self.get()));
       });
   m.def("repeat_call", &repeat_call);
-  m.def("repeat_call_bound", &repeat_call_bound);
+  // (The schema spelled out for its defaults: calls without sinks in training pass seven arguments.)
+  m.def(
+      "repeat_call_bound(Tensor q, Tensor k, Tensor v, Tensor? key_range, Tensor[] bound, Tensor[] node_bound, "
+      "int program_address, Tensor? sinks=None, Tensor? sink_rows=None) -> Tensor[]",
+      &repeat_call_bound);
 }
 
 }  // namespace flash_attention_host

@@ -8,10 +8,14 @@
 // repeated call):
 //
 //   flash_attention_host::record_training(q, k, v, out, lse, key_range?, dropout_key, program address,
-//                                          bound tensors)
-//       makes `out` the output of an AttentionBackward node whose inputs are q, k and v;
+//                                          bound tensors, sinks?, sink_rows?)
+//       makes `out` the output of an AttentionBackward node whose inputs are q, k and v (and the attention
+//       sinks, where the call has them);
 //   AttentionBackward::apply
-//       allocates dq, dk, dv and the fp32 workspace and queues the backward's launches, all in C++.
+//       allocates dq, dk, dv and the fp32 workspace and queues the backward's launches, all in C++; with
+//       sinks, their gradient from the preprocessing kernel's D rows (flash_attention/sinks.py's formula,
+//       a few ATen operations: the sinks were the one variant whose training took the Python function, at
+//       about twice the node's host time per step, measured with the CPU tests' stand-in GPU).
 //
 // What the launches are is decided in Python, once per call signature (flash_attention/ops/backward.py
 // makes the plan; flash_attention/ops/training.py hands it over as a BackwardProgram, training_node.h): the
@@ -22,6 +26,12 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/exp.h>
+#include <ATen/ops/index_select.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/neg.h>
+#include <ATen/ops/sub.h>
+#include <ATen/ops/sum.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 #include <torch/csrc/autograd/function.h>
@@ -72,7 +82,8 @@ auto self_pointer(N* node) {
 struct AttentionBackward : public torch::autograd::Node {
   AttentionBackward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lse,
                     std::optional<at::Tensor> key_range, int64_t dropout_key,
-                    c10::intrusive_ptr<BackwardProgram> program, std::vector<at::Tensor> bound)
+                    c10::intrusive_ptr<BackwardProgram> program, std::vector<at::Tensor> bound,
+                    const std::optional<at::Tensor>& sinks, std::optional<at::Tensor> sink_rows)
       : q_(q, false),
         k_(k, false),
         v_(v, false),
@@ -80,7 +91,11 @@ struct AttentionBackward : public torch::autograd::Node {
         key_range_(std::move(key_range)),
         dropout_key_(dropout_key),
         program_(std::move(program)),
-        bound_(std::move(bound)) {}
+        bound_(std::move(bound)),
+        has_sinks_(sinks.has_value()),
+        sink_rows_(std::move(sink_rows)) {
+    if (sinks) sinks_ = SavedVariable(*sinks, false);
+  }
 
   std::string name() const override { return "FlashAttentionBackward"; }
 
@@ -92,6 +107,8 @@ struct AttentionBackward : public torch::autograd::Node {
     lse_.reset();
     key_range_.reset();
     bound_.clear();
+    sinks_.reset_data();
+    sink_rows_.reset();
   }
 
   variable_list apply(variable_list&& grads) override {
@@ -101,7 +118,7 @@ struct AttentionBackward : public torch::autograd::Node {
     // takes the node. Each unpack checks that no in-place operation changed the tensor since.)
     const at::Tensor q = q_.unpack(), k = k_.unpack(), v = v_.unpack(), out = out_.unpack(self_pointer(this));
     at::Tensor dout = grads[0];
-    if (!dout.defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};  // out took no part in the loss
+    if (!dout.defined()) return variable_list(num_outputs());  // out took no part in the loss
     // The program's dO strides are out's (contiguous): autograd hands over whatever layout the next op
     // produced (a stride-0 expand for out.sum(), a transpose's view), so anything else is copied first.
     if (!dout.is_contiguous() || !kernel_readable(dout)) dout = dout.contiguous();
@@ -141,6 +158,9 @@ struct AttentionBackward : public torch::autograd::Node {
     variable_list result{should_compute_output(0) ? dq : at::Tensor(),
                          should_compute_output(1) ? dk : at::Tensor(),
                          should_compute_output(2) ? dv : at::Tensor()};
+    if (has_sinks_) {
+      result.push_back(should_compute_output(3) ? sinks_gradient(ws) : at::Tensor());
+    }
     if (torch::autograd::GradMode::is_enabled()) {
       // backward(create_graph=True): these gradients were computed outside autograd, so differentiating
       // them again must fail loudly rather than give zero.
@@ -153,17 +173,35 @@ struct AttentionBackward : public torch::autograd::Node {
     return result;
   }
 
+  // d loss / d sinks = -sum over batch and rows of exp(sink - lse'_i) D_i (flash_attention/sinks.py), with
+  // D the preprocessing kernel's rows in the workspace: (batch, heads, padded rows), read back by row (a
+  // packed batch's through sink_rows, each row's place in the workspace's per-sequence layout). Queued on
+  // the current stream after the launches that write D; the same operations, in the same order, as the
+  // Python function's (sinks_gradient_from_delta), so both paths give the same bits.
+  at::Tensor sinks_gradient(const at::Tensor& ws) const {
+    const at::Tensor sinks = sinks_.unpack();
+    const BackwardProgram& program = *program_;
+    at::Tensor delta = ws.narrow(0, program.stats, program.stats).view({lse_.size(0), lse_.size(1), -1});
+    delta = sink_rows_ ? at::index_select(delta, 2, *sink_rows_) : delta.narrow(2, 0, lse_.size(2));
+    const at::Tensor p_sink = at::exp(at::sub(sinks.to(at::kFloat).view({1, -1, 1}), lse_));
+    return at::neg(at::sum(at::mul(p_sink, delta), {0, 2})).to(sinks.scalar_type());
+  }
+
   SavedVariable q_, k_, v_, out_;
   at::Tensor lse_;
   std::optional<at::Tensor> key_range_;
   int64_t dropout_key_;
   c10::intrusive_ptr<BackwardProgram> program_;
   std::vector<at::Tensor> bound_;  // (read-only inputs of the backward: no autograd history to save)
+  bool has_sinks_;                   // the node's fourth input: the sinks (heads_q,)
+  SavedVariable sinks_;
+  std::optional<at::Tensor> sink_rows_;  // int64 (rows,): a packed batch's rows in the workspace
 };
 
 void record_node(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
                  const at::Tensor& lse, const std::optional<at::Tensor>& key_range, int64_t dropout_key,
-                 c10::intrusive_ptr<BackwardProgram> program, std::vector<at::Tensor> bound) {
+                 c10::intrusive_ptr<BackwardProgram> program, std::vector<at::Tensor> bound,
+                 const std::optional<at::Tensor>& sinks, std::optional<at::Tensor> sink_rows) {
   check(!out.requires_grad(), "record_training: out already has an autograd history");
   check(out.is_contiguous() && kernel_readable(out), "record_training: out must be contiguous and aligned");
   check(bound.size() == program->bound_offsets.size(),
@@ -172,10 +210,19 @@ void record_node(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   for (const auto& t : bound) {
     check(t.defined() && t.is_contiguous(), "record_training: a bound tensor must be contiguous");
   }
-  if (!torch::autograd::compute_requires_grad(q, k, v)) return;
+  if (sinks) {
+    check(sinks->dim() == 1 && sinks->size(0) == lse.size(1),
+          "record_training: sinks must be (heads_q,), one per the LSE's heads");
+    check(!sink_rows || (sink_rows->dim() == 1 && sink_rows->size(0) == lse.size(2)),
+          "record_training: sink_rows must give each row of the LSE its workspace row");
+  }
+  const at::Tensor none;
+  const at::Tensor& s = sinks ? *sinks : none;  // (undefined: no edge)
+  if (!torch::autograd::compute_requires_grad(q, k, v, s)) return;
   auto node = make_node<AttentionBackward>(q, k, v, lse, key_range, dropout_key, std::move(program),
-                                           std::move(bound));
-  node->set_next_edges(torch::autograd::collect_next_edges(q, k, v));
+                                           std::move(bound), sinks, std::move(sink_rows));
+  node->set_next_edges(sinks ? torch::autograd::collect_next_edges(q, k, v, s)
+                             : torch::autograd::collect_next_edges(q, k, v));
   torch::autograd::set_history(out, node);
   node->out_ = SavedVariable(out, /*is_output=*/true);
 }
@@ -187,9 +234,10 @@ void record_node(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
 // costs about 12 us more per call in PyTorch's Python op dispatch than an integer (measured on the CPU).
 void record_training(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
                      const at::Tensor& lse, const std::optional<at::Tensor>& key_range, int64_t dropout_key,
-                     int64_t program_address, std::vector<at::Tensor> bound) {
+                     int64_t program_address, std::vector<at::Tensor> bound,
+                     const std::optional<at::Tensor>& sinks, std::optional<at::Tensor> sink_rows) {
   record_node(q, k, v, out, lse, key_range, dropout_key, BackwardProgram::from_address(program_address),
-              std::move(bound));
+              std::move(bound), sinks, std::move(sink_rows));
 }
 
 void set_driver(int64_t launch, int64_t ctx_get, int64_t ctx_set, int64_t error_string, int64_t encode_tiled,
@@ -211,7 +259,11 @@ TORCH_LIBRARY(flash_attention_host, m) {
         return static_cast<int64_t>(reinterpret_cast<intptr_t>(self.get()));
       });
   m.def("set_driver", &set_driver);
-  m.def("record_training", &record_training);
+  // (The schema spelled out for its defaults: calls without sinks pass nine arguments.)
+  m.def(
+      "record_training(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? key_range, int dropout_key, "
+      "int program_address, Tensor[] bound, Tensor? sinks=None, Tensor? sink_rows=None) -> ()",
+      &record_training);
 }
 
 }  // namespace flash_attention_host

@@ -85,9 +85,13 @@ struct BackwardProgram : torch::CustomClassHolder {
 };
 
 // Make `out` (the forward's fresh output) the output of a new training node over q, k and v whose backward
-// runs `program` (nothing when none of them requires grad), with `bound` at the program's bound offsets.
+// runs `program` (nothing when none of them requires grad), with `bound` at the program's bound offsets;
+// with `sinks` (the forward's, (heads_q,)), a node over them too, which gives their gradient (`sink_rows`:
+// a packed batch's rows in the workspace, int64; none: row i is row i).
 void record_node(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
                  const at::Tensor& lse, const std::optional<at::Tensor>& key_range, int64_t dropout_key,
-                 c10::intrusive_ptr<BackwardProgram> program, std::vector<at::Tensor> bound = {});
+                 c10::intrusive_ptr<BackwardProgram> program, std::vector<at::Tensor> bound = {},
+                 const std::optional<at::Tensor>& sinks = std::nullopt,
+                 std::optional<at::Tensor> sink_rows = std::nullopt);
 
 }  // namespace flash_attention_host
