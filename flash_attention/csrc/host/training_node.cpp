@@ -159,7 +159,10 @@ struct AttentionBackward : public torch::autograd::Node {
                          should_compute_output(1) ? dk : at::Tensor(),
                          should_compute_output(2) ? dv : at::Tensor()};
     if (has_sinks_) {
-      result.push_back(should_compute_output(3) ? sinks_gradient(ws) : at::Tensor());
+      // (task_should_compute_output, not should_compute_output: the sinks require a gradient in training,
+      // but a backward asked only for q, k and v's -- autograd.grad(out, (q, k, v)) -- must not pay for
+      // theirs; the edge alone says only that it could be asked.)
+      result.push_back(task_should_compute_output(3) ? sinks_gradient(ws) : at::Tensor());
     }
     if (torch::autograd::GradMode::is_enabled()) {
       // backward(create_graph=True): these gradients were computed outside autograd, so differentiating
