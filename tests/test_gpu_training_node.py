@@ -108,6 +108,14 @@ VARIANTS = [
 ]
 
 
+def _runs(cu_q, cu_k, sq, sk, window):
+    """A packed batch's causal runs of three sequences as attention_varlen notes them: the configs' lengths
+    and the query tiles' offsets (the forward's tiles change its rounding)."""
+    runs = segments(cu_q, cu_k, sq, sk, causal=True, window=window)
+    runs[0]._typical_lengths = (-(-sq // 3), -(-sk // 3))
+    return _with_tiles(runs, cu_q, cu_k)
+
+
 @pytest.mark.parametrize("variant", VARIANTS, ids=str)
 def test_the_node_takes_alibi_and_packed_batches(variant):
     # ALiBi's slopes and a packed batch's runs are the program's bound tensors: each call binds its own, the
@@ -122,11 +130,7 @@ def test_the_node_takes_alibi_and_packed_batches(variant):
     if packed:  # three causal sequences with more keys than queries each (ALiBi from each row's run)
         cu_q = torch.tensor([0, 200, 450, 700], dtype=torch.int32, device="cuda")
         cu_k = torch.tensor([0, 220, 500, 760], dtype=torch.int32, device="cuda")
-        runs = segments(cu_q, cu_k, sq, sk, causal=True, window=window)
-        # As attention_varlen notes them: the configs' lengths and the query tiles' offsets (the forward's
-        # tiles change its rounding).
-        runs[0]._typical_lengths = (-(-sq // 3), -(-sk // 3))
-        runs = _with_tiles(runs, cu_q, cu_k)
+        runs = _runs(cu_q, cu_k, sq, sk, window)
     results = []
     for through_node in (True, False):
         q, k, v = (t.detach().requires_grad_(True) for t in (q0, k0, v0))
@@ -154,9 +158,10 @@ def test_the_node_takes_alibi_and_packed_batches(variant):
 @pytest.mark.parametrize("packed", [False, True], ids=["batch", "packed"])
 def test_the_node_gives_the_sinks_their_gradient(packed):
     # Attention sinks are an input of the node: their gradient comes from the preprocessing kernel's D rows
-    # and the saved LSE (a packed batch's D read back by each row's place in the workspace), the Python
-    # function's formula with the same operations. Deterministic, so bit for bit against that function,
-    # with a sliding window (gpt-oss's layers) and GQA.
+    # and the saved LSE, the Python function's formula with the same operations. Deterministic, so bit for
+    # bit against that function, with a sliding window (gpt-oss's layers) and GQA. (The deterministic packed
+    # plan lays its workspace out by packed row; the per-sequence layout the node reads back through
+    # sink_rows is the atomic mode's key-tile plan, checked on the CPU stand-in, tests/test_repeat_calls.py.)
     gen = torch.Generator(device="cuda").manual_seed(17 + packed)
     b, sq, sk, hq, hkv, d = (1, 700, 700, 8, 2, 64) if packed else (2, 300, 300, 8, 2, 64)
     q0, k0, v0 = _inputs(b, sq, sk, hq, hkv, d, "bshd", gen)
@@ -166,9 +171,7 @@ def test_the_node_gives_the_sinks_their_gradient(packed):
     runs = None
     if packed:
         cu = torch.tensor([0, 200, 450, 700], dtype=torch.int32, device="cuda")
-        runs = segments(cu, cu, sq, sk, causal=True, window=window)
-        runs[0]._typical_lengths = (-(-sq // 3), -(-sk // 3))
-        runs = _with_tiles(runs, cu, cu)
+        runs = _runs(cu, cu, sq, sk, window)
     results = []
     for through_node in (True, False):
         q, k, v = (t.detach().requires_grad_(True) for t in (q0, k0, v0))
