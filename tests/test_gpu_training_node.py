@@ -10,6 +10,7 @@ output gradients in layouts the kernels cannot read.
 
 from __future__ import annotations
 
+import os
 import zlib
 
 import pytest
@@ -28,8 +29,11 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture(scope="module", autouse=True)
 def _library():
     reason = host.unavailable_reason()
-    if reason is not None:
+    if reason is not None and (host._compiler() is None or os.environ.get(host.ENV) == "0"):
         pytest.skip(f"no host library here: {reason}")
+    # A compiler that cannot build it is a defect to see, not a skip: a header of another PyTorch version
+    # once failed the build on the GPU machine, and every native path went untested behind the skips.
+    assert reason is None, f"the host library did not build: {reason}"
 
 
 def _inputs(b, sq, sk, hq, hkv, d, layout, gen, dtype=torch.bfloat16):

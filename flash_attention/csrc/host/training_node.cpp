@@ -187,7 +187,10 @@ struct AttentionBackward : public torch::autograd::Node {
     at::Tensor delta = ws.narrow(0, program.stats, program.stats).view({lse_.size(0), lse_.size(1), -1});
     delta = sink_rows_ ? at::index_select(delta, 2, *sink_rows_) : delta.narrow(2, 0, lse_.size(2));
     const at::Tensor p_sink = at::exp(at::sub(sinks.to(at::kFloat).view({1, -1, 1}), lse_));
-    return at::neg(at::sum(at::mul(p_sink, delta), {0, 2})).to(sinks.scalar_type());
+    // (The dims as an IntArrayRef, not a braced list: some PyTorch versions' headers find that ambiguous
+    // between sum's int and Dimname overloads, and the library then fails to build there.)
+    const int64_t batch_and_rows[] = {0, 2};
+    return at::neg(at::sum(at::mul(p_sink, delta), at::IntArrayRef(batch_and_rows))).to(sinks.scalar_type());
   }
 
   SavedVariable q_, k_, v_, out_;
