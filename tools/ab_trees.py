@@ -205,13 +205,15 @@ def main(argv: list[str] | None = None) -> int:
     for tree in args.trees:  # the warm-up round: compiles each tree's kernels, its numbers dropped
         run_tree(tree, args.mode, args.shape, 3, cases, args.packed)
     rounds = []
-    for _ in range(args.rounds):
+    for i in range(args.rounds):
         rounds.append(
             {
                 tree: run_tree(tree, args.mode, args.shape, args.reps, cases, args.packed)
                 for tree in args.trees
             }
         )
+        # (each round as it ends: a run cut short by its time limit still leaves what it measured)
+        print(f"round {i + 1}: {json.dumps(rounds[-1])}", flush=True)
     what = f"packed {args.packed} tokens, " if args.packed else ""
     rounds_text = f"median of {args.rounds} rounds (min-max), ratio to {args.trees[0]}"
     print(f"{args.mode}, {what}shape {args.shape}, {rounds_text}")
