@@ -15,6 +15,14 @@ from spawn_ranks import spawn_ranks
 from flash_attention.fallback.reference import attention_reference
 
 
+def _leave(dist) -> None:
+    """Leave the group once every rank is done: a rank that tore its gloo group down while a peer's last
+    sends were still in flight aborted that peer ("terminate called without an active exception", exit
+    code -6; seen once in a CPU suite run)."""
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def _assert_matches_float64(named) -> None:
     """Each (name, ring result, float64 reference) within float32 rounding of the reference's scale."""
     for name, got, want in named:
@@ -45,7 +53,7 @@ def _worker(rank, world, init_file, causal, softcap, failures):
         ref_grads = torch.autograd.grad(ref, ref_leaves, dout.double())
         _assert_matches_float64(zip(("out", "dq", "dk", "dv"), full, (ref, *ref_grads), strict=True))
         torch.testing.assert_close(full_lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
-        dist.destroy_process_group()
+        _leave(dist)
     except Exception:
         failures.put(f"rank {rank}: {traceback.format_exc()}")
         raise
@@ -95,7 +103,7 @@ def _training_worker(rank, world, init_file, failures):
         for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
             scale = q.grad.abs().max().item()
             assert (p.grad - q.grad).abs().max().item() <= 1e-4 * scale + 1e-7, name
-        dist.destroy_process_group()
+        _leave(dist)
     except Exception:
         failures.put(f"rank {rank}: {traceback.format_exc()}")
         raise
@@ -129,7 +137,7 @@ def _window_worker(rank, world, init_file, causal, window, softcap, failures):
         ref, _ = attention_reference(*ref_leaves, causal=causal, window=window, softcap=softcap)
         ref_grads = torch.autograd.grad(ref, ref_leaves, dout.double())
         _assert_matches_float64(zip(("out", "dq", "dk", "dv"), full, (ref, *ref_grads), strict=True))
-        dist.destroy_process_group()
+        _leave(dist)
     except Exception:
         failures.put(f"rank {rank}: {traceback.format_exc()}")
         raise
@@ -196,7 +204,7 @@ def _score_worker(rank, world, init_file, causal, window, failures):
             zip(("out", "dq", "dk", "dv", "dsinks"), (*full, dsinks), (ref, *ref_grads), strict=True)
         )
         torch.testing.assert_close(full_lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
-        dist.destroy_process_group()
+        _leave(dist)
     except Exception:
         failures.put(f"rank {rank}: {traceback.format_exc()}")
         raise
