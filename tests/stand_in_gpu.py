@@ -473,8 +473,13 @@ class StandInGpu:
         return tensor_at(ptr, (outer, rows, p.heads_kv, p.head_dim), strides, self.dtype)
 
     def _slots(self, p, kernel, table, b, positions):
-        """The cache index of row b's ``positions`` (through the page table for a paged cache)."""
+        """The cache index of row b's ``positions`` (through the page table for a paged cache; from the row's
+        cache_starts entry in a contiguous one that has them, fa/kv_cache.cuh's cache_start)."""
         if not kernel.paged:
+            if p.cache_starts:
+                start = tensor_at(p.cache_starts, (p.batch,), (1,), torch.int32)[b].item()
+                assert start >= 0 and start + positions.numel() <= p.capacity, "a start past the cache"
+                return b, positions + start
             return b, positions
         return table[b][positions // p.page_size].long(), positions % p.page_size
 

@@ -160,3 +160,85 @@ def test_calls_without_a_repeat_signature_keep_their_plan(gpu, monkeypatch):
         fa.attention(q, k, v, causal=True, out=buf)
         _check(buf, None, q, k, v, causal=True)
     assert len(made) == 1
+
+
+# attention_varlen with about one query per sequence: each packed query row is a row of a contiguous cache
+# whose rows share the packed keys at their sequence's offset (cache_starts), its key count the keys it sees.
+
+
+def _varlen_inputs(seed, lens_q, lens_k, hq, hkv, d=64, extra_rows=0):
+    gen = torch.Generator().manual_seed(seed)
+    total_q, total_k = sum(lens_q) + extra_rows, sum(lens_k)
+    q = torch.randn(total_q, hq, d, generator=gen).to(torch.bfloat16)
+    k, v = (torch.randn(total_k, hkv, d, generator=gen).to(torch.bfloat16) for _ in "kv")
+    cu_q, cu_k = (
+        torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32) for n in (lens_q, lens_k)
+    )
+    return q, k, v, cu_q, cu_k
+
+
+def _check_varlen(out, lse, q, k, v, cu_q, cu_k, used=None, causal=False, sinks=None):
+    """Each sequence against its own float64 attention; rows past the last sequence 0."""
+    assert out.shape == q.shape and out.dtype == q.dtype
+    for b in range(cu_q.numel() - 1):
+        a, e = cu_q[b].item(), cu_q[b + 1].item()
+        ka = cu_k[b].item()
+        ke = ka + (used[b] if used is not None else cu_k[b + 1].item() - ka)
+        if e == a:
+            continue
+        ref, ref_lse = attention_reference(
+            *(t[None].double() for t in (q[a:e], k[ka:ke], v[ka:ke])), causal=causal, sinks=sinks
+        )
+        assert (out[a:e].double() - ref[0]).abs().max().item() < 2e-2, f"sequence {b}"
+        if lse is not None:
+            finite = ref_lse[0].isfinite()
+            assert (lse[:, a:e][finite].double() - ref_lse[0][finite]).abs().max().item() < 1e-3
+    assert (out[cu_q[-1].item() :] == 0).all()
+
+
+@pytest.mark.parametrize(
+    ("lens_q", "lens_k", "hq", "hkv", "causal", "used"),
+    [
+        ([1, 1, 1], [300, 700, 256], 8, 2, True, None),  # one query each: a decoding step
+        ([1, 1, 1, 1], [900, 260, 515, 400], 16, 4, False, None),
+        ([2, 0, 1], [400, 300, 500], 8, 2, True, None),  # any spread is exact: two queries, then none
+        ([1, 1], [600, 500], 4, 4, True, [333, 500]),  # seqused_k: a cache with room to spare
+    ],
+)
+def test_varlen_decoding_steps_run_on_the_decode_kernels_as_the_reference(
+    gpu, lens_q, lens_k, hq, hkv, causal, used
+):
+    q, k, v, cu_q, cu_k = _varlen_inputs(sum(lens_k), lens_q, lens_k, hq, hkv, extra_rows=0)
+    kw = {} if used is None else {"seqused_k": torch.tensor(used, dtype=torch.int32)}
+    for _ in range(2):  # the second call finds its plan and its row tables made
+        gpu.launches.clear()
+        out, lse = fa.attention_varlen(q, k, v, cu_q, cu_k, causal=causal, return_lse=True, **kw)
+        assert "decode_decode" in gpu.launches and "forward" not in gpu.launches, gpu.launches
+        assert lse.shape == (hq, q.shape[0])
+        _check_varlen(out, lse, q, k, v, cu_q, cu_k, used, causal)
+    assert not gpu.errors, gpu.errors
+
+
+def test_varlen_decoding_with_sinks_and_a_row_past_the_last_sequence(gpu):
+    q, k, v, cu_q, cu_k = _varlen_inputs(5, [1, 1], [500, 400], 8, 2)
+    cu_q = torch.tensor([0, 1, 1], dtype=torch.int32)  # the second query row belongs to no sequence
+    sinks = torch.randn(8, generator=torch.Generator().manual_seed(9))
+    gpu.launches.clear()
+    out = fa.attention_varlen(q, k, v, cu_q, cu_k, causal=True, sinks=sinks)
+    assert "decode_decode" in gpu.launches and "forward" not in gpu.launches, gpu.launches
+    _check_varlen(out, None, q, k, v, cu_q, cu_k, causal=True, sinks=sinks)
+    assert not gpu.errors, gpu.errors
+
+
+def test_varlen_calls_the_route_leaves_alone(gpu):
+    # Many queries per sequence, few keys, training, and a window without causal keep the usual kernels.
+    q, k, v, cu_q, cu_k = _varlen_inputs(3, [40, 30], [300, 300], 8, 2)
+    q1, k1, v1, cu_q1, cu_k1 = _varlen_inputs(4, [1, 1], [300, 400], 8, 2)
+    for call in (
+        lambda: fa.attention_varlen(q, k, v, cu_q, cu_k, causal=True),
+        lambda: fa.attention_varlen(q1, k1, v1, cu_q1, cu_k1, causal=False, window=(64, 64)),
+        lambda: fa.attention_varlen(q1.clone().requires_grad_(), k1, v1, cu_q1, cu_k1, causal=True),
+    ):
+        gpu.launches.clear()
+        call()
+        assert "decode_decode" not in gpu.launches and "forward" in gpu.launches, gpu.launches

@@ -12,9 +12,17 @@ read): the same semantics, bottom-right causal alignment, windows, soft-capping,
 join afterwards as that API joins them (flash_attention.sinks). Calls autograd records, key ranges, dropout,
 packed batches and torch.compile's traces keep their usual path (the backward needs nothing of this route:
 it runs from the output and LSE either way).
+
+``attention_varlen`` calls with about one query per sequence (a decoding step over sequences of different
+lengths) take the same kernels through :func:`route_varlen`: each packed query row becomes a row of a
+contiguous cache whose rows all read the packed keys, from their sequence's first key on (the kernels'
+``cache_starts``), and see as many keys as causal alignment gives them, so the result is exact for any
+spread of the queries over the sequences, read from the offsets on the device without a host read.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -22,13 +30,16 @@ from ..ops import dispatch
 from ..sinks import apply_sinks
 from ..spec.validate_kvcache import validate_kvcache
 
-__all__ = ["MAX_ROWS", "MIN_KEYS", "RoutedCall", "route", "takes_shape"]
+__all__ = ["MAX_ROWS", "MIN_KEYS", "RoutedCall", "route", "route_varlen", "takes_shape", "varlen_rows"]
 
 #: The most packed query rows (seqlen_q x group) the route takes: one decode tile of 64 rows per key/value
 #: head, as the transformers integration sends its decoding steps (STATIC_CACHE_MAX_QUERIES).
 MAX_ROWS = 64
 #: The fewest keys the route takes: under a key tile or two the forward kernel has nothing to split.
 MIN_KEYS = 256
+#: attention_varlen's route: at most this many query rows per sequence on average (each row reads its
+#: sequence's keys on its own, so more queries per sequence would read them that many times over).
+QUERIES_PER_SEQUENCE = 2
 
 
 class RoutedCall:
@@ -131,3 +142,88 @@ def _plan_signature(q, k, v, problem, needs_lse: bool, out) -> tuple:
         "attention-direct", q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), v.shape, v.stride(),
         problem.causal, problem.scale, problem.window, problem.softcap, problem.alibi, needs_lse, layout,
     )  # fmt: skip
+
+
+def varlen_rows(cu_q, cu_k, seqused_k, total_q: int, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """int32 (total_q,) each packed query row's key count and its sequence's first key row, for
+    :func:`route_varlen`: row i of a sequence with n_q queries and n_k keys (``seqused_k``'s, where given)
+    sees keys [0, n_k - n_q + i] under causal (bottom-right aligned, none when that is negative), all n_k
+    otherwise; a row past the last sequence sees none. Device operations only (no host read)."""
+    n_seq = cu_q.numel() - 1
+    cq, ck = cu_q.long(), cu_k.long()
+    r = torch.arange(total_q, device=cu_q.device)
+    seq = torch.searchsorted(cq[1:], r, right=True)  # (the first sequence that ends past row r; n_seq: none)
+    owned = seq < n_seq
+    s = seq.clamp(max=n_seq - 1)
+    n_q = cq[s + 1] - cq[s]
+    n_k = seqused_k.long()[s] if seqused_k is not None else ck[s + 1] - ck[s]
+    n = (n_k - n_q + (r - cq[s]) + 1).clamp(min=0) if causal else n_k
+    zero = torch.zeros_like(n)
+    return torch.where(owned, n, zero).int(), torch.where(owned, ck[s], zero).int()
+
+
+def route_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    n_seq: int,
+    row_tables: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+    *,
+    causal: bool,
+    scale: float | None,
+    return_lse: bool,
+    window: tuple[int, int] | None,
+    softcap: float,
+    alibi_slopes: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+    """``attention_varlen``'s result from the decode kernels for a packed batch with about one query per
+    sequence against many keys (a decoding step over sequences of different lengths: at most
+    QUERIES_PER_SEQUENCE rows per sequence on average, MIN_KEYS keys), or None when the
+    call keeps its usual path. Each packed query row is one row of a contiguous cache whose rows share the
+    packed keys at their sequence's offset (the kernels' ``cache_starts``), its key count the keys it sees
+    (:func:`varlen_rows`, causal folded in), so any spread of queries over the sequences is exact, and a
+    call of at most one query per sequence reads each sequence's keys once per key/value head, as
+    ``attention_with_kvcache`` does. Taken for calls autograd does not record, without dropout, on the
+    kernels' GPU; not for a window or ALiBi without causal (their diagonal is the sequence's, which a row of
+    one query cannot place). ``n_seq``: the batch's sequence count; ``row_tables``: :func:`varlen_rows` of
+    the call, made once per offsets by the caller (asked only when the route is taken)."""
+    total_q, heads_q, head_dim = q.shape
+    total_k, heads_kv = k.shape[0], k.shape[1]
+    if (
+        not (0 < n_seq and 0 < total_q <= QUERIES_PER_SEQUENCE * n_seq and total_k >= MIN_KEYS * n_seq)
+        or heads_q // max(heads_kv, 1) > MAX_ROWS
+        or (not causal and (window is not None or alibi_slopes is not None))
+        or not dispatch.wants_kernel(q)
+        or torch.compiler.is_compiling()
+        or (k.data_ptr() | v.data_ptr()) % 16
+    ):
+        return None
+    rows = q.unsqueeze(1)  # (total_q, 1, heads_q, head_dim): a cache row per packed query row
+    cache_k, cache_v = (t.unsqueeze(0).expand(total_q, *t.shape) for t in (k, v))  # (one buffer: stride 0)
+    lens, starts = row_tables()
+    try:
+        problem = validate_kvcache(
+            rows, cache_k, cache_v, None, None, cache_seqlens=lens, block_table=None, causal=False,
+            softmax_scale=scale, num_splits=0, out=None, window=window, softcap=softcap,
+            alibi_slopes=alibi_slopes,
+        )  # fmt: skip
+    except (TypeError, ValueError):  # (a layout the cache API refuses: the usual path takes it)
+        return None
+    needs_lse = return_lse or sinks is not None  # (the sinks rescale O by the sink-free LSE)
+    key = (
+        "varlen", rows.shape, rows.stride(), q.dtype, q.device, cache_k.shape, cache_k.stride(),
+        cache_v.stride(), problem, needs_lse,
+    )  # fmt: skip
+    plan = dispatch.backend().decode_plan(
+        problem, rows, cache_k, cache_v, None, None, lens, None, 0, None, needs_lse, key, starts=True
+    )
+    if isinstance(plan, str) or not plan.runnable(cache_k, cache_v):
+        return None
+    o, lse = plan(rows, cache_k, cache_v, None, None, lens, None, None, alibi_slopes, cache_starts=starts)
+    if sinks is not None:
+        o, lse = apply_sinks(o, lse, sinks)
+    out = o.squeeze(1)
+    if return_lse:  # (total_q, heads_q, 1) -> varlen's (heads_q, total_q)
+        return out, lse.view(total_q, heads_q).t().contiguous()
+    return out

@@ -29,6 +29,7 @@ import torch
 from ..spec.validate import check_window
 from ..spec.validate_varlen import check_offset_values, check_offsets_tensor, checks_offset_values
 from .attention import attention
+from .few_queries import route_varlen, varlen_rows
 
 __all__ = ["alibi_diagonals", "attention_varlen", "clear_cache", "row_slopes", "segments"]
 
@@ -323,6 +324,11 @@ def attention_varlen(
 
     Not taken: ``key_range`` (``seqused_k`` is the packed form of a key range).
 
+    A call with about one query per sequence and many keys that autograd does not record (a decoding step
+    over sequences of different lengths) runs on the split-KV decode kernels, as ``attention_with_kvcache``
+    would (flash_attention.api.few_queries.route_varlen); its results agree with the usual kernels' within
+    rounding, not bit for bit.
+
     The offsets' values (``cu_seqlens_q``, ``cu_seqlens_k``, ``seqused_k``): on the CPU they are checked
     against the contract above, and a break raises ValueError naming the argument and its first bad index.
     On a GPU they are not read on the host (no synchronisation: the call is CUDA-graph and
@@ -387,6 +393,20 @@ def attention_varlen(
         make = lambda: alibi_diagonals(cu_seqlens_q, cu_seqlens_k, q.shape[0], seqused_k)  # noqa: E731
         diagonal = _held_by_runs(runs, "_alibi_diagonal", make)
         runs = (*runs, diagonal)
+    records = torch.is_grad_enabled() and (
+        q.requires_grad or k.requires_grad or v.requires_grad or (sinks is not None and sinks.requires_grad)
+    )
+    if not records and not dropout_p:
+        # About one query per sequence against many keys (a decoding step): the split-KV decode kernels
+        # (api.few_queries.route_varlen), as attention() routes such calls.
+        tables = lambda: varlen_rows(cu_seqlens_q, cu_seqlens_k, seqused_k, q.shape[0], causal)  # noqa: E731
+        rows = lambda: _held_by_runs(runs, "_decode_rows", tables)  # noqa: E731
+        routed = route_varlen(
+            q, k, v, n_offsets - 1, rows, causal=bool(causal), scale=softmax_scale, return_lse=return_lse,
+            window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+        )  # fmt: skip
+        if routed is not None:
+            return routed
     # The runs carry each sequence's causal bound; the flag only picks the kernels' configurations (the
     # segments builds have no causal entry point, and the fallback's chunked path drops it).
     result = attention(

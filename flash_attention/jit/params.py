@@ -168,6 +168,7 @@ class DecodeParams(ctypes.Structure):
                 "lse_partial",
                 "cache_seqlens",
                 "block_table",
+                "cache_starts",
                 "split_counters",
             )
         ]

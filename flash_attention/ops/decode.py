@@ -50,8 +50,12 @@ __all__ = [
 ]
 
 
-def decode_unavailable_reason(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | None:
-    """None when the decode kernels can take this call; otherwise why not, in words."""
+def decode_unavailable_reason(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, shared_rows: bool = False
+) -> str | None:
+    """None when the decode kernels can take this call; otherwise why not, in words. ``shared_rows``: the
+    cache's rows are one buffer (batch stride 0, rows placed by ``cache_starts``), which a call that appends
+    nothing may read."""
     reason = cuda_unavailable_reason(q)
     if reason is not None:
         return reason
@@ -61,7 +65,7 @@ def decode_unavailable_reason(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
             f"the decode kernels need head_dim a multiple of 8 (the cache is read in place); got {q.shape[3]}"
         )
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if not layout_ok(t):
+        if not layout_ok(t[:1] if shared_rows else t):  # (a shared buffer: its one row's strides)
             return f"{name}'s strides are not multiples of 8 elements with the last one 1 ({t.stride()})"
     if k_cache.shape[2] > MAX_GRID_YZ or q.shape[0] > MAX_GRID_YZ:
         return f"batch and heads_kv must be at most {MAX_GRID_YZ}"
@@ -121,15 +125,19 @@ class DecodePlan:
         num_splits: int,
         out: torch.Tensor | None,
         return_lse: bool,
+        starts: bool = False,
     ):
+        """``starts``: the calls bind each row's first cache row (``cache_starts`` of :meth:`__call__`: a
+        contiguous cache whose rows share one buffer at other offsets, a packed batch's keys)."""
         assert q.dtype in KERNEL_DTYPES
+        assert not (starts and block_table is not None), "row starts are a contiguous cache's"
         self.index = index = q.get_device()
         self.device = q.device
         cfg = decode_config(q, problem)
         arch = device_arch(index)
         kernels = get_decode_kernels(cfg, arch)
         paged = block_table is not None
-        self.problem, self.return_lse = problem, return_lse
+        self.problem, self.return_lse, self.starts = problem, return_lse, starts
 
         p = DecodeParams()
         for prefix, t in (("q", q), ("k", k_cache), ("v", v_cache)):
@@ -238,6 +246,7 @@ class DecodePlan:
             or self.counters
             or self.lens_copy
             or self.table_copy
+            or self.starts  # (the host library binds no row starts)
             or not self.q_in_place
             or not self.new_in_place
         ):
@@ -295,9 +304,12 @@ class DecodePlan:
         block_table: torch.Tensor | None,
         out: torch.Tensor | None,
         alibi_slopes: torch.Tensor | None = None,
+        cache_starts: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``cache_seqlens``: a tensor, or an int, every row's length (passed to the kernels by value);
-        ``alibi_slopes``: the call's, when its problem has ALiBi."""
+        ``alibi_slopes``: the call's, when its problem has ALiBi; ``cache_starts``: int32 (batch,),
+        contiguous, each row's first cache row, for a plan made with ``starts``."""
+        assert (cache_starts is not None) == self.starts, "row starts bound to a plan made without, or back"
         one_length = isinstance(cache_seqlens, int)
         if self._native is None:
             self._native = self._make_native()
@@ -337,6 +349,8 @@ class DecodePlan:
             if self.table_copy:
                 block_table = block_table.contiguous()
             p.block_table = block_table.data_ptr()
+        if cache_starts is not None:
+            p.cache_starts = cache_starts.data_ptr()
         if problem.seqlen_new:
             if not (self.new_in_place and (k.data_ptr() | v.data_ptr()) % 16 == 0):
                 k, v = aligned_copy(k), aligned_copy(v)
@@ -457,17 +471,21 @@ def decode_plan(
     out: torch.Tensor | None,
     return_lse: bool,
     key: tuple | None,
+    starts: bool = False,
 ) -> DecodePlan | str:
     """The :class:`DecodePlan` of a validated call, or why the kernels cannot take it (in words). ``key``,
     when given, is the call's signature (every shape, stride, dtype, device and option): the answer is kept
     under it, so a decode loop builds its plan once."""
 
     def make() -> DecodePlan | str:
-        reason = decode_unavailable_reason(q, k_cache, v_cache)
+        # (row starts into one buffer: only a call that appends nothing, which writes no cache row)
+        shared = starts and problem.seqlen_new == 0 and k_cache.stride(0) == 0
+        reason = decode_unavailable_reason(q, k_cache, v_cache, shared)
         if reason is not None:
             return reason
         return DecodePlan(
-            problem, q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, out, return_lse
-        )
+            problem, q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, out, return_lse,
+            starts,
+        )  # fmt: skip
 
     return make() if key is None else _plans.get(key, make)

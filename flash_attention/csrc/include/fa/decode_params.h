@@ -26,6 +26,10 @@ struct DecodeParams {
   // int length from the caller: passed by value, so no fill kernel runs and no device buffer is needed).
   const int* cache_seqlens;
   const int* block_table;    // (batch, max_pages), block_table_stride apart; null for a contiguous cache
+  // Contiguous caches only: (batch,) the cache row where each batch row's position 0 lies, so that rows may
+  // share one buffer at other offsets (k_batch_stride 0: a packed batch's keys, attention_varlen's route to
+  // these kernels); null: 0 for every row.
+  const int* cache_starts;
   // num_splits > 1: one arrival counter per (batch, K/V head, row block), zero before the call and left zero
   // after it: the last split block of a row block to finish merges the splits (fa/decode_combine.cuh) and
   // resets its counter. Null: a separate combine kernel merges them.

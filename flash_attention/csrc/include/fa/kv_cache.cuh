@@ -19,11 +19,18 @@ __device__ __forceinline__ int cache_length(const DecodeParams& p, int batch) {
   return p.cache_seqlens != nullptr ? p.cache_seqlens[batch] : p.cache_seqlen;
 }
 
-// Row b's key count after the append, or -1 when its length is out of range.
+// Row b's first cache row in a contiguous cache: its cache_starts entry, or 0.
+__device__ __forceinline__ int cache_start(const DecodeParams& p, int batch) {
+  return p.cache_starts != nullptr ? p.cache_starts[batch] : 0;
+}
+
+// Row b's key count after the append, or -1 when its length is out of range (or, from a start, past the
+// cache's end: capacity counts rows from the buffer's start).
 __device__ __forceinline__ int cache_keys(const DecodeParams& p, int batch) {
   const int before = cache_length(p, batch);
   const int n = before + p.seqlen_new;
-  return (before < 0 || n > p.capacity || n < before) ? -1 : n;
+  const int start = cache_start(p, batch);
+  return (before < 0 || start < 0 || n > p.capacity - start || n < before) ? -1 : n;
 }
 
 // Element offsets of cache position j of one (batch row, K/V head) in K and in V; false when the position's
