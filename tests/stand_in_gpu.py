@@ -527,7 +527,10 @@ class StandInGpu:
             if kernel.causal:
                 visible = keys[None, :] <= torch.arange(p.seqlen_q)[:, None] + n - p.seqlen_q
             for s in range(splits):
-                part = visible & (keys[None, :] >= s * per_split) & (keys[None, :] < (s + 1) * per_split)
+                # (the last split runs to the row's end, fa/decode_block.cuh: a row longer than the splits
+                # were sized for is still covered whole)
+                end = (s + 1) * per_split if s < splits - 1 else n
+                part = visible & (keys[None, :] >= s * per_split) & (keys[None, :] < end)
                 masked = scores.masked_fill(~part, float("-inf"))
                 lse = torch.logsumexp(masked, dim=-1)  # (heads_q, seqlen_q)
                 weights = torch.exp(masked - lse[..., None]).nan_to_num(0.0)

@@ -242,3 +242,25 @@ def test_varlen_calls_the_route_leaves_alone(gpu):
         gpu.launches.clear()
         call()
         assert "decode_decode" not in gpu.launches and "forward" in gpu.launches, gpu.launches
+
+
+def test_varlen_rows_longer_than_the_splits_were_sized_for_are_covered_by_the_last_split(gpu):
+    # The splits follow a typical sequence's keys (the max_seqlen_k hint, here far too small): a longer
+    # sequence's last split runs to its end (fa/decode_block.cuh), so a wrong hint costs speed only.
+    q, k, v, cu_q, cu_k = _varlen_inputs(21, [1], [6000], 8, 2)
+    gpu.launches.clear()
+    out = fa.attention_varlen(q, k, v, cu_q, cu_k, causal=True, max_seqlen_k=1024)
+    assert "decode_decode" in gpu.launches and "decode_combine" in gpu.launches, gpu.launches  # (split)
+    _check_varlen(out, None, q, k, v, cu_q, cu_k, causal=True)
+    assert not gpu.errors, gpu.errors
+
+
+def test_varlen_route_gates_on_the_query_hint_and_clips_huge_windows(gpu):
+    q, k, v, cu_q, cu_k = _varlen_inputs(22, [1, 1], [500, 700], 8, 2)
+    gpu.launches.clear()  # a hint of many queries per sequence keeps the usual kernels
+    fa.attention_varlen(q, k, v, cu_q, cu_k, causal=True, max_seqlen_q=60)
+    assert "forward" in gpu.launches and "decode_decode" not in gpu.launches, gpu.launches
+    gpu.launches.clear()  # a window side past every key bounds nothing (and must not wrap the params' int32)
+    out = fa.attention_varlen(q, k, v, cu_q, cu_k, causal=True, window=(2**32 + 5, 0), max_seqlen_q=1)
+    assert "decode_decode" in gpu.launches, gpu.launches
+    _check_varlen(out, None, q, k, v, cu_q, cu_k, causal=True)

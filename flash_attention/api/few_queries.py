@@ -22,10 +22,12 @@ spread of the queries over the sequences, read from the offsets on the device wi
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
 
+from ..configs.decode import cache_length_bucket
 from ..ops import dispatch
 from ..sinks import apply_sinks
 from ..spec.validate_kvcache import validate_kvcache
@@ -152,6 +154,8 @@ def varlen_rows(cu_q, cu_k, seqused_k, total_q: int, causal: bool) -> tuple[torc
     n_seq = cu_q.numel() - 1
     cq, ck = cu_q.long(), cu_k.long()
     r = torch.arange(total_q, device=cu_q.device)
+    if seqused_k is not None:  # (clamped to the sequence's keys, as the usual path's runs clamp it)
+        seqused_k = torch.minimum(seqused_k.long().clamp_min(0), ck[1:] - ck[:-1])
     seq = torch.searchsorted(cq[1:], r, right=True)  # (the first sequence that ends past row r; n_seq: none)
     owned = seq < n_seq
     s = seq.clamp(max=n_seq - 1)
@@ -169,6 +173,8 @@ def route_varlen(
     n_seq: int,
     row_tables: Callable[[], tuple[torch.Tensor, torch.Tensor]],
     *,
+    max_seqlen_q: int | None,
+    max_seqlen_k: int | None,
     causal: bool,
     scale: float | None,
     return_lse: bool,
@@ -190,8 +196,11 @@ def route_varlen(
     the call, made once per offsets by the caller (asked only when the route is taken)."""
     total_q, heads_q, head_dim = q.shape
     total_k, heads_kv = k.shape[0], k.shape[1]
+    # Few queries per sequence: by the caller's hint where it gives one (a hint off the real counts costs
+    # speed only: every row is exact), else at most one per sequence on average.
+    few = max_seqlen_q <= QUERIES_PER_SEQUENCE if max_seqlen_q else total_q <= n_seq
     if (
-        not (0 < n_seq and 0 < total_q <= QUERIES_PER_SEQUENCE * n_seq and total_k >= MIN_KEYS * n_seq)
+        not (0 < n_seq and 0 < total_q and few and total_k >= MIN_KEYS * n_seq)
         or heads_q // max(heads_kv, 1) > MAX_ROWS
         or (not causal and (window is not None or alibi_slopes is not None))
         or not dispatch.wants_kernel(q)
@@ -199,6 +208,9 @@ def route_varlen(
         or (k.data_ptr() | v.data_ptr()) % 16
     ):
         return None
+    if window is not None:  # (clipped as route() clips it: a huge side must not wrap the params' int32)
+        far = total_q + total_k
+        window = tuple(w if w < 0 else min(w, far) for w in window)
     rows = q.unsqueeze(1)  # (total_q, 1, heads_q, head_dim): a cache row per packed query row
     cache_k, cache_v = (t.unsqueeze(0).expand(total_q, *t.shape) for t in (k, v))  # (one buffer: stride 0)
     lens, starts = row_tables()
@@ -211,13 +223,18 @@ def route_varlen(
     except (TypeError, ValueError):  # (a layout the cache API refuses: the usual path takes it)
         return None
     needs_lse = return_lse or sinks is not None  # (the sinks rescale O by the sink-free LSE)
+    # The splits are sized for a typical sequence's keys (the hint, else the mean); the plan serves every
+    # packed length of its bucket (it fills the buffer's geometry per call), so a decoding loop whose
+    # sequences grow plans once per bucket.
+    row_keys = max_seqlen_k or -(-total_k // n_seq)
     key = (
-        "varlen", rows.shape, rows.stride(), q.dtype, q.device, cache_k.shape, cache_k.stride(),
-        cache_v.stride(), problem, needs_lse,
+        "varlen", rows.shape, rows.stride(), q.dtype, q.device, cache_k.stride()[1:], cache_v.stride()[1:],
+        dataclasses.replace(problem, capacity=0), needs_lse, cache_length_bucket(row_keys),
     )  # fmt: skip
     plan = dispatch.backend().decode_plan(
-        problem, rows, cache_k, cache_v, None, None, lens, None, 0, None, needs_lse, key, starts=True
-    )
+        problem, rows, cache_k, cache_v, None, None, lens, None, 0, None, needs_lse, key, starts=True,
+        row_keys=cache_length_bucket(row_keys),
+    )  # fmt: skip
     if isinstance(plan, str) or not plan.runnable(cache_k, cache_v):
         return None
     o, lse = plan(rows, cache_k, cache_v, None, None, lens, None, None, alibi_slopes, cache_starts=starts)

@@ -402,8 +402,9 @@ def attention_varlen(
         tables = lambda: varlen_rows(cu_seqlens_q, cu_seqlens_k, seqused_k, q.shape[0], causal)  # noqa: E731
         rows = lambda: _held_by_runs(runs, "_decode_rows", tables)  # noqa: E731
         routed = route_varlen(
-            q, k, v, n_offsets - 1, rows, causal=bool(causal), scale=softmax_scale, return_lse=return_lse,
-            window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+            q, k, v, n_offsets - 1, rows, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+            causal=bool(causal), scale=softmax_scale, return_lse=return_lse, window=window, softcap=softcap,
+            alibi_slopes=alibi_slopes, sinks=sinks,
         )  # fmt: skip
         if routed is not None:
             return routed

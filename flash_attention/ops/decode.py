@@ -126,9 +126,12 @@ class DecodePlan:
         out: torch.Tensor | None,
         return_lse: bool,
         starts: bool = False,
+        row_keys: int = 0,
     ):
         """``starts``: the calls bind each row's first cache row (``cache_starts`` of :meth:`__call__`: a
-        contiguous cache whose rows share one buffer at other offsets, a packed batch's keys)."""
+        contiguous cache whose rows share one buffer at other offsets, a packed batch's keys); ``row_keys``:
+        with starts, the keys a row typically has, which the splits are sized for (a longer row's last split
+        takes the rest: fa/decode_block.cuh)."""
         assert q.dtype in KERNEL_DTYPES
         assert not (starts and block_table is not None), "row starts are a contiguous cache's"
         self.index = index = q.get_device()
@@ -197,7 +200,8 @@ class DecodePlan:
         # A contiguous cache's splits cover its bucket's largest capacity: every cache of the bucket fits.
         basis = problem
         if not paged:
-            basis = dataclasses.replace(problem, capacity=cache_length_bucket(problem.capacity))
+            rows_fit = row_keys if starts and row_keys else problem.capacity
+            basis = dataclasses.replace(problem, capacity=cache_length_bucket(rows_fit))
         if p.window_left >= 0:
             # A window's splits divide the keys from the row's first query's window on (fa/decode_block.cuh):
             # at most seqlen_q + left of them, plus a tile for the start's alignment.
@@ -472,6 +476,7 @@ def decode_plan(
     return_lse: bool,
     key: tuple | None,
     starts: bool = False,
+    row_keys: int = 0,
 ) -> DecodePlan | str:
     """The :class:`DecodePlan` of a validated call, or why the kernels cannot take it (in words). ``key``,
     when given, is the call's signature (every shape, stride, dtype, device and option): the answer is kept
@@ -485,7 +490,7 @@ def decode_plan(
             return reason
         return DecodePlan(
             problem, q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, out, return_lse,
-            starts,
+            starts, row_keys,
         )  # fmt: skip
 
     return make() if key is None else _plans.get(key, make)

@@ -36,7 +36,11 @@ __device__ __forceinline__ DecodeBlockKeys decode_block_keys(const DecodeParams&
   const bool windowed = p.window_left >= 0;
   const int base = windowed ? max(0, b.shift - p.window_left) / BC * BC : 0;
   b.k_lo = base + split * p.keys_per_split;
-  b.k_hi = b.bad ? b.k_lo : min(n_keys, b.k_lo + p.keys_per_split);
+  // The last split runs to the row's end: the host sizes keys_per_split for the rows it expects (a cache's
+  // capacity bucket, which every row fits; a packed batch's typical sequence, which a longer one may pass:
+  // flash_attention/api/few_queries.py's route_varlen), so no row's keys are ever left uncovered.
+  const bool last_split = split == p.num_splits - 1;
+  b.k_hi = b.bad ? b.k_lo : (last_split ? n_keys : min(n_keys, b.k_lo + p.keys_per_split));
   // The block's first and last packed rows hold its earliest and latest queries.
   const int last_query = (min(p.rows, m_block * BM + BM) - 1) / p.group;
   if (kCausal) b.k_hi = min(b.k_hi, last_query + b.shift + 1);
