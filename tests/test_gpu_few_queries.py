@@ -123,6 +123,9 @@ def test_varlen_decoding_steps_match_the_reference(case, monkeypatch):
     monkeypatch.setattr(
         "flash_attention.api.varlen.route_varlen", lambda *a, **k: taken.append(real(*a, **k)) or taken[-1]
     )
+    # The hints a serving loop passes (the route gates on max_seqlen_q: without it, the extra row past the
+    # last sequence makes more rows than sequences, and the call keeps its usual path).
+    kw.update(max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k))
     for _ in range(2):  # the second call finds its plan and row tables
         out, lse = fa.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, **kw)
         assert taken[-1] is not None, "the call should have taken the decode kernels"
