@@ -23,7 +23,7 @@ import torch
 from flash_attention import ops
 from flash_attention.fallback.reference import attention_reference
 from flash_attention.jit import driver, host
-from flash_attention.jit.params import BwdParams, DecodeParams, FwdParams, FwdTmaParams
+from flash_attention.jit.params import BwdParams, BwdTmaParams, DecodeParams, FwdParams, FwdTmaParams
 from flash_attention.jit.sources import SEGMENTS
 from flash_attention.ops import backward, decode, dispatch, forward, plans, repeat, tma
 
@@ -106,16 +106,19 @@ class _Kernel:
 
 
 class _BackwardKernels(dict):
-    """``get_bwd_kernels``' dict: by kind for the mask-free kernels, by symbol for the others."""
+    """``get_bwd_kernels``' dict: by kind for the mask-free kernels, by symbol for the others. ``tma``: the
+    config loads Q and dO by TMA, so its dK/dV kernels take BwdTmaParams and read q and dO through the maps
+    (the other kernels the BwdParams prefix of the same bytes)."""
 
-    def __init__(self, gpu: StandInGpu, window=False, score=None):
+    def __init__(self, gpu: StandInGpu, window=False, score=None, tma=False):
         super().__init__()
-        self.gpu, self.window, self.score = gpu, window, score
+        self.gpu, self.window, self.score, self.tma = gpu, window, score, tma
 
     def __missing__(self, symbol: str) -> _Kernel:
         kind = symbol if symbol in ("pre", "convert") else symbol.split("__")[1]
+        params_type = BwdTmaParams if self.tma and kind.startswith("dkdv") else BwdParams
         kernel = self[symbol] = _Kernel(
-            self.gpu, kind, "__causal" in symbol, window=self.window, score=self.score
+            self.gpu, kind, "__causal" in symbol, params_type, window=self.window, score=self.score
         )
         return kernel
 
@@ -151,6 +154,7 @@ class StandInGpu:
         self._kernels: dict[int, _Kernel] = {}
         self.encodes = 0  # tensor maps the host library had encoded
         self.output_maps = 0  # forward launches that wrote O through its tensor map (configs with tma_store)
+        self.backward_maps = 0  # dK/dV launches that read q and dO through their tensor maps (tma_loads)
         self._callbacks = ()
 
     def register(self, kernel: _Kernel) -> int:
@@ -421,8 +425,9 @@ class StandInGpu:
         else:
             raise AssertionError(f"unknown stand-in kernel {kind}")
 
-    def _backward(self, kernel, p) -> None:
+    def _backward(self, kernel, params) -> None:
         kind = kernel.kind
+        p = getattr(params, "p", params)  # (the BwdParams of a BwdTmaParams)
         x = {
             name: self._bshd(p, getattr(p, name), prefix, *dims)
             for name, prefix, dims in (
@@ -432,6 +437,15 @@ class StandInGpu:
                 ("dk", "dk", (p.seqlen_k, p.heads_kv)), ("dv", "dv", (p.seqlen_k, p.heads_kv)),
             )
         }  # fmt: skip
+        if kernel.params_type is BwdTmaParams:  # q and dO through their maps, which must describe them
+            for name, map_field in (("q", params.q_map), ("dout", params.do_map)):
+                t = _through_map(map_field, self.dtype)
+                assert t.data_ptr() == x[name].data_ptr(), f"{name}'s tensor map and the params disagree"
+                moved = zip(t.shape, t.stride(), x[name].stride(), strict=True)  # (extent-1 strides are free)
+                same = all(a == b for n, a, b in moved if n > 1)
+                assert t.shape == x[name].shape and same, f"{name}'s map's layout"
+                x[name] = t
+            self.backward_maps += 1
         if kernel.window == SEGMENTS:
             self._segments_backward(kernel, p, x)
             return
@@ -585,7 +599,7 @@ def install(monkeypatch, arch: str = "sm_90", dtype: torch.dtype = torch.bfloat1
 
     def backward_kernels(cfg, arch_, window=False, score=None, ranged=False, dropout=False):
         gpu.backward_builds.append((cfg.name(), arch_, window, score, ranged, dropout))
-        return _BackwardKernels(gpu, window, score)
+        return _BackwardKernels(gpu, window, score, cfg.tma_loads)
 
     def prefetch(cfg, arch_, window=False, score=None, ranged=False, dropout=False):
         gpu.prefetched.append((cfg.name(), arch_, window, score, ranged, dropout))

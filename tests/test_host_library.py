@@ -182,7 +182,7 @@ def _program(host_ops, q, k, scale, deterministic, bound_offsets=()):
     names = "pre_kernel\ndkdv_kernel\n" + ("dq_kernel" if deterministic else "convert_kernel")
     template = torch.frombuffer(bytearray(bytes(p)), dtype=torch.uint8)
     program = torch.classes.flash_attention_host.BackwardProgram(
-        template, _OFFSETS, launches, names, stats, accum, PRIMARY, list(bound_offsets)
+        template, _OFFSETS, launches, names, stats, accum, PRIMARY, list(bound_offsets), [], []
     )
     _PROGRAMS.append(program)  # record_training takes its address: the caller keeps it alive (a plan does)
     return program.address()
@@ -320,7 +320,7 @@ def test_a_program_checks_what_it_is_given(host_ops):
     program = torch.classes.flash_attention_host.BackwardProgram
     params = torch.zeros(ctypes.sizeof(BwdParams), dtype=torch.uint8)
     with pytest.raises(RuntimeError, match="offsets"):
-        program(params, _OFFSETS[:-1], [PRE, 1, 1, 1, 128, 0, 0], "pre", 1, 0, PRIMARY, [])
+        program(params, _OFFSETS[:-1], [PRE, 1, 1, 1, 128, 0, 0], "pre", 1, 0, PRIMARY, [], [], [])
     with pytest.raises(RuntimeError, match="outside the params"):
         program(
             params,
@@ -331,11 +331,18 @@ def test_a_program_checks_what_it_is_given(host_ops):
             0,
             1,
             [],
+            [],
+            [],
         )
     with pytest.raises(RuntimeError, match="seven integers"):
-        program(params, _OFFSETS, [PRE, 1, 1], "pre", 1, 0, PRIMARY, [])
+        program(params, _OFFSETS, [PRE, 1, 1], "pre", 1, 0, PRIMARY, [], [], [])
     with pytest.raises(RuntimeError, match="uint8"):
-        program(params.float(), _OFFSETS, [PRE, 1, 1, 1, 128, 0, 0], "pre", 1, 0, PRIMARY, [])
+        program(params.float(), _OFFSETS, [PRE, 1, 1, 1, 128, 0, 0], "pre", 1, 0, PRIMARY, [], [], [])
+    pre = [PRE, 1, 1, 1, 128, 0, 0]
+    with pytest.raises(RuntimeError, match="outside the params"):  # a tensor map past the params' end
+        program(params, _OFFSETS, pre, "pre", 1, 0, PRIMARY, [], [len(params), *[1] * 11] * 2, [0] * 5)
+    with pytest.raises(RuntimeError, match="none, or q's and dO's"):
+        program(params, _OFFSETS, pre, "pre", 1, 0, PRIMARY, [], [0, *[1] * 11], [0] * 5)
     with pytest.raises(RuntimeError, match="null entry point"):
         host_ops.set_driver(0, 1, 1, 1, 0, 0)
 

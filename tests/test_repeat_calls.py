@@ -10,6 +10,7 @@ variable) or the checks must see (arguments of other types, bad input) still tak
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import zlib
 
 import pytest
@@ -800,3 +801,61 @@ def test_persistent_grids_bind_the_counter_after_the_variants_tensors(
     gpu = forced_persistent
     _repeat_with_fresh_tensors(variant, validations)
     assert len(gpu.counters) == 3 and all(gpu.counters), gpu.counters
+
+
+@pytest.mark.parametrize(
+    ("variant", "deterministic"),
+    [
+        ({}, False),
+        ({}, True),
+        ({"window": (20, 0)}, False),
+        ({"window": (20, 0)}, True),
+        ({"packed": True}, False),
+        ({"no_node": True}, False),
+    ],
+    ids=["plain", "plain-deterministic", "window", "window-deterministic", "packed", "python-function"],
+)
+def test_tma_loads_backward_reads_q_and_dout_through_their_maps(gpu, validations, monkeypatch, variant,
+                                                                deterministic):  # fmt: skip
+    # BwdConfig.tma_loads: the dK/dV kernel takes BwdTmaParams, whose q and dO maps each call encodes on its
+    # own addresses: in Python (ops.backward.bind_maps) or in the node (BackwardProgram.put_maps). The
+    # stand-in dK/dV kernel reads q and dO through the maps (checking them against the params), so a map of
+    # a stale address or layout gives wrong gradients. Fresh tensors every step, against float64.
+    if gpu.arch != "sm_90":
+        pytest.skip("the warp-specialized backward is Hopper's")
+    from flash_attention.ops import backward as ops_backward
+
+    real = ops_backward.backward_config
+
+    def with_tma(*args, **kwargs):
+        cfg = real(*args, **kwargs)
+        tma = cfg.warp_specialized and cfg.head_dim <= 128
+        return dataclasses.replace(cfg, tma_loads=True) if tma else cfg
+
+    monkeypatch.setattr(ops_backward, "backward_config", with_tma)
+    if variant.get("no_node"):  # (the Python autograd function's backward: ops.backward.bind_maps)
+        monkeypatch.setattr(host, "ops_or_none", lambda: None)
+    ops.clear_plans()
+    steps = 3
+    for _ in range(steps):
+        if variant.get("packed"):
+            lens = [50, 37, 61]
+            q, k, v, cu = _packed(lens, grad=True)
+            out = fa.attention_varlen(q, k, v, cu, cu, causal=True, deterministic=deterministic)
+            dout = torch.randn_like(out)
+            grads = torch.autograd.grad(out, (q, k, v), dout)
+            for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+                leaves = [t[a:b].detach().double().unsqueeze(0).requires_grad_() for t in (q, k, v)]
+                ref, _ = attention_reference(*leaves, causal=True)
+                exact = torch.autograd.grad(ref, leaves, dout[a:b].double().unsqueeze(0))
+                for name, got, want in zip("qkv", grads, exact, strict=True):
+                    assert (got[a:b].double() - want[0]).abs().max().item() < 5e-2, f"d{name}"
+        else:
+            q, k, v = _inputs(grad=True)
+            kw = dict(causal=True, window=variant.get("window"))
+            out = fa.attention(q, k, v, deterministic=deterministic, **kw)
+            dout = torch.randn_like(out)
+            _check_grads(torch.autograd.grad(out, (q, k, v), dout), q, k, v, dout, **kw)
+    assert not gpu.errors, gpu.errors
+    assert any(name.endswith("_tma") for name, *_ in gpu.backward_builds), gpu.backward_builds
+    assert gpu.backward_maps == steps, gpu.backward_maps

@@ -53,7 +53,9 @@ class BwdConfig:
     deterministic kernel (dQ added in a fixed order by a third warpgroup's writer).
     ``warp_specialized`` (with ``wgmma``, ``num_warps`` 12): its warp-specialized form
     (csrc/kernels/sm90/bwd_ws): a producer warpgroup copies Q/dO into two slots while the two consumer
-    warpgroups compute, and dQ leaves through bulk reduce-adds.
+    warpgroups compute, and dQ leaves through bulk reduce-adds. ``tma_loads`` (warp-specialized, head_dim 64
+    and 128): Q and dO arrive by TMA from tensor maps the call encodes (BwdTmaParams), issued by one producer
+    thread, instead of each producer thread's cp.async rows (kernel log 130).
     """
 
     dtype: str
@@ -65,6 +67,7 @@ class BwdConfig:
     double_buffer: bool = False
     wgmma: bool = False
     warp_specialized: bool = False
+    tma_loads: bool = False
 
     #: Q/dO slots of the warp-specialized kernel's ring (a third does not fit 227 KB at head_dim 64 or 128).
     WS_STAGES = 2
@@ -150,6 +153,7 @@ class BwdConfig:
             + ("_buffer" if self.double_buffer else "")
             + ("_wgmma" if self.wgmma else "")
             + ("_ws" if self.warp_specialized else "")
+            + ("_tma" if self.tma_loads else "")
         )
 
     def __str__(self) -> str:
@@ -235,6 +239,8 @@ def bwd_validity_errors(cfg: BwdConfig) -> list[str]:
         errors.append(f"head_dim must be one of {HEAD_DIMS}")
     if cfg.block_q not in (64, 128):
         errors.append("block_q must be 64 or 128 (the dS tile's swizzle needs rows of 64 elements or more)")
+    if cfg.tma_loads and not (cfg.warp_specialized and cfg.head_dim <= 128):
+        errors.append("tma_loads is the warp-specialized backward's at head_dim 64 and 128")
     if cfg.warp_specialized:
         errors += _ws_shape_errors(cfg)
     elif cfg.wide:
@@ -350,12 +356,21 @@ def bwd_register_roles(cfg: BwdConfig) -> str:
     return ""
 
 
-def hopper_bwd_config(dtype: str, head_dim: int, *, warp_specialized: bool = True) -> BwdConfig:
+#: Whether the Hopper backward's default at head_dim 64 and 128 loads Q and dO by TMA (BwdConfig.tma_loads).
+#: Off until measured against the cp.async producer on a GPU (kernel log 130); either stays selectable by
+#: name (``..._ws`` and ``..._ws_tma``).
+HOPPER_BWD_TMA_LOADS = False
+
+
+def hopper_bwd_config(
+    dtype: str, head_dim: int, *, warp_specialized: bool = True, tma_loads: bool | None = None
+) -> BwdConfig:
     """The Hopper backward's config at head_dim 64 or 128 (its shape is fixed by the kernel: 128 keys per
-    block, 128 query rows per step at head_dim 64 and 64 at 128): the warp-specialized kernel, or with
-    ``warp_specialized=False`` the sm90 wgmma kernel it replaced. At head_dim 256 the warp-specialized wide
-    kernel (64 keys, 64 query rows per step, csrc/kernels/sm90/bwd_wide_ws), or with
-    ``warp_specialized=False`` the wide kernel, which is also head_dim 192's."""
+    block, 128 query rows per step at head_dim 64 and 64 at 128): the warp-specialized kernel (Q and dO by
+    TMA with ``tma_loads``, default HOPPER_BWD_TMA_LOADS), or with ``warp_specialized=False`` the sm90 wgmma
+    kernel it replaced. At head_dim 256 the warp-specialized wide kernel (64 keys, 64 query rows per step,
+    csrc/kernels/sm90/bwd_wide_ws), or with ``warp_specialized=False`` the wide kernel, which is also head_dim
+    192's."""
     if head_dim == 256 and warp_specialized:
         return BwdConfig(dtype, head_dim, 64, 64, 12, 1, True, wgmma=True, warp_specialized=True)
     if head_dim in (192, 256):
@@ -370,6 +385,7 @@ def hopper_bwd_config(dtype: str, head_dim: int, *, warp_specialized: bool = Tru
         True,
         wgmma=True,
         warp_specialized=warp_specialized,
+        tma_loads=warp_specialized and (HOPPER_BWD_TMA_LOADS if tma_loads is None else tma_loads),
     )
 
 
@@ -378,11 +394,12 @@ def parse_bwd_config(text: str | BwdConfig) -> BwdConfig:
     if isinstance(text, BwdConfig):
         return text
     m = re.fullmatch(
-        r"bwd_(fp16|bf16)_d(\d+)_q(\d+)_kv(\d+)_w(\d+)_s(\d+)(_buffer)?(_wgmma)?(_ws)?", str(text)
+        r"bwd_(fp16|bf16)_d(\d+)_q(\d+)_kv(\d+)_w(\d+)_s(\d+)(_buffer)?(_wgmma)?(_ws)?(_tma)?", str(text)
     )
     if not m:
         raise ValueError(f"not a backward config name: {text!r}")
-    dt, d, bq, bkv, w, s, buf, wg, ws = m.groups()
+    dt, d, bq, bkv, w, s, buf, wg, ws, tma = m.groups()
     return BwdConfig(
-        dt, int(d), int(bq), int(bkv), int(w), int(s), buf is not None, wg is not None, ws is not None
-    )
+        dt, int(d), int(bq), int(bkv), int(w), int(s), buf is not None, wg is not None, ws is not None,
+        tma is not None,
+    )  # fmt: skip

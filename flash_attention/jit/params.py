@@ -150,6 +150,19 @@ class BwdParams(ctypes.Structure):
     )
 
 
+class BwdTmaParams(ctypes.Structure):
+    """The twin of ``fa::BwdTmaParams`` (csrc/include/fa/tma_params.h): BwdParams, then the tensor maps of
+    q and dO at the next 64-byte boundary (the warp-specialized backward's with ``tma_loads``; the other
+    backward kernels read the BwdParams prefix of the same bytes)."""
+
+    _fields_ = [
+        ("p", BwdParams),
+        ("_pad", ctypes.c_ubyte * (-ctypes.sizeof(BwdParams) % 64)),
+        ("q_map", ctypes.c_ubyte * TENSOR_MAP_BYTES),
+        ("do_map", ctypes.c_ubyte * TENSOR_MAP_BYTES),
+    ]
+
+
 class DecodeParams(ctypes.Structure):
     """The twin of ``fa::DecodeParams`` (csrc/include/fa/decode_params.h)."""
 

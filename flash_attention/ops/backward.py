@@ -19,11 +19,12 @@ from ..dropout import dropout_key, seed_pair
 from ..jit import cache as jit_cache
 from ..jit import driver
 from ..jit.loader import get_bwd_kernels
-from ..jit.params import BwdParams
+from ..jit.params import BwdParams, BwdTmaParams
 from ..jit.sources import SEGMENTS
 from ..sinks import sinks_gradient_from_delta
 from ..spec import AttentionSpec
 from ..spec.validate import check_window
+from . import tma
 from .device import current_stream, device_arch, dtype_name
 from .plans import (
     Launch,
@@ -63,7 +64,7 @@ class _Plan:
     dq_grid: tuple[int, int, int]
     seqlen_q_pad: int
     index: int
-    template: bytes  # BwdParams with every field but the pointers and the dropout key
+    template: bytes  # BwdParams (BwdTmaParams with tma_loads) with every field but the pointers, key and maps
     stats: int  # floats in each of the workspace's base-2 LSE and delta arrays (batch * heads_q * rows)
     accum: int  # floats of the dQ accumulator (and semaphores) after them (0 with the sm80 dQ kernel)
     dkdv_kind: str  # the dK/dV entry point: "dkdv" or "dkdv_det"
@@ -77,6 +78,9 @@ class _Plan:
     # waits for the kernel before it at its start (jit.sources' backward entry points), so its launch
     # latency overlaps the previous kernel's last blocks.
     programmatic: bool = False
+    # tma_loads: the layouts of q's and dO's tensor maps (boxes of block_q rows); each call encodes them on
+    # its own addresses into BwdTmaParams (bind_maps). None: no maps.
+    maps: tuple[tma.MapLayout, tma.MapLayout] | None = None
 
     @property
     def launches(self) -> tuple[Launch, ...]:
@@ -228,6 +232,11 @@ def _make_plan(q, k, v, o, do, lse, spec: AttentionSpec, config, lengths=None, s
     accum = 0
     if not deterministic or det_ws:
         accum = stats * cfg.head_dim * max(1, lanes) + stats // 64 * 4 * det_ws
+    template, maps = bytes(p), None
+    if cfg.tma_loads:
+        args = BwdTmaParams(p=p)
+        maps = _map_layouts(q, do, cfg, args)
+        template = bytes(args)
     return _Plan(
         cfg,
         kerns["pre"],
@@ -240,13 +249,41 @@ def _make_plan(q, k, v, o, do, lse, spec: AttentionSpec, config, lengths=None, s
         (p.num_m_blocks * cfg.split, heads_q, batch),
         p.seqlen_q_pad,
         index,
-        bytes(p),
+        template,
         stats,
         accum,
         dkdv_kind,
         k_tiles=k_tiles,
         programmatic=programmatic_launches(arch),
+        maps=maps,
     )
+
+
+def _map_layouts(q, do, cfg: BwdConfig, into: BwdTmaParams) -> tuple[tma.MapLayout, tma.MapLayout]:
+    """The tensor map layouts of q and dO (boxes of block_q rows), encoded once on these tensors' own
+    addresses into ``into``'s maps, so a layout the TMA unit refuses is known before anything launches."""
+    layouts = []
+    for name, t, map_field in (("q", q, into.q_map), ("the output gradient", do, into.do_map)):
+        layout = tma.map_layout(t, cfg.block_q)
+        if isinstance(layout, str):
+            raise ValueError(f"config {cfg.name()} loads {name} with TMA, but {layout}; name another config")
+        status = tma.encode_into(map_field, layout, t.data_ptr())
+        if status != 0:
+            raise ValueError(
+                f"config {cfg.name()} loads {name} with TMA, but the driver refuses a tensor map of its "
+                f"layout (shape {tuple(t.shape)}, strides {t.stride()}; status {status}); name another config"
+            )
+        layouts.append(layout)
+    return layouts[0], layouts[1]
+
+
+def bind_maps(plan: _Plan, args: BwdTmaParams, q_ptr: int, do_ptr: int) -> None:
+    """Encode the plan's q and dO maps on these addresses into ``args`` (a plan with tma_loads)."""
+    with driver.primary_current(plan.index):
+        for map_field, layout, ptr in zip((args.q_map, args.do_map), plan.maps, (q_ptr, do_ptr), strict=True):
+            status = tma.encode_into(map_field, layout, ptr)
+            if status != 0:  # the plan encoded this layout once; only an address could differ (kernel_ready
+                driver.check(status, "cuTensorMapEncodeTiled")  # keeps those 16-byte aligned)
 
 
 #: The queries and output gradients (16-bit) that the running dK/dV blocks of one start group read, kept
@@ -365,8 +402,11 @@ def cuda_backward(
     stats, accum = plan.stats, plan.accum
     ws = torch.empty(2 * stats + accum, dtype=torch.float32, device=device)
 
-    p = BwdParams.from_buffer_copy(plan.template)
+    args = (BwdTmaParams if plan.maps is not None else BwdParams).from_buffer_copy(plan.template)
+    p = args.p if plan.maps is not None else args  # (a view: the maps follow in the same bytes)
     p.q, p.k, p.v, p.o, p.dout = (t.data_ptr() for t in (q_, k_, v_, o_, do_))
+    if plan.maps is not None:
+        bind_maps(plan, args, p.q, p.dout)
     p.lse = lse_.data_ptr()
     p.lse_log2 = ws.data_ptr()
     p.delta = ws.data_ptr() + 4 * stats
@@ -387,7 +427,7 @@ def cuda_backward(
             p.k_tiles = key_tiles(segments, plan.k_tiles).data_ptr()
             p.q_units = query_units(segments).data_ptr()
 
-    launch_all(plan.launches, plan.index, p, current_stream(plan.index))
+    launch_all(plan.launches, plan.index, args, current_stream(plan.index))
     if sinks is not None:
         delta = ws[stats : 2 * stats].view(batch, heads_q, p.seqlen_q_pad)
         # (laid out by sequence: read back by packed row)

@@ -26,7 +26,7 @@ import torch
 
 from ..dropout import dropout_key, seed_pair
 from ..jit import driver, host
-from ..jit.params import BwdParams
+from ..jit.params import BwdParams, BwdTmaParams
 from ..spec import AttentionSpec
 from . import backward
 from . import trace as _trace
@@ -65,9 +65,13 @@ def program(plan, bound_fields: tuple[str, ...] = (), alibi_batch_stride: int = 
     # Made once per key and kept with the plan (whose repeat calls hold these addresses).
     fields = launch_fields(plan.launches)
     names = [launch.kernel.name for launch in plan.launches]
-    params = BwdParams.from_buffer_copy(plan.template)
-    params.alibi_batch_stride = alibi_batch_stride
-    template = torch.frombuffer(bytearray(params), dtype=torch.uint8)
+    args = (BwdTmaParams if plan.maps is not None else BwdParams).from_buffer_copy(plan.template)
+    (args.p if plan.maps is not None else args).alibi_batch_stride = alibi_batch_stride
+    template = torch.frombuffer(bytearray(args), dtype=torch.uint8)
+    maps = []  # (tma_loads: q's and dO's map layouts, which the node encodes on each call's addresses)
+    if plan.maps is not None:
+        for name, layout in zip(("q_map", "do_map"), plan.maps, strict=True):
+            maps += [getattr(BwdTmaParams, name).offset, *layout.dims, *layout.strides, *layout.box]
     made = torch.classes.flash_attention_host.BackwardProgram(
         template,
         _OFFSETS,
@@ -77,6 +81,8 @@ def program(plan, bound_fields: tuple[str, ...] = (), alibi_batch_stride: int = 
         plan.accum,
         driver.primary_context(plan.index),
         [getattr(BwdParams, name).offset for name in bound_fields],
+        maps,
+        list(driver.TENSOR_MAP_ENCODE_FLAGS) if maps else [],
     )
     plan.host_program.append((key, made, made.address()))
     return plan.host_program[-1][2]

@@ -32,45 +32,13 @@
 #include <vector>
 
 #include "driver.h"
+#include "tensor_maps.h"
 #include "training_node.h"
 
 namespace flash_attention_host {
 
 // The pointer fields of FwdParams this file writes, in the order of the offsets list Python passes.
 enum ForwardSlot : int { kFwdQ, kFwdK, kFwdV, kFwdO, kFwdLse, kFwdKeyRange, kNumForwardSlots };
-
-// Bytes of a CUtensorMap, which the driver writes to a 64-byte aligned address.
-constexpr size_t kTensorMapBytes = 128;
-
-// Tensor maps encoded for the last few addresses of the tensors they describe: a training loop or a decoder
-// hands the same few addresses back (PyTorch's caching allocator), and an encode costs about as much as the
-// rest of the call. kMaps maps per entry, keyed by their kMaps addresses; the oldest entry goes first.
-template <size_t kMaps>
-struct EncodedMaps {
-  static constexpr size_t kKept = 16;
-  struct Entry {
-    std::array<uint64_t, kMaps> addresses;
-    std::array<uint8_t, kMaps * kTensorMapBytes> maps;
-  };
-  std::vector<Entry> entries;
-  size_t next = 0;
-
-  const Entry* find(const std::array<uint64_t, kMaps>& addresses) const {
-    for (const Entry& e : entries)
-      if (e.addresses == addresses) return &e;
-    return nullptr;
-  }
-  const Entry* add(const Entry& e) {
-    if (entries.size() < kKept) {
-      entries.push_back(e);
-      return &entries.back();
-    }
-    entries[next] = e;
-    const Entry* added = &entries[next];
-    next = (next + 1) % kKept;
-    return added;
-  }
-};
 
 struct ForwardProgram : torch::CustomClassHolder {
   static constexpr uint64_t kMagic = 0x6661737466777264;  // repeat_call's check on the address it is given
@@ -84,15 +52,8 @@ struct ForwardProgram : torch::CustomClassHolder {
   std::vector<int64_t> lse_shape;      // (batch, heads_q, seqlen_q); empty: the call has no LSE
   c10::intrusive_ptr<BackwardProgram> backward;  // training: the node's program; null for inference
 
-  // A TMA kernel's tensor map of q, k, v (and o, for a config with tma_store): where it sits in params and
-  // what it describes (every field but the address, as flash_attention/ops/tma.py's MapLayout).
-  struct MapLayout {
-    int64_t offset;
-    uint64_t dims[4];
-    uint64_t strides[3];
-    uint32_t box[4];
-  };
-  std::vector<MapLayout> maps;  // none, q's, k's and v's, or those and o's
+  // A TMA kernel's tensor maps (tensor_maps.h): none, q's, k's and v's, or those and o's.
+  std::vector<MapLayout> maps;
   int encode_flags[5];          // data type, interleave, swizzle, L2 promotion, out-of-bounds fill
 
   // The maps encoded so far: q's, k's and v's by their address triple, o's apart by its own address (a
@@ -123,15 +84,7 @@ struct ForwardProgram : torch::CustomClassHolder {
     check(map_fields.empty() || map_fields.size() == 36 || map_fields.size() == 48,
           "ForwardProgram: maps must be 12 integers each, three or four");
     check(flags.size() == 5, "ForwardProgram: expected five encode flags");
-    for (size_t m = 0; m < map_fields.size(); m += 12) {
-      MapLayout layout{map_fields[m], {}, {}, {}};
-      check(layout.offset >= 0 && static_cast<size_t>(layout.offset) + kTensorMapBytes <= params.size(),
-            "ForwardProgram: a tensor map outside the params");
-      for (int i = 0; i < 4; ++i) layout.dims[i] = static_cast<uint64_t>(map_fields[m + 1 + i]);
-      for (int i = 0; i < 3; ++i) layout.strides[i] = static_cast<uint64_t>(map_fields[m + 5 + i]);
-      for (int i = 0; i < 4; ++i) layout.box[i] = static_cast<uint32_t>(map_fields[m + 8 + i]);
-      maps.push_back(layout);
-    }
+    maps = maps_from(map_fields, params.size(), "ForwardProgram");
     for (int i = 0; i < 5; ++i) encode_flags[i] = static_cast<int>(flags[i]);
     if (backward_address != 0) {
       check(!lse_shape.empty(), "ForwardProgram: a training program needs the LSE");
@@ -143,19 +96,8 @@ struct ForwardProgram : torch::CustomClassHolder {
     if (offsets[slot] >= 0) std::memcpy(into.data() + offsets[slot], &value, sizeof(value));
   }
 
-  // Encode map `m` of the tensor at `address` into `dst` (kTensorMapBytes).
   void encode(const MapLayout& m, uint64_t address, uint8_t* dst) const {
-    if (g_driver.encode_tiled == nullptr) fail("flash_attention_host: the driver has no cuTensorMapEncodeTiled");
-    alignas(64) uint8_t scratch[kTensorMapBytes];  // the driver writes a map to a 64-byte aligned address
-    static const uint32_t kOnes[4] = {1, 1, 1, 1};  // element strides: every element of a box
-    ContextGuard current(context);  // the encode fails (invalid context) on a thread with none current
-    const int status = g_driver.encode_tiled(scratch, encode_flags[0], 4, reinterpret_cast<void*>(address), m.dims,
-                                             m.strides, m.box, kOnes, encode_flags[1], encode_flags[2],
-                                             encode_flags[3], encode_flags[4]);
-    // The plan encoded this layout once when it was made; only an address could differ, and the caller
-    // checked those are 16-byte aligned.
-    if (status != 0) driver_failed(status, "cuTensorMapEncodeTiled");
-    std::memcpy(dst, scratch, kTensorMapBytes);
+    encode_map(m, encode_flags, context, address, dst);
   }
 
   // Write the tensor maps of q, k, v (and o) at these addresses into `into`, each encoded once per address.

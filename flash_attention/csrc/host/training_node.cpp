@@ -151,6 +151,7 @@ struct AttentionBackward : public torch::autograd::Node {
     program.put(params, kKeyRange, key_range_ ? addr(*key_range_) : 0);
     program.put(params, kDropoutKey, static_cast<uint64_t>(dropout_key_));
     program.put_bound(params, bound_);
+    program.put_maps(params, addr(q), addr(dout));
 
     // PyTorch's current stream on q's device: the engine made it the forward's stream for this node.
     launch_all(program.launches, program.names, program.context, params.data(), current_stream(q.device()));
@@ -260,7 +261,7 @@ void set_driver(int64_t launch, int64_t ctx_get, int64_t ctx_set, int64_t error_
 TORCH_LIBRARY(flash_attention_host, m) {
   m.class_<BackwardProgram>("BackwardProgram")
       .def(torch::init<at::Tensor, std::vector<int64_t>, std::vector<int64_t>, std::string, int64_t, int64_t,
-                       int64_t, std::vector<int64_t>>())
+                       int64_t, std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>>())
       .def("address", [](const c10::intrusive_ptr<BackwardProgram>& self) {
         return static_cast<int64_t>(reinterpret_cast<intptr_t>(self.get()));
       });

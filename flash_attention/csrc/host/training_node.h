@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "driver.h"
+#include "tensor_maps.h"
 
 namespace flash_attention_host {
 
@@ -26,7 +27,7 @@ enum Slot : int {
 struct BackwardProgram : torch::CustomClassHolder {
   static constexpr uint64_t kMagic = 0x666173746e6f6465;  // record_training's check on the address it is given
   uint64_t magic = kMagic;
-  std::vector<uint8_t> params;  // BwdParams, every field but the pointers and the dropout key
+  std::vector<uint8_t> params;  // BwdParams (BwdTmaParams), every field but the pointers, the key and maps
   int64_t offsets[kNumSlots];   // byte offset of each slot in params (-1: not written)
   // The byte offsets of a variant's pointer fields (ALiBi's slopes, a packed batch's runs): each call binds
   // one tensor to each (record_training's `bound`), which the node keeps alive and writes there.
@@ -36,12 +37,18 @@ struct BackwardProgram : torch::CustomClassHolder {
   int64_t stats;                 // floats in each of the workspace's base-2 LSE and delta arrays
   int64_t accum;                 // floats of the atomic dQ accumulator after them (0: deterministic)
   void* context;                 // the device's primary context (the launches' kernels are loaded there)
+  // With tma_loads (BwdTmaParams): q's and dO's tensor maps (tensor_maps.h), encoded per call on its
+  // addresses (each backward's dO is a fresh tensor, so no cache: two encodes, about a microsecond each).
+  std::vector<MapLayout> maps;  // none, or q's and dO's
+  int encode_flags[5] = {0, 0, 0, 0, 0};
 
   // launches: seven integers per launch (driver.h's launches_from);
-  // names: the kernel names joined by newlines.
+  // names: the kernel names joined by newlines; map_fields: 12 integers per map (tensor_maps.h's
+  // maps_from), none or q's and dO's; flags: the five encode constants (with maps).
   BackwardProgram(const at::Tensor& params_bytes, std::vector<int64_t> slot_offsets,
                   std::vector<int64_t> launch_fields, const std::string& kernel_names, int64_t stats_,
-                  int64_t accum_, int64_t context_, std::vector<int64_t> bound_offsets_)
+                  int64_t accum_, int64_t context_, std::vector<int64_t> bound_offsets_,
+                  std::vector<int64_t> map_fields, std::vector<int64_t> flags)
       : stats(stats_), accum(accum_), context(reinterpret_cast<void*>(context_)) {
     params = params_from(params_bytes, "BackwardProgram");
     // The dropout key is a 32-bit field; every other slot an address.
@@ -52,6 +59,17 @@ struct BackwardProgram : torch::CustomClassHolder {
                  "BackwardProgram (bound tensors)", [](int) { return 8; });
     launches = launches_from(launch_fields);
     names = names_from(kernel_names, launches.size());
+    maps = maps_from(map_fields, params.size(), "BackwardProgram");
+    check(maps.empty() || maps.size() == 2, "BackwardProgram: maps are none, or q's and dO's");
+    check(maps.empty() || flags.size() == 5, "BackwardProgram: expected five encode flags");
+    for (size_t i = 0; i < flags.size() && i < 5; ++i) encode_flags[i] = static_cast<int>(flags[i]);
+  }
+
+  // q's and dO's tensor maps at these addresses, into `into` (a program with maps).
+  void put_maps(std::vector<uint8_t>& into, uint64_t q, uint64_t dout) const {
+    if (maps.empty()) return;
+    encode_map(maps[0], encode_flags, context, q, into.data() + maps[0].offset);
+    encode_map(maps[1], encode_flags, context, dout, into.data() + maps[1].offset);
   }
 
   // The program at `address` (a BackwardProgram's `address()`, kept alive by the caller for the call), with a

@@ -225,8 +225,10 @@ def bwd_candidate_space(dtype: str, head_dim: int, arch: str = "sm_80") -> list[
             continue
     extra = [default_bwd_config(dtype, d), default_bwd_config(dtype, d, arch)]
     if is_hopper(arch) and d in (64, 128):
-        # Both Hopper kernels: the warp-specialized default and the sm90 kernel it replaced.
-        extra += [hopper_bwd_config(dtype, d, warp_specialized=ws) for ws in (True, False)]
+        # Both Hopper kernels: the warp-specialized default (its producer's two forms: cp.async rows and TMA
+        # loads) and the sm90 kernel it replaced.
+        extra += [hopper_bwd_config(dtype, d, tma_loads=tma) for tma in (False, True)]
+        extra.append(hopper_bwd_config(dtype, d, warp_specialized=False))
     elif is_hopper(arch) and d in (192, 256):
         extra.append(hopper_bwd_config(dtype, d))  # the wide kernel (the default: already listed)
     for cfg in extra:

@@ -4,6 +4,7 @@
 // layout (FwdTmaParams) and the JIT pins every offset with static_asserts.
 #pragma once
 
+#include "fa/bwd_params.h"
 #include "fa/params.h"
 
 namespace fa {
@@ -25,6 +26,14 @@ struct FwdTmaParams {
   // for the next launch on the stream ([0] the tiles taken, [1] the blocks done taking; the fwd_ws kernel
   // says how); null otherwise.
   int* tile_counter;
+};
+
+// The warp-specialized backward's with TMA loads (BwdConfig.tma_loads): BwdParams, then the tensor maps of
+// q and dO, (head_dim, seqlen_q, heads_q, batch) views in boxes of 64 columns by the query block's rows. The
+// backward's other kernels (preprocessing, dQ's conversion) take BwdParams, the prefix of these bytes.
+struct BwdTmaParams {
+  BwdParams p;
+  TensorMap q_map, do_map;
 };
 
 }  // namespace fa

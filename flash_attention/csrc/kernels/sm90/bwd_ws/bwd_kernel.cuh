@@ -77,8 +77,11 @@
 namespace fa {
 namespace sm90 {
 
-template <class Cfg, class V, bool kDropout = false, bool kDeterministic = false>
-__device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
+// kTma (BwdConfig.tma_loads): Q and dO arrive by TMA (q_map, do_map: BwdTmaParams' maps in the parameter
+// space), issued by the producer's first thread, instead of each producer thread's cp.async rows.
+template <class Cfg, class V, bool kDropout = false, bool kDeterministic = false, bool kTma = false>
+__device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const TensorMap* q_map = nullptr,
+                                                 const TensorMap* do_map = nullptr) {
   using Mask = typename V::Mask;  // the variant (fa/variant.cuh)
   static_assert(ScoreModHasGradient<typename V::ScoreMod>::value,
                 "the backward does not differentiate a score function without its derivative "
@@ -275,12 +278,28 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p) {
       }
       const int head = head_of(it);
       const int q_start = q_start_of(it);
-      const u16* gQ = static_cast<const u16*>(p.q) + q_offset(p, batch, head, q_start);
-      const u16* gdO = static_cast<const u16*>(p.dout) + do_offset(p, batch, head, q_start);
-      load_tile_rolled<BR, D, kLoaders, QTile>(sQ + s * kQ, gQ, p.q_row_stride, p.seqlen_q - q_start,
-                                               p.head_dim, tid);
-      load_tile_rolled<BR, D, kLoaders, QTile>(sdO + s * kQ, gdO, p.do_row_stride, p.seqlen_q - q_start,
-                                               p.head_dim, tid);
+      if constexpr (kTma) {
+        // One thread: the slot's expected bytes first (its own arrival, below, keeps the phase open until
+        // then), then one box per 64-column panel of Q and of dO. Rows past seqlen_q and columns past
+        // head_dim land as zeros, as the copies' zero-fill gives them (the maps' extents).
+        // Why TMA (kernel log 130): the cp.async rows cost the producer about 18 instructions per 16-byte copy
+        // (addresses, the swizzle, the bounds) -- a third of the d128 kernel's instructions.
+        if (tid == 0) {
+          mbar_expect_tx(full(s), 2 * kQ);
+#pragma unroll
+          for (int c = 0; c < D / 64; ++c) {
+            tma_load_4d(sQ + s * kQ + c * BR * 128, q_map, full(s), 64 * c, q_start, head, batch);
+            tma_load_4d(sdO + s * kQ + c * BR * 128, do_map, full(s), 64 * c, q_start, head, batch);
+          }
+        }
+      } else {
+        const u16* gQ = static_cast<const u16*>(p.q) + q_offset(p, batch, head, q_start);
+        const u16* gdO = static_cast<const u16*>(p.dout) + do_offset(p, batch, head, q_start);
+        load_tile_rolled<BR, D, kLoaders, QTile>(sQ + s * kQ, gQ, p.q_row_stride, p.seqlen_q - q_start,
+                                                 p.head_dim, tid);
+        load_tile_rolled<BR, D, kLoaders, QTile>(sdO + s * kQ, gdO, p.do_row_stride, p.seqlen_q - q_start,
+                                                 p.head_dim, tid);
+      }
       // Queued programmatically (fa/grid_dependency.cuh), this kernel may start while the preprocessing
       // kernel still runs: K, V and the first step's Q and dO (the forward's inputs) are already on their
       // way, but the statistics (the base-2 LSE and delta) are that kernel's output, so the first step
