@@ -812,8 +812,9 @@ def test_persistent_grids_bind_the_counter_after_the_variants_tensors(
         ({"window": (20, 0)}, True),
         ({"packed": True}, False),
         ({"no_node": True}, False),
+        ({"d": 256}, False),
     ],
-    ids=["plain", "plain-deterministic", "window", "window-deterministic", "packed", "python-function"],
+    ids=["plain", "plain-det", "window", "window-det", "packed", "python-function", "d256"],
 )
 def test_tma_loads_backward_reads_q_and_dout_through_their_maps(gpu, validations, monkeypatch, variant,
                                                                 deterministic):  # fmt: skip
@@ -829,8 +830,7 @@ def test_tma_loads_backward_reads_q_and_dout_through_their_maps(gpu, validations
 
     def with_tma(*args, **kwargs):
         cfg = real(*args, **kwargs)
-        tma = cfg.warp_specialized and cfg.head_dim <= 128
-        return dataclasses.replace(cfg, tma_loads=True) if tma else cfg
+        return dataclasses.replace(cfg, tma_loads=True) if cfg.warp_specialized else cfg
 
     monkeypatch.setattr(ops_backward, "backward_config", with_tma)
     if variant.get("no_node"):  # (the Python autograd function's backward: ops.backward.bind_maps)
@@ -851,7 +851,7 @@ def test_tma_loads_backward_reads_q_and_dout_through_their_maps(gpu, validations
                 for name, got, want in zip("qkv", grads, exact, strict=True):
                     assert (got[a:b].double() - want[0]).abs().max().item() < 5e-2, f"d{name}"
         else:
-            q, k, v = _inputs(grad=True)
+            q, k, v = _inputs(grad=True, d=variant.get("d", 64))
             kw = dict(causal=True, window=variant.get("window"))
             out = fa.attention(q, k, v, deterministic=deterministic, **kw)
             dout = torch.randn_like(out)

@@ -53,9 +53,9 @@ class BwdConfig:
     deterministic kernel (dQ added in a fixed order by a third warpgroup's writer).
     ``warp_specialized`` (with ``wgmma``, ``num_warps`` 12): its warp-specialized form
     (csrc/kernels/sm90/bwd_ws): a producer warpgroup copies Q/dO into two slots while the two consumer
-    warpgroups compute, and dQ leaves through bulk reduce-adds. ``tma_loads`` (warp-specialized, head_dim 64
-    and 128): Q and dO arrive by TMA from tensor maps the call encodes (BwdTmaParams), issued by one producer
-    thread, instead of each producer thread's cp.async rows (kernel log 130).
+    warpgroups compute, and dQ leaves through bulk reduce-adds. ``tma_loads`` (the warp-specialized kernels,
+    bwd_ws and bwd_wide_ws): Q and dO arrive by TMA from tensor maps the call encodes (BwdTmaParams),
+    issued by one producer thread, instead of each producer thread's cp.async rows (kernel log 130).
     """
 
     dtype: str
@@ -239,8 +239,8 @@ def bwd_validity_errors(cfg: BwdConfig) -> list[str]:
         errors.append(f"head_dim must be one of {HEAD_DIMS}")
     if cfg.block_q not in (64, 128):
         errors.append("block_q must be 64 or 128 (the dS tile's swizzle needs rows of 64 elements or more)")
-    if cfg.tma_loads and not (cfg.warp_specialized and cfg.head_dim <= 128):
-        errors.append("tma_loads is the warp-specialized backward's at head_dim 64 and 128")
+    if cfg.tma_loads and not cfg.warp_specialized:
+        errors.append("tma_loads is the warp-specialized backwards' (bwd_ws, bwd_wide_ws)")
     if cfg.warp_specialized:
         errors += _ws_shape_errors(cfg)
     elif cfg.wide:
@@ -356,7 +356,7 @@ def bwd_register_roles(cfg: BwdConfig) -> str:
     return ""
 
 
-#: Whether the Hopper backward's default at head_dim 64 and 128 loads Q and dO by TMA (BwdConfig.tma_loads).
+#: Whether the Hopper backward's warp-specialized defaults load Q and dO by TMA (BwdConfig.tma_loads).
 #: Off until measured against the cp.async producer on a GPU (kernel log 130); either stays selectable by
 #: name (``..._ws`` and ``..._ws_tma``).
 HOPPER_BWD_TMA_LOADS = False
@@ -371,8 +371,11 @@ def hopper_bwd_config(
     kernel it replaced. At head_dim 256 the warp-specialized wide kernel (64 keys, 64 query rows per step,
     csrc/kernels/sm90/bwd_wide_ws), or with ``warp_specialized=False`` the wide kernel, which is also head_dim
     192's."""
+    tma = warp_specialized and (HOPPER_BWD_TMA_LOADS if tma_loads is None else tma_loads)
     if head_dim == 256 and warp_specialized:
-        return BwdConfig(dtype, head_dim, 64, 64, 12, 1, True, wgmma=True, warp_specialized=True)
+        return BwdConfig(
+            dtype, head_dim, 64, 64, 12, 1, True, wgmma=True, warp_specialized=True, tma_loads=tma
+        )
     if head_dim in (192, 256):
         return BwdConfig(dtype, head_dim, 64, 64, 8, 1, True, wgmma=True)
     return BwdConfig(
@@ -385,7 +388,7 @@ def hopper_bwd_config(
         True,
         wgmma=True,
         warp_specialized=warp_specialized,
-        tma_loads=warp_specialized and (HOPPER_BWD_TMA_LOADS if tma_loads is None else tma_loads),
+        tma_loads=tma,
     )
 
 

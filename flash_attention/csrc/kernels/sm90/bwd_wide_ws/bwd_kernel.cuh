@@ -148,8 +148,10 @@ __device__ __forceinline__ void copy_out_key_rows(u16* dst, i64 row_stride, int 
   }
 }
 
-template <class Cfg, class V, bool kDropout = false, bool kDeterministic = false>
-__device__ __forceinline__ void bwd_wide_ws_dkdv_body(const BwdParams& p) {
+// kTma (BwdConfig.tma_loads): Q and dO by TMA from q_map and do_map, as in csrc/kernels/sm90/bwd_ws.
+template <class Cfg, class V, bool kDropout = false, bool kDeterministic = false, bool kTma = false>
+__device__ __forceinline__ void bwd_wide_ws_dkdv_body(const BwdParams& p, const TensorMap* q_map = nullptr,
+                                                      const TensorMap* do_map = nullptr) {
   using Mask = typename V::Mask;  // the variant (fa/variant.cuh)
   static_assert(ScoreModHasGradient<typename V::ScoreMod>::value,
                 "the backward does not differentiate a score function without its derivative "
@@ -229,12 +231,26 @@ __device__ __forceinline__ void bwd_wide_ws_dkdv_body(const BwdParams& p) {
       }
       const int head = head_of(it);
       const int q_start = q_start_of(it);
-      const u16* gQ = static_cast<const u16*>(p.q) + q_offset(p, batch, head, q_start);
-      const u16* gdO = static_cast<const u16*>(p.dout) + do_offset(p, batch, head, q_start);
-      load_tile_rolled<BR, D, kLoaders, QTile>(sQ + s * Smem::kQ, gQ, p.q_row_stride, p.seqlen_q - q_start,
-                                               p.head_dim, tid);
-      load_tile_rolled<BR, D, kLoaders, QTile>(sdO + s * Smem::kQ, gdO, p.do_row_stride, p.seqlen_q - q_start,
-                                               p.head_dim, tid);
+      if constexpr (kTma) {
+        // (as the bwd_ws kernel's: the slot's bytes expected before its first thread's own arrival below; a
+        // box per 64-column panel, four each at head_dim 256. The slot was released after the copy engine
+        // had read the dQ tiles staged in it, so these writes follow that read.)
+        if (tid == 0) {
+          mbar_expect_tx(full(s), 2 * Smem::kQ);
+#pragma unroll
+          for (int c = 0; c < D / 64; ++c) {
+            tma_load_4d(sQ + s * Smem::kQ + c * BR * 128, q_map, full(s), 64 * c, q_start, head, batch);
+            tma_load_4d(sdO + s * Smem::kQ + c * BR * 128, do_map, full(s), 64 * c, q_start, head, batch);
+          }
+        }
+      } else {
+        const u16* gQ = static_cast<const u16*>(p.q) + q_offset(p, batch, head, q_start);
+        const u16* gdO = static_cast<const u16*>(p.dout) + do_offset(p, batch, head, q_start);
+        load_tile_rolled<BR, D, kLoaders, QTile>(sQ + s * Smem::kQ, gQ, p.q_row_stride, p.seqlen_q - q_start,
+                                                 p.head_dim, tid);
+        load_tile_rolled<BR, D, kLoaders, QTile>(sdO + s * Smem::kQ, gdO, p.do_row_stride,
+                                                 p.seqlen_q - q_start, p.head_dim, tid);
+      }
       // The statistics are the preprocessing kernel's output (programmatic launch: fa/grid_dependency.cuh).
       if (it == 0) grid_dependency_wait();
       // The workspaces are padded to whole 128-row blocks: no bounds check.
