@@ -859,3 +859,26 @@ def test_tma_loads_backward_reads_q_and_dout_through_their_maps(gpu, validations
     assert not gpu.errors, gpu.errors
     assert any(name.endswith("_tma") for name, *_ in gpu.backward_builds), gpu.backward_builds
     assert gpu.backward_maps == steps, gpu.backward_maps
+
+
+def test_tma_loads_fall_back_to_the_copying_producer(gpu, validations, monkeypatch):
+    # A broadcast output gradient (stride 0: out.sum()'s, expanded) has no tensor map; the call runs the same
+    # config with the cp.async producer (BwdParams, no maps) instead of raising.
+    if gpu.arch != "sm_90":
+        pytest.skip("the warp-specialized backward is Hopper's")
+    from flash_attention.ops import backward as ops_backward
+
+    real = ops_backward.backward_config
+    monkeypatch.setattr(
+        ops_backward,
+        "backward_config",
+        lambda *a, **kw: dataclasses.replace(real(*a, **kw), tma_loads=True),
+    )
+    monkeypatch.setattr(host, "ops_or_none", lambda: None)  # (the node copies such a gradient itself)
+    ops.clear_plans()
+    q, k, v = _inputs(grad=True)
+    out = fa.attention(q, k, v, causal=True)
+    dout = torch.randn(out.shape[2], out.shape[3], dtype=out.dtype).expand(out.shape)
+    _check_grads(torch.autograd.grad(out, (q, k, v), dout), q, k, v, dout, causal=True)
+    assert gpu.backward_maps == 0 and not gpu.errors, gpu.errors
+    assert not any(name.endswith("_tma") for name, *_ in gpu.backward_builds[-1:]), gpu.backward_builds

@@ -9,6 +9,7 @@ in a plan.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -159,6 +160,10 @@ def _make_plan(q, k, v, o, do, lse, spec: AttentionSpec, config, lengths=None, s
     causal, deterministic, dropout_p = spec.causal, spec.deterministic, spec.dropout_p
     window, score = mask_bounds(spec, seqlen_q, seqlen_k), spec.score
     cfg, arch, build = _kernels_of(q, k, spec, config, lengths)
+    if cfg.tma_loads and tma.untileable(q, do):
+        # A layout no tensor map describes (a broadcast output gradient, a stride not a multiple of 16
+        # bytes): the same kernel with the cp.async producer, which reads any row stride.
+        cfg = dataclasses.replace(cfg, tma_loads=False)
     windowed = window is not None
     kerns = get_bwd_kernels(cfg, arch, **build.variant)
     dkdv_kind = "dkdv_det" if deterministic else "dkdv"
@@ -235,7 +240,8 @@ def _make_plan(q, k, v, o, do, lse, spec: AttentionSpec, config, lengths=None, s
     template, maps = bytes(p), None
     if cfg.tma_loads:
         args = BwdTmaParams(p=p)
-        maps = _map_layouts(q, do, cfg, args)
+        with driver.primary_current(index):  # (an encode needs a current context)
+            maps = _map_layouts(q, do, cfg, args)
         template = bytes(args)
     return _Plan(
         cfg,
