@@ -24,8 +24,8 @@ __device__ __forceinline__ void cache_append_body(const DecodeParams& p) {
   i64 k_off, v_off;
   if (!positions.offsets(j, k_off, v_off)) return;
   if constexpr (!kPaged) {
-    k_off += (i64)batch * p.k_batch_stride + (i64)cache_start(p, batch) * p.k_row_stride;
-    v_off += (i64)batch * p.v_batch_stride + (i64)cache_start(p, batch) * p.v_row_stride;
+    k_off += (i64)batch * p.k_batch_stride;  // (a row's start is in positions' offsets)
+    v_off += (i64)batch * p.v_batch_stride;
   }
   const int chunks = p.head_dim / 8;
   const u16* kn = static_cast<const u16*>(p.k_new) + (i64)batch * p.kn_batch_stride + (i64)token * p.kn_row_stride;

@@ -144,11 +144,9 @@ struct DecodeKVLoader {
                                             int k_lo_, int k_hi_, int tid)
       : positions(positions_),
         pages(pages_),
-        gK(static_cast<const u16*>(p.k) +
-           (kPaged ? 0 : (i64)batch * p.k_batch_stride + (i64)cache_start(p, batch) * p.k_row_stride) +
+        gK(static_cast<const u16*>(p.k) + (kPaged ? 0 : (i64)batch * p.k_batch_stride) +
            (i64)kv_head * p.k_head_stride),
-        gV(static_cast<const u16*>(p.v) +
-           (kPaged ? 0 : (i64)batch * p.v_batch_stride + (i64)cache_start(p, batch) * p.v_row_stride) +
+        gV(static_cast<const u16*>(p.v) + (kPaged ? 0 : (i64)batch * p.v_batch_stride) +
            (i64)kv_head * p.v_head_stride),
         k_lo(k_lo_),
         k_hi(k_hi_),

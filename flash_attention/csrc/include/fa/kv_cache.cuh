@@ -39,6 +39,10 @@ template <bool kPaged>
 struct CachePositions {
   const int* table;  // the row's block_table entries (paged)
   i64 k_row, v_row;  // strides between positions (within a page)
+  // A contiguous row's first cache row (cache_starts; 0 without them), added to every position here, not to
+  // the loader's K/V base pointers: that form spilled the head_dim-256, 16-row decode kernels (sm_80 36
+  // bytes, sm_90 12), which sit at 254-255 registers; one int here does not.
+  int first;
   i64 k_page, v_page;  // strides between pages (paged) or 0
   int page_size, num_pages;
   int page_shift;  // log2(page_size) when it is a power of two (every size serving engines use), else -1
@@ -51,7 +55,8 @@ struct CachePositions {
         v_page(kPaged ? p.v_batch_stride : 0),
         page_size(p.page_size),
         num_pages(p.num_pages),
-        page_shift(__popc(p.page_size) == 1 ? __ffs(p.page_size) - 1 : -1) {}
+        page_shift(__popc(p.page_size) == 1 ? __ffs(p.page_size) - 1 : -1),
+        first(kPaged ? 0 : cache_start(p, batch)) {}
 
   // Position j's page-table entry and its slot in that page. A shift and a mask for power-of-two page sizes:
   // the general division is a ~20-instruction sequence, paid per row of every tile by the warps that also
@@ -78,8 +83,9 @@ struct CachePositions {
 
   __device__ __forceinline__ bool offsets(int j, i64& k_off, i64& v_off) const {
     if constexpr (!kPaged) {
-      k_off = (i64)j * k_row;
-      v_off = (i64)j * v_row;
+      // (first + j <= capacity, an int: cache_keys bounds a row's keys by the rows after its start)
+      k_off = (i64)(first + j) * k_row;
+      v_off = (i64)(first + j) * v_row;
       return true;
     } else {
       const int entry = entry_of(j);
