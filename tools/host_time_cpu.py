@@ -185,6 +185,35 @@ def measure_decode() -> None:
             print(f"  {name:22s} {median:7.1f} ({low:.1f})")
 
 
+def measure_varlen_decode() -> None:
+    """A decoding step through attention_varlen (8 sequences of one query each against 1k-4k keys, 32/8 x
+    128, causal, as a serving loop packs it: the decode kernels' route, api.few_queries.route_varlen) beside
+    attention_with_kvcache on the same keys laid out as a cache (kernel log 129)."""
+    lengths = [1000, 4000, 2000, 3000, 1500, 2500, 1200, 3800]
+    n = len(lengths)
+    q = torch.randn(n, 32, 128, dtype=torch.bfloat16)
+    k, v = (torch.randn(sum(lengths), 8, 128, dtype=torch.bfloat16) for _ in range(2))
+    cu_q = torch.arange(n + 1, dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    kc, vc = (torch.randn(n, max(lengths), 8, 128, dtype=torch.bfloat16) for _ in range(2))
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    hints = dict(max_seqlen_q=1, max_seqlen_k=max(lengths), causal=True)
+    print(
+        "decoding step, 8 sequences of 1k-4k keys (32/8, 128) causal: host µs per call, median (min) of 7 x "
+        "2000"
+    )
+    with torch.no_grad():
+        for name, fn in (
+            ("attention_varlen", lambda: fa.attention_varlen(q, k, v, cu_q, cu_k, **hints)),
+            (
+                "attention_with_kvcache",
+                lambda: fa.attention_with_kvcache(q[:, None], kc, vc, cache_seqlens=lens),
+            ),
+        ):
+            median, low = host_us(fn)
+            print(f"  {name:22s} {median:7.1f} ({low:.1f})")
+
+
 def measure_packed() -> None:
     """attention_varlen on a packed batch of three sequences (1,024 tokens, 16 x 128, causal), inference and
     a training step (kernel-log step 107)."""
@@ -245,6 +274,7 @@ def main() -> None:
     for shape in [(1, 128, 16, 64, False), (1, 512, 16, 128, True), (4, 1024, 32, 128, True)]:
         measure(*shape, profile=args.profile)
     measure_decode()
+    measure_varlen_decode()
     measure_packed()
     measure_window_sinks()
 

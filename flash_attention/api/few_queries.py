@@ -146,6 +146,34 @@ def _plan_signature(q, k, v, problem, needs_lse: bool, out) -> tuple:
     )  # fmt: skip
 
 
+# attention_varlen's routed signatures: (the checked problem, its plan's key), or False where the cache API
+# refuses the layout. A few hundred bytes each; the oldest goes past _VARLEN_CALLS_KEPT.
+_VARLEN_CALLS: dict[tuple, tuple | bool] = {}
+_VARLEN_CALLS_KEPT = 64
+
+
+def _layout(t: torch.Tensor | None) -> tuple | None:
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+
+
+def _varlen_call(rows, cache_k, cache_v, lens, scale, window, softcap, alibi_slopes, needs_lse, bucket):
+    """(the validated CacheProblem, the decode plan's key) of a routed attention_varlen signature, or False
+    where the cache API refuses its layout."""
+    try:
+        problem = validate_kvcache(
+            rows, cache_k, cache_v, None, None, cache_seqlens=lens, block_table=None, causal=False,
+            softmax_scale=scale, num_splits=0, out=None, window=window, softcap=softcap,
+            alibi_slopes=alibi_slopes,
+        )  # fmt: skip
+    except (TypeError, ValueError):
+        return False
+    key = (
+        "varlen", rows.shape, rows.stride(), rows.dtype, rows.device, cache_k.stride()[1:],
+        cache_v.stride()[1:], dataclasses.replace(problem, capacity=0), needs_lse, bucket,
+    )  # fmt: skip
+    return problem, key
+
+
 def varlen_rows(cu_q, cu_k, seqused_k, total_q: int, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """int32 (total_q,) each packed query row's key count and its sequence's first key row, for
     :func:`route_varlen`: row i of a sequence with n_q queries and n_k keys (``seqused_k``'s, where given)
@@ -214,26 +242,32 @@ def route_varlen(
     rows = q.unsqueeze(1)  # (total_q, 1, heads_q, head_dim): a cache row per packed query row
     cache_k, cache_v = (t.unsqueeze(0).expand(total_q, *t.shape) for t in (k, v))  # (one buffer: stride 0)
     lens, starts = row_tables()
-    try:
-        problem = validate_kvcache(
-            rows, cache_k, cache_v, None, None, cache_seqlens=lens, block_table=None, causal=False,
-            softmax_scale=scale, num_splits=0, out=None, window=window, softcap=softcap,
-            alibi_slopes=alibi_slopes,
-        )  # fmt: skip
-    except (TypeError, ValueError):  # (a layout the cache API refuses: the usual path takes it)
-        return None
     needs_lse = return_lse or sinks is not None  # (the sinks rescale O by the sink-free LSE)
     # The splits are sized for a typical sequence's keys (the hint, else the mean); the plan serves every
     # packed length of its bucket (it fills the buffer's geometry per call), so a decoding loop whose
     # sequences grow plans once per bucket.
-    row_keys = max_seqlen_k or -(-total_k // n_seq)
-    key = (
-        "varlen", rows.shape, rows.stride(), q.dtype, q.device, cache_k.stride()[1:], cache_v.stride()[1:],
-        dataclasses.replace(problem, capacity=0), needs_lse, cache_length_bucket(row_keys),
+    bucket = cache_length_bucket(max_seqlen_k or -(-total_k // n_seq))
+    # The checks' answer and the plan's key depend on the layouts and options only, not on the packed key
+    # count, which grows every step of a decoding loop: kept per signature, so a step pays neither the
+    # checks nor the key (a third of a routed call's host time, tools/host_time_cpu.py).
+    signature = (
+        q.shape, q.stride(), q.dtype, q.device, k.shape[1:], k.stride(), v.shape[1:], v.stride(), v.dtype,
+        causal, scale, window, softcap, _layout(alibi_slopes), needs_lse, bucket,
     )  # fmt: skip
+    known = _VARLEN_CALLS.get(signature)
+    if known is None:
+        known = _varlen_call(
+            rows, cache_k, cache_v, lens, scale, window, softcap, alibi_slopes, needs_lse, bucket
+        )
+        _VARLEN_CALLS[signature] = known
+        if len(_VARLEN_CALLS) > _VARLEN_CALLS_KEPT:
+            _VARLEN_CALLS.pop(next(iter(_VARLEN_CALLS)))
+    if not known:
+        return None  # (a layout the cache API refuses: the usual path takes it)
+    problem, key = known
     plan = dispatch.backend().decode_plan(
         problem, rows, cache_k, cache_v, None, None, lens, None, 0, None, needs_lse, key, starts=True,
-        row_keys=cache_length_bucket(row_keys),
+        row_keys=bucket,
     )  # fmt: skip
     if isinstance(plan, str) or not plan.runnable(cache_k, cache_v):
         return None

@@ -250,7 +250,6 @@ class DecodePlan:
             or self.counters
             or self.lens_copy
             or self.table_copy
-            or self.starts  # (the host library binds no row starts)
             or not self.q_in_place
             or not self.new_in_place
         ):
@@ -260,6 +259,7 @@ class DecodePlan:
             return False
         geometry = _NATIVE_GEOMETRY_SLOTS if self.fills_geometry else ()
         offsets = [getattr(DecodeParams, name).offset for name in _NATIVE_SLOTS]
+        offsets.append(DecodeParams.cache_starts.offset if self.starts else -1)
         offsets += [
             getattr(DecodeParams, name).offset if name in geometry else -1 for name in _NATIVE_GEOMETRY_SLOTS
         ]
@@ -278,7 +278,9 @@ class DecodePlan:
         )
         return lib, program, program.address()
 
-    def repeat(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table) -> tuple | None:
+    def repeat(
+        self, q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_starts=None
+    ) -> tuple | None:
         """A repeat call of this plan's signature straight to the host library: ``(out, lse)``, or None when
         the call must take the plan's whole call (no host library form, a misaligned address)."""
         native = self._native
@@ -286,7 +288,7 @@ class DecodePlan:
             return None
         lib, _, address = native
         lens, length = (None, cache_seqlens) if isinstance(cache_seqlens, int) else (cache_seqlens, 0)
-        result = lib.decode_call(q, k_cache, v_cache, k, v, lens, length, block_table, address)
+        result = lib.decode_call(q, k_cache, v_cache, k, v, lens, length, block_table, address, cache_starts)
         if not result:
             return None
         return result[0], (result[1] if len(result) == 2 else None)
@@ -318,7 +320,7 @@ class DecodePlan:
         if self._native is None:
             self._native = self._make_native()
         if out is None:  # (every call without an out= passes through repeat once: the GPU tests count on it)
-            result = self.repeat(q, k_cache, v_cache, k, v, cache_seqlens, block_table)
+            result = self.repeat(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_starts)
             if result is not None:
                 return result
         problem = self.problem
@@ -385,6 +387,8 @@ class DecodePlan:
 
 # The DecodeParams fields the host library writes, in the order of decode_call.cpp's DecodeSlot enum: the
 # pointers, a contiguous cache's geometry, then the one length of every row (cache_seqlen).
+# decode_call.cpp's DecodeSlot order: these pointers, then the row starts' (-1 without them), then the
+# geometry's, then the one length's (_make_native's offsets list).
 _NATIVE_SLOTS = (
     "q", "k", "v", "k_new", "v_new", "o", "lse", "o_partial", "lse_partial", "cache_seqlens", "block_table",
 )  # fmt: skip

@@ -7,11 +7,13 @@
 // arguments, after a context query) are the largest part on a GPU host.
 //
 //   flash_attention_host::decode_call(q, k_cache, v_cache, k?, v?, cache_seqlens?, cache_seqlen, block_table?,
-//                                     program) -> [out, lse] | [out] | []
+//                                     program, cache_starts?) -> [out, lse] | [out] | []
 //
 // cache_seqlens None: every row's length is the int cache_seqlen, passed to the kernels by value. A
 // contiguous cache's plan serves every cache length of its bucket (ops/decode.py), so its geometry (the
-// capacity and the K/V strides) is written per call from k_cache and v_cache.
+// capacity and the K/V strides) is written per call from k_cache and v_cache. cache_starts: each row's
+// first cache row (int32, batch), for a program made with row starts (attention_varlen's decoding steps,
+// whose rows all read one packed buffer: a batch stride of 0).
 //
 // The program (DecodeProgram) is made in Python once per plan (flash_attention/ops/decode.py) from the
 // plan's params bytes, the byte offsets of the pointer fields and its launches. It covers the plans whose
@@ -34,11 +36,12 @@
 namespace flash_attention_host {
 
 // The fields of DecodeParams this file writes, in the order of the offsets list Python passes: the
-// pointers, then the contiguous cache's geometry (64-bit strides, then the 32-bit capacity; -1 for a paged
-// plan, whose geometry is its signature's), then the 32-bit one length of every row.
+// pointers (the row starts -1 for a plan without them), then the contiguous cache's geometry (64-bit
+// strides, then the 32-bit capacity; -1 for a paged plan, whose geometry is its signature's), then the
+// 32-bit one length of every row.
 enum DecodeSlot : int {
   kDecQ, kDecK, kDecV, kDecKNew, kDecVNew, kDecO, kDecLse, kDecOPartial, kDecLsePartial, kDecCacheSeqlens,
-  kDecBlockTable, kDecKBatchStride, kDecKRowStride, kDecKHeadStride, kDecVBatchStride, kDecVRowStride,
+  kDecBlockTable, kDecCacheStarts, kDecKBatchStride, kDecKRowStride, kDecKHeadStride, kDecVBatchStride, kDecVRowStride,
   kDecVHeadStride, kDecCapacity, kDecCacheSeqlen, kNumDecodeSlots
 };
 
@@ -81,6 +84,7 @@ struct DecodeProgram : torch::CustomClassHolder {
     if (offsets[slot] >= 0) std::memcpy(into.data() + offsets[slot], &value, sizeof(value));
   }
   bool fills_geometry() const { return offsets[kDecCapacity] >= 0; }
+  bool has_starts() const { return offsets[kDecCacheStarts] >= 0; }
 
   static DecodeProgram& at_address(int64_t address) {
     auto* raw = reinterpret_cast<DecodeProgram*>(address);
@@ -93,22 +97,34 @@ struct DecodeProgram : torch::CustomClassHolder {
 std::vector<at::Tensor> decode_call(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                     const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
                                     const std::optional<at::Tensor>& cache_seqlens, int64_t cache_seqlen,
-                                    const std::optional<at::Tensor>& block_table, int64_t program_address) {
+                                    const std::optional<at::Tensor>& block_table, int64_t program_address,
+                                    const std::optional<at::Tensor>& cache_starts) {
   const DecodeProgram& program = DecodeProgram::at_address(program_address);
+  check(cache_starts.has_value() == program.has_starts(),
+        "decode_call: row starts are given exactly to a program made with them");
   // The kernels read q and the new tokens and write the caches 16 bytes at a time; the lengths and the page
   // table are int32 read element by element (their layouts are the plan's).
   if (!kernel_readable(q) || !kernel_readable(k_cache) || !kernel_readable(v_cache)) return {};
   if ((k && !kernel_readable(*k)) || (v && !kernel_readable(*v))) return {};
   // A contiguous cache's strides are this call's: the kernels read rows 16 bytes at a time, so each stride
   // must be a multiple of 8 elements with the last 1 (Python's signature admitted only such caches to the
-  // plan; checked again here because a wrong stride would read outside the cache).
+  // plan; checked again here because a wrong stride would read outside the cache). A zero stride is a
+  // broadcast the kernels would read as one row over and over, except the batch stride of a program with
+  // row starts: there every batch row is one view of the same buffer, placed by its start.
   if (program.fills_geometry()) {
     for (const at::Tensor* t : {&k_cache, &v_cache}) {
       if (t->dim() != 4 || t->stride(3) != 1) return {};
-      for (int d = 0; d < 3; ++d)
-        if (t->stride(d) % 8 != 0 || (t->stride(d) == 0 && t->size(d) > 1)) return {};
+      for (int d = 0; d < 3; ++d) {
+        const bool shared = d == 0 && program.has_starts();
+        if (t->stride(d) % 8 != 0 || (t->stride(d) == 0 && t->size(d) > 1 && !shared)) return {};
+      }
     }
   }
+  // The starts as the kernels read them: int32, adjacent, one per batch row (varlen_rows makes them so;
+  // anything else takes Python's path).
+  if (cache_starts && (cache_starts->scalar_type() != at::kInt || !cache_starts->is_contiguous() ||
+                       cache_starts->numel() != q.size(0) || cache_starts->device() != q.device()))
+    return {};
   at::Tensor out = at::empty_like(q, q.options(), at::MemoryFormat::Contiguous);
   at::Tensor lse;
   if (!program.lse_shape.empty()) lse = at::empty(program.lse_shape, q.options().dtype(at::kFloat));
@@ -139,6 +155,7 @@ std::vector<at::Tensor> decode_call(const at::Tensor& q, const at::Tensor& k_cac
     program.put32(params, kDecCapacity, static_cast<int32_t>(k_cache.size(1)));
   }
   program.put(params, kDecBlockTable, block_table ? address_of(*block_table) : 0);
+  program.put(params, kDecCacheStarts, cache_starts ? address_of(*cache_starts) : 0);
   launch_all(program.launches, program.names, program.context, params.data(), current_stream(q.device()));
   if (lse.defined()) return {out, lse};
   return {out};
@@ -151,7 +168,11 @@ TORCH_LIBRARY_FRAGMENT(flash_attention_host, m) {
       .def("address", [](const c10::intrusive_ptr<DecodeProgram>& self) {
         return static_cast<int64_t>(reinterpret_cast<intptr_t>(self.get()));
       });
-  m.def("decode_call", &decode_call);
+  // (The schema spelled out for its default: calls without row starts pass nine arguments.)
+  m.def(
+      "decode_call(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k, Tensor? v, Tensor? cache_seqlens, "
+      "int cache_seqlen, Tensor? block_table, int program_address, Tensor? cache_starts=None) -> Tensor[]",
+      &decode_call);
 }
 
 }  // namespace flash_attention_host
