@@ -11,7 +11,7 @@ import flash_attention as fa
 from flash_attention.configs import hopper_bwd_config, portable_config
 from flash_attention.fallback.reference import attention_reference
 from flash_attention.jit import cache, sources
-from flash_attention.spec import ALIBI_ORIGINS, ScoreSpec
+from flash_attention.spec import ALIBI_ORIGINS, ScoreSpec, score_builds, score_functions
 from flash_attention.spec.validate import score_spec
 
 
@@ -95,12 +95,12 @@ def test_score_specs_name_every_build_once():
     # spec.ScoreSpec.build is the one place a build's score function is named: every form of a call's score
     # function is a build the kernels have, and no two forms share one.
     specs = [ScoreSpec()] + [
-        ScoreSpec(softcap, alibi=True, alibi_origin=origin, alibi_rows=rows)
+        ScoreSpec.of(softcap=softcap, alibi=True, alibi_origin=origin, alibi_rows=rows)
         for softcap in (0.0, 30.0)
         for origin in ALIBI_ORIGINS
         for rows in (False, True)
     ]
-    specs.append(ScoreSpec(30.0))
+    specs.append(ScoreSpec.of(softcap=30.0))
     builds = [s.build for s in specs]
     assert builds[0] is None and len(set(builds)) == len(specs)
     assert set(builds[1:]) == set(sources.SCORE_MODS)
@@ -116,8 +116,63 @@ def test_score_spec_of_a_packed_batch_measures_alibi_from_its_runs_or_table(caus
     runs = (torch.zeros(12, 2, dtype=torch.int32), torch.zeros(12, 2, dtype=torch.int32))
     table = (*runs, torch.zeros(12, dtype=torch.int32))
     heads, rows = torch.ones(2), torch.ones(12, 2)
-    assert score_spec(0.5, None, q, runs, causal) == ScoreSpec(0.5)
+    assert score_spec(0.5, None, q, runs, causal) == ScoreSpec.of(softcap=0.5)
     assert score_spec(0.0, heads, q).build == "alibi"
     assert score_spec(0.0, heads, q, runs, causal).build == ("alibi_runs" if causal else "alibi")
     assert score_spec(0.5, heads, q, table, causal).build == "softcap_alibi_table"
     assert score_spec(0.0, rows, q, runs, causal).build == ("alibi_runs_rows" if causal else "alibi_rows")
+
+
+def _toy(monkeypatch):
+    """A test-only scalar score function, "tilt" (s -> s + value * s^2 / 8: smooth, its own slope), in the
+    table after soft-capping: what registering a new one through spec.score_functions looks like."""
+    tilt = score_functions.ScoreFunction(
+        "tilt", "Tilt", lambda s, b: s + b * s * s / 8, lambda out, b: None, "a test's toy"
+    )
+    monkeypatch.setitem(score_functions.SCORE_FUNCTIONS, "tilt", tilt)
+    return tilt
+
+
+def test_a_registered_score_function_names_its_builds_policies_and_features(monkeypatch):
+    _toy(monkeypatch)
+    spec = ScoreSpec.of(tilt=0.5, softcap=30.0, alibi=True, alibi_origin="runs")
+    assert spec.values == (("softcap", 30.0), ("tilt", 0.5))  # the table's order, not the call's
+    assert (spec.build, spec.policy) == ("softcap_tilt_alibi_runs", "fa::SoftcapTiltAlibiRuns")
+    assert spec.features == {"softcap": True, "tilt": True, "alibi": True}
+    assert ScoreSpec.of(tilt=0.0) == ScoreSpec()  # 0: off, the plain build
+    builds = score_builds()
+    assert builds["tilt"] == "fa::Tilt" and builds["tilt_alibi_table_rows"] == "fa::TiltAlibiTableRows"
+    # every subset of the scalar functions with every form of ALiBi, once: (2^2 subsets) x (1 + 6) - 1
+    assert len(builds) == 4 * 7 - 1 and set(sources.SCORE_MODS) < set(builds)
+
+
+def test_score_values_are_checked_by_name():
+    with pytest.raises(TypeError, match="no score function named \\['cap'\\]"):
+        ScoreSpec.of(cap=1.0)
+    with pytest.raises(ValueError, match="softcap must be >= 0"):
+        score_functions.values_of(softcap=-1.0)
+    with pytest.raises(ValueError, match="once each, in that order"):
+        ScoreSpec((("softcap", 0.0),))  # (a zero is "off": not a function the build applies)
+    with pytest.raises(TypeError, match="softcap must be a float"):
+        score_functions.check_value("softcap", True)
+    with pytest.raises(ValueError, match="softcap must be a finite number"):
+        score_functions.check_value("softcap", float("inf"))
+
+
+def test_the_chains_slope_is_its_derivative(monkeypatch):
+    # The chunked backward's chain rule (fallback.reference) multiplies dP's gradient by this slope: against
+    # autograd's derivative of the same chain, with soft-capping alone and with the toy after it.
+    tilt = _toy(monkeypatch)
+    monkeypatch.setitem(
+        score_functions.SCORE_FUNCTIONS,
+        "tilt",
+        score_functions.ScoreFunction(
+            "tilt", "Tilt", tilt.apply, lambda out, b: (1 + b * out / 2).clamp(min=0).sqrt(), tilt.doc
+        ),
+    )  # (s + b s^2 / 8 has slope 1 + b s / 4 = sqrt(1 + b out / 2) where s > -4 / b: the scores below are)
+    s = (torch.rand(64, dtype=torch.float64) * 6 - 3).requires_grad_()
+    for values in ((("softcap", 2.5),), (("softcap", 2.5), ("tilt", 0.3))):
+        out, slope = score_functions.apply_scores_with_slope(s, values)
+        (exact,) = torch.autograd.grad(out.sum(), s)
+        torch.testing.assert_close(slope, exact, rtol=1e-12, atol=1e-12)
+        assert torch.equal(out, score_functions.apply_scores(s, values))

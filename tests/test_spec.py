@@ -50,7 +50,7 @@ def test_op_options_make_the_spec_the_fallback_takes(ranged, alibi, sinks, segme
         ranged=ranged, alibi=alibi, sinks=sinks, segments=segments
     )
     assert spec == AttentionSpec(
-        True, 0.3, (7, -1), ScoreSpec(12.5, alibi=alibi), ranged, 0.25, True, sinks, segments
+        True, 0.3, (7, -1), ScoreSpec.of(softcap=12.5, alibi=alibi), ranged, 0.25, True, sinks, segments
     )
     assert spec.score.build == ("softcap_alibi" if alibi else "softcap")
 
@@ -65,7 +65,7 @@ def test_kv_cache_problem_spec_carries_its_options():
         True,
         0.125,
         (255, -1),
-        ScoreSpec(30.0, alibi=True),
+        ScoreSpec.of(softcap=30.0, alibi=True),
     )
     assert not (spec.ranged or spec.dropout_p or spec.deterministic or spec.sinks or spec.segments)
 
@@ -84,7 +84,7 @@ def test_kernel_build_is_derived_from_the_spec_alone():
     windowed = AttentionSpec(True, 0.1, window=(16, 0))
     assert kernel_build(windowed, 100, 100) == KernelBuild(False, False, False, True, None)
     assert kernel_build(windowed, 8, 8) == KernelBuild(True, False, False, False, None)  # (16 >= 8 + 8)
-    packed = AttentionSpec(True, 0.1, score=ScoreSpec(5.0), ranged=True, dropout_p=0.1, segments=2)
+    packed = AttentionSpec(True, 0.1, score=ScoreSpec.of(softcap=5.0), ranged=True, dropout_p=0.1, segments=2)
     assert kernel_build(packed, 100, 100) == KernelBuild(False, True, True, SEGMENTS, "softcap")
     assert kernel_build(packed, 100, 100).variant == dict(
         ranged=True, dropout=True, window=SEGMENTS, score="softcap"
@@ -105,6 +105,6 @@ def test_every_score_build_names_a_policy_the_kernels_declare():
     assert len(SCORE_MODS) == 13
     for build, policy in SCORE_MODS.items():
         assert policy.startswith("fa::") and policy[4:] in declared, (build, policy)
-    spec = ScoreSpec(30.0, alibi=True, alibi_origin="runs", alibi_rows=True)
+    spec = ScoreSpec.of(softcap=30.0, alibi=True, alibi_origin="runs", alibi_rows=True)
     assert (spec.build, spec.policy) == ("softcap_alibi_runs_rows", "fa::SoftcapAlibiRunsRows")
     assert (ScoreSpec().build, ScoreSpec().policy) == (None, None)

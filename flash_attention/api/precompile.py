@@ -129,7 +129,7 @@ def jobs_for_calls(
 
     group = heads_q // heads_kv
     dtype_name = KERNEL_DTYPES[dtype]
-    base = ScoreSpec(float(softcap), alibi=bool(alibi))
+    base = ScoreSpec.of(softcap=float(softcap), alibi=bool(alibi))
     jobs: list[KernelJob] = []
     for d in head_dims:
         for is_causal in (False, True) if causal is None else (causal,):

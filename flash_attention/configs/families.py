@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from ..spec import SCORE_FEATURES
 from .backward import BwdConfig
 from .forward import KernelConfig
 
@@ -21,9 +22,10 @@ __all__ = ["FEATURES", "is_wgmma", "supports", "unsupported"]
 #: dropout; deterministic: a backward without atomics; trace: the debug build (fa/trace.cuh);
 #: negative_scale: a softmax scale below zero (the folded exp2 softmax assumes a positive one);
 #: untileable: a q/k/v layout a TMA tensor map cannot describe (e.g. a zero stride from ``expand``);
-#: window: a sliding window (fa/variant.cuh, WindowMask); softcap, alibi: those score functions
-#: (fa/variant.cuh, Softcap and Alibi); segments: per-row key runs of a packed batch (varlen; fa/variant.cuh,
-#: SegmentMask).
+#: window: a sliding window (fa/variant.cuh, WindowMask); the score functions, one feature each
+#: (spec.SCORE_FEATURES: each scalar function of spec.score_functions, then alibi; fa/variant.cuh's
+#: policies);
+#: segments: per-row key runs of a packed batch (varlen; fa/variant.cuh, SegmentMask).
 FEATURES = (
     "causal",
     "key_range",
@@ -33,11 +35,11 @@ FEATURES = (
     "negative_scale",
     "untileable",
     "window",
-    "softcap",
-    "alibi",
+    *SCORE_FEATURES,
     "segments",
 )
-_SCORES = frozenset({"softcap", "alibi"})
+# (Every family that takes a score function takes them all: a policy composes with any mask and kernel.)
+_SCORES = frozenset(SCORE_FEATURES)
 
 _SUPPORTED = {
     # (backward?, kind) -> features

@@ -22,6 +22,7 @@ import math
 import torch
 
 from ..dropout import dropout_key, dropout_threshold, keep_elements, seed_pair
+from ..spec.score_functions import apply_scores, apply_scores_with_slope, values_of
 
 __all__ = [
     "alibi_bias",
@@ -93,10 +94,12 @@ def _rows_allowed(
 def _score_args(
     softcap: float, alibi_slopes, batch: int, heads_q: int, cdtype, alibi_diagonal=None
 ) -> tuple | None:
-    """(cap or 0, ALiBi slopes in ``cdtype`` or None, the rows' ALiBi diagonals or None, whether the slopes
-    are per query row) of a call with a score function, else None. The slopes are (batch, heads_q), or (a
-    packed batch, batch 1) a (seqlen_q, heads_q) table of more than one row: a slope per query row."""
-    if not softcap and alibi_slopes is None:
+    """(the active scalar functions as spec.score_functions.values_of gives them, ALiBi slopes in ``cdtype``
+    or None, the rows' ALiBi diagonals or None, whether the slopes are per query row) of a call with a score
+    function, else None. The slopes are (batch, heads_q), or (a packed batch, batch 1) a (seqlen_q, heads_q)
+    table of more than one row: a slope per query row."""
+    values = values_of(softcap=softcap)
+    if not values and alibi_slopes is None:
         return None
     slopes = None
     per_row = False
@@ -104,19 +107,18 @@ def _score_args(
         slopes = alibi_slopes.to(cdtype)
         slopes = slopes.unsqueeze(0).expand(batch, -1) if slopes.dim() == 1 else slopes
         per_row = slopes.shape[0] != batch  # (checked by the callers: then batch 1, one per query row)
-    return float(softcap), slopes, alibi_diagonal, per_row
+    return values, slopes, alibi_diagonal, per_row
 
 
 def _apply_score(
     s: torch.Tensor, score: tuple | None, bounds: tuple, group: int, seqlen_q: int
 ) -> torch.Tensor:
     """The score functions on a chunk's scaled scores ``s`` (b, h_kv, group, rows, seqlen_k), out of place:
-    soft-capping, then ALiBi's bias (:func:`attention_reference`'s order)."""
+    the scalar functions (soft-capping), then ALiBi's bias (:func:`attention_reference`'s order)."""
     if score is None:
         return s
-    cap, slopes, diagonal, per_row = score
-    if cap:
-        s = torch.tanh(s / cap) * cap
+    values, slopes, diagonal, per_row = score
+    s = apply_scores(s, values)
     if slopes is None:
         return s
     b0, b1, h0, h1, i0, i1 = bounds
@@ -247,8 +249,7 @@ def attention_reference(
     vf = v.to(compute_dtype).repeat_interleave(group, dim=2)
 
     scores = torch.einsum("bqhd,bkhd->bhqk", qf, kf) * scale
-    if softcap > 0:
-        scores = softcap * torch.tanh(scores / softcap)
+    scores = apply_scores(scores, values_of(softcap=softcap))  # (spec.score_functions' math)
     if alibi_slopes is not None:
         scores = scores + alibi_bias(alibi_slopes, batch, seqlen_q, seqlen_k, compute_dtype)
     if causal:
@@ -674,14 +675,14 @@ def _backward_chunk(
     row_lse = torch.where(torch.isneginf(row_lse), torch.full_like(row_lse, float("inf")), row_lse)
 
     s = torch.matmul(qc, kc.transpose(-1, -2)).mul_(scale)  # scale before masking, as in the forward
-    grad = None  # the score function's derivative (1 - (capped / cap)^2; ALiBi's is 1), before the mask
+    grad = None  # the scalar functions' derivative (soft-capping's 1 - (capped / cap)^2; ALiBi's is 1)
     if score is not None:
-        cap, slopes, diagonal, per_row = score
+        values, slopes, diagonal, per_row = score
         view = s.view(nb, nh, group, rows, seqlen_k)
-        if cap:
-            view = _apply_score(view, (cap, None, None, False), bounds, group, seqlen_q)
-            grad = (1 - (view / cap) ** 2).reshape(s.shape)
-        s = _apply_score(view, (0.0, slopes, diagonal, per_row), bounds, group, seqlen_q).reshape(s.shape)
+        if values:
+            view, grad = apply_scores_with_slope(view, values)
+            grad = grad.reshape(s.shape)
+        s = _apply_score(view, ((), slopes, diagonal, per_row), bounds, group, seqlen_q).reshape(s.shape)
     masked = s.view(nb, nh, group, rows, seqlen_k)
     allowed = _rows_allowed(i0, i1, seqlen_q, seqlen_k, causal, window, q.device)
     if allowed is not None:

@@ -74,11 +74,12 @@ def variant_type(causal: bool, ranged: bool, window: bool | str = False, score: 
 
 
 #: The score functions a build can take (csrc/include/fa/variant.cuh): name -> C++ policy, both made from a
-#: spec.ScoreSpec's features (spec.score_builds). "softcap_alibi" caps the score, then adds ALiBi's bias;
-#: "..._runs" measures ALiBi from each query row's run end (a packed batch of causal sequences), "..._table"
-#: from each row's entry of a table of diagonals (a packed batch without causal whose query and key counts
-#: differ); all segments builds only. A "_rows" suffix reads a slope per query row (a packed batch whose
-#: sequences have slopes of their own; "alibi_rows": the packed row's own index, as "alibi" on segments).
+#: spec.ScoreSpec's features (spec.score_builds): the scalar functions of spec.score_functions joined in
+#: that table's order, then "alibi" (its bias added after them); "..._runs" measures ALiBi from each query
+#: row's run end (a packed batch of causal sequences), "..._table" from each row's entry of a table of
+#: diagonals (a packed batch without causal whose query and key counts differ); all segments builds only.
+#: A "_rows" suffix reads a slope per query row (a packed batch whose sequences have slopes of their own;
+#: "alibi_rows": the packed row's own index, as "alibi" on segments).
 SCORE_MODS = score_builds()
 
 
@@ -92,7 +93,7 @@ def variant_name(
     trace: bool, ranged: bool, dropout: bool = False, window: bool | str = False, score: str | None = None
 ) -> str:
     """The instantiation's suffix: "" (normal), "trace", or the build's features joined by "__" in the order
-    "window", the score function ("softcap", "alibi"), "ranged", "dropout"."""
+    "window", the score function (spec.ScoreSpec.build), "ranged", "dropout"."""
     if trace and (ranged or dropout or window or score):
         raise ValueError(
             "the debug (trace) build has no key-range, dropout, window or score-function variant"

@@ -8,7 +8,8 @@ checks of the public functions (``spec.validate``), and read whole below; the bu
 function (``jit.sources.SCORE_MODS``: the C++ policy it instantiates) comes from :attr:`ScoreSpec.build`
 and from nowhere else, and no layer reads a feature back out of that name.
 
-This module imports nothing of the package, so every layer may read it.
+This module imports nothing of the package but its table of score functions (spec.score_functions), so every
+layer may read it.
 """
 
 from __future__ import annotations
@@ -16,9 +17,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
+from .score_functions import SCORE_FUNCTIONS, values_of
+
 __all__ = [
     "ALIBI_ORIGINS",
     "NO_SCORE",
+    "SCORE_FEATURES",
     "AttentionSpec",
     "OpOptions",
     "ScoreSpec",
@@ -36,27 +40,52 @@ ALIBI_ORIGINS = ("diagonal", "runs", "table")
 
 @dataclass(frozen=True)
 class ScoreSpec:
-    """The score function of a call: ``softcap`` > 0 caps the scaled score, ``softcap * tanh(s /
-    softcap)``; ``alibi`` adds ALiBi's ``-slope * distance`` to it (after the cap), the distance measured
-    from ``alibi_origin`` (:data:`ALIBI_ORIGINS`), with a slope per (batch row or) head, or per query row
-    with ``alibi_rows`` (a packed batch whose sequences have slopes of their own). The slopes themselves
-    are a tensor bound per call. ``ScoreSpec()`` is the identity."""
+    """The score function of a call: ``values``, the active scalar functions of
+    :data:`~flash_attention.spec.score_functions.SCORE_FUNCTIONS` and their numbers, in that table's order
+    (soft-capping: ``(("softcap", 30.0),)`` caps the scaled score, ``softcap * tanh(s / softcap)``), then
+    ``alibi``, ALiBi's ``-slope * distance`` added to it, the distance measured from ``alibi_origin``
+    (:data:`ALIBI_ORIGINS`), with a slope per (batch row or) head, or per query row with ``alibi_rows`` (a
+    packed batch whose sequences have slopes of their own). The slopes themselves are a tensor bound per
+    call. ``ScoreSpec()`` is the identity; :meth:`of` builds one from keywords."""
 
-    softcap: float = 0.0
+    values: tuple[tuple[str, float], ...] = ()
     alibi: bool = False
     alibi_origin: str = "diagonal"
     alibi_rows: bool = False
 
     def __post_init__(self) -> None:
+        names = [name for name, _ in self.values]
+        order = [name for name in SCORE_FUNCTIONS if name in names]
+        if names != order or any(not value for _, value in self.values):
+            raise ValueError(
+                f"values must name functions of {tuple(SCORE_FUNCTIONS)} once each, in that order, with "
+                f"values other than 0 (use ScoreSpec.of); got {self.values!r}"
+            )
         if self.alibi_origin not in ALIBI_ORIGINS:
             raise ValueError(f"alibi_origin must be one of {ALIBI_ORIGINS}; got {self.alibi_origin!r}")
         if not self.alibi and (self.alibi_origin != "diagonal" or self.alibi_rows):
             raise ValueError("alibi_origin and alibi_rows describe ALiBi: they need alibi=True")
 
+    @classmethod
+    def of(
+        cls, *, alibi: bool = False, alibi_origin: str = "diagonal", alibi_rows: bool = False, **values: float
+    ) -> ScoreSpec:
+        """The spec of the scalar functions given by name (``softcap=30.0``; 0: off) and ALiBi's form."""
+        return cls(values_of(**values), alibi, alibi_origin, alibi_rows)
+
+    def value(self, name: str) -> float:
+        """The number of the scalar function ``name`` (0: off)."""
+        return dict(self.values).get(name, 0.0)
+
+    @property
+    def softcap(self) -> float:
+        """Soft-capping's value (0: none): what the params structs' ``softcap`` field holds."""
+        return self.value("softcap")
+
     def _parts(self) -> list[str]:
-        # The features in the order "softcap", "alibi", the origin ("runs", "table"; none for the diagonal),
-        # "rows": what the build's name and the C++ policy's are made of.
-        parts = ["softcap"] if self.softcap else []
+        # The active scalar functions in the registry's order, then "alibi", its origin ("runs", "table";
+        # none for the diagonal) and "rows": what the build's name and the C++ policy's are made of.
+        parts = [name for name, _ in self.values]
         if self.alibi:
             parts.append("alibi")
             if self.alibi_origin != "diagonal":
@@ -76,28 +105,37 @@ class ScoreSpec:
     def policy(self) -> str | None:
         """The C++ policy of csrc/include/fa/variant.cuh the build instantiates (None: none), named from the
         same features: ``fa::SoftcapAlibiRunsRows``."""
-        parts = self._parts()
-        return "fa::" + "".join(p.capitalize() for p in parts) if parts else None
+        names = {name: fn.policy for name, fn in SCORE_FUNCTIONS.items()}
+        parts = [names.get(p) or p.capitalize() for p in self._parts()]
+        return "fa::" + "".join(parts) if parts else None
 
     @property
     def features(self) -> dict[str, bool]:
-        """The configuration features it needs (``configs.families``), as ``ops.plans.feature_list`` flags."""
-        return {"softcap": bool(self.softcap), "alibi": self.alibi}
+        """The configuration features it needs (``configs.families``), as ``ops.plans.feature_list`` flags:
+        one per scalar function, and "alibi"."""
+        active = dict(self.values)
+        return {**{name: name in active for name in SCORE_FUNCTIONS}, "alibi": self.alibi}
 
 
-#: The identity score function (no cap, no ALiBi).
+#: The identity score function (no scalar function, no ALiBi).
 NO_SCORE = ScoreSpec()
+
+#: The configuration features of the score functions (``configs.families.FEATURES``): each scalar one's
+#: name, then "alibi".
+SCORE_FEATURES = (*SCORE_FUNCTIONS, "alibi")
 
 
 def score_builds() -> dict[str, str]:
     """Every score function a kernel build can take: its build name -> its C++ policy (``jit.sources``'s
-    SCORE_MODS), one per combination of the cap, ALiBi, ALiBi's origin and per-row slopes."""
+    SCORE_MODS), one per combination of the scalar functions, ALiBi, ALiBi's origin and per-row slopes."""
     out = {}
-    for softcap in (0.0, 1.0):
+    names = tuple(SCORE_FUNCTIONS)
+    for mask in range(1 << len(names)):
+        scalars = {name: 1.0 for i, name in enumerate(names) if mask >> i & 1}
         for alibi, origin, rows in [(False, "diagonal", False)] + [
             (True, o, r) for o in ALIBI_ORIGINS for r in (False, True)
         ]:
-            spec = ScoreSpec(softcap, alibi, origin, rows)
+            spec = ScoreSpec.of(alibi=alibi, alibi_origin=origin, alibi_rows=rows, **scalars)
             if spec.build is not None:
                 out[spec.build] = spec.policy
     return out
@@ -161,7 +199,7 @@ class OpOptions(NamedTuple):
             self.causal,
             self.scale,
             self.window,
-            ScoreSpec(self.softcap, alibi=alibi),
+            ScoreSpec.of(softcap=self.softcap, alibi=alibi),
             ranged,
             self.dropout_p,
             self.deterministic,

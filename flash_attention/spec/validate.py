@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from . import ScoreSpec
+from .score_functions import check_value
 
 __all__ = [
     "check_window",
@@ -232,12 +233,12 @@ def score_spec(
     causal, where it is each sequence's own)."""
     check_score(softcap, alibi_slopes, q, segments)
     if alibi_slopes is None:
-        return ScoreSpec(float(softcap))
+        return ScoreSpec.of(softcap=softcap)
     if segments is None:
-        return ScoreSpec(float(softcap), alibi=True)
+        return ScoreSpec.of(softcap=softcap, alibi=True)
     origin = "table" if len(segments) == 3 else "runs" if causal else "diagonal"
-    return ScoreSpec(
-        float(softcap), alibi=True, alibi_origin=origin, alibi_rows=alibi_per_row(alibi_slopes, segments)
+    return ScoreSpec.of(
+        softcap=softcap, alibi=True, alibi_origin=origin, alibi_rows=alibi_per_row(alibi_slopes, segments)
     )
 
 
@@ -249,10 +250,7 @@ def check_score(
     q's device; a packed batch's call (``segments``, batch 1) may also give a slope per query row,
     (seqlen_q, heads_q) (flash_attention.api.varlen's per-sequence slopes). Builds nothing: torch.compile's
     traces call it, where dynamo (torch 2.11) refuses to build the spec's frozen dataclasses."""
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
-        raise TypeError(f"softcap must be a float (0: none); got {type(softcap).__name__}")
-    if not math.isfinite(softcap) or softcap < 0:
-        raise ValueError(f"softcap must be a finite number >= 0 (0: none); got {softcap!r}")
+    check_value("softcap", softcap)
     if alibi_slopes is None:
         return
     batch, seqlen_q, heads_q, _ = q.shape

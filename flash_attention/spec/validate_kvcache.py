@@ -69,7 +69,7 @@ class CacheProblem:
         runs the fallback with it): causal, the resolved scale, the window, soft-capping and whether ALiBi is
         on."""
         return AttentionSpec(
-            self.causal, self.scale, self.window, ScoreSpec(self.softcap, alibi=bool(self.alibi))
+            self.causal, self.scale, self.window, ScoreSpec.of(softcap=self.softcap, alibi=bool(self.alibi))
         )
 
 

@@ -1,0 +1,104 @@
+"""The scalar score functions: what a kernel build can do to a scaled score with one number per call, as data.
+
+Soft-capping (``softcap * tanh(s / softcap)``) is one; a new one is a :class:`ScoreFunction` here and a C++
+policy of the same name in csrc/include/fa/variant.cuh. Everything else is derived from this table:
+:class:`flash_attention.spec.ScoreSpec`'s build and policy names (and so ``jit.sources.SCORE_MODS``, the
+kernels' entry points and cache keys), the configuration features of ``configs.families``, the argument
+check of the public functions, and the math of the float64 reference, the chunked fallback and the simulator
+(:func:`apply_scores`). ALiBi is not one of them: its slopes are a tensor bound per call and its distance has
+origins (spec.ALIBI_ORIGINS), so ScoreSpec names it itself, always after these.
+
+A function's value 0 means "off" (the identity), so a call without it is the plain build; the order of this
+table is the order a build applies them in, and the order their names join in a build's name.
+
+This module imports nothing of the package (and not torch: the math runs on the tensors it is handed).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+__all__ = [
+    "SCORE_FUNCTIONS",
+    "ScoreFunction",
+    "apply_scores",
+    "apply_scores_with_slope",
+    "check_value",
+    "values_of",
+]
+
+
+@dataclass(frozen=True)
+class ScoreFunction:
+    """One scalar score function: ``name`` is its build token, its configuration feature and the keyword the
+    public functions take; ``policy`` the C++ policy's name part (``fa::Softcap``; a build with ALiBi
+    composes ``fa::SoftcapAlibi``); ``apply(scores, value)`` its math on scaled scores, in the scores'
+    dtype, for every Python path that computes attention itself; ``slope(out, value)`` its derivative at the
+    score that gave ``out`` (the backward's chain rule, from the output alone, as the kernels keep it);
+    ``doc`` what it does, for messages."""
+
+    name: str
+    policy: str
+    apply: Callable
+    slope: Callable
+    doc: str
+
+
+def _cap(scores, value: float):
+    return value * (scores / value).tanh()
+
+
+def _cap_slope(capped, value: float):
+    return 1 - (capped / value) ** 2  # d/ds c tanh(s / c) = 1 - tanh^2
+
+
+#: Every scalar score function, in the order a build applies them (and joins their names).
+SCORE_FUNCTIONS: dict[str, ScoreFunction] = {
+    "softcap": ScoreFunction(
+        "softcap", "Softcap", _cap, _cap_slope, "caps the scaled score, softcap * tanh(s / softcap)"
+    ),
+}
+
+
+def check_value(name: str, value: object) -> float:
+    """``value`` as the float a call's ``name`` function takes, or TypeError / ValueError naming the
+    argument: a finite number >= 0, 0 meaning off."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float (0: none); got {type(value).__name__}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite number >= 0 (0: none); got {value!r}")
+    return float(value)
+
+
+def values_of(**values: float) -> tuple[tuple[str, float], ...]:
+    """The active functions of keyword values (``softcap=30.0``; 0: off) as a ScoreSpec holds them: (name,
+    value) pairs in the table's order. TypeError for a name the table lacks, ValueError for a negative
+    value."""
+    unknown = set(values) - set(SCORE_FUNCTIONS)
+    if unknown:
+        raise TypeError(f"no score function named {sorted(unknown)}; there are {tuple(SCORE_FUNCTIONS)}")
+    for name, value in values.items():
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0 (0: none); got {value!r}")
+    return tuple((name, float(values[name])) for name in SCORE_FUNCTIONS if values.get(name))
+
+
+def apply_scores(scores, values: tuple[tuple[str, float], ...]):
+    """``scores`` through each active function of ``values`` (a ScoreSpec's), in the table's order."""
+    for name, value in values:
+        scores = SCORE_FUNCTIONS[name].apply(scores, value)
+    return scores
+
+
+def apply_scores_with_slope(scores, values: tuple[tuple[str, float], ...]):
+    """(:func:`apply_scores`, the derivative of the whole chain at ``scores``, or None where ``values`` is
+    empty): what a backward multiplies dP's softmax gradient by."""
+    slope = None
+    for name, value in values:
+        fn = SCORE_FUNCTIONS[name]
+        scores = fn.apply(scores, value)
+        step = fn.slope(scores, value)
+        slope = step if slope is None else slope * step
+    return scores, slope
