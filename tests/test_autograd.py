@@ -583,7 +583,8 @@ def test_traced_call_builds_no_spec(monkeypatch):
         return build
 
     monkeypatch.setattr(interface_module, "AttentionSpec", refusing(interface_module.AttentionSpec))
-    monkeypatch.setattr(validate_module, "ScoreSpec", refusing(validate_module.ScoreSpec))
+    # (ScoreSpec.of is how validation builds a score spec: spec/validate.py's score_spec)
+    monkeypatch.setattr(validate_module.ScoreSpec, "of", staticmethod(refusing(validate_module.ScoreSpec.of)))
     torch._dynamo.reset()
     q, k, v = (torch.randn(2, 33, 4, 16) for _ in range(3))
     slopes = torch.rand(4)
