@@ -251,8 +251,9 @@ def route_varlen(
     # count, which grows every step of a decoding loop: kept per signature, so a step pays neither the
     # checks nor the key (a third of a routed call's host time, tools/host_time_cpu.py).
     signature = (
-        q.shape, q.stride(), q.dtype, q.device, k.shape[1:], k.stride(), v.shape[1:], v.stride(), v.dtype,
-        causal, scale, window, softcap, _layout(alibi_slopes), needs_lse, bucket,
+        q.shape, q.stride(), q.dtype, q.device, k.shape[1:], k.stride(), k.dtype, k.device, v.shape[1:],
+        v.stride(), v.dtype, v.device, causal, scale, window, softcap, _layout(alibi_slopes), needs_lse,
+        bucket,
     )  # fmt: skip
     known = _VARLEN_CALLS.get(signature)
     if known is None:
