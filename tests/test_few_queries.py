@@ -264,3 +264,67 @@ def test_varlen_route_gates_on_the_query_hint_and_clips_huge_windows(gpu):
     out = fa.attention_varlen(q, k, v, cu_q, cu_k, causal=True, window=(2**32 + 5, 0), max_seqlen_q=1)
     assert "decode_decode" in gpu.launches, gpu.launches
     _check_varlen(out, None, q, k, v, cu_q, cu_k, causal=True)
+
+
+def test_varlen_route_keeps_the_checks_its_signature_cache_skips(gpu):
+    # The route keeps each signature's checked problem (not the packed key count, which grows every step):
+    # what that signature cannot tell apart must still reach the usual path's checks, which name it.
+    q, k, v, cu_q, cu_k = _varlen_inputs(23, [1, 1], [500, 700], 8, 2)
+    hints = dict(causal=True, max_seqlen_q=1, max_seqlen_k=700)
+    for _ in range(2):  # (the second call finds the signature's entry)
+        out = fa.attention_varlen(q, k, v, cu_q, cu_k, **hints)
+        _check_varlen(out, None, q, k, v, cu_q, cu_k, causal=True)
+    with pytest.raises(ValueError):  # v shorter than k: the decode kernels would read past v's end
+        fa.attention_varlen(q, k, v[:-100], cu_q, cu_k, **hints)
+    with pytest.raises(TypeError, match="softcap"):  # False hashes as 0.0, the cached signature's cap
+        fa.attention_varlen(q, k, v, cu_q, cu_k, softcap=False, **hints)
+    with pytest.raises(TypeError, match="softmax_scale"):
+        fa.attention_varlen(q, k, v, cu_q, cu_k, softmax_scale=True, **hints)
+    # A huge window side is clipped to a bound that moves with the keys' bucket only: the steps of a
+    # growing loop keep one entry.
+    _few_queries._VARLEN_CALLS.clear()
+    for extra in (0, 1, 2):
+        keys = [500, 700 + extra]
+        q2, k2, v2, cq2, ck2 = _varlen_inputs(24 + extra, [1, 1], keys, 8, 2)
+        out = fa.attention_varlen(q2, k2, v2, cq2, ck2, window=(2**40, 0), **hints)
+        _check_varlen(out, None, q2, k2, v2, cq2, ck2, causal=True)
+    assert len(_few_queries._VARLEN_CALLS) == 1, list(_few_queries._VARLEN_CALLS)
+
+
+def test_routed_varlen_plans_run_as_the_host_librarys_decode_call(gpu):
+    # With repeat calls native (the default on a GPU), a routed plan's calls take decode_call with the row
+    # starts bound (a result, not the empty answer that sends a call back to Python).
+    if repeat.MODE != "native":
+        pytest.skip("the Python form of the plans")
+    answers = []
+    real = decode.DecodePlan.repeat
+
+    def spy(self, *args, **kwargs):
+        answers.append(real(self, *args, **kwargs))
+        return answers[-1]
+
+    q, k, v, cu_q, cu_k = _varlen_inputs(25, [1, 1, 1], [300, 700, 256], 8, 2)
+    try:
+        decode.DecodePlan.repeat = spy
+        for _ in range(2):
+            out = fa.attention_varlen(q, k, v, cu_q, cu_k, causal=True, max_seqlen_q=1)
+            _check_varlen(out, None, q, k, v, cu_q, cu_k, causal=True)
+    finally:
+        decode.DecodePlan.repeat = real
+    assert len(answers) == 2 and all(a is not None for a in answers), answers
+
+
+def test_the_decode_slots_are_the_params_fields_in_decode_calls_order():
+    # csrc/host/decode_call.cpp writes the fields at the offsets Python lists, in its DecodeSlot order.
+    import re
+    from pathlib import Path
+
+    from flash_attention.jit.params import DecodeParams
+
+    source = (Path(decode.__file__).parents[1] / "csrc" / "host" / "decode_call.cpp").read_text()
+    enum = re.search(r"enum DecodeSlot : int \{(.*?)\};", source, re.S).group(1)
+    slots = [s.strip() for s in enum.replace("\n", " ").split(",") if s.strip()]
+    camel = lambda name: "kDec" + "".join(part.capitalize() for part in name.split("_"))  # noqa: E731
+    names = [*decode._NATIVE_SLOTS, "cache_starts", *decode._NATIVE_GEOMETRY_SLOTS, "cache_seqlen"]
+    assert slots == [*map(camel, names), "kNumDecodeSlots"]
+    assert all(hasattr(DecodeParams, n) for n in names)

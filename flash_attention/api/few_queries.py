@@ -152,6 +152,10 @@ _VARLEN_CALLS: dict[tuple, tuple | bool] = {}
 _VARLEN_CALLS_KEPT = 64
 
 
+def _plain_number(x: object) -> bool:
+    return type(x) in (int, float)
+
+
 def _layout(t: torch.Tensor | None) -> tuple | None:
     return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
 
@@ -234,10 +238,18 @@ def route_varlen(
         or not dispatch.wants_kernel(q)
         or torch.compiler.is_compiling()
         or (k.data_ptr() | v.data_ptr()) % 16
+        # (what the signature below cannot hold, the usual path checks and names: v's own length, and a
+        # scale or cap of a type the checks refuse; a bool hashes as the number it is)
+        or v.shape[0] != total_k
+        or not _plain_number(softcap)
+        or not (scale is None or _plain_number(scale))
     ):
         return None
-    if window is not None:  # (clipped as route() clips it: a huge side must not wrap the params' int32)
-        far = total_q + total_k
+    if window is not None:
+        # Clipped as route() clips it (a huge side must not wrap the params' int32), to a bound that moves
+        # only with the keys' bucket: one that grew with every step's key count would miss the signature's
+        # cache each step.
+        far = total_q + cache_length_bucket(total_k)
         window = tuple(w if w < 0 else min(w, far) for w in window)
     rows = q.unsqueeze(1)  # (total_q, 1, heads_q, head_dim): a cache row per packed query row
     cache_k, cache_v = (t.unsqueeze(0).expand(total_q, *t.shape) for t in (k, v))  # (one buffer: stride 0)

@@ -315,7 +315,8 @@ class DecodePlan:
         """``cache_seqlens``: a tensor, or an int, every row's length (passed to the kernels by value);
         ``alibi_slopes``: the call's, when its problem has ALiBi; ``cache_starts``: int32 (batch,),
         contiguous, each row's first cache row, for a plan made with ``starts``."""
-        assert (cache_starts is not None) == self.starts, "row starts bound to a plan made without, or back"
+        if (cache_starts is not None) != self.starts:  # (a raise, not an assert: -O must not drop it)
+            raise ValueError("cache_starts goes exactly to a plan made with row starts (DecodePlan.starts)")
         one_length = isinstance(cache_seqlens, int)
         if self._native is None:
             self._native = self._make_native()

@@ -110,12 +110,13 @@ std::vector<at::Tensor> decode_call(const at::Tensor& q, const at::Tensor& k_cac
   // must be a multiple of 8 elements with the last 1 (Python's signature admitted only such caches to the
   // plan; checked again here because a wrong stride would read outside the cache). A zero stride is a
   // broadcast the kernels would read as one row over and over, except the batch stride of a program with
-  // row starts: there every batch row is one view of the same buffer, placed by its start.
+  // row starts and no append: there every batch row is one view of the same buffer, placed by its start
+  // (an append would write every row's tokens into that one buffer).
   if (program.fills_geometry()) {
     for (const at::Tensor* t : {&k_cache, &v_cache}) {
       if (t->dim() != 4 || t->stride(3) != 1) return {};
       for (int d = 0; d < 3; ++d) {
-        const bool shared = d == 0 && program.has_starts();
+        const bool shared = d == 0 && program.has_starts() && !k;
         if (t->stride(d) % 8 != 0 || (t->stride(d) == 0 && t->size(d) > 1 && !shared)) return {};
       }
     }
