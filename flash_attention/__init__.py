@@ -8,6 +8,8 @@ Public entry points:
   call appends the new keys and values to in place;
 * :func:`ring_attention` (with :func:`shard_sequence` / :func:`unshard_sequence`) -- one sequence sharded
   over the ranks of a ``torch.distributed`` group, K/V passed around a ring;
+* :func:`head_parallel_attention` -- the same shares by all-to-all over heads (each rank attends the whole
+  sequence of its heads);
 * :func:`precompile` -- compile, in parallel and ahead of the first call, the kernels calls of a kind will
   load (first calls then load them from the disk cache);
 * :func:`forward` / :func:`forward_timed` -- run one named :class:`KernelConfig`;
@@ -15,6 +17,7 @@ Public entry points:
 """
 
 from .api.attention import attention, forward, forward_timed
+from .api.head_parallel import head_parallel_attention
 from .api.kvcache import attention_with_kvcache
 from .api.precompile import precompile
 from .api.ring import ring_attention, shard_sequence, unshard_sequence
@@ -29,6 +32,7 @@ __all__ = [
     "attention_varlen",
     "precompile",
     "ring_attention",
+    "head_parallel_attention",
     "shard_sequence",
     "unshard_sequence",
     "forward",

@@ -226,3 +226,77 @@ def test_ring_attention_names_bad_variant_arguments():
         ring_attention(q, q, q, softcap=-1.0)
     with pytest.raises(ValueError, match="sinks"):
         ring_attention(q, q, q, sinks=torch.zeros(3))
+
+
+def _head_parallel_worker(rank, world, init_file, case, failures):
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+        from flash_attention.api.head_parallel import head_parallel_attention
+        from flash_attention.api.ring import shard_sequence, unshard_sequence
+
+        heads_q, heads_kv, causal, zigzag, extra = case
+        torch.manual_seed(1234)  # the same full tensors on every rank
+        seqlen = 2 * world * 5
+        q = torch.randn(2, seqlen, heads_q, 16)
+        k, v = torch.randn(2, seqlen, heads_kv, 16), torch.randn(2, seqlen, heads_kv, 16)
+        dout = torch.randn_like(q)
+        kw = {}
+        if "window" in extra:
+            kw["window"] = (7, 0 if causal else 3)
+        if "softcap" in extra:
+            kw["softcap"] = 2.0
+        if "alibi" in extra:
+            kw["alibi_slopes"] = torch.rand(heads_q) * 0.3
+        sinks = torch.randn(heads_q, requires_grad=True) if "sinks" in extra else None
+        leaves = [shard_sequence(t, zigzag=zigzag).requires_grad_() for t in (q, k, v)]
+        out, lse = head_parallel_attention(
+            *leaves, causal=causal, zigzag=zigzag, sinks=sinks, return_lse=True, **kw
+        )
+        wrt = leaves + ([sinks] if sinks is not None else [])
+        grads = torch.autograd.grad(out, wrt, shard_sequence(dout, zigzag=zigzag))
+        full = [unshard_sequence(t.detach(), zigzag=zigzag) for t in (out, *grads[:3])]
+        full_lse = unshard_sequence(lse.detach(), dim=2, zigzag=zigzag)
+        ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+        ref_sinks = None if sinks is None else sinks.detach().double().requires_grad_()
+        ref_kw = dict(kw)
+        if "alibi_slopes" in ref_kw:
+            ref_kw["alibi_slopes"] = ref_kw["alibi_slopes"].double()
+        ref, ref_lse = attention_reference(*ref_leaves, causal=causal, sinks=ref_sinks, **ref_kw)
+        ref_wrt = ref_leaves + ([ref_sinks] if ref_sinks is not None else [])
+        ref_grads = torch.autograd.grad(ref, ref_wrt, dout.double())
+        _assert_matches_float64(zip(("out", "dq", "dk", "dv"), full, (ref, *ref_grads[:3]), strict=True))
+        if sinks is None:  # (with sinks the reference's LSE is the sink-free one's: not compared)
+            torch.testing.assert_close(full_lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+        else:  # each rank's sinks gradient is its heads' part: summed over the ranks, the whole of it
+            dsinks = grads[3].clone()
+            dist.all_reduce(dsinks, group=None)
+            _assert_matches_float64([("dsinks", dsinks, ref_grads[3])])
+        _leave(dist)
+    except Exception:
+        failures.put(f"rank {rank}: {traceback.format_exc()}")
+        raise
+
+
+@pytest.mark.parametrize(
+    "world,case",
+    [
+        (2, (4, 2, True, True, ())),  # zigzag shares, causal, GQA with heads_kv a multiple of W
+        (2, (4, 4, False, False, ("softcap", "alibi"))),
+        (4, (8, 2, True, False, ("window", "sinks"))),  # heads_kv a divisor of W: K/V heads repeated
+        (3, (6, 3, True, True, ("alibi",))),
+    ],
+    ids=["zigzag-causal", "softcap-alibi", "w4-window-sinks-gqa", "w3-zigzag-alibi"],
+)
+def test_head_parallel_attention_equals_single_process_attention(world, case, tmp_path):
+    # All-to-all over heads: each rank attends whole rows of its heads, so every option of attention()
+    # applies; outputs, LSE and gradients of q, k, v (and the sinks, summed over the ranks) against float64
+    # attention of the whole sequence on one process.
+    spawn_ranks(_head_parallel_worker, world, tmp_path, case)
+
+
+def test_head_parallel_attention_checks_its_heads_and_group():
+    from flash_attention.api.head_parallel import head_parallel_attention
+
+    q = torch.randn(1, 8, 2, 16)
+    with pytest.raises(RuntimeError, match="process group"):
+        head_parallel_attention(q, q, q)
