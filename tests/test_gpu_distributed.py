@@ -1,4 +1,5 @@
-"""Ring attention on 2 GPUs (NCCL, one process per GPU; skipped with fewer): the kernels' ring result against
+"""Ring attention (and head-parallel attention, on a few of the cases) on 2 GPUs (NCCL, one process per
+GPU; skipped with fewer): the kernels' ring result against
 single-GPU flash_attention.attention on the same inputs, both measured against float64 attention on the
 whole sequence with the accuracy rule (the ring's error at most twice the single GPU's, plus slack):
 output, LSE and gradients; causal in the zigzag layout, non-causal, sliding windows on contiguous shares,
@@ -35,7 +36,7 @@ CASES = [
 ]
 
 
-def _worker(rank, world, init_file, case, failures):
+def _worker(rank, world, init_file, case, scheme, failures):
     try:
         causal, window, hq, hkv, d, dtype_name, n, softcap, with_sinks = case
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -44,6 +45,7 @@ def _worker(rank, world, init_file, case, failures):
         dist.init_process_group(
             "nccl", init_method=f"file://{init_file}", rank=rank, world_size=world, device_id=dev
         )
+        from flash_attention.api.head_parallel import head_parallel_attention
         from flash_attention.api.ring import ring_attention, shard_sequence, unshard_sequence
 
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
@@ -55,7 +57,12 @@ def _worker(rank, world, init_file, case, failures):
         variants = dict(window=window, softcap=softcap, sinks=sinks)
         zig = window is None and causal
         leaves = [shard_sequence(t, zigzag=zig).requires_grad_() for t in (q, k, v)]
-        out, lse = ring_attention(*leaves, causal=causal, return_lse=True, **variants)
+        if scheme == "ring":
+            out, lse = ring_attention(*leaves, causal=causal, return_lse=True, **variants)
+        else:  # all-to-all over heads, on the same shares
+            out, lse = head_parallel_attention(
+                *leaves, causal=causal, zigzag=zig, return_lse=True, **variants
+            )
         grads = torch.autograd.grad(out, leaves, shard_sequence(dout, zigzag=zig))
         ring = [unshard_sequence(t.detach(), zigzag=zig) for t in (out, *grads)]
         ring_lse = unshard_sequence(lse, dim=2, zigzag=zig)
@@ -88,4 +95,12 @@ def _worker(rank, world, init_file, case, failures):
     "case", CASES, ids=lambda c: f"causal{int(c[0])}-w{c[1]}-h{c[2]}x{c[3]}-d{c[4]}-{c[5]}"
 )
 def test_ring_attention_on_two_gpus_equals_one_gpu(case, tmp_path):
-    spawn_ranks(_worker, 2, tmp_path, case, timeout=300)
+    spawn_ranks(_worker, 2, tmp_path, case, "ring", timeout=300)
+
+
+@pytest.mark.parametrize(
+    "case", [CASES[i] for i in (0, 1, 3, 6)], ids=lambda c: f"causal{int(c[0])}-w{c[1]}-d{c[4]}"
+)
+def test_head_parallel_attention_on_two_gpus_equals_one_gpu(case, tmp_path):
+    # (the same accuracy rule as the ring's: at most twice one GPU's error against float64, plus slack)
+    spawn_ranks(_worker, 2, tmp_path, case, "heads", timeout=300)
