@@ -161,16 +161,17 @@ def test_ring_attention_with_a_sliding_window(causal, window, softcap, tmp_path)
 
 
 def test_ring_bench_runs_on_gloo(tmp_path):
-    # bench --ring's worker logic on 2 CPU processes (gloo, the fallback): rows for one GPU and the ring
-    # with the keys the README's plot reads; the numbers mean nothing here.
+    # bench --ring's worker logic on 2 CPU processes (gloo, the fallback): rows for one GPU, the ring and
+    # head-parallel attention, with the keys the README's plot reads; the numbers mean nothing here.
     from flash_attention.tools.bench.ring import RingSettings, run_ring
 
     s = RingSettings(
         seqlens=(64,), heads=4, kv_heads=2, head_dim=16, dtype="fp32", warmup=0, reps=1, device="cpu"
     )
     rows = run_ring(s, os.fspath(tmp_path / "init"))
-    assert [r["impl"] for r in rows] == ["flash_attention", "ring_attention"]
-    assert rows[1]["world"] == 2 and rows[1]["ms"] > 0 and "speedup" in rows[1] and "memory_ratio" in rows[1]
+    assert [r["impl"] for r in rows] == ["flash_attention", "ring_attention", "head_parallel_attention"]
+    for row in rows[1:]:  # the ring and, on the same shares, all-to-all over heads
+        assert row["world"] == 2 and row["ms"] > 0 and "speedup" in row and "memory_ratio" in row
 
 
 def _score_worker(rank, world, init_file, causal, window, failures):

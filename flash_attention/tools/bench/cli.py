@@ -204,9 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--ring",
         action="store_true",
-        help="context parallelism: ring_attention on every visible GPU against one GPU, forward+backward of "
-        "one causal sequence per --seqlens (default 16k to 128k; heads from --width, --kv-heads default 8), "
-        "with peak memory (file tag 'ring')",
+        help="context parallelism: ring_attention (and head_parallel_attention, where the heads divide "
+        "among the GPUs) on every visible GPU against one GPU, forward+backward of one causal sequence per "
+        "--seqlens (default 16k to 128k; heads from --width, --kv-heads default 8), with peak memory (file "
+        "tag 'ring')",
     )
     p.add_argument(
         "--varlen",

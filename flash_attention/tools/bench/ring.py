@@ -69,6 +69,7 @@ def _train_step(attend, leaves: list[torch.Tensor]) -> None:
 
 def _worker(rank: int, s: RingSettings, init: str, results) -> None:
     import flash_attention
+    from flash_attention.api.head_parallel import head_parallel_attention
     from flash_attention.api.ring import ring_attention, shard_sequence
 
     cuda = s.device == "cuda"
@@ -93,7 +94,15 @@ def _worker(rank: int, s: RingSettings, init: str, results) -> None:
         del q, k, v
         dist.barrier()
         ms, peak = _timed(functools.partial(_train_step, ring_attention, shares), s, device, dist.barrier)
-        stats = torch.tensor([ms, peak], dtype=torch.float64)
+        # The same shares by all-to-all over heads (api/head_parallel.py), where the heads divide among the
+        # ranks: its own rows, beside the ring's.
+        heads_divide = s.heads % s.world == 0 and (s.kv_heads % s.world == 0 or s.world % s.kv_heads == 0)
+        if heads_divide:
+            step = functools.partial(_train_step, head_parallel_attention, shares)
+            hp_ms, hp_peak = _timed(step, s, device, dist.barrier)
+        else:
+            hp_ms = hp_peak = float("nan")
+        stats = torch.tensor([ms, peak, hp_ms, hp_peak], dtype=torch.float64)
         gathered = [torch.zeros_like(stats) for _ in range(s.world)]
         dist.all_gather_object(gathered, stats)
         if rank == 0:
@@ -114,6 +123,14 @@ def _worker(rank: int, s: RingSettings, init: str, results) -> None:
                 f"({ring_peak:.2f} GiB per GPU): {one[0] / ring_ms:.2f}x",
                 flush=True,
             )
+            if heads_divide:
+                hp_ms, hp_peak = max(float(g[2]) for g in gathered), max(float(g[3]) for g in gathered)
+                heads = {**base, "impl": "head_parallel_attention", "world": s.world, "ms": round(hp_ms, 3)}
+                heads.update(tflops=round(flops / (hp_ms * 1e-3) / 1e12, 2), peak_gib=round(hp_peak, 3))
+                heads.update(speedup=round(one[0] / hp_ms, 3))
+                heads.update(memory_ratio=round(hp_peak / one[1], 3) if one[1] else None)
+                rows.append(heads)
+                print(f"  head-parallel x{s.world} {hp_ms:.1f} ms ({hp_peak:.2f} GiB): {one[0] / hp_ms:.2f}x")
         del shares
         if cuda:
             torch.cuda.empty_cache()
