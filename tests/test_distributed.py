@@ -301,3 +301,55 @@ def test_head_parallel_attention_checks_its_heads_and_group():
     q = torch.randn(1, 8, 2, 16)
     with pytest.raises(RuntimeError, match="process group"):
         head_parallel_attention(q, q, q)
+
+
+def _hybrid_worker(rank, world, init_file, causal, window, failures):
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+        from flash_attention.api.head_parallel import head_parallel_attention
+        from flash_attention.api.ring import shard_sequence, unshard_sequence
+
+        # Four ranks: heads exchanged within {0, 1} and {2, 3} (a node's GPUs), the ring over {0, 2} and
+        # {1, 3}. Every rank makes every group, in the same order.
+        head_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        ring_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        heads, ring = head_groups[rank // 2], ring_groups[rank % 2]
+        zig = causal and window is None
+        torch.manual_seed(4321)
+        seqlen = 2 * 2 * 2 * 5
+        q = torch.randn(2, seqlen, 8, 16)
+        k, v = torch.randn(2, seqlen, 2, 16), torch.randn(2, seqlen, 2, 16)
+        dout = torch.randn_like(q)
+        sinks = torch.randn(8, requires_grad=True)
+
+        def shard(t):  # a ring share, cut contiguously among the head group
+            return shard_sequence(shard_sequence(t, ring, zigzag=zig), heads, zigzag=False)
+
+        def unshard(t):
+            return unshard_sequence(unshard_sequence(t, heads, zigzag=False), ring, zigzag=zig)
+
+        leaves = [shard(t).requires_grad_() for t in (q, k, v)]
+        out = head_parallel_attention(
+            *leaves, group=heads, ring_group=ring, causal=causal, window=window, softcap=2.0, sinks=sinks
+        )
+        grads = torch.autograd.grad(out, [*leaves, sinks], shard(dout))
+        full = [unshard(t.detach()) for t in (out, *grads[:3])]
+        ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+        ref_sinks = sinks.detach().double().requires_grad_()
+        ref, _ = attention_reference(*ref_leaves, causal=causal, window=window, softcap=2.0, sinks=ref_sinks)
+        ref_grads = torch.autograd.grad(ref, [*ref_leaves, ref_sinks], dout.double())
+        _assert_matches_float64(zip(("out", "dq", "dk", "dv"), full, (ref, *ref_grads[:3]), strict=True))
+        dsinks = grads[3].clone()
+        dist.all_reduce(dsinks)
+        _assert_matches_float64([("dsinks", dsinks, ref_grads[3])])
+        _leave(dist)
+    except Exception:
+        failures.put(f"rank {rank}: {traceback.format_exc()}")
+        raise
+
+
+@pytest.mark.parametrize("causal,window", [(True, None), (False, (9, 4))], ids=["causal-zigzag", "window"])
+def test_hybrid_of_heads_and_ring_equals_single_process_attention(causal, window, tmp_path):
+    # head_parallel_attention(group=, ring_group=): 2 x 2 ranks, GQA 8/2 (one K/V head per head-group rank),
+    # soft-capping and sinks, against float64 attention of the whole sequence.
+    spawn_ranks(_hybrid_worker, 4, tmp_path, causal, window)

@@ -15,6 +15,10 @@ to W - 1 ranks over all-to-all links) where the ring moves K/V W - 1 times point
 the heads to divide among the ranks: heads_q a multiple of W, and heads_kv a multiple of W or a divisor of
 it (then each K/V head is repeated to W heads before the exchange, which sends K/V W / heads_kv times over).
 Its memory per rank is the whole sequence of 1/W of the heads: what one GPU holds, divided by W.
+
+The hybrid (``ring_group``): heads exchanged among the ranks of ``group`` (few, on fast links: one node's
+GPUs), the ring over ``ring_group`` on the longer shares that exchange gathers; for more ranks than K/V heads,
+or links too slow for an all-to-all among all of them.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch.distributed as dist
 from ..sinks import check_sinks
 from ..spec.validate import check_score, check_window, validate
 from .attention import attention
+from .ring import ring_attention
 
 __all__ = ["head_parallel_attention"]
 
@@ -117,9 +122,11 @@ def head_parallel_attention(
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     zigzag: bool | None = None,
+    ring_group=None,
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Attention of this rank's share of a sequence against the whole sequence, by all-to-all over heads.
+    """Attention of this rank's share of a sequence against the whole sequence, by all-to-all over heads
+    (and, with ``ring_group``, the ring over the rest of the ranks).
 
     Args:
         q, k, v: this rank's shares, (batch, seqlen_local, heads, head_dim), the same seqlen_local on every
@@ -135,6 +142,12 @@ def head_parallel_attention(
             the ranks like any replicated parameter's.
         zigzag: whether the shares are zigzag ones (chunks r and 2W - 1 - r of 2W); None: as
             :func:`flash_attention.ring_attention` takes them, zigzag when ``causal`` without a ``window``.
+        ring_group: the hybrid of the two schemes: ``group`` exchanges heads among a few ranks (those of
+            one node, say), and :func:`flash_attention.ring_attention` runs over ``ring_group`` (one rank
+            of each head group) on what the exchange gathers. The shares are then a ring share (zigzag or
+            contiguous, as the ring takes it: ``zigzag``) cut contiguously among ``group``:
+            ``shard_sequence(shard_sequence(x, ring_group, zigzag=z), group, zigzag=False)``. The ring takes
+            no ALiBi.
         return_lse: also return this rank's rows' float32 (batch, heads_q, seqlen_local) LSE.
 
     Returns:
@@ -154,19 +167,28 @@ def head_parallel_attention(
     if heads_kv % world and world % heads_kv:
         raise ValueError(f"heads_kv ({heads_kv}) must be a multiple or a divisor of the world size ({world})")
     zigzag = causal and window is None if zigzag is None else bool(zigzag)
-    if zigzag and q.shape[1] % 2:
+    if ring_group is not None and alibi_slopes is not None:
+        raise ValueError("alibi_slopes: the ring (ring_group) takes no ALiBi")
+    if zigzag and ring_group is None and q.shape[1] % 2:
         raise ValueError(f"zigzag shares have an even length; got {q.shape[1]}")
     if heads_kv < world:  # each rank's query heads read one K/V head: repeated to W heads, one per rank
         k, v = (t.repeat_interleave(world // heads_kv, dim=2) for t in (k, v))
-    order = _natural_order(world, zigzag, q.device)
+    # (hybrid: each rank holds a contiguous piece of its ring share, whose own layout is the ring's concern)
+    order = _natural_order(world, zigzag and ring_group is None, q.device)
     qh, kh, vh = (_SeqToHeads.apply(t, group, world, order) for t in (q, k, v))
     mine = slice(rank * heads_q // world, (rank + 1) * heads_q // world)
     slopes = None if alibi_slopes is None else alibi_slopes[..., mine]
     sinks_mine = None if sinks is None else sinks[mine]
-    out, lse = attention(
-        qh, kh, vh, causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
-        alibi_slopes=None if slopes is None else slopes.contiguous(), sinks=sinks_mine, return_lse=True,
-    )  # fmt: skip
+    if ring_group is None:
+        out, lse = attention(
+            qh, kh, vh, causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
+            alibi_slopes=None if slopes is None else slopes.contiguous(), sinks=sinks_mine, return_lse=True,
+        )  # fmt: skip
+    else:
+        out, lse = ring_attention(
+            qh, kh, vh, group=ring_group, causal=causal, softmax_scale=softmax_scale, window=window,
+            softcap=softcap, sinks=sinks_mine, return_lse=True,
+        )  # fmt: skip
     out = _HeadsToSeq.apply(out, group, world, order)
     if not return_lse:
         return out
