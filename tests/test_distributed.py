@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from spawn_ranks import spawn_ranks
 
+import flash_attention
 from flash_attention.fallback.reference import attention_reference
 
 
@@ -21,6 +22,19 @@ def _leave(dist) -> None:
     code -6; seen once in a CPU suite run)."""
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _assert_as_close_as_one_process(named) -> None:
+    """Each (name, sharded result, one process's float32 result, float64 reference): the sharded result's
+    error against float64 at most twice one process's, plus float32 rounding of the reference's scale. The
+    head-parallel ranks run the very attention one process runs (on their heads), whose own error on the
+    CPU fallback (SDPA's float32 kernel, with an ALiBi bias) reached 7e-5 in one suite run: the bar is
+    relative to it, not absolute."""
+    for name, got, single, want in named:
+        err = (got.double() - want).abs().max().item()
+        err_one = (single.double() - want).abs().max().item()
+        scale = max(1.0, want.abs().max().item())
+        assert err <= 2 * err_one + 1e-5 * scale, f"{name}: {err:.3g}, one process {err_one:.3g}"
 
 
 def _assert_matches_float64(named) -> None:
@@ -265,13 +279,24 @@ def _head_parallel_worker(rank, world, init_file, case, failures):
         ref, ref_lse = attention_reference(*ref_leaves, causal=causal, sinks=ref_sinks, **ref_kw)
         ref_wrt = ref_leaves + ([ref_sinks] if ref_sinks is not None else [])
         ref_grads = torch.autograd.grad(ref, ref_wrt, dout.double())
-        _assert_matches_float64(zip(("out", "dq", "dk", "dv"), full, (ref, *ref_grads[:3]), strict=True))
+        # One process's float32 attention of the whole sequence, the same options (the accuracy's yardstick)
+        one_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        one_sinks = None if sinks is None else sinks.detach().clone().requires_grad_()
+        one, one_lse = flash_attention.attention(
+            *one_leaves, causal=causal, sinks=one_sinks, return_lse=True, **kw
+        )
+        one_wrt = one_leaves + ([one_sinks] if one_sinks is not None else [])
+        one_grads = torch.autograd.grad(one, one_wrt, dout)
+        names = ("out", "dq", "dk", "dv")
+        _assert_as_close_as_one_process(
+            zip(names, full, (one, *one_grads[:3]), (ref, *ref_grads[:3]), strict=True)
+        )
         if sinks is None:  # (with sinks the reference's LSE is the sink-free one's: not compared)
-            torch.testing.assert_close(full_lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+            _assert_as_close_as_one_process([("lse", full_lse, one_lse, ref_lse)])
         else:  # each rank's sinks gradient is its heads' part: summed over the ranks, the whole of it
             dsinks = grads[3].clone()
             dist.all_reduce(dsinks, group=None)
-            _assert_matches_float64([("dsinks", dsinks, ref_grads[3])])
+            _assert_as_close_as_one_process([("dsinks", dsinks, one_grads[3], ref_grads[3])])
         _leave(dist)
     except Exception:
         failures.put(f"rank {rank}: {traceback.format_exc()}")
