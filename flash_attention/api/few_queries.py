@@ -29,6 +29,7 @@ import torch
 
 from ..configs.decode import cache_length_bucket
 from ..ops import dispatch
+from ..ops.repeat import PLAIN_NUMBERS, bound_layout
 from ..sinks import apply_sinks
 from ..spec.validate_kvcache import validate_kvcache
 
@@ -152,14 +153,6 @@ _VARLEN_CALLS: dict[tuple, tuple | bool] = {}
 _VARLEN_CALLS_KEPT = 64
 
 
-def _plain_number(x: object) -> bool:
-    return type(x) in (int, float)
-
-
-def _layout(t: torch.Tensor | None) -> tuple | None:
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
-
-
 def _varlen_call(rows, cache_k, cache_v, lens, scale, window, softcap, alibi_slopes, needs_lse, bucket):
     """(the validated CacheProblem, the decode plan's key) of a routed attention_varlen signature, or False
     where the cache API refuses its layout."""
@@ -241,8 +234,9 @@ def route_varlen(
         # (what the signature below cannot hold, the usual path checks and names: v's own length, and a
         # scale or cap of a type the checks refuse; a bool hashes as the number it is)
         or v.shape[0] != total_k
-        or not _plain_number(softcap)
-        or not (scale is None or _plain_number(scale))
+        or type(softcap) not in PLAIN_NUMBERS
+        or not (scale is None or type(scale) in PLAIN_NUMBERS)
+        or bound_layout(alibi_slopes) is False
     ):
         return None
     if window is not None:
@@ -264,7 +258,7 @@ def route_varlen(
     # checks nor the key (a third of a routed call's host time, tools/host_time_cpu.py).
     signature = (
         q.shape, q.stride(), q.dtype, q.device, k.shape[1:], k.stride(), k.dtype, k.device, v.shape[1:],
-        v.stride(), v.dtype, v.device, causal, scale, window, softcap, _layout(alibi_slopes), needs_lse,
+        v.stride(), v.dtype, v.device, causal, scale, window, softcap, bound_layout(alibi_slopes), needs_lse,
         bucket,
     )  # fmt: skip
     known = _VARLEN_CALLS.get(signature)

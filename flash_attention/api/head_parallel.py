@@ -82,31 +82,20 @@ def _heads_to_seq(y: torch.Tensor, group, world: int, order: torch.Tensor | None
     return x.permute(1, 2, 0, 3, 4).reshape(b, s_local, world * h_local, d)
 
 
-class _SeqToHeads(torch.autograd.Function):
-    """:func:`_seq_to_heads`, whose gradient is :func:`_heads_to_seq` of the output's (a permutation's
-    transpose is its inverse)."""
+class _Exchange(torch.autograd.Function):
+    """:func:`_seq_to_heads` (``to_heads``) or :func:`_heads_to_seq`, whose gradient is the other one of the
+    output's (each is a permutation of the elements across the ranks, and a permutation's transpose is its
+    inverse)."""
 
     @staticmethod
-    def forward(ctx, x, group, world, order):
-        ctx.args = (group, world, order)
-        return _seq_to_heads(x, group, world, order)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _heads_to_seq(grad, *ctx.args), None, None, None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    """:func:`_heads_to_seq`, whose gradient is :func:`_seq_to_heads` of the output's."""
-
-    @staticmethod
-    def forward(ctx, y, group, world, order):
-        ctx.args = (group, world, order)
-        return _heads_to_seq(y, group, world, order)
+    def forward(ctx, x, to_heads, group, world, order):
+        ctx.args = (not to_heads, group, world, order)
+        return (_seq_to_heads if to_heads else _heads_to_seq)(x, group, world, order)
 
     @staticmethod
     def backward(ctx, grad):
-        return _seq_to_heads(grad, *ctx.args), None, None, None
+        to_heads, *args = ctx.args
+        return (_seq_to_heads if to_heads else _heads_to_seq)(grad, *args), None, None, None, None
 
 
 def head_parallel_attention(
@@ -175,7 +164,7 @@ def head_parallel_attention(
         k, v = (t.repeat_interleave(world // heads_kv, dim=2) for t in (k, v))
     # (hybrid: each rank holds a contiguous piece of its ring share, whose own layout is the ring's concern)
     order = _natural_order(world, zigzag and ring_group is None, q.device)
-    qh, kh, vh = (_SeqToHeads.apply(t, group, world, order) for t in (q, k, v))
+    qh, kh, vh = (_Exchange.apply(t, True, group, world, order) for t in (q, k, v))
     mine = slice(rank * heads_q // world, (rank + 1) * heads_q // world)
     slopes = None if alibi_slopes is None else alibi_slopes[..., mine]
     sinks_mine = None if sinks is None else sinks[mine]
@@ -189,9 +178,9 @@ def head_parallel_attention(
             qh, kh, vh, group=ring_group, causal=causal, softmax_scale=softmax_scale, window=window,
             softcap=softcap, sinks=sinks_mine, return_lse=True,
         )  # fmt: skip
-    out = _HeadsToSeq.apply(out, group, world, order)
+    out = _Exchange.apply(out, False, group, world, order)
     if not return_lse:
         return out
     # (batch, heads / W, seqlen) -> (batch, heads, seqlen_local): the output's exchange, on a head_dim of 1
-    lse = _HeadsToSeq.apply(lse.transpose(1, 2).unsqueeze(-1).contiguous(), group, world, order)
+    lse = _Exchange.apply(lse.transpose(1, 2).unsqueeze(-1).contiguous(), False, group, world, order)
     return out, lse.squeeze(-1).transpose(1, 2)

@@ -268,19 +268,21 @@ def _make_plan(q, k, v, o, do, lse, spec: AttentionSpec, config, lengths=None, s
 def _map_layouts(q, do, cfg: BwdConfig, into: BwdTmaParams) -> tuple[tma.MapLayout, tma.MapLayout]:
     """The tensor map layouts of q and dO (boxes of block_q rows), encoded once on these tensors' own
     addresses into ``into``'s maps, so a layout the TMA unit refuses is known before anything launches."""
-    layouts = []
-    for name, t, map_field in (("q", q, into.q_map), ("the output gradient", do, into.do_map)):
-        layout = tma.map_layout(t, cfg.block_q)
-        if isinstance(layout, str):
-            raise ValueError(f"config {cfg.name()} loads {name} with TMA, but {layout}; name another config")
-        status = tma.encode_into(map_field, layout, t.data_ptr())
-        if status != 0:
-            raise ValueError(
-                f"config {cfg.name()} loads {name} with TMA, but the driver refuses a tensor map of its "
-                f"layout (shape {tuple(t.shape)}, strides {t.stride()}; status {status}); name another config"
-            )
-        layouts.append(layout)
-    return layouts[0], layouts[1]
+    return (
+        tma.encode_operand(cfg.name(), "loads q", q, cfg.block_q, into.q_map),
+        tma.encode_operand(cfg.name(), "loads the output gradient", do, cfg.block_q, into.do_map),
+    )
+
+
+def plan_params(plan: _Plan) -> tuple[BwdParams | BwdTmaParams, BwdParams]:
+    """A fresh copy of the plan's template: (what the kernels take, its BwdParams) -- BwdTmaParams and the
+    BwdParams view at its start for a plan with tma_loads (the maps follow in the same bytes), else the
+    same BwdParams twice."""
+    if plan.maps is None:
+        p = BwdParams.from_buffer_copy(plan.template)
+        return p, p
+    args = BwdTmaParams.from_buffer_copy(plan.template)
+    return args, args.p
 
 
 def bind_maps(plan: _Plan, args: BwdTmaParams, q_ptr: int, do_ptr: int) -> None:
@@ -408,8 +410,7 @@ def cuda_backward(
     stats, accum = plan.stats, plan.accum
     ws = torch.empty(2 * stats + accum, dtype=torch.float32, device=device)
 
-    args = (BwdTmaParams if plan.maps is not None else BwdParams).from_buffer_copy(plan.template)
-    p = args.p if plan.maps is not None else args  # (a view: the maps follow in the same bytes)
+    args, p = plan_params(plan)
     p.q, p.k, p.v, p.o, p.dout = (t.data_ptr() for t in (q_, k_, v_, o_, do_))
     if plan.maps is not None:
         bind_maps(plan, args, p.q, p.dout)

@@ -264,7 +264,6 @@ def _map_layouts(q, k, v, o, cfg: KernelConfig, into: FwdTmaParams) -> tuple[tma
     """The tensor map layouts of q (boxes of block_q rows), k and v (block_kv rows) and, for a config with
     tma_store, o (boxes of one consumer warpgroup's 64 rows), encoded once on these tensors' own addresses
     into ``into``'s maps, so a layout the TMA unit refuses is known before anything launches."""
-    layouts = []
     operands = [
         ("loads q", q, cfg.block_q, into.q_map),
         ("loads k", k, cfg.block_kv, into.k_map),
@@ -272,18 +271,7 @@ def _map_layouts(q, k, v, o, cfg: KernelConfig, into: FwdTmaParams) -> tuple[tma
     ]
     if cfg.tma_store:
         operands.append(("stores the output", o, 64, into.o_map))
-    for what, t, rows, map_field in operands:
-        layout = tma.map_layout(t, rows)
-        if isinstance(layout, str):
-            raise ValueError(f"config {cfg.name()} {what} with TMA, but {layout}; name another config")
-        status = tma.encode_into(map_field, layout, t.data_ptr())
-        if status != 0:
-            raise ValueError(
-                f"config {cfg.name()} {what} with TMA, but the driver refuses a tensor map of its "
-                f"layout (shape {tuple(t.shape)}, strides {t.stride()}; status {status}); name another config"
-            )
-        layouts.append(layout)
-    return tuple(layouts)
+    return tuple(tma.encode_operand(cfg.name(), what, t, rows, field) for what, t, rows, field in operands)
 
 
 def chosen_config(

@@ -53,6 +53,7 @@ from .tensors import strides_usable
 __all__ = [
     "ENV",
     "MODE",
+    "PLAIN_NUMBERS",
     "WHOLE_PATH",
     "NativeRepeatCall",
     "RepeatCall",
@@ -61,6 +62,7 @@ __all__ = [
     "lookup",
     "prepare",
     "remember",
+    "bound_layout",
     "signature",
 ]
 
@@ -70,7 +72,7 @@ MODE = {"0": "off", "python": "python"}.get(os.environ.get(ENV, "native"), "nati
 
 #: Types a plain option may have in a signature: anything else (a numpy scalar, a tensor) takes the whole
 #: path, whose checks accept or reject it (``True == 1 == 1.0`` would make them equal keys otherwise).
-_PLAIN_NUMBERS = (float, int)
+PLAIN_NUMBERS = (float, int)
 _STRIDED = torch.strided
 
 
@@ -230,12 +232,12 @@ def signature(
     if (
         MODE == "off"
         or dropout_seed is not None
-        or type(dropout_p) not in _PLAIN_NUMBERS
+        or type(dropout_p) not in PLAIN_NUMBERS
         or dropout_p != 0
         or type(causal) is not bool
         or type(deterministic) is not bool
         or (softmax_scale is not None and type(softmax_scale) is not float)
-        or type(softcap) not in _PLAIN_NUMBERS
+        or type(softcap) not in PLAIN_NUMBERS
         or torch.compiler.is_compiling()
     ):
         return None
@@ -253,7 +255,7 @@ def signature(
         records = torch.is_grad_enabled() and (differentiated or (sinks is not None and sinks.requires_grad))
         variant = None if window is None and not softcap else (window, float(softcap))
         if alibi_slopes is not None or sinks is not None:
-            variant = (variant, _bound_layout(alibi_slopes), _bound_layout(sinks))
+            variant = (variant, bound_layout(alibi_slopes), bound_layout(sinks))
             if False in variant[1:]:
                 return None
             if sinks is not None and (sinks.dtype != torch.float32 or not sinks.is_contiguous()):
@@ -262,7 +264,7 @@ def signature(
         if segments is not None:
             if type(segments) is not tuple or len(segments) not in (2, 3):
                 return None
-            layouts = tuple(_bound_layout(t) for t in segments)  # (the runs, and any table of diagonals)
+            layouts = tuple(bound_layout(t) for t in segments)  # (the runs, and any table of diagonals)
             if False in layouts:
                 return None
             packed = (layouts, segment_lengths(segments), segment_count(segments))
@@ -285,7 +287,7 @@ def signature(
         return None
 
 
-def _bound_layout(t) -> tuple | None | bool:
+def bound_layout(t) -> tuple | None | bool:
     """A bound tensor's part of a signature: None for none, False for an argument the checks must see."""
     if t is None:
         return None

@@ -106,3 +106,19 @@ def encode_into(field: ctypes.Array, layout: MapLayout, data_ptr: int) -> int:
     if status == 0:
         ctypes.memmove(field, scratch, TENSOR_MAP_BYTES)
     return status
+
+
+def encode_operand(config: str, what: str, t, rows: int, field: ctypes.Array) -> MapLayout:
+    """The map layout of operand ``t`` (boxes of ``rows`` rows) for config ``config``, encoded once on its
+    own address into ``field`` (a params struct's map), so a layout the TMA unit refuses is known at plan
+    time; ValueError naming the config and ``what`` it does ("loads q") where it cannot be."""
+    layout = map_layout(t, rows)
+    if isinstance(layout, str):
+        raise ValueError(f"config {config} {what} with TMA, but {layout}; name another config")
+    status = encode_into(field, layout, t.data_ptr())
+    if status != 0:
+        raise ValueError(
+            f"config {config} {what} with TMA, but the driver refuses a tensor map of its layout (shape "
+            f"{tuple(t.shape)}, strides {t.stride()}; status {status}); name another config"
+        )
+    return layout

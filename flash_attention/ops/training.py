@@ -65,8 +65,8 @@ def program(plan, bound_fields: tuple[str, ...] = (), alibi_batch_stride: int = 
     # Made once per key and kept with the plan (whose repeat calls hold these addresses).
     fields = launch_fields(plan.launches)
     names = [launch.kernel.name for launch in plan.launches]
-    args = (BwdTmaParams if plan.maps is not None else BwdParams).from_buffer_copy(plan.template)
-    (args.p if plan.maps is not None else args).alibi_batch_stride = alibi_batch_stride
+    args, params = backward.plan_params(plan)
+    params.alibi_batch_stride = alibi_batch_stride
     template = torch.frombuffer(bytearray(args), dtype=torch.uint8)
     maps = []  # (tma_loads: q's and dO's map layouts, which the node encodes on each call's addresses)
     if plan.maps is not None:
