@@ -40,14 +40,14 @@ LIMITS = {
 
 def _defaults(arch: str) -> list:
     """Every default config of ``arch``: forward for each dtype, compiled head_dim, mask and length; backward
-    for each dtype and head_dim (None where nothing fits)."""
+    for each dtype, head_dim and mask (None where nothing fits)."""
     out: list = []
     for dtype in DTYPES:
         for d in HEAD_DIMS:
             for causal in (False, True):
                 for n in SEQLEN_BUCKETS:
                     out.append(default_config(dtype, d, causal, n, n, arch))
-            out.append(default_bwd_config(dtype, d, arch))
+                out.append(default_bwd_config(dtype, d, arch, causal=causal))
     return list(dict.fromkeys(out))
 
 
@@ -143,3 +143,30 @@ def test_soft_capping_takes_its_own_d128_config_only_where_measured():
         assert other != SOFTCAP_D128_CONFIG
     assert pick(features=()) == plain.name()
     assert "192" not in pick(arch="sm_80") and "wgmma" not in pick(arch="sm_80")
+
+
+def test_hopper_backward_loads_by_tma_only_where_measured_faster():
+    # configs.backward.HOPPER_BWD_TMA_DEFAULT: the TMA producer at head_dim 256 and at 128 causal, the
+    # cp.async producer at 128 non-causal and at 64 (where TMA measured slower); the deterministic and
+    # dropout calls at 256 take the wide kernel, which has no producer warpgroup; other architectures never
+    # take TMA.
+    def pick(d, causal, features=(), arch="sm_90a"):
+        return backward_config(
+            "bf16", d, causal, 4096, 4096, 1, arch=arch, gpu="", smem_limit=LIMITS["sm_90"], features=features
+        )
+
+    tma = {(d, causal): pick(d, causal).tma_loads for d in (64, 128, 256) for causal in (False, True)}
+    assert tma == {
+        (64, False): False,
+        (64, True): False,
+        (128, False): False,
+        (128, True): True,
+        (256, False): True,
+        (256, True): True,
+    }
+    assert pick(256, True).name().endswith("_ws_tma") and pick(128, False).name().endswith("_ws")
+    for features in (("deterministic",), ("dropout",)):
+        assert not pick(256, True, features).tma_loads and not pick(256, True, features).warp_specialized
+    assert not any(pick(d, c, arch="sm_80").tma_loads for d in (64, 128) for c in (False, True))
+    # Both producers stay selectable by name, whatever the default.
+    assert pick(128, False).replace(tma_loads=True).tma_loads

@@ -93,7 +93,8 @@ def test_every_backward_unit_of_the_catalog_compiles_with_its_entries(catalog_bu
 def test_hopper_backward_configs():
     for d in (64, 128):
         cfg = default_bwd_config("bf16", d, "sm_90")
-        # The warp-specialized kernel is the default; the sm90 kernel it replaced stays selectable.
+        # The warp-specialized kernel is the default (its cp.async producer without a causal mask: TMA loads
+        # at 128 causal, test_arch_defaults); the sm90 kernel it replaced stays selectable.
         assert cfg == hopper_bwd_config("bf16", d) and cfg.name().endswith("_wgmma_ws")
         assert cfg.threads == 384
         old = hopper_bwd_config("bf16", d, warp_specialized=False)
@@ -101,10 +102,14 @@ def test_hopper_backward_configs():
         for c in (cfg, old):
             assert parse_bwd_config(c.name()) == c
             assert c.smem_bytes <= 227 * 1024
-    # Head_dim 256: the warp-specialized wide kernel (a producer and two computing warpgroups on 64 keys).
+    # Head_dim 256: the warp-specialized wide kernel (a producer and two computing warpgroups on 64 keys),
+    # its producer loading Q and dO by TMA; the cp.async producer stays selectable and takes the same memory.
     wide_ws = default_bwd_config("bf16", 256, "sm_90")
     assert wide_ws == hopper_bwd_config("bf16", 256) and wide_ws.wide_ws and wide_ws.threads == 384
-    assert parse_bwd_config(wide_ws.name()) == wide_ws and wide_ws.name().endswith("_w12_s1_buffer_wgmma_ws")
+    assert parse_bwd_config(wide_ws.name()) == wide_ws
+    assert wide_ws.name().endswith("_w12_s1_buffer_wgmma_ws_tma")
+    copying = hopper_bwd_config("bf16", 256, tma_loads=False)
+    assert copying.name().endswith("_wgmma_ws") and copying.smem_bytes == wide_ws.smem_bytes
     # fa::sm90::BwdWideWsSmem: K, V, two Q and two dO slots, P and dS, statistics, barriers, alignment.
     assert (
         wide_ws.smem_bytes == 2 * 64 * 256 * 2 + 4 * 64 * 256 * 2 + 2 * 64 * 64 * 2 + 2 * 64 * 8 + 32 + 1024
@@ -203,7 +208,8 @@ def test_key_padded_and_dropout_training_keeps_the_hopper_backward(feature, d):
     cfg = choose([feature])
     wide = hopper_bwd_config("bf16", d, warp_specialized=False)
     # At head_dim 256 the warp-specialized wide kernel has key ranges; dropout runs the wide one.
-    assert cfg == (wide if (d, feature) == (256, "dropout") else default_bwd_config("bf16", d, "sm_90"))
+    causal_default = default_bwd_config("bf16", d, "sm_90", causal=True)
+    assert cfg == (wide if (d, feature) == (256, "dropout") else causal_default)
     assert cfg.wgmma and (cfg.warp_specialized if d == 128 else cfg.wide)
     # Deterministic mode: the turn-taking forms of the ws kernel at head_dim 64/128, the wide one at 192/256.
     det = choose(["deterministic", feature])

@@ -356,22 +356,32 @@ def bwd_register_roles(cfg: BwdConfig) -> str:
     return ""
 
 
-#: Whether the Hopper backward's warp-specialized defaults load Q and dO by TMA (BwdConfig.tma_loads).
-#: Off until measured against the cp.async producer on a GPU (kernel log 130); either stays selectable by
-#: name (``..._ws`` and ``..._ws_tma``).
-HOPPER_BWD_TMA_LOADS = False
+#: Where the Hopper backward's warp-specialized defaults load Q and dO by TMA (BwdConfig.tma_loads) rather
+#: than by the producer warpgroup's cp.async: (head_dim, causal) pairs, each measured against the cp.async
+#: producer in forward+backward time on an H200 (docs/kernel-log.md steps 130-131). TMA wins at head_dim 256
+#: (0.94-0.98x the time, causal and not, 1k-4k tokens) and at 128 causal (0.94-0.97x); it loses at 128
+#: non-causal (1.015-1.027x: under ncu the dK/dV kernel itself runs level, step 131) and at 64 causal
+#: (1.011x). Both producers stay selectable by name (``..._ws`` and ``..._ws_tma``).
+HOPPER_BWD_TMA_DEFAULT = frozenset({(256, False), (256, True), (128, True)})
 
 
 def hopper_bwd_config(
-    dtype: str, head_dim: int, *, warp_specialized: bool = True, tma_loads: bool | None = None
+    dtype: str,
+    head_dim: int,
+    *,
+    causal: bool = False,
+    warp_specialized: bool = True,
+    tma_loads: bool | None = None,
 ) -> BwdConfig:
     """The Hopper backward's config at head_dim 64 or 128 (its shape is fixed by the kernel: 128 keys per
     block, 128 query rows per step at head_dim 64 and 64 at 128): the warp-specialized kernel (Q and dO by
-    TMA with ``tma_loads``, default HOPPER_BWD_TMA_LOADS), or with ``warp_specialized=False`` the sm90 wgmma
-    kernel it replaced. At head_dim 256 the warp-specialized wide kernel (64 keys, 64 query rows per step,
-    csrc/kernels/sm90/bwd_wide_ws), or with ``warp_specialized=False`` the wide kernel, which is also head_dim
-    192's."""
-    tma = warp_specialized and (HOPPER_BWD_TMA_LOADS if tma_loads is None else tma_loads)
+    TMA with ``tma_loads``, by default where HOPPER_BWD_TMA_DEFAULT lists the head_dim and mask), or with
+    ``warp_specialized=False`` the sm90 wgmma kernel it replaced. At head_dim 256 the warp-specialized wide
+    kernel (64 keys, 64 query rows per step, csrc/kernels/sm90/bwd_wide_ws), or with
+    ``warp_specialized=False`` the wide kernel, which is also head_dim 192's."""
+    if tma_loads is None:
+        tma_loads = (head_dim, bool(causal)) in HOPPER_BWD_TMA_DEFAULT
+    tma = warp_specialized and tma_loads
     if head_dim == 256 and warp_specialized:
         return BwdConfig(
             dtype, head_dim, 64, 64, 12, 1, True, wgmma=True, warp_specialized=True, tma_loads=tma

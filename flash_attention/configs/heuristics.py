@@ -181,7 +181,7 @@ _BWD_CANDIDATES = {
 
 @lru_cache(maxsize=256)
 def default_bwd_config(
-    dtype: str, head_dim: int, arch: str = "sm_80", *, portable: bool = False
+    dtype: str, head_dim: int, arch: str = "sm_80", *, causal: bool = False, portable: bool = False
 ) -> BwdConfig | None:
     """The backward config for a problem's dtype and head_dim (padded up to a compiled size) on ``arch``,
     or None when no config of ours fits its shared memory (head_dim 256 on sm_86/sm_89: the caller falls
@@ -192,12 +192,13 @@ def default_bwd_config(
     (csrc/kernels/sm90/bwd_wide; measured on an H100, bf16, 8 heads, backward alone against the sm80
     kernel: 1.57-1.86x from 512 to 16k tokens, docs/kernel-log.md step 75) and the warp-specialized wide
     one at 256 (csrc/kernels/sm90/bwd_wide_ws; forward+backward 0.81-0.84x the wide kernel's time on an
-    H200, step 126), whose dropout and deterministic calls take the wide kernel (ops.select).
+    H200, step 126), whose dropout and deterministic calls take the wide kernel (ops.select); ``causal``
+    picks their producer's loads (configs.backward.HOPPER_BWD_TMA_DEFAULT).
     Elsewhere the first of the portable candidates whose dK/dV and dQ kernels both fit ``arch``'s opt-in
     shared memory."""
     d = padded_head_dim(head_dim)
     if is_hopper(arch) and not portable and d in (64, 128, 192, 256):
-        return hopper_bwd_config(dtype, d)
+        return hopper_bwd_config(dtype, d, causal=causal)
     limit = smem_optin(arch)
     for fields in _BWD_CANDIDATES[d]:
         cfg = BwdConfig(dtype, d, **fields)

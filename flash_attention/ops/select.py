@@ -195,7 +195,7 @@ def backward_config(
         _check_explicit(cfg, dtype, head_dim, unsupported(cfg, features), smem, smem_limit)
         return cfg
     cfg = winners.lookup_bwd(gpu, dtype, head_dim, causal, seqlen_q, seqlen_k, group) or default_bwd_config(
-        dtype, head_dim, arch
+        dtype, head_dim, arch, causal=causal
     )
     cfg = _wide_for(cfg, features)
     if cfg is not None and unsupported(cfg, features):

@@ -91,6 +91,6 @@ BACKWARD = Family(
     candidates=lambda dtype, d, causal, arch: bwd_candidate_space(dtype, d, arch),
     prepare=prepare_bwd_candidates,
     tune=tune_bwd_shape,
-    default=lambda dtype, d, causal, seqlen, arch: default_bwd_config(dtype, d, arch),
+    default=lambda dtype, d, causal, seqlen, arch: default_bwd_config(dtype, d, arch, causal=causal),
     key=bwd_entry_key,
 )

@@ -224,12 +224,12 @@ def bwd_candidate_space(dtype: str, head_dim: int, arch: str = "sm_80") -> list[
         except ValueError:
             continue
     extra = [default_bwd_config(dtype, d), default_bwd_config(dtype, d, arch)]
-    if is_hopper(arch) and d in (64, 128):
-        # Both Hopper kernels: the warp-specialized default (its producer's two forms: cp.async rows and TMA
-        # loads) and the sm90 kernel it replaced.
+    if is_hopper(arch) and d in (64, 128, 256):
+        # The warp-specialized kernels in their producer's two forms (cp.async rows and TMA loads), and the
+        # kernel each replaced (the sm90 kernel at 64 and 128, the wide kernel at 256).
         extra += [hopper_bwd_config(dtype, d, tma_loads=tma) for tma in (False, True)]
         extra.append(hopper_bwd_config(dtype, d, warp_specialized=False))
-    elif is_hopper(arch) and d in (192, 256):
+    elif is_hopper(arch) and d == 192:
         extra.append(hopper_bwd_config(dtype, d))  # the wide kernel (the default: already listed)
     for cfg in extra:
         if cfg is not None and cfg not in out:
