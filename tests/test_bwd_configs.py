@@ -236,3 +236,13 @@ def test_wide_backward_sources_have_the_key_range_and_dropout_builds():
     from flash_attention.configs.backward import bwd_register_roles
 
     assert "dQ writer's warpgroup 24, the others up to 240" in bwd_register_roles(wide)
+
+
+def test_deterministic_training_takes_the_ws_backward():
+    # The deterministic mode keeps the warp-specialized kernel at head_dim 64 (its turn-taking form).
+    from flash_attention.ops.select import backward_config
+
+    cfg = backward_config(
+        "bf16", 64, True, 1000, 1000, 1, arch="sm_90", gpu="", smem_limit=232448, features=("deterministic",)
+    )
+    assert cfg == default_bwd_config("bf16", 64, "sm_90", causal=True) and cfg.warp_specialized

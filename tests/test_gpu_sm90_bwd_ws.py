@@ -214,17 +214,6 @@ def check_key_range_backward(d, causal, config):
 
 
 @needs_hopper
-def test_key_range_training_takes_the_ws_backward():
-    from flash_attention.configs import default_bwd_config
-    from flash_attention.ops.select import backward_config
-
-    cfg = backward_config(
-        "bf16", 128, True, 1000, 1000, 1, arch="sm_90", gpu="", smem_limit=227 * 1024, features=["key_range"]
-    )
-    assert cfg == default_bwd_config("bf16", 128, "sm_90") and cfg.warp_specialized
-
-
-@needs_hopper
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 def test_ws_backward_dropout(d, causal):
@@ -315,23 +304,3 @@ def check_deterministic_backward(case, cfg):
         for name, a, b_, r in zip(("dq", "dk", "dv"), runs[0], atomic, ref, strict=True):
             err, err_a = (a.double() - r).abs().max().item(), (b_.double() - r).abs().max().item()
             assert err <= 1.5 * err_a + 1e-4, f"{name}: {err:.3g} vs the atomic mode's {err_a:.3g}"
-
-
-@needs_hopper
-def test_deterministic_training_takes_the_ws_backward():
-    from flash_attention.configs import default_bwd_config
-    from flash_attention.ops.select import backward_config
-
-    cfg = backward_config(
-        "bf16",
-        64,
-        True,
-        1000,
-        1000,
-        1,
-        arch="sm_90",
-        gpu="",
-        smem_limit=227 * 1024,
-        features=["deterministic"],
-    )
-    assert cfg == default_bwd_config("bf16", 64, "sm_90") and cfg.warp_specialized
