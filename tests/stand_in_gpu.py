@@ -240,10 +240,10 @@ class StandInGpu:
         if kernel.window:
             variant["window"] = (p.window_left, p.window_right)
         if kernel.score in ("softcap", "softcap_alibi"):
-            assert p.softcap > 0, "a soft-capping build launched without its cap"
-            variant["softcap"] = p.softcap
+            assert p.score_values[0] > 0, "a soft-capping build launched without its cap"
+            variant["softcap"] = p.score_values[0]
         else:
-            assert p.softcap == 0, "a cap in the params of a build without soft-capping"
+            assert p.score_values[0] == 0, "a cap in the params of a build without soft-capping"
         if kernel.score in ("alibi", "softcap_alibi"):
             # (heads_q,) or, with a stride between batch rows, (batch, heads_q) float32 slopes.
             stride = p.alibi_batch_stride

@@ -92,7 +92,7 @@ def test_variants_reach_the_decode_plan(gpu, monkeypatch, kw):
     fa.attention(q, k, v, **kw)
     assert len(problems) == 1
     problem = problems[0]
-    assert problem.softcap == kw.get("softcap", 0.0)
+    assert problem.score_values.get("softcap", 0.0) == kw.get("softcap", 0.0)
     assert problem.alibi == (1 if "alibi_slopes" in kw else 0)
     if "window" in kw:
         assert problem.window is not None

@@ -150,7 +150,8 @@ def test_the_node_takes_alibi_and_packed_batches(variant):
             assert "FlashAttentionBackward" in _grad_fns(out)
         else:
             # (the op's inputs: the options packed, key range and seed, slopes, the runs, sinks)
-            options, values = pack_options(True, d**-0.5, True, 0.0, None if packed else window, softcap)
+            shown = None if packed else window
+            options, values = pack_options(True, d**-0.5, True, 0.0, shown, softcap=softcap)
             seg = (*runs, None)[:3] if packed else (None, None, None)
             out, _ = custom_ops.EagerAttention.apply(q, k, v, options, values, None, None, slopes, *seg, None)
         results.append((out, *torch.autograd.grad(out, (q, k, v), dout)))
@@ -189,7 +190,7 @@ def test_the_node_gives_the_sinks_their_gradient(packed):
                 out = fa.attention(q, k, v, causal=True, window=window, sinks=sinks, deterministic=True)
             assert "FlashAttentionBackward" in _grad_fns(out)
         else:
-            options, values = pack_options(True, d**-0.5, True, 0.0, None if packed else window, 0.0)
+            options, values = pack_options(True, d**-0.5, True, 0.0, None if packed else window)
             seg = (*runs, None)[:3] if packed else (None, None, None)
             out, _ = custom_ops.EagerAttention.apply(q, k, v, options, values, None, None, None, *seg, sinks)
         results.append((out, *torch.autograd.grad(out, (q, k, v, sinks), dout)))

@@ -105,7 +105,7 @@ def test_score_specs_name_every_build_once():
     assert builds[0] is None and len(set(builds)) == len(specs)
     assert set(builds[1:]) == set(sources.SCORE_MODS)
     for s in specs:
-        assert s.features == {"softcap": s.softcap > 0, "alibi": s.alibi}
+        assert s.features == {"softcap": s.value("softcap") > 0, "alibi": s.alibi}
     with pytest.raises(ValueError, match="need alibi=True"):
         ScoreSpec(alibi_rows=True)
 
@@ -116,11 +116,11 @@ def test_score_spec_of_a_packed_batch_measures_alibi_from_its_runs_or_table(caus
     runs = (torch.zeros(12, 2, dtype=torch.int32), torch.zeros(12, 2, dtype=torch.int32))
     table = (*runs, torch.zeros(12, dtype=torch.int32))
     heads, rows = torch.ones(2), torch.ones(12, 2)
-    assert score_spec(0.5, None, q, runs, causal) == ScoreSpec.of(softcap=0.5)
-    assert score_spec(0.0, heads, q).build == "alibi"
-    assert score_spec(0.0, heads, q, runs, causal).build == ("alibi_runs" if causal else "alibi")
-    assert score_spec(0.5, heads, q, table, causal).build == "softcap_alibi_table"
-    assert score_spec(0.0, rows, q, runs, causal).build == ("alibi_runs_rows" if causal else "alibi_rows")
+    assert score_spec(None, q, runs, causal, softcap=0.5) == ScoreSpec.of(softcap=0.5)
+    assert score_spec(heads, q).build == "alibi"
+    assert score_spec(heads, q, runs, causal).build == ("alibi_runs" if causal else "alibi")
+    assert score_spec(heads, q, table, causal, softcap=0.5).build == "softcap_alibi_table"
+    assert score_spec(rows, q, runs, causal).build == ("alibi_runs_rows" if causal else "alibi_rows")
 
 
 def _toy(monkeypatch):

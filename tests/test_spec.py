@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from flash_attention.spec import OpOptions, pack_options
+from flash_attention.spec.score_functions import values_of
 
 
 @pytest.mark.parametrize(
@@ -20,10 +21,12 @@ from flash_attention.spec import OpOptions, pack_options
     ),
 )
 def test_options_survive_the_round_trip(causal, deterministic, window, softcap, dropout_p):
-    opt = OpOptions(causal, 0.0883883, deterministic, dropout_p, window, softcap)
+    opt = OpOptions(causal, 0.0883883, deterministic, dropout_p, window, values_of(softcap=softcap))
     ints, floats = opt.pack()
     assert all(type(x) is int for x in ints) and all(type(x) is float for x in floats)
-    assert (ints, floats) == pack_options(causal, 0.0883883, deterministic, dropout_p, window, softcap)
+    packed = pack_options(causal, 0.0883883, deterministic, dropout_p, window, softcap=softcap)
+    assert (ints, floats) == packed
+    assert opt.score_values == ({"softcap": softcap} if softcap else {})
     back = OpOptions.unpack(ints, floats)
     assert back == opt and type(back.causal) is bool and type(back.deterministic) is bool
     assert back.window is None or type(back.window) is tuple
@@ -45,7 +48,7 @@ def test_op_options_make_the_spec_the_fallback_takes(ranged, alibi, sinks, segme
     # tensors say; every option survives, and the score function's build follows the cap and ALiBi.
     from flash_attention.spec import AttentionSpec, ScoreSpec
 
-    opt = OpOptions(True, 0.3, True, 0.25, (7, -1), 12.5)
+    opt = OpOptions(True, 0.3, True, 0.25, (7, -1), (("softcap", 12.5),))
     spec = OpOptions.unpack(*opt.pack()).attention_spec(
         ranged=ranged, alibi=alibi, sinks=sinks, segments=segments
     )
@@ -59,7 +62,7 @@ def test_kv_cache_problem_spec_carries_its_options():
     from flash_attention.spec import ScoreSpec
     from flash_attention.spec.validate_kvcache import CacheProblem
 
-    problem = CacheProblem(2, 1, 8, 2, 128, 0, 0, 4096, 0.125, True, (255, -1), 30.0, 1)
+    problem = CacheProblem(2, 1, 8, 2, 128, 0, 0, 4096, 0.125, True, (255, -1), 1, (("softcap", 30.0),))
     spec = problem.attention_spec
     assert (spec.causal, spec.scale, spec.window, spec.score) == (
         True,
@@ -108,3 +111,16 @@ def test_every_score_build_names_a_policy_the_kernels_declare():
     spec = ScoreSpec.of(softcap=30.0, alibi=True, alibi_origin="runs", alibi_rows=True)
     assert (spec.build, spec.policy) == ("softcap_alibi_runs_rows", "fa::SoftcapAlibiRunsRows")
     assert (ScoreSpec().build, ScoreSpec().policy) == (None, None)
+
+
+def test_score_values_are_checked_by_name():
+    # The layers below the public functions take the scalar score functions by name: an unknown name is a
+    # TypeError naming it (a misspelt keyword), never a silently plain call.
+    with pytest.raises(TypeError, match="softcapp"):
+        pack_options(False, 1.0, softcapp=30.0)
+    from flash_attention.spec.validate import check_score
+
+    with pytest.raises(TypeError, match="softcapp"):
+        check_score(None, torch.randn(1, 2, 1, 8), softcapp=30.0)
+    with pytest.raises(ValueError, match="softcap"):
+        check_score(None, torch.randn(1, 2, 1, 8), softcap=-1.0)

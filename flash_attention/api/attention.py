@@ -212,7 +212,7 @@ def attention(
     if out is None:
         key = _repeat.signature(
             q, k, v, causal, softmax_scale, return_lse, key_range, deterministic, dropout_p, dropout_seed,
-            window, softcap, alibi_slopes, sinks, _segments,
+            window, alibi_slopes, sinks, _segments, softcap=softcap,
         )  # fmt: skip
         if key is not None:
             call = _repeat.lookup(key)
@@ -233,9 +233,9 @@ def attention(
     # and its op takes the options as they are).
     compiling = torch.compiler.is_compiling()
     if compiling:
-        check_score(softcap, alibi_slopes, q, _segments)
+        check_score(alibi_slopes, q, _segments, softcap=softcap)
     else:
-        score = score_spec(softcap, alibi_slopes, q, _segments, problem.causal)
+        score = score_spec(alibi_slopes, q, _segments, problem.causal, softcap=softcap)
     check_sinks(sinks, q)
     if _segments is not None:
         check_segments(_segments, q, k, key_range, window)
@@ -317,13 +317,13 @@ def attention(
             float(dropout_p),
             seed,
             window,
-            softcap,
+            {"softcap": softcap},
             alibi_slopes,
             sinks,
             _segments,
         )
     # (segments: flash_attention.api.varlen's runs of a packed batch, for the kernels' segments build)
-    windowed = launch_variants(window, softcap, alibi_slopes, _segments)
+    windowed = launch_variants(window, alibi_slopes, _segments, softcap=softcap)
 
     if problem.is_empty:
         o, lse = _empty_result(q, problem, out)
@@ -397,20 +397,24 @@ def _attention_op(
     dropout_p: float = 0.0,
     dropout_seed: torch.Tensor | None = None,
     window: tuple[int, int] | None = None,
-    softcap: float = 0.0,
+    score_values: dict[str, float] | None = None,
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     segments: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`attention` through the custom op ``flash_attention::fwd``: differentiable, and one opaque
-    node for torch.compile. The op makes the same kernel-or-fallback choice as the direct path."""
+    node for torch.compile. The op makes the same kernel-or-fallback choice as the direct path.
+    ``score_values``: the scalar score functions' checked values by name."""
+    score_values = score_values or {}
     if out is not None and records:
         raise RuntimeError(
             "attention(): out= does not support automatic differentiation, but q, k or v requires grad; "
             "call attention() without out= (it returns a new tensor), or under torch.no_grad()"
         )
     # The op's arguments (torch_ops.attention): the options packed, then the tensors beside them.
-    options, values = pack_options(problem.causal, problem.scale, deterministic, dropout_p, window, softcap)
+    options, values = pack_options(
+        problem.causal, problem.scale, deterministic, dropout_p, window, **score_values
+    )
     row_keys = key_rows = alibi_diagonal = None
     if segments is not None:  # (a packed batch's runs, and each row's ALiBi diagonal where they carry one)
         row_keys, key_rows, alibi_diagonal = (*segments, None)[:3]
@@ -426,7 +430,7 @@ def _attention_op(
             and out is None
             and not return_lse
             and window is None
-            and not softcap
+            and not any(score_values.values())
             and alibi_slopes is None
             and sinks is None
             and segments is None
@@ -483,12 +487,8 @@ def forward(
     """
     problem = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, key_range=key_range)
     window = check_window(window)
-    check_score(softcap, alibi_slopes, q)  # (naming the argument)
-    variant: dict = {} if window is None else {"window": window}
-    if softcap:
-        variant["softcap"] = float(softcap)
-    if alibi_slopes is not None:
-        variant["alibi_slopes"] = alibi_slopes
+    check_score(alibi_slopes, q, softcap=softcap)  # (naming the argument)
+    variant = launch_variants(window, alibi_slopes, softcap=softcap)
     ops, cfg = _kernel_path(config, q, "forward")
     if problem.is_empty:
         o, lse = _empty_result(q, problem, out)

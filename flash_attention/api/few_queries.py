@@ -95,15 +95,16 @@ def route(
     return_lse: bool,
     out: torch.Tensor | None,
     window: tuple[int, int] | None,
-    softcap: float,
     alibi_slopes: torch.Tensor | None,
     sinks: torch.Tensor | None,
     key: tuple | None,
+    **score_values: float,
 ) -> RoutedCall | None:
     """The decode kernels' call for a validated ``attention()`` call that is not recorded and has no key
     range, dropout or packed batch (the caller checks those), or None when the call keeps its usual path:
     too many query rows, too few keys, layouts or a GPU the decode kernels cannot take. ``key``: the call's
-    repeat signature (the decode plan is kept under it), or None."""
+    repeat signature (the decode plan is kept under it), or None; ``score_values``: the scalar score
+    functions' values by name."""
     batch, seqlen_q, heads_q, _ = q.shape
     seqlen_k = k.shape[1]
     if (
@@ -122,7 +123,7 @@ def route(
     try:
         problem = validate_kvcache(
             q, k, v, None, None, cache_seqlens=seqlen_k, block_table=None, causal=causal, softmax_scale=scale,
-            num_splits=0, out=out, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+            num_splits=0, out=out, window=window, alibi_slopes=alibi_slopes, **score_values,
         )  # fmt: skip
     except (TypeError, ValueError):  # (a layout the cache API refuses: the usual path takes it)
         return None
@@ -143,7 +144,7 @@ def _plan_signature(q, k, v, problem, needs_lse: bool, out) -> tuple:
     layout = None if out is None else (out.shape, out.stride(), out.dtype, out.device)
     return (
         "attention-direct", q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), v.shape, v.stride(),
-        problem.causal, problem.scale, problem.window, problem.softcap, problem.alibi, needs_lse, layout,
+        problem.causal, problem.scale, problem.window, problem.score, problem.alibi, needs_lse, layout,
     )  # fmt: skip
 
 
@@ -153,14 +154,14 @@ _VARLEN_CALLS: dict[tuple, tuple | bool] = {}
 _VARLEN_CALLS_KEPT = 64
 
 
-def _varlen_call(rows, cache_k, cache_v, lens, scale, window, softcap, alibi_slopes, needs_lse, bucket):
+def _varlen_call(rows, cache_k, cache_v, lens, scale, window, alibi_slopes, needs_lse, bucket, score_values):
     """(the validated CacheProblem, the decode plan's key) of a routed attention_varlen signature, or False
     where the cache API refuses its layout."""
     try:
         problem = validate_kvcache(
             rows, cache_k, cache_v, None, None, cache_seqlens=lens, block_table=None, causal=False,
-            softmax_scale=scale, num_splits=0, out=None, window=window, softcap=softcap,
-            alibi_slopes=alibi_slopes,
+            softmax_scale=scale, num_splits=0, out=None, window=window, alibi_slopes=alibi_slopes,
+            **score_values,
         )  # fmt: skip
     except (TypeError, ValueError):
         return False
@@ -204,9 +205,9 @@ def route_varlen(
     scale: float | None,
     return_lse: bool,
     window: tuple[int, int] | None,
-    softcap: float,
     alibi_slopes: torch.Tensor | None,
     sinks: torch.Tensor | None,
+    **score_values: float,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
     """``attention_varlen``'s result from the decode kernels for a packed batch with about one query per
     sequence against many keys (a decoding step over sequences of different lengths: at most
@@ -232,9 +233,9 @@ def route_varlen(
         or torch.compiler.is_compiling()
         or (k.data_ptr() | v.data_ptr()) % 16
         # (what the signature below cannot hold, the usual path checks and names: v's own length, and a
-        # scale or cap of a type the checks refuse; a bool hashes as the number it is)
+        # scale or score value of a type the checks refuse; a bool hashes as the number it is)
         or v.shape[0] != total_k
-        or type(softcap) not in PLAIN_NUMBERS
+        or any(type(value) not in PLAIN_NUMBERS for value in score_values.values())
         or not (scale is None or type(scale) in PLAIN_NUMBERS)
         or bound_layout(alibi_slopes) is False
     ):
@@ -258,13 +259,13 @@ def route_varlen(
     # checks nor the key (a third of a routed call's host time, tools/host_time_cpu.py).
     signature = (
         q.shape, q.stride(), q.dtype, q.device, k.shape[1:], k.stride(), k.dtype, k.device, v.shape[1:],
-        v.stride(), v.dtype, v.device, causal, scale, window, softcap, bound_layout(alibi_slopes), needs_lse,
-        bucket,
+        v.stride(), v.dtype, v.device, causal, scale, window, tuple(score_values.items()),
+        bound_layout(alibi_slopes), needs_lse, bucket,
     )  # fmt: skip
     known = _VARLEN_CALLS.get(signature)
     if known is None:
         known = _varlen_call(
-            rows, cache_k, cache_v, lens, scale, window, softcap, alibi_slopes, needs_lse, bucket
+            rows, cache_k, cache_v, lens, scale, window, alibi_slopes, needs_lse, bucket, score_values
         )
         _VARLEN_CALLS[signature] = known
         if len(_VARLEN_CALLS) > _VARLEN_CALLS_KEPT:

@@ -145,7 +145,7 @@ def head_parallel_attention(
     """
     validate(q, k, v, causal=causal, softmax_scale=softmax_scale, out=None)
     window = check_window(window)
-    check_score(softcap, alibi_slopes, q)  # (naming the argument)
+    check_score(alibi_slopes, q, softcap=softcap)  # (naming the argument)
     check_sinks(sinks, q)
     rank, world = _group_info(group)
     if q.shape[1] != k.shape[1]:

@@ -288,7 +288,7 @@ def attention_with_kvcache(
         if isinstance(cache_seqlens, int):  # the op's schema takes a tensor
             cache_seqlens = torch.full((problem.batch,), cache_seqlens, dtype=torch.int32, device=q.device)
         # (the ops' packed numbers: spec.OpOptions)
-        options = pack_options(causal, problem.scale, window=problem.window, softcap=problem.softcap)
+        options = pack_options(causal, problem.scale, window=problem.window, **problem.score_values)
         if k is None:  # nothing to append: the op that declares no write to the caches
             o, lse = torch.ops.flash_attention.fwd_kvcache_read(
                 q, k_cache, v_cache, cache_seqlens, block_table, num_splits, *options, alibi_slopes

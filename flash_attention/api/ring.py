@@ -31,6 +31,7 @@ import torch.distributed as dist
 from ..ops.merge import lse_merge_
 from ..sinks import apply_sinks, check_sinks, sinks_gradient
 from ..spec import OpOptions
+from ..spec.score_functions import values_of
 from ..spec.validate import check_score, check_window, validate
 from ..torch_ops import attention as custom_ops
 
@@ -380,12 +381,12 @@ def ring_attention(
     if q.shape[1] != k.shape[1]:
         raise ValueError(f"q and k must hold equal shares of the sequence; got {q.shape[1]} and {k.shape[1]}")
     window = check_window(window)
-    check_score(softcap, None, q)  # (naming the argument)
+    check_score(None, q, softcap=softcap)  # (naming the argument)
     check_sinks(sinks, q)
     rank, world = _group_info(group)
     if causal and window is None and q.shape[1] % 2:
         raise ValueError(f"causal ring attention takes zigzag shards of even length; got {q.shape[1]}")
     # The options every step's ops share (each step sets its own causal: _step_options).
-    options = OpOptions(False, problem.scale, softcap=float(softcap))
+    options = OpOptions(False, problem.scale, score=values_of(softcap=softcap))
     out, lse = _RingAttention.apply(q, k, v, sinks, bool(causal), window, options, group, rank, world)
     return (out, lse) if return_lse else out

@@ -279,9 +279,9 @@ def _options(spec: AttentionSpec, head_dim: int, row_keys, alibi_slopes, alibi_d
         softmax_scale=_resolve_scale(spec.scale, head_dim),
         dropout_p=spec.dropout_p,
         window=spec.window if row_keys is None else row_keys,
-        softcap=spec.score.softcap,
         alibi_slopes=alibi_slopes,
         alibi_diagonal=alibi_diagonal,
+        **dict(spec.score.values),
     )
 
 
@@ -297,7 +297,7 @@ def forward(
     runs take the chunked path (the fused kernels take no such mask without materialising it)."""
     options = _options(spec, q.shape[-1], row_keys, alibi_slopes, alibi_diagonal)
     causal, scale, dropout_p = options["causal"], options["softmax_scale"], spec.dropout_p
-    plain = options["window"] is None and not options["softcap"] and alibi_slopes is None
+    plain = options["window"] is None and not spec.score.values and alibi_slopes is None
     fused_ok = plain and _fused(q, k, causal, scale, key_range, dropout_p)
     if fused_ok and not return_lse and out is None:
         if _sdpa_expresses(q, k, causal, scale, key_range, dropout_p, False):
@@ -363,7 +363,7 @@ def backward(
     causal, scale, dropout_p = options["causal"], options["softmax_scale"], spec.dropout_p
     deterministic = spec.deterministic or torch.are_deterministic_algorithms_enabled()
     repeatable = not deterministic or q.device.type == "cpu"
-    plain = options["window"] is None and not options["softcap"] and alibi_slopes is None
+    plain = options["window"] is None and not spec.score.values and alibi_slopes is None
     if not repeatable or not plain or not _fused(q, k, causal, scale, key_range, dropout_p):
         return attention_backward_torch(
             dout, q, k, v, out, lse, key_range=key_range, dropout_seed=dropout_seed, **options

@@ -114,7 +114,7 @@ def _dense(
     ops = None if q.numel() == 0 or k.shape[1] == 0 else dispatch.kernel_backend(q)
     if ops is None:
         return fallback()
-    launch = launch_variants(problem.window, problem.softcap, alibi_slopes)
+    launch = launch_variants(problem.window, alibi_slopes, **problem.score_values)
     return dispatch.run_or_fallback(
         lambda: ops.cuda_forward(
             q, k, v, causal=problem.causal, softmax_scale=problem.scale, return_lse=True, out=out,

@@ -92,13 +92,13 @@ def _rows_allowed(
 
 
 def _score_args(
-    softcap: float, alibi_slopes, batch: int, heads_q: int, cdtype, alibi_diagonal=None
+    score_values: dict, alibi_slopes, batch: int, heads_q: int, cdtype, alibi_diagonal=None
 ) -> tuple | None:
     """(the active scalar functions as spec.score_functions.values_of gives them, ALiBi slopes in ``cdtype``
     or None, the rows' ALiBi diagonals or None, whether the slopes are per query row) of a call with a score
     function, else None. The slopes are (batch, heads_q), or (a packed batch, batch 1) a (seqlen_q, heads_q)
     table of more than one row: a slope per query row."""
-    values = values_of(softcap=softcap)
+    values = values_of(**score_values)
     if not values and alibi_slopes is None:
         return None
     slopes = None
@@ -214,16 +214,17 @@ def attention_reference(
     compute_dtype: torch.dtype = torch.float64,
     key_range: torch.Tensor | None = None,
     window: tuple[int, int] | None = None,
-    softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     dropout_keep: torch.Tensor | None = None,
     dropout_p: float = 0.0,
+    **score_values: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention in ``compute_dtype`` (float64 by default), materialising every score.
 
-    The score of query i and key j is ``s = softmax_scale * q_i . k_j``, then, in this order:
-    ``softcap`` > 0: ``s = softcap * tanh(s / softcap)``; ``alibi_slopes``: plus :func:`alibi_bias`; the
+    The score of query i and key j is ``s = softmax_scale * q_i . k_j``, then, in this order: the scalar
+    score functions of ``score_values`` (spec.score_functions, by name and value; 0: off), e.g. soft-capping's
+    ``c * tanh(s / c)``; ``alibi_slopes``: plus :func:`alibi_bias`; the
     masks (``causal``, ``window`` (:func:`window_allowed`), ``key_range``): -inf where a key is not seen.
     ``key_range`` (batch, 2): batch row b attends only keys ``key_range[b, 0] <= j < key_range[b, 1]``.
     ``sinks`` (heads_q,): a logit per head that joins every row's softmax denominator without a value
@@ -249,7 +250,7 @@ def attention_reference(
     vf = v.to(compute_dtype).repeat_interleave(group, dim=2)
 
     scores = torch.einsum("bqhd,bkhd->bhqk", qf, kf) * scale
-    scores = apply_scores(scores, values_of(softcap=softcap))  # (spec.score_functions' math)
+    scores = apply_scores(scores, values_of(**score_values))  # (spec.score_functions' math)
     if alibi_slopes is not None:
         scores = scores + alibi_bias(alibi_slopes, batch, seqlen_q, seqlen_k, compute_dtype)
     if causal:
@@ -297,15 +298,15 @@ def attention_kvcache_reference(
     causal: bool = True,
     softmax_scale: float | None = None,
     window: tuple[int, int] | None = None,
-    softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    **score_values: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The float64 truth of :func:`flash_attention.attention_with_kvcache`, one batch row at a time.
 
     Batch row ``b`` first writes its new tokens ``k[b, t]``, ``v[b, t]`` at cache position
     ``cache_seqlens[b] + t``, then its queries attend cache positions ``0 .. n_b - 1`` with
     ``n_b = cache_seqlens[b] + seqlen_new``, causal aligned to the bottom-right corner of that row's own
-    (seqlen_q, n_b) score matrix, as are a sliding ``window``, ``softcap`` and ``alibi_slopes``
+    (seqlen_q, n_b) score matrix, as are a sliding ``window``, ``alibi_slopes`` and the ``score_values``
     (:func:`attention_reference`'s).
     Position ``p`` of row ``b`` lives at ``k_cache[b, p]`` (contiguous) or at
     ``k_cache[block_table[b, p // page_size], p % page_size]`` (paged, page_size = k_cache.shape[1]).
@@ -337,8 +338,7 @@ def attention_kvcache_reference(
         idx = where(b, torch.arange(lengths[b] + seqlen_new))
         o, lse = attention_reference(
             q[b : b + 1], kc[idx][None], vc[idx][None], causal=causal, softmax_scale=softmax_scale,
-            window=window, softcap=softcap,
-            alibi_slopes=_row_slopes(alibi_slopes, b),
+            window=window, alibi_slopes=_row_slopes(alibi_slopes, b), **score_values,
         )  # fmt: skip
         outs.append(o)
         lses.append(lse)
@@ -381,9 +381,9 @@ def attention_torch(
     dropout_p: float = 0.0,
     dropout_seed=None,
     window: tuple[int, int] | None = None,
-    softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     alibi_diagonal: torch.Tensor | None = None,
+    **score_values: float,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention through PyTorch with the kernel's semantics, on any device PyTorch supports.
 
@@ -393,7 +393,7 @@ def attention_torch(
 
     ``key_range`` (batch, 2): batch row b attends only keys ``key_range[b, 0] <= j < key_range[b, 1]``.
     ``window`` (left, right): the sliding window of :func:`window_allowed` (-1: unbounded on that side).
-    ``softcap`` > 0 and ``alibi_slopes``: the score functions of :func:`attention_reference`;
+    ``score_values`` and ``alibi_slopes``: the score functions of :func:`attention_reference`;
     ``alibi_diagonal`` (seqlen_q,) integers, ALiBi's distance measured from each row's own diagonal key
     instead of ``i + seqlen_k - seqlen_q`` (a packed batch's rows:
     :func:`flash_attention.api.varlen.segments`).
@@ -436,7 +436,7 @@ def attention_torch(
     b_step, h_step, q_step = _chunk_sizes(batch, heads_kv, group, seqlen_q, seqlen_k, elem)
     keys_allowed = None if key_range is None else key_range_allowed(key_range, seqlen_k)
     drop = _dropout_args(dropout_p, dropout_seed, heads_q)
-    score = _score_args(softcap, alibi_slopes, batch, heads_q, cdtype, alibi_diagonal)
+    score = _score_args(score_values, alibi_slopes, batch, heads_q, cdtype, alibi_diagonal)
 
     for b0 in range(0, batch, b_step):
         b1 = min(batch, b0 + b_step)
@@ -552,9 +552,9 @@ def attention_backward_torch(
     dropout_p: float = 0.0,
     dropout_seed=None,
     window: tuple[int, int] | None = None,
-    softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     alibi_diagonal: torch.Tensor | None = None,
+    **score_values: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dq, dk, dv)`` of :func:`attention_torch` from its saved ``out`` and ``lse``.
 
@@ -601,7 +601,7 @@ def attention_backward_torch(
     b_step, h_step, q_step = _chunk_sizes(batch, heads_kv, group, seqlen_q, seqlen_k, 2 * elem)
     keys_allowed = None if key_range is None else key_range_allowed(key_range, seqlen_k)
     drop = _dropout_args(dropout_p, dropout_seed, heads_q)
-    score = _score_args(softcap, alibi_slopes, batch, heads_q, cdtype, alibi_diagonal)
+    score = _score_args(score_values, alibi_slopes, batch, heads_q, cdtype, alibi_diagonal)
 
     with torch.no_grad():
         for b0 in range(0, batch, b_step):

@@ -15,6 +15,10 @@ _I32 = ctypes.c_int
 _F32 = ctypes.c_float
 _PTR = ctypes.c_void_p
 
+#: The slots of the scalar score functions' numbers (``score_values``; fa::kScoreValues in params.h): the
+#: active functions' values fill them in spec.score_functions' order (ops.plans.bind_score_values).
+SCORE_VALUES = 1
+
 
 class FwdParams(ctypes.Structure):
     _fields_ = [
@@ -60,7 +64,7 @@ class FwdParams(ctypes.Structure):
         ("trace_fault", _I32),
         ("window_left", _I32),
         ("window_right", _I32),
-        ("softcap", _F32),
+        ("score_values", _F32 * SCORE_VALUES),
         ("alibi_slopes", _PTR),
         ("alibi_batch_stride", _I32),
         ("sinks", _PTR),
@@ -144,7 +148,7 @@ class BwdParams(ctypes.Structure):
         + [("scale", _F32), ("scale_log2", _F32)]
         + [("dropout_key", ctypes.c_uint), ("dropout_threshold", ctypes.c_uint), ("dropout_rp", _F32)]
         + [("dq_lanes", _I32), ("window_left", _I32), ("window_right", _I32)]
-        + [("softcap", _F32), ("alibi_slopes", _PTR), ("alibi_batch_stride", _I32)]
+        + [("score_values", _F32 * SCORE_VALUES), ("alibi_slopes", _PTR), ("alibi_batch_stride", _I32)]
         + [("row_keys", _PTR), ("key_rows", _PTR), ("k_tiles", _PTR), ("q_units", _PTR)]
         + [("alibi_diagonal", _PTR), ("kv_block_group", _I32)]
     )

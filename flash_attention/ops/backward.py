@@ -31,6 +31,7 @@ from .plans import (
     Launch,
     PlanCache,
     bind_alibi,
+    bind_score_values,
     check_segments,
     device_facts,
     feature_list,
@@ -195,7 +196,7 @@ def _make_plan(q, k, v, o, do, lse, spec: AttentionSpec, config, lengths=None, s
     p.dq_lanes = lanes
     if windowed and window != SEGMENTS:
         p.window_left, p.window_right = window
-    p.softcap = score.softcap  # (ALiBi's slopes are a per-call pointer: cuda_backward)
+    bind_score_values(p, score)  # (ALiBi's slopes are a per-call pointer: cuda_backward)
     p.num_n_blocks = math.ceil(seqlen_k / cfg.block_kv)
     # A packed batch on the warp-specialized dK/dV kernel (atomic mode): one block per key tile of its table,
     # each walking its sequence's query blocks from the sequence's first row, over a workspace laid out by
@@ -348,10 +349,10 @@ def cuda_backward(
     dropout_p: float = 0.0,
     dropout_seed=None,
     window: tuple[int, int] | None = None,
-    softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     segments: tuple[torch.Tensor, ...] | None = None,
+    **score_values: float,
 ) -> tuple[torch.Tensor, ...]:
     """Gradients (dq, dk, dv) of :func:`flash_attention.ops.cuda_forward`'s output ``out`` with LSE ``lse``,
     for the output gradient ``dout``: new contiguous tensors of q's, k's and v's shapes and dtype. With the
@@ -361,8 +362,8 @@ def cuda_backward(
 
     ``config`` names a backward configuration (else the tuned winner or the heuristic:
     :func:`flash_attention.ops.select.backward_config`); ``key_range``, ``dropout_p`` / ``dropout_seed``,
-    ``window``, ``softcap`` and ``alibi_slopes`` must be the forward's. A head_dim that is not a multiple of
-    8 runs zero-padded, as the forward does.
+    ``window``, ``alibi_slopes`` and the ``score_values`` (by name) must be the forward's. A head_dim
+    that is not a multiple of 8 runs zero-padded, as the forward does.
     """
     if dropout_p and dropout_seed is None:
         raise ValueError("dropout_p > 0 needs dropout_seed (flash_attention.dropout.draw_seed())")
@@ -372,8 +373,8 @@ def cuda_backward(
     if segments is not None:
         check_segments(segments, q, k, key_range, window)
     spec = launch_spec(
-        q, causal, softmax_scale, window, softcap, alibi_slopes, key_range, dropout_p, deterministic, sinks,
-        segments,
+        q, causal, softmax_scale, window, alibi_slopes, key_range, dropout_p, deterministic, sinks, segments,
+        **score_values,
     )  # fmt: skip
     if head_dim % 8:
         d8 = padded_to_8(head_dim)
@@ -388,10 +389,10 @@ def cuda_backward(
             dropout_p=dropout_p,
             dropout_seed=dropout_seed,
             window=window,
-            softcap=softcap,
             alibi_slopes=alibi_slopes,
             sinks=sinks,
             segments=segments,
+            **score_values,
         )
         return (*(g[..., :head_dim].contiguous() for g in grads[:3]), *grads[3:])
 

@@ -170,7 +170,9 @@ class DecodePlan:
         p.num_m_blocks = -(-p.rows // cfg.block_m)
         p.scale = problem.scale
         p.window_left, p.window_right = problem.window or (-1, -1)
-        p.softcap, p.softcap_inv = problem.softcap, (1.0 / problem.softcap if problem.softcap else 0.0)
+        # (soft-capping is the decode kernels' one scalar score function: a run-time branch, not a policy)
+        cap = problem.score_values.get("softcap", 0.0)
+        p.softcap, p.softcap_inv = cap, (1.0 / cap if cap else 0.0)
         # ALiBi's slopes are a per-call pointer (__call__); a (heads_q,) table repeats for every row.
         p.alibi_batch_stride = problem.heads_q if problem.alibi == 2 else 0
 

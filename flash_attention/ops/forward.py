@@ -32,6 +32,7 @@ from .device import device_arch, dtype_name, sm_count
 from .plans import (
     PlanCache,
     bind_alibi,
+    bind_score_values,
     check_segments,
     device_facts,
     feature_list,
@@ -145,7 +146,7 @@ def _make_plan(
     p = _params(q, k, v, o, cfg, spec.scale, dropout_p)
     if windowed and window != SEGMENTS:
         p.window_left, p.window_right = window
-    p.softcap = score.softcap  # (ALiBi's slopes are a per-call pointer: launch_plan)
+    bind_score_values(p, score)  # (ALiBi's slopes are a per-call pointer: launch_plan)
     # A packed batch on the warp-specialized forward: one tile per table entry (the table itself is bound at
     # each launch). The other families tile the packed row.
     packed_tiles = build.window == SEGMENTS and cfg.warp_specialized and sequences is not None
@@ -284,22 +285,22 @@ def chosen_config(
     ranged: bool = False,
     dropout: bool = False,
     window: bool = False,
-    softcap: bool = False,
     alibi: bool = False,
+    **score_functions: bool,
 ) -> KernelConfig:
     """The configuration :func:`cuda_forward` runs for these inputs when none is named: what ``attention()``
     runs (the tools name it in their output). ``v`` defaults to ``k``'s layout; its strides count, as
     ``q``'s and ``k``'s, when a TMA kernel could not address them (feature ``untileable``). ``window``,
-    ``softcap`` and ``alibi``: whether the call has them (soft-capping has a config of its own at head_dim
-    128: select.softcapped_config)."""
+    ``alibi`` and ``score_functions`` (by name, spec.score_functions: ``name=True``): whether the call has
+    them (soft-capping has a config of its own at head_dim 128: select.softcapped_config)."""
     needs = feature_list(
         key_range=ranged,
         dropout=dropout,
         negative_scale=softmax_scale < 0,
         untileable=tma.untileable(q, k, k if v is None else v),
         window=window,
-        softcap=softcap,
         alibi=alibi,
+        **score_functions,
     )
     return _config(q, k, causal, needs)
 
@@ -357,10 +358,10 @@ def cuda_forward(
     dropout_p: float = 0.0,
     dropout_seed=None,
     window: tuple[int, int] | None = None,
-    softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     segments: tuple[torch.Tensor, ...] | None = None,
+    **score_values: float,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the forward kernel; returns ``(out, lse)`` (``lse`` None unless ``return_lse``).
 
@@ -371,8 +372,9 @@ def cuda_forward(
     ``dropout_seed`` (:mod:`flash_attention.dropout`). ``window`` = (left, right) is a sliding window around
     the bottom-right diagonal (-1: unbounded on that side): query i sees keys i + shift - left ..
     i + shift + right (shift = seqlen_k - seqlen_q), within causal's bound and the key range, and the K/V
-    blocks outside it are skipped. ``softcap`` > 0 caps the scaled scores, ``softcap * tanh(s / softcap)``
-    (the LSE is of the capped scores); ``alibi_slopes`` (heads_q,) or (batch, heads_q) float32 adds ALiBi's
+    blocks outside it are skipped. ``score_values`` are the scalar score functions' numbers by name
+    (spec.score_functions; 0: off), applied to the scaled scores in that table's order (the LSE is of the
+    modified scores); ``alibi_slopes`` (heads_q,) or (batch, heads_q) float32 adds ALiBi's
     ``-slope * |i + shift - j|`` to them. ``sinks`` (heads_q,) floats are attention sinks, joined to each
     row's softmax denominator in the kernel's epilogue (the LSE includes them). A head_dim that is not a
     multiple of 8 runs on inputs zero-padded to the next one (a copy; multiples of 8 are read in place).
@@ -397,15 +399,15 @@ def cuda_forward(
     if segments is not None:
         check_segments(segments, q, k, key_range, window)
     spec = launch_spec(
-        q, causal, softmax_scale, window, softcap, alibi_slopes, key_range, dropout_p, sinks=sinks,
-        segments=segments,
+        q, causal, softmax_scale, window, alibi_slopes, key_range, dropout_p, sinks=sinks, segments=segments,
+        **score_values,
     )  # fmt: skip
     bounds = mask_bounds(spec, q.shape[1], k.shape[1])
     head_dim = q.shape[3]
     if head_dim % 8:
         return _padded_forward(
             q, k, v, causal, softmax_scale, return_lse, out, config, trace, trace_fault, key_range, dropout_p,
-            dropout_seed, window, softcap, alibi_slopes, sinks, segments,
+            dropout_seed, window, alibi_slopes, sinks, segments, **score_values,
         )  # fmt: skip
     if trace is not None:
         variant = key_range is not None or dropout_p or bounds is not None or spec.score != NO_SCORE
@@ -471,7 +473,7 @@ def launch_plan(
 
 def _padded_forward(
     q, k, v, causal, scale, return_lse, out, config, trace, trace_fault, key_range, dropout_p, dropout_seed,
-    window=None, softcap=0.0, alibi_slopes=None, sinks=None, segments=None,
+    window=None, alibi_slopes=None, sinks=None, segments=None, **score_values,
 ):  # fmt: skip
     """A head_dim that is not a multiple of 8: the kernels read whole 16-byte chunks of a row, so q, k and v
     are zero-padded to the next multiple of 8 (the scale stays the caller's) and the output sliced back."""
@@ -491,10 +493,10 @@ def _padded_forward(
         dropout_p=dropout_p,
         dropout_seed=dropout_seed,
         window=window,
-        softcap=softcap,
         alibi_slopes=alibi_slopes,
         sinks=sinks,
         segments=segments,
+        **score_values,
     )
     o = o[..., : q.shape[3]]
     if out is not None:

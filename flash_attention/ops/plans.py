@@ -19,8 +19,9 @@ import torch
 
 from ..dropout import dropout_threshold
 from ..jit import driver
+from ..jit.params import SCORE_VALUES
 from ..jit.sources import SEGMENTS
-from ..spec import AttentionSpec
+from ..spec import AttentionSpec, ScoreSpec
 from ..spec.validate import check_window, score_spec
 from .device import current_stream, device_arch, gpu_name, smem_limit
 from .query_tiles import sequence_bucket
@@ -158,9 +159,21 @@ def window_bounds(window: object, causal: bool, seqlen_q: int, seqlen_k: int) ->
     return left, right
 
 
+def bind_score_values(params: ctypes.Structure, score: ScoreSpec) -> None:
+    """The params' ``score_values``: the numbers of ``score``'s active scalar functions, in the order of
+    spec.score_functions, from slot 0 (what each C++ policy reads; fa::kScoreValues slots)."""
+    if len(score.values) > SCORE_VALUES:
+        raise ValueError(
+            f"{len(score.values)} scalar score functions in one call ({score.build}); the params hold "
+            f"{SCORE_VALUES} (jit.params.SCORE_VALUES, fa::kScoreValues)"
+        )
+    for slot, (_, value) in enumerate(score.values):
+        params.score_values[slot] = value
+
+
 def bind_alibi(params: ctypes.Structure, alibi_slopes: torch.Tensor) -> None:
     """ALiBi's fields of FwdParams / BwdParams for one launch: its slopes and their stride between batch rows
-    (0: one (heads_q,) table). The cap, a number of the call's spec.ScoreSpec, is the plan's."""
+    (0: one (heads_q,) table). The scalar functions' numbers are the plan's (bind_score_values)."""
     params.alibi_slopes = alibi_slopes.data_ptr()
     params.alibi_batch_stride = alibi_slopes.shape[-1] if alibi_slopes.dim() == 2 else 0
 
@@ -183,22 +196,23 @@ def launch_spec(
     causal: bool,
     scale: float,
     window: tuple[int, int] | None,
-    softcap: float,
     alibi_slopes: torch.Tensor | None,
     key_range: object,
     dropout_p: float,
     deterministic: bool = False,
     sinks: object = None,
     segments: tuple | None = None,
+    **score_values: float,
 ) -> AttentionSpec:
     """The spec.AttentionSpec of a launch-layer call given option by option (cuda_forward, cuda_backward,
     training_forward: the custom ops' and the tools' entries), its other arguments checked by the caller;
-    its score function (spec.validate.score_spec) checked and built here."""
+    its score function (spec.validate.score_spec: ALiBi and the scalar functions' ``score_values`` by name,
+    spec.score_functions) checked and built here."""
     return AttentionSpec(
         bool(causal),
         float(scale),
         None if window is None else tuple(window),
-        score_spec(softcap, alibi_slopes, q, segments, causal),
+        score_spec(alibi_slopes, q, segments, causal, **score_values),
         key_range is not None,
         float(dropout_p),
         bool(deterministic),

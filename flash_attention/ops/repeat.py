@@ -219,13 +219,14 @@ host.when_ready(clear)
 
 def signature(
     q, k, v, causal, softmax_scale, return_lse, key_range, deterministic, dropout_p, dropout_seed,
-    window=None, softcap=0.0, alibi_slopes=None, sinks=None, segments=None,
+    window=None, alibi_slopes=None, sinks=None, segments=None, **score_values,
 ):  # fmt: skip
     """The key of a call that may repeat an earlier one's launch, or None for a call that takes the whole path
     (dropout, a caller's ``out``, torch.compile, arguments of types the checks must see). Raises nothing: an
     argument without the attributes read here (not a tensor, a sparse tensor) gives None. ``window``,
-    ``softcap``, ``alibi_slopes`` and ``sinks`` as attention() takes them (a tuple or list of two ints, a
-    float or int, tensors: sinks only as the kernels read them, float32 and contiguous); ``segments``, a
+    ``alibi_slopes``, ``sinks`` and the ``score_values`` by name as attention() takes them (a
+    tuple or list of two ints, tensors: sinks only as the kernels read them, float32 and contiguous; floats
+    or ints); ``segments``, a
     packed batch's runs (flash_attention.api.varlen): the signature holds their layouts and what the plans are
     chosen by (the sequences' typical lengths and their count's bucket), and each call binds its own runs and
     tile tables."""
@@ -237,10 +238,14 @@ def signature(
         or type(causal) is not bool
         or type(deterministic) is not bool
         or (softmax_scale is not None and type(softmax_scale) is not float)
-        or type(softcap) not in PLAIN_NUMBERS
         or torch.compiler.is_compiling()
     ):
         return None
+    scores = ()
+    if score_values:
+        if any(type(value) not in PLAIN_NUMBERS for value in score_values.values()):
+            return None
+        scores = tuple((name, float(value)) for name, value in score_values.items() if value)
     if window is not None:
         # (as spec.validate.check_window reads it: a tuple and a list of the same ints are the same window)
         if type(window) not in (tuple, list) or len(window) != 2 or any(type(w) is not int for w in window):
@@ -253,7 +258,7 @@ def signature(
             return None  # (a sparse tensor reads as strides of zeros)
         differentiated = q.requires_grad or k.requires_grad or v.requires_grad
         records = torch.is_grad_enabled() and (differentiated or (sinks is not None and sinks.requires_grad))
-        variant = None if window is None and not softcap else (window, float(softcap))
+        variant = None if window is None and not scores else (window, scores)
         if alibi_slopes is not None or sinks is not None:
             variant = (variant, bound_layout(alibi_slopes), bound_layout(sinks))
             if False in variant[1:]:

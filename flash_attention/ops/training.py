@@ -101,10 +101,10 @@ def training_forward(
     dropout_seed: torch.Tensor | None,
     forward: Callable[..., tuple[torch.Tensor, torch.Tensor]],
     window: tuple[int, int] | None = None,
-    softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     segments: tuple[torch.Tensor, ...] | None = None,
+    **score_values: float,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(out, lse)`` of the forward launch ``forward`` (the launch layer's ``cuda_forward``, as the caller's
     backend has it) with ``out``'s gradient recorded by the compiled node (and the ``sinks``' gradient, where
@@ -130,7 +130,7 @@ def training_forward(
         dropout_p=dropout_p,
         dropout_seed=dropout_seed,
         window=window,
-        **({"softcap": softcap} if softcap else {}),
+        **{name: value for name, value in score_values.items() if value},
         **({"alibi_slopes": alibi_slopes} if alibi_slopes is not None else {}),
         **({"sinks": sinks} if sinks is not None else {}),
         **({"segments": segments} if segments is not None else {}),
@@ -138,8 +138,8 @@ def training_forward(
     # The backward reads dO laid out as out (the node copies any other layout), so the plan is out's; the
     # window's bounds travel in the plan's parameters, the variant's tensors are bound per call.
     spec = launch_spec(
-        q, causal, softmax_scale, window, softcap, alibi_slopes, key_range, dropout_p, deterministic, sinks,
-        segments,
+        q, causal, softmax_scale, window, alibi_slopes, key_range, dropout_p, deterministic, sinks, segments,
+        **score_values,
     )  # fmt: skip
     plan = backward.plan_for(
         q, k, v, out, out, lse, spec, None, segment_lengths(segments), segment_count(segments)

@@ -77,11 +77,6 @@ class ScoreSpec:
         """The number of the scalar function ``name`` (0: off)."""
         return dict(self.values).get(name, 0.0)
 
-    @property
-    def softcap(self) -> float:
-        """Soft-capping's value (0: none): what the params structs' ``softcap`` field holds."""
-        return self.value("softcap")
-
     def _parts(self) -> list[str]:
         # The active scalar functions in the registry's order, then "alibi", its origin ("runs", "table";
         # none for the diagonal) and "rows": what the build's name and the C++ policy's are made of.
@@ -171,7 +166,9 @@ class OpOptions(NamedTuple):
     """The numbers of a call's spec as the torch ops (``flash_attention::fwd`` / ``bwd``) carry them, the
     tensors (key ranges, the dropout seed, ALiBi slopes, sinks, a packed batch's runs) travelling beside
     them: ``causal``, the resolved ``scale``, whether the backward is ``deterministic``, ``dropout_p``, the
-    sliding ``window`` (None: none) and the ``softcap`` (0: none). An op schema takes them packed, two lists
+    sliding ``window`` (None: none) and ``score``, the active scalar score functions' (name, value) pairs as
+    :attr:`ScoreSpec.values` holds them (``(("softcap", 30.0),)``; ``()``: none). An op schema takes them
+    packed, two lists
     (:meth:`pack`, :meth:`unpack`): one argument each, however many options a variant adds. Plain values,
     not a dataclass, so that torch.compile's traces can make them (torch 2.11's dynamo cannot build the
     frozen dataclasses above inside a trace)."""
@@ -181,11 +178,18 @@ class OpOptions(NamedTuple):
     deterministic: bool = False
     dropout_p: float = 0.0
     window: tuple[int, int] | None = None
-    softcap: float = 0.0
+    score: tuple[tuple[str, float], ...] = ()
 
     def pack(self) -> tuple[list[int], list[float]]:
         """The schemas' ``int[] options`` and ``float[] values`` (:func:`pack_options`)."""
-        return pack_options(*self)
+        return pack_options(
+            self.causal, self.scale, self.deterministic, self.dropout_p, self.window, **self.score_values
+        )
+
+    @property
+    def score_values(self) -> dict[str, float]:
+        """The scalar score functions' values by name, as the launch layer's keywords take them."""
+        return dict(self.score)
 
     def attention_spec(
         self, *, ranged: bool = False, alibi: bool = False, sinks: bool = False, segments: int = 0
@@ -199,7 +203,7 @@ class OpOptions(NamedTuple):
             self.causal,
             self.scale,
             self.window,
-            ScoreSpec.of(softcap=self.softcap, alibi=alibi),
+            ScoreSpec(self.score, alibi),
             ranged,
             self.dropout_p,
             self.deterministic,
@@ -211,9 +215,10 @@ class OpOptions(NamedTuple):
     def unpack(cls, ints, floats) -> OpOptions:
         """The options :meth:`pack` packed (ints and floats as a schema hands them over: any sequences)."""
         causal, deterministic, windowed, left, right = (int(x) for x in ints)
-        scale, dropout_p, softcap = (float(x) for x in floats)
+        scale, dropout_p, *values = (float(x) for x in floats)
         window = (left, right) if windowed else None
-        return cls(bool(causal), scale, bool(deterministic), dropout_p, window, softcap)
+        score = tuple((name, value) for name, value in zip(SCORE_FUNCTIONS, values, strict=True) if value)
+        return cls(bool(causal), scale, bool(deterministic), dropout_p, window, score)
 
 
 def pack_options(
@@ -222,26 +227,32 @@ def pack_options(
     deterministic: bool = False,
     dropout_p: float = 0.0,
     window: tuple[int, int] | None = None,
-    softcap: float = 0.0,
+    **score_values: float,
 ) -> tuple[list[int], list[float]]:
     """:class:`OpOptions`'s packed form from the values themselves, building no object (what a traced call
     runs): ``ints`` = causal, deterministic, whether there is a window, its left and right sides; ``floats``
-    = scale, dropout_p, softcap."""
+    = scale, dropout_p, then each scalar score function's value (``score_values`` by name, 0: off) in the
+    order of spec.score_functions."""
+    if not score_values.keys() <= SCORE_FUNCTIONS.keys():
+        raise TypeError(f"no score function named {sorted(score_values.keys() - SCORE_FUNCTIONS.keys())}")
     left, right = (0, 0) if window is None else window
     ints = [int(causal), int(deterministic), int(window is not None), int(left), int(right)]
-    return ints, [float(scale), float(dropout_p), float(softcap)]
+    values = [float(score_values.get(name, 0.0)) for name in SCORE_FUNCTIONS]
+    return ints, [float(scale), float(dropout_p), *values]
 
 
-def launch_variants(window=None, softcap: float = 0.0, alibi_slopes=None, segments=None) -> dict:
+def launch_variants(window=None, alibi_slopes=None, segments=None, **score_values: float) -> dict:
     """The launch layer's keywords of a call's variants (``ops.cuda_forward`` / ``cuda_backward`` /
     ``training_forward``), only those the call has, so that backends without a variant (the CPU tests'
-    stand-ins) are called as without it: ``window`` (checked), ``softcap`` (0: none), ``alibi_slopes`` (a
-    tensor) and ``segments`` (a packed batch's runs, flash_attention.api.varlen)."""
+    stand-ins) are called as without it: ``window`` (checked), ``alibi_slopes`` (a tensor), ``segments`` (a
+    packed batch's runs, flash_attention.api.varlen) and the scalar score functions' ``score_values`` by
+    name (0: none)."""
     kw = {} if window is None else {"window": window}
     if segments is not None:
         kw["segments"] = segments
-    if softcap:
-        kw["softcap"] = float(softcap)
+    for name, value in score_values.items():
+        if value:
+            kw[name] = float(value)
     if alibi_slopes is not None:
         kw["alibi_slopes"] = alibi_slopes
     return kw

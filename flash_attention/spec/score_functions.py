@@ -64,7 +64,13 @@ SCORE_FUNCTIONS: dict[str, ScoreFunction] = {
 
 def check_value(name: str, value: object) -> float:
     """``value`` as the float a call's ``name`` function takes, or TypeError / ValueError naming the
-    argument: a finite number >= 0, 0 meaning off."""
+    argument: a finite number >= 0, 0 meaning off. TypeError too for a name the table lacks (a keyword no
+    function of the call takes)."""
+    if name not in SCORE_FUNCTIONS:
+        raise TypeError(
+            f"unexpected keyword argument {name!r}: no score function of that name (there are "
+            f"{', '.join(SCORE_FUNCTIONS)})"
+        )
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a float (0: none); got {type(value).__name__}")
     if not math.isfinite(value) or value < 0:

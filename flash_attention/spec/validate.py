@@ -220,37 +220,38 @@ def alibi_per_row(alibi_slopes: object, segments: tuple | None) -> bool:
 
 
 def score_spec(
-    softcap: object,
     alibi_slopes: object,
     q: torch.Tensor,
     segments: tuple | None = None,
     causal: bool = False,
+    **values: object,
 ) -> ScoreSpec:
     """The score function of a call (:class:`flash_attention.spec.ScoreSpec`), checked by
     :func:`check_score`. A packed batch's ALiBi measures from each row's entry of the segments' table of
     diagonals where they carry one, else, for ``causal`` sequences, from each row's run end (any query and
     key counts per sequence), otherwise from the packed row's own index (packed self-attention without
     causal, where it is each sequence's own)."""
-    check_score(softcap, alibi_slopes, q, segments)
+    check_score(alibi_slopes, q, segments, **values)
     if alibi_slopes is None:
-        return ScoreSpec.of(softcap=softcap)
+        return ScoreSpec.of(**values)
     if segments is None:
-        return ScoreSpec.of(softcap=softcap, alibi=True)
+        return ScoreSpec.of(alibi=True, **values)
     origin = "table" if len(segments) == 3 else "runs" if causal else "diagonal"
-    return ScoreSpec.of(
-        softcap=softcap, alibi=True, alibi_origin=origin, alibi_rows=alibi_per_row(alibi_slopes, segments)
-    )
+    rows = alibi_per_row(alibi_slopes, segments)
+    return ScoreSpec.of(alibi=True, alibi_origin=origin, alibi_rows=rows, **values)
 
 
 def check_score(
-    softcap: object, alibi_slopes: object, q: torch.Tensor, segments: tuple | None = None
+    alibi_slopes: object, q: torch.Tensor, segments: tuple | None = None, **values: object
 ) -> None:
-    """Check a call's score-function arguments, naming the argument: ``softcap`` a finite float >= 0 (0:
-    none), ``alibi_slopes`` None or a contiguous float32 tensor of shape (heads_q,) or (batch, heads_q) on
-    q's device; a packed batch's call (``segments``, batch 1) may also give a slope per query row,
-    (seqlen_q, heads_q) (flash_attention.api.varlen's per-sequence slopes). Builds nothing: torch.compile's
-    traces call it, where dynamo (torch 2.11) refuses to build the spec's frozen dataclasses."""
-    check_value("softcap", softcap)
+    """Check a call's score-function arguments, naming the argument: each of ``values`` a scalar function of
+    spec.score_functions by name with a finite float >= 0 (0: none); ``alibi_slopes``
+    None or a contiguous float32 tensor of shape (heads_q,) or (batch, heads_q) on q's device; a packed
+    batch's call (``segments``, batch 1) may also give a slope per query row, (seqlen_q, heads_q)
+    (flash_attention.api.varlen's per-sequence slopes). Builds nothing: torch.compile's traces call it,
+    where dynamo (torch 2.11) refuses to build the spec's frozen dataclasses."""
+    for name, value in values.items():
+        check_value(name, value)
     if alibi_slopes is None:
         return
     batch, seqlen_q, heads_q, _ = q.shape

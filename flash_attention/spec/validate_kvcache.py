@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from . import AttentionSpec, ScoreSpec
+from .score_functions import values_of
 from .validate import (
     MAX_HEAD_DIM,
     SUPPORTED_DTYPES,
@@ -55,8 +56,9 @@ class CacheProblem:
     # A sliding window (left, right) about each query's diagonal, -1 unbounded, as attention() takes it, with
     # causal's right bound folded in (right -1 under causal); None when it bounds nothing.
     window: tuple[int, int] | None = None
-    softcap: float = 0.0  # logit soft-capping, 0: none
     alibi: int = 0  # ALiBi slopes' dims: 0 none, 1 (heads_q,), 2 (batch, heads_q)
+    # The active scalar score functions' (name, value) pairs, as spec.ScoreSpec.values holds them.
+    score: tuple[tuple[str, float], ...] = ()
 
     @property
     def group(self) -> int:
@@ -66,11 +68,14 @@ class CacheProblem:
     @property
     def attention_spec(self) -> AttentionSpec:
         """The call's options as attention() takes them (the dense path's, flash_attention.fallback.kvcache,
-        runs the fallback with it): causal, the resolved scale, the window, soft-capping and whether ALiBi is
-        on."""
-        return AttentionSpec(
-            self.causal, self.scale, self.window, ScoreSpec.of(softcap=self.softcap, alibi=bool(self.alibi))
-        )
+        runs the fallback with it): causal, the resolved scale, the window, the score functions and whether
+        ALiBi is on."""
+        return AttentionSpec(self.causal, self.scale, self.window, ScoreSpec(self.score, bool(self.alibi)))
+
+    @property
+    def score_values(self) -> dict[str, float]:
+        """The scalar score functions' values by name, as the launch layer's keywords take them."""
+        return dict(self.score)
 
 
 def _tensor(name: str, t: object) -> torch.Tensor:
@@ -108,10 +113,11 @@ def validate_kvcache(
     num_splits: int,
     out: torch.Tensor | None,
     window: object = None,
-    softcap: object = 0.0,
     alibi_slopes: object = None,
+    **score_values: object,
 ) -> CacheProblem:
-    """Check a KV-cache attention call; return its :class:`CacheProblem` or raise TypeError/ValueError."""
+    """Check a KV-cache attention call; return its :class:`CacheProblem` or raise TypeError/ValueError.
+    ``score_values``: the scalar score functions' values by name (spec.score_functions; 0: none)."""
     named = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
     if (k is None) != (v is None):
         raise ValueError(
@@ -232,13 +238,13 @@ def validate_kvcache(
         if causal:
             right = -1  # (causal already stops each row at its diagonal)
         window = None if left == right == -1 else (left, right)
-    # softcap a finite float >= 0; alibi_slopes float32 (heads_q,) or (batch, heads_q); both compose (the
-    # decode kernels cap each score, then add the bias: the prefill kernels' order).
-    check_score(softcap, alibi_slopes, q)
+    # Each score value a finite float >= 0; alibi_slopes float32 (heads_q,) or (batch, heads_q); they compose
+    # (the decode kernels cap each score, then add the bias: the prefill kernels' order).
+    check_score(alibi_slopes, q, **score_values)
     alibi = 0 if alibi_slopes is None else alibi_slopes.dim()
 
     scale = _resolve_scale(softmax_scale, head_dim)
     return CacheProblem(
         batch, seqlen_q, heads_q, heads_kv, head_dim, seqlen_new, page_size, capacity, scale, causal, window,
-        float(softcap), alibi,
+        alibi, values_of(**score_values),
     )  # fmt: skip

@@ -5,9 +5,10 @@ Per kernel: registers, shared memory, spill bytes, stack frame and the theoretic
 read with cuobjdump; with ``--compare A B`` the same for two configurations side by side. This is how the
 project this one descends from found its integer-overhead wins. Needs no GPU: it compiles for ``--arch``.
 
-An attention variant's build (``--score softcap``, ``--window``, ``--segments``, as the launch layer compiles
-them for a call with those arguments) is reported in place of the plain one; ``--against-plain`` puts the
-plain build's histogram beside it, the question every variant's cost starts with (kernel log 100).
+An attention variant's build (``--score`` a score function's build name, ``--window``, ``--segments``, as
+the launch layer compiles them for a call with those arguments) is reported in place of the plain one;
+``--against-plain`` puts the plain build's histogram beside it, the question every variant's cost starts
+with (kernel log 100).
 """
 
 from __future__ import annotations

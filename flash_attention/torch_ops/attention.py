@@ -71,7 +71,7 @@ def _variants(opt: OpOptions, alibi_slopes, row_keys=None, key_rows=None, alibi_
     segments = None
     if row_keys is not None:
         segments = (row_keys, key_rows) + (() if alibi_diagonal is None else (alibi_diagonal,))
-    return launch_variants(opt.window, opt.softcap, alibi_slopes, segments)
+    return launch_variants(opt.window, alibi_slopes, segments, **opt.score_values)
 
 
 def _fallback_spec(opt: OpOptions, key_range, alibi_slopes, row_keys, alibi_diagonal, sinks=None):

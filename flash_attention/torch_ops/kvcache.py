@@ -65,8 +65,8 @@ def fwd_kvcache(
         num_splits=num_splits,
         out=None,
         window=opt.window,
-        softcap=opt.softcap,
         alibi_slopes=alibi_slopes,
+        **opt.score_values,
     )
     args = (cache_seqlens, block_table, num_splits, None, True, None, alibi_slopes)
     out, lse = run(problem, q, k_cache, v_cache, k, v, *args)

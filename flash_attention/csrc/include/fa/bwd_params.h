@@ -4,6 +4,8 @@
 // field offset, as for FwdParams.
 #pragma once
 
+#include "fa/params.h"  // kScoreValues
+
 namespace fa {
 
 struct BwdParams {
@@ -53,7 +55,7 @@ struct BwdParams {
   // the compiled training node patches them.
   int dq_lanes;
   int window_left, window_right;  // as in FwdParams (WindowMask instantiations only)
-  float softcap;                   // as in FwdParams (the score functions' instantiations only)
+  float score_values[kScoreValues];  // as in FwdParams (the score functions' instantiations only)
   const float* alibi_slopes;
   int alibi_batch_stride;
   const int* row_keys;  // as in FwdParams (SegmentMask instantiations only)

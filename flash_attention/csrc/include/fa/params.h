@@ -7,6 +7,10 @@
 
 namespace fa {
 
+// The slots of the scalar score functions' numbers in the params structs (score_values): one, since no build
+// combines two of them (jit/params.py SCORE_VALUES; a build that did would raise both).
+constexpr int kScoreValues = 1;
+
 struct FwdParams {
   const void* q;  // (batch, seqlen_q, heads_q, head_dim), element strides below, last dim contiguous
   const void* k;  // (batch, seqlen_k, heads_kv, head_dim)
@@ -44,9 +48,11 @@ struct FwdParams {
   // Sliding window (read only by the WindowMask instantiations, fa/visible_keys.cuh): row i sees keys
   // [i + shift - window_left, i + shift + window_right], both >= 0 (an unbounded side: seqlen_q + seqlen_k).
   int window_left, window_right;
-  // Score functions (fa/variant.cuh; read only by their instantiations): the softcap's cap (> 0), and
-  // ALiBi's slopes, slope of (batch b, query head h) at alibi_slopes[b * alibi_batch_stride + h].
-  float softcap;
+  // Score functions (fa/variant.cuh; read only by their instantiations): the numbers of the build's scalar
+  // functions (spec/score_functions.py), the active ones in that table's order from slot 0 (soft-capping's
+  // cap > 0), and ALiBi's slopes, slope of (batch b, query head h) at alibi_slopes[b * alibi_batch_stride +
+  // h].
+  float score_values[kScoreValues];
   const float* alibi_slopes;
   int alibi_batch_stride;
   // Attention sinks: query head h's logit at sinks[h] (float32) joins each row's softmax denominator in the

@@ -136,7 +136,10 @@ struct Softcap {
   float pre, post;  // the folded form's factors: scale / cap before the tanh, cap / scale after it
   template <class Params>
   __device__ __forceinline__ Softcap(const Params& p, int /*batch*/, int /*head*/)
-      : cap(p.softcap), inv_cap(1.f / p.softcap), pre(p.scale / p.softcap), post(p.softcap / p.scale) {}
+      : cap(p.score_values[0]),
+        inv_cap(1.f / p.score_values[0]),
+        pre(p.scale / p.score_values[0]),
+        post(p.score_values[0] / p.scale) {}
   __device__ __forceinline__ float operator()(float s, int /*q*/, int /*k*/) const {
     return cap * tanh_approx(s * inv_cap);
   }
@@ -145,7 +148,7 @@ struct Softcap {
   // The bound itself, from the parameters (the backward's exp2 multiplier, backward_exp2_multiplier).
   template <class Params>
   __device__ __forceinline__ static float bound(const Params& p) {
-    return p.softcap;
+    return p.score_values[0];
   }
   __device__ __forceinline__ int diagonal(int q) const { return q; }
   __device__ __forceinline__ float gradient(float s_mod, int /*q*/, int /*k*/) const {
@@ -528,6 +531,16 @@ template <class M>
 struct ScoreModBounded<M, decltype(void(M::kBounded))> {
   static constexpr bool value = M::kBounded;
 };
+
+// A bounded policy's bound on its scaled scores, |s'| <= score_bound (its `bound(p)`), 0 for the others: what
+// a forward's bounded softmax reads, without naming the function whose number it is.
+template <class M, class Params>
+__device__ __forceinline__ float score_bound(const Params& p) {
+  if constexpr (ScoreModBounded<M>::value)
+    return M::bound(p);
+  else
+    return 0.f;
+}
 
 // The folded form with each row's part of an additive bias left to the online softmax (kRowOffsets: ALiBi;
 // the wgmma forwards). On a block whose keys all lie on one side of every row's diagonal in this warp,
