@@ -242,10 +242,11 @@ def signature(
     ):
         return None
     scores = ()
-    if score_values:
-        if any(type(value) not in PLAIN_NUMBERS for value in score_values.values()):
+    for name, value in score_values.items():  # (a loop, not generators: this runs on every call)
+        if type(value) not in PLAIN_NUMBERS:
             return None
-        scores = tuple((name, float(value)) for name, value in score_values.items() if value)
+        if value:
+            scores += ((name, float(value)),)
     if window is not None:
         # (as spec.validate.check_window reads it: a tuple and a list of the same ints are the same window)
         if type(window) not in (tuple, list) or len(window) != 2 or any(type(w) is not int for w in window):
