@@ -354,7 +354,7 @@ def test_trace_dump_names_every_step_and_tensor():
     assert set(STEP_NAMES) == {"Q", "K", "S", "M", "alpha", "P", "L", "V", "O"}
 
 
-@pytest.mark.parametrize("variant", ["window", "segments", "alibi", "softcap", "sinks"])
+@pytest.mark.parametrize("variant", ["window", "segments", "alibi", "softcap", "softcap_alibi", "sinks"])
 @pytest.mark.parametrize("opt", [True, False])
 def test_simulator_variants_against_float64(variant, opt):
     # Each variant the kernels compute, simulated, against the float64 reference with the same variant,
@@ -374,6 +374,10 @@ def test_simulator_variants_against_float64(variant, opt):
         ref_kw["alibi_slopes"] = kw["alibi_slopes"].double()
     elif variant == "softcap":
         kw["softcap"] = ref_kw["softcap"] = 1.5
+    elif variant == "softcap_alibi":  # (composed: the cap first, then the bias, as fa::SoftcapAlibi)
+        kw["softcap"] = ref_kw["softcap"] = 1.5
+        kw["alibi_slopes"] = torch.linspace(0.05, 0.5, 4)
+        ref_kw["alibi_slopes"] = kw["alibi_slopes"].double()
     elif variant == "sinks":
         kw["sinks"] = torch.linspace(-1.0, 4.0, 4)
         ref_kw["sinks"] = kw["sinks"].double()
@@ -396,8 +400,8 @@ def test_simulator_variants_against_float64(variant, opt):
     assert (out.double() - ref).abs().max().item() <= tol
     assert (lse.double() - ref_lse).abs().max().item() < 1e-4
     assert (out.double() - out_plain.double()).abs().max() > 10 * tol  # the variant changed the result
-    if variant == "softcap":
-        with pytest.raises(ValueError, match="tanh.approx"):
+    if variant.startswith("softcap"):
+        with pytest.raises(ValueError, match="softcap: the hardware's approximations are not modelled"):
             simulate(q, k, v, cfg, causal=causal, error_bound=True, **kw)
     else:
         *_, bound, lse_bound = simulate(

@@ -17,6 +17,7 @@ This module imports nothing of the package (and not torch: the math runs on the 
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -37,13 +38,17 @@ class ScoreFunction:
     composes ``fa::SoftcapAlibi``); ``apply(scores, value)`` its math on scaled scores, in the scores'
     dtype, for every Python path that computes attention itself; ``slope(out, value)`` its derivative at the
     score that gave ``out`` (the backward's chain rule, from the output alone, as the kernels keep it);
-    ``doc`` what it does, for messages."""
+    ``doc`` what it does, for messages; ``kernel(s, value, scale, folded)`` the forward kernels' own
+    arithmetic on a block of float32 scores, for the simulator (tools/sim.py): ``folded`` (the configs with
+    opt_softmax) takes the unscaled scores and returns them in the same units, as the policy's ``folded``
+    does, else the scaled ones (None: the simulator refuses calls with it)."""
 
     name: str
     policy: str
     apply: Callable
     slope: Callable
     doc: str
+    kernel: Callable | None = None
 
 
 def _cap(scores, value: float):
@@ -54,10 +59,28 @@ def _cap_slope(capped, value: float):
     return 1 - (capped / value) ** 2  # d/ds c tanh(s / c) = 1 - tanh^2
 
 
+def _f32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def _cap_kernel(s, value: float, scale: float, folded: bool):
+    # fa::Softcap with an exact tanh (the hardware's tanh.approx, about 2^-11 relative, is not modelled):
+    # folded, (cap / scale) tanh(s (scale / cap)), both factors rounded to float32 as the policy holds them.
+    if folded:
+        pre, post = _f32(scale / value), _f32(value / scale)
+        return (post * (s * pre).double().tanh()).float()
+    return (value * (s / value).double().tanh()).float()
+
+
 #: Every scalar score function, in the order a build applies them (and joins their names).
 SCORE_FUNCTIONS: dict[str, ScoreFunction] = {
     "softcap": ScoreFunction(
-        "softcap", "Softcap", _cap, _cap_slope, "caps the scaled score, softcap * tanh(s / softcap)"
+        "softcap",
+        "Softcap",
+        _cap,
+        _cap_slope,
+        "caps the scaled score, softcap * tanh(s / softcap)",
+        _cap_kernel,
     ),
 }
 

@@ -38,8 +38,10 @@ the blocks up to the last visible key (a block the kernel skips because it lies 
 changes nothing when visited: fully masked, it multiplies by exactly 1 and adds exact zeros); ALiBi in the
 forwards' folded form (``s - (slope / scale) |q - k|`` on the unscaled scores, one FMA, the distance exact in
 float32); ``sinks`` in the epilogue as fa/softmax.cuh's sink_row, with its two exponentials' ex2.approx
-uncertainty in the bounds. Soft-capping's tanh.approx cannot be mirrored (the hardware's error, about 2^-11
-relative, is not modelled): ``softcap`` runs with an exact tanh and refuses ``error_bound`` and traces.
+uncertainty in the bounds. The scalar score functions (``score_values`` by name, spec.score_functions: its
+``kernel`` form of each, applied before ALiBi as the composed policies do) run with exact transcendentals:
+the hardware's approximations (soft-capping's tanh.approx, about 2^-11 relative) are not modelled, so a call
+with one refuses ``error_bound`` and traces.
 """
 
 from __future__ import annotations
@@ -278,9 +280,9 @@ def simulate(
     window: tuple[int, int] | None = None,
     segments: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,
-    softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
     alibi_diagonal: torch.Tensor | None = None,
+    **score_values: float,
 ):
     """Attention computed as the kernel of ``config`` computes it, on the CPU.
 
@@ -293,9 +295,10 @@ def simulate(
         trace: record this warp's intermediates; the trace is returned last.
         error_bound: also return, per element of out and lse, the largest difference from this result
             that a correct kernel can show (see the module docstring).
-        window, alibi_slopes, softcap, sinks: as in :func:`flash_attention.attention` (module docstring:
-            how each is simulated). ``segments``: a packed batch's (seqlen_q, 2) per-row key runs (the
-            ``row_keys`` of :func:`flash_attention.api.varlen.segments`), on a batch of one.
+        window, alibi_slopes, sinks and the ``score_values`` by name: as in
+            :func:`flash_attention.attention` (module docstring: how each is simulated). ``segments``: a
+            packed batch's (seqlen_q, 2) per-row key runs (the ``row_keys`` of
+            :func:`flash_attention.api.varlen.segments`), on a batch of one.
         alibi_diagonal: with ``segments`` and ALiBi, each row's diagonal key (seqlen_q,), as the kernels'
             packed builds measure the distance (``flash_attention.api.varlen.alibi_diagonals``, or
             :func:`flash_attention.fallback.reference.runs_alibi_diagonal` for causal runs); None: the packed
@@ -313,9 +316,10 @@ def simulate(
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
     if cfg.opt_softmax and scale < 0:
         raise ValueError(f"softmax_scale must be positive for config {cfg.name()} (opt_softmax)")
-    variants = _Variants.of(window, segments, alibi_slopes, softcap, sinks, q, k, alibi_diagonal)
-    if softcap and (error_bound or trace is not None):
-        raise ValueError("softcap: the hardware's tanh.approx is not modelled: no error bound or trace")
+    variants = _Variants.of(window, segments, alibi_slopes, sinks, q, k, alibi_diagonal, **score_values)
+    if variants.score and (error_bound or trace is not None):
+        names = ", ".join(name for name, _ in variants.score)
+        raise ValueError(f"{names}: the hardware's approximations are not modelled: no error bound or trace")
     if (variants.window is not None or variants.runs is not None or variants.alibi is not None) and trace:
         raise ValueError("the debug (trace) build has no window, segments or score-function variant")
     spec = trace.resolve(cfg, batch, hq, sq) if trace is not None else None
@@ -338,15 +342,21 @@ class _Variants:
     diagonal: torch.Tensor | None = None  # (seqlen_q,) int64 ALiBi diagonal keys of a packed batch
     alibi: torch.Tensor | None = None  # (batch, heads_q) float32 slopes, or per query row (below)
     alibi_per_row: bool = False  # alibi is (seqlen_q, heads_q): a packed batch's slope per query row
-    softcap: float = 0.0
+    score: tuple = ()  # the scalar score functions' (name, value) pairs (spec.ScoreSpec.values)
     sinks: torch.Tensor | None = None  # (heads_q,) float32
 
     @staticmethod
-    def of(window, segments, alibi_slopes, softcap, sinks, q, k, alibi_diagonal=None) -> _Variants:
+    def of(window, segments, alibi_slopes, sinks, q, k, alibi_diagonal=None, **score_values) -> _Variants:
+        from flash_attention.spec.score_functions import SCORE_FUNCTIONS, check_value, values_of
         from flash_attention.spec.validate import check_window
 
         batch, sq, hq, _ = q.shape
-        var = _Variants(window=check_window(window), softcap=float(softcap))
+        for name, value in score_values.items():
+            check_value(name, value)
+        var = _Variants(window=check_window(window), score=values_of(**score_values))
+        unmodelled = [name for name, _ in var.score if SCORE_FUNCTIONS[name].kernel is None]
+        if unmodelled:
+            raise ValueError(f"the simulator has no model of the score function {unmodelled[0]!r}")
         if segments is not None:
             if batch != 1 or tuple(segments.shape) != (sq, 2):
                 raise ValueError(f"segments must be (seqlen_q, 2) = ({sq}, 2) runs on a batch of one")
@@ -533,11 +543,16 @@ class _Run:
         return visits
 
     def _score(self, s: torch.Tensor, diag: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """The score function on a block's scores ``s`` (b, h, A, br, bc): ALiBi in its folded form (opt
-        softmax: fmaf(-slope / scale, |d|, s)) or the scaled one (fmaf(-slope, |d|, s)); soft-capping with an
-        exact tanh. ``diag``: key minus the row's diagonal, exact in float32; ``rows`` (A, br): the rows'
-        indices, whose slopes a per-row table gives."""
+        """The score function on a block's scores ``s`` (b, h, A, br, bc): the scalar functions in their
+        kernels' form (spec.score_functions: ``kernel``), then ALiBi in its folded form (opt softmax:
+        fmaf(-slope / scale, |d|, s)) or the scaled one (fmaf(-slope, |d|, s)), the composed policies' order.
+        ``diag``: key minus the row's diagonal, exact in float32; ``rows`` (A, br): the rows' indices, whose
+        slopes a per-row table gives."""
+        from flash_attention.spec.score_functions import SCORE_FUNCTIONS
+
         var = self.var
+        for name, value in var.score:
+            s = SCORE_FUNCTIONS[name].kernel(s, value, self.scale_f, self.cfg.opt_softmax)
         if var.alibi is not None:
             slopes = var.alibi.to(torch.float32)
             if var.alibi_per_row:  # (A, br, hq) -> (1, hq, A, br, 1)
@@ -553,12 +568,6 @@ class _Run:
                 slopes = slopes[:, :, None, None, None]
             dist = diag.abs().to(torch.float32)  # (A, br, bc)
             return _fma(-slopes, dist[None, None], s)
-        if var.softcap:
-            cap = var.softcap
-            if self.cfg.opt_softmax:  # Softcap::folded: (cap / scale) tanh(s (scale / cap))
-                pre, post = _f32(self.scale_f / cap), _f32(cap / self.scale_f)
-                return (post * torch.tanh((s * pre).double())).float()
-            return (cap * torch.tanh((s / cap).double())).float()
         return s
 
     def _step_bounds(self, act, it, va, tol_s, sx, valid, m_old, mx, alpha, p, pr, l_new, o, tol_pv):
