@@ -38,10 +38,14 @@ def _inputs(case, dtype=torch.float32):
     return (q, k, v, sinks), kw
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
-def test_sinks_forward_and_gradients_match_float64(case):
+def test_sinks_forward_and_gradients_match_float64(case, dtype):
+    # float64 runs the chunked backward, which renormalises each row of P in float64 against the float32
+    # LSE's rounding: a row's sum then counts its sink (it forced the rows to sum to one before, and the
+    # gradients were 2-5% off, with or without the sinks' own gradient).
     torch.manual_seed(zlib.crc32(repr(case).encode()))
-    (q, k, v, sinks), kw = _inputs(case)
+    (q, k, v, sinks), kw = _inputs(case, dtype)
     leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
     out, lse = flash_attention.attention(*leaves[:3], sinks=leaves[3], return_lse=True, **kw)
     ref_leaves = [t.double().requires_grad_() for t in (q, k, v, sinks)]

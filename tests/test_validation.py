@@ -123,16 +123,18 @@ def test_softmax_scale_not_a_number(scale):
 def test_rank(name, shape):
     q, k, v = _qkv()
     bad = {name: torch.randn(shape).half()}
-    expected = (
-        "(batch, seqlen_q, heads_q, head_dim)" if name == "q" else "(batch, seqlen_k, heads_kv, head_dim)"
-    )
+    expected = {
+        "q": "(batch, seqlen_q, heads_q, head_dim)",
+        "k": "(batch, seqlen_k, heads_kv, head_dim)",
+        "v": "(batch, seqlen_k, heads_kv, head_dim_v)",
+    }[name]
     _raises(ValueError, "^" + re.escape(f"{name} must have shape {expected}; got {shape}"), **bad)
 
 
 def test_out_rank():
     _raises(
         ValueError,
-        r"^out must have shape \(batch, seqlen_q, heads_q, head_dim\)",
+        r"^out must have shape \(batch, seqlen_q, heads_q, head_dim_v\)",
         out=torch.randn(2, 16, 256).half(),
     )
 
@@ -147,11 +149,27 @@ def test_head_dim_mismatch_k():
     _raises(ValueError, r"^k must have the head_dim of q \(64\)", q=q, k=k, v=v)
 
 
-@pytest.mark.parametrize("v_shape", [(2, 24, 2, 32), (2, 25, 2, 64), (2, 24, 1, 64), (1, 24, 2, 64)])
+@pytest.mark.parametrize("v_shape", [(2, 25, 2, 64), (2, 24, 1, 64), (1, 24, 2, 64)])
 def test_v_shape_differs_from_k(v_shape):
     q, k, _ = _qkv()
     _raises(
-        ValueError, r"^v must have the shape of k \(2, 24, 2, 64\)", q=q, k=k, v=torch.randn(v_shape).half()
+        ValueError,
+        r"^v must have the batch, length and heads of k \(2, 24, 2\) \(its head_dim may differ\)",
+        q=q,
+        k=k,
+        v=torch.randn(v_shape).half(),
+    )
+
+
+@pytest.mark.parametrize("head_dim_v", [0, 257])
+def test_v_head_dim_out_of_range(head_dim_v):
+    q, k, _ = _qkv()
+    _raises(
+        ValueError,
+        rf"^v's head_dim \(v.shape\[3\]\) must be between 1 and 256; got {head_dim_v}",
+        q=q,
+        k=k,
+        v=torch.randn(2, 24, 2, head_dim_v).half(),
     )
 
 
@@ -218,7 +236,7 @@ def test_last_dim_not_contiguous(name):
 def test_out_wrong_shape():
     _raises(
         ValueError,
-        r"^out must have the shape of q \(2, 16, 4, 64\); got \(2, 16, 2, 64\)",
+        r"^out must have the shape \(2, 16, 4, 64\) \(q's, with v's head_dim\); got \(2, 16, 2, 64\)",
         out=torch.empty(2, 16, 2, 64).half(),
     )
 

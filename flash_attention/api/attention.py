@@ -33,7 +33,7 @@ def _empty_result(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The result of a problem with no output element or no key: out 0, lse -inf (no launch)."""
     if out is None:
-        out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+        out = torch.zeros((*q.shape[:3], problem.value_dim), dtype=q.dtype, device=q.device)
     else:
         out.zero_()
     lse = torch.full(
@@ -120,7 +120,9 @@ def attention(
     Args:
         q: queries, shape (batch, seqlen_q, heads_q, head_dim) -- the layout of the FlashAttention library.
         k: keys, shape (batch, seqlen_k, heads_kv, head_dim).
-        v: values, shape (batch, seqlen_k, heads_kv, head_dim).
+        v: values, shape (batch, seqlen_k, heads_kv, head_dim_v): head_dim_v is head_dim for most models;
+            another (1 to 256: DeepSeek's multi-head latent attention prefills with q/k 192 and v 128) is
+            computed by the PyTorch fallback for now, with its one-time warning on CUDA.
             q, k and v share one dtype (float16, bfloat16, float32 or float64) and one device. head_dim is
             any size from 1 to 256 (on the kernels, one that is not a multiple of 8 runs zero-padded to
             the next multiple, at the cost of a copy of q, k and v). Any other stride is allowed as long as
@@ -137,7 +139,8 @@ def attention(
         softmax_scale: multiplier of the scores before the softmax; default ``1 / sqrt(head_dim)``. Any
             finite nonzero float.
         return_lse: also return the log-sum-exp of each row's scaled scores.
-        out: optional preallocated output of q's shape and dtype (last dimension contiguous), written in
+        out: optional preallocated output of q's shape with v's head_dim, and q's dtype (last dimension
+            contiguous), written in
             place and returned. Not allowed while autograd records the call (grad mode on and q, k or v
             requiring grad): as with PyTorch's own ``out=`` variants, that raises RuntimeError, because a
             gradient cannot flow through a caller's buffer.
@@ -179,10 +182,11 @@ def attention(
             (:mod:`flash_attention.sinks` says how every kernel computes it).
 
     Returns:
-        ``out`` of q's shape and dtype; with ``return_lse=True``, ``(out, lse)`` where ``lse`` is float32 of
-        shape (batch, heads_q, seqlen_q), the natural logarithm of ``sum_j exp(scale * q_i · k_j)`` over the
-        keys row i attends. A row with no key to attend to (causal with seqlen_q > seqlen_k, or seqlen_k ==
-        0) gets an output of 0 and an LSE of -inf, never NaN. Empty inputs give empty results.
+        ``out`` of q's shape (with v's head_dim) and dtype; with ``return_lse=True``, ``(out, lse)`` where
+        ``lse`` is float32 of shape (batch, heads_q, seqlen_q), the natural logarithm of
+        ``sum_j exp(scale * q_i · k_j)`` over the keys row i attends. A row with no key to attend to (causal
+        with seqlen_q > seqlen_k, or seqlen_k == 0) gets an output of 0 and an LSE of -inf, never NaN. Empty
+        inputs give empty results.
 
     The softmax and accumulation are float32 on every path. float16/bfloat16 CUDA tensors run on our
     kernels (compiled on first use and cached on disk). Everything else -- CPU tensors, float32/float64
@@ -432,6 +436,7 @@ def _attention_op(
             and window is None
             and not any(score_values.values())
             and alibi_slopes is None
+            and v.shape[3] == q.shape[3]
             and sinks is None
             and segments is None
             and _fallback.plain_sdpa_call(

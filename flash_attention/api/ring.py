@@ -378,6 +378,11 @@ def ring_attention(
         # The float64 fallback's backward renormalises each row's probabilities over the keys it is given
         # (its LSE is float32), which is right for a whole row and wrong for a share of its keys.
         raise TypeError("ring_attention takes float16, bfloat16 or float32 tensors; got float64")
+    if problem.head_dim_v:
+        raise ValueError(
+            f"ring_attention passes k and v round the ring as one stacked share: v's head_dim ({v.shape[3]}) "
+            f"must be q's and k's ({q.shape[3]})"
+        )
     if q.shape[1] != k.shape[1]:
         raise ValueError(f"q and k must hold equal shares of the sequence; got {q.shape[1]} and {k.shape[1]}")
     window = check_window(window)

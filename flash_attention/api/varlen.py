@@ -292,7 +292,9 @@ def attention_varlen(
 
     Args:
         q: (total_q, heads_q, head_dim), the sequences' queries one after another.
-        k, v: (total_k, heads_kv, head_dim), their keys and values (heads_q a multiple of heads_kv: GQA).
+        k, v: (total_k, heads_kv, head_dim) and (total_k, heads_kv, head_dim_v), their keys and values
+            (heads_q a multiple of heads_kv: GQA; v's head_dim may differ from q's and k's, as in
+            :func:`flash_attention.attention`).
         cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) offsets on q's device, nondecreasing from 0:
             sequence b's queries are rows cu_seqlens_q[b] .. cu_seqlens_q[b+1] - 1 (its keys likewise).
             Sequences of length 0 are allowed. The last offset may stop short of the tensors but not pass
@@ -347,7 +349,8 @@ def attention_varlen(
         raise ValueError("q must be a (total_q, heads_q, head_dim) tensor")
     for name, t in (("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
-            raise ValueError(f"{name} must be a (total_k, heads_kv, head_dim) tensor")
+            dims = "head_dim_v" if name == "v" else "head_dim"
+            raise ValueError(f"{name} must be a (total_k, heads_kv, {dims}) tensor")
     offsets = "batch + 1 offsets"
     n_offsets = check_offsets_tensor("cu_seqlens_q", cu_seqlens_q, q.device, offsets)
     if n_offsets < 1:

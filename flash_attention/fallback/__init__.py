@@ -297,7 +297,9 @@ def forward(
     runs take the chunked path (the fused kernels take no such mask without materialising it)."""
     options = _options(spec, q.shape[-1], row_keys, alibi_slopes, alibi_diagonal)
     causal, scale, dropout_p = options["causal"], options["softmax_scale"], spec.dropout_p
+    # (v's own head_dim takes the chunked path too: it is exact for any pair, the fused ops are not asked)
     plain = options["window"] is None and not spec.score.values and alibi_slopes is None
+    plain = plain and v.shape[3] == q.shape[3]
     fused_ok = plain and _fused(q, k, causal, scale, key_range, dropout_p)
     if fused_ok and not return_lse and out is None:
         if _sdpa_expresses(q, k, causal, scale, key_range, dropout_p, False):
@@ -353,20 +355,22 @@ def forward(
 
 def backward(
     dout, q, k, v, out, lse, spec: AttentionSpec, *, key_range=None, dropout_seed=None, alibi_slopes=None,
-    alibi_diagonal=None, row_keys=None,
+    alibi_diagonal=None, row_keys=None, sinks=None,
 ):  # fmt: skip
     """(dq, dk, dv) of :func:`forward` (the same ``spec`` and tensors) from its saved ``out`` and ``lse``. A
     ``deterministic`` spec on CUDA takes the chunked path: PyTorch does not promise bitwise-repeatable
     gradients from its memory-efficient backward (it may split the keys and add dQ atomically); the CPU
-    kernel's are repeatable."""
+    kernel's are repeatable. ``sinks``: the forward's (heads_q,) attention sinks when ``out`` and ``lse`` are
+    the forward's with them (the float64 chunked path counts them in its rows' sums)."""
     options = _options(spec, q.shape[-1], row_keys, alibi_slopes, alibi_diagonal)
     causal, scale, dropout_p = options["causal"], options["softmax_scale"], spec.dropout_p
     deterministic = spec.deterministic or torch.are_deterministic_algorithms_enabled()
     repeatable = not deterministic or q.device.type == "cpu"
     plain = options["window"] is None and not spec.score.values and alibi_slopes is None
+    plain = plain and v.shape[3] == q.shape[3]
     if not repeatable or not plain or not _fused(q, k, causal, scale, key_range, dropout_p):
         return attention_backward_torch(
-            dout, q, k, v, out, lse, key_range=key_range, dropout_seed=dropout_seed, **options
+            dout, q, k, v, out, lse, key_range=key_range, dropout_seed=dropout_seed, sinks=sinks, **options
         )
     fused = _Fused(q.device.type)
     plan = _Plan(q, k, causal, key_range)

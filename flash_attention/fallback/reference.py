@@ -415,8 +415,8 @@ def attention_torch(
     scale = _resolve_scale(softmax_scale, head_dim)
     cdtype = _compute_dtype(q.dtype)
 
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if out is None:  # (q's shape with v's head_dim, which may differ from q's and k's)
+        out = torch.empty((*q.shape[:3], v.shape[3]), dtype=q.dtype, device=q.device)
     lse = (
         torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device) if return_lse else None
     )
@@ -531,8 +531,9 @@ def _attend_chunk(
         keep = _chunk_keep(drop, (b0, b1, h0, h1, i0, i1), group, seqlen_k, q.device)
         p = p * keep * drop[2] if needs_grad else p.mul_(keep).mul_(drop[2])
 
-    o = torch.matmul(p.view(nb, nh, group * rows, seqlen_k), vc)  # (b, h_kv, group * rows, d)
-    o = o.view(nb, nh, group, rows, head_dim).permute(0, 3, 1, 2, 4).reshape(nb, rows, nh * group, head_dim)
+    o = torch.matmul(p.view(nb, nh, group * rows, seqlen_k), vc)  # (b, h_kv, group * rows, d_v)
+    dv = vc.shape[3]
+    o = o.view(nb, nh, group, rows, dv).permute(0, 3, 1, 2, 4).reshape(nb, rows, nh * group, dv)
     out[b0:b1, i0:i1, h0 * group : h1 * group] = o.to(out.dtype)
     if lse is not None:
         lse[b0:b1, h0 * group : h1 * group, i0:i1] = row_lse.view(nb, nh * group, rows).to(torch.float32)
@@ -554,6 +555,7 @@ def attention_backward_torch(
     window: tuple[int, int] | None = None,
     alibi_slopes: torch.Tensor | None = None,
     alibi_diagonal: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
     **score_values: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dq, dk, dv)`` of :func:`attention_torch` from its saved ``out`` and ``lse``.
@@ -578,7 +580,10 @@ def attention_backward_torch(
 
     float64 inputs: the LSE is stored in float32, whose rounding (about 6e-8 relative) would cap the
     gradients' precision far above float64's; each recomputed row of P is therefore divided by its own sum,
-    which restores P's float64 accuracy and changes nothing else.
+    which restores P's float64 accuracy and changes nothing else. With attention ``sinks`` (heads_q,) (``out``
+    and ``lse`` then the forward's with the sinks, :mod:`flash_attention.sinks`), a row's probabilities sum
+    to less than one: its sum then counts the sink's term, ``exp(sink - lse)``, and ``sinks`` must be given
+    (without them the rows would be forced to sum to one: gradients off by the sinks' share).
 
     Returns new contiguous tensors with the shapes and dtypes of q, k and v. Not differentiable itself (it
     is a backward pass): it runs without recording autograd.
@@ -632,6 +637,7 @@ def attention_backward_torch(
                         drop,
                         window,
                         score,
+                        sinks,
                     )
                 dk[b0:b1, :, h0:h1] = dkc.permute(0, 2, 1, 3).to(dk.dtype)
                 dv[b0:b1, :, h0:h1] = dvc.permute(0, 2, 1, 3).to(dv.dtype)
@@ -654,6 +660,7 @@ def _backward_chunk(
     drop: tuple | None = None,
     window: tuple[int, int] | None = None,
     score: tuple | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """One (batch, kv head, query row) chunk of :func:`attention_backward_torch`: writes its rows of dq and
     adds its contributions to the chunk's dK/dV accumulators ``dkc``/``dvc`` (b, h_kv, seqlen_k, d)."""
@@ -664,9 +671,11 @@ def _backward_chunk(
     seqlen_k = kc.shape[2]
 
     def stacked(t: torch.Tensor) -> torch.Tensor:
-        # (b, rows, h_kv * group, d) -> (b, h_kv, group * rows, d): a kv head's queries form one operand.
-        t = t[b0:b1, i0:i1, h0 * group : h1 * group].reshape(nb, rows, nh, group, head_dim)
-        return t.permute(0, 2, 3, 1, 4).to(cdtype).reshape(nb, nh, group * rows, head_dim)
+        # (b, rows, h_kv * group, d) -> (b, h_kv, group * rows, d): a kv head's queries form one operand
+        # (d: q's head_dim, or v's for dO and O)
+        d = t.shape[3]
+        t = t[b0:b1, i0:i1, h0 * group : h1 * group].reshape(nb, rows, nh, group, d)
+        return t.permute(0, 2, 3, 1, 4).to(cdtype).reshape(nb, nh, group * rows, d)
 
     qc, doc, oc = stacked(q), stacked(dout), stacked(out)
     row_lse = lse[b0:b1, h0 * group : h1 * group, i0:i1].to(cdtype).reshape(nb, nh, group * rows, 1)
@@ -692,6 +701,9 @@ def _backward_chunk(
     p = s.sub_(row_lse).exp_()
     if cdtype == torch.float64:
         denom = p.sum(dim=-1, keepdim=True)
+        if sinks is not None:  # (the row's sink, query head h = h_kv * group + j: stacked as the rows are)
+            sink = sinks[h0 * group : h1 * group].to(cdtype).view(1, nh, group, 1).expand(nb, nh, group, rows)
+            denom = denom + torch.exp(sink.reshape(nb, nh, group * rows, 1) - row_lse)
         p.div_(torch.where(denom == 0, torch.ones_like(denom), denom))
 
     d = (doc * oc).sum(dim=-1, keepdim=True)  # D = rowsum(dO * O), (b, h_kv, group * rows, 1)

@@ -33,6 +33,7 @@ from .plans import (
     bind_alibi,
     bind_score_values,
     check_segments,
+    check_value_dim,
     device_facts,
     feature_list,
     fill_common,
@@ -314,6 +315,7 @@ def plan_for(
     """The plan of a call of ``spec`` on kernel-ready tensors (made on a miss); ``config``: a named
     configuration, or None; ``lengths``: plans.segment_lengths; ``sequences``: a packed batch's sequence
     count when its runs carry the offsets of a key-tile table (plans.segment_count)."""
+    check_value_dim(q_, v_)
     key = (
         q_.shape,
         q_.stride(),
@@ -369,6 +371,7 @@ def cuda_backward(
         raise ValueError("dropout_p > 0 needs dropout_seed (flash_attention.dropout.draw_seed())")
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k = k.shape[1]
+    check_value_dim(q, v)  # (before the padding below, which pads v to q's head_dim)
     window = check_window(window)
     if segments is not None:
         check_segments(segments, q, k, key_range, window)

@@ -34,6 +34,7 @@ from .plans import (
     bind_alibi,
     bind_score_values,
     check_segments,
+    check_value_dim,
     device_facts,
     feature_list,
     fill_common,
@@ -309,6 +310,7 @@ def plan_for(q, k, v, o, spec: AttentionSpec, config=None, lengths=None, sequenc
     """The plan of a call of ``spec`` on kernel-ready tensors (made on a miss); ``config``: a named
     configuration, or None; ``lengths``: plans.segment_lengths; ``sequences``: a packed batch's sequence
     count when its runs carry the offsets of a query-tile table (plans.segment_count)."""
+    check_value_dim(q, v)
     spec = spec.forward
     key = (
         q.shape,
@@ -395,6 +397,7 @@ def cuda_forward(
             trace, trace_fault = env
     if dropout_p and dropout_seed is None:
         raise ValueError("dropout_p > 0 needs dropout_seed (flash_attention.dropout.draw_seed())")
+    check_value_dim(q, v)  # (before the padding below, which pads v to q's head_dim)
     window = check_window(window)
     if segments is not None:
         check_segments(segments, q, k, key_range, window)

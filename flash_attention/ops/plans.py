@@ -25,6 +25,7 @@ from ..spec import AttentionSpec, ScoreSpec
 from ..spec.validate import check_window, score_spec
 from .device import current_stream, device_arch, gpu_name, smem_limit
 from .query_tiles import sequence_bucket
+from .select import NoKernel
 
 __all__ = [
     "KernelBuild",
@@ -157,6 +158,16 @@ def window_bounds(window: object, causal: bool, seqlen_q: int, seqlen_k: int) ->
     if left >= far and right >= (0 if causal else far):
         return None
     return left, right
+
+
+def check_value_dim(q: torch.Tensor, v: torch.Tensor) -> None:
+    """NoKernel unless v's head_dim is q's and k's: every kernel family reads one head_dim for the three
+    (the dispatch then runs the PyTorch fallback, with its warning; issue 51 brings the kernels)."""
+    if v.shape[-1] != q.shape[-1]:
+        raise NoKernel(
+            f"v's head_dim ({v.shape[-1]}) differs from q's and k's ({q.shape[-1]}), which no kernel of ours "
+            "takes yet"
+        )
 
 
 def bind_score_values(params: ctypes.Structure, score: ScoreSpec) -> None:

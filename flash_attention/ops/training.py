@@ -109,8 +109,8 @@ def training_forward(
     """``(out, lse)`` of the forward launch ``forward`` (the launch layer's ``cuda_forward``, as the caller's
     backend has it) with ``out``'s gradient recorded by the compiled node (and the ``sinks``' gradient, where
     the call has them), or None when the node does not take this call (the module docstring says which)."""
-    if q.shape[3] % 8 or _trace.ENV in os.environ:
-        return None
+    if q.shape[3] % 8 or v.shape[3] != q.shape[3] or _trace.ENV in os.environ:
+        return None  # (v's own head_dim: no kernel takes it yet, plans.check_value_dim)
     if not (usable_in_place(q) and usable_in_place(k) and usable_in_place(v)):
         return None
     lib = host.ops_or_none()

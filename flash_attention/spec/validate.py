@@ -39,8 +39,8 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _SHAPES = {
     "q": "(batch, seqlen_q, heads_q, head_dim)",
     "k": "(batch, seqlen_k, heads_kv, head_dim)",
-    "v": "(batch, seqlen_k, heads_kv, head_dim)",
-    "out": "(batch, seqlen_q, heads_q, head_dim)",
+    "v": "(batch, seqlen_k, heads_kv, head_dim_v)",
+    "out": "(batch, seqlen_q, heads_q, head_dim_v)",
 }
 
 
@@ -56,6 +56,14 @@ class Problem:
     head_dim: int
     scale: float
     causal: bool
+    # v's head_dim, the output's (DeepSeek's multi-head latent attention prefills with q/k 192, v 128);
+    # 0: head_dim's, as for most models. The softmax scale follows head_dim (q . k's).
+    head_dim_v: int = 0
+
+    @property
+    def value_dim(self) -> int:
+        """The head_dim of v and of the output."""
+        return self.head_dim_v or self.head_dim
 
     @property
     def group(self) -> int:
@@ -151,8 +159,11 @@ def validate(
         raise ValueError(f"k must have the batch size of q ({batch}); got shape {_shape(k)}")
     if k.shape[3] != head_dim:
         raise ValueError(f"k must have the head_dim of q ({head_dim}); got shape {_shape(k)}")
-    if v.shape != k.shape:
-        raise ValueError(f"v must have the shape of k {_shape(k)}; got {_shape(v)}")
+    if v.shape[:3] != k.shape[:3]:
+        raise ValueError(
+            f"v must have the batch, length and heads of k {_shape(k)[:3]} (its head_dim may differ); got "
+            f"{_shape(v)}"
+        )
     if heads_kv == 0:
         raise ValueError(f"k must have at least one head (heads_kv >= 1); got shape {_shape(k)}")
     if heads_q % heads_kv:
@@ -162,8 +173,12 @@ def validate(
         )
     if head_dim < 1 or head_dim > MAX_HEAD_DIM:
         raise ValueError(f"head_dim (q.shape[3]) must be between 1 and {MAX_HEAD_DIM}; got {head_dim}")
-    if out is not None and out.shape != q.shape:
-        raise ValueError(f"out must have the shape of q {_shape(q)}; got {_shape(out)}")
+    head_dim_v = v.shape[3]
+    if head_dim_v < 1 or head_dim_v > MAX_HEAD_DIM:
+        raise ValueError(f"v's head_dim (v.shape[3]) must be between 1 and {MAX_HEAD_DIM}; got {head_dim_v}")
+    out_shape = (*q.shape[:3], head_dim_v)
+    if out is not None and tuple(out.shape) != out_shape:
+        raise ValueError(f"out must have the shape {out_shape} (q's, with v's head_dim); got {_shape(out)}")
 
     for name, t in named.items():
         check_last_dim_contiguous(name, t)
@@ -171,7 +186,8 @@ def validate(
     scale = _resolve_scale(softmax_scale, head_dim)
     if key_range is not None:
         check_key_range(key_range, batch, q.device)
-    return Problem(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, scale, causal)
+    dv = 0 if head_dim_v == head_dim else head_dim_v
+    return Problem(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, scale, causal, dv)
 
 
 def check_key_range(key_range: object, batch: int, device: torch.device) -> None:

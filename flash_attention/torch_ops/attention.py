@@ -56,7 +56,7 @@ _FWD_SCHEMA = (
 )
 _BWD_SCHEMA = (
     "(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, int[] options, float[] values,"
-    f" {_TENSORS}) -> (Tensor, Tensor, Tensor)"
+    f" {_TENSORS}, Tensor? sinks=None) -> (Tensor, Tensor, Tensor)"
 )
 
 
@@ -102,13 +102,14 @@ def _fallback_forward(
 
 def _fallback_backward(
     dout, q, k, v, out, lse, opt: OpOptions, key_range=None, dropout_seed=None, alibi_slopes=None,
-    row_keys=None, key_rows=None, alibi_diagonal=None,
+    row_keys=None, key_rows=None, alibi_diagonal=None, sinks=None,
 ):  # fmt: skip
-    """The backward op's PyTorch path (segments as in :func:`_fallback_forward`)."""
-    spec = _fallback_spec(opt, key_range, alibi_slopes, row_keys, alibi_diagonal)
+    """The backward op's PyTorch path (segments as in :func:`_fallback_forward`; ``sinks``: the forward's,
+    which ``out`` and ``lse`` include)."""
+    spec = _fallback_spec(opt, key_range, alibi_slopes, row_keys, alibi_diagonal, sinks)
     return fallback.backward(
         dout, q, k, v, out, lse, spec, key_range=key_range, dropout_seed=dropout_seed,
-        alibi_slopes=alibi_slopes, alibi_diagonal=alibi_diagonal, row_keys=row_keys,
+        alibi_slopes=alibi_slopes, alibi_diagonal=alibi_diagonal, row_keys=row_keys, sinks=sinks,
     )  # fmt: skip
 
 
@@ -187,7 +188,7 @@ def forward_impl(
 @fwd.register_fake
 def _fwd_fake(q, k, v, options, values, *tensors):
     batch, seqlen_q, heads_q, _ = q.shape
-    out = q.new_empty(q.shape)  # contiguous, like the kernel's and the fallback's output
+    out = q.new_empty((*q.shape[:3], v.shape[3]))  # contiguous, like the kernel's and the fallback's output
     lse = q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
     return out, lse
 
@@ -214,11 +215,11 @@ def _fwd_setup_context(ctx, inputs, output) -> None:
 
 def _backward_args(ctx, dout) -> tuple:
     """The arguments of ``bwd`` from what :func:`_fwd_setup_context` saved."""
-    q, k, v, out, lse, key_range, dropout_seed, alibi_slopes, row_keys, key_rows, alibi_diagonal, _ = (
+    q, k, v, out, lse, key_range, dropout_seed, alibi_slopes, row_keys, key_rows, alibi_diagonal, sinks = (
         ctx.saved_tensors
     )
     return (dout, q, k, v, out, lse, ctx.options, ctx.values, key_range, dropout_seed, alibi_slopes,
-            row_keys, key_rows, alibi_diagonal)  # fmt: skip
+            row_keys, key_rows, alibi_diagonal, sinks)  # fmt: skip
 
 
 def _needs_sinks_grad(ctx) -> bool:
@@ -270,11 +271,13 @@ def bwd(
     row_keys: torch.Tensor | None = None,
     key_rows: torch.Tensor | None = None,
     alibi_diagonal: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Any device but CUDA: the PyTorch fallback (deterministic on CPU by construction)."""
+    """Any device but CUDA: the PyTorch fallback (deterministic on CPU by construction). ``sinks``: the
+    forward's, which ``out`` and ``lse`` include (their gradient is the caller's: sinks.sinks_gradient)."""
     opt = OpOptions.unpack(options, values)
     return _fallback_backward(dout, q, k, v, out, lse, opt, key_range, dropout_seed, alibi_slopes, row_keys,
-                              key_rows, alibi_diagonal)  # fmt: skip
+                              key_rows, alibi_diagonal, sinks)  # fmt: skip
 
 
 @bwd.register_kernel("cuda")
@@ -297,15 +300,17 @@ def backward_impl(
     key_rows: torch.Tensor | None = None,
     alibi_diagonal: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    sinks_grad: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """``bwd`` on CUDA: our backward kernels when they can run on these inputs, else the PyTorch fallback.
-    With ``sinks`` (the eager path's sinks that need a gradient) a fourth tensor, the sinks' gradient."""
+    ``sinks``: the forward's (``out`` and ``lse`` include them); with ``sinks_grad`` (the eager path's sinks
+    that need a gradient) a fourth tensor, the sinks' gradient."""
     tensors = (key_range, dropout_seed, alibi_slopes, row_keys, key_rows, alibi_diagonal)
     ops = None if _has_no_pair(q, k) else dispatch.kernel_backend(q)
 
     def fallback_backward():
-        grads = _fallback_backward(dout, q, k, v, out, lse, opt, *tensors)
-        return grads if sinks is None else (*grads, sinks_gradient(dout, out, lse, sinks))
+        grads = _fallback_backward(dout, q, k, v, out, lse, opt, *tensors, sinks)
+        return (*grads, sinks_gradient(dout, out, lse, sinks)) if sinks_grad else grads
 
     if ops is None:
         return fallback_backward()
@@ -328,7 +333,7 @@ def backward_impl(
             dropout_p=opt.dropout_p,
             dropout_seed=dropout_seed,
             **_variants(opt, alibi_slopes, row_keys, key_rows, alibi_diagonal),
-            **({} if sinks is None else {"sinks": sinks}),
+            **({"sinks": sinks} if sinks_grad else {}),  # (the kernels need none without its gradient)
         ),
         fallback_backward,
     )
@@ -375,7 +380,7 @@ class EagerAttention(torch.autograd.Function):
         opt = OpOptions.unpack(options, values)
         if _needs_sinks_grad(ctx):  # the sinks' gradient from the backward kernels' own D rows
             dq, dk, dv, rest[_SINKS_INPUT - 3] = backward_impl(
-                dout, q, k, v, out, lse, opt, *tensors, sinks=ctx.saved_tensors[-1]
+                dout, q, k, v, out, lse, opt, *tensors, sinks_grad=True
             )
         else:
             dq, dk, dv = backward_impl(dout, q, k, v, out, lse, opt, *tensors)

@@ -1,0 +1,187 @@
+"""v with a head_dim of its own (DeepSeek's multi-head latent attention: q/k 192, v 128), issue 51's first
+step: attention() and attention_varlen() take it on every path, and the output has v's head_dim.
+
+No kernel family reads two head dims yet, so a call the kernels would take falls back to PyTorch with the
+once-per-reason warning (ops.plans.check_value_dim, before any padding or plan); these tests hold the
+fallback's forward, LSE and gradients against the float64 reference with every variant, and the kernel
+path's refusal on the stand-in GPU (the real launch layer, repeat calls and training node)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import flash_attention as fa
+from flash_attention.fallback.reference import attention_reference
+
+
+def _inputs(gen, dtype, d=48, dv=24, sq=37, sk=53, hq=4, hkv=2, batch=2):
+    q = torch.randn(batch, sq, hq, d, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
+    k = torch.randn(batch, sk, hkv, d, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
+    v = torch.randn(batch, sk, hkv, dv, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
+    return q, k, v
+
+
+def _reference(q, k, v, **kw):
+    """float64 output, LSE and gradient closure of the reference on the same (rounded) inputs."""
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_kw = {name: (t.double() if name == "alibi_slopes" else t) for name, t in kw.items()}
+    out, lse = attention_reference(*leaves, **ref_kw)
+    return out, lse, lambda dout: torch.autograd.grad(out, leaves, dout.double())
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"causal": True},
+        {"causal": True, "window": (9, 0)},
+        {"softcap": 1.7},
+        {"causal": True, "alibi_slopes": "heads"},
+        {"key_range": True},
+        {"sinks": True},
+    ],
+    ids=["plain", "causal", "window", "softcap", "alibi", "key_range", "sinks"],
+)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_attention_with_vs_own_head_dim_matches_the_reference(kw, dtype):
+    gen = torch.Generator().manual_seed(51)
+    q, k, v = _inputs(gen, dtype)
+    kw = dict(kw)
+    if kw.get("alibi_slopes") == "heads":
+        kw["alibi_slopes"] = torch.rand(4, generator=gen)
+    if kw.pop("key_range", False):
+        kw["key_range"] = torch.tensor([[3, 41], [0, 53]])
+    sinks = torch.randn(4, generator=gen, dtype=torch.float64) if kw.pop("sinks", False) else None
+    out, lse = fa.attention(q, k, v, return_lse=True, sinks=sinks, **kw)
+    assert out.shape == (2, 37, 4, 24) and out.dtype == dtype and lse.shape == (2, 4, 37)
+    ref, ref_lse, ref_grad = _reference(q, k, v, sinks=sinks, **kw)
+    dout = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(dtype)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    want = ref_grad(dout)
+    if dtype == torch.float64:
+        # (the sinks rescale O by the float32 LSE of the sink-free rows: float32's rounding there)
+        tol = {"atol": 1e-6, "rtol": 1e-6} if sinks is not None else {}
+        torch.testing.assert_close(out, ref, **tol)
+        torch.testing.assert_close(lse.double(), ref_lse.float().double())
+        for g, r in zip(grads, want, strict=True):
+            torch.testing.assert_close(g, r, **tol)
+    else:
+        # The suite's rule: at most twice PyTorch's own low-precision error (its attention in bf16 on the
+        # same inputs, the scores in float32), plus the output's rounding.
+        own = _bf16_attention(q, k, v, **kw) if sinks is None else None
+        bound = 2 * (own - ref).abs().max().item() if own is not None else 2e-2
+        assert (out.double() - ref).abs().max().item() <= bound + 2**-8
+        torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=0)
+        for g, r in zip(grads, want, strict=True):
+            assert g.shape == r.shape
+            assert (g.double() - r).abs().max().item() <= 4e-2 * max(1.0, r.abs().max().item())
+
+
+def _bf16_attention(q, k, v, causal=False, window=None, softcap=0.0, alibi_slopes=None, key_range=None):
+    """PyTorch's attention of the bf16 inputs with float32 scores (the error the suite's bar doubles)."""
+    qf, kf, vf = (t.detach().float() for t in (q, k, v))
+    return attention_reference(
+        qf, kf, vf, causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+        key_range=key_range, compute_dtype=torch.float32,
+    )[0].to(torch.bfloat16).double()  # fmt: skip
+
+
+def test_out_takes_vs_head_dim():
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (t.detach() for t in _inputs(gen, torch.float64))
+    out = torch.full((2, 37, 4, 24), float("nan"), dtype=torch.float64)
+    got = fa.attention(q, k, v, causal=True, out=out)
+    assert got is out and not out.isnan().any()
+    torch.testing.assert_close(out, attention_reference(q, k, v, causal=True)[0])
+    with pytest.raises(
+        ValueError, match=r"out must have the shape \(2, 37, 4, 24\) \(q's, with v's head_dim\)"
+    ):
+        fa.attention(q, k, v, out=torch.empty(2, 37, 4, 48, dtype=torch.float64))
+
+
+def test_varlen_with_vs_own_head_dim():
+    gen = torch.Generator().manual_seed(5)
+    lengths = [7, 1, 20, 12]
+    total = sum(lengths)
+    q = torch.randn(total, 4, 32, generator=gen, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(total, 2, 32, generator=gen, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(total, 2, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    out = fa.attention_varlen(q, k, v, cu, cu, causal=True)
+    assert out.shape == (total, 4, 16)
+    dout = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+        piece = [t[a:b].unsqueeze(0) for t in (q, k, v)]
+        ref, _, ref_grad = _reference(*piece, causal=True)
+        torch.testing.assert_close(out[a:b], ref[0])
+        want = ref_grad(dout[a:b].unsqueeze(0))
+        for g, r in zip(grads, want, strict=True):
+            torch.testing.assert_close(g[a:b], r[0])
+
+
+def test_shapes_v_may_not_change():
+    q = torch.randn(1, 8, 2, 16)
+    with pytest.raises(ValueError, match=r"v must have the batch, length and heads of k \(1, 8, 2\)"):
+        fa.attention(q, q, torch.randn(1, 9, 2, 8))
+    with pytest.raises(ValueError, match="ring_attention passes k and v round the ring as one stacked share"):
+        fa.ring_attention(q, q, torch.randn(1, 8, 2, 8), group=None)
+
+
+@pytest.mark.parametrize("records", [False, True])
+def test_the_kernel_path_falls_back_with_its_reason(monkeypatch, records):
+    # On the stand-in GPU (the real launch layer): the call would run on the kernels, which read one
+    # head_dim for q, k and v; it falls back with the warning naming v's head_dim, and its answer is the
+    # reference's. Twice: the second call meets the repeat signature the first one left.
+    import stand_in_gpu
+
+    from flash_attention import ops
+    from flash_attention.ops import dispatch
+
+    gpu = stand_in_gpu.install(monkeypatch)
+    monkeypatch.setattr(dispatch, "_warned_reasons", set())
+    try:
+        gen = torch.Generator().manual_seed(11)
+        q, k, v = _inputs(gen, torch.bfloat16, d=64, dv=32, sq=40, sk=40)
+        seen = []
+        for _ in range(2):
+            with warnings.catch_warnings(record=True) as caught, torch.set_grad_enabled(records):
+                warnings.simplefilter("always")
+                out = fa.attention(q, k, v, causal=True)
+                grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out)) if records else None
+            assert out.shape == (2, 40, 4, 32)
+            ref, _, ref_grad = _reference(q, k, v, causal=True)
+            assert (out.double() - ref).abs().max() < 2e-2
+            if records:
+                for g, r in zip(grads, ref_grad(torch.ones_like(out)), strict=True):
+                    assert (g.double() - r).abs().max() < 5e-2 * max(1.0, r.abs().max().item())
+            seen.append([str(w.message) for w in caught if "differs from q's and k's" in str(w.message)])
+        assert len(seen[0]) == 1 and "v's head_dim (32) differs from q's and k's (64)" in seen[0][0], seen
+        assert not seen[1]  # (once per reason)
+        assert "forward" not in gpu.launches and "dkdv" not in gpu.launches, gpu.launches
+    finally:
+        ops.clear_plans()
+
+
+def test_the_launch_layer_refuses_before_padding(monkeypatch):
+    # A head_dim that is not a multiple of 8 is padded for the kernels; v's own head_dim is refused before
+    # that (padding v to q's head_dim would run the kernels on the wrong shape).
+    import stand_in_gpu
+
+    from flash_attention import ops
+
+    stand_in_gpu.install(monkeypatch)
+    try:
+        q = torch.randn(1, 16, 2, 20, dtype=torch.bfloat16)
+        v = torch.randn(1, 16, 2, 12, dtype=torch.bfloat16)
+        with pytest.raises(ops.NoKernel, match=r"v's head_dim \(12\) differs from q's and k's \(20\)"):
+            ops.cuda_forward(q, q, v, causal=False, softmax_scale=0.2, return_lse=True, out=None)
+        dout = torch.randn(1, 16, 2, 12, dtype=torch.bfloat16)
+        lse = torch.zeros(1, 2, 16)
+        with pytest.raises(ops.NoKernel, match=r"v's head_dim \(12\) differs"):
+            ops.cuda_backward(dout, q, q, v, dout, lse, causal=False, softmax_scale=0.2)
+    finally:
+        ops.clear_plans()
