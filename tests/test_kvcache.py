@@ -289,13 +289,15 @@ def _valid_call(**override):
             ValueError,
             "batch size",
         ),
-        (dict(v_cache=torch.randn(2, 9, 2, 16)), ValueError, "v_cache must have the shape of k_cache"),
+        (dict(v_cache=torch.randn(2, 9, 2, 16)), ValueError, "v_cache must have the pages (or batch), rows"),
+        (dict(v_cache=torch.randn(2, 10, 2, 257)), ValueError, "v_cache's head_dim"),
         (dict(k_cache=torch.randn(2, 10, 3, 16), v_cache=torch.randn(2, 10, 3, 16)), ValueError, "multiple"),
         (dict(k_cache=torch.randn(2, 10, 2, 8), v_cache=torch.randn(2, 10, 2, 8)), ValueError, "head_dim"),
         (dict(k_cache=torch.randn(2, 10, 2, 16).half()), TypeError, "k_cache must have the dtype of q"),
         (dict(k=None), ValueError, "k and v must be given together"),
         (dict(k=torch.randn(2, 1, 1, 16), v=torch.randn(2, 1, 1, 16)), ValueError, "k must have shape"),
-        (dict(v=torch.randn(2, 2, 2, 16)), ValueError, "v must have the shape of k"),
+        (dict(v=torch.randn(2, 2, 2, 16)), ValueError, "v must have shape"),
+        (dict(v=torch.randn(2, 1, 2, 8)), ValueError, "v must have shape"),
         (dict(k=torch.randn(2, 11, 2, 16), v=torch.randn(2, 11, 2, 16)), ValueError, "new tokens"),
         (dict(k_cache=torch.randn(2, 16, 10, 2).transpose(1, 3)), ValueError, "contiguous last dimension"),
         (dict(cache_seqlens=torch.tensor([3, 4])), TypeError, "cache_seqlens must be int32"),
@@ -316,7 +318,7 @@ def _valid_call(**override):
         (dict(num_splits=1.5), TypeError, "num_splits"),
         (dict(causal=1), TypeError, "causal"),
         (dict(softmax_scale=float("nan")), ValueError, "softmax_scale"),
-        (dict(out=torch.empty(2, 1, 4, 8)), ValueError, "out must have the shape of q"),
+        (dict(out=torch.empty(2, 1, 4, 8)), ValueError, "out must have the shape"),
         (dict(window=(3,)), TypeError, "window"),
         (dict(window=(-2, 0)), ValueError, "window"),
         (dict(softcap=-1.0), ValueError, "softcap"),
@@ -363,7 +365,7 @@ def test_validation_runs_once_per_signature(monkeypatch):
     _valid_call(q=q, cache_seqlens=16, **grown[0])
     _valid_call(q=q, cache_seqlens=17, **grown[1])
     assert len(calls) == 5  # the failed check above validated afresh (and raised), the 17-position cache once
-    with pytest.raises(ValueError, match="v_cache must have the shape of k_cache"):
+    with pytest.raises(ValueError, match="v_cache must have the pages"):
         _valid_call(q=q, k_cache=grown[1]["k_cache"], v_cache=grown[0]["v_cache"])
     with pytest.raises(ValueError, match=r"cache_seqlens \(17\) must be in \[0, 16\]"):
         _valid_call(q=q, cache_seqlens=17, **grown[0])

@@ -122,7 +122,8 @@ def attention(
         k: keys, shape (batch, seqlen_k, heads_kv, head_dim).
         v: values, shape (batch, seqlen_k, heads_kv, head_dim_v): head_dim_v is head_dim for most models;
             another (1 to 256: DeepSeek's multi-head latent attention prefills with q/k 192 and v 128) is
-            computed by the PyTorch fallback for now, with its one-time warning on CUDA.
+            computed by the PyTorch fallback for now, with its one-time warning on CUDA (as is a KV cache
+            whose v_cache has its own head_dim, :func:`attention_with_kvcache`).
             q, k and v share one dtype (float16, bfloat16, float32 or float64) and one device. head_dim is
             any size from 1 to 256 (on the kernels, one that is not a multiple of 8 runs zero-padded to
             the next multiple, at the cost of a copy of q, k and v). Any other stride is allowed as long as

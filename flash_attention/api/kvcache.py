@@ -138,8 +138,10 @@ def attention_with_kvcache(
             max_seqlen, heads_kv, head_dim), row b's position p at ``k_cache[b, p]``. Paged (``block_table``
             given): (num_pages, page_size, heads_kv, head_dim), row b's position p at
             ``k_cache[block_table[b, p // page_size], p % page_size]``; any page_size >= 1. heads_q must be
-            a multiple of heads_kv (grouped-query attention, K/V never copied per query head).
-        k, v: optional (batch, seqlen_new, heads_kv, head_dim): the new tokens' keys and values, written at
+            a multiple of heads_kv (grouped-query attention, K/V never copied per query head). v_cache may
+            have a head_dim of its own (the output's), which the PyTorch path computes for now.
+        k, v: optional (batch, seqlen_new, heads_kv, head_dim) (v: v_cache's head_dim): the new tokens' keys
+            and values, written at
             positions ``cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1`` of each row before the
             attention, which then sees them.
         cache_seqlens: each row's current cache length (before the append): an int32 tensor of shape (batch,)

@@ -84,13 +84,13 @@ def append_tokens(
 def _row_keys(
     problem: CacheProblem, cache: torch.Tensor, block_table: torch.Tensor | None, b: int, n: int
 ) -> torch.Tensor:
-    """Row b's first n cache positions as a (1, n, heads_kv, head_dim) tensor: a view of a contiguous cache,
-    a gather of a paged one's pages."""
+    """Row b's first n cache positions as a (1, n, heads_kv, head_dim) tensor (the cache's own head_dim: k's
+    or v's): a view of a contiguous cache, a gather of a paged one's pages."""
     if block_table is None:
         return cache[b : b + 1, :n]
     used = -(-n // problem.page_size)
     pages = cache[block_table[b, :used].long()]  # (used, page_size, heads_kv, head_dim)
-    return pages.reshape(1, used * problem.page_size, problem.heads_kv, problem.head_dim)[:, :n]
+    return pages.reshape(1, used * problem.page_size, problem.heads_kv, cache.shape[3])[:, :n]
 
 
 def _dense(
@@ -142,7 +142,7 @@ def attend(
         o, lse = _dense(problem, q, k_cache[:, :n], v_cache[:, :n], out, alibi_slopes)
         return o, (lse if return_lse else None)
     if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        out = torch.empty((*q.shape[:3], problem.value_dim), dtype=q.dtype, device=q.device)
     lse = torch.empty(problem.batch, problem.heads_q, problem.seqlen_q, dtype=torch.float32, device=q.device)
     for b, n in enumerate(totals):
         keys = _row_keys(problem, k_cache, block_table, b, n)
@@ -172,7 +172,8 @@ def run(
     if problem.seqlen_new and problem.batch:
         append_tokens(problem, k_cache, v_cache, k, v, cache_seqlens, block_table)
     if problem.batch == 0 or problem.seqlen_q == 0 or problem.heads_q == 0:
-        o = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+        shape = (*q.shape[:3], problem.value_dim)
+        o = torch.empty(shape, dtype=q.dtype, device=q.device) if out is None else out
         lse = torch.empty(
             problem.batch, problem.heads_q, problem.seqlen_q, dtype=torch.float32, device=q.device
         )

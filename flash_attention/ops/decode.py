@@ -490,6 +490,9 @@ def decode_plan(
     under it, so a decode loop builds its plan once."""
 
     def make() -> DecodePlan | str:
+        if problem.head_dim_v:
+            dims = f"v's head_dim ({problem.head_dim_v}) differs from q's and k's ({problem.head_dim})"
+            return f"{dims}, which no decode kernel takes yet"
         # (row starts into one buffer: only a call that appends nothing, which writes no cache row)
         shared = starts and problem.seqlen_new == 0 and k_cache.stride(0) == 0
         reason = decode_unavailable_reason(q, k_cache, v_cache, shared)

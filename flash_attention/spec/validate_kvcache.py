@@ -59,6 +59,13 @@ class CacheProblem:
     alibi: int = 0  # ALiBi slopes' dims: 0 none, 1 (heads_q,), 2 (batch, heads_q)
     # The active scalar score functions' (name, value) pairs, as spec.ScoreSpec.values holds them.
     score: tuple[tuple[str, float], ...] = ()
+    # v_cache's head_dim, the output's, where it is not head_dim's (0: the same, as for most models).
+    head_dim_v: int = 0
+
+    @property
+    def value_dim(self) -> int:
+        """The head_dim of v_cache and of the output."""
+        return self.head_dim_v or self.head_dim
 
     @property
     def group(self) -> int:
@@ -149,9 +156,15 @@ def validate_kvcache(
 
     batch, seqlen_q, heads_q, head_dim = q.shape
     pages_or_batch, rows, heads_kv, cache_dim = k_cache.shape
-    if v_cache.shape != k_cache.shape:
+    if v_cache.shape[:3] != k_cache.shape[:3]:
         raise ValueError(
-            f"v_cache must have the shape of k_cache {tuple(k_cache.shape)}; got {tuple(v_cache.shape)}"
+            f"v_cache must have the pages (or batch), rows and heads of k_cache {tuple(k_cache.shape[:3])} "
+            f"(its head_dim may differ); got {tuple(v_cache.shape)}"
+        )
+    value_dim = v_cache.shape[3]
+    if value_dim < 1 or value_dim > MAX_HEAD_DIM:
+        raise ValueError(
+            f"v_cache's head_dim (v_cache.shape[3]) must be between 1 and {MAX_HEAD_DIM}; got {value_dim}"
         )
     if cache_dim != head_dim:
         raise ValueError(
@@ -168,8 +181,11 @@ def validate_kvcache(
             f"q's heads ({heads_q}) must be a multiple of k_cache's heads ({heads_kv}): query head h reads "
             f"kv head h // (heads_q // heads_kv); got q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}"
         )
-    if out is not None and out.shape != q.shape:
-        raise ValueError(f"out must have the shape of q {tuple(q.shape)}; got {tuple(out.shape)}")
+    out_shape = (*q.shape[:3], value_dim)
+    if out is not None and tuple(out.shape) != out_shape:
+        raise ValueError(
+            f"out must have the shape {out_shape} (q's, with v_cache's head_dim); got {tuple(out.shape)}"
+        )
 
     if block_table is None:
         page_size = 0
@@ -212,8 +228,11 @@ def validate_kvcache(
                 f"({batch}, seqlen_new, {heads_kv}, "
                 f"{head_dim}); got {tuple(k.shape)}"
             )
-        if v.shape != k.shape:
-            raise ValueError(f"v must have the shape of k {tuple(k.shape)}; got {tuple(v.shape)}")
+        if v.shape[:3] != k.shape[:3] or v.shape[3] != value_dim:
+            raise ValueError(
+                f"v must have shape (batch, seqlen_new, heads_kv, v_cache's head_dim) = "
+                f"{(*k.shape[:3], value_dim)}; got {tuple(v.shape)}"
+            )
         seqlen_new = k.shape[1]
         if seqlen_new > capacity:
             raise ValueError(
@@ -246,5 +265,5 @@ def validate_kvcache(
     scale = _resolve_scale(softmax_scale, head_dim)
     return CacheProblem(
         batch, seqlen_q, heads_q, heads_kv, head_dim, seqlen_new, page_size, capacity, scale, causal, window,
-        alibi, values_of(**score_values),
+        alibi, values_of(**score_values), 0 if value_dim == head_dim else value_dim,
     )  # fmt: skip

@@ -115,7 +115,8 @@ def run(
 def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, options, values,
                       alibi_slopes=None):  # fmt: skip
     batch, seqlen_q, heads_q, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
+    out = q.new_empty((batch, seqlen_q, heads_q, v_cache.shape[3]))  # (v_cache's head_dim)
+    return out, q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
 
 
 # A call without new tokens (k = v = None: the cache was written already, as transformers' static cache is
