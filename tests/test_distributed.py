@@ -44,7 +44,7 @@ def _assert_matches_float64(named) -> None:
         assert err <= 1e-5 * max(1.0, want.abs().max().item()), f"{name}: {err:.3g} against float64"
 
 
-def _worker(rank, world, init_file, causal, softcap, failures):
+def _worker(rank, world, init_file, causal, softcap, head_dim_v, failures):
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
         from flash_attention.api.ring import ring_attention, shard_sequence, unshard_sequence
@@ -53,8 +53,8 @@ def _worker(rank, world, init_file, causal, softcap, failures):
         seqlen = 2 * world * 7
         q = torch.randn(2, seqlen, 4, 16)
         k = torch.randn(2, seqlen, 2, 16)
-        v = torch.randn(2, seqlen, 2, 16)
-        dout = torch.randn_like(q)
+        v = torch.randn(2, seqlen, 2, head_dim_v)
+        dout = torch.randn(2, seqlen, 4, head_dim_v)
         zig = causal
         assert torch.equal(unshard_sequence(shard_sequence(q, zigzag=zig), zigzag=zig), q)
         leaves = [shard_sequence(t, zigzag=zig).requires_grad_() for t in (q, k, v)]
@@ -78,7 +78,14 @@ def _worker(rank, world, init_file, causal, softcap, failures):
 @pytest.mark.parametrize("softcap", [0.0, 2.0])
 def test_ring_attention_equals_single_process_attention(world, causal, softcap, tmp_path):
     # Soft-capping (a small cap, which bends most scores) through the ring's steps, whole and halved ones.
-    spawn_ranks(_worker, world, tmp_path, causal, softcap)
+    spawn_ranks(_worker, world, tmp_path, causal, softcap, 16)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_ring_attention_with_vs_own_head_dim(causal, tmp_path):
+    # v's head_dim apart from q's and k's (8 against 16): the shares travel side by side in one buffer, the
+    # dK/dV accumulators too, and the output has v's head_dim.
+    spawn_ranks(_worker, 3, tmp_path, causal, 0.0, 8)
 
 
 def test_ring_attention_needs_a_process_group_and_refuses_float64():

@@ -173,12 +173,12 @@ def _fwd_step(q, k, v, step: _Step, options: OpOptions):
     qs, ks, vs = q[:, step.rows], k[:, step.keys], v[:, step.keys]
     if step.runs is None:
         return custom_ops.fwd(qs, ks, vs, *_step_options(options, step))
-    b, n, h, d = qs.shape
+    b, n, h = qs.shape[:3]
     o, lse = custom_ops.fwd(
         *(t.reshape(1, -1, *t.shape[2:]) for t in (qs, ks, vs)), *_step_options(options, step),
         row_keys=step.runs[0], key_rows=step.runs[1],
     )  # fmt: skip
-    return o.view(b, n, h, d), lse[0].view(h, b, n).transpose(0, 1)
+    return o.view(b, n, h, vs.shape[3]), lse[0].view(h, b, n).transpose(0, 1)
 
 
 def _bwd_step(dout, q, k, v, out, lse, step: _Step, options: OpOptions):
@@ -236,18 +236,30 @@ def _send_home(dkv: torch.Tensor, group, rank: int, world: int, hops: int) -> to
     return incoming
 
 
+def _pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """K and V as the one buffer a ring hop sends: stacked, (2, ...), or, where v has a head_dim of its own,
+    side by side along the last dimension (the views :func:`_unpack` gives keep it contiguous, which is all
+    the kernels and the fallback ask of a layout)."""
+    return torch.stack((k, v)) if k.shape == v.shape else torch.cat((k, v), dim=-1)
+
+
+def _unpack(kv: torch.Tensor, head_dim: int, packed_pair: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k, v) of a :func:`_pack` buffer (``packed_pair``: a stacked one), or of an accumulator laid out so."""
+    return (kv[0], kv[1]) if packed_pair else (kv[..., :head_dim], kv[..., head_dim:])
+
+
 def _ring_forward(q, k, v, steps: list[_Step], options: OpOptions, group, rank: int, world: int):
     """One ring pass of the forward over the heads of q, k, v: (out, lse) in float32. The share in hand is
     sent on as each step starts (the transfer overlaps the step's kernels); each step's part is merged into
     the running result in place (the LSE merge kernel)."""
     batch, local, heads_q, _ = q.shape
-    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    out = torch.zeros((*q.shape[:3], v.shape[3]), dtype=torch.float32, device=q.device)
     lse = torch.full((batch, heads_q, local), float("-inf"), dtype=torch.float32, device=q.device)
-    kv = torch.stack((k, v))
+    kv, pair = _pack(k, v), k.shape == v.shape
     for i, step in enumerate(steps):
         reqs, incoming = _exchange(kv, group, rank, world) if i + 1 < len(steps) else ([], None)
         if not step.empty:
-            part_out, part_lse = _fwd_step(q, kv[0], kv[1], step, options)
+            part_out, part_lse = _fwd_step(q, *_unpack(kv, k.shape[3], pair), step, options)
             lse_merge_(out[:, step.rows], lse[:, :, step.rows], part_out, part_lse)
         for req in reqs:
             req.wait()
@@ -265,12 +277,13 @@ def _ring_backward(dout, q, k, v, out, lse, steps: list[_Step], options: OpOptio
     leaves for the next rank while the next step computes. After the last step the accumulators go straight
     home (_send_home: one hop when the ring ran whole)."""
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    kv = torch.stack((k, v))
+    d, pair = k.shape[3], k.shape == v.shape
+    kv = _pack(k, v)
     acc_reqs, acc, sending = [], None, None
     for i, step in enumerate(steps):
         last = i + 1 == len(steps)
         kv_reqs, next_kv = ([], None) if last else _exchange(kv, group, rank, world)
-        grads = None if step.empty else _bwd_step(dout, q, kv[0], kv[1], out, lse, step, options)
+        grads = None if step.empty else _bwd_step(dout, q, *_unpack(kv, d, pair), out, lse, step, options)
         if grads is not None:
             dq[:, step.rows].add_(grads[0])  # (the add promotes the partial: no float32 temporary)
         for req in acc_reqs:
@@ -278,8 +291,9 @@ def _ring_backward(dout, q, k, v, out, lse, steps: list[_Step], options: OpOptio
         if acc is None:
             acc = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
         if grads is not None:
-            acc[0][:, step.keys].add_(grads[1])
-            acc[1][:, step.keys].add_(grads[2])
+            acc_k, acc_v = _unpack(acc, d, pair)
+            acc_k[:, step.keys].add_(grads[1])
+            acc_v[:, step.keys].add_(grads[2])
         if not last:
             sending = acc  # (kept referenced until its transfer has been waited on)
             acc_reqs, acc = _exchange(sending, group, rank, world, tag=1)
@@ -289,7 +303,7 @@ def _ring_backward(dout, q, k, v, out, lse, steps: list[_Step], options: OpOptio
             kv = next_kv
     del sending, kv
     acc = _send_home(acc, group, rank, world, len(steps) - 1)
-    return dq, acc[0], acc[1]
+    return (dq, *_unpack(acc, d, pair))
 
 
 class _RingAttention(torch.autograd.Function):
@@ -301,7 +315,7 @@ class _RingAttention(torch.autograd.Function):
         batch, local, heads_q, _ = q.shape
         steps = _steps(rank, world, causal, window, batch, local, q.device)
         heads = _head_groups(batch, local, heads_q, k.shape[2], q.device)
-        out = torch.empty_like(q)
+        out = q.new_empty((*q.shape[:3], v.shape[3]))
         lse = torch.empty((batch, heads_q, local), dtype=torch.float32, device=q.device)
         for qh, kvh in heads:
             shares = q[:, :, qh], k[:, :, kvh], v[:, :, kvh]
@@ -378,11 +392,6 @@ def ring_attention(
         # The float64 fallback's backward renormalises each row's probabilities over the keys it is given
         # (its LSE is float32), which is right for a whole row and wrong for a share of its keys.
         raise TypeError("ring_attention takes float16, bfloat16 or float32 tensors; got float64")
-    if problem.head_dim_v:
-        raise ValueError(
-            f"ring_attention passes k and v round the ring as one stacked share: v's head_dim ({v.shape[3]}) "
-            f"must be q's and k's ({q.shape[3]})"
-        )
     if q.shape[1] != k.shape[1]:
         raise ValueError(f"q and k must hold equal shares of the sequence; got {q.shape[1]} and {k.shape[1]}")
     window = check_window(window)
