@@ -176,3 +176,10 @@ def test_the_chains_slope_is_its_derivative(monkeypatch):
         (exact,) = torch.autograd.grad(out.sum(), s)
         torch.testing.assert_close(slope, exact, rtol=1e-12, atol=1e-12)
         assert torch.equal(out, score_functions.apply_scores(s, values))
+
+
+def test_a_score_functions_name_cannot_be_a_launch_keyword():
+    # The layers below the public functions take the values as keywords beside their own arguments.
+    for name in ("window", "sinks", "causal", "not an identifier"):
+        with pytest.raises(ValueError, match="must be an identifier outside"):
+            score_functions.ScoreFunction(name, "X", lambda s, b: s, lambda o, b: None, "")

@@ -253,3 +253,23 @@ def test_kvcache_decode_kernels_refuse_vs_own_head_dim(monkeypatch):
         assert routed.shape == (2, 1, 8, 32)
     finally:
         ops.clear_plans()
+
+
+def test_a_training_call_prefetches_no_backward_for_vs_own_head_dim(monkeypatch):
+    # The backward's kernels compile ahead of a training call's forward; none takes v's own head_dim, so
+    # none is started for such a call (it would compile a backward that always declines).
+    import stand_in_gpu
+
+    from flash_attention import ops
+
+    gpu = stand_in_gpu.install(monkeypatch)
+    try:
+        q, k, v = _inputs(torch.Generator().manual_seed(2), torch.bfloat16, d=64, dv=32, sq=40, sk=40)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fa.attention(q, k, v, causal=True)
+            assert not gpu.prefetched
+            same = fa.attention(q, k, torch.cat([v, v], dim=-1), causal=True)
+        assert same.shape[-1] == 64 and gpu.prefetched  # (the same call with v's head_dim q's: prefetched)
+    finally:
+        ops.clear_plans()

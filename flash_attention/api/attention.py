@@ -217,7 +217,7 @@ def attention(
     if out is None:
         key = _repeat.signature(
             q, k, v, causal, softmax_scale, return_lse, key_range, deterministic, dropout_p, dropout_seed,
-            window, alibi_slopes, sinks, _segments, softcap=softcap,
+            window, alibi_slopes, sinks, _segments, (("softcap", softcap),),
         )  # fmt: skip
         if key is not None:
             call = _repeat.lookup(key)
@@ -268,7 +268,8 @@ def attention(
         q.requires_grad or k.requires_grad or v.requires_grad or (sinks is not None and sinks.requires_grad)
     )
     # The launch layer this call may run on (None: the fallback's), asked once for the two uses below.
-    prefetches = records and not torch.compiler.is_compiling()
+    # (no prefetch for v's own head_dim: no backward kernel takes it, ops.plans.check_value_dim)
+    prefetches = records and not torch.compiler.is_compiling() and not problem.head_dim_v
     backend = None
     if not problem.is_empty and (key is not None or prefetches):
         backend = dispatch.usable_backend(q)
@@ -459,9 +460,16 @@ def _attention_op(
     return _result(o, lse, return_lse)
 
 
-def _kernel_path(config: KernelConfig | str, q: torch.Tensor, caller: str) -> tuple[ModuleType, KernelConfig]:
+def _kernel_path(
+    config: KernelConfig | str, q: torch.Tensor, caller: str, problem: Problem
+) -> tuple[ModuleType, KernelConfig]:
     """The ops module and parsed config for a call that must run our kernel, or RuntimeError why not."""
     cfg = parse_config(config)
+    if problem.head_dim_v:  # (before any compile: no kernel reads two head dims, ops.plans.check_value_dim)
+        raise RuntimeError(
+            f"{caller}() runs kernel config {cfg}, and no kernel takes v's head_dim ({problem.head_dim_v}) "
+            f"apart from q's and k's ({problem.head_dim})"
+        )
     if not dispatch.wants_kernel(q):
         raise RuntimeError(f"{caller}() runs a CUDA kernel and needs CUDA tensors; got q on {q.device}")
     ops = dispatch.backend()
@@ -495,7 +503,7 @@ def forward(
     window = check_window(window)
     check_score(alibi_slopes, q, softcap=softcap)  # (naming the argument)
     variant = launch_variants(window, alibi_slopes, softcap=softcap)
-    ops, cfg = _kernel_path(config, q, "forward")
+    ops, cfg = _kernel_path(config, q, "forward", problem)
     if problem.is_empty:
         o, lse = _empty_result(q, problem, out)
         return _result(o, lse, return_lse)
@@ -530,7 +538,7 @@ def forward_timed(
     One call is one sample: benchmarks warm up and take the median of many calls.
     """
     problem = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, out=None)
-    ops, cfg = _kernel_path(config, q, "forward_timed")
+    ops, cfg = _kernel_path(config, q, "forward_timed", problem)
     if problem.is_empty:
         o, _ = _empty_result(q, problem, None)
         return o, 0.0

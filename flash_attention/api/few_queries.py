@@ -161,7 +161,7 @@ def _varlen_call(rows, cache_k, cache_v, lens, scale, window, alibi_slopes, need
         problem = validate_kvcache(
             rows, cache_k, cache_v, None, None, cache_seqlens=lens, block_table=None, causal=False,
             softmax_scale=scale, num_splits=0, out=None, window=window, alibi_slopes=alibi_slopes,
-            **score_values,
+            **dict(score_values),
         )  # fmt: skip
     except (TypeError, ValueError):
         return False
@@ -207,7 +207,7 @@ def route_varlen(
     window: tuple[int, int] | None,
     alibi_slopes: torch.Tensor | None,
     sinks: torch.Tensor | None,
-    **score_values: float,
+    score_values: tuple = (),
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
     """``attention_varlen``'s result from the decode kernels for a packed batch with about one query per
     sequence against many keys (a decoding step over sequences of different lengths: at most
@@ -219,9 +219,13 @@ def route_varlen(
     ``attention_with_kvcache`` does. Taken for calls autograd does not record, without dropout, on the
     kernels' GPU; not for a window or ALiBi without causal (their diagonal is the sequence's, which a row of
     one query cannot place). ``n_seq``: the batch's sequence count; ``row_tables``: :func:`varlen_rows` of
-    the call, made once per offsets by the caller (asked only when the route is taken)."""
+    the call, made once per offsets by the caller (asked only when the route is taken); ``score_values``: the
+    scalar score functions' (name, value) pairs as the call gave them (a tuple: this runs every step)."""
     total_q, heads_q, head_dim = q.shape
     total_k, heads_kv = k.shape[0], k.shape[1]
+    for _, value in score_values:  # (a value of a type the checks refuse: the usual path names it)
+        if type(value) not in PLAIN_NUMBERS:
+            return None
     # Few queries per sequence: by the caller's hint where it gives one (a hint off the real counts costs
     # speed only: every row is exact), else at most one per sequence on average.
     few = max_seqlen_q <= QUERIES_PER_SEQUENCE if max_seqlen_q else total_q <= n_seq
@@ -235,7 +239,6 @@ def route_varlen(
         # (what the signature below cannot hold, the usual path checks and names: v's own length, and a
         # scale or score value of a type the checks refuse; a bool hashes as the number it is)
         or v.shape[0] != total_k
-        or any(type(value) not in PLAIN_NUMBERS for value in score_values.values())
         or not (scale is None or type(scale) in PLAIN_NUMBERS)
         or bound_layout(alibi_slopes) is False
     ):
@@ -259,7 +262,7 @@ def route_varlen(
     # checks nor the key (a third of a routed call's host time, tools/host_time_cpu.py).
     signature = (
         q.shape, q.stride(), q.dtype, q.device, k.shape[1:], k.stride(), k.dtype, k.device, v.shape[1:],
-        v.stride(), v.dtype, v.device, causal, scale, window, tuple(score_values.items()),
+        v.stride(), v.dtype, v.device, causal, scale, window, score_values,
         bound_layout(alibi_slopes), needs_lse, bucket,
     )  # fmt: skip
     known = _VARLEN_CALLS.get(signature)

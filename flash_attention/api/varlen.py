@@ -406,8 +406,8 @@ def attention_varlen(
         rows = lambda: _held_by_runs(runs, "_decode_rows", tables)  # noqa: E731
         routed = route_varlen(
             q, k, v, n_offsets - 1, rows, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-            causal=bool(causal), scale=softmax_scale, return_lse=return_lse, window=window, softcap=softcap,
-            alibi_slopes=alibi_slopes, sinks=sinks,
+            causal=bool(causal), scale=softmax_scale, return_lse=return_lse, window=window,
+            alibi_slopes=alibi_slopes, sinks=sinks, score_values=(("softcap", softcap),),
         )  # fmt: skip
         if routed is not None:
             return routed

@@ -493,6 +493,11 @@ def decode_plan(
         if problem.head_dim_v:
             dims = f"v's head_dim ({problem.head_dim_v}) differs from q's and k's ({problem.head_dim})"
             return f"{dims}, which no decode kernel takes yet"
+        # (soft-capping is the decode kernels' one scalar score function, a run-time value: another one of
+        # spec.score_functions would be dropped, so the composed path takes it)
+        other = [name for name, _ in problem.score if name != "softcap"]
+        if other:
+            return f"the decode kernels have no score function {other[0]!r}"
         # (row starts into one buffer: only a call that appends nothing, which writes no cache row)
         shared = starts and problem.seqlen_new == 0 and k_cache.stride(0) == 0
         reason = decode_unavailable_reason(q, k_cache, v_cache, shared)

@@ -219,17 +219,17 @@ host.when_ready(clear)
 
 def signature(
     q, k, v, causal, softmax_scale, return_lse, key_range, deterministic, dropout_p, dropout_seed,
-    window=None, alibi_slopes=None, sinks=None, segments=None, **score_values,
+    window=None, alibi_slopes=None, sinks=None, segments=None, score_values=(),
 ):  # fmt: skip
     """The key of a call that may repeat an earlier one's launch, or None for a call that takes the whole path
     (dropout, a caller's ``out``, torch.compile, arguments of types the checks must see). Raises nothing: an
     argument without the attributes read here (not a tensor, a sparse tensor) gives None. ``window``,
-    ``alibi_slopes``, ``sinks`` and the ``score_values`` by name as attention() takes them (a
-    tuple or list of two ints, tensors: sinks only as the kernels read them, float32 and contiguous; floats
-    or ints); ``segments``, a
-    packed batch's runs (flash_attention.api.varlen): the signature holds their layouts and what the plans are
-    chosen by (the sequences' typical lengths and their count's bucket), and each call binds its own runs and
-    tile tables."""
+    ``alibi_slopes``, ``sinks`` and the scalar score functions' ``score_values``, (name, value) pairs, as
+    attention() takes them (a tuple or list of two ints, tensors: sinks only as the kernels read them,
+    float32 and contiguous; floats or ints; a pair tuple, not keywords: this runs on every call);
+    ``segments``, a packed batch's runs (flash_attention.api.varlen): the signature holds their layouts and
+    what the plans are chosen by (the sequences' typical lengths and their count's bucket), and each call
+    binds its own runs and tile tables."""
     if (
         MODE == "off"
         or dropout_seed is not None
@@ -241,12 +241,6 @@ def signature(
         or torch.compiler.is_compiling()
     ):
         return None
-    scores = ()
-    for name, value in score_values.items():  # (a loop, not generators: this runs on every call)
-        if type(value) not in PLAIN_NUMBERS:
-            return None
-        if value:
-            scores += ((name, float(value)),)
     if window is not None:
         # (as spec.validate.check_window reads it: a tuple and a list of the same ints are the same window)
         if type(window) not in (tuple, list) or len(window) != 2 or any(type(w) is not int for w in window):
@@ -257,6 +251,12 @@ def signature(
             return None
         if q.layout is not _STRIDED or k.layout is not _STRIDED or v.layout is not _STRIDED:
             return None  # (a sparse tensor reads as strides of zeros)
+        scores = ()
+        for name, value in score_values:  # (a loop, not generators: this runs on every call)
+            if type(value) not in PLAIN_NUMBERS:
+                return None
+            if value:
+                scores += ((name, float(value)),)  # (float: an int too large for one overflows, below)
         differentiated = q.requires_grad or k.requires_grad or v.requires_grad
         records = torch.is_grad_enabled() and (differentiated or (sinks is not None and sinks.requires_grad))
         variant = None if window is None and not scores else (window, scores)

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 __all__ = [
+    "RESERVED_NAMES",
     "SCORE_FUNCTIONS",
     "ScoreFunction",
     "apply_scores",
@@ -49,6 +50,26 @@ class ScoreFunction:
     slope: Callable
     doc: str
     kernel: Callable | None = None
+
+    def __post_init__(self) -> None:
+        # The layers below the public functions take the values as keywords beside their own arguments.
+        if not self.name.isidentifier() or self.name in RESERVED_NAMES:
+            raise ValueError(
+                f"a score function's name must be an identifier outside {sorted(RESERVED_NAMES)}; got "
+                f"{self.name!r}"
+            )
+
+
+#: The keywords of the layers that take score values by name (ops.cuda_forward and the others, the fallback,
+#: the reference, the simulator), which no score function may take.
+RESERVED_NAMES = frozenset(
+    {
+        "q", "k", "v", "out", "lse", "dout", "causal", "softmax_scale", "scale", "return_lse", "config",
+        "trace", "trace_fault", "key_range", "dropout_p", "dropout_seed", "deterministic", "window",
+        "alibi_slopes", "alibi_diagonal", "sinks", "segments", "forward", "compute_dtype", "dropout_keep",
+        "error_bound", "alibi", "alibi_origin", "alibi_rows", "score_values",
+    }
+)  # fmt: skip
 
 
 def _cap(scores, value: float):
