@@ -14,6 +14,7 @@ most 6 files).
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -176,7 +177,5 @@ def test_a_new_score_function_is_two_edits(tmp_path):
 
 
 def _inherited() -> dict:
-    import os
-
     keep = ("PATH", "HOME", "CUDA_HOME", "CUDA_PATH", "LD_LIBRARY_PATH", "TMPDIR", "FLASH_ATTENTION_QUIET")
     return {name: os.environ[name] for name in keep if name in os.environ}

@@ -268,6 +268,17 @@ def sdpa(q, k, v, *, causal, scale):
     return o.transpose(1, 2).contiguous()  # (no copy: the fused kernels write our layout)
 
 
+def _plain(options: dict, spec: AttentionSpec, alibi_slopes, q, v) -> bool:
+    """Whether a call is plain attention the fused ops can take: no window (or packed runs), no score
+    function, and v's head_dim q's (a pair of their own takes the chunked path, exact for any pair)."""
+    return (
+        options["window"] is None
+        and not spec.score.values
+        and alibi_slopes is None
+        and v.shape[3] == q.shape[3]
+    )
+
+
 def _options(spec: AttentionSpec, head_dim: int, row_keys, alibi_slopes, alibi_diagonal) -> dict:
     """The chunked path's keywords of a call's spec (:func:`attention_torch` takes them one by one): a packed
     batch's per-row key runs (``row_keys``) stand in for the window, and carry causal per sequence; ALiBi's
@@ -297,10 +308,7 @@ def forward(
     runs take the chunked path (the fused kernels take no such mask without materialising it)."""
     options = _options(spec, q.shape[-1], row_keys, alibi_slopes, alibi_diagonal)
     causal, scale, dropout_p = options["causal"], options["softmax_scale"], spec.dropout_p
-    # (v's own head_dim takes the chunked path too: it is exact for any pair, the fused ops are not asked)
-    plain = options["window"] is None and not spec.score.values and alibi_slopes is None
-    plain = plain and v.shape[3] == q.shape[3]
-    fused_ok = plain and _fused(q, k, causal, scale, key_range, dropout_p)
+    fused_ok = _plain(options, spec, alibi_slopes, q, v) and _fused(q, k, causal, scale, key_range, dropout_p)
     if fused_ok and not return_lse and out is None:
         if _sdpa_expresses(q, k, causal, scale, key_range, dropout_p, False):
             return sdpa(q, k, v, causal=causal, scale=scale), None
@@ -366,8 +374,7 @@ def backward(
     causal, scale, dropout_p = options["causal"], options["softmax_scale"], spec.dropout_p
     deterministic = spec.deterministic or torch.are_deterministic_algorithms_enabled()
     repeatable = not deterministic or q.device.type == "cpu"
-    plain = options["window"] is None and not spec.score.values and alibi_slopes is None
-    plain = plain and v.shape[3] == q.shape[3]
+    plain = _plain(options, spec, alibi_slopes, q, v)
     if not repeatable or not plain or not _fused(q, k, causal, scale, key_range, dropout_p):
         return attention_backward_torch(
             dout, q, k, v, out, lse, key_range=key_range, dropout_seed=dropout_seed, sinks=sinks, **options
