@@ -124,6 +124,9 @@ def _params(q, k, v, o, cfg: KernelConfig, scale: float, dropout_p: float) -> Fw
     # The LSE is a new contiguous (batch, heads_q, seqlen_q) tensor whenever one is asked for.
     p.lse_batch_stride, p.lse_head_stride = q.shape[2] * q.shape[1], q.shape[1]
     fill_common(p, q, k, cfg.block_q, scale, dropout_p)
+    # O's column bound in the store helpers every forward family shares (fa/epilogue.cuh): v's head_dim,
+    # at most the kernel's kHeadDimV (the tail is masked, as head_dim's is for Q and K).
+    p.head_dim_v = v.shape[3]
     return p
 
 
