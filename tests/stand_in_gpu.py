@@ -227,7 +227,9 @@ class StandInGpu:
 
     def _bshd(self, p, ptr, prefix, seqlen, heads):
         strides = tuple(getattr(p, f"{prefix}_{n}_stride") for n in ("batch", "row", "head")) + (1,)
-        return tensor_at(ptr, (p.batch, seqlen, heads, p.head_dim), strides, self.dtype)
+        # (v and the output: v's head_dim, FwdParams.head_dim_v, where the params have one)
+        dim = getattr(p, "head_dim_v", 0) or p.head_dim if prefix in ("v", "o") else p.head_dim
+        return tensor_at(ptr, (p.batch, seqlen, heads, dim), strides, self.dtype)
 
     def _key_range(self, p):
         return None if not p.key_range else tensor_at(p.key_range, (p.batch, 2), (2, 1), torch.int32).clone()
@@ -268,6 +270,7 @@ class StandInGpu:
             k = self._bshd(p, p.k, "k", p.seqlen_k, p.heads_kv)
             v = self._bshd(p, p.v, "v", p.seqlen_k, p.heads_kv)
         assert q.shape[3] == p.head_dim and k.shape[1] == p.seqlen_k, "the params disagree on a size"
+        assert v.shape[3] == p.head_dim_v, "the params' head_dim_v is not v's (the kernels bound O by it)"
         if kernel.window == SEGMENTS:
             out, lse = self._segments_forward(kernel, q, k, v, p)
         else:

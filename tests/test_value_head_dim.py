@@ -130,10 +130,11 @@ def test_shapes_v_may_not_change():
 
 
 @pytest.mark.parametrize("records", [False, True])
-def test_the_kernel_path_falls_back_with_its_reason(monkeypatch, records):
-    # On the stand-in GPU (the real launch layer): the call would run on the kernels, which read one
-    # head_dim for q, k and v; it falls back with the warning naming v's head_dim, and its answer is the
-    # reference's. Twice: the second call meets the repeat signature the first one left.
+def test_the_forward_kernel_takes_vs_own_head_dim(monkeypatch, records):
+    # On the stand-in GPU (the real launch layer): the warp-specialized forward takes v's own head_dim
+    # (feature value_dim; the stand-in checks FwdParams.head_dim_v is v's) and its answer is the reference's;
+    # the backward, which no kernel takes yet, falls back with the warning naming v's head_dim. Twice: the
+    # second call meets the repeat signature the first one left.
     import stand_in_gpu
 
     from flash_attention import ops
@@ -143,44 +144,52 @@ def test_the_kernel_path_falls_back_with_its_reason(monkeypatch, records):
     monkeypatch.setattr(dispatch, "_warned_reasons", set())
     try:
         gen = torch.Generator().manual_seed(11)
-        q, k, v = _inputs(gen, torch.bfloat16, d=64, dv=32, sq=40, sk=40)
+        q, k, v = _inputs(gen, torch.bfloat16, d=128, dv=64, sq=40, sk=40)
         seen = []
         for _ in range(2):
             with warnings.catch_warnings(record=True) as caught, torch.set_grad_enabled(records):
                 warnings.simplefilter("always")
                 out = fa.attention(q, k, v, causal=True)
                 grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out)) if records else None
-            assert out.shape == (2, 40, 4, 32)
+            assert out.shape == (2, 40, 4, 64)
             ref, _, ref_grad = _reference(q, k, v, causal=True)
             assert (out.double() - ref).abs().max() < 2e-2
             if records:
                 for g, r in zip(grads, ref_grad(torch.ones_like(out)), strict=True):
                     assert (g.double() - r).abs().max() < 5e-2 * max(1.0, r.abs().max().item())
             seen.append([str(w.message) for w in caught if "differs from q's and k's" in str(w.message)])
-        assert len(seen[0]) == 1 and "v's head_dim (32) differs from q's and k's (64)" in seen[0][0], seen
-        assert not seen[1]  # (once per reason)
-        assert not gpu.launches, gpu.launches  # (no kernel ran)
+        assert gpu.launches.count("forward") == 2, gpu.launches  # (the forward kernel, each call)
+        assert not any(kind.startswith("dkdv") for kind in gpu.launches), gpu.launches
+        if records:
+            message = "v's head_dim (64) differs from q's and k's (128)"
+            assert len(seen[0]) == 1 and message in seen[0][0], seen
+            assert not seen[1]  # (once per reason)
+        else:
+            assert not seen[0] and not seen[1]
     finally:
         ops.clear_plans()
 
 
-def test_the_launch_layer_refuses_before_padding(monkeypatch):
-    # A head_dim that is not a multiple of 8 is padded for the kernels; v's own head_dim is refused before
-    # that (padding v to q's head_dim would run the kernels on the wrong shape).
+def test_the_forward_pads_v_to_its_own_multiple_of_8(monkeypatch):
+    # A head_dim that is not a multiple of 8 is zero-padded for the kernels: q and k to theirs, v to its own
+    # (padding v to q's would run the kernel on the wrong shape), the output sliced back to v's; the
+    # backward, which no kernel takes with v's own head_dim, refuses before its padding.
     import stand_in_gpu
 
     from flash_attention import ops
 
     stand_in_gpu.install(monkeypatch)
     try:
-        q = torch.randn(1, 16, 2, 20, dtype=torch.bfloat16)
-        v = torch.randn(1, 16, 2, 12, dtype=torch.bfloat16)
-        with pytest.raises(ops.NoKernel, match=r"v's head_dim \(12\) differs from q's and k's \(20\)"):
-            ops.cuda_forward(q, q, v, causal=False, softmax_scale=0.2, return_lse=True, out=None)
-        dout = torch.randn(1, 16, 2, 12, dtype=torch.bfloat16)
-        lse = torch.zeros(1, 2, 16)
+        gen = torch.Generator().manual_seed(4)
+        q = torch.randn(1, 16, 2, 20, generator=gen).to(torch.bfloat16)
+        v = torch.randn(1, 16, 2, 12, generator=gen).to(torch.bfloat16)
+        out, lse = ops.cuda_forward(q, q, v, causal=False, softmax_scale=0.2, return_lse=True, out=None)
+        assert out.shape == (1, 16, 2, 12)
+        want, _ = attention_reference(q, q, v, softmax_scale=0.2)
+        assert (out.double() - want).abs().max() < 2e-2
+        dout = torch.randn(1, 16, 2, 12, generator=gen).to(torch.bfloat16)
         with pytest.raises(ops.NoKernel, match=r"v's head_dim \(12\) differs"):
-            ops.cuda_backward(dout, q, q, v, dout, lse, causal=False, softmax_scale=0.2)
+            ops.cuda_backward(dout, q, q, v, out, lse, causal=False, softmax_scale=0.2)
     finally:
         ops.clear_plans()
 
@@ -245,7 +254,10 @@ def test_kvcache_decode_kernels_refuse_vs_own_head_dim(monkeypatch):
         assert any("no decode kernel takes yet" in str(w.message) for w in caught), [
             str(w.message) for w in caught
         ]
-        assert not gpu.launches, gpu.launches  # (no kernel ran: the append and the attention are PyTorch's)
+        # (no decode kernel ran: the composed path appends with PyTorch and attends on the forward kernel,
+        # which takes v's own head_dim)
+        assert not any(kind.startswith("decode_") for kind in gpu.launches), gpu.launches
+        assert "forward" in gpu.launches
         for b, n in enumerate(lengths.tolist()):
             want, _ = attention_reference(q[b : b + 1], k_cache[b : b + 1, :n], v_cache[b : b + 1, :n])
             assert (out[b : b + 1].double() - want).abs().max() < 2e-2

@@ -37,6 +37,7 @@ FEATURES = (
     "window",
     *SCORE_FEATURES,
     "segments",
+    "value_dim",
 )
 # (Every family that takes a score function takes them all: a policy composes with any mask and kernel.)
 _SCORES = frozenset(SCORE_FEATURES)
@@ -52,7 +53,11 @@ _SUPPORTED = {
     ),
     # The debug build of the warp-specialized kernel records from a consumer warp, whose 16 rows of the
     # wgmma accumulators are laid out as one mma.sync tile (fa/frag.cuh); the sm90 kernel has none.
-    (False, "ws"): frozenset({"causal", "key_range", "dropout", "trace", "window", "segments"} | _SCORES),
+    # value_dim: v's head_dim apart from q's and k's (KernelConfig.head_dim_v; the others load V with
+    # head_dim's column bound).
+    (False, "ws"): frozenset(
+        {"causal", "key_range", "dropout", "trace", "window", "segments", "value_dim"} | _SCORES
+    ),
     (True, "portable"): frozenset(
         {"causal", "key_range", "dropout", "deterministic", "untileable", "window", "segments"} | _SCORES
     ),

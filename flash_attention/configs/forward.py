@@ -119,8 +119,13 @@ class KernelConfig:
     persistent: bool = False
     tma_store: bool = False
     tile_overlap: bool = False
+    # v's and the output's head_dim where it is not head_dim (0: head_dim's; the warp-specialized forward
+    # only, a multiple of 64 below head_dim: DeepSeek's 192/128). Named ``...+dv_N``.
+    head_dim_v: int = 0
 
     def __post_init__(self) -> None:
+        if self.head_dim_v == self.head_dim:  # (one canonical config per problem)
+            object.__setattr__(self, "head_dim_v", 0)
         errors = validity_errors(self)
         if errors:
             raise ValueError(f"invalid kernel config {self.name()}: " + "; ".join(errors))
@@ -156,6 +161,11 @@ class KernelConfig:
     def smem_bytes(self) -> int:
         return smem_bytes(self)
 
+    @property
+    def value_dim(self) -> int:
+        """The head_dim of V and of the output (the kernel's kHeadDimV)."""
+        return self.head_dim_v or self.head_dim
+
     # ----------------------------------------------------------------------------------------------
     # Names
     def flags(self) -> list[str]:
@@ -169,6 +179,7 @@ class KernelConfig:
                 + (["tma_store"] if self.tma_store else [])
                 + (["tile_overlap"] if self.tile_overlap else [])
                 + ([f"stages_{self.stages}"] if self.stages != 1 else [])
+                + ([f"dv_{self.head_dim_v}"] if self.head_dim_v else [])
             )
         out = ["async" if self.async_copy else "sync"]
         if self.eager:
@@ -218,6 +229,7 @@ class KernelConfig:
         fields = [
             ("kIsBF16", "bool", self.dtype == "bf16"),
             ("kHeadDim", "int", self.head_dim),
+            ("kHeadDimV", "int", self.value_dim),
             ("kBlockQ", "int", self.block_q),
             ("kBlockKV", "int", self.block_kv),
             ("kNumWarps", "int", self.num_warps),
@@ -339,6 +351,11 @@ def validity_errors(cfg: KernelConfig) -> list[str]:
         e.append(f"dtype must be one of {DTYPES}")
     if cfg.head_dim not in HEAD_DIMS:
         e.append(f"head_dim must be one of {HEAD_DIMS}")
+    if cfg.head_dim_v and not (
+        cfg.warp_specialized and cfg.head_dim_v % 64 == 0 and 64 <= cfg.head_dim_v < cfg.head_dim
+    ):
+        # (fa/config_check.h says the same; O is staged in the Q tile, so it may not be wider than Q)
+        e.append("head_dim_v other than head_dim needs warp_specialized, a multiple of 64 below head_dim")
     if cfg.warp_specialized:
         if not cfg.wgmma or cfg.stages < 2 or cfg.num_warps != 4 + cfg.block_q // 16:
             e.append(
@@ -424,10 +441,12 @@ def smem_bytes(cfg: KernelConfig) -> int:
     and the dynamic shared memory window is only guaranteed 16-byte alignment.
     """
     q = cfg.block_q * (2 if cfg.tile_overlap else 1)  # tile_overlap: two Q buffers (fwd_ws)
-    kv = 2 * cfg.block_kv * cfg.stages
+    kv = cfg.block_kv * cfg.stages  # (a K and a V tile per stage: K of head_dim, V of value_dim)
     barriers = 256 if cfg.warp_specialized else 0  # the ring's mbarriers (fwd_ws: 8 bytes each)
     staging = cfg.block_q if cfg.persistent else 0  # a persistent block's output tile (fwd_ws)
-    return 2 * cfg.head_dim * (q + kv + staging) + (1024 if cfg.wgmma else 0) + barriers
+    d, dv = cfg.head_dim, cfg.value_dim
+    elements = d * q + (d + dv) * kv + dv * staging
+    return 2 * elements + (1024 if cfg.wgmma else 0) + barriers
 
 
 def estimated_registers(cfg: KernelConfig) -> int:
@@ -443,7 +462,7 @@ def estimated_registers(cfg: KernelConfig) -> int:
     if cfg.wgmma:
         # One 16-row slice per warp; P (16-bit pairs) lives beside S while O += P V is issued. (For a
         # warp-specialized block: a consumer thread's.)
-        return (cfg.head_dim + cfg.block_kv) // 2 + cfg.block_kv // 4 + 24
+        return (cfg.value_dim + cfg.block_kv) // 2 + cfg.block_kv // 4 + 24  # (O: value_dim wide)
     o_acc = rows * cfg.head_dim // 32
     s_acc = rows * cfg.block_kv // 32
     q_resident = rows * cfg.head_dim // 64 if cfg.q_frags == 0 else 0
@@ -490,8 +509,10 @@ def _from_flags(dtype: str, d: int, bq: int, bkv: int, w: int, flags: list[str],
             False,
             False,
         )
+        head_dim_v = 0
         for f in flags[1:]:
             m = re.fullmatch(r"stages_(\d+)", f)
+            dv = re.fullmatch(r"dv_(\d+)", f)
             if f == "ws":
                 ws = True
             elif f == "overlap":
@@ -506,6 +527,8 @@ def _from_flags(dtype: str, d: int, bq: int, bkv: int, w: int, flags: list[str],
                 tile_overlap = True
             elif m:
                 stages = int(m[1])
+            elif dv:
+                head_dim_v = int(dv[1])
             else:
                 raise ValueError(f"unknown flag {f!r} in kernel config name {text!r}")
         return KernelConfig(
@@ -522,6 +545,7 @@ def _from_flags(dtype: str, d: int, bq: int, bkv: int, w: int, flags: list[str],
             persistent=persistent,
             tma_store=tma_store,
             tile_overlap=tile_overlap,
+            head_dim_v=head_dim_v,
             **_WGMMA_FIXED,
         )
     seen_copy = False

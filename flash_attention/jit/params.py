@@ -55,6 +55,7 @@ class FwdParams(ctypes.Structure):
         ("dropout_key", ctypes.c_uint),
         ("dropout_threshold", ctypes.c_uint),
         ("dropout_rp", _F32),
+        ("head_dim_v", _I32),  # (v's and the output's head_dim: the 4 bytes before trace's pointer)
         # Debug build only (csrc/include/fa/trace.cuh); null / 0 for the normal build.
         ("trace", _PTR),
         ("trace_batch", _I32),

@@ -34,7 +34,6 @@ from .plans import (
     bind_alibi,
     bind_score_values,
     check_segments,
-    check_value_dim,
     device_facts,
     feature_list,
     fill_common,
@@ -99,9 +98,10 @@ def clear_plans() -> None:
     _plans.clear()
 
 
-def _config(q, k, causal, needs, config=None, lengths=None) -> KernelConfig:
+def _config(q, k, causal, needs, config=None, lengths=None, v=None) -> KernelConfig:
     """The forward config of a call on q's GPU (named, tuned or the heuristic's: select.forward_config);
-    ``lengths``: the (seqlen_q, seqlen_k) to choose by instead of q's and k's (a packed batch's sequences)."""
+    ``lengths``: the (seqlen_q, seqlen_k) to choose by instead of q's and k's (a packed batch's sequences);
+    ``v``: the call's values, whose head_dim may differ from q's."""
     seqlen_q, seqlen_k = lengths or (q.shape[1], k.shape[1])
     return forward_config(
         dtype_name(q),
@@ -113,6 +113,7 @@ def _config(q, k, causal, needs, config=None, lengths=None) -> KernelConfig:
         **device_facts(q.get_device()),
         features=needs,
         config=config,
+        head_dim_v=0 if v is None else padded_to_8(v.shape[3]),
     )
 
 
@@ -124,6 +125,9 @@ def _params(q, k, v, o, cfg: KernelConfig, scale: float, dropout_p: float) -> Fw
     # The LSE is a new contiguous (batch, heads_q, seqlen_q) tensor whenever one is asked for.
     p.lse_batch_stride, p.lse_head_stride = q.shape[2] * q.shape[1], q.shape[1]
     fill_common(p, q, k, cfg.block_q, scale, dropout_p)
+    # O's column bound in the store helpers every forward family shares (fa/epilogue.cuh): v's head_dim,
+    # at most the kernel's kHeadDimV (the tail is masked, as head_dim's is for Q and K).
+    p.head_dim_v = v.shape[3]
     return p
 
 
@@ -139,7 +143,7 @@ def _make_plan(
     index = q.get_device()
     causal, score, dropout_p = spec.causal, spec.score, spec.dropout_p
     window = mask_bounds(spec, seqlen_q, k.shape[1])
-    cfg = _config(q, k, causal, needs, config, lengths)
+    cfg = _config(q, k, causal, needs, config, lengths, v)
     windowed = window is not None
     build = kernel_build(spec, seqlen_q, k.shape[1])
     kernel = get_kernel(cfg, build.causal, device_arch(index), trace, **build.variant)
@@ -303,14 +307,13 @@ def chosen_config(
         alibi=alibi,
         **score_functions,
     )
-    return _config(q, k, causal, needs)
+    return _config(q, k, causal, needs, v=v)
 
 
 def plan_for(q, k, v, o, spec: AttentionSpec, config=None, lengths=None, sequences=None) -> _Plan:
     """The plan of a call of ``spec`` on kernel-ready tensors (made on a miss); ``config``: a named
     configuration, or None; ``lengths``: plans.segment_lengths; ``sequences``: a packed batch's sequence
     count when its runs carry the offsets of a query-tile table (plans.segment_count)."""
-    check_value_dim(q, v)
     spec = spec.forward
     key = (
         q.shape,
@@ -318,6 +321,7 @@ def plan_for(q, k, v, o, spec: AttentionSpec, config=None, lengths=None, sequenc
         k.shape,
         k.stride(),
         v.stride(),
+        v.shape[3],  # (v's head_dim may be its own: feature value_dim)
         o.stride(),
         q.dtype,
         q.device,
@@ -397,7 +401,6 @@ def cuda_forward(
             trace, trace_fault = env
     if dropout_p and dropout_seed is None:
         raise ValueError("dropout_p > 0 needs dropout_seed (flash_attention.dropout.draw_seed())")
-    check_value_dim(q, v)  # (before the padding below, which pads v to q's head_dim)
     window = check_window(window)
     if segments is not None:
         check_segments(segments, q, k, key_range, window)
@@ -407,16 +410,17 @@ def cuda_forward(
     )  # fmt: skip
     bounds = mask_bounds(spec, q.shape[1], k.shape[1])
     head_dim = q.shape[3]
-    if head_dim % 8:
+    if head_dim % 8 or v.shape[3] % 8:
         return _padded_forward(
             q, k, v, causal, softmax_scale, return_lse, out, config, trace, trace_fault, key_range, dropout_p,
             dropout_seed, window, alibi_slopes, sinks, segments, **score_values,
         )  # fmt: skip
     if trace is not None:
         variant = key_range is not None or dropout_p or bounds is not None or spec.score != NO_SCORE
-        if variant or sinks is not None:
+        if variant or sinks is not None or v.shape[3] != head_dim:
             raise ValueError(
-                "the debug (trace) build takes no key_range, dropout, window, score function or sinks"
+                "the debug (trace) build takes no key_range, dropout, window, score function, sinks or v of "
+                "its own head_dim"
             )
         return _traced_forward(q, k, v, causal, softmax_scale, return_lse, out, config, trace, trace_fault)
 
@@ -427,6 +431,8 @@ def cuda_forward(
         # empty_like with an explicit format: a contiguous tensor of q's shape whatever q's strides, and
         # about half the host time of torch.empty(shape, dtype=, device=) (measured on an H100 host).
         o = torch.empty_like(q, memory_format=torch.contiguous_format)
+        if v.shape[3] != q.shape[3]:  # (the output has v's head_dim)
+            o = q.new_empty((*q.shape[:3], v.shape[3]))
     batch, seqlen_q, heads_q = q.shape[0], q.shape[1], q.shape[2]
     lse = q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32) if return_lse else None
     if o.numel() == 0:
@@ -478,13 +484,14 @@ def _padded_forward(
     q, k, v, causal, scale, return_lse, out, config, trace, trace_fault, key_range, dropout_p, dropout_seed,
     window=None, alibi_slopes=None, sinks=None, segments=None, **score_values,
 ):  # fmt: skip
-    """A head_dim that is not a multiple of 8: the kernels read whole 16-byte chunks of a row, so q, k and v
-    are zero-padded to the next multiple of 8 (the scale stays the caller's) and the output sliced back."""
-    d8 = padded_to_8(q.shape[3])
+    """A head_dim that is not a multiple of 8: the kernels read whole 16-byte chunks of a row, so q and k
+    are zero-padded to the next multiple of 8, and v to its own (the scale stays the caller's), and the
+    output sliced back to v's."""
+    d8, dv8 = padded_to_8(q.shape[3]), padded_to_8(v.shape[3])
     o, lse = cuda_forward(
         pad_head_dim(q, d8),
         pad_head_dim(k, d8),
-        pad_head_dim(v, d8),
+        pad_head_dim(v, dv8),
         causal=causal,
         softmax_scale=scale,
         return_lse=return_lse,
@@ -501,7 +508,7 @@ def _padded_forward(
         segments=segments,
         **score_values,
     )
-    o = o[..., : q.shape[3]]
+    o = o[..., : v.shape[3]]
     if out is not None:
         return out.copy_(o), lse
     return o.contiguous(), lse

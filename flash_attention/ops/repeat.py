@@ -355,6 +355,8 @@ def prepare(
     plans are those ops.cuda_forward and, in training, ops.training.training_forward make."""
     if q.shape[3] % 8 or not (strides_usable(q) and strides_usable(k) and strides_usable(v)):
         return None  # zero-padded or copied inputs: the whole path makes them
+    if v.shape[3] != q.shape[3]:
+        return None  # (v's own head_dim: the repeat calls allocate the output like q; the whole path runs)
     if key_range is not None and (key_range.dtype != torch.int32 or not key_range.is_contiguous()):
         return None  # converted per call by the whole path
     host_ops = host.ops_or_none() if records else None

@@ -119,8 +119,10 @@ def forward_config(
     smem_limit: int,
     features: Iterable[str] = (),
     config: KernelConfig | str | None = None,
+    head_dim_v: int = 0,
 ) -> KernelConfig:
-    """The forward configuration of a call.
+    """The forward configuration of a call (``head_dim_v``: v's head_dim where it is not head_dim's, which
+    only the warp-specialized family takes: feature ``value_dim``).
 
     ``features`` are what the call needs beyond plain attention (``key_range``, ``dropout``, ``trace``,
     ``negative_scale``: configs.families). A named ``config`` runs as named, or raises ValueError saying why
@@ -128,9 +130,19 @@ def forward_config(
     a feature. Raises :class:`NoKernel` when nothing of ours fits this GPU.
     """
     features = tuple(features)
+    dv = head_dim_v if head_dim_v and head_dim_v != head_dim else 0
+    if dv > head_dim:
+        # (the warp-specialized forward stages O in the Q tile: V may be narrower than Q, not wider)
+        raise NoKernel(
+            f"v's head_dim ({dv}) is wider than q's and k's ({head_dim}): no forward kernel takes it"
+        )
+    if dv:
+        features = (*features, "value_dim")
     if config is not None:
         cfg = parse_config(config)
         missing = unsupported(cfg, features)
+        if dv and dv > cfg.value_dim:
+            missing.append(f"v's head_dim {dv} (its kHeadDimV is {cfg.value_dim})")
         if "negative_scale" in missing and not cfg.wgmma:
             # The folded softmax takes the row max of the unscaled scores, which is the scaled scores' max
             # only for a positive scale; the other softmax of the same kernel handles any sign.
@@ -140,9 +152,12 @@ def forward_config(
             )
         _check_explicit(cfg, dtype, head_dim, missing, cfg.smem_bytes, smem_limit)
         return cfg
-    tuned = winners.lookup(gpu, dtype, head_dim, causal, seqlen_q, seqlen_k, group)
+    # (the tuned winners are keyed by one head_dim: a call with v's own takes the heuristic's pick)
+    tuned = None if dv else winners.lookup(gpu, dtype, head_dim, causal, seqlen_q, seqlen_k, group)
     cfg = tuned or default_config(dtype, head_dim, causal, seqlen_q, seqlen_k, arch)
-    if tuned is None:
+    if dv:
+        cfg = _with_value_dim(cfg, dv)
+    elif tuned is None:
         cfg = softcapped_config(cfg, features, causal, max(seqlen_q, seqlen_k))
     if cfg.warp_specialized and unsupported(cfg, features):
         # The sm90 kernel of the same call: it reads any layout the kernels accept (cp.async).
@@ -155,12 +170,31 @@ def forward_config(
         cfg = packed_config(cfg)
     if "dropout" in features:
         cfg = dropout_config(cfg)
+    missing = unsupported(cfg, features)
+    if missing:  # (only value_dim outlives the portable family: every other feature is one of its builds)
+        raise NoKernel(
+            f"no forward kernel of ours takes {', '.join(missing)} here (v's head_dim {head_dim_v} against "
+            f"q's {head_dim}, {arch}: {cfg.name()})"
+        )
     if cfg.smem_bytes > smem_limit:
         raise NoKernel(
             f"the forward kernel {cfg.name()} needs {cfg.smem_bytes} bytes of shared memory per block and "
             f"this GPU ({arch}) allows {smem_limit}"
         )
     return cfg
+
+
+def _with_value_dim(cfg: KernelConfig, dv: int) -> KernelConfig:
+    """``cfg`` with V and O ``dv`` wide where its family takes that: the warp-specialized forward, compiled
+    for dv rounded up to a panel (64 columns; the kernel masks the tail at run time, FwdParams.head_dim_v),
+    which may be head_dim itself. Else ``cfg`` unchanged (the selection then finds no kernel)."""
+    if not cfg.warp_specialized:
+        return cfg
+    panels = min(-(-dv // 64) * 64, cfg.head_dim)
+    try:
+        return cfg.replace(head_dim_v=panels)
+    except ValueError:  # (a value dim the kernel cannot hold: wider than head_dim)
+        return cfg
 
 
 def _wide_for(cfg: BwdConfig | None, features: tuple[str, ...]) -> BwdConfig | None:

@@ -10,9 +10,12 @@ namespace fa {
 template <class Cfg>
 struct check_config {
   static constexpr int D = Cfg::kHeadDim;
+  static constexpr int DV = Cfg::kHeadDimV;
   // The warps that own query rows: a warp-specialized block's producer warpgroup owns none.
   static constexpr int W = Cfg::kWarpSpecialized ? Cfg::kNumWarps - 4 : Cfg::kNumWarps;
   static_assert(D == 64 || D == 128 || D == 192 || D == 256, "head_dim must be one of (64, 128, 192, 256)");
+  static_assert(DV == D || (Cfg::kWarpSpecialized && DV % 64 == 0 && DV >= 64 && DV < D),
+                "head_dim_v other than head_dim needs warp_specialized, a multiple of 64 below head_dim");
   static_assert(!Cfg::kWarpSpecialized ||
                     (Cfg::kWgmma && Cfg::kStages >= 2 && Cfg::kNumWarps == 4 + Cfg::kBlockQ / 16),
                 "warp_specialized needs wgmma, stages >= 2 and num_warps = 4 + block_q / 16 (a producer "
@@ -66,9 +69,8 @@ struct check_config {
   // warp-specialized one keeps its ring's mbarriers after the tiles (256 bytes), a persistent one stages
   // its output in a tile of its own, and one with tile_overlap has two Q buffers.
   static constexpr int kSmemBytes =
-      2 * D *
-          (Cfg::kBlockQ * (Cfg::kTileOverlap ? 2 : 1) + 2 * Cfg::kBlockKV * Cfg::kStages +
-           (Cfg::kPersistent ? Cfg::kBlockQ : 0)) +
+      2 * (D * Cfg::kBlockQ * (Cfg::kTileOverlap ? 2 : 1) + (D + DV) * Cfg::kBlockKV * Cfg::kStages +
+           DV * (Cfg::kPersistent ? Cfg::kBlockQ : 0)) +
                                     (Cfg::kWgmma ? 1024 : 0) + (Cfg::kWarpSpecialized ? 256 : 0);
   static_assert(Cfg::kWgmma || kSmemBytes <= 163 * 1024, "shared memory exceeds the sm_80 limit of 166912");
   static_assert(!Cfg::kWgmma || kSmemBytes <= 227 * 1024, "shared memory exceeds the sm_90 limit of 232448");

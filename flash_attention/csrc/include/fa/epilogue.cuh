@@ -20,7 +20,7 @@ __device__ __forceinline__ void store_empty_block(const FwdParams& p, u16* gO, f
   constexpr int C = D / 8;
   for (int idx = tid; idx < R * C; idx += kThreads) {
     const int row = idx / C, chunk = idx % C;
-    if (row < rows_valid && chunk * 8 < p.head_dim)
+    if (row < rows_valid && chunk * 8 < p.head_dim_v)
       st_global_16(gO + row * p.o_row_stride + chunk * 8, make_uint4(0, 0, 0, 0));
   }
   if (gL) {
@@ -42,7 +42,7 @@ __device__ __forceinline__ void store_o_tile(const FwdParams& p, u16* gO, u32 s_
     const int idx = tid + i * kThreads;
     if ((R * C) % kThreads != 0 && idx >= R * C) break;
     const int row = idx / C, chunk = idx % C;
-    if (row < rows_valid && chunk * 8 < p.head_dim)
+    if (row < rows_valid && chunk * 8 < p.head_dim_v)
       st_global_16(gO + row * p.o_row_stride + chunk * 8, ld_shared_16(s_tile + Layout::bytes(row, chunk)));
   }
 }
@@ -57,7 +57,7 @@ __device__ __forceinline__ void store_o_tile_serial(const FwdParams& p, u16* gO,
 #pragma unroll 1
   for (int idx = tid; idx < R * C; idx += kThreads) {
     const int row = idx / C, chunk = idx % C;
-    if (row < rows_valid && chunk * 8 < p.head_dim)
+    if (row < rows_valid && chunk * 8 < p.head_dim_v)
       st_global_16(gO + row * p.o_row_stride + chunk * 8, ld_shared_16(s_tile + Layout::bytes(row, chunk)));
   }
 }

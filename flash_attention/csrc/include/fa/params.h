@@ -39,6 +39,7 @@ struct FwdParams {
   unsigned dropout_key;
   unsigned dropout_threshold;
   float dropout_rp;
+  int head_dim_v;  // v's and the output's head_dim (<= the kernel's kHeadDimV; the tail is masked)
 
   // Debug build only (FA_TRACE, fa/trace.cuh): the buffer the chosen warp writes its intermediates to, which
   // warp that is, and a planted fault. The normal build never reads them (null / 0 from ops).

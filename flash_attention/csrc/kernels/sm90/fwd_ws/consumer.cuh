@@ -228,7 +228,7 @@ __device__ __forceinline__ void fwd_ws_consumer(const FwdTmaParams& tp, const Fw
         // Measured on the H100 against ptxas's own order (kernel-log step 58): +1-5% at head_dim 128 and
         // 256, -1-3% at 64, whose P V is half as long, so head_dim 64 keeps ptxas's order.
         // (sm.sQ only names a shared address for the store, which never executes: head_dim > 0.)
-        if constexpr (Cfg::kHeadDim >= 128)
+        if constexpr (Cfg::kHeadDimV >= 128)
           order_before_wgmma_wait(ml.row_sum[0] + ml.row_sum[1], sm.sQ, p.head_dim);
 #endif
         wgmma_wait<0>();

@@ -39,12 +39,12 @@ struct FwdWsEpilogue {
   static constexpr bool kTmaStore = FwdWsBuild<Cfg, kDropout>::kTmaStore;
   static constexpr bool kSegments = Scheduler::kSegments;
   static constexpr bool BF = Cfg::kIsBF16;
-  static constexpr int D = Cfg::kHeadDim;
+  static constexpr int D = Cfg::kHeadDimV;  // the output's columns (v's head_dim)
   static constexpr int BR = Cfg::kBlockQ;
   static constexpr int NC = BR / 64;    // consumer warpgroups
   static constexpr int NCT = NC * 128;  // consumer threads
   static constexpr int NO = D / 8;      // 8-column n-tiles of O
-  static constexpr int NP = D / 64;     // 64-column panels of a tile
+  static constexpr int NP = D / 64;     // 64-column panels of the output tile
 
   const FwdTmaParams& tp;
   const FwdParams& p;

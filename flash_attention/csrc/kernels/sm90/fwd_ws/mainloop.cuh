@@ -45,16 +45,18 @@ struct FwdWsMainloop {
   static constexpr bool kFold = kFoldsScale<V, true>;
   static constexpr bool kTileOverlap = FwdWsBuild<Cfg, kDropout>::kTileOverlap;
   static constexpr bool BF = Cfg::kIsBF16;
-  static constexpr int D = Cfg::kHeadDim;
+  static constexpr int D = Cfg::kHeadDim;    // q and k: S = Q K^T's k dimension
+  static constexpr int DV = Cfg::kHeadDimV;  // v and o: O += P V's n
   static constexpr int BR = Cfg::kBlockQ;
   static constexpr int BC = Cfg::kBlockKV;
   static constexpr int NST = Cfg::kStages;
   static constexpr int NS = BC / 8;   // 8-column n-tiles of S
   static constexpr int KS = BC / 16;  // k-steps of O += P V
-  static constexpr int NO = D / 8;    // 8-column n-tiles of O
+  static constexpr int NO = DV / 8;   // 8-column n-tiles of O
   static constexpr int NQ = Smem::NQ;
   static constexpr u32 kQBytes = Smem::kQBytes;
-  static constexpr u32 kTile = Smem::kTile;
+  static constexpr u32 kKTile = Smem::kKTile;
+  static constexpr u32 kVTile = Smem::kVTile;
 
   // Bounded scores (soft-capping in bf16, cap <= kFixedMaxCap): the softmax without a running max
   // (fa/softmax.cuh bounded_softmax_row), its origin cap / 2 kept as row_max for the LSE; a uniform
@@ -78,11 +80,11 @@ struct FwdWsMainloop {
   // Head_dim 256 sums the packed P on the CUDA cores instead (add_p_row_sums, under P V): the ones product
   // was 2.2% slower causal and 0.5% non-causal there, against 7-9% faster at head_dim 64 (H200, kernel
   // log 120).
-  static constexpr bool kSumOnCudaCores = kSumPackedP && D > 128;
+  static constexpr bool kSumOnCudaCores = kSumPackedP && DV > 128;
   // The builds whose L_r comes from the tensor cores: the kernel sets up the ones tile for them, with the
   // barriers (fwd_kernel.cuh, s_ones), before this mainloop exists.
   static constexpr bool kSumPackedPOnes =
-      BF && !Cfg::kPingpong && ScoreModBounded<ScoreMod>::value && !kDropout && D <= 128;
+      BF && !Cfg::kPingpong && ScoreModBounded<ScoreMod>::value && !kDropout && DV <= 128;
   static_assert(kSumPackedPOnes == (kSumPackedP && !kSumOnCudaCores),
                 "the ones tile is set up for exactly the tensor cores' packed-sum builds");
   // The online softmax's reference max moves only by more than kLazyMargin (fa/softmax.cuh), and O's
@@ -90,7 +92,7 @@ struct FwdWsMainloop {
   // where two A/B runs agreed (kernel log 106, H200, random inputs: -4% by the fastest rounds, either
   // mode); at 128 and 64 the runs disagreed within their spread, so those builds keep the running max. The
   // trace build too (the tile simulator, flash_attention/tools/sim.py, models the lazy reference).
-  static constexpr bool kLazyMax = D >= 256;
+  static constexpr bool kLazyMax = DV >= 256;
   // Ping-pong (Cfg::kPingpong, two consumer warpgroups): the warpgroups take turns at every point where
   // they issue matrix products. Warpgroup c waits at named barrier kTurn + c for the other to have passed
   // it the turn (bar.arrive at the same barrier, 256 threads in all), issues, and passes the turn back. The
@@ -212,13 +214,13 @@ struct FwdWsMainloop {
   __device__ __forceinline__ void issue_s_at(float (&sacc)[NS * 4], const Tile& x, int it) const {
     wgmma_fence();
     const u64 q_buffer = q_desc + ((x.q_loads % NQ * kQBytes) >> 4);
-    issue_qk<BR, BC, D, BF>(sacc, q_buffer, k_desc + ((slot(x, it) * kTile) >> 4));
+    issue_qk<BR, BC, D, BF>(sacc, q_buffer, k_desc + ((slot(x, it) * kKTile) >> 4));
     wgmma_commit();
   }
   // O += P V of block it.
   __device__ __forceinline__ void issue_pv_at(const u32 (&pf)[KS][4], const Tile& x, int it) {
     wgmma_fence();
-    issue_pv<BC, D, BF>(o, pf, v_desc + ((slot(x, it) * kTile) >> 4));
+    issue_pv<BC, DV, BF>(o, pf, v_desc + ((slot(x, it) * kVTile) >> 4));
     // L_r += P 1, in the same group (fa/softmax.cuh). At head_dim 128 issued whatever `bounded` is (a cap
     // past kFixedMaxCap then pays an unused product): behind the run-time condition ptxas injected a
     // warpgroup.arrive (C7519) eight times per build, on which the causal build's warps stalled three times
@@ -226,7 +228,7 @@ struct FwdWsMainloop {
     // Unconditional, the head_dim-128 builds have none (the persistent one keeps the two injected
     // warpgroup.waits, C7517, that main's has too), but the head_dim-64 build spilled, so the condition
     // stays there.
-    constexpr bool kOnesAlways = D == 128;
+    constexpr bool kOnesAlways = DV == 128 || (DV == 64 && Cfg::kHeadDim == 128);
     if constexpr (kSumPackedPOnes) {
       if (kOnesAlways || bounded) {
 #pragma unroll
@@ -309,7 +311,7 @@ struct FwdWsMainloop {
   __device__ __forceinline__ void trace_s(float (&sacc)[NS * 4], const Tile& x, int it) const {
     x.tr.begin_step(it, x.j_lo + it);
     x.tr.smem_tile(TL::kQ, trace_tile(sm.sQ + x.q_loads % NQ * kQBytes), th.warp_row0, 16, trace_q_elem);
-    x.tr.smem_tile(TL::kK, trace_tile(sm.sK + slot(x, it) * kTile), 0, BC, trace_kv_elem);
+    x.tr.smem_tile(TL::kK, trace_tile(sm.sK + slot(x, it) * kKTile), 0, BC, trace_kv_elem);
     x.tr.acc_view(TL::kS, acc_tile(sacc));
   }
   // After the softmax step, before s_to_p rounds P; then the planted fault that leaves O unrescaled (for
@@ -328,7 +330,7 @@ struct FwdWsMainloop {
   // P_j V_j has completed, and neither has V_j's slot been released nor O rescaled for step j + 1.
   __device__ __forceinline__ void trace_pv(const Tile& x, int it) {
     x.tr.resume_step(it);
-    x.tr.smem_tile(TL::kV, trace_tile(sm.sV + slot(x, it) * kTile), 0, BC, trace_kv_elem);
+    x.tr.smem_tile(TL::kV, trace_tile(sm.sV + slot(x, it) * kVTile), 0, BC, trace_kv_elem);
     x.tr.acc_view(TL::kO, acc_tile(o));
   }
 #endif

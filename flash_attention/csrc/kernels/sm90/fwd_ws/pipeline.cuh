@@ -56,7 +56,8 @@ template <class Cfg>
 struct FwdWsSmem {
   static constexpr int BR = Cfg::kBlockQ;
   static constexpr int BC = Cfg::kBlockKV;
-  static constexpr int D = Cfg::kHeadDim;
+  static constexpr int D = Cfg::kHeadDim;    // q and k
+  static constexpr int DV = Cfg::kHeadDimV;  // v and o
   static constexpr int NST = Cfg::kStages;
   static constexpr int NC = BR / 64;    // consumer warpgroups
   static constexpr int NCT = NC * 128;  // consumer threads
@@ -66,8 +67,9 @@ struct FwdWsSmem {
   // Q, and with one buffer the Q arrived after the epilogue would have run (kernel-log step 63).
   static constexpr int NQ = Cfg::kTileOverlap ? 2 : 1;
   static constexpr u32 kQBytes = 2 * BR * D;  // bytes of one Q buffer
-  static constexpr u32 kTile = 2 * BC * D;    // bytes of one K or V tile
-  static constexpr u32 kOBytes = Cfg::kPersistent ? 2 * BR * D : 0;
+  static constexpr u32 kKTile = 2 * BC * D;   // bytes of one K tile
+  static constexpr u32 kVTile = 2 * BC * DV;  // bytes of one V tile
+  static constexpr u32 kOBytes = Cfg::kPersistent ? 2 * BR * DV : 0;
 
   // Tiles start on 1024-byte boundaries (the 128-byte swizzle's period, assumed by TMA and the wgmma
   // descriptors alike); the dynamic window is only 16-byte aligned, so the block asks for 1 KB more.
@@ -85,8 +87,8 @@ struct FwdWsSmem {
   __device__ __forceinline__ explicit FwdWsSmem(unsigned char* smem)
       : sQ((smem_addr(smem) + 1023u) & ~1023u),
         sK(sQ + NQ * kQBytes),
-        sV(sK + NST * kTile),
-        sO(sV + NST * kTile),
+        sV(sK + NST * kKTile),
+        sO(sV + NST * kVTile),
         bars(sO + kOBytes) {}
 
   __device__ __forceinline__ u32 q_full(int b) const { return bars + 8 * b; }

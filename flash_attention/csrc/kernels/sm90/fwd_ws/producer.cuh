@@ -29,10 +29,12 @@ __device__ __forceinline__ void fwd_ws_producer(const FwdTmaParams& tp, const Fw
   constexpr int BR = Cfg::kBlockQ;
   constexpr int BC = Cfg::kBlockKV;
   constexpr int NST = Cfg::kStages;
-  constexpr int NP = Cfg::kHeadDim / 64;  // 64-column panels of a tile
+  constexpr int NP = Cfg::kHeadDim / 64;    // 64-column panels of a Q or K tile
+  constexpr int NPV = Cfg::kHeadDimV / 64;  // of a V tile
   constexpr int NQ = Smem::NQ;
   constexpr u32 kQBytes = Smem::kQBytes;
-  constexpr u32 kTile = Smem::kTile;
+  constexpr u32 kKTile = Smem::kKTile;
+  constexpr u32 kVTile = Smem::kVTile;
   const FwdParams& p = tp.p;
   const int tid = threadIdx.x;
   // The producer keeps a few dozen registers and the consumers take the rest (Cfg::kProducerRegs /
@@ -89,17 +91,17 @@ __device__ __forceinline__ void fwd_ws_producer(const FwdTmaParams& tp, const Fw
         const u32 reuse = (ring / NST - 1) & 1;
         if (ring >= NST) mbar_wait(sm.k_empty(s), reuse);
         const int row = origin + (blocks.begin + it) * BC;
-        mbar_arrive_expect_tx(sm.k_full(s), kTile);
+        mbar_arrive_expect_tx(sm.k_full(s), kKTile);
 #pragma unroll
         for (int pn = 0; pn < NP; ++pn)
-          tma_load_4d(sm.sK + s * kTile + pn * BC * 128, &tp.k_map, sm.k_full(s), 64 * pn, row, kv_head,
+          tma_load_4d(sm.sK + s * kKTile + pn * BC * 128, &tp.k_map, sm.k_full(s), 64 * pn, row, kv_head,
                       x.batch);
         FA_TIMELINE_EVENT(tl, kKIssued, ring);
         if (ring >= NST) mbar_wait(sm.v_empty(s), reuse);
-        mbar_arrive_expect_tx(sm.v_full(s), kTile);
+        mbar_arrive_expect_tx(sm.v_full(s), kVTile);
 #pragma unroll
-        for (int pn = 0; pn < NP; ++pn)
-          tma_load_4d(sm.sV + s * kTile + pn * BC * 128, &tp.v_map, sm.v_full(s), 64 * pn, row, kv_head,
+        for (int pn = 0; pn < NPV; ++pn)
+          tma_load_4d(sm.sV + s * kVTile + pn * BC * 128, &tp.v_map, sm.v_full(s), 64 * pn, row, kv_head,
                       x.batch);
         FA_TIMELINE_EVENT(tl, kVIssued, ring);
       }
