@@ -1,10 +1,11 @@
 """v with a head_dim of its own (DeepSeek's multi-head latent attention: q/k 192, v 128), issue 51's first
 step: attention() and attention_varlen() take it on every path, and the output has v's head_dim.
 
-No kernel family reads two head dims yet, so a call the kernels would take falls back to PyTorch with the
-once-per-reason warning (ops.plans.check_value_dim, before any padding or plan); these tests hold the
-fallback's forward, LSE and gradients against the float64 reference with every variant, and the kernel
-path's refusal on the stand-in GPU (the real launch layer, repeat calls and training node)."""
+The warp-specialized forward kernel takes it (feature value_dim), and an inference call's repeats allocate
+the output with it; no backward kernel does, so training runs PyTorch's backward with the once-per-reason
+warning (ops.plans.check_value_dim) and declines the repeat path. These tests hold the fallback's forward,
+LSE and gradients against the float64 reference with every variant, and the kernel path on the stand-in GPU
+(the real launch layer, repeat calls and training node)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import warnings
 
 import pytest
 import torch
+from stand_in_gpu import repeat_mode_gpu  # noqa: F401 (the gpu fixture: repeat calls in Python and native)
 
 import flash_attention as fa
 from flash_attention.fallback.reference import attention_reference
@@ -285,3 +287,99 @@ def test_a_training_call_prefetches_no_backward_for_vs_own_head_dim(monkeypatch)
         assert same.shape[-1] == 64 and gpu.prefetched  # (the same call with v's head_dim q's: prefetched)
     finally:
         ops.clear_plans()
+
+
+@pytest.fixture
+def validations(monkeypatch) -> list:
+    """Every call of attention()'s whole path (its validation), as the q shape it was given."""
+    from flash_attention.api import attention as interface
+
+    seen: list = []
+    real = interface.validate
+
+    def spy(q, *args, **kwargs):
+        seen.append(tuple(q.shape))
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr(interface, "validate", spy)
+    return seen
+
+
+@pytest.mark.parametrize("dims", [(192, 128), (128, 64)], ids=["192-128", "128-64"])
+def test_inference_repeats_take_vs_own_head_dim(gpu, validations, dims):
+    # An inference call with v's own head_dim leaves a repeat call (Python's or the host library's, the
+    # fixture's two modes) that allocates the output with v's head_dim: the later calls skip the whole path
+    # and launch the forward kernel straight away, each on fresh inputs, the previous output poisoned (and
+    # freed, so the next one may be allocated over it), and match the float64 reference.
+    from flash_attention.ops import repeat
+
+    d, dv = dims
+    gen = torch.Generator().manual_seed(d + dv)
+    out = None
+    for _ in range(4):
+        q, k, v = (t.detach() for t in _inputs(gen, torch.bfloat16, d=d, dv=dv, sq=37, sk=45))
+        if out is not None:
+            out.fill_(float("nan"))
+            del out
+        out, lse = fa.attention(q, k, v, causal=True, return_lse=True)
+        assert out.shape == (2, 37, 4, dv) and out.dtype == torch.bfloat16 and out.is_contiguous()
+        ref, ref_lse, _ = _reference(q, k, v, causal=True)
+        # (the stand-in kernel computes in float64 and rounds to bfloat16 once)
+        torch.testing.assert_close(out.double(), ref, rtol=2**-8, atol=1e-6)
+        torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
+    key = repeat.signature(q, k, v, True, None, True, None, False, 0.0, None)
+    made = repeat.NativeRepeatCall if repeat.MODE == "native" else repeat.RepeatCall
+    assert isinstance(repeat.lookup(key), made)
+    assert len(validations) == 1, "the repeats should not run the whole path"
+    assert gpu.launches == ["forward"] * 4 and not gpu.errors, gpu.errors
+
+
+def test_packed_inference_repeats_take_vs_own_head_dim(gpu, validations):
+    # attention_varlen's packed batch is attention()'s call with its runs bound: the same repeat call, each
+    # batch's own runs, the output of v's head_dim.
+    gen = torch.Generator().manual_seed(7)
+    for lengths in ([30, 7, 50], [1, 60, 26], [40, 40, 7]):
+        total = sum(lengths)
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        q = torch.randn(total, 4, 192, generator=gen).to(torch.bfloat16)
+        k = torch.randn(total, 2, 192, generator=gen).to(torch.bfloat16)
+        v = torch.randn(total, 2, 128, generator=gen).to(torch.bfloat16)
+        out = fa.attention_varlen(q, k, v, cu, cu, max_seqlen_q=64, max_seqlen_k=64, causal=True)
+        assert out.shape == (total, 4, 128)
+        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+            ref, _, _ = _reference(*(t[a:b].unsqueeze(0) for t in (q, k, v)), causal=True)
+            torch.testing.assert_close(out[a:b].double(), ref[0], rtol=2**-8, atol=1e-6)
+    assert len(validations) == 1, "the repeats should not run the whole path"
+    assert gpu.launches == ["forward"] * 3 and not gpu.errors, gpu.errors
+
+
+def test_training_with_vs_own_head_dim_declines_the_repeat_path(gpu, validations):
+    # Training with v's own head_dim: the compiled node and the backward's kernels do not take it, so its
+    # signature is remembered as the whole path's (every call validated; the forward kernel, then PyTorch's
+    # backward), and the gradients are the reference's.
+    from flash_attention.ops import repeat
+    from flash_attention.spec import AttentionSpec
+
+    gen = torch.Generator().manual_seed(29)
+    for _ in range(3):
+        q, k, v = _inputs(gen, torch.bfloat16, d=192, dv=128, sq=37, sk=45)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (the backward's fallback warning, once per reason)
+            out = fa.attention(q, k, v, causal=True)
+            dout = torch.randn(out.shape, generator=gen).to(torch.bfloat16)
+            grads = torch.autograd.grad(out, (q, k, v), dout)
+        assert out.shape == (2, 37, 4, 128)
+        ref, _, ref_grad = _reference(q, k, v, causal=True)
+        torch.testing.assert_close(out.double(), ref, rtol=2**-8, atol=1e-6)
+        for g, r in zip(grads, ref_grad(dout), strict=True):
+            assert g.shape == r.shape
+            assert (g.double() - r).abs().max().item() <= 4e-2 * max(1.0, r.abs().max().item())
+    assert repeat.lookup(repeat.signature(q, k, v, True, None, False, None, False, 0.0, None)) is (
+        repeat.WHOLE_PATH
+    )
+    assert len(validations) == 3
+    assert gpu.launches == ["forward"] * 3 and not gpu.errors, gpu.errors
+    # (prepare declines such a call itself, before it plans the node's backward, which would refuse it)
+    spec = AttentionSpec(True, 192**-0.5)
+    assert repeat.prepare(q, k, v, spec, key_range=None, records=True, return_lse=False) is None
+    assert repeat.prepare(q, k, v, spec, key_range=None, records=False, return_lse=False) is not None

@@ -13,10 +13,11 @@ deciding any of it again.
 The signature holds everything the checks and the plans depend on: each tensor's exact type, shape, strides,
 dtype and device, the options, whether autograd records the call, and the deterministic-algorithms switch.
 What a signature cannot fix is checked per call: the addresses' 16-byte alignment, and the debug build's
-environment variable. A signature whose call cannot be a plain launch (a head_dim that is not a multiple of
-8, strides the kernels cannot read in place, no host library in training) is remembered as such, so its
-calls take the whole path without trying again. A persistent grid's tile counter is the current stream's,
-bound per call as the whole path's launch finds it.
+environment variable. A signature whose call cannot be a plain launch (a head_dim, q's or v's, that is not a
+multiple of 8, strides the kernels cannot read in place, no host library in training, v's own head_dim in
+training) is remembered as such, so its calls take the whole path without trying again. An inference call
+with v's own head_dim repeats, allocating its output with v's head_dim. A persistent grid's tile counter
+is the current stream's, bound per call as the whole path's launch finds it.
 A sliding window and soft-capping are values the plans hold (the kernels' bounds and cap are fields of the
 params template), so their calls repeat as plain ones do: Mistral's, Gemma's and Qwen2's sliding layers.
 ALiBi's slopes, the sinks and a packed batch's runs are tensors each launch binds (the signature holds their
@@ -78,15 +79,16 @@ _STRIDED = torch.strided
 
 class RepeatCall:
     """One signature's launch: the forward plan, the shape of the LSE to allocate (None: the call returns
-    none and the kernel writes none) and, in training, the backward plan whose program the node runs (held
-    here: the node is recorded by the program's address, which must outlive the plan cache's eviction)."""
+    none and the kernel writes none), the output's shape where v's head_dim is its own (None: q's shape;
+    the signature fixes both) and, in training, the backward plan whose program the node runs (held here:
+    the node is recorded by the program's address, which must outlive the plan cache's eviction)."""
 
-    __slots__ = ("_backward", "_host_ops", "_lse_shape", "_plan", "_program")
+    __slots__ = ("_backward", "_host_ops", "_lse_shape", "_out_shape", "_plan", "_program")
 
     def __init__(self, plan, lse_shape: tuple[int, int, int] | None, backward_plan=None, host_ops=None,
-                 program: int = 0):  # fmt: skip
+                 program: int = 0, out_shape: tuple[int, int, int, int] | None = None):  # fmt: skip
         self._plan, self._lse_shape, self._host_ops = plan, lse_shape, host_ops
-        self._backward, self._program = backward_plan, program
+        self._backward, self._program, self._out_shape = backward_plan, program, out_shape
 
     def __call__(self, q, k, v, key_range, alibi_slopes=None, sinks=None, segments=None):
         """``(out, lse)``, or None when this call must take the whole path (a misaligned address: the whole
@@ -94,8 +96,11 @@ class RepeatCall:
         ``sinks`` and a packed batch's runs (``segments``): the call's, of the layouts its signature holds."""
         if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 or _trace.ENV in os.environ:
             return None
-        # empty_like with an explicit format: contiguous whatever q's strides (the plan's output strides).
-        o = torch.empty_like(q, memory_format=torch.contiguous_format)
+        if self._out_shape is None:
+            # empty_like with an explicit format: contiguous whatever q's strides (the plan's output strides).
+            o = torch.empty_like(q, memory_format=torch.contiguous_format)
+        else:  # (v's own head_dim, inference only: contiguous, the shape made once)
+            o = q.new_empty(self._out_shape)
         lse = None if self._lse_shape is None else q.new_empty(self._lse_shape, dtype=torch.float32)
         forward.launch_plan(self._plan, q, k, v, o, lse, key_range, 0, alibi_slopes, sinks, segments)
         if self._program:
@@ -353,16 +358,25 @@ def prepare(
     raises (``NoKernel``: the whole path then falls back, with its warning). The call's tensors
     (``key_range``, ``alibi_slopes``, ``sinks``, a packed batch's runs ``segments``) are bound per call; the
     plans are those ops.cuda_forward and, in training, ops.training.training_forward make."""
-    if q.shape[3] % 8 or not (strides_usable(q) and strides_usable(k) and strides_usable(v)):
-        return None  # zero-padded or copied inputs: the whole path makes them
-    if v.shape[3] != q.shape[3]:
-        return None  # (v's own head_dim: the repeat calls allocate the output like q; the whole path runs)
+    if q.shape[3] % 8 or v.shape[3] % 8:
+        return None  # zero-padded inputs (v to its own multiple of 8): the whole path makes them
+    if not (strides_usable(q) and strides_usable(k) and strides_usable(v)):
+        return None  # copied inputs: the whole path makes them
+    out_shape = (*q.shape[:3], v.shape[3]) if v.shape[3] != q.shape[3] else None  # (None: q's)
+    if out_shape is not None and records:
+        # v's own head_dim in training: the node's and the backward's kernels do not take it (the whole path
+        # runs the forward kernel and PyTorch's backward, plans.check_value_dim).
+        return None
     if key_range is not None and (key_range.dtype != torch.int32 or not key_range.is_contiguous()):
         return None  # converted per call by the whole path
     host_ops = host.ops_or_none() if records else None
     if records and host_ops is None:
         return None  # the Python autograd function's path
-    o = torch.empty_like(q, memory_format=torch.contiguous_format)
+    # The output as each repeat allocates it (the plan holds its strides): contiguous, of v's head_dim.
+    if out_shape is None:
+        o = torch.empty_like(q, memory_format=torch.contiguous_format)
+    else:
+        o = q.new_empty(out_shape)
     lengths, sequences = segment_lengths(segments), segment_count(segments)
     plan = forward.plan_for(q, k, v, o, spec, None, lengths, sequences)
     lse_shape = (q.shape[0], q.shape[2], q.shape[1])
@@ -383,4 +397,4 @@ def prepare(
             # (The ForwardProgram takes its own reference to the backward program.)
             packed = 0 if segments is None else len(segments)
             return _native(lib, plan, lse_shape, program, alibi, sinks is not None, packed, bwd)
-    return RepeatCall(plan, lse_shape, bwd, host_ops, program)
+    return RepeatCall(plan, lse_shape, bwd, host_ops, program, out_shape)

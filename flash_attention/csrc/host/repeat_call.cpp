@@ -146,7 +146,15 @@ std::vector<at::Tensor> repeat_call_bound(const at::Tensor& q, const at::Tensor&
             std::to_string(program.bound_offsets.size()));
   for (const auto& t : bound) check(t.defined() && t.is_contiguous(), "repeat_call: a bound tensor must be contiguous");
   if (!kernel_readable(q) || !kernel_readable(k) || !kernel_readable(v)) return {};
-  at::Tensor out = at::empty_like(q, q.options(), at::MemoryFormat::Contiguous);
+  // The output has v's head_dim, which may be its own (an inference call's, DeepSeek's q/k 192, v 128: the
+  // program's plan was made for that contiguous shape; prepare in ops/repeat.py declines training with it);
+  // empty_like, the cheaper form, when it is q's.
+  at::Tensor out;
+  if (v.size(3) == q.size(3)) {
+    out = at::empty_like(q, q.options(), at::MemoryFormat::Contiguous);
+  } else {
+    out = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
+  }
   at::Tensor lse;
   if (!program.lse_shape.empty()) lse = at::empty(program.lse_shape, q.options().dtype(at::kFloat));
 
