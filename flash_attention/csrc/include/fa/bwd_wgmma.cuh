@@ -62,6 +62,15 @@ __device__ __forceinline__ void pack_p_ds(u32 (&pf)[BR / 16][4], u32 (&sf)[BR / 
     }
 }
 
+// One of them alone (pack_p_ds's layout), for a kernel that packs P before dP^T has landed.
+template <int BR, bool BF>
+__device__ __forceinline__ void pack_acc(u32 (&f)[BR / 16][4], const float (&x)[BR / 2]) {
+#pragma unroll
+  for (int ks = 0; ks < BR / 16; ++ks)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) f[ks][r] = pack2<BF>(x[8 * ks + 2 * r], x[8 * ks + 2 * r + 1]);
+}
+
 // dS^T into its tile (BC key rows of BR queries, panels of 64 queries) for dQ: register pair r of k-step ks
 // is key row g + 8 (r % 2) of the warp (its first row row0, a multiple of 16) at queries 16 ks + 8 (r / 2)
 // + 2 t (+1), i.e. 16-byte chunk 2 ks + r / 2 of the key's row: the four 8x8 pieces of one stmatrix_x4,
