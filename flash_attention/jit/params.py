@@ -152,6 +152,8 @@ class BwdParams(ctypes.Structure):
         + [("score_values", _F32 * SCORE_VALUES), ("alibi_slopes", _PTR), ("alibi_batch_stride", _I32)]
         + [("row_keys", _PTR), ("key_rows", _PTR), ("k_tiles", _PTR), ("q_units", _PTR)]
         + [("alibi_diagonal", _PTR), ("kv_block_group", _I32)]
+        # The timeline build's record buffer (csrc/include/fa/timeline.cuh); null in every library call.
+        + [("trace", _PTR)]
     )
 
 

@@ -76,6 +76,10 @@ struct BwdParams {
   // The dK/dV blocks' start order (fa/kv_block_order.cuh): 0 the grid's own; G > 0 heaviest first within
   // groups of G (K/V head, batch row) pairs (the warp-specialized kernel's causal builds).
   int kv_block_group;
+  // The timeline build's record buffer (fa/timeline.cuh, tools/bwd_timeline.py); null in every library call.
+  // Last, after the fields the compiled training node patches, and within the 64 bytes before
+  // BwdTmaParams' maps, which stay where they were.
+  void* trace;
 };
 
 }  // namespace fa

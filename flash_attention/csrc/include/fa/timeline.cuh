@@ -1,13 +1,16 @@
-// Timeline build of the warp-specialized Hopper forward (csrc/kernels/sm90/fwd_ws): lane 0 of every warp
-// of the first kBlocks blocks stamps its schedule's events with the multiprocessor's cycle counter, so
-// tools/ws_timeline.py can show what each consumer warpgroup waited for, step by step and tile by tile
-// (when its products ran beside the other warpgroup's softmax, how long an epilogue or a tile's first step
-// took, when the producer stalled on a slot). Profiler counters give totals; this gives the order.
+// Timeline build of the warp-specialized Hopper kernels (the forward, csrc/kernels/sm90/fwd_ws, and the
+// backward's dK/dV kernel, csrc/kernels/sm90/bwd_ws): lane 0 of every warp of the first kBlocks blocks
+// stamps its schedule's events with the multiprocessor's cycle counter, so tools/ws_timeline.py and
+// tools/bwd_timeline.py can show what each consumer warpgroup waited for, step by step (in the forward:
+// when its products ran beside the other warpgroup's softmax, how long an epilogue or a tile's first step
+// took; in the backward: each phase of a query step between its waits and barriers; in both, when the
+// producer stalled on a slot). Profiler counters give totals; this gives the order.
 //
-// Compiled only when the source defines FA_TIMELINE=1 (tools/ws_timeline.py prepends it; no library path
-// does); the normal build sees only the empty FA_TIMELINE_EVENT below, so its code is unchanged. The
-// records go to FwdParams::trace (the debug build's buffer pointer, unused otherwise): warp w of block b
-// writes records (b * kWarps + w) * kRecords onwards, 16 bytes each: (kind << 32 | argument, clock64).
+// Compiled only when the source defines FA_TIMELINE=1 (the tools prepend it; no library path does); the
+// normal build sees only the empty FA_TIMELINE_EVENT below, so its code is unchanged. The records go to the
+// params' trace pointer (FwdParams: the debug build's buffer, unused otherwise; BwdParams: its own, null in
+// every library call): warp w of block b writes records (b * kWarps + w) * kRecords onwards, 16 bytes each:
+// (kind << 32 | argument, clock64).
 // Reading the clock and one 16-byte store per event shift the schedule by a few cycles per event; the
 // tool reports what a step costs, not the last percent.
 #pragma once
@@ -18,6 +21,7 @@
 
 #if FA_TIMELINE
 
+#include "fa/bwd_params.h"
 #include "fa/params.h"
 #include "fa/ptx.cuh"
 
@@ -36,6 +40,18 @@ enum Kind : unsigned {
   kQIssued = 8,        // producer: a tile's Q load issued (argument: the tile)
   kKIssued = 9,        // producer: K_j's load issued after its slot came free (argument: the ring count)
   kVIssued = 10,       // producer: V_j's load issued
+  // The backward's dK/dV kernel (bwd_ws), per query step (argument: the step's index in the block's walk):
+  kBwdFull = 11,        // consumer: the slot's Q, dO and statistics have arrived (full barrier passed)
+  kBwdSLanded = 12,     // consumer: S^T has landed (dP^T may still run)
+  kBwdExpDone = 13,     // consumer: P^T computed, before the wait for dP^T
+  kBwdDPLanded = 14,    // consumer: dP^T has landed
+  kBwdDSStored = 15,    // consumer: dS^T stored and fenced, dV issued
+  kBwdMet = 16,         // consumer: both warpgroups' dS^T written (named barrier 1 passed)
+  kBwdDQLanded = 17,    // consumer: dV and dQ have landed (dK may still run)
+  kBwdDQOut = 18,       // consumer: dQ staged and its reduction issued
+  kBwdStepEnd = 19,     // consumer: dK has landed, the slot released
+  kBwdSlotFree = 20,    // producer: a slot came free (empty barrier passed; argument: the ring count)
+  kBwdSlotIssued = 21,  // producer: the slot's copies issued and its arrival made
 };
 
 constexpr int kBlocks = 4;
@@ -45,9 +61,13 @@ constexpr int kRecords = 4096;
 struct Recorder {
   unsigned long long* out = nullptr;
   int n = 0;
-  __device__ __forceinline__ Recorder(const FwdParams& p, int warp) {
-    if (p.trace && (int)blockIdx.x < kBlocks && warp < kWarps && threadIdx.x % 32 == 0)
-      out = reinterpret_cast<unsigned long long*>(p.trace) + 2ull * (blockIdx.x * kWarps + warp) * kRecords;
+  template <class Params>  // (FwdParams or BwdParams: any params with a `trace` pointer)
+  __device__ __forceinline__ Recorder(const Params& p, int warp) {
+    // (the block's linear index: with a grid of (blocks, heads, batch), blockIdx.x alone would have every
+    // head's first blocks write the same records)
+    const unsigned block = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    if (p.trace && block < (unsigned)kBlocks && warp < kWarps && threadIdx.x % 32 == 0)
+      out = reinterpret_cast<unsigned long long*>(p.trace) + 2ull * (block * kWarps + warp) * kRecords;
   }
   __device__ __forceinline__ void operator()(unsigned kind, unsigned argument) {
     if (out && n < kRecords) {

@@ -69,6 +69,7 @@
 #include "fa/mask.cuh"
 #include "fa/ptx.cuh"
 #include "fa/smem_layout.cuh"
+#include "fa/timeline.cuh"
 #include "fa/tile_ptrs.cuh"
 #include "fa/tma.cuh"
 #include "fa/variant.cuh"
@@ -264,10 +265,14 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
   if (tid < 128) {
     // ---- producer ----------------------------------------------------------------------------------------
     setmaxnreg_dec<Cfg::kProducerRegs>();
+#if FA_TIMELINE
+    timeline::Recorder tl(p, tid / 32);
+#endif
     for (int it = 0; it < n_iter; ++it) {
       const int s = it % NST;
       // The slot's previous use (step it - NST) has been released by every consumer warp.
       if (it >= NST) mbar_wait(empty(s), (u32)((it / NST - 1) & 1));
+      FA_TIMELINE_EVENT(tl, kBwdSlotFree, it);
       if (it == 0) {
         const u16* gK = static_cast<const u16*>(p.k) + k_offset(p, batch, kv_head, kv_start);
         const u16* gV = static_cast<const u16*>(p.v) + v_offset(p, batch, kv_head, kv_start);
@@ -326,6 +331,7 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
       cp_async_wait<0>();
       fence_proxy_async();
       mbar_arrive(full(s));
+      FA_TIMELINE_EVENT(tl, kBwdSlotIssued, it);
     }
     return;
   }
@@ -340,6 +346,9 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
   const int g = lane / 4;
   const int t = lane % 4;
   const int row0 = 64 * wg + 16 * (warp % 4);  // the warp's first key row in the block
+#if FA_TIMELINE
+  timeline::Recorder tl(p, tid / 32);
+#endif
 
   float dv[D / 2], dk[D / 2];
 #pragma unroll
@@ -365,6 +374,7 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
     const u32 qoff = s * kQ;
     const u32 dsoff = (it & 1) * kDS;
     mbar_wait(full(s), (u32)((it / NST) & 1));
+    FA_TIMELINE_EVENT(tl, kBwdFull, it);
     // (Kept in registers, the deterministic walk's state made ptxas spill inside this loop.)
     const int head = kDeterministic ? (int)ld_shared_32(sStep + 8 * s) : head_of(it);
     const int q_start = kDeterministic ? (int)ld_shared_32(sStep + 8 * s + 4) : q_start_of(it);
@@ -400,6 +410,7 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
     }
     wgmma_wait<1>();
     wgmma_hold(sc);
+    FA_TIMELINE_EVENT(tl, kBwdSLanded, it);
 
     // ---- P^T: the mask (keys past seqlen_k, the causal diagonal), then exp2 against the saved LSE ---------
     // Register 4 n + e is key kv_start + row0 + g + 8 (e / 2) against query q_start + 8 n + 2 t + e % 2.
@@ -488,8 +499,10 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
       }
       pack_acc<BR, BF>(pf, sc);
     }
+    FA_TIMELINE_EVENT(tl, kBwdExpDone, it);
     wgmma_wait<0>();
     wgmma_hold(dp);
+    FA_TIMELINE_EVENT(tl, kBwdDPLanded, it);
 
     // ---- dS^T = scale P^T (dP^T Z rp - delta) -------------------------------------------------------------
     // (kEarly: as P^T (scale dP^T - scale delta), one FFMA and one FMUL per element, the scaled delta loaded
@@ -548,11 +561,13 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
     wgmma_fence();
     issue_key_rows_acc<BR, D, BF>(dv, pf, qt_desc, kDOOff + qoff);
     wgmma_commit();
+    FA_TIMELINE_EVENT(tl, kBwdDSStored, it);
 
     // The staging tile of this warpgroup's previous dQ has been read by the copy engine (the thread that
     // issued that reduction waits), and both warpgroups' dS^T of this step is written.
     if (!kDeterministic && ctid % 128 == 0) bulk_wait_read<0>();
     named_barrier_sync(1, 256);
+    FA_TIMELINE_EVENT(tl, kBwdMet, it);
 
     // ---- dQ = dS K (this warpgroup's 64 x DQN part), then dK += dS^T Q ------------------------------------
     float dq[DQN / 2];
@@ -564,6 +579,7 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
     wgmma_wait<1>();  // dV and dQ have landed; dK may still run
     wgmma_hold(dq);
     wgmma_hold(dv);
+    FA_TIMELINE_EVENT(tl, kBwdDQLanded, it);
 
     // ---- dQ out: a staged 64 x 64 tile, then one bulk reduce-add of it (fa/dq_accum.cuh, tiled) --------
     // Deterministic: the writer thread adds it when this block's turn comes; it must have read the previous
@@ -587,8 +603,10 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
         bulk_commit();
       }
     }
+    FA_TIMELINE_EVENT(tl, kBwdDQOut, it);
     wgmma_wait<0>();
     wgmma_hold(dk);
+    FA_TIMELINE_EVENT(tl, kBwdStepEnd, it);
     // Every product reading slot s (S^T, dP^T, dV, dK) and this step's dS^T buffer has completed.
     mbar_arrive(empty(s));
   }

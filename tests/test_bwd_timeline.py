@@ -1,0 +1,101 @@
+"""tools/bwd_timeline.py's reading of a timeline buffer (the GPU side is the dK/dV kernel's FA_TIMELINE build,
+csrc/kernels/sm90/bwd_ws): a synthetic buffer with known phases gives back those phases, the step's length,
+the share of a step both warpgroups spent with nothing queued, and the producer's issue and wait times."""
+
+from __future__ import annotations
+
+import torch
+from repo_tools import load_tool
+
+# One step's events after its start t (cycles): each phase a distinct length, so a phase read against the
+# wrong pair of events shows.
+_OFFSETS = (
+    ("full", 0),
+    ("s_landed", 300),
+    ("exp_done", 700),
+    ("dp_landed", 900),
+    ("ds_stored", 1150),
+    ("met", 1210),
+    ("dq_landed", 1600),
+    ("dq_out", 1750),
+    ("step_end", 2100),
+)
+_STEP = 2170  # so the slot wait (previous step's end to the next full) is 70
+
+
+def _tool():
+    return load_tool("bwd_timeline")
+
+
+def _buffer(tool, per_warp):
+    raw = torch.zeros(tool.BLOCKS, tool.WARPS, tool.RECORDS, 2, dtype=torch.int64)
+    kinds = {name: k for k, name in tool.EVENTS.items()}
+    for (block, warp), events in per_warp.items():
+        for i, (name, arg, cycle) in enumerate(events):
+            raw[block, warp, i, 0] = kinds[name] << 32 | arg
+            raw[block, warp, i, 1] = cycle
+    return raw
+
+
+def _consumer(steps, offset=0):
+    return [(name, it, offset + it * _STEP + at) for it in range(steps) for name, at in _OFFSETS]
+
+
+def test_phases_idle_share_and_producer_are_read_back():
+    tool = _tool()
+    # Warpgroup 1 runs 100 cycles behind: of warpgroup 0's 250-cycle dS phase, 150 overlap its own.
+    producer = [
+        (k, it, it * _STEP + at) for it in range(4) for k, at in (("slot_free", 40), ("slot_issued", 90))
+    ]
+    raw = _buffer(tool, {(0, 0): producer, (0, 4): _consumer(4), (0, 8): _consumer(4, offset=100)})
+    ev = tool.events(raw)
+    assert set(ev) == {(0, 0), (0, 4), (0, 8)}
+    text = tool.summarize(type("Cfg", (), {"name": lambda self: "cfg"})(), ev)
+    rows = {line[:44].strip(): line[44:].split() for line in text.splitlines()[2:] if line[:44].strip()}
+    expected = {
+        "slot wait (previous step's end to full)": 70,
+        "S^T wait": 300,
+        "exponentials (P^T)": 400,
+        "dP^T wait": 200,
+        "dS^T, its store, dV issued": 250,
+        "meeting (barrier 1)": 60,
+        "dV and dQ wait": 390,
+        "dQ staged and reduced": 150,
+        "dK wait": 350,
+        "step (full to next full)": _STEP,
+    }
+    for name, cycles in expected.items():
+        assert rows[name] == [str(cycles), str(cycles)], (name, rows.get(name))
+    assert f"{150 / _STEP:.0%} of a step" in text
+    # The producer: issued 50 after the slot came free; waited 2170 - 50 = 2120 for the next one.
+    assert "issued in 50, waited 2120" in text
+
+
+def test_steps_are_keyed_by_the_recorded_step_index():
+    tool = _tool()
+    raw = _buffer(tool, {(1, 4): _consumer(3), (1, 8): _consumer(3)})
+    steps = tool._steps(tool.events(raw)[(1, 4)])
+    assert sorted(steps) == [0, 1, 2] and steps[2]["full"] == 2 * _STEP
+
+
+def test_the_timeline_build_compiles_with_its_stamps_and_without_spills():
+    """FA_TIMELINE reaches the dK/dV kernel (its cubin differs from the library's build of the same unit,
+    whose machine code tools/sass_diff.py checks unchanged) and neither build spills."""
+    import pytest
+
+    from flash_attention.configs import default_bwd_config
+    from flash_attention.jit import compiler
+    from flash_attention.jit.sources import kernel_source
+
+    kind = "nvrtc" if compiler.load_nvrtc() is not None else "nvcc" if compiler.find_nvcc() else None
+    if kind is None:
+        pytest.skip("needs NVRTC or nvcc")
+    cfg = default_bwd_config("bf16", 128, "sm_90a", causal=True)
+    assert cfg.warp_specialized and not cfg.wide_ws
+    cubins = {}
+    for defines in ("", "#define FA_TIMELINE 1\n"):
+        result = compiler.compile_source(defines + kernel_source(cfg), "sm_90a", cfg.name(), kind)
+        dkdv = [r for r in result.resources if "__dkdv" in r.kernel]
+        assert dkdv and all(r.spill_stores == 0 for r in dkdv), dkdv
+        cubins[bool(defines)] = result.cubin
+    assert cubins[True] != cubins[False]

@@ -1,0 +1,236 @@
+"""Where a step of the warp-specialized backward goes: its dK/dV kernel's timeline build on one call.
+
+    python tools/bwd_timeline.py [--config NAME] [--head-dim 128] [--seqlen 4096] [--causal] [--csv OUT]
+
+Compiles the dK/dV kernel of CONFIG (default: the one attention()'s backward picks for the shape) with
+FA_TIMELINE=1 (csrc/include/fa/timeline.cuh: lane 0 of every warp of the first four blocks stamps its events
+with the multiprocessor's cycle counter), runs one backward of the benchmark sweep's shape (16k tokens per
+batch, heads = 2048 / head_dim, bf16) with it in place of the normal kernel, checks dK and dV against the
+normal build's (bitwise: the stamps move the schedule, not the arithmetic), and prints, in cycles, per
+consumer warpgroup, the median of each phase of a query step between its waits and barriers (the slot's
+wait, S^T's, the exponentials, dP^T's wait, dS and its store, the meeting of the warpgroups, dQ's wait, dQ's
+staging and reduction, dK's wait), the step's length, the share of each step during which both warpgroups
+were in a phase with no product of theirs queued (after dP^T landed until dV's issue: the tensor cores'
+idle time), and the producer's time per slot and its wait for a free one. --csv writes every event.
+
+A development tool (it uses ops.backward's internals); needs a Hopper GPU. docs/kernel-log/backward.md (the
+timeline note after step 132); docs/backward-study.md, stage 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+
+# fa/timeline.cuh's kinds (the backward's; the forward's are tools/ws_timeline.py's).
+EVENTS = {
+    11: "full",
+    12: "s_landed",
+    13: "exp_done",
+    14: "dp_landed",
+    15: "ds_stored",
+    16: "met",
+    17: "dq_landed",
+    18: "dq_out",
+    19: "step_end",
+    20: "slot_free",
+    21: "slot_issued",
+}
+BLOCKS, WARPS, RECORDS = 4, 16, 4096  # fa/timeline.cuh
+
+#: The consumer's phases in step order: (name, from event, to event).
+PHASES = (
+    ("slot wait (previous step's end to full)", "step_end", "full"),
+    ("S^T wait", "full", "s_landed"),
+    ("exponentials (P^T)", "s_landed", "exp_done"),
+    ("dP^T wait", "exp_done", "dp_landed"),
+    ("dS^T, its store, dV issued", "dp_landed", "ds_stored"),
+    ("meeting (barrier 1)", "ds_stored", "met"),
+    ("dV and dQ wait", "met", "dq_landed"),
+    ("dQ staged and reduced", "dq_landed", "dq_out"),
+    ("dK wait", "dq_out", "step_end"),
+)
+
+
+def build_kernel(cfg, name: str, arch: str):
+    """Entry point ``name`` of ``cfg``'s backward unit compiled with FA_TIMELINE=1."""
+    from flash_attention.jit import compiler, driver
+    from flash_attention.jit.cache import target_arch
+    from flash_attention.jit.sources import kernel_source
+
+    source = "#define FA_TIMELINE 1\n" + kernel_source(cfg)
+    kind = compiler.choose_compiler()
+    result = compiler.compile_source(source, target_arch(cfg, arch), f"{cfg.name()} (FA_TIMELINE)", kind)
+    spills = [r for r in result.resources if getattr(r, "spill_stores", 0) and "dkdv" in str(r)]
+    if spills:
+        print(f"note: the timeline build spills ({spills[0]})", file=sys.stderr)
+    return driver.get_kernel(driver.load_library(result.cubin), name)
+
+
+def run(cfg_name: str | None, d: int, n: int, causal: bool):
+    """(cfg, raw records) of one backward at (16k / n, n, 2048 / d, d) with the timeline kernel."""
+    import torch
+
+    from flash_attention.ops import backward, forward
+    from flash_attention.ops.device import device_arch
+
+    heads, batch = 2048 // d, max(1, 16384 // n)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, do = (
+        torch.randn(batch, n, heads, d, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(4)
+    )
+    scale = d**-0.5
+    out, lse = forward.cuda_forward(q, k, v, causal=causal, softmax_scale=scale, return_lse=True, out=None)[
+        :2
+    ]
+
+    def grads():
+        return backward.cuda_backward(
+            do, q, k, v, out, lse, causal=causal, softmax_scale=scale, config=cfg_name
+        )
+
+    ref = grads()
+    plan_for, plan_params = backward.plan_for, backward.plan_params
+    buf = torch.zeros(BLOCKS * WARPS * RECORDS * 2, dtype=torch.int64, device="cuda")
+    kernels = {}
+
+    def timeline_plan(*args, **kwargs):
+        plan = plan_for(*args, **kwargs)
+        if not (plan.cfg.warp_specialized and not plan.cfg.wide_ws and plan.dkdv_kind == "dkdv"):
+            raise SystemExit(
+                f"{plan.cfg.name()} ({plan.dkdv_kind}) is not the warp-specialized atomic backward"
+            )
+        if plan.dkdv.name not in kernels:
+            kernel = build_kernel(plan.cfg, plan.dkdv.name, device_arch(plan.index))
+            kernel.ensure_dynamic_smem(plan.cfg.smem_bytes, plan.index)
+            kernels[plan.dkdv.name] = (plan.cfg, kernel)
+        return dataclasses.replace(plan, dkdv=kernels[plan.dkdv.name][1], host_program=[])
+
+    def traced_params(plan):
+        args, p = plan_params(plan)
+        p.trace = buf.data_ptr()
+        return args, p
+
+    backward.plan_for, backward.plan_params = timeline_plan, traced_params
+    try:
+        for _ in range(3):  # the last of three runs is read (the first ones warm the caches and clocks)
+            buf.zero_()
+            got = grads()
+            torch.cuda.synchronize()
+    finally:
+        backward.plan_for, backward.plan_params = plan_for, plan_params
+    # dK and dV are each block's own sums, in a fixed order; dQ's reductions land in any order.
+    if not (torch.equal(got[1], ref[1]) and torch.equal(got[2], ref[2])):
+        raise SystemExit("the timeline build's dK or dV differs from the normal build's")
+    if not torch.allclose(got[0].float(), ref[0].float(), rtol=1e-2, atol=1e-2):
+        raise SystemExit("the timeline build's dQ differs from the normal build's")
+    ((cfg, _),) = kernels.values()
+    return cfg, buf.view(BLOCKS, WARPS, RECORDS, 2).cpu()
+
+
+def events(raw) -> dict[tuple[int, int], list[tuple[str, int, int]]]:
+    """(block, warp) -> [(kind, argument, cycle)] in recorded order."""
+    out = {}
+    for b in range(raw.shape[0]):
+        for w in range(raw.shape[1]):
+            seq = []
+            for head, cycle in raw[b, w].tolist():
+                if head == 0:
+                    break
+                seq.append((EVENTS.get(head >> 32, str(head >> 32)), head & 0xFFFFFFFF, cycle))
+            if seq:
+                out[(b, w)] = seq
+    return out
+
+
+def _median(xs) -> str:
+    return f"{statistics.median(xs):7.0f}" if xs else "      -"
+
+
+def _steps(seq) -> dict[int, dict[str, int]]:
+    """step -> {event: cycle} of one consumer warp."""
+    steps: dict[int, dict[str, int]] = {}
+    for kind, step, cycle in seq:
+        steps.setdefault(step, {})[kind] = cycle
+    return steps
+
+
+def summarize(cfg, ev) -> str:
+    lines = [f"{cfg.name()}: cycles, medians over the recorded blocks' steps (each block's first step apart)"]
+    # The first warp of each consumer warpgroup: warps 4 and 8 (the producer is warps 0-3).
+    consumers = [4, 8]
+    phases: dict[int, dict[str, list[int]]] = {w: {name: [] for name, _, _ in PHASES} for w in consumers}
+    lengths: dict[int, list[int]] = {w: [] for w in consumers}
+    idle_shares = []
+    for b in range(BLOCKS):
+        per_wg = {w: _steps(ev.get((b, w), [])) for w in consumers}
+        for w, steps in per_wg.items():
+            for it, e in steps.items():
+                if it == 0:
+                    continue
+                prev = steps.get(it - 1, {})
+                for name, a, z in PHASES:
+                    start = prev.get(a) if a == "step_end" else e.get(a)
+                    if start is not None and z in e:
+                        phases[w][name].append(e[z] - start)
+                if "full" in e and "full" in steps.get(it + 1, {}):
+                    lengths[w].append(steps[it + 1]["full"] - e["full"])
+        # Both warpgroups between dP^T landed and dV issued at once: nothing of either on the tensor cores.
+        a, c = per_wg[consumers[0]], per_wg[consumers[1]]
+        for it in a:
+            if it == 0 or it + 1 not in a or "full" not in a[it] or "full" not in a[it + 1]:
+                continue
+            if not all(k in a[it] and k in c.get(it, {}) for k in ("dp_landed", "ds_stored")):
+                continue
+            both = max(
+                0, min(a[it]["ds_stored"], c[it]["ds_stored"]) - max(a[it]["dp_landed"], c[it]["dp_landed"])
+            )
+            idle_shares.append(both / (a[it + 1]["full"] - a[it]["full"]))
+    lines.append(f"{'':44s}" + "".join(f"  warpgroup {i}" for i in range(len(consumers))))
+    for name, _, _ in PHASES:
+        lines.append(f"{name:44s}" + "".join(f"      {_median(phases[w][name])}" for w in consumers))
+    lines.append(
+        f"{'step (full to next full)':44s}" + "".join(f"      {_median(lengths[w])}" for w in consumers)
+    )
+    if idle_shares:
+        share = statistics.median(idle_shares)
+        lines.append(f"both warpgroups between dP^T landed and dV issued: {share:.0%} of a step")
+    producer = [_steps(ev.get((b, 0), [])) for b in range(BLOCKS)]
+    issue = [s[it]["slot_issued"] - s[it]["slot_free"] for s in producer for it in s if len(s[it]) == 2]
+    wait = [
+        s[it]["slot_free"] - s[it - 1]["slot_issued"]
+        for s in producer
+        for it in s
+        if it > 0 and "slot_free" in s[it] and "slot_issued" in s.get(it - 1, {})
+    ]
+    lines.append(
+        f"producer: a slot's copies issued in {_median(issue).strip()}, waited {_median(wait).strip()} for it"
+    )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default=None, help="a warp-specialized backward config (default: the call's)")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--seqlen", type=int, default=4096)
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--csv", default=None, help="write every event here")
+    args = ap.parse_args(argv)
+    cfg, raw = run(args.config, args.head_dim, args.seqlen, args.causal)
+    ev = events(raw)
+    print(f"d{args.head_dim} seqlen {args.seqlen}{' causal' if args.causal else ''}")
+    print(summarize(cfg, ev))
+    if args.csv:
+        with open(args.csv, "w") as f:
+            f.write("block,warp,kind,argument,cycle\n")
+            for (b, w), seq in sorted(ev.items()):
+                for kind, arg, cycle in seq:
+                    f.write(f"{b},{w},{kind},{arg},{cycle}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
