@@ -161,3 +161,20 @@ def catalog_builds(request, tmp_path_factory):
         pytest.fail(f"catalog_builds compiles every kernel: mark the test that uses it @pytest.mark.{FULL}")
     cache = str(tmp_path_factory.mktemp("catalog"))
     return _build_command(request.config, ["--arch", "sm_80,sm_90", "--strict"], cache)
+
+
+@pytest.fixture
+def validations(monkeypatch) -> list:
+    """Every call of attention()'s whole path (its validation), as the q shape it was given: a call that
+    repeats an earlier one's launch (ops.repeat) adds nothing."""
+    from flash_attention.api import attention as interface
+
+    seen: list = []
+    real = interface.validate
+
+    def spy(q, *args, **kwargs):
+        seen.append(tuple(q.shape))
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr(interface, "validate", spy)
+    return seen

@@ -15,3 +15,18 @@ def load_tool(name: str) -> ModuleType:
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def timeline_buffer(tool: ModuleType, per_warp: dict):
+    """A timeline build's record buffer (flash_attention.tools.timeline) holding ``per_warp``'s events:
+    (block, warp) -> [(kind's name in ``tool.EVENTS``, argument, cycle)], for the tests of the
+    tools/*_timeline.py scripts."""
+    import torch
+
+    raw = torch.zeros(tool.BLOCKS, tool.WARPS, tool.RECORDS, 2, dtype=torch.int64)
+    kinds = {name: k for k, name in tool.EVENTS.items()}
+    for (block, warp), events in per_warp.items():
+        for i, (name, arg, cycle) in enumerate(events):
+            raw[block, warp, i, 0] = kinds[name] << 32 | arg
+            raw[block, warp, i, 1] = cycle
+    return raw

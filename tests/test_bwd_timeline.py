@@ -4,8 +4,7 @@ the share of a step both warpgroups spent with nothing queued, and the producer'
 
 from __future__ import annotations
 
-import torch
-from repo_tools import load_tool
+from repo_tools import load_tool, timeline_buffer
 
 # One step's events after its start t (cycles): each phase a distinct length, so a phase read against the
 # wrong pair of events shows.
@@ -27,16 +26,6 @@ def _tool():
     return load_tool("bwd_timeline")
 
 
-def _buffer(tool, per_warp):
-    raw = torch.zeros(tool.BLOCKS, tool.WARPS, tool.RECORDS, 2, dtype=torch.int64)
-    kinds = {name: k for k, name in tool.EVENTS.items()}
-    for (block, warp), events in per_warp.items():
-        for i, (name, arg, cycle) in enumerate(events):
-            raw[block, warp, i, 0] = kinds[name] << 32 | arg
-            raw[block, warp, i, 1] = cycle
-    return raw
-
-
 def _consumer(steps, offset=0):
     return [(name, it, offset + it * _STEP + at) for it in range(steps) for name, at in _OFFSETS]
 
@@ -47,7 +36,7 @@ def test_phases_idle_share_and_producer_are_read_back():
     producer = [
         (k, it, it * _STEP + at) for it in range(4) for k, at in (("slot_free", 40), ("slot_issued", 90))
     ]
-    raw = _buffer(tool, {(0, 0): producer, (0, 4): _consumer(4), (0, 8): _consumer(4, offset=100)})
+    raw = timeline_buffer(tool, {(0, 0): producer, (0, 4): _consumer(4), (0, 8): _consumer(4, offset=100)})
     ev = tool.events(raw)
     assert set(ev) == {(0, 0), (0, 4), (0, 8)}
     text = tool.summarize(type("Cfg", (), {"name": lambda self: "cfg"})(), ev)
@@ -73,7 +62,7 @@ def test_phases_idle_share_and_producer_are_read_back():
 
 def test_steps_are_keyed_by_the_recorded_step_index():
     tool = _tool()
-    raw = _buffer(tool, {(1, 4): _consumer(3), (1, 8): _consumer(3)})
+    raw = timeline_buffer(tool, {(1, 4): _consumer(3), (1, 8): _consumer(3)})
     steps = tool._steps(tool.events(raw)[(1, 4)])
     assert sorted(steps) == [0, 1, 2] and steps[2]["full"] == 2 * _STEP
 

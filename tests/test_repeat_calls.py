@@ -19,7 +19,6 @@ from stand_in_gpu import install
 
 import flash_attention as fa
 from flash_attention import ops
-from flash_attention.api import attention as interface
 from flash_attention.api.varlen import segments
 from flash_attention.configs import heuristics
 from flash_attention.fallback.reference import attention_reference
@@ -30,20 +29,6 @@ from flash_attention.ops import forward, repeat
 @pytest.fixture(autouse=True)
 def _seed(request: pytest.FixtureRequest) -> None:
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
-
-
-@pytest.fixture
-def validations(monkeypatch) -> list:
-    """Every call of the whole path (attention()'s validation), as the q shape it was given."""
-    seen: list = []
-    real = interface.validate
-
-    def spy(q, *args, **kwargs):
-        seen.append(tuple(q.shape))
-        return real(q, *args, **kwargs)
-
-    monkeypatch.setattr(interface, "validate", spy)
-    return seen
 
 
 @pytest.fixture(params=["sm_90-python", "sm_80-python", "sm_90-native", "sm_80-native"])

@@ -289,22 +289,6 @@ def test_a_training_call_prefetches_no_backward_for_vs_own_head_dim(monkeypatch)
         ops.clear_plans()
 
 
-@pytest.fixture
-def validations(monkeypatch) -> list:
-    """Every call of attention()'s whole path (its validation), as the q shape it was given."""
-    from flash_attention.api import attention as interface
-
-    seen: list = []
-    real = interface.validate
-
-    def spy(q, *args, **kwargs):
-        seen.append(tuple(q.shape))
-        return real(q, *args, **kwargs)
-
-    monkeypatch.setattr(interface, "validate", spy)
-    return seen
-
-
 @pytest.mark.parametrize("dims", [(192, 128), (128, 64)], ids=["192-128", "128-64"])
 def test_inference_repeats_take_vs_own_head_dim(gpu, validations, dims):
     # An inference call with v's own head_dim leaves a repeat call (Python's or the host library's, the

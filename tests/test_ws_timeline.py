@@ -4,22 +4,11 @@ steps is measured, not assumed."""
 
 from __future__ import annotations
 
-import torch
-from repo_tools import load_tool
+from repo_tools import load_tool, timeline_buffer
 
 
 def _tool():
     return load_tool("ws_timeline")
-
-
-def _buffer(tool, per_warp):
-    raw = torch.zeros(tool.BLOCKS, tool.WARPS, tool.RECORDS, 2, dtype=torch.int64)
-    kinds = {name: k for k, name in tool.EVENTS.items()}
-    for (block, warp), events in per_warp.items():
-        for i, (name, arg, cycle) in enumerate(events):
-            raw[block, warp, i, 0] = kinds[name] << 32 | arg
-            raw[block, warp, i, 1] = cycle
-    return raw
 
 
 def _consumer(start, softmax, offset=0):
@@ -38,7 +27,9 @@ def test_phases_and_softmax_overlap_are_read_back():
     tool = _tool()
     producer = [("q_issued", 7, 0), ("k_issued", 0, 10), ("v_issued", 0, 20), ("k_issued", 1, 420)]
     # Warpgroup 1 starts 300 cycles later: its 400-cycle softmax steps overlap warpgroup 0's by 100.
-    raw = _buffer(tool, {(0, 0): producer, (0, 4): _consumer(0, 400), (0, 8): _consumer(0, 400, offset=300)})
+    raw = timeline_buffer(
+        tool, {(0, 0): producer, (0, 4): _consumer(0, 400), (0, 8): _consumer(0, 400, offset=300)}
+    )
     ev = tool.events(raw)
     assert set(ev) == {(0, 0), (0, 4), (0, 8)} and ev[(0, 4)][0] == ("tile_begin", 7, 0)
     text = tool.summarize(type("Cfg", (), {"name": lambda self: "cfg"})(), ev)

@@ -24,6 +24,16 @@ import dataclasses
 import statistics
 import sys
 
+from flash_attention.tools.timeline import (
+    BLOCKS,
+    RECORDS,
+    WARPS,
+    compile_timeline_build,
+    median_text,
+    write_csv,
+)
+from flash_attention.tools.timeline import events as timeline_events
+
 # fa/timeline.cuh's kinds (the backward's; the forward's are tools/ws_timeline.py's).
 EVENTS = {
     11: "full",
@@ -38,7 +48,6 @@ EVENTS = {
     20: "slot_free",
     21: "slot_issued",
 }
-BLOCKS, WARPS, RECORDS = 4, 16, 4096  # fa/timeline.cuh
 
 #: The consumer's phases in step order: (name, from event, to event).
 PHASES = (
@@ -56,17 +65,9 @@ PHASES = (
 
 def build_kernel(cfg, name: str, arch: str):
     """Entry point ``name`` of ``cfg``'s backward unit compiled with FA_TIMELINE=1."""
-    from flash_attention.jit import compiler, driver
-    from flash_attention.jit.cache import target_arch
-    from flash_attention.jit.sources import kernel_source
+    from flash_attention.jit import driver
 
-    source = "#define FA_TIMELINE 1\n" + kernel_source(cfg)
-    kind = compiler.choose_compiler()
-    result = compiler.compile_source(source, target_arch(cfg, arch), f"{cfg.name()} (FA_TIMELINE)", kind)
-    spills = [r for r in result.resources if getattr(r, "spill_stores", 0) and "dkdv" in str(r)]
-    if spills:
-        print(f"note: the timeline build spills ({spills[0]})", file=sys.stderr)
-    return driver.get_kernel(driver.load_library(result.cubin), name)
+    return driver.get_kernel(compile_timeline_build(cfg, arch), name)
 
 
 def run(cfg_name: str | None, d: int, n: int, causal: bool):
@@ -132,21 +133,7 @@ def run(cfg_name: str | None, d: int, n: int, causal: bool):
 
 def events(raw) -> dict[tuple[int, int], list[tuple[str, int, int]]]:
     """(block, warp) -> [(kind, argument, cycle)] in recorded order."""
-    out = {}
-    for b in range(raw.shape[0]):
-        for w in range(raw.shape[1]):
-            seq = []
-            for head, cycle in raw[b, w].tolist():
-                if head == 0:
-                    break
-                seq.append((EVENTS.get(head >> 32, str(head >> 32)), head & 0xFFFFFFFF, cycle))
-            if seq:
-                out[(b, w)] = seq
-    return out
-
-
-def _median(xs) -> str:
-    return f"{statistics.median(xs):7.0f}" if xs else "      -"
+    return timeline_events(raw, EVENTS)
 
 
 def _steps(seq) -> dict[int, dict[str, int]]:
@@ -190,9 +177,9 @@ def summarize(cfg, ev) -> str:
             idle_shares.append(both / (a[it + 1]["full"] - a[it]["full"]))
     lines.append(f"{'':44s}" + "".join(f"  warpgroup {i}" for i in range(len(consumers))))
     for name, _, _ in PHASES:
-        lines.append(f"{name:44s}" + "".join(f"      {_median(phases[w][name])}" for w in consumers))
+        lines.append(f"{name:44s}" + "".join(f"      {median_text(phases[w][name])}" for w in consumers))
     lines.append(
-        f"{'step (full to next full)':44s}" + "".join(f"      {_median(lengths[w])}" for w in consumers)
+        f"{'step (full to next full)':44s}" + "".join(f"      {median_text(lengths[w])}" for w in consumers)
     )
     if idle_shares:
         share = statistics.median(idle_shares)
@@ -205,9 +192,8 @@ def summarize(cfg, ev) -> str:
         for it in s
         if it > 0 and "slot_free" in s[it] and "slot_issued" in s.get(it - 1, {})
     ]
-    lines.append(
-        f"producer: a slot's copies issued in {_median(issue).strip()}, waited {_median(wait).strip()} for it"
-    )
+    issued, waited = median_text(issue).strip(), median_text(wait).strip()
+    lines.append(f"producer: a slot's copies issued in {issued}, waited {waited} for it")
     return "\n".join(lines)
 
 
@@ -224,11 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"d{args.head_dim} seqlen {args.seqlen}{' causal' if args.causal else ''}")
     print(summarize(cfg, ev))
     if args.csv:
-        with open(args.csv, "w") as f:
-            f.write("block,warp,kind,argument,cycle\n")
-            for (b, w), seq in sorted(ev.items()):
-                for kind, arg, cycle in seq:
-                    f.write(f"{b},{w},{kind},{arg},{cycle}\n")
+        write_csv(args.csv, ev)
     return 0
 
 

@@ -16,9 +16,18 @@ A development tool (it uses ops.forward's internals); needs a Hopper GPU. docs/k
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from collections import defaultdict
+
+from flash_attention.tools.timeline import (
+    BLOCKS,
+    RECORDS,
+    WARPS,
+    compile_timeline_build,
+    median_text,
+    write_csv,
+)
+from flash_attention.tools.timeline import events as timeline_events
 
 EVENTS = {
     1: "tile_begin",
@@ -32,26 +41,15 @@ EVENTS = {
     9: "k_issued",
     10: "v_issued",
 }
-BLOCKS, WARPS, RECORDS = 4, 16, 4096  # fa/timeline.cuh
 
 
 def build_kernel(cfg, causal: bool, arch: str, defines: tuple[str, ...] = ("FA_TIMELINE",)):
     """``cfg``'s forward compiled with ``defines`` set to 1 ahead of its source (the timeline build by
     default; FA_NO_SOFTMAX_ORDER gives the schedule before kernel-log step 58, for an A/B)."""
-    from flash_attention.jit import compiler, driver
-    from flash_attention.jit.cache import target_arch
-    from flash_attention.jit.sources import kernel_source, kernel_symbol
+    from flash_attention.jit import driver
+    from flash_attention.jit.sources import kernel_symbol
 
-    source = "".join(f"#define {d} 1\n" for d in defines) + kernel_source(cfg)
-    kind = compiler.choose_compiler()
-    result = compiler.compile_source(
-        source, target_arch(cfg, arch), f"{cfg.name()} ({', '.join(defines)})", kind
-    )
-    spills = [r for r in result.resources if getattr(r, "spill_stores", 0)]
-    if spills:
-        print(f"note: the {'+'.join(defines)} build spills ({spills[0]})", file=sys.stderr)
-    library = driver.load_library(result.cubin)
-    return driver.get_kernel(library, kernel_symbol(cfg, causal))
+    return driver.get_kernel(compile_timeline_build(cfg, arch, defines), kernel_symbol(cfg, causal))
 
 
 def run(cfg_name: str | None, d: int, n: int, causal: bool, defines: tuple[str, ...] = ("FA_TIMELINE",)):
@@ -92,21 +90,7 @@ def run(cfg_name: str | None, d: int, n: int, causal: bool, defines: tuple[str, 
 
 def events(raw) -> dict[tuple[int, int], list[tuple[str, int, int]]]:
     """(block, warp) -> [(kind, argument, cycle)] in recorded order."""
-    out = {}
-    for b in range(raw.shape[0]):
-        for w in range(raw.shape[1]):
-            seq = []
-            for head, cycle in raw[b, w].tolist():
-                if head == 0:
-                    break
-                seq.append((EVENTS.get(head >> 32, str(head >> 32)), head & 0xFFFFFFFF, cycle))
-            if seq:
-                out[(b, w)] = seq
-    return out
-
-
-def _median(xs) -> str:
-    return f"{statistics.median(xs):7.0f}" if xs else "      -"
+    return timeline_events(raw, EVENTS)
 
 
 def summarize(cfg, ev) -> str:
@@ -146,7 +130,7 @@ def summarize(cfg, ev) -> str:
     names = sorted({k for ph in phases.values() for k in ph})
     lines.append(f"{'':34s}" + "".join(f"  warpgroup {(w - 4) // 4}" for w in consumers))
     for name in names:
-        lines.append(f"{name:34s}" + "".join(f"      {_median(phases[w][name])}" for w in consumers))
+        lines.append(f"{name:34s}" + "".join(f"      {median_text(phases[w][name])}" for w in consumers))
     # Softmax beside softmax: of warpgroup 0's softmax time, the share during which warpgroup 1 was in its
     # own softmax (both then wait on the tensor cores' queue alone).
     if len(consumers) >= 2:
@@ -165,7 +149,9 @@ def summarize(cfg, ev) -> str:
         for (k1, _, c1), (k2, _, c2) in zip(seq, seq[1:], strict=False)
         if k1 == "v_issued" and k2 == "k_issued"
     ]
-    lines.append(f"producer: V_j issued to K_(j+1) issued (a slot's wait), median {_median(gaps).strip()}")
+    lines.append(
+        f"producer: V_j issued to K_(j+1) issued (a slot's wait), median {median_text(gaps).strip()}"
+    )
     return "\n".join(lines)
 
 
@@ -186,11 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"d{args.head_dim} seqlen {args.seqlen}{' causal' if args.causal else ''}")
     print(summarize(cfg, ev))
     if args.csv:
-        with open(args.csv, "w") as f:
-            f.write("block,warp,kind,argument,cycle\n")
-            for (b, w), seq in sorted(ev.items()):
-                for kind, arg, cycle in seq:
-                    f.write(f"{b},{w},{kind},{arg},{cycle}\n")
+        write_csv(args.csv, ev)
     return 0
 
 
