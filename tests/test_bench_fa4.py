@@ -67,8 +67,11 @@ def test_fa4_is_a_default_baseline():
 @pytest.mark.parametrize("mode", ["fwd", "fwd_bwd"])
 @pytest.mark.parametrize(
     "variant",
-    [dict(), dict(causal=True, kv_heads=2), dict(causal=True, window=5), dict(softcap=3.0), dict(sinks=True)],
-    ids=["plain", "gqa-causal", "window", "softcap", "sinks"],
+    [
+        *(dict(), dict(causal=True, kv_heads=2), dict(causal=True, window=5), dict(softcap=3.0)),
+        *(dict(sinks=True), dict(causal=True, head_dim_v=8)),
+    ],
+    ids=["plain", "gqa-causal", "window", "softcap", "sinks", "value-dim"],
 )
 def test_fa4_runner_calls_flash_attn_func_with_the_variant(fa4_calls, mode, variant):
     shape = runners.Shape(

@@ -72,6 +72,25 @@ def _int_list_with_zero(text: str) -> tuple[int, ...]:
     return zeros + (_int_list(rest) if rest else ())
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer; got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer; got {text!r}")
+    return value
+
+
+def sweep_tag(tag: str | None, head_dim_v: int) -> str | None:
+    """The tag of a sweep's default result file name: ``dv<N>`` for ``--head-dim-v N`` (its rows are another
+    problem than the plain sweep's, so never the same file by default), then ``--tag``'s (or --quick's)."""
+    parts = [f"dv{head_dim_v}"] if head_dim_v else []
+    if tag:
+        parts.append(tag)
+    return "-".join(parts) or None
+
+
 def _impl_list(text: str) -> tuple[str, ...]:
     impls = tuple(x.strip() for x in text.split(",") if x.strip())
     unknown = [i for i in impls if i not in KNOWN_IMPLS]
@@ -149,6 +168,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--seqlens", type=_int_list, default=None, help="comma-separated, 1k = 1024 (default 512,...,16k)"
     )
     p.add_argument("--head-dims", type=_int_list, default=None, help="comma-separated (default 64,128,256)")
+    p.add_argument(
+        "--head-dim-v",
+        type=_positive_int,
+        default=0,
+        metavar="N",
+        help="the sweep (--mode fwd, bwd, fwd_bwd) with v of its own head_dim N on every shape (the output "
+        "and dO too; q and k keep --head-dims, heads = width // q's head_dim), e.g. DeepSeek's MLA prefill: "
+        "--head-dims 192 --head-dim-v 128; a head_dim under N and an implementation that takes no v of its "
+        "own are skipped with the reason; FLOPs: forward 2·B·H·S²·(d + dv), backward 2·B·H·S²·(3d + 2dv), "
+        "halved for causal; rows record head_dim_v; file tag 'dv<N>'",
+    )
     p.add_argument("--causal", choices=("both", "yes", "no"), default="both", help="default both")
     p.add_argument(
         "--impls",
@@ -345,6 +375,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         return 0
 
+    if args.head_dim_v and (
+        args.mode not in MODES
+        or args.tiny
+        or args.progression
+        or args.ring
+        or args.varlen
+        or args.device == "cpu"
+        or args.dtype == "fp32"
+    ):
+        # (the other modes, --tiny, --progression, --ring, --varlen and the fallback's bench (--device cpu,
+        # --dtype fp32) have shapes of their own)
+        print("--head-dim-v goes with the CUDA sweep: --mode fwd, bwd or fwd_bwd", file=sys.stderr)
+        return 2
+
     if args.device == "cpu" or args.dtype == "fp32":
         return _main_fallback(args)
 
@@ -437,6 +481,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         softcap=args.softcap,
         alibi=args.alibi,
         sinks=args.sinks,
+        head_dim_v=args.head_dim_v,
         config=args.config,
         warmup=args.warmup,
         min_reps=reps,
@@ -452,6 +497,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             out_path = args.out
         else:
             name = gpu_slug(torch.cuda.get_device_name()) + "-" + _dt.date.today().isoformat()
+            tag = sweep_tag(tag, args.head_dim_v)
             out_path = args.output / (name + (f"-{tag}" if tag else "") + ".json")
         if out_path.exists() and not args.merge:
             print(f"note: {out_path} exists and will be overwritten (--merge keeps its other rows)")

@@ -52,11 +52,13 @@ ROW_KEYS = ("impl", "mode", "dtype", "head_dim", "causal", "seqlen", "batch", "h
 
 
 def row_key(row: dict) -> tuple:
-    # (A tiny A/B's rows of one point differ by their round and their form of repeat calls.)
+    # (A tiny A/B's rows of one point differ by their round and their form of repeat calls. v's head_dim is
+    # head_dim's where a row has none, as every row before --head-dim-v: such a row and one saying
+    # head_dim_v == head_dim are the same point.)
     return (
         row["impl"], row["mode"], row["dtype"], row["head_dim"], bool(row["causal"]), row["seqlen"],
         row.get("round"), row.get("repeat_calls"), row.get("window"), row.get("softcap"), row.get("alibi"),
-        row.get("sinks"),
+        row.get("sinks"), row.get("head_dim_v") or row["head_dim"],
     )  # fmt: skip
 
 

@@ -55,10 +55,17 @@ class Shape:
     alibi: bool = False
     #: Attention sinks, one logit per query head (``sinks=``).
     sinks: bool = False
+    #: v's own head_dim (``--head-dim-v``; the output's and dO's too, q and k keep ``head_dim``); 0: head_dim.
+    head_dim_v: int = 0
 
     @property
     def kv(self) -> int:
         return self.kv_heads or self.heads
+
+    @property
+    def dv(self) -> int:
+        """v's head_dim (the output's)."""
+        return self.head_dim_v or self.head_dim
 
 
 def _torch_dtype(name: str) -> Any:
@@ -113,9 +120,10 @@ def make_inputs(shape: Shape, n_sets: int, device: Any) -> list[tuple[Any, Any, 
     dt = _torch_dtype(shape.dtype)
     q_size = (shape.batch, shape.seqlen, shape.heads, shape.head_dim)
     kv_size = (shape.batch, shape.seqlen, shape.kv, shape.head_dim)
+    v_size = (shape.batch, shape.seqlen, shape.kv, shape.dv)  # (v's own head_dim: --head-dim-v)
     # Fresh random data for every shape: zeros or constants would let a kernel skip work or hide errors.
     return [
-        tuple(torch.randn(size, device=device, dtype=dt) for size in (q_size, kv_size, kv_size))
+        tuple(torch.randn(size, device=device, dtype=dt) for size in (q_size, kv_size, v_size))
         for _ in range(n_sets)
     ]
 
@@ -125,6 +133,7 @@ def _autograd_call(
 ) -> Callable[[int], Any]:
     """Wrap a forward ``f`` into the timed call of a backward mode (fwd_bwd: both; bwd: backward alone)."""
     leaves = [tuple(t.detach().requires_grad_(True) for t in s) for s in inputs]
+    # dO has the output's shape: v's head_dim where v has its own (--head-dim-v).
     if mode == "fwd_bwd":
 
         def call(i: int) -> Any:
@@ -189,10 +198,28 @@ def _flex_score_mod(shape: Shape, device: Any) -> Callable | None:
     return None
 
 
+def _backward_value_dim_refusal(q: Any, v: Any) -> str | None:
+    """Why our backward kernels cannot take v's own head_dim (attention()'s backward then runs the PyTorch
+    fallback, which is not ours to time), or None: the launch layer's own check (ops.plans.check_value_dim),
+    so our backward rows are timed as soon as a kernel takes it (issue 51)."""
+    check = getattr(ops.plans, "check_value_dim", None)
+    if v.shape[3] == q.shape[3] or check is None:
+        return None
+    try:
+        check(q, v)
+    except ops.NoKernel as exc:
+        return f"our backward would run the PyTorch fallback: {exc}"
+    return None
+
+
 def make_runner(
     impl: str, shape: Shape, inputs: list[tuple[Any, Any, Any]], mode: str, config: Any = None
 ) -> Runner:
     """The runner of ``impl`` on ``inputs`` (given in our (B, S, H, D) layout), or raise :class:`Skip`."""
+    if shape.dv > shape.head_dim:
+        # (our forward stages O in the Q tile: v may be narrower than q and k, not wider; the sweep's
+        # --head-dim-v is for MLA-style shapes, q/k 192 against v 128)
+        raise Skip(f"v's head_dim ({shape.dv}) is wider than q's and k's ({shape.head_dim})")
     if impl == OURS:
         q0 = inputs[0][0]
         variant = _variant_args(shape, q0.device)
@@ -204,12 +231,19 @@ def make_runner(
             cfg = configs.parse_config(config)
             if cfg.dtype != shape.dtype or cfg.head_dim != configs.padded_head_dim(shape.head_dim):
                 raise Skip(f"--config {cfg.name()} is not for {shape.dtype} head_dim {shape.head_dim}")
+            if shape.dv != shape.head_dim:
+                raise Skip(
+                    f"--config runs flash_attention.forward(), which takes no v of its own head_dim "
+                    f"({shape.dv} against {shape.head_dim})"
+                )
         else:
             # The very choice attention() makes for this call (defaults, and tuned winners once they exist),
-            # so our rows time what a user gets; forward() then runs it without any fallback.
+            # so our rows time what a user gets; forward() then runs it without any fallback. (v's own
+            # head_dim: the config with its value dim, or NoKernel, a skip, where no forward takes it.)
             cfg = ops.chosen_config(
                 q0,
                 inputs[0][1],
+                inputs[0][2],
                 causal=shape.causal,
                 softmax_scale=shape.head_dim**-0.5,
                 window=bool(shape.window),
@@ -242,6 +276,9 @@ def make_runner(
             return Runner(call, output, config=cfg.name())
         # Backward modes go through attention() and its autograd; the config is the one it picks. Sinks are
         # learnable there, as in training, so their gradient is part of the time.
+        refusal = _backward_value_dim_refusal(q0, inputs[0][2])
+        if refusal is not None:
+            raise Skip(refusal)
         if "sinks" in variant:
             variant["sinks"].requires_grad_()
         f = lambda q, k, v: flash_attention.attention(q, k, v, causal=shape.causal, **variant)  # noqa: E731
@@ -254,6 +291,9 @@ def make_runner(
         reason = ops.cuda_unavailable_reason(q0)
         if reason is not None:
             raise Skip(f"our CUDA kernel cannot run: {reason}")
+        refusal = _backward_value_dim_refusal(q0, inputs[0][2])
+        if refusal is not None:
+            raise Skip(refusal)
         variant = _variant_args(shape, q0.device)
         if "sinks" in variant:  # (learnable, as in training)
             variant["sinks"].requires_grad_()
@@ -276,6 +316,16 @@ def make_runner(
             raise Skip("SDPA has no soft-capping (no mask expresses a function of the score)")
         if shape.sinks:
             raise Skip("SDPA has no attention sinks")
+        if impl == "sdpa_flash" and shape.dv != shape.head_dim:
+            # PyTorch's FlashAttention-2 requires q, k and v of one head_dim (sdp_utils'
+            # check_head_dim_size_flash). cuDNN takes v's own (on sm90: up to 256 each with cuDNN 9.22+ and
+            # the frontend's d256 support, else 192/128 alone; its backward 192/128, or both <= 128), and so
+            # does the memory-efficient kernel (q and k equal, v 8-aligned); where one refuses a shape at run
+            # time, the bench records the skip with SDPA's reason.
+            raise Skip(
+                f"SDPA's FlashAttention-2 requires one head_dim for q, k and v (v has {shape.dv}, "
+                f"q and k {shape.head_dim})"
+            )
         device = inputs[0][0].device
         # A sliding window and ALiBi have no SDPA flag: an explicit mask, as a model without our kernels
         # passes one (boolean for the window, additive for ALiBi; the backends that take no mask refuse it
@@ -339,6 +389,7 @@ def make_runner(
 
         gqa = shape.kv != shape.heads
         score_mod = _flex_score_mod(shape, inputs[0][0].device)
+        # (flex_attention takes v's own head_dim, Ev: q and k must share theirs, v need not)
 
         def f(q: Any, k: Any, v: Any) -> Any:
             return flex(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa)
@@ -347,6 +398,8 @@ def make_runner(
         return Runner(call, lambda i: f(*native[i]).transpose(1, 2))
 
     if impl == FA4:
+        # (flash_attn_func takes v's own head_dim, e.g. MLA's 192/128; a pair its kernels lack on this GPU
+        # fails at run time and the row is skipped with FlashAttention-4's reason)
         variant = _variant_args(shape, inputs[0][0].device)
         sinks = variant.get("sinks")
         if sinks is not None and mode != "fwd":

@@ -43,6 +43,8 @@ class SweepSettings:
     alibi: bool = False
     #: Attention sinks on every shape (``--sinks``).
     sinks: bool = False
+    #: v's own head_dim on every shape (``--head-dim-v``; q and k keep ``head_dims``); 0: head_dim.
+    head_dim_v: int = 0
     config: str | None = None
     warmup: int = 3
     min_reps: int = 25
@@ -63,7 +65,7 @@ def sweep_shapes(s: SweepSettings) -> list[Shape]:
     for d in s.head_dims:
         for causal in s.causal:
             for n in s.seqlens:
-                heads = max(1, s.width // d)
+                heads = max(1, s.width // d)  # (q's head_dim, also where v has its own)
                 shapes.append(
                     Shape(
                         s.dtype,
@@ -77,6 +79,7 @@ def sweep_shapes(s: SweepSettings) -> list[Shape]:
                         s.softcap,
                         s.alibi,
                         s.sinks,
+                        s.head_dim_v,
                     )
                 )
     return shapes
@@ -84,7 +87,9 @@ def sweep_shapes(s: SweepSettings) -> list[Shape]:
 
 def _describe(shape: Shape) -> str:
     return (
-        f"{shape.dtype} d={shape.head_dim:<3} {'causal    ' if shape.causal else 'non-causal'} "
+        f"{shape.dtype} d={shape.head_dim:<3}"
+        + (f" dv={shape.dv:<3}" if shape.head_dim_v else "")
+        + f" {'causal    ' if shape.causal else 'non-causal'} "
         f"seqlen={shape.seqlen:<5} batch={shape.batch:<2} heads={shape.heads:<2}"
         + (f" kv_heads={shape.kv}" if shape.kv != shape.heads else "")
         + (f" window={shape.window}" if shape.window else "")
@@ -103,7 +108,9 @@ def _anchor_output(shape: Shape, inputs: list[tuple[Any, Any, Any]]) -> tuple[An
 
     FLASH first (the baseline of our ratios), then cuDNN and EFFICIENT for shapes FLASH rejects, and
     FlexAttention for a score function no SDPA mask expresses (soft-capping). Never the math backend: at 16k
-    it would materialise a 16 GB score matrix.
+    it would materialise a 16 GB score matrix. With v of its own head_dim (--head-dim-v) FLASH refuses the
+    shape and cuDNN, EFFICIENT or FlexAttention, which take it, give the (batch, seqlen, heads, head_dim_v)
+    output every row is compared with.
     """
     for impl in ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex"):
         try:
@@ -164,6 +171,7 @@ def run_sweep(
         "tokens": s.tokens,
         "width": s.width,
         "kv_heads": s.kv_heads,
+        **({"head_dim_v": s.head_dim_v} if s.head_dim_v else {}),
         "config": s.config,
         "warmup": s.warmup,
         "min_reps": s.min_reps,
@@ -182,8 +190,10 @@ def run_sweep(
     t_start = time.perf_counter()
     try:
         for si, shape in enumerate(shapes):
-            # q and out with the query heads, k and v with the kv heads, 2 bytes an element
-            set_bytes = 2 * shape.batch * shape.seqlen * (shape.heads + shape.kv) * shape.head_dim * 2
+            # q and out with the query heads, k and v with the kv heads, 2 bytes an element (q and k head_dim
+            # wide, v and out v's head_dim)
+            widths = shape.head_dim + shape.dv
+            set_bytes = shape.batch * shape.seqlen * (shape.heads + shape.kv) * widths * 2
             n_sets = input_sets_needed(set_bytes, l2)
             inputs = make_inputs(shape, n_sets, device)
             anchor, anchor_impl = _anchor_output(shape, inputs)
@@ -193,31 +203,7 @@ def run_sweep(
                 flush=True,
             )
             for impl, round_, repeat_mode in _turns(s):
-                row_base = {
-                    "impl": impl,
-                    "mode": s.mode,
-                    "dtype": shape.dtype,
-                    "head_dim": shape.head_dim,
-                    "causal": shape.causal,
-                    "seqlen": shape.seqlen,
-                    "batch": shape.batch,
-                    "heads": shape.heads,
-                    "kv_heads": shape.kv,
-                }
-                if shape.window:
-                    row_base["window"] = shape.window
-                if shape.softcap:
-                    row_base["softcap"] = shape.softcap
-                if shape.alibi:
-                    row_base["alibi"] = True
-                if shape.sinks:
-                    row_base["sinks"] = True
-                if s.shapes:
-                    row_base["tiny"] = True
-                if s.rounds > 1:
-                    row_base["round"] = round_
-                if impl == OURS:
-                    row_base["repeat_calls"] = repeat_mode
+                row_base = _row_base(impl, shape, s, round_, repeat_mode)
                 try:
                     with _repeat_mode(repeat_mode):
                         row = _measure(impl, shape, inputs, s, timing, anchor, anchor_impl)
@@ -263,6 +249,38 @@ def run_sweep(
     if out_path is not None:
         write_results(result, out_path)
     return result, status
+
+
+def _row_base(impl: str, shape: Shape, s: SweepSettings, round_: int, repeat_mode: str) -> dict:
+    """What a row (measured or skipped) says about its point: the implementation, the shape, its variant."""
+    row = {
+        "impl": impl,
+        "mode": s.mode,
+        "dtype": shape.dtype,
+        "head_dim": shape.head_dim,
+        "causal": shape.causal,
+        "seqlen": shape.seqlen,
+        "batch": shape.batch,
+        "heads": shape.heads,
+        "kv_heads": shape.kv,
+    }
+    if shape.head_dim_v:
+        row["head_dim_v"] = shape.dv  # (absent: v has head_dim, as in every file before --head-dim-v)
+    if shape.window:
+        row["window"] = shape.window
+    if shape.softcap:
+        row["softcap"] = shape.softcap
+    if shape.alibi:
+        row["alibi"] = True
+    if shape.sinks:
+        row["sinks"] = True
+    if s.shapes:
+        row["tiny"] = True
+    if s.rounds > 1:
+        row["round"] = round_
+    if impl == OURS:
+        row["repeat_calls"] = repeat_mode
+    return row
 
 
 def _turns(s: SweepSettings) -> list[tuple[str, int, str]]:
@@ -332,6 +350,7 @@ def _measure(
         shape.causal,
         s.mode,
         shape.window,
+        shape.dv,
     )
     # Rounded well below the run-to-run noise (~1%) to keep the files readable.
     row["ms"] = round(t.ms, 5)
