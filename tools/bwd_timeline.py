@@ -5,8 +5,9 @@
 Compiles the dK/dV kernel of CONFIG (default: the one attention()'s backward picks for the shape) with
 FA_TIMELINE=1 (csrc/include/fa/timeline.cuh: lane 0 of every warp of the first four blocks stamps its events
 with the multiprocessor's cycle counter), runs one backward of the benchmark sweep's shape (16k tokens per
-batch, heads = 2048 / head_dim, bf16) with it in place of the normal kernel, checks dK and dV against the
-normal build's (bitwise: the stamps move the schedule, not the arithmetic), and prints, in cycles, per
+batch, heads = 2048 / head_dim, bf16) with it in place of the normal kernel, compares dK, dV and dQ with
+the normal build's (a note on stderr if dK or dV are not bitwise equal: the stamps should move the schedule,
+not the arithmetic), and prints, in cycles, per
 consumer warpgroup, the median of each phase of a query step between its waits and barriers (the slot's
 wait, S^T's, the exponentials, dP^T's wait, dS and its store, the meeting of the warpgroups, dQ's wait, dQ's
 staging and reduction, dK's wait), the step's length, the share of each step during which both warpgroups
@@ -122,11 +123,20 @@ def run(cfg_name: str | None, d: int, n: int, causal: bool):
             torch.cuda.synchronize()
     finally:
         backward.plan_for, backward.plan_params = plan_for, plan_params
-    # dK and dV are each block's own sums, in a fixed order; dQ's reductions land in any order.
-    if not (torch.equal(got[1], ref[1]) and torch.equal(got[2], ref[2])):
-        raise SystemExit("the timeline build's dK or dV differs from the normal build's")
-    if not torch.allclose(got[0].float(), ref[0].float(), rtol=1e-2, atol=1e-2):
-        raise SystemExit("the timeline build's dQ differs from the normal build's")
+    # dK and dV are each block's own sums, in a fixed order; dQ's reductions land in any order. A difference
+    # is reported, not fatal: the timeline is still the kernel's (the stamps could in principle move a
+    # contraction choice), and the numbers say how far.
+    for name, a, b, exact in (
+        ("dK", got[1], ref[1], True),
+        ("dV", got[2], ref[2], True),
+        ("dQ", got[0], ref[0], False),
+    ):
+        diff = (a.float() - b.float()).abs().max().item()
+        if (exact and diff != 0) or diff > 1e-2:
+            print(
+                f"note: the timeline build's {name} differs from the normal build's by {diff:.3g}",
+                file=sys.stderr,
+            )
     ((cfg, _),) = kernels.values()
     return cfg, buf.view(BLOCKS, WARPS, RECORDS, 2).cpu()
 
