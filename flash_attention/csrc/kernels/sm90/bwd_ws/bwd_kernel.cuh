@@ -31,6 +31,12 @@
 //   staged dQ tiles in a fixed order, taking turns on semaphores in the workspace; the walk over the query
 //   blocks and the order of the turns are fa/dq_turns.cuh's (docs/kernel-log.md, steps 49 and 76).
 // * kDropout: P is kept undropped for dS, with the keep decisions in one bit per element (fa/dropout.cuh).
+// * kDqWriter (FA_BWD_DQ_WRITER, the TMA producer's atomic builds; off by default until measured): as in
+//   FlashAttention-3/-4's Hopper backward, the reductions leave the consumers' path: warps 2 and 3 of the
+//   producer warpgroup (whose Q and dO copies are one thread's TMA) each issue one consumer warpgroup's dQ
+//   reduction and wait for the copy engine's read, so a consumer warpgroup stages its tile and arrives
+//   (dq_full) instead of meeting at named 2 + c, and waits only for the staging tile to be free (dq_empty)
+//   before it rewrites it; warps 0 and 1 copy K, V and the statistics.
 //
 // Barriers, each for one hazard:
 //   full[s]  (mbarrier, one arrival per copying producer thread): slot s holds this use's Q, dO and
@@ -46,8 +52,8 @@
 //            its previous one to have read the staging tile (bulk_wait_read), so after it the tile may be
 //            rewritten.
 //   named 2 + c (128 threads of warpgroup c): its dQ tile is staged and fenced; one thread then issues it.
-//   dq_full[c], dq_empty[c] (mbarriers, deterministic only, in place of named 2 + c): warpgroup c's tile is
-//            staged (128 arrivals) / has been read by the writer's reduction (1 arrival).
+//   dq_full[c], dq_empty[c] (mbarriers, deterministic or kDqWriter, in place of named 2 + c): warpgroup c's
+//            tile is staged (128 arrivals) / has been read by the writer's reduction (1 arrival).
 //
 // Shared memory (bytes from a 1024-aligned base): K (BC x D), V, kStages Q slots, kStages dO slots, two dS^T
 // buffers, the two warpgroups' 16 KB dQ staging tiles, kStages slots of statistics (LSE2 then delta, BR
@@ -105,8 +111,17 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
   // warpgroups 2 and 3), 512 x 128 = 65536 (configs.backward.WS_REGISTER_SPLIT, DET_WS_REGISTER_SPLIT).
   constexpr int kThreads = kDeterministic ? 512 : 384;
   constexpr int kConsumerBase = kThreads - 256;  // the first consumer thread
-  constexpr int kConsumerRegs = kDeterministic ? Cfg::kDetConsumerRegs : Cfg::kConsumerRegs;
-  static_assert(128 * Cfg::kProducerRegs + (kDeterministic ? 128 * Cfg::kDetWriterRegs : 0) +
+#ifdef FA_BWD_DQ_WRITER
+  constexpr bool kDqWriter = kTma && !kDeterministic;
+#else
+  constexpr bool kDqWriter = false;
+#endif
+  // With kDqWriter the producer warpgroup's two writer warps share its region: at 24 registers the
+  // producer spilled 60-88 bytes (NVRTC 13.0), so that build moves 8 registers of each consumer thread to it
+  // (40 / 232).
+  constexpr int kProducerRegs = kDqWriter ? 40 : Cfg::kProducerRegs;
+  constexpr int kConsumerRegs = kDeterministic ? Cfg::kDetConsumerRegs : kDqWriter ? 232 : Cfg::kConsumerRegs;
+  static_assert(128 * kProducerRegs + (kDeterministic ? 128 * Cfg::kDetWriterRegs : 0) +
                         256 * kConsumerRegs <=
                     kThreads * (65536 / kThreads / 8 * 8),
                 "the register split exceeds the block's allocation");
@@ -135,7 +150,9 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
   // Deterministic mode: slot s's (query head, first query row), written by the producer before it arrives
   // on full[s], so the consumers need not keep the walk's state (fa/dq_turns.cuh) in their registers.
   const u32 sStep = bars + 8 * (2 * NST + 4);
-  constexpr int kLoaders = 128;  // the producer warpgroup's threads, all copying
+  // The producer warpgroup's copying threads: all of them, or with kDqWriter its first two warps (whole rows
+  // of K and V per pass: 64 threads are 4 rows of 16 chunks at head_dim 128, 8 of 8 at 64).
+  constexpr int kLoaders = kDqWriter ? 64 : 128;
   const float* const stats = reinterpret_cast<const float*>(smem + (sStats - smem_addr(smem)));
   // The layout above (its mbarriers: full and empty per slot, the deterministic hand-off's four) and the
   // 1 KB the base is rounded up by fit what the launch allocates (configs.backward.BwdConfig.smem_bytes).
@@ -208,7 +225,7 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
       mbar_init(full(s), kLoaders);
       mbar_init(empty(s), 256);
     }
-    if constexpr (kDeterministic) {
+    if constexpr (kDeterministic || kDqWriter) {
       for (int w = 0; w < 2; ++w) {
         mbar_init(dq_full(w), 128);
         mbar_init(dq_empty(w), 1);
@@ -264,7 +281,28 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
 
   if (tid < 128) {
     // ---- producer ----------------------------------------------------------------------------------------
-    setmaxnreg_dec<Cfg::kProducerRegs>();
+    setmaxnreg_dec<kProducerRegs>();
+    if constexpr (kDqWriter) {
+      if (tid >= kLoaders) {
+        // ---- a dQ writer (kDqWriter): consumer warpgroup w's tile of every step, one lane of warp 2 + w --
+        if (tid % 32 == 0) {
+          const int w = (tid - kLoaders) / 32;
+          grid_dependency_wait();  // (the workspace: the preprocessing kernel's zeros)
+#pragma unroll 1
+          for (int it = 0; it < n_iter; ++it) {
+            const i64 ws_row = workspace_row(p, batch, head_of(it), q_start_of(it) + ws_shift) + DQ_ROW * w;
+            mbar_wait(dq_full(w), (u32)(it & 1));
+            bulk_reduce_add_f32(p.dq_accum + dq_accum_offset<D, true>(ws_row, DQ_COL * w),
+                                sdQ + w * 64 * 64 * 4, 64 * 64 * 4);
+            bulk_commit();
+            bulk_wait_read<0>();  // the consumers may stage the next step's tile
+            mbar_arrive(dq_empty(w));
+          }
+          bulk_wait<0>();  // (no reduction outlives the block's shared memory)
+        }
+        return;
+      }
+    }
 #if FA_TIMELINE
     timeline::Recorder tl(p, tid / 32);
 #endif
@@ -565,7 +603,7 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
 
     // The staging tile of this warpgroup's previous dQ has been read by the copy engine (the thread that
     // issued that reduction waits), and both warpgroups' dS^T of this step is written.
-    if (!kDeterministic && ctid % 128 == 0) bulk_wait_read<0>();
+    if (!kDeterministic && !kDqWriter && ctid % 128 == 0) bulk_wait_read<0>();
     named_barrier_sync(1, 256);
     FA_TIMELINE_EVENT(tl, kBwdMet, it);
 
@@ -582,9 +620,9 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
     FA_TIMELINE_EVENT(tl, kBwdDQLanded, it);
 
     // ---- dQ out: a staged 64 x 64 tile, then one bulk reduce-add of it (fa/dq_accum.cuh, tiled) --------
-    // Deterministic: the writer thread adds it when this block's turn comes; it must have read the previous
-    // tile first.
-    if constexpr (kDeterministic)
+    // Deterministic: the writer thread adds it when this block's turn comes; kDqWriter: at once. Either way
+    // it must have read the previous tile first.
+    if constexpr (kDeterministic || kDqWriter)
       if (it > 0) mbar_wait(dq_empty(wg), (u32)((it - 1) & 1));
     // In the warpgroup's register order (fa/dq_accum.cuh): eight 16-byte stores, consecutive threads to
     // consecutive chunks. (Before kernel log 127: sixteen 8-byte stores into a swizzled row-major tile, from
@@ -592,7 +630,7 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
     const u32 stage[1] = {sdQ_wg};
     stage_dq_tiles<DQN>(stage, dq, ctid % 128);
     fence_proxy_async();
-    if constexpr (kDeterministic) {
+    if constexpr (kDeterministic || kDqWriter) {
       mbar_arrive(dq_full(wg));
     } else {
       named_barrier_sync(2 + wg, 128);
@@ -611,7 +649,7 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
     mbar_arrive(empty(s));
   }
   // No reduction may outlive the shared memory it reads.
-  if (!kDeterministic && ctid % 128 == 0) bulk_wait<0>();
+  if (!kDeterministic && !kDqWriter && ctid % 128 == 0) bulk_wait<0>();
 
   // ---- epilogue: dK, dV (scale already folded into dS) ---------------------------------------------------
   store_dk_dv<D, BF>(p, batch, kv_head, kv_start, block_keys(), row0, g, t, dk, dv);
