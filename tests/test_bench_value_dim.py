@@ -135,14 +135,15 @@ def test_sdpa_flash_refuses_v_of_its_own_head_dim():
         make_runner("sdpa_flash", shape, make_inputs(shape, 1, "cpu"), "fwd")
 
 
-def test_our_backward_rows_are_skipped_while_the_backward_falls_back():
-    """attention()'s backward with v's own head_dim runs the PyTorch fallback today (ops.plans'
-    check_value_dim): a backward row under our name would time that, so it is skipped with the reason."""
+def test_our_backward_rows_run_for_a_narrower_v_and_skip_a_wider_one():
+    """attention()'s backward with v narrower than q runs our kernels (on v padded to q's head_dim): timed.
+    A wider v has no kernel and would run the PyTorch fallback: a row under our name would time that, so it
+    is skipped with the reason."""
     q, k = torch.randn(1, 8, 2, 192), torch.randn(1, 8, 2, 192)
-    v = torch.randn(1, 8, 2, 128)
-    reason = runners._backward_value_dim_refusal(q, v)
-    assert reason is not None and "PyTorch fallback" in reason and "128" in reason
+    assert runners._backward_value_dim_refusal(q, torch.randn(1, 8, 2, 128)) is None
     assert runners._backward_value_dim_refusal(q, k) is None
+    reason = runners._backward_value_dim_refusal(q, torch.randn(1, 8, 2, 256))
+    assert reason is not None and "PyTorch fallback" in reason and "256" in reason
 
 
 def test_config_rows_skip_v_of_its_own_head_dim(monkeypatch):

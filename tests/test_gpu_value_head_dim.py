@@ -1,8 +1,9 @@
-"""GPU tests of v with its own head_dim (issue 51's first step): attention() and attention_varlen() on CUDA
-tensors whose v has another head_dim than q and k (DeepSeek's 192/128, and 128/64) run the PyTorch fallback
-with its one-time warning naming the reason (no kernel family reads two head dims yet), and their output,
-LSE and gradients agree with float64 within twice the error of the same computation in float32 rounded to
-the inputs' precision (the suite's rule)."""
+"""GPU tests of v with its own head_dim (issue 51): attention() and attention_varlen() on CUDA tensors whose v
+has another head_dim than q and k (DeepSeek's 192/128, and 128/64) run our kernels both ways -- the
+warp-specialized forward reads v's head_dim, the backward runs q's head_dim's kernels on v, the output and
+dO zero-padded to it (ops.cuda_backward) -- with no fallback warning, and their output, LSE and gradients
+agree with float64 within twice the error of the same computation in float32 rounded to the inputs'
+precision (the suite's rule), variants included."""
 
 from __future__ import annotations
 
@@ -21,32 +22,38 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-# (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, head_dim_v, causal, dtype)
+# (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, head_dim_v, causal, dtype, variant)
 CASES = [
-    (2, 333, 517, 8, 8, 192, 128, True, torch.bfloat16),
-    (1, 300, 300, 8, 2, 128, 64, False, torch.float16),
+    (2, 333, 517, 8, 8, 192, 128, True, torch.bfloat16, {}),
+    (1, 300, 300, 8, 2, 128, 64, False, torch.float16, {}),
+    (1, 400, 400, 4, 4, 192, 128, True, torch.bfloat16, {"window": (100, 0)}),
+    (1, 257, 257, 4, 2, 128, 64, False, torch.bfloat16, {"softcap": 20.0}),
+    (1, 257, 300, 4, 4, 192, 128, True, torch.bfloat16, {"sinks": True}),
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
-def test_v_head_dim_on_cuda_falls_back_and_matches_float64(case, monkeypatch):
-    b, sq, sk, hq, hkv, d, dv, causal, dtype = case
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[:-1])) + "-" + "-".join(c[-1]))
+def test_v_head_dim_on_cuda_runs_the_kernels_and_matches_float64(case, monkeypatch):
+    b, sq, sk, hq, hkv, d, dv, causal, dtype, variant = case
     gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(repr(case).encode()))
     q = torch.randn(b, sq, hq, d, generator=gen, device="cuda").to(dtype).requires_grad_()
     k = torch.randn(b, sk, hkv, d, generator=gen, device="cuda").to(dtype).requires_grad_()
     v = torch.randn(b, sk, hkv, dv, generator=gen, device="cuda").to(dtype).requires_grad_()
     do = torch.randn(b, sq, hq, dv, generator=gen, device="cuda").to(dtype)
+    variant = dict(variant)
+    if variant.pop("sinks", False):
+        variant["sinks"] = torch.randn(hq, generator=gen, device="cuda")
     monkeypatch.setattr(dispatch, "_warned_reasons", set())
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        out, lse = flash_attention.attention(q, k, v, causal=causal, return_lse=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (a fallback warns: none may run)
+        out, lse = flash_attention.attention(q, k, v, causal=causal, return_lse=True, **variant)
         grads = torch.autograd.grad(out, (q, k, v), do)
-    assert any(f"v's head_dim ({dv}) differs from q's and k's ({d})" in str(w.message) for w in caught)
     assert out.shape == (b, sq, hq, dv) and out.dtype == dtype
 
     def run(compute):
         leaves = [t.detach().to(compute).requires_grad_() for t in (q, k, v)]
-        o, row_lse = attention_reference(*leaves, causal=causal, compute_dtype=compute)
+        kw = {n: (t.double() if n == "sinks" else t) for n, t in variant.items()}
+        o, row_lse = attention_reference(*leaves, causal=causal, compute_dtype=compute, **kw)
         return (o, row_lse, *torch.autograd.grad(o, leaves, do.to(compute)))
 
     exact = run(torch.float64)
@@ -67,7 +74,7 @@ def test_varlen_v_head_dim_on_cuda():
     v = torch.randn(total, 8, 128, generator=gen, device="cuda").to(torch.bfloat16)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+        warnings.simplefilter("error")  # (no fallback)
         out = flash_attention.attention_varlen(q, k, v, cu, cu, causal=True)
     assert out.shape == (total, 8, 128)
     for a, e in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):

@@ -2,10 +2,11 @@
 step: attention() and attention_varlen() take it on every path, and the output has v's head_dim.
 
 The warp-specialized forward kernel takes it (feature value_dim), and an inference call's repeats allocate
-the output with it; no backward kernel does, so training runs PyTorch's backward with the once-per-reason
-warning (ops.plans.check_value_dim) and declines the repeat path. These tests hold the fallback's forward,
-LSE and gradients against the float64 reference with every variant, and the kernel path on the stand-in GPU
-(the real launch layer, repeat calls and training node)."""
+the output with it; no backward kernel reads two head dims yet, so the backward runs q's head_dim's kernels
+on v, the output and dO zero-padded to it (exact: ops.cuda_backward), and training declines the repeat path
+(the compiled node does not pad). These tests hold the fallback's forward, LSE and gradients against the
+float64 reference with every variant, and the kernel path on the stand-in GPU (the real launch layer,
+repeat calls and training node)."""
 
 from __future__ import annotations
 
@@ -82,6 +83,49 @@ def test_attention_with_vs_own_head_dim_matches_the_reference(kw, dtype):
             assert (g.double() - r).abs().max().item() <= 4e-2 * max(1.0, r.abs().max().item())
 
 
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"causal": True},
+        {"causal": True, "window": (9, 0)},
+        {"softcap": 1.7},
+        {"alibi_slopes": "heads"},
+        {"key_range": True},
+    ],
+    ids=["causal", "window", "softcap", "alibi", "key_range"],
+)
+def test_the_backward_kernels_take_vs_own_head_dim_with_every_variant(monkeypatch, kw):
+    # On the stand-in GPU: the backward's kernels on v, the output and dO padded to q's head_dim give the
+    # reference's gradients (dV sliced back to v's head_dim) with each variant; no fallback runs. (Sinks: the
+    # stand-in's backward kernels recompute without them, so their gradients are checked on the GPU,
+    # test_gpu_value_head_dim.py, and the padding's exactness here with each variant.)
+    import stand_in_gpu
+
+    from flash_attention import ops
+
+    gpu = stand_in_gpu.install(monkeypatch)
+    try:
+        gen = torch.Generator().manual_seed(53)
+        q, k, v = _inputs(gen, torch.bfloat16, d=64, dv=40, sq=45, sk=45)
+        kw = dict(kw)
+        if kw.get("alibi_slopes") == "heads":
+            kw["alibi_slopes"] = torch.rand(4, generator=gen)
+        if kw.pop("key_range", False):
+            kw["key_range"] = torch.tensor([[3, 41], [0, 45]], dtype=torch.int32)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # (a fallback would warn)
+            out = fa.attention(q, k, v, **kw)
+            dout = torch.randn(out.shape, generator=gen).to(torch.bfloat16)
+            grads = torch.autograd.grad(out, (q, k, v), dout)
+        assert gpu.launches.count("dkdv") == 1 and not gpu.errors, (gpu.launches, gpu.errors)
+        _, _, ref_grad = _reference(q, k, v, **kw)
+        for g, r in zip(grads, ref_grad(dout), strict=True):
+            assert g.shape == r.shape
+            assert (g.double() - r).abs().max().item() <= 4e-2 * max(1.0, r.abs().max().item())
+    finally:
+        ops.clear_plans()
+
+
 def _bf16_attention(q, k, v, causal=False, window=None, softcap=0.0, alibi_slopes=None, key_range=None):
     """PyTorch's attention of the bf16 inputs with float32 scores (the error the suite's bar doubles)."""
     qf, kf, vf = (t.detach().float() for t in (q, k, v))
@@ -132,11 +176,12 @@ def test_shapes_v_may_not_change():
 
 
 @pytest.mark.parametrize("records", [False, True])
-def test_the_forward_kernel_takes_vs_own_head_dim(monkeypatch, records):
+def test_the_kernels_take_vs_own_head_dim(monkeypatch, records):
     # On the stand-in GPU (the real launch layer): the warp-specialized forward takes v's own head_dim
     # (feature value_dim; the stand-in checks FwdParams.head_dim_v is v's) and its answer is the reference's;
-    # the backward, which no kernel takes yet, falls back with the warning naming v's head_dim. Twice: the
-    # second call meets the repeat signature the first one left.
+    # the backward runs its kernels on v, out and dO padded to q's head_dim, with no fallback and no
+    # warning, and its gradients are the reference's. Twice: the second call meets the repeat signature the
+    # first one left.
     import stand_in_gpu
 
     from flash_attention import ops
@@ -161,13 +206,8 @@ def test_the_forward_kernel_takes_vs_own_head_dim(monkeypatch, records):
                     assert (g.double() - r).abs().max() < 5e-2 * max(1.0, r.abs().max().item())
             seen.append([str(w.message) for w in caught if "differs from q's and k's" in str(w.message)])
         assert gpu.launches.count("forward") == 2, gpu.launches  # (the forward kernel, each call)
-        assert not any(kind.startswith("dkdv") for kind in gpu.launches), gpu.launches
-        if records:
-            message = "v's head_dim (64) differs from q's and k's (128)"
-            assert len(seen[0]) == 1 and message in seen[0][0], seen
-            assert not seen[1]  # (once per reason)
-        else:
-            assert not seen[0] and not seen[1]
+        assert gpu.launches.count("dkdv") == (2 if records else 0), gpu.launches
+        assert not seen[0] and not seen[1] and not gpu.errors, (seen, gpu.errors)
     finally:
         ops.clear_plans()
 
@@ -175,7 +215,8 @@ def test_the_forward_kernel_takes_vs_own_head_dim(monkeypatch, records):
 def test_the_forward_pads_v_to_its_own_multiple_of_8(monkeypatch):
     # A head_dim that is not a multiple of 8 is zero-padded for the kernels: q and k to theirs, v to its own
     # (padding v to q's would run the kernel on the wrong shape), the output sliced back to v's; the
-    # backward, which no kernel takes with v's own head_dim, refuses before its padding.
+    # backward pads v, the output and dO to q's head_dim and then all of them to a multiple of 8, and slices
+    # dV back to v's.
     import stand_in_gpu
 
     from flash_attention import ops
@@ -190,8 +231,13 @@ def test_the_forward_pads_v_to_its_own_multiple_of_8(monkeypatch):
         want, _ = attention_reference(q, q, v, softmax_scale=0.2)
         assert (out.double() - want).abs().max() < 2e-2
         dout = torch.randn(1, 16, 2, 12, generator=gen).to(torch.bfloat16)
-        with pytest.raises(ops.NoKernel, match=r"v's head_dim \(12\) differs"):
-            ops.cuda_backward(dout, q, q, v, out, lse, causal=False, softmax_scale=0.2)
+        dq, dk, dv = ops.cuda_backward(dout, q, q, v, out, lse, causal=False, softmax_scale=0.2)
+        assert (dq.shape, dk.shape, dv.shape) == (q.shape, q.shape, v.shape)
+        leaves = [t.double().requires_grad_() for t in (q, q.clone(), v)]
+        want_out, _ = attention_reference(*leaves, softmax_scale=0.2)
+        want = torch.autograd.grad(want_out, leaves, dout.double())
+        for got, ref in zip((dq, dk, dv), want, strict=True):
+            assert (got.double() - ref).abs().max() <= 3e-2 * max(1.0, ref.abs().max().item())
     finally:
         ops.clear_plans()
 
@@ -269,22 +315,25 @@ def test_kvcache_decode_kernels_refuse_vs_own_head_dim(monkeypatch):
         ops.clear_plans()
 
 
-def test_a_training_call_prefetches_no_backward_for_vs_own_head_dim(monkeypatch):
-    # The backward's kernels compile ahead of a training call's forward; none takes v's own head_dim, so
-    # none is started for such a call (it would compile a backward that always declines).
+def test_a_training_call_prefetches_the_backward_it_runs_for_vs_own_head_dim(monkeypatch):
+    # The backward's kernels compile ahead of a training call's forward: with v's own head_dim they are q's
+    # head_dim's (the backward pads v to it), so they are started as for any call.
     import stand_in_gpu
 
     from flash_attention import ops
+    from flash_attention.ops import training
 
     gpu = stand_in_gpu.install(monkeypatch)
     try:
         q, k, v = _inputs(torch.Generator().manual_seed(2), torch.bfloat16, d=64, dv=32, sq=40, sk=40)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            fa.attention(q, k, v, causal=True)
-            assert not gpu.prefetched
-            same = fa.attention(q, k, torch.cat([v, v], dim=-1), causal=True)
-        assert same.shape[-1] == 64 and gpu.prefetched  # (the same call with v's head_dim q's: prefetched)
+        fa.attention(q, k, v, causal=True)
+        ((name, *_),) = gpu.prefetched
+        assert name.startswith("bwd_bf16_d64_"), gpu.prefetched  # (q's head_dim's backward)
+        # The backward of the same call with v as wide as q would prefetch the same kernels.
+        training._prefetched.clear()
+        gpu.prefetched.clear()
+        fa.attention(q, k, torch.cat([v, v], dim=-1), causal=True)
+        assert [p[0] for p in gpu.prefetched] == [name]
     finally:
         ops.clear_plans()
 
@@ -338,9 +387,9 @@ def test_packed_inference_repeats_take_vs_own_head_dim(gpu, validations):
 
 
 def test_training_with_vs_own_head_dim_declines_the_repeat_path(gpu, validations):
-    # Training with v's own head_dim: the compiled node and the backward's kernels do not take it, so its
-    # signature is remembered as the whole path's (every call validated; the forward kernel, then PyTorch's
-    # backward), and the gradients are the reference's.
+    # Training with v's own head_dim: the compiled node does not take it (the backward pads v in Python), so
+    # its signature is remembered as the whole path's (every call validated; the forward kernel, then the
+    # backward's on the padded tensors), and the gradients are the reference's.
     from flash_attention.ops import repeat
     from flash_attention.spec import AttentionSpec
 
@@ -348,7 +397,7 @@ def test_training_with_vs_own_head_dim_declines_the_repeat_path(gpu, validations
     for _ in range(3):
         q, k, v = _inputs(gen, torch.bfloat16, d=192, dv=128, sq=37, sk=45)
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # (the backward's fallback warning, once per reason)
+            warnings.simplefilter("error")  # (no fallback, no warning)
             out = fa.attention(q, k, v, causal=True)
             dout = torch.randn(out.shape, generator=gen).to(torch.bfloat16)
             grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -362,7 +411,10 @@ def test_training_with_vs_own_head_dim_declines_the_repeat_path(gpu, validations
         repeat.WHOLE_PATH
     )
     assert len(validations) == 3
-    assert gpu.launches == ["forward"] * 3 and not gpu.errors, gpu.errors
+    assert gpu.launches == ["forward", "pre", "dkdv", "convert"] * 3 and not gpu.errors, (
+        gpu.launches,
+        gpu.errors,
+    )
     # (prepare declines such a call itself, before it plans the node's backward, which would refuse it)
     spec = AttentionSpec(True, 192**-0.5)
     assert repeat.prepare(q, k, v, spec, key_range=None, records=True, return_lse=False) is None

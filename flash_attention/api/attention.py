@@ -268,8 +268,9 @@ def attention(
         q.requires_grad or k.requires_grad or v.requires_grad or (sinks is not None and sinks.requires_grad)
     )
     # The launch layer this call may run on (None: the fallback's), asked once for the two uses below.
-    # (no prefetch for v's own head_dim: no backward kernel takes it, ops.plans.check_value_dim)
-    prefetches = records and not torch.compiler.is_compiling() and not problem.head_dim_v
+    # (v's own head_dim: the backward runs q's head_dim's kernels on v padded to it, ops.cuda_backward; a v
+    # wider than q's has none)
+    prefetches = records and not torch.compiler.is_compiling() and problem.head_dim_v <= q.shape[3]
     backend = None
     if not problem.is_empty and (key is not None or prefetches):
         backend = dispatch.usable_backend(q)

@@ -371,7 +371,36 @@ def cuda_backward(
         raise ValueError("dropout_p > 0 needs dropout_seed (flash_attention.dropout.draw_seed())")
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k = k.shape[1]
-    check_value_dim(q, v)  # (before the padding below, which pads v to q's head_dim)
+    value_dim = v.shape[3]
+    if value_dim > head_dim:
+        check_value_dim(q, v)  # (raises: no kernel family holds a v wider than q)
+    if value_dim != head_dim:
+        # v's own head_dim, narrower than q's (DeepSeek's 192 / 128): no backward kernel reads two head dims
+        # yet, but this one is exact on v, the output and dO zero-padded to q's head_dim: the zero columns
+        # add nothing to dP = dO V^T nor to delta = rowsum(dO o O), and dV's extra columns, P^T dO's zero
+        # columns, are dropped. Its cost: the V-side products and loads at q's width (two of the five
+        # products) and the three copies.
+        grads = cuda_backward(
+            pad_head_dim(dout, head_dim),
+            q,
+            k,
+            pad_head_dim(v, head_dim),
+            pad_head_dim(out, head_dim),
+            lse,
+            causal=causal,
+            softmax_scale=softmax_scale,
+            deterministic=deterministic,
+            key_range=key_range,
+            config=config,
+            dropout_p=dropout_p,
+            dropout_seed=dropout_seed,
+            window=window,
+            alibi_slopes=alibi_slopes,
+            sinks=sinks,
+            segments=segments,
+            **score_values,
+        )
+        return (grads[0], grads[1], grads[2][..., :value_dim].contiguous(), *grads[3:])
     window = check_window(window)
     if segments is not None:
         check_segments(segments, q, k, key_range, window)

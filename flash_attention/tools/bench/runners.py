@@ -199,14 +199,14 @@ def _flex_score_mod(shape: Shape, device: Any) -> Callable | None:
 
 
 def _backward_value_dim_refusal(q: Any, v: Any) -> str | None:
-    """Why our backward kernels cannot take v's own head_dim (attention()'s backward then runs the PyTorch
-    fallback, which is not ours to time), or None: the launch layer's own check (ops.plans.check_value_dim),
-    so our backward rows are timed as soon as a kernel takes it (issue 51)."""
-    check = getattr(ops.plans, "check_value_dim", None)
-    if v.shape[3] == q.shape[3] or check is None:
+    """Why our backward kernels cannot take v's own head_dim (attention()'s backward would then run the
+    PyTorch fallback, which is not ours to time), or None. A v narrower than q runs q's head_dim's kernels
+    on v, the output and dO zero-padded to it (ops.cuda_backward); a wider one has no kernel (the launch
+    layer's own check, ops.plans.check_value_dim)."""
+    if v.shape[3] <= q.shape[3]:
         return None
     try:
-        check(q, v)
+        ops.plans.check_value_dim(q, v)
     except ops.NoKernel as exc:
         return f"our backward would run the PyTorch fallback: {exc}"
     return None
