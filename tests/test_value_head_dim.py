@@ -126,6 +126,32 @@ def test_the_backward_kernels_take_vs_own_head_dim_with_every_variant(monkeypatc
         ops.clear_plans()
 
 
+def test_the_padded_backward_is_the_kernels_on_an_explicitly_padded_v(monkeypatch):
+    # What ops.cuda_backward does for v's own head_dim is what a caller padding v with zeros would get from
+    # the equal-dims path, bit for bit (dV's padded columns dropped); sinks included, which the stand-in's
+    # backward kernels do not model (so this, not a float64 bound, is their test on the CPU).
+    import stand_in_gpu
+
+    from flash_attention import ops
+
+    stand_in_gpu.install(monkeypatch)
+    try:
+        gen = torch.Generator().manual_seed(61)
+        q, k, v = _inputs(gen, torch.bfloat16, d=64, dv=40, sq=45, sk=45)
+        for sinks in (None, torch.randn(4, generator=gen)):
+            out = fa.attention(q, k, v, causal=True, sinks=sinks)
+            dout = torch.randn(out.shape, generator=gen).to(torch.bfloat16)
+            grads = torch.autograd.grad(out, (q, k, v), dout)
+            padded = torch.nn.functional.pad(v.detach(), (0, 24)).requires_grad_()
+            out_p = fa.attention(q, k, padded, causal=True, sinks=sinks)
+            want = torch.autograd.grad(out_p, (q, k, padded), torch.nn.functional.pad(dout, (0, 24)))
+            assert torch.equal(out, out_p[..., :40])
+            for got, ref in zip(grads, want, strict=True):
+                assert torch.equal(got, ref[..., : got.shape[-1]])
+    finally:
+        ops.clear_plans()
+
+
 def _bf16_attention(q, k, v, causal=False, window=None, softcap=0.0, alibi_slopes=None, key_range=None):
     """PyTorch's attention of the bf16 inputs with float32 scores (the error the suite's bar doubles)."""
     qf, kf, vf = (t.detach().float() for t in (q, k, v))
