@@ -88,3 +88,57 @@ def test_the_timeline_build_compiles_with_its_stamps_and_without_spills():
         assert dkdv and all(r.spill_stores == 0 for r in dkdv), dkdv
         cubins[bool(defines)] = result.cubin
     assert cubins[True] != cubins[False]
+
+
+def test_run_swaps_in_the_timeline_kernel_with_the_trace_pointer(monkeypatch):
+    """tools/bwd_timeline.run on the stand-in Hopper GPU: the call's dK/dV launches are the timeline build's
+    kernel (here a recording stand-in for it), with BwdParams.trace pointing at the record buffer, and the
+    library's plans and params functions are put back afterwards."""
+    import stand_in_gpu
+
+    from flash_attention import ops
+    from flash_attention.jit.params import BwdParams
+    from flash_attention.ops import backward
+
+    tool = _tool()
+    gpu = stand_in_gpu.install(monkeypatch, "sm_90")
+    seen = []
+
+    class TimelineKernel:
+        """The plan's own stand-in dK/dV kernel, recording the trace pointer of each launch."""
+
+        def __init__(self, inner):
+            self.inner, self.name = inner, inner.name
+
+        def ensure_dynamic_smem(self, nbytes, index):
+            pass
+
+        def launch(self, grid, block, smem, stream, params, programmatic=False):
+            seen.append(getattr(params, "p", params).trace)
+            self.inner.launch(grid, block, smem, stream, params, programmatic)
+
+    built = []
+
+    def build_kernel(cfg, name, arch):
+        built.append((cfg.name(), name, arch))
+        return TimelineKernel(backward.plan_for_real_dkdv)
+
+    real_plan_for = backward.plan_for
+
+    def remember(*args, **kwargs):
+        plan = real_plan_for(*args, **kwargs)
+        backward.plan_for_real_dkdv = plan.dkdv
+        return plan
+
+    monkeypatch.setattr(backward, "plan_for", remember)
+    monkeypatch.setattr(tool, "build_kernel", build_kernel)
+    try:
+        cfg, raw = tool.run(None, 64, 128, True, batch=1, heads=2, device="cpu")
+    finally:
+        ops.clear_plans()
+    assert cfg.warp_specialized and built == [(cfg.name(), built[0][1], "sm_90")], built  # (the device's)
+    assert len(seen) == 3 and len(set(seen)) == 1 and seen[0] != 0, seen  # (one buffer, every timed run)
+    assert backward.plan_for is remember and backward.plan_params.__name__ == "plan_params"
+    assert raw.shape == (tool.BLOCKS, tool.WARPS, tool.RECORDS, 2)
+    assert not gpu.errors, gpu.errors
+    assert BwdParams.trace.offset == 456

@@ -71,22 +71,24 @@ def build_kernel(cfg, name: str, arch: str):
     return driver.get_kernel(compile_timeline_build(cfg, arch), name)
 
 
-def run(cfg_name: str | None, d: int, n: int, causal: bool):
-    """(cfg, raw records) of one backward at (16k / n, n, 2048 / d, d) with the timeline kernel."""
+def run(cfg_name: str | None, d: int, n: int, causal: bool, *, batch=None, heads=None, device="cuda"):
+    """(cfg, raw records) of one backward at (batch, n, heads, d) with the timeline kernel: by default the
+    sweep's (16k / n, n, 2048 / d, d). (``device``: the CPU under the tests' stand-in GPU.)"""
     import torch
 
     from flash_attention.ops import backward, forward
-    from flash_attention.ops.device import device_arch
 
-    heads, batch = 2048 // d, max(1, 16384 // n)
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    heads = heads or 2048 // d
+    batch = batch or max(1, 16384 // n)
+    gen = torch.Generator(device=device).manual_seed(0)
     q, k, v, do = (
-        torch.randn(batch, n, heads, d, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(4)
+        torch.randn(batch, n, heads, d, generator=gen, device=device).to(torch.bfloat16) for _ in range(4)
     )
     scale = d**-0.5
     out, lse = forward.cuda_forward(q, k, v, causal=causal, softmax_scale=scale, return_lse=True, out=None)[
         :2
     ]
+    synchronize = torch.cuda.synchronize if q.is_cuda else (lambda: None)
 
     def grads():
         return backward.cuda_backward(
@@ -95,7 +97,7 @@ def run(cfg_name: str | None, d: int, n: int, causal: bool):
 
     ref = grads()
     plan_for, plan_params = backward.plan_for, backward.plan_params
-    buf = torch.zeros(BLOCKS * WARPS * RECORDS * 2, dtype=torch.int64, device="cuda")
+    buf = torch.zeros(BLOCKS * WARPS * RECORDS * 2, dtype=torch.int64, device=device)
     kernels = {}
 
     def timeline_plan(*args, **kwargs):
@@ -105,7 +107,7 @@ def run(cfg_name: str | None, d: int, n: int, causal: bool):
                 f"{plan.cfg.name()} ({plan.dkdv_kind}) is not the warp-specialized atomic backward"
             )
         if plan.dkdv.name not in kernels:
-            kernel = build_kernel(plan.cfg, plan.dkdv.name, device_arch(plan.index))
+            kernel = build_kernel(plan.cfg, plan.dkdv.name, backward.device_arch(plan.index))
             kernel.ensure_dynamic_smem(plan.cfg.smem_bytes, plan.index)
             kernels[plan.dkdv.name] = (plan.cfg, kernel)
         return dataclasses.replace(plan, dkdv=kernels[plan.dkdv.name][1], host_program=[])
@@ -120,7 +122,7 @@ def run(cfg_name: str | None, d: int, n: int, causal: bool):
         for _ in range(3):  # the last of three runs is read (the first ones warm the caches and clocks)
             buf.zero_()
             got = grads()
-            torch.cuda.synchronize()
+            synchronize()
     finally:
         backward.plan_for, backward.plan_params = plan_for, plan_params
     # dK and dV are each block's own sums, in a fixed order; dQ's reductions land in any order. A difference
