@@ -56,8 +56,9 @@ def test_phases_idle_share_and_producer_are_read_back():
     for name, cycles in expected.items():
         assert rows[name] == [str(cycles), str(cycles)], (name, rows.get(name))
     assert f"{150 / _STEP:.0%} of a step" in text
-    # The producer: issued 50 after the slot came free; waited 2170 - 50 = 2120 for the next one.
-    assert "issued in 50, waited 2120" in text
+    # The producer: refilled 50 after the slot came free; waited 2170 - 50 = 2120 for the next one.
+    assert "(issue + own copies) 50, waited 2120" in text
+    assert "records" not in text
 
 
 def test_steps_are_keyed_by_the_recorded_step_index():
@@ -142,3 +143,11 @@ def test_run_swaps_in_the_timeline_kernel_with_the_trace_pointer(monkeypatch):
     assert raw.shape == (tool.BLOCKS, tool.WARPS, tool.RECORDS, 2)
     assert not gpu.errors, gpu.errors
     assert BwdParams.trace.offset == 456
+
+
+def test_a_warp_that_filled_its_records_is_named():
+    tool = _tool()
+    steps = tool.RECORDS // len(_OFFSETS) + 1  # (more steps than a warp's records hold)
+    raw = timeline_buffer(tool, {(2, 4): _consumer(steps)[: tool.RECORDS], (2, 8): _consumer(3)})
+    text = tool.summarize(type("Cfg", (), {"name": lambda self: "cfg"})(), tool.events(raw))
+    assert "blocks [2] filled a warp's 4096 records" in text

@@ -80,3 +80,67 @@ def test_varlen_v_head_dim_on_cuda():
     for a, e in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
         want, _ = attention_reference(*(t[a:e].unsqueeze(0) for t in (q, k, v)), causal=True)
         assert (out[a:e].double() - want[0]).abs().max().item() < 2e-2
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [{"dropout_p": 0.2}, {"alibi": True}, {"sinks": True}, {"deterministic": True}, {"window": (64, 64)}],
+    ids=["dropout", "alibi", "sinks-grad", "deterministic", "window"],
+)
+def test_v_head_dim_backward_is_the_kernels_on_an_explicitly_padded_v(variant):
+    # The backward of a v narrower than q is q's head_dim's kernels on v, out and dO zero-padded: against the
+    # same call made with v padded by the caller (the equal-dims kernels both ways; dropout's mask is the
+    # same from the same seed, whatever the head_dim), every gradient agrees within the outputs' bf16
+    # rounding (the two forwards are different builds: the value_dim one and q's head_dim's), and the
+    # padded dV columns the caller's call returns are zero.
+    gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(repr(variant).encode()))
+    b, s, hq, hkv, d, dv = 2, 300, 4, 2, 128, 64
+    q = torch.randn(b, s, hq, d, generator=gen, device="cuda").to(torch.bfloat16)
+    k = torch.randn(b, s, hkv, d, generator=gen, device="cuda").to(torch.bfloat16)
+    v = torch.randn(b, s, hkv, dv, generator=gen, device="cuda").to(torch.bfloat16)
+    do = torch.randn(b, s, hq, dv, generator=gen, device="cuda").to(torch.bfloat16)
+    kw = dict(variant)
+    if kw.pop("alibi", False):
+        kw["alibi_slopes"] = torch.rand(hq, generator=gen, device="cuda")
+    if kw.pop("sinks", False):
+        kw["sinks"] = torch.randn(hq, generator=gen, device="cuda")
+    if "dropout_p" in kw:
+        kw["dropout_seed"] = 1234
+
+    def grads(v_in, do_in):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v_in)]
+        extra = [kw["sinks"].clone().requires_grad_()] if "sinks" in kw else []
+        call = dict(kw, sinks=extra[0]) if extra else kw
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # (no fallback)
+            out = flash_attention.attention(*leaves, causal=True, **call)
+        return (out, *torch.autograd.grad(out, leaves + extra, do_in))
+
+    got = grads(v, do)
+    want = grads(torch.nn.functional.pad(v, (0, d - dv)), torch.nn.functional.pad(do, (0, d - dv)))
+    assert not want[3][..., dv:].any()  # (the caller's zero columns get a zero gradient)
+    want = (want[0][..., :dv], want[1], want[2], want[3][..., :dv], *want[4:])
+    for name, a, e in zip(["out", "dq", "dk", "dv", "dsinks"], got, want, strict=False):
+        scale = max(1.0, e.abs().max().item())
+        assert (a.float() - e.float()).abs().max().item() <= 2e-2 * scale, name
+
+
+def test_varlen_v_head_dim_trains_on_cuda():
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    lengths = [100, 1, 257, 64]
+    total = sum(lengths)
+    q = torch.randn(total, 8, 192, generator=gen, device="cuda").to(torch.bfloat16).requires_grad_()
+    k = torch.randn(total, 8, 192, generator=gen, device="cuda").to(torch.bfloat16).requires_grad_()
+    v = torch.randn(total, 8, 128, generator=gen, device="cuda").to(torch.bfloat16).requires_grad_()
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no fallback)
+        out = flash_attention.attention_varlen(q, k, v, cu, cu, causal=True)
+        dout = torch.randn(out.shape, generator=gen, device="cuda").to(torch.bfloat16)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    for a, e in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+        leaves = [t[a:e].detach().double().unsqueeze(0).requires_grad_() for t in (q, k, v)]
+        want_out, _ = attention_reference(*leaves, causal=True)
+        want = torch.autograd.grad(want_out, leaves, dout[a:e].double().unsqueeze(0))
+        for g, r in zip(grads, want, strict=True):
+            assert (g[a:e].double() - r[0]).abs().max().item() <= 4e-2 * max(1.0, r.abs().max().item())

@@ -91,8 +91,9 @@ def test_attention_with_vs_own_head_dim_matches_the_reference(kw, dtype):
         {"softcap": 1.7},
         {"alibi_slopes": "heads"},
         {"key_range": True},
+        {"causal": True, "deterministic": True},
     ],
-    ids=["causal", "window", "softcap", "alibi", "key_range"],
+    ids=["causal", "window", "softcap", "alibi", "key_range", "deterministic"],
 )
 def test_the_backward_kernels_take_vs_own_head_dim_with_every_variant(monkeypatch, kw):
     # On the stand-in GPU: the backward's kernels on v, the output and dO padded to q's head_dim give the
@@ -117,7 +118,9 @@ def test_the_backward_kernels_take_vs_own_head_dim_with_every_variant(monkeypatc
             out = fa.attention(q, k, v, **kw)
             dout = torch.randn(out.shape, generator=gen).to(torch.bfloat16)
             grads = torch.autograd.grad(out, (q, k, v), dout)
-        assert gpu.launches.count("dkdv") == 1 and not gpu.errors, (gpu.launches, gpu.errors)
+        dkdv = "dkdv_det" if kw.get("deterministic") else "dkdv"
+        assert gpu.launches.count(dkdv) == 1 and not gpu.errors, (gpu.launches, gpu.errors)
+        kw.pop("deterministic", None)
         _, _, ref_grad = _reference(q, k, v, **kw)
         for g, r in zip(grads, ref_grad(dout), strict=True):
             assert g.shape == r.shape
@@ -148,6 +151,38 @@ def test_the_padded_backward_is_the_kernels_on_an_explicitly_padded_v(monkeypatc
             assert torch.equal(out, out_p[..., :40])
             for got, ref in zip(grads, want, strict=True):
                 assert torch.equal(got, ref[..., : got.shape[-1]])
+    finally:
+        ops.clear_plans()
+
+
+def test_a_packed_batch_trains_with_vs_own_head_dim_on_the_kernels(monkeypatch):
+    # attention_varlen in training with v's own head_dim on the stand-in GPU: the segments builds of the
+    # forward and the backward (on v padded to q's head_dim) run, and each sequence's gradients are the
+    # reference's.
+    import stand_in_gpu
+
+    from flash_attention import ops
+
+    gpu = stand_in_gpu.install(monkeypatch)
+    try:
+        gen = torch.Generator().manual_seed(67)
+        lengths = [37, 1, 60]
+        total = sum(lengths)
+        q = torch.randn(total, 4, 64, generator=gen).to(torch.bfloat16).requires_grad_()
+        k = torch.randn(total, 2, 64, generator=gen).to(torch.bfloat16).requires_grad_()
+        v = torch.randn(total, 2, 40, generator=gen).to(torch.bfloat16).requires_grad_()
+        cu = torch.tensor([0, 37, 38, 98], dtype=torch.int32)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # (no fallback)
+            out = fa.attention_varlen(q, k, v, cu, cu, causal=True)
+            dout = torch.randn(out.shape, generator=gen).to(torch.bfloat16)
+            grads = torch.autograd.grad(out, (q, k, v), dout)
+        assert out.shape == (total, 4, 40) and "dkdv" in gpu.launches and not gpu.errors, gpu.errors
+        for a, e in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+            piece = [t[a:e].unsqueeze(0) for t in (q, k, v)]
+            _, _, ref_grad = _reference(*piece, causal=True)
+            for g, r in zip(grads, ref_grad(dout[a:e].unsqueeze(0)), strict=True):
+                assert (g[a:e].double() - r[0]).abs().max().item() <= 4e-2 * max(1.0, r.abs().max().item())
     finally:
         ops.clear_plans()
 

@@ -25,6 +25,7 @@ import dataclasses
 import statistics
 import sys
 
+from flash_attention.configs.backward import BwdConfig
 from flash_attention.tools.timeline import (
     BLOCKS,
     RECORDS,
@@ -49,6 +50,9 @@ EVENTS = {
     20: "slot_free",
     21: "slot_issued",
 }
+
+#: The Q/dO slots of the kernel's ring.
+STAGES = BwdConfig.WS_STAGES
 
 #: The consumer's phases in step order: (name, from event, to event).
 PHASES = (
@@ -197,15 +201,23 @@ def summarize(cfg, ev) -> str:
         share = statistics.median(idle_shares)
         lines.append(f"both warpgroups between dP^T landed and dV issued: {share:.0%} of a step")
     producer = [_steps(ev.get((b, 0), [])) for b in range(BLOCKS)]
-    issue = [s[it]["slot_issued"] - s[it]["slot_free"] for s in producer for it in s if len(s[it]) == 2]
+    # From a slot's release to the producer's arrival on it: the issue, and the copies its own thread waits
+    # for (the statistics; with cp.async, all of Q and dO).
+    refill = [s[it]["slot_issued"] - s[it]["slot_free"] for s in producer for it in s if len(s[it]) == 2]
+    # The wait for a slot's release, from the previous arrival; the first STAGES steps take empty slots.
     wait = [
         s[it]["slot_free"] - s[it - 1]["slot_issued"]
         for s in producer
         for it in s
-        if it > 0 and "slot_free" in s[it] and "slot_issued" in s.get(it - 1, {})
+        if it >= STAGES and "slot_free" in s[it] and "slot_issued" in s.get(it - 1, {})
     ]
-    issued, waited = median_text(issue).strip(), median_text(wait).strip()
-    lines.append(f"producer: a slot's copies issued in {issued}, waited {waited} for it")
+    refilled, waited = median_text(refill).strip(), median_text(wait).strip()
+    lines.append(
+        f"producer: a slot released to refilled (issue + own copies) {refilled}, waited {waited} for it"
+    )
+    full = sorted({b for (b, w), seq in ev.items() if len(seq) >= RECORDS})
+    if full:
+        lines.append(f"note: blocks {full} filled a warp's {RECORDS} records: their later steps are not here")
     return "\n".join(lines)
 
 

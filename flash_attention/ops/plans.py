@@ -161,8 +161,10 @@ def window_bounds(window: object, causal: bool, seqlen_q: int, seqlen_k: int) ->
 
 
 def check_value_dim(q: torch.Tensor, v: torch.Tensor) -> None:
-    """NoKernel unless v's head_dim is q's and k's: every kernel family reads one head_dim for the three
-    (the dispatch then runs the PyTorch fallback, with its warning; issue 51 brings the kernels)."""
+    """NoKernel unless v's head_dim is q's and k's: a plan's kernels read one head_dim for the three (the
+    warp-specialized forward's value_dim builds are planned by ops.forward itself; ops.cuda_backward pads a
+    narrower v to q's head_dim first). A v wider than q has no kernel: the dispatch then runs the PyTorch
+    fallback, with its warning."""
     if v.shape[-1] != q.shape[-1]:
         raise NoKernel(
             f"v's head_dim ({v.shape[-1]}) differs from q's and k's ({q.shape[-1]}), which no kernel of ours "

@@ -364,8 +364,8 @@ def prepare(
         return None  # copied inputs: the whole path makes them
     out_shape = (*q.shape[:3], v.shape[3]) if v.shape[3] != q.shape[3] else None  # (None: q's)
     if out_shape is not None and records:
-        # v's own head_dim in training: the node's and the backward's kernels do not take it (the whole path
-        # runs the forward kernel and PyTorch's backward, plans.check_value_dim).
+        # v's own head_dim in training: the compiled node does not take it (the whole path runs the forward
+        # kernel, and the backward's on v, out and dO padded to q's head_dim: ops.cuda_backward).
         return None
     if key_range is not None and (key_range.dtype != torch.int32 or not key_range.is_contiguous()):
         return None  # converted per call by the whole path

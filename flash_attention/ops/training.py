@@ -110,7 +110,7 @@ def training_forward(
     backend has it) with ``out``'s gradient recorded by the compiled node (and the ``sinks``' gradient, where
     the call has them), or None when the node does not take this call (the module docstring says which)."""
     if q.shape[3] % 8 or v.shape[3] != q.shape[3] or _trace.ENV in os.environ:
-        return None  # (v's own head_dim: no kernel takes it yet, plans.check_value_dim)
+        return None  # (v's own head_dim: ops.cuda_backward pads v, out and dO to q's; the node does not)
     if not (usable_in_place(q) and usable_in_place(k) and usable_in_place(v)):
         return None
     lib = host.ops_or_none()

@@ -198,20 +198,6 @@ def _flex_score_mod(shape: Shape, device: Any) -> Callable | None:
     return None
 
 
-def _backward_value_dim_refusal(q: Any, v: Any) -> str | None:
-    """Why our backward kernels cannot take v's own head_dim (attention()'s backward would then run the
-    PyTorch fallback, which is not ours to time), or None. A v narrower than q runs q's head_dim's kernels
-    on v, the output and dO zero-padded to it (ops.cuda_backward); a wider one has no kernel (the launch
-    layer's own check, ops.plans.check_value_dim)."""
-    if v.shape[3] <= q.shape[3]:
-        return None
-    try:
-        ops.plans.check_value_dim(q, v)
-    except ops.NoKernel as exc:
-        return f"our backward would run the PyTorch fallback: {exc}"
-    return None
-
-
 def make_runner(
     impl: str, shape: Shape, inputs: list[tuple[Any, Any, Any]], mode: str, config: Any = None
 ) -> Runner:
@@ -276,9 +262,6 @@ def make_runner(
             return Runner(call, output, config=cfg.name())
         # Backward modes go through attention() and its autograd; the config is the one it picks. Sinks are
         # learnable there, as in training, so their gradient is part of the time.
-        refusal = _backward_value_dim_refusal(q0, inputs[0][2])
-        if refusal is not None:
-            raise Skip(refusal)
         if "sinks" in variant:
             variant["sinks"].requires_grad_()
         f = lambda q, k, v: flash_attention.attention(q, k, v, causal=shape.causal, **variant)  # noqa: E731
@@ -291,9 +274,6 @@ def make_runner(
         reason = ops.cuda_unavailable_reason(q0)
         if reason is not None:
             raise Skip(f"our CUDA kernel cannot run: {reason}")
-        refusal = _backward_value_dim_refusal(q0, inputs[0][2])
-        if refusal is not None:
-            raise Skip(refusal)
         variant = _variant_args(shape, q0.device)
         if "sinks" in variant:  # (learnable, as in training)
             variant["sinks"].requires_grad_()

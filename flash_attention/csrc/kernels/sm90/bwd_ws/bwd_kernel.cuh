@@ -112,7 +112,8 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
   constexpr int kThreads = kDeterministic ? 512 : 384;
   constexpr int kConsumerBase = kThreads - 256;  // the first consumer thread
 #ifdef FA_BWD_DQ_WRITER
-  constexpr bool kDqWriter = kTma && !kDeterministic;
+  // (not with dropout or a score function with a derivative: at 232 registers those consumers spilled)
+  constexpr bool kDqWriter = kTma && !kDeterministic && !kDropout && V::ScoreMod::kUnitGradient;
 #else
   constexpr bool kDqWriter = false;
 #endif
