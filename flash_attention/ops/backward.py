@@ -365,7 +365,8 @@ def cuda_backward(
     ``config`` names a backward configuration (else the tuned winner or the heuristic:
     :func:`flash_attention.ops.select.backward_config`); ``key_range``, ``dropout_p`` / ``dropout_seed``,
     ``window``, ``alibi_slopes`` and the ``score_values`` (by name) must be the forward's. A head_dim
-    that is not a multiple of 8 runs zero-padded, as the forward does.
+    that is not a multiple of 8 runs zero-padded, as the forward does, and so does a v narrower than q
+    (padded to q's head_dim with the output and dO; dv comes back at v's).
     """
     if dropout_p and dropout_seed is None:
         raise ValueError("dropout_p > 0 needs dropout_seed (flash_attention.dropout.draw_seed())")
@@ -374,33 +375,6 @@ def cuda_backward(
     value_dim = v.shape[3]
     if value_dim > head_dim:
         check_value_dim(q, v)  # (raises: no kernel family holds a v wider than q)
-    if value_dim != head_dim:
-        # v's own head_dim, narrower than q's (DeepSeek's 192 / 128): no backward kernel reads two head dims
-        # yet, but this one is exact on v, the output and dO zero-padded to q's head_dim: the zero columns
-        # add nothing to dP = dO V^T nor to delta = rowsum(dO o O), and dV's extra columns, P^T dO's zero
-        # columns, are dropped. Its cost: the V-side products and loads at q's width (two of the five
-        # products) and the three copies.
-        grads = cuda_backward(
-            pad_head_dim(dout, head_dim),
-            q,
-            k,
-            pad_head_dim(v, head_dim),
-            pad_head_dim(out, head_dim),
-            lse,
-            causal=causal,
-            softmax_scale=softmax_scale,
-            deterministic=deterministic,
-            key_range=key_range,
-            config=config,
-            dropout_p=dropout_p,
-            dropout_seed=dropout_seed,
-            window=window,
-            alibi_slopes=alibi_slopes,
-            sinks=sinks,
-            segments=segments,
-            **score_values,
-        )
-        return (grads[0], grads[1], grads[2][..., :value_dim].contiguous(), *grads[3:])
     window = check_window(window)
     if segments is not None:
         check_segments(segments, q, k, key_range, window)
@@ -408,10 +382,16 @@ def cuda_backward(
         q, causal, softmax_scale, window, alibi_slopes, key_range, dropout_p, deterministic, sinks, segments,
         **score_values,
     )  # fmt: skip
-    if head_dim % 8:
+    if head_dim % 8 or value_dim != head_dim:
+        # The kernels read one head_dim, a multiple of 8, for q, k and v: the call runs on copies zero-padded
+        # to it, as the forward does, and the gradients are sliced back. That covers v's own head_dim too
+        # (narrower than q's, DeepSeek's 192 / 128; no backward kernel reads two head dims yet): v, the output
+        # and dO padded to q's width are exact, since the zero columns add nothing to dP = dO V^T nor to
+        # delta = rowsum(dO o O), and dV's extra columns, P^T dO's zero columns, are dropped. Its cost: the
+        # V-side products and loads at q's width (two of the five products) and the copies.
         d8 = padded_to_8(head_dim)
         grads = cuda_backward(
-            *(pad_head_dim(t, d8) for t in (dout, q, k, v, out)),
+            *(t if t.shape[-1] == d8 else pad_head_dim(t, d8) for t in (dout, q, k, v, out)),
             lse,
             causal=causal,
             softmax_scale=softmax_scale,
@@ -426,7 +406,11 @@ def cuda_backward(
             segments=segments,
             **score_values,
         )
-        return (*(g[..., :head_dim].contiguous() for g in grads[:3]), *grads[3:])
+        dq, dk, dv = (
+            g if g.shape[-1] == n else g[..., :n].contiguous()
+            for g, n in zip(grads[:3], (head_dim, head_dim, value_dim), strict=True)
+        )
+        return (dq, dk, dv, *grads[3:])
 
     device = q.device
     # Contiguous whatever the inputs' strides (the plan's dq/dk/dv strides assume it); empty_like costs
