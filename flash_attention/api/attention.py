@@ -121,9 +121,11 @@ def attention(
         q: queries, shape (batch, seqlen_q, heads_q, head_dim) -- the layout of the FlashAttention library.
         k: keys, shape (batch, seqlen_k, heads_kv, head_dim).
         v: values, shape (batch, seqlen_k, heads_kv, head_dim_v): head_dim_v is head_dim for most models;
-            another (1 to 256: DeepSeek's multi-head latent attention prefills with q/k 192 and v 128) is
-            computed by the PyTorch fallback for now, with its one-time warning on CUDA (as is a KV cache
-            whose v_cache has its own head_dim, :func:`attention_with_kvcache`).
+            another (1 to 256: DeepSeek's multi-head latent attention prefills with q/k 192 and v 128)
+            runs on Hopper's warp-specialized forward where v is narrower than q, and the backward on q's
+            head_dim's kernels with v padded to it; elsewhere on the PyTorch fallback, with its one-time
+            warning on CUDA (as does a KV cache whose v_cache has its own head_dim,
+            :func:`attention_with_kvcache`).
             q, k and v share one dtype (float16, bfloat16, float32 or float64) and one device. head_dim is
             any size from 1 to 256 (on the kernels, one that is not a multiple of 8 runs zero-padded to
             the next multiple, at the cost of a copy of q, k and v). Any other stride is allowed as long as

@@ -43,11 +43,10 @@ __all__ = [
 
 MODES = ("fwd", "bwd", "fwd_bwd")
 
-#: Backward FLOPs are 2.5x the forward's (five matmuls of the same size instead of two), so fwd+bwd is 3.5x.
-_MODE_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
-#: The matmuls of each mode by the head_dim they contract or produce, (q/k's, v's), where v has its own: the
-#: forward's S = Q K^T (d) and O = P V (dv); the backward's S = Q K^T, dK = dS^T Q and dQ = dS K (d) and
-#: dP = dO V^T and dV = P^T dO (dv).
+#: The matmuls of each mode by the head_dim they contract or produce, (q/k's, v's): the forward's S = Q K^T
+#: (d) and O = P V (dv); the backward's S = Q K^T, dK = dS^T Q and dQ = dS K (d) and dP = dO V^T and
+#: dV = P^T dO (dv). With one head_dim the backward is five matmuls against the forward's two: 2.5x, and
+#: forward+backward 3.5x.
 _MODE_MATMULS = {"fwd": (1, 1), "bwd": (3, 2), "fwd_bwd": (4, 3)}
 
 
@@ -76,7 +75,7 @@ def flops(
     head_dim it contracts or produces: the forward 2·B·H·N_q·N_k·(d + dv), the backward 2·B·H·N_q·N_k·(3d +
     2dv) (S = Q K^T, dK and dQ over d; dP = dO V^T and dV over dv), with the same area for causal and windows.
     """
-    if mode not in _MODE_FLOP_FACTOR:
+    if mode not in _MODE_MATMULS:
         raise ValueError(f"mode must be one of {MODES}; got {mode!r}")
     if window and causal and seqlen_q == seqlen_k and seqlen_q >= window:
         area = seqlen_q * window - window * window / 2
@@ -87,10 +86,8 @@ def flops(
             area = seqlen_k * seqlen_k / 2
     else:
         area = float(seqlen_q * seqlen_k)
-    if not head_dim_v or head_dim_v == head_dim:
-        return 4.0 * batch * heads * area * head_dim * _MODE_FLOP_FACTOR[mode]
     over_d, over_dv = _MODE_MATMULS[mode]
-    return 2.0 * batch * heads * area * (over_d * head_dim + over_dv * head_dim_v)
+    return 2.0 * batch * heads * area * (over_d * head_dim + over_dv * (head_dim_v or head_dim))
 
 
 def seqlen_label(n: int) -> str:
