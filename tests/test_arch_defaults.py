@@ -21,6 +21,7 @@ from flash_attention.configs import (
     BwdConfig,
     default_bwd_config,
     default_config,
+    parse_bwd_config,
 )
 from flash_attention.jit import compiler
 from flash_attention.jit.cache import build
@@ -145,28 +146,27 @@ def test_soft_capping_takes_its_own_d128_config_only_where_measured():
     assert "192" not in pick(arch="sm_80") and "wgmma" not in pick(arch="sm_80")
 
 
-def test_hopper_backward_loads_by_tma_only_where_measured_faster():
-    # configs.backward.HOPPER_BWD_TMA_DEFAULT: the TMA producer at head_dim 256 and at 128 causal, the
-    # cp.async producer at 128 non-causal and at 64 (where TMA measured slower); the deterministic and
-    # dropout calls at 256 take the wide kernel, which has no producer warpgroup; other architectures never
-    # take TMA.
+def test_hopper_backward_loads_by_tma_with_writer_warps_where_measured_faster():
+    # configs.backward.HOPPER_BWD_TMA_DEFAULT: the TMA producer at every head_dim of the warp-specialized
+    # kernels, with dQ's writer warps (dq_writer) at 64 and 128, which bwd_ws alone has (kernel log 133); the
+    # deterministic and dropout calls at 256 take the wide kernel, which has no producer warpgroup; other
+    # architectures never take TMA.
     def pick(d, causal, features=(), arch="sm_90a"):
         return backward_config(
             "bf16", d, causal, 4096, 4096, 1, arch=arch, gpu="", smem_limit=LIMITS["sm_90"], features=features
         )
 
-    tma = {(d, causal): pick(d, causal).tma_loads for d in (64, 128, 256) for causal in (False, True)}
-    assert tma == {
-        (64, False): False,
-        (64, True): False,
-        (128, False): False,
-        (128, True): True,
-        (256, False): True,
-        (256, True): True,
-    }
-    assert pick(256, True).name().endswith("_ws_tma") and pick(128, False).name().endswith("_ws")
+    for d in (64, 128, 256):
+        for causal in (False, True):
+            cfg = pick(d, causal)
+            assert cfg.tma_loads and cfg.dq_writer == (d <= 128), (d, causal)
+            assert cfg.name().endswith("_ws_tma_dqw" if d <= 128 else "_ws_tma")
     for features in (("deterministic",), ("dropout",)):
         assert not pick(256, True, features).tma_loads and not pick(256, True, features).warp_specialized
     assert not any(pick(d, c, arch="sm_80").tma_loads for d in (64, 128) for c in (False, True))
-    # Both producers stay selectable by name, whatever the default.
-    assert pick(128, False).replace(tma_loads=True).tma_loads
+    # Every producer stays selectable by name, whatever the default.
+    assert parse_bwd_config(pick(128, False).name()) == pick(128, False)
+    copying = pick(128, False).replace(tma_loads=False, dq_writer=False)
+    assert copying.name().endswith("_ws") and parse_bwd_config(copying.name()) == copying
+    with pytest.raises(ValueError, match="dq_writer"):
+        pick(128, False).replace(tma_loads=False)  # (the writer warps need the one-thread TMA producer)

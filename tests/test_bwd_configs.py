@@ -93,9 +93,13 @@ def test_every_backward_unit_of_the_catalog_compiles_with_its_entries(catalog_bu
 def test_hopper_backward_configs():
     for d in (64, 128):
         cfg = default_bwd_config("bf16", d, "sm_90")
-        # The warp-specialized kernel is the default (its cp.async producer without a causal mask: TMA loads
-        # at 128 causal, test_arch_defaults); the sm90 kernel it replaced stays selectable.
-        assert cfg == hopper_bwd_config("bf16", d) and cfg.name().endswith("_wgmma_ws")
+        # The warp-specialized kernel is the default (Q and dO by TMA, dQ's reductions from writer warps:
+        # test_arch_defaults); its cp.async producer and the sm90 kernel it replaced stay selectable.
+        assert cfg == hopper_bwd_config("bf16", d) and cfg.name().endswith("_wgmma_ws_tma_dqw")
+        copying = hopper_bwd_config("bf16", d, tma_loads=False)
+        assert copying.name().endswith("_wgmma_ws") and not copying.dq_writer
+        src = sources.kernel_source(cfg)  # (every entry point asks for TMA and the writers; the kernel
+        assert src.count(", true, true>(") == src.count("bwd_ws_dkdv_body<") == 4  # keeps them off in det)
         assert cfg.threads == 384
         old = hopper_bwd_config("bf16", d, warp_specialized=False)
         assert old.name().endswith("_wgmma") and old.threads == 256
@@ -158,10 +162,10 @@ def test_hopper_backward_configs():
     # The key-range and dropout builds exist for the warp-specialized kernel only.
     ws128 = default_bwd_config("bf16", 128, "sm_90")
     src = sources.kernel_source(ws128, ranged=True)
-    assert ws128.symbol("dkdv", True, True) in src and "fa::DefaultVariant<true, true>, false, false>" in src
+    assert ws128.symbol("dkdv", True, True) in src and "fa::DefaultVariant<true, true>, false, false" in src
     src = sources.kernel_source(ws128, dropout=True)
     assert ws128.symbol("dkdv", True, False, True) in src
-    assert "fa::DefaultVariant<true, false>, true, false>" in src
+    assert "fa::DefaultVariant<true, false>, true, false" in src
     for ranged, dropout in ((True, False), (False, True)):
         with pytest.raises(ValueError, match="no key-range, dropout or window build"):
             sources.kernel_source(

@@ -843,7 +843,7 @@ def test_tma_loads_backward_reads_q_and_dout_through_their_maps(gpu, validations
             dout = torch.randn_like(out)
             _check_grads(torch.autograd.grad(out, (q, k, v), dout), q, k, v, dout, **kw)
     assert not gpu.errors, gpu.errors
-    assert any(name.endswith("_tma") for name, *_ in gpu.backward_builds), gpu.backward_builds
+    assert any("_tma" in name for name, *_ in gpu.backward_builds), gpu.backward_builds
     assert gpu.backward_maps == steps, gpu.backward_maps
 
 
@@ -867,4 +867,4 @@ def test_tma_loads_fall_back_to_the_copying_producer(gpu, validations, monkeypat
     dout = torch.randn(out.shape[2], out.shape[3], dtype=out.dtype).expand(out.shape)
     _check_grads(torch.autograd.grad(out, (q, k, v), dout), q, k, v, dout, causal=True)
     assert gpu.backward_maps == 0 and not gpu.errors, gpu.errors
-    assert not any(name.endswith("_tma") for name, *_ in gpu.backward_builds[-1:]), gpu.backward_builds
+    assert not any("_tma" in name for name, *_ in gpu.backward_builds[-1:]), gpu.backward_builds

@@ -183,9 +183,9 @@ def test_report_covers_backward_configs(report_cache, capsys):
     assert int(lines[cfg.symbol("pre")][2]) == 0
     assert int(lines[cfg.symbol("dkdv")][2]) == cfg.smem_bytes
     # The warp-specialized default: the launch allocation is 168 per thread, what setmaxnreg makes of it
-    # per role is stated beside it.
-    assert cfg.warp_specialized
-    assert "registers by role: setmaxnreg: producer warpgroup 24, consumer warpgroups up to 240" in out
+    # per role is stated beside it (with dQ's writer warps in the producer warpgroup, 40 / 232).
+    assert cfg.warp_specialized and cfg.dq_writer
+    assert "registers by role: setmaxnreg: producer warpgroup 40, consumer warpgroups up to 232" in out
 
 
 # One shipped config of each kernel family per architecture (the Hopper backward has two kernels of its own:
@@ -196,7 +196,7 @@ FAMILIES = [
     ("sm_80", "bwd_bf16_d64_q128_kv128_w8_s1", False),
     ("sm_80", "decode_bf16_d64_m16_kv64_w1x4_s3", False),
     ("sm_90", "(BF16, 64, 128, 128, 12): wgmma+ws+overlap+tma_store+stages_2", True),
-    ("sm_90", "bwd_bf16_d128_q64_kv128_w12_s1_buffer_wgmma_ws", True),
+    ("sm_90", "bwd_bf16_d128_q64_kv128_w12_s1_buffer_wgmma_ws_tma_dqw", True),
     ("sm_90", "bwd_bf16_d192_q64_kv64_w8_s1_buffer_wgmma", True),
     ("sm_90", "decode_bf16_d64_m16_kv64_w1x4_s3", False),
     ("sm_90", "decode_bf16_d64_m64_kv64_w4x1_s2_wgmma", False),

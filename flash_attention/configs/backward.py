@@ -30,6 +30,10 @@ WS_REGISTER_SPLIT = (24, 240)
 #: consumers' wgmma at head_dim 128 and with dropout at 64 (measured 0.85-0.93x of the atomic mode's
 #: forward+backward at 128 that way, docs/kernel-log.md step 76).
 DET_WS_REGISTER_SPLIT = (24, 24, 232)
+#: With dQ's writer warps in the producer warpgroup (dq_writer, kernel log 133): 128 x 40 + 256 x 232 = 64512.
+#: At 24 / 240 the producer's region spilled 60-88 bytes with the writers' loop in it; the builds that keep
+#: the consumers' reductions (dropout, a score function of non-unit gradient) keep 24 / 240.
+WRITER_WS_REGISTER_SPLIT = (40, 232)
 #: The wide backward's deterministic form (head_dim 192/256, csrc/kernels/sm90/bwd_wide) adds a third
 #: warpgroup for its dQ writer: 384 x 168 launched, 128 x 24 (writer) + 256 x 240 (the two computing
 #: warpgroups, which use up to 255 in the atomic form's 256-thread block).
@@ -56,6 +60,9 @@ class BwdConfig:
     warpgroups compute, and dQ leaves through bulk reduce-adds. ``tma_loads`` (the warp-specialized kernels,
     bwd_ws and bwd_wide_ws): Q and dO arrive by TMA from tensor maps the call encodes (BwdTmaParams),
     issued by one producer thread, instead of each producer thread's cp.async rows (kernel log 130).
+    ``dq_writer`` (bwd_ws with ``tma_loads``): dQ's bulk reductions are issued by two writer warps of the
+    producer warpgroup instead of each computing warpgroup's first thread (kernel log 133); the builds with
+    dropout, a score function of non-unit gradient or the deterministic kernel keep the consumers' form.
     """
 
     dtype: str
@@ -68,6 +75,7 @@ class BwdConfig:
     wgmma: bool = False
     warp_specialized: bool = False
     tma_loads: bool = False
+    dq_writer: bool = False
 
     #: Q/dO slots of the warp-specialized kernel's ring (a third does not fit 227 KB at head_dim 64 or 128).
     WS_STAGES = 2
@@ -154,6 +162,7 @@ class BwdConfig:
             + ("_wgmma" if self.wgmma else "")
             + ("_ws" if self.warp_specialized else "")
             + ("_tma" if self.tma_loads else "")
+            + ("_dqw" if self.dq_writer else "")
         )
 
     def __str__(self) -> str:
@@ -222,6 +231,8 @@ class BwdConfig:
             ("kSmemBytes", "int", self.smem_bytes),
             ("kProducerRegs", "int", WS_REGISTER_SPLIT[0]),
             ("kConsumerRegs", "int", WS_REGISTER_SPLIT[1]),
+            ("kWriterProducerRegs", "int", WRITER_WS_REGISTER_SPLIT[0]),
+            ("kWriterConsumerRegs", "int", WRITER_WS_REGISTER_SPLIT[1]),
             ("kDetWriterRegs", "int", DET_WS_REGISTER_SPLIT[1]),
             ("kDetConsumerRegs", "int", DET_WS_REGISTER_SPLIT[2]),
             ("kDetWideWriterRegs", "int", DET_WIDE_REGISTER_SPLIT[0]),
@@ -241,6 +252,8 @@ def bwd_validity_errors(cfg: BwdConfig) -> list[str]:
         errors.append("block_q must be 64 or 128 (the dS tile's swizzle needs rows of 64 elements or more)")
     if cfg.tma_loads and not cfg.warp_specialized:
         errors.append("tma_loads is the warp-specialized backwards' (bwd_ws, bwd_wide_ws)")
+    if cfg.dq_writer and not (cfg.tma_loads and cfg.warp_specialized and cfg.head_dim <= 128):
+        errors.append("dq_writer is bwd_ws's with tma_loads (its producer's copies are one thread's)")
     if cfg.warp_specialized:
         errors += _ws_shape_errors(cfg)
     elif cfg.wide:
@@ -344,6 +357,8 @@ def bwd_register_roles(cfg: BwdConfig) -> str:
     if cfg.warp_specialized:
         producer, consumer = WS_REGISTER_SPLIT
         copies, writers, det_consumers = DET_WS_REGISTER_SPLIT
+        if cfg.dq_writer:
+            producer, consumer = WRITER_WS_REGISTER_SPLIT
         return (
             f"setmaxnreg: producer warpgroup {producer}, consumer warpgroups up to {consumer}; deterministic "
             f"kernel: producer {copies}, dQ writers' warpgroup {writers}, consumers up to {det_consumers}"
@@ -358,11 +373,12 @@ def bwd_register_roles(cfg: BwdConfig) -> str:
 
 #: Where the Hopper backward's warp-specialized defaults load Q and dO by TMA (BwdConfig.tma_loads) rather
 #: than by the producer warpgroup's cp.async: (head_dim, causal) pairs, each measured against the cp.async
-#: producer in forward+backward time on an H200 (docs/kernel-log.md steps 130-131). TMA wins at head_dim 256
-#: (0.94-0.98x the time, causal and not, 1k-4k tokens) and at 128 causal (0.94-0.97x); it loses at 128
-#: non-causal (1.015-1.027x: under ncu the dK/dV kernel itself runs level, step 131) and at 64 causal
-#: (1.011x). Both producers stay selectable by name (``..._ws`` and ``..._ws_tma``).
-HOPPER_BWD_TMA_DEFAULT = frozenset({(256, False), (256, True), (128, True)})
+#: producer in forward+backward time on an H200 (docs/kernel-log.md steps 130-133). TMA alone won at head_dim
+#: 256 (0.94-0.98x the time, causal and not, 1k-4k tokens) and 128 causal (0.94-0.97x) and lost at 128
+#: non-causal (1.005-1.027x) and 64 causal (1.011x); with dQ's writer warps, which need it (dq_writer, step
+#: 133), it wins at 64 and 128 both ways (0.90-0.99x at 4k). Every producer stays selectable by name
+#: (``..._ws``, ``..._ws_tma`` and ``..._ws_tma_dqw``).
+HOPPER_BWD_TMA_DEFAULT = frozenset({(d, causal) for d in (64, 128, 256) for causal in (False, True)})
 
 
 def hopper_bwd_config(
@@ -372,6 +388,7 @@ def hopper_bwd_config(
     causal: bool = False,
     warp_specialized: bool = True,
     tma_loads: bool | None = None,
+    dq_writer: bool | None = None,
 ) -> BwdConfig:
     """The Hopper backward's config at head_dim 64 or 128 (its shape is fixed by the kernel: 128 keys per
     block, 128 query rows per step at head_dim 64 and 64 at 128): the warp-specialized kernel (Q and dO by
@@ -382,6 +399,8 @@ def hopper_bwd_config(
     if tma_loads is None:
         tma_loads = (head_dim, bool(causal)) in HOPPER_BWD_TMA_DEFAULT
     tma = warp_specialized and tma_loads
+    # dQ's writer warps (kernel log 133) wherever bwd_ws has the TMA producer, unless asked otherwise.
+    writer = tma and head_dim <= 128 if dq_writer is None else dq_writer
     if head_dim == 256 and warp_specialized:
         return BwdConfig(
             dtype, head_dim, 64, 64, 12, 1, True, wgmma=True, warp_specialized=True, tma_loads=tma
@@ -399,6 +418,7 @@ def hopper_bwd_config(
         wgmma=True,
         warp_specialized=warp_specialized,
         tma_loads=tma,
+        dq_writer=writer,
     )
 
 
@@ -407,12 +427,12 @@ def parse_bwd_config(text: str | BwdConfig) -> BwdConfig:
     if isinstance(text, BwdConfig):
         return text
     m = re.fullmatch(
-        r"bwd_(fp16|bf16)_d(\d+)_q(\d+)_kv(\d+)_w(\d+)_s(\d+)(_buffer)?(_wgmma)?(_ws)?(_tma)?", str(text)
+        r"bwd_(fp16|bf16)_d(\d+)_q(\d+)_kv(\d+)_w(\d+)_s(\d+)(_buffer)?(_wgmma)?(_ws)?(_tma)?(_dqw)?", str(text)
     )
     if not m:
         raise ValueError(f"not a backward config name: {text!r}")
-    dt, d, bq, bkv, w, s, buf, wg, ws, tma = m.groups()
+    dt, d, bq, bkv, w, s, buf, wg, ws, tma, dqw = m.groups()
     return BwdConfig(
         dt, int(d), int(bq), int(bkv), int(w), int(s), buf is not None, wg is not None, ws is not None,
-        tma is not None,
+        tma is not None, dqw is not None,
     )  # fmt: skip

@@ -242,7 +242,7 @@ def bwd_kernel_source(
             if cfg.warp_specialized:
                 targs += f", {_cpp_bool(dropout)}, {_cpp_bool(kind == 'dkdv_det')}"
                 if cfg.tma_loads:
-                    targs += ", true"
+                    targs += ", true" + (", true" if cfg.dq_writer else "")
             elif cfg.wide:
                 targs += f", {_cpp_bool(dropout)}, {_cpp_bool(kind == 'dkdv_det')}"
             entries.append(

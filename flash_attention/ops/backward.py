@@ -165,7 +165,7 @@ def _make_plan(q, k, v, o, do, lse, spec: AttentionSpec, config, lengths=None, s
     if cfg.tma_loads and tma.untileable(q, do):
         # A layout no tensor map describes (a broadcast output gradient, a stride not a multiple of 16
         # bytes): the same kernel with the cp.async producer, which reads any row stride.
-        cfg = dataclasses.replace(cfg, tma_loads=False)
+        cfg = dataclasses.replace(cfg, tma_loads=False, dq_writer=False)
     windowed = window is not None
     kerns = get_bwd_kernels(cfg, arch, **build.variant)
     dkdv_kind = "dkdv_det" if deterministic else "dkdv"

@@ -225,9 +225,12 @@ def bwd_candidate_space(dtype: str, head_dim: int, arch: str = "sm_80") -> list[
             continue
     extra = [default_bwd_config(dtype, d), default_bwd_config(dtype, d, arch)]
     if is_hopper(arch) and d in (64, 128, 256):
-        # The warp-specialized kernels in their producer's two forms (cp.async rows and TMA loads), and the
-        # kernel each replaced (the sm90 kernel at 64 and 128, the wide kernel at 256).
-        extra += [hopper_bwd_config(dtype, d, tma_loads=tma) for tma in (False, True)]
+        # The warp-specialized kernels in their producer's forms (cp.async rows, TMA loads, and at 64 and 128
+        # TMA with dQ's writer warps), and the kernel each replaced (the sm90 kernel at 64 and 128, the wide
+        # kernel at 256).
+        extra += [hopper_bwd_config(dtype, d, tma_loads=tma, dq_writer=False) for tma in (False, True)]
+        if d <= 128:
+            extra.append(hopper_bwd_config(dtype, d, tma_loads=True, dq_writer=True))
         extra.append(hopper_bwd_config(dtype, d, warp_specialized=False))
     elif is_hopper(arch) and d == 192:
         extra.append(hopper_bwd_config(dtype, d))  # the wide kernel (the default: already listed)

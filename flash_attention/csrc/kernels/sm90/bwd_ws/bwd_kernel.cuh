@@ -31,7 +31,7 @@
 //   staged dQ tiles in a fixed order, taking turns on semaphores in the workspace; the walk over the query
 //   blocks and the order of the turns are fa/dq_turns.cuh's (docs/kernel-log.md, steps 49 and 76).
 // * kDropout: P is kept undropped for dS, with the keep decisions in one bit per element (fa/dropout.cuh).
-// * kDqWriter (FA_BWD_DQ_WRITER, the TMA producer's atomic builds; off by default until measured): as in
+// * kDqWriter (BwdConfig.dq_writer, the TMA producer's atomic builds; kernel log 133): as in
 //   FlashAttention-3/-4's Hopper backward, the reductions leave the consumers' path: warps 2 and 3 of the
 //   producer warpgroup (whose Q and dO copies are one thread's TMA) each issue one consumer warpgroup's dQ
 //   reduction and wait for the copy engine's read, so a consumer warpgroup stages its tile and arrives
@@ -86,7 +86,9 @@ namespace sm90 {
 
 // kTma (BwdConfig.tma_loads): Q and dO arrive by TMA (q_map, do_map: BwdTmaParams' maps in the parameter
 // space), issued by the producer's first thread, instead of each producer thread's cp.async rows.
-template <class Cfg, class V, bool kDropout = false, bool kDeterministic = false, bool kTma = false>
+// kWriterWarps (BwdConfig.dq_writer, with kTma): kDqWriter below where the build allows it.
+template <class Cfg, class V, bool kDropout = false, bool kDeterministic = false, bool kTma = false,
+          bool kWriterWarps = false>
 __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const TensorMap* q_map = nullptr,
                                                  const TensorMap* do_map = nullptr) {
   using Mask = typename V::Mask;  // the variant (fa/variant.cuh)
@@ -111,17 +113,15 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
   // warpgroups 2 and 3), 512 x 128 = 65536 (configs.backward.WS_REGISTER_SPLIT, DET_WS_REGISTER_SPLIT).
   constexpr int kThreads = kDeterministic ? 512 : 384;
   constexpr int kConsumerBase = kThreads - 256;  // the first consumer thread
-#ifdef FA_BWD_DQ_WRITER
   // (not with dropout or a score function with a derivative: at 232 registers those consumers spilled)
-  constexpr bool kDqWriter = kTma && !kDeterministic && !kDropout && V::ScoreMod::kUnitGradient;
-#else
-  constexpr bool kDqWriter = false;
-#endif
+  constexpr bool kDqWriter =
+      kWriterWarps && kTma && !kDeterministic && !kDropout && V::ScoreMod::kUnitGradient;
   // With kDqWriter the producer warpgroup's two writer warps share its region: at 24 registers the
   // producer spilled 60-88 bytes (NVRTC 13.0), so that build moves 8 registers of each consumer thread to it
-  // (40 / 232).
-  constexpr int kProducerRegs = kDqWriter ? 40 : Cfg::kProducerRegs;
-  constexpr int kConsumerRegs = kDeterministic ? Cfg::kDetConsumerRegs : kDqWriter ? 232 : Cfg::kConsumerRegs;
+  // (40 / 232, configs.backward.WRITER_WS_REGISTER_SPLIT).
+  constexpr int kProducerRegs = kDqWriter ? Cfg::kWriterProducerRegs : Cfg::kProducerRegs;
+  constexpr int kConsumerRegs =
+      kDeterministic ? Cfg::kDetConsumerRegs : kDqWriter ? Cfg::kWriterConsumerRegs : Cfg::kConsumerRegs;
   static_assert(128 * kProducerRegs + (kDeterministic ? 128 * Cfg::kDetWriterRegs : 0) +
                         256 * kConsumerRegs <=
                     kThreads * (65536 / kThreads / 8 * 8),
