@@ -413,16 +413,17 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
   // exp2's multiplier (fa/variant.cuh backward_score: the scale folded in for the identity).
   const float sl2 = backward_exp2_multiplier<typename V::ScoreMod>(p);
   const float scale = p.scale;
-  // kPipe (FA_BWD_PIPELINE; kernel log 135): dK(it) is issued at step it + 1, between S^T(it + 1) and
+  // kPipe (FA_BWD_PIPELINE; kernel log 135): dK(it) is issued at step it + 1, after S^T(it + 1) and
   // dP^T(it + 1), so that P(it + 1)'s exponentials run with two products on the tensor cores instead of
-  // dP^T alone (the timeline, kernel log 134: exponentials 800-1,140 cycles against dP^T's ~512 at d128);
-  // dS^T(it) is read from its shared-memory tile (K-major rows of this warpgroup's keys), so no dS
-  // registers live on. dQ's staging, which dK ran under before, now has the tensor cores idle; with the
-  // writer warps it is short. Every product retires within its step (a product in flight across the loop's
-  // back edge, or a branch around an issue, made ptxas serialize the wgmma, C7514/C7515, and spill 388-648
-  // bytes). So the first step's dK(-1) is a product of zeros: this warpgroup's rows of the other dS^T
-  // buffer are cleared here and multiply the first slot's Q (finite: the step waits for it first); and the
-  // last dK is issued after the loop. A step's slot is released after dK, at the next step's dP^T wait.
+  // dP^T alone (the timeline, kernel log 134: exponentials 800-1,140 cycles against dP^T's ~512 at d128),
+  // and dS's phase with the rest of dK. dS^T(it) is read from its shared-memory tile (K-major rows of this
+  // warpgroup's keys), so no dS registers live on. dQ's staging, which dK ran under before, now has the
+  // tensor cores idle; with the writer warps it is short. Every product retires within its step (a product
+  // in flight across the loop's back edge, or a branch around an issue, made ptxas serialize the wgmma,
+  // C7514/C7515, and spill 388-648 bytes). So the first step's dK(-1) is a product of zeros: this
+  // warpgroup's rows of the other dS^T buffer are cleared here and multiply the first slot's Q (finite: the
+  // step waits for it first); and the last dK is issued after the loop. A step's slot is released once dK
+  // has retired, after the next step's dV is issued.
   const u64 ds_rows_desc = smem_desc_sw128(sdS + wg * 64 * 128, 16, 1024);  // (A of dK: K-major rows)
   if constexpr (kPipe) {
     if (n_iter == 0) {  // (no query step: zero dK and dV, before any product)
@@ -456,15 +457,16 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
     wgmma_fence();
     issue_key_rows_product<BR, BC, D, BF>(sc, k_desc, q_desc, qoff);
     wgmma_commit();
+    issue_key_rows_product<BR, BC, D, BF>(dp, v_desc, q_desc, kDOOff + qoff);
+    wgmma_commit();
     if constexpr (kPipe) {
-      // dK(it - 1) += dS^T(it - 1) Q(it - 1); at the first step zeros times this slot's Q (see above).
+      // dK(it - 1) += dS^T(it - 1) Q(it - 1), after dP^T so that dS's phase waits for dP^T alone; at the
+      // first step zeros times this slot's Q (see above the loop).
       const u32 prev_qoff = it > 0 ? (u32)((it - 1) % NST) * kQ : qoff;
       issue_key_rows_acc_ss<BR, BC, D, BF>(dk, desc_advance(ds_rows_desc, ((it + 1) & 1) * kDS), qt_desc,
                                            prev_qoff);
       wgmma_commit();
     }
-    issue_key_rows_product<BR, BC, D, BF>(dp, v_desc, q_desc, kDOOff + qoff);
-    wgmma_commit();
 
     // Dropout (kDropout; keep mask Z, kept elements scaled by rp = 1 / (1 - p), fa/dropout.cuh): dV takes
     // P Z rp and dS = P (dP Z rp - delta), so P itself stays undropped in `sc` and the decisions wait in one
@@ -486,7 +488,7 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
         for (int w = 0; w < BR / 64; ++w) keep[w] |= n / 8 == w ? bits : 0u;
       }
     }
-    wgmma_wait<kPipe ? 2 : 1>();  // (kPipe: dK(it - 1) and dP^T may still run)
+    wgmma_wait<kPipe ? 2 : 1>();  // (dP^T, and with kPipe dK(it - 1), may still run)
     wgmma_hold(sc);
     FA_TIMELINE_EVENT(tl, kBwdSLanded, it);
 
@@ -598,13 +600,8 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
       order_before_wgmma_wait(__uint_as_float(x), sdQ_wg, p.seqlen_q);
     }
     FA_TIMELINE_EVENT(tl, kBwdExpDone, it);
-    wgmma_wait<0>();
+    wgmma_wait<kPipe ? 1 : 0>();  // (kPipe: dK(it - 1) may still run, under dS's phase)
     wgmma_hold(dp);
-    if constexpr (kPipe) {
-      // dK(it - 1) has completed too: the last product reading step it - 1's slot and its dS^T buffer.
-      wgmma_hold(dk);
-      if (it > 0) mbar_arrive(empty((it - 1) % NST));
-    }
     FA_TIMELINE_EVENT(tl, kBwdDPLanded, it);
 
     // ---- dS^T = scale P^T (dP^T Z rp - delta) -------------------------------------------------------------
@@ -664,6 +661,12 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
     wgmma_fence();
     issue_key_rows_acc<BR, D, BF>(dv, pf, qt_desc, kDOOff + qoff);
     wgmma_commit();
+    if constexpr (kPipe) {
+      // dK(it - 1) has completed: the last product reading step it - 1's slot and its dS^T buffer.
+      wgmma_wait<1>();
+      wgmma_hold(dk);
+      if (it > 0) mbar_arrive(empty((it - 1) % NST));
+    }
     FA_TIMELINE_EVENT(tl, kBwdDSStored, it);
 
     // The staging tile of this warpgroup's previous dQ has been read by the copy engine (the thread that
