@@ -70,7 +70,9 @@ def test_steps_are_keyed_by_the_recorded_step_index():
 
 def test_the_timeline_build_compiles_with_its_stamps_and_without_spills():
     """FA_TIMELINE reaches the dK/dV kernel (its cubin differs from the library's build of the same unit,
-    whose machine code tools/sass_diff.py checks unchanged) and neither build spills."""
+    whose machine code tools/sass_diff.py checks unchanged) and, with the TMA producer without dQ's writer
+    warps, neither build spills; the default (with them: 40 / 232 registers) spills a few bytes with the
+    stamps only (24-28 at d128, which tools/bwd_timeline.py reports), never in the library's build."""
     import pytest
 
     from flash_attention.configs import default_bwd_config
@@ -80,15 +82,17 @@ def test_the_timeline_build_compiles_with_its_stamps_and_without_spills():
     kind = "nvrtc" if compiler.load_nvrtc() is not None else "nvcc" if compiler.find_nvcc() else None
     if kind is None:
         pytest.skip("needs NVRTC or nvcc")
-    cfg = default_bwd_config("bf16", 128, "sm_90a", causal=True)
-    assert cfg.warp_specialized and not cfg.wide_ws
-    cubins = {}
-    for defines in ("", "#define FA_TIMELINE 1\n"):
-        result = compiler.compile_source(defines + kernel_source(cfg), "sm_90a", cfg.name(), kind)
-        dkdv = [r for r in result.resources if "__dkdv" in r.kernel]
-        assert dkdv and all(r.spill_stores == 0 for r in dkdv), dkdv
-        cubins[bool(defines)] = result.cubin
-    assert cubins[True] != cubins[False]
+    writer = default_bwd_config("bf16", 128, "sm_90a", causal=True)
+    assert writer.warp_specialized and not writer.wide_ws and writer.dq_writer
+    for cfg in (writer.replace(dq_writer=False), writer):
+        cubins = {}
+        for defines in ("", "#define FA_TIMELINE 1\n"):
+            result = compiler.compile_source(defines + kernel_source(cfg), "sm_90a", cfg.name(), kind)
+            dkdv = [r for r in result.resources if "__dkdv" in r.kernel]
+            bound = 32 if defines and cfg.dq_writer else 0
+            assert dkdv and all(r.spill_stores <= bound for r in dkdv), (cfg.name(), defines, dkdv)
+            cubins[bool(defines)] = result.cubin
+        assert cubins[True] != cubins[False]
 
 
 def test_run_swaps_in_the_timeline_kernel_with_the_trace_pointer(monkeypatch):
