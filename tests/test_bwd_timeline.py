@@ -71,8 +71,8 @@ def test_steps_are_keyed_by_the_recorded_step_index():
 def test_the_timeline_build_compiles_with_its_stamps_and_without_spills():
     """FA_TIMELINE reaches the dK/dV kernel (its cubin differs from the library's build of the same unit,
     whose machine code tools/sass_diff.py checks unchanged) and, with the TMA producer without dQ's writer
-    warps, neither build spills; the default (with them: 40 / 232 registers) spills a few bytes with the
-    stamps only (24-28 at d128, which tools/bwd_timeline.py reports), never in the library's build."""
+    warps, neither build spills; the default (with them: 40 / 232 registers) spills at d128 with the stamps
+    only (24-28 bytes, which tools/bwd_timeline.py reports), not in the library's build of it."""
     import pytest
 
     from flash_attention.configs import default_bwd_config

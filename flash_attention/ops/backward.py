@@ -164,7 +164,8 @@ def _make_plan(q, k, v, o, do, lse, spec: AttentionSpec, config, lengths=None, s
     cfg, arch, build = _kernels_of(q, k, spec, config, lengths)
     if cfg.tma_loads and tma.untileable(q, do):
         # A layout no tensor map describes (a broadcast output gradient, a stride not a multiple of 16
-        # bytes): the same kernel with the cp.async producer, which reads any row stride.
+        # bytes): the same kernel with the cp.async producer, which reads any row stride (and without dQ's
+        # writer warps, which need the one-thread TMA producer).
         cfg = dataclasses.replace(cfg, tma_loads=False, dq_writer=False)
     windowed = window is not None
     kerns = get_bwd_kernels(cfg, arch, **build.variant)

@@ -273,7 +273,8 @@ def catalog(
     for each dtype, compiled head_dim, mask and length, the forward and backward configs of plain calls,
     key-padded calls (``key_range``), dropout and both, in both gradient modes (the deterministic kernels
     share the backward's translation unit). Debug (trace) builds and negative softmax scales are not
-    included: no model needs them. The decode kernels of each dtype and head_dim are."""
+    included: no model needs them; nor is the cp.async producer the Hopper backward falls back to for a
+    layout no tensor map describes (ops.backward: a broadcast output gradient), which compiles on first use. The decode kernels of each dtype and head_dim are."""
     jobs: list[BuildJob] = []
     limit = 1 << 30  # the choice below is the heuristic's; fitting the GPU is checked per job by the caller
     for dtype in dtypes:

@@ -588,15 +588,8 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
       // above it (fa/wgmma.cuh, order_before_wgmma_wait). (Kernel log 132 measured the same pin without
       // the pipelined dK: 1.047x d128 non-causal, 0.986x causal.)
       u32 x = 0u;
-      if constexpr (kEarly) {
 #pragma unroll
-        for (int ks = 0; ks < KQ; ++ks)
-#pragma unroll
-          for (int r = 0; r < 4; ++r) x ^= pf[ks][r];
-      } else {
-#pragma unroll
-        for (int i = 0; i < BR / 2; ++i) x ^= __float_as_uint(sc[i]);
-      }
+      for (int i = 0; i < BR / 2; ++i) x ^= __float_as_uint(sc[i]);
       order_before_wgmma_wait(__uint_as_float(x), sdQ_wg, p.seqlen_q);
     }
     FA_TIMELINE_EVENT(tl, kBwdExpDone, it);
