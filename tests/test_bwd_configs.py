@@ -162,7 +162,10 @@ def test_hopper_backward_configs():
     # The key-range and dropout builds exist for the warp-specialized kernel only.
     ws128 = default_bwd_config("bf16", 128, "sm_90")
     src = sources.kernel_source(ws128, ranged=True)
-    assert ws128.symbol("dkdv", True, True) in src and "fa::DefaultVariant<true, true>, false, false, true, true>" in src
+    assert (
+        ws128.symbol("dkdv", True, True) in src
+        and "fa::DefaultVariant<true, true>, false, false, true, true>" in src
+    )
     src = sources.kernel_source(ws128, dropout=True)
     assert ws128.symbol("dkdv", True, False, True) in src
     assert "fa::DefaultVariant<true, false>, true, false, true, true>" in src

@@ -427,7 +427,8 @@ def parse_bwd_config(text: str | BwdConfig) -> BwdConfig:
     if isinstance(text, BwdConfig):
         return text
     m = re.fullmatch(
-        r"bwd_(fp16|bf16)_d(\d+)_q(\d+)_kv(\d+)_w(\d+)_s(\d+)(_buffer)?(_wgmma)?(_ws)?(_tma)?(_dqw)?", str(text)
+        r"bwd_(fp16|bf16)_d(\d+)_q(\d+)_kv(\d+)_w(\d+)_s(\d+)(_buffer)?(_wgmma)?(_ws)?(_tma)?(_dqw)?",
+        str(text),
     )
     if not m:
         raise ValueError(f"not a backward config name: {text!r}")

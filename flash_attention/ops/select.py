@@ -274,7 +274,8 @@ def catalog(
     key-padded calls (``key_range``), dropout and both, in both gradient modes (the deterministic kernels
     share the backward's translation unit). Debug (trace) builds and negative softmax scales are not
     included: no model needs them; nor is the cp.async producer the Hopper backward falls back to for a
-    layout no tensor map describes (ops.backward: a broadcast output gradient), which compiles on first use. The decode kernels of each dtype and head_dim are."""
+    layout no tensor map describes (ops.backward: a broadcast output gradient), which compiles on first use.
+    The decode kernels of each dtype and head_dim are."""
     jobs: list[BuildJob] = []
     limit = 1 << 30  # the choice below is the heuristic's; fitting the GPU is checked per job by the caller
     for dtype in dtypes:

@@ -248,6 +248,15 @@ def build_parser() -> argparse.ArgumentParser:
         "document, SDPA skipped; file tag 'varlen', 'varlen-alibi')",
     )
     p.add_argument(
+        "--features",
+        action="store_true",
+        help="instead of the sweep, each feature of the backward beside the plain call, forward+backward at "
+        "one shape (--head-dims, default 128; --seqlens, default 4k; --tokens, --width, --causal): "
+        "deterministic, dropout, key ranges, a sliding window (--window, default 1024; causal), soft-cap "
+        "(--softcap, default 30), ALiBi, sinks with their gradient, GQA 4:1, a packed batch; each row's "
+        "time and useful TFLOP/s against the plain call's (file tag 'features')",
+    )
+    p.add_argument(
         "--sinks",
         action="store_true",
         help="attention sinks on every shape, a logit per query head (attention()'s sinks=; SDPA and "
@@ -447,6 +456,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _main_decode(args, reps, min_time)
     if args.mode == "model":
         return _main_model(args, reps, min_time)
+    if args.features:
+        return _main_features(args, reps, min_time)
 
     if args.progression:
         # --mode fwd_bwd: the backward's steps (timed alone); otherwise the forward's.
@@ -705,6 +716,30 @@ def _main_varlen(args: argparse.Namespace, reps: int, min_time: float) -> int:
     result = environment(torch.cuda.current_device(), args.commit, args.allow_dirty)
     result.update(mode="varlen", matmul_tflops=None, rows=run_varlen(settings))
     _save_tagged(result, args, "varlen-alibi" if args.alibi else "varlen")
+    return 0
+
+
+def _main_features(args: argparse.Namespace, reps: int, min_time: float) -> int:
+    """``--features``: :mod:`.features`' rows, saved with tag 'features'."""
+    from .features import FeaturesSettings, run_features
+
+    defaults = FeaturesSettings()
+    settings = FeaturesSettings(
+        head_dim=(args.head_dims or (defaults.head_dim,))[0],
+        seqlen=(args.seqlens or (defaults.seqlen,))[0],
+        tokens=args.tokens,
+        width=args.width,
+        causal={"both": (False, True), "yes": (True,), "no": (False,)}[args.causal],
+        dtype=args.dtype or "bf16",
+        window=args.window or defaults.window,
+        softcap=args.softcap or defaults.softcap,
+        warmup=args.warmup,
+        min_reps=reps,
+        min_time_s=min_time,
+    )
+    result = environment(torch.cuda.current_device(), args.commit, args.allow_dirty)
+    result.update(mode="features", matmul_tflops=None, rows=run_features(settings))
+    _save_tagged(result, args, "features")
     return 0
 
 

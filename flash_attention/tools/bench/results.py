@@ -124,8 +124,8 @@ def newest_results(directory: str | os.PathLike | None = None) -> Path:
             r = json.loads(p.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             continue
-        if not isinstance(r, dict) or "rows" not in r:
-            continue
+        if not isinstance(r, dict) or "rows" not in r or r.get("mode") == "features":
+            continue  # (a --features file's rows are one shape's features, not a sweep)
         quick = bool((r.get("settings") or {}).get("quick"))
         stamp = str(r.get("timestamp") or r.get("date") or "")
         candidates.append((not quick, stamp, p.stat().st_mtime, p.name, p))
