@@ -158,6 +158,9 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
   // Deterministic mode: slot s's (query head, first query row), written by the producer before it arrives
   // on full[s], so the consumers need not keep the walk's state (fa/dq_turns.cuh) in their registers.
   const u32 sStep = bars + 8 * (2 * NST + 4);
+  // kPipe (never deterministic, so sStep's words are free): slot s's dO and statistics released (256
+  // consumer arrivals), apart from its Q (empty[s]), which dK reads a step later.
+  auto empty_do = [&](int s) { return sStep + 8 * s; };
   // The producer warpgroup's copying threads: all of them, or with kDqWriter its first two warps (whole rows
   // of K and V per pass: 64 threads are 4 rows of 16 chunks at head_dim 128, 8 of 8 at 64).
   constexpr int kLoaders = kDqWriter ? 64 : 128;
@@ -232,6 +235,7 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
     for (int s = 0; s < NST; ++s) {
       mbar_init(full(s), kLoaders);
       mbar_init(empty(s), 256);
+      if constexpr (kPipe) mbar_init(empty_do(s), 256);
     }
     if constexpr (kDeterministic || kDqWriter) {
       for (int w = 0; w < 2; ++w) {
@@ -317,7 +321,8 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
     for (int it = 0; it < n_iter; ++it) {
       const int s = it % NST;
       // The slot's previous use (step it - NST) has been released by every consumer warp.
-      if (it >= NST) mbar_wait(empty(s), (u32)((it / NST - 1) & 1));
+      // (kPipe: its dO and statistics; its Q, which the consumers release later, is waited for below)
+      if (it >= NST) mbar_wait(kPipe ? empty_do(s) : empty(s), (u32)((it / NST - 1) & 1));
       FA_TIMELINE_EVENT(tl, kBwdSlotFree, it);
       if (it == 0) {
         const u16* gK = static_cast<const u16*>(p.k) + k_offset(p, batch, kv_head, kv_start);
@@ -335,7 +340,22 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
         // head_dim land as zeros, as the copies' zero-fill gives them (the maps' extents).
         // Why TMA (kernel log 130): the cp.async rows cost the producer about 18 instructions per 16-byte copy
         // (addresses, the swizzle, the bounds) -- a third of the d128 kernel's instructions.
-        if (tid == 0) {
+        if constexpr (kPipe) {
+          // dO first, as soon as its slot is free; Q once dK of the slot's previous use has retired (kernel
+          // log 135: about half a step later). Both on full[s], whose phase this thread's arrival, after
+          // both expectations, keeps open.
+          if (tid == 0) {
+            mbar_expect_tx(full(s), kQ);
+#pragma unroll
+            for (int c = 0; c < D / 64; ++c)
+              tma_load_4d(sdO + s * kQ + c * BR * 128, do_map, full(s), 64 * c, q_start, head, batch);
+            if (it >= NST) mbar_wait(empty(s), (u32)((it / NST - 1) & 1));
+            mbar_expect_tx(full(s), kQ);
+#pragma unroll
+            for (int c = 0; c < D / 64; ++c)
+              tma_load_4d(sQ + s * kQ + c * BR * 128, q_map, full(s), 64 * c, q_start, head, batch);
+          }
+        } else if (tid == 0) {
           mbar_expect_tx(full(s), 2 * kQ);
 #pragma unroll
           for (int c = 0; c < D / 64; ++c) {
@@ -675,6 +695,8 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
     wgmma_commit();
     if constexpr (kPipe) {
       wgmma_wait<0>();  // dV and dQ have landed (dK waits for the next step)
+      // dV was the last product reading the slot's dO, and this thread's reads of its statistics are done.
+      mbar_arrive(empty_do(s));
     } else {
       issue_key_rows_acc<BR, D, BF>(dk, sf, qt_desc, qoff);
       wgmma_commit();
