@@ -122,7 +122,13 @@ def test_hopper_backward_configs():
     src = sources.kernel_source(wide_ws)
     assert '#include "sm90/bwd_wide_ws/bwd_kernel.cuh"' in src and "__launch_bounds__(384, 1)" in src
     with pytest.raises(ValueError, match="warp-specialized wide backward"):
-        BwdConfig("bf16", 192, 64, 64, 12, 1, True, wgmma=True, warp_specialized=True)
+        BwdConfig("bf16", 160, 64, 64, 12, 1, True, wgmma=True, warp_specialized=True)
+    # At head_dim 192 the same kernel (warpgroup 0 dV^T, warpgroup 1 dK^T, dQ's columns 128 / 64: kernel log
+    # 136) is selectable by warp_specialized=True; the wide kernel stays the default there until measured.
+    ws192 = hopper_bwd_config("bf16", 192, warp_specialized=True, tma_loads=True)
+    assert ws192.wide_ws and ws192.threads == 384 and parse_bwd_config(ws192.name()) == ws192
+    assert ws192.smem_bytes == 2 * 64 * 192 * 2 + 4 * 64 * 192 * 2 + 2 * 64 * 64 * 2 + 2 * 64 * 8 + 32 + 1024
+    assert not default_bwd_config("bf16", 192, "sm_90").warp_specialized
     # Head_dim 192 (and 256's dropout and deterministic calls): the wide kernel, both warpgroups on 64 keys,
     # one keeping dV and the other dK.
     wide = hopper_bwd_config("bf16", 256, warp_specialized=False)

@@ -266,11 +266,11 @@ def bwd_validity_errors(cfg: BwdConfig) -> list[str]:
 
 
 def _ws_shape_errors(cfg: BwdConfig) -> list[str]:
-    """The warp-specialized kernels' fixed shapes (csrc/kernels/sm90/bwd_ws; bwd_wide_ws at head_dim 256)."""
+    """The warp-specialized kernels' fixed shapes (csrc/kernels/sm90/bwd_ws; bwd_wide_ws at head_dim 192 and
+    256)."""
     errors = []
     if cfg.head_dim > 128:
-        if (
-            cfg.head_dim,
+        if cfg.head_dim not in (192, 256) or (
             cfg.block_q,
             cfg.block_kv,
             cfg.num_warps,
@@ -278,7 +278,6 @@ def _ws_shape_errors(cfg: BwdConfig) -> list[str]:
             cfg.double_buffer,
             cfg.wgmma,
         ) != (
-            256,
             64,
             64,
             12,
@@ -287,8 +286,8 @@ def _ws_shape_errors(cfg: BwdConfig) -> list[str]:
             True,
         ):
             errors.append(
-                "the warp-specialized wide backward is head_dim 256, block_q 64, block_kv 64, a producer and "
-                "two computing warpgroups (num_warps 12), double buffered, unsplit, wgmma"
+                "the warp-specialized wide backward is head_dim 192 or 256, block_q 64, block_kv 64, a producer "
+                "and two computing warpgroups (num_warps 12), double buffered, unsplit, wgmma"
             )
         return errors
     if not cfg.wgmma or cfg.num_warps != 12 or cfg.block_kv != 128 or cfg.split != 1:
@@ -380,13 +379,18 @@ def bwd_register_roles(cfg: BwdConfig) -> str:
 #: (``..._ws``, ``..._ws_tma`` and ``..._ws_tma_dqw``).
 HOPPER_BWD_TMA_DEFAULT = frozenset({(d, causal) for d in (64, 128, 256) for causal in (False, True)})
 
+#: The head dims above 128 whose default Hopper backward is the warp-specialized wide kernel
+#: (csrc/kernels/sm90/bwd_wide_ws); it runs head_dim 192 as well (kernel log 136), which stays on the wide
+#: kernel by default until measured against it (``warp_specialized=True`` selects it).
+HOPPER_BWD_WIDE_WS_DEFAULT = frozenset({256})
+
 
 def hopper_bwd_config(
     dtype: str,
     head_dim: int,
     *,
     causal: bool = False,
-    warp_specialized: bool = True,
+    warp_specialized: bool | None = None,
     tma_loads: bool | None = None,
     dq_writer: bool | None = None,
 ) -> BwdConfig:
@@ -395,13 +399,16 @@ def hopper_bwd_config(
     TMA with ``tma_loads``, by default where HOPPER_BWD_TMA_DEFAULT lists the head_dim and mask), or with
     ``warp_specialized=False`` the sm90 wgmma kernel it replaced. At head_dim 256 the warp-specialized wide
     kernel (64 keys, 64 query rows per step, csrc/kernels/sm90/bwd_wide_ws), or with
-    ``warp_specialized=False`` the wide kernel, which is also head_dim 192's."""
+    ``warp_specialized=False`` the wide kernel, which is also head_dim 192's default
+    (HOPPER_BWD_WIDE_WS_DEFAULT; ``warp_specialized=True`` selects the warp-specialized one there)."""
+    if warp_specialized is None:
+        warp_specialized = head_dim <= 128 or head_dim in HOPPER_BWD_WIDE_WS_DEFAULT
     if tma_loads is None:
         tma_loads = (head_dim, bool(causal)) in HOPPER_BWD_TMA_DEFAULT
     tma = warp_specialized and tma_loads
     # dQ's writer warps (kernel log 133) wherever bwd_ws has the TMA producer, unless asked otherwise.
     writer = tma and head_dim <= 128 if dq_writer is None else dq_writer
-    if head_dim == 256 and warp_specialized:
+    if head_dim in (192, 256) and warp_specialized:
         return BwdConfig(
             dtype, head_dim, 64, 64, 12, 1, True, wgmma=True, warp_specialized=True, tma_loads=tma
         )

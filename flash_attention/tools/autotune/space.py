@@ -234,6 +234,8 @@ def bwd_candidate_space(dtype: str, head_dim: int, arch: str = "sm_80") -> list[
         extra.append(hopper_bwd_config(dtype, d, warp_specialized=False))
     elif is_hopper(arch) and d == 192:
         extra.append(hopper_bwd_config(dtype, d))  # the wide kernel (the default: already listed)
+        # the warp-specialized wide kernel, selectable there (kernel log 136), in its producer's two forms
+        extra += [hopper_bwd_config(dtype, d, warp_specialized=True, tma_loads=tma) for tma in (False, True)]
     for cfg in extra:
         if cfg is not None and cfg not in out:
             out.append(cfg)

@@ -71,4 +71,17 @@ __device__ __forceinline__ void load_tile_rolled(u32 s_tile, const u16* g, i64 r
   }
 }
 
+// load_tile_rolled for a PanelTile<R> whose rows the threads do not cover whole (head_dim 192: 24 chunks
+// per row, 128 threads): one 64-column panel after the other, each a D = 64 tile the threads do cover,
+// `head_dim` taken per panel (a panel past it is zero-filled).
+template <int R, int D, int kThreads>
+__device__ __forceinline__ void load_tile_rolled_panels(u32 s_tile, const u16* g, i64 row_stride,
+                                                        int rows_valid, int head_dim, int tid) {
+  static_assert(D % 64 == 0, "whole 64-column panels");
+#pragma unroll 1
+  for (int c = 0; c < D / 64; ++c)
+    load_tile_rolled<R, 64, kThreads, PanelTile<R>>(s_tile + c * R * 128, g + 64 * c, row_stride, rows_valid,
+                                                    head_dim - 64 * c, tid);
+}
+
 }  // namespace fa

@@ -60,6 +60,19 @@ __device__ __forceinline__ void stage_dq_tiles(const u32 (&stage)[kTiles], const
                             __float_as_uint(dq[4 * n + 2]), __float_as_uint(dq[4 * n + 3])));
 }
 
+// The same staging in half tiles (64 rows x 32 columns, 8 KB, contiguous in the tiled layout too: n-tiles
+// 4 h .. 4 h + 3 of a tile are its chunks 512 h .. 512 h + 511), half h of the part at stage[h]: for a kernel
+// whose free shared memory comes in pieces smaller than a tile (bwd_wide_ws at head_dim 192).
+template <int N>
+__device__ __forceinline__ void stage_dq_halves(const u32 (&stage)[N / 32], const float (&dq)[N / 2], int u) {
+  static_assert(N % 32 == 0, "whole 32-column halves");
+#pragma unroll
+  for (int n = 0; n < N / 8; ++n)
+    st_shared_16(stage[n / 4] + (u32)((n % 4) * 128 + u) * 16,
+                 make_uint4(__float_as_uint(dq[4 * n]), __float_as_uint(dq[4 * n + 1]),
+                            __float_as_uint(dq[4 * n + 2]), __float_as_uint(dq[4 * n + 3])));
+}
+
 // The deterministic warp-specialized backward's workspace (p.dq_lanes 1 or 2, fa/dq_turns.cuh): dq_lanes
 // accumulators of the layout above, one after the other (lane 1 holds the additions of the wrapped walks),
 // then four int semaphores per (batch, head, 64-row unit of the padded query rows): (lane, consumer

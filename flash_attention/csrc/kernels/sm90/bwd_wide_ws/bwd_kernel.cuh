@@ -45,8 +45,12 @@
 // Shared memory (bytes from a 1024-aligned base, BwdWideWsSmem): K and V (64 x 256 each), two slots of Q
 // and dO (64 x 256 each), P and dS (64 x 64 each), two slots of statistics, the barriers: 210 KB.
 //
+// Head_dim 192 (selectable by name, not yet the default; kernel log 136): three 64-row blocks of head_dim do
+// not halve, so warpgroup 0 keeps dV^T and warpgroup 1 dK^T (96 registers each), dQ's columns split 128 / 64
+// by K's panels, and dQ is staged in 8 KB halves of 64 x 64 tiles where the slot's Q (24 KB) and dO were.
+//
 // What it does not have (configs/families.py routes those calls to the wide kernel): dropout, the
-// deterministic mode, head_dim 192.
+// deterministic mode.
 #pragma once
 
 #include "fa/block_range.cuh"
@@ -148,6 +152,59 @@ __device__ __forceinline__ void copy_out_key_rows(u16* dst, i64 row_stride, int 
   }
 }
 
+// Head_dim 192's step after barrier 1, for one computing warpgroup (warpgroup 0: dV^T += dO^T P and dQ's
+// columns [0, 128), N = 128; warpgroup 1: dK^T += Q^T dS and columns [128, 192), N = 64): the head-row
+// product into `hacc` (A: the 64-column panels of dO or Q at at_off, B: P or dS), dQ = dS K over its N
+// columns, every product retired; barrier 2 (both warpgroups' products of the step done: the slot may take
+// dQ); dQ staged in 8 KB halves where the slot's Q and dO were (their 24 KB each hold warpgroup 0's two tiles
+// in their first 16 KB and warpgroup 1's tile split over their last 8 KB), barrier 3 + wg, then one bulk
+// reduce-add per half by the warpgroup's first thread, the others releasing the slot (`empty`) as at 256.
+template <int N, int BR, int BC, int D, bool BF>
+__device__ __forceinline__ void wide192_products_and_dq(float (&hacc)[3][BC / 2], u64 qt_desc, u32 at_off,
+                                                        u64 b_desc, u64 ds_desc, u64 kt_desc, u32 slot_q,
+                                                        u32 slot_do, float* dq_accum, i64 ws_row, u32 empty,
+                                                        int ctid) {
+  static_assert(D == 192 && (N == 128 || N == 64), "head_dim 192's two warpgroups");
+  float dq[N / 2];
+  wgmma_fence();
+#pragma unroll
+  for (int hb = 0; hb < 3; ++hb) issue_head_rows_acc<BR, BC, BF>(hacc[hb], qt_desc, at_off + hb * BR * 128, b_desc);
+  issue_dq_from_ds<BC, N, BF>(dq, ds_desc, kt_desc);  // (kt_desc: K's panel 2 wg, as at 256)
+  wgmma_commit();
+  wgmma_wait<0>();
+  wgmma_hold(dq);
+#pragma unroll
+  for (int hb = 0; hb < 3; ++hb) wgmma_hold(hacc[hb]);
+  named_barrier_sync(2, 256);
+  u32 stage[N / 32];
+  if constexpr (N == 128) {
+    stage[0] = slot_q;
+    stage[1] = slot_q + 8192;
+    stage[2] = slot_do;
+    stage[3] = slot_do + 8192;
+  } else {
+    stage[0] = slot_q + 16384;
+    stage[1] = slot_do + 16384;
+  }
+  stage_dq_halves<N>(stage, dq, ctid % 128);
+  fence_proxy_async();
+  // (barrier ids fixed at compile time: a run-time id makes ptxas reserve all sixteen)
+  if constexpr (N == 128) {
+    named_barrier_sync(3, 128);
+  } else {
+    named_barrier_sync(4, 128);
+  }
+  if (ctid % 128 != 0) {
+    mbar_arrive(empty);
+  } else {
+    constexpr int kCol0 = N == 128 ? 0 : 128;
+#pragma unroll
+    for (int h = 0; h < N / 32; ++h)
+      bulk_reduce_add_f32(dq_accum + dq_accum_offset<D, true>(ws_row, kCol0 + 32 * h), stage[h], 64 * 32 * 4);
+    bulk_commit();
+  }
+}
+
 // kTma (BwdConfig.tma_loads): Q and dO by TMA from q_map and do_map, as in csrc/kernels/sm90/bwd_ws.
 template <class Cfg, class V, bool kDropout = false, bool kDeterministic = false, bool kTma = false>
 __device__ __forceinline__ void bwd_wide_ws_dkdv_body(const BwdParams& p, const TensorMap* q_map = nullptr,
@@ -164,8 +221,8 @@ __device__ __forceinline__ void bwd_wide_ws_dkdv_body(const BwdParams& p, const 
   constexpr int BC = Cfg::kBlockKV;  // key rows of the block
   constexpr int NK = BC / 2;         // keys of S and dP per computing warpgroup
   constexpr int NST = Cfg::kStages;
-  static_assert(Cfg::kNumWarps == 12 && BR == 64 && BC == 64 && D == 256,
-                "a producer and two computing warpgroups, 64 queries x 64 keys, head_dim 256");
+  static_assert(Cfg::kNumWarps == 12 && BR == 64 && BC == 64 && (D == 256 || D == 192),
+                "a producer and two computing warpgroups, 64 queries x 64 keys, head_dim 256 or 192");
   using Smem = BwdWideWsSmem<BR, BC, D, NST>;
   static_assert(Smem::kBytes <= Cfg::kSmemBytes, "the shared-memory layout exceeds the config's smem_bytes");
   static_assert(128 * Cfg::kProducerRegs + 256 * Cfg::kConsumerRegs <= 384 * 168,
@@ -224,10 +281,17 @@ __device__ __forceinline__ void bwd_wide_ws_dkdv_body(const BwdParams& p, const 
       if (it == 0) {
         const u16* gK = static_cast<const u16*>(p.k) + k_offset(p, batch, kv_head, kv_start);
         const u16* gV = static_cast<const u16*>(p.v) + v_offset(p, batch, kv_head, kv_start);
-        load_tile_rolled<BC, D, kLoaders, KVTile>(sK, gK, p.k_row_stride, p.seqlen_k - kv_start, p.head_dim,
-                                                  tid);
-        load_tile_rolled<BC, D, kLoaders, KVTile>(sV, gV, p.v_row_stride, p.seqlen_k - kv_start, p.head_dim,
-                                                  tid);
+        if constexpr (D == 192) {  // (rows of 24 chunks: fa/copy.cuh, panel by panel)
+          load_tile_rolled_panels<BC, D, kLoaders>(sK, gK, p.k_row_stride, p.seqlen_k - kv_start, p.head_dim,
+                                                   tid);
+          load_tile_rolled_panels<BC, D, kLoaders>(sV, gV, p.v_row_stride, p.seqlen_k - kv_start, p.head_dim,
+                                                   tid);
+        } else {
+          load_tile_rolled<BC, D, kLoaders, KVTile>(sK, gK, p.k_row_stride, p.seqlen_k - kv_start, p.head_dim,
+                                                    tid);
+          load_tile_rolled<BC, D, kLoaders, KVTile>(sV, gV, p.v_row_stride, p.seqlen_k - kv_start, p.head_dim,
+                                                    tid);
+        }
       }
       const int head = head_of(it);
       const int q_start = q_start_of(it);
@@ -246,10 +310,17 @@ __device__ __forceinline__ void bwd_wide_ws_dkdv_body(const BwdParams& p, const 
       } else {
         const u16* gQ = static_cast<const u16*>(p.q) + q_offset(p, batch, head, q_start);
         const u16* gdO = static_cast<const u16*>(p.dout) + do_offset(p, batch, head, q_start);
-        load_tile_rolled<BR, D, kLoaders, QTile>(sQ + s * Smem::kQ, gQ, p.q_row_stride, p.seqlen_q - q_start,
-                                                 p.head_dim, tid);
-        load_tile_rolled<BR, D, kLoaders, QTile>(sdO + s * Smem::kQ, gdO, p.do_row_stride,
-                                                 p.seqlen_q - q_start, p.head_dim, tid);
+        if constexpr (D == 192) {
+          load_tile_rolled_panels<BR, D, kLoaders>(sQ + s * Smem::kQ, gQ, p.q_row_stride, p.seqlen_q - q_start,
+                                                   p.head_dim, tid);
+          load_tile_rolled_panels<BR, D, kLoaders>(sdO + s * Smem::kQ, gdO, p.do_row_stride,
+                                                   p.seqlen_q - q_start, p.head_dim, tid);
+        } else {
+          load_tile_rolled<BR, D, kLoaders, QTile>(sQ + s * Smem::kQ, gQ, p.q_row_stride, p.seqlen_q - q_start,
+                                                   p.head_dim, tid);
+          load_tile_rolled<BR, D, kLoaders, QTile>(sdO + s * Smem::kQ, gdO, p.do_row_stride,
+                                                   p.seqlen_q - q_start, p.head_dim, tid);
+        }
       }
       // The statistics are the preprocessing kernel's output (programmatic launch: fa/grid_dependency.cuh).
       if (it == 0) grid_dependency_wait();
@@ -279,12 +350,22 @@ __device__ __forceinline__ void bwd_wide_ws_dkdv_body(const BwdParams& p, const 
   const int g = lane / 4;
   const int t = lane % 4;
 
-  // dV^T and dK^T: head_dim rows [128 wg + 64 hb, +64) for hb = 0, 1, all BC keys.
-  float dvt[2][BC / 2], dkt[2][BC / 2];
+  // Head_dim 256: dV^T and dK^T, head_dim rows [128 wg + 64 hb, +64) for hb = 0, 1, all BC keys.
+  float dvt[D == 256 ? 2 : 1][BC / 2], dkt[D == 256 ? 2 : 1][BC / 2];
 #pragma unroll
-  for (int hb = 0; hb < 2; ++hb)
+  for (int hb = 0; hb < (D == 256 ? 2 : 1); ++hb)
 #pragma unroll
     for (int i = 0; i < BC / 2; ++i) dvt[hb][i] = dkt[hb][i] = 0.f;
+  // Head_dim 192, whose three 64-row blocks do not halve: warpgroup 0 keeps all of dV^T, warpgroup 1 all of
+  // dK^T (96 registers each, the wide kernel's split by product), and dQ's columns split 128 / 64 (whole
+  // 64-column panels of K): of a step's nine units of 64 x 64 outputs over its 64 queries after S and dP (which split evenly)
+  // warpgroup 0 does five and warpgroup 1 four; the tensor cores are shared, so the imbalance costs only
+  // warpgroup 1's wait at barrier 2.
+  float hacc[D == 192 ? 3 : 1][BC / 2];
+#pragma unroll
+  for (int hb = 0; hb < (D == 192 ? 3 : 1); ++hb)
+#pragma unroll
+    for (int i = 0; i < BC / 2; ++i) hacc[hb][i] = 0.f;
 
   // Descriptors (fa/wgmma.cuh). K-major tiles: 8-row groups 1024 bytes apart. MN-major tiles: 64-column
   // panels R * 128 bytes apart (the leading byte offset).
@@ -372,50 +453,67 @@ __device__ __forceinline__ void bwd_wide_ws_dkdv_body(const BwdParams& p, const 
     // Barrier 1: both halves of P and dS are written and fenced for the tensor cores.
     named_barrier_sync(1, 256);
 
-    // ---- dV^T += dO^T P, dK^T += Q^T dS (head_dim rows of this warpgroup), then dQ = dS K (its columns) ----
-    float dq[D / 4];
-    wgmma_fence();
+    if constexpr (D == 256) {
+      // ---- dV^T += dO^T P, dK^T += Q^T dS (head_dim rows of this warpgroup), then dQ = dS K (its columns) ----
+      float dq[D / 4];
+      wgmma_fence();
 #pragma unroll
-    for (int hb = 0; hb < 2; ++hb)
-      issue_head_rows_acc<BR, BC, BF>(dvt[hb], qt_desc, kDOOff + qoff + (2 * wg + hb) * BR * 128, pt_desc);
+      for (int hb = 0; hb < 2; ++hb)
+        issue_head_rows_acc<BR, BC, BF>(dvt[hb], qt_desc, kDOOff + qoff + (2 * wg + hb) * BR * 128, pt_desc);
 #pragma unroll
-    for (int hb = 0; hb < 2; ++hb)
-      issue_head_rows_acc<BR, BC, BF>(dkt[hb], qt_desc, qoff + (2 * wg + hb) * BR * 128, dst_desc);
-    issue_dq_from_ds<BC, D / 2, BF>(dq, ds_desc, kt_desc);
-    wgmma_commit();
-    wgmma_wait<0>();
-    wgmma_hold(dq);
+      for (int hb = 0; hb < 2; ++hb)
+        issue_head_rows_acc<BR, BC, BF>(dkt[hb], qt_desc, qoff + (2 * wg + hb) * BR * 128, dst_desc);
+      issue_dq_from_ds<BC, D / 2, BF>(dq, ds_desc, kt_desc);
+      wgmma_commit();
+      wgmma_wait<0>();
+      wgmma_hold(dq);
 #pragma unroll
-    for (int hb = 0; hb < 2; ++hb) {
-      wgmma_hold(dvt[hb]);
-      wgmma_hold(dkt[hb]);
-    }
-    // Barrier 2: every product of the step has completed in both warpgroups: the slot's Q and dO may take
-    // dQ's staging, and the next step may rewrite P and dS.
-    named_barrier_sync(2, 256);
+      for (int hb = 0; hb < 2; ++hb) {
+        wgmma_hold(dvt[hb]);
+        wgmma_hold(dkt[hb]);
+      }
+      // Barrier 2: every product of the step has completed in both warpgroups: the slot's Q and dO may take
+      // dQ's staging, and the next step may rewrite P and dS.
+      named_barrier_sync(2, 256);
 
-    // ---- dQ out: staged in the slot (warpgroup 0 where Q was, 1 where dO was), two bulk reduce-adds -------
-    const u32 buffer = sQ + wg * kDOOff + qoff;
-    const u32 stage[2] = {buffer, buffer + 64 * 64 * 4};
-    static_assert(Smem::kQ == 2 * 64 * 64 * 4, "a slot holds a warpgroup's two staged dQ tiles");
-    stage_dq_tiles<D / 2>(stage, dq, ctid % 128);
-    fence_proxy_async();
-    // The warpgroup's tiles are staged and fenced for the copy engine (ids fixed at compile time: a run-time
-    // id makes ptxas reserve all sixteen barriers).
-    if (wg == 0) {
-      named_barrier_sync(3, 128);
-    } else {
-      named_barrier_sync(4, 128);
-    }
-    if (ctid % 128 != 0) {
-      mbar_arrive(empty(s));
-    } else {
-      const i64 ws_row = workspace_row(p, batch, head, q_start);
+      // ---- dQ out: staged in the slot (warpgroup 0 where Q was, 1 where dO was), two bulk reduce-adds -------
+      const u32 buffer = sQ + wg * kDOOff + qoff;
+      const u32 stage[2] = {buffer, buffer + 64 * 64 * 4};
+      static_assert(Smem::kQ == 2 * 64 * 64 * 4, "a slot holds a warpgroup's two staged dQ tiles");
+      stage_dq_tiles<D / 2>(stage, dq, ctid % 128);
+      fence_proxy_async();
+      // The warpgroup's tiles are staged and fenced for the copy engine (ids fixed at compile time: a run-time
+      // id makes ptxas reserve all sixteen barriers).
+      if (wg == 0) {
+        named_barrier_sync(3, 128);
+      } else {
+        named_barrier_sync(4, 128);
+      }
+      if (ctid % 128 != 0) {
+        mbar_arrive(empty(s));
+      } else {
+        const i64 ws_row = workspace_row(p, batch, head, q_start);
 #pragma unroll
-      for (int tile = 0; tile < 2; ++tile)
-        bulk_reduce_add_f32(p.dq_accum + dq_accum_offset<D, true>(ws_row, D / 2 * wg + 64 * tile), stage[tile],
-                            64 * 64 * 4);
-      bulk_commit();
+        for (int tile = 0; tile < 2; ++tile)
+          bulk_reduce_add_f32(p.dq_accum + dq_accum_offset<D, true>(ws_row, D / 2 * wg + 64 * tile), stage[tile],
+                              64 * 64 * 4);
+        bulk_commit();
+      }
+    } else {
+      // ---- head_dim 192: warpgroup 0 dV^T += dO^T P and dQ[:, 0:128) = dS K; warpgroup 1 dK^T += Q^T dS and
+      // dQ[:, 128:192). The two arms differ only in dQ's width (the instruction's N); each retires its
+      // products before the branch joins.
+      const u32 slot_q = sQ + qoff, slot_do = sQ + kDOOff + qoff;
+      const u32 at_off = (wg == 0 ? kDOOff : 0u) + qoff;  // dO^T's panels for dV^T, Q^T's for dK^T
+      const u64 b_desc = wg == 0 ? pt_desc : dst_desc;    // P for dV^T, dS for dK^T
+      const i64 ws_row = workspace_row(p, batch, head, q_start);
+      if (wg == 0) {
+        wide192_products_and_dq<128, BR, BC, D, BF>(hacc, qt_desc, at_off, b_desc, ds_desc, kt_desc, slot_q,
+                                                     slot_do, p.dq_accum, ws_row, empty(s), ctid);
+      } else {
+        wide192_products_and_dq<64, BR, BC, D, BF>(hacc, qt_desc, at_off, b_desc, ds_desc, kt_desc, slot_q,
+                                                    slot_do, p.dq_accum, ws_row, empty(s), ctid);
+      }
     }
   }
   // No reduction may outlive the shared memory it reads.
@@ -423,11 +521,17 @@ __device__ __forceinline__ void bwd_wide_ws_dkdv_body(const BwdParams& p, const 
 
   // ---- epilogue: dK and dV through shared memory (K's and V's tiles: no product reads them any more) -------
   // The softmax scale is already in dS, so dK needs none.
+  if constexpr (D == 256) {
 #pragma unroll
-  for (int hb = 0; hb < 2; ++hb) {
-    const int d0 = 128 * wg + 64 * hb + 16 * wq;
-    store_head_rows_transposed<BC, D, BF>(sK, dkt[hb], d0, lane);
-    store_head_rows_transposed<BC, D, BF>(sV, dvt[hb], d0, lane);
+    for (int hb = 0; hb < 2; ++hb) {
+      const int d0 = 128 * wg + 64 * hb + 16 * wq;
+      store_head_rows_transposed<BC, D, BF>(sK, dkt[hb], d0, lane);
+      store_head_rows_transposed<BC, D, BF>(sV, dvt[hb], d0, lane);
+    }
+  } else {  // (head_dim 192: warpgroup 0's rows are dV's, warpgroup 1's dK's)
+#pragma unroll
+    for (int hb = 0; hb < 3; ++hb)
+      store_head_rows_transposed<BC, D, BF>(wg == 0 ? sV : sK, hacc[hb], 64 * hb + 16 * wq, lane);
   }
   named_barrier_sync(1, 256);
   copy_out_key_rows<BC, D>(static_cast<u16*>(p.dk) + dk_offset(p, batch, kv_head, kv_start), p.dk_row_stride,
