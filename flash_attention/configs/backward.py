@@ -104,9 +104,10 @@ class BwdConfig:
 
     @property
     def wide_ws(self) -> bool:
-        """Whether this is the warp-specialized wide backward (head_dim 256, csrc/kernels/sm90/bwd_wide_ws):
-        S and dP with queries as rows split by keys between the computing warpgroups, dK and dV with head_dim
-        as rows split by head_dim; no dropout or deterministic build (the wide kernel takes those)."""
+        """Whether this is the warp-specialized wide backward (head_dim 256, and 192 where selected;
+        csrc/kernels/sm90/bwd_wide_ws): S and dP with queries as rows split by keys between the computing
+        warpgroups, dK and dV with head_dim as rows (split by head_dim at 256, by product at 192); no dropout
+        or deterministic build (the wide kernel takes those)."""
         return self.warp_specialized and self.head_dim > 128
 
     @property
@@ -377,7 +378,9 @@ def bwd_register_roles(cfg: BwdConfig) -> str:
 #: non-causal (1.005-1.027x) and 64 causal (1.011x); with dQ's writer warps, which need it (dq_writer, step
 #: 133), it wins at 64 and 128 both ways (0.90-0.99x at 4k). Every producer stays selectable by name
 #: (``..._ws``, ``..._ws_tma`` and ``..._ws_tma_dqw``).
-HOPPER_BWD_TMA_DEFAULT = frozenset({(d, causal) for d in (64, 128, 256) for causal in (False, True)})
+#: (192: the warp-specialized wide kernel where it is selected there, HOPPER_BWD_WIDE_WS_DEFAULT; its
+#: cp.async producer spills 12 bytes at 192, the TMA one none, kernel log 136.)
+HOPPER_BWD_TMA_DEFAULT = frozenset({(d, causal) for d in (64, 128, 192, 256) for causal in (False, True)})
 
 #: The head dims above 128 whose default Hopper backward is the warp-specialized wide kernel
 #: (csrc/kernels/sm90/bwd_wide_ws); it runs head_dim 192 as well (kernel log 136), which stays on the wide

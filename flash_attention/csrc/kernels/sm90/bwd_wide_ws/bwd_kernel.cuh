@@ -1,6 +1,6 @@
 // FlashAttention-2 backward's dK/dV kernel (dQ added into an fp32 workspace) for Hopper (sm_90a) at head_dim
-// 256, warp-specialized, with the products oriented so that neither computing warpgroup waits for the other
-// inside a step's chain.
+// 256 (and 192, below), warp-specialized, with the products oriented so that neither computing warpgroup waits
+// for the other inside a step's chain.
 //
 // Why not the wide kernel (csrc/kernels/sm90/bwd_wide): there the two warpgroups split the work by product
 // on one 64-key block (warpgroup 0 S^T, P^T and dV; warpgroup 1 dP^T, dS^T and dK), so warpgroup 1 waits
@@ -12,10 +12,10 @@
 //     exchange, computed as soon as its own products land;
 //   P and dS go to shared memory (bf16, 64 x 64 each, one 128-byte-swizzled panel), and one named barrier
 //     makes both halves visible;
-//   dV^T += dO^T P and dK^T += Q^T dS with head_dim as rows: warpgroup c keeps head_dim rows
+//   dV^T += dO^T P and dK^T += Q^T dS with head_dim as rows: at 256, warpgroup c keeps head_dim rows
 //     [128 c, 128 c + 128) of both, for all 64 keys (two m64n64k16 row blocks each, K = the 64 queries):
 //     2 x 2 x 32 = 128 accumulator registers, where keys as rows would need 2 x 256 per warpgroup of 64 keys;
-//   dQ = dS K for head_dim columns [128 c, 128 c + 128) (m64n128k16, K = 64 keys), staged and added with
+//   dQ = dS K for head_dim columns [128 c, 128 c + 128) at 256 (m64n128k16, K = 64 keys), staged and added with
 //     bulk reduce-adds as in the other Hopper backwards.
 // A producer warpgroup copies K and V once and each step's Q, dO and statistics into a ring of two slots,
 // as the warp-specialized kernel does (csrc/kernels/sm90/bwd_ws, whose comments on the copies, PDL and the
@@ -344,7 +344,8 @@ __device__ __forceinline__ void bwd_wide_ws_dkdv_body(const BwdParams& p, const 
   setmaxnreg_inc<Cfg::kConsumerRegs>();
   grid_dependency_wait();  // (the statistics and the dQ workspace: the preprocessing kernel's output)
   const int ctid = tid - 128;
-  const int wg = warpgroup_index() - 1;  // keys [NK wg, NK wg + NK) of S and dP; head_dim rows [128 wg, +128)
+  // keys [NK wg, NK wg + NK) of S and dP; at 256 head_dim rows [128 wg, +128), at 192 dV^T's (0) or dK^T's (1)
+  const int wg = warpgroup_index() - 1;
   const int wq = (ctid / 32) % 4;        // the warp's 16 rows of a 64-row product
   const int lane = tid % 32;
   const int g = lane / 4;

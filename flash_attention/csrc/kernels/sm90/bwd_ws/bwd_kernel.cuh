@@ -123,6 +123,8 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
 #else
   constexpr bool kPipe = false;
 #endif
+  // (its split release of a slot is written for the TMA producer: the cp.async one would refill Q early)
+  static_assert(!kPipe || kTma, "the pipelined order needs the TMA producer");
   // With kDqWriter the producer warpgroup's two writer warps share its region: at 24 registers the
   // producer spilled 60-88 bytes (NVRTC 13.0), so that build moves 8 registers of each consumer thread to it
   // (40 / 232, configs.backward.WRITER_WS_REGISTER_SPLIT).
@@ -323,7 +325,7 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
       // The slot's previous use (step it - NST) has been released by every consumer warp.
       // (kPipe: its dO and statistics; its Q, which the consumers release later, is waited for below)
       if (it >= NST) mbar_wait(kPipe ? empty_do(s) : empty(s), (u32)((it / NST - 1) & 1));
-      FA_TIMELINE_EVENT(tl, kBwdSlotFree, it);
+      FA_TIMELINE_EVENT(tl, kBwdSlotFree, it);  // (kPipe: the slot's dO and statistics only; Q below)
       if (it == 0) {
         const u16* gK = static_cast<const u16*>(p.k) + k_offset(p, batch, kv_head, kv_start);
         const u16* gV = static_cast<const u16*>(p.v) + v_offset(p, batch, kv_head, kv_start);
