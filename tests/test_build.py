@@ -169,6 +169,14 @@ ptxas info    : Used 168 registers, used 16 barriers
     got = {r.kernel: r.wgmma_serialized for r in compiler.parse_ptxas_log(log)}
     assert got["flash_fwd__a"] == ""
     assert got["flash_fwd__b"].startswith("C7513: non wgmma instructions defining input registers")
+    # Too few registers (C7512) names its function "for the function" (NVRTC 13.0): missed before, which
+    # left a serialized build reported clean.
+    registers = (
+        "ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are serialized due "
+        "to insufficient register resources for the function 'flash_fwd__a'"
+    )
+    got = {r.kernel: r.wgmma_serialized for r in compiler.parse_ptxas_log(registers + "\n" + log)}
+    assert got["flash_fwd__a"] == "C7512: insufficient register resources"
 
 
 def test_strict_build_refuses_serialized_wgmma():

@@ -62,10 +62,12 @@ _ENTRY_RE = re.compile(r"Compiling entry function '([^']+)' for '(sm_\w+)'")
 _PROPS_RE = re.compile(r"Function properties for (\S+)")
 _FRAME_RE = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _USED_RE = re.compile(r"Used (\d+) registers(?:, used (\d+) barriers)?(?:, (\d+) bytes smem)?")
-# ptxas names the function at the end of its performance notes, which come before the resource lines.
+# ptxas names the function at the end of its performance notes, which come before the resource lines: "in
+# the function" for the pipeline-stage reasons (C7513-C7515), "for the function" for too few registers (C7512,
+# "insufficient register resources").
 _SERIALIZED_RE = re.compile(
     r"\((C75\d\d)\) Potential Performance Loss: wgmma\.mma_async instructions are serialized due to (.*?) "
-    r"in the function '([^']+)'"
+    r"(?:in|for) the function '([^']+)'"
 )
 
 
