@@ -47,30 +47,30 @@ __device__ __forceinline__ i64 dq_accum_offset(i64 ws_row, int col) {
 }
 
 // One warpgroup's dQ part of 64 query rows x N columns (N / 2 registers of the wgmma accumulator) staged in
-// the tiled layout above as N / 64 tiles of 64 x 64 floats, tile i at stage[i], for one bulk reduce-add
-// each: n-tile n's four registers are one 16-byte store, chunk (n % 8) * 128 + u of tile n / 8 (u: the
-// thread's index in its warpgroup).
-template <int N, int kTiles>
-__device__ __forceinline__ void stage_dq_tiles(const u32 (&stage)[kTiles], const float (&dq)[N / 2], int u) {
-  static_assert(N % 64 == 0 && N / 64 <= kTiles, "whole 64-column tiles, one address each");
+// the tiled layout above in pieces of kPiece n-tiles (8 columns each), piece i at stage[i], for one bulk
+// reduce-add each: n-tile n's four registers are one 16-byte store, chunk (n % kPiece) * 128 + u of piece
+// n / kPiece (u: the thread's index in its warpgroup). A piece of 8 n-tiles is a whole 64 x 64 tile (16 KB);
+// one of 4 is half a tile (8 KB), contiguous in the tiled layout too (n-tiles 4 h .. 4 h + 3 of a tile are
+// its chunks 512 h .. 512 h + 511), for a kernel whose free shared memory comes in pieces smaller than a
+// tile (bwd_wide_ws at head_dim 192).
+template <int N, int kPiece, int kPieces>
+__device__ __forceinline__ void stage_dq_pieces(const u32 (&stage)[kPieces], const float (&dq)[N / 2], int u) {
+  static_assert(N % (8 * kPiece) == 0 && N / (8 * kPiece) <= kPieces, "whole pieces, one address each");
 #pragma unroll
   for (int n = 0; n < N / 8; ++n)
-    st_shared_16(stage[n / 8] + (u32)((n % 8) * 128 + u) * 16,
+    st_shared_16(stage[n / kPiece] + (u32)((n % kPiece) * 128 + u) * 16,
                  make_uint4(__float_as_uint(dq[4 * n]), __float_as_uint(dq[4 * n + 1]),
                             __float_as_uint(dq[4 * n + 2]), __float_as_uint(dq[4 * n + 3])));
 }
 
-// The same staging in half tiles (64 rows x 32 columns, 8 KB, contiguous in the tiled layout too: n-tiles
-// 4 h .. 4 h + 3 of a tile are its chunks 512 h .. 512 h + 511), half h of the part at stage[h]: for a kernel
-// whose free shared memory comes in pieces smaller than a tile (bwd_wide_ws at head_dim 192).
+// In whole tiles (N / 64 of them), or in half tiles (N / 32).
+template <int N, int kTiles>
+__device__ __forceinline__ void stage_dq_tiles(const u32 (&stage)[kTiles], const float (&dq)[N / 2], int u) {
+  stage_dq_pieces<N, 8>(stage, dq, u);
+}
 template <int N>
 __device__ __forceinline__ void stage_dq_halves(const u32 (&stage)[N / 32], const float (&dq)[N / 2], int u) {
-  static_assert(N % 32 == 0, "whole 32-column halves");
-#pragma unroll
-  for (int n = 0; n < N / 8; ++n)
-    st_shared_16(stage[n / 4] + (u32)((n % 4) * 128 + u) * 16,
-                 make_uint4(__float_as_uint(dq[4 * n]), __float_as_uint(dq[4 * n + 1]),
-                            __float_as_uint(dq[4 * n + 2]), __float_as_uint(dq[4 * n + 3])));
+  stage_dq_pieces<N, 4>(stage, dq, u);
 }
 
 // The deterministic warp-specialized backward's workspace (p.dq_lanes 1 or 2, fa/dq_turns.cuh): dq_lanes

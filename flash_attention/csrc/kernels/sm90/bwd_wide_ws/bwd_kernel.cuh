@@ -496,9 +496,9 @@ __device__ __forceinline__ void bwd_wide_ws_dkdv_body(const BwdParams& p, const 
         issue_head_rows_acc<BR, BC, BF>(dkt[hb], qt_desc, qoff + (2 * wg + hb) * BR * 128, dst_desc);
       issue_dq_from_ds<BC, D / 2, BF>(dq, ds_desc, kt_desc);
       wgmma_commit();
+      const int s1 = (it + 1) % NST;  // (kWPipe: the next step's slot, or at the last step the other one)
       if constexpr (kWPipe) {
         // The next step's S and dP, on the other slot (see above the loop).
-        const int s1 = (it + 1) % NST;
         if (it + 1 < n_iter) mbar_wait(full(s1), (u32)(((it + 1) / NST) & 1));
         issue_query_rows_product<BR, BC, NK, D, BF>(sc, q_desc, s1 * Smem::kQ, k_desc);
         wgmma_commit();
@@ -543,7 +543,7 @@ __device__ __forceinline__ void bwd_wide_ws_dkdv_body(const BwdParams& p, const 
         // The next step's dP after the staging (issued with S, before it, the consumers spilled 192 bytes:
         // dP's 16 accumulators beside dQ's 64, dV^T's and dK^T's 128 and S's 16).
         wgmma_fence();
-        issue_query_rows_product<BR, BC, NK, D, BF>(dp, q_desc, kDOOff + ((it + 1) % NST) * Smem::kQ, v_desc);
+        issue_query_rows_product<BR, BC, NK, D, BF>(dp, q_desc, kDOOff + s1 * Smem::kQ, v_desc);
         wgmma_commit();
         wgmma_wait<0>();  // the next step's S and dP have landed: nothing in flight at the back edge
         wgmma_hold(sc);
