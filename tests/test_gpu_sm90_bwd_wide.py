@@ -1,9 +1,10 @@
 """GPU tests of the Hopper backward at head_dim 192 and 256 (csrc/kernels/sm90/bwd_wide: the two warpgroups on
-one 64-key block, one keeping dV and the other dK; and csrc/kernels/sm90/bwd_wide_ws, the default at 256,
-selectable at 192): gradients against float64 autograd on random shapes (odd lengths, seqlen_q above and below seqlen_k, one query, GQA
-groups up to 8, head dims 192 and 256 and sizes zero-padded to them, fp16 and bf16, causal and not) within
-twice the error of PyTorch's own low-precision attention and 1.5x the error of the portable (sm80) backward
-it replaces there; dK and dV bitwise equal between runs; strided inputs; the key-range and dropout builds."""
+one 64-key block, one keeping dV and the other dK; and csrc/kernels/sm90/bwd_wide_ws, the default at both):
+gradients against float64 autograd on random shapes (odd lengths, seqlen_q above and below seqlen_k, one
+query, GQA groups up to 8, head dims 192 and 256 and sizes zero-padded to them, fp16 and bf16, causal and not)
+within twice the error of PyTorch's own low-precision attention and 1.5x the error of the portable (sm80)
+backward it replaces there; dK and dV bitwise equal between runs; strided inputs; the key-range and dropout
+builds."""
 
 from __future__ import annotations
 
@@ -33,8 +34,8 @@ needs_hopper = pytest.mark.skipif(not _hopper(), reason="the wide wgmma backward
 
 
 def wide_config(dtype: str, d: int = 256, ws: bool = False) -> BwdConfig:
-    """The wide kernel, or (``ws``) the warp-specialized wide one (bwd_wide_ws; at head_dim 192 selectable,
-    not yet the default: kernel log 136)."""
+    """The wide kernel, or (``ws``) the warp-specialized wide one (bwd_wide_ws; the default at 192 and 256,
+    kernel log 136)."""
     return hopper_bwd_config(dtype, 192 if d <= 192 else 256, warp_specialized=ws)
 
 

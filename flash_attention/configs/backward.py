@@ -287,8 +287,8 @@ def _ws_shape_errors(cfg: BwdConfig) -> list[str]:
             True,
         ):
             errors.append(
-                "the warp-specialized wide backward is head_dim 192 or 256, block_q 64, block_kv 64, a producer "
-                "and two computing warpgroups (num_warps 12), double buffered, unsplit, wgmma"
+                "the warp-specialized wide backward is head_dim 192 or 256, block_q 64, block_kv 64, a "
+                "producer and two computing warpgroups (num_warps 12), double buffered, unsplit, wgmma"
             )
         return errors
     if not cfg.wgmma or cfg.num_warps != 12 or cfg.block_kv != 128 or cfg.split != 1:
@@ -378,14 +378,15 @@ def bwd_register_roles(cfg: BwdConfig) -> str:
 #: non-causal (1.005-1.027x) and 64 causal (1.011x); with dQ's writer warps, which need it (dq_writer, step
 #: 133), it wins at 64 and 128 both ways (0.90-0.99x at 4k). Every producer stays selectable by name
 #: (``..._ws``, ``..._ws_tma`` and ``..._ws_tma_dqw``).
-#: (192: the warp-specialized wide kernel where it is selected there, HOPPER_BWD_WIDE_WS_DEFAULT; its
-#: cp.async producer spills 12 bytes at 192, the TMA one none, kernel log 136.)
+#: (192: the warp-specialized wide kernel, HOPPER_BWD_WIDE_WS_DEFAULT, whose cp.async producer spills 12 bytes
+#: there and the TMA one none, kernel log 136.)
 HOPPER_BWD_TMA_DEFAULT = frozenset({(d, causal) for d in (64, 128, 192, 256) for causal in (False, True)})
 
 #: The head dims above 128 whose default Hopper backward is the warp-specialized wide kernel
-#: (csrc/kernels/sm90/bwd_wide_ws); it runs head_dim 192 as well (kernel log 136), which stays on the wide
-#: kernel by default until measured against it (``warp_specialized=True`` selects it).
-HOPPER_BWD_WIDE_WS_DEFAULT = frozenset({256})
+#: (csrc/kernels/sm90/bwd_wide_ws): 256, and 192 since kernel log 136 measured it at 0.78-0.80x the wide
+#: kernel's forward+backward time at 4k and 0.73-0.79x at 1k on an H200 (``warp_specialized=False`` selects
+#: the wide kernel, which keeps dropout and the deterministic mode).
+HOPPER_BWD_WIDE_WS_DEFAULT = frozenset({192, 256})
 
 
 def hopper_bwd_config(
@@ -401,9 +402,8 @@ def hopper_bwd_config(
     block, 128 query rows per step at head_dim 64 and 64 at 128): the warp-specialized kernel (Q and dO by
     TMA with ``tma_loads``, by default where HOPPER_BWD_TMA_DEFAULT lists the head_dim and mask), or with
     ``warp_specialized=False`` the sm90 wgmma kernel it replaced. At head_dim 256 the warp-specialized wide
-    kernel (64 keys, 64 query rows per step, csrc/kernels/sm90/bwd_wide_ws), or with
-    ``warp_specialized=False`` the wide kernel, which is also head_dim 192's default
-    (HOPPER_BWD_WIDE_WS_DEFAULT; ``warp_specialized=True`` selects the warp-specialized one there)."""
+    kernel (64 keys, 64 query rows per step, csrc/kernels/sm90/bwd_wide_ws), at 192 as well
+    (HOPPER_BWD_WIDE_WS_DEFAULT), or with ``warp_specialized=False`` the wide kernel."""
     if warp_specialized is None:
         warp_specialized = head_dim <= 128 or head_dim in HOPPER_BWD_WIDE_WS_DEFAULT
     if tma_loads is None:

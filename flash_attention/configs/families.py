@@ -68,8 +68,8 @@ _SUPPORTED = {
     (True, "wide"): frozenset(
         {"causal", "key_range", "dropout", "deterministic", "untileable", "window", "segments"} | _SCORES
     ),
-    # The warp-specialized wide one (head_dim 256, 192 where selected; csrc/kernels/sm90/bwd_wide_ws): the mask
-    # policies and score functions; dropout and the deterministic mode run the wide kernel
+    # The warp-specialized wide one (head_dim 192 and 256; csrc/kernels/sm90/bwd_wide_ws): the mask policies
+    # and score functions; dropout and the deterministic mode run the wide kernel
     # (ops.select.backward_config).
     (True, "wide_ws"): frozenset({"causal", "key_range", "untileable", "window", "segments"} | _SCORES),
     # The warp-specialized backward copies with cp.async (no tensor maps): any layout the sm90 one takes;

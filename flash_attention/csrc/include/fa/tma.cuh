@@ -142,6 +142,15 @@ __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+// The same, for a barrier that its threads meet at different instructions (warpgroups in different template
+// instantiations of one step: bwd_wide_ws at head_dim 192). bar.sync is barrier.sync.aligned, which requires
+// every thread meeting the barrier to execute the same instruction; the hardware counted the arrivals anyway
+// and the results were right, but compute-sanitizer's synccheck reported it ("Divergent thread(s) in block")
+// and the PTX ISA leaves it undefined. The non-aligned form allows it.
+__device__ __forceinline__ void named_barrier_sync_unaligned(int id, int threads) {
+  asm volatile("barrier.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 // Arrive at named barrier `id` without waiting (bar.arrive): the other party of a producer/consumer
 // hand-off waits there with named_barrier_sync and the same thread count.
 __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {

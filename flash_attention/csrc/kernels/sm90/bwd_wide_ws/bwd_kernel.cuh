@@ -175,7 +175,8 @@ __device__ __forceinline__ void wide192_products_and_dq(float (&hacc)[3][BC / 2]
   wgmma_hold(dq);
 #pragma unroll
   for (int hb = 0; hb < 3; ++hb) wgmma_hold(hacc[hb]);
-  named_barrier_sync(2, 256);
+  // (the other warpgroup meets barrier 2 in its own instantiation of this function: the non-aligned form)
+  named_barrier_sync_unaligned(2, 256);
   u32 stage[N / 32];
   if constexpr (N == 128) {
     stage[0] = slot_q;
