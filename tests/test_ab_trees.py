@@ -69,6 +69,25 @@ def test_a_tree_without_the_package_is_refused(tmp_path, capsys):
     assert "holds no flash_attention package" in capsys.readouterr().err
 
 
+def test_zero_rounds_is_the_warm_up_alone(monkeypatch, capsys):
+    """--rounds 0 (compiling trees ahead of a timed run, several at once): each tree's warm-up process runs
+    once and nothing is timed or tabled (it used to fail taking the median of no rounds)."""
+    root = str(Path(ab_trees.__file__).resolve().parents[1])
+    calls = []
+
+    def run_tree(tree, mode, shape, reps, cases, packed=0):
+        calls.append((tree, reps))
+        return {"0:0:64": 1.0}
+
+    monkeypatch.setattr(ab_trees, "run_tree", run_tree)
+    assert ab_trees.main([root, root, "--rounds", "0", "--cases", "0:0:64"]) == 0
+    assert calls == [(root, 3), (root, 3)]  # the warm-up's reps, once per tree
+    out = capsys.readouterr().out
+    assert "nothing timed" in out and "ratio to" not in out
+    with pytest.raises(SystemExit):
+        ab_trees.main([root, "--rounds", "-1"])
+
+
 @pytest.mark.parametrize("mode,packed", [("fwd_bwd", "0"), ("fwd", "9000")])
 def test_the_child_times_every_case_dense_and_packed(mode, packed, monkeypatch, capsys):
     """The child script itself, on the CPU (its tensors moved there, CUDA events stubbed; the package's

@@ -180,7 +180,13 @@ def main(argv: list[str] | None = None) -> int:
         default="0:0:128,30:0:128,0:1:128,30:1:128",
         help="softcap:causal:head_dim[:window][:alibi|seqalibi][:cross],...",
     )
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="timed rounds after the warm-up (default 3); 0: the warm-up alone, which compiles each tree's "
+        "kernels (several trees' in parallel, one process each, before the timed run)",
+    )
     ap.add_argument("--shape", default="4,4096,16", help="batch,seqlen,heads (default 4,4096,16)")
     ap.add_argument("--reps", type=int, default=20, help="timed calls per case (the median is kept)")
     ap.add_argument(
@@ -202,8 +208,13 @@ def main(argv: list[str] | None = None) -> int:
     for tree in args.trees:
         if not os.path.isfile(os.path.join(tree, "flash_attention", "__init__.py")):
             ap.error(f"{tree} holds no flash_attention package")
+    if args.rounds < 0:
+        ap.error("--rounds is 0 or more")
     for tree in args.trees:  # the warm-up round: compiles each tree's kernels, its numbers dropped
         run_tree(tree, args.mode, args.shape, 3, cases, args.packed)
+    if args.rounds == 0:
+        print(f"warm-up only: {len(args.trees)} tree(s) compiled and run once, nothing timed")
+        return 0
     rounds = []
     for i in range(args.rounds):
         rounds.append(
