@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from repo_tools import load_tool
 
-from flash_attention.configs import BwdConfig, KernelConfig, parse_config
+from flash_attention.configs import BwdConfig, KernelConfig, parse_bwd_config, parse_config
 from flash_attention.configs.families import supports
 from flash_attention.jit.sources import SCORE_MODS, SEGMENTS, kernel_source
 from flash_attention.ops.select import catalog
@@ -53,3 +53,15 @@ def test_the_fwd_ws_family_keeps_the_warp_specialized_forward_and_the_named_conf
     assert len(jobs) == len(set(jobs))
     per_config = len(sass_diff.variant_builds(parse_config(extra)))
     assert sum(1 for cfg, _, _ in jobs if cfg == parse_config(extra)) == per_config
+
+
+def test_the_bwd_ws_family_keeps_the_warp_specialized_backwards_and_named_backward_configs():
+    """--family bwd_ws: the catalog's bwd_ws and bwd_wide_ws configs in every build, and a backward config
+    named on the command line (one no default call picks: the cp.async producer at head_dim 128)."""
+    extra = "bwd_bf16_d128_q64_kv128_w12_s1_buffer_wgmma_ws"
+    jobs = sass_diff._jobs(["sm_90"], "bwd_ws", False, True, (extra,))
+    cfgs = {cfg for cfg, _, _ in jobs}
+    assert all(isinstance(c, BwdConfig) and c.warp_specialized for c in cfgs)
+    assert parse_bwd_config(extra) in cfgs
+    assert any(c.wide_ws and c.head_dim == 192 for c in cfgs) and any(c.head_dim == 64 for c in cfgs)
+    assert len(jobs) == len(set(jobs))

@@ -1,7 +1,7 @@
 """Did a source change move the machine code? Compile every kernel of two checkouts and compare the SASS.
 
     python tools/sass_diff.py dump  CHECKOUT OUT [--arch sm_80,sm_86,sm_90] [--compilers nvrtc] [--jobs 2]
-                                    [--family all|sm80|wgmma|fwd_ws] [--trace] [--variants]
+                                    [--family all|sm80|wgmma|fwd_ws|bwd_ws] [--trace] [--variants]
                                     [--configs NAME ...]
     python tools/sass_diff.py diff  BASE_OUT NEW_OUT [--subset]
 
@@ -10,7 +10,8 @@
 variants included -- into OUT/cache (its own kernel cache, so two checkouts never share entries), and writes
 each entry point's SASS (cuobjdump -sass) and ptxas resources to OUT/<compiler>/<arch>/<symbol>.{sass,json}.
 ``--trace`` adds the debug build of the first eight portable forward configs. ``--family fwd_ws`` keeps
-the warp-specialized forward's configs only. ``--variants`` compiles every forward and backward config in
+the warp-specialized forward's configs only, ``--family bwd_ws`` the warp-specialized backwards' (bwd_ws and
+bwd_wide_ws). ``--variants`` compiles every forward and backward config in
 every build a call can ask of its family (``variant_builds``: key ranges, dropout, the sliding window, the
 packed batch's segments, each score function, the debug build), not only the catalog's key-range and
 dropout ones: what a refactor of one kernel family is checked against. ``--configs`` adds configs by name
@@ -83,13 +84,15 @@ def _jobs(
 ) -> list[tuple]:
     """(cfg, arch, build keywords) of each translation unit to compile; the keywords as a sorted tuple of
     pairs, so that jobs deduplicate."""
-    from flash_attention.configs import KernelConfig, parse_config
+    from flash_attention.configs import BwdConfig, KernelConfig, parse_bwd_config, parse_config
     from flash_attention.configs.families import is_wgmma
     from flash_attention.ops.select import catalog
 
     def keep(cfg) -> bool:
         if family == "fwd_ws":
             return isinstance(cfg, KernelConfig) and cfg.warp_specialized
+        if family == "bwd_ws":
+            return isinstance(cfg, BwdConfig) and cfg.warp_specialized
         return family == "all" or (family == "wgmma") == is_wgmma(cfg)
 
     def job(cfg, arch, **kw) -> tuple:
@@ -99,7 +102,7 @@ def _jobs(
     jobs = []
     for arch in archs:
         cat = catalog(arch)
-        named = [parse_config(name) for name in extra]
+        named = [parse_bwd_config(n) if n.startswith("bwd_") else parse_config(n) for n in extra]
         for j in cat:
             if keep(j.cfg):
                 jobs.append(job(j.cfg, arch, ranged=j.ranged, dropout=j.dropout))
@@ -107,7 +110,7 @@ def _jobs(
         if variants:
             for cfg in dict.fromkeys([j.cfg for j in cat if keep(j.cfg)] + named):
                 jobs += [job(cfg, arch, **kw) for kw in variant_builds(cfg)]
-        if trace and family not in ("wgmma", "fwd_ws"):
+        if trace and family not in ("wgmma", "fwd_ws", "bwd_ws"):
             portable = [j.cfg for j in cat if isinstance(j.cfg, KernelConfig) and not is_wgmma(j.cfg)]
             jobs += [job(cfg, arch, trace=True) for cfg in list(dict.fromkeys(portable))[:8]]
     return list(dict.fromkeys(jobs))
@@ -261,10 +264,10 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--arch", default="sm_80,sm_86,sm_90")
     d.add_argument("--compilers", default="nvrtc", help="nvrtc, nvcc or both (comma-separated)")
     d.add_argument("--jobs", type=int, default=2)
-    d.add_argument("--family", choices=("all", "sm80", "wgmma", "fwd_ws"), default="all")
+    d.add_argument("--family", choices=("all", "sm80", "wgmma", "fwd_ws", "bwd_ws"), default="all")
     d.add_argument("--trace", action="store_true", help="also the debug build of eight portable configs")
     d.add_argument("--variants", action="store_true", help="every build a call can ask of each config")
-    d.add_argument("--configs", nargs="*", default=(), help="configs to add by name (forward)")
+    d.add_argument("--configs", nargs="*", default=(), help="configs to add by name (forward, or bwd_...)")
     c = sub.add_parser("diff", help="compare two dumps")
     c.add_argument("base", type=Path)
     c.add_argument("new", type=Path)

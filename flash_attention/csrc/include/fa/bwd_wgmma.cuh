@@ -126,20 +126,6 @@ __device__ __forceinline__ void issue_key_rows_acc(float (&acc)[D / 2], const u3
   for (int ks = 0; ks < BR / 16; ++ks) Wgmma<D, BF>::rs_bt(acc, a[ks], desc_advance(b_step, ks * 16 * 128), 1);
 }
 
-// dK += dS^T Q with dS^T read from its shared-memory tile (store_ds_t's, K-major: a_desc at the warpgroup's
-// 64 key rows of the BC-row tile, panels of 64 queries BC * 128 bytes apart) instead of from registers, and
-// Q MN-major at byte offset b_off of qt_desc's tiles: for a kernel that leaves dK on the tensor cores while
-// its registers hold the next step's P (bwd_ws's pipelined order, FA_BWD_PIPELINE).
-template <int BR, int BC, int D, bool BF>
-__device__ __forceinline__ void issue_key_rows_acc_ss(float (&acc)[D / 2], u64 a_desc, u64 qt_desc, u32 b_off) {
-  const u64 b_step = desc_advance(qt_desc, b_off);
-#pragma unroll
-  for (int ks = 0; ks < BR / 16; ++ks) {
-    const u32 a_off = (ks / 4) * BC * 128 + (ks % 4) * 32;
-    Wgmma<D, BF>::ss_bt(acc, desc_advance(a_desc, a_off), desc_advance(b_step, ks * 16 * 128), 1);
-  }
-}
-
 // dQ (64 queries x N columns) = dS K over the block's BC keys, both operands transposed: A = dS^T's tile
 // read M-major (ds_desc), B = K read MN-major (kt_desc), 16 keys per k-step.
 template <int BC, int N, bool BF>

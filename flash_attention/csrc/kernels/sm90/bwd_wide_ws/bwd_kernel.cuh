@@ -360,9 +360,9 @@ __device__ __forceinline__ void bwd_wide_ws_dkdv_body(const BwdParams& p, const 
     for (int i = 0; i < BC / 2; ++i) dvt[hb][i] = dkt[hb][i] = 0.f;
   // Head_dim 192, whose three 64-row blocks do not halve: warpgroup 0 keeps all of dV^T, warpgroup 1 all of
   // dK^T (96 registers each, the wide kernel's split by product), and dQ's columns split 128 / 64 (whole
-  // 64-column panels of K): of a step's nine units of 64 x 64 outputs over its 64 queries after S and dP
-  // (which split evenly) warpgroup 0 does five and warpgroup 1 four; the tensor cores are shared, so the
-  // imbalance costs only warpgroup 1's wait at barrier 2.
+  // 64-column panels of K): of a step's nine units of 64 x 64 outputs over its 64 queries after S and dP (which split evenly)
+  // warpgroup 0 does five and warpgroup 1 four; the tensor cores are shared, so the imbalance costs only
+  // warpgroup 1's wait at barrier 2.
   float hacc[D == 192 ? 3 : 1][BC / 2];
 #pragma unroll
   for (int hb = 0; hb < (D == 192 ? 3 : 1); ++hb)
@@ -392,52 +392,24 @@ __device__ __forceinline__ void bwd_wide_ws_dkdv_body(const BwdParams& p, const 
   const float scale = p.scale;
   const int key0 = kv_start + NK * wg;  // this warpgroup's first key of S and dP
 
-  // S and dP (outside the loop: with kWPipe they are the next step's, issued in this one).
-  float sc[NK / 2], dp[NK / 2];
-  // kWPipe (FA_BWD_WIDE_PIPELINE, head_dim 256; kernel log 137, prepared and off by default): the next step's
-  // S and dP are issued right after this step's dV^T, dK^T and dQ, so that they run under dQ's staging and
-  // reduction instead of after the loop's turn, and they retire before the loop's back edge (a product in
-  // flight across it made ptxas serialize the wgmma in the narrower kernel: kernel log 135). The loop is
-  // rotated: a step starts with its S and dP landed. The last step's "next" pair reads the other slot,
-  // which no copy writes any more, and is discarded (a branch around the issue would serialize the wgmma):
-  // 40% of a step once per block.
-#ifdef FA_BWD_WIDE_PIPELINE
-  constexpr bool kWPipe = D == 256;
-#else
-  constexpr bool kWPipe = false;
-#endif
-  if constexpr (kWPipe) {
-    if (n_iter > 0) {  // (both products retire inside: nothing in flight crosses the branch)
-      mbar_wait(full(0), 0u);
-      wgmma_fence();
-      issue_query_rows_product<BR, BC, NK, D, BF>(sc, q_desc, 0u, k_desc);
-      wgmma_commit();
-      issue_query_rows_product<BR, BC, NK, D, BF>(dp, q_desc, kDOOff, v_desc);
-      wgmma_commit();
-      wgmma_wait<0>();
-      wgmma_hold(sc);
-      wgmma_hold(dp);
-    }
-  }
-
 #pragma unroll 1
   for (int it = 0; it < n_iter; ++it) {
     const int s = it % NST;
     const u32 qoff = s * Smem::kQ;
-    if constexpr (!kWPipe) mbar_wait(full(s), (u32)((it / NST) & 1));
+    mbar_wait(full(s), (u32)((it / NST) & 1));
     const int head = head_of(it);
     const int q_start = q_start_of(it);
     const int q_row0 = q_start + 16 * wq;  // the warp's first query row
 
     // ---- S = Q K_wg^T, dP = dO V_wg^T, as two groups: P is computed while dP runs -----------------------
-    // (kWPipe: issued in the previous step, or before the loop, and landed)
-    if constexpr (!kWPipe) {
-      wgmma_fence();
-      issue_query_rows_product<BR, BC, NK, D, BF>(sc, q_desc, qoff, k_desc);
-      wgmma_commit();
-      issue_query_rows_product<BR, BC, NK, D, BF>(dp, q_desc, kDOOff + qoff, v_desc);
-      wgmma_commit();
-    }
+    // (Kernel log 137 issued them a step early instead, under dQ's staging, in a rotated loop: 1.02-1.05x the
+    // time at 256, the exponentials losing dP beside them; not kept, in the history at 6f58970.)
+    float sc[NK / 2], dp[NK / 2];
+    wgmma_fence();
+    issue_query_rows_product<BR, BC, NK, D, BF>(sc, q_desc, qoff, k_desc);
+    wgmma_commit();
+    issue_query_rows_product<BR, BC, NK, D, BF>(dp, q_desc, kDOOff + qoff, v_desc);
+    wgmma_commit();
     // The previous step's slot: once the copy engine has read the dQ tiles staged there, the producer may
     // refill it (the issuing thread's arrival; the others arrived after staging).
     if (it > 0 && ctid % 128 == 0) {
@@ -451,7 +423,7 @@ __device__ __forceinline__ void bwd_wide_ws_dkdv_body(const BwdParams& p, const 
     const typename V::ScoreMod score_mod(p, batch, head);
     const float* lse_s = stats + s * 2 * BR;
     const float* del_s = lse_s + BR;
-    if constexpr (!kWPipe) wgmma_wait<1>();
+    wgmma_wait<1>();
     wgmma_hold(sc);
     score_mod_query_rows<true>(acc_tile(sc), score_mod, scale, q_row0, key0, g, t);
     mask.mask_query_rows(acc_tile(sc), q_row0, key0, g, t);
@@ -460,7 +432,7 @@ __device__ __forceinline__ void bwd_wide_ws_dkdv_body(const BwdParams& p, const 
     for (int i = 0; i < NK / 2; ++i) sc[i] = exp2_approx(fmaf(sc[i], sl2, -lse2[(i / 2) % 2]));
 
     // ---- dS = P (dP - delta) scale (times the score function's derivative) ---------------------------------
-    if constexpr (!kWPipe) wgmma_wait<0>();
+    wgmma_wait<0>();
     wgmma_hold(dp);
     const float delta[2] = {del_s[16 * wq + g], del_s[16 * wq + g + 8]};
 #pragma unroll
@@ -497,16 +469,7 @@ __device__ __forceinline__ void bwd_wide_ws_dkdv_body(const BwdParams& p, const 
         issue_head_rows_acc<BR, BC, BF>(dkt[hb], qt_desc, qoff + (2 * wg + hb) * BR * 128, dst_desc);
       issue_dq_from_ds<BC, D / 2, BF>(dq, ds_desc, kt_desc);
       wgmma_commit();
-      const int s1 = (it + 1) % NST;  // (kWPipe: the next step's slot, or at the last step the other one)
-      if constexpr (kWPipe) {
-        // The next step's S and dP, on the other slot (see above the loop).
-        if (it + 1 < n_iter) mbar_wait(full(s1), (u32)(((it + 1) / NST) & 1));
-        issue_query_rows_product<BR, BC, NK, D, BF>(sc, q_desc, s1 * Smem::kQ, k_desc);
-        wgmma_commit();
-        wgmma_wait<1>();  // this step's products; the next S runs on
-      } else {
-        wgmma_wait<0>();
-      }
+      wgmma_wait<0>();
       wgmma_hold(dq);
 #pragma unroll
       for (int hb = 0; hb < 2; ++hb) {
@@ -539,16 +502,6 @@ __device__ __forceinline__ void bwd_wide_ws_dkdv_body(const BwdParams& p, const 
           bulk_reduce_add_f32(p.dq_accum + dq_accum_offset<D, true>(ws_row, D / 2 * wg + 64 * tile), stage[tile],
                               64 * 64 * 4);
         bulk_commit();
-      }
-      if constexpr (kWPipe) {
-        // The next step's dP after the staging (issued with S, before it, the consumers spilled 192 bytes:
-        // dP's 16 accumulators beside dQ's 64, dV^T's and dK^T's 128 and S's 16).
-        wgmma_fence();
-        issue_query_rows_product<BR, BC, NK, D, BF>(dp, q_desc, kDOOff + s1 * Smem::kQ, v_desc);
-        wgmma_commit();
-        wgmma_wait<0>();  // the next step's S and dP have landed: nothing in flight at the back edge
-        wgmma_hold(sc);
-        wgmma_hold(dp);
       }
     } else {
       // ---- head_dim 192: warpgroup 0 dV^T += dO^T P and dQ[:, 0:128) = dS K; warpgroup 1 dK^T += Q^T dS and

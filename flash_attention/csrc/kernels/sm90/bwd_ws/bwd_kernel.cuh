@@ -116,15 +116,6 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
   // (not with dropout or a score function with a derivative: at 232 registers those consumers spilled)
   constexpr bool kDqWriter =
       kWriterWarps && kTma && !kDeterministic && !kDropout && V::ScoreMod::kUnitGradient;
-#ifdef FA_BWD_PIPELINE
-  // (kernel log 135, prepared and off by default: dK one step later, under the exponentials; see the
-  // consumers' loop)
-  constexpr bool kPipe = kDqWriter;
-#else
-  constexpr bool kPipe = false;
-#endif
-  // (its split release of a slot is written for the TMA producer: the cp.async one would refill Q early)
-  static_assert(!kPipe || kTma, "the pipelined order needs the TMA producer");
   // With kDqWriter the producer warpgroup's two writer warps share its region: at 24 registers the
   // producer spilled 60-88 bytes (NVRTC 13.0), so that build moves 8 registers of each consumer thread to it
   // (40 / 232, configs.backward.WRITER_WS_REGISTER_SPLIT).
@@ -160,9 +151,6 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
   // Deterministic mode: slot s's (query head, first query row), written by the producer before it arrives
   // on full[s], so the consumers need not keep the walk's state (fa/dq_turns.cuh) in their registers.
   const u32 sStep = bars + 8 * (2 * NST + 4);
-  // kPipe (never deterministic, so sStep's words are free): slot s's dO and statistics released (256
-  // consumer arrivals), apart from its Q (empty[s]), which dK reads a step later.
-  auto empty_do = [&](int s) { return sStep + 8 * s; };
   // The producer warpgroup's copying threads: all of them, or with kDqWriter its first two warps (whole rows
   // of K and V per pass: 64 threads are 4 rows of 16 chunks at head_dim 128, 8 of 8 at 64).
   constexpr int kLoaders = kDqWriter ? 64 : 128;
@@ -237,7 +225,6 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
     for (int s = 0; s < NST; ++s) {
       mbar_init(full(s), kLoaders);
       mbar_init(empty(s), 256);
-      if constexpr (kPipe) mbar_init(empty_do(s), 256);
     }
     if constexpr (kDeterministic || kDqWriter) {
       for (int w = 0; w < 2; ++w) {
@@ -323,9 +310,8 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
     for (int it = 0; it < n_iter; ++it) {
       const int s = it % NST;
       // The slot's previous use (step it - NST) has been released by every consumer warp.
-      // (kPipe: its dO and statistics; its Q, which the consumers release later, is waited for below)
-      if (it >= NST) mbar_wait(kPipe ? empty_do(s) : empty(s), (u32)((it / NST - 1) & 1));
-      FA_TIMELINE_EVENT(tl, kBwdSlotFree, it);  // (kPipe: the slot's dO and statistics only; Q below)
+      if (it >= NST) mbar_wait(empty(s), (u32)((it / NST - 1) & 1));
+      FA_TIMELINE_EVENT(tl, kBwdSlotFree, it);
       if (it == 0) {
         const u16* gK = static_cast<const u16*>(p.k) + k_offset(p, batch, kv_head, kv_start);
         const u16* gV = static_cast<const u16*>(p.v) + v_offset(p, batch, kv_head, kv_start);
@@ -342,22 +328,7 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
         // head_dim land as zeros, as the copies' zero-fill gives them (the maps' extents).
         // Why TMA (kernel log 130): the cp.async rows cost the producer about 18 instructions per 16-byte copy
         // (addresses, the swizzle, the bounds) -- a third of the d128 kernel's instructions.
-        if constexpr (kPipe) {
-          // dO first, as soon as its slot is free; Q once dK of the slot's previous use has retired (kernel
-          // log 135: about half a step later). Both on full[s], whose phase this thread's arrival, after
-          // both expectations, keeps open.
-          if (tid == 0) {
-            mbar_expect_tx(full(s), kQ);
-#pragma unroll
-            for (int c = 0; c < D / 64; ++c)
-              tma_load_4d(sdO + s * kQ + c * BR * 128, do_map, full(s), 64 * c, q_start, head, batch);
-            if (it >= NST) mbar_wait(empty(s), (u32)((it / NST - 1) & 1));
-            mbar_expect_tx(full(s), kQ);
-#pragma unroll
-            for (int c = 0; c < D / 64; ++c)
-              tma_load_4d(sQ + s * kQ + c * BR * 128, q_map, full(s), 64 * c, q_start, head, batch);
-          }
-        } else if (tid == 0) {
+        if (tid == 0) {
           mbar_expect_tx(full(s), 2 * kQ);
 #pragma unroll
           for (int c = 0; c < D / 64; ++c) {
@@ -435,32 +406,8 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
   // exp2's multiplier (fa/variant.cuh backward_score: the scale folded in for the identity).
   const float sl2 = backward_exp2_multiplier<typename V::ScoreMod>(p);
   const float scale = p.scale;
-  // kPipe (FA_BWD_PIPELINE; kernel log 135): dK(it) is issued at step it + 1, after S^T(it + 1) and
-  // dP^T(it + 1), so that P(it + 1)'s exponentials run with two products on the tensor cores instead of
-  // dP^T alone (the timeline, kernel log 134: exponentials 800-1,140 cycles against dP^T's ~512 at d128),
-  // and dS's phase with the rest of dK. dS^T(it) is read from its shared-memory tile (K-major rows of this
-  // warpgroup's keys), so no dS registers live on. dQ's staging, which dK ran under before, now has the
-  // tensor cores idle; with the writer warps it is short. Every product retires within its step (a product
-  // in flight across the loop's back edge, or a branch around an issue, made ptxas serialize the wgmma,
-  // C7514/C7515, and spill 388-648 bytes). So the first step's dK(-1) is a product of zeros: this
-  // warpgroup's rows of the other dS^T buffer are cleared here and multiply the first slot's Q (finite: the
-  // step waits for it first); and the last dK is issued after the loop. A step's slot is released once dK
-  // has retired, after the next step's dV is issued.
-  const u64 ds_rows_desc = smem_desc_sw128(sdS + wg * 64 * 128, 16, 1024);  // (A of dK: K-major rows)
-  if constexpr (kPipe) {
-    if (n_iter == 0) {  // (no query step: zero dK and dV, before any product)
-      store_dk_dv<D, BF>(p, batch, kv_head, kv_start, block_keys(), row0, g, t, dk, dv);
-      return;
-    }
-    // Buffer 1's rows of this warpgroup (BR / 64 panels of 64 rows x 128 bytes), 16 bytes per store.
-#pragma unroll
-    for (int c = ctid % 128; c < 64 * BR * 2 / 16; c += 128) {
-      const int panel = c / (64 * 8), in_panel = c % (64 * 8);
-      st_shared_16(sdS + kDS + panel * BC * 128 + wg * 64 * 128 + in_panel * 16, make_uint4(0u, 0u, 0u, 0u));
-    }
-    fence_proxy_async();
-    named_barrier_sync(2 + wg, 128);  // (the writer builds' staging uses the dq mbarriers, not this one)
-  }
+  // (Kernel log 135 measured dK issued a step later, under the next step's exponentials: 1.00-1.09x the
+  // time at head_dim 64 and 128, not kept; its code is in the history at 6f58970.)
 
 #pragma unroll 1
   for (int it = 0; it < n_iter; ++it) {
@@ -481,14 +428,6 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
     wgmma_commit();
     issue_key_rows_product<BR, BC, D, BF>(dp, v_desc, q_desc, kDOOff + qoff);
     wgmma_commit();
-    if constexpr (kPipe) {
-      // dK(it - 1) += dS^T(it - 1) Q(it - 1), after dP^T so that dS's phase waits for dP^T alone; at the
-      // first step zeros times this slot's Q (see above the loop).
-      const u32 prev_qoff = it > 0 ? (u32)((it - 1) % NST) * kQ : qoff;
-      issue_key_rows_acc_ss<BR, BC, D, BF>(dk, desc_advance(ds_rows_desc, ((it + 1) & 1) * kDS), qt_desc,
-                                           prev_qoff);
-      wgmma_commit();
-    }
 
     // Dropout (kDropout; keep mask Z, kept elements scaled by rp = 1 / (1 - p), fa/dropout.cuh): dV takes
     // P Z rp and dS = P (dP Z rp - delta), so P itself stays undropped in `sc` and the decisions wait in one
@@ -510,7 +449,7 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
         for (int w = 0; w < BR / 64; ++w) keep[w] |= n / 8 == w ? bits : 0u;
       }
     }
-    wgmma_wait<kPipe ? 2 : 1>();  // (dP^T, and with kPipe dK(it - 1), may still run)
+    wgmma_wait<1>();  // (dP^T may still run)
     wgmma_hold(sc);
     FA_TIMELINE_EVENT(tl, kBwdSLanded, it);
 
@@ -590,10 +529,8 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
     // time; with the cp.async producer, d128 non-causal 1.033x and d64 1.012x, so those keep the previous
     // form. Pinning the exponentials above the wait as well (an XOR of the packed P read by a store that
     // never runs: ptxas otherwise sinks the MUFU.EX2 below it) measured slower again: 0.986x and 1.047x.
-    // (Not with kPipe, whose pin below keeps every exponential above the wait: with P packed there as well,
-    // the d128 consumers spilled 16 bytes and ptxas serialized every wgmma.)
     constexpr bool kEarly = kTma && BR == 64 && !kDropout && !kGradAtP && V::ScoreMod::kUnitGradient &&
-                            !kDeterministic && !kPipe;
+                            !kDeterministic;
     float2 dls[kEarly ? NQ : 1];
     if constexpr (kEarly) {
 #pragma unroll
@@ -603,19 +540,8 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
       }
       pack_acc<BR, BF>(pf, sc);
     }
-    if constexpr (kPipe) {
-      // Every exponential above the wait below: ptxas sinks all but 5 of the 32 MUFU.EX2 under it (d128;
-      // the library's builds too), and here that wait is also dK(it - 1)'s, so below it they would run
-      // with the tensor cores idle. A store that never executes (seqlen_q >= 0) of an XOR of P keeps them
-      // above it (fa/wgmma.cuh, order_before_wgmma_wait). (Kernel log 132 measured the same pin without
-      // the pipelined dK: 1.047x d128 non-causal, 0.986x causal.)
-      u32 x = 0u;
-#pragma unroll
-      for (int i = 0; i < BR / 2; ++i) x ^= __float_as_uint(sc[i]);
-      order_before_wgmma_wait(__uint_as_float(x), sdQ_wg, p.seqlen_q);
-    }
     FA_TIMELINE_EVENT(tl, kBwdExpDone, it);
-    wgmma_wait<kPipe ? 1 : 0>();  // (kPipe: dK(it - 1) may still run, under dS's phase)
+    wgmma_wait<0>();
     wgmma_hold(dp);
     FA_TIMELINE_EVENT(tl, kBwdDPLanded, it);
 
@@ -676,12 +602,6 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
     wgmma_fence();
     issue_key_rows_acc<BR, D, BF>(dv, pf, qt_desc, kDOOff + qoff);
     wgmma_commit();
-    if constexpr (kPipe) {
-      // dK(it - 1) has completed: the last product reading step it - 1's slot and its dS^T buffer.
-      wgmma_wait<1>();
-      wgmma_hold(dk);
-      if (it > 0) mbar_arrive(empty((it - 1) % NST));
-    }
     FA_TIMELINE_EVENT(tl, kBwdDSStored, it);
 
     // The staging tile of this warpgroup's previous dQ has been read by the copy engine (the thread that
@@ -695,15 +615,9 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
     wgmma_fence();
     issue_dq<BC, DQN, BF>(dq, desc_advance(ds_desc, dsoff), kt_desc);
     wgmma_commit();
-    if constexpr (kPipe) {
-      wgmma_wait<0>();  // dV and dQ have landed (dK waits for the next step)
-      // dV was the last product reading the slot's dO, and this thread's reads of its statistics are done.
-      mbar_arrive(empty_do(s));
-    } else {
-      issue_key_rows_acc<BR, D, BF>(dk, sf, qt_desc, qoff);
-      wgmma_commit();
-      wgmma_wait<1>();  // dV and dQ have landed; dK may still run
-    }
+    issue_key_rows_acc<BR, D, BF>(dk, sf, qt_desc, qoff);
+    wgmma_commit();
+    wgmma_wait<1>();  // dV and dQ have landed; dK may still run
     wgmma_hold(dq);
     wgmma_hold(dv);
     FA_TIMELINE_EVENT(tl, kBwdDQLanded, it);
@@ -731,23 +645,11 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
       }
     }
     FA_TIMELINE_EVENT(tl, kBwdDQOut, it);
-    if constexpr (kPipe) {
-      FA_TIMELINE_EVENT(tl, kBwdStepEnd, it);  // (its dK is the next step's; tools/bwd_timeline.py's phases)
-    } else {
-      wgmma_wait<0>();
-      wgmma_hold(dk);
-      FA_TIMELINE_EVENT(tl, kBwdStepEnd, it);
-      // Every product reading slot s (S^T, dP^T, dV, dK) and this step's dS^T buffer has completed.
-      mbar_arrive(empty(s));
-    }
-  }
-  if constexpr (kPipe) {  // the last step's dK (n_iter > 0 here)
-    wgmma_fence();
-    issue_key_rows_acc_ss<BR, BC, D, BF>(dk, desc_advance(ds_rows_desc, ((n_iter - 1) & 1) * kDS), qt_desc,
-                                         (u32)((n_iter - 1) % NST) * kQ);
-    wgmma_commit();
     wgmma_wait<0>();
     wgmma_hold(dk);
+    FA_TIMELINE_EVENT(tl, kBwdStepEnd, it);
+    // Every product reading slot s (S^T, dP^T, dV, dK) and this step's dS^T buffer has completed.
+    mbar_arrive(empty(s));
   }
   // No reduction may outlive the shared memory it reads.
   if (!kDeterministic && !kDqWriter && ctid % 128 == 0) bulk_wait<0>();
