@@ -253,6 +253,9 @@ def test_backward_space_is_valid_and_holds_the_defaults():
             # Hopper's wgmma kernels: the ws and sm90 ones at head_dim 64/128, the wide one at 192/256.
             assert any(c.wgmma for c in space) == (arch == "sm_90")
             assert any(c.wide for c in space) == (arch == "sm_90" and d > 128)
+            # The polynomial exponentials' shares (kernel log 138), where bwd_ws runs.
+            polys = sorted(c.exp_poly for c in space if c.exp_poly)
+            assert polys == ([2, 4, 6] if arch == "sm_90" and d <= 128 else [])
 
 
 def test_backward_cache_round_trip(env):

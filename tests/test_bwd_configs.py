@@ -90,6 +90,73 @@ def test_every_backward_unit_of_the_catalog_compiles_with_its_entries(catalog_bu
             assert r["spill_stores"] <= bound, f"{name} spills {r['spill_stores']} bytes"
 
 
+def test_exp_poly_is_bwd_ws_eighths_off_by_default():
+    """BwdConfig.exp_poly (kernel log 138): eighths of P's exponentials on the FMA pipe, bwd_ws only, off in
+    every default; its name round-trips and the kernel reads it as Cfg::kExpPoly."""
+    for d in (64, 128, 192, 256):
+        assert default_bwd_config("bf16", d, "sm_90").exp_poly == 0
+    cfg = hopper_bwd_config("fp16", 128).replace(exp_poly=4)
+    assert cfg.name().endswith("_dqw_ep4") and parse_bwd_config(cfg.name()) == cfg
+    assert "kExpPoly = 4;" in sources.kernel_source(cfg)
+    assert "kExpPoly = 0;" in sources.kernel_source(hopper_bwd_config("fp16", 128))
+    for bad in (-1, 9):
+        with pytest.raises(ValueError, match="eighths"):
+            hopper_bwd_config("bf16", 64).replace(exp_poly=bad)
+    for other in (hopper_bwd_config("bf16", 256), hopper_bwd_config("bf16", 128, warp_specialized=False)):
+        with pytest.raises(ValueError, match="exp_poly is bwd_ws's"):
+            other.replace(exp_poly=2)
+    with pytest.raises(ValueError, match="not a backward config name"):
+        parse_bwd_config(hopper_bwd_config("bf16", 64).name() + "_ep9")
+
+
+def _header_exp2_poly(degree: int):
+    """fa/ptx.cuh's exp2_poly of the given degree, op for op in float32 (each fmaf rounded once, the
+    shifter's adds round to nearest), with the constants read from the header itself."""
+    import re
+    from pathlib import Path
+
+    import numpy as np
+
+    text = (Path(sources.__file__).parents[1] / "csrc/include/fa/ptx.cuh").read_text()
+    body = text[text.index("__device__ __forceinline__ float exp2_poly(") :]
+    line = re.search(rf"kDegree == {degree}\) {{\s*p = (.*?);", body, re.S).group(1)
+    coeffs = [float(c[:-1]) for c in re.findall(r"\d\.\d+f", line)]  # highest degree first
+    assert len(coeffs) == degree, line
+    shifter = float(re.search(r"kShifter = ([\d.]+)f", body).group(1))
+    shift = int(re.search(r"__float_as_int\(shifted\) << (\d+)\)", body).group(1))
+    f32 = np.float32
+
+    def poly(x):
+        x = np.maximum(np.asarray(x, f32), f32(-127))
+        shifted = (x + f32(shifter)).astype(f32)
+        f = (x - (shifted - f32(shifter)).astype(f32)).astype(f32)
+        p = f32(coeffs[0])
+        for c in [*coeffs[1:], 1.0]:  # fmaf: the product and sum exact in float64, rounded once
+            p = (p.astype(np.float64) * f + c).astype(f32)
+        bits = p.view(np.int32).astype(np.int64) + (shifted.view(np.int32).astype(np.int64) << shift)
+        return bits.astype(np.uint32).astype(np.int64).astype(np.uint32).view(np.float32)
+
+    return poly
+
+
+@pytest.mark.parametrize("degree, bound", [(3, 1.1e-4), (4, 3.2e-6)])
+def test_exp2_poly_matches_2_to_the_x_within_its_stated_error(degree, bound):
+    """The header's polynomial 2^x (bf16's degree 3, fp16's 4) against float64 over P's range, and -inf
+    (masked scores, rows past the sequence) giving exactly +0: a wrong constant or shift fails here, on the
+    CPU, before any GPU run."""
+    import numpy as np
+
+    poly = _header_exp2_poly(degree)
+    rng = np.random.default_rng(138)
+    x = np.concatenate([rng.uniform(-126, 1, 400_000), np.linspace(-30, 0.5, 200_001)]).astype(np.float32)
+    exact = np.exp2(x.astype(np.float64))
+    rel = np.abs(poly(x).astype(np.float64) - exact) / exact
+    assert rel.max() <= bound, rel.max()
+    assert rel.max() > bound / 3  # (the bound is the polynomial's own, not a loose one)
+    assert np.all(poly(np.float32([-np.inf, -127.0, -1e30])) == 0.0)
+    assert poly(np.float32([0.0]))[0] == 1.0
+
+
 def test_hopper_backward_configs():
     for d in (64, 128):
         cfg = default_bwd_config("bf16", d, "sm_90")

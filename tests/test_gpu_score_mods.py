@@ -97,6 +97,8 @@ def _families(case):
     if _hopper():
         fwd["sm90"] = classic_hopper_config("bf16", d, max(sq, sk), causal)
         bwd["hopper"] = hopper_bwd_config("bf16", d)
+        if d <= 128:  # half of P's exponentials on the FMA pipe (BwdConfig.exp_poly, kernel log 138)
+            bwd["hopper_poly"] = hopper_bwd_config("bf16", d).replace(exp_poly=4)
     return fwd, bwd
 
 

@@ -31,7 +31,10 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 def ws_config(dtype: str, d: int, producer: str = "default") -> BwdConfig:
     """The warp-specialized kernel: its default (TMA with dQ's writer warps at 64 and 128), or a producer
     form that stays selectable: "tma" (TMA without the writer warps) or "copy" (the cp.async rows, which
-    ops.backward falls back to for a layout no tensor map describes)."""
+    ops.backward falls back to for a layout no tensor map describes); "poly": the default with half of P's
+    exponentials as a polynomial on the FMA pipe (exp_poly 4, kernel log 138)."""
+    if producer == "poly":
+        return hopper_bwd_config(dtype, d).replace(exp_poly=4)
     if producer == "tma":
         return hopper_bwd_config(dtype, d, tma_loads=True, dq_writer=False)
     if producer == "copy":
@@ -74,7 +77,7 @@ def _torch_lowp_grads(q, k, v, do, causal):
 
 
 @needs_hopper
-@pytest.mark.parametrize("producer", ["default", "tma", "copy"])
+@pytest.mark.parametrize("producer", ["default", "tma", "copy", "poly"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))

@@ -63,6 +63,9 @@ class BwdConfig:
     ``dq_writer`` (bwd_ws with ``tma_loads``): dQ's bulk reductions are issued by two writer warps of the
     producer warpgroup instead of each computing warpgroup's first thread (kernel log 133); the builds with
     dropout, a score function of non-unit gradient or the deterministic kernel keep the consumers' form.
+    ``exp_poly`` (bwd_ws, 0-8): that many eighths of P's exponentials are computed by a polynomial on the
+    FMA pipe (fa/ptx.cuh exp2_poly) instead of the SFU's MUFU.EX2, whose 16 per clock per multiprocessor
+    bound the exponentials' phase at 512 cycles a d128 step (kernel log 138).
     """
 
     dtype: str
@@ -76,6 +79,7 @@ class BwdConfig:
     warp_specialized: bool = False
     tma_loads: bool = False
     dq_writer: bool = False
+    exp_poly: int = 0
 
     #: Q/dO slots of the warp-specialized kernel's ring (a third does not fit 227 KB at head_dim 64 or 128).
     WS_STAGES = 2
@@ -104,7 +108,7 @@ class BwdConfig:
 
     @property
     def wide_ws(self) -> bool:
-        """Whether this is the warp-specialized wide backward (head_dim 256, and 192 where selected;
+        """Whether this is the warp-specialized wide backward (head_dim 192 and 256;
         csrc/kernels/sm90/bwd_wide_ws): S and dP with queries as rows split by keys between the computing
         warpgroups, dK and dV with head_dim as rows (split by head_dim at 256, by product at 192); no dropout
         or deterministic build (the wide kernel takes those)."""
@@ -164,6 +168,7 @@ class BwdConfig:
             + ("_ws" if self.warp_specialized else "")
             + ("_tma" if self.tma_loads else "")
             + ("_dqw" if self.dq_writer else "")
+            + (f"_ep{self.exp_poly}" if self.exp_poly else "")
         )
 
     def __str__(self) -> str:
@@ -238,6 +243,7 @@ class BwdConfig:
             ("kDetConsumerRegs", "int", DET_WS_REGISTER_SPLIT[2]),
             ("kDetWideWriterRegs", "int", DET_WIDE_REGISTER_SPLIT[0]),
             ("kDetWideComputeRegs", "int", DET_WIDE_REGISTER_SPLIT[1]),
+            ("kExpPoly", "int", self.exp_poly),
         ]
         return cpp_struct(struct_name, fields)
 
@@ -255,6 +261,10 @@ def bwd_validity_errors(cfg: BwdConfig) -> list[str]:
         errors.append("tma_loads is the warp-specialized backwards' (bwd_ws, bwd_wide_ws)")
     if cfg.dq_writer and not (cfg.tma_loads and cfg.warp_specialized and cfg.head_dim <= 128):
         errors.append("dq_writer is bwd_ws's with tma_loads (its producer's copies are one thread's)")
+    if not 0 <= cfg.exp_poly <= 8:
+        errors.append("exp_poly counts eighths of the exponentials: 0 to 8")
+    elif cfg.exp_poly and not (cfg.warp_specialized and cfg.head_dim <= 128):
+        errors.append("exp_poly is bwd_ws's (the warp-specialized backward at head_dim 64 and 128)")
     if cfg.warp_specialized:
         errors += _ws_shape_errors(cfg)
     elif cfg.wide:
@@ -388,6 +398,10 @@ HOPPER_BWD_TMA_DEFAULT = frozenset({(d, causal) for d in (64, 128, 192, 256) for
 #: the wide kernel, which keeps dropout and the deterministic mode).
 HOPPER_BWD_WIDE_WS_DEFAULT = frozenset({192, 256})
 
+#: Eighths of P's exponentials that bwd_ws computes on the FMA pipe by default, by (head_dim, causal)
+#: (BwdConfig.exp_poly; kernel log 138, prepared, not yet measured: none until an A/B on the GPU says).
+HOPPER_BWD_EXP_POLY_DEFAULT: dict[tuple[int, bool], int] = {}
+
 
 def hopper_bwd_config(
     dtype: str,
@@ -397,13 +411,15 @@ def hopper_bwd_config(
     warp_specialized: bool | None = None,
     tma_loads: bool | None = None,
     dq_writer: bool | None = None,
+    exp_poly: int | None = None,
 ) -> BwdConfig:
     """The Hopper backward's config at head_dim 64 or 128 (its shape is fixed by the kernel: 128 keys per
     block, 128 query rows per step at head_dim 64 and 64 at 128): the warp-specialized kernel (Q and dO by
     TMA with ``tma_loads``, by default where HOPPER_BWD_TMA_DEFAULT lists the head_dim and mask), or with
     ``warp_specialized=False`` the sm90 wgmma kernel it replaced. At head_dim 256 the warp-specialized wide
     kernel (64 keys, 64 query rows per step, csrc/kernels/sm90/bwd_wide_ws), at 192 as well
-    (HOPPER_BWD_WIDE_WS_DEFAULT), or with ``warp_specialized=False`` the wide kernel."""
+    (HOPPER_BWD_WIDE_WS_DEFAULT), or with ``warp_specialized=False`` the wide kernel. ``exp_poly``: bwd_ws's
+    share of P's exponentials on the FMA pipe (default HOPPER_BWD_EXP_POLY_DEFAULT's)."""
     if warp_specialized is None:
         warp_specialized = head_dim <= 128 or head_dim in HOPPER_BWD_WIDE_WS_DEFAULT
     if tma_loads is None:
@@ -429,6 +445,11 @@ def hopper_bwd_config(
         warp_specialized=warp_specialized,
         tma_loads=tma,
         dq_writer=writer,
+        exp_poly=(
+            (HOPPER_BWD_EXP_POLY_DEFAULT.get((head_dim, bool(causal)), 0) if warp_specialized else 0)
+            if exp_poly is None
+            else exp_poly
+        ),
     )
 
 
@@ -437,13 +458,13 @@ def parse_bwd_config(text: str | BwdConfig) -> BwdConfig:
     if isinstance(text, BwdConfig):
         return text
     m = re.fullmatch(
-        r"bwd_(fp16|bf16)_d(\d+)_q(\d+)_kv(\d+)_w(\d+)_s(\d+)(_buffer)?(_wgmma)?(_ws)?(_tma)?(_dqw)?",
+        r"bwd_(fp16|bf16)_d(\d+)_q(\d+)_kv(\d+)_w(\d+)_s(\d+)(_buffer)?(_wgmma)?(_ws)?(_tma)?(_dqw)?(?:_ep([1-8]))?",
         str(text),
     )
     if not m:
         raise ValueError(f"not a backward config name: {text!r}")
-    dt, d, bq, bkv, w, s, buf, wg, ws, tma, dqw = m.groups()
+    dt, d, bq, bkv, w, s, buf, wg, ws, tma, dqw, ep = m.groups()
     return BwdConfig(
         dt, int(d), int(bq), int(bkv), int(w), int(s), buf is not None, wg is not None, ws is not None,
-        tma is not None, dqw is not None,
+        tma is not None, dqw is not None, int(ep or 0),
     )  # fmt: skip

@@ -224,18 +224,16 @@ def bwd_candidate_space(dtype: str, head_dim: int, arch: str = "sm_80") -> list[
         except ValueError:
             continue
     extra = [default_bwd_config(dtype, d), default_bwd_config(dtype, d, arch)]
-    if is_hopper(arch) and d in (64, 128, 256):
+    if is_hopper(arch) and d in (64, 128, 192, 256):
         # The warp-specialized kernels in their producer's forms (cp.async rows, TMA loads, and at 64 and 128
-        # TMA with dQ's writer warps), and the kernel each replaced (the sm90 kernel at 64 and 128, the wide
-        # kernel at 256).
+        # TMA with dQ's writer warps, with a quarter, half or three quarters of P's exponentials on the FMA
+        # pipe: exp_poly, kernel log 138), and the kernel each replaced (the sm90 kernel at 64 and 128, the
+        # wide kernel at 192 and 256).
         extra += [hopper_bwd_config(dtype, d, tma_loads=tma, dq_writer=False) for tma in (False, True)]
         if d <= 128:
-            extra.append(hopper_bwd_config(dtype, d, tma_loads=True, dq_writer=True))
+            writer = hopper_bwd_config(dtype, d, tma_loads=True, dq_writer=True)
+            extra += [writer] + [writer.replace(exp_poly=e) for e in (2, 4, 6)]
         extra.append(hopper_bwd_config(dtype, d, warp_specialized=False))
-    elif is_hopper(arch) and d == 192:
-        extra.append(hopper_bwd_config(dtype, d))  # the wide kernel (the default: already listed)
-        # the warp-specialized wide kernel, selectable there (kernel log 136), in its producer's two forms
-        extra += [hopper_bwd_config(dtype, d, warp_specialized=True, tma_loads=tma) for tma in (False, True)]
     for cfg in extra:
         if cfg is not None and cfg not in out:
             out.append(cfg)

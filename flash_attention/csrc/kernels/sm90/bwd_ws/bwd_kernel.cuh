@@ -482,6 +482,13 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
     // that wait. (Not in the deterministic kernel at head_dim 64, whose consumers have the fewest registers:
     // there the 16 spilled 16-24 -> 84-88 bytes, where at 128 they took it from 44 to 4.)
     constexpr bool kGradAtP = !V::ScoreMod::kUnitGradient && !kDropout && !(kDeterministic && D < 128);
+    // P's exponentials: Cfg::kExpPoly eighths of them (the rows 8 n + 2 t of n % 8 below it) as a polynomial
+    // on the FMA pipe, the rest on the SFU, whose 16 a clock per multiprocessor make 512 cycles of a d128
+    // step's 8,192 (BwdConfig.exp_poly, kernel log 138). n is a constant of the unrolled loops: no branch.
+    auto exp2_p = [&](int n, float x) {
+      if constexpr (Cfg::kExpPoly == 0) return exp2_approx(x);
+      else return n % 8 < Cfg::kExpPoly ? exp2_poly<BF ? 3 : 4>(x) : exp2_approx(x);
+    };
     u32 pf[KQ][4], sf[KQ][4];
 #pragma unroll
     for (int n = 0; n < NQ; ++n) {
@@ -491,7 +498,7 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const float x = sc[4 * n + e];
-          pr[e] = exp2_approx(fmaf(x, sl2, -((e & 1) ? l2.y : l2.x)));
+          pr[e] = exp2_p(n, fmaf(x, sl2, -((e & 1) ? l2.y : l2.x)));
           // (score_mod_for_key: with per-row slopes, the key row's; its loads are the CTA's, hoisted)
           const int key = kv_start + row0 + g + 8 * (e >> 1);
           sc[4 * n + e] = pr[e] * backward_gradient(score_mod_for_key(score_mod, key), x, pr[e],
@@ -504,7 +511,7 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
       }
 #pragma unroll
       for (int e = 0; e < 4; ++e)
-        sc[4 * n + e] = exp2_approx(fmaf(sc[4 * n + e], sl2, -((e & 1) ? l2.y : l2.x)));
+        sc[4 * n + e] = exp2_p(n, fmaf(sc[4 * n + e], sl2, -((e & 1) ? l2.y : l2.x)));
       if constexpr (kDropout && !kDeterministic) {
         const u32 hr[2] = {dropout_row_hash(head_hash, q_start + 8 * n + 2 * t),
                            dropout_row_hash(head_hash, q_start + 8 * n + 2 * t + 1)};
