@@ -86,6 +86,8 @@ def test_zero_rounds_is_the_warm_up_alone(monkeypatch, capsys):
     assert "nothing timed" in out and "ratio to" not in out
     with pytest.raises(SystemExit):
         ab_trees.main([root, "--rounds", "-1"])
+    with pytest.raises(SystemExit):  # (nothing timed: no file to write)
+        ab_trees.main([root, "--rounds", "0", "--json", "x.json"])
 
 
 @pytest.mark.parametrize("mode,packed", [("fwd_bwd", "0"), ("fwd", "9000")])

@@ -105,13 +105,17 @@ def test_exp_poly_is_bwd_ws_eighths_off_by_default():
     for other in (hopper_bwd_config("bf16", 256), hopper_bwd_config("bf16", 128, warp_specialized=False)):
         with pytest.raises(ValueError, match="exp_poly is bwd_ws's"):
             other.replace(exp_poly=2)
+    for d, ws in ((192, None), (256, True), (128, False)):  # asked of hopper_bwd_config: refused, not dropped
+        with pytest.raises(ValueError, match="exp_poly is bwd_ws's"):
+            hopper_bwd_config("bf16", d, warp_specialized=ws, exp_poly=4)
     with pytest.raises(ValueError, match="not a backward config name"):
         parse_bwd_config(hopper_bwd_config("bf16", 64).name() + "_ep9")
 
 
 def _header_exp2_poly(degree: int):
-    """fa/ptx.cuh's exp2_poly of the given degree, op for op in float32 (each fmaf rounded once, the
-    shifter's adds round to nearest), with the constants read from the header itself."""
+    """fa/ptx.cuh's exp2_poly of the given degree, op for op in float32 (each fmaf's exact product summed in
+    float64, then rounded to float32: a double rounding at worst, far inside the bound; the shifter's adds
+    round to nearest), with the constants, the clamp's operand order and the shift read from the header."""
     import re
     from pathlib import Path
 
@@ -123,16 +127,16 @@ def _header_exp2_poly(degree: int):
     coeffs = [float(c[:-1]) for c in re.findall(r"\d\.\d+f", line)]  # highest degree first
     assert len(coeffs) == degree, line
     shifter = float(re.search(r"kShifter = ([\d.]+)f", body).group(1))
-    shift = int(re.search(r"__float_as_int\(shifted\) << (\d+)\)", body).group(1))
+    shift = int(re.search(r"__float_as_uint\(shifted\) << (\d+)\)", body).group(1))
     f32 = np.float32
 
     def poly(x):
-        x = np.maximum(np.asarray(x, f32), f32(-127))
+        x = np.fmax(np.asarray(x, f32), f32(-127))  # (fmaxf: a NaN gives the other operand)
         shifted = (x + f32(shifter)).astype(f32)
         f = (x - (shifted - f32(shifter)).astype(f32)).astype(f32)
         p = f32(coeffs[0])
-        for c in [*coeffs[1:], 1.0]:  # fmaf: the product and sum exact in float64, rounded once
-            p = (p.astype(np.float64) * f + c).astype(f32)
+        for c in [*coeffs[1:], 1.0]:  # fmaf: the float32 operands' product exact in float64, one rounding
+            p = (p.astype(np.float64) * f + np.float64(f32(c))).astype(f32)
         bits = p.view(np.int32).astype(np.int64) + (shifted.view(np.int32).astype(np.int64) << shift)
         return bits.astype(np.uint32).astype(np.int64).astype(np.uint32).view(np.float32)
 
@@ -153,7 +157,7 @@ def test_exp2_poly_matches_2_to_the_x_within_its_stated_error(degree, bound):
     rel = np.abs(poly(x).astype(np.float64) - exact) / exact
     assert rel.max() <= bound, rel.max()
     assert rel.max() > bound / 3  # (the bound is the polynomial's own, not a loose one)
-    assert np.all(poly(np.float32([-np.inf, -127.0, -1e30])) == 0.0)
+    assert np.all(poly(np.float32([-np.inf, -127.0, -1e30, np.nan])) == 0.0)
     assert poly(np.float32([0.0]))[0] == 1.0
 
 
@@ -191,7 +195,7 @@ def test_hopper_backward_configs():
     with pytest.raises(ValueError, match="warp-specialized wide backward"):
         BwdConfig("bf16", 160, 64, 64, 12, 1, True, wgmma=True, warp_specialized=True)
     # At head_dim 192 the same kernel (warpgroup 0 dV^T, warpgroup 1 dK^T, dQ's columns 128 / 64: kernel log
-    # 136), the default there since it measured 0.73-0.80x the wide kernel's time.
+    # 136), the default there since it measured 0.73-0.81x the wide kernel's time.
     ws192 = hopper_bwd_config("bf16", 192, warp_specialized=True, tma_loads=True)
     assert ws192.wide_ws and ws192.threads == 384 and parse_bwd_config(ws192.name()) == ws192
     assert ws192.smem_bytes == 2 * 64 * 192 * 2 + 4 * 64 * 192 * 2 + 2 * 64 * 64 * 2 + 2 * 64 * 8 + 32 + 1024

@@ -150,7 +150,7 @@ def _backward_configs(case):
     d = padded_head_dim(case[5])
     cfgs = {"portable": default_bwd_config("bf16", d, "sm_80", portable=True)}
     if _hopper():
-        cfgs["hopper"] = hopper_bwd_config("bf16", d)  # warp-specialized at 64/128, wide at 192/256
+        cfgs["hopper"] = hopper_bwd_config("bf16", d)  # warp-specialized (bwd_ws, or the wide form above 128)
     return cfgs
 
 

@@ -210,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"{tree} holds no flash_attention package")
     if args.rounds < 0:
         ap.error("--rounds is 0 or more")
+    if args.rounds == 0 and args.json:
+        ap.error("--rounds 0 times nothing: no --json to write")
     for tree in args.trees:  # the warm-up round: compiles each tree's kernels, its numbers dropped
         run_tree(tree, args.mode, args.shape, 3, cases, args.packed)
     if args.rounds == 0:

@@ -390,8 +390,9 @@ def run_wide_bwd_case(case, seed: int, small: bool) -> float:
     o, lse = ops.cuda_forward(
         q, k, v, causal=causal, softmax_scale=d**-0.5, return_lse=True, out=None, **extra
     )
-    # Without dropout the warp-specialized wide kernel (bwd_wide_ws; at head_dim 192 selectable, kernel log
-    # 136) and, at 192, the wide one too (its default there); with dropout the wide one.
+    # Without dropout the warp-specialized wide kernel (bwd_wide_ws, the default at 192 and 256) and, at
+    # 192, the wide one too (selectable there, and the dropout and deterministic calls' kernel); with dropout
+    # the wide one.
     forms = [not p] + ([False] if d <= 192 and not p else [])
     errors = []
     for ws in forms:

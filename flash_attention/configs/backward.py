@@ -393,7 +393,7 @@ def bwd_register_roles(cfg: BwdConfig) -> str:
 HOPPER_BWD_TMA_DEFAULT = frozenset({(d, causal) for d in (64, 128, 192, 256) for causal in (False, True)})
 
 #: The head dims above 128 whose default Hopper backward is the warp-specialized wide kernel
-#: (csrc/kernels/sm90/bwd_wide_ws): 256, and 192 since kernel log 136 measured it at 0.78-0.80x the wide
+#: (csrc/kernels/sm90/bwd_wide_ws): 256, and 192 since kernel log 136 measured it at 0.78-0.81x the wide
 #: kernel's forward+backward time at 4k and 0.73-0.79x at 1k on an H200 (``warp_specialized=False`` selects
 #: the wide kernel, which keeps dropout and the deterministic mode).
 HOPPER_BWD_WIDE_WS_DEFAULT = frozenset({192, 256})
@@ -427,6 +427,11 @@ def hopper_bwd_config(
     tma = warp_specialized and tma_loads
     # dQ's writer warps (kernel log 133) wherever bwd_ws has the TMA producer, unless asked otherwise.
     writer = tma and head_dim <= 128 if dq_writer is None else dq_writer
+    if exp_poly and (head_dim > 128 or not warp_specialized):
+        raise ValueError(
+            f"exp_poly is bwd_ws's (the warp-specialized backward at head_dim 64 and 128); got "
+            f"head_dim {head_dim}, warp_specialized={warp_specialized}"
+        )
     if head_dim in (192, 256) and warp_specialized:
         return BwdConfig(
             dtype, head_dim, 64, 64, 12, 1, True, wgmma=True, warp_specialized=True, tma_loads=tma

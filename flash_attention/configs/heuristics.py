@@ -188,11 +188,10 @@ def default_bwd_config(
     back to PyTorch).
 
     On Hopper every compiled head dim gets a wgmma dK/dV kernel unless ``portable`` (the features the wgmma
-    families lack: configs.families): the warp-specialized one at 64 and 128, the wide one at 192
-    (csrc/kernels/sm90/bwd_wide; measured on an H100, bf16, 8 heads, backward alone against the sm80
-    kernel: 1.57-1.86x from 512 to 16k tokens, docs/kernel-log.md step 75) and the warp-specialized wide
-    one at 256 (csrc/kernels/sm90/bwd_wide_ws; forward+backward 0.81-0.84x the wide kernel's time on an
-    H200, step 126), whose dropout and deterministic calls take the wide kernel (ops.select); their producer
+    families lack: configs.families): the warp-specialized one at 64 and 128 and the warp-specialized wide
+    one at 192 and 256 (csrc/kernels/sm90/bwd_wide_ws; forward+backward 0.81-0.84x the wide kernel's time
+    at 256 on an H200, step 126, 0.78-0.81x at 192, step 136), whose dropout and deterministic calls take
+    the wide kernel (csrc/kernels/sm90/bwd_wide, ops.select); their producer
     loads Q and dO by TMA (configs.backward.HOPPER_BWD_TMA_DEFAULT, every head_dim and mask now), with dQ's
     writer warps at 64 and 128 (dq_writer).
     Elsewhere the first of the portable candidates whose dK/dV and dQ kernels both fit ``arch``'s opt-in

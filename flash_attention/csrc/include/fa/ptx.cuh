@@ -179,11 +179,13 @@ __device__ __forceinline__ float exp2_approx(float x) {
 // the sum's low mantissa bits hold j) and f in [-1/2, 1/2]; 2^f by a polynomial whose constant term is 1
 // (fitted for the least maximum relative error: 1.0e-4 at degree 3, a twentieth of bf16's rounding, 2.9e-6
 // at degree 4 for fp16's, whose rounding is 4x finer); 2^j added into the exponent field as an integer
-// (j << 23: the shifter's bits above the ninth fall out of the shift). x is clamped at -127 first, where
-// f = 0 and 2^f = 1 exactly, so -inf (a masked score, a row past the sequence's end) gives +0 as the
-// SFU's ftz form does; x in (-127, -126) gives a subnormal of the right order, where ex2.approx.ftz gives 0
-// (either is far below any P that reaches the products). x must be below 128 and not NaN, as P's argument
-// (a score minus its row's log-sum-exp) is. Costs FMNMX, 3 FADD, 3-4 FFMA, a shift and an integer add.
+// (j << 23, unsigned: the shifter's bits above the ninth fall out of the shift). x is clamped at -127
+// first, where f = 0 and 2^f = 1 exactly, so -inf (a masked score, a row past the sequence's end) gives +0
+// as the SFU's ftz form does; x in (-127, -126) gives a subnormal at most 2^-126 (below -126.5 one that
+// falls to 0 towards -127), where ex2.approx.ftz gives 0: either is far below any P that reaches the
+// products. x must be below 128, as P's argument (a score minus its row's log-sum-exp) is; a NaN x gives +0
+// (fmaxf returns the other operand), where the SFU would give NaN. Costs FMNMX, 3 FADD, 3-4 FFMA and one
+// IMAD (the shift and the add).
 template <int kDegree>
 __device__ __forceinline__ float exp2_poly(float x) {
   static_assert(kDegree == 3 || kDegree == 4, "degree 3 (bf16's P) or 4 (fp16's)");
@@ -199,7 +201,7 @@ __device__ __forceinline__ float exp2_poly(float x) {
   if constexpr (kDegree == 4) {
     p = fmaf(fmaf(fmaf(fmaf(0.0095828203f, f, 0.0559063368f), f, 0.2402409911f), f, 0.6931241751f), f, 1.f);
   }
-  return __int_as_float(__float_as_int(p) + (__float_as_int(shifted) << 23));
+  return __uint_as_float(__float_as_uint(p) + (__float_as_uint(shifted) << 23));
 }
 
 // tanh with the SFU (tanh.approx.f32, PTX ISA 9.7.4.x, sm_75+): one MUFU.TANH, maximum relative error

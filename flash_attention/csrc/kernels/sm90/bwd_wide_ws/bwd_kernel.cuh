@@ -45,8 +45,7 @@
 // Shared memory (bytes from a 1024-aligned base, BwdWideWsSmem): K and V (64 x 256 each), two slots of Q
 // and dO (64 x 256 each), P and dS (64 x 64 each), two slots of statistics, the barriers: 210 KB.
 //
-// Head_dim 192 (selectable by name, not yet the default; kernel log 136): three 64-row blocks of head_dim do
-// not halve, so warpgroup 0 keeps dV^T and warpgroup 1 dK^T (96 registers each), dQ's columns split 128 / 64
+// Head_dim 192 (the default there too since kernel log 136): three 64-row blocks of head_dim do not halve, so warpgroup 0 keeps dV^T and warpgroup 1 dK^T (96 registers each), dQ's columns split 128 / 64
 // by K's panels, and dQ is staged in 8 KB halves of 64 x 64 tiles where the slot's Q (24 KB) and dO were.
 //
 // What it does not have (configs/families.py routes those calls to the wide kernel): dropout, the
@@ -360,9 +359,9 @@ __device__ __forceinline__ void bwd_wide_ws_dkdv_body(const BwdParams& p, const 
     for (int i = 0; i < BC / 2; ++i) dvt[hb][i] = dkt[hb][i] = 0.f;
   // Head_dim 192, whose three 64-row blocks do not halve: warpgroup 0 keeps all of dV^T, warpgroup 1 all of
   // dK^T (96 registers each, the wide kernel's split by product), and dQ's columns split 128 / 64 (whole
-  // 64-column panels of K): of a step's nine units of 64 x 64 outputs over its 64 queries after S and dP (which split evenly)
-  // warpgroup 0 does five and warpgroup 1 four; the tensor cores are shared, so the imbalance costs only
-  // warpgroup 1's wait at barrier 2.
+  // 64-column panels of K): of a step's nine units of 64 x 64 outputs over its 64 queries after S and dP
+  // (which split evenly) warpgroup 0 does five and warpgroup 1 four; the tensor cores are shared, so the
+  // imbalance costs only warpgroup 1's wait at barrier 2.
   float hacc[D == 192 ? 3 : 1][BC / 2];
 #pragma unroll
   for (int hb = 0; hb < (D == 192 ? 3 : 1); ++hb)
