@@ -237,6 +237,25 @@ def test_wgmma_names_and_rules():
         wgmma_config("bf16", 256, 128, 128, stages=2)
 
 
+def test_exp_poly_is_the_ws_forwards_named_off_by_default():
+    """KernelConfig.exp_poly (kernel log 139): eighths of P's exponentials on the FMA pipe, fwd_ws only, off
+    in every default; named ``+ep_N``, parsed back, and read by the kernel as Cfg::kExpPoly."""
+    for d in (64, 128, 256):
+        for causal in (False, True):
+            for n in (1024, 16384):
+                assert default_config("bf16", d, causal, n, n, "sm_90").exp_poly == 0
+    cfg = ws_config("bf16", 64, 192, 128, 2, overlap=True).replace(exp_poly=4)
+    assert cfg.name().endswith("+stages_2+ep_4") and parse_config(cfg.name()) == cfg
+    assert parse_config(cfg.symbol(True)) == cfg and "kExpPoly = 4;" in kernel_source(cfg)
+    assert "kExpPoly = 0;" in kernel_source(cfg.replace(exp_poly=0))
+    with pytest.raises(ValueError, match="eighths"):
+        cfg.replace(exp_poly=9)
+    with pytest.raises(ValueError, match="exp_poly is the warp-specialized forward's"):
+        wgmma_config("bf16", 128, 128, 128, 2).replace(exp_poly=2)
+    with pytest.raises(ValueError, match="unknown flag"):
+        parse_config(cfg.name().replace("ep_4", "ep_9"))
+
+
 def test_warp_specialized_names_rules_and_register_split():
     cfg = ws_config("bf16", 128, 128, 128, 2)
     assert cfg.name() == "(BF16, 128, 128, 128, 12): wgmma+ws+stages_2"

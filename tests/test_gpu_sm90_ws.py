@@ -55,6 +55,12 @@ _CONFIGS = [
     ws_config("bf16", 128, 128, 128, 2, overlap=True, persistent=True, tma_store=True, tile_overlap=True),
     ws_config("bf16", 64, 128, 176, 3, overlap=True, persistent=True, tile_overlap=True),
     ws_config("fp16", 256, 64, 64, 2, overlap=True, persistent=True, tma_store=True, tile_overlap=True),
+    # Part of P's exponentials as a polynomial on the FMA pipe (exp_poly, kernel log 139): bf16's degree 3
+    # and fp16's degree 4, the lazy reference (256), key tiles of 176, three warpgroups.
+    ws_config("bf16", 64, 192, 128, 2, overlap=True, tma_store=True).replace(exp_poly=4),
+    ws_config("fp16", 64, 128, 176, 3, overlap=True, persistent=True, tile_overlap=True).replace(exp_poly=2),
+    ws_config("bf16", 128, 128, 128, 2, overlap=True, persistent=True, tma_store=True).replace(exp_poly=6),
+    ws_config("bf16", 256, 128, 64, 2, overlap=True).replace(exp_poly=8),
 ]
 _SHAPES = [
     # b, sq, sk, hq, hkv, causal, layout

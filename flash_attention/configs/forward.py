@@ -95,6 +95,10 @@ class KernelConfig:
         tile_overlap: persistent with overlap and without ping-pong only: each consumer warpgroup issues the
             next tile's first S = Q K^T before this tile's epilogue, so the tensor cores work through the
             epilogue and the next tile starts with its first product done. Named ``...+tile_overlap``.
+        exp_poly: warp_specialized only, 0-8: that many eighths of P's exponentials (the 8-key column groups
+            n of a tile with n % 8 below it) computed by a polynomial on the FMA pipe (fa/ptx.cuh exp2_poly)
+            instead of the SFU, whose 16 a clock per multiprocessor match the tensor cores' time at head_dim
+            64 (kernel log 139). Named ``...+ep_N``.
     """
 
     dtype: str
@@ -122,6 +126,7 @@ class KernelConfig:
     # v's and the output's head_dim where it is not head_dim (0: head_dim's; the warp-specialized forward
     # only, a multiple of 64 below head_dim: DeepSeek's 192/128). Named ``...+dv_N``.
     head_dim_v: int = 0
+    exp_poly: int = 0
 
     def __post_init__(self) -> None:
         if self.head_dim_v == self.head_dim:  # (one canonical config per problem)
@@ -180,6 +185,7 @@ class KernelConfig:
                 + (["tile_overlap"] if self.tile_overlap else [])
                 + ([f"stages_{self.stages}"] if self.stages != 1 else [])
                 + ([f"dv_{self.head_dim_v}"] if self.head_dim_v else [])
+                + ([f"ep_{self.exp_poly}"] if self.exp_poly else [])
             )
         out = ["async" if self.async_copy else "sync"]
         if self.eager:
@@ -250,6 +256,7 @@ class KernelConfig:
             ("kPersistent", "bool", self.persistent),
             ("kTmaStore", "bool", self.tma_store),
             ("kTileOverlap", "bool", self.tile_overlap),
+            ("kExpPoly", "int", self.exp_poly),
             ("kProducerRegs", "int", register_split(self)[0]),
             ("kConsumerRegs", "int", register_split(self)[1]),
         ]
@@ -314,6 +321,7 @@ def ws_config(
     persistent: bool = False,
     tma_store: bool = False,
     tile_overlap: bool = False,
+    exp_poly: int = 0,
     check: bool = True,
 ) -> KernelConfig:
     """The warp-specialized Hopper config: a producer warpgroup and ``block_q / 64`` consumer warpgroups
@@ -335,6 +343,7 @@ def ws_config(
         persistent=persistent,
         tma_store=tma_store,
         tile_overlap=tile_overlap,
+        exp_poly=exp_poly,
         **_WGMMA_FIXED,
     )
 
@@ -356,6 +365,10 @@ def validity_errors(cfg: KernelConfig) -> list[str]:
     ):
         # (fa/config_check.h says the same; O is staged in the Q tile, so it may not be wider than Q)
         e.append("head_dim_v other than head_dim needs warp_specialized, a multiple of 64 below head_dim")
+    if not 0 <= cfg.exp_poly <= 8:
+        e.append("exp_poly counts eighths of the exponentials: 0 to 8")
+    elif cfg.exp_poly and not cfg.warp_specialized:
+        e.append("exp_poly is the warp-specialized forward's (fwd_ws)")
     if cfg.warp_specialized:
         if not cfg.wgmma or cfg.stages < 2 or cfg.num_warps != 4 + cfg.block_q // 16:
             e.append(
@@ -509,10 +522,11 @@ def _from_flags(dtype: str, d: int, bq: int, bkv: int, w: int, flags: list[str],
             False,
             False,
         )
-        head_dim_v = 0
+        head_dim_v = exp_poly = 0
         for f in flags[1:]:
             m = re.fullmatch(r"stages_(\d+)", f)
             dv = re.fullmatch(r"dv_(\d+)", f)
+            ep = re.fullmatch(r"ep_([1-8])", f)
             if f == "ws":
                 ws = True
             elif f == "overlap":
@@ -529,6 +543,8 @@ def _from_flags(dtype: str, d: int, bq: int, bkv: int, w: int, flags: list[str],
                 stages = int(m[1])
             elif dv:
                 head_dim_v = int(dv[1])
+            elif ep:
+                exp_poly = int(ep[1])
             else:
                 raise ValueError(f"unknown flag {f!r} in kernel config name {text!r}")
         return KernelConfig(
@@ -546,6 +562,7 @@ def _from_flags(dtype: str, d: int, bq: int, bkv: int, w: int, flags: list[str],
             tma_store=tma_store,
             tile_overlap=tile_overlap,
             head_dim_v=head_dim_v,
+            exp_poly=exp_poly,
             **_WGMMA_FIXED,
         )
     seen_copy = False

@@ -69,9 +69,16 @@ def portable_config(dtype: str, head_dim: int, causal: bool, seqlen_q: int, seql
     return KernelConfig(dtype, 256, 64, 64, 4, q_frags=1, k_frags=1, v_frags=1, double_buffer=False)
 
 
+#: Eighths of P's exponentials that the warp-specialized forward computes on the FMA pipe by default, by
+#: head_dim (KernelConfig.exp_poly; kernel log 139, prepared, not yet measured: none until an A/B on the GPU
+#: says).
+HOPPER_FWD_EXP_POLY_DEFAULT: dict[int, int] = {}
+
+
 def _ws(*args, **knobs) -> KernelConfig:
-    """A warp-specialized default: :func:`ws_config` with the output's TMA stores."""
-    return ws_config(*args, tma_store=True, **knobs)
+    """A warp-specialized default: :func:`ws_config` with the output's TMA stores (and, where
+    HOPPER_FWD_EXP_POLY_DEFAULT lists its head_dim, that share of the exponentials on the FMA pipe)."""
+    return ws_config(*args, tma_store=True, exp_poly=HOPPER_FWD_EXP_POLY_DEFAULT.get(args[1], 0), **knobs)
 
 
 def _hopper_default(dtype: str, d: int, n: int, causal: bool) -> KernelConfig:

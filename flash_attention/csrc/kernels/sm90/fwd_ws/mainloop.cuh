@@ -267,8 +267,8 @@ struct FwdWsMainloop {
     x.mask.mask_query_rows(acc_tile(sacc), x.q_start + th.warp_row0, kv_start, th.g, th.t);
 #pragma unroll
     for (int r = 0; r < 2; ++r)
-      alpha[r] = online_softmax_row<kFold, kOffsets, kLazyMax>(acc_tile(sacc), 0, r, row_max[r], row_sum[r],
-                                                               sl2, offset[0][r]);
+      alpha[r] = online_softmax_row<kFold, kOffsets, kLazyMax, kFold ? Cfg::kExpPoly : 0, BF>(
+          acc_tile(sacc), 0, r, row_max[r], row_sum[r], sl2, offset[0][r]);
     if constexpr (kDropout)
       dropout_query_rows(acc_tile(sacc), 0, p, x.batch, x.head, x.q_start + th.warp_row0, kv_start, th.g,
                          th.t);
