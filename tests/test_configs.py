@@ -97,6 +97,15 @@ def _space(n_random: int = 2500, seed: int = 0) -> list[KernelConfig]:
                 **{**fields, "num_warps": 8, "warp_specialized": False, "overlap": False}
             )
         out.append(cfg)
+    # exp_poly: in range and out, on the warp-specialized kernel and off it.
+    for d, ep, ws in itertools.product((64, 128), (0, 4, 8, 9), (True, False)):
+        cfg = ws_config("bf16", d, 128, 128, 2, overlap=True, exp_poly=ep, check=False)
+        if not ws:
+            fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+            cfg = KernelConfig.unchecked(
+                **{**fields, "num_warps": 8, "warp_specialized": False, "overlap": False}
+            )
+        out.append(cfg)
     return out
 
 

@@ -95,10 +95,11 @@ class KernelConfig:
         tile_overlap: persistent with overlap and without ping-pong only: each consumer warpgroup issues the
             next tile's first S = Q K^T before this tile's epilogue, so the tensor cores work through the
             epilogue and the next tile starts with its first product done. Named ``...+tile_overlap``.
-        exp_poly: warp_specialized only, 0-8: that many eighths of P's exponentials (the 8-key column groups
-            n of a tile with n % 8 below it) computed by a polynomial on the FMA pipe (fa/ptx.cuh exp2_poly)
-            instead of the SFU, whose 16 a clock per multiprocessor match the tensor cores' time at head_dim
-            64 (kernel log 139). Named ``...+ep_N``.
+        exp_poly: warp_specialized only, 0-8: P's exponentials of the 8-key column groups n of a tile with
+            n % 8 below it computed by a polynomial on the FMA pipe (fa/ptx.cuh exp2_poly) instead of the
+            SFU, whose 16 a clock per multiprocessor match the tensor cores' time at head_dim 64 (kernel log
+            139): N eighths of them where block_kv is a multiple of 64, a little more otherwise (176 keys at
+            N = 4: 12 of 22 groups). Named ``...+ep_N``.
     """
 
     dtype: str

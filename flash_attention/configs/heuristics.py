@@ -70,15 +70,17 @@ def portable_config(dtype: str, head_dim: int, causal: bool, seqlen_q: int, seql
 
 
 #: Eighths of P's exponentials that the warp-specialized forward computes on the FMA pipe by default, by
-#: head_dim (KernelConfig.exp_poly; kernel log 139, prepared, not yet measured: none until an A/B on the GPU
-#: says).
-HOPPER_FWD_EXP_POLY_DEFAULT: dict[int, int] = {}
+#: (head_dim, causal) (KernelConfig.exp_poly; kernel log 139, prepared, not yet measured: none until an A/B
+#: on the GPU says).
+HOPPER_FWD_EXP_POLY_DEFAULT: dict[tuple[int, bool], int] = {}
 
 
-def _ws(*args, **knobs) -> KernelConfig:
+def _ws(*args, causal: bool, **knobs) -> KernelConfig:
     """A warp-specialized default: :func:`ws_config` with the output's TMA stores (and, where
-    HOPPER_FWD_EXP_POLY_DEFAULT lists its head_dim, that share of the exponentials on the FMA pipe)."""
-    return ws_config(*args, tma_store=True, exp_poly=HOPPER_FWD_EXP_POLY_DEFAULT.get(args[1], 0), **knobs)
+    HOPPER_FWD_EXP_POLY_DEFAULT lists its head_dim and mask, that share of the exponentials on the FMA
+    pipe)."""
+    exp_poly = HOPPER_FWD_EXP_POLY_DEFAULT.get((args[1], causal), 0)
+    return ws_config(*args, tma_store=True, exp_poly=exp_poly, **knobs)
 
 
 def _hopper_default(dtype: str, d: int, n: int, causal: bool) -> KernelConfig:
@@ -112,25 +114,29 @@ def _hopper_default(dtype: str, d: int, n: int, causal: bool) -> KernelConfig:
     if d == 64:
         if short:
             if causal:
-                return _ws(dtype, 64, 128, 128, 2, overlap=True, persistent=True)
-            return _ws(dtype, 64, 128, 176, 3, overlap=True, persistent=True, tile_overlap=True)
-        return _ws(dtype, 64, 192, 128, 2, overlap=True)
+                return _ws(dtype, 64, 128, 128, 2, overlap=True, persistent=True, causal=causal)
+            return _ws(
+                dtype, 64, 128, 176, 3, overlap=True, persistent=True, tile_overlap=True, causal=causal
+            )
+        return _ws(dtype, 64, 192, 128, 2, overlap=True, causal=causal)
     if d == 128:
         if (causal and 768 <= n < 3072) or (not causal and 3072 <= n < 6144):
-            return _ws(dtype, 128, 128, 128, 2, overlap=True, persistent=True, tile_overlap=True)
+            return _ws(
+                dtype, 128, 128, 128, 2, overlap=True, persistent=True, tile_overlap=True, causal=causal
+            )
         if n < 1536:
-            return _ws(dtype, 128, 128, 128, 2, overlap=True, persistent=True)
+            return _ws(dtype, 128, 128, 128, 2, overlap=True, persistent=True, causal=causal)
         wide = n >= 12288 if causal else n >= 3072  # causal from 16k, non-causal from 4k
-        return _ws(dtype, 128, 128, 176 if wide else 128, 2, overlap=True)
+        return _ws(dtype, 128, 128, 176 if wide else 128, 2, overlap=True, causal=causal)
     if d == 192:
         if n < 1536:
-            return _ws(dtype, 192, 128, 64, 3, overlap=True)
+            return _ws(dtype, 192, 128, 64, 3, overlap=True, causal=causal)
         if n < 3072 and not causal:
-            return _ws(dtype, 192, 128, 64, 2, overlap=True)
-        return _ws(dtype, 192, 128, 112, 2, overlap=True)
+            return _ws(dtype, 192, 128, 64, 2, overlap=True, causal=causal)
+        return _ws(dtype, 192, 128, 112, 2, overlap=True, causal=causal)
     if n < 768:
-        return _ws(dtype, 256, 128, 64, 2)
-    return _ws(dtype, 256, 128, 80, 2, overlap=True)
+        return _ws(dtype, 256, 128, 64, 2, causal=causal)
+    return _ws(dtype, 256, 128, 80, 2, overlap=True, causal=causal)
 
 
 @lru_cache(maxsize=4096)

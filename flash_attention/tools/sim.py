@@ -75,6 +75,9 @@ _FLT_MIN = 2.0**-126  # smallest normal fp32: ex2.approx.ftz flushes anything be
 _MMA_ACC = 2.0**-21  # per mma k-step, relative to |accumulator in| + |accumulator out|
 _MMA_PROD = 2.0**-19  # per mma k-step, relative to the largest |product| (bounded by max|a| * max|b|)
 _EX2_REL = 2.0**-21  # ex2.approx against torch.exp2 (the hardware's error is about 2^-22.5)
+#: fa/ptx.cuh exp2_poly's maximum relative error by P's type (degree 3 for bf16, 4 for fp16), for configs
+#: that compute part of P by it (KernelConfig.exp_poly): the bound then takes it for every P.
+_EXP_POLY_REL = {torch.bfloat16: 1.1e-4, torch.float16: 3.2e-6}
 
 
 @dataclass(frozen=True)
@@ -409,6 +412,8 @@ class _Run:
         self.k = padded(k, self.nb * bc, hkv)[:, head_map].view(batch, hq, self.nb, bc, dd)
         self.v = padded(v, self.nb * bc, hkv)[:, head_map].view(batch, hq, self.nb, bc, dd)
         self.dt = dt
+        # P's exponential's relative error: the SFU's, or the polynomial's where the config uses it.
+        self.ex2_rel = max(_EX2_REL, _EXP_POLY_REL[dt]) if getattr(cfg, "exp_poly", 0) else _EX2_REL
         self.trace: Trace | None = None
         if spec is not None:
             self.trace = Trace(
@@ -604,7 +609,9 @@ class _Run:
         tol_m = torch.maximum(tol_m_old, tol_sx.amax(dim=-1))
 
         pd, ad = p.double(), alpha.double()
-        w = kappa * tol_sx + arg_round + _EX2_REL  # relative uncertainty of each p, without the common M one
+        w = (
+            kappa * tol_sx + arg_round + self.ex2_rel
+        )  # each p's relative uncertainty, without the common M one
         tol_p = torch.where(
             valid & (p > 0), pd * (w + kappa * tol_m.unsqueeze(-1)) + 2.0**-100, torch.zeros_like(pd)
         )
@@ -629,7 +636,7 @@ class _Run:
 
         # Per-step bounds of the trace's L and O, which do carry the common factor of M.
         lq = _quad(l_new).double()
-        per_step_rel = steps * (_EX2_REL + (cfg.block_kv // 8 + 4) * eps2)
+        per_step_rel = steps * (self.ex2_rel + (cfg.block_kv // 8 + 4) * eps2)
         tol_l = lq * (kappa * tol_m + per_step_rel) + b.err_l[:, :, act]
         tol_o = b.mag_o[:, :, act] * (2 * kappa * tol_m + per_step_rel).unsqueeze(-1) + b.flip_o[:, :, act]
         tol_o = tol_o + b.acc_o[:, :, act]
@@ -686,7 +693,7 @@ class _Run:
             steps = steps.view(1, 1, -1, 1)
             ld = torch.where(pos, lsum.double(), torch.ones_like(lsum, dtype=torch.float64))
             # Relative uncertainty of L without the common factor of M (it cancels in O / L and in the LSE).
-            rel_l = b.err_l / ld + steps * (_EX2_REL + (cfg.block_kv // 8 + 4) * eps2)
+            rel_l = b.err_l / ld + steps * (self.ex2_rel + (cfg.block_kv // 8 + 4) * eps2)
             if self.var.sinks is not None:  # sink_row's two __expf and a division
                 rel_l = rel_l + 4 * _EX2_REL + 4 * _EPS
             rel_o = self.kappa * b.tol_m + (steps + 1) * _EX2_REL

@@ -71,7 +71,8 @@ def candidate_space(dtype: str, head_dim: int, causal: bool, arch: str = "sm_80"
     point of a scratch sweep on an H100 (docs/kernel-log.md, steps 17-18), so timing them is wasted.
     The warp-specialized kernel's configs join them: the tiles of ``_WS_TILES`` (one to three consumer
     warpgroups), a TMA ring 2 or 3 deep, and the schedules of ``_WS_SCHEDULES``, all with the output's TMA
-    stores (fixed on: +1-4% or level at every point measured, docs/kernel-log.md step 62).
+    stores (fixed on: +1-4% or level at every point measured, docs/kernel-log.md step 62), and the default
+    picks again with part of P's exponentials on the FMA pipe (exp_poly 2 and 4, kernel log 139).
     """
     d = padded_head_dim(head_dim)
     dk = d // 16
@@ -85,6 +86,12 @@ def candidate_space(dtype: str, head_dim: int, causal: bool, arch: str = "sm_80"
                 cfg = ws_config(dtype, d, block_q, block_kv, stages, **knobs, tma_store=True, check=False)
                 if not validity_errors(cfg):
                     out.append(ws_config(dtype, d, block_q, block_kv, stages, **knobs, tma_store=True))
+        # The default picks with a quarter and half of P's exponentials on the FMA pipe (exp_poly, kernel
+        # log 139): beside their own shapes, not across the whole space (three times its size).
+        picks = {default_config(dtype, d, causal, n, n, arch) for n in SEQLEN_BUCKETS}
+        for pick in sorted(picks, key=str):
+            if pick.warp_specialized:
+                out += [c for c in (pick.replace(exp_poly=e) for e in (2, 4)) if c not in out]
         return out
     for block_q, warps, block_kv in itertools.product((64, 128, 256), (4, 8), (32, 64, 128)):
         for q_frags, k_frags, v_frags, buffered in itertools.product(

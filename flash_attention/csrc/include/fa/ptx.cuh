@@ -178,7 +178,7 @@ __device__ __forceinline__ float exp2_approx(float x) {
 // exponentials are 512 cycles of SFU; kernel log 138). x = j + f with j = round(x) (the 1.5 * 2^23 shifter:
 // the sum's low mantissa bits hold j) and f in [-1/2, 1/2]; 2^f by a polynomial whose constant term is 1
 // (fitted for the least maximum relative error: 1.0e-4 at degree 3, a twentieth of bf16's rounding, 2.9e-6
-// at degree 4 for fp16's, whose rounding is 4x finer); 2^j added into the exponent field as an integer
+// at degree 4 for fp16's, whose rounding is 8x finer); 2^j added into the exponent field as an integer
 // (j << 23, unsigned: the shifter's bits above the ninth fall out of the shift). x is clamped at -127
 // first, where f = 0 and 2^f = 1 exactly, so -inf (a masked score, a row past the sequence's end) gives +0
 // as the SFU's ftz form does; x in (-127, -126) gives a subnormal at most 2^-126 (below -126.5 one that

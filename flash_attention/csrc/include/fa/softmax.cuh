@@ -34,8 +34,9 @@ __device__ __forceinline__ void scale_scores(const Acc& s, float scale) {
 // and fp16 alike), and the returned factor is then exactly 1: a kernel skips O's rescale for a warp whose
 // rows all kept theirs. The LSE, M + log L, is exact with any reference M.
 // kExpPoly (folded only, 0-8): the exponentials of the column groups n with n % 8 below it are computed by
-// exp2_poly on the FMA pipe instead of the SFU (KernelConfig.exp_poly, kernel log 139); n is a constant of
-// the unrolled loop, so no branch. The degree follows P's 16-bit type (kIsBF16: 3, else 4).
+// exp2_poly on the FMA pipe instead of the SFU (KernelConfig.exp_poly, kernel log 139): kExpPoly eighths of
+// them where the tile's groups are a multiple of 8, a little more otherwise. n is a constant of the
+// unrolled loop, so no branch. The degree follows P's 16-bit type (kIsBF16: 3, else 4).
 constexpr float kLazyMargin = 8.f;
 template <bool kFolded, bool kOffset = false, bool kLazy = false, int kExpPoly = 0, bool kIsBF16 = true,
           class Acc>
