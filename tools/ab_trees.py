@@ -5,7 +5,8 @@
     python tools/ab_trees.py TREE [TREE ...] --mode decode --cases 1:32768:1,8:8192:16  (batch:keys:seqlen_q)
 
 A kernel change is measured against the tree before it (a `git worktree` of the previous commit, or a copy
-of the working tree with one macro changed) on the same machine in the same call: one process per tree per
+of a commit with one macro or default changed: tools/ab_make_tree.py makes one) on the same machine in the
+same call: one process per tree per
 round, in turn, so that the machine's drift between rounds reaches every tree alike (shared GPUs drift by
 several percent). Each process imports flash_attention from its own tree (its JIT cache keys on the
 sources, so the trees' kernels live side by side) and times every case with CUDA events, after a warm-up
