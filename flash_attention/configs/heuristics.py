@@ -75,12 +75,12 @@ def portable_config(dtype: str, head_dim: int, causal: bool, seqlen_q: int, seql
 HOPPER_FWD_EXP_POLY_DEFAULT: dict[tuple[int, bool], int] = {}
 
 
-def _ws(*args, causal: bool, **knobs) -> KernelConfig:
+def _ws(dtype: str, head_dim: int, *shape: int, causal: bool, **knobs) -> KernelConfig:
     """A warp-specialized default: :func:`ws_config` with the output's TMA stores (and, where
     HOPPER_FWD_EXP_POLY_DEFAULT lists its head_dim and mask, that share of the exponentials on the FMA
     pipe)."""
-    exp_poly = HOPPER_FWD_EXP_POLY_DEFAULT.get((args[1], causal), 0)
-    return ws_config(*args, tma_store=True, exp_poly=exp_poly, **knobs)
+    exp_poly = HOPPER_FWD_EXP_POLY_DEFAULT.get((head_dim, causal), 0)
+    return ws_config(dtype, head_dim, *shape, tma_store=True, exp_poly=exp_poly, **knobs)
 
 
 def _hopper_default(dtype: str, d: int, n: int, causal: bool) -> KernelConfig:

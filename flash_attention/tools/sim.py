@@ -609,9 +609,8 @@ class _Run:
         tol_m = torch.maximum(tol_m_old, tol_sx.amax(dim=-1))
 
         pd, ad = p.double(), alpha.double()
-        w = (
-            kappa * tol_sx + arg_round + self.ex2_rel
-        )  # each p's relative uncertainty, without the common M one
+        # each p's relative uncertainty, without the common M one
+        w = kappa * tol_sx + arg_round + self.ex2_rel
         tol_p = torch.where(
             valid & (p > 0), pd * (w + kappa * tol_m.unsqueeze(-1)) + 2.0**-100, torch.zeros_like(pd)
         )

@@ -27,7 +27,8 @@ struct check_config {
   static_assert(!Cfg::kTmaStore || Cfg::kWarpSpecialized, "tma_store needs warp_specialized");
   static_assert(!Cfg::kTileOverlap || (Cfg::kPersistent && Cfg::kOverlap && !Cfg::kPingpong),
                 "tile_overlap needs persistent and overlap, without pingpong");
-  static_assert(Cfg::kExpPoly >= 0 && Cfg::kExpPoly <= 8, "exp_poly counts eighths of the exponentials: 0 to 8");
+  static_assert(Cfg::kExpPoly >= 0 && Cfg::kExpPoly <= 8,
+                "exp_poly counts eighths of the exponentials: 0 to 8");
   static_assert(Cfg::kExpPoly == 0 || Cfg::kWarpSpecialized,
                 "exp_poly is the warp-specialized forward's (fwd_ws)");
   static_assert(W == 1 || W == 2 || W == 4 || W == 8 || (Cfg::kWarpSpecialized && W == 12),

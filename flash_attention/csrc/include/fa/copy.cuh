@@ -52,7 +52,7 @@ __device__ __forceinline__ void load_tile(u32 s_tile, const u16* g, i64 row_stri
 // registers (setmaxnreg): the same tile, layout and zero-fill, but the row loop is not unrolled and the
 // source pointer advances by one row step per copy, so it holds one 64-bit address instead of one per row
 // (load_tile unrolled made ptxas spill 100-400 bytes in a 40-register producer). kThreads must cover whole
-// rows (every tile the producers copy: 128 threads, rows of 8 or 16 chunks).
+// rows (rows of 8, 16 or 32 chunks for 64 or 128 threads; load_panel_tile_rolled below takes the others).
 template <int R, int D, int kThreads, class Layout>
 __device__ __forceinline__ void load_tile_rolled(u32 s_tile, const u16* g, i64 row_stride, int rows_valid,
                                                  int head_dim, int tid) {
@@ -71,17 +71,21 @@ __device__ __forceinline__ void load_tile_rolled(u32 s_tile, const u16* g, i64 r
   }
 }
 
-// load_tile_rolled for a PanelTile<R> whose rows the threads do not cover whole (head_dim 192: 24 chunks
-// per row, 128 threads): one 64-column panel after the other, each a D = 64 tile the threads do cover,
-// `head_dim` taken per panel (a panel past it is zero-filled).
+// load_tile_rolled into a PanelTile<R> of any head_dim: where the threads cover whole rows, that load;
+// where they do not (head_dim 192: 24 chunks per row, 128 threads), one 64-column panel after the other,
+// each a D = 64 tile the threads do cover, `head_dim` taken per panel (a panel past it is zero-filled).
 template <int R, int D, int kThreads>
-__device__ __forceinline__ void load_tile_rolled_panels(u32 s_tile, const u16* g, i64 row_stride,
-                                                        int rows_valid, int head_dim, int tid) {
+__device__ __forceinline__ void load_panel_tile_rolled(u32 s_tile, const u16* g, i64 row_stride,
+                                                       int rows_valid, int head_dim, int tid) {
   static_assert(D % 64 == 0, "whole 64-column panels");
+  if constexpr (kThreads % (D / 8) == 0) {
+    load_tile_rolled<R, D, kThreads, PanelTile<R>>(s_tile, g, row_stride, rows_valid, head_dim, tid);
+  } else {
 #pragma unroll 1
-  for (int c = 0; c < D / 64; ++c)
-    load_tile_rolled<R, 64, kThreads, PanelTile<R>>(s_tile + c * R * 128, g + 64 * c, row_stride, rows_valid,
-                                                    head_dim - 64 * c, tid);
+    for (int c = 0; c < D / 64; ++c)
+      load_tile_rolled<R, 64, kThreads, PanelTile<R>>(s_tile + c * R * 128, g + 64 * c, row_stride,
+                                                      rows_valid, head_dim - 64 * c, tid);
+  }
 }
 
 }  // namespace fa

@@ -54,7 +54,8 @@ __device__ __forceinline__ i64 dq_accum_offset(i64 ws_row, int col) {
 // its chunks 512 h .. 512 h + 511), for a kernel whose free shared memory comes in pieces smaller than a
 // tile (bwd_wide_ws at head_dim 192).
 template <int N, int kPiece, int kPieces>
-__device__ __forceinline__ void stage_dq_pieces(const u32 (&stage)[kPieces], const float (&dq)[N / 2], int u) {
+__device__ __forceinline__ void stage_dq_pieces(const u32 (&stage)[kPieces], const float (&dq)[N / 2],
+                                                int u) {
   static_assert(N % (8 * kPiece) == 0 && N / (8 * kPiece) <= kPieces, "whole pieces, one address each");
 #pragma unroll
   for (int n = 0; n < N / 8; ++n)

@@ -204,6 +204,19 @@ __device__ __forceinline__ float exp2_poly(float x) {
   return __uint_as_float(__float_as_uint(p) + (__float_as_uint(shifted) << 23));
 }
 
+// P's exponential of an element of 8-column group n: by exp2_poly where n % 8 is below kExpPoly (0-8: that
+// many eighths of the groups; KernelConfig / BwdConfig.exp_poly, kernel logs 138-139), else by the SFU. n is
+// a constant of the caller's unrolled loop, so no branch. The degree follows P's 16-bit type.
+template <int kExpPoly, bool kIsBF16>
+__device__ __forceinline__ float exp2_share(int n, float x) {
+  static_assert(kExpPoly >= 0 && kExpPoly <= 8, "eighths of the exponentials: 0 to 8");
+  if constexpr (kExpPoly == 0) {
+    return exp2_approx(x);
+  } else {
+    return n % 8 < kExpPoly ? exp2_poly<kIsBF16 ? 3 : 4>(x) : exp2_approx(x);
+  }
+}
+
 // tanh with the SFU (tanh.approx.f32, PTX ISA 9.7.4.x, sm_75+): one MUFU.TANH, maximum relative error
 // about 2^-11 -- below the 16-bit inputs' own rounding. The softcap score function's.
 __device__ __forceinline__ float tanh_approx(float x) {

@@ -34,9 +34,8 @@ __device__ __forceinline__ void scale_scores(const Acc& s, float scale) {
 // and fp16 alike), and the returned factor is then exactly 1: a kernel skips O's rescale for a warp whose
 // rows all kept theirs. The LSE, M + log L, is exact with any reference M.
 // kExpPoly (folded only, 0-8): the exponentials of the column groups n with n % 8 below it are computed by
-// exp2_poly on the FMA pipe instead of the SFU (KernelConfig.exp_poly, kernel log 139): kExpPoly eighths of
-// them where the tile's groups are a multiple of 8, a little more otherwise. n is a constant of the
-// unrolled loop, so no branch. The degree follows P's 16-bit type (kIsBF16: 3, else 4).
+// exp2_poly on the FMA pipe instead of the SFU (fa/ptx.cuh exp2_share; KernelConfig.exp_poly, kernel log
+// 139): kExpPoly eighths of them where the tile's groups are a multiple of 8, a little more otherwise.
 constexpr float kLazyMargin = 8.f;
 template <bool kFolded, bool kOffset = false, bool kLazy = false, int kExpPoly = 0, bool kIsBF16 = true,
           class Acc>
@@ -64,14 +63,10 @@ __device__ __forceinline__ float online_softmax_row(const Acc& s, int mt, int r,
     alpha = keep ? 1.f : exp2_approx(row_max * scale_log2 - m_scaled);
     // (s + offset - M) scale log2e: the offset's part of the subtrahend once per row.
     const float sub = kOffset ? fmaf(-offset, scale_log2, m_scaled) : m_scaled;
-    auto exp2_p = [](int n, float x) {
-      if constexpr (kExpPoly == 0) return exp2_approx(x);
-      else return n % 8 < kExpPoly ? exp2_poly<kIsBF16 ? 3 : 4>(x) : exp2_approx(x);
-    };
 #pragma unroll
     for (int n = 0; n < Acc::kN; ++n) {
-      s(mt, n, 2 * r) = exp2_p(n, fmaf(s(mt, n, 2 * r), scale_log2, -sub));
-      s(mt, n, 2 * r + 1) = exp2_p(n, fmaf(s(mt, n, 2 * r + 1), scale_log2, -sub));
+      s(mt, n, 2 * r) = exp2_share<kExpPoly, kIsBF16>(n, fmaf(s(mt, n, 2 * r), scale_log2, -sub));
+      s(mt, n, 2 * r + 1) = exp2_share<kExpPoly, kIsBF16>(n, fmaf(s(mt, n, 2 * r + 1), scale_log2, -sub));
       sum += s(mt, n, 2 * r) + s(mt, n, 2 * r + 1);
     }
   } else {

@@ -1,6 +1,6 @@
 // FlashAttention-2 backward's dK/dV kernel (dQ added into an fp32 workspace) for Hopper (sm_90a) at head_dim
-// 256 (and 192, below), warp-specialized, with the products oriented so that neither computing warpgroup waits
-// for the other inside a step's chain.
+// 256 (and 192, below), warp-specialized, with the products oriented so that neither computing warpgroup
+// waits for the other inside a step's chain.
 //
 // Why not the wide kernel (csrc/kernels/sm90/bwd_wide): there the two warpgroups split the work by product
 // on one 64-key block (warpgroup 0 S^T, P^T and dV; warpgroup 1 dP^T, dS^T and dK), so warpgroup 1 waits
@@ -15,8 +15,8 @@
 //   dV^T += dO^T P and dK^T += Q^T dS with head_dim as rows: at 256, warpgroup c keeps head_dim rows
 //     [128 c, 128 c + 128) of both, for all 64 keys (two m64n64k16 row blocks each, K = the 64 queries):
 //     2 x 2 x 32 = 128 accumulator registers, where keys as rows would need 2 x 256 per warpgroup of 64 keys;
-//   dQ = dS K for head_dim columns [128 c, 128 c + 128) at 256 (m64n128k16, K = 64 keys), staged and added with
-//     bulk reduce-adds as in the other Hopper backwards.
+//   dQ = dS K for head_dim columns [128 c, 128 c + 128) at 256 (m64n128k16, K = 64 keys), staged and added
+//     with bulk reduce-adds as in the other Hopper backwards.
 // A producer warpgroup copies K and V once and each step's Q, dO and statistics into a ring of two slots,
 // as the warp-specialized kernel does (csrc/kernels/sm90/bwd_ws, whose comments on the copies, PDL and the
 // full/empty barriers apply here).
@@ -45,8 +45,9 @@
 // Shared memory (bytes from a 1024-aligned base, BwdWideWsSmem): K and V (64 x 256 each), two slots of Q
 // and dO (64 x 256 each), P and dS (64 x 64 each), two slots of statistics, the barriers: 210 KB.
 //
-// Head_dim 192 (the default there too since kernel log 136): three 64-row blocks of head_dim do not halve, so warpgroup 0 keeps dV^T and warpgroup 1 dK^T (96 registers each), dQ's columns split 128 / 64
-// by K's panels, and dQ is staged in 8 KB halves of 64 x 64 tiles where the slot's Q (24 KB) and dO were.
+// Head_dim 192 (the default there too since kernel log 136): three 64-row blocks of head_dim do not halve,
+// so warpgroup 0 keeps dV^T and warpgroup 1 dK^T (96 registers each), dQ's columns split 128 / 64 by K's
+// panels, and dQ is staged in 8 KB halves of 64 x 64 tiles where the slot's Q (24 KB) and dO were.
 //
 // What it does not have (configs/families.py routes those calls to the wide kernel): dropout, the
 // deterministic mode.
@@ -167,7 +168,8 @@ __device__ __forceinline__ void wide192_products_and_dq(float (&hacc)[3][BC / 2]
   float dq[N / 2];
   wgmma_fence();
 #pragma unroll
-  for (int hb = 0; hb < 3; ++hb) issue_head_rows_acc<BR, BC, BF>(hacc[hb], qt_desc, at_off + hb * BR * 128, b_desc);
+  for (int hb = 0; hb < 3; ++hb)
+    issue_head_rows_acc<BR, BC, BF>(hacc[hb], qt_desc, at_off + hb * BR * 128, b_desc);
   issue_dq_from_ds<BC, N, BF>(dq, ds_desc, kt_desc);  // (kt_desc: K's panel 2 wg, as at 256)
   wgmma_commit();
   wgmma_wait<0>();
@@ -227,8 +229,6 @@ __device__ __forceinline__ void bwd_wide_ws_dkdv_body(const BwdParams& p, const 
   static_assert(Smem::kBytes <= Cfg::kSmemBytes, "the shared-memory layout exceeds the config's smem_bytes");
   static_assert(128 * Cfg::kProducerRegs + 256 * Cfg::kConsumerRegs <= 384 * 168,
                 "the register split exceeds the block's allocation");
-  using QTile = PanelTile<BR>;   // Q and dO
-  using KVTile = PanelTile<BC>;  // K and V
 
   extern __shared__ __align__(16) unsigned char smem[];
   const u32 base = (smem_addr(smem) + 1023u) & ~1023u;
@@ -281,17 +281,11 @@ __device__ __forceinline__ void bwd_wide_ws_dkdv_body(const BwdParams& p, const 
       if (it == 0) {
         const u16* gK = static_cast<const u16*>(p.k) + k_offset(p, batch, kv_head, kv_start);
         const u16* gV = static_cast<const u16*>(p.v) + v_offset(p, batch, kv_head, kv_start);
-        if constexpr (D == 192) {  // (rows of 24 chunks: fa/copy.cuh, panel by panel)
-          load_tile_rolled_panels<BC, D, kLoaders>(sK, gK, p.k_row_stride, p.seqlen_k - kv_start, p.head_dim,
-                                                   tid);
-          load_tile_rolled_panels<BC, D, kLoaders>(sV, gV, p.v_row_stride, p.seqlen_k - kv_start, p.head_dim,
-                                                   tid);
-        } else {
-          load_tile_rolled<BC, D, kLoaders, KVTile>(sK, gK, p.k_row_stride, p.seqlen_k - kv_start, p.head_dim,
-                                                    tid);
-          load_tile_rolled<BC, D, kLoaders, KVTile>(sV, gV, p.v_row_stride, p.seqlen_k - kv_start, p.head_dim,
-                                                    tid);
-        }
+        // (at head_dim 192, rows of 24 chunks, panel by panel: fa/copy.cuh)
+        load_panel_tile_rolled<BC, D, kLoaders>(sK, gK, p.k_row_stride, p.seqlen_k - kv_start, p.head_dim,
+                                                tid);
+        load_panel_tile_rolled<BC, D, kLoaders>(sV, gV, p.v_row_stride, p.seqlen_k - kv_start, p.head_dim,
+                                                tid);
       }
       const int head = head_of(it);
       const int q_start = q_start_of(it);
@@ -310,17 +304,10 @@ __device__ __forceinline__ void bwd_wide_ws_dkdv_body(const BwdParams& p, const 
       } else {
         const u16* gQ = static_cast<const u16*>(p.q) + q_offset(p, batch, head, q_start);
         const u16* gdO = static_cast<const u16*>(p.dout) + do_offset(p, batch, head, q_start);
-        if constexpr (D == 192) {
-          load_tile_rolled_panels<BR, D, kLoaders>(sQ + s * Smem::kQ, gQ, p.q_row_stride, p.seqlen_q - q_start,
-                                                   p.head_dim, tid);
-          load_tile_rolled_panels<BR, D, kLoaders>(sdO + s * Smem::kQ, gdO, p.do_row_stride,
-                                                   p.seqlen_q - q_start, p.head_dim, tid);
-        } else {
-          load_tile_rolled<BR, D, kLoaders, QTile>(sQ + s * Smem::kQ, gQ, p.q_row_stride, p.seqlen_q - q_start,
-                                                   p.head_dim, tid);
-          load_tile_rolled<BR, D, kLoaders, QTile>(sdO + s * Smem::kQ, gdO, p.do_row_stride,
-                                                   p.seqlen_q - q_start, p.head_dim, tid);
-        }
+        load_panel_tile_rolled<BR, D, kLoaders>(sQ + s * Smem::kQ, gQ, p.q_row_stride, p.seqlen_q - q_start,
+                                                p.head_dim, tid);
+        load_panel_tile_rolled<BR, D, kLoaders>(sdO + s * Smem::kQ, gdO, p.do_row_stride,
+                                                p.seqlen_q - q_start, p.head_dim, tid);
       }
       // The statistics are the preprocessing kernel's output (programmatic launch: fa/grid_dependency.cuh).
       if (it == 0) grid_dependency_wait();
@@ -344,7 +331,8 @@ __device__ __forceinline__ void bwd_wide_ws_dkdv_body(const BwdParams& p, const 
   setmaxnreg_inc<Cfg::kConsumerRegs>();
   grid_dependency_wait();  // (the statistics and the dQ workspace: the preprocessing kernel's output)
   const int ctid = tid - 128;
-  // keys [NK wg, NK wg + NK) of S and dP; at 256 head_dim rows [128 wg, +128), at 192 dV^T's (0) or dK^T's (1)
+  // keys [NK wg, NK wg + NK) of S and dP; at 256 head_dim rows [128 wg, +128), at 192 dV^T's (0) or
+  // dK^T's (1)
   const int wg = warpgroup_index() - 1;
   const int wq = (ctid / 32) % 4;        // the warp's 16 rows of a 64-row product
   const int lane = tid % 32;
@@ -479,14 +467,14 @@ __device__ __forceinline__ void bwd_wide_ws_dkdv_body(const BwdParams& p, const 
       // dQ's staging, and the next step may rewrite P and dS.
       named_barrier_sync(2, 256);
 
-      // ---- dQ out: staged in the slot (warpgroup 0 where Q was, 1 where dO was), two bulk reduce-adds -------
+      // ---- dQ out: staged in the slot (warpgroup 0 where Q was, 1 where dO was), two bulk reduce-adds -----
       const u32 buffer = sQ + wg * kDOOff + qoff;
       const u32 stage[2] = {buffer, buffer + 64 * 64 * 4};
       static_assert(Smem::kQ == 2 * 64 * 64 * 4, "a slot holds a warpgroup's two staged dQ tiles");
       stage_dq_tiles<D / 2>(stage, dq, ctid % 128);
       fence_proxy_async();
-      // The warpgroup's tiles are staged and fenced for the copy engine (ids fixed at compile time: a run-time
-      // id makes ptxas reserve all sixteen barriers).
+      // The warpgroup's tiles are staged and fenced for the copy engine (ids fixed at compile time: a
+      // run-time id makes ptxas reserve all sixteen barriers).
       if (wg == 0) {
         named_barrier_sync(3, 128);
       } else {

@@ -484,11 +484,8 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
     constexpr bool kGradAtP = !V::ScoreMod::kUnitGradient && !kDropout && !(kDeterministic && D < 128);
     // P's exponentials: Cfg::kExpPoly eighths of them (the rows 8 n + 2 t of n % 8 below it) as a polynomial
     // on the FMA pipe, the rest on the SFU, whose 16 a clock per multiprocessor make 512 cycles of a d128
-    // step's 8,192 (BwdConfig.exp_poly, kernel log 138). n is a constant of the unrolled loops: no branch.
-    auto exp2_p = [&](int n, float x) {
-      if constexpr (Cfg::kExpPoly == 0) return exp2_approx(x);
-      else return n % 8 < Cfg::kExpPoly ? exp2_poly<BF ? 3 : 4>(x) : exp2_approx(x);
-    };
+    // step's 8,192 (fa/ptx.cuh exp2_share; BwdConfig.exp_poly, kernel log 138).
+    auto exp2_p = [](int n, float x) { return exp2_share<Cfg::kExpPoly, BF>(n, x); };
     u32 pf[KQ][4], sf[KQ][4];
 #pragma unroll
     for (int n = 0; n < NQ; ++n) {
@@ -536,8 +533,8 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
     // time; with the cp.async producer, d128 non-causal 1.033x and d64 1.012x, so those keep the previous
     // form. Pinning the exponentials above the wait as well (an XOR of the packed P read by a store that
     // never runs: ptxas otherwise sinks the MUFU.EX2 below it) measured slower again: 0.986x and 1.047x.
-    constexpr bool kEarly = kTma && BR == 64 && !kDropout && !kGradAtP && V::ScoreMod::kUnitGradient &&
-                            !kDeterministic;
+    constexpr bool kEarly =
+        kTma && BR == 64 && !kDropout && !kGradAtP && V::ScoreMod::kUnitGradient && !kDeterministic;
     float2 dls[kEarly ? NQ : 1];
     if constexpr (kEarly) {
 #pragma unroll
