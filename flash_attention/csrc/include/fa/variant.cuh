@@ -706,14 +706,18 @@ __device__ __forceinline__ float backward_gradient(const ScoreMod& mod, float x,
 }
 
 // The score function's derivative at an element whose P is p and row LSE (base 2) lse2: the modified
-// score is (log2 p + lse2) ln 2. p = 0 (masked, or underflowed) contributes nothing to dS: 0 there, which
-// also keeps log2(0) = -inf out.
+// score is (log2 p + lse2) ln 2. p below the least normal float (masked, or underflowed) contributes nothing
+// to dS: 0 there, which also keeps log2 = -inf out. The test is against FLT_MIN, not 0: log2_approx is the
+// ftz form, so a subnormal p has log2 -inf too, and exp2_poly (bwd_ws's exp_poly) gives subnormals where
+// the SFU gives 0. With p > 0 the soft-cap's derivative of -inf, 1 - inf, made dS infinite (soft-cap, ALiBi
+// and dropout at exp_poly 2-8: ALiBi's distances put P's argument near -127, dropout takes this path).
 template <class ScoreMod>
 __device__ __forceinline__ float score_mod_gradient_from_p(const ScoreMod& mod, float p, float lse2, int q, int k) {
   if constexpr (ScoreMod::kUnitGradient) {
     return 1.f;
   } else {
-    return p > 0.f ? mod.gradient((log2_approx(p) + lse2) * 0.6931471805599453f, q, k) : 0.f;
+    constexpr float kLeastNormal = 1.17549435e-38f;  // FLT_MIN, 2^-126
+    return p >= kLeastNormal ? mod.gradient((log2_approx(p) + lse2) * 0.6931471805599453f, q, k) : 0.f;
   }
 }
 
