@@ -90,6 +90,28 @@ def test_zero_rounds_is_the_warm_up_alone(monkeypatch, capsys):
         ab_trees.main([root, "--rounds", "0", "--json", "x.json"])
 
 
+def test_a_run_cut_short_keeps_the_rounds_it_timed(monkeypatch, tmp_path):
+    """--json is written after every timed round: a run that its time limit kills in round 3 of 5 leaves
+    rounds 1 and 2 (with rounds_planned 5), where the file used to be written only at the end."""
+    root = str(Path(ab_trees.__file__).resolve().parents[1])
+    out = tmp_path / "ab.json"
+    timed = []
+
+    def run_tree(tree, mode, shape, reps, cases, packed=0):
+        if reps != 3:  # (a timed call, not the warm-up's)
+            timed.append(tree)
+            if len(timed) == 5:  # round 3's first tree: the time limit
+                raise KeyboardInterrupt
+        return {"0:0:64": float(len(timed))}
+
+    monkeypatch.setattr(ab_trees, "run_tree", run_tree)
+    with pytest.raises(KeyboardInterrupt):
+        ab_trees.main([root, root, "--rounds", "5", "--cases", "0:0:64", "--json", str(out)])
+    got = json.loads(out.read_text())
+    assert got["rounds_planned"] == 5
+    assert got["rounds"] == [{root: {"0:0:64": 2.0}}, {root: {"0:0:64": 4.0}}]  # (same tree twice: one key)
+
+
 @pytest.mark.parametrize("mode,packed", [("fwd_bwd", "0"), ("fwd", "9000")])
 def test_the_child_times_every_case_dense_and_packed(mode, packed, monkeypatch, capsys):
     """The child script itself, on the CPU (its tensors moved there, CUDA events stubbed; the package's

@@ -219,6 +219,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warm-up only: {len(args.trees)} tree(s) compiled and run once, nothing timed")
         return 0
     rounds = []
+
+    def write_json() -> None:
+        # After every round, not once at the end: a run its time limit cuts short keeps the rounds it timed
+        # (rounds_planned says how many were asked for).
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "mode": args.mode,
+                    "shape": args.shape,
+                    "packed": args.packed,
+                    "trees": args.trees,
+                    "rounds_planned": args.rounds,
+                    "rounds": rounds,
+                },
+                f,
+            )
+
     for i in range(args.rounds):
         rounds.append(
             {
@@ -228,22 +245,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         # (each round as it ends: a run cut short by its time limit still leaves what it measured)
         print(f"round {i + 1}: {json.dumps(rounds[-1])}", flush=True)
+        if args.json:
+            write_json()
     what = f"packed {args.packed} tokens, " if args.packed else ""
     rounds_text = f"median of {args.rounds} rounds (min-max), ratio to {args.trees[0]}"
     print(f"{args.mode}, {what}shape {args.shape}, {rounds_text}")
     print("\n".join(summarize(args.trees, cases, rounds)))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "mode": args.mode,
-                    "shape": args.shape,
-                    "packed": args.packed,
-                    "trees": args.trees,
-                    "rounds": rounds,
-                },
-                f,
-            )
     return 0
 
 
