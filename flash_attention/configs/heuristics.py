@@ -70,8 +70,10 @@ def portable_config(dtype: str, head_dim: int, causal: bool, seqlen_q: int, seql
 
 
 #: Eighths of P's exponentials that the warp-specialized forward computes on the FMA pipe by default, by
-#: (head_dim, causal) (KernelConfig.exp_poly; kernel log 139, prepared, not yet measured: none until an A/B
-#: on the GPU says).
+#: (head_dim, causal) (KernelConfig.exp_poly). None: in bf16 at head_dims 64 and 128 it measured 1.06-1.24x
+#: the forward's time at 4k on an H200 (kernel log 139; the consumers are issue-bound, not SFU-bound). The
+#: option stays for the FP8 forward, whose products run twice as fast against the same SFU
+#: (docs/fp8-study.md).
 HOPPER_FWD_EXP_POLY_DEFAULT: dict[tuple[int, bool], int] = {}
 
 

@@ -71,8 +71,9 @@ def candidate_space(dtype: str, head_dim: int, causal: bool, arch: str = "sm_80"
     point of a scratch sweep on an H100 (docs/kernel-log.md, steps 17-18), so timing them is wasted.
     The warp-specialized kernel's configs join them: the tiles of ``_WS_TILES`` (one to three consumer
     warpgroups), a TMA ring 2 or 3 deep, and the schedules of ``_WS_SCHEDULES``, all with the output's TMA
-    stores (fixed on: +1-4% or level at every point measured, docs/kernel-log.md step 62), and the default
-    picks again with part of P's exponentials on the FMA pipe (exp_poly 2 and 4, kernel log 139).
+    stores (fixed on: +1-4% or level at every point measured, docs/kernel-log.md step 62). Not the forward's
+    polynomial exponentials (``exp_poly``): 1.06-1.24x the time at every bf16 point measured (kernel log
+    139), so they are not timed.
     """
     d = padded_head_dim(head_dim)
     dk = d // 16
@@ -86,12 +87,6 @@ def candidate_space(dtype: str, head_dim: int, causal: bool, arch: str = "sm_80"
                 cfg = ws_config(dtype, d, block_q, block_kv, stages, **knobs, tma_store=True, check=False)
                 if not validity_errors(cfg):
                     out.append(ws_config(dtype, d, block_q, block_kv, stages, **knobs, tma_store=True))
-        # The default picks with a quarter and half of P's exponentials on the FMA pipe (exp_poly, kernel
-        # log 139): beside their own shapes, not across the whole space (three times its size).
-        picks = {default_config(dtype, d, causal, n, n, arch) for n in SEQLEN_BUCKETS}
-        for pick in sorted(picks, key=str):
-            if pick.warp_specialized:
-                out += [c for c in (pick.replace(exp_poly=e) for e in (2, 4)) if c not in out]
         return out
     for block_q, warps, block_kv in itertools.product((64, 128, 256), (4, 8), (32, 64, 128)):
         for q_frags, k_frags, v_frags, buffered in itertools.product(
@@ -233,13 +228,14 @@ def bwd_candidate_space(dtype: str, head_dim: int, arch: str = "sm_80") -> list[
     extra = [default_bwd_config(dtype, d), default_bwd_config(dtype, d, arch)]
     if is_hopper(arch) and d in (64, 128, 192, 256):
         # The warp-specialized kernels in their producer's forms (cp.async rows, TMA loads, and at 64 and 128
-        # TMA with dQ's writer warps, with a quarter, half or three quarters of P's exponentials on the FMA
-        # pipe: exp_poly, kernel log 138), and the kernel each replaced (the sm90 kernel at 64 and 128, the
-        # wide kernel at 192 and 256).
+        # TMA with dQ's writer warps; at 128 also with a quarter or half of P's exponentials on the FMA pipe,
+        # exp_poly, which measured 0.97x at 4k non-causal and level elsewhere, where at 64 it spills and
+        # measured 1.02-1.18x the time: kernel log 138), and the kernel each replaced (the sm90 kernel at 64
+        # and 128, the wide kernel at 192 and 256).
         extra += [hopper_bwd_config(dtype, d, tma_loads=tma, dq_writer=False) for tma in (False, True)]
         if d <= 128:
             writer = hopper_bwd_config(dtype, d, tma_loads=True, dq_writer=True)
-            extra += [writer] + [writer.replace(exp_poly=e) for e in (2, 4, 6)]
+            extra += [writer] + [writer.replace(exp_poly=e) for e in ((2, 4) if d == 128 else ())]
         extra.append(hopper_bwd_config(dtype, d, warp_specialized=False))
     for cfg in extra:
         if cfg is not None and cfg not in out:
