@@ -259,6 +259,9 @@ def test_backward_space_is_valid_and_holds_the_defaults():
             # Hopper's wgmma kernels: the ws and sm90 ones at head_dim 64/128, the wide one at 192/256.
             assert any(c.wgmma for c in space) == (arch == "sm_90")
             assert any(c.wide for c in space) == (arch == "sm_90" and d > 128)
+            # 96-key blocks, the warp-specialized wide kernel's at head_dim 192 (kernel log 140)
+            kv96 = sorted(c.tma_loads for c in space if c.block_kv == 96)
+            assert kv96 == ([False, True] if arch == "sm_90" and d == 192 else [])
             # The polynomial exponentials' shares (kernel log 138): bwd_ws at head_dim 128 (at 64 they spill).
             polys = sorted(c.exp_poly for c in space if c.exp_poly)
             assert polys == ([2, 4] if arch == "sm_90" and d == 128 else [])

@@ -201,6 +201,14 @@ def test_hopper_backward_configs():
     assert ws192.wide_ws and ws192.threads == 384 and parse_bwd_config(ws192.name()) == ws192
     assert ws192.smem_bytes == 2 * 64 * 192 * 2 + 4 * 64 * 192 * 2 + 2 * 64 * 64 * 2 + 2 * 64 * 8 + 32 + 1024
     assert default_bwd_config("bf16", 192, "sm_90") == ws192
+    # Its 96-key blocks (kernel log 140; selectable, not the default): P and dS in whole 64-key panels.
+    kv96 = ws192.replace(block_kv=96)
+    assert kv96.wide_ws and parse_bwd_config(kv96.name()) == kv96 and "_kv96_" in kv96.name()
+    assert kv96.smem_bytes == 2 * 96 * 192 * 2 + 4 * 64 * 192 * 2 + 2 * 64 * 128 * 2 + 2 * 64 * 8 + 32 + 1024
+    with pytest.raises(ValueError, match="or 96 at head_dim 192"):
+        hopper_bwd_config("bf16", 256).replace(block_kv=96)
+    with pytest.raises(ValueError, match="or 96 at head_dim 192"):
+        ws192.replace(block_kv=128)
     # The wide kernel (head_dim 192's and 256's dropout and deterministic calls, or warp_specialized=False):
     # both warpgroups on 64 keys, one keeping dV and the other dK.
     wide = hopper_bwd_config("bf16", 256, warp_specialized=False)
@@ -276,6 +284,24 @@ def test_hopper_backward_layout_must_fit_the_launch_allocation(d, warp_specializ
     src = sources.kernel_source(cfg)
     claim = f"kSmemBytes = {cfg.smem_bytes};"
     assert claim in src
+    with pytest.raises(compiler.CompileError, match="exceeds the config's smem_bytes"):
+        compiler.compile_nvcc(src.replace(claim, f"kSmemBytes = {cfg.smem_bytes - 1};"), "sm_90a", "x")
+
+
+@pytest.mark.skipif(compiler.find_nvcc() is None, reason="needs nvcc (CUDA toolkit)")
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_wide_ws_96_key_blocks_compile_within_their_layout_without_serialising(dtype):
+    """head_dim 192's 96-key blocks (kernel log 140), which the shipped catalog does not build: ptxas keeps
+    the products asynchronous (no serialized wgmma), nothing spills, and a unit claiming one byte less shared
+    memory than P's and dS's whole panels need does not compile."""
+    cfg = hopper_bwd_config(dtype, 192).replace(block_kv=96)
+    src = sources.kernel_source(cfg)
+    resources = compiler.compile_nvcc(src, "sm_90a", cfg.name()).resources
+    dkdv = [r for r in resources if "dkdv" in r.kernel]
+    assert len(dkdv) == 2  # the non-causal and causal entry points
+    for r in dkdv:
+        assert not r.wgmma_serialized and r.spill_stores == r.spill_loads == 0, r
+    claim = f"kSmemBytes = {cfg.smem_bytes};"
     with pytest.raises(compiler.CompileError, match="exceeds the config's smem_bytes"):
         compiler.compile_nvcc(src.replace(claim, f"kSmemBytes = {cfg.smem_bytes - 1};"), "sm_90a", "x")
 

@@ -41,6 +41,7 @@ CASES = [
     (2, 333, 517, 4, 2, 128, True, False, None, "softcap+alibi"),
     (1, 517, 300, 4, 4, 64, False, True, (90, 40), "softcap+alibi"),
     (2, 300, 300, 4, 1, 256, True, False, None, "softcap+alibi"),
+    (1, 400, 333, 4, 2, 192, True, True, None, "softcap+alibi"),
 ]
 
 
@@ -99,6 +100,8 @@ def _families(case):
         bwd["hopper"] = hopper_bwd_config("bf16", d)
         if d <= 128:  # half of P's exponentials on the FMA pipe (BwdConfig.exp_poly, kernel log 138)
             bwd["hopper_poly"] = hopper_bwd_config("bf16", d).replace(exp_poly=4)
+        if d == 192:  # the warp-specialized wide backward's 96-key blocks (kernel log 140)
+            bwd["hopper_kv96"] = hopper_bwd_config("bf16", d).replace(block_kv=96)
     return fwd, bwd
 
 

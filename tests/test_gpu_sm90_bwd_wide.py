@@ -33,10 +33,23 @@ def _hopper() -> bool:
 needs_hopper = pytest.mark.skipif(not _hopper(), reason="the wide wgmma backward needs an sm_90 GPU")
 
 
-def wide_config(dtype: str, d: int = 256, ws: bool = False) -> BwdConfig:
-    """The wide kernel, or (``ws``) the warp-specialized wide one (bwd_wide_ws; the default at 192 and 256,
-    kernel log 136)."""
-    return hopper_bwd_config(dtype, 192 if d <= 192 else 256, warp_specialized=ws)
+#: The forms under test: the wide kernel, the warp-specialized wide one (bwd_wide_ws; the default at 192 and
+#: 256, kernel log 136), and that one on 96-key blocks (head_dim 192 only, kernel log 140).
+FORMS = ["wide", "wide_ws", "wide_ws_kv96"]
+
+
+def wide_config(dtype: str, d: int = 256, ws: bool | str = False) -> BwdConfig:
+    """The wide kernel, or (``ws`` True or "wide_ws") the warp-specialized wide one, or ("wide_ws_kv96")
+    that one on 96-key blocks, which only head_dim 192 (and the sizes padded to it) has: a test of a wider
+    head_dim skips it."""
+    form = {False: "wide", True: "wide_ws"}.get(ws, ws)
+    padded = 192 if d <= 192 else 256
+    cfg = hopper_bwd_config(dtype, padded, warp_specialized=form != "wide")
+    if form == "wide_ws_kv96":
+        if padded != 192:
+            pytest.skip("96-key blocks are head_dim 192's")
+        cfg = cfg.replace(block_kv=96)
+    return cfg
 
 
 def portable_config(dtype: str, d: int = 256) -> BwdConfig:
@@ -61,7 +74,7 @@ SHAPES = [
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("ws", [False, True], ids=["wide", "wide_ws"])
+@pytest.mark.parametrize("ws", FORMS)
 def test_wide_backward_against_float64(shape, causal, dtype, ws):
     b, sq, sk, hq, hkv, d = shape
     dt = DTYPES[dtype]
@@ -96,16 +109,17 @@ def test_wide_backward_against_float64(shape, causal, dtype, ws):
 
 
 @needs_hopper
-@pytest.mark.parametrize("ws", [False, True], ids=["wide", "wide_ws"])
+@pytest.mark.parametrize("ws", FORMS)
 def test_wide_backward_dk_dv_repeat_bitwise(ws):
     """dK and dV are summed in registers in a fixed order (no atomics): identical over runs."""
-    q = torch.randn(2, 777, 8, 256, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(2, 555, 2, 256, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    d = 192 if ws == "wide_ws_kv96" else 256
+    q = torch.randn(2, 777, 8, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 555, 2, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     do = torch.randn_like(q)
     o, lse = ops.cuda_forward(q, k, v, causal=True, softmax_scale=0.07, return_lse=True, out=None)
     runs = [
         ops.cuda_backward(
-            do, q, k, v, o, lse, causal=True, softmax_scale=0.07, config=wide_config("bf16", ws=ws)
+            do, q, k, v, o, lse, causal=True, softmax_scale=0.07, config=wide_config("bf16", d, ws=ws)
         )
         for _ in range(3)
     ]
@@ -135,7 +149,7 @@ def test_wide_backward_strided_inputs(ws):
 @needs_hopper
 @pytest.mark.parametrize("d", [192, 256])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("ws", [False, True], ids=["wide", "wide_ws"])
+@pytest.mark.parametrize("ws", FORMS)
 def test_wide_backward_key_range(d, causal, ws):
     check_key_range_backward(d, causal, wide_config("bf16", d, ws))
 

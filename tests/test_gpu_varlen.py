@@ -210,7 +210,7 @@ def test_attention_varlen_against_float64(case):
 
 
 @pytest.mark.parametrize("alibi", ["plain", "runs", "table", "runs_rows", "table_rows"])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 128, 192, 256])
 def test_every_family_takes_segments(head_dim, alibi):
     """The segments build of each forward family and each backward family at the launch layer; with ALiBi,
     over sequences of different query and key counts: causal (the AlibiRuns build: each row's diagonal from
@@ -247,6 +247,8 @@ def test_every_family_takes_segments(head_dim, alibi):
         fwd["sm90"] = classic_hopper_config("bf16", d, n, False)
         if head_dim <= 128:
             bwd["hopper"] = hopper_bwd_config("bf16", d)
+        if head_dim == 192:  # the warp-specialized wide backward's 96-key blocks (kernel log 140)
+            bwd["hopper_kv96"] = hopper_bwd_config("bf16", d).replace(block_kv=96)
     args = [t.unsqueeze(0) for t in (q, k, v)]
     # (The runs carry causal; the flag picks configurations, and with ALiBi the build measuring from them.)
     kw = dict(causal=causal, softmax_scale=head_dim**-0.5, segments=runs, alibi_slopes=kw.get("alibi_slopes"))

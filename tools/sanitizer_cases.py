@@ -391,15 +391,16 @@ def run_wide_bwd_case(case, seed: int, small: bool) -> float:
         q, k, v, causal=causal, softmax_scale=d**-0.5, return_lse=True, out=None, **extra
     )
     # Without dropout the warp-specialized wide kernel (bwd_wide_ws, the default at 192 and 256) and, at
-    # 192, the wide one too (selectable there, and the dropout and deterministic calls' kernel); with dropout
-    # the wide one.
-    forms = [not p] + ([False] if d <= 192 and not p else [])
+    # 192, that one on 96-key blocks (kernel log 140) and the wide one too (selectable there, and the dropout
+    # and deterministic calls' kernel); with dropout the wide one.
+    padded = 192 if d <= 192 else 256
+    forms = [hopper_bwd_config("bf16", padded, warp_specialized=not p)]
+    if d <= 192 and not p:
+        forms += [forms[0].replace(block_kv=96), hopper_bwd_config("bf16", padded, warp_specialized=False)]
     errors = []
-    for ws in forms:
+    for cfg in forms:
         grads = ops.cuda_backward(
-            do, q, k, v, o, lse, causal=causal, softmax_scale=d**-0.5,
-            config=hopper_bwd_config("bf16", 192 if d <= 192 else 256, warp_specialized=ws),
-            **extra,
+            do, q, k, v, o, lse, causal=causal, softmax_scale=d**-0.5, config=cfg, **extra
         )  # fmt: skip
         torch.cuda.synchronize()
         assert all(g.isfinite().all() for g in grads)

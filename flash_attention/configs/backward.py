@@ -128,10 +128,11 @@ class BwdConfig:
         nb = 2 if self.double_buffer else 1
         d, bq, bkv = self.head_dim, self.block_q, self.block_kv
         if self.wide_ws:
-            # Mirrors fa::sm90::BwdWideWsSmem: K, V; Q and dO per slot; P and dS (bf16); LSE and delta per
-            # slot; full and empty mbarriers per slot; +1 KB to align the tiles.
+            # Mirrors fa::sm90::BwdWideWsSmem: K, V; Q and dO per slot; P and dS (bf16, whole 64-key panels);
+            # LSE and delta per slot; full and empty mbarriers per slot; +1 KB to align the tiles.
             st = self.WS_STAGES
-            return 1024 + 4 * bkv * d + 4 * st * bq * d + 4 * bq * bkv + 8 * st * bq + 16 * st
+            panels = -(-bkv // 64)
+            return 1024 + 4 * bkv * d + 4 * st * bq * d + 4 * bq * 64 * panels + 8 * st * bq + 16 * st
         if self.warp_specialized:
             # K, V; Q and dO per slot; two dS^T buffers; two warpgroups' 64 x 64 fp32 dQ staging tiles;
             # LSE and delta per slot; the slots' two mbarriers, the deterministic dQ hand-off's four and
@@ -281,24 +282,13 @@ def _ws_shape_errors(cfg: BwdConfig) -> list[str]:
     256)."""
     errors = []
     if cfg.head_dim > 128:
-        if cfg.head_dim not in (192, 256) or (
-            cfg.block_q,
-            cfg.block_kv,
-            cfg.num_warps,
-            cfg.split,
-            cfg.double_buffer,
-            cfg.wgmma,
-        ) != (
-            64,
-            64,
-            12,
-            1,
-            True,
-            True,
-        ):
+        shape = (cfg.block_q, cfg.num_warps, cfg.split, cfg.double_buffer, cfg.wgmma)
+        kv_ok = cfg.block_kv == 64 or (cfg.block_kv == 96 and cfg.head_dim == 192)
+        if cfg.head_dim not in (192, 256) or shape != (64, 12, 1, True, True) or not kv_ok:
             errors.append(
-                "the warp-specialized wide backward is head_dim 192 or 256, block_q 64, block_kv 64, a "
-                "producer and two computing warpgroups (num_warps 12), double buffered, unsplit, wgmma"
+                "the warp-specialized wide backward is head_dim 192 or 256, block_q 64, block_kv 64 (or 96 "
+                "at head_dim 192), a producer and two computing warpgroups (num_warps 12), double buffered, "
+                "unsplit, wgmma"
             )
         return errors
     if not cfg.wgmma or cfg.num_warps != 12 or cfg.block_kv != 128 or cfg.split != 1:
@@ -398,6 +388,11 @@ HOPPER_BWD_TMA_DEFAULT = frozenset({(d, causal) for d in (64, 128, 192, 256) for
 #: the wide kernel, which keeps dropout and the deterministic mode).
 HOPPER_BWD_WIDE_WS_DEFAULT = frozenset({192, 256})
 
+#: Keys per block of the warp-specialized wide backward by head_dim: 64, or at 192 96 (its m64n48 products and
+#: the query step's loads and dQ reduction spread over more keys, as FlashAttention-4 tiles 192; kernel log
+#: 140, prepared, not yet measured: 64 until an A/B on the GPU says).
+HOPPER_BWD_WIDE_WS_BLOCK_KV = {192: 64, 256: 64}
+
 #: Eighths of P's exponentials that bwd_ws computes on the FMA pipe by default, by (head_dim, causal)
 #: (BwdConfig.exp_poly). None: forward+backward at 4k on an H200 measured d128 non-causal 0.97x (ep 2 and 4,
 #: rounds overlapping), d128 causal level, d64 1.05-1.09x (it spills), and level to slower at 1k (kernel log
@@ -435,8 +430,9 @@ def hopper_bwd_config(
             f"head_dim {head_dim}, warp_specialized={warp_specialized}"
         )
     if head_dim in (192, 256) and warp_specialized:
+        kv = HOPPER_BWD_WIDE_WS_BLOCK_KV[head_dim]
         return BwdConfig(
-            dtype, head_dim, 64, 64, 12, 1, True, wgmma=True, warp_specialized=True, tma_loads=tma
+            dtype, head_dim, 64, kv, 12, 1, True, wgmma=True, warp_specialized=True, tma_loads=tma
         )
     if head_dim in (192, 256):
         return BwdConfig(dtype, head_dim, 64, 64, 8, 1, True, wgmma=True)

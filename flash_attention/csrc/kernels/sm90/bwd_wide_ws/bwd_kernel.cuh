@@ -10,8 +10,8 @@
 //   S = Q K_c^T and dP = dO V_c^T with queries as rows: warpgroup c takes keys [32 c, 32 c + 32) of the
 //     block's 64 (m64n32k16, K = head_dim), so each warpgroup has P and dS of its own keys without an
 //     exchange, computed as soon as its own products land;
-//   P and dS go to shared memory (bf16, 64 x 64 each, one 128-byte-swizzled panel), and one named barrier
-//     makes both halves visible;
+//   P and dS go to shared memory (bf16, 64 x 64 each, one 128-byte-swizzled panel; 64 x 96 in two panels
+//     with 96-key blocks), and one named barrier makes both halves visible;
 //   dV^T += dO^T P and dK^T += Q^T dS with head_dim as rows: at 256, warpgroup c keeps head_dim rows
 //     [128 c, 128 c + 128) of both, for all 64 keys (two m64n64k16 row blocks each, K = the 64 queries):
 //     2 x 2 x 32 = 128 accumulator registers, where keys as rows would need 2 x 256 per warpgroup of 64 keys;
@@ -43,11 +43,19 @@
 //   named 3 + c (128, warpgroup c): its dQ tiles are staged and fenced; one thread then issues them.
 //
 // Shared memory (bytes from a 1024-aligned base, BwdWideWsSmem): K and V (64 x 256 each), two slots of Q
-// and dO (64 x 256 each), P and dS (64 x 64 each), two slots of statistics, the barriers: 210 KB.
+// and dO (64 x 256 each), P and dS (64 x 64 each), two slots of statistics, the barriers: 210 KB (202 KB at
+// head_dim 192 with 96-key blocks, 162 KB with 64).
 //
 // Head_dim 192 (the default there too since kernel log 136): three 64-row blocks of head_dim do not halve,
 // so warpgroup 0 keeps dV^T and warpgroup 1 dK^T (96 registers each), dQ's columns split 128 / 64 by K's
 // panels, and dQ is staged in 8 KB halves of 64 x 64 tiles where the slot's Q (24 KB) and dO were.
+// With 96-key blocks (BwdConfig block_kv 96, head_dim 192 only; kernel log 140), as FlashAttention-4's
+// Hopper backward tiles 192: S and dP are m64n48 per warpgroup, whose shared-memory operands (2 KB of Q or
+// dO and 1.5 KB of K or V per k-step of 24 tensor cycles: about 149 bytes a clock) ask less of shared
+// memory's 128 bytes a clock than m64n32's (3 KB per 16 cycles, 192), so the tensor pipe waits less; a
+// query step's Q, dO, statistics and dQ reduction serve 1.5x the keys; dV^T's or dK^T's accumulators take
+// 144 of the computing warpgroups' 240 registers (nothing spills); shared memory is 202 KB (K and V 72 KB,
+// P and dS 32 KB).
 //
 // What it does not have (configs/families.py routes those calls to the wide kernel): dropout, the
 // deterministic mode.
@@ -78,7 +86,7 @@ template <int BR, int BC, int D, int NST>
 struct BwdWideWsSmem {
   static constexpr int kKV = BC * D * 2;    // K, and V
   static constexpr int kQ = BR * D * 2;     // one Q or dO slot
-  static constexpr int kPS = BR * BC * 2;   // P, and dS
+  static constexpr int kPS = BR * 64 * ((BC + 63) / 64) * 2;  // P, and dS: whole 64-key panels
   static constexpr int kStats = 2 * BR * 4; // one slot: LSE2, delta
   static constexpr int kBars = 8 * 2 * NST; // full and empty per slot
   static constexpr int kBytes = 1024 + 2 * kKV + 2 * NST * kQ + 2 * kPS + NST * kStats + kBars;
@@ -109,13 +117,15 @@ __device__ __forceinline__ void issue_head_rows_acc(float (&acc)[BC / 2], u64 at
     Wgmma<BC, BF>::ss_tt(acc, desc_advance(a_step, ks * 16 * 128), desc_advance(bt_desc, ks * 16 * 128), 1);
 }
 
-// dq (64 queries x N head_dim columns) = dS K over the block's BC keys: A = dS (K-major, one 64-key panel, 32
-// bytes per k-step), B = K's N columns read MN-major (kt_desc), 16 key rows per k-step.
-template <int BC, int N, bool BF>
+// dq (64 queries x N head_dim columns) = dS K over the block's BC keys: A = dS (K-major: 64-key panels BR *
+// 128 bytes apart, 32 bytes per k-step, every fourth starting the next panel), B = K's N columns read
+// MN-major (kt_desc), 16 key rows per k-step.
+template <int BR, int BC, int N, bool BF>
 __device__ __forceinline__ void issue_dq_from_ds(float (&dq)[N / 2], u64 ds_desc, u64 kt_desc) {
 #pragma unroll
   for (int kk = 0; kk < BC / 16; ++kk)
-    Wgmma<N, BF>::ss_bt(dq, desc_advance(ds_desc, kk * 32), desc_advance(kt_desc, kk * 16 * 128), kk > 0);
+    Wgmma<N, BF>::ss_bt(dq, desc_advance(ds_desc, (kk / 4) * BR * 128 + (kk % 4) * 32),
+                        desc_advance(kt_desc, kk * 16 * 128), kk > 0);
 }
 
 // One warpgroup's dK^T or dV^T rows (64 head_dim rows of row block `hb`, all BC keys; register 4 n + e is
@@ -170,7 +180,7 @@ __device__ __forceinline__ void wide192_products_and_dq(float (&hacc)[3][BC / 2]
 #pragma unroll
   for (int hb = 0; hb < 3; ++hb)
     issue_head_rows_acc<BR, BC, BF>(hacc[hb], qt_desc, at_off + hb * BR * 128, b_desc);
-  issue_dq_from_ds<BC, N, BF>(dq, ds_desc, kt_desc);  // (kt_desc: K's panel 2 wg, as at 256)
+  issue_dq_from_ds<BR, BC, N, BF>(dq, ds_desc, kt_desc);  // (kt_desc: K's panel 2 wg, as at 256)
   wgmma_commit();
   wgmma_wait<0>();
   wgmma_hold(dq);
@@ -223,8 +233,12 @@ __device__ __forceinline__ void bwd_wide_ws_dkdv_body(const BwdParams& p, const 
   constexpr int BC = Cfg::kBlockKV;  // key rows of the block
   constexpr int NK = BC / 2;         // keys of S and dP per computing warpgroup
   constexpr int NST = Cfg::kStages;
-  static_assert(Cfg::kNumWarps == 12 && BR == 64 && BC == 64 && (D == 256 || D == 192),
-                "a producer and two computing warpgroups, 64 queries x 64 keys, head_dim 256 or 192");
+  static_assert(Cfg::kNumWarps == 12 && BR == 64 && (D == 256 || D == 192),
+                "a producer and two computing warpgroups, 64 queries per step, head_dim 256 or 192");
+  // 64 keys per block, or 96 at head_dim 192 (BwdConfig block_kv; kernel log 140): dV^T's or dK^T's three
+  // 64-row blocks of head_dim then take 3 x 48 accumulator registers, S and dP are m64n48 per warpgroup, and
+  // P and dS span one and a half 64-key panels.
+  static_assert(BC == 64 || (BC == 96 && D == 192), "64 keys per block, or 96 at head_dim 192");
   using Smem = BwdWideWsSmem<BR, BC, D, NST>;
   static_assert(Smem::kBytes <= Cfg::kSmemBytes, "the shared-memory layout exceeds the config's smem_bytes");
   static_assert(128 * Cfg::kProducerRegs + 256 * Cfg::kConsumerRegs <= 384 * 168,
@@ -368,12 +382,21 @@ __device__ __forceinline__ void bwd_wide_ws_dkdv_body(const BwdParams& p, const 
   const u64 kt_desc = smem_desc_sw128(sK + wg * 2 * BC * 128, BC * 128, 1024);  // B of dQ: columns 128 wg..
   constexpr u32 kDOOff = NST * Smem::kQ;  // dO's slots after Q's
   // P's and dS's stores (stmatrix_x4 of k-step ks: n-tiles 2 ks, 2 ks + 1 of the warp's 16 query rows):
-  // lane 8 i + j addresses row 16 wq + 8 (i % 2) + j, key chunk 4 wg + 2 ks + i / 2, swizzled by j.
+  // lane 8 i + j addresses row 16 wq + 8 (i % 2) + j, key chunk c = NK / 8 wg + 2 ks + i / 2, which is chunk
+  // c % 8 of 64-key panel c / 8 (BR rows of 128 bytes each), swizzled by j.
   const int si = lane / 8, sj = lane % 8;
   u32 ps_addr[NK / 16];
 #pragma unroll
-  for (int ks = 0; ks < NK / 16; ++ks)
-    ps_addr[ks] = (u32)(16 * wq + 8 * (si % 2) + sj) * 128 + (((NK / 8 * wg + 2 * ks + si / 2) ^ sj) << 4);
+  for (int ks = 0; ks < NK / 16; ++ks) {
+    // (one panel at 64 keys: written without the panel's terms, which ptxas does not fold, wg being a
+    // run-time value: +8 instructions per kernel)
+    if constexpr (BC <= 64) {
+      ps_addr[ks] = (u32)(16 * wq + 8 * (si % 2) + sj) * 128 + (((NK / 8 * wg + 2 * ks + si / 2) ^ sj) << 4);
+    } else {
+      const int c = NK / 8 * wg + 2 * ks + si / 2;
+      ps_addr[ks] = (u32)(c / 8) * BR * 128 + (u32)(16 * wq + 8 * (si % 2) + sj) * 128 + (((c % 8) ^ sj) << 4);
+    }
+  }
   // exp2's multiplier (fa/variant.cuh backward_score: the scale folded in for the identity).
   const float sl2 = backward_exp2_multiplier<typename V::ScoreMod>(p);
   const float scale = p.scale;
@@ -454,7 +477,7 @@ __device__ __forceinline__ void bwd_wide_ws_dkdv_body(const BwdParams& p, const 
 #pragma unroll
       for (int hb = 0; hb < 2; ++hb)
         issue_head_rows_acc<BR, BC, BF>(dkt[hb], qt_desc, qoff + (2 * wg + hb) * BR * 128, dst_desc);
-      issue_dq_from_ds<BC, D / 2, BF>(dq, ds_desc, kt_desc);
+      issue_dq_from_ds<BR, BC, D / 2, BF>(dq, ds_desc, kt_desc);
       wgmma_commit();
       wgmma_wait<0>();
       wgmma_hold(dq);
