@@ -383,7 +383,7 @@ __device__ __forceinline__ void bwd_wide_ws_dkdv_body(const BwdParams& p, const 
   constexpr u32 kDOOff = NST * Smem::kQ;  // dO's slots after Q's
   // P's and dS's stores (stmatrix_x4 of k-step ks: n-tiles 2 ks, 2 ks + 1 of the warp's 16 query rows):
   // lane 8 i + j addresses row 16 wq + 8 (i % 2) + j, key chunk c = NK / 8 wg + 2 ks + i / 2, which is chunk
-  // c % 8 of 64-key panel c / 8 (BR rows of 128 bytes each), swizzled by j.
+  // c % 8 of 64-key panel c / 8 (BR rows of 128 bytes each, fa/smem_layout.cuh panel_offset), swizzled by j.
   const int si = lane / 8, sj = lane % 8;
   u32 ps_addr[NK / 16];
 #pragma unroll
@@ -393,8 +393,7 @@ __device__ __forceinline__ void bwd_wide_ws_dkdv_body(const BwdParams& p, const 
     if constexpr (BC <= 64) {
       ps_addr[ks] = (u32)(16 * wq + 8 * (si % 2) + sj) * 128 + (((NK / 8 * wg + 2 * ks + si / 2) ^ sj) << 4);
     } else {
-      const int c = NK / 8 * wg + 2 * ks + si / 2;
-      ps_addr[ks] = (u32)(c / 8) * BR * 128 + (u32)(16 * wq + 8 * (si % 2) + sj) * 128 + (((c % 8) ^ sj) << 4);
+      ps_addr[ks] = panel_offset<BR>(16 * wq + 8 * (si % 2) + sj, NK / 8 * wg + 2 * ks + si / 2);
     }
   }
   // exp2's multiplier (fa/variant.cuh backward_score: the scale folded in for the identity).
