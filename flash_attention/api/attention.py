@@ -21,6 +21,7 @@ from ..ops import repeat as _repeat
 from ..ops.plans import check_segments
 from ..sinks import apply_sinks, check_sinks
 from ..spec import AttentionSpec, launch_variants, pack_options
+from ..spec import fp8 as _fp8
 from ..spec.validate import Problem, check_score, check_window, score_spec, validate
 from ..torch_ops.attention import eager_training
 from . import few_queries as _few_queries
@@ -72,6 +73,9 @@ def attention(
     softcap: float = ...,
     alibi_slopes: torch.Tensor | None = ...,
     sinks: torch.Tensor | None = ...,
+    q_descale: torch.Tensor | None = ...,
+    k_descale: torch.Tensor | None = ...,
+    v_descale: torch.Tensor | None = ...,
 ) -> torch.Tensor: ...
 
 
@@ -93,6 +97,9 @@ def attention(
     softcap: float = ...,
     alibi_slopes: torch.Tensor | None = ...,
     sinks: torch.Tensor | None = ...,
+    q_descale: torch.Tensor | None = ...,
+    k_descale: torch.Tensor | None = ...,
+    v_descale: torch.Tensor | None = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -113,6 +120,9 @@ def attention(
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
     _segments: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention ``softmax(q kᵀ · softmax_scale) v``, computed tile by tile on CUDA.
@@ -183,6 +193,13 @@ def attention(
             without a value, so a row's probabilities sum to less than one; the returned LSE includes it.
             Differentiable: with ``sinks.requires_grad`` its gradient is returned too
             (:mod:`flash_attention.sinks` says how every kernel computes it).
+        q_descale, k_descale, v_descale: FP8 inputs. With q, k and v of dtype ``torch.float8_e4m3fn``, the
+            call computes attention of the dequantized tensors ``float(q) * q_descale`` (and k's, v's), every
+            option applying as for a bf16 call, and returns a bfloat16 output (and a float32 LSE). Each
+            descale is None (1), a float32 tensor of one element (per tensor), or of shape (batch, heads_kv)
+            (per kv head; a query head takes its group's, as in FlashAttention-3). No gradients with
+            respect to e4m3 tensors. Today the inputs are dequantized to bfloat16 and run on the bf16 path
+            (the FP8 kernels are to come: docs/fp8-study.md).
 
     Returns:
         ``out`` of q's shape (with v's head_dim) and dtype; with ``return_lse=True``, ``(out, lse)`` where
@@ -213,6 +230,17 @@ def attention(
         TypeError, ValueError: on invalid arguments, naming the argument and what was expected, before
             anything is launched.
     """
+    if isinstance(q, torch.Tensor) and _fp8.is_fp8_call(q, (q_descale, k_descale, v_descale)):
+        # e4m3 inputs: checked, dequantized to bf16 and run as a bf16 call (spec.fp8)
+        descales = (q_descale, k_descale, v_descale)
+        _fp8.check_fp8(q, k, v, descales)
+        heads_kv = k.shape[2]
+        q, k, v = (_fp8.dequantize(t, d, heads_kv) for t, d in zip((q, k, v), descales, strict=True))
+        return attention(
+            q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse, out=out,
+            key_range=key_range, deterministic=deterministic, dropout_p=dropout_p, dropout_seed=dropout_seed,
+            window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, _segments=_segments,
+        )  # fmt: skip
     # A call whose signature ran before and ended in one planned launch repeats that launch, skipping every
     # decision below (ops.repeat says what a signature holds and why; kernel-log step 52).
     key = None

@@ -1,0 +1,83 @@
+"""FP8 (e4m3) inputs with descale factors: their checks and their dequantization (docs/fp8-study.md,
+sections 1-2: the contract of the FP8 entry forms).
+
+A call with ``torch.float8_e4m3fn`` q, k and v means the dequantized tensors ``Q = float(q) * q_descale``,
+``K = float(k) * k_descale``, ``V = float(v) * v_descale``, where a descale is None (1), one number for the
+whole tensor (a float32 tensor of one element), or one per (batch, kv head) (float32, shape (batch,
+heads_kv)); a query head takes the descale of its group's kv head, as FlashAttention-3's ``q_descale`` does.
+Every option then applies to ``softmax_scale * Q K^T`` as for a bf16 call; the output is bfloat16 and the
+LSE float32. Gradients with respect to e4m3 tensors are not offered (autograd would cast them back to e4m3):
+a training recipe quantizes inside its own autograd function and differentiates the bf16 tensors.
+
+Until the FP8 kernels exist (docs/fp8-study.md section 7, step 2), :func:`dequantize` gives the bfloat16
+tensors the call then runs on, whose one rounding (a 4-bit significand times a float32 descale, to 8 bits)
+is PyTorch's own practice for FP8-input attention (dequantize, bf16 compute).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["E4M3", "DESCALE_NAMES", "check_fp8", "dequantize", "is_fp8_call"]
+
+E4M3 = torch.float8_e4m3fn
+DESCALE_NAMES = ("q_descale", "k_descale", "v_descale")
+
+
+def is_fp8_call(q: torch.Tensor, descales: tuple[torch.Tensor | None, ...]) -> bool:
+    """Whether a call takes the FP8 path: q is e4m3 or a descale is given (checked in full by
+    :func:`check_fp8`, which says what is wrong with a half-FP8 call)."""
+    return q.dtype is E4M3 or any(d is not None for d in descales)
+
+
+def check_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descales: tuple) -> None:
+    """Raise TypeError or ValueError, naming the argument, unless q, k and v are all e4m3 with descales
+    that are None, float32 of one element, or float32 of shape (batch, heads_kv), on q's device."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+        if t.dtype is not E4M3:
+            given = [n for n, d in zip(DESCALE_NAMES, descales, strict=True) if d is not None]
+            why = f"{', '.join(given)} given, so " if given and q.dtype is not E4M3 else ""
+            raise TypeError(
+                f"{why}{name} must be torch.float8_e4m3fn like the other FP8 inputs; got {t.dtype} "
+                "(descales are for e4m3 q, k and v together)"
+            )
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must be 4-D (batch, seqlen, heads, head_dim); got shape {tuple(t.shape)}"
+            )
+        if t.requires_grad:
+            raise ValueError(
+                f"{name} is an e4m3 tensor that requires grad: gradients with respect to FP8 tensors are not "
+                "offered (autograd would cast them to e4m3); differentiate the tensors you quantized from"
+            )
+    batch, heads_kv = k.shape[0], k.shape[2]
+    for name, d in zip(DESCALE_NAMES, descales, strict=True):
+        if d is None:
+            continue
+        if not isinstance(d, torch.Tensor):
+            raise TypeError(f"{name} must be a float32 tensor or None; got {type(d).__name__}")
+        if d.dtype != torch.float32:
+            raise TypeError(f"{name} must be float32; got {d.dtype}")
+        if d.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}; got {d.device}")
+        if d.numel() != 1 and tuple(d.shape) != (batch, heads_kv):
+            raise ValueError(
+                f"{name} must hold one number or one per (batch, kv head), shape ({batch}, {heads_kv}); "
+                f"got shape {tuple(d.shape)}"
+            )
+
+
+def dequantize(t: torch.Tensor, descale: torch.Tensor | None, heads_kv: int) -> torch.Tensor:
+    """``float(t) * descale`` as bfloat16: t e4m3 of shape (batch, seqlen, heads, head_dim), heads a
+    multiple of ``heads_kv`` (head h takes kv head h // (heads / heads_kv)'s descale). The product is taken
+    in float32 (exact: a 4-bit significand times a 24-bit one) and rounded once."""
+    x = t.to(torch.float32)
+    if descale is not None:
+        if descale.numel() == 1:
+            x = x * descale.reshape(())
+        else:
+            per_head = descale.repeat_interleave(t.shape[2] // heads_kv, dim=1)  # (batch, heads)
+            x = x * per_head[:, None, :, None]
+    return x.to(torch.bfloat16)

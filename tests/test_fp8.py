@@ -1,0 +1,127 @@
+"""FP8 (e4m3) inputs with descales through attention() (flash_attention.spec.fp8; docs/fp8-study.md, the
+contract): against the float64 reference on the exactly dequantized tensors, within twice the error of
+PyTorch's own FP8-input attention (dequantize to bf16, bf16 SDPA); descales per tensor and per (batch, kv
+head) with grouped queries; the checks that name the bad argument. On a GPU the same call runs our kernels
+(marked gpu)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flash_attention as fa
+from flash_attention.fallback.reference import attention_reference
+
+E4M3 = torch.float8_e4m3fn
+
+
+def _quantized(seed, b, sq, sk, hq, hkv, d, device="cpu"):
+    """e4m3 q, k, v (with values spread over e4m3's range, so the descales matter) and their descales:
+    q's per (batch, kv head), k's per tensor, v's None."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, sq, hq, d, generator=gen) * 40
+    k = torch.randn(b, sk, hkv, d, generator=gen) * 100
+    v = torch.randn(b, sk, hkv, d, generator=gen)
+    q_descale = (torch.rand(b, hkv, generator=gen) * 0.02 + 0.01).to(device)
+    k_descale = torch.tensor([0.013]).to(device)
+    return [t.to(E4M3).to(device) for t in (q, k, v)], (q_descale, k_descale, None)
+
+
+def _dequantized(tensors, descales, dtype):
+    """float(t) * descale in ``dtype`` (a query head takes its kv head's descale)."""
+    hkv = tensors[1].shape[2]
+    out = []
+    for t, ds in zip(tensors, descales, strict=True):
+        x = t.to(dtype)
+        if ds is not None:
+            ds = ds.to(dtype)
+            x = x * (
+                ds.reshape(())
+                if ds.numel() == 1
+                else ds.repeat_interleave(t.shape[2] // hkv, 1)[:, None, :, None]
+            )
+        out.append(x)
+    return out
+
+
+def _torch_fp8_practice(q, k, v, causal):
+    """PyTorch's own FP8-input attention: the dequantized bf16 tensors through SDPA (GQA expanded)."""
+    group = q.shape[2] // k.shape[2]
+    qt, kt, vt = (
+        x.transpose(1, 2) for x in (q, k.repeat_interleave(group, 2), v.repeat_interleave(group, 2))
+    )
+    sq, sk = q.shape[1], k.shape[1]
+    mask = torch.ones(sq, sk, dtype=torch.bool).tril(sk - sq) if causal else None
+    return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask).transpose(1, 2)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [(2, 70, 90, 4, 2, 64), (1, 33, 33, 6, 1, 128)])
+def test_fp8_attention_against_float64_on_the_dequantized_inputs(shape, causal):
+    tensors, descales = _quantized(sum(shape) + causal, *shape)
+    exact = attention_reference(*_dequantized(tensors, descales, torch.float64), causal=causal)
+    out = torch.full((*shape[:2], shape[3], shape[5]), float("nan"), dtype=torch.bfloat16)
+    got, lse = fa.attention(
+        *tensors, causal=causal, return_lse=True, out=out, q_descale=descales[0], k_descale=descales[1]
+    )
+    assert got is out and got.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    practice = _torch_fp8_practice(*_dequantized(tensors, descales, torch.bfloat16), causal)
+    err = (got.double() - exact[0]).abs().max().item()
+    err_torch = (practice.double() - exact[0]).abs().max().item()
+    assert err <= 2 * err_torch + 1e-6, f"{err:.3g} against PyTorch's FP8 practice {err_torch:.3g}"
+    torch.testing.assert_close(lse.double(), exact[1], rtol=0, atol=2e-2)
+    # The descales are applied: without them the result is another attention altogether.
+    plain = fa.attention(*tensors, causal=causal)
+    assert (plain.double() - exact[0]).abs().max().item() > 20 * max(err, 1e-3)
+
+
+def test_fp8_descales_default_to_one_and_every_option_applies():
+    tensors, _ = _quantized(7, 1, 40, 50, 2, 2, 64)
+    window, softcap = (8, 0), 2.0
+    got = fa.attention(*tensors, causal=True, window=window, softcap=softcap)
+    ref = fa.attention(*(t.to(torch.bfloat16) for t in tensors), causal=True, window=window, softcap=softcap)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, ref)  # the same bf16 call, bit for bit
+
+
+def test_fp8_checks_name_the_argument():
+    (q, k, v), (qd, kd, _) = _quantized(3, 2, 16, 16, 4, 2, 64)
+    with pytest.raises(TypeError, match="v must be torch.float8_e4m3fn"):
+        fa.attention(q, k, v.to(torch.bfloat16))
+    with pytest.raises(TypeError, match="q_descale given, so q must be torch.float8_e4m3fn"):
+        fa.attention(*(t.to(torch.bfloat16) for t in (q, k, v)), q_descale=qd)
+    with pytest.raises(
+        ValueError, match=r"k_descale must hold one number or one per \(batch, kv head\), shape \(2, 2\)"
+    ):
+        fa.attention(q, k, v, k_descale=torch.ones(2, 4))
+    with pytest.raises(TypeError, match="v_descale must be float32"):
+        fa.attention(q, k, v, v_descale=torch.ones(1, dtype=torch.float64))
+    with pytest.raises(TypeError, match="q_descale must be a float32 tensor or None"):
+        fa.attention(q, k, v, q_descale=0.5)
+    with pytest.raises(ValueError, match="q is an e4m3 tensor that requires grad"):
+        fa.attention(q.clone().requires_grad_(), k, v)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_attention_on_the_gpu(causal):
+    """On CUDA the dequantized tensors run on our bf16 kernels: the same bound against float64."""
+    shape = (2, 300, 517, 8, 2, 128)
+    tensors, descales = _quantized(11 + causal, *shape, device="cuda")
+    exact = attention_reference(
+        *_dequantized(
+            [t.cpu() for t in tensors], [None if d is None else d.cpu() for d in descales], torch.float64
+        ),
+        causal=causal,
+    )
+    got = fa.attention(*tensors, causal=causal, q_descale=descales[0], k_descale=descales[1])
+    practice = _torch_fp8_practice(
+        *_dequantized(
+            [t.cpu() for t in tensors], [None if d is None else d.cpu() for d in descales], torch.bfloat16
+        ),
+        causal,
+    )
+    err = (got.cpu().double() - exact[0]).abs().max().item()
+    err_torch = (practice.double() - exact[0]).abs().max().item()
+    assert err <= 2 * err_torch + 1e-6, f"{err:.3g} against PyTorch's FP8 practice {err_torch:.3g}"
