@@ -107,8 +107,10 @@ __device__ __forceinline__ void issue_query_rows_product(float (&acc)[NK / 2], u
 }
 
 // acc (64 head_dim rows x BC keys) += A^T B over the step's BR queries: A one 64-column panel of Q or dO read
-// MN-major (at_desc plus a_off: the slot and the panel), B = dS or P (BR x BC, one panel) read MN-major.
-// 16 queries per k-step, 16 rows of 128 bytes.
+// MN-major (at_desc plus a_off: the slot and the panel), B = dS or P (BR x BC, 64-key panels BR * 128 bytes
+// apart, the descriptor's leading byte offset) read MN-major. 16 queries per k-step, 16 rows of 128 bytes.
+// (At 96 keys B spans one swizzle atom of 64 keys and half of the next, a width the PTX ISA's canonical
+// layouts do not spell out: kernel log 140's GPU tests check it; the fallback is a 64-byte swizzle.)
 template <int BR, int BC, bool BF>
 __device__ __forceinline__ void issue_head_rows_acc(float (&acc)[BC / 2], u64 at_desc, u32 a_off, u64 bt_desc) {
   const u64 a_step = desc_advance(at_desc, a_off);
@@ -136,6 +138,7 @@ __device__ __forceinline__ void issue_dq_from_ds(float (&dq)[N / 2], u64 ds_desc
 template <int BC, int D, bool BF>
 __device__ __forceinline__ void store_head_rows_transposed(u32 s_out, const float (&acc)[BC / 2], int d0,
                                                            int lane) {
+  static_assert(BC % 16 == 0, "pairs of 8-key n-tiles");
   const int i = lane / 8, j = lane % 8;
   const int chunk = (d0 + 8 * (i % 2)) / 8;
 #pragma unroll
@@ -154,6 +157,7 @@ template <int BC, int D>
 __device__ __forceinline__ void copy_out_key_rows(u16* dst, i64 row_stride, int rows_left, int head_dim,
                                                   u32 s_tile, int ctid) {
   constexpr int C = D / 8;  // chunks per key row
+  static_assert(BC * C % 256 == 0, "the 256 threads cover the tile in whole passes");
 #pragma unroll
   for (int i = 0; i < BC * C / 256; ++i) {
     const int id = i * 256 + ctid, row = id / C, c = id % C;
@@ -250,7 +254,7 @@ __device__ __forceinline__ void bwd_wide_ws_dkdv_body(const BwdParams& p, const 
   const u32 sV = sK + Smem::kKV;
   const u32 sQ = sV + Smem::kKV;          // NST slots
   const u32 sdO = sQ + NST * Smem::kQ;    // NST slots
-  const u32 sP = sdO + NST * Smem::kQ;    // BR query rows of BC keys: one panel
+  const u32 sP = sdO + NST * Smem::kQ;    // BR query rows of BC keys: one 64-key panel, or two at 96 keys
   const u32 sdS = sP + Smem::kPS;
   const u32 sStats = sdS + Smem::kPS;     // [slot][LSE2 (BR floats), delta (BR floats)]
   const u32 bars = sStats + NST * Smem::kStats;
