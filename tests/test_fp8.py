@@ -125,3 +125,43 @@ def test_fp8_attention_on_the_gpu(causal):
     err = (got.cpu().double() - exact[0]).abs().max().item()
     err_torch = (practice.double() - exact[0]).abs().max().item()
     assert err <= 2 * err_torch + 1e-6, f"{err:.3g} against PyTorch's FP8 practice {err_torch:.3g}"
+
+
+def test_fp8_varlen_takes_each_sequences_descales():
+    """attention_varlen with e4m3 tensors: a per-(sequence, kv head) descale scales each packed row by its
+    own sequence's (the offsets made into a row index on the device), against float64 per sequence."""
+    lens_q, lens_k, hq, hkv, d = [5, 0, 17, 9], [7, 3, 17, 12], 4, 2, 64
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(sum(lens_q), hq, d, generator=gen) * 30
+    k = (
+        torch.randn(sum(lens_k), hkv, d, generator=gen) * 2
+    )  # (scores of a few units: the softmax feels q's scale)
+    v = torch.randn(sum(lens_k), hkv, d, generator=gen)
+    q8, k8, v8 = (t.to(E4M3) for t in (q, k, v))
+    qd = torch.rand(len(lens_q), hkv, generator=gen) * 0.03 + 0.01
+    vd = torch.rand(len(lens_q), hkv, generator=gen) + 0.5
+    cu_q, cu_k = (
+        torch.tensor([0, *torch.tensor(x).cumsum(0).tolist()], dtype=torch.int32) for x in (lens_q, lens_k)
+    )
+    got = fa.attention_varlen(q8, k8, v8, cu_q, cu_k, causal=True, q_descale=qd, v_descale=vd)
+    assert got.dtype == torch.bfloat16 and got.shape == (sum(lens_q), hq, d)
+    for b in range(len(lens_q)):
+        if lens_q[b] == 0:
+            continue
+        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        seq = [
+            x[s].double()[None]
+            * (ds[b].repeat_interleave(x.shape[1] // hkv)[None, None, :, None] if ds is not None else 1)
+            for x, s, ds in ((q8, qs, qd), (k8, ks, None), (v8, ks, vd))
+        ]
+        exact = attention_reference(*seq, causal=True)[0][0]
+        lowp = _torch_fp8_practice(*(x.to(torch.bfloat16) for x in seq), True)[0]
+        err = (got[qs].double() - exact).abs().max().item()
+        err_torch = (lowp.double() - exact).abs().max().item()
+        assert err <= 2 * err_torch + 1e-6, (
+            f"sequence {b}: {err:.3g} against PyTorch's FP8 practice {err_torch:.3g}"
+        )
+    with pytest.raises(
+        ValueError, match=r"q_descale must hold one number or one per \(batch, kv head\), shape \(4, 2\)"
+    ):
+        fa.attention_varlen(q8, k8, v8, cu_q, cu_k, q_descale=torch.ones(2, 2))

@@ -26,6 +26,7 @@ from collections import OrderedDict
 
 import torch
 
+from ..spec import fp8 as _fp8
 from ..spec.validate import check_window
 from ..spec.validate_varlen import check_offset_values, check_offsets_tensor, checks_offset_values
 from .attention import attention
@@ -286,6 +287,9 @@ def attention_varlen(
     dropout_seed: int | None = None,
     deterministic: bool = False,
     return_lse: bool = False,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention over a packed batch of sequences of different lengths (the FlashAttention library's
     ``flash_attn_varlen_func``).
@@ -319,6 +323,9 @@ def attention_varlen(
             (total_q, heads_q) table of each row's (:func:`row_slopes`, made at every call: the slopes may
             change between calls).
         return_lse: also return the float32 (heads_q, total_q) log-sum-exp of each row.
+        q_descale, k_descale, v_descale: FP8 inputs, as :func:`flash_attention.attention` takes them (e4m3 q,
+            k and v; a descale per tensor or per (sequence, kv head), shape (batch, heads_kv); bfloat16
+            output).
 
     Returns:
         (total_q, heads_q, head_dim) output, with ``return_lse`` also the LSE; differentiable with respect
@@ -364,6 +371,27 @@ def attention_varlen(
         used = check_offsets_tensor("seqused_k", seqused_k, q.device, "each sequence's keys in use")
         if used != n_offsets - 1:
             raise ValueError(f"seqused_k must have shape (batch,) = ({n_offsets - 1},)")
+    descales = (q_descale, k_descale, v_descale)
+    if _fp8.is_fp8_call(q, descales):
+        # e4m3 inputs (as attention()'s): checked, dequantized to bf16 (a per-(batch, kv head) descale by each
+        # row's sequence, made on the device from the offsets) and run as a bf16 call.
+        _fp8.check_fp8(q, k, v, descales, batch=n_offsets - 1)
+        rows = [
+            None if n_offsets < 2 else _sequence_of_each(cu.to(torch.int64), t.shape[0])
+            for cu, t in ((cu_seqlens_q, q), (cu_seqlens_k, k), (cu_seqlens_k, v))
+        ]
+        if n_offsets < 2:  # (no sequence: nothing is attended, and a (0, heads_kv) descale scales nothing)
+            descales = tuple(d if d is not None and d.numel() == 1 else None for d in descales)
+        heads_kv = k.shape[1]
+        q, k, v = (
+            _fp8.dequantize(t, d, heads_kv, r) for t, d, r in zip((q, k, v), descales, rows, strict=True)
+        )
+        return attention_varlen(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+            seqused_k=seqused_k, causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
+            alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p, dropout_seed=dropout_seed,
+            deterministic=deterministic, return_lse=return_lse,
+        )  # fmt: skip
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
             raise ValueError(f"{name} must be a non-negative int or None; got {value!r}")

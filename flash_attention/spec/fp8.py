@@ -30,9 +30,15 @@ def is_fp8_call(q: torch.Tensor, descales: tuple[torch.Tensor | None, ...]) -> b
     return q.dtype is E4M3 or any(d is not None for d in descales)
 
 
-def check_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descales: tuple) -> None:
+def check_fp8(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descales: tuple, batch: int | None = None
+) -> None:
     """Raise TypeError or ValueError, naming the argument, unless q, k and v are all e4m3 with descales
-    that are None, float32 of one element, or float32 of shape (batch, heads_kv), on q's device."""
+    that are None, float32 of one element, or float32 of shape (batch, heads_kv), on q's device. ``batch``:
+    a packed batch's sequence count (q, k and v then 3-D, (total, heads, head_dim)); None: 4-D tensors
+    whose first dimension is the batch."""
+    dims = 4 if batch is None else 3
+    layout = "(batch, seqlen, heads, head_dim)" if batch is None else "(total, heads, head_dim)"
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
@@ -43,16 +49,14 @@ def check_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descales: tuple
                 f"{why}{name} must be torch.float8_e4m3fn like the other FP8 inputs; got {t.dtype} "
                 "(descales are for e4m3 q, k and v together)"
             )
-        if t.dim() != 4:
-            raise ValueError(
-                f"{name} must be 4-D (batch, seqlen, heads, head_dim); got shape {tuple(t.shape)}"
-            )
+        if t.dim() != dims:
+            raise ValueError(f"{name} must be {dims}-D {layout}; got shape {tuple(t.shape)}")
         if t.requires_grad:
             raise ValueError(
                 f"{name} is an e4m3 tensor that requires grad: gradients with respect to FP8 tensors are not "
                 "offered (autograd would cast them to e4m3); differentiate the tensors you quantized from"
             )
-    batch, heads_kv = k.shape[0], k.shape[2]
+    batch, heads_kv = (k.shape[0] if batch is None else batch), k.shape[-2]
     for name, d in zip(DESCALE_NAMES, descales, strict=True):
         if d is None:
             continue
@@ -69,15 +73,18 @@ def check_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descales: tuple
             )
 
 
-def dequantize(t: torch.Tensor, descale: torch.Tensor | None, heads_kv: int) -> torch.Tensor:
-    """``float(t) * descale`` as bfloat16: t e4m3 of shape (batch, seqlen, heads, head_dim), heads a
-    multiple of ``heads_kv`` (head h takes kv head h // (heads / heads_kv)'s descale). The product is taken
-    in float32 (exact: a 4-bit significand times a 24-bit one) and rounded once."""
+def dequantize(
+    t: torch.Tensor, descale: torch.Tensor | None, heads_kv: int, row_batch: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``float(t) * descale`` as bfloat16: t e4m3 of shape (batch, seqlen, heads, head_dim), or of a packed
+    batch (total, heads, head_dim) with ``row_batch`` each row's sequence (int64, (total,)); heads a multiple
+    of ``heads_kv`` (head h takes kv head h // (heads / heads_kv)'s descale). The product is taken in
+    float32 (exact: a 4-bit significand times a 24-bit one) and rounded once."""
     x = t.to(torch.float32)
     if descale is not None:
         if descale.numel() == 1:
             x = x * descale.reshape(())
         else:
-            per_head = descale.repeat_interleave(t.shape[2] // heads_kv, dim=1)  # (batch, heads)
-            x = x * per_head[:, None, :, None]
+            per_head = descale.repeat_interleave(t.shape[-2] // heads_kv, dim=1)  # (batch, heads)
+            x = x * (per_head[:, None, :, None] if row_batch is None else per_head[row_batch][:, :, None])
     return x.to(torch.bfloat16)
