@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import flash_attention as fa
 from flash_attention.fallback.reference import attention_reference
+from flash_attention.spec import fp8
 
 E4M3 = torch.float8_e4m3fn
 
@@ -165,3 +166,36 @@ def test_fp8_varlen_takes_each_sequences_descales():
         ValueError, match=r"q_descale must hold one number or one per \(batch, kv head\), shape \(4, 2\)"
     ):
         fa.attention_varlen(q8, k8, v8, cu_q, cu_k, q_descale=torch.ones(2, 2))
+
+
+def test_fp8_true_quantizes_bf16_inputs_and_passes_the_gradient_through():
+    """attention(q, k, v, fp8=True) on bf16 tensors: e4m3 per (batch, kv head) with descale amax / 448 (q's
+    amax over its GQA group; an all-zero head keeps 1), the same output as the e4m3 call with those
+    descales, and the gradients of the bf16 tensors those of attention at the dequantized tensors (the
+    quantization's derivative taken as 1)."""
+    gen = torch.Generator().manual_seed(9)
+    b, n, hq, hkv, d = 2, 40, 4, 2, 64
+    q, k, v = (torch.randn(b, n, h, d, generator=gen).to(torch.bfloat16) for h in (hq, hkv, hkv))
+    k[1, :, 0] = 0  # an all-zero kv head: descale 1, not 0 / 0
+    q8, qd = fp8.quantize(q, hkv)
+    k8, kd = fp8.quantize(k, hkv)
+    v8, vd = fp8.quantize(v, hkv)
+    assert qd.shape == (b, hkv) and kd[1, 0] == 1
+    want_qd = q.float().reshape(b, n, hkv, hq // hkv, d).abs().amax(dim=(1, 3, 4)) / 448
+    torch.testing.assert_close(qd, want_qd, rtol=0, atol=0)
+    assert q8.float().abs().amax() == 448  # the largest element maps to e4m3's largest
+    e4m3_call = fa.attention(q8, k8, v8, causal=True, q_descale=qd, k_descale=kd, v_descale=vd)
+
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    got = fa.attention(*leaves, causal=True, fp8=True)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, e4m3_call)
+    do = torch.randn(got.shape, generator=gen).to(torch.bfloat16)
+    grads = torch.autograd.grad(got, leaves, do)
+    deq = [fp8.dequantize(t, s, hkv).requires_grad_() for t, s in ((q8, qd), (k8, kd), (v8, vd))]
+    want = torch.autograd.grad(fa.attention(*deq, causal=True), deq, do)
+    for g, w in zip(grads, want, strict=True):
+        assert torch.equal(g, w)
+    with pytest.raises(TypeError, match="fp8=True takes 4-D bfloat16 q, k and v; v is torch.float32"):
+        fa.attention(q, k, v.float(), fp8=True)
+    with pytest.raises(ValueError, match="k_descale is for e4m3 inputs"):
+        fa.attention(q, k, v, fp8=True, k_descale=kd)

@@ -46,6 +46,37 @@ def _empty_result(
     return out, lse
 
 
+def _quantized_through(q, k, v, fp8, descales):
+    """``fp8=True``: bf16 q, k and v quantized to e4m3 per (batch, kv head) and dequantized back (spec.fp8):
+    the values the FP8 call computes on, each with the gradient of its bf16 tensor passed through."""
+    if fp8 is not True:
+        raise TypeError(f"fp8 must be a bool; got {fp8!r}")
+    given = [n for n, d in zip(_fp8.DESCALE_NAMES, descales, strict=True) if d is not None]
+    if given:
+        raise ValueError(f"fp8=True quantizes bf16 inputs itself: {', '.join(given)} is for e4m3 inputs")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.bfloat16 or t.dim() != 4:
+            got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+            raise TypeError(f"fp8=True takes 4-D bfloat16 q, k and v; {name} is {got}")
+    heads_kv = k.shape[2]
+    if q.shape[2] % heads_kv:
+        raise ValueError(f"heads_q ({q.shape[2]}) must be a multiple of heads_kv ({heads_kv})")
+    return [_QuantizedThrough.apply(t, heads_kv) for t in (q, k, v)]
+
+
+class _QuantizedThrough(torch.autograd.Function):
+    """t's e4m3 round trip (spec.fp8: quantize, then dequantize to bf16), with the gradient passed through
+    unchanged (t + (round trip - t).detach() would round the value in bf16's additions)."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, heads_kv: int) -> torch.Tensor:
+        return _fp8.dequantize(*_fp8.quantize(t, heads_kv), heads_kv)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
 def _result(
     out: torch.Tensor, lse: torch.Tensor | None, return_lse: bool
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -76,6 +107,7 @@ def attention(
     q_descale: torch.Tensor | None = ...,
     k_descale: torch.Tensor | None = ...,
     v_descale: torch.Tensor | None = ...,
+    fp8: bool = ...,
 ) -> torch.Tensor: ...
 
 
@@ -100,6 +132,7 @@ def attention(
     q_descale: torch.Tensor | None = ...,
     k_descale: torch.Tensor | None = ...,
     v_descale: torch.Tensor | None = ...,
+    fp8: bool = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -123,6 +156,7 @@ def attention(
     q_descale: torch.Tensor | None = None,
     k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None,
+    fp8: bool = False,
     _segments: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention ``softmax(q kᵀ · softmax_scale) v``, computed tile by tile on CUDA.
@@ -200,6 +234,10 @@ def attention(
             (per kv head; a query head takes its group's, as in FlashAttention-3). No gradients with
             respect to e4m3 tensors. Today the inputs are dequantized to bfloat16 and run on the bf16 path
             (the FP8 kernels are to come: docs/fp8-study.md).
+        fp8: with bfloat16 q, k and v, quantize each to e4m3 first (a descale per (batch, kv head): its amax
+            over 448, q's over its GQA group) and compute as for e4m3 inputs; gradients flow to the bf16
+            tensors with the quantization passed through (its derivative taken as 1, as FP8 training recipes
+            do for their GEMMs).
 
     Returns:
         ``out`` of q's shape (with v's head_dim) and dtype; with ``return_lse=True``, ``(out, lse)`` where
@@ -230,7 +268,9 @@ def attention(
         TypeError, ValueError: on invalid arguments, naming the argument and what was expected, before
             anything is launched.
     """
-    if isinstance(q, torch.Tensor) and _fp8.is_fp8_call(q, (q_descale, k_descale, v_descale)):
+    if fp8 is not False:
+        q, k, v = _quantized_through(q, k, v, fp8, (q_descale, k_descale, v_descale))
+    elif isinstance(q, torch.Tensor) and _fp8.is_fp8_call(q, (q_descale, k_descale, v_descale)):
         # e4m3 inputs: checked, dequantized to bf16 and run as a bf16 call (spec.fp8)
         descales = (q_descale, k_descale, v_descale)
         _fp8.check_fp8(q, k, v, descales)

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["E4M3", "DESCALE_NAMES", "check_fp8", "dequantize", "is_fp8_call"]
+__all__ = ["E4M3", "E4M3_MAX", "DESCALE_NAMES", "check_fp8", "dequantize", "is_fp8_call", "quantize"]
 
 E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0  # the largest finite e4m3 value
 DESCALE_NAMES = ("q_descale", "k_descale", "v_descale")
 
 
@@ -88,3 +89,16 @@ def dequantize(
             per_head = descale.repeat_interleave(t.shape[-2] // heads_kv, dim=1)  # (batch, heads)
             x = x * (per_head[:, None, :, None] if row_batch is None else per_head[row_batch][:, :, None])
     return x.to(torch.bfloat16)
+
+
+def quantize(t: torch.Tensor, heads_kv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 ``t`` and its float32 descale per (batch, kv head), shape (batch, heads_kv): the descale is the
+    amax of the kv head's elements (for q, over its GQA group's heads) over 448, so the largest element maps
+    to e4m3's largest; a kv head whose elements are all zero keeps descale 1. t: (batch, seqlen, heads,
+    head_dim), heads a multiple of ``heads_kv``. (docs/fp8-study.md, form 2: the current-scaling recipe.)"""
+    b, n, h, d = t.shape
+    x = t.detach().to(torch.float32).reshape(b, n, heads_kv, h // heads_kv, d)
+    amax = x.abs().amax(dim=(1, 3, 4))  # (batch, heads_kv)
+    descale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    q8 = (x / descale[:, None, :, None, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).reshape(b, n, h, d)
+    return q8, descale
