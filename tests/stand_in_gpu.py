@@ -227,8 +227,8 @@ class StandInGpu:
 
     def _bshd(self, p, ptr, prefix, seqlen, heads):
         strides = tuple(getattr(p, f"{prefix}_{n}_stride") for n in ("batch", "row", "head")) + (1,)
-        # (v and the output: v's head_dim, FwdParams.head_dim_v, where the params have one)
-        dim = getattr(p, "head_dim_v", 0) or p.head_dim if prefix in ("v", "o") else p.head_dim
+        # (v, the output and their gradients: v's head_dim, FwdParams' or BwdParams' head_dim_v, where set)
+        dim = getattr(p, "head_dim_v", 0) or p.head_dim if prefix in ("v", "o", "do", "dv") else p.head_dim
         return tensor_at(ptr, (p.batch, seqlen, heads, dim), strides, self.dtype)
 
     def _key_range(self, p):

@@ -45,7 +45,18 @@ def test_cases_are_checked():
     assert ab_trees.parse_case("50:0:256:1024") == "50:0:256:1024"  # a sliding window of 1024
     assert ab_trees.parse_case("0:0:128:seqalibi:cross") == "0:0:128:seqalibi:cross"  # packed ALiBi options
     assert ab_trees.parse_case("0:1:64:512:alibi") == "0:1:64:512:alibi"
-    for bad in ("30:2:128", "30:1", "x:0:64", "0:0:d64", "0:0:64:w", "0:0:64:8:8", "0:0:64:alibi2"):
+    assert ab_trees.parse_case("0:1:192:v128") == "0:1:192:v128"  # v's own head_dim
+    for bad in (
+        "30:2:128",
+        "30:1",
+        "x:0:64",
+        "0:0:d64",
+        "0:0:64:w",
+        "0:0:64:8:8",
+        "0:0:64:alibi2",
+        "0:0:192:v",
+        "0:0:192:v64:v32",
+    ):
         with pytest.raises((argparse.ArgumentTypeError, ValueError)):
             ab_trees.parse_case(bad)
 
@@ -118,9 +129,9 @@ def test_the_child_times_every_case_dense_and_packed(mode, packed, monkeypatch, 
     PyTorch fallback computes): one JSON line per case, a window and soft-capping included, dense and
     packed (attention_varlen over its drawn documents; the forward only, to keep the CPU time short)."""
 
-    _run_child(monkeypatch, [mode, "1,256,2", "1", "30:1:64,0:0:64:100", packed], elapsed_ms=1.0)
+    _run_child(monkeypatch, [mode, "1,256,2", "1", "30:1:64,0:0:64:100,0:1:64:v32", packed], elapsed_ms=1.0)
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
-    assert [x["case"] for x in lines] == ["30:1:64", "0:0:64:100"]
+    assert [x["case"] for x in lines] == ["30:1:64", "0:0:64:100", "0:1:64:v32"]
 
 
 def test_decode_cases_are_checked_and_the_child_times_them(monkeypatch, capsys):

@@ -209,6 +209,28 @@ def test_hopper_backward_configs():
         hopper_bwd_config("bf16", 256).replace(block_kv=96)
     with pytest.raises(ValueError, match="or 96 at head_dim 192"):
         ws192.replace(block_kv=128)
+    # v's own head_dim (docs/value-head-dim-study.md section 7): V at 128 columns, the dO slots kept at 192.
+    v128 = ws192.replace(head_dim_v=128)
+    assert v128.value_dim == 128 and ws192.value_dim == 192 and v128.name().endswith("_tma_v128")
+    assert parse_bwd_config(v128.name()) == v128
+    assert (
+        v128.smem_bytes
+        == 64 * 192 * 2 + 64 * 128 * 2 + 4 * 64 * 192 * 2 + 2 * 64 * 64 * 2 + 2 * 64 * 8 + 32 + 1024
+    )
+    assert "kHeadDimV = 128" in sources.kernel_source(v128)
+    assert "kHeadDimV" not in sources.kernel_source(
+        ws192
+    )  # (the other configs' sources, and cache keys, as before)
+    for bad in (
+        lambda: ws192.replace(head_dim_v=96),
+        lambda: hopper_bwd_config("bf16", 256).replace(head_dim_v=128),
+        lambda: hopper_bwd_config("bf16", 192, warp_specialized=False).replace(head_dim_v=128),
+        lambda: hopper_bwd_config("bf16", 128).replace(head_dim_v=64),
+    ):
+        with pytest.raises(
+            ValueError, match="head_dim_v is the warp-specialized wide backward's at head_dim 192"
+        ):
+            bad()
     # The wide kernel (head_dim 192's and 256's dropout and deterministic calls, or warp_specialized=False):
     # both warpgroups on 64 keys, one keeping dV and the other dK.
     wide = hopper_bwd_config("bf16", 256, warp_specialized=False)
@@ -290,11 +312,15 @@ def test_hopper_backward_layout_must_fit_the_launch_allocation(d, warp_specializ
 
 @pytest.mark.skipif(compiler.find_nvcc() is None, reason="needs nvcc (CUDA toolkit)")
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_wide_ws_96_key_blocks_compile_within_their_layout_without_serialising(dtype):
-    """head_dim 192's 96-key blocks (kernel log 140), which the shipped catalog does not build: ptxas keeps
-    the products asynchronous (no serialized wgmma), nothing spills, and a unit claiming one byte less shared
-    memory than P's and dS's whole panels need does not compile."""
-    cfg = hopper_bwd_config(dtype, 192).replace(block_kv=96)
+@pytest.mark.parametrize(
+    "shape", [(96, 0), (64, 128), (96, 128), (64, 64)], ids=["kv96", "v128", "kv96-v128", "v64"]
+)
+def test_wide_ws_192_forms_compile_within_their_layout_without_serialising(dtype, shape):
+    """head_dim 192's 96-key blocks (kernel log 140) and v's own head_dim (value-head-dim-study section 7),
+    which the shipped catalog does not build: ptxas keeps the products asynchronous (no serialized wgmma),
+    nothing spills, and a unit claiming one byte less shared memory than its layout needs (P's and dS's
+    whole panels, V at v's width, the dO slots at q's) does not compile."""
+    cfg = hopper_bwd_config(dtype, 192).replace(block_kv=shape[0], head_dim_v=shape[1])
     src = sources.kernel_source(cfg)
     resources = compiler.compile_nvcc(src, "sm_90a", cfg.name()).resources
     dkdv = [r for r in resources if "dkdv" in r.kernel]

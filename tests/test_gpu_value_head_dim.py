@@ -153,3 +153,65 @@ def test_varlen_v_head_dim_trains_on_cuda():
         want = torch.autograd.grad(want_out, leaves, dout[a:e].double().unsqueeze(0))
         for g, r in zip(grads, want, strict=True):
             assert (g[a:e].double() - r[0]).abs().max().item() <= 4e-2 * max(1.0, r.abs().max().item())
+
+
+# (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim_v, causal, variant): q and k at head_dim 192
+NATIVE_CASES = [
+    (2, 333, 517, 8, 2, 128, True, {}),
+    (1, 300, 300, 4, 4, 64, False, {"window": (64, 0)}),
+    (2, 129, 700, 4, 1, 128, False, {"softcap": 20.0, "alibi": True}),
+    (1, 1, 300, 4, 2, 128, True, {}),
+]
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0), reason="needs an sm_90 GPU"
+)
+@pytest.mark.parametrize("form", ["tma", "copy", "kv96"])
+@pytest.mark.parametrize(
+    "case", NATIVE_CASES, ids=lambda c: "-".join(map(str, c[:-1])) + "-" + "-".join(c[-1])
+)
+def test_native_value_dim_backward_against_float64(case, form):
+    """The warp-specialized wide backward reading v's own head_dim (BwdConfig.head_dim_v; no padded copies;
+    docs/value-head-dim-study.md section 7), in its producer forms and on 96-key blocks: gradients against
+    float64 autograd within four times the float32-rounded computation's error, and within 1.5x the padded
+    path's (q's head_dim's kernels on v, out and dO zero-padded), with dQ, dK and dV of their own shapes."""
+    from flash_attention import ops
+    from flash_attention.configs import hopper_bwd_config
+
+    b, sq, sk, hq, hkv, dv, causal, variant = case
+    d = 192
+    gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(repr((case, form)).encode()))
+    q = torch.randn(b, sq, hq, d, generator=gen, device="cuda").to(torch.bfloat16)
+    k = torch.randn(b, sk, hkv, d, generator=gen, device="cuda").to(torch.bfloat16)
+    v = torch.randn(b, sk, hkv, dv, generator=gen, device="cuda").to(torch.bfloat16)
+    do = torch.randn(b, sq, hq, dv, generator=gen, device="cuda").to(torch.bfloat16)
+    kw = dict(variant)
+    if kw.pop("alibi", False):
+        kw["alibi_slopes"] = torch.rand(hq, generator=gen, device="cuda")
+    cfg = hopper_bwd_config("bf16", d, tma_loads=form != "copy").replace(
+        head_dim_v=dv, block_kv=96 if form == "kv96" else 64
+    )
+    scale = d**-0.5
+    o, lse = ops.cuda_forward(q, k, v, causal=causal, softmax_scale=scale, return_lse=True, out=None, **kw)
+    got = ops.cuda_backward(do, q, k, v, o, lse, causal=causal, softmax_scale=scale, config=cfg, **kw)
+    padded = ops.cuda_backward(do, q, k, v, o, lse, causal=causal, softmax_scale=scale, **kw)
+    ref_kw = {"softcap": kw.get("softcap", 0.0), "window": kw.get("window")}
+
+    def grads(compute):
+        leaves = [t.to(compute).requires_grad_() for t in (q, k, v)]
+        slopes = kw.get("alibi_slopes")
+        ref_o, _ = attention_reference(
+            *leaves, causal=causal, softmax_scale=scale, compute_dtype=compute, **ref_kw,
+            **({"alibi_slopes": slopes.to(compute)} if slopes is not None else {}),
+        )  # fmt: skip
+        return torch.autograd.grad(ref_o, leaves, do.to(compute))
+
+    exact, f32 = grads(torch.float64), grads(torch.float32)
+    for name, a, p, e, f in zip(("dq", "dk", "dv"), got, padded, exact, f32, strict=True):
+        assert a.shape == e.shape and a.dtype == torch.bfloat16 and torch.isfinite(a).all(), name
+        err = (a.double() - e).abs().max().item()
+        near = (f.to(torch.bfloat16).double() - e).abs().max().item()
+        err_padded = (p.double() - e).abs().max().item()
+        assert err <= 4 * near + 1e-6, f"{name}: {err:.3g} > 4 x {near:.3g}"
+        assert err <= 1.5 * err_padded + 1e-4, f"{name}: {err:.3g} against the padded path's {err_padded:.3g}"

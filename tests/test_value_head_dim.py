@@ -155,6 +155,48 @@ def test_the_padded_backward_is_the_kernels_on_an_explicitly_padded_v(monkeypatc
         ops.clear_plans()
 
 
+@pytest.mark.parametrize("tma", [True, False])
+def test_a_config_reading_vs_head_dim_runs_without_padded_copies(monkeypatch, tma):
+    """A backward config with head_dim_v (the warp-specialized wide kernel at 192 reading v at 128;
+    value-head-dim-study section 7) runs on v, the output and dO as they are: no padded copies, BwdParams'
+    head_dim_v and dV's strides at v's width, dO's tensor map of dO itself (the stand-in GPU checks each
+    against the tensors), and gradients of q's, k's and v's own shapes against float64."""
+    import stand_in_gpu
+
+    from flash_attention import ops
+    from flash_attention.configs import backward as backward_configs
+    from flash_attention.configs import hopper_bwd_config
+    from flash_attention.ops import backward as ops_backward
+
+    stand_in_gpu.install(monkeypatch)
+    pads = []
+    real_pad = ops_backward.pad_head_dim
+    monkeypatch.setattr(ops_backward, "pad_head_dim", lambda t, d: pads.append(t.shape) or real_pad(t, d))
+    try:
+        gen = torch.Generator().manual_seed(67)
+        q, k, v = (t.detach() for t in _inputs(gen, torch.bfloat16, d=192, dv=128, sq=70, sk=90))
+        dout = torch.randn(2, 70, 4, 128, generator=gen).to(torch.bfloat16)
+        kw = dict(causal=True, softmax_scale=192**-0.5)
+        o, lse = ops.cuda_forward(q, k, v, return_lse=True, out=None, **kw)
+        cfg = hopper_bwd_config("bf16", 192, tma_loads=tma).replace(head_dim_v=128)
+        got = ops.cuda_backward(dout, q, k, v, o, lse, config=cfg, **kw)
+        assert not pads  # (the padded path would copy v, the output and dO)
+        ops.cuda_backward(dout, q, k, v, o, lse, **kw)  # the default: padded, for comparison
+        assert len(pads) == 3
+        # HOPPER_BWD_READS_VALUE_DIM makes it the default of such calls (without dropout or determinism)
+        monkeypatch.setattr(backward_configs, "HOPPER_BWD_READS_VALUE_DIM", True)
+        again = ops.cuda_backward(dout, q, k, v, o, lse, **kw)
+        assert len(pads) == 3 and [g.shape for g in again] == [g.shape for g in got]
+        ops.cuda_backward(dout, q, k, v, o, lse, deterministic=True, **kw)
+        assert len(pads) == 6  # (the deterministic call takes the wide kernel: padded)
+        _, _, ref_grad = _reference(q, k, v, causal=True)
+        for g, r in zip(got, ref_grad(dout), strict=True):
+            assert g.shape == r.shape
+            assert (g.double() - r).abs().max().item() <= 4e-2 * max(1.0, r.abs().max().item())
+    finally:
+        ops.clear_plans()
+
+
 def test_a_packed_batch_trains_with_vs_own_head_dim_on_the_kernels(monkeypatch):
     # attention_varlen in training with v's own head_dim on the stand-in GPU: the segments builds of the
     # forward and the backward (on v padded to q's head_dim) run, and each sequence's gradients are the

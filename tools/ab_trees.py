@@ -76,11 +76,13 @@ for case in sys.argv[5].split(","):
     cap, causal, d, *options = case.split(":")
     win = [o for o in options if o.isdigit()]
     window = None if not win else (int(win[0]), 0 if causal == "1" else int(win[0]))
+    dv = next((int(o[1:]) for o in options if o[:1] == "v"), int(d))  # v's own head_dim (option vNN)
     b, s, h = shape
-    dims = (sum(lens), h, int(d)) if packed else (b, s, h, int(d))
+    dims = (sum(lens), h) if packed else (b, s, h)
     grad = mode == "fwd_bwd"
-    q, k, v = (torch.randn(*dims, device="cuda", dtype=torch.bfloat16, requires_grad=grad) for _ in range(3))
-    do = torch.randn_like(q)
+    q, k, v = (torch.randn(*dims, n, device="cuda", dtype=torch.bfloat16, requires_grad=grad)
+               for n in (int(d), int(d), dv))
+    do = torch.randn(*dims, dv, device="cuda", dtype=torch.bfloat16)
     opts = dict(causal=causal == "1", softcap=float(cap), window=window)
     if "alibi" in options or "seqalibi" in options:
         opts["alibi_slopes"] = torch.pow(2.0, -8.0 * torch.arange(1, h + 1, device="cuda") / h)
@@ -118,18 +120,22 @@ def parse_decode_case(text: str) -> str:
 
 
 def parse_case(text: str) -> str:
-    """A case `softcap:causal:head_dim[:option...]` (options: a window, alibi, seqalibi, cross), checked."""
+    """A case `softcap:causal:head_dim[:option...]` (options: a window, alibi, seqalibi, cross, vNN: v's own
+    head_dim NN), checked."""
     parts = text.split(":")
     options = parts[3:]
+    value_dims = [o for o in options if o[:1] == "v"]
     if (
         len(parts) < 3
         or parts[1] not in ("0", "1")
         or not parts[2].isdigit()
         or sum(o.isdigit() for o in options) > 1
-        or not all(o.isdigit() or o in _OPTIONS for o in options)
+        or len(value_dims) > 1
+        or not all(o[1:].isdigit() for o in value_dims)
+        or not all(o.isdigit() or o in _OPTIONS or o in value_dims for o in options)
     ):
         raise argparse.ArgumentTypeError(
-            f"a case is softcap:causal(0|1):head_dim[:window][:alibi|seqalibi][:cross], got {text!r}"
+            f"a case is softcap:causal(0|1):head_dim[:window][:alibi|seqalibi][:cross][:vNN], got {text!r}"
         )
     float(parts[0])
     return text

@@ -416,6 +416,28 @@ def run_wide_bwd_case(case, seed: int, small: bool) -> float:
                 for g, r in zip(grads, ref, strict=True)
             )
         )
+    if d == 192 and not p:
+        # v's own head_dim, 128 (kernel log 141): the kernel reading V, dO and dV at their width, on 64- and
+        # 96-key blocks.
+        v, do = v[..., :128].contiguous(), do[..., :128].contiguous()
+        o, lse = ops.cuda_forward(
+            q, k, v, causal=causal, softmax_scale=d**-0.5, return_lse=True, out=None, **extra
+        )
+        leaves = [x.double().requires_grad_() for x in (q, k, v)]
+        ref_o, _ = attention_reference(*leaves, causal=causal, key_range=kr)
+        ref = torch.autograd.grad(ref_o, leaves, do.double())
+        for kv in (64, 96):
+            cfg = hopper_bwd_config("bf16", 192).replace(head_dim_v=128, block_kv=kv)
+            grads = ops.cuda_backward(
+                do, q, k, v, o, lse, causal=causal, softmax_scale=d**-0.5, config=cfg, **extra
+            )  # fmt: skip
+            torch.cuda.synchronize()
+            errors.append(
+                max(
+                    (g.double() - r).abs().max().item() / max(1.0, r.abs().max().item())
+                    for g, r in zip(grads, ref, strict=True)
+                )
+            )
     return max(errors)
 
 

@@ -66,6 +66,9 @@ class BwdConfig:
     ``exp_poly`` (bwd_ws, 0-8): that many eighths of P's exponentials are computed by a polynomial on the
     FMA pipe (fa/ptx.cuh exp2_poly) instead of the SFU's MUFU.EX2, whose 16 per clock per multiprocessor
     bound the exponentials' phase at 512 cycles a d128 step (kernel log 138).
+    ``head_dim_v`` (bwd_wide_ws at head_dim 192: 64 or 128; 0 is head_dim): v's own head_dim, read as it is
+    (V, dO and dV at that width, dP's and dV's products narrower) instead of v, the output and dO padded to
+    q's (docs/value-head-dim-study.md section 7).
     """
 
     dtype: str
@@ -80,6 +83,7 @@ class BwdConfig:
     tma_loads: bool = False
     dq_writer: bool = False
     exp_poly: int = 0
+    head_dim_v: int = 0
 
     #: Q/dO slots of the warp-specialized kernel's ring (a third does not fit 227 KB at head_dim 64 or 128).
     WS_STAGES = 2
@@ -115,6 +119,11 @@ class BwdConfig:
         return self.warp_specialized and self.head_dim > 128
 
     @property
+    def value_dim(self) -> int:
+        """v's head_dim as the kernels read it: head_dim_v, or head_dim where that is 0."""
+        return self.head_dim_v or self.head_dim
+
+    @property
     def dq_threads(self) -> int:
         return 32 * (self.block_q // 16)
 
@@ -128,11 +137,13 @@ class BwdConfig:
         nb = 2 if self.double_buffer else 1
         d, bq, bkv = self.head_dim, self.block_q, self.block_kv
         if self.wide_ws:
-            # Mirrors fa::sm90::BwdWideWsSmem: K, V; Q and dO per slot; P and dS (bf16, whole 64-key panels);
-            # LSE and delta per slot; full and empty mbarriers per slot; +1 KB to align the tiles.
+            # Mirrors fa::sm90::BwdWideWsSmem: K, V (v's head_dim); Q and dO per slot (both at q's head_dim:
+            # dQ's staging takes both); P and dS (bf16, whole 64-key panels); LSE and delta per slot; full and
+            # empty mbarriers per slot; +1 KB to align the tiles.
             st = self.WS_STAGES
             panels = -(-bkv // 64)
-            return 1024 + 4 * bkv * d + 4 * st * bq * d + 4 * bq * 64 * panels + 8 * st * bq + 16 * st
+            kv = 2 * bkv * d + 2 * bkv * self.value_dim
+            return 1024 + kv + 4 * st * bq * d + 4 * bq * 64 * panels + 8 * st * bq + 16 * st
         if self.warp_specialized:
             # K, V; Q and dO per slot; two dS^T buffers; two warpgroups' 64 x 64 fp32 dQ staging tiles;
             # LSE and delta per slot; the slots' two mbarriers, the deterministic dQ hand-off's four and
@@ -170,6 +181,7 @@ class BwdConfig:
             + ("_tma" if self.tma_loads else "")
             + ("_dqw" if self.dq_writer else "")
             + (f"_ep{self.exp_poly}" if self.exp_poly else "")
+            + (f"_v{self.head_dim_v}" if self.head_dim_v else "")
         )
 
     def __str__(self) -> str:
@@ -246,6 +258,8 @@ class BwdConfig:
             ("kDetWideComputeRegs", "int", DET_WIDE_REGISTER_SPLIT[1]),
             ("kExpPoly", "int", self.exp_poly),
         ]
+        if self.head_dim_v:  # (absent otherwise: fa/bwd_params.h ValueDimOf reads kHeadDim then)
+            fields.append(("kHeadDimV", "int", self.head_dim_v))
         return cpp_struct(struct_name, fields)
 
 
@@ -262,6 +276,10 @@ def bwd_validity_errors(cfg: BwdConfig) -> list[str]:
         errors.append("tma_loads is the warp-specialized backwards' (bwd_ws, bwd_wide_ws)")
     if cfg.dq_writer and not (cfg.tma_loads and cfg.warp_specialized and cfg.head_dim <= 128):
         errors.append("dq_writer is bwd_ws's with tma_loads (its producer's copies are one thread's)")
+    if cfg.head_dim_v and not (cfg.warp_specialized and cfg.head_dim == 192 and cfg.head_dim_v in (64, 128)):
+        errors.append(
+            "head_dim_v is the warp-specialized wide backward's at head_dim 192: 64 or 128 (0: head_dim)"
+        )
     if not 0 <= cfg.exp_poly <= 8:
         errors.append("exp_poly counts eighths of the exponentials: 0 to 8")
     elif cfg.exp_poly and not (cfg.warp_specialized and cfg.head_dim <= 128):
@@ -393,6 +411,12 @@ HOPPER_BWD_WIDE_WS_DEFAULT = frozenset({192, 256})
 #: 140, prepared, not yet measured: 64 until an A/B on the GPU says).
 HOPPER_BWD_WIDE_WS_BLOCK_KV = {192: 64, 256: 64}
 
+#: Whether a Hopper backward call whose v is narrower than q and k runs, where it can, on the warp-specialized
+#: wide kernel reading v's head_dim (BwdConfig.head_dim_v: head_dim 192 with v at 64 or 128, no dropout or
+#: deterministic mode) instead of on v, the output and dO padded to q's (docs/value-head-dim-study.md section
+#: 7; kernel log 141, prepared, not yet run on a GPU: off until its tests and an A/B there say).
+HOPPER_BWD_READS_VALUE_DIM = False
+
 #: Eighths of P's exponentials that bwd_ws computes on the FMA pipe by default, by (head_dim, causal)
 #: (BwdConfig.exp_poly). None: forward+backward at 4k on an H200 measured d128 non-causal 0.97x (ep 2 and 4,
 #: rounds overlapping), d128 causal level, d64 1.05-1.09x (it spills), and level to slower at 1k (kernel log
@@ -461,13 +485,13 @@ def parse_bwd_config(text: str | BwdConfig) -> BwdConfig:
     if isinstance(text, BwdConfig):
         return text
     m = re.fullmatch(
-        r"bwd_(fp16|bf16)_d(\d+)_q(\d+)_kv(\d+)_w(\d+)_s(\d+)(_buffer)?(_wgmma)?(_ws)?(_tma)?(_dqw)?(?:_ep([1-8]))?",
+        r"bwd_(fp16|bf16)_d(\d+)_q(\d+)_kv(\d+)_w(\d+)_s(\d+)(_buffer)?(_wgmma)?(_ws)?(_tma)?(_dqw)?(?:_ep([1-8]))?(?:_v(\d+))?",
         str(text),
     )
     if not m:
         raise ValueError(f"not a backward config name: {text!r}")
-    dt, d, bq, bkv, w, s, buf, wg, ws, tma, dqw, ep = m.groups()
+    dt, d, bq, bkv, w, s, buf, wg, ws, tma, dqw, ep, dv = m.groups()
     return BwdConfig(
         dt, int(d), int(bq), int(bkv), int(w), int(s), buf is not None, wg is not None, ws is not None,
-        tma is not None, dqw is not None, int(ep or 0),
+        tma is not None, dqw is not None, int(ep or 0), int(dv or 0),
     )  # fmt: skip

@@ -151,7 +151,7 @@ class BwdParams(ctypes.Structure):
         + [("dq_lanes", _I32), ("window_left", _I32), ("window_right", _I32)]
         + [("score_values", _F32 * SCORE_VALUES), ("alibi_slopes", _PTR), ("alibi_batch_stride", _I32)]
         + [("row_keys", _PTR), ("key_rows", _PTR), ("k_tiles", _PTR), ("q_units", _PTR)]
-        + [("alibi_diagonal", _PTR), ("kv_block_group", _I32)]
+        + [("alibi_diagonal", _PTR), ("kv_block_group", _I32), ("head_dim_v", _I32)]
         # The timeline build's record buffer (csrc/include/fa/timeline.cuh); null in every library call.
         + [("trace", _PTR)]
     )

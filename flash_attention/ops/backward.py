@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..configs import BwdConfig
+from ..configs import BwdConfig, hopper_bwd_config, parse_bwd_config
+from ..configs import backward as backward_configs
 from ..dropout import dropout_key, seed_pair
 from ..jit import cache as jit_cache
 from ..jit import driver
@@ -154,6 +155,27 @@ def prefetch(q, k, spec: AttentionSpec, lengths=None, head_dim=None) -> None:
     jit_cache.prefetch(cfg, arch, **build.variant)
 
 
+def _value_dim_config(q, value_dim: int, causal: bool, dropout_p: float, deterministic: bool):
+    """The default config of a call whose v is narrower than q where a kernel reads v's head_dim as it is
+    (HOPPER_BWD_READS_VALUE_DIM), else None (the padded path)."""
+    head_dim = q.shape[3]
+    if not backward_configs.HOPPER_BWD_READS_VALUE_DIM or head_dim != 192 or value_dim not in (64, 128):
+        return None
+    if dropout_p or deterministic or device_arch(q.get_device()) != "sm_90":
+        return None  # (those calls take the wide kernel, which reads one head_dim)
+    return hopper_bwd_config(dtype_name(q), head_dim, causal=causal).replace(head_dim_v=value_dim)
+
+
+def _reads_value_dim(config, head_dim: int, value_dim: int) -> bool:
+    """Whether ``config`` (a BwdConfig or its name) is a kernel that reads v at ``value_dim`` while q and k
+    have ``head_dim`` (BwdConfig.head_dim_v: the warp-specialized wide kernel at 192; selectable, not yet
+    the default), so the call needs no padded copies."""
+    if config is None:
+        return False
+    cfg = parse_bwd_config(config)
+    return cfg.head_dim == head_dim and cfg.head_dim_v == value_dim
+
+
 def _make_plan(q, k, v, o, do, lse, spec: AttentionSpec, config, lengths=None, sequences=None) -> _Plan:
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
@@ -185,12 +207,13 @@ def _make_plan(q, k, v, o, do, lse, spec: AttentionSpec, config, lengths=None, s
     # dq, dk and dv are new contiguous tensors of q's, k's and v's shapes.
     for prefix, t in (("q", q), ("k", k), ("v", v), ("o", o), ("do", do)):
         fill_strides(p, prefix, t)
-    for prefix, shape in (("dq", q.shape), ("dk", k.shape), ("dv", k.shape)):
+    for prefix, shape in (("dq", q.shape), ("dk", k.shape), ("dv", v.shape)):
         setattr(p, f"{prefix}_batch_stride", shape[1] * shape[2] * shape[3])
         setattr(p, f"{prefix}_row_stride", shape[2] * shape[3])
         setattr(p, f"{prefix}_head_stride", shape[3])
     p.lse_batch_stride, p.lse_head_stride = lse.stride(0), lse.stride(1)
     fill_common(p, q, k, cfg.block_q, spec.scale, dropout_p)
+    p.head_dim_v = v.shape[3]
     p.seqlen_q_pad = -(-seqlen_q // 128) * 128
     # The deterministic Hopper kernels' accumulator lanes (fa/dq_turns.cuh): a causal walk never wraps.
     # (A window's walks, row-dependent, never wrap either.)
@@ -316,12 +339,14 @@ def plan_for(
     """The plan of a call of ``spec`` on kernel-ready tensors (made on a miss); ``config``: a named
     configuration, or None; ``lengths``: plans.segment_lengths; ``sequences``: a packed batch's sequence
     count when its runs carry the offsets of a key-tile table (plans.segment_count)."""
-    check_value_dim(q_, v_)
+    if not _reads_value_dim(config, q_.shape[-1], v_.shape[-1]):
+        check_value_dim(q_, v_)
     key = (
         q_.shape,
         q_.stride(),
         k_.shape,
         k_.stride(),
+        v_.shape[-1],
         v_.stride(),
         o_.stride(),
         do_.stride(),
@@ -383,7 +408,9 @@ def cuda_backward(
         q, causal, softmax_scale, window, alibi_slopes, key_range, dropout_p, deterministic, sinks, segments,
         **score_values,
     )  # fmt: skip
-    if head_dim % 8 or value_dim != head_dim:
+    if config is None and value_dim != head_dim:
+        config = _value_dim_config(q, value_dim, causal, dropout_p, deterministic)
+    if head_dim % 8 or (value_dim != head_dim and not _reads_value_dim(config, head_dim, value_dim)):
         # The kernels read one head_dim, a multiple of 8, for q, k and v: the call runs on copies zero-padded
         # to it, as the forward does, and the gradients are sliced back. That covers v's own head_dim too
         # (narrower than q's, DeepSeek's 192 / 128; no backward kernel reads two head dims yet): v, the output

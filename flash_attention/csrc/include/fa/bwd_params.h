@@ -8,6 +8,18 @@
 
 namespace fa {
 
+// v's head_dim as a backward config compiles it: Cfg::kHeadDimV where the config has one (BwdConfig
+// head_dim_v, the warp-specialized wide kernel at head_dim 192), else Cfg::kHeadDim. (A trait, not a field
+// every config carries: the other configs' sources, and so their cache keys, stay as they were.)
+template <class Cfg, class = void>
+struct ValueDimOf {
+  static constexpr int value = Cfg::kHeadDim;
+};
+template <class Cfg>
+struct ValueDimOf<Cfg, decltype(void(Cfg::kHeadDimV))> {
+  static constexpr int value = Cfg::kHeadDimV;
+};
+
 struct BwdParams {
   const void* q;     // (batch, seqlen_q, heads_q, head_dim), last dim contiguous
   const void* k;     // (batch, seqlen_k, heads_kv, head_dim)
@@ -76,6 +88,9 @@ struct BwdParams {
   // The dK/dV blocks' start order (fa/kv_block_order.cuh): 0 the grid's own; G > 0 heaviest first within
   // groups of G (K/V head, batch row) pairs (the warp-specialized kernel's causal builds).
   int kv_block_group;
+  // v's head_dim (<= the compiled ValueDimOf<Cfg>; its tail masked): V's, dO's, O's and dV's columns. Set by
+  // every launch (head_dim where v has q's width); in the 4 bytes before `trace`, which stays where it was.
+  int head_dim_v;
   // The timeline build's record buffer (fa/timeline.cuh, tools/bwd_timeline.py); null in every library call.
   // Last, after the fields the compiled training node patches, and within the 64 bytes before
   // BwdTmaParams' maps, which stay where they were.

@@ -17,7 +17,11 @@ namespace fa {
 template <class Cfg>
 __device__ __forceinline__ void bwd_preprocess_body(const BwdParams& p) {
   constexpr bool BF = Cfg::kIsBF16;
-  constexpr int C = Cfg::kHeadDim / 8;
+  // delta reads dO's and O's columns: v's head_dim (bounded by p.head_dim_v where a config compiles v's own,
+  // ValueDimOf; elsewhere by p.head_dim as before, the same code).
+  constexpr int DV = ValueDimOf<Cfg>::value;
+  constexpr bool kOwnValueDim = DV != Cfg::kHeadDim;
+  constexpr int C = DV / 8;
   const int tid = threadIdx.x;
   const int head = blockIdx.y;
   const int batch = blockIdx.z;
@@ -43,7 +47,7 @@ __device__ __forceinline__ void bwd_preprocess_body(const BwdParams& p) {
       const u16* d = static_cast<const u16*>(p.dout) + do_offset(p, batch, head, src);
 #pragma unroll
       for (int c = lane8; c < C; c += 8) {
-        if (c * 8 < p.head_dim) {
+        if (c * 8 < (kOwnValueDim ? p.head_dim_v : p.head_dim)) {
           const uint4 a = ld_global_16(o + c * 8), b = ld_global_16(d + c * 8);
           const u32 av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
 #pragma unroll

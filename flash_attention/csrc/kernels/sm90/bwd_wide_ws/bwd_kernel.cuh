@@ -82,14 +82,16 @@ namespace sm90 {
 
 // Shared memory of the warp-specialized wide backward, in bytes (mirrored by
 // configs.backward.BwdConfig.smem_bytes).
-template <int BR, int BC, int D, int NST>
+template <int BR, int BC, int D, int NST, int DV = D>
 struct BwdWideWsSmem {
-  static constexpr int kKV = BC * D * 2;    // K, and V
+  static constexpr int kKV = BC * D * 2;    // K (and V where v has q's head_dim)
+  static constexpr int kV = BC * DV * 2;    // V at v's head_dim
   static constexpr int kQ = BR * D * 2;     // one Q or dO slot
   static constexpr int kPS = BR * 64 * ((BC + 63) / 64) * 2;  // P, and dS: whole 64-key panels
   static constexpr int kStats = 2 * BR * 4; // one slot: LSE2, delta
   static constexpr int kBars = 8 * 2 * NST; // full and empty per slot
-  static constexpr int kBytes = 1024 + 2 * kKV + 2 * NST * kQ + 2 * kPS + NST * kStats + kBars;
+  // (the dO slots keep q's head_dim where v's is narrower: dQ's staging takes the step's Q and dO slots)
+  static constexpr int kBytes = 1024 + kKV + kV + 2 * NST * kQ + 2 * kPS + NST * kStats + kBars;
 };
 
 // acc (64 queries x NK keys) = A B^T over head_dim D: A this step's Q or dO (K-major, a_desc plus the slot's
@@ -173,23 +175,24 @@ __device__ __forceinline__ void copy_out_key_rows(u16* dst, i64 row_stride, int 
 // dQ); dQ staged in 8 KB halves where the slot's Q and dO were (their 24 KB each hold warpgroup 0's two tiles
 // in their first 16 KB and warpgroup 1's tile split over their last 8 KB), barrier 3 + wg, then one bulk
 // reduce-add per half by the warpgroup's first thread, the others releasing the slot (`empty`) as at 256.
-template <int N, int BR, int BC, int D, bool BF>
+// HB: the head-row product's 64-row blocks (3; warpgroup 0's dV^T DV / 64 where v has its own head_dim).
+template <int N, int BR, int BC, int D, bool BF, int HB = 3>
 __device__ __forceinline__ void wide192_products_and_dq(float (&hacc)[3][BC / 2], u64 qt_desc, u32 at_off,
                                                         u64 b_desc, u64 ds_desc, u64 kt_desc, u32 slot_q,
                                                         u32 slot_do, float* dq_accum, i64 ws_row, u32 empty,
                                                         int ctid) {
-  static_assert(D == 192 && (N == 128 || N == 64), "head_dim 192's two warpgroups");
+  static_assert(D == 192 && (N == 128 || N == 64) && HB >= 1 && HB <= 3, "head_dim 192's two warpgroups");
   float dq[N / 2];
   wgmma_fence();
 #pragma unroll
-  for (int hb = 0; hb < 3; ++hb)
+  for (int hb = 0; hb < HB; ++hb)
     issue_head_rows_acc<BR, BC, BF>(hacc[hb], qt_desc, at_off + hb * BR * 128, b_desc);
   issue_dq_from_ds<BR, BC, N, BF>(dq, ds_desc, kt_desc);  // (kt_desc: K's panel 2 wg, as at 256)
   wgmma_commit();
   wgmma_wait<0>();
   wgmma_hold(dq);
 #pragma unroll
-  for (int hb = 0; hb < 3; ++hb) wgmma_hold(hacc[hb]);
+  for (int hb = 0; hb < HB; ++hb) wgmma_hold(hacc[hb]);
   // (the other warpgroup meets barrier 2 in its own instantiation of this function: the non-aligned form)
   named_barrier_sync_unaligned(2, 256);
   u32 stage[N / 32];
@@ -243,7 +246,11 @@ __device__ __forceinline__ void bwd_wide_ws_dkdv_body(const BwdParams& p, const 
   // 64-row blocks of head_dim then take 3 x 48 accumulator registers, S and dP are m64n48 per warpgroup, and
   // P and dS span one and a half 64-key panels.
   static_assert(BC == 64 || (BC == 96 && D == 192), "64 keys per block, or 96 at head_dim 192");
-  using Smem = BwdWideWsSmem<BR, BC, D, NST>;
+  // v's own head_dim (BwdConfig head_dim_v; docs/value-head-dim-study.md section 7): V, dO and dV at DV
+  // columns, dP = dO V^T over DV, warpgroup 0's dV^T in DV / 64 row blocks. Head_dim 192 only.
+  constexpr int DV = ValueDimOf<Cfg>::value;
+  static_assert(DV == D || (D == 192 && (DV == 64 || DV == 128)), "v's own head_dim: 64 or 128 at 192");
+  using Smem = BwdWideWsSmem<BR, BC, D, NST, DV>;
   static_assert(Smem::kBytes <= Cfg::kSmemBytes, "the shared-memory layout exceeds the config's smem_bytes");
   static_assert(128 * Cfg::kProducerRegs + 256 * Cfg::kConsumerRegs <= 384 * 168,
                 "the register split exceeds the block's allocation");
@@ -252,7 +259,7 @@ __device__ __forceinline__ void bwd_wide_ws_dkdv_body(const BwdParams& p, const 
   const u32 base = (smem_addr(smem) + 1023u) & ~1023u;
   const u32 sK = base;
   const u32 sV = sK + Smem::kKV;
-  const u32 sQ = sV + Smem::kKV;          // NST slots
+  const u32 sQ = sV + Smem::kV;           // NST slots
   const u32 sdO = sQ + NST * Smem::kQ;    // NST slots
   const u32 sP = sdO + NST * Smem::kQ;    // BR query rows of BC keys: one 64-key panel, or two at 96 keys
   const u32 sdS = sP + Smem::kPS;
@@ -289,6 +296,9 @@ __device__ __forceinline__ void bwd_wide_ws_dkdv_body(const BwdParams& p, const 
   // The only block-wide barrier: the mbarriers are initialised before anyone waits on or arrives at them.
   __syncthreads();
 
+  // v's head_dim as the call has it (p.head_dim where the config compiles q's: the same code as before)
+  const int hdv = DV == D ? p.head_dim : p.head_dim_v;
+
   if (tid < 128) {
     // ---- producer (as csrc/kernels/sm90/bwd_ws's) ------------------------------------------------------
     setmaxnreg_dec<Cfg::kProducerRegs>();
@@ -302,8 +312,7 @@ __device__ __forceinline__ void bwd_wide_ws_dkdv_body(const BwdParams& p, const 
         // (at head_dim 192, rows of 24 chunks, panel by panel: fa/copy.cuh)
         load_panel_tile_rolled<BC, D, kLoaders>(sK, gK, p.k_row_stride, p.seqlen_k - kv_start, p.head_dim,
                                                 tid);
-        load_panel_tile_rolled<BC, D, kLoaders>(sV, gV, p.v_row_stride, p.seqlen_k - kv_start, p.head_dim,
-                                                tid);
+        load_panel_tile_rolled<BC, DV, kLoaders>(sV, gV, p.v_row_stride, p.seqlen_k - kv_start, hdv, tid);
       }
       const int head = head_of(it);
       const int q_start = q_start_of(it);
@@ -312,11 +321,20 @@ __device__ __forceinline__ void bwd_wide_ws_dkdv_body(const BwdParams& p, const 
         // box per 64-column panel, four each at head_dim 256. The slot was released after the copy engine
         // had read the dQ tiles staged in it, so these writes follow that read.)
         if (tid == 0) {
-          mbar_expect_tx(full(s), 2 * Smem::kQ);
+          mbar_expect_tx(full(s), Smem::kQ + BR * DV * 2);
+          if constexpr (DV == D) {
 #pragma unroll
-          for (int c = 0; c < D / 64; ++c) {
-            tma_load_4d(sQ + s * Smem::kQ + c * BR * 128, q_map, full(s), 64 * c, q_start, head, batch);
-            tma_load_4d(sdO + s * Smem::kQ + c * BR * 128, do_map, full(s), 64 * c, q_start, head, batch);
+            for (int c = 0; c < D / 64; ++c) {
+              tma_load_4d(sQ + s * Smem::kQ + c * BR * 128, q_map, full(s), 64 * c, q_start, head, batch);
+              tma_load_4d(sdO + s * Smem::kQ + c * BR * 128, do_map, full(s), 64 * c, q_start, head, batch);
+            }
+          } else {  // (dO's narrower rows: fewer boxes)
+#pragma unroll
+            for (int c = 0; c < D / 64; ++c)
+              tma_load_4d(sQ + s * Smem::kQ + c * BR * 128, q_map, full(s), 64 * c, q_start, head, batch);
+#pragma unroll
+            for (int c = 0; c < DV / 64; ++c)
+              tma_load_4d(sdO + s * Smem::kQ + c * BR * 128, do_map, full(s), 64 * c, q_start, head, batch);
           }
         }
       } else {
@@ -324,8 +342,8 @@ __device__ __forceinline__ void bwd_wide_ws_dkdv_body(const BwdParams& p, const 
         const u16* gdO = static_cast<const u16*>(p.dout) + do_offset(p, batch, head, q_start);
         load_panel_tile_rolled<BR, D, kLoaders>(sQ + s * Smem::kQ, gQ, p.q_row_stride, p.seqlen_q - q_start,
                                                 p.head_dim, tid);
-        load_panel_tile_rolled<BR, D, kLoaders>(sdO + s * Smem::kQ, gdO, p.do_row_stride,
-                                                p.seqlen_q - q_start, p.head_dim, tid);
+        load_panel_tile_rolled<BR, DV, kLoaders>(sdO + s * Smem::kQ, gdO, p.do_row_stride,
+                                                 p.seqlen_q - q_start, hdv, tid);
       }
       // The statistics are the preprocessing kernel's output (programmatic launch: fa/grid_dependency.cuh).
       if (it == 0) grid_dependency_wait();
@@ -421,7 +439,7 @@ __device__ __forceinline__ void bwd_wide_ws_dkdv_body(const BwdParams& p, const 
     wgmma_fence();
     issue_query_rows_product<BR, BC, NK, D, BF>(sc, q_desc, qoff, k_desc);
     wgmma_commit();
-    issue_query_rows_product<BR, BC, NK, D, BF>(dp, q_desc, kDOOff + qoff, v_desc);
+    issue_query_rows_product<BR, BC, NK, DV, BF>(dp, q_desc, kDOOff + qoff, v_desc);
     wgmma_commit();
     // The previous step's slot: once the copy engine has read the dQ tiles staged there, the producer may
     // refill it (the issuing thread's arrival; the others arrived after staging).
@@ -525,7 +543,7 @@ __device__ __forceinline__ void bwd_wide_ws_dkdv_body(const BwdParams& p, const 
       const u64 b_desc = wg == 0 ? pt_desc : dst_desc;    // P for dV^T, dS for dK^T
       const i64 ws_row = workspace_row(p, batch, head, q_start);
       if (wg == 0) {
-        wide192_products_and_dq<128, BR, BC, D, BF>(hacc, qt_desc, at_off, b_desc, ds_desc, kt_desc, slot_q,
+        wide192_products_and_dq<128, BR, BC, D, BF, DV / 64>(hacc, qt_desc, at_off, b_desc, ds_desc, kt_desc, slot_q,
                                                      slot_do, p.dq_accum, ws_row, empty(s), ctid);
       } else {
         wide192_products_and_dq<64, BR, BC, D, BF>(hacc, qt_desc, at_off, b_desc, ds_desc, kt_desc, slot_q,
@@ -545,16 +563,23 @@ __device__ __forceinline__ void bwd_wide_ws_dkdv_body(const BwdParams& p, const 
       store_head_rows_transposed<BC, D, BF>(sK, dkt[hb], d0, lane);
       store_head_rows_transposed<BC, D, BF>(sV, dvt[hb], d0, lane);
     }
-  } else {  // (head_dim 192: warpgroup 0's rows are dV's, warpgroup 1's dK's)
+  } else if constexpr (DV == D) {  // (head_dim 192: warpgroup 0's rows are dV's, warpgroup 1's dK's)
 #pragma unroll
     for (int hb = 0; hb < 3; ++hb)
       store_head_rows_transposed<BC, D, BF>(wg == 0 ? sV : sK, hacc[hb], 64 * hb + 16 * wq, lane);
+  } else if (wg == 0) {  // (v's own head_dim: dV's DV / 64 row blocks into V's narrower tile)
+#pragma unroll
+    for (int hb = 0; hb < DV / 64; ++hb)
+      store_head_rows_transposed<BC, DV, BF>(sV, hacc[hb], 64 * hb + 16 * wq, lane);
+  } else {
+#pragma unroll
+    for (int hb = 0; hb < 3; ++hb) store_head_rows_transposed<BC, D, BF>(sK, hacc[hb], 64 * hb + 16 * wq, lane);
   }
   named_barrier_sync(1, 256);
   copy_out_key_rows<BC, D>(static_cast<u16*>(p.dk) + dk_offset(p, batch, kv_head, kv_start), p.dk_row_stride,
                            p.seqlen_k - kv_start, p.head_dim, sK, ctid);
-  copy_out_key_rows<BC, D>(static_cast<u16*>(p.dv) + dv_offset(p, batch, kv_head, kv_start), p.dv_row_stride,
-                           p.seqlen_k - kv_start, p.head_dim, sV, ctid);
+  copy_out_key_rows<BC, DV>(static_cast<u16*>(p.dv) + dv_offset(p, batch, kv_head, kv_start), p.dv_row_stride,
+                            p.seqlen_k - kv_start, hdv, sV, ctid);
 }
 
 }  // namespace sm90
