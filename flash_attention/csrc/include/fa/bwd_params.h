@@ -10,7 +10,7 @@ namespace fa {
 
 // v's head_dim as a backward config compiles it: Cfg::kHeadDimV where the config has one (BwdConfig
 // head_dim_v, the warp-specialized wide kernel at head_dim 192), else Cfg::kHeadDim. (A trait, not a field
-// every config carries: the other configs' sources, and so their cache keys, stay as they were.)
+// every config carries: the other configs' Cfg structs stay as they were.)
 template <class Cfg, class = void>
 struct ValueDimOf {
   static constexpr int value = Cfg::kHeadDim;
