@@ -218,9 +218,7 @@ def test_hopper_backward_configs():
         == 64 * 192 * 2 + 64 * 128 * 2 + 4 * 64 * 192 * 2 + 2 * 64 * 64 * 2 + 2 * 64 * 8 + 32 + 1024
     )
     assert "kHeadDimV = 128" in sources.kernel_source(v128)
-    assert "kHeadDimV" not in sources.kernel_source(
-        ws192
-    )  # (the other configs' sources, and cache keys, as before)
+    assert "kHeadDimV" not in sources.kernel_source(ws192)  # (the others' Cfg structs as before)
     for bad in (
         lambda: ws192.replace(head_dim_v=96),
         lambda: hopper_bwd_config("bf16", 256).replace(head_dim_v=128),
