@@ -10,18 +10,15 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-from spawn_ranks import spawn_ranks
+from spawn_ranks import leave_group, spawn_ranks
 
 import flash_attention
 from flash_attention.fallback.reference import attention_reference
 
 
 def _leave(dist) -> None:
-    """Leave the group once every rank is done: a rank that tore its gloo group down while a peer's last
-    sends were still in flight aborted that peer ("terminate called without an active exception", exit
-    code -6; seen once in a CPU suite run)."""
-    dist.barrier()
-    dist.destroy_process_group()
+    """Leave the group once every rank is done (spawn_ranks.leave_group)."""
+    leave_group(dist)
 
 
 def _assert_as_close_as_one_process(named) -> None:
