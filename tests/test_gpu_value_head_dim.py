@@ -33,6 +33,12 @@ CASES = [
 ]
 
 
+def _bf16_inputs(gen, b, sq, sk, hq, hkv, d, dv):
+    """Fresh bf16 q, k (head_dim d), v and dO (v's head_dim dv) on the GPU, drawn in that order from gen."""
+    shapes = ((b, sq, hq, d), (b, sk, hkv, d), (b, sk, hkv, dv), (b, sq, hq, dv))
+    return [torch.randn(*shape, generator=gen, device="cuda").to(torch.bfloat16) for shape in shapes]
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[:-1])) + "-" + "-".join(c[-1]))
 def test_v_head_dim_on_cuda_runs_the_kernels_and_matches_float64(case, monkeypatch):
     b, sq, sk, hq, hkv, d, dv, causal, dtype, variant = case
@@ -104,10 +110,7 @@ def test_v_head_dim_backward_is_the_kernels_on_an_explicitly_padded_v(variant):
     # padded dV columns the caller's call returns are zero.
     gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(repr(variant).encode()))
     b, s, hq, hkv, d, dv = 2, 300, 4, 2, 128, 64
-    q = torch.randn(b, s, hq, d, generator=gen, device="cuda").to(torch.bfloat16)
-    k = torch.randn(b, s, hkv, d, generator=gen, device="cuda").to(torch.bfloat16)
-    v = torch.randn(b, s, hkv, dv, generator=gen, device="cuda").to(torch.bfloat16)
-    do = torch.randn(b, s, hq, dv, generator=gen, device="cuda").to(torch.bfloat16)
+    q, k, v, do = _bf16_inputs(gen, b, s, s, hq, hkv, d, dv)
     kw = dict(variant)
     if kw.pop("alibi", False):
         kw["alibi_slopes"] = torch.rand(hq, generator=gen, device="cuda")
@@ -182,10 +185,7 @@ def test_native_value_dim_backward_against_float64(case, form):
     b, sq, sk, hq, hkv, dv, causal, variant = case
     d = 192
     gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(repr((case, form)).encode()))
-    q = torch.randn(b, sq, hq, d, generator=gen, device="cuda").to(torch.bfloat16)
-    k = torch.randn(b, sk, hkv, d, generator=gen, device="cuda").to(torch.bfloat16)
-    v = torch.randn(b, sk, hkv, dv, generator=gen, device="cuda").to(torch.bfloat16)
-    do = torch.randn(b, sq, hq, dv, generator=gen, device="cuda").to(torch.bfloat16)
+    q, k, v, do = _bf16_inputs(gen, b, sq, sk, hq, hkv, d, dv)
     kw = dict(variant)
     if kw.pop("alibi", False):
         kw["alibi_slopes"] = torch.rand(hq, generator=gen, device="cuda")

@@ -373,8 +373,8 @@ def attention_varlen(
             raise ValueError(f"seqused_k must have shape (batch,) = ({n_offsets - 1},)")
     descales = (q_descale, k_descale, v_descale)
     if _fp8.is_fp8_call(q, descales):
-        # e4m3 inputs (as attention()'s): checked, dequantized to bf16 (a per-(batch, kv head) descale by each
-        # row's sequence, made on the device from the offsets) and run as a bf16 call.
+        # e4m3 inputs (as attention()'s): checked and dequantized to bf16 (a per-(batch, kv head) descale by
+        # each row's sequence, made on the device from the offsets); the call goes on as a bf16 call.
         _fp8.check_fp8(q, k, v, descales, batch=n_offsets - 1)
         rows = [
             None if n_offsets < 2 else _sequence_of_each(cu.to(torch.int64), t.shape[0])
@@ -386,12 +386,6 @@ def attention_varlen(
         q, k, v = (
             _fp8.dequantize(t, d, heads_kv, r) for t, d, r in zip((q, k, v), descales, rows, strict=True)
         )
-        return attention_varlen(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-            seqused_k=seqused_k, causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
-            alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p, dropout_seed=dropout_seed,
-            deterministic=deterministic, return_lse=return_lse,
-        )  # fmt: skip
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
             raise ValueError(f"{name} must be a non-negative int or None; got {value!r}")

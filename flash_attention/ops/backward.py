@@ -392,7 +392,8 @@ def cuda_backward(
     :func:`flash_attention.ops.select.backward_config`); ``key_range``, ``dropout_p`` / ``dropout_seed``,
     ``window``, ``alibi_slopes`` and the ``score_values`` (by name) must be the forward's. A head_dim
     that is not a multiple of 8 runs zero-padded, as the forward does, and so does a v narrower than q
-    (padded to q's head_dim with the output and dO; dv comes back at v's).
+    (padded to q's head_dim with the output and dO; dv comes back at v's), unless the config reads v's
+    head_dim itself (BwdConfig.head_dim_v; HOPPER_BWD_READS_VALUE_DIM makes such a config the default).
     """
     if dropout_p and dropout_seed is None:
         raise ValueError("dropout_p > 0 needs dropout_seed (flash_attention.dropout.draw_seed())")

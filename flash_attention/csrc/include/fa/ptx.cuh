@@ -183,8 +183,9 @@ __device__ __forceinline__ float exp2_approx(float x) {
 // first, where f = 0 and 2^f = 1 exactly, so -inf (a masked score, a row past the sequence's end) gives +0
 // as the SFU's ftz form does; x in (-127, -126) gives a subnormal at most 2^-126 (below -126.5 one that
 // falls to 0 towards -127), where ex2.approx.ftz gives 0: either is far below any P that reaches the
-// products, but a log2 of P must treat the subnormal as 0 (fa/variant.cuh score_mod_gradient_from_p). x must be below 128, as P's argument (a score minus its row's log-sum-exp) is; a NaN x gives +0
-// (fmaxf returns the other operand), where the SFU would give NaN. Costs FMNMX, 3 FADD, 3-4 FFMA and one
+// products, but a log2 of P must treat the subnormal as 0 (fa/variant.cuh score_mod_gradient_from_p). x
+// must be below 128, as P's argument (a score minus its row's log-sum-exp) is; a NaN x gives +0 (fmaxf
+// returns the other operand), where the SFU would give NaN. Costs FMNMX, 3 FADD, 3-4 FFMA and one
 // IMAD (the shift and the add).
 template <int kDegree>
 __device__ __forceinline__ float exp2_poly(float x) {

@@ -322,18 +322,10 @@ __device__ __forceinline__ void bwd_wide_ws_dkdv_body(const BwdParams& p, const 
         // had read the dQ tiles staged in it, so these writes follow that read.)
         if (tid == 0) {
           mbar_expect_tx(full(s), Smem::kQ + BR * DV * 2);
-          if constexpr (DV == D) {
 #pragma unroll
-            for (int c = 0; c < D / 64; ++c) {
-              tma_load_4d(sQ + s * Smem::kQ + c * BR * 128, q_map, full(s), 64 * c, q_start, head, batch);
-              tma_load_4d(sdO + s * Smem::kQ + c * BR * 128, do_map, full(s), 64 * c, q_start, head, batch);
-            }
-          } else {  // (dO's narrower rows: fewer boxes)
-#pragma unroll
-            for (int c = 0; c < D / 64; ++c)
-              tma_load_4d(sQ + s * Smem::kQ + c * BR * 128, q_map, full(s), 64 * c, q_start, head, batch);
-#pragma unroll
-            for (int c = 0; c < DV / 64; ++c)
+          for (int c = 0; c < D / 64; ++c) {
+            tma_load_4d(sQ + s * Smem::kQ + c * BR * 128, q_map, full(s), 64 * c, q_start, head, batch);
+            if (c < DV / 64)  // (dO's rows may be narrower: fewer boxes)
               tma_load_4d(sdO + s * Smem::kQ + c * BR * 128, do_map, full(s), 64 * c, q_start, head, batch);
           }
         }
