@@ -100,8 +100,8 @@ def _families(case):
         bwd["hopper"] = hopper_bwd_config("bf16", d)
         if d <= 128:  # half of P's exponentials on the FMA pipe (BwdConfig.exp_poly, kernel log 138)
             bwd["hopper_poly"] = hopper_bwd_config("bf16", d).replace(exp_poly=4)
-        if d == 192:  # the warp-specialized wide backward's 96-key blocks (kernel log 140)
-            bwd["hopper_kv96"] = hopper_bwd_config("bf16", d).replace(block_kv=96)
+        if d == 192:  # the warp-specialized wide backward's other key block (the default 96: kernel log 140)
+            bwd["hopper_kv64"] = hopper_bwd_config("bf16", d).replace(block_kv=64)
     return fwd, bwd
 
 

@@ -34,14 +34,15 @@ needs_hopper = pytest.mark.skipif(not _hopper(), reason="the wide wgmma backward
 
 
 #: The forms under test: the wide kernel, the warp-specialized wide one (bwd_wide_ws; the default at 192 and
-#: 256, kernel log 136), and that one on 96-key blocks (head_dim 192 only, kernel log 140).
+#: 256, kernel log 136) on 64-key blocks, and that one on 96-key blocks (head_dim 192 only, its default there
+#: since kernel log 140).
 FORMS = ["wide", "wide_ws", "wide_ws_kv96"]
 
 
 def wide_config(dtype: str, d: int = 256, ws: bool | str = False) -> BwdConfig:
-    """The wide kernel, or (``ws`` True or "wide_ws") the warp-specialized wide one, or ("wide_ws_kv96")
-    that one on 96-key blocks, which only head_dim 192 (and the sizes padded to it) has: a test of a wider
-    head_dim skips it."""
+    """The wide kernel, or (``ws`` True or "wide_ws") the warp-specialized wide one on 64-key blocks, or
+    ("wide_ws_kv96") that one on 96-key blocks, which only head_dim 192 (and the sizes padded to it) has: a
+    test of a wider head_dim skips it."""
     form = {False: "wide", True: "wide_ws"}.get(ws, ws)
     padded = 192 if d <= 192 else 256
     cfg = hopper_bwd_config(dtype, padded, warp_specialized=form != "wide")
@@ -49,6 +50,8 @@ def wide_config(dtype: str, d: int = 256, ws: bool | str = False) -> BwdConfig:
         if padded != 192:
             pytest.skip("96-key blocks are head_dim 192's")
         cfg = cfg.replace(block_kv=96)
+    elif form == "wide_ws":
+        cfg = cfg.replace(block_kv=64)
     return cfg
 
 

@@ -195,7 +195,9 @@ def test_native_value_dim_backward_against_float64(case, form):
     scale = d**-0.5
     o, lse = ops.cuda_forward(q, k, v, causal=causal, softmax_scale=scale, return_lse=True, out=None, **kw)
     got = ops.cuda_backward(do, q, k, v, o, lse, causal=causal, softmax_scale=scale, config=cfg, **kw)
-    padded = ops.cuda_backward(do, q, k, v, o, lse, causal=causal, softmax_scale=scale, **kw)
+    padded = ops.cuda_backward(  # (a config reading one head_dim: v, the output and dO padded to it)
+        do, q, k, v, o, lse, causal=causal, softmax_scale=scale, config=hopper_bwd_config("bf16", d), **kw
+    )
     ref_kw = {"softcap": kw.get("softcap", 0.0), "window": kw.get("window")}
 
     def grads(compute):

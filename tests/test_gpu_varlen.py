@@ -247,8 +247,8 @@ def test_every_family_takes_segments(head_dim, alibi):
         fwd["sm90"] = classic_hopper_config("bf16", d, n, False)
         if head_dim <= 128:
             bwd["hopper"] = hopper_bwd_config("bf16", d)
-        if head_dim == 192:  # the warp-specialized wide backward's 96-key blocks (kernel log 140)
-            bwd["hopper_kv96"] = hopper_bwd_config("bf16", d).replace(block_kv=96)
+        if head_dim == 192:  # the warp-specialized wide backward on both its key blocks (kernel log 140)
+            bwd.update({f"hopper_kv{n}": hopper_bwd_config("bf16", d).replace(block_kv=n) for n in (64, 96)})
     args = [t.unsqueeze(0) for t in (q, k, v)]
     # (The runs carry causal; the flag picks configurations, and with ALiBi the build measuring from them.)
     kw = dict(causal=causal, softmax_scale=head_dim**-0.5, segments=runs, alibi_slopes=kw.get("alibi_slopes"))
@@ -259,7 +259,7 @@ def test_every_family_takes_segments(head_dim, alibi):
     o, lse = ops.cuda_forward(*args, return_lse=True, out=None, **kw)
     for name, cfg in bwd.items():
         # (The Hopper backward's deterministic form takes no segments: configs.families says why.)
-        for det in (False,) if name == "hopper" else (False, True):
+        for det in (False,) if name.startswith("hopper") else (False, True):
             grads = ops.cuda_backward(do.unsqueeze(0), *args, o, lse, deterministic=det, config=cfg, **kw)
             for gname, g, e, f in zip("dq dk dv".split(), grads, exact[2], f32[2], strict=True):
                 _close(g[0], e, f, f"{name} backward (deterministic={det}) {gname}")

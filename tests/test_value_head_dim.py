@@ -181,14 +181,19 @@ def test_a_config_reading_vs_head_dim_runs_without_padded_copies(monkeypatch, tm
         cfg = hopper_bwd_config("bf16", 192, tma_loads=tma).replace(head_dim_v=128)
         got = ops.cuda_backward(dout, q, k, v, o, lse, config=cfg, **kw)
         assert not pads  # (the padded path would copy v, the output and dO)
-        ops.cuda_backward(dout, q, k, v, o, lse, **kw)  # the default: padded, for comparison
+        # Without HOPPER_BWD_READS_VALUE_DIM the default is the padded path,
+        monkeypatch.setattr(backward_configs, "HOPPER_BWD_READS_VALUE_DIM", False)
+        ops.cuda_backward(dout, q, k, v, o, lse, **kw)
         assert len(pads) == 3
-        # HOPPER_BWD_READS_VALUE_DIM makes it the default of such calls (without dropout or determinism)
+        # with it (the default) the kernel reading v's head_dim, without dropout or determinism.
         monkeypatch.setattr(backward_configs, "HOPPER_BWD_READS_VALUE_DIM", True)
         again = ops.cuda_backward(dout, q, k, v, o, lse, **kw)
         assert len(pads) == 3 and [g.shape for g in again] == [g.shape for g in got]
         ops.cuda_backward(dout, q, k, v, o, lse, deterministic=True, **kw)
         assert len(pads) == 6  # (the deterministic call takes the wide kernel: padded)
+        # Named with such a config, a call the wide kernel would take is refused (it reads one head_dim).
+        with pytest.raises(ValueError, match=f"config {cfg.name()} has no build for deterministic"):
+            ops.cuda_backward(dout, q, k, v, o, lse, config=cfg, deterministic=True, **kw)
         _, _, ref_grad = _reference(q, k, v, causal=True)
         for g, r in zip(got, ref_grad(dout), strict=True):
             assert g.shape == r.shape

@@ -391,12 +391,13 @@ def run_wide_bwd_case(case, seed: int, small: bool) -> float:
         q, k, v, causal=causal, softmax_scale=d**-0.5, return_lse=True, out=None, **extra
     )
     # Without dropout the warp-specialized wide kernel (bwd_wide_ws, the default at 192 and 256) and, at
-    # 192, that one on 96-key blocks (kernel log 140) and the wide one too (selectable there, and the dropout
-    # and deterministic calls' kernel); with dropout the wide one.
+    # 192, that one on its other key block (64 beside the default's 96, kernel log 140) and the wide one too
+    # (selectable there, and the dropout and deterministic calls' kernel); with dropout the wide one.
     padded = 192 if d <= 192 else 256
     forms = [hopper_bwd_config("bf16", padded, warp_specialized=not p)]
     if d <= 192 and not p:
-        forms += [forms[0].replace(block_kv=96), hopper_bwd_config("bf16", padded, warp_specialized=False)]
+        other = 64 if forms[0].block_kv == 96 else 96
+        forms += [forms[0].replace(block_kv=other), hopper_bwd_config("bf16", padded, warp_specialized=False)]
 
     def errors_of(configs, q, k, v, do, o, lse) -> list[float]:
         """Each config's backward against float64 autograd, the largest error relative to the gradient's

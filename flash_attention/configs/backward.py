@@ -407,15 +407,17 @@ HOPPER_BWD_TMA_DEFAULT = frozenset({(d, causal) for d in (64, 128, 192, 256) for
 HOPPER_BWD_WIDE_WS_DEFAULT = frozenset({192, 256})
 
 #: Keys per block of the warp-specialized wide backward by head_dim: 64, or at 192 96 (its m64n48 products and
-#: the query step's loads and dQ reduction spread over more keys, as FlashAttention-4 tiles 192; kernel log
-#: 140, prepared, not yet measured: 64 until an A/B on the GPU says).
-HOPPER_BWD_WIDE_WS_BLOCK_KV = {192: 64, 256: 64}
+#: the query step's loads and dQ reduction spread over more keys, as FlashAttention-4 tiles 192): forward+
+#: backward at head_dim 192 on an H200 measured 0.80x (non-causal) and 0.86x (causal) the 64-key blocks' time
+#: at 4k, 0.82-0.85x at 1k (kernel log 140). ``BwdConfig.replace(block_kv=64)`` keeps the 64-key form.
+HOPPER_BWD_WIDE_WS_BLOCK_KV = {192: 96, 256: 64}
 
 #: Whether a Hopper backward call whose v is narrower than q and k runs, where it can, on the warp-specialized
 #: wide kernel reading v's head_dim (BwdConfig.head_dim_v: head_dim 192 with v at 64 or 128, no dropout or
 #: deterministic mode) instead of on v, the output and dO padded to q's (docs/value-head-dim-study.md section
-#: 7; kernel log 141, prepared, not yet run on a GPU: off until its tests and an A/B there say).
-HOPPER_BWD_READS_VALUE_DIM = False
+#: 7): forward+backward at 192 / 128 on an H200 measured 0.92x (non-causal) and 0.89x (causal) the padded
+#: path's time at 4k (kernel log 141). False restores the padded path.
+HOPPER_BWD_READS_VALUE_DIM = True
 
 #: Eighths of P's exponentials that bwd_ws computes on the FMA pipe by default, by (head_dim, causal)
 #: (BwdConfig.exp_poly). None: forward+backward at 4k on an H200 measured d128 non-causal 0.97x (ep 2 and 4,
@@ -439,7 +441,8 @@ def hopper_bwd_config(
     TMA with ``tma_loads``, by default where HOPPER_BWD_TMA_DEFAULT lists the head_dim and mask), or with
     ``warp_specialized=False`` the sm90 wgmma kernel it replaced. At head_dim 256 the warp-specialized wide
     kernel (64 keys, 64 query rows per step, csrc/kernels/sm90/bwd_wide_ws), at 192 as well
-    (HOPPER_BWD_WIDE_WS_DEFAULT), or with ``warp_specialized=False`` the wide kernel. ``exp_poly``: bwd_ws's
+    (HOPPER_BWD_WIDE_WS_DEFAULT; on HOPPER_BWD_WIDE_WS_BLOCK_KV's 96 keys), or with
+    ``warp_specialized=False`` the wide kernel. ``exp_poly``: bwd_ws's
     share of P's exponentials on the FMA pipe (default HOPPER_BWD_EXP_POLY_DEFAULT's)."""
     if warp_specialized is None:
         warp_specialized = head_dim <= 128 or head_dim in HOPPER_BWD_WIDE_WS_DEFAULT

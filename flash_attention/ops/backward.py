@@ -168,8 +168,8 @@ def _value_dim_config(q, value_dim: int, causal: bool, dropout_p: float, determi
 
 def _reads_value_dim(config, head_dim: int, value_dim: int) -> bool:
     """Whether ``config`` (a BwdConfig or its name) is a kernel that reads v at ``value_dim`` while q and k
-    have ``head_dim`` (BwdConfig.head_dim_v: the warp-specialized wide kernel at 192; selectable, not yet
-    the default), so the call needs no padded copies."""
+    have ``head_dim`` (BwdConfig.head_dim_v: the warp-specialized wide kernel at 192, the default of such
+    calls where HOPPER_BWD_READS_VALUE_DIM says), so the call needs no padded copies."""
     if config is None:
         return False
     cfg = parse_bwd_config(config)

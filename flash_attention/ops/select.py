@@ -200,8 +200,9 @@ def _with_value_dim(cfg: KernelConfig, dv: int) -> KernelConfig:
 def _wide_for(cfg: BwdConfig | None, features: tuple[str, ...]) -> BwdConfig | None:
     """``cfg``, or the wide kernel where ``cfg`` is the warp-specialized wide one (head_dim 192, 256) and the
     call needs a feature its family lacks (configs.families: dropout, the deterministic mode): the wide
-    kernel's builds are its forms of those."""
-    if cfg is not None and cfg.wide_ws and unsupported(cfg, features):
+    kernel's builds are its forms of those. Not a config reading v's own head_dim (BwdConfig.head_dim_v): the
+    wide kernel reads one head_dim, so that call is the caller's error (:func:`_check_explicit` names it)."""
+    if cfg is not None and cfg.wide_ws and cfg.value_dim == cfg.head_dim and unsupported(cfg, features):
         return hopper_bwd_config(cfg.dtype, cfg.head_dim, warp_specialized=False)
     return cfg
 

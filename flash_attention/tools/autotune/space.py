@@ -233,9 +233,11 @@ def bwd_candidate_space(dtype: str, head_dim: int, arch: str = "sm_80") -> list[
         # measured 1.02-1.18x the time: kernel log 138), and the kernel each replaced (the sm90 kernel at 64
         # and 128, the wide kernel at 192 and 256).
         extra += [hopper_bwd_config(dtype, d, tma_loads=tma, dq_writer=False) for tma in (False, True)]
-        if d == 192:  # and the warp-specialized wide kernel's 96-key blocks (kernel log 140)
+        if d == 192:  # and the warp-specialized wide kernel on both its key blocks (kernel log 140)
             extra += [
-                hopper_bwd_config(dtype, d, tma_loads=tma).replace(block_kv=96) for tma in (False, True)
+                hopper_bwd_config(dtype, d, tma_loads=tma).replace(block_kv=n)
+                for tma in (False, True)
+                for n in (64, 96)
             ]
         if d <= 128:
             writer = hopper_bwd_config(dtype, d, tma_loads=True, dq_writer=True)
