@@ -217,6 +217,46 @@ def test_output_gradients_the_kernels_cannot_read_are_copied():
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("mode", ["native", "python", "off"])
+@pytest.mark.parametrize("dv", [128, 64])
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_node_takes_vs_own_head_dim_where_a_kernel_reads_it(causal, dv, mode, monkeypatch):
+    # q/k at 192 with v at 128 or 64 (ops.backward.value_dim_config's kernel reads v's head_dim), through
+    # each form of repeat calls (ops.repeat.MODE; "off": every call takes ops.training.training_forward): two
+    # calls record the node, whose gradients, of q's, k's and v's own shapes, are the Python function's (the
+    # same kernels; dQ's atomics in another order); the deterministic mode, which no kernel reading v's
+    # head_dim has, takes the Python function on the padded path.
+    from flash_attention.ops import repeat
+
+    monkeypatch.setattr(repeat, "MODE", mode)
+    repeat.clear()
+    gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(repr((causal, dv)).encode()))
+    q0 = torch.randn(2, 300, 8, 192, generator=gen, device="cuda").to(torch.bfloat16)
+    k0 = torch.randn(2, 400, 2, 192, generator=gen, device="cuda").to(torch.bfloat16)
+    v0 = torch.randn(2, 400, 2, dv, generator=gen, device="cuda").to(torch.bfloat16)
+    dout = torch.randn(2, 300, 8, dv, generator=gen, device="cuda").to(torch.bfloat16)
+    q, k, v = (t.detach().requires_grad_(True) for t in (q0, k0, v0))
+    ref_out, _ = custom_ops.EagerAttention.apply(
+        q, k, v, *pack_options(causal, 192**-0.5, False, 0.0), None, None
+    )
+    ref = torch.autograd.grad(ref_out, (q, k, v), dout)
+    for _ in range(2):  # the whole path's call, then the repeat call
+        q, k, v = (t.detach().requires_grad_(True) for t in (q0, k0, v0))
+        out = fa.attention(q, k, v, causal=causal)
+        assert out.grad_fn.name() == "FlashAttentionBackward" and out.shape == dout.shape
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        assert torch.equal(out, ref_out)
+        for name, g, r, t in zip(("dq", "dk", "dv"), grads, ref, (q, k, v), strict=True):
+            assert g.shape == t.shape and g.isfinite().all(), name
+            torch.testing.assert_close(g, r, rtol=2e-2, atol=2e-2, msg=name)
+    out = fa.attention(q, k, v, causal=causal, deterministic=True)
+    assert out.grad_fn.name() != "FlashAttentionBackward"
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref, strict=True):
+        torch.testing.assert_close(g, r, rtol=2e-2, atol=2e-2, msg=name)
+    repeat.clear()  # (nothing of this mode's kept for the next test)
+
+
 def test_inputs_the_kernels_cannot_read_in_place_take_the_python_function():
     gen = torch.Generator(device="cuda").manual_seed(6)
     q, k, v = (t.requires_grad_(True) for t in _inputs(1, 64, 64, 2, 2, 64, "bshd", gen))

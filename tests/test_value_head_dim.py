@@ -494,36 +494,40 @@ def test_packed_inference_repeats_take_vs_own_head_dim(gpu, validations):
     assert gpu.launches == ["forward"] * 3 and not gpu.errors, gpu.errors
 
 
-def test_training_with_vs_own_head_dim_declines_the_repeat_path(gpu, validations):
-    # Training with v's own head_dim: the compiled node does not take it (the backward pads v in Python), so
-    # its signature is remembered as the whole path's (every call validated; the forward kernel, then the
-    # backward's on the padded tensors), and the gradients are the reference's.
+@pytest.mark.parametrize("dv", [128, 96])
+def test_training_with_vs_own_head_dim_repeats_where_a_kernel_reads_it(gpu, validations, dv):
+    # Training with v's own head_dim: at 192/128 the compiled node runs the backward kernel reading v's
+    # head_dim (ops.backward.value_dim_config), so the signature repeats (validated once); 192/96, which no
+    # kernel reads, the node does not take (the backward pads v in Python), so its signature is remembered
+    # as the whole path's (every call validated). Either way the forward kernel, then the backward's, and
+    # gradients of the tensors' own shapes, the reference's.
     from flash_attention.ops import repeat
     from flash_attention.spec import AttentionSpec
 
+    reads = dv == 128
     gen = torch.Generator().manual_seed(29)
     for _ in range(3):
-        q, k, v = _inputs(gen, torch.bfloat16, d=192, dv=128, sq=37, sk=45)
+        q, k, v = _inputs(gen, torch.bfloat16, d=192, dv=dv, sq=37, sk=45)
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # (no fallback, no warning)
             out = fa.attention(q, k, v, causal=True)
             dout = torch.randn(out.shape, generator=gen).to(torch.bfloat16)
             grads = torch.autograd.grad(out, (q, k, v), dout)
-        assert out.shape == (2, 37, 4, 128)
+        assert out.shape == (2, 37, 4, dv)
         ref, _, ref_grad = _reference(q, k, v, causal=True)
         torch.testing.assert_close(out.double(), ref, rtol=2**-8, atol=1e-6)
         for g, r in zip(grads, ref_grad(dout), strict=True):
             assert g.shape == r.shape
             assert (g.double() - r).abs().max().item() <= 4e-2 * max(1.0, r.abs().max().item())
-    assert repeat.lookup(repeat.signature(q, k, v, True, None, False, None, False, 0.0, None)) is (
-        repeat.WHOLE_PATH
-    )
-    assert len(validations) == 3
+    looked = repeat.lookup(repeat.signature(q, k, v, True, None, False, None, False, 0.0, None))
+    assert (looked is repeat.WHOLE_PATH) != reads
+    assert len(validations) == (1 if reads else 3)
     assert gpu.launches == ["forward", "pre", "dkdv", "convert"] * 3 and not gpu.errors, (
         gpu.launches,
         gpu.errors,
     )
-    # (prepare declines such a call itself, before it plans the node's backward, which would refuse it)
+    # (prepare declines a call no kernel reads itself, before it plans the node's backward, which would
+    # refuse it)
     spec = AttentionSpec(True, 192**-0.5)
-    assert repeat.prepare(q, k, v, spec, key_range=None, records=True, return_lse=False) is None
+    assert (repeat.prepare(q, k, v, spec, key_range=None, records=True, return_lse=False) is None) != reads
     assert repeat.prepare(q, k, v, spec, key_range=None, records=False, return_lse=False) is not None

@@ -338,8 +338,8 @@ def attention(
         q.requires_grad or k.requires_grad or v.requires_grad or (sinks is not None and sinks.requires_grad)
     )
     # The launch layer this call may run on (None: the fallback's), asked once for the two uses below.
-    # (v's own head_dim: the backward runs q's head_dim's kernels on v padded to it, ops.cuda_backward; a v
-    # wider than q's has none)
+    # (v's own head_dim: the backward kernel reading it, or q's head_dim's kernels on v padded to it,
+    # ops.cuda_backward; a v wider than q's has none)
     prefetches = records and not torch.compiler.is_compiling() and problem.head_dim_v <= q.shape[3]
     backend = None
     if not problem.is_empty and (key is not None or prefetches):
@@ -347,7 +347,7 @@ def attention(
     prefetch = getattr(backend, "prefetch_backward", None) if prefetches else None  # (stand-ins lack it)
     if prefetch is not None:
         # A training call: its backward's kernels start compiling now, beside the forward's (first calls).
-        prefetch(q, k, spec, _segments)
+        prefetch(q, k, spec, _segments, value_dim=v.shape[3])
     if not records and key_range is None and not dropout_p and _segments is None and not problem.is_empty:
         # A few queries per row against many keys: the split-KV decode kernels
         # (flash_attention.api.few_queries),

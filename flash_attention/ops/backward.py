@@ -143,21 +143,26 @@ def _kernels_of(q, k, spec: AttentionSpec, config, lengths, head_dim=None):
     return cfg, device_arch(index), build
 
 
-def prefetch(q, k, spec: AttentionSpec, lengths=None, head_dim=None) -> None:
+def prefetch(q, k, spec: AttentionSpec, lengths=None, head_dim=None, value_dim=None) -> None:
     """Start compiling the backward kernels of a training call of ``spec`` whose forward is about to run (its
     own compile, if any, then runs beside this one: a first training step waits for the longer of the two
-    compiles, not their sum). Best effort: any failure is left to the backward's own build, which reports
-    it."""
+    compiles, not their sum); ``value_dim``: v's head_dim where it is its own (the kernel reading it, where
+    :func:`value_dim_config` has one). Best effort: any failure is left to the backward's own build, which
+    reports it."""
     try:
-        cfg, arch, build = _kernels_of(q, k, spec, None, lengths, head_dim)
+        config = None
+        if value_dim is not None and value_dim != q.shape[3]:
+            config = value_dim_config(q, value_dim, spec.causal, spec.dropout_p, spec.deterministic)
+        cfg, arch, build = _kernels_of(q, k, spec, config, lengths, head_dim)
     except Exception:  # noqa: BLE001 - as the docstring says
         return
     jit_cache.prefetch(cfg, arch, **build.variant)
 
 
-def _value_dim_config(q, value_dim: int, causal: bool, dropout_p: float, deterministic: bool):
+def value_dim_config(q, value_dim: int, causal: bool, dropout_p: float, deterministic: bool):
     """The default config of a call whose v is narrower than q where a kernel reads v's head_dim as it is
-    (HOPPER_BWD_READS_VALUE_DIM), else None (the padded path)."""
+    (HOPPER_BWD_READS_VALUE_DIM), else None (the padded path). The eager paths (ops.training's node and
+    ops.repeat's calls) plan with it too, so every path of such a call runs the same kernel."""
     head_dim = q.shape[3]
     if not backward_configs.HOPPER_BWD_READS_VALUE_DIM or head_dim != 192 or value_dim not in (64, 128):
         return None
@@ -410,7 +415,7 @@ def cuda_backward(
         **score_values,
     )  # fmt: skip
     if config is None and value_dim != head_dim:
-        config = _value_dim_config(q, value_dim, causal, dropout_p, deterministic)
+        config = value_dim_config(q, value_dim, causal, dropout_p, deterministic)
     if head_dim % 8 or (value_dim != head_dim and not _reads_value_dim(config, head_dim, value_dim)):
         # The kernels read one head_dim, a multiple of 8, for q, k and v: the call runs on copies zero-padded
         # to it, as the forward does, and the gradients are sliced back. That covers v's own head_dim too

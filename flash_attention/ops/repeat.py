@@ -15,9 +15,10 @@ dtype and device, the options, whether autograd records the call, and the determ
 What a signature cannot fix is checked per call: the addresses' 16-byte alignment, and the debug build's
 environment variable. A signature whose call cannot be a plain launch (a head_dim, q's or v's, that is not a
 multiple of 8, strides the kernels cannot read in place, no host library in training, v's own head_dim in
-training) is remembered as such, so its calls take the whole path without trying again. An inference call
-with v's own head_dim repeats, allocating its output with v's head_dim. A persistent grid's tile counter
-is the current stream's, bound per call as the whole path's launch finds it.
+training where no backward kernel reads it) is remembered as such, so its calls take the whole path without
+trying again. A call with v's own head_dim repeats, allocating its output with v's head_dim (in training,
+where ops.backward.value_dim_config names the kernel reading it: the node runs that one). A persistent
+grid's tile counter is the current stream's, bound per call as the whole path's launch finds it.
 A sliding window and soft-capping are values the plans hold (the kernels' bounds and cap are fields of the
 params template), so their calls repeat as plain ones do: Mistral's, Gemma's and Qwen2's sliding layers.
 ALiBi's slopes, the sinks and a packed batch's runs are tensors each launch binds (the signature holds their
@@ -363,10 +364,13 @@ def prepare(
     if not (strides_usable(q) and strides_usable(k) and strides_usable(v)):
         return None  # copied inputs: the whole path makes them
     out_shape = (*q.shape[:3], v.shape[3]) if v.shape[3] != q.shape[3] else None  # (None: q's)
+    bwd_config = None
     if out_shape is not None and records:
-        # v's own head_dim in training: the compiled node does not take it (the whole path runs the forward
-        # kernel, and the backward's on v, out and dO padded to q's head_dim: ops.cuda_backward).
-        return None
+        # v's own head_dim in training: the node runs the backward kernel reading it, where there is one;
+        # else the whole path runs the backward's on v, out and dO padded to q's head_dim (ops.cuda_backward).
+        bwd_config = backward.value_dim_config(q, v.shape[3], spec.causal, spec.dropout_p, spec.deterministic)
+        if bwd_config is None:
+            return None
     if key_range is not None and (key_range.dtype != torch.int32 or not key_range.is_contiguous()):
         return None  # converted per call by the whole path
     host_ops = host.ops_or_none() if records else None
@@ -387,7 +391,7 @@ def prepare(
         lse = q.new_empty(lse_shape, dtype=torch.float32)
         # As training.training_forward: the backward reads dO laid out as out, so the plan is out's; the
         # node binds the slopes.
-        bwd = backward.plan_for(q, k, v, o, o, lse, spec, None, lengths, sequences)
+        bwd = backward.plan_for(q, k, v, o, o, lse, spec, bwd_config, lengths, sequences)
         program = training.program(bwd, training.bound_fields(alibi is not None, segments, bwd), alibi or 0)
     elif not return_lse:
         lse_shape = None

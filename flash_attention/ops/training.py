@@ -10,7 +10,9 @@ signature as a ``BackwardProgram``.
 Calls the node does not take return None, and the caller uses the Python autograd function
 (``torch_ops.attention.EagerAttention``), which computes the same thing: inputs the kernels cannot read in
 place (a copy would need its own autograd history), a head_dim that is not a multiple of 8 (padded through
-autograd ops), the debug build, and a machine without the host library (no C++ compiler; warned once).
+autograd ops), v's own head_dim where no backward kernel reads it (ops.cuda_backward pads v, the output and
+dO to q's; the node runs :func:`.backward.value_dim_config`'s kernel where there is one), the debug build,
+and a machine without the host library (no C++ compiler; warned once).
 A variant's pointer fields, ALiBi's slopes and a packed batch's runs, are the program's bound offsets: each
 call binds its tensors there (record_training's ``bound``), so one program serves every call of its
 signature. Attention sinks are an input of the node: it computes their gradient from the preprocessing
@@ -109,8 +111,15 @@ def training_forward(
     """``(out, lse)`` of the forward launch ``forward`` (the launch layer's ``cuda_forward``, as the caller's
     backend has it) with ``out``'s gradient recorded by the compiled node (and the ``sinks``' gradient, where
     the call has them), or None when the node does not take this call (the module docstring says which)."""
-    if q.shape[3] % 8 or v.shape[3] != q.shape[3] or _trace.ENV in os.environ:
-        return None  # (v's own head_dim: ops.cuda_backward pads v, out and dO to q's; the node does not)
+    if q.shape[3] % 8 or _trace.ENV in os.environ:
+        return None
+    # v's own head_dim: the node runs the kernel reading it where there is one (backward.value_dim_config);
+    # else ops.cuda_backward pads v, out and dO to q's, which the node does not.
+    config = None
+    if v.shape[3] != q.shape[3]:
+        config = backward.value_dim_config(q, v.shape[3], causal, dropout_p, deterministic)
+        if config is None:
+            return None
     if not (usable_in_place(q) and usable_in_place(k) and usable_in_place(v)):
         return None
     lib = host.ops_or_none()
@@ -142,7 +151,7 @@ def training_forward(
         **score_values,
     )  # fmt: skip
     plan = backward.plan_for(
-        q, k, v, out, out, lse, spec, None, segment_lengths(segments), segment_count(segments)
+        q, k, v, out, out, lse, spec, config, segment_lengths(segments), segment_count(segments)
     )
     stride = 0 if alibi_slopes is None else (alibi_slopes.shape[-1] if alibi_slopes.dim() == 2 else 0)
     fields = bound_fields(alibi_slopes is not None, segments, plan)
@@ -158,20 +167,22 @@ def training_forward(
 _prefetched: set = set()
 
 
-def prefetch_backward(q, k, spec: AttentionSpec, segments=None) -> None:
+def prefetch_backward(q, k, spec: AttentionSpec, segments=None, value_dim=None) -> None:
     """Start compiling the backward kernels of a training call of ``spec`` (ops.backward.prefetch) before its
     forward runs, whichever path records it (the compiled node, a repeat call, the Python autograd function):
     a first training step then waits for the longer of its two compiles, not their sum. Once per call shape
     and spec; nothing when the kernels are in the cache already. ``segments``: a packed batch's runs (the
-    sequences' lengths choose its configurations: those of its first call)."""
-    seen = (q.shape, k.shape, q.dtype, q.device, spec)
+    sequences' lengths choose its configurations: those of its first call); ``value_dim``: v's head_dim."""
+    seen = (q.shape, k.shape, value_dim, q.dtype, q.device, spec)
     if seen in _prefetched:
         return
     if len(_prefetched) > 4096:
         _prefetched.clear()
     _prefetched.add(seen)
     # (head_dim: the kernels run on copies padded to a multiple of 8)
-    backward.prefetch(q, k, spec, segment_lengths(segments), head_dim=padded_to_8(q.shape[3]))
+    backward.prefetch(
+        q, k, spec, segment_lengths(segments), head_dim=padded_to_8(q.shape[3]), value_dim=value_dim
+    )
 
 
 def bound_fields(alibi: bool, segments, plan) -> tuple[str, ...]:
