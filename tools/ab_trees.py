@@ -14,8 +14,8 @@ round whose numbers are dropped (it compiles). A case is `softcap:causal:head_di
 none; options: a number w, a sliding window of w keys on each side, (w, 0) when causal; `alibi`, ALiBi with
 the geometric slopes; `seqalibi`, the same slopes given per sequence (--packed); `cross`, the keys' offsets
 another tensor than the queries' (--packed: ALiBi without causal then measures from the table of
-diagonals)): bf16 q, k, v of --shape (batch, seqlen, heads) and that head_dim, fresh per case; with
---packed, a packed batch of documents through attention_varlen instead.
+diagonals); `dropNN`, dropout_p NN / 100): bf16 q, k, v of --shape (batch, seqlen, heads) and that
+head_dim, fresh per case; with --packed, a packed batch of documents through attention_varlen instead.
 
 Prints the median of the rounds per case and tree, and each tree's ratio to the first. The spread is
 the rounds' own (min-max per tree), printed beside: a difference inside it is noise. docs/kernel-log.md
@@ -84,6 +84,9 @@ for case in sys.argv[5].split(","):
                for n in (int(d), int(d), dv))
     do = torch.randn(*dims, dv, device="cuda", dtype=torch.bfloat16)
     opts = dict(causal=causal == "1", softcap=float(cap), window=window)
+    drop = [o for o in options if o[:4] == "drop"]
+    if drop:  # (option dropNN: dropout_p NN / 100, a fixed seed)
+        opts.update(dropout_p=int(drop[0][4:]) / 100, dropout_seed=1234)
     if "alibi" in options or "seqalibi" in options:
         opts["alibi_slopes"] = torch.pow(2.0, -8.0 * torch.arange(1, h + 1, device="cuda") / h)
         if "seqalibi" in options:
@@ -121,10 +124,11 @@ def parse_decode_case(text: str) -> str:
 
 def parse_case(text: str) -> str:
     """A case `softcap:causal:head_dim[:option...]` (options: a window, alibi, seqalibi, cross, vNN: v's own
-    head_dim NN), checked."""
+    head_dim NN, dropNN: dropout_p NN / 100), checked."""
     parts = text.split(":")
     options = parts[3:]
     value_dims = [o for o in options if o[:1] == "v"]
+    drops = [o for o in options if o[:4] == "drop"]
     if (
         len(parts) < 3
         or parts[1] not in ("0", "1")
@@ -132,10 +136,13 @@ def parse_case(text: str) -> str:
         or sum(o.isdigit() for o in options) > 1
         or len(value_dims) > 1
         or not all(o[1:].isdigit() for o in value_dims)
-        or not all(o.isdigit() or o in _OPTIONS or o in value_dims for o in options)
+        or len(drops) > 1
+        or not all(o[4:].isdigit() and 0 < int(o[4:]) < 100 for o in drops)
+        or not all(o.isdigit() or o in _OPTIONS or o in value_dims or o in drops for o in options)
     ):
         raise argparse.ArgumentTypeError(
-            f"a case is softcap:causal(0|1):head_dim[:window][:alibi|seqalibi][:cross][:vNN], got {text!r}"
+            "a case is softcap:causal(0|1):head_dim[:window][:alibi|seqalibi][:cross][:vNN][:dropNN], got "
+            f"{text!r}"
         )
     float(parts[0])
     return text
@@ -185,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--cases",
         default="0:0:128,30:0:128,0:1:128,30:1:128",
-        help="softcap:causal:head_dim[:window][:alibi|seqalibi][:cross],...",
+        help="softcap:causal:head_dim[:window][:alibi|seqalibi][:cross][:vNN][:dropNN],...",
     )
     ap.add_argument(
         "--rounds",
