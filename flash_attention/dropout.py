@@ -2,9 +2,11 @@
 
 The kernels decide keep/drop for element (batch, head, query i, key j) with a counter-based hash
 (``csrc/include/fa/dropout.cuh``): nothing is stored between the forward and the backward, and every
-kernel regenerates the same decision in its own register layout. :func:`keep_mask` is the same function in
-PyTorch (uint32 arithmetic emulated in int64): the CPU fallback uses it, so a seeded call drops the same
-elements on every device, and the tests compare the kernels against it bit for bit.
+kernel regenerates the same decision in its own register layout. Keys j and j + 8 (bit 3 of j clear) share
+one hash, 16 bits each: the kernels hold both in one thread and draw one finaliser for the two.
+:func:`keep_mask` is the same function in PyTorch (uint32 arithmetic emulated in int64): the CPU fallback
+uses it, so a seeded call drops the same elements on every device, and the tests compare the kernels
+against it bit for bit.
 
 A call's ``(seed, offset)`` pair travels as a small CPU tensor (:func:`draw_seed`) from the forward to the
 backward, which regenerates the forward's decisions from it.
@@ -39,8 +41,9 @@ def dropout_key(seed: int, offset: int) -> int:
 
 
 def dropout_threshold(p: float) -> int:
-    """Elements whose hash is below this are dropped: ``round(p * 2^32)``; ``p`` in [0, 1)."""
-    return min(int(round(p * 2.0**32)), _M32)
+    """The kernels' 32-bit threshold: an element whose 16-bit half of its pair's hash, moved to the top 16
+    bits, is below this is dropped: ``round(p * 2^16) * 2^16`` (``p`` in [0, 1); at most (2^16 - 1) 2^16)."""
+    return min(int(round(p * 2.0**16)), 0xFFFF) << 16
 
 
 def keep_mask(
@@ -66,10 +69,13 @@ def keep_elements(
     key: int, threshold: int, bh: torch.Tensor, i: torch.Tensor, j: torch.Tensor
 ) -> torch.Tensor:
     """The kernels' keep decision for broadcastable int64 index tensors ``bh`` (batch * heads_q + head),
-    ``i`` (query row) and ``j`` (key)."""
+    ``i`` (query row) and ``j`` (key): the hash of j's pair (j with bit 3 clear), its low 16 bits for that
+    key and its high 16 for the key 8 after it."""
     head_hash = _mix(key ^ ((bh * _C0) & _M32))
     row_hash = _mix(head_hash ^ ((i * _C1) & _M32))
-    return _mix(row_hash ^ ((j * _C2) & _M32)) >= threshold
+    upper = (j & 8) != 0
+    pair = _mix(row_hash ^ (((j - (j & 8)) * _C2) & _M32))
+    return torch.where(upper, pair, (pair << 16) & _M32) >= threshold
 
 
 def seed_pair(dropout_seed) -> tuple[int, int]:

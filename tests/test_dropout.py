@@ -40,10 +40,39 @@ def test_mask_is_reproducible_and_has_the_right_rate():
     assert (m1.double().mean(-1) - 0.7).abs().max() < 0.12
     assert (m1.double().mean(-2) - 0.7).abs().max() < 0.12
     assert abs((m1[:, 0] == m1[:, 1]).double().mean().item() - (0.49 + 0.09)) < 0.01
+    # Keys j and j + 8 share a finaliser (its two 16-bit halves): uncorrelated all the same.
+    pairs = m1[..., :496].unflatten(-1, (31, 2, 8))
+    assert abs((pairs[..., 0, :] == pairs[..., 1, :]).double().mean().item() - 0.58) < 0.01
+
+
+def test_mask_is_the_documented_hash():
+    # fa/dropout.cuh's definition written out with Python ints, element by element: v = mix(mix(mix(key ^
+    # bh C0) ^ i C1) ^ (j & ~8) C2), its low 16 bits for j with bit 3 clear and its high 16 for j with it set,
+    # kept iff >= round(p 2^16).
+    def mix(x):
+        x ^= x >> 16
+        x = (x * 0x7FEB352D) & 0xFFFFFFFF
+        x ^= x >> 15
+        x = (x * 0x846CA68B) & 0xFFFFFFFF
+        return x ^ (x >> 16)
+
+    seed, offset, p, heads = 99, 3, 0.37, 3
+    mask = keep_mask(seed, offset, p, 2, heads, 20, 40)
+    key, threshold = dropout_key(seed, offset), round(p * 2**16)  # (the 16-bit threshold)
+    gen = torch.Generator().manual_seed(4)
+    draws = (torch.randint(0, n, (300,), generator=gen).tolist() for n in (2, heads, 20, 40))
+    for b, h, i, j in zip(*draws, strict=True):
+        row = mix(mix(key ^ ((b * heads + h) * 0x9E3779B9 & 0xFFFFFFFF)) ^ (i * 0x85EBCA6B & 0xFFFFFFFF))
+        v = mix(row ^ ((j & ~8) * 0xC2B2AE35 & 0xFFFFFFFF))
+        assert bool(mask[b, h, i, j]) == (((v >> 16) if j & 8 else (v & 0xFFFF)) >= threshold)
 
 
 def test_threshold_and_key():
-    assert dropout_threshold(0.0) == 0 and dropout_threshold(0.5) == 2**31
+    assert (
+        dropout_threshold(0.0) == 0
+        and dropout_threshold(0.5) == 2**31
+        and dropout_threshold(0.99999) == 2**32 - 2**16
+    )
     assert dropout_key(1, 2) != dropout_key(2, 1) and 0 <= dropout_key(2**63 - 1, 5) < 2**32
     seed = draw_seed(7)
     assert seed.tolist() == [7, 0]

@@ -64,6 +64,29 @@ def test_traced_calls_keep_the_ws_kernel_unless_it_lacks_a_feature():
         select.forward_config("bf16", 64, False, 512, 512, 1, **facts, features=["trace"], config=sm90)
 
 
+def test_dropout_calls_take_warp_specialized_blocks_the_hash_fits():
+    """The paired dropout hash (fa/dropout.cuh, kernel log 142) spills in a warp-specialized forward whose S
+    and O fill its consumers' registers (176 keys at head_dim 128, 80 at 256): its dropout calls take at most
+    128 and 64 keys (and 128 query rows, select.dropout_config), and otherwise the plain call's config."""
+    import dataclasses
+
+    def rest(cfg):
+        fields = dataclasses.asdict(cfg)
+        return {k: v for k, v in fields.items() if k not in ("block_q", "num_warps", "block_kv")}
+
+    facts = dict(arch="sm_90", gpu="", smem_limit=232448)
+    wider = 0
+    for d, keys in ((64, 256), (128, 128), (192, 256), (256, 64)):
+        for n in (512, 1024, 4096, 16384):
+            for causal in (False, True):
+                plain = select.forward_config("bf16", d, causal, n, n, 1, **facts)
+                cfg = select.forward_config("bf16", d, causal, n, n, 1, **facts, features=["dropout"])
+                assert cfg.warp_specialized and cfg.block_kv <= keys, (d, n, causal, cfg.name())
+                assert rest(cfg) == rest(plain) and cfg.block_q <= 128, (d, n, causal, cfg.name())
+                wider += plain.block_kv > keys
+    assert wider  # (a plain pick the rule narrows: else this checks nothing)
+
+
 @pytest.mark.full_build
 def test_hopper_forward_units_compile_to_wgmma_without_spills(catalog_builds):
     _, metas = catalog_builds

@@ -37,14 +37,23 @@ class NoKernel(RuntimeError):
     with the PyTorch fallback instead, after a once-per-reason warning."""
 
 
+#: The most keys per block of the warp-specialized forward's dropout builds, by head_dim (dropout_config).
+_DROPOUT_WS_KEYS = {128: 128, 256: 64}
+
+
 def dropout_config(cfg: KernelConfig) -> KernelConfig:
     """The forward config of a dropout call: the hash adds registers, so an sm80 tile with two 16-row mma
     tiles per warp (up to 255 registers without dropout) runs with one, instead of spilling 112-128 bytes
     (docs/kernel-log.md, step 16). wgmma tiles have one 16-row slice per warp already, but a warp-specialized
     block of three consumer warpgroups (160 registers each) spills 8 bytes with the hash, so it runs with two
-    (240 registers each)."""
-    if cfg.warp_specialized and cfg.block_q == 192:
-        return cfg.replace(block_q=128, num_warps=12)
+    (240 registers each). And a warp-specialized block whose S and O together fill its consumers'
+    registers takes fewer keys: 176 at head_dim 128 spilled 68-72 bytes and 80 at 256 8 bytes with the
+    paired hash (NVRTC 13.0, kernel log 142), where 128 and 64 spill none."""
+    if cfg.warp_specialized:
+        if cfg.block_q == 192:
+            cfg = cfg.replace(block_q=128, num_warps=12)
+        keys = _DROPOUT_WS_KEYS.get(cfg.head_dim)
+        return cfg.replace(block_kv=keys) if keys is not None and cfg.block_kv > keys else cfg
     if cfg.block_q // cfg.num_warps > 16:
         return cfg.replace(block_q=cfg.block_q // 2)
     return cfg

@@ -35,7 +35,8 @@ struct FwdParams {
   float scale_log2;  // scale * log2(e), for the exp2 form of the softmax
 
   // Attention dropout (read only by the kDropout instantiation; fa/dropout.cuh): the call's hash key,
-  // elements whose hash is below the threshold are dropped, the kept ones are scaled by 1 / (1 - p).
+  // elements whose 16-bit half of their key pair's hash, in the top 16 bits, is below the threshold
+  // (round(p 2^16) 2^16) are dropped, the kept ones are scaled by 1 / (1 - p).
   unsigned dropout_key;
   unsigned dropout_threshold;
   float dropout_rp;

@@ -448,6 +448,13 @@ struct MaskIsSegments<SegmentMask> {
   static constexpr bool value = true;
 };
 
+// Whether attention dropout draws one hash finaliser per pair of keys j, j + 8 (fa/dropout.cuh): where a
+// kernel's key tiles start at multiples of 16 keys, under every mask but a packed batch's, whose blocks may
+// be anchored at a sequence's first key (that one draws the pair's finaliser for each of its elements, the
+// same decisions at the old cost).
+template <class V>
+constexpr bool kDropoutKeyPairs = !MaskIsSegments<typename V::Mask>::value;
+
 // Whether a mask is the plain causal one (with or without key ranges): a key tile's work then falls with
 // its index, which the causal backward's block order uses (fa/kv_block_order.cuh).
 template <class Mask>

@@ -231,7 +231,12 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
         hr[1] = dropout_row_hash(hh, q_start + 8 * n + 2 * t + 1);
       }
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
+      for (int mt = 0; mt < MT; ++mt) {
+        // (Z of the tile's four elements: its keys' pairs, fa/dropout.cuh)
+        bool keep4[4] = {};
+        if constexpr (kDropout)
+          dropout_keep_key_rows<kDropoutKeyPairs<V>>(keep4, hr, kv_start + warp_row0 + 16 * mt + g,
+                                                     p.dropout_threshold);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const float pr = exp2_approx(fmaf(s[mt][n][e], sl2, -((e & 1) ? l2.y : l2.x)));
@@ -241,8 +246,7 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
           const float grad =
               backward_gradient(score_mod_for_key(score_mod, key), s[mt][n][e], pr, query, key);
           if constexpr (kDropout) {
-            const int key = kv_start + warp_row0 + 16 * mt + g + 8 * (e >> 1);
-            const bool keep = dropout_keep(hr[e & 1], key, p.dropout_threshold);
+            const bool keep = keep4[e];
             s[mt][n][e] = keep ? pr * p.dropout_rp : 0.f;
             dp[mt][n][e] =
                 pr * ((keep ? dp[mt][n][e] * p.dropout_rp : 0.f) - ((e & 1) ? dl.y : dl.x)) * scale * grad;
@@ -251,6 +255,7 @@ __device__ __forceinline__ void bwd_dkdv_body(const BwdParams& p) {
             dp[mt][n][e] = pr * (dp[mt][n][e] - ((e & 1) ? dl.y : dl.x)) * scale * grad;
           }
         }
+      }
     }
     u32 pf[MT][KQ][4], sf[MT][KQ][4];
 #pragma unroll
@@ -520,8 +525,18 @@ __device__ __forceinline__ void bwd_dq_body(const BwdParams& p) {
 
     score_mod_query_rows<true>(acc_tile(s), score_mod, p.scale, q_start + warp_row0, kv_start, g, t);
     mask.mask_query_rows(acc_tile(s), q_start + warp_row0, kv_start, g, t);
+    static_assert(NS % 2 == 0, "n-tiles in pairs (fa/dropout.cuh)");
+    bool keep4[2][4] = {};  // Z of the rows g and g + 8 over n-tiles n and n + 1 (n even)
 #pragma unroll
-    for (int n = 0; n < NS; ++n)
+    for (int n = 0; n < NS; ++n) {
+      if constexpr (kDropout) {
+        if (n % 2 == 0) {
+#pragma unroll
+          for (int r = 0; r < 2; ++r)
+            dropout_keep_query_row<kDropoutKeyPairs<V>>(keep4[r], hr[r], kv_start + 8 * n + 2 * t,
+                                                        p.dropout_threshold);
+        }
+      }
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const float pr = exp2_approx(fmaf(s[n][e], sl2, -lse2[e >> 1]));
@@ -529,11 +544,10 @@ __device__ __forceinline__ void bwd_dq_body(const BwdParams& p) {
         const float grad = backward_gradient(score_mod, s[n][e], pr, query, key);
         float dpv = dp[n][e];
         if constexpr (kDropout)
-          dpv = dropout_keep(hr[e >> 1], kv_start + 8 * n + 2 * t + (e & 1), p.dropout_threshold)
-                    ? dpv * p.dropout_rp
-                    : 0.f;
+          dpv = keep4[e >> 1][2 * (n % 2) + (e & 1)] ? dpv * p.dropout_rp : 0.f;
         dp[n][e] = pr * (dpv - del[e >> 1]) * p.scale * grad;
       }
+    }
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {
       u32 a[4];

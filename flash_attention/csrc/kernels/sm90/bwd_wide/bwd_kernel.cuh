@@ -369,9 +369,11 @@ __device__ __forceinline__ void bwd_wide_dkdv_body(const BwdParams& p) {
           // Z for the four elements: handed over as the sign of P^T, applied here for dV.
           const u32 hr[2] = {dropout_row_hash(head_hash, q_start + 8 * n + 2 * t),
                              dropout_row_hash(head_hash, q_start + 8 * n + 2 * t + 1)};
+          bool keep4[4];
+          dropout_keep_key_rows<kDropoutKeyPairs<V>>(keep4, hr, kv_start + row0 + g, p.dropout_threshold);
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const bool keep = dropout_keep(hr[e & 1], kv_start + row0 + g + 8 * (e >> 1), p.dropout_threshold);
+            const bool keep = keep4[e];
             handed[e] = keep ? s[4 * n + e] : -s[4 * n + e];
             s[4 * n + e] = keep ? s[4 * n + e] * p.dropout_rp : 0.f;
           }

@@ -442,8 +442,8 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
 #pragma unroll 1
       for (int n = 0; n < NQ; ++n) {
         // Word n / 8 of `keep` by selects: a run-time index would put the array in local memory.
-        const u32 bits = dropout_keep_bits_key_rows(hh, q_start + 8 * n + 2 * t, kv_start + row0 + g,
-                                                     p.dropout_threshold)
+        const u32 bits = dropout_keep_bits_key_rows<kDropoutKeyPairs<V>>(
+                             hh, q_start + 8 * n + 2 * t, kv_start + row0 + g, p.dropout_threshold)
                          << (4 * (n % 8));
 #pragma unroll
         for (int w = 0; w < BR / 64; ++w) keep[w] |= n / 8 == w ? bits : 0u;
@@ -512,12 +512,11 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
       if constexpr (kDropout && !kDeterministic) {
         const u32 hr[2] = {dropout_row_hash(head_hash, q_start + 8 * n + 2 * t),
                            dropout_row_hash(head_hash, q_start + 8 * n + 2 * t + 1)};
+        bool keep4[4];
+        dropout_keep_key_rows<kDropoutKeyPairs<V>>(keep4, hr, kv_start + row0 + g, p.dropout_threshold);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = kv_start + row0 + g + 8 * (e >> 1);
-          if (dropout_keep(hr[e & 1], key, p.dropout_threshold))
-            keep[(4 * n + e) / 32] |= 1u << ((4 * n + e) % 32);
-        }
+        for (int e = 0; e < 4; ++e)
+          if (keep4[e]) keep[(4 * n + e) / 32] |= 1u << ((4 * n + e) % 32);
       }
     }
     // Element i of the dropped P: P Z rp.
