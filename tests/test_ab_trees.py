@@ -46,6 +46,7 @@ def test_cases_are_checked():
     assert ab_trees.parse_case("0:0:128:seqalibi:cross") == "0:0:128:seqalibi:cross"  # packed ALiBi options
     assert ab_trees.parse_case("0:1:64:512:alibi") == "0:1:64:512:alibi"
     assert ab_trees.parse_case("0:1:192:v128") == "0:1:192:v128"  # v's own head_dim
+    assert ab_trees.parse_case("0:0:128:drop10") == "0:0:128:drop10"  # dropout 0.1
     for bad in (
         "30:2:128",
         "30:1",
@@ -56,6 +57,9 @@ def test_cases_are_checked():
         "0:0:64:alibi2",
         "0:0:192:v",
         "0:0:192:v64:v32",
+        "0:0:128:drop0",
+        "0:0:128:drop100",
+        "0:0:128:drop10:drop20",
     ):
         with pytest.raises((argparse.ArgumentTypeError, ValueError)):
             ab_trees.parse_case(bad)
@@ -129,9 +133,10 @@ def test_the_child_times_every_case_dense_and_packed(mode, packed, monkeypatch, 
     PyTorch fallback computes): one JSON line per case, a window and soft-capping included, dense and
     packed (attention_varlen over its drawn documents; the forward only, to keep the CPU time short)."""
 
-    _run_child(monkeypatch, [mode, "1,256,2", "1", "30:1:64,0:0:64:100,0:1:64:v32", packed], elapsed_ms=1.0)
+    cases = "30:1:64,0:0:64:100,0:1:64:v32,0:1:64:drop10"
+    _run_child(monkeypatch, [mode, "1,256,2", "1", cases, packed], elapsed_ms=1.0)
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
-    assert [x["case"] for x in lines] == ["30:1:64", "0:0:64:100", "0:1:64:v32"]
+    assert [x["case"] for x in lines] == cases.split(",")
 
 
 def test_decode_cases_are_checked_and_the_child_times_them(monkeypatch, capsys):

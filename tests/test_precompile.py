@@ -108,9 +108,43 @@ def test_head_dims_run_on_the_compiled_head_dim_the_calls_pad_to():
     assert {_parse(n).head_dim for n in fa.precompile([36, 200], **kw)} == {64, 256}
 
 
+def test_vs_own_head_dim_names_the_kernels_reading_it():
+    # DeepSeek's 192 / 128: the forward reading v's head_dim (dv_128) and, in training, the backward kernel
+    # reading it (ops.select.value_dim_backward_config), as the calls choose them (the same names the launch
+    # layer's choice gives); dropout's and the deterministic mode's backward is q's head_dim's (the calls pad
+    # v); no decode kernel takes v's own head_dim.
+    from flash_attention.configs import hopper_bwd_config
+    from flash_attention.ops.precompile import DeviceFacts
+
+    kw = dict(heads_q=16, causal=True, device="sm_90", dry_run=True, seqlens=[1024, 8192])
+    names = fa.precompile(192, head_dim_v=128, training=True, **kw)
+    facts = DeviceFacts.of_arch("sm_90")
+    for n in (1024, 8192):
+        fwd = forward_config(
+            "bf16", 192, True, n, n, 1, arch="sm_90", gpu="", smem_limit=facts.smem_limit, head_dim_v=128
+        )
+        assert fwd.value_dim == 128 and fwd.name() in names
+    assert hopper_bwd_config("bf16", 192, causal=True).replace(head_dim_v=128).name() in names
+    assert all(_parse(n.split(" [")[0]).value_dim == 128 for n in names if not n.startswith("bwd_"))
+    equal = fa.precompile(192, training=True, **kw)
+    assert not set(names) & set(equal)  # (every kernel of the equal-dims calls is another)
+    det = fa.precompile(192, head_dim_v=128, training=True, deterministic=True, **kw)
+    det_equal = fa.precompile(192, training=True, deterministic=True, **kw)
+    assert [n for n in det if n.startswith("bwd_")] == [n for n in det_equal if n.startswith("bwd_")]
+    decode = fa.precompile(192, head_dim_v=128, decode=True, **kw)
+    assert not any(n.startswith("decode_") for n in decode)
+    # 128 / 64: the warp-specialized forward reads v's width; the backward is q's head_dim's (v padded).
+    narrow = fa.precompile(128, head_dim_v=64, training=True, **kw)
+    plain = fa.precompile(128, training=True, **kw)
+    assert [n for n in narrow if n.startswith("bwd_")] == [n for n in plain if n.startswith("bwd_")]
+    assert all(_parse(n).value_dim == 64 for n in narrow if not n.startswith("bwd_"))
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
+        (dict(head_dim=128, head_dim_v=256), "head_dim_v"),
+        (dict(head_dim=128, head_dim_v=0), "head_dim_v"),
         (dict(head_dim=0), "head_dim"),
         (dict(head_dim=[]), "head_dim"),
         (dict(head_dim="128"), "head_dim"),
@@ -163,6 +197,20 @@ def test_it_compiles_into_the_cache_in_parallel_and_reads_it_the_second_time(tmp
 def _config(**kw):
     base = dict(num_attention_heads=8, num_key_value_heads=4, hidden_size=2048, dtype=torch.bfloat16)
     return types.SimpleNamespace(**(base | kw))
+
+
+def test_a_latent_attention_config_gives_its_qk_and_v_head_dims():
+    # DeepSeek-V3's multi-head latent attention: q and k of qk_nope_head_dim + qk_rope_head_dim (192), v of
+    # v_head_dim (128); its config's head_dim is the rotary part's (64), which no call runs.
+    deepseek = _config(head_dim=64, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+    names = precompile_model(
+        deepseek, training=True, device="sm_90", dry_run=True, seqlens=[4096], padded=False
+    )
+    assert names == fa.precompile(
+        192, head_dim_v=128, heads_q=8, heads_kv=4, causal=True, training=True, device="sm_90", dry_run=True,
+        seqlens=[4096],
+    )  # fmt: skip
+    assert any(n.endswith("_v128") for n in names)
 
 
 def test_a_model_config_gives_its_layers_kernels():

@@ -28,6 +28,7 @@ __all__ = ["jobs_for_calls", "precompile"]
 def precompile(
     head_dim: int | Iterable[int],
     *,
+    head_dim_v: int | None = None,
     dtype: torch.dtype = torch.bfloat16,
     heads_q: int = 1,
     heads_kv: int | None = None,
@@ -51,28 +52,29 @@ def precompile(
     cache are read, not rebuilt).
 
     The arguments say what the calls look like, as ``attention()`` takes them: ``head_dim`` (one or several),
-    ``dtype`` (torch.float16 or torch.bfloat16), ``heads_q`` / ``heads_kv`` (their ratio, the query group,
-    picks kernels; ``heads_kv`` defaults to ``heads_q``), ``causal`` (None: both), ``window`` (any
-    ``(left, right)``: the sliding window's kernels, whatever its size), ``softcap`` (> 0: soft-capped
-    scores), ``alibi`` (ALiBi slopes), ``key_range`` (per-row key ranges), ``dropout_p`` (> 0: the dropout
-    kernels). ``training`` adds the backward's kernels (``deterministic``: of that mode), ``varlen`` the
-    packed-batch (``attention_varlen``) kernels instead of the batched ones, ``decode`` the kernels of
-    ``attention_with_kvcache`` for each query count in ``decode_queries``, and those of ``attention()``
-    with that many queries against each length. ``seqlens``: the sequence lengths
-    (default: every length bucket the kernel choice distinguishes, 512 to 16k). ``device``: the CUDA device
-    the calls will run on (default: the current one), or an architecture such as ``"sm_90"`` to compile on
-    a machine without a GPU (a container image's build step, say; the heuristics' kernels then, as the
-    tuned winners of ``autotune`` are kept per GPU name). ``workers``: compiles at once (default:
-    one per CPU core). ``dry_run``: name the kernels, compile nothing.
+    ``head_dim_v`` (v's head_dim where it is its own, at most ``head_dim``: DeepSeek's 192 / 128), ``dtype``
+    (torch.float16 or torch.bfloat16), ``heads_q`` / ``heads_kv`` (their ratio, the query group, picks
+    kernels; ``heads_kv`` defaults to ``heads_q``), ``causal`` (None: both), ``window`` (any ``(left,
+    right)``: the sliding window's kernels, whatever its size), ``softcap`` (> 0: soft-capped scores),
+    ``alibi`` (ALiBi slopes), ``key_range`` (per-row key ranges), ``dropout_p`` (> 0: the dropout kernels).
+    ``training`` adds the backward's kernels (``deterministic``: of that mode), ``varlen`` the packed-batch
+    (``attention_varlen``) kernels instead of the batched ones, ``decode`` the kernels of
+    ``attention_with_kvcache`` for each query count in ``decode_queries``, and those of ``attention()`` with
+    that many queries against each length. ``seqlens``: the sequence lengths (default: every length bucket the
+    kernel choice distinguishes, 512 to 16k). ``device``: the CUDA device the calls will run on (default: the
+    current one), or an architecture such as ``"sm_90"`` to compile on a machine without a GPU (a container
+    image's build step, say; the heuristics' kernels then, as the tuned winners of ``autotune`` are kept per
+    GPU name). ``workers``: compiles at once (default: one per CPU core). ``dry_run``: name the kernels,
+    compile nothing.
 
     Raises ValueError or TypeError naming the argument that is wrong, and the compiler's error if a compile
     fails (after the others have finished).
     """
     jobs = jobs_for_calls(
-        head_dim, dtype=dtype, heads_q=heads_q, heads_kv=heads_kv, causal=causal, window=window,
-        softcap=softcap, alibi=alibi, key_range=key_range, dropout_p=dropout_p, training=training,
-        deterministic=deterministic, varlen=varlen, decode=decode, decode_queries=decode_queries,
-        seqlens=seqlens, device=device,
+        head_dim, head_dim_v=head_dim_v, dtype=dtype, heads_q=heads_q, heads_kv=heads_kv, causal=causal,
+        window=window, softcap=softcap, alibi=alibi, key_range=key_range, dropout_p=dropout_p,
+        training=training, deterministic=deterministic, varlen=varlen, decode=decode,
+        decode_queries=decode_queries, seqlens=seqlens, device=device,
     )  # fmt: skip
     if not dry_run:
         compile_jobs(jobs, workers)
@@ -82,6 +84,7 @@ def precompile(
 def jobs_for_calls(
     head_dim: int | Iterable[int],
     *,
+    head_dim_v: int | None = None,
     dtype: torch.dtype = torch.bfloat16,
     heads_q: int = 1,
     heads_kv: int | None = None,
@@ -102,6 +105,15 @@ def jobs_for_calls(
     """:func:`precompile`'s kernels, validated and listed (for callers that gather several kinds of call
     into one parallel compile: the transformers integration's model precompile)."""
     head_dims = _head_dims(head_dim)
+    if head_dim_v is not None and (
+        isinstance(head_dim_v, bool)
+        or not isinstance(head_dim_v, int)
+        or not 1 <= head_dim_v <= min(head_dims)
+    ):
+        raise ValueError(
+            f"head_dim_v must be an int from 1 to head_dim ({min(head_dims)}; no kernel holds a v wider than "
+            f"q); got {head_dim_v!r}"
+        )
     if dtype not in KERNEL_DTYPES:
         raise TypeError(f"dtype must be torch.float16 or torch.bfloat16; got {dtype}")
     for name, value in (("heads_q", heads_q), ("heads_kv", heads_kv if heads_kv is not None else heads_q)):
@@ -138,11 +150,13 @@ def jobs_for_calls(
                     facts, dtype_name, d, group, causal=(is_causal,), lengths=lengths,
                     window=window, segments=varlen, score=score, key_range=key_range,
                     dropout=dropout_p > 0, backward=training, deterministic=deterministic,
+                    head_dim_v=head_dim_v or 0,
                 )  # fmt: skip
-        # (the decode kernels take windows, soft-capping and ALiBi at run time: one build per head_dim)
+        # (the decode kernels take windows, soft-capping and ALiBi at run time: one build per head_dim; none
+        # takes v's own head_dim, whose calls run attention()'s kernels, named above)
         jobs += kernel_jobs(facts, dtype_name, d, group, causal=(), lengths=(), decode_rows=[
             n * group for n in queries
-        ])  # fmt: skip
+        ], head_dim_v=head_dim_v or 0)  # fmt: skip
     return list(dict.fromkeys(jobs))
 
 

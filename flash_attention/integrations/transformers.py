@@ -191,14 +191,15 @@ def precompile_model(
     its config) will run on through :func:`register`'s implementation; returns their names
     (:func:`flash_attention.precompile` says how they are chosen).
 
-    Read from the (text) config: head_dim, the query and key/value head counts, the sliding window of the
-    layers that have one (``layer_types``, ``use_sliding_window``), logit soft-capping, attention dropout;
-    the dtype from the model's parameters (a config's ``dtype``, else bfloat16). ``training`` (default: the
-    model's mode; False for a config) adds the backward's kernels and dropout's; ``generate`` (default: not
-    training) adds the decode kernels of ``generate()`` (a dynamic or static cache). ``padded`` adds the
-    kernels of padded batches (a padding mask: key ranges). ``seqlens``, ``device``, ``workers`` and
-    ``dry_run`` as :func:`flash_attention.precompile` takes them. Attention sinks (gpt-oss) need no kernel
-    of their own.
+    Read from the (text) config: head_dim (a multi-head latent attention's, DeepSeek's: q's and k's
+    ``qk_nope_head_dim + qk_rope_head_dim``, v's ``v_head_dim``), the query and key/value head counts, the
+    sliding window of the layers that have one (``layer_types``, ``use_sliding_window``), logit
+    soft-capping, attention dropout; the dtype from the model's parameters (a config's ``dtype``, else
+    bfloat16). ``training`` (default: the model's mode; False for a config) adds the backward's kernels and
+    dropout's; ``generate`` (default: not training) adds the decode kernels of ``generate()`` (a dynamic or
+    static cache). ``padded`` adds the kernels of padded batches (a padding mask: key ranges). ``seqlens``,
+    ``device``, ``workers`` and ``dry_run`` as :func:`flash_attention.precompile` takes them. Attention
+    sinks (gpt-oss) need no kernel of their own.
     """
     from ..api.precompile import jobs_for_calls
     from ..ops.precompile import compile_jobs
@@ -211,6 +212,10 @@ def precompile_model(
         raise ValueError(f"model: its config has no num_attention_heads ({type(config).__name__})")
     heads_kv = getattr(text, "num_key_value_heads", None) or heads_q
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads_q
+    head_dim_v = None
+    nope, rope = getattr(text, "qk_nope_head_dim", None), getattr(text, "qk_rope_head_dim", None)
+    if isinstance(nope, int) and isinstance(rope, int):  # (its head_dim is the rotary part's alone)
+        head_dim, head_dim_v = nope + rope, getattr(text, "v_head_dim", None)
     if is_module:
         dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.bfloat16)
     else:
@@ -238,8 +243,9 @@ def precompile_model(
     # A layer of W keys runs window=(W - 1, 0) (_sliding_window_left); at lengths it covers whole, the plain
     # causal build (the choice is the calls' own: ops.precompile.kernel_jobs).
     common = dict(
-        dtype=dtype, heads_q=heads_q, heads_kv=heads_kv, softcap=softcap, seqlens=seqlens, device=device
-    )
+        dtype=dtype, heads_q=heads_q, heads_kv=heads_kv, softcap=softcap, seqlens=seqlens, device=device,
+        head_dim_v=head_dim_v,
+    )  # fmt: skip
     for window in ([(int(sliding) - 1, 0)] if has_window else []) + ([None] if has_full else []):
         for key_range in (False, True) if padded else (False,):
             jobs += jobs_for_calls(

@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..configs import BwdConfig, hopper_bwd_config, parse_bwd_config
-from ..configs import backward as backward_configs
+from ..configs import BwdConfig, parse_bwd_config
 from ..dropout import dropout_key, seed_pair
 from ..jit import cache as jit_cache
 from ..jit import driver
@@ -49,7 +48,7 @@ from .plans import (
     trial_switch,
 )
 from .query_tiles import key_tiles, query_units, tile_count, unit_count, workspace_rows
-from .select import backward_config
+from .select import backward_config, value_dim_backward_config
 from .tensors import check_grid, kernel_ready, pad_head_dim, padded_to_8
 
 __all__ = ["cuda_backward", "derive_from_plans", "plan_for"]
@@ -162,13 +161,12 @@ def prefetch(q, k, spec: AttentionSpec, lengths=None, head_dim=None, value_dim=N
 def value_dim_config(q, value_dim: int, causal: bool, dropout_p: float, deterministic: bool):
     """The default config of a call whose v is narrower than q where a kernel reads v's head_dim as it is
     (HOPPER_BWD_READS_VALUE_DIM), else None (the padded path). The eager paths (ops.training's node and
-    ops.repeat's calls) plan with it too, so every path of such a call runs the same kernel."""
-    head_dim = q.shape[3]
-    if not backward_configs.HOPPER_BWD_READS_VALUE_DIM or head_dim != 192 or value_dim not in (64, 128):
-        return None
-    if dropout_p or deterministic or device_arch(q.get_device()) != "sm_90":
-        return None  # (those calls take the wide kernel, which reads one head_dim)
-    return hopper_bwd_config(dtype_name(q), head_dim, causal=causal).replace(head_dim_v=value_dim)
+    ops.repeat's calls) plan with it too, so every path of such a call runs the same kernel
+    (select.value_dim_backward_config on q's GPU)."""
+    return value_dim_backward_config(
+        dtype_name(q), q.shape[3], value_dim, causal, device_arch(q.get_device()), bool(dropout_p),
+        deterministic,
+    )  # fmt: skip
 
 
 def _reads_value_dim(config, head_dim: int, value_dim: int) -> bool:

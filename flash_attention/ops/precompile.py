@@ -25,7 +25,7 @@ from flash_attention.ops import winners
 from flash_attention.spec import NO_SCORE, AttentionSpec, ScoreSpec
 
 from .plans import feature_list, kernel_build, window_bounds
-from .select import NoKernel, backward_config, forward_config
+from .select import NoKernel, backward_config, forward_config, value_dim_backward_config
 from .tensors import padded_to_8
 
 __all__ = ["DeviceFacts", "KernelJob", "compile_jobs", "kernel_jobs"]
@@ -94,6 +94,7 @@ def kernel_jobs(
     backward: bool = False,
     deterministic: bool = False,
     decode_rows: Iterable[int] = (),
+    head_dim_v: int = 0,
 ) -> list[KernelJob]:
     """The kernels of calls with these facts, in order and without repeats: for each causal flag and
     (seqlen_q, seqlen_k) in ``lengths``, the forward's, and with ``backward`` the backward's (both
@@ -103,8 +104,12 @@ def kernel_jobs(
     length where it bounds nothing the calls run the plain build, as here (ops.plans.window_bounds). A
     packed batch's (``segments``) window is carried by its runs. ``score``: the calls' score function
     (spec.ScoreSpec: its build is the kernels'). Lengths a kernel cannot run (a GPU without the shared
-    memory) are skipped: the call would fall back the same way."""
+    memory) are skipped: the call would fall back the same way. ``head_dim_v``: v's head_dim where it is
+    its own (0: head_dim's): the forward reading it, and the backward kernel reading it where one does
+    (select.value_dim_backward_config), else q's head_dim's (the calls pad v); no decode kernel takes it
+    (its calls run attention()'s kernels)."""
     d = padded_to_8(head_dim)
+    dv = head_dim_v if head_dim_v and head_dim_v != head_dim else 0
     device = dict(arch=facts.arch, gpu=facts.gpu, smem_limit=facts.smem_limit)
     jobs: list[KernelJob] = []
     for is_causal in causal:
@@ -127,21 +132,25 @@ def kernel_jobs(
             variant = kernel_build(spec, seqlen_q, seqlen_k).variant
             try:
                 fwd = forward_config(
-                    dtype, d, is_causal, seqlen_q, seqlen_k, group, **device, features=feature_list(**flags)
-                )
+                    dtype, d, is_causal, seqlen_q, seqlen_k, group, **device, features=feature_list(**flags),
+                    head_dim_v=padded_to_8(dv) if dv else 0,
+                )  # fmt: skip
             except NoKernel:
                 continue
             jobs.append(KernelJob(fwd, facts.arch, **variant))
             if backward:
+                native = dv and value_dim_backward_config(
+                    dtype, d, dv, is_causal, facts.arch, dropout, deterministic
+                )
                 try:
-                    bwd = backward_config(
+                    bwd = native or backward_config(
                         dtype, d, is_causal, seqlen_q, seqlen_k, group, **device,
                         features=feature_list(**flags, deterministic=deterministic),
                     )  # fmt: skip
                 except NoKernel:
                     continue
                 jobs.append(KernelJob(bwd, facts.arch, **variant))
-    for rows in decode_rows:
+    for rows in decode_rows if not dv else ():
         for row_blocks in (1, 1 << 20):  # (a small batch splits its keys; a large one fills the GPU unsplit)
             cfg = default_decode_config(dtype, d, rows, facts.arch, row_blocks, facts.sm_count)
             jobs.append(KernelJob(cfg, facts.arch))

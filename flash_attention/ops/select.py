@@ -26,10 +26,19 @@ from ..configs import (
     portable_config,
     unsupported,
 )
+from ..configs import backward as backward_configs
 from ..configs.decode import DecodeConfig, default_decode_config
 from . import winners
 
-__all__ = ["BuildJob", "NoKernel", "backward_config", "catalog", "dropout_config", "forward_config"]
+__all__ = [
+    "BuildJob",
+    "NoKernel",
+    "backward_config",
+    "catalog",
+    "dropout_config",
+    "forward_config",
+    "value_dim_backward_config",
+]
 
 
 class NoKernel(RuntimeError):
@@ -214,6 +223,21 @@ def _wide_for(cfg: BwdConfig | None, features: tuple[str, ...]) -> BwdConfig | N
     if cfg is not None and cfg.wide_ws and cfg.value_dim == cfg.head_dim and unsupported(cfg, features):
         return hopper_bwd_config(cfg.dtype, cfg.head_dim, warp_specialized=False)
     return cfg
+
+
+def value_dim_backward_config(
+    dtype: str, head_dim: int, value_dim: int, causal: bool, arch: str, dropout: bool, deterministic: bool
+) -> BwdConfig | None:
+    """The backward config of a call whose v (``value_dim`` wide) is narrower than q and k (``head_dim``)
+    where a kernel reads v's head_dim as it is (configs.backward.HOPPER_BWD_READS_VALUE_DIM: the
+    warp-specialized wide kernel at 192 with v at 64 or 128, on sm_90, without dropout or the deterministic
+    mode, which take the wide kernel), else None: the call runs q's head_dim's kernels on v, the output and
+    dO padded to it (ops.cuda_backward)."""
+    if not backward_configs.HOPPER_BWD_READS_VALUE_DIM or head_dim != 192 or value_dim not in (64, 128):
+        return None
+    if dropout or deterministic or arch != "sm_90":
+        return None
+    return hopper_bwd_config(dtype, head_dim, causal=causal).replace(head_dim_v=value_dim)
 
 
 def backward_config(
