@@ -16,7 +16,20 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["draw_seed", "dropout_key", "dropout_threshold", "keep_elements", "keep_mask", "seed_pair"]
+__all__ = [
+    "MAX_DROPOUT_P",
+    "draw_seed",
+    "dropout_key",
+    "dropout_threshold",
+    "keep_elements",
+    "keep_mask",
+    "seed_pair",
+]
+
+#: The largest dropout_p a call takes: the kernels resolve p in steps of 2^-16 (a 16-bit half of a hash per
+#: element), and a p above this would round to dropping everything (its threshold is then kept below that,
+#: at 2^-16 of the elements kept, more than 1 - p, while the kept ones are scaled by 1 / (1 - p)).
+MAX_DROPOUT_P = 1.0 - 2.0**-16
 
 _M32 = 0xFFFFFFFF
 _C0, _C1, _C2 = 0x9E3779B9, 0x85EBCA6B, 0xC2B2AE35

@@ -15,7 +15,7 @@ import torch
 
 from .. import fallback as _fallback
 from ..configs import KernelConfig, parse_config
-from ..dropout import draw_seed
+from ..dropout import MAX_DROPOUT_P, draw_seed
 from ..ops import dispatch
 from ..ops import repeat as _repeat
 from ..ops.plans import check_segments
@@ -451,6 +451,11 @@ def _dropout_seed(dropout_p: object, dropout_seed: object) -> torch.Tensor | Non
         raise TypeError(f"dropout_p must be a float in [0, 1); got {type(dropout_p).__name__}")
     if not 0.0 <= float(dropout_p) < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1); got {dropout_p!r}")
+    if float(dropout_p) > MAX_DROPOUT_P:
+        raise ValueError(
+            "dropout_p must be at most 1 - 2**-16 (the kernels resolve it in steps of 2**-16); got "
+            f"{dropout_p!r}"
+        )
     if dropout_seed is not None and (isinstance(dropout_seed, bool) or not isinstance(dropout_seed, int)):
         raise TypeError(f"dropout_seed must be an int or None; got {type(dropout_seed).__name__}")
     if dropout_seed is not None and not -(2**63) <= dropout_seed < 2**63:
