@@ -27,7 +27,8 @@ def _quantized(seed, b, sq, sk, hq, hkv, d, device="cpu"):
     q_descale = (torch.rand(b, hkv, generator=gen) * 0.02 + 0.01).to(device)
     k_descale = torch.tensor([0.013]).to(device)
     # (Clamped to e4m3's largest finite value, as a quantizer saturates: the cast makes NaN of what's beyond.)
-    return [t.clamp(-448, 448).to(E4M3).to(device) for t in (q, k, v)], (q_descale, k_descale, None)
+    big = fp8.E4M3_MAX
+    return [t.clamp(-big, big).to(E4M3).to(device) for t in (q, k, v)], (q_descale, k_descale, None)
 
 
 def _dequantized(tensors, descales, dtype):

@@ -105,13 +105,12 @@ def jobs_for_calls(
     """:func:`precompile`'s kernels, validated and listed (for callers that gather several kinds of call
     into one parallel compile: the transformers integration's model precompile)."""
     head_dims = _head_dims(head_dim)
+    narrowest = min(head_dims)
     if head_dim_v is not None and (
-        isinstance(head_dim_v, bool)
-        or not isinstance(head_dim_v, int)
-        or not 1 <= head_dim_v <= min(head_dims)
+        isinstance(head_dim_v, bool) or not isinstance(head_dim_v, int) or not 1 <= head_dim_v <= narrowest
     ):
         raise ValueError(
-            f"head_dim_v must be an int from 1 to head_dim ({min(head_dims)}; no kernel holds a v wider than "
+            f"head_dim_v must be an int from 1 to head_dim ({narrowest}; no kernel holds a v wider than "
             f"q); got {head_dim_v!r}"
         )
     if dtype not in KERNEL_DTYPES:

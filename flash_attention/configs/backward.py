@@ -276,7 +276,9 @@ def bwd_validity_errors(cfg: BwdConfig) -> list[str]:
         errors.append("tma_loads is the warp-specialized backwards' (bwd_ws, bwd_wide_ws)")
     if cfg.dq_writer and not (cfg.tma_loads and cfg.warp_specialized and cfg.head_dim <= 128):
         errors.append("dq_writer is bwd_ws's with tma_loads (its producer's copies are one thread's)")
-    if cfg.head_dim_v and not (cfg.warp_specialized and cfg.head_dim == 192 and cfg.head_dim_v in (64, 128)):
+    if cfg.head_dim_v and not (
+        cfg.warp_specialized and cfg.head_dim_v in WIDE_WS_VALUE_DIMS.get(cfg.head_dim, ())
+    ):
         errors.append(
             "head_dim_v is the warp-specialized wide backward's at head_dim 192: 64 or 128 (0: head_dim)"
         )
@@ -411,6 +413,10 @@ HOPPER_BWD_WIDE_WS_DEFAULT = frozenset({192, 256})
 #: backward at head_dim 192 on an H200 measured 0.80x (non-causal) and 0.86x (causal) the 64-key blocks' time
 #: at 4k, 0.82-0.85x at 1k (kernel log 140). ``BwdConfig.replace(block_kv=64)`` keeps the 64-key form.
 HOPPER_BWD_WIDE_WS_BLOCK_KV = {192: 96, 256: 64}
+
+#: The value head dims (BwdConfig.head_dim_v) the warp-specialized wide backward reads apart from q's, by
+#: head_dim (docs/value-head-dim-study.md section 7).
+WIDE_WS_VALUE_DIMS = {192: (64, 128)}
 
 #: Whether a Hopper backward call whose v is narrower than q and k runs, where it can, on the warp-specialized
 #: wide kernel reading v's head_dim (BwdConfig.head_dim_v: head_dim 192 with v at 64 or 128, no dropout or

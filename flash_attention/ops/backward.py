@@ -417,10 +417,11 @@ def cuda_backward(
     if head_dim % 8 or (value_dim != head_dim and not _reads_value_dim(config, head_dim, value_dim)):
         # The kernels read one head_dim, a multiple of 8, for q, k and v: the call runs on copies zero-padded
         # to it, as the forward does, and the gradients are sliced back. That covers v's own head_dim too
-        # (narrower than q's, DeepSeek's 192 / 128; no backward kernel reads two head dims yet): v, the output
-        # and dO padded to q's width are exact, since the zero columns add nothing to dP = dO V^T nor to
-        # delta = rowsum(dO o O), and dV's extra columns, P^T dO's zero columns, are dropped. Its cost: the
-        # V-side products and loads at q's width (two of the five products) and the copies.
+        # where no config reading it runs the call (value_dim_config: every pair but 192 / 128 and 192 / 64
+        # without dropout or the deterministic mode on sm_90): v, the output and dO padded to q's width are
+        # exact, since the zero columns add nothing to dP = dO V^T nor to delta = rowsum(dO o O), and dV's
+        # extra columns, P^T dO's zero columns, are dropped. Its cost: the V-side products and loads at q's
+        # width (two of the five products) and the copies.
         d8 = padded_to_8(head_dim)
         grads = cuda_backward(
             *(t if t.shape[-1] == d8 else pad_head_dim(t, d8) for t in (dout, q, k, v, out)),

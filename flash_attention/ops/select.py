@@ -233,11 +233,13 @@ def value_dim_backward_config(
     warp-specialized wide kernel at 192 with v at 64 or 128, on sm_90, without dropout or the deterministic
     mode, which take the wide kernel), else None: the call runs q's head_dim's kernels on v, the output and
     dO padded to it (ops.cuda_backward)."""
-    if not backward_configs.HOPPER_BWD_READS_VALUE_DIM or head_dim != 192 or value_dim not in (64, 128):
+    if not backward_configs.HOPPER_BWD_READS_VALUE_DIM or arch != "sm_90":
         return None
-    if dropout or deterministic or arch != "sm_90":
+    if value_dim not in backward_configs.WIDE_WS_VALUE_DIMS.get(head_dim, ()):
         return None
-    return hopper_bwd_config(dtype, head_dim, causal=causal).replace(head_dim_v=value_dim)
+    cfg = hopper_bwd_config(dtype, head_dim, causal=causal).replace(head_dim_v=value_dim)
+    features = [name for name, on in (("dropout", dropout), ("deterministic", deterministic)) if on]
+    return None if unsupported(cfg, features) else cfg  # (configs.families: the wide kernel takes those)
 
 
 def backward_config(
