@@ -24,8 +24,11 @@
 // dQ's staging: a dedicated 64 KB tile does not fit beside K, V and two slots (213 KB), so warpgroup 0
 // stages its two 64 x 64 fp32 tiles where the step's Q was and warpgroup 1 where its dO was, once both
 // warpgroups' products of the step have completed (barrier 2). The slot is released to the producer once the
-// copy engine has read the staged tiles: the issuing thread waits for that read in the next step, after
-// that step's first products are on the tensor cores, and arrives on the slot's empty barrier.
+// copy engine has read the staged tiles: the issuing thread waits for that read in the next step, once that
+// step's products after barrier 1 are on the tensor cores (release_previous_slot; kernel log 143), and
+// arrives on the slot's empty barrier. (Writer warps in the producer warpgroup, which take the wait off the
+// computing warpgroups altogether as bwd_ws's dq_writer does, spilled 44-72 bytes in the producer's 24
+// registers in every arrangement tried, and 580 in the computing warpgroups at bwd_ws's 40 / 232 split.)
 //
 // Barriers, each for one hazard:
 //   full[s]   (mbarrier, 128 producer arrivals): slot s holds this use's Q, dO and statistics (and, with the
@@ -168,6 +171,19 @@ __device__ __forceinline__ void copy_out_key_rows(u16* dst, i64 row_stride, int 
   }
 }
 
+// The previous step's slot back to the producer (`prev_empty`, 0 at the first step): the issuing thread waits
+// for the copy engine to have read the dQ it staged there, then arrives (the others arrived after staging).
+// Called once this step's products after barrier 1 are on the tensor cores: by then that read has long
+// completed. (Before kernel log 143 it came right after S and dP were issued, when the reduce-adds issued a
+// moment earlier were still being read: ncu put 11k stall samples on that wait, all on warp 0 of each
+// warpgroup, and the 38k on barrier 1 were mostly the other warps waiting for it.)
+__device__ __forceinline__ void release_previous_slot(u32 prev_empty, int ctid) {
+  if (prev_empty != 0 && ctid % 128 == 0) {
+    bulk_wait_read<0>();
+    mbar_arrive(prev_empty);
+  }
+}
+
 // Head_dim 192's step after barrier 1, for one computing warpgroup (warpgroup 0: dV^T += dO^T P and dQ's
 // columns [0, 128), N = 128; warpgroup 1: dK^T += Q^T dS and columns [128, 192), N = 64): the head-row
 // product into `hacc` (A: the 64-column panels of dO or Q at at_off, B: P or dS), dQ = dS K over its N
@@ -180,7 +196,7 @@ template <int N, int BR, int BC, int D, bool BF, int HB = 3>
 __device__ __forceinline__ void wide192_products_and_dq(float (&hacc)[3][BC / 2], u64 qt_desc, u32 at_off,
                                                         u64 b_desc, u64 ds_desc, u64 kt_desc, u32 slot_q,
                                                         u32 slot_do, float* dq_accum, i64 ws_row, u32 empty,
-                                                        int ctid) {
+                                                        u32 prev_empty, int ctid) {
   static_assert(D == 192 && (N == 128 || N == 64) && HB >= 1 && HB <= 3, "head_dim 192's two warpgroups");
   float dq[N / 2];
   wgmma_fence();
@@ -189,6 +205,7 @@ __device__ __forceinline__ void wide192_products_and_dq(float (&hacc)[3][BC / 2]
     issue_head_rows_acc<BR, BC, BF>(hacc[hb], qt_desc, at_off + hb * BR * 128, b_desc);
   issue_dq_from_ds<BR, BC, N, BF>(dq, ds_desc, kt_desc);  // (kt_desc: K's panel 2 wg, as at 256)
   wgmma_commit();
+  release_previous_slot(prev_empty, ctid);
   wgmma_wait<0>();
   wgmma_hold(dq);
 #pragma unroll
@@ -433,12 +450,8 @@ __device__ __forceinline__ void bwd_wide_ws_dkdv_body(const BwdParams& p, const 
     wgmma_commit();
     issue_query_rows_product<BR, BC, NK, DV, BF>(dp, q_desc, kDOOff + qoff, v_desc);
     wgmma_commit();
-    // The previous step's slot: once the copy engine has read the dQ tiles staged there, the producer may
-    // refill it (the issuing thread's arrival; the others arrived after staging).
-    if (it > 0 && ctid % 128 == 0) {
-      bulk_wait_read<0>();
-      mbar_arrive(empty((it - 1) % NST));
-    }
+    // (The previous step's slot goes back to the producer after barrier 1: release_previous_slot.)
+    const u32 prev_empty = it > 0 ? empty((it - 1) % NST) : 0u;
 
     // ---- P = exp2(S' m - LSE2): register 4 n + e is query q_row0 + g + 8 (e / 2), key key0 + 8 n + 2 t +
     // e % 2. A score function first, then the mask (keys past seqlen_k, the causal diagonal, ranges,
@@ -492,6 +505,7 @@ __device__ __forceinline__ void bwd_wide_ws_dkdv_body(const BwdParams& p, const 
         issue_head_rows_acc<BR, BC, BF>(dkt[hb], qt_desc, qoff + (2 * wg + hb) * BR * 128, dst_desc);
       issue_dq_from_ds<BR, BC, D / 2, BF>(dq, ds_desc, kt_desc);
       wgmma_commit();
+      release_previous_slot(prev_empty, ctid);
       wgmma_wait<0>();
       wgmma_hold(dq);
 #pragma unroll
@@ -536,10 +550,10 @@ __device__ __forceinline__ void bwd_wide_ws_dkdv_body(const BwdParams& p, const 
       const i64 ws_row = workspace_row(p, batch, head, q_start);
       if (wg == 0) {
         wide192_products_and_dq<128, BR, BC, D, BF, DV / 64>(hacc, qt_desc, at_off, b_desc, ds_desc, kt_desc, slot_q,
-                                                     slot_do, p.dq_accum, ws_row, empty(s), ctid);
+                                                     slot_do, p.dq_accum, ws_row, empty(s), prev_empty, ctid);
       } else {
         wide192_products_and_dq<64, BR, BC, D, BF>(hacc, qt_desc, at_off, b_desc, ds_desc, kt_desc, slot_q,
-                                                    slot_do, p.dq_accum, ws_row, empty(s), ctid);
+                                                    slot_do, p.dq_accum, ws_row, empty(s), prev_empty, ctid);
       }
     }
   }
