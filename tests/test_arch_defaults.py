@@ -116,9 +116,13 @@ def test_defaults_of_the_99_kb_architectures_compile_without_spills(arch, tmp_pa
 
 
 def test_soft_capping_takes_its_own_d128_config_only_where_measured():
-    # softcapped_config: bf16, head_dim 128, non-causal, from 3k keys, soft-capping alone; every other call
-    # keeps the plain pick (a rule that leaked into plain attention would cost it 5%).
-    from flash_attention.ops.select import SOFTCAP_D128_CONFIG
+    # score_function_config: bf16, head_dim 128, non-causal, from 3k keys, soft-capping alone (its registry
+    # entry's forward_config_d128); every other call keeps the plain pick (a rule that leaked into plain
+    # attention would cost it 5%).
+    from flash_attention.spec.score_functions import SCORE_FUNCTIONS
+
+    SOFTCAP_D128_CONFIG = SCORE_FUNCTIONS["softcap"].forward_config_d128
+    assert SOFTCAP_D128_CONFIG == "(BF16, 128, 192, 64, 16): wgmma+ws+overlap+tma_store+stages_3"
 
     limit = LIMITS["sm_90"]
 

@@ -179,12 +179,14 @@ def test_score_function_with_dropout_against_float64(case):
 @pytest.mark.parametrize("cap", [1.5, 30.0])
 def test_soft_capped_d128_config_against_float64(cap, monkeypatch):
     # From 3k keys, non-causal, bf16 at head_dim 128, soft-capping runs its own config (ops.select
-    # softcapped_config: 192-row blocks over 64-key tiles). Query rows not a multiple of 192 and keys not
+    # score_function_config: 192-row blocks over 64-key tiles). Query rows not a multiple of 192 and keys not
     # of 64; grouped heads. The default call must launch it (and chosen_config, what bench and the tools
     # report, must name it); the named config runs on the causal entry point too.
     from flash_attention.ops import forward as launch
     from flash_attention.ops import repeat
-    from flash_attention.ops.select import SOFTCAP_D128_CONFIG
+    from flash_attention.spec.score_functions import SCORE_FUNCTIONS
+
+    SOFTCAP_D128_CONFIG = SCORE_FUNCTIONS["softcap"].forward_config_d128
 
     launched: list[str] = []
     real = launch.launch_plan

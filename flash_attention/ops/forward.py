@@ -297,7 +297,7 @@ def chosen_config(
     runs (the tools name it in their output). ``v`` defaults to ``k``'s layout; its strides count, as
     ``q``'s and ``k``'s, when a TMA kernel could not address them (feature ``untileable``). ``window``,
     ``alibi`` and ``score_functions`` (by name, spec.score_functions: ``name=True``): whether the call has
-    them (soft-capping has a config of its own at head_dim 128: select.softcapped_config)."""
+    them (a score function may have a config of its own at head_dim 128: select.score_function_config)."""
     needs = feature_list(
         key_range=ranged,
         dropout=dropout,

@@ -28,6 +28,7 @@ from ..configs import (
 )
 from ..configs import backward as backward_configs
 from ..configs.decode import DecodeConfig, default_decode_config
+from ..spec.score_functions import SCORE_FUNCTIONS
 from . import winners
 
 __all__ = [
@@ -94,25 +95,23 @@ def _check_explicit(cfg, dtype: str, head_dim: int, missing: list[str], smem: in
         )
 
 
-#: What soft-capping's bounded forward (fa/softmax.cuh bounded_softmax_row) runs instead of the plain pick
-#: at head_dim 128 from 3k keys, non-causal (softcapped_config).
-SOFTCAP_D128_CONFIG = "(BF16, 128, 192, 64, 16): wgmma+ws+overlap+tma_store+stages_3"
-
-
-def softcapped_config(cfg: KernelConfig, features: tuple[str, ...], causal: bool, n: int) -> KernelConfig:
-    """The forward config of a soft-capped call from the plain pick: at head_dim 128 in bf16, non-causal,
-    from 3k keys, three consumer warpgroups of 64 rows over 64-key tiles (three stages) instead of two of
-    128 rows over 128 keys. Soft-capping asks the SFU for a tanh and an exp2 per score, as many SFU cycles
-    as the tensor cores' products at head_dim 128; three consumer warps per sub-partition hide its queue
-    better, and shorter tiles shorten each softmax burst. bench (H200): at 4k 0.994 / 0.995 ms against
-    1.026 / 1.028 in two rounds of one call (-3.1%), 0.976 against 1.021 in another (-4.4%); at 8k and 16k
-    -9.4% and -7.9% against the 176-key pick. Causal it is 0.5% slower and plain attention 5% slower with
-    it, so both keep their picks (docs/kernel-log.md, steps 106 and 115). Not with ALiBi (its
-    unbounded form), a window, a packed batch or dropout (whose hash takes a 192-row block to 128 rows):
-    unmeasured there."""
+def score_function_config(cfg: KernelConfig, features: tuple[str, ...], causal: bool, n: int) -> KernelConfig:
+    """The forward config of a call with a scalar score function from the plain pick: the function's own
+    (spec.score_functions, ``forward_config_d128``) at head_dim 128 in bf16, non-causal, from 3k keys, where
+    it is the call's one score function and has one. Soft-capping's: three consumer warpgroups of 64 rows
+    over 64-key tiles (three stages) instead of two of 128 rows over 128 keys. It asks the SFU for a tanh
+    and an exp2 per score, as many SFU cycles as the tensor cores' products at head_dim 128; three consumer
+    warps per sub-partition hide its queue better, and shorter tiles shorten each softmax burst. bench
+    (H200): at 4k 0.994 / 0.995 ms against 1.026 / 1.028 in two rounds of one call (-3.1%), 0.976 against
+    1.021 in another (-4.4%); at 8k and 16k -9.4% and -7.9% against the 176-key pick. Causal it is 0.5%
+    slower and plain attention 5% slower with it, so both keep their picks (docs/kernel-log.md, steps 106
+    and 115). Not with ALiBi (its unbounded form), a window, a packed batch or dropout (whose hash takes a
+    192-row block to 128 rows): unmeasured there."""
     others = {"alibi", "window", "segments", "dropout", "key_range"}
+    functions = [SCORE_FUNCTIONS[f] for f in features if f in SCORE_FUNCTIONS]
     if (
-        "softcap" in features
+        len(functions) == 1
+        and functions[0].forward_config_d128 is not None
         and not others & set(features)
         and not causal
         and n >= 3072
@@ -120,7 +119,7 @@ def softcapped_config(cfg: KernelConfig, features: tuple[str, ...], causal: bool
         and cfg.dtype == "bf16"
         and cfg.head_dim == 128
     ):
-        return parse_config(SOFTCAP_D128_CONFIG)
+        return parse_config(functions[0].forward_config_d128)
     return cfg
 
 
@@ -176,7 +175,7 @@ def forward_config(
     if dv:
         cfg = _with_value_dim(cfg, dv)
     elif tuned is None:
-        cfg = softcapped_config(cfg, features, causal, max(seqlen_q, seqlen_k))
+        cfg = score_function_config(cfg, features, causal, max(seqlen_q, seqlen_k))
     if cfg.warp_specialized and unsupported(cfg, features):
         # The sm90 kernel of the same call: it reads any layout the kernels accept (cp.async).
         cfg = classic_hopper_config(dtype, padded_head_dim(head_dim), max(seqlen_q, seqlen_k), causal)

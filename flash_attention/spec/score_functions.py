@@ -42,7 +42,9 @@ class ScoreFunction:
     ``doc`` what it does, for messages; ``kernel(s, value, scale, folded)`` the forward kernels' own
     arithmetic on a block of float32 scores, for the simulator (tools/sim.py): ``folded`` (the configs with
     opt_softmax) takes the unscaled scores and returns them in the same units, as the policy's ``folded``
-    does, else the scaled ones (None: the simulator refuses calls with it)."""
+    does, else the scaled ones (None: the simulator refuses calls with it); ``forward_config_d128`` the
+    warp-specialized forward config measured to suit the function at head_dim 128 (bf16, non-causal, from 3k
+    keys, the call's only feature: ops.select.score_function_config), or None for the plain pick."""
 
     name: str
     policy: str
@@ -50,6 +52,7 @@ class ScoreFunction:
     slope: Callable
     doc: str
     kernel: Callable | None = None
+    forward_config_d128: str | None = None
 
     def __post_init__(self) -> None:
         # The layers below the public functions take the values as keywords beside their own arguments.
@@ -102,6 +105,10 @@ SCORE_FUNCTIONS: dict[str, ScoreFunction] = {
         _cap_slope,
         "caps the scaled score, softcap * tanh(s / softcap)",
         _cap_kernel,
+        # A tanh and an exp2 per score are as many SFU cycles as the tensor cores' products at head_dim 128:
+        # three consumer warpgroups of 64 rows over 64-key tiles hide the SFU's queue better than two of 128
+        # rows over 128 keys (docs/kernel-log.md, steps 106 and 115).
+        forward_config_d128="(BF16, 128, 192, 64, 16): wgmma+ws+overlap+tma_store+stages_3",
     ),
 }
 
