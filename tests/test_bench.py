@@ -492,6 +492,29 @@ def test_training_results_go_to_their_own_readme_region(tmp_path, any_provenance
     assert text.endswith("tail\n")
 
 
+def test_a_training_sweep_of_one_head_dim_off_the_grid_has_its_own_region(tmp_path, any_provenance):
+    # head_dim 192 (and 192 with v at 128) beside the papers' grid: their regions, not the grid's
+    readme = tmp_path / "README.md"
+    regions = ("fwd_bwd", "fwd_bwd-d192", "fwd_bwd-d192-dv128")
+    readme.write_text(
+        "".join(f"<!-- bench-{n}:begin -->\nold {n}\n<!-- bench-{n}:end -->\n" for n in regions)
+    )
+    d192 = _result()
+    d192["rows"] = [dict(r, mode="fwd_bwd", head_dim=192) for r in d192["rows"]]
+    dv = dict(d192, settings=dict(d192.get("settings") or {}, head_dim_v=128))
+    grid_only = dict(d192, rows=[dict(r, head_dim=256) for r in d192["rows"]])
+    assert readme_markers(d192) == ("<!-- bench-fwd_bwd-d192:begin -->", "<!-- bench-fwd_bwd-d192:end -->")
+    assert readme_markers(dv)[0] == "<!-- bench-fwd_bwd-d192-dv128:begin -->"
+    assert readme_markers(grid_only)[0] == "<!-- bench-fwd_bwd:begin -->"  # (a grid head_dim: the grid's)
+    update_readme(readme, write_results(d192, tmp_path / "d192.json"))
+    update_readme(readme, write_results(dv, tmp_path / "dv.json"))
+    text = readme.read_text()
+    assert "old fwd_bwd\n" in text and "old fwd_bwd-d192" not in text
+    begin, end = readme_markers(dv)
+    block = text.split(begin)[1].split(end)[0]
+    assert "dv.json" in block and "d192.json" not in block
+
+
 # ------------------------------------------------------------------------------------------------
 # Provenance: a README table only from a result whose code was exactly its commit's
 

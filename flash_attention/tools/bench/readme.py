@@ -1,5 +1,7 @@
 """The README regions generated from result files: ``<!-- bench:begin -->`` for the forward sweep and
-``<!-- bench-<mode>:begin -->`` for a training-mode sweep or a decode run (``bench-decode``). A region is
+``<!-- bench-<mode>:begin -->`` for a training-mode sweep or a decode run (``bench-decode``), with
+``-d<head_dim>`` (and ``-dv<head_dim_v>``) after the mode for a training sweep of one head_dim outside the
+papers' grid (``bench-fwd_bwd-d192-dv128``: DeepSeek's widths). A region is
 only ever generated from a result file whose code was exactly its commit's
 (:func:`flash_attention.tools.provenance.check_result`)."""
 
@@ -13,6 +15,7 @@ from ..common import generated_by, replace_marked_region, repo_root
 from .decode import decode_markdown
 from .results import load_results, result_mode
 from .ring import ring_markdown
+from .sweep import DEFAULT_HEAD_DIMS
 from .tables import results_header, results_to_markdown
 
 __all__ = ["README_BEGIN", "README_END", "readme_markers", "update_readme"]
@@ -65,10 +68,18 @@ def readme_markers(result: dict) -> tuple[str, str]:
     """The README region a result file's tables go to: ``<!-- bench:begin -->`` for a file with forward
     rows, ``<!-- bench-<mode>:begin -->`` for one that measured only a training mode (fwd_bwd or bwd), so the
     forward and training tables are generated from their own runs side by side;
-    ``<!-- bench-tiny-<mode>:begin -->`` for a ``--tiny`` run of that mode."""
+    ``<!-- bench-tiny-<mode>:begin -->`` for a ``--tiny`` run of that mode; a training sweep of one head_dim
+    outside the papers' grid (64, 128, 256) has a region of its own, ``<!-- bench-<mode>-d<head_dim>:begin
+    -->``, with ``-dv<head_dim_v>`` where v has its own (``--head-dim-v``): it does not replace the grid's."""
     mode = result_mode(result)
-    if (result.get("settings") or {}).get("tiny"):
+    settings = result.get("settings") or {}
+    if settings.get("tiny"):
         return f"<!-- bench-tiny-{mode}:begin -->", f"<!-- bench-tiny-{mode}:end -->"
     if mode == "fwd":
         return README_BEGIN, README_END
+    head_dims = {r.get("head_dim") for r in result.get("rows", [])}
+    if mode in ("fwd_bwd", "bwd") and len(head_dims) == 1 and not head_dims <= set(DEFAULT_HEAD_DIMS):
+        dv = settings.get("head_dim_v")
+        name = f"{mode}-d{head_dims.pop()}" + (f"-dv{dv}" if dv else "")
+        return f"<!-- bench-{name}:begin -->", f"<!-- bench-{name}:end -->"
     return f"<!-- bench-{mode}:begin -->", f"<!-- bench-{mode}:end -->"
