@@ -722,11 +722,12 @@ def test_window_sweep_counts_the_band_and_masks_the_same_keys():
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("score", ["softcap", "alibi"])
+@pytest.mark.parametrize("score", ["softcap", "alibi", "both"])
 def test_score_function_baselines_compute_what_attention_computes(causal, score):
     """--softcap / --alibi: FlexAttention's score_mod and SDPA's additive ALiBi mask are the float64
-    reference's score functions (so the rows time the same attention), and attention() gets the same
-    arguments; SDPA refuses soft-capping (no mask expresses it) instead of timing plain attention."""
+    reference's score functions (so the rows time the same attention), both together too (Flex's score_mod
+    applies the cap, then ALiBi), and attention() gets the same arguments; SDPA refuses soft-capping (no mask
+    expresses it) instead of timing plain attention."""
     from torch.nn.attention.flex_attention import flex_attention
 
     from flash_attention.fallback.reference import alibi_bias, attention_reference
@@ -741,12 +742,12 @@ def test_score_function_baselines_compute_what_attention_computes(causal, score)
     )
 
     torch.manual_seed(7)
-    shape = Shape(
-        "bf16", 2, 4, 96, 32, causal, softcap=5.0 if score == "softcap" else 0.0, alibi=score == "alibi"
-    )
+    capped, with_alibi = score in ("softcap", "both"), score in ("alibi", "both")
+    shape = Shape("bf16", 2, 4, 96, 32, causal, score=(("softcap", 5.0),) if capped else (), alibi=with_alibi)
     args = _variant_args(shape, "cpu")
     slopes = alibi_slopes(4, "cpu")
-    assert (args == {"softcap": 5.0}) if score == "softcap" else torch.equal(args["alibi_slopes"], slopes)
+    assert args.get("softcap") == (5.0 if capped else None)
+    assert torch.equal(args["alibi_slopes"], slopes) if with_alibi else "alibi_slopes" not in args
     assert torch.allclose(slopes, torch.tensor([2.0**-2, 2.0**-4, 2.0**-6, 2.0**-8]))
     q, k, v = (torch.randn(2, 4, 96, 32, dtype=torch.float64) * 2 for _ in range(3))  # (B, H, S, D)
     out = flex_attention(q, k, v, score_mod=_flex_score_mod(shape, "cpu")).transpose(1, 2)
@@ -769,7 +770,7 @@ def test_score_function_baselines_compute_what_attention_computes(causal, score)
             _alibi_bias(shape, "cpu", torch.float64), alibi_bias(slopes, 1, 96, 96, torch.float64)[0]
         )
     else:
-        with pytest.raises(Skip, match="soft-capping"):
+        with pytest.raises(Skip, match="SDPA has no softcap"):
             make_runner("sdpa_cudnn", shape, [(q, k, v)], "fwd")
 
 

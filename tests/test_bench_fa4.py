@@ -68,7 +68,12 @@ def test_fa4_is_a_default_baseline():
 @pytest.mark.parametrize(
     "variant",
     [
-        *(dict(), dict(causal=True, kv_heads=2), dict(causal=True, window=5), dict(softcap=3.0)),
+        *(
+            dict(),
+            dict(causal=True, kv_heads=2),
+            dict(causal=True, window=5),
+            dict(score=(("softcap", 3.0),)),
+        ),
         *(dict(sinks=True), dict(causal=True, head_dim_v=8)),
     ],
     ids=["plain", "gqa-causal", "window", "softcap", "sinks", "value-dim"],
@@ -84,13 +89,14 @@ def test_fa4_runner_calls_flash_attn_func_with_the_variant(fa4_calls, mode, vari
     sinks = runners._variant_args(shape, "cpu").get("sinks")
     window = (shape.window, 0) if shape.window else None
     expected, _ = attention_reference(
-        q, k, v, causal=shape.causal, window=window, softcap=shape.softcap, sinks=sinks
+        q, k, v, causal=shape.causal, window=window, sinks=sinks, **dict(shape.score)
     )
     torch.testing.assert_close(got, expected)
     kind, kwargs = fa4_calls[-1]
     assert kind == "dense" and kwargs["causal"] == shape.causal
     assert kwargs["window_size"] == ((shape.window, 0) if shape.window else (None, None))
-    assert kwargs["softcap"] == shape.softcap and (kwargs["learnable_sink"] is not None) == shape.sinks
+    assert kwargs["softcap"] == dict(shape.score).get("softcap", 0.0)
+    assert (kwargs["learnable_sink"] is not None) == shape.sinks
     result = runner.call(0)
     if mode == "fwd_bwd":  # the gradients of q, k, v (and the sinks are learnable, as ours are timed)
         assert len(result) == 3 and all(torch.isfinite(g).all() for g in result)

@@ -133,6 +133,18 @@ _CHECKS = textwrap.dedent(
     err, moved = (sim.double() - exact).abs().max(), (sim - sim_plain).double().abs().max()
     print(f"simulator: error {err:.3g}, the toy moved it {moved:.3g}")
     assert err < 0.05 and moved > 0.5  # (a few bf16 ulps of outputs of about 4; the toy moves them by ~1)
+
+    # The bench: an option of its own, a row of bench --features, FlexAttention's score_mod from its math.
+    from flash_attention.tools.bench import cli as bench_cli
+    from flash_attention.tools.bench.features import FEATURES
+    from flash_attention.tools.bench.runners import Shape, _flex_score_mod, _variant_args
+    from flash_attention.spec.score_functions import SCORE_FUNCTIONS
+
+    assert bench_cli.build_parser().parse_args(["--tilt", "0.5"]).tilt == 0.5 and "tilt" in FEATURES
+    shape = Shape("bf16", 1, 1, 8, 16, False, score=(("tilt", B),))
+    assert _variant_args(shape)["tilt"] == B
+    s = torch.randn(8, 8, dtype=torch.float64)
+    assert torch.equal(_flex_score_mod(shape, "cpu")(s, 0, 0, 0, 0), SCORE_FUNCTIONS["tilt"].apply(s, B))
     print("every layer has the toy")
     """
 )

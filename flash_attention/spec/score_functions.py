@@ -44,7 +44,8 @@ class ScoreFunction:
     opt_softmax) takes the unscaled scores and returns them in the same units, as the policy's ``folded``
     does, else the scaled ones (None: the simulator refuses calls with it); ``forward_config_d128`` the
     warp-specialized forward config measured to suit the function at head_dim 128 (bf16, non-causal, from 3k
-    keys, the call's only feature: ops.select.score_function_config), or None for the plain pick."""
+    keys, the call's only feature: ops.select.score_function_config), or None for the plain pick;
+    ``typical`` a value the models that use it take, which ``bench --features`` times it at."""
 
     name: str
     policy: str
@@ -53,6 +54,7 @@ class ScoreFunction:
     doc: str
     kernel: Callable | None = None
     forward_config_d128: str | None = None
+    typical: float = 1.0
 
     def __post_init__(self) -> None:
         # The layers below the public functions take the values as keywords beside their own arguments.
@@ -109,6 +111,7 @@ SCORE_FUNCTIONS: dict[str, ScoreFunction] = {
         # three consumer warpgroups of 64 rows over 64-key tiles hide the SFU's queue better than two of 128
         # rows over 128 keys (docs/kernel-log.md, steps 106 and 115).
         forward_config_d128="(BF16, 128, 192, 64, 16): wgmma+ws+overlap+tma_store+stages_3",
+        typical=30.0,  # (Grok-1's attention cap; Gemma 2 takes 50)
     ),
 }
 

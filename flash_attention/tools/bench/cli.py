@@ -23,6 +23,7 @@ import torch
 
 from flash_attention.configs import parse_config
 from flash_attention.ops.winners import gpu_slug
+from flash_attention.spec.score_functions import SCORE_FUNCTIONS
 
 from ..common import MODES, PERFORMANCE_PAGE, environment, ready_host_library, repo_root
 from .plot import plot_results
@@ -97,6 +98,11 @@ def _impl_list(text: str) -> tuple[str, ...]:
     if unknown or not impls:
         raise argparse.ArgumentTypeError(f"unknown impls {unknown}; choose from {','.join(KNOWN_IMPLS)}")
     return impls
+
+
+def _score_args(args: argparse.Namespace) -> tuple[tuple[str, float], ...]:
+    """The score functions given on the command line (``--<name> VALUE``), as Shape.score holds them."""
+    return tuple((name, getattr(args, name)) for name in SCORE_FUNCTIONS if getattr(args, name))
 
 
 def _repeat_modes(text: str) -> tuple[str, ...]:
@@ -218,13 +224,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="causal shapes only: a sliding window of this many keys before each query (attention()'s "
         "window=(W, 0); SDPA gets the explicit mask, FlexAttention the block mask); FLOPs count the band",
     )
-    p.add_argument(
-        "--softcap",
-        type=float,
-        default=0.0,
-        help="soft-cap every shape's scores at this value (attention()'s softcap=; FlexAttention gets the "
-        "score_mod, SDPA has none and is skipped)",
-    )
+    for fn in SCORE_FUNCTIONS.values():  # (one option per scalar score function, spec.score_functions)
+        p.add_argument(
+            f"--{fn.name}",
+            type=float,
+            default=0.0,
+            help=f"every shape's scores through this function at this value: it {fn.doc} (attention()'s "
+            f"{fn.name}=; FlexAttention gets it as a score_mod, SDPA has none and is skipped); with "
+            f"--features, its row's value (default {fn.typical:g})",
+        )
     p.add_argument(
         "--alibi",
         action="store_true",
@@ -252,8 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="instead of the sweep, each feature of the backward beside the plain call, forward+backward at "
         "one shape (--head-dims, default 128; --seqlens, default 4k; --tokens, --width, --causal): "
-        "deterministic, dropout, key ranges, a sliding window (--window, default 1024; causal), soft-cap "
-        "(--softcap, default 30), ALiBi, sinks with their gradient, GQA 4:1, a packed batch; each row's "
+        "deterministic, dropout, key ranges, a sliding window (--window, default 1024; causal), each scalar "
+        "score function (its option's value, or its typical one), ALiBi, sinks with their gradient, GQA 4:1, "
+        "a packed batch; each row's "
         "time and useful TFLOP/s against the plain call's (file tag 'features')",
     )
     p.add_argument(
@@ -489,7 +498,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         width=args.width,
         kv_heads=args.kv_heads,
         window=args.window,
-        softcap=args.softcap,
+        score=_score_args(args),
         alibi=args.alibi,
         sinks=args.sinks,
         head_dim_v=args.head_dim_v,
@@ -732,7 +741,7 @@ def _main_features(args: argparse.Namespace, reps: int, min_time: float) -> int:
         causal={"both": (False, True), "yes": (True,), "no": (False,)}[args.causal],
         dtype=args.dtype or "bf16",
         window=args.window or defaults.window,
-        softcap=args.softcap or defaults.softcap,
+        score_values=_score_args(args),
         warmup=args.warmup,
         min_reps=reps,
         min_time_s=min_time,

@@ -38,26 +38,40 @@ def _first(result: Any) -> Any:
     return result[0] if isinstance(result, tuple) else result
 
 
-def _variant_kwargs(*, causal: bool, window: int, softcap: float, sinks: Any, alibi: bool) -> dict:
+#: FlashAttention-4's keyword for each of our score functions it has (spec.score_functions' names).
+_SCORE_KEYWORDS = {"softcap": "softcap"}
+
+
+def _variant_kwargs(
+    *, causal: bool, window: int, score: tuple[tuple[str, float], ...], sinks: Any, alibi: bool
+) -> dict:
     if alibi:
         raise Skip("FlashAttention-4 has no ALiBi")
+    missing = [name for name, _ in score if name not in _SCORE_KEYWORDS]
+    if missing:
+        raise Skip(f"FlashAttention-4 has no {', '.join(missing)}")
     kwargs: dict = {"causal": causal}
     if window:
         # The bench's window is causal: each query sees itself and the `window` keys before it.
         kwargs["window_size"] = (window, 0)
-    if softcap:
-        kwargs["softcap"] = softcap
+    kwargs.update((_SCORE_KEYWORDS[name], value) for name, value in score)
     if sinks is not None:
         kwargs["learnable_sink"] = sinks
     return kwargs
 
 
 def fa4_dense(
-    *, causal: bool, window: int = 0, softcap: float = 0.0, sinks: Any = None, alibi: bool = False
+    *,
+    causal: bool,
+    window: int = 0,
+    score: tuple[tuple[str, float], ...] = (),
+    sinks: Any = None,
+    alibi: bool = False,
 ) -> Callable[[Any, Any, Any], Any]:
     """``f(q, k, v) -> out`` through ``flash_attn_func`` on (batch, seqlen, heads, head_dim) tensors, with the
-    variant's arguments; raises Skip where FlashAttention-4 is missing or lacks the variant."""
-    kwargs = _variant_kwargs(causal=causal, window=window, softcap=softcap, sinks=sinks, alibi=alibi)
+    variant's arguments (``score``: our score functions' (name, value) pairs); raises Skip where
+    FlashAttention-4 is missing or lacks the variant."""
+    kwargs = _variant_kwargs(causal=causal, window=window, score=score, sinks=sinks, alibi=alibi)
     func = _module().flash_attn_func
     return lambda q, k, v: _first(func(q, k, v, **kwargs))
 
@@ -67,7 +81,7 @@ def fa4_varlen(
 ) -> Callable[[Any, Any, Any], Any]:
     """``f(q, k, v) -> out`` through ``flash_attn_varlen_func`` on packed (total, heads, head_dim) tensors of
     self-attention documents (the same offsets for queries and keys)."""
-    kwargs = _variant_kwargs(causal=causal, window=0, softcap=0.0, sinks=None, alibi=alibi)
+    kwargs = _variant_kwargs(causal=causal, window=0, score=(), sinks=None, alibi=alibi)
     func = _module().flash_attn_varlen_func
     return lambda q, k, v: _first(
         func(

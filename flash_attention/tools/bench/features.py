@@ -19,6 +19,7 @@ import torch
 
 import flash_attention
 
+from ...spec.score_functions import SCORE_FUNCTIONS
 from ..common import flops, time_cuda
 from .runners import alibi_slopes
 
@@ -29,7 +30,7 @@ FEATURES = (
     "dropout",
     "key_range",
     "window",
-    "softcap",
+    *SCORE_FUNCTIONS,  # (each scalar score function's row, by its name)
     "alibi",
     "sinks",
     "gqa",
@@ -47,7 +48,8 @@ class FeaturesSettings:
     dtype: str = "bf16"
     window: int = 1024  # keys before each query (causal shapes; non-causal rows skip it)
     dropout_p: float = 0.1
-    softcap: float = 30.0
+    #: The score functions' rows' values, (name, value) pairs; a function not named takes its typical value.
+    score_values: tuple[tuple[str, float], ...] = ()
     gqa_group: int = 4  # query heads per K/V head of the "gqa" row
     warmup: int = 3
     min_reps: int = 25
@@ -75,8 +77,8 @@ def _feature_call(
             return "a sliding window is timed on causal shapes (the band before each query)"
         kw["window"] = (s.window, 0)
         work = flops(batch, heads, n, n, d, causal, "fwd_bwd", window=s.window)
-    elif feature == "softcap":
-        kw["softcap"] = s.softcap
+    elif feature in SCORE_FUNCTIONS:
+        kw[feature] = dict(s.score_values).get(feature, SCORE_FUNCTIONS[feature].typical)
     elif feature == "alibi":
         kw["alibi_slopes"] = alibi_slopes(heads, q.device)
     elif feature == "sinks":

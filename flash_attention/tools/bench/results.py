@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ...spec.score_functions import SCORE_FUNCTIONS
 from ..common import default_results_dir
 
 __all__ = [
@@ -57,8 +58,9 @@ def row_key(row: dict) -> tuple:
     # head_dim_v == head_dim are the same point.)
     return (
         row["impl"], row["mode"], row["dtype"], row["head_dim"], bool(row["causal"]), row["seqlen"],
-        row.get("round"), row.get("repeat_calls"), row.get("window"), row.get("softcap"), row.get("alibi"),
-        row.get("sinks"), row.get("head_dim_v") or row["head_dim"],
+        row.get("round"), row.get("repeat_calls"), row.get("window"),
+        *(row.get(name) for name in SCORE_FUNCTIONS), row.get("alibi"), row.get("sinks"),
+        row.get("head_dim_v") or row["head_dim"],
     )  # fmt: skip
 
 

@@ -13,6 +13,7 @@ import torch
 import flash_attention
 from flash_attention import configs, ops
 
+from ...spec.score_functions import SCORE_FUNCTIONS
 from .fa4 import FA4, fa4_dense
 from .results import DEFAULT_IMPLS, OURS, OURS_DETERMINISTIC
 from .skip import Skip
@@ -49,8 +50,9 @@ class Shape:
     kv_heads: int = 0
     #: A causal sliding window: each query sees itself and the ``window`` keys before it; 0: none.
     window: int = 0
-    #: Soft-capping of the scores (``softcap=``); 0: none.
-    softcap: float = 0.0
+    #: The scalar score functions on the scores and their values (spec.score_functions, attention()'s keywords
+    #: of the same names), in the table's order; (): none.
+    score: tuple[tuple[str, float], ...] = ()
     #: ALiBi with the usual geometric slopes per head (``alibi_slopes=``).
     alibi: bool = False
     #: Attention sinks, one logit per query head (``sinks=``).
@@ -153,10 +155,10 @@ def alibi_slopes(heads: int, device: Any) -> Any:
 
 
 def _variant_args(shape: Shape, device: Any = None) -> dict:
-    """attention()'s variant arguments of a shape: its window, soft-cap and ALiBi slopes (none without)."""
+    """attention()'s variant arguments of a shape: its window, score functions and ALiBi slopes (none
+    without)."""
     extra: dict = {"window": (shape.window, 0)} if shape.window else {}
-    if shape.softcap:
-        extra["softcap"] = shape.softcap
+    extra.update(shape.score)
     if shape.alibi:
         extra["alibi_slopes"] = alibi_slopes(shape.heads, device)
     if shape.sinks:
@@ -180,22 +182,21 @@ def _window_mask(shape: Shape, device: Any) -> Any:
 
 
 def _flex_score_mod(shape: Shape, device: Any) -> Callable | None:
-    """FlexAttention's score_mod of a shape's soft-cap or ALiBi (applied to the scaled score, as ours)."""
-    if shape.softcap:
-        cap = shape.softcap
+    """FlexAttention's score_mod of a shape's score functions, then its ALiBi, on the scaled score, as ours
+    applies them (spec.score_functions' math). (Before, a shape with both got the score function alone.)"""
+    if not shape.score and not shape.alibi:
+        return None
+    functions = [(SCORE_FUNCTIONS[name].apply, value) for name, value in shape.score]
+    slopes = alibi_slopes(shape.heads, device) if shape.alibi else None
 
-        def softcap(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-            return cap * torch.tanh(score / cap)
+    def score_mod(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        for apply, value in functions:
+            score = apply(score, value)
+        if slopes is not None:
+            score = score - slopes[h] * (q_idx - kv_idx).abs()
+        return score
 
-        return softcap
-    if shape.alibi:
-        slopes = alibi_slopes(shape.heads, device)
-
-        def alibi(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-            return score - slopes[h] * (q_idx - kv_idx).abs()
-
-        return alibi
-    return None
+    return score_mod
 
 
 def make_runner(
@@ -233,8 +234,8 @@ def make_runner(
                 causal=shape.causal,
                 softmax_scale=shape.head_dim**-0.5,
                 window=bool(shape.window),
-                softcap=bool(shape.softcap),
                 alibi=shape.alibi,
+                **{name: True for name, _ in shape.score},
             )
         if mode == "fwd":
             key = (cfg.name(), shape.causal)
@@ -292,8 +293,9 @@ def make_runner(
         native = [tuple(t.transpose(1, 2).contiguous() for t in s) for s in inputs]
 
         gqa = shape.kv != shape.heads
-        if shape.softcap:
-            raise Skip("SDPA has no soft-capping (no mask expresses a function of the score)")
+        if shape.score:
+            names = ", ".join(name for name, _ in shape.score)
+            raise Skip(f"SDPA has no {names} (no mask expresses a function of the score)")
         if shape.sinks:
             raise Skip("SDPA has no attention sinks")
         if impl == "sdpa_flash" and shape.dv != shape.head_dim:
@@ -385,7 +387,7 @@ def make_runner(
         if sinks is not None and mode != "fwd":
             sinks.requires_grad_()  # learnable, as in training (and as ours is timed)
         f = fa4_dense(
-            causal=shape.causal, window=shape.window, softcap=shape.softcap, sinks=sinks, alibi=shape.alibi
+            causal=shape.causal, window=shape.window, score=shape.score, sinks=sinks, alibi=shape.alibi
         )
         call = (lambda i: f(*inputs[i])) if mode == "fwd" else _autograd_call(f, inputs, mode)
         return Runner(call, lambda i: f(*inputs[i]))

@@ -37,8 +37,9 @@ class SweepSettings:
     kv_heads: int = 0
     #: A causal sliding window of this many keys before each query (``--window``); 0: none.
     window: int = 0
-    #: Soft-capping of every shape's scores (``--softcap``); 0: none.
-    softcap: float = 0.0
+    #: The scalar score functions on every shape's scores and their values (``--<name>``, one option per
+    #: function of spec.score_functions); (): none.
+    score: tuple[tuple[str, float], ...] = ()
     #: ALiBi on every shape (``--alibi``).
     alibi: bool = False
     #: Attention sinks on every shape (``--sinks``).
@@ -76,7 +77,7 @@ def sweep_shapes(s: SweepSettings) -> list[Shape]:
                         causal,
                         s.kv_heads,
                         s.window if causal else 0,
-                        s.softcap,
+                        s.score,
                         s.alibi,
                         s.sinks,
                         s.head_dim_v,
@@ -93,7 +94,7 @@ def _describe(shape: Shape) -> str:
         f"seqlen={shape.seqlen:<5} batch={shape.batch:<2} heads={shape.heads:<2}"
         + (f" kv_heads={shape.kv}" if shape.kv != shape.heads else "")
         + (f" window={shape.window}" if shape.window else "")
-        + (f" softcap={shape.softcap:g}" if shape.softcap else "")
+        + "".join(f" {name}={value:g}" for name, value in shape.score)
         + (" alibi" if shape.alibi else "")
         + (" sinks" if shape.sinks else "")
     )
@@ -268,8 +269,7 @@ def _row_base(impl: str, shape: Shape, s: SweepSettings, round_: int, repeat_mod
         row["head_dim_v"] = shape.dv  # (absent: v has head_dim, as in every file before --head-dim-v)
     if shape.window:
         row["window"] = shape.window
-    if shape.softcap:
-        row["softcap"] = shape.softcap
+    row.update(shape.score)  # (each function's value under its name)
     if shape.alibi:
         row["alibi"] = True
     if shape.sinks:
