@@ -285,7 +285,8 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
       if constexpr (kDropout) {
         // Row sums above are of the undropped P (the softmax normaliser); only the P V product sees the
         // mask.
-        dropout_query_rows<kDropoutKeyPairs<V>>(acc_tile(s), mt, p, batch, head, q_start + warp_row0, kv_start, g, t);
+        dropout_query_rows<kDropoutKeyPairs<V>>(acc_tile(s), mt, p, batch, head, q_start + warp_row0,
+                                                kv_start, g, t);
       }
 #pragma unroll
       for (int ks = 0; ks < KS; ++ks) acc_to_a_frag<BF>(pf[mt][ks], acc_tile(s), mt, ks);

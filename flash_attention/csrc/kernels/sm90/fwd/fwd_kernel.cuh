@@ -203,7 +203,8 @@ __device__ __forceinline__ void fwd_kernel_body(const FwdParams& p) {
       rescale_row(acc_tile(o), 0, r, alpha);
     }
     if constexpr (kDropout)
-      dropout_query_rows<kDropoutKeyPairs<V>>(acc_tile(s), 0, p, batch, head, q_start + warp_row0, kv_start, g, t);
+      dropout_query_rows<kDropoutKeyPairs<V>>(acc_tile(s), 0, p, batch, head, q_start + warp_row0, kv_start,
+                                              g, t);
     u32 pf[KS][4];
     s_to_p<BC, BF>(pf, s);
 

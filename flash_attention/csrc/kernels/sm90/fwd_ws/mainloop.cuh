@@ -257,8 +257,8 @@ struct FwdWsMainloop {
           alpha[r] = 1.f;
         }
         if constexpr (kDropout)
-          dropout_query_rows<kDropoutKeyPairs<V>>(acc_tile(sacc), 0, p, x.batch, x.head, x.q_start + th.warp_row0, kv_start, th.g,
-                             th.t);
+          dropout_query_rows<kDropoutKeyPairs<V>>(acc_tile(sacc), 0, p, x.batch, x.head,
+                                                  x.q_start + th.warp_row0, kv_start, th.g, th.t);
         return;
       }
     }
@@ -270,8 +270,8 @@ struct FwdWsMainloop {
       alpha[r] = online_softmax_row<kFold, kOffsets, kLazyMax, kFold ? Cfg::kExpPoly : 0, BF>(
           acc_tile(sacc), 0, r, row_max[r], row_sum[r], sl2, offset[0][r]);
     if constexpr (kDropout)
-      dropout_query_rows<kDropoutKeyPairs<V>>(acc_tile(sacc), 0, p, x.batch, x.head, x.q_start + th.warp_row0, kv_start, th.g,
-                         th.t);
+      dropout_query_rows<kDropoutKeyPairs<V>>(acc_tile(sacc), 0, p, x.batch, x.head, x.q_start + th.warp_row0,
+                                              kv_start, th.g, th.t);
   }
   __device__ __forceinline__ void rescale_o(const float (&alpha)[2]) {
     if (bounded) return;  // (alpha is 1)
