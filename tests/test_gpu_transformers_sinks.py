@@ -86,22 +86,33 @@ def test_gpt_oss_prefill_and_generate_run_on_the_kernels_with_sinks(padding, sin
 
 
 def test_gpt_oss_training_step_runs_the_kernels_with_sinks(sink_calls):
+    torch.manual_seed(0)  # the models' random weights: a failure here must be repeatable
     ours, eager = _models(NAME, "eager")
-    ours.train(), eager.train()
+    exact = copy.deepcopy(eager).float()
     gen = torch.Generator().manual_seed(5)
     ids = torch.randint(3, VOCAB, (2, 64), generator=gen).cuda()
-    loss_o = ours(ids, labels=ids).loss
-    assert sink_calls == {"kernel": 2, "decode": 0, "other": 0}
-    loss_e = eager(ids, labels=ids).loss
-    loss_o.backward()
-    loss_e.backward()
-    assert abs(loss_o.item() - loss_e.item()) <= 2e-2 * abs(loss_e.item())
+    losses = []
+    for model in (ours, eager, exact):
+        model.train()
+        losses.append(model(ids, labels=ids).loss)
+        losses[-1].backward()
+        if model is ours:
+            assert sink_calls == {"kernel": 2, "decode": 0, "other": 0}
+    loss_o, loss_e, loss_x = (loss.item() for loss in losses)
+    assert abs(loss_o - loss_x) <= 2 * abs(loss_e - loss_x) + 1e-3 * abs(loss_x)
+    # Each gradient against float32 eager's, in the 2-norm: within twice bf16 eager's distance from it (the
+    # suite's rule) plus 5% of its size. A whole bf16 model's gradients are that noisy: over 8 random models
+    # (H200) bf16 eager's own norm error against float32 was 1-16% per parameter (the sinks' and the router's,
+    # sums of near-cancelling terms, the largest), ours 1-17%, and ours / eager up to 2.7x on a parameter
+    # whose error was 1%. Against bf16 eager, or by the max with a 2% floor, the check failed by chance.
     sinks_grads = 0
-    for (name, p), q in zip(ours.named_parameters(), eager.parameters(), strict=True):
-        if q.grad is None:
+    for (name, p), q, x in zip(ours.named_parameters(), eager.parameters(), exact.parameters(), strict=True):
+        if x.grad is None:
             continue
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
-        scale = q.grad.float().abs().max().item()
-        assert (p.grad.float() - q.grad.float()).abs().max().item() <= 0.1 * scale + 1e-3, name
+        ref = x.grad.double()
+        err = (p.grad.double() - ref).norm().item()
+        bound = 2 * (q.grad.double() - ref).norm().item() + 5e-2 * ref.norm().item() + 1e-6
+        assert err <= bound, f"{name}: {err:.3g} against float32 eager > {bound:.3g}"
         sinks_grads += name.endswith("sinks")
     assert sinks_grads == 2  # the sinks learn through our backward
