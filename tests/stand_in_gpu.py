@@ -539,6 +539,8 @@ class StandInGpu:
             k = self._cache(p, p.k, "k", kernel)[slots].double().repeat_interleave(p.group, dim=1)
             v = self._cache(p, p.v, "v", kernel)[slots].double().repeat_interleave(p.group, dim=1)
             scores = torch.einsum("qhd,khd->hqk", q[b].double(), k) * p.scale
+            if p.softcap:  # (the kernels' run-time cap: cap * tanh(s * (1 / cap)), both from the params)
+                scores = p.softcap * torch.tanh(scores * p.softcap_inv)
             keys = torch.arange(n)
             visible = torch.ones(p.seqlen_q, n, dtype=torch.bool)
             if kernel.causal:

@@ -7,6 +7,7 @@ reference, poisoned output, the caches after the append); the kernels themselves
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -17,7 +18,8 @@ from stand_in_gpu import repeat_mode_gpu  # noqa: F401 (the gpu fixture)
 from flash_attention import attention_with_kvcache, ops
 from flash_attention.configs.decode import num_splits_heuristic
 from flash_attention.fallback.reference import attention_kvcache_reference
-from flash_attention.ops import decode, repeat
+from flash_attention.ops import decode, dispatch, repeat
+from flash_attention.spec import score_functions
 
 
 def _natively_launched() -> bool:
@@ -224,3 +226,28 @@ def test_repeat_calls_skip_the_plans_call_but_not_the_per_call_checks(gpu, monke
         attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=71)
     with pytest.raises(RuntimeError, match="no backward"):
         attention_with_kvcache(q.clone().requires_grad_(), k_cache, v_cache, cache_seqlens=61)
+
+
+def test_a_score_function_reaches_the_decode_kernels_through_its_run_time_fields(gpu, monkeypatch):
+    # Soft-capping is the registry's one function with run-time fields in the decode kernels' params: the plan
+    # sets them from spec.score_functions (the stand-in kernel caps from them as the kernels do), and the
+    # call matches the float64 reference with the cap.
+    case = Case(
+        batch=2, seqlen_q=2, heads_q=4, heads_kv=2, head_dim=64, seqlen_new=1, page_size=0, capacity=60,
+        causal=True, lengths=[21, 34], softcap=1.75,
+    )  # fmt: skip
+    check_case(case, torch.bfloat16, "cpu")
+    assert gpu.launches.count("decode_decode") == 1
+    (plan,) = decode._plans._plans.values()
+    fields = score_functions.decode_fields((("softcap", 1.75),))
+    assert fields and all(getattr(plan.template, name) == pytest.approx(value) for name, value in fields)
+    # A function without run-time fields would be dropped by the decode kernels: such a call says so and
+    # takes the PyTorch path, still the reference's answer.
+    entry = score_functions.SCORE_FUNCTIONS["softcap"]
+    bare = dataclasses.replace(entry, decode_fields=(), decode_values=lambda value: ())
+    monkeypatch.setitem(score_functions.SCORE_FUNCTIONS, "softcap", bare)
+    decode.clear_plans()
+    monkeypatch.setattr(dispatch, "_warned_reasons", set())  # (the warning comes once per reason)
+    with pytest.warns(RuntimeWarning, match="the decode kernels have no score function 'softcap'"):
+        check_case(dataclasses.replace(case, softcap=2.25), torch.bfloat16, "cpu")
+    assert gpu.launches.count("decode_decode") == 1

@@ -10,6 +10,8 @@ import ctypes
 import math
 from dataclasses import dataclass
 
+from ..spec.score_functions import decode_fields
+
 _I64 = ctypes.c_longlong
 _I32 = ctypes.c_int
 _F32 = ctypes.c_float
@@ -219,7 +221,7 @@ class DecodeParams(ctypes.Structure):
             )
         ]
         + [("scale", _F32), ("window_left", _I32), ("window_right", _I32)]
-        + [("softcap", _F32), ("softcap_inv", _F32)]
+        + [(name, _F32) for name, _ in decode_fields()]  # (the score functions' run-time values)
         + [("alibi_slopes", _PTR), ("alibi_batch_stride", _I64)]
     )
 

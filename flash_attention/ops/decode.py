@@ -24,6 +24,7 @@ from ..jit import driver, host
 from ..jit.loader import get_decode_kernels
 from ..jit.params import DecodeParams
 from ..jit.sources import DECODE_AUX_THREADS
+from ..spec.score_functions import SCORE_FUNCTIONS, decode_fields
 from ..spec.validate_kvcache import CacheProblem
 from . import repeat
 from .device import KERNEL_DTYPES, cuda_unavailable_reason, current_stream, device_arch, dtype_name, sm_count
@@ -170,9 +171,9 @@ class DecodePlan:
         p.num_m_blocks = -(-p.rows // cfg.block_m)
         p.scale = problem.scale
         p.window_left, p.window_right = problem.window or (-1, -1)
-        # (soft-capping is the decode kernels' one scalar score function: a run-time branch, not a policy)
-        cap = problem.score_values.get("softcap", 0.0)
-        p.softcap, p.softcap_inv = cap, (1.0 / cap if cap else 0.0)
+        # (a score function the decode kernels take is a run-time value in its own fields, not a policy)
+        for name, value in decode_fields(problem.score):
+            setattr(p, name, value)
         # ALiBi's slopes are a per-call pointer (__call__); a (heads_q,) table repeats for every row.
         p.alibi_batch_stride = problem.heads_q if problem.alibi == 2 else 0
 
@@ -493,9 +494,9 @@ def decode_plan(
         if problem.head_dim_v:
             dims = f"v's head_dim ({problem.head_dim_v}) differs from q's and k's ({problem.head_dim})"
             return f"{dims}, which no decode kernel takes yet"
-        # (soft-capping is the decode kernels' one scalar score function, a run-time value: another one of
-        # spec.score_functions would be dropped, so the composed path takes it)
-        other = [name for name, _ in problem.score if name != "softcap"]
+        # (the score functions without run-time fields in the decode kernels' params would be dropped, so the
+        # composed path takes them)
+        other = [name for name, _ in problem.score if not SCORE_FUNCTIONS[name].decode_fields]
         if other:
             return f"the decode kernels have no score function {other[0]!r}"
         # (row starts into one buffer: only a call that appends nothing, which writes no cache row)

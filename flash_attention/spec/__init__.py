@@ -41,8 +41,8 @@ ALIBI_ORIGINS = ("diagonal", "runs", "table")
 @dataclass(frozen=True)
 class ScoreSpec:
     """The score function of a call: ``values``, the active scalar functions of
-    :data:`~flash_attention.spec.score_functions.SCORE_FUNCTIONS` and their numbers, in that table's order
-    (soft-capping: ``(("softcap", 30.0),)`` caps the scaled score, ``softcap * tanh(s / softcap)``), then
+    :data:`~flash_attention.spec.score_functions.SCORE_FUNCTIONS` and their numbers as (name, value) pairs,
+    in that table's order (each entry's ``doc`` says what it does to the scaled score), then
     ``alibi``, ALiBi's ``-slope * distance`` added to it, the distance measured from ``alibi_origin``
     (:data:`ALIBI_ORIGINS`), with a slope per (batch row or) head, or per query row with ``alibi_rows`` (a
     packed batch whose sequences have slopes of their own). The slopes themselves are a tensor bound per
@@ -70,7 +70,8 @@ class ScoreSpec:
     def of(
         cls, *, alibi: bool = False, alibi_origin: str = "diagonal", alibi_rows: bool = False, **values: float
     ) -> ScoreSpec:
-        """The spec of the scalar functions given by name (``softcap=30.0``; 0: off) and ALiBi's form."""
+        """The spec of the scalar functions given by name (``name=value``, the registry's keywords; 0: off)
+        and ALiBi's form."""
         return cls(values_of(**values), alibi, alibi_origin, alibi_rows)
 
     def value(self, name: str) -> float:
@@ -92,14 +93,14 @@ class ScoreSpec:
     @property
     def build(self) -> str | None:
         """The kernel build's score function, a key of ``jit.sources.SCORE_MODS`` (None: none): the features
-        joined by "_" ("softcap_alibi_runs_rows"). Build names, cache keys and entry-point symbols all carry
-        it."""
+        joined by "_" (the functions' names, then "alibi", its origin and "rows"). Build names, cache keys and
+        entry-point symbols all carry it."""
         return "_".join(self._parts()) or None
 
     @property
     def policy(self) -> str | None:
         """The C++ policy of csrc/include/fa/variant.cuh the build instantiates (None: none), named from the
-        same features: ``fa::SoftcapAlibiRunsRows``."""
+        same features: each function's ``policy`` part, then ``Alibi``, its origin and ``Rows``."""
         names = {name: fn.policy for name, fn in SCORE_FUNCTIONS.items()}
         parts = [names.get(p) or p.capitalize() for p in self._parts()]
         return "fa::" + "".join(parts) if parts else None
@@ -167,8 +168,7 @@ class OpOptions(NamedTuple):
     tensors (key ranges, the dropout seed, ALiBi slopes, sinks, a packed batch's runs) travelling beside
     them: ``causal``, the resolved ``scale``, whether the backward is ``deterministic``, ``dropout_p``, the
     sliding ``window`` (None: none) and ``score``, the active scalar score functions' (name, value) pairs as
-    :attr:`ScoreSpec.values` holds them (``(("softcap", 30.0),)``; ``()``: none). An op schema takes them
-    packed, two lists
+    :attr:`ScoreSpec.values` holds them (``()``: none). An op schema takes them packed, two lists
     (:meth:`pack`, :meth:`unpack`): one argument each, however many options a variant adds. Plain values,
     not a dataclass, so that torch.compile's traces can make them (torch 2.11's dynamo cannot build the
     frozen dataclasses above inside a trace)."""

@@ -28,6 +28,7 @@ __all__ = [
     "apply_scores",
     "apply_scores_with_slope",
     "check_value",
+    "decode_fields",
     "values_of",
 ]
 
@@ -45,7 +46,11 @@ class ScoreFunction:
     does, else the scaled ones (None: the simulator refuses calls with it); ``forward_config_d128`` the
     warp-specialized forward config measured to suit the function at head_dim 128 (bf16, non-causal, from 3k
     keys, the call's only feature: ops.select.score_function_config), or None for the plain pick;
-    ``typical`` a value the models that use it take, which ``bench --features`` times it at."""
+    ``typical`` a value the models that use it take, which ``bench --features`` times it at;
+    ``decode_fields`` the float32 fields of the decode kernels' params (``fa::DecodeParams``,
+    jit.params.DecodeParams, in this table's order) that carry it as a run-time value, and
+    ``decode_values(value)`` what they hold (``()``: the decode kernels have no such function, and a call
+    with it takes the composed path)."""
 
     name: str
     policy: str
@@ -55,6 +60,8 @@ class ScoreFunction:
     kernel: Callable | None = None
     forward_config_d128: str | None = None
     typical: float = 1.0
+    decode_fields: tuple[str, ...] = ()
+    decode_values: Callable = lambda value: ()
 
     def __post_init__(self) -> None:
         # The layers below the public functions take the values as keywords beside their own arguments.
@@ -112,6 +119,10 @@ SCORE_FUNCTIONS: dict[str, ScoreFunction] = {
         # rows over 128 keys (docs/kernel-log.md, steps 106 and 115).
         forward_config_d128="(BF16, 128, 192, 64, 16): wgmma+ws+overlap+tma_store+stages_3",
         typical=30.0,  # (Grok-1's attention cap; Gemma 2 takes 50)
+        # A run-time branch in the decode kernels, not a policy (their builds are per head_dim only): the cap
+        # and its reciprocal, 0 for off.
+        decode_fields=("softcap", "softcap_inv"),
+        decode_values=lambda cap: (cap, 1.0 / cap if cap else 0.0),
     ),
 }
 
@@ -143,6 +154,17 @@ def values_of(**values: float) -> tuple[tuple[str, float], ...]:
         if value < 0:
             raise ValueError(f"{name} must be >= 0 (0: none); got {value!r}")
     return tuple((name, float(values[name])) for name in SCORE_FUNCTIONS if values.get(name))
+
+
+def decode_fields(values: tuple[tuple[str, float], ...] = ()) -> list[tuple[str, float]]:
+    """The decode kernels' run-time score fields, (field, value) in the table's order, every field of every
+    function that has them: 0 where ``values`` (a ScoreSpec's) leaves the function off."""
+    given = dict(values)
+    return [
+        pair
+        for fn in SCORE_FUNCTIONS.values()
+        for pair in zip(fn.decode_fields, fn.decode_values(given.get(fn.name, 0.0)), strict=True)
+    ]
 
 
 def apply_scores(scores, values: tuple[tuple[str, float], ...]):

@@ -5,13 +5,16 @@ the first call of each shape. Where it is not importable (a machine without it, 
 with the reason, like any other implementation that cannot run a point. Its calls take our layout, (batch,
 seqlen, heads, head_dim), and grouped K/V heads as they are, so nothing is copied around them.
 
-What it has, by our bench's variants: causal, a sliding window (``window_size=(left, right)``),
-soft-capping (``softcap=``), attention sinks (``learnable_sink=``, one logit per query head), grouped-query
-heads, and packed documents (``flash_attn_varlen_func``). It has no ALiBi: those rows are skipped.
+What it has, by our bench's variants: causal, a sliding window (``window_size=(left, right)``), attention
+sinks (``learnable_sink=``, one logit per query head), grouped-query heads, packed documents
+(``flash_attn_varlen_func``), and each of our score functions (spec.score_functions) whose name its call takes
+as a keyword (read from its signature, so a release that adds one is timed without an edit here). It has no
+ALiBi: those rows are skipped.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -38,23 +41,35 @@ def _first(result: Any) -> Any:
     return result[0] if isinstance(result, tuple) else result
 
 
-#: FlashAttention-4's keyword for each of our score functions it has (spec.score_functions' names).
-_SCORE_KEYWORDS = {"softcap": "softcap"}
+def _keywords(func: Callable) -> frozenset[str]:
+    """The keyword parameters of one of FlashAttention-4's calls (none where its signature cannot be read)."""
+    try:
+        return frozenset(inspect.signature(func).parameters)
+    except (TypeError, ValueError):
+        return frozenset()
 
 
 def _variant_kwargs(
-    *, causal: bool, window: int, score: tuple[tuple[str, float], ...], sinks: Any, alibi: bool
+    func: Callable,
+    *,
+    causal: bool,
+    window: int,
+    score: tuple[tuple[str, float], ...],
+    sinks: Any,
+    alibi: bool,
 ) -> dict:
     if alibi:
         raise Skip("FlashAttention-4 has no ALiBi")
-    missing = [name for name, _ in score if name not in _SCORE_KEYWORDS]
+    # Our score functions by the keyword of the same name (the one they share: its cap is ours, applied to
+    # the scaled score); one its call does not take is a variant it lacks.
+    missing = [name for name, _ in score if name not in _keywords(func)]
     if missing:
         raise Skip(f"FlashAttention-4 has no {', '.join(missing)}")
     kwargs: dict = {"causal": causal}
     if window:
         # The bench's window is causal: each query sees itself and the `window` keys before it.
         kwargs["window_size"] = (window, 0)
-    kwargs.update((_SCORE_KEYWORDS[name], value) for name, value in score)
+    kwargs.update(score)
     if sinks is not None:
         kwargs["learnable_sink"] = sinks
     return kwargs
@@ -71,8 +86,8 @@ def fa4_dense(
     """``f(q, k, v) -> out`` through ``flash_attn_func`` on (batch, seqlen, heads, head_dim) tensors, with the
     variant's arguments (``score``: our score functions' (name, value) pairs); raises Skip where
     FlashAttention-4 is missing or lacks the variant."""
-    kwargs = _variant_kwargs(causal=causal, window=window, score=score, sinks=sinks, alibi=alibi)
     func = _module().flash_attn_func
+    kwargs = _variant_kwargs(func, causal=causal, window=window, score=score, sinks=sinks, alibi=alibi)
     return lambda q, k, v: _first(func(q, k, v, **kwargs))
 
 
@@ -81,8 +96,8 @@ def fa4_varlen(
 ) -> Callable[[Any, Any, Any], Any]:
     """``f(q, k, v) -> out`` through ``flash_attn_varlen_func`` on packed (total, heads, head_dim) tensors of
     self-attention documents (the same offsets for queries and keys)."""
-    kwargs = _variant_kwargs(causal=causal, window=0, score=(), sinks=None, alibi=alibi)
     func = _module().flash_attn_varlen_func
+    kwargs = _variant_kwargs(func, causal=causal, window=0, score=(), sinks=None, alibi=alibi)
     return lambda q, k, v: _first(
         func(
             q,
