@@ -64,8 +64,11 @@ __device__ __forceinline__ void bwd_preprocess_body(const BwdParams& p) {
           real && lane8 == 0 ? p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + src] : neg_inf();
     }
     // The atomic mode's dQ workspace starts at zero: each row is cleared here, before the dK/dV kernel (next
-    // on the stream) adds into it; the stores drain while the loads above are in flight. Null in
-    // deterministic mode, which writes dQ directly.
+    // on the stream) adds into it (null where a deterministic kernel writes dQ directly; the deterministic
+    // warp-specialized ones add into dq_lanes accumulators, each cleared). ptxas issues all of the group's
+    // O and dO loads first and these stores after the first sums (SASS, NVRTC 13.0); placed before the loads
+    // in the source, the stores came first but ptxas then spread the loads between the sums, two round trips
+    // instead of one, so the loads keep the lead.
 #pragma unroll
     for (int i = 0; i < kGroup; ++i) {
       const int row = blockIdx.x * 64 + (group + i) * 16 + tid / 8;  // the row's workspace row
