@@ -158,7 +158,8 @@ def test_a_warp_that_filled_its_records_is_named():
 
 
 def test_a_blocks_fixed_part_is_read_back():
-    # The block begins 500 cycles before its first step's data and writes dK and dV 300 after its last step.
+    # The block begins 500 cycles before its first step's data and issues dK's and dV's stores 300 after its
+    # last step.
     tool = _tool()
     steps = 4
     last_end = 500 + (steps - 1) * _STEP + 2100
@@ -166,4 +167,5 @@ def test_a_blocks_fixed_part_is_read_back():
     ev = tool.events(timeline_buffer(tool, {(0, 4): seq, (0, 8): seq}))
     text = tool.summarize(type("Cfg", (), {"name": lambda self: "cfg"})(), ev)
     share = 800 / (last_end + 300)
-    assert f"first step's data 500, last step to dK and dV written 300: {share:.0%} of the block" in text
+    expected = f"data 500, last step to dK's and dV's stores issued 300: {share:.0%} of the block"
+    assert expected in text

@@ -14,8 +14,8 @@ wait, S^T's, the exponentials, dP^T's wait, dS and its store, the meeting of the
 staging and reduction, dK's wait), the step's length, the share of each step during which both warpgroups
 were in a phase with no product of theirs queued (after dP^T landed until dV's issue: the tensor cores'
 idle time), the producer's time per slot and its wait for a free one, and the block's fixed part (its start
-to its first step's data, its last step to dK and dV written) as a share of the block. --batch and --heads
-change the shape; --csv writes every event.
+to its first step's data, its last step to dK's and dV's stores issued) as a share of the block. --batch
+and --heads change the shape; --csv writes every event.
 
 A development tool (it uses ops.backward's internals); needs a Hopper GPU. docs/kernel-log/backward.md (the
 timeline note after step 132); docs/backward-study.md, stage 0.
@@ -221,8 +221,8 @@ def summarize(cfg, ev) -> str:
         f"producer: a slot released to refilled (issue + own copies) {refilled}, waited {waited} for it"
     )
     # A block's fixed part: from its start to its first step's data (K and V, the first Q and dO), and from
-    # its last step's end to dK and dV written; at short causal lengths a block has few steps to spread it
-    # over (kernel log: the 64-key form's design note).
+    # its last step's end to dK's and dV's stores issued (not completed: the stamp follows the st.global);
+    # at short causal lengths a block has few steps to spread it over (kernel log: the 64-key form's note).
     before, after, share = [], [], []
     for b in range(BLOCKS):
         for w in consumers:
@@ -238,8 +238,8 @@ def summarize(cfg, ev) -> str:
             share.append((first - begin + ends[0] - max(last)) / (ends[0] - begin))
     if share:
         lines.append(
-            f"block: start to its first step's data {median_text(before).strip()}, last step to dK and dV "
-            f"written {median_text(after).strip()}: {statistics.median(share):.0%} of the block"
+            f"block: start to its first step's data {median_text(before).strip()}, last step to dK's and "
+            f"dV's stores issued {median_text(after).strip()}: {statistics.median(share):.0%} of the block"
         )
     full = sorted({b for (b, w), seq in ev.items() if len(seq) >= RECORDS})
     if full:
