@@ -138,15 +138,20 @@ def test_fa4_has_no_alibi(fa4_calls):
 
 
 def test_fa4_skips_a_score_function_its_call_does_not_take(fa4_calls, monkeypatch):
-    # A release whose flash_attn_func has no keyword of a score function's name lacks that variant.
+    # A release whose flash_attn_func has no keyword of a score function's name lacks that variant, and one
+    # it would take only through **kwargs is not known to be there.
     def flash_attn_func(q, k, v, *, causal=False, window_size=(None, None), learnable_sink=None):
         raise AssertionError("a variant FlashAttention-4 lacks must not be called")
 
-    monkeypatch.setattr(sys.modules["flash_attn.cute"], "flash_attn_func", flash_attn_func)
+    def through_kwargs(q, k, v, causal=False, **kwargs):
+        raise AssertionError("a variant FlashAttention-4 lacks must not be called")
+
     shape = runners.Shape(
         dtype="bf16", batch=1, heads=2, seqlen=8, head_dim=16, causal=False, score=(("softcap", 3.0),)
     )
-    with pytest.raises(runners.Skip, match="FlashAttention-4 has no softcap"):
-        runners.make_runner("fa4", shape, runners.make_inputs(shape, 1, "cpu"), "fwd")
+    for func in (flash_attn_func, through_kwargs):
+        monkeypatch.setattr(sys.modules["flash_attn.cute"], "flash_attn_func", func)
+        with pytest.raises(runners.Skip, match="FlashAttention-4 has no softcap"):
+            runners.make_runner("fa4", shape, runners.make_inputs(shape, 1, "cpu"), "fwd")
     plain = runners.Shape(dtype="bf16", batch=1, heads=2, seqlen=8, head_dim=16, causal=False)
     runners.make_runner("fa4", plain, runners.make_inputs(plain, 1, "cpu"), "fwd")  # builds; not called here

@@ -155,3 +155,17 @@ def test_a_warp_that_filled_its_records_is_named():
     raw = timeline_buffer(tool, {(2, 4): _consumer(steps)[: tool.RECORDS], (2, 8): _consumer(3)})
     text = tool.summarize(type("Cfg", (), {"name": lambda self: "cfg"})(), tool.events(raw))
     assert "blocks [2] filled a warp's 4096 records" in text
+
+
+def test_a_blocks_fixed_part_is_read_back():
+    # The block begins 500 cycles before its first step's data and issues dK's and dV's stores 300 after its
+    # last step.
+    tool = _tool()
+    steps = 4
+    last_end = 500 + (steps - 1) * _STEP + 2100
+    seq = [("block_begin", 0, 0), *_consumer(steps, offset=500), ("block_end", steps, last_end + 300)]
+    ev = tool.events(timeline_buffer(tool, {(0, 4): seq, (0, 8): seq}))
+    text = tool.summarize(type("Cfg", (), {"name": lambda self: "cfg"})(), ev)
+    share = 800 / (last_end + 300)
+    expected = f"data 500, last step to dK's and dV's stores issued 300: {share:.0%} of the block"
+    assert expected in text

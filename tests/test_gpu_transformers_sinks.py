@@ -2,7 +2,8 @@
 with random weights in bfloat16 runs every attention call on our kernels with ``sinks=`` (its sliding layer
 with the window too) in prefill, greedy ``generate()`` (the decoding steps on the decode kernels) and a
 training step; never on the eager function or SDPA; logits within twice bf16 eager's distance from float32
-eager, greedy tokens as eager's where eager's margin allows, loss and gradients close to eager's."""
+eager, greedy tokens as eager's where eager's margin allows, the training step's loss and gradients within
+twice bf16 eager's distance from float32 eager's (plus a floor)."""
 
 from __future__ import annotations
 
@@ -99,7 +100,7 @@ def test_gpt_oss_training_step_runs_the_kernels_with_sinks(sink_calls):
         if model is ours:
             assert sink_calls == {"kernel": 2, "decode": 0, "other": 0}
     loss_o, loss_e, loss_x = (loss.item() for loss in losses)
-    assert abs(loss_o - loss_x) <= 2 * abs(loss_e - loss_x) + 1e-3 * abs(loss_x)
+    assert abs(loss_o - loss_x) <= 2 * abs(loss_e - loss_x) + 1e-2
     # Each gradient against float32 eager's, in the 2-norm: within twice bf16 eager's distance from it (the
     # suite's rule) plus 5% of its size. A whole bf16 model's gradients are that noisy: over 8 random models
     # (H200) bf16 eager's own norm error against float32 was 1-16% per parameter (the sinks' and the router's,

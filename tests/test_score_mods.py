@@ -4,6 +4,8 @@ translation units (the policy named, its own entry points and cache key)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -183,3 +185,14 @@ def test_a_score_functions_name_cannot_be_a_launch_keyword():
     for name in ("window", "sinks", "causal", "not an identifier"):
         with pytest.raises(ValueError, match="must be an identifier outside"):
             score_functions.ScoreFunction(name, "X", lambda s, b: s, lambda o, b: None, "")
+
+
+def test_a_score_functions_decode_fields_read_zero_as_off():
+    # The decode kernels read 0 as off and every function's fields are filled on every call: an entry whose
+    # decode_values(0) is not one zero per field is refused when it is made.
+    entry = score_functions.SCORE_FUNCTIONS["softcap"]
+    assert score_functions.decode_fields() == [(name, 0.0) for name in entry.decode_fields]
+    with pytest.raises(ValueError, match="decode_values"):
+        dataclasses.replace(entry, decode_values=lambda cap: (cap, 1.0))
+    with pytest.raises(ValueError, match="decode_values"):
+        dataclasses.replace(entry, decode_values=lambda cap: (cap,))

@@ -1,6 +1,7 @@
 """Where a step of the warp-specialized backward goes: its dK/dV kernel's timeline build on one call.
 
-    python tools/bwd_timeline.py [--config NAME] [--head-dim 128] [--seqlen 4096] [--causal] [--csv OUT]
+    python tools/bwd_timeline.py [--config NAME] [--head-dim 128] [--seqlen 4096] [--causal] [--batch B]
+        [--heads H] [--csv OUT]
 
 Compiles the dK/dV kernel of CONFIG (default: the one attention()'s backward picks for the shape) with
 FA_TIMELINE=1 (csrc/include/fa/timeline.cuh: lane 0 of every warp of the first four blocks stamps its events
@@ -12,7 +13,9 @@ consumer warpgroup, the median of each phase of a query step between its waits a
 wait, S^T's, the exponentials, dP^T's wait, dS and its store, the meeting of the warpgroups, dQ's wait, dQ's
 staging and reduction, dK's wait), the step's length, the share of each step during which both warpgroups
 were in a phase with no product of theirs queued (after dP^T landed until dV's issue: the tensor cores'
-idle time), and the producer's time per slot and its wait for a free one. --csv writes every event.
+idle time), the producer's time per slot and its wait for a free one, and the block's fixed part (its start
+to its first step's data, its last step to dK's and dV's stores issued) as a share of the block. --batch
+and --heads change the shape; --csv writes every event.
 
 A development tool (it uses ops.backward's internals); needs a Hopper GPU. docs/kernel-log/backward.md (the
 timeline note after step 132); docs/backward-study.md, stage 0.
@@ -49,6 +52,8 @@ EVENTS = {
     19: "step_end",
     20: "slot_free",
     21: "slot_issued",
+    22: "block_begin",
+    23: "block_end",
 }
 
 #: The Q/dO slots of the kernel's ring.
@@ -215,6 +220,27 @@ def summarize(cfg, ev) -> str:
     lines.append(
         f"producer: a slot released to refilled (issue + own copies) {refilled}, waited {waited} for it"
     )
+    # A block's fixed part: from its start to its first step's data (K and V, the first Q and dO), and from
+    # its last step's end to dK's and dV's stores issued (not completed: the stamp follows the st.global);
+    # at short causal lengths a block has few steps to spread it over (kernel log: the 64-key form's note).
+    before, after, share = [], [], []
+    for b in range(BLOCKS):
+        for w in consumers:
+            s = _steps(ev.get((b, w), []))
+            begin = s.get(0, {}).get("block_begin")
+            first = s.get(0, {}).get("full")
+            ends = [e["block_end"] for e in s.values() if "block_end" in e]
+            last = [e["step_end"] for e in s.values() if "step_end" in e]
+            if begin is None or first is None or not ends or not last:
+                continue
+            before.append(first - begin)
+            after.append(ends[0] - max(last))
+            share.append((first - begin + ends[0] - max(last)) / (ends[0] - begin))
+    if share:
+        lines.append(
+            f"block: start to its first step's data {median_text(before).strip()}, last step to dK's and "
+            f"dV's stores issued {median_text(after).strip()}: {statistics.median(share):.0%} of the block"
+        )
     full = sorted({b for (b, w), seq in ev.items() if len(seq) >= RECORDS})
     if full:
         lines.append(f"note: blocks {full} filled a warp's {RECORDS} records: their later steps are not here")
@@ -227,9 +253,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--seqlen", type=int, default=4096)
     ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--batch", type=int, default=None, help="default 16k tokens / seqlen")
+    ap.add_argument("--heads", type=int, default=None, help="default 2048 / head_dim")
     ap.add_argument("--csv", default=None, help="write every event here")
     args = ap.parse_args(argv)
-    cfg, raw = run(args.config, args.head_dim, args.seqlen, args.causal)
+    cfg, raw = run(args.config, args.head_dim, args.seqlen, args.causal, batch=args.batch, heads=args.heads)
     ev = events(raw)
     print(f"d{args.head_dim} seqlen {args.seqlen}{' causal' if args.causal else ''}")
     print(summarize(cfg, ev))

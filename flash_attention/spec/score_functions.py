@@ -70,6 +70,14 @@ class ScoreFunction:
                 f"a score function's name must be an identifier outside {sorted(RESERVED_NAMES)}; got "
                 f"{self.name!r}"
             )
+        # The decode kernels read a run-time value of 0 as off, and every field of every function is filled
+        # on every call (decode_fields): off has to be zeros, one per field.
+        off = tuple(self.decode_values(0.0))
+        if len(off) != len(self.decode_fields) or any(off):
+            raise ValueError(
+                f"{self.name}: decode_values(0) must be one zero per decode field {self.decode_fields}; "
+                f"got {off}"
+            )
 
 
 #: The keywords of the layers that take score values by name (ops.cuda_forward and the others, the fallback,
@@ -158,7 +166,8 @@ def values_of(**values: float) -> tuple[tuple[str, float], ...]:
 
 def decode_fields(values: tuple[tuple[str, float], ...] = ()) -> list[tuple[str, float]]:
     """The decode kernels' run-time score fields, (field, value) in the table's order, every field of every
-    function that has them: 0 where ``values`` (a ScoreSpec's) leaves the function off."""
+    function that has them: zeros where ``values`` (a ScoreSpec's) leaves the function off (its
+    ``decode_values(0)``, which an entry must make zeros, as the kernels read 0 as off)."""
     given = dict(values)
     return [
         pair

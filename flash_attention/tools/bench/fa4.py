@@ -42,11 +42,14 @@ def _first(result: Any) -> Any:
 
 
 def _keywords(func: Callable) -> frozenset[str]:
-    """The keyword parameters of one of FlashAttention-4's calls (none where its signature cannot be read)."""
+    """The optional keyword parameters FlashAttention-4's call names (none where its signature cannot be
+    read): a name it only takes through ``**kwargs`` is not one it is known to have."""
     try:
-        return frozenset(inspect.signature(func).parameters)
+        parameters = inspect.signature(func).parameters.values()
     except (TypeError, ValueError):
         return frozenset()
+    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return frozenset(p.name for p in parameters if p.kind in keyword and p.default is not p.empty)
 
 
 def _variant_kwargs(

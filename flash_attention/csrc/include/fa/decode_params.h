@@ -63,7 +63,7 @@ struct DecodeParams {
   // Logit soft-capping (Gemma 2): scores s -> softcap * tanh(s / softcap) before the softmax; 0: none.
   float softcap, softcap_inv;
   // ALiBi (float32 slopes, one per (batch row, query head): alibi_batch_stride 0 for a (heads_q,) table):
-  // each score s -> s - slope |diag - key|, aligned like causal; null: none. Not with softcap.
+  // each score s -> s - slope |diag - key|, aligned like causal, after the cap when both are set; null: none.
   const float* alibi_slopes;
   long long alibi_batch_stride;
 };

@@ -52,6 +52,8 @@ enum Kind : unsigned {
   kBwdStepEnd = 19,     // consumer: dK has landed, the slot released
   kBwdSlotFree = 20,    // producer: a slot came free (empty barrier passed; argument: the ring count)
   kBwdSlotIssued = 21,  // producer: the slot's copies issued and its arrival made
+  kBwdBlockBegin = 22,  // consumer: the block's work begins (after the grid dependency; argument 0)
+  kBwdBlockEnd = 23,    // consumer: dK's and dV's stores issued (argument: the block's query steps)
 };
 
 constexpr int kBlocks = 4;

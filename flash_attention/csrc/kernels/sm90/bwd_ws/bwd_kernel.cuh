@@ -388,6 +388,7 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
 #if FA_TIMELINE
   timeline::Recorder tl(p, tid / 32);
 #endif
+  FA_TIMELINE_EVENT(tl, kBwdBlockBegin, 0);
 
   float dv[D / 2], dk[D / 2];
 #pragma unroll
@@ -661,6 +662,7 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
 
   // ---- epilogue: dK, dV (scale already folded into dS) ---------------------------------------------------
   store_dk_dv<D, BF>(p, batch, kv_head, kv_start, block_keys(), row0, g, t, dk, dv);
+  FA_TIMELINE_EVENT(tl, kBwdBlockEnd, n_iter);
 }
 
 }  // namespace sm90
