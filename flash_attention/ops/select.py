@@ -97,16 +97,10 @@ def _check_explicit(cfg, dtype: str, head_dim: int, missing: list[str], smem: in
 
 def score_function_config(cfg: KernelConfig, features: tuple[str, ...], causal: bool, n: int) -> KernelConfig:
     """The forward config of a call with a scalar score function from the plain pick: the function's own
-    (spec.score_functions, ``forward_config_d128``) at head_dim 128 in bf16, non-causal, from 3k keys, where
-    it is the call's one score function and has one. Soft-capping's: three consumer warpgroups of 64 rows
-    over 64-key tiles (three stages) instead of two of 128 rows over 128 keys. It asks the SFU for a tanh
-    and an exp2 per score, as many SFU cycles as the tensor cores' products at head_dim 128; three consumer
-    warps per sub-partition hide its queue better, and shorter tiles shorten each softmax burst. bench
-    (H200): at 4k 0.994 / 0.995 ms against 1.026 / 1.028 in two rounds of one call (-3.1%), 0.976 against
-    1.021 in another (-4.4%); at 8k and 16k -9.4% and -7.9% against the 176-key pick. Causal it is 0.5%
-    slower and plain attention 5% slower with it, so both keep their picks (docs/kernel-log.md, steps 106
-    and 115). Not with ALiBi (its unbounded form), a window, a packed batch or dropout (whose hash takes a
-    192-row block to 128 rows): unmeasured there."""
+    (spec.score_functions, ``forward_config_d128``, where the entry says why) at head_dim 128 in bf16,
+    non-causal, from 3k keys, where it is the call's one score function and has one. Not with ALiBi (its
+    unbounded form), a window, a packed batch or dropout (whose hash takes a 192-row block to 128 rows):
+    unmeasured there."""
     others = {"alibi", "window", "segments", "dropout", "key_range"}
     functions = [SCORE_FUNCTIONS[f] for f in features if f in SCORE_FUNCTIONS]
     if (

@@ -123,8 +123,12 @@ SCORE_FUNCTIONS: dict[str, ScoreFunction] = {
         "caps the scaled score, softcap * tanh(s / softcap)",
         _cap_kernel,
         # A tanh and an exp2 per score are as many SFU cycles as the tensor cores' products at head_dim 128:
-        # three consumer warpgroups of 64 rows over 64-key tiles hide the SFU's queue better than two of 128
-        # rows over 128 keys (docs/kernel-log.md, steps 106 and 115).
+        # three consumer warpgroups of 64 rows over 64-key tiles (three stages) hide the SFU's queue better
+        # than two of 128 rows over 128 keys, and shorter tiles shorten each softmax burst. bench (H200): at
+        # 4k 0.994 / 0.995 ms against 1.026 / 1.028 in two rounds of one call (-3.1%), 0.976 against 1.021
+        # in another (-4.4%); at 8k and 16k -9.4% and -7.9% against the 176-key pick. Causal it is 0.5%
+        # slower and plain attention 5% slower with it, so both keep their picks (docs/kernel-log.md, steps
+        # 106 and 115).
         forward_config_d128="(BF16, 128, 192, 64, 16): wgmma+ws+overlap+tma_store+stages_3",
         typical=30.0,  # (Grok-1's attention cap; Gemma 2 takes 50)
         # A run-time branch in the decode kernels, not a policy (their builds are per head_dim only): the cap
