@@ -193,10 +193,10 @@ __device__ __forceinline__ void stage_key_rows(u32 s_tile, const float (&acc)[D 
 // copy_out_key_rows: rows [first_row, first_row + ROWS) of a tile in stage_key_rows' layout (or
 // store_head_rows_transposed's, the wide kernel's) out to dK's or dV's layout (dst at the block's first key,
 // rows row_stride elements apart), THREADS threads (tid their index) 16 bytes each per pass, consecutive
-// threads on consecutive chunks of a row: a warp's store covers 512 contiguous bytes of whole rows at head_dim
-// 128, 4 passes of the store unit where the register form above takes 8 for 128 bytes. Keys at or past
-// rows_left and chunks at or past head_dim are not written. The callers' rows are 16-byte aligned: dK and dV
-// are contiguous with head_dim a multiple of 8 (ops/backward.py).
+// threads on consecutive chunks of a row: a warp's store covers 512 contiguous bytes of whole rows at
+// head_dim 128, 4 passes of the store unit where the register form above takes 8 for 128 bytes. Keys at or
+// past rows_left and chunks at or past head_dim are not written. The callers' rows are 16-byte aligned: dK
+// and dV are contiguous with head_dim a multiple of 8 (ops/backward.py).
 template <int ROWS, int D, int THREADS>
 __device__ __forceinline__ void copy_out_key_rows(u16* dst, i64 row_stride, int rows_left, int head_dim,
                                                   u32 s_tile, int first_row, int tid) {
@@ -206,7 +206,8 @@ __device__ __forceinline__ void copy_out_key_rows(u16* dst, i64 row_stride, int 
   for (int i = 0; i < ROWS * C / THREADS; ++i) {
     const int id = i * THREADS + tid, row = first_row + id / C, c = id % C;
     if (row < rows_left && 8 * c < head_dim)
-      st_global_16(dst + (i64)row * row_stride + 8 * c, ld_shared_16(s_tile + row * (2 * D) + ((c ^ (row % 8)) << 4)));
+      st_global_16(dst + (i64)row * row_stride + 8 * c,
+                   ld_shared_16(s_tile + row * (2 * D) + ((c ^ (row % 8)) << 4)));
   }
 }
 

@@ -673,10 +673,10 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
   stage_key_rows<D, BF>(sK, dk, row0, lane);
   stage_key_rows<D, BF>(sV, dv, row0, lane);
   __syncwarp();
-  copy_out_key_rows<16, D, 32>(static_cast<u16*>(p.dk) + dk_offset(p, batch, kv_head, kv_start), p.dk_row_stride,
-                               block_keys(), p.head_dim, sK, row0, lane);
-  copy_out_key_rows<16, D, 32>(static_cast<u16*>(p.dv) + dv_offset(p, batch, kv_head, kv_start), p.dv_row_stride,
-                               block_keys(), p.head_dim, sV, row0, lane);
+  copy_out_key_rows<16, D, 32>(static_cast<u16*>(p.dk) + dk_offset(p, batch, kv_head, kv_start),
+                               p.dk_row_stride, block_keys(), p.head_dim, sK, row0, lane);
+  copy_out_key_rows<16, D, 32>(static_cast<u16*>(p.dv) + dv_offset(p, batch, kv_head, kv_start),
+                               p.dv_row_stride, block_keys(), p.head_dim, sV, row0, lane);
   FA_TIMELINE_EVENT(tl, kBwdBlockEnd, n_iter);
 }
 
