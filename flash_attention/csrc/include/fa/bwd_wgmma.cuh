@@ -137,7 +137,10 @@ __device__ __forceinline__ void issue_dq(float (&dq)[N / 2], u64 ds_desc, u64 kt
 
 // One head_dim-wide fp32 accumulator of the warp's two key rows (row0 + g, row0 + g + 8 of the block) into
 // a dK or dV layout (`dst` at the block's first key, `row_stride` elements apart); rows at or past
-// `rows_left` and columns past head_dim are not written.
+// `rows_left` and columns past head_dim are not written. Each st.global.b32 of a warp writes 16 bytes into
+// each of 8 rows, so the store unit takes 8 passes for 128 bytes: 128 of them per thread at head_dim 128
+// for dK and dV. Where shared memory is free at the end, stage_key_rows + copy_out_key_rows below write
+// the same rows in 16-byte chunks (kernel log 147).
 template <int D, bool BF>
 __device__ __forceinline__ void store_key_rows(u16* dst, i64 row_stride, int rows_left, int head_dim, int row0,
                                                int g, int t, const float (&acc)[D / 2]) {
@@ -164,6 +167,48 @@ __device__ __forceinline__ void store_dk_dv(const BwdParams& p, int batch, int k
                         rows_left, p.head_dim, row0, g, t, dk);
   store_key_rows<D, BF>(static_cast<u16*>(p.dv) + dv_offset(p, batch, kv_head, kv_start), p.dv_row_stride,
                         rows_left, p.head_dim, row0, g, t, dv);
+}
+
+// The staged epilogue of a key-row accumulator (dK or dV), in two halves with the caller's ordering between
+// them (the warp's __syncwarp when a warp copies out its own rows, a named barrier when the copying threads
+// span warps).
+//
+// stage_key_rows: the warp's 16 key rows of `acc` (register 4 n + e: key row row0 + g + 8 (e / 2), column
+// 8 n + 2 t + e % 2; row0 a multiple of 16) as 16-bit rows of 2 D bytes in the tile at s_tile, key row k at
+// k * 2 D, its 16-byte chunk c at c ^ (k % 8): the eight rows one 8x8 matrix writes then fall in eight bank
+// groups. One stmatrix_x4 per pair of 8-column n-tiles: matrix i is rows 8 (i % 2) on of n-tile n + i / 2,
+// the pieces store_ds_t's k-steps hold in the same order; lane 8 i + j addresses its row j.
+template <int D, bool BF>
+__device__ __forceinline__ void stage_key_rows(u32 s_tile, const float (&acc)[D / 2], int row0, int lane) {
+  const int i = lane / 8, j = lane % 8;
+  const u32 row = s_tile + (u32)(row0 + j + 8 * (i % 2)) * (2 * D);
+#pragma unroll
+  for (int n = 0; n < D / 8; n += 2) {
+    const u32 r[4] = {pack2<BF>(acc[4 * n], acc[4 * n + 1]), pack2<BF>(acc[4 * n + 2], acc[4 * n + 3]),
+                      pack2<BF>(acc[4 * n + 4], acc[4 * n + 5]), pack2<BF>(acc[4 * n + 6], acc[4 * n + 7])};
+    stmatrix_x4(row + (((n + i / 2) ^ j) << 4), r);
+  }
+}
+
+// copy_out_key_rows: rows [first_row, first_row + ROWS) of a tile in stage_key_rows' layout (or
+// store_head_rows_transposed's, the wide kernel's) out to dK's or dV's layout (dst at the block's first key,
+// rows row_stride elements apart), THREADS threads (tid their index) 16 bytes each per pass, consecutive
+// threads on consecutive chunks of a row: a warp's store covers 512 contiguous bytes of whole rows at
+// head_dim 128, 4 passes of the store unit where the register form above takes 8 for 128 bytes. Keys at or
+// past rows_left and chunks at or past head_dim are not written. The callers' rows are 16-byte aligned: dK
+// and dV are contiguous with head_dim a multiple of 8 (ops/backward.py).
+template <int ROWS, int D, int THREADS>
+__device__ __forceinline__ void copy_out_key_rows(u16* dst, i64 row_stride, int rows_left, int head_dim,
+                                                  u32 s_tile, int first_row, int tid) {
+  constexpr int C = D / 8;  // chunks per key row
+  static_assert(ROWS * C % THREADS == 0, "the threads cover the rows in whole passes");
+#pragma unroll
+  for (int i = 0; i < ROWS * C / THREADS; ++i) {
+    const int id = i * THREADS + tid, row = first_row + id / C, c = id % C;
+    if (row < rows_left && 8 * c < head_dim)
+      st_global_16(dst + (i64)row * row_stride + 8 * c,
+                   ld_shared_16(s_tile + row * (2 * D) + ((c ^ (row % 8)) << 4)));
+  }
 }
 
 }  // namespace fa

@@ -155,22 +155,6 @@ __device__ __forceinline__ void store_head_rows_transposed(u32 s_out, const floa
   }
 }
 
-// The keys x D tile store_head_rows_transposed wrote, out to dK's or dV's layout (dst at the block's first
-// key, rows row_stride elements apart) by the 256 computing threads, 16 bytes each: keys at or past
-// rows_left and chunks at or past head_dim are not written.
-template <int BC, int D>
-__device__ __forceinline__ void copy_out_key_rows(u16* dst, i64 row_stride, int rows_left, int head_dim,
-                                                  u32 s_tile, int ctid) {
-  constexpr int C = D / 8;  // chunks per key row
-  static_assert(BC * C % 256 == 0, "the 256 threads cover the tile in whole passes");
-#pragma unroll
-  for (int i = 0; i < BC * C / 256; ++i) {
-    const int id = i * 256 + ctid, row = id / C, c = id % C;
-    if (row < rows_left && 8 * c < head_dim)
-      st_global_16(dst + (i64)row * row_stride + 8 * c, ld_shared_16(s_tile + row * (2 * D) + ((c ^ (row % 8)) << 4)));
-  }
-}
-
 // The previous step's slot back to the producer (`prev_empty`, 0 at the first step): the issuing thread waits
 // for the copy engine to have read the dQ it staged there, then arrives (the others arrived after staging).
 // Called once this step's products after barrier 1 are on the tensor cores: by then that read has long
@@ -582,10 +566,11 @@ __device__ __forceinline__ void bwd_wide_ws_dkdv_body(const BwdParams& p, const 
     for (int hb = 0; hb < 3; ++hb) store_head_rows_transposed<BC, D, BF>(sK, hacc[hb], 64 * hb + 16 * wq, lane);
   }
   named_barrier_sync(1, 256);
-  copy_out_key_rows<BC, D>(static_cast<u16*>(p.dk) + dk_offset(p, batch, kv_head, kv_start), p.dk_row_stride,
-                           p.seqlen_k - kv_start, p.head_dim, sK, ctid);
-  copy_out_key_rows<BC, DV>(static_cast<u16*>(p.dv) + dv_offset(p, batch, kv_head, kv_start), p.dv_row_stride,
-                            p.seqlen_k - kv_start, hdv, sV, ctid);
+  // (fa/bwd_wgmma.cuh: the 256 computing threads copy the block's BC key rows)
+  copy_out_key_rows<BC, D, 256>(static_cast<u16*>(p.dk) + dk_offset(p, batch, kv_head, kv_start),
+                                p.dk_row_stride, p.seqlen_k - kv_start, p.head_dim, sK, 0, ctid);
+  copy_out_key_rows<BC, DV, 256>(static_cast<u16*>(p.dv) + dv_offset(p, batch, kv_head, kv_start),
+                                 p.dv_row_stride, p.seqlen_k - kv_start, hdv, sV, 0, ctid);
 }
 
 }  // namespace sm90

@@ -660,8 +660,23 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
   // No reduction may outlive the shared memory it reads.
   if (!kDeterministic && !kDqWriter && ctid % 128 == 0) bulk_wait<0>();
 
-  // ---- epilogue: dK, dV (scale already folded into dS) ---------------------------------------------------
-  store_dk_dv<D, BF>(p, batch, kv_head, kv_start, block_keys(), row0, g, t, dk, dv);
+  // ---- epilogue: dK and dV through K's and V's tiles (the softmax scale is already in dS) ----------------
+  // Once both warpgroups are here, every product that reads K (S^T, both warpgroups' dQ) or V (dP^T) has
+  // completed: each waited for all of its own (wgmma_wait<0>) at the end of its last step. Each warp then
+  // stages its 16 key rows of dK into K's tile and of dV into V's (fa/bwd_wgmma.cuh, stage_key_rows) and,
+  // once its lanes' writes are ordered before their reads (__syncwarp), copies those rows out itself in
+  // 16-byte chunks, so no second barrier. Why: stored from registers (store_dk_dv) the rows took 128
+  // st.global.b32 per thread of 8 rows each, 9,244 cycles from the last step's end to the last store's issue
+  // at 4 x 1024 x 32 x 128 causal, 13% of a block there with the block's start (tools/bwd_timeline.py, H200;
+  // kernel log 147).
+  named_barrier_sync(1, 256);
+  stage_key_rows<D, BF>(sK, dk, row0, lane);
+  stage_key_rows<D, BF>(sV, dv, row0, lane);
+  __syncwarp();
+  copy_out_key_rows<16, D, 32>(static_cast<u16*>(p.dk) + dk_offset(p, batch, kv_head, kv_start),
+                               p.dk_row_stride, block_keys(), p.head_dim, sK, row0, lane);
+  copy_out_key_rows<16, D, 32>(static_cast<u16*>(p.dv) + dv_offset(p, batch, kv_head, kv_start),
+                               p.dv_row_stride, block_keys(), p.head_dim, sV, row0, lane);
   FA_TIMELINE_EVENT(tl, kBwdBlockEnd, n_iter);
 }
 
