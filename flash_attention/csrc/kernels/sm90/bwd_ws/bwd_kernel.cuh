@@ -140,8 +140,15 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
   const u32 sdO = sQ + NST * kQ;
   const u32 sdS = sdO + NST * kQ;
   const u32 sdQ = sdS + 2 * kDS;
-  const u32 sStats = sdQ + 2 * 64 * 64 * 4;  // [slot][LSE2 (BR floats), delta (BR floats)]
-  const u32 bars = sStats + NST * 8 * BR;
+  // A slot's statistics: LSE2 and delta (BR floats each), and with dropout in the atomic kernel the step's
+  // query row hashes (BR words), drawn by the producer so that each consumer thread reads the 16 it needs
+  // instead of drawing them (fa/dropout.cuh dropout_stage_row_hashes; kernel log 150). The deterministic
+  // kernel draws its keep bits in a loop of its own before the S^T wait and keeps the 8 * BR slot; so does
+  // head_dim 64, whose causal dropout build spilled 12 bytes with the staged hashes (0 before; NVRTC 13.0).
+  constexpr bool kRowHashes = kDropout && !kDeterministic && D == 128;
+  constexpr u32 kStatsSlot = (kRowHashes ? 12 : 8) * BR;
+  const u32 sStats = sdQ + 2 * 64 * 64 * 4;  // [slot][LSE2, delta (, row hashes)]
+  const u32 bars = sStats + NST * kStatsSlot;
   auto full = [&](int s) { return bars + 8 * s; };
   auto empty = [&](int s) { return bars + 8 * (NST + s); };
   // Deterministic mode: consumer warpgroup w's staged dQ tile is complete (dq_full, its 128 threads) and has
@@ -157,10 +164,10 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
   const float* const stats = reinterpret_cast<const float*>(smem + (sStats - smem_addr(smem)));
   // The layout above (its mbarriers: full and empty per slot, the deterministic hand-off's four) and the
   // 1 KB the base is rounded up by fit what the launch allocates (configs.backward.BwdConfig.smem_bytes).
-  static_assert(
-      1024 + 2 * kKV + 2 * NST * kQ + 2 * kDS + 2 * 64 * 64 * 4 + NST * 8 * BR + 8 * (2 * NST + 4) + 8 * NST <=
-          Cfg::kSmemBytes,
-      "the shared-memory layout exceeds the config's smem_bytes");
+  static_assert(1024 + 2 * kKV + 2 * NST * kQ + 2 * kDS + 2 * 64 * 64 * 4 + NST * kStatsSlot +
+                        8 * (2 * NST + 4) + 8 * NST <=
+                    Cfg::kSmemBytes,
+                "the shared-memory layout exceeds the config's smem_bytes");
 
   const int tid = threadIdx.x;
   // Which block this is, in the order the blocks start (fa/kv_block_order.cuh): causal, the heaviest
@@ -354,10 +361,20 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
       // bounds check.
       const i64 r0 = workspace_row(p, batch, head, q_start + ws_shift);
       if (tid < BR / 4) {
-        cp_async_16(sStats + s * 8 * BR + 16 * tid, p.lse_log2 + r0 + 4 * tid, 16);
+        cp_async_16(sStats + s * kStatsSlot + 16 * tid, p.lse_log2 + r0 + 4 * tid, 16);
       } else if (tid < BR / 2) {
         const int c = tid - BR / 4;
-        cp_async_16(sStats + s * 8 * BR + 4 * BR + 16 * c, p.delta + r0 + 4 * c, 16);
+        cp_async_16(sStats + s * kStatsSlot + 4 * BR + 16 * c, p.delta + r0 + 4 * c, 16);
+      }
+      if constexpr (kRowHashes) {
+        // Threads BR / 2 .. BR - 1 (a warp the copies above leave idle): queries 2 c and 2 c + 1 each, stored
+        // before this thread's arrival on full[s] publishes them with the copies.
+        static_assert(kLoaders >= BR, "a loader thread per pair of rows");
+        const int c = tid - BR / 2;
+        if (c >= 0 && c < BR / 2)
+          dropout_stage_row_hashes(sStats + s * kStatsSlot + 8 * BR + 8 * c,
+                                   dropout_head_hash(p.dropout_key, batch * p.heads_q + head),
+                                   q_start + 2 * c);
       }
       if (kDeterministic && tid == 0) {
         st_shared_32(sStep + 8 * s, (u32)head);
@@ -471,10 +488,11 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
       mask.template mask_key_rows<true>(acc_tile(sc), kv_start, row0, q_start, g, t);
     else
       mask.mask_key_rows(acc_tile(sc), kv_start, row0, q_start, g, t);
-    const float* lse_s = stats + s * 2 * BR;
+    const float* lse_s = stats + s * (kStatsSlot / 4);
     const float* del_s = lse_s + BR;
+    const u32* rh_s = reinterpret_cast<const u32*>(lse_s + 2 * BR);  // (kRowHashes)
     u32 head_hash = 0;
-    if constexpr (kDropout && !kDeterministic)
+    if constexpr (kDropout && !kDeterministic && !kRowHashes)
       head_hash = dropout_head_hash(p.dropout_key, batch * p.heads_q + head);
     // A score function with a derivative (soft-capping), without dropout: the derivative is taken here, from
     // the modified score itself, and P is packed for dV at once, so that sc can hold P times the derivative
@@ -513,8 +531,15 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
       if constexpr (kDropout && !kDeterministic) {
         // (Not the deterministic path's dropout_keep_bits_key_rows, the same bits as one word shifted into
         // place: here that form compiled to 32-520 more instructions per build, NVRTC 13.0.)
-        const u32 hr[2] = {dropout_row_hash(head_hash, q_start + 8 * n + 2 * t),
-                           dropout_row_hash(head_hash, q_start + 8 * n + 2 * t + 1)};
+        u32 hr[2];
+        if constexpr (kRowHashes) {
+          const uint2 h2 = *reinterpret_cast<const uint2*>(rh_s + 8 * n + 2 * t);
+          hr[0] = h2.x;
+          hr[1] = h2.y;
+        } else {
+          hr[0] = dropout_row_hash(head_hash, q_start + 8 * n + 2 * t);
+          hr[1] = dropout_row_hash(head_hash, q_start + 8 * n + 2 * t + 1);
+        }
         bool keep4[4];
         dropout_keep_key_rows<kDropoutKeyPairs<V>>(keep4, hr, kv_start + row0 + g, p.dropout_threshold);
 #pragma unroll
