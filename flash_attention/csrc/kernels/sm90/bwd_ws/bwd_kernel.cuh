@@ -147,6 +147,11 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
   // head_dim 64, whose causal dropout build spilled 12 bytes with the staged hashes (0 before; NVRTC 13.0).
   constexpr bool kRowHashes = kDropout && !kDeterministic && D == 128;
   constexpr u32 kStatsSlot = (kRowHashes ? 12 : 8) * BR;
+  // Dropout's rp = 1 / (1 - p), folded where it costs once per row or block, not per element: dS takes
+  // scale rp as one factor of an FFMA, and dV accumulates P Z, scaled by rp at the epilogue (kernel log
+  // 151). Not in head_dim 64's atomic builds, where either fold spilled 12-64 bytes (0 before; NVRTC 13.0);
+  // in the deterministic ones it took the spills from 4-84 bytes to 0-8.
+  constexpr bool kFoldRp = kDropout && (D == 128 || kDeterministic);
   const u32 sStats = sdQ + 2 * 64 * 64 * 4;  // [slot][LSE2, delta (, row hashes)]
   const u32 bars = sStats + NST * kStatsSlot;
   auto full = [&](int s) { return bars + 8 * s; };
@@ -547,9 +552,10 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
           if (keep4[e]) keep[(4 * n + e) / 32] |= 1u << ((4 * n + e) % 32);
       }
     }
-    // Element i of the dropped P: P Z rp.
+    // Element i's keep decision (Z); rp as kFoldRp says.
     auto kept = [&](int i) { return !kDropout || ((keep[i / 32] >> (i % 32)) & 1u); };
-    const float rp = kDropout ? p.dropout_rp : 1.f;
+    const float rp = kDropout && !kFoldRp ? p.dropout_rp : 1.f;
+    const float scale_rp = kFoldRp ? scale * p.dropout_rp : scale;
     // While dP^T is still on the tensor cores, what the phase after its wait needs and P alone gives: the
     // tensor cores idle from dP^T's end until dV is issued (both warpgroups pass that phase at once), so
     // that phase should hold only dS's arithmetic, its packing and its store. With the TMA producer, at 64
@@ -588,10 +594,19 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = 4 * n + e;
-        const float dpz = kDropout ? (kept(i) ? dp[i] * rp : 0.f) : dp[i];
         const float d = (e & 1) ? dl.y : dl.x;
         // (kGradAtP: sc is P times the derivative)
-        dp[i] = kEarly ? sc[i] * fmaf(dpz, scale, -d) : sc[i] * (dpz - d) * scale;
+        if constexpr (kFoldRp) {
+          // P (dP Z rp - delta) scale as P (dP Z (scale rp) - delta scale): a select, an FFMA and a product,
+          // where dP Z rp took a product and a select before the subtraction and two products.
+          const float dz = kept(i) ? dp[i] : 0.f;
+          dp[i] = sc[i] * fmaf(dz, scale_rp, -d * scale);
+        } else if constexpr (kDropout) {
+          const float dpz = kept(i) ? dp[i] * rp : 0.f;
+          dp[i] = sc[i] * (dpz - d) * scale;
+        } else {
+          dp[i] = kEarly ? sc[i] * fmaf(dp[i], scale, -d) : sc[i] * (dp[i] - d) * scale;
+        }
         if constexpr (!V::ScoreMod::kUnitGradient && !kGradAtP) {
           const int key = kv_start + row0 + g + 8 * (e >> 1);  // (key rows: fa/mask.cuh)
           const float lse2 = (e & 1) ? l2.y : l2.x;
@@ -606,7 +621,7 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
 #pragma unroll
         for (int r = 0; r < 4; ++r) sf[ks][r] = pack2<BF>(dp[8 * ks + 2 * r], dp[8 * ks + 2 * r + 1]);
     } else if constexpr (kDropout) {
-      // The dropped P, P Z rp, for dV.
+      // The dropped P for dV: P Z (kFoldRp: rp at the epilogue), else P Z rp.
 #pragma unroll
       for (int ks = 0; ks < KQ; ++ks)
 #pragma unroll
@@ -694,6 +709,10 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
   // st.global.b32 per thread of 8 rows each, 9,244 cycles from the last step's end to the last store's issue
   // at 4 x 1024 x 32 x 128 causal, 13% of a block there with the block's start (tools/bwd_timeline.py, H200;
   // kernel log 147).
+  if constexpr (kFoldRp) {
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) dv[i] *= p.dropout_rp;  // (dV accumulated P Z: kernel log 151)
+  }
   named_barrier_sync(1, 256);
   stage_key_rows<D, BF>(sK, dk, row0, lane);
   stage_key_rows<D, BF>(sV, dv, row0, lane);
