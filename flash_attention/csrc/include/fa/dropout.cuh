@@ -45,7 +45,8 @@ __device__ __forceinline__ u32 dropout_row_hash(u32 head_hash, int row) {
 // every four elements (kernel log 150).
 __device__ __forceinline__ void dropout_stage_row_hashes(u32 dst, u32 head_hash, int q) {
   asm volatile("st.shared.v2.u32 [%0], {%1, %2};\n" ::"r"(dst), "r"(dropout_row_hash(head_hash, q)),
-               "r"(dropout_row_hash(head_hash, q + 1)));
+               "r"(dropout_row_hash(head_hash, q + 1))
+               : "memory");
 }
 
 // Whether key `key` of a row is kept: its pair's finaliser, its half, moved to the top 16 bits and compared

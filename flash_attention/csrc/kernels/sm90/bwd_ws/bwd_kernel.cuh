@@ -57,7 +57,7 @@
 //
 // Shared memory (bytes from a 1024-aligned base): K (BC x D), V, kStages Q slots, kStages dO slots, two dS^T
 // buffers, the two warpgroups' 16 KB dQ staging tiles, kStages slots of statistics (LSE2 then delta, BR
-// floats each), then the barriers (and, deterministic, each slot's head and first query row). About 200 KB
+// floats each, and the d128 atomic dropout build's BR row-hash words), then the barriers (and, deterministic, each slot's head and first query row). About 200 KB
 // at head_dim 64 and 128 with two slots; a third slot (+32 KB) does not fit the 227 KB a block may have.
 #pragma once
 
