@@ -44,9 +44,7 @@ __device__ __forceinline__ u32 dropout_row_hash(u32 head_hash, int row) {
 // dK/dV kernel's dropout build the row hashes were half of the step's hash work, two full finalisers for
 // every four elements (kernel log 150).
 __device__ __forceinline__ void dropout_stage_row_hashes(u32 dst, u32 head_hash, int q) {
-  asm volatile("st.shared.v2.u32 [%0], {%1, %2};\n" ::"r"(dst), "r"(dropout_row_hash(head_hash, q)),
-               "r"(dropout_row_hash(head_hash, q + 1))
-               : "memory");
+  st_shared_u32x2(dst, dropout_row_hash(head_hash, q), dropout_row_hash(head_hash, q + 1));
 }
 
 // Whether key `key` of a row is kept: its pair's finaliser, its half, moved to the top 16 bits and compared

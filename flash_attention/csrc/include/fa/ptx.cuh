@@ -61,6 +61,12 @@ __device__ __forceinline__ void st_shared_32(u32 dst, u32 v) {
   asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(dst), "r"(v));
 }
 
+// Two adjacent words (8-byte aligned) into shared memory. (The memory clobber keeps plain C++ accesses
+// around it in order too, as for a value another thread reads after a barrier the caller arrives on.)
+__device__ __forceinline__ void st_shared_u32x2(u32 dst, u32 a, u32 b) {
+  asm volatile("st.shared.v2.u32 [%0], {%1, %2};\n" ::"r"(dst), "r"(a), "r"(b) : "memory");
+}
+
 // Two adjacent floats (8-byte aligned) into shared memory: an accumulator pair staged for a bulk copy.
 __device__ __forceinline__ void st_shared_f32x2(u32 dst, float a, float b) {
   asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(dst), "f"(a), "f"(b));

@@ -22,10 +22,10 @@
 //   memory and one thread adds it into the workspace with a single bulk reduce-add (cp.reduce.async.bulk,
 //   fa/tma.cuh) of 16 KB. That needs a contiguous tile at both ends, so this kernel's workspace has the
 //   tiled layout of fa/dq_accum.cuh (its convert kernel reads that layout), the staging tile's own register
-//   order, so the warps' writes into it are free of bank conflicts. Measured against the alternatives on an H100
-//   (docs/kernel-log.md, step 45): 32 red.global.v2 per thread per step, as the sm90 kernel adds dQ, took
-//   1.11-1.14x the bulk kernel's time at 4k tokens, and one 256-byte bulk reduce per row of the row-major
-//   workspace (64 per warpgroup per step, which the compiler issues one lane at a time) 1.5x.
+//   order, so the warps' writes into it are free of bank conflicts. Measured against the alternatives on an
+//   H100 (docs/kernel-log.md, step 45): 32 red.global.v2 per thread per step, as the sm90 kernel adds dQ,
+//   took 1.11-1.14x the bulk kernel's time at 4k tokens, and one 256-byte bulk reduce per row of the
+//   row-major workspace (64 per warpgroup per step, which the compiler issues one lane at a time) 1.5x.
 // * kDeterministic (deterministic=True): a fourth warpgroup (warpgroup 1; the consumers are then 2 and 3)
 //   holds two writers, the first lanes of its first two warps, one per consumer warpgroup, which add the
 //   staged dQ tiles in a fixed order, taking turns on semaphores in the workspace; the walk over the query
@@ -57,8 +57,9 @@
 //
 // Shared memory (bytes from a 1024-aligned base): K (BC x D), V, kStages Q slots, kStages dO slots, two dS^T
 // buffers, the two warpgroups' 16 KB dQ staging tiles, kStages slots of statistics (LSE2 then delta, BR
-// floats each, and the d128 atomic dropout build's BR row-hash words), then the barriers (and, deterministic, each slot's head and first query row). About 200 KB
-// at head_dim 64 and 128 with two slots; a third slot (+32 KB) does not fit the 227 KB a block may have.
+// floats each, and the d128 atomic dropout build's BR row-hash words), then the barriers (and,
+// deterministic, each slot's head and first query row). About 200 KB at head_dim 64 and 128 with two slots;
+// a third slot (+32 KB) does not fit the 227 KB a block may have.
 #pragma once
 
 #include "fa/block_range.cuh"
