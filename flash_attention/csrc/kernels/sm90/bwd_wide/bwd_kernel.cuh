@@ -461,7 +461,8 @@ __device__ __forceinline__ void bwd_wide_dkdv_body(const BwdParams& p) {
   // __syncwarp, as bwd_ws and the wide ws kernel do (fa/bwd_wgmma.cuh stage_key_rows, copy_out_key_rows;
   // kernel log 147): per thread D / 16 stmatrix, D / 16 ld.shared.v4 and D / 16 st.global.v4 where the
   // register form issued D / 4 st.global.b32 of 8 rows each (kernel log 152). (Barrier 2: every step's
-  // meeting of the two warpgroups, so its phase is the loop's.) Not in the deterministic kernel: there
+  // meeting of the two warpgroups; all 256 threads pass it the same number of times, so its use here
+  // cannot join a step's.) Not in the deterministic kernel: there
   // ptxas moved spills into the d256 loop with it (4 -> 20 bytes, four local accesses a step; NVRTC 13.0),
   // so it keeps the register form.
   if constexpr (!kDeterministic) {
