@@ -454,8 +454,30 @@ __device__ __forceinline__ void bwd_wide_dkdv_body(const BwdParams& p) {
   // No reduction may outlive the shared memory it reads (deterministic: the writer's, which it waits for).
   if (!kDeterministic && tid % 128 == 0) bulk_wait<0>();
 
-  // ---- epilogue: dV (warpgroup 0) or dK (warpgroup 1); the softmax scale is already in dS ---------------
-  if (wg == 0) {
+  // ---- epilogue: dV (warpgroup 0) through V's tile, dK (warpgroup 1) through K's; the softmax scale is
+  // already in dS. Once both warpgroups meet here, every product that reads K (S^T, dQ) or V (dP^T) has
+  // completed (each step's dQ part waits for all of its warpgroup's products), so each warp stages its 16
+  // key rows into a tile no one reads any more and copies the same rows out itself in 16-byte chunks after
+  // __syncwarp, as bwd_ws and the wide ws kernel do (fa/bwd_wgmma.cuh stage_key_rows, copy_out_key_rows;
+  // kernel log 147): per thread D / 16 stmatrix, D / 16 ld.shared.v4 and D / 16 st.global.v4 where the
+  // register form issued D / 4 st.global.b32 of 8 rows each (kernel log 152). (Barrier 2: every step's
+  // meeting of the two warpgroups; all 256 threads pass it the same number of times, so its use here
+  // cannot join a step's.) Not in the deterministic kernel: there
+  // ptxas moved spills into the d256 loop with it (4 -> 20 bytes, four local accesses a step; NVRTC 13.0),
+  // so it keeps the register form.
+  if constexpr (!kDeterministic) {
+    named_barrier_sync(2, 256);
+    const u32 tile = wg == 0 ? sV : sK;
+    stage_key_rows<D, BF>(tile, acc, row0, lane);
+    __syncwarp();
+    if (wg == 0) {
+      copy_out_key_rows<16, D, 32>(static_cast<u16*>(p.dv) + dv_offset(p, batch, kv_head, kv_start),
+                                   p.dv_row_stride, p.seqlen_k - kv_start, p.head_dim, tile, row0, lane);
+    } else {
+      copy_out_key_rows<16, D, 32>(static_cast<u16*>(p.dk) + dk_offset(p, batch, kv_head, kv_start),
+                                   p.dk_row_stride, p.seqlen_k - kv_start, p.head_dim, tile, row0, lane);
+    }
+  } else if (wg == 0) {
     store_key_rows<D, BF>(static_cast<u16*>(p.dv) + dv_offset(p, batch, kv_head, kv_start), p.dv_row_stride,
                           p.seqlen_k - kv_start, p.head_dim, row0, g, t, acc);
   } else {
