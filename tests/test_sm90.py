@@ -124,14 +124,17 @@ def test_e4m3_wrappers_and_packing_compile_to_8_bit_wgmma():
             f"    for (int i = 0; i < {n // 2}; ++i) out[threadIdx.x + 128 * i] = d[i]; }}\n"
         )
     source = (
-        '#include "fa/wgmma.cuh"\n'
+        '#include "fa/frag.cuh"\n#include "fa/wgmma.cuh"\n'
         'extern "C" __global__ void e4m3_probe(float* out, const float* x, unsigned long long a,\n'
         "                                        unsigned long long b) {\n"
         "  const float* v = x + 16 * threadIdx.x;\n"
         "  const fa::u32 frag[4] = {fa::pack4_e4m3(v[0], v[1], v[2], v[3]), fa::pack4_e4m3(v[4], v[5], v[6], v[7]),\n"
         "                           fa::pack4_e4m3(v[8], v[9], v[10], v[11]),\n"
         "                           fa::pack4_e4m3(v[12], v[13], v[14], v[15])};\n"
-        "  fa::wgmma_fence();\n" + "".join(body) + "}\n"
+        "  fa::wgmma_fence();\n" + "".join(body) + "  float s[64];\n"
+        "  for (int i = 0; i < 64; ++i) s[i] = x[i * 128 + threadIdx.x];\n"
+        "  fa::u32 p[4];\n  fa::acc_to_a_frag_e4m3(p, fa::acc_tile(s), 0, 1);\n"
+        "  for (int r = 0; r < 4; ++r) out[r * 128 + threadIdx.x] = __uint_as_float(p[r]);\n}\n"
     )
     result = compiler.compile_nvrtc(source, "sm_90a", "e4m3_probe")
     assert "serializ" not in result.log.lower(), result.log
