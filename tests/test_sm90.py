@@ -128,7 +128,8 @@ def test_e4m3_wrappers_and_packing_compile_to_8_bit_wgmma():
         'extern "C" __global__ void e4m3_probe(float* out, const float* x, unsigned long long a,\n'
         "                                        unsigned long long b) {\n"
         "  const float* v = x + 16 * threadIdx.x;\n"
-        "  const fa::u32 frag[4] = {fa::pack4_e4m3(v[0], v[1], v[2], v[3]), fa::pack4_e4m3(v[4], v[5], v[6], v[7]),\n"
+        "  const fa::u32 frag[4] = {fa::pack4_e4m3(v[0], v[1], v[2], v[3]),\n"
+        "                           fa::pack4_e4m3(v[4], v[5], v[6], v[7]),\n"
         "                           fa::pack4_e4m3(v[8], v[9], v[10], v[11]),\n"
         "                           fa::pack4_e4m3(v[12], v[13], v[14], v[15])};\n"
         "  fa::wgmma_fence();\n" + "".join(body) + "  float s[64];\n"

@@ -87,7 +87,7 @@ def _wrappers(n: int) -> str:
 
 
 def _e4m3_wrappers(n: int) -> str:
-    """The 8-bit forms of N: both operands K-major (the instruction has no transpose for 8-bit types), k = 32."""
+    """The 8-bit forms of N: both operands K-major (no transpose for 8-bit types), k = 32."""
     acc = n // 2
     ss = (
         f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 {{{_regs(0, acc)}}}, %{acc}, %{acc + 1}, "
@@ -106,8 +106,8 @@ def _e4m3_wrappers(n: int) -> str:
         f"                 : {_acc_operands(acc)}\n"
         f'                 : "l"(a), "l"(b), "r"(accumulate));\n'
         "  }\n"
-        f"  // A in registers (the m64nNk32 8-bit A fragment: four e4m3 a register), B ({n} columns) K-major\n"
-        "  // in shared memory.\n"
+        "  // A in registers (the m64nNk32 8-bit A fragment: four e4m3 a register),\n"
+        f"  // B ({n} columns) K-major in shared memory.\n"
         f"  static __device__ __forceinline__ void rs(float (&d)[{acc}], const u32 (&a)[4], u64 b,\n"
         "                                             int accumulate) {\n"
         f'    asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{acc + 5}, 0;\\n"\n'
@@ -135,9 +135,10 @@ def render() -> str:
     ]
     parts += [_wrappers(n) for n in NS]
     parts.append(
-        "// wgmma.mma_async.sync.aligned.m64nNk32.f32.e4m3.e4m3: FP8 (e4m3) operands, fp32 accumulators, D += A (64\n"
-        "// x 32) B (32 x N). 8-bit operands are K-major only (the PTX ISA allows the transpose for 16-bit types\n"
-        "// alone), so O += P V reads V transposed (docs/fp8-study.md, A.3.1).\n"
+        "// wgmma.mma_async.sync.aligned.m64nNk32.f32.e4m3.e4m3: FP8 (e4m3) operands, fp32\n"
+        "// accumulators, D += A (64 x 32) B (32 x N). 8-bit operands are K-major only (the PTX ISA\n"
+        "// allows the transpose for 16-bit types alone), so O += P V reads V transposed\n"
+        "// (docs/fp8-study.md, A.3.1).\n"
         "template <int N>\nstruct WgmmaE4m3;\n"
     )
     parts += [_e4m3_wrappers(n) for n in NS]
