@@ -56,8 +56,8 @@ class KernelConfig:
 
     Attributes:
         dtype: ``"fp16"`` or ``"bf16"`` (inputs and output; the softmax is always fp32), or ``"e4m3"``
-            (FP8 inputs and P, output bf16; the warp-specialized forward at head_dim 128 and 256, 32-key
-            multiples: docs/fp8-study.md).
+            (FP8 inputs and P, output bf16; the warp-specialized forward at head_dim 128 and 256 over 128- or
+            256-key tiles: docs/fp8-study.md).
         head_dim: instantiated head dimension, one of :data:`HEAD_DIMS`.
         block_q: B_r, query rows per thread block.
         block_kv: B_c, keys per K/V tile.
@@ -367,12 +367,16 @@ def validity_errors(cfg: KernelConfig) -> list[str]:
     if cfg.dtype not in (*DTYPES, FP8_DTYPE):
         e.append(f"dtype must be one of {(*DTYPES, FP8_DTYPE)}")
     if cfg.dtype == FP8_DTYPE and not (
-        cfg.warp_specialized and cfg.block_kv % 32 == 0 and cfg.head_dim in (128, 256) and not cfg.head_dim_v
+        cfg.warp_specialized
+        and cfg.block_kv in (128, 256)
+        and cfg.head_dim in (128, 256)
+        and not cfg.head_dim_v
     ):
-        # (the 8-bit wgmma's k is 32 keys for P V; at head_dim 64 a row is half a 128-byte panel)
+        # (V^T's rows are block_kv keys of 1 byte: whole 128-byte swizzle panels; at head_dim 64 Q's and K's
+        # rows would be half a panel)
         e.append(
-            "e4m3 needs the warp-specialized forward, block_kv a multiple of 32, head_dim 128 or 256 and v "
-            "of q's head_dim"
+            "e4m3 needs the warp-specialized forward, block_kv 128 or 256, head_dim 128 or 256 and v of q's "
+            "head_dim"
         )
     if cfg.head_dim not in HEAD_DIMS:
         e.append(f"head_dim must be one of {HEAD_DIMS}")
