@@ -56,8 +56,8 @@ class KernelConfig:
 
     Attributes:
         dtype: ``"fp16"`` or ``"bf16"`` (inputs and output; the softmax is always fp32), or ``"e4m3"``
-            (FP8 inputs and P, output bf16; the warp-specialized forward at head_dim 128 and 256 over 128- or
-            256-key tiles: docs/fp8-study.md).
+            (FP8 inputs and P, output bf16; the persistent warp-specialized forward at head_dim 128 over
+            128- or 256-key tiles: docs/fp8-study.md).
         head_dim: instantiated head dimension, one of :data:`HEAD_DIMS`.
         block_q: B_r, query rows per thread block.
         block_kv: B_c, keys per K/V tile.
@@ -368,15 +368,17 @@ def validity_errors(cfg: KernelConfig) -> list[str]:
         e.append(f"dtype must be one of {(*DTYPES, FP8_DTYPE)}")
     if cfg.dtype == FP8_DTYPE and not (
         cfg.warp_specialized
+        and cfg.persistent
         and cfg.block_kv in (128, 256)
-        and cfg.head_dim in (128, 256)
+        and cfg.head_dim == 128
         and not cfg.head_dim_v
     ):
-        # (V^T's rows are block_kv keys of 1 byte: whole 128-byte swizzle panels; at head_dim 64 Q's and K's
-        # rows would be half a panel)
+        # (V^T's rows are block_kv keys of 1 byte: whole 128-byte swizzle panels; persistent: the bf16
+        # output's own tile, which a 1-byte Q tile cannot stage; head_dim 128 first: at 64 Q's and K's rows
+        # are half a panel, and every 256 build tried spilled 188-456 bytes, NVRTC 13.0)
         e.append(
-            "e4m3 needs the warp-specialized forward, block_kv 128 or 256, head_dim 128 or 256 and v of q's "
-            "head_dim"
+            "e4m3 needs the persistent warp-specialized forward, block_kv 128 or 256, head_dim 128 "
+            "and v of q's head_dim"
         )
     if cfg.head_dim not in HEAD_DIMS:
         e.append(f"head_dim must be one of {HEAD_DIMS}")
@@ -467,7 +469,7 @@ def _has_fragment_groups(cfg: KernelConfig) -> bool:
 
 def smem_bytes(cfg: KernelConfig) -> int:
     """Dynamic shared memory of one block: one Q tile, one K tile and one V tile (2-byte elements; e4m3's 1,
-    with its bf16 output always in a tile of its own: the 1-byte Q tile holds half of it).
+    its output bf16).
 
     One K and one V buffer suffice even with eager loading: V_j lands while S_j = Q K_j^T is computed,
     and K_{j+1} lands in K's buffer (free once S_j is done) while P_j V_j is computed. A wgmma config
@@ -477,10 +479,9 @@ def smem_bytes(cfg: KernelConfig) -> int:
     q = cfg.block_q * (2 if cfg.tile_overlap else 1)  # tile_overlap: two Q buffers (fwd_ws)
     kv = cfg.block_kv * cfg.stages  # (a K and a V tile per stage: K of head_dim, V of value_dim)
     barriers = 256 if cfg.warp_specialized else 0  # the ring's mbarriers (fwd_ws: 8 bytes each)
-    fp8 = cfg.dtype == FP8_DTYPE
-    staging = cfg.block_q if cfg.persistent or fp8 else 0  # the output's own tile (fwd_ws)
+    staging = cfg.block_q if cfg.persistent else 0  # a persistent block's output tile (fwd_ws), 2-byte
     d, dv = cfg.head_dim, cfg.value_dim
-    inputs = (1 if fp8 else 2) * (d * q + (d + dv) * kv)
+    inputs = (1 if cfg.dtype == FP8_DTYPE else 2) * (d * q + (d + dv) * kv)
     return inputs + 2 * dv * staging + (1024 if cfg.wgmma else 0) + barriers
 
 

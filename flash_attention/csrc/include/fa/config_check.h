@@ -26,11 +26,10 @@ struct check_config {
   static constexpr int W = Cfg::kWarpSpecialized ? Cfg::kNumWarps - 4 : Cfg::kNumWarps;
   static constexpr bool kE4M3 = CfgIsE4M3<Cfg>::value;
   static_assert(D == 64 || D == 128 || D == 192 || D == 256, "head_dim must be one of (64, 128, 192, 256)");
-  static_assert(
-      !kE4M3 || (Cfg::kWarpSpecialized && (Cfg::kBlockKV == 128 || Cfg::kBlockKV == 256) &&
-                 (D == 128 || D == 256) && DV == D),
-      "e4m3 needs the warp-specialized forward, block_kv 128 or 256, head_dim 128 or 256 and v of q's "
-      "head_dim");
+  static_assert(!kE4M3 || (Cfg::kWarpSpecialized && Cfg::kPersistent &&
+                           (Cfg::kBlockKV == 128 || Cfg::kBlockKV == 256) && D == 128 && DV == D),
+                "e4m3 needs the persistent warp-specialized forward, block_kv 128 or 256, head_dim 128 "
+                "and v of q's head_dim");
   static_assert(DV == D || (Cfg::kWarpSpecialized && DV % 64 == 0 && DV >= 64 && DV < D),
                 "head_dim_v other than head_dim needs warp_specialized, a multiple of 64 below head_dim");
   static_assert(!Cfg::kWarpSpecialized ||
@@ -89,10 +88,10 @@ struct check_config {
   // A wgmma config's tiles start on a 1024-byte boundary: 1 KB more for rounding the window up; a
   // warp-specialized one keeps its ring's mbarriers after the tiles (256 bytes), a persistent one stages
   // its output in a tile of its own, and one with tile_overlap has two Q buffers.
-  // e4m3: 1-byte Q, K and V tiles, and the bf16 output always in a tile of its own (Q's holds half of it).
+  // e4m3: 1-byte Q, K and V tiles (its output, bf16, in the persistent grid's tile).
   static constexpr int kSmemBytes = (kE4M3 ? 1 : 2) * (D * Cfg::kBlockQ * (Cfg::kTileOverlap ? 2 : 1) +
                                                        (D + DV) * Cfg::kBlockKV * Cfg::kStages) +
-                                    2 * DV * (Cfg::kPersistent || kE4M3 ? Cfg::kBlockQ : 0) +
+                                    2 * DV * (Cfg::kPersistent ? Cfg::kBlockQ : 0) +
                                     (Cfg::kWgmma ? 1024 : 0) + (Cfg::kWarpSpecialized ? 256 : 0);
   static_assert(Cfg::kWgmma || kSmemBytes <= 163 * 1024, "shared memory exceeds the sm_80 limit of 166912");
   static_assert(!Cfg::kWgmma || kSmemBytes <= 227 * 1024, "shared memory exceeds the sm_90 limit of 232448");

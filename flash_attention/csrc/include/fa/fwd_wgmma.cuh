@@ -42,6 +42,38 @@ __device__ __forceinline__ void s_to_p(u32 (&pf)[BC / 16][4], float (&s)[BC / 2]
   for (int ks = 0; ks < BC / 16; ++ks) acc_to_a_frag<BF>(pf[ks], acc_tile(s), 0, ks);
 }
 
+// FP8 (e4m3; docs/fp8-study.md): the same three steps with 8-bit operands, k = 32.
+// S = Q K^T: D / 32 k-steps of 32 one-byte columns, again 32 bytes along a row and four to a 128-byte panel
+// (which holds 128 columns), so the offsets are issue_qk's.
+template <int BR, int BC, int D>
+__device__ __forceinline__ void issue_qk_e4m3(float (&s)[BC / 2], u64 q_desc, u64 k_desc) {
+#pragma unroll
+  for (int kk = 0; kk < D / 32; ++kk) {
+    const u32 q_off = (kk / 4) * BR * 128 + (kk % 4) * 32;
+    const u32 k_off = (kk / 4) * BC * 128 + (kk % 4) * 32;
+    WgmmaE4m3<BC>::ss(s, q_desc + (q_off >> 4), k_desc + (k_off >> 4), kk > 0);
+  }
+}
+
+// O (64 x DV) += P V from V^T's tile (DV rows of BC keys in acc_to_a_frag_e4m3's key order,
+// ops/fp8_values.py), read K-major: BC / 32 k-steps of 32 keys, 32 bytes along a row, four to a panel of 128
+// keys, the next panel DV * 128 bytes on.
+template <int BC, int DV>
+__device__ __forceinline__ void issue_pv_e4m3(float (&o)[DV / 2], const u32 (&pf)[BC / 32][4], u64 vt_desc) {
+#pragma unroll
+  for (int ks = 0; ks < BC / 32; ++ks) {
+    const u32 off = (ks / 4) * DV * 128 + (ks % 4) * 32;
+    WgmmaE4m3<DV>::rs(o, pf[ks], vt_desc + (off >> 4), 1);
+  }
+}
+
+// S's accumulator to P's 8-bit A fragments, one per 32-key k-step.
+template <int BC>
+__device__ __forceinline__ void s_to_p_e4m3(u32 (&pf)[BC / 32][4], float (&s)[BC / 2]) {
+#pragma unroll
+  for (int ks = 0; ks < BC / 32; ++ks) acc_to_a_frag_e4m3(pf[ks], acc_tile(s), 0, ks);
+}
+
 // The bounded softmax's L_r on the CUDA cores (fa/softmax.cuh bounded_softmax_row; head_dim 256, where the
 // tensor cores' ones product measured slower, fwd_ws): this thread's partial sums of its two rows += P
 // exactly as P V takes it, from the packed bf16 pairs of s_to_p (registers 0 and 2 of a k-step hold row g,

@@ -41,9 +41,8 @@ __device__ __forceinline__ void fwd_ws_consumer(const FwdTmaParams& tp, const Fw
   using Rows = typename FwdWsScheduler<Cfg, Mask>::Rows;
   using Work = typename Mainloop::Tile;
   constexpr bool kTileOverlap = FwdWsBuild<Cfg, kDropout>::kTileOverlap;
-  constexpr bool BF = Cfg::kIsBF16;
   constexpr int BC = Cfg::kBlockKV;
-  constexpr int KS = BC / 16;  // k-steps of O += P V
+  constexpr int KS = Mainloop::KS;  // k-steps of O += P V
   constexpr int NS = BC / 8;   // 8-column n-tiles of S
   constexpr int NQ = FwdWsSmem<Cfg>::NQ;
   constexpr bool kSumOnCudaCores = Mainloop::kSumOnCudaCores;
@@ -144,7 +143,7 @@ __device__ __forceinline__ void fwd_ws_consumer(const FwdTmaParams& tp, const Fw
 #endif
         ml.rescale_o(alpha);
         u32 pf[KS][4];
-        s_to_p<BC, BF>(pf, sacc);
+        Mainloop::to_p(pf, sacc);
         if constexpr (kSumOnCudaCores)
           if (ml.bounded) add_p_row_sums<BC>(ml.row_sum_p, pf);
         mbar_wait(sm.v_full(ml.slot(w, it)), ml.phase(w, it));
@@ -194,7 +193,7 @@ __device__ __forceinline__ void fwd_ws_consumer(const FwdTmaParams& tp, const Fw
 #if FA_TRACE
         ml.trace_softmax(sacc, w, alpha);
 #endif
-        s_to_p<BC, BF>(pf, sacc);
+        Mainloop::to_p(pf, sacc);
       }
       for (int it = 1; it < n_iter; ++it) {
         mbar_wait(sm.k_full(ml.slot(w, it)), ml.phase(w, it));
@@ -240,7 +239,7 @@ __device__ __forceinline__ void fwd_ws_consumer(const FwdTmaParams& tp, const Fw
 #endif
         ml.release(sm.v_empty(ml.slot(w, it - 1)));
         ml.rescale_o(alpha);
-        s_to_p<BC, BF>(pf, sacc);
+        Mainloop::to_p(pf, sacc);
       }
       mbar_wait(sm.v_full(ml.slot(w, n_iter - 1)), ml.phase(w, n_iter - 1));
       ml.take_turn();
