@@ -1,7 +1,8 @@
 // The steps of one query step that both Hopper backward kernels (csrc/kernels/sm90/bwd: cp.async, and
 // csrc/kernels/sm90/bwd_ws: warp-specialized) run the same way on a warpgroup's 64 keys: the five matrix
 // products of the transposed chain, the packing of P^T and dS^T into A fragments, dS^T's store for dQ, and
-// the dK/dV epilogue (the wide-head-dim kernel, csrc/kernels/sm90/bwd_wide, uses some of them too).
+// the dK/dV epilogue, from registers or staged through shared memory (the wide-head-dim kernels,
+// csrc/kernels/sm90/bwd_wide and bwd_wide_ws, use some of them too).
 //
 // Operand layouts (csrc/kernels/sm90/bwd/bwd_kernel.cuh says more): tiles in shared memory as 64-column
 // panels of 128-byte rows with the 128-byte swizzle (fa/smem_layout.cuh, PanelTile); K, V, Q and dO read
