@@ -245,6 +245,16 @@ class LseMergeParams(ctypes.Structure):
     )
 
 
+class ValuesTransposeParams(ctypes.Structure):
+    """The twin of ``fa::ValuesTransposeParams`` (csrc/include/fa/values_transpose_params.h)."""
+
+    _fields_ = (
+        [("v", _PTR), ("vt", _PTR)]
+        + [(f"v_{kind}_stride", _I64) for kind in ("batch", "row", "head")]
+        + [(name, _I32) for name in ("batch", "seqlen_k", "heads_kv", "keys")]
+    )
+
+
 def offset_asserts(struct: type[ctypes.Structure], cpp_name: str) -> str:
     """static_asserts pinning the C++ struct's layout to the ctypes one.
 

@@ -16,21 +16,9 @@ from __future__ import annotations
 
 import torch
 
+from ..configs.values_transpose import KEY_GROUP, KEY_ORDER_16
+
 __all__ = ["KEY_GROUP", "KEY_ORDER_16", "transposed_values"]
-
-#: Keys per permuted group: half of a 32-key k-step.
-KEY_GROUP = 16
-
-
-def _key_at(position: int) -> int:
-    # Position p = 4 t + j of a group (lane t of a quad, byte j of its register) holds the key of S's
-    # accumulator at n-tile j // 2, column 2 t + j % 2 (fa/frag.cuh's accumulator layout).
-    t, j = divmod(position, 4)
-    return 8 * (j // 2) + 2 * t + j % 2
-
-
-#: KEY_ORDER_16[p]: the key (within its group of 16) that V^T's position p holds.
-KEY_ORDER_16: tuple[int, ...] = tuple(_key_at(p) for p in range(KEY_GROUP))
 
 
 def transposed_values(v: torch.Tensor) -> torch.Tensor:
