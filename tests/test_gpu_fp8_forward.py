@@ -1,14 +1,17 @@
 """The e4m3 forward kernel (ops.fp8_forward, docs/fp8-study.md step 2) against the float64 reference on the
-exactly dequantized inputs, beside PyTorch's own FP8-input practice (dequantize to bf16, bf16 SDPA). P is
-rounded to e4m3 (3 significand bits) before P V, so the kernel's error is expected above that practice's;
-the bound here (4x the practice's max error plus 1% of the output's largest magnitude) is provisional until
-the first GPU runs measure it, and wide of what a wrong layout gives (errors of the output's own size)."""
+exactly dequantized inputs, element by element within the bound derived from where the kernel rounds
+(tests/fp8_bounds.py: P to e4m3 above all, 3 significand bits), and beside PyTorch's own FP8-input practice
+(dequantize to bf16, bf16 SDPA), whose error is printed for the record: the first GPU run (H200) put the
+kernel's at 4.5-7x the practice's, as a float64 model of P's rounding predicts (kernel log, fp8-study)."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 import torch.nn.functional as F
+from fp8_bounds import e4m3_output_bound
 
 from flash_attention.fallback.reference import attention_reference
 from flash_attention.ops.fp8_forward import cuda_forward_e4m3, e4m3_config
@@ -58,9 +61,19 @@ def test_e4m3_forward_against_float64_on_the_dequantized_inputs(shape, causal):
     mask = torch.ones(sq, sk, dtype=torch.bool).tril(sk - sq) if causal else None
     practice = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask).transpose(1, 2)
     # (every query row sees a key: seqlen_q <= seqlen_k in every shape)
-    err = (o.cpu().double() - ref).abs().max().item()
-    err_practice = (practice.double() - ref).abs().max().item()
-    bound = 4 * err_practice + 0.01 * ref.abs().max().item()
-    print(f"e4m3 forward {shape} causal={causal}: max error {err:.3g}, PyTorch's practice {err_practice:.3g}")
-    assert err <= bound, f"{err:.3g} against a bound of {bound:.3g} (practice {err_practice:.3g})"
+    bound, _ = e4m3_output_bound(
+        exact[0],
+        exact[1].repeat_interleave(group, 2),
+        exact[2].repeat_interleave(group, 2),
+        causal,
+        1 / math.sqrt(128),
+    )
+    diff = (o.cpu().double() - ref).abs()
+    err, err_practice = diff.max().item(), (practice.double() - ref).abs().max().item()
+    worst = (diff / bound).max().item()
+    print(
+        f"e4m3 forward {shape} causal={causal}: max error {err:.3g} ({worst:.2f} of the bound), "
+        f"PyTorch's practice {err_practice:.3g}"
+    )
+    assert worst <= 1.0, f"an element at {worst:.3g}x its bound (max error {err:.3g})"
     assert torch.allclose(lse.cpu().double(), ref_lse, atol=2e-3, rtol=0)
