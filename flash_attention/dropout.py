@@ -26,10 +26,12 @@ __all__ = [
     "seed_pair",
 ]
 
-#: The largest dropout_p a call takes: the kernels resolve p in steps of 2^-16 (a 16-bit half of a hash per
-#: element), and a p above this would round to dropping everything (its threshold is then kept below that,
-#: at 2^-16 of the elements kept, more than 1 - p, while the kept ones are scaled by 1 / (1 - p)).
-MAX_DROPOUT_P = 1.0 - 2.0**-16
+#: The largest dropout_p a call takes. The kernels resolve p in steps of 2^-16 (a 16-bit half of a hash per
+#: element), so a p above 1 - 2^-16 would round to dropping everything (its threshold is then kept below that,
+#: at 2^-16 of the elements kept, more than 1 - p, while the kept ones are scaled by 1 / (1 - p)). And fp16
+#: holds at most 65504: a kept probability near 1 scaled by 1 / (1 - p) = 2^16 packs to inf for P V (the
+#: forward) and dV (the backward), so the bound is one step lower, 1 / (1 - p) <= 2^15.
+MAX_DROPOUT_P = 1.0 - 2.0**-15
 
 _M32 = 0xFFFFFFFF
 _C0, _C1, _C2 = 0x9E3779B9, 0x85EBCA6B, 0xC2B2AE35

@@ -180,9 +180,10 @@ def test_dropout_arguments_are_validated():
     q = torch.randn(1, 4, 1, 8)
     with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\)"):
         flash_attention.attention(q, q, q, dropout_p=1.0)
-    with pytest.raises(ValueError, match=r"dropout_p must be at most 1 - 2\*\*-16"):
-        flash_attention.attention(q, q, q, dropout_p=1 - 2**-17, dropout_seed=1)
-    flash_attention.attention(q, q, q, dropout_p=1 - 2**-16, dropout_seed=1)  # (the largest: 2^-16 kept)
+    for too_high in (1 - 2**-16, 1 - 2**-17):
+        with pytest.raises(ValueError, match=r"dropout_p must be at most 1 - 2\*\*-15"):
+            flash_attention.attention(q, q, q, dropout_p=too_high, dropout_seed=1)
+    flash_attention.attention(q, q, q, dropout_p=1 - 2**-15, dropout_seed=1)  # (the largest: 2^-15 kept)
     with pytest.raises(TypeError, match="dropout_p must be a float"):
         flash_attention.attention(q, q, q, dropout_p="0.1")
     with pytest.raises(TypeError, match="dropout_seed must be an int"):

@@ -453,8 +453,8 @@ def _dropout_seed(dropout_p: object, dropout_seed: object) -> torch.Tensor | Non
         raise ValueError(f"dropout_p must be in [0, 1); got {dropout_p!r}")
     if float(dropout_p) > MAX_DROPOUT_P:
         raise ValueError(
-            "dropout_p must be at most 1 - 2**-16 (the kernels resolve it in steps of 2**-16); got "
-            f"{dropout_p!r}"
+            "dropout_p must be at most 1 - 2**-15 (1 / (1 - p), the kept elements' scale, within fp16's "
+            f"range); got {dropout_p!r}"
         )
     if dropout_seed is not None and (isinstance(dropout_seed, bool) or not isinstance(dropout_seed, int)):
         raise TypeError(f"dropout_seed must be an int or None; got {type(dropout_seed).__name__}")

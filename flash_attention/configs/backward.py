@@ -146,15 +146,17 @@ class BwdConfig:
             return 1024 + kv + 4 * st * bq * d + 4 * bq * 64 * panels + 8 * st * bq + 16 * st
         if self.warp_specialized:
             # K, V; Q and dO per slot; two dS^T buffers; two warpgroups' 64 x 64 fp32 dQ staging tiles;
-            # LSE and delta per slot; the slots' two mbarriers, the deterministic dQ hand-off's four and
-            # its (head, query row) per slot (+1 KB to align the tiles).
+            # LSE and delta per slot, and at head_dim 128 a word more per row for the dropout builds' row
+            # hashes (csrc/kernels/sm90/bwd_ws kRowHashes; allocated for every d128 build, which has one
+            # block per multiprocessor either way); the slots' two mbarriers, the deterministic dQ
+            # hand-off's four and its (head, query row) per slot (+1 KB to align the tiles).
             st = self.WS_STAGES
             return (
                 4 * bkv * d
                 + 4 * st * bq * d
                 + 4 * bkv * bq
                 + 2 * 64 * 64 * 4
-                + 8 * st * bq
+                + (12 if d == 128 else 8) * st * bq
                 + 16 * st
                 + 32
                 + 8 * st

@@ -37,6 +37,18 @@ __device__ __forceinline__ u32 dropout_row_hash(u32 head_hash, int row) {
   return dropout_mix(head_hash ^ (u32)row * 0x85ebca6bu);
 }
 
+// The row hashes of queries q and q + 1 (q even) of a head into shared memory at dst (8 bytes). A kernel
+// whose threads each need many rows' hashes, every thread of a quad column the same ones (the key-row dK/dV
+// kernels: a thread's queries change with each n-tile, its keys not), has one thread per pair of rows draw
+// them once per step beside its other copies, and its consumers read them as they read the LSE: in the d128
+// dK/dV kernel's dropout build the row hashes were half of the step's hash work, two full finalisers for
+// every four elements (kernel log 150).
+__device__ __forceinline__ void dropout_stage_row_hashes(u32 dst, u32 head_hash, int q) {
+  asm volatile("st.shared.v2.u32 [%0], {%1, %2};\n" ::"r"(dst), "r"(dropout_row_hash(head_hash, q)),
+               "r"(dropout_row_hash(head_hash, q + 1))
+               : "memory");
+}
+
 // Whether key `key` of a row is kept: its pair's finaliser, its half, moved to the top 16 bits and compared
 // with threshold = round(p 2^16) 2^16 (FwdParams::dropout_threshold; the high half needs no shift).
 __device__ __forceinline__ bool dropout_keep(u32 row_hash, int key, u32 threshold) {

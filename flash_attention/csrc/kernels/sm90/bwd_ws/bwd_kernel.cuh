@@ -57,7 +57,7 @@
 //
 // Shared memory (bytes from a 1024-aligned base): K (BC x D), V, kStages Q slots, kStages dO slots, two dS^T
 // buffers, the two warpgroups' 16 KB dQ staging tiles, kStages slots of statistics (LSE2 then delta, BR
-// floats each), then the barriers (and, deterministic, each slot's head and first query row). About 200 KB
+// floats each, and the d128 atomic dropout build's BR row-hash words), then the barriers (and, deterministic, each slot's head and first query row). About 200 KB
 // at head_dim 64 and 128 with two slots; a third slot (+32 KB) does not fit the 227 KB a block may have.
 #pragma once
 
@@ -140,8 +140,20 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
   const u32 sdO = sQ + NST * kQ;
   const u32 sdS = sdO + NST * kQ;
   const u32 sdQ = sdS + 2 * kDS;
-  const u32 sStats = sdQ + 2 * 64 * 64 * 4;  // [slot][LSE2 (BR floats), delta (BR floats)]
-  const u32 bars = sStats + NST * 8 * BR;
+  // A slot's statistics: LSE2 and delta (BR floats each), and with dropout in the atomic kernel the step's
+  // query row hashes (BR words), drawn by the producer so that each consumer thread reads the 16 it needs
+  // instead of drawing them (fa/dropout.cuh dropout_stage_row_hashes; kernel log 150). The deterministic
+  // kernel draws its keep bits in a loop of its own before the S^T wait and keeps the 8 * BR slot; so does
+  // head_dim 64, whose causal dropout build spilled 12 bytes with the staged hashes (0 before; NVRTC 13.0).
+  constexpr bool kRowHashes = kDropout && !kDeterministic && D == 128;
+  constexpr u32 kStatsSlot = (kRowHashes ? 12 : 8) * BR;
+  // Dropout's rp = 1 / (1 - p), folded where it costs once per row or block, not per element: dS takes
+  // scale rp as one factor of an FFMA, and dV accumulates P Z, scaled by rp at the epilogue (kernel log
+  // 151). Not in head_dim 64's atomic builds, where either fold spilled 12-64 bytes (0 before; NVRTC 13.0);
+  // in the deterministic ones it took the spills from 4-84 bytes to 0-8.
+  constexpr bool kFoldRp = kDropout && (D == 128 || kDeterministic);
+  const u32 sStats = sdQ + 2 * 64 * 64 * 4;  // [slot][LSE2, delta (, row hashes)]
+  const u32 bars = sStats + NST * kStatsSlot;
   auto full = [&](int s) { return bars + 8 * s; };
   auto empty = [&](int s) { return bars + 8 * (NST + s); };
   // Deterministic mode: consumer warpgroup w's staged dQ tile is complete (dq_full, its 128 threads) and has
@@ -157,10 +169,10 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
   const float* const stats = reinterpret_cast<const float*>(smem + (sStats - smem_addr(smem)));
   // The layout above (its mbarriers: full and empty per slot, the deterministic hand-off's four) and the
   // 1 KB the base is rounded up by fit what the launch allocates (configs.backward.BwdConfig.smem_bytes).
-  static_assert(
-      1024 + 2 * kKV + 2 * NST * kQ + 2 * kDS + 2 * 64 * 64 * 4 + NST * 8 * BR + 8 * (2 * NST + 4) + 8 * NST <=
-          Cfg::kSmemBytes,
-      "the shared-memory layout exceeds the config's smem_bytes");
+  static_assert(1024 + 2 * kKV + 2 * NST * kQ + 2 * kDS + 2 * 64 * 64 * 4 + NST * kStatsSlot +
+                        8 * (2 * NST + 4) + 8 * NST <=
+                    Cfg::kSmemBytes,
+                "the shared-memory layout exceeds the config's smem_bytes");
 
   const int tid = threadIdx.x;
   // Which block this is, in the order the blocks start (fa/kv_block_order.cuh): causal, the heaviest
@@ -354,10 +366,20 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
       // bounds check.
       const i64 r0 = workspace_row(p, batch, head, q_start + ws_shift);
       if (tid < BR / 4) {
-        cp_async_16(sStats + s * 8 * BR + 16 * tid, p.lse_log2 + r0 + 4 * tid, 16);
+        cp_async_16(sStats + s * kStatsSlot + 16 * tid, p.lse_log2 + r0 + 4 * tid, 16);
       } else if (tid < BR / 2) {
         const int c = tid - BR / 4;
-        cp_async_16(sStats + s * 8 * BR + 4 * BR + 16 * c, p.delta + r0 + 4 * c, 16);
+        cp_async_16(sStats + s * kStatsSlot + 4 * BR + 16 * c, p.delta + r0 + 4 * c, 16);
+      }
+      if constexpr (kRowHashes) {
+        // Threads BR / 2 .. BR - 1 (a warp the copies above leave idle): queries 2 c and 2 c + 1 each, stored
+        // before this thread's arrival on full[s] publishes them with the copies.
+        static_assert(kLoaders >= BR, "a loader thread per pair of rows");
+        const int c = tid - BR / 2;
+        if (c >= 0 && c < BR / 2)
+          dropout_stage_row_hashes(sStats + s * kStatsSlot + 8 * BR + 8 * c,
+                                   dropout_head_hash(p.dropout_key, batch * p.heads_q + head),
+                                   q_start + 2 * c);
       }
       if (kDeterministic && tid == 0) {
         st_shared_32(sStep + 8 * s, (u32)head);
@@ -471,10 +493,11 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
       mask.template mask_key_rows<true>(acc_tile(sc), kv_start, row0, q_start, g, t);
     else
       mask.mask_key_rows(acc_tile(sc), kv_start, row0, q_start, g, t);
-    const float* lse_s = stats + s * 2 * BR;
+    const float* lse_s = stats + s * (kStatsSlot / 4);
     const float* del_s = lse_s + BR;
+    const u32* rh_s = reinterpret_cast<const u32*>(lse_s + 2 * BR);  // (kRowHashes)
     u32 head_hash = 0;
-    if constexpr (kDropout && !kDeterministic)
+    if constexpr (kDropout && !kDeterministic && !kRowHashes)
       head_hash = dropout_head_hash(p.dropout_key, batch * p.heads_q + head);
     // A score function with a derivative (soft-capping), without dropout: the derivative is taken here, from
     // the modified score itself, and P is packed for dV at once, so that sc can hold P times the derivative
@@ -513,8 +536,15 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
       if constexpr (kDropout && !kDeterministic) {
         // (Not the deterministic path's dropout_keep_bits_key_rows, the same bits as one word shifted into
         // place: here that form compiled to 32-520 more instructions per build, NVRTC 13.0.)
-        const u32 hr[2] = {dropout_row_hash(head_hash, q_start + 8 * n + 2 * t),
-                           dropout_row_hash(head_hash, q_start + 8 * n + 2 * t + 1)};
+        u32 hr[2];
+        if constexpr (kRowHashes) {
+          const uint2 h2 = *reinterpret_cast<const uint2*>(rh_s + 8 * n + 2 * t);
+          hr[0] = h2.x;
+          hr[1] = h2.y;
+        } else {
+          hr[0] = dropout_row_hash(head_hash, q_start + 8 * n + 2 * t);
+          hr[1] = dropout_row_hash(head_hash, q_start + 8 * n + 2 * t + 1);
+        }
         bool keep4[4];
         dropout_keep_key_rows<kDropoutKeyPairs<V>>(keep4, hr, kv_start + row0 + g, p.dropout_threshold);
 #pragma unroll
@@ -522,9 +552,10 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
           if (keep4[e]) keep[(4 * n + e) / 32] |= 1u << ((4 * n + e) % 32);
       }
     }
-    // Element i of the dropped P: P Z rp.
+    // Element i's keep decision (Z); rp as kFoldRp says.
     auto kept = [&](int i) { return !kDropout || ((keep[i / 32] >> (i % 32)) & 1u); };
-    const float rp = kDropout ? p.dropout_rp : 1.f;
+    const float rp = kDropout && !kFoldRp ? p.dropout_rp : 1.f;
+    const float scale_rp = kFoldRp ? scale * p.dropout_rp : scale;
     // While dP^T is still on the tensor cores, what the phase after its wait needs and P alone gives: the
     // tensor cores idle from dP^T's end until dV is issued (both warpgroups pass that phase at once), so
     // that phase should hold only dS's arithmetic, its packing and its store. With the TMA producer, at 64
@@ -563,10 +594,19 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = 4 * n + e;
-        const float dpz = kDropout ? (kept(i) ? dp[i] * rp : 0.f) : dp[i];
         const float d = (e & 1) ? dl.y : dl.x;
         // (kGradAtP: sc is P times the derivative)
-        dp[i] = kEarly ? sc[i] * fmaf(dpz, scale, -d) : sc[i] * (dpz - d) * scale;
+        if constexpr (kFoldRp) {
+          // P (dP Z rp - delta) scale as P (dP Z (scale rp) - delta scale): a select, an FFMA and a product,
+          // where dP Z rp took a product and a select before the subtraction and two products.
+          const float dz = kept(i) ? dp[i] : 0.f;
+          dp[i] = sc[i] * fmaf(dz, scale_rp, -d * scale);
+        } else if constexpr (kDropout) {
+          const float dpz = kept(i) ? dp[i] * rp : 0.f;
+          dp[i] = sc[i] * (dpz - d) * scale;
+        } else {
+          dp[i] = kEarly ? sc[i] * fmaf(dp[i], scale, -d) : sc[i] * (dp[i] - d) * scale;
+        }
         if constexpr (!V::ScoreMod::kUnitGradient && !kGradAtP) {
           const int key = kv_start + row0 + g + 8 * (e >> 1);  // (key rows: fa/mask.cuh)
           const float lse2 = (e & 1) ? l2.y : l2.x;
@@ -581,7 +621,7 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
 #pragma unroll
         for (int r = 0; r < 4; ++r) sf[ks][r] = pack2<BF>(dp[8 * ks + 2 * r], dp[8 * ks + 2 * r + 1]);
     } else if constexpr (kDropout) {
-      // The dropped P, P Z rp, for dV.
+      // The dropped P for dV: P Z (kFoldRp: rp at the epilogue), else P Z rp.
 #pragma unroll
       for (int ks = 0; ks < KQ; ++ks)
 #pragma unroll
@@ -669,6 +709,10 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
   // st.global.b32 per thread of 8 rows each, 9,244 cycles from the last step's end to the last store's issue
   // at 4 x 1024 x 32 x 128 causal, 13% of a block there with the block's start (tools/bwd_timeline.py, H200;
   // kernel log 147).
+  if constexpr (kFoldRp) {
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) dv[i] *= p.dropout_rp;  // (dV accumulated P Z: kernel log 151)
+  }
   named_barrier_sync(1, 256);
   stage_key_rows<D, BF>(sK, dk, row0, lane);
   stage_key_rows<D, BF>(sV, dv, row0, lane);
