@@ -27,7 +27,9 @@ def test_the_e4m3_forward_names_what_it_does_not_take():
         cuda_forward_e4m3(x, x, x)
 
 
-def _case(seed, b, sq, sk, hq, hkv, device):
+def _case(seed, b, sq, sk, hq, hkv, device, form="floats"):
+    """e4m3 q, k, v spread over e4m3's range, their descales in `form` (Python numbers, one-element tensors,
+    or one per (batch, kv head)), and the exactly dequantized float64 tensors."""
     gen = torch.Generator().manual_seed(seed)
     scales = (30.0, 60.0, 2.0)  # (spread over e4m3's range, so the descales matter)
     raw = [
@@ -35,8 +37,20 @@ def _case(seed, b, sq, sk, hq, hkv, device):
         for (s, h), c in zip(((sq, hq), (sk, hkv), (sk, hkv)), scales, strict=True)
     ]
     e4m3 = [t.clamp(-448, 448).to(E4M3) for t in raw]
-    descales = (0.02, 0.011, 0.7)
-    exact = [t.double() * d for t, d in zip(e4m3, descales, strict=True)]
+    base = (0.02, 0.011, 0.7)
+    # (the float32 values the kernel reads, as the float64 reference's factors)
+    per_head = [torch.full((b, hkv), d, dtype=torch.float32) for d in base]
+    if form == "per_head":
+        per_head = [t * (0.5 + torch.rand(b, hkv, generator=gen)) for t in per_head]
+    descales = {
+        "floats": base,
+        "tensors": [torch.tensor([d], dtype=torch.float32, device=device) for d in base],
+        "per_head": [t.to(device) for t in per_head],
+    }[form]
+    exact = [
+        t.double() * d.double().repeat_interleave(t.shape[2] // hkv, 1).view(b, 1, t.shape[2], 1)
+        for t, d in zip(e4m3, per_head, strict=True)
+    ]
     return [t.to(device) for t in e4m3], descales, exact
 
 
@@ -46,8 +60,9 @@ def _case(seed, b, sq, sk, hq, hkv, device):
     "shape", [(2, 300, 517, 8, 2), (1, 1024, 1024, 4, 4), (1, 77, 77, 2, 2), (2, 256, 640, 4, 1)]
 )
 @pytest.mark.parametrize("causal", [False, True])
-def test_e4m3_forward_against_float64_on_the_dequantized_inputs(shape, causal):
-    (q, k, v), (qd, kd, vd), exact = _case(sum(shape) + causal, *shape, device="cuda")
+@pytest.mark.parametrize("form", ["floats", "tensors", "per_head"])
+def test_e4m3_forward_against_float64_on_the_dequantized_inputs(shape, causal, form):
+    (q, k, v), (qd, kd, vd), exact = _case(sum(shape) + causal, *shape, device="cuda", form=form)
     o, lse = cuda_forward_e4m3(
         q, k, v, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd, return_lse=True
     )

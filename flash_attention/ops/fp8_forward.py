@@ -1,11 +1,12 @@
 """The FP8 (e4m3) forward on Hopper: q, k and v in e4m3, the output bf16 (docs/fp8-study.md, step 2).
 
 The first form, for the GPU tests and the benchmark to call directly while it is measured (attention() keeps
-its dequantizing path until then): head_dim 128, causal or not, per-tensor descales, no other option. q's
-and k's descales fold into the softmax scale and v's multiplies the output, on the host; descales given as
-GPU tensors are read once here (a synchronisation: for a benchmark, pass Python floats; the params carrying
-them to the kernel is a later step). V is laid out for the kernel per call (ops.fp8_values: V^T in P's key
-order, one pass over its bytes).
+its dequantizing path until then): head_dim 128, causal or not, no other option. The descales (one number,
+or one per (batch, kv head)) reach the kernel as device pointers (FwdTmaParams, sm90/fwd_ws/descales.cuh):
+each tile scales its softmax by q's and k's and its output by v's before the bf16 rounding, so a call with
+descales in GPU tensors needs no host synchronisation (a Python number becomes a one-element tensor by a fill
+kernel). V is laid out for the kernel per call (ops.fp8_values: V^T in P's key order, one pass over its
+bytes).
 """
 
 from __future__ import annotations
@@ -39,16 +40,35 @@ def e4m3_config(head_dim: int) -> KernelConfig:
     return ws_config("e4m3", 128, 128, 128, 3, overlap=True, persistent=True)
 
 
-def _descale(value, name: str) -> float:
-    if value is None:
-        return 1.0
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
+def _device_descales(descales, batch: int, heads_kv: int, device) -> tuple[list, int, int]:
+    """The three descales as float32 device tensors (None: none) and their (batch, kv head) strides: (0, 0)
+    when each is one number, else each laid out (batch, heads_kv) contiguous, one-number ones broadcast."""
+    out = []
+    for name, d in zip(("q_descale", "k_descale", "v_descale"), descales, strict=True):
+        if d is None:
+            out.append(None)
+            continue
+        if not isinstance(d, torch.Tensor):
+            d = torch.full((1,), float(d), dtype=torch.float32, device=device)  # (a fill kernel: no sync)
+        if d.dtype != torch.float32 or d.device != device:
+            raise ValueError(f"{name} must be float32 on q's device {device}; got {d.dtype} on {d.device}")
+        if d.numel() != 1 and tuple(d.shape) != (batch, heads_kv):
             raise ValueError(
-                f"the e4m3 forward takes per-tensor descales for now; {name} has {value.numel()}"
+                f"{name} must hold one number or one per (batch, kv head), shape ({batch}, {heads_kv}); "
+                f"got shape {tuple(d.shape)}"
             )
-        return float(value.item())
-    return float(value)
+        out.append(d)
+    if all(d is None or d.numel() == 1 for d in out):
+        return out, 0, 0
+    out = [
+        None
+        if d is None
+        else d.reshape(-1, 1).expand(batch, heads_kv).contiguous()
+        if d.numel() == 1
+        else d.contiguous()
+        for d in out
+    ]
+    return out, heads_kv, 1
 
 
 def _rows_layout(t: torch.Tensor, box_rows: int) -> tma.MapLayout:
@@ -107,10 +127,9 @@ def cuda_forward_e4m3(
     cfg = e4m3_config(head_dim)
     if k.shape[3] != head_dim or v.shape[3] != head_dim or heads_q % k.shape[2]:
         raise ValueError("q, k and v must share head_dim, and heads_q be a multiple of heads_kv")
-    scale = (
-        (1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale)
-        * _descale(q_descale, "q_descale")
-        * _descale(k_descale, "k_descale")
+    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
+    descales, descale_batch_stride, descale_head_stride = _device_descales(
+        (q_descale, k_descale, v_descale), batch, k.shape[2], q.device
     )
     index = q.get_device()
     q_, k_ = q.contiguous(), k.contiguous()
@@ -133,6 +152,8 @@ def cuda_forward_e4m3(
         p.lse = lse.data_ptr()
     tp = FwdTmaParams()
     tp.p = p
+    tp.q_descale, tp.k_descale, tp.v_descale = (0 if d is None else d.data_ptr() for d in descales)
+    tp.descale_batch_stride, tp.descale_head_stride = descale_batch_stride, descale_head_stride
     tiles = p.num_m_blocks * heads_q * batch
     grid = (min(tiles, sm_count(index)), 1, 1)
     counter = None
@@ -144,7 +165,4 @@ def cuda_forward_e4m3(
         _encode(tp.k_map, _rows_layout(k_, cfg.block_kv), k_.data_ptr(), True, "k")
         _encode(tp.v_map, _values_layout(vt), vt.data_ptr(), True, "v")
     launch(kernel, grid, cfg.threads, cfg.smem_bytes, index, tp)
-    v_scale = _descale(v_descale, "v_descale")
-    if v_scale != 1.0:
-        o.mul_(v_scale)
     return o, lse

@@ -97,15 +97,19 @@ __device__ __forceinline__ void add_p_row_sums(float (&row_sum)[4], const u32 (&
 // (laid out by Tile, fa/smem_layout.cuh), and the rows' LSE when the caller wants it (gL not null; kFolded:
 // the softmax's form, fa/softmax.cuh); with the head's attention sink `sink` (head_sink; -inf: none) in
 // both. The caller synchronises its warps before the tile is copied out (fa/epilogue.cuh, store_o_tile).
+// o_factor multiplies O and lse_factor the folded scores' scale in the LSE: the e4m3 build's descales
+// (sm90/fwd_ws/descales.cuh); 1 elsewhere, where they fold away. (No sink with them: the e4m3 call takes
+// none.)
 template <int D, class Tile, bool BF, bool kFolded = true>
 __device__ __forceinline__ void stage_o_and_lse(const FwdParams& p, const float (&o)[D / 2],
                                                 const float (&row_max)[2], const float (&row_sum)[2],
                                                 u32 s_tile, float* gL, int warp_row0, int g, int t,
-                                                int q_valid, float sink) {
+                                                int q_valid, float sink, float o_factor = 1.f,
+                                                float lse_factor = 1.f) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const float l = quad_sum(row_sum[r]);
-    float inv = inv_row_sum(l), sink_lse = 0.f;
+    float inv = inv_row_sum(l) * o_factor, sink_lse = 0.f;
     if (sink != neg_inf()) inv = sink_row<kFolded>(p, row_max[r], l, sink, sink_lse);
     const int row = warp_row0 + g + 8 * r;
 #pragma unroll
@@ -114,7 +118,7 @@ __device__ __forceinline__ void stage_o_and_lse(const FwdParams& p, const float 
       st_shared_32(s_tile + Tile::bytes(row, n) + 4 * t, v);
     }
     if (gL && t == 0 && row < q_valid)
-      gL[row] = sink != neg_inf() ? sink_lse : row_lse<kFolded>(p, row_max[r], l);
+      gL[row] = sink != neg_inf() ? sink_lse : row_lse<kFolded>(p, row_max[r] * lse_factor, l);
   }
 }
 

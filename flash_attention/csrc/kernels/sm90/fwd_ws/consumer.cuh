@@ -20,6 +20,7 @@
 #include "fa/tma_params.h"
 #include "fa/trace.cuh"
 #include "fa/wgmma.cuh"
+#include "sm90/fwd_ws/descales.cuh"
 #include "sm90/fwd_ws/epilogue.cuh"
 #include "sm90/fwd_ws/mainloop.cuh"
 #include "sm90/fwd_ws/pipeline.cuh"
@@ -110,10 +111,12 @@ __device__ __forceinline__ void fwd_ws_consumer(const FwdTmaParams& tp, const Fw
     }
 
     if constexpr (!kTileOverlap) ml.reset();  // (tile_overlap: after the previous tile's epilogue)
+    // (e4m3: the tile's q and k descales in its softmax factor; the other builds use the mainloop's own)
+    const float tile_sl2 = FwdWsSmem<Cfg>::kE4M3 ? p.scale_log2 * fwd_qk_descale(tp, batch, head) : 0.f;
 #if FA_TRACE
-    const Work w{mask, score_mod, batch, head, q_start, kv_first, n_iter, ring, q_loads, tr, j_lo};
+    const Work w{mask, score_mod, batch, head, q_start, kv_first, n_iter, ring, q_loads, tile_sl2, tr, j_lo};
 #else
-    const Work w{mask, score_mod, batch, head, q_start, kv_first, n_iter, ring, q_loads};
+    const Work w{mask, score_mod, batch, head, q_start, kv_first, n_iter, ring, q_loads, tile_sl2};
 #endif
 
     // ---- the mainloop: the tile's K/V blocks, from its first S to its last P V -------------------------

@@ -121,6 +121,7 @@ struct FwdWsMainloop {
     const int& n_iter;    // its K/V blocks (at least one)
     const int& ring;      // K/V blocks consumed before it, as the producer counts them
     const int& q_loads;   // q_full completions consumed before it: its Q is in buffer q_loads % NQ
+    const float& sl2;     // e4m3: the tile's softmax factor, sl2 times its q and k descales (descales.cuh)
 #if FA_TRACE
     trace::Tracer<Cfg>& tr;
     const int& j_lo;  // the tile's first K/V block
@@ -282,7 +283,7 @@ struct FwdWsMainloop {
 #pragma unroll
     for (int r = 0; r < 2; ++r)
       alpha[r] = online_softmax_row<kFold, kOffsets, kLazyMax, kFold ? Cfg::kExpPoly : 0, BF>(
-          acc_tile(sacc), 0, r, row_max[r], row_sum[r], sl2, offset[0][r]);
+          acc_tile(sacc), 0, r, row_max[r], row_sum[r], kE4M3 ? x.sl2 : sl2, offset[0][r]);
     if constexpr (kDropout)
       dropout_query_rows<kDropoutKeyPairs<V>>(acc_tile(sacc), 0, p, x.batch, x.head, x.q_start + th.warp_row0,
                                               kv_start, th.g, th.t);
