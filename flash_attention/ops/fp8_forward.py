@@ -26,7 +26,7 @@ from .forward import stream_tile_counter
 from .fp8_values import KEY_GROUP, transposed_values
 from .plans import fill_common, fill_strides, launch
 
-__all__ = ["e4m3_config", "cuda_forward_e4m3"]
+__all__ = ["e4m3_config", "cuda_forward_e4m3", "kernel_takes"]
 
 #: V^T's box: one 128-byte panel of keys.
 _KEYS_PER_PANEL = 128
@@ -38,6 +38,24 @@ def e4m3_config(head_dim: int) -> KernelConfig:
     if head_dim != 128:
         raise ValueError(f"the e4m3 forward takes head_dim 128 for now; got {head_dim}")
     return ws_config("e4m3", 128, 128, 128, 3, overlap=True, persistent=True)
+
+
+def kernel_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *options) -> bool:
+    """Whether attention() runs an e4m3 call on this kernel: q, k and v 4-D with head_dim 128 on a Hopper
+    GPU (sm_90) the launch layer can use, not inside a torch.compile trace (the kernel's host path is not
+    traceable), and none of ``options`` given (attention()'s out, key_range, dropout_p, window, softcap,
+    alibi_slopes, sinks and packed segments, each None, 0 or 0.0 when absent). Every other e4m3 call keeps
+    the dequantizing path (spec.fp8), which gives the same attention of the dequantized inputs up to
+    rounding (docs/fp8-study.md, "Accuracy")."""
+    from . import dispatch
+
+    if any(o is not None and not (isinstance(o, (bool, int, float)) and o == 0) for o in options):
+        return False
+    if q.dim() != 4 or any(t.shape[-1] != 128 for t in (q, k, v)):
+        return False
+    if torch.compiler.is_compiling() or dispatch.usable_backend(q) is None:
+        return False
+    return dispatch.wants_kernel(q) and q.is_cuda and device_arch(q.get_device()) == "sm_90"
 
 
 def _device_descales(descales, batch: int, heads_kv: int, device) -> tuple[list, int, int]:
