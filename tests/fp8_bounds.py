@@ -2,13 +2,13 @@
 
 The kernel computes S = Q K^T of the e4m3 inputs in the tensor cores' accumulator, the running max and row
 sums in fp32, and rounds only P, relative to the running max, to e4m3 for P V; O is then divided by the fp32
-row sum, written in bf16, and multiplied by v's descale in bf16. Against attention of the exactly dequantized
-inputs in float64, per output element (row i, column c), with w_ij the exact softmax weights, l_i the exact
-row sum relative to the row's max and the sums over the keys row i sees:
+row sum and multiplied by v's descale in fp32, and written in bf16. Against attention of the exactly
+dequantized inputs in float64, per output element (row i, column c), with w_ij the exact softmax weights,
+l_i the exact row sum relative to the row's max and the sums over the keys row i sees:
 
     |O - ref|_ic <= 2^-4 sum_j w_ij |v_jc|         P's relative rounding, 3 significand bits (normal P)
                   + 2^-10 sum_j |v_jc| / l_i        P's absolute rounding below e4m3's normal range (2^-6)
-                  + 2^-8 |ref_ic|                   the bf16 output and the bf16 descale multiply
+                  + 2^-8 |ref_ic|                   the bf16 output (2^-9), twice over for margin
 
 (A running max below the row's final one only shrinks the second term's share: the row sum grows with it.)
 The S accumulation's own rounding moves P by far less than these, so the bound carries a factor 5/4 for it.

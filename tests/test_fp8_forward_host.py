@@ -33,16 +33,22 @@ def test_only_plain_hopper_calls_at_head_dim_128_take_the_kernel(monkeypatch):
 
     q, k, v = _e4m3(1, 8, 4, 128), _e4m3(1, 8, 2, 128), _e4m3(1, 8, 2, 128)
     assert not fp8_forward.kernel_takes(q, k, v)  # (CPU tensors)
-    # As on a Hopper GPU whose launch layer is usable:
-    monkeypatch.setattr(dispatch, "usable_backend", lambda t, warn=False: object())
+    # As on a Hopper GPU where kernels can be built: the device facts alone are faked (the dtype check of
+    # dispatch.usable_backend, which refuses e4m3, must not be on this path).
     monkeypatch.setattr(dispatch, "wants_kernel", lambda t: True)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
+    monkeypatch.setattr(fp8_forward, "device_unavailable_reason", lambda index: None)
     monkeypatch.setattr(fp8_forward, "device_arch", lambda index: "sm_90")
     assert fp8_forward.kernel_takes(q, k, v, None, None, 0.0, None, 0.0, None, None, None)
     for given in ((torch.zeros(1, 2),), (None, 0.1), (None, None, (16, 0)), (None, None, None, 30.0)):
         assert not fp8_forward.kernel_takes(q, k, v, *given)
     assert not fp8_forward.kernel_takes(_e4m3(1, 8, 4, 64), _e4m3(1, 8, 2, 64), _e4m3(1, 8, 2, 64))
+    assert not fp8_forward.kernel_takes(q, k, v, scale=-0.1)  # (the folded softmax needs a positive scale)
+    assert not fp8_forward.kernel_takes(q, k.to("meta"), v)  # (k on another device)
+    monkeypatch.setattr(fp8_forward, "device_unavailable_reason", lambda index: "no compiler")
+    assert not fp8_forward.kernel_takes(q, k, v)
+    monkeypatch.setattr(fp8_forward, "device_unavailable_reason", lambda index: None)
     monkeypatch.setattr(fp8_forward, "device_arch", lambda index: "sm_80")
     assert not fp8_forward.kernel_takes(q, k, v)
 
@@ -58,7 +64,7 @@ def test_attention_sends_a_call_the_kernel_takes_to_it_after_the_shape_checks(mo
         out = torch.full(q.shape, 7.0, dtype=torch.bfloat16)
         return out, torch.zeros(q.shape[0], q.shape[2], q.shape[1]) if kw["return_lse"] else None
 
-    monkeypatch.setattr(fp8_forward, "kernel_takes", lambda *a: True)
+    monkeypatch.setattr(fp8_forward, "kernel_takes", lambda *a, **kw: True)
     monkeypatch.setattr(fp8_forward, "cuda_forward_e4m3", fake)
     q, k, v = _e4m3(2, 8, 4, 128), _e4m3(2, 12, 2, 128), _e4m3(2, 12, 2, 128)
     qd = torch.rand(2, 2)
@@ -68,4 +74,6 @@ def test_attention_sends_a_call_the_kernel_takes_to_it_after_the_shape_checks(mo
     assert calls[0]["q_descale"] is qd and calls[0]["k_descale"] is None
     with pytest.raises(ValueError, match="k must have the batch size of q"):
         fa.attention(q, _e4m3(1, 12, 2, 128), _e4m3(1, 12, 2, 128))
+    # An empty problem keeps the dequantizing path: zeros, no launch.
+    assert not fa.attention(_e4m3(2, 0, 4, 128), k, v).numel()
     assert len(calls) == 1

@@ -283,14 +283,16 @@ def attention(
         from ..ops import fp8_forward as _fp8_kernel  # (here: only FP8 calls pay for its import)
 
         options = (out, key_range, dropout_p, window, softcap, alibi_slopes, sinks, _segments)
-        if _fp8_kernel.kernel_takes(q, k, v, *options):
-            # (the shapes' checks, on bf16 stand-ins on the meta device: validate takes no e4m3 dtype)
-            problem = validate(
-                *(torch.empty(t.shape, dtype=torch.bfloat16, device="meta") for t in (q, k, v)),
-                causal=causal,
-                softmax_scale=softmax_scale,
-                out=None,
-            )
+        # (the shapes' checks first, on bf16 stand-ins on the meta device: validate takes no e4m3 dtype;
+        # kernel_takes checks the devices, which the stand-ins drop)
+        problem = validate(
+            *(torch.empty(t.shape, dtype=torch.bfloat16, device="meta") for t in (q, k, v)),
+            causal=causal,
+            softmax_scale=softmax_scale,
+            out=None,
+        )
+        # (an empty problem keeps the dequantizing path's zeros and -inf LSE)
+        if not problem.is_empty and _fp8_kernel.kernel_takes(q, k, v, *options, scale=problem.scale):
             o, lse = _fp8_kernel.cuda_forward_e4m3(
                 q, k, v, causal=problem.causal, softmax_scale=problem.scale, q_descale=q_descale,
                 k_descale=k_descale, v_descale=v_descale, return_lse=return_lse,

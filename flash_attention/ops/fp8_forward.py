@@ -21,7 +21,7 @@ from ..jit import driver
 from ..jit.loader import get_kernel
 from ..jit.params import FwdParams, FwdTmaParams
 from . import tma
-from .device import device_arch, sm_count
+from .device import device_arch, device_unavailable_reason, sm_count
 from .forward import stream_tile_counter
 from .fp8_values import KEY_GROUP, transposed_values
 from .plans import fill_common, fill_strides, launch
@@ -40,22 +40,27 @@ def e4m3_config(head_dim: int) -> KernelConfig:
     return ws_config("e4m3", 128, 128, 128, 3, overlap=True, persistent=True)
 
 
-def kernel_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *options) -> bool:
-    """Whether attention() runs an e4m3 call on this kernel: q, k and v 4-D with head_dim 128 on a Hopper
-    GPU (sm_90) the launch layer can use, not inside a torch.compile trace (the kernel's host path is not
-    traceable), and none of ``options`` given (attention()'s out, key_range, dropout_p, window, softcap,
-    alibi_slopes, sinks and packed segments, each None, 0 or 0.0 when absent). Every other e4m3 call keeps
-    the dequantizing path (spec.fp8), which gives the same attention of the dequantized inputs up to
-    rounding (docs/fp8-study.md, "Accuracy")."""
+def kernel_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *options, scale: float = 1.0) -> bool:
+    """Whether attention() runs an e4m3 call on this kernel: q, k and v 4-D with head_dim 128 on one Hopper
+    GPU (sm_90) where kernels can be built and launched, a positive softmax scale (the folded softmax
+    subtracts the unscaled max: a negative scale would turn it into the min), not inside a torch.compile
+    trace (the kernel's host path is not traceable), and none of ``options`` given (attention()'s out,
+    key_range, dropout_p, window, softcap, alibi_slopes, sinks and packed segments, each None, 0 or 0.0 when
+    absent). Every other e4m3 call keeps the dequantizing path (spec.fp8), which gives the same attention of
+    the dequantized inputs up to rounding (docs/fp8-study.md, "Accuracy"). (Not dispatch.usable_backend:
+    its check of the dtype takes float16 and bfloat16 only.) The descales' product must be positive too,
+    which the host cannot check without a synchronisation: docs/usage.md says so."""
     from . import dispatch
 
     if any(o is not None and not (isinstance(o, (bool, int, float)) and o == 0) for o in options):
         return False
-    if q.dim() != 4 or any(t.shape[-1] != 128 for t in (q, k, v)):
+    if q.dim() != 4 or any(t.shape[-1] != 128 for t in (q, k, v)) or not scale > 0:
         return False
-    if torch.compiler.is_compiling() or dispatch.usable_backend(q) is None:
+    if not dispatch.wants_kernel(q) or not q.is_cuda or k.device != q.device or v.device != q.device:
         return False
-    return dispatch.wants_kernel(q) and q.is_cuda and device_arch(q.get_device()) == "sm_90"
+    if torch.compiler.is_compiling() or device_unavailable_reason(q.get_device()) is not None:
+        return False
+    return device_arch(q.get_device()) == "sm_90"
 
 
 def _device_descales(descales, batch: int, heads_kv: int, device) -> tuple[list, int, int]:

@@ -271,6 +271,8 @@ def make_runner(
     if impl == OURS_FP8:
         if mode != "fwd":
             raise Skip("FP8 inputs have no gradient (attention(..., fp8=True) trains through bf16 tensors)")
+        if shape.dtype != "bf16":
+            raise Skip("FP8 rows quantize the sweep's bf16 tensors (--dtype bf16)")
         from flash_attention.ops import fp8_forward
         from flash_attention.spec import fp8
 
@@ -287,7 +289,7 @@ def make_runner(
         (q8, k8, v8), _ = quantized[0]
         options = (None, None, 0.0, variant.get("window"), shape.score or None, variant.get("alibi_slopes"),
                    variant.get("sinks"), None)  # fmt: skip
-        if fp8_forward.kernel_takes(q8, k8, v8, *options):
+        if fp8_forward.kernel_takes(q8, k8, v8, *options, scale=shape.head_dim**-0.5):
             name = fp8_forward.e4m3_config(shape.head_dim).name()
         else:
             name = "dequantized to bf16, then " + ops.chosen_config(

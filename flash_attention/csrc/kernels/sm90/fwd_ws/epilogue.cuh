@@ -89,6 +89,7 @@ struct FwdWsEpilogue {
                                              trace::Tracer<Cfg>& tr
 #endif
   ) const {
+    static_assert(!Smem::kE4M3, "the e4m3 build is persistent: its descales are applied in warpgroup()");
     const int cwg = th.cwg;
     stage_o_and_lse<D, PanelTile<BR>, BF, kFold>(p, ml.o, ml.row_max, ml.row_sum, sm.sQ, gL, th.warp_row0,
                                                  th.g, th.t, q_valid, head_sink(p, head));
