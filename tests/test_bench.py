@@ -695,6 +695,24 @@ def test_deterministic_impl_is_known_and_only_times_backward_modes():
         make_runner(OURS_DETERMINISTIC, shape, inputs, "fwd_bwd")
 
 
+def test_fp8_impl_is_known_times_only_the_forward_and_labels_its_rows():
+    from flash_attention.tools.bench.cli import _impl_list
+    from flash_attention.tools.bench.results import OURS, OURS_FP8
+    from flash_attention.tools.bench.runners import Skip, make_inputs, make_runner
+    from flash_attention.tools.bench.sweep import _row_base
+
+    assert _impl_list(f"{OURS},{OURS_FP8}") == (OURS, OURS_FP8)
+    s = SweepSettings(impls=(), seqlens=(512,), head_dims=(128,), causal=(True,))
+    shape = sweep_shapes(s)[0]
+    inputs = make_inputs(shape, 1, "cpu")
+    with pytest.raises(Skip, match="FP8 inputs have no gradient"):
+        make_runner(OURS_FP8, shape, inputs, "fwd_bwd")
+    with pytest.raises(Skip, match="cannot run"):  # CPU tensors: the fallback is not timed under our name
+        make_runner(OURS_FP8, shape, inputs, "fwd")
+    assert _row_base(OURS_FP8, shape, s, 0, "off")["dtype"] == "fp8_e4m3"
+    assert _row_base(OURS, shape, s, 0, "off")["dtype"] == "bf16"
+
+
 def test_window_sweep_counts_the_band_and_masks_the_same_keys():
     """--window: causal shapes only; FLOPs of the band; SDPA's explicit mask is attention()'s window."""
     import torch

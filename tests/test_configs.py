@@ -106,6 +106,18 @@ def _space(n_random: int = 2500, seed: int = 0) -> list[KernelConfig]:
                 **{**fields, "num_warps": 8, "warp_specialized": False, "overlap": False}
             )
         out.append(cfg)
+    # e4m3 (FP8): block_kv on and off the 128-key rule, every head_dim, v's own head_dim, persistent or not
+    # (shared memory on and off the limit), and off the warp-specialized kernel.
+    for d, bkv, stages, persistent, dv in itertools.product(
+        HEAD_DIMS, (48, 64, 96, 128, 176, 192, 256), (2, 3, 4), flags, (0, 64)
+    ):
+        cfg = ws_config("e4m3", d, 128, bkv, stages, overlap=True, persistent=persistent, check=False)
+        fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+        out.append(KernelConfig.unchecked(**{**fields, "head_dim_v": dv}))
+    for d in (128, 256):
+        cfg = ws_config("e4m3", d, 128, 128, 2, check=False)
+        fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+        out.append(KernelConfig.unchecked(**{**fields, "num_warps": 8, "warp_specialized": False}))
     return out
 
 
@@ -294,3 +306,23 @@ def test_hopper_defaults_are_wgmma_and_others_are_not():
                 assert default_config("bf16", d, causal, n, n, "sm_90").wgmma
                 assert not default_config("bf16", d, causal, n, n, "sm_80").wgmma
                 assert not default_config("bf16", d, causal, n, n).wgmma
+
+
+def test_e4m3_configs_name_rules_and_shared_memory():
+    cfg = ws_config("e4m3", 128, 128, 128, 2, overlap=True, persistent=True)
+    assert cfg.name() == "(E4M3, 128, 128, 128, 12): wgmma+ws+overlap+persistent+stages_2"
+    assert parse_config(cfg.name()) == cfg and parse_config(cfg.symbol()) == cfg
+    # 1-byte Q (16 KB) and K/V ring (2 stages x 2 x 16 KB), the bf16 output's tile (32 KB), 1 KB for the
+    # 1024-byte alignment, the ring's barriers.
+    assert cfg.smem_bytes == 16384 + 65536 + 32768 + 1024 + 256
+    # The kernels' flag for it, named by e4m3 configs alone (the 16-bit builds' structs stay as they were).
+    assert "kIsE4M3 = true" in cfg.cpp_struct() and "kIsBF16 = true" in cfg.cpp_struct()
+    assert "kIsE4M3" not in ws_config("bf16", 128, 128, 128, 2, overlap=True).cpp_struct()
+    rule = "e4m3 needs the persistent warp-specialized forward, block_kv 128 or 256"
+    for bad in (
+        ws_config("e4m3", 128, 128, 96, 2, persistent=True, check=False),  # V^T's 96-byte rows
+        ws_config("e4m3", 64, 128, 128, 2, persistent=True, check=False),  # a 64-byte row
+        ws_config("e4m3", 128, 128, 128, 2, check=False),  # O staged in Q's tile
+        wgmma_config("e4m3", 128, 128, 64, 2, check=False),  # the sm90 kernel
+    ):
+        assert any(e.startswith(rule) for e in validity_errors(bad)), bad.name()

@@ -105,3 +105,39 @@ def test_hopper_forward_units_compile_to_wgmma_without_spills(catalog_builds):
             assert r["spill_stores"] == 0 and r["stack_frame"] == 0, r
         # ptxas says so when it has to serialise wgmma (e.g. an accumulator touched while in flight).
         assert "serializ" not in m["log"].lower(), m["log"]
+
+
+def test_e4m3_wrappers_and_packing_compile_to_8_bit_wgmma():
+    """The FP8 (e4m3) wgmma wrappers (both forms, three widths) and pack4_e4m3 are valid PTX that ptxas takes
+    without serialising the wgmma: a wrong operand count or form fails this compile."""
+    from flash_attention.jit import compiler
+
+    if compiler.load_nvrtc() is None:
+        pytest.skip("NVRTC is not installed")
+    body = []
+    for n in (64, 128, 256):
+        body.append(
+            f"  {{ float d[{n // 2}];\n"
+            f"    fa::WgmmaE4m3<{n}>::ss(d, a, b, 0);\n"
+            f"    fa::WgmmaE4m3<{n}>::rs(d, frag, b, 1);\n"
+            "    fa::wgmma_commit(); fa::wgmma_wait<0>();\n"
+            f"    for (int i = 0; i < {n // 2}; ++i) out[threadIdx.x + 128 * i] = d[i]; }}\n"
+        )
+    source = (
+        '#include "fa/frag.cuh"\n#include "fa/wgmma.cuh"\n'
+        'extern "C" __global__ void e4m3_probe(float* out, const float* x, unsigned long long a,\n'
+        "                                        unsigned long long b) {\n"
+        "  const float* v = x + 16 * threadIdx.x;\n"
+        "  const fa::u32 frag[4] = {fa::pack4_e4m3(v[0], v[1], v[2], v[3]),\n"
+        "                           fa::pack4_e4m3(v[4], v[5], v[6], v[7]),\n"
+        "                           fa::pack4_e4m3(v[8], v[9], v[10], v[11]),\n"
+        "                           fa::pack4_e4m3(v[12], v[13], v[14], v[15])};\n"
+        "  fa::wgmma_fence();\n" + "".join(body) + "  float s[64];\n"
+        "  for (int i = 0; i < 64; ++i) s[i] = x[i * 128 + threadIdx.x];\n"
+        "  fa::u32 p[4];\n  fa::acc_to_a_frag_e4m3(p, fa::acc_tile(s), 0, 1);\n"
+        "  for (int r = 0; r < 4; ++r) out[r * 128 + threadIdx.x] = __uint_as_float(p[r]);\n}\n"
+    )
+    result = compiler.compile_nvrtc(source, "sm_90a", "e4m3_probe")
+    assert "serializ" not in result.log.lower(), result.log
+    (probe,) = result.resources
+    assert probe.spill_stores == 0 and probe.registers > 128  # (the d256 accumulator alone is 128 registers)

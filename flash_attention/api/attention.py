@@ -276,9 +276,28 @@ def attention(
         or k_descale is not None
         or v_descale is not None
     ):  # (spec.fp8.is_fp8_call written out: no call or tuple on every call's path)
-        # e4m3 inputs: checked and dequantized to bf16; the call goes on as a bf16 call (spec.fp8)
+        # e4m3 inputs: checked, then on Hopper at head_dim 128 without other options the e4m3 kernel
+        # (ops.fp8_forward); else dequantized to bf16, the call going on as a bf16 call (spec.fp8)
         descales = (q_descale, k_descale, v_descale)
         _fp8.check_fp8(q, k, v, descales)
+        from ..ops import fp8_forward as _fp8_kernel  # (here: only FP8 calls pay for its import)
+
+        options = (out, key_range, dropout_p, window, softcap, alibi_slopes, sinks, _segments)
+        # (the shapes' checks first, on bf16 stand-ins on the meta device: validate takes no e4m3 dtype;
+        # kernel_takes checks the devices, which the stand-ins drop)
+        problem = validate(
+            *(torch.empty(t.shape, dtype=torch.bfloat16, device="meta") for t in (q, k, v)),
+            causal=causal,
+            softmax_scale=softmax_scale,
+            out=None,
+        )
+        # (an empty problem keeps the dequantizing path's zeros and -inf LSE)
+        if not problem.is_empty and _fp8_kernel.kernel_takes(q, k, v, *options, scale=problem.scale):
+            o, lse = _fp8_kernel.cuda_forward_e4m3(
+                q, k, v, causal=problem.causal, softmax_scale=problem.scale, q_descale=q_descale,
+                k_descale=k_descale, v_descale=v_descale, return_lse=return_lse,
+            )  # fmt: skip
+            return _result(o, lse, return_lse)
         heads_kv = k.shape[2]
         q, k, v = (_fp8.dequantize(t, d, heads_kv) for t, d in zip((q, k, v), descales, strict=True))
     # A call whose signature ran before and ended in one planned launch repeats that launch, skipping every

@@ -7,6 +7,7 @@ from .architectures import ARCHITECTURES, architecture, runs_family
 
 __all__ = [
     "DTYPES",
+    "FP8_DTYPE",
     "HEAD_DIMS",
     "SMEM_LIMIT_SM80",
     "SMEM_LIMIT_SM90",
@@ -23,6 +24,10 @@ __all__ = [
 HEAD_DIMS = (64, 128, 192, 256)
 
 DTYPES = ("fp16", "bf16")
+
+#: The FP8 input type of the warp-specialized forward: q, k, v and P in e4m3, the output in bf16
+#: (docs/fp8-study.md). Not in DTYPES, whose types every family and the catalog build.
+FP8_DTYPE = "e4m3"
 
 #: The dynamic shared memory one block may opt into, per architecture (bytes; configs/architectures.py). The
 #: heuristics pick configs that fit the GPU's own limit, so every GPU from sm_80 on gets kernels that launch.

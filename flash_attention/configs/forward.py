@@ -23,7 +23,7 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
-from .common import DTYPES, HEAD_DIMS, SMEM_LIMIT_SM80, SMEM_LIMIT_SM90, cpp_struct
+from .common import DTYPES, FP8_DTYPE, HEAD_DIMS, SMEM_LIMIT_SM80, SMEM_LIMIT_SM90, cpp_struct
 
 __all__ = [
     "KernelConfig",
@@ -55,7 +55,9 @@ class KernelConfig:
     """One forward-kernel instantiation.
 
     Attributes:
-        dtype: ``"fp16"`` or ``"bf16"`` (inputs and output; the softmax is always fp32).
+        dtype: ``"fp16"`` or ``"bf16"`` (inputs and output; the softmax is always fp32), or ``"e4m3"``
+            (FP8 inputs and P, output bf16; the persistent warp-specialized forward at head_dim 128 over
+            128- or 256-key tiles: docs/fp8-study.md).
         head_dim: instantiated head dimension, one of :data:`HEAD_DIMS`.
         block_q: B_r, query rows per thread block.
         block_kv: B_c, keys per K/V tile.
@@ -234,7 +236,8 @@ class KernelConfig:
     def cpp_struct(self, struct_name: str = "Cfg") -> str:
         """The C++ struct of named constants the kernel template is instantiated with."""
         fields = [
-            ("kIsBF16", "bool", self.dtype == "bf16"),
+            # (e4m3: the 16-bit type, of the output, is bf16)
+            ("kIsBF16", "bool", self.dtype in ("bf16", FP8_DTYPE)),
             ("kHeadDim", "int", self.head_dim),
             ("kHeadDimV", "int", self.value_dim),
             ("kBlockQ", "int", self.block_q),
@@ -261,6 +264,10 @@ class KernelConfig:
             ("kProducerRegs", "int", register_split(self)[0]),
             ("kConsumerRegs", "int", register_split(self)[1]),
         ]
+        if self.dtype == FP8_DTYPE:
+            # Only e4m3 configs name it: the kernels read it through fa::CfgIsE4M3 (false when absent), so
+            # every 16-bit build's source is what it was.
+            fields.append(("kIsE4M3", "bool", True))
         return cpp_struct(struct_name, fields)
 
 
@@ -357,8 +364,22 @@ def ws_config(
 def validity_errors(cfg: KernelConfig) -> list[str]:
     """Every rule ``cfg`` breaks, as readable sentences (empty when valid)."""
     e: list[str] = []
-    if cfg.dtype not in DTYPES:
-        e.append(f"dtype must be one of {DTYPES}")
+    if cfg.dtype not in (*DTYPES, FP8_DTYPE):
+        e.append(f"dtype must be one of {(*DTYPES, FP8_DTYPE)}")
+    if cfg.dtype == FP8_DTYPE and not (
+        cfg.warp_specialized
+        and cfg.persistent
+        and cfg.block_kv in (128, 256)
+        and cfg.head_dim == 128
+        and not cfg.head_dim_v
+    ):
+        # (V^T's rows are block_kv keys of 1 byte: whole 128-byte swizzle panels; persistent: the bf16
+        # output's own tile, which a 1-byte Q tile cannot stage; head_dim 128 first: at 64 Q's and K's rows
+        # are half a panel, and every 256 build tried spilled 188-456 bytes, NVRTC 13.0)
+        e.append(
+            "e4m3 needs the persistent warp-specialized forward, block_kv 128 or 256, head_dim 128 "
+            "and v of q's head_dim"
+        )
     if cfg.head_dim not in HEAD_DIMS:
         e.append(f"head_dim must be one of {HEAD_DIMS}")
     if cfg.head_dim_v and not (
@@ -447,7 +468,8 @@ def _has_fragment_groups(cfg: KernelConfig) -> bool:
 
 
 def smem_bytes(cfg: KernelConfig) -> int:
-    """Dynamic shared memory of one block: one Q tile, one K tile and one V tile (2-byte elements).
+    """Dynamic shared memory of one block: one Q tile, one K tile and one V tile (2-byte elements; e4m3's 1,
+    its output bf16).
 
     One K and one V buffer suffice even with eager loading: V_j lands while S_j = Q K_j^T is computed,
     and K_{j+1} lands in K's buffer (free once S_j is done) while P_j V_j is computed. A wgmma config
@@ -457,10 +479,10 @@ def smem_bytes(cfg: KernelConfig) -> int:
     q = cfg.block_q * (2 if cfg.tile_overlap else 1)  # tile_overlap: two Q buffers (fwd_ws)
     kv = cfg.block_kv * cfg.stages  # (a K and a V tile per stage: K of head_dim, V of value_dim)
     barriers = 256 if cfg.warp_specialized else 0  # the ring's mbarriers (fwd_ws: 8 bytes each)
-    staging = cfg.block_q if cfg.persistent else 0  # a persistent block's output tile (fwd_ws)
+    staging = cfg.block_q if cfg.persistent else 0  # a persistent block's output tile (fwd_ws), 2-byte
     d, dv = cfg.head_dim, cfg.value_dim
-    elements = d * q + (d + dv) * kv + dv * staging
-    return 2 * elements + (1024 if cfg.wgmma else 0) + barriers
+    inputs = (1 if cfg.dtype == FP8_DTYPE else 2) * (d * q + (d + dv) * kv)
+    return inputs + 2 * dv * staging + (1024 if cfg.wgmma else 0) + barriers
 
 
 def estimated_registers(cfg: KernelConfig) -> int:
@@ -487,7 +509,7 @@ def estimated_registers(cfg: KernelConfig) -> int:
 # Parsing
 
 _NAME_RE = re.compile(
-    r"^\(\s*(?P<dtype>FP16|BF16)\s*,\s*(?P<d>\d+)\s*,\s*(?P<bq>\d+)\s*,\s*(?P<bkv>\d+)\s*,\s*(?P<w>\d+)\s*\)\s*:\s*"
+    r"^\(\s*(?P<dtype>FP16|BF16|E4M3)\s*,\s*(?P<d>\d+)\s*,\s*(?P<bq>\d+)\s*,\s*(?P<bkv>\d+)\s*,\s*(?P<w>\d+)\s*\)\s*:\s*"
     r"(?P<flags>[A-Za-z0-9_+]+)\s*$",
     re.IGNORECASE,
 )

@@ -276,6 +276,7 @@ def device_attribute(attr: int, device: int) -> int:
 # ---------------------------------------------------------------------------------------------------------
 # Tensor maps (the TMA unit's descriptors of a global tensor, cuTensorMapEncodeTiled, CUDA 12.0+)
 
+CU_TENSOR_MAP_DATA_TYPE_UINT8 = 0  # 1-byte elements copied as bits: e4m3
 CU_TENSOR_MAP_DATA_TYPE_UINT16 = 1  # 2-byte elements copied as bits: fp16 and bf16 alike
 CU_TENSOR_MAP_INTERLEAVE_NONE = 0
 CU_TENSOR_MAP_SWIZZLE_128B = 3
@@ -314,3 +315,11 @@ def encode_tiled_2byte(dest: int, address: int, dims, strides, box) -> int:
     for every dimension but the innermost; elements outside ``dims`` load as zeros."""
     data_type, *layout_flags = TENSOR_MAP_ENCODE_FLAGS
     return _encode_tiled()(dest, data_type, len(dims), address, dims, strides, box, _ONES, *layout_flags)
+
+
+def encode_tiled_1byte(dest: int, address: int, dims, strides, box) -> int:
+    """encode_tiled_2byte for 1-byte elements (e4m3): a 128-byte swizzle panel is then 128 of them."""
+    _, *layout_flags = TENSOR_MAP_ENCODE_FLAGS
+    return _encode_tiled()(
+        dest, CU_TENSOR_MAP_DATA_TYPE_UINT8, len(dims), address, dims, strides, box, _ONES, *layout_flags
+    )

@@ -12,11 +12,18 @@ from collections.abc import Callable
 from ..configs import BwdConfig, KernelConfig
 from ..configs.decode import DecodeConfig
 from ..configs.merge import MERGE_PART_DTYPES, MergeConfig
+from ..configs.values_transpose import VALUES_TRANSPOSE_HEAD_DIMS, ValuesTransposeConfig
 from . import driver
 from .cache import build
 from .sources import kernel_symbol, mask_causals, variant_name
 
-__all__ = ["get_bwd_kernels", "get_decode_kernels", "get_kernel", "get_merge_kernels"]
+__all__ = [
+    "get_bwd_kernels",
+    "get_decode_kernels",
+    "get_kernel",
+    "get_merge_kernels",
+    "get_values_transpose_kernels",
+]
 
 _loaded: dict[tuple, object] = {}
 _lock = threading.Lock()
@@ -112,5 +119,16 @@ def get_merge_kernels(cfg: MergeConfig, arch: str) -> dict[str, driver.Kernel]:
     def load() -> None:
         library = driver.load_library(build(cfg, arch).cubin)
         _loaded[k] = {name: driver.get_kernel(library, cfg.symbol(name)) for name in MERGE_PART_DTYPES}
+
+    return _once(k, load)
+
+
+def get_values_transpose_kernels(cfg: ValuesTransposeConfig, arch: str) -> dict[int, driver.Kernel]:
+    """The V^T layout kernel's entry points by head_dim, compiled or read once."""
+    k = (cfg, arch, "values_transpose")
+
+    def load() -> None:
+        library = driver.load_library(build(cfg, arch).cubin)
+        _loaded[k] = {d: driver.get_kernel(library, cfg.symbol(d)) for d in VALUES_TRANSPOSE_HEAD_DIMS}
 
     return _once(k, load)

@@ -100,8 +100,14 @@ class FwdTmaParams(ctypes.Structure):
         ("v_map", ctypes.c_ubyte * TENSOR_MAP_BYTES),
         ("o_map", ctypes.c_ubyte * TENSOR_MAP_BYTES),
         ("tile_counter", _PTR),
+        # The e4m3 build's descales (device pointers, null: 1) and their (batch, kv head) strides.
+        ("q_descale", _PTR),
+        ("k_descale", _PTR),
+        ("v_descale", _PTR),
+        ("descale_batch_stride", _I32),
+        ("descale_head_stride", _I32),
         # The C++ struct is 64-byte aligned (its maps are), so its size rounds up to a multiple of 64.
-        ("_tail", ctypes.c_ubyte * (64 - ctypes.sizeof(_PTR))),
+        ("_tail", ctypes.c_ubyte * (64 - 4 * ctypes.sizeof(_PTR) - 2 * ctypes.sizeof(_I32))),
     ]
 
 
@@ -242,6 +248,16 @@ class LseMergeParams(ctypes.Structure):
             for kind in kinds
         ]
         + [(name, _I32) for name in ("batch", "rows", "heads", "head_dim")]
+    )
+
+
+class ValuesTransposeParams(ctypes.Structure):
+    """The twin of ``fa::ValuesTransposeParams`` (csrc/include/fa/values_transpose_params.h)."""
+
+    _fields_ = (
+        [("v", _PTR), ("vt", _PTR)]
+        + [(f"v_{kind}_stride", _I64) for kind in ("batch", "row", "head")]
+        + [(name, _I32) for name in ("batch", "seqlen_k", "heads_kv", "keys")]
     )
 
 

@@ -35,6 +35,7 @@ from .results import (
     KNOWN_IMPLS,
     OURS,
     OURS_DETERMINISTIC,
+    OURS_FP8,
     OURS_PLAIN_CALL,
     load_results,
     newest_results,
@@ -192,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_IMPLS,
         help=f"comma-separated (default {','.join(DEFAULT_IMPLS)}; also {OURS_DETERMINISTIC}: ours with "
         f"deterministic=True, backward modes; {OURS_PLAIN_CALL}: plain attention(), --mode decode, where the "
-        "default is flash_attention,sdpa_cudnn,sdpa_flash and it)",
+        f"default is flash_attention,sdpa_cudnn,sdpa_flash and it; {OURS_FP8}: ours on the inputs quantized "
+        "to e4m3 per (batch, kv head), --mode fwd, rows of dtype fp8_e4m3)",
     )
     p.add_argument(
         "--config",

@@ -16,6 +16,7 @@ __all__ = [
     "DEFAULT_IMPLS",
     "DEFAULT_OUTPUT",
     "KNOWN_IMPLS",
+    "OURS_FP8",
     "OURS_DETERMINISTIC",
     "OURS_PLAIN_CALL",
     "OURS",
@@ -44,7 +45,12 @@ OURS_DETERMINISTIC = "flash_attention_deterministic"
 #: Plain ``attention()`` on a decode grid's contiguous cache (``--mode decode`` only): the call of a user who
 #: decodes with a loop of their own, which must be as fast as ``attention_with_kvcache`` (it may route there).
 OURS_PLAIN_CALL = "flash_attention.attention"
-KNOWN_IMPLS = (*DEFAULT_IMPLS, OURS_DETERMINISTIC, OURS_PLAIN_CALL)
+#: Ours on FP8 inputs (``--mode fwd``; not in the default sweep): the sweep's bf16 tensors quantized to e4m3
+#: with a descale per (batch, kv head) outside the timing (spec.fp8.quantize), then attention() on them,
+#: which on Hopper at head_dim 128 runs the e4m3 kernel (ops.fp8_forward) and elsewhere dequantizes; its
+#: rows carry dtype "fp8_e4m3" beside the bf16 rows of the same run.
+OURS_FP8 = "flash_attention_fp8"
+KNOWN_IMPLS = (*DEFAULT_IMPLS, OURS_DETERMINISTIC, OURS_PLAIN_CALL, OURS_FP8)
 
 #: Keys every result file and every row has (DESIGN.md "Benchmarks"); tools read these and nothing else.
 RESULT_KEYS = ("gpu", "driver", "cuda", "torch", "commit", "matmul_tflops", "rows")

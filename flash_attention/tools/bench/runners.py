@@ -15,7 +15,7 @@ from flash_attention import configs, ops
 
 from ...spec.score_functions import SCORE_FUNCTIONS
 from .fa4 import FA4, fa4_dense
-from .results import DEFAULT_IMPLS, OURS, OURS_DETERMINISTIC
+from .results import DEFAULT_IMPLS, OURS, OURS_DETERMINISTIC, OURS_FP8
 from .skip import Skip
 
 __all__ = ["Runner", "Shape", "Skip", "make_inputs", "make_runner", "one_line"]
@@ -267,6 +267,41 @@ def make_runner(
             variant["sinks"].requires_grad_()
         f = lambda q, k, v: flash_attention.attention(q, k, v, causal=shape.causal, **variant)  # noqa: E731
         return Runner(_autograd_call(f, inputs, mode), lambda i: f(*inputs[i]), config=cfg.name())
+
+    if impl == OURS_FP8:
+        if mode != "fwd":
+            raise Skip("FP8 inputs have no gradient (attention(..., fp8=True) trains through bf16 tensors)")
+        if shape.dtype != "bf16":
+            raise Skip("FP8 rows quantize the sweep's bf16 tensors (--dtype bf16)")
+        from flash_attention.ops import fp8_forward
+        from flash_attention.spec import fp8
+
+        q0 = inputs[0][0]
+        reason = ops.cuda_unavailable_reason(q0)
+        if reason is not None:
+            raise Skip(f"our CUDA kernel cannot run: {reason}")
+        variant = _variant_args(shape, q0.device)
+        # Quantized once per set, outside the timing: e4m3 tensors and their (batch, kv head) descales.
+        quantized = []
+        for q, k, v in inputs:
+            (q8, qd), (k8, kd), (v8, vd) = (fp8.quantize(t, shape.kv) for t in (q, k, v))
+            quantized.append(((q8, k8, v8), dict(q_descale=qd, k_descale=kd, v_descale=vd)))
+        (q8, k8, v8), _ = quantized[0]
+        options = (None, None, 0.0, variant.get("window"), shape.score or None, variant.get("alibi_slopes"),
+                   variant.get("sinks"), None)  # fmt: skip
+        if fp8_forward.kernel_takes(q8, k8, v8, *options, scale=shape.head_dim**-0.5):
+            name = fp8_forward.e4m3_config(shape.head_dim).name()
+        else:
+            name = "dequantized to bf16, then " + ops.chosen_config(
+                q0, inputs[0][1], inputs[0][2], causal=shape.causal, softmax_scale=shape.head_dim**-0.5,
+                window=bool(shape.window), alibi=shape.alibi, **{n: True for n, _ in shape.score},
+            ).name()  # fmt: skip
+
+        def call(i: int) -> Any:
+            tensors, descales = quantized[i]
+            return flash_attention.attention(*tensors, causal=shape.causal, **descales, **variant)
+
+        return Runner(call, call, config=name)
 
     if impl == OURS_DETERMINISTIC:
         if mode == "fwd":

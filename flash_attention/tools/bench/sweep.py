@@ -14,7 +14,7 @@ import torch
 
 from ...ops import repeat
 from ..common import environment, flops, input_sets_needed, l2_bytes, measure_matmul_tflops, time_cuda
-from .results import OURS, load_results, merged, write_results
+from .results import OURS, OURS_FP8, load_results, merged, write_results
 from .runners import Shape, Skip, make_inputs, make_runner, one_line
 
 __all__ = ["DEFAULT_HEAD_DIMS", "DEFAULT_SEQLENS", "SweepSettings", "run_sweep", "sweep_shapes"]
@@ -257,7 +257,8 @@ def _row_base(impl: str, shape: Shape, s: SweepSettings, round_: int, repeat_mod
     row = {
         "impl": impl,
         "mode": s.mode,
-        "dtype": shape.dtype,
+        # (OURS_FP8: the sweep's tensors quantized to e4m3 for that row alone)
+        "dtype": "fp8_e4m3" if impl == OURS_FP8 else shape.dtype,
         "head_dim": shape.head_dim,
         "causal": shape.causal,
         "seqlen": shape.seqlen,

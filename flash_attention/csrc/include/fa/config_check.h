@@ -7,13 +7,29 @@
 
 namespace fa {
 
+// Whether a config's inputs are e4m3 (FP8): only e4m3 configs name kIsE4M3 (configs.forward.cpp_struct),
+// so every 16-bit config's struct is unchanged.
+template <class Cfg, class = void>
+struct CfgIsE4M3 {
+  static constexpr bool value = false;
+};
+template <class Cfg>
+struct CfgIsE4M3<Cfg, decltype(void(Cfg::kIsE4M3))> {
+  static constexpr bool value = Cfg::kIsE4M3;
+};
+
 template <class Cfg>
 struct check_config {
   static constexpr int D = Cfg::kHeadDim;
   static constexpr int DV = Cfg::kHeadDimV;
   // The warps that own query rows: a warp-specialized block's producer warpgroup owns none.
   static constexpr int W = Cfg::kWarpSpecialized ? Cfg::kNumWarps - 4 : Cfg::kNumWarps;
+  static constexpr bool kE4M3 = CfgIsE4M3<Cfg>::value;
   static_assert(D == 64 || D == 128 || D == 192 || D == 256, "head_dim must be one of (64, 128, 192, 256)");
+  static_assert(!kE4M3 || (Cfg::kWarpSpecialized && Cfg::kPersistent &&
+                           (Cfg::kBlockKV == 128 || Cfg::kBlockKV == 256) && D == 128 && DV == D),
+                "e4m3 needs the persistent warp-specialized forward, block_kv 128 or 256, head_dim 128 "
+                "and v of q's head_dim");
   static_assert(DV == D || (Cfg::kWarpSpecialized && DV % 64 == 0 && DV >= 64 && DV < D),
                 "head_dim_v other than head_dim needs warp_specialized, a multiple of 64 below head_dim");
   static_assert(!Cfg::kWarpSpecialized ||
@@ -72,9 +88,10 @@ struct check_config {
   // A wgmma config's tiles start on a 1024-byte boundary: 1 KB more for rounding the window up; a
   // warp-specialized one keeps its ring's mbarriers after the tiles (256 bytes), a persistent one stages
   // its output in a tile of its own, and one with tile_overlap has two Q buffers.
-  static constexpr int kSmemBytes =
-      2 * (D * Cfg::kBlockQ * (Cfg::kTileOverlap ? 2 : 1) + (D + DV) * Cfg::kBlockKV * Cfg::kStages +
-           DV * (Cfg::kPersistent ? Cfg::kBlockQ : 0)) +
+  // e4m3: 1-byte Q, K and V tiles (its output, bf16, in the persistent grid's tile).
+  static constexpr int kSmemBytes = (kE4M3 ? 1 : 2) * (D * Cfg::kBlockQ * (Cfg::kTileOverlap ? 2 : 1) +
+                                                       (D + DV) * Cfg::kBlockKV * Cfg::kStages) +
+                                    2 * DV * (Cfg::kPersistent ? Cfg::kBlockQ : 0) +
                                     (Cfg::kWgmma ? 1024 : 0) + (Cfg::kWarpSpecialized ? 256 : 0);
   static_assert(Cfg::kWgmma || kSmemBytes <= 163 * 1024, "shared memory exceeds the sm_80 limit of 166912");
   static_assert(!Cfg::kWgmma || kSmemBytes <= 227 * 1024, "shared memory exceeds the sm_90 limit of 232448");

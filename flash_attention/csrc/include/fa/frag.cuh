@@ -62,4 +62,18 @@ __device__ __forceinline__ void acc_to_a_frag(u32 (&a)[4], const Acc& acc, int m
   a[3] = pack2<kIsBF16>(acc(mt, 2 * ks + 1, 2), acc(mt, 2 * ks + 1, 3));
 }
 
+// The same for an 8-bit (e4m3) A operand, one 32-deep k-step = n-tiles 4 ks .. 4 ks + 3: the fragment gives
+// a thread positions 4 t .. 4 t + 3 of each 16-key half in one register (docs/fp8-study.md A.3.2), where
+// the accumulator holds keys 2 t, 2 t + 1, 8 + 2 t, 9 + 2 t of that half; register r packs row g + 8 (r % 2)
+// of half r / 2 in that key order, and V^T's tile holds its keys in the same order
+// (ops/fp8_values.py KEY_ORDER_16; tests/test_fp8_values.py checks the pair against P V).
+template <class Acc>
+__device__ __forceinline__ void acc_to_a_frag_e4m3(u32 (&a)[4], const Acc& acc, int mt, int ks) {
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const int n = 4 * ks + 2 * (r / 2), e = 2 * (r % 2);
+    a[r] = pack4_e4m3(acc(mt, n, e), acc(mt, n, e + 1), acc(mt, n + 1, e), acc(mt, n + 1, e + 1));
+  }
+}
+
 }  // namespace fa

@@ -42,6 +42,38 @@ __device__ __forceinline__ void s_to_p(u32 (&pf)[BC / 16][4], float (&s)[BC / 2]
   for (int ks = 0; ks < BC / 16; ++ks) acc_to_a_frag<BF>(pf[ks], acc_tile(s), 0, ks);
 }
 
+// FP8 (e4m3; docs/fp8-study.md): the same three steps with 8-bit operands, k = 32.
+// S = Q K^T: D / 32 k-steps of 32 one-byte columns, again 32 bytes along a row and four to a 128-byte panel
+// (which holds 128 columns), so the offsets are issue_qk's.
+template <int BR, int BC, int D>
+__device__ __forceinline__ void issue_qk_e4m3(float (&s)[BC / 2], u64 q_desc, u64 k_desc) {
+#pragma unroll
+  for (int kk = 0; kk < D / 32; ++kk) {
+    const u32 q_off = (kk / 4) * BR * 128 + (kk % 4) * 32;
+    const u32 k_off = (kk / 4) * BC * 128 + (kk % 4) * 32;
+    WgmmaE4m3<BC>::ss(s, q_desc + (q_off >> 4), k_desc + (k_off >> 4), kk > 0);
+  }
+}
+
+// O (64 x DV) += P V from V^T's tile (DV rows of BC keys in acc_to_a_frag_e4m3's key order,
+// ops/fp8_values.py), read K-major: BC / 32 k-steps of 32 keys, 32 bytes along a row, four to a panel of 128
+// keys, the next panel DV * 128 bytes on.
+template <int BC, int DV>
+__device__ __forceinline__ void issue_pv_e4m3(float (&o)[DV / 2], const u32 (&pf)[BC / 32][4], u64 vt_desc) {
+#pragma unroll
+  for (int ks = 0; ks < BC / 32; ++ks) {
+    const u32 off = (ks / 4) * DV * 128 + (ks % 4) * 32;
+    WgmmaE4m3<DV>::rs(o, pf[ks], vt_desc + (off >> 4), 1);
+  }
+}
+
+// S's accumulator to P's 8-bit A fragments, one per 32-key k-step.
+template <int BC>
+__device__ __forceinline__ void s_to_p_e4m3(u32 (&pf)[BC / 32][4], float (&s)[BC / 2]) {
+#pragma unroll
+  for (int ks = 0; ks < BC / 32; ++ks) acc_to_a_frag_e4m3(pf[ks], acc_tile(s), 0, ks);
+}
+
 // The bounded softmax's L_r on the CUDA cores (fa/softmax.cuh bounded_softmax_row; head_dim 256, where the
 // tensor cores' ones product measured slower, fwd_ws): this thread's partial sums of its two rows += P
 // exactly as P V takes it, from the packed bf16 pairs of s_to_p (registers 0 and 2 of a k-step hold row g,
@@ -65,15 +97,19 @@ __device__ __forceinline__ void add_p_row_sums(float (&row_sum)[4], const u32 (&
 // (laid out by Tile, fa/smem_layout.cuh), and the rows' LSE when the caller wants it (gL not null; kFolded:
 // the softmax's form, fa/softmax.cuh); with the head's attention sink `sink` (head_sink; -inf: none) in
 // both. The caller synchronises its warps before the tile is copied out (fa/epilogue.cuh, store_o_tile).
+// o_factor multiplies O and lse_factor the folded scores' scale in the LSE: the e4m3 build's descales
+// (sm90/fwd_ws/descales.cuh); 1 elsewhere, where they fold away. (No sink with them: the e4m3 call takes
+// none.)
 template <int D, class Tile, bool BF, bool kFolded = true>
 __device__ __forceinline__ void stage_o_and_lse(const FwdParams& p, const float (&o)[D / 2],
                                                 const float (&row_max)[2], const float (&row_sum)[2],
                                                 u32 s_tile, float* gL, int warp_row0, int g, int t,
-                                                int q_valid, float sink) {
+                                                int q_valid, float sink, float o_factor = 1.f,
+                                                float lse_factor = 1.f) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const float l = quad_sum(row_sum[r]);
-    float inv = inv_row_sum(l), sink_lse = 0.f;
+    float inv = inv_row_sum(l) * o_factor, sink_lse = 0.f;
     if (sink != neg_inf()) inv = sink_row<kFolded>(p, row_max[r], l, sink, sink_lse);
     const int row = warp_row0 + g + 8 * r;
 #pragma unroll
@@ -82,7 +118,7 @@ __device__ __forceinline__ void stage_o_and_lse(const FwdParams& p, const float 
       st_shared_32(s_tile + Tile::bytes(row, n) + 4 * t, v);
     }
     if (gL && t == 0 && row < q_valid)
-      gL[row] = sink != neg_inf() ? sink_lse : row_lse<kFolded>(p, row_max[r], l);
+      gL[row] = sink != neg_inf() ? sink_lse : row_lse<kFolded>(p, row_max[r] * lse_factor, l);
   }
 }
 

@@ -157,6 +157,17 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
   return r;
 }
 
+// Four fp32 -> four e4m3 (FP8) in one register, x0 in the lowest byte: the 8-bit A fragment's order (four
+// consecutive k of a row per register, docs/fp8-study.md A.3.2). cvt.rn.satfinite.e4m3x2.f32 (PTX ISA
+// 9.7.9.21) writes its first operand to the upper byte of a .b16, as cvt.rn.bf16x2.f32 does to the upper
+// half in pack2, and saturates to +-448 (e4m3's largest finite value) rather than make a NaN.
+__device__ __forceinline__ u32 pack4_e4m3(float x0, float x1, float x2, float x3) {
+  unsigned short lo, hi;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(lo) : "f"(x1), "f"(x0));
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(hi) : "f"(x3), "f"(x2));
+  return (u32)lo | ((u32)hi << 16);
+}
+
 // One packed pair of bf16/fp16 -> two fp32 (`lo` from the lower half, the element at the lower column):
 // exact. bf16 is the high half of an fp32; fp16 converts with cvt.f32.f16 (PTX ISA 9.7.9.21).
 template <bool kIsBF16>

@@ -26,6 +26,14 @@ struct FwdTmaParams {
   // for the next launch on the stream ([0] the tiles taken, [1] the blocks done taking; the fwd_ws kernel
   // says how); null otherwise.
   int* tile_counter;
+  // The e4m3 build's descales (read by it alone; ops/fp8_forward.py): float32 on the device, q's, k's and v's
+  // factor of (batch b, kv head h) at [b * descale_batch_stride + h * descale_head_stride] (both strides 0:
+  // one number for the tensor); null: 1 (no descale given; ops/fp8_forward.py makes a Python number a
+  // one-element tensor). After the tile counter, in the struct's 64-byte tail, so no other field moves.
+  const float* q_descale;
+  const float* k_descale;
+  const float* v_descale;
+  int descale_batch_stride, descale_head_stride;
 };
 
 // The warp-specialized backward's with TMA loads (BwdConfig.tma_loads): BwdParams, then the tensor maps of

@@ -20,6 +20,7 @@
 #include "fa/tma_params.h"
 #include "fa/trace.cuh"
 #include "fa/wgmma.cuh"
+#include "sm90/fwd_ws/descales.cuh"
 #include "sm90/fwd_ws/epilogue.cuh"
 #include "sm90/fwd_ws/mainloop.cuh"
 #include "sm90/fwd_ws/pipeline.cuh"
@@ -41,9 +42,8 @@ __device__ __forceinline__ void fwd_ws_consumer(const FwdTmaParams& tp, const Fw
   using Rows = typename FwdWsScheduler<Cfg, Mask>::Rows;
   using Work = typename Mainloop::Tile;
   constexpr bool kTileOverlap = FwdWsBuild<Cfg, kDropout>::kTileOverlap;
-  constexpr bool BF = Cfg::kIsBF16;
   constexpr int BC = Cfg::kBlockKV;
-  constexpr int KS = BC / 16;  // k-steps of O += P V
+  constexpr int KS = Mainloop::KS;  // k-steps of O += P V
   constexpr int NS = BC / 8;   // 8-column n-tiles of S
   constexpr int NQ = FwdWsSmem<Cfg>::NQ;
   constexpr bool kSumOnCudaCores = Mainloop::kSumOnCudaCores;
@@ -111,10 +111,12 @@ __device__ __forceinline__ void fwd_ws_consumer(const FwdTmaParams& tp, const Fw
     }
 
     if constexpr (!kTileOverlap) ml.reset();  // (tile_overlap: after the previous tile's epilogue)
+    // (e4m3: the tile's q and k descales in its softmax factor; the other builds use the mainloop's own)
+    const float tile_sl2 = FwdWsSmem<Cfg>::kE4M3 ? p.scale_log2 * fwd_qk_descale(tp, batch, head) : 0.f;
 #if FA_TRACE
-    const Work w{mask, score_mod, batch, head, q_start, kv_first, n_iter, ring, q_loads, tr, j_lo};
+    const Work w{mask, score_mod, batch, head, q_start, kv_first, n_iter, ring, q_loads, tile_sl2, tr, j_lo};
 #else
-    const Work w{mask, score_mod, batch, head, q_start, kv_first, n_iter, ring, q_loads};
+    const Work w{mask, score_mod, batch, head, q_start, kv_first, n_iter, ring, q_loads, tile_sl2};
 #endif
 
     // ---- the mainloop: the tile's K/V blocks, from its first S to its last P V -------------------------
@@ -144,7 +146,7 @@ __device__ __forceinline__ void fwd_ws_consumer(const FwdTmaParams& tp, const Fw
 #endif
         ml.rescale_o(alpha);
         u32 pf[KS][4];
-        s_to_p<BC, BF>(pf, sacc);
+        Mainloop::to_p(pf, sacc);
         if constexpr (kSumOnCudaCores)
           if (ml.bounded) add_p_row_sums<BC>(ml.row_sum_p, pf);
         mbar_wait(sm.v_full(ml.slot(w, it)), ml.phase(w, it));
@@ -194,7 +196,7 @@ __device__ __forceinline__ void fwd_ws_consumer(const FwdTmaParams& tp, const Fw
 #if FA_TRACE
         ml.trace_softmax(sacc, w, alpha);
 #endif
-        s_to_p<BC, BF>(pf, sacc);
+        Mainloop::to_p(pf, sacc);
       }
       for (int it = 1; it < n_iter; ++it) {
         mbar_wait(sm.k_full(ml.slot(w, it)), ml.phase(w, it));
@@ -240,7 +242,7 @@ __device__ __forceinline__ void fwd_ws_consumer(const FwdTmaParams& tp, const Fw
 #endif
         ml.release(sm.v_empty(ml.slot(w, it - 1)));
         ml.rescale_o(alpha);
-        s_to_p<BC, BF>(pf, sacc);
+        Mainloop::to_p(pf, sacc);
       }
       mbar_wait(sm.v_full(ml.slot(w, n_iter - 1)), ml.phase(w, n_iter - 1));
       ml.take_turn();

@@ -22,6 +22,7 @@
 #include "fa/tma_params.h"
 #include "fa/trace.cuh"
 #include "fa/variant.cuh"
+#include "sm90/fwd_ws/descales.cuh"
 #include "sm90/fwd_ws/pipeline.cuh"
 #include "sm90/fwd_ws/scheduler.cuh"
 
@@ -88,6 +89,7 @@ struct FwdWsEpilogue {
                                              trace::Tracer<Cfg>& tr
 #endif
   ) const {
+    static_assert(!Smem::kE4M3, "the e4m3 build is persistent: its descales are applied in warpgroup()");
     const int cwg = th.cwg;
     stage_o_and_lse<D, PanelTile<BR>, BF, kFold>(p, ml.o, ml.row_max, ml.row_sum, sm.sQ, gL, th.warp_row0,
                                                  th.g, th.t, q_valid, head_sink(p, head));
@@ -158,8 +160,12 @@ struct FwdWsEpilogue {
       if (store_issuer) bulk_wait_read<0>();  // the previous tile's stores have read sOw
     }
     named_barrier_sync(4 + cwg, 128);
+    // (e4m3: O times the tile's v descale before its bf16 rounding, the LSE of scores scaled by q's and k's)
+    const float o_factor = Smem::kE4M3 ? fwd_descale(tp, tp.v_descale, x.batch, x.head) : 1.f;
+    const float lse_factor = Smem::kE4M3 ? fwd_qk_descale(tp, x.batch, x.head) : 1.f;
     stage_o_and_lse<D, OTile, BF, kFold>(p, ml.o, ml.row_max, ml.row_sum, sOw, gL ? gL + 64 * cwg : nullptr,
-                                         th.warp_row0 - 64 * cwg, th.g, th.t, rows, head_sink(p, x.head));
+                                         th.warp_row0 - 64 * cwg, th.g, th.t, rows, head_sink(p, x.head),
+                                         o_factor, lse_factor);
     // A TMA store writes the panel's 64 rows, clipped only at the tensor's end: a packed batch's tile that
     // ends inside the tensor (its sequence's last rows) copies its rows out itself, or it would write
     // over the next sequence's (another tile's) output. (Warpgroup-uniform.) That copy goes one chunk at a

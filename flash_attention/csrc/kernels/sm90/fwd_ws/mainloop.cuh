@@ -50,8 +50,14 @@ struct FwdWsMainloop {
   static constexpr int BR = Cfg::kBlockQ;
   static constexpr int BC = Cfg::kBlockKV;
   static constexpr int NST = Cfg::kStages;
-  static constexpr int NS = BC / 8;   // 8-column n-tiles of S
-  static constexpr int KS = BC / 16;  // k-steps of O += P V
+  static constexpr int NS = BC / 8;  // 8-column n-tiles of S
+  // FP8 (e4m3, Smem::kE4M3; docs/fp8-study.md): S and P V by 8-bit wgmmas of k = 32 (fa/fwd_wgmma.cuh),
+  // V^T's tile read K-major; the softmax and the output (bf16) as in the 16-bit builds. The first form takes
+  // plain attention with the causal mask only (no score function, dropout or trace build).
+  static constexpr bool kE4M3 = Smem::kE4M3;
+  static_assert(!kE4M3 || (ScoreMod::kIdentity && !kDropout && !FA_TRACE),
+                "the e4m3 forward takes no score function, dropout or trace build yet");
+  static constexpr int KS = kE4M3 ? BC / 32 : BC / 16;  // k-steps of O += P V
   static constexpr int NO = DV / 8;   // 8-column n-tiles of O
   static constexpr int NQ = Smem::NQ;
   static constexpr u32 kQBytes = Smem::kQBytes;
@@ -115,6 +121,7 @@ struct FwdWsMainloop {
     const int& n_iter;    // its K/V blocks (at least one)
     const int& ring;      // K/V blocks consumed before it, as the producer counts them
     const int& q_loads;   // q_full completions consumed before it: its Q is in buffer q_loads % NQ
+    const float& sl2;     // e4m3: the tile's softmax factor, sl2 times its q and k descales (descales.cuh)
 #if FA_TRACE
     trace::Tracer<Cfg>& tr;
     const int& j_lo;  // the tile's first K/V block
@@ -170,7 +177,8 @@ struct FwdWsMainloop {
 #else
         k_desc(smem_desc_sw128(sm.sK, 16, 1024)),
 #endif
-        v_desc(smem_desc_sw128(sm.sV, BC * 128, 1024)),
+        // (e4m3: V^T's tile, K-major as Q's and K's)
+        v_desc(kE4M3 ? smem_desc_sw128(sm.sV, 16, 1024) : smem_desc_sw128(sm.sV, BC * 128, 1024)),
         sl2(p.scale_log2),
         ones_desc((u64)((smem_addr(ones_tile()) & 0x3FFFFu) >> 4)),
         bounded(kBoundable && score_bound<ScoreMod>(p) <= kFixedMaxCap),
@@ -214,25 +222,32 @@ struct FwdWsMainloop {
   __device__ __forceinline__ void issue_s_at(float (&sacc)[NS * 4], const Tile& x, int it) const {
     wgmma_fence();
     const u64 q_buffer = q_desc + ((x.q_loads % NQ * kQBytes) >> 4);
-    issue_qk<BR, BC, D, BF>(sacc, q_buffer, k_desc + ((slot(x, it) * kKTile) >> 4));
+    if constexpr (kE4M3)
+      issue_qk_e4m3<BR, BC, D>(sacc, q_buffer, k_desc + ((slot(x, it) * kKTile) >> 4));
+    else
+      issue_qk<BR, BC, D, BF>(sacc, q_buffer, k_desc + ((slot(x, it) * kKTile) >> 4));
     wgmma_commit();
   }
   // O += P V of block it.
   __device__ __forceinline__ void issue_pv_at(const u32 (&pf)[KS][4], const Tile& x, int it) {
     wgmma_fence();
-    issue_pv<BC, DV, BF>(o, pf, v_desc + ((slot(x, it) * kVTile) >> 4));
-    // L_r += P 1, in the same group (fa/softmax.cuh). At head_dim 128 issued whatever `bounded` is (a cap
-    // past kFixedMaxCap then pays an unused product): behind the run-time condition ptxas injected a
-    // warpgroup.arrive (C7519) eight times per build, on which the causal build's warps stalled three times
-    // as often as main's (22% of stall samples; that build 7% slower than main, kernel log 119).
-    // Unconditional, the head_dim-128 builds have none (the persistent one keeps the two injected
-    // warpgroup.waits, C7517, that main's has too), but the head_dim-64 build spilled, so the condition
-    // stays there.
-    constexpr bool kOnesAlways = DV == 128 || (DV == 64 && Cfg::kHeadDim == 128);
-    if constexpr (kSumPackedPOnes) {
-      if (kOnesAlways || bounded) {
+    if constexpr (kE4M3) {
+      issue_pv_e4m3<BC, DV>(o, pf, v_desc + ((slot(x, it) * kVTile) >> 4));
+    } else {
+      issue_pv<BC, DV, BF>(o, pf, v_desc + ((slot(x, it) * kVTile) >> 4));
+      // L_r += P 1, in the same group (fa/softmax.cuh). At head_dim 128 issued whatever `bounded` is (a cap
+      // past kFixedMaxCap then pays an unused product): behind the run-time condition ptxas injected a
+      // warpgroup.arrive (C7519) eight times per build, on which the causal build's warps stalled three times
+      // as often as main's (22% of stall samples; that build 7% slower than main, kernel log 119).
+      // Unconditional, the head_dim-128 builds have none (the persistent one keeps the two injected
+      // warpgroup.waits, C7517, that main's has too), but the head_dim-64 build spilled, so the condition
+      // stays there.
+      constexpr bool kOnesAlways = DV == 128 || (DV == 64 && Cfg::kHeadDim == 128);
+      if constexpr (kSumPackedPOnes) {
+        if (kOnesAlways || bounded) {
 #pragma unroll
-        for (int ks = 0; ks < KS; ++ks) Wgmma<8, true>::rs_bt(row_sum_p, pf[ks], ones_desc, 1);
+          for (int ks = 0; ks < KS; ++ks) Wgmma<8, true>::rs_bt(row_sum_p, pf[ks], ones_desc, 1);
+        }
       }
     }
     wgmma_commit();
@@ -268,10 +283,17 @@ struct FwdWsMainloop {
 #pragma unroll
     for (int r = 0; r < 2; ++r)
       alpha[r] = online_softmax_row<kFold, kOffsets, kLazyMax, kFold ? Cfg::kExpPoly : 0, BF>(
-          acc_tile(sacc), 0, r, row_max[r], row_sum[r], sl2, offset[0][r]);
+          acc_tile(sacc), 0, r, row_max[r], row_sum[r], kE4M3 ? x.sl2 : sl2, offset[0][r]);
     if constexpr (kDropout)
       dropout_query_rows<kDropoutKeyPairs<V>>(acc_tile(sacc), 0, p, x.batch, x.head, x.q_start + th.warp_row0,
                                               kv_start, th.g, th.t);
+  }
+  // S's accumulator, after the softmax step, as P V's A fragments (P rounded to the input type).
+  __device__ __forceinline__ static void to_p(u32 (&pf)[KS][4], float (&sacc)[NS * 4]) {
+    if constexpr (kE4M3)
+      s_to_p_e4m3<BC>(pf, sacc);
+    else
+      s_to_p<BC, BF>(pf, sacc);
   }
   __device__ __forceinline__ void rescale_o(const float (&alpha)[2]) {
     if (bounded) return;  // (alpha is 1)

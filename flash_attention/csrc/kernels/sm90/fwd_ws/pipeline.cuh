@@ -30,6 +30,7 @@
 // mainloop.cuh), 4 + c (consumer warpgroup c's own epilogue, epilogue.cuh); 0 is __syncthreads.
 #pragma once
 
+#include "fa/config_check.h"  // (CfgIsE4M3)
 #include "fa/ptx.cuh"
 #include "fa/trace.cuh"  // (FA_TRACE)
 
@@ -66,9 +67,13 @@ struct FwdWsSmem {
   // is past this tile's last S: the deferred epilogue runs under the next tile's first S, which needs that
   // Q, and with one buffer the Q arrived after the epilogue would have run (kernel-log step 63).
   static constexpr int NQ = Cfg::kTileOverlap ? 2 : 1;
-  static constexpr u32 kQBytes = 2 * BR * D;  // bytes of one Q buffer
-  static constexpr u32 kKTile = 2 * BC * D;   // bytes of one K tile
-  static constexpr u32 kVTile = 2 * BC * DV;  // bytes of one V tile
+  // e4m3 (FP8, CfgIsE4M3): 1-byte Q, K and V^T (V transposed: DV rows of BC keys, ops/fp8_values.py) tiles;
+  // its bf16 output in the persistent grid's own tile (configs: e4m3 is persistent; Q's would hold half).
+  static constexpr bool kE4M3 = CfgIsE4M3<Cfg>::value;
+  static constexpr int E = kE4M3 ? 1 : 2;     // bytes of an input element
+  static constexpr u32 kQBytes = E * BR * D;  // bytes of one Q buffer
+  static constexpr u32 kKTile = E * BC * D;   // bytes of one K tile
+  static constexpr u32 kVTile = E * BC * DV;  // bytes of one V (e4m3: V^T) tile
   static constexpr u32 kOBytes = Cfg::kPersistent ? 2 * BR * DV : 0;
 
   // Tiles start on 1024-byte boundaries (the 128-byte swizzle's period, assumed by TMA and the wgmma
