@@ -150,3 +150,12 @@ def test_decode_cases_are_checked_and_the_child_times_them(monkeypatch, capsys):
     _run_child(monkeypatch, ["decode", "1,1,1", "4", "1:64:1,2:64:4", "0"], elapsed_ms=50.0)  # 50 calls
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
     assert lines == [{"case": "1:64:1", "ms": 1.0}, {"case": "2:64:4", "ms": 1.0}]
+
+
+def test_each_tree_takes_every_place_in_a_round_in_turn():
+    trees = ["a", "b", "c"]
+    orders = [ab_trees.round_order(trees, i) for i in range(6)]
+    assert orders[:3] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]] and orders[3:] == orders[:3]
+    for place in range(3):  # over any three rounds, each tree once in each place
+        assert sorted(order[place] for order in orders[:3]) == trees
+    assert [ab_trees.round_order(["x", "y"], i) for i in range(3)] == [["x", "y"], ["y", "x"], ["x", "y"]]

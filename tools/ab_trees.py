@@ -4,18 +4,18 @@
         [--shape 4,4096,16] [--reps 20] [--json OUT]
     python tools/ab_trees.py TREE [TREE ...] --mode decode --cases 1:32768:1,8:8192:16  (batch:keys:seqlen_q)
 
-A kernel change is measured against the tree before it (a `git worktree` of the previous commit, or a copy
-of a commit with one macro or default changed: tools/ab_make_tree.py makes one) on the same machine in the
-same call: one process per tree per
-round, in turn, so that the machine's drift between rounds reaches every tree alike (shared GPUs drift by
-several percent). Each process imports flash_attention from its own tree (its JIT cache keys on the
-sources, so the trees' kernels live side by side) and times every case with CUDA events, after a warm-up
-round whose numbers are dropped (it compiles). A case is `softcap:causal:head_dim[:option...]` (softcap 0:
-none; options: a number w, a sliding window of w keys on each side, (w, 0) when causal; `alibi`, ALiBi with
-the geometric slopes; `seqalibi`, the same slopes given per sequence (--packed); `cross`, the keys' offsets
-another tensor than the queries' (--packed: ALiBi without causal then measures from the table of
-diagonals); `dropNN`, dropout_p NN / 100): bf16 q, k, v of --shape (batch, seqlen, heads) and that
-head_dim, fresh per case; with --packed, a packed batch of documents through attention_varlen instead.
+A kernel change is measured against the tree before it (a `git worktree` of the previous commit, or a copy of
+a commit with one macro or default changed: tools/ab_make_tree.py makes one) on the same machine in the same
+call: one process per tree per round, in turn (the order rotated each round: round_order), so that the
+machine's drift between rounds reaches every tree alike (shared GPUs drift by several percent). Each process
+imports flash_attention from its own tree (its JIT cache keys on the sources, so the trees' kernels live side
+by side) and times every case with CUDA events, after a warm-up round whose numbers are dropped (it compiles).
+A case is `softcap:causal:head_dim[:option...]` (softcap 0: none; options: a number w, a sliding window of w
+keys on each side, (w, 0) when causal; `alibi`, ALiBi with the geometric slopes; `seqalibi`, the same slopes
+given per sequence (--packed); `cross`, the keys' offsets another tensor than the queries' (--packed: ALiBi
+without causal then measures from the table of diagonals); `dropNN`, dropout_p NN / 100): bf16 q, k, v of
+--shape (batch, seqlen, heads) and that head_dim, fresh per case; with --packed, a packed batch of documents
+through attention_varlen instead.
 
 Prints the median of the rounds per case and tree, and each tree's ratio to the first. The spread is
 the rounds' own (min-max per tree), printed beside: a difference inside it is noise. docs/kernel-log.md
@@ -164,6 +164,15 @@ def run_tree(
     return {r["case"]: r["ms"] for r in rows}
 
 
+def round_order(trees: list[str], i: int) -> list[str]:
+    """The order round ``i`` runs the trees in: rotated by one each round (two trees: A B, B A, A B, ...), so
+    that no tree always runs first or last in a round. Two copies of one tree, timed in a fixed order at 4 x
+    4096 x 16, d128 forward+backward, five rounds (H200), differed by 2.3-2.8% at the median; the same
+    change measured in both orders read 1.058x one way and 0.945x the other (kernel log 153)."""
+    k = i % len(trees)
+    return trees[k:] + trees[:k]
+
+
 def summarize(trees: list[str], cases: list[str], rounds: list[dict[str, dict[str, float]]]) -> list[str]:
     """The table: per case, each tree's median over the rounds, its min-max, and its ratio to the first."""
     lines = [f"{'case':12}" + "".join(f" {t[-28:]:>28}" for t in trees)]
@@ -250,12 +259,11 @@ def main(argv: list[str] | None = None) -> int:
             )
 
     for i in range(args.rounds):
-        rounds.append(
-            {
-                tree: run_tree(tree, args.mode, args.shape, args.reps, cases, args.packed)
-                for tree in args.trees
-            }
-        )
+        timed = {
+            tree: run_tree(tree, args.mode, args.shape, args.reps, cases, args.packed)
+            for tree in round_order(args.trees, i)
+        }
+        rounds.append({tree: timed[tree] for tree in args.trees})
         # (each round as it ends: a run cut short by its time limit still leaves what it measured)
         print(f"round {i + 1}: {json.dumps(rounds[-1])}", flush=True)
         if args.json:
