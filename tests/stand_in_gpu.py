@@ -46,9 +46,10 @@ def tensor_at(address: int, shape, strides, dtype) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=dtype).as_strided(shape, strides)
 
 
-def _encode(field, layout, address) -> int:
-    """The stand-in of tma.encode_into: the map holds the address, the 4 dims and the 3 byte strides. As the
-    driver, it refuses a global address that is not 16-byte aligned (CUDA_ERROR_INVALID_VALUE)."""
+def _encode(field, layout, address, *, one_byte: bool = False) -> int:
+    """The stand-in of tma.encode_into (its signature; the element size is the stand-in reader's dtype): the
+    map holds the address, the 4 dims and the 3 byte strides. As the driver, it refuses a global address
+    that is not 16-byte aligned (CUDA_ERROR_INVALID_VALUE)."""
     if address % 16:
         return 1
     values = [address, *layout.dims, *layout.strides]

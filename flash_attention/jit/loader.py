@@ -112,23 +112,22 @@ def get_decode_kernels(cfg: DecodeConfig, arch: str) -> dict[str, driver.Kernel]
     return _once(k, load)
 
 
-def get_merge_kernels(cfg: MergeConfig, arch: str) -> dict[str, driver.Kernel]:
-    """The LSE merge's entry points by part dtype ("fp32", "fp16", "bf16"), compiled or read once."""
-    k = (cfg, arch, "merge")
+def _entry_points_by(cfg, arch: str, kind: str, keys) -> dict:
+    """``cfg``'s entry points ``cfg.symbol(key)`` by key, from one build, compiled or read once."""
+    k = (cfg, arch, kind)
 
     def load() -> None:
         library = driver.load_library(build(cfg, arch).cubin)
-        _loaded[k] = {name: driver.get_kernel(library, cfg.symbol(name)) for name in MERGE_PART_DTYPES}
+        _loaded[k] = {key: driver.get_kernel(library, cfg.symbol(key)) for key in keys}
 
     return _once(k, load)
+
+
+def get_merge_kernels(cfg: MergeConfig, arch: str) -> dict[str, driver.Kernel]:
+    """The LSE merge's entry points by part dtype ("fp32", "fp16", "bf16"), compiled or read once."""
+    return _entry_points_by(cfg, arch, "merge", MERGE_PART_DTYPES)
 
 
 def get_values_transpose_kernels(cfg: ValuesTransposeConfig, arch: str) -> dict[int, driver.Kernel]:
     """The V^T layout kernel's entry points by head_dim, compiled or read once."""
-    k = (cfg, arch, "values_transpose")
-
-    def load() -> None:
-        library = driver.load_library(build(cfg, arch).cubin)
-        _loaded[k] = {d: driver.get_kernel(library, cfg.symbol(d)) for d in VALUES_TRANSPOSE_HEAD_DIMS}
-
-    return _once(k, load)
+    return _entry_points_by(cfg, arch, "values_transpose", VALUES_TRANSPOSE_HEAD_DIMS)

@@ -119,13 +119,10 @@ def _values_layout(vt: torch.Tensor) -> tma.MapLayout:
     )
 
 
-def _encode(field, layout: tma.MapLayout, ptr: int, one_byte: bool, what: str) -> None:
-    scratch = tma._aligned_scratch()
-    encode = driver.encode_tiled_1byte if one_byte else driver.encode_tiled_2byte
-    status = encode(scratch, ptr, layout.dims, layout.strides, layout.box)
+def _encode(field, layout: tma.MapLayout, ptr: int, what: str) -> None:
+    status = tma.encode_into(field, layout, ptr, one_byte=True)
     if status != 0:
         raise RuntimeError(f"the e4m3 forward's tensor map of {what} was refused by the driver ({status})")
-    ctypes.memmove(field, scratch, ctypes.sizeof(field))
 
 
 def cuda_forward_e4m3(
@@ -184,8 +181,8 @@ def cuda_forward_e4m3(
         counter = stream_tile_counter(q.device)  # (held until the launch is queued)
         tp.tile_counter = counter.data_ptr()
     with driver.primary_current(index):
-        _encode(tp.q_map, _rows_layout(q_, cfg.block_q), q_.data_ptr(), True, "q")
-        _encode(tp.k_map, _rows_layout(k_, cfg.block_kv), k_.data_ptr(), True, "k")
-        _encode(tp.v_map, _values_layout(vt), vt.data_ptr(), True, "v")
+        _encode(tp.q_map, _rows_layout(q_, cfg.block_q), q_.data_ptr(), "q")
+        _encode(tp.k_map, _rows_layout(k_, cfg.block_kv), k_.data_ptr(), "k")
+        _encode(tp.v_map, _values_layout(vt), vt.data_ptr(), "v")
     launch(kernel, grid, cfg.threads, cfg.smem_bytes, index, tp)
     return o, lse

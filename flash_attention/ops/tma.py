@@ -98,11 +98,12 @@ def _aligned_scratch() -> int:
     return address
 
 
-def encode_into(field: ctypes.Array, layout: MapLayout, data_ptr: int) -> int:
+def encode_into(field: ctypes.Array, layout: MapLayout, data_ptr: int, *, one_byte: bool = False) -> int:
     """Encode the tensor map of ``layout`` at ``data_ptr`` into ``field`` (a params struct's 128 bytes);
-    return the driver's status (0: success)."""
+    return the driver's status (0: success). Elements of 2 bytes, or of 1 (e4m3) with ``one_byte``."""
     scratch = _aligned_scratch()
-    status = driver.encode_tiled_2byte(scratch, data_ptr, layout.dims, layout.strides, layout.box)
+    encode = driver.encode_tiled_1byte if one_byte else driver.encode_tiled_2byte
+    status = encode(scratch, data_ptr, layout.dims, layout.strides, layout.box)
     if status == 0:
         ctypes.memmove(field, scratch, TENSOR_MAP_BYTES)
     return status
