@@ -12,7 +12,8 @@ multiples of 8. ``--small`` keeps racecheck (which instruments every shared-memo
 The decode cases (``--decode-only`` for just them) run ``attention_with_kvcache`` on the decode kernels:
 appends, paged caches of odd page sizes, split merges, an int length, caches of one capacity bucket that
 grow between calls (a plan kept across them), and a row whose length is out of range (its output NaN,
-nothing outside the cache touched).
+nothing outside the cache touched). ``--fp8-only`` runs the e4m3 forward (ops.fp8_forward) and its V^T
+kernel (ops.fp8_values) on odd lengths, causal and not, grouped heads and per-head descales.
 """
 
 from __future__ import annotations
@@ -547,6 +548,48 @@ def run_merge_case(case, seed: int) -> float:
     return max((out - want_out).abs().max().item(), (lse[finite] - want_lse[finite]).abs().max().item())
 
 
+#: (batch, seqlen_q, seqlen_k, heads_q, heads_kv, causal): the e4m3 forward (head_dim 128) and its V^T
+#: kernel; lengths off every tile (the kernel's 128-query and 128-key tiles, V^T's 16-key groups).
+FP8_CASES = [
+    (1, 333, 1024, 4, 2, True),
+    (2, 333, 1024, 2, 1, False),
+    (1, 77, 129, 2, 2, True),
+]
+
+
+def run_fp8_case(case, seed: int) -> float:
+    """Largest error of the e4m3 forward against the float64 reference on its exactly dequantized inputs,
+    relative to the output's largest entry (P rounds to e4m3: tests/test_gpu_fp8_forward.py holds the
+    element-wise bound), and 1.0 if the V^T kernel's bytes differ from its PyTorch form. The lengths stay
+    as they are under ``--small``: a forward of a few blocks is quick under racecheck, and a cut would leave
+    one tile."""
+    from flash_attention.ops.fp8_forward import cuda_forward_e4m3
+    from flash_attention.ops.fp8_values import transposed_values, transposed_values_reference
+
+    b, sq, sk, hq, hkv, causal = case
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (
+        (torch.randn(b, n, h, 128, generator=gen, device="cuda") * c).clamp(-448, 448).to(torch.float8_e4m3fn)
+        for n, h, c in ((sq, hq, 30.0), (sk, hkv, 60.0), (sk, hkv, 2.0))
+    )
+    descales = [torch.rand(b, hkv, generator=gen, device="cuda") * f + f for f in (0.01, 0.005, 0.4)]
+    out, _ = cuda_forward_e4m3(
+        q, k, v, causal=causal, q_descale=descales[0], k_descale=descales[1], v_descale=descales[2]
+    )
+    vt = transposed_values(v)
+    torch.cuda.synchronize()
+    if not torch.equal(vt.view(torch.uint8), transposed_values_reference(v).view(torch.uint8)):
+        return 1.0
+    group = hq // hkv
+    exact = [
+        t.double() * d.double().repeat_interleave(t.shape[2] // hkv, 1).view(b, 1, t.shape[2], 1)
+        for t, d in zip((q, k, v), descales, strict=True)
+    ]
+    exact[1], exact[2] = (t.repeat_interleave(group, 2) for t in exact[1:])
+    ref, _ = attention_reference(*exact, causal=causal)
+    return ((out.double() - ref).abs().max() / ref.abs().max()).item()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="shorter sequences (for racecheck)")
@@ -561,6 +604,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sinks-only", action="store_true", help="only the attention-sink cases")
     ap.add_argument("--varlen-only", action="store_true", help="only the packed-batch (varlen) cases")
     ap.add_argument("--merge-only", action="store_true", help="only the LSE merge kernel's cases")
+    ap.add_argument(
+        "--fp8-only", action="store_true", help="only the e4m3 forward's and V^T kernel's cases (Hopper)"
+    )
     ap.add_argument(
         "--bwd-atomic-only",
         action="store_true",
@@ -596,6 +642,7 @@ def main(argv: list[str] | None = None) -> int:
         or args.sinks_only
         or args.varlen_only
         or args.merge_only
+        or args.fp8_only
     )
     hopper = torch.cuda.get_device_capability() == (9, 0)
     for i, case in enumerate(DET_CASES if hopper and (args.bwd_det_only or not only) else []):
@@ -621,6 +668,10 @@ def main(argv: list[str] | None = None) -> int:
         err = run_merge_case(case, seed=1000 + i)
         worst = max(worst, err)
         print(f"merge case {i}: {case} max difference {err:.3g}", flush=True)
+    for i, case in enumerate(FP8_CASES if hopper and (args.fp8_only or not only) else []):
+        err = run_fp8_case(case, seed=1100 + i)
+        worst = max(worst, err)
+        print(f"fp8 case {i}: {case} max error (relative to the output's largest) {err:.3g}", flush=True)
     for i, case in enumerate(SINKS_CASES if args.sinks_only or not only else []):
         err = run_sinks_case(case, seed=800 + i, small=args.small)
         worst = max(worst, err)
