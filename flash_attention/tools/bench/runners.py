@@ -199,6 +199,31 @@ def _flex_score_mod(shape: Shape, device: Any) -> Callable | None:
     return score_mod
 
 
+def _our_kernel_device(inputs: list[tuple[Any, Any, Any]]) -> Any:
+    """The first set's q, whose device our CUDA kernels can run on, or raise :class:`Skip` with the reason:
+    timing the PyTorch fallback under our name would be a lie."""
+    q0 = inputs[0][0]
+    reason = ops.cuda_unavailable_reason(q0)
+    if reason is not None:
+        raise Skip(f"our CUDA kernel cannot run: {reason}")
+    return q0
+
+
+def _attention_config(shape: Shape, inputs: list[tuple[Any, Any, Any]]) -> Any:
+    """The forward config attention() picks for the first set of a shape's bf16/fp16 tensors (defaults, and
+    tuned winners once they exist)."""
+    return ops.chosen_config(
+        inputs[0][0],
+        inputs[0][1],
+        inputs[0][2],
+        causal=shape.causal,
+        softmax_scale=shape.head_dim**-0.5,
+        window=bool(shape.window),
+        alibi=shape.alibi,
+        **{name: True for name, _ in shape.score},
+    )
+
+
 def make_runner(
     impl: str, shape: Shape, inputs: list[tuple[Any, Any, Any]], mode: str, config: Any = None
 ) -> Runner:
@@ -208,12 +233,8 @@ def make_runner(
         # --head-dim-v is for MLA-style shapes, q/k 192 against v 128)
         raise Skip(f"v's head_dim ({shape.dv}) is wider than q's and k's ({shape.head_dim})")
     if impl == OURS:
-        q0 = inputs[0][0]
+        q0 = _our_kernel_device(inputs)
         variant = _variant_args(shape, q0.device)
-        reason = ops.cuda_unavailable_reason(q0)
-        if reason is not None:
-            # Timing the PyTorch fallback under our name would be a lie; the row is skipped with the reason.
-            raise Skip(f"our CUDA kernel cannot run: {reason}")
         if config is not None:
             cfg = configs.parse_config(config)
             if cfg.dtype != shape.dtype or cfg.head_dim != configs.padded_head_dim(shape.head_dim):
@@ -227,16 +248,7 @@ def make_runner(
             # The very choice attention() makes for this call (defaults, and tuned winners once they exist),
             # so our rows time what a user gets; forward() then runs it without any fallback. (v's own
             # head_dim: the config with its value dim, or NoKernel, a skip, where no forward takes it.)
-            cfg = ops.chosen_config(
-                q0,
-                inputs[0][1],
-                inputs[0][2],
-                causal=shape.causal,
-                softmax_scale=shape.head_dim**-0.5,
-                window=bool(shape.window),
-                alibi=shape.alibi,
-                **{name: True for name, _ in shape.score},
-            )
+            cfg = _attention_config(shape, inputs)
         if mode == "fwd":
             key = (cfg.name(), shape.causal)
             if key in _COMPILE_FAILURES:
@@ -276,10 +288,7 @@ def make_runner(
         from flash_attention.ops import fp8_forward
         from flash_attention.spec import fp8
 
-        q0 = inputs[0][0]
-        reason = ops.cuda_unavailable_reason(q0)
-        if reason is not None:
-            raise Skip(f"our CUDA kernel cannot run: {reason}")
+        q0 = _our_kernel_device(inputs)
         variant = _variant_args(shape, q0.device)
         # Quantized once per set, outside the timing: e4m3 tensors and their (batch, kv head) descales.
         quantized = []
@@ -292,10 +301,7 @@ def make_runner(
         if fp8_forward.kernel_takes(q8, k8, v8, *options, scale=shape.head_dim**-0.5):
             name = fp8_forward.e4m3_config(shape.head_dim).name()
         else:
-            name = "dequantized to bf16, then " + ops.chosen_config(
-                q0, inputs[0][1], inputs[0][2], causal=shape.causal, softmax_scale=shape.head_dim**-0.5,
-                window=bool(shape.window), alibi=shape.alibi, **{n: True for n, _ in shape.score},
-            ).name()  # fmt: skip
+            name = "dequantized to bf16, then " + _attention_config(shape, inputs).name()
 
         def call(i: int) -> Any:
             tensors, descales = quantized[i]
@@ -306,10 +312,7 @@ def make_runner(
     if impl == OURS_DETERMINISTIC:
         if mode == "fwd":
             raise Skip("deterministic=True changes only the backward")
-        q0 = inputs[0][0]
-        reason = ops.cuda_unavailable_reason(q0)
-        if reason is not None:
-            raise Skip(f"our CUDA kernel cannot run: {reason}")
+        q0 = _our_kernel_device(inputs)
         variant = _variant_args(shape, q0.device)
         if "sinks" in variant:  # (learnable, as in training)
             variant["sinks"].requires_grad_()
