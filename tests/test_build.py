@@ -245,7 +245,7 @@ def test_translation_unit_pins_params_layout():
         default_bwd_config("fp16", 64, "sm_90"),
         default_bwd_config("bf16", 64, "sm_80"),
         default_decode_config("bf16", 128, 1, "sm_90"),
-        default_decode_config("fp16", 128, 64, "sm_90", 1024, 132),  # the wgmma decode kernel
+        default_decode_config("fp16", 128, 64, "sm_90"),  # the wgmma decode kernel
     ],
     ids=lambda c: c.name(),
 )

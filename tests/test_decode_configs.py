@@ -30,26 +30,26 @@ def test_defaults_are_valid_fit_the_gpu_and_round_trip(arch):
     for dtype in ("fp16", "bf16"):
         for head_dim in (8, 64, 72, 128, 200, 256):
             for rows in (1, 4, 16, 17, 64, 512):
-                for row_blocks in (0, 64, 512):
-                    cfg = default_decode_config(dtype, head_dim, rows, arch, row_blocks, 132)
-                    assert cfg.head_dim >= head_dim and cfg.head_dim in DECODE_HEAD_DIMS
-                    assert cfg.smem_bytes <= SMEM_OPTIN[arch], cfg
-                    assert parse_decode_config(cfg.name()) == cfg
-                    assert decode_validity_errors(cfg) == []
+                cfg = default_decode_config(dtype, head_dim, rows, arch)
+                assert cfg.head_dim >= head_dim and cfg.head_dim in DECODE_HEAD_DIMS
+                assert cfg.smem_bytes <= SMEM_OPTIN[arch], cfg
+                assert parse_decode_config(cfg.name()) == cfg
+                assert decode_validity_errors(cfg) == []
 
 
-def test_the_wgmma_kernel_takes_many_rows_on_hopper_when_the_grid_fills_the_gpu_unsplit():
-    # More than 16 rows, head_dim <= 128, sm_90, and every SM two blocks without splitting the keys
-    # (docs/kernel-log.md step 72): the wgmma kernel with a 2-deep ring; otherwise the sm80 kernel.
-    cfg = default_decode_config("bf16", 128, 64, "sm_90", 512, 132)
-    assert cfg.wgmma and (cfg.block_m, cfg.warps_m, cfg.warps_n, cfg.stages) == (64, 4, 1, 2)
-    assert cfg.name() == "decode_bf16_d128_m64_kv64_w4x1_s2_wgmma"
+def test_the_wgmma_kernel_takes_more_than_16_rows_on_hopper():
+    # More than 16 rows, head_dim <= 128, sm_90 (docs/kernel-log/decode.md steps 72 and 157): the wgmma kernel
+    # with a 2-deep ring, small enough for two blocks per SM; otherwise the sm80 kernel.
+    for rows, head_dim in ((17, 128), (64, 128), (512, 128), (64, 64), (64, 72)):
+        cfg = default_decode_config("bf16", head_dim, rows, "sm_90")
+        assert cfg.wgmma and (cfg.block_m, cfg.block_kv, cfg.warps_m, cfg.warps_n, cfg.stages) == (64, 64, 4, 1, 2)
+        assert 2 * cfg.smem_bytes <= SMEM_OPTIN["sm_90"], cfg
+    assert default_decode_config("bf16", 128, 64, "sm_90").name() == "decode_bf16_d128_m64_kv64_w4x1_s2_wgmma"
     for args in (
-        ("bf16", 128, 64, "sm_90", 263, 132),  # a grid that the split heuristic would split
-        ("bf16", 128, 16, "sm_90", 4096, 132),  # one token: 16 rows
-        ("bf16", 256, 64, "sm_90", 4096, 132),  # head_dim 256
-        ("bf16", 128, 64, "sm_80", 4096, 108),  # no wgmma on Ampere
-        ("bf16", 128, 64, "sm_90"),  # no grid given
+        ("bf16", 128, 16, "sm_90"),  # one token: 16 rows
+        ("bf16", 256, 64, "sm_90"),  # head_dim 256
+        ("bf16", 128, 64, "sm_80"),  # no wgmma on Ampere
+        ("bf16", 128, 64, "sm_89"),
     ):
         assert not default_decode_config(*args).wgmma, args
     for fields, words in (

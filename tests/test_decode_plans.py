@@ -192,6 +192,32 @@ def test_the_split_waves_take_a_second_block_per_sm_only_for_pages_looked_up_row
     assert plan.template.num_splits == (32 if row_by_row else 16)
 
 
+@pytest.mark.parametrize("page_size", [0, 16])
+def test_the_wgmma_kernels_splits_take_two_blocks_per_sm(gpu, page_size):
+    """More than 16 rows on Hopper run the wgmma kernel, whose blocks are bound by their own math: the split
+    waves count two blocks per SM (the stand-in's occupancy, 2), contiguous and paged alike; the answer is
+    the reference's."""
+    b, sq, hq, hkv, d, keys = 1, 16, 32, 8, 128, 8192
+    q = torch.randn(b, sq, hq, d, dtype=torch.bfloat16)
+    if page_size:
+        pages = keys // page_size
+        k_cache, v_cache = (torch.randn(pages, page_size, hkv, d, dtype=torch.bfloat16) for _ in range(2))
+        table = torch.randperm(pages, dtype=torch.int32).reshape(b, pages)
+    else:
+        k_cache, v_cache = (torch.randn(b, keys, hkv, d, dtype=torch.bfloat16) for _ in range(2))
+        table = None
+    got = attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=keys, block_table=table, causal=True)
+    assert not gpu.errors, gpu.errors
+    (plan,) = decode._plans._plans.values()
+    assert plan.launches[0].kernel.cfg.wgmma
+    assert plan.template.num_splits == num_splits_heuristic(hkv, keys, 64, 132, blocks_per_sm=2) == 32
+    assert num_splits_heuristic(hkv, keys, 64, 132, blocks_per_sm=1) == 16  # (the test tells them apart)
+    if table is not None:
+        k_cache, v_cache = (c[table[0].long()].reshape(1, keys, hkv, d) for c in (k_cache, v_cache))
+    want = attention_kvcache_reference(q, k_cache, v_cache, cache_seqlens=keys, causal=True)[0]
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=0)
+
+
 def test_clear_plans_forgets_the_decode_plans(gpu):
     q = torch.randn(1, 1, 4, 64, dtype=torch.bfloat16)
     k_cache, v_cache = (torch.randn(1, 40, 2, 64, dtype=torch.bfloat16) for _ in range(2))

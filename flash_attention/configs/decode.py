@@ -186,23 +186,24 @@ def parse_decode_config(text: str | DecodeConfig) -> DecodeConfig:
     return DecodeConfig(dt, *(int(x) for x in numbers), wgmma=bool(wgmma))
 
 
-def default_decode_config(
-    dtype: str, head_dim: int, rows: int, arch: str, row_blocks: int = 0, sm_count: int = 0
-) -> DecodeConfig:
-    """The decode config for ``rows`` packed query rows (seqlen_q * group) on ``arch``; ``row_blocks``
-    (batch x heads_kv x 64-row blocks) and ``sm_count`` say whether the grid fills the GPU unsplit.
+def default_decode_config(dtype: str, head_dim: int, rows: int, arch: str) -> DecodeConfig:
+    """The decode config for ``rows`` packed query rows (seqlen_q * group) on ``arch``.
 
-    Hopper, more than 16 rows, head_dim up to 128, and a grid that gives every SM two blocks without
-    splitting the keys: the wgmma kernel (csrc/kernels/sm90/decode) with a 2-deep ring, two blocks per SM.
-    Measured on an H100 (bf16, 32/8 heads, seqlen_q 16: 64 rows; bench's time per call, µs; the sm80 64-row
-    kernel / wgmma 3-deep / wgmma 2-deep): batch 64 with 1k keys 114.8 / 128.4 / 112.9, with 8k 728.0 /
-    721.1 / 707.7; batch 8 with 8k 106.8 / 106.9 / 112.9, with 32k 361.8 / 361.9 / 384.5; batch 1 with 32k
-    64.3 / 65.2 / 67.8 (docs/kernel-log.md, step 72). Where the keys are split, each block's own bytes in
-    flight set the pace and the 3-deep sm80 kernel is as fast as any: it stays there.
+    Hopper, more than 16 rows (speculative decoding, chunked prefill) and head_dim up to 128: the wgmma kernel
+    (csrc/kernels/sm90/decode) with a 2-deep ring, whose 83 KB let two blocks share an SM; the split
+    heuristic then sizes its waves for those two blocks (ops.decode.DecodePlan). A wgmma block is one
+    warpgroup that waits for its own S = Q K^T before its softmax, so the second block's products and
+    softmax fill the first one's waits. Measured on an H200 (bf16, 32/8 heads, seqlen_q 16: 64 rows; µs per
+    call; the sm80 64-row kernel (3-deep, one block per SM) / wgmma 2-deep at one block per SM / wgmma
+    2-deep at two / wgmma 3-deep / the one-token call): batch 8 with 32k keys 347.8 / 318.9 / 281.4 / 325.2
+    / 240.1; with 128k 1367 / 1269 / 1092 / 1252 / 924; batch 1 with 128k 181.9 / 167.6 / 145.0 / 168.5 /
+    126.4; batch 64 with 32k (unsplit) 2138 / 2141 / 2087 / 2509 / 1883 (docs/kernel-log/decode.md, step
+    157). On an H100 the sm80 kernel had been as fast where keys are split (step 72): there the cache's bytes
+    took longer than its math; the H200's 1.4x bandwidth exposed the math.
 
     Up to 16 rows (one token, a group of up to 16): one 16-row tile, four warps splitting each 64-key tile's
-    keys. More rows (speculative decoding, chunked prefill): 64-row blocks, the warps splitting the rows
-    (head_dim 256: still 16-row blocks, more of them).
+    keys. More rows elsewhere: 64-row blocks, the warps splitting the rows (head_dim 256: still 16-row
+    blocks, more of them).
     The ring holds 3 tiles where the GPU's shared memory allows (2 in flight while one is computed), else 2;
     where even 2 tiles of 64 keys do not fit (head_dim 256 on a 99 KB GPU), tiles of 32 keys. Not 4: on an
     H100 (bf16, head_dim 128) a 4-deep ring (135 KB) runs one block per SM, and the warps that issue the
@@ -211,7 +212,7 @@ def default_decode_config(
     ones (page size 16: 2.58 -> 2.79 TB/s at batch 1 with 128k keys, 2.67 -> 2.95 at batch 8 with 32k).
     """
     d = next(x for x in DECODE_HEAD_DIMS if head_dim <= x)
-    if rows > 16 and d <= 128 and is_hopper(arch) and 0 < 2 * sm_count <= row_blocks:
+    if rows > 16 and d <= 128 and is_hopper(arch):
         return DecodeConfig(dtype, d, 64, 64, 4, 1, 2, wgmma=True)
     if rows <= 16 or d > 128:
         # (head_dim 256 keeps 16-row blocks for any row count: 32-row blocks of 2 x 2 warps spilled, 64 to 255

@@ -77,10 +77,7 @@ def decode_config(q: torch.Tensor, problem: CacheProblem) -> DecodeConfig:
     """The decode config of a call on q's GPU."""
     index = q.get_device()
     rows = problem.seqlen_q * problem.group
-    row_blocks = problem.batch * problem.heads_kv * -(-rows // 64)
-    return default_decode_config(
-        dtype_name(q), problem.head_dim, rows, device_arch(index), row_blocks, sm_count(index)
-    )
+    return default_decode_config(dtype_name(q), problem.head_dim, rows, device_arch(index))
 
 
 def splits_for(
@@ -197,8 +194,14 @@ class DecodePlan:
         # since their page entries arrive by cp.async (step 74: page 16, 188 us with one block per SM
         # against 191 with two, at batch 1 / 128k). Pages smaller than a copy thread's rows, looked up row
         # by row, still want the second block per SM to hide those lookups (page 1: 274 against 195 us).
+        # The wgmma kernel's blocks (64 rows) are bound by their own serial math, not by the bytes: two per
+        # SM overlap one's S = Q K^T wait and softmax with the other's products (configs.decode.
+        # default_decode_config; an H200 at seqlen_q 16, batch 8 / 32k keys: 281 us against 319 at one
+        # block per SM). Two, not all the occupancy allows (five at head_dim 64): more only adds splits.
         per_sm = 1
-        if paged and cfg.looks_up_each_row(problem.page_size):
+        if cfg.wgmma:
+            per_sm = min(2, decode.blocks_per_sm(cfg.threads, cfg.smem_bytes, index))
+        elif paged and cfg.looks_up_each_row(problem.page_size):
             per_sm = decode.blocks_per_sm(cfg.threads, cfg.smem_bytes, index)
         # A contiguous cache's splits cover its bucket's largest capacity: every cache of the bucket fits.
         basis = problem

@@ -151,9 +151,7 @@ def kernel_jobs(
                     continue
                 jobs.append(KernelJob(bwd, facts.arch, **variant))
     for rows in decode_rows if not dv else ():
-        for row_blocks in (1, 1 << 20):  # (a small batch splits its keys; a large one fills the GPU unsplit)
-            cfg = default_decode_config(dtype, d, rows, facts.arch, row_blocks, facts.sm_count)
-            jobs.append(KernelJob(cfg, facts.arch))
+        jobs.append(KernelJob(default_decode_config(dtype, d, rows, facts.arch), facts.arch))
     return list(dict.fromkeys(jobs))
 
 

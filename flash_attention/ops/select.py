@@ -320,11 +320,9 @@ def catalog(
                             if bwd is not None:
                                 jobs.append(BuildJob(bwd, arch, ranged, dropout))
             # The decode kernels (attention_with_kvcache): one token per row and a few (a GQA group of up to
-            # 16 query heads packed in 16 rows; more rows for speculative decoding).
-            # 64 rows: the kernel of a grid that fills the GPU unsplit (wgmma on Hopper) and of one that
-            # splits its keys (configs.decode.default_decode_config).
-            for rows, row_blocks in ((1, 0), (64, 0), (64, 1 << 20)):
-                jobs.append(BuildJob(default_decode_config(dtype, d, rows, arch, row_blocks, 132), arch))
+            # 16 query heads packed in 16 rows), and more rows (speculative decoding: wgmma on Hopper).
+            for rows in (1, 64):
+                jobs.append(BuildJob(default_decode_config(dtype, d, rows, arch), arch))
     return list(dict.fromkeys(jobs))
 
 
