@@ -228,3 +228,22 @@ def test_rows_per_copy_thread_and_the_page_sizes_looked_up_row_by_row():
     assert one_token.rows_per_copy_thread == 8
     assert default_decode_config("bf16", 64, 4, "sm_90a").rows_per_copy_thread == 4
     assert [p for p in (1, 2, 4, 8, 16, 24, 256) if one_token.looks_up_each_row(p)] == [1, 2, 4, 24]
+
+
+@pytest.mark.parametrize("wgmma", [False, True])
+def test_every_decode_entry_point_waits_for_the_kernel_before_it_first(wgmma):
+    """Every kernel of a decode call is queued programmatically on Hopper, the call's first too (ops.decode,
+    kernel log 158), so each entry point's first statement must be the grid-dependency wait: the append
+    reads new tokens a previous kernel wrote, the decode kernel a cache the append wrote, the combine the
+    partials; a kernel that passed it could also finish before its predecessor and free the next ordinary
+    launch too early (fa/grid_dependency.cuh)."""
+    from flash_attention.jit.sources import decode_kernel_source
+
+    cfg = default_decode_config("bf16", 128, 64 if wgmma else 1, "sm_90")
+    assert cfg.wgmma == wgmma
+    source = decode_kernel_source(cfg)
+    entries = source.split('extern "C" __global__')[1:]
+    assert len(entries) == 7  # decode x (causal, paged), combine, append x (paged)
+    for entry in entries:
+        body = entry.split("{", 1)[1].lstrip()
+        assert body.startswith("fa::grid_dependency_wait();"), entry

@@ -36,6 +36,7 @@ from .plans import (
     launch_all,
     launch_fields,
     programmatic_launches,
+    trial_switch,
 )
 from .tensors import MAX_GRID_YZ, aligned_copy, strides_usable
 
@@ -235,11 +236,18 @@ class DecodePlan:
             per_block = DECODE_AUX_THREADS // (cfg.head_dim // 4)
             combine = kernels[cfg.symbol("combine")]
             self.launches.append(Launch(combine, (-(-rows // per_block), 1, 1), DECODE_AUX_THREADS, 0))
-        # On Hopper the launches after the first are queued programmatically: each may start before the one
-        # ahead of it has finished and waits for it at its start (jit.sources' decode entry points), so the
-        # combine's (and, after an append, the decode kernel's) launch latency overlaps the kernel before.
+        # On Hopper every launch is queued programmatically: each may start before the kernel ahead of it on
+        # the stream has finished and waits for it at its start (jit.sources' decode entry points), so the
+        # combine's launch latency overlaps the decode kernel, and the call's first launch overlaps whatever
+        # ran before it (the previous layer's kernels; the previous call's combine, which lets its dependents
+        # launch at its start). The first launch's share (kernel log 158, FLASH_ATTENTION_DECODE_PDL_FIRST=0
+        # for the previous behaviour): an H200, one token at batch 1 / 32k keys, 0.984x the time (4 of 5
+        # rounds faster), seqlen_q 16 there 0.977x (5 of 5), level from batch 8 / 32k.
         if programmatic_launches(arch):
-            self.launches = [launch._replace(programmatic=i > 0) for i, launch in enumerate(self.launches)]
+            first = trial_switch("DECODE_PDL_FIRST", default=True)
+            self.launches = [
+                launch._replace(programmatic=i > 0 or first) for i, launch in enumerate(self.launches)
+            ]
         self.template = p
         self._native = None  # the host library's form of this plan's calls (made at the first call)
 
