@@ -42,7 +42,8 @@ def test_the_wgmma_kernel_takes_more_than_16_rows_on_hopper():
     # with a 2-deep ring, small enough for two blocks per SM; otherwise the sm80 kernel.
     for rows, head_dim in ((17, 128), (64, 128), (512, 128), (64, 64), (64, 72)):
         cfg = default_decode_config("bf16", head_dim, rows, "sm_90")
-        assert cfg.wgmma and (cfg.block_m, cfg.block_kv, cfg.warps_m, cfg.warps_n, cfg.stages) == (64, 64, 4, 1, 2)
+        shape = (cfg.block_m, cfg.block_kv, cfg.warps_m, cfg.warps_n, cfg.stages)
+        assert cfg.wgmma and shape == (64, 64, 4, 1, 2)
         assert 2 * cfg.smem_bytes <= SMEM_OPTIN["sm_90"], cfg
     assert default_decode_config("bf16", 128, 64, "sm_90").name() == "decode_bf16_d128_m64_kv64_w4x1_s2_wgmma"
     for args in (
@@ -247,3 +248,24 @@ def test_every_decode_entry_point_waits_for_the_kernel_before_it_first(wgmma):
     for entry in entries:
         body = entry.split("{", 1)[1].lstrip()
         assert body.startswith("fa::grid_dependency_wait();"), entry
+
+
+def test_a_ring_that_refills_first_is_named_and_holds_one_page_slot_more():
+    # (fa/decode_block.cuh PageRing: its page entries are requested one tile further ahead)
+    for base in (
+        DecodeConfig("bf16", 128, 64, 64, 4, 1, 2, wgmma=True),
+        DecodeConfig("fp16", 128, 16, 64, 1, 4, 3),
+        DecodeConfig("bf16", 256, 16, 32, 1, 2, 2),
+    ):
+        rf = base.replace(refill_first=True)
+        assert rf.name() == base.name() + "_rf"
+        assert parse_decode_config(rf.name()) == rf and parse_decode_config(base.name()) == base
+        assert rf.page_slot_bytes == base.page_slot_bytes + base.block_kv * 4
+        assert "kRefillFirst = true" in rf.cpp_struct() and "kRefillFirst = false" in base.cpp_struct()
+    assert not any(
+        default_decode_config(dt, d, rows, arch).refill_first
+        for dt in ("fp16", "bf16")
+        for d in (64, 128, 256)
+        for rows in (1, 64)
+        for arch in ("sm_80", "sm_90")
+    )  # (off until measured: kernel log 159)

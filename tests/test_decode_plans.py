@@ -283,3 +283,25 @@ def test_a_score_function_reaches_the_decode_kernels_through_its_run_time_fields
     with pytest.warns(RuntimeWarning, match="the decode kernels have no score function 'softcap'"):
         check_case(dataclasses.replace(case, softcap=2.25), torch.bfloat16, "cpu")
     assert gpu.launches.count("decode_decode") == 1
+
+
+@pytest.mark.parametrize("switch", [None, "0", "1"])
+def test_the_refill_first_switch_picks_the_ring_of_the_plans_kernels(gpu, switch, monkeypatch):
+    # FLASH_ATTENTION_DECODE_REFILL_FIRST=1 (a trial switch, off by default: kernel log 159) gives the plans
+    # the configs whose main loop refills before it waits; the answer stays the reference's.
+    if switch is None:
+        monkeypatch.delenv("FLASH_ATTENTION_DECODE_REFILL_FIRST", raising=False)
+    else:
+        monkeypatch.setenv("FLASH_ATTENTION_DECODE_REFILL_FIRST", switch)
+    ops.clear_plans()
+    for seqlen_q in (1, 16):
+        q = torch.randn(2, seqlen_q, 8, 128, dtype=torch.bfloat16)
+        k_cache, v_cache = (torch.randn(2, 700, 2, 128, dtype=torch.bfloat16) for _ in range(2))
+        got = attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=650, num_splits=3)
+        want = attention_kvcache_reference(q, k_cache, v_cache, cache_seqlens=650)[0]
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=0)
+    assert not gpu.errors, gpu.errors
+    configs = [plan.launches[-2].kernel.cfg for plan in decode._plans._plans.values()]
+    assert len(configs) == 2 and {c.wgmma for c in configs} == {False, True}
+    assert all(c.refill_first == (switch == "1") for c in configs), configs
+    ops.clear_plans()

@@ -37,6 +37,9 @@ class DecodeConfig:
     the warps' softmax states are merged at the end. ``wgmma``: the Hopper kernel (csrc/kernels/sm90/decode,
     sm_90a only), one warpgroup whose wgmma products cover the block's 64 rows (block_m 64, warps 4 x 1);
     otherwise the sm80 instruction set's kernel (csrc/kernels/sm80/decode), which runs on sm_80 to sm_90.
+    ``refill_first``: each main-loop iteration issues its refill before it waits for its tile, with a
+    second barrier, so the ring keeps ``stages`` tiles in flight during the wait instead of ``stages - 1``
+    (fa/decode_block.cuh PageRing; its page-entry ring holds one slot more); name suffix ``_rf``.
     """
 
     dtype: str
@@ -47,6 +50,7 @@ class DecodeConfig:
     warps_n: int
     stages: int
     wgmma: bool = False
+    refill_first: bool = False
 
     def __post_init__(self) -> None:
         errors = decode_validity_errors(self)
@@ -71,8 +75,9 @@ class DecodeConfig:
     @property
     def page_slot_bytes(self) -> int:
         """Mirrors fa::TilePageRing::kBytes: a paged cache's page entries are requested 2 * stages - 2 tiles
-        ahead of the tiles' copies, into that many slots plus one, of block_kv ints each."""
-        return (2 * self.stages - 1) * self.block_kv * 4
+        ahead of the tiles' copies (one more with ``refill_first``), into that many slots plus one, of
+        block_kv ints each."""
+        return (2 * self.stages - 1 + self.refill_first) * self.block_kv * 4
 
     @property
     def smem_bytes(self) -> int:
@@ -97,7 +102,9 @@ class DecodeConfig:
     def name(self) -> str:
         return (
             f"decode_{self.dtype}_d{self.head_dim}_m{self.block_m}_kv{self.block_kv}"
-            f"_w{self.warps_m}x{self.warps_n}_s{self.stages}" + ("_wgmma" if self.wgmma else "")
+            f"_w{self.warps_m}x{self.warps_n}_s{self.stages}"
+            + ("_wgmma" if self.wgmma else "")
+            + ("_rf" if self.refill_first else "")
         )
 
     def __str__(self) -> str:
@@ -128,6 +135,7 @@ class DecodeConfig:
             ("kWarpsN", "int", self.warps_n),
             ("kStages", "int", self.stages),
             ("kWgmma", "bool", self.wgmma),
+            ("kRefillFirst", "bool", self.refill_first),
         ]
         return cpp_struct(struct_name, fields)
 
@@ -179,11 +187,12 @@ def parse_decode_config(text: str | DecodeConfig) -> DecodeConfig:
     """The inverse of :meth:`DecodeConfig.name`."""
     if isinstance(text, DecodeConfig):
         return text
-    m = re.fullmatch(r"decode_(fp16|bf16)_d(\d+)_m(\d+)_kv(\d+)_w(\d+)x(\d+)_s(\d+)(_wgmma)?", str(text))
+    pattern = r"decode_(fp16|bf16)_d(\d+)_m(\d+)_kv(\d+)_w(\d+)x(\d+)_s(\d+)(_wgmma)?(_rf)?"
+    m = re.fullmatch(pattern, str(text))
     if not m:
         raise ValueError(f"not a decode config name: {text!r}")
-    dt, *numbers, wgmma = m.groups()
-    return DecodeConfig(dt, *(int(x) for x in numbers), wgmma=bool(wgmma))
+    dt, *numbers, wgmma, refill_first = m.groups()
+    return DecodeConfig(dt, *(int(x) for x in numbers), wgmma=bool(wgmma), refill_first=bool(refill_first))
 
 
 def default_decode_config(dtype: str, head_dim: int, rows: int, arch: str) -> DecodeConfig:

@@ -348,6 +348,9 @@ def decode_kernel_source(cfg: DecodeConfig) -> str:
         + "\n"
         + cfg.cpp_struct("Cfg")
         + "\n"
+        # (the launch layer sizes the dynamic shared memory from configs.decode's mirror of the kernel's)
+        + f"static_assert({'fa::sm90' if cfg.wgmma else 'fa'}::DecodeSmem<Cfg>::kBytes == {cfg.smem_bytes},"
+        + ' "configs.decode.DecodeConfig.smem_bytes must match the kernel\'s DecodeSmem");\n\n'
         + "\n".join(entries)
     )
 

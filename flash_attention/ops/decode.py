@@ -78,7 +78,10 @@ def decode_config(q: torch.Tensor, problem: CacheProblem) -> DecodeConfig:
     """The decode config of a call on q's GPU."""
     index = q.get_device()
     rows = problem.seqlen_q * problem.group
-    return default_decode_config(dtype_name(q), problem.head_dim, rows, device_arch(index))
+    cfg = default_decode_config(dtype_name(q), problem.head_dim, rows, device_arch(index))
+    # The main loop that refills before it waits (fa/decode_block.cuh PageRing), off until measured (kernel
+    # log 159): FLASH_ATTENTION_DECODE_REFILL_FIRST=1 runs it.
+    return cfg.replace(refill_first=True) if trial_switch("DECODE_REFILL_FIRST") else cfg
 
 
 def splits_for(

@@ -119,7 +119,7 @@ __device__ __forceinline__ void load_decode_q(u32 sQ, const DecodeParams& p, int
 // the warps that issue the copies also do the math, so every address instruction delays the next copies.
 // Positions at or past k_hi, and any behind a page index outside the cache, are zero-filled (never read):
 // the scores there are masked, and zero V rows keep 0 * garbage out of O.
-template <int BC, int D, int kThreads, bool kPaged, int S, class Tile>
+template <int BC, int D, int kThreads, bool kPaged, class Ring, class Tile>
 struct DecodeKVLoader {
   static constexpr int C = D / 8;  // 16-byte chunks per row
   static_assert(kThreads % C == 0 && BC % (kThreads / C) == 0, "the block's threads must tile a K/V tile's rows");
@@ -132,7 +132,7 @@ struct DecodeKVLoader {
   static constexpr int kUnroll = D > 128 ? 4 : kRows;
 
   const CachePositions<kPaged>& positions;
-  const TilePageRing<kPaged, BC, S>& pages;
+  const Ring& pages;  // fa/kv_cache.cuh TilePageRing
   const u16* gK;  // the row's (contiguous) or the cache's (paged) K, at this K/V head
   const u16* gV;
   int k_lo, k_hi;
@@ -140,7 +140,7 @@ struct DecodeKVLoader {
   bool col_ok, one_page;
 
   __device__ __forceinline__ DecodeKVLoader(const DecodeParams& p, const CachePositions<kPaged>& positions_,
-                                            const TilePageRing<kPaged, BC, S>& pages_, int batch, int kv_head,
+                                            const Ring& pages_, int batch, int kv_head,
                                             int k_lo_, int k_hi_, int tid)
       : positions(positions_),
         pages(pages_),
@@ -188,13 +188,23 @@ struct DecodeKVLoader {
   }
 };
 
+// A decode config's page-entry ring (fa/kv_cache.cuh TilePageRing), whose lead follows the main loop's
+// order. Cfg::kRefillFirst: each iteration issues tile t + S - 1's copies (into the stage tile t - 1 held,
+// after a barrier that says every warp is done with it) before it waits for tile t's, so S tiles are in flight
+// while the block waits, one more than in the order with one barrier per tile (wait for tile t, barrier,
+// refill). Where a block's bytes in flight set its pace -- one block per SM, or the 2-deep ring the wgmma
+// kernel needs for two -- that is half (3 deep) or twice (2 deep) the bytes on the way, for a second
+// barrier per tile. (configs.decode.DecodeConfig.refill_first; kernel log 159.)
+template <class Cfg, bool kPaged>
+using PageRing = TilePageRing<kPaged, Cfg::kBlockKV, Cfg::kStages, Cfg::kRefillFirst>;
+
 // The ring's prologue: Q (already issued by the caller) lands with tile 0, then tiles 1 .. S - 2, one commit
 // group each (empty groups past the last tile keep the group count, and so cp_async_wait's argument, the
 // same for every iteration). A paged cache's entries of the first tiles (fa/kv_cache.cuh: TilePageRing)
 // are fetched together and published by one barrier: the loads are independent, so the block waits one
 // round trip for them, not one per tile. `load_kv(t)` issues tile t into its stage.
-template <int S, int BC, bool kPaged, class LoadKV>
-__device__ __forceinline__ void decode_ring_prologue(const TilePageRing<kPaged, BC, S>& pages,
+template <int S, bool kPaged, class Ring, class LoadKV>
+__device__ __forceinline__ void decode_ring_prologue(const Ring& pages,
                                                      const CachePositions<kPaged>& positions,
                                                      const DecodeBlockKeys& keys, int tid, LoadKV&& load_kv) {
   if (kPaged) {

@@ -118,19 +118,22 @@ struct CachePositions {
 // How far ahead: a main loop over a kStages-deep K/V ring waits, at iteration i, for the commit groups up
 // to iteration i - kStages + 1's, and issues tile i + kStages - 1's copies; so entries requested at
 // iteration t are readable from iteration t + kStages - 1 on, by the copies of tile t + 2 * kStages - 2.
-// That is kLead tiles ahead. The prologue fetches tiles 0 .. kLead - 1 (one round trip, published by its
-// barrier); iteration t requests tile t + kLead. The live slots at iteration t hold tiles t + kStages - 1
-// (read by this iteration's copies) to t + kLead (requested now): kStages of them, and the prologue's kLead
-// at once, so kSlots = kLead + 1 slots, each reused only after the barrier that follows its last read.
+// That is kLead tiles ahead. A ring that refills first (kRefillFirst: iteration i issues tile
+// i + kStages - 1's copies before it waits for tile i's, so the copies it reads the entries for have seen
+// the waits of iteration i - 1 only) reads them one iteration later: a lead one tile longer. The prologue
+// fetches tiles 0 .. kLead - 1 (one round trip, published by its barrier); iteration t requests tile
+// t + kLead. The live slots at iteration t hold tiles t + kStages - 1 (read by this iteration's copies) to
+// t + kLead (requested now), and the prologue's kLead at once, so kSlots = kLead + 1 slots, each reused
+// only after the barrier that follows its last read.
 //
 // A tile of kBlockKV positions from `start` spans at most kBlockKV entries (page_size >= 1), from entry
 // start / page_size on: thread i < kBlockKV requests the i-th. An entry that covers no position below k_hi
 // is not read (its slot gets a zero, never used). The entries are stored as the table holds them and
 // checked where a copy reads them: one outside the cache flags the row bad and its positions are zero-filled,
 // never followed. A contiguous cache has no entries: every member compiles away.
-template <bool kPaged, int kBlockKV, int kStages>
+template <bool kPaged, int kBlockKV, int kStages, bool kRefillFirst = false>
 struct TilePageRing {
-  static constexpr int kLead = 2 * kStages - 2;
+  static constexpr int kLead = 2 * kStages - (kRefillFirst ? 1 : 2);
   static constexpr int kSlots = kLead + 1;
   static constexpr int kBytes = kSlots * kBlockKV * 4;  // shared memory (kept for contiguous caches too)
 

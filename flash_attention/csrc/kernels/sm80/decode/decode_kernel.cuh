@@ -46,14 +46,15 @@ struct check_decode_config {
 };
 
 // Shared memory of a decode configuration, in bytes: the Q tile, the K/V ring and the page-entry ring
-// (fa/kv_cache.cuh: TilePageRing, 2 * kStages - 1 slots of kBlockKV entries; kept for contiguous caches
-// too, a kilobyte or less, so one formula serves both) during the main loop, the warps' states in fp32 for the merge afterwards (the same bytes, reused).
+// (fa/kv_cache.cuh: TilePageRing, 2 * kStages - 1 slots of kBlockKV entries, one more for a ring that
+// refills first; kept for contiguous caches too, a kilobyte or less, so one formula serves both) during the
+// main loop, the warps' states in fp32 for the merge afterwards (the same bytes, reused).
 template <class Cfg>
 struct DecodeSmem {
   static constexpr int D = Cfg::kHeadDim;
   static constexpr int kQ = Cfg::kBlockM * D * 2;
   static constexpr int kKVStage = 2 * Cfg::kBlockKV * D * 2;
-  static constexpr int kPages = TilePageRing<true, Cfg::kBlockKV, Cfg::kStages>::kBytes;  // page entries
+  static constexpr int kPages = PageRing<Cfg, true>::kBytes;  // page entries
   static constexpr int kMainLoop = kQ + Cfg::kStages * kKVStage + kPages;
   static constexpr int kRowPitch = D + 4;  // fp32 elements; the pad spreads a quad's rows over banks
   static constexpr int kMerge = Cfg::kWarpsN * Cfg::kBlockM * (kRowPitch + 2) * 4;
@@ -101,17 +102,18 @@ __device__ __forceinline__ void decode_kernel_body(const DecodeParams& p) {
   const int row0 = m_block * BM;
 
   const CachePositions<kPaged> positions(p, batch);
-  const TilePageRing<kPaged, BC, S> pages(reinterpret_cast<int*>(smem + Smem::kQ + S * Smem::kKVStage));
+  const PageRing<Cfg, kPaged> pages(reinterpret_cast<int*>(smem + Smem::kQ + S * Smem::kKVStage));
 
   // ---- loads: Q, and the K/V tiles through the ring (K at the stage's start, V BC * D * 2 bytes on) -------
   load_decode_q<BM, D, kThreads, Tile>(sQ, p, batch, kv_head, row0, tid);
-  const DecodeKVLoader<BC, D, kThreads, kPaged, S, Tile> loader(p, positions, pages, batch, kv_head, k_lo, k_hi, tid);
+  const DecodeKVLoader<BC, D, kThreads, kPaged, PageRing<Cfg, kPaged>, Tile> loader(p, positions, pages, batch, kv_head,
+                                                                                  k_lo, k_hi, tid);
   auto load_kv = [&](int t) {
     const u32 sK = sKV + (t % S) * Smem::kKVStage;
     loader(t, sK, sK + BC * D * 2, p, bad);
   };
 
-  decode_ring_prologue<S, BC, kPaged>(pages, positions, keys, tid, load_kv);
+  decode_ring_prologue<S, kPaged>(pages, positions, keys, tid, load_kv);
 
   // ---- main loop: each warp's online softmax over its keys of each tile ------------------------------------
   const int g = lane / 4;
@@ -140,13 +142,26 @@ __device__ __forceinline__ void decode_kernel_body(const DecodeParams& p) {
   const FragAddr<D, true> v_addr(sKV + BC * D * 2, 8 * ((lane / 8) % 2) + lane % 8, lane / 16);
 
   for (int t = 0; t < n_tiles; ++t) {
-    // Tile t (and Q, with tile 0) has landed for this thread; the barrier makes every thread's copies
-    // visible, and says every warp is done with tile t - 1, whose stage the load below refills.
-    cp_async_wait<S - 2>();
-    __syncthreads();
-    if (t + S - 1 < n_tiles) load_kv(t + S - 1);
-    pages.request(positions, t, k_lo, k_hi, tid);  // a later tile's page entries, with this group
-    cp_async_commit();
+    if constexpr (Cfg::kRefillFirst) {
+      // Every warp is done with tile t - 1, whose stage the load below refills, before its copies are
+      // issued; then tile t (and Q, with tile 0) has landed for this thread, and the second barrier makes
+      // every thread's copies visible. A barrier more per tile for S tiles in flight while the block waits
+      // for tile t, where the single-barrier order below has S - 1 (fa/decode_block.cuh, PageRing).
+      __syncthreads();
+      if (t + S - 1 < n_tiles) load_kv(t + S - 1);
+      pages.request(positions, t, k_lo, k_hi, tid);  // a later tile's page entries, with this group
+      cp_async_commit();
+      cp_async_wait<S - 1>();
+      __syncthreads();
+    } else {
+      // Tile t (and Q, with tile 0) has landed for this thread; the barrier makes every thread's copies
+      // visible, and says every warp is done with tile t - 1, whose stage the load below refills.
+      cp_async_wait<S - 2>();
+      __syncthreads();
+      if (t + S - 1 < n_tiles) load_kv(t + S - 1);
+      pages.request(positions, t, k_lo, k_hi, tid);  // a later tile's page entries, with this group
+      cp_async_commit();
+    }
     if (t == 0) {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)

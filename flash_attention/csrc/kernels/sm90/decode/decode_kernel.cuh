@@ -55,7 +55,7 @@ template <class Cfg>
 struct DecodeSmem {
   static constexpr int kQ = Cfg::kBlockM * Cfg::kHeadDim * 2;
   static constexpr int kTile = Cfg::kBlockKV * Cfg::kHeadDim * 2;  // one K or V tile
-  static constexpr int kPages = TilePageRing<true, Cfg::kBlockKV, Cfg::kStages>::kBytes;  // page entries
+  static constexpr int kPages = PageRing<Cfg, true>::kBytes;  // page entries
   static constexpr int kBytes = 1024 + kQ + 2 * Cfg::kStages * kTile + kPages;
 };
 
@@ -96,13 +96,13 @@ __device__ __forceinline__ void decode_kernel_body(const DecodeParams& p) {
   bool bad = keys.bad;
   const int k_lo = keys.k_lo, k_hi = keys.k_hi, n_tiles = keys.n_tiles;
   const CachePositions<kPaged> positions(p, batch);
-  const TilePageRing<kPaged, BC, S> pages(page_slots);
+  const PageRing<Cfg, kPaged> pages(page_slots);
   load_decode_q<BM, D, kThreads, QTile>(sQ, p, batch, kv_head, row0, tid);
-  const DecodeKVLoader<BC, D, kThreads, kPaged, S, KVTile> loader(p, positions, pages, batch, kv_head, k_lo, k_hi,
-                                                               tid);
+  const DecodeKVLoader<BC, D, kThreads, kPaged, PageRing<Cfg, kPaged>, KVTile> loader(p, positions, pages, batch,
+                                                                                     kv_head, k_lo, k_hi, tid);
   auto load_kv = [&](int t) { loader(t, sK + (t % S) * Smem::kTile, sV + (t % S) * Smem::kTile, p, bad); };
 
-  decode_ring_prologue<S, BC, kPaged>(pages, positions, keys, tid, load_kv);
+  decode_ring_prologue<S, kPaged>(pages, positions, keys, tid, load_kv);
 
   // Descriptors (fa/fwd_wgmma.cuh's layouts): Q and K K-major, 8-row groups 1024 bytes apart; V MN-major,
   // its 64-column panels BC * 128 bytes apart.
@@ -128,17 +128,35 @@ __device__ __forceinline__ void decode_kernel_body(const DecodeParams& p) {
     row_keys[r] = decode_row_keys<kCausal>(p, batch, kv_head, row0 + warp_row0 + g + 8 * r, keys.shift);
 
   for (int t = 0; t < n_tiles; ++t) {
-    // Tile t (and Q, with tile 0) has landed for this thread, and P V of tile t - 1 has completed (its V
-    // stage is the one refilled below); the fence hands the generic proxy's writes to wgmma's async proxy,
-    // and the barrier makes every thread's copies visible.
-    cp_async_wait<S - 2>();
-    wgmma_wait<0>();
-    wgmma_hold(o);
-    fence_proxy_async();
-    __syncthreads();
-    if (t + S - 1 < n_tiles) load_kv(t + S - 1);
-    pages.request(positions, t, k_lo, k_hi, tid);  // a later tile's page entries, with this group
-    cp_async_commit();
+    if constexpr (Cfg::kRefillFirst) {
+      // P V of tile t - 1 has completed in every thread (its V stage is the one refilled below; wgmma's
+      // reads are done once the wait returns, so the copies may overwrite them without a proxy fence) before
+      // the copies are issued; then tile t has landed for this thread, the fence hands the generic proxy's
+      // writes to wgmma's async proxy and the second barrier makes every thread's copies visible. With the
+      // 2-deep ring this keeps two tiles in flight while the block waits for tile t, where the order below
+      // keeps one (fa/decode_block.cuh, PageRing).
+      wgmma_wait<0>();
+      wgmma_hold(o);
+      __syncthreads();
+      if (t + S - 1 < n_tiles) load_kv(t + S - 1);
+      pages.request(positions, t, k_lo, k_hi, tid);  // a later tile's page entries, with this group
+      cp_async_commit();
+      cp_async_wait<S - 1>();
+      fence_proxy_async();
+      __syncthreads();
+    } else {
+      // Tile t (and Q, with tile 0) has landed for this thread, and P V of tile t - 1 has completed (its V
+      // stage is the one refilled below); the fence hands the generic proxy's writes to wgmma's async proxy,
+      // and the barrier makes every thread's copies visible.
+      cp_async_wait<S - 2>();
+      wgmma_wait<0>();
+      wgmma_hold(o);
+      fence_proxy_async();
+      __syncthreads();
+      if (t + S - 1 < n_tiles) load_kv(t + S - 1);
+      pages.request(positions, t, k_lo, k_hi, tid);  // a later tile's page entries, with this group
+      cp_async_commit();
+    }
     const u32 stage = (t % S) * Smem::kTile;
 
     // ---- S = Q K_t^T -------------------------------------------------------------------------------------
