@@ -233,8 +233,9 @@ def test_rows_per_copy_thread_and_the_page_sizes_looked_up_row_by_row():
 
 @pytest.mark.parametrize("wgmma", [False, True])
 def test_every_decode_entry_point_waits_for_the_kernel_before_it_first(wgmma):
-    """Every kernel of a decode call is queued programmatically on Hopper, the call's first too (ops.decode,
-    kernel log 158), so each entry point's first statement must be the grid-dependency wait: the append
+    """Every kernel of a decode call may be queued programmatically on Hopper, the call's first too with
+    FLASH_ATTENTION_DECODE_PDL_FIRST=1 (ops.decode, kernel log 158), so each entry point's first statement
+    must be the grid-dependency wait: the append
     reads new tokens a previous kernel wrote, the decode kernel a cache the append wrote, the combine the
     partials; a kernel that passed it could also finish before its predecessor and free the next ordinary
     launch too early (fa/grid_dependency.cuh)."""

@@ -239,15 +239,17 @@ class DecodePlan:
             per_block = DECODE_AUX_THREADS // (cfg.head_dim // 4)
             combine = kernels[cfg.symbol("combine")]
             self.launches.append(Launch(combine, (-(-rows // per_block), 1, 1), DECODE_AUX_THREADS, 0))
-        # On Hopper every launch is queued programmatically: each may start before the kernel ahead of it on
-        # the stream has finished and waits for it at its start (jit.sources' decode entry points), so the
-        # combine's launch latency overlaps the decode kernel, and the call's first launch overlaps whatever
-        # ran before it (the previous layer's kernels; the previous call's combine, which lets its dependents
-        # launch at its start). The first launch's share (kernel log 158, FLASH_ATTENTION_DECODE_PDL_FIRST=0
-        # for the previous behaviour): an H200, one token at batch 1 / 32k keys, 0.984x the time (4 of 5
-        # rounds faster), seqlen_q 16 there 0.977x (5 of 5), level from batch 8 / 32k.
+        # On Hopper the launches after the first are queued programmatically: each may start before the kernel
+        # ahead of it has finished and waits for it at its start (jit.sources' decode entry points), so the
+        # combine's (and, after an append, the decode kernel's) launch latency overlaps the kernel before.
+        # FLASH_ATTENTION_DECODE_PDL_FIRST=1 queues the first one so too, overlapping whatever ran before the
+        # call (kernel log 158: an H200, one token at batch 1 / 32k keys, 0.984x the time, seqlen_q 16 there
+        # 0.977x). Off until a GPU test covers what it leans on: that a first launch after a copy, a memset
+        # or an event (a misaligned q's copy, the fused combine's counters under capture) waits for it as an
+        # ordinary launch would, and that no entry point reads a table another kernel may still write through
+        # the non-coherent path (fa/kv_cache.cuh reads the page table with __ldg).
         if programmatic_launches(arch):
-            first = trial_switch("DECODE_PDL_FIRST", default=True)
+            first = trial_switch("DECODE_PDL_FIRST")
             self.launches = [
                 launch._replace(programmatic=i > 0 or first) for i, launch in enumerate(self.launches)
             ]
