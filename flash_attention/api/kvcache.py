@@ -35,39 +35,46 @@ def _signature(
     contiguous cache whose strides the kernels can read enters as (batch, its capacity's bucket, heads,
     head_dim, dtype, device): the plan writes its capacity and strides per call. An int cache_seqlens enters
     as its type (its value is checked per call). None for a call that is not cached (an argument of another
-    type, or a sparse or nested tensor, which the validation will name)."""
-    if window is not None and not (isinstance(window, (tuple, list)) and all(type(w) is int for w in window)):
-        return None  # (an odd window: validation names it)
-    if type(softcap) not in (int, float):
+    type, or a sparse or nested tensor, which the validation will name).
+
+    This runs on every decode step, so it is spelled out rather than looped: q, then the two caches, then
+    the optional tensors, each read once (a host-bound decode call's time is its host's; kernel log 160)."""
+    if window is not None:
+        if not (type(window) in (tuple, list) and all(type(w) is int for w in window)):
+            return None  # (an odd window: validation names it)
+        window = tuple(window)
+    if type(softcap) not in _NUMBERS:
         return None
-    key: list = [
-        type(causal),
-        causal,
-        type(softmax_scale),
-        softmax_scale,
-        type(num_splits),
-        num_splits,
-        return_lse,
-        type(window),
-        tuple(window) if isinstance(window, (tuple, list)) else window,
-        type(softcap),
-        softcap,
-    ]
+    if type(q) is not _TENSOR or q.layout is not _STRIDED or q.is_nested:
+        return None
+    key = [
+        type(causal), causal, type(softmax_scale), softmax_scale, type(num_splits), num_splits, return_lse,
+        type(window), window, type(softcap), softcap, q.shape, q.stride(), q.dtype, q.device,
+    ]  # fmt: skip
     contiguous = block_table is None
-    for t in (q, k_cache, v_cache, k, v, cache_seqlens, block_table, out, alibi_slopes):
-        if type(t) is torch.Tensor and t.layout is torch.strided and not t.is_nested:
-            n, s = t.shape, t.stride()
-            if contiguous and (t is k_cache or t is v_cache) and _readable_cache(n, s):
-                key += (n[0], cache_length_bucket(n[1]), n[2], n[3], t.dtype, t.device)
-            else:
-                key += (n, s, t.dtype, t.device)
-        elif t is None:
+    for t in (k_cache, v_cache):
+        if type(t) is not _TENSOR or t.layout is not _STRIDED or t.is_nested:
+            return None
+        n, s = t.shape, t.stride()
+        if contiguous and _readable_cache(n, s):
+            key += (n[0], cache_length_bucket(n[1]), n[2], n[3], t.dtype, t.device)
+        else:
+            key += (n, s, t.dtype, t.device)
+    for t in (k, v, cache_seqlens, block_table, out, alibi_slopes):
+        if t is None:
             key.append(None)
+        elif type(t) is _TENSOR and t.layout is _STRIDED and not t.is_nested:
+            key += (t.shape, t.stride(), t.dtype, t.device)
         elif type(t) is int and t is cache_seqlens:
             key.append(int)
         else:
             return None
     return tuple(key)
+
+
+_TENSOR = torch.Tensor
+_STRIDED = torch.strided
+_NUMBERS = (int, float)
 
 
 def _readable_cache(n: torch.Size, s: tuple[int, ...]) -> bool:
