@@ -11,7 +11,8 @@ call pay what their own calls into the driver cost, less the driver's own work. 
 comparing versions of the host path on one machine, never for comparing with a GPU's figures.
 
     python tools/host_time_cpu.py                 # the tiny shapes of `bench --tiny`
-    python tools/host_time_cpu.py --profile       # and cProfile's top entries of the training step
+    python tools/host_time_cpu.py --profile       # and cProfile's top entries of the training step (and of
+                                                  # the e4m3 forward)
     python tools/host_time_cpu.py --whole-path    # every call takes the whole path (no repeat calls, as
                                                   # FLASH_ATTENTION_REPEAT_CALLS=0 does)
     python tools/host_time_cpu.py --mode native   # repeat calls in the host library (=native)
@@ -101,7 +102,7 @@ def install_stand_ins():
     decode._capturing = lambda device: False
     forward.get_kernel = lambda *a, **kw: _Kernel()
     backward.get_bwd_kernels = lambda *a, **kw: _Kernels()
-    tma.encode_into = lambda field, layout, address: 0
+    tma.encode_into = lambda field, layout, address, **kw: 0  # (kw: the e4m3 maps' one_byte)
     plans.current_stream = lambda index: 0
     # The Python launches' own ctypes calls, into the no-op: cuLaunchKernel with its argument types, and
     # make_primary_current's context query and switch.
@@ -257,6 +258,48 @@ def measure_window_sinks() -> None:
         print(f"  {name:20s} {median:7.1f} ({low:.1f})")
 
 
+def measure_fp8(profile: bool) -> None:
+    """The e4m3 forward's host path (ops.fp8_forward.cuda_forward_e4m3: descales, V^T's launch, params, three
+    tensor maps, the launch) on e4m3 CPU tensors taken for CUDA ones (issue 51: short causal calls' wall
+    time was twice their kernels')."""
+    from flash_attention.ops import fp8_forward, fp8_values
+
+    fp8_forward.get_kernel = lambda *a, **kw: _Kernel()
+    fp8_forward.device_arch = fp8_values.device_arch = lambda index: "sm_90"
+    fp8_forward.sm_count = lambda index: 132
+    fp8_values.device_unavailable_reason = lambda index: None
+    fp8_values.get_values_transpose_kernels = lambda cfg, arch: _Kernels()
+    is_cuda = torch.Tensor.is_cuda
+    torch.Tensor.is_cuda = property(lambda self: True)  # (the checks of "a CUDA tensor" only)
+    try:
+        print("e4m3 forward (cuda_forward_e4m3) d128: host µs per call, median (min) of 7 x 1000")
+        for b, s, h, causal in ((1, 512, 16, True), (4, 1024, 16, True), (4, 1024, 16, False)):
+            q, k, v = (torch.randn(b, s, h, 128).to(torch.float8_e4m3fn) for _ in range(3))
+            scales = torch.full((1,), 0.5)
+            for name, descales in (("no descales", (None,) * 3), ("descales", (scales,) * 3)):
+
+                def call(q=q, k=k, v=v, causal=causal, descales=descales):
+                    return fp8_forward.cuda_forward_e4m3(
+                        q, k, v, causal=causal, q_descale=descales[0], k_descale=descales[1],
+                        v_descale=descales[2],
+                    )  # fmt: skip
+
+                median, low = host_us(call, n=1000)
+                print(f"  ({b}, {s}, {h}) causal={causal!s:5s} {name:12s} {median:7.1f} ({low:.1f})")
+            if profile:
+                profiler = cProfile.Profile()
+                profiler.enable()
+                for _ in range(2000):
+                    fp8_forward.cuda_forward_e4m3(q, k, v, causal=causal)
+                profiler.disable()
+                text = io.StringIO()
+                pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(15)
+                print(text.getvalue())
+                profile = False
+    finally:
+        torch.Tensor.is_cuda = is_cuda
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", action="store_true")
@@ -277,6 +320,7 @@ def main() -> None:
     measure_varlen_decode()
     measure_packed()
     measure_window_sinks()
+    measure_fp8(args.profile)
 
 
 if __name__ == "__main__":

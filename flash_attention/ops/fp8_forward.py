@@ -12,6 +12,7 @@ bytes).
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 
 import torch
@@ -32,6 +33,7 @@ __all__ = ["e4m3_config", "cuda_forward_e4m3", "kernel_takes"]
 _KEYS_PER_PANEL = 128
 
 
+@functools.cache  # (a frozen config, built and validated once per head_dim: the call's host time)
 def e4m3_config(head_dim: int) -> KernelConfig:
     """The e4m3 forward's config: the one form built so far (configs: persistent, 128-key tiles, head_dim
     128), with the ring three deep (1-byte tiles leave the room)."""
@@ -97,9 +99,14 @@ def _device_descales(descales, batch: int, heads_kv: int, device) -> tuple[list,
 def _rows_layout(t: torch.Tensor, box_rows: int) -> tma.MapLayout:
     """The map of a (batch, seqlen, heads, head_dim) e4m3 tensor, boxes of one 128-column panel by
     ``box_rows`` rows (its strides in bytes are its element strides)."""
-    batch, seqlen, heads, head_dim = t.shape
-    sb, sr, sh = t.stride()[:3]
-    if t.stride(3) != 1 or any(s % 16 for s in (sr, sh, sb)):
+    return _rows_map_layout(tuple(t.shape), t.stride(), box_rows)
+
+
+@functools.lru_cache(maxsize=256)  # (per shape and strides: the ctypes arrays are read, never written)
+def _rows_map_layout(shape: tuple, stride: tuple, box_rows: int) -> tma.MapLayout:
+    batch, seqlen, heads, head_dim = shape
+    sb, sr, sh = stride[:3]
+    if stride[3] != 1 or any(s % 16 for s in (sr, sh, sb)):
         raise ValueError("the e4m3 forward reads rows of 16-byte aligned strides with head_dim contiguous")
     return tma.MapLayout(
         (ctypes.c_uint64 * 4)(head_dim, seqlen, heads, batch),
@@ -111,7 +118,12 @@ def _rows_layout(t: torch.Tensor, box_rows: int) -> tma.MapLayout:
 def _values_layout(vt: torch.Tensor) -> tma.MapLayout:
     """The map of transposed_values' (batch, heads_kv, head_dim, keys) tensor: boxes of 128 keys by every
     head_dim row (the kernel's producer loads block_kv / 128 of them per tile)."""
-    batch, heads, head_dim, keys = vt.shape
+    return _values_map_layout(tuple(vt.shape))
+
+
+@functools.lru_cache(maxsize=256)
+def _values_map_layout(shape: tuple) -> tma.MapLayout:
+    batch, heads, head_dim, keys = shape
     return tma.MapLayout(
         (ctypes.c_uint64 * 4)(keys, head_dim, heads, batch),
         (ctypes.c_uint64 * 3)(keys, head_dim * keys, heads * head_dim * keys),
@@ -160,7 +172,8 @@ def cuda_forward_e4m3(
         torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device) if return_lse else None
     )
     kernel = get_kernel(cfg, causal, device_arch(index))
-    kernel.ensure_dynamic_smem(cfg.smem_bytes, index)
+    smem = cfg.smem_bytes
+    kernel.ensure_dynamic_smem(smem, index)
     p = FwdParams()
     for prefix, t in (("q", q_), ("k", k_), ("v", v), ("o", o)):
         fill_strides(p, prefix, t)  # (v's: only the cp.async families read them)
@@ -184,5 +197,5 @@ def cuda_forward_e4m3(
         _encode(tp.q_map, _rows_layout(q_, cfg.block_q), q_.data_ptr(), "q")
         _encode(tp.k_map, _rows_layout(k_, cfg.block_kv), k_.data_ptr(), "k")
         _encode(tp.v_map, _values_layout(vt), vt.data_ptr(), "v")
-    launch(kernel, grid, cfg.threads, cfg.smem_bytes, index, tp)
+    launch(kernel, grid, cfg.threads, smem, index, tp)
     return o, lse
