@@ -198,6 +198,17 @@ struct DecodeKVLoader {
 template <class Cfg, bool kPaged>
 using PageRing = TilePageRing<kPaged, Cfg::kBlockKV, Cfg::kStages, Cfg::kRefillFirst>;
 
+// Main-loop iteration t's refill, in either order of the loop: tile t + S - 1's copies into the stage tile
+// t - 1 held (none past the last tile), and a later tile's page entries (TilePageRing::request), as one commit
+// group, so that the group count, and cp_async_wait's argument, is the same for every iteration.
+template <int S, bool kPaged, class Ring, class LoadKV>
+__device__ __forceinline__ void decode_ring_refill(int t, const Ring& pages, const CachePositions<kPaged>& positions,
+                                                   const DecodeBlockKeys& keys, int tid, LoadKV&& load_kv) {
+  if (t + S - 1 < keys.n_tiles) load_kv(t + S - 1);
+  pages.request(positions, t, keys.k_lo, keys.k_hi, tid);
+  cp_async_commit();
+}
+
 // The ring's prologue: Q (already issued by the caller) lands with tile 0, then tiles 1 .. S - 2, one commit
 // group each (empty groups past the last tile keep the group count, and so cp_async_wait's argument, the
 // same for every iteration). A paged cache's entries of the first tiles (fa/kv_cache.cuh: TilePageRing)

@@ -148,9 +148,7 @@ __device__ __forceinline__ void decode_kernel_body(const DecodeParams& p) {
       // every thread's copies visible. A barrier more per tile for S tiles in flight while the block waits
       // for tile t, where the single-barrier order below has S - 1 (fa/decode_block.cuh, PageRing).
       __syncthreads();
-      if (t + S - 1 < n_tiles) load_kv(t + S - 1);
-      pages.request(positions, t, k_lo, k_hi, tid);  // a later tile's page entries, with this group
-      cp_async_commit();
+      decode_ring_refill<S, kPaged>(t, pages, positions, keys, tid, load_kv);
       cp_async_wait<S - 1>();
       __syncthreads();
     } else {
@@ -158,9 +156,7 @@ __device__ __forceinline__ void decode_kernel_body(const DecodeParams& p) {
       // visible, and says every warp is done with tile t - 1, whose stage the load below refills.
       cp_async_wait<S - 2>();
       __syncthreads();
-      if (t + S - 1 < n_tiles) load_kv(t + S - 1);
-      pages.request(positions, t, k_lo, k_hi, tid);  // a later tile's page entries, with this group
-      cp_async_commit();
+      decode_ring_refill<S, kPaged>(t, pages, positions, keys, tid, load_kv);
     }
     if (t == 0) {
 #pragma unroll

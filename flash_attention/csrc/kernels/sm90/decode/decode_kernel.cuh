@@ -138,9 +138,7 @@ __device__ __forceinline__ void decode_kernel_body(const DecodeParams& p) {
       wgmma_wait<0>();
       wgmma_hold(o);
       __syncthreads();
-      if (t + S - 1 < n_tiles) load_kv(t + S - 1);
-      pages.request(positions, t, k_lo, k_hi, tid);  // a later tile's page entries, with this group
-      cp_async_commit();
+      decode_ring_refill<S, kPaged>(t, pages, positions, keys, tid, load_kv);
       cp_async_wait<S - 1>();
       fence_proxy_async();
       __syncthreads();
@@ -153,9 +151,7 @@ __device__ __forceinline__ void decode_kernel_body(const DecodeParams& p) {
       wgmma_hold(o);
       fence_proxy_async();
       __syncthreads();
-      if (t + S - 1 < n_tiles) load_kv(t + S - 1);
-      pages.request(positions, t, k_lo, k_hi, tid);  // a later tile's page entries, with this group
-      cp_async_commit();
+      decode_ring_refill<S, kPaged>(t, pages, positions, keys, tid, load_kv);
     }
     const u32 stage = (t % S) * Smem::kTile;
 
