@@ -174,6 +174,17 @@ def test_a_growing_cache_keeps_a_plan_per_bucket_and_attends_its_whole_length(gp
     assert len(decode._plans._plans) == 3
 
 
+def _one_row_cache(keys: int, hkv: int, d: int, page_size: int):
+    """K and V caches of one row holding ``keys`` positions: contiguous (page_size 0; table None) or in pages
+    of ``page_size`` in a random order (the table)."""
+    if not page_size:
+        k_cache, v_cache = (torch.randn(1, keys, hkv, d, dtype=torch.bfloat16) for _ in range(2))
+        return k_cache, v_cache, None
+    pages = keys // page_size
+    k_cache, v_cache = (torch.randn(pages, page_size, hkv, d, dtype=torch.bfloat16) for _ in range(2))
+    return k_cache, v_cache, torch.randperm(pages, dtype=torch.int32).reshape(1, pages)
+
+
 @pytest.mark.parametrize("page_size", [0, 16, 2])
 def test_the_split_waves_take_a_second_block_per_sm_only_for_pages_looked_up_row_by_row(gpu, page_size):
     """Contiguous caches and pages that hold a copy thread's rows split for waves of one block per SM;
@@ -181,13 +192,7 @@ def test_the_split_waves_take_a_second_block_per_sm_only_for_pages_looked_up_row
     stand-in's 2)."""
     b, hq, hkv, d, keys = 1, 8, 8, 64, 32768
     q = torch.randn(b, 1, hq, d, dtype=torch.bfloat16)
-    if page_size:
-        pages = keys // page_size
-        k_cache, v_cache = (torch.randn(pages, page_size, hkv, d, dtype=torch.bfloat16) for _ in range(2))
-        table = torch.randperm(pages, dtype=torch.int32).reshape(b, pages)
-    else:
-        k_cache, v_cache = (torch.randn(b, keys, hkv, d, dtype=torch.bfloat16) for _ in range(2))
-        table = None
+    k_cache, v_cache, table = _one_row_cache(keys, hkv, d, page_size)
     attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=keys, block_table=table)
     assert not gpu.errors, gpu.errors
     (plan,) = decode._plans._plans.values()
@@ -205,13 +210,7 @@ def test_the_wgmma_kernels_splits_take_two_blocks_per_sm(gpu, page_size):
     the reference's."""
     b, sq, hq, hkv, d, keys = 1, 16, 32, 8, 128, 8192
     q = torch.randn(b, sq, hq, d, dtype=torch.bfloat16)
-    if page_size:
-        pages = keys // page_size
-        k_cache, v_cache = (torch.randn(pages, page_size, hkv, d, dtype=torch.bfloat16) for _ in range(2))
-        table = torch.randperm(pages, dtype=torch.int32).reshape(b, pages)
-    else:
-        k_cache, v_cache = (torch.randn(b, keys, hkv, d, dtype=torch.bfloat16) for _ in range(2))
-        table = None
+    k_cache, v_cache, table = _one_row_cache(keys, hkv, d, page_size)
     got = attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=keys, block_table=table, causal=True)
     assert not gpu.errors, gpu.errors
     (plan,) = decode._plans._plans.values()

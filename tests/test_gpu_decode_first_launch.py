@@ -41,14 +41,29 @@ def _caches(paged: bool):
     return k_cache, v_cache, table
 
 
-def _check(out, q, k_cache, v_cache, lengths, table, seqlen_q_causal=True):
+def _check(out, q, k_cache, v_cache, lengths, table):
     want = attention_kvcache_reference(
         q.double().cpu(), k_cache.double().cpu(), v_cache.double().cpu(),
         cache_seqlens=lengths.cpu() if isinstance(lengths, torch.Tensor) else lengths,
-        block_table=None if table is None else table.cpu(), causal=seqlen_q_causal,
+        block_table=None if table is None else table.cpu(), causal=True,
     )[0]  # fmt: skip
     err = (out.double().cpu() - want).abs().max().item()
     assert err < 2e-2, err
+
+
+def _replayed(step, before_replay, check, times: int = 3) -> None:
+    """``step()`` (the work before the call, then the call, returning its output) captured in a CUDA graph
+    and replayed ``times`` times, each after ``before_replay(i)`` (new inputs written in place) and followed
+    by ``check(out)``."""
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for i in range(times):
+        before_replay(i)
+        graph.replay()
+        torch.cuda.synchronize()
+        check(out)
 
 
 def _rewrite(k_cache, v_cache, table, step: int):
@@ -69,17 +84,17 @@ def test_after_kernels_that_rewrite_the_cache_and_the_table(paged, seqlen_q):
         _rewrite(k_cache, v_cache, table, step)
         out = fa.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, block_table=table)
         _check(out, q, k_cache, v_cache, lengths, table)
+
     # The same in a graph: the rewrite's kernels and the call captured together, replayed.
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    def step():
         _rewrite(k_cache, v_cache, table, 5)
-        out = fa.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, block_table=table)
-    for _ in range(3):
-        q.copy_(torch.randn_like(q))
-        graph.replay()
-        torch.cuda.synchronize()
-        _check(out, q, k_cache, v_cache, lengths, table)
+        return fa.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, block_table=table)
+
+    _replayed(
+        step,
+        lambda i: q.copy_(torch.randn_like(q)),
+        lambda out: _check(out, q, k_cache, v_cache, lengths, table),
+    )
 
 
 def test_after_the_calls_own_copy_of_a_misaligned_q():
@@ -95,17 +110,17 @@ def test_after_the_calls_own_copy_of_a_misaligned_q():
         q.copy_(torch.randn_like(q))
         out = fa.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths)
         _check(out, q, k_cache, v_cache, lengths, None)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
     fresh = torch.randn(BATCH, 1, HEADS_Q, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-    with torch.cuda.graph(graph):
+
+    def step():
         q.copy_(fresh)
-        out = fa.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths)
-    for _ in range(3):
-        fresh.copy_(torch.randn_like(fresh))
-        graph.replay()
-        torch.cuda.synchronize()
-        _check(out, fresh, k_cache, v_cache, lengths, None)
+        return fa.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths)
+
+    _replayed(
+        step,
+        lambda i: fresh.copy_(torch.randn_like(fresh)),
+        lambda out: _check(out, fresh, k_cache, v_cache, lengths, None),
+    )
 
 
 def test_after_a_host_to_device_copy_of_the_lengths():
@@ -125,22 +140,19 @@ def test_the_fused_combine_under_capture(monkeypatch):
     k_cache, v_cache, table = _caches(True)
     lengths = torch.tensor([CAPACITY - 1, 4000], dtype=torch.int32, device="cuda")
     q = torch.randn(BATCH, 4, HEADS_Q, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-    out = fa.attention_with_kvcache(
-        q, k_cache, v_cache, cache_seqlens=lengths, block_table=table, num_splits=3
-    )
-    _check(out, q, k_cache, v_cache, lengths, table)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fa.attention_with_kvcache(
+
+    def call():
+        return fa.attention_with_kvcache(
             q, k_cache, v_cache, cache_seqlens=lengths, block_table=table, num_splits=3
         )
-    for step in range(3):
+
+    _check(call(), q, k_cache, v_cache, lengths, table)
+
+    def new_inputs(step):
         q.copy_(torch.randn_like(q))
         _rewrite(k_cache, v_cache, None, step)
-        graph.replay()
-        torch.cuda.synchronize()
-        _check(out, q, k_cache, v_cache, lengths, table)
+
+    _replayed(call, new_inputs, lambda out: _check(out, q, k_cache, v_cache, lengths, table))
 
 
 def test_after_an_event_join_from_a_second_stream():
@@ -149,23 +161,18 @@ def test_after_an_event_join_from_a_second_stream():
     lengths = torch.tensor([CAPACITY, CAPACITY - 777], dtype=torch.int32, device="cuda")
     q = torch.randn(BATCH, 1, HEADS_Q, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     side = torch.cuda.Stream()
-    for step in range(3):
+
+    def step(n):
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            _rewrite(k_cache, v_cache, table, step)
+            _rewrite(k_cache, v_cache, table, n)
         torch.cuda.current_stream().wait_stream(side)
-        out = fa.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, block_table=table)
-        _check(out, q, k_cache, v_cache, lengths, table)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            _rewrite(k_cache, v_cache, table, 7)
-        torch.cuda.current_stream().wait_stream(side)
-        out = fa.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, block_table=table)
-    for _ in range(3):
-        q.copy_(torch.randn_like(q))
-        graph.replay()
-        torch.cuda.synchronize()
-        _check(out, q, k_cache, v_cache, lengths, table)
+        return fa.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, block_table=table)
+
+    for n in range(3):
+        _check(step(n), q, k_cache, v_cache, lengths, table)
+    _replayed(
+        lambda: step(7),
+        lambda i: q.copy_(torch.randn_like(q)),
+        lambda out: _check(out, q, k_cache, v_cache, lengths, table),
+    )
