@@ -235,10 +235,9 @@ def test_rows_per_copy_thread_and_the_page_sizes_looked_up_row_by_row():
 def test_every_decode_entry_point_waits_for_the_kernel_before_it_first(wgmma):
     """Every kernel of a decode call may be queued programmatically on Hopper, the call's first too with
     FLASH_ATTENTION_DECODE_PDL_FIRST=1 (ops.decode, kernel log 158), so each entry point's first statement
-    must be the grid-dependency wait: the append
-    reads new tokens a previous kernel wrote, the decode kernel a cache the append wrote, the combine the
-    partials; a kernel that passed it could also finish before its predecessor and free the next ordinary
-    launch too early (fa/grid_dependency.cuh)."""
+    must be the grid-dependency wait: the append reads new tokens a previous kernel wrote, the decode kernel a
+    cache the append wrote, the combine the partials; a kernel that passed it could also finish before its
+    predecessor and free the next ordinary launch too early (fa/grid_dependency.cuh)."""
     from flash_attention.jit.sources import decode_kernel_source
 
     cfg = default_decode_config("bf16", 128, 64 if wgmma else 1, "sm_90")
@@ -272,58 +271,27 @@ def test_a_ring_that_refills_first_is_named_and_holds_one_page_slot_more():
     )  # (off until measured: kernel log 159)
 
 
-def _cuobjdump() -> str | None:
-    """cuobjdump from PATH, beside nvcc, or from NVIDIA's pip packages (None where none is installed)."""
-    import glob
-    import os
-    import shutil
-
-    from flash_attention.jit import compiler
-
-    found = shutil.which("cuobjdump")
-    nvcc = compiler.find_nvcc()
-    candidates = [found] if found else []
-    if nvcc:
-        candidates.append(os.path.join(os.path.dirname(os.path.realpath(nvcc)), "cuobjdump"))
-    candidates += glob.glob("/usr/local/cuda*/bin/cuobjdump")
-    try:
-        import nvidia  # (a namespace package: NVIDIA's pip wheels)
-    except ImportError:
-        nvidia = None
-    for path in getattr(nvidia, "__path__", []):
-        candidates += glob.glob(os.path.join(path, "*", "bin", "cuobjdump"))
-    return next((c for c in candidates if c and os.path.isfile(c)), None)
-
-
 @pytest.mark.parametrize("wgmma", [False, True])
 def test_no_decode_entry_point_touches_memory_before_its_wait_in_sass(wgmma, tmp_path):
     """The compiled form of the test above: in every decode entry point's SASS the grid-dependency wait
     (ACQBULK, griddepcontrol.wait) comes before any load, store, atomic or copy of global or shared memory, so
     a programmatically queued launch reads nothing its predecessor may still write (ptxas may not hoist a load
     above it)."""
-    import re
-    import subprocess
-
     from flash_attention.jit import compiler
     from flash_attention.jit.sources import decode_kernel_source
+    from flash_attention.tools import report
 
-    tool = _cuobjdump()
-    if compiler.find_nvcc() is None or tool is None:
+    if compiler.find_nvcc() is None or report.find_cuobjdump() is None:
         pytest.skip("needs nvcc and cuobjdump")
     cfg = default_decode_config("bf16", 128, 64 if wgmma else 1, "sm_90")
     built = compiler.compile_nvcc(decode_kernel_source(cfg), "sm_90a", "decode_sass_check")
-    cubin = tmp_path / "decode.cubin"
-    cubin.write_bytes(built.cubin)
-    sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
-    functions = re.split(r"\n\s+Function : ", sass)[1:]
-    assert len(functions) == 7, [f.split("\n", 1)[0] for f in functions]
-    memory = re.compile(
-        r"^(@!?U?P\d+\s+)?(LDG|STG|LDS|STS|LDSM|STSM|LD|ST|ATOM|ATOMS|ATOMG|RED|REDG|LDGSTS|UTMA|UBLKCP)\b"
-    )
-    for function in functions:
-        name = function.split("\n", 1)[0].strip()
-        code = [m.group(1).strip() for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(.*?);", function)]
-        wait = next((i for i, instruction in enumerate(code) if instruction.startswith("ACQBULK")), None)
-        assert wait is not None, f"{name}: no grid-dependency wait"
-        early = [instruction for instruction in code[:wait] if memory.match(instruction)]
+    functions = report.sass_by_function(built.cubin)
+    assert len(functions) == 7, list(functions)
+    # (global, shared and local loads, stores, atomics and reductions, cp.async, bulk and tensor-map copies)
+    memory = {"LDG", "STG", "LDS", "STS", "LDSM", "STSM", "LD", "ST", "LDL", "STL", "ATOM", "ATOMS", "ATOMG"}
+    memory |= {"RED", "REDG", "LDGSTS", "UBLKCP", "UBLKRED"}
+    for name, sass in functions.items():
+        ops = [op for _, op, _ in report.instructions(sass)]
+        assert "ACQBULK" in ops, f"{name}: no grid-dependency wait"
+        early = [op for op in ops[: ops.index("ACQBULK")] if op in memory or op.startswith("UTMA")]
         assert not early, f"{name}: memory accessed before the wait: {early}"
