@@ -62,17 +62,17 @@ def test_split_partials_merge_to_the_reference(gpu, num_splits, monkeypatch):
     gpu.programmatic.clear()
     check_case(case, torch.bfloat16, "cpu", num_splits=num_splits)
     assert ("decode_combine" in gpu.launches) == (num_splits > 1)
-    # On the (sm_90) stand-in the append is an ordinary launch, the decode kernel and the combine after it
-    # are queued programmatically (they wait for the kernel before them: fa/grid_dependency.cuh);
-    # FLASH_ATTENTION_DECODE_PDL_FIRST=1 (a trial switch, off: kernel log 158) queues the first one so too.
-    queued = [("decode_append", False), ("decode_decode", True)]
+    # On the (sm_90) stand-in every launch of the call is queued programmatically, the first one too (each
+    # waits for the kernel before it: fa/grid_dependency.cuh); FLASH_ATTENTION_DECODE_PDL_FIRST=0 (kernel
+    # log 158) makes the first an ordinary launch.
+    queued = [("decode_append", True), ("decode_decode", True)]
     queued += [("decode_combine", True)] * (num_splits > 1)
     assert gpu.programmatic == queued, gpu.programmatic
-    monkeypatch.setenv("FLASH_ATTENTION_DECODE_PDL_FIRST", "1")
+    monkeypatch.setenv("FLASH_ATTENTION_DECODE_PDL_FIRST", "0")
     ops.clear_plans()
     gpu.programmatic.clear()
     check_case(case, torch.bfloat16, "cpu", num_splits=num_splits)
-    assert gpu.programmatic == [("decode_append", True)] + queued[1:], gpu.programmatic
+    assert gpu.programmatic == [("decode_append", False)] + queued[1:], gpu.programmatic
 
 
 def test_an_int_length_and_a_repeated_signature(gpu):

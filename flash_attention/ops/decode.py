@@ -242,14 +242,14 @@ class DecodePlan:
         # On Hopper the launches after the first are queued programmatically: each may start before the kernel
         # ahead of it has finished and waits for it at its start (jit.sources' decode entry points), so the
         # combine's (and, after an append, the decode kernel's) launch latency overlaps the kernel before.
-        # FLASH_ATTENTION_DECODE_PDL_FIRST=1 queues the first one so too, overlapping whatever ran before the
-        # call (kernel log 158: an H200, one token at batch 1 / 32k keys, 0.984x the time, seqlen_q 16 there
-        # 0.977x). Off until a GPU test covers what it leans on: that a first launch after a copy, a memset
-        # or an event (a misaligned q's copy, the fused combine's counters under capture) waits for it as an
-        # ordinary launch would, and that no entry point reads a table another kernel may still write through
-        # the non-coherent path (fa/kv_cache.cuh reads the page table with __ldg).
+        # The first one is queued so too, overlapping whatever ran before the call (kernel log 158: an H200,
+        # one token at batch 1 / 32k keys, 0.984x the time, seqlen_q 16 there 0.977x;
+        # FLASH_ATTENTION_DECODE_PDL_FIRST=0 for an ordinary first launch). What it leans on: a first launch
+        # after a copy, a memset or an event waits for it as an ordinary launch would
+        # (tests/test_gpu_decode_first_launch.py), and every entry point waits before its first access to
+        # memory and reads nothing through the non-coherent path (fa/kv_cache.cuh's page table).
         if programmatic_launches(arch):
-            first = trial_switch("DECODE_PDL_FIRST")
+            first = trial_switch("DECODE_PDL_FIRST", default=True)
             self.launches = [
                 launch._replace(programmatic=i > 0 or first) for i, launch in enumerate(self.launches)
             ]

@@ -69,8 +69,10 @@ struct CachePositions {
   // Entry e of the row's page table: a page of the cache, or -1 when the entry lies outside it.
   __device__ __forceinline__ int page_entry(int e) const {
     // The page table is read by every K/V head's blocks and every split that covers the position: it
-    // stays in L1/L2, the non-coherent path is fine for data no kernel of the call writes.
-    const int page = __ldg(table + e);
+    // stays in L1/L2. A plain load, not the non-coherent path (__ldg): a call's first kernel may be queued
+    // programmatically (ops.decode), so the kernel that wrote the table may still be running when this one
+    // starts; its grid_dependency_wait makes that kernel's writes visible to coherent loads only.
+    const int page = table[e];
     return page < 0 || page >= num_pages ? -1 : page;
   }
 
@@ -156,7 +158,7 @@ struct TilePageRing {
 #pragma unroll
       for (int t = 0; t < kLead; ++t) {
         int e;
-        entry[t] = entry_index(pos, k_lo + t * kBlockKV, k_hi, tid, e) ? __ldg(pos.table + e) : 0;
+        entry[t] = entry_index(pos, k_lo + t * kBlockKV, k_hi, tid, e) ? pos.table[e] : 0;  // (plain: page_entry)
       }
 #pragma unroll
       for (int t = 0; t < kLead; ++t) {
