@@ -39,13 +39,15 @@ def test_defaults_are_valid_fit_the_gpu_and_round_trip(arch):
 
 def test_the_wgmma_kernel_takes_more_than_16_rows_on_hopper():
     # More than 16 rows, head_dim <= 128, sm_90 (docs/kernel-log/decode.md steps 72 and 157): the wgmma kernel
-    # with a 2-deep ring, small enough for two blocks per SM; otherwise the sm80 kernel.
+    # with a 2-deep ring that refills first (step 159), small enough for two blocks per SM; otherwise the sm80
+    # kernel.
     for rows, head_dim in ((17, 128), (64, 128), (512, 128), (64, 64), (64, 72)):
         cfg = default_decode_config("bf16", head_dim, rows, "sm_90")
         shape = (cfg.block_m, cfg.block_kv, cfg.warps_m, cfg.warps_n, cfg.stages)
         assert cfg.wgmma and shape == (64, 64, 4, 1, 2)
         assert 2 * cfg.smem_bytes <= SMEM_OPTIN["sm_90"], cfg
-    assert default_decode_config("bf16", 128, 64, "sm_90").name() == "decode_bf16_d128_m64_kv64_w4x1_s2_wgmma"
+    name = default_decode_config("bf16", 128, 64, "sm_90").name()
+    assert name == "decode_bf16_d128_m64_kv64_w4x1_s2_wgmma_rf"
     for args in (
         ("bf16", 128, 16, "sm_90"),  # one token: 16 rows
         ("bf16", 256, 64, "sm_90"),  # head_dim 256
@@ -262,13 +264,17 @@ def test_a_ring_that_refills_first_is_named_and_holds_one_page_slot_more():
         assert parse_decode_config(rf.name()) == rf and parse_decode_config(base.name()) == base
         assert rf.page_slot_bytes == base.page_slot_bytes + base.block_kv * 4
         assert "kRefillFirst = true" in rf.cpp_struct() and "kRefillFirst = false" in base.cpp_struct()
-    assert not any(
-        default_decode_config(dt, d, rows, arch).refill_first
-        for dt in ("fp16", "bf16")
-        for d in (64, 128, 256)
-        for rows in (1, 64)
-        for arch in ("sm_80", "sm_90")
-    )  # (off until measured: kernel log 159)
+    # (the default: the wgmma kernel refills first, the others wait first; kernel log 159)
+    assert all(
+        cfg.refill_first == cfg.wgmma
+        for cfg in (
+            default_decode_config(dt, d, rows, arch)
+            for dt in ("fp16", "bf16")
+            for d in (64, 128, 256)
+            for rows in (1, 64)
+            for arch in ("sm_80", "sm_90")
+        )
+    )
 
 
 @pytest.mark.parametrize("wgmma", [False, True])

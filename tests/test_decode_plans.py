@@ -286,8 +286,9 @@ def test_a_score_function_reaches_the_decode_kernels_through_its_run_time_fields
 
 @pytest.mark.parametrize("switch", [None, "0", "1"])
 def test_the_refill_first_switch_picks_the_ring_of_the_plans_kernels(gpu, switch, monkeypatch):
-    # FLASH_ATTENTION_DECODE_REFILL_FIRST=1 (a trial switch, off by default: kernel log 159) gives the plans
-    # the configs whose main loop refills before it waits; the answer stays the reference's.
+    # FLASH_ATTENTION_DECODE_REFILL_FIRST=1 / =0 (a trial switch; kernel log 159) gives both kernels' plans
+    # the main loop that refills before it waits / waits first; unset, the wgmma kernel's refills first and
+    # the one-token kernel's waits first. The answer stays the reference's.
     if switch is None:
         monkeypatch.delenv("FLASH_ATTENTION_DECODE_REFILL_FIRST", raising=False)
     else:
@@ -302,5 +303,5 @@ def test_the_refill_first_switch_picks_the_ring_of_the_plans_kernels(gpu, switch
     assert not gpu.errors, gpu.errors
     configs = [plan.launches[-2].kernel.cfg for plan in decode._plans._plans.values()]
     assert len(configs) == 2 and {c.wgmma for c in configs} == {False, True}
-    assert all(c.refill_first == (switch == "1") for c in configs), configs
+    assert all(c.refill_first == (c.wgmma if switch is None else switch == "1") for c in configs), configs
     ops.clear_plans()

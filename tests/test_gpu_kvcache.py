@@ -105,7 +105,7 @@ def test_many_rows_on_a_full_grid(page_size, head_dim, num_splits, fused_combine
         names = [kernel.name for plan in decode._plans._plans.values() for kernel, *_ in plan.launches]
         assert any("__decode" in n for n in names), names
         if torch.cuda.get_device_capability() == (9, 0):
-            assert all("_wgmma__" in n for n in names if "__decode" in n), names
+            assert all("_wgmma" in n.split("__")[0] for n in names if "__decode" in n), names
     finally:
         decode._plans.clear()
 

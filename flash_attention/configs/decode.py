@@ -208,7 +208,9 @@ def default_decode_config(dtype: str, head_dim: int, rows: int, arch: str) -> De
     / 240.1; with 128k 1367 / 1269 / 1092 / 1252 / 924; batch 1 with 128k 181.9 / 167.6 / 145.0 / 168.5 /
     126.4; batch 64 with 32k (unsplit) 2138 / 2141 / 2087 / 2509 / 1883 (docs/kernel-log/decode.md, step
     157). On an H100 the sm80 kernel had been as fast where keys are split (step 72): there the cache's bytes
-    took longer than its math; the H200's 1.4x bandwidth exposed the math.
+    took longer than its math; the H200's 1.4x bandwidth exposed the math. Its ring refills before it
+    waits (``refill_first``; step 159, an H200 at seqlen_q 16: 0.979-0.998x the time, batch 1 with 128k keys
+    155.7 -> 151.7 µs, 6 of 6 rounds faster); the one-token kernel keeps the wait first (1.002-1.011x there).
 
     Up to 16 rows (one token, a group of up to 16): one 16-row tile, four warps splitting each 64-key tile's
     keys. More rows elsewhere: 64-row blocks, the warps splitting the rows (head_dim 256: still 16-row
@@ -222,7 +224,7 @@ def default_decode_config(dtype: str, head_dim: int, rows: int, arch: str) -> De
     """
     d = next(x for x in DECODE_HEAD_DIMS if head_dim <= x)
     if rows > 16 and d <= 128 and is_hopper(arch):
-        return DecodeConfig(dtype, d, 64, 64, 4, 1, 2, wgmma=True)
+        return DecodeConfig(dtype, d, 64, 64, 4, 1, 2, wgmma=True, refill_first=True)
     if rows <= 16 or d > 128:
         # (head_dim 256 keeps 16-row blocks for any row count: 32-row blocks of 2 x 2 warps spilled, 64 to 255
         # registers at 255.)

@@ -310,7 +310,7 @@ def decode_kernel_source(cfg: DecodeConfig) -> str:
     caches (the sm80 instruction set's, or the Hopper one for a wgmma config); the split combine; the cache
     append for both layouts. One unit, so a decode step loads one module."""
     # A decode call's launches (append, decode, combine; on Hopper those after the first queued
-    # programmatically, the first too with FLASH_ATTENTION_DECODE_PDL_FIRST=1: ops.decode) wait for the
+    # programmatically, the first too unless FLASH_ATTENTION_DECODE_PDL_FIRST=0: ops.decode) wait for the
     # kernel before them at their start, before any access to memory (the append
     # reads new tokens a previous kernel wrote; the decode kernel a cache it appended), and let the next be
     # scheduled from theirs (fa/grid_dependency.cuh): the combine lets the next call's first kernel launch

@@ -79,9 +79,9 @@ def decode_config(q: torch.Tensor, problem: CacheProblem) -> DecodeConfig:
     index = q.get_device()
     rows = problem.seqlen_q * problem.group
     cfg = default_decode_config(dtype_name(q), problem.head_dim, rows, device_arch(index))
-    # The main loop that refills before it waits (fa/decode_block.cuh PageRing), off until measured (kernel
-    # log 159): FLASH_ATTENTION_DECODE_REFILL_FIRST=1 runs it.
-    return cfg.replace(refill_first=True) if trial_switch("DECODE_REFILL_FIRST") else cfg
+    # The main loop that refills before it waits (fa/decode_block.cuh PageRing) is the wgmma kernel's default
+    # (configs.decode, kernel log 159); FLASH_ATTENTION_DECODE_REFILL_FIRST=1 or =0 sets it for both kernels.
+    return cfg.replace(refill_first=trial_switch("DECODE_REFILL_FIRST", default=cfg.refill_first))
 
 
 def splits_for(
