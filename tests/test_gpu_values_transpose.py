@@ -1,6 +1,6 @@
 """The values-transpose kernel (csrc/include/fa/values_transpose.cuh) against the PyTorch form
 (ops.fp8_values.transposed_values_reference), byte for byte: key counts that are and are not multiples of 16
-or of the kernel's 128-key tile, batch 1-3, heads 1-8, head_dim 128 and 256, V contiguous, sliced out of a
+or of the kernel's 128-key tile, batch 1-3, heads 1-8, head_dim 64, 128 and 256, V contiguous, sliced out of a
 packed qkv tensor, stored heads-major and expanded over the batch; the output poisoned before the call and
 guarded on both sides (a missed byte or a byte written out of bounds fails). Random bytes, NaN patterns
 included: the kernel moves bytes and must never look at them."""
@@ -73,6 +73,8 @@ SHAPES = [
     (2, 4097, 4, 128),
     (3, 129, 1, 128),
     (1, 300, 2, 256),
+    (2, 77, 3, 64),
+    (1, 4097, 8, 64),
     (2, 4097, 3, 256),
 ]
 

@@ -1,7 +1,7 @@
 """The FP8 (e4m3) forward on Hopper: q, k and v in e4m3, the output bf16 (docs/fp8-study.md, step 2).
 
 The first form, for the GPU tests and the benchmark to call directly while it is measured (attention() keeps
-its dequantizing path until then): head_dim 128, causal or not, no other option. The descales (one number,
+its dequantizing path until then): head_dim 64 or 128, causal or not, no other option. The descales (one number,
 or one per (batch, kv head)) reach the kernel as device pointers (FwdTmaParams, sm90/fwd_ws/descales.cuh):
 each tile scales its softmax by q's and k's and its output by v's before the bf16 rounding, so a call with
 descales in GPU tensors needs no host synchronisation (a Python number becomes a one-element tensor by a fill
@@ -33,18 +33,22 @@ __all__ = ["e4m3_config", "cuda_forward_e4m3", "kernel_takes"]
 _KEYS_PER_PANEL = 128
 
 
+#: The head dims the e4m3 forward is built for (64: Q's and K's 64-byte rows with the 64-byte swizzle).
+E4M3_HEAD_DIMS = (64, 128)
+
+
 @functools.cache  # (a frozen config, built and validated once per head_dim: the call's host time)
 def e4m3_config(head_dim: int) -> KernelConfig:
-    """The e4m3 forward's config: the one form built so far (configs: persistent, 128-key tiles, head_dim
-    128), with the ring three deep (1-byte tiles leave the room)."""
-    if head_dim != 128:
-        raise ValueError(f"the e4m3 forward takes head_dim 128 for now; got {head_dim}")
-    return ws_config("e4m3", 128, 128, 128, 3, overlap=True, persistent=True)
+    """The e4m3 forward's config: persistent, 128-key tiles, head_dim 64 or 128, with the ring three deep
+    (1-byte tiles leave the room)."""
+    if head_dim not in E4M3_HEAD_DIMS:
+        raise ValueError(f"the e4m3 forward takes head_dim {E4M3_HEAD_DIMS} for now; got {head_dim}")
+    return ws_config("e4m3", head_dim, 128, 128, 3, overlap=True, persistent=True)
 
 
 def kernel_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *options, scale: float = 1.0) -> bool:
-    """Whether attention() runs an e4m3 call on this kernel: q, k and v 4-D with head_dim 128 on one Hopper
-    GPU (sm_90) where kernels can be built and launched, a positive softmax scale (the folded softmax
+    """Whether attention() runs an e4m3 call on this kernel: q, k and v 4-D with head_dim 64 or 128 (all
+    three the same) on one Hopper GPU (sm_90) where kernels can be built and launched, a positive softmax scale (the folded softmax
     subtracts the unscaled max: a negative scale would turn it into the min), not inside a torch.compile
     trace (the kernel's host path is not traceable), and none of ``options`` given (attention()'s out,
     key_range, dropout_p, window, softcap, alibi_slopes, sinks and packed segments, each None, 0 or 0.0 when
@@ -56,7 +60,9 @@ def kernel_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *options, sc
 
     if any(o is not None and not (isinstance(o, (bool, int, float)) and o == 0) for o in options):
         return False
-    if q.dim() != 4 or any(t.shape[-1] != 128 for t in (q, k, v)) or not scale > 0:
+    if q.dim() != 4 or q.shape[-1] not in E4M3_HEAD_DIMS or any(t.shape[-1] != q.shape[-1] for t in (k, v)):
+        return False
+    if not scale > 0:
         return False
     if not dispatch.wants_kernel(q) or not q.is_cuda or k.device != q.device or v.device != q.device:
         return False
@@ -97,8 +103,9 @@ def _device_descales(descales, batch: int, heads_kv: int, device) -> tuple[list,
 
 
 def _rows_layout(t: torch.Tensor, box_rows: int) -> tma.MapLayout:
-    """The map of a (batch, seqlen, heads, head_dim) e4m3 tensor, boxes of one 128-column panel by
-    ``box_rows`` rows (its strides in bytes are its element strides)."""
+    """The map of a (batch, seqlen, heads, head_dim) e4m3 tensor, boxes of one swizzle panel (128 columns;
+    head_dim 64: the row's 64, encoded with the 64-byte swizzle by the caller) by ``box_rows`` rows (its
+    strides in bytes are its element strides)."""
     return _rows_map_layout(tuple(t.shape), t.stride(), box_rows)
 
 
@@ -111,7 +118,7 @@ def _rows_map_layout(shape: tuple, stride: tuple, box_rows: int) -> tma.MapLayou
     return tma.MapLayout(
         (ctypes.c_uint64 * 4)(head_dim, seqlen, heads, batch),
         (ctypes.c_uint64 * 3)(sr, sh, sb),
-        (ctypes.c_uint32 * 4)(_KEYS_PER_PANEL, box_rows, 1, 1),
+        (ctypes.c_uint32 * 4)(min(head_dim, _KEYS_PER_PANEL), box_rows, 1, 1),
     )
 
 
@@ -131,8 +138,8 @@ def _values_map_layout(shape: tuple) -> tma.MapLayout:
     )
 
 
-def _encode(field, layout: tma.MapLayout, ptr: int, what: str) -> None:
-    status = tma.encode_into(field, layout, ptr, one_byte=True)
+def _encode(field, layout: tma.MapLayout, ptr: int, what: str, swizzle64: bool = False) -> None:
+    status = tma.encode_into(field, layout, ptr, one_byte=True, swizzle64=swizzle64)
     if status != 0:
         raise RuntimeError(f"the e4m3 forward's tensor map of {what} was refused by the driver ({status})")
 
@@ -194,8 +201,11 @@ def cuda_forward_e4m3(
         counter = stream_tile_counter(q.device)  # (held until the launch is queued)
         tp.tile_counter = counter.data_ptr()
     with driver.primary_current(index):
-        _encode(tp.q_map, _rows_layout(q_, cfg.block_q), q_.data_ptr(), "q")
-        _encode(tp.k_map, _rows_layout(k_, cfg.block_kv), k_.data_ptr(), "k")
+        # (Q's and K's rows at head_dim 64 are 64 bytes: the 64-byte swizzle, as the kernel's descriptors
+        # read them; sm90/fwd_ws/pipeline.cuh kQKPanelBytes)
+        narrow = head_dim < _KEYS_PER_PANEL
+        _encode(tp.q_map, _rows_layout(q_, cfg.block_q), q_.data_ptr(), "q", narrow)
+        _encode(tp.k_map, _rows_layout(k_, cfg.block_kv), k_.data_ptr(), "k", narrow)
         _encode(tp.v_map, _values_layout(vt), vt.data_ptr(), "v")
     launch(kernel, grid, cfg.threads, smem, index, tp)
     return o, lse

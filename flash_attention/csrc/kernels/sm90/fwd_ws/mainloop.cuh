@@ -63,6 +63,12 @@ struct FwdWsMainloop {
   static constexpr u32 kQBytes = Smem::kQBytes;
   static constexpr u32 kKTile = Smem::kKTile;
   static constexpr u32 kVTile = Smem::kVTile;
+  // A Q or K tile's descriptor (K-major, 8-row groups): the 128-byte swizzle, or the 64-byte one of e4m3's
+  // 64-byte rows at head_dim 64 (Smem::kQKPanelBytes, fa/wgmma.cuh smem_desc_sw64).
+  static constexpr int PB = Smem::kQKPanelBytes;
+  __device__ __forceinline__ static u64 qk_desc(u32 addr) {
+    return PB == 64 ? smem_desc_sw64(addr, 16, 8 * 64) : smem_desc_sw128(addr, 16, 8 * 128);
+  }
 
   // Bounded scores (soft-capping in bf16, cap <= kFixedMaxCap): the softmax without a running max
   // (fa/softmax.cuh bounded_softmax_row), its origin cap / 2 kept as row_max for the LSE; a uniform
@@ -170,12 +176,12 @@ struct FwdWsMainloop {
       : p(p),
         sm(sm),
         th(th),
-        q_desc(smem_desc_sw128(sm.sQ + th.cwg * 64 * 128, 16, 1024)),
+        q_desc(qk_desc(sm.sQ + th.cwg * 64 * PB)),
 #if FA_TRACE
         // (The planted fault kWrongSwizzle starts K's descriptor one row late: fa/trace.cuh.)
-        k_desc(smem_desc_sw128(sm.sK + trace::wrong_swizzle_bytes(p.trace_fault), 16, 1024)),
+        k_desc(qk_desc(sm.sK + trace::wrong_swizzle_bytes(p.trace_fault))),
 #else
-        k_desc(smem_desc_sw128(sm.sK, 16, 1024)),
+        k_desc(qk_desc(sm.sK)),
 #endif
         // (e4m3: V^T's tile, K-major as Q's and K's)
         v_desc(kE4M3 ? smem_desc_sw128(sm.sV, 16, 1024) : smem_desc_sw128(sm.sV, BC * 128, 1024)),
@@ -223,7 +229,7 @@ struct FwdWsMainloop {
     wgmma_fence();
     const u64 q_buffer = q_desc + ((x.q_loads % NQ * kQBytes) >> 4);
     if constexpr (kE4M3)
-      issue_qk_e4m3<BR, BC, D>(sacc, q_buffer, k_desc + ((slot(x, it) * kKTile) >> 4));
+      issue_qk_e4m3<BR, BC, D, PB>(sacc, q_buffer, k_desc + ((slot(x, it) * kKTile) >> 4));
     else
       issue_qk<BR, BC, D, BF>(sacc, q_buffer, k_desc + ((slot(x, it) * kKTile) >> 4));
     wgmma_commit();

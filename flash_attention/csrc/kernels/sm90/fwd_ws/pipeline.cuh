@@ -71,6 +71,10 @@ struct FwdWsSmem {
   // its bf16 output in the persistent grid's own tile (configs: e4m3 is persistent; Q's would hold half).
   static constexpr bool kE4M3 = CfgIsE4M3<Cfg>::value;
   static constexpr int E = kE4M3 ? 1 : 2;     // bytes of an input element
+  // Bytes of one swizzle panel of a Q or K row: 128 (64 columns of 2 bytes, or 128 of e4m3's 1), except
+  // e4m3 at head_dim 64, whose 64-byte rows are one panel of the 64-byte swizzle (a 128-byte panel would be
+  // half padding). TMA's map and the wgmma descriptors use the same swizzle (ops/fp8_forward.py, mainloop).
+  static constexpr int kQKPanelBytes = E * D < 128 ? E * D : 128;
   static constexpr u32 kQBytes = E * BR * D;  // bytes of one Q buffer
   static constexpr u32 kKTile = E * BC * D;   // bytes of one K tile
   static constexpr u32 kVTile = E * BC * DV;  // bytes of one V (e4m3: V^T) tile
