@@ -1,12 +1,12 @@
 """The FP8 (e4m3) forward on Hopper: q, k and v in e4m3, the output bf16 (docs/fp8-study.md, step 2).
 
 The first form, for the GPU tests and the benchmark to call directly while it is measured (attention() keeps
-its dequantizing path until then): head_dim 64 or 128, causal or not, no other option. The descales (one number,
-or one per (batch, kv head)) reach the kernel as device pointers (FwdTmaParams, sm90/fwd_ws/descales.cuh):
-each tile scales its softmax by q's and k's and its output by v's before the bf16 rounding, so a call with
-descales in GPU tensors needs no host synchronisation (a Python number becomes a one-element tensor by a fill
-kernel). V is laid out for the kernel per call (ops.fp8_values: V^T in P's key order, one pass over its
-bytes).
+its dequantizing path until then): head_dim 64 or 128, causal or not, no other option. The descales (one
+number, or one per (batch, kv head)) reach the kernel as device pointers (FwdTmaParams,
+sm90/fwd_ws/descales.cuh): each tile scales its softmax by q's and k's and its output by v's before the bf16
+rounding, so a call with descales in GPU tensors needs no host synchronisation (a Python number becomes a
+one-element tensor by a fill kernel). V is laid out for the kernel per call (ops.fp8_values: V^T in P's key
+order, one pass over its bytes).
 """
 
 from __future__ import annotations
@@ -47,15 +47,15 @@ def e4m3_config(head_dim: int) -> KernelConfig:
 
 
 def kernel_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *options, scale: float = 1.0) -> bool:
-    """Whether attention() runs an e4m3 call on this kernel: q, k and v 4-D with head_dim 64 or 128 (all
-    three the same) on one Hopper GPU (sm_90) where kernels can be built and launched, a positive softmax scale (the folded softmax
-    subtracts the unscaled max: a negative scale would turn it into the min), not inside a torch.compile
-    trace (the kernel's host path is not traceable), and none of ``options`` given (attention()'s out,
-    key_range, dropout_p, window, softcap, alibi_slopes, sinks and packed segments, each None, 0 or 0.0 when
-    absent). Every other e4m3 call keeps the dequantizing path (spec.fp8), which gives the same attention of
-    the dequantized inputs up to rounding (docs/fp8-study.md, "Accuracy"). (Not dispatch.usable_backend:
-    its check of the dtype takes float16 and bfloat16 only.) The descales' product must be positive too,
-    which the host cannot check without a synchronisation: docs/usage.md says so."""
+    """Whether attention() runs an e4m3 call on this kernel: q, k and v 4-D with head_dim 64 or 128 (all three
+    the same) on one Hopper GPU (sm_90) where kernels can be built and launched, a positive softmax scale (the
+    folded softmax subtracts the unscaled max: a negative scale would turn it into the min), not inside a
+    torch.compile trace (the kernel's host path is not traceable), and none of ``options`` given
+    (attention()'s out, key_range, dropout_p, window, softcap, alibi_slopes, sinks and packed segments, each
+    None, 0 or 0.0 when absent). Every other e4m3 call keeps the dequantizing path (spec.fp8), which gives the
+    same attention of the dequantized inputs up to rounding (docs/fp8-study.md, "Accuracy"). (Not
+    dispatch.usable_backend: its check of the dtype takes float16 and bfloat16 only.) The descales' product
+    must be positive too, which the host cannot check without a synchronisation: docs/usage.md says so."""
     from . import dispatch
 
     if any(o is not None and not (isinstance(o, (bool, int, float)) and o == 0) for o in options):
