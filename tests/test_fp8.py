@@ -115,7 +115,7 @@ def test_fp8_attention_on_the_gpu(causal, head_dim):
     tensors on our bf16 kernels, within twice PyTorch's practice."""
     from fp8_bounds import e4m3_output_bound
 
-    from flash_attention.ops.fp8_forward import kernel_takes
+    from flash_attention.ops.fp8_forward import E4M3_HEAD_DIMS, kernel_takes
 
     shape = (2, 300, 517, 8, 2, head_dim)
     tensors, descales = _quantized(11 + causal, *shape, device="cuda")
@@ -126,7 +126,7 @@ def test_fp8_attention_on_the_gpu(causal, head_dim):
     got = fa.attention(*tensors, causal=causal, q_descale=descales[0], k_descale=descales[1])
     routed = kernel_takes(*tensors, scale=head_dim**-0.5)
     # (the route itself is asserted: a predicate that never routes would pass the bound below unseen)
-    assert routed == (head_dim == 128 and torch.cuda.get_device_capability() == (9, 0))
+    assert routed == (head_dim in E4M3_HEAD_DIMS and torch.cuda.get_device_capability() == (9, 0))
     if routed:
         qx, kx, vx = exact_inputs
         group = qx.shape[2] // kx.shape[2]

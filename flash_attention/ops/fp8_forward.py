@@ -157,8 +157,8 @@ def cuda_forward_e4m3(
     return_lse: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of the dequantized ``q * q_descale``, ``k * k_descale``, ``v * v_descale`` (e4m3 (batch,
-    seqlen, heads, 128) tensors on a Hopper GPU, GQA allowed) as a bf16 output, and its LSE (float32
-    (batch, heads_q, seqlen_q)) when asked."""
+    seqlen, heads, head_dim) tensors, head_dim one of E4M3_HEAD_DIMS, on a Hopper GPU, GQA allowed) as a bf16
+    output, and its LSE (float32 (batch, heads_q, seqlen_q)) when asked."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dtype is not torch.float8_e4m3fn or not t.is_cuda or t.dim() != 4:
             raise TypeError(f"{name} must be a 4-D float8_e4m3fn CUDA tensor")

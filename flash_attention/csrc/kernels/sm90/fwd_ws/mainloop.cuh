@@ -137,7 +137,8 @@ struct FwdWsMainloop {
   const FwdParams& p;
   const Smem& sm;
   const ConsumerThread& th;
-  // Descriptors as in the sm90 kernel: Q and K K-major, V MN-major, 64-column panels of 128-byte rows.
+  // Descriptors as in the sm90 kernel: Q and K K-major, V MN-major, 64-column panels of 128-byte rows (e4m3:
+  // V^T K-major; Q and K at head_dim 64 one 64-byte panel of the 64-byte swizzle, qk_desc).
   const u64 q_desc;
   const u64 k_desc;
   const u64 v_desc;

@@ -3,8 +3,9 @@
 // the producer and the consumers hand buffers to each other (FwdWsSmem), and a consumer thread's place in
 // the block (ConsumerThread).
 //
-// Shared memory: Q (kBlockQ rows), kStages K tiles, kStages V tiles, each in 64-column panels with the
-// 128-byte swizzle (the TMA unit writes that layout itself), persistent an output staging tile, then the
+// Shared memory: Q (kBlockQ rows), kStages K tiles, kStages V tiles, each in panels of 128-byte rows with the
+// 128-byte swizzle (64 columns; e4m3's Q and K at head_dim 64: 64-byte rows, the 64-byte swizzle,
+// kQKPanelBytes) (the TMA unit writes that layout itself), persistent an output staging tile, then the
 // mbarriers. Per ring slot s: k_full[s] and v_full[s] complete when the producer's expected bytes landed
 // (one arrival, its own), and k_empty[s] / v_empty[s] when every consumer warp has finished reading the
 // slot's K / V (4 NC arrivals). K and V are freed apart: a slot's K is read by S = Q K^T, which completes
@@ -75,6 +76,8 @@ struct FwdWsSmem {
   // e4m3 at head_dim 64, whose 64-byte rows are one panel of the 64-byte swizzle (a 128-byte panel would be
   // half padding). TMA's map and the wgmma descriptors use the same swizzle (ops/fp8_forward.py, mainloop).
   static constexpr int kQKPanelBytes = E * D < 128 ? E * D : 128;
+  static_assert(kQKPanelBytes == 64 || kQKPanelBytes == 128, "Q and K rows: 64- or 128-byte swizzle panels");
+  static_assert(D % (kQKPanelBytes / E) == 0, "head_dim must be whole panels");
   static constexpr u32 kQBytes = E * BR * D;  // bytes of one Q buffer
   static constexpr u32 kKTile = E * BC * D;   // bytes of one K tile
   static constexpr u32 kVTile = E * BC * DV;  // bytes of one V (e4m3: V^T) tile
