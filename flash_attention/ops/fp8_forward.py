@@ -1,7 +1,7 @@
 """The FP8 (e4m3) forward on Hopper: q, k and v in e4m3, the output bf16 (docs/fp8-study.md, step 2).
 
 The first form, for the GPU tests and the benchmark to call directly while it is measured (attention() keeps
-its dequantizing path until then): head_dim 64 or 128, causal or not, no other option. The descales (one
+its dequantizing path until then): head_dim 64, 128 or 256, causal or not, no other option. The descales (one
 number, or one per (batch, kv head)) reach the kernel as device pointers (FwdTmaParams,
 sm90/fwd_ws/descales.cuh): each tile scales its softmax by q's and k's and its output by v's before the bf16
 rounding, so a call with descales in GPU tensors needs no host synchronisation (a Python number becomes a
@@ -34,7 +34,7 @@ _KEYS_PER_PANEL = 128
 
 
 #: The head dims the e4m3 forward is built for (64: Q's and K's 64-byte rows with the 64-byte swizzle).
-E4M3_HEAD_DIMS = (64, 128)
+E4M3_HEAD_DIMS = (64, 128, 256)
 
 
 @functools.cache  # (a frozen config, built and validated once per head_dim: the call's host time)
@@ -43,14 +43,19 @@ def e4m3_config(head_dim: int) -> KernelConfig:
     (1-byte tiles leave the room)."""
     if head_dim not in E4M3_HEAD_DIMS:
         raise ValueError(f"the e4m3 forward takes head_dim {E4M3_HEAD_DIMS} for now; got {head_dim}")
+    if head_dim == 256:
+        # 64-key tiles (V^T's rows one 64-byte swizzle panel) and no overlap of two tiles' S: at 128 keys
+        # every build spilled 352-516 bytes; here 128-140, all of them epilogue addresses kept from the
+        # start (docs/fp8-study.md).
+        return ws_config("e4m3", 256, 128, 64, 3, persistent=True)
     return ws_config("e4m3", head_dim, 128, 128, 3, overlap=True, persistent=True)
 
 
 def kernel_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *options, scale: float = 1.0) -> bool:
-    """Whether attention() runs an e4m3 call on this kernel: q, k and v 4-D with head_dim 64 or 128 (all three
-    the same) on one Hopper GPU (sm_90) where kernels can be built and launched, a positive softmax scale (the
-    folded softmax subtracts the unscaled max: a negative scale would turn it into the min), not inside a
-    torch.compile trace (the kernel's host path is not traceable), and none of ``options`` given
+    """Whether attention() runs an e4m3 call on this kernel: q, k and v 4-D with head_dim 64, 128 or 256 (all
+    three the same) on one Hopper GPU (sm_90) where kernels can be built and launched, a positive softmax
+    scale (the folded softmax subtracts the unscaled max: a negative scale would turn it into the min), not
+    inside a torch.compile trace (the kernel's host path is not traceable), and none of ``options`` given
     (attention()'s out, key_range, dropout_p, window, softcap, alibi_slopes, sinks and packed segments, each
     None, 0 or 0.0 when absent). Every other e4m3 call keeps the dequantizing path (spec.fp8), which gives the
     same attention of the dequantized inputs up to rounding (docs/fp8-study.md, "Accuracy"). (Not
@@ -122,19 +127,20 @@ def _rows_map_layout(shape: tuple, stride: tuple, box_rows: int) -> tma.MapLayou
     )
 
 
-def _values_layout(vt: torch.Tensor) -> tma.MapLayout:
-    """The map of transposed_values' (batch, heads_kv, head_dim, keys) tensor: boxes of 128 keys by every
-    head_dim row (the kernel's producer loads block_kv / 128 of them per tile)."""
-    return _values_map_layout(tuple(vt.shape))
+def _values_layout(vt: torch.Tensor, box_keys: int = _KEYS_PER_PANEL) -> tma.MapLayout:
+    """The map of transposed_values' (batch, heads_kv, head_dim, keys) tensor: boxes of 128 keys (64 for
+    64-key tiles, with the 64-byte swizzle) by every head_dim row (the kernel's producer loads block_kv /
+    box_keys of them per tile)."""
+    return _values_map_layout(tuple(vt.shape), box_keys)
 
 
 @functools.lru_cache(maxsize=256)
-def _values_map_layout(shape: tuple) -> tma.MapLayout:
+def _values_map_layout(shape: tuple, box_keys: int) -> tma.MapLayout:
     batch, heads, head_dim, keys = shape
     return tma.MapLayout(
         (ctypes.c_uint64 * 4)(keys, head_dim, heads, batch),
         (ctypes.c_uint64 * 3)(keys, head_dim * keys, heads * head_dim * keys),
-        (ctypes.c_uint32 * 4)(_KEYS_PER_PANEL, head_dim, 1, 1),
+        (ctypes.c_uint32 * 4)(box_keys, head_dim, 1, 1),
     )
 
 
@@ -206,6 +212,7 @@ def cuda_forward_e4m3(
         narrow = head_dim < _KEYS_PER_PANEL
         _encode(tp.q_map, _rows_layout(q_, cfg.block_q), q_.data_ptr(), "q", narrow)
         _encode(tp.k_map, _rows_layout(k_, cfg.block_kv), k_.data_ptr(), "k", narrow)
-        _encode(tp.v_map, _values_layout(vt), vt.data_ptr(), "v")
-    launch(kernel, grid, cfg.threads, smem, index, tp)
+        box_keys = min(cfg.block_kv, _KEYS_PER_PANEL)  # (sm90/fwd_ws/pipeline.cuh kVtPanelBytes)
+        _encode(tp.v_map, _values_layout(vt, box_keys), vt.data_ptr(), "v", box_keys < _KEYS_PER_PANEL)
+    launch(kernel, grid, cfg.threads, cfg.smem_bytes, index, tp)
     return o, lse

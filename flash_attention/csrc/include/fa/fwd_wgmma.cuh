@@ -58,13 +58,14 @@ __device__ __forceinline__ void issue_qk_e4m3(float (&s)[BC / 2], u64 q_desc, u6
 }
 
 // O (64 x DV) += P V from V^T's tile (DV rows of BC keys in acc_to_a_frag_e4m3's key order,
-// ops/fp8_values.py), read K-major: BC / 32 k-steps of 32 keys, 32 bytes along a row, four to a panel of 128
-// keys, the next panel DV * 128 bytes on.
-template <int BC, int DV>
+// ops/fp8_values.py), read K-major: BC / 32 k-steps of 32 keys, 32 bytes along a row, VPB / 32 to a panel of
+// VPB keys (128; 64 at 64-key tiles, the 64-byte swizzle), the next panel DV * VPB bytes on.
+template <int BC, int DV, int VPB = 128>
 __device__ __forceinline__ void issue_pv_e4m3(float (&o)[DV / 2], const u32 (&pf)[BC / 32][4], u64 vt_desc) {
+  constexpr int KP = VPB / 32;  // k-steps per panel
 #pragma unroll
   for (int ks = 0; ks < BC / 32; ++ks) {
-    const u32 off = (ks / 4) * DV * 128 + (ks % 4) * 32;
+    const u32 off = (ks / KP) * DV * VPB + (ks % KP) * 32;
     WgmmaE4m3<DV>::rs(o, pf[ks], vt_desc + (off >> 4), 1);
   }
 }

@@ -69,6 +69,11 @@ struct FwdWsMainloop {
   __device__ __forceinline__ static u64 qk_desc(u32 addr) {
     return PB == 64 ? smem_desc_sw64(addr, 16, 8 * 64) : smem_desc_sw128(addr, 16, 8 * 128);
   }
+  // e4m3's V^T tile (K-major: its rows are keys): 128-byte panels, or the 64-byte swizzle's one panel at
+  // 64-key tiles (Smem::kVtPanelBytes, whose static_assert allows 64 and 128 only).
+  __device__ __forceinline__ static u64 vt_desc(u32 addr) {
+    return Smem::kVtPanelBytes == 64 ? smem_desc_sw64(addr, 16, 8 * 64) : smem_desc_sw128(addr, 16, 8 * 128);
+  }
 
   // Bounded scores (soft-capping in bf16, cap <= kFixedMaxCap): the softmax without a running max
   // (fa/softmax.cuh bounded_softmax_row), its origin cap / 2 kept as row_max for the LSE; a uniform
@@ -185,7 +190,7 @@ struct FwdWsMainloop {
         k_desc(qk_desc(sm.sK)),
 #endif
         // (e4m3: V^T's tile, K-major as Q's and K's)
-        v_desc(kE4M3 ? smem_desc_sw128(sm.sV, 16, 1024) : smem_desc_sw128(sm.sV, BC * 128, 1024)),
+        v_desc(kE4M3 ? vt_desc(sm.sV) : smem_desc_sw128(sm.sV, BC * 128, 1024)),
         sl2(p.scale_log2),
         ones_desc((u64)((smem_addr(ones_tile()) & 0x3FFFFu) >> 4)),
         bounded(kBoundable && score_bound<ScoreMod>(p) <= kFixedMaxCap),
@@ -239,7 +244,7 @@ struct FwdWsMainloop {
   __device__ __forceinline__ void issue_pv_at(const u32 (&pf)[KS][4], const Tile& x, int it) {
     wgmma_fence();
     if constexpr (kE4M3) {
-      issue_pv_e4m3<BC, DV>(o, pf, v_desc + ((slot(x, it) * kVTile) >> 4));
+      issue_pv_e4m3<BC, DV, Smem::kVtPanelBytes>(o, pf, v_desc + ((slot(x, it) * kVTile) >> 4));
     } else {
       issue_pv<BC, DV, BF>(o, pf, v_desc + ((slot(x, it) * kVTile) >> 4));
       // L_r += P 1, in the same group (fa/softmax.cuh). At head_dim 128 issued whatever `bounded` is (a cap

@@ -78,6 +78,11 @@ struct FwdWsSmem {
   static constexpr int kQKPanelBytes = E * D < 128 ? E * D : 128;
   static_assert(kQKPanelBytes == 64 || kQKPanelBytes == 128, "Q and K rows: 64- or 128-byte swizzle panels");
   static_assert(D % (kQKPanelBytes / E) == 0, "head_dim must be whole panels");
+  // e4m3's V^T rows (BC keys of one byte): 128-byte panels, or one 64-byte panel of the 64-byte swizzle for
+  // 64-key tiles.
+  static constexpr int kVtPanelBytes = BC < 128 ? BC : 128;
+  static_assert(!kE4M3 || ((kVtPanelBytes == 64 || kVtPanelBytes == 128) && BC % kVtPanelBytes == 0),
+                "e4m3's V^T rows: whole 64- or 128-byte swizzle panels");
   static constexpr u32 kQBytes = E * BR * D;  // bytes of one Q buffer
   static constexpr u32 kKTile = E * BC * D;   // bytes of one K tile
   static constexpr u32 kVTile = E * BC * DV;  // bytes of one V (e4m3: V^T) tile
