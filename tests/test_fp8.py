@@ -110,9 +110,9 @@ def test_fp8_checks_name_the_argument():
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_fp8_attention_on_the_gpu(causal, head_dim):
-    """On CUDA: at head_dim 64, 128 and 256 on Hopper the e4m3 kernel (ops.fp8_forward), within the bound derived from
-    where it rounds (tests/fp8_bounds.py: P in e4m3, above PyTorch's practice); elsewhere the dequantized
-    tensors on our bf16 kernels, within twice PyTorch's practice."""
+    """On CUDA: at head_dim 64, 128 and 256 on Hopper the e4m3 kernel (ops.fp8_forward), within the bound
+    derived from where it rounds (tests/fp8_bounds.py: P in e4m3, above PyTorch's practice); elsewhere the
+    dequantized tensors on our bf16 kernels, within twice PyTorch's practice."""
     from fp8_bounds import e4m3_output_bound
 
     from flash_attention.ops.fp8_forward import E4M3_HEAD_DIMS, kernel_takes
