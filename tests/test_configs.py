@@ -111,6 +111,8 @@ def _space(n_random: int = 2500, seed: int = 0) -> list[KernelConfig]:
     for d, bkv, stages, persistent, dv in itertools.product(
         HEAD_DIMS, (48, 64, 96, 128, 176, 192, 256), (2, 3, 4), flags, (0, 64)
     ):
+        if dv == d:
+            continue  # (v's head_dim equal to q's is the unset form to the kernel: C++ cannot tell them so)
         cfg = ws_config("e4m3", d, 128, bkv, stages, overlap=True, persistent=persistent, check=False)
         fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
         out.append(KernelConfig.unchecked(**{**fields, "head_dim_v": dv}))
@@ -318,11 +320,17 @@ def test_e4m3_configs_name_rules_and_shared_memory():
     # The kernels' flag for it, named by e4m3 configs alone (the 16-bit builds' structs stay as they were).
     assert "kIsE4M3 = true" in cfg.cpp_struct() and "kIsBF16 = true" in cfg.cpp_struct()
     assert "kIsE4M3" not in ws_config("bf16", 128, 128, 128, 2, overlap=True).cpp_struct()
-    rule = "e4m3 needs the persistent warp-specialized forward, block_kv 128 or 256"
+    rule = "e4m3 needs the persistent warp-specialized forward, head_dim 64 or 128 on block_kv 128 or 256"
+    # head_dim 64: its 64-byte rows of Q and K are one panel of the 64-byte swizzle
+    assert not validity_errors(ws_config("e4m3", 64, 128, 128, 3, overlap=True, persistent=True))
+    # head_dim 256 on 64-key tiles: V^T's rows one panel of the 64-byte swizzle
+    assert not validity_errors(ws_config("e4m3", 256, 128, 64, 3, persistent=True))
     for bad in (
         ws_config("e4m3", 128, 128, 96, 2, persistent=True, check=False),  # V^T's 96-byte rows
-        ws_config("e4m3", 64, 128, 128, 2, persistent=True, check=False),  # a 64-byte row
+        ws_config("e4m3", 192, 128, 128, 2, persistent=True, check=False),  # head_dim 192
         ws_config("e4m3", 128, 128, 128, 2, check=False),  # O staged in Q's tile
         wgmma_config("e4m3", 128, 128, 64, 2, check=False),  # the sm90 kernel
+        ws_config("e4m3", 256, 128, 128, 2, persistent=True, check=False),  # head_dim 256 on 128 keys
+        ws_config("e4m3", 128, 128, 64, 2, persistent=True, check=False),  # head_dim 128 on 64 keys
     ):
         assert any(e.startswith(rule) for e in validity_errors(bad)), bad.name()

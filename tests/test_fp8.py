@@ -108,14 +108,14 @@ def test_fp8_checks_name_the_argument():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_fp8_attention_on_the_gpu(causal, head_dim):
-    """On CUDA: at head_dim 128 on Hopper the e4m3 kernel (ops.fp8_forward), within the bound derived from
-    where it rounds (tests/fp8_bounds.py: P in e4m3, above PyTorch's practice); elsewhere the dequantized
-    tensors on our bf16 kernels, within twice PyTorch's practice."""
+    """On CUDA: at head_dim 64, 128 and 256 on Hopper the e4m3 kernel (ops.fp8_forward), within the bound
+    derived from where it rounds (tests/fp8_bounds.py: P in e4m3, above PyTorch's practice); elsewhere the
+    dequantized tensors on our bf16 kernels, within twice PyTorch's practice."""
     from fp8_bounds import e4m3_output_bound
 
-    from flash_attention.ops.fp8_forward import kernel_takes
+    from flash_attention.ops.fp8_forward import E4M3_HEAD_DIMS, kernel_takes
 
     shape = (2, 300, 517, 8, 2, head_dim)
     tensors, descales = _quantized(11 + causal, *shape, device="cuda")
@@ -126,7 +126,7 @@ def test_fp8_attention_on_the_gpu(causal, head_dim):
     got = fa.attention(*tensors, causal=causal, q_descale=descales[0], k_descale=descales[1])
     routed = kernel_takes(*tensors, scale=head_dim**-0.5)
     # (the route itself is asserted: a predicate that never routes would pass the bound below unseen)
-    assert routed == (head_dim == 128 and torch.cuda.get_device_capability() == (9, 0))
+    assert routed == (head_dim in E4M3_HEAD_DIMS and torch.cuda.get_device_capability() == (9, 0))
     if routed:
         qx, kx, vx = exact_inputs
         group = qx.shape[2] // kx.shape[2]

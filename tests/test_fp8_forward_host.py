@@ -28,7 +28,7 @@ def _e4m3(*shape):
     return torch.randn(*shape).clamp(-448, 448).to(torch.float8_e4m3fn)
 
 
-def test_only_plain_hopper_calls_at_head_dim_128_take_the_kernel(monkeypatch):
+def test_only_plain_hopper_calls_at_head_dims_64_128_256_take_the_kernel(monkeypatch):
     from flash_attention.ops import dispatch, fp8_forward
 
     q, k, v = _e4m3(1, 8, 4, 128), _e4m3(1, 8, 2, 128), _e4m3(1, 8, 2, 128)
@@ -43,7 +43,11 @@ def test_only_plain_hopper_calls_at_head_dim_128_take_the_kernel(monkeypatch):
     assert fp8_forward.kernel_takes(q, k, v, None, None, 0.0, None, 0.0, None, None, None)
     for given in ((torch.zeros(1, 2),), (None, 0.1), (None, None, (16, 0)), (None, None, None, 30.0)):
         assert not fp8_forward.kernel_takes(q, k, v, *given)
-    assert not fp8_forward.kernel_takes(_e4m3(1, 8, 4, 64), _e4m3(1, 8, 2, 64), _e4m3(1, 8, 2, 64))
+    assert fp8_forward.kernel_takes(_e4m3(1, 8, 4, 64), _e4m3(1, 8, 2, 64), _e4m3(1, 8, 2, 64))
+    assert fp8_forward.kernel_takes(_e4m3(1, 8, 4, 256), _e4m3(1, 8, 2, 256), _e4m3(1, 8, 2, 256))
+    for d in (96, 192):  # (no build at these)
+        assert not fp8_forward.kernel_takes(_e4m3(1, 8, 4, d), _e4m3(1, 8, 2, d), _e4m3(1, 8, 2, d))
+    assert not fp8_forward.kernel_takes(q, _e4m3(1, 8, 2, 64), _e4m3(1, 8, 2, 64))  # (head dims differ)
     assert not fp8_forward.kernel_takes(q, k, v, scale=-0.1)  # (the folded softmax needs a positive scale)
     assert not fp8_forward.kernel_takes(q, k.to("meta"), v)  # (k on another device)
     monkeypatch.setattr(fp8_forward, "device_unavailable_reason", lambda index: "no compiler")

@@ -20,20 +20,20 @@ E4M3 = torch.float8_e4m3fn
 
 
 def test_the_e4m3_forward_names_what_it_does_not_take():
-    with pytest.raises(ValueError, match="head_dim 128"):
-        e4m3_config(64)
+    with pytest.raises(ValueError, match="head_dim"):
+        e4m3_config(192)
     x = torch.zeros(1, 8, 1, 128)
     with pytest.raises(TypeError, match="q must be a 4-D float8_e4m3fn CUDA tensor"):
         cuda_forward_e4m3(x, x, x)
 
 
-def _case(seed, b, sq, sk, hq, hkv, device, form="floats"):
+def _case(seed, b, sq, sk, hq, hkv, device, form="floats", head_dim=128):
     """e4m3 q, k, v spread over e4m3's range, their descales in `form` (Python numbers, one-element tensors,
     or one per (batch, kv head)), and the exactly dequantized float64 tensors."""
     gen = torch.Generator().manual_seed(seed)
     scales = (30.0, 60.0, 2.0)  # (spread over e4m3's range, so the descales matter)
     raw = [
-        torch.randn(b, s, h, 128, generator=gen) * c
+        torch.randn(b, s, h, head_dim, generator=gen) * c
         for (s, h), c in zip(((sq, hq), (sk, hkv), (sk, hkv)), scales, strict=True)
     ]
     e4m3 = [t.clamp(-448, 448).to(E4M3) for t in raw]
@@ -61,8 +61,12 @@ def _case(seed, b, sq, sk, hq, hkv, device, form="floats"):
 )
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("form", ["floats", "tensors", "per_head"])
-def test_e4m3_forward_against_float64_on_the_dequantized_inputs(shape, causal, form):
-    (q, k, v), (qd, kd, vd), exact = _case(sum(shape) + causal, *shape, device="cuda", form=form)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_e4m3_forward_against_float64_on_the_dequantized_inputs(shape, causal, form, head_dim):
+    # (head_dim 64: Q's and K's 64-byte rows through the 64-byte swizzle, V^T by its head_dim-64 entry point)
+    (q, k, v), (qd, kd, vd), exact = _case(
+        sum(shape) + causal, *shape, device="cuda", form=form, head_dim=head_dim
+    )
     o, lse = cuda_forward_e4m3(
         q, k, v, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd, return_lse=True
     )
@@ -81,7 +85,7 @@ def test_e4m3_forward_against_float64_on_the_dequantized_inputs(shape, causal, f
         exact[1].repeat_interleave(group, 2),
         exact[2].repeat_interleave(group, 2),
         causal,
-        1 / math.sqrt(128),
+        1 / math.sqrt(head_dim),
     )
     diff = (o.cpu().double() - ref).abs()
     err, err_practice = diff.max().item(), (practice.double() - ref).abs().max().item()

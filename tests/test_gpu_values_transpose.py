@@ -1,6 +1,6 @@
 """The values-transpose kernel (csrc/include/fa/values_transpose.cuh) against the PyTorch form
 (ops.fp8_values.transposed_values_reference), byte for byte: key counts that are and are not multiples of 16
-or of the kernel's 128-key tile, batch 1-3, heads 1-8, head_dim 128 and 256, V contiguous, sliced out of a
+or of the kernel's 128-key tile, batch 1-3, heads 1-8, head_dim 64, 128 and 256, V contiguous, sliced out of a
 packed qkv tensor, stored heads-major and expanded over the batch; the output poisoned before the call and
 guarded on both sides (a missed byte or a byte written out of bounds fails). Random bytes, NaN patterns
 included: the kernel moves bytes and must never look at them."""
@@ -73,6 +73,8 @@ SHAPES = [
     (2, 4097, 4, 128),
     (3, 129, 1, 128),
     (1, 300, 2, 256),
+    (2, 77, 3, 64),
+    (1, 4097, 8, 64),
     (2, 4097, 3, 256),
 ]
 
@@ -113,11 +115,11 @@ def test_the_kernel_runs_on_the_current_stream(monkeypatch):
 @pytest.mark.parametrize(
     "make",
     [
-        lambda: _random_bytes(2, 77, 3, 64, seed=1).view(E4M3),  # head_dim 64: no entry point
+        lambda: _random_bytes(2, 77, 3, 96, seed=1).view(E4M3),  # head_dim 96: no entry point
         lambda: _random_bytes(2, 77, 3, 136, seed=2).view(E4M3)[..., :128],  # head stride 136
         lambda: _random_bytes(2 * 77 * 3 * 128 + 8, seed=3)[8:].view(2, 77, 3, 128).view(E4M3),  # address
     ],
-    ids=["d64", "head_stride_136", "address_8"],
+    ids=["d96", "head_stride_136", "address_8"],
 )
 def test_layouts_the_kernel_leaves_out_take_the_pytorch_form(make):
     v = make()

@@ -78,7 +78,8 @@ def test_the_layouts_the_kernel_takes():
     assert kernel_takes_layout(_e4m3(1, 33, 3, 128).expand(4, -1, -1, -1))  # a zero batch stride
     assert kernel_takes_layout(v.view(torch.uint8))  # any 1-byte dtype: the bytes are moved
     assert not kernel_takes_layout(v.view(torch.uint8).to(torch.bfloat16))  # 2-byte elements
-    assert not kernel_takes_layout(_e4m3(2, 33, 3, 64))  # no entry point: its row is half a bank line
+    assert kernel_takes_layout(_e4m3(2, 33, 3, 64))  # half a bank line: its rows swap in pairs
+    assert not kernel_takes_layout(_e4m3(2, 33, 3, 96))  # no entry point
     assert not kernel_takes_layout(_e4m3(2, 33, 3, 136)[..., :128])  # head stride 136: not 16-byte chunks
     assert not kernel_takes_layout(_e4m3(2, 33, 3, 129)[..., 1:])  # an address off 16 bytes, odd strides
     assert not kernel_takes_layout(_e4m3(2, 33, 3, 256)[..., ::2])  # columns not contiguous

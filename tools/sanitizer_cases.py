@@ -548,12 +548,17 @@ def run_merge_case(case, seed: int) -> float:
     return max((out - want_out).abs().max().item(), (lse[finite] - want_lse[finite]).abs().max().item())
 
 
-#: (batch, seqlen_q, seqlen_k, heads_q, heads_kv, causal): the e4m3 forward (head_dim 128) and its V^T
-#: kernel; lengths off every tile (the kernel's 128-query and 128-key tiles, V^T's 16-key groups).
+#: (batch, seqlen_q, seqlen_k, heads_q, heads_kv, causal, head_dim): the e4m3 forward and its V^T kernel;
+#: lengths off every tile (the kernel's 128-query and 128-key tiles, V^T's 16-key groups); head_dim 64 reads
+#: Q and K through the 64-byte swizzle and V^T through its row-pair layout.
 FP8_CASES = [
-    (1, 333, 1024, 4, 2, True),
-    (2, 333, 1024, 2, 1, False),
-    (1, 77, 129, 2, 2, True),
+    (1, 333, 1024, 4, 2, True, 128),
+    (2, 333, 1024, 2, 1, False, 128),
+    (1, 77, 129, 2, 2, True, 128),
+    (1, 333, 1024, 4, 2, True, 64),
+    (2, 77, 129, 2, 1, False, 64),
+    (1, 333, 1024, 4, 2, True, 256),
+    (2, 77, 129, 2, 1, False, 256),
 ]
 
 
@@ -566,10 +571,10 @@ def run_fp8_case(case, seed: int) -> float:
     from flash_attention.ops.fp8_forward import cuda_forward_e4m3
     from flash_attention.ops.fp8_values import transposed_values, transposed_values_reference
 
-    b, sq, sk, hq, hkv, causal = case
+    b, sq, sk, hq, hkv, causal, d = case
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v = (
-        (torch.randn(b, n, h, 128, generator=gen, device="cuda") * c).clamp(-448, 448).to(torch.float8_e4m3fn)
+        (torch.randn(b, n, h, d, generator=gen, device="cuda") * c).clamp(-448, 448).to(torch.float8_e4m3fn)
         for n, h, c in ((sq, hq, 30.0), (sk, hkv, 60.0), (sk, hkv, 2.0))
     )
     descales = [torch.rand(b, hkv, generator=gen, device="cuda") * f + f for f in (0.01, 0.005, 0.4)]

@@ -369,16 +369,20 @@ def validity_errors(cfg: KernelConfig) -> list[str]:
     if cfg.dtype == FP8_DTYPE and not (
         cfg.warp_specialized
         and cfg.persistent
-        and cfg.block_kv in (128, 256)
-        and cfg.head_dim == 128
         and not cfg.head_dim_v
+        and (
+            (cfg.head_dim in (64, 128) and cfg.block_kv in (128, 256))
+            or (cfg.head_dim == 256 and cfg.block_kv == 64)
+        )
     ):
-        # (V^T's rows are block_kv keys of 1 byte: whole 128-byte swizzle panels; persistent: the bf16
-        # output's own tile, which a 1-byte Q tile cannot stage; head_dim 128 first: at 64 Q's and K's rows
-        # are half a panel, and every 256 build tried spilled 188-456 bytes, NVRTC 13.0)
+        # (V^T's rows are block_kv keys of 1 byte: whole 128-byte swizzle panels, or one 64-byte panel of
+        # the 64-byte swizzle at 64 keys (kVtPanelBytes); persistent: the bf16 output's own tile, which a
+        # 1-byte Q tile cannot stage; head_dim 64's Q and K rows are 64 bytes, loaded and read with the
+        # 64-byte swizzle (sm90/fwd_ws/pipeline.cuh kQKPanelBytes); head_dim 256 only on 64-key tiles: its
+        # 128-key builds spilled 352-516 bytes, NVRTC 13.0, docs/fp8-study.md)
         e.append(
-            "e4m3 needs the persistent warp-specialized forward, block_kv 128 or 256, head_dim 128 "
-            "and v of q's head_dim"
+            "e4m3 needs the persistent warp-specialized forward, head_dim 64 or 128 on block_kv 128 or 256, "
+            "or head_dim 256 on block_kv 64, and v of q's head_dim"
         )
     if cfg.head_dim not in HEAD_DIMS:
         e.append(f"head_dim must be one of {HEAD_DIMS}")

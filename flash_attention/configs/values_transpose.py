@@ -24,8 +24,8 @@ def _key_at(position: int) -> int:
 KEY_ORDER_16: tuple[int, ...] = tuple(_key_at(p) for p in range(KEY_GROUP))
 
 #: The head_dims the module has an entry point for: a key's row must be whole 128-byte lines for the tile's
-#: bank swizzle (64 goes to the PyTorch form).
-VALUES_TRANSPOSE_HEAD_DIMS = (128, 256)
+#: bank swizzle, or half of one (64: its rows also swap within pairs, fa/values_transpose.cuh).
+VALUES_TRANSPOSE_HEAD_DIMS = (64, 128, 256)
 
 
 @dataclass(frozen=True)

@@ -279,6 +279,7 @@ def device_attribute(attr: int, device: int) -> int:
 CU_TENSOR_MAP_DATA_TYPE_UINT8 = 0  # 1-byte elements copied as bits: e4m3
 CU_TENSOR_MAP_DATA_TYPE_UINT16 = 1  # 2-byte elements copied as bits: fp16 and bf16 alike
 CU_TENSOR_MAP_INTERLEAVE_NONE = 0
+CU_TENSOR_MAP_SWIZZLE_64B = 2
 CU_TENSOR_MAP_SWIZZLE_128B = 3
 CU_TENSOR_MAP_L2_PROMOTION_256B = 3
 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE = 0  # out-of-bounds elements read as zeros
@@ -317,9 +318,14 @@ def encode_tiled_2byte(dest: int, address: int, dims, strides, box) -> int:
     return _encode_tiled()(dest, data_type, len(dims), address, dims, strides, box, _ONES, *layout_flags)
 
 
-def encode_tiled_1byte(dest: int, address: int, dims, strides, box) -> int:
-    """encode_tiled_2byte for 1-byte elements (e4m3): a 128-byte swizzle panel is then 128 of them."""
-    _, *layout_flags = TENSOR_MAP_ENCODE_FLAGS
+def encode_tiled_1byte(
+    dest: int, address: int, dims, strides, box, swizzle: int = CU_TENSOR_MAP_SWIZZLE_128B
+) -> int:
+    """encode_tiled_2byte for 1-byte elements (e4m3): a 128-byte swizzle panel is then 128 of them.
+    ``swizzle``: CU_TENSOR_MAP_SWIZZLE_64B for boxes of 64-byte rows (e4m3's Q and K at head_dim 64, read by
+    wgmma with the same 64-byte swizzle: fa/wgmma.cuh smem_desc_sw64)."""
+    _, interleave, _, promotion, fill = TENSOR_MAP_ENCODE_FLAGS
+    data_type = CU_TENSOR_MAP_DATA_TYPE_UINT8
     return _encode_tiled()(
-        dest, CU_TENSOR_MAP_DATA_TYPE_UINT8, len(dims), address, dims, strides, box, _ONES, *layout_flags
+        dest, data_type, len(dims), address, dims, strides, box, _ONES, interleave, swizzle, promotion, fill
     )

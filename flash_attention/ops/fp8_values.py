@@ -61,7 +61,7 @@ def transposed_values_reference(v: torch.Tensor) -> torch.Tensor:
 
 def kernel_takes_layout(v: torch.Tensor) -> bool:
     """Whether the kernel reads ``v`` as laid out (its device aside): 1-byte elements; a head_dim it has an
-    entry point for (128, 256), its columns contiguous; a 16-byte aligned address and batch, row and head
+    entry point for (64, 128, 256), its columns contiguous; a 16-byte aligned address and batch, row and head
     strides of whole 16-byte chunks (a dimension of one element has no stride that matters, and a zero
     stride, as ``expand`` makes, is read as given); heads, batch and keys within the grid and int32."""
     b, s, h, d = v.shape

@@ -98,12 +98,20 @@ def _aligned_scratch() -> int:
     return address
 
 
-def encode_into(field: ctypes.Array, layout: MapLayout, data_ptr: int, *, one_byte: bool = False) -> int:
+def encode_into(
+    field: ctypes.Array, layout: MapLayout, data_ptr: int, *, one_byte: bool = False, swizzle64: bool = False
+) -> int:
     """Encode the tensor map of ``layout`` at ``data_ptr`` into ``field`` (a params struct's 128 bytes);
-    return the driver's status (0: success). Elements of 2 bytes, or of 1 (e4m3) with ``one_byte``."""
+    return the driver's status (0: success). Elements of 2 bytes, or of 1 (e4m3) with ``one_byte``, then
+    with the 64-byte swizzle for ``swizzle64`` (rows of 64 bytes: e4m3's Q and K at head_dim 64)."""
     scratch = _aligned_scratch()
-    encode = driver.encode_tiled_1byte if one_byte else driver.encode_tiled_2byte
-    status = encode(scratch, data_ptr, layout.dims, layout.strides, layout.box)
+    if one_byte:
+        swizzle = driver.CU_TENSOR_MAP_SWIZZLE_64B if swizzle64 else driver.CU_TENSOR_MAP_SWIZZLE_128B
+        dims, strides, box = layout.dims, layout.strides, layout.box
+        status = driver.encode_tiled_1byte(scratch, data_ptr, dims, strides, box, swizzle)
+    else:
+        assert not swizzle64, "the 64-byte swizzle is e4m3's (one_byte)"
+        status = driver.encode_tiled_2byte(scratch, data_ptr, layout.dims, layout.strides, layout.box)
     if status == 0:
         ctypes.memmove(field, scratch, TENSOR_MAP_BYTES)
     return status

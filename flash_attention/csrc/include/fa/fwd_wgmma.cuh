@@ -43,26 +43,29 @@ __device__ __forceinline__ void s_to_p(u32 (&pf)[BC / 16][4], float (&s)[BC / 2]
 }
 
 // FP8 (e4m3; docs/fp8-study.md): the same three steps with 8-bit operands, k = 32.
-// S = Q K^T: D / 32 k-steps of 32 one-byte columns, again 32 bytes along a row and four to a 128-byte panel
-// (which holds 128 columns), so the offsets are issue_qk's.
-template <int BR, int BC, int D>
+// S = Q K^T: D / 32 k-steps of 32 one-byte columns, 32 bytes along a row and PB / 32 to a swizzle panel of
+// PB bytes (128: which holds 128 columns, so the offsets are issue_qk's; head_dim 64: one 64-byte panel of
+// the 64-byte swizzle, two k-steps).
+template <int BR, int BC, int D, int PB = 128>
 __device__ __forceinline__ void issue_qk_e4m3(float (&s)[BC / 2], u64 q_desc, u64 k_desc) {
+  constexpr int KP = PB / 32;  // k-steps per panel
 #pragma unroll
   for (int kk = 0; kk < D / 32; ++kk) {
-    const u32 q_off = (kk / 4) * BR * 128 + (kk % 4) * 32;
-    const u32 k_off = (kk / 4) * BC * 128 + (kk % 4) * 32;
+    const u32 q_off = (kk / KP) * BR * PB + (kk % KP) * 32;
+    const u32 k_off = (kk / KP) * BC * PB + (kk % KP) * 32;
     WgmmaE4m3<BC>::ss(s, q_desc + (q_off >> 4), k_desc + (k_off >> 4), kk > 0);
   }
 }
 
 // O (64 x DV) += P V from V^T's tile (DV rows of BC keys in acc_to_a_frag_e4m3's key order,
-// ops/fp8_values.py), read K-major: BC / 32 k-steps of 32 keys, 32 bytes along a row, four to a panel of 128
-// keys, the next panel DV * 128 bytes on.
-template <int BC, int DV>
+// ops/fp8_values.py), read K-major: BC / 32 k-steps of 32 keys, 32 bytes along a row, VPB / 32 to a panel of
+// VPB keys (128; 64 at 64-key tiles, the 64-byte swizzle), the next panel DV * VPB bytes on.
+template <int BC, int DV, int VPB = 128>
 __device__ __forceinline__ void issue_pv_e4m3(float (&o)[DV / 2], const u32 (&pf)[BC / 32][4], u64 vt_desc) {
+  constexpr int KP = VPB / 32;  // k-steps per panel
 #pragma unroll
   for (int ks = 0; ks < BC / 32; ++ks) {
-    const u32 off = (ks / 4) * DV * 128 + (ks % 4) * 32;
+    const u32 off = (ks / KP) * DV * VPB + (ks % KP) * 32;
     WgmmaE4m3<DV>::rs(o, pf[ks], vt_desc + (off >> 4), 1);
   }
 }

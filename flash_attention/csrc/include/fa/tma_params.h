@@ -17,7 +17,8 @@ struct alignas(64) TensorMap {
 struct FwdTmaParams {
   FwdParams p;
   // (head_dim, seqlen, heads, batch) views of q, k and v, innermost first; boxes of 64 columns (one
-  // 128-byte swizzle panel) by a tile's rows.
+  // 128-byte swizzle panel) by a tile's rows (e4m3: 128 one-byte columns, or head_dim 64's 64 with the
+  // 64-byte swizzle; v as V^T, ops/fp8_forward.py).
   TensorMap q_map, k_map, v_map;
   // Configs with tma_store: the (head_dim, seqlen_q, heads_q, batch) view of the output, boxes of 64
   // columns by 64 rows (one consumer warpgroup's staged panel); unused (zeros) otherwise.

@@ -24,9 +24,10 @@
 // groups then hold chunk Q at eight different chunk positions of a line, (Q ^ g) % 8, whose four words are
 // four banks: 32 banks, one word each, one wavefront per load. Step 1's copies stay conflict-free (a quarter
 // warp's eight 16-byte stores are one row's chunks q ^ g, q = 0..7 or 8..15: eight distinct 16-byte bank
-// groups), and the swizzle moves whole 16-byte chunks, so the copies stay 16-byte aligned. Head_dim 64 would
-// need another layout (its row is half a line: the eight groups' rows 16 g + k share their line half and
-// reach only 16 banks); the host sends it to the PyTorch form.
+// groups), and the swizzle moves whole 16-byte chunks, so the copies stay 16-byte aligned. Head_dim 64's row
+// is half a line (four chunks): the chunk swizzle alone reaches only four 16-byte bank groups, so its rows
+// also swap within their pair by the group's third bit (row 16 g + (k ^ (g / 4 % 2))): the eight groups then
+// read chunk Q from eight different (half, chunk) positions of a line, again one wavefront per load.
 #pragma once
 
 #include "fa/ptx.cuh"
@@ -45,10 +46,18 @@ constexpr int kValuesTileKeys = 128;
 
 // The 16-byte chunk of the tile where chunk q (columns 16 q .. 16 q + 15) of key k of the tile's group g
 // lives (tile row 16 g + k; the bank swizzle of the header comment): the swizzle depends on the group only,
-// so a group's rows are kHeadDim / 16 chunks apart whatever the column.
+// so a group's rows are kHeadDim / 16 chunks apart whatever the column. Head_dim 64: rows 16 g + k and
+// 16 g + (k ^ 1) trade places in every group with g / 4 odd (values_row_swap), the chunk swizzle mod 4.
+template <int kHeadDim>
+__device__ __forceinline__ u32 values_row_swap(u32 g) {
+  return kHeadDim < 128 ? (g >> 2) & 1u : 0u;
+}
 template <int kHeadDim>
 __device__ __forceinline__ u32 values_tile_chunk(u32 g, u32 k, u32 q) {
-  return (16 * g + k) * (kHeadDim / 16) + (q ^ g);
+  if constexpr (kHeadDim < 128)
+    return (16 * g + (k ^ values_row_swap<kHeadDim>(g))) * (kHeadDim / 16) + ((q ^ g) & (kHeadDim / 16 - 1));
+  else
+    return (16 * g + k) * (kHeadDim / 16) + (q ^ g);
 }
 
 // Four 4-byte words (keys a, b, c, d; byte i of each is column i) transposed: out[i] holds column i's bytes
@@ -68,14 +77,15 @@ __device__ __forceinline__ void transpose_4x4_bytes(u32 (&out)[4], u32 a, u32 b,
 // address and strides multiples of 16, V^T contiguous and 16-byte aligned, keys = seqlen_k rounded up to 16.
 template <int kHeadDim, int kThreads>
 __device__ __forceinline__ void values_transpose_body(const ValuesTransposeParams& p) {
-  static_assert(kHeadDim % 128 == 0, "a key's row must be whole 128-byte lines (the bank swizzle)");
+  static_assert(kHeadDim == 64 || kHeadDim % 128 == 0,
+                "a key's row must be whole 128-byte lines, or half of one (the bank swizzle)");
   constexpr int kChunks = kHeadDim / 16;                         // 16-byte chunks of a key's row
   constexpr int kWords = kHeadDim / 4;                           // 4-byte column words of a key's row
   constexpr int kGroups = kValuesTileKeys / 16;                  // 16-key groups of the tile
   constexpr int kCopies = kValuesTileKeys * kChunks / kThreads;  // step 1's copies per thread
-  constexpr int kItems = kGroups * kWords / kThreads;            // step 2's (group, word) items per thread
-  static_assert(kCopies * kThreads == kValuesTileKeys * kChunks && kItems * kThreads == kGroups * kWords,
-                "kThreads must divide the tile's chunks and (group, word) items");
+  // Step 2's (group, word) items per thread; at head_dim 64 there are 128, so half of 256 threads idle there.
+  constexpr int kItems = (kGroups * kWords + kThreads - 1) / kThreads;
+  static_assert(kCopies * kThreads == kValuesTileKeys * kChunks, "kThreads must divide the tile's chunks");
   static_assert(kThreads % 32 == 0, "whole warps: the bank argument is per warp");
   __shared__ __align__(128) uint4 tile[kValuesTileKeys * kChunks];  // 16 KB at head_dim 128
 
@@ -106,15 +116,18 @@ __device__ __forceinline__ void values_transpose_body(const ValuesTransposeParam
 #pragma unroll
   for (int j = 0; j < kItems; ++j) {
     const u32 i = threadIdx.x + j * kThreads;
+    if (kGroups * kWords % kThreads != 0 && i >= (u32)(kGroups * kWords)) continue;  // (head_dim 64)
     const u32 g = i % kGroups, c = i / kGroups;  // the group, the column word
     const int key0 = tile0 + 16 * (int)g;
     if (key0 >= p.keys) continue;  // past V^T's end (the last tile only)
-    // w[k]: columns 4 c .. 4 c + 3 of the group's key k, a row (kHeadDim bytes) after key k - 1's: one
-    // address and sixteen constant offsets.
-    const u32 at = smem_addr(words + 4 * values_tile_chunk<kHeadDim>(g, 0, c / 4) + c % 4);
+    // w[k]: columns 4 c .. 4 c + 3 of the group's key k, in tile row 16 g + (k ^ swap) (swap 0 but at head_dim
+    // 64, values_row_swap): one address, that of the group's first tile row, and sixteen offsets of whole
+    // rows.
+    const u32 swap = values_row_swap<kHeadDim>(g);
+    const u32 at = smem_addr(words + 4 * values_tile_chunk<kHeadDim>(g, swap, c / 4) + c % 4);
     u32 w[16];
 #pragma unroll
-    for (int k = 0; k < 16; ++k) w[k] = ld_shared_32(at + k * kHeadDim);
+    for (int k = 0; k < 16; ++k) w[k] = ld_shared_32(at + (k ^ swap) * kHeadDim);
     u32 rows[4][4];  // rows[ii][t]: V^T row 4 c + ii, the group's positions 4 t .. 4 t + 3
 #pragma unroll
     for (int t = 0; t < 4; ++t) {

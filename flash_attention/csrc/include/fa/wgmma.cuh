@@ -17,6 +17,14 @@ __device__ __forceinline__ u64 smem_desc_sw128(u32 addr, u32 lead_bytes, u32 str
          (1ull << 62);
 }
 
+// The same for the 64-byte swizzle (swizzle mode 2): rows of 64 bytes, its pattern repeating every 8 rows
+// (512 bytes), which the tiles' 1024-byte alignment keeps at base offset 0. e4m3 Q and K tiles at head_dim 64
+// (sm90/fwd_ws/pipeline.cuh kQKPanelBytes), loaded by TMA with the matching 64-byte swizzle.
+__device__ __forceinline__ u64 smem_desc_sw64(u32 addr, u32 lead_bytes, u32 stride_bytes) {
+  return (u64)((addr & 0x3FFFFu) >> 4) | ((u64)(lead_bytes >> 4) << 16) | ((u64)(stride_bytes >> 4) << 32) |
+         (2ull << 62);
+}
+
 // `desc` with its start address advanced by `bytes` (a multiple of 16: a k-step, a pipeline slot, a panel).
 // A 32-bit add to the descriptor's low word: every address inside shared memory (under 256 KB) keeps the
 // 14-bit start field from carrying, so the high word never changes. Written as a 64-bit add, ptxas could

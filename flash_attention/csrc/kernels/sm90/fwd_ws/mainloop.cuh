@@ -63,6 +63,17 @@ struct FwdWsMainloop {
   static constexpr u32 kQBytes = Smem::kQBytes;
   static constexpr u32 kKTile = Smem::kKTile;
   static constexpr u32 kVTile = Smem::kVTile;
+  // A Q or K tile's descriptor (K-major, 8-row groups): the 128-byte swizzle, or the 64-byte one of e4m3's
+  // 64-byte rows at head_dim 64 (Smem::kQKPanelBytes, fa/wgmma.cuh smem_desc_sw64).
+  static constexpr int PB = Smem::kQKPanelBytes;
+  __device__ __forceinline__ static u64 qk_desc(u32 addr) {
+    return PB == 64 ? smem_desc_sw64(addr, 16, 8 * 64) : smem_desc_sw128(addr, 16, 8 * 128);
+  }
+  // e4m3's V^T tile (K-major: its rows are keys): 128-byte panels, or the 64-byte swizzle's one panel at
+  // 64-key tiles (Smem::kVtPanelBytes, whose static_assert allows 64 and 128 only).
+  __device__ __forceinline__ static u64 vt_desc(u32 addr) {
+    return Smem::kVtPanelBytes == 64 ? smem_desc_sw64(addr, 16, 8 * 64) : smem_desc_sw128(addr, 16, 8 * 128);
+  }
 
   // Bounded scores (soft-capping in bf16, cap <= kFixedMaxCap): the softmax without a running max
   // (fa/softmax.cuh bounded_softmax_row), its origin cap / 2 kept as row_max for the LSE; a uniform
@@ -131,7 +142,8 @@ struct FwdWsMainloop {
   const FwdParams& p;
   const Smem& sm;
   const ConsumerThread& th;
-  // Descriptors as in the sm90 kernel: Q and K K-major, V MN-major, 64-column panels of 128-byte rows.
+  // Descriptors as in the sm90 kernel: Q and K K-major, V MN-major, 64-column panels of 128-byte rows (e4m3:
+  // V^T K-major; Q and K at head_dim 64 one 64-byte panel of the 64-byte swizzle, qk_desc).
   const u64 q_desc;
   const u64 k_desc;
   const u64 v_desc;
@@ -170,15 +182,15 @@ struct FwdWsMainloop {
       : p(p),
         sm(sm),
         th(th),
-        q_desc(smem_desc_sw128(sm.sQ + th.cwg * 64 * 128, 16, 1024)),
+        q_desc(qk_desc(sm.sQ + th.cwg * 64 * PB)),
 #if FA_TRACE
         // (The planted fault kWrongSwizzle starts K's descriptor one row late: fa/trace.cuh.)
-        k_desc(smem_desc_sw128(sm.sK + trace::wrong_swizzle_bytes(p.trace_fault), 16, 1024)),
+        k_desc(qk_desc(sm.sK + trace::wrong_swizzle_bytes(p.trace_fault))),
 #else
-        k_desc(smem_desc_sw128(sm.sK, 16, 1024)),
+        k_desc(qk_desc(sm.sK)),
 #endif
         // (e4m3: V^T's tile, K-major as Q's and K's)
-        v_desc(kE4M3 ? smem_desc_sw128(sm.sV, 16, 1024) : smem_desc_sw128(sm.sV, BC * 128, 1024)),
+        v_desc(kE4M3 ? vt_desc(sm.sV) : smem_desc_sw128(sm.sV, BC * 128, 1024)),
         sl2(p.scale_log2),
         ones_desc((u64)((smem_addr(ones_tile()) & 0x3FFFFu) >> 4)),
         bounded(kBoundable && score_bound<ScoreMod>(p) <= kFixedMaxCap),
@@ -223,7 +235,7 @@ struct FwdWsMainloop {
     wgmma_fence();
     const u64 q_buffer = q_desc + ((x.q_loads % NQ * kQBytes) >> 4);
     if constexpr (kE4M3)
-      issue_qk_e4m3<BR, BC, D>(sacc, q_buffer, k_desc + ((slot(x, it) * kKTile) >> 4));
+      issue_qk_e4m3<BR, BC, D, PB>(sacc, q_buffer, k_desc + ((slot(x, it) * kKTile) >> 4));
     else
       issue_qk<BR, BC, D, BF>(sacc, q_buffer, k_desc + ((slot(x, it) * kKTile) >> 4));
     wgmma_commit();
@@ -232,7 +244,7 @@ struct FwdWsMainloop {
   __device__ __forceinline__ void issue_pv_at(const u32 (&pf)[KS][4], const Tile& x, int it) {
     wgmma_fence();
     if constexpr (kE4M3) {
-      issue_pv_e4m3<BC, DV>(o, pf, v_desc + ((slot(x, it) * kVTile) >> 4));
+      issue_pv_e4m3<BC, DV, Smem::kVtPanelBytes>(o, pf, v_desc + ((slot(x, it) * kVTile) >> 4));
     } else {
       issue_pv<BC, DV, BF>(o, pf, v_desc + ((slot(x, it) * kVTile) >> 4));
       // L_r += P 1, in the same group (fa/softmax.cuh). At head_dim 128 issued whatever `bounded` is (a cap

@@ -3,8 +3,9 @@
 // the producer and the consumers hand buffers to each other (FwdWsSmem), and a consumer thread's place in
 // the block (ConsumerThread).
 //
-// Shared memory: Q (kBlockQ rows), kStages K tiles, kStages V tiles, each in 64-column panels with the
-// 128-byte swizzle (the TMA unit writes that layout itself), persistent an output staging tile, then the
+// Shared memory: Q (kBlockQ rows), kStages K tiles, kStages V tiles, each in panels of 128-byte rows with the
+// 128-byte swizzle (64 columns; e4m3's Q and K at head_dim 64: 64-byte rows, the 64-byte swizzle,
+// kQKPanelBytes) (the TMA unit writes that layout itself), persistent an output staging tile, then the
 // mbarriers. Per ring slot s: k_full[s] and v_full[s] complete when the producer's expected bytes landed
 // (one arrival, its own), and k_empty[s] / v_empty[s] when every consumer warp has finished reading the
 // slot's K / V (4 NC arrivals). K and V are freed apart: a slot's K is read by S = Q K^T, which completes
@@ -71,6 +72,17 @@ struct FwdWsSmem {
   // its bf16 output in the persistent grid's own tile (configs: e4m3 is persistent; Q's would hold half).
   static constexpr bool kE4M3 = CfgIsE4M3<Cfg>::value;
   static constexpr int E = kE4M3 ? 1 : 2;     // bytes of an input element
+  // Bytes of one swizzle panel of a Q or K row: 128 (64 columns of 2 bytes, or 128 of e4m3's 1), except
+  // e4m3 at head_dim 64, whose 64-byte rows are one panel of the 64-byte swizzle (a 128-byte panel would be
+  // half padding). TMA's map and the wgmma descriptors use the same swizzle (ops/fp8_forward.py, mainloop).
+  static constexpr int kQKPanelBytes = E * D < 128 ? E * D : 128;
+  static_assert(kQKPanelBytes == 64 || kQKPanelBytes == 128, "Q and K rows: 64- or 128-byte swizzle panels");
+  static_assert(D % (kQKPanelBytes / E) == 0, "head_dim must be whole panels");
+  // e4m3's V^T rows (BC keys of one byte): 128-byte panels, or one 64-byte panel of the 64-byte swizzle for
+  // 64-key tiles.
+  static constexpr int kVtPanelBytes = BC < 128 ? BC : 128;
+  static_assert(!kE4M3 || ((kVtPanelBytes == 64 || kVtPanelBytes == 128) && BC % kVtPanelBytes == 0),
+                "e4m3's V^T rows: whole 64- or 128-byte swizzle panels");
   static constexpr u32 kQBytes = E * BR * D;  // bytes of one Q buffer
   static constexpr u32 kKTile = E * BC * D;   // bytes of one K tile
   static constexpr u32 kVTile = E * BC * DV;  // bytes of one V (e4m3: V^T) tile

@@ -29,13 +29,16 @@ __device__ __forceinline__ void fwd_ws_producer(const FwdTmaParams& tp, const Fw
   constexpr int BR = Cfg::kBlockQ;
   constexpr int BC = Cfg::kBlockKV;
   constexpr int NST = Cfg::kStages;
-  // 128-byte panels of a Q or K tile (64 columns of 2 bytes, 128 of e4m3's 1) and of a V tile; e4m3's
-  // V^T tile is DV rows of BC keys, BC / 128 panels of 128 keys, its map over (keys, head_dim, head,
-  // batch) of ops/fp8_values.py's layout.
+  // Swizzle panels of a Q or K tile (128 bytes: 64 columns of 2 bytes, 128 of e4m3's 1; e4m3 at head_dim
+  // 64: one 64-byte panel, Smem::kQKPanelBytes) and 128-byte panels of a V tile; e4m3's V^T tile is DV rows
+  // of BC keys, BC / VPB panels of VPB keys (128, or one of 64 with the 64-byte swizzle at 64-key tiles,
+  // Smem::kVtPanelBytes), its map over (keys, head_dim, head, batch) of ops/fp8_values.py's layout.
   constexpr int E = Smem::E;
-  constexpr int PW = 128 / E;  // columns of a panel
+  constexpr int PB = Smem::kQKPanelBytes;
+  constexpr int PW = PB / E;  // columns of a panel
   constexpr int NP = Cfg::kHeadDim / PW;
-  constexpr int NPV = Smem::kE4M3 ? BC / 128 : Cfg::kHeadDimV / 64;
+  constexpr int VPB = Smem::kVtPanelBytes;
+  constexpr int NPV = Smem::kE4M3 ? BC / VPB : Cfg::kHeadDimV / 64;
   constexpr int NQ = Smem::NQ;
   constexpr u32 kQBytes = Smem::kQBytes;
   constexpr u32 kKTile = Smem::kKTile;
@@ -84,7 +87,7 @@ __device__ __forceinline__ void fwd_ws_producer(const FwdTmaParams& tp, const Fw
       mbar_arrive_expect_tx(sm.q_full(qb), kQBytes);
 #pragma unroll
       for (int pn = 0; pn < NP; ++pn)
-        tma_load_4d(sm.sQ + qb * kQBytes + pn * BR * 128, &tp.q_map, sm.q_full(qb), PW * pn, q_start, x.head,
+        tma_load_4d(sm.sQ + qb * kQBytes + pn * BR * PB, &tp.q_map, sm.q_full(qb), PW * pn, q_start, x.head,
                     x.batch);
       FA_TIMELINE_EVENT(tl, kQIssued, tile);
       ++q_loads;
@@ -99,16 +102,16 @@ __device__ __forceinline__ void fwd_ws_producer(const FwdTmaParams& tp, const Fw
         mbar_arrive_expect_tx(sm.k_full(s), kKTile);
 #pragma unroll
         for (int pn = 0; pn < NP; ++pn)
-          tma_load_4d(sm.sK + s * kKTile + pn * BC * 128, &tp.k_map, sm.k_full(s), PW * pn, row, kv_head,
+          tma_load_4d(sm.sK + s * kKTile + pn * BC * PB, &tp.k_map, sm.k_full(s), PW * pn, row, kv_head,
                       x.batch);
         FA_TIMELINE_EVENT(tl, kKIssued, ring);
         if (ring >= NST) mbar_wait(sm.v_empty(s), reuse);
         mbar_arrive_expect_tx(sm.v_full(s), kVTile);
 #pragma unroll
         for (int pn = 0; pn < NPV; ++pn) {
-          if constexpr (Smem::kE4M3)  // (keys row + 128 pn on, all DV rows)
-            tma_load_4d(sm.sV + s * kVTile + pn * Cfg::kHeadDimV * 128, &tp.v_map, sm.v_full(s),
-                        row + 128 * pn, 0, kv_head, x.batch);
+          if constexpr (Smem::kE4M3)  // (keys row + VPB pn on, all DV rows)
+            tma_load_4d(sm.sV + s * kVTile + pn * Cfg::kHeadDimV * VPB, &tp.v_map, sm.v_full(s),
+                        row + VPB * pn, 0, kv_head, x.batch);
           else
             tma_load_4d(sm.sV + s * kVTile + pn * BC * 128, &tp.v_map, sm.v_full(s), 64 * pn, row, kv_head,
                         x.batch);
