@@ -39,8 +39,8 @@ E4M3_HEAD_DIMS = (64, 128, 256)
 
 @functools.cache  # (a frozen config, built and validated once per head_dim: the call's host time)
 def e4m3_config(head_dim: int) -> KernelConfig:
-    """The e4m3 forward's config: persistent, 128-key tiles, head_dim 64 or 128, with the ring three deep
-    (1-byte tiles leave the room)."""
+    """The e4m3 forward's config: persistent, the ring three deep (1-byte tiles leave the room); 128-key
+    tiles with two tiles' S overlapped at head_dim 64 and 128, 64-key tiles at 256."""
     if head_dim not in E4M3_HEAD_DIMS:
         raise ValueError(f"the e4m3 forward takes head_dim {E4M3_HEAD_DIMS} for now; got {head_dim}")
     if head_dim == 256:
