@@ -199,7 +199,7 @@ FAMILIES = [
     ("sm_90", "bwd_bf16_d128_q64_kv128_w12_s1_buffer_wgmma_ws_tma_dqw", True),
     ("sm_90", "bwd_bf16_d192_q64_kv64_w8_s1_buffer_wgmma", True),
     ("sm_90", "decode_bf16_d64_m16_kv64_w1x4_s3", False),
-    ("sm_90", "decode_bf16_d64_m64_kv64_w4x1_s2_wgmma", False),
+    ("sm_90", "decode_bf16_d64_m64_kv64_w4x1_s2_wgmma_rf", False),
 ]
 
 
