@@ -105,3 +105,38 @@ def test_the_cache_compiles_a_key_once_when_a_prefetch_and_a_caller_race(monkeyp
     assert len(compiles) == 1  # the caller waited for the prefetch's compile
     assert cache.prefetch(cfg, "sm_90") is None  # in the disk cache now: nothing to do
     assert cache.build(cfg, "sm_90").from_cache and len(compiles) == 1
+
+
+def test_a_compile_that_ends_between_the_disk_check_and_the_lock_is_not_repeated(monkeypatch, tmp_path):
+    # jit.cache.build looks at the disk, then takes the lock: a compile of the same key (a prefetch) that
+    # writes its entry and leaves in between is found by a second look under the lock, not compiled again.
+    # (The race test above once compiled twice on a loaded machine: this is that interleaving, made certain by
+    # a first look that misses.)
+    from flash_attention.configs import hopper_bwd_config
+    from flash_attention.jit import cache, compiler
+
+    monkeypatch.setenv("FLASH_ATTENTION_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("FLASH_ATTENTION_QUIET", "1")
+    compiles = []
+
+    def compile_source(source, arch, what, kind):
+        compiles.append(what)
+        return compiler.CompileResult(b"\x7fELF cubin", "ptxas info", kind, [])
+
+    monkeypatch.setattr(compiler, "choose_compiler", lambda: "nvrtc")
+    monkeypatch.setattr(compiler, "compiler_id", lambda kind: "nvrtc test")
+    monkeypatch.setattr(compiler, "compile_source", compile_source)
+    cfg = hopper_bwd_config("bf16", 128)
+    assert not cache.build(cfg, "sm_90").from_cache and len(compiles) == 1  # (the entry the race leaves)
+    looks = []
+    real = cache._cached
+
+    def first_look_misses(*args):
+        looks.append(args)
+        return None if len(looks) == 1 else real(*args)
+
+    monkeypatch.setattr(cache, "_cached", first_look_misses)
+    again = cache.build(cfg, "sm_90")
+    assert again.from_cache and again.cubin == b"\x7fELF cubin"
+    assert len(looks) == 2 and len(compiles) == 1
+    assert not cache._in_flight  # (the key's in-flight entry is gone: a later compile is not blocked)

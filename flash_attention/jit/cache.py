@@ -184,15 +184,10 @@ def build(
     key = cache_key(cfg, arch, cid, trace, ranged=ranged, dropout=dropout, window=window, score=score)
     root = cache_dir()
     cubin_path, meta_path = root / f"{key}.cubin", root / f"{key}.json"
-    if not force and cubin_path.exists() and meta_path.exists():
-        try:
-            cubin, meta = cubin_path.read_bytes(), json.loads(meta_path.read_text())
-            # The metadata holds the cubin's digest: a cubin cut short or damaged on disk (a full disk, a
-            # copy interrupted half way) is never handed to the driver, but rebuilt below.
-            if meta.get("cubin_sha256", _digest(cubin)) == _digest(cubin):
-                return BuiltKernel(cfg, arch, cid, cubin, meta, True)
-        except (OSError, ValueError):
-            pass  # a damaged entry is rebuilt below
+    if not force:
+        cached = _cached(cfg, arch, cid, cubin_path, meta_path)
+        if cached is not None:
+            return cached
     # One compile per key in this process: a thread that asks for a key another is compiling (a prefetch,
     # below, or a racing caller) waits for that compile instead of starting its own.
     with _in_flight_lock:
@@ -201,6 +196,14 @@ def build(
             _in_flight[key] = mine = Future()
     if running is not None:
         return running.result()
+    # A compile that ended between the disk check above and the lock has written its entry and left
+    # _in_flight: look again before compiling the same key a second time.
+    cached = None if force else _cached(cfg, arch, cid, cubin_path, meta_path)
+    if cached is not None:
+        with _in_flight_lock:
+            del _in_flight[key]
+        mine.set_result(cached)
+        return cached
     try:
         built = _compile_into_cache(cfg, arch, kind, cid, trace, ranged, dropout, window, score, root, key)
     except BaseException as exc:
@@ -215,6 +218,21 @@ def build(
 
 def _digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def _cached(cfg, arch: str, cid: str, cubin_path: Path, meta_path: Path) -> BuiltKernel | None:
+    """The disk cache's entry, or None where there is none whole. The metadata holds the cubin's digest: a
+    cubin cut short or damaged on disk (a full disk, a copy interrupted half way) is never handed to the
+    driver, but rebuilt."""
+    if not (cubin_path.exists() and meta_path.exists()):
+        return None
+    try:
+        cubin, meta = cubin_path.read_bytes(), json.loads(meta_path.read_text())
+    except (OSError, ValueError):
+        return None  # a damaged entry is rebuilt
+    if meta.get("cubin_sha256", _digest(cubin)) != _digest(cubin):
+        return None
+    return BuiltKernel(cfg, arch, cid, cubin, meta, True)
 
 
 _in_flight: dict[str, Future] = {}  # cache key -> the compile running for it in this process
