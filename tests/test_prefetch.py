@@ -76,23 +76,37 @@ def test_inference_prefetches_nothing(gpu):
     assert gpu.prefetched == []
 
 
-def test_the_cache_compiles_a_key_once_when_a_prefetch_and_a_caller_race(monkeypatch, tmp_path):
-    from flash_attention.configs import hopper_bwd_config
-    from flash_attention.jit import cache, compiler
+def _stand_in_compiler(monkeypatch, tmp_path, on_compile=lambda: None) -> list:
+    """A kernel cache in tmp_path whose compiler records each compile (the returned list), calls
+    ``on_compile`` and returns a fixed cubin."""
+    from flash_attention.jit import compiler
 
     monkeypatch.setenv("FLASH_ATTENTION_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("FLASH_ATTENTION_QUIET", "1")
-    started, release, compiles = threading.Event(), threading.Event(), []
+    compiles: list = []
 
     def compile_source(source, arch, what, kind):
         compiles.append(what)
-        started.set()
-        assert release.wait(30)
+        on_compile()
         return compiler.CompileResult(b"\x7fELF cubin", "ptxas info", kind, [])
 
     monkeypatch.setattr(compiler, "choose_compiler", lambda: "nvrtc")
     monkeypatch.setattr(compiler, "compiler_id", lambda kind: "nvrtc test")
     monkeypatch.setattr(compiler, "compile_source", compile_source)
+    return compiles
+
+
+def test_the_cache_compiles_a_key_once_when_a_prefetch_and_a_caller_race(monkeypatch, tmp_path):
+    from flash_attention.configs import hopper_bwd_config
+    from flash_attention.jit import cache
+
+    started, release = threading.Event(), threading.Event()
+
+    def held():
+        started.set()
+        assert release.wait(30)
+
+    compiles = _stand_in_compiler(monkeypatch, tmp_path, held)
     cfg = hopper_bwd_config("bf16", 128)
     ahead = cache.prefetch(cfg, "sm_90")
     assert ahead is not None and started.wait(30)
@@ -113,19 +127,9 @@ def test_a_compile_that_ends_between_the_disk_check_and_the_lock_is_not_repeated
     # (The race test above once compiled twice on a loaded machine: this is that interleaving, made certain by
     # a first look that misses.)
     from flash_attention.configs import hopper_bwd_config
-    from flash_attention.jit import cache, compiler
+    from flash_attention.jit import cache
 
-    monkeypatch.setenv("FLASH_ATTENTION_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("FLASH_ATTENTION_QUIET", "1")
-    compiles = []
-
-    def compile_source(source, arch, what, kind):
-        compiles.append(what)
-        return compiler.CompileResult(b"\x7fELF cubin", "ptxas info", kind, [])
-
-    monkeypatch.setattr(compiler, "choose_compiler", lambda: "nvrtc")
-    monkeypatch.setattr(compiler, "compiler_id", lambda kind: "nvrtc test")
-    monkeypatch.setattr(compiler, "compile_source", compile_source)
+    compiles = _stand_in_compiler(monkeypatch, tmp_path)
     cfg = hopper_bwd_config("bf16", 128)
     assert not cache.build(cfg, "sm_90").from_cache and len(compiles) == 1  # (the entry the race leaves)
     looks = []

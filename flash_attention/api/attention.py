@@ -276,8 +276,8 @@ def attention(
         or k_descale is not None
         or v_descale is not None
     ):  # (spec.fp8.is_fp8_call written out: no call or tuple on every call's path)
-        # e4m3 inputs: checked, then on Hopper at head_dim 64 or 128 without other options the e4m3 kernel
-        # (ops.fp8_forward); else dequantized to bf16, the call going on as a bf16 call (spec.fp8)
+        # e4m3 inputs: checked, then on Hopper at head_dim 64, 128 or 256 without other options the e4m3
+        # kernel (ops.fp8_forward); else dequantized to bf16, the call going on as a bf16 call (spec.fp8)
         descales = (q_descale, k_descale, v_descale)
         _fp8.check_fp8(q, k, v, descales)
         from ..ops import fp8_forward as _fp8_kernel  # (here: only FP8 calls pay for its import)

@@ -185,8 +185,7 @@ def cuda_forward_e4m3(
         torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device) if return_lse else None
     )
     kernel = get_kernel(cfg, causal, device_arch(index))
-    smem = cfg.smem_bytes
-    kernel.ensure_dynamic_smem(smem, index)
+    kernel.ensure_dynamic_smem(cfg.smem_bytes, index)
     p = FwdParams()
     for prefix, t in (("q", q_), ("k", k_), ("v", v), ("o", o)):
         fill_strides(p, prefix, t)  # (v's: only the cp.async families read them)

@@ -2,8 +2,9 @@
 // may start while the kernel before it on the stream is still running.
 //
 // The launch layer (flash_attention/ops/plans.py, Launch.programmatic) queues the second and later kernels
-// of a backward and of a decode call (a decode call's first too under a trial switch, ops/decode.py), with
-// the driver's programmatic-stream-serialization attribute. Such a kernel's blocks may
+// of a backward and every kernel of a decode call (the first one too, unless
+// FLASH_ATTENTION_DECODE_PDL_FIRST=0: ops/decode.py), with the driver's programmatic-stream-serialization
+// attribute. Such a kernel's blocks may
 // be scheduled as soon as every block of the kernel before it has called allow_dependent_launch() (or
 // exited), instead of when that kernel has finished: its launch latency and the previous kernel's last
 // blocks overlap. In exchange it must call grid_dependency_wait() before it reads anything the previous
