@@ -92,13 +92,25 @@ def dequantize(
 
 
 def quantize(t: torch.Tensor, heads_kv: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """e4m3 ``t`` and its float32 descale per (batch, kv head), shape (batch, heads_kv): the descale is the
-    amax of the kv head's elements (for q, over its GQA group's heads) over 448, so the largest element maps
-    to e4m3's largest; a kv head whose elements are all zero keeps descale 1. t: (batch, seqlen, heads,
-    head_dim), heads a multiple of ``heads_kv``. (docs/fp8-study.md, form 2: the current-scaling recipe.)"""
+    """e4m3 ``t`` and its float32 descale per (batch, kv head), shape (batch, heads_kv): the power of two
+    at or above the amax of the kv head's elements (for q, over its GQA group's heads) over 448, so that the
+    largest element maps into e4m3's top binade (224-448); a kv head whose elements are all zero keeps
+    descale 1. t: (batch, seqlen, heads, head_dim), heads a multiple of ``heads_kv``. (docs/fp8-study.md,
+    form 2: the current-scaling recipe.)
+
+    Why a power of two rather than amax / 448 itself: an e4m3 value (4 significant bits) times a power of two
+    is exact in bfloat16, so the dequantized tensors the backward recomputes P from (api.fp8_training) are
+    the very values the e4m3 forward multiplied, and P agrees with the LSE the forward saved. With descales
+    of any other form, the backward's P is off by the bf16 rounding of the dequantized inputs, a row factor
+    exp(lse~ - lse) (tests/fp8_bounds.py e4m3_backward_terms): on the CPU model of tests/test_fp8_backward.py
+    dV's error was 3.7-3.9x PyTorch's practice's with amax / 448 itself, 1.0x with powers of two. The cost:
+    the largest element lands anywhere in the top binade, and one binade of range goes at the bottom."""
     b, n, h, d = t.shape
     x = t.detach().to(torch.float32).reshape(b, n, heads_kv, h // heads_kv, d)
     amax = x.abs().amax(dim=(1, 3, 4))  # (batch, heads_kv)
-    descale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    # (frexp: amax / 448 = m 2^e with m in [0.5, 1), so 2^e is the power of two at or above it, and
+    # amax / 2^e = 448 m lies in [224, 448).)
+    _, exponent = torch.frexp(amax / E4M3_MAX)
+    descale = torch.where(amax > 0, torch.ldexp(torch.ones_like(amax), exponent), torch.ones_like(amax))
     q8 = (x / descale[:, None, :, None, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).reshape(b, n, h, d)
     return q8, descale
