@@ -125,7 +125,7 @@ def test_attention_fp8_backward_names_the_bad_argument():
 def test_the_gpu_tests_backward_bound_holds_a_model_of_the_kernel_and_not_a_fault(causal):
     # tests/test_gpu_fp8_backward.py's bound (fp8_bounds.assert_within_backward_bound), on this backward (the
     # PyTorch fallback here) fed a float64 model of the e4m3 forward: P rounded to e4m3 in the output, the
-    # LSE of the exact products. A forward and backward that disagree (an LSE off by 0.05) fall outside it.
+    # LSE of the exact products.
     q, k, v = _bf16_inputs(21 + causal)
     e4m3, descales = zip(*(fp8.quantize(t, 2) for t in (q, k, v)), strict=True)
     exact = [
@@ -144,7 +144,11 @@ def test_the_gpu_tests_backward_bound_holds_a_model_of_the_kernel_and_not_a_faul
     lse = torch.logsumexp(s, -1).float()
     do = torch.randn(out.shape, generator=torch.Generator().manual_seed(22)).to(torch.bfloat16)
     grads = _dequantized_backward(do, e4m3, descales, out, lse, OpOptions(causal, scale))
-    assert_within_backward_bound(grads, e4m3, descales, do, out, causal, scale)
-    wrong = _dequantized_backward(do, e4m3, descales, out, lse + 0.05, OpOptions(causal, scale))
+    assert_within_backward_bound(grads, e4m3, descales, do, out, lse, causal, scale)
+    # A backward that disagrees with its forward (a softmax scale 1% off) falls outside it, and so does a
+    # forward's LSE off by 0.05.
+    wrong = _dequantized_backward(do, e4m3, descales, out, lse, OpOptions(causal, scale * 1.01))
     with pytest.raises(AssertionError, match="beyond its own terms"):
-        assert_within_backward_bound(wrong, e4m3, descales, do, out, causal, scale)
+        assert_within_backward_bound(wrong, e4m3, descales, do, out, lse, causal, scale)
+    with pytest.raises(AssertionError, match="LSE .* beyond its bound"):
+        assert_within_backward_bound(grads, e4m3, descales, do, out, lse + 0.05, causal, scale)

@@ -42,7 +42,7 @@ def test_fp8_true_trains_on_the_e4m3_kernel(causal, head_dim):
     scale = head_dim**-0.5
     assert kernel_takes(q, k, v, scale=scale) == (head_dim in E4M3_HEAD_DIMS)  # (the route, asserted)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    got = fa.attention(*leaves, causal=causal, fp8=True)
+    got, lse = fa.attention(*leaves, causal=causal, fp8=True, return_lse=True)
     e4m3, descales = zip(*(fp8.quantize(t, 2) for t in (q, k, v)), strict=True)
     want_out = fa.attention(
         *e4m3, causal=causal, q_descale=descales[0], k_descale=descales[1], v_descale=descales[2]
@@ -50,7 +50,7 @@ def test_fp8_true_trains_on_the_e4m3_kernel(causal, head_dim):
     assert torch.equal(got, want_out)  # (the e4m3 call's output: the kernel ran)
     do = torch.randn(got.shape, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16).cuda()
     grads = torch.autograd.grad(got, leaves, do)
-    assert_within_backward_bound(grads, e4m3, descales, do, got, causal, scale)
+    assert_within_backward_bound(grads, e4m3, descales, do, got, lse, causal, scale)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -61,4 +61,4 @@ def test_attention_fp8_backward_on_the_e4m3_kernels_output(causal):
     out, lse = fa.attention(*e4m3, causal=causal, return_lse=True, **names)
     do = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16).cuda()
     grads = fa.attention_fp8_backward(do, *e4m3, out, lse, causal=causal, **names)
-    assert_within_backward_bound(grads, e4m3, descales, do, out, causal, 128**-0.5)
+    assert_within_backward_bound(grads, e4m3, descales, do, out, lse, causal, 128**-0.5)
