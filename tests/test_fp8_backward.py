@@ -152,3 +152,17 @@ def test_the_gpu_tests_backward_bound_holds_a_model_of_the_kernel_and_not_a_faul
         assert_within_backward_bound(wrong, e4m3, descales, do, out, lse, causal, scale)
     with pytest.raises(AssertionError, match="LSE .* beyond its bound"):
         assert_within_backward_bound(grads, e4m3, descales, do, out, lse + 0.05, causal, scale)
+
+
+def test_the_quantizers_descales_dequantize_exactly_in_bf16():
+    # The backward dequantizes fp8=True's tensors in bf16 (spec.fp8.dequantize(powers_of_two=True)): with
+    # quantize's power-of-two descales that is the float32 product, bit for bit, over e4m3's whole range;
+    # with a descale that is not a power of two it would not be (so form 1 keeps the float32 product).
+    gen = torch.Generator().manual_seed(12)
+    for exponent in (-30, -8, 0, 8, 30):
+        t = (torch.randn(2, 19, 4, 64, generator=gen) * 2.0**exponent).to(torch.bfloat16)
+        t8, d = fp8.quantize(t, 2)
+        want = fp8.dequantize(t8, d, 2)
+        assert torch.equal(fp8.dequantize(t8, d, 2, powers_of_two=True), want)
+    odd = d * 1.3
+    assert not torch.equal(fp8.dequantize(t8, odd, 2, powers_of_two=True), fp8.dequantize(t8, odd, 2))

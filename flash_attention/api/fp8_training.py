@@ -39,10 +39,15 @@ def _dequantized_backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     options: OpOptions,
+    powers_of_two: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) in bf16 with respect to the dequantized tensors: the bf16 backward on them."""
+    """(dq, dk, dv) in bf16 with respect to the dequantized tensors: the bf16 backward on them.
+    ``powers_of_two``: the descales are spec.fp8.quantize's (spec.fp8.dequantize then works in bf16)."""
     heads_kv = e4m3[1].shape[-2]
-    q, k, v = (_fp8.dequantize(t, d, heads_kv) for t, d in zip(e4m3, descales, strict=True))
+    q, k, v = (
+        _fp8.dequantize(t, d, heads_kv, powers_of_two=powers_of_two)
+        for t, d in zip(e4m3, descales, strict=True)
+    )
     dq, dk, dv = backward_impl(dout, q, k, v, out, lse, options)
     return dq, dk, dv
 
@@ -72,7 +77,9 @@ class _E4m3Attention(torch.autograd.Function):
         if dout is None:  # (only the LSE was used: no gradient reaches q, k or v)
             return None, None, None, None, None, None
         q8, k8, v8, dq8, dk8, dv8, out, lse = ctx.saved_tensors
-        grads = _dequantized_backward(dout, (q8, k8, v8), (dq8, dk8, dv8), out, lse, ctx.options)
+        grads = _dequantized_backward(
+            dout, (q8, k8, v8), (dq8, dk8, dv8), out, lse, ctx.options, powers_of_two=True
+        )
         return (*grads, None, None, None)
 
 
