@@ -62,6 +62,16 @@ def test_fp8_true_on_the_e4m3_kernel_keeps_e4m3_and_takes_the_bf16_backward(caus
     # through the bf16 call on them (the stand-in's out and LSE are that call's).
     for g, w in zip(grads, torch.autograd.grad(want, deq, do), strict=True):
         assert g.dtype == torch.bfloat16 and torch.equal(g, w)
+    # Options are checked as for a bf16 call before the route, and the backward's mode is the argument or
+    # PyTorch's switch.
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        fa.attention(*leaves, causal=causal, fp8=True, deterministic="yes")
+    assert not got.grad_fn.options.deterministic
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert fa.attention(*leaves, causal=causal, fp8=True).grad_fn.options.deterministic
+    finally:
+        torch.use_deterministic_algorithms(False)
     # Only the LSE used: no gradient reaches the inputs, and none is an error.
     leaves2 = [t.clone().requires_grad_() for t in (q, k, v)]
     _, lse2 = fa.attention(*leaves2, causal=causal, fp8=True, return_lse=True)
@@ -99,7 +109,12 @@ def test_attention_fp8_backward_gives_the_dequantized_tensors_gradients(causal, 
               d.double().repeat_interleave(t.shape[2] // 2, 1)[:, None, :, None])).requires_grad_()
              for t, d in zip(e4m3, ds, strict=True)]  # fmt: skip
     want = torch.autograd.grad(attention_reference(*exact, causal=causal)[0], exact, do.double())
-    practice = practice_grads(*(fp8.dequantize(t, d, 2) for t, d in zip(e4m3, ds, strict=True)), do, causal)
+    practice = practice_grads(
+        *(fp8.dequantize(t, d, 2) for t, d in zip(e4m3, ds, strict=True)),
+        do,
+        causal,
+        e4m3[0].shape[3] ** -0.5,
+    )
     for name, g, w, p in zip("qkv", got, want, practice, strict=True):
         err = (g.double() - w).abs().max().item()
         err_torch = (p.double() - w).abs().max().item()

@@ -53,10 +53,21 @@ def test_fp8_true_trains_on_the_e4m3_kernel(causal, head_dim):
     assert_within_backward_bound(grads, e4m3, descales, do, got, lse, causal, scale)
 
 
+def _per_tensor(t):
+    """e4m3 t and its descale amax / 448 (one float32 number, not a power of two: the dequantized tensors
+    the backward runs on are then rounded to bf16, the bound's row-factor term)."""
+    d = (t.float().abs().amax() / fp8.E4M3_MAX).reshape(1)
+    return (t.float() / d).clamp(-fp8.E4M3_MAX, fp8.E4M3_MAX).to(fp8.E4M3), d
+
+
+@pytest.mark.parametrize("descales", ["quantizer", "amax_448"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_attention_fp8_backward_on_the_e4m3_kernels_output(causal):
+def test_attention_fp8_backward_on_the_e4m3_kernels_output(causal, descales):
     q, k, v = _inputs(41 + causal, 1, 333, 333, 4, 4, 128)
-    e4m3, descales = zip(*(fp8.quantize(t, 4) for t in (q, k, v)), strict=True)
+    quantized = (
+        (fp8.quantize(t, 4) for t in (q, k, v)) if descales == "quantizer" else map(_per_tensor, (q, k, v))
+    )
+    e4m3, descales = zip(*quantized, strict=True)
     names = dict(zip(("q_descale", "k_descale", "v_descale"), descales, strict=True))
     out, lse = fa.attention(*e4m3, causal=causal, return_lse=True, **names)
     do = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16).cuda()

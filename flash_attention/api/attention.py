@@ -276,29 +276,16 @@ def attention(
             anything is launched.
     """
     if fp8 is not False:
+        # (checked here; quantized below, once every option is checked as for a bf16 call)
         _check_fp8_true(q, k, v, fp8, (q_descale, k_descale, v_descale))
-        # Where the e4m3 kernel takes the call (ops.fp8_forward.kernel_takes: Hopper, head_dim 64/128/256,
-        # no option beyond causal), it runs it, its backward the bf16 one on the dequantized tensors
-        # (api.fp8_training); elsewhere the round trip below and the bf16 call, the same attention of the
-        # dequantized tensors up to rounding.
-        from ..ops import fp8_forward as _fp8_kernel
-
-        options = (out, key_range, dropout_p, window, softcap, alibi_slopes, sinks, _segments)
-        problem = validate(q, k, v, causal=causal, softmax_scale=softmax_scale, out=None)
-        if not problem.is_empty and _fp8_kernel.kernel_takes(q, k, v, *options, scale=problem.scale):
-            from .fp8_training import e4m3_training
-
-            o, lse = e4m3_training(q, k, v, problem.causal, problem.scale, deterministic)
-            return _result(o, lse, return_lse)
-        q, k, v = _quantized_through(q, k, v)
     elif (
         getattr(q, "dtype", None) is _fp8.E4M3
         or q_descale is not None
         or k_descale is not None
         or v_descale is not None
     ):  # (spec.fp8.is_fp8_call written out: no call or tuple on every call's path)
-        # e4m3 inputs: checked, then on Hopper at head_dim 64 or 128 without other options the e4m3 kernel
-        # (ops.fp8_forward); else dequantized to bf16, the call going on as a bf16 call (spec.fp8)
+        # e4m3 inputs: checked, then on Hopper at head_dim 64, 128 or 256 without other options the e4m3
+        # kernel (ops.fp8_forward); else dequantized to bf16, the call going on as a bf16 call (spec.fp8)
         descales = (q_descale, k_descale, v_descale)
         _fp8.check_fp8(q, k, v, descales)
         from ..ops import fp8_forward as _fp8_kernel  # (here: only FP8 calls pay for its import)
@@ -324,7 +311,7 @@ def attention(
     # A call whose signature ran before and ended in one planned launch repeats that launch, skipping every
     # decision below (ops.repeat says what a signature holds and why; kernel-log step 52).
     key = None
-    if out is None:
+    if out is None and fp8 is False:  # (an fp8=True call is not repeated: its tensors are quantized first)
         key = _repeat.signature(
             q, k, v, causal, softmax_scale, return_lse, key_range, deterministic, dropout_p, dropout_seed,
             window, alibi_slopes, sinks, _segments, (("softcap", softcap),),
@@ -388,6 +375,19 @@ def attention(
     if prefetch is not None:
         # A training call: its backward's kernels start compiling now, beside the forward's (first calls).
         prefetch(q, k, spec, _segments, value_dim=v.shape[3])
+    if fp8 is not False:
+        # Where the e4m3 kernel takes the call (ops.fp8_forward.kernel_takes: Hopper, head_dim 64, 128 or
+        # 256, no option beyond causal), it runs it, its backward the bf16 one on the dequantized tensors
+        # (api.fp8_training, whose backward kernels the prefetch above is compiling); elsewhere the bf16 call
+        # on the quantized tensors' round trip, the same attention of the dequantized tensors up to rounding.
+        from ..ops import fp8_forward as _fp8_kernel
+
+        options = (out, key_range, dropout_p, window, softcap, alibi_slopes, sinks, _segments)
+        if not problem.is_empty and _fp8_kernel.kernel_takes(q, k, v, *options, scale=problem.scale):
+            from .fp8_training import e4m3_training
+
+            return _result(*e4m3_training(q, k, v, problem.causal, problem.scale, deterministic), return_lse)
+        q, k, v = _quantized_through(q, k, v)
     if not records and key_range is None and not dropout_p and _segments is None and not problem.is_empty:
         # A few queries per row against many keys: the split-KV decode kernels
         # (flash_attention.api.few_queries),

@@ -16,8 +16,9 @@ as PyTorch's FP8-input practice does before its bf16 attention), then our bf16 b
 fallback off CUDA) with the forward's output and LSE. So it costs the bf16 backward's time plus three
 dequantizing passes; the FP8 products in the backward (4.2's later forms) are what would make it faster.
 Where it rounds beyond the bf16 backward: the forward's output carries P's e4m3 rounding into delta
-(rowsum(dO O)), and the backward recomputes P from the bf16-rounded dequantized q and k against the LSE the
-e4m3 forward took from the exact products (tests/test_gpu_fp8_backward.py bounds both).
+(rowsum(dO O)), and the backward recomputes P from the dequantized q and k (exact in bf16 with fp8=True's
+power-of-two descales, rounded to bf16 with others) against the LSE the e4m3 forward took from its FP8
+products, whose accumulator keeps fewer bits than fp32 (tests/fp8_bounds.py bounds both).
 """
 
 from __future__ import annotations
@@ -138,7 +139,12 @@ def attention_fp8_backward(
             )
         if t.device != q.device:
             raise ValueError(f"{name} must be on q's device {q.device}; got {t.device}")
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool; got {type(deterministic).__name__}")
     if problem.is_empty:
         return tuple(torch.zeros(t.shape, dtype=torch.bfloat16, device=t.device) for t in (q, k, v))
-    options = OpOptions(problem.causal, problem.scale, deterministic)
+    # (the argument or PyTorch's switch, as attention()'s backward takes it)
+    options = OpOptions(
+        problem.causal, problem.scale, deterministic or torch.are_deterministic_algorithms_enabled()
+    )
     return _dequantized_backward(dout, (q, k, v), descales, out, lse, options)

@@ -6,12 +6,13 @@ A call with ``torch.float8_e4m3fn`` q, k and v means the dequantized tensors ``Q
 whole tensor (a float32 tensor of one element), or one per (batch, kv head) (float32, shape (batch,
 heads_kv)); a query head takes the descale of its group's kv head, as FlashAttention-3's ``q_descale`` does.
 Every option then applies to ``softmax_scale * Q K^T`` as for a bf16 call; the output is bfloat16 and the
-LSE float32. Gradients with respect to e4m3 tensors are not offered (autograd would cast them back to e4m3):
-a training recipe quantizes inside its own autograd function and differentiates the bf16 tensors.
+LSE float32. There is no autograd on e4m3 tensors (it would cast their gradients back to e4m3): a training
+recipe quantizes inside its own autograd function and takes the gradients with respect to the dequantized
+tensors from flash_attention.attention_fp8_backward, or calls attention(fp8=True) on its bf16 tensors.
 
-Until the FP8 kernels exist (docs/fp8-study.md section 7, step 2), :func:`dequantize` gives the bfloat16
-tensors the call then runs on, whose one rounding (a 4-bit significand times a float32 descale, to 8 bits)
-is PyTorch's own practice for FP8-input attention (dequantize, bf16 compute).
+Where the e4m3 kernel does not take a call (ops.fp8_forward.kernel_takes), :func:`dequantize` gives the
+bfloat16 tensors it runs on instead, PyTorch's own practice for FP8-input attention (dequantize, bf16
+compute); :func:`quantize` is the quantizer of attention(fp8=True).
 """
 
 from __future__ import annotations
@@ -85,9 +86,10 @@ def dequantize(
     """``float(t) * descale`` as bfloat16: t e4m3 of shape (batch, seqlen, heads, head_dim), or of a packed
     batch (total, heads, head_dim) with ``row_batch`` each row's sequence (int64, (total,)); heads a multiple
     of ``heads_kv`` (head h takes kv head h // (heads / heads_kv)'s descale). The product is taken in
-    float32 (exact: a 4-bit significand times a 24-bit one) and rounded once. ``powers_of_two``: the caller
-    knows the descales are (:func:`quantize`'s), so the product is exact in bfloat16 itself and is taken
-    there, in a third of the bytes (the same values)."""
+    float32 and rounded to bfloat16: a 4-bit significand times a 24-bit descale has 28 bits, so a general
+    descale's product may round in float32 first, 2^-24 beside bfloat16's 2^-9. ``powers_of_two``: the
+    caller knows the descales are powers of two (:func:`quantize`'s), so the product is exact in bfloat16
+    itself and is taken there, in a third of the bytes (the same values)."""
     x = t.to(torch.bfloat16 if powers_of_two else torch.float32)
     if descale is not None:
         descale = descale.to(x.dtype)
@@ -100,9 +102,9 @@ def dequantize(
 
 
 def quantize(t: torch.Tensor, heads_kv: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """e4m3 ``t`` and its float32 descale per (batch, kv head), shape (batch, heads_kv): the power of two
-    at or above the amax of the kv head's elements (for q, over its GQA group's heads) over 448, so that the
-    largest element maps into e4m3's top binade (224-448); a kv head whose elements are all zero keeps
+    """e4m3 ``t`` and its float32 descale per (batch, kv head), shape (batch, heads_kv): the least power of
+    two at or above the amax of the kv head's elements (for q, over its GQA group's heads) over 448, so that
+    the largest element maps into e4m3's top binade (224-448); a kv head whose elements are all zero keeps
     descale 1. t: (batch, seqlen, heads, head_dim), heads a multiple of ``heads_kv``. (docs/fp8-study.md,
     form 2: the current-scaling recipe.)
 
@@ -123,11 +125,17 @@ def quantize(t: torch.Tensor, heads_kv: int) -> tuple[torch.Tensor, torch.Tensor
         x = x.to(torch.float32)
     x = x.reshape(b, n, heads_kv, h // heads_kv, d)
     amax = x.abs().amax(dim=(1, 3, 4)).to(torch.float32)  # (batch, heads_kv)
-    # (frexp: amax / 448 = m 2^e with m in [0.5, 1), so 2^e is the power of two at or above it, and
-    # amax / 2^e = 448 m lies in [224, 448).)
-    _, exponent = torch.frexp(amax / E4M3_MAX)
+    # frexp: amax / 448 = m 2^e with m in [0.5, 1), so 2^e is the least power of two above it, or 2^(e - 1)
+    # equals it when m is 0.5: the largest element then lands in [224, 448]. The exponent stays at or above
+    # -126 so that 2^-e is a finite float32 (a head whose amax is under ~1e-36 keeps descale 2^-126 and
+    # rounds to e4m3's small values); a head holding inf or NaN gets a NaN descale and NaN elements, so an
+    # overflow upstream is not hidden as 448.
+    mantissa, exponent = torch.frexp(amax / E4M3_MAX)
+    exponent = (exponent - (mantissa == 0.5).to(exponent.dtype)).clamp(min=-126)
     one = torch.ones_like(amax)
-    descale = torch.where(amax > 0, torch.ldexp(one, exponent), one)
-    inverse = torch.where(amax > 0, torch.ldexp(one, -exponent), one).to(x.dtype)  # (exact: a power of two)
+    nan = torch.full_like(amax, float("nan"))
+    finite, positive = torch.isfinite(amax), amax > 0
+    descale = torch.where(finite, torch.where(positive, torch.ldexp(one, exponent), one), nan)
+    inverse = torch.where(finite, torch.where(positive, torch.ldexp(one, -exponent), one), nan).to(x.dtype)
     q8 = (x * inverse[:, None, :, None, None]).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3).reshape(b, n, h, d)
     return q8, descale
