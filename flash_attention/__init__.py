@@ -17,6 +17,7 @@ Public entry points:
 """
 
 from .api.attention import attention, forward, forward_timed
+from .api.fp8_training import attention_fp8_backward
 from .api.head_parallel import head_parallel_attention
 from .api.kvcache import attention_with_kvcache
 from .api.precompile import precompile
@@ -30,6 +31,7 @@ __all__ = [
     "attention",
     "attention_with_kvcache",
     "attention_varlen",
+    "attention_fp8_backward",
     "precompile",
     "ring_attention",
     "head_parallel_attention",

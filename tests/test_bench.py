@@ -695,7 +695,7 @@ def test_deterministic_impl_is_known_and_only_times_backward_modes():
         make_runner(OURS_DETERMINISTIC, shape, inputs, "fwd_bwd")
 
 
-def test_fp8_impl_is_known_times_only_the_forward_and_labels_its_rows():
+def test_fp8_impl_is_known_runs_on_our_kernels_only_and_labels_its_rows():
     from flash_attention.tools.bench.cli import _impl_list
     from flash_attention.tools.bench.results import OURS, OURS_FP8
     from flash_attention.tools.bench.runners import Skip, make_inputs, make_runner
@@ -705,10 +705,18 @@ def test_fp8_impl_is_known_times_only_the_forward_and_labels_its_rows():
     s = SweepSettings(impls=(), seqlens=(512,), head_dims=(128,), causal=(True,))
     shape = sweep_shapes(s)[0]
     inputs = make_inputs(shape, 1, "cpu")
-    with pytest.raises(Skip, match="FP8 inputs have no gradient"):
-        make_runner(OURS_FP8, shape, inputs, "fwd_bwd")
-    with pytest.raises(Skip, match="cannot run"):  # CPU tensors: the fallback is not timed under our name
-        make_runner(OURS_FP8, shape, inputs, "fwd")
+    for mode in ("fwd", "fwd_bwd"):  # (fwd_bwd: attention(..., fp8=True) with its autograd)
+        with pytest.raises(Skip, match="cannot run"):  # CPU tensors: the fallback is not timed under our name
+            make_runner(OURS_FP8, shape, inputs, mode)
+    with pytest.raises(Skip, match="--dtype bf16"):
+        make_runner(
+            OURS_FP8,
+            sweep_shapes(
+                SweepSettings(impls=(), seqlens=(512,), head_dims=(128,), causal=(True,), dtype="fp16")
+            )[0],
+            inputs,
+            "fwd_bwd",
+        )
     assert _row_base(OURS_FP8, shape, s, 0, "off")["dtype"] == "fp8_e4m3"
     assert _row_base(OURS, shape, s, 0, "off")["dtype"] == "bf16"
 

@@ -46,9 +46,8 @@ def _empty_result(
     return out, lse
 
 
-def _quantized_through(q, k, v, fp8, descales):
-    """``fp8=True``: bf16 q, k and v quantized to e4m3 per (batch, kv head) and dequantized back (spec.fp8):
-    the values the FP8 call computes on, each with the gradient of its bf16 tensor passed through."""
+def _check_fp8_true(q, k, v, fp8, descales) -> None:
+    """``fp8=True``'s arguments: bf16 q, k and v and no descales, else TypeError or ValueError naming them."""
     if fp8 is not True:
         raise TypeError(f"fp8 must be a bool; got {fp8!r}")
     given = [n for n, d in zip(_fp8.DESCALE_NAMES, descales, strict=True) if d is not None]
@@ -58,10 +57,15 @@ def _quantized_through(q, k, v, fp8, descales):
         if not isinstance(t, torch.Tensor) or t.dtype != torch.bfloat16 or t.dim() != 4:
             got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
             raise TypeError(f"fp8=True takes 4-D bfloat16 q, k and v; {name} is {got}")
-    heads_kv = k.shape[2]
-    if q.shape[2] % heads_kv:
-        raise ValueError(f"heads_q ({q.shape[2]}) must be a multiple of heads_kv ({heads_kv})")
-    return [_QuantizedThrough.apply(t, heads_kv) for t in (q, k, v)]
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"heads_q ({q.shape[2]}) must be a multiple of heads_kv ({k.shape[2]})")
+
+
+def _quantized_through(q, k, v):
+    """``fp8=True`` off the e4m3 kernel: bf16 q, k and v quantized to e4m3 per (batch, kv head) and
+    dequantized back (spec.fp8), the values the FP8 call computes on, each with the gradient of its bf16
+    tensor passed through."""
+    return [_QuantizedThrough.apply(t, k.shape[2]) for t in (q, k, v)]
 
 
 class _QuantizedThrough(torch.autograd.Function):
@@ -231,13 +235,16 @@ def attention(
             call computes attention of the dequantized tensors ``float(q) * q_descale`` (and k's, v's), every
             option applying as for a bf16 call, and returns a bfloat16 output (and a float32 LSE). Each
             descale is None (1), a float32 tensor of one element (per tensor), or of shape (batch, heads_kv)
-            (per kv head; a query head takes its group's, as in FlashAttention-3). No gradients with
-            respect to e4m3 tensors. Today the inputs are dequantized to bfloat16 and run on the bf16 path
-            (the FP8 kernels are to come: docs/fp8-study.md).
+            (per kv head; a query head takes its group's, as in FlashAttention-3). On Hopper at head_dim 64,
+            128 or 256 with no option beyond ``causal``, the e4m3 kernel (P rounded to e4m3 for P V:
+            docs/usage.md); elsewhere the inputs dequantized to bfloat16 on the bf16 path. No autograd on
+            e4m3 tensors: :func:`flash_attention.attention_fp8_backward` gives the gradients with respect
+            to the dequantized tensors.
         fp8: with bfloat16 q, k and v, quantize each to e4m3 first (a descale per (batch, kv head): its amax
-            over 448, q's over its GQA group) and compute as for e4m3 inputs; gradients flow to the bf16
-            tensors with the quantization passed through (its derivative taken as 1, as FP8 training recipes
-            do for their GEMMs).
+            over 448 rounded up to a power of two, q's over its GQA group) and compute as for e4m3 inputs;
+            gradients flow to the bf16 tensors with the quantization passed through (its derivative taken
+            as 1, as FP8 training recipes do for their GEMMs), from the bf16 backward on the dequantized
+            tensors.
 
     Returns:
         ``out`` of q's shape (with v's head_dim) and dtype; with ``return_lse=True``, ``(out, lse)`` where
@@ -269,7 +276,8 @@ def attention(
             anything is launched.
     """
     if fp8 is not False:
-        q, k, v = _quantized_through(q, k, v, fp8, (q_descale, k_descale, v_descale))
+        # (checked here; quantized below, once every option is checked as for a bf16 call)
+        _check_fp8_true(q, k, v, fp8, (q_descale, k_descale, v_descale))
     elif (
         getattr(q, "dtype", None) is _fp8.E4M3
         or q_descale is not None
@@ -303,7 +311,7 @@ def attention(
     # A call whose signature ran before and ended in one planned launch repeats that launch, skipping every
     # decision below (ops.repeat says what a signature holds and why; kernel-log step 52).
     key = None
-    if out is None:
+    if out is None and fp8 is False:  # (an fp8=True call is not repeated: its tensors are quantized first)
         key = _repeat.signature(
             q, k, v, causal, softmax_scale, return_lse, key_range, deterministic, dropout_p, dropout_seed,
             window, alibi_slopes, sinks, _segments, (("softcap", softcap),),
@@ -367,6 +375,19 @@ def attention(
     if prefetch is not None:
         # A training call: its backward's kernels start compiling now, beside the forward's (first calls).
         prefetch(q, k, spec, _segments, value_dim=v.shape[3])
+    if fp8 is not False:
+        # Where the e4m3 kernel takes the call (ops.fp8_forward.kernel_takes: Hopper, head_dim 64, 128 or
+        # 256, no option beyond causal), it runs it, its backward the bf16 one on the dequantized tensors
+        # (api.fp8_training, whose backward kernels the prefetch above is compiling); elsewhere the bf16 call
+        # on the quantized tensors' round trip, the same attention of the dequantized tensors up to rounding.
+        from ..ops import fp8_forward as _fp8_kernel
+
+        options = (out, key_range, dropout_p, window, softcap, alibi_slopes, sinks, _segments)
+        if not problem.is_empty and _fp8_kernel.kernel_takes(q, k, v, *options, scale=problem.scale):
+            from .fp8_training import e4m3_training
+
+            return _result(*e4m3_training(q, k, v, problem.causal, problem.scale, deterministic), return_lse)
+        q, k, v = _quantized_through(q, k, v)
     if not records and key_range is None and not dropout_p and _segments is None and not problem.is_empty:
         # A few queries per row against many keys: the split-KV decode kernels
         # (flash_attention.api.few_queries),

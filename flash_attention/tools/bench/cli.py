@@ -194,7 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"comma-separated (default {','.join(DEFAULT_IMPLS)}; also {OURS_DETERMINISTIC}: ours with "
         f"deterministic=True, backward modes; {OURS_PLAIN_CALL}: plain attention(), --mode decode, where the "
         f"default is flash_attention,sdpa_cudnn,sdpa_flash and it; {OURS_FP8}: ours on the inputs quantized "
-        "to e4m3 per (batch, kv head), --mode fwd, rows of dtype fp8_e4m3)",
+        "to e4m3 per (batch, kv head), rows of dtype fp8_e4m3; backward modes: attention(..., fp8=True), its "
+        "quantizing pass timed)",
     )
     p.add_argument(
         "--config",

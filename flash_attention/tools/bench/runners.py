@@ -281,8 +281,6 @@ def make_runner(
         return Runner(_autograd_call(f, inputs, mode), lambda i: f(*inputs[i]), config=cfg.name())
 
     if impl == OURS_FP8:
-        if mode != "fwd":
-            raise Skip("FP8 inputs have no gradient (attention(..., fp8=True) trains through bf16 tensors)")
         if shape.dtype != "bf16":
             raise Skip("FP8 rows quantize the sweep's bf16 tensors (--dtype bf16)")
         from flash_attention.ops import fp8_forward
@@ -290,6 +288,22 @@ def make_runner(
 
         q0 = _our_kernel_device(inputs)
         variant = _variant_args(shape, q0.device)
+        if mode != "fwd":
+            # Training: attention(q, k, v, fp8=True) on the bf16 tensors, its quantizing pass timed with it
+            # (the form a training loop switches on; api.fp8_training: the e4m3 forward where the kernel
+            # takes the call, the bf16 backward on the dequantized tensors).
+            if "sinks" in variant:
+                variant["sinks"].requires_grad_()
+            options = (None, None, 0.0, variant.get("window"), shape.score or None,
+                       variant.get("alibi_slopes"), variant.get("sinks"), None)  # fmt: skip
+            routed = fp8_forward.kernel_takes(*inputs[0], *options, scale=shape.head_dim**-0.5)
+            f = lambda q, k, v: flash_attention.attention(q, k, v, causal=shape.causal, fp8=True, **variant)  # noqa: E731
+            name = (
+                f"{fp8_forward.e4m3_config(shape.head_dim).name()}, backward on the dequantized bf16"
+                if routed
+                else "quantized round trip, then " + _attention_config(shape, inputs).name()
+            )
+            return Runner(_autograd_call(f, inputs, mode), lambda i: f(*inputs[i]), config=name)
         # Quantized once per set, outside the timing: e4m3 tensors and their (batch, kv head) descales.
         quantized = []
         for q, k, v in inputs:
