@@ -150,6 +150,31 @@ def test_soft_capping_takes_its_own_d128_config_only_where_measured():
     assert "192" not in pick(arch="sm_80") and "wgmma" not in pick(arch="sm_80")
 
 
+def test_a_narrow_window_takes_small_tiles_only_when_switched_on(monkeypatch):
+    # select.narrow_window_config (kernel log 163): off by default (NARROW_WINDOW_MAX_KEYS 0); switched on, a
+    # window at most that wide (left + right keys) on a warp-specialized pick takes its head_dim's 64 x 64
+    # config in the call's dtype, a wider one or none keeps the plain pick, and so does the portable family.
+    from flash_attention.ops import select
+
+    limit = LIMITS["sm_90"]
+
+    def pick(d=64, window=(128, 0), dtype="bf16", arch="sm_90a", features=("window",)):
+        return forward_config(
+            dtype, d, True, 4096, 4096, 8, arch=arch, gpu="", smem_limit=limit, features=list(features),
+            window=window,
+        ).name()  # fmt: skip
+
+    plain = {d: pick(d, None, features=()) for d in (64, 128)}
+    assert pick() == plain[64] and pick(128) == plain[128]
+    monkeypatch.setattr(select, "NARROW_WINDOW_MAX_KEYS", 256)
+    assert pick() == "(BF16, 64, 64, 64, 8): wgmma+ws+overlap+tma_store+stages_2"
+    assert pick(128, (100, 100)) == "(BF16, 128, 64, 64, 8): wgmma+ws+overlap+tma_store+stages_2"
+    assert pick(dtype="fp16").startswith("(FP16, 64, 64, 64, 8)")
+    assert pick(window=(1024, 0)) == plain[64] and pick(window=None, features=()) == plain[64]
+    assert pick(d=256) == pick(256, None, features=())  # (no small config at 256)
+    assert "64, 64, 8" not in pick(arch="sm_80")
+
+
 def test_hopper_backward_loads_by_tma_with_writer_warps_where_measured_faster():
     # configs.backward.HOPPER_BWD_TMA_DEFAULT: the TMA producer at every head_dim of the warp-specialized
     # kernels, with dQ's writer warps (dq_writer) at 64 and 128, which bwd_ws alone has (kernel log 133); the

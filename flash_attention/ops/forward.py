@@ -98,10 +98,10 @@ def clear_plans() -> None:
     _plans.clear()
 
 
-def _config(q, k, causal, needs, config=None, lengths=None, v=None) -> KernelConfig:
+def _config(q, k, causal, needs, config=None, lengths=None, v=None, window=None) -> KernelConfig:
     """The forward config of a call on q's GPU (named, tuned or the heuristic's: select.forward_config);
     ``lengths``: the (seqlen_q, seqlen_k) to choose by instead of q's and k's (a packed batch's sequences);
-    ``v``: the call's values, whose head_dim may differ from q's."""
+    ``v``: the call's values, whose head_dim may differ from q's; ``window``: a sliding window's bounds."""
     seqlen_q, seqlen_k = lengths or (q.shape[1], k.shape[1])
     return forward_config(
         dtype_name(q),
@@ -114,6 +114,7 @@ def _config(q, k, causal, needs, config=None, lengths=None, v=None) -> KernelCon
         features=needs,
         config=config,
         head_dim_v=0 if v is None else padded_to_8(v.shape[3]),
+        window=window,
     )
 
 
@@ -143,7 +144,7 @@ def _make_plan(
     index = q.get_device()
     causal, score, dropout_p = spec.causal, spec.score, spec.dropout_p
     window = mask_bounds(spec, seqlen_q, k.shape[1])
-    cfg = _config(q, k, causal, needs, config, lengths, v)
+    cfg = _config(q, k, causal, needs, config, lengths, v, None if window == SEGMENTS else window)
     windowed = window is not None
     build = kernel_build(spec, seqlen_q, k.shape[1])
     kernel = get_kernel(cfg, build.causal, device_arch(index), trace, **build.variant)
