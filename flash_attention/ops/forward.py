@@ -44,6 +44,7 @@ from .plans import (
     mask_bounds,
     segment_count,
     segment_lengths,
+    window_bounds,
 )
 from .query_tiles import query_tiles, tile_count
 from .select import forward_config
@@ -290,7 +291,7 @@ def chosen_config(
     softmax_scale: float,
     ranged: bool = False,
     dropout: bool = False,
-    window: bool = False,
+    window: bool | tuple[int, int] = False,
     alibi: bool = False,
     **score_functions: bool,
 ) -> KernelConfig:
@@ -298,17 +299,19 @@ def chosen_config(
     runs (the tools name it in their output). ``v`` defaults to ``k``'s layout; its strides count, as
     ``q``'s and ``k``'s, when a TMA kernel could not address them (feature ``untileable``). ``window``,
     ``alibi`` and ``score_functions`` (by name, spec.score_functions: ``name=True``): whether the call has
-    them (a score function may have a config of its own at head_dim 128: select.score_function_config)."""
+    them (a score function may have a config of its own at head_dim 128: select.score_function_config);
+    ``window`` as attention()'s (left, right) also sizes the tiles (select.narrow_window_config)."""
     needs = feature_list(
         key_range=ranged,
         dropout=dropout,
         negative_scale=softmax_scale < 0,
         untileable=tma.untileable(q, k, k if v is None else v),
-        window=window,
+        window=bool(window),
         alibi=alibi,
         **score_functions,
     )
-    return _config(q, k, causal, needs, v=v)
+    bounds = window_bounds(window, causal, q.shape[1], k.shape[1]) if isinstance(window, tuple) else None
+    return _config(q, k, causal, needs, v=v, window=bounds)
 
 
 def plan_for(q, k, v, o, spec: AttentionSpec, config=None, lengths=None, sequences=None) -> _Plan:
