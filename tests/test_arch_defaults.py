@@ -150,10 +150,10 @@ def test_soft_capping_takes_its_own_d128_config_only_where_measured():
     assert "192" not in pick(arch="sm_80") and "wgmma" not in pick(arch="sm_80")
 
 
-def test_a_narrow_window_takes_small_tiles_only_when_switched_on(monkeypatch):
-    # select.narrow_window_config (kernel log 163): off by default (NARROW_WINDOW_MAX_KEYS 0); switched on, a
-    # window at most that wide (left + right keys) on a warp-specialized pick takes its head_dim's 64 x 64
-    # config in the call's dtype, a wider one or none keeps the plain pick, and so does the portable family.
+def test_a_narrow_window_takes_small_tiles_at_head_dim_64_where_measured(monkeypatch):
+    # select.narrow_window_config (kernel log 163): a window at most NARROW_WINDOW_MAX_KEYS wide (left + right
+    # keys, 512) on a warp-specialized head_dim 64 pick takes the 64 x 64 config in the call's dtype; a wider
+    # one, none, head_dim 128 (measured slower) and the portable family keep the plain pick; 0 turns it off.
     from flash_attention.ops import select
 
     limit = LIMITS["sm_90"]
@@ -164,15 +164,16 @@ def test_a_narrow_window_takes_small_tiles_only_when_switched_on(monkeypatch):
             window=window,
         ).name()  # fmt: skip
 
-    plain = {d: pick(d, None, features=()) for d in (64, 128)}
-    assert pick() == plain[64] and pick(128) == plain[128]
-    monkeypatch.setattr(select, "NARROW_WINDOW_MAX_KEYS", 256)
-    assert pick() == "(BF16, 64, 64, 64, 8): wgmma+ws+overlap+tma_store+stages_2"
-    assert pick(128, (100, 100)) == "(BF16, 128, 64, 64, 8): wgmma+ws+overlap+tma_store+stages_2"
+    plain = {d: pick(d, None, features=()) for d in (64, 128, 256)}
+    small = "(BF16, 64, 64, 64, 8): wgmma+ws+overlap+tma_store+stages_2"
+    assert plain[64] != small
+    assert pick() == small and pick(window=(256, 256)) == small
     assert pick(dtype="fp16").startswith("(FP16, 64, 64, 64, 8)")
-    assert pick(window=(1024, 0)) == plain[64] and pick(window=None, features=()) == plain[64]
-    assert pick(d=256) == pick(256, None, features=())  # (no small config at 256)
+    assert pick(window=(512, 1)) == plain[64] and pick(window=None, features=()) == plain[64]
+    assert pick(128, (100, 100)) == plain[128] and pick(256) == plain[256]
     assert "64, 64, 8" not in pick(arch="sm_80")
+    monkeypatch.setattr(select, "NARROW_WINDOW_MAX_KEYS", 0)
+    assert pick() == plain[64]
 
 
 def test_hopper_backward_loads_by_tma_with_writer_warps_where_measured_faster():

@@ -121,13 +121,16 @@ def score_function_config(cfg: KernelConfig, features: tuple[str, ...], causal: 
 #: head_dim below instead of the plain pick (kernel log 163): a block of Bq queries computes the band's two
 #: edge triangles, Bq wide, beside W useful keys a row, so where W is a few times Bq the plain pick's 128-
 #: or 192-query blocks (and 128-key tiles) compute mostly masked scores: gpt-oss's 128-key window at d64 on
-#: (BF16, 64, 192, 128, 16) keeps about a third of what it computes, 64 x 64 tiles about two thirds. Off
-#: (0) until measured; the configs are warp-specialized ones of 64 x 64 tiles and one consumer warpgroup,
-#: small enough for two blocks a multiprocessor.
-NARROW_WINDOW_MAX_KEYS = 0
+#: (BF16, 64, 192, 128, 16) keeps about a third of what it computes, 64 x 64 tiles about two thirds. The
+#: configs are warp-specialized ones of 64 x 64 tiles and one consumer warpgroup, small enough for two
+#: blocks a multiprocessor; 512 keys is the widest window measured faster.
+NARROW_WINDOW_MAX_KEYS = 512
+# Only head_dim 64 (kernel log 163, H200, causal 4 x 4096 x 16 forward against the plain pick): windows of
+# 128 / 256 / 512 keys ran 0.73x / 0.80x / 0.94x the time on 64 x 64 tiles. At head_dim 128 the 64 x 64
+# config `(BF16, 128, 64, 64, 8)` ran 1.19x (128 keys) and 1.41x (512) the plain pick's time: one consumer
+# warpgroup's wgmma rate at 128 columns costs more than the edge triangles' waste it saves.
 NARROW_WINDOW_CONFIGS = {
     64: "(BF16, 64, 64, 64, 8): wgmma+ws+overlap+tma_store+stages_2",
-    128: "(BF16, 128, 64, 64, 8): wgmma+ws+overlap+tma_store+stages_2",
 }
 
 
