@@ -150,6 +150,32 @@ def test_soft_capping_takes_its_own_d128_config_only_where_measured():
     assert "192" not in pick(arch="sm_80") and "wgmma" not in pick(arch="sm_80")
 
 
+def test_a_narrow_window_takes_small_tiles_at_head_dim_64_where_measured(monkeypatch):
+    # select.narrow_window_config (kernel log 163): a window at most NARROW_WINDOW_MAX_KEYS wide (left + right
+    # keys, 512) on a warp-specialized head_dim 64 pick takes the 64 x 64 config in the call's dtype; a wider
+    # one, none, head_dim 128 (measured slower) and the portable family keep the plain pick; 0 turns it off.
+    from flash_attention.ops import select
+
+    limit = LIMITS["sm_90"]
+
+    def pick(d=64, window=(128, 0), dtype="bf16", arch="sm_90a", features=("window",)):
+        return forward_config(
+            dtype, d, True, 4096, 4096, 8, arch=arch, gpu="", smem_limit=limit, features=list(features),
+            window=window,
+        ).name()  # fmt: skip
+
+    plain = {d: pick(d, None, features=()) for d in (64, 128, 256)}
+    small = "(BF16, 64, 64, 64, 8): wgmma+ws+overlap+tma_store+stages_2"
+    assert plain[64] != small
+    assert pick() == small and pick(window=(256, 256)) == small
+    assert pick(dtype="fp16").startswith("(FP16, 64, 64, 64, 8)")
+    assert pick(window=(512, 1)) == plain[64] and pick(window=None, features=()) == plain[64]
+    assert pick(128, (100, 100)) == plain[128] and pick(256) == plain[256]
+    assert "64, 64, 8" not in pick(arch="sm_80")
+    monkeypatch.setattr(select, "NARROW_WINDOW_MAX_KEYS", 0)
+    assert pick() == plain[64]
+
+
 def test_hopper_backward_loads_by_tma_with_writer_warps_where_measured_faster():
     # configs.backward.HOPPER_BWD_TMA_DEFAULT: the TMA producer at every head_dim of the warp-specialized
     # kernels, with dQ's writer warps (dq_writer) at 64 and 128, which bwd_ws alone has (kernel log 133); the

@@ -44,6 +44,7 @@ from .plans import (
     mask_bounds,
     segment_count,
     segment_lengths,
+    window_bounds,
 )
 from .query_tiles import query_tiles, tile_count
 from .select import forward_config
@@ -98,10 +99,10 @@ def clear_plans() -> None:
     _plans.clear()
 
 
-def _config(q, k, causal, needs, config=None, lengths=None, v=None) -> KernelConfig:
+def _config(q, k, causal, needs, config=None, lengths=None, v=None, window=None) -> KernelConfig:
     """The forward config of a call on q's GPU (named, tuned or the heuristic's: select.forward_config);
     ``lengths``: the (seqlen_q, seqlen_k) to choose by instead of q's and k's (a packed batch's sequences);
-    ``v``: the call's values, whose head_dim may differ from q's."""
+    ``v``: the call's values, whose head_dim may differ from q's; ``window``: a sliding window's bounds."""
     seqlen_q, seqlen_k = lengths or (q.shape[1], k.shape[1])
     return forward_config(
         dtype_name(q),
@@ -114,6 +115,7 @@ def _config(q, k, causal, needs, config=None, lengths=None, v=None) -> KernelCon
         features=needs,
         config=config,
         head_dim_v=0 if v is None else padded_to_8(v.shape[3]),
+        window=window,
     )
 
 
@@ -143,7 +145,7 @@ def _make_plan(
     index = q.get_device()
     causal, score, dropout_p = spec.causal, spec.score, spec.dropout_p
     window = mask_bounds(spec, seqlen_q, k.shape[1])
-    cfg = _config(q, k, causal, needs, config, lengths, v)
+    cfg = _config(q, k, causal, needs, config, lengths, v, None if window == SEGMENTS else window)
     windowed = window is not None
     build = kernel_build(spec, seqlen_q, k.shape[1])
     kernel = get_kernel(cfg, build.causal, device_arch(index), trace, **build.variant)
@@ -289,7 +291,7 @@ def chosen_config(
     softmax_scale: float,
     ranged: bool = False,
     dropout: bool = False,
-    window: bool = False,
+    window: bool | tuple[int, int] = False,
     alibi: bool = False,
     **score_functions: bool,
 ) -> KernelConfig:
@@ -297,17 +299,19 @@ def chosen_config(
     runs (the tools name it in their output). ``v`` defaults to ``k``'s layout; its strides count, as
     ``q``'s and ``k``'s, when a TMA kernel could not address them (feature ``untileable``). ``window``,
     ``alibi`` and ``score_functions`` (by name, spec.score_functions: ``name=True``): whether the call has
-    them (a score function may have a config of its own at head_dim 128: select.score_function_config)."""
+    them (a score function may have a config of its own at head_dim 128: select.score_function_config);
+    ``window`` as attention()'s (left, right) also sizes the tiles (select.narrow_window_config)."""
     needs = feature_list(
         key_range=ranged,
         dropout=dropout,
         negative_scale=softmax_scale < 0,
         untileable=tma.untileable(q, k, k if v is None else v),
-        window=window,
+        window=bool(window),
         alibi=alibi,
         **score_functions,
     )
-    return _config(q, k, causal, needs, v=v)
+    bounds = window_bounds(window, causal, q.shape[1], k.shape[1]) if isinstance(window, tuple) else None
+    return _config(q, k, causal, needs, v=v, window=bounds)
 
 
 def plan_for(q, k, v, o, spec: AttentionSpec, config=None, lengths=None, sequences=None) -> _Plan:

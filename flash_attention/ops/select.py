@@ -117,6 +117,39 @@ def score_function_config(cfg: KernelConfig, features: tuple[str, ...], causal: 
     return cfg
 
 
+#: A sliding window this narrow or narrower (its left plus right keys) runs on the small-tile config of its
+#: head_dim below instead of the plain pick (kernel log 163): a block of Bq queries computes the band's two
+#: edge triangles, Bq wide, beside W useful keys a row, so where W is a few times Bq the plain pick's 128-
+#: or 192-query blocks (and 128-key tiles) compute mostly masked scores: gpt-oss's 128-key window at d64 on
+#: (BF16, 64, 192, 128, 16) keeps about a third of what it computes, 64 x 64 tiles about two thirds. The
+#: configs are warp-specialized ones of 64 x 64 tiles and one consumer warpgroup, small enough for two
+#: blocks a multiprocessor; 512 keys is the widest window measured faster.
+NARROW_WINDOW_MAX_KEYS = 512
+# Only head_dim 64 (kernel log 163, H200, causal 4 x 4096 x 16 forward against the plain pick): windows of
+# 128 / 256 / 512 keys ran 0.73x / 0.80x / 0.94x the time on 64 x 64 tiles. At head_dim 128 the 64 x 64
+# config `(BF16, 128, 64, 64, 8)` ran 1.19x (128 keys) and 1.41x (512) the plain pick's time: one consumer
+# warpgroup's wgmma rate at 128 columns costs more than the edge triangles' waste it saves.
+NARROW_WINDOW_CONFIGS = {
+    64: "(BF16, 64, 64, 64, 8): wgmma+ws+overlap+tma_store+stages_2",
+}
+
+
+def narrow_window_config(
+    cfg: KernelConfig, window: tuple[int, int] | None, features: tuple[str, ...]
+) -> KernelConfig:
+    """The forward config of a call with a sliding ``window`` (the kernels' (left, right) bounds) from the
+    plain pick ``cfg``: NARROW_WINDOW_CONFIGS' for its head_dim and dtype where the window is at most
+    NARROW_WINDOW_MAX_KEYS wide, ``cfg`` is warp-specialized and the small config takes every feature the
+    call needs; else ``cfg``."""
+    if window is None or not cfg.warp_specialized or not 0 <= sum(window) <= NARROW_WINDOW_MAX_KEYS:
+        return cfg
+    name = NARROW_WINDOW_CONFIGS.get(cfg.head_dim)
+    if name is None or cfg.value_dim != cfg.head_dim:
+        return cfg
+    small = parse_config(name).replace(dtype=cfg.dtype)
+    return cfg if unsupported(small, features) else small
+
+
 def forward_config(
     dtype: str,
     head_dim: int,
@@ -131,9 +164,11 @@ def forward_config(
     features: Iterable[str] = (),
     config: KernelConfig | str | None = None,
     head_dim_v: int = 0,
+    window: tuple[int, int] | None = None,
 ) -> KernelConfig:
     """The forward configuration of a call (``head_dim_v``: v's head_dim where it is not head_dim's, which
-    only the warp-specialized family takes: feature ``value_dim``).
+    only the warp-specialized family takes: feature ``value_dim``; ``window``: a sliding window's (left,
+    right) bounds, whose width may pick smaller tiles: :func:`narrow_window_config`).
 
     ``features`` are what the call needs beyond plain attention (``key_range``, ``dropout``, ``trace``,
     ``negative_scale``: configs.families). A named ``config`` runs as named, or raises ValueError saying why
@@ -170,6 +205,7 @@ def forward_config(
         cfg = _with_value_dim(cfg, dv)
     elif tuned is None:
         cfg = score_function_config(cfg, features, causal, max(seqlen_q, seqlen_k))
+        cfg = narrow_window_config(cfg, window, features)
     if cfg.warp_specialized and unsupported(cfg, features):
         # The sm90 kernel of the same call: it reads any layout the kernels accept (cp.async).
         cfg = classic_hopper_config(dtype, padded_head_dim(head_dim), max(seqlen_q, seqlen_k), causal)

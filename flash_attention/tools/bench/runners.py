@@ -218,7 +218,7 @@ def _attention_config(shape: Shape, inputs: list[tuple[Any, Any, Any]]) -> Any:
         inputs[0][2],
         causal=shape.causal,
         softmax_scale=shape.head_dim**-0.5,
-        window=bool(shape.window),
+        window=(shape.window, 0) if shape.window else False,  # (the sweep's windows are causal: (W, 0))
         alibi=shape.alibi,
         **{name: True for name, _ in shape.score},
     )
