@@ -66,6 +66,10 @@ WINDOW_CASES = [
     ((2, 200, 260, 6, 3, 256, True, False, 0.1, False), (70, 0)),
     ((1, 260, 300, 2, 1, 192, False, True, 0.0, True), (-1, 30)),
     ((1, 100, 100, 2, 2, 40, False, False, 0.0, False), (0, 0)),
+    # head_dim 64's narrow windows on 64 x 64 tiles (select.narrow_window_config): causal with grouped heads
+    # and lengths off the tiles, and a two-sided window with dropout
+    ((2, 333, 333, 4, 2, 64, True, False, 0.0, False), (127, 0)),
+    ((1, 190, 260, 4, 1, 64, False, False, 0.1, False), (100, 60)),
 ]
 #: soft-capping through the public call (case, window, softcap): on Hopper the forward without a running max
 #: (fa/softmax.cuh bounded_softmax_row, O / L_r), which sums the packed P; rows that see one key (a query

@@ -125,10 +125,10 @@ def score_function_config(cfg: KernelConfig, features: tuple[str, ...], causal: 
 #: configs are warp-specialized ones of 64 x 64 tiles and one consumer warpgroup, small enough for two
 #: blocks a multiprocessor; 512 keys is the widest window measured faster.
 NARROW_WINDOW_MAX_KEYS = 512
-# Only head_dim 64 (kernel log 163, H200, causal 4 x 4096 x 16 forward against the plain pick): windows of
-# 128 / 256 / 512 keys ran 0.73x / 0.80x / 0.94x the time on 64 x 64 tiles. At head_dim 128 the 64 x 64
-# config `(BF16, 128, 64, 64, 8)` ran 1.19x (128 keys) and 1.41x (512) the plain pick's time: one consumer
-# warpgroup's wgmma rate at 128 columns costs more than the edge triangles' waste it saves.
+# Only head_dim 64 (kernel log 163, H200, causal 4 x 4096 x 16 forward, paired against the plain pick):
+# windows of 128 / 256 / 512 keys ran 0.74x / 0.83x / 0.95x the time on 64 x 64 tiles. At head_dim 128 the
+# 64 x 64 config `(BF16, 128, 64, 64, 8)` ran 1.22x (128 keys) and 1.42x (512) the plain pick's time: one
+# consumer warpgroup's wgmma rate at 128 columns costs more than the edge triangles' waste it saves.
 NARROW_WINDOW_CONFIGS = {
     64: "(BF16, 64, 64, 64, 8): wgmma+ws+overlap+tma_store+stages_2",
 }
