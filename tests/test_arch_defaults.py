@@ -150,10 +150,11 @@ def test_soft_capping_takes_its_own_d128_config_only_where_measured():
     assert "192" not in pick(arch="sm_80") and "wgmma" not in pick(arch="sm_80")
 
 
-def test_a_narrow_window_takes_small_tiles_at_head_dim_64_where_measured(monkeypatch):
-    # select.narrow_window_config (kernel log 163): a window at most NARROW_WINDOW_MAX_KEYS wide (left + right
-    # keys, 512) on a warp-specialized head_dim 64 pick takes the 64 x 64 config in the call's dtype; a wider
-    # one, none, head_dim 128 (measured slower) and the portable family keep the plain pick; 0 turns it off.
+def test_a_narrow_window_takes_small_tiles_where_measured(monkeypatch):
+    # select.narrow_window_config (kernel log 163, 164): a window at most NARROW_WINDOW_MAX_KEYS wide
+    # (left + right keys, 512) on a warp-specialized pick takes its head_dim's small config in the call's
+    # dtype (64 x 64 at 64, 128 x 128 at 128); a wider one, none, head_dim 256 and the portable family keep
+    # the plain pick; 0 turns it off.
     from flash_attention.ops import select
 
     limit = LIMITS["sm_90"]
@@ -170,7 +171,17 @@ def test_a_narrow_window_takes_small_tiles_at_head_dim_64_where_measured(monkeyp
     assert pick() == small and pick(window=(256, 256)) == small
     assert pick(dtype="fp16").startswith("(FP16, 64, 64, 64, 8)")
     assert pick(window=(512, 1)) == plain[64] and pick(window=None, features=()) == plain[64]
-    assert pick(128, (100, 100)) == plain[128] and pick(256) == plain[256]
+    # head_dim 128 takes the 128 x 128 config (kernel log 164), also at 16k where the plain pick is 128 x 176
+    d128 = "(BF16, 128, 128, 128, 12): wgmma+ws+overlap+tma_store+stages_2"
+
+    def pick_16k(window):
+        return forward_config(
+            "bf16", 128, True, 16384, 16384, 8, arch="sm_90a", gpu="", smem_limit=limit,
+            features=["window"] if window else [], window=window,
+        ).name()  # fmt: skip
+
+    assert ", 176, " in pick_16k(None) and pick_16k((1024, 0)) == pick_16k(None)
+    assert pick_16k((128, 0)) == d128 and pick(128, (100, 100)) == d128 and pick(256) == plain[256]
     assert "64, 64, 8" not in pick(arch="sm_80")
     monkeypatch.setattr(select, "NARROW_WINDOW_MAX_KEYS", 0)
     assert pick() == plain[64]

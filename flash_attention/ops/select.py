@@ -118,19 +118,24 @@ def score_function_config(cfg: KernelConfig, features: tuple[str, ...], causal: 
 
 
 #: A sliding window this narrow or narrower (its left plus right keys) runs on the small-tile config of its
-#: head_dim below instead of the plain pick (kernel log 163): a block of Bq queries computes the band's two
-#: edge triangles, Bq wide, beside W useful keys a row, so where W is a few times Bq the plain pick's 128-
-#: or 192-query blocks (and 128-key tiles) compute mostly masked scores: gpt-oss's 128-key window at d64 on
-#: (BF16, 64, 192, 128, 16) keeps about a third of what it computes, 64 x 64 tiles about two thirds. The
-#: configs are warp-specialized ones of 64 x 64 tiles and one consumer warpgroup, small enough for two
-#: blocks a multiprocessor; 512 keys is the widest window measured faster.
+#: head_dim below instead of the plain pick (kernel log 163, 164): a block of Bq queries computes the
+#: band's two edge triangles, Bq wide, beside W useful keys a row, so where W is a few times Bq the plain
+#: pick's 128- or 192-query blocks (and 128-key tiles) compute mostly masked scores: gpt-oss's 128-key
+#: window at d64 on (BF16, 64, 192, 128, 16) keeps about a third of what it computes, 64 x 64 tiles about
+#: two thirds. The configs are warp-specialized and non-persistent (a window's blocks cost alike, nothing to
+#: balance): at d64 64 x 64 tiles with one consumer warpgroup, small enough for two blocks a
+#: multiprocessor; at d128 the 128 x 128 tiles of the 4k pick (16k's plain pick has 176-key tiles). 512
+#: keys is the widest window measured faster.
 NARROW_WINDOW_MAX_KEYS = 512
-# Only head_dim 64 (kernel log 163, H200, causal 4 x 4096 x 16 forward, paired against the plain pick):
-# windows of 128 / 256 / 512 keys ran 0.74x / 0.83x / 0.95x the time on 64 x 64 tiles. At head_dim 128 the
-# 64 x 64 config `(BF16, 128, 64, 64, 8)` ran 1.22x (128 keys) and 1.42x (512) the plain pick's time: one
-# consumer warpgroup's wgmma rate at 128 columns costs more than the edge triangles' waste it saves.
+# Measured (H200, causal forward, paired against the plain pick): head_dim 64 on 64 x 64 tiles (kernel log
+# 163, 4 x 4096 x 16): windows of 128 / 256 / 512 keys 0.74x / 0.83x / 0.95x the time; head_dim 128's own
+# 64 x 64 config ran 1.22x / 1.42x (128 / 512 keys): one consumer warpgroup's wgmma rate at 128 columns costs
+# more than the edge triangles it saves. Head_dim 128 on the 128 x 128 config (kernel log 164, 1 x 16384 x
+# 16, where the plain pick is 128 x 176): 0.79x / 0.76x / 0.81x; at 4k, where the plain pick is that config
+# already or its persistent form (two-sided windows of 64 and 200 keys), level.
 NARROW_WINDOW_CONFIGS = {
     64: "(BF16, 64, 64, 64, 8): wgmma+ws+overlap+tma_store+stages_2",
+    128: "(BF16, 128, 128, 128, 12): wgmma+ws+overlap+tma_store+stages_2",
 }
 
 
