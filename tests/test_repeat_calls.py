@@ -23,7 +23,7 @@ from flash_attention.api.varlen import segments
 from flash_attention.configs import heuristics
 from flash_attention.fallback.reference import attention_reference
 from flash_attention.jit import host
-from flash_attention.ops import forward, repeat
+from flash_attention.ops import forward, repeat, select
 
 
 @pytest.fixture(autouse=True)
@@ -748,6 +748,8 @@ def forced_persistent(gpu, monkeypatch, request):
         pytest.skip("the persistent grid is the warp-specialized kernel's")
     real = heuristics._hopper_default
     monkeypatch.setattr(heuristics, "_hopper_default", lambda *args: real(*args).replace(persistent=True))
+    # (a narrow window's own small config is not persistent: ops.select.narrow_window_config kept out)
+    monkeypatch.setattr(select, "NARROW_WINDOW_MAX_KEYS", 0)
     monkeypatch.setattr(forward, "sm_count", lambda index: 2)
     heuristics.default_config.cache_clear()
     request.addfinalizer(heuristics.default_config.cache_clear)
