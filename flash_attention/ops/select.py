@@ -146,7 +146,8 @@ def narrow_window_config(
     plain pick ``cfg``: NARROW_WINDOW_CONFIGS' for its head_dim and dtype where the window is at most
     NARROW_WINDOW_MAX_KEYS wide, ``cfg`` is warp-specialized and the small config takes every feature the
     call needs; else ``cfg``."""
-    if window is None or not cfg.warp_specialized or not 0 <= sum(window) <= NARROW_WINDOW_MAX_KEYS:
+    # (the kernels' bounds: an unbounded side is already seqlen_q + seqlen_k, ops.plans.window_bounds)
+    if window is None or not cfg.warp_specialized or sum(window) > NARROW_WINDOW_MAX_KEYS:
         return cfg
     name = NARROW_WINDOW_CONFIGS.get(cfg.head_dim)
     if name is None or cfg.value_dim != cfg.head_dim:
