@@ -276,7 +276,7 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
           int* const sem = sems + 4 * unit + 2 * turn.lane;
           float* const tile = dq_lane<D>(p, turn.lane) + (i64)(unit + (DQ_ROW / 64) * w) * (64 * D) +
                               (DQ_COL / 64) * w * 4096;
-          mbar_wait(dq_full(w), (u32)(it & 1));
+          mbar_wait_parked(dq_full(w), (u32)(it & 1));
           while (ld_acquire_gpu(sem) != turn.rank) __nanosleep(32);
           fence_proxy_async_global();  // the previous adder's writes before this reduction's
           bulk_reduce_add_f32(tile, sdQ + w * 64 * 64 * 4, 64 * 64 * 4);
@@ -305,7 +305,7 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
 #pragma unroll 1
           for (int it = 0; it < n_iter; ++it) {
             const i64 ws_row = workspace_row(p, batch, head_of(it), q_start_of(it) + ws_shift) + DQ_ROW * w;
-            mbar_wait(dq_full(w), (u32)(it & 1));
+            mbar_wait_parked(dq_full(w), (u32)(it & 1));
             bulk_reduce_add_f32(p.dq_accum + dq_accum_offset<D, true>(ws_row, DQ_COL * w),
                                 sdQ + w * 64 * 64 * 4, 64 * 64 * 4);
             bulk_commit();
@@ -323,7 +323,7 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
     for (int it = 0; it < n_iter; ++it) {
       const int s = it % NST;
       // The slot's previous use (step it - NST) has been released by every consumer warp.
-      if (it >= NST) mbar_wait(empty(s), (u32)((it / NST - 1) & 1));
+      if (it >= NST) mbar_wait_parked(empty(s), (u32)((it / NST - 1) & 1));
       FA_TIMELINE_EVENT(tl, kBwdSlotFree, it);
       if (it == 0) {
         const u16* gK = static_cast<const u16*>(p.k) + k_offset(p, batch, kv_head, kv_start);
