@@ -12,8 +12,9 @@ multiples of 8. ``--small`` keeps racecheck (which instruments every shared-memo
 The decode cases (``--decode-only`` for just them) run ``attention_with_kvcache`` on the decode kernels:
 appends, paged caches of odd page sizes, split merges, an int length, caches of one capacity bucket that
 grow between calls (a plan kept across them), and a row whose length is out of range (its output NaN,
-nothing outside the cache touched). ``--fp8-only`` runs the e4m3 forward (ops.fp8_forward) and its V^T
-kernel (ops.fp8_values) on odd lengths, causal and not, grouped heads and per-head descales.
+nothing outside the cache touched). ``--fp8-only`` runs the e4m3 forward (ops.fp8_forward), its V^T
+kernel (ops.fp8_values) and the cast kernels (ops.fp8_cast) on odd lengths, causal and not, grouped heads
+and per-head descales.
 """
 
 from __future__ import annotations
@@ -569,11 +570,14 @@ FP8_CASES = [
 def run_fp8_case(case, seed: int) -> float:
     """Largest error of the e4m3 forward against the float64 reference on its exactly dequantized inputs,
     relative to the output's largest entry (P rounds to e4m3: tests/test_gpu_fp8_forward.py holds the
-    element-wise bound), and 1.0 if the V^T kernel's bytes differ from its PyTorch form. The lengths stay
+    element-wise bound), and 1.0 if the V^T kernel's or the cast kernels' bytes differ from their PyTorch
+    forms. The lengths stay
     as they are under ``--small``: a forward of a few blocks is quick under racecheck, and a cut would leave
     one tile."""
+    from flash_attention.ops import fp8_cast
     from flash_attention.ops.fp8_forward import cuda_forward_e4m3
     from flash_attention.ops.fp8_values import transposed_values, transposed_values_reference
+    from flash_attention.spec import fp8 as spec_fp8
 
     b, sq, sk, hq, hkv, causal, d = case
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -588,6 +592,18 @@ def run_fp8_case(case, seed: int) -> float:
     vt = transposed_values(v)
     torch.cuda.synchronize()
     if not torch.equal(vt.view(torch.uint8), transposed_values_reference(v).view(torch.uint8)):
+        return 1.0
+    # The cast kernels (ops.fp8_cast): attention(fp8=True)'s quantizing of a bf16 tensor and the backward's
+    # dequantizing, against spec.fp8's bytes.
+    x = (torch.randn(b, sq, hq, d, generator=gen, device="cuda") * 5).to(torch.bfloat16)
+    x8, x_descale = fp8_cast.quantize(x, hkv)
+    want8, want_descale = spec_fp8.quantize(x, hkv)
+    dequantized = fp8_cast.dequantize(q, descales[0], hkv)
+    if not (
+        torch.equal(x8.view(torch.uint8), want8.view(torch.uint8))
+        and torch.equal(x_descale, want_descale)
+        and torch.equal(dequantized, spec_fp8.dequantize(q, descales[0], hkv))
+    ):
         return 1.0
     group = hq // hkv
     exact = [

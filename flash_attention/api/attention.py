@@ -74,7 +74,9 @@ class _QuantizedThrough(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, t: torch.Tensor, heads_kv: int) -> torch.Tensor:
-        return _fp8.dequantize(*_fp8.quantize(t, heads_kv), heads_kv)
+        from ..ops import fp8_cast  # (here: only FP8 calls pay for its import)
+
+        return fp8_cast.dequantize(*fp8_cast.quantize(t, heads_kv), heads_kv, powers_of_two=True)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -306,8 +308,10 @@ def attention(
                 k_descale=k_descale, v_descale=v_descale, return_lse=return_lse,
             )  # fmt: skip
             return _result(o, lse, return_lse)
+        from ..ops import fp8_cast
+
         heads_kv = k.shape[2]
-        q, k, v = (_fp8.dequantize(t, d, heads_kv) for t, d in zip((q, k, v), descales, strict=True))
+        q, k, v = (fp8_cast.dequantize(t, d, heads_kv) for t, d in zip((q, k, v), descales, strict=True))
     # A call whose signature ran before and ended in one planned launch repeats that launch, skipping every
     # decision below (ops.repeat says what a signature holds and why; kernel-log step 52).
     key = None

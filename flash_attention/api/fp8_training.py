@@ -11,6 +11,7 @@ Two entry points, one backward:
   recipe's own autograd function): the bf16 gradients with respect to the dequantized q, k and v of
   ``attention(q8, k8, v8, q_descale=..., ...)``'s output, given that output and its LSE.
 
+The casts are ops.fp8_cast's kernels where they take the tensors (spec.fp8's forms, bit for bit, elsewhere).
 The backward: the e4m3 tensors dequantized to bf16 (spec.fp8.dequantize: the exact product rounded once,
 as PyTorch's FP8-input practice does before its bf16 attention), then our bf16 backward (or the PyTorch
 fallback off CUDA) with the forward's output and LSE. So it costs the bf16 backward's time plus three
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from ..ops import fp8_cast as _fp8_cast
 from ..spec import OpOptions
 from ..spec import fp8 as _fp8
 from ..spec.validate import validate
@@ -46,7 +48,7 @@ def _dequantized_backward(
     ``powers_of_two``: the descales are spec.fp8.quantize's (spec.fp8.dequantize then works in bf16)."""
     heads_kv = e4m3[1].shape[-2]
     q, k, v = (
-        _fp8.dequantize(t, d, heads_kv, powers_of_two=powers_of_two)
+        _fp8_cast.dequantize(t, d, heads_kv, powers_of_two=powers_of_two)
         for t, d in zip(e4m3, descales, strict=True)
     )
     dq, dk, dv = backward_impl(dout, q, k, v, out, lse, options)
@@ -61,7 +63,7 @@ class _E4m3Attention(torch.autograd.Function):
         from ..ops.fp8_forward import cuda_forward_e4m3  # (here: only FP8 calls pay for its import)
 
         heads_kv = k.shape[2]
-        e4m3, descales = zip(*(_fp8.quantize(t, heads_kv) for t in (q, k, v)), strict=True)
+        e4m3, descales = zip(*(_fp8_cast.quantize(t, heads_kv) for t in (q, k, v)), strict=True)
         out, lse = cuda_forward_e4m3(
             *e4m3, causal=causal, softmax_scale=scale, q_descale=descales[0], k_descale=descales[1],
             v_descale=descales[2], return_lse=True,

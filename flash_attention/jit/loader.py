@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from ..configs import BwdConfig, KernelConfig
 from ..configs.decode import DecodeConfig
+from ..configs.fp8_cast import FP8_CAST_ENTRY_POINTS, Fp8CastConfig
 from ..configs.merge import MERGE_PART_DTYPES, MergeConfig
 from ..configs.values_transpose import VALUES_TRANSPOSE_HEAD_DIMS, ValuesTransposeConfig
 from . import driver
@@ -20,6 +21,7 @@ from .sources import kernel_symbol, mask_causals, variant_name
 __all__ = [
     "get_bwd_kernels",
     "get_decode_kernels",
+    "get_fp8_cast_kernels",
     "get_kernel",
     "get_merge_kernels",
     "get_values_transpose_kernels",
@@ -131,3 +133,9 @@ def get_merge_kernels(cfg: MergeConfig, arch: str) -> dict[str, driver.Kernel]:
 def get_values_transpose_kernels(cfg: ValuesTransposeConfig, arch: str) -> dict[int, driver.Kernel]:
     """The V^T layout kernel's entry points by head_dim, compiled or read once."""
     return _entry_points_by(cfg, arch, "values_transpose", VALUES_TRANSPOSE_HEAD_DIMS)
+
+
+def get_fp8_cast_kernels(cfg: Fp8CastConfig, arch: str) -> dict[str, driver.Kernel]:
+    """The FP8 casts' entry points by key (FP8_CAST_ENTRY_POINTS: ``amax_bf16``, ``quantize_bf16``, ...,
+    ``dequantize``), compiled or read once."""
+    return _entry_points_by(cfg, arch, "fp8_cast", FP8_CAST_ENTRY_POINTS)

@@ -261,6 +261,17 @@ class ValuesTransposeParams(ctypes.Structure):
     )
 
 
+class Fp8CastParams(ctypes.Structure):
+    """The twin of ``fa::Fp8CastParams`` (csrc/include/fa/fp8_cast_params.h)."""
+
+    _fields_ = (
+        [(name, _PTR) for name in ("src", "dst", "amax", "descale")]
+        + [(f"src_{kind}_stride", _I64) for kind in ("batch", "row", "head")]
+        + [(name, _I32) for name in ("batch", "seqlen", "heads", "heads_kv", "head_dim")]
+        + [(name, _I32) for name in ("rows_per_block", "descale_per_head")]
+    )
+
+
 def offset_asserts(struct: type[ctypes.Structure], cpp_name: str) -> str:
     """static_asserts pinning the C++ struct's layout to the ctypes one.
 
