@@ -594,15 +594,24 @@ def run_fp8_case(case, seed: int) -> float:
     if not torch.equal(vt.view(torch.uint8), transposed_values_reference(v).view(torch.uint8)):
         return 1.0
     # The cast kernels (ops.fp8_cast): attention(fp8=True)'s quantizing of a bf16 tensor and the backward's
-    # dequantizing, against spec.fp8's bytes.
+    # dequantizing, checked on the CPU (racecheck reports PyTorch's own bf16 amax reduction on the GPU, so
+    # spec.fp8's GPU form is not run here; tests/test_gpu_fp8_cast.py compares the two byte for byte): each
+    # descale a power of two within a factor of two above amax / 448, the bytes x * (1 / descale) clamped
+    # and rounded to e4m3, the dequantized tensor spec.fp8's.
     x = (torch.randn(b, sq, hq, d, generator=gen, device="cuda") * 5).to(torch.bfloat16)
     x8, x_descale = fp8_cast.quantize(x, hkv)
-    want8, want_descale = spec_fp8.quantize(x, hkv)
     dequantized = fp8_cast.dequantize(q, descales[0], hkv)
+    xc, dc = x.cpu().view(b, sq, hkv, hq // hkv, d), x_descale.cpu()
+    amax = xc.float().abs().amax(dim=(1, 3, 4))
+    power_of_two = torch.frexp(dc)[0] == 0.5
+    fits = (amax <= 448 * dc * (1 + 2**-20)) & (amax > 224 * dc * (1 - 2**-20))
+    inverse = (1 / dc).to(torch.bfloat16)[:, None, :, None, None]
+    want8 = (xc * inverse).clamp(-448, 448).to(torch.float8_e4m3fn).view(b, sq, hq, d)
     if not (
-        torch.equal(x8.view(torch.uint8), want8.view(torch.uint8))
-        and torch.equal(x_descale, want_descale)
-        and torch.equal(dequantized, spec_fp8.dequantize(q, descales[0], hkv))
+        power_of_two.all()
+        and fits.all()
+        and torch.equal(x8.cpu().view(torch.uint8), want8.view(torch.uint8))
+        and torch.equal(dequantized.cpu(), spec_fp8.dequantize(q.cpu(), descales[0].cpu(), hkv))
     ):
         return 1.0
     group = hq // hkv
