@@ -62,13 +62,13 @@ def _scaled(b, n, h, d, hk, dtype, layout, seed):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     # kv heads of very different scales: e4m3's subnormals, its middle, bf16's top
     scales = torch.logspace(-30, 30, hk, device="cuda").repeat_interleave(h // hk)
-    if layout == "packed":
-        t = torch.randn(b, n, 3, h, d, generator=gen, device="cuda")[:, :, 1]
-    elif layout == "heads_major":
-        t = torch.randn(b, h, n, d, generator=gen, device="cuda").transpose(1, 2)
-    else:
-        t = torch.randn(b, n, h, d, generator=gen, device="cuda")
-    return (t * scales[None, None, :, None]).to(dtype)
+    if layout == "packed":  # (scaled before the slice: the tensor stays a strided view)
+        full = torch.randn(b, n, 3, h, d, generator=gen, device="cuda") * scales[None, None, None, :, None]
+        return full.to(dtype)[:, :, 1]
+    if layout == "heads_major":
+        full = torch.randn(b, h, n, d, generator=gen, device="cuda") * scales[None, :, None, None]
+        return full.to(dtype).transpose(1, 2)
+    return (torch.randn(b, n, h, d, generator=gen, device="cuda") * scales[None, None, :, None]).to(dtype)
 
 
 SHAPES = [
