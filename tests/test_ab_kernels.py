@@ -1,0 +1,91 @@
+"""tools/ab_kernels.py's parts that need no GPU: a tree's selection points the compiles, the sources digest,
+the loader's table and the launch plans at that tree and puts them back after; the round orders and the
+paired summary; the cases it takes and what it refuses."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from collections import OrderedDict
+
+import pytest
+from repo_tools import ROOT, load_tool
+
+from flash_attention.configs.fp8_cast import Fp8CastConfig
+from flash_attention.jit import cache, compiler, loader
+from flash_attention.ops import backward, forward
+
+ab = load_tool("ab_kernels")
+CSRC = ROOT / "flash_attention" / "csrc"
+
+
+@pytest.fixture
+def tree_b(tmp_path, monkeypatch):
+    """A copy of csrc/ whose FP8 cast header fails to compile with a message of its own, and a disk cache
+    of the test's own."""
+    copy = tmp_path / "csrc"
+    shutil.copytree(CSRC, copy)
+    header = copy / "include" / "fa" / "fp8_cast.cuh"
+    header.write_text('#error "this is tree B"\n' + header.read_text())
+    monkeypatch.setenv("FLASH_ATTENTION_CACHE_DIR", str(tmp_path / "cache"))
+    return copy
+
+
+def test_a_selected_tree_compiles_from_its_own_sources(tree_b):
+    if compiler.load_nvrtc() is None:
+        pytest.skip("NVRTC is not installed")
+    cfg = Fp8CastConfig()
+    digest = cache.sources_digest()
+    with ab.kernel_sources(tree_b, ab.KernelTables()):
+        assert cache.sources_digest() != digest
+        with pytest.raises(compiler.CompileError, match="this is tree B"):
+            cache.build(cfg, "sm_90", "nvrtc")
+    assert cache.sources_digest() == digest and compiler.CSRC == CSRC.resolve()
+    assert cache.build(cfg, "sm_90", "nvrtc").cubin  # (this checkout's sources again)
+
+
+def test_the_tables_are_the_trees_and_come_back_after_an_error(tree_b):
+    tables = ab.KernelTables()
+    before = (loader._loaded, forward._plans._plans, backward._plans._plans, list(compiler.INCLUDE_DIRS))
+    with pytest.raises(RuntimeError, match="inside"):
+        with ab.kernel_sources(tree_b, tables):
+            assert loader._loaded is tables.loaded
+            assert forward._plans._plans is tables.plans[0] and backward._plans._plans is tables.plans[1]
+            assert isinstance(tables.plans[0], OrderedDict)
+            assert compiler.INCLUDE_DIRS == [tree_b / "include", tree_b / "kernels"]
+            raise RuntimeError("inside")
+    after = (loader._loaded, forward._plans._plans, backward._plans._plans, list(compiler.INCLUDE_DIRS))
+    assert all(a is b for a, b in zip(before[:3], after[:3], strict=True)) and before[3] == after[3]
+    # The same tables again: what the tree filled is what it finds.
+    tables.loaded["k"] = "a kernel of tree B"
+    with ab.kernel_sources(tree_b, tables):
+        assert loader._loaded["k"] == "a kernel of tree B"
+    assert "k" not in loader._loaded
+
+
+def test_a_directory_that_is_not_csrc_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="not a csrc/ directory"):
+        with ab.kernel_sources(tmp_path, ab.KernelTables()):
+            pass
+
+
+def test_round_orders_rotate_and_the_summary_pairs_rounds():
+    assert ab.pair_orders(2, 4) == [[0, 1], [1, 0], [0, 1], [1, 0]]
+    assert ab.pair_orders(3, 3) == [[0, 1, 2], [1, 2, 0], [2, 0, 1]]
+    # Tree 1 is 2% faster in every round while the machine drifts by 10% between rounds: the paired ratio
+    # sees the 2%, the medians of the times alone would see the drift.
+    samples = [{0: 1.0 * f, 1: 0.98 * f} for f in (1.0, 1.1, 0.95, 1.05, 1.0)]
+    base, other = ab.paired_summary(samples, 2)
+    assert base["ratio"] == 1.0 and base["faster"] == 0
+    assert other["ratio"] == pytest.approx(0.98) and other["faster"] == 5 and other["rounds"] == 5
+    assert other["ratio_q1"] == pytest.approx(0.98) and other["ratio_q3"] == pytest.approx(0.98)
+    assert other["ms"] == pytest.approx(0.98)
+
+
+def test_cases_and_the_refusals():
+    assert ab.parse_case("30:1:128") == (30.0, True, 128)
+    for bad in ("0:2:128", "0:1", "x:0:64", "0:0:d"):
+        with pytest.raises((argparse.ArgumentTypeError, ValueError)):
+            ab.parse_case(bad)
+    with pytest.raises(SystemExit):
+        ab.main([str(CSRC)])  # one tree: nothing to compare
