@@ -63,6 +63,19 @@ def test_the_tables_are_the_trees_and_come_back_after_an_error(tree_b):
     assert "k" not in loader._loaded
 
 
+def test_tuned_winners_are_read_again_for_each_tree(tree_b, monkeypatch):
+    """Winner tables apply where their sources digest is the tree's: the memo of which tables apply is
+    forgotten when a tree is selected and when it is left."""
+    from flash_attention.ops import winners
+
+    cleared = []
+    monkeypatch.setattr(winners, "clear_memo", lambda: cleared.append(cache.sources_digest()))
+    digest = cache.sources_digest()
+    with ab.kernel_sources(tree_b, ab.KernelTables()):
+        assert cleared == [cache.sources_digest()] and cleared[0] != digest
+    assert cleared[1] == digest and len(cleared) == 2
+
+
 def test_a_directory_that_is_not_csrc_is_refused(tmp_path):
     with pytest.raises(ValueError, match="not a csrc/ directory"):
         with ab.kernel_sources(tmp_path, ab.KernelTables()):

@@ -214,3 +214,16 @@ def test_what_the_kernels_leave_to_spec_fp8(monkeypatch):
 def _poisoned(t: torch.Tensor) -> torch.Tensor:
     t.view(torch.uint8).fill_(0xFF)  # (NaN in every float dtype here, e4m3 included)
     return t
+
+
+def test_never_while_torch_compile_traces(monkeypatch):
+    """Under torch.compile the casts are spec.fp8's PyTorch ops, which it traces (its fake tensors have no
+    data pointer for the kernels): a tensor the kernels would take is refused while it traces."""
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
+    monkeypatch.setattr(fp8_cast, "device_unavailable_reason", lambda index: None)
+    monkeypatch.setattr(fp8_cast, "device_arch", lambda index: "sm_90")
+    t = _bf16(2, 9, 4, 64)
+    assert fp8_cast.kernel_takes(t)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not fp8_cast.kernel_takes(t)

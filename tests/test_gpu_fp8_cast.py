@@ -86,8 +86,9 @@ SHAPES = [
 @pytest.mark.parametrize("shape", SHAPES)
 def test_quantize_is_spec_fp8s_bytes(shape, dtype):
     b, n, h, hk, d = shape
-    if dtype is torch.float16:  # (fp16's range: the scales stay within it)
-        t = (torch.randn(b, n, h, d, device="cuda") * 300).half()
+    if dtype is torch.float16:  # (fp16's range: kv heads of 1e-4 to 1e4)
+        scales = torch.logspace(-4, 4, hk, device="cuda").repeat_interleave(h // hk)
+        t = (torch.randn(b, n, h, d, device="cuda") * scales[None, None, :, None]).half()
     else:
         t = _scaled(b, n, h, d, hk, dtype, "contiguous", seed=sum(shape))
     q8, descale = fp8_cast.quantize(t, hk)
@@ -106,25 +107,31 @@ def test_quantize_reads_strided_layouts(layout):
     _assert_same(descale, want)
 
 
-def test_quantize_edge_heads():
-    """An all-zero kv head (descale 1, zeros), one holding inf and one holding NaN (NaN descale and NaN
-    elements), one whose amax is exactly 448 times a power of two (frexp's mantissa of 0.5), and values
-    that fall under bf16's normal range after scaling (the product's rounding)."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_quantize_edge_heads(dtype):
+    """Per kv head: all zeros (descale 1, zeros), one inf and one NaN (NaN descale and NaN elements), an
+    amax of exactly 448 times a power of two (frexp's mantissa of 0.5), one huge element beside small ones
+    (most of the head rounds to e4m3's subnormals and zero), and, where the dtype holds it, an amax under
+    float32's normal range times 448 (amax / 448 subnormal: frexp there, and the exponent's floor of -126)."""
     b, n, h, hk, d = 2, 65, 8, 8, 64
-    t = torch.randn(b, n, h, d, device="cuda").to(torch.bfloat16)
+    t = torch.randn(b, n, h, d, device="cuda").to(dtype)
     t[:, :, 0] = 0
     t[0, 3, 1, 5] = float("inf")
     t[1, 7, 2, 9] = float("nan")
     t[:, :, 3] = t[:, :, 3].clamp(-1, 1)
     t[:, 0, 3, 0] = 448 * 2.0**-4
-    t[:, :, 4] = t[:, :, 4] * 2.0**-130
-    t[:, 0, 4, 0] = 2.0**100  # the head's amax: its other elements scale far under the normal range
+    t[:, 0, 4, 0] = 6e4 if dtype is torch.float16 else 2.0**100
+    if dtype is not torch.float16:
+        t[:, :, 5] = (torch.randn(b, n, d, device="cuda") * 1e-38).to(dtype)
+        t[:, :, 6] = (torch.randn(b, n, d, device="cuda") * 2.0**-128).to(dtype)
     q8, descale = fp8_cast.quantize(t, hk)
     want8, want = spec.quantize(t, hk)
     _assert_same(q8, want8)
     _assert_same(descale, want)
     assert torch.equal(descale[:, 0].cpu(), torch.ones(b))
     assert descale[0, 1].isnan() and descale[1, 2].isnan()
+    if dtype is not torch.float16:
+        assert (descale[:, 6] == 2.0**-126).all()  # (the floor)
 
 
 @pytest.mark.parametrize("per", ["none", "one", "per_head"])

@@ -39,7 +39,8 @@ from pathlib import Path
 
 import torch
 
-#: What the tool's process turns off before it imports the package (both are read when its modules load).
+#: What the tool's process turns off before it imports the package (repeat calls are chosen when ops.repeat
+#: loads; the host library's switch is read per call).
 ENV = {"FLASH_ATTENTION_REPEAT_CALLS": "0", "FLASH_ATTENTION_HOST_LIBRARY": "0"}
 
 
@@ -67,6 +68,7 @@ def kernel_sources(csrc: Path, tables: KernelTables) -> Iterator[None]:
     from collections import OrderedDict
 
     from flash_attention.jit import cache, compiler, loader
+    from flash_attention.ops import winners
 
     csrc = Path(csrc).resolve()
     if not (csrc / "include" / "fa").is_dir():
@@ -76,6 +78,8 @@ def kernel_sources(csrc: Path, tables: KernelTables) -> Iterator[None]:
     compiler.CSRC = csrc
     compiler.INCLUDE_DIRS[:] = [csrc / "include", csrc / "kernels"]
     cache.sources_digest.cache_clear()
+    # Tuned-winner tables apply where their sources digest is this tree's: forget the memo of the other's.
+    winners.clear_memo()
     loader._loaded = tables.loaded
     for i, c in enumerate(caches):
         c._plans = tables.plans.setdefault(i, OrderedDict())
@@ -87,6 +91,7 @@ def kernel_sources(csrc: Path, tables: KernelTables) -> Iterator[None]:
         for c, plans in zip(caches, saved[3], strict=True):
             c._plans = plans
         cache.sources_digest.cache_clear()
+        winners.clear_memo()
 
 
 def parse_case(text: str) -> tuple[float, bool, int]:

@@ -61,8 +61,10 @@ def kernel_takes_layout(t: torch.Tensor) -> bool:
 
 def kernel_takes(t: torch.Tensor) -> bool:
     """Whether the cast kernels take ``t``: a CUDA tensor of a layout they read (:func:`kernel_takes_layout`)
-    on a GPU that the kernels can run on and that has e4m3 conversions (sm_89 and later)."""
-    if not (t.is_cuda and kernel_takes_layout(t)):
+    on a GPU that the kernels can run on and that has e4m3 conversions (sm_89 and later). Never while
+    torch.compile traces: its fake tensors have no data pointer, and spec.fp8's forms trace as PyTorch ops
+    (as the FP8 forward kernel leaves such calls to them, ops.fp8_forward.kernel_takes)."""
+    if torch.compiler.is_compiling() or not (t.is_cuda and kernel_takes_layout(t)):
         return False
     index = t.get_device()
     return device_unavailable_reason(index) is None and _has_e4m3_conversions(index)
