@@ -3,10 +3,10 @@
 Two entry points, one backward:
 
 * ``attention(q, k, v, fp8=True)`` on bf16 tensors, where the e4m3 forward kernel takes the call
-  (ops.fp8_forward.kernel_takes): q, k and v quantized per (batch, kv head) (spec.fp8.quantize), the e4m3
-  kernel's output and LSE, and, for autograd, the e4m3 tensors and their descales kept (a byte an element
-  where a bf16 call keeps two). Its gradients reach the bf16 tensors with the quantization passed through
-  (the derivative of the round trip taken as 1, as FP8 training recipes treat their GEMMs).
+  (ops.fp8_forward.kernel_takes): q, k and v quantized per (batch, kv head) (spec.fp8.quantize's rule),
+  the e4m3 kernel's output and LSE, and, for autograd, the e4m3 tensors and their descales kept (a byte an
+  element where a bf16 call keeps two). Its gradients reach the bf16 tensors with the quantization passed
+  through (the derivative of the round trip taken as 1, as FP8 training recipes treat their GEMMs).
 * :func:`attention_fp8_backward` for e4m3 inputs (the call that holds quantized tensors already, e.g. a
   recipe's own autograd function): the bf16 gradients with respect to the dequantized q, k and v of
   ``attention(q8, k8, v8, q_descale=..., ...)``'s output, given that output and its LSE.

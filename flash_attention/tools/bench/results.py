@@ -45,10 +45,11 @@ OURS_DETERMINISTIC = "flash_attention_deterministic"
 #: Plain ``attention()`` on a decode grid's contiguous cache (``--mode decode`` only): the call of a user who
 #: decodes with a loop of their own, which must be as fast as ``attention_with_kvcache`` (it may route there).
 OURS_PLAIN_CALL = "flash_attention.attention"
-#: Ours on FP8 inputs (``--mode fwd``; not in the default sweep): the sweep's bf16 tensors quantized to e4m3
+#: Ours on FP8 inputs (not in the default sweep). ``--mode fwd``: the sweep's bf16 tensors quantized to e4m3
 #: with a descale per (batch, kv head) outside the timing (spec.fp8.quantize), then attention() on them,
-#: which on Hopper at head_dim 128 runs the e4m3 kernel (ops.fp8_forward) and elsewhere dequantizes; its
-#: rows carry dtype "fp8_e4m3" beside the bf16 rows of the same run.
+#: which on Hopper at head_dim 64, 128 and 256 runs the e4m3 kernel (ops.fp8_forward) and elsewhere
+#: dequantizes; backward modes: attention(..., fp8=True) on the bf16 tensors, its quantizing timed with it.
+#: Its rows carry dtype "fp8_e4m3" beside the bf16 rows of the same run.
 OURS_FP8 = "flash_attention_fp8"
 KNOWN_IMPLS = (*DEFAULT_IMPLS, OURS_DETERMINISTIC, OURS_PLAIN_CALL, OURS_FP8)
 
