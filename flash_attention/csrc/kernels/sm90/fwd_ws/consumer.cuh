@@ -42,6 +42,7 @@ __device__ __forceinline__ void fwd_ws_consumer(const FwdTmaParams& tp, const Fw
   using Rows = typename FwdWsScheduler<Cfg, Mask>::Rows;
   using Work = typename Mainloop::Tile;
   constexpr bool kTileOverlap = FwdWsBuild<Cfg, kDropout>::kTileOverlap;
+  constexpr bool kKFirst = FwdWsBuild<Cfg, kDropout>::kKFirst;
   constexpr int BC = Cfg::kBlockKV;
   constexpr int KS = Mainloop::KS;  // k-steps of O += P V
   constexpr int NS = BC / 8;   // 8-column n-tiles of S
@@ -201,9 +202,12 @@ __device__ __forceinline__ void fwd_ws_consumer(const FwdTmaParams& tp, const Fw
       for (int it = 1; it < n_iter; ++it) {
         mbar_wait(sm.k_full(ml.slot(w, it)), ml.phase(w, it));
         float sacc[NS * 4];
-        mbar_wait(sm.v_full(ml.slot(w, it - 1)), ml.phase(w, it - 1));
+        // kKFirst: the producer loads K_j before V_{j-1} (producer.cuh), so S_j is issued before the wait
+        // for V_{j-1}; a late V then delays only its own product, not S_j's.
+        if constexpr (!kKFirst) mbar_wait(sm.v_full(ml.slot(w, it - 1)), ml.phase(w, it - 1));
         ml.take_turn();
         ml.issue_s_at(sacc, w, it);
+        if constexpr (kKFirst) mbar_wait(sm.v_full(ml.slot(w, it - 1)), ml.phase(w, it - 1));
         ml.issue_pv_at(pf, w, it - 1);
         if constexpr (kSumOnCudaCores)
           if (ml.bounded) add_p_row_sums<BC>(ml.row_sum_p, pf);  // P_{j-1}'s, under its product

@@ -95,7 +95,7 @@ __device__ __forceinline__ void fwd_ws_body(const FwdTmaParams& tp) {
   const Scheduler sched(p);
   const int wg = tid / 128;
   if (wg == 0) {
-    fwd_ws_producer<Cfg, Mask>(tp, sm, sched);  // (producer.cuh)
+    fwd_ws_producer<Cfg, Mask, kDropout>(tp, sm, sched);  // (producer.cuh)
     return;
   }
   fwd_ws_consumer<Cfg, V, kDropout>(tp, sm, sched);  // (consumer.cuh)

@@ -49,6 +49,11 @@ struct FwdWsBuild {
   // in the trace build, whose tracer is the tile's own (there the epilogue runs at the tile's end, and the
   // traced values are the same), nor in the dropout builds (NVRTC spilled 28-68 bytes with it).
   static constexpr bool kTileOverlap = Cfg::kTileOverlap && !FA_TRACE && !kDropout;
+  // K of the next block loaded before V of this one, and the consumers' wait for V_{j-1} after they issue
+  // S_j (producer.cuh and consumer.cuh say why). Only the overlapped builds: the in-order ones need V_j
+  // before K_{j+1}. Not the dropout builds: with this order NVRTC spilled 180-188 bytes in their head_dim
+  // 128 consumers (4-24 with the consumer's loop rewritten alone).
+  static constexpr bool kKFirst = Cfg::kOverlap && !kDropout;
 };
 
 // The block's shared memory: the buffers' addresses and the mbarriers'. Built by every thread from the

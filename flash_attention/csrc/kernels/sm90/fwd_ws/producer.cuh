@@ -7,6 +7,12 @@
 // arrive on q_full with Q's bytes (none for a tile without keys, or for the stop sign that ends the loop),
 // then per K/V block wait for the slot's k_empty (v_empty) from its second use on and arrive on k_full
 // (v_full) with the tile's bytes ahead of its loads. It never waits for a load to land: the consumers do.
+//
+// The order of a tile's loads (FwdWsBuild::kKFirst, the overlapped builds but dropout's): K_0, then per
+// block j K_{j+1} and V_j. With two stages K_{j+1}'s slot frees once every consumer has read K_{j-1} (early
+// in their step j - 1), V_j's only once P_{j-2} V_{j-2} has completed (late in that step); K_{j+1} queued
+// behind V_j would wait for the later of the two, and S_{j+1} is the product the consumers issue first.
+// The in-order builds load K_j, V_j: their step j needs V_j before S_{j+1}.
 #pragma once
 
 #include "fa/params.h"
@@ -20,7 +26,7 @@
 namespace fa {
 namespace sm90 {
 
-template <class Cfg, class Mask>
+template <class Cfg, class Mask, bool kDropout>
 __device__ __forceinline__ void fwd_ws_producer(const FwdTmaParams& tp, const FwdWsSmem<Cfg> sm,
                                                 const FwdWsScheduler<Cfg, Mask> sched) {
   using Smem = FwdWsSmem<Cfg>;
@@ -92,31 +98,47 @@ __device__ __forceinline__ void fwd_ws_producer(const FwdTmaParams& tp, const Fw
       FA_TIMELINE_EVENT(tl, kQIssued, tile);
       ++q_loads;
       const int kv_head = x.head / p.group;
-      for (int it = 0; it < n_iter; ++it, ++ring) {
-        const int s = ring % NST;
-        // The slot's previous K (load ring - NST) must have been read by every consumer warp: that was
-        // the (ring / NST - 1)-th completion of k_empty[s]; the same for V below.
-        const u32 reuse = (ring / NST - 1) & 1;
-        if (ring >= NST) mbar_wait(sm.k_empty(s), reuse);
-        const int row = origin + (blocks.begin + it) * BC;
+      // Block n of the producer's count (this tile's block n - first + blocks.begin) to slot n % NST. The
+      // slot's previous K (load n - NST) must have been read by every consumer warp: that was the
+      // (n / NST - 1)-th completion of k_empty[slot]; the same for V.
+      const int first = ring;
+      auto row_of = [&](int n) { return origin + (blocks.begin + n - first) * BC; };
+      auto load_k = [&](int n) {
+        const int s = n % NST;
+        if (n >= NST) mbar_wait(sm.k_empty(s), (u32)((n / NST - 1) & 1));
         mbar_arrive_expect_tx(sm.k_full(s), kKTile);
 #pragma unroll
         for (int pn = 0; pn < NP; ++pn)
-          tma_load_4d(sm.sK + s * kKTile + pn * BC * PB, &tp.k_map, sm.k_full(s), PW * pn, row, kv_head,
+          tma_load_4d(sm.sK + s * kKTile + pn * BC * PB, &tp.k_map, sm.k_full(s), PW * pn, row_of(n), kv_head,
                       x.batch);
-        FA_TIMELINE_EVENT(tl, kKIssued, ring);
-        if (ring >= NST) mbar_wait(sm.v_empty(s), reuse);
+        FA_TIMELINE_EVENT(tl, kKIssued, n);
+      };
+      auto load_v = [&](int n) {
+        const int s = n % NST;
+        if (n >= NST) mbar_wait(sm.v_empty(s), (u32)((n / NST - 1) & 1));
         mbar_arrive_expect_tx(sm.v_full(s), kVTile);
 #pragma unroll
         for (int pn = 0; pn < NPV; ++pn) {
           if constexpr (Smem::kE4M3)  // (keys row + VPB pn on, all DV rows)
             tma_load_4d(sm.sV + s * kVTile + pn * Cfg::kHeadDimV * VPB, &tp.v_map, sm.v_full(s),
-                        row + VPB * pn, 0, kv_head, x.batch);
+                        row_of(n) + VPB * pn, 0, kv_head, x.batch);
           else
-            tma_load_4d(sm.sV + s * kVTile + pn * BC * 128, &tp.v_map, sm.v_full(s), 64 * pn, row, kv_head,
-                        x.batch);
+            tma_load_4d(sm.sV + s * kVTile + pn * BC * 128, &tp.v_map, sm.v_full(s), 64 * pn, row_of(n),
+                        kv_head, x.batch);
         }
-        FA_TIMELINE_EVENT(tl, kVIssued, ring);
+        FA_TIMELINE_EVENT(tl, kVIssued, n);
+      };
+      if constexpr (FwdWsBuild<Cfg, kDropout>::kKFirst) {
+        load_k(ring);
+        for (int it = 0; it < n_iter; ++it, ++ring) {
+          if (it + 1 < n_iter) load_k(ring + 1);
+          load_v(ring);
+        }
+      } else {
+        for (int it = 0; it < n_iter; ++it, ++ring) {
+          load_k(ring);
+          load_v(ring);
+        }
       }
     }
     if constexpr (!Cfg::kPersistent) break;
