@@ -135,9 +135,31 @@ __device__ __forceinline__ void fwd_ws_producer(const FwdTmaParams& tp, const Fw
           load_v(ring);
         }
       } else {
+        // (main's loop as it was, not load_k and load_v in turn: in the dropout builds, whose consumers are
+        // at their register limit, that form alone cost 4 bytes of spills in three d128 kernels)
         for (int it = 0; it < n_iter; ++it, ++ring) {
-          load_k(ring);
-          load_v(ring);
+          const int s = ring % NST;
+          const u32 reuse = (ring / NST - 1) & 1;
+          if (ring >= NST) mbar_wait(sm.k_empty(s), reuse);
+          const int row = origin + (blocks.begin + it) * BC;
+          mbar_arrive_expect_tx(sm.k_full(s), kKTile);
+#pragma unroll
+          for (int pn = 0; pn < NP; ++pn)
+            tma_load_4d(sm.sK + s * kKTile + pn * BC * PB, &tp.k_map, sm.k_full(s), PW * pn, row, kv_head,
+                        x.batch);
+          FA_TIMELINE_EVENT(tl, kKIssued, ring);
+          if (ring >= NST) mbar_wait(sm.v_empty(s), reuse);
+          mbar_arrive_expect_tx(sm.v_full(s), kVTile);
+#pragma unroll
+          for (int pn = 0; pn < NPV; ++pn) {
+            if constexpr (Smem::kE4M3)  // (keys row + VPB pn on, all DV rows)
+              tma_load_4d(sm.sV + s * kVTile + pn * Cfg::kHeadDimV * VPB, &tp.v_map, sm.v_full(s),
+                          row + VPB * pn, 0, kv_head, x.batch);
+            else
+              tma_load_4d(sm.sV + s * kVTile + pn * BC * 128, &tp.v_map, sm.v_full(s), 64 * pn, row, kv_head,
+                          x.batch);
+          }
+          FA_TIMELINE_EVENT(tl, kVIssued, ring);
         }
       }
     }
