@@ -233,9 +233,10 @@ __device__ __forceinline__ void fwd_ws_consumer(const FwdTmaParams& tp, const Fw
         // and the max) must be done before the wait (fa/wgmma.cuh says why ptxas would hoist the wait).
         // Measured on the H100 against ptxas's own order (kernel-log step 58): +1-5% at head_dim 128 and
         // 256, -1-3% at 64 in the 128-row builds. On the H200, in one process, the 192-row head_dim 64
-        // builds run 0.5-2% faster with it (kernel log 170), so it holds from 64 on; below, untried.
+        // builds run 0.5-2% faster with it (kernel log 170), so it holds from 64 on (below, untried) but
+        // in the dropout builds, which keep 128 (at d64 they spilled 4-16 bytes with it).
         // (sm.sQ only names a shared address for the store, which never executes: head_dim > 0.)
-        if constexpr (Cfg::kHeadDimV >= 64)
+        if constexpr (Cfg::kHeadDimV >= (kDropout ? 128 : 64))
           order_before_wgmma_wait(ml.row_sum[0] + ml.row_sum[1], sm.sQ, p.head_dim);
 #endif
         wgmma_wait<0>();

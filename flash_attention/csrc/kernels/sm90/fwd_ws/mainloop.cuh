@@ -148,7 +148,8 @@ struct FwdWsMainloop {
   // made from threadIdx.x, ptxas kept it in ordinary ones and moved both words over (R2UR) and added each
   // k-step's offset with a carried IADD3 / IMAD.X before every S product. Measured in one process on an
   // H200 (kernel log 170): 1-1.6% faster at d128 4k and 16k causal, level at 16k non-causal; at d64 (the
-  // 192-row builds) 0.7-1.4% slower, as backward step 124 found there, so d64 keeps threadIdx.x's form.
+  // 192-row builds) 0.7-1.4% slower, as backward step 124 found there, so d64 keeps threadIdx.x's form, as
+  // do the dropout builds (at their register limit: the uniform form spilled 4-80 bytes at d128 and d192).
   const u64 q_desc;
   const u64 k_desc;
   const u64 v_desc;
@@ -187,7 +188,7 @@ struct FwdWsMainloop {
       : p(p),
         sm(sm),
         th(th),
-        q_desc(qk_desc(sm.sQ + (D >= 128 ? warpgroup_index() - 1 : th.cwg) * 64 * PB)),
+        q_desc(qk_desc(sm.sQ + (D >= 128 && !kDropout ? warpgroup_index() - 1 : th.cwg) * 64 * PB)),
 #if FA_TRACE
         // (The planted fault kWrongSwizzle starts K's descriptor one row late: fa/trace.cuh.)
         k_desc(qk_desc(sm.sK + trace::wrong_swizzle_bytes(p.trace_fault))),
