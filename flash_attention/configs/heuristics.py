@@ -93,10 +93,10 @@ def _hopper_default(dtype: str, d: int, n: int, causal: bool) -> KernelConfig:
     the two, every pick is within 5% of the winner at every length from 512 to 16k, causal or not. All picks
     are warp-specialized with intra-warpgroup overlap (K and V slots freed apart, so a 2-deep ring suffices
     and leaves room for larger tiles) except at head_dim 256 and 512 keys.
-    * Up to 2k keys at head_dim 64, up to 1k (2k causal) at 128, the persistent grid: one block per SM
-      takes query tiles from an atomic counter, and loads the next tile's Q and K/V while the current one
-      finishes. Short blocks are where the launch and prologue of a new block cost most: +12% at head_dim
-      128, 512 keys.
+    * Up to 1k keys at head_dim 64 (2k causal), up to 1k (2k causal) at 128, the persistent grid: one
+      block per SM takes query tiles from an atomic counter, and loads the next tile's Q and K/V while the
+      current one finishes. Short blocks are where the launch and prologue of a new block cost most: +12% at
+      head_dim 128, 512 keys.
     * Beyond, one block per tile, and key tiles as large as a 2-deep ring allows: 128 x 128 at head_dim 128
       (176 keys from 4k non-causal and 8k causal, where the longer tile's fewer barriers pay), three
       consumer warpgroups of 64 rows over 128-key tiles at head_dim 64 (160 registers each), 112 keys at
@@ -106,27 +106,32 @@ def _hopper_default(dtype: str, d: int, n: int, causal: bool) -> KernelConfig:
     * The persistent grid with each tile's epilogue under the next tile's first S (``tile_overlap``, two
       Q buffers) where it led the previous pick in both of two H100 runs
       (benchmarks/results/h100-2026-11-26-tile-overlap-2q-ab.json; docs/kernel-log.md, steps 63-64): head_dim
-      64 non-causal up to 2k (+0.1-3.0%), head_dim 128 causal at 1k and 2k (+0.4%, +3.5%) and non-causal at
-      4k (+2.4%). It loses 1-3% at head_dim 128 non-causal 512-1k and is level at 64 causal.
+      64 non-causal up to 1k (+0.1-3.0%) and head_dim 128 non-causal at 4k (+2.4%). It loses 1-3% at head_dim
+      128 non-causal 512-1k and is level at 64 causal.
+    * Two picks from an H200's in-process A/B of the configs (kernel log 171;
+      benchmarks/results/ab/h200-2026-11-30-fwd-picks-d{64,128}-9af4672.json), each within 5% of the winner
+      of both H100 sweeps above too: head_dim 64 non-causal at 2k on the 192-row tile (7% faster there than
+      the persistent 176-key tile with overlap), head_dim 128 causal at 1k and 2k on the persistent grid
+      without the tile overlap (2.1% and 0.9% faster; the H100 runs had the overlap 0.4% and 3.5% ahead).
     * Ping-pong between the consumer warpgroups is not a default: on top of overlap it beat the best config
       without it by more than 1.5% at 3 of the two sweeps' 96 points, none in both (docs/kernel-log.md, step
       36, has its progression step).
     """
     short = n < 3072  # the 512, 1k and 2k buckets
     if d == 64:
-        if short:
-            if causal:
-                return _ws(dtype, 64, 128, 128, 2, overlap=True, persistent=True, causal=causal)
+        if causal and short:
+            return _ws(dtype, 64, 128, 128, 2, overlap=True, persistent=True, causal=causal)
+        if not causal and n < 1536:
             return _ws(
                 dtype, 64, 128, 176, 3, overlap=True, persistent=True, tile_overlap=True, causal=causal
             )
         return _ws(dtype, 64, 192, 128, 2, overlap=True, causal=causal)
     if d == 128:
-        if (causal and 768 <= n < 3072) or (not causal and 3072 <= n < 6144):
+        if not causal and 3072 <= n < 6144:
             return _ws(
                 dtype, 128, 128, 128, 2, overlap=True, persistent=True, tile_overlap=True, causal=causal
             )
-        if n < 1536:
+        if n < 1536 or (causal and short):
             return _ws(dtype, 128, 128, 128, 2, overlap=True, persistent=True, causal=causal)
         wide = n >= 12288 if causal else n >= 3072  # causal from 16k, non-causal from 4k
         return _ws(dtype, 128, 128, 176 if wide else 128, 2, overlap=True, causal=causal)
