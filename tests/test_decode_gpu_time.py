@@ -18,3 +18,11 @@ def test_bytes_are_k_and_v_of_every_kv_head():
     # batch 1, 32k keys, 8 K/V heads of 128 bf16 values, K and V: 128 MiB
     assert tool.cache_bytes(32768, 1) == 2 * 32768 * 8 * 128 * 2 == 128 * 2**20
     assert tool.cache_bytes(1024, 8) == 8 * tool.cache_bytes(1024, 1)
+
+
+def test_calls_are_the_decode_benchs_own():
+    from flash_attention.tools.bench import decode as bench
+
+    assert set(tool.BENCH_IMPLS) == set(tool.IMPLS)
+    assert tool.BENCH_IMPLS["kvcache"] == bench.OURS and tool.BENCH_IMPLS["attention"] == bench.PLAIN_CALL
+    assert tool.BENCH_IMPLS["cudnn"] in bench.DECODE_IMPLS

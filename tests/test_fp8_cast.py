@@ -10,6 +10,7 @@ import ctypes
 
 import pytest
 import torch
+from nvrtc_units import unit_resources
 
 from flash_attention.configs.fp8_cast import FP8_CAST_ENTRY_POINTS, Fp8CastConfig
 from flash_attention.jit import compiler, sources
@@ -21,18 +22,11 @@ CFG = Fp8CastConfig()
 E4M3 = torch.float8_e4m3fn
 
 
-def _nvrtc():
-    if compiler.load_nvrtc() is None:
-        pytest.skip("NVRTC is not installed")
-
-
 @pytest.mark.parametrize("arch", ["sm_90", "sm_89"])
 def test_the_kernels_compile_without_spills(arch):
     """Every entry point builds for the GPUs with e4m3 conversions, with no spill or stack frame, the amax
     pass's 32 words of shared memory only, and registers that let 6 blocks of 256 threads share an SM."""
-    _nvrtc()
-    result = compiler.compile_nvrtc(sources.kernel_source(CFG), arch, CFG.name())
-    by_name = {r.kernel: r for r in result.resources}
+    by_name = unit_resources(CFG, arch)
     assert set(by_name) == {CFG.symbol(k) for k in FP8_CAST_ENTRY_POINTS}
     for key in FP8_CAST_ENTRY_POINTS:
         r = by_name[CFG.symbol(key)]

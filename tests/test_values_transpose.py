@@ -11,6 +11,7 @@ import ctypes
 
 import pytest
 import torch
+from nvrtc_units import require_nvrtc, unit_resources
 
 from flash_attention.configs.values_transpose import (
     KEY_ORDER_16,
@@ -24,19 +25,12 @@ from flash_attention.ops.fp8_values import kernel_takes_layout, transposed_value
 CFG = ValuesTransposeConfig()
 
 
-def _nvrtc():
-    if compiler.load_nvrtc() is None:
-        pytest.skip("NVRTC is not installed")
-
-
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
 def test_the_kernel_compiles_for_hopper_and_sm80_without_spills(arch):
     """Every head_dim's entry point builds (the kernel uses sm_80 instructions only: cp.async, prmt), with no
     spill or stack frame, the static tile of 128 keys x head_dim bytes and the occupancy its launch assumes
     (at least 4 blocks of 256 threads a multiprocessor by registers; 32 at head_dim 128 under NVRTC 13.0)."""
-    _nvrtc()
-    result = compiler.compile_nvrtc(sources.kernel_source(CFG), arch, CFG.name())
-    by_name = {r.kernel: r for r in result.resources}
+    by_name = unit_resources(CFG, arch)
     assert set(by_name) == {CFG.symbol(d) for d in VALUES_TRANSPOSE_HEAD_DIMS}
     for d in VALUES_TRANSPOSE_HEAD_DIMS:
         r = by_name[CFG.symbol(d)]
@@ -48,7 +42,7 @@ def test_the_kernel_compiles_for_hopper_and_sm80_without_spills(arch):
 def test_a_key_order_other_than_key_order_16_fails_the_compile(monkeypatch):
     """The unit static_asserts fa::values_key_at against the Python order, so the kernel cannot drift from
     the layout tests/test_fp8_values.py checks against P V."""
-    _nvrtc()
+    require_nvrtc()
     swapped = list(KEY_ORDER_16)
     swapped[2], swapped[3] = swapped[3], swapped[2]
     monkeypatch.setattr(sources, "KEY_ORDER_16", tuple(swapped))

@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ab_kernels import pair_orders  # noqa: E402  (a sibling script: the rotation of the rounds)
+from ab_kernels import pair_orders, paired_summary  # noqa: E402  (a sibling script: rounds and ratios)
 
 #: Per head_dim, the standing candidates by label: ws_config's arguments after the dtype and head_dim
 #: (block_q, block_kv, stages, then its flags). The tiles and schedules the Hopper picks choose among
@@ -81,12 +80,13 @@ def point_configs(head_dim: int, seqlen: int, causal: bool, extra: list[str]) ->
 
 
 def summarize(samples: list[dict[str, float]], labels: list[str]) -> dict:
-    """Per label: the median time (ms), and against "pick" the median of the per-round ratios and the rounds
-    it was faster in."""
-    ms = {x: statistics.median(s[x] for s in samples) for x in labels}
-    ratio = {x: statistics.median(s[x] / s["pick"] for s in samples) for x in labels}
-    faster = {x: sum(s[x] < s["pick"] for s in samples) for x in labels}
-    return {"ms": ms, "ratio": ratio, "faster": faster}
+    """Per label: the median time (ms), and against "pick" (``labels[0]``) the median of the per-round
+    ratios and the rounds it was faster in (ab_kernels.paired_summary, by label)."""
+    assert labels[0] == "pick", labels
+    rows = paired_summary([{i: s[x] for i, x in enumerate(labels)} for s in samples], len(labels))
+    return {
+        key: {x: row[key] for x, row in zip(labels, rows, strict=True)} for key in ("ms", "ratio", "faster")
+    }
 
 
 def time_point(head_dim: int, seqlen: int, causal: bool, configs: dict, pairs: int, calls: int) -> dict:

@@ -4,19 +4,18 @@
         [--json OUT]
 
 Per point (32 / 8 heads, head_dim 128, bf16; more than one query causal at the cache's end, as `bench --mode
-decode` runs them) and per call (ours on the cache, plain attention() and cuDNN's SDPA on a contiguous one):
-the bench's eager timing (flash_attention.tools.common.time_cuda, input sets rotated past the L2, three
-repeats), the GPU time of 20 calls captured in one CUDA graph (the launches' host cost gone), our split
-count and config (ops.decode's), and the kernels a call runs with their CUDA times (torch.profiler; with
-programmatic launches a kernel's time includes its wait for the one before). Where the eager time is far
-above the graph's, the point is host-bound and a single run's comparison is the host's (kernel log,
-decode.md, eighteenth session). Needs a CUDA GPU.
+decode` runs them) and per call (ours on the cache, plain attention() and cuDNN's SDPA on a contiguous one,
+each made by the decode bench's own `_call`): the bench's eager timing
+(flash_attention.tools.common.time_cuda, input sets rotated past the L2, three repeats), the GPU time of 20
+calls captured in one CUDA graph (the launches' host cost gone), our split count and config (ops.decode's),
+and the kernels a call runs with their CUDA times (torch.profiler; with programmatic launches a kernel's time
+includes its wait for the one before). Where the eager time is far above the graph's, the point is host-bound
+and a single run's comparison is the host's (kernel log, decode.md, eighteenth session). Needs a CUDA GPU.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import random
 import statistics
@@ -25,6 +24,8 @@ from pathlib import Path
 
 HEADS, HEADS_KV, HEAD_DIM = 32, 8, 128
 IMPLS = ("kvcache", "attention", "cudnn")
+#: Each call's implementation in `bench --mode decode` (flash_attention.tools.bench.decode), which makes it.
+BENCH_IMPLS = {"kvcache": "flash_attention", "attention": "flash_attention.attention", "cudnn": "sdpa_cudnn"}
 
 
 def parse_keys(text: str) -> list[int]:
@@ -41,32 +42,6 @@ def impls_at(page_size: int) -> tuple[str, ...]:
 def cache_bytes(keys: int, batch: int) -> int:
     """Bytes of K and V read per call (bf16)."""
     return 2 * batch * keys * HEADS_KV * HEAD_DIM * 2
-
-
-def _calls(impl, qs, sets, lengths, seqlen_q):
-    """``(fn(i), context)`` of one call on input set ``i``."""
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    import flash_attention as fa
-
-    if impl == "kvcache":
-        return (
-            lambda i: fa.attention_with_kvcache(
-                qs[i], sets[i][0], sets[i][1], cache_seqlens=lengths, block_table=sets[i][2]
-            )
-        ), contextlib.nullcontext()
-    if impl == "attention":
-        return (
-            lambda i: fa.attention(qs[i], sets[i][0], sets[i][1], causal=seqlen_q > 1)
-        ), contextlib.nullcontext()
-    views = [
-        (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        for q, (k, v, _) in zip(qs, sets, strict=True)
-    ]
-    return (lambda i: F.scaled_dot_product_attention(*views[i], enable_gqa=True)), sdpa_kernel(
-        SDPBackend.CUDNN_ATTENTION
-    )
 
 
 def _graph_us(fn, n_sets: int) -> float:
@@ -123,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from flash_attention.ops import decode
-    from flash_attention.tools.bench.decode import DecodeSettings, _cache
+    from flash_attention.tools.bench.decode import DecodeSettings, _cache, _call
     from flash_attention.tools.common import input_sets_needed, l2_bytes, time_cuda
 
     # The plan's split count and config, as ops.decode makes them (read back from its splits_for).
@@ -151,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                 ]
                 lengths = torch.full((args.batch,), keys, dtype=torch.int32, device="cuda")
                 for impl in impls_at(page):
-                    fn, context = _calls(impl, qs, sets, lengths, seqlen_q)
+                    fn, context = _call(BENCH_IMPLS[impl], qs, sets, lengths)
                     seen.clear()
                     with context:
                         eager = [time_cuda(fn, n_sets, min_time_s=0.1).ms * 1e3 for _ in range(3)]
