@@ -2,7 +2,8 @@
 // csrc/kernels/sm90/bwd_ws: warp-specialized) run the same way on a warpgroup's 64 keys: the five matrix
 // products of the transposed chain, the packing of P^T and dS^T into A fragments, dS^T's store for dQ, and
 // the dK/dV epilogue, from registers or staged through shared memory (the wide-head-dim kernels,
-// csrc/kernels/sm90/bwd_wide and bwd_wide_ws, use some of them too).
+// csrc/kernels/sm90/bwd_wide and bwd_wide_ws, use some of them too). kPlainAdd: desc_advance's form for
+// the descriptors (fa/wgmma.cuh).
 //
 // Operand layouts (csrc/kernels/sm90/bwd/bwd_kernel.cuh says more): tiles in shared memory as 64-column
 // panels of 128-byte rows with the 128-byte swizzle (fa/smem_layout.cuh, PanelTile); K, V, Q and dO read
@@ -35,17 +36,17 @@ struct DqSplit {
 // Q or dO tile (b_desc, starting b_off bytes in): S^T = K Q^T and dP^T = V dO^T. D / 16 k-steps of 16
 // columns, 32 bytes along a row, every fourth starting the next panel (BC * 128 bytes on in K's and V's
 // tiles, BR * 128 in Q's and dO's).
-template <int BR, int BC, int D, bool BF>
+template <int BR, int BC, int D, bool BF, bool kPlainAdd = false>
 __device__ __forceinline__ void issue_key_rows_product(float (&acc)[BR / 2], u64 a_desc, u64 b_desc,
                                                        u32 b_off) {
   // (The step's offset once, the k-steps' constants after it: advanced together, (b_off + c) >> 4 cost a
   // shift and an add per wgmma.)
-  const u64 b_step = desc_advance(b_desc, b_off);
+  const u64 b_step = desc_advance<kPlainAdd>(b_desc, b_off);
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
     const u32 a_off = (kk / 4) * BC * 128 + (kk % 4) * 32;
     const u32 b_k = (kk / 4) * BR * 128 + (kk % 4) * 32;
-    Wgmma<BR, BF>::ss(acc, desc_advance(a_desc, a_off), desc_advance(b_step, b_k), kk > 0);
+    Wgmma<BR, BF>::ss(acc, desc_advance<kPlainAdd>(a_desc, a_off), desc_advance<kPlainAdd>(b_step, b_k), kk > 0);
   }
 }
 
@@ -119,21 +120,23 @@ __device__ __forceinline__ void issue_dv_dk(float (&dv)[D / 2], float (&dk)[D / 
 // (dO or Q, read MN-major at byte offset b_off of qt_desc's tiles), for a kernel that issues something
 // between them (bwd_ws: dV, then dQ, then dK, so that dQ lands while dK still runs) or one product per
 // warpgroup (the wide kernel).
-template <int BR, int D, bool BF>
+template <int BR, int D, bool BF, bool kPlainAdd = false>
 __device__ __forceinline__ void issue_key_rows_acc(float (&acc)[D / 2], const u32 (&a)[BR / 16][4], u64 qt_desc,
                                                    u32 b_off) {
-  const u64 b_step = desc_advance(qt_desc, b_off);
+  const u64 b_step = desc_advance<kPlainAdd>(qt_desc, b_off);
 #pragma unroll
-  for (int ks = 0; ks < BR / 16; ++ks) Wgmma<D, BF>::rs_bt(acc, a[ks], desc_advance(b_step, ks * 16 * 128), 1);
+  for (int ks = 0; ks < BR / 16; ++ks)
+    Wgmma<D, BF>::rs_bt(acc, a[ks], desc_advance<kPlainAdd>(b_step, ks * 16 * 128), 1);
 }
 
 // dQ (64 queries x N columns) = dS K over the block's BC keys, both operands transposed: A = dS^T's tile
 // read M-major (ds_desc), B = K read MN-major (kt_desc), 16 keys per k-step.
-template <int BC, int N, bool BF>
+template <int BC, int N, bool BF, bool kPlainAdd = false>
 __device__ __forceinline__ void issue_dq(float (&dq)[N / 2], u64 ds_desc, u64 kt_desc) {
 #pragma unroll
   for (int kk = 0; kk < BC / 16; ++kk)
-    Wgmma<N, BF>::ss_tt(dq, desc_advance(ds_desc, kk * 16 * 128), desc_advance(kt_desc, kk * 16 * 128), kk > 0);
+    Wgmma<N, BF>::ss_tt(dq, desc_advance<kPlainAdd>(ds_desc, kk * 16 * 128),
+                        desc_advance<kPlainAdd>(kt_desc, kk * 16 * 128), kk > 0);
 }
 
 // One head_dim-wide fp32 accumulator of the warp's two key rows (row0 + g, row0 + g + 8 of the block) into

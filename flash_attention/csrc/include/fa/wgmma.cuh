@@ -26,15 +26,28 @@ __device__ __forceinline__ u64 smem_desc_sw64(u32 addr, u32 lead_bytes, u32 stri
 }
 
 // `desc` with its start address advanced by `bytes` (a multiple of 16: a k-step, a pipeline slot, a panel).
-// A 32-bit add to the descriptor's low word: every address inside shared memory (under 256 KB) keeps the
-// 14-bit start field from carrying, so the high word never changes. Written as a 64-bit add, ptxas could
-// not know that and emitted a carried add (IADD3 + IMAD.X, or ULEA + UMOV + UIADD3.64) before every wgmma
-// (kernel log 124). The backward kernels use it; the forward and decode kernels keep the 64-bit add, as
-// there the same change (with warpgroup_index) measured 5.8% slower at head_dim 64 causal.
+// Two forms of the same value: every address inside shared memory (under 256 KB) keeps the 14-bit start
+// field from carrying, so the high word never changes.
+// - The joined form (default): a 32-bit add into the low word, joined to the unchanged high word. Step 124
+//   wrote it for descriptors then held in ordinary registers, where a 64-bit add compiled to a carried
+//   IADD3 / IMAD.X (or ULEA + UMOV + UIADD3.64) before every wgmma. In uniform registers it makes a new
+//   register pair per wgmma instead, whose high word ptxas fills with a UMOV.
+// - kPlainAdd: the 64-bit add, one UIADD3.64 where the descriptor is uniform (warpgroup_index). In bwd_ws's
+//   builds without a row-dependent mask (kernel log 173, H200, one process: 2.1-2.4% off forward+backward at
+//   d64 and d128 non-causal, the d128 step loop 481 -> 453 instructions, UMOV 68 -> 16). Not causal, where
+//   the same change measured 0.2-3.2% slower though its loops also shrank, nor the wide kernel (d256,
+//   1-1.7% slower).
+// The forward and decode kernels keep their own 64-bit adds (`desc + (off >> 4)`): there the joined form
+// (with warpgroup_index) measured 5.8% slower at head_dim 64 causal.
+template <bool kPlainAdd = false>
 __device__ __forceinline__ u64 desc_advance(u64 desc, u32 bytes) {
-  u64 out;
-  asm("mov.b64 %0, {%1, %2};\n" : "=l"(out) : "r"((u32)desc + (bytes >> 4)), "r"((u32)(desc >> 32)));
-  return out;
+  if constexpr (kPlainAdd) {
+    return desc + (u64)(bytes >> 4);
+  } else {
+    u64 out;
+    asm("mov.b64 %0, {%1, %2};\n" : "=l"(out) : "r"((u32)desc + (bytes >> 4)), "r"((u32)(desc >> 32)));
+    return out;
+  }
 }
 
 // This thread's warpgroup in the block (threadIdx.x / 128), broadcast from lane 0 so that the compiler knows

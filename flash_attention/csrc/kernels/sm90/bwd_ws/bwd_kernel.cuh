@@ -129,6 +129,10 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
                 "the register split exceeds the block's allocation");
   using QTile = PanelTile<BR>;   // Q and dO in shared memory
   using KVTile = PanelTile<BC>;  // K, V and dS^T
+  // The descriptors' offsets as 64-bit adds (fa/wgmma.cuh desc_advance) where the mask does not depend on
+  // the row; causal measured slower with them. The dropout and deterministic builds keep the joined form
+  // (not timed with it; their consumers are at their register limits).
+  constexpr bool kPlainAdd = !Mask::kRowDependent && !kDropout && !kDeterministic;
 
   extern __shared__ __align__(16) unsigned char smem[];
   const u32 base = (smem_addr(smem) + 1023u) & ~1023u;
@@ -448,9 +452,9 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
     float sc[BR / 2], dp[BR / 2];
     const typename V::ScoreMod score_mod(p, batch, head);
     wgmma_fence();
-    issue_key_rows_product<BR, BC, D, BF>(sc, k_desc, q_desc, qoff);
+    issue_key_rows_product<BR, BC, D, BF, kPlainAdd>(sc, k_desc, q_desc, qoff);
     wgmma_commit();
-    issue_key_rows_product<BR, BC, D, BF>(dp, v_desc, q_desc, kDOOff + qoff);
+    issue_key_rows_product<BR, BC, D, BF, kPlainAdd>(dp, v_desc, q_desc, kDOOff + qoff);
     wgmma_commit();
 
     // Dropout (kDropout; keep mask Z, kept elements scaled by rp = 1 / (1 - p), fa/dropout.cuh): dV takes
@@ -647,7 +651,7 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
     // with the tensor cores idle (the order of FlashAttention-3's and -4's Hopper backward;
     // docs/backward-study.md, stage 1).
     wgmma_fence();
-    issue_key_rows_acc<BR, D, BF>(dv, pf, qt_desc, kDOOff + qoff);
+    issue_key_rows_acc<BR, D, BF, kPlainAdd>(dv, pf, qt_desc, kDOOff + qoff);
     wgmma_commit();
     FA_TIMELINE_EVENT(tl, kBwdDSStored, it);
 
@@ -660,9 +664,9 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
     // ---- dQ = dS K (this warpgroup's 64 x DQN part), then dK += dS^T Q ------------------------------------
     float dq[DQN / 2];
     wgmma_fence();
-    issue_dq<BC, DQN, BF>(dq, desc_advance(ds_desc, dsoff), kt_desc);
+    issue_dq<BC, DQN, BF, kPlainAdd>(dq, desc_advance<kPlainAdd>(ds_desc, dsoff), kt_desc);
     wgmma_commit();
-    issue_key_rows_acc<BR, D, BF>(dk, sf, qt_desc, qoff);
+    issue_key_rows_acc<BR, D, BF, kPlainAdd>(dk, sf, qt_desc, qoff);
     wgmma_commit();
     wgmma_wait<1>();  // dV and dQ have landed; dK may still run
     wgmma_hold(dq);
