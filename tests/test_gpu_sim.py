@@ -28,7 +28,7 @@ from flash_attention.fallback.reference import attention_reference, causal_allow
 from flash_attention.ops.plans import device_facts
 from flash_attention.ops.winners import SEQLEN_BUCKETS
 from flash_attention.tools import debug, sanity
-from flash_attention.tools.sim import TraceSpec, simulate
+from flash_attention.tools.sim import TraceSpec, lazy_reference, simulate
 
 pytestmark = pytest.mark.gpu
 
@@ -182,9 +182,10 @@ def test_planted_faults_are_located(name, tmp_path, capsys):
     cfg = parse_config(name)
     q, k, v = _inputs(1, 300, 300, 2, 2, cfg.head_dim, DTYPES[cfg.dtype], 23)
     spec = TraceSpec(0, 1, 1, cfg.compute_warps - 1)
-    # The ws kernel's lazy reference at head_dim 256 moves only when a block's max passes it by 2^8: scores
-    # on a scale of 1 (not 1/16) spread far enough for some row's to move after the first step.
-    scale = 1.0 if cfg.warp_specialized and cfg.head_dim >= 256 else None
+    # The ws kernel's lazy reference (sim.lazy_reference) moves only when a block's max passes it by 2^8:
+    # scores on a scale of 1 (not 1/sqrt(head_dim)) spread far enough for some row's to move after the first
+    # step.
+    scale = 1.0 if lazy_reference(cfg, row_dependent_mask=False) else None
     *_, tr_s = simulate(q, k, v, cfg, softmax_scale=scale, trace=spec)
 
     # Skipped rescale: O goes wrong at the first step where some row's max grew (alpha < 1), not before.

@@ -153,8 +153,8 @@ def test_trace_is_consistent(name, causal):
     qrows = torch.zeros(wm, cfg.head_dim, dtype=torch.float64)
     qrows[inside, :d] = q[0, rows[inside], 3].double()
 
-    # The ws kernel's lazy reference max at head_dim 256 (fa/softmax.cuh kLazy): M is then the reference.
-    lazy = cfg.warp_specialized and cfg.head_dim >= 256
+    # The ws kernel's lazy reference max (fa/softmax.cuh kLazy): M is then the reference.
+    lazy = sim.lazy_reference(cfg, causal)
     running_m = torch.full((wm,), float("-inf"), dtype=torch.float64)
     l_expect = torch.zeros(wm, dtype=torch.float64)
     o_expect = torch.zeros(wm, cfg.head_dim, dtype=torch.float64)

@@ -210,6 +210,14 @@ def _format_tensor(name: str, t: torch.Tensor, per_line: int = 16) -> list[str]:
 # fp32 operations as the kernel performs them
 
 
+def lazy_reference(cfg: KernelConfig, row_dependent_mask: bool) -> bool:
+    """Whether the kernel keeps a lazy reference max (LAZY_MARGIN): the ws kernel's kLazyMax
+    (csrc/kernels/sm90/fwd_ws/mainloop.cuh), from head_dim 128, and at 64 without a mask that depends on the
+    row (causal, a window and a packed batch's runs do)."""
+    d = cfg.head_dim
+    return cfg.warp_specialized and (d >= 128 or (d >= 64 and not row_dependent_mask))
+
+
 def _f32(x: float) -> float:
     """``x`` rounded to fp32 (how a Python float lands in a float field of FwdParams)."""
     return float(torch.tensor(x, dtype=torch.float32))
@@ -398,10 +406,8 @@ class _Run:
         self.scale_f = _f32(scale)  # FwdParams::scale
         self.sl2 = _f32(scale * _LOG2E)  # FwdParams::scale_log2
         self.log2e_f = _f32(_LOG2E)  # the constant inside __expf
-        # The ws kernel's kLazyMax (csrc/kernels/sm90/fwd_ws/mainloop.cuh): from head_dim 128, and at 64
-        # where no mask depends on the row (causal, a window and a packed batch's runs do).
         row_dependent = causal or self.var.window is not None or self.var.runs is not None
-        self.lazy = cfg.warp_specialized and (dd >= 128 or (dd >= 64 and not row_dependent))
+        self.lazy = lazy_reference(cfg, row_dependent)
 
         # Inputs rounded to the kernel's dtype, then exact in float64; zero padding where the kernel's copies
         # zero-fill (rows past the sequence, columns past head_dim).
