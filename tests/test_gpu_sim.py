@@ -185,7 +185,7 @@ def test_planted_faults_are_located(name, tmp_path, capsys):
     # The ws kernel's lazy reference (sim.lazy_reference) moves only when a block's max passes it by 2^8:
     # scores on a scale of 1 (not 1/sqrt(head_dim)) spread far enough for some row's to move after the first
     # step.
-    scale = 1.0 if lazy_reference(cfg, row_dependent_mask=False) else None
+    scale = 1.0 if lazy_reference(cfg) else None
     *_, tr_s = simulate(q, k, v, cfg, softmax_scale=scale, trace=spec)
 
     # Skipped rescale: O goes wrong at the first step where some row's max grew (alpha < 1), not before.

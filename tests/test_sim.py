@@ -154,7 +154,7 @@ def test_trace_is_consistent(name, causal):
     qrows[inside, :d] = q[0, rows[inside], 3].double()
 
     # The ws kernel's lazy reference max (fa/softmax.cuh kLazy): M is then the reference.
-    lazy = sim.lazy_reference(cfg, causal)
+    lazy = sim.lazy_reference(cfg)
     running_m = torch.full((wm,), float("-inf"), dtype=torch.float64)
     l_expect = torch.zeros(wm, dtype=torch.float64)
     o_expect = torch.zeros(wm, cfg.head_dim, dtype=torch.float64)

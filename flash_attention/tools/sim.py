@@ -17,8 +17,8 @@ two can be compared number for number:
   first and ``__expf``'s ``exp2(x * log2e)``), the -inf guard that subtracts 0 for a row that has seen no
   key, the rescale factor alpha applied to L and O, each lane's partial row sum (pairs of columns added in
   n-tile order) and their quad reduction at the end;
-* the lazy reference of the warp-specialized kernel from head_dim 128, and at 64 without a row-dependent
-  mask (fa/softmax.cuh kLazy; sm90/fwd_ws/mainloop.cuh kLazyMax): M moves only
+* the lazy reference of the warp-specialized kernel at head_dim 256 (fa/softmax.cuh kLazy;
+  sm90/fwd_ws/mainloop.cuh kLazyMax): M moves only
   when a block's max exceeds it by more than LAZY_MARGIN in base 2, and alpha is then exactly 1;
 * the same rounding points: each ``mma.sync`` step (16 products summed, then added to the fp32
   accumulator; a wgmma instruction is one such 16-deep step too) as one rounding, P rounded to fp16/bf16
@@ -210,12 +210,10 @@ def _format_tensor(name: str, t: torch.Tensor, per_line: int = 16) -> list[str]:
 # fp32 operations as the kernel performs them
 
 
-def lazy_reference(cfg: KernelConfig, row_dependent_mask: bool) -> bool:
+def lazy_reference(cfg: KernelConfig) -> bool:
     """Whether the kernel keeps a lazy reference max (LAZY_MARGIN): the ws kernel's kLazyMax
-    (csrc/kernels/sm90/fwd_ws/mainloop.cuh), from head_dim 128, and at 64 without a mask that depends on the
-    row (causal, a window and a packed batch's runs do)."""
-    d = cfg.head_dim
-    return cfg.warp_specialized and (d >= 128 or (d >= 64 and not row_dependent_mask))
+    (csrc/kernels/sm90/fwd_ws/mainloop.cuh), at head_dim 256."""
+    return cfg.warp_specialized and cfg.head_dim >= 256
 
 
 def _f32(x: float) -> float:
@@ -406,8 +404,7 @@ class _Run:
         self.scale_f = _f32(scale)  # FwdParams::scale
         self.sl2 = _f32(scale * _LOG2E)  # FwdParams::scale_log2
         self.log2e_f = _f32(_LOG2E)  # the constant inside __expf
-        row_dependent = causal or self.var.window is not None or self.var.runs is not None
-        self.lazy = lazy_reference(cfg, row_dependent)
+        self.lazy = lazy_reference(cfg)
 
         # Inputs rounded to the kernel's dtype, then exact in float64; zero padding where the kernel's copies
         # zero-fill (rows past the sequence, columns past head_dim).
