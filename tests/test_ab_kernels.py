@@ -96,8 +96,14 @@ def test_round_orders_rotate_and_the_summary_pairs_rounds():
 
 
 def test_cases_and_the_refusals():
-    assert ab.parse_case("30:1:128") == (30.0, True, 128)
-    for bad in ("0:2:128", "0:1", "x:0:64", "0:0:d"):
+    assert ab.parse_case("30:1:128") == (30.0, True, 128, {})
+    assert ab.parse_case("0:0:64:det:drop10") == (
+        0.0,
+        False,
+        64,
+        {"deterministic": True, "dropout_p": 0.1, "dropout_seed": 1234},
+    )
+    for bad in ("0:2:128", "0:1", "x:0:64", "0:0:d", "0:0:64:fast", "0:0:64:drop", "0:0:64:det:det"):
         with pytest.raises((argparse.ArgumentTypeError, ValueError)):
             ab.parse_case(bad)
     with pytest.raises(SystemExit):

@@ -23,7 +23,9 @@ So that every call reaches the loader, the process turns off what keeps kernels 
 and the host library (FLASH_ATTENTION_REPEAT_CALLS=0, FLASH_ATTENTION_HOST_LIBRARY=0, set before the
 import; the Python launch path then adds its host time, so a timed call should be long enough to hide it,
 a millisecond or more), and the backward's background prefetch (compiles run where the tree is selected).
-A case is ``softcap:causal:head_dim`` with bf16 inputs of --shape (batch, seqlen, heads). Needs a CUDA GPU.
+A case is ``softcap:causal:head_dim[:option...]`` with bf16 inputs of --shape (batch, seqlen, heads); options
+``det``, the deterministic backward, and ``dropNN``, dropout_p NN / 100 with a fixed seed (as
+tools/ab_trees.py writes it), e.g. ``0:0:128:det:drop10``. Needs a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -94,11 +96,25 @@ def kernel_sources(csrc: Path, tables: KernelTables) -> Iterator[None]:
         winners.clear_memo()
 
 
-def parse_case(text: str) -> tuple[float, bool, int]:
+def parse_case(text: str) -> tuple[float, bool, int, dict]:
+    """softcap:causal(0|1):head_dim[:det][:dropNN] -> (softcap, causal, head_dim, the options' call
+    arguments)."""
     parts = text.split(":")
-    if len(parts) != 3 or parts[1] not in ("0", "1") or not parts[2].isdigit():
-        raise argparse.ArgumentTypeError(f"a case is softcap:causal(0|1):head_dim; got {text!r}")
-    return float(parts[0]), parts[1] == "1", int(parts[2])
+    options = parts[3:]
+    extra: dict = {}
+    for o in options:
+        if o == "det" and "deterministic" not in extra:
+            extra["deterministic"] = True
+        elif o[:4] == "drop" and o[4:].isdigit() and 0 < int(o[4:]) < 100 and "dropout_p" not in extra:
+            extra.update(dropout_p=int(o[4:]) / 100, dropout_seed=1234)
+        else:
+            extra = None
+            break
+    if len(parts) < 3 or parts[1] not in ("0", "1") or not parts[2].isdigit() or extra is None:
+        raise argparse.ArgumentTypeError(
+            f"a case is softcap:causal(0|1):head_dim[:det][:dropNN]; got {text!r}"
+        )
+    return float(parts[0]), parts[1] == "1", int(parts[2]), extra
 
 
 def pair_orders(n_trees: int, pairs: int) -> list[list[int]]:
@@ -135,7 +151,7 @@ def time_case(case, trees, tables, mode: str, shape, pairs: int, calls: int) -> 
     compiles its kernels where it is selected)."""
     import flash_attention as fa
 
-    cap, causal, d = case
+    cap, causal, d, extra = case
     b, s, h = shape
     grad = mode == "fwd_bwd"
     q, k, v = (
@@ -144,7 +160,7 @@ def time_case(case, trees, tables, mode: str, shape, pairs: int, calls: int) -> 
     do = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
 
     def call():
-        o = fa.attention(q, k, v, causal=causal, softcap=cap)
+        o = fa.attention(q, k, v, causal=causal, softcap=cap, **extra)
         if grad:
             torch.autograd.grad(o, (q, k, v), do)
 
@@ -173,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("trees", nargs="+", type=Path, help="csrc/ directories, the first the baseline")
     ap.add_argument("--mode", choices=["fwd", "fwd_bwd"], default="fwd_bwd")
-    ap.add_argument("--cases", default="0:0:128,0:1:128", help="softcap:causal:head_dim,...")
+    ap.add_argument("--cases", default="0:0:128,0:1:128", help="softcap:causal:head_dim[:det][:dropNN],...")
     ap.add_argument("--shape", default="4,4096,16", help="batch,seqlen,heads (default 4,4096,16)")
     ap.add_argument("--pairs", type=int, default=40, help="rounds of samples (one per tree each)")
     ap.add_argument("--calls", type=int, default=3, help="calls per sample, between two events")
