@@ -101,19 +101,15 @@ def parse_case(text: str) -> tuple[float, bool, int, dict]:
     arguments)."""
     parts = text.split(":")
     options = parts[3:]
-    extra: dict = {}
-    for o in options:
-        if o == "det" and "deterministic" not in extra:
-            extra["deterministic"] = True
-        elif o[:4] == "drop" and o[4:].isdigit() and 0 < int(o[4:]) < 100 and "dropout_p" not in extra:
-            extra.update(dropout_p=int(o[4:]) / 100, dropout_seed=1234)
-        else:
-            extra = None
-            break
-    if len(parts) < 3 or parts[1] not in ("0", "1") or not parts[2].isdigit() or extra is None:
+    drops = [o for o in options if o[:4] == "drop" and o[4:].isdigit() and 0 < int(o[4:]) < 100]
+    known = options.count("det") <= 1 and len(drops) <= 1 and all(o == "det" or o in drops for o in options)
+    if len(parts) < 3 or parts[1] not in ("0", "1") or not parts[2].isdigit() or not known:
         raise argparse.ArgumentTypeError(
             f"a case is softcap:causal(0|1):head_dim[:det][:dropNN]; got {text!r}"
         )
+    extra = {"deterministic": True} if "det" in options else {}
+    if drops:
+        extra.update(dropout_p=int(drops[0][4:]) / 100, dropout_seed=1234)
     return float(parts[0]), parts[1] == "1", int(parts[2]), extra
 
 

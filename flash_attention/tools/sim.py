@@ -18,8 +18,8 @@ two can be compared number for number:
   key, the rescale factor alpha applied to L and O, each lane's partial row sum (pairs of columns added in
   n-tile order) and their quad reduction at the end;
 * the lazy reference of the warp-specialized kernel at head_dim 256 (fa/softmax.cuh kLazy;
-  sm90/fwd_ws/mainloop.cuh kLazyMax): M moves only
-  when a block's max exceeds it by more than LAZY_MARGIN in base 2, and alpha is then exactly 1;
+  sm90/fwd_ws/mainloop.cuh kLazyMax, here lazy_reference): M moves only when a block's max exceeds it by
+  more than LAZY_MARGIN in base 2, and alpha is then exactly 1;
 * the same rounding points: each ``mma.sync`` step (16 products summed, then added to the fp32
   accumulator; a wgmma instruction is one such 16-deep step too) as one rounding, P rounded to fp16/bf16
   before P·V, O / L in fp32 and cast to the output dtype, LSE in fp32.

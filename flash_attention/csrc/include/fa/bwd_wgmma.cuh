@@ -46,7 +46,8 @@ __device__ __forceinline__ void issue_key_rows_product(float (&acc)[BR / 2], u64
   for (int kk = 0; kk < D / 16; ++kk) {
     const u32 a_off = (kk / 4) * BC * 128 + (kk % 4) * 32;
     const u32 b_k = (kk / 4) * BR * 128 + (kk % 4) * 32;
-    Wgmma<BR, BF>::ss(acc, desc_advance<kPlainAdd>(a_desc, a_off), desc_advance<kPlainAdd>(b_step, b_k), kk > 0);
+    Wgmma<BR, BF>::ss(acc, desc_advance<kPlainAdd>(a_desc, a_off), desc_advance<kPlainAdd>(b_step, b_k),
+                      kk > 0);
   }
 }
 
