@@ -42,6 +42,7 @@ CANDIDATES: dict[int, dict[str, tuple]] = {
     64: {
         "np192": (192, 128, 2, {"overlap": True}),
         "p192": (192, 128, 2, {"overlap": True, "persistent": True}),
+        "pto192": (192, 128, 2, {"overlap": True, "persistent": True, "tile_overlap": True}),
         "pto176": (128, 176, 3, {"overlap": True, "persistent": True, "tile_overlap": True}),
         "p128": (128, 128, 2, {"overlap": True, "persistent": True}),
         "np128_176": (128, 176, 3, {"overlap": True}),
