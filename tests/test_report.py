@@ -286,3 +286,39 @@ def test_a_variants_histogram_beside_the_plain_builds(tmp_path, monkeypatch, cap
     assert "window build, non-causal" in out and "__window" in out
     # --against-plain without a variant is refused.
     assert report.main(["--configs", name, "--against-plain"]) == 2
+
+
+# A kernel in cuobjdump's layout: a step loop (0x0020-0x0060) with a matrix instruction, a wait whose retry
+# ptxas put after it (a two-instruction loop of its own, then a jump back into the step loop from outside),
+# and registers named only before and after the loop (R1-R4, R20).
+_SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   IMAD R20, R3, R4, RZ ;
+        /*0020*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT ;
+        /*0030*/                   FMNMX R5, R24, R25, !PT ;
+        /*0040*/              @!P0 BRA 0x80 ;
+        /*0050*/                   FADD R6, R5, R6 ;
+        /*0060*/               @P1 BRA 0x20 ;
+        /*0070*/                   STG.E desc[UR6][R2.64], R20 ;
+        /*0080*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR8], R7 ;
+        /*0090*/              @!P0 BRA 0x80 ;
+        /*00a0*/                   BRA 0x50 ;
+        /*00b0*/                   EXIT ;
+"""
+
+
+def test_step_loop_is_the_innermost_loop_with_matrix_instructions():
+    ins = report.instructions(_SASS)
+    a, b = report.step_loop(ins)
+    assert (ins[a][0], ins[b][0]) == (0x20, 0x60)
+    # The retry (0x80-0x90) has no matrix instruction; the jump back in (0x50-0xa0) holds the step loop's
+    # back edge's target but starts inside it: neither is the step loop.
+    lines = report.loop_lines(_SASS)
+    assert lines[0].startswith("step loop: 5 instructions (0x0020-0x0060)")
+    assert "names 4 of the kernel's 10 registers" in lines[0]
+    assert lines[1] == "not named in it (6): R1 R2 R3 R4 R7 R20"
+    # Without a matrix instruction there is no step loop.
+    assert report.step_loop(report.instructions(_SASS.replace("HGMMA.64x128x16.F32.BF16", "FMUL"))) is None
+    assert report.loop_lines(_SASS.replace("HGMMA.64x128x16.F32.BF16", "FMUL")) == [
+        "no loop with matrix instructions"
+    ]

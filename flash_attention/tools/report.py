@@ -133,6 +133,54 @@ def instructions(sass: str) -> list[tuple[int, str, str]]:
     return out
 
 
+def step_loop(ins: list[tuple[int, str, str]]) -> tuple[int, int] | None:
+    """(first, last) positions in ``ins`` (:func:`instructions`) of the kernel's step loop: the longest loop
+    (a backward branch and its target) that runs matrix instructions (HGMMA, HMMA) and holds no other loop
+    whole. None without one. (A wait's retry that ptxas puts out of line, after the loop, jumps back into it
+    from outside: such a range is not the loop's, nor inside it.)"""
+    at = {addr: i for i, (addr, _, _) in enumerate(ins)}
+    loops = []
+    for i, (addr, op, rest) in enumerate(ins):
+        target = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
+        if target and int(target[1], 16) <= addr and int(target[1], 16) in at:
+            loops.append((at[int(target[1], 16)], i))
+
+    def innermost(a: int, b: int) -> bool:
+        return not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)
+
+    steps = [
+        (a, b)
+        for a, b in loops
+        if innermost(a, b) and any(ins[k][1] in ("HGMMA", "HMMA") for k in range(a, b + 1))
+    ]
+    return max(steps, key=lambda ab: ab[1] - ab[0], default=None)
+
+
+def registers_of(ins: list[tuple[int, str, str]]) -> set[int]:
+    """The general registers (R0, R1, ...) the instructions name; RZ is none of them."""
+    return {int(r) for _, _, rest in ins for r in re.findall(r"\bR(\d+)\b", rest)}
+
+
+def loop_lines(sass: str) -> list[str]:
+    """What a kernel's step loop holds: its length, the registers it names, and the kernel's registers it
+    never names. Those are held through the loop by values the code after it needs (or belong to another
+    warp role of a warp-specialized kernel): values ptxas hoisted out of an enclosing loop land there and
+    take registers from the step loop (kernel log 181)."""
+    ins = instructions(sass)
+    found = step_loop(ins)
+    if found is None:
+        return ["no loop with matrix instructions"]
+    a, b = found
+    body = ins[a : b + 1]
+    inside, everywhere = registers_of(body), registers_of(ins)
+    outside = sorted(everywhere - inside)
+    return [
+        f"step loop: {len(body)} instructions ({ins[a][0]:#06x}-{ins[b][0]:#06x}), "
+        f"names {len(inside)} of the kernel's {len(everywhere)} registers",
+        f"not named in it ({len(outside)}): " + (" ".join(f"R{r}" for r in outside) or "none"),
+    ]
+
+
 def sass_histograms(cubin: bytes) -> dict[str, Counter]:
     """Instruction counts per kernel (opcode; MUFU keeps its function, e.g. MUFU.EX2)."""
     return {
@@ -306,7 +354,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arch", default="sm_90", help="target architecture (default sm_90)")
     ap.add_argument("--compiler", choices=["nvrtc", "nvcc"], default=None)
     ap.add_argument("--sass", action="store_true", help="instruction histogram of each kernel (cuobjdump)")
-    ap.add_argument("--causal", action="store_true", help="with --sass/--compare: the causal entry point")
+    ap.add_argument(
+        "--loop",
+        action="store_true",
+        help="each kernel's step loop: its length, registers and the kernel's registers it never names",
+    )
+    ap.add_argument(
+        "--causal", action="store_true", help="with --sass/--compare/--loop: the causal entry point"
+    )
     ap.add_argument(
         "--compare", nargs=2, metavar=("A", "B"), help="two configs side by side (implies --sass)"
     )
@@ -351,6 +406,12 @@ def main(argv: list[str] | None = None) -> int:
                 ]  # fmt: skip
                 print(f"\n{cfg.name()}: A = plain, B = {variant} ({entry} entry point, {args.arch})")
                 print(_hist_table([("A", pair[0][1]), ("B", pair[1][1])]))
+        elif args.loop:
+            for cfg in cfgs:
+                text = sass_by_function(_build(cfg, args.arch, args.compiler, variant).cubin)
+                print(f"\n{cfg.name()} ({variant} build, {entry}, {args.arch})")
+                for line in loop_lines(text[main_symbol(cfg, args.causal, variant)]):
+                    print("  " + line)
         elif args.sass or args.compare:
             hists = []
             for cfg in cfgs:
