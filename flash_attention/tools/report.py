@@ -157,8 +157,25 @@ def step_loop(ins: list[tuple[int, str, str]]) -> tuple[int, int] | None:
 
 
 def registers_of(ins: list[tuple[int, str, str]]) -> set[int]:
-    """The general registers (R0, R1, ...) the instructions name; RZ is none of them."""
-    return {int(r) for _, _, rest in ins for r in re.findall(r"\bR(\d+)\b", rest)}
+    """The general registers (R0, R1, ...) the instructions use; RZ is none of them. A matrix instruction
+    names only the first register of each fragment, so its ranges are counted whole: a wgmma's m64nN
+    accumulator N / 2 registers in fp32 (N / 4 in fp16) and its A fragment 4; an mma.sync's accumulators 4
+    (fp32, the kernels' only accumulation), A 4, B 2."""
+    used: set[int] = set()
+    for _, op, rest in ins:
+        regs = [int(r) for r in re.findall(r"\bR(\d+)\b", rest)]
+        if op == "HGMMA" and regs:
+            # (instructions() leaves the shape's "x<N>x<K>.<accumulator type>" at the head of the operands)
+            shape = re.match(r"x(\d+)x\d+\.(F32|F16)", rest)
+            acc = int(shape[1]) // (2 if shape[2] == "F32" else 4) if shape else 1
+            spans = [acc if r == regs[0] else 4 for r in regs]
+        elif op == "HMMA" and len(regs) == 4:
+            spans = [4, 4, 2, 4]
+        else:
+            spans = [1] * len(regs)
+        for r, n in zip(regs, spans, strict=True):
+            used.update(range(r, r + n))
+    return used
 
 
 def loop_lines(sass: str) -> list[str]:
