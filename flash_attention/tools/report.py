@@ -135,25 +135,22 @@ def instructions(sass: str) -> list[tuple[int, str, str]]:
 
 def step_loop(ins: list[tuple[int, str, str]]) -> tuple[int, int] | None:
     """(first, last) positions in ``ins`` (:func:`instructions`) of the kernel's step loop: the longest loop
-    (a backward branch and its target) that runs matrix instructions (HGMMA, HMMA) and holds no other loop
-    whole. None without one. (A wait's retry that ptxas puts out of line, after the loop, jumps back into it
-    from outside: such a range is not the loop's, nor inside it.)"""
+    (a backward branch and its target) that runs matrix instructions (HGMMA, HMMA) and holds no other such
+    loop whole (a persistent tile loop holds its step loop; a wait's retry inside a step is no matrix loop).
+    None without one. (A retry that ptxas puts out of line, after the loop, jumps back into it from outside:
+    such a range is neither the loop nor inside it.)"""
     at = {addr: i for i, (addr, _, _) in enumerate(ins)}
     loops = []
     for i, (addr, op, rest) in enumerate(ins):
         target = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
         if target and int(target[1], 16) <= addr and int(target[1], 16) in at:
             loops.append((at[int(target[1], 16)], i))
+    matrix = [(a, b) for a, b in loops if any(ins[k][1] in ("HGMMA", "HMMA") for k in range(a, b + 1))]
 
     def innermost(a: int, b: int) -> bool:
-        return not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)
+        return not any(a <= c and d <= b and (c, d) != (a, b) for c, d in matrix)
 
-    steps = [
-        (a, b)
-        for a, b in loops
-        if innermost(a, b) and any(ins[k][1] in ("HGMMA", "HMMA") for k in range(a, b + 1))
-    ]
-    return max(steps, key=lambda ab: ab[1] - ab[0], default=None)
+    return max((ab for ab in matrix if innermost(*ab)), key=lambda ab: ab[1] - ab[0], default=None)
 
 
 def registers_of(ins: list[tuple[int, str, str]]) -> set[int]:
