@@ -63,7 +63,10 @@ COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
     "build": ("pre-compile every kernel a model can need (--arch sm_80,sm_90; --list)", _build),
     "demo": ("Transformer encoder with stock vs our attention: time and GPU memory by seqlen", _demo),
     "autotune": ("time every surviving kernel config per shape class and cache the winners", _autotune),
-    "report": ("registers, shared memory, spills, occupancy and (--sass) instruction counts", _report),
+    "report": (
+        "registers, smem, spills, occupancy, SASS counts (--sass), step loops (--loop)",
+        _report,
+    ),
     "debug": ("trace one warp of a kernel and of the tile simulator; name the first difference", _debug),
     "sanity": ("check GPU, compiler and cache; compile and run one kernel against the reference", _sanity),
 }

@@ -362,7 +362,8 @@ def _hist_table(hists: list[tuple[str, Counter]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m flash_attention report",
-        description="Registers, shared memory, spills, occupancy and (--sass) instruction counts per kernel.",
+        description="Registers, shared memory, spills, occupancy, (--sass) instruction counts and (--loop) "
+        "step loops per kernel.",
     )
     ap.add_argument("--configs", nargs="*", default=None, help="config names (default: shipped configs)")
     ap.add_argument("--arch", default="sm_90", help="target architecture (default sm_90)")
