@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 
@@ -288,7 +289,7 @@ def test_a_variants_histogram_beside_the_plain_builds(tmp_path, monkeypatch, cap
     assert report.main(["--configs", name, "--against-plain"]) == 2
 
 
-# A kernel in cuobjdump's layout: a step loop (0x0020-0x0060) with a matrix instruction, a wait whose retry
+# A kernel in cuobjdump's layout: a step loop (0x0020-0x0060) with matrix instructions, a wait whose retry
 # ptxas put after it (a two-instruction loop of its own, then a jump back into the step loop from outside),
 # and registers named only before and after the loop (R1-R4, R20).
 _SASS = """
@@ -297,7 +298,7 @@ _SASS = """
         /*0020*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT ;
         /*0030*/                   FMNMX R5, R24, R25, !PT ;
         /*0040*/              @!P0 BRA 0x80 ;
-        /*0050*/                   FADD R6, R5, R6 ;
+        /*0050*/                   HGMMA.64x64x16.F32.BF16 R88, R120, gdesc[UR16].tnspB, R88 ;
         /*0060*/               @P1 BRA 0x20 ;
         /*0070*/                   STG.E desc[UR6][R2.64], R20 ;
         /*0080*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR8], R7 ;
@@ -311,16 +312,16 @@ def test_step_loop_is_the_innermost_loop_with_matrix_instructions():
     ins = report.instructions(_SASS)
     a, b = report.step_loop(ins)
     assert (ins[a][0], ins[b][0]) == (0x20, 0x60)
-    # The retry (0x80-0x90) has no matrix instruction; the jump back in (0x50-0xa0) holds the step loop's
-    # back edge's target but starts inside it: neither is the step loop.
+    # The retry (0x80-0x90) has no matrix instruction; the jump back in (0x50-0xa0) runs the wgmma at 0x50
+    # but crosses the step loop's end: neither is the step loop.
     lines = report.loop_lines(_SASS)
     assert lines[0].startswith("step loop: 5 instructions (0x0020-0x0060)")
-    # The wgmma's m64n128 fp32 accumulator is R24-R87 (64 registers), though it names only R24.
-    assert "names 66 of the kernel's 72 registers" in lines[0]
-    assert set(range(24, 88)) <= report.registers_of(ins[a : b + 1])
+    # A wgmma names only its fragments' first registers: the m64n128 fp32 accumulator is R24-R87, the
+    # m64n64 one R88-R119, the A fragment R120-R123 (R5 too: 101 in the loop).
+    assert "names 101 of the kernel's 107 registers" in lines[0]
+    assert set(range(24, 124)) <= report.registers_of(ins[a : b + 1])
     assert lines[1] == "not named in it (6): R1 R2 R3 R4 R7 R20"
     # Without a matrix instruction there is no step loop.
-    assert report.step_loop(report.instructions(_SASS.replace("HGMMA.64x128x16.F32.BF16", "FMUL"))) is None
-    assert report.loop_lines(_SASS.replace("HGMMA.64x128x16.F32.BF16", "FMUL")) == [
-        "no loop with matrix instructions"
-    ]
+    plain = re.sub(r"HGMMA\.64x\d+x16\.F32\.BF16", "FMUL", _SASS)
+    assert report.step_loop(report.instructions(plain)) is None
+    assert report.loop_lines(plain) == ["no loop with matrix instructions"]

@@ -137,14 +137,20 @@ def step_loop(ins: list[tuple[int, str, str]]) -> tuple[int, int] | None:
     """(first, last) positions in ``ins`` (:func:`instructions`) of the kernel's step loop: the longest loop
     (a backward branch and its target) that runs matrix instructions (HGMMA, HMMA) and holds no other such
     loop whole (a persistent tile loop holds its step loop; a wait's retry inside a step is no matrix loop).
-    None without one. (A retry that ptxas puts out of line, after the loop, jumps back into it from outside:
-    such a range is neither the loop nor inside it.)"""
+    None without one. A wait's retry that ptxas puts out of line, after the loop, jumps back into the loop's
+    middle: its range crosses the loop's end (loops nest, they never cross), and of two crossing ranges the
+    longer is not a loop."""
     at = {addr: i for i, (addr, _, _) in enumerate(ins)}
-    loops = []
+    ranges = []
     for i, (addr, op, rest) in enumerate(ins):
         target = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
         if target and int(target[1], 16) <= addr and int(target[1], 16) in at:
-            loops.append((at[int(target[1], 16)], i))
+            ranges.append((at[int(target[1], 16)], i))
+
+    def crosses_shorter(a: int, b: int) -> bool:
+        return any((c < a <= d < b or a < c <= b < d) and d - c < b - a for c, d in ranges)
+
+    loops = [(a, b) for a, b in ranges if not crosses_shorter(a, b)]
     matrix = [(a, b) for a, b in loops if any(ins[k][1] in ("HGMMA", "HMMA") for k in range(a, b + 1))]
 
     def innermost(a: int, b: int) -> bool:
