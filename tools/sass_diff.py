@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -175,16 +174,13 @@ WATCHED = ("HMMA", "HGMMA", "LDSM", "LDGSTS", "FFMA", "MUFU.EX2", "IMAD")
 
 def histograms(sass: str) -> tuple[Counter, Counter]:
     """Opcode counts of the whole function and of its loop bodies."""
-    from flash_attention.tools.report import instructions
+    from flash_attention.tools.report import branch_ranges, instructions
 
     ins = instructions(sass)
-    index = {addr: i for i, (addr, _, _) in enumerate(ins)}
     in_loop = [False] * len(ins)
-    for i, (addr, op, rest) in enumerate(ins):
-        target = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
-        if target and int(target[1], 16) <= addr and int(target[1], 16) in index:
-            for j in range(index[int(target[1], 16)], i + 1):
-                in_loop[j] = True
+    for first, last in branch_ranges(ins):
+        for j in range(first, last + 1):
+            in_loop[j] = True
     looped = [op for (_, op, _), loop in zip(ins, in_loop, strict=True) if loop]
     return Counter(op for _, op, _ in ins), Counter(looped)
 

@@ -133,6 +133,18 @@ def instructions(sass: str) -> list[tuple[int, str, str]]:
     return out
 
 
+def branch_ranges(ins: list[tuple[int, str, str]]) -> list[tuple[int, int]]:
+    """(target, branch) positions in ``ins`` (:func:`instructions`) of every backward branch: the loops, and
+    the jumps back into one from code after it (a retry that ptxas put out of line)."""
+    at = {addr: i for i, (addr, _, _) in enumerate(ins)}
+    ranges = []
+    for i, (addr, op, rest) in enumerate(ins):
+        target = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
+        if target and int(target[1], 16) <= addr and int(target[1], 16) in at:
+            ranges.append((at[int(target[1], 16)], i))
+    return ranges
+
+
 def step_loop(ins: list[tuple[int, str, str]]) -> tuple[int, int] | None:
     """(first, last) positions in ``ins`` (:func:`instructions`) of the kernel's step loop: the longest loop
     (a backward branch and its target) that runs matrix instructions (HGMMA, HMMA) and holds no other such
@@ -140,12 +152,7 @@ def step_loop(ins: list[tuple[int, str, str]]) -> tuple[int, int] | None:
     None without one. A wait's retry that ptxas puts out of line, after the loop, jumps back into the loop's
     middle: its range crosses the loop's end (loops nest, they never cross), and of two crossing ranges the
     longer is not a loop."""
-    at = {addr: i for i, (addr, _, _) in enumerate(ins)}
-    ranges = []
-    for i, (addr, op, rest) in enumerate(ins):
-        target = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
-        if target and int(target[1], 16) <= addr and int(target[1], 16) in at:
-            ranges.append((at[int(target[1], 16)], i))
+    ranges = branch_ranges(ins)
 
     def crosses_shorter(a: int, b: int) -> bool:
         return any((c < a <= d < b or a < c <= b < d) and d - c < b - a for c, d in ranges)
