@@ -58,6 +58,8 @@ BWD_ATOMIC_CASES = [
     (1, 260, 300, 2, 1, 128, True, True, 0.1, False),
     (2, 200, 129, 2, 2, 128, True, False, 0.1, False),
     (1, 130, 257, 4, 1, 128, False, True, 0.0, False),
+    # non-causal dropout without key ranges: the builds whose descriptors advance by plain adds (step 179)
+    (2, 200, 129, 2, 2, 64, False, False, 0.1, False),
 ]
 #: sliding windows (case, window): every family's window build, forward and backward, atomic and
 #: deterministic, with causal, key ranges and dropout.
