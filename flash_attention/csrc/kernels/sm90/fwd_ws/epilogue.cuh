@@ -76,7 +76,13 @@ struct FwdWsEpilogue {
 
   // A tile without a visible key: out = 0, lse = -inf, every consumer thread a part.
   __device__ __forceinline__ void empty_tile(u16* gO, float* gL, int q_valid, int head) const {
-    store_empty_block<BR, D, NCT>(p, gO, gL, q_valid, head, th.ctid);
+    // The thread index passes an empty asm, so that ptxas cannot hoist the copy's per-thread rows and
+    // chunks (loop invariants of the persistent tile loop) out of it and hold them through every tile's
+    // mainloop: at d64's 192-row tile that kept 10 registers from the step loop, whose softmax then ran
+    // with less overlap (kernel log 181).
+    int tid = th.ctid;
+    asm volatile("" : "+r"(tid));
+    store_empty_block<BR, D, NCT>(p, gO, gL, q_valid, head, tid);
   }
 
   // The block's one tile (neither persistent nor ping-pong): O staged in this warpgroup's own rows of the Q
@@ -153,9 +159,15 @@ struct FwdWsEpilogue {
     // barrier, which then holds the other warps back), and before the block exits for the whole copy.
     using OTile = PanelTile<Cfg::kPersistent ? 64 : BR>;
     constexpr int kOTileRows = Cfg::kPersistent ? 64 : BR;  // rows of one panel of the staging tile
-    const int cwg = th.cwg;
+    // This thread's coordinates through an empty asm: what the staging derives from them alone (16 shared
+    // addresses a thread at d64) would otherwise be hoisted out of the persistent tile loop and held
+    // through every mainloop (empty_tile says the same of its copy; kernel log 181).
+    int tid = th.ctid + 128;
+    asm volatile("" : "+r"(tid));
+    const ConsumerThread me(tid);
+    const int cwg = me.cwg;
     const int rows = q_valid - 64 * cwg;
-    const bool store_issuer = th.ctid % 128 == 0;
+    const bool store_issuer = me.ctid % 128 == 0;
     if constexpr (kTmaStore) {
       if (store_issuer) bulk_wait_read<0>();  // the previous tile's stores have read sOw
     }
@@ -164,7 +176,7 @@ struct FwdWsEpilogue {
     const float o_factor = Smem::kE4M3 ? fwd_descale(tp, tp.v_descale, x.batch, x.head) : 1.f;
     const float lse_factor = Smem::kE4M3 ? fwd_qk_descale(tp, x.batch, x.head) : 1.f;
     stage_o_and_lse<D, OTile, BF, kFold>(p, ml.o, ml.row_max, ml.row_sum, sOw, gL ? gL + 64 * cwg : nullptr,
-                                         th.warp_row0 - 64 * cwg, th.g, th.t, rows, head_sink(p, x.head),
+                                         me.warp_row0 - 64 * cwg, me.g, me.t, rows, head_sink(p, x.head),
                                          o_factor, lse_factor);
     // A TMA store writes the panel's 64 rows, clipped only at the tensor's end: a packed batch's tile that
     // ends inside the tensor (its sequence's last rows) copies its rows out itself, or it would write
@@ -187,9 +199,9 @@ struct FwdWsEpilogue {
       named_barrier_sync(4 + cwg, 128);
       u16* gO = static_cast<u16*>(p.o) + o_offset(p, x.batch, x.head, q_start + 64 * cwg);
       if constexpr (kTmaStore)  // (only a cut tile comes here: the serial copy, which spills nothing)
-        store_o_tile_serial<64, D, 128, OTile>(p, gO, sOw, rows, th.ctid % 128);
+        store_o_tile_serial<64, D, 128, OTile>(p, gO, sOw, rows, me.ctid % 128);
       else
-        store_o_tile<64, D, 128, OTile>(p, gO, sOw, rows, th.ctid % 128);
+        store_o_tile<64, D, 128, OTile>(p, gO, sOw, rows, me.ctid % 128);
     }
   }
 
