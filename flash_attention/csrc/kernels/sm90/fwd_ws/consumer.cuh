@@ -288,12 +288,14 @@ __device__ __forceinline__ void fwd_ws_consumer(const FwdTmaParams& tp, const Fw
     } else if constexpr (kTileOverlap) {
       epi.pending = tile;  // its epilogue runs under the next tile's first S, or after the loop
     } else {
-      // The tile's rows and LSE pointer derived again from its index, which passes an empty asm: held from
-      // the tile's start they would take registers from the step loop (kernel log 181).
-      int finished = tile;
-      asm volatile("" : "+r"(finished));
-      epi.pending = finished;
-      epi.run_pending(sched, ml);
+      if constexpr (kEpilogueDerivedLate<Cfg>) {
+        // The tile's rows and LSE pointer derived again from its index: held from the tile's start they
+        // would take registers from the step loop, which has none to spare (derived_late_if_tight).
+        epi.pending = derived_late_if_tight<Cfg>(tile);
+        epi.run_pending(sched, ml);
+      } else {
+        epi.warpgroup(ml, x, q_start, q_valid, gL);
+      }
 #if FA_TRACE
       // (read back after the copy-out, which only reads them)
       epi.trace_final(tr, ml, epi.sOw, th.warp_row0 - 64 * th.cwg);

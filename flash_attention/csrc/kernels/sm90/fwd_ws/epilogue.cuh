@@ -29,6 +29,21 @@
 namespace fa {
 namespace sm90 {
 
+// `v` where ptxas cannot see through it (an empty asm), at the consumers' tightest register budget only.
+// Inside the persistent tile loop ptxas hoists what the epilogue derives from the thread index alone out of
+// the loop and holds it through every tile's mainloop. At the three-warpgroup tile's 160 registers a thread
+// that held 20 such registers, and ptxas bought them back from the softmax's overlap: each tile ran 10%
+// slower than the one-block build's. At two warpgroups' 232 there is room to hold them, and the barrier
+// there cost the d128 persistent 1k causal forward 2.7% (kernel log 181), so it stays off.
+template <class Cfg>
+constexpr bool kEpilogueDerivedLate = Cfg::kConsumerRegs > 0 && Cfg::kConsumerRegs <= 160;
+
+template <class Cfg>
+__device__ __forceinline__ int derived_late_if_tight(int v) {
+  if constexpr (kEpilogueDerivedLate<Cfg>) asm volatile("" : "+r"(v));
+  return v;
+}
+
 template <class Cfg, class V, bool kDropout>
 struct FwdWsEpilogue {
   using Mask = typename V::Mask;
@@ -76,13 +91,9 @@ struct FwdWsEpilogue {
 
   // A tile without a visible key: out = 0, lse = -inf, every consumer thread a part.
   __device__ __forceinline__ void empty_tile(u16* gO, float* gL, int q_valid, int head) const {
-    // The thread index passes an empty asm, so that ptxas cannot hoist the copy's per-thread rows and
-    // chunks (loop invariants of the persistent tile loop) out of it and hold them through every tile's
-    // mainloop: at d64's 192-row tile that kept 10 registers from the step loop, whose softmax then ran
-    // with less overlap (kernel log 181).
-    int tid = th.ctid;
-    asm volatile("" : "+r"(tid));
-    store_empty_block<BR, D, NCT>(p, gO, gL, q_valid, head, tid);
+    // The copy's per-thread rows and chunks are loop invariants of the persistent tile loop: at d64's
+    // 192-row tile they took 10 registers from the step loop (derived_late_if_tight).
+    store_empty_block<BR, D, NCT>(p, gO, gL, q_valid, head, derived_late_if_tight<Cfg>(th.ctid));
   }
 
   // The block's one tile (neither persistent nor ping-pong): O staged in this warpgroup's own rows of the Q
@@ -159,12 +170,9 @@ struct FwdWsEpilogue {
     // barrier, which then holds the other warps back), and before the block exits for the whole copy.
     using OTile = PanelTile<Cfg::kPersistent ? 64 : BR>;
     constexpr int kOTileRows = Cfg::kPersistent ? 64 : BR;  // rows of one panel of the staging tile
-    // This thread's coordinates through an empty asm: what the staging derives from them alone (16 shared
-    // addresses a thread at d64) would otherwise be hoisted out of the persistent tile loop and held
-    // through every mainloop (empty_tile says the same of its copy; kernel log 181).
-    int tid = th.ctid + 128;
-    asm volatile("" : "+r"(tid));
-    const ConsumerThread me(tid);
+    // This thread's coordinates derived again: what the staging derives from them alone (16 shared
+    // addresses a thread at d64) would otherwise be held through every mainloop (derived_late_if_tight).
+    const ConsumerThread me(derived_late_if_tight<Cfg>(th.ctid + 128));
     const int cwg = me.cwg;
     const int rows = q_valid - 64 * cwg;
     const bool store_issuer = me.ctid % 128 == 0;
