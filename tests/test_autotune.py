@@ -203,6 +203,8 @@ def test_hopper_heuristic_within_5_percent_of_the_committed_h100_sweeps():
         pick = default_config(dtype, int(d[1:]), mask == "causal", int(n), int(n), "sm_90")
         if pick.tile_overlap:
             continue
+        if pick.block_q == 192 and pick.persistent:
+            continue  # its build changed after the sweeps (kernel log 181): held to its H200 runs (below)
         pick = pick.replace(tma_store=False, exp_poly=0).name()
         ratios = [run[key][pick] / max(run[key].values()) for run in runs if pick in run[key]]
         assert len(ratios) == 2, f"{key}: {pick} was not timed in both runs"
@@ -243,34 +245,52 @@ def test_hopper_tile_overlap_picks_lead_their_committed_h100_runs():
                     med = {k: statistics.median(v) for k, v in r["tflops_rounds"].items() if k != "cudnn"}
                     assert med[label] == max(med.values()), f"d{d} n{n} causal={causal} run {r['run']}: {med}"
                 checked += 1
-    # head_dim 64 non-causal 512 and 1k, 128 non-causal 4k (d64 non-causal 2k and d128 causal 1k-2k left
+    # head_dim 64 non-causal 512, 128 non-causal 4k (d64 non-causal 1k-2k and d128 causal 1k-2k left
     # tile_overlap for the H200's in-process picks: the next test)
-    assert checked == 3
+    assert checked == 2
+
+
+#: The H200 in-process runs of the forward picks (tools/ab_configs.py: each config's time over the pick's,
+#: alternated in one process), newest first per head_dim: kernel log 171's at 1k-16k (9af4672), then at
+#: head_dim 64 the runs after kernel log 181 changed the persistent 192-row tile's build, against the
+#: previous picks (1k-4k) and against the new ones (512-4k).
+H200_PICK_RUNS = {
+    64: (
+        "h200-2026-11-30-fwd-picks-d64-181-after.json",
+        "h200-2026-11-30-fwd-picks-d64-181.json",
+        "h200-2026-11-30-fwd-picks-d64-9af4672.json",
+    ),
+    128: ("h200-2026-11-30-fwd-picks-d128-9af4672.json",),
+}
 
 
 def test_hopper_picks_hold_up_in_the_committed_h200_in_process_runs():
-    """The H200 runs of benchmarks/results/ab/h200-2026-11-30-fwd-picks-d{64,128}-9af4672.json time the d64
-    and d128 picks beside five other configs in one process, samples alternated (1k-16k, causal both): every
-    pick is within 5% of the fastest there (the H100 sweeps' tolerance), and a pick that differs from the one
-    those runs were made against (changed on their evidence: kernel log 171) is the fastest."""
+    """Each d64 and d128 pick against the newest H200 in-process run of its point (H200_PICK_RUNS): timed
+    there and within 5% of the fastest (the H100 sweeps' tolerance). A pick that differs from the one a run
+    was made against is the fastest in the newest such run (the evidence it was changed on)."""
     from pathlib import Path
 
     results = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "ab"
     checked = changed = 0
-    for d in (64, 128):
-        report = json.loads((results / f"h200-2026-11-30-fwd-picks-d{d}-9af4672.json").read_text())
-        assert "H200" in report["gpu"]
-        for r in report["rows"]:
-            pick = default_config("bf16", d, r["causal"], r["n"], r["n"], "sm_90").name()
-            ratios = {name: r["ratio"][label] for label, name in r["configs"].items()}
-            where = f"d{d} n{r['n']} causal={r['causal']}"
-            assert pick in ratios, f"{where}: {pick} was not timed"
-            assert ratios[pick] <= 1.05 * min(ratios.values()), f"{where}: {pick} at {ratios}"
-            if pick != r["configs"]["pick"]:
-                assert ratios[pick] == min(ratios.values()), f"{where}: {pick} at {ratios}"
+    for d, names in H200_PICK_RUNS.items():
+        runs = [json.loads((results / name).read_text()) for name in names]
+        assert all("H200" in run["gpu"] for run in runs)
+        points = sorted({(r["n"], r["causal"]) for run in runs for r in run["rows"]})
+        for n, causal in points:
+            pick = default_config("bf16", d, causal, n, n, "sm_90").name()
+            where = f"d{d} n{n} causal={causal}"
+            rows = [r for run in runs for r in run["rows"] if (r["n"], r["causal"]) == (n, causal)]
+            ratios = [{name: r["ratio"][label] for label, name in r["configs"].items()} for r in rows]
+            assert pick in ratios[0], f"{where}: {pick} was not timed in the newest run"
+            assert ratios[0][pick] <= 1.05 * min(ratios[0].values()), f"{where}: {pick} at {ratios[0]}"
+            decided = next((i for i, r in enumerate(rows) if r["configs"]["pick"] != pick), None)
+            if decided is not None:
+                assert ratios[decided][pick] == min(ratios[decided].values()), f"{where}: {ratios[decided]}"
                 changed += 1
             checked += 1
-    assert (checked, changed) == (20, 3)  # d64 non-causal 2k; d128 causal 1k and 2k
+    # d64 non-causal 1k and 2k and causal 2k on the persistent 192-row tile (181), d128 causal 1k and 2k
+    # (171); 171's change at d64 non-causal 2k is superseded by 181's
+    assert (checked, changed) == (22, 5)
 
 
 def test_backward_space_is_valid_and_holds_the_defaults():

@@ -144,6 +144,9 @@ WS_CASES = [
     ("(BF16, 64, 192, 64, 16): wgmma+ws+persistent+stages_3", 2, 1500, 900, 6, 3, 64),
     ("(BF16, 256, 128, 80, 12): wgmma+ws+overlap+pingpong+stages_2", 1, 333, 517, 4, 2, 256),
     ("(BF16, 64, 192, 128, 16): wgmma+ws+overlap+stages_2", 2, 517, 333, 4, 1, 64),
+    # the d64 1k-2k pick: three consumer warpgroups on the persistent grid, whose epilogue derives its
+    # per-thread values late (kernel log 181)
+    ("(BF16, 64, 192, 128, 16): wgmma+ws+overlap+persistent+tma_store+stages_2", 2, 1100, 1300, 6, 3, 64),
     ("(BF16, 128, 128, 128, 12): wgmma+ws+overlap+persistent+tma_store+stages_2", 3, 1100, 1300, 8, 2, 120),
     ("(BF16, 256, 128, 80, 12): wgmma+ws+overlap+tma_store+stages_2", 1, 333, 517, 4, 2, 256),
     (

@@ -113,19 +113,23 @@ def _hopper_default(dtype: str, d: int, n: int, causal: bool) -> KernelConfig:
       of both H100 sweeps above too: head_dim 64 non-causal at 2k on the 192-row tile (7% faster there than
       the persistent 176-key tile with overlap), head_dim 128 causal at 1k and 2k on the persistent grid
       without the tile overlap (2.1% and 0.9% faster; the H100 runs had the overlap 0.4% and 3.5% ahead).
+    * The persistent grid on head_dim 64's 192-row tile at 1k-2k non-causal and 2k causal, once its
+      epilogue no longer held registers through the mainloop (kernel log 181; an H200's in-process A/B,
+      benchmarks/results/ab/h200-2026-11-30-fwd-picks-d64-181.json): 2.3-2.5% faster than the previous
+      picks non-causal, 1.0% causal; level or slower from 4k, where one block per tile stays.
     * Ping-pong between the consumer warpgroups is not a default: on top of overlap it beat the best config
       without it by more than 1.5% at 3 of the two sweeps' 96 points, none in both (docs/kernel-log.md, step
       36, has its progression step).
     """
     short = n < 3072  # the 512, 1k and 2k buckets
     if d == 64:
-        if causal and short:
+        if causal and n < 1536:
             return _ws(dtype, 64, 128, 128, 2, overlap=True, persistent=True, causal=causal)
-        if not causal and n < 1536:
+        if not causal and n < 768:
             return _ws(
                 dtype, 64, 128, 176, 3, overlap=True, persistent=True, tile_overlap=True, causal=causal
             )
-        return _ws(dtype, 64, 192, 128, 2, overlap=True, causal=causal)
+        return _ws(dtype, 64, 192, 128, 2, overlap=True, persistent=short, causal=causal)
     if d == 128:
         if not causal and 3072 <= n < 6144:
             return _ws(
