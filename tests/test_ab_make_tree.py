@@ -58,3 +58,43 @@ def test_a_tree_is_never_made_twice(tmp_path, capsys):
     (tmp_path / "t").mkdir()
     assert ab_make_tree.main([str(tmp_path / "t")]) == 2
     assert "exists" in capsys.readouterr().err
+
+
+def _patch_of(tmp_path, old: str, new: str):
+    """A unified diff of BACKWARD replacing ``old`` by ``new``, as `git diff` writes it (in a scratch
+    repository holding that one file)."""
+    committed = subprocess.run(
+        ["git", "-C", str(ROOT), "show", f"HEAD:{BACKWARD}"], capture_output=True, text=True, check=True
+    ).stdout
+    scratch = tmp_path / "scratch"
+    (scratch / BACKWARD).parent.mkdir(parents=True)
+    (scratch / BACKWARD).write_text(committed)
+    git = ["git", "-C", str(scratch), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git[:3], "init", "-q"], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "base"], check=True)
+    (scratch / BACKWARD).write_text(committed.replace(old, new))
+    patch = tmp_path / "step.diff"
+    patch.write_text(subprocess.run([*git, "diff"], capture_output=True, text=True, check=True).stdout)
+    return committed, patch
+
+
+def test_a_patch_applies_before_the_edits_even_inside_a_repository(tmp_path):
+    committed, patch = _patch_of(tmp_path, OLD, NEW)
+    # the tree inside another repository's work tree, as .abt/ lies inside the checkout
+    repo = tmp_path / "repo"
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    dest = repo / ".abt" / "t"
+    assert (
+        ab_make_tree.main([str(dest), "--patch", str(patch), "--edit", BACKWARD, NEW, NEW + "  # edited"])
+        == 0
+    )
+    assert (dest / BACKWARD).read_text() == committed.replace(OLD, NEW + "  # edited")
+
+
+def test_a_patch_that_does_not_apply_writes_nothing(tmp_path, capsys):
+    _, patch = _patch_of(tmp_path, OLD, NEW)
+    patch.write_text(patch.read_text().replace(OLD, "a line the file does not have"))
+    dest = tmp_path / "t"
+    assert ab_make_tree.main([str(dest), "--patch", str(patch)]) == 2
+    assert "does not apply" in capsys.readouterr().err and not dest.exists()
