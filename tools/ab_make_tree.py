@@ -1,4 +1,4 @@
-"""Make an A/B tree for tools/ab_trees.py: the package of a commit with a few exact text edits.
+"""Make an A/B tree for tools/ab_trees.py: the package of a commit with prepared patches and exact text edits.
 
     python tools/ab_make_tree.py DEST [--rev HEAD] [--patch FILE ...] [--edit PATH OLD NEW ...]
 
