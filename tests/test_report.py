@@ -325,3 +325,39 @@ def test_step_loop_is_the_innermost_loop_with_matrix_instructions():
     plain = re.sub(r"HGMMA\.64x\d+x16\.F32\.BF16", "FMUL", _SASS)
     assert report.step_loop(report.instructions(plain)) is None
     assert report.loop_lines(plain) == ["no loop with matrix instructions"]
+
+
+# A retry placed out of line whose jump back lands near the step loop's end (0x70, after the forward branch
+# at 0x60 into the retry block at 0xa0): the jump back's range (0x70-0xc0) is shorter than the loop's
+# (0x20-0x80), so telling them apart by length alone discarded the loop and took the jump back (a d64
+# backward build had no loop under `report --loop`).
+_SASS_LATE_RETRY = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   IMAD R20, R3, R4, RZ ;
+        /*0020*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT ;
+        /*0030*/                   FMNMX R5, R24, R25, !PT ;
+        /*0040*/                   FMUL R6, R5, R5 ;
+        /*0050*/                   FMUL R7, R6, R6 ;
+        /*0060*/              @!P0 BRA 0xa0 ;
+        /*0070*/                   HGMMA.64x64x16.F32.BF16 R88, R120, gdesc[UR16].tnspB, R88 ;
+        /*0080*/               @P1 BRA 0x20 ;
+        /*0090*/                   STG.E desc[UR6][R2.64], R20 ;
+        /*00a0*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR8], R7 ;
+        /*00b0*/              @!P0 BRA 0xa0 ;
+        /*00c0*/                   BRA 0x70 ;
+        /*00d0*/                   EXIT ;
+"""
+
+
+def test_step_loop_survives_a_retry_that_jumps_back_near_its_end():
+    ins = report.instructions(_SASS_LATE_RETRY)
+    a, b = report.step_loop(ins)
+    assert (ins[a][0], ins[b][0]) == (0x20, 0x80)
+    assert report.loop_lines(_SASS_LATE_RETRY)[0].startswith("step loop: 7 instructions (0x0020-0x0080)")
+    # Without the forward branch into the retry block, nothing says which crossing range is the loop: the
+    # length rule then keeps the shorter one, as before.
+    no_entry = _SASS_LATE_RETRY.replace(
+        "@!P0 BRA 0xa0 ;\n        /*0070*/", "@!P0 BRA 0xd0 ;\n        /*0070*/"
+    )
+    a, b = report.step_loop(report.instructions(no_entry))
+    assert (ins[a][0], ins[b][0]) == (0x70, 0xC0)

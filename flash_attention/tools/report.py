@@ -145,14 +145,33 @@ def branch_ranges(ins: list[tuple[int, str, str]]) -> list[tuple[int, int]]:
     return ranges
 
 
+def _forward_target(ins: list[tuple[int, str, str]], i: int) -> int | None:
+    """The address a forward branch at position ``i`` jumps to; None for any other instruction."""
+    if i < 0 or ins[i][1] != "BRA":
+        return None
+    target = re.search(r"0x([0-9a-f]+)", ins[i][2])
+    return int(target[1], 16) if target and int(target[1], 16) > ins[i][0] else None
+
+
 def step_loop(ins: list[tuple[int, str, str]]) -> tuple[int, int] | None:
     """(first, last) positions in ``ins`` (:func:`instructions`) of the kernel's step loop: the longest loop
     (a backward branch and its target) that runs matrix instructions (HGMMA, HMMA) and holds no other such
     loop whole (a persistent tile loop holds its step loop; a wait's retry inside a step is no matrix loop).
-    None without one. A wait's retry that ptxas puts out of line, after the loop, jumps back into the loop's
-    middle: its range crosses the loop's end (loops nest, they never cross), and of two crossing ranges the
-    longer is not a loop."""
+    None without one.
+
+    A wait's retry that ptxas puts out of line, after the loop, is entered by a forward branch from the loop's
+    middle and jumps back to the instruction after that branch: its range crosses the loop's end (loops nest,
+    they never cross). Such a range is recognised by that entry (the instruction before its target branches
+    forward past the crossed loop's end, to the retry's block) whatever its length, so a retry near the loop's
+    end, whose range is the shorter of the two, does not hide the loop. Two crossing ranges without that
+    entry fall back to the rule that the longer is not a loop."""
     ranges = branch_ranges(ins)
+
+    def jumps_back_in(x: int, y: int) -> bool:
+        entry = _forward_target(ins, x - 1)
+        return entry is not None and any(c < x <= d < y and ins[d][0] < entry <= ins[y][0] for c, d in ranges)
+
+    ranges = [(a, b) for a, b in ranges if not jumps_back_in(a, b)]
 
     def crosses_shorter(a: int, b: int) -> bool:
         return any((c < a <= d < b or a < c <= b < d) and d - c < b - a for c, d in ranges)
