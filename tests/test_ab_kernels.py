@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import sys
 from collections import OrderedDict
 
 import pytest
@@ -108,3 +109,35 @@ def test_cases_and_the_refusals():
             ab.parse_case(bad)
     with pytest.raises(SystemExit):
         ab.main([str(CSRC)])  # one tree: nothing to compare
+
+
+def test_prewarm_runs_one_child_per_tree_and_case(tmp_path):
+    trees = [tmp_path / "a" / "csrc", tmp_path / "b" / "csrc"]
+    cmds = ab.prewarm_commands(trees, ["0:0:128", "0:1:64:det"], "fwd_bwd", "4,4096,16")
+    assert len(cmds) == 4
+    for cmd, (tree, case) in zip(
+        cmds, [(t, c) for t in trees for c in ["0:0:128", "0:1:64:det"]], strict=True
+    ):
+        # this tool on the tree alone (as both A and B), one round of the case, nothing written
+        assert cmd[1].endswith("ab_kernels.py") and cmd[2] == cmd[3] == str(tree)
+        assert cmd[cmd.index("--cases") + 1] == case and cmd[cmd.index("--pairs") + 1] == "1"
+        assert cmd[cmd.index("--mode") + 1] == "fwd_bwd" and cmd[cmd.index("--shape") + 1] == "4,4096,16"
+        assert "--json" not in cmd and "--prewarm" not in cmd
+    # The children run, at most `jobs` at once, and those that fail are named with their last stderr line.
+    log = tmp_path / "ran.txt"
+    fake = tmp_path / "fake_tool.py"
+    fake.write_text(
+        "import sys\n"
+        f"open({str(log)!r}, 'a').write(sys.argv[4] + '\\n')\n"
+        "if 'bad' in sys.argv[4]:\n"
+        "    sys.stderr.write('compiling...\\nerror: this case does not build\\n')\n"
+        "    sys.exit(3)\n"
+    )
+    cases = ["0:0:128", "bad:1:64", "0:1:128", "0:0:64", "bad:0:64"]
+    fakes = [[sys.executable, str(fake), "T", "T", "--cases", c] for c in cases]
+    failures = ab.run_prewarm(fakes, jobs=2)
+    assert sorted(log.read_text().split()) == sorted(cases)  # every child ran, once
+    assert failures == [
+        "prewarm of T --cases bad:1:64: exit 3: error: this case does not build",
+        "prewarm of T --cases bad:0:64: exit 3: error: this case does not build",
+    ]

@@ -26,6 +26,11 @@ a millisecond or more), and the backward's background prefetch (compiles run whe
 A case is ``softcap:causal:head_dim[:option...]`` with bf16 inputs of --shape (batch, seqlen, heads); options
 ``det``, the deterministic backward, and ``dropNN``, dropout_p NN / 100 with a fixed seed (as
 tools/ab_trees.py writes it), e.g. ``0:0:128:det:drop10``. Needs a CUDA GPU.
+
+``--prewarm N`` compiles first, in up to N child processes at once: one per tree and case, each this tool
+on that tree alone for one round (its warm-up calls compile the tree's kernels into the disk cache, which
+the timed process then finds). The timed process would otherwise compile every tree's kernels one after
+another inside its warm-ups; the GPU machine's cores compile them side by side.
 """
 
 from __future__ import annotations
@@ -35,7 +40,9 @@ import contextlib
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -181,6 +188,41 @@ def time_case(case, trees, tables, mode: str, shape, pairs: int, calls: int) -> 
     return samples
 
 
+def prewarm_commands(trees: list[Path], cases: list[str], mode: str, shape: str) -> list[list[str]]:
+    """One child command per tree and case: this tool on that tree alone, one round, nothing written."""
+    tool = str(Path(__file__).resolve())
+    common = ["--mode", mode, "--shape", shape, "--pairs", "1"]
+    return [
+        [sys.executable, tool, str(tree), str(tree), "--cases", case, *common]
+        for tree in trees
+        for case in cases
+    ]
+
+
+def run_prewarm(commands: list[list[str]], jobs: int) -> list[str]:
+    """Run the commands, at most ``jobs`` at once; return one line per command that failed (the command's
+    tree and case, its exit status and the last line of its stderr), so that the caller can say so before
+    it times anything. Each child's stderr goes to a file of its own (a pipe left unread while others run
+    could fill and stall it)."""
+    failures: list[str] = []
+    pending, running = list(commands), []
+    while pending or running:
+        while pending and len(running) < jobs:
+            cmd = pending.pop(0)
+            err = tempfile.TemporaryFile(mode="w+")
+            running.append(
+                (cmd, err, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True))
+            )
+        cmd, err, proc = running.pop(0)
+        proc.wait()
+        err.seek(0)
+        last = err.read().strip().splitlines()[-1:] or ["(no stderr)"]
+        err.close()
+        if proc.returncode != 0:
+            failures.append(f"prewarm of {cmd[2]} --cases {cmd[5]}: exit {proc.returncode}: {last[0]}")
+    return failures
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("trees", nargs="+", type=Path, help="csrc/ directories, the first the baseline")
@@ -190,6 +232,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pairs", type=int, default=40, help="rounds of samples (one per tree each)")
     ap.add_argument("--calls", type=int, default=3, help="calls per sample, between two events")
     ap.add_argument("--json", default=None, help="write every sample here")
+    ap.add_argument(
+        "--prewarm",
+        type=int,
+        default=0,
+        metavar="N",
+        help="compile first in up to N child processes (one per tree and case)",
+    )
     args = ap.parse_args(argv)
     if len(args.trees) < 2:
         ap.error("give two csrc/ directories or more: the first is the baseline")
@@ -197,6 +246,10 @@ def main(argv: list[str] | None = None) -> int:
     shape = [int(x) for x in args.shape.split(",")]
     if "flash_attention" in sys.modules:
         ap.error("run as a script: the package must be imported after the environment is set")
+    if args.prewarm > 0:
+        commands = prewarm_commands(args.trees, args.cases.split(","), args.mode, args.shape)
+        for line in run_prewarm(commands, args.prewarm):
+            print(line, file=sys.stderr)
     os.environ.update(ENV)
     from flash_attention.jit import cache
 
