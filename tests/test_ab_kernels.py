@@ -123,7 +123,7 @@ def test_prewarm_runs_one_child_per_tree_and_case(tmp_path):
         assert cmd[cmd.index("--cases") + 1] == case and cmd[cmd.index("--pairs") + 1] == "1"
         assert cmd[cmd.index("--mode") + 1] == "fwd_bwd" and cmd[cmd.index("--shape") + 1] == "4,4096,16"
         assert "--json" not in cmd and "--prewarm" not in cmd
-    # The children run, at most `jobs` at once, and those that fail are named with their last stderr line.
+    # Every child runs (two at a time here), and those that fail are named with their last stderr line.
     log = tmp_path / "ran.txt"
     fake = tmp_path / "fake_tool.py"
     fake.write_text(

@@ -133,24 +133,23 @@ def instructions(sass: str) -> list[tuple[int, str, str]]:
     return out
 
 
+def _branch_target(instr: tuple[int, str, str]) -> int | None:
+    """The address a BRA instruction jumps to; None for any other instruction."""
+    _, op, rest = instr
+    target = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
+    return int(target[1], 16) if target else None
+
+
 def branch_ranges(ins: list[tuple[int, str, str]]) -> list[tuple[int, int]]:
     """(target, branch) positions in ``ins`` (:func:`instructions`) of every backward branch: the loops, and
     the jumps back into one from code after it (a retry that ptxas put out of line)."""
     at = {addr: i for i, (addr, _, _) in enumerate(ins)}
     ranges = []
-    for i, (addr, op, rest) in enumerate(ins):
-        target = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
-        if target and int(target[1], 16) <= addr and int(target[1], 16) in at:
-            ranges.append((at[int(target[1], 16)], i))
+    for i, instr in enumerate(ins):
+        target = _branch_target(instr)
+        if target is not None and target <= instr[0] and target in at:
+            ranges.append((at[target], i))
     return ranges
-
-
-def _forward_target(ins: list[tuple[int, str, str]], i: int) -> int | None:
-    """The address a forward branch at position ``i`` jumps to; None for any other instruction."""
-    if i < 0 or ins[i][1] != "BRA":
-        return None
-    target = re.search(r"0x([0-9a-f]+)", ins[i][2])
-    return int(target[1], 16) if target and int(target[1], 16) > ins[i][0] else None
 
 
 def step_loop(ins: list[tuple[int, str, str]]) -> tuple[int, int] | None:
@@ -168,7 +167,7 @@ def step_loop(ins: list[tuple[int, str, str]]) -> tuple[int, int] | None:
     ranges = branch_ranges(ins)
 
     def jumps_back_in(x: int, y: int) -> bool:
-        entry = _forward_target(ins, x - 1)
+        entry = _branch_target(ins[x - 1]) if x > 0 else None  # (a forward branch: past the crossed loop)
         return entry is not None and any(c < x <= d < y and ins[d][0] < entry <= ins[y][0] for c, d in ranges)
 
     ranges = [(a, b) for a, b in ranges if not jumps_back_in(a, b)]
