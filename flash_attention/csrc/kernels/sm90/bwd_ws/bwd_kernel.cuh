@@ -442,13 +442,15 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
 
   // A staged dQ tile goes to its writer (kDqWriter; the deterministic adder) through the proxy fence and an
   // arrival on dq_full. ptxas makes the fence a MEMBAR.ALL.CTA, which holds the warp until the tile's
-  // stores have landed. At the 128-query step (head_dim 64) the tile is published at the next step instead,
-  // after that step's S^T and dP^T are issued, so the wait overlaps them rather than delaying their issue:
-  // 1.8-2.5% faster forward+backward at d64, 1.3% deterministic; at the 64-query step (head_dim 128) the
-  // same move measured 2-2.9% slower, so there the tile is published where it is staged (kernel log 191).
+  // stores have landed, so the tile is published at the next step, where that wait costs least:
+  // * the 128-query step (head_dim 64): after S^T and dP^T are issued, so the wait overlaps them rather than
+  //   delaying their issue: 1.8-2.5% faster forward+backward, 1.3% deterministic (kernel log 191);
+  // * the 64-query step (head_dim 128): after dP^T's wait, with no product in flight. Published after the
+  //   issue, as at d64, it measured 2-2.9% slower (191), after S^T's wait 2.2-2.9% slower (192a); here it
+  //   is level to 1.3% faster (192). There the early exponentials between S^T's landing and dP^T's are on
+  //   the step's critical path, and a fence ahead of them delays them.
   // (Not in the deterministic dropout builds, at their register limit: there it spilled 12-84 bytes.)
-  constexpr bool kDeferDqPublish =
-      (kDeterministic || kDqWriter) && BR == 128 && !(kDeterministic && kDropout);
+  constexpr bool kDeferDqPublish = (kDeterministic || kDqWriter) && !(kDeterministic && kDropout);
   auto publish_dq = [&]() {
     fence_proxy_async();
     mbar_arrive(dq_full(wg));
@@ -473,7 +475,7 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
     issue_key_rows_product<BR, BC, D, BF, kPlainAdd>(dp, v_desc, q_desc, kDOOff + qoff);
     wgmma_commit();
     if constexpr (kDeferDqPublish)
-      if (it > 0) publish_dq();  // the previous step's staged tile, with this step's products running
+      if (BR == 128 && it > 0) publish_dq();  // the previous step's staged tile, with S^T and dP^T running
 
     // Dropout (kDropout; keep mask Z, kept elements scaled by rp = 1 / (1 - p), fa/dropout.cuh): dV takes
     // P Z rp and dS = P (dP Z rp - delta), so P itself stays undropped in `sc` and the decisions wait in one
@@ -603,6 +605,8 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
     FA_TIMELINE_EVENT(tl, kBwdExpDone, it);
     wgmma_wait<0>();
     wgmma_hold(dp);
+    if constexpr (kDeferDqPublish && BR == 64)
+      if (it > 0) publish_dq();  // the previous step's staged tile, with nothing in flight (kernel log 192)
     FA_TIMELINE_EVENT(tl, kBwdDPLanded, it);
 
     // ---- dS^T = scale P^T (dP^T Z rp - delta) -------------------------------------------------------------
