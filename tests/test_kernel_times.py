@@ -1,0 +1,44 @@
+"""tools/kernel_times.py on the CPU: shape triples are parsed or refused naming the argument, kernel records
+are summed per name and divided by the calls, and without a GPU it says so and exits 2."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from repo_tools import load_tool
+
+kernel_times = load_tool("kernel_times")
+
+
+def test_shapes_are_triples():
+    assert kernel_times.parse_shapes("4,4096,16,1,16384,16") == [(4, 4096, 16), (1, 16384, 16)]
+    for bad in ("4,4096", "4,0,16", "a,b,c", "4,4096,16,2", ""):
+        with pytest.raises(ValueError, match="--shapes"):
+            kernel_times.parse_shapes(bad)
+
+
+def test_records_grouped_per_call_longest_first():
+    rng = random.Random(7)
+    names = ["dkdv", "convert", "prep"]
+    calls = rng.randint(3, 9)
+    records, want = [], dict.fromkeys(names, 0.0)
+    for _ in range(calls):
+        for name in names:
+            us = rng.uniform(1.0, 500.0)
+            records.append((name, us))
+            want[name] += us
+    rng.shuffle(records)
+    got = kernel_times.group_kernel_times(records, calls)
+    assert [n for n, _ in got] == sorted(names, key=lambda n: -want[n])
+    for name, us in got:
+        assert us == pytest.approx(want[name] / calls)
+    with pytest.raises(ValueError, match="calls"):
+        kernel_times.group_kernel_times(records, 0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path")
+def test_without_a_gpu_it_says_so(capsys):
+    assert kernel_times.main(["--impls", "flash_attention", "--shapes", "1,128,2", "--head-dim", "64"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
