@@ -42,3 +42,25 @@ def test_records_grouped_per_call_longest_first():
 def test_without_a_gpu_it_says_so(capsys):
     assert kernel_times.main(["--impls", "flash_attention", "--shapes", "1,128,2", "--head-dim", "64"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_timeline_medians_per_position():
+    rng = random.Random(11)
+    calls = 5
+    layout = [("pre", 0.0, 70.0), ("dkdv", 40.0, 1240.0), ("convert", 1100.0, 1290.0)]
+    events = []
+    for c in range(calls):
+        base = 10_000.0 * c + rng.uniform(0, 50)
+        jitter = [rng.uniform(-3, 3) for _ in layout]
+        events += [(n, base + a + j, base + b + j) for (n, a, b), j in zip(layout, jitter, strict=True)]
+        events[-3] = ("pre", base, base + 70.0)  # the call's first kernel starts the call
+    rng.shuffle(events)
+    got = kernel_times.call_timeline(events, calls)
+    assert [n for n, _, _ in got] == ["pre", "dkdv", "convert"]
+    for (name, a, b), (_, ga, gb) in zip(layout, got, strict=True):
+        assert abs(ga - a) <= 3 and abs(gb - b) <= 3, name
+    with pytest.raises(ValueError, match="divide"):
+        kernel_times.call_timeline(events[:-1], calls)
+    swapped = [("other" if (n == "dkdv" and a < 10_000) else n, a, b) for n, a, b in events]
+    with pytest.raises(ValueError, match="different kernels"):
+        kernel_times.call_timeline(swapped, calls)

@@ -43,6 +43,27 @@ def group_kernel_times(events: list[tuple[str, float]], calls: int) -> list[tupl
     return sorted(((name, us / calls) for name, us in total.items()), key=lambda kv: -kv[1])
 
 
+def call_timeline(events: list[tuple[str, float, float]], calls: int) -> list[tuple[str, float, float]]:
+    """(kernel name, start µs, end µs) records of ``calls`` identical calls run one after another ->
+    [(name, start, end)] of one call, in launch order, each the median over the calls of its offsets from
+    the call's first kernel start. Every call launches the same kernels, so the records sorted by start
+    fall into ``calls`` runs of equal length."""
+    if calls < 1 or len(events) % calls:
+        raise ValueError(f"{len(events)} kernel records do not divide into {calls} calls")
+    per = len(events) // calls
+    ordered = sorted(events, key=lambda e: e[1])
+    runs = [ordered[i * per : (i + 1) * per] for i in range(calls)]
+    out = []
+    for k in range(per):
+        names = {run[k][0] for run in runs}
+        if len(names) != 1:
+            raise ValueError(f"the calls launch different kernels at position {k}: {sorted(names)}")
+        starts = sorted(run[k][1] - run[0][1] for run in runs)
+        ends = sorted(run[k][2] - run[0][1] for run in runs)
+        out.append((names.pop(), starts[calls // 2], ends[calls // 2]))
+    return out
+
+
 def _short(name: str, width: int = 90) -> str:
     return name if len(name) <= width else name[: width - 3] + "..."
 
@@ -56,6 +77,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--causal", choices=("both", "yes", "no"), default="both")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--calls", type=int, default=20, help="profiled calls per point")
+    ap.add_argument(
+        "--timeline",
+        action="store_true",
+        help="also time the calls one at a time (synchronized) and print one call's kernels in launch order "
+        "with their start and end from the call's first kernel start (medians): where kernels overlap "
+        "(programmatic launches) and where the GPU idles between them",
+    )
     ap.add_argument("--json", help="write every point's kernels here")
     args = ap.parse_args(argv)
     shapes = parse_shapes(args.shapes)
@@ -100,6 +128,18 @@ def main(argv: list[str] | None = None) -> int:
                     for e in prof.events()
                     if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0
                 ]
+                timeline = None
+                if args.timeline:
+                    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                        for _ in range(args.calls):
+                            runner.call(0)
+                            torch.cuda.synchronize()
+                    spans = [
+                        (e.name, e.time_range.start, e.time_range.end)
+                        for e in prof.events()
+                        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0
+                    ]
+                    timeline = call_timeline(spans, args.calls)
                 kernels = group_kernel_times(records, args.calls)
                 summed = sum(us for _, us in kernels)
                 label = (
@@ -108,6 +148,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"\n{label}: wall {wall_us:.1f} µs per call, kernels summed {summed:.1f} µs")
                 for name, us in kernels:
                     print(f"  {us:9.1f} µs  {100 * us / summed:5.1f}%  {_short(name)}")
+                if timeline:
+                    print(f"  one call alone, from its first kernel's start (span {timeline[-1][2]:.1f} µs):")
+                    for name, t0, t1 in timeline:
+                        print(f"  {t0:9.1f} -> {t1:9.1f} µs ({t1 - t0:8.1f})  {_short(name, 70)}")
                 points.append(
                     {
                         "impl": impl,
@@ -119,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                         "causal": causal,
                         "wall_us": wall_us,
                         "kernels": [{"name": n, "us": us} for n, us in kernels],
+                        "timeline": [{"name": n, "start_us": a, "end_us": b} for n, a, b in timeline or []],
                     }
                 )
     if args.json:
