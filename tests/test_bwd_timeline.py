@@ -4,6 +4,7 @@ the share of a step both warpgroups spent with nothing queued, and the producer'
 
 from __future__ import annotations
 
+import pytest
 from repo_tools import load_tool, timeline_buffer
 
 # One step's events after its start t (cycles): each phase a distinct length, so a phase read against the
@@ -95,10 +96,12 @@ def test_the_timeline_build_compiles_with_its_stamps_and_without_spills():
         assert cubins[True] != cubins[False]
 
 
-def test_run_swaps_in_the_timeline_kernel_with_the_trace_pointer(monkeypatch):
+@pytest.mark.parametrize("spans", [False, True])
+def test_run_swaps_in_the_timeline_kernel_with_the_trace_pointer(monkeypatch, spans):
     """tools/bwd_timeline.run on the stand-in Hopper GPU: the call's dK/dV launches are the timeline build's
-    kernel (here a recording stand-in for it), with BwdParams.trace pointing at the record buffer, and the
-    library's plans and params functions are put back afterwards."""
+    kernel (here a recording stand-in for it; with spans, the FA_BLOCK_SPANS build's), with BwdParams.trace
+    pointing at the record buffer (spans: one row per block of the launched grid), and the library's plans
+    and params functions are put back afterwards."""
     import stand_in_gpu
 
     from flash_attention import ops
@@ -120,12 +123,13 @@ def test_run_swaps_in_the_timeline_kernel_with_the_trace_pointer(monkeypatch):
 
         def launch(self, grid, block, smem, stream, params, programmatic=False):
             seen.append(getattr(params, "p", params).trace)
+            grids.append(grid)
             self.inner.launch(grid, block, smem, stream, params, programmatic)
 
-    built = []
+    built, grids = [], []
 
-    def build_kernel(cfg, name, arch):
-        built.append((cfg.name(), name, arch))
+    def build_kernel(cfg, name, arch, defines=("FA_TIMELINE",)):
+        built.append((cfg.name(), name, arch, defines))
         return TimelineKernel(backward.plan_for_real_dkdv)
 
     real_plan_for = backward.plan_for
@@ -138,13 +142,19 @@ def test_run_swaps_in_the_timeline_kernel_with_the_trace_pointer(monkeypatch):
     monkeypatch.setattr(backward, "plan_for", remember)
     monkeypatch.setattr(tool, "build_kernel", build_kernel)
     try:
-        cfg, raw = tool.run(None, 64, 128, True, batch=1, heads=2, device="cpu")
+        cfg, raw = tool.run(None, 64, 128, True, batch=1, heads=2, device="cpu", spans=spans)
     finally:
         ops.clear_plans()
-    assert cfg.warp_specialized and built == [(cfg.name(), built[0][1], "sm_90")], built  # (the device's)
+    defines = ("FA_BLOCK_SPANS",) if spans else ("FA_TIMELINE",)
+    assert cfg.warp_specialized and built == [(cfg.name(), built[0][1], "sm_90", defines)], (
+        built
+    )  # (device's)
     assert len(seen) == 3 and len(set(seen)) == 1 and seen[0], seen  # (one buffer, every timed run)
     assert backward.plan_for is remember and backward.plan_params.__name__ == "plan_params"
-    assert raw.shape == (tool.BLOCKS, tool.WARPS, tool.RECORDS, 2)
+    if spans:
+        assert raw.shape == (grids[0][0] * grids[0][1] * grids[0][2], tool.SPAN_WORDS)
+    else:
+        assert raw.shape == (tool.BLOCKS, tool.WARPS, tool.RECORDS, 2)
     assert not gpu.errors, gpu.errors
     assert BwdParams.trace.offset == 456
 
@@ -169,3 +179,30 @@ def test_a_blocks_fixed_part_is_read_back():
     share = 800 / (last_end + 300)
     expected = f"data 500, last step to dK's and dV's stores issued 300: {share:.0%} of the block"
     assert expected in text
+
+
+def test_block_spans_give_the_fixed_part_the_step_and_the_idle_share():
+    import torch
+
+    tool = _tool()
+    # (multiprocessor, start, query steps): a block's cycles are 1000 + 100 per step, and the clock and the
+    # global timer agree. Multiprocessor 0 runs two blocks 50 apart; multiprocessor 1 one, then idles to
+    # the kernel's end (its tail).
+    layout = [(0, 0, 10), (0, 2050, 4), (1, 0, 20)]
+    rows = torch.zeros(5, tool.SPAN_WORDS, dtype=torch.int64)  # (two blocks never ran: all-zero rows)
+    for i, (sm, start, steps) in enumerate(layout):
+        end = start + 1000 + 100 * steps
+        # warpgroup 0 ends 10 before warpgroup 1: the block ends with the later one
+        rows[2 * i] = torch.tensor([sm, start, start, end - 10, end - 10, end, end, steps])
+    text = tool.summarize_spans(rows)
+    assert "3 blocks on 2 multiprocessors, 3.5 us" in text  # 0 to 3450 ns
+    total = 2 * 3450
+    assert f"idle: {500 / total:.1%} of that" in text
+    between, after = f"{50 / total:.1%}", f"{450 / total:.1%}"
+    assert f"before their first block {0:.1%}, between blocks {between}, after their last {after}" in text
+    assert "median 50 cycles" in text
+    assert "a block's cycles = 1000 + 100 per query step" in text
+    assert "r^2 1.000; steps 4-20" in text
+    assert (
+        tool.summarize_spans(torch.zeros(3, tool.SPAN_WORDS, dtype=torch.int64)) == "no block recorded a span"
+    )

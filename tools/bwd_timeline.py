@@ -17,6 +17,13 @@ idle time), the producer's time per slot and its wait for a free one, and the bl
 to its first step's data, its last step to dK's and dV's stores issued) as a share of the block. --batch
 and --heads change the shape; --csv writes every event.
 
+--spans instead compiles the kernel with FA_BLOCK_SPANS=1 (fa/timeline.cuh: two stamps a block, none in
+the step loop, so the step is the normal build's) and reads where and when every block of the grid ran: the
+kernel's span, the multiprocessors' idle share in it (before their first block, between blocks, after
+their last: the grid's tail), and a least-squares fit of a block's cycles against its query steps, whose
+intercept is the fixed part of a block (its start and end) and whose slope is a step, from the whole grid
+rather than four blocks.
+
 A development tool (it uses ops.backward's internals); needs a Hopper GPU. docs/kernel-log/backward.md (the
 timeline note after step 132); docs/backward-study.md, stage 0.
 """
@@ -56,6 +63,10 @@ EVENTS = {
     23: "block_end",
 }
 
+#: fa/timeline.cuh's kSpanWords: a block's span record, [multiprocessor, start cycle, start ns, warpgroup 0's
+#: end cycle and ns, warpgroup 1's, query steps].
+SPAN_WORDS = 8
+
 #: The Q/dO slots of the kernel's ring.
 STAGES = BwdConfig.WS_STAGES
 
@@ -73,16 +84,19 @@ PHASES = (
 )
 
 
-def build_kernel(cfg, name: str, arch: str):
-    """Entry point ``name`` of ``cfg``'s backward unit compiled with FA_TIMELINE=1."""
+def build_kernel(cfg, name: str, arch: str, defines: tuple[str, ...] = ("FA_TIMELINE",)):
+    """Entry point ``name`` of ``cfg``'s backward unit compiled with each of ``defines`` set to 1."""
     from flash_attention.jit import driver
 
-    return driver.get_kernel(compile_timeline_build(cfg, arch), name)
+    return driver.get_kernel(compile_timeline_build(cfg, arch, defines), name)
 
 
-def run(cfg_name: str | None, d: int, n: int, causal: bool, *, batch=None, heads=None, device="cuda"):
+def run(
+    cfg_name: str | None, d: int, n: int, causal: bool, *, batch=None, heads=None, device="cuda", spans=False
+):
     """(cfg, raw records) of one backward at (batch, n, heads, d) with the timeline kernel: by default the
-    sweep's (16k / n, n, 2048 / d, d). (``device``: the CPU under the tests' stand-in GPU.)"""
+    sweep's (16k / n, n, 2048 / d, d). ``spans``: the FA_BLOCK_SPANS build instead, and its records as
+    (blocks, SPAN_WORDS). (``device``: the CPU under the tests' stand-in GPU.)"""
     import torch
 
     from flash_attention.ops import backward, forward
@@ -106,7 +120,9 @@ def run(cfg_name: str | None, d: int, n: int, causal: bool, *, batch=None, heads
 
     ref = grads()
     plan_for, plan_params = backward.plan_for, backward.plan_params
-    buf = torch.zeros(BLOCKS * WARPS * RECORDS * 2, dtype=torch.int64, device=device)
+    defines = ("FA_BLOCK_SPANS",) if spans else ("FA_TIMELINE",)
+    # (spans: one row per block of the dK/dV grid, sized when the plan says the grid)
+    bufs = [] if spans else [torch.zeros(BLOCKS * WARPS * RECORDS * 2, dtype=torch.int64, device=device)]
     kernels = {}
 
     def timeline_plan(*args, **kwargs):
@@ -115,21 +131,25 @@ def run(cfg_name: str | None, d: int, n: int, causal: bool, *, batch=None, heads
             raise SystemExit(
                 f"{plan.cfg.name()} ({plan.dkdv_kind}) is not the warp-specialized atomic backward"
             )
+        if spans and not bufs:
+            blocks = plan.dkdv_grid[0] * plan.dkdv_grid[1] * plan.dkdv_grid[2]
+            bufs.append(torch.zeros(blocks * SPAN_WORDS, dtype=torch.int64, device=device))
         if plan.dkdv.name not in kernels:
-            kernel = build_kernel(plan.cfg, plan.dkdv.name, backward.device_arch(plan.index))
+            kernel = build_kernel(plan.cfg, plan.dkdv.name, backward.device_arch(plan.index), defines)
             kernel.ensure_dynamic_smem(plan.cfg.smem_bytes, plan.index)
             kernels[plan.dkdv.name] = (plan.cfg, kernel)
         return dataclasses.replace(plan, dkdv=kernels[plan.dkdv.name][1], host_program=[])
 
     def traced_params(plan):
         args, p = plan_params(plan)
-        p.trace = buf.data_ptr()
+        p.trace = bufs[0].data_ptr()
         return args, p
 
     backward.plan_for, backward.plan_params = timeline_plan, traced_params
     try:
         for _ in range(3):  # the last of three runs is read (the first ones warm the caches and clocks)
-            buf.zero_()
+            if bufs:  # (spans: made, zeroed, by the first run's plan)
+                bufs[0].zero_()
             got = grads()
             synchronize()
     finally:
@@ -149,7 +169,9 @@ def run(cfg_name: str | None, d: int, n: int, causal: bool, *, batch=None, heads
                 file=sys.stderr,
             )
     ((cfg, _),) = kernels.values()
-    return cfg, buf.view(BLOCKS, WARPS, RECORDS, 2).cpu()
+    if spans:
+        return cfg, bufs[0].view(-1, SPAN_WORDS).cpu()
+    return cfg, bufs[0].view(BLOCKS, WARPS, RECORDS, 2).cpu()
 
 
 def events(raw) -> dict[tuple[int, int], list[tuple[str, int, int]]]:
@@ -247,6 +269,68 @@ def summarize(cfg, ev) -> str:
     return "\n".join(lines)
 
 
+def summarize_spans(spans) -> str:
+    """The FA_BLOCK_SPANS records (rows of SPAN_WORDS; all-zero rows, blocks that did not record, left out)
+    as text: the kernel's span, the multiprocessors' idle share in it, and a block's cycles fitted against
+    its query steps."""
+    rows = [r for r in spans.tolist() if any(r)]
+    if not rows:
+        return "no block recorded a span"
+    blocks = []
+    for sm, c0, t0, c1a, t1a, c1b, t1b, steps in rows:
+        # A block ends when its later consumer warpgroup does (the writer warps' last reduction may follow).
+        blocks.append(
+            {"sm": sm, "c0": c0, "c1": max(c1a, c1b), "t0": t0, "t1": max(t1a, t1b), "steps": steps}
+        )
+    start, end = min(b["t0"] for b in blocks), max(b["t1"] for b in blocks)
+    span = end - start
+    by_sm: dict[int, list[dict]] = {}
+    for b in blocks:
+        by_sm.setdefault(b["sm"], []).append(b)
+    before = between = after = busy = 0
+    gaps = []
+    for run in by_sm.values():
+        run.sort(key=lambda b: b["c0"])
+        before += run[0]["t0"] - start
+        after += end - run[-1]["t1"]
+        busy += sum(b["t1"] - b["t0"] for b in run)
+        for a, b in zip(run, run[1:], strict=False):
+            gaps.append(b["c0"] - a["c1"])  # (cycles of this multiprocessor's own counter)
+            between += b["t0"] - a["t1"]
+    sms = len(by_sm)
+    total = sms * span
+    lines = [
+        f"{len(blocks)} blocks on {sms} multiprocessors, {span / 1000:.1f} us from the first start to the "
+        "last end",
+        f"multiprocessors idle: {(total - busy) / total:.1%} of that: before their first block "
+        f"{before / total:.1%}, between blocks {between / total:.1%}, after their last {after / total:.1%}",
+    ]
+    if gaps:
+        lines.append(
+            f"a gap between two blocks on one multiprocessor: median {median_text(gaps).strip()} cycles"
+        )
+    # Least squares of a block's cycles on its steps: the intercept is what a block costs beside its steps.
+    xs = [b["steps"] for b in blocks]
+    ys = [b["c1"] - b["c0"] for b in blocks]
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx > 0:
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+        fixed = my - slope * mx
+        ss = sum((y - my) ** 2 for y in ys)
+        r2 = 1 - sum((y - fixed - slope * x) ** 2 for x, y in zip(xs, ys, strict=True)) / ss if ss else 1.0
+        lines.append(
+            f"a block's cycles = {fixed:.0f} + {slope:.0f} per query step (least squares over {n} blocks, "
+            f"r^2 {r2:.3f}; steps {min(xs)}-{max(xs)})"
+        )
+    else:
+        lines.append(
+            f"every block ran {xs[0]} query steps: {median_text(ys).strip()} cycles a block (median)"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=None, help="a warp-specialized backward config (default: the call's)")
@@ -256,7 +340,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=None, help="default 16k tokens / seqlen")
     ap.add_argument("--heads", type=int, default=None, help="default 2048 / head_dim")
     ap.add_argument("--csv", default=None, help="write every event here")
+    ap.add_argument(
+        "--spans", action="store_true", help="every block's start and end (FA_BLOCK_SPANS) instead of steps"
+    )
     args = ap.parse_args(argv)
+    if args.spans:
+        cfg, spans = run(
+            args.config,
+            args.head_dim,
+            args.seqlen,
+            args.causal,
+            batch=args.batch,
+            heads=args.heads,
+            spans=True,
+        )
+        print(f"d{args.head_dim} seqlen {args.seqlen}{' causal' if args.causal else ''}: {cfg.name()}")
+        print(summarize_spans(spans))
+        return 0
     cfg, raw = run(args.config, args.head_dim, args.seqlen, args.causal, batch=args.batch, heads=args.heads)
     ev = events(raw)
     print(f"d{args.head_dim} seqlen {args.seqlen}{' causal' if args.causal else ''}")

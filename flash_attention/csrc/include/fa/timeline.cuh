@@ -92,3 +92,72 @@ struct Recorder {
 #define FA_TIMELINE_EVENT(recorder, kind, argument) ((void)sizeof(argument))
 
 #endif
+
+// Block spans (FA_BLOCK_SPANS=1, a build of its own: tools/bwd_timeline.py --spans): every block of the grid,
+// not the first kBlocks, records where and when it ran, kSpanWords 64-bit words at the params' trace
+// pointer + kSpanWords * (its linear index): [0] its multiprocessor, [1] and [2] the multiprocessor's cycle
+// counter and %globaltimer (ns, one clock for the whole GPU) at its start, [3] and [4] at consumer
+// warpgroup 0's end, [5] and [6] at warpgroup 1's, [7] its query steps. The cycle counter orders the blocks
+// one multiprocessor ran and measures the gaps between them; the global timer places every block on one
+// axis (the grid's tail, idle multiprocessors). Two stamps a block, none in the step loop: unlike the
+// timeline build, the step's schedule stays the normal build's (its registers: tools/bwd_timeline.py says).
+#ifndef FA_BLOCK_SPANS
+#define FA_BLOCK_SPANS 0
+#endif
+
+#if FA_BLOCK_SPANS
+
+namespace fa {
+namespace timeline {
+
+constexpr int kSpanWords = 8;
+
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ unsigned sm_id() {
+  unsigned id;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
+  return id;
+}
+
+template <class Params>
+__device__ __forceinline__ unsigned long long* block_span(const Params& p) {
+  const unsigned long long block =
+      blockIdx.x + gridDim.x * (blockIdx.y + (unsigned long long)gridDim.y * blockIdx.z);
+  return p.trace ? reinterpret_cast<unsigned long long*>(p.trace) + kSpanWords * block : nullptr;
+}
+
+}  // namespace timeline
+}  // namespace fa
+
+// The block's start, by one thread before anything else the block does.
+#define FA_BLOCK_SPAN_BEGIN(p)                                                   \
+  do {                                                                           \
+    unsigned long long* span_ = ::fa::timeline::block_span(p);                   \
+    if (span_) {                                                                 \
+      span_[1] = clock64();                                                      \
+      span_[2] = ::fa::timeline::global_ns();                                    \
+      span_[0] = ::fa::timeline::sm_id();                                        \
+    }                                                                            \
+  } while (0)
+// A consumer warpgroup's end (`wg` 0 or 1), by one of its threads, with the block's query steps.
+#define FA_BLOCK_SPAN_END(p, wg, steps)                                          \
+  do {                                                                           \
+    unsigned long long* span_ = ::fa::timeline::block_span(p);                   \
+    if (span_) {                                                                 \
+      span_[3 + 2 * (wg)] = clock64();                                           \
+      span_[4 + 2 * (wg)] = ::fa::timeline::global_ns();                         \
+      span_[7] = (unsigned)(steps);                                              \
+    }                                                                            \
+  } while (0)
+
+#else
+
+#define FA_BLOCK_SPAN_BEGIN(p) ((void)0)
+#define FA_BLOCK_SPAN_END(p, wg, steps) ((void)sizeof(steps))
+
+#endif

@@ -183,6 +183,7 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
                 "the shared-memory layout exceeds the config's smem_bytes");
 
   const int tid = threadIdx.x;
+  if (tid == 0) FA_BLOCK_SPAN_BEGIN(p);  // (FA_BLOCK_SPANS builds only: fa/timeline.cuh)
   // Which block this is, in the order the blocks start (fa/kv_block_order.cuh): causal, the heaviest
   // first within groups of heads; deterministic mode, the last K/V block first, so that the blocks a turn
   // waits for were dispatched before it (fa/dq_turns.cuh).
@@ -757,6 +758,7 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
   copy_out_key_rows<16, D, 32>(static_cast<u16*>(p.dv) + dv_offset(p, batch, kv_head, kv_start),
                                p.dv_row_stride, block_keys(), p.head_dim, sV, row0, lane);
   FA_TIMELINE_EVENT(tl, kBwdBlockEnd, n_iter);
+  if (ctid % 128 == 0) FA_BLOCK_SPAN_END(p, wg, n_iter);
 }
 
 }  // namespace sm90
