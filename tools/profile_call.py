@@ -1,16 +1,18 @@
 """One attention call, ours or a peer's, for a profiler: warm-up calls first, then the profiled call alone
 between cudaProfilerStart and cudaProfilerStop, so that `ncu --profile-from-start off` sees one call's
-kernels and no compile, warm-up or reference.
+kernels and no compile, warm-up or reference. (`--clock-control none`: ncu otherwise locks the clocks to
+base while it profiles; the device notes say to leave the card's clocks alone.)
 
     python tools/profile_call.py IMPL [--mode fwd|fwd_bwd] [--causal] [--head-dim 128] [--shape 4,4096,16]
 
     # the kernels' counters, ours and FlashAttention-4's on one shape (kernel log, backward, 21st session):
-    ncu --profile-from-start off --section SpeedOfLight --section WarpStateStats \\
+    ncu --profile-from-start off --clock-control none --section SpeedOfLight --section WarpStateStats \\
         --metrics sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active \\
         python tools/profile_call.py fa4 --mode fwd_bwd --head-dim 128 --shape 4,4096,16
     # the SASS of the dK/dV kernels with executed counts and stall samples (ncu's source page):
-    ncu --profile-from-start off -k regex:"bwd_sm90|dkdv" --section SourceCounters --page source \\
-        --print-source sass --csv python tools/profile_call.py flash_attention --mode fwd_bwd --causal
+    ncu --profile-from-start off --clock-control none -k regex:"bwd_sm90|dkdv" --section SourceCounters \\
+        --page source --print-source sass --csv \\
+        python tools/profile_call.py flash_attention --mode fwd_bwd --causal
 
 IMPL is a bench implementation (flash_attention, sdpa_cudnn, fa4, ...), called as `bench` times it
 (flash_attention.tools.bench.runners.make_runner: our rows through the config attention() picks, fwd_bwd
