@@ -104,7 +104,20 @@ def test_cases_and_the_refusals():
         64,
         {"deterministic": True, "dropout_p": 0.1, "dropout_seed": 1234},
     )
-    for bad in ("0:2:128", "0:1", "x:0:64", "0:0:d", "0:0:64:fast", "0:0:64:drop", "0:0:64:det:det"):
+    assert ab.parse_case("30:1:128:win1024") == (30.0, True, 128, {"window": (1024, 0)})
+    for bad in (
+        "0:2:128",
+        "0:1",
+        "x:0:64",
+        "0:0:d",
+        "0:0:64:fast",
+        "0:0:64:drop",
+        "0:0:64:det:det",
+        "0:1:64:win0",
+        "0:1:64:win",
+        "0:0:64:win512",  # (a window case is causal)
+        "0:1:64:win512:win64",
+    ):
         with pytest.raises((argparse.ArgumentTypeError, ValueError)):
             ab.parse_case(bad)
     with pytest.raises(SystemExit):

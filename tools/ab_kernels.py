@@ -24,8 +24,9 @@ and the host library (FLASH_ATTENTION_REPEAT_CALLS=0, FLASH_ATTENTION_HOST_LIBRA
 import; the Python launch path then adds its host time, so a timed call should be long enough to hide it,
 a millisecond or more), and the backward's background prefetch (compiles run where the tree is selected).
 A case is ``softcap:causal:head_dim[:option...]`` with bf16 inputs of --shape (batch, seqlen, heads); options
-``det``, the deterministic backward, and ``dropNN``, dropout_p NN / 100 with a fixed seed (as
-tools/ab_trees.py writes it), e.g. ``0:0:128:det:drop10``. Needs a CUDA GPU.
+``det``, the deterministic backward, ``dropNN``, dropout_p NN / 100 with a fixed seed (as
+tools/ab_trees.py writes it), and ``winW``, a sliding window of W keys before each query (window=(W, 0);
+causal cases only), e.g. ``0:0:128:det:drop10``, ``30:1:128:win1024``. Needs a CUDA GPU.
 
 ``--prewarm N`` compiles first, in up to N child processes at once: one per tree and case, each this tool
 on that tree alone for one round (its warm-up calls compile the tree's kernels into the disk cache, which
@@ -104,19 +105,29 @@ def kernel_sources(csrc: Path, tables: KernelTables) -> Iterator[None]:
 
 
 def parse_case(text: str) -> tuple[float, bool, int, dict]:
-    """softcap:causal(0|1):head_dim[:det][:dropNN] -> (softcap, causal, head_dim, the options' call
+    """softcap:causal(0|1):head_dim[:det][:dropNN][:winW] -> (softcap, causal, head_dim, the options' call
     arguments)."""
     parts = text.split(":")
     options = parts[3:]
     drops = [o for o in options if o[:4] == "drop" and o[4:].isdigit() and 0 < int(o[4:]) < 100]
-    known = options.count("det") <= 1 and len(drops) <= 1 and all(o == "det" or o in drops for o in options)
+    wins = [o for o in options if o[:3] == "win" and o[3:].isdigit() and int(o[3:]) > 0]
+    known = (
+        options.count("det") <= 1
+        and len(drops) <= 1
+        and len(wins) <= 1
+        and all(o == "det" or o in drops or o in wins for o in options)
+    )
     if len(parts) < 3 or parts[1] not in ("0", "1") or not parts[2].isdigit() or not known:
         raise argparse.ArgumentTypeError(
-            f"a case is softcap:causal(0|1):head_dim[:det][:dropNN]; got {text!r}"
+            f"a case is softcap:causal(0|1):head_dim[:det][:dropNN][:winW]; got {text!r}"
         )
+    if wins and parts[1] != "1":
+        raise argparse.ArgumentTypeError(f"a window case (winW) is causal: {text!r}")
     extra = {"deterministic": True} if "det" in options else {}
     if drops:
         extra.update(dropout_p=int(drops[0][4:]) / 100, dropout_seed=1234)
+    if wins:
+        extra.update(window=(int(wins[0][3:]), 0))
     return float(parts[0]), parts[1] == "1", int(parts[2]), extra
 
 
@@ -227,7 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("trees", nargs="+", type=Path, help="csrc/ directories, the first the baseline")
     ap.add_argument("--mode", choices=["fwd", "fwd_bwd"], default="fwd_bwd")
-    ap.add_argument("--cases", default="0:0:128,0:1:128", help="softcap:causal:head_dim[:det][:dropNN],...")
+    ap.add_argument(
+        "--cases", default="0:0:128,0:1:128", help="softcap:causal:head_dim[:det][:dropNN][:winW],..."
+    )
     ap.add_argument("--shape", default="4,4096,16", help="batch,seqlen,heads (default 4,4096,16)")
     ap.add_argument("--pairs", type=int, default=40, help="rounds of samples (one per tree each)")
     ap.add_argument("--calls", type=int, default=3, help="calls per sample, between two events")
