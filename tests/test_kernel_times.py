@@ -64,3 +64,19 @@ def test_timeline_medians_per_position():
     swapped = [("other" if (n == "dkdv" and a < 10_000) else n, a, b) for n, a, b in events]
     with pytest.raises(ValueError, match="different kernels"):
         kernel_times.call_timeline(swapped, calls)
+
+
+def test_points_are_every_shape_at_each_causal_setting():
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    kernel_times.add_point_arguments(ap)
+    args = ap.parse_args(["--shapes", "4,4096,16,1,16384,16"])
+    assert kernel_times.points_of(args) == [
+        (4, 4096, 16, False),
+        (4, 4096, 16, True),
+        (1, 16384, 16, False),
+        (1, 16384, 16, True),
+    ]
+    args = ap.parse_args(["--shapes", "2,512,8", "--causal", "yes"])
+    assert kernel_times.points_of(args) == [(2, 512, 8, True)]

@@ -33,6 +33,21 @@ def parse_shapes(text: str) -> list[tuple[int, int, int]]:
     return [tuple(nums[i : i + 3]) for i in range(0, len(nums), 3)]
 
 
+def add_point_arguments(ap: argparse.ArgumentParser) -> None:
+    """The implementations and the points they run at (this tool's and tools/sustained_clocks.py's)."""
+    ap.add_argument("--impls", default="flash_attention,fa4", help="bench implementations, comma-separated")
+    ap.add_argument("--mode", choices=("fwd", "fwd_bwd"), default="fwd_bwd")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--shapes", default="4,4096,16", help="batch,seqlen,heads triples, comma-separated")
+    ap.add_argument("--causal", choices=("both", "yes", "no"), default="both")
+
+
+def points_of(args: argparse.Namespace) -> list[tuple[int, int, int, bool]]:
+    """(batch, seqlen, heads, causal) of every point, shape by shape, non-causal first."""
+    causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    return [(b, s, h, c) for b, s, h in parse_shapes(args.shapes) for c in causals]
+
+
 def group_kernel_times(events: list[tuple[str, float]], calls: int) -> list[tuple[str, float]]:
     """(kernel name, device µs) records -> [(name, µs per call)], longest first."""
     if calls < 1:
@@ -70,11 +85,7 @@ def _short(name: str, width: int = 90) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--impls", default="flash_attention,fa4", help="bench implementations, comma-separated")
-    ap.add_argument("--mode", choices=("fwd", "fwd_bwd"), default="fwd_bwd")
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--shapes", default="4,4096,16", help="batch,seqlen,heads triples, comma-separated")
-    ap.add_argument("--causal", choices=("both", "yes", "no"), default="both")
+    add_point_arguments(ap)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--calls", type=int, default=20, help="profiled calls per point")
     ap.add_argument(
@@ -86,8 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--json", help="write every point's kernels here")
     args = ap.parse_args(argv)
-    shapes = parse_shapes(args.shapes)
-    causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    points = points_of(args)
 
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -97,75 +107,72 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("kernel_times: needs a CUDA GPU", file=sys.stderr)
         return 2
-    points = []
-    for batch, seqlen, heads in shapes:
-        for causal in causals:
-            shape = Shape("bf16", batch, heads, seqlen, args.head_dim, causal)
-            inputs = make_inputs(shape, 1, "cuda")
-            for impl in args.impls.split(","):
-                try:
-                    runner = make_runner(impl, shape, inputs, args.mode)
-                except Skip as exc:
-                    print(f"{impl}: skipped ({exc})")
-                    continue
-                with runner.context():
-                    for _ in range(args.warmup):
-                        runner.call(0)
-                    torch.cuda.synchronize()
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
+    results = []
+    for batch, seqlen, heads, causal in points:
+        shape = Shape("bf16", batch, heads, seqlen, args.head_dim, causal)
+        inputs = make_inputs(shape, 1, "cuda")
+        for impl in args.impls.split(","):
+            try:
+                runner = make_runner(impl, shape, inputs, args.mode)
+            except Skip as exc:
+                print(f"{impl}: skipped ({exc})")
+                continue
+            with runner.context():
+                for _ in range(args.warmup):
+                    runner.call(0)
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(args.calls):
+                    runner.call(0)
+                end.record()
+                torch.cuda.synchronize()
+                wall_us = start.elapsed_time(end) * 1000 / args.calls
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
                     for _ in range(args.calls):
                         runner.call(0)
-                    end.record()
                     torch.cuda.synchronize()
-                    wall_us = start.elapsed_time(end) * 1000 / args.calls
-                    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                        for _ in range(args.calls):
-                            runner.call(0)
+            records = [
+                (e.name, e.device_time_total)
+                for e in prof.events()
+                if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0
+            ]
+            timeline = None
+            if args.timeline:
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(args.calls):
+                        runner.call(0)
                         torch.cuda.synchronize()
-                records = [
-                    (e.name, e.device_time_total)
+                spans = [
+                    (e.name, e.time_range.start, e.time_range.end)
                     for e in prof.events()
                     if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0
                 ]
-                timeline = None
-                if args.timeline:
-                    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                        for _ in range(args.calls):
-                            runner.call(0)
-                            torch.cuda.synchronize()
-                    spans = [
-                        (e.name, e.time_range.start, e.time_range.end)
-                        for e in prof.events()
-                        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0
-                    ]
-                    timeline = call_timeline(spans, args.calls)
-                kernels = group_kernel_times(records, args.calls)
-                summed = sum(us for _, us in kernels)
-                label = (
-                    f"{impl} d{args.head_dim} {batch}x{seqlen}x{heads} {'causal' if causal else 'non-causal'}"
-                )
-                print(f"\n{label}: wall {wall_us:.1f} µs per call, kernels summed {summed:.1f} µs")
-                for name, us in kernels:
-                    print(f"  {us:9.1f} µs  {100 * us / summed:5.1f}%  {_short(name)}")
-                if timeline:
-                    print(f"  one call alone, from its first kernel's start (span {timeline[-1][2]:.1f} µs):")
-                    for name, t0, t1 in timeline:
-                        print(f"  {t0:9.1f} -> {t1:9.1f} µs ({t1 - t0:8.1f})  {_short(name, 70)}")
-                points.append(
-                    {
-                        "impl": impl,
-                        "mode": args.mode,
-                        "head_dim": args.head_dim,
-                        "batch": batch,
-                        "seqlen": seqlen,
-                        "heads": heads,
-                        "causal": causal,
-                        "wall_us": wall_us,
-                        "kernels": [{"name": n, "us": us} for n, us in kernels],
-                        "timeline": [{"name": n, "start_us": a, "end_us": b} for n, a, b in timeline or []],
-                    }
-                )
+                timeline = call_timeline(spans, args.calls)
+            kernels = group_kernel_times(records, args.calls)
+            summed = sum(us for _, us in kernels)
+            label = f"{impl} d{args.head_dim} {batch}x{seqlen}x{heads} {'causal' if causal else 'non-causal'}"
+            print(f"\n{label}: wall {wall_us:.1f} µs per call, kernels summed {summed:.1f} µs")
+            for name, us in kernels:
+                print(f"  {us:9.1f} µs  {100 * us / summed:5.1f}%  {_short(name)}")
+            if timeline:
+                print(f"  one call alone, from its first kernel's start (span {timeline[-1][2]:.1f} µs):")
+                for name, t0, t1 in timeline:
+                    print(f"  {t0:9.1f} -> {t1:9.1f} µs ({t1 - t0:8.1f})  {_short(name, 70)}")
+            results.append(
+                {
+                    "impl": impl,
+                    "mode": args.mode,
+                    "head_dim": args.head_dim,
+                    "batch": batch,
+                    "seqlen": seqlen,
+                    "heads": heads,
+                    "causal": causal,
+                    "wall_us": wall_us,
+                    "kernels": [{"name": n, "us": us} for n, us in kernels],
+                    "timeline": [{"name": n, "start_us": a, "end_us": b} for n, a, b in timeline or []],
+                }
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(

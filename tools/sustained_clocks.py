@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernel_times import parse_shapes  # noqa: E402  (a sibling script: the same shape argument)
+from kernel_times import add_point_arguments, points_of  # noqa: E402  (a sibling script: the same points)
 
 #: nvidia-smi's query: the SM clock (MHz) and the board's power draw (W), one line every 50 ms.
 SMI_QUERY = ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits", "-lms", "50"]
@@ -94,17 +94,12 @@ def _fmt(x: float | None, spec: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--impls", default="flash_attention,fa4", help="bench implementations, comma-separated")
-    ap.add_argument("--mode", choices=("fwd", "fwd_bwd"), default="fwd_bwd")
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--shapes", default="4,4096,16", help="batch,seqlen,heads triples, comma-separated")
-    ap.add_argument("--causal", choices=("both", "yes", "no"), default="both")
+    add_point_arguments(ap)
     ap.add_argument("--seconds", type=float, default=3.0, help="per implementation and point: half settles")
     ap.add_argument("--rounds", type=int, default=2, help="every point's implementations in turn, rotated")
     ap.add_argument("--json", help="write every window here")
     args = ap.parse_args(argv)
-    shapes = parse_shapes(args.shapes)
-    causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    points = points_of(args)
     if args.seconds <= 0 or args.rounds < 1:
         raise ValueError("--seconds must be positive and --rounds at least 1")
 
@@ -118,31 +113,30 @@ def main(argv: list[str] | None = None) -> int:
     impls = args.impls.split(",")
     rows = []
     with ClockSampler() as sampler:
-        for batch, seqlen, heads in shapes:
-            for causal in causals:
-                shape = Shape("bf16", batch, heads, seqlen, args.head_dim, causal)
-                inputs = make_inputs(shape, 1, "cuda")
-                runners = {}
-                for impl in impls:
-                    try:
-                        runners[impl] = make_runner(impl, shape, inputs, args.mode)
-                    except Skip as exc:
-                        print(f"{impl}: skipped ({exc})")
-                names = list(runners)
-                for r in range(args.rounds):
-                    k = r % max(1, len(names))
-                    for impl in names[k:] + names[:k]:
-                        row = _sustain(torch, runners[impl], args.seconds, sampler)
-                        row.update(impl=impl, round=r, head_dim=args.head_dim, batch=batch, seqlen=seqlen)
-                        row.update(heads=heads, causal=causal, mode=args.mode)
-                        rows.append(row)
-                        kind = "causal" if causal else "non-causal"
-                        print(
-                            f"{impl:16s} d{args.head_dim} {batch}x{seqlen}x{heads} {kind:10s} round {r}: "
-                            f"{row['us_per_call']:9.1f} us/call, {_fmt(row['mhz'], '.0f')} MHz, "
-                            f"{_fmt(row['watts'], '.0f')} W ({row['samples']} samples)",
-                            flush=True,
-                        )
+        for batch, seqlen, heads, causal in points:
+            shape = Shape("bf16", batch, heads, seqlen, args.head_dim, causal)
+            inputs = make_inputs(shape, 1, "cuda")
+            runners = {}
+            for impl in impls:
+                try:
+                    runners[impl] = make_runner(impl, shape, inputs, args.mode)
+                except Skip as exc:
+                    print(f"{impl}: skipped ({exc})")
+            names = list(runners)
+            for r in range(args.rounds):
+                k = r % max(1, len(names))
+                for impl in names[k:] + names[:k]:
+                    row = _sustain(torch, runners[impl], args.seconds, sampler)
+                    row.update(impl=impl, round=r, head_dim=args.head_dim, batch=batch, seqlen=seqlen)
+                    row.update(heads=heads, causal=causal, mode=args.mode)
+                    rows.append(row)
+                    kind = "causal" if causal else "non-causal"
+                    print(
+                        f"{impl:16s} d{args.head_dim} {batch}x{seqlen}x{heads} {kind:10s} round {r}: "
+                        f"{row['us_per_call']:9.1f} us/call, {_fmt(row['mhz'], '.0f')} MHz, "
+                        f"{_fmt(row['watts'], '.0f')} W ({row['samples']} samples)",
+                        flush=True,
+                    )
     if args.json:
         with open(args.json, "w") as f:
             meta = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name()}
