@@ -185,21 +185,26 @@ def test_block_spans_give_the_fixed_part_the_step_and_the_idle_share():
     import torch
 
     tool = _tool()
-    # (multiprocessor, start, query steps): a block's cycles are 1000 + 100 per step, and the clock and the
-    # global timer agree. Multiprocessor 0 runs two blocks 50 apart; multiprocessor 1 one, then idles to
-    # the kernel's end (its tail).
-    layout = [(0, 0, 10), (0, 2050, 4), (1, 0, 20)]
+    # (multiprocessor, start, wait before past the grid dependency, query steps): a block's cycles after the
+    # dependency are 1000 + 100 per step, and the clock and the global timer agree. Multiprocessor 0's first
+    # block waits 30 for the previous kernel, and it runs a second block 50 after; multiprocessor 1 one
+    # block, then idles to the kernel's end (its tail).
+    layout = [(0, 0, 30, 10), (0, 2080, 0, 4), (1, 0, 0, 20)]
     rows = torch.zeros(5, tool.SPAN_WORDS, dtype=torch.int64)  # (two blocks never ran: all-zero rows)
-    for i, (sm, start, steps) in enumerate(layout):
-        end = start + 1000 + 100 * steps
+    for i, (sm, start, wait, steps) in enumerate(layout):
+        ready = start + wait
+        end = ready + 1000 + 100 * steps
         # warpgroup 0 ends 10 before warpgroup 1: the block ends with the later one
-        rows[2 * i] = torch.tensor([sm, start, start, end - 10, end - 10, end, end, steps])
+        rows[2 * i] = torch.tensor([sm, steps, start, start, ready, ready, end - 10, end - 10, end, end])
     text = tool.summarize_spans(rows)
-    assert "3 blocks on 2 multiprocessors, 3.5 us" in text  # 0 to 3450 ns
-    total = 2 * 3450
-    assert f"idle: {500 / total:.1%} of that" in text
-    between, after = f"{50 / total:.1%}", f"{450 / total:.1%}"
-    assert f"before their first block {0:.1%}, between blocks {between}, after their last {after}" in text
+    assert "3 blocks on 2 multiprocessors, 3.5 us" in text  # 0 to 3480 ns
+    total = 2 * 3480
+    assert f"idle: {560 / total:.1%} of that" in text  # 30 waited, 50 between, 480 after
+    waited, between, after = f"{30 / total:.1%}", f"{50 / total:.1%}", f"{480 / total:.1%}"
+    assert (
+        f"until past the grid dependency {waited}, between blocks {between}, after their last {after}" in text
+    )
+    assert f"before their first block {0:.1%}" in text
     assert "median 50 cycles" in text
     assert "a block's cycles = 1000 + 100 per query step" in text
     assert "r^2 1.000; steps 4-20" in text

@@ -63,9 +63,9 @@ EVENTS = {
     23: "block_end",
 }
 
-#: fa/timeline.cuh's kSpanWords: a block's span record, [multiprocessor, start cycle, start ns, warpgroup 0's
-#: end cycle and ns, warpgroup 1's, query steps].
-SPAN_WORDS = 8
+#: fa/timeline.cuh's kSpanWords: a block's span record, [multiprocessor, query steps, then (cycle, ns) at its
+#: start, past the grid dependency, at warpgroup 0's end and at warpgroup 1's].
+SPAN_WORDS = 10
 
 #: The Q/dO slots of the kernel's ring.
 STAGES = BwdConfig.WS_STAGES
@@ -271,29 +271,29 @@ def summarize(cfg, ev) -> str:
 
 def summarize_spans(spans) -> str:
     """The FA_BLOCK_SPANS records (rows of SPAN_WORDS; all-zero rows, blocks that did not record, left out)
-    as text: the kernel's span, the multiprocessors' idle share in it, and a block's cycles fitted against
-    its query steps."""
+    as text: the kernel's span, the multiprocessors' idle share in it, and a block's cycles from past the grid
+    dependency to its end fitted against its query steps."""
     rows = [r for r in spans.tolist() if any(r)]
     if not rows:
         return "no block recorded a span"
     blocks = []
-    for sm, c0, t0, c1a, t1a, c1b, t1b, steps in rows:
+    for sm, steps, c0, t0, cr, tr, c1a, t1a, c1b, t1b in rows:
         # A block ends when its later consumer warpgroup does (the writer warps' last reduction may follow).
-        blocks.append(
-            {"sm": sm, "c0": c0, "c1": max(c1a, c1b), "t0": t0, "t1": max(t1a, t1b), "steps": steps}
-        )
+        blocks.append({"sm": sm, "steps": steps, "c0": c0, "t0": t0, "cr": cr, "tr": tr})
+        blocks[-1].update(c1=max(c1a, c1b), t1=max(t1a, t1b))
     start, end = min(b["t0"] for b in blocks), max(b["t1"] for b in blocks)
     span = end - start
     by_sm: dict[int, list[dict]] = {}
     for b in blocks:
         by_sm.setdefault(b["sm"], []).append(b)
-    before = between = after = busy = 0
+    before = waited = between = after = busy = 0
     gaps = []
     for run in by_sm.values():
         run.sort(key=lambda b: b["c0"])
         before += run[0]["t0"] - start
         after += end - run[-1]["t1"]
-        busy += sum(b["t1"] - b["t0"] for b in run)
+        waited += sum(b["tr"] - b["t0"] for b in run)
+        busy += sum(b["t1"] - b["tr"] for b in run)
         for a, b in zip(run, run[1:], strict=False):
             gaps.append(b["c0"] - a["c1"])  # (cycles of this multiprocessor's own counter)
             between += b["t0"] - a["t1"]
@@ -303,7 +303,8 @@ def summarize_spans(spans) -> str:
         f"{len(blocks)} blocks on {sms} multiprocessors, {span / 1000:.1f} us from the first start to the "
         "last end",
         f"multiprocessors idle: {(total - busy) / total:.1%} of that: before their first block "
-        f"{before / total:.1%}, between blocks {between / total:.1%}, after their last {after / total:.1%}",
+        f"{before / total:.1%}, at a block's start until past the grid dependency {waited / total:.1%}, "
+        f"between blocks {between / total:.1%}, after their last {after / total:.1%}",
     ]
     if gaps:
         lines.append(
@@ -311,7 +312,7 @@ def summarize_spans(spans) -> str:
         )
     # Least squares of a block's cycles on its steps: the intercept is what a block costs beside its steps.
     xs = [b["steps"] for b in blocks]
-    ys = [b["c1"] - b["c0"] for b in blocks]
+    ys = [b["c1"] - b["cr"] for b in blocks]
     n = len(xs)
     mx, my = sum(xs) / n, sum(ys) / n
     sxx = sum((x - mx) ** 2 for x in xs)

@@ -95,12 +95,13 @@ struct Recorder {
 
 // Block spans (FA_BLOCK_SPANS=1, a build of its own: tools/bwd_timeline.py --spans): every block of the grid,
 // not the first kBlocks, records where and when it ran, kSpanWords 64-bit words at the params' trace
-// pointer + kSpanWords * (its linear index): [0] its multiprocessor, [1] and [2] the multiprocessor's cycle
-// counter and %globaltimer (ns, one clock for the whole GPU) at its start, [3] and [4] at consumer
-// warpgroup 0's end, [5] and [6] at warpgroup 1's, [7] its query steps. The cycle counter orders the blocks
-// one multiprocessor ran and measures the gaps between them; the global timer places every block on one
-// axis (the grid's tail, idle multiprocessors). Two stamps a block, none in the step loop: unlike the
-// timeline build, the step's schedule stays the normal build's (its registers: tools/bwd_timeline.py says).
+// pointer + kSpanWords * (its linear index): [0] its multiprocessor, [1] its query steps, then pairs of the
+// multiprocessor's cycle counter and %globaltimer (ns, one clock for the whole GPU): [2, 3] at its start,
+// [4, 5] once consumer warpgroup 0 is past the grid dependency (a programmatic launch's first blocks start
+// while the previous kernel still runs and wait there), [6, 7] at warpgroup 0's end and [8, 9] at warpgroup
+// 1's. The cycle counter orders the blocks one multiprocessor ran and measures the gaps between them; the
+// global timer places every block on one axis (the grid's tail, idle multiprocessors). Four stamps a block,
+// none in the step loop: unlike the timeline build, the step's schedule stays the normal build's.
 #ifndef FA_BLOCK_SPANS
 #define FA_BLOCK_SPANS 0
 #endif
@@ -110,7 +111,7 @@ struct Recorder {
 namespace fa {
 namespace timeline {
 
-constexpr int kSpanWords = 8;
+constexpr int kSpanWords = 10;
 
 __device__ __forceinline__ unsigned long long global_ns() {
   unsigned long long t;
@@ -135,29 +136,39 @@ __device__ __forceinline__ unsigned long long* block_span(const Params& p) {
 }  // namespace fa
 
 // The block's start, by one thread before anything else the block does.
-#define FA_BLOCK_SPAN_BEGIN(p)                                                   \
-  do {                                                                           \
-    unsigned long long* span_ = ::fa::timeline::block_span(p);                   \
-    if (span_) {                                                                 \
-      span_[1] = clock64();                                                      \
-      span_[2] = ::fa::timeline::global_ns();                                    \
-      span_[0] = ::fa::timeline::sm_id();                                        \
-    }                                                                            \
+#define FA_BLOCK_SPAN_BEGIN(p)                                 \
+  do {                                                         \
+    unsigned long long* span_ = ::fa::timeline::block_span(p); \
+    if (span_) {                                               \
+      span_[0] = ::fa::timeline::sm_id();                      \
+      span_[2] = clock64();                                    \
+      span_[3] = ::fa::timeline::global_ns();                  \
+    }                                                          \
+  } while (0)
+// Past the grid dependency, by one consumer thread.
+#define FA_BLOCK_SPAN_READY(p)                                 \
+  do {                                                         \
+    unsigned long long* span_ = ::fa::timeline::block_span(p); \
+    if (span_) {                                               \
+      span_[4] = clock64();                                    \
+      span_[5] = ::fa::timeline::global_ns();                  \
+    }                                                          \
   } while (0)
 // A consumer warpgroup's end (`wg` 0 or 1), by one of its threads, with the block's query steps.
-#define FA_BLOCK_SPAN_END(p, wg, steps)                                          \
-  do {                                                                           \
-    unsigned long long* span_ = ::fa::timeline::block_span(p);                   \
-    if (span_) {                                                                 \
-      span_[3 + 2 * (wg)] = clock64();                                           \
-      span_[4 + 2 * (wg)] = ::fa::timeline::global_ns();                         \
-      span_[7] = (unsigned)(steps);                                              \
-    }                                                                            \
+#define FA_BLOCK_SPAN_END(p, wg, steps)                        \
+  do {                                                         \
+    unsigned long long* span_ = ::fa::timeline::block_span(p); \
+    if (span_) {                                               \
+      span_[6 + 2 * (wg)] = clock64();                         \
+      span_[7 + 2 * (wg)] = ::fa::timeline::global_ns();       \
+      span_[1] = (unsigned)(steps);                            \
+    }                                                          \
   } while (0)
 
 #else
 
 #define FA_BLOCK_SPAN_BEGIN(p) ((void)0)
+#define FA_BLOCK_SPAN_READY(p) ((void)0)
 #define FA_BLOCK_SPAN_END(p, wg, steps) ((void)sizeof(steps))
 
 #endif

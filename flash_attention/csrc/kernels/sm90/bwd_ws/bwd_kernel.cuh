@@ -410,6 +410,7 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
   setmaxnreg_inc<kConsumerRegs>();
   grid_dependency_wait();  // (the statistics and the dQ workspace: the preprocessing kernel's output)
   const int ctid = tid - kConsumerBase;
+  if (ctid == 0) FA_BLOCK_SPAN_READY(p);  // (FA_BLOCK_SPANS builds only)
   const int wg = warpgroup_index() - kConsumerBase / 128;  // this warpgroup's 64 keys of the block
   const int warp = ctid / 32;
   const int lane = tid % 32;
