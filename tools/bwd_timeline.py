@@ -17,7 +17,7 @@ idle time), the producer's time per slot and its wait for a free one, and the bl
 to its first step's data, its last step to dK's and dV's stores issued) as a share of the block. --batch
 and --heads change the shape; --csv writes every event.
 
---spans instead compiles the kernel with FA_BLOCK_SPANS=1 (fa/timeline.cuh: two stamps a block, none in
+--spans instead compiles the kernel with FA_BLOCK_SPANS=1 (fa/timeline.cuh: four stamps a block, none in
 the step loop, so the step is the normal build's) and reads where and when every block of the grid ran: the
 kernel's span, the multiprocessors' idle share in it (before their first block, between blocks, after
 their last: the grid's tail), and a least-squares fit of a block's cycles against its query steps, whose
@@ -313,17 +313,12 @@ def summarize_spans(spans) -> str:
     # Least squares of a block's cycles on its steps: the intercept is what a block costs beside its steps.
     xs = [b["steps"] for b in blocks]
     ys = [b["c1"] - b["cr"] for b in blocks]
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    if sxx > 0:
-        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
-        fixed = my - slope * mx
-        ss = sum((y - my) ** 2 for y in ys)
-        r2 = 1 - sum((y - fixed - slope * x) ** 2 for x, y in zip(xs, ys, strict=True)) / ss if ss else 1.0
+    if len(set(xs)) > 1:
+        slope, fixed = statistics.linear_regression(xs, ys)
+        r2 = statistics.correlation(xs, ys) ** 2 if len(set(ys)) > 1 else 1.0
         lines.append(
-            f"a block's cycles = {fixed:.0f} + {slope:.0f} per query step (least squares over {n} blocks, "
-            f"r^2 {r2:.3f}; steps {min(xs)}-{max(xs)})"
+            f"a block's cycles = {fixed:.0f} + {slope:.0f} per query step (least squares over {len(xs)} "
+            f"blocks, r^2 {r2:.3f}; steps {min(xs)}-{max(xs)})"
         )
     else:
         lines.append(

@@ -53,9 +53,9 @@
 //            rewritten.
 //   named 2 + c (128 threads of warpgroup c): its dQ tile is staged and fenced; one thread then issues it.
 //   dq_full[c], dq_empty[c] (mbarriers, deterministic or kDqWriter, in place of named 2 + c): warpgroup c's
-//            tile is staged (128 arrivals; at head_dim 64 each thread arrives during the next step, after
-//            its S^T and dP^T are issued, or after the loop for the last tile) / has been read by the
-//            writer's reduction (1 arrival).
+//            tile is staged (128 arrivals, each thread's during the next step: at head_dim 64 after its S^T
+//            and dP^T are issued, at 128 after dP^T's wait; the last tile's after the loop) / has been read
+//            by the writer's reduction (1 arrival).
 //
 // Shared memory (bytes from a 1024-aligned base): K (BC x D), V, kStages Q slots, kStages dO slots, two dS^T
 // buffers, the two warpgroups' 16 KB dQ staging tiles, kStages slots of statistics (LSE2 then delta, BR
@@ -476,8 +476,8 @@ __device__ __forceinline__ void bwd_ws_dkdv_body(const BwdParams& p, const Tenso
     wgmma_commit();
     issue_key_rows_product<BR, BC, D, BF, kPlainAdd>(dp, v_desc, q_desc, kDOOff + qoff);
     wgmma_commit();
-    if constexpr (kDeferDqPublish)
-      if (BR == 128 && it > 0) publish_dq();  // the previous step's staged tile, with S^T and dP^T running
+    if constexpr (kDeferDqPublish && BR == 128)
+      if (it > 0) publish_dq();  // the previous step's staged tile, with S^T and dP^T running
 
     // Dropout (kDropout; keep mask Z, kept elements scaled by rp = 1 / (1 - p), fa/dropout.cuh): dV takes
     // P Z rp and dS = P (dP Z rp - delta), so P itself stays undropped in `sc` and the decisions wait in one
